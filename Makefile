@@ -1,0 +1,65 @@
+# expcache build. The host library (g++ only) is always built; the CUDA
+# library when nvcc is found. `make help` lists the targets.
+
+PYTHON    ?= python3
+CXX       ?= g++
+NVCC      ?= $(shell command -v nvcc 2>/dev/null)
+BUILD     ?= build
+CUDA_ARCHS ?= 80 90
+CXXFLAGS  ?= -O2 -g
+WARN       = -Wall -Wextra -Wno-unused-parameter
+COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
+
+CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/cache.cpp \
+            libexpcache/src/policy/lru.cpp libexpcache/src/backend/host.cpp
+CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu
+HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
+
+CORE_OBJ  = $(patsubst libexpcache/src/%.cpp,$(BUILD)/obj/%.o,$(CORE_SRC))
+CUDA_OBJ  = $(patsubst libexpcache/src/%.cu,$(BUILD)/obj/%.o,$(CUDA_SRC))
+STUB_OBJ  = $(BUILD)/obj/backend/cuda_stub.o
+GENCODE   = $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+            -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
+
+HOST_LIB  = $(BUILD)/libexpcache_host.so
+CUDA_LIB  = $(BUILD)/libexpcache.so
+LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
+
+.PHONY: all lib deps test bench help clean
+all: lib
+
+help:
+	@echo "make lib     build $(HOST_LIB) (g++) and, when nvcc is found, $(CUDA_LIB)"
+	@echo "make deps    install the Python packages the tests and benchmarks need, if missing"
+	@echo "make test    build, then run the test suite (CUDA tests run when a GPU is present)"
+	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
+	@echo "make clean   remove $(BUILD)/"
+	@echo "variables: PYTHON=$(PYTHON) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
+
+lib: $(LIBS)
+
+$(BUILD)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(COMMON) $(CXXFLAGS) $(WARN) -c $< -o $@
+
+$(BUILD)/obj/%.o: libexpcache/src/%.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) -std=c++17 -O2 -Xcompiler -fPIC,-fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src $(GENCODE) -c $< -o $@
+
+$(HOST_LIB): $(CORE_OBJ) $(STUB_OBJ)
+	$(CXX) -shared -o $@ $^ -lpthread
+
+$(CUDA_LIB): $(CORE_OBJ) $(CUDA_OBJ)
+	$(NVCC) -shared -cudart static -o $@ $^ -lpthread
+
+deps:
+	@$(PYTHON) -c "import numpy, tabulate, pytest" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[test]"
+
+test: lib deps
+	$(PYTHON) -m pytest -q tests
+
+bench: lib deps
+	$(PYTHON) -m pyexpcache bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,427 @@
+/*
+ * expcache.h — the one public header of libexpcache, a GPU expert cache for
+ * streaming Mixture-of-Experts inference.
+ *
+ * An engine that cannot keep every routed expert in device memory registers
+ * where each layer's experts live on the host, then asks the cache, layer by
+ * layer, for the device addresses of the experts its router selected. The
+ * cache keeps one set of slots per expert byte-size class (so a model that
+ * mixes quantizations never thrashes), evicts by LRU on the single-token
+ * decode path, lets prefill batches read it and append into free capacity
+ * without ever evicting, and builds compact staging buffers for batched
+ * kernels, releasing the cache only when device memory is really short.
+ *
+ * Conventions
+ *  - Every function that can fail returns an expcache_status_t (0 = OK).
+ *    Results are written through out-pointers, placed last. On failure the
+ *    out-pointers are left untouched and the cache stays consistent: every
+ *    slot marked resident holds exactly its expert's bytes.
+ *  - expcache_status_string() names a status; expcache_last_error() gives
+ *    the detail of the calling thread's last failure (function, reason, CUDA
+ *    error name). Nothing aborts, exits or throws across this ABI.
+ *  - Structs use fixed-width integers only and begin with their own size,
+ *    which the caller sets (the *_init functions do it).
+ *  - Functions ending in _async enqueue device work on the caller's stream
+ *    and return before it completes. `stream` is a cudaStream_t passed as
+ *    void*; NULL is the legacy default stream. Streams are borrowed, never
+ *    destroyed. The host backend ignores streams and completes copies
+ *    before returning.
+ *  - Ownership: the library never frees caller memory. The host expert
+ *    bytes registered with a layer must stay valid and unchanged until the
+ *    cache is destroyed. Device pointers handed out stay valid only as long
+ *    as each function's comment says.
+ *  - Thread safety: one cache may be used from several threads; calls on
+ *    one cache are serialized by an internal mutex. Separate caches are
+ *    independent. Device pointers returned to one thread can be invalidated
+ *    by another thread's next call on the same cache, so an engine that
+ *    shares a cache between threads orders its own calls.
+ */
+#ifndef EXPCACHE_H
+#define EXPCACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define EXPCACHE_API __declspec(dllexport)
+#else
+#define EXPCACHE_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EXPCACHE_VERSION_MAJOR 0
+#define EXPCACHE_VERSION_MINOR 1
+#define EXPCACHE_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------------- */
+/* Status codes                                                            */
+/* ---------------------------------------------------------------------- */
+
+typedef int32_t expcache_status_t;
+
+#define EXPCACHE_OK 0
+/** An argument is NULL, out of range, or inconsistent (the message says which). */
+#define EXPCACHE_ERR_INVALID_ARGUMENT 1
+/** Device memory (or the host backend's emulated capacity) is exhausted. */
+#define EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY 2
+/** A host allocation failed. */
+#define EXPCACHE_ERR_OUT_OF_HOST_MEMORY 3
+/** The call is not valid in the cache's current state (e.g. layer not registered). */
+#define EXPCACHE_ERR_INVALID_STATE 4
+/** The requested backend is not available (no CUDA device, library built without CUDA). */
+#define EXPCACHE_ERR_UNSUPPORTED 5
+/** A CUDA call failed; expcache_last_error() names the CUDA error. */
+#define EXPCACHE_ERR_CUDA 6
+/** A sticky CUDA error happened earlier; the cache refuses further work. Destroy it. */
+#define EXPCACHE_ERR_POISONED 7
+/** A bug in the library; please report it with expcache_last_error(). */
+#define EXPCACHE_ERR_INTERNAL 8
+
+/** Static, never NULL: a short name of a status ("EXPCACHE_ERR_INVALID_ARGUMENT"). */
+EXPCACHE_API const char* expcache_status_string(expcache_status_t status);
+
+/**
+ * The detail of the calling thread's most recent failure, e.g.
+ * "expcache_select_async: expert id 300 out of range for layer 4 (256 experts)".
+ * Never NULL; "" when no call has failed on this thread. Valid until the
+ * thread's next call into the library.
+ */
+EXPCACHE_API const char* expcache_last_error(void);
+
+/** Library version as MAJOR*10000 + MINOR*100 + PATCH. */
+EXPCACHE_API uint32_t expcache_version(void);
+
+/* ---------------------------------------------------------------------- */
+/* Configuration                                                           */
+/* ---------------------------------------------------------------------- */
+
+/** Backends (expcache_config_t.backend). */
+#define EXPCACHE_BACKEND_AUTO 0 /**< CUDA when a device is usable, else host. */
+#define EXPCACHE_BACKEND_HOST 1 /**< Host memory stands in for device memory. */
+#define EXPCACHE_BACKEND_CUDA 2 /**< cudaMalloc'd slabs, async copies. */
+
+/** Log levels (expcache_config_t.log_level). */
+#define EXPCACHE_LOG_SILENT 0
+#define EXPCACHE_LOG_NOTICE 1 /**< cap changes, class reuse, cache releases (default). */
+#define EXPCACHE_LOG_DEBUG 2  /**< plus one line per call. EXPCACHE_VERBOSE=1 sets this. */
+
+/** Most size classes one cache can hold. */
+#define EXPCACHE_MAX_CLASSES_LIMIT 64
+/** Most layers one cache can hold. */
+#define EXPCACHE_MAX_LAYERS_LIMIT 4096
+/** Most experts one layer can have. */
+#define EXPCACHE_MAX_EXPERTS_LIMIT 65536
+
+/**
+ * Cache configuration. Fill with expcache_config_init(), then change fields.
+ *
+ * Budgets: a class's target capacity is the smallest of
+ *   - budget_experts (per class, in experts; 0 = no limit from this field),
+ *   - its share of budget_bytes (total over all classes, in bytes; 0 = no
+ *     limit from this field), shared between classes in proportion to the
+ *     bytes of all their experts, so each class may cache the same fraction
+ *     of its experts,
+ *   - the number of experts in the class.
+ * Its runtime cap is the target limited by free device memory minus
+ * reserve_bytes (and minus what other classes may still grow into); slots
+ * are allocated lazily, slab by slab, up to the cap. At least one of the two
+ * budgets must be set.
+ */
+typedef struct expcache_config_t {
+    uint32_t struct_size;      /**< sizeof(expcache_config_t) */
+    uint32_t backend;          /**< EXPCACHE_BACKEND_*; default AUTO */
+    int32_t device;            /**< CUDA device ordinal; default 0 */
+    uint32_t num_layers;       /**< layers are 0..num_layers-1; required, 1..EXPCACHE_MAX_LAYERS_LIMIT */
+    uint32_t max_classes;      /**< default 4; 1..EXPCACHE_MAX_CLASSES_LIMIT */
+    uint32_t log_level;        /**< EXPCACHE_LOG_*; default NOTICE; EXPCACHE_VERBOSE=1 raises it to DEBUG */
+    uint64_t budget_experts;   /**< per-class budget in experts; default 0 (unset) */
+    uint64_t budget_bytes;     /**< total budget in bytes; default 0 (unset) */
+    uint64_t reserve_bytes;    /**< device memory always left free; default 1 GiB; EXPCACHE_RESERVE_GB overrides */
+    uint64_t device_capacity_bytes; /**< host backend only: emulated device size; default 64 GiB */
+    uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
+} expcache_config_t;
+
+/** Fill *config with defaults and set struct_size. Fails only on NULL. */
+EXPCACHE_API expcache_status_t expcache_config_init(expcache_config_t* config);
+
+/* ---------------------------------------------------------------------- */
+/* Cache lifetime                                                          */
+/* ---------------------------------------------------------------------- */
+
+typedef struct expcache_t expcache_t;
+
+/**
+ * Create a cache. Allocates no device memory yet. With backend AUTO the
+ * CUDA backend is chosen when the library was built with CUDA and the
+ * device is usable, else the host backend. Status: INVALID_ARGUMENT,
+ * UNSUPPORTED (CUDA asked for and unavailable), OUT_OF_HOST_MEMORY, CUDA.
+ */
+EXPCACHE_API expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache);
+
+/**
+ * Destroy a cache: waits for the device work this cache enqueued, frees
+ * every slot and staging buffer. NULL is accepted and ignored. All device
+ * pointers the cache handed out become invalid.
+ */
+EXPCACHE_API void expcache_destroy(expcache_t* cache);
+
+/** The backend actually in use (EXPCACHE_BACKEND_HOST or _CUDA). */
+EXPCACHE_API expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend);
+
+/* ---------------------------------------------------------------------- */
+/* Model layout                                                            */
+/* ---------------------------------------------------------------------- */
+
+/** Where a layer's host bytes live (expcache_layer_desc_t.source_kind). */
+#define EXPCACHE_SOURCE_PAGEABLE 0 /**< ordinary host memory (malloc, mmap) */
+#define EXPCACHE_SOURCE_PINNED 1   /**< page-locked host memory (cudaMallocHost, cudaHostRegister) */
+
+/**
+ * One MoE layer: expert e's gate bytes are at gate_base + e*gate_stride and
+ * are gate_bytes long; likewise up and down. Strides must be at least the
+ * part's size (a contiguous [experts][bytes] tensor has stride == bytes).
+ * The expert's size class is its exact (gate_bytes, up_bytes, down_bytes).
+ */
+typedef struct expcache_layer_desc_t {
+    uint32_t struct_size;  /**< sizeof(expcache_layer_desc_t) */
+    uint32_t num_experts;  /**< 1..EXPCACHE_MAX_EXPERTS_LIMIT */
+    uint32_t source_kind;  /**< EXPCACHE_SOURCE_* */
+    uint32_t reserved;     /**< must be 0 */
+    uint64_t gate_bytes, up_bytes, down_bytes;    /**< each > 0 */
+    uint64_t gate_stride, up_stride, down_stride; /**< bytes between experts */
+    const void* gate_base;
+    const void* up_base;
+    const void* down_base;
+} expcache_layer_desc_t;
+
+/** Zero *desc and set struct_size. Fails only on NULL. */
+EXPCACHE_API expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc);
+
+/**
+ * Register layer `layer` (< config.num_layers). Each layer is registered
+ * once. Validates sizes, strides, pointers and address overflow.
+ * Status: INVALID_ARGUMENT, INVALID_STATE (already registered).
+ */
+EXPCACHE_API expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer,
+                                                       const expcache_layer_desc_t* desc);
+
+/* ---------------------------------------------------------------------- */
+/* Serving experts                                                         */
+/* ---------------------------------------------------------------------- */
+
+/** Device addresses of one expert's three parts. */
+typedef struct expcache_expert_ptrs_t {
+    void* gate;
+    void* up;
+    void* down;
+} expcache_expert_ptrs_t;
+
+/** Most expert ids one select call takes. */
+#define EXPCACHE_MAX_SELECT 1024
+
+/**
+ * Decode path. Make experts ids[0..k) of `layer` resident and write their
+ * device addresses to out_ptrs[0..k) (duplicates allowed: they get the same
+ * addresses and count once). Hits refresh recency; a miss takes a free slot,
+ * grows the class within its cap, or evicts the class's least recently used
+ * expert that is neither selected by this call nor held by an unfinished
+ * batch. When the class cannot hold the whole request, the overflow is
+ * served from a staging buffer. Copies are enqueued on `stream`.
+ *
+ * The addresses are valid for device work enqueued on `stream` (or ordered
+ * after it) before the next select, load_compact or batch_prepare call on
+ * this cache. A later call on another stream waits, on the device, for the
+ * work enqueued on this stream before it overwrites a slot.
+ * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer,
+                                                     const uint32_t* ids, uint32_t k, void* stream,
+                                                     expcache_expert_ptrs_t* out_ptrs);
+
+/** A compact buffer: all gate parts, then all up parts, then all down parts. */
+typedef struct expcache_compact_t {
+    uint32_t struct_size;  /**< sizeof(expcache_compact_t); set by the caller */
+    uint32_t num_experts;  /**< experts in the buffer (= n, duplicates included) */
+    void* base;            /**< start of the buffer */
+    uint64_t bytes;        /**< bytes used from base */
+    uint64_t gate_offset, up_offset, down_offset; /**< region starts, from base */
+    uint64_t gate_bytes, up_bytes, down_bytes;    /**< per-expert part sizes (region strides) */
+} expcache_compact_t;
+
+/**
+ * Copy experts ids[0..n) of `layer` into one contiguous device buffer:
+ * expert i's gate at base + gate_offset + i*gate_bytes, and likewise up and
+ * down (the [experts][bytes] layout batched kernels read). Hits are copied
+ * device to device from the cache (and refresh recency), misses host to
+ * device; residency does not change. The staging allocation is tried
+ * first; only if it fails are the expert caches released and the
+ * allocation retried, once. The buffer is owned by the cache and valid for
+ * work enqueued on `stream` before the next load_compact call or
+ * release_all. Status: INVALID_ARGUMENT, INVALID_STATE,
+ * OUT_OF_DEVICE_MEMORY (after the retry), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer,
+                                                           const uint32_t* ids, uint32_t n,
+                                                           void* stream, expcache_compact_t* out);
+
+/** Most batches outstanding at once on one cache. */
+#define EXPCACHE_MAX_BATCHES 64
+
+/**
+ * Prefill path. Serve the union of ids[0..n) (many tokens' selections of
+ * one layer): resident experts are read in place, misses are appended
+ * into free capacity of the class (inserted as least recently used, so
+ * they are the first to go), and the rest are loaded into a staging buffer
+ * owned by the batch. A batch never evicts, so the decode working set
+ * survives a prompt of any length. Writes the unique ids in first-appearance
+ * order to out_ids[0..*out_count) and their addresses to out_ptrs (both
+ * arrays of at least n entries), and a batch handle to *out_batch. Every
+ * cache slot the batch uses is held — never evicted — until
+ * expcache_batch_finish(). Status: INVALID_ARGUMENT, INVALID_STATE
+ * (EXPCACHE_MAX_BATCHES outstanding), OUT_OF_DEVICE_MEMORY, CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer,
+                                                            const uint32_t* ids, uint64_t n,
+                                                            void* stream, uint32_t* out_ids,
+                                                            expcache_expert_ptrs_t* out_ptrs,
+                                                            uint32_t* out_count, uint64_t* out_batch);
+
+/**
+ * End a batch: its held slots become evictable and its staging buffer is
+ * freed once the work enqueued on `stream` so far has finished. The
+ * batch's addresses are invalid afterwards. Status: INVALID_ARGUMENT (unknown
+ * or finished batch), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t batch, void* stream);
+
+/**
+ * Release every expert cache: waits for this cache's device work, frees all
+ * slots of classes that hold no batch slot and the compact buffer. The
+ * layout and the statistics remain. Status: CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_release_all(expcache_t* cache);
+
+/** Wait until the device work this cache enqueued on `stream` has finished. */
+EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
+
+/* ---------------------------------------------------------------------- */
+/* Inspection                                                              */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * Copy the resident bytes of expert (layer, expert) to host memory dst
+ * (at least gate+up+down bytes; gate, then up, then down). Synchronizes.
+ * *out_resident is set to 1 and dst filled when the expert is resident,
+ * else 0 and dst untouched. For tests and debugging.
+ */
+EXPCACHE_API expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert,
+                                                      void* dst, uint64_t dst_bytes, uint32_t* out_resident);
+
+/** Copy n bytes of device memory at src (an address the cache handed out) to host dst. Synchronizes. */
+EXPCACHE_API expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
+
+/**
+ * Checksum kernel: for each expert i of ptrs[0..n) (parts of the sizes of
+ * `layer`'s class), read every byte and write to out_sums[i] (host memory)
+ * the sum over parts p and 64-bit little-endian words w_j (tail zero-padded)
+ * of w_j * (2j + 1), modulo 2^64, with j counted from the start of each
+ * part. The memory-bound floor of the expert GEMVs; used to verify served
+ * bytes. Synchronizes `stream`.
+ */
+EXPCACHE_API expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer,
+                                                 const expcache_expert_ptrs_t* ptrs, uint32_t n,
+                                                 void* stream, uint64_t* out_sums);
+
+/** Number of classes currently in use (each has an index 0..max_classes-1 that may be empty). */
+EXPCACHE_API expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
+
+/** One class slot. `in_use` is 0 for an empty slot index. */
+typedef struct expcache_class_info_t {
+    uint32_t struct_size;    /**< sizeof(expcache_class_info_t); set by the caller */
+    uint32_t in_use;         /**< 1 when the index holds a class */
+    uint64_t gate_bytes, up_bytes, down_bytes; /**< the class key */
+    uint64_t slot_bytes;     /**< device bytes per slot (parts 256-byte aligned) */
+    uint64_t target_experts; /**< capacity the budgets ask for */
+    uint64_t cap_experts;    /**< runtime cap (target limited by memory) */
+    uint64_t allocated_experts; /**< slots allocated */
+    uint64_t resident_experts;  /**< slots holding an expert */
+    uint64_t held_experts;      /**< slots held by unfinished batches */
+    uint64_t num_layers;        /**< registered layers bound to this class */
+} expcache_class_info_t;
+
+EXPCACHE_API expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index,
+                                                   expcache_class_info_t* out);
+
+/** The class index layer `layer` is bound to; binds it now if it is not. */
+EXPCACHE_API expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
+
+/* ---------------------------------------------------------------------- */
+/* Statistics                                                              */
+/* ---------------------------------------------------------------------- */
+
+#define EXPCACHE_PATH_DECODE 0  /**< expcache_select_async */
+#define EXPCACHE_PATH_COMPACT 1 /**< expcache_load_compact_async */
+#define EXPCACHE_PATH_BATCH 2   /**< expcache_batch_prepare_async */
+#define EXPCACHE_PATH_CONTROL 3 /**< expcache_release_all and other explicit calls */
+#define EXPCACHE_NUM_PATHS 4
+
+/** Counters of one (class, path). Unique experts per call are counted once. */
+typedef struct expcache_stats_t {
+    uint32_t struct_size;    /**< sizeof(expcache_stats_t); set by the caller */
+    uint32_t reserved;
+    uint64_t calls;          /**< calls that touched this class */
+    uint64_t hits;           /**< experts found resident */
+    uint64_t misses;         /**< experts not resident */
+    uint64_t evictions;      /**< resident experts evicted to make room */
+    uint64_t appends;        /**< misses inserted without eviction */
+    uint64_t direct_loads;   /**< misses served from staging, not cached */
+    uint64_t bytes_h2d;      /**< bytes copied host to device */
+    uint64_t bytes_d2d;      /**< bytes copied device to device */
+    uint64_t releases;       /**< times the class's slots were released */
+    uint64_t alloc_retries;  /**< staging allocations retried after a release */
+    uint64_t cap_notices;    /**< runtime cap changes announced */
+    uint64_t class_reuses;   /**< times this class index was taken by another key */
+} expcache_stats_t;
+
+/** Counters of class `class_index` on path `path` (EXPCACHE_PATH_*). */
+EXPCACHE_API expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index,
+                                                  uint32_t path, expcache_stats_t* out);
+
+/** Zero every counter. */
+EXPCACHE_API expcache_status_t expcache_reset_stats(expcache_t* cache);
+
+/* ---------------------------------------------------------------------- */
+/* Logging and fault injection                                             */
+/* ---------------------------------------------------------------------- */
+
+/** Receives one log line (no trailing newline) and the level. */
+typedef void (*expcache_log_fn)(void* user, uint32_t level, const char* message);
+
+/** Route log lines to fn instead of stderr (fn NULL restores stderr). */
+EXPCACHE_API expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user);
+
+/** Set the log level (EXPCACHE_LOG_*). */
+EXPCACHE_API expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level);
+
+/**
+ * Fault injection, both backends: let the next `skip` device allocations
+ * succeed, then make the following `count` fail as if device memory were
+ * exhausted. count 0 disables injection.
+ */
+EXPCACHE_API expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+
+/** Device bytes this cache currently has allocated (slots and staging). */
+EXPCACHE_API expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
+
+/** sizeof of each public struct, for bindings to check their mirrors. */
+EXPCACHE_API expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
+                                                     uint32_t* class_info, uint32_t* stats);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EXPCACHE_H */

@@ -1,0 +1,316 @@
+// The C ABI: validate the handle and the pointers, call the core, and turn
+// anything thrown into a status, exactly once, here. Handles are checked
+// against a registry of live caches, so a destroyed or foreign handle gets
+// INVALID_ARGUMENT instead of a crash.
+#include <mutex>
+#include <new>
+#include <unordered_set>
+
+#include "cache.hpp"
+#include "errors.hpp"
+
+struct expcache_t {
+    std::unique_ptr<expcache::Cache> impl;
+};
+
+namespace {
+
+using expcache::fail;
+
+std::mutex g_registry_mu;
+std::unordered_set<const expcache_t*>& registry() {
+    static auto* r = new std::unordered_set<const expcache_t*>();  // never destroyed: usable during exit
+    return *r;
+}
+
+bool is_live(const expcache_t* c) {
+    std::lock_guard<std::mutex> lock(g_registry_mu);
+    return registry().count(c) != 0;
+}
+
+expcache_status_t check_handle(const expcache_t* c) {
+    if (!c) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "cache is NULL");
+    if (!is_live(c)) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "cache %p is not a live cache (destroyed?)", (const void*)c);
+    return EXPCACHE_OK;
+}
+
+template <typename T>
+expcache_status_t check_struct(const T* p, const char* name) {
+    if (!p) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s is NULL", name);
+    if (p->struct_size != sizeof(T))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s->struct_size is %u, expected %zu (header/library mismatch?)",
+                    name, p->struct_size, sizeof(T));
+    return EXPCACHE_OK;
+}
+
+// Runs f, maps exceptions, and prefixes any failure with the function name.
+template <typename F>
+expcache_status_t guarded(const char* function, F&& f) {
+    expcache_status_t s;
+    try {
+        s = f();
+    } catch (const std::bad_alloc&) {
+        s = fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "host memory exhausted");
+    } catch (const std::exception& e) {
+        s = fail(EXPCACHE_ERR_INTERNAL, "unexpected exception: %s", e.what());
+    } catch (...) {
+        s = fail(EXPCACHE_ERR_INTERNAL, "unexpected exception");
+    }
+    if (s != EXPCACHE_OK) expcache::prefix_last_error(function);
+    return s;
+}
+
+#define EXPCACHE_REQUIRE(cond, ...)                                        \
+    do {                                                                   \
+        if (!(cond)) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
+    } while (0)
+
+#define EXPCACHE_TRY(expr)                                   \
+    do {                                                     \
+        expcache_status_t s_ = (expr);                       \
+        if (s_ != EXPCACHE_OK) return s_;                    \
+    } while (0)
+
+}  // namespace
+
+extern "C" {
+
+uint32_t expcache_version(void) {
+    return EXPCACHE_VERSION_MAJOR * 10000 + EXPCACHE_VERSION_MINOR * 100 + EXPCACHE_VERSION_PATCH;
+}
+
+expcache_status_t expcache_config_init(expcache_config_t* config) {
+    return guarded(__func__, [&] {
+        EXPCACHE_REQUIRE(config, "config is NULL");
+        *config = expcache_config_t{};
+        config->struct_size = sizeof *config;
+        config->backend = EXPCACHE_BACKEND_AUTO;
+        config->device = 0;
+        config->max_classes = 4;
+        config->log_level = EXPCACHE_LOG_NOTICE;
+        config->reserve_bytes = uint64_t(1) << 30;
+        config->device_capacity_bytes = uint64_t(64) << 30;
+        config->slab_bytes = uint64_t(512) << 20;
+        return EXPCACHE_OK;
+    });
+}
+
+expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc) {
+    return guarded(__func__, [&] {
+        EXPCACHE_REQUIRE(desc, "desc is NULL");
+        *desc = expcache_layer_desc_t{};
+        desc->struct_size = sizeof *desc;
+        return EXPCACHE_OK;
+    });
+}
+
+expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_struct(config, "config"));
+        EXPCACHE_REQUIRE(out_cache, "out_cache is NULL");
+        std::unique_ptr<expcache::Cache> impl;
+        EXPCACHE_TRY(expcache::Cache::create(*config, &impl));
+        expcache_t* c = new expcache_t{std::move(impl)};
+        {
+            std::lock_guard<std::mutex> lock(g_registry_mu);
+            registry().insert(c);
+        }
+        *out_cache = c;
+        return EXPCACHE_OK;
+    });
+}
+
+void expcache_destroy(expcache_t* cache) {
+    if (!cache) return;
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mu);
+        if (registry().erase(cache) == 0) return;  // unknown or already destroyed: ignore
+    }
+    try {
+        delete cache;
+    } catch (...) {
+    }
+}
+
+expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_backend, "out_backend is NULL");
+        *out_backend = cache->impl->backend_kind();
+        return EXPCACHE_OK;
+    });
+}
+
+expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(desc, "desc"));
+        return cache->impl->register_layer(layer, *desc);
+    });
+}
+
+expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
+                                        void* stream, expcache_expert_ptrs_t* out_ptrs) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_ptrs, "out_ptrs is NULL");
+        return cache->impl->select(layer, ids, k, stream, out_ptrs);
+    });
+}
+
+expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+                                              void* stream, expcache_compact_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->load_compact(layer, ids, n, stream, out);
+    });
+}
+
+expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint64_t n,
+                                               void* stream, uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs,
+                                               uint32_t* out_count, uint64_t* out_batch) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_ids && out_ptrs && out_count && out_batch,
+                         "out_ids, out_ptrs, out_count and out_batch must not be NULL");
+        return cache->impl->batch_prepare(layer, ids, n, stream, out_ids, out_ptrs, out_count, out_batch);
+    });
+}
+
+expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t batch, void* stream) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->batch_finish(batch, stream);
+    });
+}
+
+expcache_status_t expcache_release_all(expcache_t* cache) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->release_all();
+    });
+}
+
+expcache_status_t expcache_synchronize(expcache_t* cache, void* stream) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->synchronize(stream);
+    });
+}
+
+expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert, void* dst,
+                                         uint64_t dst_bytes, uint32_t* out_resident) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(dst, "dst is NULL");
+        EXPCACHE_REQUIRE(out_resident, "out_resident is NULL");
+        return cache->impl->read_resident(layer, expert, dst, dst_bytes, out_resident);
+    });
+}
+
+expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(src && dst, "src and dst must not be NULL");
+        EXPCACHE_REQUIRE(n > 0, "n must be > 0");
+        return cache->impl->read_device(src, dst, n);
+    });
+}
+
+expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+                                    uint32_t n, void* stream, uint64_t* out_sums) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ptrs, "ptrs is NULL");
+        EXPCACHE_REQUIRE(out_sums, "out_sums is NULL");
+        return cache->impl->checksum(layer, ptrs, n, stream, out_sums);
+    });
+}
+
+expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_count, "out_count is NULL");
+        return cache->impl->class_count(out_count);
+    });
+}
+
+expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->class_info(class_index, out);
+    });
+}
+
+expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_class, "out_class is NULL");
+        return cache->impl->layer_class(layer, out_class);
+    });
+}
+
+expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index, uint32_t path,
+                                     expcache_stats_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->get_stats(class_index, path, out);
+    });
+}
+
+expcache_status_t expcache_reset_stats(expcache_t* cache) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->reset_stats();
+    });
+}
+
+expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->set_log_callback(fn, user);
+    });
+}
+
+expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->set_log_level(level);
+    });
+}
+
+expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->inject_alloc_failures(skip, count);
+    });
+}
+
+expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_bytes, "out_bytes is NULL");
+        return cache->impl->device_bytes_in_use(out_bytes);
+    });
+}
+
+expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
+                                        uint32_t* class_info, uint32_t* stats) {
+    return guarded(__func__, [&] {
+        EXPCACHE_REQUIRE(config && layer_desc && compact && class_info && stats, "an out-pointer is NULL");
+        *config = sizeof(expcache_config_t);
+        *layer_desc = sizeof(expcache_layer_desc_t);
+        *compact = sizeof(expcache_compact_t);
+        *class_info = sizeof(expcache_class_info_t);
+        *stats = sizeof(expcache_stats_t);
+        return EXPCACHE_OK;
+    });
+}
+
+}  // extern "C"

@@ -1,0 +1,64 @@
+// The one internal interface both backends implement. The cache core above
+// it is identical for host and CUDA; a backend only moves bytes, allocates
+// "device" memory, orders streams and runs the checksum kernel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "expcache.h"
+
+namespace expcache {
+
+// One contiguous range to checksum; results are summed into sums[out].
+struct ChecksumJob {
+    const void* ptr;
+    uint64_t bytes;
+    uint32_t out;
+};
+
+class Backend {
+public:
+    virtual ~Backend() = default;
+    virtual uint32_t kind() const = 0;
+
+    // Statuses: OK, OUT_OF_DEVICE_MEMORY, CUDA, POISONED (sticky error).
+    virtual expcache_status_t alloc(uint64_t bytes, void** out) = 0;
+    virtual void free_now(void* ptr) = 0;
+    // Free once the work enqueued on `stream` so far has finished.
+    virtual expcache_status_t free_after(void* ptr, void* stream) = 0;
+    // Free what free_after deferred and has since become safe; never blocks.
+    virtual void reclaim() = 0;
+    virtual expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
+
+    virtual expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned,
+                                       void* stream) = 0;
+    virtual expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
+    virtual expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) = 0;
+
+    // Make `to` wait (on the device) for the work enqueued on `from` so far.
+    virtual expcache_status_t fence(void* from, void* to) = 0;
+    virtual expcache_status_t sync_stream(void* stream) = 0;
+    virtual expcache_status_t sync_device() = 0;
+
+    // Weighted 64-bit word sums (see expcache_checksum); synchronizes.
+    virtual expcache_status_t checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums,
+                                       void* stream, uint64_t* out_sums) = 0;
+
+    // Make this backend's device current for the calling thread and restore
+    // the caller's on scope exit (host: nothing).
+    virtual void enter() {}
+    virtual void leave() {}
+};
+
+// capacity_bytes: the emulated device size.
+std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes);
+
+// UNSUPPORTED when the library was built without CUDA or no device is usable.
+expcache_status_t make_cuda_backend(int device, std::unique_ptr<Backend>* out);
+
+// Checksum of one range, as the kernels compute it (host reference).
+uint64_t checksum_host(const void* ptr, uint64_t bytes);
+
+}  // namespace expcache

@@ -1,0 +1,209 @@
+// CUDA backend: cudaMalloc'd slabs, async copies on the caller's stream,
+// events to fence slot reuse across streams and to defer frees.
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "backend.hpp"
+#include "../errors.hpp"
+#include "../kernels/checksum.cuh"
+
+namespace expcache {
+
+namespace {
+
+// Errors after which the context is unusable: the handle is poisoned.
+bool is_sticky(cudaError_t e) {
+    switch (e) {
+        case cudaErrorIllegalAddress:
+        case cudaErrorLaunchFailure:
+        case cudaErrorHardwareStackError:
+        case cudaErrorIllegalInstruction:
+        case cudaErrorMisalignedAddress:
+        case cudaErrorInvalidAddressSpace:
+        case cudaErrorInvalidPc:
+        case cudaErrorAssert:
+        case cudaErrorLaunchTimeout:
+        case cudaErrorECCUncorrectable:
+            return true;
+        default:
+            return false;
+    }
+}
+
+expcache_status_t cuda_fail(cudaError_t e, const char* what) {
+    cudaGetLastError();  // clear a non-sticky error so it does not leak into the caller's next check
+    if (e == cudaErrorMemoryAllocation)
+        return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY, "%s: %s (%s)", what, cudaGetErrorName(e),
+                    cudaGetErrorString(e));
+    return fail(is_sticky(e) ? EXPCACHE_ERR_POISONED : EXPCACHE_ERR_CUDA, "%s: %s (%s)", what,
+                cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+#define EXPCACHE_CUDA_TRY(call)                                  \
+    do {                                                         \
+        cudaError_t e_ = (call);                                 \
+        if (e_ != cudaSuccess) return cuda_fail(e_, #call);      \
+    } while (0)
+
+class CudaBackend final : public Backend {
+public:
+    explicit CudaBackend(int device) : device_(device) {}
+    ~CudaBackend() override {
+        enter();
+        cudaDeviceSynchronize();
+        for (auto& d : deferred_) {
+            cudaFree(d.ptr);
+            cudaEventDestroy(d.event);
+        }
+        for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
+        if (fence_event_) cudaEventDestroy(fence_event_);
+        if (scratch_) cudaFree(scratch_);
+        if (host_scratch_) cudaFreeHost(host_scratch_);
+        leave();
+    }
+    expcache_status_t init() {
+        enter();
+        cudaError_t e = cudaEventCreateWithFlags(&fence_event_, cudaEventDisableTiming);
+        leave();
+        return e == cudaSuccess ? EXPCACHE_OK : cuda_fail(e, "cudaEventCreateWithFlags");
+    }
+    uint32_t kind() const override { return EXPCACHE_BACKEND_CUDA; }
+
+    void enter() override {
+        if (depth_++ == 0) {
+            saved_device_ = -1;
+            if (cudaGetDevice(&saved_device_) != cudaSuccess) saved_device_ = -1;
+            if (saved_device_ != device_) cudaSetDevice(device_);
+        }
+    }
+    void leave() override {
+        if (--depth_ == 0 && saved_device_ >= 0 && saved_device_ != device_) cudaSetDevice(saved_device_);
+    }
+
+    expcache_status_t alloc(uint64_t bytes, void** out) override {
+        void* p = nullptr;
+        cudaError_t e = cudaMalloc(&p, bytes);
+        if (e != cudaSuccess) return cuda_fail(e, "cudaMalloc");
+        *out = p;
+        return EXPCACHE_OK;
+    }
+    void free_now(void* ptr) override { cudaFree(ptr); }
+    expcache_status_t free_after(void* ptr, void* stream) override {
+        cudaEvent_t ev;
+        if (event_pool_.empty()) {
+            EXPCACHE_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+        } else {
+            ev = event_pool_.back();
+            event_pool_.pop_back();
+        }
+        cudaError_t e = cudaEventRecord(ev, static_cast<cudaStream_t>(stream));
+        if (e != cudaSuccess) {
+            event_pool_.push_back(ev);
+            return cuda_fail(e, "cudaEventRecord");
+        }
+        deferred_.push_back({ptr, ev});
+        return EXPCACHE_OK;
+    }
+    void reclaim() override {
+        size_t kept = 0;
+        for (size_t i = 0; i < deferred_.size(); ++i) {
+            if (cudaEventQuery(deferred_[i].event) == cudaSuccess) {
+                cudaFree(deferred_[i].ptr);
+                event_pool_.push_back(deferred_[i].event);
+            } else {
+                deferred_[kept++] = deferred_[i];
+            }
+        }
+        deferred_.resize(kept);
+        cudaGetLastError();  // cudaErrorNotReady from queries is not an error
+    }
+    expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) override {
+        size_t f = 0, t = 0;
+        EXPCACHE_CUDA_TRY(cudaMemGetInfo(&f, &t));
+        *free_bytes = f;
+        *total_bytes = t;
+        return EXPCACHE_OK;
+    }
+    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool, void* stream) override {
+        EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
+        EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) override {
+        EXPCACHE_CUDA_TRY(cudaDeviceSynchronize());
+        EXPCACHE_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t fence(void* from, void* to) override {
+        EXPCACHE_CUDA_TRY(cudaEventRecord(fence_event_, static_cast<cudaStream_t>(from)));
+        EXPCACHE_CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(to), fence_event_, 0));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t sync_stream(void* stream) override {
+        EXPCACHE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t sync_device() override {
+        EXPCACHE_CUDA_TRY(cudaDeviceSynchronize());
+        return EXPCACHE_OK;
+    }
+    expcache_status_t checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, void* stream,
+                               uint64_t* out_sums) override {
+        size_t need = checksum_scratch_bytes(num_jobs, num_sums);
+        if (need > scratch_bytes_) {
+            if (scratch_) cudaFree(scratch_);
+            if (host_scratch_) cudaFreeHost(host_scratch_);
+            scratch_ = nullptr;
+            host_scratch_ = nullptr;
+            scratch_bytes_ = 0;
+            EXPCACHE_CUDA_TRY(cudaMalloc(&scratch_, need));
+            EXPCACHE_CUDA_TRY(cudaMallocHost(&host_scratch_, need));
+            scratch_bytes_ = need;
+        }
+        cudaStream_t s = static_cast<cudaStream_t>(stream);
+        EXPCACHE_CUDA_TRY(launch_checksum(jobs, num_jobs, num_sums, scratch_, host_scratch_, s));
+        EXPCACHE_CUDA_TRY(cudaStreamSynchronize(s));
+        read_checksum_results(host_scratch_, num_jobs, num_sums, out_sums);
+        return EXPCACHE_OK;
+    }
+
+private:
+    struct Deferred {
+        void* ptr;
+        cudaEvent_t event;
+    };
+    int device_;
+    int depth_ = 0;
+    int saved_device_ = -1;
+    cudaEvent_t fence_event_ = nullptr;
+    std::vector<Deferred> deferred_;
+    std::vector<cudaEvent_t> event_pool_;
+    void* scratch_ = nullptr;
+    void* host_scratch_ = nullptr;
+    size_t scratch_bytes_ = 0;
+};
+
+}  // namespace
+
+expcache_status_t make_cuda_backend(int device, std::unique_ptr<Backend>* out) {
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return fail(EXPCACHE_ERR_UNSUPPORTED, "no usable CUDA device: cudaGetDeviceCount: %s (%s)",
+                    cudaGetErrorName(e), cudaGetErrorString(e));
+    }
+    if (device < 0 || device >= count)
+        return fail(EXPCACHE_ERR_UNSUPPORTED, "CUDA device %d not present (%d device(s))", device, count);
+    std::unique_ptr<CudaBackend> b(new CudaBackend(device));
+    expcache_status_t s = b->init();
+    if (s != EXPCACHE_OK) return s;
+    out->reset(b.release());
+    return EXPCACHE_OK;
+}
+
+}  // namespace expcache

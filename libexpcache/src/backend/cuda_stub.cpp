@@ -1,0 +1,12 @@
+// Linked into the host-only library (built with g++ alone) in place of cuda.cu.
+#include "backend.hpp"
+#include "../errors.hpp"
+
+namespace expcache {
+
+expcache_status_t make_cuda_backend(int, std::unique_ptr<Backend>*) {
+    return fail(EXPCACHE_ERR_UNSUPPORTED,
+                "this library was built without CUDA (libexpcache_host); build with nvcc for the CUDA backend");
+}
+
+}  // namespace expcache

@@ -1,0 +1,109 @@
+// Host backend: host memory stands in for device memory, with an emulated
+// capacity, so every cache path (free-memory caps, the reserve, each
+// out-of-memory branch) runs and is tested on machines without a GPU.
+// Copies complete before returning, so streams and fences are no-ops.
+#include <cstdlib>
+#include <cstring>
+#include <unordered_map>
+
+#include "backend.hpp"
+#include "../errors.hpp"
+
+namespace expcache {
+
+uint64_t checksum_host(const void* ptr, uint64_t bytes) {
+    const unsigned char* p = static_cast<const unsigned char*>(ptr);
+    uint64_t sum = 0;
+    uint64_t words = bytes / 8;
+    for (uint64_t j = 0; j < words; ++j) {
+        uint64_t w;
+        std::memcpy(&w, p + 8 * j, 8);
+        sum += w * (2 * j + 1);
+    }
+    uint64_t tail = bytes % 8;
+    if (tail) {
+        uint64_t w = 0;
+        std::memcpy(&w, p + 8 * words, tail);
+        sum += w * (2 * words + 1);
+    }
+    return sum;
+}
+
+namespace {
+
+class HostBackend final : public Backend {
+public:
+    explicit HostBackend(uint64_t capacity) : capacity_(capacity) {}
+    ~HostBackend() override {
+        for (auto& kv : sizes_) std::free(kv.first);
+    }
+    uint32_t kind() const override { return EXPCACHE_BACKEND_HOST; }
+
+    expcache_status_t alloc(uint64_t bytes, void** out) override {
+        uint64_t rounded = (bytes + 255) & ~uint64_t(255);
+        if (bytes == 0 || rounded > capacity_ - used_)
+            return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
+                        "emulated device memory exhausted: %llu bytes asked, %llu of %llu free",
+                        (unsigned long long)bytes, (unsigned long long)(capacity_ - used_),
+                        (unsigned long long)capacity_);
+        void* p = std::aligned_alloc(256, rounded);
+        if (!p)
+            return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "host allocation of %llu bytes failed",
+                        (unsigned long long)rounded);
+        sizes_[p] = rounded;
+        used_ += rounded;
+        *out = p;
+        return EXPCACHE_OK;
+    }
+    void free_now(void* ptr) override {
+        auto it = sizes_.find(ptr);
+        if (it == sizes_.end()) return;
+        used_ -= it->second;
+        sizes_.erase(it);
+        std::free(ptr);
+    }
+    expcache_status_t free_after(void* ptr, void*) override {
+        free_now(ptr);
+        return EXPCACHE_OK;
+    }
+    void reclaim() override {}
+    expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) override {
+        *free_bytes = capacity_ - used_;
+        *total_bytes = capacity_;
+        return EXPCACHE_OK;
+    }
+    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool, void*) override {
+        std::memcpy(dst, src, bytes);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void*) override {
+        std::memcpy(dst, src, bytes);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) override {
+        std::memcpy(dst, src, bytes);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t fence(void*, void*) override { return EXPCACHE_OK; }
+    expcache_status_t sync_stream(void*) override { return EXPCACHE_OK; }
+    expcache_status_t sync_device() override { return EXPCACHE_OK; }
+    expcache_status_t checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, void*,
+                               uint64_t* out_sums) override {
+        for (uint32_t i = 0; i < num_sums; ++i) out_sums[i] = 0;
+        for (uint32_t i = 0; i < num_jobs; ++i) out_sums[jobs[i].out] += checksum_host(jobs[i].ptr, jobs[i].bytes);
+        return EXPCACHE_OK;
+    }
+
+private:
+    uint64_t capacity_;
+    uint64_t used_ = 0;
+    std::unordered_map<void*, uint64_t> sizes_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes) {
+    return std::unique_ptr<Backend>(new HostBackend(capacity_bytes));
+}
+
+}  // namespace expcache

@@ -1,0 +1,167 @@
+// The cache core: layers, size classes, slots, budgets and the three
+// serving paths. Backend-independent; every method is called by the ABI
+// layer with validated handles and runs under the cache's mutex.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "expcache.h"
+#include "policy/policy.hpp"
+
+namespace expcache {
+
+enum Part { kGate = 0, kUp = 1, kDown = 2, kParts = 3 };
+
+struct LayerState {
+    bool registered = false;
+    bool pinned = false;
+    uint32_t num_experts = 0;
+    uint64_t bytes[kParts] = {};
+    uint64_t stride[kParts] = {};
+    const unsigned char* base[kParts] = {};
+    int32_t cls = -1;      // bound class index, valid while classes_[cls].gen == cls_gen
+    uint64_t cls_gen = 0;
+    std::vector<int32_t> slot_of;    // per expert: slot index or -1
+    std::vector<uint64_t> seen;      // per expert: last call that listed it (dedupe without clearing)
+    std::vector<uint32_t> seen_pos;  // per expert: its index in that call's unique list
+
+    uint64_t expert_bytes() const { return bytes[kGate] + bytes[kUp] + bytes[kDown]; }
+    const unsigned char* source(int part, uint32_t expert) const { return base[part] + stride[part] * expert; }
+};
+
+struct SlotState {
+    unsigned char* dev = nullptr;
+    int32_t layer = -1;  // -1: free
+    uint32_t expert = 0;
+    uint32_t holds = 0;       // unfinished batches using it
+    uint64_t last_call = 0;   // protects it from eviction during that call
+};
+
+struct ClassState {
+    bool in_use = false;
+    uint64_t gen = 0;
+    uint64_t key[kParts] = {};
+    uint64_t part_off[kParts] = {};
+    uint64_t slot_bytes = 0;
+    uint64_t last_used = 0;  // call id, for reusing the least recently used class
+    std::vector<SlotState> slots;
+    std::vector<int32_t> free_slots;
+    std::vector<void*> slabs;
+    std::unique_ptr<Policy> policy;
+    uint64_t target = 0, cap = 0;
+    bool cap_valid = false;      // recompute before the next growth
+    bool cap_announced = false;  // a notice was given for `cap`
+    uint64_t resident = 0, held = 0, layers = 0;
+    expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
+};
+
+struct BatchState {
+    uint64_t id = 0;
+    int32_t cls = -1;
+    std::vector<int32_t> held;
+    void* staging = nullptr;
+};
+
+class Cache {
+public:
+    static expcache_status_t create(const expcache_config_t& config, std::unique_ptr<Cache>* out);
+    ~Cache();
+
+    uint32_t backend_kind() const { return backend_->kind(); }
+    expcache_status_t register_layer(uint32_t layer, const expcache_layer_desc_t& desc);
+    expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
+                             expcache_expert_ptrs_t* out);
+    expcache_status_t load_compact(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream,
+                                   expcache_compact_t* out);
+    expcache_status_t batch_prepare(uint32_t layer, const uint32_t* ids, uint64_t n, void* stream,
+                                    uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
+                                    uint64_t* out_batch);
+    expcache_status_t batch_finish(uint64_t batch, void* stream);
+    expcache_status_t release_all();
+    expcache_status_t synchronize(void* stream);
+    expcache_status_t read_resident(uint32_t layer, uint32_t expert, void* dst, uint64_t dst_bytes,
+                                    uint32_t* out_resident);
+    expcache_status_t read_device(const void* src, void* dst, uint64_t n);
+    expcache_status_t checksum(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
+                               uint64_t* out_sums);
+    expcache_status_t class_count(uint32_t* out) const;
+    expcache_status_t class_info(uint32_t index, expcache_class_info_t* out) const;
+    expcache_status_t layer_class(uint32_t layer, uint32_t* out);
+    expcache_status_t get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const;
+    expcache_status_t reset_stats();
+    expcache_status_t set_log_callback(expcache_log_fn fn, void* user);
+    expcache_status_t set_log_level(uint32_t level);
+    expcache_status_t inject_alloc_failures(uint64_t skip, uint64_t count);
+    expcache_status_t device_bytes_in_use(uint64_t* out) const;
+
+private:
+    Cache() = default;
+    class CallScope;
+
+    void log(uint32_t level, const char* fmt, ...)
+#if defined(__GNUC__)
+        __attribute__((format(printf, 3, 4)))
+#endif
+        ;
+    expcache_status_t check(expcache_status_t s);
+    expcache_status_t usable() const;
+    expcache_status_t validate_layer(uint32_t layer) const;
+    expcache_status_t validate_ids(uint32_t layer, const uint32_t* ids, uint64_t n) const;
+    expcache_status_t begin_call(void* stream);
+    expcache_status_t bind(uint32_t layer, uint32_t path, int32_t* out_cls);
+    void activate_class(int32_t c, const LayerState& layer);
+    expcache_status_t release_class(int32_t c, uint32_t path);
+    expcache_status_t release_unheld(uint32_t path);
+    uint64_t class_target(const ClassState& cls) const;
+    expcache_status_t refresh_cap(int32_t c, uint32_t path);
+    void announce_cap(int32_t c, uint32_t path, const char* why);
+    expcache_status_t grow(int32_t c, uint32_t path);
+    expcache_status_t acquire_slot(int32_t c, bool allow_grow, bool allow_evict, uint32_t path, int32_t* out);
+    void evict(int32_t c, int32_t slot, uint32_t path);
+    void dedupe(LayerState& layer, const uint32_t* ids, uint64_t n);
+    expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
+                                  void* stream);
+    void slot_ptrs(const ClassState& cls, const SlotState& slot, expcache_expert_ptrs_t* out) const;
+    expcache_status_t alloc_device(uint64_t bytes, void** out);
+    void free_device_now(void* ptr);
+    expcache_status_t free_device_after(void* ptr, void* stream);
+    expcache_status_t alloc_staging(uint64_t bytes, int32_t c, uint32_t path, void** out);
+    bool owns_range(const void* ptr, uint64_t bytes) const;
+    std::string class_name(const ClassState& cls) const;
+
+    mutable std::mutex mu_;
+    std::unique_ptr<Backend> backend_;
+    expcache_config_t config_ = {};
+    uint32_t log_level_ = EXPCACHE_LOG_NOTICE;
+    expcache_log_fn log_fn_ = nullptr;
+    void* log_user_ = nullptr;
+    bool poisoned_ = false;
+    uint64_t call_ = 0;
+    void* last_stream_ = nullptr;
+    bool have_last_stream_ = false;
+
+    std::vector<LayerState> layers_;
+    std::vector<ClassState> classes_;
+    std::vector<BatchState> batches_;
+    uint64_t next_batch_id_ = 1;
+
+    std::map<uintptr_t, uint64_t> allocations_;  // device address -> bytes
+    uint64_t device_bytes_ = 0;
+    uint64_t inject_skip_ = 0, inject_count_ = 0;
+
+    void* compact_ = nullptr;  // owned staging of load_compact
+    uint64_t compact_bytes_ = 0;
+    void* overflow_ = nullptr;  // owned staging of select's overflow
+    uint64_t overflow_bytes_ = 0;
+
+    // Per-call scratch, kept to avoid allocations on the hot path.
+    std::vector<uint32_t> unique_;
+    std::vector<expcache_expert_ptrs_t> ptrs_;
+    std::vector<uint32_t> pending_;
+};
+
+}  // namespace expcache

@@ -1,0 +1,45 @@
+"""expcache: a GPU expert cache for streaming Mixture-of-Experts inference.
+
+The public API::
+
+    from pyexpcache import ExpertCache, ModelLayout, HostSource
+
+    layout = ModelLayout.preset("mixed")            # DeepSeek V4 Flash q2-q4
+    with HostSource(layout, pinned=True) as source, \\
+         ExpertCache(layout, source, budget_bytes=12 << 30) as cache:
+        ptrs = cache.select(layer=5, expert_ids=[3, 17, 80, 81, 200, 7], stream=my_stream)
+        ...                                         # launch kernels reading ptrs on my_stream
+        print(cache.stats().hit_rate)
+"""
+
+from ._errors import (
+    CudaError,
+    ExpcacheError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidStateError,
+    OutOfDeviceMemoryError,
+    OutOfHostMemoryError,
+    PoisonedError,
+    UnsupportedError,
+)
+from .cache import Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats
+from .layout import LayerSpec, ModelLayout
+from .source import HostSource, checksum_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
+    "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
+    "ModelLayout", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "PoisonedError",
+    "UnsupportedError", "checksum_bytes", "library_version",
+]
+
+
+def library_version() -> str:
+    """The loaded libexpcache's version and path."""
+    from ._lib import lib, library_path
+
+    v = lib.expcache_version()
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100} ({library_path})"

@@ -1,0 +1,69 @@
+"""Exceptions: one base class carrying the library status and message, one
+subclass per status, raised from exactly one place (:func:`check`)."""
+
+from __future__ import annotations
+
+
+class ExpcacheError(Exception):
+    """A libexpcache call failed.
+
+    Attributes:
+        status: the library's status code (``EXPCACHE_ERR_*`` value).
+        status_name: its name, e.g. ``"EXPCACHE_ERR_INVALID_ARGUMENT"``.
+        message: the library's detail (function, reason, CUDA error name).
+    """
+
+    def __init__(self, status: int, status_name: str, message: str):
+        self.status = status
+        self.status_name = status_name
+        self.message = message
+        super().__init__(f"{message} [{status_name}]")
+
+
+class InvalidArgumentError(ExpcacheError, ValueError):
+    """An argument was NULL, out of range or inconsistent."""
+
+
+class OutOfDeviceMemoryError(ExpcacheError, MemoryError):
+    """Device memory (or the host backend's emulated capacity) is exhausted."""
+
+
+class OutOfHostMemoryError(ExpcacheError, MemoryError):
+    """A host allocation failed."""
+
+
+class InvalidStateError(ExpcacheError, RuntimeError):
+    """The call is not valid in the cache's current state."""
+
+
+class UnsupportedError(ExpcacheError, NotImplementedError):
+    """The requested backend is not available."""
+
+
+class CudaError(ExpcacheError, RuntimeError):
+    """A CUDA call failed."""
+
+
+class PoisonedError(CudaError):
+    """A sticky CUDA error poisoned the cache; close it."""
+
+
+class InternalError(ExpcacheError, RuntimeError):
+    """A bug in libexpcache."""
+
+
+_BY_STATUS = {
+    1: InvalidArgumentError,
+    2: OutOfDeviceMemoryError,
+    3: OutOfHostMemoryError,
+    4: InvalidStateError,
+    5: UnsupportedError,
+    6: CudaError,
+    7: PoisonedError,
+    8: InternalError,
+}
+
+
+def error_for(status: int, status_name: str, message: str) -> ExpcacheError:
+    """The exception instance for a failed status."""
+    return _BY_STATUS.get(status, ExpcacheError)(status, status_name, message)

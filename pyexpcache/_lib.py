@@ -1,0 +1,209 @@
+"""ctypes declarations of libexpcache, nothing else: each struct mirrors
+expcache.h field by field, each function has argtypes and restype, and the C
+prototype is quoted above it. Status-returning functions raise through
+``errcheck``, so every failure becomes an exception in exactly one place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_char_p, c_int32, c_uint32, c_uint64, c_void_p
+
+from . import _loader
+from ._errors import error_for
+
+lib, library_path = _loader.load()
+
+# Status codes (expcache.h).
+OK = 0
+BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
+SOURCE_PAGEABLE, SOURCE_PINNED = 0, 1
+LOG_SILENT, LOG_NOTICE, LOG_DEBUG = 0, 1, 2
+PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
+PATH_NAMES = ("decode", "compact", "batch", "control")
+MAX_SELECT = 1024
+MAX_BATCHES = 64
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("backend", c_uint32),
+        ("device", c_int32),
+        ("num_layers", c_uint32),
+        ("max_classes", c_uint32),
+        ("log_level", c_uint32),
+        ("budget_experts", c_uint64),
+        ("budget_bytes", c_uint64),
+        ("reserve_bytes", c_uint64),
+        ("device_capacity_bytes", c_uint64),
+        ("slab_bytes", c_uint64),
+    ]
+
+
+class LayerDesc(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("num_experts", c_uint32),
+        ("source_kind", c_uint32),
+        ("reserved", c_uint32),
+        ("gate_bytes", c_uint64),
+        ("up_bytes", c_uint64),
+        ("down_bytes", c_uint64),
+        ("gate_stride", c_uint64),
+        ("up_stride", c_uint64),
+        ("down_stride", c_uint64),
+        ("gate_base", c_void_p),
+        ("up_base", c_void_p),
+        ("down_base", c_void_p),
+    ]
+
+
+class ExpertPtrs(ctypes.Structure):
+    _fields_ = [("gate", c_void_p), ("up", c_void_p), ("down", c_void_p)]
+
+
+class Compact(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("num_experts", c_uint32),
+        ("base", c_void_p),
+        ("bytes", c_uint64),
+        ("gate_offset", c_uint64),
+        ("up_offset", c_uint64),
+        ("down_offset", c_uint64),
+        ("gate_bytes", c_uint64),
+        ("up_bytes", c_uint64),
+        ("down_bytes", c_uint64),
+    ]
+
+
+class ClassInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("in_use", c_uint32),
+        ("gate_bytes", c_uint64),
+        ("up_bytes", c_uint64),
+        ("down_bytes", c_uint64),
+        ("slot_bytes", c_uint64),
+        ("target_experts", c_uint64),
+        ("cap_experts", c_uint64),
+        ("allocated_experts", c_uint64),
+        ("resident_experts", c_uint64),
+        ("held_experts", c_uint64),
+        ("num_layers", c_uint64),
+    ]
+
+
+STAT_FIELDS = (
+    "calls", "hits", "misses", "evictions", "appends", "direct_loads", "bytes_h2d", "bytes_d2d",
+    "releases", "alloc_retries", "cap_notices", "class_reuses",
+)
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in STAT_FIELDS]
+
+
+LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
+CachePtr = c_void_p
+
+
+def _check(status, func, args):
+    if status != OK:
+        name = lib.expcache_status_string(status).decode()
+        raise error_for(status, name, lib.expcache_last_error().decode(errors="replace"))
+    return status
+
+
+def _declare(name, argtypes, restype=c_int32):
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
+    fn.restype = restype
+    if restype is c_int32:
+        fn.errcheck = _check
+    return fn
+
+
+# const char* expcache_status_string(expcache_status_t status);
+_declare("expcache_status_string", [c_int32], c_char_p)
+# const char* expcache_last_error(void);
+_declare("expcache_last_error", [], c_char_p)
+# uint32_t expcache_version(void);
+_declare("expcache_version", [], c_uint32)
+# expcache_status_t expcache_config_init(expcache_config_t* config);
+_declare("expcache_config_init", [POINTER(Config)])
+# expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache);
+_declare("expcache_create", [POINTER(Config), POINTER(CachePtr)])
+# void expcache_destroy(expcache_t* cache);
+_declare("expcache_destroy", [CachePtr], None)
+# expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend);
+_declare("expcache_get_backend", [CachePtr, POINTER(c_uint32)])
+# expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc);
+_declare("expcache_layer_desc_init", [POINTER(LayerDesc)])
+# expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
+_declare("expcache_register_layer", [CachePtr, c_uint32, POINTER(LayerDesc)])
+# expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
+#                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
+_declare("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p])
+# expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+#                                               void* stream, expcache_compact_t* out);
+_declare("expcache_load_compact_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(Compact)])
+# expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint64_t n,
+#     void* stream, uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
+_declare(
+    "expcache_batch_prepare_async",
+    [CachePtr, c_uint32, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(c_uint64)],
+)
+# expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t batch, void* stream);
+_declare("expcache_batch_finish", [CachePtr, c_uint64, c_void_p])
+# expcache_status_t expcache_release_all(expcache_t* cache);
+_declare("expcache_release_all", [CachePtr])
+# expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
+_declare("expcache_synchronize", [CachePtr, c_void_p])
+# expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert, void* dst,
+#                                          uint64_t dst_bytes, uint32_t* out_resident);
+_declare("expcache_read_resident", [CachePtr, c_uint32, c_uint32, c_void_p, c_uint64, POINTER(c_uint32)])
+# expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
+_declare("expcache_read_device", [CachePtr, c_void_p, c_void_p, c_uint64])
+# expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+#                                     uint32_t n, void* stream, uint64_t* out_sums);
+_declare("expcache_checksum", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p])
+# expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
+_declare("expcache_class_count", [CachePtr, POINTER(c_uint32)])
+# expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out);
+_declare("expcache_class_info", [CachePtr, c_uint32, POINTER(ClassInfo)])
+# expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
+_declare("expcache_layer_class", [CachePtr, c_uint32, POINTER(c_uint32)])
+# expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index, uint32_t path,
+#                                      expcache_stats_t* out);
+_declare("expcache_get_stats", [CachePtr, c_uint32, c_uint32, POINTER(Stats)])
+# expcache_status_t expcache_reset_stats(expcache_t* cache);
+_declare("expcache_reset_stats", [CachePtr])
+# expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user);
+_declare("expcache_set_log_callback", [CachePtr, LOG_FN, c_void_p])
+# expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level);
+_declare("expcache_set_log_level", [CachePtr, c_uint32])
+# expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+_declare("expcache_inject_alloc_failures", [CachePtr, c_uint64, c_uint64])
+# expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
+_declare("expcache_device_bytes_in_use", [CachePtr, POINTER(c_uint64)])
+# expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
+#                                         uint32_t* class_info, uint32_t* stats);
+_declare("expcache_struct_sizes", [POINTER(c_uint32)] * 5)
+
+
+def check_struct_sizes() -> None:
+    """Raise ImportError when a ctypes mirror disagrees with the library's struct sizes."""
+    sizes = [c_uint32() for _ in range(5)]
+    lib.expcache_struct_sizes(*[ctypes.byref(s) for s in sizes])
+    mirrors = (Config, LayerDesc, Compact, ClassInfo, Stats)
+    for mirror, size in zip(mirrors, sizes):
+        if ctypes.sizeof(mirror) != size.value:
+            raise ImportError(
+                f"{library_path}: struct {mirror.__name__} is {size.value} bytes in the library but "
+                f"{ctypes.sizeof(mirror)} in pyexpcache; rebuild the library (make lib)"
+            )
+
+
+check_struct_sizes()

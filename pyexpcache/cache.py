@@ -1,0 +1,410 @@
+"""The Pythonic face of libexpcache: :class:`ExpertCache`."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import numpy as np
+
+from . import _lib
+from ._cuda import stream_handle
+from ._lib import lib
+from .layout import ModelLayout
+from .source import HostSource
+
+logger = logging.getLogger("pyexpcache")
+
+_BACKENDS = {"auto": _lib.BACKEND_AUTO, "host": _lib.BACKEND_HOST, "cuda": _lib.BACKEND_CUDA}
+_BACKEND_NAMES = {_lib.BACKEND_HOST: "host", _lib.BACKEND_CUDA: "cuda"}
+_LOG_LEVELS = {_lib.LOG_NOTICE: logging.INFO, _lib.LOG_DEBUG: logging.DEBUG}
+
+
+@dataclass
+class PathStats:
+    """Counters of one (class, path); see expcache_stats_t. Experts are counted once per call."""
+
+    calls: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    appends: int = 0
+    direct_loads: int = 0
+    bytes_h2d: int = 0
+    bytes_d2d: int = 0
+    releases: int = 0
+    alloc_retries: int = 0
+    cap_notices: int = 0
+    class_reuses: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / (hits + misses); 0.0 when nothing was asked."""
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0
+
+    def __add__(self, other: "PathStats") -> "PathStats":
+        return PathStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+
+@dataclass
+class ClassInfo:
+    """One size class: its key, budget, cap and occupancy (see expcache_class_info_t)."""
+
+    index: int
+    gate_bytes: int
+    up_bytes: int
+    down_bytes: int
+    slot_bytes: int
+    target_experts: int
+    cap_experts: int
+    allocated_experts: int
+    resident_experts: int
+    held_experts: int
+    num_layers: int
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.gate_bytes, self.up_bytes, self.down_bytes)
+
+
+@dataclass
+class ClassStats:
+    """A class and its counters per path ("decode", "compact", "batch", "control")."""
+
+    info: ClassInfo
+    paths: dict[str, PathStats] = field(default_factory=dict)
+
+    @property
+    def total(self) -> PathStats:
+        out = PathStats()
+        for p in self.paths.values():
+            out = out + p
+        return out
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total.hit_rate
+
+
+@dataclass
+class CacheStats:
+    """Counters of every class in use."""
+
+    classes: list[ClassStats]
+
+    def path(self, name: str) -> PathStats:
+        """One path summed over classes."""
+        out = PathStats()
+        for c in self.classes:
+            out = out + c.paths[name]
+        return out
+
+    @property
+    def total(self) -> PathStats:
+        out = PathStats()
+        for c in self.classes:
+            out = out + c.total
+        return out
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total.hit_rate
+
+
+@dataclass
+class CompactBuffer:
+    """A contiguous device buffer from :meth:`ExpertCache.load_compact`: all gate parts,
+    then all up parts, then all down parts. Owned by the cache; valid until the next
+    load_compact or release_all."""
+
+    base: int
+    nbytes: int
+    gate_offset: int
+    up_offset: int
+    down_offset: int
+    gate_bytes: int
+    up_bytes: int
+    down_bytes: int
+    num_experts: int
+
+    def pointers(self) -> np.ndarray:
+        """[n, 3] uint64 device addresses of each expert's gate, up and down."""
+        i = np.arange(self.num_experts, dtype=np.uint64)
+        cols = [self.base + off + i * np.uint64(b) for off, b in (
+            (self.gate_offset, self.gate_bytes), (self.up_offset, self.up_bytes),
+            (self.down_offset, self.down_bytes))]
+        return np.stack(cols, axis=1).astype(np.uint64)
+
+
+class Batch:
+    """A prepared prefill batch: the union of its experts, held in the cache until
+    :meth:`finish` (or the end of a ``with`` block)."""
+
+    def __init__(self, cache: "ExpertCache", layer: int, handle: int, ids: np.ndarray,
+                 pointers: np.ndarray, stream):
+        self._cache = cache
+        self.layer = layer
+        self.handle = handle
+        self.ids = ids
+        self.pointers = pointers
+        self._stream = stream
+        self.finished = False
+
+    def finish(self, stream=None) -> None:
+        """Release the batch's holds (idempotent). Staging is freed once the work
+        enqueued on ``stream`` (default: the stream it was prepared on) completes."""
+        if self.finished:
+            return
+        s = self._stream if stream is None else stream_handle(stream)
+        lib.expcache_batch_finish(self._cache._handle_or_raise(), self.handle, s)
+        self.finished = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.finish()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class ExpertCache:
+    """A GPU expert cache over the experts of ``layout`` whose bytes are in ``source``.
+
+    Args:
+        layout: the model layout (:class:`ModelLayout`).
+        source: where the experts' bytes are (:class:`HostSource`); must outlive the cache.
+        budget_experts: per-class budget in experts (ds4's ``--ssd-streaming-cache-experts``).
+        budget_bytes: total budget over all classes, shared in proportion to class bytes.
+        reserve_bytes: device memory always left free (default 1 GiB;
+            ``EXPCACHE_RESERVE_GB`` overrides).
+        max_classes: size classes held at once (default 4).
+        backend: ``"auto"`` (CUDA when usable, else host), ``"host"`` or ``"cuda"``.
+        device: CUDA device ordinal.
+        device_capacity_bytes: host backend only: the emulated device size (default 64 GiB).
+        slab_bytes: largest single slot allocation (default 512 MiB).
+        log_level: 0 silent, 1 notices (default), 2 one line per call. Lines go to the
+            ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
+
+    At least one budget must be given. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, layout: ModelLayout, source: HostSource, *, budget_experts: Optional[int] = None,
+                 budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None, max_classes: int = 4,
+                 backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
+                 slab_bytes: Optional[int] = None, log_level: Optional[int] = None):
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
+            raise ValueError("source was built for a different layout")
+        self._handle = None
+        cfg = _lib.Config()
+        lib.expcache_config_init(ctypes.byref(cfg))
+        cfg.backend = _BACKENDS[backend]
+        cfg.device = device
+        cfg.num_layers = layout.num_layers
+        cfg.max_classes = max_classes
+        for name, value in (("budget_experts", budget_experts), ("budget_bytes", budget_bytes),
+                            ("reserve_bytes", reserve_bytes), ("device_capacity_bytes", device_capacity_bytes),
+                            ("slab_bytes", slab_bytes), ("log_level", log_level)):
+            if value is not None:
+                if int(value) < 0:
+                    raise ValueError(f"{name} must be >= 0, got {value}")
+                setattr(cfg, name, int(value))
+        self.layout = layout
+        self.source = source
+        self.max_classes = max_classes
+        # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
+        self._log_fn = _lib.LOG_FN(self._on_log)
+        handle = _lib.CachePtr()
+        lib.expcache_create(ctypes.byref(cfg), ctypes.byref(handle))
+        self._handle = handle.value
+        try:
+            lib.expcache_set_log_callback(self._handle, self._log_fn, None)
+            for i, spec in enumerate(layout.layers):
+                place = source.placement(i)
+                d = _lib.LayerDesc()
+                lib.expcache_layer_desc_init(ctypes.byref(d))
+                d.num_experts = spec.num_experts
+                d.source_kind = _lib.SOURCE_PINNED if source.pinned else _lib.SOURCE_PAGEABLE
+                d.gate_bytes, d.up_bytes, d.down_bytes = spec.class_key
+                d.gate_stride, d.up_stride, d.down_stride = place.strides
+                d.gate_base, d.up_base, d.down_base = place.bases
+                lib.expcache_register_layer(self._handle, i, ctypes.byref(d))
+        except BaseException:
+            self.close()
+            raise
+        self._ids = np.empty(_lib.MAX_SELECT, dtype=np.uint32)
+        self._ptrs = (_lib.ExpertPtrs * _lib.MAX_SELECT)()
+        self._ptr_view = np.ctypeslib.as_array(
+            ctypes.cast(self._ptrs, ctypes.POINTER(ctypes.c_uint64)), shape=(_lib.MAX_SELECT, 3))
+
+    @staticmethod
+    def _on_log(user, level, message):
+        logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s", message.decode(errors="replace"))
+
+    # -- lifetime ----------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the cache (idempotent): waits for its device work and frees all it allocated."""
+        if self._handle is not None:
+            lib.expcache_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _handle_or_raise(self):
+        if self._handle is None:
+            raise ValueError("the cache is closed")
+        return self._handle
+
+    @property
+    def backend(self) -> str:
+        """``"host"`` or ``"cuda"``: the backend in use."""
+        out = ctypes.c_uint32()
+        lib.expcache_get_backend(self._handle_or_raise(), ctypes.byref(out))
+        return _BACKEND_NAMES[out.value]
+
+    # -- serving -------------------------------------------------------------
+    @staticmethod
+    def _as_ids(expert_ids, what: str) -> np.ndarray:
+        ids = np.asarray(expert_ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be integers, got {ids.dtype}")
+        if ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
+            raise ValueError(f"{what} must be in [0, 2^32), got {ids.min()}..{ids.max()}")
+        return np.ascontiguousarray(ids.ravel(), dtype=np.uint32)
+
+    def select(self, layer: int, expert_ids, stream=None) -> np.ndarray:
+        """Decode path: make ``expert_ids`` of ``layer`` resident; return a [k, 3] uint64 array of
+        device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
+        valid for work enqueued on it before the next select, load_compact or prepare_batch."""
+        ids = self._as_ids(expert_ids, "expert_ids")
+        k = ids.size
+        if k > _lib.MAX_SELECT:
+            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        self._ids[:k] = ids
+        lib.expcache_select_async(self._handle_or_raise(), layer, self._ids.ctypes.data, k,
+                                  stream_handle(stream), self._ptrs)
+        return self._ptr_view[:k].copy()
+
+    def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
+        """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to
+        device, misses host to device). Asynchronous on ``stream``."""
+        ids = self._as_ids(expert_ids, "expert_ids")
+        out = _lib.Compact()
+        out.struct_size = ctypes.sizeof(out)
+        lib.expcache_load_compact_async(self._handle_or_raise(), layer, ids.ctypes.data, ids.size,
+                                        stream_handle(stream), ctypes.byref(out))
+        return CompactBuffer(out.base or 0, out.bytes, out.gate_offset, out.up_offset, out.down_offset,
+                             out.gate_bytes, out.up_bytes, out.down_bytes, out.num_experts)
+
+    def prepare_batch(self, layer: int, expert_ids_2d, stream=None) -> Batch:
+        """Prefill path: serve the union of ``expert_ids_2d`` (tokens x k ids of ``layer``) without
+        evicting anything. Returns a :class:`Batch` (a context manager) whose ``ids`` are the
+        unique experts and ``pointers`` their [n, 3] device addresses, held until finished."""
+        ids = self._as_ids(expert_ids_2d, "expert_ids_2d")
+        n = ids.size
+        out_ids = np.empty(max(n, 1), dtype=np.uint32)
+        out_ptrs = np.empty((max(n, 1), 3), dtype=np.uint64)
+        count = ctypes.c_uint32()
+        handle = ctypes.c_uint64()
+        s = stream_handle(stream)
+        lib.expcache_batch_prepare_async(self._handle_or_raise(), layer, ids.ctypes.data, n, s,
+                                         out_ids.ctypes.data, out_ptrs.ctypes.data, ctypes.byref(count),
+                                         ctypes.byref(handle))
+        c = count.value
+        return Batch(self, layer, handle.value, out_ids[:c].copy(), out_ptrs[:c].copy(), s)
+
+    def release_all(self) -> None:
+        """Free every expert cache not holding batch slots, and the staging buffers. Synchronizes."""
+        lib.expcache_release_all(self._handle_or_raise())
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for the work enqueued on ``stream``."""
+        lib.expcache_synchronize(self._handle_or_raise(), stream_handle(stream))
+
+    # -- inspection ------------------------------------------------------------
+    def read_expert(self, layer: int, expert: int) -> Optional[np.ndarray]:
+        """The resident bytes of (layer, expert) (gate, up, down) as uint8, or None when it is
+        not resident. Synchronizes."""
+        spec = self.layout[layer] if 0 <= layer < self.layout.num_layers else None
+        nbytes = spec.expert_bytes if spec else 1
+        out = np.empty(nbytes, dtype=np.uint8)
+        resident = ctypes.c_uint32()
+        lib.expcache_read_resident(self._handle_or_raise(), layer, expert, out.ctypes.data, nbytes,
+                                   ctypes.byref(resident))
+        return out if resident.value else None
+
+    def read_device(self, address: int, nbytes: int) -> np.ndarray:
+        """Copy ``nbytes`` at a device ``address`` the cache handed out to host memory."""
+        out = np.empty(nbytes, dtype=np.uint8)
+        lib.expcache_read_device(self._handle_or_raise(), address, out.ctypes.data, nbytes)
+        return out
+
+    def checksum(self, layer: int, pointers, stream=None) -> np.ndarray:
+        """Run the checksum kernel over experts at ``pointers`` ([n, 3] addresses of ``layer``'s
+        class, as select returns): uint64 per expert. Reads every byte. Synchronizes."""
+        ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
+        out = np.empty(ptrs.shape[0], dtype=np.uint64)
+        lib.expcache_checksum(self._handle_or_raise(), layer, ptrs.ctypes.data, ptrs.shape[0],
+                              stream_handle(stream), out.ctypes.data)
+        return out
+
+    def layer_class(self, layer: int) -> int:
+        """The class index ``layer`` is bound to (binding it now if needed)."""
+        out = ctypes.c_uint32()
+        lib.expcache_layer_class(self._handle_or_raise(), layer, ctypes.byref(out))
+        return out.value
+
+    def classes(self) -> list[ClassInfo]:
+        """Every class in use."""
+        out = []
+        info = _lib.ClassInfo()
+        info.struct_size = ctypes.sizeof(info)
+        for i in range(self.max_classes):
+            lib.expcache_class_info(self._handle_or_raise(), i, ctypes.byref(info))
+            if info.in_use:
+                out.append(ClassInfo(i, *(getattr(info, f[0]) for f in _lib.ClassInfo._fields_[2:])))
+        return out
+
+    def stats(self) -> CacheStats:
+        """Counters per class in use and per path, each with ``hit_rate``."""
+        out = []
+        st = _lib.Stats()
+        st.struct_size = ctypes.sizeof(st)
+        for info in self.classes():
+            paths = {}
+            for p, name in enumerate(_lib.PATH_NAMES):
+                lib.expcache_get_stats(self._handle_or_raise(), info.index, p, ctypes.byref(st))
+                paths[name] = PathStats(**{n: getattr(st, n) for n in _lib.STAT_FIELDS})
+            out.append(ClassStats(info, paths))
+        return CacheStats(out)
+
+    def reset_stats(self) -> None:
+        lib.expcache_reset_stats(self._handle_or_raise())
+
+    @property
+    def device_bytes_in_use(self) -> int:
+        """Device bytes the cache holds now (slots and staging)."""
+        out = ctypes.c_uint64()
+        lib.expcache_device_bytes_in_use(self._handle_or_raise(), ctypes.byref(out))
+        return out.value
+
+    # -- testing -----------------------------------------------------------------
+    def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
+        """Fault injection: let ``n`` device allocations succeed, then fail the next ``count``."""
+        lib.expcache_inject_alloc_failures(self._handle_or_raise(), n, count)

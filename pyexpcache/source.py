@@ -1,0 +1,186 @@
+"""Host sources: memory holding every expert's bytes, where the cache copies
+misses from.
+
+:class:`HostSource` fills its memory with a pattern that differs for every
+(layer, expert, part) and every word in it, so a served expert can be checked
+byte for byte (tests) or by checksum (the benchmark's kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from .layout import ModelLayout
+
+_ALIGN = 256
+_MASK64 = (1 << 64) - 1
+PARTS = ("gate", "up", "down")
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def pattern_seed(layer: int, expert: int, part: int) -> int:
+    """The first word of a part; each later word adds one (splitmix64 of the coordinates)."""
+    z = ((layer << 32) | (expert << 2) | part) + 0x9E3779B97F4A7C15 & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def checksum_bytes(data: np.ndarray) -> int:
+    """The checksum expcache_checksum computes for one range: sum of 64-bit little-endian
+    words (zero-padded tail) times (2j + 1), modulo 2^64."""
+    raw = np.ascontiguousarray(data).view(np.uint8).ravel()
+    pad = (-raw.size) % 8
+    if pad:
+        raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
+    words = raw.view("<u8")
+    weights = np.arange(1, 2 * words.size, 2, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        return int(np.sum(words * weights, dtype=np.uint64))
+
+
+def _pattern_checksum(seed: int, nbytes: int) -> int:
+    # Closed form of sum_j (seed + j)(2j + 1) for j < W words.
+    w = nbytes // 8
+    return (seed * w * w + (w - 1) * w * (2 * w - 1) // 3 + w * (w - 1) // 2) & _MASK64
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Where one layer's parts are: absolute addresses of expert 0 and strides (bytes)."""
+
+    bases: tuple[int, int, int]
+    strides: tuple[int, int, int]
+    sizes: tuple[int, int, int]
+
+
+class HostSource:
+    """Host memory with every expert of ``layout``.
+
+    Args:
+        layout: the model layout.
+        pinned: allocate page-locked memory with ``cudaMallocHost`` (needs cuda-python and
+            a GPU; misses then cross the link at full speed). Otherwise ordinary numpy
+            (pageable) memory.
+        arrangement: ``"tensor"`` places each part as a GGUF file does, one contiguous
+            [experts][bytes] tensor per part; ``"expert"`` places each expert's three parts
+            together (256-byte aligned), so one copy moves a whole expert.
+        progress: called as ``progress(done_bytes, total_bytes)`` while filling.
+    """
+
+    def __init__(self, layout: ModelLayout, *, pinned: bool = False, arrangement: str = "tensor",
+                 progress: Optional[Callable[[int, int], None]] = None):
+        if arrangement not in ("tensor", "expert"):
+            raise ValueError(f"arrangement must be 'tensor' or 'expert', got {arrangement!r}")
+        self.layout = layout
+        self.pinned = pinned
+        self.arrangement = arrangement
+        self._pinned_ptr = None
+        offsets, total = self._plan()
+        if pinned:
+            from . import _cuda
+
+            rt = _cuda.runtime()
+            ptr = _cuda.check(rt.cudaMallocHost(total), f"cudaMallocHost({total} bytes)")
+            self._pinned_ptr = int(ptr)
+            self.buffer = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(self._pinned_ptr))
+        else:
+            self.buffer = np.empty(total, dtype=np.uint8)
+        self._base = self.buffer.ctypes.data
+        self._placements = [
+            LayerPlacement(tuple(self._base + o for o in offs), strides, spec.class_key)
+            for (offs, strides), spec in zip(offsets, layout.layers)
+        ]
+        self._fill(progress)
+
+    def _plan(self):
+        offsets, pos = [], 0
+        for spec in self.layout.layers:
+            sizes = spec.class_key
+            if self.arrangement == "tensor":
+                offs = []
+                for b in sizes:
+                    offs.append(pos)
+                    pos = _align(pos + b * spec.num_experts)
+                offsets.append((tuple(offs), sizes))
+            else:
+                part_off = (0, _align(sizes[0]), _align(sizes[0]) + _align(sizes[1]))
+                stride = part_off[2] + _align(sizes[2])
+                offsets.append((tuple(pos + o for o in part_off), (stride,) * 3))
+                pos += stride * spec.num_experts
+        return offsets, max(pos, 1)
+
+    def _fill(self, progress):
+        total = self.layout.total_bytes
+        done = 0
+        ramps: dict[int, np.ndarray] = {}
+        for layer, (spec, place) in enumerate(zip(self.layout.layers, self._placements)):
+            for part in range(3):
+                nbytes = place.sizes[part]
+                words = -(-nbytes // 8)
+                ramp = ramps.get(words)
+                if ramp is None:
+                    ramp = ramps[words] = np.arange(words, dtype=np.uint64)
+                for expert in range(spec.num_experts):
+                    view = self.part(layer, expert, part)
+                    seed = np.uint64(pattern_seed(layer, expert, part))
+                    if nbytes % 8 == 0 and view.ctypes.data % 8 == 0:
+                        np.add(ramp, seed, out=view.view(np.uint64))
+                    else:
+                        view[:] = (ramp + seed).view(np.uint8)[:nbytes]
+                done += nbytes * spec.num_experts
+                if progress:
+                    progress(done, total)
+
+    # -- what the cache needs --------------------------------------------
+    def placement(self, layer: int) -> LayerPlacement:
+        """Addresses and strides of ``layer``'s parts (for expcache_register_layer)."""
+        return self._placements[layer]
+
+    # -- verification ------------------------------------------------------
+    def part(self, layer: int, expert: int, part: int) -> np.ndarray:
+        """A uint8 view of one part's source bytes."""
+        place = self._placements[layer]
+        off = place.bases[part] - self._base + expert * place.strides[part]
+        return self.buffer[off:off + place.sizes[part]]
+
+    def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
+        """An expert's source bytes: gate, then up, then down (a copy)."""
+        return np.concatenate([self.part(layer, expert, p) for p in range(3)])
+
+    def expected_checksum(self, layer: int, expert: int) -> int:
+        """What expcache_checksum must give for this expert when its bytes are intact."""
+        total = 0
+        for p, nbytes in enumerate(self._placements[layer].sizes):
+            if nbytes % 8 == 0:
+                total += _pattern_checksum(pattern_seed(layer, expert, p), nbytes)
+            else:
+                total += checksum_bytes(self.part(layer, expert, p))
+        return total & _MASK64
+
+    # -- lifetime ----------------------------------------------------------
+    def close(self) -> None:
+        """Free pinned memory (idempotent). The cache using this source must be closed first."""
+        if self._pinned_ptr is not None:
+            from . import _cuda
+
+            self.buffer = np.empty(0, np.uint8)
+            _cuda.check(_cuda.runtime().cudaFreeHost(self._pinned_ptr), "cudaFreeHost")
+            self._pinned_ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
