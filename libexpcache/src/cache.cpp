@@ -95,6 +95,7 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
 }
 
 Cache::~Cache() {
+    if (!backend_) return;  // create() failed before a backend existed
     backend_->enter();
     backend_->sync_device();
     backend_->reclaim();

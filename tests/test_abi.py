@@ -1,0 +1,347 @@
+"""The C ABI, called raw through ctypes: struct sizes, status strings, and a
+table of bad input for every exported function. Each bad call must return
+the documented status with a message naming the problem, and leave the
+cache working."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from ctypes import byref, c_uint32, c_uint64
+
+import numpy as np
+import pytest
+
+from pyexpcache import ExpcacheError, ModelLayout, HostSource, ExpertCache
+from pyexpcache import _lib
+from pyexpcache._lib import lib
+
+from conftest import SCALE
+
+INVALID, OOM, STATE, UNSUPPORTED = 1, 2, 4, 5
+
+
+def test_struct_sizes_match_library():
+    sizes = [c_uint32() for _ in range(5)]
+    lib.expcache_struct_sizes(*[byref(s) for s in sizes])
+    mirrors = (_lib.Config, _lib.LayerDesc, _lib.Compact, _lib.ClassInfo, _lib.Stats)
+    assert [ctypes.sizeof(m) for m in mirrors] == [s.value for s in sizes]
+
+
+def test_every_exported_function_is_declared():
+    out = subprocess.run(["nm", "-D", "--defined-only", str(_lib.library_path)], capture_output=True, text=True)
+    exported = {line.split()[-1] for line in out.stdout.splitlines() if " T expcache_" in line}
+    assert len(exported) >= 28
+    for name in exported:
+        assert getattr(lib, name).restype is not None or name == "expcache_destroy", name
+        assert getattr(lib, name).argtypes is not None, name
+
+
+def test_status_strings_are_static_and_never_null():
+    names = [lib.expcache_status_string(s).decode() for s in range(-1, 10)]
+    assert names[1] == "EXPCACHE_OK" and names[2] == "EXPCACHE_ERR_INVALID_ARGUMENT"
+    assert names[0] == names[-1] == "EXPCACHE_ERR_UNKNOWN"
+
+
+@pytest.fixture
+def live():
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    source = HostSource(layout)
+    cache = ExpertCache(layout, source, budget_experts=8, backend="host")
+    yield cache, source
+    cache.close()
+
+
+@pytest.fixture
+def dead():
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    source = HostSource(layout)
+    cache = ExpertCache(layout, source, budget_experts=8, backend="host")
+    handle = cache._handle
+    cache.close()
+    return handle
+
+
+def _desc(**over):
+    d = _lib.LayerDesc()
+    lib.expcache_layer_desc_init(byref(d))
+    buf = _desc.buf = np.zeros(4096, np.uint8)
+    d.num_experts, d.gate_bytes, d.up_bytes, d.down_bytes = 4, 256, 256, 256
+    d.gate_stride = d.up_stride = d.down_stride = 256
+    d.gate_base = d.up_base = d.down_base = buf.ctypes.data
+    for k, v in over.items():
+        setattr(d, k, v)
+    return d
+
+
+def _cfg(**over):
+    c = _lib.Config()
+    lib.expcache_config_init(byref(c))
+    c.num_layers, c.budget_experts, c.backend = 2, 4, 1
+    for k, v in over.items():
+        setattr(c, k, v)
+    return c
+
+
+IDS = (c_uint32 * 8)(1, 2, 3, 4, 5, 6, 7, 8)
+BAD_IDS = (c_uint32 * 2)(1, 999)
+PTRS = (_lib.ExpertPtrs * 1024)()
+OUT_U32 = c_uint32()
+OUT_U64 = c_uint64()
+
+
+def _compact():
+    c = _lib.Compact()
+    c.struct_size = ctypes.sizeof(c)
+    return c
+
+
+def _stats(size=None):
+    s = _lib.Stats()
+    s.struct_size = ctypes.sizeof(s) if size is None else size
+    return s
+
+
+def _info():
+    i = _lib.ClassInfo()
+    i.struct_size = ctypes.sizeof(i)
+    return i
+
+
+HOST_BUF = np.zeros(1 << 16, np.uint8)
+
+# (name, function, args(h) -> tuple, status, message fragment). `h` is a live handle.
+CASES = [
+    ("config_init NULL", "expcache_config_init", lambda h: (None,), INVALID, "config is NULL"),
+    ("layer_desc_init NULL", "expcache_layer_desc_init", lambda h: (None,), INVALID, "desc is NULL"),
+    ("create NULL config", "expcache_create", lambda h: (None, byref(_lib.CachePtr())), INVALID, "config is NULL"),
+    ("create NULL out", "expcache_create", lambda h: (byref(_cfg()), None), INVALID, "out_cache is NULL"),
+    ("create bad struct_size", "expcache_create", lambda h: (byref(_cfg(struct_size=3)), byref(_lib.CachePtr())),
+     INVALID, "struct_size"),
+    ("create zero layers", "expcache_create", lambda h: (byref(_cfg(num_layers=0)), byref(_lib.CachePtr())),
+     INVALID, "num_layers"),
+    ("create too many classes", "expcache_create",
+     lambda h: (byref(_cfg(max_classes=65)), byref(_lib.CachePtr())), INVALID, "max_classes"),
+    ("create no budget", "expcache_create", lambda h: (byref(_cfg(budget_experts=0)), byref(_lib.CachePtr())),
+     INVALID, "budget"),
+    ("create bad backend", "expcache_create", lambda h: (byref(_cfg(backend=7)), byref(_lib.CachePtr())),
+     INVALID, "backend"),
+    ("create bad log level", "expcache_create", lambda h: (byref(_cfg(log_level=9)), byref(_lib.CachePtr())),
+     INVALID, "log_level"),
+    ("create zero slab", "expcache_create", lambda h: (byref(_cfg(slab_bytes=0)), byref(_lib.CachePtr())),
+     INVALID, "slab_bytes"),
+    ("create zero capacity", "expcache_create",
+     lambda h: (byref(_cfg(device_capacity_bytes=0)), byref(_lib.CachePtr())), INVALID, "device_capacity_bytes"),
+    ("get_backend NULL out", "expcache_get_backend", lambda h: (h, None), INVALID, "out_backend is NULL"),
+    ("register layer out of range", "expcache_register_layer", lambda h: (h, 43, byref(_desc())), INVALID,
+     "layer 43 out of range"),
+    ("register twice", "expcache_register_layer", lambda h: (h, 0, byref(_desc())), STATE, "already registered"),
+    ("register NULL desc", "expcache_register_layer", lambda h: (h, 0, None), INVALID, "desc is NULL"),
+    ("select NULL ids", "expcache_select_async", lambda h: (h, 0, None, 1, None, PTRS), INVALID, "ids is NULL"),
+    ("select NULL out", "expcache_select_async", lambda h: (h, 0, IDS, 1, None, None), INVALID, "out_ptrs is NULL"),
+    ("select k 0", "expcache_select_async", lambda h: (h, 0, IDS, 0, None, PTRS), INVALID, "k must be"),
+    ("select k too large", "expcache_select_async", lambda h: (h, 0, IDS, 5000, None, PTRS), INVALID, "k must be"),
+    ("select layer out of range", "expcache_select_async", lambda h: (h, 99, IDS, 1, None, PTRS), INVALID,
+     "layer 99 out of range"),
+    ("select expert out of range", "expcache_select_async", lambda h: (h, 0, BAD_IDS, 2, None, PTRS), INVALID,
+     "expert id 999"),
+    ("compact NULL ids", "expcache_load_compact_async", lambda h: (h, 0, None, 1, None, byref(_compact())),
+     INVALID, "ids is NULL"),
+    ("compact NULL out", "expcache_load_compact_async", lambda h: (h, 0, IDS, 1, None, None), INVALID,
+     "out is NULL"),
+    ("compact n 0", "expcache_load_compact_async", lambda h: (h, 0, IDS, 0, None, byref(_compact())), INVALID,
+     "n must be"),
+    ("compact bad expert", "expcache_load_compact_async", lambda h: (h, 0, BAD_IDS, 2, None, byref(_compact())),
+     INVALID, "expert id 999"),
+    ("batch NULL ids", "expcache_batch_prepare_async",
+     lambda h: (h, 0, None, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64)), INVALID, "ids is NULL"),
+    ("batch NULL outs", "expcache_batch_prepare_async",
+     lambda h: (h, 0, IDS, 1, None, None, PTRS, byref(OUT_U32), byref(OUT_U64)), INVALID, "must not be NULL"),
+    ("batch n 0", "expcache_batch_prepare_async",
+     lambda h: (h, 0, IDS, 0, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64)), INVALID, "n must be"),
+    ("batch bad layer", "expcache_batch_prepare_async",
+     lambda h: (h, 77, IDS, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64)), INVALID, "layer 77"),
+    ("batch_finish unknown", "expcache_batch_finish", lambda h: (h, 12345, None), INVALID, "unknown"),
+    ("read_resident NULL dst", "expcache_read_resident", lambda h: (h, 0, 0, None, 10, byref(OUT_U32)), INVALID,
+     "dst is NULL"),
+    ("read_resident small dst", "expcache_read_resident",
+     lambda h: (h, 0, 0, HOST_BUF.ctypes.data, 10, byref(OUT_U32)), INVALID, "dst_bytes"),
+    ("read_resident bad expert", "expcache_read_resident",
+     lambda h: (h, 0, 300, HOST_BUF.ctypes.data, 1 << 16, byref(OUT_U32)), INVALID, "expert id 300"),
+    ("read_device foreign address", "expcache_read_device", lambda h: (h, HOST_BUF.ctypes.data,
+     HOST_BUF.ctypes.data, 16), INVALID, "not inside memory this cache allocated"),
+    ("read_device zero bytes", "expcache_read_device", lambda h: (h, 8, HOST_BUF.ctypes.data, 0), INVALID,
+     "n must be > 0"),
+    ("checksum NULL ptrs", "expcache_checksum", lambda h: (h, 0, None, 1, None, HOST_BUF.ctypes.data), INVALID,
+     "ptrs is NULL"),
+    ("checksum foreign ptrs", "expcache_checksum", lambda h: (h, 0, PTRS, 1, None, HOST_BUF.ctypes.data), INVALID,
+     "not inside memory"),
+    ("checksum n 0", "expcache_checksum", lambda h: (h, 0, PTRS, 0, None, HOST_BUF.ctypes.data), INVALID,
+     "n must be"),
+    ("class_count NULL", "expcache_class_count", lambda h: (h, None), INVALID, "out_count is NULL"),
+    ("class_info out of range", "expcache_class_info", lambda h: (h, 4, byref(_info())), INVALID, "class index 4"),
+    ("class_info NULL", "expcache_class_info", lambda h: (h, 0, None), INVALID, "out is NULL"),
+    ("layer_class bad layer", "expcache_layer_class", lambda h: (h, 50, byref(OUT_U32)), INVALID, "layer 50"),
+    ("layer_class NULL", "expcache_layer_class", lambda h: (h, 0, None), INVALID, "out_class is NULL"),
+    ("get_stats bad path", "expcache_get_stats", lambda h: (h, 0, 9, byref(_stats())), INVALID, "path 9"),
+    ("get_stats bad class", "expcache_get_stats", lambda h: (h, 9, 0, byref(_stats())), INVALID, "class index 9"),
+    ("get_stats struct_size", "expcache_get_stats", lambda h: (h, 0, 0, byref(_stats(8))), INVALID, "struct_size"),
+    ("set_log_level bad", "expcache_set_log_level", lambda h: (h, 5), INVALID, "log level"),
+    ("device_bytes NULL", "expcache_device_bytes_in_use", lambda h: (h, None), INVALID, "out_bytes is NULL"),
+    ("struct_sizes NULL", "expcache_struct_sizes", lambda h: (None,) * 5, INVALID, "NULL"),
+]
+
+# register_layer's descriptor checks, on a fresh layer index of a 2-layer cache.
+DESC_CASES = [
+    ("zero experts", dict(num_experts=0), "num_experts"),
+    ("too many experts", dict(num_experts=70000), "num_experts"),
+    ("zero bytes", dict(up_bytes=0), "up_bytes"),
+    ("huge bytes", dict(down_bytes=1 << 41), "down_bytes"),
+    ("stride < bytes", dict(gate_stride=100), "gate_stride"),
+    ("NULL base", dict(down_base=None), "down_base is NULL"),
+    ("address overflow", dict(gate_base=(1 << 64) - 512), "past the address space"),
+    ("bad source kind", dict(source_kind=3), "source_kind"),
+    ("reserved set", dict(reserved=1), "reserved"),
+    ("bad struct_size", dict(struct_size=12), "struct_size"),
+]
+
+# Functions taking a handle, with otherwise valid arguments.
+HANDLE_CALLS = [
+    ("expcache_get_backend", lambda h: (h, byref(OUT_U32))),
+    ("expcache_register_layer", lambda h: (h, 1, byref(_desc()))),
+    ("expcache_select_async", lambda h: (h, 0, IDS, 1, None, PTRS)),
+    ("expcache_load_compact_async", lambda h: (h, 0, IDS, 1, None, byref(_compact()))),
+    ("expcache_batch_prepare_async", lambda h: (h, 0, IDS, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),
+    ("expcache_batch_finish", lambda h: (h, 1, None)),
+    ("expcache_release_all", lambda h: (h,)),
+    ("expcache_synchronize", lambda h: (h, None)),
+    ("expcache_read_resident", lambda h: (h, 0, 0, HOST_BUF.ctypes.data, 1 << 16, byref(OUT_U32))),
+    ("expcache_read_device", lambda h: (h, 8, HOST_BUF.ctypes.data, 8)),
+    ("expcache_checksum", lambda h: (h, 0, PTRS, 1, None, HOST_BUF.ctypes.data)),
+    ("expcache_class_count", lambda h: (h, byref(OUT_U32))),
+    ("expcache_class_info", lambda h: (h, 0, byref(_info()))),
+    ("expcache_layer_class", lambda h: (h, 0, byref(OUT_U32))),
+    ("expcache_get_stats", lambda h: (h, 0, 0, byref(_stats()))),
+    ("expcache_reset_stats", lambda h: (h,)),
+    ("expcache_set_log_callback", lambda h: (h, _lib.LOG_FN(), None)),
+    ("expcache_set_log_level", lambda h: (h, 1)),
+    ("expcache_inject_alloc_failures", lambda h: (h, 0, 0)),
+    ("expcache_device_bytes_in_use", lambda h: (h, byref(OUT_U64))),
+]
+
+
+def _expect(fn_name, args, status, fragment):
+    with pytest.raises(ExpcacheError) as info:
+        getattr(lib, fn_name)(*args)
+    assert info.value.status == status, info.value
+    assert fragment in info.value.message, info.value.message
+    assert info.value.message.startswith(fn_name), info.value.message
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case, live):
+    _, fn_name, make_args, status, fragment = case
+    cache, source = live
+    _expect(fn_name, make_args(cache._handle), status, fragment)
+    # The cache still serves correct bytes afterwards.
+    ptrs = cache.select(3, [1, 2])
+    assert (cache.read_device(int(ptrs[1][0]), 528) == source.part(3, 2, 0)).all()
+
+
+@pytest.mark.parametrize("case", DESC_CASES, ids=[c[0] for c in DESC_CASES])
+def test_bad_layer_desc(case):
+    _, over, fragment = case
+    handle = _lib.CachePtr()
+    lib.expcache_create(byref(_cfg()), byref(handle))
+    try:
+        _expect("expcache_register_layer", (handle.value, 1, byref(_desc(**over))), INVALID, fragment)
+    finally:
+        lib.expcache_destroy(handle.value)
+
+
+@pytest.mark.parametrize("call", HANDLE_CALLS, ids=[c[0] for c in HANDLE_CALLS])
+def test_null_handle(call):
+    name, make_args = call
+    _expect(name, (None,) + make_args(None)[1:], INVALID, "cache is NULL")
+
+
+@pytest.mark.parametrize("call", HANDLE_CALLS, ids=[c[0] for c in HANDLE_CALLS])
+def test_destroyed_handle(call, dead):
+    name, make_args = call
+    _expect(name, (dead,) + make_args(dead)[1:], INVALID, "not a live cache")
+
+
+def test_destroy_accepts_null_and_repeats(dead):
+    lib.expcache_destroy(None)
+    lib.expcache_destroy(dead)
+
+
+def test_unregistered_layer_is_invalid_state():
+    handle = _lib.CachePtr()
+    lib.expcache_create(byref(_cfg()), byref(handle))
+    try:
+        _expect("expcache_select_async", (handle.value, 1, IDS, 1, None, PTRS), STATE, "not registered")
+    finally:
+        lib.expcache_destroy(handle.value)
+
+
+def test_cuda_backend_unavailable_is_unsupported():
+    from conftest import CUDA_OK
+
+    if CUDA_OK:
+        pytest.skip("a CUDA device is present")
+    _expect("expcache_create", (byref(_cfg(backend=2)), byref(_lib.CachePtr())), UNSUPPORTED, "")
+
+
+def test_last_error_is_thread_local():
+    import threading
+
+    with pytest.raises(ExpcacheError):
+        lib.expcache_config_init(None)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(lib.expcache_last_error()))
+    t.start()
+    t.join()
+    assert seen == [b""]
+    assert b"config is NULL" in lib.expcache_last_error()
+
+
+def test_python_rejects_bad_ids(live):
+    cache, _ = live
+    with pytest.raises(ValueError):
+        cache.select(0, [-1])
+    with pytest.raises(TypeError):
+        cache.select(0, [1.5])
+    with pytest.raises(ValueError):
+        cache.select(0, list(range(2000)))
+
+
+def test_host_only_library_serves(tmp_path):
+    from pyexpcache._loader import candidate_paths
+
+    host = [p for p in candidate_paths() if p.name == "libexpcache_host.so" and p.exists()]
+    if not host:
+        pytest.skip("libexpcache_host.so not built")
+    code = (
+        "import pyexpcache as p\n"
+        "L = p.ModelLayout.preset('q2', scale=4096)\n"
+        "s = p.HostSource(L)\n"
+        "c = p.ExpertCache(L, s, budget_experts=4)\n"
+        "assert c.backend == 'host'\n"
+        "ptr = c.select(3, [1, 2])\n"
+        "assert (c.read_expert(3, 2) == s.expert_bytes(3, 2)).all()\n"
+        "try:\n"
+        "    p.ExpertCache(L, s, budget_experts=4, backend='cuda')\n"
+        "except p.UnsupportedError as e:\n"
+        "    assert 'built without CUDA' in str(e)\n"
+        "else:\n"
+        "    raise SystemExit('cuda backend accepted by the host-only library')\n"
+        "print('ok')\n"
+    )
+    env = {"EXPCACHE_LIBRARY": str(host[0]), "PATH": "/usr/bin:/bin"}
+    import os
+
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,382 @@
+"""Contract suite of the cache core, run against every backend."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from pyexpcache import (
+    InvalidArgumentError,
+    InvalidStateError,
+    LayerSpec,
+    ModelLayout,
+    OutOfDeviceMemoryError,
+)
+
+from conftest import SCALE, assert_served
+
+
+def small(num_layers=4, num_experts=16, quant="q2"):
+    base = ModelLayout.preset(quant, scale=SCALE)
+    return ModelLayout(tuple(LayerSpec(num_experts, *base[0].class_key) for _ in range(num_layers)), name="small")
+
+
+def test_select_serves_source_bytes(make_cache):
+    cache, source = make_cache(small(), budget_experts=8)
+    for layer in range(4):
+        ids = [layer, 7, 15, 3]
+        ptrs = cache.select(layer, ids)
+        assert ptrs.shape == (4, 3)
+        assert_served(cache, source, layer, ids, ptrs)
+        for e in ids:
+            assert (cache.read_expert(layer, e) == source.expert_bytes(layer, e)).all()
+
+
+def test_select_counts_hits_and_misses(make_cache):
+    cache, _ = make_cache(small(), budget_experts=8)
+    cache.select(0, [1, 2, 3])
+    cache.select(0, [2, 3, 4])
+    st = cache.stats().path("decode")
+    assert (st.calls, st.hits, st.misses, st.appends, st.evictions) == (2, 2, 4, 4, 0)
+    assert st.hit_rate == pytest.approx(2 / 6)
+    assert st.bytes_h2d == 4 * cache.layout[0].expert_bytes
+
+
+def test_lru_evicts_least_recently_used(make_cache):
+    cache, _ = make_cache(small(), budget_experts=3)
+    for e in (0, 1, 2):
+        cache.select(0, [e])
+    cache.select(0, [0])          # 1 is now least recently used
+    cache.select(0, [3])          # evicts 1
+    assert cache.read_expert(0, 1) is None
+    assert all(cache.read_expert(0, e) is not None for e in (0, 2, 3))
+    assert cache.stats().path("decode").evictions == 1
+
+
+def test_duplicate_ids_served_once_with_same_pointers(make_cache):
+    cache, source = make_cache(small(), budget_experts=8)
+    ids = [5, 5, 9, 5, 9, 1]
+    ptrs = cache.select(2, ids)
+    assert (ptrs[0] == ptrs[1]).all() and (ptrs[0] == ptrs[3]).all() and (ptrs[2] == ptrs[4]).all()
+    st = cache.stats().path("decode")
+    assert st.misses == 3 and st.hits == 0
+    assert_served(cache, source, 2, ids, ptrs)
+
+
+def test_miss_never_evicts_expert_of_same_call(make_cache):
+    cache, source = make_cache(small(), budget_experts=3)
+    cache.select(0, [0, 1, 2])
+    # 0 and 1 are hits of this call; the miss 3 must evict 2, the only one not in the call.
+    ptrs = cache.select(0, [1, 3, 0])
+    assert cache.read_expert(0, 2) is None
+    assert_served(cache, source, 0, [1, 3, 0], ptrs)
+
+
+def test_request_larger_than_class_capacity_served_through_staging(make_cache):
+    cache, source = make_cache(small(), budget_experts=2)
+    ids = [0, 1, 2, 3, 4, 5]
+    ptrs = cache.select(1, ids)
+    assert_served(cache, source, 1, ids, ptrs)
+    st = cache.stats().path("decode")
+    assert st.misses == 6 and st.direct_loads == 4
+    assert cache.classes()[0].resident_experts == 2
+    # Staging is reused by the next call and still serves the right bytes.
+    ptrs = cache.select(1, [10, 11, 12, 13, 0])
+    assert_served(cache, source, 1, [10, 11, 12, 13, 0], ptrs)
+
+
+def test_mixed_q2_q4_alternation_is_all_hits_after_warmup(make_cache):
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    cache, source = make_cache(layout, budget_experts=6 * 40)
+    rng = np.random.default_rng(0)
+    pattern = [(layer, rng.choice(256, 6, replace=False)) for layer in range(3, 43)]
+    for layer, ids in pattern:  # warm-up
+        cache.select(layer, ids)
+    cache.reset_stats()
+    for _ in range(3):
+        for layer, ids in pattern:
+            cache.select(layer, ids)
+    stats = cache.stats()
+    assert len(stats.classes) == 2
+    assert stats.path("decode").misses == 0 and stats.path("decode").hits == 3 * 40 * 6
+    for c in stats.classes:
+        assert c.total.releases == 0
+    cache.reset_stats()
+    # From a cold cache: exactly one cap notice per class, however often the sizes alternate.
+    cache2, _ = make_cache(layout, budget_experts=6 * 40)
+    for _ in range(4):
+        for layer, ids in pattern:
+            cache2.select(layer, ids)
+    stats2 = cache2.stats()
+    assert [c.total.cap_notices for c in stats2.classes] == [1, 1]
+    assert sum(c.total.releases for c in stats2.classes) == 0
+    assert stats2.path("decode").misses == 40 * 6
+
+
+def test_prefill_batch_leaves_decode_working_set_resident(make_cache):
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    cache, source = make_cache(layout, budget_experts=40 * 6 * 2)
+    rng = np.random.default_rng(1)
+    decode = [[(layer, rng.choice(256, 6, replace=False)) for layer in range(3, 43)] for _ in range(2)]
+    for token in decode:
+        for layer, ids in token:
+            cache.select(layer, ids)
+    # A 2,000-token prompt at every layer: far more experts than the cache holds.
+    for layer in range(3, 43):
+        prompt = np.stack([rng.choice(256, 6, replace=False) for _ in range(2000)])
+        with cache.prepare_batch(layer, prompt) as batch:
+            assert sorted(batch.ids.tolist()) == sorted(set(prompt.ravel().tolist()))
+            assert_served(cache, source, layer, batch.ids[:8], batch.pointers[:8])
+    assert cache.stats().path("batch").evictions == 0
+    cache.reset_stats()
+    for token in decode:
+        for layer, ids in token:
+            cache.select(layer, ids)
+    assert cache.stats().path("decode").misses == 0
+
+
+def test_batch_appends_into_free_capacity_only(make_cache):
+    cache, source = make_cache(small(), budget_experts=4)
+    cache.select(0, [0, 1])
+    with cache.prepare_batch(0, [[0, 2], [3, 4], [5, 2]]) as batch:
+        assert batch.ids.tolist() == [0, 2, 3, 4, 5]
+        assert_served(cache, source, 0, batch.ids, batch.pointers)
+    st = cache.stats().path("batch")
+    assert (st.hits, st.misses, st.appends, st.direct_loads, st.evictions) == (1, 4, 2, 2, 0)
+    assert cache.read_expert(0, 1) is not None  # the decode expert survived
+
+
+def test_batch_appends_are_evicted_first(make_cache):
+    cache, _ = make_cache(small(), budget_experts=3)
+    cache.select(0, [0])
+    cache.prepare_batch(0, [[1, 2]]).finish()
+    cache.select(0, [3])  # evicts a cold append, not the decode expert 0
+    assert cache.read_expert(0, 0) is not None
+
+
+def test_batch_holds_slots_until_finished(make_cache):
+    cache, source = make_cache(small(), budget_experts=2)
+    batch = cache.prepare_batch(0, [[0, 1]])
+    ptrs = cache.select(0, [2, 3])  # cannot evict 0 or 1: served through staging
+    assert_served(cache, source, 0, [2, 3], ptrs)
+    assert cache.stats().path("decode").direct_loads == 2
+    assert_served(cache, source, 0, batch.ids, batch.pointers)
+    batch.finish()
+    batch.finish()  # idempotent
+    cache.select(0, [2, 3])
+    assert cache.read_expert(0, 2) is not None and cache.read_expert(0, 0) is None
+
+
+def test_batch_finish_rejects_unknown_batch(make_cache):
+    cache, _ = make_cache(small(), budget_experts=2)
+    batch = cache.prepare_batch(0, [[0]])
+    batch.finish()
+    from pyexpcache._lib import lib
+
+    with pytest.raises(InvalidArgumentError, match="unknown or already finished"):
+        lib.expcache_batch_finish(cache._handle, batch.handle, 0)
+
+
+def test_too_many_unfinished_batches(make_cache):
+    cache, _ = make_cache(small(), budget_experts=2)
+    batches = [cache.prepare_batch(0, [[i % 16]]) for i in range(64)]
+    with pytest.raises(InvalidStateError, match="unfinished"):
+        cache.prepare_batch(0, [[1]])
+    for b in batches:
+        b.finish()
+    cache.prepare_batch(0, [[1]]).finish()
+
+
+def three_class_layout():
+    return ModelLayout((LayerSpec(8, 512, 512, 640), LayerSpec(8, 1024, 1024, 1024), LayerSpec(8, 264, 264, 336),
+                        LayerSpec(8, 512, 512, 640)), name="three")
+
+
+def test_more_classes_than_max_classes_reuses_least_recent_class(make_cache, caplog):
+    cache, source = make_cache(three_class_layout(), budget_experts=4, max_classes=2)
+    with caplog.at_level(logging.INFO, logger="pyexpcache"):
+        for _ in range(3):
+            for layer in range(4):
+                ptrs = cache.select(layer, [1, 2])
+                assert_served(cache, source, layer, [1, 2], ptrs)
+    stats = cache.stats()
+    assert len(stats.classes) == 2
+    assert sum(c.total.class_reuses for c in stats.classes) > 0
+    assert any("more size classes than max_classes" in r.message for r in caplog.records)
+
+
+def test_max_classes_sixteen(make_cache):
+    layers = tuple(LayerSpec(4, 256 + 8 * i, 256, 256) for i in range(16))
+    cache, source = make_cache(ModelLayout(layers), budget_experts=2, max_classes=16)
+    for layer in range(16):
+        cache.select(layer, [0, 1])
+    assert len(cache.classes()) == 16
+    assert sum(c.total.class_reuses for c in cache.stats().classes) == 0
+
+
+def test_compact_buffer_layout_and_bytes(make_cache):
+    cache, source = make_cache(small(), budget_experts=8)
+    cache.select(0, [1, 2])
+    ids = [2, 5, 1, 5]
+    buf = cache.load_compact(0, ids)
+    spec = cache.layout[0]
+    assert buf.num_experts == 4 and buf.gate_bytes == spec.gate_bytes
+    assert buf.up_offset >= 4 * spec.gate_bytes and buf.down_offset >= buf.up_offset + 4 * spec.up_bytes
+    assert_served(cache, source, 0, ids, buf.pointers())
+    whole = cache.read_device(buf.base, buf.nbytes)
+    gate = whole[:4 * spec.gate_bytes].reshape(4, -1)
+    for i, e in enumerate(ids):
+        assert (gate[i] == source.part(0, e, 0)).all()
+    st = cache.stats().path("compact")
+    assert (st.hits, st.misses) == (2, 1)
+    assert st.bytes_d2d == 2 * spec.expert_bytes and st.bytes_h2d == 2 * spec.expert_bytes  # 5 is copied twice
+    assert cache.read_expert(0, 5) is None  # compact loads do not change residency
+
+
+def test_compact_retries_once_after_releasing_the_cache(make_cache):
+    cache, source = make_cache(small(), budget_experts=8)
+    cache.select(0, [0, 1, 2])
+    cache.fail_device_alloc_after(0, count=1)
+    buf = cache.load_compact(0, [0, 3])
+    assert_served(cache, source, 0, [0, 3], buf.pointers())
+    st = cache.stats()
+    assert st.path("compact").alloc_retries == 1
+    assert st.path("compact").releases == 1
+    assert cache.read_expert(0, 1) is None  # the cache was released for the retry
+    assert st.path("compact").misses == 2     # ... so 0 was read from the host
+
+
+def test_compact_fails_cleanly_after_second_failure(make_cache):
+    cache, source = make_cache(small(), budget_experts=8)
+    cache.select(0, [0, 1, 2])
+    cache.fail_device_alloc_after(0, count=2)
+    with pytest.raises(OutOfDeviceMemoryError, match="even after releasing"):
+        cache.load_compact(0, [0, 3])
+    assert cache.device_bytes_in_use == 0  # slots released, nothing leaked
+    assert cache.stats().path("compact").alloc_retries == 1
+    # The cache is consistent and usable.
+    ptrs = cache.select(0, [0, 1, 4])
+    assert_served(cache, source, 0, [0, 1, 4], ptrs)
+    buf = cache.load_compact(0, [4, 0])
+    assert_served(cache, source, 0, [4, 0], buf.pointers())
+
+
+def test_slot_allocation_failure_caps_the_class(make_cache):
+    cache, source = make_cache(small(), budget_experts=8, slab_bytes=2 * 2304)
+    cache.select(0, [0, 1])           # first slab of 2 slots
+    cache.fail_device_alloc_after(0, count=1)
+    ptrs = cache.select(0, [2, 3])    # growth fails: the class is capped at 2 and evicts
+    assert_served(cache, source, 0, [2, 3], ptrs)
+    info = cache.classes()[0]
+    assert info.cap_experts == 2 and info.allocated_experts == 2
+    assert cache.stats().path("decode").cap_notices == 2
+
+
+def test_budget_bytes_shared_in_proportion_to_class_bytes(make_cache):
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 10)
+    for layer in (0, 40):
+        cache.layer_class(layer)
+    infos = {c.key: c for c in cache.classes()}
+    q2, q4 = layout[0].class_key, layout[40].class_key
+    # Same fraction of each class's experts, within one slot of rounding.
+    frac_q2 = infos[q2].target_experts / (37 * 256)
+    frac_q4 = infos[q4].target_experts / (6 * 256)
+    assert abs(frac_q2 - frac_q4) < 2 / (6 * 256)
+    used = sum(c.target_experts * c.slot_bytes for c in infos.values())
+    assert used <= layout.total_bytes // 10
+
+
+def test_reserve_limits_the_cap(backend, make_cache):
+    if backend != "host":
+        pytest.skip("the emulated device capacity exists on the host backend only")
+    slot = 2304
+    cache, _ = make_cache(small(), budget_experts=64, device_capacity_bytes=20 * slot, reserve_bytes=10 * slot)
+    cache.select(0, list(range(16)))
+    info = cache.classes()[0]
+    assert info.target_experts == 64 and info.cap_experts == 10
+    assert cache.stats().path("decode").direct_loads == 6
+
+
+def test_reserve_env_overrides_config(backend, make_cache, monkeypatch):
+    if backend != "host":
+        pytest.skip("the emulated device capacity exists on the host backend only")
+    monkeypatch.setenv("EXPCACHE_RESERVE_GB", "0.5")
+    cache, _ = make_cache(small(), budget_experts=64, device_capacity_bytes=(1 << 29) + 5 * 2304, reserve_bytes=0)
+    cache.select(0, list(range(8)))
+    assert cache.classes()[0].cap_experts == 5
+
+
+def test_reserve_env_rejects_garbage(make_cache, monkeypatch):
+    monkeypatch.setenv("EXPCACHE_RESERVE_GB", "lots")
+    with pytest.raises(InvalidArgumentError, match="EXPCACHE_RESERVE_GB"):
+        make_cache(small(), budget_experts=4)
+
+
+def test_cap_notice_only_when_cap_changes(make_cache, caplog):
+    cache, _ = make_cache(small(), budget_experts=4)
+    with caplog.at_level(logging.INFO, logger="pyexpcache"):
+        for _ in range(5):
+            for layer in range(4):
+                cache.select(layer, [1, 2, 3])
+        cache.release_all()
+        cache.select(0, [1])
+    notices = [r for r in caplog.records if "cap 4 experts" in r.message]
+    assert len(notices) == 1
+    assert cache.stats().classes[0].total.cap_notices == 1
+
+
+def test_release_all_frees_slots_and_keeps_layout(make_cache):
+    cache, source = make_cache(small(), budget_experts=4)
+    cache.select(0, [1, 2])
+    assert cache.device_bytes_in_use > 0
+    cache.release_all()
+    assert cache.device_bytes_in_use == 0
+    assert cache.read_expert(0, 1) is None
+    assert cache.stats().path("control").releases == 1
+    ptrs = cache.select(0, [1, 2])
+    assert_served(cache, source, 0, [1, 2], ptrs)
+
+
+def test_reset_stats_zeroes_counters(make_cache):
+    cache, _ = make_cache(small(), budget_experts=4)
+    cache.select(0, [1, 2])
+    cache.reset_stats()
+    assert cache.stats().total == type(cache.stats().total)()
+
+
+def test_verbose_logs_one_line_per_call(make_cache, monkeypatch, caplog):
+    monkeypatch.setenv("EXPCACHE_VERBOSE", "1")
+    cache, _ = make_cache(small(), budget_experts=4)
+    with caplog.at_level(logging.DEBUG, logger="pyexpcache"):
+        cache.select(0, [1])
+        cache.select(0, [1, 2])
+    lines = [r.message for r in caplog.records if r.message.startswith("select")]
+    assert len(lines) == 2 and "1 hits" in lines[1]
+
+
+def test_expert_major_source_is_copied_whole(make_cache):
+    layout = small()
+    cache, source = make_cache(layout, budget_experts=4, arrangement="expert")
+    ptrs = cache.select(0, [3, 1])
+    assert_served(cache, source, 0, [3, 1], ptrs)
+
+
+def test_checksum_kernel_matches_source(make_cache):
+    layout = ModelLayout((LayerSpec(4, 520, 1000, 333),), name="odd")  # unaligned sizes, tails
+    cache, source = make_cache(layout, budget_experts=2)
+    ptrs = cache.select(0, [0, 1, 2])
+    sums = cache.checksum(0, ptrs)
+    assert sums.tolist() == [source.expected_checksum(0, e) for e in (0, 1, 2)]
+    # A corrupted expectation is detected: the sums differ per expert.
+    assert len(set(sums.tolist())) == 3
+
+
+def test_closed_cache_raises(make_cache):
+    cache, _ = make_cache(small(), budget_experts=4)
+    cache.close()
+    cache.close()
+    with pytest.raises(ValueError, match="closed"):
+        cache.select(0, [1])

@@ -1,0 +1,323 @@
+"""Tests for pyexpcache.traces: bundled trace files, loaders, locality statistics, synthetic traces."""
+
+import csv
+import hashlib
+import re
+
+import numpy as np
+import pytest
+
+from pyexpcache.traces import (
+    DECODE_FIRST_LAYER,
+    DEFAULT_REUSE,
+    DEFAULT_ZIPF,
+    TRACE_DIR,
+    PrefillPrompt,
+    Trace,
+    fit_synthetic_params,
+    list_traces,
+    load_decode_trace,
+    load_prefill_trace,
+    load_trace,
+    locality_stats,
+    synthetic_trace,
+)
+
+DECODE_TOKENS = {
+    "podA_a_coffee_full": 299,
+    "podA_b2_json_long_full": 206,
+    "podA_c_python_full": 117,
+    "podA_b_json_full": 37,
+    "oracle50_k0w": 79,  # README says 80: the 80th token is cut off by the truncated last line
+    "livemask_forensic_k0": 60,
+    "smoke_count64": 65,
+}
+
+
+@pytest.fixture(scope="module")
+def coffee():
+    return load_decode_trace("podA_a_coffee_full")
+
+
+# --------------------------------------------------------------------------- bundled files
+
+
+def test_list_traces_names_and_kinds():
+    infos = list_traces()
+    kinds = {i.name: i.kind for i in infos}
+    assert kinds == {**{n: "decode" for n in DECODE_TOKENS},
+                     "pod12_prefill_learn": "prefill", "pod12_prefill_eval": "prefill"}
+    for info in infos:
+        assert info.path.is_file() and info.path.parent == TRACE_DIR / info.kind
+
+
+def _git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_bundled_files_match_upstream_git_blobs():
+    # The README lists each file's git blob id in imanu86/reap-loop; matching it
+    # proves the copy is byte-for-byte, without needing the upstream checkout.
+    readme = (TRACE_DIR / "README.md").read_text()
+    rows = re.findall(r"^\| ((?:decode|prefill)/\S+) \|.*\| ([0-9a-f]{40}) \|$", readme, flags=re.M)
+    assert len(rows) == 10
+    for rel, blob in rows:
+        assert _git_blob_id((TRACE_DIR / rel).read_bytes()) == blob, rel
+
+
+def test_attribution_names_licence_and_copyright():
+    text = (TRACE_DIR / "ATTRIBUTION.md").read_text()
+    assert "imanu86/reap-loop" in text
+    assert "Copyright (c) 2026 REAP-LOOP contributors" in text
+    assert "Permission is hereby granted, free of charge" in text
+
+
+# --------------------------------------------------------------------------- decode loader
+
+
+@pytest.mark.parametrize("name,tokens", sorted(DECODE_TOKENS.items()))
+def test_decode_trace_shapes(name, tokens):
+    t = load_decode_trace(name)
+    assert (t.num_tokens, t.num_layers, t.k) == (tokens, 40, 6)
+    assert t.ids.dtype == np.int32 and t.ids.shape == (tokens, 40, 6)
+    assert t.first_layer == DECODE_FIRST_LAYER == 3
+    assert t.ids.min() >= 0 and t.ids.max() < 256
+    assert np.all(np.diff(t.positions) == 1)
+    if name in ("smoke_count64", "livemask_forensic_k0"):
+        assert t.weights is None
+    else:
+        assert t.weights.dtype == np.float32 and t.weights.shape == t.ids.shape
+        # ds4 applies the routed scaling factor 1.5 to the normalised gates.
+        np.testing.assert_allclose(t.weights.sum(axis=2), 1.5, atol=1e-3)
+
+
+def test_coffee_trace_content(coffee):
+    assert coffee.positions[0] == 218 and coffee.positions[-1] == 516
+    # First and last data rows of the file.
+    assert coffee.ids[0, 0].tolist() == [68, 71, 235, 177, 202, 96]
+    assert coffee.ids[-1, -1].tolist() == [229, 38, 77, 33, 120, 143]
+    assert coffee.weights[0, 0, 0] == pytest.approx(0.33447817)
+    # layer_ids takes the model layer: model layer 4 is array index 1.
+    assert coffee.layer_ids(4)[0].tolist() == [97, 8, 122, 201, 113, 161]
+    assert np.array_equal(coffee.layer_ids(42), coffee.ids[:, 39])
+    assert list(coffee.layers) == list(range(3, 43))
+    with pytest.raises(IndexError):
+        coffee.layer_ids(2)
+    with pytest.raises(IndexError):
+        coffee.layer_ids(43)
+
+
+def test_oracle_truncated_tail_dropped():
+    # The file ends with "143," after layers 3..37 of pos 143: both the cut
+    # line and the incomplete token must go, leaving whole tokens 64..142.
+    t = load_decode_trace("oracle50_k0w")
+    assert t.num_tokens == 79
+    assert t.positions[0] == 64 and t.positions[-1] == 142
+
+
+def test_load_by_path_and_dispatch(coffee):
+    by_path = load_decode_trace(TRACE_DIR / "decode" / "podA_a_coffee_full.route.csv")
+    assert np.array_equal(by_path.ids, coffee.ids)
+    assert isinstance(load_trace("podA_a_coffee_full"), Trace)
+    prompts = load_trace("pod12_prefill_eval")
+    assert isinstance(prompts, list) and all(isinstance(p, PrefillPrompt) for p in prompts)
+    with pytest.raises(FileNotFoundError, match="podA_a_coffee_full"):
+        load_decode_trace("no_such_trace")
+    with pytest.raises(FileNotFoundError):
+        load_decode_trace("pod12_prefill_learn")  # a prefill name is not a decode trace
+
+
+HEADER = "pos,layer,n,e0,e1,e2,e3,e4,e5\n"
+
+
+def _row(pos, layer, ids=(1, 2, 3, 4, 5, 6), n=6):
+    return f"{pos},{layer},{n}," + ",".join(str(e) for e in ids) + "\n"
+
+
+def _write(tmp_path, text, name="t.route.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _token(pos, first=3, last=42):
+    return "".join(_row(pos, layer) for layer in range(first, last + 1))
+
+
+def test_small_decode_file_roundtrip(tmp_path):
+    text = HEADER + _token(10) + _token(11).replace("11,3,6,1,2,3,4,5,6", "11,3,6,9,8,7,6,5,4")
+    t = load_decode_trace(_write(tmp_path, text))
+    assert t.name == "t" and t.num_tokens == 2 and t.weights is None
+    assert t.positions.tolist() == [10, 11]
+    assert t.ids[1, 0].tolist() == [9, 8, 7, 6, 5, 4]
+
+
+def test_trailing_incomplete_token_dropped(tmp_path):
+    text = HEADER + _token(10) + _token(11, last=20) + "11,21,6,1,2"
+    t = load_decode_trace(_write(tmp_path, text))
+    assert t.num_tokens == 1 and t.positions.tolist() == [10]
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        (HEADER + _token(10).replace("10,7,6,1,", "10,7,6,x,"), r"line 6: .*integers"),
+        (HEADER + _token(10).replace("10,7,6,1,", "10,7,6,256,"), r"line 6: expert id 256 outside \[0, 256\)"),
+        (HEADER + _token(10).replace("10,7,6,1,", "10,7,6,-1,"), r"line 6: expert id -1"),
+        (HEADER + _token(10).replace("10,7,6,", "10,7,5,"), r"line 6: n=5 but the file has 6"),
+        (HEADER + _token(10).replace(_row(10, 7), "") + _token(11), r"line 6: .*layer 8 where layer 7"),
+        (HEADER + _token(10, last=30) + _token(11), r"line 29: token at pos 10 ends at layer 30"),
+        (HEADER + _token(10) + _token(11, last=20) + _row(11, 22), r"layer 22 where layer 21"),
+        (HEADER + _token(10).replace(_row(10, 7), "10,7,6,1\n") + _token(11), r"line 6: incomplete row"),
+        (HEADER + _token(11) + _token(10), r"positions must increase"),
+        (HEADER + _token(10).replace(_row(10, 7), _row(10, 7).strip() + ",9\n"), r"line 6: 10 columns"),
+        ("pos,layer,e0\n", r"unexpected header"),
+    ],
+    ids=["non-integer-id", "id-too-large", "id-negative", "n-mismatch", "layer-missing-in-middle",
+         "token-cut-short-mid-file", "trailing-token-with-gap", "truncated-row-mid-file",
+         "positions-decrease", "extra-column", "bad-header"],
+)
+def test_malformed_decode_files(tmp_path, text, match):
+    path = _write(tmp_path, text, "bad.route.csv")
+    with pytest.raises(ValueError, match=match) as err:
+        load_decode_trace(path)
+    assert "bad.route.csv" in str(err.value)
+
+
+def test_num_experts_parameter(tmp_path):
+    path = _write(tmp_path, HEADER + _token(10).replace("10,7,6,1,", "10,7,6,300,"))
+    with pytest.raises(ValueError, match="outside"):
+        load_decode_trace(path)
+    t = load_decode_trace(path, num_experts=512)
+    assert t.ids[0, 4, 0] == 300 and t.num_experts == 512
+
+
+# --------------------------------------------------------------------------- prefill loader
+
+
+@pytest.mark.parametrize(
+    "name,lengths",
+    [("pod12_prefill_learn", [72, 66, 74, 65, 76, 68]), ("pod12_prefill_eval", [54, 49, 47, 53])],
+)
+def test_prefill_prompts(name, lengths):
+    prompts = load_prefill_trace(name)
+    assert [p.num_prefill_tokens for p in prompts] == lengths
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        assert p.index == i
+        assert p.prefill.dtype == np.int32 and p.prefill.shape == (43, n, 6)
+        assert p.prefill_weights.shape == (43, n, 6)
+        assert p.positions.tolist() == list(range(n))
+        d = p.decode
+        assert (d.num_tokens, d.num_layers, d.first_layer, d.k) == (1, 40, 3, 6)
+        assert d.positions.tolist() == [n]  # the decode token follows the prompt
+        assert np.array_equal(p.layer_ids(5), p.prefill[5])
+
+
+def test_prefill_layer_major_mapping():
+    # Check the reshaping against raw rows: row (pos, layer) of prompt 1 must land
+    # at prefill[layer, pos]; its decode row at decode.ids[0, layer - 3].
+    prompts = load_prefill_trace("pod12_prefill_learn")
+    path = TRACE_DIR / "prefill" / "pod12_prefill_learn.route.csv"
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))[1:]
+    p0 = 72 * 43 + 40  # rows of prompt 0
+    first = rows[p0]
+    assert first[:2] == ["0", "0"]
+    p = prompts[1]
+    for r in rows[p0: p0 + 66 * 43 + 40: 97]:  # a spread of rows from prompt 1
+        pos, layer = int(r[0]), int(r[1])
+        ids = [int(x) for x in r[3:9]]
+        idx = rows.index(r, p0)
+        if idx - p0 < 66 * 43:
+            assert p.prefill[layer, pos].tolist() == ids
+        else:
+            assert p.decode.ids[0, layer - 3].tolist() == ids
+    assert prompts[0].prefill[0, 0].tolist() == [254, 222, 245, 200, 53, 35]
+    assert prompts[0].prefill[0, 1].tolist() == [177, 92, 159, 84, 130, 21]
+
+
+def test_malformed_prefill(tmp_path):
+    def prompt(P, layers=43):
+        return "".join(_row(pos, layer) for layer in range(layers) for pos in range(P)) + _token(P)
+
+    ok = load_prefill_trace(_write(tmp_path, HEADER + prompt(2) + prompt(3)))
+    assert [p.num_prefill_tokens for p in ok] == [2, 3]
+    # A missing prefill row inside prompt 0 is an error naming the line.
+    bad = (HEADER + prompt(2) + prompt(3)).replace(_row(1, 5), "", 1)
+    with pytest.raises(ValueError, match=r"bad.route.csv, line \d+: prompt 0 prefill has \(layer 6, pos 0\)"):
+        load_prefill_trace(_write(tmp_path, bad, "bad.route.csv"))
+    with pytest.raises(ValueError, match="must start at pos 0, layer 0"):
+        load_prefill_trace(_write(tmp_path, HEADER + _token(5), "bad.route.csv"))
+
+
+# --------------------------------------------------------------------------- locality
+
+
+def test_locality_stats_by_hand():
+    # One layer, k=2, 4 experts.  Tokens: {0,1} {1,2} {1,2} {3,0}
+    ids = np.array([[[0, 1]], [[1, 2]], [[1, 2]], [[3, 0]]], dtype=np.int32)
+    t = Trace("hand", ids, None, 0, np.arange(4), num_experts=4)
+    s = locality_stats(t, top_fraction=0.25)  # top 1 of 4 experts
+    # Overlaps with the previous token: 1 of 2, 2 of 2, 0 of 2 -> 3/6.
+    assert s["reuse_previous"] == pytest.approx(0.5)
+    # Counts: 0:2, 1:3, 2:2, 3:1 -> top expert takes 3 of 8 requests.
+    assert s["top10_share"] == pytest.approx(3 / 8)
+    assert s["chance_reuse"] == pytest.approx(0.5)
+    assert s["distinct_share"] == pytest.approx(1.0)
+
+
+def test_coffee_locality(coffee):
+    s = locality_stats(coffee)
+    # Measured: reuse_previous 0.387 (chance 0.023), top10_share 0.685.
+    assert 0.35 <= s["reuse_previous"] <= 0.42
+    assert 0.62 <= s["top10_share"] <= 0.75
+    assert s["chance_reuse"] == pytest.approx(6 / 256)
+
+
+# --------------------------------------------------------------------------- synthetic
+
+
+def test_synthetic_defaults_match_real_locality(coffee):
+    target = locality_stats(coffee)["top10_share"]
+    for seed in (0, 1):
+        s = locality_stats(synthetic_trace(299, seed=seed))
+        assert abs(s["reuse_previous"] - DEFAULT_REUSE) <= 0.05
+        assert abs(s["top10_share"] - target) <= 0.05
+
+
+def test_synthetic_shape_distinct_and_range():
+    t = synthetic_trace(50, num_layers=7, num_experts=64, k=4, seed=3)
+    assert t.ids.shape == (50, 7, 4) and t.ids.dtype == np.int32
+    assert t.ids.min() >= 0 and t.ids.max() < 64 and t.num_experts == 64
+    srt = np.sort(t.ids, axis=2)
+    assert np.all(srt[:, :, 1:] != srt[:, :, :-1])  # k distinct ids per (token, layer)
+    assert t.weights is None and t.positions.tolist() == list(range(50))
+
+
+def test_synthetic_reproducible():
+    a = synthetic_trace(40, seed=7)
+    b = synthetic_trace(40, seed=7)
+    c = synthetic_trace(40, seed=8)
+    assert np.array_equal(a.ids, b.ids)
+    assert not np.array_equal(a.ids, c.ids)
+    # Longer traces are block-generated; the prefix must not depend on the length.
+    assert np.array_equal(synthetic_trace(300, seed=7).ids[:40], a.ids)
+
+
+def test_synthetic_parameters_control_statistics():
+    assert locality_stats(synthetic_trace(100, reuse=0.0))["reuse_previous"] == 0.0
+    frozen = synthetic_trace(20, reuse=1.0)
+    assert np.all(frozen.ids == frozen.ids[0])
+    flat = locality_stats(synthetic_trace(300, zipf=0.0))["top10_share"]
+    steep = locality_stats(synthetic_trace(300, zipf=2.0))["top10_share"]
+    assert flat < 0.25 < 0.8 < steep
+
+
+def test_fit_synthetic_params_on_coffee(coffee):
+    fit = fit_synthetic_params(coffee)
+    stats = locality_stats(coffee)
+    assert fit["reuse"] == pytest.approx(stats["reuse_previous"])
+    assert fit["zipf"] == pytest.approx(DEFAULT_ZIPF, abs=0.1)  # the default was fitted to this trace
+    syn = locality_stats(synthetic_trace(299, seed=11, zipf=fit["zipf"], reuse=fit["reuse"]))
+    assert abs(syn["top10_share"] - stats["top10_share"]) <= 0.02
+    assert abs(syn["reuse_previous"] - stats["reuse_previous"]) <= 0.02
