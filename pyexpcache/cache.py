@@ -13,7 +13,7 @@ from . import _lib
 from ._cuda import stream_handle
 from ._lib import lib
 from .layout import ModelLayout
-from .source import HostSource
+from .source import Source
 
 logger = logging.getLogger("pyexpcache")
 
@@ -177,7 +177,8 @@ class ExpertCache:
 
     Args:
         layout: the model layout (:class:`ModelLayout`).
-        source: where the experts' bytes are (:class:`HostSource`); must outlive the cache.
+        source: where the experts' bytes are (a :class:`~pyexpcache.source.Source`, e.g.
+            :class:`HostSource`); must outlive the cache.
         budget_experts: per-class budget in experts (ds4's ``--ssd-streaming-cache-experts``).
         budget_bytes: total budget over all classes, shared in proportion to class bytes.
         reserve_bytes: device memory always left free (default 1 GiB;
@@ -193,7 +194,7 @@ class ExpertCache:
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, layout: ModelLayout, source: HostSource, *, budget_experts: Optional[int] = None,
+    def __init__(self, layout: ModelLayout, source: Source, *, budget_experts: Optional[int] = None,
                  budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None, max_classes: int = 4,
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None):
@@ -226,6 +227,8 @@ class ExpertCache:
         try:
             lib.expcache_set_log_callback(self._handle, self._log_fn, None)
             for i, spec in enumerate(layout.layers):
+                if spec is None:
+                    continue
                 place = source.placement(i)
                 d = _lib.LayerDesc()
                 lib.expcache_layer_desc_init(ctypes.byref(d))
@@ -342,7 +345,7 @@ class ExpertCache:
         """The resident bytes of (layer, expert) (gate, up, down) as uint8, or None when it is
         not resident. Synchronizes."""
         spec = self.layout[layer] if 0 <= layer < self.layout.num_layers else None
-        nbytes = spec.expert_bytes if spec else 1
+        nbytes = spec.expert_bytes if spec else 1  # the library reports a bad or dense layer
         out = np.empty(nbytes, dtype=np.uint8)
         resident = ctypes.c_uint32()
         lib.expcache_read_resident(self._handle_or_raise(), layer, expert, out.ctypes.data, nbytes,

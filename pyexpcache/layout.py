@@ -18,7 +18,7 @@ mixed      q4 in layers 37-42, q2 elsewhere
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Iterable, Optional
 
 WEIGHTS_PER_MATRIX = 4096 * 2048
 NUM_LAYERS = 43
@@ -56,15 +56,18 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """An ordered list of MoE layers. Index i is model layer i."""
+    """An ordered list of layers. Index i is model layer i; an entry is None for a
+    layer without routed experts (a dense layer), which the cache never sees."""
 
-    layers: tuple[LayerSpec, ...]
+    layers: tuple[Optional[LayerSpec], ...]
     name: str = "custom"
 
     def __post_init__(self):
-        if not self.layers:
-            raise ValueError("a layout needs at least one layer")
+        if not any(s is not None for s in self.layers):
+            raise ValueError("a layout needs at least one MoE layer")
         for i, spec in enumerate(self.layers):
+            if spec is None:
+                continue
             if spec.num_experts <= 0 or min(spec.class_key) <= 0:
                 raise ValueError(f"layer {i}: experts and part sizes must be positive, got {spec}")
 
@@ -102,6 +105,9 @@ class ModelLayout:
             raise ValueError(f"scale divisor must be >= 1, got {divisor}")
         out = []
         for i, s in enumerate(self.layers):
+            if s is None:
+                out.append(None)
+                continue
             if any(b % divisor for b in s.class_key):
                 raise ValueError(f"layer {i}: part sizes {s.class_key} are not divisible by {divisor}")
             out.append(replace(s, gate_bytes=s.gate_bytes // divisor, up_bytes=s.up_bytes // divisor,
@@ -111,7 +117,7 @@ class ModelLayout:
 
     def with_experts(self, num_experts: int) -> "ModelLayout":
         """The same layout with ``num_experts`` experts per layer."""
-        return ModelLayout(tuple(replace(s, num_experts=num_experts) for s in self.layers),
+        return ModelLayout(tuple(s and replace(s, num_experts=num_experts) for s in self.layers),
                            name=f"{self.name}x{num_experts}")
 
     # -- queries ---------------------------------------------------------
@@ -122,23 +128,29 @@ class ModelLayout:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __getitem__(self, layer: int) -> LayerSpec:
+    def __getitem__(self, layer: int) -> Optional[LayerSpec]:
         return self.layers[layer]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers with routed experts."""
+        return [i for i, s in enumerate(self.layers) if s is not None]
 
     @property
     def total_bytes(self) -> int:
         """Bytes of every expert of every layer."""
-        return sum(s.num_experts * s.expert_bytes for s in self.layers)
+        return sum(s.num_experts * s.expert_bytes for s in self.layers if s is not None)
 
     def classes(self) -> dict[tuple[int, int, int], list[int]]:
         """Size class key -> the layers in it, in first-appearance order."""
         out: dict[tuple[int, int, int], list[int]] = {}
         for i, s in enumerate(self.layers):
-            out.setdefault(s.class_key, []).append(i)
+            if s is not None:
+                out.setdefault(s.class_key, []).append(i)
         return out
 
     def layer_class_index(self, layers: Iterable[int] | None = None) -> list[int]:
         """For each layer (or each of ``layers``), the index of its class in :meth:`classes` order."""
         keys = list(self.classes())
-        pick = range(self.num_layers) if layers is None else layers
+        pick = self.moe_layers if layers is None else layers
         return [keys.index(self.layers[i].class_key) for i in pick]

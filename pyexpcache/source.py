@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 
@@ -50,6 +50,17 @@ def _pattern_checksum(seed: int, nbytes: int) -> int:
     # Closed form of sum_j (seed + j)(2j + 1) for j < W words.
     w = nbytes // 8
     return (seed * w * w + (w - 1) * w * (2 * w - 1) // 3 + w * (w - 1) // 2) & _MASK64
+
+
+class Source(Protocol):
+    """What :class:`~pyexpcache.ExpertCache` needs of a source: the layout it holds,
+    whether its memory is pinned, and where each layer's parts are. The memory must
+    stay valid and unchanged while a cache uses it."""
+
+    layout: ModelLayout
+    pinned: bool
+
+    def placement(self, layer: int) -> Optional["LayerPlacement"]: ...
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,7 @@ class HostSource:
             self.buffer = np.empty(total, dtype=np.uint8)
         self._base = self.buffer.ctypes.data
         self._placements = [
-            LayerPlacement(tuple(self._base + o for o in offs), strides, spec.class_key)
+            LayerPlacement(tuple(self._base + o for o in offs), strides, spec.class_key) if spec else None
             for (offs, strides), spec in zip(offsets, layout.layers)
         ]
         self._fill(progress)
@@ -103,6 +114,9 @@ class HostSource:
     def _plan(self):
         offsets, pos = [], 0
         for spec in self.layout.layers:
+            if spec is None:
+                offsets.append(((0, 0, 0), (0, 0, 0)))
+                continue
             sizes = spec.class_key
             if self.arrangement == "tensor":
                 offs = []
@@ -122,6 +136,8 @@ class HostSource:
         done = 0
         ramps: dict[int, np.ndarray] = {}
         for layer, (spec, place) in enumerate(zip(self.layout.layers, self._placements)):
+            if spec is None:
+                continue
             for part in range(3):
                 nbytes = place.sizes[part]
                 words = -(-nbytes // 8)
@@ -140,8 +156,9 @@ class HostSource:
                     progress(done, total)
 
     # -- what the cache needs --------------------------------------------
-    def placement(self, layer: int) -> LayerPlacement:
-        """Addresses and strides of ``layer``'s parts (for expcache_register_layer)."""
+    def placement(self, layer: int) -> Optional[LayerPlacement]:
+        """Addresses and strides of ``layer``'s parts (for expcache_register_layer); None for
+        a layer without routed experts."""
         return self._placements[layer]
 
     # -- verification ------------------------------------------------------
