@@ -1,0 +1,132 @@
+"""``expcache`` command line: ``bench`` (the main job) and ``info``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+GiB = 1 << 30
+
+
+def _layers(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            out.append(int(part))
+    if not out:
+        raise argparse.ArgumentTypeError(f"no layers in {text!r}")
+    return sorted(set(out))
+
+
+def _csv(choices):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if choices and t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}; got {text!r}")
+        return items
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .bench import DEFAULT_TRACES, SCENARIOS, VARIANTS
+
+    p = argparse.ArgumentParser(prog="expcache", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="replay real routing through the cache; tokens/s and hit rate vs baselines",
+                       description="Replay bundled DeepSeek V4 Flash routing through the cache on the GPU (or on "
+                                   "the host backend when there is none) and compare with the baselines.")
+    b.add_argument("--layout", default="mixed", choices=("q2", "q4", "mixed"),
+                   help="DeepSeek V4 Flash expert layout (default: mixed q2-q4)")
+    b.add_argument("--scenario", default="decode", choices=SCENARIOS + ("all",), help="default: decode")
+    b.add_argument("--traces", type=_csv(None), default=list(DEFAULT_TRACES),
+                   help="comma list of bundled decode traces (default: all seven)")
+    b.add_argument("--budget-gib", type=float, default=12.0, help="expert cache budget in GiB (default 12)")
+    b.add_argument("--reserve-gib", type=float, default=None, help="device memory kept free (default 1 GiB)")
+    b.add_argument("--variants", type=_csv(VARIANTS), default=list(VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)} (default: all)")
+    b.add_argument("--backend", default="auto", choices=("auto", "host", "cuda"))
+    b.add_argument("--device", type=int, default=0)
+    b.add_argument("--source", choices=("pinned", "pageable"), default=None,
+                   help="host memory of the experts (default: pinned on the GPU, pageable on the host)")
+    b.add_argument("--layers", type=_layers, default=None, help="MoE layers to keep, e.g. 3-10 (default: all)")
+    b.add_argument("--scale", type=int, default=None,
+                   help="divide expert sizes and the budget by this (default: 1 on the GPU, 256 on the host)")
+    b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    b.add_argument("--plot", metavar="FILE.png", help="plot hit rate vs budget for LRU and Belady (matplotlib)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar or notices")
+    sub.add_parser("info", help="library version, path and available backends")
+    return p
+
+
+def _bench(args) -> int:
+    from . import bench
+    from .layout import ModelLayout
+
+    backend = bench.resolve_backend(args.backend, args.device)
+    scale = args.scale if args.scale is not None else (1 if backend == "cuda" else bench.HOST_SCALE)
+    if scale < 1:
+        raise SystemExit("--scale must be >= 1")
+    layout = ModelLayout.preset(args.layout, scale=scale)
+    if args.layers is not None:
+        bad = [i for i in args.layers if not 0 <= i < layout.num_layers]
+        if bad:
+            raise SystemExit(f"--layers: {bad} not in 0..{layout.num_layers - 1}")
+        layout = ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
+                             name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
+    pinned = None if args.source is None else args.source == "pinned"
+    budget = int(args.budget_gib * GiB / scale)
+    reserve = None if args.reserve_gib is None else int(args.reserve_gib * GiB)
+    if backend == "host":
+        print("no GPU in use: running on the host backend (hit rates exact, times host-emulated, "
+              f"expert sizes / {scale})", file=sys.stderr)
+    progress = bench.Progress(False if args.quiet else None)
+    scenarios = bench.SCENARIOS if args.scenario == "all" else (args.scenario,)
+    reports, failed = [], False
+    for scenario in scenarios:
+        report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
+                           backend=backend, pinned=pinned, reserve_bytes=reserve, host_scale=scale,
+                           progress=progress, device=args.device)
+        print(bench.format_report(report))
+        print()
+        reports.append(report)
+        if report.checksum_errors:
+            print(f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
+                  file=sys.stderr)
+            failed = True
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump([r.to_json() for r in reports], f, indent=2)
+    if args.plot:
+        workload = bench.build_workload("decode", args.traces, layout.moe_layers)
+        curve = bench.hit_rate_curve(workload, layout, [0.02, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5])
+        bench.plot_curve(curve, args.plot, f"{layout.name}: {workload.decode_tokens} decode tokens")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _info() -> int:
+    from . import library_version
+    from .bench import resolve_backend
+
+    print(f"libexpcache {library_version()}")
+    print(f"auto backend here: {resolve_backend()}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s")
+        return _bench(args)
+    return _info()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The main job: workloads, the simulators against the library's counters,
+and the CLI end to end on the host backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pyexpcache import ExpertCache, HostSource, ModelLayout
+from pyexpcache import bench
+from pyexpcache.simulate import BATCH, DECODE, simulate_lru
+from pyexpcache.traces import load_decode_trace
+
+from conftest import SCALE
+
+
+def test_decode_workload_is_token_major_over_model_layers():
+    w = bench.build_workload("decode", ["podA_b_json_full"])
+    trace = load_decode_trace("podA_b_json_full")
+    assert w.decode_tokens == trace.num_tokens and w.prefill_tokens == 0
+    assert len(w.calls) == trace.num_tokens * 40
+    assert [c.layer for c in w.calls[:41]] == list(range(3, 43)) + [3]
+    assert w.calls[40].ids == tuple(trace.ids[1, 0].tolist())
+
+
+def test_prefill_workload_batches_every_layer_then_decodes():
+    w = bench.build_workload("prefill", ["podA_b_json_full"])
+    assert w.has_batches and w.prefill_tokens == 72 + 66 + 74 + 65 + 76 + 68 + 54 + 49 + 47 + 53
+    first = w.calls[:43]
+    assert all(c.kind == BATCH for c in first) and [c.layer for c in first] == list(range(43))
+    assert len(first[0].ids) == 54 * 6  # the eval file sorts first; its first prompt has 54 tokens
+    assert w.calls[43].kind == DECODE
+
+
+def test_turns_workload_repeats_the_decode_after_a_prompt():
+    w = bench.build_workload("turns", ["podA_b_json_full"])
+    decode = [c for c in w.calls if c.kind == DECODE]
+    n = 37 * 40
+    assert decode[:n] == decode[-n:]
+
+
+@pytest.mark.parametrize("quant,budget_fraction", [("mixed", 0.05), ("mixed", 0.15), ("q2", 0.10)])
+def test_lru_simulator_equals_library_counters(backend, make_cache, quant, budget_fraction):
+    layout = ModelLayout.preset(quant, scale=SCALE)
+    cache, source = make_cache(layout, budget_bytes=int(layout.total_bytes * budget_fraction))
+    w = bench.build_workload("decode", ["podA_c_python_full", "podA_b_json_full"])
+    for call in w.calls:
+        cache.select(call.layer, call.ids)
+    layer_class = [cache.layer_class(i) for i in range(layout.num_layers)]
+    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
+    sim = simulate_lru(w.calls, caps, layer_class)
+    for c in cache.stats().classes:
+        d = c.paths["decode"]
+        i = c.info.index
+        assert (d.hits, d.misses, d.evictions, d.direct_loads) == (
+            sim.hits[i], sim.misses[i], sim.evictions[i], sim.direct[i])
+    assert cache.stats().hit_rate == sim.hit_rate
+
+
+def test_lru_simulator_equals_library_with_prefill_batches(make_cache):
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 8)
+    w = bench.build_workload("prefill", ["podA_b_json_full"])
+    for call in w.calls:
+        if call.kind == DECODE:
+            cache.select(call.layer, call.ids)
+        else:
+            cache.prepare_batch(call.layer, call.ids).finish()
+    layer_class = [cache.layer_class(i) for i in range(layout.num_layers)]
+    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
+    sim = simulate_lru(w.calls, caps, layer_class)
+    st = cache.stats()
+    assert st.total.hits == sim.hits.sum() and st.total.misses == sim.misses.sum()
+    assert st.path("batch").appends == sim.appends.sum()
+    assert st.path("decode").evictions == sim.evictions.sum()
+
+
+def test_bench_run_host_reports_every_variant():
+    layout = ModelLayout.preset("mixed", scale=4096)
+    report = bench.run(layout, "decode", traces=["podA_b_json_full"], budget_bytes=(12 << 30) // 4096,
+                       backend="host", host_scale=4096)
+    names = [r.variant for r in report.results]
+    assert names == list(bench.VARIANTS)
+    r = {x.variant: x for x in report.results}
+    assert report.checksum_errors == 0 and r["expcache"].experts_checked == 37 * 40 * 6
+    assert r["resident"].hit_rate == 1.0 and r["nocache"].hit_rate == 0.0
+    assert r["slab"].hit_rate < r["expcache"].hit_rate <= r["expcache"].belady_hit_rate + 0.02
+    assert r["slab"].releases > 37  # the old design released at every size change
+    text = bench.format_report(report)
+    assert "host-emulated" in text and "Belady" in text
+    json.dumps(report.to_json())
+
+
+def test_bench_detects_corrupted_bytes(monkeypatch):
+    layout = ModelLayout.preset("q2", scale=4096)
+    b = bench.Bench(layout, backend="host", budget_bytes=layout.total_bytes // 10)
+    try:
+        b.expected[5, 7] ^= np.uint64(1)  # as if expert (5, 7) had been served wrong
+        w = bench.Workload("t", [bench.Call(DECODE, 5, (7, 8))], 1, 0)
+        r = b.run_variant("expcache", w)
+        assert r.checksum_errors == 1
+    finally:
+        b.close()
+
+
+def test_cli_bench_host_end_to_end(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--traces", "podA_b_json_full",
+         "--layers", "3-12", "--scenario", "all", "--json", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("expcache bench") == 3
+    data = json.loads(out.read_text())
+    assert [d["scenario"] for d in data] == ["decode", "prefill", "turns"]
+    assert all(r["checksum_errors"] == 0 for d in data for r in d["results"])
+
+
+def test_cli_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--variants", "nope"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "expected a comma list" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--layers", "40-50", "--backend", "host"],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "not in 0..42" in proc.stderr
