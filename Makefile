@@ -25,7 +25,7 @@ HOST_LIB  = $(BUILD)/libexpcache_host.so
 CUDA_LIB  = $(BUILD)/libexpcache.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
-.PHONY: all lib deps test bench help clean
+.PHONY: all lib deps test bench select-overhead help clean
 all: lib
 
 help:
@@ -33,6 +33,7 @@ help:
 	@echo "make deps    install the Python packages the tests and benchmarks need, if missing"
 	@echo "make test    build, then run the test suite (CUDA tests run when a GPU is present)"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
+	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
 	@echo "make clean   remove $(BUILD)/"
 	@echo "variables: PYTHON=$(PYTHON) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
 
@@ -52,8 +53,17 @@ $(HOST_LIB): $(CORE_OBJ) $(STUB_OBJ)
 $(CUDA_LIB): $(CORE_OBJ) $(CUDA_OBJ)
 	$(NVCC) -shared -cudart static -o $@ $^ -lpthread
 
+SELECT_BIN = $(BUILD)/select_overhead
+$(SELECT_BIN): benchmarks/c/select_overhead.c $(LIBS)
+	$(CC) -O2 -Ilibexpcache/include -o $@ $< -L$(BUILD) -l:$(notdir $(lastword $(LIBS))) -Wl,-rpath,'$$ORIGIN'
+
+select-overhead: $(SELECT_BIN)
+	$(SELECT_BIN) host
+	@if [ -n "$(NVCC)" ] && $(SELECT_BIN) cuda 1 >/dev/null 2>&1; then $(SELECT_BIN) cuda; fi
+
 deps:
-	@$(PYTHON) -c "import numpy, tabulate, pytest" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[test]"
+	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf" 2>/dev/null || \
+		$(PYTHON) -m pip install -q -e ".[test]"
 
 test: lib deps
 	$(PYTHON) -m pytest -q tests
