@@ -23,13 +23,14 @@ GENCODE   = $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
 
 HOST_LIB  = $(BUILD)/libexpcache_host.so
 CUDA_LIB  = $(BUILD)/libexpcache.so
+REPLAY_LIB = $(BUILD)/libexpcache_replay.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
 .PHONY: all lib deps test bench select-overhead help clean
 all: lib
 
 help:
-	@echo "make lib     build $(HOST_LIB) (g++) and, when nvcc is found, $(CUDA_LIB)"
+	@echo "make lib     build $(HOST_LIB) (g++), $(CUDA_LIB) when nvcc is found, and $(REPLAY_LIB)"
 	@echo "make deps    install the Python packages the tests and benchmarks need, if missing"
 	@echo "make test    build, then run the test suite (CUDA tests run when a GPU is present)"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
@@ -37,7 +38,13 @@ help:
 	@echo "make clean   remove $(BUILD)/"
 	@echo "variables: PYTHON=$(PYTHON) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
 
-lib: $(LIBS)
+lib: $(LIBS) $(REPLAY_LIB)
+
+# The benchmark's C replay loop; its expcache_* symbols resolve at load time
+# to whichever library the process loaded first (see benchmarks/c/replay.c).
+$(REPLAY_LIB): benchmarks/c/replay.c libexpcache/include/expcache.h
+	@mkdir -p $(BUILD)
+	$(CC) -O2 -std=c11 -fPIC -shared -Wall -Ilibexpcache/include -o $@ $<
 
 $(BUILD)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
 	@mkdir -p $(dir $@)

@@ -33,7 +33,9 @@ def load() -> tuple[ctypes.CDLL, Path]:
             tried.append(f"{path}: not found")
             continue
         try:
-            return ctypes.CDLL(str(path)), path
+            # RTLD_GLOBAL: the benchmark's replay loop resolves its expcache_* symbols
+            # against this very library.
+            return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL), path
         except OSError as exc:
             tried.append(f"{path}: {exc}")
     raise OSError(

@@ -23,6 +23,7 @@ misses were the only cost.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import sys
 import time
@@ -62,6 +63,19 @@ class Workload:
     @property
     def has_batches(self) -> bool:
         return any(c.kind == BATCH for c in self.calls)
+
+    def arrays(self):
+        """The calls as the C replay loop takes them: a ctypes replay_call_t array and all ids."""
+        from ._replay import BATCH as C_BATCH, DECODE as C_DECODE, ReplayCall
+
+        calls = (ReplayCall * len(self.calls))()
+        offset = 0
+        for c, call in zip(calls, self.calls):
+            c.kind = C_BATCH if call.kind == BATCH else C_DECODE
+            c.layer, c.offset, c.count = call.layer, offset, len(call.ids)
+            offset += len(call.ids)
+        ids = np.fromiter((e for call in self.calls for e in call.ids), dtype=np.uint32, count=offset)
+        return calls, ids
 
 
 def _decode_calls(trace, layers: Optional[set]) -> list[Call]:
@@ -233,7 +247,7 @@ class Bench:
 
     def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
                  budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
-                 progress: Optional[Progress] = None, device: int = 0):
+                 progress: Optional[Progress] = None, device: int = 0, source=None):
         self.layout = layout
         self.backend = backend
         self.budget_bytes = budget_bytes
@@ -241,13 +255,18 @@ class Bench:
         self.device = device
         self.progress = progress or Progress(False)
         self.is_cuda = self._resolve_backend() == "cuda"
-        self.pinned = self.is_cuda if pinned is None else pinned
+        if source is not None:
+            self.pinned = source.pinned
+        else:
+            self.pinned = self.is_cuda if pinned is None else pinned
         if self.pinned and not self.is_cuda:
             raise ValueError("a pinned source needs the CUDA backend")
         self.stream = self._make_stream()
-        fill = (lambda done, total: self.progress(
-            f"filling {'pinned' if self.pinned else 'pageable'} source", done, total))
-        self.source = HostSource(layout, pinned=self.pinned, arrangement="tensor", progress=fill)
+        if source is None:
+            fill = (lambda done, total: self.progress(
+                f"filling {'pinned' if self.pinned else 'pageable'} source", done, total))
+            source = HostSource(layout, pinned=self.pinned, arrangement="tensor", progress=fill)
+        self.source = source
         self.expected = np.zeros((layout.num_layers, max(s.num_experts for s in layout.layers if s)), np.uint64)
         for layer in layout.moe_layers:
             for e in range(layout[layer].num_experts):
@@ -372,40 +391,24 @@ class Bench:
         cache.synchronize(self.stream)
 
     def _replay(self, cache: ExpertCache, variant: str, workload: Workload, result: VariantResult) -> None:
-        stream = self.stream
-        expected = self.expected
-        clock = time.perf_counter
-        total = len(workload.calls)
-        for n, call in enumerate(workload.calls):
-            ids = np.asarray(call.ids, dtype=np.uint32)
-            t0 = clock()
-            if call.kind == DECODE:
-                if variant == "nocache":
-                    ptrs = cache.load_compact(call.layer, ids, stream).pointers()
-                else:
-                    ptrs = cache.select(call.layer, ids, stream)
-                sums = cache.checksum(call.layer, ptrs, stream)  # the per-layer synchronization
-                result.decode_seconds += clock() - t0
-                served = ids
-            else:
-                if variant == "slab":
-                    cache.release_all()  # the old design flushed the cache before every prefill batch
-                if variant == "nocache":
-                    served = np.unique(ids)
-                    ptrs = cache.load_compact(call.layer, served, stream).pointers()
-                    sums = cache.checksum(call.layer, ptrs, stream)
-                else:
-                    with cache.prepare_batch(call.layer, ids, stream) as batch:
-                        served = batch.ids
-                        sums = cache.checksum(call.layer, batch.pointers, stream)
-                result.prefill_seconds += clock() - t0
-            bad = int(np.count_nonzero(sums != expected[call.layer, served]))
-            result.checksum_errors += bad
-            result.experts_checked += len(served)
-            if bad:
-                print(f"CHECKSUM MISMATCH: {variant} layer {call.layer}: {bad} of {len(served)} experts "
-                      f"differ from the source (call {n})", file=sys.stderr)
-            self.progress(f"{variant}", n + 1, total)
+        from . import _replay
+
+        calls, ids = workload.arrays()
+        mode = {"nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}.get(variant, _replay.MODE_CACHE)
+        out = _replay.ReplayResult()
+        label = variant
+        progress = _replay.PROGRESS_FN(lambda done, total: self.progress(label, done, total))
+        expected = np.ascontiguousarray(self.expected)
+        _replay.lib.expcache_replay(cache._handle_or_raise(), ctypes.addressof(calls), len(calls), ids.ctypes.data, mode,
+                                    self.stream, expected.ctypes.data, expected.shape[1], progress,
+                                    ctypes.byref(out))
+        result.decode_seconds += out.decode_seconds
+        result.prefill_seconds += out.prefill_seconds
+        result.checksum_errors += out.checksum_errors
+        result.experts_checked += out.experts_checked
+        if out.checksum_errors:
+            print(f"CHECKSUM MISMATCH: {variant}: {out.checksum_errors} experts differ from the source "
+                  f"(first in call {out.first_bad_call})", file=sys.stderr)
 
 
 def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int]) -> Optional[float]:
@@ -418,11 +421,18 @@ def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list
 def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
         traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
         pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: int = 1,
-        progress: Optional[Progress] = None, device: int = 0) -> Report:
-    """Run the benchmark and return a :class:`Report` (see the module docstring)."""
+        progress: Optional[Progress] = None, device: int = 0, source=None) -> Report:
+    """Run the benchmark and return a :class:`Report` (see the module docstring). ``source``
+    (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source."""
     workload = build_workload(scenario, traces, layout.moe_layers)
+    for call in workload.calls:
+        spec = layout[call.layer] if call.layer < layout.num_layers else None
+        if spec is None or max(call.ids) >= spec.num_experts:
+            raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
+                             f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
+                             "experts)")
     bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
-                  progress=progress, device=device)
+                  progress=progress, device=device, source=source)
     try:
         chunk = max(s.expert_bytes for s in layout.layers if s)
         link, link_label = bench.measure_link(chunk)

@@ -1,4 +1,4 @@
-"""``expcache`` command line: ``bench`` (the main job) and ``info``."""
+"""``expcache`` command line: ``bench`` (the main job), ``inspect`` (a GGUF model) and ``info``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "the host backend when there is none) and compare with the baselines.")
     b.add_argument("--layout", default="mixed", choices=("q2", "q4", "mixed"),
                    help="DeepSeek V4 Flash expert layout (default: mixed q2-q4)")
+    b.add_argument("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's experts (mmap, pageable) "
+                   "instead of a generated layout; its layers and experts must match the traces")
     b.add_argument("--scenario", default="decode", choices=SCENARIOS + ("all",), help="default: decode")
     b.add_argument("--traces", type=_csv(None), default=list(DEFAULT_TRACES),
                    help="comma list of bundled decode traces (default: all seven)")
@@ -59,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="plot hit rate vs budget for LRU and Belady (matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bar or notices")
+    i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
+    i.add_argument("model", metavar="MODEL.gguf")
     sub.add_parser("info", help="library version, path and available backends")
     return p
 
@@ -71,7 +75,17 @@ def _bench(args) -> int:
     scale = args.scale if args.scale is not None else (1 if backend == "cuda" else bench.HOST_SCALE)
     if scale < 1:
         raise SystemExit("--scale must be >= 1")
-    layout = ModelLayout.preset(args.layout, scale=scale)
+    source = None
+    if args.gguf:
+        from .gguf import GGUFSource
+
+        scale = 1
+        source = GGUFSource(args.gguf)
+        layout = source.layout
+    else:
+        layout = ModelLayout.preset(args.layout, scale=scale)
+    if args.layers is not None and source is not None:
+        raise SystemExit("--layers cannot be combined with --gguf")
     if args.layers is not None:
         bad = [i for i in args.layers if not 0 <= i < layout.num_layers]
         if bad:
@@ -90,7 +104,7 @@ def _bench(args) -> int:
     for scenario in scenarios:
         report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
                            backend=backend, pinned=pinned, reserve_bytes=reserve, host_scale=scale,
-                           progress=progress, device=args.device)
+                           progress=progress, device=args.device, source=source)
         print(bench.format_report(report))
         print()
         reports.append(report)
@@ -120,11 +134,30 @@ def _info() -> int:
     return 0
 
 
+def _inspect(args) -> int:
+    from .gguf import GGUFLayoutError, inspect_table
+
+    try:
+        print(inspect_table(args.model))
+    except (GGUFLayoutError, FileNotFoundError) as exc:
+        print(f"expcache inspect: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s")
-        return _bench(args)
+        from ._errors import ExpcacheError
+
+        try:
+            return _bench(args)
+        except (ValueError, OSError, MemoryError, ExpcacheError) as exc:
+            print(f"expcache bench: {exc}", file=sys.stderr)
+            return 1
+    if args.command == "inspect":
+        return _inspect(args)
     return _info()
 
 

@@ -94,6 +94,13 @@ class ModelLayout:
         return layout.scaled(scale) if scale != 1 else layout
 
     @classmethod
+    def from_gguf(cls, path) -> "ModelLayout":
+        """The routed-expert layout of a GGUF model file (see :mod:`pyexpcache.gguf`)."""
+        from .gguf import layout_from_gguf
+
+        return layout_from_gguf(path)
+
+    @classmethod
     def preset(cls, name: str, *, scale: int = 1) -> "ModelLayout":
         """``"q2"``, ``"q4"`` or ``"mixed"`` (DeepSeek V4 Flash)."""
         return cls.deepseek_v4_flash(name, scale=scale)

@@ -380,3 +380,14 @@ def test_closed_cache_raises(make_cache):
     cache.close()
     with pytest.raises(ValueError, match="closed"):
         cache.select(0, [1])
+
+
+def test_checksum_many_experts_and_multi_chunk_parts(make_cache):
+    # > 24 ranges per call (the kernel's job table path) and parts spanning several 256 KiB chunks.
+    layout = ModelLayout((LayerSpec(12, 600_000, 300_000, 700_001),), name="big")
+    cache, source = make_cache(layout, budget_experts=12)
+    ids = list(range(12))
+    ptrs = cache.select(0, ids)
+    assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
+    buf = cache.load_compact(0, ids[::-1])
+    assert cache.checksum(0, buf.pointers()).tolist() == [source.expected_checksum(0, e) for e in ids[::-1]]

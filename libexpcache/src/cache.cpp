@@ -927,8 +927,8 @@ expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_pt
     if (s != EXPCACHE_OK) return s;
     if (n == 0 || n > kMaxCompact) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%u, got %u", kMaxCompact, n);
     const LayerState& layer = layers_[layer_index];
-    std::vector<ChecksumJob> jobs;
-    jobs.reserve(size_t(n) * kParts);
+    std::vector<ChecksumJob>& jobs = checksum_jobs_;
+    jobs.clear();
     for (uint32_t i = 0; i < n; ++i) {
         const void* parts[kParts] = {ptrs[i].gate, ptrs[i].up, ptrs[i].down};
         for (int p = 0; p < kParts; ++p) {

@@ -162,6 +162,7 @@ private:
     std::vector<uint32_t> unique_;
     std::vector<expcache_expert_ptrs_t> ptrs_;
     std::vector<uint32_t> pending_;
+    std::vector<ChecksumJob> checksum_jobs_;
 };
 
 }  // namespace expcache

@@ -58,8 +58,7 @@ public:
         }
         for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
         if (fence_event_) cudaEventDestroy(fence_event_);
-        if (scratch_) cudaFree(scratch_);
-        if (host_scratch_) cudaFreeHost(host_scratch_);
+        checksum_.release();
         leave();
     }
     expcache_status_t init() {
@@ -153,21 +152,7 @@ public:
     }
     expcache_status_t checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, void* stream,
                                uint64_t* out_sums) override {
-        size_t need = checksum_scratch_bytes(num_jobs, num_sums);
-        if (need > scratch_bytes_) {
-            if (scratch_) cudaFree(scratch_);
-            if (host_scratch_) cudaFreeHost(host_scratch_);
-            scratch_ = nullptr;
-            host_scratch_ = nullptr;
-            scratch_bytes_ = 0;
-            EXPCACHE_CUDA_TRY(cudaMalloc(&scratch_, need));
-            EXPCACHE_CUDA_TRY(cudaMallocHost(&host_scratch_, need));
-            scratch_bytes_ = need;
-        }
-        cudaStream_t s = static_cast<cudaStream_t>(stream);
-        EXPCACHE_CUDA_TRY(launch_checksum(jobs, num_jobs, num_sums, scratch_, host_scratch_, s));
-        EXPCACHE_CUDA_TRY(cudaStreamSynchronize(s));
-        read_checksum_results(host_scratch_, num_jobs, num_sums, out_sums);
+        EXPCACHE_CUDA_TRY(checksum_.run(jobs, num_jobs, num_sums, static_cast<cudaStream_t>(stream), out_sums));
         return EXPCACHE_OK;
     }
 
@@ -182,9 +167,7 @@ private:
     cudaEvent_t fence_event_ = nullptr;
     std::vector<Deferred> deferred_;
     std::vector<cudaEvent_t> event_pool_;
-    void* scratch_ = nullptr;
-    void* host_scratch_ = nullptr;
-    size_t scratch_bytes_ = 0;
+    ChecksumScratch checksum_;
 };
 
 }  // namespace

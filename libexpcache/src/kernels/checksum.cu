@@ -10,6 +10,7 @@ namespace {
 // the grid, so a job's first block index locates it by binary search.
 constexpr uint64_t kChunkBytes = 256 * 1024;
 constexpr int kThreads = 256;
+constexpr uint32_t kInlineJobs = 24;
 
 struct DeviceJob {
     const unsigned char* ptr;
@@ -17,6 +18,16 @@ struct DeviceJob {
     uint64_t first_block;
     uint32_t out;
     uint32_t pad;
+};
+
+struct Params {
+    DeviceJob inline_jobs[kInlineJobs];
+    const DeviceJob* table;  // used when num_jobs > kInlineJobs
+    uint32_t num_jobs;
+    uint32_t num_sums;
+    unsigned long long* sums;
+    unsigned int* counter;
+    unsigned long long* out;
 };
 
 __device__ __forceinline__ uint64_t load_word(const unsigned char* p, uint64_t j, uint64_t bytes, bool aligned) {
@@ -27,8 +38,9 @@ __device__ __forceinline__ uint64_t load_word(const unsigned char* p, uint64_t j
     return w;
 }
 
-__global__ void checksum_kernel(const DeviceJob* jobs, uint32_t num_jobs, unsigned long long* sums) {
-    uint32_t lo = 0, hi = num_jobs;
+__global__ void checksum_kernel(const __grid_constant__ Params prm) {
+    const DeviceJob* jobs = prm.num_jobs > kInlineJobs ? prm.table : prm.inline_jobs;
+    uint32_t lo = 0, hi = prm.num_jobs;
     uint64_t block = blockIdx.x;
     while (hi - lo > 1) {
         uint32_t mid = (lo + hi) / 2;
@@ -57,47 +69,101 @@ __global__ void checksum_kernel(const DeviceJob* jobs, uint32_t num_jobs, unsign
     // Integer addition modulo 2^64 is associative, so any reduction order is exact.
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
     __shared__ uint64_t warp_sums[kThreads / 32];
+    __shared__ bool last;
     if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = sum;
     __syncthreads();
     if (threadIdx.x == 0) {
         uint64_t total = 0;
         for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-        atomicAdd(&sums[job.out], static_cast<unsigned long long>(total));
+        atomicAdd(&prm.sums[job.out], static_cast<unsigned long long>(total));
+        __threadfence();
+        last = atomicAdd(prm.counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) {
+        // Every other block's sums are visible (they fenced before counting).
+        __threadfence();
+        for (uint32_t i = threadIdx.x; i < prm.num_sums; i += kThreads) {
+            prm.out[i] = atomicExch(&prm.sums[i], 0ull);
+        }
+        if (threadIdx.x == 0) *prm.counter = 0;
     }
 }
 
 }  // namespace
 
-size_t checksum_scratch_bytes(uint32_t num_jobs, uint32_t num_sums) {
-    return sizeof(DeviceJob) * num_jobs + sizeof(uint64_t) * num_sums;
+ChecksumScratch::~ChecksumScratch() { release(); }
+
+void ChecksumScratch::release() {
+    if (jobs_dev_) cudaFree(jobs_dev_);
+    if (jobs_host_) cudaFreeHost(jobs_host_);
+    if (sums_) cudaFree(sums_);
+    if (counter_) cudaFree(counter_);
+    if (out_host_) cudaFreeHost(out_host_);
+    jobs_dev_ = jobs_host_ = nullptr;
+    sums_ = out_host_ = nullptr;
+    counter_ = nullptr;
+    jobs_cap_ = sums_cap_ = 0;
 }
 
-cudaError_t launch_checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, void* scratch,
-                            void* host_scratch, cudaStream_t stream) {
-    DeviceJob* hj = static_cast<DeviceJob*>(host_scratch);
+cudaError_t ChecksumScratch::reserve(uint32_t num_jobs, uint32_t num_sums) {
+    cudaError_t e = cudaSuccess;
+    if (num_sums > sums_cap_) {
+        if (sums_) cudaFree(sums_);
+        if (out_host_) cudaFreeHost(out_host_);
+        sums_ = out_host_ = nullptr;
+        sums_cap_ = 0;
+        if ((e = cudaMalloc(&sums_, sizeof(uint64_t) * num_sums)) != cudaSuccess) return e;
+        if ((e = cudaMemset(sums_, 0, sizeof(uint64_t) * num_sums)) != cudaSuccess) return e;
+        if ((e = cudaHostAlloc(&out_host_, sizeof(uint64_t) * num_sums, cudaHostAllocMapped)) != cudaSuccess) return e;
+        sums_cap_ = num_sums;
+    }
+    if (!counter_) {
+        if ((e = cudaMalloc(&counter_, sizeof(unsigned int))) != cudaSuccess) return e;
+        if ((e = cudaMemset(counter_, 0, sizeof(unsigned int))) != cudaSuccess) return e;
+    }
+    if (num_jobs > kInlineJobs && num_jobs > jobs_cap_) {
+        if (jobs_dev_) cudaFree(jobs_dev_);
+        if (jobs_host_) cudaFreeHost(jobs_host_);
+        jobs_dev_ = jobs_host_ = nullptr;
+        jobs_cap_ = 0;
+        if ((e = cudaMalloc(&jobs_dev_, sizeof(DeviceJob) * num_jobs)) != cudaSuccess) return e;
+        if ((e = cudaMallocHost(&jobs_host_, sizeof(DeviceJob) * num_jobs)) != cudaSuccess) return e;
+        jobs_cap_ = num_jobs;
+    }
+    return e;
+}
+
+cudaError_t ChecksumScratch::run(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, cudaStream_t stream,
+                                 uint64_t* out) {
+    cudaError_t e = reserve(num_jobs, num_sums);
+    if (e != cudaSuccess) return e;
+    Params prm;
+    std::memset(&prm, 0, sizeof prm);
+    DeviceJob* table = num_jobs > kInlineJobs ? static_cast<DeviceJob*>(jobs_host_) : prm.inline_jobs;
     uint64_t blocks = 0;
     for (uint32_t i = 0; i < num_jobs; ++i) {
-        hj[i] = DeviceJob{static_cast<const unsigned char*>(jobs[i].ptr), jobs[i].bytes, blocks, jobs[i].out, 0};
+        table[i] = DeviceJob{static_cast<const unsigned char*>(jobs[i].ptr), jobs[i].bytes, blocks, jobs[i].out, 0};
         blocks += (jobs[i].bytes + kChunkBytes - 1) / kChunkBytes;
     }
-    DeviceJob* dj = static_cast<DeviceJob*>(scratch);
-    unsigned long long* dsums = reinterpret_cast<unsigned long long*>(dj + num_jobs);
-    cudaError_t e = cudaMemcpyAsync(dj, hj, sizeof(DeviceJob) * num_jobs, cudaMemcpyHostToDevice, stream);
-    if (e != cudaSuccess) return e;
-    e = cudaMemsetAsync(dsums, 0, sizeof(uint64_t) * num_sums, stream);
-    if (e != cudaSuccess) return e;
-    if (blocks > 0) {
-        checksum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(dj, num_jobs, dsums);
-        e = cudaGetLastError();
+    if (num_jobs > kInlineJobs) {
+        e = cudaMemcpyAsync(jobs_dev_, jobs_host_, sizeof(DeviceJob) * num_jobs, cudaMemcpyHostToDevice, stream);
         if (e != cudaSuccess) return e;
+        prm.table = static_cast<const DeviceJob*>(jobs_dev_);
     }
-    unsigned long long* hsums = reinterpret_cast<unsigned long long*>(hj + num_jobs);
-    return cudaMemcpyAsync(hsums, dsums, sizeof(uint64_t) * num_sums, cudaMemcpyDeviceToHost, stream);
-}
-
-void read_checksum_results(const void* host_scratch, uint32_t num_jobs, uint32_t num_sums, uint64_t* out) {
-    const DeviceJob* hj = static_cast<const DeviceJob*>(host_scratch);
-    std::memcpy(out, hj + num_jobs, sizeof(uint64_t) * num_sums);
+    prm.num_jobs = num_jobs;
+    prm.num_sums = num_sums;
+    prm.sums = sums_;
+    prm.counter = counter_;
+    unsigned long long* out_dev = nullptr;
+    if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&out_dev), out_host_, 0)) != cudaSuccess) return e;
+    prm.out = out_dev;
+    if (blocks == 0 || blocks > 0x7fffffffu) return cudaErrorInvalidValue;
+    checksum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(prm);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return e;
+    std::memcpy(out, out_host_, sizeof(uint64_t) * num_sums);
+    return cudaSuccess;
 }
 
 }  // namespace expcache

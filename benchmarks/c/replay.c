@@ -1,0 +1,151 @@
+/*
+ * The benchmark's replay loop, in C so that what is timed is the library and
+ * the GPU, not the Python interpreter: for each call of a workload, serve
+ * the experts (select, batch or compact load), run the checksum kernel over
+ * every byte of them — the per-layer synchronization point — and compare
+ * with the expected sums.
+ *
+ * Built as libexpcache_replay.so without linking libexpcache: its expcache_*
+ * symbols resolve to the library the Python process already loaded (with
+ * RTLD_GLOBAL), so both always use the same one.
+ */
+#define _POSIX_C_SOURCE 199309L
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "expcache.h"
+
+#define REPLAY_DECODE 0
+#define REPLAY_BATCH 1
+
+#define REPLAY_MODE_CACHE 0   /* select / batch_prepare */
+#define REPLAY_MODE_NOCACHE 1 /* compact loads only: every expert uploaded every time */
+#define REPLAY_MODE_SLAB 2    /* select; release_all before every batch (the old ds4 design) */
+
+typedef struct replay_call_t {
+    uint32_t kind;
+    uint32_t layer;
+    uint64_t offset; /* first id in the ids array */
+    uint32_t count;  /* ids of this call (k for decode, tokens*k for a batch) */
+    uint32_t reserved;
+} replay_call_t;
+
+typedef struct replay_result_t {
+    double decode_seconds;
+    double prefill_seconds;
+    uint64_t checksum_errors;
+    uint64_t experts_checked;
+    uint64_t first_bad_call; /* UINT64_MAX when none */
+    uint64_t calls_done;
+} replay_result_t;
+
+typedef void (*replay_progress_fn)(uint64_t done, uint64_t total);
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint32_t dedupe(const uint32_t* ids, uint32_t n, uint8_t* seen, uint32_t* out) {
+    uint32_t m = 0;
+    for (uint32_t i = 0; i < n; ++i)
+        if (!seen[ids[i]]) {
+            seen[ids[i]] = 1;
+            out[m++] = ids[i];
+        }
+    for (uint32_t i = 0; i < m; ++i) seen[out[i]] = 0;
+    return m;
+}
+
+/*
+ * expected[layer * experts_per_layer + id] is the checksum of (layer, id).
+ * Returns EXPCACHE_OK, or the first failing call's status (result filled up to it).
+ */
+__attribute__((visibility("default"))) expcache_status_t expcache_replay(
+    expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, uint32_t mode,
+    void* stream, const uint64_t* expected, uint32_t experts_per_layer, replay_progress_fn progress,
+    replay_result_t* out) {
+    memset(out, 0, sizeof *out);
+    out->first_bad_call = UINT64_MAX;
+    uint32_t max_count = 1;
+    for (uint64_t c = 0; c < num_calls; ++c)
+        if (calls[c].count > max_count) max_count = calls[c].count;
+    uint32_t* uniq = malloc(sizeof(uint32_t) * max_count);
+    expcache_expert_ptrs_t* ptrs = malloc(sizeof(expcache_expert_ptrs_t) * max_count);
+    uint64_t* sums = malloc(sizeof(uint64_t) * max_count);
+    uint8_t* seen = calloc(experts_per_layer, 1);
+    expcache_status_t s = EXPCACHE_OK;
+    if (!uniq || !ptrs || !sums || !seen) {
+        s = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
+        goto done;
+    }
+    for (uint64_t c = 0; c < num_calls; ++c) {
+        const replay_call_t* call = &calls[c];
+        const uint32_t* cid = ids + call->offset;
+        const uint32_t* served = cid;
+        uint32_t n = call->count;
+        uint64_t batch = 0;
+        int have_batch = 0;
+        double t0 = now_s();
+        if (call->kind == REPLAY_DECODE) {
+            if (mode == REPLAY_MODE_NOCACHE) {
+                expcache_compact_t buf;
+                buf.struct_size = sizeof buf;
+                s = expcache_load_compact_async(cache, call->layer, cid, n, stream, &buf);
+                for (uint32_t i = 0; s == EXPCACHE_OK && i < n; ++i) {
+                    ptrs[i].gate = (char*)buf.base + buf.gate_offset + buf.gate_bytes * i;
+                    ptrs[i].up = (char*)buf.base + buf.up_offset + buf.up_bytes * i;
+                    ptrs[i].down = (char*)buf.base + buf.down_offset + buf.down_bytes * i;
+                }
+            } else {
+                s = expcache_select_async(cache, call->layer, cid, n, stream, ptrs);
+            }
+        } else {
+            if (mode == REPLAY_MODE_SLAB) s = expcache_release_all(cache);
+            if (s == EXPCACHE_OK && mode == REPLAY_MODE_NOCACHE) {
+                n = dedupe(cid, n, seen, uniq);
+                served = uniq;
+                expcache_compact_t buf;
+                buf.struct_size = sizeof buf;
+                s = expcache_load_compact_async(cache, call->layer, uniq, n, stream, &buf);
+                for (uint32_t i = 0; s == EXPCACHE_OK && i < n; ++i) {
+                    ptrs[i].gate = (char*)buf.base + buf.gate_offset + buf.gate_bytes * i;
+                    ptrs[i].up = (char*)buf.base + buf.up_offset + buf.up_bytes * i;
+                    ptrs[i].down = (char*)buf.base + buf.down_offset + buf.down_bytes * i;
+                }
+            } else if (s == EXPCACHE_OK) {
+                s = expcache_batch_prepare_async(cache, call->layer, cid, n, stream, uniq, ptrs, &n, &batch);
+                served = uniq;
+                have_batch = s == EXPCACHE_OK;
+            }
+        }
+        if (s == EXPCACHE_OK) s = expcache_checksum(cache, call->layer, ptrs, n, stream, sums);
+        if (have_batch) {
+            expcache_status_t f = expcache_batch_finish(cache, batch, stream);
+            if (s == EXPCACHE_OK) s = f;
+        }
+        double dt = now_s() - t0;
+        if (s != EXPCACHE_OK) goto done;
+        if (call->kind == REPLAY_DECODE) out->decode_seconds += dt;
+        else out->prefill_seconds += dt;
+        const uint64_t* want = expected + (uint64_t)call->layer * experts_per_layer;
+        for (uint32_t i = 0; i < n; ++i) {
+            if (sums[i] != want[served[i]]) {
+                out->checksum_errors++;
+                if (out->first_bad_call == UINT64_MAX) out->first_bad_call = c;
+            }
+        }
+        out->experts_checked += n;
+        out->calls_done = c + 1;
+        if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls)) progress(c + 1, num_calls);
+    }
+done:
+    free(uniq);
+    free(ptrs);
+    free(sums);
+    free(seen);
+    return s;
+}
