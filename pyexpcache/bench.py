@@ -421,9 +421,11 @@ def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list
 def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
         traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
         pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: int = 1,
-        progress: Optional[Progress] = None, device: int = 0, source=None) -> Report:
+        progress: Optional[Progress] = None, device: int = 0, source=None,
+        bench: Optional[Bench] = None) -> Report:
     """Run the benchmark and return a :class:`Report` (see the module docstring). ``source``
-    (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source."""
+    (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source; an
+    existing ``bench`` (whose source is then reused, and left open) replaces both."""
     workload = build_workload(scenario, traces, layout.moe_layers)
     for call in workload.calls:
         spec = layout[call.layer] if call.layer < layout.num_layers else None
@@ -431,8 +433,10 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
             raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
                              f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
                              "experts)")
-    bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
-                  progress=progress, device=device, source=source)
+    own = bench is None
+    if own:
+        bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
+                      reserve_bytes=reserve_bytes, progress=progress, device=device, source=source)
     try:
         chunk = max(s.expert_bytes for s in layout.layers if s)
         link, link_label = bench.measure_link(chunk)
@@ -458,7 +462,8 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
             report.results.append(r)
         return report
     finally:
-        bench.close()
+        if own:
+            bench.close()
 
 
 def format_report(report: Report) -> str:

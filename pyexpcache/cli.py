@@ -101,17 +101,21 @@ def _bench(args) -> int:
     progress = bench.Progress(False if args.quiet else None)
     scenarios = bench.SCENARIOS if args.scenario == "all" else (args.scenario,)
     reports, failed = [], False
-    for scenario in scenarios:
-        report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
-                           backend=backend, pinned=pinned, reserve_bytes=reserve, host_scale=scale,
-                           progress=progress, device=args.device, source=source)
-        print(bench.format_report(report))
-        print()
-        reports.append(report)
-        if report.checksum_errors:
-            print(f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
-                  file=sys.stderr)
-            failed = True
+    shared = bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget, reserve_bytes=reserve,
+                         progress=progress, device=args.device, source=source)
+    try:
+        for scenario in scenarios:
+            report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
+                               host_scale=scale, bench=shared)
+            print(bench.format_report(report))
+            print(flush=True)
+            reports.append(report)
+            if report.checksum_errors:
+                print(f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
+                      file=sys.stderr)
+                failed = True
+    finally:
+        shared.close()
     if args.json:
         import json
 
