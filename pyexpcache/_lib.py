@@ -38,6 +38,9 @@ class Config(ctypes.Structure):
         ("reserve_bytes", c_uint64),
         ("device_capacity_bytes", c_uint64),
         ("slab_bytes", c_uint64),
+        ("copy_threads", c_uint32),
+        ("reserved0", c_uint32),
+        ("staging_bytes", c_uint64),
     ]
 
 

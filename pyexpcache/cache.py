@@ -190,6 +190,9 @@ class ExpertCache:
         slab_bytes: largest single slot allocation (default 512 MiB).
         log_level: 0 silent, 1 notices (default), 2 one line per call. Lines go to the
             ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
+        copy_threads: CUDA with a pageable source: threads staging misses into a pinned ring
+            while earlier chunks cross the link (default 4; 0 = the driver's pageable copies).
+        staging_bytes: size of that pinned ring (default 64 MiB, eight chunks).
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
     """
@@ -197,7 +200,8 @@ class ExpertCache:
     def __init__(self, layout: ModelLayout, source: Source, *, budget_experts: Optional[int] = None,
                  budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None, max_classes: int = 4,
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
-                 slab_bytes: Optional[int] = None, log_level: Optional[int] = None):
+                 slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
+                 copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
@@ -211,7 +215,8 @@ class ExpertCache:
         cfg.max_classes = max_classes
         for name, value in (("budget_experts", budget_experts), ("budget_bytes", budget_bytes),
                             ("reserve_bytes", reserve_bytes), ("device_capacity_bytes", device_capacity_bytes),
-                            ("slab_bytes", slab_bytes), ("log_level", log_level)):
+                            ("slab_bytes", slab_bytes), ("log_level", log_level),
+                            ("copy_threads", copy_threads), ("staging_bytes", staging_bytes)):
             if value is not None:
                 if int(value) < 0:
                     raise ValueError(f"{name} must be >= 0, got {value}")

@@ -1,4 +1,4 @@
-"""``expcache`` command line: ``bench`` (the main job), ``inspect`` (a GGUF model) and ``info``."""
+"""``expcache`` command line: ``bench`` (the main job), ``transfer``, ``inspect`` (a GGUF model), ``info``."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="DeepSeek V4 Flash expert layout (default: mixed q2-q4)")
     b.add_argument("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's experts (mmap, pageable) "
                    "instead of a generated layout; its layers and experts must match the traces")
-    b.add_argument("--scenario", default="decode", choices=SCENARIOS + ("all",), help="default: decode")
+    b.add_argument("--scenario", type=_csv(SCENARIOS + ("all",)), default=["decode"],
+                   help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
     b.add_argument("--traces", type=_csv(None), default=list(DEFAULT_TRACES),
                    help="comma list of bundled decode traces (default: all seven)")
     b.add_argument("--budget-gib", type=float, default=12.0, help="expert cache budget in GiB (default 12)")
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="plot hit rate vs budget for LRU and Belady (matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bar or notices")
+    t = sub.add_parser("transfer", help="miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)")
+    t.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement, GiB (default 1)")
+    t.add_argument("--device", type=int, default=0)
     i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
     i.add_argument("model", metavar="MODEL.gguf")
     sub.add_parser("info", help="library version, path and available backends")
@@ -99,7 +103,7 @@ def _bench(args) -> int:
         print("no GPU in use: running on the host backend (hit rates exact, times host-emulated, "
               f"expert sizes / {scale})", file=sys.stderr)
     progress = bench.Progress(False if args.quiet else None)
-    scenarios = bench.SCENARIOS if args.scenario == "all" else (args.scenario,)
+    scenarios = bench.SCENARIOS if "all" in args.scenario else tuple(args.scenario)
     reports, failed = [], False
     shared = bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget, reserve_bytes=reserve,
                          progress=progress, device=args.device, source=source)
@@ -138,6 +142,18 @@ def _info() -> int:
     return 0
 
 
+def _transfer(args) -> int:
+    from . import transfer
+    from .bench import resolve_backend
+
+    if resolve_backend("auto", args.device) != "cuda":
+        print("expcache transfer: needs a CUDA device and the CUDA build of libexpcache", file=sys.stderr)
+        return 1
+    rows = transfer.run(total_bytes=int(args.gib * GiB), device=args.device)
+    print(transfer.format_rows(rows))
+    return 0
+
+
 def _inspect(args) -> int:
     from .gguf import GGUFLayoutError, inspect_table
 
@@ -162,6 +178,8 @@ def main(argv=None) -> int:
             return 1
     if args.command == "inspect":
         return _inspect(args)
+    if args.command == "transfer":
+        return _transfer(args)
     return _info()
 
 

@@ -62,6 +62,11 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     if (cfg.device_capacity_bytes == 0)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
     if (cfg.slab_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "slab_bytes must be > 0");
+    if (cfg.copy_threads > 64) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "copy_threads must be 0..64, got %u", cfg.copy_threads);
+    if (cfg.reserved0 != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved0 must be 0");
+    if (cfg.staging_bytes < (uint64_t(1) << 20) || cfg.staging_bytes > (uint64_t(16) << 30))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "staging_bytes must be 1 MiB..16 GiB, got %llu",
+                    (unsigned long long)cfg.staging_bytes);
     if (const char* env = std::getenv("EXPCACHE_RESERVE_GB")) {
         char* end = nullptr;
         double gb = std::strtod(env, &end);
@@ -80,7 +85,7 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     if (cfg.backend == EXPCACHE_BACKEND_HOST) {
         c->backend_ = make_host_backend(cfg.device_capacity_bytes);
     } else {
-        expcache_status_t s = make_cuda_backend(cfg.device, &c->backend_);
+        expcache_status_t s = make_cuda_backend(cfg.device, cfg.copy_threads, cfg.staging_bytes, &c->backend_);
         if (s != EXPCACHE_OK) {
             if (cfg.backend == EXPCACHE_BACKEND_CUDA) return s;
             c->backend_ = make_host_backend(cfg.device_capacity_bytes);

@@ -56,7 +56,10 @@ public:
 std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes);
 
 // UNSUPPORTED when the library was built without CUDA or no device is usable.
-expcache_status_t make_cuda_backend(int device, std::unique_ptr<Backend>* out);
+// Pageable uploads go through a pinned ring of `staging_bytes` filled by
+// `copy_threads` threads (0: plain pageable cudaMemcpyAsync).
+expcache_status_t make_cuda_backend(int device, uint32_t copy_threads, uint64_t staging_bytes,
+                                    std::unique_ptr<Backend>* out);
 
 // Checksum of one range, as the kernels compute it (host reference).
 uint64_t checksum_host(const void* ptr, uint64_t bytes);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "copy_pool.hpp"
 #include "../errors.hpp"
 #include "../kernels/checksum.cuh"
 
@@ -46,9 +47,80 @@ expcache_status_t cuda_fail(cudaError_t e, const char* what) {
         if (e_ != cudaSuccess) return cuda_fail(e_, #call);      \
     } while (0)
 
+// Pageable host memory cannot be DMA'd directly at full speed: the driver
+// stages it through its own small pinned buffer, one chunk at a time (about
+// 6 GB/s on PCIe 5, ../shared/CONTEXT.md). The ring stages it ourselves:
+// worker threads copy chunk i+1 into a pinned buffer while chunk i crosses
+// the link; a buffer is reused only after the event recorded behind its
+// copy has completed.
+class PinnedRing {
+public:
+    PinnedRing(uint32_t threads, uint64_t bytes) : pool_(threads), total_(bytes) {}
+    ~PinnedRing() { release(); }
+
+    void release() {
+        for (Slot& s : slots_) {
+            if (s.used) cudaEventSynchronize(s.done);
+            cudaEventDestroy(s.done);
+            cudaFreeHost(s.host);
+        }
+        slots_.clear();
+    }
+
+    expcache_status_t upload(void* dst, const void* src, uint64_t bytes, cudaStream_t stream) {
+        if (slots_.empty()) {
+            expcache_status_t s = init();
+            if (s != EXPCACHE_OK) return s;
+        }
+        const char* from = static_cast<const char*>(src);
+        char* to = static_cast<char*>(dst);
+        for (uint64_t off = 0; off < bytes; off += chunk_) {
+            uint64_t n = bytes - off < chunk_ ? bytes - off : chunk_;
+            Slot& slot = slots_[next_];
+            next_ = (next_ + 1) % slots_.size();
+            if (slot.used) EXPCACHE_CUDA_TRY(cudaEventSynchronize(slot.done));
+            pool_.copy(slot.host, from + off, n);
+            EXPCACHE_CUDA_TRY(cudaMemcpyAsync(to + off, slot.host, n, cudaMemcpyHostToDevice, stream));
+            EXPCACHE_CUDA_TRY(cudaEventRecord(slot.done, stream));
+            slot.used = true;
+        }
+        return EXPCACHE_OK;
+    }
+
+private:
+    struct Slot {
+        void* host = nullptr;
+        cudaEvent_t done = nullptr;
+        bool used = false;
+    };
+    expcache_status_t init() {
+        // Eight buffers: enough to keep several chunks in flight.
+        uint64_t n = 8;
+        chunk_ = total_ / n;
+        for (uint64_t i = 0; i < n; ++i) {
+            Slot s;
+            cudaError_t e = cudaMallocHost(&s.host, chunk_);
+            if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming);
+            if (e != cudaSuccess) {
+                if (s.host) cudaFreeHost(s.host);
+                release();
+                return cuda_fail(e, "pinned staging ring");
+            }
+            slots_.push_back(s);
+        }
+        return EXPCACHE_OK;
+    }
+    CopyPool pool_;
+    uint64_t total_;
+    uint64_t chunk_ = 0;
+    std::vector<Slot> slots_;
+    size_t next_ = 0;
+};
+
 class CudaBackend final : public Backend {
 public:
-    explicit CudaBackend(int device) : device_(device) {}
+    CudaBackend(int device, uint32_t copy_threads, uint64_t staging_bytes)
+        : device_(device), copy_threads_(copy_threads), staging_bytes_(staging_bytes) {}
     ~CudaBackend() override {
         enter();
         cudaDeviceSynchronize();
@@ -59,6 +131,7 @@ public:
         for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
         if (fence_event_) cudaEventDestroy(fence_event_);
         checksum_.release();
+        if (ring_) ring_->release();
         leave();
     }
     expcache_status_t init() {
@@ -124,7 +197,12 @@ public:
         *total_bytes = t;
         return EXPCACHE_OK;
     }
-    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool, void* stream) override {
+    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) override {
+        if (!pinned && copy_threads_ > 0) {
+            // Made on first use: caches over pinned sources never start the threads.
+            if (!ring_) ring_.reset(new PinnedRing(copy_threads_ - 1, staging_bytes_));
+            return ring_->upload(dst, src, bytes, static_cast<cudaStream_t>(stream));
+        }
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
@@ -162,17 +240,21 @@ private:
         cudaEvent_t event;
     };
     int device_;
+    uint32_t copy_threads_;   // 0: pageable copies go straight to cudaMemcpyAsync
+    uint64_t staging_bytes_;
     int depth_ = 0;
     int saved_device_ = -1;
     cudaEvent_t fence_event_ = nullptr;
     std::vector<Deferred> deferred_;
     std::vector<cudaEvent_t> event_pool_;
     ChecksumScratch checksum_;
+    std::unique_ptr<PinnedRing> ring_;
 };
 
 }  // namespace
 
-expcache_status_t make_cuda_backend(int device, std::unique_ptr<Backend>* out) {
+expcache_status_t make_cuda_backend(int device, uint32_t copy_threads, uint64_t staging_bytes,
+                                    std::unique_ptr<Backend>* out) {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
@@ -182,7 +264,7 @@ expcache_status_t make_cuda_backend(int device, std::unique_ptr<Backend>* out) {
     }
     if (device < 0 || device >= count)
         return fail(EXPCACHE_ERR_UNSUPPORTED, "CUDA device %d not present (%d device(s))", device, count);
-    std::unique_ptr<CudaBackend> b(new CudaBackend(device));
+    std::unique_ptr<CudaBackend> b(new CudaBackend(device, copy_threads, staging_bytes));
     expcache_status_t s = b->init();
     if (s != EXPCACHE_OK) return s;
     out->reset(b.release());

@@ -1,0 +1,124 @@
+"""Transfer benchmark: how fast the library moves misses, next to the raw link.
+
+For each source kind and expert size, every select is all misses (distinct
+experts, a cache large enough to hold them all), six experts per call as in
+decode; the library's throughput is bytes moved over the time from the first
+call to the end of the stream. The raw figure is plain ``cudaMemcpyAsync`` of
+the same expert-sized chunks from the same kind of memory, in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import _cuda
+from .cache import ExpertCache
+from .layout import LayerSpec, ModelLayout
+from .source import HostSource
+
+MiB = 1 << 20
+# Expert sizes of the issue: a small expert, DeepSeek V4 Flash q2 and q4 (gate, up, down bytes).
+SIZES = {
+    "0.5 MiB": (160 * 1024, 160 * 1024, 192 * 1024),
+    "6.75 MiB": (2162688, 2162688, 2752512),
+    "13.5 MiB": (4718592, 4718592, 4718592),
+}
+
+
+@dataclass
+class TransferRow:
+    source: str
+    size: str
+    arrangement: str
+    library_gb_s: float
+    raw_same_gb_s: float
+    raw_pinned_gb_s: float
+    bytes_moved: int
+
+    @property
+    def of_raw_pinned(self) -> float:
+        return self.library_gb_s / self.raw_pinned_gb_s
+
+
+def _raw_copy_gb_s(src_ptr: int, chunk: int, total: int, stream: int) -> float:
+    rt = _cuda.runtime()
+    dev = _cuda.check(rt.cudaMalloc(chunk), "cudaMalloc")
+    try:
+        kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+        n = max(1, total // chunk)
+        _cuda.check(rt.cudaMemcpyAsync(dev, src_ptr, chunk, kind, stream), "cudaMemcpyAsync")
+        _cuda.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        t0 = time.perf_counter()
+        for _ in range(n):
+            _cuda.check(rt.cudaMemcpyAsync(dev, src_ptr, chunk, kind, stream), "cudaMemcpyAsync")
+        _cuda.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+        return n * chunk / (time.perf_counter() - t0) / 1e9
+    finally:
+        rt.cudaFree(dev)
+
+
+def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 6, **cache_kwargs):
+    """All-miss selects of layer 1 into slots that layer 0 filled: every timed miss evicts and
+    reuses an allocated slot, so slab allocation is not timed."""
+    n = layout[0].num_experts
+    with ExpertCache(layout, source, budget_experts=n, backend="cuda", reserve_bytes=0, log_level=0,
+                     **cache_kwargs) as cache:
+        for start in range(0, n, 256):
+            cache.select(0, np.arange(start, min(n, start + 256)), stream)
+        cache.synchronize(stream)
+        cache.reset_stats()
+        ids = np.arange(n, dtype=np.uint32)
+        t0 = time.perf_counter()
+        for i in range(0, n, k):
+            cache.select(1, ids[i:i + k], stream)
+        cache.synchronize(stream)
+        dt = time.perf_counter() - t0
+        st = cache.stats().total
+        if st.hits or st.misses != n:
+            raise RuntimeError(f"transfer benchmark: expected {n} misses, got {st.misses} (hits {st.hits})")
+    return st.bytes_h2d / dt / 1e9, st.bytes_h2d
+
+
+def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=("tensor", "expert"),
+        sources=("pinned", "pageable"), device: int = 0, progress=None) -> list[TransferRow]:
+    """The transfer table (CUDA only)."""
+    rt = _cuda.runtime()
+    _cuda.check(rt.cudaSetDevice(device), "cudaSetDevice")
+    stream = int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
+    rows = []
+    try:
+        for size in sizes:
+            parts = SIZES[size]
+            expert = sum(parts)
+            n = max(64, total_bytes // expert)
+            layout = ModelLayout((LayerSpec(int(n), *parts),) * 2, name=f"transfer-{size}")
+            pinned_raw: Optional[float] = None
+            for kind in sources:
+                for arrangement in arrangements:
+                    with HostSource(layout, pinned=kind == "pinned", arrangement=arrangement) as src:
+                        raw_same = _raw_copy_gb_s(src.buffer.ctypes.data, expert, total_bytes, stream)
+                        if kind == "pinned" and pinned_raw is None:
+                            pinned_raw = raw_same
+                        if pinned_raw is None:
+                            with HostSource(ModelLayout((LayerSpec(2, *parts),)), pinned=True) as p:
+                                pinned_raw = _raw_copy_gb_s(p.buffer.ctypes.data, expert, total_bytes, stream)
+                        lib_gb_s, moved = _library_gb_s(layout, src, stream)
+                    rows.append(TransferRow(kind, size, arrangement, lib_gb_s, raw_same, pinned_raw, moved))
+                    if progress:
+                        progress(rows[-1])
+    finally:
+        rt.cudaStreamDestroy(stream)
+    return rows
+
+
+def format_rows(rows: Sequence[TransferRow]) -> str:
+    from tabulate import tabulate
+
+    table = [[r.source, r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}",
+              f"{r.raw_pinned_gb_s:.1f}", f"{100 * r.of_raw_pinned:.0f} %"] for r in rows]
+    return tabulate(table, headers=["source", "expert", "placement", "library GB/s", "raw same-kind GB/s",
+                                    "raw pinned GB/s", "library / raw pinned"], disable_numparse=True)
