@@ -181,6 +181,7 @@ class Report:
     layout: str
     scenario: str
     source: str
+    placement: str
     budget_bytes: int
     host_scale: int
     decode_tokens: int
@@ -247,7 +248,7 @@ class Bench:
 
     def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
                  budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
-                 progress: Optional[Progress] = None, device: int = 0, source=None):
+                 progress: Optional[Progress] = None, device: int = 0, source=None, placement: str = "expert"):
         self.layout = layout
         self.backend = backend
         self.budget_bytes = budget_bytes
@@ -265,8 +266,9 @@ class Bench:
         if source is None:
             fill = (lambda done, total: self.progress(
                 f"filling {'pinned' if self.pinned else 'pageable'} source", done, total))
-            source = HostSource(layout, pinned=self.pinned, arrangement="tensor", progress=fill)
+            source = HostSource(layout, pinned=self.pinned, arrangement=placement, progress=fill)
         self.source = source
+        self.placement = getattr(source, "arrangement", "tensor (GGUF file)")
         self.expected = np.zeros((layout.num_layers, max(s.num_experts for s in layout.layers if s)), np.uint64)
         for layer in layout.moe_layers:
             for e in range(layout[layer].num_experts):
@@ -442,7 +444,8 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
         link, link_label = bench.measure_link(chunk)
         report = Report(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
                         layout=layout.name, scenario=scenario,
-                        source="pinned" if bench.pinned else "pageable", budget_bytes=budget_bytes,
+                        source="pinned" if bench.pinned else "pageable", placement=bench.placement,
+                        budget_bytes=budget_bytes,
                         host_scale=host_scale, decode_tokens=workload.decode_tokens,
                         prefill_tokens=workload.prefill_tokens, link_bytes_per_s=link, link_label=link_label,
                         layer_sync=True)
@@ -473,7 +476,8 @@ def format_report(report: Report) -> str:
     timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
     head = [
         f"expcache bench — {report.scenario} on {report.device}",
-        f"layout {report.layout}, {report.source} source, budget {report.budget_bytes / GiB:.2f} GiB"
+        f"layout {report.layout}, {report.source} source ({report.placement} placement), "
+        f"budget {report.budget_bytes / GiB:.2f} GiB"
         + (f" (sizes and budget / {report.host_scale}, same slot counts)" if report.host_scale != 1 else ""),
         f"{report.decode_tokens} decode tokens, {report.prefill_tokens} prefill tokens; times {timing}; "
         f"link {report.link_bytes_per_s / 1e9:.1f} GB/s ({report.link_label})",

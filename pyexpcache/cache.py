@@ -191,7 +191,7 @@ class ExpertCache:
         log_level: 0 silent, 1 notices (default), 2 one line per call. Lines go to the
             ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
         copy_threads: CUDA with a pageable source: threads staging misses into a pinned ring
-            while earlier chunks cross the link (default 4; 0 = the driver's pageable copies).
+            while earlier chunks cross the link (default 8; 0 = the driver's pageable copies).
         staging_bytes: size of that pinned ring (default 64 MiB, eight chunks).
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.

@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--device", type=int, default=0)
     b.add_argument("--source", choices=("pinned", "pageable"), default=None,
                    help="host memory of the experts (default: pinned on the GPU, pageable on the host)")
+    b.add_argument("--placement", choices=("expert", "tensor"), default="expert",
+                   help="host placement of the generated source: each expert's parts together (default, as "
+                        "an engine stages experts in pinned memory) or one tensor per part (as in a GGUF)")
     b.add_argument("--layers", type=_layers, default=None, help="MoE layers to keep, e.g. 3-10 (default: all)")
     b.add_argument("--scale", type=int, default=None,
                    help="divide expert sizes and the budget by this (default: 1 on the GPU, 256 on the host)")
@@ -65,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("transfer", help="miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)")
     t.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement, GiB (default 1)")
     t.add_argument("--device", type=int, default=0)
+    t.add_argument("--copy-threads", default="8", help="comma list of copy thread counts for pageable sources")
+    t.add_argument("--sources", type=_csv(("pinned", "pageable")), default=["pinned", "pageable"])
     i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
     i.add_argument("model", metavar="MODEL.gguf")
     sub.add_parser("info", help="library version, path and available backends")
@@ -106,7 +111,7 @@ def _bench(args) -> int:
     scenarios = bench.SCENARIOS if "all" in args.scenario else tuple(args.scenario)
     reports, failed = [], False
     shared = bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget, reserve_bytes=reserve,
-                         progress=progress, device=args.device, source=source)
+                         progress=progress, device=args.device, source=source, placement=args.placement)
     try:
         for scenario in scenarios:
             report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
@@ -149,7 +154,9 @@ def _transfer(args) -> int:
     if resolve_backend("auto", args.device) != "cuda":
         print("expcache transfer: needs a CUDA device and the CUDA build of libexpcache", file=sys.stderr)
         return 1
-    rows = transfer.run(total_bytes=int(args.gib * GiB), device=args.device)
+    threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
+    rows = transfer.run(total_bytes=int(args.gib * GiB), device=args.device, copy_threads=threads,
+                        sources=args.sources)
     print(transfer.format_rows(rows))
     return 0
 

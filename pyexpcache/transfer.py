@@ -32,6 +32,7 @@ SIZES = {
 @dataclass
 class TransferRow:
     source: str
+    copy_threads: int
     size: str
     arrangement: str
     library_gb_s: float
@@ -84,7 +85,8 @@ def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int =
 
 
 def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=("tensor", "expert"),
-        sources=("pinned", "pageable"), device: int = 0, progress=None) -> list[TransferRow]:
+        sources=("pinned", "pageable"), copy_threads: Sequence[int] = (8,), device: int = 0,
+        progress=None) -> list[TransferRow]:
     """The transfer table (CUDA only)."""
     rt = _cuda.runtime()
     _cuda.check(rt.cudaSetDevice(device), "cudaSetDevice")
@@ -106,10 +108,12 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
                         if pinned_raw is None:
                             with HostSource(ModelLayout((LayerSpec(2, *parts),)), pinned=True) as p:
                                 pinned_raw = _raw_copy_gb_s(p.buffer.ctypes.data, expert, total_bytes, stream)
-                        lib_gb_s, moved = _library_gb_s(layout, src, stream)
-                    rows.append(TransferRow(kind, size, arrangement, lib_gb_s, raw_same, pinned_raw, moved))
-                    if progress:
-                        progress(rows[-1])
+                        for threads in (copy_threads if kind == "pageable" else (0,)):
+                            lib_gb_s, moved = _library_gb_s(layout, src, stream, copy_threads=threads)
+                            rows.append(TransferRow(kind, threads, size, arrangement, lib_gb_s, raw_same,
+                                                    pinned_raw, moved))
+                            if progress:
+                                progress(rows[-1])
     finally:
         rt.cudaStreamDestroy(stream)
     return rows
@@ -118,7 +122,7 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
 def format_rows(rows: Sequence[TransferRow]) -> str:
     from tabulate import tabulate
 
-    table = [[r.source, r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}",
+    table = [[r.source, r.copy_threads if r.source == "pageable" else "—", r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}",
               f"{r.raw_pinned_gb_s:.1f}", f"{100 * r.of_raw_pinned:.0f} %"] for r in rows]
-    return tabulate(table, headers=["source", "expert", "placement", "library GB/s", "raw same-kind GB/s",
+    return tabulate(table, headers=["source", "copy threads", "expert", "placement", "library GB/s", "raw same-kind GB/s",
                                     "raw pinned GB/s", "library / raw pinned"], disable_numparse=True)

@@ -143,7 +143,7 @@ typedef struct expcache_config_t {
     uint64_t device_capacity_bytes; /**< host backend only: emulated device size; default 64 GiB */
     uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
     uint32_t copy_threads;     /**< CUDA, pageable sources: threads staging bytes into pinned buffers while
-                                    earlier chunks cross the link; default 4; 0 = plain pageable copies */
+                                    earlier chunks cross the link; default 8; 0 = plain pageable copies */
     uint32_t reserved0;        /**< must be 0 */
     uint64_t staging_bytes;    /**< CUDA, pageable sources: size of the pinned staging ring; default 64 MiB */
 } expcache_config_t;

@@ -91,7 +91,7 @@ expcache_status_t expcache_config_init(expcache_config_t* config) {
         config->reserve_bytes = uint64_t(1) << 30;
         config->device_capacity_bytes = uint64_t(64) << 30;
         config->slab_bytes = uint64_t(512) << 20;
-        config->copy_threads = 4;
+        config->copy_threads = 8;
         config->staging_bytes = uint64_t(64) << 20;
         return EXPCACHE_OK;
     });
