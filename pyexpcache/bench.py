@@ -11,8 +11,9 @@ Variants, side by side in one process on the same source and stream:
 ``expcache``  this library: one cache per size class, LRU decode, batches that never evict.
 ``slab``      the old ds4 design: one slab keyed on the last-seen expert size (a cache
               with ``max_classes=1``, so every size change releases it), released again
-              before every prefill batch.
-``nocache``   every selected expert uploaded every time (compact loads, nothing kept).
+              before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
+``nocache``   every selected expert uploaded every time (compact loads, nothing kept, plain
+              cudaMemcpyAsync).
 ``resident``  the ceiling: every expert resident before the replay starts (skipped when
               device memory cannot hold the model).
 
@@ -301,9 +302,21 @@ class Bench:
 
     # -- the link ----------------------------------------------------------------
     def measure_link(self, chunk_bytes: int, repeats: int = 20) -> tuple[float, str]:
-        """Raw host-to-device bandwidth (bytes/s) from this source's memory with plain
-        cudaMemcpyAsync of ``chunk_bytes`` pieces; on the host backend, memcpy bandwidth."""
+        """Raw host-to-device bandwidth (bytes/s) with plain cudaMemcpyAsync of ``chunk_bytes``
+        pieces from pinned memory (the source's own when it is pinned), whatever the source kind:
+        the link bound is what the link allows; on the host backend, memcpy bandwidth."""
         chunk = min(chunk_bytes, self.source.nbytes)
+        if self.is_cuda and not self.pinned:
+            from .layout import LayerSpec
+
+            spec = next(s for s in self.layout.layers if s)
+            probe = ModelLayout((LayerSpec(max(1, -(-chunk // spec.expert_bytes)), *spec.class_key),))
+            with HostSource(probe, pinned=True) as pinned:
+                saved, self.source = self.source, pinned
+                try:
+                    return self.measure_link(chunk_bytes, repeats)
+                finally:
+                    self.source = saved
         if not self.is_cuda:
             dst = np.empty(chunk, np.uint8)
             src = self.source.buffer[:chunk]
@@ -327,7 +340,7 @@ class Bench:
             ms = _cuda.check(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime")
             rt.cudaEventDestroy(start)
             rt.cudaEventDestroy(stop)
-            label = f"cudaMemcpyAsync {'pinned' if self.pinned else 'pageable'}, {chunk / (1 << 20):.2f} MiB chunks"
+            label = f"cudaMemcpyAsync from pinned memory, {chunk / (1 << 20):.2f} MiB chunks"
             return chunk * repeats / (ms / 1e3), label
         finally:
             rt.cudaFree(dev)
@@ -352,10 +365,12 @@ class Bench:
         if variant == "expcache":
             cache = self._cache(budget_bytes=self.budget_bytes)
         elif variant == "slab":
+            # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
             biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
-            cache = self._cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1, log_level=0)
+            cache = self._cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1, log_level=0,
+                                copy_threads=0)
         elif variant == "nocache":
-            cache = self._cache(budget_experts=1, log_level=0)
+            cache = self._cache(budget_experts=1, log_level=0, copy_threads=0)
         elif variant == "resident":
             need = sum(s.num_experts * sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
             try:

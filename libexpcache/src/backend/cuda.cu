@@ -94,9 +94,12 @@ private:
         bool used = false;
     };
     expcache_status_t init() {
-        // Eight buffers: enough to keep several chunks in flight.
-        uint64_t n = 8;
-        chunk_ = total_ / n;
+        // 2 MiB chunks: small enough that the copy into chunk i+1 overlaps the
+        // transfer of chunk i within one expert, large enough that waking the
+        // copy threads is cheap next to the copy.
+        chunk_ = uint64_t(2) << 20;
+        if (total_ < 4 * chunk_) chunk_ = total_ / 4;
+        uint64_t n = total_ / chunk_;
         for (uint64_t i = 0; i < n; ++i) {
             Slot s;
             cudaError_t e = cudaMallocHost(&s.host, chunk_);
