@@ -306,7 +306,7 @@ class Bench:
         pieces from pinned memory (the source's own when it is pinned), whatever the source kind:
         the link bound is what the link allows; on the host backend, memcpy bandwidth."""
         chunk = min(chunk_bytes, self.source.nbytes)
-        if self.is_cuda and not self.pinned:
+        if self.is_cuda and not self.source.pinned:
             from .layout import LayerSpec
 
             spec = next(s for s in self.layout.layers if s)
