@@ -19,7 +19,8 @@ class ReplayCall(ctypes.Structure):
 
 class ReplayResult(ctypes.Structure):
     _fields_ = [("decode_seconds", c_double), ("prefill_seconds", c_double), ("checksum_errors", c_uint64),
-                ("experts_checked", c_uint64), ("first_bad_call", c_uint64), ("calls_done", c_uint64)]
+                ("experts_checked", c_uint64), ("first_bad_call", c_uint64), ("calls_done", c_uint64),
+                ("decode_bytes_h2d", c_uint64), ("prefill_bytes_h2d", c_uint64)]
 
 
 PROGRESS_FN = ctypes.CFUNCTYPE(None, c_uint64, c_uint64)
@@ -32,8 +33,8 @@ except OSError as exc:
 
 # expcache_status_t expcache_replay(expcache_t* cache, const replay_call_t* calls, uint64_t num_calls,
 #     const uint32_t* ids, uint32_t mode, void* stream, const uint64_t* expected, uint32_t experts_per_layer,
-#     replay_progress_fn progress, replay_result_t* out);
+#     uint32_t max_classes, replay_progress_fn progress, replay_result_t* out);
 lib.expcache_replay.argtypes = [c_void_p, c_void_p, c_uint64, c_void_p, c_uint32, c_void_p, c_void_p, c_uint32,
-                                PROGRESS_FN, POINTER(ReplayResult)]
+                                c_uint32, PROGRESS_FN, POINTER(ReplayResult)]
 lib.expcache_replay.restype = c_int32
 lib.expcache_replay.errcheck = _check

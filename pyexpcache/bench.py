@@ -152,6 +152,7 @@ class VariantResult:
     hits: int = 0
     misses: int = 0
     bytes_h2d: int = 0
+    decode_bytes_h2d: int = 0
     bytes_d2d: int = 0
     releases: int = 0
     checksum_errors: int = 0
@@ -171,8 +172,8 @@ class VariantResult:
 
     @property
     def gib_per_token(self) -> float:
-        tokens = self.decode_tokens + self.prefill_tokens
-        return self.bytes_h2d / GiB / tokens if tokens else 0.0
+        """Host-to-device GiB per decode token, counting decode calls only."""
+        return self.decode_bytes_h2d / GiB / self.decode_tokens if self.decode_tokens else 0.0
 
 
 @dataclass
@@ -417,12 +418,13 @@ class Bench:
         progress = _replay.PROGRESS_FN(lambda done, total: self.progress(label, done, total))
         expected = np.ascontiguousarray(self.expected)
         _replay.lib.expcache_replay(cache._handle_or_raise(), ctypes.addressof(calls), len(calls), ids.ctypes.data, mode,
-                                    self.stream, expected.ctypes.data, expected.shape[1], progress,
-                                    ctypes.byref(out))
+                                    self.stream, expected.ctypes.data, expected.shape[1], cache.max_classes,
+                                    progress, ctypes.byref(out))
         result.decode_seconds += out.decode_seconds
         result.prefill_seconds += out.prefill_seconds
         result.checksum_errors += out.checksum_errors
         result.experts_checked += out.experts_checked
+        result.decode_bytes_h2d += out.decode_bytes_h2d
         if out.checksum_errors:
             print(f"CHECKSUM MISMATCH: {variant}: {out.checksum_errors} experts differ from the source "
                   f"(first in call {out.first_bad_call})", file=sys.stderr)
@@ -466,9 +468,9 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
                         layer_sync=True)
         for variant in variants:
             r = bench.run_variant(variant, workload)
-            if r.skipped is None and r.bytes_h2d:
-                link_seconds = r.bytes_h2d / link
-                r.link_bound_tokens_per_s = workload.decode_tokens / link_seconds
+            if r.skipped is None and r.decode_bytes_h2d:
+                # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
+                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / link)
             if variant == "expcache":
                 capacities, layer_class = bench.capacities
                 r.belady_hit_rate = belady_hit_rate(workload, capacities, layer_class)
@@ -516,7 +518,7 @@ def format_report(report: Report) -> str:
             f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    table = tabulate(rows, headers=["variant", "decode tok/s", "hit rate", "Belady", "GiB/token",
+    table = tabulate(rows, headers=["variant", "decode tok/s", "hit rate", "Belady", "GiB/decode token",
                                     "link-bound tok/s", "of link bound", "vs slab", "checksums"],
                      disable_numparse=True)
     return "\n".join(head) + "\n\n" + table

@@ -90,6 +90,7 @@ def test_bench_run_host_reports_every_variant():
     assert r["resident"].hit_rate == 1.0 and r["nocache"].hit_rate == 0.0
     assert r["slab"].hit_rate < r["expcache"].hit_rate <= r["expcache"].belady_hit_rate + 0.02
     assert r["slab"].releases > 37  # the old design released at every size change
+    assert r["expcache"].decode_bytes_h2d == r["expcache"].bytes_h2d > 0  # decode only: every byte is decode's
     text = bench.format_report(report)
     assert "host-emulated" in text and "Belady" in text
     json.dumps(report.to_json())
@@ -127,3 +128,13 @@ def test_cli_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--layers", "40-50", "--backend", "host"],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "not in 0..42" in proc.stderr
+
+
+def test_prefill_bytes_are_not_charged_to_decode():
+    layout = ModelLayout.preset("q2", scale=4096)
+    report = bench.run(layout, "turns", variants=["expcache"], traces=["podA_b_json_full"],
+                       budget_bytes=layout.total_bytes // 10, backend="host")
+    r = report.results[0]
+    assert 0 < r.decode_bytes_h2d < r.bytes_h2d
+    assert r.link_bound_tokens_per_s == pytest.approx(
+        r.decode_tokens / (r.decode_bytes_h2d / report.link_bytes_per_s))

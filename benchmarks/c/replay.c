@@ -39,6 +39,8 @@ typedef struct replay_result_t {
     uint64_t experts_checked;
     uint64_t first_bad_call; /* UINT64_MAX when none */
     uint64_t calls_done;
+    uint64_t decode_bytes_h2d;  /* host-to-device bytes moved by decode calls */
+    uint64_t prefill_bytes_h2d; /* ... and by prefill batches */
 } replay_result_t;
 
 typedef void (*replay_progress_fn)(uint64_t done, uint64_t total);
@@ -47,6 +49,18 @@ static double now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Host-to-device bytes over every class and path (read outside the timed region). */
+static uint64_t bytes_h2d(expcache_t* cache, uint32_t max_classes) {
+    uint64_t total = 0;
+    for (uint32_t c = 0; c < max_classes; ++c)
+        for (uint32_t p = 0; p < EXPCACHE_NUM_PATHS; ++p) {
+            expcache_stats_t st;
+            st.struct_size = sizeof st;
+            if (expcache_get_stats(cache, c, p, &st) == EXPCACHE_OK) total += st.bytes_h2d;
+        }
+    return total;
 }
 
 static uint32_t dedupe(const uint32_t* ids, uint32_t n, uint8_t* seen, uint32_t* out) {
@@ -66,8 +80,8 @@ static uint32_t dedupe(const uint32_t* ids, uint32_t n, uint8_t* seen, uint32_t*
  */
 __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, uint32_t mode,
-    void* stream, const uint64_t* expected, uint32_t experts_per_layer, replay_progress_fn progress,
-    replay_result_t* out) {
+    void* stream, const uint64_t* expected, uint32_t experts_per_layer, uint32_t max_classes,
+    replay_progress_fn progress, replay_result_t* out) {
     memset(out, 0, sizeof *out);
     out->first_bad_call = UINT64_MAX;
     uint32_t max_count = 1;
@@ -78,6 +92,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     uint64_t* sums = malloc(sizeof(uint64_t) * max_count);
     uint8_t* seen = calloc(experts_per_layer, 1);
     expcache_status_t s = EXPCACHE_OK;
+    uint64_t moved = bytes_h2d(cache, max_classes);
     if (!uniq || !ptrs || !sums || !seen) {
         s = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
         goto done;
@@ -129,8 +144,15 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         }
         double dt = now_s() - t0;
         if (s != EXPCACHE_OK) goto done;
-        if (call->kind == REPLAY_DECODE) out->decode_seconds += dt;
-        else out->prefill_seconds += dt;
+        uint64_t now_moved = bytes_h2d(cache, max_classes);
+        if (call->kind == REPLAY_DECODE) {
+            out->decode_seconds += dt;
+            out->decode_bytes_h2d += now_moved - moved;
+        } else {
+            out->prefill_seconds += dt;
+            out->prefill_bytes_h2d += now_moved - moved;
+        }
+        moved = now_moved;
         const uint64_t* want = expected + (uint64_t)call->layer * experts_per_layer;
         for (uint32_t i = 0; i < n; ++i) {
             if (sums[i] != want[served[i]]) {
