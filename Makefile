@@ -32,9 +32,10 @@ all: lib
 help:
 	@echo "make lib     build $(HOST_LIB) (g++), $(CUDA_LIB) when nvcc is found, and $(REPLAY_LIB)"
 	@echo "make deps    install the Python packages the tests and benchmarks need, if missing"
-	@echo "make test    build, then run the test suite (CUDA tests run when a GPU is present)"
+	@echo "make test    build, run the test suite (CUDA tests when a GPU is present), then the benchmarks once"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
+	@echo "make asv-history / asv-quick / asv-record / asv-publish / bench-quick: see benchmarks/README.md"
 	@echo "make clean   remove $(BUILD)/"
 	@echo "variables: PYTHON=$(PYTHON) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
 
@@ -69,14 +70,18 @@ select-overhead: $(SELECT_BIN)
 	@if [ -n "$(NVCC)" ] && $(SELECT_BIN) cuda 1 >/dev/null 2>&1; then $(SELECT_BIN) cuda; fi
 
 deps:
-	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf" 2>/dev/null || \
+	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -e ".[test]"
 
+# The test suite, then the benchmarks in quick mode (once each, host backend) so they cannot rot.
 test: lib deps
 	$(PYTHON) -m pytest -q tests
+	$(MAKE) --no-print-directory bench-quick
 
 bench: lib deps
 	$(PYTHON) -m pyexpcache bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD)
+
+include benchmarks/asv.mk

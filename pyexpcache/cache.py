@@ -246,10 +246,6 @@ class ExpertCache:
         except BaseException:
             self.close()
             raise
-        self._ids = np.empty(_lib.MAX_SELECT, dtype=np.uint32)
-        self._ptrs = (_lib.ExpertPtrs * _lib.MAX_SELECT)()
-        self._ptr_view = np.ctypeslib.as_array(
-            ctypes.cast(self._ptrs, ctypes.POINTER(ctypes.c_uint64)), shape=(_lib.MAX_SELECT, 3))
 
     @staticmethod
     def _on_log(user, level, message):
@@ -290,6 +286,8 @@ class ExpertCache:
     @staticmethod
     def _as_ids(expert_ids, what: str) -> np.ndarray:
         ids = np.asarray(expert_ids)
+        if ids.size == 0:
+            return np.empty(0, dtype=np.uint32)  # the library reports the empty request
         if ids.dtype.kind not in "iu":
             raise TypeError(f"{what} must be integers, got {ids.dtype}")
         if ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
@@ -304,10 +302,11 @@ class ExpertCache:
         k = ids.size
         if k > _lib.MAX_SELECT:
             raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
-        self._ids[:k] = ids
-        lib.expcache_select_async(self._handle_or_raise(), layer, self._ids.ctypes.data, k,
-                                  stream_handle(stream), self._ptrs)
-        return self._ptr_view[:k].copy()
+        # Per-call buffers: several threads may share one cache (the library serializes the calls).
+        out = np.empty((max(k, 1), 3), dtype=np.uint64)
+        lib.expcache_select_async(self._handle_or_raise(), layer, ids.ctypes.data, k, stream_handle(stream),
+                                  out.ctypes.data)
+        return out[:k]
 
     def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
         """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to

@@ -139,7 +139,8 @@ typedef struct expcache_config_t {
     uint32_t log_level;        /**< EXPCACHE_LOG_*; default NOTICE; EXPCACHE_VERBOSE=1 raises it to DEBUG */
     uint64_t budget_experts;   /**< per-class budget in experts; default 0 (unset) */
     uint64_t budget_bytes;     /**< total budget in bytes; default 0 (unset) */
-    uint64_t reserve_bytes;    /**< device memory always left free; default 1 GiB; EXPCACHE_RESERVE_GB overrides */
+    uint64_t reserve_bytes;    /**< device memory the expert caches never grow into (left for staging
+                                    buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides */
     uint64_t device_capacity_bytes; /**< host backend only: emulated device size; default 64 GiB */
     uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
     uint32_t copy_threads;     /**< CUDA, pageable sources: threads staging bytes into pinned buffers while
@@ -236,8 +237,8 @@ typedef struct expcache_expert_ptrs_t {
  * served from a staging buffer. Copies are enqueued on `stream`.
  *
  * The addresses are valid for device work enqueued on `stream` (or ordered
- * after it) before the next select, load_compact or batch_prepare call on
- * this cache. A later call on another stream waits, on the device, for the
+ * after it) before the next select, load_compact, batch_prepare or
+ * release_all call on this cache. A later call on another stream waits, on the device, for the
  * work enqueued on this stream before it overwrites a slot.
  * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, CUDA, POISONED.
  */
@@ -279,8 +280,11 @@ EXPCACHE_API expcache_status_t expcache_load_compact_async(expcache_t* cache, ui
  * one layer): resident experts are read in place, misses are appended
  * into free capacity of the class (inserted as least recently used, so
  * they are the first to go), and the rest are loaded into a staging buffer
- * owned by the batch. A batch never evicts, so the decode working set
- * survives a prompt of any length. Writes the unique ids in first-appearance
+ * owned by the batch. A batch never evicts and its staging never releases
+ * the caches (it comes out of the reserve), so the decode working set
+ * survives a prompt of any length; when that staging does not fit, the call
+ * fails with OUT_OF_DEVICE_MEMORY and the cache is unchanged but for
+ * appended experts. Writes the unique ids in first-appearance
  * order to out_ids[0..*out_count) and their addresses to out_ptrs (both
  * arrays of at least n entries), and a batch handle to *out_batch. Every
  * cache slot the batch uses is held — never evicted — until
@@ -303,7 +307,8 @@ EXPCACHE_API expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t
 
 /**
  * Release every expert cache: waits for this cache's device work, frees all
- * slots of classes that hold no batch slot and the compact buffer. The
+ * slots of classes that hold no batch slot, the compact buffer and select's
+ * overflow buffer (so every address select and load_compact handed out). The
  * layout and the statistics remain. Status: CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_release_all(expcache_t* cache);

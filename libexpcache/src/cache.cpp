@@ -809,10 +809,15 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         hold(slot);
     }
     if (direct > 0) {
+        // Batch staging comes out of what the caches leave free (the reserve); it never releases
+        // them, so a prompt cannot flush the decode working set even when memory is short.
         uint64_t slot_bytes = classes_[c].slot_bytes;
-        if ((s = alloc_staging(uint64_t(direct) * slot_bytes, c, EXPCACHE_PATH_BATCH, &batch.staging)) !=
-            EXPCACHE_OK) {
+        if ((s = alloc_device(uint64_t(direct) * slot_bytes, &batch.staging)) != EXPCACHE_OK) {
             undo();
+            if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
+                return fail(s, "batch staging of %u experts (%llu bytes) does not fit next to the caches (%s); "
+                            "split the batch, finish other batches, or raise reserve_bytes",
+                            direct, (unsigned long long)(uint64_t(direct) * slot_bytes), last_error());
             return s;
         }
         ClassState& cls = classes_[c];

@@ -1,0 +1,662 @@
+"""A pure-Python reference model of libexpcache's cache semantics.
+
+Written from ``libexpcache/include/expcache.h`` (and, where the header is
+silent, from the intent stated in the library's comments), not by
+transliterating ``cache.cpp``. It models exactly what a test can observe
+through :class:`pyexpcache.ExpertCache` on the host backend:
+
+* which (layer, expert) are resident, and in which recency order;
+* every counter of ``expcache_stats_t`` per class index and path;
+* class infos (key, slot bytes, target, cap, allocated, resident, held, layers);
+* device bytes in use (unrounded, as ``expcache_device_bytes_in_use`` reports)
+  and the host backend's emulated capacity (allocations rounded up to 256 B);
+* which calls fail, and with which status.
+
+Semantics modelled (header section in brackets):
+
+Classes [expcache_layer_desc_t, expcache_config_t]
+    A layer is bound to a size class lazily, on its first serving call; the
+    class key is the exact (gate, up, down) byte sizes. Slot bytes are each
+    part rounded up to 256. At most ``max_classes`` classes exist; when a new
+    key arrives and every index is taken, the least recently used class (by
+    its last counted serving call; ties to the lowest index) that holds no
+    batch slot is released and reused (``class_reuses`` +1 and, when it had
+    slots, ``releases`` +1, both on the calling path). When every class holds
+    batch slots the call fails with INVALID_STATE.
+
+Budgets and caps [expcache_config_t]
+    target = min(experts of all registered layers of the key, budget_experts,
+    budget_bytes * class slot bytes / all slot bytes // slot_bytes).
+    The runtime cap = min(target, allocated + max(0, free - reserve - others)
+    // slot_bytes) where free is the emulated free capacity and others the
+    slots other classes (with a valid cap) may still grow into. The cap is
+    computed when a class first needs to grow and again after it was released
+    (never on every call); a notice (``cap_notices``) is counted when it is
+    first computed for a key and whenever it changes. A failed slab allocation
+    caps the class at what it has (and counts a notice). Slabs hold
+    max(1, slab_bytes // slot_bytes) slots, fewer when the cap is closer.
+
+Decode [expcache_select_async]
+    Unique ids in first-appearance order; hits first (refresh recency, counted
+    once), then each miss takes a free slot, grows the class within its cap, or
+    evicts the least recently used entry that is neither part of this call nor
+    held by a batch; misses inserted without an eviction are ``appends``. The
+    misses that find no slot are served from the overflow staging buffer
+    (``direct_loads``), which is reused while large enough and otherwise
+    reallocated (no release/retry on this path).
+
+Compact [expcache_load_compact_async]
+    The staging buffer (reused while large enough) is allocated first; when
+    that fails, every class holding no batch slot is released (``releases`` on
+    the compact path), ``alloc_retries`` +1 on the layer's class, and the
+    allocation is retried once; a second failure is OUT_OF_DEVICE_MEMORY.
+    Then hits refresh recency (counted once, ``bytes_d2d`` per occurrence),
+    misses are ``direct_loads`` (``bytes_h2d`` per occurrence). Residency does
+    not change.
+
+Batch [expcache_batch_prepare_async / _finish]
+    Hits keep their recency and are held. Misses take only free capacity (a
+    free slot or growth within the cap), never evict, and are inserted at the
+    cold end (each later append colder than the earlier ones), held. The rest
+    go to a staging buffer owned by the batch, allocated with the same
+    release-and-retry-once rule as compact (``batch_staging_releases``; the
+    header's batch section does not mention this release, and "a batch never
+    evicts, so the decode working set survives a prompt of any length" does not
+    hold when that staging does not fit: see the divergence report). A failed
+    prepare drops the holds it took (entries it appended stay resident). Holds
+    last until finish; at most 64 batches are outstanding.
+
+Control [expcache_release_all, expcache_reset_stats, inject_alloc_failures]
+    release_all frees the compact and overflow buffers and every class's slots
+    that hold no batch slot (``releases`` on the control path).
+    Fault injection lets ``skip`` allocation attempts through and fails the
+    next ``count`` as out of device memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+ALIGN = 256
+PATHS = ("decode", "compact", "batch", "control")
+STAT_FIELDS = (
+    "calls", "hits", "misses", "evictions", "appends", "direct_loads", "bytes_h2d", "bytes_d2d",
+    "releases", "alloc_retries", "cap_notices", "class_reuses",
+)
+MAX_SELECT = 1024
+MAX_COMPACT = 1 << 20
+MAX_BATCH_IDS = 1 << 26
+MAX_BATCHES = 64
+GIB = 1 << 30
+
+# Default config values (expcache_config_init).
+DEFAULT_RESERVE = 1 << 30
+DEFAULT_CAPACITY = 64 << 30
+DEFAULT_SLAB = 512 << 20
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class ModelError(Exception):
+    """A call the model says must fail; ``status`` is the EXPCACHE_ERR_* name suffix."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+INVALID_STATE = "INVALID_STATE"
+OUT_OF_DEVICE_MEMORY = "OUT_OF_DEVICE_MEMORY"
+
+Key = Tuple[int, int]  # (layer, expert)
+
+
+def new_stats() -> Dict[str, Dict[str, int]]:
+    return {p: {f: 0 for f in STAT_FIELDS} for p in PATHS}
+
+
+@dataclass
+class RefClass:
+    index: int
+    in_use: bool = False
+    gen: int = 0
+    key: Tuple[int, int, int] = (0, 0, 0)
+    slot_bytes: int = 0
+    last_used: int = 0
+    # Resident entries, coldest first.
+    lru: "OrderedDict[Key, None]" = field(default_factory=OrderedDict)
+    holds: Dict[Key, int] = field(default_factory=dict)
+    allocated: int = 0
+    slabs: List[int] = field(default_factory=list)  # allocation ids
+    target: int = 0
+    cap: int = 0
+    cap_valid: bool = False
+    cap_announced: bool = False
+    layers: int = 0
+    stats: Dict[str, Dict[str, int]] = field(default_factory=new_stats)
+
+    @property
+    def resident(self) -> int:
+        return len(self.lru)
+
+    @property
+    def free(self) -> int:
+        return self.allocated - len(self.lru)
+
+    @property
+    def held(self) -> int:
+        return sum(1 for n in self.holds.values() if n > 0)
+
+
+@dataclass
+class RefBatch:
+    handle: int
+    cls: int
+    held: List[Key]
+    staging: Optional[int]  # allocation id
+
+
+@dataclass
+class LayerShape:
+    num_experts: int
+    key: Tuple[int, int, int]
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(self.key)
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(align_up(b) for b in self.key)
+
+
+class ReferenceCache:
+    """The model. ``layout`` is a sequence of None (dense layer, never registered) or
+    objects with ``num_experts`` and ``class_key`` (e.g. :class:`pyexpcache.LayerSpec`),
+    or a :class:`pyexpcache.ModelLayout`. Keyword arguments mirror ExpertCache's."""
+
+    def __init__(self, layout, *, budget_experts: Optional[int] = None, budget_bytes: Optional[int] = None,
+                 reserve_bytes: Optional[int] = None, max_classes: int = 4,
+                 device_capacity_bytes: Optional[int] = None, slab_bytes: Optional[int] = None,
+                 batch_staging_releases: bool = False):
+        self.batch_staging_releases = batch_staging_releases
+        specs = getattr(layout, "layers", layout)
+        self.layers: List[Optional[LayerShape]] = [
+            None if s is None else LayerShape(int(s.num_experts), tuple(int(b) for b in s.class_key))
+            for s in specs
+        ]
+        self.budget_experts = int(budget_experts or 0)
+        self.budget_bytes = int(budget_bytes or 0)
+        if not self.budget_experts and not self.budget_bytes:
+            raise ModelError(INVALID_ARGUMENT, "set budget_experts or budget_bytes")
+        if not 1 <= max_classes <= 64:
+            raise ModelError(INVALID_ARGUMENT, "max_classes must be 1..64")
+        self.reserve = DEFAULT_RESERVE if reserve_bytes is None else int(reserve_bytes)
+        env = os.environ.get("EXPCACHE_RESERVE_GB")
+        if env is not None:
+            self.reserve = int(float(env) * float(GIB))  # the library converts the same way
+        self.capacity = DEFAULT_CAPACITY if device_capacity_bytes is None else int(device_capacity_bytes)
+        self.slab_bytes = DEFAULT_SLAB if slab_bytes is None else int(slab_bytes)
+        self.classes = [RefClass(i) for i in range(max_classes)]
+        self.binding: Dict[int, Tuple[int, int]] = {}  # layer -> (class index, gen)
+        self.call = 0
+        # Device memory: allocation id -> (bytes, rounded bytes).
+        self.allocs: Dict[int, Tuple[int, int]] = {}
+        self._next_alloc = 1
+        self.used = 0           # rounded, as the host backend counts its capacity
+        self.device_bytes = 0   # as expcache_device_bytes_in_use reports
+        self.inject_skip = 0
+        self.inject_count = 0
+        self.compact: Optional[int] = None
+        self.compact_bytes = 0
+        self.overflow: Optional[int] = None
+        self.overflow_bytes = 0
+        self.batches: List[RefBatch] = []
+        self.next_batch = 1
+
+    # ------------------------------------------------------------------ memory
+    def _alloc(self, nbytes: int) -> int:
+        if self.inject_count > 0:
+            if self.inject_skip > 0:
+                self.inject_skip -= 1
+            else:
+                self.inject_count -= 1
+                raise ModelError(OUT_OF_DEVICE_MEMORY, f"injected failure ({nbytes} bytes)")
+        rounded = align_up(nbytes)
+        if nbytes == 0 or rounded > self.capacity - self.used:
+            raise ModelError(OUT_OF_DEVICE_MEMORY, f"emulated capacity exhausted ({nbytes} bytes)")
+        aid = self._next_alloc
+        self._next_alloc += 1
+        self.allocs[aid] = (nbytes, rounded)
+        self.used += rounded
+        self.device_bytes += nbytes
+        return aid
+
+    def _free(self, aid: Optional[int]) -> None:
+        if aid is None or aid not in self.allocs:
+            return
+        nbytes, rounded = self.allocs.pop(aid)
+        self.used -= rounded
+        self.device_bytes -= nbytes
+
+    def _alloc_staging(self, nbytes: int, c: int, path: str) -> int:
+        """Staging first; on out-of-memory release every class holding no batch slot, retry once."""
+        try:
+            return self._alloc(nbytes)
+        except ModelError as e:
+            if e.status != OUT_OF_DEVICE_MEMORY:
+                raise
+        self._release_unheld(path)
+        self.classes[c].stats[path]["alloc_retries"] += 1
+        return self._alloc(nbytes)
+
+    # ------------------------------------------------------------------ classes
+    def _validate_layer(self, layer: int) -> LayerShape:
+        if not 0 <= layer < len(self.layers):
+            raise ModelError(INVALID_ARGUMENT, f"layer {layer} out of range")
+        shape = self.layers[layer]
+        if shape is None:
+            raise ModelError(INVALID_STATE, f"layer {layer} is not registered")
+        return shape
+
+    def _validate_ids(self, shape: LayerShape, ids: Sequence[int]) -> None:
+        for e in ids:
+            if not 0 <= e < shape.num_experts:
+                raise ModelError(INVALID_ARGUMENT, f"expert id {e} out of range")
+
+    def class_of(self, layer: int) -> Optional[int]:
+        """The class index ``layer`` is bound to now, or None (unbound or its class was reused)."""
+        b = self.binding.get(layer)
+        if b is None:
+            return None
+        c, gen = b
+        cls = self.classes[c]
+        return c if cls.in_use and cls.gen == gen else None
+
+    def _activate(self, c: int, key: Tuple[int, int, int]) -> None:
+        cls = self.classes[c]
+        assert cls.resident == 0 and cls.held == 0 and not cls.slabs
+        cls.in_use = True
+        cls.gen += 1
+        cls.key = key
+        cls.slot_bytes = sum(align_up(b) for b in key)
+        cls.lru = OrderedDict()
+        cls.holds = {}
+        cls.allocated = 0
+        cls.cap_valid = False
+        cls.cap_announced = False
+        cls.cap = cls.target = 0
+        cls.layers = 0
+
+    def _bind(self, layer: int, path: str) -> int:
+        c = self.class_of(layer)
+        if c is not None:
+            return c
+        key = self.layers[layer].key
+        same = [cl.index for cl in self.classes if cl.in_use and cl.key == key]
+        if same:
+            c = same[0]
+        else:
+            empty = [cl.index for cl in self.classes if not cl.in_use]
+            if empty:
+                c = empty[0]
+            else:
+                candidates = [cl for cl in self.classes if cl.held == 0]
+                if not candidates:
+                    raise ModelError(INVALID_STATE, "every class holds batch slots")
+                victim = min(candidates, key=lambda cl: (cl.last_used, cl.index))
+                c = victim.index
+                self._release_class(c, path)
+                victim.stats[path]["class_reuses"] += 1
+            self._activate(c, key)
+        self.binding[layer] = (c, self.classes[c].gen)
+        self.classes[c].layers += 1
+        return c
+
+    def _release_class(self, c: int, path: str) -> None:
+        cls = self.classes[c]
+        if not cls.slabs:
+            return
+        assert cls.held == 0
+        for aid in cls.slabs:
+            self._free(aid)
+        cls.slabs = []
+        cls.allocated = 0
+        cls.lru = OrderedDict()
+        cls.holds = {}
+        cls.cap_valid = False
+        cls.stats[path]["releases"] += 1
+
+    def _release_unheld(self, path: str) -> None:
+        for cls in self.classes:
+            if cls.in_use and cls.slabs and cls.held == 0:
+                self._release_class(cls.index, path)
+
+    def class_target(self, c: int) -> int:
+        cls = self.classes[c]
+        experts = 0
+        class_bytes = total_bytes = 0
+        for shape in self.layers:
+            if shape is None:
+                continue
+            total_bytes += shape.slot_bytes * shape.num_experts
+            if shape.key == cls.key:
+                experts += shape.num_experts
+                class_bytes += shape.slot_bytes * shape.num_experts
+        target = experts
+        if self.budget_experts:
+            target = min(target, self.budget_experts)
+        if self.budget_bytes and total_bytes:
+            target = min(target, self.budget_bytes * class_bytes // total_bytes // cls.slot_bytes)
+        return target
+
+    def _announce(self, cls: RefClass, path: str) -> None:
+        cls.stats[path]["cap_notices"] += 1
+        cls.cap_announced = True
+
+    def _refresh_cap(self, c: int, path: str) -> None:
+        cls = self.classes[c]
+        others = 0
+        for o in self.classes:
+            if o.index == c or not o.in_use or not o.cap_valid:
+                continue
+            if o.cap > o.allocated:
+                others += (o.cap - o.allocated) * o.slot_bytes
+        free = self.capacity - self.used
+        avail = max(0, free - (self.reserve + others))
+        mem_cap = cls.allocated + avail // cls.slot_bytes
+        old = cls.cap
+        cls.target = self.class_target(c)
+        cls.cap = min(cls.target, mem_cap)
+        cls.cap_valid = True
+        if not cls.cap_announced or cls.cap != old:
+            self._announce(cls, path)
+
+    def _grow(self, c: int, path: str) -> None:
+        cls = self.classes[c]
+        per_slab = max(1, self.slab_bytes // cls.slot_bytes)
+        n = min(cls.cap - cls.allocated, per_slab)
+        try:
+            aid = self._alloc(n * cls.slot_bytes)
+        except ModelError as e:
+            if e.status != OUT_OF_DEVICE_MEMORY:
+                raise
+            cls.cap = cls.allocated  # memory is shorter than the cap assumed
+            self._announce(cls, path)
+            return
+        cls.slabs.append(aid)
+        cls.allocated += n
+
+    def _acquire(self, c: int, *, allow_evict: bool, protected: set, path: str) -> bool:
+        """Make room for one more resident entry. Returns True when there is a free slot
+        (possibly after growing or evicting), False when the miss must go to staging."""
+        cls = self.classes[c]
+        if cls.free == 0:
+            if not cls.cap_valid:
+                self._refresh_cap(c, path)
+            if cls.allocated < cls.cap:
+                self._grow(c, path)
+        if cls.free > 0:
+            return True
+        if allow_evict:
+            for k in cls.lru:
+                if k not in protected and cls.holds.get(k, 0) == 0:
+                    del cls.lru[k]
+                    cls.stats[path]["evictions"] += 1
+                    return True
+        return False
+
+    @staticmethod
+    def _unique(ids: Iterable[int]) -> List[int]:
+        return list(dict.fromkeys(int(e) for e in ids))
+
+    # ------------------------------------------------------------------ serving
+    def select(self, layer: int, ids: Sequence[int]) -> Dict[int, str]:
+        """Decode path. Returns, per unique id, "hit", "slot" (loaded into a slot) or "direct"."""
+        ids = [int(e) for e in ids]
+        shape = self._validate_layer(layer)
+        if not 1 <= len(ids) <= MAX_SELECT:
+            raise ModelError(INVALID_ARGUMENT, "k must be 1..1024")
+        self._validate_ids(shape, ids)
+        c = self._bind(layer, "decode")
+        cls = self.classes[c]
+        st = cls.stats["decode"]
+        self.call += 1
+        cls.last_used = self.call
+        st["calls"] += 1
+        unique = self._unique(ids)
+        where: Dict[int, str] = {}
+        protected = set()
+        misses = []
+        for e in unique:
+            k = (layer, e)
+            if k in cls.lru:
+                cls.lru.move_to_end(k)
+                protected.add(k)
+                st["hits"] += 1
+                where[e] = "hit"
+            else:
+                misses.append(e)
+        direct = []
+        for e in misses:
+            k = (layer, e)
+            st["misses"] += 1
+            before = st["evictions"]
+            if not self._acquire(c, allow_evict=True, protected=protected, path="decode"):
+                direct.append(e)
+                continue
+            cls.lru[k] = None  # hot end
+            protected.add(k)
+            if st["evictions"] == before:
+                st["appends"] += 1
+            st["bytes_h2d"] += shape.expert_bytes
+            where[e] = "slot"
+        if direct:
+            need = len(direct) * cls.slot_bytes
+            if self.overflow_bytes < need:
+                self._free(self.overflow)
+                self.overflow, self.overflow_bytes = None, 0
+                self.overflow = self._alloc(need)
+                self.overflow_bytes = need
+            for e in direct:
+                st["direct_loads"] += 1
+                st["bytes_h2d"] += shape.expert_bytes
+                where[e] = "direct"
+        return where
+
+    def load_compact(self, layer: int, ids: Sequence[int]) -> Dict[int, str]:
+        """Compact path. Returns, per unique id, "hit" or "direct"."""
+        ids = [int(e) for e in ids]
+        shape = self._validate_layer(layer)
+        n = len(ids)
+        if not 1 <= n <= MAX_COMPACT:
+            raise ModelError(INVALID_ARGUMENT, "n must be 1..2^20")
+        self._validate_ids(shape, ids)
+        c = self._bind(layer, "compact")
+        g, u, d = shape.key
+        up_off = align_up(g * n)
+        down_off = align_up(up_off + u * n)
+        total = down_off + d * n
+        if self.compact_bytes < total:
+            self._free(self.compact)
+            self.compact, self.compact_bytes = None, 0
+            self.compact = self._alloc_staging(total, c, "compact")
+            self.compact_bytes = total
+        cls = self.classes[c]
+        st = cls.stats["compact"]
+        self.call += 1
+        cls.last_used = self.call
+        st["calls"] += 1
+        where: Dict[int, str] = {}
+        for e in ids:
+            k = (layer, e)
+            first = e not in where
+            if k in cls.lru:
+                if first:
+                    cls.lru.move_to_end(k)
+                    st["hits"] += 1
+                    where[e] = "hit"
+                st["bytes_d2d"] += shape.expert_bytes
+            else:
+                if first:
+                    st["misses"] += 1
+                    st["direct_loads"] += 1
+                    where[e] = "direct"
+                st["bytes_h2d"] += shape.expert_bytes
+        return where
+
+    def prepare_batch(self, layer: int, ids: Sequence[int]) -> Tuple[int, List[int], Dict[int, str]]:
+        """Batch path. Returns (handle, unique ids, per unique id "hit"/"slot"/"direct")."""
+        ids = [int(e) for e in ids]
+        shape = self._validate_layer(layer)
+        if not 1 <= len(ids) <= MAX_BATCH_IDS:
+            raise ModelError(INVALID_ARGUMENT, "n must be 1..2^26")
+        self._validate_ids(shape, ids)
+        if len(self.batches) >= MAX_BATCHES:
+            raise ModelError(INVALID_STATE, "64 batches are unfinished")
+        c = self._bind(layer, "batch")
+        cls = self.classes[c]
+        st = cls.stats["batch"]
+        self.call += 1
+        cls.last_used = self.call
+        st["calls"] += 1
+        unique = self._unique(ids)
+        held: List[Key] = []
+
+        def hold(k: Key) -> None:
+            cls.holds[k] = cls.holds.get(k, 0) + 1
+            held.append(k)
+
+        def undo() -> None:
+            for k in held:
+                cls.holds[k] -= 1
+                if cls.holds[k] == 0:
+                    del cls.holds[k]
+
+        where: Dict[int, str] = {}
+        misses = []
+        for e in unique:
+            k = (layer, e)
+            if k in cls.lru:
+                st["hits"] += 1
+                hold(k)
+                where[e] = "hit"
+            else:
+                misses.append(e)
+        direct = []
+        for e in misses:
+            k = (layer, e)
+            st["misses"] += 1
+            if not self._acquire(c, allow_evict=False, protected=set(), path="batch"):
+                direct.append(e)
+                continue
+            cls.lru[k] = None
+            cls.lru.move_to_end(k, last=False)  # the coldest entry
+            st["appends"] += 1
+            st["bytes_h2d"] += shape.expert_bytes
+            hold(k)
+            where[e] = "slot"
+        staging = None
+        if direct:
+            try:
+                nbytes = len(direct) * cls.slot_bytes
+                staging = (self._alloc_staging(nbytes, c, "batch") if self.batch_staging_releases
+                           else self._alloc(nbytes))
+            except ModelError:
+                undo()
+                raise
+            for e in direct:
+                st["direct_loads"] += 1
+                st["bytes_h2d"] += shape.expert_bytes
+                where[e] = "direct"
+        handle = self.next_batch
+        self.next_batch += 1
+        self.batches.append(RefBatch(handle, c, held, staging))
+        return handle, unique, where
+
+    def finish_batch(self, handle: int) -> None:
+        for i, b in enumerate(self.batches):
+            if b.handle == handle:
+                break
+        else:
+            raise ModelError(INVALID_ARGUMENT, f"batch {handle} is unknown or already finished")
+        self._free(b.staging)
+        cls = self.classes[b.cls]
+        for k in b.held:
+            cls.holds[k] -= 1
+            if cls.holds[k] == 0:
+                del cls.holds[k]
+        del self.batches[i]
+
+    # ------------------------------------------------------------------ control
+    def release_all(self) -> None:
+        self._free(self.compact)
+        self._free(self.overflow)
+        self.compact = self.overflow = None
+        self.compact_bytes = self.overflow_bytes = 0
+        self._release_unheld("control")
+
+    def reset_stats(self) -> None:
+        for cls in self.classes:
+            cls.stats = new_stats()
+
+    def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
+        self.inject_skip = n if count else 0
+        self.inject_count = count
+
+    # ------------------------------------------------------------------ inspection
+    def is_resident(self, layer: int, expert: int) -> bool:
+        c = self.class_of(layer)
+        return c is not None and (layer, expert) in self.classes[c].lru
+
+    def resident_set(self) -> set:
+        out = set()
+        for layer in range(len(self.layers)):
+            c = self.class_of(layer)
+            if c is None:
+                continue
+            out.update(k for k in self.classes[c].lru if k[0] == layer)
+        return out
+
+    def lru_order(self, c: int) -> List[Key]:
+        """Class ``c``'s resident entries, coldest first."""
+        return list(self.classes[c].lru)
+
+    @property
+    def device_bytes_in_use(self) -> int:
+        return self.device_bytes
+
+    def stats(self) -> Dict[int, Dict[str, Dict[str, int]]]:
+        """Class index (in use) -> path -> counter -> value."""
+        return {cl.index: {p: dict(v) for p, v in cl.stats.items()} for cl in self.classes if cl.in_use}
+
+    def class_infos(self) -> Dict[int, Dict[str, int]]:
+        out = {}
+        for cl in self.classes:
+            if not cl.in_use:
+                continue
+            out[cl.index] = dict(
+                key=cl.key, slot_bytes=cl.slot_bytes, target_experts=self.class_target(cl.index),
+                cap_experts=cl.cap, allocated_experts=cl.allocated, resident_experts=cl.resident,
+                held_experts=cl.held, num_layers=cl.layers)
+        return out
+
+    def check_invariants(self) -> None:
+        """Internal consistency of the model itself."""
+        for cl in self.classes:
+            if not cl.in_use:
+                continue
+            assert 0 <= cl.resident <= cl.allocated, cl
+            assert all(n > 0 for n in cl.holds.values())
+            assert all(k in cl.lru for k in cl.holds), "a held entry is not resident"
+            for (layer, _e) in cl.lru:
+                assert self.class_of(layer) == cl.index
+        assert self.used <= self.capacity
+        assert self.device_bytes == sum(b for b, _ in self.allocs.values())
