@@ -38,7 +38,7 @@ from .cache import ExpertCache
 from .layout import ModelLayout
 from .simulate import BATCH, DECODE, Call, simulate_belady, simulate_lru
 from .source import HostSource
-from .traces import list_traces, load_decode_trace, load_prefill_trace
+from .traces import list_traces, load_decode_trace, load_prefill_trace, synthetic_trace
 
 GiB = 1 << 30
 VARIANTS = ("expcache", "slab", "nocache", "resident")
@@ -93,6 +93,22 @@ def _prefill_calls(prompt, layers: Optional[set]) -> list[Call]:
             for layer in range(prompt.num_layers) if layers is None or layer in layers]
 
 
+def _decode_trace(name: str):
+    """A bundled trace, a CSV path, or ``synthetic:TOKENS[:SEED]`` (fitted to the real traces'
+    locality: per-layer popularity skew plus reuse of the previous token's experts)."""
+    if name.startswith("synthetic:"):
+        fields = name.split(":")
+        try:
+            tokens = int(fields[1])
+            seed = int(fields[2]) if len(fields) > 2 else 0
+        except (IndexError, ValueError):
+            raise ValueError(f"expected synthetic:TOKENS[:SEED], got {name!r}") from None
+        if tokens <= 0 or len(fields) > 3:
+            raise ValueError(f"expected synthetic:TOKENS[:SEED] with TOKENS > 0, got {name!r}")
+        return synthetic_trace(tokens, seed=seed, name=name)
+    return load_decode_trace(name)
+
+
 def build_workload(scenario: str, traces: Sequence[str] = DEFAULT_TRACES,
                    layers: Optional[Sequence[int]] = None) -> Workload:
     """The calls of a scenario.
@@ -104,7 +120,7 @@ def build_workload(scenario: str, traces: Sequence[str] = DEFAULT_TRACES,
     then the same decode again.
     """
     keep = set(layers) if layers is not None else None
-    decode = [load_decode_trace(name) for name in traces]
+    decode = [_decode_trace(name) for name in traces]
     calls: list[Call] = []
     dec_tokens = pre_tokens = 0
 

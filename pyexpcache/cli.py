@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--scenario", type=_csv(SCENARIOS + ("all",)), default=["decode"],
                    help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
     b.add_argument("--traces", type=_csv(None), default=list(DEFAULT_TRACES),
-                   help="comma list of bundled decode traces (default: all seven)")
+                   help="comma list of bundled decode traces, CSV paths, or synthetic:TOKENS[:SEED] "
+                        "(default: the seven bundled traces)")
     b.add_argument("--budget-gib", type=float, default=12.0, help="expert cache budget in GiB (default 12)")
     b.add_argument("--reserve-gib", type=float, default=None, help="device memory kept free (default 1 GiB)")
     b.add_argument("--variants", type=_csv(VARIANTS), default=list(VARIANTS),

@@ -138,3 +138,13 @@ def test_prefill_bytes_are_not_charged_to_decode():
     assert 0 < r.decode_bytes_h2d < r.bytes_h2d
     assert r.link_bound_tokens_per_s == pytest.approx(
         r.decode_tokens / (r.decode_bytes_h2d / report.link_bytes_per_s))
+
+
+def test_synthetic_traces_in_workloads():
+    w = bench.build_workload("decode", ["synthetic:50:3"])
+    assert w.decode_tokens == 50 and len(w.calls) == 50 * 40
+    assert w.calls == bench.build_workload("decode", ["synthetic:50:3"]).calls  # seeded
+    assert w.calls != bench.build_workload("decode", ["synthetic:50:4"]).calls
+    for bad in ("synthetic:", "synthetic:x", "synthetic:0", "synthetic:5:1:2"):
+        with pytest.raises(ValueError, match="synthetic:TOKENS"):
+            bench.build_workload("decode", [bad])
