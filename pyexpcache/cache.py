@@ -415,3 +415,7 @@ class ExpertCache:
     def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` device allocations succeed, then fail the next ``count``."""
         lib.expcache_inject_alloc_failures(self._handle_or_raise(), n, count)
+
+    def fail_copy_after(self, n: int, count: int = 1) -> None:
+        """Fault injection: let ``n`` copies be issued, then fail the next ``count`` (CudaError)."""
+        lib.expcache_inject_copy_failures(self._handle_or_raise(), n, count)

@@ -32,7 +32,7 @@ def test_struct_sizes_match_library():
 def test_every_exported_function_is_declared():
     out = subprocess.run(["nm", "-D", "--defined-only", str(_lib.library_path)], capture_output=True, text=True)
     exported = {line.split()[-1] for line in out.stdout.splitlines() if " T expcache_" in line}
-    assert len(exported) >= 28
+    assert len(exported) >= 29
     for name in exported:
         assert getattr(lib, name).restype is not None or name == "expcache_destroy", name
         assert getattr(lib, name).argtypes is not None, name
@@ -233,6 +233,7 @@ HANDLE_CALLS = [
     ("expcache_set_log_callback", lambda h: (h, _lib.LOG_FN(), None)),
     ("expcache_set_log_level", lambda h: (h, 1)),
     ("expcache_inject_alloc_failures", lambda h: (h, 0, 0)),
+    ("expcache_inject_copy_failures", lambda h: (h, 0, 0)),
     ("expcache_device_bytes_in_use", lambda h: (h, byref(OUT_U64))),
 ]
 

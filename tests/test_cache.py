@@ -404,3 +404,38 @@ def test_pageable_source_staged_through_the_pinned_ring(make_cache, copy_threads
         assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
     buf = cache.load_compact(0, [13, 14, 15])
     assert_served(cache, source, 0, [13, 14, 15], buf.pointers())
+
+
+def _consistent(cache, source, layout):
+    """Every resident expert holds exactly its source bytes."""
+    for layer in layout.moe_layers:
+        for e in range(layout[layer].num_experts):
+            got = cache.read_expert(layer, e)
+            if got is not None:
+                assert (got == source.expert_bytes(layer, e)).all(), f"({layer}, {e}) resident with wrong bytes"
+
+
+@pytest.mark.parametrize("skip", range(8))
+def test_failed_copy_never_leaves_a_wrong_resident_expert(make_cache, skip):
+    from pyexpcache import CudaError
+
+    layout = small(num_layers=2, num_experts=12)
+    cache, source = make_cache(layout, budget_experts=3)
+    cache.select(0, [0, 1, 2])
+    # Every path, with the (skip+1)-th copy of the sequence failing.
+    cache.fail_copy_after(skip, count=1)
+    failures = 0
+    for step in (lambda: cache.select(0, [3, 4, 0]), lambda: cache.select(0, [5, 6, 7, 8, 9]),
+                 lambda: cache.load_compact(0, [1, 3, 10]), lambda: cache.prepare_batch(1, [[0, 1], [2, 3]]).finish(),
+                 lambda: cache.prepare_batch(0, [[10, 11], [4, 5]]).finish()):
+        try:
+            step()
+        except CudaError as exc:
+            assert "injected copy failure" in str(exc)
+            failures += 1
+        _consistent(cache, source, layout)
+    assert failures == 1
+    # Still fully usable afterwards.
+    ptrs = cache.select(0, [11, 3, 0])
+    assert_served(cache, source, 0, [11, 3, 0], ptrs)
+    assert all(c.held_experts == 0 for c in cache.classes())

@@ -422,6 +422,14 @@ EXPCACHE_API expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_
  */
 EXPCACHE_API expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
 
+/**
+ * Fault injection, both backends: let the next `skip` copies (host to device
+ * or device to device) be issued, then make the following `count` fail with
+ * EXPCACHE_ERR_CUDA as if the copy had been refused. The failing call leaves
+ * no slot marked resident that does not hold its expert. count 0 disables.
+ */
+EXPCACHE_API expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+
 /** Device bytes this cache currently has allocated (slots and staging). */
 EXPCACHE_API expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
 

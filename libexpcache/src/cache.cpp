@@ -204,11 +204,22 @@ expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, u
             bytes += layer.bytes[q];
             ++q;
         }
-        expcache_status_t s = check(backend_->copy_h2d(d, src, bytes, layer.pinned, stream));
+        expcache_status_t s = injected_copy_failure();
+        if (s == EXPCACHE_OK) s = check(backend_->copy_h2d(d, src, bytes, layer.pinned, stream));
         if (s != EXPCACHE_OK) return s;
         p = q;
     }
     return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::injected_copy_failure() {
+    if (inject_copy_count_ == 0) return EXPCACHE_OK;
+    if (inject_copy_skip_ > 0) {
+        --inject_copy_skip_;
+        return EXPCACHE_OK;
+    }
+    --inject_copy_count_;
+    return fail(EXPCACHE_ERR_CUDA, "injected copy failure");
 }
 
 // ---------------------------------------------------------------------------
@@ -695,7 +706,8 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
         if (slot >= 0) {
             const SlotState& ss = cls.slots[slot];
             for (int p = 0; p < kParts; ++p)
-                if ((s = check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) != EXPCACHE_OK)
+                if ((s = injected_copy_failure()) != EXPCACHE_OK ||
+                    (s = check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) != EXPCACHE_OK)
                     return s;
             if (first) {
                 cls.policy->on_hit(slot);
@@ -1032,6 +1044,13 @@ expcache_status_t Cache::inject_alloc_failures(uint64_t skip, uint64_t count) {
     CallScope scope(*this);
     inject_skip_ = count ? skip : 0;
     inject_count_ = count;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::inject_copy_failures(uint64_t skip, uint64_t count) {
+    CallScope scope(*this);
+    inject_copy_skip_ = count ? skip : 0;
+    inject_copy_count_ = count;
     return EXPCACHE_OK;
 }
 

@@ -96,6 +96,7 @@ public:
     expcache_status_t set_log_callback(expcache_log_fn fn, void* user);
     expcache_status_t set_log_level(uint32_t level);
     expcache_status_t inject_alloc_failures(uint64_t skip, uint64_t count);
+    expcache_status_t inject_copy_failures(uint64_t skip, uint64_t count);
     expcache_status_t device_bytes_in_use(uint64_t* out) const;
 
 private:
@@ -126,6 +127,7 @@ private:
     expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
                                   void* stream);
     void slot_ptrs(const ClassState& cls, const SlotState& slot, expcache_expert_ptrs_t* out) const;
+    expcache_status_t injected_copy_failure();
     expcache_status_t alloc_device(uint64_t bytes, void** out);
     void free_device_now(void* ptr);
     expcache_status_t free_device_after(void* ptr, void* stream);
@@ -152,6 +154,7 @@ private:
     std::map<uintptr_t, uint64_t> allocations_;  // device address -> bytes
     uint64_t device_bytes_ = 0;
     uint64_t inject_skip_ = 0, inject_count_ = 0;
+    uint64_t inject_copy_skip_ = 0, inject_copy_count_ = 0;
 
     void* compact_ = nullptr;  // owned staging of load_compact
     uint64_t compact_bytes_ = 0;
