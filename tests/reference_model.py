@@ -484,16 +484,16 @@ class ReferenceCache:
         up_off = align_up(g * n)
         down_off = align_up(up_off + u * n)
         total = down_off + d * n
+        cls = self.classes[c]
+        st = cls.stats["compact"]
+        self.call += 1
+        cls.last_used = self.call
+        st["calls"] += 1  # counted once the call is under way, also when its staging then fails
         if self.compact_bytes < total:
             self._free(self.compact)
             self.compact, self.compact_bytes = None, 0
             self.compact = self._alloc_staging(total, c, "compact")
             self.compact_bytes = total
-        cls = self.classes[c]
-        st = cls.stats["compact"]
-        self.call += 1
-        cls.last_used = self.call
-        st["calls"] += 1
         where: Dict[int, str] = {}
         for e in ids:
             k = (layer, e)

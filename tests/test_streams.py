@@ -17,9 +17,18 @@ PART = 4 << 20  # 4 MiB per part: each read of a part takes a few microseconds
 READS = 3000    # back-to-back reads of the slot on stream A: tens of milliseconds of work
 
 
-def _stream():
+@pytest.fixture
+def cuda():
+    """(runtime, stream A, stream B, a PART-byte device scratch buffer), freed afterwards."""
     rt = _cuda.runtime()
-    return int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
+    a, b = (int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
+            for _ in range(2))
+    scratch = _cuda.check(rt.cudaMalloc(PART), "cudaMalloc")
+    yield rt, a, b, scratch
+    rt.cudaDeviceSynchronize()
+    rt.cudaFree(scratch)
+    rt.cudaStreamDestroy(a)
+    rt.cudaStreamDestroy(b)
 
 
 def _read_slot_repeatedly(dst: int, src: int, stream: int) -> None:
@@ -37,11 +46,9 @@ def _bytes_at(addr: int, n: int) -> np.ndarray:
     return out
 
 
-def test_eviction_on_another_stream_waits_for_earlier_reads():
-    rt = _cuda.runtime()
+def test_eviction_on_another_stream_waits_for_earlier_reads(cuda):
+    rt, a, b, scratch = cuda
     layout = ModelLayout((LayerSpec(4, PART, PART, PART),), name="fence")
-    a, b = _stream(), _stream()
-    scratch = _cuda.check(rt.cudaMalloc(PART), "cudaMalloc")
     with HostSource(layout, pinned=True) as source, \
             ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0) as cache:
         old = cache.select(0, [0], stream=a)[0]
@@ -53,18 +60,13 @@ def test_eviction_on_another_stream_waits_for_earlier_reads():
         # Every read on A happened before B's upload overwrote the slot.
         assert (_bytes_at(scratch, PART) == source.part(0, 0, 0)).all()
         assert (_bytes_at(int(new[0]), PART) == source.part(0, 1, 0)).all()
-    rt.cudaFree(scratch)
-    rt.cudaStreamDestroy(a)
-    rt.cudaStreamDestroy(b)
 
 
-def test_race_is_observable_without_the_fence():
+def test_race_is_observable_without_the_fence(cuda):
     """Control: the same overwrite done by hand on stream B, with no fence, corrupts what A reads.
     Shows the test above would fail if the cache did not order the streams."""
-    rt = _cuda.runtime()
+    rt, a, b, scratch = cuda
     layout = ModelLayout((LayerSpec(2, PART, PART, PART),), name="race")
-    a, b = _stream(), _stream()
-    scratch = _cuda.check(rt.cudaMalloc(PART), "cudaMalloc")
     slot = _cuda.check(rt.cudaMalloc(PART), "cudaMalloc")
     with HostSource(layout, pinned=True) as source:
         h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
@@ -73,21 +75,16 @@ def test_race_is_observable_without_the_fence():
         _cuda.check(rt.cudaMemcpyAsync(slot, source.part(0, 1, 0).ctypes.data, PART, h2d, b), "cudaMemcpyAsync")
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         raced = not (_bytes_at(scratch, PART) == source.part(0, 0, 0)).all()
-    rt.cudaFree(scratch)
     rt.cudaFree(slot)
-    rt.cudaStreamDestroy(a)
-    rt.cudaStreamDestroy(b)
     if not raced:
         pytest.skip("could not provoke the race on this device; the fence test above proves less here")
     assert raced
 
 
-def test_staging_reuse_on_another_stream_waits_for_earlier_reads():
+def test_staging_reuse_on_another_stream_waits_for_earlier_reads(cuda):
     """Select's overflow staging (capacity smaller than the request) is fenced the same way."""
-    rt = _cuda.runtime()
+    rt, a, b, scratch = cuda
     layout = ModelLayout((LayerSpec(8, PART, PART, PART),), name="fence-staging")
-    a, b = _stream(), _stream()
-    scratch = _cuda.check(rt.cudaMalloc(PART), "cudaMalloc")
     with HostSource(layout, pinned=True) as source, \
             ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0) as cache:
         first = cache.select(0, [0, 1], stream=a)   # expert 1 is served from staging
@@ -97,6 +94,3 @@ def test_staging_reuse_on_another_stream_waits_for_earlier_reads():
         assert int(second[1][0]) == int(first[1][0])
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         assert (_bytes_at(scratch, PART) == source.part(0, 1, 0)).all()
-    rt.cudaFree(scratch)
-    rt.cudaStreamDestroy(a)
-    rt.cudaStreamDestroy(b)

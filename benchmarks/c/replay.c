@@ -63,6 +63,20 @@ static uint64_t bytes_h2d(expcache_t* cache, uint32_t max_classes) {
     return total;
 }
 
+/* Load ids into the compact buffer and point ptrs at each expert's parts in it. */
+static expcache_status_t load_compact(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+                                      void* stream, expcache_expert_ptrs_t* ptrs) {
+    expcache_compact_t buf;
+    buf.struct_size = sizeof buf;
+    expcache_status_t s = expcache_load_compact_async(cache, layer, ids, n, stream, &buf);
+    for (uint32_t i = 0; s == EXPCACHE_OK && i < n; ++i) {
+        ptrs[i].gate = (char*)buf.base + buf.gate_offset + buf.gate_bytes * i;
+        ptrs[i].up = (char*)buf.base + buf.up_offset + buf.up_bytes * i;
+        ptrs[i].down = (char*)buf.base + buf.down_offset + buf.down_bytes * i;
+    }
+    return s;
+}
+
 static uint32_t dedupe(const uint32_t* ids, uint32_t n, uint8_t* seen, uint32_t* out) {
     uint32_t m = 0;
     for (uint32_t i = 0; i < n; ++i)
@@ -107,14 +121,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         double t0 = now_s();
         if (call->kind == REPLAY_DECODE) {
             if (mode == REPLAY_MODE_NOCACHE) {
-                expcache_compact_t buf;
-                buf.struct_size = sizeof buf;
-                s = expcache_load_compact_async(cache, call->layer, cid, n, stream, &buf);
-                for (uint32_t i = 0; s == EXPCACHE_OK && i < n; ++i) {
-                    ptrs[i].gate = (char*)buf.base + buf.gate_offset + buf.gate_bytes * i;
-                    ptrs[i].up = (char*)buf.base + buf.up_offset + buf.up_bytes * i;
-                    ptrs[i].down = (char*)buf.base + buf.down_offset + buf.down_bytes * i;
-                }
+                s = load_compact(cache, call->layer, cid, n, stream, ptrs);
             } else {
                 s = expcache_select_async(cache, call->layer, cid, n, stream, ptrs);
             }
@@ -123,14 +130,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
             if (s == EXPCACHE_OK && mode == REPLAY_MODE_NOCACHE) {
                 n = dedupe(cid, n, seen, uniq);
                 served = uniq;
-                expcache_compact_t buf;
-                buf.struct_size = sizeof buf;
-                s = expcache_load_compact_async(cache, call->layer, uniq, n, stream, &buf);
-                for (uint32_t i = 0; s == EXPCACHE_OK && i < n; ++i) {
-                    ptrs[i].gate = (char*)buf.base + buf.gate_offset + buf.gate_bytes * i;
-                    ptrs[i].up = (char*)buf.base + buf.up_offset + buf.up_bytes * i;
-                    ptrs[i].down = (char*)buf.base + buf.down_offset + buf.down_bytes * i;
-                }
+                s = load_compact(cache, call->layer, uniq, n, stream, ptrs);
             } else if (s == EXPCACHE_OK) {
                 s = expcache_batch_prepare_async(cache, call->layer, cid, n, stream, uniq, ptrs, &n, &batch);
                 served = uniq;

@@ -142,12 +142,32 @@ expcache_status_t Cache::validate_layer(uint32_t layer) const {
     return EXPCACHE_OK;
 }
 
-expcache_status_t Cache::validate_ids(uint32_t layer, const uint32_t* ids, uint64_t n) const {
+// The checks every serving path makes before touching anything.
+expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
+                                          const char* count_name) const {
+    expcache_status_t s = usable();
+    if (s == EXPCACHE_OK) s = validate_layer(layer);
+    if (s != EXPCACHE_OK) return s;
+    if (n == 0 || n > max_n)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 1..%llu, got %llu", count_name,
+                    (unsigned long long)max_n, (unsigned long long)n);
     uint32_t ne = layers_[layer].num_experts;
     for (uint64_t i = 0; i < n; ++i)
         if (ids[i] >= ne)
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %u (index %llu) out of range for layer %u (%u experts)",
                         ids[i], (unsigned long long)i, layer, ne);
+    return EXPCACHE_OK;
+}
+
+// Order the stream, bind the layer's class and open a new call on `path`.
+expcache_status_t Cache::start_call(uint32_t layer, uint32_t path, void* stream, int32_t* out_cls) {
+    expcache_status_t s = begin_call(stream);
+    if (s == EXPCACHE_OK) s = bind(layer, path, out_cls);
+    if (s != EXPCACHE_OK) return s;
+    ClassState& cls = classes_[*out_cls];
+    ++call_;
+    cls.last_used = call_;
+    cls.stats[path].calls++;
     return EXPCACHE_OK;
 }
 
@@ -572,21 +592,13 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
 expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
                                 expcache_expert_ptrs_t* out) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK) s = validate_layer(layer_index);
-    if (s != EXPCACHE_OK) return s;
-    if (k == 0 || k > EXPCACHE_MAX_SELECT)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "k must be 1..%u, got %u", EXPCACHE_MAX_SELECT, k);
-    if ((s = validate_ids(layer_index, ids, k)) != EXPCACHE_OK) return s;
-    if ((s = begin_call(stream)) != EXPCACHE_OK) return s;
     int32_t c = -1;
-    if ((s = bind(layer_index, EXPCACHE_PATH_DECODE, &c)) != EXPCACHE_OK) return s;
+    expcache_status_t s = validate_request(layer_index, ids, k, EXPCACHE_MAX_SELECT, "k");
+    if (s == EXPCACHE_OK) s = start_call(layer_index, EXPCACHE_PATH_DECODE, stream, &c);
+    if (s != EXPCACHE_OK) return s;
     LayerState& layer = layers_[layer_index];
     ClassState& cls = classes_[c];
     expcache_stats_t& st = cls.stats[EXPCACHE_PATH_DECODE];
-    ++call_;
-    cls.last_used = call_;
-    st.calls++;
     dedupe(layer, ids, k);
 
     // Hits first, so that no miss of this call can evict them.
@@ -663,15 +675,10 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
 expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
                                       expcache_compact_t* out) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK) s = validate_layer(layer_index);
-    if (s != EXPCACHE_OK) return s;
-    if (n == 0 || n > kMaxCompact)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%u, got %u", kMaxCompact, n);
-    if ((s = validate_ids(layer_index, ids, n)) != EXPCACHE_OK) return s;
-    if ((s = begin_call(stream)) != EXPCACHE_OK) return s;
     int32_t c = -1;
-    if ((s = bind(layer_index, EXPCACHE_PATH_COMPACT, &c)) != EXPCACHE_OK) return s;
+    expcache_status_t s = validate_request(layer_index, ids, n, kMaxCompact, "n");
+    if (s == EXPCACHE_OK) s = start_call(layer_index, EXPCACHE_PATH_COMPACT, stream, &c);
+    if (s != EXPCACHE_OK) return s;
     LayerState& layer = layers_[layer_index];
     const uint64_t* b = layer.bytes;
     uint64_t off[kParts];
@@ -690,9 +697,6 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
     }
     ClassState& cls = classes_[c];
     expcache_stats_t& st = cls.stats[EXPCACHE_PATH_COMPACT];
-    ++call_;
-    cls.last_used = call_;
-    st.calls++;
     dedupe(layer, ids, n);
     unsigned char* base = static_cast<unsigned char*>(compact_);
     uint32_t next_unique = 0;  // unique_ is in first-appearance order
@@ -744,23 +748,14 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
                                        uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
                                        uint64_t* out_batch) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK) s = validate_layer(layer_index);
+    int32_t c = -1;
+    expcache_status_t s = validate_request(layer_index, ids, n, kMaxBatchIds, "n");
     if (s != EXPCACHE_OK) return s;
-    if (n == 0 || n > kMaxBatchIds)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%llu, got %llu", (unsigned long long)kMaxBatchIds,
-                    (unsigned long long)n);
-    if ((s = validate_ids(layer_index, ids, n)) != EXPCACHE_OK) return s;
     if (batches_.size() >= EXPCACHE_MAX_BATCHES)
         return fail(EXPCACHE_ERR_INVALID_STATE, "%d batches are unfinished; call expcache_batch_finish first",
                     EXPCACHE_MAX_BATCHES);
-    if ((s = begin_call(stream)) != EXPCACHE_OK) return s;
-    int32_t c = -1;
-    if ((s = bind(layer_index, EXPCACHE_PATH_BATCH, &c)) != EXPCACHE_OK) return s;
+    if ((s = start_call(layer_index, EXPCACHE_PATH_BATCH, stream, &c)) != EXPCACHE_OK) return s;
     LayerState& layer = layers_[layer_index];
-    ++call_;
-    classes_[c].last_used = call_;
-    classes_[c].stats[EXPCACHE_PATH_BATCH].calls++;
     dedupe(layer, ids, n);
 
     BatchState batch;

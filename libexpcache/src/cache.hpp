@@ -111,8 +111,10 @@ private:
     expcache_status_t check(expcache_status_t s);
     expcache_status_t usable() const;
     expcache_status_t validate_layer(uint32_t layer) const;
-    expcache_status_t validate_ids(uint32_t layer, const uint32_t* ids, uint64_t n) const;
+    expcache_status_t validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
+                                       const char* count_name) const;
     expcache_status_t begin_call(void* stream);
+    expcache_status_t start_call(uint32_t layer, uint32_t path, void* stream, int32_t* out_cls);
     expcache_status_t bind(uint32_t layer, uint32_t path, int32_t* out_cls);
     void activate_class(int32_t c, const LayerState& layer);
     expcache_status_t release_class(int32_t c, uint32_t path);
