@@ -21,6 +21,7 @@ from ._errors import (
     OutOfDeviceMemoryError,
     OutOfHostMemoryError,
     PoisonedError,
+    SourceIOError,
     UnsupportedError,
 )
 from .cache import Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats
@@ -33,7 +34,7 @@ __all__ = [
     "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
     "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
     "ModelLayout", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "PoisonedError",
-    "UnsupportedError", "checksum_bytes", "library_version",
+    "SourceIOError", "UnsupportedError", "checksum_bytes", "library_version",
 ]
 
 

@@ -52,6 +52,10 @@ class InternalError(ExpcacheError, RuntimeError):
     """A bug in libexpcache."""
 
 
+class SourceIOError(ExpcacheError, OSError):
+    """Reading a source file failed or came up short."""
+
+
 _BY_STATUS = {
     1: InvalidArgumentError,
     2: OutOfDeviceMemoryError,
@@ -61,6 +65,7 @@ _BY_STATUS = {
     6: CudaError,
     7: PoisonedError,
     8: InternalError,
+    9: SourceIOError,
 }
 
 

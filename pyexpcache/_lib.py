@@ -17,7 +17,7 @@ lib, library_path = _loader.load()
 # Status codes (expcache.h).
 OK = 0
 BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
-SOURCE_PAGEABLE, SOURCE_PINNED = 0, 1
+SOURCE_PAGEABLE, SOURCE_PINNED, SOURCE_FILE = 0, 1, 2
 LOG_SILENT, LOG_NOTICE, LOG_DEBUG = 0, 1, 2
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
@@ -49,7 +49,7 @@ class LayerDesc(ctypes.Structure):
         ("struct_size", c_uint32),
         ("num_experts", c_uint32),
         ("source_kind", c_uint32),
-        ("reserved", c_uint32),
+        ("file", c_uint32),
         ("gate_bytes", c_uint64),
         ("up_bytes", c_uint64),
         ("down_bytes", c_uint64),
@@ -144,6 +144,8 @@ _declare("expcache_destroy", [CachePtr], None)
 _declare("expcache_get_backend", [CachePtr, POINTER(c_uint32)])
 # expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc);
 _declare("expcache_layer_desc_init", [POINTER(LayerDesc)])
+# expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file);
+_declare("expcache_open_file", [CachePtr, c_char_p, POINTER(c_uint32)])
 # expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
 _declare("expcache_register_layer", [CachePtr, c_uint32, POINTER(LayerDesc)])
 # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -231,6 +232,11 @@ class ExpertCache:
         self._handle = handle.value
         try:
             lib.expcache_set_log_callback(self._handle, self._log_fn, None)
+            file_id = None
+            if getattr(source, "file_path", None):
+                out = ctypes.c_uint32()
+                lib.expcache_open_file(self._handle, os.fsencode(source.file_path), ctypes.byref(out))
+                file_id = out.value
             for i, spec in enumerate(layout.layers):
                 if spec is None:
                     continue
@@ -238,7 +244,10 @@ class ExpertCache:
                 d = _lib.LayerDesc()
                 lib.expcache_layer_desc_init(ctypes.byref(d))
                 d.num_experts = spec.num_experts
-                d.source_kind = _lib.SOURCE_PINNED if source.pinned else _lib.SOURCE_PAGEABLE
+                if file_id is not None:
+                    d.source_kind, d.file = _lib.SOURCE_FILE, file_id
+                else:
+                    d.source_kind = _lib.SOURCE_PINNED if source.pinned else _lib.SOURCE_PAGEABLE
                 d.gate_bytes, d.up_bytes, d.down_bytes = spec.class_key
                 d.gate_stride, d.up_stride, d.down_stride = place.strides
                 d.gate_base, d.up_base, d.down_base = place.bases

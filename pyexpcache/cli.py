@@ -42,8 +42,11 @@ def _parser() -> argparse.ArgumentParser:
                                    "the host backend when there is none) and compare with the baselines.")
     b.add_argument("--layout", default="mixed", choices=("q2", "q4", "mixed"),
                    help="DeepSeek V4 Flash expert layout (default: mixed q2-q4)")
-    b.add_argument("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's experts (mmap, pageable) "
-                   "instead of a generated layout; its layers and experts must match the traces")
+    b.add_argument("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's experts instead of a generated "
+                   "layout; its layers and experts must match the traces")
+    b.add_argument("--gguf-reads", choices=("mmap", "file"), default="mmap",
+                   help="with --gguf: copy misses from a mapping of the file (pageable) or read them from the file "
+                        "(pread, O_DIRECT where allowed)")
     b.add_argument("--scenario", type=_csv(SCENARIOS + ("all",)), default=["decode"],
                    help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
     b.add_argument("--traces", type=_csv(None), default=list(DEFAULT_TRACES),
@@ -70,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement, GiB (default 1)")
     t.add_argument("--device", type=int, default=0)
     t.add_argument("--copy-threads", default="8", help="comma list of copy thread counts for pageable sources")
-    t.add_argument("--sources", type=_csv(("pinned", "pageable")), default=["pinned", "pageable"])
+    t.add_argument("--sources", type=_csv(("pinned", "pageable", "file")), default=["pinned", "pageable", "file"])
+    t.add_argument("--file-dir", default=None, help="folder for the file source's temporary file")
     i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
     i.add_argument("model", metavar="MODEL.gguf")
     sub.add_parser("info", help="library version, path and available backends")
@@ -90,7 +94,7 @@ def _bench(args) -> int:
         from .gguf import GGUFSource
 
         scale = 1
-        source = GGUFSource(args.gguf)
+        source = GGUFSource(args.gguf, reads=args.gguf_reads)
         layout = source.layout
     else:
         layout = ModelLayout.preset(args.layout, scale=scale)
@@ -157,7 +161,7 @@ def _transfer(args) -> int:
         return 1
     threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
     rows = transfer.run(total_bytes=int(args.gib * GiB), device=args.device, copy_threads=threads,
-                        sources=args.sources)
+                        sources=args.sources, file_dir=args.file_dir)
     print(transfer.format_rows(rows))
     return 0
 

@@ -345,6 +345,9 @@ class GGUFSource:
         path: the GGUF file.
         layout: if given, must equal the file's layout (:func:`layout_from_gguf`);
             it then becomes ``self.layout``.
+        reads: ``"mmap"`` (misses copied from the mapping, staged through the pinned ring)
+            or ``"file"`` (misses read from the file with pread, O_DIRECT where the file
+            system allows, several reads in flight: for models larger than RAM).
 
     The file must not be modified or truncated while mapped, and a cache using the
     source must be closed before the source.
@@ -352,8 +355,13 @@ class GGUFSource:
 
     pinned = False
 
-    def __init__(self, path: PathLike, *, layout: Optional[ModelLayout] = None):
+    def __init__(self, path: PathLike, *, layout: Optional[ModelLayout] = None, reads: str = "mmap"):
+        if reads not in ("mmap", "file"):
+            raise ValueError(f"reads must be 'mmap' or 'file', got {reads!r}")
         self.path = os.fspath(path)
+        # "file": the cache reads misses from the file itself (pread, O_DIRECT where allowed), for
+        # models larger than RAM; the mapping then only serves verification.
+        self.file_path = self.path if reads == "file" else None
         self._mm = None
         self.buffer = np.empty(0, np.uint8)
         records, size = _scan(self.path)
@@ -370,8 +378,9 @@ class GGUFSource:
             raise GGUFLayoutError(f"{self.path}: the file changed size while being opened")
         self.buffer = np.frombuffer(self._mm, dtype=np.uint8)
         self._base = self.buffer.ctypes.data
+        origin = 0 if self.file_path else self._base  # file offsets, or addresses in the mapping
         self._placements = [
-            LayerPlacement(tuple(self._base + o for o in r.offsets), r.strides, r.sizes) if r else None
+            LayerPlacement(tuple(origin + o for o in r.offsets), r.strides, r.sizes) if r else None
             for r in records
         ]
 
@@ -381,7 +390,8 @@ class GGUFSource:
 
     # -- what the cache needs --------------------------------------------
     def placement(self, layer: int) -> Optional[LayerPlacement]:
-        """Absolute addresses of expert 0's parts, strides and sizes; None for a dense layer."""
+        """Where expert 0's parts are (addresses in the mapping, or file offsets when
+        ``reads="file"``), strides and sizes; None for a dense layer."""
         self._check_open()
         return self._placements[layer]
 

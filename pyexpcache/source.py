@@ -59,6 +59,8 @@ class Source(Protocol):
 
     layout: ModelLayout
     pinned: bool
+    #: When not None, misses are read from this file and placements hold file offsets.
+    file_path: Optional[str]
 
     def placement(self, layer: int) -> Optional["LayerPlacement"]: ...
 
@@ -85,6 +87,8 @@ class HostSource:
             together (256-byte aligned), so one copy moves a whole expert.
         progress: called as ``progress(done_bytes, total_bytes)`` while filling.
     """
+
+    file_path = None  # bytes come from memory
 
     def __init__(self, layout: ModelLayout, *, pinned: bool = False, arrangement: str = "tensor",
                  progress: Optional[Callable[[int, int], None]] = None):

@@ -1,4 +1,5 @@
-"""Transfer benchmark: how fast the library moves misses, next to the raw link.
+"""Transfer benchmark: how fast the library moves misses, next to the raw link, from
+pinned memory, pageable memory (through the pinned ring) and a file (pread into the ring).
 
 For each source kind and expert size, every select is all misses (distinct
 experts, a cache large enough to hold them all), six experts per call as in
@@ -9,6 +10,8 @@ the same expert-sized chunks from the same kind of memory, in the same run.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -18,7 +21,7 @@ import numpy as np
 from . import _cuda
 from .cache import ExpertCache
 from .layout import LayerSpec, ModelLayout
-from .source import HostSource
+from .source import HostSource, LayerPlacement
 
 MiB = 1 << 20
 # Expert sizes of the issue: a small expert, DeepSeek V4 Flash q2 and q4 (gate, up, down bytes).
@@ -62,6 +65,24 @@ def _raw_copy_gb_s(src_ptr: int, chunk: int, total: int, stream: int) -> float:
         rt.cudaFree(dev)
 
 
+class _FileCopy:
+    """A HostSource's bytes written to a file: the same layout, read back with pread
+    (served from the page cache right after writing)."""
+
+    pinned = False
+
+    def __init__(self, source: HostSource, path: str):
+        source.buffer.tofile(path)
+        self.layout = source.layout
+        self.file_path = path
+        base = source.buffer.ctypes.data
+        self._placements = [LayerPlacement(tuple(a - base for a in p.bases), p.strides, p.sizes) if p else None
+                            for p in (source.placement(i) for i in range(source.layout.num_layers))]
+
+    def placement(self, layer: int):
+        return self._placements[layer]
+
+
 def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 6, **cache_kwargs):
     """All-miss selects of layer 1 into slots that layer 0 filled: every timed miss evicts and
     reuses an allocated slot, so slab allocation is not timed."""
@@ -85,9 +106,10 @@ def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int =
 
 
 def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=("tensor", "expert"),
-        sources=("pinned", "pageable"), copy_threads: Sequence[int] = (8,), device: int = 0,
-        progress=None) -> list[TransferRow]:
-    """The transfer table (CUDA only)."""
+        sources=("pinned", "pageable", "file"), copy_threads: Sequence[int] = (8,), device: int = 0,
+        progress=None, file_dir: Optional[str] = None) -> list[TransferRow]:
+    """The transfer table (CUDA only). ``file`` writes each source to a file in ``file_dir``
+    (default: the system's temporary folder) and reads misses back from it, from the page cache."""
     rt = _cuda.runtime()
     _cuda.check(rt.cudaSetDevice(device), "cudaSetDevice")
     stream = int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
@@ -102,14 +124,20 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
             for kind in sources:
                 for arrangement in arrangements:
                     with HostSource(layout, pinned=kind == "pinned", arrangement=arrangement) as src:
+                        # raw same-kind: cudaMemcpyAsync from this memory (pageable for a file source)
                         raw_same = _raw_copy_gb_s(src.buffer.ctypes.data, expert, total_bytes, stream)
                         if kind == "pinned" and pinned_raw is None:
                             pinned_raw = raw_same
                         if pinned_raw is None:
                             with HostSource(ModelLayout((LayerSpec(2, *parts),)), pinned=True) as p:
                                 pinned_raw = _raw_copy_gb_s(p.buffer.ctypes.data, expert, total_bytes, stream)
-                        for threads in (copy_threads if kind == "pageable" else (0,)):
-                            lib_gb_s, moved = _library_gb_s(layout, src, stream, copy_threads=threads)
+                        for threads in (copy_threads if kind != "pinned" else (0,)):
+                            if kind == "file":
+                                with tempfile.TemporaryDirectory(dir=file_dir) as tmp:
+                                    lib_gb_s, moved = _library_gb_s(layout, _FileCopy(src, os.path.join(tmp, "x")),
+                                                                    stream, copy_threads=threads)
+                            else:
+                                lib_gb_s, moved = _library_gb_s(layout, src, stream, copy_threads=threads)
                             rows.append(TransferRow(kind, threads, size, arrangement, lib_gb_s, raw_same,
                                                     pinned_raw, moved))
                             if progress:
@@ -122,7 +150,7 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
 def format_rows(rows: Sequence[TransferRow]) -> str:
     from tabulate import tabulate
 
-    table = [[r.source, r.copy_threads if r.source == "pageable" else "—", r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}",
+    table = [[r.source, r.copy_threads if r.source != "pinned" else "—", r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}",
               f"{r.raw_pinned_gb_s:.1f}", f"{100 * r.of_raw_pinned:.0f} %"] for r in rows]
     return tabulate(table, headers=["source", "copy threads", "expert", "placement", "library GB/s", "raw same-kind GB/s",
                                     "raw pinned GB/s", "library / raw pinned"], disable_numparse=True)

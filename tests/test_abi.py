@@ -6,6 +6,7 @@ cache working."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 from ctypes import byref, c_uint32, c_uint64
@@ -32,14 +33,14 @@ def test_struct_sizes_match_library():
 def test_every_exported_function_is_declared():
     out = subprocess.run(["nm", "-D", "--defined-only", str(_lib.library_path)], capture_output=True, text=True)
     exported = {line.split()[-1] for line in out.stdout.splitlines() if " T expcache_" in line}
-    assert len(exported) >= 29
+    assert len(exported) >= 30
     for name in exported:
         assert getattr(lib, name).restype is not None or name == "expcache_destroy", name
         assert getattr(lib, name).argtypes is not None, name
 
 
 def test_status_strings_are_static_and_never_null():
-    names = [lib.expcache_status_string(s).decode() for s in range(-1, 10)]
+    names = [lib.expcache_status_string(s).decode() for s in range(-1, 11)]
     assert names[1] == "EXPCACHE_OK" and names[2] == "EXPCACHE_ERR_INVALID_ARGUMENT"
     assert names[0] == names[-1] == "EXPCACHE_ERR_UNKNOWN"
 
@@ -144,6 +145,11 @@ CASES = [
      "layer 43 out of range"),
     ("register twice", "expcache_register_layer", lambda h: (h, 0, byref(_desc())), STATE, "already registered"),
     ("register NULL desc", "expcache_register_layer", lambda h: (h, 0, None), INVALID, "desc is NULL"),
+    ("open_file NULL path", "expcache_open_file", lambda h: (h, None, byref(OUT_U32)), INVALID, "path is NULL"),
+    ("open_file NULL out", "expcache_open_file", lambda h: (h, os.fsencode(__file__), None), INVALID, "out_file is NULL"),
+    ("open_file missing", "expcache_open_file", lambda h: (h, b"/nonexistent/x.gguf", byref(OUT_U32)), 9,
+     "cannot open"),
+    ("open_file a folder", "expcache_open_file", lambda h: (h, b"/tmp", byref(OUT_U32)), 9, "not a regular file"),
     ("select NULL ids", "expcache_select_async", lambda h: (h, 0, None, 1, None, PTRS), INVALID, "ids is NULL"),
     ("select NULL out", "expcache_select_async", lambda h: (h, 0, IDS, 1, None, None), INVALID, "out_ptrs is NULL"),
     ("select k 0", "expcache_select_async", lambda h: (h, 0, IDS, 0, None, PTRS), INVALID, "k must be"),
@@ -208,7 +214,8 @@ DESC_CASES = [
     ("NULL base", dict(down_base=None), "down_base is NULL"),
     ("address overflow", dict(gate_base=(1 << 64) - 512), "past the address space"),
     ("bad source kind", dict(source_kind=3), "source_kind"),
-    ("reserved set", dict(reserved=1), "reserved"),
+    ("file id without a file source", dict(file=1), "file must be 0"),
+    ("file source with an unopened file", dict(source_kind=2, file=3), "not opened"),
     ("bad struct_size", dict(struct_size=12), "struct_size"),
 ]
 
@@ -216,6 +223,7 @@ DESC_CASES = [
 HANDLE_CALLS = [
     ("expcache_get_backend", lambda h: (h, byref(OUT_U32))),
     ("expcache_register_layer", lambda h: (h, 1, byref(_desc()))),
+    ("expcache_open_file", lambda h: (h, os.fsencode(__file__), byref(OUT_U32))),
     ("expcache_select_async", lambda h: (h, 0, IDS, 1, None, PTRS)),
     ("expcache_load_compact_async", lambda h: (h, 0, IDS, 1, None, byref(_compact()))),
     ("expcache_batch_prepare_async", lambda h: (h, 0, IDS, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),

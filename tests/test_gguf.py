@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import os
+
 import numpy as np
 import pytest
 
@@ -260,8 +262,9 @@ def test_source_layout_argument_must_match_file(mixed_file, tmp_path):
         GGUFSource(mixed_file, layout=other)
 
 
-def test_cache_serves_file_bytes(mixed_file, backend):
-    with GGUFSource(mixed_file) as src:
+@pytest.mark.parametrize("reads", ["mmap", "file"])
+def test_cache_serves_file_bytes(mixed_file, backend, reads):
+    with GGUFSource(mixed_file, reads=reads) as src:
         layout = src.layout
         with ExpertCache(layout, src, budget_experts=4, backend=backend) as cache:
             rng = np.random.default_rng(7)
@@ -282,6 +285,46 @@ def test_cache_serves_file_bytes(mixed_file, backend):
                 assert sums.tolist() == [src.expected_checksum(layer, int(e)) for e in ids]
             assert len(cache.classes()) == 2
             assert cache.stats().path("decode").evictions > 0
+
+
+def test_file_reads_fail_cleanly_when_the_file_shrinks(tmp_path, backend):
+    from pyexpcache import SourceIOError
+
+    path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
+    with GGUFSource(path, reads="file") as src:
+        layout = src.layout
+        with ExpertCache(layout, src, budget_experts=8, backend=backend, log_level=0) as cache:
+            ok = cache.select(0, [0, 1])
+            last = layout.moe_layers[-1]
+            cut = src.records[last].offsets[2]  # the last layer's down tensor: gone
+            os.truncate(path, cut)
+            with pytest.raises(SourceIOError, match="ended early"):
+                cache.select(last, [6, 7])
+            assert cache.read_expert(last, 6) is None and cache.read_expert(last, 7) is None
+            # What was read before is intact and still served.
+            again = cache.select(0, [0, 1])
+            assert (again == ok).all()
+            assert (cache.read_expert(0, 1) == src.expert_bytes(0, 1)).all()
+
+
+def test_file_layout_past_the_end_of_the_file_is_refused(tmp_path):
+    from pyexpcache import InvalidArgumentError
+
+    path = write_model(tmp_path / "short.gguf", [Q4] * 2)
+    with GGUFSource(path, reads="file") as src:
+        os.truncate(path, src.records[1].offsets[2] + 10)
+        with pytest.raises(InvalidArgumentError, match="past the end of"):
+            ExpertCache(src.layout, src, budget_experts=4, backend="host")
+
+
+def test_missing_source_file_is_an_io_error(tmp_path):
+    from pyexpcache import SourceIOError
+
+    path = write_model(tmp_path / "gone.gguf", [Q4] * 2)
+    with GGUFSource(path, reads="file") as src:
+        src.file_path = str(tmp_path / "missing.gguf")
+        with pytest.raises(SourceIOError, match="cannot open"):
+            ExpertCache(src.layout, src, budget_experts=4, backend="host")
 
 
 # ---------------------------------------------------------------------------
@@ -532,13 +575,14 @@ def test_cli_bench_on_a_gguf_model(tmp_path):
                    rows=(1, 1, 1)) for i in range(43)]
     path = write_model(tmp_path / "ds4-tiny.gguf", layers)
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(path), "--backend", "host",
-                           "--traces", "podA_b_json_full", "--budget-gib", "0.0001", "--json", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    data = json.loads(out.read_text())[0]
-    assert data["layout"] == "ds4-tiny.gguf"
-    assert all(r["checksum_errors"] == 0 and r["experts_checked"] == 37 * 40 * 6 for r in data["results"])
+    for reads in ("mmap", "file"):
+        proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(path), "--backend", "host",
+                               "--gguf-reads", reads, "--traces", "podA_b_json_full", "--budget-gib", "0.0001",
+                               "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads(out.read_text())[0]
+        assert data["layout"] == "ds4-tiny.gguf"
+        assert all(r["checksum_errors"] == 0 and r["experts_checked"] == 37 * 40 * 6 for r in data["results"])
     # A GGUF whose layers do not match the traces is refused with the reason.
     small = write_model(tmp_path / "small.gguf", [Q4] * 4)
     proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(small), "--backend", "host",

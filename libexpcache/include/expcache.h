@@ -79,6 +79,8 @@ typedef int32_t expcache_status_t;
 #define EXPCACHE_ERR_POISONED 7
 /** A bug in the library; please report it with expcache_last_error(). */
 #define EXPCACHE_ERR_INTERNAL 8
+/** Reading a source file failed or came up short; expcache_last_error() names the file and errno. */
+#define EXPCACHE_ERR_IO 9
 
 /** Static, never NULL: a short name of a status ("EXPCACHE_ERR_INVALID_ARGUMENT"). */
 EXPCACHE_API const char* expcache_status_string(expcache_status_t status);
@@ -183,18 +185,22 @@ EXPCACHE_API expcache_status_t expcache_get_backend(const expcache_t* cache, uin
 /** Where a layer's host bytes live (expcache_layer_desc_t.source_kind). */
 #define EXPCACHE_SOURCE_PAGEABLE 0 /**< ordinary host memory (malloc, mmap) */
 #define EXPCACHE_SOURCE_PINNED 1   /**< page-locked host memory (cudaMallocHost, cudaHostRegister) */
+#define EXPCACHE_SOURCE_FILE 2     /**< a file opened with expcache_open_file (models larger than RAM) */
 
 /**
  * One MoE layer: expert e's gate bytes are at gate_base + e*gate_stride and
  * are gate_bytes long; likewise up and down. Strides must be at least the
  * part's size (a contiguous [experts][bytes] tensor has stride == bytes).
  * The expert's size class is its exact (gate_bytes, up_bytes, down_bytes).
+ * With EXPCACHE_SOURCE_FILE the *_base fields hold byte offsets into the
+ * file `file` (cast to pointers; 0 is a valid offset) and every expert must
+ * lie inside the file.
  */
 typedef struct expcache_layer_desc_t {
     uint32_t struct_size;  /**< sizeof(expcache_layer_desc_t) */
     uint32_t num_experts;  /**< 1..EXPCACHE_MAX_EXPERTS_LIMIT */
     uint32_t source_kind;  /**< EXPCACHE_SOURCE_* */
-    uint32_t reserved;     /**< must be 0 */
+    uint32_t file;         /**< EXPCACHE_SOURCE_FILE: the id from expcache_open_file; else must be 0 */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< each > 0 */
     uint64_t gate_stride, up_stride, down_stride; /**< bytes between experts */
     const void* gate_base;
@@ -204,6 +210,17 @@ typedef struct expcache_layer_desc_t {
 
 /** Zero *desc and set struct_size. Fails only on NULL. */
 EXPCACHE_API expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc);
+
+/**
+ * Open `path` read-only as a source of expert bytes and give its id for
+ * expcache_layer_desc_t.file. Misses are read with pread, with O_DIRECT
+ * where the file system allows it (falling back to buffered reads where it
+ * does not), several reads in flight (config.copy_threads), into the pinned
+ * staging ring on the CUDA backend. The file must not shrink while the cache
+ * uses it; it is closed when the cache is destroyed. Status:
+ * INVALID_ARGUMENT, IO (cannot open; the message has errno's text).
+ */
+EXPCACHE_API expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file);
 
 /**
  * Register layer `layer` (< config.num_layers). Each layer is registered

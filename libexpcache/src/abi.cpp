@@ -151,6 +151,15 @@ expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, con
     });
 }
 
+expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(path && path[0], "path is NULL or empty");
+        EXPCACHE_REQUIRE(out_file, "out_file is NULL");
+        return cache->impl->open_file(path, out_file);
+    });
+}
+
 expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
                                         void* stream, expcache_expert_ptrs_t* out_ptrs) {
     return guarded(__func__, [&] {

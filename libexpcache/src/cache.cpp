@@ -225,7 +225,9 @@ expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, u
             ++q;
         }
         expcache_status_t s = injected_copy_failure();
-        if (s == EXPCACHE_OK) s = check(backend_->copy_h2d(d, src, bytes, layer.pinned, stream));
+        if (s == EXPCACHE_OK)
+            s = check(layer.file ? backend_->read_file(d, *layer.file, reinterpret_cast<uintptr_t>(src), bytes, stream)
+                                 : backend_->copy_h2d(d, src, bytes, layer.pinned, stream));
         if (s != EXPCACHE_OK) return s;
         p = q;
     }
@@ -548,9 +550,14 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     if (d.num_experts == 0 || d.num_experts > EXPCACHE_MAX_EXPERTS_LIMIT)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "num_experts must be 1..%u, got %u", EXPCACHE_MAX_EXPERTS_LIMIT,
                     d.num_experts);
-    if (d.source_kind > EXPCACHE_SOURCE_PINNED)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown source_kind %u (0 pageable, 1 pinned)", d.source_kind);
-    if (d.reserved != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved must be 0");
+    if (d.source_kind > EXPCACHE_SOURCE_FILE)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown source_kind %u (0 pageable, 1 pinned, 2 file)",
+                    d.source_kind);
+    const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
+    if (from_file && d.file >= files_.size())
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file %u was not opened with expcache_open_file (%zu open)", d.file,
+                    files_.size());
+    if (!from_file && d.file != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file must be 0 unless source_kind is file");
     const uint64_t bytes[kParts] = {d.gate_bytes, d.up_bytes, d.down_bytes};
     const uint64_t stride[kParts] = {d.gate_stride, d.up_stride, d.down_stride};
     const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
@@ -562,9 +569,13 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
         if (stride[p] < bytes[p])
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_stride %llu is smaller than %s_bytes %llu", names[p],
                         (unsigned long long)stride[p], names[p], (unsigned long long)bytes[p]);
-        if (!base[p]) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_base is NULL", names[p]);
+        if (!base[p] && !from_file) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_base is NULL", names[p]);
         unsigned __int128 end = (unsigned __int128)reinterpret_cast<uintptr_t>(base[p]) +
                                 (unsigned __int128)stride[p] * (d.num_experts - 1) + bytes[p];
+        if (from_file && end > files_[d.file]->size())
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert ends at byte %llu, past the end of %s "
+                        "(%llu bytes)", names[p], (unsigned long long)end, files_[d.file]->path().c_str(),
+                        (unsigned long long)files_[d.file]->size());
         if (end > (unsigned __int128)UINTPTR_MAX)
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert would end past the address space",
                         names[p]);
@@ -572,6 +583,7 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     LayerState& l = layers_[layer];
     l.registered = true;
     l.pinned = d.source_kind == EXPCACHE_SOURCE_PINNED;
+    l.file = from_file ? files_[d.file].get() : nullptr;
     l.num_experts = d.num_experts;
     for (int p = 0; p < kParts; ++p) {
         l.bytes[p] = bytes[p];
@@ -583,6 +595,19 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     l.slot_of.assign(d.num_experts, -1);
     // Budget shares depend on the whole layout: recompute caps lazily.
     for (ClassState& cls : classes_) cls.cap_valid = false;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::open_file(const char* path, uint32_t* out_file) {
+    CallScope scope(*this);
+    if (files_.size() >= 1024) return fail(EXPCACHE_ERR_INVALID_STATE, "1024 files are open already");
+    std::unique_ptr<SourceFile> f(new SourceFile());
+    expcache_status_t s = f->open(path);
+    if (s != EXPCACHE_OK) return s;
+    log(EXPCACHE_LOG_NOTICE, "source file %s: %llu bytes, %s reads", path, (unsigned long long)f->size(),
+        f->direct() ? "O_DIRECT" : "buffered (O_DIRECT refused)");
+    files_.push_back(std::move(f));
+    *out_file = static_cast<uint32_t>(files_.size() - 1);
     return EXPCACHE_OK;
 }
 

@@ -20,6 +20,7 @@ struct LayerState {
     bool registered = false;
     bool pinned = false;
     uint32_t num_experts = 0;
+    const SourceFile* file = nullptr;  // EXPCACHE_SOURCE_FILE: base[] are offsets into it
     uint64_t bytes[kParts] = {};
     uint64_t stride[kParts] = {};
     const unsigned char* base[kParts] = {};
@@ -72,6 +73,7 @@ public:
     ~Cache();
 
     uint32_t backend_kind() const { return backend_->kind(); }
+    expcache_status_t open_file(const char* path, uint32_t* out_file);
     expcache_status_t register_layer(uint32_t layer, const expcache_layer_desc_t& desc);
     expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                              expcache_expert_ptrs_t* out);
@@ -148,6 +150,7 @@ private:
     void* last_stream_ = nullptr;
     bool have_last_stream_ = false;
 
+    std::vector<std::unique_ptr<SourceFile>> files_;
     std::vector<LayerState> layers_;
     std::vector<ClassState> classes_;
     std::vector<BatchState> batches_;

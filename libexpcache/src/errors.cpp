@@ -59,6 +59,7 @@ extern "C" const char* expcache_status_string(expcache_status_t status) {
         case EXPCACHE_ERR_CUDA: return "EXPCACHE_ERR_CUDA";
         case EXPCACHE_ERR_POISONED: return "EXPCACHE_ERR_POISONED";
         case EXPCACHE_ERR_INTERNAL: return "EXPCACHE_ERR_INTERNAL";
+        case EXPCACHE_ERR_IO: return "EXPCACHE_ERR_IO";
         default: return "EXPCACHE_ERR_UNKNOWN";
     }
 }

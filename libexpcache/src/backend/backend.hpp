@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "expcache.h"
+#include "source_file.hpp"
 
 namespace expcache {
 
@@ -34,6 +35,9 @@ public:
 
     virtual expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned,
                                        void* stream) = 0;
+    // Read `bytes` at `offset` of `file` into device memory at dst.
+    virtual expcache_status_t read_file(void* dst, const class SourceFile& file, uint64_t offset, uint64_t bytes,
+                                        void* stream) = 0;
     virtual expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
     virtual expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) = 0;
 

@@ -2,10 +2,12 @@
 
 #include <cstring>
 
+#include "../errors.hpp"
+
 namespace expcache {
 
 namespace {
-constexpr size_t kMinPart = 256 * 1024;  // below this, threads cost more than they save
+constexpr uint64_t kMinPart = 256 * 1024;  // below this, threads cost more than they save
 }
 
 CopyPool::CopyPool(unsigned threads) {
@@ -21,34 +23,45 @@ CopyPool::~CopyPool() {
     for (std::thread& t : threads_) t.join();
 }
 
-void CopyPool::copy_part(unsigned index) {
-    size_t per = (n_ / parts_ + 63) & ~size_t(63);
-    size_t begin = per * index;
-    if (begin >= n_) return;
-    size_t len = begin + per < n_ ? per : n_ - begin;
-    std::memcpy(dst_ + begin, src_ + begin, len);
+void CopyPool::copy(void* dst, const void* src, size_t n) {
+    char* d = static_cast<char*>(dst);
+    const char* s = static_cast<const char*>(src);
+    run(n, 64, [d, s](uint64_t begin, uint64_t len) {
+        std::memcpy(d + begin, s + begin, len);
+        return static_cast<expcache_status_t>(EXPCACHE_OK);
+    });
 }
 
-void CopyPool::copy(void* dst, const void* src, size_t n) {
-    unsigned parts = static_cast<unsigned>(n / kMinPart);
-    if (parts > threads_.size() + 1) parts = static_cast<unsigned>(threads_.size() + 1);
-    if (parts <= 1) {
-        std::memcpy(dst, src, n);
-        return;
-    }
+expcache_status_t CopyPool::do_part(unsigned index) {
+    uint64_t begin = per_ * index;
+    if (begin >= n_) return EXPCACHE_OK;
+    uint64_t len = begin + per_ < n_ ? per_ : n_ - begin;
+    return (*part_)(begin, len);
+}
+
+expcache_status_t CopyPool::run(uint64_t n, uint64_t grain, const Part& part) {
+    uint64_t parts = n / kMinPart;
+    if (parts > threads_.size() + 1) parts = threads_.size() + 1;
+    if (parts <= 1) return n ? part(0, n) : EXPCACHE_OK;
     {
         std::lock_guard<std::mutex> lock(mu_);
-        dst_ = static_cast<char*>(dst);
-        src_ = static_cast<const char*>(src);
+        part_ = &part;
         n_ = n;
-        parts_ = parts;
-        pending_ = parts - 1;
+        per_ = (n / parts + grain - 1) / grain * grain;
+        parts_ = static_cast<unsigned>(parts);
+        pending_ = parts_ - 1;
+        status_ = EXPCACHE_OK;
+        message_.clear();
         ++generation_;
     }
     start_.notify_all();
-    copy_part(0);
+    expcache_status_t mine = do_part(0);
+    std::string mine_message = mine == EXPCACHE_OK ? std::string() : std::string(last_error());
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [this] { return pending_ == 0; });
+    if (mine != EXPCACHE_OK) return fail(mine, "%s", mine_message.c_str());
+    if (status_ != EXPCACHE_OK) return fail(status_, "%s", message_.c_str());  // a helper's detail, on this thread
+    return EXPCACHE_OK;
 }
 
 void CopyPool::work(unsigned index) {
@@ -61,8 +74,12 @@ void CopyPool::work(unsigned index) {
         bool mine = index < parts_;
         lock.unlock();
         if (!mine) continue;
-        copy_part(index);
+        expcache_status_t s = do_part(index);
         lock.lock();
+        if (s != EXPCACHE_OK && status_ == EXPCACHE_OK) {
+            status_ = s;
+            message_ = last_error();
+        }
         if (--pending_ == 0) done_.notify_one();
     }
 }

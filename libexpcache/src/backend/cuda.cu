@@ -68,23 +68,33 @@ public:
     }
 
     expcache_status_t upload(void* dst, const void* src, uint64_t bytes, cudaStream_t stream) {
-        if (slots_.empty()) {
-            expcache_status_t s = init();
-            if (s != EXPCACHE_OK) return s;
-        }
         const char* from = static_cast<const char*>(src);
-        char* to = static_cast<char*>(dst);
-        for (uint64_t off = 0; off < bytes; off += chunk_) {
-            uint64_t n = bytes - off < chunk_ ? bytes - off : chunk_;
-            Slot& slot = slots_[next_];
-            next_ = (next_ + 1) % slots_.size();
-            if (slot.used) EXPCACHE_CUDA_TRY(cudaEventSynchronize(slot.done));
-            pool_.copy(slot.host, from + off, n);
-            EXPCACHE_CUDA_TRY(cudaMemcpyAsync(to + off, slot.host, n, cudaMemcpyHostToDevice, stream));
-            EXPCACHE_CUDA_TRY(cudaEventRecord(slot.done, stream));
-            slot.used = true;
-        }
-        return EXPCACHE_OK;
+        return stage(dst, bytes, stream, [&](char* host, uint64_t off, uint64_t n, uint64_t* delta) {
+            *delta = 0;
+            pool_.copy(host, from + off, n);
+            return static_cast<expcache_status_t>(EXPCACHE_OK);
+        });
+    }
+
+    // File bytes: preads into the ring, split between the threads (several reads in
+    // flight). With O_DIRECT the 4096-aligned range around each chunk is read and
+    // the transfer starts at the chunk's offset inside it.
+    expcache_status_t upload_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
+                                  cudaStream_t stream) {
+        const uint64_t align = SourceFile::kDirectAlign;
+        return stage(dst, bytes, stream, [&](char* host, uint64_t off, uint64_t n, uint64_t* delta) {
+            uint64_t at = offset + off;
+            if (!file.direct()) {
+                *delta = 0;
+                return pool_.run(n, 4096, [&](uint64_t b, uint64_t len) { return file.read(host + b, at + b, len); });
+            }
+            uint64_t first = at / align * align;
+            uint64_t span = (at + n - first + align - 1) / align * align;
+            *delta = at - first;
+            return pool_.run(span, align, [&](uint64_t b, uint64_t len) {
+                return file.read_aligned(host + b, first + b, len);
+            });
+        });
     }
 
 private:
@@ -93,6 +103,32 @@ private:
         cudaEvent_t done = nullptr;
         bool used = false;
     };
+
+    // Chunk by chunk: wait until the slot's previous transfer is done, let `fill`
+    // put the chunk's bytes at slot + *delta, then enqueue the transfer.
+    template <typename Fill>
+    expcache_status_t stage(void* dst, uint64_t bytes, cudaStream_t stream, Fill&& fill) {
+        if (slots_.empty()) {
+            expcache_status_t s = init();
+            if (s != EXPCACHE_OK) return s;
+        }
+        char* to = static_cast<char*>(dst);
+        for (uint64_t off = 0; off < bytes; off += chunk_) {
+            uint64_t n = bytes - off < chunk_ ? bytes - off : chunk_;
+            Slot& slot = slots_[next_];
+            next_ = (next_ + 1) % slots_.size();
+            if (slot.used) EXPCACHE_CUDA_TRY(cudaEventSynchronize(slot.done));
+            slot.used = false;
+            uint64_t delta = 0;
+            expcache_status_t s = fill(static_cast<char*>(slot.host), off, n, &delta);
+            if (s != EXPCACHE_OK) return s;
+            EXPCACHE_CUDA_TRY(cudaMemcpyAsync(to + off, static_cast<char*>(slot.host) + delta, n,
+                                              cudaMemcpyHostToDevice, stream));
+            EXPCACHE_CUDA_TRY(cudaEventRecord(slot.done, stream));
+            slot.used = true;
+        }
+        return EXPCACHE_OK;
+    }
     expcache_status_t init() {
         // 2 MiB chunks: small enough that the copy into chunk i+1 overlaps the
         // transfer of chunk i within one expert, large enough that waking the
@@ -102,7 +138,8 @@ private:
         uint64_t n = total_ / chunk_;
         for (uint64_t i = 0; i < n; ++i) {
             Slot s;
-            cudaError_t e = cudaMallocHost(&s.host, chunk_);
+            // Room for a chunk plus the alignment slack of an O_DIRECT read around it.
+            cudaError_t e = cudaMallocHost(&s.host, chunk_ + 2 * SourceFile::kDirectAlign);
             if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming);
             if (e != cudaSuccess) {
                 if (s.host) cudaFreeHost(s.host);
@@ -201,13 +238,13 @@ public:
         return EXPCACHE_OK;
     }
     expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) override {
-        if (!pinned && copy_threads_ > 0) {
-            // Made on first use: caches over pinned sources never start the threads.
-            if (!ring_) ring_.reset(new PinnedRing(copy_threads_ - 1, staging_bytes_));
-            return ring_->upload(dst, src, bytes, static_cast<cudaStream_t>(stream));
-        }
+        if (!pinned && copy_threads_ > 0) return ring().upload(dst, src, bytes, static_cast<cudaStream_t>(stream));
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
+    }
+    expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
+                                void* stream) override {
+        return ring().upload_file(dst, file, offset, bytes, static_cast<cudaStream_t>(stream));
     }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
@@ -238,6 +275,12 @@ public:
     }
 
 private:
+    // Made on first use: caches over pinned sources never start the threads.
+    PinnedRing& ring() {
+        if (!ring_) ring_.reset(new PinnedRing(copy_threads_ > 0 ? copy_threads_ - 1 : 0, staging_bytes_));
+        return *ring_;
+    }
+
     struct Deferred {
         void* ptr;
         cudaEvent_t event;

@@ -76,6 +76,19 @@ public:
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;
     }
+    expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes, void*) override {
+        if (!file.direct()) return file.read(dst, offset, bytes);
+        // The same aligned O_DIRECT reads as the CUDA backend's ring, through a bounce buffer.
+        const uint64_t align = SourceFile::kDirectAlign;
+        uint64_t first = offset / align * align;
+        uint64_t span = (offset + bytes - first + align - 1) / align * align;
+        void* bounce = std::aligned_alloc(align, span);
+        if (!bounce) return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "bounce buffer of %llu bytes", (unsigned long long)span);
+        expcache_status_t s = file.read_aligned(bounce, first, span);
+        if (s == EXPCACHE_OK) std::memcpy(dst, static_cast<char*>(bounce) + (offset - first), bytes);
+        std::free(bounce);
+        return s;
+    }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void*) override {
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;

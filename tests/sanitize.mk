@@ -1,0 +1,82 @@
+# The C stress driver (tests/c/stress.c) under sanitizers and valgrind, on the
+# host backend (no GPU, no nvcc). Included from the repository's Makefile,
+# which defines CC, CXX, BUILD, COMMON, WARN, HEADERS, CORE_SRC (the C++ core,
+# host backend included) and STUB_OBJ; run from the repository root. To try
+# it without the include: make -f Makefile -f tests/sanitize.mk asan-test
+#
+#   make asan-test       core + host backend + driver built with ASan and UBSan into
+#                        $(BUILD)/asan/, statically linked into one executable, run
+#                        with STRESS_SEED and STRESS_OPS (~30 s on 2 cores)
+#   make valgrind-test   the same without sanitizers into $(BUILD)/valgrind/, a shorter
+#                        run (VALGRIND_OPS) under valgrind's memcheck; skipped, with a
+#                        message, when valgrind is not installed
+#   make sanitize        both
+#
+# Reproduce or explore: $(BUILD)/asan/stress SEED OPS [--trace]
+
+# Whatever includes this keeps its own default goal (`make` alone still builds).
+SANITIZE_MK_DEFAULT_GOAL := $(.DEFAULT_GOAL)
+
+STRESS_SEED   ?= 20240611
+STRESS_OPS    ?= 12000
+VALGRIND_OPS  ?= 1500
+VALGRIND      ?= valgrind
+SAN_OPT       ?= -O1 -g
+SAN_FLAGS      = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+SAN_ENV        = ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:abort_on_error=0:strict_string_checks=1:check_initialization_order=1:detect_invalid_pointer_pairs=0 \
+                 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+VALGRIND_ARGS  = -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite,indirect \
+                 --show-leak-kinds=definite,indirect --track-origins=yes
+
+# The C++ core with the host backend, plus the stub that stands in for the CUDA backend.
+SAN_CXX_SRC   = $(CORE_SRC) $(patsubst $(BUILD)/obj/%.o,libexpcache/src/%.cpp,$(STUB_OBJ))
+SAN_CXXFLAGS  = $(if $(COMMON),$(COMMON),-std=c++17 -Ilibexpcache/include -Ilibexpcache/src) $(WARN)
+STRESS_SRC    = tests/c/stress.c
+STRESS_CFLAGS = -std=c11 -Wall -Wextra -Ilibexpcache/include
+
+ASAN_DIR = $(BUILD)/asan
+ASAN_OBJ = $(patsubst libexpcache/src/%.cpp,$(ASAN_DIR)/obj/%.o,$(SAN_CXX_SRC))
+ASAN_BIN = $(ASAN_DIR)/stress
+VG_DIR   = $(BUILD)/valgrind
+VG_OBJ   = $(patsubst libexpcache/src/%.cpp,$(VG_DIR)/obj/%.o,$(SAN_CXX_SRC))
+VG_BIN   = $(VG_DIR)/stress
+
+.PHONY: asan-test valgrind-test sanitize
+
+sanitize: asan-test valgrind-test
+
+$(ASAN_DIR)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(SAN_CXXFLAGS) $(SAN_OPT) $(SAN_FLAGS) -c $< -o $@
+
+$(ASAN_DIR)/stress.o: $(STRESS_SRC) libexpcache/include/expcache.h
+	@mkdir -p $(dir $@)
+	$(CC) $(STRESS_CFLAGS) $(SAN_OPT) $(SAN_FLAGS) -c $< -o $@
+
+$(ASAN_BIN): $(ASAN_DIR)/stress.o $(ASAN_OBJ)
+	$(CXX) $(SAN_FLAGS) -o $@ $^ -lpthread
+
+asan-test: $(ASAN_BIN)
+	$(SAN_ENV) $(ASAN_BIN) $(STRESS_SEED) $(STRESS_OPS)
+
+$(VG_DIR)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(SAN_CXXFLAGS) $(SAN_OPT) -c $< -o $@
+
+$(VG_DIR)/stress.o: $(STRESS_SRC) libexpcache/include/expcache.h
+	@mkdir -p $(dir $@)
+	$(CC) $(STRESS_CFLAGS) $(SAN_OPT) -c $< -o $@
+
+$(VG_BIN): $(VG_DIR)/stress.o $(VG_OBJ)
+	$(CXX) -o $@ $^ -lpthread
+
+VALGRIND_FOUND := $(shell command -v $(VALGRIND) 2>/dev/null)
+ifeq ($(VALGRIND_FOUND),)
+valgrind-test:
+	@echo "valgrind-test: skipped: $(VALGRIND) not found (apt-get install valgrind)"
+else
+valgrind-test: $(VG_BIN)
+	$(VALGRIND) $(VALGRIND_ARGS) $(VG_BIN) $(STRESS_SEED) $(VALGRIND_OPS)
+endif
+
+.DEFAULT_GOAL := $(SANITIZE_MK_DEFAULT_GOAL)
