@@ -85,3 +85,4 @@ clean:
 	rm -rf $(BUILD)
 
 include benchmarks/asv.mk
+include tests/sanitize.mk

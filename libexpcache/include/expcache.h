@@ -218,7 +218,8 @@ EXPCACHE_API expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* d
  * does not), several reads in flight (config.copy_threads), into the pinned
  * staging ring on the CUDA backend. The file must not shrink while the cache
  * uses it; it is closed when the cache is destroyed. Status:
- * INVALID_ARGUMENT, IO (cannot open; the message has errno's text).
+ * INVALID_ARGUMENT, INVALID_STATE (1024 files open already), IO (cannot
+ * open; the message has errno's text).
  */
 EXPCACHE_API expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file);
 
@@ -254,8 +255,8 @@ typedef struct expcache_expert_ptrs_t {
  * served from a staging buffer. Copies are enqueued on `stream`.
  *
  * The addresses are valid for device work enqueued on `stream` (or ordered
- * after it) before the next select, load_compact, batch_prepare or
- * release_all call on this cache. A later call on another stream waits, on the device, for the
+ * after it) before the next select, load_compact, batch_prepare,
+ * release_all or layer_class call on this cache. A later call on another stream waits, on the device, for the
  * work enqueued on this stream before it overwrites a slot.
  * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, CUDA, POISONED.
  */
@@ -381,7 +382,12 @@ typedef struct expcache_class_info_t {
 EXPCACHE_API expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index,
                                                    expcache_class_info_t* out);
 
-/** The class index layer `layer` is bound to; binds it now if it is not. */
+/**
+ * The class index layer `layer` is bound to. A layer not bound yet is bound
+ * now, as its next select would bind it: when max_classes classes are in
+ * use that reuses (releases) the least recently used one, so, like a select,
+ * this call invalidates the addresses handed out before it.
+ */
 EXPCACHE_API expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
 
 /* ---------------------------------------------------------------------- */

@@ -1,45 +1,60 @@
 /*
  * stress.c — a seeded, randomized stress driver for libexpcache, written
- * against the public header (expcache.h) only, on the host backend.
+ * against the public header (expcache.h) only, on the host backend. Built and
+ * run by tests/sanitize.mk under ASan + UBSan (make asan-test) and valgrind
+ * (make valgrind-test); tests/test_sanitizers.py runs both.
  *
  * It keeps up to MAX_CACHES caches alive at once (random configurations:
- * tight emulated device memory, small slabs, several size classes and fewer
- * class slots than classes, odd part sizes, pageable host sources in two
- * arrangements) and runs a long random sequence of every exported function,
- * good and bad input alike. After every call it checks what the header
- * promises:
+ * tight emulated device memory, small slabs, reserves, budgets, several size
+ * classes and fewer class indices than classes, odd unaligned part sizes,
+ * pageable host sources in two arrangements and file sources read through
+ * expcache_open_file, now and then a layer of thousands of tiny experts) and
+ * runs a long random sequence of every exported function, good and bad input
+ * alike: NULL pointers, out-of-range layers and ids, wrong struct_size,
+ * destroyed and foreign handles, unknown batch ids, injected allocation and
+ * copy failures. After every call it checks what the header promises:
  *
- *   - the status is one the function documents (CUDA and POISONED count as
- *     divergences: the host backend has no CUDA), failures leave the
- *     out-pointers untouched and name the function in expcache_last_error();
+ *   - the status is one the function documents; CUDA only while injected
+ *     copy failures may fire (the host backend has no CUDA otherwise);
+ *     failures leave the out-pointers untouched and expcache_last_error()
+ *     names the function;
  *   - every device address handed out holds exactly the source bytes (read
- *     back with expcache_read_device), for as long as the header says it is
- *     valid: select's until the next serving call or release_all, the
- *     compact buffer's until the next load_compact or release_all, a batch's
- *     until its batch_finish; held experts stay resident while held;
+ *     back with expcache_read_device, and through expcache_checksum), for as
+ *     long as the header says it is valid: select's until the next select,
+ *     load_compact, batch_prepare or release_all, the compact buffer's until
+ *     the next load_compact or release_all, a batch's until its
+ *     batch_finish; a batch's held experts stay resident while it is held;
  *   - every resident expert (expcache_read_resident) holds its source bytes,
- *     also after failed calls;
+ *     also after failed calls; class infos agree with what is resident and
+ *     held;
  *   - counters never decrease except after expcache_reset_stats, bad input
  *     changes none of them, and each serving call moves them consistently;
  *   - device_bytes_in_use equals the slots of every class plus the staging
  *     buffers the calls made (nothing leaks), never exceeds the emulated
  *     capacity, and is 0 after release_all when no batch is held; the
  *     expert caches never grow into reserve_bytes;
- *   - everything is destroyed at the end (run under ASan/LSan or valgrind
- *     to check that nothing leaks).
+ *   - destroy closes every file the cache opened, and at the end every
+ *     cache is destroyed (ASan's leak checker or valgrind then reports any
+ *     byte the library did not free).
  *
  * usage: stress [SEED [OPS]] [--trace]
- * Prints the number of operations, library calls, faults injected, bad
- * inputs tried and divergences found; exits 1 on any divergence.
+ * A seed always replays the same sequence (the draws never depend on heap
+ * addresses); --trace prints a line per operation. Prints the number of
+ * operations, library calls, faults injected, bad inputs tried and errors
+ * (divergences) found, each divergence with its seed and operation number;
+ * exits 1 on any divergence.
  */
 #define _POSIX_C_SOURCE 200809L
 
+#include <dirent.h>
+#include <sys/resource.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "expcache.h"
 
@@ -54,20 +69,13 @@
 #define MAX_FINISHED 16
 #define ALIGN 256u
 
-/* The header grew file sources (EXPCACHE_SOURCE_FILE, desc.file in place of desc.reserved). */
-#ifdef EXPCACHE_SOURCE_FILE
-#define DESC_MUST_BE_0 file
-#define NUM_SOURCE_KINDS 3
-#else
-#define DESC_MUST_BE_0 reserved
-#define NUM_SOURCE_KINDS 2
-#endif
-
 #define OK EXPCACHE_OK
 #define IA EXPCACHE_ERR_INVALID_ARGUMENT
 #define OOM EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY
 #define IS EXPCACHE_ERR_INVALID_STATE
 #define UNSUP EXPCACHE_ERR_UNSUPPORTED
+#define CUDA EXPCACHE_ERR_CUDA
+#define IO EXPCACHE_ERR_IO
 #define ST(s) (1u << (s))
 
 /* ------------------------------------------------------------------------ */
@@ -111,7 +119,7 @@ static void trace(const char* fmt, ...) {
     if (!g_trace) return;
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "[%" PRIu64 "] ", g_op);
+    fprintf(stderr, "[%" PRIu64 " #%" PRIu64 "] ", g_op, g_cur);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
@@ -133,10 +141,8 @@ static int check_status(const char* fn, expcache_status_t s, uint32_t allowed) {
         if (!e || strncmp(e, fn, n) != 0 || strncmp(e + n, ": ", 2) != 0 || strlen(e) <= n + 2)
             diverge("%s failed with %s but expcache_last_error() is \"%s\" (should name the function and reason)",
                     fn, sname(s), e ? e : "(null)");
-        if (s == OOM) {
-            g_ooms++;
-            if (e && strstr(e, "injected")) g_faults_seen++;
-        }
+        if (s == OOM) g_ooms++;
+        if ((s == OOM || s == CUDA) && e && strstr(e, "injected")) g_faults_seen++;
     }
     return 1;
 }
@@ -180,6 +186,9 @@ typedef struct {
     unsigned char* bufs[3];
     int nbufs;
     uint32_t pinned;
+    int from_file;      /* EXPCACHE_SOURCE_FILE: bufs[0] is the file's image, off[] the bases in the file */
+    uint32_t file_id;
+    uint64_t off[3], file_bytes;
     uint32_t* mark; /* per expert, stamp for set computations */
 } Layer;
 
@@ -215,6 +224,8 @@ typedef struct {
     expcache_stats_t snap[EXPCACHE_MAX_CLASSES_LIMIT][EXPCACHE_NUM_PATHS];
     expcache_class_info_t info[EXPCACHE_MAX_CLASSES_LIMIT];
     uint64_t compact_cap, overflow_cap;
+    uint64_t copy_faults_left; /* injected copy failures that may still fire */
+    uint32_t nfiles;           /* files opened: ids 0..nfiles-1 */
     int sel_valid;
     uint32_t sel_layer, sel_k;
     uint32_t sel_ids[EXPCACHE_MAX_SELECT];
@@ -581,9 +592,12 @@ static void forget_model(Model* m) {
     m->live = 0;
 }
 
+/* The random draws never depend on heap addresses (a new cache may reuse a destroyed one's
+ * address): a seed replays the same sequence under ASan, valgrind or neither. */
 static void add_stale(expcache_t* h) {
+    uint64_t r = rnd();
     if (g_nstale < MAX_STALE) g_stale[g_nstale++] = h;
-    else g_stale[below(MAX_STALE)] = h;
+    else g_stale[r % MAX_STALE] = h;
 }
 
 static void op_destroy(Model* m) {
@@ -695,11 +709,15 @@ static void op_create(void) {
     cfg.budget_experts = pct(50) ? between(1, 64) : 0;
     cfg.budget_bytes = (pct(50) || !cfg.budget_experts) ? between(1, model_bytes + model_bytes / 2) : 0;
     int r = (int)below(10);
-    cfg.reserve_bytes = r < 3 ? 0 : r < 8 ? between(0, 16384) : r < 9 ? ((uint64_t)1 << 30) : model_bytes;
+    cfg.reserve_bytes = r < 2   ? 0
+                        : r < 8 ? between(0, 8 * slot_bytes_of(m->keys[below((uint64_t)m->nkeys)]))
+                        : r < 9 ? ((uint64_t)1 << 30)
+                                : model_bytes;
     int c = (int)below(10);
     cfg.device_capacity_bytes = c < 1 ? ((uint64_t)64 << 30)
                                 : c < 2 ? slot_bytes_of(m->keys[0]) + between(0, 4096)
-                                        : between(256, model_bytes + model_bytes / 2 + 4096);
+                                : c < 6 ? between(256, model_bytes / 2 + 256)
+                                        : between(model_bytes / 2, 2 * model_bytes + 4096);
     cfg.slab_bytes = pct(20) ? ((uint64_t)512 << 20) : between(1, 32768);
     cfg.copy_threads = (uint32_t)below(9);
     m->capacity = cfg.device_capacity_bytes;
@@ -726,7 +744,7 @@ static void op_create(void) {
     s = expcache_create(&cfg, &h);
     unsetenv("EXPCACHE_RESERVE_GB");
     unsetenv("EXPCACHE_VERBOSE");
-    g_creates++;
+    g_creates += s == OK;
     check_status("expcache_create", s, ST(want_env));
     trace("create cache #%" PRIu64 ": %s, %u layers, %u class slots, %d keys, capacity %" PRIu64 ", reserve %" PRIu64
           ", budget %" PRIu64 " experts / %" PRIu64 " B, slab %" PRIu64 ", model %" PRIu64 " B",
@@ -756,25 +774,77 @@ static void op_create(void) {
 /* Layers                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* Allocate and fill the host bytes of layer l (tensor or expert-major arrangement). */
-static void build_sources(Model* m, uint32_t l) {
+static const char* tmp_dir(void) {
+    const char* d = getenv("STRESS_TMPDIR");
+    if (!d || !d[0]) d = getenv("TMPDIR");
+    return d && d[0] ? d : "/tmp";
+}
+
+/* Open a file through the library: OK (id in *out), or a divergence. The file is unlinked at
+ * once (the library holds its descriptors; nothing is left behind if the run dies). */
+static int open_file(Model* m, const unsigned char* image, uint64_t bytes, uint32_t* out) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/expcache-stress-XXXXXX", tmp_dir());
+    int fd = mkstemp(path);
+    if (fd < 0) {
+        fprintf(stderr, "stress: cannot create a temporary file in %s (set STRESS_TMPDIR)\n", tmp_dir());
+        exit(2);
+    }
+    for (uint64_t done = 0; done < bytes;) {
+        ssize_t w = write(fd, image + done, bytes - done);
+        if (w <= 0) {
+            fprintf(stderr, "stress: cannot write %s\n", path);
+            unlink(path);
+            exit(2);
+        }
+        done += (uint64_t)w;
+    }
+    close(fd);
+    uint32_t id = 0xA5A5A5A5u;
+    expcache_status_t s = expcache_open_file(m->h, path, &id);
+    unlink(path);
+    check_status("expcache_open_file", s, ST(OK));
+    if (s != OK) return 0;
+    if (id != m->nfiles) diverge("open_file gave id %u, want %u (ids count up from 0)", id, m->nfiles);
+    m->nfiles++;
+    *out = id;
+    return 1;
+}
+
+/* Fill a region of junk (bytes that must never be served). */
+static void fill_junk(unsigned char* p, uint64_t n) {
+    for (uint64_t i = 0; i < n; ++i) p[i] = (unsigned char)(0xE0 | (i & 0xF));
+}
+
+/* Allocate and fill the host bytes of layer l (tensor or expert-major arrangement), in memory
+ * (exactly sized buffers) or in a file (one image: junk, then the parts, then junk). */
+static void build_sources(Model* m, uint32_t l, int as_file) {
     Layer* L = &m->layers[l];
     const uint64_t* k = m->keys[L->key];
     uint32_t n = L->num_experts;
     for (int p = 0; p < 3; ++p) L->bytes[p] = k[p];
     L->pinned = pct(20) ? EXPCACHE_SOURCE_PINNED : EXPCACHE_SOURCE_PAGEABLE; /* the host backend ignores it */
+    L->from_file = as_file;
+    uint64_t region[3], start[3];
     if (pct(50)) {
-        /* Tensor: one buffer per part, [experts][stride], sized exactly to the last byte used. */
-        L->nbufs = 3;
+        /* Tensor: one region per part, [experts][stride], sized exactly to the last byte used. */
         for (int p = 0; p < 3; ++p) {
             L->stride[p] = L->bytes[p] + (pct(50) ? 0 : between(1, 40));
-            uint64_t size = L->stride[p] * (n - 1) + L->bytes[p];
-            L->bufs[p] = (unsigned char*)xmalloc(size);
-            memset(L->bufs[p], 0xEE, size);
-            L->base[p] = L->bufs[p];
+            region[p] = L->stride[p] * (n - 1) + L->bytes[p];
+            start[p] = 0;
+        }
+        if (as_file) { /* one after the other, in a random order, with gaps; sometimes gate at offset 0 */
+            uint64_t pos = pct(20) ? 0 : between(1, 5000);
+            int first = (int)below(3);
+            for (int i = 0; i < 3; ++i) {
+                int p = (first + i) % 3;
+                start[p] = pos;
+                pos += region[p] + (pct(50) ? 0 : between(1, 300));
+            }
+            L->file_bytes = pos + below(100);
         }
     } else {
-        /* Expert-major: one buffer, the parts of an expert in a random order with random gaps. */
+        /* Expert-major: one region, the parts of an expert in a random order with random gaps. */
         int order[3] = {0, 1, 2};
         for (int i = 2; i > 0; --i) {
             int j = (int)below((uint64_t)i + 1), t = order[i];
@@ -791,12 +861,34 @@ static void build_sources(Model* m, uint32_t l) {
         for (int p = 0; p < 3; ++p)
             if (off[p] + L->bytes[p] > last) last = off[p] + L->bytes[p];
         uint64_t size = stride * (n - 1) + last;
-        L->nbufs = 1;
-        L->bufs[0] = (unsigned char*)xmalloc(size);
-        memset(L->bufs[0], 0xEE, size);
+        uint64_t lead = as_file && pct(80) ? between(1, 5000) : 0;
         for (int p = 0; p < 3; ++p) {
-            L->base[p] = L->bufs[0] + off[p];
             L->stride[p] = stride;
+            start[p] = lead + off[p];
+            region[p] = 0; /* one buffer, below */
+        }
+        if (as_file) L->file_bytes = lead + size + below(100);
+        else {
+            L->nbufs = 1;
+            L->bufs[0] = (unsigned char*)xmalloc(size);
+            fill_junk(L->bufs[0], size);
+            for (int p = 0; p < 3; ++p) L->base[p] = L->bufs[0] + off[p];
+        }
+    }
+    if (as_file) {
+        L->nbufs = 1;
+        L->bufs[0] = (unsigned char*)xmalloc(L->file_bytes);
+        fill_junk(L->bufs[0], L->file_bytes);
+        for (int p = 0; p < 3; ++p) {
+            L->off[p] = start[p];
+            L->base[p] = L->bufs[0] + start[p];
+        }
+    } else if (region[0]) {
+        L->nbufs = 3;
+        for (int p = 0; p < 3; ++p) {
+            L->bufs[p] = (unsigned char*)xmalloc(region[p]);
+            fill_junk(L->bufs[p], region[p]);
+            L->base[p] = L->bufs[p];
         }
     }
     for (uint32_t e = 0; e < n; ++e)
@@ -807,16 +899,43 @@ static void build_sources(Model* m, uint32_t l) {
 static void fill_desc(const Layer* L, expcache_layer_desc_t* d) {
     expcache_layer_desc_init(d);
     d->num_experts = L->num_experts;
-    d->source_kind = L->pinned;
+    d->source_kind = L->from_file ? EXPCACHE_SOURCE_FILE : L->pinned;
+    d->file = L->from_file ? L->file_id : 0;
     d->gate_bytes = L->bytes[0];
     d->up_bytes = L->bytes[1];
     d->down_bytes = L->bytes[2];
     d->gate_stride = L->stride[0];
     d->up_stride = L->stride[1];
     d->down_stride = L->stride[2];
-    d->gate_base = L->base[0];
-    d->up_base = L->base[1];
-    d->down_base = L->base[2];
+    if (L->from_file) {
+        d->gate_base = (const void*)(uintptr_t)L->off[0];
+        d->up_base = (const void*)(uintptr_t)L->off[1];
+        d->down_base = (const void*)(uintptr_t)L->off[2];
+    } else {
+        d->gate_base = L->base[0];
+        d->up_base = L->base[1];
+        d->down_base = L->base[2];
+    }
+}
+
+/* expcache_open_file with bad input: none may open anything. */
+static void bad_open_file(Model* m) {
+    uint32_t id = 0xA5A5A5A5u;
+    expcache_status_t s;
+    switch (below(5)) {
+        case 0: s = expcache_open_file(m->h, NULL, &id); expect_bad("expcache_open_file", s, IA, "path NULL"); break;
+        case 1: s = expcache_open_file(m->h, "", &id); expect_bad("expcache_open_file", s, IA, "path empty"); break;
+        case 2: s = expcache_open_file(m->h, tmp_dir(), NULL); expect_bad("expcache_open_file", s, IA, "out_file NULL"); break;
+        case 3: s = expcache_open_file(m->h, tmp_dir(), &id); expect_bad("expcache_open_file", s, IO, "a directory"); break;
+        default: {
+            char path[4200];
+            snprintf(path, sizeof path, "%s/expcache-stress-missing-%" PRIu64, tmp_dir(), rnd());
+            s = expcache_open_file(m->h, path, &id);
+            expect_bad("expcache_open_file", s, IO, "no such file");
+            break;
+        }
+    }
+    if (id != 0xA5A5A5A5u) diverge("failed open_file wrote *out_file");
 }
 
 static void op_register(Model* m) {
@@ -829,6 +948,7 @@ static void op_register(Model* m) {
         fill_desc(L, &d);
         s = expcache_register_layer(m->h, l, &d);
         expect_bad("expcache_register_layer", s, IS, "layer already registered");
+        if (pct(30)) bad_open_file(m);
         check_invariants(m, 0, 1);
         return;
     }
@@ -837,7 +957,12 @@ static void op_register(Model* m) {
     memset(L, 0, sizeof *L);
     L->key = key;
     L->num_experts = n;
-    build_sources(m, l);
+    int as_file = pct(30);
+    build_sources(m, l, as_file);
+    if (as_file && !open_file(m, L->bufs[0], L->file_bytes, &L->file_id)) {
+        free_layer(L), L->key = key, L->num_experts = n;
+        return;
+    }
     fill_desc(L, &d);
     if (pct(25)) {
         /* Bad descriptors: each must be refused and leave the layer unregistered. */
@@ -848,15 +973,26 @@ static void op_register(Model* m) {
         uint64_t* bytes[3] = {&d.gate_bytes, &d.up_bytes, &d.down_bytes};
         uint64_t* stride[3] = {&d.gate_stride, &d.up_stride, &d.down_stride};
         const void** base[3] = {&d.gate_base, &d.up_base, &d.down_base};
-        switch (below(11)) {
+        switch (below(13)) {
             case 0: dp = NULL; what = "desc NULL"; break;
             case 1: d.struct_size = pct(50) ? 0 : (uint32_t)sizeof d + 8; what = "struct_size"; break;
             case 2: d.num_experts = pct(50) ? 0 : EXPCACHE_MAX_EXPERTS_LIMIT + 1; what = "num_experts"; break;
-            case 3: d.source_kind = NUM_SOURCE_KINDS + (uint32_t)below(5); what = "source_kind"; break;
-            case 4: d.DESC_MUST_BE_0 = 1 + (uint32_t)below(3); what = "reserved/file field not 0"; break;
+            case 3: d.source_kind = EXPCACHE_SOURCE_FILE + 1 + (uint32_t)below(5); what = "source_kind"; break;
+            case 4:
+                if (L->from_file) d.file = m->nfiles + (uint32_t)below(3), what = "file not opened";
+                else d.file = 1 + (uint32_t)below(3), what = "file not 0 for a memory source";
+                break;
             case 5: *bytes[p] = pct(50) ? 0 : ((uint64_t)1 << 40) + 1; what = "part bytes"; break;
             case 6: *stride[p] = *bytes[p] - 1; what = "stride < bytes"; break;
-            case 7: *base[p] = NULL; what = "base NULL"; break;
+            case 7:
+                if (L->from_file) { /* offset 0 is valid in a file: make the last expert end past the file */
+                    *base[p] = (const void*)(uintptr_t)(L->file_bytes - *bytes[p] + 1);
+                    what = "part past the end of the file";
+                } else {
+                    *base[p] = NULL;
+                    what = "base NULL";
+                }
+                break;
             case 8:
                 *base[p] = (const void*)(UINTPTR_MAX - 64);
                 *stride[p] = ((uint64_t)1 << 40);
@@ -865,7 +1001,23 @@ static void op_register(Model* m) {
                 what = "address overflow";
                 break;
             case 9: layer = m->num_layers + (uint32_t)below(5); what = "layer out of range"; break;
-            default: layer = UINT32_MAX; what = "layer UINT32_MAX"; break;
+            case 10:
+                if (L->from_file) {
+                    d.num_experts = n + 1 + (uint32_t)below(4);
+                    *stride[p] = L->file_bytes; /* the extra experts cannot fit */
+                    what = "more experts than the file holds";
+                } else {
+                    d.source_kind = EXPCACHE_SOURCE_FILE;
+                    d.file = m->nfiles;
+                    what = "file source with a file never opened";
+                }
+                break;
+            case 11: layer = UINT32_MAX; what = "layer UINT32_MAX"; break;
+            default:
+                d.source_kind = EXPCACHE_SOURCE_FILE;
+                d.file = m->nfiles + (uint32_t)below(1000);
+                what = "file id never opened";
+                break;
         }
         s = expcache_register_layer(m->h, layer, dp);
         expect_bad("expcache_register_layer", s, IA, what);
@@ -882,8 +1034,9 @@ static void op_register(Model* m) {
     s = expcache_register_layer(m->h, l, &d);
     check_status("expcache_register_layer", s, ST(OK));
     trace("register_layer %u: %u experts, parts %" PRIu64 "/%" PRIu64 "/%" PRIu64 ", strides %" PRIu64 "/%" PRIu64
-          "/%" PRIu64 ": %s",
-          l, n, L->bytes[0], L->bytes[1], L->bytes[2], L->stride[0], L->stride[1], L->stride[2], sname(s));
+          "/%" PRIu64 "%s: %s",
+          l, n, L->bytes[0], L->bytes[1], L->bytes[2], L->stride[0], L->stride[1], L->stride[2],
+          L->from_file ? " (file)" : "", sname(s));
     if (s == OK) L->registered = 1;
     else free_layer(L), L->key = key, L->num_experts = n;
     check_invariants(m, 0, 0);
@@ -949,6 +1102,33 @@ static int get_stat(Model* m, uint32_t c, uint32_t path, expcache_stats_t* st) {
 
 #define DELTA(f) (st.f - o->f)
 
+/* Statuses a valid serving call may return: OK, INVALID_STATE (no class index free), OUT_OF_DEVICE_MEMORY,
+ * and CUDA only while injected copy failures may still fire (the host backend has no CUDA otherwise). */
+static uint32_t serving_statuses(const Model* m) { return ST(OK) | ST(IS) | ST(OOM) | (m->copy_faults_left ? ST(CUDA) : 0); }
+
+static void consumed_copy_fault(Model* m, expcache_status_t s) {
+    if (s == CUDA && m->copy_faults_left) m->copy_faults_left--;
+}
+
+/* After a failed call, the device bytes the staging holds are one of two values: adopt the one that matches. */
+static void resolve_staging(Model* m, uint64_t* cap, uint64_t alt, const char* what) {
+    if (alt == *cap) return;
+    uint64_t db = 0, slots = 0, batch = 0;
+    expcache_device_bytes_in_use(m->h, &db);
+    for (uint32_t c = 0; c < m->max_classes; ++c) {
+        expcache_class_info_t ci;
+        ci.struct_size = sizeof ci;
+        if (expcache_class_info(m->h, c, &ci) == OK) slots += ci.allocated_experts * ci.slot_bytes;
+    }
+    for (int b = 0; b < m->nbatches; ++b) batch += m->batches[b].staging;
+    uint64_t other = slots + batch + m->compact_cap + m->overflow_cap - *cap;
+    if (db == other + alt) *cap = alt;
+    else if (db != other + *cap)
+        diverge("after a failed call device_bytes_in_use is %" PRIu64 "; with the %s buffer at %" PRIu64 " or %" PRIu64
+                " B it would be %" PRIu64 " or %" PRIu64,
+                db, what, *cap, alt, other + *cap, other + alt);
+}
+
 static uint32_t g_u[EXPCACHE_MAX_SELECT > MAX_BATCH_IDS ? EXPCACHE_MAX_SELECT : MAX_BATCH_IDS];
 static signed char g_pre[EXPCACHE_MAX_SELECT > MAX_BATCH_IDS ? EXPCACHE_MAX_SELECT : MAX_BATCH_IDS];
 
@@ -972,7 +1152,8 @@ static void op_select(Model* m) {
     g_selects++;
     void* stream = rand_stream();
     expcache_status_t s = expcache_select_async(m->h, layer, ids, k, stream, out);
-    check_status("expcache_select_async", s, ST(OK) | ST(IS) | ST(OOM));
+    check_status("expcache_select_async", s, serving_statuses(m));
+    consumed_copy_fault(m, s);
     trace("select layer %u k %u (%u unique, %u resident) stream %p: %s", layer, k, u, pre_res, stream, sname(s));
     if (want_is != (s == IS))
         diverge("select on layer %u returned %s; the class infos say binding %s", layer, sname(s),
@@ -988,6 +1169,12 @@ static void op_select(Model* m) {
                 }
         }
         if (s == OOM) m->overflow_cap = 0; /* the overflow buffer was being replaced */
+        if (s == CUDA) {                    /* a copy failed: the overflow buffer may have been replaced first */
+            uint32_t post = 0;
+            for (uint32_t j = 0; j < u; ++j) post += resident(m, layer, g_u[j]) == 1;
+            uint64_t need = (uint64_t)(u - post) * slot_bytes_of(L->bytes);
+            if (need > m->overflow_cap) resolve_staging(m, &m->overflow_cap, need, "overflow");
+        }
         /* Hits of a failed call stay resident (a consistent cache): checked by the deep sweep. */
         for (uint32_t j = 0; j < u; ++j)
             if (g_pre[j] == 1 && resident(m, layer, g_u[j]) != 1)
@@ -1073,7 +1260,8 @@ static void op_compact(Model* m) {
     m->sel_valid = 0;
     g_compacts++;
     expcache_status_t s = expcache_load_compact_async(m->h, layer, ids, n, rand_stream(), &out);
-    check_status("expcache_load_compact_async", s, ST(OK) | ST(IS) | ST(OOM));
+    check_status("expcache_load_compact_async", s, serving_statuses(m));
+    consumed_copy_fault(m, s);
     trace("load_compact layer %u n %u (%u unique, %u resident): %s", layer, n, u, pre_res, sname(s));
     if (want_is != (s == IS))
         diverge("load_compact on layer %u returned %s; the class infos say binding %s", layer, sname(s),
@@ -1082,6 +1270,7 @@ static void op_compact(Model* m) {
     uint64_t off_up = align_up(b[0] * n), off_down = align_up(off_up + b[1] * n), total = off_down + b[2] * n;
     if (s != OK) {
         if (memcmp(&out, &before, sizeof out) != 0) diverge("failed load_compact wrote *out");
+        if (s == CUDA && total > m->compact_cap) m->compact_cap = total; /* allocated before the copies */
         if (s == OOM) {
             if (total <= m->compact_cap) diverge("load_compact ran out of memory with a large enough buffer");
             m->compact_cap = 0;
@@ -1145,13 +1334,13 @@ static void op_compact(Model* m) {
     check_invariants(m, pct(10), 0);
 }
 
-static void op_batch_prepare(Model* m, int quiet) {
+static void op_batch_prepare(Model* m, int quiet, uint64_t max_n) {
     g_cur_op = "batch_prepare";
     int li = pick_layer(m);
     if (li < 0) return;
     uint32_t layer = (uint32_t)li;
     Layer* L = &m->layers[layer];
-    uint64_t n = pct(80) ? between(1, 32) : between(33, MAX_BATCH_IDS);
+    uint64_t n = max_n ? between(1, max_n) : pct(80) ? between(1, 32) : between(33, MAX_BATCH_IDS);
     /* Exact sizes (n entries, as the header asks): ASan and valgrind catch a write past them. */
     uint32_t* ids = (uint32_t*)xmalloc(sizeof(uint32_t) * n);
     uint32_t* out_ids = (uint32_t*)xmalloc(sizeof(uint32_t) * n);
@@ -1169,7 +1358,8 @@ static void op_batch_prepare(Model* m, int quiet) {
     g_batches++;
     expcache_status_t s =
         expcache_batch_prepare_async(m->h, layer, ids, n, rand_stream(), out_ids, out_ptrs, &count, &id);
-    check_status("expcache_batch_prepare_async", s, ST(OK) | ST(IS) | ST(OOM));
+    check_status("expcache_batch_prepare_async", s, serving_statuses(m));
+    consumed_copy_fault(m, s);
     if (!quiet || s != OK)
         trace("batch_prepare layer %u n %" PRIu64 " (%u unique, %u resident; %d outstanding): %s id %" PRIu64, layer,
               n, u, pre_res, m->nbatches, sname(s), s == OK ? id : 0);
@@ -1280,9 +1470,13 @@ static void op_fill_batches(Model* m) {
     int li = pick_layer(m);
     if (li < 0) return;
     trace("fill batches from %d", m->nbatches);
-    int tries = 0;
-    while (m->nbatches < EXPCACHE_MAX_BATCHES && tries++ < 2 * EXPCACHE_MAX_BATCHES) op_batch_prepare(m, 1);
-    if (m->nbatches == EXPCACHE_MAX_BATCHES) op_batch_prepare(m, 0); /* expects INVALID_STATE */
+    int fails = 0;
+    while (m->nbatches < EXPCACHE_MAX_BATCHES && fails < 3 && m->live) {
+        int before = m->nbatches;
+        op_batch_prepare(m, 1, 2);
+        fails += m->nbatches == before;
+    }
+    if (m->nbatches == EXPCACHE_MAX_BATCHES) op_batch_prepare(m, 0, 2); /* expects INVALID_STATE */
 }
 
 static void op_release_all(Model* m) {
@@ -1321,6 +1515,17 @@ static void op_inject(Model* m) {
     check_invariants(m, 0, 1);
 }
 
+static void op_inject_copy(Model* m) {
+    g_cur_op = "inject_copy_failures";
+    uint64_t skip = below(40), count = pct(20) ? 0 : between(1, 2);
+    expcache_status_t s = expcache_inject_copy_failures(m->h, skip, count);
+    check_status("expcache_inject_copy_failures", s, ST(OK));
+    trace("inject_copy_failures skip %" PRIu64 " count %" PRIu64 ": %s", skip, count, sname(s));
+    if (s == OK) m->copy_faults_left = count;
+    g_faults_armed += count;
+    check_invariants(m, 0, 1);
+}
+
 static void op_reset_stats(Model* m) {
     g_cur_op = "reset_stats";
     check_invariants(m, 0, 1);
@@ -1335,9 +1540,7 @@ static void op_reset_stats(Model* m) {
 
 static void op_layer_class(Model* m) {
     g_cur_op = "layer_class";
-#ifdef STRESS_EXPLORE
-    m->sel_valid = 0;
-#endif
+    m->sel_valid = 0; /* binding may reuse a class: addresses handed out before are invalid (header) */
     uint32_t layer = (uint32_t)below(m->num_layers + 1);
     uint32_t c = 0xA5A5u;
     int bad = layer >= m->num_layers || !m->layers[layer].registered;
@@ -1795,9 +1998,11 @@ static void op_stale(void) {
     g_cur_op = "stale handle";
     g_cur = 0;
     expcache_t* h = (expcache_t*)g_foreign;
-    if (g_nstale && pct(80)) {
-        h = g_stale[below((uint64_t)g_nstale)];
-        if (is_stale_live(h)) return;
+    int use_stale = pct(80);
+    uint64_t r = rnd();
+    if (g_nstale && use_stale) {
+        h = g_stale[r % (uint64_t)g_nstale];
+        if (is_stale_live(h)) h = (expcache_t*)g_foreign;
     }
     uint32_t ids[1] = {0}, u = 0, cnt = 0;
     uint64_t u64 = 0, sum = 0;
@@ -1814,7 +2019,7 @@ static void op_stale(void) {
     unsigned char buf[16];
     expcache_status_t s;
     const char* fn = "";
-    switch (below(20)) {
+    switch (below(21)) {
         case 0: s = expcache_get_backend(h, &u); fn = "expcache_get_backend"; break;
         case 1: s = expcache_register_layer(h, 0, &d); fn = "expcache_register_layer"; break;
         case 2: s = expcache_select_async(h, 0, ids, 1, NULL, p); fn = "expcache_select_async"; break;
@@ -1833,8 +2038,12 @@ static void op_stale(void) {
         case 15: s = expcache_reset_stats(h); fn = "expcache_reset_stats"; break;
         case 16: s = expcache_set_log_callback(h, log_cb, NULL); fn = "expcache_set_log_callback"; break;
         case 17: s = expcache_set_log_level(h, 0); fn = "expcache_set_log_level"; break;
-        case 18: s = expcache_inject_alloc_failures(h, 0, 1); fn = "expcache_inject_alloc_failures"; break;
-        default: s = expcache_device_bytes_in_use(h, &u64); fn = "expcache_device_bytes_in_use"; break;
+        case 18:
+            if (pct(50)) s = expcache_inject_alloc_failures(h, 0, 1), fn = "expcache_inject_alloc_failures";
+            else s = expcache_inject_copy_failures(h, 0, 1), fn = "expcache_inject_copy_failures";
+            break;
+        case 19: s = expcache_device_bytes_in_use(h, &u64); fn = "expcache_device_bytes_in_use"; break;
+        default: s = expcache_open_file(h, "/dev/null", &u); fn = "expcache_open_file"; break;
     }
     trace("%s on %s handle %p: %s", fn, h == (expcache_t*)g_foreign ? "foreign" : "destroyed", (void*)h, sname(s));
     expect_bad(fn, s, IA, h == (expcache_t*)g_foreign ? "foreign handle" : "destroyed handle");
@@ -1845,6 +2054,97 @@ static void op_stale(void) {
 /* ------------------------------------------------------------------------ */
 /* Main loop                                                                 */
 /* ------------------------------------------------------------------------ */
+
+static int count_fds(void);
+
+/* Many files on one (throwaway) cache: ids count up, whatever limit there is fails with a
+ * documented status, and destroy closes every descriptor. Once per run. */
+static void op_file_limit(void) {
+    g_cur_op = "open_file limit";
+    g_cur = 0;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+    rlim_t want = 2 * 1100 + 64; /* two descriptors a file where O_DIRECT is allowed */
+    if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
+        if (rl.rlim_max != RLIM_INFINITY && rl.rlim_max < want) {
+            printf("stress: open_file limit test skipped (RLIMIT_NOFILE hard limit %llu)\n", (unsigned long long)rl.rlim_max);
+            return;
+        }
+        struct rlimit more = rl;
+        more.rlim_cur = want;
+        if (setrlimit(RLIMIT_NOFILE, &more) != 0) {
+            printf("stress: open_file limit test skipped (cannot raise RLIMIT_NOFILE)\n");
+            return;
+        }
+    }
+    int fds = count_fds();
+    expcache_config_t cfg;
+    expcache_config_init(&cfg);
+    cfg.backend = EXPCACHE_BACKEND_HOST;
+    cfg.num_layers = 1;
+    cfg.budget_experts = 1;
+    cfg.log_level = EXPCACHE_LOG_SILENT;
+    expcache_t* h = NULL;
+    expcache_status_t s = expcache_create(&cfg, &h);
+    check_status("expcache_create", s, ST(OK));
+    if (s != OK) return;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/expcache-stress-XXXXXX", tmp_dir());
+    int fd = mkstemp(path);
+    if (fd < 0 || write(fd, "0123456789abcdef", 16) != 16) {
+        fprintf(stderr, "stress: cannot create a temporary file in %s (set STRESS_TMPDIR)\n", tmp_dir());
+        exit(2);
+    }
+    close(fd);
+    uint32_t n = 0;
+    for (; n < 1100; ++n) {
+        uint32_t id = 0xA5A5A5A5u;
+        s = expcache_open_file(h, path, &id);
+        g_calls++;
+        if (s != OK) break;
+        if (id != n) diverge("open_file gave id %u, want %u", id, n);
+    }
+    unlink(path);
+    if (s != OK) {
+        trace("open_file failed after %u files: %s (%s)", n, sname(s), expcache_last_error());
+        check_status("expcache_open_file", s, ST(IA) | ST(IS) | ST(IO));
+        if (s == IO && n < 1000) diverge("open_file failed after only %u files: %s", n, expcache_last_error());
+    }
+    /* A layer from the last file opened still works. */
+    static const unsigned char bytes[16] = "0123456789abcdef";
+    if (n > 0) {
+        expcache_layer_desc_t d;
+        expcache_layer_desc_init(&d);
+        d.num_experts = 1;
+        d.source_kind = EXPCACHE_SOURCE_FILE;
+        d.file = n - 1;
+        d.gate_bytes = d.up_bytes = d.down_bytes = d.gate_stride = d.up_stride = d.down_stride = 5;
+        d.up_base = (const void*)(uintptr_t)5;
+        d.down_base = (const void*)(uintptr_t)10;
+        s = expcache_register_layer(h, 0, &d);
+        check_status("expcache_register_layer", s, ST(OK));
+        uint32_t e = 0;
+        expcache_expert_ptrs_t p;
+        s = expcache_select_async(h, 0, &e, 1, NULL, &p);
+        check_status("expcache_select_async", s, ST(OK));
+        unsigned char got[5];
+        if (s == OK && (expcache_read_device(h, p.down, got, 5) != OK || memcmp(got, bytes + 10, 5) != 0))
+            diverge("a layer read from file %u holds wrong bytes", n - 1);
+    }
+    expcache_destroy(h);
+    g_calls += 4;
+    if (count_fds() != fds) diverge("destroying a cache with %u files open left %d descriptors open", n, count_fds() - fds);
+}
+
+/* Open file descriptors of this process (-1 where /proc is not there). */
+static int count_fds(void) {
+    DIR* d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    int n = 0;
+    for (struct dirent* e; (e = readdir(d));) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
 
 static Model* pick_model(void) {
     int live[MAX_CACHES], n = 0;
@@ -1870,10 +2170,11 @@ static void step(void) {
     }
     if (r < 300) op_select(m);
     else if (r < 400) op_compact(m);
-    else if (r < 510) op_batch_prepare(m, 0);
+    else if (r < 510) op_batch_prepare(m, 0, 0);
     else if (r < 600) op_batch_finish(m);
     else if (r < 625) op_release_all(m);
-    else if (r < 680) op_inject(m);
+    else if (r < 660) op_inject(m);
+    else if (r < 680) op_inject_copy(m);
     else if (r < 690) op_reset_stats(m);
     else if (r < 720) op_layer_class(m);
     else if (r < 760) op_read_resident(m);
@@ -1888,7 +2189,7 @@ static void step(void) {
     else if (r < 956) {
         /* Drain: finish every batch, release, and everything must be back to 0. */
         g_cur_op = "drain";
-        while (m->nbatches) op_batch_finish(m);
+        for (int i = 0; m->nbatches && i < 4 * EXPCACHE_MAX_BATCHES; ++i) op_batch_finish(m);
         op_release_all(m);
     } else if (r < 960) op_destroy(m);
     else op_select(m);
@@ -1919,10 +2220,14 @@ int main(int argc, char** argv) {
     g_rng = mix64(g_seed ^ 0x5EEDull);
     unsetenv("EXPCACHE_RESERVE_GB");
     unsetenv("EXPCACHE_VERBOSE");
+    int fds_before = count_fds();
     const char* le = expcache_last_error();
     if (!le || le[0]) diverge("expcache_last_error() is \"%s\" before any failure", le ? le : "(null)");
 
-    for (g_op = 1; g_op <= ops; ++g_op) step();
+    for (g_op = 1; g_op <= ops; ++g_op) {
+        if (g_op == 200) op_file_limit();
+        step();
+    }
 
     g_cur_op = "teardown";
     for (int i = 0; i < MAX_CACHES; ++i) {
@@ -1934,6 +2239,9 @@ int main(int argc, char** argv) {
         op_destroy(m);
     }
     free(g_scratch);
+    int fds_after = count_fds();
+    if (fds_after != fds_before)
+        diverge("%d file descriptors open at the start, %d after every cache was destroyed", fds_before, fds_after);
     printf("stress: seed %" PRIu64 ", %" PRIu64 " operations, %" PRIu64 " library calls, %" PRIu64
            " caches created, %" PRIu64 " destroyed\n",
            g_seed, ops, g_calls, g_creates, g_destroys);

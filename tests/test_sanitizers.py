@@ -1,0 +1,85 @@
+"""The C stress driver (tests/c/stress.c) under AddressSanitizer + UBSan and
+under valgrind, through the targets of tests/sanitize.mk: a long seeded random
+sequence of every exported function on the host backend (tight memory, odd
+part sizes, file sources, injected faults, bad input, destroyed handles),
+checked call by call against the header's promises. The driver's counts are
+printed, and are part of the assertion message when a run fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 600  # a hang fails the test instead of stalling the suite
+
+
+def make_command(target: str) -> list[str]:
+    """`make target` (the Makefile includes tests/sanitize.mk)."""
+    jobs = max(1, min(4, os.cpu_count() or 1))
+    return ["make", "--no-print-directory", f"-j{jobs}", target]
+
+
+def run_make(target: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    proc = subprocess.run(make_command(target), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def report(target: str, rc: int, stdout: str, stderr: str) -> str:
+    """The driver's counts first, then the end of everything else (divergences, sanitizer reports)."""
+    counts = [line for line in stdout.splitlines() if line.startswith("stress:")]
+    build = re.compile(r"^(\S*/)?(cc|gcc|g\+\+|c\+\+|clang|clang\+\+)\s")  # compiler command lines
+    rest = [line for line in (stdout + "\n" + stderr).splitlines()
+            if line and not line.startswith("stress:") and not build.match(line)]
+    tail = "\n".join(rest[-80:])
+    return (f"make {target} exited {rc}\n" + ("\n".join(counts) or "(the driver printed no counts: it crashed "
+            "or a sanitizer stopped it; see below)") + f"\n--- output (last lines) ---\n{tail}")
+
+
+def asan_unavailable() -> str:
+    """'' when the C++ compiler builds and runs an ASan + UBSan program, else why not."""
+    cxx = os.environ.get("CXX") or "g++"
+    if not shutil.which(cxx):
+        return f"no C++ compiler ({cxx})"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "t.cpp", Path(tmp) / "t"
+        src.write_text("#include <vector>\nint main() { std::vector<int> v(4); return v[3]; }\n")
+        build = subprocess.run([cxx, "-fsanitize=address,undefined", "-fno-omit-frame-pointer", str(src),
+                                "-o", str(exe)], capture_output=True, text=True)
+        if build.returncode != 0:
+            return f"{cxx} cannot build with -fsanitize=address,undefined: {build.stderr.strip()[-300:]}"
+        ran = subprocess.run([str(exe)], capture_output=True, text=True)
+        if ran.returncode != 0:
+            return f"an ASan-built program does not run here: {ran.stderr.strip()[-300:]}"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not found")
+
+
+def test_stress_under_asan_and_ubsan():
+    reason = asan_unavailable()
+    if reason:
+        pytest.skip(reason)
+    rc, out, err = run_make("asan-test")
+    message = report("asan-test", rc, out, err)
+    print(message)
+    assert rc == 0, message
+    assert re.search(r"\b0 errors found\b", out), message
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind not installed (apt-get install valgrind)")
+def test_stress_under_valgrind():
+    rc, out, err = run_make("valgrind-test")
+    message = report("valgrind-test", rc, out, err)
+    print(message)
+    assert rc == 0, message
+    assert re.search(r"\b0 errors found\b", out), message
