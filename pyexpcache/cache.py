@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -21,6 +22,17 @@ logger = logging.getLogger("pyexpcache")
 _BACKENDS = {"auto": _lib.BACKEND_AUTO, "host": _lib.BACKEND_HOST, "cuda": _lib.BACKEND_CUDA}
 _BACKEND_NAMES = {_lib.BACKEND_HOST: "host", _lib.BACKEND_CUDA: "cuda"}
 _LOG_LEVELS = {_lib.LOG_NOTICE: logging.INFO, _lib.LOG_DEBUG: logging.DEBUG}
+
+
+class _Scratch(threading.local):
+    """Per-thread buffers of select, with their addresses computed once: several threads
+    may share a cache, and numpy's address lookups cost more than the call itself."""
+
+    def __init__(self):
+        self.ids = np.empty(_lib.MAX_SELECT, dtype=np.uint32)
+        self.out = np.empty((_lib.MAX_SELECT, 3), dtype=np.uint64)
+        self.ids_address = self.ids.ctypes.data
+        self.out_address = self.out.ctypes.data
 
 
 @dataclass
@@ -225,6 +237,7 @@ class ExpertCache:
         self.layout = layout
         self.source = source
         self.max_classes = max_classes
+        self._scratch = _Scratch()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
         self._log_fn = _lib.LOG_FN(self._on_log)
         handle = _lib.CachePtr()
@@ -294,28 +307,33 @@ class ExpertCache:
     # -- serving -------------------------------------------------------------
     @staticmethod
     def _as_ids(expert_ids, what: str) -> np.ndarray:
+        """A contiguous uint32 array of the ids (the library checks them against the layer)."""
+        if (type(expert_ids) is np.ndarray and expert_ids.dtype == np.uint32
+                and expert_ids.flags.c_contiguous):
+            return expert_ids.reshape(-1)  # the hot path: nothing to convert or check
         ids = np.asarray(expert_ids)
         if ids.size == 0:
             return np.empty(0, dtype=np.uint32)  # the library reports the empty request
         if ids.dtype.kind not in "iu":
             raise TypeError(f"{what} must be integers, got {ids.dtype}")
-        if ids.size and (ids.min() < 0 or ids.max() > 0xFFFFFFFF):
+        if (ids.dtype.kind == "i" and ids.min() < 0) or (ids.dtype.itemsize > 4 and ids.max() > 0xFFFFFFFF):
             raise ValueError(f"{what} must be in [0, 2^32), got {ids.min()}..{ids.max()}")
-        return np.ascontiguousarray(ids.ravel(), dtype=np.uint32)
+        return np.ascontiguousarray(ids.reshape(-1), dtype=np.uint32)
 
     def select(self, layer: int, expert_ids, stream=None) -> np.ndarray:
         """Decode path: make ``expert_ids`` of ``layer`` resident; return a [k, 3] uint64 array of
         device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
-        valid for work enqueued on it before the next select, load_compact or prepare_batch."""
+        valid for work enqueued on it before the next select, load_compact or prepare_batch.
+        A contiguous uint32 array of ids is the fast path (about 3 µs; a list costs more)."""
         ids = self._as_ids(expert_ids, "expert_ids")
         k = ids.size
         if k > _lib.MAX_SELECT:
             raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
-        # Per-call buffers: several threads may share one cache (the library serializes the calls).
-        out = np.empty((max(k, 1), 3), dtype=np.uint64)
-        lib.expcache_select_async(self._handle_or_raise(), layer, ids.ctypes.data, k, stream_handle(stream),
-                                  out.ctypes.data)
-        return out[:k]
+        scratch = self._scratch
+        scratch.ids[:k] = ids
+        lib.expcache_select_async(self._handle_or_raise(), layer, scratch.ids_address, k, stream_handle(stream),
+                                  scratch.out_address)
+        return scratch.out[:k].copy()
 
     def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
         """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to
