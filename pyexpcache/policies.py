@@ -87,7 +87,6 @@ __all__ = [
 ]
 
 _H, _M, _I, _A, _D, _E = range(6)
-_MASK = (1 << _SHIFT) - 1
 
 
 # --------------------------------------------------------------------------- context
@@ -108,6 +107,7 @@ class Ctx:
             call's deduplicated requests, in first-appearance order.  For a
             batch the weight is the largest over the batch's tokens.
         size: bytes of one expert of the call's class (global mode), else 1.
+        cls: the call's size class.
     """
 
     __slots__ = ("tick", "token", "layer", "pos", "layers", "kind", "want", "size", "cls")
@@ -365,10 +365,22 @@ def simulate_global(
     append into free bytes only.  Counters are per class; ``capacity`` in the
     result is each class's largest resident count reached.
 
-    The victim is the policy's choice across classes; :class:`HazardLRU`
-    ranks by the estimated chance of reuse, which is the value per byte of
-    keeping an entry when the cost of a miss is its bytes (a q4 entry saves 2x
-    the bytes of a q2 entry on a hit and takes 2x the room).
+    The victim is the policy's choice across classes, so class budgets
+    follow demand.  :class:`OppClassLRU` ranks entries of every size by the
+    same score, an increasing function of the chance of reuse: when a miss
+    costs its bytes, keeping an entry of ``s`` bytes hit with probability
+    ``p`` saves ``p * s`` bytes for ``s`` bytes of room, a value per byte of
+    ``p`` whatever the size (its ``size_exp`` option weights the score by
+    ``size ** size_exp`` to test other trade-offs).
+
+    Args:
+        requests: as :func:`simulate_policy`.
+        budget_bytes: the one budget shared by all classes.
+        class_bytes: bytes of one expert of each class.
+        layer_class: class of each cache layer (required).
+        policy: name in :data:`POLICIES` or factory; built with capacity ``None``.
+        weights, tokens, check: as :func:`simulate_policy` (``check`` also
+            asserts the budget).
     """
     stream, wts, toks, pos_of, nlayers = _prepare(requests, weights, tokens)
     cls = [int(c) for c in layer_class]
