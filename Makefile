@@ -11,7 +11,7 @@ WARN       = -Wall -Wextra -Wno-unused-parameter
 COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
 
 CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/cache.cpp \
-            libexpcache/src/policy/lru.cpp libexpcache/src/backend/host.cpp libexpcache/src/backend/copy_pool.cpp libexpcache/src/backend/source_file.cpp
+            libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp libexpcache/src/backend/copy_pool.cpp libexpcache/src/backend/source_file.cpp
 CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu
 HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
 
@@ -66,8 +66,10 @@ $(SELECT_BIN): benchmarks/c/select_overhead.c $(LIBS)
 	$(CC) -O2 -Ilibexpcache/include -o $@ $< -L$(BUILD) -l:$(notdir $(lastword $(LIBS))) -Wl,-rpath,'$$ORIGIN'
 
 select-overhead: $(SELECT_BIN)
-	$(SELECT_BIN) host
-	@if [ -n "$(NVCC)" ] && $(SELECT_BIN) cuda 1 >/dev/null 2>&1; then $(SELECT_BIN) cuda; fi
+	$(SELECT_BIN) host 1000000 lru
+	$(SELECT_BIN) host 1000000 oppclass
+	@if [ -n "$(NVCC)" ] && $(SELECT_BIN) cuda 1 >/dev/null 2>&1; then \
+		$(SELECT_BIN) cuda 1000000 lru; $(SELECT_BIN) cuda 1000000 oppclass; fi
 
 deps:
 	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \

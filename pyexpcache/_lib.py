@@ -19,6 +19,7 @@ OK = 0
 BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
 SOURCE_PAGEABLE, SOURCE_PINNED, SOURCE_FILE = 0, 1, 2
 LOG_SILENT, LOG_NOTICE, LOG_DEBUG = 0, 1, 2
+POLICIES = {"lru": 0, "oppclass": 1}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
 MAX_SELECT = 1024
@@ -39,7 +40,7 @@ class Config(ctypes.Structure):
         ("device_capacity_bytes", c_uint64),
         ("slab_bytes", c_uint64),
         ("copy_threads", c_uint32),
-        ("reserved0", c_uint32),
+        ("policy", c_uint32),
         ("staging_bytes", c_uint64),
     ]
 

@@ -9,6 +9,7 @@ before the next layer (the next layer's ids depend on this layer's output).
 Variants, side by side in one process on the same source and stream:
 
 ``expcache``  this library: one cache per size class, LRU decode, batches that never evict.
+``oppclass``  the same with the OppClassLRU policy (docs/policy.md).
 ``slab``      the old ds4 design: one slab keyed on the last-seen expert size (a cache
               with ``max_classes=1``, so every size change releases it), released again
               before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
@@ -36,12 +37,13 @@ import numpy as np
 from . import _cuda
 from .cache import ExpertCache
 from .layout import ModelLayout
+from .policies import simulate_policy
 from .simulate import BATCH, DECODE, Call, simulate_belady, simulate_lru
 from .source import HostSource
 from .traces import list_traces, load_decode_trace, load_prefill_trace, synthetic_trace
 
 GiB = 1 << 30
-VARIANTS = ("expcache", "slab", "nocache", "resident")
+VARIANTS = ("expcache", "oppclass", "slab", "nocache", "resident")
 SCENARIOS = ("decode", "prefill", "turns")
 DEFAULT_TRACES = ("podA_a_coffee_full", "podA_b2_json_long_full", "podA_c_python_full", "podA_b_json_full",
                   "oracle50_k0w", "livemask_forensic_k0", "smoke_count64")
@@ -379,8 +381,9 @@ class Bench:
 
     def run_variant(self, variant: str, workload: Workload) -> VariantResult:
         result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
-        if variant == "expcache":
-            cache = self._cache(budget_bytes=self.budget_bytes)
+        if variant in ("expcache", "oppclass"):
+            cache = self._cache(budget_bytes=self.budget_bytes, policy="lru" if variant == "expcache" else variant,
+                                log_level=1 if variant == "expcache" else 0)
         elif variant == "slab":
             # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
             biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
@@ -407,7 +410,7 @@ class Bench:
             raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
         with cache:
             self._replay(cache, variant, workload, result)
-            if variant == "expcache":
+            if variant in ("expcache", "oppclass"):
                 self.capacities = self.class_capacities(cache)
             stats = cache.stats()
             total = stats.total
@@ -487,14 +490,16 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
             if r.skipped is None and r.decode_bytes_h2d:
                 # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
                 r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / link)
-            if variant == "expcache":
+            if variant in ("expcache", "oppclass"):
                 capacities, layer_class = bench.capacities
                 r.belady_hit_rate = belady_hit_rate(workload, capacities, layer_class)
-                if not workload.has_batches:
-                    sim = simulate_lru(workload.calls, capacities, layer_class)
-                    if sim.hit_rate != r.hit_rate:
-                        raise RuntimeError(f"library hit rate {r.hit_rate} differs from the LRU simulator's "
-                                           f"{sim.hit_rate} at the same capacities: a bug")
+                # The offline simulator of the same policy must agree with the library's counters.
+                sim = (simulate_lru(workload.calls, capacities, layer_class) if variant == "expcache"
+                       else simulate_policy(workload.calls, capacities, layer_class, policy=variant,
+                                            layers=layout.moe_layers))
+                if sim.hit_rate != r.hit_rate:
+                    raise RuntimeError(f"{variant}: library hit rate {r.hit_rate} differs from the simulator's "
+                                       f"{sim.hit_rate} at the same capacities: a bug")
             report.results.append(r)
         return report
     finally:
@@ -550,10 +555,12 @@ def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[
     keys = list(layout.classes())
     layer_class = [keys.index(s.class_key) if s else 0 for s in layout.layers]
     sizes = [sum(layout[i].num_experts for i in layers) for layers in layout.classes().values()]
-    out = {"fraction": list(fractions), "lru": [], "belady": []}
+    out = {"fraction": list(fractions), "lru": [], "oppclass": [], "belady": []}
     for f in fractions:
         caps = [int(f * n) for n in sizes]
         out["lru"].append(simulate_lru(workload.calls, caps, layer_class).hit_rate)
+        out["oppclass"].append(simulate_policy(workload.calls, caps, layer_class, policy="oppclass",
+                                               layers=layout.moe_layers).hit_rate)
         out["belady"].append(simulate_belady(workload.calls, caps, layer_class).hit_rate
                              if not workload.has_batches else float("nan"))
     return out
@@ -569,7 +576,8 @@ def plot_curve(curve: dict, path: str, title: str) -> None:
         raise ImportError("--plot needs matplotlib (pip install matplotlib)") from exc
     x = [100 * f for f in curve["fraction"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [100 * v for v in curve["lru"]], "o-", label="LRU (expcache)")
+    ax.plot(x, [100 * v for v in curve["lru"]], "o-", label="LRU (expcache default)")
+    ax.plot(x, [100 * v for v in curve["oppclass"]], "^-", label="OppClassLRU (expcache --policy)")
     ax.plot(x, [100 * v for v in curve["belady"]], "s--", label="Belady (optimum)")
     ax.set_xlabel("experts cached (% of each class)")
     ax.set_ylabel("hit rate (%)")

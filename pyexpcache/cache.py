@@ -205,7 +205,10 @@ class ExpertCache:
             ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
         copy_threads: CUDA with a pageable source: threads staging misses into a pinned ring
             while earlier chunks cross the link (default 8; 0 = the driver's pageable copies).
-        staging_bytes: size of that pinned ring (default 64 MiB, eight chunks).
+        staging_bytes: size of that pinned ring (default 64 MiB, in 2 MiB chunks).
+        policy: eviction policy of every class: ``"lru"`` (default) or ``"oppclass"`` (decayed use
+            count classes with age in missed opportunities of the expert's layer; more hits at
+            small budgets: docs/policy.md).
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
     """
@@ -214,9 +217,11 @@ class ExpertCache:
                  budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None, max_classes: int = 4,
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
-                 copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None):
+                 copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None, policy: str = "lru"):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        if policy not in _lib.POLICIES:
+            raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
             raise ValueError("source was built for a different layout")
         self._handle = None
@@ -226,6 +231,7 @@ class ExpertCache:
         cfg.device = device
         cfg.num_layers = layout.num_layers
         cfg.max_classes = max_classes
+        cfg.policy = _lib.POLICIES[policy]
         for name, value in (("budget_experts", budget_experts), ("budget_bytes", budget_bytes),
                             ("reserve_bytes", reserve_bytes), ("device_capacity_bytes", device_capacity_bytes),
                             ("slab_bytes", slab_bytes), ("log_level", log_level),
@@ -237,6 +243,7 @@ class ExpertCache:
         self.layout = layout
         self.source = source
         self.max_classes = max_classes
+        self.policy = policy
         self._scratch = _Scratch()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
         self._log_fn = _lib.LOG_FN(self._on_log)

@@ -224,13 +224,15 @@ def _policy_name(factory) -> str:
     return getattr(factory, "name", getattr(factory, "__name__", "policy"))
 
 
-def _prepare(requests, weights, tokens):
+def _prepare(requests, weights, tokens, layers=None):
     stream = _as_stream(requests)
     wts = _weights_for(requests, stream, weights)
     toks = list(tokens) if tokens is not None else token_index(stream)
     if len(toks) != len(stream):
         raise ValueError(f"tokens cover {len(toks)} calls, the stream has {len(stream)}")
-    layers = sorted({c.layer for c in stream})
+    # Layer positions: ranks among `layers` (the library: its registered MoE layers), else
+    # among the layers the stream uses.
+    layers = sorted(set(layers) if layers is not None else {c.layer for c in stream})
     pos_of = {l: i for i, l in enumerate(layers)}
     return stream, wts, toks, pos_of, max(len(layers), 1)
 
@@ -243,6 +245,7 @@ def simulate_policy(
     *,
     weights=None,
     tokens: Sequence[int] | None = None,
+    layers: Sequence[int] | None = None,
     check: bool = False,
 ) -> SimResult:
     """Replay ``requests`` through one ``policy`` object per size class.
@@ -255,12 +258,14 @@ def simulate_policy(
         weights: gate weights, ``[tokens, layers, k]`` array or per-call tuples
             parallel to ``call.ids`` (default: a Trace's own weights, if any).
         tokens: token index of every call (default :func:`token_index`).
+        layers: the layers whose ranks are the clock's layer positions, as the library's
+            registered MoE layers are (default: the layers the stream uses).
         check: assert the invariants after every call (slow; for tests).
 
     Returns:
         :class:`SimResult` whose ``policy`` is the policy's name.
     """
-    stream, wts, toks, pos_of, nlayers = _prepare(requests, weights, tokens)
+    stream, wts, toks, pos_of, nlayers = _prepare(requests, weights, tokens, layers)
     cap, cls = _setup(stream, capacity, layer_class)
     factory = make_policy(policy)
     pols = [factory(c) for c in cap]

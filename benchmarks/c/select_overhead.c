@@ -1,6 +1,6 @@
 /*
  * Host CPU time of an all-hit expcache_select_async of 6 experts, measured
- * from C (no Python in the loop). Usage: select_overhead [host|cuda] [calls]
+ * from C (no Python in the loop). Usage: select_overhead [host|cuda] [calls] [lru|oppclass]
  * Prints one line: backend, calls, ns per call (best of 5 runs).
  */
 #include <stdio.h>
@@ -28,6 +28,7 @@ static double now_ns(void) {
 int main(int argc, char** argv) {
     const char* backend = argc > 1 ? argv[1] : "host";
     long calls = argc > 2 ? atol(argv[2]) : 1000000;
+    const char* policy = argc > 3 ? argv[3] : "lru";
     enum { LAYERS = 40, EXPERTS = 256, K = 6, PART = 4096 };
     static unsigned char source[EXPERTS * PART];
     memset(source, 7, sizeof source);
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
     cfg.num_layers = LAYERS;
     cfg.budget_experts = 1024;
     cfg.log_level = EXPCACHE_LOG_SILENT;
+    cfg.policy = strcmp(policy, "oppclass") == 0 ? EXPCACHE_POLICY_OPPCLASS : EXPCACHE_POLICY_LRU;
     expcache_t* cache = NULL;
     CHECK(expcache_create(&cfg, &cache));
     for (uint32_t l = 0; l < LAYERS; ++l) {
@@ -78,7 +80,7 @@ int main(int argc, char** argv) {
         fprintf(stderr, "expected only warm-up misses, got %llu\n", (unsigned long long)st.misses);
         return 1;
     }
-    printf("backend=%s calls=%ld all_hit_select_k6_ns=%.1f\n", backend, calls, best);
+    printf("backend=%s policy=%s calls=%ld all_hit_select_k6_ns=%.1f\n", backend, policy, calls, best);
     expcache_destroy(cache);
     return 0;
 }

@@ -110,6 +110,11 @@ EXPCACHE_API uint32_t expcache_version(void);
 #define EXPCACHE_LOG_NOTICE 1 /**< cap changes, class reuse, cache releases (default). */
 #define EXPCACHE_LOG_DEBUG 2  /**< plus one line per call. EXPCACHE_VERBOSE=1 sets this. */
 
+/** Eviction policies (expcache_config_t.policy), per class. */
+#define EXPCACHE_POLICY_LRU 0      /**< least recently used */
+#define EXPCACHE_POLICY_OPPCLASS 1 /**< decayed use count classes, age in missed opportunities of the
+                                        expert's layer (docs/policy.md): more hits at small budgets */
+
 /** Most size classes one cache can hold. */
 #define EXPCACHE_MAX_CLASSES_LIMIT 64
 /** Most layers one cache can hold. */
@@ -147,7 +152,7 @@ typedef struct expcache_config_t {
     uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
     uint32_t copy_threads;     /**< CUDA, pageable sources: threads staging bytes into pinned buffers while
                                     earlier chunks cross the link; default 8; 0 = plain pageable copies */
-    uint32_t reserved0;        /**< must be 0 */
+    uint32_t policy;           /**< EXPCACHE_POLICY_*; default LRU */
     uint64_t staging_bytes;    /**< CUDA, pageable sources: size of the pinned staging ring; default 64 MiB */
 } expcache_config_t;
 

@@ -63,7 +63,8 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
     if (cfg.slab_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "slab_bytes must be > 0");
     if (cfg.copy_threads > 64) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "copy_threads must be 0..64, got %u", cfg.copy_threads);
-    if (cfg.reserved0 != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved0 must be 0");
+    if (cfg.policy > EXPCACHE_POLICY_OPPCLASS)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown policy %u (0 lru, 1 oppclass)", cfg.policy);
     if (cfg.staging_bytes < (uint64_t(1) << 20) || cfg.staging_bytes > (uint64_t(16) << 30))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "staging_bytes must be 1 MiB..16 GiB, got %llu",
                     (unsigned long long)cfg.staging_bytes);
@@ -159,7 +160,9 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
     return EXPCACHE_OK;
 }
 
-// Order the stream, bind the layer's class and open a new call on `path`.
+// Order the stream, bind the layer's class and open a new call on `path`:
+// advance the clock the policy sees (a call whose layer is not after the
+// previous call's starts a new token).
 expcache_status_t Cache::start_call(uint32_t layer, uint32_t path, void* stream, int32_t* out_cls) {
     expcache_status_t s = begin_call(stream);
     if (s == EXPCACHE_OK) s = bind(layer, path, out_cls);
@@ -168,6 +171,10 @@ expcache_status_t Cache::start_call(uint32_t layer, uint32_t path, void* stream,
     ++call_;
     cls.last_used = call_;
     cls.stats[path].calls++;
+    if (last_layer_ < 0 || static_cast<int64_t>(layer) <= last_layer_) ++clock_.token;
+    last_layer_ = layer;
+    clock_.pos = layers_[layer].rank;
+    cls.policy->set_clock(clock_);
     return EXPCACHE_OK;
 }
 
@@ -325,7 +332,7 @@ void Cache::activate_class(int32_t c, const LayerState& layer) {
         off += align_up(layer.bytes[p]);
     }
     cls.slot_bytes = off;
-    cls.policy = make_lru_policy();
+    cls.policy = config_.policy == EXPCACHE_POLICY_OPPCLASS ? make_oppclass_policy() : make_lru_policy();
     cls.cap_valid = false;
     cls.cap_announced = false;
     cls.cap = cls.target = 0;
@@ -590,6 +597,13 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
         l.stride[p] = stride[p];
         l.base[p] = static_cast<const unsigned char*>(base[p]);
     }
+    l.key_base = next_key_;
+    next_key_ += d.num_experts;
+    // Layer positions for the policy clock: rank among the registered layers.
+    int32_t rank = 0;
+    for (LayerState& other : layers_)
+        if (other.registered) other.rank = rank++;
+    clock_.positions = rank;
     l.seen.assign(d.num_experts, 0);
     l.seen_pos.assign(d.num_experts, 0);
     l.slot_of.assign(d.num_experts, -1);
@@ -662,7 +676,7 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
         ss.last_call = call_;
         layer.slot_of[e] = slot;
         cls.resident++;
-        cls.policy->on_insert(slot, false);
+        cls.policy->on_insert(slot, false, layer.key_base + e);
         if (st.evictions == evictions_before) st.appends++;
         st.bytes_h2d += layer.expert_bytes();
         slot_ptrs(cls, ss, &ptrs_[j]);
@@ -835,7 +849,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         ss.last_call = call_;
         layer.slot_of[e] = slot;
         cls.resident++;
-        cls.policy->on_insert(slot, true);
+        cls.policy->on_insert(slot, true, layer.key_base + e);
         cls.stats[EXPCACHE_PATH_BATCH].appends++;
         cls.stats[EXPCACHE_PATH_BATCH].bytes_h2d += layer.expert_bytes();
         hold(slot);

@@ -24,6 +24,8 @@ struct LayerState {
     uint64_t bytes[kParts] = {};
     uint64_t stride[kParts] = {};
     const unsigned char* base[kParts] = {};
+    int32_t rank = 0;      // position among the registered layers (the policy clock's pos)
+    uint32_t key_base = 0; // expert e's policy key is key_base + e
     int32_t cls = -1;      // bound class index, valid while classes_[cls].gen == cls_gen
     uint64_t cls_gen = 0;
     std::vector<int32_t> slot_of;    // per expert: slot index or -1
@@ -147,6 +149,9 @@ private:
     void* log_user_ = nullptr;
     bool poisoned_ = false;
     uint64_t call_ = 0;
+    PolicyClock clock_;
+    int64_t last_layer_ = -1;  // layer of the previous serving call
+    uint32_t next_key_ = 0;
     void* last_stream_ = nullptr;
     bool have_last_stream_ = false;
 

@@ -639,7 +639,7 @@ static void bad_configs(void) {
         case 7: cfg.device_capacity_bytes = 0; what = "device_capacity_bytes 0"; break;
         case 8: cfg.slab_bytes = 0; what = "slab_bytes 0"; break;
         case 9: cfg.copy_threads = 65; what = "copy_threads"; break;
-        case 10: cfg.reserved0 = 1; what = "reserved0"; break;
+        case 10: cfg.policy = 2 + (uint32_t)below(100); what = "policy"; break;
         case 11: cfg.staging_bytes = pct(50) ? 1000 : (uint64_t)17 << 30; what = "staging_bytes"; break;
         case 12: cfg.backend = EXPCACHE_BACKEND_CUDA; want = UNSUP; what = "CUDA backend in a host-only build"; break;
     }
@@ -679,7 +679,7 @@ static void op_create(void) {
     expcache_status_t s = expcache_config_init(&cfg);
     check_status("expcache_config_init", s, ST(OK));
     if (cfg.struct_size != sizeof cfg || cfg.max_classes != 4 || cfg.reserve_bytes != ((uint64_t)1 << 30) ||
-        cfg.budget_bytes || cfg.budget_experts || cfg.reserved0 || cfg.backend != EXPCACHE_BACKEND_AUTO)
+        cfg.budget_bytes || cfg.budget_experts || cfg.policy != EXPCACHE_POLICY_LRU || cfg.backend != EXPCACHE_BACKEND_AUTO)
         diverge("expcache_config_init defaults are not the documented ones");
 
     /* The layout is planned now so that capacity and budgets are tight against it. */

@@ -17,7 +17,7 @@ public:
         prev_.resize(static_cast<size_t>(n) + 1, kNone);
         next_.resize(static_cast<size_t>(n) + 1, kNone);
     }
-    void on_insert(int32_t slot, bool cold) override {
+    void on_insert(int32_t slot, bool cold, uint32_t) override {
         if (cold) link_after(head(), slot);   // next to the cold end
         else link_after(prev_[head()], slot); // at the hot end
     }

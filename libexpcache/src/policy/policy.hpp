@@ -8,6 +8,15 @@
 
 namespace expcache {
 
+// Where the engine is: token counts calls that start a new token (a call
+// whose layer is not after the previous call's), pos is the layer's rank
+// among the registered MoE layers, positions their number.
+struct PolicyClock {
+    int32_t token = 0;
+    int32_t pos = 0;
+    int32_t positions = 1;
+};
+
 class Policy {
 public:
     using Evictable = bool (*)(const void* ctx, int32_t slot);
@@ -15,9 +24,12 @@ public:
     virtual ~Policy() = default;
     // Slots are numbered 0..n-1; called when a class grows.
     virtual void resize(int32_t num_slots) = 0;
-    // A slot now holds an expert. `cold`: it should be among the first to
-    // go (prefill appends), else it is the most recently used.
-    virtual void on_insert(int32_t slot, bool cold) = 0;
+    // Called at the start of every serving call, before any other hook.
+    virtual void set_clock(const PolicyClock&) {}
+    // A slot now holds expert `key` (a dense (layer, expert) index, stable for
+    // the cache's life). `cold`: it should be among the first to go (prefill
+    // appends), else it is the most recently used.
+    virtual void on_insert(int32_t slot, bool cold, uint32_t key) = 0;
     virtual void on_hit(int32_t slot) = 0;
     virtual void on_remove(int32_t slot) = 0;
     // The slot to evict next among those `evictable` accepts, or -1.
@@ -27,5 +39,6 @@ public:
 };
 
 std::unique_ptr<Policy> make_lru_policy();
+std::unique_ptr<Policy> make_oppclass_policy();
 
 }  // namespace expcache
