@@ -237,6 +237,30 @@ def _prepare(requests, weights, tokens, layers=None):
     return stream, wts, toks, pos_of, max(len(layers), 1)
 
 
+def _begin_call(ctx: "Ctx", i: int, call: Call, c: int, toks, pos_of, wts) -> dict:
+    """Fill ``ctx`` for call ``i`` and return its unique keys in first-appearance order, each
+    with its largest gate weight when the stream has weights (else None)."""
+    base = call.layer << _SHIFT
+    w = wts[i] if wts is not None else None
+    if w is None:
+        want = dict.fromkeys(base | e for e in call.ids)
+    else:
+        want = {}
+        for e, g in zip(call.ids, w):
+            key = base | e
+            old = want.get(key)
+            if old is None or g > old:
+                want[key] = g
+    ctx.tick = i
+    ctx.token = toks[i]
+    ctx.layer = call.layer
+    ctx.pos = pos_of[call.layer]
+    ctx.kind = call.kind
+    ctx.want = want
+    ctx.cls = c
+    return want
+
+
 def simulate_policy(
     requests,
     capacity: int | Sequence[int],
@@ -279,24 +303,7 @@ def simulate_policy(
         res = resident[c]
         ct = cnt[c]
         limit = cap[c]
-        base = call.layer << _SHIFT
-        w = wts[i] if wts is not None else None
-        if w is None:
-            want = dict.fromkeys(base | e for e in call.ids)
-        else:
-            want = {}
-            for e, g in zip(call.ids, w):
-                key = base | e
-                old = want.get(key)
-                if old is None or g > old:
-                    want[key] = g
-        ctx.tick = i
-        ctx.token = toks[i]
-        ctx.layer = call.layer
-        ctx.pos = pos_of[call.layer]
-        ctx.kind = call.kind
-        ctx.want = want
-        ctx.cls = c
+        want = _begin_call(ctx, i, call, c, toks, pos_of, wts)
         pol.begin(ctx)
         if call.kind == DECODE:
             missing = []
@@ -404,25 +411,8 @@ def simulate_global(
         c = cls[call.layer]
         size = int(class_bytes[c])
         ct = cnt[c]
-        base = call.layer << _SHIFT
-        w = wts[i] if wts is not None else None
-        if w is None:
-            want = dict.fromkeys(base | e for e in call.ids)
-        else:
-            want = {}
-            for e, g in zip(call.ids, w):
-                key = base | e
-                old = want.get(key)
-                if old is None or g > old:
-                    want[key] = g
-        ctx.tick = i
-        ctx.token = toks[i]
-        ctx.layer = call.layer
-        ctx.pos = pos_of[call.layer]
-        ctx.kind = call.kind
-        ctx.want = want
+        want = _begin_call(ctx, i, call, c, toks, pos_of, wts)
         ctx.size = size
-        ctx.cls = c
         pol.begin(ctx)
         if call.kind == DECODE:
             missing = []

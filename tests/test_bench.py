@@ -43,36 +43,51 @@ def test_turns_workload_repeats_the_decode_after_a_prompt():
     assert decode[:n] == decode[-n:]
 
 
-@pytest.mark.parametrize("quant,budget_fraction", [("mixed", 0.05), ("mixed", 0.15), ("q2", 0.10)])
-def test_lru_simulator_equals_library_counters(backend, make_cache, quant, budget_fraction):
-    layout = ModelLayout.preset(quant, scale=SCALE)
-    cache, source = make_cache(layout, budget_bytes=int(layout.total_bytes * budget_fraction))
-    w = bench.build_workload("decode", ["podA_c_python_full", "podA_b_json_full"])
-    for call in w.calls:
-        cache.select(call.layer, call.ids)
-    layer_class = [cache.layer_class(i) for i in range(layout.num_layers)]
+def _replay_and_simulate(cache, layout, workload, policy):
+    """Replay a workload through the cache, then the same calls through the offline simulator of
+    `policy` at the cache's runtime caps."""
+    from pyexpcache.policies import simulate_policy
+
+    for call in workload.calls:
+        if call.kind == DECODE:
+            cache.select(call.layer, call.ids)
+        else:
+            cache.prepare_batch(call.layer, call.ids).finish()
+    layer_class = [cache.layer_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
     caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
-    sim = simulate_lru(w.calls, caps, layer_class)
+    if policy == "lru":
+        return simulate_lru(workload.calls, caps, layer_class), caps, layer_class
+    return (simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers),
+            caps, layer_class)
+
+
+@pytest.mark.parametrize("policy", ["lru", "oppclass"])
+@pytest.mark.parametrize("quant,budget_fraction,first", [("mixed", 0.05, 0), ("mixed", 0.15, 3), ("q2", 0.10, 0),
+                                                         ("q2", 0.05, 3)])
+def test_simulator_equals_library_counters(backend, make_cache, policy, quant, budget_fraction, first):
+    """The library and the offline simulator of the same policy agree count for count, with the
+    layers 0-2 that the decode traces never route registered or not."""
+    full = ModelLayout.preset(quant, scale=SCALE)
+    layout = ModelLayout(tuple(s if i >= first else None for i, s in enumerate(full.layers)), name="registered")
+    cache, _ = make_cache(layout, budget_bytes=int(layout.total_bytes * budget_fraction), policy=policy)
+    w = bench.build_workload("decode", ["podA_c_python_full", "podA_b_json_full"])
+    sim, caps, layer_class = _replay_and_simulate(cache, layout, w, policy)
     for c in cache.stats().classes:
         d = c.paths["decode"]
         i = c.info.index
         assert (d.hits, d.misses, d.evictions, d.direct_loads) == (
             sim.hits[i], sim.misses[i], sim.evictions[i], sim.direct[i])
     assert cache.stats().hit_rate == sim.hit_rate
+    if policy == "oppclass":  # and it earns its keep on these traces
+        assert sim.hit_rate > simulate_lru(w.calls, caps, layer_class).hit_rate
 
 
-def test_lru_simulator_equals_library_with_prefill_batches(make_cache):
+@pytest.mark.parametrize("policy", ["lru", "oppclass"])
+def test_simulator_equals_library_with_prefill_batches(make_cache, policy):
     layout = ModelLayout.preset("mixed", scale=SCALE)
-    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 8)
+    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 8, policy=policy)
     w = bench.build_workload("prefill", ["podA_b_json_full"])
-    for call in w.calls:
-        if call.kind == DECODE:
-            cache.select(call.layer, call.ids)
-        else:
-            cache.prepare_batch(call.layer, call.ids).finish()
-    layer_class = [cache.layer_class(i) for i in range(layout.num_layers)]
-    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
-    sim = simulate_lru(w.calls, caps, layer_class)
+    sim, _, _ = _replay_and_simulate(cache, layout, w, policy)
     st = cache.stats()
     assert st.total.hits == sim.hits.sum() and st.total.misses == sim.misses.sum()
     assert st.path("batch").appends == sim.appends.sum()
@@ -148,47 +163,3 @@ def test_synthetic_traces_in_workloads():
     for bad in ("synthetic:", "synthetic:x", "synthetic:0", "synthetic:5:1:2"):
         with pytest.raises(ValueError, match="synthetic:TOKENS"):
             bench.build_workload("decode", [bad])
-
-
-@pytest.mark.parametrize("quant,budget_fraction,first", [("q2", 0.05, 3), ("q2", 0.10, 0), ("mixed", 0.10, 3)])
-def test_oppclass_simulator_equals_library_counters(backend, make_cache, quant, budget_fraction, first):
-    """The library's OppClassLRU and the offline one (pyexpcache.policies) agree count for count,
-    with the layers 0-2 that the decode traces never route registered or not."""
-    from pyexpcache.policies import simulate_policy
-
-    full = ModelLayout.preset(quant, scale=SCALE)
-    layout = ModelLayout(tuple(s if i >= first else None for i, s in enumerate(full.layers)), name="registered")
-    cache, source = make_cache(layout, budget_bytes=int(layout.total_bytes * budget_fraction), policy="oppclass")
-    w = bench.build_workload("decode", ["podA_c_python_full", "podA_b_json_full"])
-    for call in w.calls:
-        cache.select(call.layer, call.ids)
-    layer_class = [cache.layer_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
-    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
-    sim = simulate_policy(w.calls, caps, layer_class, policy="oppclass", layers=layout.moe_layers)
-    lru = simulate_lru(w.calls, caps, layer_class)
-    for c in cache.stats().classes:
-        d = c.paths["decode"]
-        i = c.info.index
-        assert (d.hits, d.misses, d.evictions, d.direct_loads) == (
-            sim.hits[i], sim.misses[i], sim.evictions[i], sim.direct[i])
-    assert cache.stats().hit_rate == sim.hit_rate > lru.hit_rate  # and it beats LRU here
-
-
-def test_oppclass_simulator_equals_library_with_prefill_batches(make_cache):
-    from pyexpcache.policies import simulate_policy
-
-    layout = ModelLayout.preset("mixed", scale=SCALE)
-    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 8, policy="oppclass")
-    w = bench.build_workload("prefill", ["podA_b_json_full"])
-    for call in w.calls:
-        if call.kind == DECODE:
-            cache.select(call.layer, call.ids)
-        else:
-            cache.prepare_batch(call.layer, call.ids).finish()
-    layer_class = [cache.layer_class(i) for i in range(layout.num_layers)]
-    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
-    sim = simulate_policy(w.calls, caps, layer_class, policy="oppclass", layers=layout.moe_layers)
-    st = cache.stats()
-    assert st.total.hits == sim.hits.sum() and st.total.misses == sim.misses.sum()
-    assert st.path("batch").appends == sim.appends.sum()
-    assert st.path("decode").evictions == sim.evictions.sum()
