@@ -2,7 +2,8 @@
 # Everything to run on the accelerator machine after a change to GPU code, in one
 # command, each step with a time limit, the outputs written to DIR (default ./gpu-report):
 #   bash benchmarks/gpu_report.sh [DIR] [quick]
-# "quick" skips the full-size benchmarks (about 1 minute instead of about 9).
+# "quick" skips the full-size benchmarks (a few minutes instead of about 15; split the full run
+# over two device calls if one call's 10 minutes are not enough).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-gpu-report}
@@ -23,6 +24,11 @@ git rev-parse HEAD >>"$DIR/device.txt" 2>/dev/null
 step build 240 make lib
 step tests 300 python3 -m pytest -q -rs tests/test_cache.py tests/test_abi.py tests/test_bench.py tests/test_gguf.py tests/test_streams.py
 step select_overhead 60 make --no-print-directory select-overhead
+# compute-sanitizer over the GPU tests (CUDA backend only: -k cuda): memory errors, then races.
+step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
+    python3 -m pytest -q -x -k cuda tests/test_cache.py tests/test_streams.py
+step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
+    python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py
 if [ "$MODE" != quick ]; then
     step transfer 200 python3 -m pyexpcache transfer
     step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json"
