@@ -26,7 +26,7 @@ step tests 300 python3 -m pytest -q -rs tests/test_cache.py tests/test_abi.py te
 step select_overhead 60 make --no-print-directory select-overhead
 # compute-sanitizer over the GPU tests (CUDA backend only: -k cuda): memory errors, then races.
 step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
-    python3 -m pytest -q -x -k cuda tests/test_cache.py tests/test_streams.py
+    python3 -m pytest -q -x -k "cuda or another_stream" tests/test_cache.py tests/test_streams.py
 step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
     python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py
 if [ "$MODE" != quick ]; then
