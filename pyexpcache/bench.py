@@ -577,7 +577,7 @@ def plot_curve(curve: dict, path: str, title: str) -> None:
     x = [100 * f for f in curve["fraction"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [100 * v for v in curve["lru"]], "o-", label="LRU (expcache default)")
-    ax.plot(x, [100 * v for v in curve["oppclass"]], "^-", label="OppClassLRU (expcache --policy)")
+    ax.plot(x, [100 * v for v in curve["oppclass"]], "^-", label="OppClassLRU (policy=\"oppclass\")")
     ax.plot(x, [100 * v for v in curve["belady"]], "s--", label="Belady (optimum)")
     ax.set_xlabel("experts cached (% of each class)")
     ax.set_ylabel("hit rate (%)")

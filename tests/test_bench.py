@@ -163,3 +163,21 @@ def test_synthetic_traces_in_workloads():
     for bad in ("synthetic:", "synthetic:x", "synthetic:0", "synthetic:5:1:2"):
         with pytest.raises(ValueError, match="synthetic:TOKENS"):
             bench.build_workload("decode", [bad])
+
+
+def test_cli_plot_hit_rate_curve(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    png = tmp_path / "curve.png"
+    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--traces",
+                           "podA_b_json_full", "--variants", "expcache", "--layers", "3-8", "--plot", str(png),
+                           "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hit_rate_curve_orders_lru_oppclass_belady():
+    layout = ModelLayout.preset("q2", scale=4096)
+    w = bench.build_workload("decode", ["podA_c_python_full"])
+    curve = bench.hit_rate_curve(w, layout, [0.05, 0.10])
+    for lru, opp, belady in zip(curve["lru"], curve["oppclass"], curve["belady"]):
+        assert lru < opp < belady
