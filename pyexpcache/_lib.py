@@ -24,6 +24,7 @@ PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
 MAX_SELECT = 1024
 MAX_BATCHES = 64
+CHECKSUM_RESULTS = 65536
 
 
 class Config(ctypes.Structure):
@@ -175,6 +176,11 @@ _declare("expcache_read_device", [CachePtr, c_void_p, c_void_p, c_uint64])
 # expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
 #                                     uint32_t n, void* stream, uint64_t* out_sums);
 _declare("expcache_checksum", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p])
+# expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+#                                           uint32_t n, void* stream, uint32_t first);
+_declare("expcache_checksum_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32])
+# expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out);
+_declare("expcache_checksum_results", [CachePtr, c_uint32, c_uint32, c_void_p])
 # expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
 _declare("expcache_class_count", [CachePtr, POINTER(c_uint32)])
 # expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out);

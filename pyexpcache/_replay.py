@@ -33,8 +33,8 @@ except OSError as exc:
 
 # expcache_status_t expcache_replay(expcache_t* cache, const replay_call_t* calls, uint64_t num_calls,
 #     const uint32_t* ids, uint32_t mode, void* stream, const uint64_t* expected, uint32_t experts_per_layer,
-#     uint32_t max_classes, replay_progress_fn progress, replay_result_t* out);
+#     uint32_t max_classes, uint32_t layer_sync, replay_progress_fn progress, replay_result_t* out);
 lib.expcache_replay.argtypes = [c_void_p, c_void_p, c_uint64, c_void_p, c_uint32, c_void_p, c_void_p, c_uint32,
-                                c_uint32, PROGRESS_FN, POINTER(ReplayResult)]
+                                c_uint32, c_uint32, PROGRESS_FN, POINTER(ReplayResult)]
 lib.expcache_replay.restype = c_int32
 lib.expcache_replay.errcheck = _check

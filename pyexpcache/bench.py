@@ -268,11 +268,13 @@ class Bench:
 
     def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
                  budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
-                 progress: Optional[Progress] = None, device: int = 0, source=None, placement: str = "expert"):
+                 progress: Optional[Progress] = None, device: int = 0, source=None, placement: str = "expert",
+                 layer_sync: bool = True):
         self.layout = layout
         self.backend = backend
         self.budget_bytes = budget_bytes
         self.reserve_bytes = reserve_bytes
+        self.layer_sync = layer_sync
         self.device = device
         self.progress = progress or Progress(False)
         self.is_cuda = self._resolve_backend() == "cuda"
@@ -438,7 +440,7 @@ class Bench:
         expected = np.ascontiguousarray(self.expected)
         _replay.lib.expcache_replay(cache._handle_or_raise(), ctypes.addressof(calls), len(calls), ids.ctypes.data, mode,
                                     self.stream, expected.ctypes.data, expected.shape[1], cache.max_classes,
-                                    progress, ctypes.byref(out))
+                                    int(self.layer_sync), progress, ctypes.byref(out))
         result.decode_seconds += out.decode_seconds
         result.prefill_seconds += out.prefill_seconds
         result.checksum_errors += out.checksum_errors
@@ -484,7 +486,7 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
                         budget_bytes=budget_bytes,
                         host_scale=host_scale, decode_tokens=workload.decode_tokens,
                         prefill_tokens=workload.prefill_tokens, link_bytes_per_s=link, link_label=link_label,
-                        layer_sync=True)
+                        layer_sync=bench.layer_sync)
         for variant in variants:
             r = bench.run_variant(variant, workload)
             if r.skipped is None and r.decode_bytes_h2d:
@@ -517,7 +519,9 @@ def format_report(report: Report) -> str:
         f"layout {report.layout}, {report.source} source ({report.placement} placement), "
         f"budget {report.budget_bytes / GiB:.2f} GiB"
         + (f" (sizes and budget / {report.host_scale}, same slot counts)" if report.host_scale != 1 else ""),
-        f"{report.decode_tokens} decode tokens, {report.prefill_tokens} prefill tokens; times {timing}; "
+        f"{report.decode_tokens} decode tokens, {report.prefill_tokens} prefill tokens; "
+        f"{'a wait after every layer' if report.layer_sync else 'one wait per token (--no-layer-sync)'}; "
+        f"times {timing}; "
         f"link {report.link_bytes_per_s / 1e9:.1f} GB/s ({report.link_label})",
     ]
     base = {r.variant: r for r in report.results if r.skipped is None}

@@ -405,6 +405,20 @@ class ExpertCache:
                               stream_handle(stream), out.ctypes.data)
         return out
 
+    def checksum_async(self, layer: int, pointers, first: int, stream=None) -> None:
+        """:meth:`checksum` without waiting: the sums go to result slots ``[first, first + n)``
+        when ``stream`` reaches the kernel; read them with :meth:`checksum_results` after
+        synchronizing it."""
+        ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
+        lib.expcache_checksum_async(self._handle_or_raise(), layer, ptrs.ctypes.data, ptrs.shape[0],
+                                    stream_handle(stream), first)
+
+    def checksum_results(self, first: int, n: int) -> np.ndarray:
+        """Result slots ``[first, first + n)`` of :meth:`checksum_async` (does not wait)."""
+        out = np.empty(max(n, 1), dtype=np.uint64)
+        lib.expcache_checksum_results(self._handle_or_raise(), first, n, out.ctypes.data)
+        return out[:n]
+
     def layer_class(self, layer: int) -> int:
         """The class index ``layer`` is bound to (binding it now if needed)."""
         out = ctypes.c_uint32()

@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--placement", choices=("expert", "tensor"), default="expert",
                    help="host placement of the generated source: each expert's parts together (default, as "
                         "an engine stages experts in pinned memory) or one tensor per part (as in a GGUF)")
+    b.add_argument("--no-layer-sync", action="store_true",
+                   help="enqueue a token's layers back to back and wait once per token, instead of after every "
+                        "layer (an engine waits per layer: the next layer's ids come from this one's output)")
     b.add_argument("--layers", type=_layers, default=None, help="MoE layers to keep, e.g. 3-10 (default: all)")
     b.add_argument("--scale", type=int, default=None,
                    help="divide expert sizes and the budget by this (default: 1 on the GPU, 256 on the host)")
@@ -116,7 +119,8 @@ def _bench(args) -> int:
     scenarios = bench.SCENARIOS if "all" in args.scenario else tuple(args.scenario)
     reports, failed = [], False
     shared = bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget, reserve_bytes=reserve,
-                         progress=progress, device=args.device, source=source, placement=args.placement)
+                         progress=progress, device=args.device, source=source, placement=args.placement,
+                         layer_sync=not args.no_layer_sync)
     try:
         for scenario in scenarios:
             report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,

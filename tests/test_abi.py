@@ -33,7 +33,7 @@ def test_struct_sizes_match_library():
 def test_every_exported_function_is_declared():
     out = subprocess.run(["nm", "-D", "--defined-only", str(_lib.library_path)], capture_output=True, text=True)
     exported = {line.split()[-1] for line in out.stdout.splitlines() if " T expcache_" in line}
-    assert len(exported) >= 30
+    assert len(exported) >= 32
     for name in exported:
         assert getattr(lib, name).restype is not None or name == "expcache_destroy", name
         assert getattr(lib, name).argtypes is not None, name
@@ -191,6 +191,17 @@ CASES = [
      "not inside memory"),
     ("checksum n 0", "expcache_checksum", lambda h: (h, 0, PTRS, 0, None, HOST_BUF.ctypes.data), INVALID,
      "n must be"),
+    ("checksum_async NULL ptrs", "expcache_checksum_async", lambda h: (h, 0, None, 1, None, 0), INVALID,
+     "ptrs is NULL"),
+    ("checksum_async past the slots", "expcache_checksum_async", lambda h: (h, 0, PTRS, 2, None, 65535), INVALID,
+     "past the 65536 slots"),
+    ("checksum_async foreign ptrs", "expcache_checksum_async", lambda h: (h, 0, PTRS, 1, None, 0), INVALID,
+     "not inside memory"),
+    ("checksum_results NULL out", "expcache_checksum_results", lambda h: (h, 0, 1, None), INVALID, "out is NULL"),
+    ("checksum_results past the slots", "expcache_checksum_results",
+     lambda h: (h, 65536, 1, HOST_BUF.ctypes.data), INVALID, "within the 65536 slots"),
+    ("checksum_results empty", "expcache_checksum_results", lambda h: (h, 0, 0, HOST_BUF.ctypes.data), INVALID,
+     "non-empty"),
     ("class_count NULL", "expcache_class_count", lambda h: (h, None), INVALID, "out_count is NULL"),
     ("class_info out of range", "expcache_class_info", lambda h: (h, 4, byref(_info())), INVALID, "class index 4"),
     ("class_info NULL", "expcache_class_info", lambda h: (h, 0, None), INVALID, "out is NULL"),
@@ -233,6 +244,8 @@ HANDLE_CALLS = [
     ("expcache_read_resident", lambda h: (h, 0, 0, HOST_BUF.ctypes.data, 1 << 16, byref(OUT_U32))),
     ("expcache_read_device", lambda h: (h, 8, HOST_BUF.ctypes.data, 8)),
     ("expcache_checksum", lambda h: (h, 0, PTRS, 1, None, HOST_BUF.ctypes.data)),
+    ("expcache_checksum_async", lambda h: (h, 0, PTRS, 1, None, 0)),
+    ("expcache_checksum_results", lambda h: (h, 0, 1, HOST_BUF.ctypes.data)),
     ("expcache_class_count", lambda h: (h, byref(OUT_U32))),
     ("expcache_class_info", lambda h: (h, 0, byref(_info()))),
     ("expcache_layer_class", lambda h: (h, 0, byref(OUT_U32))),

@@ -181,3 +181,25 @@ def test_hit_rate_curve_orders_lru_oppclass_belady():
     curve = bench.hit_rate_curve(w, layout, [0.05, 0.10])
     for lru, opp, belady in zip(curve["lru"], curve["oppclass"], curve["belady"]):
         assert lru < opp < belady
+
+
+@pytest.mark.parametrize("variant", ["expcache", "nocache"])
+def test_no_layer_sync_serves_the_same_bytes_and_counts(variant):
+    """One wait per token instead of per layer: the same hits, misses and checksums, and a
+    corrupted expectation is still caught."""
+    layout = ModelLayout.preset("mixed", scale=4096)
+    w = bench.build_workload("decode", ["podA_b_json_full"])
+    results = {}
+    for sync in (True, False):
+        b = bench.Bench(layout, backend="host", budget_bytes=layout.total_bytes // 10, layer_sync=sync)
+        try:
+            results[sync] = b.run_variant(variant, w)
+            b.expected[5, int(w.calls[2].ids[0])] ^= np.uint64(1)  # layer 5 of the first token, its first expert
+            bad = b.run_variant(variant, w)
+        finally:
+            b.close()
+        assert results[sync].checksum_errors == 0
+        assert bad.checksum_errors >= 1
+    a, b_ = results[True], results[False]
+    assert (a.hits, a.misses, a.experts_checked, a.decode_bytes_h2d) == (
+        b_.hits, b_.misses, b_.experts_checked, b_.decode_bytes_h2d)

@@ -439,3 +439,23 @@ def test_failed_copy_never_leaves_a_wrong_resident_expert(make_cache, skip):
     ptrs = cache.select(0, [11, 3, 0])
     assert_served(cache, source, 0, [11, 3, 0], ptrs)
     assert all(c.held_experts == 0 for c in cache.classes())
+
+
+def test_checksum_async_layer_after_layer_without_waiting(make_cache):
+    """Select and checksum every layer of a token back to back, one wait at the end: each
+    kernel still reads the bytes its select served (stream order), even where a later layer
+    evicts them, and the sync checksum in between does not disturb the async slots."""
+    layout = small(num_layers=4, num_experts=16)
+    cache, source = make_cache(layout, budget_experts=3)  # every layer evicts the previous layers' experts
+    rng = np.random.default_rng(3)
+    expected = []
+    for token in range(3):
+        for layer in range(4):
+            ids = rng.choice(16, 3, replace=False)
+            ptrs = cache.select(layer, ids)
+            cache.checksum_async(layer, ptrs, first=len(expected))
+            expected += [source.expected_checksum(layer, int(e)) for e in ids]
+        mid = cache.select(0, [15])
+        assert cache.checksum(0, mid).tolist() == [source.expected_checksum(0, 15)]
+    cache.synchronize()
+    assert cache.checksum_results(0, len(expected)).tolist() == expected

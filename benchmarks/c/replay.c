@@ -88,13 +88,36 @@ static uint32_t dedupe(const uint32_t* ids, uint32_t n, uint8_t* seen, uint32_t*
     return m;
 }
 
+/* A decode call whose checksum is in flight (the layer-sync-free mode). */
+typedef struct pending_t {
+    uint64_t call;
+    uint32_t layer, first, n;
+    const uint32_t* served;
+} pending_t;
+
+#define MAX_PENDING 4096
+
+static void verify(replay_result_t* out, uint64_t call, const uint64_t* want, const uint32_t* served,
+                   const uint64_t* sums, uint32_t n) {
+    for (uint32_t i = 0; i < n; ++i) {
+        if (sums[i] != want[served[i]]) {
+            out->checksum_errors++;
+            if (out->first_bad_call == UINT64_MAX) out->first_bad_call = call;
+        }
+    }
+    out->experts_checked += n;
+}
+
 /*
  * expected[layer * experts_per_layer + id] is the checksum of (layer, id).
+ * layer_sync 1: wait for every layer's kernel before the next layer (as an engine
+ * must when the next layer's ids come from this layer's output); 0: enqueue a
+ * token's layers back to back and wait once per token (decode calls only).
  * Returns EXPCACHE_OK, or the first failing call's status (result filled up to it).
  */
 __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, uint32_t mode,
-    void* stream, const uint64_t* expected, uint32_t experts_per_layer, uint32_t max_classes,
+    void* stream, const uint64_t* expected, uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync,
     replay_progress_fn progress, replay_result_t* out) {
     memset(out, 0, sizeof *out);
     out->first_bad_call = UINT64_MAX;
@@ -103,11 +126,15 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         if (calls[c].count > max_count) max_count = calls[c].count;
     uint32_t* uniq = malloc(sizeof(uint32_t) * max_count);
     expcache_expert_ptrs_t* ptrs = malloc(sizeof(expcache_expert_ptrs_t) * max_count);
-    uint64_t* sums = malloc(sizeof(uint64_t) * max_count);
+    uint64_t* sums = malloc(sizeof(uint64_t) * (max_count > EXPCACHE_CHECKSUM_RESULTS ? max_count
+                                                                                    : EXPCACHE_CHECKSUM_RESULTS));
     uint8_t* seen = calloc(experts_per_layer, 1);
+    pending_t* pending = malloc(sizeof(pending_t) * MAX_PENDING);
+    uint32_t num_pending = 0, slots = 0;
+    double token_t0 = 0;
     expcache_status_t s = EXPCACHE_OK;
     uint64_t moved = bytes_h2d(cache, max_classes);
-    if (!uniq || !ptrs || !sums || !seen) {
+    if (!uniq || !ptrs || !sums || !seen || !pending) {
         s = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
         goto done;
     }
@@ -119,6 +146,34 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         uint64_t batch = 0;
         int have_batch = 0;
         double t0 = now_s();
+        if (call->kind == REPLAY_DECODE && !layer_sync) {
+            /* Enqueue: serve, checksum into the next result slots; wait once at the token's end. */
+            if (num_pending == 0) token_t0 = t0;
+            s = mode == REPLAY_MODE_NOCACHE ? load_compact(cache, call->layer, cid, n, stream, ptrs)
+                                            : expcache_select_async(cache, call->layer, cid, n, stream, ptrs);
+            if (s == EXPCACHE_OK) s = expcache_checksum_async(cache, call->layer, ptrs, n, stream, slots);
+            if (s != EXPCACHE_OK) goto done;
+            pending[num_pending++] = (pending_t){c, call->layer, slots, n, cid};
+            slots += n;
+            const replay_call_t* next = c + 1 < num_calls ? &calls[c + 1] : NULL;
+            int token_ends = !next || next->kind != REPLAY_DECODE || next->layer <= call->layer ||
+                             num_pending == MAX_PENDING || slots + next->count > EXPCACHE_CHECKSUM_RESULTS;
+            if (token_ends) {
+                if ((s = expcache_synchronize(cache, stream)) != EXPCACHE_OK) goto done;
+                out->decode_seconds += now_s() - token_t0;
+                if ((s = expcache_checksum_results(cache, 0, slots, sums)) != EXPCACHE_OK) goto done;
+                for (uint32_t p = 0; p < num_pending; ++p)
+                    verify(out, pending[p].call, expected + (uint64_t)pending[p].layer * experts_per_layer,
+                           pending[p].served, sums + pending[p].first, pending[p].n);
+                uint64_t now_moved = bytes_h2d(cache, max_classes);
+                out->decode_bytes_h2d += now_moved - moved;
+                moved = now_moved;
+                num_pending = slots = 0;
+            }
+            out->calls_done = c + 1;
+            if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls)) progress(c + 1, num_calls);
+            continue;
+        }
         if (call->kind == REPLAY_DECODE) {
             if (mode == REPLAY_MODE_NOCACHE) {
                 s = load_compact(cache, call->layer, cid, n, stream, ptrs);
@@ -153,14 +208,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
             out->prefill_bytes_h2d += now_moved - moved;
         }
         moved = now_moved;
-        const uint64_t* want = expected + (uint64_t)call->layer * experts_per_layer;
-        for (uint32_t i = 0; i < n; ++i) {
-            if (sums[i] != want[served[i]]) {
-                out->checksum_errors++;
-                if (out->first_bad_call == UINT64_MAX) out->first_bad_call = c;
-            }
-        }
-        out->experts_checked += n;
+        verify(out, c, expected + (uint64_t)call->layer * experts_per_layer, served, sums, n);
         out->calls_done = c + 1;
         if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls)) progress(c + 1, num_calls);
     }
@@ -169,5 +217,6 @@ done:
     free(ptrs);
     free(sums);
     free(seen);
+    free(pending);
     return s;
 }

@@ -367,6 +367,24 @@ EXPCACHE_API expcache_status_t expcache_checksum(expcache_t* cache, uint32_t lay
                                                  const expcache_expert_ptrs_t* ptrs, uint32_t n,
                                                  void* stream, uint64_t* out_sums);
 
+/** Result slots of expcache_checksum_async, per cache. */
+#define EXPCACHE_CHECKSUM_RESULTS 65536
+
+/**
+ * expcache_checksum without waiting: enqueued on `stream`, the sums land in
+ * the cache's result slots [first, first + n) when the stream reaches the
+ * kernel (the host backend computes them before returning). Read them with
+ * expcache_checksum_results after synchronizing the stream. Lets an engine
+ * run layer after layer without a host synchronization between them.
+ */
+EXPCACHE_API expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer,
+                                                       const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
+                                                       uint32_t first);
+
+/** Copy result slots [first, first + n) to host memory `out`. Does not wait: synchronize the stream first. */
+EXPCACHE_API expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n,
+                                                         uint64_t* out);
+
 /** Number of classes currently in use (each has an index 0..max_classes-1 that may be empty). */
 EXPCACHE_API expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
 

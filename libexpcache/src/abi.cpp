@@ -242,6 +242,23 @@ expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const exp
     });
 }
 
+expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+                                          uint32_t n, void* stream, uint32_t first) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ptrs, "ptrs is NULL");
+        return cache->impl->checksum_async(layer, ptrs, n, stream, first);
+    });
+}
+
+expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out, "out is NULL");
+        return cache->impl->checksum_results(first, n, out);
+    });
+}
+
 expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

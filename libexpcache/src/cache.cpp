@@ -975,9 +975,8 @@ expcache_status_t Cache::read_device(const void* src, void* dst, uint64_t n) {
     return check(backend_->copy_d2h_sync(dst, src, n));
 }
 
-expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n,
-                                  void* stream, uint64_t* out_sums) {
-    CallScope scope(*this);
+// The jobs of a checksum: one per part of each expert, each inside memory this cache allocated.
+expcache_status_t Cache::checksum_jobs(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n) {
     expcache_status_t s = usable();
     if (s == EXPCACHE_OK) s = validate_layer(layer_index);
     if (s != EXPCACHE_OK) return s;
@@ -995,8 +994,46 @@ expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_pt
             jobs.push_back(ChecksumJob{parts[p], layer.bytes[p], i});
         }
     }
-    if ((s = begin_call(stream)) != EXPCACHE_OK) return s;
-    return check(backend_->checksum(jobs.data(), static_cast<uint32_t>(jobs.size()), n, stream, out_sums));
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n,
+                                  void* stream, uint64_t* out_sums) {
+    CallScope scope(*this);
+    expcache_status_t s = checksum_jobs(layer_index, ptrs, n);
+    if (s == EXPCACHE_OK) s = begin_call(stream);
+    // Slots past the public area, so a synchronous checksum never overwrites unread async results.
+    const uint32_t first = EXPCACHE_CHECKSUM_RESULTS;
+    if (s == EXPCACHE_OK)
+        s = check(backend_->checksum_async(checksum_jobs_.data(), static_cast<uint32_t>(checksum_jobs_.size()), n,
+                                           first, stream));
+    if (s == EXPCACHE_OK) s = check(backend_->sync_stream(stream));
+    if (s == EXPCACHE_OK) s = check(backend_->checksum_results(first, n, out_sums));
+    return s;
+}
+
+expcache_status_t Cache::checksum_async(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n,
+                                        void* stream, uint32_t first) {
+    CallScope scope(*this);
+    if (uint64_t(first) + n > EXPCACHE_CHECKSUM_RESULTS)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "result slots %u..%llu are past the %d slots of the area", first,
+                    (unsigned long long)first + n - 1, EXPCACHE_CHECKSUM_RESULTS);
+    expcache_status_t s = checksum_jobs(layer_index, ptrs, n);
+    if (s == EXPCACHE_OK) s = begin_call(stream);
+    if (s == EXPCACHE_OK)
+        s = check(backend_->checksum_async(checksum_jobs_.data(), static_cast<uint32_t>(checksum_jobs_.size()), n,
+                                           first, stream));
+    return s;
+}
+
+expcache_status_t Cache::checksum_results(uint32_t first, uint32_t n, uint64_t* out) {
+    CallScope scope(*this);
+    expcache_status_t s = usable();
+    if (s != EXPCACHE_OK) return s;
+    if (n == 0 || uint64_t(first) + n > EXPCACHE_CHECKSUM_RESULTS)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "result slots [%u, +%u) must be non-empty and within the %d slots",
+                    first, n, EXPCACHE_CHECKSUM_RESULTS);
+    return check(backend_->checksum_results(first, n, out));
 }
 
 expcache_status_t Cache::class_count(uint32_t* out) const {

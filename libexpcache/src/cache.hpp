@@ -92,6 +92,9 @@ public:
     expcache_status_t read_device(const void* src, void* dst, uint64_t n);
     expcache_status_t checksum(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
                                uint64_t* out_sums);
+    expcache_status_t checksum_async(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
+                                     uint32_t first);
+    expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out);
     expcache_status_t class_count(uint32_t* out) const;
     expcache_status_t class_info(uint32_t index, expcache_class_info_t* out) const;
     expcache_status_t layer_class(uint32_t layer, uint32_t* out);
@@ -134,6 +137,7 @@ private:
                                   void* stream);
     void slot_ptrs(const ClassState& cls, const SlotState& slot, expcache_expert_ptrs_t* out) const;
     expcache_status_t injected_copy_failure();
+    expcache_status_t checksum_jobs(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n);
     expcache_status_t alloc_device(uint64_t bytes, void** out);
     void free_device_now(void* ptr);
     expcache_status_t free_device_after(void* ptr, void* stream);

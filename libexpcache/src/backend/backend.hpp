@@ -46,9 +46,12 @@ public:
     virtual expcache_status_t sync_stream(void* stream) = 0;
     virtual expcache_status_t sync_device() = 0;
 
-    // Weighted 64-bit word sums (see expcache_checksum); synchronizes.
-    virtual expcache_status_t checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums,
-                                       void* stream, uint64_t* out_sums) = 0;
+    // Weighted 64-bit word sums (see expcache_checksum) into result slots
+    // [first, first + num_sums), enqueued on `stream` (the host backend computes
+    // them now); read them with checksum_results once the stream has finished.
+    virtual expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums,
+                                             uint32_t first, void* stream) = 0;
+    virtual expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) = 0;
 
     // Make this backend's device current for the calling thread and restore
     // the caller's on scope exit (host: nothing).

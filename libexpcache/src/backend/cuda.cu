@@ -268,9 +268,13 @@ public:
         EXPCACHE_CUDA_TRY(cudaDeviceSynchronize());
         return EXPCACHE_OK;
     }
-    expcache_status_t checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, void* stream,
-                               uint64_t* out_sums) override {
-        EXPCACHE_CUDA_TRY(checksum_.run(jobs, num_jobs, num_sums, static_cast<cudaStream_t>(stream), out_sums));
+    expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, uint32_t first,
+                                     void* stream) override {
+        EXPCACHE_CUDA_TRY(checksum_.launch(jobs, num_jobs, num_sums, first, static_cast<cudaStream_t>(stream)));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
+        checksum_.results(first, n, out);
         return EXPCACHE_OK;
     }
 

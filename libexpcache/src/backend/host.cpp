@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
+#include <vector>
 
 #include "backend.hpp"
 #include "../errors.hpp"
@@ -100,16 +101,23 @@ public:
     expcache_status_t fence(void*, void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_stream(void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_device() override { return EXPCACHE_OK; }
-    expcache_status_t checksum(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, void*,
-                               uint64_t* out_sums) override {
-        for (uint32_t i = 0; i < num_sums; ++i) out_sums[i] = 0;
-        for (uint32_t i = 0; i < num_jobs; ++i) out_sums[jobs[i].out] += checksum_host(jobs[i].ptr, jobs[i].bytes);
+    expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, uint32_t first,
+                                     void*) override {
+        if (results_.size() < uint64_t(first) + num_sums) results_.resize(uint64_t(first) + num_sums, 0);
+        for (uint32_t i = 0; i < num_sums; ++i) results_[first + i] = 0;
+        for (uint32_t i = 0; i < num_jobs; ++i)
+            results_[first + jobs[i].out] += checksum_host(jobs[i].ptr, jobs[i].bytes);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
+        for (uint32_t i = 0; i < n; ++i) out[i] = uint64_t(first) + i < results_.size() ? results_[first + i] : 0;
         return EXPCACHE_OK;
     }
 
 private:
     uint64_t capacity_;
     uint64_t used_ = 0;
+    std::vector<uint64_t> results_;  // checksum result slots
     std::unordered_map<void*, uint64_t> sizes_;
 };
 

@@ -110,33 +110,57 @@ ChecksumScratch::~ChecksumScratch() { release(); }
 void ChecksumScratch::release() {
     if (jobs_dev_) cudaFree(jobs_dev_);
     if (jobs_host_) cudaFreeHost(jobs_host_);
+    if (table_copied_) cudaEventDestroy(table_copied_);
     if (sums_) cudaFree(sums_);
     if (counter_) cudaFree(counter_);
-    if (out_host_) cudaFreeHost(out_host_);
+    if (results_) cudaFreeHost(results_);
     jobs_dev_ = jobs_host_ = nullptr;
-    sums_ = out_host_ = nullptr;
+    table_copied_ = nullptr;
+    table_pending_ = false;
+    sums_ = results_ = nullptr;
     counter_ = nullptr;
     jobs_cap_ = sums_cap_ = 0;
+    results_cap_ = 0;
 }
 
-cudaError_t ChecksumScratch::reserve(uint32_t num_jobs, uint32_t num_sums) {
+// Buffers that earlier, still running launches may use are only replaced after
+// the device has finished them.
+cudaError_t ChecksumScratch::reserve(uint32_t num_jobs, uint32_t num_sums, uint64_t results) {
     cudaError_t e = cudaSuccess;
     if (num_sums > sums_cap_) {
+        if ((e = cudaDeviceSynchronize()) != cudaSuccess) return e;
         if (sums_) cudaFree(sums_);
-        if (out_host_) cudaFreeHost(out_host_);
-        sums_ = out_host_ = nullptr;
+        sums_ = nullptr;
         sums_cap_ = 0;
         if ((e = cudaMalloc(&sums_, sizeof(uint64_t) * num_sums)) != cudaSuccess) return e;
         if ((e = cudaMemset(sums_, 0, sizeof(uint64_t) * num_sums)) != cudaSuccess) return e;
-        if ((e = cudaHostAlloc(&out_host_, sizeof(uint64_t) * num_sums, cudaHostAllocMapped)) != cudaSuccess) return e;
         sums_cap_ = num_sums;
+    }
+    if (results > results_cap_) {
+        if ((e = cudaDeviceSynchronize()) != cudaSuccess) return e;
+        unsigned long long* grown = nullptr;
+        if ((e = cudaHostAlloc(&grown, sizeof(uint64_t) * results, cudaHostAllocMapped)) != cudaSuccess) return e;
+        std::memset(grown, 0, sizeof(uint64_t) * results);
+        if (results_) {
+            std::memcpy(grown, results_, sizeof(uint64_t) * results_cap_);  // slots not read yet survive
+            cudaFreeHost(results_);
+        }
+        results_ = grown;
+        results_cap_ = results;
     }
     if (!counter_) {
         if ((e = cudaMalloc(&counter_, sizeof(unsigned int))) != cudaSuccess) return e;
         if ((e = cudaMemset(counter_, 0, sizeof(unsigned int))) != cudaSuccess) return e;
     }
+    if (!table_copied_ && (e = cudaEventCreateWithFlags(&table_copied_, cudaEventDisableTiming)) != cudaSuccess)
+        return e;
     if (num_jobs > kInlineJobs && num_jobs > jobs_cap_) {
-        if (jobs_dev_) cudaFree(jobs_dev_);
+        if (table_pending_ && (e = cudaEventSynchronize(table_copied_)) != cudaSuccess) return e;
+        table_pending_ = false;
+        if (jobs_dev_) {
+            if ((e = cudaDeviceSynchronize()) != cudaSuccess) return e;
+            cudaFree(jobs_dev_);
+        }
         if (jobs_host_) cudaFreeHost(jobs_host_);
         jobs_dev_ = jobs_host_ = nullptr;
         jobs_cap_ = 0;
@@ -147,36 +171,45 @@ cudaError_t ChecksumScratch::reserve(uint32_t num_jobs, uint32_t num_sums) {
     return e;
 }
 
-cudaError_t ChecksumScratch::run(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, cudaStream_t stream,
-                                 uint64_t* out) {
-    cudaError_t e = reserve(num_jobs, num_sums);
+cudaError_t ChecksumScratch::launch(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, uint32_t first,
+                                    cudaStream_t stream) {
+    cudaError_t e = reserve(num_jobs, num_sums, uint64_t(first) + num_sums);
     if (e != cudaSuccess) return e;
     Params prm;
     std::memset(&prm, 0, sizeof prm);
-    DeviceJob* table = num_jobs > kInlineJobs ? static_cast<DeviceJob*>(jobs_host_) : prm.inline_jobs;
+    bool table = num_jobs > kInlineJobs;
+    if (table && table_pending_) {
+        // The previous table may not have been copied yet: wait before rewriting it.
+        if ((e = cudaEventSynchronize(table_copied_)) != cudaSuccess) return e;
+        table_pending_ = false;
+    }
+    DeviceJob* out_jobs = table ? static_cast<DeviceJob*>(jobs_host_) : prm.inline_jobs;
     uint64_t blocks = 0;
     for (uint32_t i = 0; i < num_jobs; ++i) {
-        table[i] = DeviceJob{static_cast<const unsigned char*>(jobs[i].ptr), jobs[i].bytes, blocks, jobs[i].out, 0};
+        out_jobs[i] = DeviceJob{static_cast<const unsigned char*>(jobs[i].ptr), jobs[i].bytes, blocks, jobs[i].out, 0};
         blocks += (jobs[i].bytes + kChunkBytes - 1) / kChunkBytes;
     }
-    if (num_jobs > kInlineJobs) {
+    if (blocks == 0 || blocks > 0x7fffffffu) return cudaErrorInvalidValue;
+    if (table) {
         e = cudaMemcpyAsync(jobs_dev_, jobs_host_, sizeof(DeviceJob) * num_jobs, cudaMemcpyHostToDevice, stream);
+        if (e == cudaSuccess) e = cudaEventRecord(table_copied_, stream);
         if (e != cudaSuccess) return e;
+        table_pending_ = true;
         prm.table = static_cast<const DeviceJob*>(jobs_dev_);
     }
     prm.num_jobs = num_jobs;
     prm.num_sums = num_sums;
     prm.sums = sums_;
     prm.counter = counter_;
-    unsigned long long* out_dev = nullptr;
-    if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&out_dev), out_host_, 0)) != cudaSuccess) return e;
-    prm.out = out_dev;
-    if (blocks == 0 || blocks > 0x7fffffffu) return cudaErrorInvalidValue;
+    unsigned long long* results_dev = nullptr;
+    if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&results_dev), results_, 0)) != cudaSuccess) return e;
+    prm.out = results_dev + first;
     checksum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(prm);
-    if ((e = cudaGetLastError()) != cudaSuccess) return e;
-    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return e;
-    std::memcpy(out, out_host_, sizeof(uint64_t) * num_sums);
-    return cudaSuccess;
+    return cudaGetLastError();
+}
+
+void ChecksumScratch::results(uint32_t first, uint32_t n, uint64_t* out) const {
+    std::memcpy(out, results_ + first, sizeof(uint64_t) * n);
 }
 
 }  // namespace expcache

@@ -13,24 +13,28 @@ namespace expcache {
 class ChecksumScratch {
 public:
     ~ChecksumScratch();
-    // One launch: jobs travel in the kernel's parameters (or a device table
-    // when there are many), the last block publishes the sums to mapped
-    // pinned memory and re-zeroes the accumulators, so a call is one launch
-    // and one stream synchronization.
-    cudaError_t run(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, cudaStream_t stream,
-                    uint64_t* out);
-
+    // One launch on `stream`: jobs travel in the kernel's parameters (or a device
+    // table when there are many); the last block writes the sums to result slots
+    // [first, first + num_sums) of a mapped pinned area and re-zeroes the
+    // accumulators. Nothing waits: read the slots after synchronizing the stream.
+    cudaError_t launch(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, uint32_t first,
+                       cudaStream_t stream);
+    // Result slots [first, first + n) as the kernels left them.
+    void results(uint32_t first, uint32_t n, uint64_t* out) const;
     // Frees everything; call with the owning device current.
     void release();
 
 private:
-    cudaError_t reserve(uint32_t num_jobs, uint32_t num_sums);
+    cudaError_t reserve(uint32_t num_jobs, uint32_t num_sums, uint64_t results);
     void* jobs_dev_ = nullptr;         // device job table (large calls only)
     void* jobs_host_ = nullptr;        // pinned staging of that table
+    cudaEvent_t table_copied_ = nullptr;  // the table's copy has run: jobs_host_ may be rewritten
+    bool table_pending_ = false;
     unsigned long long* sums_ = nullptr;      // zeroed accumulators
     unsigned int* counter_ = nullptr;         // blocks finished
-    unsigned long long* out_host_ = nullptr;  // mapped pinned results
+    unsigned long long* results_ = nullptr;   // mapped pinned result slots
     uint32_t jobs_cap_ = 0, sums_cap_ = 0;
+    uint64_t results_cap_ = 0;
 };
 
 }  // namespace expcache
