@@ -32,6 +32,8 @@ step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --targe
 if [ "$MODE" != quick ]; then
     step transfer 200 python3 -m pyexpcache transfer
     step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json"
+    step decode_no_layer_sync 240 python3 -m pyexpcache bench --quiet --no-layer-sync --variants expcache,resident \
+        --json "$DIR/decode_no_layer_sync.json"
     step decode_pageable 200 python3 -m pyexpcache bench --quiet --source pageable --traces podA_c_python_full \
         --variants expcache,slab,nocache --json "$DIR/decode_pageable.json"
     step prefill_turns 330 python3 -m pyexpcache bench --quiet --scenario prefill,turns --variants expcache,slab \
