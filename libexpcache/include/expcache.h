@@ -150,10 +150,12 @@ typedef struct expcache_config_t {
                                     buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides */
     uint64_t device_capacity_bytes; /**< host backend only: emulated device size; default 64 GiB */
     uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
-    uint32_t copy_threads;     /**< CUDA, pageable sources: threads staging bytes into pinned buffers while
-                                    earlier chunks cross the link; default 8; 0 = plain pageable copies */
+    uint32_t copy_threads;     /**< CUDA, pageable and file sources: threads staging bytes into pinned buffers while
+                                    earlier chunks cross the link; default 8; 0 = plain pageable copies
+                                    (files are then read by the calling thread alone) */
     uint32_t policy;           /**< EXPCACHE_POLICY_*; default LRU */
-    uint64_t staging_bytes;    /**< CUDA, pageable sources: size of the pinned staging ring; default 64 MiB */
+    uint64_t staging_bytes;    /**< CUDA, pageable and file sources: size of the pinned staging ring (2 MiB
+                                    chunks); default 64 MiB; 1 MiB..16 GiB */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -263,7 +265,8 @@ typedef struct expcache_expert_ptrs_t {
  * after it) before the next select, load_compact, batch_prepare,
  * release_all or layer_class call on this cache. A later call on another stream waits, on the device, for the
  * work enqueued on this stream before it overwrites a slot.
- * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, CUDA, POISONED.
+ * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, IO (file
+ * sources), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer,
                                                      const uint32_t* ids, uint32_t k, void* stream,
@@ -289,7 +292,7 @@ typedef struct expcache_compact_t {
  * allocation retried, once. The buffer is owned by the cache and valid for
  * work enqueued on `stream` before the next load_compact call or
  * release_all. Status: INVALID_ARGUMENT, INVALID_STATE,
- * OUT_OF_DEVICE_MEMORY (after the retry), CUDA, POISONED.
+ * OUT_OF_DEVICE_MEMORY (after the retry), IO (file sources), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer,
                                                            const uint32_t* ids, uint32_t n,
@@ -312,7 +315,8 @@ EXPCACHE_API expcache_status_t expcache_load_compact_async(expcache_t* cache, ui
  * arrays of at least n entries), and a batch handle to *out_batch. Every
  * cache slot the batch uses is held — never evicted — until
  * expcache_batch_finish(). Status: INVALID_ARGUMENT, INVALID_STATE
- * (EXPCACHE_MAX_BATCHES outstanding), OUT_OF_DEVICE_MEMORY, CUDA, POISONED.
+ * (EXPCACHE_MAX_BATCHES outstanding), OUT_OF_DEVICE_MEMORY, IO (file sources),
+ * CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer,
                                                             const uint32_t* ids, uint64_t n,
