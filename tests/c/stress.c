@@ -720,6 +720,8 @@ static void op_create(void) {
                                         : between(model_bytes / 2, 2 * model_bytes + 4096);
     cfg.slab_bytes = pct(20) ? ((uint64_t)512 << 20) : between(1, 32768);
     cfg.copy_threads = (uint32_t)below(9);
+    /* Nothing below predicts victims, so every check holds for either policy. */
+    cfg.policy = pct(50) ? EXPCACHE_POLICY_OPPCLASS : EXPCACHE_POLICY_LRU;
     m->capacity = cfg.device_capacity_bytes;
     m->reserve = cfg.reserve_bytes;
     m->budget_experts = cfg.budget_experts;
