@@ -48,14 +48,21 @@ def run_replays() -> dict:
 
 
 def _replay(bench, layout, scenario, traces, budget, scale, kwargs) -> dict:
-    report = bench.run(layout, scenario, variants=("expcache",), traces=traces, budget_bytes=budget,
+    # The OppClassLRU variant rides along where the commit has it (its own graphs: ReplayPolicy).
+    variants = ("expcache", "oppclass") if "oppclass" in getattr(bench, "VARIANTS", ()) else ("expcache",)
+    report = bench.run(layout, scenario, variants=variants, traces=traces, budget_bytes=budget,
                        backend=BACKEND, host_scale=scale, **kwargs)
     if report.backend != BACKEND:
         raise RuntimeError(f"asked for the {BACKEND} backend, ran on {report.backend}")
-    (r,) = report.results
-    if r.checksum_errors:
-        raise RuntimeError(f"{layout.name} {scenario}: {r.checksum_errors} experts served with wrong bytes")
+    for x in report.results:
+        if x.checksum_errors:
+            raise RuntimeError(f"{layout.name} {scenario} {x.variant}: {x.checksum_errors} experts served "
+                               "with wrong bytes")
+    r = report.results[0]
+    opp = report.results[1] if len(report.results) > 1 else None
     return {
+        "oppclass_hit_rate": opp.hit_rate if opp else None,
+        "oppclass_tokens_per_s": opp.tokens_per_s if opp else None,
         "tokens_per_s": r.tokens_per_s,
         "hit_rate": r.hit_rate,
         "belady_hit_rate": r.belady_hit_rate,
@@ -102,8 +109,9 @@ class Replay:
     track_hit_rate.unit = "%"
 
     def track_gib_per_token(self, results, backend, layout, scenario):
-        """Host-to-device GiB per token, prefill tokens included (full-size GiB on the GPU,
-        sizes / scale on the host; lower is better)."""
+        """Host-to-device GiB per decode token (at commits before the prefill fix, prefill bytes
+        and tokens were included); full-size GiB on the GPU, sizes / scale on the host; lower
+        is better."""
         return _numbers(results, layout, scenario)["gib_per_token"]
 
     track_gib_per_token.unit = "GiB/token"
@@ -142,3 +150,36 @@ class ReplayBelady:
         return 100.0 * (n["belady_hit_rate"] - n["hit_rate"])
 
     track_belady_gap.unit = "percentage points"
+
+
+class ReplayPolicy:
+    """The OppClassLRU policy (``policy="oppclass"``) next to the default LRU, same replay."""
+
+    params = (BACKENDS, LAYOUTS, SCENARIOS)
+    param_names = ["backend", "layout", "scenario"]
+    skip_params = skip_other_backends(LAYOUTS, SCENARIOS)
+    setup_cache = staticmethod(run_replays)
+    timeout = 3600
+
+    def setup(self, results, backend, layout, scenario):
+        if _numbers(results, layout, scenario).get("oppclass_hit_rate") is None:
+            raise NotImplementedError("no oppclass policy at this commit")
+
+    def track_oppclass_hit_rate(self, results, backend, layout, scenario):
+        """OppClassLRU's hit rate, from the library's counters (higher is better)."""
+        return 100.0 * _numbers(results, layout, scenario)["oppclass_hit_rate"]
+
+    track_oppclass_hit_rate.unit = "%"
+
+    def track_oppclass_gain(self, results, backend, layout, scenario):
+        """OppClassLRU's hit rate minus LRU's, in percentage points (higher is better)."""
+        n = _numbers(results, layout, scenario)
+        return 100.0 * (n["oppclass_hit_rate"] - n["hit_rate"])
+
+    track_oppclass_gain.unit = "percentage points"
+
+    def track_oppclass_tokens_per_s(self, results, backend, layout, scenario):
+        """OppClassLRU's decode tokens per second (host backend: host-emulated)."""
+        return _numbers(results, layout, scenario)["oppclass_tokens_per_s"]
+
+    track_oppclass_tokens_per_s.unit = "tokens/s"
