@@ -80,6 +80,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from pyexpcache.policies import Ctx, OppClassLRU
+
 ALIGN = 256
 PATHS = ("decode", "compact", "batch", "control")
 STAT_FIELDS = (
@@ -133,6 +135,7 @@ class RefClass:
     # Resident entries, coldest first.
     lru: "OrderedDict[Key, None]" = field(default_factory=OrderedDict)
     holds: Dict[Key, int] = field(default_factory=dict)
+    pol: object = None  # the OppClassLRU of pyexpcache.policies when the cache uses it; order is in `lru` otherwise
     allocated: int = 0
     slabs: List[int] = field(default_factory=list)  # allocation ids
     target: int = 0
@@ -185,13 +188,23 @@ class ReferenceCache:
     def __init__(self, layout, *, budget_experts: Optional[int] = None, budget_bytes: Optional[int] = None,
                  reserve_bytes: Optional[int] = None, max_classes: int = 4,
                  device_capacity_bytes: Optional[int] = None, slab_bytes: Optional[int] = None,
-                 batch_staging_releases: bool = False):
+                 batch_staging_releases: bool = False, policy: str = "lru"):
         self.batch_staging_releases = batch_staging_releases
+        if policy not in ("lru", "oppclass"):
+            raise ModelError(INVALID_ARGUMENT, f"unknown policy {policy}")
+        self.policy = policy
+        # The policy clock, as the library keeps it: a serving call whose layer is not after the
+        # previous one's starts a token; positions are ranks among the registered layers.
+        self.token = 0
+        self.last_layer: Optional[int] = None
         specs = getattr(layout, "layers", layout)
         self.layers: List[Optional[LayerShape]] = [
             None if s is None else LayerShape(int(s.num_experts), tuple(int(b) for b in s.class_key))
             for s in specs
         ]
+        moe = [i for i, shape in enumerate(self.layers) if shape is not None]
+        self.rank = {layer: r for r, layer in enumerate(moe)}
+        self.positions = max(len(moe), 1)
         self.budget_experts = int(budget_experts or 0)
         self.budget_bytes = int(budget_bytes or 0)
         if not self.budget_experts and not self.budget_bytes:
@@ -205,6 +218,7 @@ class ReferenceCache:
         self.capacity = DEFAULT_CAPACITY if device_capacity_bytes is None else int(device_capacity_bytes)
         self.slab_bytes = DEFAULT_SLAB if slab_bytes is None else int(slab_bytes)
         self.classes = [RefClass(i) for i in range(max_classes)]
+        self._ctx = Ctx()
         self.binding: Dict[int, Tuple[int, int]] = {}  # layer -> (class index, gen)
         self.call = 0
         # Device memory: allocation id -> (bytes, rounded bytes).
@@ -288,6 +302,7 @@ class ReferenceCache:
         cls.key = key
         cls.slot_bytes = sum(align_up(b) for b in key)
         cls.lru = OrderedDict()
+        cls.pol = OppClassLRU(None) if self.policy == "oppclass" else None  # a reused class starts afresh
         cls.holds = {}
         cls.allocated = 0
         cls.cap_valid = False
@@ -329,6 +344,9 @@ class ReferenceCache:
             self._free(aid)
         cls.slabs = []
         cls.allocated = 0
+        if cls.pol is not None:
+            for k in cls.lru:
+                cls.pol.on_remove(k)  # the policy forgets the slots, not the counts
         cls.lru = OrderedDict()
         cls.holds = {}
         cls.cap_valid = False
@@ -406,12 +424,40 @@ class ReferenceCache:
         if cls.free > 0:
             return True
         if allow_evict:
-            for k in cls.lru:
-                if k not in protected and cls.holds.get(k, 0) == 0:
-                    del cls.lru[k]
-                    cls.stats[path]["evictions"] += 1
-                    return True
+            evictable = lambda k: k not in protected and cls.holds.get(k, 0) == 0  # noqa: E731
+            if cls.pol is not None:
+                victim = cls.pol.victim(evictable)
+            else:
+                victim = next((k for k in cls.lru if evictable(k)), None)
+            if victim is not None:
+                del cls.lru[victim]
+                if cls.pol is not None:
+                    cls.pol.on_remove(victim)
+                cls.stats[path]["evictions"] += 1
+                return True
         return False
+
+    # -------------------------------------------------------------- policy hooks
+    def _tick(self, cls: RefClass, layer: int) -> None:
+        """Advance the clock at the start of a serving call (the library's start_call)."""
+        if self.last_layer is None or layer <= self.last_layer:
+            self.token += 1
+        self.last_layer = layer
+        if cls.pol is not None:
+            self._ctx.token, self._ctx.pos, self._ctx.layers = self.token, self.rank[layer], self.positions
+            cls.pol.begin(self._ctx)
+
+    def _hit(self, cls: RefClass, k: Key) -> None:
+        cls.lru.move_to_end(k)
+        if cls.pol is not None:
+            cls.pol.on_hit(k, self._ctx)
+
+    def _insert(self, cls: RefClass, k: Key, cold: bool) -> None:
+        cls.lru[k] = None
+        if cold:
+            cls.lru.move_to_end(k, last=False)
+        if cls.pol is not None:
+            cls.pol.on_insert(k, cold, self._ctx)
 
     @staticmethod
     def _unique(ids: Iterable[int]) -> List[int]:
@@ -431,6 +477,7 @@ class ReferenceCache:
         self.call += 1
         cls.last_used = self.call
         st["calls"] += 1
+        self._tick(cls, layer)
         unique = self._unique(ids)
         where: Dict[int, str] = {}
         protected = set()
@@ -438,7 +485,7 @@ class ReferenceCache:
         for e in unique:
             k = (layer, e)
             if k in cls.lru:
-                cls.lru.move_to_end(k)
+                self._hit(cls, k)
                 protected.add(k)
                 st["hits"] += 1
                 where[e] = "hit"
@@ -452,7 +499,7 @@ class ReferenceCache:
             if not self._acquire(c, allow_evict=True, protected=protected, path="decode"):
                 direct.append(e)
                 continue
-            cls.lru[k] = None  # hot end
+            self._insert(cls, k, cold=False)  # hot end
             protected.add(k)
             if st["evictions"] == before:
                 st["appends"] += 1
@@ -489,6 +536,7 @@ class ReferenceCache:
         self.call += 1
         cls.last_used = self.call
         st["calls"] += 1  # counted once the call is under way, also when its staging then fails
+        self._tick(cls, layer)
         if self.compact_bytes < total:
             self._free(self.compact)
             self.compact, self.compact_bytes = None, 0
@@ -500,7 +548,7 @@ class ReferenceCache:
             first = e not in where
             if k in cls.lru:
                 if first:
-                    cls.lru.move_to_end(k)
+                    self._hit(cls, k)
                     st["hits"] += 1
                     where[e] = "hit"
                 st["bytes_d2d"] += shape.expert_bytes
@@ -527,6 +575,7 @@ class ReferenceCache:
         self.call += 1
         cls.last_used = self.call
         st["calls"] += 1
+        self._tick(cls, layer)
         unique = self._unique(ids)
         held: List[Key] = []
 
@@ -557,8 +606,7 @@ class ReferenceCache:
             if not self._acquire(c, allow_evict=False, protected=set(), path="batch"):
                 direct.append(e)
                 continue
-            cls.lru[k] = None
-            cls.lru.move_to_end(k, last=False)  # the coldest entry
+            self._insert(cls, k, cold=True)  # the coldest entry
             st["appends"] += 1
             st["bytes_h2d"] += shape.expert_bytes
             hold(k)

@@ -122,6 +122,7 @@ def configs(draw):
         kw["reserve_bytes"] = draw(st.sampled_from([None, 0]))
     if draw(st.booleans()):
         kw["slab_bytes"] = draw(st.integers(1, 3 * slot))
+    kw["policy"] = draw(st.sampled_from(["lru", "oppclass"]))
     return name, {k: v for k, v in kw.items() if v is not None}
 
 
