@@ -9,6 +9,7 @@
 #include <cmath>
 #include <vector>
 
+#include "intrusive_lists.hpp"
 #include "policy.hpp"
 
 namespace expcache {
@@ -26,13 +27,10 @@ class OppClassPolicy final : public Policy {
 public:
     OppClassPolicy() : log_base_(std::log(kBase)) {
         for (int k = 0; k < kClasses; ++k) scale_[k] = std::pow(kWeight, k);
-        clear();
     }
 
     void resize(int32_t n) override {
-        size_t nodes = kClasses + static_cast<size_t>(n);
-        prev_.resize(nodes, -1);
-        next_.resize(nodes, -1);
+        lists_.resize(n);
         key_.resize(n, 0);
         tok_.resize(n, 0);
         pos_.resize(n, 0);
@@ -49,10 +47,10 @@ public:
         }
     }
     void on_hit(int32_t slot) override {
-        unlink(slot);
+        lists_.unlink(slot);
         place(slot, use(key_[slot]), clock_.token, clock_.pos, true);
     }
-    void on_remove(int32_t slot) override { unlink(slot); }  // the key's count is kept
+    void on_remove(int32_t slot) override { lists_.unlink(slot); }  // the key's count is kept
 
     // The largest (missed opportunities + offset) / weight^class among the first
     // evictable entry of each list: within a list, last-use order makes that entry
@@ -61,8 +59,7 @@ public:
         int32_t best = -1;
         double best_score = -1.0;
         for (int k = 0; k < kClasses; ++k) {
-            for (int32_t n = next_[k]; n != k; n = next_[n]) {
-                int32_t s = n - kClasses;
+            for (int32_t s = lists_.first(k); s >= 0; s = lists_.next(s)) {
                 if (!evictable(ctx, s)) continue;
                 int32_t missed = clock_.token - tok_[s] - 1 + (pos_[s] <= clock_.pos ? 1 : 0);
                 double score = (missed + kOffset) / scale_[k];
@@ -76,9 +73,7 @@ public:
         return best;
     }
     void clear() override {
-        prev_.assign(kClasses, 0);
-        next_.assign(kClasses, 0);
-        for (int k = 0; k < kClasses; ++k) prev_[k] = next_[k] = k;
+        lists_.clear();
         key_.clear();
         tok_.clear();
         pos_.clear();
@@ -102,18 +97,8 @@ private:
     void place(int32_t slot, int k, int32_t token, int32_t pos, bool hot) {
         tok_[slot] = token;
         pos_[slot] = pos;
-        int32_t n = kClasses + slot;
-        int32_t at = hot ? prev_[k] : k;  // after the last node, or right after the sentinel
-        int32_t after = next_[at];
-        prev_[n] = at;
-        next_[n] = after;
-        next_[at] = n;
-        prev_[after] = n;
-    }
-    void unlink(int32_t slot) {
-        int32_t n = kClasses + slot;
-        next_[prev_[n]] = next_[n];
-        prev_[next_[n]] = prev_[n];
+        if (hot) lists_.push_back(k, slot);
+        else lists_.push_front(k, slot);
     }
 
     double log_base_;
@@ -122,7 +107,7 @@ private:
     std::vector<double> count_, time_;               // per key: decayed count, time of last use
     std::vector<uint32_t> key_;                       // per slot
     std::vector<int32_t> tok_, pos_;                  // per slot: token and layer position of last use
-    std::vector<int32_t> prev_, next_;                // nodes 0..kClasses-1 are the lists' sentinels
+    IntrusiveLists lists_{kClasses};                  // one list per class, cold end first
 };
 
 }  // namespace
