@@ -103,7 +103,12 @@ class HostSource:
             from . import _cuda
 
             rt = _cuda.runtime()
-            ptr = _cuda.check(rt.cudaMallocHost(total), f"cudaMallocHost({total} bytes)")
+            try:
+                ptr = _cuda.check(rt.cudaMallocHost(total), f"cudaMallocHost({total} bytes)")
+            except RuntimeError as exc:
+                raise MemoryError(f"{total / 2**30:.1f} GiB of pinned host memory for {layout.name} could not be "
+                                  f"allocated ({exc}); replay fewer layers (bench --layers), use pageable memory "
+                                  "(--source pageable) or smaller experts (--scale)") from None
             self._pinned_ptr = int(ptr)
             self.buffer = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(self._pinned_ptr))
         else:
