@@ -261,6 +261,19 @@ def _begin_call(ctx: "Ctx", i: int, call: Call, c: int, toks, pos_of, wts) -> di
     return want
 
 
+def _serve_hits(want, resident, pol, ctx, counters) -> list:
+    """A decode call's first pass: count and report its resident keys as hits, in call order;
+    returns the missing keys."""
+    missing = []
+    for key in want:
+        if key in resident:
+            counters[_H] += 1
+            pol.on_hit(key, ctx)
+        else:
+            missing.append(key)
+    return missing
+
+
 def simulate_policy(
     requests,
     capacity: int | Sequence[int],
@@ -306,13 +319,7 @@ def simulate_policy(
         want = _begin_call(ctx, i, call, c, toks, pos_of, wts)
         pol.begin(ctx)
         if call.kind == DECODE:
-            missing = []
-            for key in want:
-                if key in res:
-                    ct[_H] += 1
-                    pol.on_hit(key, ctx)
-                else:
-                    missing.append(key)
+            missing = _serve_hits(want, res, pol, ctx, ct)
             if missing:
                 evictable = lambda k: k not in want  # noqa: E731
                 for key in missing:
@@ -407,6 +414,15 @@ def simulate_global(
     cnt = [[0] * 6 for _ in range(ncls)]
     ctx = Ctx()
     ctx.layers = nlayers
+
+    def add(key, c, used, cold):
+        """Make `key` of class `c` resident; returns the bytes now used."""
+        resident[key] = c
+        count[c] += 1
+        peak[c] = max(peak[c], count[c])
+        pol.on_insert(key, cold, ctx)
+        return used + int(class_bytes[c])
+
     for i, call in enumerate(stream):
         c = cls[call.layer]
         size = int(class_bytes[c])
@@ -415,13 +431,7 @@ def simulate_global(
         ctx.size = size
         pol.begin(ctx)
         if call.kind == DECODE:
-            missing = []
-            for key in want:
-                if key in resident:
-                    ct[_H] += 1
-                    pol.on_hit(key, ctx)
-                else:
-                    missing.append(key)
+            missing = _serve_hits(want, resident, pol, ctx, ct)
             evictable = lambda k: k not in want  # noqa: E731
             for key in missing:
                 ct[_M] += 1
@@ -443,11 +453,7 @@ def simulate_global(
                     if used + size > budget_bytes:
                         ct[_D] += 1
                         continue
-                resident[key] = c
-                used += size
-                count[c] += 1
-                peak[c] = max(peak[c], count[c])
-                pol.on_insert(key, False, ctx)
+                used = add(key, c, used, cold=False)
                 ct[_I] += 1
         else:
             for key in want:
@@ -457,11 +463,7 @@ def simulate_global(
                     ct[_M] += 1
                     pol.on_miss(key, ctx)
                     if used + size <= budget_bytes:
-                        resident[key] = c
-                        used += size
-                        count[c] += 1
-                        peak[c] = max(peak[c], count[c])
-                        pol.on_insert(key, True, ctx)
+                        used = add(key, c, used, cold=True)
                         ct[_A] += 1
                     else:
                         ct[_D] += 1
