@@ -437,6 +437,17 @@ class ReferenceCache:
                 return True
         return False
 
+    def _start_call(self, layer: int, path: str):
+        """Bind the layer's class and open a call on `path` (the library's start_call):
+        returns (class index, class, the path's counters)."""
+        c = self._bind(layer, path)
+        cls = self.classes[c]
+        self.call += 1
+        cls.last_used = self.call
+        cls.stats[path]["calls"] += 1
+        self._tick(cls, layer)
+        return c, cls, cls.stats[path]
+
     # -------------------------------------------------------------- policy hooks
     def _tick(self, cls: RefClass, layer: int) -> None:
         """Advance the clock at the start of a serving call (the library's start_call)."""
@@ -471,13 +482,7 @@ class ReferenceCache:
         if not 1 <= len(ids) <= MAX_SELECT:
             raise ModelError(INVALID_ARGUMENT, "k must be 1..1024")
         self._validate_ids(shape, ids)
-        c = self._bind(layer, "decode")
-        cls = self.classes[c]
-        st = cls.stats["decode"]
-        self.call += 1
-        cls.last_used = self.call
-        st["calls"] += 1
-        self._tick(cls, layer)
+        c, cls, st = self._start_call(layer, "decode")
         unique = self._unique(ids)
         where: Dict[int, str] = {}
         protected = set()
@@ -526,17 +531,12 @@ class ReferenceCache:
         if not 1 <= n <= MAX_COMPACT:
             raise ModelError(INVALID_ARGUMENT, "n must be 1..2^20")
         self._validate_ids(shape, ids)
-        c = self._bind(layer, "compact")
+        # Counted once the call is under way, also when its staging then fails.
+        c, cls, st = self._start_call(layer, "compact")
         g, u, d = shape.key
         up_off = align_up(g * n)
         down_off = align_up(up_off + u * n)
         total = down_off + d * n
-        cls = self.classes[c]
-        st = cls.stats["compact"]
-        self.call += 1
-        cls.last_used = self.call
-        st["calls"] += 1  # counted once the call is under way, also when its staging then fails
-        self._tick(cls, layer)
         if self.compact_bytes < total:
             self._free(self.compact)
             self.compact, self.compact_bytes = None, 0
@@ -569,13 +569,7 @@ class ReferenceCache:
         self._validate_ids(shape, ids)
         if len(self.batches) >= MAX_BATCHES:
             raise ModelError(INVALID_STATE, "64 batches are unfinished")
-        c = self._bind(layer, "batch")
-        cls = self.classes[c]
-        st = cls.stats["batch"]
-        self.call += 1
-        cls.last_used = self.call
-        st["calls"] += 1
-        self._tick(cls, layer)
+        c, cls, st = self._start_call(layer, "batch")
         unique = self._unique(ids)
         held: List[Key] = []
 
