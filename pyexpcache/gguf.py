@@ -35,7 +35,7 @@ from typing import Optional, Union
 import numpy as np
 
 from .layout import LayerSpec, ModelLayout
-from .source import LayerPlacement, checksum_bytes
+from .source import BufferSource, LayerPlacement, checksum_bytes
 
 __all__ = ["GGUFLayoutError", "GGUFExpertLayer", "GGUFSource", "describe_gguf", "inspect_table",
            "layout_from_gguf"]
@@ -338,7 +338,7 @@ def layout_from_gguf(path: PathLike) -> ModelLayout:
     return _layout(describe_gguf(path), path)
 
 
-class GGUFSource:
+class GGUFSource(BufferSource):
     """A GGUF file, mapped read-only, as an expert source (pageable memory).
 
     Args:
@@ -429,17 +429,6 @@ class GGUFSource:
                 mm.close()
             except BufferError:
                 pass  # views are still exported; the mapping goes when the last one does
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes mapped (the file size; 0 once closed)."""
-        return self.buffer.nbytes
 
     def __repr__(self) -> str:
         state = "closed" if self._mm is None else f"{self.nbytes} bytes"

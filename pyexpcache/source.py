@@ -65,6 +65,27 @@ class Source(Protocol):
     def placement(self, layer: int) -> Optional["LayerPlacement"]: ...
 
 
+class BufferSource:
+    """What the sources whose bytes sit in a host buffer (``self.buffer``) share: a context
+    manager around ``close()``, and the buffer's size."""
+
+    buffer: np.ndarray
+
+    def close(self) -> None:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the source's host buffer (0 once closed)."""
+        return self.buffer.nbytes
+
+
 @dataclass(frozen=True)
 class LayerPlacement:
     """Where one layer's parts are: absolute addresses of expert 0 and strides (bytes)."""
@@ -74,7 +95,7 @@ class LayerPlacement:
     sizes: tuple[int, int, int]
 
 
-class HostSource:
+class HostSource(BufferSource):
     """Host memory with every expert of ``layout``.
 
     Args:
@@ -200,13 +221,3 @@ class HostSource:
             self.buffer = np.empty(0, np.uint8)
             _cuda.check(_cuda.runtime().cudaFreeHost(self._pinned_ptr), "cudaFreeHost")
             self._pinned_ptr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.nbytes
