@@ -11,7 +11,7 @@ WARN       = -Wall -Wextra -Wno-unused-parameter
 COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
 
 CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/cache.cpp \
-            libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp libexpcache/src/backend/copy_pool.cpp libexpcache/src/backend/source_file.cpp
+            libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/source_file.cpp
 CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu
 HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
 

@@ -20,6 +20,7 @@ BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
 SOURCE_PAGEABLE, SOURCE_PINNED, SOURCE_FILE = 0, 1, 2
 LOG_SILENT, LOG_NOTICE, LOG_DEBUG = 0, 1, 2
 POLICIES = {"lru": 0, "oppclass": 1}
+FILE_READS = {"buffered": 0, "direct": 1}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
 MAX_SELECT = 1024
@@ -43,6 +44,8 @@ class Config(ctypes.Structure):
         ("copy_threads", c_uint32),
         ("policy", c_uint32),
         ("staging_bytes", c_uint64),
+        ("staging_chunk_bytes", c_uint64),
+        ("file_reads", c_uint32),
     ]
 
 

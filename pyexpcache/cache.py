@@ -203,9 +203,14 @@ class ExpertCache:
         slab_bytes: largest single slot allocation (default 512 MiB).
         log_level: 0 silent, 1 notices (default), 2 one line per call. Lines go to the
             ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
-        copy_threads: CUDA with a pageable source: threads staging misses into a pinned ring
-            while earlier chunks cross the link (default 8; 0 = the driver's pageable copies).
-        staging_bytes: size of that pinned ring (default 64 MiB, in 2 MiB chunks).
+        copy_threads: pageable and file sources: threads staging misses into a pinned ring, each
+            filling whole chunks while earlier ones cross the link (default 8; 0 = the driver's
+            pageable copies, and file reads on the calling thread).
+        staging_bytes: size of that pinned ring (default 64 MiB).
+        staging_chunk_bytes: largest piece one thread fills and one transfer moves (default 1 MiB;
+            a multiple of 4096 in 64 KiB..64 MiB).
+        file_reads: file sources: ``"buffered"`` (default: pread through the page cache) or
+            ``"direct"`` (O_DIRECT where the file system allows it: models larger than RAM).
         policy: eviction policy of every class: ``"lru"`` (default) or ``"oppclass"`` (decayed use
             count classes with age in missed opportunities of the expert's layer; more hits at
             small budgets: docs/policy.md).
@@ -217,11 +222,14 @@ class ExpertCache:
                  budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None, max_classes: int = 4,
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
-                 copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None, policy: str = "lru"):
+                 copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
+                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: str = "lru"):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if policy not in _lib.POLICIES:
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
+        if file_reads not in _lib.FILE_READS:
+            raise ValueError(f"file_reads must be one of {sorted(_lib.FILE_READS)}, got {file_reads!r}")
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
             raise ValueError("source was built for a different layout")
         self._handle = None
@@ -232,10 +240,12 @@ class ExpertCache:
         cfg.num_layers = layout.num_layers
         cfg.max_classes = max_classes
         cfg.policy = _lib.POLICIES[policy]
+        cfg.file_reads = _lib.FILE_READS[file_reads]
         for name, value in (("budget_experts", budget_experts), ("budget_bytes", budget_bytes),
                             ("reserve_bytes", reserve_bytes), ("device_capacity_bytes", device_capacity_bytes),
                             ("slab_bytes", slab_bytes), ("log_level", log_level),
-                            ("copy_threads", copy_threads), ("staging_bytes", staging_bytes)):
+                            ("copy_threads", copy_threads), ("staging_bytes", staging_bytes),
+                            ("staging_chunk_bytes", staging_chunk_bytes)):
             if value is not None:
                 if int(value) < 0:
                     raise ValueError(f"{name} must be >= 0, got {value}")

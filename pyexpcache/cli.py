@@ -32,6 +32,22 @@ def _csv(choices):
     return parse
 
 
+def _sizes(text: str) -> list[int]:
+    """A comma list of byte sizes: 262144, 256K, 1M."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20}
+    out = []
+    for item in (t.strip().upper().removesuffix("IB").removesuffix("B") for t in text.split(",")):
+        number, unit = (item[:-1], item[-1]) if item[-1:] in ("K", "M") else (item, "")
+        try:
+            value = int(float(number) * units[unit])
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a comma list of sizes such as 256K,1M; got {text!r}")
+        out.append(value)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     from .bench import DEFAULT_TRACES, SCENARIOS, VARIANTS
 
@@ -75,8 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("transfer", help="miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)")
     t.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement, GiB (default 1)")
     t.add_argument("--device", type=int, default=0)
-    t.add_argument("--copy-threads", default="8", help="comma list of copy thread counts for pageable sources")
-    t.add_argument("--sources", type=_csv(("pinned", "pageable", "file")), default=["pinned", "pageable", "file"])
+    t.add_argument("--copy-threads", default="8", help="comma list of copy thread counts for staged sources")
+    t.add_argument("--chunks", type=_sizes, default=[1 << 20],
+                   help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default 1M)")
+    t.add_argument("--sources", type=_csv(("pinned", "pageable", "file", "file-direct")),
+                   default=["pinned", "pageable", "file", "file-direct"],
+                   help="file: reads served from the page cache; file-direct: O_DIRECT reads, from the disk")
     t.add_argument("--file-dir", default=None, help="folder for the file source's temporary file")
     i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
     i.add_argument("model", metavar="MODEL.gguf")
@@ -165,7 +185,7 @@ def _transfer(args) -> int:
         return 1
     threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
     rows = transfer.run(total_bytes=int(args.gib * GiB), device=args.device, copy_threads=threads,
-                        sources=args.sources, file_dir=args.file_dir)
+                        chunks=args.chunks, sources=args.sources, file_dir=args.file_dir)
     print(transfer.format_rows(rows))
     return 0
 

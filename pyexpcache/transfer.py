@@ -1,5 +1,6 @@
 """Transfer benchmark: how fast the library moves misses, next to the raw link, from
-pinned memory, pageable memory (through the pinned ring) and a file (pread into the ring).
+pinned memory, pageable memory (through the pinned ring) and a file (pread into the ring:
+``file`` through the page cache, ``file-direct`` with O_DIRECT, from the disk).
 
 For each source kind and expert size, every select is all misses (distinct
 experts, a cache large enough to hold them all), six experts per call as in
@@ -30,12 +31,14 @@ SIZES = {
     "6.75 MiB": (2162688, 2162688, 2752512),
     "13.5 MiB": (4718592, 4718592, 4718592),
 }
+SOURCES = ("pinned", "pageable", "file", "file-direct")
 
 
 @dataclass
 class TransferRow:
     source: str
     copy_threads: int
+    chunk_bytes: int  # staging chunk (0 for a pinned source: no staging)
     size: str
     arrangement: str
     library_gb_s: float
@@ -67,12 +70,16 @@ def _raw_copy_gb_s(src_ptr: int, chunk: int, total: int, stream: int) -> float:
 
 class _FileCopy:
     """A HostSource's bytes written to a file: the same layout, read back with pread
-    (served from the page cache right after writing)."""
+    (buffered reads are served from the page cache right after writing; the file is
+    flushed first, so that O_DIRECT reads time the disk and not the write-back)."""
 
     pinned = False
 
     def __init__(self, source: HostSource, path: str):
-        source.buffer.tofile(path)
+        with open(path, "wb") as f:
+            source.buffer.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
         self.layout = source.layout
         self.file_path = path
         base = source.buffer.ctypes.data
@@ -106,10 +113,15 @@ def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int =
 
 
 def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=("tensor", "expert"),
-        sources=("pinned", "pageable", "file"), copy_threads: Sequence[int] = (8,), device: int = 0,
-        progress=None, file_dir: Optional[str] = None) -> list[TransferRow]:
+        sources: Sequence[str] = SOURCES, copy_threads: Sequence[int] = (8,), chunks: Sequence[int] = (MiB,),
+        device: int = 0, progress=None, file_dir: Optional[str] = None) -> list[TransferRow]:
     """The transfer table (CUDA only). ``file`` writes each source to a file in ``file_dir``
-    (default: the system's temporary folder) and reads misses back from it, from the page cache."""
+    (default: the system's temporary folder) and reads misses back from it, from the page cache;
+    ``file-direct`` reads it with O_DIRECT. Staged sources are measured for every copy thread
+    count and staging chunk size given."""
+    unknown = set(sources) - set(SOURCES)
+    if unknown:
+        raise ValueError(f"unknown sources {sorted(unknown)}; choose from {SOURCES}")
     rt = _cuda.runtime()
     _cuda.check(rt.cudaSetDevice(device), "cudaSetDevice")
     stream = int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
@@ -131,17 +143,22 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
                         if pinned_raw is None:
                             with HostSource(ModelLayout((LayerSpec(2, *parts),)), pinned=True) as p:
                                 pinned_raw = _raw_copy_gb_s(p.buffer.ctypes.data, expert, total_bytes, stream)
-                        for threads in (copy_threads if kind != "pinned" else (0,)):
-                            if kind == "file":
-                                with tempfile.TemporaryDirectory(dir=file_dir) as tmp:
-                                    lib_gb_s, moved = _library_gb_s(layout, _FileCopy(src, os.path.join(tmp, "x")),
-                                                                    stream, copy_threads=threads)
-                            else:
-                                lib_gb_s, moved = _library_gb_s(layout, src, stream, copy_threads=threads)
-                            rows.append(TransferRow(kind, threads, size, arrangement, lib_gb_s, raw_same,
-                                                    pinned_raw, moved))
-                            if progress:
-                                progress(rows[-1])
+                        staged = [(t, c) for t in copy_threads for c in chunks] if kind != "pinned" else [(0, 0)]
+                        with tempfile.TemporaryDirectory(dir=file_dir) as tmp:
+                            measured = src
+                            if kind.startswith("file"):
+                                measured = _FileCopy(src, os.path.join(tmp, "x"))
+                            for threads, chunk in staged:
+                                extra = {"copy_threads": threads}
+                                if chunk:
+                                    extra["staging_chunk_bytes"] = chunk
+                                if kind == "file-direct":
+                                    extra["file_reads"] = "direct"
+                                lib_gb_s, moved = _library_gb_s(layout, measured, stream, **extra)
+                                rows.append(TransferRow(kind, threads, chunk, size, arrangement, lib_gb_s, raw_same,
+                                                        pinned_raw, moved))
+                                if progress:
+                                    progress(rows[-1])
     finally:
         rt.cudaStreamDestroy(stream)
     return rows
@@ -150,7 +167,9 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
 def format_rows(rows: Sequence[TransferRow]) -> str:
     from tabulate import tabulate
 
-    table = [[r.source, r.copy_threads if r.source != "pinned" else "—", r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}",
-              f"{r.raw_pinned_gb_s:.1f}", f"{100 * r.of_raw_pinned:.0f} %"] for r in rows]
-    return tabulate(table, headers=["source", "copy threads", "expert", "placement", "library GB/s", "raw same-kind GB/s",
-                                    "raw pinned GB/s", "library / raw pinned"], disable_numparse=True)
+    table = [[r.source, r.copy_threads if r.chunk_bytes else "—", f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
+              r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}", f"{r.raw_pinned_gb_s:.1f}",
+              f"{100 * r.of_raw_pinned:.0f} %"] for r in rows]
+    return tabulate(table, headers=["source", "copy threads", "chunk", "expert", "placement", "library GB/s",
+                                    "raw same-kind GB/s", "raw pinned GB/s", "library / raw pinned"],
+                    disable_numparse=True)

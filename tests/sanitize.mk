@@ -10,7 +10,9 @@
 #   make valgrind-test   the same without sanitizers into $(BUILD)/valgrind/, a shorter
 #                        run (VALGRIND_OPS, ~15 s) under valgrind's memcheck; skipped, with
 #                        a message, when valgrind is not installed
-#   make sanitize        both
+#   make tsan-test       the same with ThreadSanitizer into $(BUILD)/tsan/, a shorter run
+#                        (TSAN_OPS): the staging ring's threads against the calling thread
+#   make sanitize        all three
 #
 # The driver prints its counts and exits 1 on any divergence from the header's
 # promises (each is printed with the seed and operation number); a sanitizer
@@ -25,6 +27,7 @@ SANITIZE_MK_DEFAULT_GOAL := $(.DEFAULT_GOAL)
 STRESS_SEED   ?= 20240611
 STRESS_OPS    ?= 80000
 VALGRIND_OPS  ?= 4000
+TSAN_OPS      ?= 20000
 VALGRIND      ?= valgrind
 VALGRIND_EXTRA ?=
 SAN_OPT       ?= -O1 -g
@@ -48,10 +51,29 @@ ASAN_BIN = $(ASAN_DIR)/stress
 VG_DIR   = $(BUILD)/valgrind
 VG_OBJ   = $(patsubst libexpcache/src/%.cpp,$(VG_DIR)/obj/%.o,$(SAN_CXX_SRC))
 VG_BIN   = $(VG_DIR)/stress
+TSAN_DIR = $(BUILD)/tsan
+TSAN_OBJ = $(patsubst libexpcache/src/%.cpp,$(TSAN_DIR)/obj/%.o,$(SAN_CXX_SRC))
+TSAN_BIN = $(TSAN_DIR)/stress
+TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
+TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: asan-test valgrind-test sanitize
+.PHONY: asan-test valgrind-test tsan-test sanitize
 
-sanitize: asan-test valgrind-test
+sanitize: asan-test valgrind-test tsan-test
+
+$(TSAN_DIR)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(SAN_CXXFLAGS) $(SAN_OPT) $(TSAN_FLAGS) -c $< -o $@
+
+$(TSAN_DIR)/stress.o: $(STRESS_SRC) libexpcache/include/expcache.h
+	@mkdir -p $(dir $@)
+	$(CC) $(STRESS_CFLAGS) $(SAN_OPT) $(TSAN_FLAGS) -c $< -o $@
+
+$(TSAN_BIN): $(TSAN_DIR)/stress.o $(TSAN_OBJ)
+	$(CXX) $(TSAN_FLAGS) -o $@ $^ -lpthread
+
+tsan-test: $(TSAN_BIN)
+	$(TSAN_ENV) STRESS_TMPDIR=$(TSAN_DIR) $(TSAN_BIN) $(STRESS_SEED) $(TSAN_OPS)
 
 $(ASAN_DIR)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
 	@mkdir -p $(dir $@)

@@ -15,7 +15,7 @@ from pyexpcache import bench
 from pyexpcache.simulate import BATCH, DECODE, simulate_lru
 from pyexpcache.traces import load_decode_trace
 
-from conftest import SCALE
+from conftest import CUDA_OK, CUDA_REASON, SCALE
 
 
 def test_decode_workload_is_token_major_over_model_layers():
@@ -203,3 +203,39 @@ def test_no_layer_sync_serves_the_same_bytes_and_counts(variant):
     a, b_ = results[True], results[False]
     assert (a.hits, a.misses, a.experts_checked, a.decode_bytes_h2d) == (
         b_.hits, b_.misses, b_.experts_checked, b_.decode_bytes_h2d)
+
+
+# ---------------------------------------------------------------------------
+# expcache transfer
+
+
+def test_transfer_size_lists_parse():
+    import argparse
+
+    from pyexpcache.cli import _sizes
+
+    assert _sizes("256K,1M,2MiB,4096") == [256 << 10, 1 << 20, 2 << 20, 4096]
+    for bad in ("", "x", "1M,,2M", "1Q"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _sizes(bad)
+
+
+def test_transfer_refuses_unknown_sources():
+    from pyexpcache import transfer
+
+    with pytest.raises(ValueError, match="unknown sources"):
+        transfer.run(sources=("pinned", "nvme"))
+
+
+@pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
+def test_transfer_table_moves_every_byte_from_every_source(tmp_path):
+    from pyexpcache import transfer
+
+    rows = transfer.run(sizes=["0.5 MiB"], total_bytes=64 << 20, copy_threads=(1, 4), chunks=(256 << 10,),
+                        file_dir=str(tmp_path))
+    assert sorted({r.source for r in rows}) == sorted(transfer.SOURCES)
+    for r in rows:
+        assert r.library_gb_s > 0 and r.raw_pinned_gb_s > 0
+        assert r.bytes_moved == 128 * sum(transfer.SIZES["0.5 MiB"])  # every expert of layer 1 once
+    text = transfer.format_rows(rows)
+    assert "file-direct" in text and "256 KiB" in text

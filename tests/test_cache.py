@@ -398,7 +398,7 @@ def test_pageable_source_staged_through_the_pinned_ring(make_cache, copy_threads
     # 1 MiB ring = eight 128 KiB chunks: experts of ~1.3 MiB cross many chunks and reuse every buffer.
     layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="pageable")
     cache, source = make_cache(layout, pinned=False, budget_experts=4, copy_threads=copy_threads,
-                               staging_bytes=1 << 20)
+                               staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
     for ids in ([0, 1, 2, 3], [4, 5, 0, 6], [7, 8, 9, 10, 11, 12]):
         ptrs = cache.select(0, ids)
         assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]

@@ -262,11 +262,11 @@ def test_source_layout_argument_must_match_file(mixed_file, tmp_path):
         GGUFSource(mixed_file, layout=other)
 
 
-@pytest.mark.parametrize("reads", ["mmap", "file"])
-def test_cache_serves_file_bytes(mixed_file, backend, reads):
+@pytest.mark.parametrize("reads,file_reads", [("mmap", "buffered"), ("file", "buffered"), ("file", "direct")])
+def test_cache_serves_file_bytes(mixed_file, backend, reads, file_reads):
     with GGUFSource(mixed_file, reads=reads) as src:
         layout = src.layout
-        with ExpertCache(layout, src, budget_experts=4, backend=backend) as cache:
+        with ExpertCache(layout, src, budget_experts=4, backend=backend, file_reads=file_reads) as cache:
             rng = np.random.default_rng(7)
             for step in range(12):
                 layer = layout.moe_layers[step % len(layout.moe_layers)]
@@ -287,24 +287,34 @@ def test_cache_serves_file_bytes(mixed_file, backend, reads):
             assert cache.stats().path("decode").evictions > 0
 
 
-def test_file_reads_fail_cleanly_when_the_file_shrinks(tmp_path, backend):
+@pytest.mark.parametrize("file_reads", ["buffered", "direct"])
+@pytest.mark.parametrize("copy_threads", [0, 4])
+def test_file_reads_fail_cleanly_when_the_file_shrinks(tmp_path, backend, file_reads, copy_threads):
     from pyexpcache import SourceIOError
 
     path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
     with GGUFSource(path, reads="file") as src:
         layout = src.layout
-        with ExpertCache(layout, src, budget_experts=8, backend=backend, log_level=0) as cache:
+        with ExpertCache(layout, src, budget_experts=8, backend=backend, log_level=0, file_reads=file_reads,
+                         copy_threads=copy_threads) as cache:
             ok = cache.select(0, [0, 1])
             last = layout.moe_layers[-1]
-            cut = src.records[last].offsets[2]  # the last layer's down tensor: gone
-            os.truncate(path, cut)
+            # Cut inside the last layer's down tensor, after expert 3's bytes: experts 0-3 of that
+            # layer read fine, 4-7 end early.
+            rec = src.records[last]
+            os.truncate(path, rec.offsets[2] + 4 * layout[last].down_bytes)
             with pytest.raises(SourceIOError, match="ended early"):
-                cache.select(last, [6, 7])
-            assert cache.read_expert(last, 6) is None and cache.read_expert(last, 7) is None
-            # What was read before is intact and still served.
+                cache.select(last, [2, 6, 3, 7])
+            # The reads run on the staging threads: the call fails as a whole and none of its
+            # experts is resident, the ones whose reads succeeded included.
+            assert all(cache.read_expert(last, e) is None for e in (2, 3, 6, 7))
+            assert sum(c.resident_experts for c in cache.classes()) == 2
+            # What was read before is intact and still served; the readable experts load again.
             again = cache.select(0, [0, 1])
             assert (again == ok).all()
             assert (cache.read_expert(0, 1) == src.expert_bytes(0, 1)).all()
+            cache.select(last, [2, 3])
+            assert (cache.read_expert(last, 3) == src.expert_bytes(last, 3)).all()
 
 
 def test_file_layout_past_the_end_of_the_file_is_refused(tmp_path):

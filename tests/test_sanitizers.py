@@ -1,5 +1,5 @@
 """The C stress driver (tests/c/stress.c) under AddressSanitizer + UBSan and
-under valgrind, through the targets of tests/sanitize.mk: a long seeded random
+under ThreadSanitizer and valgrind, through the targets of tests/sanitize.mk: a long seeded random
 sequence of every exported function on the host backend (tight memory, odd
 part sizes, file sources, injected faults, bad input, destroyed handles),
 checked call by call against the header's promises. The driver's counts are
@@ -44,21 +44,22 @@ def report(target: str, rc: int, stdout: str, stderr: str) -> str:
             "or a sanitizer stopped it; see below)") + f"\n--- output (last lines) ---\n{tail}")
 
 
-def asan_unavailable() -> str:
-    """'' when the C++ compiler builds and runs an ASan + UBSan program, else why not."""
+def sanitizer_unavailable(flags: str) -> str:
+    """'' when the C++ compiler builds and runs a threaded program with -fsanitize=`flags`, else why not."""
     cxx = os.environ.get("CXX") or "g++"
     if not shutil.which(cxx):
         return f"no C++ compiler ({cxx})"
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "t.cpp", Path(tmp) / "t"
-        src.write_text("#include <vector>\nint main() { std::vector<int> v(4); return v[3]; }\n")
-        build = subprocess.run([cxx, "-fsanitize=address,undefined", "-fno-omit-frame-pointer", str(src),
-                                "-o", str(exe)], capture_output=True, text=True)
+        src.write_text("#include <thread>\n#include <vector>\nint main() { std::vector<int> v(4); "
+                       "std::thread t([&] { v[1] = 1; }); t.join(); return v[3]; }\n")
+        build = subprocess.run([cxx, f"-fsanitize={flags}", "-fno-omit-frame-pointer", str(src), "-o", str(exe),
+                                "-lpthread"], capture_output=True, text=True)
         if build.returncode != 0:
-            return f"{cxx} cannot build with -fsanitize=address,undefined: {build.stderr.strip()[-300:]}"
+            return f"{cxx} cannot build with -fsanitize={flags}: {build.stderr.strip()[-300:]}"
         ran = subprocess.run([str(exe)], capture_output=True, text=True)
         if ran.returncode != 0:
-            return f"an ASan-built program does not run here: {ran.stderr.strip()[-300:]}"
+            return f"a program built with -fsanitize={flags} does not run here: {ran.stderr.strip()[-300:]}"
     return ""
 
 
@@ -66,7 +67,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not f
 
 
 def test_stress_under_asan_and_ubsan():
-    reason = asan_unavailable()
+    reason = sanitizer_unavailable("address,undefined")
     if reason:
         pytest.skip(reason)
     rc, out, err = run_make("asan-test")
@@ -80,6 +81,18 @@ def test_stress_under_asan_and_ubsan():
 def test_stress_under_valgrind():
     rc, out, err = run_make("valgrind-test")
     message = report("valgrind-test", rc, out, err)
+    print(message)
+    assert rc == 0, message
+    assert re.search(r"\b0 errors found\b", out), message
+
+
+def test_stress_under_tsan():
+    # The staging ring's threads fill chunks while the calling thread queues and waits.
+    reason = sanitizer_unavailable("thread")
+    if reason:
+        pytest.skip(reason)
+    rc, out, err = run_make("tsan-test")
+    message = report("tsan-test", rc, out, err)
     print(message)
     assert rc == 0, message
     assert re.search(r"\b0 errors found\b", out), message

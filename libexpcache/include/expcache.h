@@ -110,6 +110,13 @@ EXPCACHE_API uint32_t expcache_version(void);
 #define EXPCACHE_LOG_NOTICE 1 /**< cap changes, class reuse, cache releases (default). */
 #define EXPCACHE_LOG_DEBUG 2  /**< plus one line per call. EXPCACHE_VERBOSE=1 sets this. */
 
+/** How file sources are read (expcache_config_t.file_reads). */
+#define EXPCACHE_FILE_READS_BUFFERED 0 /**< pread through the page cache: repeated misses of a model that
+                                            fits in RAM are served from memory */
+#define EXPCACHE_FILE_READS_DIRECT 1   /**< O_DIRECT where the file system allows it (else buffered): for
+                                            models larger than RAM, whose streaming would only thrash
+                                            the page cache */
+
 /** Eviction policies (expcache_config_t.policy), per class. */
 #define EXPCACHE_POLICY_LRU 0      /**< least recently used */
 #define EXPCACHE_POLICY_OPPCLASS 1 /**< decayed use count classes, age in missed opportunities of the
@@ -150,12 +157,16 @@ typedef struct expcache_config_t {
                                     buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides */
     uint64_t device_capacity_bytes; /**< host backend only: emulated device size; default 64 GiB */
     uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
-    uint32_t copy_threads;     /**< CUDA, pageable and file sources: threads staging bytes into pinned buffers while
-                                    earlier chunks cross the link; default 8; 0 = plain pageable copies
-                                    (files are then read by the calling thread alone) */
+    uint32_t copy_threads;     /**< pageable and file sources: threads filling the pinned staging ring (each
+                                    fills whole chunks; the calling thread helps); default 8; 0 = plain
+                                    pageable copies, and files read by the calling thread alone */
     uint32_t policy;           /**< EXPCACHE_POLICY_*; default LRU */
-    uint64_t staging_bytes;    /**< CUDA, pageable and file sources: size of the pinned staging ring (2 MiB
-                                    chunks); default 64 MiB; 1 MiB..16 GiB */
+    uint64_t staging_bytes;    /**< pageable and file sources: size of the pinned staging ring; default
+                                    64 MiB; 1 MiB..16 GiB */
+    uint64_t staging_chunk_bytes; /**< largest piece one thread fills and one transfer moves; default 1 MiB;
+                                    64 KiB..64 MiB, a multiple of 4096 (a ring smaller than 2 chunks uses
+                                    smaller ones) */
+    uint32_t file_reads;       /**< EXPCACHE_FILE_READS_*; default BUFFERED */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -220,10 +231,10 @@ EXPCACHE_API expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* d
 
 /**
  * Open `path` read-only as a source of expert bytes and give its id for
- * expcache_layer_desc_t.file. Misses are read with pread, with O_DIRECT
- * where the file system allows it (falling back to buffered reads where it
- * does not), several reads in flight (config.copy_threads), into the pinned
- * staging ring on the CUDA backend. The file must not shrink while the cache
+ * expcache_layer_desc_t.file. Misses are read with pread (config.file_reads:
+ * through the page cache, or with O_DIRECT where the file system allows it,
+ * falling back to buffered reads where it does not), several reads in flight
+ * (config.copy_threads), into the pinned staging ring. The file must not shrink while the cache
  * uses it; it is closed when the cache is destroyed. Status:
  * INVALID_ARGUMENT, INVALID_STATE (1024 files open already), IO (cannot
  * open; the message has errno's text).

@@ -93,6 +93,8 @@ expcache_status_t expcache_config_init(expcache_config_t* config) {
         config->slab_bytes = uint64_t(512) << 20;
         config->copy_threads = 8;
         config->staging_bytes = uint64_t(64) << 20;
+        config->staging_chunk_bytes = uint64_t(1) << 20;
+        config->file_reads = EXPCACHE_FILE_READS_BUFFERED;
         return EXPCACHE_OK;
     });
 }

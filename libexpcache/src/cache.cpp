@@ -42,6 +42,40 @@ private:
     Backend& backend_;
 };
 
+// A call's uploads from pageable and file sources may still be running on the
+// backend's staging threads; all are enqueued on the stream before the call
+// returns. If one failed, the slots the call filled hold wrong bytes: they are
+// made free again and the call fails, so a later hit never serves them.
+class Cache::UploadScope {
+public:
+    explicit UploadScope(Cache& c) : c_(c) { c_.inserted_.clear(); }
+    ~UploadScope() { abandon(); }
+    UploadScope(const UploadScope&) = delete;
+    UploadScope& operator=(const UploadScope&) = delete;
+
+    // The end of a call that succeeded so far.
+    expcache_status_t settle() {
+        settled_ = true;
+        return c_.settle_uploads();
+    }
+    // The end of a call that failed, and the point before freeing memory that its
+    // uploads may still write to: wait for them; the call's own error stays the message.
+    void abandon() {
+        if (settled_) return;
+        settled_ = true;
+        std::string why = last_error();
+        if (c_.settle_uploads() != EXPCACHE_OK) {
+            std::string also = last_error();
+            fail(EXPCACHE_ERR_IO, "%s (an upload issued earlier in the call failed too: %s)", why.c_str(),
+                 also.c_str());
+        }
+    }
+
+private:
+    Cache& c_;
+    bool settled_ = false;
+};
+
 // ---------------------------------------------------------------------------
 // Lifetime
 
@@ -68,6 +102,13 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     if (cfg.staging_bytes < (uint64_t(1) << 20) || cfg.staging_bytes > (uint64_t(16) << 30))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "staging_bytes must be 1 MiB..16 GiB, got %llu",
                     (unsigned long long)cfg.staging_bytes);
+    if (cfg.staging_chunk_bytes < (uint64_t(64) << 10) || cfg.staging_chunk_bytes > (uint64_t(64) << 20) ||
+        cfg.staging_chunk_bytes % 4096 != 0)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "staging_chunk_bytes must be a multiple of 4096 in 64 KiB..64 MiB, got %llu",
+                    (unsigned long long)cfg.staging_chunk_bytes);
+    if (cfg.file_reads > EXPCACHE_FILE_READS_DIRECT)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown file_reads %u (0 buffered, 1 direct)", cfg.file_reads);
     if (const char* env = std::getenv("EXPCACHE_RESERVE_GB")) {
         char* end = nullptr;
         double gb = std::strtod(env, &end);
@@ -83,13 +124,14 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     std::unique_ptr<Cache> c(new Cache());
     c->config_ = cfg;
     c->log_level_ = cfg.log_level;
+    const StagingConfig staging{cfg.copy_threads, cfg.staging_bytes, cfg.staging_chunk_bytes};
     if (cfg.backend == EXPCACHE_BACKEND_HOST) {
-        c->backend_ = make_host_backend(cfg.device_capacity_bytes);
+        c->backend_ = make_host_backend(cfg.device_capacity_bytes, staging);
     } else {
-        expcache_status_t s = make_cuda_backend(cfg.device, cfg.copy_threads, cfg.staging_bytes, &c->backend_);
+        expcache_status_t s = make_cuda_backend(cfg.device, staging, &c->backend_);
         if (s != EXPCACHE_OK) {
             if (cfg.backend == EXPCACHE_BACKEND_CUDA) return s;
-            c->backend_ = make_host_backend(cfg.device_capacity_bytes);
+            c->backend_ = make_host_backend(cfg.device_capacity_bytes, staging);
             clear_last_error();
         }
     }
@@ -514,6 +556,26 @@ void Cache::evict(int32_t c, int32_t s, uint32_t path) {
     cls.stats[path].evictions++;
 }
 
+// A slot filled by this call whose upload failed: free again, never served.
+void Cache::uninstall(int32_t c, int32_t s) {
+    ClassState& cls = classes_[c];
+    SlotState& slot = cls.slots[s];
+    if (slot.layer < 0) return;
+    layers_[slot.layer].slot_of[slot.expert] = -1;
+    cls.policy->on_remove(s);
+    slot.layer = -1;
+    cls.resident--;
+    cls.free_slots.push_back(s);
+}
+
+expcache_status_t Cache::settle_uploads() {
+    expcache_status_t s = check(backend_->finish_uploads());
+    if (s != EXPCACHE_OK)
+        for (const auto& cs : inserted_) uninstall(cs.first, cs.second);
+    inserted_.clear();
+    return s;
+}
+
 // A slot for a miss: a free one, else a new one within the cap, else (if
 // allowed) the policy's victim among slots neither used by this call nor
 // held by a batch. *out = -1 when none may be had.
@@ -616,10 +678,11 @@ expcache_status_t Cache::open_file(const char* path, uint32_t* out_file) {
     CallScope scope(*this);
     if (files_.size() >= 1024) return fail(EXPCACHE_ERR_INVALID_STATE, "1024 files are open already");
     std::unique_ptr<SourceFile> f(new SourceFile());
-    expcache_status_t s = f->open(path);
+    const bool direct = config_.file_reads == EXPCACHE_FILE_READS_DIRECT;
+    expcache_status_t s = f->open(path, direct);
     if (s != EXPCACHE_OK) return s;
     log(EXPCACHE_LOG_NOTICE, "source file %s: %llu bytes, %s reads", path, (unsigned long long)f->size(),
-        f->direct() ? "O_DIRECT" : "buffered (O_DIRECT refused)");
+        f->direct() ? "O_DIRECT" : direct ? "buffered (O_DIRECT refused)" : "buffered");
     files_.push_back(std::move(f));
     *out_file = static_cast<uint32_t>(files_.size() - 1);
     return EXPCACHE_OK;
@@ -631,6 +694,7 @@ expcache_status_t Cache::open_file(const char* path, uint32_t* out_file) {
 expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
                                 expcache_expert_ptrs_t* out) {
     CallScope scope(*this);
+    UploadScope uploads(*this);
     int32_t c = -1;
     expcache_status_t s = validate_request(layer_index, ids, k, EXPCACHE_MAX_SELECT, "k");
     if (s == EXPCACHE_OK) s = start_call(layer_index, EXPCACHE_PATH_DECODE, stream, &c);
@@ -675,6 +739,7 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
         ss.expert = e;
         ss.last_call = call_;
         layer.slot_of[e] = slot;
+        inserted_.emplace_back(c, slot);
         cls.resident++;
         cls.policy->on_insert(slot, false, layer.key_base + e);
         if (st.evictions == evictions_before) st.appends++;
@@ -702,6 +767,7 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
             st.bytes_h2d += layer.expert_bytes();
         }
     }
+    if ((s = uploads.settle()) != EXPCACHE_OK) return s;
     for (uint32_t i = 0; i < k; ++i) out[i] = ptrs_[layer.seen_pos[ids[i]]];
     log(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", layer_index, k,
         unique_.size(), unique_.size() - pending_.size(), pending_.size(), direct);
@@ -714,6 +780,7 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
 expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
                                       expcache_compact_t* out) {
     CallScope scope(*this);
+    UploadScope uploads(*this);
     int32_t c = -1;
     expcache_status_t s = validate_request(layer_index, ids, n, kMaxCompact, "n");
     if (s == EXPCACHE_OK) s = start_call(layer_index, EXPCACHE_PATH_COMPACT, stream, &c);
@@ -766,6 +833,7 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
             st.bytes_h2d += layer.expert_bytes();
         }
     }
+    if ((s = uploads.settle()) != EXPCACHE_OK) return s;
     out->num_experts = n;
     out->base = compact_;
     out->bytes = total;
@@ -787,6 +855,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
                                        uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
                                        uint64_t* out_batch) {
     CallScope scope(*this);
+    UploadScope uploads(*this);
     int32_t c = -1;
     expcache_status_t s = validate_request(layer_index, ids, n, kMaxBatchIds, "n");
     if (s != EXPCACHE_OK) return s;
@@ -848,6 +917,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         ss.expert = e;
         ss.last_call = call_;
         layer.slot_of[e] = slot;
+        inserted_.emplace_back(c, slot);
         cls.resident++;
         cls.policy->on_insert(slot, true, layer.key_base + e);
         cls.stats[EXPCACHE_PATH_BATCH].appends++;
@@ -874,6 +944,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
                                           base + cls.part_off[kDown]};
             if ((s = copy_expert(layer, unique_[j], dst, stream)) != EXPCACHE_OK) {
                 undo();
+                uploads.abandon();  // earlier uploads may still write into the staging
                 free_device_after(batch.staging, stream);
                 return s;
             }
@@ -881,6 +952,11 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
             cls.stats[EXPCACHE_PATH_BATCH].direct_loads++;
             cls.stats[EXPCACHE_PATH_BATCH].bytes_h2d += layer.expert_bytes();
         }
+    }
+    if ((s = uploads.settle()) != EXPCACHE_OK) {
+        undo();
+        if (batch.staging) free_device_after(batch.staging, stream);
+        return s;
     }
     for (uint32_t j = 0; j < unique_.size(); ++j) {
         out_ids[j] = unique_[j];

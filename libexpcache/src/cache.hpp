@@ -109,6 +109,7 @@ public:
 private:
     Cache() = default;
     class CallScope;
+    class UploadScope;
 
     void log(uint32_t level, const char* fmt, ...)
 #if defined(__GNUC__)
@@ -132,6 +133,8 @@ private:
     expcache_status_t grow(int32_t c, uint32_t path);
     expcache_status_t acquire_slot(int32_t c, bool allow_grow, bool allow_evict, uint32_t path, int32_t* out);
     void evict(int32_t c, int32_t slot, uint32_t path);
+    void uninstall(int32_t c, int32_t slot);
+    expcache_status_t settle_uploads();
     void dedupe(LayerState& layer, const uint32_t* ids, uint64_t n);
     expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
                                   void* stream);
@@ -180,6 +183,7 @@ private:
     std::vector<expcache_expert_ptrs_t> ptrs_;
     std::vector<uint32_t> pending_;
     std::vector<ChecksumJob> checksum_jobs_;
+    std::vector<std::pair<int32_t, int32_t>> inserted_;  // (class, slot) filled by the current call
 };
 
 }  // namespace expcache

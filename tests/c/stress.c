@@ -825,7 +825,7 @@ static void build_sources(Model* m, uint32_t l, int as_file) {
     const uint64_t* k = m->keys[L->key];
     uint32_t n = L->num_experts;
     for (int p = 0; p < 3; ++p) L->bytes[p] = k[p];
-    L->pinned = pct(20) ? EXPCACHE_SOURCE_PINNED : EXPCACHE_SOURCE_PAGEABLE; /* the host backend ignores it */
+    L->pinned = pct(20) ? EXPCACHE_SOURCE_PINNED : EXPCACHE_SOURCE_PAGEABLE; /* host backend: pinned is a plain memcpy, pageable goes through the staging ring */
     L->from_file = as_file;
     uint64_t region[3], start[3];
     if (pct(50)) {

@@ -33,11 +33,17 @@ public:
     virtual void reclaim() = 0;
     virtual expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
 
+    // Uploads: a pinned source is enqueued on `stream` at once; pageable and file
+    // sources may be staged in the background (StagingRing) until finish_uploads().
     virtual expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned,
                                        void* stream) = 0;
     // Read `bytes` at `offset` of `file` into device memory at dst.
     virtual expcache_status_t read_file(void* dst, const class SourceFile& file, uint64_t offset, uint64_t bytes,
                                         void* stream) = 0;
+    // Wait until every upload asked for since the last call is enqueued on its
+    // stream; the first failure among them, or OK. Called at the end of every
+    // serving call, and before any memory an upload may write to is freed.
+    virtual expcache_status_t finish_uploads() = 0;
     virtual expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
     virtual expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) = 0;
 
@@ -59,14 +65,20 @@ public:
     virtual void leave() {}
 };
 
-// capacity_bytes: the emulated device size.
-std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes);
+// The staging ring of pageable and file uploads (expcache_config_t fields).
+struct StagingConfig {
+    uint32_t copy_threads;  // 0: pageable copies go straight to the link, files are read by the caller
+    uint64_t ring_bytes;
+    uint64_t chunk_bytes;
+};
+
+// capacity_bytes: the emulated device size. The host backend stages pageable
+// and file uploads through the same ring as the CUDA backend (its "link" is a
+// memcpy), so the ring's threads and failures are exercised without a GPU.
+std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes, const StagingConfig& staging);
 
 // UNSUPPORTED when the library was built without CUDA or no device is usable.
-// Pageable uploads go through a pinned ring of `staging_bytes` filled by
-// `copy_threads` threads (0: plain pageable cudaMemcpyAsync).
-expcache_status_t make_cuda_backend(int device, uint32_t copy_threads, uint64_t staging_bytes,
-                                    std::unique_ptr<Backend>* out);
+expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, std::unique_ptr<Backend>* out);
 
 // Checksum of one range, as the kernels compute it (host reference).
 uint64_t checksum_host(const void* ptr, uint64_t bytes);

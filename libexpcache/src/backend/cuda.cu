@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "backend.hpp"
-#include "copy_pool.hpp"
+#include "staging_ring.hpp"
 #include "../errors.hpp"
 #include "../kernels/checksum.cuh"
 
@@ -49,120 +49,51 @@ expcache_status_t cuda_fail(cudaError_t e, const char* what) {
 
 // Pageable host memory cannot be DMA'd directly at full speed: the driver
 // stages it through its own small pinned buffer, one chunk at a time (about
-// 6 GB/s on PCIe 5, ../shared/CONTEXT.md). The ring stages it ourselves:
-// worker threads copy chunk i+1 into a pinned buffer while chunk i crosses
-// the link; a buffer is reused only after the event recorded behind its
-// copy has completed.
-class PinnedRing {
+// 6 GB/s on PCIe 5, ../shared/CONTEXT.md). The StagingRing stages it (and
+// file reads) ourselves, into chunks of page-locked memory; this is its link:
+// a cudaMemcpyAsync on the caller's stream, and an event behind it that the
+// ring waits on before it refills the chunk.
+class CudaTransport final : public StagingRing::Transport {
 public:
-    PinnedRing(uint32_t threads, uint64_t bytes) : pool_(threads), total_(bytes) {}
-    ~PinnedRing() { release(); }
-
-    void release() {
-        for (Slot& s : slots_) {
-            if (s.used) cudaEventSynchronize(s.done);
-            cudaEventDestroy(s.done);
-            cudaFreeHost(s.host);
+    explicit CudaTransport(int device) : device_(device) {}
+    expcache_status_t alloc_chunk(uint64_t bytes, void** host, void** marker) override {
+        *host = nullptr;
+        cudaEvent_t ev = nullptr;
+        cudaError_t e = cudaMallocHost(host, bytes);
+        if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+        if (e != cudaSuccess) {
+            if (*host) cudaFreeHost(*host);
+            return cuda_fail(e, "pinned staging chunk");
         }
-        slots_.clear();
+        *marker = ev;
+        return EXPCACHE_OK;
     }
-
-    expcache_status_t upload(void* dst, const void* src, uint64_t bytes, cudaStream_t stream) {
-        const char* from = static_cast<const char*>(src);
-        return stage(dst, bytes, stream, [&](char* host, uint64_t off, uint64_t n, uint64_t* delta) {
-            *delta = 0;
-            pool_.copy(host, from + off, n);
-            return static_cast<expcache_status_t>(EXPCACHE_OK);
-        });
+    void free_chunk(void* host, void* marker) override {
+        cudaEventDestroy(static_cast<cudaEvent_t>(marker));
+        cudaFreeHost(host);
     }
-
-    // File bytes: preads into the ring, split between the threads (several reads in
-    // flight). With O_DIRECT the 4096-aligned range around each chunk is read and
-    // the transfer starts at the chunk's offset inside it.
-    expcache_status_t upload_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
-                                  cudaStream_t stream) {
-        const uint64_t align = SourceFile::kDirectAlign;
-        return stage(dst, bytes, stream, [&](char* host, uint64_t off, uint64_t n, uint64_t* delta) {
-            uint64_t at = offset + off;
-            if (!file.direct()) {
-                *delta = 0;
-                return pool_.run(n, 4096, [&](uint64_t b, uint64_t len) { return file.read(host + b, at + b, len); });
-            }
-            uint64_t first = at / align * align;
-            uint64_t span = (at + n - first + align - 1) / align * align;
-            *delta = at - first;
-            return pool_.run(span, align, [&](uint64_t b, uint64_t len) {
-                return file.read_aligned(host + b, first + b, len);
-            });
-        });
+    expcache_status_t send(void* dst, const void* src, uint64_t n, void* stream, void* marker) override {
+        cudaStream_t s = static_cast<cudaStream_t>(stream);
+        EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, s));
+        EXPCACHE_CUDA_TRY(cudaEventRecord(static_cast<cudaEvent_t>(marker), s));
+        return EXPCACHE_OK;
     }
+    expcache_status_t wait(void* marker) override {
+        EXPCACHE_CUDA_TRY(cudaEventSynchronize(static_cast<cudaEvent_t>(marker)));
+        return EXPCACHE_OK;
+    }
+    void thread_start() override { cudaSetDevice(device_); }
 
 private:
-    struct Slot {
-        void* host = nullptr;
-        cudaEvent_t done = nullptr;
-        bool used = false;
-    };
-
-    // Chunk by chunk: wait until the slot's previous transfer is done, let `fill`
-    // put the chunk's bytes at slot + *delta, then enqueue the transfer.
-    template <typename Fill>
-    expcache_status_t stage(void* dst, uint64_t bytes, cudaStream_t stream, Fill&& fill) {
-        if (slots_.empty()) {
-            expcache_status_t s = init();
-            if (s != EXPCACHE_OK) return s;
-        }
-        char* to = static_cast<char*>(dst);
-        for (uint64_t off = 0; off < bytes; off += chunk_) {
-            uint64_t n = bytes - off < chunk_ ? bytes - off : chunk_;
-            Slot& slot = slots_[next_];
-            next_ = (next_ + 1) % slots_.size();
-            if (slot.used) EXPCACHE_CUDA_TRY(cudaEventSynchronize(slot.done));
-            slot.used = false;
-            uint64_t delta = 0;
-            expcache_status_t s = fill(static_cast<char*>(slot.host), off, n, &delta);
-            if (s != EXPCACHE_OK) return s;
-            EXPCACHE_CUDA_TRY(cudaMemcpyAsync(to + off, static_cast<char*>(slot.host) + delta, n,
-                                              cudaMemcpyHostToDevice, stream));
-            EXPCACHE_CUDA_TRY(cudaEventRecord(slot.done, stream));
-            slot.used = true;
-        }
-        return EXPCACHE_OK;
-    }
-    expcache_status_t init() {
-        // 2 MiB chunks: small enough that the copy into chunk i+1 overlaps the
-        // transfer of chunk i within one expert, large enough that waking the
-        // copy threads is cheap next to the copy.
-        chunk_ = uint64_t(2) << 20;
-        if (total_ < 4 * chunk_) chunk_ = total_ / 4;
-        uint64_t n = total_ / chunk_;
-        for (uint64_t i = 0; i < n; ++i) {
-            Slot s;
-            // Room for a chunk plus the alignment slack of an O_DIRECT read around it.
-            cudaError_t e = cudaMallocHost(&s.host, chunk_ + 2 * SourceFile::kDirectAlign);
-            if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming);
-            if (e != cudaSuccess) {
-                if (s.host) cudaFreeHost(s.host);
-                release();
-                return cuda_fail(e, "pinned staging ring");
-            }
-            slots_.push_back(s);
-        }
-        return EXPCACHE_OK;
-    }
-    CopyPool pool_;
-    uint64_t total_;
-    uint64_t chunk_ = 0;
-    std::vector<Slot> slots_;
-    size_t next_ = 0;
+    int device_;
 };
 
 class CudaBackend final : public Backend {
 public:
-    CudaBackend(int device, uint32_t copy_threads, uint64_t staging_bytes)
-        : device_(device), copy_threads_(copy_threads), staging_bytes_(staging_bytes) {}
+    CudaBackend(int device, const StagingConfig& staging) : device_(device), staging_(staging), transport_(device) {}
     ~CudaBackend() override {
         enter();
+        ring_.reset();
         cudaDeviceSynchronize();
         for (auto& d : deferred_) {
             cudaFree(d.ptr);
@@ -171,7 +102,6 @@ public:
         for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
         if (fence_event_) cudaEventDestroy(fence_event_);
         checksum_.release();
-        if (ring_) ring_->release();
         leave();
     }
     expcache_status_t init() {
@@ -238,14 +168,15 @@ public:
         return EXPCACHE_OK;
     }
     expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) override {
-        if (!pinned && copy_threads_ > 0) return ring().upload(dst, src, bytes, static_cast<cudaStream_t>(stream));
+        if (!pinned && staging_.copy_threads > 0) return ring().copy(dst, src, bytes, stream);
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
     expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
                                 void* stream) override {
-        return ring().upload_file(dst, file, offset, bytes, static_cast<cudaStream_t>(stream));
+        return ring().read(dst, file, offset, bytes, stream);
     }
+    expcache_status_t finish_uploads() override { return ring_ ? ring_->finish() : EXPCACHE_OK; }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
@@ -280,8 +211,10 @@ public:
 
 private:
     // Made on first use: caches over pinned sources never start the threads.
-    PinnedRing& ring() {
-        if (!ring_) ring_.reset(new PinnedRing(copy_threads_ > 0 ? copy_threads_ - 1 : 0, staging_bytes_));
+    StagingRing& ring() {
+        if (!ring_)
+            ring_.reset(new StagingRing(transport_, staging_.copy_threads > 0 ? staging_.copy_threads - 1 : 0,
+                                        staging_.ring_bytes, staging_.chunk_bytes));
         return *ring_;
     }
 
@@ -290,21 +223,20 @@ private:
         cudaEvent_t event;
     };
     int device_;
-    uint32_t copy_threads_;   // 0: pageable copies go straight to cudaMemcpyAsync
-    uint64_t staging_bytes_;
+    StagingConfig staging_;
+    CudaTransport transport_;
     int depth_ = 0;
     int saved_device_ = -1;
     cudaEvent_t fence_event_ = nullptr;
     std::vector<Deferred> deferred_;
     std::vector<cudaEvent_t> event_pool_;
     ChecksumScratch checksum_;
-    std::unique_ptr<PinnedRing> ring_;
+    std::unique_ptr<StagingRing> ring_;  // after transport_: destroyed first
 };
 
 }  // namespace
 
-expcache_status_t make_cuda_backend(int device, uint32_t copy_threads, uint64_t staging_bytes,
-                                    std::unique_ptr<Backend>* out) {
+expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, std::unique_ptr<Backend>* out) {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
@@ -314,7 +246,7 @@ expcache_status_t make_cuda_backend(int device, uint32_t copy_threads, uint64_t 
     }
     if (device < 0 || device >= count)
         return fail(EXPCACHE_ERR_UNSUPPORTED, "CUDA device %d not present (%d device(s))", device, count);
-    std::unique_ptr<CudaBackend> b(new CudaBackend(device, copy_threads, staging_bytes));
+    std::unique_ptr<CudaBackend> b(new CudaBackend(device, staging));
     expcache_status_t s = b->init();
     if (s != EXPCACHE_OK) return s;
     out->reset(b.release());

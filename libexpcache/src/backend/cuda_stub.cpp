@@ -4,7 +4,7 @@
 
 namespace expcache {
 
-expcache_status_t make_cuda_backend(int, uint32_t, uint64_t, std::unique_ptr<Backend>*) {
+expcache_status_t make_cuda_backend(int, const StagingConfig&, std::unique_ptr<Backend>*) {
     return fail(EXPCACHE_ERR_UNSUPPORTED,
                 "this library was built without CUDA (libexpcache_host); build with nvcc for the CUDA backend");
 }

@@ -2,12 +2,15 @@
 // capacity, so every cache path (free-memory caps, the reserve, each
 // out-of-memory branch) runs and is tested on machines without a GPU.
 // Copies complete before returning, so streams and fences are no-ops.
+// Pageable and file uploads go through the same StagingRing as on the CUDA
+// backend, with a memcpy for the link.
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
 #include <vector>
 
 #include "backend.hpp"
+#include "staging_ring.hpp"
 #include "../errors.hpp"
 
 namespace expcache {
@@ -32,10 +35,28 @@ uint64_t checksum_host(const void* ptr, uint64_t bytes) {
 
 namespace {
 
+// The host "link": chunks are plain aligned memory and a transfer is a memcpy.
+class HostTransport final : public StagingRing::Transport {
+public:
+    expcache_status_t alloc_chunk(uint64_t bytes, void** host, void** marker) override {
+        *host = std::aligned_alloc(SourceFile::kDirectAlign, (bytes + 4095) & ~uint64_t(4095));
+        *marker = nullptr;
+        return *host ? EXPCACHE_OK
+                     : fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "staging chunk of %llu bytes", (unsigned long long)bytes);
+    }
+    void free_chunk(void* host, void*) override { std::free(host); }
+    expcache_status_t send(void* dst, const void* src, uint64_t n, void*, void*) override {
+        std::memcpy(dst, src, n);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t wait(void*) override { return EXPCACHE_OK; }
+};
+
 class HostBackend final : public Backend {
 public:
-    explicit HostBackend(uint64_t capacity) : capacity_(capacity) {}
+    HostBackend(uint64_t capacity, const StagingConfig& staging) : capacity_(capacity), staging_(staging) {}
     ~HostBackend() override {
+        ring_.reset();
         for (auto& kv : sizes_) std::free(kv.first);
     }
     uint32_t kind() const override { return EXPCACHE_BACKEND_HOST; }
@@ -73,23 +94,16 @@ public:
         *total_bytes = capacity_;
         return EXPCACHE_OK;
     }
-    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool, void*) override {
+    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) override {
+        if (!pinned && staging_.copy_threads > 0) return ring().copy(dst, src, bytes, stream);
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;
     }
-    expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes, void*) override {
-        if (!file.direct()) return file.read(dst, offset, bytes);
-        // The same aligned O_DIRECT reads as the CUDA backend's ring, through a bounce buffer.
-        const uint64_t align = SourceFile::kDirectAlign;
-        uint64_t first = offset / align * align;
-        uint64_t span = (offset + bytes - first + align - 1) / align * align;
-        void* bounce = std::aligned_alloc(align, span);
-        if (!bounce) return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "bounce buffer of %llu bytes", (unsigned long long)span);
-        expcache_status_t s = file.read_aligned(bounce, first, span);
-        if (s == EXPCACHE_OK) std::memcpy(dst, static_cast<char*>(bounce) + (offset - first), bytes);
-        std::free(bounce);
-        return s;
+    expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
+                                void* stream) override {
+        return ring().read(dst, file, offset, bytes, stream);
     }
+    expcache_status_t finish_uploads() override { return ring_ ? ring_->finish() : EXPCACHE_OK; }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void*) override {
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;
@@ -115,7 +129,18 @@ public:
     }
 
 private:
+    // Made on first use: caches that never stage start no threads.
+    StagingRing& ring() {
+        if (!ring_)
+            ring_.reset(new StagingRing(transport_, staging_.copy_threads > 0 ? staging_.copy_threads - 1 : 0,
+                                        staging_.ring_bytes, staging_.chunk_bytes));
+        return *ring_;
+    }
+
     uint64_t capacity_;
+    StagingConfig staging_;
+    HostTransport transport_;
+    std::unique_ptr<StagingRing> ring_;  // after transport_: destroyed first
     uint64_t used_ = 0;
     std::vector<uint64_t> results_;  // checksum result slots
     std::unordered_map<void*, uint64_t> sizes_;
@@ -123,8 +148,8 @@ private:
 
 }  // namespace
 
-std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes) {
-    return std::unique_ptr<Backend>(new HostBackend(capacity_bytes));
+std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes, const StagingConfig& staging) {
+    return std::unique_ptr<Backend>(new HostBackend(capacity_bytes, staging));
 }
 
 }  // namespace expcache

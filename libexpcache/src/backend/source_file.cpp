@@ -16,7 +16,7 @@ SourceFile::~SourceFile() {
     if (direct_fd_ >= 0) ::close(direct_fd_);
 }
 
-expcache_status_t SourceFile::open(const std::string& path) {
+expcache_status_t SourceFile::open(const std::string& path, bool direct) {
     path_ = path;
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_ < 0) return fail(EXPCACHE_ERR_IO, "cannot open %s: %s", path.c_str(), std::strerror(errno));
@@ -25,7 +25,7 @@ expcache_status_t SourceFile::open(const std::string& path) {
     if (!S_ISREG(st.st_mode)) return fail(EXPCACHE_ERR_IO, "%s is not a regular file", path.c_str());
     size_ = static_cast<uint64_t>(st.st_size);
 #ifdef O_DIRECT
-    direct_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // tmpfs and others refuse: fine
+    if (direct) direct_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // tmpfs and others refuse: fine
 #endif
     return EXPCACHE_OK;
 }
@@ -49,25 +49,22 @@ expcache_status_t SourceFile::read(void* dst, uint64_t offset, uint64_t n) const
     return EXPCACHE_OK;
 }
 
-expcache_status_t SourceFile::read_aligned(void* dst, uint64_t offset, uint64_t n) const {
-    if (direct_fd_ >= 0) {
-        char* out = static_cast<char*>(dst);
-        uint64_t left = n, at = offset;
-        while (left > 0) {
-            ssize_t got = ::pread(direct_fd_, out, left, static_cast<off_t>(at));
-            if (got < 0 && errno == EINTR) continue;
-            if (got <= 0) break;  // refused or short at the end of the file: finish buffered
-            out += got;
-            at += static_cast<uint64_t>(got);
-            left -= static_cast<uint64_t>(got);
-        }
-        if (left == 0) return EXPCACHE_OK;
-        uint64_t done = n - left;
-        uint64_t tail = at >= size_ ? 0 : (size_ - at < left ? size_ - at : left);
-        return read(static_cast<char*>(dst) + done, at, tail);
+expcache_status_t SourceFile::read_direct(void* dst, uint64_t offset, uint64_t n, uint64_t* delta) const {
+    const uint64_t first = offset / kDirectAlign * kDirectAlign;
+    const uint64_t span = (offset + n - first + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+    const uint64_t need = offset + n - first;  // the bytes of dst that must come from the file
+    *delta = offset - first;
+    char* out = static_cast<char*>(dst);
+    uint64_t done = 0;
+    while (direct_fd_ >= 0 && done < span) {
+        ssize_t got = ::pread(direct_fd_, out + done, span - done, static_cast<off_t>(first + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) break;  // refused (EINVAL on some file systems) or the end of the file
+        done += static_cast<uint64_t>(got);
+        if (done % kDirectAlign) break;  // short at the end of the file: O_DIRECT cannot go on unaligned
     }
-    uint64_t end = offset + n < size_ ? offset + n : size_;
-    return read(dst, offset, end - offset);
+    if (done >= need) return EXPCACHE_OK;  // the alignment padding past the part need not exist
+    return read(out + done, first + done, need - done);
 }
 
 }  // namespace expcache

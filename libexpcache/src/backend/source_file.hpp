@@ -1,7 +1,8 @@
 // A file that expert bytes are read from (EXPCACHE_SOURCE_FILE). Reads use
-// pread; where the file system accepts O_DIRECT, aligned ranges bypass the
-// page cache (a model larger than RAM would only thrash it), and anything the
-// direct descriptor refuses falls back to the buffered one.
+// pread, through the page cache by default; opened `direct`, aligned ranges
+// bypass it with O_DIRECT where the file system accepts it (a model larger
+// than RAM would only thrash the page cache), and anything the direct
+// descriptor refuses falls back to the buffered one.
 #pragma once
 
 #include <cstdint>
@@ -17,16 +18,17 @@ public:
 
     ~SourceFile();
     // Status: OK, IO.
-    expcache_status_t open(const std::string& path);
+    expcache_status_t open(const std::string& path, bool direct);
     uint64_t size() const { return size_; }
     const std::string& path() const { return path_; }
     bool direct() const { return direct_fd_ >= 0; }
 
     // Read exactly n bytes at offset into dst through the buffered descriptor.
     expcache_status_t read(void* dst, uint64_t offset, uint64_t n) const;
-    // Read the 4096-aligned range [offset, offset + n) into a 4096-aligned dst
-    // through O_DIRECT; falls back to the buffered descriptor if refused.
-    expcache_status_t read_aligned(void* dst, uint64_t offset, uint64_t n) const;
+    // Read [offset, offset + n) through O_DIRECT: the 4096-aligned range around it
+    // goes to the 4096-aligned dst (room for n + 2 * kDirectAlign bytes) and the part
+    // starts at dst + *delta. What O_DIRECT refuses or leaves short is read buffered.
+    expcache_status_t read_direct(void* dst, uint64_t offset, uint64_t n, uint64_t* delta) const;
 
 private:
     std::string path_;
