@@ -32,10 +32,11 @@ run_step() {
     select_overhead) step select_overhead 60 make --no-print-directory select-overhead ;;
     # compute-sanitizer over the GPU tests (CUDA backend only): memory errors, then races.
     memcheck) step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
-        python3 -m pytest -q -x -k "cuda or another_stream" tests/test_cache.py tests/test_streams.py ;;
+        python3 -m pytest -q -x -k "cuda or another_stream" tests/test_cache.py tests/test_streams.py \
+        tests/test_gguf.py ;;
     racecheck) step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
         python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py ;;
-    transfer) step transfer 200 python3 -m pyexpcache transfer ;;
+    transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --chunks 256K,512K,1M,2M ;;
     decode_pinned) step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json" ;;
     decode_no_layer_sync) step decode_no_layer_sync 240 python3 -m pyexpcache bench --quiet --no-layer-sync \
         --variants expcache,resident --json "$DIR/decode_no_layer_sync.json" ;;
