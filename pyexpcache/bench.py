@@ -269,8 +269,11 @@ class Bench:
     def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
                  budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
                  progress: Optional[Progress] = None, device: int = 0, source=None, placement: str = "expert",
-                 layer_sync: bool = True):
+                 layer_sync: bool = True, cache_options: Optional[dict] = None):
         self.layout = layout
+        # Extra ExpertCache arguments of the expcache and oppclass variants (copy_threads,
+        # staging_chunk_bytes, file_reads); the baselines keep the old design's.
+        self.cache_options = dict(cache_options or {})
         self.backend = backend
         self.budget_bytes = budget_bytes
         self.reserve_bytes = reserve_bytes
@@ -278,6 +281,9 @@ class Bench:
         self.device = device
         self.progress = progress or Progress(False)
         self.is_cuda = self._resolve_backend() == "cuda"
+        if not self.is_cuda:
+            # A host "upload" is one memcpy: no link for staging threads to overlap with.
+            self.cache_options.setdefault("copy_threads", 0)
         if source is not None:
             self.pinned = source.pinned
         else:
@@ -385,7 +391,7 @@ class Bench:
         result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
         if variant in ("expcache", "oppclass"):
             cache = self._cache(budget_bytes=self.budget_bytes, policy="lru" if variant == "expcache" else variant,
-                                log_level=1 if variant == "expcache" else 0)
+                                log_level=1 if variant == "expcache" else 0, **self.cache_options)
         elif variant == "slab":
             # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
             biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)

@@ -48,6 +48,13 @@ def _sizes(text: str) -> list[int]:
     return out
 
 
+def _size(text: str) -> int:
+    sizes = _sizes(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"expected one size such as 512K; got {text!r}")
+    return sizes[0]
+
+
 def _parser() -> argparse.ArgumentParser:
     from .bench import DEFAULT_TRACES, SCENARIOS, VARIANTS
 
@@ -85,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--layers", type=_layers, default=None, help="MoE layers to keep, e.g. 3-10 (default: all)")
     b.add_argument("--scale", type=int, default=None,
                    help="divide expert sizes and the budget by this (default: 1 on the GPU, 256 on the host)")
+    b.add_argument("--copy-threads", type=int, default=None,
+                   help="threads staging pageable and file misses (default 8)")
+    b.add_argument("--staging-chunk", type=_size, default=None,
+                   help="largest staging piece one thread fills and one transfer moves, e.g. 512K (default 1M)")
+    b.add_argument("--file-reads", choices=("buffered", "direct"), default="buffered",
+                   help="with --gguf-reads file: through the page cache (default) or O_DIRECT")
     b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     b.add_argument("--plot", metavar="FILE.png", help="plot hit rate vs budget for LRU and Belady (matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bar or notices")
@@ -102,6 +115,15 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("model", metavar="MODEL.gguf")
     sub.add_parser("info", help="library version, path and available backends")
     return p
+
+
+def _cache_options(args) -> dict:
+    options = {"file_reads": args.file_reads}
+    if args.copy_threads is not None:
+        options["copy_threads"] = args.copy_threads
+    if args.staging_chunk is not None:
+        options["staging_chunk_bytes"] = args.staging_chunk
+    return options
 
 
 def _bench(args) -> int:
@@ -140,7 +162,7 @@ def _bench(args) -> int:
     reports, failed = [], False
     shared = bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget, reserve_bytes=reserve,
                          progress=progress, device=args.device, source=source, placement=args.placement,
-                         layer_sync=not args.no_layer_sync)
+                         layer_sync=not args.no_layer_sync, cache_options=_cache_options(args))
     try:
         for scenario in scenarios:
             report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,

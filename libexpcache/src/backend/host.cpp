@@ -132,8 +132,7 @@ private:
     // Made on first use: caches that never stage start no threads.
     StagingRing& ring() {
         if (!ring_)
-            ring_.reset(new StagingRing(transport_, staging_.copy_threads > 0 ? staging_.copy_threads - 1 : 0,
-                                        staging_.ring_bytes, staging_.chunk_bytes));
+            ring_.reset(new StagingRing(transport_, staging_.copy_threads, staging_.ring_bytes, staging_.chunk_bytes));
         return *ring_;
     }
 

@@ -1,13 +1,42 @@
 #include "staging_ring.hpp"
 
+#include <chrono>
 #include <cstring>
 
 #include "../errors.hpp"
 
 namespace expcache {
 
-StagingRing::StagingRing(Transport& transport, unsigned threads, uint64_t ring_bytes, uint64_t chunk_bytes)
-    : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes), num_threads_(threads) {
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+// Poll `ready` for up to `us` microseconds; true as soon as it holds.
+template <typename Ready>
+bool spin_until(Ready&& ready, unsigned us) {
+    if (us == 0) return ready();
+    const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+    for (unsigned i = 1;; ++i) {
+        if (ready()) return true;
+        cpu_relax();
+        if (i % 64 == 0 && std::chrono::steady_clock::now() > end) return ready();
+    }
+}
+
+}  // namespace
+
+StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes)
+    : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes),
+      num_threads_(copy_threads > 0 ? copy_threads - 1 : 0) {
+    // Poll 1 ms when every worker and the caller have a core of their own (0: unknown).
+    unsigned cores = std::thread::hardware_concurrency();
+    spin_us_ = cores > num_threads_ + 1 ? 1000 : 0;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
 }
@@ -16,7 +45,7 @@ StagingRing::~StagingRing() {
     finish();
     {
         std::lock_guard<std::mutex> lock(mu_);
-        stop_ = true;
+        stop_.store(true);
     }
     work_.notify_all();
     for (std::thread& t : threads_) t.join();
@@ -58,7 +87,8 @@ expcache_status_t StagingRing::queue(const Job& job) {
     uint64_t done = 0;
     while (done < job.n) {
         std::unique_lock<std::mutex> lock(mu_);
-        uint64_t ramp = chunk_ >> (unfinished_ < 3 ? 3 - unfinished_ : 0);
+        uint64_t busy = unfinished_.load(std::memory_order_relaxed);
+        uint64_t ramp = chunk_ >> (busy < 3 ? 3 - busy : 0);
         if (ramp < SourceFile::kDirectAlign) ramp = SourceFile::kDirectAlign;
         part.n = job.n - done < ramp ? job.n - done : ramp;
         part.dst = job.dst + done;
@@ -66,7 +96,8 @@ expcache_status_t StagingRing::queue(const Job& job) {
         part.offset = job.offset + done;
         part.seq = next_seq_++;
         queue_.push_back(part);
-        ++unfinished_;
+        queued_.fetch_add(1, std::memory_order_release);
+        unfinished_.fetch_add(1, std::memory_order_release);
         lock.unlock();
         work_.notify_one();
         done += part.n;
@@ -84,9 +115,16 @@ expcache_status_t StagingRing::read(void* dst, const SourceFile& file, uint64_t 
 
 expcache_status_t StagingRing::finish() {
     std::unique_lock<std::mutex> lock(mu_);
-    while (unfinished_ > 0) {
-        if (!queue_.empty()) run_one(lock);
-        else done_.wait(lock, [this] { return unfinished_ == 0; });
+    while (unfinished_.load(std::memory_order_acquire) > 0) {
+        if (!queue_.empty()) {
+            run_one(lock);
+            continue;
+        }
+        // The last jobs are running on workers: they end within a chunk's time.
+        lock.unlock();
+        bool done = spin_until([this] { return unfinished_.load(std::memory_order_acquire) == 0; }, spin_us_);
+        lock.lock();
+        if (!done) done_.wait(lock, [this] { return unfinished_.load(std::memory_order_acquire) == 0; });
     }
     expcache_status_t s = status_;
     std::string message;
@@ -98,9 +136,10 @@ expcache_status_t StagingRing::finish() {
 
 void StagingRing::worker() {
     transport_.thread_start();
-    std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-        work_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        spin_until([this] { return queued_.load(std::memory_order_acquire) > 0 || stop_.load(); }, spin_us_);
+        std::unique_lock<std::mutex> lock(mu_);
+        work_.wait(lock, [this] { return stop_.load() || !queue_.empty(); });
         if (queue_.empty()) return;  // stop_, nothing left
         run_one(lock);
     }
@@ -109,6 +148,7 @@ void StagingRing::worker() {
 void StagingRing::run_one(std::unique_lock<std::mutex>& lock) {
     Job job = queue_.front();
     queue_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_relaxed);
     Chunk& chunk = chunks_[job.seq % chunks_.size()];
     // The job before this one on the same chunk was popped earlier: it finishes with it.
     turn_.wait(lock, [&] { return chunk.turn == job.seq; });
@@ -123,7 +163,7 @@ void StagingRing::run_one(std::unique_lock<std::mutex>& lock) {
         status_ = s;
         message_ = message;
     }
-    if (--unfinished_ == 0) done_.notify_all();
+    if (unfinished_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.notify_all();
 }
 
 expcache_status_t StagingRing::fill_and_send(const Job& job, Chunk& chunk) {

@@ -10,6 +10,7 @@
 // backend), so the same queue, threads and error handling run in every test.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -39,9 +40,13 @@ public:
         virtual void thread_start() {}
     };
 
-    // `threads` workers besides the caller, who works too while it waits in finish();
-    // `ring_bytes` of chunks of `chunk_bytes` (at least 2 chunks; allocated on first use).
-    StagingRing(Transport& transport, unsigned threads, uint64_t ring_bytes, uint64_t chunk_bytes);
+    // `copy_threads` threads fill chunks: the caller (while it waits in finish()) and
+    // copy_threads - 1 workers; `ring_bytes` of chunks of `chunk_bytes` (at least 2
+    // chunks; allocated on first use). An idle worker polls for a while before it sleeps
+    // (spin_us): waking a sleeping thread costs tens of microseconds (more in a VM), about
+    // the time a chunk takes to cross the link, and decode calls come every few hundred
+    // microseconds. The polling is left out when the threads would share cores.
+    StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes);
     ~StagingRing();
     StagingRing(const StagingRing&) = delete;
     StagingRing& operator=(const StagingRing&) = delete;
@@ -85,14 +90,17 @@ private:
     uint64_t ring_bytes_;
     uint64_t chunk_;
     unsigned num_threads_;
+    unsigned spin_us_;
     std::vector<std::thread> threads_;
     std::vector<Chunk> chunks_;
     std::mutex mu_;
     std::condition_variable work_, done_, turn_;
     std::deque<Job> queue_;
     uint64_t next_seq_ = 0;
-    uint64_t unfinished_ = 0;     // queued or running
-    bool stop_ = false;
+    // Written under mu_; read without it by spinning threads.
+    std::atomic<uint64_t> queued_{0};      // in queue_
+    std::atomic<uint64_t> unfinished_{0};  // queued or running
+    std::atomic<bool> stop_{false};
     expcache_status_t status_ = EXPCACHE_OK;  // first failure since the last finish()
     std::string message_;
 };

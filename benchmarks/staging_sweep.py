@@ -1,0 +1,58 @@
+"""Decode tokens/s with a pageable source for several staging configurations, in one process
+over one source (GPU): which copy thread count and chunk size serve misses fastest when each
+layer waits for the previous one. Usage:
+
+    python3 benchmarks/staging_sweep.py [--threads 4,8,12] [--chunks 256K,512K,1M] [--traces NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tabulate import tabulate
+
+from pyexpcache import bench
+from pyexpcache.cli import _sizes
+from pyexpcache.layout import ModelLayout
+
+GiB = 1 << 30
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", default="4,8,12")
+    p.add_argument("--chunks", type=_sizes, default=[256 << 10, 512 << 10, 1 << 20])
+    p.add_argument("--traces", default="podA_c_python_full")
+    p.add_argument("--layout", default="mixed")
+    p.add_argument("--budget-gib", type=float, default=12.0)
+    args = p.parse_args()
+    if bench.resolve_backend() != "cuda":
+        print("staging_sweep: needs a CUDA device", file=sys.stderr)
+        return 1
+    layout = ModelLayout.preset(args.layout)
+    traces = [t for t in args.traces.split(",") if t]
+    shared = bench.Bench(layout, pinned=False, budget_bytes=int(args.budget_gib * GiB), progress=bench.Progress(False))
+    rows = []
+    try:
+        for threads in (int(t) for t in args.threads.split(",")):
+            for chunk in args.chunks:
+                shared.cache_options = {"copy_threads": threads, "staging_chunk_bytes": chunk}
+                report = bench.run(layout, "decode", variants=["expcache"], traces=traces,
+                                   budget_bytes=shared.budget_bytes, bench=shared)
+                r = report.results[0]
+                rows.append([threads, f"{chunk >> 10} KiB", f"{r.tokens_per_s:.2f}", f"{100 * r.hit_rate:.1f} %",
+                             f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
+                             f"{r.checksum_errors} bad / {r.experts_checked}"])
+                print(rows[-1], flush=True)
+                if r.checksum_errors:
+                    return 1
+    finally:
+        shared.close()
+    print(tabulate(rows, headers=["copy threads", "chunk", "decode tok/s", "hit rate", "of link bound", "checksums"],
+                   disable_numparse=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
