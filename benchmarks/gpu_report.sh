@@ -49,5 +49,5 @@ run_step() {
     esac
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$DIR/device.txt" 2>&1
-git rev-parse HEAD >>"$DIR/device.txt" 2>/dev/null
+[ -n "${EXPCACHE_COMMIT:-}" ] && echo "commit $EXPCACHE_COMMIT" >>"$DIR/device.txt"  # the tree copied to the device may carry a stale .git
 for s in $STEPS; do run_step "$s"; done

@@ -49,7 +49,8 @@ StagingRing::~StagingRing() {
     }
     work_.notify_all();
     for (std::thread& t : threads_) t.join();
-    for (Chunk& c : chunks_) {
+    for (uint64_t i = 0; i < num_chunks_; ++i) {
+        Chunk& c = chunks_[i];
         if (c.sent) transport_.wait(c.marker);
         transport_.free_chunk(c.host, c.marker);
     }
@@ -58,7 +59,7 @@ StagingRing::~StagingRing() {
 expcache_status_t StagingRing::allocate() {
     uint64_t n = ring_bytes_ / chunk_;
     if (n < 2) n = 2;
-    chunks_.resize(n);
+    chunks_.reset(new Chunk[n]);
     for (uint64_t i = 0; i < n; ++i) {
         Chunk& c = chunks_[i];
         c.turn = i;
@@ -67,38 +68,39 @@ expcache_status_t StagingRing::allocate() {
         if (s != EXPCACHE_OK) {
             std::string why = last_error();
             for (uint64_t j = 0; j < i; ++j) transport_.free_chunk(chunks_[j].host, chunks_[j].marker);
-            chunks_.clear();
+            chunks_.reset();
             return fail(s, "staging ring of %llu x %llu bytes: %s", (unsigned long long)n, (unsigned long long)chunk_,
                         why.c_str());
         }
     }
+    num_chunks_ = n;
     for (unsigned i = 0; i < num_threads_; ++i) threads_.emplace_back([this] { worker(); });
     return EXPCACHE_OK;
 }
 
 expcache_status_t StagingRing::queue(const Job& job) {
-    if (chunks_.empty()) {
+    if (num_chunks_ == 0) {
         expcache_status_t s = allocate();
         if (s != EXPCACHE_OK) return s;
     }
-    // The first chunks of a batch are short, so the link starts early; later ones are full
-    // size, so each transfer is large enough to run at the link's speed.
     Job part = job;
     uint64_t done = 0;
     while (done < job.n) {
-        std::unique_lock<std::mutex> lock(mu_);
-        uint64_t busy = unfinished_.load(std::memory_order_relaxed);
-        uint64_t ramp = chunk_ >> (busy < 3 ? 3 - busy : 0);
-        if (ramp < SourceFile::kDirectAlign) ramp = SourceFile::kDirectAlign;
-        part.n = job.n - done < ramp ? job.n - done : ramp;
+        // The first chunks of a batch are short, so the link starts early; later ones are
+        // full size, so each transfer is large enough to run at the link's speed.
+        uint64_t in_batch = next_seq_ - next_send_;
+        uint64_t piece = chunk_ >> (in_batch < 3 ? 3 - in_batch : 0);
+        if (piece < SourceFile::kDirectAlign) piece = SourceFile::kDirectAlign;
+        part.n = job.n - done < piece ? job.n - done : piece;
         part.dst = job.dst + done;
         part.src = job.src ? job.src + done : nullptr;
         part.offset = job.offset + done;
         part.seq = next_seq_++;
-        queue_.push_back(part);
-        queued_.fetch_add(1, std::memory_order_release);
-        unfinished_.fetch_add(1, std::memory_order_release);
-        lock.unlock();
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            queue_.push_back(part);
+            queued_.fetch_add(1, std::memory_order_release);
+        }
         work_.notify_one();
         done += part.n;
     }
@@ -114,24 +116,47 @@ expcache_status_t StagingRing::read(void* dst, const SourceFile& file, uint64_t 
 }
 
 expcache_status_t StagingRing::finish() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (unfinished_.load(std::memory_order_acquire) > 0) {
-        if (!queue_.empty()) {
-            run_one(lock);
-            continue;
-        }
-        // The last jobs are running on workers: they end within a chunk's time.
-        lock.unlock();
-        bool done = spin_until([this] { return unfinished_.load(std::memory_order_acquire) == 0; }, spin_us_);
-        lock.lock();
-        if (!done) done_.wait(lock, [this] { return unfinished_.load(std::memory_order_acquire) == 0; });
-    }
-    expcache_status_t s = status_;
+    expcache_status_t status = EXPCACHE_OK;
     std::string message;
-    message.swap(message_);
-    status_ = EXPCACHE_OK;
-    lock.unlock();
-    return s == EXPCACHE_OK ? s : fail(s, "%s", message.c_str());  // a worker's detail, on this thread
+    while (next_send_ < next_seq_) {
+        const uint64_t seq = next_send_;
+        Chunk& c = chunk_of(seq);
+        auto ready = [&c, seq] { return c.filled.load(std::memory_order_acquire) == seq + 1; };
+        if (!ready()) {
+            std::unique_lock<std::mutex> lock(mu_);
+            if (!queue_.empty() && queue_.front().seq == seq) {
+                fill_next(lock);  // nobody has taken it: fill it here
+            } else {
+                lock.unlock();
+                if (!spin_until(ready, spin_us_)) {
+                    lock.lock();
+                    filled_.wait(lock, ready);
+                }
+            }
+        }
+        if (status == EXPCACHE_OK && c.status != EXPCACHE_OK) {
+            status = c.status;
+            message = c.message;
+        } else if (status == EXPCACHE_OK && !c.dropped) {
+            expcache_status_t s = transport_.send(c.job.dst, static_cast<char*>(c.host) + c.delta, c.job.n,
+                                                  c.job.stream, c.marker);
+            if (s == EXPCACHE_OK) {
+                c.sent = true;
+            } else {
+                status = s;
+                message = last_error();
+            }
+        }
+        if (status != EXPCACHE_OK) dropping_.store(true);
+        ++next_send_;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            c.turn = seq + num_chunks_;
+        }
+        turn_.notify_all();
+    }
+    dropping_.store(false);
+    return status == EXPCACHE_OK ? status : fail(status, "%s", message.c_str());  // a worker's detail, here
 }
 
 void StagingRing::worker() {
@@ -141,49 +166,43 @@ void StagingRing::worker() {
         std::unique_lock<std::mutex> lock(mu_);
         work_.wait(lock, [this] { return stop_.load() || !queue_.empty(); });
         if (queue_.empty()) return;  // stop_, nothing left
-        run_one(lock);
+        fill_next(lock);
     }
 }
 
-void StagingRing::run_one(std::unique_lock<std::mutex>& lock) {
+void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
     Job job = queue_.front();
     queue_.pop_front();
     queued_.fetch_sub(1, std::memory_order_relaxed);
-    Chunk& chunk = chunks_[job.seq % chunks_.size()];
-    // The job before this one on the same chunk was popped earlier: it finishes with it.
-    turn_.wait(lock, [&] { return chunk.turn == job.seq; });
-    bool dropped = status_ != EXPCACHE_OK;
+    Chunk& c = chunk_of(job.seq);
+    // The chunk's previous job was queued earlier: the caller sends it in order.
+    turn_.wait(lock, [&] { return c.turn == job.seq; });
+    const bool drop = dropping_.load();
     lock.unlock();
-    expcache_status_t s = dropped ? EXPCACHE_OK : fill_and_send(job, chunk);
-    std::string message = s == EXPCACHE_OK ? std::string() : std::string(last_error());
+    c.job = job;
+    c.delta = 0;
+    c.dropped = drop;
+    c.status = drop ? EXPCACHE_OK : fill(job, c);
+    c.message = c.status == EXPCACHE_OK ? std::string() : std::string(last_error());
     lock.lock();
-    chunk.turn = job.seq + chunks_.size();
-    turn_.notify_all();
-    if (s != EXPCACHE_OK && status_ == EXPCACHE_OK) {
-        status_ = s;
-        message_ = message;
-    }
-    if (unfinished_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.notify_all();
+    c.filled.store(job.seq + 1, std::memory_order_release);
+    lock.unlock();
+    filled_.notify_all();
 }
 
-expcache_status_t StagingRing::fill_and_send(const Job& job, Chunk& chunk) {
+expcache_status_t StagingRing::fill(const Job& job, Chunk& c) {
     expcache_status_t s;
-    if (chunk.sent) {
-        if ((s = transport_.wait(chunk.marker)) != EXPCACHE_OK) return s;
-        chunk.sent = false;
+    if (c.sent) {
+        if ((s = transport_.wait(c.marker)) != EXPCACHE_OK) return s;
+        c.sent = false;
     }
-    char* host = static_cast<char*>(chunk.host);
-    uint64_t delta = 0;
+    char* host = static_cast<char*>(c.host);
     if (job.src) {
         std::memcpy(host, job.src, job.n);
-    } else if (job.file->direct()) {
-        if ((s = job.file->read_direct(host, job.offset, job.n, &delta)) != EXPCACHE_OK) return s;
-    } else if ((s = job.file->read(host, job.offset, job.n)) != EXPCACHE_OK) {
-        return s;
+        return EXPCACHE_OK;
     }
-    if ((s = transport_.send(job.dst, host + delta, job.n, job.stream, chunk.marker)) != EXPCACHE_OK) return s;
-    chunk.sent = true;
-    return EXPCACHE_OK;
+    if (job.file->direct()) return job.file->read_direct(host, job.offset, job.n, &c.delta);
+    return job.file->read(host, job.offset, job.n);
 }
 
 }  // namespace expcache

@@ -1,9 +1,11 @@
 // Bytes that cannot be DMA'd as they are (pageable memory, a file) are staged
 // through a ring of page-locked chunks. A call's uploads are cut into chunks
-// and queued; worker threads each fill a whole chunk (memcpy or pread) and
-// hand it to the link at once, so chunk i crosses the link while chunks
-// i+1.. are being filled, across every expert of the call. A chunk is refilled
-// only after the transfer that read it has finished.
+// and queued; worker threads each fill whole chunks (memcpy or pread) while
+// the calling thread hands the filled ones to the link in order, so chunk i
+// crosses the link while chunks i+1.. are being filled, across every expert of
+// the call. Only the calling thread talks to the link: worker threads never
+// contend with it for the driver's locks. A chunk is refilled only after the
+// transfer that read it has finished.
 //
 // The ring knows nothing of CUDA: a Transport allocates the chunks and moves
 // them (cudaMemcpyAsync and an event on the CUDA backend, a memcpy on the host
@@ -14,6 +16,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -40,12 +43,13 @@ public:
         virtual void thread_start() {}
     };
 
-    // `copy_threads` threads fill chunks: the caller (while it waits in finish()) and
-    // copy_threads - 1 workers; `ring_bytes` of chunks of `chunk_bytes` (at least 2
-    // chunks; allocated on first use). An idle worker polls for a while before it sleeps
-    // (spin_us): waking a sleeping thread costs tens of microseconds (more in a VM), about
-    // the time a chunk takes to cross the link, and decode calls come every few hundred
-    // microseconds. The polling is left out when the threads would share cores.
+    // `copy_threads` threads fill chunks: copy_threads - 1 workers, and the caller when
+    // the next chunk to send is not taken yet (copy_threads <= 1: the caller alone);
+    // `ring_bytes` of chunks of `chunk_bytes` (at least 2 chunks; allocated on first use).
+    // An idle thread polls for a while before it sleeps: waking a sleeping thread costs
+    // tens of microseconds (more in a VM), about the time a chunk takes to cross the
+    // link, and decode calls come every few hundred microseconds. The polling is left
+    // out when the threads would share cores.
     StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes);
     ~StagingRing();
     StagingRing(const StagingRing&) = delete;
@@ -55,9 +59,10 @@ public:
     expcache_status_t copy(void* dst, const void* src, uint64_t n, void* stream);
     // Queue dst <- file[offset, offset + n).
     expcache_status_t read(void* dst, const SourceFile& file, uint64_t offset, uint64_t n, void* stream);
-    // Run and wait for everything queued since the last finish(): on return every
-    // transfer has been enqueued on its stream. The first failure of those jobs, or OK;
-    // after a failure the remaining jobs of the batch are dropped, not transferred.
+    // Send everything queued since the last finish(), in order, as it is filled: on
+    // return every transfer has been enqueued on its stream. The first failure of those
+    // jobs, or OK; after a failure the remaining jobs of the batch are dropped, not sent.
+    // Called by the thread that queued them.
     expcache_status_t finish();
 
     uint64_t chunk_bytes() const { return chunk_; }
@@ -76,33 +81,40 @@ private:
         void* host = nullptr;
         void* marker = nullptr;
         bool sent = false;        // a transfer out of it may still be reading it
-        uint64_t turn = 0;        // the seq of the job allowed to use it next
+        uint64_t turn = 0;        // the seq of the job allowed to fill it next (under mu_)
+        // Written by the job's filler before `filled` is released, read by the sender after.
+        Job job{};
+        uint64_t delta = 0;       // the job's bytes start at host + delta
+        expcache_status_t status = EXPCACHE_OK;
+        bool dropped = false;
+        std::string message;
+        std::atomic<uint64_t> filled{0};  // seq + 1 of the last job done filling it
     };
 
     expcache_status_t queue(const Job& job);
     expcache_status_t allocate();
     void worker();
-    // Pop the oldest job and run it; the lock is dropped while it runs.
-    void run_one(std::unique_lock<std::mutex>& lock);
-    expcache_status_t fill_and_send(const Job& job, Chunk& chunk);
+    // Pop the oldest queued job and fill its chunk; the lock is dropped while it fills.
+    void fill_next(std::unique_lock<std::mutex>& lock);
+    expcache_status_t fill(const Job& job, Chunk& chunk);
+    Chunk& chunk_of(uint64_t seq) { return chunks_[seq % num_chunks_]; }
 
     Transport& transport_;
     uint64_t ring_bytes_;
     uint64_t chunk_;
     unsigned num_threads_;
-    unsigned spin_us_;
+    unsigned spin_us_ = 0;
     std::vector<std::thread> threads_;
-    std::vector<Chunk> chunks_;
+    std::unique_ptr<Chunk[]> chunks_;
+    uint64_t num_chunks_ = 0;
     std::mutex mu_;
-    std::condition_variable work_, done_, turn_;
+    std::condition_variable work_, turn_, filled_;
     std::deque<Job> queue_;
-    uint64_t next_seq_ = 0;
-    // Written under mu_; read without it by spinning threads.
-    std::atomic<uint64_t> queued_{0};      // in queue_
-    std::atomic<uint64_t> unfinished_{0};  // queued or running
+    uint64_t next_seq_ = 0;       // the caller's: seq of the next job queued
+    uint64_t next_send_ = 0;      // the caller's: seq of the next job to send
+    std::atomic<uint64_t> queued_{0};   // in queue_ (written under mu_, polled without it)
+    std::atomic<bool> dropping_{false}; // a job of this batch failed: skip filling the rest
     std::atomic<bool> stop_{false};
-    expcache_status_t status_ = EXPCACHE_OK;  // first failure since the last finish()
-    std::string message_;
 };
 
 }  // namespace expcache
