@@ -204,8 +204,9 @@ class ExpertCache:
         log_level: 0 silent, 1 notices (default), 2 one line per call. Lines go to the
             ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
         copy_threads: pageable and file sources: threads staging misses into a pinned ring, each
-            filling whole chunks while earlier ones cross the link (default 8; 0 = the driver's
-            pageable copies, and file reads on the calling thread).
+            filling whole chunks while the calling thread sends the filled ones over the link, in
+            order (default 8, the calling thread included; 0 = the driver's pageable copies, and
+            file reads on the calling thread).
         staging_bytes: size of that pinned ring (default 64 MiB).
         staging_chunk_bytes: largest piece one thread fills and one transfer moves (default 1 MiB;
             a multiple of 4096 in 64 KiB..64 MiB).

@@ -157,9 +157,10 @@ typedef struct expcache_config_t {
                                     buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides */
     uint64_t device_capacity_bytes; /**< host backend only: emulated device size; default 64 GiB */
     uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
-    uint32_t copy_threads;     /**< pageable and file sources: threads filling the pinned staging ring (each
-                                    fills whole chunks; the calling thread helps); default 8; 0 = plain
-                                    pageable copies, and files read by the calling thread alone */
+    uint32_t copy_threads;     /**< pageable and file sources: threads filling the pinned staging ring, whole
+                                    chunks each, while the calling thread sends the filled ones in order
+                                    (counted among them: copy_threads - 1 workers are started); default 8;
+                                    0 = plain pageable copies, and files read by the calling thread alone */
     uint32_t policy;           /**< EXPCACHE_POLICY_*; default LRU */
     uint64_t staging_bytes;    /**< pageable and file sources: size of the pinned staging ring; default
                                     64 MiB; 1 MiB..16 GiB */
