@@ -13,30 +13,32 @@ from conftest import CUDA_OK, CUDA_REASON
 
 pytestmark = pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 
-PART = 4 << 20  # 4 MiB per part: each read of a part takes a few microseconds
-READS = 3000    # back-to-back reads of the slot on stream A: tens of milliseconds of work
+PART = 4 << 20   # 4 MiB per part, 12 MiB per expert
+REPEATS = 8192   # one checksum kernel reading an expert this many times: ~100 GiB, milliseconds of work
 
 
 @pytest.fixture
 def cuda():
-    """(runtime, stream A, stream B, a PART-byte device scratch buffer), freed afterwards."""
+    """(runtime, stream A, stream B), destroyed afterwards."""
     rt = _cuda.runtime()
     a, b = (int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
             for _ in range(2))
-    scratch = _cuda.check(rt.cudaMalloc(PART), "cudaMalloc")
-    yield rt, a, b, scratch
+    yield rt, a, b
     rt.cudaDeviceSynchronize()
-    rt.cudaFree(scratch)
     rt.cudaStreamDestroy(a)
     rt.cudaStreamDestroy(b)
 
 
-def _read_slot_repeatedly(dst: int, src: int, stream: int) -> None:
-    """Enqueue READS device-to-device copies of the slot's gate part into dst on stream."""
-    rt = _cuda.runtime()
-    kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-    for _ in range(READS):
-        _cuda.check(rt.cudaMemcpyAsync(dst, src, PART, kind, stream), "cudaMemcpyAsync")
+def _long_read(cache: ExpertCache, ptrs, stream: int) -> None:
+    """One kernel launch on `stream` that reads the expert at `ptrs` REPEATS times (the library's
+    checksum kernel, result slots [0, REPEATS)). Enqueued at once, it runs for milliseconds
+    whatever the host does meanwhile, so a later write that is not ordered after it lands
+    while it still reads."""
+    cache.checksum_async(0, np.tile(np.asarray(ptrs, dtype=np.uint64).reshape(1, 3), (REPEATS, 1)), 0, stream)
+
+
+def _all_reads_saw(cache: ExpertCache, want: int) -> bool:
+    return bool((cache.checksum_results(0, REPEATS) == want).all())
 
 
 def _bytes_at(addr: int, n: int) -> np.ndarray:
@@ -46,51 +48,53 @@ def _bytes_at(addr: int, n: int) -> np.ndarray:
     return out
 
 
-def test_eviction_on_another_stream_waits_for_earlier_reads(cuda):
-    rt, a, b, scratch = cuda
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_eviction_on_another_stream_waits_for_earlier_reads(cuda, pinned):
+    rt, a, b = cuda
     layout = ModelLayout((LayerSpec(4, PART, PART, PART),), name="fence")
-    with HostSource(layout, pinned=True) as source, \
+    with HostSource(layout, pinned=pinned) as source, \
             ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0) as cache:
         old = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
-        _read_slot_repeatedly(scratch, int(old[0]), a)   # a long read of expert 0's slot on stream A
-        new = cache.select(0, [1], stream=b)[0]           # evicts expert 0: the same slot, on stream B
+        _long_read(cache, old, a)                # a long read of expert 0's slot on stream A
+        new = cache.select(0, [1], stream=b)[0]  # evicts expert 0: the same slot, on stream B
         assert int(new[0]) == int(old[0]), "the test needs the eviction to reuse the slot being read"
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         # Every read on A happened before B's upload overwrote the slot.
-        assert (_bytes_at(scratch, PART) == source.part(0, 0, 0)).all()
+        assert _all_reads_saw(cache, source.expected_checksum(0, 0))
         assert (_bytes_at(int(new[0]), PART) == source.part(0, 1, 0)).all()
 
 
 def test_race_is_observable_without_the_fence(cuda):
     """Control: the same overwrite done by hand on stream B, with no fence, corrupts what A reads.
-    Shows the test above would fail if the cache did not order the streams."""
-    rt, a, b, scratch = cuda
+    Shows the tests around it would fail if the cache did not order the streams."""
+    rt, a, b = cuda
     layout = ModelLayout((LayerSpec(2, PART, PART, PART),), name="race")
-    slot = _cuda.check(rt.cudaMalloc(PART), "cudaMalloc")
-    with HostSource(layout, pinned=True) as source:
+    with HostSource(layout, pinned=True) as source, \
+            ExpertCache(layout, source, budget_experts=2, backend="cuda", log_level=0) as cache:
+        old = cache.select(0, [0], stream=a)[0]
+        cache.synchronize(a)
+        _long_read(cache, old, a)
         h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        _cuda.check(rt.cudaMemcpy(slot, source.part(0, 0, 0).ctypes.data, PART, h2d), "cudaMemcpy")
-        _read_slot_repeatedly(scratch, slot, a)
-        _cuda.check(rt.cudaMemcpyAsync(slot, source.part(0, 1, 0).ctypes.data, PART, h2d, b), "cudaMemcpyAsync")
+        _cuda.check(rt.cudaMemcpyAsync(int(old[0]), source.part(0, 1, 0).ctypes.data, PART, h2d, b),
+                    "cudaMemcpyAsync")
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-        raced = not (_bytes_at(scratch, PART) == source.part(0, 0, 0)).all()
-    rt.cudaFree(slot)
+        raced = not _all_reads_saw(cache, source.expected_checksum(0, 0))
     if not raced:
-        pytest.skip("could not provoke the race on this device; the fence test above proves less here")
+        pytest.skip("could not provoke the race on this device; the fence tests prove less here")
     assert raced
 
 
 def test_staging_reuse_on_another_stream_waits_for_earlier_reads(cuda):
     """Select's overflow staging (capacity smaller than the request) is fenced the same way."""
-    rt, a, b, scratch = cuda
+    rt, a, b = cuda
     layout = ModelLayout((LayerSpec(8, PART, PART, PART),), name="fence-staging")
     with HostSource(layout, pinned=True) as source, \
             ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0) as cache:
         first = cache.select(0, [0, 1], stream=a)   # expert 1 is served from staging
         cache.synchronize(a)
-        _read_slot_repeatedly(scratch, int(first[1][0]), a)
+        _long_read(cache, first[1], a)
         second = cache.select(0, [2, 3], stream=b)  # reuses the staging for expert 3
         assert int(second[1][0]) == int(first[1][0])
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
-        assert (_bytes_at(scratch, PART) == source.part(0, 1, 0)).all()
+        assert _all_reads_saw(cache, source.expected_checksum(0, 1))
