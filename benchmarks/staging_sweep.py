@@ -1,6 +1,8 @@
 """Decode tokens/s with a pageable source for several staging configurations, in one process
 over one source (GPU): which copy thread count and chunk size serve misses fastest when each
-layer waits for the previous one. Usage:
+layer waits for the previous one. First, the rate at which that many threads can copy random
+chunks out of the same pageable source at all (numpy copies, which release the GIL): the host's
+side of the bound, next to the link's. Usage:
 
     python3 benchmarks/staging_sweep.py [--threads 4,8,12] [--chunks 256K,512K,1M] [--traces NAME]
 """
@@ -9,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 from tabulate import tabulate
 
 from pyexpcache import bench
@@ -17,6 +22,24 @@ from pyexpcache.cli import _sizes
 from pyexpcache.layout import ModelLayout
 
 GiB = 1 << 30
+
+
+def host_fill_gb_s(buffer: np.ndarray, piece: int, threads: int, total: int = 4 << 30, seed: int = 0) -> float:
+    """GB/s of `threads` threads copying `total` bytes as random, 4 KiB-aligned `piece`-byte pieces
+    of `buffer` into a buffer of their own: how fast staging threads could fill chunks from it."""
+    flat = buffer.reshape(-1).view(np.uint8)
+    n = max(threads, total // piece)
+    starts = np.random.default_rng(seed).integers(0, (flat.nbytes - piece) // 4096, n) * 4096
+
+    def work(mine: np.ndarray) -> None:
+        dst = np.empty(piece, np.uint8)
+        for start in mine:
+            np.copyto(dst, flat[start:start + piece])
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(work, np.array_split(starts, threads)))
+        return n * piece / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> int:
@@ -34,8 +57,13 @@ def main() -> int:
     traces = [t for t in args.traces.split(",") if t]
     shared = bench.Bench(layout, pinned=False, budget_bytes=int(args.budget_gib * GiB), progress=bench.Progress(False))
     rows = []
+    thread_counts = [int(t) for t in args.threads.split(",")]
     try:
-        for threads in (int(t) for t in args.threads.split(",")):
+        fill = [[t, f"{c >> 10} KiB", f"{host_fill_gb_s(shared.source.buffer, c, t):.1f}"]
+                for t in [1] + thread_counts for c in args.chunks]
+        print(tabulate(fill, headers=["threads", "piece", "host copy GB/s (pageable source)"],
+                       disable_numparse=True), flush=True)
+        for threads in thread_counts:
             for chunk in args.chunks:
                 shared.cache_options = {"copy_threads": threads, "staging_chunk_bytes": chunk}
                 report = bench.run(layout, "decode", variants=["expcache"], traces=traces,

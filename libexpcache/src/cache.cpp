@@ -66,6 +66,7 @@ public:
         std::string why = last_error();
         if (c_.settle_uploads() != EXPCACHE_OK) {
             std::string also = last_error();
+            // Only the message is set here: the call returns its own status.
             fail(EXPCACHE_ERR_IO, "%s (an upload issued earlier in the call failed too: %s)", why.c_str(),
                  also.c_str());
         }

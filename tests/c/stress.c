@@ -621,7 +621,7 @@ static void pick_key(uint64_t k[3], int tiny) {
 static void bad_configs(void) {
     expcache_config_t cfg;
     expcache_t* h = (expcache_t*)(uintptr_t)0xDEAD0;
-    int which = (int)below(13);
+    int which = (int)below(15);
     expcache_config_init(&cfg);
     cfg.budget_experts = 4;
     cfg.backend = EXPCACHE_BACKEND_HOST;
@@ -642,6 +642,13 @@ static void bad_configs(void) {
         case 10: cfg.policy = 2 + (uint32_t)below(100); what = "policy"; break;
         case 11: cfg.staging_bytes = pct(50) ? 1000 : (uint64_t)17 << 30; what = "staging_bytes"; break;
         case 12: cfg.backend = EXPCACHE_BACKEND_CUDA; want = UNSUP; what = "CUDA backend in a host-only build"; break;
+        case 13: {
+            static const uint64_t bad[] = {0, 4096, (64u << 10) - 4096, (64u << 10) + 1, (uint64_t)65 << 20};
+            cfg.staging_chunk_bytes = bad[below(5)];
+            what = "staging_chunk_bytes";
+            break;
+        }
+        case 14: cfg.file_reads = 2 + (uint32_t)below(100); what = "file_reads"; break;
     }
     expcache_status_t s = expcache_create(&cfg, &h);
     expect_bad("expcache_create", s, want, what);
@@ -720,6 +727,8 @@ static void op_create(void) {
                                         : between(model_bytes / 2, 2 * model_bytes + 4096);
     cfg.slab_bytes = pct(20) ? ((uint64_t)512 << 20) : between(1, 32768);
     cfg.copy_threads = (uint32_t)below(9);
+    cfg.staging_chunk_bytes = (uint64_t)(64 << 10) << below(6); /* 64 KiB..2 MiB */
+    cfg.file_reads = pct(50) ? EXPCACHE_FILE_READS_DIRECT : EXPCACHE_FILE_READS_BUFFERED;
     /* Nothing below predicts victims, so every check holds for either policy. */
     cfg.policy = pct(50) ? EXPCACHE_POLICY_OPPCLASS : EXPCACHE_POLICY_LRU;
     m->capacity = cfg.device_capacity_bytes;
