@@ -95,12 +95,13 @@ expcache_status_t StagingRing::queue(const Job& job) {
         part.dst = job.dst + done;
         part.src = job.src ? job.src + done : nullptr;
         part.offset = job.offset + done;
-        part.seq = next_seq_++;
+        part.seq = next_seq_;
         {
             std::lock_guard<std::mutex> lock(mu_);
-            queue_.push_back(part);
+            queue_.push_back(part);  // may throw: then the piece does not exist, and finish() does not wait for it
             queued_.fetch_add(1, std::memory_order_release);
         }
+        ++next_seq_;
         work_.notify_one();
         done += part.n;
     }
@@ -156,7 +157,9 @@ expcache_status_t StagingRing::finish() {
         turn_.notify_all();
     }
     dropping_.store(false);
-    return status == EXPCACHE_OK ? status : fail(status, "%s", message.c_str());  // a worker's detail, here
+    if (status == EXPCACHE_OK) return status;
+    // A worker's detail, on this thread (empty only when formatting it ran out of memory).
+    return fail(status, "%s", message.empty() ? "a staging thread ran out of host memory" : message.c_str());
 }
 
 void StagingRing::worker() {
@@ -182,8 +185,15 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
     c.job = job;
     c.delta = 0;
     c.dropped = drop;
-    c.status = drop ? EXPCACHE_OK : fill(job, c);
-    c.message = c.status == EXPCACHE_OK ? std::string() : std::string(last_error());
+    // Nothing may escape a worker thread (std::terminate): an allocation failure while
+    // formatting an error message becomes a status too.
+    try {
+        c.status = drop ? EXPCACHE_OK : fill(job, c);
+        c.message = c.status == EXPCACHE_OK ? std::string() : std::string(last_error());
+    } catch (...) {
+        c.status = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
+        c.message.clear();
+    }
     lock.lock();
     c.filled.store(job.seq + 1, std::memory_order_release);
     lock.unlock();
