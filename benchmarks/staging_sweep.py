@@ -69,15 +69,18 @@ def main() -> int:
                 report = bench.run(layout, "decode", variants=["expcache"], traces=traces,
                                    budget_bytes=shared.budget_bytes, bench=shared)
                 r = report.results[0]
+                st = r.staging
                 rows.append([threads, f"{chunk >> 10} KiB", f"{r.tokens_per_s:.2f}", f"{100 * r.hit_rate:.1f} %",
                              f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
-                             f"{r.checksum_errors} bad / {r.experts_checked}"])
+                             f"{st.pieces_per_call:.1f}", f"{st.wait_us_per_call:.0f}", f"{st.fill_us_per_piece:.0f}",
+                             f"{st.send_us_per_piece:.1f}", f"{r.checksum_errors} bad / {r.experts_checked}"])
                 print(rows[-1], flush=True)
                 if r.checksum_errors:
                     return 1
     finally:
         shared.close()
-    print(tabulate(rows, headers=["copy threads", "chunk", "decode tok/s", "hit rate", "of link bound", "checksums"],
+    print(tabulate(rows, headers=["copy threads", "chunk", "decode tok/s", "hit rate", "of link bound", "pieces/call",
+                                  "caller wait µs/call", "fill µs/piece", "send µs/piece", "checksums"],
                    disable_numparse=True))
     return 0
 

@@ -24,7 +24,7 @@ from ._errors import (
     SourceIOError,
     UnsupportedError,
 )
-from .cache import Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats
+from .cache import Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats, StagingStats
 from .layout import LayerSpec, ModelLayout
 from .source import HostSource, checksum_bytes
 
@@ -34,7 +34,7 @@ __all__ = [
     "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
     "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
     "ModelLayout", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "PoisonedError",
-    "SourceIOError", "UnsupportedError", "checksum_bytes", "library_version",
+    "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version",
 ]
 
 

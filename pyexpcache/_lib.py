@@ -113,6 +113,15 @@ class Stats(ctypes.Structure):
     _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in STAT_FIELDS]
 
 
+STAGING_FIELDS = (
+    "calls", "pieces", "bytes", "caller_fills", "fill_ns", "chunk_waits", "chunk_wait_ns", "wait_ns", "send_ns",
+)
+
+
+class StagingStats(ctypes.Structure):
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in STAGING_FIELDS]
+
+
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
 CachePtr = c_void_p
 
@@ -193,6 +202,8 @@ _declare("expcache_layer_class", [CachePtr, c_uint32, POINTER(c_uint32)])
 # expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index, uint32_t path,
 #                                      expcache_stats_t* out);
 _declare("expcache_get_stats", [CachePtr, c_uint32, c_uint32, POINTER(Stats)])
+# expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out);
+_declare("expcache_get_staging_stats", [CachePtr, POINTER(StagingStats)])
 # expcache_status_t expcache_reset_stats(expcache_t* cache);
 _declare("expcache_reset_stats", [CachePtr])
 # expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user);

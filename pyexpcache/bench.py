@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from . import _cuda
-from .cache import ExpertCache
+from .cache import ExpertCache, StagingStats
 from .layout import ModelLayout
 from .policies import simulate_policy
 from .simulate import BATCH, DECODE, Call, simulate_belady, simulate_lru
@@ -178,6 +178,7 @@ class VariantResult:
     link_bound_tokens_per_s: Optional[float] = None
     belady_hit_rate: Optional[float] = None
     skipped: Optional[str] = None
+    staging: Optional[StagingStats] = None  # pageable or file sources: the staging ring's counters
 
     @property
     def tokens_per_s(self) -> float:
@@ -424,6 +425,8 @@ class Bench:
             total = stats.total
             result.hits, result.misses = total.hits, total.misses
             result.bytes_h2d, result.bytes_d2d, result.releases = total.bytes_h2d, total.bytes_d2d, total.releases
+            staging = cache.staging_stats()
+            result.staging = staging if staging.calls else None
         return result
 
     def _preload(self, cache: ExpertCache) -> None:

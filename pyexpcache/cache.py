@@ -128,6 +128,41 @@ class CacheStats:
 
 
 @dataclass
+class StagingStats:
+    """Counters of the staging ring (pageable and file sources): see expcache_staging_stats_t.
+    Times in nanoseconds; the per-call and per-piece figures are derived from them."""
+
+    calls: int = 0
+    pieces: int = 0
+    bytes: int = 0
+    caller_fills: int = 0
+    fill_ns: int = 0
+    chunk_waits: int = 0
+    chunk_wait_ns: int = 0
+    wait_ns: int = 0
+    send_ns: int = 0
+
+    @property
+    def pieces_per_call(self) -> float:
+        return self.pieces / self.calls if self.calls else 0.0
+
+    @property
+    def fill_us_per_piece(self) -> float:
+        """Filling time of one piece (memcpy or pread), on whichever thread filled it."""
+        return self.fill_ns / self.pieces / 1e3 if self.pieces else 0.0
+
+    @property
+    def wait_us_per_call(self) -> float:
+        """Time the calling thread waited for workers' pieces, per call."""
+        return self.wait_ns / self.calls / 1e3 if self.calls else 0.0
+
+    @property
+    def send_us_per_piece(self) -> float:
+        """Time the calling thread spent handing one piece to the link."""
+        return self.send_ns / self.pieces / 1e3 if self.pieces else 0.0
+
+
+@dataclass
 class CompactBuffer:
     """A contiguous device buffer from :meth:`ExpertCache.load_compact`: all gate parts,
     then all up parts, then all down parts. Owned by the cache; valid until the next
@@ -460,7 +495,16 @@ class ExpertCache:
             out.append(ClassStats(info, paths))
         return CacheStats(out)
 
+    def staging_stats(self) -> StagingStats:
+        """Counters of the staging ring that moves pageable and file misses (zeros when none was
+        staged): pieces, bytes, and where the time of a staged call goes."""
+        st = _lib.StagingStats()
+        st.struct_size = ctypes.sizeof(st)
+        lib.expcache_get_staging_stats(self._handle_or_raise(), ctypes.byref(st))
+        return StagingStats(**{n: getattr(st, n) for n in _lib.STAGING_FIELDS})
+
     def reset_stats(self) -> None:
+        """Zero every counter, the staging ring's too."""
         lib.expcache_reset_stats(self._handle_or_raise())
 
     @property

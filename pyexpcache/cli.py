@@ -111,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                    default=["pinned", "pageable", "file", "file-direct"],
                    help="file: reads served from the page cache; file-direct: O_DIRECT reads, from the disk")
     t.add_argument("--file-dir", default=None, help="folder for the file source's temporary file")
+    t.add_argument("--detail", action="store_true",
+                   help="also show where staged calls spend their time (the staging ring's counters)")
     i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
     i.add_argument("model", metavar="MODEL.gguf")
     sub.add_parser("info", help="library version, path and available backends")
@@ -208,7 +210,7 @@ def _transfer(args) -> int:
     threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
     rows = transfer.run(total_bytes=int(args.gib * GiB), device=args.device, copy_threads=threads,
                         chunks=args.chunks, sources=args.sources, file_dir=args.file_dir)
-    print(transfer.format_rows(rows))
+    print(transfer.format_rows(rows, detail=args.detail))
     return 0
 
 

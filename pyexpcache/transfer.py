@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import _cuda
-from .cache import ExpertCache
+from .cache import ExpertCache, StagingStats
 from .layout import LayerSpec, ModelLayout
 from .source import HostSource, LayerPlacement
 
@@ -45,6 +45,7 @@ class TransferRow:
     raw_same_gb_s: float
     raw_pinned_gb_s: float
     bytes_moved: int
+    staging: Optional[StagingStats] = None  # staged sources: where the time went
 
     @property
     def of_raw_pinned(self) -> float:
@@ -107,9 +108,10 @@ def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int =
         cache.synchronize(stream)
         dt = time.perf_counter() - t0
         st = cache.stats().total
+        staging = cache.staging_stats()
         if st.hits or st.misses != n:
             raise RuntimeError(f"transfer benchmark: expected {n} misses, got {st.misses} (hits {st.hits})")
-    return st.bytes_h2d / dt / 1e9, st.bytes_h2d
+    return st.bytes_h2d / dt / 1e9, st.bytes_h2d, staging
 
 
 def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=("tensor", "expert"),
@@ -154,9 +156,9 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
                                     extra["staging_chunk_bytes"] = chunk
                                 if kind == "file-direct":
                                     extra["file_reads"] = "direct"
-                                lib_gb_s, moved = _library_gb_s(layout, measured, stream, **extra)
+                                lib_gb_s, moved, staging = _library_gb_s(layout, measured, stream, **extra)
                                 rows.append(TransferRow(kind, threads, chunk, size, arrangement, lib_gb_s, raw_same,
-                                                        pinned_raw, moved))
+                                                        pinned_raw, moved, staging if staging.calls else None))
                                 if progress:
                                     progress(rows[-1])
     finally:
@@ -164,12 +166,24 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
     return rows
 
 
-def format_rows(rows: Sequence[TransferRow]) -> str:
+def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
+    """The table; ``detail`` adds where a staged call's time goes (per call of 6 experts: pieces,
+    the calling thread's wait for workers; per piece: fill and send times)."""
     from tabulate import tabulate
 
-    table = [[r.source, r.copy_threads if r.chunk_bytes else "—", f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
-              r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}", f"{r.raw_pinned_gb_s:.1f}",
-              f"{100 * r.of_raw_pinned:.0f} %"] for r in rows]
-    return tabulate(table, headers=["source", "copy threads", "chunk", "expert", "placement", "library GB/s",
-                                    "raw same-kind GB/s", "raw pinned GB/s", "library / raw pinned"],
-                    disable_numparse=True)
+    headers = ["source", "copy threads", "chunk", "expert", "placement", "library GB/s", "raw same-kind GB/s",
+               "raw pinned GB/s", "library / raw pinned"]
+    if detail:
+        headers += ["pieces/call", "caller wait µs/call", "fill µs/piece", "send µs/piece", "caller fills"]
+    table = []
+    for r in rows:
+        row = [r.source, r.copy_threads if r.chunk_bytes else "—", f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
+               r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}", f"{r.raw_pinned_gb_s:.1f}",
+               f"{100 * r.of_raw_pinned:.0f} %"]
+        if detail:
+            st = r.staging
+            row += ["—"] * 5 if st is None else [
+                f"{st.pieces_per_call:.1f}", f"{st.wait_us_per_call:.1f}", f"{st.fill_us_per_piece:.1f}",
+                f"{st.send_us_per_piece:.2f}", f"{100 * st.caller_fills / st.pieces:.0f} %" if st.pieces else "—"]
+        table.append(row)
+    return tabulate(table, headers=headers, disable_numparse=True)

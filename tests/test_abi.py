@@ -104,6 +104,12 @@ def _stats(size=None):
     return s
 
 
+def _staging(size=None):
+    s = _lib.StagingStats()
+    s.struct_size = ctypes.sizeof(s) if size is None else size
+    return s
+
+
 def _info():
     i = _lib.ClassInfo()
     i.struct_size = ctypes.sizeof(i)
@@ -214,6 +220,9 @@ CASES = [
     ("class_info NULL", "expcache_class_info", lambda h: (h, 0, None), INVALID, "out is NULL"),
     ("layer_class bad layer", "expcache_layer_class", lambda h: (h, 50, byref(OUT_U32)), INVALID, "layer 50"),
     ("layer_class NULL", "expcache_layer_class", lambda h: (h, 0, None), INVALID, "out_class is NULL"),
+    ("get_staging_stats NULL out", "expcache_get_staging_stats", lambda h: (h, None), INVALID, "out is NULL"),
+    ("get_staging_stats wrong size", "expcache_get_staging_stats", lambda h: (h, byref(_staging(8))), INVALID,
+     "struct_size is 8"),
     ("get_stats bad path", "expcache_get_stats", lambda h: (h, 0, 9, byref(_stats())), INVALID, "path 9"),
     ("get_stats bad class", "expcache_get_stats", lambda h: (h, 9, 0, byref(_stats())), INVALID, "class index 9"),
     ("get_stats struct_size", "expcache_get_stats", lambda h: (h, 0, 0, byref(_stats(8))), INVALID, "struct_size"),
@@ -257,6 +266,7 @@ HANDLE_CALLS = [
     ("expcache_class_info", lambda h: (h, 0, byref(_info()))),
     ("expcache_layer_class", lambda h: (h, 0, byref(OUT_U32))),
     ("expcache_get_stats", lambda h: (h, 0, 0, byref(_stats()))),
+    ("expcache_get_staging_stats", lambda h: (h, byref(_staging()))),
     ("expcache_reset_stats", lambda h: (h,)),
     ("expcache_set_log_callback", lambda h: (h, _lib.LOG_FN(), None)),
     ("expcache_set_log_level", lambda h: (h, 1)),

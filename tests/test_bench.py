@@ -239,3 +239,8 @@ def test_transfer_table_moves_every_byte_from_every_source(tmp_path):
         assert r.bytes_moved == 128 * sum(transfer.SIZES["0.5 MiB"])  # every expert of layer 1 once
     text = transfer.format_rows(rows)
     assert "file-direct" in text and "256 KiB" in text
+    for r in rows:  # staged sources say where their time went; pinned ones stage nothing
+        assert (r.staging is None) == (r.source == "pinned")
+        if r.staging is not None:
+            assert r.staging.bytes == r.bytes_moved
+    assert "caller wait" in transfer.format_rows(rows, detail=True)

@@ -406,6 +406,29 @@ def test_pageable_source_staged_through_the_pinned_ring(make_cache, copy_threads
     assert_served(cache, source, 0, [13, 14, 15], buf.pointers())
 
 
+@pytest.mark.parametrize("copy_threads", [1, 4])
+def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
+    from pyexpcache import StagingStats
+
+    layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="pageable")
+    cache, source = make_cache(layout, pinned=False, budget_experts=4, copy_threads=copy_threads,
+                               staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
+    assert cache.staging_stats() == StagingStats()
+    cache.select(0, [0, 1, 2])
+    st = cache.staging_stats()
+    expert = layout[0].expert_bytes
+    assert st.calls == 1
+    assert st.bytes == 3 * expert == cache.stats().total.bytes_h2d
+    assert st.pieces >= 3 * -(-expert // (128 << 10))  # no piece is larger than a chunk
+    assert st.fill_ns > 0 and st.send_ns > 0
+    if copy_threads == 1:  # no workers: the calling thread fills every piece and never waits
+        assert st.caller_fills == st.pieces and st.wait_ns == 0
+    cache.select(0, [0, 1, 2])  # all hits: nothing staged
+    assert cache.staging_stats().calls == 1
+    cache.reset_stats()
+    assert cache.staging_stats() == StagingStats()
+
+
 def _consistent(cache, source, layout):
     """Every resident expert holds exactly its source bytes."""
     for layer in layout.moe_layers:

@@ -461,7 +461,29 @@ typedef struct expcache_stats_t {
 EXPCACHE_API expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index,
                                                   uint32_t path, expcache_stats_t* out);
 
-/** Zero every counter. */
+/**
+ * Counters of the staging ring that moves misses of pageable and file sources
+ * (zero when none was staged): where a staged call's time goes. Times are
+ * nanoseconds of the host's steady clock.
+ */
+typedef struct expcache_staging_stats_t {
+    uint32_t struct_size;    /**< sizeof(expcache_staging_stats_t); set by the caller */
+    uint32_t reserved;
+    uint64_t calls;          /**< calls that staged something */
+    uint64_t pieces;         /**< pieces staged and sent (one fill, one transfer each) */
+    uint64_t bytes;          /**< bytes of those pieces */
+    uint64_t caller_fills;   /**< pieces the calling thread filled itself (no worker had taken them) */
+    uint64_t fill_ns;        /**< time spent filling pieces (memcpy or pread), summed over threads */
+    uint64_t chunk_waits;    /**< fills that first waited for the chunk's previous transfer */
+    uint64_t chunk_wait_ns;  /**< time those waits took, summed over threads */
+    uint64_t wait_ns;        /**< time the calling thread waited for pieces that workers were filling */
+    uint64_t send_ns;        /**< time the calling thread spent handing pieces to the link */
+} expcache_staging_stats_t;
+
+/** Counters of the staging ring since the cache was made or its stats were reset. */
+EXPCACHE_API expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out);
+
+/** Zero every counter (the staging ring's too). */
 EXPCACHE_API expcache_status_t expcache_reset_stats(expcache_t* cache);
 
 /* ---------------------------------------------------------------------- */

@@ -294,6 +294,14 @@ expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_ind
     });
 }
 
+expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->get_staging_stats(out);
+    });
+}
+
 expcache_status_t expcache_reset_stats(expcache_t* cache) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

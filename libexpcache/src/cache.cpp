@@ -1167,10 +1167,19 @@ expcache_status_t Cache::get_stats(uint32_t index, uint32_t path, expcache_stats
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::get_staging_stats(expcache_staging_stats_t* out) const {
+    CallScope scope(*this);
+    *out = expcache_staging_stats_t{};
+    backend_->staging_stats(out);
+    out->struct_size = sizeof *out;
+    return EXPCACHE_OK;
+}
+
 expcache_status_t Cache::reset_stats() {
     CallScope scope(*this);
     for (ClassState& c : classes_)
         for (expcache_stats_t& st : c.stats) st = expcache_stats_t{};
+    backend_->reset_staging_stats();
     return EXPCACHE_OK;
 }
 

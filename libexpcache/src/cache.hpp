@@ -99,6 +99,7 @@ public:
     expcache_status_t class_info(uint32_t index, expcache_class_info_t* out) const;
     expcache_status_t layer_class(uint32_t layer, uint32_t* out);
     expcache_status_t get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const;
+    expcache_status_t get_staging_stats(expcache_staging_stats_t* out) const;
     expcache_status_t reset_stats();
     expcache_status_t set_log_callback(expcache_log_fn fn, void* user);
     expcache_status_t set_log_level(uint32_t level);

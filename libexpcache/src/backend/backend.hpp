@@ -44,6 +44,9 @@ public:
     // stream; the first failure among them, or OK. Called at the end of every
     // serving call, and before any memory an upload may write to is freed.
     virtual expcache_status_t finish_uploads() = 0;
+    // The staging ring's counters, added to *out (nothing when it was never made).
+    virtual void staging_stats(expcache_staging_stats_t* out) const = 0;
+    virtual void reset_staging_stats() = 0;
     virtual expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
     virtual expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) = 0;
 

@@ -104,6 +104,12 @@ public:
         return ring().read(dst, file, offset, bytes, stream);
     }
     expcache_status_t finish_uploads() override { return ring_ ? ring_->finish() : EXPCACHE_OK; }
+    void staging_stats(expcache_staging_stats_t* out) const override {
+        if (ring_) ring_->stats(out);
+    }
+    void reset_staging_stats() override {
+        if (ring_) ring_->reset_stats();
+    }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void*) override {
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;

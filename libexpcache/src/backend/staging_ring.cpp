@@ -17,6 +17,12 @@ inline void cpu_relax() {
 #endif
 }
 
+uint64_t now_ns() {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+}
+
 // Poll `ready` for up to `us` microseconds; true as soon as it holds.
 template <typename Ready>
 bool spin_until(Ready&& ready, unsigned us) {
@@ -119,6 +125,7 @@ expcache_status_t StagingRing::read(void* dst, const SourceFile& file, uint64_t 
 expcache_status_t StagingRing::finish() {
     expcache_status_t status = EXPCACHE_OK;
     std::string message;
+    if (next_send_ < next_seq_) ++calls_;
     while (next_send_ < next_seq_) {
         const uint64_t seq = next_send_;
         Chunk& c = chunk_of(seq);
@@ -126,23 +133,30 @@ expcache_status_t StagingRing::finish() {
         if (!ready()) {
             std::unique_lock<std::mutex> lock(mu_);
             if (!queue_.empty() && queue_.front().seq == seq) {
+                ++caller_fills_;
                 fill_next(lock);  // nobody has taken it: fill it here
             } else {
                 lock.unlock();
+                const uint64_t t0 = now_ns();
                 if (!spin_until(ready, spin_us_)) {
                     lock.lock();
                     filled_.wait(lock, ready);
                 }
+                wait_ns_ += now_ns() - t0;
             }
         }
         if (status == EXPCACHE_OK && c.status != EXPCACHE_OK) {
             status = c.status;
             message = c.message;
         } else if (status == EXPCACHE_OK && !c.dropped) {
+            const uint64_t t0 = now_ns();
             expcache_status_t s = transport_.send(c.job.dst, static_cast<char*>(c.host) + c.delta, c.job.n,
                                                   c.job.stream, c.marker);
+            send_ns_ += now_ns() - t0;
             if (s == EXPCACHE_OK) {
                 c.sent = true;
+                ++pieces_;
+                bytes_ += c.job.n;
             } else {
                 status = s;
                 message = last_error();
@@ -202,17 +216,46 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
 
 expcache_status_t StagingRing::fill(const Job& job, Chunk& c) {
     expcache_status_t s;
+    uint64_t t0 = now_ns();
     if (c.sent) {
-        if ((s = transport_.wait(c.marker)) != EXPCACHE_OK) return s;
+        s = transport_.wait(c.marker);
+        const uint64_t t1 = now_ns();
+        chunk_waits_.fetch_add(1, std::memory_order_relaxed);
+        chunk_wait_ns_.fetch_add(t1 - t0, std::memory_order_relaxed);
+        t0 = t1;
+        if (s != EXPCACHE_OK) return s;
         c.sent = false;
     }
     char* host = static_cast<char*>(c.host);
     if (job.src) {
         std::memcpy(host, job.src, job.n);
-        return EXPCACHE_OK;
+        s = EXPCACHE_OK;
+    } else if (job.file->direct()) {
+        s = job.file->read_direct(host, job.offset, job.n, &c.delta);
+    } else {
+        s = job.file->read(host, job.offset, job.n);
     }
-    if (job.file->direct()) return job.file->read_direct(host, job.offset, job.n, &c.delta);
-    return job.file->read(host, job.offset, job.n);
+    fill_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
+    return s;
+}
+
+void StagingRing::stats(expcache_staging_stats_t* out) const {
+    out->calls += calls_;
+    out->pieces += pieces_;
+    out->bytes += bytes_;
+    out->caller_fills += caller_fills_;
+    out->fill_ns += fill_ns_.load(std::memory_order_relaxed);
+    out->chunk_waits += chunk_waits_.load(std::memory_order_relaxed);
+    out->chunk_wait_ns += chunk_wait_ns_.load(std::memory_order_relaxed);
+    out->wait_ns += wait_ns_;
+    out->send_ns += send_ns_;
+}
+
+void StagingRing::reset_stats() {
+    calls_ = pieces_ = bytes_ = caller_fills_ = wait_ns_ = send_ns_ = 0;
+    fill_ns_.store(0);
+    chunk_waits_.store(0);
+    chunk_wait_ns_.store(0);
 }
 
 }  // namespace expcache

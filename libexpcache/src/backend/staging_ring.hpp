@@ -67,6 +67,10 @@ public:
 
     uint64_t chunk_bytes() const { return chunk_; }
 
+    // Counters (expcache_staging_stats_t), added to *out; both only between batches.
+    void stats(expcache_staging_stats_t* out) const;
+    void reset_stats();
+
 private:
     struct Job {
         char* dst;
@@ -115,6 +119,9 @@ private:
     std::atomic<uint64_t> queued_{0};   // in queue_ (written under mu_, polled without it)
     std::atomic<bool> dropping_{false}; // a job of this batch failed: skip filling the rest
     std::atomic<bool> stop_{false};
+    // Counters: the caller's, and (atomic) those any filling thread adds to.
+    uint64_t calls_ = 0, pieces_ = 0, bytes_ = 0, caller_fills_ = 0, wait_ns_ = 0, send_ns_ = 0;
+    std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
 };
 
 }  // namespace expcache
