@@ -36,7 +36,7 @@ run_step() {
         tests/test_gguf.py ;;
     racecheck) step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
         python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py ;;
-    transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --chunks 512K,1M ;;
+    transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --chunks 512K,1M --detail ;;
     staging_sweep) step staging_sweep 300 python3 benchmarks/staging_sweep.py ;;
     decode_pinned) step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json" ;;
     decode_no_layer_sync) step decode_no_layer_sync 240 python3 -m pyexpcache bench --quiet --no-layer-sync \
