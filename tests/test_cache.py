@@ -406,6 +406,19 @@ def test_pageable_source_staged_through_the_pinned_ring(make_cache, copy_threads
     assert_served(cache, source, 0, [13, 14, 15], buf.pointers())
 
 
+def test_a_ring_of_two_chunks_serves_many_threads(make_cache):
+    # Eight threads and two 512 KiB chunks: every piece waits for its chunk's previous one to be
+    # sent, and each chunk is reused many times within one call.
+    layout = ModelLayout((LayerSpec(12, 700_000, 700_000, 900_104),), name="two-chunks")
+    cache, source = make_cache(layout, pinned=False, budget_experts=4, copy_threads=8, staging_bytes=1 << 20,
+                               staging_chunk_bytes=512 << 10)
+    for ids in ([0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11, 0]):
+        ptrs = cache.select(0, ids)
+        assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
+    assert_served(cache, source, 0, [8, 9, 1], cache.load_compact(0, [8, 9, 1]).pointers())
+    assert cache.staging_stats().pieces >= 13 * -(-layout[0].expert_bytes // (512 << 10))
+
+
 @pytest.mark.parametrize("copy_threads", [1, 4])
 def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
     from pyexpcache import StagingStats

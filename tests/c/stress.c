@@ -728,6 +728,9 @@ static void op_create(void) {
     cfg.slab_bytes = pct(20) ? ((uint64_t)512 << 20) : between(1, 32768);
     cfg.copy_threads = (uint32_t)below(9);
     cfg.staging_chunk_bytes = (uint64_t)(64 << 10) << below(6); /* 64 KiB..2 MiB */
+    /* Sometimes a ring of only a few chunks, so that pieces wait for their chunk's turn and
+       chunks are reused within one call. */
+    if (pct(30)) cfg.staging_bytes = (uint64_t)1 << 20;
     cfg.file_reads = pct(50) ? EXPCACHE_FILE_READS_DIRECT : EXPCACHE_FILE_READS_BUFFERED;
     /* Nothing below predicts victims, so every check holds for either policy. */
     cfg.policy = pct(50) ? EXPCACHE_POLICY_OPPCLASS : EXPCACHE_POLICY_LRU;
