@@ -36,7 +36,7 @@ help:
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / bench-quick: see benchmarks/README.md"
-	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test) and valgrind (valgrind-test)"
+	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
 	@echo "make clean   remove $(BUILD)/"
 	@echo "variables: PYTHON=$(PYTHON) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
 
