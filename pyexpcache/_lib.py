@@ -214,6 +214,8 @@ _declare("expcache_set_log_level", [CachePtr, c_uint32])
 _declare("expcache_inject_alloc_failures", [CachePtr, c_uint64, c_uint64])
 # expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
 _declare("expcache_inject_copy_failures", [CachePtr, c_uint64, c_uint64])
+# expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+_declare("expcache_inject_staging_failures", [CachePtr, c_uint64, c_uint64])
 # expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
 _declare("expcache_device_bytes_in_use", [CachePtr, POINTER(c_uint64)])
 # expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,

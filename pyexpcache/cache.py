@@ -522,3 +522,8 @@ class ExpertCache:
     def fail_copy_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` copies be issued, then fail the next ``count`` (CudaError)."""
         lib.expcache_inject_copy_failures(self._handle_or_raise(), n, count)
+
+    def fail_staging_after(self, n: int, count: int = 1) -> None:
+        """Fault injection: let ``n`` staged pieces (pageable and file uploads) be filled, then
+        fail the next ``count`` on the staging threads (CudaError from the call that staged them)."""
+        lib.expcache_inject_staging_failures(self._handle_or_raise(), n, count)

@@ -272,6 +272,7 @@ HANDLE_CALLS = [
     ("expcache_set_log_level", lambda h: (h, 1)),
     ("expcache_inject_alloc_failures", lambda h: (h, 0, 0)),
     ("expcache_inject_copy_failures", lambda h: (h, 0, 0)),
+    ("expcache_inject_staging_failures", lambda h: (h, 0, 0)),
     ("expcache_device_bytes_in_use", lambda h: (h, byref(OUT_U64))),
 ]
 

@@ -420,6 +420,39 @@ def test_a_ring_of_two_chunks_serves_many_threads(make_cache):
 
 
 @pytest.mark.parametrize("copy_threads", [1, 4])
+@pytest.mark.parametrize("skip", [0, 3, 9])
+def test_failed_staged_piece_leaves_none_of_the_calls_experts_resident(make_cache, copy_threads, skip):
+    from pyexpcache import CudaError
+
+    layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="staged-fault")
+    cache, source = make_cache(layout, pinned=False, budget_experts=6, copy_threads=copy_threads,
+                               staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
+    cache.select(0, [0, 1])
+    cache.fail_staging_after(skip)
+    # Each expert is three uploads of several pieces: the failing piece is inside this call.
+    with pytest.raises(CudaError, match="injected staging failure"):
+        cache.select(0, [0, 2, 3, 4])
+    assert cache.read_expert(0, 0) is not None  # the call's hit stays
+    for e in (2, 3, 4):  # whatever was uploaded before the failing piece is not resident either
+        assert cache.read_expert(0, e) is None
+    _consistent(cache, source, layout)
+    # The next calls are served, byte for byte; batches and compact loads fail the same way.
+    ptrs = cache.select(0, [2, 3, 4])
+    assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in (2, 3, 4)]
+    cache.fail_staging_after(skip)
+    with pytest.raises(CudaError, match="injected staging failure"):
+        cache.load_compact(0, [5, 6, 7])
+    cache.fail_staging_after(skip)
+    with pytest.raises(CudaError, match="injected staging failure"):
+        cache.prepare_batch(0, [[8, 9], [10, 11]])
+    for e in (8, 9, 10, 11):
+        assert cache.read_expert(0, e) is None
+    assert all(c.held_experts == 0 for c in cache.classes())  # the failed batch holds nothing
+    _consistent(cache, source, layout)
+    assert_served(cache, source, 0, [5, 6, 7], cache.load_compact(0, [5, 6, 7]).pointers())
+
+
+@pytest.mark.parametrize("copy_threads", [1, 4])
 def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
     from pyexpcache import StagingStats
 

@@ -514,6 +514,15 @@ EXPCACHE_API expcache_status_t expcache_inject_alloc_failures(expcache_t* cache,
  */
 EXPCACHE_API expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
 
+/**
+ * Fault injection, both backends: let the next `skip` staged pieces (the
+ * pieces of pageable and file uploads, filled on the staging threads) be
+ * filled, then make the following `count` fail on those threads with
+ * EXPCACHE_ERR_CUDA, as a failed transfer would. The call that staged them
+ * fails, and none of the experts it loaded stays resident. count 0 disables.
+ */
+EXPCACHE_API expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+
 /** Device bytes this cache currently has allocated (slots and staging). */
 EXPCACHE_API expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
 

@@ -337,6 +337,13 @@ expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip
     });
 }
 
+expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->inject_staging_failures(skip, count);
+    });
+}
+
 expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

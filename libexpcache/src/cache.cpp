@@ -1211,6 +1211,12 @@ expcache_status_t Cache::inject_copy_failures(uint64_t skip, uint64_t count) {
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::inject_staging_failures(uint64_t skip, uint64_t count) {
+    CallScope scope(*this);
+    backend_->inject_staging_failures(count ? skip : 0, count);
+    return EXPCACHE_OK;
+}
+
 expcache_status_t Cache::device_bytes_in_use(uint64_t* out) const {
     CallScope scope(*this);
     *out = device_bytes_;

@@ -105,6 +105,7 @@ public:
     expcache_status_t set_log_level(uint32_t level);
     expcache_status_t inject_alloc_failures(uint64_t skip, uint64_t count);
     expcache_status_t inject_copy_failures(uint64_t skip, uint64_t count);
+    expcache_status_t inject_staging_failures(uint64_t skip, uint64_t count);
     expcache_status_t device_bytes_in_use(uint64_t* out) const;
 
 private:

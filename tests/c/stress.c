@@ -97,6 +97,7 @@ static uint64_t between(uint64_t lo, uint64_t hi) { return lo + below(hi - lo + 
 static int pct(unsigned p) { return below(100) < p; }
 
 static uint64_t g_op, g_calls, g_bad, g_errors, g_faults_armed, g_faults_seen, g_ooms, g_verified_bytes;
+static uint64_t g_staging_faults_seen; /* calls failed by an injected staging fault */
 static uint64_t g_creates, g_destroys, g_log_lines, g_selects, g_compacts, g_batches, g_finishes, g_releases;
 static uint64_t g_serial; /* cache serial numbers: source patterns and messages */
 static uint64_t g_cur;    /* serial of the cache the current op works on */
@@ -225,6 +226,7 @@ typedef struct {
     expcache_class_info_t info[EXPCACHE_MAX_CLASSES_LIMIT];
     uint64_t compact_cap, overflow_cap;
     uint64_t copy_faults_left; /* injected copy failures that may still fire */
+    uint64_t staging_faults_left; /* injected staging failures that may still fire (at least) */
     uint32_t nfiles;           /* files opened: ids 0..nfiles-1 */
     int sel_valid;
     uint32_t sel_layer, sel_k;
@@ -1117,25 +1119,50 @@ static int get_stat(Model* m, uint32_t c, uint32_t path, expcache_stats_t* st) {
 #define DELTA(f) (st.f - o->f)
 
 /* Statuses a valid serving call may return: OK, INVALID_STATE (no class index free), OUT_OF_DEVICE_MEMORY,
- * and CUDA only while injected copy failures may still fire (the host backend has no CUDA otherwise). */
-static uint32_t serving_statuses(const Model* m) { return ST(OK) | ST(IS) | ST(OOM) | (m->copy_faults_left ? ST(CUDA) : 0); }
-
-static void consumed_copy_fault(Model* m, expcache_status_t s) {
-    if (s == CUDA && m->copy_faults_left) m->copy_faults_left--;
+ * and CUDA only while injected copy or staging failures may still fire (the host backend has no CUDA
+ * otherwise). */
+static uint32_t serving_statuses(const Model* m) {
+    return ST(OK) | ST(IS) | ST(OOM) | (m->copy_faults_left || m->staging_faults_left ? ST(CUDA) : 0);
 }
 
-/* After a failed call, the device bytes the staging holds are one of two values: adopt the one that matches. */
-static void resolve_staging(Model* m, uint64_t* cap, uint64_t alt, const char* what) {
-    if (alt == *cap) return;
-    uint64_t db = 0, slots = 0, batch = 0;
-    expcache_device_bytes_in_use(m->h, &db);
+/* A CUDA status consumed an injected fault; the message says which (both, when a staged piece had
+ * failed too before the call's own copy did). A failing call may consume several staging faults
+ * (pieces on other threads): the count left is an upper bound, which only makes the check laxer. */
+static void consumed_copy_fault(Model* m, expcache_status_t s) {
+    if (s != CUDA) return;
+    const char* msg = expcache_last_error();
+    int staged = strstr(msg, "injected staging failure") != NULL;
+    int copied = strstr(msg, "injected copy failure") != NULL;
+    if (!staged && !copied) diverge("a CUDA status with no injected fault behind it: %s", msg);
+    if (staged) g_staging_faults_seen++;
+    if (staged && m->staging_faults_left) m->staging_faults_left--;
+    if (copied && m->copy_faults_left) m->copy_faults_left--;
+}
+
+/* The device bytes the model does not attribute to the staging buffer `cap`. */
+static uint64_t bytes_besides(Model* m, const uint64_t* cap, uint64_t* db) {
+    uint64_t slots = 0, batch = 0;
+    expcache_device_bytes_in_use(m->h, db);
     for (uint32_t c = 0; c < m->max_classes; ++c) {
         expcache_class_info_t ci;
         ci.struct_size = sizeof ci;
         if (expcache_class_info(m->h, c, &ci) == OK) slots += ci.allocated_experts * ci.slot_bytes;
     }
     for (int b = 0; b < m->nbatches; ++b) batch += m->batches[b].staging;
-    uint64_t other = slots + batch + m->compact_cap + m->overflow_cap - *cap;
+    return slots + batch + m->compact_cap + m->overflow_cap - *cap;
+}
+
+/* Adopt `alt` as the staging buffer's size if the device bytes say so. */
+static void resolve_staging_if(Model* m, uint64_t* cap, uint64_t alt) {
+    uint64_t db = 0;
+    uint64_t other = bytes_besides(m, cap, &db);
+    if (other + alt == db) *cap = alt;
+}
+
+/* After a failed call, the device bytes the staging holds are one of two values: adopt the one that matches. */
+static void resolve_staging(Model* m, uint64_t* cap, uint64_t alt, const char* what) {
+    uint64_t db = 0;
+    uint64_t other = bytes_besides(m, cap, &db);
     if (db == other + alt) *cap = alt;
     else if (db != other + *cap)
         diverge("after a failed call device_bytes_in_use is %" PRIu64 "; with the %s buffer at %" PRIu64 " or %" PRIu64
@@ -1184,10 +1211,21 @@ static void op_select(Model* m) {
         }
         if (s == OOM) m->overflow_cap = 0; /* the overflow buffer was being replaced */
         if (s == CUDA) {                    /* a copy failed: the overflow buffer may have been replaced first */
-            uint32_t post = 0;
-            for (uint32_t j = 0; j < u; ++j) post += resident(m, layer, g_u[j]) == 1;
-            uint64_t need = (uint64_t)(u - post) * slot_bytes_of(L->bytes);
-            if (need > m->overflow_cap) resolve_staging(m, &m->overflow_cap, need, "overflow");
+            uint64_t slot = slot_bytes_of(L->bytes);
+            if (strstr(expcache_last_error(), "injected staging failure")) {
+                /* A staged piece failed: the call's new experts are all gone, so the overflow's size
+                   (the misses that found no slot) cannot be read from residency. Any count up to the
+                   call's misses may have been asked for. */
+                uint64_t before = m->overflow_cap;
+                for (uint32_t n = u - pre_res; n > 0 && m->overflow_cap == before; --n)
+                    if ((uint64_t)n * slot > before) resolve_staging_if(m, &m->overflow_cap, (uint64_t)n * slot);
+                resolve_staging(m, &m->overflow_cap, m->overflow_cap, "overflow");
+            } else {
+                uint32_t post = 0;
+                for (uint32_t j = 0; j < u; ++j) post += resident(m, layer, g_u[j]) == 1;
+                uint64_t need = (uint64_t)(u - post) * slot;
+                if (need > m->overflow_cap) resolve_staging(m, &m->overflow_cap, need, "overflow");
+            }
         }
         /* Hits of a failed call stay resident (a consistent cache): checked by the deep sweep. */
         for (uint32_t j = 0; j < u; ++j)
@@ -1536,6 +1574,17 @@ static void op_inject_copy(Model* m) {
     check_status("expcache_inject_copy_failures", s, ST(OK));
     trace("inject_copy_failures skip %" PRIu64 " count %" PRIu64 ": %s", skip, count, sname(s));
     if (s == OK) m->copy_faults_left = count;
+    g_faults_armed += count;
+    check_invariants(m, 0, 1);
+}
+
+static void op_inject_staging(Model* m) {
+    g_cur_op = "inject_staging_failures";
+    uint64_t skip = below(60), count = pct(20) ? 0 : between(1, 2);
+    expcache_status_t s = expcache_inject_staging_failures(m->h, skip, count);
+    check_status("expcache_inject_staging_failures", s, ST(OK));
+    trace("inject_staging_failures skip %" PRIu64 " count %" PRIu64 ": %s", skip, count, sname(s));
+    if (s == OK) m->staging_faults_left = count;
     g_faults_armed += count;
     check_invariants(m, 0, 1);
 }
@@ -2188,7 +2237,8 @@ static void step(void) {
     else if (r < 600) op_batch_finish(m);
     else if (r < 625) op_release_all(m);
     else if (r < 660) op_inject(m);
-    else if (r < 680) op_inject_copy(m);
+    else if (r < 670) op_inject_copy(m);
+    else if (r < 680) op_inject_staging(m);
     else if (r < 690) op_reset_stats(m);
     else if (r < 720) op_layer_class(m);
     else if (r < 760) op_read_resident(m);
@@ -2262,8 +2312,9 @@ int main(int argc, char** argv) {
     printf("stress: %" PRIu64 " selects, %" PRIu64 " compacts, %" PRIu64 " batch prepares, %" PRIu64
            " finishes, %" PRIu64 " releases, %" PRIu64 " log lines, %" PRIu64 " MiB verified\n",
            g_selects, g_compacts, g_batches, g_finishes, g_releases, g_log_lines, g_verified_bytes >> 20);
-    printf("stress: faults injected %" PRIu64 " (armed; %" PRIu64 " seen failing), %" PRIu64
-           " out-of-memory statuses, %" PRIu64 " bad inputs tried, %" PRIu64 " errors found\n",
-           g_faults_armed, g_faults_seen, g_ooms, g_bad, g_errors);
+    printf("stress: faults injected %" PRIu64 " (armed; %" PRIu64 " seen failing, %" PRIu64
+           " of them on staging threads), %" PRIu64 " out-of-memory statuses, %" PRIu64 " bad inputs tried, %" PRIu64
+           " errors found\n",
+           g_faults_armed, g_faults_seen, g_staging_faults_seen, g_ooms, g_bad, g_errors);
     return g_errors ? 1 : 0;
 }

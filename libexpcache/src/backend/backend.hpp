@@ -47,6 +47,8 @@ public:
     // The staging ring's counters, added to *out (nothing when it was never made).
     virtual void staging_stats(expcache_staging_stats_t* out) const = 0;
     virtual void reset_staging_stats() = 0;
+    // Fault injection: the staged pieces after the next `skip` fail, `count` of them.
+    virtual void inject_staging_failures(uint64_t skip, uint64_t count) = 0;
     virtual expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
     virtual expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) = 0;
 

@@ -110,6 +110,7 @@ public:
     void reset_staging_stats() override {
         if (ring_) ring_->reset_stats();
     }
+    void inject_staging_failures(uint64_t skip, uint64_t count) override { ring().inject_failures(skip, count); }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void*) override {
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;

@@ -195,6 +195,15 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
     // The chunk's previous job was queued earlier: the caller sends it in order.
     turn_.wait(lock, [&] { return c.turn == job.seq; });
     const bool drop = dropping_.load();
+    bool injected = false;
+    if (!drop && inject_count_ > 0) {  // pieces are popped in queue order: the Nth piece fails
+        if (inject_skip_ > 0) {
+            --inject_skip_;
+        } else {
+            --inject_count_;
+            injected = true;
+        }
+    }
     lock.unlock();
     c.job = job;
     c.delta = 0;
@@ -202,7 +211,10 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
     // Nothing may escape a worker thread (std::terminate): an allocation failure while
     // formatting an error message becomes a status too.
     try {
-        c.status = drop ? EXPCACHE_OK : fill(job, c);
+        c.status = drop       ? EXPCACHE_OK
+                   : injected ? fail(EXPCACHE_ERR_CUDA, "injected staging failure (piece %llu)",
+                                     (unsigned long long)job.seq)
+                              : fill(job, c);
         c.message = c.status == EXPCACHE_OK ? std::string() : std::string(last_error());
     } catch (...) {
         c.status = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
@@ -249,6 +261,12 @@ void StagingRing::stats(expcache_staging_stats_t* out) const {
     out->chunk_wait_ns += chunk_wait_ns_.load(std::memory_order_relaxed);
     out->wait_ns += wait_ns_;
     out->send_ns += send_ns_;
+}
+
+void StagingRing::inject_failures(uint64_t skip, uint64_t count) {
+    std::lock_guard<std::mutex> lock(mu_);
+    inject_skip_ = skip;
+    inject_count_ = count;
 }
 
 void StagingRing::reset_stats() {

@@ -70,6 +70,9 @@ public:
     // Counters (expcache_staging_stats_t), added to *out; both only between batches.
     void stats(expcache_staging_stats_t* out) const;
     void reset_stats();
+    // Fault injection (between batches): the pieces filled after the next `skip` fail, `count`
+    // of them, in queue order.
+    void inject_failures(uint64_t skip, uint64_t count);
 
 private:
     struct Job {
@@ -122,6 +125,7 @@ private:
     // Counters: the caller's, and (atomic) those any filling thread adds to.
     uint64_t calls_ = 0, pieces_ = 0, bytes_ = 0, caller_fills_ = 0, wait_ns_ = 0, send_ns_ = 0;
     std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
+    uint64_t inject_skip_ = 0, inject_count_ = 0;  // under mu_
 };
 
 }  // namespace expcache
