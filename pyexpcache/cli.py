@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                    "layout; its layers and experts must match the traces")
     b.add_argument("--gguf-reads", choices=("mmap", "file"), default="mmap",
                    help="with --gguf: copy misses from a mapping of the file (pageable) or read them from the file "
-                        "(pread, O_DIRECT where allowed)")
+                        "(pread; see --file-reads)")
     b.add_argument("--scenario", type=_csv(SCENARIOS + ("all",)), default=["decode"],
                    help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
     b.add_argument("--traces", type=_csv(None), default=list(DEFAULT_TRACES),

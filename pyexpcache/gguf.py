@@ -346,8 +346,9 @@ class GGUFSource(BufferSource):
         layout: if given, must equal the file's layout (:func:`layout_from_gguf`);
             it then becomes ``self.layout``.
         reads: ``"mmap"`` (misses copied from the mapping, staged through the pinned ring)
-            or ``"file"`` (misses read from the file with pread, O_DIRECT where the file
-            system allows, several reads in flight: for models larger than RAM).
+            or ``"file"`` (misses read from the file with pread, several reads in flight,
+            through the page cache or, with ``ExpertCache(..., file_reads="direct")``, with
+            O_DIRECT where the file system allows it: for models larger than RAM).
 
     The file must not be modified or truncated while mapped, and a cache using the
     source must be closed before the source.
@@ -359,8 +360,8 @@ class GGUFSource(BufferSource):
         if reads not in ("mmap", "file"):
             raise ValueError(f"reads must be 'mmap' or 'file', got {reads!r}")
         self.path = os.fspath(path)
-        # "file": the cache reads misses from the file itself (pread, O_DIRECT where allowed), for
-        # models larger than RAM; the mapping then only serves verification.
+        # "file": the cache reads misses from the file itself (pread; the cache's file_reads says
+        # whether through the page cache or O_DIRECT); the mapping then only serves verification.
         self.file_path = self.path if reads == "file" else None
         self._mm = None
         self.buffer = np.empty(0, np.uint8)
