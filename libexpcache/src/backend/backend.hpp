@@ -9,6 +9,7 @@
 
 #include "expcache.h"
 #include "source_file.hpp"
+#include "staging_ring.hpp"
 
 namespace expcache {
 
@@ -75,6 +76,49 @@ struct StagingConfig {
     uint32_t copy_threads;  // 0: pageable copies go straight to the link, files are read by the caller
     uint64_t ring_bytes;
     uint64_t chunk_bytes;
+};
+
+// What both backends share: pageable and file uploads go through a StagingRing
+// over the backend's Transport; a backend supplies only its direct upload (a
+// pinned source, or any source with copy_threads 0).
+class StagingBackend : public Backend {
+public:
+    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) final {
+        if (!pinned && staging_.copy_threads > 0) return ring().copy(dst, src, bytes, stream);
+        return copy_h2d_direct(dst, src, bytes, stream);
+    }
+    expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
+                                void* stream) final {
+        return ring().read(dst, file, offset, bytes, stream);
+    }
+    expcache_status_t finish_uploads() final { return ring_ ? ring_->finish() : EXPCACHE_OK; }
+    void staging_stats(expcache_staging_stats_t* out) const final {
+        if (ring_) ring_->stats(out);
+    }
+    void reset_staging_stats() final {
+        if (ring_) ring_->reset_stats();
+    }
+    void inject_staging_failures(uint64_t skip, uint64_t count) final { ring().inject_failures(skip, count); }
+
+protected:
+    StagingBackend(const StagingConfig& staging, std::unique_ptr<StagingRing::Transport> transport)
+        : staging_(staging), transport_(std::move(transport)) {}
+    virtual expcache_status_t copy_h2d_direct(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
+    // Stop the staging threads and free the chunks; a backend calls it first in its destructor,
+    // with its device current.
+    void release_staging() { ring_.reset(); }
+
+private:
+    // Made on first use: caches that never stage start no threads.
+    StagingRing& ring() {
+        if (!ring_)
+            ring_.reset(new StagingRing(*transport_, staging_.copy_threads, staging_.ring_bytes, staging_.chunk_bytes));
+        return *ring_;
+    }
+
+    StagingConfig staging_;
+    std::unique_ptr<StagingRing::Transport> transport_;
+    std::unique_ptr<StagingRing> ring_;  // after transport_: destroyed first
 };
 
 // capacity_bytes: the emulated device size. The host backend stages pageable

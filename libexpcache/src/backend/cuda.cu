@@ -88,12 +88,13 @@ private:
     int device_;
 };
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public StagingBackend {
 public:
-    CudaBackend(int device, const StagingConfig& staging) : device_(device), staging_(staging), transport_(device) {}
+    CudaBackend(int device, const StagingConfig& staging)
+        : StagingBackend(staging, std::unique_ptr<StagingRing::Transport>(new CudaTransport(device))), device_(device) {}
     ~CudaBackend() override {
         enter();
-        ring_.reset();
+        release_staging();
         cudaDeviceSynchronize();
         for (auto& d : deferred_) {
             cudaFree(d.ptr);
@@ -167,23 +168,10 @@ public:
         *total_bytes = t;
         return EXPCACHE_OK;
     }
-    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) override {
-        if (!pinned && staging_.copy_threads > 0) return ring().copy(dst, src, bytes, stream);
+    expcache_status_t copy_h2d_direct(void* dst, const void* src, uint64_t bytes, void* stream) override {
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
-    expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
-                                void* stream) override {
-        return ring().read(dst, file, offset, bytes, stream);
-    }
-    expcache_status_t finish_uploads() override { return ring_ ? ring_->finish() : EXPCACHE_OK; }
-    void staging_stats(expcache_staging_stats_t* out) const override {
-        if (ring_) ring_->stats(out);
-    }
-    void reset_staging_stats() override {
-        if (ring_) ring_->reset_stats();
-    }
-    void inject_staging_failures(uint64_t skip, uint64_t count) override { ring().inject_failures(skip, count); }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
@@ -217,27 +205,17 @@ public:
     }
 
 private:
-    // Made on first use: caches over pinned sources never start the threads.
-    StagingRing& ring() {
-        if (!ring_)
-            ring_.reset(new StagingRing(transport_, staging_.copy_threads, staging_.ring_bytes, staging_.chunk_bytes));
-        return *ring_;
-    }
-
     struct Deferred {
         void* ptr;
         cudaEvent_t event;
     };
     int device_;
-    StagingConfig staging_;
-    CudaTransport transport_;
     int depth_ = 0;
     int saved_device_ = -1;
     cudaEvent_t fence_event_ = nullptr;
     std::vector<Deferred> deferred_;
     std::vector<cudaEvent_t> event_pool_;
     ChecksumScratch checksum_;
-    std::unique_ptr<StagingRing> ring_;  // after transport_: destroyed first
 };
 
 }  // namespace

@@ -52,11 +52,12 @@ public:
     expcache_status_t wait(void*) override { return EXPCACHE_OK; }
 };
 
-class HostBackend final : public Backend {
+class HostBackend final : public StagingBackend {
 public:
-    HostBackend(uint64_t capacity, const StagingConfig& staging) : capacity_(capacity), staging_(staging) {}
+    HostBackend(uint64_t capacity, const StagingConfig& staging)
+        : StagingBackend(staging, std::unique_ptr<StagingRing::Transport>(new HostTransport())), capacity_(capacity) {}
     ~HostBackend() override {
-        ring_.reset();
+        release_staging();
         for (auto& kv : sizes_) std::free(kv.first);
     }
     uint32_t kind() const override { return EXPCACHE_BACKEND_HOST; }
@@ -94,23 +95,10 @@ public:
         *total_bytes = capacity_;
         return EXPCACHE_OK;
     }
-    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) override {
-        if (!pinned && staging_.copy_threads > 0) return ring().copy(dst, src, bytes, stream);
+    expcache_status_t copy_h2d_direct(void* dst, const void* src, uint64_t bytes, void*) override {
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;
     }
-    expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
-                                void* stream) override {
-        return ring().read(dst, file, offset, bytes, stream);
-    }
-    expcache_status_t finish_uploads() override { return ring_ ? ring_->finish() : EXPCACHE_OK; }
-    void staging_stats(expcache_staging_stats_t* out) const override {
-        if (ring_) ring_->stats(out);
-    }
-    void reset_staging_stats() override {
-        if (ring_) ring_->reset_stats();
-    }
-    void inject_staging_failures(uint64_t skip, uint64_t count) override { ring().inject_failures(skip, count); }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void*) override {
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;
@@ -136,17 +124,7 @@ public:
     }
 
 private:
-    // Made on first use: caches that never stage start no threads.
-    StagingRing& ring() {
-        if (!ring_)
-            ring_.reset(new StagingRing(transport_, staging_.copy_threads, staging_.ring_bytes, staging_.chunk_bytes));
-        return *ring_;
-    }
-
     uint64_t capacity_;
-    StagingConfig staging_;
-    HostTransport transport_;
-    std::unique_ptr<StagingRing> ring_;  // after transport_: destroyed first
     uint64_t used_ = 0;
     std::vector<uint64_t> results_;  // checksum result slots
     std::unordered_map<void*, uint64_t> sizes_;
