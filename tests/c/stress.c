@@ -1557,36 +1557,33 @@ static void op_release_all(Model* m) {
 /* Inspection, control, bad input                                            */
 /* ------------------------------------------------------------------------ */
 
-static void op_inject(Model* m) {
-    g_cur_op = "inject_alloc_failures";
-    uint64_t skip = below(5), count = pct(30) ? 0 : between(1, 3);
-    expcache_status_t s = expcache_inject_alloc_failures(m->h, skip, count);
-    check_status("expcache_inject_alloc_failures", s, ST(OK));
-    trace("inject_alloc_failures skip %" PRIu64 " count %" PRIu64 ": %s", skip, count, sname(s));
+/* Arm `count` injected faults after `skip` through `inject` (named `fn`); `left`, when given,
+   tracks the ones that may still fire. */
+static void arm_faults(Model* m, const char* fn, expcache_status_t (*inject)(expcache_t*, uint64_t, uint64_t),
+                       uint64_t skip, uint64_t count, uint64_t* left) {
+    g_cur_op = fn + strlen("expcache_");
+    expcache_status_t s = inject(m->h, skip, count);
+    check_status(fn, s, ST(OK));
+    trace("%s skip %" PRIu64 " count %" PRIu64 ": %s", g_cur_op, skip, count, sname(s));
+    if (s == OK && left) *left = count;
     g_faults_armed += count;
     check_invariants(m, 0, 1);
+}
+
+static void op_inject(Model* m) {
+    uint64_t skip = below(5), count = pct(30) ? 0 : between(1, 3);
+    arm_faults(m, "expcache_inject_alloc_failures", expcache_inject_alloc_failures, skip, count, NULL);
 }
 
 static void op_inject_copy(Model* m) {
-    g_cur_op = "inject_copy_failures";
     uint64_t skip = below(40), count = pct(20) ? 0 : between(1, 2);
-    expcache_status_t s = expcache_inject_copy_failures(m->h, skip, count);
-    check_status("expcache_inject_copy_failures", s, ST(OK));
-    trace("inject_copy_failures skip %" PRIu64 " count %" PRIu64 ": %s", skip, count, sname(s));
-    if (s == OK) m->copy_faults_left = count;
-    g_faults_armed += count;
-    check_invariants(m, 0, 1);
+    arm_faults(m, "expcache_inject_copy_failures", expcache_inject_copy_failures, skip, count, &m->copy_faults_left);
 }
 
 static void op_inject_staging(Model* m) {
-    g_cur_op = "inject_staging_failures";
     uint64_t skip = below(60), count = pct(20) ? 0 : between(1, 2);
-    expcache_status_t s = expcache_inject_staging_failures(m->h, skip, count);
-    check_status("expcache_inject_staging_failures", s, ST(OK));
-    trace("inject_staging_failures skip %" PRIu64 " count %" PRIu64 ": %s", skip, count, sname(s));
-    if (s == OK) m->staging_faults_left = count;
-    g_faults_armed += count;
-    check_invariants(m, 0, 1);
+    arm_faults(m, "expcache_inject_staging_failures", expcache_inject_staging_failures, skip, count,
+               &m->staging_faults_left);
 }
 
 static void op_reset_stats(Model* m) {
