@@ -11,7 +11,9 @@ WARN       = -Wall -Wextra -Wno-unused-parameter
 COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
 
 CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/cache.cpp \
-            libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/source_file.cpp
+            libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp \
+            libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
+            libexpcache/src/backend/source_file.cpp
 CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu
 HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
 
@@ -26,7 +28,7 @@ CUDA_LIB  = $(BUILD)/libexpcache.so
 REPLAY_LIB = $(BUILD)/libexpcache_replay.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
-.PHONY: all lib deps test bench select-overhead help clean
+.PHONY: all lib deps test bench select-overhead copy-methods help clean
 all: lib
 
 help:
@@ -35,6 +37,7 @@ help:
 	@echo "make test    build, run the test suite (CUDA tests when a GPU is present), then the benchmarks once"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
+	@echo "make copy-methods      ways to move a call's misses to the GPU, side by side (CUDA)"
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / bench-quick: see benchmarks/README.md"
 	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
 	@echo "make clean   remove $(BUILD)/"
@@ -71,6 +74,15 @@ select-overhead: $(SELECT_BIN)
 	$(SELECT_BIN) host 1000000 oppclass
 	@if [ -n "$(NVCC)" ] && $(SELECT_BIN) cuda 1 >/dev/null 2>&1; then \
 		$(SELECT_BIN) cuda 1000000 lru; $(SELECT_BIN) cuda 1000000 oppclass; fi
+
+COPY_BIN = $(BUILD)/copy_methods
+$(COPY_BIN): benchmarks/c/copy_methods.cu
+	@test -n "$(NVCC)" || { echo "copy-methods: needs nvcc and a GPU"; exit 1; }
+	@mkdir -p $(BUILD)
+	$(NVCC) -std=c++17 -O2 $(GENCODE) -o $@ $< -lpthread
+
+copy-methods: $(COPY_BIN)
+	$(COPY_BIN) 1
 
 deps:
 	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \

@@ -5,7 +5,7 @@
 # Steps, in order (default: all; about 15 minutes together, so spread them over several device
 # calls of at most 10 minutes, e.g. "build tests select_overhead", "build memcheck racecheck",
 # "build transfer decode_pinned", "build decode_no_layer_sync decode_pageable prefill_turns"):
-#   build tests select_overhead memcheck racecheck transfer staging_sweep
+#   build tests select_overhead memcheck racecheck copy_methods transfer staging_sweep
 #   decode_pinned decode_no_layer_sync decode_pageable prefill_turns
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +36,9 @@ run_step() {
         tests/test_gguf.py ;;
     racecheck) step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
         python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py ;;
+    copy_methods) step copy_methods 120 make --no-print-directory copy-methods ;;
     transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --chunks 512K,1M --detail ;;
-    staging_sweep) step staging_sweep 300 python3 benchmarks/staging_sweep.py ;;
+    staging_sweep) step staging_sweep 270 python3 benchmarks/staging_sweep.py ;;
     decode_pinned) step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json" ;;
     decode_no_layer_sync) step decode_no_layer_sync 240 python3 -m pyexpcache bench --quiet --no-layer-sync \
         --variants expcache,resident --json "$DIR/decode_no_layer_sync.json" ;;

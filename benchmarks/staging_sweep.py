@@ -74,7 +74,8 @@ def main() -> int:
                              f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
                              f"{st.pieces_per_call:.1f}", f"{st.wait_us_per_call:.0f}", f"{st.fill_us_per_piece:.0f}",
                              f"{st.send_us_per_piece:.1f}", f"{r.checksum_errors} bad / {r.experts_checked}"])
-                print(rows[-1], flush=True)
+                print(f"staging_sweep: {threads} threads, {chunk >> 10} KiB chunks: {r.tokens_per_s:.2f} tok/s",
+                      file=sys.stderr, flush=True)  # progress; the table follows at the end
                 if r.checksum_errors:
                     return 1
     finally:

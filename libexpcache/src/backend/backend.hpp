@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "expcache.h"
 #include "source_file.hpp"
@@ -34,8 +35,9 @@ public:
     virtual void reclaim() = 0;
     virtual expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
 
-    // Uploads: a pinned source is enqueued on `stream` at once; pageable and file
-    // sources may be staged in the background (StagingRing) until finish_uploads().
+    // Uploads: a pinned source is enqueued on `stream` by finish_uploads(), all of a
+    // call's pinned uploads together; pageable and file sources may be staged in the
+    // background (StagingRing) until then.
     virtual expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned,
                                        void* stream) = 0;
     // Read `bytes` at `offset` of `file` into device memory at dst.
@@ -78,20 +80,27 @@ struct StagingConfig {
     uint64_t chunk_bytes;
 };
 
-// What both backends share: pageable and file uploads go through a StagingRing
-// over the backend's Transport; a backend supplies only its direct upload (a
-// pinned source, or any source with copy_threads 0).
+// What both backends share. Pinned uploads wait in a list until finish_uploads()
+// and then go to the link together (one cudaMemcpyBatchAsync per stream: a copy
+// engine pays a few microseconds per transfer, which one call of small experts in
+// three parts each would otherwise pay 18 times); pageable and file uploads go
+// through a StagingRing over the backend's Transport. A backend supplies its
+// direct upload and its batched one.
 class StagingBackend : public Backend {
 public:
-    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) final {
-        if (!pinned && staging_.copy_threads > 0) return ring().copy(dst, src, bytes, stream);
-        return copy_h2d_direct(dst, src, bytes, stream);
-    }
+    struct DirectCopy {
+        void* dst;
+        const void* src;
+        uint64_t bytes;
+        void* stream;
+    };
+
+    expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) final;
     expcache_status_t read_file(void* dst, const SourceFile& file, uint64_t offset, uint64_t bytes,
                                 void* stream) final {
         return ring().read(dst, file, offset, bytes, stream);
     }
-    expcache_status_t finish_uploads() final { return ring_ ? ring_->finish() : EXPCACHE_OK; }
+    expcache_status_t finish_uploads() final;
     void staging_stats(expcache_staging_stats_t* out) const final {
         if (ring_) ring_->stats(out);
     }
@@ -103,7 +112,11 @@ public:
 protected:
     StagingBackend(const StagingConfig& staging, std::unique_ptr<StagingRing::Transport> transport)
         : staging_(staging), transport_(std::move(transport)) {}
+    // One upload, enqueued on `stream` now (a pageable source when copy_threads is 0).
     virtual expcache_status_t copy_h2d_direct(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
+    // n >= 1 pinned uploads, all on copies[0].stream, enqueued now in any order among
+    // themselves (their destinations never overlap).
+    virtual expcache_status_t copy_h2d_batch(const DirectCopy* copies, size_t n) = 0;
     // Stop the staging threads and free the chunks; a backend calls it first in its destructor,
     // with its device current.
     void release_staging() { ring_.reset(); }
@@ -115,10 +128,12 @@ private:
             ring_.reset(new StagingRing(*transport_, staging_.copy_threads, staging_.ring_bytes, staging_.chunk_bytes));
         return *ring_;
     }
+    expcache_status_t flush_pinned();
 
     StagingConfig staging_;
     std::unique_ptr<StagingRing::Transport> transport_;
     std::unique_ptr<StagingRing> ring_;  // after transport_: destroyed first
+    std::vector<DirectCopy> pinned_;     // pinned uploads not yet enqueued
 };
 
 // capacity_bytes: the emulated device size. The host backend stages pageable

@@ -2,6 +2,7 @@
 // events to fence slot reuse across streams and to defer frees.
 #include <cuda_runtime.h>
 
+#include <new>
 #include <vector>
 
 #include "backend.hpp"
@@ -172,6 +173,41 @@ public:
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
+    // One cudaMemcpyBatchAsync for the lot: measured on an H200 (benchmarks/c/copy_methods.cu),
+    // 18 parts of 160-192 KiB cross at 52 GB/s in one batch, at 30 GB/s one cudaMemcpyAsync
+    // each. The batch API refuses the legacy default stream; there, and where the driver
+    // does not support it, the parts go one by one.
+    expcache_status_t copy_h2d_batch(const DirectCopy* copies, size_t n) override {
+        cudaStream_t s = static_cast<cudaStream_t>(copies[0].stream);
+        if (n > 1 && batch_api_ && s != nullptr && s != cudaStreamLegacy) {
+            try {
+                batch_dst_.resize(n);
+                batch_src_.resize(n);
+                batch_bytes_.resize(n);
+            } catch (const std::bad_alloc&) {
+                return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory for a batch of %zu uploads", n);
+            }
+            for (size_t i = 0; i < n; ++i) {
+                batch_dst_[i] = copies[i].dst;
+                batch_src_[i] = copies[i].src;
+                batch_bytes_[i] = copies[i].bytes;
+            }
+            cudaMemcpyAttributes attr = {};
+            attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+            size_t first = 0;
+            cudaError_t e = cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_bytes_.data(), n, &attr,
+                                                 &first, 1, s);
+            if (e == cudaSuccess) return EXPCACHE_OK;
+            if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return cuda_fail(e, "cudaMemcpyBatchAsync");
+            cudaGetLastError();
+            if (e == cudaErrorNotSupported) batch_api_ = false;
+            // cudaErrorInvalidValue: the copies one by one say which is wrong, if one is.
+        }
+        for (size_t i = 0; i < n; ++i)
+            EXPCACHE_CUDA_TRY(cudaMemcpyAsync(copies[i].dst, copies[i].src, copies[i].bytes, cudaMemcpyHostToDevice,
+                                              static_cast<cudaStream_t>(copies[i].stream)));
+        return EXPCACHE_OK;
+    }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
@@ -210,6 +246,10 @@ private:
         cudaEvent_t event;
     };
     int device_;
+    bool batch_api_ = true;  // cleared when the driver does not support cudaMemcpyBatchAsync
+    std::vector<void*> batch_dst_;
+    std::vector<const void*> batch_src_;
+    std::vector<size_t> batch_bytes_;
     int depth_ = 0;
     int saved_device_ = -1;
     cudaEvent_t fence_event_ = nullptr;

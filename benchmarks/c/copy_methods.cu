@@ -1,0 +1,318 @@
+// Ways to move one decode call's misses to the GPU, measured side by side in one process
+// (CUDA only; `make copy-methods`). Prints three tables:
+//
+// 1. A pinned source, six experts per call, each expert in three parts that lie apart (gate,
+//    up and down tensors, as in a GGUF file): one cudaMemcpyAsync per part; one
+//    cudaMemcpyBatchAsync per call; one gather kernel per call that reads the parts through
+//    the mapped pinned memory (the SMs pull the bytes over the link instead of a copy engine);
+//    and, as the reference, one cudaMemcpyAsync per expert of contiguous bytes.
+// 2. A pageable source: the driver's own staging, one copy per expert or one batch per call.
+// 3. Host threads filling pinned staging chunks from a large pageable buffer (what the staging
+//    ring's workers do), with memcpy and with non-temporal stores, alone and while the link
+//    runs at full speed in the background (the DMA reads the same memory system).
+//
+//   build/copy_methods [GiB moved per row, default 1]
+#include <cuda_runtime.h>
+#include <emmintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#define CHECK(call)                                                                                 \
+    do {                                                                                            \
+        cudaError_t e_ = (call);                                                                    \
+        if (e_ != cudaSuccess) {                                                                    \
+            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+            std::exit(1);                                                                           \
+        }                                                                                           \
+    } while (0)
+
+namespace {
+
+constexpr int kMaxJobs = 32;
+struct GatherJobs {
+    const uint4* src[kMaxJobs];
+    uint4* dst[kMaxJobs];
+    unsigned long long n16[kMaxJobs];  // 16-byte words
+    int count;
+};
+
+// Each block takes its share of every job; each thread keeps four 16-byte loads in flight.
+__global__ void gather(GatherJobs jobs) {
+    for (int j = 0; j < jobs.count; ++j) {
+        const uint4* __restrict__ s = jobs.src[j];
+        uint4* __restrict__ d = jobs.dst[j];
+        const unsigned long long n = jobs.n16[j];
+        const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+        unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+        for (; i + 3 * stride < n; i += 4 * stride) {
+            uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+            d[i] = a;
+            d[i + stride] = b;
+            d[i + 2 * stride] = c;
+            d[i + 3 * stride] = e;
+        }
+        for (; i < n; i += stride) d[i] = s[i];
+    }
+}
+
+double seconds() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Layout {
+    const char* name;
+    size_t part[3];
+    size_t expert() const { return part[0] + part[1] + part[2]; }
+};
+
+// GB/s of `calls` calls of `call(i)` on `stream`, timed from the first enqueue to the end.
+template <typename Call>
+double time_calls(int calls, size_t bytes_per_call, cudaStream_t stream, Call&& call) {
+    call(0);
+    CHECK(cudaStreamSynchronize(stream));
+    const double t0 = seconds();
+    for (int i = 0; i < calls; ++i) call(i);
+    CHECK(cudaStreamSynchronize(stream));
+    return double(calls) * bytes_per_call / (seconds() - t0) / 1e9;
+}
+
+void pinned_table(double gib) {
+    const Layout layouts[] = {{"0.5 MiB", {160 << 10, 160 << 10, 192 << 10}},
+                              {"6.75 MiB", {2162688, 2162688, 2752512}}};
+    cudaStream_t stream;
+    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::printf("pinned source, 6 experts per call, GB/s (ratio to one copy per contiguous expert)\n");
+    std::printf("%-9s %-26s %9s %7s\n", "expert", "method", "GB/s", "ratio");
+    for (const Layout& L : layouts) {
+        const size_t expert = L.expert();
+        const int k = 6;
+        const int experts = int(std::max<size_t>(64, size_t(gib * (1 << 30)) / expert));
+        const int calls = experts / k;
+        // Tensor placement: part p of expert e at base[p] + e * part[p]; and one contiguous copy.
+        char* host = nullptr;
+        CHECK(cudaMallocHost(&host, expert * experts));
+        std::memset(host, 7, expert * experts);
+        char* dev = nullptr;
+        CHECK(cudaMalloc(&dev, expert * experts));
+        const char* base[3] = {host, host + L.part[0] * experts, host + (L.part[0] + L.part[1]) * experts};
+        auto src_part = [&](int e, int p) { return base[p] + size_t(e) * L.part[p]; };
+        auto dst_part = [&](int e, int p) {
+            return dev + size_t(e) * expert + (p > 0 ? L.part[0] : 0) + (p > 1 ? L.part[1] : 0);
+        };
+        const size_t call_bytes = expert * k;
+
+        const double ref = time_calls(calls, call_bytes, stream, [&](int c) {
+            for (int e = c * k; e < c * k + k; ++e)
+                CHECK(cudaMemcpyAsync(dev + size_t(e) * expert, host + size_t(e) * expert, expert,
+                                      cudaMemcpyHostToDevice, stream));
+        });
+        std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, "memcpy per expert (ref)", ref, 100.0);
+
+        const double per_part = time_calls(calls, call_bytes, stream, [&](int c) {
+            for (int e = c * k; e < c * k + k; ++e)
+                for (int p = 0; p < 3; ++p)
+                    CHECK(cudaMemcpyAsync(dst_part(e, p), src_part(e, p), L.part[p], cudaMemcpyHostToDevice, stream));
+        });
+        std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, "memcpy per part", per_part, 100 * per_part / ref);
+
+        cudaMemcpyAttributes attr = {};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t attr_idx = 0;
+        const double batched = time_calls(calls, call_bytes, stream, [&](int c) {
+            void* dsts[3 * k];
+            const void* srcs[3 * k];
+            size_t sizes[3 * k];
+            int n = 0;
+            for (int e = c * k; e < c * k + k; ++e)
+                for (int p = 0; p < 3; ++p, ++n) {
+                    dsts[n] = dst_part(e, p);
+                    srcs[n] = src_part(e, p);
+                    sizes[n] = L.part[p];
+                }
+            CHECK(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &attr_idx, 1, stream));
+        });
+        std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, "cudaMemcpyBatchAsync", batched, 100 * batched / ref);
+
+        for (int blocks : {16, 32, 64, 132, 264}) {
+            const double g = time_calls(calls, call_bytes, stream, [&](int c) {
+                GatherJobs jobs{};
+                for (int e = c * k; e < c * k + k; ++e)
+                    for (int p = 0; p < 3; ++p, ++jobs.count) {
+                        jobs.src[jobs.count] = reinterpret_cast<const uint4*>(src_part(e, p));
+                        jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
+                        jobs.n16[jobs.count] = L.part[p] / 16;
+                    }
+                gather<<<blocks, 256, 0, stream>>>(jobs);
+                CHECK(cudaGetLastError());
+            });
+            char name[64];
+            std::snprintf(name, sizeof name, "gather kernel, %d blocks", blocks);
+            std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, name, g, 100 * g / ref);
+        }
+        // The gather kernel's bytes must be the source's.
+        std::vector<char> back(expert);
+        CHECK(cudaMemcpy(back.data(), dev, expert, cudaMemcpyDeviceToHost));
+        for (int p = 0; p < 3; ++p)
+            if (std::memcmp(back.data() + (p > 0 ? L.part[0] : 0) + (p > 1 ? L.part[1] : 0), src_part(0, p), L.part[p]))
+                std::printf("MISMATCH in part %d\n", p);
+        CHECK(cudaFree(dev));
+        CHECK(cudaFreeHost(host));
+    }
+    CHECK(cudaStreamDestroy(stream));
+}
+
+// A pageable source (malloc'd, as an mmap of a model file is): one cudaMemcpyAsync per expert
+// (the driver stages it), and one cudaMemcpyBatchAsync per call that lets the driver read the
+// source out of stream order (cudaMemcpySrcAccessOrderAny, meant for memory from malloc).
+void pageable_table(double gib) {
+    cudaStream_t stream;
+    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    int hmm = 0;
+    CHECK(cudaDeviceGetAttribute(&hmm, cudaDevAttrPageableMemoryAccess, 0));
+    std::printf("\npageable source, 6 experts of 6.75 MiB per call (device reads pageable memory: %s)\n",
+                hmm ? "yes" : "no");
+    const size_t expert = 7077888;
+    const int k = 6;
+    const int experts = int(std::max<size_t>(64, size_t(gib * (1 << 30)) / expert));
+    char* host = static_cast<char*>(std::malloc(expert * experts));
+    std::memset(host, 5, expert * experts);
+    char* dev = nullptr;
+    CHECK(cudaMalloc(&dev, expert * experts));
+    const double per_expert = time_calls(experts / k, expert * k, stream, [&](int c) {
+        for (int e = c * k; e < c * k + k; ++e)
+            CHECK(cudaMemcpyAsync(dev + size_t(e) * expert, host + size_t(e) * expert, expert, cudaMemcpyHostToDevice,
+                                  stream));
+    });
+    std::printf("%-9s %-26s %9.1f\n", "6.75 MiB", "memcpy per expert", per_expert);
+    for (auto order : {cudaMemcpySrcAccessOrderStream, cudaMemcpySrcAccessOrderAny}) {
+        cudaMemcpyAttributes attr = {};
+        attr.srcAccessOrder = order;
+        size_t attr_idx = 0;
+        const double batched = time_calls(experts / k, expert * k, stream, [&](int c) {
+            void* dsts[k];
+            const void* srcs[k];
+            size_t sizes[k];
+            for (int i = 0; i < k; ++i) {
+                dsts[i] = dev + size_t(c * k + i) * expert;
+                srcs[i] = host + size_t(c * k + i) * expert;
+                sizes[i] = expert;
+            }
+            CHECK(cudaMemcpyBatchAsync(dsts, srcs, sizes, k, &attr, &attr_idx, 1, stream));
+        });
+        std::printf("%-9s %-26s %9.1f\n", "6.75 MiB",
+                    order == cudaMemcpySrcAccessOrderAny ? "batch, source order any" : "batch, stream order", batched);
+    }
+    CHECK(cudaFree(dev));
+    std::free(host);
+    CHECK(cudaStreamDestroy(stream));
+}
+
+void copy_nt(char* dst, const char* src, size_t n) {
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+        __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+        __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    _mm_sfence();
+    std::memcpy(dst + i, src + i, n - i);
+}
+
+// GB/s of `threads` threads each copying random `piece`-byte pieces of `src` into its own
+// ring of 8 pinned chunks, `total` bytes together.
+double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, size_t total, bool nt) {
+    std::vector<char*> rings(threads);
+    for (auto& r : rings) CHECK(cudaMallocHost(&r, piece * 8));
+    std::atomic<int> ready{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> pool;
+    const size_t per_thread = total / threads / piece;
+    for (int t = 0; t < threads; ++t)
+        pool.emplace_back([&, t] {
+            std::mt19937_64 rng(t);
+            ++ready;
+            while (!go.load()) {}
+            for (size_t i = 0; i < per_thread; ++i) {
+                const char* s = src + (rng() % ((src_bytes - piece) / 4096)) * 4096;
+                char* d = rings[t] + (i % 8) * piece;
+                if (nt) copy_nt(d, s, piece); else std::memcpy(d, s, piece);
+            }
+        });
+    while (ready.load() < threads) {}
+    const double t0 = seconds();
+    go = true;
+    for (auto& th : pool) th.join();
+    const double gbs = double(per_thread * threads * piece) / (seconds() - t0) / 1e9;
+    for (auto& r : rings) CHECK(cudaFreeHost(r));
+    return gbs;
+}
+
+void host_table(double gib) {
+    const size_t src_bytes = size_t(16) << 30;
+    char* src = static_cast<char*>(std::malloc(src_bytes));
+    if (!src) { std::printf("no 16 GiB for the host table\n"); return; }
+    std::memset(src, 3, src_bytes);
+    // Background link traffic: a pinned buffer copied to the device over and over.
+    const size_t bg_bytes = size_t(256) << 20;
+    char *bg_host = nullptr, *bg_dev = nullptr;
+    CHECK(cudaMallocHost(&bg_host, bg_bytes));
+    std::memset(bg_host, 1, bg_bytes);
+    CHECK(cudaMalloc(&bg_dev, bg_bytes));
+    cudaStream_t bg;
+    CHECK(cudaStreamCreateWithFlags(&bg, cudaStreamNonBlocking));
+    std::printf("\nhost threads filling pinned chunks from a 16 GiB pageable buffer, GB/s together\n");
+    std::printf("%-7s %-8s %-9s %12s %12s\n", "threads", "piece", "stores", "link idle", "link busy");
+    const size_t total = size_t(gib * (1 << 30)) * 4;
+    for (int threads : {1, 4, 8, 12})
+        for (size_t piece : {size_t(512) << 10, size_t(1) << 20})
+            for (bool nt : {false, true}) {
+                const double idle = host_fill(src, src_bytes, piece, threads, total, nt);
+                std::atomic<bool> stop{false};
+                std::thread link([&] {
+                    CHECK(cudaSetDevice(0));
+                    while (!stop.load()) {
+                        for (int i = 0; i < 8; ++i)
+                            CHECK(cudaMemcpyAsync(bg_dev, bg_host, bg_bytes, cudaMemcpyHostToDevice, bg));
+                        CHECK(cudaStreamSynchronize(bg));
+                    }
+                });
+                std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                const double busy = host_fill(src, src_bytes, piece, threads, total, nt);
+                stop = true;
+                link.join();
+                std::printf("%-7d %-8s %-9s %12.1f %12.1f\n", threads, piece == (size_t(1) << 20) ? "1 MiB" : "512 KiB",
+                            nt ? "stream" : "memcpy", idle, busy);
+            }
+    CHECK(cudaFree(bg_dev));
+    CHECK(cudaFreeHost(bg_host));
+    CHECK(cudaStreamDestroy(bg));
+    std::free(src);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    const double gib = argc > 1 ? std::atof(argv[1]) : 1.0;
+    if (gib <= 0) {
+        std::fprintf(stderr, "usage: copy_methods [GiB per row > 0]\n");
+        return 2;
+    }
+    CHECK(cudaSetDevice(0));
+    pinned_table(gib);
+    pageable_table(gib);
+    host_table(gib);
+    return 0;
+}
