@@ -45,7 +45,6 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     spin_us_ = cores > num_threads_ + 1 ? 1000 : 0;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
-    stagger_ = num_threads_ > 1 ? num_threads_ : 1;
 }
 
 StagingRing::~StagingRing() {
@@ -93,15 +92,10 @@ expcache_status_t StagingRing::queue(const Job& job) {
     Job part = job;
     uint64_t done = 0;
     while (done < job.n) {
-        // The first pieces of a batch grow, 1/T, 2/T, ... of a chunk for T filling threads:
-        // the link starts early, and the threads that take them finish one after another,
-        // T times a chunk apart, and stay so; later pieces are whole chunks, each large enough
-        // to cross at the link's speed. Pieces that all started together would finish together
-        // too, and the link would then still have T chunks to move when the last is filled:
-        // a call's tail, which the next layer waits for.
-        const uint64_t in_batch = next_seq_ - next_send_;
-        uint64_t piece = in_batch < stagger_ ? chunk_ * (in_batch + 1) / stagger_ : chunk_;
-        piece = piece / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
+        // The first chunks of a batch are short, so the link starts early; later ones are
+        // full size, so each transfer is large enough to run at the link's speed.
+        uint64_t in_batch = next_seq_ - next_send_;
+        uint64_t piece = chunk_ >> (in_batch < 3 ? 3 - in_batch : 0);
         if (piece < SourceFile::kDirectAlign) piece = SourceFile::kDirectAlign;
         part.n = job.n - done < piece ? job.n - done : piece;
         part.dst = job.dst + done;

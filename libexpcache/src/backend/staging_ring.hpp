@@ -110,7 +110,6 @@ private:
     uint64_t ring_bytes_;
     uint64_t chunk_;
     unsigned num_threads_;
-    unsigned stagger_ = 1;  // the first `stagger_` pieces of a batch grow to a whole chunk
     unsigned spin_us_ = 0;
     std::vector<std::thread> threads_;
     std::unique_ptr<Chunk[]> chunks_;
