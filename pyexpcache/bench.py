@@ -13,8 +13,8 @@ Variants, side by side in one process on the same source and stream:
 ``slab``      the old ds4 design: one slab keyed on the last-seen expert size (a cache
               with ``max_classes=1``, so every size change releases it), released again
               before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
-``nocache``   every selected expert uploaded every time (compact loads, nothing kept, plain
-              cudaMemcpyAsync).
+``nocache``   every selected expert uploaded every time (compact loads, nothing kept; pageable
+              memory copied with plain cudaMemcpyAsync).
 ``resident``  the ceiling: every expert resident before the replay starts (skipped when
               device memory cannot hold the model).
 

@@ -475,6 +475,33 @@ def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
     assert cache.staging_stats() == StagingStats()
 
 
+def test_pinned_uploads_of_a_call_go_together(backend):
+    """Pinned uploads wait until the end of their call and then go to the link together (one
+    cudaMemcpyBatchAsync on the CUDA backend; the host backend copies them one by one, and takes
+    that path for a source declared pinned). Every part lands, also past the 1,024 uploads after
+    which a call sends a batch early, and a copy failing in the middle of a call leaves no
+    resident expert with wrong bytes."""
+    from pyexpcache import CudaError, ExpertCache, HostSource
+
+    layout = ModelLayout((LayerSpec(400, 4096, 4096, 8200),), name="many-parts")  # 3 uploads an expert
+    with HostSource(layout, pinned=backend == "cuda", arrangement="tensor") as source:
+        source.pinned = True  # host backend: the library copies "pinned" memory directly, whatever it is
+        with ExpertCache(layout, source, backend=backend, budget_experts=400, log_level=1) as cache:
+            ids = np.arange(400)
+            assert_served(cache, source, 0, ids[:6], cache.select(0, ids[:6]))
+            with cache.prepare_batch(0, ids[6:].reshape(2, 197)) as batch:  # 1,182 uploads in one call
+                assert sorted(batch.ids.tolist()) == list(range(6, 400))
+                assert_served(cache, source, 0, batch.ids, batch.pointers)
+            assert cache.stats().total.bytes_h2d == 400 * layout[0].expert_bytes
+            cache.release_all()
+            cache.fail_copy_after(700)
+            with pytest.raises(CudaError, match="injected copy failure"):
+                cache.prepare_batch(0, ids.reshape(4, 100))
+            _consistent(cache, source, layout)
+            assert all(c.held_experts == 0 for c in cache.classes())
+            assert_served(cache, source, 0, ids[::7], cache.select(0, ids[::7]))
+
+
 def _consistent(cache, source, layout):
     """Every resident expert holds exactly its source bytes."""
     for layer in layout.moe_layers:
