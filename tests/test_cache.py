@@ -478,9 +478,9 @@ def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
 def test_pinned_uploads_of_a_call_go_together(backend):
     """Pinned uploads wait until the end of their call and then go to the link together (one
     cudaMemcpyBatchAsync on the CUDA backend; the host backend copies them one by one, and takes
-    that path for a source declared pinned). Every part lands, also past the 1,024 uploads after
-    which a call sends a batch early, and a copy failing in the middle of a call leaves no
-    resident expert with wrong bytes."""
+    that path for a source declared pinned). Every part lands, in a call of over a thousand
+    uploads too, and a copy failing in the middle of a call leaves no resident expert with
+    wrong bytes."""
     from pyexpcache import CudaError, ExpertCache, HostSource
 
     layout = ModelLayout((LayerSpec(400, 4096, 4096, 8200),), name="many-parts")  # 3 uploads an expert

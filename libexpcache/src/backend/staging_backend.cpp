@@ -7,20 +7,13 @@
 
 namespace expcache {
 
-namespace {
-// A call with more pinned uploads than this sends them in several batches.
-constexpr size_t kMaxPinnedBatch = 1024;
-}  // namespace
-
 expcache_status_t StagingBackend::copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) {
     if (!pinned) {
         if (staging_.copy_threads > 0) return ring().copy(dst, src, bytes, stream);
         return copy_h2d_direct(dst, src, bytes, stream);
     }
-    if (pinned_.size() >= kMaxPinnedBatch) {
-        expcache_status_t s = flush_pinned();
-        if (s != EXPCACHE_OK) return s;
-    }
+    // Never sent before finish_uploads(), however many: a batch that fails must fail the
+    // call, whose slots the cache then frees; one sent earlier could fail unseen by it.
     try {
         pinned_.push_back({dst, src, bytes, stream});
     } catch (const std::bad_alloc&) {
