@@ -25,7 +25,10 @@
  *    and return before it completes. `stream` is a cudaStream_t passed as
  *    void*; NULL is the legacy default stream. Streams are borrowed, never
  *    destroyed. The host backend ignores streams and completes copies
- *    before returning.
+ *    before returning. A call's uploads from pinned memory go to the link
+ *    together in one cudaMemcpyBatchAsync, except on the legacy default
+ *    stream, which that function refuses: there they go one by one, which
+ *    costs a few microseconds of link time per contiguous part.
  *  - Ownership: the library never frees caller memory. The host expert
  *    bytes registered with a layer must stay valid and unchanged until the
  *    cache is destroyed. Device pointers handed out stay valid only as long
