@@ -186,4 +186,9 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
                 f"{st.pieces_per_call:.1f}", f"{st.wait_us_per_call:.1f}", f"{st.fill_us_per_piece:.1f}",
                 f"{st.send_us_per_piece:.2f}", f"{100 * st.caller_fills / st.pieces:.0f} %" if st.pieces else "—"]
         table.append(row)
-    return tabulate(table, headers=headers, disable_numparse=True)
+    return tabulate(table, headers=headers, disable_numparse=True) + "\n\n" + LEGEND
+
+
+LEGEND = ("raw: plain cudaMemcpyAsync of one expert at a time, measured in the same run. The library sends "
+          "a call's pinned copies in one cudaMemcpyBatchAsync,\nso it can exceed that; staged sources are "
+          "copied by the copy threads into pinned chunks first.")
