@@ -2,9 +2,11 @@
 # Everything to run on the accelerator machine after a change to GPU code, each step with a time
 # limit, the outputs written to DIR (default ./gpu-report):
 #   bash benchmarks/gpu_report.sh [DIR] [STEP...]
-# Steps, in order (default: all; about 15 minutes together, so spread them over several device
-# calls of at most 10 minutes, e.g. "build tests select_overhead", "build memcheck racecheck",
-# "build transfer decode_pinned", "build decode_no_layer_sync decode_pageable prefill_turns"):
+# Steps, in order (default: all but the two experiments, copy_methods and staging_sweep; about
+# 15 minutes together, so spread them over several device calls of at most 10 minutes, e.g.
+# "build tests memcheck racecheck select_overhead", "build transfer decode_pinned",
+# "build decode_no_layer_sync decode_pageable prefill_turns"; a device call brings back at most
+# 8 files, and every step writes one or two):
 #   build tests select_overhead memcheck racecheck copy_methods transfer staging_sweep
 #   decode_pinned decode_no_layer_sync decode_pageable prefill_turns
 set -uo pipefail
