@@ -46,13 +46,10 @@ STRESS_SRC    = tests/c/stress.c
 STRESS_CFLAGS = -std=c11 -Wall -Wextra -Ilibexpcache/include
 
 ASAN_DIR = $(BUILD)/asan
-ASAN_OBJ = $(patsubst libexpcache/src/%.cpp,$(ASAN_DIR)/obj/%.o,$(SAN_CXX_SRC))
 ASAN_BIN = $(ASAN_DIR)/stress
 VG_DIR   = $(BUILD)/valgrind
-VG_OBJ   = $(patsubst libexpcache/src/%.cpp,$(VG_DIR)/obj/%.o,$(SAN_CXX_SRC))
 VG_BIN   = $(VG_DIR)/stress
 TSAN_DIR = $(BUILD)/tsan
-TSAN_OBJ = $(patsubst libexpcache/src/%.cpp,$(TSAN_DIR)/obj/%.o,$(SAN_CXX_SRC))
 TSAN_BIN = $(TSAN_DIR)/stress
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
 TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
@@ -61,44 +58,29 @@ TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
 sanitize: asan-test valgrind-test tsan-test
 
-$(TSAN_DIR)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CXX) $(SAN_CXXFLAGS) $(SAN_OPT) $(TSAN_FLAGS) -c $< -o $@
+# $(call stress_build,DIR,FLAGS): the core, the host backend and the driver compiled and linked
+# with FLAGS into DIR/stress, one object per source under DIR/obj.
+define stress_build
+$(1)/obj/%.o: libexpcache/src/%.cpp $$(HEADERS)
+	@mkdir -p $$(dir $$@)
+	$$(CXX) $$(SAN_CXXFLAGS) $$(SAN_OPT) $(2) -c $$< -o $$@
 
-$(TSAN_DIR)/stress.o: $(STRESS_SRC) libexpcache/include/expcache.h
-	@mkdir -p $(dir $@)
-	$(CC) $(STRESS_CFLAGS) $(SAN_OPT) $(TSAN_FLAGS) -c $< -o $@
+$(1)/stress.o: $$(STRESS_SRC) libexpcache/include/expcache.h
+	@mkdir -p $$(dir $$@)
+	$$(CC) $$(STRESS_CFLAGS) $$(SAN_OPT) $(2) -c $$< -o $$@
 
-$(TSAN_BIN): $(TSAN_DIR)/stress.o $(TSAN_OBJ)
-	$(CXX) $(TSAN_FLAGS) -o $@ $^ -lpthread
+$(1)/stress: $(1)/stress.o $$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(SAN_CXX_SRC))
+	$$(CXX) $(2) -o $$@ $$^ -lpthread
+endef
+$(eval $(call stress_build,$(ASAN_DIR),$(SAN_FLAGS)))
+$(eval $(call stress_build,$(VG_DIR),))
+$(eval $(call stress_build,$(TSAN_DIR),$(TSAN_FLAGS)))
 
 tsan-test: $(TSAN_BIN)
 	$(TSAN_ENV) STRESS_TMPDIR=$(TSAN_DIR) $(TSAN_BIN) $(STRESS_SEED) $(TSAN_OPS)
 
-$(ASAN_DIR)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CXX) $(SAN_CXXFLAGS) $(SAN_OPT) $(SAN_FLAGS) -c $< -o $@
-
-$(ASAN_DIR)/stress.o: $(STRESS_SRC) libexpcache/include/expcache.h
-	@mkdir -p $(dir $@)
-	$(CC) $(STRESS_CFLAGS) $(SAN_OPT) $(SAN_FLAGS) -c $< -o $@
-
-$(ASAN_BIN): $(ASAN_DIR)/stress.o $(ASAN_OBJ)
-	$(CXX) $(SAN_FLAGS) -o $@ $^ -lpthread
-
 asan-test: $(ASAN_BIN)
 	$(SAN_ENV) STRESS_TMPDIR=$(ASAN_DIR) $(ASAN_BIN) $(STRESS_SEED) $(STRESS_OPS)
-
-$(VG_DIR)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CXX) $(SAN_CXXFLAGS) $(SAN_OPT) -c $< -o $@
-
-$(VG_DIR)/stress.o: $(STRESS_SRC) libexpcache/include/expcache.h
-	@mkdir -p $(dir $@)
-	$(CC) $(STRESS_CFLAGS) $(SAN_OPT) -c $< -o $@
-
-$(VG_BIN): $(VG_DIR)/stress.o $(VG_OBJ)
-	$(CXX) -o $@ $^ -lpthread
 
 VALGRIND_FOUND := $(shell command -v $(VALGRIND) 2>/dev/null)
 ifeq ($(VALGRIND_FOUND),)
