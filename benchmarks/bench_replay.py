@@ -84,14 +84,18 @@ def _numbers(results: dict, layout: str, scenario: str) -> dict:
         raise NotImplementedError("pyexpcache.bench is missing at this commit") from None
 
 
-class Replay:
-    """Decode throughput, hit rate and traffic of the expcache variant."""
+class _ScenarioGrid:
+    """Parameters shared by the suites read per (backend, layout, scenario); no benchmarks."""
 
     params = (BACKENDS, LAYOUTS, SCENARIOS)
     param_names = ["backend", "layout", "scenario"]
     skip_params = skip_other_backends(LAYOUTS, SCENARIOS)
     setup_cache = staticmethod(run_replays)
     timeout = 3600
+
+
+class Replay(_ScenarioGrid):
+    """Decode throughput, hit rate and traffic of the expcache variant."""
 
     def setup(self, results, backend, layout, scenario):
         _numbers(results, layout, scenario)
@@ -152,14 +156,8 @@ class ReplayBelady:
     track_belady_gap.unit = "percentage points"
 
 
-class ReplayPolicy:
+class ReplayPolicy(_ScenarioGrid):
     """The OppClassLRU policy (``policy="oppclass"``) next to the default LRU, same replay."""
-
-    params = (BACKENDS, LAYOUTS, SCENARIOS)
-    param_names = ["backend", "layout", "scenario"]
-    skip_params = skip_other_backends(LAYOUTS, SCENARIOS)
-    setup_cache = staticmethod(run_replays)
-    timeout = 3600
 
     def setup(self, results, backend, layout, scenario):
         if _numbers(results, layout, scenario).get("oppclass_hit_rate") is None:
