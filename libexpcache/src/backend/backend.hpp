@@ -85,7 +85,7 @@ struct StagingConfig {
 // engine pays a few microseconds per transfer, which one call of small experts in
 // three parts each would otherwise pay 18 times); pageable and file uploads go
 // through a StagingRing over the backend's Transport. A backend supplies its
-// direct upload and its batched one.
+// direct upload, and a batched one where its link has one (CUDA).
 class StagingBackend : public Backend {
 public:
     struct DirectCopy {
@@ -115,8 +115,8 @@ protected:
     // One upload, enqueued on `stream` now (a pageable source when copy_threads is 0).
     virtual expcache_status_t copy_h2d_direct(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
     // n >= 1 pinned uploads, all on copies[0].stream, enqueued now in any order among
-    // themselves (their destinations never overlap).
-    virtual expcache_status_t copy_h2d_batch(const DirectCopy* copies, size_t n) = 0;
+    // themselves (their destinations never overlap). By default one copy_h2d_direct each.
+    virtual expcache_status_t copy_h2d_batch(const DirectCopy* copies, size_t n);
     // Stop the staging threads and free the chunks; a backend calls it first in its destructor,
     // with its device current.
     void release_staging() { ring_.reset(); }

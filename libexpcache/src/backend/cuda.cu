@@ -203,10 +203,7 @@ public:
             if (e == cudaErrorNotSupported) batch_api_ = false;
             // cudaErrorInvalidValue: the copies one by one say which is wrong, if one is.
         }
-        for (size_t i = 0; i < n; ++i)
-            EXPCACHE_CUDA_TRY(cudaMemcpyAsync(copies[i].dst, copies[i].src, copies[i].bytes, cudaMemcpyHostToDevice,
-                                              static_cast<cudaStream_t>(copies[i].stream)));
-        return EXPCACHE_OK;
+        return StagingBackend::copy_h2d_batch(copies, n);
     }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));

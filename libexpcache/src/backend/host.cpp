@@ -99,10 +99,6 @@ public:
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;
     }
-    expcache_status_t copy_h2d_batch(const DirectCopy* copies, size_t n) override {
-        for (size_t i = 0; i < n; ++i) std::memcpy(copies[i].dst, copies[i].src, copies[i].bytes);
-        return EXPCACHE_OK;
-    }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void*) override {
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;

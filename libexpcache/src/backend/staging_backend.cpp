@@ -38,6 +38,14 @@ expcache_status_t StagingBackend::flush_pinned() {
     return status;
 }
 
+expcache_status_t StagingBackend::copy_h2d_batch(const DirectCopy* copies, size_t n) {
+    for (size_t i = 0; i < n; ++i) {
+        expcache_status_t s = copy_h2d_direct(copies[i].dst, copies[i].src, copies[i].bytes, copies[i].stream);
+        if (s != EXPCACHE_OK) return s;
+    }
+    return EXPCACHE_OK;
+}
+
 expcache_status_t StagingBackend::finish_uploads() {
     expcache_status_t status = flush_pinned();
     if (!ring_) return status;
