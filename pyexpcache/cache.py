@@ -141,6 +141,7 @@ class StagingStats:
     chunk_wait_ns: int = 0
     wait_ns: int = 0
     send_ns: int = 0
+    sends: int = 0
 
     @property
     def pieces_per_call(self) -> float:
@@ -155,6 +156,11 @@ class StagingStats:
     def wait_us_per_call(self) -> float:
         """Time the calling thread waited for workers' pieces, per call."""
         return self.wait_ns / self.calls / 1e3 if self.calls else 0.0
+
+    @property
+    def pieces_per_send(self) -> float:
+        """Pieces handed to the link together (those found filled at once go as one transfer)."""
+        return self.pieces / self.sends if self.sends else 0.0
 
     @property
     def send_us_per_piece(self) -> float:

@@ -174,7 +174,8 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
     headers = ["source", "copy threads", "chunk", "expert", "placement", "library GB/s", "raw same-kind GB/s",
                "raw pinned GB/s", "library / raw pinned"]
     if detail:
-        headers += ["pieces/call", "caller wait µs/call", "fill µs/piece", "send µs/piece", "caller fills"]
+        headers += ["pieces/call", "pieces/send", "caller wait µs/call", "fill µs/piece", "send µs/piece",
+                    "caller fills"]
     table = []
     for r in rows:
         row = [r.source, r.copy_threads if r.chunk_bytes else "—", f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
@@ -182,8 +183,8 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
                f"{100 * r.of_raw_pinned:.0f} %"]
         if detail:
             st = r.staging
-            row += ["—"] * 5 if st is None else [
-                f"{st.pieces_per_call:.1f}", f"{st.wait_us_per_call:.1f}", f"{st.fill_us_per_piece:.1f}",
+            row += ["—"] * 6 if st is None else [
+                f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{st.wait_us_per_call:.1f}", f"{st.fill_us_per_piece:.1f}",
                 f"{st.send_us_per_piece:.2f}", f"{100 * st.caller_fills / st.pieces:.0f} %" if st.pieces else "—"]
         table.append(row)
     return tabulate(table, headers=headers, disable_numparse=True) + "\n\n" + LEGEND

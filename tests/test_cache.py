@@ -467,12 +467,29 @@ def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
     assert st.bytes == 3 * expert == cache.stats().total.bytes_h2d
     assert st.pieces >= 3 * -(-expert // (128 << 10))  # no piece is larger than a chunk
     assert st.fill_ns > 0 and st.send_ns > 0
-    if copy_threads == 1:  # no workers: the calling thread fills every piece and never waits
-        assert st.caller_fills == st.pieces and st.wait_ns == 0
+    assert 1 <= st.sends <= st.pieces
+    if copy_threads == 1:  # no workers: the calling thread fills every piece, never waits, sends each alone
+        assert st.caller_fills == st.pieces and st.wait_ns == 0 and st.sends == st.pieces
     cache.select(0, [0, 1, 2])  # all hits: nothing staged
     assert cache.staging_stats().calls == 1
     cache.reset_stats()
     assert cache.staging_stats() == StagingStats()
+
+
+def test_staged_pieces_filled_together_are_sent_together(make_cache):
+    """The pieces the workers have filled by the time the caller comes to send go to the link in
+    one transfer (a cudaMemcpyBatchAsync on the CUDA backend), and arrive byte-exact."""
+    layout = ModelLayout((LayerSpec(32, 300_000, 300_000, 300_008),), name="pageable")
+    cache, source = make_cache(layout, pinned=False, budget_experts=32, copy_threads=4,
+                               staging_bytes=4 << 20, staging_chunk_bytes=64 << 10)
+    for first in range(0, 32, 8):  # 8 misses of ~0.9 MiB a call: ~14 pieces each
+        experts = list(range(first, first + 8))
+        assert_served(cache, source, 0, experts, cache.select(0, experts))
+    st = cache.staging_stats()
+    assert st.bytes == 32 * layout[0].expert_bytes
+    # Four workers fill while the caller sends: sooner or later it finds several pieces ready.
+    assert 1 <= st.sends < st.pieces, st
+    _consistent(cache, source, layout)
 
 
 def test_pinned_uploads_of_a_call_go_together(backend):

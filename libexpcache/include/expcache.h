@@ -481,6 +481,7 @@ typedef struct expcache_staging_stats_t {
     uint64_t chunk_wait_ns;  /**< time those waits took, summed over threads */
     uint64_t wait_ns;        /**< time the calling thread waited for pieces that workers were filling */
     uint64_t send_ns;        /**< time the calling thread spent handing pieces to the link */
+    uint64_t sends;          /**< transfers handed to the link: the pieces found filled together go as one */
 } expcache_staging_stats_t;
 
 /** Counters of the staging ring since the cache was made or its stats were reset. */

@@ -48,6 +48,55 @@ expcache_status_t cuda_fail(cudaError_t e, const char* what) {
         if (e_ != cudaSuccess) return cuda_fail(e_, #call);      \
     } while (0)
 
+// The arrays of one cudaMemcpyBatchAsync, kept between calls. A copy engine pays a few
+// microseconds per transfer: measured on an H200 (benchmarks/c/copy_methods.cu), 18 parts of
+// 160-192 KiB cross at 52 GB/s in one batch, at 30 GB/s one cudaMemcpyAsync each.
+class MemcpyBatch {
+public:
+    // False where the copies go one by one instead: a single copy, the legacy default
+    // stream (which the batch function refuses), or a driver without the function.
+    bool usable(size_t n, cudaStream_t s) const { return n > 1 && supported_ && s != nullptr && s != cudaStreamLegacy; }
+    expcache_status_t resize(size_t n) {
+        try {
+            dst_.resize(n);
+            src_.resize(n);
+            bytes_.resize(n);
+        } catch (const std::bad_alloc&) {
+            return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory for a batch of %zu uploads", n);
+        }
+        return EXPCACHE_OK;
+    }
+    void set(size_t i, void* dst, const void* src, size_t bytes) {
+        dst_[i] = dst;
+        src_[i] = src;
+        bytes_[i] = bytes;
+    }
+    // Enqueue the first n copies set, host to device, on `s`. *done is false (and the status
+    // OK) when they must go one by one after all: the driver does not support the function,
+    // or refused an argument (the copies one by one then say which, if one is wrong).
+    expcache_status_t send(size_t n, cudaStream_t s, bool* done) {
+        *done = false;
+        cudaMemcpyAttributes attr = {};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t first = 0;
+        cudaError_t e = cudaMemcpyBatchAsync(dst_.data(), src_.data(), bytes_.data(), n, &attr, &first, 1, s);
+        if (e == cudaSuccess) {
+            *done = true;
+            return EXPCACHE_OK;
+        }
+        if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return cuda_fail(e, "cudaMemcpyBatchAsync");
+        cudaGetLastError();
+        if (e == cudaErrorNotSupported) supported_ = false;
+        return EXPCACHE_OK;
+    }
+
+private:
+    bool supported_ = true;
+    std::vector<void*> dst_;
+    std::vector<const void*> src_;
+    std::vector<size_t> bytes_;
+};
+
 // Pageable host memory cannot be DMA'd directly at full speed: the driver
 // stages it through its own small pinned buffer, one chunk at a time (about
 // 6 GB/s on PCIe 5, ../shared/CONTEXT.md). The StagingRing stages it (and
@@ -79,6 +128,31 @@ public:
         EXPCACHE_CUDA_TRY(cudaEventRecord(static_cast<cudaEvent_t>(marker), s));
         return EXPCACHE_OK;
     }
+    // The pieces filled together: one cudaMemcpyBatchAsync, then each chunk's event.
+    expcache_status_t send_batch(const Send* sends, size_t n, void* stream, size_t* sent) override {
+        cudaStream_t s = static_cast<cudaStream_t>(stream);
+        *sent = 0;
+        if (!batch_.usable(n, s)) return Transport::send_batch(sends, n, stream, sent);
+        expcache_status_t st = batch_.resize(n);
+        if (st != EXPCACHE_OK) return st;
+        for (size_t i = 0; i < n; ++i) batch_.set(i, sends[i].dst, sends[i].src, sends[i].n);
+        bool done = false;
+        st = batch_.send(n, s, &done);
+        if (st != EXPCACHE_OK) return st;
+        if (!done) return Transport::send_batch(sends, n, stream, sent);
+        for (size_t i = 0; i < n; ++i) {
+            cudaError_t e = cudaEventRecord(static_cast<cudaEvent_t>(sends[i].marker), s);
+            if (e != cudaSuccess) {
+                // The copies are enqueued but some chunks have no event behind them: let the
+                // copies finish before those chunks can be refilled.
+                cudaStreamSynchronize(s);
+                *sent = n;
+                return cuda_fail(e, "cudaEventRecord");
+            }
+        }
+        *sent = n;
+        return EXPCACHE_OK;
+    }
     expcache_status_t wait(void* marker) override {
         EXPCACHE_CUDA_TRY(cudaEventSynchronize(static_cast<cudaEvent_t>(marker)));
         return EXPCACHE_OK;
@@ -87,6 +161,7 @@ public:
 
 private:
     int device_;
+    MemcpyBatch batch_;  // the caller's thread's (send_batch)
 };
 
 class CudaBackend final : public StagingBackend {
@@ -173,35 +248,16 @@ public:
         EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
-    // One cudaMemcpyBatchAsync for the lot: measured on an H200 (benchmarks/c/copy_methods.cu),
-    // 18 parts of 160-192 KiB cross at 52 GB/s in one batch, at 30 GB/s one cudaMemcpyAsync
-    // each. The batch API refuses the legacy default stream; there, and where the driver
-    // does not support it, the parts go one by one.
+    // One cudaMemcpyBatchAsync for the lot (MemcpyBatch), or one by one where it cannot be.
     expcache_status_t copy_h2d_batch(const DirectCopy* copies, size_t n) override {
         cudaStream_t s = static_cast<cudaStream_t>(copies[0].stream);
-        if (n > 1 && batch_api_ && s != nullptr && s != cudaStreamLegacy) {
-            try {
-                batch_dst_.resize(n);
-                batch_src_.resize(n);
-                batch_bytes_.resize(n);
-            } catch (const std::bad_alloc&) {
-                return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory for a batch of %zu uploads", n);
-            }
-            for (size_t i = 0; i < n; ++i) {
-                batch_dst_[i] = copies[i].dst;
-                batch_src_[i] = copies[i].src;
-                batch_bytes_[i] = copies[i].bytes;
-            }
-            cudaMemcpyAttributes attr = {};
-            attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-            size_t first = 0;
-            cudaError_t e = cudaMemcpyBatchAsync(batch_dst_.data(), batch_src_.data(), batch_bytes_.data(), n, &attr,
-                                                 &first, 1, s);
-            if (e == cudaSuccess) return EXPCACHE_OK;
-            if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return cuda_fail(e, "cudaMemcpyBatchAsync");
-            cudaGetLastError();
-            if (e == cudaErrorNotSupported) batch_api_ = false;
-            // cudaErrorInvalidValue: the copies one by one say which is wrong, if one is.
+        if (batch_.usable(n, s)) {
+            expcache_status_t st = batch_.resize(n);
+            if (st != EXPCACHE_OK) return st;
+            for (size_t i = 0; i < n; ++i) batch_.set(i, copies[i].dst, copies[i].src, copies[i].bytes);
+            bool done = false;
+            st = batch_.send(n, s, &done);
+            if (st != EXPCACHE_OK || done) return st;
         }
         return StagingBackend::copy_h2d_batch(copies, n);
     }
@@ -243,10 +299,7 @@ private:
         cudaEvent_t event;
     };
     int device_;
-    bool batch_api_ = true;  // cleared when the driver does not support cudaMemcpyBatchAsync
-    std::vector<void*> batch_dst_;
-    std::vector<const void*> batch_src_;
-    std::vector<size_t> batch_bytes_;
+    MemcpyBatch batch_;
     int depth_ = 0;
     int saved_device_ = -1;
     cudaEvent_t fence_event_ = nullptr;

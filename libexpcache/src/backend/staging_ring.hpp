@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -37,6 +38,17 @@ public:
         virtual void free_chunk(void* host, void* marker) = 0;
         // Enqueue dst <- src (n bytes out of a chunk) on `stream`, then set `marker` behind it.
         virtual expcache_status_t send(void* dst, const void* src, uint64_t n, void* stream, void* marker) = 0;
+        struct Send {
+            void* dst;
+            const void* src;
+            uint64_t n;
+            void* marker;
+        };
+        // Enqueue n >= 1 transfers on `stream` (in any order among themselves: their
+        // destinations never overlap), each marker set behind them; *sent: how many are
+        // enqueued with their marker set (all of them on success; the chunks of the others
+        // are no longer read by the link). By default one send() each.
+        virtual expcache_status_t send_batch(const Send* sends, size_t n, void* stream, size_t* sent);
         // Block until the transfer behind `marker` has read its chunk.
         virtual expcache_status_t wait(void* marker) = 0;
         // Run once on each worker thread before its first job.
@@ -60,12 +72,14 @@ public:
     // Queue dst <- file[offset, offset + n).
     expcache_status_t read(void* dst, const SourceFile& file, uint64_t offset, uint64_t n, void* stream);
     // Send everything queued since the last finish(), in order, as it is filled: on
-    // return every transfer has been enqueued on its stream. The first failure of those
+    // return every transfer has been enqueued on its stream. The pieces found filled
+    // together go to the link in one send_batch (up to kMaxBatch). The first failure of those
     // jobs, or OK; after a failure the remaining jobs of the batch are dropped, not sent.
     // Called by the thread that queued them.
     expcache_status_t finish();
 
     uint64_t chunk_bytes() const { return chunk_; }
+    static constexpr size_t kMaxBatch = 64;
 
     // Counters (expcache_staging_stats_t), added to *out; both only between batches.
     void stats(expcache_staging_stats_t* out) const;
@@ -104,6 +118,10 @@ private:
     // Pop the oldest queued job and fill its chunk; the lock is dropped while it fills.
     void fill_next(std::unique_lock<std::mutex>& lock);
     expcache_status_t fill(const Job& job, Chunk& chunk);
+    // Wait until piece `seq` is filled, filling it on this thread if no worker took it.
+    void await_filled(uint64_t seq);
+    // Hand the chunks of pieces [seq, seq + n) back to the fillers, in order.
+    void release_turns(uint64_t seq, uint64_t n);
     Chunk& chunk_of(uint64_t seq) { return chunks_[seq % num_chunks_]; }
 
     Transport& transport_;
@@ -123,7 +141,8 @@ private:
     std::atomic<bool> dropping_{false}; // a job of this batch failed: skip filling the rest
     std::atomic<bool> stop_{false};
     // Counters: the caller's, and (atomic) those any filling thread adds to.
-    uint64_t calls_ = 0, pieces_ = 0, bytes_ = 0, caller_fills_ = 0, wait_ns_ = 0, send_ns_ = 0;
+    uint64_t calls_ = 0, pieces_ = 0, bytes_ = 0, sends_ = 0, caller_fills_ = 0, wait_ns_ = 0, send_ns_ = 0;
+    Transport::Send batch_[kMaxBatch];  // the caller's: the pieces of one send_batch
     std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
     uint64_t inject_skip_ = 0, inject_count_ = 0;  // under mu_
 };
