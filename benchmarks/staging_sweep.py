@@ -72,7 +72,9 @@ def main() -> int:
                 st = r.staging
                 rows.append([threads, f"{chunk >> 10} KiB", f"{r.tokens_per_s:.2f}", f"{100 * r.hit_rate:.1f} %",
                              f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
-                             f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{st.wait_us_per_call:.0f}", f"{st.fill_us_per_piece:.0f}",
+                             f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{st.span_us_per_call:.0f}",
+                             f"{st.first_fill_us_per_call:.0f}", f"{st.wait_us_per_call:.0f}",
+                             f"{st.threads_filling:.1f}", f"{st.fill_us_per_piece:.0f}",
                              f"{st.send_us_per_piece:.1f}", f"{r.checksum_errors} bad / {r.experts_checked}"])
                 print(f"staging_sweep: {threads} threads, {chunk >> 10} KiB chunks: {r.tokens_per_s:.2f} tok/s",
                       file=sys.stderr, flush=True)  # progress; the table follows at the end
@@ -81,7 +83,8 @@ def main() -> int:
     finally:
         shared.close()
     print(tabulate(rows, headers=["copy threads", "chunk", "decode tok/s", "hit rate", "of link bound", "pieces/call",
-                                  "pieces/send", "caller wait µs/call", "fill µs/piece", "send µs/piece", "checksums"],
+                                  "pieces/send", "span µs/call", "first piece µs", "caller wait µs/call",
+                                  "threads filling", "fill µs/piece", "send µs/piece", "checksums"],
                    disable_numparse=True))
     return 0
 

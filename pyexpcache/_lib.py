@@ -115,7 +115,7 @@ class Stats(ctypes.Structure):
 
 STAGING_FIELDS = (
     "calls", "pieces", "bytes", "caller_fills", "fill_ns", "chunk_waits", "chunk_wait_ns", "wait_ns", "send_ns",
-    "sends",
+    "sends", "span_ns", "first_fill_ns",
 )
 
 

@@ -142,6 +142,8 @@ class StagingStats:
     wait_ns: int = 0
     send_ns: int = 0
     sends: int = 0
+    span_ns: int = 0
+    first_fill_ns: int = 0
 
     @property
     def pieces_per_call(self) -> float:
@@ -156,6 +158,21 @@ class StagingStats:
     def wait_us_per_call(self) -> float:
         """Time the calling thread waited for workers' pieces, per call."""
         return self.wait_ns / self.calls / 1e3 if self.calls else 0.0
+
+    @property
+    def span_us_per_call(self) -> float:
+        """From a call's first piece queued to its last piece sent."""
+        return self.span_ns / self.calls / 1e3 if self.calls else 0.0
+
+    @property
+    def first_fill_us_per_call(self) -> float:
+        """From a call's first piece queued to that piece filled: how long the link waits to start."""
+        return self.first_fill_ns / self.calls / 1e3 if self.calls else 0.0
+
+    @property
+    def threads_filling(self) -> float:
+        """Threads filling on average during a call's span (fill time over span)."""
+        return self.fill_ns / self.span_ns if self.span_ns else 0.0
 
     @property
     def pieces_per_send(self) -> float:

@@ -168,14 +168,16 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
 
 def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
     """The table; ``detail`` adds where a staged call's time goes (per call of 6 experts: pieces,
-    the calling thread's wait for workers; per piece: fill and send times)."""
+    the whole call, its staging span from first piece queued to last sent, the wait for its first
+    piece, the calling thread's wait for workers, threads filling on average; per piece: fill and
+    send times)."""
     from tabulate import tabulate
 
     headers = ["source", "copy threads", "chunk", "expert", "placement", "library GB/s", "raw same-kind GB/s",
                "raw pinned GB/s", "library / raw pinned"]
     if detail:
-        headers += ["pieces/call", "pieces/send", "caller wait µs/call", "fill µs/piece", "send µs/piece",
-                    "caller fills"]
+        headers += ["pieces/call", "pieces/send", "µs/call", "span µs", "first piece µs", "caller wait µs",
+                    "threads filling", "fill µs/piece", "send µs/piece", "caller fills"]
     table = []
     for r in rows:
         row = [r.source, r.copy_threads if r.chunk_bytes else "—", f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
@@ -183,9 +185,12 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
                f"{100 * r.of_raw_pinned:.0f} %"]
         if detail:
             st = r.staging
-            row += ["—"] * 6 if st is None else [
-                f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{st.wait_us_per_call:.1f}", f"{st.fill_us_per_piece:.1f}",
-                f"{st.send_us_per_piece:.2f}", f"{100 * st.caller_fills / st.pieces:.0f} %" if st.pieces else "—"]
+            call_us = st.bytes / st.calls / r.library_gb_s / 1e3 if st and st.calls and r.library_gb_s else 0.0
+            row += ["—"] * 10 if st is None else [
+                f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{call_us:.1f}",
+                f"{st.span_us_per_call:.1f}", f"{st.first_fill_us_per_call:.1f}", f"{st.wait_us_per_call:.1f}",
+                f"{st.threads_filling:.1f}", f"{st.fill_us_per_piece:.1f}", f"{st.send_us_per_piece:.2f}",
+                f"{100 * st.caller_fills / st.pieces:.0f} %" if st.pieces else "—"]
         table.append(row)
     return tabulate(table, headers=headers, disable_numparse=True) + "\n\n" + LEGEND
 

@@ -468,6 +468,7 @@ def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
     assert st.pieces >= 3 * -(-expert // (128 << 10))  # no piece is larger than a chunk
     assert st.fill_ns > 0 and st.send_ns > 0
     assert 1 <= st.sends <= st.pieces
+    assert 0 < st.first_fill_ns <= st.span_ns  # the first piece is filled before the last is sent
     if copy_threads == 1:  # no workers: the calling thread fills every piece, never waits, sends each alone
         assert st.caller_fills == st.pieces and st.wait_ns == 0 and st.sends == st.pieces
     cache.select(0, [0, 1, 2])  # all hits: nothing staged

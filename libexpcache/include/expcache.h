@@ -482,6 +482,8 @@ typedef struct expcache_staging_stats_t {
     uint64_t wait_ns;        /**< time the calling thread waited for pieces that workers were filling */
     uint64_t send_ns;        /**< time the calling thread spent handing pieces to the link */
     uint64_t sends;          /**< transfers handed to the link: the pieces found filled together go as one */
+    uint64_t span_ns;        /**< from a call's first piece queued to its last piece sent, summed over calls */
+    uint64_t first_fill_ns;  /**< from a call's first piece queued to that piece filled (the link's wait to start) */
 } expcache_staging_stats_t;
 
 /** Counters of the staging ring since the cache was made or its stats were reset. */

@@ -91,6 +91,7 @@ expcache_status_t StagingRing::queue(const Job& job) {
     }
     Job part = job;
     uint64_t done = 0;
+    if (next_seq_ == next_send_) batch_start_ns_ = now_ns();
     while (done < job.n) {
         // The first chunks of a batch are short, so the link starts early; later ones are
         // full size, so each transfer is large enough to run at the link's speed.
@@ -162,11 +163,14 @@ void StagingRing::release_turns(uint64_t seq, uint64_t n) {
 expcache_status_t StagingRing::finish() {
     expcache_status_t status = EXPCACHE_OK;
     std::string message;
-    if (next_send_ < next_seq_) ++calls_;
+    const uint64_t first = next_send_;
+    if (next_send_ == next_seq_) return status;
+    ++calls_;
     while (next_send_ < next_seq_) {
         const uint64_t seq = next_send_;
         await_filled(seq);
         Chunk& c = chunk_of(seq);
+        if (seq == first) first_fill_ns_ += c.filled_ns - batch_start_ns_;
         uint64_t n = 1;  // pieces dealt with in this round
         if (status == EXPCACHE_OK && c.status != EXPCACHE_OK) {
             status = c.status;
@@ -203,6 +207,7 @@ expcache_status_t StagingRing::finish() {
         release_turns(seq, n);
     }
     dropping_.store(false);
+    span_ns_ += now_ns() - batch_start_ns_;
     if (status == EXPCACHE_OK) return status;
     // A worker's detail, on this thread (empty only when formatting it ran out of memory).
     return fail(status, "%s", message.empty() ? "a staging thread ran out of host memory" : message.c_str());
@@ -252,6 +257,7 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
         c.status = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
         c.message.clear();
     }
+    c.filled_ns = now_ns();
     lock.lock();
     c.filled.store(job.seq + 1, std::memory_order_release);
     lock.unlock();
@@ -288,6 +294,8 @@ void StagingRing::stats(expcache_staging_stats_t* out) const {
     out->pieces += pieces_;
     out->bytes += bytes_;
     out->sends += sends_;
+    out->span_ns += span_ns_;
+    out->first_fill_ns += first_fill_ns_;
     out->caller_fills += caller_fills_;
     out->fill_ns += fill_ns_.load(std::memory_order_relaxed);
     out->chunk_waits += chunk_waits_.load(std::memory_order_relaxed);
@@ -303,7 +311,7 @@ void StagingRing::inject_failures(uint64_t skip, uint64_t count) {
 }
 
 void StagingRing::reset_stats() {
-    calls_ = pieces_ = bytes_ = sends_ = caller_fills_ = wait_ns_ = send_ns_ = 0;
+    calls_ = pieces_ = bytes_ = sends_ = caller_fills_ = wait_ns_ = send_ns_ = span_ns_ = first_fill_ns_ = 0;
     fill_ns_.store(0);
     chunk_waits_.store(0);
     chunk_wait_ns_.store(0);

@@ -109,6 +109,7 @@ private:
         expcache_status_t status = EXPCACHE_OK;
         bool dropped = false;
         std::string message;
+        uint64_t filled_ns = 0;   // when it was filled (now_ns), written before `filled`
         std::atomic<uint64_t> filled{0};  // seq + 1 of the last job done filling it
     };
 
@@ -142,6 +143,8 @@ private:
     std::atomic<bool> stop_{false};
     // Counters: the caller's, and (atomic) those any filling thread adds to.
     uint64_t calls_ = 0, pieces_ = 0, bytes_ = 0, sends_ = 0, caller_fills_ = 0, wait_ns_ = 0, send_ns_ = 0;
+    uint64_t span_ns_ = 0, first_fill_ns_ = 0;
+    uint64_t batch_start_ns_ = 0;  // the caller's: when the first piece of this batch was queued
     Transport::Send batch_[kMaxBatch];  // the caller's: the pieces of one send_batch
     std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
     uint64_t inject_skip_ = 0, inject_count_ = 0;  // under mu_
