@@ -37,6 +37,18 @@ bool spin_until(Ready&& ready, unsigned us) {
 
 }  // namespace
 
+// The lock is held for a few instructions at a time; a thread that finds it taken and sleeps
+// on it takes tens of microseconds to be woken (more in a VM), so try it for a while first
+// when the threads have cores of their own.
+void StagingRing::lock_polling(std::unique_lock<std::mutex>& lock) {
+    if (spin_us_ > 0)
+        for (int i = 0; i < 2048; ++i) {
+            if (lock.try_lock()) return;
+            cpu_relax();
+        }
+    lock.lock();
+}
+
 StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes)
     : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes),
       num_threads_(copy_threads > 0 ? copy_threads - 1 : 0) {
@@ -104,7 +116,8 @@ expcache_status_t StagingRing::queue(const Job& job) {
         part.offset = job.offset + done;
         part.seq = next_seq_;
         {
-            std::lock_guard<std::mutex> lock(mu_);
+            std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+            lock_polling(lock);
             queue_.push_back(part);  // may throw: then the piece does not exist, and finish() does not wait for it
             queued_.fetch_add(1, std::memory_order_release);
         }
@@ -137,7 +150,8 @@ void StagingRing::await_filled(uint64_t seq) {
     Chunk& c = chunk_of(seq);
     auto ready = [&c, seq] { return c.filled.load(std::memory_order_acquire) == seq + 1; };
     if (ready()) return;
-    std::unique_lock<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    lock_polling(lock);
     if (!queue_.empty() && queue_.front().seq == seq) {
         ++caller_fills_;
         fill_next(lock);  // nobody has taken it: fill it here
@@ -154,7 +168,8 @@ void StagingRing::await_filled(uint64_t seq) {
 
 void StagingRing::release_turns(uint64_t seq, uint64_t n) {
     {
-        std::lock_guard<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+        lock_polling(lock);
         for (uint64_t i = 0; i < n; ++i) chunk_of(seq + i).turn = seq + i + num_chunks_;
     }
     turn_.notify_all();
@@ -215,9 +230,20 @@ expcache_status_t StagingRing::finish() {
 
 void StagingRing::worker() {
     transport_.thread_start();
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     for (;;) {
-        spin_until([this] { return queued_.load(std::memory_order_acquire) > 0 || stop_.load(); }, spin_us_);
-        std::unique_lock<std::mutex> lock(mu_);
+        // Poll for a piece, taking the lock only when it is free and a piece waits: a worker
+        // that another beat to the piece polls on rather than sleeping on the lock or on work_.
+        spin_until(
+            [&] {
+                if (stop_.load()) return true;
+                if (queued_.load(std::memory_order_acquire) == 0 || !lock.try_lock()) return false;
+                if (!queue_.empty()) return true;  // keep the lock
+                lock.unlock();
+                return false;
+            },
+            spin_us_);
+        if (!lock.owns_lock()) lock.lock();
         work_.wait(lock, [this] { return stop_.load() || !queue_.empty(); });
         if (queue_.empty()) return;  // stop_, nothing left
         fill_next(lock);
@@ -258,7 +284,7 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
         c.message.clear();
     }
     c.filled_ns = now_ns();
-    lock.lock();
+    lock_polling(lock);
     c.filled.store(job.seq + 1, std::memory_order_release);
     lock.unlock();
     filled_.notify_all();

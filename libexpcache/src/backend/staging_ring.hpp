@@ -121,6 +121,7 @@ private:
     expcache_status_t fill(const Job& job, Chunk& chunk);
     // Wait until piece `seq` is filled, filling it on this thread if no worker took it.
     void await_filled(uint64_t seq);
+    void lock_polling(std::unique_lock<std::mutex>& lock);
     // Hand the chunks of pieces [seq, seq + n) back to the fillers, in order.
     void release_turns(uint64_t seq, uint64_t n);
     Chunk& chunk_of(uint64_t seq) { return chunks_[seq % num_chunks_]; }
