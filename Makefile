@@ -76,10 +76,10 @@ select-overhead: $(SELECT_BIN)
 		$(SELECT_BIN) cuda 1000000 lru; $(SELECT_BIN) cuda 1000000 oppclass; fi
 
 COPY_BIN = $(BUILD)/copy_methods
-$(COPY_BIN): benchmarks/c/copy_methods.cu
+$(COPY_BIN): benchmarks/c/copy_methods.cu libexpcache/src/backend/copy_nt.hpp
 	@test -n "$(NVCC)" || { echo "copy-methods: needs nvcc and a GPU"; exit 1; }
 	@mkdir -p $(BUILD)
-	$(NVCC) -std=c++17 -O2 $(GENCODE) -o $@ $< -lpthread
+	$(NVCC) -std=c++17 -O2 $(GENCODE) -Ilibexpcache/src -o $@ $< -lpthread
 
 copy-methods: $(COPY_BIN)
 	$(COPY_BIN) 1

@@ -13,7 +13,6 @@
 //
 //   build/copy_methods [GiB moved per row, default 1]
 #include <cuda_runtime.h>
-#include <emmintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -24,6 +23,8 @@
 #include <random>
 #include <thread>
 #include <vector>
+
+#include "backend/copy_nt.hpp"  // the staging ring's non-temporal copy
 
 #define CHECK(call)                                                                                 \
     do {                                                                                            \
@@ -215,22 +216,6 @@ void pageable_table(double gib) {
     CHECK(cudaStreamDestroy(stream));
 }
 
-void copy_nt(char* dst, const char* src, size_t n) {
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-        __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-        __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-    }
-    _mm_sfence();
-    std::memcpy(dst + i, src + i, n - i);
-}
-
 // GB/s of `threads` threads each copying random `piece`-byte pieces of `src` into its own
 // ring of 8 pinned chunks, `total` bytes together.
 double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, size_t total, bool nt) {
@@ -248,7 +233,7 @@ double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, s
             for (size_t i = 0; i < per_thread; ++i) {
                 const char* s = src + (rng() % ((src_bytes - piece) / 4096)) * 4096;
                 char* d = rings[t] + (i % 8) * piece;
-                if (nt) copy_nt(d, s, piece); else std::memcpy(d, s, piece);
+                if (nt) expcache::copy_nt(d, s, piece); else std::memcpy(d, s, piece);
             }
         });
     while (ready.load() < threads) {}

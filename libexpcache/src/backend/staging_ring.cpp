@@ -1,9 +1,11 @@
 #include "staging_ring.hpp"
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 #include "../errors.hpp"
+#include "copy_nt.hpp"
 
 namespace expcache {
 
@@ -55,6 +57,8 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // Poll 1 ms when every worker and the caller have a core of their own (0: unknown).
     unsigned cores = std::thread::hardware_concurrency();
     spin_us_ = cores > num_threads_ + 1 ? 1000 : 0;
+    const char* stores = std::getenv("EXPCACHE_STAGING_STORES");  // experiment: "nt" or "memcpy"
+    nt_stores_ = stores && std::strcmp(stores, "nt") == 0;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
 }
@@ -304,7 +308,10 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c) {
     }
     char* host = static_cast<char*>(c.host);
     if (job.src) {
-        std::memcpy(host, job.src, job.n);
+        if (nt_stores_)
+            copy_nt(host, job.src, job.n);
+        else
+            std::memcpy(host, job.src, job.n);
         s = EXPCACHE_OK;
     } else if (job.file->direct()) {
         s = job.file->read_direct(host, job.offset, job.n, &c.delta);
