@@ -57,8 +57,9 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // Poll 1 ms when every worker and the caller have a core of their own (0: unknown).
     unsigned cores = std::thread::hardware_concurrency();
     spin_us_ = cores > num_threads_ + 1 ? 1000 : 0;
-    const char* stores = std::getenv("EXPCACHE_STAGING_STORES");  // experiment: "nt" or "memcpy"
-    nt_stores_ = stores && std::strcmp(stores, "nt") == 0;
+    // Pieces up to this size are copied with non-temporal stores (see fill()); the environment
+    // variable EXPCACHE_STAGING_NT_MAX (bytes, 0: never) overrides it, for measurements.
+    if (const char* nt = std::getenv("EXPCACHE_STAGING_NT_MAX")) nt_max_ = std::strtoull(nt, nullptr, 10);
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
 }
@@ -308,7 +309,12 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c) {
     }
     char* host = static_cast<char*>(c.host);
     if (job.src) {
-        if (nt_stores_)
+        // Small pieces belong to short calls, whose time is the latency of their copies: with
+        // non-temporal stores a chunk's lines are neither read first nor left dirty in a core's
+        // cache for the DMA engine to fetch. Large pieces are bound by memory bandwidth, which
+        // ordinary stores spare: the link reads the chunk from the last-level cache instead of
+        // memory. Measured on an H200 host (docs/transfers.md).
+        if (job.n <= nt_max_)
             copy_nt(host, job.src, job.n);
         else
             std::memcpy(host, job.src, job.n);

@@ -131,7 +131,7 @@ private:
     uint64_t chunk_;
     unsigned num_threads_;
     unsigned spin_us_ = 0;
-    bool nt_stores_ = false;
+    uint64_t nt_max_ = 512 << 10;  // pieces up to this size are filled with non-temporal stores
     std::vector<std::thread> threads_;
     std::unique_ptr<Chunk[]> chunks_;
     uint64_t num_chunks_ = 0;
