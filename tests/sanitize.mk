@@ -13,6 +13,9 @@
 #   make tsan-test       the same with ThreadSanitizer into $(BUILD)/tsan/, a shorter run
 #                        (TSAN_OPS): the staging ring's threads against the calling thread
 #   make sanitize        all three
+#   make ring-test       tests/c/ring_test.cpp, a unit test of the staging ring over a fake link
+#                        (transfers land only when waited for; refused transfers), with ASan
+#                        and UBSan; make ring-tsan-test: the same with ThreadSanitizer
 #
 # The driver prints its counts and exits 1 on any divergence from the header's
 # promises (each is printed with the seed and operation number); a sanitizer
@@ -54,7 +57,7 @@ TSAN_BIN = $(TSAN_DIR)/stress
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
 TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: asan-test valgrind-test tsan-test sanitize
+.PHONY: asan-test valgrind-test tsan-test sanitize ring-test ring-tsan-test
 
 sanitize: asan-test valgrind-test tsan-test
 
@@ -75,6 +78,22 @@ endef
 $(eval $(call stress_build,$(ASAN_DIR),$(SAN_FLAGS)))
 $(eval $(call stress_build,$(VG_DIR),))
 $(eval $(call stress_build,$(TSAN_DIR),$(TSAN_FLAGS)))
+
+# The ring's unit test: the ring and what it uses, from the same objects as the stress driver.
+RING_SRC = libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/source_file.cpp libexpcache/src/errors.cpp
+define ring_build
+$(1)/ring_test: tests/c/ring_test.cpp $$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(RING_SRC)) $$(HEADERS)
+	$$(CXX) $$(SAN_CXXFLAGS) $$(SAN_OPT) $(2) -o $$@ tests/c/ring_test.cpp \
+		$$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(RING_SRC)) -lpthread
+endef
+$(eval $(call ring_build,$(ASAN_DIR),$(SAN_FLAGS)))
+$(eval $(call ring_build,$(TSAN_DIR),$(TSAN_FLAGS)))
+
+ring-test: $(ASAN_DIR)/ring_test
+	$(SAN_ENV) $(ASAN_DIR)/ring_test
+
+ring-tsan-test: $(TSAN_DIR)/ring_test
+	$(TSAN_ENV) $(TSAN_DIR)/ring_test
 
 tsan-test: $(TSAN_BIN)
 	$(TSAN_ENV) STRESS_TMPDIR=$(TSAN_DIR) $(TSAN_BIN) $(STRESS_SEED) $(TSAN_OPS)

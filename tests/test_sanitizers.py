@@ -3,7 +3,8 @@ under ThreadSanitizer and valgrind, through the targets of tests/sanitize.mk: a 
 sequence of every exported function on the host backend (tight memory, odd
 part sizes, file sources, injected faults, bad input, destroyed handles),
 checked call by call against the header's promises. The driver's counts are
-printed, and are part of the assertion message when a run fails."""
+printed, and are part of the assertion message when a run fails. Also the staging
+ring's unit test (tests/c/ring_test.cpp) under ASan + UBSan and under TSan."""
 
 from __future__ import annotations
 
@@ -93,3 +94,29 @@ def test_stress_under_tsan():
     if reason:
         pytest.skip(reason)
     assert_stress_clean("tsan-test")
+
+
+def assert_ring_test_clean(target: str) -> None:
+    """`make target` builds and runs tests/c/ring_test.cpp: every check passes, no sanitizer report."""
+    rc, out, err = run_make(target)
+    lines = (out + "\n" + err).splitlines()
+    summary = [line for line in lines if line.startswith("ring_test:") or line.startswith("FAILED")]
+    message = f"make {target} exited {rc}\n" + "\n".join(summary or lines[-60:])
+    print(message)
+    assert rc == 0, message
+    assert re.search(r"^ring_test: \d+ checks, 0 failed$", out, re.M), message
+
+
+def test_staging_ring_unit_under_asan_and_ubsan():
+    # The ring over a fake link whose transfers land only when waited for, and that refuses some.
+    reason = sanitizer_unavailable("address,undefined")
+    if reason:
+        pytest.skip(reason)
+    assert_ring_test_clean("ring-test")
+
+
+def test_staging_ring_unit_under_tsan():
+    reason = sanitizer_unavailable("thread")
+    if reason:
+        pytest.skip(reason)
+    assert_ring_test_clean("ring-tsan-test")

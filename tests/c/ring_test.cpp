@@ -1,0 +1,270 @@
+// Unit test of the staging ring (libexpcache/src/backend/staging_ring.cpp) over a fake link that
+// behaves like a DMA engine: a transfer is only recorded when it is sent and its bytes are read
+// out of the chunk later, when the ring waits for it (or at the end, as a stream sync would).
+// A chunk refilled before its transfer was waited for therefore corrupts the destination, and
+// the fake link can fail the Nth transfer, alone or in the middle of a batch. Built with the
+// sanitizers by tests/sanitize.mk (`make ring-test`, `make ring-tsan-test`).
+//
+//   ring_test            every case; prints "ring_test: N checks, F failed" and exits 1 on a failure
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/staging_ring.hpp"
+#include "errors.hpp"
+
+using expcache::StagingRing;
+
+namespace {
+
+int checks = 0, failures = 0;
+
+#define CHECK(cond, ...)                                                         \
+    do {                                                                         \
+        ++checks;                                                                \
+        if (!(cond)) {                                                           \
+            ++failures;                                                          \
+            std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond);        \
+            std::printf(__VA_ARGS__);                                            \
+            std::printf("\n");                                                   \
+        }                                                                        \
+    } while (0)
+
+// A transfer in flight: its bytes still sit in the chunk.
+struct Marker {
+    bool pending = false;
+    void* dst = nullptr;
+    const void* src = nullptr;
+    uint64_t n = 0;
+};
+
+class FakeLink final : public StagingRing::Transport {
+public:
+    expcache_status_t alloc_chunk(uint64_t bytes, void** host, void** marker) override {
+        *host = std::aligned_alloc(4096, (bytes + 4095) & ~uint64_t(4095));
+        Marker* m = new Marker;
+        *marker = m;
+        std::lock_guard<std::mutex> lock(mu_);
+        markers_.push_back(m);
+        return EXPCACHE_OK;
+    }
+    void free_chunk(void* host, void* marker) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        Marker* m = static_cast<Marker*>(marker);
+        if (m->pending) ++freed_in_flight_;
+        for (Marker*& k : markers_)
+            if (k == m) k = nullptr;
+        delete m;
+        std::free(host);
+    }
+    expcache_status_t send(void* dst, const void* src, uint64_t n, void*, void* marker) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        const uint64_t index = transfers_++;
+        if (index >= fail_from_ && index < fail_until_)
+            return expcache::fail(EXPCACHE_ERR_CUDA, "fake link refused transfer %llu", (unsigned long long)index);
+        Marker* m = static_cast<Marker*>(marker);
+        if (m->pending) ++resent_in_flight_;  // sent again before the ring waited for its last transfer
+        *m = {true, dst, src, n};
+        ++sent_;
+        return EXPCACHE_OK;
+    }
+    expcache_status_t send_batch(const Send* sends, size_t n, void* stream, size_t* sent) override {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            batches_.push_back(n);
+        }
+        return Transport::send_batch(sends, n, stream, sent);  // one send() each, in order
+    }
+    expcache_status_t wait(void* marker) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        land(static_cast<Marker*>(marker));
+        return EXPCACHE_OK;
+    }
+
+    // Every transfer still in flight lands, as a stream synchronization would make it.
+    void drain() {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (Marker* m : markers_)
+            if (m) land(m);
+    }
+    // Transfers `from`.. `from + count - 1` counted from now are refused.
+    void fail_transfers(uint64_t from, uint64_t count) {
+        std::lock_guard<std::mutex> lock(mu_);
+        fail_from_ = transfers_ + from;
+        fail_until_ = fail_from_ + count;
+    }
+
+    // Read by the test between calls, when no thread of the ring sends or waits.
+    uint64_t sent_ = 0, resent_in_flight_ = 0, freed_in_flight_ = 0;
+    std::vector<size_t> batches_;
+
+private:
+    static void land(Marker* m) {
+        if (!m->pending) return;
+        std::memcpy(m->dst, m->src, m->n);
+        m->pending = false;
+    }
+    std::mutex mu_;
+    std::vector<Marker*> markers_;
+    uint64_t transfers_ = 0;
+    uint64_t fail_from_ = UINT64_MAX, fail_until_ = UINT64_MAX;
+};
+
+std::vector<char> random_bytes(size_t n, unsigned seed) {
+    std::vector<char> v(n);
+    std::mt19937 rng(seed);
+    for (char& c : v) c = static_cast<char>(rng());
+    return v;
+}
+
+// Uploads of `sizes` bytes each, back to back in one source and one destination.
+struct Call {
+    std::vector<uint64_t> sizes;
+    uint64_t total() const {
+        uint64_t t = 0;
+        for (uint64_t s : sizes) t += s;
+        return t;
+    }
+};
+
+expcache_status_t stage(StagingRing& ring, const Call& call, const std::vector<char>& src, std::vector<char>& dst) {
+    uint64_t off = 0;
+    for (uint64_t n : call.sizes) {
+        expcache_status_t s = ring.copy(dst.data() + off, src.data() + off, n, nullptr);
+        if (s != EXPCACHE_OK) return s;
+        off += n;
+    }
+    return ring.finish();
+}
+
+// Many calls through a ring of few chunks: every chunk is reused many times within a call, so a
+// refill that did not wait for the chunk's transfer would corrupt what lands.
+void test_bytes_arrive_and_chunks_wait(unsigned threads) {
+    FakeLink t;
+    std::mt19937 rng(threads);
+    uint64_t staged = 0, pieces_min = 0;
+    {
+        StagingRing ring(t, threads, 4 * 8192, 8192);  // 4 chunks of 8 KiB
+        for (int call_no = 0; call_no < 40; ++call_no) {
+            Call call;
+            for (int i = 0, k = 1 + rng() % 6; i < k; ++i) call.sizes.push_back(1 + rng() % 40000);
+            const std::vector<char> src = random_bytes(call.total(), call_no);
+            std::vector<char> dst(call.total(), 0);
+            expcache_status_t s = stage(ring, call, src, dst);
+            CHECK(s == EXPCACHE_OK, "call %d: %s", call_no, expcache::last_error());
+            t.drain();
+            CHECK(dst == src, "call %d (%u threads): bytes differ", call_no, threads);
+            staged += call.total();
+            for (uint64_t n : call.sizes) pieces_min += (n + 8191) / 8192;
+        }
+        expcache_staging_stats_t st{};
+        ring.stats(&st);
+        CHECK(st.calls == 40 && st.bytes == staged, "calls %llu bytes %llu of %llu", (unsigned long long)st.calls,
+              (unsigned long long)st.bytes, (unsigned long long)staged);
+        CHECK(st.pieces >= pieces_min && st.pieces == t.sent_, "pieces %llu, sent %llu",
+              (unsigned long long)st.pieces, (unsigned long long)t.sent_);
+        CHECK(st.sends == t.batches_.size() && st.sends >= 1 && st.sends <= st.pieces, "sends %llu",
+              (unsigned long long)st.sends);
+        CHECK(st.span_ns >= st.first_fill_ns, "span %llu first fill %llu", (unsigned long long)st.span_ns,
+              (unsigned long long)st.first_fill_ns);
+        if (threads <= 1)  // the caller fills each piece just before it sends it: one a send
+            CHECK(st.sends == st.pieces && st.caller_fills == st.pieces, "sends %llu pieces %llu",
+                  (unsigned long long)st.sends, (unsigned long long)st.pieces);
+    }
+    CHECK(t.resent_in_flight_ == 0, "%llu chunks sent again before their transfer landed",
+          (unsigned long long)t.resent_in_flight_);
+    CHECK(t.freed_in_flight_ == 0, "%llu chunks freed with a transfer in flight",
+          (unsigned long long)t.freed_in_flight_);
+}
+
+// Pieces the workers have filled by the time the caller sends go in one batch, in order.
+void test_filled_pieces_go_together() {
+    FakeLink t;
+    StagingRing ring(t, 4, 64 * 8192, 8192);
+    Call call{{10 * 8192}};
+    const std::vector<char> src = random_bytes(call.total(), 7);
+    std::vector<char> dst(call.total(), 0);
+    CHECK(ring.copy(dst.data(), src.data(), call.total(), nullptr) == EXPCACHE_OK, "copy");
+    // The workers fill 12 small pieces long before this: finish() finds them all filled.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    CHECK(ring.finish() == EXPCACHE_OK, "finish: %s", expcache::last_error());
+    t.drain();
+    CHECK(dst == src, "bytes differ");
+    size_t largest = 0;
+    for (size_t b : t.batches_) largest = b > largest ? b : largest;
+    CHECK(largest > 1, "%zu sends, none of more than one piece", t.batches_.size());
+}
+
+// The link refuses transfer `fail_at` of a call (alone, first, inside or last of a batch): the
+// call fails with the link's message, nothing after it is sent, and the ring serves the next
+// call byte for byte, without sending a chunk whose transfer is in flight.
+void test_refused_transfer(unsigned threads, uint64_t fail_at) {
+    FakeLink t;
+    {
+        StagingRing ring(t, threads, 16 * 8192, 8192);
+        Call call{{30000, 50000, 20000}};  // 16 pieces of at most 8 KiB
+        const std::vector<char> src = random_bytes(call.total(), 11);
+        std::vector<char> dst(call.total(), 0);
+        expcache_staging_stats_t before{};
+        ring.stats(&before);
+        t.fail_transfers(fail_at, 1);
+        expcache_status_t s = stage(ring, call, src, dst);
+        CHECK(s == EXPCACHE_ERR_CUDA, "fail_at %llu: status %d", (unsigned long long)fail_at, (int)s);
+        CHECK(std::strstr(expcache::last_error(), "fake link refused") != nullptr, "message: %s",
+              expcache::last_error());
+        expcache_staging_stats_t after{};
+        ring.stats(&after);
+        CHECK(after.pieces - before.pieces == fail_at, "fail_at %llu: %llu pieces counted as sent",
+              (unsigned long long)fail_at, (unsigned long long)(after.pieces - before.pieces));
+        CHECK(t.sent_ == fail_at, "fail_at %llu: %llu transfers sent", (unsigned long long)fail_at,
+              (unsigned long long)t.sent_);
+        t.drain();
+        // The call that follows is served in full.
+        std::vector<char> dst2(call.total(), 0);
+        s = stage(ring, call, src, dst2);
+        CHECK(s == EXPCACHE_OK, "after the failure: %s", expcache::last_error());
+        t.drain();
+        CHECK(dst2 == src, "after the failure (fail_at %llu, %u threads): bytes differ", (unsigned long long)fail_at,
+              threads);
+    }
+    CHECK(t.resent_in_flight_ == 0 && t.freed_in_flight_ == 0, "in flight: resent %llu freed %llu",
+          (unsigned long long)t.resent_in_flight_, (unsigned long long)t.freed_in_flight_);
+}
+
+// A piece that fails to fill (injected) fails its call; the pieces after it are not sent.
+void test_failed_fill(unsigned threads) {
+    FakeLink t;
+    StagingRing ring(t, threads, 16 * 8192, 8192);
+    Call call{{60000}};
+    const std::vector<char> src = random_bytes(call.total(), 3);
+    std::vector<char> dst(call.total(), 0);
+    ring.inject_failures(4, 1);
+    expcache_status_t s = stage(ring, call, src, dst);
+    CHECK(s == EXPCACHE_ERR_CUDA && std::strstr(expcache::last_error(), "injected staging failure"),
+          "status %d: %s", (int)s, expcache::last_error());
+    CHECK(t.sent_ <= 4, "%llu pieces sent past the failed one", (unsigned long long)t.sent_);
+    t.drain();
+    std::vector<char> dst2(call.total(), 0);
+    CHECK(stage(ring, call, src, dst2) == EXPCACHE_OK, "after: %s", expcache::last_error());
+    t.drain();
+    CHECK(dst2 == src, "bytes differ after a failed fill");
+}
+
+}  // namespace
+
+int main() {
+    for (unsigned threads : {1u, 2u, 4u, 8u}) test_bytes_arrive_and_chunks_wait(threads);
+    test_filled_pieces_go_together();
+    for (unsigned threads : {1u, 4u})
+        for (uint64_t fail_at : {0u, 1u, 3u, 7u, 13u}) test_refused_transfer(threads, fail_at);
+    for (unsigned threads : {1u, 4u}) test_failed_fill(threads);
+    std::printf("ring_test: %d checks, %d failed\n", checks, failures);
+    return failures ? 1 : 0;
+}
