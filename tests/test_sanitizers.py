@@ -8,6 +8,7 @@ ring's unit test (tests/c/ring_test.cpp) under ASan + UBSan and under TSan."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -45,6 +46,7 @@ def report(target: str, rc: int, stdout: str, stderr: str) -> str:
             "or a sanitizer stopped it; see below)") + f"\n--- output (last lines) ---\n{tail}")
 
 
+@functools.lru_cache(maxsize=None)  # one probe build per flag set, not one per test
 def sanitizer_unavailable(flags: str) -> str:
     """'' when the C++ compiler builds and runs a threaded program with -fsanitize=`flags`, else why not."""
     cxx = os.environ.get("CXX") or "g++"
@@ -64,6 +66,13 @@ def sanitizer_unavailable(flags: str) -> str:
     return ""
 
 
+def require_sanitizer(flags: str) -> None:
+    """Skip the calling test, with the reason, when -fsanitize=`flags` cannot build or run here."""
+    reason = sanitizer_unavailable(flags)
+    if reason:
+        pytest.skip(reason)
+
+
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not found")
 
 
@@ -77,9 +86,7 @@ def assert_stress_clean(target: str) -> None:
 
 
 def test_stress_under_asan_and_ubsan():
-    reason = sanitizer_unavailable("address,undefined")
-    if reason:
-        pytest.skip(reason)
+    require_sanitizer("address,undefined")
     assert_stress_clean("asan-test")
 
 
@@ -90,9 +97,7 @@ def test_stress_under_valgrind():
 
 def test_stress_under_tsan():
     # The staging ring's threads fill chunks while the calling thread queues and waits.
-    reason = sanitizer_unavailable("thread")
-    if reason:
-        pytest.skip(reason)
+    require_sanitizer("thread")
     assert_stress_clean("tsan-test")
 
 
@@ -109,14 +114,10 @@ def assert_ring_test_clean(target: str) -> None:
 
 def test_staging_ring_unit_under_asan_and_ubsan():
     # The ring over a fake link whose transfers land only when waited for, and that refuses some.
-    reason = sanitizer_unavailable("address,undefined")
-    if reason:
-        pytest.skip(reason)
+    require_sanitizer("address,undefined")
     assert_ring_test_clean("ring-test")
 
 
 def test_staging_ring_unit_under_tsan():
-    reason = sanitizer_unavailable("thread")
-    if reason:
-        pytest.skip(reason)
+    require_sanitizer("thread")
     assert_ring_test_clean("ring-tsan-test")
