@@ -81,8 +81,9 @@ $(COPY_BIN): benchmarks/c/copy_methods.cu libexpcache/src/backend/copy_nt.hpp
 	@mkdir -p $(BUILD)
 	$(NVCC) -std=c++17 -O2 $(GENCODE) -Ilibexpcache/src -o $@ $< -lpthread
 
+COPY_TABLES ?= pinned,pageable,host,link
 copy-methods: $(COPY_BIN)
-	$(COPY_BIN) 1
+	$(COPY_BIN) 1 $(COPY_TABLES)
 
 deps:
 	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \

@@ -5,11 +5,20 @@ chunks out of the same pageable source at all (numpy copies, which release the G
 side of the bound, next to the link's. Usage:
 
     python3 benchmarks/staging_sweep.py [--threads 4,8,12] [--chunks 256K,512K,1M] [--traces NAME]
+                                        [--env VAR=a,b ...] [--repeat N]
+
+--env runs each configuration with the environment variable VAR set to each value in turn, read
+when the configuration's cache is made (EXPCACHE_STAGING_NT_MAX: pieces up to that many bytes
+filled with non-temporal stores; EXPCACHE_STAGING_DEMOTE=1: the lines of the other pieces demoted
+to the last-level cache once filled); several --env options make a grid. --repeat runs the whole
+grid N times, so that configurations alternate in one process rather than following each other.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +51,13 @@ def host_fill_gb_s(buffer: np.ndarray, piece: int, threads: int, total: int = 4 
         return n * piece / (time.perf_counter() - t0) / 1e9
 
 
+def _env_values(text: str) -> tuple[str, list[str]]:
+    name, sep, values = text.partition("=")
+    if not sep or not name or not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected VAR=value[,value...]")
+    return name, values.split(",")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", default="4,8,12")
@@ -49,7 +65,12 @@ def main() -> int:
     p.add_argument("--traces", default="podA_c_python_full")
     p.add_argument("--layout", default="mixed")
     p.add_argument("--budget-gib", type=float, default=12.0)
+    p.add_argument("--env", action="append", default=[], type=_env_values, metavar="VAR=a,b",
+                   help="run each configuration with VAR set to each value (repeatable: a grid)")
+    p.add_argument("--repeat", type=int, default=1, help="run the grid this many times, alternating")
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     if bench.resolve_backend() != "cuda":
         print("staging_sweep: needs a CUDA device", file=sys.stderr)
         return 1
@@ -63,26 +84,34 @@ def main() -> int:
                 for t in [1] + thread_counts for c in args.chunks]
         print(tabulate(fill, headers=["threads", "piece", "host copy GB/s (pageable source)"],
                        disable_numparse=True), flush=True)
-        for threads in thread_counts:
-            for chunk in args.chunks:
-                shared.cache_options = {"copy_threads": threads, "staging_chunk_bytes": chunk}
-                report = bench.run(layout, "decode", variants=["expcache"], traces=traces,
-                                   budget_bytes=shared.budget_bytes, bench=shared)
-                r = report.results[0]
-                st = r.staging
-                rows.append([threads, f"{chunk >> 10} KiB", f"{r.tokens_per_s:.2f}", f"{100 * r.hit_rate:.1f} %",
-                             f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
-                             f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{st.span_us_per_call:.0f}",
-                             f"{st.first_fill_us_per_call:.0f}", f"{st.wait_us_per_call:.0f}",
-                             f"{st.threads_filling:.1f}", f"{st.fill_us_per_piece:.0f}",
-                             f"{st.send_us_per_piece:.1f}", f"{r.checksum_errors} bad / {r.experts_checked}"])
-                print(f"staging_sweep: {threads} threads, {chunk >> 10} KiB chunks: {r.tokens_per_s:.2f} tok/s",
-                      file=sys.stderr, flush=True)  # progress; the table follows at the end
-                if r.checksum_errors:
-                    return 1
+        settings = [dict(zip([name for name, _ in args.env], values))
+                    for values in itertools.product(*[values for _, values in args.env])]
+        grid = [(threads, chunk, env) for _ in range(args.repeat) for threads in thread_counts
+                for chunk in args.chunks for env in settings]
+        for threads, chunk, env in grid:
+            os.environ.update(env)  # read when the configuration's cache makes its staging ring
+            env_label = " ".join(f"{k}={v}" for k, v in env.items())
+            shared.cache_options = {"copy_threads": threads, "staging_chunk_bytes": chunk}
+            report = bench.run(layout, "decode", variants=["expcache"], traces=traces,
+                               budget_bytes=shared.budget_bytes, bench=shared)
+            r = report.results[0]
+            st = r.staging
+            rows.append([threads, f"{chunk >> 10} KiB", env_label,
+                         f"{r.tokens_per_s:.2f}", f"{100 * r.hit_rate:.1f} %",
+                         f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
+                         f"{r.serve_us_per_call:.0f}", f"{r.after_serve_us_per_call:.0f}",
+                         f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{st.span_us_per_call:.0f}",
+                         f"{st.first_fill_us_per_call:.0f}", f"{st.wait_us_per_call:.0f}",
+                         f"{st.threads_filling:.1f}", f"{st.fill_us_per_piece:.0f}",
+                         f"{st.send_us_per_piece:.1f}", f"{r.checksum_errors} bad / {r.experts_checked}"])
+            print(f"staging_sweep: {threads} threads, {chunk >> 10} KiB chunks {env_label}: {r.tokens_per_s:.2f} tok/s",
+                  file=sys.stderr, flush=True)  # progress; the table follows at the end
+            if r.checksum_errors:
+                return 1
     finally:
         shared.close()
-    print(tabulate(rows, headers=["copy threads", "chunk", "decode tok/s", "hit rate", "of link bound", "pieces/call",
+    print(tabulate(rows, headers=["copy threads", "chunk", "environment", "decode tok/s", "hit rate",
+                                  "of link bound", "select µs/call", "after select µs/call", "pieces/call",
                                   "pieces/send", "span µs/call", "first piece µs", "caller wait µs/call",
                                   "threads filling", "fill µs/piece", "send µs/piece", "checksums"],
                    disable_numparse=True))

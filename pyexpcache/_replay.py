@@ -20,7 +20,8 @@ class ReplayCall(ctypes.Structure):
 class ReplayResult(ctypes.Structure):
     _fields_ = [("decode_seconds", c_double), ("prefill_seconds", c_double), ("checksum_errors", c_uint64),
                 ("experts_checked", c_uint64), ("first_bad_call", c_uint64), ("calls_done", c_uint64),
-                ("decode_bytes_h2d", c_uint64), ("prefill_bytes_h2d", c_uint64)]
+                ("decode_bytes_h2d", c_uint64), ("prefill_bytes_h2d", c_uint64), ("decode_calls", c_uint64),
+                ("decode_serve_seconds", c_double)]
 
 
 PROGRESS_FN = ctypes.CFUNCTYPE(None, c_uint64, c_uint64)

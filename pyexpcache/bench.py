@@ -165,6 +165,10 @@ class VariantResult:
     variant: str
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    decode_calls: int = 0
+    # Of decode_seconds, the time in the serving calls (select); the rest is each layer's
+    # checksum kernel and the wait for the transfers still crossing when select returned.
+    decode_serve_seconds: float = 0.0
     decode_tokens: int = 0
     prefill_tokens: int = 0
     hits: int = 0
@@ -183,6 +187,17 @@ class VariantResult:
     @property
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def serve_us_per_call(self) -> float:
+        """Mean µs a decode call spends in select (or the compact load)."""
+        return 1e6 * self.decode_serve_seconds / self.decode_calls if self.decode_calls else 0.0
+
+    @property
+    def after_serve_us_per_call(self) -> float:
+        """Mean µs of a decode call after select returned: the checksum kernel, the wait for
+        transfers still crossing, the readback (per token without the per-layer wait)."""
+        return 1e6 * (self.decode_seconds - self.decode_serve_seconds) / self.decode_calls if self.decode_calls else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -219,7 +234,8 @@ class Report:
     def to_json(self) -> dict:
         out = asdict(self)
         for r, d in zip(self.results, out["results"]):
-            d.update(tokens_per_s=r.tokens_per_s, hit_rate=r.hit_rate, gib_per_token=r.gib_per_token)
+            d.update(tokens_per_s=r.tokens_per_s, hit_rate=r.hit_rate, gib_per_token=r.gib_per_token,
+                     serve_us_per_call=r.serve_us_per_call, after_serve_us_per_call=r.after_serve_us_per_call)
         return out
 
 
@@ -452,6 +468,8 @@ class Bench:
                                     int(self.layer_sync), progress, ctypes.byref(out))
         result.decode_seconds += out.decode_seconds
         result.prefill_seconds += out.prefill_seconds
+        result.decode_calls += out.decode_calls
+        result.decode_serve_seconds += out.decode_serve_seconds
         result.checksum_errors += out.checksum_errors
         result.experts_checked += out.experts_checked
         result.decode_bytes_h2d += out.decode_bytes_h2d

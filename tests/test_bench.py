@@ -106,6 +106,10 @@ def test_bench_run_host_reports_every_variant():
     assert r["slab"].hit_rate < r["expcache"].hit_rate <= r["expcache"].belady_hit_rate + 0.02
     assert r["slab"].releases > 37  # the old design released at every size change
     assert r["expcache"].decode_bytes_h2d == r["expcache"].bytes_h2d > 0  # decode only: every byte is decode's
+    for x in report.results:  # the serving calls' share of the decode time
+        assert x.decode_calls == 37 * 40
+        assert 0 < x.decode_serve_seconds < x.decode_seconds
+        assert x.serve_us_per_call > 0 and x.after_serve_us_per_call > 0
     text = bench.format_report(report)
     assert "host-emulated" in text and "Belady" in text
     json.dumps(report.to_json())
@@ -201,8 +205,9 @@ def test_no_layer_sync_serves_the_same_bytes_and_counts(variant):
         assert results[sync].checksum_errors == 0
         assert bad.checksum_errors >= 1
     a, b_ = results[True], results[False]
-    assert (a.hits, a.misses, a.experts_checked, a.decode_bytes_h2d) == (
-        b_.hits, b_.misses, b_.experts_checked, b_.decode_bytes_h2d)
+    assert (a.hits, a.misses, a.experts_checked, a.decode_bytes_h2d, a.decode_calls) == (
+        b_.hits, b_.misses, b_.experts_checked, b_.decode_bytes_h2d, b_.decode_calls)
+    assert 0 < b_.decode_serve_seconds < b_.decode_seconds
 
 
 # ---------------------------------------------------------------------------

@@ -10,8 +10,12 @@
 // 3. Host threads filling pinned staging chunks from a large pageable buffer (what the staging
 //    ring's workers do), with memcpy and with non-temporal stores, alone and while the link
 //    runs at full speed in the background (the DMA reads the same memory system).
+// 4. The link reading chunks that host threads have just filled, as the ring's sends do: after
+//    memcpy (the lines left dirty in the filling cores' caches), after memcpy and CLDEMOTE (the
+//    lines pushed to the shared last-level cache; a no-op where the CPU lacks it), after memcpy
+//    and CLFLUSHOPT (the lines written back to memory), and after non-temporal stores.
 //
-//   build/copy_methods [GiB moved per row, default 1]
+//   build/copy_methods [GiB moved per row, default 1] [tables: pinned,pageable,host,link; default all]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,10 +25,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "backend/copy_nt.hpp"  // the staging ring's non-temporal copy
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
 
 #define CHECK(call)                                                                                 \
     do {                                                                                            \
@@ -287,17 +297,106 @@ void host_table(double gib) {
     std::free(src);
 }
 
+#if defined(__x86_64__)
+bool cpu_has_cldemote() {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 25));
+}
+__attribute__((target("clflushopt"))) void flush(const char* p, size_t n) {
+    for (size_t i = 0; i < n; i += 64) _mm_clflushopt(const_cast<char*>(p + i));
+    _mm_sfence();
+}
+#else
+bool cpu_has_cldemote() { return false; }
+void flush(const char*, size_t) {}
+#endif
+
+// Rounds of: `threads` threads each fill one 1 MiB pinned chunk from a random place in `src`
+// (`how`), then the link takes the chunks, one cudaMemcpyAsync each, timed with events.
+// Returns the link's GB/s over all rounds; the fills are not timed.
+double link_after_fill(const char* src, size_t src_bytes, int threads, int rounds, const char* how,
+                       char* chunks, char* dev, cudaStream_t stream) {
+    const size_t piece = size_t(1) << 20;
+    cudaEvent_t start, stop;
+    CHECK(cudaEventCreate(&start));
+    CHECK(cudaEventCreate(&stop));
+    std::mt19937_64 rng(42);
+    double ms_total = 0;
+    const std::string mode(how);
+    for (int r = 0; r < rounds; ++r) {
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t) {
+            const char* s = src + (rng() % ((src_bytes - piece) / 4096)) * 4096;
+            char* d = chunks + size_t(t) * piece;
+            pool.emplace_back([=] {
+                if (mode == "non-temporal") {
+                    expcache::copy_nt(d, s, piece);
+                    return;
+                }
+                std::memcpy(d, s, piece);
+                if (mode == "memcpy + cldemote") expcache::demote_lines(d, piece);  // what the ring does
+                if (mode == "memcpy + clflushopt") flush(d, piece);
+            });
+        }
+        for (auto& th : pool) th.join();
+        CHECK(cudaEventRecord(start, stream));
+        for (int t = 0; t < threads; ++t)
+            CHECK(cudaMemcpyAsync(dev + size_t(t) * piece, chunks + size_t(t) * piece, piece, cudaMemcpyHostToDevice,
+                                  stream));
+        CHECK(cudaEventRecord(stop, stream));
+        CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, start, stop));
+        ms_total += ms;
+    }
+    CHECK(cudaEventDestroy(start));
+    CHECK(cudaEventDestroy(stop));
+    return double(rounds) * threads * piece / (ms_total * 1e-3) / 1e9;
+}
+
+void link_table(double gib) {
+    const size_t src_bytes = size_t(16) << 30;
+    char* src = static_cast<char*>(std::malloc(src_bytes));
+    if (!src) { std::printf("no 16 GiB for the link table\n"); return; }
+    std::memset(src, 3, src_bytes);
+    const int max_threads = 8;
+    char *chunks = nullptr, *dev = nullptr;
+    CHECK(cudaMallocHost(&chunks, size_t(max_threads) << 20));
+    CHECK(cudaMalloc(&dev, size_t(max_threads) << 20));
+    cudaStream_t stream;
+    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::printf("\nthe link reading 1 MiB pinned chunks just filled by host threads, one cudaMemcpyAsync each "
+                "(CLDEMOTE: %s), GB/s\n", cpu_has_cldemote() ? "yes" : "no, a no-op here");
+    std::printf("%-7s %-20s %9s\n", "chunks", "filled with", "GB/s");
+    const int rounds = std::max(8, int(gib * 1024 / max_threads));
+    const char* modes[] = {"memcpy", "memcpy + cldemote", "memcpy + clflushopt", "non-temporal"};
+    for (int threads : {1, 8})
+        for (int pass = 0; pass < 2; ++pass)  // twice, alternating, to see the spread
+            for (const char* how : modes)
+                std::printf("%-7d %-20s %9.1f\n", threads, how,
+                            link_after_fill(src, src_bytes, threads, rounds, how, chunks, dev, stream));
+    CHECK(cudaFree(dev));
+    CHECK(cudaFreeHost(chunks));
+    CHECK(cudaStreamDestroy(stream));
+    std::free(src);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     const double gib = argc > 1 ? std::atof(argv[1]) : 1.0;
-    if (gib <= 0) {
-        std::fprintf(stderr, "usage: copy_methods [GiB per row > 0]\n");
+    const std::string tables = "," + std::string(argc > 2 ? argv[2] : "pinned,pageable,host,link") + ",";
+    auto wanted = [&](const char* name) { return tables.find("," + std::string(name) + ",") != std::string::npos; };
+    size_t named = 0;
+    for (const char* name : {"pinned", "pageable", "host", "link"}) named += wanted(name) ? std::strlen(name) + 1 : 0;
+    if (gib <= 0 || named + 1 != tables.size()) {
+        std::fprintf(stderr, "usage: copy_methods [GiB per row > 0] [tables: pinned,pageable,host,link]\n");
         return 2;
     }
     CHECK(cudaSetDevice(0));
-    pinned_table(gib);
-    pageable_table(gib);
-    host_table(gib);
+    if (wanted("pinned")) pinned_table(gib);
+    if (wanted("pageable")) pageable_table(gib);
+    if (wanted("host")) host_table(gib);
+    if (wanted("link")) link_table(gib);
     return 0;
 }

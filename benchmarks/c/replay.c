@@ -41,6 +41,11 @@ typedef struct replay_result_t {
     uint64_t calls_done;
     uint64_t decode_bytes_h2d;  /* host-to-device bytes moved by decode calls */
     uint64_t prefill_bytes_h2d; /* ... and by prefill batches */
+    uint64_t decode_calls;      /* decode calls done */
+    double decode_serve_seconds; /* of decode_seconds, in the serving call (select or compact load); the
+                                    rest is the checksum: its kernel, the wait for the transfers still
+                                    crossing and the sums' readback (with layer_sync; without it, the
+                                    per-token wait) */
 } replay_result_t;
 
 typedef void (*replay_progress_fn)(uint64_t done, uint64_t total);
@@ -151,6 +156,8 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
             if (num_pending == 0) token_t0 = t0;
             s = mode == REPLAY_MODE_NOCACHE ? load_compact(cache, call->layer, cid, n, stream, ptrs)
                                             : expcache_select_async(cache, call->layer, cid, n, stream, ptrs);
+            out->decode_serve_seconds += now_s() - t0;
+            out->decode_calls++;
             if (s == EXPCACHE_OK) s = expcache_checksum_async(cache, call->layer, ptrs, n, stream, slots);
             if (s != EXPCACHE_OK) goto done;
             pending[num_pending++] = (pending_t){c, call->layer, slots, n, cid};
@@ -192,6 +199,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
                 have_batch = s == EXPCACHE_OK;
             }
         }
+        const double served_s = now_s() - t0;
         if (s == EXPCACHE_OK) s = expcache_checksum(cache, call->layer, ptrs, n, stream, sums);
         if (have_batch) {
             expcache_status_t f = expcache_batch_finish(cache, batch, stream);
@@ -202,6 +210,8 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         uint64_t now_moved = bytes_h2d(cache, max_classes);
         if (call->kind == REPLAY_DECODE) {
             out->decode_seconds += dt;
+            out->decode_serve_seconds += served_s;
+            out->decode_calls++;
             out->decode_bytes_h2d += now_moved - moved;
         } else {
             out->prefill_seconds += dt;

@@ -60,6 +60,7 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // Pieces up to this size are copied with non-temporal stores (see fill()); the environment
     // variable EXPCACHE_STAGING_NT_MAX (bytes, 0: never) overrides it, for measurements.
     if (const char* nt = std::getenv("EXPCACHE_STAGING_NT_MAX")) nt_max_ = std::strtoull(nt, nullptr, 10);
+    if (const char* d = std::getenv("EXPCACHE_STAGING_DEMOTE")) demote_ = std::strcmp(d, "1") == 0;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
 }
@@ -314,15 +315,18 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c) {
         // cache for the DMA engine to fetch. Large pieces are bound by memory bandwidth, which
         // ordinary stores spare: the link reads the chunk from the last-level cache instead of
         // memory. Measured on an H200 host (docs/transfers.md).
-        if (job.n <= nt_max_)
+        if (job.n <= nt_max_) {
             copy_nt(host, job.src, job.n);
-        else
+        } else {
             std::memcpy(host, job.src, job.n);
+            if (demote_) demote_lines(host, job.n);
+        }
         s = EXPCACHE_OK;
     } else if (job.file->direct()) {
         s = job.file->read_direct(host, job.offset, job.n, &c.delta);
     } else {
         s = job.file->read(host, job.offset, job.n);
+        if (demote_) demote_lines(host, job.n);
     }
     fill_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return s;

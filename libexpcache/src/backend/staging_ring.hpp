@@ -132,6 +132,7 @@ private:
     unsigned num_threads_;
     unsigned spin_us_ = 0;
     uint64_t nt_max_ = 512 << 10;  // pieces up to this size are filled with non-temporal stores
+    bool demote_ = false;          // other pieces' lines demoted to the last-level cache once filled
     std::vector<std::thread> threads_;
     std::unique_ptr<Chunk[]> chunks_;
     uint64_t num_chunks_ = 0;
