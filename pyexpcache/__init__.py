@@ -24,7 +24,8 @@ from ._errors import (
     SourceIOError,
     UnsupportedError,
 )
-from .cache import Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats, StagingStats
+from .cache import (Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats, StagingStats,
+                    staging_defaults)
 from .layout import LayerSpec, ModelLayout
 from .source import HostSource, checksum_bytes
 
@@ -34,7 +35,7 @@ __all__ = [
     "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
     "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
     "ModelLayout", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "PoisonedError",
-    "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version",
+    "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version", "staging_defaults",
 ]
 
 

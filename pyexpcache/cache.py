@@ -24,6 +24,14 @@ _BACKEND_NAMES = {_lib.BACKEND_HOST: "host", _lib.BACKEND_CUDA: "cuda"}
 _LOG_LEVELS = {_lib.LOG_NOTICE: logging.INFO, _lib.LOG_DEBUG: logging.DEBUG}
 
 
+def staging_defaults() -> tuple[int, int]:
+    """The library's default ``(copy_threads, staging_chunk_bytes)`` on this machine (the thread
+    count follows the number of cores)."""
+    cfg = _lib.Config()
+    lib.expcache_config_init(ctypes.byref(cfg))
+    return int(cfg.copy_threads), int(cfg.staging_chunk_bytes)
+
+
 class _Scratch(threading.local):
     """Per-thread buffers of select, with their addresses computed once: several threads
     may share a cache, and numpy's address lookups cost more than the call itself."""
@@ -263,10 +271,11 @@ class ExpertCache:
             ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
         copy_threads: pageable and file sources: threads staging misses into a pinned ring, each
             filling whole chunks while the calling thread sends the filled ones over the link, in
-            order (default 8, the calling thread included; 0 = the driver's pageable copies, and
-            file reads on the calling thread).
+            order (default: the cores less 4, at least 2 and at most 12, the calling thread
+            included; see :func:`staging_defaults`; 0 = the driver's pageable copies, and file reads
+            on the calling thread).
         staging_bytes: size of that pinned ring (default 64 MiB).
-        staging_chunk_bytes: largest piece one thread fills and one transfer moves (default 1 MiB;
+        staging_chunk_bytes: largest piece one thread fills and one transfer moves (default 512 KiB;
             a multiple of 4096 in 64 KiB..64 MiB).
         file_reads: file sources: ``"buffered"`` (default: pread through the page cache) or
             ``"direct"`` (O_DIRECT where the file system allows it: models larger than RAM).

@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--scale", type=int, default=None,
                    help="divide expert sizes and the budget by this (default: 1 on the GPU, 256 on the host)")
     b.add_argument("--copy-threads", type=int, default=None,
-                   help="threads staging pageable and file misses (default 8)")
+                   help="threads staging pageable and file misses (default: the cores less 4, 2 to 12)")
     b.add_argument("--staging-chunk", type=_size, default=None,
                    help="largest staging piece one thread fills and one transfer moves, e.g. 512K (default 1M)")
     b.add_argument("--file-reads", choices=("buffered", "direct"), default="buffered",
@@ -104,9 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("transfer", help="miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)")
     t.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement, GiB (default 1)")
     t.add_argument("--device", type=int, default=0)
-    t.add_argument("--copy-threads", default="8", help="comma list of copy thread counts for staged sources")
-    t.add_argument("--chunks", type=_sizes, default=[1 << 20],
-                   help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default 1M)")
+    t.add_argument("--copy-threads", default="",
+                   help="comma list of copy thread counts for staged sources (default: the library's)")
+    t.add_argument("--chunks", type=_sizes, default=None,
+                   help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default: the library's)")
     t.add_argument("--sources", type=_csv(("pinned", "pageable", "file", "file-direct")),
                    default=["pinned", "pageable", "file", "file-direct"],
                    help="file: reads served from the page cache; file-direct: O_DIRECT reads, from the disk")

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import _cuda
-from .cache import ExpertCache, StagingStats
+from .cache import ExpertCache, StagingStats, staging_defaults
 from .layout import LayerSpec, ModelLayout
 from .source import HostSource, LayerPlacement
 
@@ -115,12 +115,16 @@ def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int =
 
 
 def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=("tensor", "expert"),
-        sources: Sequence[str] = SOURCES, copy_threads: Sequence[int] = (8,), chunks: Sequence[int] = (MiB,),
+        sources: Sequence[str] = SOURCES, copy_threads: Optional[Sequence[int]] = None,
+        chunks: Optional[Sequence[int]] = None,
         device: int = 0, progress=None, file_dir: Optional[str] = None) -> list[TransferRow]:
     """The transfer table (CUDA only). ``file`` writes each source to a file in ``file_dir``
     (default: the system's temporary folder) and reads misses back from it, from the page cache;
     ``file-direct`` reads it with O_DIRECT. Staged sources are measured for every copy thread
-    count and staging chunk size given."""
+    count and staging chunk size given (default: the library's defaults)."""
+    default_threads, default_chunk = staging_defaults()
+    copy_threads = list(copy_threads or [default_threads])
+    chunks = list(chunks or [default_chunk])
     unknown = set(sources) - set(SOURCES)
     if unknown:
         raise ValueError(f"unknown sources {sorted(unknown)}; choose from {SOURCES}")

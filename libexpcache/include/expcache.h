@@ -162,12 +162,13 @@ typedef struct expcache_config_t {
     uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
     uint32_t copy_threads;     /**< pageable and file sources: threads filling the pinned staging ring, whole
                                     chunks each, while the calling thread sends the filled ones in order
-                                    (counted among them: copy_threads - 1 workers are started); default 8;
-                                    0 = plain pageable copies, and files read by the calling thread alone */
+                                    (counted among them: copy_threads - 1 workers are started); default the
+                                    cores less 4, at least 2, at most 12; 0 = plain pageable copies, and
+                                    files read by the calling thread alone */
     uint32_t policy;           /**< EXPCACHE_POLICY_*; default LRU */
     uint64_t staging_bytes;    /**< pageable and file sources: size of the pinned staging ring; default
                                     64 MiB; 1 MiB..16 GiB */
-    uint64_t staging_chunk_bytes; /**< largest piece one thread fills and one transfer moves; default 1 MiB;
+    uint64_t staging_chunk_bytes; /**< largest piece one thread fills and one transfer moves; default 512 KiB;
                                     64 KiB..64 MiB, a multiple of 4096 (a ring smaller than 2 chunks uses
                                     smaller ones) */
     uint32_t file_reads;       /**< EXPCACHE_FILE_READS_*; default BUFFERED */

@@ -4,6 +4,7 @@
 // INVALID_ARGUMENT instead of a crash.
 #include <mutex>
 #include <new>
+#include <thread>
 #include <unordered_set>
 
 #include "cache.hpp"
@@ -60,6 +61,15 @@ expcache_status_t guarded(const char* function, F&& f) {
     return s;
 }
 
+// Threads that stage pageable and file misses: the cores less four (left to the engine), at
+// least 2 and at most 12. On the 16-core host of an H200, 12 decoded fastest of 8, 12 and 15
+// (docs/transfers.md); more only add to the memory traffic.
+uint32_t default_copy_threads() {
+    const unsigned cores = std::thread::hardware_concurrency();  // 0: unknown
+    if (cores < 6) return 2;
+    return cores - 4 < 12 ? cores - 4 : 12;
+}
+
 #define EXPCACHE_REQUIRE(cond, ...)                                        \
     do {                                                                   \
         if (!(cond)) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
@@ -91,9 +101,9 @@ expcache_status_t expcache_config_init(expcache_config_t* config) {
         config->reserve_bytes = uint64_t(1) << 30;
         config->device_capacity_bytes = uint64_t(64) << 30;
         config->slab_bytes = uint64_t(512) << 20;
-        config->copy_threads = 8;
+        config->copy_threads = default_copy_threads();
         config->staging_bytes = uint64_t(64) << 20;
-        config->staging_chunk_bytes = uint64_t(1) << 20;
+        config->staging_chunk_bytes = uint64_t(512) << 10;
         config->file_reads = EXPCACHE_FILE_READS_BUFFERED;
         return EXPCACHE_OK;
     });

@@ -43,6 +43,7 @@ struct Marker {
     void* dst = nullptr;
     const void* src = nullptr;
     uint64_t n = 0;
+    uint64_t polls = 0;  // done() asked since it was sent
 };
 
 class FakeLink final : public StagingRing::Transport {
@@ -71,7 +72,7 @@ public:
             return expcache::fail(EXPCACHE_ERR_CUDA, "fake link refused transfer %llu", (unsigned long long)index);
         Marker* m = static_cast<Marker*>(marker);
         if (m->pending) ++resent_in_flight_;  // sent again before the ring waited for its last transfer
-        *m = {true, dst, src, n};
+        *m = {true, dst, src, n, 0};
         ++sent_;
         return EXPCACHE_OK;
     }
@@ -86,6 +87,14 @@ public:
         std::lock_guard<std::mutex> lock(mu_);
         land(static_cast<Marker*>(marker));
         return EXPCACHE_OK;
+    }
+    // A transfer completes on its own after it has been asked about `busy_polls_` times.
+    bool done(void* marker) override {
+        std::lock_guard<std::mutex> lock(mu_);
+        Marker* m = static_cast<Marker*>(marker);
+        ++polls_;
+        if (m->pending && ++m->polls > busy_polls_) land(m);
+        return !m->pending;
     }
 
     // Every transfer still in flight lands, as a stream synchronization would make it.
@@ -102,8 +111,9 @@ public:
     }
 
     // Read by the test between calls, when no thread of the ring sends or waits.
-    uint64_t sent_ = 0, resent_in_flight_ = 0, freed_in_flight_ = 0;
+    uint64_t sent_ = 0, resent_in_flight_ = 0, freed_in_flight_ = 0, polls_ = 0;
     std::vector<size_t> batches_;
+    uint64_t busy_polls_ = 0;  // set before the ring runs
 
 private:
     static void land(Marker* m) {
@@ -257,6 +267,38 @@ void test_failed_fill(unsigned threads) {
     CHECK(dst2 == src, "bytes differ after a failed fill");
 }
 
+// EXPCACHE_STAGING_COALESCE: while the link is busy the caller holds a send until more pieces are
+// filled. The bytes still arrive whole, no chunk is refilled under its transfer, and with workers
+// some sends carry several pieces; with the caller alone it waits for the link, then sends one.
+void test_coalescing(unsigned threads) {
+    setenv("EXPCACHE_STAGING_COALESCE", "65536", 1);  // read when the ring is made
+    FakeLink t;
+    t.busy_polls_ = 2000;
+    {
+        StagingRing ring(t, threads, 16 * 8192, 8192);
+        unsetenv("EXPCACHE_STAGING_COALESCE");
+        for (int call_no = 0; call_no < 10; ++call_no) {
+            Call call{{30000, 50000, 20000 + 4096u * call_no}};
+            const std::vector<char> src = random_bytes(call.total(), 100 + call_no);
+            std::vector<char> dst(call.total(), 0);
+            CHECK(stage(ring, call, src, dst) == EXPCACHE_OK, "call %d: %s", call_no, expcache::last_error());
+            t.drain();
+            CHECK(dst == src, "coalescing, call %d (%u threads): bytes differ", call_no, threads);
+        }
+        expcache_staging_stats_t st{};
+        ring.stats(&st);
+        CHECK(t.polls_ > 0, "%u threads: the link was never asked whether it is busy", threads);
+        if (threads > 1)
+            CHECK(st.pieces > st.sends, "%u threads: %llu pieces in %llu sends", threads,
+                  (unsigned long long)st.pieces, (unsigned long long)st.sends);
+        else
+            CHECK(st.pieces == st.sends, "the caller alone: %llu pieces in %llu sends", (unsigned long long)st.pieces,
+                  (unsigned long long)st.sends);
+    }
+    CHECK(t.resent_in_flight_ == 0 && t.freed_in_flight_ == 0, "in flight: resent %llu freed %llu",
+          (unsigned long long)t.resent_in_flight_, (unsigned long long)t.freed_in_flight_);
+}
+
 }  // namespace
 
 int main() {
@@ -265,6 +307,7 @@ int main() {
     for (unsigned threads : {1u, 4u})
         for (uint64_t fail_at : {0u, 1u, 3u, 7u, 13u}) test_refused_transfer(threads, fail_at);
     for (unsigned threads : {1u, 4u}) test_failed_fill(threads);
+    for (unsigned threads : {1u, 2u, 4u}) test_coalescing(threads);
     std::printf("ring_test: %d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }

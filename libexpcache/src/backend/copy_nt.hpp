@@ -4,11 +4,10 @@
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
+#include <emmintrin.h>
 #endif
 
 namespace expcache {
@@ -34,19 +33,5 @@ inline void copy_nt(char* dst, const char* src, size_t n) {
     std::memcpy(dst, src, n);
 #endif
 }
-
-// Hint that the lines of [p, p + n), just written by this core, be moved out of its private
-// caches to the shared last-level cache (CLDEMOTE), where a DMA engine's read finds them
-// without snooping the core. A hint: it never changes the bytes, and it does nothing on a CPU
-// without the instruction (whose encoding there is a NOP) or on other targets.
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9))
-__attribute__((target("cldemote"))) inline void demote_lines(const char* p, size_t n) {
-    const char* end = p + n;
-    for (p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63)); p < end; p += 64)
-        _cldemote(const_cast<char*>(p));
-}
-#else
-inline void demote_lines(const char*, size_t) {}
-#endif
 
 }  // namespace expcache

@@ -157,6 +157,10 @@ public:
         EXPCACHE_CUDA_TRY(cudaEventSynchronize(static_cast<cudaEvent_t>(marker)));
         return EXPCACHE_OK;
     }
+    bool done(void* marker) override {
+        // A failed transfer counts as done here; wait() reports it.
+        return cudaEventQuery(static_cast<cudaEvent_t>(marker)) != cudaErrorNotReady;
+    }
     void thread_start() override { cudaSetDevice(device_); }
 
 private:

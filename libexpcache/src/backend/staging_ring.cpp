@@ -57,10 +57,13 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // Poll 1 ms when every worker and the caller have a core of their own (0: unknown).
     unsigned cores = std::thread::hardware_concurrency();
     spin_us_ = cores > num_threads_ + 1 ? 1000 : 0;
-    // Pieces up to this size are copied with non-temporal stores (see fill()); the environment
-    // variable EXPCACHE_STAGING_NT_MAX (bytes, 0: never) overrides it, for measurements.
+    // For measurements: EXPCACHE_STAGING_NT_MAX (bytes; 0: memcpy only) limits the pageable
+    // pieces filled with non-temporal stores, EXPCACHE_STAGING_FILE_BOUNCE=0 has buffered file
+    // reads land in the chunk directly, EXPCACHE_STAGING_COALESCE (bytes) holds a send while
+    // the link is busy until that many bytes are filled (see fill() and finish()).
     if (const char* nt = std::getenv("EXPCACHE_STAGING_NT_MAX")) nt_max_ = std::strtoull(nt, nullptr, 10);
-    if (const char* d = std::getenv("EXPCACHE_STAGING_DEMOTE")) demote_ = std::strcmp(d, "1") == 0;
+    if (const char* b = std::getenv("EXPCACHE_STAGING_FILE_BOUNCE")) bounce_ = std::strcmp(b, "0") != 0;
+    if (const char* c = std::getenv("EXPCACHE_STAGING_COALESCE")) coalesce_ = std::strtoull(c, nullptr, 10);
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
 }
@@ -160,7 +163,7 @@ void StagingRing::await_filled(uint64_t seq) {
     lock_polling(lock);
     if (!queue_.empty() && queue_.front().seq == seq) {
         ++caller_fills_;
-        fill_next(lock);  // nobody has taken it: fill it here
+        fill_next(lock, caller_bounce_);  // nobody has taken it: fill it here
         return;
     }
     lock.unlock();
@@ -170,6 +173,17 @@ void StagingRing::await_filled(uint64_t seq) {
         filled_.wait(lock, ready);
     }
     wait_ns_ += now_ns() - t0;
+}
+
+void StagingRing::take_filled(uint64_t seq, void* stream, uint64_t* n, uint64_t* bytes) {
+    while (*n < kMaxBatch && seq + *n < next_seq_) {
+        Chunk& b = chunk_of(seq + *n);
+        if (b.filled.load(std::memory_order_acquire) != seq + *n + 1 || b.status != EXPCACHE_OK || b.dropped ||
+            b.job.stream != stream)
+            break;
+        batch_[(*n)++] = {b.job.dst, static_cast<char*>(b.host) + b.delta, b.job.n, b.marker};
+        *bytes += b.job.n;
+    }
 }
 
 void StagingRing::release_turns(uint64_t seq, uint64_t n) {
@@ -200,19 +214,22 @@ expcache_status_t StagingRing::finish() {
             // This piece and those behind it that are already filled, on the same stream, go
             // together: a copy engine pays microseconds per transfer, the caller too.
             void* stream = c.job.stream;
-            batch_[0] = {c.job.dst, static_cast<char*>(c.host) + c.delta, c.job.n, c.marker};
-            while (n < kMaxBatch && seq + n < next_seq_) {
-                Chunk& b = chunk_of(seq + n);
-                if (b.filled.load(std::memory_order_acquire) != seq + n + 1 || b.status != EXPCACHE_OK ||
-                    b.dropped || b.job.stream != stream)
-                    break;
-                batch_[n++] = {b.job.dst, static_cast<char*>(b.host) + b.delta, b.job.n, b.marker};
-            }
+            uint64_t bytes = 0;
+            n = 0;
+            take_filled(seq, stream, &n, &bytes);
+            // While the link still moves earlier pieces, a short send can wait for the pieces
+            // behind it (each send is a gap on the link), up to coalesce_ bytes.
+            if (coalesce_ > 0 && last_marker_)
+                while (bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(last_marker_))
+                    take_filled(seq, stream, &n, &bytes);
             const uint64_t t0 = now_ns();
             size_t sent = 0;
             expcache_status_t s = transport_.send_batch(batch_, n, stream, &sent);
             send_ns_ += now_ns() - t0;
-            if (sent > 0) ++sends_;
+            if (sent > 0) {
+                ++sends_;
+                last_marker_ = batch_[sent - 1].marker;
+            }
             for (size_t i = 0; i < sent; ++i) {
                 chunk_of(seq + i).sent = true;
                 ++pieces_;
@@ -236,6 +253,7 @@ expcache_status_t StagingRing::finish() {
 
 void StagingRing::worker() {
     transport_.thread_start();
+    std::unique_ptr<char[]> bounce;
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     for (;;) {
         // Poll for a piece, taking the lock only when it is free and a piece waits: a worker
@@ -252,11 +270,11 @@ void StagingRing::worker() {
         if (!lock.owns_lock()) lock.lock();
         work_.wait(lock, [this] { return stop_.load() || !queue_.empty(); });
         if (queue_.empty()) return;  // stop_, nothing left
-        fill_next(lock);
+        fill_next(lock, bounce);
     }
 }
 
-void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
+void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce) {
     Job job = queue_.front();
     queue_.pop_front();
     queued_.fetch_sub(1, std::memory_order_relaxed);
@@ -283,7 +301,7 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
         c.status = drop       ? EXPCACHE_OK
                    : injected ? fail(EXPCACHE_ERR_CUDA, "injected staging failure (piece %llu)",
                                      (unsigned long long)job.seq)
-                              : fill(job, c);
+                              : fill(job, c, bounce);
         c.message = c.status == EXPCACHE_OK ? std::string() : std::string(last_error());
     } catch (...) {
         c.status = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
@@ -296,7 +314,7 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock) {
     filled_.notify_all();
 }
 
-expcache_status_t StagingRing::fill(const Job& job, Chunk& c) {
+expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<char[]>& bounce) {
     expcache_status_t s;
     uint64_t t0 = now_ns();
     if (c.sent) {
@@ -308,25 +326,26 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c) {
         if (s != EXPCACHE_OK) return s;
         c.sent = false;
     }
+    // The link reads a chunk at half its speed while the chunk's lines sit dirty in the
+    // private cache of the core that filled it (21-28 GB/s against 40-46 on an H200 host,
+    // `make copy-methods`, docs/transfers.md), and the caller sends each piece as soon as it is
+    // filled. So chunks are written with non-temporal stores, which send the lines to memory
+    // without reading them first: pageable pieces directly, buffered file pieces through a
+    // bounce buffer of the thread's own that pread fills (it stays in that core's cache).
     char* host = static_cast<char*>(c.host);
     if (job.src) {
-        // Small pieces belong to short calls, whose time is the latency of their copies: with
-        // non-temporal stores a chunk's lines are neither read first nor left dirty in a core's
-        // cache for the DMA engine to fetch. Large pieces are bound by memory bandwidth, which
-        // ordinary stores spare: the link reads the chunk from the last-level cache instead of
-        // memory. Measured on an H200 host (docs/transfers.md).
-        if (job.n <= nt_max_) {
+        if (job.n <= nt_max_)
             copy_nt(host, job.src, job.n);
-        } else {
+        else
             std::memcpy(host, job.src, job.n);
-            if (demote_) demote_lines(host, job.n);
-        }
         s = EXPCACHE_OK;
     } else if (job.file->direct()) {
         s = job.file->read_direct(host, job.offset, job.n, &c.delta);
+    } else if (bounce_ && (bounce || (bounce.reset(new (std::nothrow) char[chunk_]), bounce))) {
+        s = job.file->read(bounce.get(), job.offset, job.n);
+        if (s == EXPCACHE_OK) copy_nt(host, bounce.get(), job.n);
     } else {
-        s = job.file->read(host, job.offset, job.n);
-        if (demote_) demote_lines(host, job.n);
+        s = job.file->read(host, job.offset, job.n);  // no bounce buffer: read into the chunk
     }
     fill_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return s;

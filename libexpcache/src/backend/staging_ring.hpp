@@ -51,6 +51,9 @@ public:
         virtual expcache_status_t send_batch(const Send* sends, size_t n, void* stream, size_t* sent);
         // Block until the transfer behind `marker` has read its chunk.
         virtual expcache_status_t wait(void* marker) = 0;
+        // Whether the transfer behind `marker` has finished (or failed: wait() says how),
+        // without blocking. By default true: a transport whose sends complete as they are made.
+        virtual bool done(void* marker) { (void)marker; return true; }
         // Run once on each worker thread before its first job.
         virtual void thread_start() {}
     };
@@ -117,8 +120,11 @@ private:
     expcache_status_t allocate();
     void worker();
     // Pop the oldest queued job and fill its chunk; the lock is dropped while it fills.
-    void fill_next(std::unique_lock<std::mutex>& lock);
-    expcache_status_t fill(const Job& job, Chunk& chunk);
+    // `bounce`: the filling thread's own buffer for buffered file reads (allocated on first use).
+    void fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce);
+    expcache_status_t fill(const Job& job, Chunk& chunk, std::unique_ptr<char[]>& bounce);
+    // Add to batch_[*n..] the pieces from seq + *n on that are filled, in order, on `stream`.
+    void take_filled(uint64_t seq, void* stream, uint64_t* n, uint64_t* bytes);
     // Wait until piece `seq` is filled, filling it on this thread if no worker took it.
     void await_filled(uint64_t seq);
     void lock_polling(std::unique_lock<std::mutex>& lock);
@@ -131,8 +137,11 @@ private:
     uint64_t chunk_;
     unsigned num_threads_;
     unsigned spin_us_ = 0;
-    uint64_t nt_max_ = 512 << 10;  // pieces up to this size are filled with non-temporal stores
-    bool demote_ = false;          // other pieces' lines demoted to the last-level cache once filled
+    uint64_t nt_max_ = UINT64_MAX;  // pageable pieces up to this size get non-temporal stores (see fill())
+    bool bounce_ = true;            // buffered file reads go through the thread's bounce buffer (see fill())
+    uint64_t coalesce_ = 0;         // while the link is busy, hold a send until it has this many bytes
+    void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
+    std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
     std::vector<std::thread> threads_;
     std::unique_ptr<Chunk[]> chunks_;
     uint64_t num_chunks_ = 0;
