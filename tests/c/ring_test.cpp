@@ -74,6 +74,7 @@ public:
         if (m->pending) ++resent_in_flight_;  // sent again before the ring waited for its last transfer
         *m = {true, dst, src, n, 0};
         ++sent_;
+        largest_ = n > largest_ ? n : largest_;
         return EXPCACHE_OK;
     }
     expcache_status_t send_batch(const Send* sends, size_t n, void* stream, size_t* sent) override {
@@ -111,7 +112,7 @@ public:
     }
 
     // Read by the test between calls, when no thread of the ring sends or waits.
-    uint64_t sent_ = 0, resent_in_flight_ = 0, freed_in_flight_ = 0, polls_ = 0;
+    uint64_t sent_ = 0, resent_in_flight_ = 0, freed_in_flight_ = 0, polls_ = 0, largest_ = 0;
     std::vector<size_t> batches_;
     uint64_t busy_polls_ = 0;  // set before the ring runs
 
@@ -299,6 +300,22 @@ void test_coalescing(unsigned threads) {
           (unsigned long long)t.resent_in_flight_, (unsigned long long)t.freed_in_flight_);
 }
 
+// An upload is cut into 4 pieces at least (of 128 KiB at least), so that a call of a few small
+// experts spreads over the threads: 1 MiB through 512 KiB chunks goes as 64, 128, 256, 256, 256 and
+// 64 KiB (the first three pieces of a call are short anyway), never in a 512 KiB piece.
+void test_small_uploads_spread() {
+    FakeLink t;
+    StagingRing ring(t, 4, 8 << 20, 512 << 10);
+    Call call{{1 << 20}};
+    const std::vector<char> src = random_bytes(call.total(), 5);
+    std::vector<char> dst(call.total(), 0);
+    CHECK(stage(ring, call, src, dst) == EXPCACHE_OK, "%s", expcache::last_error());
+    t.drain();
+    CHECK(dst == src, "bytes differ");
+    CHECK(t.sent_ == 6 && t.largest_ == 256 << 10, "%llu pieces, the largest %llu bytes", (unsigned long long)t.sent_,
+          (unsigned long long)t.largest_);
+}
+
 }  // namespace
 
 int main() {
@@ -308,6 +325,7 @@ int main() {
         for (uint64_t fail_at : {0u, 1u, 3u, 7u, 13u}) test_refused_transfer(threads, fail_at);
     for (unsigned threads : {1u, 4u}) test_failed_fill(threads);
     for (unsigned threads : {1u, 2u, 4u}) test_coalescing(threads);
+    test_small_uploads_spread();
     std::printf("ring_test: %d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }

@@ -60,12 +60,15 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // For measurements: EXPCACHE_STAGING_NT_MAX (bytes; 0: memcpy only) limits the pageable
     // pieces filled with non-temporal stores, EXPCACHE_STAGING_FILE_BOUNCE=0 has buffered file
     // reads land in the chunk directly, EXPCACHE_STAGING_COALESCE (bytes) holds a send while
-    // the link is busy until that many bytes are filled (see fill() and finish()).
+    // the link is busy until that many bytes are filled (0: never), EXPCACHE_STAGING_MIN_PIECES
+    // sets the pieces an upload is cut into at least (see queue(), fill() and finish()).
     if (const char* nt = std::getenv("EXPCACHE_STAGING_NT_MAX")) nt_max_ = std::strtoull(nt, nullptr, 10);
     if (const char* b = std::getenv("EXPCACHE_STAGING_FILE_BOUNCE")) bounce_ = std::strcmp(b, "0") != 0;
     if (const char* c = std::getenv("EXPCACHE_STAGING_COALESCE")) coalesce_ = std::strtoull(c, nullptr, 10);
+    if (const char* m = std::getenv("EXPCACHE_STAGING_MIN_PIECES")) min_pieces_ = std::strtoull(m, nullptr, 10);
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
+    if (coalesce_ > ring_bytes_ / 4) coalesce_ = ring_bytes_ / 4;  // a quarter of the ring at most
 }
 
 StagingRing::~StagingRing() {
@@ -113,11 +116,17 @@ expcache_status_t StagingRing::queue(const Job& job) {
     Job part = job;
     uint64_t done = 0;
     if (next_seq_ == next_send_) batch_start_ns_ = now_ns();
+    const uint64_t align = SourceFile::kDirectAlign;
+    uint64_t spread = (job.n / (min_pieces_ ? min_pieces_ : 1) + align - 1) / align * align;
+    if (spread < (128 << 10)) spread = 128 << 10;
     while (done < job.n) {
         // The first chunks of a batch are short, so the link starts early; later ones are
         // full size, so each transfer is large enough to run at the link's speed.
         uint64_t in_batch = next_seq_ - next_send_;
         uint64_t piece = chunk_ >> (in_batch < 3 ? 3 - in_batch : 0);
+        // And an upload is cut into min_pieces_ pieces at least (of 128 KiB at least), so that a
+        // call of a few small experts still keeps the threads busy.
+        if (piece > spread) piece = spread;
         if (piece < SourceFile::kDirectAlign) piece = SourceFile::kDirectAlign;
         part.n = job.n - done < piece ? job.n - done : piece;
         part.dst = job.dst + done;
