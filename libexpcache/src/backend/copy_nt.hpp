@@ -13,14 +13,11 @@
 namespace expcache {
 
 // dst must be 16-byte aligned for the streamed part; the bytes are visible to other threads
-// (and to DMA once they learn of them through a release) when it returns. `prefetch` > 0: each
-// step also asks for the source line that many bytes ahead (the next page's lines before the
-// hardware prefetcher, which stops at page boundaries, would fetch them).
-inline void copy_nt(char* dst, const char* src, size_t n, size_t prefetch = 0) {
+// (and to DMA once they learn of them through a release) when it returns.
+inline void copy_nt(char* dst, const char* src, size_t n) {
 #if defined(__x86_64__) || defined(__i386__)
     size_t i = 0;
     for (; i + 64 <= n; i += 64) {
-        if (prefetch && i + prefetch < n) _mm_prefetch(src + i + prefetch, _MM_HINT_NTA);
         __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
         __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
         __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
@@ -33,7 +30,6 @@ inline void copy_nt(char* dst, const char* src, size_t n, size_t prefetch = 0) {
     _mm_sfence();  // streamed stores are weakly ordered: make them visible before anything after
     std::memcpy(dst + i, src + i, n - i);
 #else
-    (void)prefetch;
     std::memcpy(dst, src, n);
 #endif
 }

@@ -61,13 +61,11 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // pieces filled with non-temporal stores, EXPCACHE_STAGING_FILE_BOUNCE=0 has buffered file
     // reads land in the chunk directly, EXPCACHE_STAGING_COALESCE (bytes) holds a send while
     // the link is busy until that many bytes are filled (0: never), EXPCACHE_STAGING_MIN_PIECES
-    // sets the pieces an upload is cut into at least, EXPCACHE_STAGING_PREFETCH (bytes) how far
-    // ahead a pageable piece's copy prefetches its source (see queue(), fill() and finish()).
+    // sets the pieces an upload is cut into at least (see queue(), fill() and finish()).
     if (const char* nt = std::getenv("EXPCACHE_STAGING_NT_MAX")) nt_max_ = std::strtoull(nt, nullptr, 10);
     if (const char* b = std::getenv("EXPCACHE_STAGING_FILE_BOUNCE")) bounce_ = std::strcmp(b, "0") != 0;
     if (const char* c = std::getenv("EXPCACHE_STAGING_COALESCE")) coalesce_ = std::strtoull(c, nullptr, 10);
     if (const char* m = std::getenv("EXPCACHE_STAGING_MIN_PIECES")) min_pieces_ = std::strtoull(m, nullptr, 10);
-    if (const char* p = std::getenv("EXPCACHE_STAGING_PREFETCH")) prefetch_ = std::strtoull(p, nullptr, 10);
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
     if (coalesce_ > ring_bytes_ / 4) coalesce_ = ring_bytes_ / 4;  // a quarter of the ring at most
@@ -349,7 +347,7 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<ch
     char* host = static_cast<char*>(c.host);
     if (job.src) {
         if (job.n <= nt_max_)
-            copy_nt(host, job.src, job.n, prefetch_);
+            copy_nt(host, job.src, job.n);
         else
             std::memcpy(host, job.src, job.n);
         s = EXPCACHE_OK;

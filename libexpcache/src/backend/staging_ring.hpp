@@ -139,9 +139,8 @@ private:
     unsigned spin_us_ = 0;
     uint64_t nt_max_ = UINT64_MAX;  // pageable pieces up to this size get non-temporal stores (see fill())
     bool bounce_ = true;            // buffered file reads go through the thread's bounce buffer (see fill())
-    uint64_t coalesce_ = 2 << 20;   // while the link is busy, hold a send until it has this many bytes
+    uint64_t coalesce_ = 4 << 20;   // while the link is busy, hold a send until it has this many bytes
     uint64_t min_pieces_ = 4;       // an upload is cut into this many pieces at least (see queue())
-    uint64_t prefetch_ = 0;         // pageable copies prefetch their source this far ahead (0: not)
     void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
     std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
     std::vector<std::thread> threads_;
