@@ -39,8 +39,8 @@ run_step() {
     racecheck) step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
         python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py ;;
     copy_methods) step copy_methods 120 make --no-print-directory copy-methods ;;
-    transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --chunks 256K,512K,1M --detail ;;
-    staging_sweep) step staging_sweep 270 python3 benchmarks/staging_sweep.py --threads 8,12 ;;
+    transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --detail ;;
+    staging_sweep) step staging_sweep 270 python3 benchmarks/staging_sweep.py --threads 8,12 --chunks 512K,1M ;;
     decode_pinned) step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json" ;;
     decode_no_layer_sync) step decode_no_layer_sync 240 python3 -m pyexpcache bench --quiet --no-layer-sync \
         --variants expcache,resident --json "$DIR/decode_no_layer_sync.json" ;;
