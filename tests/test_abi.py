@@ -85,6 +85,21 @@ def _cfg(**over):
     return c
 
 
+
+def test_staging_defaults_follow_the_cores():
+    """copy_threads defaults to the cores less 4, from 2 to 12; chunks to 512 KiB; the Python
+    helper reports what expcache_config_init fills in."""
+    import os
+
+    from pyexpcache import staging_defaults
+
+    c = _lib.Config()
+    lib.expcache_config_init(byref(c))
+    cores = os.cpu_count() or 0
+    assert c.copy_threads == (min(12, cores - 4) if cores >= 6 else 2)
+    assert c.staging_chunk_bytes == 512 << 10
+    assert staging_defaults() == (c.copy_threads, c.staging_chunk_bytes)
+
 IDS = (c_uint32 * 8)(1, 2, 3, 4, 5, 6, 7, 8)
 BAD_IDS = (c_uint32 * 2)(1, 999)
 PTRS = (_lib.ExpertPtrs * 1024)()
