@@ -25,7 +25,7 @@ def main() -> int:
                         for ring in (4 << 20, 16 << 20, 64 << 20):
                             runs = []
                             for _ in range(2):
-                                gb_s, _, st = transfer._library_gb_s(layout, src, stream, copy_threads=threads,
+                                gb_s, _, st = transfer.library_gb_s(layout, src, stream, copy_threads=threads,
                                                                      staging_chunk_bytes=chunk, staging_bytes=ring)
                                 runs.append(f"{gb_s:.1f} GB/s, span {st.span_us_per_call:.0f} µs, fill "
                                             f"{st.fill_us_per_piece:.1f} µs/piece, {st.threads_filling:.1f} "

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tabulate import tabulate
 
-from pyexpcache import bench
+from pyexpcache import StagingStats, bench
 from pyexpcache.cli import _sizes
 from pyexpcache.layout import ModelLayout
 
@@ -99,11 +99,8 @@ def main() -> int:
             rows.append([threads, f"{chunk >> 10} KiB", env_label,
                          f"{r.tokens_per_s:.2f}", f"{100 * r.hit_rate:.1f} %",
                          f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
-                         f"{r.serve_us_per_call:.0f}", f"{r.after_serve_us_per_call:.0f}",
-                         f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{st.span_us_per_call:.0f}",
-                         f"{st.first_fill_us_per_call:.0f}", f"{st.wait_us_per_call:.0f}",
-                         f"{st.threads_filling:.1f}", f"{st.fill_us_per_piece:.0f}",
-                         f"{st.send_us_per_piece:.1f}", f"{r.checksum_errors} bad / {r.experts_checked}"])
+                         f"{r.serve_us_per_call:.0f}", f"{r.after_serve_us_per_call:.0f}", *st.columns(),
+                         f"{r.checksum_errors} bad / {r.experts_checked}"])
             print(f"staging_sweep: {threads} threads, {chunk >> 10} KiB chunks {env_label}: {r.tokens_per_s:.2f} tok/s",
                   file=sys.stderr, flush=True)  # progress; the table follows at the end
             if r.checksum_errors:
@@ -111,9 +108,8 @@ def main() -> int:
     finally:
         shared.close()
     print(tabulate(rows, headers=["copy threads", "chunk", "environment", "decode tok/s", "hit rate",
-                                  "of link bound", "select µs/call", "after select µs/call", "pieces/call",
-                                  "pieces/send", "span µs/call", "first piece µs", "caller wait µs/call",
-                                  "threads filling", "fill µs/piece", "send µs/piece", "checksums"],
+                                  "of link bound", "select µs/call", "after select µs/call",
+                                  *StagingStats.COLUMNS, "checksums"],
                    disable_numparse=True))
     return 0
 

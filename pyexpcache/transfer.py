@@ -91,9 +91,11 @@ class _FileCopy:
         return self._placements[layer]
 
 
-def _library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 6, **cache_kwargs):
-    """All-miss selects of layer 1 into slots that layer 0 filled: every timed miss evicts and
-    reuses an allocated slot, so slab allocation is not timed."""
+def library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 6, **cache_kwargs):
+    """The library's miss throughput from ``source`` (CUDA): ``(GB/s, bytes moved, StagingStats)``
+    of all-miss selects of ``k`` experts of layer 1 into slots that layer 0 filled, on ``stream``;
+    ``cache_kwargs`` go to :class:`ExpertCache` (copy_threads, staging_chunk_bytes, ...). Every
+    timed miss evicts and reuses an allocated slot, so slab allocation is not timed."""
     n = layout[0].num_experts
     with ExpertCache(layout, source, budget_experts=n, backend="cuda", reserve_bytes=0, log_level=0,
                      **cache_kwargs) as cache:
@@ -160,7 +162,7 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
                                     extra["staging_chunk_bytes"] = chunk
                                 if kind == "file-direct":
                                     extra["file_reads"] = "direct"
-                                lib_gb_s, moved, staging = _library_gb_s(layout, measured, stream, **extra)
+                                lib_gb_s, moved, staging = library_gb_s(layout, measured, stream, **extra)
                                 rows.append(TransferRow(kind, threads, chunk, size, arrangement, lib_gb_s, raw_same,
                                                         pinned_raw, moved, staging if staging.calls else None))
                                 if progress:
@@ -171,17 +173,16 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
 
 
 def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
-    """The table; ``detail`` adds where a staged call's time goes (per call of 6 experts: pieces,
-    the whole call, its staging span from first piece queued to last sent, the wait for its first
-    piece, the calling thread's wait for workers, threads filling on average; per piece: fill and
-    send times)."""
+    """The table; ``detail`` adds where a staged call's time goes (per call of 6 experts: the whole
+    call, then :meth:`StagingStats.columns`: pieces, its staging span from first piece queued to
+    last sent, the wait for its first piece, the calling thread's wait for workers, threads filling
+    on average; per piece: fill and send times; the pieces the calling thread filled)."""
     from tabulate import tabulate
 
     headers = ["source", "copy threads", "chunk", "expert", "placement", "library GB/s", "raw same-kind GB/s",
                "raw pinned GB/s", "library / raw pinned"]
     if detail:
-        headers += ["pieces/call", "pieces/send", "µs/call", "span µs", "first piece µs", "caller wait µs",
-                    "threads filling", "fill µs/piece", "send µs/piece", "caller fills"]
+        headers += ["µs/call", *StagingStats.COLUMNS]
     table = []
     for r in rows:
         row = [r.source, r.copy_threads if r.chunk_bytes else "—", f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
@@ -190,11 +191,7 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
         if detail:
             st = r.staging
             call_us = st.bytes / st.calls / r.library_gb_s / 1e3 if st and st.calls and r.library_gb_s else 0.0
-            row += ["—"] * 10 if st is None else [
-                f"{st.pieces_per_call:.1f}", f"{st.pieces_per_send:.1f}", f"{call_us:.1f}",
-                f"{st.span_us_per_call:.1f}", f"{st.first_fill_us_per_call:.1f}", f"{st.wait_us_per_call:.1f}",
-                f"{st.threads_filling:.1f}", f"{st.fill_us_per_piece:.1f}", f"{st.send_us_per_piece:.2f}",
-                f"{100 * st.caller_fills / st.pieces:.0f} %" if st.pieces else "—"]
+            row += ["—"] * (1 + len(StagingStats.COLUMNS)) if st is None else [f"{call_us:.1f}", *st.columns()]
         table.append(row)
     return tabulate(table, headers=headers, disable_numparse=True) + "\n\n" + LEGEND
 

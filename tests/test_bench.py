@@ -242,9 +242,9 @@ def test_transfer_table_formats_rows_and_says_what_raw_means():
     text = transfer.format_rows(rows, detail=True)
     lines = text.splitlines()
     assert "119 %" in lines[2] and "50 %" in lines[3]          # library / raw pinned, per row
-    # pieces per call and per send; the call (4 MiB at 21 GB/s), its span, first piece, wait;
+    # the call (4 MiB at 21 GB/s); pieces per call and per send; its span, first piece, wait;
     # threads filling; fill, send per piece; caller fills
-    assert lines[3].split()[-11:] == ["4.0", "2.0", "199.7", "200.0", "10.0", "50.0", "2.0", "100.0", "3.00",
+    assert lines[3].split()[-11:] == ["199.7", "4.0", "2.0", "200.0", "10.0", "50.0", "2.0", "100.0", "3.00",
                                       "25", "%"]
     assert lines[2].split()[-10:] == ["—"] * 10                 # a pinned source stages nothing
     assert "cudaMemcpyBatchAsync" in text and "one expert at a time" in text

@@ -353,11 +353,14 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<ch
         s = EXPCACHE_OK;
     } else if (job.file->direct()) {
         s = job.file->read_direct(host, job.offset, job.n, &c.delta);
-    } else if (bounce_ && (bounce || (bounce.reset(new (std::nothrow) char[chunk_]), bounce))) {
-        s = job.file->read(bounce.get(), job.offset, job.n);
-        if (s == EXPCACHE_OK) copy_nt(host, bounce.get(), job.n);
     } else {
-        s = job.file->read(host, job.offset, job.n);  // no bounce buffer: read into the chunk
+        if (bounce_ && !bounce) bounce.reset(new (std::nothrow) char[chunk_]);  // pieces are <= chunk_
+        if (bounce) {
+            s = job.file->read(bounce.get(), job.offset, job.n);
+            if (s == EXPCACHE_OK) copy_nt(host, bounce.get(), job.n);
+        } else {
+            s = job.file->read(host, job.offset, job.n);  // without one (none wanted, or no memory)
+        }
     }
     fill_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     return s;

@@ -1,9 +1,9 @@
 // Bytes that cannot be DMA'd as they are (pageable memory, a file) are staged
 // through a ring of page-locked chunks. A call's uploads are cut into chunks
-// and queued; worker threads each fill whole chunks (memcpy or pread) while
-// the calling thread hands the filled ones to the link in order, so chunk i
-// crosses the link while chunks i+1.. are being filled, across every expert of
-// the call. Only the calling thread talks to the link: worker threads never
+// and queued; worker threads each fill whole chunks (a copy with non-temporal
+// stores, or pread) while the calling thread hands the filled ones to the link
+// in order, several at a time while the link is busy, so chunk i crosses the
+// link while chunks i+1.. are being filled, across every expert of the call. Only the calling thread talks to the link: worker threads never
 // contend with it for the driver's locks. A chunk is refilled only after the
 // transfer that read it has finished.
 //
