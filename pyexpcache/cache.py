@@ -282,9 +282,9 @@ class ExpertCache:
             ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
         copy_threads: pageable and file sources: threads staging misses into a pinned ring, each
             filling whole chunks while the calling thread sends the filled ones over the link, in
-            order (default: the cores less 4, at least 2 and at most 12, the calling thread
-            included; see :func:`staging_defaults`; 0 = the driver's pageable copies, and file reads
-            on the calling thread).
+            order (default: the cores the process may use less 4, at least 2 and at most 12, the
+            calling thread included; see :func:`staging_defaults`; 0 = the driver's pageable
+            copies, and file reads on the calling thread).
         staging_bytes: size of that pinned ring (default 64 MiB).
         staging_chunk_bytes: largest piece one thread fills and one transfer moves (default 512 KiB;
             a multiple of 4096 in 64 KiB..64 MiB).

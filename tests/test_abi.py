@@ -87,7 +87,8 @@ def _cfg(**over):
 
 
 def test_staging_defaults_follow_the_cores():
-    """copy_threads defaults to the cores less 4, from 2 to 12; chunks to 512 KiB; the Python
+    """copy_threads defaults to the usable cores (the CPU affinity) less 4, from 2 to 12; chunks to
+    512 KiB; the Python
     helper reports what expcache_config_init fills in."""
     import os
 
@@ -95,7 +96,7 @@ def test_staging_defaults_follow_the_cores():
 
     c = _lib.Config()
     lib.expcache_config_init(byref(c))
-    cores = os.cpu_count() or 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
     assert c.copy_threads == (min(12, cores - 4) if cores >= 6 else 2)
     assert c.staging_chunk_bytes == 512 << 10
     assert staging_defaults() == (c.copy_threads, c.staging_chunk_bytes)

@@ -163,8 +163,9 @@ typedef struct expcache_config_t {
     uint32_t copy_threads;     /**< pageable and file sources: threads filling the pinned staging ring, whole
                                     chunks each, while the calling thread sends the filled ones in order
                                     (counted among them: copy_threads - 1 workers are started); default the
-                                    cores less 4, at least 2, at most 12; 0 = plain pageable copies, and
-                                    files read by the calling thread alone */
+                                    cores the process may use (its CPU affinity) less 4, at least 2, at
+                                    most 12; 0 = plain pageable copies, and files read by the calling
+                                    thread alone */
     uint32_t policy;           /**< EXPCACHE_POLICY_*; default LRU */
     uint64_t staging_bytes;    /**< pageable and file sources: size of the pinned staging ring; default
                                     64 MiB; 1 MiB..16 GiB */

@@ -4,10 +4,10 @@
 // INVALID_ARGUMENT instead of a crash.
 #include <mutex>
 #include <new>
-#include <thread>
 #include <unordered_set>
 
 #include "cache.hpp"
+#include "cores.hpp"
 #include "errors.hpp"
 
 struct expcache_t {
@@ -61,11 +61,11 @@ expcache_status_t guarded(const char* function, F&& f) {
     return s;
 }
 
-// Threads that stage pageable and file misses: the cores less four (left to the engine), at
+// Threads that stage pageable and file misses: the usable cores less four (left to the engine), at
 // least 2 and at most 12. On the 16-core host of an H200, 12 decoded fastest of 8, 12 and 15
 // (docs/transfers.md); more only add to the memory traffic.
 uint32_t default_copy_threads() {
-    const unsigned cores = std::thread::hardware_concurrency();  // 0: unknown
+    const unsigned cores = expcache::usable_cores();  // 0: unknown
     if (cores < 6) return 2;
     return cores - 4 < 12 ? cores - 4 : 12;
 }

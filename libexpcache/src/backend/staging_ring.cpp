@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../cores.hpp"
 #include "../errors.hpp"
 #include "copy_nt.hpp"
 
@@ -55,7 +56,7 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes),
       num_threads_(copy_threads > 0 ? copy_threads - 1 : 0) {
     // Poll 1 ms when every worker and the caller have a core of their own (0: unknown).
-    unsigned cores = std::thread::hardware_concurrency();
+    unsigned cores = usable_cores();
     spin_us_ = cores > num_threads_ + 1 ? 1000 : 0;
     // For measurements: EXPCACHE_STAGING_NT_MAX (bytes; 0: memcpy only) limits the pageable
     // pieces filled with non-temporal stores, EXPCACHE_STAGING_FILE_BOUNCE=0 has buffered file
