@@ -8,10 +8,10 @@ side of the bound, next to the link's. Usage:
                                         [--env VAR=a,b ...] [--repeat N]
 
 --env runs each configuration with the environment variable VAR set to each value in turn, read
-when the configuration's cache is made (EXPCACHE_STAGING_NT_MAX: pieces up to that many bytes
-filled with non-temporal stores; EXPCACHE_STAGING_DEMOTE=1: the lines of the other pieces demoted
-to the last-level cache once filled); several --env options make a grid. --repeat runs the whole
-grid N times, so that configurations alternate in one process rather than following each other.
+when the configuration's cache makes its staging ring (EXPCACHE_STAGING_NT_MAX, _COALESCE,
+_MIN_PIECES, _FILE_BOUNCE: libexpcache/src/backend/staging_ring.cpp and docs/transfers.md say
+what each sets); several --env options make a grid. --repeat runs the whole grid N times, so that
+configurations alternate in one process rather than following each other.
 """
 
 from __future__ import annotations
