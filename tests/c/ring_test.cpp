@@ -20,6 +20,7 @@
 
 #include <unistd.h>
 
+#include "backend/copy_nt.hpp"
 #include "backend/source_file.hpp"
 #include "backend/staging_ring.hpp"
 #include "errors.hpp"
@@ -368,9 +369,33 @@ void test_file_pieces(unsigned threads, const char* bounce, bool direct) {
     unlink(path);
 }
 
+// The chunk fillers (copy_nt.hpp) copy every byte, whatever the size and the source's alignment:
+// the 16-byte copy, and where the CPU has AVX-512 the 64-byte one and the one over four quarters
+// (their tails go through the narrower copies).
+void test_copies() {
+    const std::vector<char> src = random_bytes(70000, 9);
+    const bool wide = expcache::copy_nt_wide_supported();
+    void (*copies[])(char*, const char*, size_t) = {expcache::copy_nt, expcache::copy_nt_wide,
+                                                    expcache::copy_nt_wide4};
+    const char* names[] = {"copy_nt", "copy_nt_wide", "copy_nt_wide4"};
+    char* dst = static_cast<char*>(std::aligned_alloc(64, 70016));
+    for (int k = 0; k < (wide ? 3 : 1); ++k)
+        for (size_t n : {size_t(0), size_t(1), size_t(63), size_t(64), size_t(255), size_t(256), size_t(1000),
+                         size_t(4096 * 4 + 64 * 3 + 7), size_t(65536), size_t(69990)})
+            for (size_t from : {size_t(0), size_t(3), size_t(8)}) {
+                std::memset(dst, 0x5a, 70016);
+                copies[k](dst, src.data() + from, n);
+                CHECK(std::memcmp(dst, src.data() + from, n) == 0, "%s of %zu bytes from offset %zu: bytes differ",
+                      names[k], n, from);
+                CHECK(static_cast<unsigned char>(dst[n]) == 0x5a, "%s of %zu bytes wrote past the end", names[k], n);
+            }
+    std::free(dst);
+}
+
 }  // namespace
 
 int main() {
+    test_copies();
     for (unsigned threads : {1u, 2u, 4u, 8u}) test_bytes_arrive_and_chunks_wait(threads);
     test_filled_pieces_go_together();
     for (unsigned threads : {1u, 4u})

@@ -1,10 +1,8 @@
 #include "staging_ring.hpp"
 
-#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <new>
 
 #include "../cores.hpp"
 #include "../errors.hpp"
@@ -69,23 +67,18 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     if (const char* b = std::getenv("EXPCACHE_STAGING_FILE_BOUNCE")) bounce_ = std::strcmp(b, "0") != 0;
     if (const char* c = std::getenv("EXPCACHE_STAGING_COALESCE")) coalesce_ = std::strtoull(c, nullptr, 10);
     if (const char* m = std::getenv("EXPCACHE_STAGING_MIN_PIECES")) min_pieces_ = std::strtoull(m, nullptr, 10);
-    // EXPCACHE_STAGING_PLAN: "upload" cuts each upload as it is queued and the fillers start on it
-    // at once; "call" and "balanced" cut a call's uploads when it ends (finish()), "balanced" into
-    // pieces sized so the fillers finish together (see balanced_piece()). EXPCACHE_STAGING_COPY:
-    // "wide" fills with 64-byte non-temporal stores where the CPU has them, "sse2" with 16-byte.
-    if (const char* p = std::getenv("EXPCACHE_STAGING_PLAN")) {
-        if (std::strcmp(p, "upload") == 0) plan_ = Plan::kUpload;
-        if (std::strcmp(p, "call") == 0) plan_ = Plan::kCall;
-        if (std::strcmp(p, "balanced") == 0) plan_ = Plan::kBalanced;
-    }
+    // EXPCACHE_STAGING_COPY: "sse2" fills with 16-byte non-temporal stores, "wide" (the default
+    // where the CPU has AVX-512) with 64-byte ones, "wide4" the same over 4 places of the piece
+    // at a time.
     if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) {
-        if (std::strcmp(c, "sse2") == 0) wide_ = false;
-        if (std::strcmp(c, "wide") == 0) wide_ = copy_nt_wide_supported();
+        if (std::strcmp(c, "sse2") == 0) copy_kind_ = 0;
+        if (std::strcmp(c, "wide") == 0) copy_kind_ = 1;
+        if (std::strcmp(c, "wide4") == 0) copy_kind_ = 2;
     }
+    if (!copy_nt_wide_supported()) copy_kind_ = 0;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
     if (coalesce_ > ring_bytes_ / 4) coalesce_ = ring_bytes_ / 4;  // a quarter of the ring at most
-    busy_until_.resize(num_threads_ > 0 ? num_threads_ : 1);
 }
 
 StagingRing::~StagingRing() {
@@ -125,148 +118,47 @@ expcache_status_t StagingRing::allocate() {
     return EXPCACHE_OK;
 }
 
-uint64_t StagingRing::spread_upload(uint64_t n) const {
-    // min_pieces_ pieces, fewer when they would be under 128 KiB each.
-    uint64_t parts = n / (128 << 10);
-    if (parts > min_pieces_) parts = min_pieces_;
-    if (parts < 1) parts = 1;
-    const uint64_t align = SourceFile::kDirectAlign;
-    return (n / parts + align - 1) / align * align;
-}
-
-template <typename Emit>
-void StagingRing::cut(uint64_t n, uint64_t spread, uint64_t in_batch, Emit&& emit) const {
-    for (uint64_t done = 0; done < n; ++in_batch) {
-        // The first pieces of a call are short, so the link starts early; later ones are full
-        // size, so each transfer is large enough to run at the link's speed.
-        uint64_t piece = chunk_ >> (in_batch < 3 ? 3 - in_batch : 0);
-        if (piece > spread) piece = spread;
-        if (piece < SourceFile::kDirectAlign) piece = SourceFile::kDirectAlign;
-        const uint64_t part = n - done < piece ? n - done : piece;
-        emit(done, part);
-        done += part;
-    }
-}
-
-namespace {
-// A staged piece costs its filler about 2 us besides its bytes (taking it, the chunk's previous
-// transfer, the fence): about 16 KiB at one thread's 5-8 GB/s.
-constexpr uint64_t kPieceCost = 16 << 10;
-// Calls of more pieces than this per filler even out by themselves.
-constexpr uint64_t kBalanceRounds = 4;
-constexpr uint64_t kMinBalancedPiece = 32 << 10;
-
-uint64_t align_up(uint64_t n) {
-    const uint64_t a = SourceFile::kDirectAlign;
-    return (n + a - 1) / a * a;
-}
-}  // namespace
-
-// When the fillers would be done with the pending uploads cut into pieces of `piece` bytes at
-// most (each upload in equal pieces), every piece going to the filler free first.
-uint64_t StagingRing::makespan(uint64_t piece) {
-    std::fill(busy_until_.begin(), busy_until_.end(), 0);
-    uint64_t in_batch = next_seq_ - next_send_;
-    for (const Job& job : pending_) {
-        const uint64_t parts = (job.n + piece - 1) / piece;
-        cut(job.n, align_up((job.n + parts - 1) / parts), in_batch, [&](uint64_t, uint64_t n) {
-            auto first_free = std::min_element(busy_until_.begin(), busy_until_.end());
-            *first_free += n + kPieceCost;
-            ++in_batch;
-        });
-    }
-    return *std::max_element(busy_until_.begin(), busy_until_.end());
-}
-
-// A call of a few pieces per filler ends when its slowest filler does: 18 uploads of 170 KiB on
-// 11 fillers take two rounds whole, and under one and a half cut in three. So try the piece
-// sizes that give each filler 1, 2, .. equal shares of the call, and keep the one whose pieces
-// the fillers would finish first.
-uint64_t StagingRing::balanced_piece() {
-    const uint64_t fillers = busy_until_.size();
-    uint64_t rounds = (pending_bytes_ + fillers * chunk_ - 1) / (fillers * chunk_);
-    if (rounds == 0) rounds = 1;
-    if (rounds > kBalanceRounds) return chunk_;
-    uint64_t best_piece = chunk_, best = makespan(chunk_);
-    for (uint64_t r = rounds; r < rounds + kBalanceRounds; ++r) {
-        const uint64_t piece = align_up((pending_bytes_ + fillers * r - 1) / (fillers * r));
-        if (piece < kMinBalancedPiece) break;
-        if (piece >= chunk_) continue;
-        const uint64_t m = makespan(piece);
-        if (m < best) {
-            best = m;
-            best_piece = piece;
-        }
-    }
-    return best_piece;
-}
-
-StagingRing::Job StagingRing::piece_of(const Job& job, uint64_t offset, uint64_t n, uint64_t seq) {
-    Job part = job;
-    part.dst = job.dst + offset;
-    part.src = job.src ? job.src + offset : nullptr;
-    part.offset = job.offset + offset;
-    part.n = n;
-    part.seq = seq;
-    return part;
-}
-
 expcache_status_t StagingRing::queue(const Job& job) {
     if (num_chunks_ == 0) {
         expcache_status_t s = allocate();
         if (s != EXPCACHE_OK) return s;
     }
-    if (next_seq_ == next_send_ && pending_.empty()) batch_start_ns_ = now_ns();
-    if (plan_ != Plan::kUpload) {
-        try {
-            pending_.push_back(job);
-        } catch (const std::bad_alloc&) {
-            return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory to queue an upload");
-        }
-        pending_bytes_ += job.n;
-        return EXPCACHE_OK;
-    }
-    // Each piece goes to the fillers as soon as it is cut.
-    cut(job.n, spread_upload(job.n), next_seq_ - next_send_, [&](uint64_t off, uint64_t n) {
+    Job part = job;
+    uint64_t done = 0;
+    if (next_seq_ == next_send_) batch_start_ns_ = now_ns();
+    // Pieces of this upload: min_pieces_, fewer when they would be under 128 KiB each.
+    const uint64_t align = SourceFile::kDirectAlign;
+    uint64_t parts = job.n / (128 << 10);
+    if (parts > min_pieces_) parts = min_pieces_;
+    if (parts < 1) parts = 1;
+    const uint64_t spread = (job.n / parts + align - 1) / align * align;
+    while (done < job.n) {
+        // The first chunks of a batch are short, so the link starts early; later ones are
+        // full size, so each transfer is large enough to run at the link's speed.
+        uint64_t in_batch = next_seq_ - next_send_;
+        uint64_t piece = chunk_ >> (in_batch < 3 ? 3 - in_batch : 0);
+        // And an upload is cut into min_pieces_ pieces at least (of 128 KiB at least), so that a
+        // call of a few small experts still keeps the threads busy.
+        if (piece > spread) piece = spread;
+        if (piece < SourceFile::kDirectAlign) piece = SourceFile::kDirectAlign;
+        part.n = job.n - done < piece ? job.n - done : piece;
+        part.dst = job.dst + done;
+        part.src = job.src ? job.src + done : nullptr;
+        part.offset = job.offset + done;
+        part.seq = next_seq_;
         {
             std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
             lock_polling(lock);
-            // may throw: then the piece does not exist, and finish() does not wait for it
-            queue_.push_back(piece_of(job, off, n, next_seq_));
+            queue_.push_back(part);  // may throw: then the piece does not exist, and finish() does not wait for it
             queued_.fetch_add(1, std::memory_order_release);
         }
         ++next_seq_;
         work_.notify_one();
-    });
+        done += part.n;
+    }
     return EXPCACHE_OK;
 }
 
-expcache_status_t StagingRing::dispatch() {
-    if (pending_.empty()) return EXPCACHE_OK;
-    const uint64_t balanced = plan_ == Plan::kBalanced ? balanced_piece() : 0;
-    expcache_status_t status = EXPCACHE_OK;
-    {
-        std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-        lock_polling(lock);
-        try {
-            for (const Job& job : pending_) {
-                const uint64_t parts = balanced ? (job.n + balanced - 1) / balanced : 0;
-                const uint64_t spread = balanced ? align_up((job.n + parts - 1) / parts) : spread_upload(job.n);
-                cut(job.n, spread, next_seq_ - next_send_, [&](uint64_t off, uint64_t n) {
-                    queue_.push_back(piece_of(job, off, n, next_seq_));
-                    queued_.fetch_add(1, std::memory_order_release);
-                    ++next_seq_;
-                });
-            }
-        } catch (const std::bad_alloc&) {  // the pieces queued so far are drained, not sent
-            status = fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory to queue a staged piece");
-        }
-    }
-    pending_.clear();
-    pending_bytes_ = 0;
-    work_.notify_all();
-    return status;
-}
 expcache_status_t StagingRing::copy(void* dst, const void* src, uint64_t n, void* stream) {
     return queue({static_cast<char*>(dst), static_cast<const char*>(src), nullptr, 0, n, stream, 0});
 }
@@ -326,8 +218,8 @@ void StagingRing::release_turns(uint64_t seq, uint64_t n) {
 }
 
 expcache_status_t StagingRing::finish() {
-    expcache_status_t status = dispatch();
-    std::string message = status == EXPCACHE_OK ? std::string() : std::string(last_error());
+    expcache_status_t status = EXPCACHE_OK;
+    std::string message;
     const uint64_t first = next_send_;
     if (next_send_ == next_seq_) return status;
     ++calls_;
@@ -485,10 +377,12 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<ch
 }
 
 void StagingRing::stream_copy(char* dst, const char* src, uint64_t n) const {
-    if (wide_ && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
+    if (copy_kind_ == 0 || reinterpret_cast<uintptr_t>(dst) % 64 != 0)
+        copy_nt(dst, src, n);
+    else if (copy_kind_ == 1)
         copy_nt_wide(dst, src, n);
     else
-        copy_nt(dst, src, n);
+        copy_nt_wide4(dst, src, n);
 }
 
 void StagingRing::stats(expcache_staging_stats_t* out) const {

@@ -116,23 +116,9 @@ private:
         std::atomic<uint64_t> filled{0};  // seq + 1 of the last job done filling it
     };
 
-    // How a call's uploads become pieces (EXPCACHE_STAGING_PLAN, see queue()).
-    enum class Plan { kUpload, kCall, kBalanced };
-
     expcache_status_t queue(const Job& job);
-    static Job piece_of(const Job& job, uint64_t offset, uint64_t n, uint64_t seq);
-    // Cut the uploads queued since the last finish() into pieces and hand them all to the
-    // fillers at once (plans kCall and kBalanced).
-    expcache_status_t dispatch();
-    // Call emit(offset, bytes) for each piece of an upload of n bytes: none over `spread` or
-    // chunk_, the first three of a call shorter still; `in_batch`: the call's pieces before it.
-    template <typename Emit>
-    void cut(uint64_t n, uint64_t spread, uint64_t in_batch, Emit&& emit) const;
-    uint64_t spread_upload(uint64_t n) const;  // kUpload, kCall: min_pieces_ pieces of 128 KiB at least
-    uint64_t balanced_piece();                 // kBalanced: the piece size for pending_
-    uint64_t makespan(uint64_t piece);         // kBalanced: when the fillers would be done with pending_
-    void stream_copy(char* dst, const char* src, uint64_t n) const;
     expcache_status_t allocate();
+    void stream_copy(char* dst, const char* src, uint64_t n) const;
     void worker();
     // Pop the oldest queued job and fill its chunk; the lock is dropped while it fills.
     // `bounce`: the filling thread's own buffer for buffered file reads (allocated on first use).
@@ -156,11 +142,7 @@ private:
     bool bounce_ = true;            // buffered file reads go through the thread's bounce buffer (see fill())
     uint64_t coalesce_ = 4 << 20;   // while the link is busy, hold a send until it has this many bytes
     uint64_t min_pieces_ = 4;       // an upload is cut into this many pieces at least (see queue())
-    Plan plan_ = Plan::kUpload;
-    bool wide_ = false;             // non-temporal copies with 64-byte stores (copy_nt_wide)
-    std::vector<Job> pending_;      // the caller's: uploads not cut yet (kCall, kBalanced)
-    uint64_t pending_bytes_ = 0;
-    std::vector<uint64_t> busy_until_;  // makespan()'s, one per filler
+    int copy_kind_ = 1;             // 0: copy_nt, 1: copy_nt_wide, 2: copy_nt_wide4 (see stream_copy())
     void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
     std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
     std::vector<std::thread> threads_;
