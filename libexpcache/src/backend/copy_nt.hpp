@@ -52,26 +52,9 @@ __attribute__((target("avx512f"))) inline void copy_nt_wide(char* dst, const cha
     }
     copy_nt(dst + i, src + i, n - i);  // the rest, and the fence
 }
-// The same, a line at a time from each quarter of the range in turn: four streams for the
-// hardware prefetcher, which stops at every 4 KiB page, rather than one.
-__attribute__((target("avx512f"))) inline void copy_nt_wide4(char* dst, const char* src, size_t n) {
-    const size_t q = n / 4 / 64 * 64;
-    for (size_t i = 0; i < q; i += 64) {
-        __m512i a = _mm512_loadu_si512(src + i);
-        __m512i b = _mm512_loadu_si512(src + q + i);
-        __m512i c = _mm512_loadu_si512(src + 2 * q + i);
-        __m512i d = _mm512_loadu_si512(src + 3 * q + i);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), a);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + q + i), b);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 2 * q + i), c);
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 3 * q + i), d);
-    }
-    copy_nt_wide(dst + 4 * q, src + 4 * q, n - 4 * q);  // the rest, and the fence
-}
 inline bool copy_nt_wide_supported() { return __builtin_cpu_supports("avx512f"); }
 #else
 inline void copy_nt_wide(char* dst, const char* src, size_t n) { copy_nt(dst, src, n); }
-inline void copy_nt_wide4(char* dst, const char* src, size_t n) { copy_nt(dst, src, n); }
 inline bool copy_nt_wide_supported() { return false; }
 #endif
 

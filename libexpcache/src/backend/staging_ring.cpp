@@ -67,15 +67,12 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     if (const char* b = std::getenv("EXPCACHE_STAGING_FILE_BOUNCE")) bounce_ = std::strcmp(b, "0") != 0;
     if (const char* c = std::getenv("EXPCACHE_STAGING_COALESCE")) coalesce_ = std::strtoull(c, nullptr, 10);
     if (const char* m = std::getenv("EXPCACHE_STAGING_MIN_PIECES")) min_pieces_ = std::strtoull(m, nullptr, 10);
-    // EXPCACHE_STAGING_COPY: "sse2" fills with 16-byte non-temporal stores, "wide" (the default
-    // where the CPU has AVX-512) with 64-byte ones, "wide4" the same over 4 places of the piece
-    // at a time.
-    if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) {
-        if (std::strcmp(c, "sse2") == 0) copy_kind_ = 0;
-        if (std::strcmp(c, "wide") == 0) copy_kind_ = 1;
-        if (std::strcmp(c, "wide4") == 0) copy_kind_ = 2;
-    }
-    if (!copy_nt_wide_supported()) copy_kind_ = 0;
+    // EXPCACHE_STAGING_COPY=sse2 fills with 16-byte non-temporal stores rather than 64-byte ones
+    // (the default where the CPU has AVX-512). EXPCACHE_STAGING_HOLD=2: a send is held only while
+    // the one before the last is still in flight (the link has the last one queued behind it).
+    if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) wide_ = std::strcmp(c, "sse2") != 0;
+    wide_ = wide_ && copy_nt_wide_supported();
+    if (const char* h = std::getenv("EXPCACHE_STAGING_HOLD")) hold_depth_ = std::strcmp(h, "2") == 0 ? 2 : 1;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
     if (coalesce_ > ring_bytes_ / 4) coalesce_ = ring_bytes_ / 4;  // a quarter of the ring at most
@@ -241,8 +238,9 @@ expcache_status_t StagingRing::finish() {
             take_filled(seq, stream, &n, &bytes);
             // While the link still moves earlier pieces, a short send can wait for the pieces
             // behind it (each send is a gap on the link), up to coalesce_ bytes.
-            if (coalesce_ > 0 && last_marker_)
-                while (bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(last_marker_))
+            void* busy = hold_depth_ == 2 ? prev_marker_ : last_marker_;
+            if (coalesce_ > 0 && busy)
+                while (bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(busy))
                     take_filled(seq, stream, &n, &bytes);
             const uint64_t t0 = now_ns();
             size_t sent = 0;
@@ -250,6 +248,7 @@ expcache_status_t StagingRing::finish() {
             send_ns_ += now_ns() - t0;
             if (sent > 0) {
                 ++sends_;
+                prev_marker_ = last_marker_;
                 last_marker_ = batch_[sent - 1].marker;
             }
             for (size_t i = 0; i < sent; ++i) {
@@ -377,12 +376,10 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<ch
 }
 
 void StagingRing::stream_copy(char* dst, const char* src, uint64_t n) const {
-    if (copy_kind_ == 0 || reinterpret_cast<uintptr_t>(dst) % 64 != 0)
-        copy_nt(dst, src, n);
-    else if (copy_kind_ == 1)
+    if (wide_ && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
         copy_nt_wide(dst, src, n);
     else
-        copy_nt_wide4(dst, src, n);
+        copy_nt(dst, src, n);
 }
 
 void StagingRing::stats(expcache_staging_stats_t* out) const {

@@ -142,8 +142,10 @@ private:
     bool bounce_ = true;            // buffered file reads go through the thread's bounce buffer (see fill())
     uint64_t coalesce_ = 4 << 20;   // while the link is busy, hold a send until it has this many bytes
     uint64_t min_pieces_ = 4;       // an upload is cut into this many pieces at least (see queue())
-    int copy_kind_ = 1;             // 0: copy_nt, 1: copy_nt_wide, 2: copy_nt_wide4 (see stream_copy())
+    bool wide_ = true;              // fill with copy_nt_wide, else copy_nt (see stream_copy())
+    int hold_depth_ = 1;            // sends in flight while a send is held (see finish())
     void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
+    void* prev_marker_ = nullptr;   // the caller's: that of the send before
     std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
     std::vector<std::thread> threads_;
     std::unique_ptr<Chunk[]> chunks_;
