@@ -68,11 +68,11 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     if (const char* c = std::getenv("EXPCACHE_STAGING_COALESCE")) coalesce_ = std::strtoull(c, nullptr, 10);
     if (const char* m = std::getenv("EXPCACHE_STAGING_MIN_PIECES")) min_pieces_ = std::strtoull(m, nullptr, 10);
     // EXPCACHE_STAGING_COPY=sse2 fills with 16-byte non-temporal stores rather than 64-byte ones
-    // (the default where the CPU has AVX-512). EXPCACHE_STAGING_HOLD=2: a send is held only while
-    // the one before the last is still in flight (the link has the last one queued behind it).
+    // (the default where the CPU has AVX-512). EXPCACHE_STAGING_SHORT: how many pieces at the
+    // start of a call are short (the first 1/2^n of a chunk, then twice that, up to half).
     if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) wide_ = std::strcmp(c, "sse2") != 0;
     wide_ = wide_ && copy_nt_wide_supported();
-    if (const char* h = std::getenv("EXPCACHE_STAGING_HOLD")) hold_depth_ = std::strcmp(h, "2") == 0 ? 2 : 1;
+    if (const char* h = std::getenv("EXPCACHE_STAGING_SHORT")) short_pieces_ = std::strtoull(h, nullptr, 10);
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
     if (coalesce_ > ring_bytes_ / 4) coalesce_ = ring_bytes_ / 4;  // a quarter of the ring at most
@@ -133,7 +133,7 @@ expcache_status_t StagingRing::queue(const Job& job) {
         // The first chunks of a batch are short, so the link starts early; later ones are
         // full size, so each transfer is large enough to run at the link's speed.
         uint64_t in_batch = next_seq_ - next_send_;
-        uint64_t piece = chunk_ >> (in_batch < 3 ? 3 - in_batch : 0);
+        uint64_t piece = chunk_ >> (in_batch < short_pieces_ ? short_pieces_ - in_batch : 0);
         // And an upload is cut into min_pieces_ pieces at least (of 128 KiB at least), so that a
         // call of a few small experts still keeps the threads busy.
         if (piece > spread) piece = spread;
@@ -238,9 +238,8 @@ expcache_status_t StagingRing::finish() {
             take_filled(seq, stream, &n, &bytes);
             // While the link still moves earlier pieces, a short send can wait for the pieces
             // behind it (each send is a gap on the link), up to coalesce_ bytes.
-            void* busy = hold_depth_ == 2 ? prev_marker_ : last_marker_;
-            if (coalesce_ > 0 && busy)
-                while (bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(busy))
+            if (coalesce_ > 0 && last_marker_)
+                while (bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(last_marker_))
                     take_filled(seq, stream, &n, &bytes);
             const uint64_t t0 = now_ns();
             size_t sent = 0;
@@ -248,7 +247,6 @@ expcache_status_t StagingRing::finish() {
             send_ns_ += now_ns() - t0;
             if (sent > 0) {
                 ++sends_;
-                prev_marker_ = last_marker_;
                 last_marker_ = batch_[sent - 1].marker;
             }
             for (size_t i = 0; i < sent; ++i) {
