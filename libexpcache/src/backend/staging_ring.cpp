@@ -73,6 +73,7 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) wide_ = std::strcmp(c, "sse2") != 0;
     wide_ = wide_ && copy_nt_wide_supported();
     if (const char* h = std::getenv("EXPCACHE_STAGING_SHORT")) short_pieces_ = std::strtoull(h, nullptr, 10);
+    if (short_pieces_ > 16) short_pieces_ = 16;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
     if (coalesce_ > ring_bytes_ / 4) coalesce_ = ring_bytes_ / 4;  // a quarter of the ring at most
