@@ -53,9 +53,26 @@ expcache_status_t cuda_fail(cudaError_t e, const char* what) {
 // 160-192 KiB cross at 52 GB/s in one batch, at 30 GB/s one cudaMemcpyAsync each.
 class MemcpyBatch {
 public:
-    // False where the copies go one by one instead: a single copy, the legacy default
-    // stream (which the batch function refuses), or a driver without the function.
-    bool usable(size_t n, cudaStream_t s) const { return n > 1 && supported_ && s != nullptr && s != cudaStreamLegacy; }
+    // Enqueue n copies, host to device, on `s` in one call; fill(i) sets copy i (set()). *done
+    // is false (and the status OK) when they must go one by one instead: a single copy, the
+    // legacy default stream (which the batch function refuses), a driver without the function,
+    // or an argument refused (the copies one by one then say which, if one is wrong).
+    template <typename Fill>
+    expcache_status_t send_all(size_t n, cudaStream_t s, Fill&& fill, bool* done) {
+        *done = false;
+        if (n < 2 || !supported_ || s == nullptr || s == cudaStreamLegacy) return EXPCACHE_OK;
+        expcache_status_t st = resize(n);
+        if (st != EXPCACHE_OK) return st;
+        for (size_t i = 0; i < n; ++i) fill(i);
+        return send(n, s, done);
+    }
+    void set(size_t i, void* dst, const void* src, size_t bytes) {
+        dst_[i] = dst;
+        src_[i] = src;
+        bytes_[i] = bytes;
+    }
+
+private:
     expcache_status_t resize(size_t n) {
         try {
             dst_.resize(n);
@@ -66,14 +83,6 @@ public:
         }
         return EXPCACHE_OK;
     }
-    void set(size_t i, void* dst, const void* src, size_t bytes) {
-        dst_[i] = dst;
-        src_[i] = src;
-        bytes_[i] = bytes;
-    }
-    // Enqueue the first n copies set, host to device, on `s`. *done is false (and the status
-    // OK) when they must go one by one after all: the driver does not support the function,
-    // or refused an argument (the copies one by one then say which, if one is wrong).
     expcache_status_t send(size_t n, cudaStream_t s, bool* done) {
         *done = false;
         cudaMemcpyAttributes attr = {};
@@ -90,7 +99,6 @@ public:
         return EXPCACHE_OK;
     }
 
-private:
     bool supported_ = true;
     std::vector<void*> dst_;
     std::vector<const void*> src_;
@@ -132,12 +140,9 @@ public:
     expcache_status_t send_batch(const Send* sends, size_t n, void* stream, size_t* sent) override {
         cudaStream_t s = static_cast<cudaStream_t>(stream);
         *sent = 0;
-        if (!batch_.usable(n, s)) return Transport::send_batch(sends, n, stream, sent);
-        expcache_status_t st = batch_.resize(n);
-        if (st != EXPCACHE_OK) return st;
-        for (size_t i = 0; i < n; ++i) batch_.set(i, sends[i].dst, sends[i].src, sends[i].n);
         bool done = false;
-        st = batch_.send(n, s, &done);
+        expcache_status_t st =
+            batch_.send_all(n, s, [&](size_t i) { batch_.set(i, sends[i].dst, sends[i].src, sends[i].n); }, &done);
         if (st != EXPCACHE_OK) return st;
         if (!done) return Transport::send_batch(sends, n, stream, sent);
         for (size_t i = 0; i < n; ++i) {
@@ -254,15 +259,11 @@ public:
     }
     // One cudaMemcpyBatchAsync for the lot (MemcpyBatch), or one by one where it cannot be.
     expcache_status_t copy_h2d_batch(const DirectCopy* copies, size_t n) override {
-        cudaStream_t s = static_cast<cudaStream_t>(copies[0].stream);
-        if (batch_.usable(n, s)) {
-            expcache_status_t st = batch_.resize(n);
-            if (st != EXPCACHE_OK) return st;
-            for (size_t i = 0; i < n; ++i) batch_.set(i, copies[i].dst, copies[i].src, copies[i].bytes);
-            bool done = false;
-            st = batch_.send(n, s, &done);
-            if (st != EXPCACHE_OK || done) return st;
-        }
+        bool done = false;
+        expcache_status_t st = batch_.send_all(
+            n, static_cast<cudaStream_t>(copies[0].stream),
+            [&](size_t i) { batch_.set(i, copies[i].dst, copies[i].src, copies[i].bytes); }, &done);
+        if (st != EXPCACHE_OK || done) return st;
         return StagingBackend::copy_h2d_batch(copies, n);
     }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
