@@ -37,7 +37,7 @@ help:
 	@echo "make test    build, run the test suite (CUDA tests when a GPU is present), then the benchmarks once"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
-	@echo "make copy-methods      ways to move a call's misses to the GPU, side by side (CUDA; COPY_TABLES=pinned,pageable,host,link)"
+	@echo "make copy-methods      ways to move a call's misses to the GPU, side by side (CUDA; COPY_TABLES=pinned,pageable,enqueue,host,link)"
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / bench-quick: see benchmarks/README.md"
 	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
 	@echo "make clean   remove $(BUILD)/"
@@ -81,7 +81,7 @@ $(COPY_BIN): benchmarks/c/copy_methods.cu libexpcache/src/backend/copy_nt.hpp
 	@mkdir -p $(BUILD)
 	$(NVCC) -std=c++17 -O2 $(GENCODE) -Ilibexpcache/src -o $@ $< -lpthread
 
-COPY_TABLES ?= pinned,pageable,host,link
+COPY_TABLES ?= pinned,pageable,enqueue,host,link
 copy-methods: $(COPY_BIN)
 	$(COPY_BIN) 1 $(COPY_TABLES)
 

@@ -1,5 +1,5 @@
 // Ways to move one decode call's misses to the GPU, measured side by side in one process
-// (CUDA only; `make copy-methods`). Prints three tables:
+// (CUDA only; `make copy-methods`). Prints five tables:
 //
 // 1. A pinned source, six experts per call, each expert in three parts that lie apart (gate,
 //    up and down tensors, as in a GGUF file): one cudaMemcpyAsync per part; one
@@ -7,15 +7,18 @@
 //    the mapped pinned memory (the SMs pull the bytes over the link instead of a copy engine);
 //    and, as the reference, one cudaMemcpyAsync per expert of contiguous bytes.
 // 2. A pageable source: the driver's own staging, one copy per expert or one batch per call.
-// 3. Host threads filling pinned staging chunks from a large pageable buffer (what the staging
-//    ring's workers do), with memcpy and with non-temporal stores, alone and while the link
-//    runs at full speed in the background (the DMA reads the same memory system).
-// 4. The link reading chunks that host threads have just filled, as the ring's sends do: after
+// 3. What the caller pays to hand staged pieces to the link: a batch of copies, and an event per
+//    piece or one per batch behind it (host time).
+// 4. Host threads filling pinned staging chunks from a large pageable buffer (what the staging
+//    ring's workers do), with memcpy and with non-temporal stores (16 bytes; 64 bytes, also with
+//    prefetches ahead of the copy, where the CPU has AVX-512), alone and while the link runs at
+//    full speed in the background (the DMA reads the same memory system).
+// 5. The link reading chunks that host threads have just filled, as the ring's sends do: after
 //    memcpy (the lines left dirty in the filling cores' caches), after memcpy and CLDEMOTE (the
 //    lines pushed to the shared last-level cache; a no-op where the CPU lacks it), after memcpy
 //    and CLFLUSHOPT (the lines written back to memory), and after non-temporal stores.
 //
-//   build/copy_methods [GiB moved per row, default 1] [tables: pinned,pageable,host,link; default all]
+//   build/copy_methods [GiB moved per row, default 1] [tables: pinned,pageable,enqueue,host,link; default all]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -226,15 +229,94 @@ void pageable_table(double gib) {
     CHECK(cudaStreamDestroy(stream));
 }
 
+// What the staging ring's caller pays to hand pieces to the link: one cudaMemcpyBatchAsync of n
+// pieces of 128 KiB from pinned chunks, then one cudaEventRecord per piece (as the ring does) or
+// one for the whole batch. Host time only, microseconds per batch (the copies run behind it).
+void enqueue_table(double gib) {
+    cudaStream_t stream;
+    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const size_t piece = 128 << 10;
+    const int max_n = 16;
+    char *host = nullptr, *dev = nullptr;
+    CHECK(cudaMallocHost(&host, piece * max_n));
+    std::memset(host, 7, piece * max_n);
+    CHECK(cudaMalloc(&dev, piece * max_n));
+    std::vector<cudaEvent_t> events(max_n);
+    for (auto& e : events) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    std::printf("\nthe caller's cost of sending n pieces of 128 KiB from pinned chunks, us per batch (median of %d)\n",
+                int(200 * gib) + 1);
+    std::printf("%-4s %12s %18s %16s %16s\n", "n", "batch copy", "n events after", "1 event after", "n cudaMemcpyAsync");
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    auto median = [](std::vector<double>& v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+    };
+    for (int n : {1, 4, 8, 16}) {
+        void* dsts[max_n];
+        const void* srcs[max_n];
+        size_t sizes[max_n];
+        for (int i = 0; i < n; ++i) {
+            dsts[i] = dev + size_t(i) * piece;
+            srcs[i] = host + size_t(i) * piece;
+            sizes[i] = piece;
+        }
+        std::vector<double> batch, many, one, singles;
+        for (int r = 0; r < int(200 * gib) + 1; ++r) {
+            size_t idx = 0;
+            double t0 = seconds();
+            CHECK(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &idx, 1, stream));
+            double t1 = seconds();
+            for (int i = 0; i < n; ++i) CHECK(cudaEventRecord(events[i], stream));
+            double t2 = seconds();
+            batch.push_back((t1 - t0) * 1e6);
+            many.push_back((t2 - t1) * 1e6);
+            CHECK(cudaStreamSynchronize(stream));
+            CHECK(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &idx, 1, stream));
+            t0 = seconds();
+            CHECK(cudaEventRecord(events[0], stream));
+            one.push_back((seconds() - t0) * 1e6);
+            CHECK(cudaStreamSynchronize(stream));
+            t0 = seconds();
+            for (int i = 0; i < n; ++i)
+                CHECK(cudaMemcpyAsync(dsts[i], srcs[i], piece, cudaMemcpyHostToDevice, stream));
+            singles.push_back((seconds() - t0) * 1e6);
+            CHECK(cudaStreamSynchronize(stream));
+        }
+        std::printf("%-4d %12.2f %18.2f %16.2f %16.2f\n", n, median(batch), median(many), median(one), median(singles));
+    }
+    for (auto& e : events) CHECK(cudaEventDestroy(e));
+    CHECK(cudaFree(dev));
+    CHECK(cudaFreeHost(host));
+    CHECK(cudaStreamDestroy(stream));
+}
+
+// How a host thread fills a chunk: memcpy, or the staging ring's non-temporal copies (16-byte
+// stores, 64-byte stores, 64-byte stores asking for source lines ahead; copy_nt.hpp).
+struct Filler {
+    const char* name;
+    int stores;  // 0: memcpy, 16 or 64: non-temporal stores that wide
+    expcache::Prefetch pf;
+};
+
+void fill_with(const Filler& f, char* d, const char* s, size_t n) {
+    if (f.stores == 0)
+        std::memcpy(d, s, n);
+    else if (f.stores == 16)
+        expcache::copy_nt(d, s, n);
+    else
+        expcache::copy_nt_wide(d, s, n, f.pf);
+}
+
 // GB/s of `threads` threads each copying random `piece`-byte pieces of `src` into its own
 // ring of 8 pinned chunks, `total` bytes together.
-double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, size_t total, bool nt) {
+double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, size_t total, const Filler& how) {
     std::vector<char*> rings(threads);
     for (auto& r : rings) CHECK(cudaMallocHost(&r, piece * 8));
     std::atomic<int> ready{0};
     std::atomic<bool> go{false};
     std::vector<std::thread> pool;
-    const size_t per_thread = total / threads / piece;
+    const size_t per_thread = std::max<size_t>(1, total / threads / piece);
     for (int t = 0; t < threads; ++t)
         pool.emplace_back([&, t] {
             std::mt19937_64 rng(t);
@@ -242,8 +324,7 @@ double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, s
             while (!go.load()) {}
             for (size_t i = 0; i < per_thread; ++i) {
                 const char* s = src + (rng() % ((src_bytes - piece) / 4096)) * 4096;
-                char* d = rings[t] + (i % 8) * piece;
-                if (nt) expcache::copy_nt(d, s, piece); else std::memcpy(d, s, piece);
+                fill_with(how, rings[t] + (i % 8) * piece, s, piece);
             }
         });
     while (ready.load() < threads) {}
@@ -268,13 +349,22 @@ void host_table(double gib) {
     CHECK(cudaMalloc(&bg_dev, bg_bytes));
     cudaStream_t bg;
     CHECK(cudaStreamCreateWithFlags(&bg, cudaStreamNonBlocking));
-    std::printf("\nhost threads filling pinned chunks from a 16 GiB pageable buffer, GB/s together\n");
-    std::printf("%-7s %-8s %-9s %12s %12s\n", "threads", "piece", "stores", "link idle", "link busy");
+    const bool wide = expcache::copy_nt_wide_supported();
+    std::vector<Filler> fillers = {{"memcpy", 0, {}}, {"stream 16 B", 16, {}}};
+    if (wide)
+        fillers.insert(fillers.end(), {{"stream 64 B", 64, {}},
+                                       {"64 B, T0 1 KiB ahead", 64, {1024, 3}},
+                                       {"64 B, T0 4 KiB ahead", 64, {4096, 3}},
+                                       {"64 B, T2 4 KiB ahead", 64, {4096, 1}},
+                                       {"64 B, NTA 1 KiB ahead", 64, {1024, 0}}});
+    std::printf("\nhost threads filling pinned chunks from a 16 GiB pageable buffer (malloc: 4 KiB pages), "
+                "GB/s together%s\n", wide ? "" : " (no AVX-512 here: no 64-byte stores)");
+    std::printf("%-7s %-8s %-22s %12s %12s\n", "threads", "piece", "stores", "link idle", "link busy");
     const size_t total = size_t(gib * (1 << 30)) * 4;
     for (int threads : {1, 4, 8, 12})
-        for (size_t piece : {size_t(512) << 10, size_t(1) << 20})
-            for (bool nt : {false, true}) {
-                const double idle = host_fill(src, src_bytes, piece, threads, total, nt);
+        for (size_t piece : {size_t(128) << 10, size_t(512) << 10})
+            for (const Filler& how : fillers) {
+                const double idle = host_fill(src, src_bytes, piece, threads, total, how);
                 std::atomic<bool> stop{false};
                 std::thread link([&] {
                     CHECK(cudaSetDevice(0));
@@ -285,11 +375,11 @@ void host_table(double gib) {
                     }
                 });
                 std::this_thread::sleep_for(std::chrono::milliseconds(20));
-                const double busy = host_fill(src, src_bytes, piece, threads, total, nt);
+                const double busy = host_fill(src, src_bytes, piece, threads, total, how);
                 stop = true;
                 link.join();
-                std::printf("%-7d %-8s %-9s %12.1f %12.1f\n", threads, piece == (size_t(1) << 20) ? "1 MiB" : "512 KiB",
-                            nt ? "stream" : "memcpy", idle, busy);
+                std::printf("%-7d %-8s %-22s %12.1f %12.1f\n", threads, piece == (size_t(128) << 10) ? "128 KiB" : "512 KiB",
+                            how.name, idle, busy);
             }
     CHECK(cudaFree(bg_dev));
     CHECK(cudaFreeHost(bg_host));
@@ -390,17 +480,19 @@ void link_table(double gib) {
 
 int main(int argc, char** argv) {
     const double gib = argc > 1 ? std::atof(argv[1]) : 1.0;
-    const std::string tables = "," + std::string(argc > 2 ? argv[2] : "pinned,pageable,host,link") + ",";
+    const std::string tables = "," + std::string(argc > 2 ? argv[2] : "pinned,pageable,enqueue,host,link") + ",";
     auto wanted = [&](const char* name) { return tables.find("," + std::string(name) + ",") != std::string::npos; };
     size_t named = 0;
-    for (const char* name : {"pinned", "pageable", "host", "link"}) named += wanted(name) ? std::strlen(name) + 1 : 0;
+    for (const char* name : {"pinned", "pageable", "enqueue", "host", "link"})
+        named += wanted(name) ? std::strlen(name) + 1 : 0;
     if (gib <= 0 || named + 1 != tables.size()) {
-        std::fprintf(stderr, "usage: copy_methods [GiB per row > 0] [tables: pinned,pageable,host,link]\n");
+        std::fprintf(stderr, "usage: copy_methods [GiB per row > 0] [tables: pinned,pageable,enqueue,host,link]\n");
         return 2;
     }
     CHECK(cudaSetDevice(0));
     if (wanted("pinned")) pinned_table(gib);
     if (wanted("pageable")) pageable_table(gib);
+    if (wanted("enqueue")) enqueue_table(gib);
     if (wanted("host")) host_table(gib);
     if (wanted("link")) link_table(gib);
     return 0;

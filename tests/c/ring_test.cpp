@@ -370,23 +370,37 @@ void test_file_pieces(unsigned threads, const char* bounce, bool direct) {
 }
 
 // The chunk fillers (copy_nt.hpp) copy every byte, whatever the size and the source's alignment:
-// the 16-byte copy, and where the CPU has AVX-512 the 64-byte one (its tail goes through the other).
+// the 16-byte copy, and where the CPU has AVX-512 the 64-byte one (its tail goes through the other),
+// without and with prefetches (their distance shorter and longer than the copy, each locality).
 void test_copies() {
+    using expcache::Prefetch;
     const std::vector<char> src = random_bytes(70000, 9);
-    const bool wide = expcache::copy_nt_wide_supported();
-    void (*copies[])(char*, const char*, size_t) = {expcache::copy_nt, expcache::copy_nt_wide};
-    const char* names[] = {"copy_nt", "copy_nt_wide"};
+    struct Copy {
+        const char* name;
+        bool wide;
+        Prefetch pf;
+    };
+    const Copy copies[] = {{"copy_nt", false, {}},
+                           {"copy_nt_wide", true, {}},
+                           {"copy_nt_wide, 1 KiB ahead, T0", true, {1024, 3}},
+                           {"copy_nt_wide, 4 KiB ahead, T2", true, {4096, 1}},
+                           {"copy_nt_wide, 64 KiB ahead, NTA", true, {65536, 0}}};
     char* dst = static_cast<char*>(std::aligned_alloc(64, 70016));
-    for (int k = 0; k < (wide ? 2 : 1); ++k)
+    for (const Copy& copy : copies) {
+        if (copy.wide && !expcache::copy_nt_wide_supported()) continue;
         for (size_t n : {size_t(0), size_t(1), size_t(63), size_t(64), size_t(255), size_t(256), size_t(1000),
                          size_t(4096 * 4 + 64 * 3 + 7), size_t(65536), size_t(69990)})
             for (size_t from : {size_t(0), size_t(3), size_t(8)}) {
                 std::memset(dst, 0x5a, 70016);
-                copies[k](dst, src.data() + from, n);
+                if (copy.wide)
+                    expcache::copy_nt_wide(dst, src.data() + from, n, copy.pf);
+                else
+                    expcache::copy_nt(dst, src.data() + from, n);
                 CHECK(std::memcmp(dst, src.data() + from, n) == 0, "%s of %zu bytes from offset %zu: bytes differ",
-                      names[k], n, from);
-                CHECK(static_cast<unsigned char>(dst[n]) == 0x5a, "%s of %zu bytes wrote past the end", names[k], n);
+                      copy.name, n, from);
+                CHECK(static_cast<unsigned char>(dst[n]) == 0x5a, "%s of %zu bytes wrote past the end", copy.name, n);
             }
+    }
     std::free(dst);
 }
 

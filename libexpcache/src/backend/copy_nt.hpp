@@ -35,12 +35,31 @@ inline void copy_nt(char* dst, const char* src, size_t n) {
 #endif
 }
 
+// How far ahead copy_nt_wide asks for source lines (a prefetch), and into which cache. A core
+// reading memory alone keeps only a few lines in flight; asking for lines ahead of the copy
+// keeps more of them coming. The locality is __builtin_prefetch's: 3 = every level (T0),
+// 1 = the shared levels only (T2), 0 = non-temporal (NTA).
+struct Prefetch {
+    size_t ahead = 0;  // bytes; 0: no prefetch
+    int locality = 3;
+};
+
 #if defined(__x86_64__) && defined(__GNUC__)
-// The same with 64-byte stores, a whole line each (AVX-512F); dst 64-byte aligned. Call it only
-// where copy_nt_wide_supported() says so.
-__attribute__((target("avx512f"))) inline void copy_nt_wide(char* dst, const char* src, size_t n) {
+namespace detail {
+template <int Locality>
+__attribute__((target("avx512f"))) inline void copy_nt_wide_ahead(char* dst, const char* src, size_t n,
+                                                                  size_t ahead) {
+    // The first `ahead` bytes are asked for at once, then each line `ahead` bytes before its copy;
+    // nothing past the source's end.
+    for (size_t j = 0; j < ahead && j < n; j += 64) __builtin_prefetch(src + j, 0, Locality);
     size_t i = 0;
     for (; i + 256 <= n; i += 256) {
+        if (ahead > 0 && i + ahead + 256 <= n) {
+            __builtin_prefetch(src + i + ahead, 0, Locality);
+            __builtin_prefetch(src + i + ahead + 64, 0, Locality);
+            __builtin_prefetch(src + i + ahead + 128, 0, Locality);
+            __builtin_prefetch(src + i + ahead + 192, 0, Locality);
+        }
         __m512i a = _mm512_loadu_si512(src + i);
         __m512i b = _mm512_loadu_si512(src + i + 64);
         __m512i c = _mm512_loadu_si512(src + i + 128);
@@ -52,9 +71,22 @@ __attribute__((target("avx512f"))) inline void copy_nt_wide(char* dst, const cha
     }
     copy_nt(dst + i, src + i, n - i);  // the rest, and the fence
 }
+}  // namespace detail
+
+// The same with 64-byte stores, a whole line each (AVX-512F); dst 64-byte aligned. Call it only
+// where copy_nt_wide_supported() says so.
+inline void copy_nt_wide(char* dst, const char* src, size_t n, Prefetch pf = {}) {
+    if (pf.ahead == 0) return detail::copy_nt_wide_ahead<3>(dst, src, n, 0);
+    switch (pf.locality) {
+        case 0: return detail::copy_nt_wide_ahead<0>(dst, src, n, pf.ahead);
+        case 1: return detail::copy_nt_wide_ahead<1>(dst, src, n, pf.ahead);
+        case 2: return detail::copy_nt_wide_ahead<2>(dst, src, n, pf.ahead);
+        default: return detail::copy_nt_wide_ahead<3>(dst, src, n, pf.ahead);
+    }
+}
 inline bool copy_nt_wide_supported() { return __builtin_cpu_supports("avx512f"); }
 #else
-inline void copy_nt_wide(char* dst, const char* src, size_t n) { copy_nt(dst, src, n); }
+inline void copy_nt_wide(char* dst, const char* src, size_t n, Prefetch = {}) { copy_nt(dst, src, n); }
 inline bool copy_nt_wide_supported() { return false; }
 #endif
 

@@ -72,6 +72,11 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // start of a call are short (the first 1/2^n of a chunk, then twice that, up to half).
     if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) wide_ = std::strcmp(c, "sse2") != 0;
     wide_ = wide_ && copy_nt_wide_supported();
+    // EXPCACHE_STAGING_PREFETCH (bytes; 0: none) has the 64-byte copy ask for source lines that
+    // far ahead, into the caches EXPCACHE_STAGING_PREFETCH_HINT names (t0, t2 or nta; see copy_nt.hpp).
+    if (const char* p = std::getenv("EXPCACHE_STAGING_PREFETCH")) prefetch_.ahead = std::strtoull(p, nullptr, 10);
+    if (const char* h = std::getenv("EXPCACHE_STAGING_PREFETCH_HINT"))
+        prefetch_.locality = std::strcmp(h, "nta") == 0 ? 0 : std::strcmp(h, "t2") == 0 ? 1 : 3;
     if (const char* h = std::getenv("EXPCACHE_STAGING_SHORT")) short_pieces_ = std::strtoull(h, nullptr, 10);
     if (short_pieces_ > 16) short_pieces_ = 16;
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
@@ -376,7 +381,7 @@ expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<ch
 
 void StagingRing::stream_copy(char* dst, const char* src, uint64_t n) const {
     if (wide_ && reinterpret_cast<uintptr_t>(dst) % 64 == 0)
-        copy_nt_wide(dst, src, n);
+        copy_nt_wide(dst, src, n, prefetch_);
     else
         copy_nt(dst, src, n);
 }
