@@ -72,8 +72,8 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     // start of a call are short (the first 1/2^n of a chunk, then twice that, up to half).
     if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) wide_ = std::strcmp(c, "sse2") != 0;
     wide_ = wide_ && copy_nt_wide_supported();
-    // EXPCACHE_STAGING_PREFETCH (bytes; 0: none) has the 64-byte copy ask for source lines that
-    // far ahead, into the caches EXPCACHE_STAGING_PREFETCH_HINT names (t0, t2 or nta; see copy_nt.hpp).
+    // EXPCACHE_STAGING_PREFETCH (bytes; 0: none) sets how far ahead the 64-byte copy asks for
+    // source lines, EXPCACHE_STAGING_PREFETCH_HINT into which caches (t0, t2 or nta; copy_nt.hpp).
     if (const char* p = std::getenv("EXPCACHE_STAGING_PREFETCH")) prefetch_.ahead = std::strtoull(p, nullptr, 10);
     if (const char* h = std::getenv("EXPCACHE_STAGING_PREFETCH_HINT"))
         prefetch_.locality = std::strcmp(h, "nta") == 0 ? 0 : std::strcmp(h, "t2") == 0 ? 1 : 3;
