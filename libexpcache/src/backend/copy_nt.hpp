@@ -37,8 +37,8 @@ inline void copy_nt(char* dst, const char* src, size_t n) {
 
 // How far ahead copy_nt_wide asks for source lines (a prefetch), and into which cache. A core
 // reading memory alone keeps only a few lines in flight; asking for lines ahead of the copy
-// keeps more of them coming. The locality is __builtin_prefetch's: 3 = every level (T0),
-// 1 = the shared levels only (T2), 0 = non-temporal (NTA).
+// keeps more of them coming. The locality is __builtin_prefetch's: 3 = into L1 (PREFETCHT0),
+// 1 = into L2, not L1 (PREFETCHT2 on current Intel cores), 0 = non-temporal (PREFETCHNTA).
 struct Prefetch {
     size_t ahead = 0;  // bytes; 0: no prefetch
     int locality = 3;

@@ -145,7 +145,7 @@ private:
     uint64_t min_pieces_ = 4;       // an upload is cut into this many pieces at least (see queue())
     bool wide_ = true;              // fill with copy_nt_wide, else copy_nt (see stream_copy())
     // copy_nt_wide asks for source lines 4 KiB ahead into the shared caches (T2): a decode layer's
-    // pieces filled in 80-86 us against 93-99 without, on an H200 host (docs/transfers.md).
+    // pieces filled in 80-85 us against 90-100 without, on an H200 host (docs/transfers.md).
     Prefetch prefetch_{4096, 1};
     uint64_t short_pieces_ = 3;     // the first pieces of a call are short, this many (see queue())
     void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
