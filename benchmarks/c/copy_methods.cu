@@ -16,7 +16,8 @@
 // 5. The link reading chunks that host threads have just filled, as the ring's sends do: after
 //    memcpy (the lines left dirty in the filling cores' caches), after memcpy and CLDEMOTE (the
 //    lines pushed to the shared last-level cache; a no-op where the CPU lacks it), after memcpy
-//    and CLFLUSHOPT (the lines written back to memory), and after non-temporal stores.
+//    and CLFLUSHOPT (the lines written back to memory), and after non-temporal stores (16 bytes,
+//    and 64 bytes with the ring's prefetch where the CPU has AVX-512).
 //
 //   build/copy_methods [GiB moved per row, default 1] [tables: pinned,pageable,enqueue,host,link; default all]
 #include <cuda_runtime.h>
@@ -424,8 +425,12 @@ double link_after_fill(const char* src, size_t src_bytes, int threads, int round
             const char* s = src + (rng() % ((src_bytes - piece) / 4096)) * 4096;
             char* d = chunks + size_t(t) * piece;
             pool.emplace_back([=] {
-                if (mode == "non-temporal") {
+                if (mode == "non-temporal 16 B") {
                     expcache::copy_nt(d, s, piece);
+                    return;
+                }
+                if (mode == "non-temporal 64 B") {  // as the ring fills
+                    expcache::copy_nt_wide(d, s, piece, expcache::kStagingPrefetch);
                     return;
                 }
                 std::memcpy(d, s, piece);
@@ -464,7 +469,8 @@ void link_table(double gib) {
                 "(CLDEMOTE: %s), GB/s\n", cpu_has_cldemote() ? "yes" : "no, a no-op here");
     std::printf("%-7s %-20s %9s\n", "chunks", "filled with", "GB/s");
     const int rounds = std::max(8, int(gib * 1024 / max_threads));
-    const char* modes[] = {"memcpy", "memcpy + cldemote", "memcpy + clflushopt", "non-temporal"};
+    std::vector<const char*> modes = {"memcpy", "memcpy + cldemote", "memcpy + clflushopt", "non-temporal 16 B"};
+    if (expcache::copy_nt_wide_supported()) modes.push_back("non-temporal 64 B");
     for (int threads : {1, 8})
         for (int pass = 0; pass < 2; ++pass)  // twice, alternating, to see the spread
             for (const char* how : modes)

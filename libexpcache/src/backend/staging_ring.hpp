@@ -144,9 +144,7 @@ private:
     uint64_t coalesce_ = 4 << 20;   // while the link is busy, hold a send until it has this many bytes
     uint64_t min_pieces_ = 4;       // an upload is cut into this many pieces at least (see queue())
     bool wide_ = true;              // fill with copy_nt_wide, else copy_nt (see stream_copy())
-    // copy_nt_wide asks for source lines 4 KiB ahead into the shared caches (T2): a decode layer's
-    // pieces filled in 80-85 us against 90-100 without, on an H200 host (docs/transfers.md).
-    Prefetch prefetch_{4096, 1};
+    Prefetch prefetch_ = kStagingPrefetch;  // copy_nt_wide's (see stream_copy())
     uint64_t short_pieces_ = 3;     // the first pieces of a call are short, this many (see queue())
     void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
     std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
