@@ -1,6 +1,7 @@
 #include "staging_ring.hpp"
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -79,6 +80,12 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
         prefetch_.locality = std::strcmp(h, "nta") == 0 ? 0 : std::strcmp(h, "t2") == 0 ? 1 : 3;
     if (const char* h = std::getenv("EXPCACHE_STAGING_SHORT")) short_pieces_ = std::strtoull(h, nullptr, 10);
     if (short_pieces_ > 16) short_pieces_ = 16;
+    if (const char* t = std::getenv("EXPCACHE_STAGING_TRACE")) {
+        trace_path_ = t;
+        const char* n = std::getenv("EXPCACHE_STAGING_TRACE_PIECES");
+        trace_pieces_.resize(n ? std::strtoull(n, nullptr, 10) : 65536);
+        trace_origin_ = now_ns();
+    }
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
     if (chunk_ < SourceFile::kDirectAlign) chunk_ = SourceFile::kDirectAlign;
     if (coalesce_ > ring_bytes_ / 4) coalesce_ = ring_bytes_ / 4;  // a quarter of the ring at most
@@ -97,6 +104,30 @@ StagingRing::~StagingRing() {
         if (c.sent) transport_.wait(c.marker);
         transport_.free_chunk(c.host, c.marker);
     }
+    if (!trace_path_.empty()) write_trace();
+}
+
+// Appends this ring's trace: one line per call, then one per piece; times in ns from the ring's
+// making. A measurement aid: a file that cannot be written is skipped without a word.
+void StagingRing::write_trace() const {
+    FILE* f = std::fopen(trace_path_.c_str(), "a");
+    if (!f) return;
+    std::fprintf(f, "# ring %p: %u copy threads, %llu-byte chunks\n", static_cast<const void*>(this), num_threads_ + 1,
+                 (unsigned long long)chunk_);
+    std::fprintf(f, "call,index,begun,finishing,finished\n");
+    for (size_t i = 0; i < trace_calls_.size(); ++i)
+        std::fprintf(f, "call,%zu,%llu,%llu,%llu\n", i, (unsigned long long)trace_calls_[i].begun,
+                     (unsigned long long)trace_calls_[i].finishing, (unsigned long long)trace_calls_[i].finished);
+    std::fprintf(f, "piece,seq,call,bytes,queued,taken,filled,sent,send,filler\n");
+    const uint64_t pieces = next_seq_ < trace_pieces_.size() ? next_seq_ : trace_pieces_.size();
+    for (uint64_t i = 0; i < pieces; ++i) {
+        const TracePiece& p = trace_pieces_[i];
+        std::fprintf(f, "piece,%llu,%llu,%llu,%llu,%llu,%llu,%llu,%llu,%u\n", (unsigned long long)i,
+                     (unsigned long long)p.call, (unsigned long long)p.bytes, (unsigned long long)p.queued,
+                     (unsigned long long)p.taken, (unsigned long long)p.filled, (unsigned long long)p.sent,
+                     (unsigned long long)p.send, p.filler);
+    }
+    std::fclose(f);
 }
 
 expcache_status_t StagingRing::allocate() {
@@ -117,7 +148,7 @@ expcache_status_t StagingRing::allocate() {
         }
     }
     num_chunks_ = n;
-    for (unsigned i = 0; i < num_threads_; ++i) threads_.emplace_back([this] { worker(); });
+    for (unsigned i = 0; i < num_threads_; ++i) threads_.emplace_back([this, i] { worker(i + 1); });
     return EXPCACHE_OK;
 }
 
@@ -128,7 +159,10 @@ expcache_status_t StagingRing::queue(const Job& job) {
     }
     Job part = job;
     uint64_t done = 0;
-    if (next_seq_ == next_send_) batch_start_ns_ = now_ns();
+    if (next_seq_ == next_send_) {
+        batch_start_ns_ = now_ns();
+        if (!trace_path_.empty()) trace_calls_.push_back({batch_start_ns_ - trace_origin_, 0, 0});
+    }
     // Pieces of this upload: min_pieces_, fewer when they would be under 128 KiB each.
     const uint64_t align = SourceFile::kDirectAlign;
     uint64_t parts = job.n / (128 << 10);
@@ -149,6 +183,7 @@ expcache_status_t StagingRing::queue(const Job& job) {
         part.src = job.src ? job.src + done : nullptr;
         part.offset = job.offset + done;
         part.seq = next_seq_;
+        if (TracePiece* t = traced(part.seq)) *t = {calls_, part.n, now_ns() - trace_origin_, 0, 0, 0, 0, 0};
         {
             std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
             lock_polling(lock);
@@ -188,7 +223,7 @@ void StagingRing::await_filled(uint64_t seq) {
     lock_polling(lock);
     if (!queue_.empty() && queue_.front().seq == seq) {
         ++caller_fills_;
-        fill_next(lock, caller_bounce_);  // nobody has taken it: fill it here
+        fill_next(lock, caller_bounce_, 0);  // nobody has taken it: fill it here
         return;
     }
     lock.unlock();
@@ -226,6 +261,7 @@ expcache_status_t StagingRing::finish() {
     const uint64_t first = next_send_;
     if (next_send_ == next_seq_) return status;
     ++calls_;
+    if (!trace_calls_.empty()) trace_calls_.back().finishing = now_ns() - trace_origin_;
     while (next_send_ < next_seq_) {
         const uint64_t seq = next_send_;
         await_filled(seq);
@@ -256,6 +292,10 @@ expcache_status_t StagingRing::finish() {
                 last_marker_ = batch_[sent - 1].marker;
             }
             for (size_t i = 0; i < sent; ++i) {
+                if (TracePiece* t = traced(seq + i)) {
+                    t->sent = now_ns() - trace_origin_;
+                    t->send = sends_;
+                }
                 chunk_of(seq + i).sent = true;
                 ++pieces_;
                 bytes_ += batch_[i].n;
@@ -271,12 +311,13 @@ expcache_status_t StagingRing::finish() {
     }
     dropping_.store(false);
     span_ns_ += now_ns() - batch_start_ns_;
+    if (!trace_calls_.empty()) trace_calls_.back().finished = now_ns() - trace_origin_;
     if (status == EXPCACHE_OK) return status;
     // A worker's detail, on this thread (empty only when formatting it ran out of memory).
     return fail(status, "%s", message.empty() ? "a staging thread ran out of host memory" : message.c_str());
 }
 
-void StagingRing::worker() {
+void StagingRing::worker(unsigned index) {
     transport_.thread_start();
     std::unique_ptr<char[]> bounce;
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
@@ -295,11 +336,11 @@ void StagingRing::worker() {
         if (!lock.owns_lock()) lock.lock();
         work_.wait(lock, [this] { return stop_.load() || !queue_.empty(); });
         if (queue_.empty()) return;  // stop_, nothing left
-        fill_next(lock, bounce);
+        fill_next(lock, bounce, index);
     }
 }
 
-void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce) {
+void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce, unsigned filler) {
     Job job = queue_.front();
     queue_.pop_front();
     queued_.fetch_sub(1, std::memory_order_relaxed);
@@ -317,6 +358,11 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<
         }
     }
     lock.unlock();
+    TracePiece* trace = traced(job.seq);
+    if (trace) {
+        trace->taken = now_ns() - trace_origin_;
+        trace->filler = filler;
+    }
     c.job = job;
     c.delta = 0;
     c.dropped = drop;
@@ -333,6 +379,7 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<
         c.message.clear();
     }
     c.filled_ns = now_ns();
+    if (trace) trace->filled = c.filled_ns - trace_origin_;
     lock_polling(lock);
     c.filled.store(job.seq + 1, std::memory_order_release);
     lock.unlock();

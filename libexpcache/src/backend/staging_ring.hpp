@@ -92,6 +92,18 @@ public:
     // of them, in queue order.
     void inject_failures(uint64_t skip, uint64_t count);
 
+    // For measurements: with EXPCACHE_STAGING_TRACE=FILE set, the ring notes when each of its
+    // first EXPCACHE_STAGING_TRACE_PIECES pieces (default 65536) was queued, taken by a filler,
+    // filled and sent, and when each call began, reached finish() and returned; it appends them
+    // to FILE as CSV when it is destroyed (docs/transfers.md). Nothing is noted without it.
+    struct TracePiece {
+        uint64_t call, bytes, queued, taken, filled, sent, send;
+        unsigned filler;  // 0: the calling thread, 1..: a worker
+    };
+    struct TraceCall {
+        uint64_t begun, finishing, finished;
+    };
+
 private:
     struct Job {
         char* dst;
@@ -120,10 +132,13 @@ private:
     expcache_status_t queue(const Job& job);
     expcache_status_t allocate();
     void stream_copy(char* dst, const char* src, uint64_t n) const;
-    void worker();
+    void worker(unsigned index);
     // Pop the oldest queued job and fill its chunk; the lock is dropped while it fills.
-    // `bounce`: the filling thread's own buffer for buffered file reads (allocated on first use).
-    void fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce);
+    // `bounce`: the filling thread's own buffer for buffered file reads (allocated on first use);
+    // `filler`: 0 for the calling thread, else the worker's number (for the trace).
+    void fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce, unsigned filler);
+    TracePiece* traced(uint64_t seq) { return seq < trace_pieces_.size() ? &trace_pieces_[seq] : nullptr; }
+    void write_trace() const;
     expcache_status_t fill(const Job& job, Chunk& chunk, std::unique_ptr<char[]>& bounce);
     // Add to batch_[*n..] the pieces from seq + *n on that are filled, in order, on `stream`.
     void take_filled(uint64_t seq, void* stream, uint64_t* n, uint64_t* bytes);
@@ -166,6 +181,10 @@ private:
     Transport::Send batch_[kMaxBatch];  // the caller's: the pieces of one send_batch
     std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
     uint64_t inject_skip_ = 0, inject_count_ = 0;  // under mu_
+    std::string trace_path_;                 // empty: no trace
+    uint64_t trace_origin_ = 0;              // now_ns() when the ring was made
+    std::vector<TracePiece> trace_pieces_;   // by seq; each field written by one thread (see .cpp)
+    std::vector<TraceCall> trace_calls_;     // the caller's
 };
 
 }  // namespace expcache
