@@ -279,7 +279,9 @@ void test_sends_while_queueing(unsigned threads, bool refuse) {
         CHECK(batches == 1 && early == 0, "%zu batches, %llu pieces sent before finish()", batches,
               (unsigned long long)early);
     } else {
-        CHECK(early == 7, "%llu pieces sent before finish(), not the first upload's 7", (unsigned long long)early);
+        // The first upload's 7 at least (the workers may have filled some of the second's by then).
+        CHECK(early >= 7, "%llu pieces sent before finish(), fewer than the first upload's 7",
+              (unsigned long long)early);
     }
     if (refuse) {
         CHECK(s == EXPCACHE_ERR_CUDA && std::strstr(expcache::last_error(), "fake link refused"), "finish: %d %s",
