@@ -7,7 +7,6 @@
 //
 //   ring_test            every case; prints "ring_test: N checks, F failed" and exits 1 on a failure
 //                        (the file cases write, then remove, a 3 MiB file in /tmp)
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -255,51 +254,6 @@ void test_refused_transfer(unsigned threads, uint64_t fail_at) {
           (unsigned long long)t.resent_in_flight_, (unsigned long long)t.freed_in_flight_);
 }
 
-// Pieces filled while the caller is still queueing go to the link before finish(), so the link
-// starts while the cache still looks up misses; a transfer refused on the way fails the call at
-// finish(), not the copy() that sent it. With the caller alone nothing is filled before finish().
-void test_sends_while_queueing(unsigned threads, bool refuse) {
-    FakeLink t;
-    StagingRing ring(t, threads, 64 * 8192, 8192);
-    const uint64_t part = 40000;  // 7 pieces: three short ones (4 KiB, the alignment's floor), then 8 KiB
-    const std::vector<char> src = random_bytes(3 * part, 21);
-    std::vector<char> dst(src.size(), 0);
-    if (refuse) t.fail_transfers(0, 1);
-    CHECK(ring.copy(dst.data(), src.data(), part, nullptr) == EXPCACHE_OK, "copy 1: %s", expcache::last_error());
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the workers fill its pieces
-    CHECK(ring.copy(dst.data() + part, src.data() + part, part, nullptr) == EXPCACHE_OK, "copy 2: %s",
-          expcache::last_error());
-    const uint64_t early = t.sent_, batches = t.batches_.size();
-    CHECK(ring.copy(dst.data() + 2 * part, src.data() + 2 * part, part, nullptr) == EXPCACHE_OK, "copy 3: %s",
-          expcache::last_error());
-    expcache_status_t s = ring.finish();
-    if (threads <= 1) {
-        CHECK(batches == 0, "the caller alone sent %zu batches before finish()", batches);
-    } else if (refuse) {
-        CHECK(batches == 1 && early == 0, "%zu batches, %llu pieces sent before finish()", batches,
-              (unsigned long long)early);
-    } else {
-        // The first upload's 7 at least (the workers may have filled some of the second's by then).
-        CHECK(early >= 7, "%llu pieces sent before finish(), fewer than the first upload's 7",
-              (unsigned long long)early);
-    }
-    if (refuse) {
-        CHECK(s == EXPCACHE_ERR_CUDA && std::strstr(expcache::last_error(), "fake link refused"), "finish: %d %s",
-              (int)s, expcache::last_error());
-        CHECK(t.sent_ == 0, "%llu pieces sent after the refused one", (unsigned long long)t.sent_);
-        std::fill(dst.begin(), dst.end(), 0);
-        CHECK(ring.copy(dst.data(), src.data(), src.size(), nullptr) == EXPCACHE_OK, "copy after: %s",
-              expcache::last_error());
-        s = ring.finish();
-    }
-    CHECK(s == EXPCACHE_OK, "finish: %s", expcache::last_error());
-    t.drain();
-    CHECK(dst == src, "%u threads%s: bytes differ", threads, refuse ? ", a refused transfer before" : "");
-    expcache_staging_stats_t st{};
-    ring.stats(&st);
-    CHECK(st.calls == (refuse ? 2u : 1u), "%llu calls counted", (unsigned long long)st.calls);
-}
-
 // A piece that fails to fill (injected) fails its call; the pieces after it are not sent.
 void test_failed_fill(unsigned threads) {
     FakeLink t;
@@ -459,8 +413,6 @@ int main() {
     for (unsigned threads : {1u, 4u})
         for (uint64_t fail_at : {0u, 1u, 3u, 7u, 13u}) test_refused_transfer(threads, fail_at);
     for (unsigned threads : {1u, 4u}) test_failed_fill(threads);
-    for (unsigned threads : {1u, 4u})
-        for (bool refuse : {false, true}) test_sends_while_queueing(threads, refuse);
     for (unsigned threads : {1u, 2u, 4u}) test_coalescing(threads);
     test_small_uploads_spread();
     for (unsigned threads : {1u, 4u})

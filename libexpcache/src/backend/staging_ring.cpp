@@ -79,8 +79,6 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     if (const char* h = std::getenv("EXPCACHE_STAGING_PREFETCH_HINT"))
         prefetch_.locality = std::strcmp(h, "nta") == 0 ? 0 : std::strcmp(h, "t2") == 0 ? 1 : 3;
     if (const char* h = std::getenv("EXPCACHE_STAGING_SHORT")) short_pieces_ = std::strtoull(h, nullptr, 10);
-    // EXPCACHE_STAGING_EARLY=0: no sends while the caller queues, all of them in finish().
-    if (const char* e = std::getenv("EXPCACHE_STAGING_EARLY")) early_ = std::strcmp(e, "0") != 0;
     if (short_pieces_ > 16) short_pieces_ = 16;
     if (const char* t = std::getenv("EXPCACHE_STAGING_TRACE")) {
         trace_path_ = t;
@@ -159,9 +157,7 @@ expcache_status_t StagingRing::queue(const Job& job) {
         expcache_status_t s = allocate();
         if (s != EXPCACHE_OK) return s;
     }
-    if (!batch_open_) {
-        batch_open_ = true;
-        batch_first_ = next_seq_;
+    if (next_seq_ == next_send_) {
         batch_start_ns_ = now_ns();
         if (!trace_path_.empty()) trace_calls_.push_back({batch_start_ns_ - trace_origin_, 0, 0});
     }
@@ -181,7 +177,7 @@ expcache_status_t StagingRing::queue(const Job& job) {
         while (done < job.n) {
             // The first chunks of a batch are short, so the link starts early; later ones are
             // full size, so each transfer is large enough to run at the link's speed.
-            uint64_t in_batch = next_seq_ - batch_first_;
+            uint64_t in_batch = next_seq_ - next_send_;
             uint64_t piece = chunk_ >> (in_batch < short_pieces_ ? short_pieces_ - in_batch : 0);
             // And an upload is cut into min_pieces_ pieces at least (of 128 KiB at least), so that
             // a call of a few small experts still keeps the threads busy.
@@ -205,10 +201,6 @@ expcache_status_t StagingRing::queue(const Job& job) {
         work_.notify_one();
     else
         work_.notify_all();
-    // Hand what is filled to the link already: the cache may queue misses for a while yet, and the
-    // link would wait for all of them (tens of microseconds a call) if sends began in finish().
-    while (early_ && next_send_ < next_seq_ && send_next(false)) {
-    }
     return EXPCACHE_OK;
 }
 
@@ -270,78 +262,64 @@ void StagingRing::release_turns(uint64_t seq, uint64_t n) {
     turn_.notify_all();
 }
 
-bool StagingRing::send_next(bool block) {
-    const uint64_t seq = next_send_;
-    Chunk& c = chunk_of(seq);
-    if (block)
-        await_filled(seq);
-    else if (c.filled.load(std::memory_order_acquire) != seq + 1)
-        return false;
-    uint64_t n = 1;  // pieces dealt with in this round
-    if (batch_status_ == EXPCACHE_OK && c.status != EXPCACHE_OK) {
-        batch_status_ = c.status;
-        batch_message_ = c.message;
-    } else if (batch_status_ == EXPCACHE_OK && !c.dropped) {
-        // This piece and those behind it that are already filled, on the same stream, go
-        // together: a copy engine pays microseconds per transfer, the caller too.
-        void* stream = c.job.stream;
-        uint64_t bytes = 0;
-        n = 0;
-        take_filled(seq, stream, &n, &bytes);
-        // While the link still moves earlier pieces, a short send can wait for the pieces
-        // behind it (each send is a gap on the link), up to coalesce_ bytes: finish() waits for
-        // them, a send while the cache is still queueing leaves them for later.
-        if (coalesce_ > 0 && last_marker_) {
-            auto hold = [&] {
-                return bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(last_marker_);
-            };
-            if (!block && hold()) return false;
-            while (hold()) take_filled(seq, stream, &n, &bytes);
-        }
-        const uint64_t t0 = now_ns();
-        size_t sent = 0;
-        expcache_status_t s = transport_.send_batch(batch_, n, stream, &sent);
-        const uint64_t t1 = now_ns();
-        send_ns_ += t1 - t0;
-        if (sent > 0) {
-            ++sends_;
-            last_marker_ = batch_[sent - 1].marker;
-        }
-        for (size_t i = 0; i < sent; ++i) {
-            if (TracePiece* t = traced(seq + i)) {
-                t->sent = t1 - trace_origin_;
-                t->send = sends_;
-            }
-            chunk_of(seq + i).sent = true;
-            ++pieces_;
-            bytes_ += batch_[i].n;
-        }
-        if (s != EXPCACHE_OK) {
-            batch_status_ = s;
-            batch_message_ = last_error();
-        }
-    }
-    if (seq == batch_first_) first_fill_ns_ += c.filled_ns - batch_start_ns_;
-    if (batch_status_ != EXPCACHE_OK) dropping_.store(true);
-    next_send_ += n;
-    release_turns(seq, n);
-    return true;
-}
-
 expcache_status_t StagingRing::finish() {
-    if (!batch_open_) return EXPCACHE_OK;
+    expcache_status_t status = EXPCACHE_OK;
+    std::string message;
+    const uint64_t first = next_send_;
+    if (next_send_ == next_seq_) return status;
     ++calls_;
     if (!trace_calls_.empty()) trace_calls_.back().finishing = now_ns() - trace_origin_;
-    while (next_send_ < next_seq_) send_next(true);
+    while (next_send_ < next_seq_) {
+        const uint64_t seq = next_send_;
+        await_filled(seq);
+        Chunk& c = chunk_of(seq);
+        if (seq == first) first_fill_ns_ += c.filled_ns - batch_start_ns_;
+        uint64_t n = 1;  // pieces dealt with in this round
+        if (status == EXPCACHE_OK && c.status != EXPCACHE_OK) {
+            status = c.status;
+            message = c.message;
+        } else if (status == EXPCACHE_OK && !c.dropped) {
+            // This piece and those behind it that are already filled, on the same stream, go
+            // together: a copy engine pays microseconds per transfer, the caller too.
+            void* stream = c.job.stream;
+            uint64_t bytes = 0;
+            n = 0;
+            take_filled(seq, stream, &n, &bytes);
+            // While the link still moves earlier pieces, a short send can wait for the pieces
+            // behind it (each send is a gap on the link), up to coalesce_ bytes.
+            if (coalesce_ > 0 && last_marker_)
+                while (bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(last_marker_))
+                    take_filled(seq, stream, &n, &bytes);
+            const uint64_t t0 = now_ns();
+            size_t sent = 0;
+            expcache_status_t s = transport_.send_batch(batch_, n, stream, &sent);
+            send_ns_ += now_ns() - t0;
+            if (sent > 0) {
+                ++sends_;
+                last_marker_ = batch_[sent - 1].marker;
+            }
+            for (size_t i = 0; i < sent; ++i) {
+                if (TracePiece* t = traced(seq + i)) {
+                    t->sent = now_ns() - trace_origin_;
+                    t->send = sends_;
+                }
+                chunk_of(seq + i).sent = true;
+                ++pieces_;
+                bytes_ += batch_[i].n;
+            }
+            if (s != EXPCACHE_OK) {
+                status = s;
+                message = last_error();
+            }
+        }
+        if (status != EXPCACHE_OK) dropping_.store(true);
+        next_send_ += n;
+        release_turns(seq, n);
+    }
     dropping_.store(false);
-    batch_open_ = false;
     span_ns_ += now_ns() - batch_start_ns_;
     if (!trace_calls_.empty()) trace_calls_.back().finished = now_ns() - trace_origin_;
-    const expcache_status_t status = batch_status_;
-    batch_status_ = EXPCACHE_OK;
     if (status == EXPCACHE_OK) return status;
-    std::string message;
-    message.swap(batch_message_);
     // A worker's detail, on this thread (empty only when formatting it ran out of memory).
     return fail(status, "%s", message.empty() ? "a staging thread ran out of host memory" : message.c_str());
 }

@@ -71,16 +71,14 @@ public:
     StagingRing(const StagingRing&) = delete;
     StagingRing& operator=(const StagingRing&) = delete;
 
-    // Queue dst <- src[0, n) (src in pageable host memory). The pieces of the batch already
-    // filled are sent on the way (without waiting for anything), so the link starts while the
-    // caller is still queueing; what a send reports is kept for finish().
+    // Queue dst <- src[0, n) (src in pageable host memory).
     expcache_status_t copy(void* dst, const void* src, uint64_t n, void* stream);
-    // Queue dst <- file[offset, offset + n), the same way.
+    // Queue dst <- file[offset, offset + n).
     expcache_status_t read(void* dst, const SourceFile& file, uint64_t offset, uint64_t n, void* stream);
-    // Send everything queued since the last finish() and not sent yet, in order, as it is
-    // filled: on return every transfer has been enqueued on its stream. The pieces found filled
-    // together go to the link in one send_batch (up to kMaxBatch). The first failure of the
-    // batch's jobs, or OK; after a failure the remaining jobs of the batch are dropped, not sent.
+    // Send everything queued since the last finish(), in order, as it is filled: on
+    // return every transfer has been enqueued on its stream. The pieces found filled
+    // together go to the link in one send_batch (up to kMaxBatch). The first failure of those
+    // jobs, or OK; after a failure the remaining jobs of the batch are dropped, not sent.
     // Called by the thread that queued them.
     expcache_status_t finish();
 
@@ -142,10 +140,6 @@ private:
     TracePiece* traced(uint64_t seq) { return seq < trace_pieces_.size() ? &trace_pieces_[seq] : nullptr; }
     void write_trace() const;
     expcache_status_t fill(const Job& job, Chunk& chunk, std::unique_ptr<char[]>& bounce);
-    // Deal with the piece at next_send_: send it with those filled behind it on its stream, or
-    // pass it over if it (or the batch) failed. `block`: wait for it to be filled and, while the
-    // link is busy, for enough bytes behind it; else return false at once instead of waiting.
-    bool send_next(bool block);
     // Add to batch_[*n..] the pieces from seq + *n on that are filled, in order, on `stream`.
     void take_filled(uint64_t seq, void* stream, uint64_t* n, uint64_t* bytes);
     // Wait until piece `seq` is filled, filling it on this thread if no worker took it.
@@ -167,7 +161,6 @@ private:
     bool wide_ = true;              // fill with copy_nt_wide, else copy_nt (see stream_copy())
     Prefetch prefetch_ = kStagingPrefetch;  // copy_nt_wide's (see stream_copy())
     uint64_t short_pieces_ = 3;     // the first pieces of a call are short, this many (see queue())
-    bool early_ = true;             // send filled pieces while the caller queues (see queue())
     void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
     std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
     std::vector<std::thread> threads_;
@@ -185,10 +178,6 @@ private:
     uint64_t calls_ = 0, pieces_ = 0, bytes_ = 0, sends_ = 0, caller_fills_ = 0, wait_ns_ = 0, send_ns_ = 0;
     uint64_t span_ns_ = 0, first_fill_ns_ = 0;
     uint64_t batch_start_ns_ = 0;  // the caller's: when the first piece of this batch was queued
-    bool batch_open_ = false;      // the caller's: a piece was queued since the last finish()
-    uint64_t batch_first_ = 0;     // the caller's: the seq of the batch's first piece
-    expcache_status_t batch_status_ = EXPCACHE_OK;  // the caller's: the batch's first failure
-    std::string batch_message_;                     // and its message
     Transport::Send batch_[kMaxBatch];  // the caller's: the pieces of one send_batch
     std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
     uint64_t inject_skip_ = 0, inject_count_ = 0;  // under mu_
