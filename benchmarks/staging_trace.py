@@ -18,6 +18,7 @@ import argparse
 import bisect
 import gzip
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, List, Sequence, TextIO
 
@@ -93,9 +94,12 @@ def summary_rows(rings: Sequence[Ring]) -> Iterator[list]:
                          first[4] - begun, (min(sent) - begun) if sent else np.nan,
                          (max(sent) - begun) if sent else np.nan, c[2] - begun, nxt,
                          len({p[7] for p in ps}), np.mean([p[4] - p[3] for p in ps])])
-        med = np.nanmedian(np.array(rows, dtype=float), axis=0)
+        with warnings.catch_warnings():  # a column without a value in any call (no piece sent): "—"
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(np.array(rows, dtype=float), axis=0)
+        us = ["—" if np.isnan(v) else f"{v / 1e3:.1f}" for v in med]
         yield [f"{i}: {ring.title.split(':', 1)[-1].strip()}", len(calls), f"{med[0]:.1f}", f"{med[1]:.2f}",
-               *(f"{v / 1e3:.1f}" for v in med[2:9]), f"{med[9]:.0f}", f"{med[10] / 1e3:.1f}"]
+               *us[2:9], f"{med[9]:.0f}", us[10]]
 
 
 def timeline_rows(ring: Ring, call: int) -> Iterator[list]:
