@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "../cores.hpp"
 #include "../errors.hpp"
@@ -81,9 +82,15 @@ StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t r
     if (const char* h = std::getenv("EXPCACHE_STAGING_SHORT")) short_pieces_ = std::strtoull(h, nullptr, 10);
     if (short_pieces_ > 16) short_pieces_ = 16;
     if (const char* t = std::getenv("EXPCACHE_STAGING_TRACE")) {
-        trace_path_ = t;
+        // At most 2^24 pieces (1 GiB of notes); without the memory for them, no trace.
         const char* n = std::getenv("EXPCACHE_STAGING_TRACE_PIECES");
-        trace_pieces_.resize(n ? std::strtoull(n, nullptr, 10) : 65536);
+        const uint64_t pieces = n ? std::strtoull(n, nullptr, 10) : 65536;
+        try {
+            trace_pieces_.resize(pieces < (uint64_t(1) << 24) ? pieces : uint64_t(1) << 24);
+            trace_path_ = t;
+        } catch (const std::exception&) {
+            trace_pieces_.clear();
+        }
         trace_origin_ = now_ns();
     }
     if (ring_bytes_ / chunk_ < 2) chunk_ = ring_bytes_ / 2 / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
