@@ -93,9 +93,10 @@ public:
     void inject_failures(uint64_t skip, uint64_t count);
 
     // For measurements: with EXPCACHE_STAGING_TRACE=FILE set, the ring notes when each of its
-    // first EXPCACHE_STAGING_TRACE_PIECES pieces (default 65536, 2^24 at most) was queued, taken by a filler,
-    // filled and sent, and when each call began, reached finish() and returned; it appends them
-    // to FILE as CSV when it is destroyed (docs/transfers.md). Nothing is noted without it.
+    // first EXPCACHE_STAGING_TRACE_PIECES pieces (default 65536, 2^24 at most) was queued, taken
+    // by a filler, filled and sent, and when each call began, reached finish() and returned; it
+    // appends them to FILE as CSV when it is destroyed (docs/transfers.md). Nothing is noted
+    // without it.
     struct TracePiece {
         uint64_t call, bytes, queued, taken, filled, sent, send;
         unsigned filler;  // 0: the calling thread, 1..: a worker
