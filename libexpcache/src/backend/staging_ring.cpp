@@ -300,14 +300,15 @@ expcache_status_t StagingRing::finish() {
             const uint64_t t0 = now_ns();
             size_t sent = 0;
             expcache_status_t s = transport_.send_batch(batch_, n, stream, &sent);
-            send_ns_ += now_ns() - t0;
+            const uint64_t t1 = now_ns();
+            send_ns_ += t1 - t0;
             if (sent > 0) {
                 ++sends_;
                 last_marker_ = batch_[sent - 1].marker;
             }
             for (size_t i = 0; i < sent; ++i) {
                 if (TracePiece* t = traced(seq + i)) {
-                    t->sent = now_ns() - trace_origin_;
+                    t->sent = t1 - trace_origin_;
                     t->send = sends_;
                 }
                 chunk_of(seq + i).sent = true;

@@ -184,7 +184,10 @@ private:
     uint64_t inject_skip_ = 0, inject_count_ = 0;  // under mu_
     std::string trace_path_;                 // empty: no trace
     uint64_t trace_origin_ = 0;              // now_ns() when the ring was made
-    std::vector<TracePiece> trace_pieces_;   // by seq; each field written by one thread (see .cpp)
+    // By seq. call, bytes and queued are written by the caller before the piece is queued; taken,
+    // filled and filler by its filler before `filled` is released; sent and send by the caller
+    // after that.
+    std::vector<TracePiece> trace_pieces_;
     std::vector<TraceCall> trace_calls_;     // the caller's
 };
 
