@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--copy-threads", type=int, default=None,
                    help="threads staging pageable and file misses (default: the cores less 4, 2 to 12)")
     b.add_argument("--staging-chunk", type=_size, default=None,
-                   help="largest staging piece one thread fills and one transfer moves, e.g. 512K (default 1M)")
+                   help="largest staging piece one thread fills and one transfer moves, e.g. 1M (default 512K)")
     b.add_argument("--file-reads", choices=("buffered", "direct"), default="buffered",
                    help="with --gguf-reads file: through the page cache (default) or O_DIRECT")
     b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
