@@ -235,7 +235,7 @@ void StagingRing::await_filled(uint64_t seq) {
     if (ready()) return;
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     lock_polling(lock);
-    if (!queue_.empty() && queue_.front().seq == seq) {
+    if (!queue_.empty() && queue_.front().seq == seq && claim()) {
         ++caller_fills_;
         fill_next(lock, caller_bounce_, 0);  // nobody has taken it: fill it here
         return;
@@ -244,7 +244,9 @@ void StagingRing::await_filled(uint64_t seq) {
     const uint64_t t0 = now_ns();
     if (!spin_until(ready, spin_us_)) {
         lock.lock();
-        filled_.wait(lock, ready);
+        filled_waiters_.fetch_add(1);  // before `filled` is read under the lock (see fill_next())
+        filled_.wait(lock, [&c, seq] { return c.filled.load() == seq + 1; });
+        filled_waiters_.fetch_sub(1);
     }
     wait_ns_ += now_ns() - t0;
 }
@@ -337,28 +339,32 @@ void StagingRing::worker(unsigned index) {
     std::unique_ptr<char[]> bounce;
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     for (;;) {
-        // Poll for a piece, taking the lock only when it is free and a piece waits: a worker
-        // that another beat to the piece polls on rather than sleeping on the lock or on work_.
-        spin_until(
-            [&] {
-                if (stop_.load()) return true;
-                if (queued_.load(std::memory_order_acquire) == 0 || !lock.try_lock()) return false;
-                if (!queue_.empty()) return true;  // keep the lock
-                lock.unlock();
-                return false;
-            },
-            spin_us_);
-        if (!lock.owns_lock()) lock.lock();
-        work_.wait(lock, [this] { return stop_.load() || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_, nothing left
+        // Poll for a piece and claim it (claim()) before taking the lock to pop it: idle workers
+        // poll a counter, not the lock the caller queues under, and only a worker with a piece
+        // to pop takes the lock.
+        bool claimed = false;
+        spin_until([&] { return stop_.load() || (claimed = claim()); }, spin_us_);
+        if (!claimed) {
+            lock.lock();
+            work_.wait(lock, [&] { return stop_.load() || (claimed = claim()); });
+            if (!claimed) return;  // stop_: the destructor finished every call, nothing is queued
+        } else {
+            lock_polling(lock);
+        }
         fill_next(lock, bounce, index);
     }
 }
 
+bool StagingRing::claim() {
+    uint64_t q = queued_.load(std::memory_order_acquire);
+    while (q > 0)
+        if (queued_.compare_exchange_weak(q, q - 1, std::memory_order_acq_rel)) return true;
+    return false;
+}
+
 void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce, unsigned filler) {
-    Job job = queue_.front();
+    Job job = queue_.front();  // there is one: a piece is claimed only after it was queued
     queue_.pop_front();
-    queued_.fetch_sub(1, std::memory_order_relaxed);
     Chunk& c = chunk_of(job.seq);
     // The chunk's previous job was queued earlier: the caller sends it in order.
     turn_.wait(lock, [&] { return c.turn == job.seq; });
@@ -395,10 +401,15 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<
     }
     c.filled_ns = now_ns();
     if (trace) trace->filled = c.filled_ns - trace_origin_;
-    lock_polling(lock);
-    c.filled.store(job.seq + 1, std::memory_order_release);
-    lock.unlock();
-    filled_.notify_all();
+    // Published without the lock. The caller, before it sleeps on filled_, counts itself in
+    // filled_waiters_ and then reads `filled` under the lock: either the load below sees it (and
+    // the lock taken here waits until it sleeps), or its read sees this store.
+    c.filled.store(job.seq + 1);
+    if (filled_waiters_.load() > 0) {
+        lock_polling(lock);
+        lock.unlock();
+        filled_.notify_all();
+    }
 }
 
 expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<char[]>& bounce) {

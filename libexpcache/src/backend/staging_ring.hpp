@@ -134,7 +134,10 @@ private:
     expcache_status_t allocate();
     void stream_copy(char* dst, const char* src, uint64_t n) const;
     void worker(unsigned index);
-    // Pop the oldest queued job and fill its chunk; the lock is dropped while it fills.
+    // Take the right to pop one queued piece (queued_ > 0), without the lock.
+    bool claim();
+    // With the lock and a claim: pop the oldest queued job and fill its chunk; returns without
+    // the lock (it is dropped while the chunk fills).
     // `bounce`: the filling thread's own buffer for buffered file reads (allocated on first use);
     // `filler`: 0 for the calling thread, else the worker's number (for the trace).
     void fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce, unsigned filler);
@@ -172,7 +175,8 @@ private:
     std::deque<Job> queue_;
     uint64_t next_seq_ = 0;       // the caller's: seq of the next job queued
     uint64_t next_send_ = 0;      // the caller's: seq of the next job to send
-    std::atomic<uint64_t> queued_{0};   // in queue_ (written under mu_, polled without it)
+    std::atomic<uint64_t> queued_{0};   // in queue_, not claimed (raised under mu_, claimed without it)
+    std::atomic<unsigned> filled_waiters_{0};  // the caller sleeps on filled_ (see fill_next())
     std::atomic<bool> dropping_{false}; // a job of this batch failed: skip filling the rest
     std::atomic<bool> stop_{false};
     // Counters: the caller's, and (atomic) those any filling thread adds to.
