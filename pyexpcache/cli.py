@@ -111,6 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--sources", type=_csv(("pinned", "pageable", "file", "file-direct")),
                    default=["pinned", "pageable", "file", "file-direct"],
                    help="file: reads served from the page cache; file-direct: O_DIRECT reads, from the disk")
+    t.add_argument("--sizes", type=_csv(("0.5", "6.75", "13.5")), default=["0.5", "6.75", "13.5"],
+                   help="comma list of expert sizes in MiB, of 0.5, 6.75, 13.5 (default: all)")
     t.add_argument("--file-dir", default=None, help="folder for the file source's temporary file")
     t.add_argument("--detail", action="store_true",
                    help="also show where staged calls spend their time (the staging ring's counters)")
@@ -209,7 +211,8 @@ def _transfer(args) -> int:
         print("expcache transfer: needs a CUDA device and the CUDA build of libexpcache", file=sys.stderr)
         return 1
     threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
-    rows = transfer.run(total_bytes=int(args.gib * GiB), device=args.device, copy_threads=threads,
+    rows = transfer.run(sizes=[f"{s} MiB" for s in args.sizes], total_bytes=int(args.gib * GiB),
+                        device=args.device, copy_threads=threads,
                         chunks=args.chunks, sources=args.sources, file_dir=args.file_dir)
     print(transfer.format_rows(rows, detail=args.detail))
     return 0

@@ -225,6 +225,16 @@ def test_transfer_size_lists_parse():
             _sizes(bad)
 
 
+def test_transfer_cli_sizes_are_the_benchmarks():
+    from pyexpcache import cli, transfer
+
+    parser = cli._parser()
+    assert {f"{s} MiB" for s in parser.parse_args(["transfer"]).sizes} == set(transfer.SIZES)
+    assert parser.parse_args(["transfer", "--sizes", "0.5,13.5"]).sizes == ["0.5", "13.5"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["transfer", "--sizes", "0.7"])
+
+
 def test_transfer_refuses_unknown_sources():
     from pyexpcache import transfer
 
