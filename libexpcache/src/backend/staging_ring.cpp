@@ -177,8 +177,8 @@ expcache_status_t StagingRing::queue(const Job& job) {
     if (parts < 1) parts = 1;
     const uint64_t spread = (job.n / parts + align - 1) / align * align;
     {
-        // All of them under one lock: idle workers poll it, and each time it is taken they
-        // contend with the caller for it.
+        // All of them under one lock: each worker that claims a piece takes it to pop the piece,
+        // and the caller would wait behind them once for every piece.
         std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
         lock_polling(lock);
         while (done < job.n) {
