@@ -21,8 +21,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from tabulate import tabulate
@@ -30,26 +28,9 @@ from tabulate import tabulate
 from pyexpcache import StagingStats, bench
 from pyexpcache.cli import _sizes
 from pyexpcache.layout import ModelLayout
+from pyexpcache.transfer import host_copy_gb_s
 
 GiB = 1 << 30
-
-
-def host_fill_gb_s(buffer: np.ndarray, piece: int, threads: int, total: int = 4 << 30, seed: int = 0) -> float:
-    """GB/s of `threads` threads copying `total` bytes as random, 4 KiB-aligned `piece`-byte pieces
-    of `buffer` into a buffer of their own: how fast staging threads could fill chunks from it."""
-    flat = buffer.reshape(-1).view(np.uint8)
-    n = max(threads, total // piece)
-    starts = np.random.default_rng(seed).integers(0, (flat.nbytes - piece) // 4096, n) * 4096
-
-    def work(mine: np.ndarray) -> None:
-        dst = np.empty(piece, np.uint8)
-        for start in mine:
-            np.copyto(dst, flat[start:start + piece])
-
-    with ThreadPoolExecutor(threads) as pool:
-        t0 = time.perf_counter()
-        list(pool.map(work, np.array_split(starts, threads)))
-        return n * piece / (time.perf_counter() - t0) / 1e9
 
 
 def _env_values(text: str) -> tuple[str, list[str]]:
@@ -81,7 +62,7 @@ def main() -> int:
     rows = []
     thread_counts = [int(t) for t in args.threads.split(",")]
     try:
-        fill = [[t, f"{c >> 10} KiB", f"{host_fill_gb_s(shared.source.buffer, c, t):.1f}"]
+        fill = [[t, f"{c >> 10} KiB", f"{host_copy_gb_s(shared.source.buffer, c, t):.1f}"]
                 for t in [1] + thread_counts for c in args.chunks]
         print(tabulate(fill, headers=["threads", "piece", "host copy GB/s (pageable source)"],
                        disable_numparse=True), flush=True)

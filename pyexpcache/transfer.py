@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -50,6 +51,37 @@ class TransferRow:
     @property
     def of_raw_pinned(self) -> float:
         return self.library_gb_s / self.raw_pinned_gb_s
+
+
+def host_copy_gb_s(buffer: np.ndarray, piece: int, threads: int, total: int = 4 << 30, seed: int = 0) -> float:
+    """GB/s of ``threads`` threads copying ``total`` bytes as random, 4 KiB-aligned ``piece``-byte
+    pieces of ``buffer`` into a buffer of their own (numpy copies, which release the GIL): how
+    fast staging threads could fill chunks from that memory, the host's side of a staged
+    source's bound. It moves with the machine's load more than the library does."""
+    flat = buffer.reshape(-1).view(np.uint8)
+    if threads < 1 or piece < 1 or piece + 4096 > flat.nbytes:
+        raise ValueError(f"host_copy_gb_s: need threads >= 1 and 1 <= piece <= {flat.nbytes - 4096} bytes, "
+                         f"got {threads} threads, {piece}-byte pieces")
+    n = max(threads, total // piece)
+    starts = np.random.default_rng(seed).integers(0, (flat.nbytes - piece) // 4096, n) * 4096
+
+    def work(mine: np.ndarray) -> None:
+        dst = np.empty(piece, np.uint8)
+        for start in mine:
+            np.copyto(dst, flat[start:start + piece])
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(work, np.array_split(starts, threads)))
+        return n * piece / (time.perf_counter() - t0) / 1e9
+
+
+def host_copy_rates(thread_counts: Sequence[int], piece: int = 512 << 10, buffer_bytes: int = 1 << 30,
+                    total: int = 4 << 30) -> dict[int, float]:
+    """:func:`host_copy_gb_s` for each thread count, over one pageable buffer of ``buffer_bytes``
+    whose pages are touched first (so no first-touch fault is timed)."""
+    buffer = np.full(buffer_bytes, 1, dtype=np.uint8)
+    return {t: host_copy_gb_s(buffer, piece, t, total) for t in thread_counts}
 
 
 def _raw_copy_gb_s(src_ptr: int, chunk: int, total: int, stream: int) -> float:

@@ -4,6 +4,7 @@ and the CLI end to end on the host backend."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -233,6 +234,37 @@ def test_transfer_cli_sizes_are_the_benchmarks():
     assert parser.parse_args(["transfer", "--sizes", "0.5,13.5"]).sizes == ["0.5", "13.5"]
     with pytest.raises(SystemExit):
         parser.parse_args(["transfer", "--sizes", "0.7"])
+
+
+def test_host_copy_rate_copies_and_refuses_bad_pieces():
+    from pyexpcache import transfer
+
+    buffer = np.arange(8 << 20, dtype=np.uint8)
+    rates = transfer.host_copy_rates([1, 2], piece=64 << 10, buffer_bytes=8 << 20, total=16 << 20)
+    assert list(rates) == [1, 2] and all(r > 0 for r in rates.values())
+    assert transfer.host_copy_gb_s(buffer, 64 << 10, 2, total=4 << 20) > 0
+    for threads, piece in ((0, 4096), (1, 0), (1, 8 << 20)):
+        with pytest.raises(ValueError, match="host_copy_gb_s"):
+            transfer.host_copy_gb_s(buffer, piece, threads)
+
+
+def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
+    # The CLI's printing, without a GPU: the table's rows stand in for a run's.
+    from pyexpcache import bench, cli, transfer
+
+    rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
+            transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20)]
+    asked = {}
+    monkeypatch.setattr(bench, "resolve_backend", lambda *a: "cuda")
+    monkeypatch.setattr(transfer, "run", lambda **kw: asked.update(kw) or rows)
+    real = transfer.host_copy_rates
+    monkeypatch.setattr(transfer, "host_copy_rates",
+                        lambda counts: real(counts, piece=64 << 10, buffer_bytes=8 << 20, total=8 << 20))
+    assert cli.main(["transfer", "--sizes", "0.5", "--sources", "pinned,pageable", "--detail"]) == 0
+    out = capsys.readouterr().out
+    assert asked["sizes"] == ["0.5 MiB"] and asked["sources"] == ["pinned", "pageable"]
+    assert "119 %" in out and "50 %" in out
+    assert re.search(r"host copy, 512 KiB pieces .*: 1 thread [0-9.]+, 4 threads [0-9.]+$", out.strip())
 
 
 def test_transfer_refuses_unknown_sources():
