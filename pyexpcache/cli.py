@@ -219,7 +219,8 @@ def _transfer(args) -> int:
         # The host's side of the staged rows' bound, in this run: it moves between machines and
         # leases more than the library does.
         rates = transfer.host_copy_rates(sorted(set([1] + [r.copy_threads for r in rows if r.copy_threads])))
-        print("\nhost copy, 512 KiB pieces of a 1 GiB pageable buffer (numpy), GB/s together: "
+        print(f"\nhost copy, {transfer.HOST_COPY_PIECE >> 10} KiB pieces of a {transfer.HOST_COPY_BUFFER >> 30} GiB "
+              "pageable buffer (numpy), GB/s together: "
               + ", ".join(f"{t} {'thread' if t == 1 else 'threads'} {gb_s:.1f}" for t, gb_s in rates.items()))
     return 0
 

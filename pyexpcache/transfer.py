@@ -76,7 +76,11 @@ def host_copy_gb_s(buffer: np.ndarray, piece: int, threads: int, total: int = 4 
         return n * piece / (time.perf_counter() - t0) / 1e9
 
 
-def host_copy_rates(thread_counts: Sequence[int], piece: int = 512 << 10, buffer_bytes: int = 1 << 30,
+HOST_COPY_PIECE = 512 << 10     # host_copy_rates' defaults: the staging chunk's default size,
+HOST_COPY_BUFFER = 1 << 30      # over a buffer far larger than the host's caches
+
+
+def host_copy_rates(thread_counts: Sequence[int], piece: int = HOST_COPY_PIECE, buffer_bytes: int = HOST_COPY_BUFFER,
                     total: int = 4 << 30) -> dict[int, float]:
     """:func:`host_copy_gb_s` for each thread count, over one pageable buffer of ``buffer_bytes``
     whose pages are touched first (so no first-touch fault is timed)."""
