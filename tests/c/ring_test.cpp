@@ -200,6 +200,28 @@ void test_bytes_arrive_and_chunks_wait(unsigned threads) {
           (unsigned long long)t.freed_in_flight_);
 }
 
+// A call of more pieces than the ring has job slots (1024): the caller sends the oldest ones
+// while it still queues, and every byte arrives.
+void test_more_pieces_than_slots(unsigned threads) {
+    FakeLink t;
+    {
+        StagingRing ring(t, threads, 4 * 8192, 8192);
+        Call call;
+        for (int i = 0; i < 5; ++i) call.sizes.push_back(2 << 20);  // 10 MiB: ~1,280 pieces
+        const std::vector<char> src = random_bytes(call.total(), 21);
+        std::vector<char> dst(call.total(), 0);
+        CHECK(stage(ring, call, src, dst) == EXPCACHE_OK, "%u threads: %s", threads, expcache::last_error());
+        t.drain();
+        CHECK(dst == src, "%u threads: bytes differ", threads);
+        expcache_staging_stats_t st{};
+        ring.stats(&st);
+        CHECK(st.calls == 1 && st.pieces > 1024 && st.bytes == call.total(), "%u threads: %llu pieces, %llu bytes",
+              threads, (unsigned long long)st.pieces, (unsigned long long)st.bytes);
+    }
+    CHECK(t.resent_in_flight_ == 0 && t.freed_in_flight_ == 0, "in flight: resent %llu freed %llu",
+          (unsigned long long)t.resent_in_flight_, (unsigned long long)t.freed_in_flight_);
+}
+
 // Pieces the workers have filled by the time the caller sends go in one batch, in order.
 void test_filled_pieces_go_together() {
     FakeLink t;
@@ -410,6 +432,7 @@ int main() {
     test_copies();
     for (unsigned threads : {1u, 2u, 4u, 8u}) test_bytes_arrive_and_chunks_wait(threads);
     test_filled_pieces_go_together();
+    for (unsigned threads : {1u, 2u, 4u}) test_more_pieces_than_slots(threads);
     for (unsigned threads : {1u, 4u})
         for (uint64_t fail_at : {0u, 1u, 3u, 7u, 13u}) test_refused_transfer(threads, fail_at);
     for (unsigned threads : {1u, 4u}) test_failed_fill(threads);

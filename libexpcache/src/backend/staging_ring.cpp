@@ -42,18 +42,6 @@ bool spin_until(Ready&& ready, unsigned us) {
 
 }  // namespace
 
-// The lock is held for a few instructions at a time; a thread that finds it taken and sleeps
-// on it takes tens of microseconds to be woken (more in a VM), so try it for a while first
-// when the threads have cores of their own.
-void StagingRing::lock_polling(std::unique_lock<std::mutex>& lock) {
-    if (spin_us_ > 0)
-        for (int i = 0; i < 2048; ++i) {
-            if (lock.try_lock()) return;
-            cpu_relax();
-        }
-    lock.lock();
-}
-
 StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes)
     : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes),
       num_threads_(copy_threads > 0 ? copy_threads - 1 : 0) {
@@ -143,7 +131,7 @@ expcache_status_t StagingRing::allocate() {
     chunks_.reset(new Chunk[n]);
     for (uint64_t i = 0; i < n; ++i) {
         Chunk& c = chunks_[i];
-        c.turn = i;
+        c.turn.store(i, std::memory_order_relaxed);
         // Room for a chunk plus the alignment slack of an O_DIRECT read around it.
         expcache_status_t s = transport_.alloc_chunk(chunk_ + 2 * SourceFile::kDirectAlign, &c.host, &c.marker);
         if (s != EXPCACHE_OK) {
@@ -154,6 +142,8 @@ expcache_status_t StagingRing::allocate() {
                         why.c_str());
         }
     }
+    slots_.reset(new Slot[kSlots]);
+    for (uint64_t i = 0; i < kSlots; ++i) slots_[i].free_for.store(i, std::memory_order_relaxed);
     num_chunks_ = n;
     for (unsigned i = 0; i < num_threads_; ++i) threads_.emplace_back([this, i] { worker(i + 1); });
     return EXPCACHE_OK;
@@ -164,51 +154,64 @@ expcache_status_t StagingRing::queue(const Job& job) {
         expcache_status_t s = allocate();
         if (s != EXPCACHE_OK) return s;
     }
-    if (next_seq_ == next_send_) {
+    if (!in_call_) {
+        in_call_ = true;
+        call_first_ = next_seq_;
         batch_start_ns_ = now_ns();
         if (!trace_path_.empty()) trace_calls_.push_back({batch_start_ns_ - trace_origin_, 0, 0});
     }
     Job part = job;
-    uint64_t done = 0, pushed = 0;
+    uint64_t done = 0;
     // Pieces of this upload: min_pieces_, fewer when they would be under 128 KiB each.
     const uint64_t align = SourceFile::kDirectAlign;
     uint64_t parts = job.n / (128 << 10);
     if (parts > min_pieces_) parts = min_pieces_;
     if (parts < 1) parts = 1;
     const uint64_t spread = (job.n / parts + align - 1) / align * align;
-    {
-        // All of them under one lock: each worker that claims a piece takes it to pop the piece,
-        // and the caller would wait behind them once for every piece.
-        std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-        lock_polling(lock);
-        while (done < job.n) {
-            // The first chunks of a batch are short, so the link starts early; later ones are
-            // full size, so each transfer is large enough to run at the link's speed.
-            uint64_t in_batch = next_seq_ - next_send_;
-            uint64_t piece = chunk_ >> (in_batch < short_pieces_ ? short_pieces_ - in_batch : 0);
-            // And an upload is cut into min_pieces_ pieces at least (of 128 KiB at least), so that
-            // a call of a few small experts still keeps the threads busy.
-            if (piece > spread) piece = spread;
-            if (piece < SourceFile::kDirectAlign) piece = SourceFile::kDirectAlign;
-            part.n = job.n - done < piece ? job.n - done : piece;
-            part.dst = job.dst + done;
-            part.src = job.src ? job.src + done : nullptr;
-            part.offset = job.offset + done;
-            part.seq = next_seq_;
-            if (TracePiece* t = traced(part.seq))
-                *t = {trace_calls_.size() - 1, part.n, now_ns() - trace_origin_, 0, 0, 0, 0, 0};
-            queue_.push_back(part);  // may throw: then the piece does not exist, and finish() does not wait for it
-            queued_.fetch_add(1, std::memory_order_release);
-            ++next_seq_;
-            ++pushed;
-            done += part.n;
+    while (done < job.n) {
+        // The first chunks of a batch are short, so the link starts early; later ones are
+        // full size, so each transfer is large enough to run at the link's speed.
+        uint64_t in_batch = next_seq_ - call_first_;
+        uint64_t piece = chunk_ >> (in_batch < short_pieces_ ? short_pieces_ - in_batch : 0);
+        // And an upload is cut into min_pieces_ pieces at least (of 128 KiB at least), so that
+        // a call of a few small experts still keeps the threads busy.
+        if (piece > spread) piece = spread;
+        if (piece < SourceFile::kDirectAlign) piece = SourceFile::kDirectAlign;
+        part.n = job.n - done < piece ? job.n - done : piece;
+        part.dst = job.dst + done;
+        part.src = job.src ? job.src + done : nullptr;
+        part.offset = job.offset + done;
+        part.seq = next_seq_;
+        Slot& slot = slots_[part.seq % kSlots];
+        if (slot.free_for.load(std::memory_order_acquire) != part.seq) make_room(part.seq);
+        if (TracePiece* t = traced(part.seq))
+            *t = {trace_calls_.size() - 1, part.n, now_ns() - trace_origin_, 0, 0, 0, 0, 0};
+        slot.job = part;
+        // Each piece is published as soon as it is written, for a worker to claim (claim()).
+        published_.store(++next_seq_);
+        done += part.n;
+    }
+    // Workers that slept count themselves in sleepers_ before they check for work under the
+    // lock: either this load sees them, or their check sees the pieces.
+    if (sleepers_.load() > 0) {
+        { std::lock_guard<std::mutex> lock(mu_); }
+        work_.notify_all();
+    }
+    return EXPCACHE_OK;
+}
+
+// The slot for piece `seq` still holds piece seq - kSlots, not taken yet: the caller sends the
+// oldest pieces (filling them itself if no worker has) until that one is taken. It is no older
+// than the oldest piece not sent, and a piece is taken before it is filled.
+void StagingRing::make_room(uint64_t seq) {
+    while (slots_[seq % kSlots].free_for.load(std::memory_order_acquire) != seq) {
+        if (next_send_ + kSlots <= seq) {
+            await_filled(next_send_);
+            send_round(next_seq_);
+        } else {
+            cpu_relax();
         }
     }
-    if (pushed == 1)
-        work_.notify_one();
-    else
-        work_.notify_all();
-    return EXPCACHE_OK;
 }
 
 expcache_status_t StagingRing::copy(void* dst, const void* src, uint64_t n, void* stream) {
@@ -233,17 +236,15 @@ void StagingRing::await_filled(uint64_t seq) {
     Chunk& c = chunk_of(seq);
     auto ready = [&c, seq] { return c.filled.load(std::memory_order_acquire) == seq + 1; };
     if (ready()) return;
-    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-    lock_polling(lock);
-    if (!queue_.empty() && queue_.front().seq == seq && claim()) {
+    uint64_t next = seq;
+    if (taken_.compare_exchange_strong(next, seq + 1)) {
         ++caller_fills_;
-        fill_next(lock, caller_bounce_, 0);  // nobody has taken it: fill it here
+        fill_next(seq, caller_bounce_, 0);  // nobody has taken it: fill it here
         return;
     }
-    lock.unlock();
     const uint64_t t0 = now_ns();
     if (!spin_until(ready, spin_us_)) {
-        lock.lock();
+        std::unique_lock<std::mutex> lock(mu_);
         filled_waiters_.fetch_add(1);  // before `filled` is read under the lock (see fill_next())
         filled_.wait(lock, [&c, seq] { return c.filled.load() == seq + 1; });
         filled_waiters_.fetch_sub(1);
@@ -251,8 +252,8 @@ void StagingRing::await_filled(uint64_t seq) {
     wait_ns_ += now_ns() - t0;
 }
 
-void StagingRing::take_filled(uint64_t seq, void* stream, uint64_t* n, uint64_t* bytes) {
-    while (*n < kMaxBatch && seq + *n < next_seq_) {
+void StagingRing::take_filled(uint64_t seq, uint64_t end, void* stream, uint64_t* n, uint64_t* bytes) {
+    while (*n < kMaxBatch && seq + *n < end) {
         Chunk& b = chunk_of(seq + *n);
         if (b.filled.load(std::memory_order_acquire) != seq + *n + 1 || b.status != EXPCACHE_OK || b.dropped ||
             b.job.stream != stream)
@@ -263,70 +264,28 @@ void StagingRing::take_filled(uint64_t seq, void* stream, uint64_t* n, uint64_t*
 }
 
 void StagingRing::release_turns(uint64_t seq, uint64_t n) {
-    {
-        std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
-        lock_polling(lock);
-        for (uint64_t i = 0; i < n; ++i) chunk_of(seq + i).turn = seq + i + num_chunks_;
+    for (uint64_t i = 0; i < n; ++i) chunk_of(seq + i).turn.store(seq + i + num_chunks_);
+    // As for filled_ (fill_next()): a filler waiting for a turn counts itself first.
+    if (turn_waiters_.load() > 0) {
+        { std::lock_guard<std::mutex> lock(mu_); }
+        turn_.notify_all();
     }
-    turn_.notify_all();
 }
 
 expcache_status_t StagingRing::finish() {
-    expcache_status_t status = EXPCACHE_OK;
-    std::string message;
-    const uint64_t first = next_send_;
-    if (next_send_ == next_seq_) return status;
+    if (!in_call_) return EXPCACHE_OK;
     ++calls_;
     if (!trace_calls_.empty()) trace_calls_.back().finishing = now_ns() - trace_origin_;
     while (next_send_ < next_seq_) {
-        const uint64_t seq = next_send_;
-        await_filled(seq);
-        Chunk& c = chunk_of(seq);
-        if (seq == first) first_fill_ns_ += c.filled_ns - batch_start_ns_;
-        uint64_t n = 1;  // pieces dealt with in this round
-        if (status == EXPCACHE_OK && c.status != EXPCACHE_OK) {
-            status = c.status;
-            message = c.message;
-        } else if (status == EXPCACHE_OK && !c.dropped) {
-            // This piece and those behind it that are already filled, on the same stream, go
-            // together: a copy engine pays microseconds per transfer, the caller too.
-            void* stream = c.job.stream;
-            uint64_t bytes = 0;
-            n = 0;
-            take_filled(seq, stream, &n, &bytes);
-            // While the link still moves earlier pieces, a short send can wait for the pieces
-            // behind it (each send is a gap on the link), up to coalesce_ bytes.
-            if (coalesce_ > 0 && last_marker_)
-                while (bytes < coalesce_ && n < kMaxBatch && seq + n < next_seq_ && !transport_.done(last_marker_))
-                    take_filled(seq, stream, &n, &bytes);
-            const uint64_t t0 = now_ns();
-            size_t sent = 0;
-            expcache_status_t s = transport_.send_batch(batch_, n, stream, &sent);
-            const uint64_t t1 = now_ns();
-            send_ns_ += t1 - t0;
-            if (sent > 0) {
-                ++sends_;
-                last_marker_ = batch_[sent - 1].marker;
-            }
-            for (size_t i = 0; i < sent; ++i) {
-                if (TracePiece* t = traced(seq + i)) {
-                    t->sent = t1 - trace_origin_;
-                    t->send = sends_;
-                }
-                chunk_of(seq + i).sent = true;
-                ++pieces_;
-                bytes_ += batch_[i].n;
-            }
-            if (s != EXPCACHE_OK) {
-                status = s;
-                message = last_error();
-            }
-        }
-        if (status != EXPCACHE_OK) dropping_.store(true);
-        next_send_ += n;
-        release_turns(seq, n);
+        await_filled(next_send_);
+        send_round(next_seq_);
     }
+    const expcache_status_t status = call_status_;
+    const std::string message = std::move(call_message_);
+    call_status_ = EXPCACHE_OK;
+    call_message_.clear();
     dropping_.store(false);
+    in_call_ = false;
     span_ns_ += now_ns() - batch_start_ns_;
     if (!trace_calls_.empty()) trace_calls_.back().finished = now_ns() - trace_origin_;
     if (status == EXPCACHE_OK) return status;
@@ -334,51 +293,99 @@ expcache_status_t StagingRing::finish() {
     return fail(status, "%s", message.empty() ? "a staging thread ran out of host memory" : message.c_str());
 }
 
+void StagingRing::send_round(uint64_t end) {
+    const uint64_t seq = next_send_;
+    Chunk& c = chunk_of(seq);
+    if (seq == call_first_) first_fill_ns_ += c.filled_ns - batch_start_ns_;
+    uint64_t n = 1;  // pieces dealt with in this round
+    if (call_status_ == EXPCACHE_OK && c.status != EXPCACHE_OK) {
+        call_status_ = c.status;
+        call_message_ = c.message;
+    } else if (call_status_ == EXPCACHE_OK && !c.dropped) {
+        // This piece and those behind it that are already filled, on the same stream, go
+        // together: a copy engine pays microseconds per transfer, the caller too.
+        void* stream = c.job.stream;
+        uint64_t bytes = 0;
+        n = 0;
+        take_filled(seq, end, stream, &n, &bytes);
+        // While the link still moves earlier pieces, a short send can wait for the pieces
+        // behind it (each send is a gap on the link), up to coalesce_ bytes.
+        if (coalesce_ > 0 && last_marker_)
+            while (bytes < coalesce_ && n < kMaxBatch && seq + n < end && !transport_.done(last_marker_))
+                take_filled(seq, end, stream, &n, &bytes);
+        const uint64_t t0 = now_ns();
+        size_t sent = 0;
+        expcache_status_t s = transport_.send_batch(batch_, n, stream, &sent);
+        const uint64_t t1 = now_ns();
+        send_ns_ += t1 - t0;
+        if (sent > 0) {
+            ++sends_;
+            last_marker_ = batch_[sent - 1].marker;
+        }
+        for (size_t i = 0; i < sent; ++i) {
+            if (TracePiece* t = traced(seq + i)) {
+                t->sent = t1 - trace_origin_;
+                t->send = sends_;
+            }
+            chunk_of(seq + i).sent = true;
+            ++pieces_;
+            bytes_ += batch_[i].n;
+        }
+        if (s != EXPCACHE_OK) {
+            call_status_ = s;
+            call_message_ = last_error();
+        }
+    }
+    if (call_status_ != EXPCACHE_OK) dropping_.store(true);
+    next_send_ += n;
+    release_turns(seq, n);
+}
+
 void StagingRing::worker(unsigned index) {
     transport_.thread_start();
     std::unique_ptr<char[]> bounce;
-    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
     for (;;) {
-        // Poll for a piece and claim it (claim()) before taking the lock to pop it: idle workers
-        // poll a counter, not the lock the caller queues under, and only a worker with a piece
-        // to pop takes the lock.
+        // Poll for a piece and claim it (claim()): idle workers read two counters, and the
+        // caller publishes pieces without a lock.
+        uint64_t seq = 0;
         bool claimed = false;
-        spin_until([&] { return stop_.load() || (claimed = claim()); }, spin_us_);
+        spin_until([&] { return stop_.load() || (claimed = claim(&seq)); }, spin_us_);
         if (!claimed) {
-            lock.lock();
-            work_.wait(lock, [&] { return stop_.load() || (claimed = claim()); });
+            std::unique_lock<std::mutex> lock(mu_);
+            sleepers_.fetch_add(1);  // before the check under the lock (see queue())
+            work_.wait(lock, [&] { return stop_.load() || (claimed = claim(&seq)); });
+            sleepers_.fetch_sub(1);
             if (!claimed) return;  // stop_: the destructor finished every call, nothing is queued
-        } else {
-            lock_polling(lock);
         }
-        fill_next(lock, bounce, index);
+        fill_next(seq, bounce, index);
     }
 }
 
-bool StagingRing::claim() {
-    uint64_t q = queued_.load(std::memory_order_acquire);
-    while (q > 0)
-        if (queued_.compare_exchange_weak(q, q - 1, std::memory_order_acq_rel)) return true;
+bool StagingRing::claim(uint64_t* seq) {
+    uint64_t t = taken_.load(std::memory_order_acquire);
+    while (t < published_.load())
+        if (taken_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) {
+            *seq = t;
+            return true;
+        }
     return false;
 }
 
-void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce, unsigned filler) {
-    Job job = queue_.front();  // there is one: a piece is claimed only after it was queued
-    queue_.pop_front();
-    Chunk& c = chunk_of(job.seq);
+void StagingRing::fill_next(uint64_t seq, std::unique_ptr<char[]>& bounce, unsigned filler) {
+    Slot& slot = slots_[seq % kSlots];
+    const Job job = slot.job;
+    slot.free_for.store(seq + kSlots, std::memory_order_release);  // the caller may reuse the slot
+    Chunk& c = chunk_of(seq);
     // The chunk's previous job was queued earlier: the caller sends it in order.
-    turn_.wait(lock, [&] { return c.turn == job.seq; });
-    const bool drop = dropping_.load();
-    bool injected = false;
-    if (!drop && inject_count_ > 0) {  // pieces are popped in queue order: the Nth piece fails
-        if (inject_skip_ > 0) {
-            --inject_skip_;
-        } else {
-            --inject_count_;
-            injected = true;
-        }
+    if (c.turn.load(std::memory_order_acquire) != seq) {
+        std::unique_lock<std::mutex> lock(mu_);
+        turn_waiters_.fetch_add(1);  // before the check under the lock (see release_turns())
+        turn_.wait(lock, [&] { return c.turn.load() == seq; });
+        turn_waiters_.fetch_sub(1);
     }
-    lock.unlock();
+    const bool drop = dropping_.load();
+    // The pieces in [inject_from_, inject_until_) fail, unless their call has failed already.
+    const bool injected = !drop && seq >= inject_from_ && seq < inject_until_;
     TracePiece* trace = traced(job.seq);
     if (trace) {
         trace->taken = now_ns() - trace_origin_;
@@ -406,8 +413,7 @@ void StagingRing::fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<
     // the lock taken here waits until it sleeps), or its read sees this store.
     c.filled.store(job.seq + 1);
     if (filled_waiters_.load() > 0) {
-        lock_polling(lock);
-        lock.unlock();
+        { std::lock_guard<std::mutex> lock(mu_); }
         filled_.notify_all();
     }
 }
@@ -475,9 +481,8 @@ void StagingRing::stats(expcache_staging_stats_t* out) const {
 }
 
 void StagingRing::inject_failures(uint64_t skip, uint64_t count) {
-    std::lock_guard<std::mutex> lock(mu_);
-    inject_skip_ = skip;
-    inject_count_ = count;
+    inject_from_ = next_seq_ + skip;
+    inject_until_ = inject_from_ + count;
 }
 
 void StagingRing::reset_stats() {

@@ -16,7 +16,6 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -119,7 +118,7 @@ private:
         void* host = nullptr;
         void* marker = nullptr;
         bool sent = false;        // a transfer out of it may still be reading it
-        uint64_t turn = 0;        // the seq of the job allowed to fill it next (under mu_)
+        std::atomic<uint64_t> turn{0};  // the seq of the job allowed to fill it next
         // Written by the job's filler before `filled` is released, read by the sender after.
         Job job{};
         uint64_t delta = 0;       // the job's bytes start at host + delta
@@ -134,21 +133,25 @@ private:
     expcache_status_t allocate();
     void stream_copy(char* dst, const char* src, uint64_t n) const;
     void worker(unsigned index);
-    // Take the right to pop one queued piece (queued_ > 0), without the lock.
-    bool claim();
-    // With the lock and a claim: pop the oldest queued job and fill its chunk; returns without
-    // the lock (it is dropped while the chunk fills).
+    // Take the oldest piece published and not taken (*seq), if there is one.
+    bool claim(uint64_t* seq);
+    // Fill the chunk of piece `seq`, taken by this thread.
     // `bounce`: the filling thread's own buffer for buffered file reads (allocated on first use);
     // `filler`: 0 for the calling thread, else the worker's number (for the trace).
-    void fill_next(std::unique_lock<std::mutex>& lock, std::unique_ptr<char[]>& bounce, unsigned filler);
+    void fill_next(uint64_t seq, std::unique_ptr<char[]>& bounce, unsigned filler);
+    // The caller's, before it writes piece `seq` into a slot still in use (see queue()).
+    void make_room(uint64_t seq);
+    // The caller's: deal with piece next_send_ (filled) and the filled pieces behind it (before
+    // `end`): send them, or note the piece's failure, or drop it after one.
+    void send_round(uint64_t end);
     TracePiece* traced(uint64_t seq) { return seq < trace_pieces_.size() ? &trace_pieces_[seq] : nullptr; }
     void write_trace() const;
     expcache_status_t fill(const Job& job, Chunk& chunk, std::unique_ptr<char[]>& bounce);
-    // Add to batch_[*n..] the pieces from seq + *n on that are filled, in order, on `stream`.
-    void take_filled(uint64_t seq, void* stream, uint64_t* n, uint64_t* bytes);
+    // Add to batch_[*n..] the pieces from seq + *n on (before `end`) that are filled, in order,
+    // on `stream`.
+    void take_filled(uint64_t seq, uint64_t end, void* stream, uint64_t* n, uint64_t* bytes);
     // Wait until piece `seq` is filled, filling it on this thread if no worker took it.
     void await_filled(uint64_t seq);
-    void lock_polling(std::unique_lock<std::mutex>& lock);
     // Hand the chunks of pieces [seq, seq + n) back to the fillers, in order.
     void release_turns(uint64_t seq, uint64_t n);
     Chunk& chunk_of(uint64_t seq) { return chunks_[seq % num_chunks_]; }
@@ -172,11 +175,26 @@ private:
     uint64_t num_chunks_ = 0;
     std::mutex mu_;
     std::condition_variable work_, turn_, filled_;
-    std::deque<Job> queue_;
-    uint64_t next_seq_ = 0;       // the caller's: seq of the next job queued
+    // Queued jobs, by seq in slot seq % kSlots: the caller writes a job, then publishes it
+    // (published_); a filler takes the next one (taken_, a compare-and-swap), copies it out and
+    // frees the slot for the job kSlots later (free_for).
+    struct Slot {
+        Job job{};
+        std::atomic<uint64_t> free_for{0};
+    };
+    static constexpr uint64_t kSlots = 1024;
+    std::unique_ptr<Slot[]> slots_;
+    alignas(64) std::atomic<uint64_t> published_{0};
+    alignas(64) std::atomic<uint64_t> taken_{0};
+    alignas(64) uint64_t next_seq_ = 0;  // the caller's: seq of the next job queued
     uint64_t next_send_ = 0;      // the caller's: seq of the next job to send
-    std::atomic<uint64_t> queued_{0};   // in queue_, not claimed (raised under mu_, claimed without it)
-    std::atomic<unsigned> filled_waiters_{0};  // the caller sleeps on filled_ (see fill_next())
+    bool in_call_ = false;        // the caller's: pieces were queued since the last finish()
+    uint64_t call_first_ = 0;     // the caller's: the first piece of this call
+    expcache_status_t call_status_ = EXPCACHE_OK;  // the caller's: this call's first failure
+    std::string call_message_;
+    // Threads sleeping on work_, turn_ and filled_; each counts itself before it checks under
+    // mu_, and the thread that makes the condition true takes mu_ before it notifies.
+    std::atomic<unsigned> sleepers_{0}, turn_waiters_{0}, filled_waiters_{0};
     std::atomic<bool> dropping_{false}; // a job of this batch failed: skip filling the rest
     std::atomic<bool> stop_{false};
     // Counters: the caller's, and (atomic) those any filling thread adds to.
@@ -185,7 +203,7 @@ private:
     uint64_t batch_start_ns_ = 0;  // the caller's: when the first piece of this batch was queued
     Transport::Send batch_[kMaxBatch];  // the caller's: the pieces of one send_batch
     std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
-    uint64_t inject_skip_ = 0, inject_count_ = 0;  // under mu_
+    uint64_t inject_from_ = 0, inject_until_ = 0;  // pieces that fail (set between batches)
     std::string trace_path_;                 // empty: no trace
     uint64_t trace_origin_ = 0;              // now_ns() when the ring was made
     // By seq. call, bytes and queued are written by the caller before the piece is queued; taken,
