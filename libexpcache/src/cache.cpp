@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <new>
 
 #include "errors.hpp"
 
@@ -275,13 +277,23 @@ expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, u
             ++q;
         }
         expcache_status_t s = injected_copy_failure();
-        if (s == EXPCACHE_OK)
-            s = check(layer.file ? backend_->read_file(d, *layer.file, reinterpret_cast<uintptr_t>(src), bytes, stream)
-                                 : backend_->copy_h2d(d, src, bytes, layer.pinned, stream));
+        if (s == EXPCACHE_OK) s = upload(layer, d, src, bytes, stream);
         if (s != EXPCACHE_OK) return s;
         p = q;
     }
     return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::upload(const LayerState& layer, unsigned char* dst, const unsigned char* src, uint64_t bytes,
+                                void* stream) {
+    try {
+        return check(layer.file ? backend_->read_file(dst, *layer.file, reinterpret_cast<uintptr_t>(src), bytes, stream)
+                                : backend_->copy_h2d(dst, src, bytes, layer.pinned, stream));
+    } catch (const std::bad_alloc&) {
+        return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory to set up an upload");
+    } catch (const std::exception& e) {
+        return fail(EXPCACHE_ERR_INTERNAL, "an upload could not be set up: %s", e.what());
+    }
 }
 
 expcache_status_t Cache::injected_copy_failure() {

@@ -142,6 +142,10 @@ private:
                                   void* stream);
     void slot_ptrs(const ClassState& cls, const SlotState& slot, expcache_expert_ptrs_t* out) const;
     expcache_status_t injected_copy_failure();
+    // One transfer of copy_expert(); an exception from the backend (setting up the staging ring:
+    // its memory, its threads) becomes a failed status, so the caller frees the slot it filled.
+    expcache_status_t upload(const LayerState& layer, unsigned char* dst, const unsigned char* src, uint64_t bytes,
+                             void* stream);
     expcache_status_t checksum_jobs(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n);
     expcache_status_t alloc_device(uint64_t bytes, void** out);
     void free_device_now(void* ptr);

@@ -128,6 +128,12 @@ void StagingRing::write_trace() const {
 expcache_status_t StagingRing::allocate() {
     uint64_t n = ring_bytes_ / chunk_;
     if (n < 2) n = 2;
+    // The queue's slots first: if they cannot be had (bad_alloc, reported by the caller's
+    // guard), no pinned chunk has been taken yet, so none is left behind.
+    if (!slots_) {
+        slots_.reset(new Slot[kSlots]);
+        for (uint64_t i = 0; i < kSlots; ++i) slots_[i].free_for.store(i, std::memory_order_relaxed);
+    }
     chunks_.reset(new Chunk[n]);
     for (uint64_t i = 0; i < n; ++i) {
         Chunk& c = chunks_[i];
@@ -142,8 +148,6 @@ expcache_status_t StagingRing::allocate() {
                         why.c_str());
         }
     }
-    slots_.reset(new Slot[kSlots]);
-    for (uint64_t i = 0; i < kSlots; ++i) slots_[i].free_for.store(i, std::memory_order_relaxed);
     num_chunks_ = n;
     for (unsigned i = 0; i < num_threads_; ++i) threads_.emplace_back([this, i] { worker(i + 1); });
     return EXPCACHE_OK;
