@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -450,6 +453,50 @@ def test_failed_staged_piece_leaves_none_of_the_calls_experts_resident(make_cach
     assert all(c.held_experts == 0 for c in cache.classes())  # the failed batch holds nothing
     _consistent(cache, source, layout)
     assert_served(cache, source, 0, [5, 6, 7], cache.load_compact(0, [5, 6, 7]).pointers())
+
+
+_THREADS_CANNOT_START = """
+import resource
+from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout
+
+layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="threads-cannot-start")
+with HostSource(layout, pinned=False) as source, \\
+        ExpertCache(layout, source, budget_experts=6, backend="host", copy_threads=8, staging_bytes=1 << 20,
+                    staging_chunk_bytes=128 << 10, log_level=0) as cache:
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+    # Room for the slots of 6 experts, the ring's eight 136 KiB chunks and its queue; none for
+    # a thread's 8 MiB stack.
+    resource.setrlimit(resource.RLIMIT_AS, (vm + 6 * 1_300_008 + (4 << 20), hard))
+    try:
+        cache.select(0, [0, 1, 2])
+        print("no error")
+    except ExpcacheError as e:
+        print(type(e).__name__, e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    print(*[cache.read_expert(0, e) is None for e in range(3)])
+    cache.reset_stats()
+    ids = [3, 4, 5, 6, 7, 8]
+    ptrs = cache.select(0, ids)
+    st = cache.stats().total
+    print(st.misses, st.direct_loads, cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="limits the address space with RLIMIT_AS (Linux)")
+def test_staging_threads_that_cannot_start_fail_the_call_and_free_its_slot():
+    """The staging ring starts its threads on the first staged upload; when the system refuses
+    them (here: no address space for their stacks), that upload fails with a status and the slot
+    it was filling is free again: the next call of the whole budget loads every expert into a slot,
+    none directly, byte for byte (the ring goes on with the threads it has)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _THREADS_CANNOT_START], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("InternalError") and "an upload could not be set up" in lines[0], lines
+    assert lines[1:] == ["True True True", "6 0 True"], lines
 
 
 @pytest.mark.parametrize("copy_threads", [1, 4])
