@@ -42,6 +42,26 @@ bool spin_until(Ready&& ready, unsigned us) {
 
 }  // namespace
 
+// The three sleeps (no work, a chunk's turn, the caller's wait for a piece) and their wake-ups.
+// The conditions are published without mu_. A sleeper counts itself in `sleepers` before it
+// checks its condition under mu_; the thread that makes a condition true reads the count after
+// that: either it sees the sleeper (and takes mu_, which waits until the sleeper is asleep,
+// before it notifies), or the sleeper's check sees the change. Both the change and the check
+// are sequentially consistent atomics, as are the count's updates and reads.
+template <typename Ready>
+void StagingRing::sleep_until(std::atomic<unsigned>& sleepers, std::condition_variable& cv, Ready&& ready) {
+    std::unique_lock<std::mutex> lock(mu_);
+    sleepers.fetch_add(1);
+    cv.wait(lock, ready);
+    sleepers.fetch_sub(1);
+}
+
+void StagingRing::wake(std::atomic<unsigned>& sleepers, std::condition_variable& cv) {
+    if (sleepers.load() == 0) return;
+    { std::lock_guard<std::mutex> lock(mu_); }
+    cv.notify_all();
+}
+
 StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes)
     : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes),
       num_threads_(copy_threads > 0 ? copy_threads - 1 : 0) {
@@ -128,8 +148,8 @@ void StagingRing::write_trace() const {
 expcache_status_t StagingRing::allocate() {
     uint64_t n = ring_bytes_ / chunk_;
     if (n < 2) n = 2;
-    // The queue's slots first: if they cannot be had (bad_alloc, reported by the caller's
-    // guard), no pinned chunk has been taken yet, so none is left behind.
+    // The queue's slots first: if they cannot be had (bad_alloc, which Cache::upload reports),
+    // no pinned chunk has been taken yet, so none is left behind.
     if (!slots_) {
         slots_.reset(new Slot[kSlots]);
         for (uint64_t i = 0; i < kSlots; ++i) slots_[i].free_for.store(i, std::memory_order_relaxed);
@@ -195,26 +215,17 @@ expcache_status_t StagingRing::queue(const Job& job) {
         published_.store(++next_seq_);
         done += part.n;
     }
-    // Workers that slept count themselves in sleepers_ before they check for work under the
-    // lock: either this load sees them, or their check sees the pieces.
-    if (sleepers_.load() > 0) {
-        { std::lock_guard<std::mutex> lock(mu_); }
-        work_.notify_all();
-    }
+    wake(sleepers_, work_);
     return EXPCACHE_OK;
 }
 
-// The slot for piece `seq` still holds piece seq - kSlots, not taken yet: the caller sends the
-// oldest pieces (filling them itself if no worker has) until that one is taken. It is no older
-// than the oldest piece not sent, and a piece is taken before it is filled.
+// The slot for piece `seq` still holds piece seq - kSlots, not copied out yet, so not filled
+// and not sent: the caller sends the oldest pieces (filling them itself if no worker has) until
+// it has sent that one, whose filler freed the slot before it filled the chunk.
 void StagingRing::make_room(uint64_t seq) {
     while (slots_[seq % kSlots].free_for.load(std::memory_order_acquire) != seq) {
-        if (next_send_ + kSlots <= seq) {
-            await_filled(next_send_);
-            send_round(next_seq_);
-        } else {
-            cpu_relax();
-        }
+        await_filled(next_send_);
+        send_round(next_seq_);
     }
 }
 
@@ -247,12 +258,9 @@ void StagingRing::await_filled(uint64_t seq) {
         return;
     }
     const uint64_t t0 = now_ns();
-    if (!spin_until(ready, spin_us_)) {
-        std::unique_lock<std::mutex> lock(mu_);
-        filled_waiters_.fetch_add(1);  // before `filled` is read under the lock (see fill_next())
-        filled_.wait(lock, [&c, seq] { return c.filled.load() == seq + 1; });
-        filled_waiters_.fetch_sub(1);
-    }
+    // The check under the lock is sequentially consistent, as wake() needs.
+    if (!spin_until(ready, spin_us_))
+        sleep_until(filled_waiters_, filled_, [&c, seq] { return c.filled.load() == seq + 1; });
     wait_ns_ += now_ns() - t0;
 }
 
@@ -269,11 +277,7 @@ void StagingRing::take_filled(uint64_t seq, uint64_t end, void* stream, uint64_t
 
 void StagingRing::release_turns(uint64_t seq, uint64_t n) {
     for (uint64_t i = 0; i < n; ++i) chunk_of(seq + i).turn.store(seq + i + num_chunks_);
-    // As for filled_ (fill_next()): a filler waiting for a turn counts itself first.
-    if (turn_waiters_.load() > 0) {
-        { std::lock_guard<std::mutex> lock(mu_); }
-        turn_.notify_all();
-    }
+    wake(turn_waiters_, turn_);
 }
 
 expcache_status_t StagingRing::finish() {
@@ -355,10 +359,7 @@ void StagingRing::worker(unsigned index) {
         bool claimed = false;
         spin_until([&] { return stop_.load() || (claimed = claim(&seq)); }, spin_us_);
         if (!claimed) {
-            std::unique_lock<std::mutex> lock(mu_);
-            sleepers_.fetch_add(1);  // before the check under the lock (see queue())
-            work_.wait(lock, [&] { return stop_.load() || (claimed = claim(&seq)); });
-            sleepers_.fetch_sub(1);
+            sleep_until(sleepers_, work_, [&] { return stop_.load() || (claimed = claim(&seq)); });
             if (!claimed) return;  // stop_: the destructor finished every call, nothing is queued
         }
         fill_next(seq, bounce, index);
@@ -381,12 +382,8 @@ void StagingRing::fill_next(uint64_t seq, std::unique_ptr<char[]>& bounce, unsig
     slot.free_for.store(seq + kSlots, std::memory_order_release);  // the caller may reuse the slot
     Chunk& c = chunk_of(seq);
     // The chunk's previous job was queued earlier: the caller sends it in order.
-    if (c.turn.load(std::memory_order_acquire) != seq) {
-        std::unique_lock<std::mutex> lock(mu_);
-        turn_waiters_.fetch_add(1);  // before the check under the lock (see release_turns())
-        turn_.wait(lock, [&] { return c.turn.load() == seq; });
-        turn_waiters_.fetch_sub(1);
-    }
+    if (c.turn.load(std::memory_order_acquire) != seq)
+        sleep_until(turn_waiters_, turn_, [&c, seq] { return c.turn.load() == seq; });
     const bool drop = dropping_.load();
     // The pieces in [inject_from_, inject_until_) fail, unless their call has failed already.
     const bool injected = !drop && seq >= inject_from_ && seq < inject_until_;
@@ -412,14 +409,8 @@ void StagingRing::fill_next(uint64_t seq, std::unique_ptr<char[]>& bounce, unsig
     }
     c.filled_ns = now_ns();
     if (trace) trace->filled = c.filled_ns - trace_origin_;
-    // Published without the lock. The caller, before it sleeps on filled_, counts itself in
-    // filled_waiters_ and then reads `filled` under the lock: either the load below sees it (and
-    // the lock taken here waits until it sleeps), or its read sees this store.
-    c.filled.store(job.seq + 1);
-    if (filled_waiters_.load() > 0) {
-        { std::lock_guard<std::mutex> lock(mu_); }
-        filled_.notify_all();
-    }
+    c.filled.store(job.seq + 1);  // published without the lock (see wake())
+    wake(filled_waiters_, filled_);
 }
 
 expcache_status_t StagingRing::fill(const Job& job, Chunk& c, std::unique_ptr<char[]>& bounce) {

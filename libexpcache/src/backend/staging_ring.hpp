@@ -152,6 +152,11 @@ private:
     void take_filled(uint64_t seq, uint64_t end, void* stream, uint64_t* n, uint64_t* bytes);
     // Wait until piece `seq` is filled, filling it on this thread if no worker took it.
     void await_filled(uint64_t seq);
+    // Sleep on `cv` until ready(), counted in `sleepers`; wake the threads counted in `sleepers`
+    // after making their condition true (see the .cpp for the ordering).
+    template <typename Ready>
+    void sleep_until(std::atomic<unsigned>& sleepers, std::condition_variable& cv, Ready&& ready);
+    void wake(std::atomic<unsigned>& sleepers, std::condition_variable& cv);
     // Hand the chunks of pieces [seq, seq + n) back to the fillers, in order.
     void release_turns(uint64_t seq, uint64_t n);
     Chunk& chunk_of(uint64_t seq) { return chunks_[seq % num_chunks_]; }
