@@ -10,9 +10,9 @@ side of the bound, next to the link's. Usage:
 --env runs each configuration with the environment variable VAR set to each value in turn, read
 when the configuration's cache makes its staging ring (EXPCACHE_STAGING_NT_MAX, _COALESCE,
 _MIN_PIECES, _FILE_BOUNCE, _COPY, _SHORT, _PREFETCH, _PREFETCH_HINT:
-libexpcache/src/backend/staging_ring.cpp and
-docs/transfers.md say what each sets); several --env options make a grid. --repeat runs the whole grid N times, so that
-configurations alternate in one process rather than following each other.
+libexpcache/src/backend/staging_ring.cpp and docs/transfers.md say what each sets); several --env
+options make a grid. --repeat runs the whole grid N times, so that configurations alternate in one
+process rather than following each other.
 """
 
 from __future__ import annotations
