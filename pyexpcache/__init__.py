@@ -12,8 +12,13 @@ The public API::
         print(cache.stats().hit_rate)
 """
 
-from ._errors import (
+__version__ = "0.1.0"
+
+from ._errors import (  # noqa: E402 (the version first: submodules read it)
+    ArgumentRangeError,
+    CacheClosedError,
     CudaError,
+    ExpcacheWarning,
     ExpcacheError,
     InternalError,
     InvalidArgumentError,
@@ -29,10 +34,8 @@ from .cache import (Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, Exp
 from .layout import LayerSpec, ModelLayout
 from .source import HostSource, checksum_bytes
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
+    "ArgumentRangeError", "CacheClosedError", "ExpcacheWarning", "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
     "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
     "ModelLayout", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "PoisonedError",
     "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version", "staging_defaults",

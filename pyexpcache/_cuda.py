@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+from ._ints import u64
+
 
 @functools.lru_cache(maxsize=None)
 def runtime():
@@ -40,19 +42,17 @@ def stream_handle(stream) -> int:
     if isinstance(stream, bool):
         raise TypeError("a stream cannot be a bool")
     if isinstance(stream, int):
-        if stream < 0:
-            raise ValueError(f"stream handle must be >= 0, got {stream}")
-        return stream
+        return u64(stream, "stream")
     protocol = getattr(stream, "__cuda_stream__", None)
     if protocol is not None:
         value = protocol() if callable(protocol) else protocol
-        return int(value[1])
+        return u64(int(value[1]), "stream")
     for attr in ("getPtr", "handle"):
         if hasattr(stream, attr):
             v = getattr(stream, attr)
-            return int(v() if callable(v) else v)
+            return u64(int(v() if callable(v) else v), "stream")
     try:
-        return int(stream)
+        return u64(int(stream), "stream")
     except (TypeError, ValueError):
         raise TypeError(
             f"cannot use {type(stream).__name__} as a CUDA stream: pass None, an int handle, "

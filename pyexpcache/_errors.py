@@ -56,6 +56,21 @@ class SourceIOError(ExpcacheError, OSError):
     """Reading a source file failed or came up short."""
 
 
+class ArgumentRangeError(OverflowError, ValueError):
+    """An integer argument does not fit the C type it is passed as (raised by the wrapper
+    before the library sees it, naming the parameter). Both a ValueError and an OverflowError."""
+
+
+class CacheClosedError(ValueError):
+    """The cache (or what the call needs of it) is closed: a call that starts after
+    :meth:`~pyexpcache.ExpertCache.close` began. A ValueError, like I/O on a closed file."""
+
+
+class ExpcacheWarning(RuntimeWarning):
+    """Trouble the library reports without failing a call, e.g. a size class left with
+    cap 0 (no device memory after the reserve: nothing of it is cached)."""
+
+
 _BY_STATUS = {
     1: InvalidArgumentError,
     2: OutOfDeviceMemoryError,

@@ -2,23 +2,28 @@
 expcache.h field by field, each function has argtypes and restype, and the C
 prototype is quoted above it. Status-returning functions raise through
 ``errcheck``, so every failure becomes an exception in exactly one place.
+
+The library is loaded on first use of ``lib`` or ``library_path`` (a module
+``__getattr__``), not on import, so ``--help`` and the pure-Python tools work
+before it is built. :func:`set_fields` is how a struct is filled: it range-checks
+every integer against its C field type, since ctypes would silently wrap it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from ctypes import POINTER, c_char_p, c_int32, c_uint32, c_uint64, c_void_p
 
 from . import _loader
 from ._errors import error_for
-
-lib, library_path = _loader.load()
+from ._ints import checked_int
 
 # Status codes (expcache.h).
 OK = 0
 BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
 SOURCE_PAGEABLE, SOURCE_PINNED, SOURCE_FILE = 0, 1, 2
-LOG_SILENT, LOG_NOTICE, LOG_DEBUG = 0, 1, 2
+LOG_SILENT, LOG_WARNING, LOG_NOTICE, LOG_DEBUG = 0, 1, 2, 3
 POLICIES = {"lru": 0, "oppclass": 1}
 FILE_READS = {"buffered": 0, "direct": 1}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
@@ -126,6 +131,21 @@ class StagingStats(ctypes.Structure):
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
 CachePtr = c_void_p
 
+_RANGES = {c_uint32: (0, (1 << 32) - 1), c_int32: (-(1 << 31), (1 << 31) - 1), c_uint64: (0, (1 << 64) - 1)}
+
+
+def set_fields(struct: ctypes.Structure, **values) -> None:
+    """Set integer fields of a ctypes struct, each checked against its C type first
+    (ValueError/OverflowError naming the field, never a silent wrap)."""
+    types = dict(struct._fields_)
+    for name, value in values.items():
+        ctype = types[name]
+        if ctype is c_void_p:
+            lo, hi = _RANGES[c_uint64]
+        else:
+            lo, hi = _RANGES[ctype]
+        setattr(struct, name, checked_int(value, name, lo, hi))
+
 
 def _check(status, func, args):
     if status != OK:
@@ -134,107 +154,130 @@ def _check(status, func, args):
     return status
 
 
-def _declare(name, argtypes, restype=c_int32):
-    fn = getattr(lib, name)
-    fn.argtypes = argtypes
-    fn.restype = restype
-    if restype is c_int32:
-        fn.errcheck = _check
-    return fn
+# Each exported function: (name, argtypes, restype); status-returning ones (c_int32) raise on failure.
+_FUNCTIONS = [
+    # const char* expcache_status_string(expcache_status_t status);
+    ("expcache_status_string", [c_int32], c_char_p),
+    # const char* expcache_last_error(void);
+    ("expcache_last_error", [], c_char_p),
+    # uint32_t expcache_version(void);
+    ("expcache_version", [], c_uint32),
+    # expcache_status_t expcache_config_init(expcache_config_t* config);
+    ("expcache_config_init", [POINTER(Config)], c_int32),
+    # expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache);
+    ("expcache_create", [POINTER(Config), POINTER(CachePtr)], c_int32),
+    # void expcache_destroy(expcache_t* cache);
+    ("expcache_destroy", [CachePtr], None),
+    # expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend);
+    ("expcache_get_backend", [CachePtr, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc);
+    ("expcache_layer_desc_init", [POINTER(LayerDesc)], c_int32),
+    # expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file);
+    ("expcache_open_file", [CachePtr, c_char_p, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
+    ("expcache_register_layer", [CachePtr, c_uint32, POINTER(LayerDesc)], c_int32),
+    # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
+    #                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
+    ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
+    # expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+    #                                               void* stream, expcache_compact_t* out);
+    ("expcache_load_compact_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(Compact)], c_int32),
+    # expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint64_t n,
+    #     void* stream, uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
+    ("expcache_batch_prepare_async",
+     [CachePtr, c_uint32, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(c_uint64)],
+     c_int32),
+    # expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t batch, void* stream);
+    ("expcache_batch_finish", [CachePtr, c_uint64, c_void_p], c_int32),
+    # expcache_status_t expcache_release_all(expcache_t* cache);
+    ("expcache_release_all", [CachePtr], c_int32),
+    # expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
+    ("expcache_synchronize", [CachePtr, c_void_p], c_int32),
+    # expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert, void* dst,
+    #                                          uint64_t dst_bytes, uint32_t* out_resident);
+    ("expcache_read_resident", [CachePtr, c_uint32, c_uint32, c_void_p, c_uint64, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
+    ("expcache_read_device", [CachePtr, c_void_p, c_void_p, c_uint64], c_int32),
+    # expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+    #                                     uint32_t n, void* stream, uint64_t* out_sums);
+    ("expcache_checksum", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
+    # expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+    #                                           uint32_t n, void* stream, uint32_t first);
+    ("expcache_checksum_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32], c_int32),
+    # expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out);
+    ("expcache_checksum_results", [CachePtr, c_uint32, c_uint32, c_void_p], c_int32),
+    # expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
+    ("expcache_class_count", [CachePtr, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out);
+    ("expcache_class_info", [CachePtr, c_uint32, POINTER(ClassInfo)], c_int32),
+    # expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
+    ("expcache_layer_class", [CachePtr, c_uint32, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index, uint32_t path,
+    #                                      expcache_stats_t* out);
+    ("expcache_get_stats", [CachePtr, c_uint32, c_uint32, POINTER(Stats)], c_int32),
+    # expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out);
+    ("expcache_get_staging_stats", [CachePtr, POINTER(StagingStats)], c_int32),
+    # expcache_status_t expcache_reset_stats(expcache_t* cache);
+    ("expcache_reset_stats", [CachePtr], c_int32),
+    # expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user);
+    ("expcache_set_log_callback", [CachePtr, LOG_FN, c_void_p], c_int32),
+    # expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level);
+    ("expcache_set_log_level", [CachePtr, c_uint32], c_int32),
+    # expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+    ("expcache_inject_alloc_failures", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+    ("expcache_inject_copy_failures", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+    ("expcache_inject_staging_failures", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
+    ("expcache_device_bytes_in_use", [CachePtr, POINTER(c_uint64)], c_int32),
+    # expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
+    #                                         uint32_t* class_info, uint32_t* stats);
+    ("expcache_struct_sizes", [POINTER(c_uint32)] * 5, c_int32),
+]
 
 
-# const char* expcache_status_string(expcache_status_t status);
-_declare("expcache_status_string", [c_int32], c_char_p)
-# const char* expcache_last_error(void);
-_declare("expcache_last_error", [], c_char_p)
-# uint32_t expcache_version(void);
-_declare("expcache_version", [], c_uint32)
-# expcache_status_t expcache_config_init(expcache_config_t* config);
-_declare("expcache_config_init", [POINTER(Config)])
-# expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache);
-_declare("expcache_create", [POINTER(Config), POINTER(CachePtr)])
-# void expcache_destroy(expcache_t* cache);
-_declare("expcache_destroy", [CachePtr], None)
-# expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend);
-_declare("expcache_get_backend", [CachePtr, POINTER(c_uint32)])
-# expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc);
-_declare("expcache_layer_desc_init", [POINTER(LayerDesc)])
-# expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file);
-_declare("expcache_open_file", [CachePtr, c_char_p, POINTER(c_uint32)])
-# expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
-_declare("expcache_register_layer", [CachePtr, c_uint32, POINTER(LayerDesc)])
-# expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
-#                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
-_declare("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p])
-# expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
-#                                               void* stream, expcache_compact_t* out);
-_declare("expcache_load_compact_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(Compact)])
-# expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint64_t n,
-#     void* stream, uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
-_declare(
-    "expcache_batch_prepare_async",
-    [CachePtr, c_uint32, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(c_uint64)],
-)
-# expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t batch, void* stream);
-_declare("expcache_batch_finish", [CachePtr, c_uint64, c_void_p])
-# expcache_status_t expcache_release_all(expcache_t* cache);
-_declare("expcache_release_all", [CachePtr])
-# expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
-_declare("expcache_synchronize", [CachePtr, c_void_p])
-# expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert, void* dst,
-#                                          uint64_t dst_bytes, uint32_t* out_resident);
-_declare("expcache_read_resident", [CachePtr, c_uint32, c_uint32, c_void_p, c_uint64, POINTER(c_uint32)])
-# expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
-_declare("expcache_read_device", [CachePtr, c_void_p, c_void_p, c_uint64])
-# expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
-#                                     uint32_t n, void* stream, uint64_t* out_sums);
-_declare("expcache_checksum", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p])
-# expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
-#                                           uint32_t n, void* stream, uint32_t first);
-_declare("expcache_checksum_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32])
-# expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out);
-_declare("expcache_checksum_results", [CachePtr, c_uint32, c_uint32, c_void_p])
-# expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
-_declare("expcache_class_count", [CachePtr, POINTER(c_uint32)])
-# expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out);
-_declare("expcache_class_info", [CachePtr, c_uint32, POINTER(ClassInfo)])
-# expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
-_declare("expcache_layer_class", [CachePtr, c_uint32, POINTER(c_uint32)])
-# expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index, uint32_t path,
-#                                      expcache_stats_t* out);
-_declare("expcache_get_stats", [CachePtr, c_uint32, c_uint32, POINTER(Stats)])
-# expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out);
-_declare("expcache_get_staging_stats", [CachePtr, POINTER(StagingStats)])
-# expcache_status_t expcache_reset_stats(expcache_t* cache);
-_declare("expcache_reset_stats", [CachePtr])
-# expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user);
-_declare("expcache_set_log_callback", [CachePtr, LOG_FN, c_void_p])
-# expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level);
-_declare("expcache_set_log_level", [CachePtr, c_uint32])
-# expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-_declare("expcache_inject_alloc_failures", [CachePtr, c_uint64, c_uint64])
-# expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-_declare("expcache_inject_copy_failures", [CachePtr, c_uint64, c_uint64])
-# expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-_declare("expcache_inject_staging_failures", [CachePtr, c_uint64, c_uint64])
-# expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
-_declare("expcache_device_bytes_in_use", [CachePtr, POINTER(c_uint64)])
-# expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
-#                                         uint32_t* class_info, uint32_t* stats);
-_declare("expcache_struct_sizes", [POINTER(c_uint32)] * 5)
+def _declare(dll: ctypes.CDLL) -> None:
+    for name, argtypes, restype in _FUNCTIONS:
+        fn = getattr(dll, name)
+        fn.argtypes = argtypes
+        fn.restype = restype
+        if restype is c_int32:
+            fn.errcheck = _check
 
 
-def check_struct_sizes() -> None:
+def check_struct_sizes(dll: ctypes.CDLL, path) -> None:
     """Raise ImportError when a ctypes mirror disagrees with the library's struct sizes."""
     sizes = [c_uint32() for _ in range(5)]
-    lib.expcache_struct_sizes(*[ctypes.byref(s) for s in sizes])
+    dll.expcache_struct_sizes(*[ctypes.byref(s) for s in sizes])
     mirrors = (Config, LayerDesc, Compact, ClassInfo, Stats)
     for mirror, size in zip(mirrors, sizes):
         if ctypes.sizeof(mirror) != size.value:
             raise ImportError(
-                f"{library_path}: struct {mirror.__name__} is {size.value} bytes in the library but "
+                f"{path}: struct {mirror.__name__} is {size.value} bytes in the library but "
                 f"{ctypes.sizeof(mirror)} in pyexpcache; rebuild the library (make lib)"
             )
 
 
-check_struct_sizes()
+_load_lock = threading.Lock()
+
+
+def _load() -> None:
+    """Find, load and declare the library once; then ``lib`` and ``library_path`` are plain globals."""
+    global lib, library_path
+    with _load_lock:
+        if "lib" in globals():
+            return
+        dll, path = _loader.load()
+        _declare(dll)
+        check_struct_sizes(dll, path)
+        library_path = path
+        lib = dll
+
+
+def __getattr__(name: str):
+    # Only reached while ``lib`` / ``library_path`` are not yet globals (PEP 562).
+    if name in ("lib", "library_path"):
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,10 +21,11 @@ class ReplayResult(ctypes.Structure):
     _fields_ = [("decode_seconds", c_double), ("prefill_seconds", c_double), ("checksum_errors", c_uint64),
                 ("experts_checked", c_uint64), ("first_bad_call", c_uint64), ("calls_done", c_uint64),
                 ("decode_bytes_h2d", c_uint64), ("prefill_bytes_h2d", c_uint64), ("decode_calls", c_uint64),
-                ("decode_serve_seconds", c_double)]
+                ("decode_serve_seconds", c_double), ("stopped", c_uint64)]
 
 
-PROGRESS_FN = ctypes.CFUNCTYPE(None, c_uint64, c_uint64)
+# int (*replay_progress_fn)(uint64_t done, uint64_t total): nonzero stops the replay.
+PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, c_uint64, c_uint64)
 
 _path = library_path.parent / "libexpcache_replay.so"
 try:

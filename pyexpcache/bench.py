@@ -25,16 +25,19 @@ misses were the only cost.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from . import _cuda
+from . import __version__, _cuda, _lib, library_version
 from .cache import ExpertCache, StagingStats
 from .layout import ModelLayout
 from .policies import simulate_policy
@@ -226,6 +229,12 @@ class Report:
     link_label: str
     layer_sync: bool
     results: list[VariantResult] = field(default_factory=list)
+    # What a kept report needs to be read later: which traces, which code, which command.
+    traces: list[str] = field(default_factory=list)
+    version: str = ""                 # pyexpcache's version
+    library: str = ""                 # the loaded libexpcache: version and path
+    git_commit: Optional[str] = None  # of the source tree the package runs from, when it is one
+    argv: Optional[list[str]] = None  # the command line, when run from it
 
     @property
     def checksum_errors(self) -> int:
@@ -268,6 +277,46 @@ class Progress:
 
 # ---------------------------------------------------------------------------
 # Running
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """While a loop runs in C: Ctrl-C only sets a flag (yielded as a function) that the loop's
+    progress callback reads to stop it; KeyboardInterrupt is raised when the block ends. A
+    Python-level KeyboardInterrupt could fire at the callback's first instruction, outside any
+    ``try``, where ctypes would print and drop it. Only on the main thread, with Python's
+    default handler in place; elsewhere the flag stays down."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: False
+        return
+    hits = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        yield lambda: bool(hits)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hits:
+        raise KeyboardInterrupt
+
+
+def git_commit() -> Optional[str]:
+    """The commit of the git work tree this package runs from (``-dirty`` when tracked files
+    changed), or None for an installed package or without git."""
+    import subprocess
+    from pathlib import Path
+
+    tree = Path(__file__).resolve().parent.parent
+    if not (tree / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "")
 
 
 def resolve_backend(backend: str = "auto", device: int = 0) -> str:
@@ -391,7 +440,7 @@ class Bench:
 
     # -- variants --------------------------------------------------------------
     def _cache(self, **kwargs) -> ExpertCache:
-        kwargs.setdefault("log_level", 1)
+        kwargs.setdefault("log_level", _lib.LOG_NOTICE)
         if self.reserve_bytes is not None:
             kwargs.setdefault("reserve_bytes", self.reserve_bytes)
         return ExpertCache(self.layout, self.source, backend=self.backend, device=self.device, **kwargs)
@@ -408,18 +457,19 @@ class Bench:
         result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
         if variant in ("expcache", "oppclass"):
             cache = self._cache(budget_bytes=self.budget_bytes, policy="lru" if variant == "expcache" else variant,
-                                log_level=1 if variant == "expcache" else 0, **self.cache_options)
+                                log_level=_lib.LOG_NOTICE if variant == "expcache" else _lib.LOG_WARNING,
+                                **self.cache_options)
         elif variant == "slab":
             # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
             biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
-            cache = self._cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1, log_level=0,
-                                copy_threads=0)
+            cache = self._cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1,
+                                log_level=_lib.LOG_WARNING, copy_threads=0)
         elif variant == "nocache":
-            cache = self._cache(budget_experts=1, log_level=0, copy_threads=0)
+            cache = self._cache(budget_experts=1, log_level=_lib.LOG_WARNING, copy_threads=0)
         elif variant == "resident":
             need = sum(s.num_experts * sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
             try:
-                cache = self._cache(budget_bytes=need + (1 << 20), reserve_bytes=0, log_level=0)
+                cache = self._cache(budget_bytes=need + (1 << 20), reserve_bytes=0, log_level=_lib.LOG_WARNING)
                 self._preload(cache)
             except MemoryError as exc:
                 cache.close()
@@ -460,12 +510,28 @@ class Bench:
         calls, ids = workload.arrays()
         mode = {"nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}.get(variant, _replay.MODE_CACHE)
         out = _replay.ReplayResult()
-        label = variant
-        progress = _replay.PROGRESS_FN(lambda done, total: self.progress(label, done, total))
-        expected = np.ascontiguousarray(self.expected)
-        _replay.lib.expcache_replay(cache._handle_or_raise(), ctypes.addressof(calls), len(calls), ids.ctypes.data, mode,
-                                    self.stream, expected.ctypes.data, expected.shape[1], cache.max_classes,
-                                    int(self.layer_sync), progress, ctypes.byref(out))
+        failed: list[BaseException] = []
+
+        with _sigint_deferred() as interrupted:
+            def on_progress(done: int, total: int) -> int:
+                # A ctypes callback cannot raise into C: Ctrl-C (noted by the handler above) or an
+                # error of the display asks the loop to stop, and is raised once it has returned.
+                try:
+                    self.progress(variant, done, total)
+                except BaseException as exc:
+                    failed.append(exc)
+                return 1 if failed or interrupted() else 0
+
+            progress = _replay.PROGRESS_FN(on_progress)
+            expected = np.ascontiguousarray(self.expected)
+            with cache.raw_handle() as handle:
+                _replay.lib.expcache_replay(handle, ctypes.addressof(calls), len(calls), ids.ctypes.data, mode,
+                                            self.stream, expected.ctypes.data, expected.shape[1],
+                                            cache.max_classes, int(self.layer_sync), progress, ctypes.byref(out))
+        if failed:
+            raise failed[0]
+        if out.stopped:  # asked by the callback and not raised above: only an interrupt does that
+            raise KeyboardInterrupt
         result.decode_seconds += out.decode_seconds
         result.prefill_seconds += out.prefill_seconds
         result.decode_calls += out.decode_calls
@@ -513,7 +579,8 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
                         budget_bytes=budget_bytes,
                         host_scale=host_scale, decode_tokens=workload.decode_tokens,
                         prefill_tokens=workload.prefill_tokens, link_bytes_per_s=link, link_label=link_label,
-                        layer_sync=bench.layer_sync)
+                        layer_sync=bench.layer_sync, traces=list(traces), version=__version__,
+                        library=library_version(), git_commit=git_commit())
         for variant in variants:
             r = bench.run_variant(variant, workload)
             if r.skipped is None and r.decode_bytes_h2d:

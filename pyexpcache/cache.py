@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import sys
 import threading
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -13,7 +16,8 @@ import numpy as np
 
 from . import _lib
 from ._cuda import stream_handle
-from ._lib import lib
+from ._errors import CacheClosedError, ExpcacheWarning
+from ._ints import u32, u64
 from .layout import ModelLayout
 from .source import Source
 
@@ -21,15 +25,42 @@ logger = logging.getLogger("pyexpcache")
 
 _BACKENDS = {"auto": _lib.BACKEND_AUTO, "host": _lib.BACKEND_HOST, "cuda": _lib.BACKEND_CUDA}
 _BACKEND_NAMES = {_lib.BACKEND_HOST: "host", _lib.BACKEND_CUDA: "cuda"}
-_LOG_LEVELS = {_lib.LOG_NOTICE: logging.INFO, _lib.LOG_DEBUG: logging.DEBUG}
+_LOG_LEVELS = {_lib.LOG_WARNING: logging.WARNING, _lib.LOG_NOTICE: logging.INFO, _lib.LOG_DEBUG: logging.DEBUG}
 
 
 def staging_defaults() -> tuple[int, int]:
     """The library's default ``(copy_threads, staging_chunk_bytes)`` on this machine (the thread
     count follows the number of cores)."""
     cfg = _lib.Config()
-    lib.expcache_config_init(ctypes.byref(cfg))
+    _lib.lib.expcache_config_init(ctypes.byref(cfg))
     return int(cfg.copy_threads), int(cfg.staging_chunk_bytes)
+
+
+class _Gate:
+    """Lets calls into one cache run while it is open and :meth:`ExpertCache.close` wait for
+    them: a call enters (counted) or raises CacheClosedError; close marks the gate shut, waits
+    until no call is in flight, and destroys the handle under the gate's lock, so a call that
+    starts meanwhile blocks, then raises. Nested entries on one thread are counted alike."""
+
+    __slots__ = ("lock", "idle", "active", "shut")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.active = 0
+        self.shut = False
+
+    def __enter__(self):
+        with self.lock:
+            if self.shut:
+                raise CacheClosedError("the cache is closed")
+            self.active += 1
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.active -= 1
+            if self.shut and self.active == 0:
+                self.idle.notify_all()
 
 
 class _Scratch(threading.local):
@@ -249,7 +280,8 @@ class Batch:
         if self.finished:
             return
         s = self._stream if stream is None else stream_handle(stream)
-        lib.expcache_batch_finish(self._cache._handle_or_raise(), self.handle, s)
+        with self._cache._gate:
+            _lib.lib.expcache_batch_finish(self._cache._handle, self.handle, s)
         self.finished = True
 
     def __enter__(self):
@@ -268,7 +300,9 @@ class ExpertCache:
     Args:
         layout: the model layout (:class:`ModelLayout`).
         source: where the experts' bytes are (a :class:`~pyexpcache.source.Source`, e.g.
-            :class:`HostSource`); must outlive the cache.
+            :class:`HostSource` or :class:`~pyexpcache.gguf.GGUFSource`). The cache keeps it
+            alive: closing the source while this cache is open releases its memory only when
+            the cache closes, so no miss ever reads freed memory.
         budget_experts: per-class budget in experts (ds4's ``--ssd-streaming-cache-experts``).
         budget_bytes: total budget over all classes, shared in proportion to class bytes.
         reserve_bytes: device memory always left free (default 1 GiB;
@@ -278,8 +312,12 @@ class ExpertCache:
         device: CUDA device ordinal.
         device_capacity_bytes: host backend only: the emulated device size (default 64 GiB).
         slab_bytes: largest single slot allocation (default 512 MiB).
-        log_level: 0 silent, 1 notices (default), 2 one line per call. Lines go to the
-            ``pyexpcache`` logger (notices at INFO, per-call lines at DEBUG).
+        log_level: 0 silent, 1 warnings only, 2 notices too (default: cap changes, releases),
+            3 one line per call too (``EXPCACHE_VERBOSE=1`` sets 3). Lines go to the ``pyexpcache``
+            logger (warnings at WARNING, notices at INFO, per-call lines at DEBUG), or to stderr
+            when logging is not configured. A warning (a class left with cap 0: nothing of it
+            is cached) is also issued once per class through :mod:`warnings`
+            (:class:`~pyexpcache.ExpcacheWarning`).
         copy_threads: pageable and file sources: threads staging misses into a pinned ring, each
             filling whole chunks while the calling thread sends the filled ones over the link, in
             order (default: the cores the process may use less 4, at least 2 and at most 12, the
@@ -295,6 +333,13 @@ class ExpertCache:
             small budgets: docs/policy.md).
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
+
+    Threads: every method may be called from several threads at once (the library serializes
+    calls on one cache); addresses returned to one thread may be invalidated by another
+    thread's next call, so threads sharing a cache order their own calls. :meth:`close` may
+    race them: calls in flight finish first, later ones raise
+    :class:`~pyexpcache.CacheClosedError`. Every integer argument is range-checked against its
+    C type (ValueError/OverflowError naming it) before the library sees it.
     """
 
     def __init__(self, layout: ModelLayout, source: Source, *, budget_experts: Optional[int] = None,
@@ -312,32 +357,38 @@ class ExpertCache:
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
             raise ValueError("source was built for a different layout")
         self._handle = None
+        self._gate = _Gate()
+        self._source_user = False
+        lib = _lib.lib
         cfg = _lib.Config()
         lib.expcache_config_init(ctypes.byref(cfg))
-        cfg.backend = _BACKENDS[backend]
-        cfg.device = device
-        cfg.num_layers = layout.num_layers
-        cfg.max_classes = max_classes
-        cfg.policy = _lib.POLICIES[policy]
-        cfg.file_reads = _lib.FILE_READS[file_reads]
-        for name, value in (("budget_experts", budget_experts), ("budget_bytes", budget_bytes),
-                            ("reserve_bytes", reserve_bytes), ("device_capacity_bytes", device_capacity_bytes),
-                            ("slab_bytes", slab_bytes), ("log_level", log_level),
-                            ("copy_threads", copy_threads), ("staging_bytes", staging_bytes),
-                            ("staging_chunk_bytes", staging_chunk_bytes)):
-            if value is not None:
-                if int(value) < 0:
-                    raise ValueError(f"{name} must be >= 0, got {value}")
-                setattr(cfg, name, int(value))
+        given = {"device": device, "num_layers": layout.num_layers, "max_classes": max_classes}
+        given.update((name, value) for name, value in (
+            ("budget_experts", budget_experts), ("budget_bytes", budget_bytes), ("reserve_bytes", reserve_bytes),
+            ("device_capacity_bytes", device_capacity_bytes), ("slab_bytes", slab_bytes), ("log_level", log_level),
+            ("copy_threads", copy_threads), ("staging_bytes", staging_bytes),
+            ("staging_chunk_bytes", staging_chunk_bytes)) if value is not None)
+        _lib.set_fields(cfg, backend=_BACKENDS[backend], policy=_lib.POLICIES[policy],
+                        file_reads=_lib.FILE_READS[file_reads], **given)
         self.layout = layout
         self.source = source
         self.max_classes = max_classes
         self.policy = policy
         self._scratch = _Scratch()
+        self._select_fn = lib.expcache_select_async
+        self._warned: set[str] = set()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
         self._log_fn = _lib.LOG_FN(self._on_log)
+        add_user = getattr(source, "add_user", None)
+        if add_user is not None:
+            add_user()  # raises when the source is closed; from now on it outlives this cache
+            self._source_user = True
         handle = _lib.CachePtr()
-        lib.expcache_create(ctypes.byref(cfg), ctypes.byref(handle))
+        try:
+            lib.expcache_create(ctypes.byref(cfg), ctypes.byref(handle))
+        except BaseException:
+            self._leave_source()
+            raise
         self._handle = handle.value
         try:
             lib.expcache_set_log_callback(self._handle, self._log_fn, None)
@@ -357,24 +408,52 @@ class ExpertCache:
                     d.source_kind, d.file = _lib.SOURCE_FILE, file_id
                 else:
                     d.source_kind = _lib.SOURCE_PINNED if source.pinned else _lib.SOURCE_PAGEABLE
-                d.gate_bytes, d.up_bytes, d.down_bytes = spec.class_key
-                d.gate_stride, d.up_stride, d.down_stride = place.strides
-                d.gate_base, d.up_base, d.down_base = place.bases
+                _lib.set_fields(d, **dict(zip(("gate_bytes", "up_bytes", "down_bytes"), spec.class_key)),
+                                **dict(zip(("gate_stride", "up_stride", "down_stride"), place.strides)),
+                                **dict(zip(("gate_base", "up_base", "down_base"), place.bases)))
                 lib.expcache_register_layer(self._handle, i, ctypes.byref(d))
         except BaseException:
             self.close()
             raise
 
-    @staticmethod
-    def _on_log(user, level, message):
-        logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s", message.decode(errors="replace"))
+    def _on_log(self, user, level, message):
+        # Runs inside a library call (a ctypes callback): it must not raise.
+        try:
+            text = message.decode(errors="replace")
+            if level == _lib.LOG_WARNING and text not in self._warned:
+                self._warned.add(text)
+                # stacklevel 3: this callback, the wrapper method that called C, the user's line.
+                warnings.warn(f"expcache: {text}", ExpcacheWarning, stacklevel=3)
+            if logger.hasHandlers():
+                logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s", text)
+            elif level != _lib.LOG_WARNING:
+                # Nobody configured logging: Python would drop INFO/DEBUG lines, so the
+                # library's own stderr format is kept (the warning went through warnings).
+                print(f"expcache: {text}", file=sys.stderr)
+        except Exception:
+            pass
 
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
-        """Destroy the cache (idempotent): waits for its device work and frees all it allocated."""
-        if self._handle is not None:
-            lib.expcache_destroy(self._handle)
-            self._handle = None
+        """Destroy the cache (idempotent): waits for calls in flight on other threads, then for
+        its device work, and frees all it allocated. Later calls raise CacheClosedError. The
+        source is released from this cache (and freed if it was closed meanwhile)."""
+        gate = getattr(self, "_gate", None)
+        if gate is None:
+            return  # __init__ failed before anything was made
+        with gate.lock:
+            gate.shut = True
+            while gate.active:
+                gate.idle.wait()
+            handle, self._handle = self._handle, None
+            if handle is not None:
+                _lib.lib.expcache_destroy(handle)
+            self._leave_source()
+
+    def _leave_source(self) -> None:
+        if self._source_user:
+            self._source_user = False
+            self.source.remove_user()
 
     def __enter__(self):
         return self
@@ -388,16 +467,29 @@ class ExpertCache:
         except Exception:
             pass
 
-    def _handle_or_raise(self):
-        if self._handle is None:
-            raise ValueError("the cache is closed")
-        return self._handle
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` began."""
+        return self._gate.shut
+
+    @contextlib.contextmanager
+    def raw_handle(self):
+        """``with cache.raw_handle() as h:`` the ``expcache_t*`` (an int) for C code that calls the
+        library itself (an engine's own decode loop, the benchmark's replay loop). The cache
+        stays open for the block: a concurrent :meth:`close` waits for it to end."""
+        with self._gate:
+            yield self._handle
+
+    def _call(self, name: str, *args):
+        """One library call through the gate, on this cache's handle."""
+        with self._gate:
+            return getattr(_lib.lib, name)(self._handle, *args)
 
     @property
     def backend(self) -> str:
         """``"host"`` or ``"cuda"``: the backend in use."""
         out = ctypes.c_uint32()
-        lib.expcache_get_backend(self._handle_or_raise(), ctypes.byref(out))
+        self._call("expcache_get_backend", ctypes.byref(out))
         return _BACKEND_NAMES[out.value]
 
     # -- serving -------------------------------------------------------------
@@ -421,24 +513,28 @@ class ExpertCache:
         device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
         valid for work enqueued on it before the next select, load_compact or prepare_batch.
         A contiguous uint32 array of ids is the fast path (about 3 µs; a list costs more)."""
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF:
+            layer = u32(layer, "layer")
         ids = self._as_ids(expert_ids, "expert_ids")
         k = ids.size
         if k > _lib.MAX_SELECT:
             raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        s = stream_handle(stream)
         scratch = self._scratch
         scratch.ids[:k] = ids
-        lib.expcache_select_async(self._handle_or_raise(), layer, scratch.ids_address, k, stream_handle(stream),
-                                  scratch.out_address)
+        with self._gate:
+            self._select_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address)
         return scratch.out[:k].copy()
 
     def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
         """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to
         device, misses host to device). Asynchronous on ``stream``."""
+        layer = u32(layer, "layer")
         ids = self._as_ids(expert_ids, "expert_ids")
         out = _lib.Compact()
         out.struct_size = ctypes.sizeof(out)
-        lib.expcache_load_compact_async(self._handle_or_raise(), layer, ids.ctypes.data, ids.size,
-                                        stream_handle(stream), ctypes.byref(out))
+        self._call("expcache_load_compact_async", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"),
+                   stream_handle(stream), ctypes.byref(out))
         return CompactBuffer(out.base or 0, out.bytes, out.gate_offset, out.up_offset, out.down_offset,
                              out.gate_bytes, out.up_bytes, out.down_bytes, out.num_experts)
 
@@ -446,6 +542,7 @@ class ExpertCache:
         """Prefill path: serve the union of ``expert_ids_2d`` (tokens x k ids of ``layer``) without
         evicting anything. Returns a :class:`Batch` (a context manager) whose ``ids`` are the
         unique experts and ``pointers`` their [n, 3] device addresses, held until finished."""
+        layer = u32(layer, "layer")
         ids = self._as_ids(expert_ids_2d, "expert_ids_2d")
         n = ids.size
         out_ids = np.empty(max(n, 1), dtype=np.uint32)
@@ -453,65 +550,70 @@ class ExpertCache:
         count = ctypes.c_uint32()
         handle = ctypes.c_uint64()
         s = stream_handle(stream)
-        lib.expcache_batch_prepare_async(self._handle_or_raise(), layer, ids.ctypes.data, n, s,
-                                         out_ids.ctypes.data, out_ptrs.ctypes.data, ctypes.byref(count),
-                                         ctypes.byref(handle))
+        self._call("expcache_batch_prepare_async", layer, ids.ctypes.data, n, s, out_ids.ctypes.data,
+                   out_ptrs.ctypes.data, ctypes.byref(count), ctypes.byref(handle))
         c = count.value
         return Batch(self, layer, handle.value, out_ids[:c].copy(), out_ptrs[:c].copy(), s)
 
     def release_all(self) -> None:
         """Free every expert cache not holding batch slots, and the staging buffers. Synchronizes."""
-        lib.expcache_release_all(self._handle_or_raise())
+        self._call("expcache_release_all")
 
     def synchronize(self, stream=None) -> None:
         """Wait for the work enqueued on ``stream``."""
-        lib.expcache_synchronize(self._handle_or_raise(), stream_handle(stream))
+        self._call("expcache_synchronize", stream_handle(stream))
 
     # -- inspection ------------------------------------------------------------
     def read_expert(self, layer: int, expert: int) -> Optional[np.ndarray]:
         """The resident bytes of (layer, expert) (gate, up, down) as uint8, or None when it is
         not resident. Synchronizes."""
-        spec = self.layout[layer] if 0 <= layer < self.layout.num_layers else None
+        layer, expert = u32(layer, "layer"), u32(expert, "expert")
+        spec = self.layout[layer] if layer < self.layout.num_layers else None
         nbytes = spec.expert_bytes if spec else 1  # the library reports a bad or dense layer
         out = np.empty(nbytes, dtype=np.uint8)
         resident = ctypes.c_uint32()
-        lib.expcache_read_resident(self._handle_or_raise(), layer, expert, out.ctypes.data, nbytes,
-                                   ctypes.byref(resident))
+        self._call("expcache_read_resident", layer, expert, out.ctypes.data, nbytes, ctypes.byref(resident))
         return out if resident.value else None
 
     def read_device(self, address: int, nbytes: int) -> np.ndarray:
         """Copy ``nbytes`` at a device ``address`` the cache handed out to host memory."""
+        address, nbytes = u64(address, "address"), u64(nbytes, "nbytes")
         out = np.empty(nbytes, dtype=np.uint8)
-        lib.expcache_read_device(self._handle_or_raise(), address, out.ctypes.data, nbytes)
+        self._call("expcache_read_device", address, out.ctypes.data, nbytes)
         return out
 
     def checksum(self, layer: int, pointers, stream=None) -> np.ndarray:
         """Run the checksum kernel over experts at ``pointers`` ([n, 3] addresses of ``layer``'s
         class, as select returns): uint64 per expert. Reads every byte. Synchronizes."""
+        layer = u32(layer, "layer")
         ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
         out = np.empty(ptrs.shape[0], dtype=np.uint64)
-        lib.expcache_checksum(self._handle_or_raise(), layer, ptrs.ctypes.data, ptrs.shape[0],
-                              stream_handle(stream), out.ctypes.data)
+        self._call("expcache_checksum", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
+                   stream_handle(stream), out.ctypes.data)
         return out
 
     def checksum_async(self, layer: int, pointers, first: int, stream=None) -> None:
         """:meth:`checksum` without waiting: the sums go to result slots ``[first, first + n)``
         when ``stream`` reaches the kernel; read them with :meth:`checksum_results` after
         synchronizing it."""
+        layer, first = u32(layer, "layer"), u32(first, "first")
         ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
-        lib.expcache_checksum_async(self._handle_or_raise(), layer, ptrs.ctypes.data, ptrs.shape[0],
-                                    stream_handle(stream), first)
+        self._call("expcache_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
+                   stream_handle(stream), first)
 
     def checksum_results(self, first: int, n: int) -> np.ndarray:
         """Result slots ``[first, first + n)`` of :meth:`checksum_async` (does not wait)."""
+        first, n = u32(first, "first"), u32(n, "n")
+        if n > _lib.CHECKSUM_RESULTS:
+            raise ValueError(f"n must be at most {_lib.CHECKSUM_RESULTS}, got {n}")
         out = np.empty(max(n, 1), dtype=np.uint64)
-        lib.expcache_checksum_results(self._handle_or_raise(), first, n, out.ctypes.data)
+        self._call("expcache_checksum_results", first, n, out.ctypes.data)
         return out[:n]
 
     def layer_class(self, layer: int) -> int:
         """The class index ``layer`` is bound to (binding it now if needed)."""
         out = ctypes.c_uint32()
-        lib.expcache_layer_class(self._handle_or_raise(), layer, ctypes.byref(out))
+        self._call("expcache_layer_class", u32(layer, "layer"), ctypes.byref(out))
         return out.value
 
     def classes(self) -> list[ClassInfo]:
@@ -520,7 +622,7 @@ class ExpertCache:
         info = _lib.ClassInfo()
         info.struct_size = ctypes.sizeof(info)
         for i in range(self.max_classes):
-            lib.expcache_class_info(self._handle_or_raise(), i, ctypes.byref(info))
+            self._call("expcache_class_info", i, ctypes.byref(info))
             if info.in_use:
                 out.append(ClassInfo(i, *(getattr(info, f[0]) for f in _lib.ClassInfo._fields_[2:])))
         return out
@@ -533,7 +635,7 @@ class ExpertCache:
         for info in self.classes():
             paths = {}
             for p, name in enumerate(_lib.PATH_NAMES):
-                lib.expcache_get_stats(self._handle_or_raise(), info.index, p, ctypes.byref(st))
+                self._call("expcache_get_stats", info.index, p, ctypes.byref(st))
                 paths[name] = PathStats(**{n: getattr(st, n) for n in _lib.STAT_FIELDS})
             out.append(ClassStats(info, paths))
         return CacheStats(out)
@@ -543,30 +645,30 @@ class ExpertCache:
         staged): pieces, bytes, and where the time of a staged call goes."""
         st = _lib.StagingStats()
         st.struct_size = ctypes.sizeof(st)
-        lib.expcache_get_staging_stats(self._handle_or_raise(), ctypes.byref(st))
+        self._call("expcache_get_staging_stats", ctypes.byref(st))
         return StagingStats(**{n: getattr(st, n) for n in _lib.STAGING_FIELDS})
 
     def reset_stats(self) -> None:
         """Zero every counter, the staging ring's too."""
-        lib.expcache_reset_stats(self._handle_or_raise())
+        self._call("expcache_reset_stats")
 
     @property
     def device_bytes_in_use(self) -> int:
         """Device bytes the cache holds now (slots and staging)."""
         out = ctypes.c_uint64()
-        lib.expcache_device_bytes_in_use(self._handle_or_raise(), ctypes.byref(out))
+        self._call("expcache_device_bytes_in_use", ctypes.byref(out))
         return out.value
 
     # -- testing -----------------------------------------------------------------
     def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` device allocations succeed, then fail the next ``count``."""
-        lib.expcache_inject_alloc_failures(self._handle_or_raise(), n, count)
+        self._call("expcache_inject_alloc_failures", u64(n, "n"), u64(count, "count"))
 
     def fail_copy_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` copies be issued, then fail the next ``count`` (CudaError)."""
-        lib.expcache_inject_copy_failures(self._handle_or_raise(), n, count)
+        self._call("expcache_inject_copy_failures", u64(n, "n"), u64(count, "count"))
 
     def fail_staging_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` staged pieces (pageable and file uploads) be filled, then
         fail the next ``count`` on the staging threads (CudaError from the call that staged them)."""
-        lib.expcache_inject_staging_failures(self._handle_or_raise(), n, count)
+        self._call("expcache_inject_staging_failures", u64(n, "n"), u64(count, "count"))

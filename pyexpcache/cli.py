@@ -1,12 +1,66 @@
-"""``expcache`` command line: ``bench`` (the main job), ``transfer``, ``inspect`` (a GGUF model), ``info``."""
+"""``expcache`` command line: ``bench`` (the main job), ``transfer``, ``inspect`` (a GGUF model), ``info``.
+
+Nothing here loads libexpcache or cuda-python before a command runs, so every ``--help``
+works on a fresh clone. What a run needs (output paths, optional packages, the traces) is
+checked before the run starts; errors are one line; Ctrl-C stops with status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
+import math
+import os
 import sys
 
 GiB = 1 << 30
+INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
+
+
+class UsageError(Exception):
+    """A command line that cannot run: printed as one line, status 2 (as argparse does)."""
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
+
+
+def _has_cuda_python() -> bool:
+    return _has_module("cuda.bindings") or _has_module("cuda.cudart")
+
+
+def _need(ok: bool, what: str, extra: str) -> None:
+    if not ok:
+        raise UsageError(f"{what}; install it with: pip install 'expcache[{extra}]'")
+
+
+def _writable_file(path: str, option: str) -> None:
+    """Refuse an output path that cannot be written, before hours of benchmark."""
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"{option} {path}: not writable")
+
+
+def _gib(option: str, minimum_exclusive: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (minimum_exclusive and value == 0) or value > 1e6:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be a finite number of GiB {'>' if minimum_exclusive else '>='} 0 (at most 1e6), "
+                f"got {text!r}")
+        return value
+    return parse
 
 
 def _layers(text: str) -> list[int]:
@@ -75,12 +129,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--traces", type=_csv(None), default=list(DEFAULT_TRACES),
                    help="comma list of bundled decode traces, CSV paths, or synthetic:TOKENS[:SEED] "
                         "(default: the seven bundled traces)")
-    b.add_argument("--budget-gib", type=float, default=12.0, help="expert cache budget in GiB (default 12)")
-    b.add_argument("--reserve-gib", type=float, default=None, help="device memory kept free (default 1 GiB)")
+    b.add_argument("--budget-gib", type=_gib("--budget-gib", True), default=12.0,
+                   help="expert cache budget in GiB (default 12)")
+    b.add_argument("--reserve-gib", type=_gib("--reserve-gib", False), default=None,
+                   help="device memory kept free (default 1 GiB)")
     b.add_argument("--variants", type=_csv(VARIANTS), default=list(VARIANTS),
                    help=f"comma list of {', '.join(VARIANTS)} (default: all)")
-    b.add_argument("--backend", default="auto", choices=("auto", "host", "cuda"))
-    b.add_argument("--device", type=int, default=0)
+    b.add_argument("--backend", default="auto", choices=("auto", "host", "cuda"),
+                   help="auto: the GPU when the CUDA build of the library and a device are usable, else the "
+                        "host backend (host memory with an emulated capacity); cuda needs cuda-python "
+                        "(the [cuda] extra)")
+    b.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     b.add_argument("--source", choices=("pinned", "pageable"), default=None,
                    help="host memory of the experts (default: pinned on the GPU, pageable on the host)")
     b.add_argument("--placement", choices=("expert", "tensor"), default="expert",
@@ -99,11 +158,18 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--file-reads", choices=("buffered", "direct"), default="buffered",
                    help="with --gguf-reads file: through the page cache (default) or O_DIRECT")
     b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    b.add_argument("--plot", metavar="FILE.png", help="plot hit rate vs budget for LRU and Belady (matplotlib)")
+    b.add_argument("--plot", metavar="FILE.png",
+                   help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)")
     b.add_argument("--quiet", action="store_true", help="no progress bar or notices")
-    t = sub.add_parser("transfer", help="miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)")
-    t.add_argument("--gib", type=float, default=1.0, help="bytes moved per measurement, GiB (default 1)")
-    t.add_argument("--device", type=int, default=0)
+    t = sub.add_parser("transfer", help="miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)",
+                       description="Measure how fast the library moves misses to the GPU from pinned memory, "
+                                   "pageable memory (staged through its pinned ring) and a file (pread, through "
+                                   "the page cache or O_DIRECT), for each expert size, next to plain "
+                                   "cudaMemcpyAsync of the same chunks in the same run. Needs a CUDA device, "
+                                   "the CUDA build of libexpcache and cuda-python.")
+    t.add_argument("--gib", type=_gib("--gib", True), default=1.0,
+                   help="bytes moved per measurement, GiB (default 1)")
+    t.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     t.add_argument("--copy-threads", default="",
                    help="comma list of copy thread counts for staged sources (default: the library's)")
     t.add_argument("--chunks", type=_sizes, default=None,
@@ -116,6 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--file-dir", default=None, help="folder for the file source's temporary file")
     t.add_argument("--detail", action="store_true",
                    help="also show where staged calls spend their time (the staging ring's counters)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
     i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
     i.add_argument("model", metavar="MODEL.gguf")
     sub.add_parser("info", help="library version, path and available backends")
@@ -131,14 +198,34 @@ def _cache_options(args) -> dict:
     return options
 
 
+def _check_bench(args) -> None:
+    """What `bench` needs, checked before anything is allocated or run."""
+    if args.backend == "cuda" or args.source == "pinned":
+        _need(_has_cuda_python(), f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} needs "
+              "cuda-python", "cuda")
+    if args.gguf:
+        _need(_has_module("gguf"), "--gguf needs the gguf package", "gguf")
+        if not os.path.isfile(args.gguf):
+            raise UsageError(f"--gguf {args.gguf}: no such file")
+    if args.plot:
+        _need(_has_module("matplotlib"), "--plot needs matplotlib", "plot")
+        _writable_file(args.plot, "--plot")
+    if args.json:
+        _writable_file(args.json, "--json")
+    if args.scale is not None and args.scale < 1:
+        raise UsageError(f"--scale must be >= 1, got {args.scale}")
+    from . import bench
+
+    bench.build_workload("decode", args.traces)  # every trace readable (one-line errors name the file)
+
+
 def _bench(args) -> int:
     from . import bench
     from .layout import ModelLayout
 
+    _check_bench(args)
     backend = bench.resolve_backend(args.backend, args.device)
     scale = args.scale if args.scale is not None else (1 if backend == "cuda" else bench.HOST_SCALE)
-    if scale < 1:
-        raise SystemExit("--scale must be >= 1")
     source = None
     if args.gguf:
         from .gguf import GGUFSource
@@ -149,11 +236,12 @@ def _bench(args) -> int:
     else:
         layout = ModelLayout.preset(args.layout, scale=scale)
     if args.layers is not None and source is not None:
-        raise SystemExit("--layers cannot be combined with --gguf")
+        source.close()
+        raise UsageError("--layers cannot be combined with --gguf")
     if args.layers is not None:
         bad = [i for i in args.layers if not 0 <= i < layout.num_layers]
         if bad:
-            raise SystemExit(f"--layers: {bad} not in 0..{layout.num_layers - 1}")
+            raise UsageError(f"--layers: {bad} not in 0..{layout.num_layers - 1}")
         layout = ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
                              name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
     pinned = None if args.source is None else args.source == "pinned"
@@ -172,6 +260,7 @@ def _bench(args) -> int:
         for scenario in scenarios:
             report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
                                host_scale=scale, bench=shared)
+            report.argv = ["expcache"] + list(args.argv)
             print(bench.format_report(report))
             print(flush=True)
             reports.append(report)
@@ -204,16 +293,31 @@ def _info() -> int:
 
 
 def _transfer(args) -> int:
+    _need(_has_cuda_python(), "expcache transfer needs cuda-python", "cuda")
+    try:
+        threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--copy-threads: expected a comma list of integers, got {args.copy_threads!r}") from None
+    if args.file_dir is not None and not os.path.isdir(args.file_dir):
+        raise UsageError(f"--file-dir {args.file_dir}: no such folder")
     from . import transfer
-    from .bench import resolve_backend
+    from .bench import Progress, resolve_backend
 
     if resolve_backend("auto", args.device) != "cuda":
         print("expcache transfer: needs a CUDA device and the CUDA build of libexpcache", file=sys.stderr)
         return 1
-    threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
+    staged = max(1, len(threads)) * len(args.chunks or [0])
+    total = len(args.sizes) * len(transfer.ARRANGEMENTS) * sum(1 if k == "pinned" else staged for k in args.sources)
+    bar = Progress(False if args.quiet else None)
+    done = [0]
+
+    def progress(row) -> None:
+        done[0] += 1
+        bar(f"transfer {row.size} {row.source}", done[0], total)
+
     rows = transfer.run(sizes=[f"{s} MiB" for s in args.sizes], total_bytes=int(args.gib * GiB),
-                        device=args.device, copy_threads=threads,
-                        chunks=args.chunks, sources=args.sources, file_dir=args.file_dir)
+                        device=args.device, copy_threads=threads, chunks=args.chunks, sources=args.sources,
+                        file_dir=args.file_dir, progress=progress)
     print(transfer.format_rows(rows, detail=args.detail))
     if args.detail:
         # The host's side of the staged rows' bound, in this run: it moves between machines and
@@ -226,32 +330,48 @@ def _transfer(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .gguf import GGUFLayoutError, inspect_table
+    _need(_has_module("gguf"), "expcache inspect needs the gguf package", "gguf")
+    if os.path.isdir(args.model):
+        raise UsageError(f"{args.model}: is a directory, not a GGUF file")
+    from .gguf import inspect_table
 
-    try:
-        print(inspect_table(args.model))
-    except (GGUFLayoutError, FileNotFoundError) as exc:
-        print(f"expcache inspect: {exc}", file=sys.stderr)
-        return 1
+    print(inspect_table(args.model))
     return 0
 
 
+_COMMANDS = {"bench": _bench, "transfer": _transfer, "inspect": _inspect, "info": lambda args: _info()}
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    # One line per warning (the library's and the traces' notices), not Python's two-line form.
+    print(f"expcache: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    args.argv = argv
+    import warnings
+
+    warnings.showwarning = _show_warning
     if args.command == "bench":
         logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s")
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        # A progress bar may own the current line.
+        print(("\n" if sys.stderr.isatty() else "") + f"expcache {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except UsageError as exc:
+        print(f"expcache {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
         from ._errors import ExpcacheError
 
-        try:
-            return _bench(args)
-        except (ValueError, OSError, MemoryError, ExpcacheError) as exc:
-            print(f"expcache bench: {exc}", file=sys.stderr)
+        if isinstance(exc, (ValueError, OSError, MemoryError, ImportError, ExpcacheError)):
+            print(f"expcache {args.command}: {exc}", file=sys.stderr)
             return 1
-    if args.command == "inspect":
-        return _inspect(args)
-    if args.command == "transfer":
-        return _transfer(args)
-    return _info()
+        raise
 
 
 if __name__ == "__main__":

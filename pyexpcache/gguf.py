@@ -350,8 +350,9 @@ class GGUFSource(BufferSource):
             through the page cache or, with ``ExpertCache(..., file_reads="direct")``, with
             O_DIRECT where the file system allows it: for models larger than RAM).
 
-    The file must not be modified or truncated while mapped, and a cache using the
-    source must be closed before the source.
+    The file must not be modified or truncated while mapped. A cache keeps its source
+    alive: closing the source while a cache uses it releases the mapping when the last
+    such cache closes (:class:`~pyexpcache.source.BufferSource`).
     """
 
     pinned = False
@@ -386,7 +387,7 @@ class GGUFSource(BufferSource):
         ]
 
     def _check_open(self):
-        if self._mm is None:
+        if self._mm is None or self.closed:
             raise ValueError(f"{self.path}: the source is closed")
 
     # -- what the cache needs --------------------------------------------
@@ -419,9 +420,9 @@ class GGUFSource(BufferSource):
         return sum(checksum_bytes(self.part(layer, expert, p)) for p in range(3)) & _MASK64
 
     # -- lifetime ----------------------------------------------------------
-    def close(self) -> None:
-        """Unmap the file (idempotent). A cache using this source must be closed first.
-        Views handed out by :meth:`part` keep the mapping alive until they are dropped."""
+    def _release(self) -> None:
+        """Unmap the file; called once, when closed and no cache uses it. Views handed out
+        by :meth:`part` keep the mapping alive until they are dropped."""
         mm, self._mm = self._mm, None
         self.buffer = np.empty(0, np.uint8)
         self._placements = []
@@ -432,7 +433,7 @@ class GGUFSource(BufferSource):
                 pass  # views are still exported; the mapping goes when the last one does
 
     def __repr__(self) -> str:
-        state = "closed" if self._mm is None else f"{self.nbytes} bytes"
+        state = "closed" if self._mm is None or self.closed else f"{self.nbytes} bytes"
         return f"GGUFSource({self.path!r}, {len(self.layout.moe_layers)} MoE layers, {state})"
 
 

@@ -9,6 +9,7 @@ byte for byte (tests) or by checksum (the benchmark's kernel).
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -55,7 +56,9 @@ def _pattern_checksum(seed: int, nbytes: int) -> int:
 class Source(Protocol):
     """What :class:`~pyexpcache.ExpertCache` needs of a source: the layout it holds,
     whether its memory is pinned, and where each layer's parts are. The memory must
-    stay valid and unchanged while a cache uses it."""
+    stay valid and unchanged while a cache uses it: sources derived from
+    :class:`BufferSource` guarantee that themselves (see its lifetime rule); any other
+    source must not free its memory before the caches using it are closed."""
 
     layout: ModelLayout
     pinned: bool
@@ -65,13 +68,62 @@ class Source(Protocol):
     def placement(self, layer: int) -> Optional["LayerPlacement"]: ...
 
 
+_users_lock = threading.Lock()
+
+
 class BufferSource:
-    """What the sources whose bytes sit in a host buffer (``self.buffer``) share: a context
-    manager around ``close()``, and the buffer's size."""
+    """What the sources whose bytes sit in a host buffer (``self.buffer``) share: the
+    lifetime rule, a context manager around ``close()``, and the buffer's size.
+
+    Lifetime: **a cache keeps its source alive.** Each :class:`~pyexpcache.ExpertCache`
+    registers itself as a user of its source; :meth:`close` (or leaving a ``with`` block)
+    while caches still use the source marks it closed at once (no new cache may use it,
+    :attr:`closed` is True) but its memory (pinned memory, a file mapping) is released
+    only when the last of those caches closes. So the memory the library copies misses
+    from is never freed under a live cache, whatever the order of the ``with`` blocks.
+    """
 
     buffer: np.ndarray
+    _users = 0
+    _close_requested = False
 
-    def close(self) -> None:  # pragma: no cover - every subclass defines it
+    def add_user(self) -> None:
+        """Called by a cache that will read this source's memory (raises ValueError when closed)."""
+        with _users_lock:
+            if self._close_requested:
+                raise ValueError(f"{self!r}: the source is closed")
+            self._users += 1
+
+    def remove_user(self) -> None:
+        """Called by that cache once it is destroyed; the last user out releases a closed source."""
+        with _users_lock:
+            self._users -= 1
+            release = self._close_requested and self._users == 0
+        if release:
+            self._release()
+
+    def close(self) -> None:
+        """Close the source (idempotent): its memory is released now, or, while caches still
+        use it, when the last of them closes."""
+        with _users_lock:
+            if self._close_requested:
+                return
+            self._close_requested = True
+            release = self._users == 0
+        if release:
+            self._release()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (the memory may still be held by open caches)."""
+        return self._close_requested
+
+    @property
+    def users(self) -> int:
+        """Open caches reading this source."""
+        return self._users
+
+    def _release(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
     def __enter__(self):
@@ -82,7 +134,7 @@ class BufferSource:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the source's host buffer (0 once closed)."""
+        """Bytes of the source's host buffer (0 once released)."""
         return self.buffer.nbytes
 
 
@@ -213,11 +265,16 @@ class HostSource(BufferSource):
         return total & _MASK64
 
     # -- lifetime ----------------------------------------------------------
-    def close(self) -> None:
-        """Free pinned memory (idempotent). The cache using this source must be closed first."""
+    def _release(self) -> None:
+        """Free the memory (pinned: cudaFreeHost); called once, when closed and unused."""
+        self.buffer = np.empty(0, np.uint8)
         if self._pinned_ptr is not None:
             from . import _cuda
 
-            self.buffer = np.empty(0, np.uint8)
-            _cuda.check(_cuda.runtime().cudaFreeHost(self._pinned_ptr), "cudaFreeHost")
-            self._pinned_ptr = None
+            ptr, self._pinned_ptr = self._pinned_ptr, None
+            _cuda.check(_cuda.runtime().cudaFreeHost(ptr), "cudaFreeHost")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.buffer.nbytes} bytes"
+        return (f"HostSource({self.layout.name}, {'pinned' if self.pinned else 'pageable'}, "
+                f"{self.arrangement} placement, {state})")

@@ -152,7 +152,10 @@ def library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 
     return st.bytes_h2d / dt / 1e9, st.bytes_h2d, staging
 
 
-def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=("tensor", "expert"),
+ARRANGEMENTS = ("tensor", "expert")  # host placements measured: one tensor per part, or each expert's parts together
+
+
+def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=ARRANGEMENTS,
         sources: Sequence[str] = SOURCES, copy_threads: Optional[Sequence[int]] = None,
         chunks: Optional[Sequence[int]] = None,
         device: int = 0, progress=None, file_dir: Optional[str] = None) -> list[TransferRow]:

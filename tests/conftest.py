@@ -43,7 +43,7 @@ def make_cache(backend):
         if pinned is None:
             pinned = backend == "cuda"
         source = HostSource(layout, pinned=pinned, arrangement=arrangement)
-        kwargs.setdefault("log_level", 1)
+        kwargs.setdefault("log_level", 2)
         cache = ExpertCache(layout, source, backend=backend, **kwargs)
         made.append((cache, source))
         return cache, source

@@ -255,6 +255,7 @@ def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
             transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20)]
     asked = {}
+    monkeypatch.setattr(cli, "_has_cuda_python", lambda: True)
     monkeypatch.setattr(bench, "resolve_backend", lambda *a: "cuda")
     monkeypatch.setattr(transfer, "run", lambda **kw: asked.update(kw) or rows)
     real = transfer.host_copy_rates
@@ -333,7 +334,7 @@ def test_staging_trace_notes_every_piece_and_summarizes_it(tmp_path, monkeypatch
     layout = ModelLayout((LayerSpec(16, 300_000, 300_000, 400_000),), name="traced")
     with HostSource(layout, pinned=False) as source:
         cache = ExpertCache(layout, source, backend="host", budget_bytes=16 * layout[0].expert_bytes,
-                            copy_threads=4, staging_bytes=4 << 20, staging_chunk_bytes=256 << 10, log_level=1)
+                            copy_threads=4, staging_bytes=4 << 20, staging_chunk_bytes=256 << 10, log_level=2)
         calls = ([0, 1, 2], [3, 4, 0], [5, 6, 7, 8], [1, 2])  # all fit; the last call hits: it stages nothing
         for ids in calls:
             ptrs = cache.select(0, ids)

@@ -551,7 +551,7 @@ def test_pinned_uploads_of_a_call_go_together(backend):
     layout = ModelLayout((LayerSpec(400, 4096, 4096, 8200),), name="many-parts")  # 3 uploads an expert
     with HostSource(layout, pinned=backend == "cuda", arrangement="tensor") as source:
         source.pinned = True  # host backend: the library copies "pinned" memory directly, whatever it is
-        with ExpertCache(layout, source, backend=backend, budget_experts=400, log_level=1) as cache:
+        with ExpertCache(layout, source, backend=backend, budget_experts=400, log_level=2) as cache:
             ids = np.arange(400)
             assert_served(cache, source, 0, ids[:6], cache.select(0, ids[:6]))
             with cache.prepare_batch(0, ids[6:].reshape(2, 197)) as batch:  # 1,182 uploads in one call

@@ -46,9 +46,12 @@ typedef struct replay_result_t {
                                     rest is the checksum: its kernel, the wait for the transfers still
                                     crossing and the sums' readback (with layer_sync; without it, the
                                     per-token wait) */
+    uint64_t stopped;            /* 1 when the progress callback asked to stop (Ctrl-C) */
 } replay_result_t;
 
-typedef void (*replay_progress_fn)(uint64_t done, uint64_t total);
+/* Called every 512 calls and after the last; a nonzero return stops the replay after the
+   call just done (out->stopped = 1, status OK): how Ctrl-C reaches a loop that runs in C. */
+typedef int (*replay_progress_fn)(uint64_t done, uint64_t total);
 
 static double now_s(void) {
     struct timespec ts;
@@ -178,7 +181,11 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
                 num_pending = slots = 0;
             }
             out->calls_done = c + 1;
-            if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls)) progress(c + 1, num_calls);
+            if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls) &&
+                progress(c + 1, num_calls)) {
+                out->stopped = 1;
+                goto done;
+            }
             continue;
         }
         if (call->kind == REPLAY_DECODE) {
@@ -220,7 +227,10 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         moved = now_moved;
         verify(out, c, expected + (uint64_t)call->layer * experts_per_layer, served, sums, n);
         out->calls_done = c + 1;
-        if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls)) progress(c + 1, num_calls);
+        if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls) && progress(c + 1, num_calls)) {
+            out->stopped = 1;
+            break;
+        }
     }
 done:
     free(uniq);

@@ -29,15 +29,24 @@
  *    together in one cudaMemcpyBatchAsync, except on the legacy default
  *    stream, which that function refuses: there they go one by one, which
  *    costs a few microseconds of link time per contiguous part.
- *  - Ownership: the library never frees caller memory. The host expert
- *    bytes registered with a layer must stay valid and unchanged until the
- *    cache is destroyed. Device pointers handed out stay valid only as long
- *    as each function's comment says.
+ *  - Ownership: the library never frees caller memory, and it reads the
+ *    caller's memory until expcache_destroy returns: the host expert bytes
+ *    registered with a layer (pinned or pageable) must stay mapped, valid
+ *    and unchanged until then, and a file opened with expcache_open_file
+ *    must not shrink. Freeing or unmapping them earlier makes later misses
+ *    copy freed memory (wrong bytes or a crash); the library cannot detect
+ *    it. Device pointers handed out stay valid only as long as each
+ *    function's comment says.
  *  - Thread safety: one cache may be used from several threads; calls on
  *    one cache are serialized by an internal mutex. Separate caches are
  *    independent. Device pointers returned to one thread can be invalidated
  *    by another thread's next call on the same cache, so an engine that
- *    shares a cache between threads orders its own calls.
+ *    shares a cache between threads orders its own calls. expcache_destroy
+ *    is the exception: no other call on the same cache may be in flight or
+ *    start while it runs (a call that starts after it returns gets
+ *    INVALID_ARGUMENT: the handle is no longer live). Bindings that let
+ *    one thread close a cache others use must wait for the calls in flight
+ *    first, as pyexpcache's ExpertCache.close() does.
  */
 #ifndef EXPCACHE_H
 #define EXPCACHE_H
@@ -110,8 +119,9 @@ EXPCACHE_API uint32_t expcache_version(void);
 
 /** Log levels (expcache_config_t.log_level). */
 #define EXPCACHE_LOG_SILENT 0
-#define EXPCACHE_LOG_NOTICE 1 /**< cap changes, class reuse, cache releases (default). */
-#define EXPCACHE_LOG_DEBUG 2  /**< plus one line per call. EXPCACHE_VERBOSE=1 sets this. */
+#define EXPCACHE_LOG_WARNING 1 /**< trouble only: a class left with cap 0 (nothing cached). */
+#define EXPCACHE_LOG_NOTICE 2  /**< plus cap changes, class reuse, cache releases (default). */
+#define EXPCACHE_LOG_DEBUG 3   /**< plus one line per call. EXPCACHE_VERBOSE=1 sets this. */
 
 /** How file sources are read (expcache_config_t.file_reads). */
 #define EXPCACHE_FILE_READS_BUFFERED 0 /**< pread through the page cache: repeated misses of a model that
@@ -153,7 +163,10 @@ typedef struct expcache_config_t {
     int32_t device;            /**< CUDA device ordinal; default 0 */
     uint32_t num_layers;       /**< layers are 0..num_layers-1; required, 1..EXPCACHE_MAX_LAYERS_LIMIT */
     uint32_t max_classes;      /**< default 4; 1..EXPCACHE_MAX_CLASSES_LIMIT */
-    uint32_t log_level;        /**< EXPCACHE_LOG_*; default NOTICE; EXPCACHE_VERBOSE=1 raises it to DEBUG */
+    uint32_t log_level;        /**< EXPCACHE_LOG_*; default NOTICE. The environment variable EXPCACHE_VERBOSE
+                                    (read by expcache_create) raises it to DEBUG when 1, true, yes or on, leaves
+                                    it when 0, false, no or off (any case); any other value fails the create
+                                    with INVALID_ARGUMENT */
     uint64_t budget_experts;   /**< per-class budget in experts; default 0 (unset) */
     uint64_t budget_bytes;     /**< total budget in bytes; default 0 (unset) */
     uint64_t reserve_bytes;    /**< device memory the expert caches never grow into (left for staging
@@ -498,7 +511,13 @@ EXPCACHE_API expcache_status_t expcache_reset_stats(expcache_t* cache);
 /* Logging and fault injection                                             */
 /* ---------------------------------------------------------------------- */
 
-/** Receives one log line (no trailing newline) and the level. */
+/**
+ * Receives one log line (no trailing newline) and its level: EXPCACHE_LOG_WARNING
+ * for trouble a user must see (a class whose cap is 0 because no device memory is
+ * left after the reserve: every expert of it is loaded directly, nothing cached),
+ * NOTICE for state changes, DEBUG for per-call lines. Called on the thread making
+ * the call, with the cache's mutex held: it must not call into the same cache.
+ */
 typedef void (*expcache_log_fn)(void* user, uint32_t level, const char* message);
 
 /** Route log lines to fn instead of stderr (fn NULL restores stderr). */

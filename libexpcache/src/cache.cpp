@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <strings.h>
 #include <exception>
 #include <new>
 
@@ -23,6 +24,23 @@ constexpr uint32_t kMaxCompact = 1u << 20;
 constexpr const char* kPathNames[EXPCACHE_NUM_PATHS] = {"decode", "compact", "batch", "control"};
 
 uint64_t align_up(uint64_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
+
+// Bytes as GiB, or MiB below 1 GiB (the host backend's emulated devices are small).
+std::string human_bytes(uint64_t n) {
+    if (n >= kGiB) return format("%.2f GiB", double(n) / double(kGiB));
+    return format("%.1f MiB", double(n) / double(uint64_t(1) << 20));
+}
+
+// An on/off environment value: 1 for 1/true/yes/on, 0 for 0/false/no/off (any case), -1 otherwise.
+int parse_switch(const char* text) {
+    static const char* const kOn[] = {"1", "true", "yes", "on"};
+    static const char* const kOff[] = {"0", "false", "no", "off"};
+    for (const char* w : kOn)
+        if (strcasecmp(text, w) == 0) return 1;
+    for (const char* w : kOff)
+        if (strcasecmp(text, w) == 0) return 0;
+    return -1;
+}
 
 bool slot_evictable(const void* ctx, int32_t s) {
     // ctx points at {slots, current call}; see acquire_slot.
@@ -93,7 +111,7 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     if (cfg.backend > EXPCACHE_BACKEND_CUDA)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown backend %u (0 auto, 1 host, 2 cuda)", cfg.backend);
     if (cfg.log_level > EXPCACHE_LOG_DEBUG)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "log_level must be 0..2, got %u", cfg.log_level);
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "log_level must be 0..3, got %u", cfg.log_level);
     if (cfg.budget_experts == 0 && cfg.budget_bytes == 0)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "set budget_experts or budget_bytes (both are 0)");
     if (cfg.device_capacity_bytes == 0)
@@ -121,7 +139,11 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
         cfg.reserve_bytes = static_cast<uint64_t>(gb * double(kGiB));
     }
     if (const char* env = std::getenv("EXPCACHE_VERBOSE")) {
-        if (env[0] && std::strcmp(env, "0") != 0) cfg.log_level = EXPCACHE_LOG_DEBUG;
+        int on = parse_switch(env);
+        if (on < 0)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                        "EXPCACHE_VERBOSE=\"%s\" is not one of 1, true, yes, on (verbose) or 0, false, no, off", env);
+        if (on) cfg.log_level = EXPCACHE_LOG_DEBUG;
     }
 
     std::unique_ptr<Cache> c(new Cache());
@@ -504,6 +526,15 @@ void Cache::announce_cap(int32_t c, uint32_t path, const char* why) {
     ClassState& cls = classes_[c];
     cls.stats[path].cap_notices++;
     cls.cap_announced = true;
+    if (cls.cap == 0 && cls.target > 0) {
+        // Nothing of this class can be cached: every miss becomes a direct load. Said as a warning,
+        // once per change, so that a reserve larger than free memory is never silent.
+        log(EXPCACHE_LOG_WARNING,
+            "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; "
+            "lower reserve_bytes or the budget, or free device memory",
+            c, class_name(cls).c_str(), (unsigned long long)cls.target, why);
+        return;
+    }
     log(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c,
         class_name(cls).c_str(), (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB),
         (unsigned long long)cls.target, why);
@@ -531,8 +562,13 @@ expcache_status_t Cache::refresh_cap(int32_t c, uint32_t path) {
     cls.target = class_target(cls);
     cls.cap = std::min(cls.target, mem_cap);
     cls.cap_valid = true;
-    if (!cls.cap_announced || cls.cap != old_cap)
-        announce_cap(c, path, cls.cap < cls.target ? ", limited by free device memory minus the reserve" : "");
+    if (!cls.cap_announced || cls.cap != old_cap) {
+        std::string why;
+        if (cls.cap < cls.target)
+            why = format(", limited by free device memory minus the reserve (%s free, reserve %s)",
+                         human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());
+        announce_cap(c, path, why.c_str());
+    }
     return EXPCACHE_OK;
 }
 
@@ -1204,7 +1240,7 @@ expcache_status_t Cache::set_log_callback(expcache_log_fn fn, void* user) {
 
 expcache_status_t Cache::set_log_level(uint32_t level) {
     CallScope scope(*this);
-    if (level > EXPCACHE_LOG_DEBUG) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "log level must be 0..2, got %u", level);
+    if (level > EXPCACHE_LOG_DEBUG) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "log level must be 0..3, got %u", level);
     log_level_ = level;
     return EXPCACHE_OK;
 }

@@ -357,7 +357,7 @@ static void log_cb(void* user, uint32_t level, const char* msg) {
         diverge("log callback got a NULL message");
         return;
     }
-    if (level < EXPCACHE_LOG_NOTICE || level > sink->level)
+    if (level < EXPCACHE_LOG_WARNING || level > sink->level)
         diverge("log line at level %u while the level is %u: %s", level, sink->level, msg);
     size_t n = strlen(msg);
     if (n == 0 || msg[n - 1] == '\n') diverge("log line empty or ends in a newline: \"%s\"", msg);
@@ -636,7 +636,7 @@ static void bad_configs(void) {
         case 2: cfg.num_layers = EXPCACHE_MAX_LAYERS_LIMIT + 1; what = "num_layers over the limit"; break;
         case 3: cfg.max_classes = pct(50) ? 0 : EXPCACHE_MAX_CLASSES_LIMIT + 1; what = "max_classes"; break;
         case 4: cfg.backend = 3 + (uint32_t)below(100); what = "backend"; break;
-        case 5: cfg.log_level = 3; what = "log_level"; break;
+        case 5: cfg.log_level = EXPCACHE_LOG_DEBUG + 1; what = "log_level"; break;
         case 6: cfg.budget_experts = cfg.budget_bytes = 0; what = "no budget"; break;
         case 7: cfg.device_capacity_bytes = 0; what = "device_capacity_bytes 0"; break;
         case 8: cfg.slab_bytes = 0; what = "slab_bytes 0"; break;
@@ -713,7 +713,7 @@ static void op_create(void) {
     cfg.backend = pct(80) ? EXPCACHE_BACKEND_HOST : EXPCACHE_BACKEND_AUTO;
     cfg.num_layers = m->num_layers;
     cfg.max_classes = m->max_classes;
-    uint32_t level = (uint32_t)below(3);
+    uint32_t level = (uint32_t)below(EXPCACHE_LOG_DEBUG + 1);
     cfg.log_level = level;
     cfg.budget_experts = pct(50) ? between(1, 64) : 0;
     cfg.budget_bytes = (pct(50) || !cfg.budget_experts) ? between(1, model_bytes + model_bytes / 2) : 0;
@@ -753,7 +753,14 @@ static void op_create(void) {
         setenv("EXPCACHE_RESERVE_GB", pct(50) ? "lots" : "-1", 1);
         want_env = IA;
     } else if (env == 3) {
-        setenv("EXPCACHE_VERBOSE", "1", 1);
+        static const char* const on[] = {"1", "true", "YES", "On"};
+        setenv("EXPCACHE_VERBOSE", on[below(4)], 1);
+    } else if (env == 4) {
+        static const char* const off[] = {"0", "false", "No", "OFF"};
+        setenv("EXPCACHE_VERBOSE", off[below(4)], 1);
+    } else if (env == 5) {
+        setenv("EXPCACHE_VERBOSE", pct(50) ? "2" : "verbose", 1);
+        want_env = IA;
     }
 
     expcache_t* h = (expcache_t*)(uintptr_t)0xDEAD0;
@@ -782,7 +789,7 @@ static void op_create(void) {
     if (backend != EXPCACHE_BACKEND_HOST) diverge("backend %u, want host", backend);
     m->log.magic = LOG_MAGIC;
     m->log.level = env == 3 ? EXPCACHE_LOG_DEBUG : level;
-    install_log(m, pct(70) ? level : (uint32_t)below(3));
+    install_log(m, pct(70) ? level : (uint32_t)below(EXPCACHE_LOG_DEBUG + 1));
     check_invariants(m, 1, 1);
 }
 
@@ -1853,7 +1860,7 @@ static void op_log(Model* m) {
     expcache_status_t s;
     switch (below(4)) {
         case 0: {
-            uint32_t bad = 3 + (uint32_t)below(1000);
+            uint32_t bad = EXPCACHE_LOG_DEBUG + 1 + (uint32_t)below(1000);
             s = expcache_set_log_level(m->h, bad);
             expect_bad("expcache_set_log_level", s, IA, "level out of range");
             break;

@@ -1,0 +1,79 @@
+"""Every integer the wrapper passes to C is range-checked against its C type first: ctypes
+would wrap 2**32 + 5 to 5 and serve layer 5. A value that does not fit raises
+ArgumentRangeError (a ValueError and an OverflowError) naming the parameter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import SCALE
+from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, ModelLayout
+
+BIG32 = 2**32 + 5
+BIG64 = 2**64 + 2**20
+
+CALLS = [
+    ("select layer", lambda c: c.select(BIG32, [1]), "layer"),
+    ("select negative layer", lambda c: c.select(-1, [1]), "layer"),
+    ("select expert id", lambda c: c.select(5, [2**32 + 1]), "expert_ids"),
+    ("load_compact layer", lambda c: c.load_compact(BIG32, [1]), "layer"),
+    ("prepare_batch layer", lambda c: c.prepare_batch(BIG32, [[1]]), "layer"),
+    ("read_expert layer", lambda c: c.read_expert(BIG32, 1), "layer"),
+    ("read_expert expert", lambda c: c.read_expert(5, 2**32 + 1), "expert"),
+    ("read_device address", lambda c: c.read_device(BIG64, 8), "address"),
+    ("read_device nbytes", lambda c: c.read_device(0, BIG64), "nbytes"),
+    ("layer_class", lambda c: c.layer_class(BIG32), "layer"),
+    ("checksum layer", lambda c: c.checksum(BIG32, np.zeros((1, 3), np.uint64)), "layer"),
+    ("checksum_async first", lambda c: c.checksum_async(5, np.zeros((1, 3), np.uint64), BIG32), "first"),
+    ("checksum_results n", lambda c: c.checksum_results(0, BIG32), "n"),
+    ("fail_device_alloc_after", lambda c: c.fail_device_alloc_after(BIG64), "n"),
+    ("fail_copy_after count", lambda c: c.fail_copy_after(0, -1), "count"),
+    ("select stream", lambda c: c.select(5, [1], stream=BIG64), "stream"),
+]
+
+
+@pytest.mark.parametrize("name, call, parameter", CALLS, ids=[c[0] for c in CALLS])
+def test_out_of_range_integers_raise_naming_the_parameter(make_cache, name, call, parameter):
+    cache, source = make_cache(budget_experts=4)
+    cache.select(5, [1])
+    before = cache.stats().total
+    with pytest.raises((ArgumentRangeError, ValueError, OverflowError), match=parameter):
+        call(cache)
+    after = cache.stats().total
+    assert (after.calls, after.hits, after.misses) == (before.calls, before.hits, before.misses), \
+        "a refused call reached the library"
+    assert (cache.read_expert(5, 1) == source.expert_bytes(5, 1)).all()
+
+
+def test_range_error_is_both_value_and_overflow_error():
+    assert issubclass(ArgumentRangeError, ValueError) and issubclass(ArgumentRangeError, OverflowError)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("budget_bytes", 2**64 + 2**20), ("budget_experts", 2**64), ("reserve_bytes", -1), ("max_classes", 2**32 + 4),
+    ("device", 2**31), ("slab_bytes", 2**64), ("log_level", 2**32 + 1), ("copy_threads", 2**32 + 2),
+    ("staging_bytes", 2**64 + (64 << 20)), ("staging_chunk_bytes", -(512 << 10)),
+    ("device_capacity_bytes", 2**70),
+])
+def test_out_of_range_config_raises_naming_the_option(option, value):
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    with HostSource(layout) as src:
+        kwargs = {"budget_experts": 4, option: value}
+        with pytest.raises(ArgumentRangeError, match=option):
+            ExpertCache(layout, src, backend="host", **kwargs)
+        assert src.users == 0
+
+
+@pytest.mark.parametrize("value", [1.5, "3", True, None])
+def test_non_integer_layer_is_a_type_error(make_cache, value):
+    cache, _ = make_cache(budget_experts=4)
+    with pytest.raises(TypeError, match="layer"):
+        cache.select(value, [1])
+
+
+def test_numpy_integers_are_accepted(make_cache):
+    cache, source = make_cache(budget_experts=4)
+    ptrs = cache.select(np.int64(5), np.array([1, 2], dtype=np.int64))
+    assert ptrs.shape == (2, 3)
+    assert (cache.read_expert(np.uint32(5), np.int16(2)) == source.expert_bytes(5, 2)).all()

@@ -1,0 +1,103 @@
+"""Visible trouble: a class left with cap 0 warns once (Python warnings and the C log
+callback); EXPCACHE_VERBOSE takes on/off words and refuses anything else; the library's
+lines reach stderr when Python's logging is not configured."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+from conftest import SCALE
+from pyexpcache import ExpcacheWarning, ExpertCache, HostSource, InvalidArgumentError, ModelLayout
+
+
+def small_device_cache(src, layout, **kw):
+    # An emulated device of 1 MiB with a 2 MiB reserve: no memory is left for any slot.
+    return ExpertCache(layout, src, budget_experts=8, backend="host", device_capacity_bytes=1 << 20,
+                       reserve_bytes=2 << 20, **kw)
+
+
+def test_cap_zero_warns_once_per_class():
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    with HostSource(layout) as src, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with small_device_cache(src, layout, log_level=1) as cache:
+            for token in range(3):
+                for layer in (5, 40):  # a q2 and a q4 layer: two classes
+                    cache.select(layer, [token, token + 1])
+                    assert cache.read_expert(layer, token) is None  # loaded directly, never cached
+            assert cache.stats().hit_rate == 0.0
+    ours = [w for w in caught if issubclass(w.category, ExpcacheWarning)]
+    assert len(ours) == 2, [str(w.message) for w in ours]
+    for w in ours:
+        assert "cap 0" in str(w.message) and "reserve" in str(w.message)
+        assert w.filename == __file__  # points at the user's line, not at the wrapper
+
+
+def test_cap_zero_warns_even_when_notices_are_off():
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    with HostSource(layout) as src, pytest.warns(ExpcacheWarning, match="cap 0"):
+        with small_device_cache(src, layout, log_level=1) as cache:
+            cache.select(5, [1])
+
+
+def test_no_warning_when_memory_suffices(make_cache):
+    cache, _ = make_cache(budget_experts=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ExpcacheWarning)
+        cache.select(5, [1, 2])
+
+
+def run_child(code: str, env_extra: dict) -> subprocess.CompletedProcess:
+    import os
+
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+CHILD = """
+    from pyexpcache import ExpertCache, HostSource, ModelLayout
+    lay = ModelLayout.preset("q2", scale=4096)
+    with HostSource(lay) as src, ExpertCache(lay, src, budget_experts=4, backend="host") as cache:
+        cache.select(5, [1, 2])
+    print("done")
+"""
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "On"])
+def test_verbose_on_reaches_stderr_without_logging_setup(value):
+    out = run_child(CHILD, {"EXPCACHE_VERBOSE": value})
+    assert out.returncode == 0, out.stderr
+    assert "select layer 5 k 2" in out.stderr  # a per-call (DEBUG) line
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", "OFF"])
+def test_verbose_off_keeps_per_call_lines_away(value):
+    out = run_child(CHILD, {"EXPCACHE_VERBOSE": value})
+    assert out.returncode == 0, out.stderr
+    assert "select layer" not in out.stderr
+    assert "cap 4 experts" in out.stderr  # notices still reach stderr by default
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "verbose", " 1"])
+def test_verbose_other_values_are_refused(monkeypatch, value):
+    monkeypatch.setenv("EXPCACHE_VERBOSE", value)
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    with HostSource(layout) as src:
+        with pytest.raises(InvalidArgumentError, match="EXPCACHE_VERBOSE"):
+            ExpertCache(layout, src, budget_experts=4, backend="host")
+
+
+def test_lines_go_to_the_logger_when_logging_is_configured(make_cache, caplog):
+    import logging
+
+    with caplog.at_level(logging.DEBUG, logger="pyexpcache"):
+        cache, _ = make_cache(budget_experts=4, log_level=3)
+        cache.select(5, [1, 2])
+    assert any("select layer 5 k 2" in r.message and r.levelno == logging.DEBUG for r in caplog.records)
+    assert any("cap 4 experts" in r.message and r.levelno == logging.INFO for r in caplog.records)
