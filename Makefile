@@ -28,12 +28,12 @@ CUDA_LIB  = $(BUILD)/libexpcache.so
 REPLAY_LIB = $(BUILD)/libexpcache_replay.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
-.PHONY: all lib deps test bench select-overhead copy-methods help clean
+.PHONY: all lib deps deps-bench test bench select-overhead copy-methods help clean
 all: lib
 
 help:
 	@echo "make lib     build $(HOST_LIB) (g++), $(CUDA_LIB) when nvcc is found, and $(REPLAY_LIB)"
-	@echo "make deps    install the Python packages the tests and benchmarks need, if missing"
+	@echo "make deps    install the Python packages the tests and benchmarks need, if missing (deps-bench: the benchmark's)"
 	@echo "make test    build, run the test suite (CUDA tests when a GPU is present), then the benchmarks once"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
@@ -85,7 +85,17 @@ COPY_TABLES ?= pinned,pageable,enqueue,host,link
 copy-methods: $(COPY_BIN)
 	$(COPY_BIN) 1 $(COPY_TABLES)
 
-deps:
+# What `make bench` needs: numpy and tabulate, and on a GPU machine (nvcc found and
+# `nvidia-smi -L` lists a GPU) cuda-python (the `cuda` extra). `make deps` adds the test
+# and benchmark tools. Each is a no-op when everything is there.
+deps-bench:
+	@$(PYTHON) -c "import numpy, tabulate" 2>/dev/null || $(PYTHON) -m pip install -q -e .
+	@if [ -n "$(NVCC)" ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
+		$(PYTHON) -c "from cuda.bindings import runtime" 2>/dev/null || \
+		$(PYTHON) -c "from cuda import cudart" 2>/dev/null || \
+		$(PYTHON) -m pip install -q -e ".[cuda]"; fi
+
+deps: deps-bench
 	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -e ".[test]"
 
@@ -94,7 +104,7 @@ test: lib deps
 	$(PYTHON) -m pytest -q tests
 	$(MAKE) --no-print-directory bench-quick
 
-bench: lib deps
+bench: lib deps-bench
 	$(PYTHON) -m pyexpcache bench $(BENCH_ARGS)
 
 clean:
