@@ -12,6 +12,11 @@ MIT licence; see ``README.md`` and ``ATTRIBUTION.md`` there).  Two kinds exist:
   layers 0..42 followed by one decode token.  Loaded as a list of
   :class:`PrefillPrompt`.
 
+Files may be gzip-compressed (a name ending in ``.gz``, or gzip content under
+any name).  A file that ends inside a token (an interrupted logger) loads
+without that token and with a :class:`TraceWarning` saying what was dropped;
+every other defect is a one-line ``ValueError`` naming the file.
+
 Layer numbering: a :class:`Trace` stores its layers densely (array index 0 is
 model layer ``first_layer``); methods that take a ``layer`` argument take the
 *model* layer number, so callers never do the offset arithmetic by hand.
@@ -22,7 +27,12 @@ Only numpy and the standard library are used.
 from __future__ import annotations
 
 import csv
+import gzip
+import numbers
 import os
+import sys
+import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Union
@@ -38,6 +48,8 @@ __all__ = [
     "PREFILL_NUM_LAYERS",
     "DEFAULT_ZIPF",
     "DEFAULT_REUSE",
+    "SYNTHETIC_MAX_BYTES",
+    "TraceWarning",
     "TraceInfo",
     "Trace",
     "PrefillPrompt",
@@ -77,10 +89,24 @@ DEFAULT_ZIPF = 1.3
 #: (0.26..0.41 each; coffee 0.387).
 DEFAULT_REUSE = 0.35
 
+#: Largest array :func:`synthetic_trace` allocates: the int32 ids
+#: (``num_tokens * num_layers * k * 4`` bytes) and its per-layer working tables
+#: must each fit in 4 GiB, so at most 4,473,924 tokens of the default shape.
+SYNTHETIC_MAX_BYTES = 4 * 2**30
+
 _SUFFIX = ".route.csv"
 _KINDS = ("decode", "prefill")
+_GZIP_MAGIC = b"\x1f\x8b"
+# Leading bytes of other compressors, to name them when such a file is passed.
+_OTHER_MAGIC = {b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
+# Expert ids are stored as int32.
+_MAX_EXPERTS = 2**31
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+class TraceWarning(UserWarning):
+    """A trace file loaded with something dropped: it ends inside a token (an interrupted logger)."""
 
 
 class TraceInfo(NamedTuple):
@@ -242,10 +268,22 @@ def list_traces() -> list[TraceInfo]:
     return out
 
 
+def _is_path_name(name: str) -> bool:
+    """Whether a str argument is a file path rather than a bundled trace name."""
+    seps = [s for s in (os.sep, os.altsep, "/") if s]
+    return any(s in name for s in seps) or name.endswith((".csv", ".gz"))
+
+
 def _resolve(name_or_path: PathLike, kind: str | None) -> tuple[Path, str | None]:
-    """Map a bundled trace name or a file path to ``(path, kind)``; kind may be None for a path."""
-    if isinstance(name_or_path, str) and os.sep not in name_or_path and "/" not in name_or_path \
-            and not name_or_path.endswith(".csv"):
+    """Map a bundled trace name or a file path to ``(path, kind)``; kind may be None for a path.
+
+    A str is a path when it contains a path separator or ends in ``.csv`` or
+    ``.gz`` (``x.route.csv.gz``); any other str is a bundled name.
+
+    Raises:
+        FileNotFoundError: unknown bundled name or missing file.
+    """
+    if isinstance(name_or_path, str) and not _is_path_name(name_or_path):
         for info in list_traces():
             if info.name == name_or_path and (kind is None or info.kind == kind):
                 return info.path, info.kind
@@ -260,6 +298,25 @@ def _resolve(name_or_path: PathLike, kind: str | None) -> tuple[Path, str | None
     return path, kind or guessed
 
 
+def _stem(path: Path) -> str:
+    """Trace name of a file: its name without ``.gz`` and then ``.route.csv`` (or the last suffix)."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return name[: -len(_SUFFIX)] if name.endswith(_SUFFIX) else Path(name).stem
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for a warning issued here that names the first caller outside this module."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        level += 1
+        frame = frame.f_back
+    return level
+
+
 class _Row(NamedTuple):
     line: int  # 1-based line number in the file, for error messages
     pos: int
@@ -268,79 +325,143 @@ class _Row(NamedTuple):
     weights: list | None
 
 
-def _read_rows(path: Path, num_experts: int) -> tuple[int, bool, list[_Row]]:
-    """Parse and validate a route CSV.
+class _Cut(NamedTuple):
+    line: int  # first truncated line
+    columns: int  # its columns
+    of: int  # columns of the header
+    more: int  # further truncated lines after it
 
-    Returns ``(k, has_weights, rows)``.  A row with missing or empty columns is
-    tolerated only at the end of the file (an interrupted logger leaves a
-    truncated last line, e.g. ``143,`` in oracle50_k0w) and dropped there;
-    anywhere else it is an error, because silently dropping it would shift the
-    token/layer structure.
+    def __str__(self) -> str:
+        text = f"line {self.line} is cut short ({self.columns} of {self.of} columns)"
+        if self.more:
+            text += f" and {self.more} more incomplete line{'s follow' if self.more > 1 else ' follows'} it"
+        return text
+
+
+class _Rows(NamedTuple):
+    k: int
+    has_weights: bool
+    rows: list[_Row]
+    cut: _Cut | None  # truncated line(s) dropped at the end of the file
+
+
+def _open_text(path: Path):
+    """Open a route CSV as UTF-8 text, through gzip when the name ends in ``.gz`` or the
+    content starts with the gzip magic bytes.  Returns ``(text file, first bytes of the file)``."""
+    with open(path, "rb") as raw:
+        magic = raw.read(8)
+    if path.name.endswith(".gz") or magic.startswith(_GZIP_MAGIC):
+        return gzip.open(path, "rt", encoding="utf-8", newline=""), magic
+    return open(path, encoding="utf-8", newline=""), magic
+
+
+def _read_rows(path: Path, num_experts: int) -> _Rows:
+    """Parse and validate a route CSV, plain or gzip-compressed.
+
+    A row with missing or empty columns is tolerated only at the end of the file
+    (an interrupted logger leaves a truncated last line, e.g. ``143,`` in
+    oracle50_k0w) and dropped there (``cut`` says which); anywhere else it is an
+    error, because silently dropping it would shift the token/layer structure.
+
+    Raises:
+        ValueError: one line naming the file: not UTF-8 text, not CSV (a NUL
+            byte), corrupt or truncated gzip data, an empty file, an unexpected
+            header, or a malformed row (naming the line too).
     """
-    with open(path, newline="") as fh:
-        reader = csv.reader(fh)
-        try:
-            header = [h.strip() for h in next(reader)]
-        except StopIteration:
-            raise ValueError(f"{path}: empty file (no header)") from None
-        k = sum(1 for h in header if h.startswith("e"))
-        expected = ["pos", "layer", "n"] + [f"e{j}" for j in range(k)]
-        has_weights = len(header) == 3 + 2 * k
-        if has_weights:
-            expected += [f"w{j}" for j in range(k)]
-        if k == 0 or header != expected:
+    fh, magic = _open_text(path)
+    reader = csv.reader(fh)
+    try:
+        with fh:
+            return _parse_rows(path, reader, num_experts)
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start: exc.start + 1].hex()
+        other = next((name for m, name in _OTHER_MAGIC.items() if magic.startswith(m)), None)
+        hint = f"; the file looks like {other} data, and only gzip is read" if other else ""
+        raise ValueError(
+            f"{path}: not a UTF-8 CSV route trace (byte 0x{byte} is not UTF-8: {exc.reason}{hint})"
+        ) from None
+    except csv.Error as exc:
+        raise ValueError(
+            f"{path}, line {reader.line_num}: not a UTF-8 CSV route trace ({_one_line(exc)})"
+        ) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path}: not a readable gzip file ({_one_line(exc)})") from None
+
+
+def _parse_rows(path: Path, reader, num_experts: int) -> _Rows:
+    """The work of :func:`_read_rows` on an open ``csv.reader``; decoding errors propagate to it."""
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise ValueError(f"{path}: empty file (no header)") from None
+    if any("\0" in h for h in header):
+        raise ValueError(f"{path}, line {reader.line_num}: not a UTF-8 CSV route trace (line contains NUL)")
+    header = [h.strip() for h in header]
+    k = sum(1 for h in header if h.startswith("e"))
+    expected = ["pos", "layer", "n"] + [f"e{j}" for j in range(k)]
+    has_weights = len(header) == 3 + 2 * k
+    if has_weights:
+        expected += [f"w{j}" for j in range(k)]
+    if k == 0 or header != expected:
+        raise ValueError(
+            f"{path}: unexpected header {header}; expected pos,layer,n,e0..e(k-1)[,w0..w(k-1)]"
+        )
+    ncol = len(header)
+    rows: list[_Row] = []
+    first_incomplete = None  # (line, ncols) of the first truncated row seen
+    incomplete = 0  # truncated rows seen (all at the end unless an error follows)
+    for fields in reader:
+        line = reader.line_num
+        if not fields:  # blank line
+            continue
+        if any("\0" in f for f in fields):
+            # csv.Error on Python < 3.11; newer csv modules pass NUL through.
+            raise ValueError(f"{path}, line {line}: not a UTF-8 CSV route trace (line contains NUL)")
+        if len(fields) > ncol:
+            raise ValueError(f"{path}, line {line}: {len(fields)} columns, header has {ncol}")
+        if len(fields) < ncol or any(f.strip() == "" for f in fields):
+            if first_incomplete is None:
+                first_incomplete = (line, len(fields))
+            incomplete += 1
+            continue
+        if first_incomplete is not None:
+            bad_line, got = first_incomplete
             raise ValueError(
-                f"{path}: unexpected header {header}; expected pos,layer,n,e0..e(k-1)[,w0..w(k-1)]"
+                f"{path}, line {bad_line}: incomplete row ({got} of {ncol} columns) followed by "
+                f"complete rows; only a truncated final line is tolerated"
             )
-        ncol = len(header)
-        rows: list[_Row] = []
-        first_incomplete = None  # (line, ncols) of the first truncated row seen
-        for fields in reader:
-            line = reader.line_num
-            if not fields:  # blank line
-                continue
-            if len(fields) > ncol:
-                raise ValueError(f"{path}, line {line}: {len(fields)} columns, header has {ncol}")
-            if len(fields) < ncol or any(f.strip() == "" for f in fields):
-                if first_incomplete is None:
-                    first_incomplete = (line, len(fields))
-                continue
-            if first_incomplete is not None:
-                bad_line, got = first_incomplete
-                raise ValueError(
-                    f"{path}, line {bad_line}: incomplete row ({got} of {ncol} columns) followed by "
-                    f"complete rows; only a truncated final line is tolerated"
-                )
+        try:
+            ints = [int(f) for f in fields[: 3 + k]]
+        except ValueError:
+            raise ValueError(
+                f"{path}, line {line}: pos/layer/n/expert ids must be integers, got {fields[: 3 + k]}"
+            ) from None
+        pos, layer, n = ints[:3]
+        ids = ints[3:]
+        if n != k:
+            raise ValueError(f"{path}, line {line}: n={n} but the file has {k} expert-id columns")
+        for e in ids:
+            if not 0 <= e < num_experts:
+                raise ValueError(f"{path}, line {line}: expert id {e} outside [0, {num_experts})")
+        weights = None
+        if has_weights:
             try:
-                ints = [int(f) for f in fields[: 3 + k]]
+                weights = [float(f) for f in fields[3 + k:]]
             except ValueError:
-                raise ValueError(
-                    f"{path}, line {line}: pos/layer/n/expert ids must be integers, got {fields[: 3 + k]}"
-                ) from None
-            pos, layer, n = ints[:3]
-            ids = ints[3:]
-            if n != k:
-                raise ValueError(f"{path}, line {line}: n={n} but the file has {k} expert-id columns")
-            for e in ids:
-                if not 0 <= e < num_experts:
-                    raise ValueError(f"{path}, line {line}: expert id {e} outside [0, {num_experts})")
-            weights = None
-            if has_weights:
-                try:
-                    weights = [float(f) for f in fields[3 + k:]]
-                except ValueError:
-                    raise ValueError(f"{path}, line {line}: non-numeric gate weight in {fields[3 + k:]}") from None
-            rows.append(_Row(line, pos, layer, ids, weights))
-    return k, has_weights, rows
+                raise ValueError(f"{path}, line {line}: non-numeric gate weight in {fields[3 + k:]}") from None
+        rows.append(_Row(line, pos, layer, ids, weights))
+    cut = None if first_incomplete is None else _Cut(*first_incomplete, ncol, incomplete - 1)
+    return _Rows(k, has_weights, rows, cut)
 
 
 def _assemble_tokens(
     rows: list[_Row], path: Path, first_layer: int, num_layers: int, allow_truncated_tail: bool
-) -> tuple[list[list[_Row]], int]:
+) -> tuple[list[list[_Row]], list[_Row]]:
     """Group token-major rows into complete tokens of ``num_layers`` consecutive layers.
 
-    Returns ``(tokens, dropped)`` where ``dropped`` counts rows of a trailing
-    incomplete token (only when ``allow_truncated_tail``; otherwise it is an error).
+    Returns ``(tokens, tail)`` where ``tail`` holds the rows of a trailing
+    incomplete token (only when ``allow_truncated_tail``; otherwise it is an
+    error), empty when the last token is complete.
     """
     tokens: list[list[_Row]] = []
     cur: list[_Row] = []
@@ -377,10 +498,44 @@ def _assemble_tokens(
                 f"was expected (a layer is missing or out of order)"
             )
         cur.append(row)
-    dropped = 0
     if cur and not close(cur, at_end=True):
-        dropped = len(cur)
-    return tokens, dropped
+        return tokens, cur
+    return tokens, []
+
+
+def _layers_of(tail: list[_Row], first_layer: int, num_layers: int) -> str:
+    """``"layers 3..37 of 3..42"`` for the rows of an incomplete token."""
+    return f"layers {tail[0].layer}..{tail[-1].layer} of {first_layer}..{first_layer + num_layers - 1}"
+
+
+def _no_complete_token(path: Path, tail: list[_Row], cut: _Cut | None, first_layer: int, num_layers: int) -> str:
+    """Message of the ValueError for a file whose rows make up no complete token."""
+    if tail:
+        why = f"the only token, at pos {tail[0].pos}, has only {_layers_of(tail, first_layer, num_layers)}"
+    elif cut:
+        why = f"the only data line, line {cut.line}, is cut short ({cut.columns} of {cut.of} columns)"
+    else:
+        why = "the file has a header but no data rows"
+    return f"{path}: no complete token ({why})"
+
+
+def _warn_truncated_tail(path: Path, where: str, tail: list[_Row], cut: _Cut | None, kept: int,
+                         first_layer: int, num_layers: int) -> None:
+    """Issue the one :class:`TraceWarning` of a file load that dropped a trailing token or cut line."""
+    if not tail and cut is None:
+        return
+    parts = []
+    if tail:
+        parts.append(f"pos {tail[0].pos} has only {_layers_of(tail, first_layer, num_layers)} "
+                     f"({len(tail)} rows from line {tail[0].line})")
+    if cut is not None:
+        parts.append(str(cut))
+    warnings.warn(
+        f"{path}: the file ends inside a token{where}, which is dropped: {' and '.join(parts)}; "
+        f"{kept} complete token{'s' if kept != 1 else ''} kept",
+        TraceWarning,
+        stacklevel=_caller_stacklevel(),
+    )
 
 
 def _tokens_to_trace(name: str, tokens: list[list[_Row]], k: int, first_layer: int, num_layers: int,
@@ -401,7 +556,7 @@ def load_decode_trace(
     first_layer: int = DECODE_FIRST_LAYER,
     num_layers: int = DECODE_NUM_LAYERS,
 ) -> Trace:
-    """Load a token-major decode route CSV.
+    """Load a token-major decode route CSV, plain or gzip-compressed (see :func:`load_trace`).
 
     Args:
         name_or_path: a bundled decode trace name (see :func:`list_traces`) or a file path.
@@ -410,21 +565,26 @@ def load_decode_trace(
             layers ``first_layer .. first_layer + num_layers - 1``, in order.
 
     Returns:
-        A :class:`Trace` with ``ids`` ``[tokens, num_layers, k]``.  A truncated last
-        line and a trailing token with only a prefix of its layers are dropped
-        (the logger was interrupted).
+        A :class:`Trace` with ``ids`` ``[tokens, num_layers, k]``, at least one token.
+        A truncated last line and a trailing token with only a prefix of its
+        layers are dropped (the logger was interrupted), with a :class:`TraceWarning`
+        naming the file, the token's position and layers, and the cut line.
 
     Raises:
-        ValueError: malformed content, naming the file and line (non-integer ids,
-            ids out of range, ``n`` different from the number of id columns, a layer
-            missing or out of order inside a token, non-increasing positions).
+        ValueError: one line naming the file (and the line where there is one):
+            not UTF-8 CSV text, corrupt gzip data, an empty file, no complete token
+            (a header-only file), non-integer ids, ids out of range, ``n`` different
+            from the number of id columns, a layer missing or out of order inside
+            a token, non-increasing positions.
         FileNotFoundError: unknown name or missing file.
     """
     path, _ = _resolve(name_or_path, "decode" if isinstance(name_or_path, str) else None)
-    k, has_weights, rows = _read_rows(path, num_experts)
-    tokens, _ = _assemble_tokens(rows, path, first_layer, num_layers, allow_truncated_tail=True)
-    name = path.name[: -len(_SUFFIX)] if path.name.endswith(_SUFFIX) else path.stem
-    return _tokens_to_trace(name, tokens, k, first_layer, num_layers, has_weights, num_experts)
+    k, has_weights, rows, cut = _read_rows(path, num_experts)
+    tokens, tail = _assemble_tokens(rows, path, first_layer, num_layers, allow_truncated_tail=True)
+    if not tokens:
+        raise ValueError(_no_complete_token(path, tail, cut, first_layer, num_layers))
+    _warn_truncated_tail(path, "", tail, cut, len(tokens), first_layer, num_layers)
+    return _tokens_to_trace(_stem(path), tokens, k, first_layer, num_layers, has_weights, num_experts)
 
 
 def load_prefill_trace(
@@ -440,25 +600,29 @@ def load_prefill_trace(
     File layout per prompt: the prefill is layer-major (positions 0..P-1 of
     layer 0, then of layer 1, ... up to ``num_prefill_layers - 1``), followed by
     token-major decode rows (model layers ``decode_first_layer`` ..).  A new
-    prompt starts at each row with ``layer == 0`` and ``pos == 0``.
+    prompt starts at each row with ``layer == 0`` and ``pos == 0``.  The file
+    may be gzip-compressed.
 
     Returns:
-        One :class:`PrefillPrompt` per prompt, in file order.  Only the last
-        prompt's decode part may be truncated (its incomplete token is dropped).
+        One :class:`PrefillPrompt` per prompt, in file order, at least one.  Only
+        the last prompt's decode part may be truncated: its incomplete token (and
+        a cut last line) is dropped with a :class:`TraceWarning`.
 
     Raises:
-        ValueError: malformed content, naming the file and line.
+        ValueError: malformed content, one line naming the file (and the line):
+            see :func:`load_decode_trace`; a header-only file is "no complete token".
         FileNotFoundError: unknown name or missing file.
     """
     path, _ = _resolve(name_or_path, "prefill" if isinstance(name_or_path, str) else None)
-    k, has_weights, rows = _read_rows(path, num_experts)
+    k, has_weights, rows, cut = _read_rows(path, num_experts)
     if not rows:
-        return []
+        raise ValueError(_no_complete_token(path, [], cut, decode_first_layer, decode_num_layers))
     if (rows[0].pos, rows[0].layer) != (0, 0):
         raise ValueError(f"{path}, line {rows[0].line}: a prefill file must start at pos 0, layer 0")
     starts = [i for i, r in enumerate(rows) if r.pos == 0 and r.layer == 0] + [len(rows)]
-    stem = path.name[: -len(_SUFFIX)] if path.name.endswith(_SUFFIX) else path.stem
+    stem = _stem(path)
     prompts = []
+    tail: list[_Row] = []
     for index, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
         seg = rows[lo:hi]
         # Prompt length = the run of layer-0 rows at the start of the segment.
@@ -483,7 +647,7 @@ def load_prefill_trace(
         pre_w = None
         if has_weights:
             pre_w = np.array([r.weights for r in pre], dtype=np.float32).reshape(num_prefill_layers, P, k)
-        tokens, _ = _assemble_tokens(
+        tokens, tail = _assemble_tokens(
             seg[need:], path, decode_first_layer, decode_num_layers,
             allow_truncated_tail=(hi == len(rows)),
         )
@@ -491,6 +655,9 @@ def load_prefill_trace(
         decode = _tokens_to_trace(name + ":decode", tokens, k, decode_first_layer, decode_num_layers,
                                   has_weights, num_experts)
         prompts.append(PrefillPrompt(name, index, prefill, pre_w, np.arange(P, dtype=np.int64), decode))
+    last = prompts[-1]
+    _warn_truncated_tail(path, f" of prompt {last.index}'s decode part", tail, cut, last.decode.num_tokens,
+                         decode_first_layer, decode_num_layers)
     return prompts
 
 
@@ -501,6 +668,17 @@ def load_trace(name_or_path: PathLike, kind: str | None = None, **kwargs) -> Tra
     (``decode/`` or ``prefill/``) for paths, or given explicitly.  Returns a
     :class:`Trace` for decode files and a list of :class:`PrefillPrompt` for
     prefill files; ``kwargs`` go to the specific loader.
+
+    A str argument is a path when it contains a path separator or ends in
+    ``.csv`` or ``.gz``, otherwise a bundled name.  A file is read through gzip
+    when its name ends in ``.gz`` or its content starts with the gzip magic bytes
+    ``1f 8b``.  A file that ends inside a token loads without it and with a
+    :class:`TraceWarning`.
+
+    Raises:
+        ValueError: an unknown ``kind``, a path of unknown kind, or malformed
+            content (one line naming the file; see :func:`load_decode_trace`).
+        FileNotFoundError: unknown name or missing file.
     """
     if kind is not None and kind not in _KINDS:
         raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
@@ -592,9 +770,10 @@ def synthetic_trace(
       expectation instead of ``reuse`` plus an accidental overlap.
 
     Args:
-        num_tokens: tokens to generate.
+        num_tokens: tokens to generate, at least 1.
         num_layers, num_experts, k: shape; ``ids`` is int32 ``[num_tokens, num_layers, k]``
-            with ``k`` distinct ids per (token, layer).
+            with ``k`` distinct ids per (token, layer).  ``num_layers >= 1``,
+            ``2 <= num_experts <= 2**31`` and ``1 <= k <= num_experts // 2``.
         seed: random seed; same arguments, same trace, and the first ``n`` tokens
             do not depend on ``num_tokens``.
         zipf: popularity exponent (0 = uniform).
@@ -604,19 +783,53 @@ def synthetic_trace(
 
     Returns:
         A :class:`Trace` without weights, positions ``0..num_tokens-1``.
+
+    Raises:
+        TypeError: ``num_tokens``, ``num_layers``, ``num_experts`` or ``k`` is not an
+            integer (a bool, a float or a str is refused, numpy integers are accepted).
+        ValueError: a size out of range, or a trace too large to allocate: the ids
+            (``num_tokens * num_layers * k * 4`` bytes) or the per-layer working
+            tables (about ``56 * num_layers * num_experts`` bytes) would exceed
+            :data:`SYNTHETIC_MAX_BYTES` (4 GiB); ``zipf`` negative or not finite;
+            ``reuse`` outside ``[0, 1]``.  The message names the parameter.
     """
-    if not 0 < k <= num_experts // 2:
+    sizes = {"num_tokens": num_tokens, "num_layers": num_layers, "num_experts": num_experts, "k": k}
+    for pname, value in sizes.items():
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{pname} must be an int, got {type(value).__name__} {value!r}")
+    T, L, E, k = (int(v) for v in sizes.values())
+    if T < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {T}")
+    if L < 1:
+        raise ValueError(f"num_layers must be >= 1, got {L}")
+    if not 2 <= E <= _MAX_EXPERTS:
+        raise ValueError(f"num_experts must be in [2, {_MAX_EXPERTS}] (ids are int32), got {E}")
+    if not 0 < k <= E // 2:
         # Fresh draws exclude the previous token's k experts, so 2k must fit.
-        raise ValueError(f"need 0 < k <= num_experts // 2, got k={k}, num_experts={num_experts}")
+        raise ValueError(f"need 0 < k <= num_experts // 2, got k={k}, num_experts={E}")
+    limit = f"more than SYNTHETIC_MAX_BYTES = {SYNTHETIC_MAX_BYTES / 2**30:g} GiB"
+    # Float64 tables of L * E entries: 3 per layer (ranks, permutation, log
+    # weights) and about 4 per token of a block (keys, noise, partition).
+    table_bytes = 8 * L * E
+    if 7 * table_bytes > SYNTHETIC_MAX_BYTES:
+        raise ValueError(
+            f"num_layers={L} and num_experts={E} are too large: generating needs about "
+            f"{7 * table_bytes / 2**30:.3g} GiB of working memory (56 * num_layers * num_experts bytes), {limit}"
+        )
+    if T * L * k * 4 > SYNTHETIC_MAX_BYTES:
+        raise ValueError(
+            f"num_tokens={T} is too large: the ids would take {T * L * k * 4 / 2**30:.3g} GiB "
+            f"(num_tokens * num_layers * k * 4 bytes), {limit}; at most "
+            f"{SYNTHETIC_MAX_BYTES // (L * k * 4)} tokens for num_layers={L}, k={k}"
+        )
     if not 0.0 <= reuse <= 1.0:
         raise ValueError(f"reuse must be in [0, 1], got {reuse}")
-    if zipf < 0:
-        raise ValueError(f"zipf must be >= 0, got {zipf}")
+    if not np.isfinite(zipf) or zipf < 0:
+        raise ValueError(f"zipf must be a finite number >= 0, got {zipf}")
     # Independent streams for the layer permutations, the Gumbel keys and the
     # keep decisions: each is consumed token by token, so the first n tokens of
     # a trace do not depend on num_tokens (traces of different lengths nest).
     perm_rng, key_rng, keep_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
-    T, L, E = int(num_tokens), int(num_layers), int(num_experts)
     rank_logw = -zipf * np.log(np.arange(1, E + 1, dtype=np.float64))
     # perm[l, r] = expert holding rank r at layer l  ->  logw[l, perm[l, r]] = rank_logw[r]
     perm = np.argsort(perm_rng.random((L, E)), axis=1)
@@ -625,7 +838,9 @@ def synthetic_trace(
 
     ids = np.empty((T, L, k), dtype=np.int32)
     prev = None
-    chunk = 256  # tokens per block of random keys: bounds memory
+    # Tokens per block of random keys: bounds memory to about 256 MiB (the
+    # streams are consumed token by token, so the block size does not change the trace).
+    chunk = max(1, min(256, 2**28 // (4 * table_bytes)))
     for t0 in range(0, T, chunk):
         n = min(chunk, T - t0)
         # Gumbel-top-k: sorting log w + Gumbel noise gives a sample without

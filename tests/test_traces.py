@@ -1,8 +1,10 @@
 """Tests for pyexpcache.traces: bundled trace files, loaders, locality statistics, synthetic traces."""
 
 import csv
+import gzip
 import hashlib
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -11,9 +13,11 @@ from pyexpcache.traces import (
     DECODE_FIRST_LAYER,
     DEFAULT_REUSE,
     DEFAULT_ZIPF,
+    SYNTHETIC_MAX_BYTES,
     TRACE_DIR,
     PrefillPrompt,
     Trace,
+    TraceWarning,
     fit_synthetic_params,
     list_traces,
     load_decode_trace,
@@ -77,7 +81,11 @@ def test_attribution_names_licence_and_copyright():
 
 @pytest.mark.parametrize("name,tokens", sorted(DECODE_TOKENS.items()))
 def test_decode_trace_shapes(name, tokens):
-    t = load_decode_trace(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = load_decode_trace(name)
+    # Only oracle50_k0w ends inside a token (see test_oracle_truncated_tail_dropped).
+    assert [w.category for w in caught] == ([TraceWarning] if name == "oracle50_k0w" else [])
     assert (t.num_tokens, t.num_layers, t.k) == (tokens, 40, 6)
     assert t.ids.dtype == np.int32 and t.ids.shape == (tokens, 40, 6)
     assert t.first_layer == DECODE_FIRST_LAYER == 3
@@ -108,9 +116,13 @@ def test_coffee_trace_content(coffee):
 
 
 def test_oracle_truncated_tail_dropped():
-    # The file ends with "143," after layers 3..37 of pos 143: both the cut
-    # line and the incomplete token must go, leaving whole tokens 64..142.
-    t = load_decode_trace("oracle50_k0w")
+    # The file ends with "143," (no newline) after layers 3..37 of pos 143: both the cut
+    # line and the incomplete token must go, leaving whole tokens 64..142, and
+    # the loader says so.
+    with pytest.warns(TraceWarning, match=r"oracle50_k0w\.route\.csv: .*pos 143 .*layers 3\.\.37 of 3\.\.42") as rec:
+        t = load_decode_trace("oracle50_k0w")
+    msg = str(rec[0].message)
+    assert len(rec) == 1 and "line 3197 is cut short (2 of 15 columns)" in msg and "79 complete tokens" in msg
     assert t.num_tokens == 79
     assert t.positions[0] == 64 and t.positions[-1] == 142
 
@@ -154,7 +166,8 @@ def test_small_decode_file_roundtrip(tmp_path):
 
 def test_trailing_incomplete_token_dropped(tmp_path):
     text = HEADER + _token(10) + _token(11, last=20) + "11,21,6,1,2"
-    t = load_decode_trace(_write(tmp_path, text))
+    with pytest.warns(TraceWarning):
+        t = load_decode_trace(_write(tmp_path, text))
     assert t.num_tokens == 1 and t.positions.tolist() == [10]
 
 
@@ -321,3 +334,288 @@ def test_fit_synthetic_params_on_coffee(coffee):
     syn = locality_stats(synthetic_trace(299, seed=11, zipf=fit["zipf"], reuse=fit["reuse"]))
     assert abs(syn["top10_share"] - stats["top10_share"]) <= 0.02
     assert abs(syn["reuse_previous"] - stats["reuse_previous"]) <= 0.02
+
+
+# --------------------------------------------------------------------------- compressed and unreadable files
+
+
+def _write_bytes(tmp_path, data, name):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def _one_line_error(exc, name):
+    msg = str(exc.value)
+    assert name in msg and "\n" not in msg, msg
+    return msg
+
+
+def test_gzip_decode_trace(tmp_path, coffee):
+    src = TRACE_DIR / "decode" / "podA_a_coffee_full.route.csv"
+    path = _write_bytes(tmp_path, gzip.compress(src.read_bytes()), "coffee.route.csv.gz")
+    for arg in (path, str(path)):  # a str ending in .csv.gz is a path, not a bundled name
+        t = load_decode_trace(arg)
+        assert t.name == "coffee"
+        assert np.array_equal(t.ids, coffee.ids) and np.array_equal(t.weights, coffee.weights)
+        assert np.array_equal(t.positions, coffee.positions)
+    assert isinstance(load_trace(str(path), kind="decode"), Trace)
+
+
+def test_gzip_relative_name_is_a_path(tmp_path, monkeypatch):
+    _write_bytes(tmp_path, gzip.compress((HEADER + _token(10)).encode()), "mine.csv.gz")
+    monkeypatch.chdir(tmp_path)
+    t = load_decode_trace("mine.csv.gz")
+    assert t.name == "mine" and t.num_tokens == 1
+    with pytest.raises(FileNotFoundError, match="trace file not found: missing.csv.gz"):
+        load_decode_trace("missing.csv.gz")
+
+
+def test_gzip_detected_by_magic_bytes(tmp_path):
+    # Compressed content under a plain .csv name is still read.
+    path = _write_bytes(tmp_path, gzip.compress((HEADER + _token(10) + _token(11)).encode()), "t.route.csv")
+    t = load_decode_trace(path)
+    assert t.name == "t" and t.positions.tolist() == [10, 11]
+
+
+def test_gzip_prefill_trace(tmp_path):
+    src = TRACE_DIR / "prefill" / "pod12_prefill_eval.route.csv"
+    path = _write_bytes(tmp_path, gzip.compress(src.read_bytes()), "eval.route.csv.gz")
+    prompts = load_prefill_trace(path)
+    assert [p.num_prefill_tokens for p in prompts] == [54, 49, 47, 53]
+    assert prompts[0].name == "eval#0"
+
+
+def _corrupt_gzip(kind):
+    data = bytearray(gzip.compress((HEADER + _token(10) + _token(11)).encode()))
+    if kind == "truncated":
+        return bytes(data[: len(data) // 2])  # EOFError inside the deflate stream
+    if kind == "bad-crc":
+        data[-8] ^= 0xFF  # gzip.BadGzipFile: CRC check failed
+        return bytes(data)
+    if kind == "bad-method":
+        data[2] = 0  # gzip.BadGzipFile: unknown compression method
+        return bytes(data)
+    assert kind == "garbage-deflate"
+    return bytes(data[:10]) + b"\xff" * 40 + bytes(data[50:])  # zlib.error
+
+
+@pytest.mark.parametrize("kind", ["truncated", "bad-crc", "bad-method", "garbage-deflate"])
+def test_corrupt_gzip_is_a_one_line_value_error(tmp_path, kind):
+    path = _write_bytes(tmp_path, _corrupt_gzip(kind), "bad.route.csv.gz")
+    with pytest.raises(ValueError, match=r"bad\.route\.csv\.gz: not a readable gzip file \(.+\)") as err:
+        load_decode_trace(path)
+    _one_line_error(err, "bad.route.csv.gz")
+
+
+def test_random_bytes_are_a_one_line_value_error(tmp_path):
+    data = np.random.default_rng(0).bytes(4096)
+    assert data[:2] != b"\x1f\x8b"
+    path = _write_bytes(tmp_path, data, "noise.route.csv")
+    with pytest.raises(ValueError, match=r"noise\.route\.csv: not a UTF-8 CSV route trace \(.*byte 0x") as err:
+        load_decode_trace(path)
+    _one_line_error(err, "noise.route.csv")
+
+
+def test_latin1_byte_after_valid_rows(tmp_path):
+    path = _write_bytes(tmp_path, (HEADER + _token(10)).encode() + b"11,3,6,1,2,3,4,5,\xe9\n", "l1.route.csv")
+    with pytest.raises(ValueError, match=r"l1\.route\.csv: not a UTF-8 CSV route trace \(.*byte 0xe9"):
+        load_decode_trace(path)
+
+
+def test_other_compression_is_named(tmp_path):
+    path = _write_bytes(tmp_path, b"\x28\xb5\x2f\xfd" + bytes(range(128, 256)), "t.route.csv.zst")
+    with pytest.raises(ValueError, match=r"t\.route\.csv\.zst: not a UTF-8 CSV route trace .*zstd"):
+        load_decode_trace(path)
+
+
+def test_nul_bytes_are_a_one_line_value_error(tmp_path):
+    text = HEADER + _token(10).replace("10,7,6,1,", "10,7,6,1\0,")
+    path = _write(tmp_path, text, "nul.route.csv")
+    with pytest.raises(ValueError, match=r"nul\.route\.csv, line 6: not a UTF-8 CSV route trace \(.*NUL") as err:
+        load_decode_trace(path)
+    _one_line_error(err, "nul.route.csv")
+
+
+@pytest.mark.parametrize("data", [b"", gzip.compress(b"")], ids=["plain", "gzip"])
+def test_empty_file(tmp_path, data):
+    path = _write_bytes(tmp_path, data, "empty.route.csv.gz" if data else "empty.route.csv")
+    for load in (load_decode_trace, load_prefill_trace):
+        with pytest.raises(ValueError, match="empty file") as err:
+            load(path)
+        _one_line_error(err, path.name)
+
+
+# --------------------------------------------------------------------------- no complete token
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        (HEADER, r"the file has a header but no data rows"),
+        (HEADER + "\n\n", r"the file has a header but no data rows"),
+        (HEADER + _token(10, last=20), r"the only token, at pos 10, has only layers 3\.\.20 of 3\.\.42"),
+        (HEADER + "10,3,", r"the only data line, line 2, is cut short \(3 of 9 columns\)"),
+    ],
+    ids=["header-only", "header-and-blank-lines", "one-partial-token", "one-cut-line"],
+)
+def test_no_complete_token_is_an_error(tmp_path, text, why):
+    path = _write(tmp_path, text, "short.route.csv")
+    with pytest.raises(ValueError, match=r"short\.route\.csv: no complete token \(" + why) as err:
+        load_decode_trace(path)
+    _one_line_error(err, "short.route.csv")
+    with pytest.raises(ValueError, match="no complete token"):
+        load_trace(path, kind="decode")
+
+
+def test_header_only_prefill_is_an_error(tmp_path):
+    path = _write(tmp_path, HEADER, "pre.route.csv")
+    with pytest.raises(ValueError, match=r"pre\.route\.csv: no complete token") as err:
+        load_prefill_trace(path)
+    _one_line_error(err, "pre.route.csv")
+
+
+# --------------------------------------------------------------------------- truncated tail notice
+
+
+def _tail_warning(path, load=load_decode_trace):
+    with pytest.warns(TraceWarning) as rec:
+        result = load(path)
+    assert len(rec) == 1  # one notice per file load
+    msg = str(rec[0].message)
+    assert str(path) in msg and "\n" not in msg, msg
+    assert rec[0].filename == __file__  # stacklevel points at the caller of the loader
+    return result, msg
+
+
+def test_truncated_token_and_cut_line_notice(tmp_path):
+    text = HEADER + _token(10) + _token(11, last=20) + "11,21,6,1,2"
+    t, msg = _tail_warning(_write(tmp_path, text, "cut.route.csv"))
+    assert t.positions.tolist() == [10]
+    assert "pos 11 has only layers 3..20 of 3..42 (18 rows from line 42)" in msg
+    assert "line 60 is cut short (5 of 9 columns)" in msg
+    assert "1 complete token kept" in msg
+
+
+def test_truncated_token_notice(tmp_path):
+    t, msg = _tail_warning(_write(tmp_path, HEADER + _token(10) + _token(11) + _token(12, last=4), "cut.route.csv"))
+    assert t.num_tokens == 2
+    assert "pos 12 has only layers 3..4 of 3..42 (2 rows from line 82)" in msg and "cut short" not in msg
+
+
+def test_cut_last_line_notice(tmp_path):
+    t, msg = _tail_warning(_write(tmp_path, HEADER + _token(10) + "11,3,6,", "cut.route.csv"))
+    assert t.num_tokens == 1
+    assert "line 42 is cut short (4 of 9 columns)" in msg and "has only layers" not in msg
+
+
+def test_several_cut_lines_notice(tmp_path):
+    t, msg = _tail_warning(_write(tmp_path, HEADER + _token(10) + "11,3,6,\n,,\n11", "cut.route.csv"))
+    assert t.num_tokens == 1
+    assert "line 42 is cut short (4 of 9 columns) and 2 more incomplete lines follow it" in msg
+
+
+def test_notice_through_load_trace(tmp_path):
+    path = _write(tmp_path, HEADER + _token(10) + _token(11, last=5), "cut.route.csv")
+    t, _ = _tail_warning(path, lambda p: load_trace(p, kind="decode"))
+    assert t.num_tokens == 1
+
+
+def test_notice_for_gzip_file(tmp_path):
+    path = _write_bytes(tmp_path, gzip.compress((HEADER + _token(10) + "11,3").encode()), "cut.route.csv.gz")
+    t, msg = _tail_warning(path)
+    assert t.num_tokens == 1 and "line 42 is cut short" in msg
+
+
+def test_truncated_prefill_notice(tmp_path):
+    def prompt(P, last=42):
+        return "".join(_row(pos, layer) for layer in range(43) for pos in range(P)) + _token(P, last=last)
+
+    path = _write(tmp_path, HEADER + prompt(2) + prompt(3, last=10), "cut.route.csv")
+    prompts, msg = _tail_warning(path, load_prefill_trace)
+    assert [p.decode.num_tokens for p in prompts] == [1, 0]
+    assert "prompt 1" in msg and "pos 3 has only layers 3..10 of 3..42" in msg
+
+
+def test_complete_files_give_no_notice(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TraceWarning)
+        load_decode_trace(_write(tmp_path, HEADER + _token(10) + "\n\n"))
+        load_prefill_trace("pod12_prefill_learn")
+        load_prefill_trace("pod12_prefill_eval")
+
+
+def test_trace_warning_is_a_user_warning():
+    assert issubclass(TraceWarning, UserWarning)
+    import pyexpcache.traces as traces
+
+    assert "TraceWarning" in traces.__all__ and "SYNTHETIC_MAX_BYTES" in traces.__all__
+
+
+# --------------------------------------------------------------------------- synthetic sizes
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((0,), {}, r"num_tokens must be >= 1, got 0"),
+        ((-5,), {}, r"num_tokens must be >= 1"),
+        ((10**13,), {}, r"num_tokens=10000000000000 is too large: .*4 GiB.*at most 4473924 tokens"),
+        ((10, 0), {}, r"num_layers must be >= 1"),
+        ((1, 10**9), {}, r"num_layers=1000000000 and num_experts=256 are too large: .*4 GiB"),
+        ((1, 1, 2**40), {}, r"num_experts must be in \[2, 2147483648\]"),
+        ((1, 1, 2**32), {}, r"num_experts must be in \[2, 2147483648\]"),
+        ((1, 40, 2**24), {}, r"num_layers=40 and num_experts=16777216 are too large"),
+        ((10, 4, 1), {}, r"num_experts must be in \[2, "),
+        ((10,), {"k": 0}, r"need 0 < k <= num_experts // 2"),
+        ((10, 4, 16), {"k": 9}, r"need 0 < k <= num_experts // 2"),
+        ((10,), {"zipf": float("nan")}, r"zipf must be a finite number >= 0"),
+        ((10,), {"zipf": float("inf")}, r"zipf must be a finite number >= 0"),
+        ((10,), {"reuse": float("nan")}, r"reuse must be in \[0, 1\]"),
+    ],
+    ids=["tokens-zero", "tokens-negative", "tokens-huge", "layers-zero", "layers-huge", "experts-2**40",
+         "experts-2**32", "experts-times-layers-huge", "experts-one", "k-zero", "k-over-half", "zipf-nan",
+         "zipf-inf", "reuse-nan"],
+)
+def test_synthetic_refuses_bad_sizes(args, kwargs, match):
+    with pytest.raises(ValueError, match=match) as err:
+        synthetic_trace(*args, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"num_tokens": True}, "num_tokens"),
+        ({"num_tokens": 10.0}, "num_tokens"),
+        ({"num_tokens": "10"}, "num_tokens"),
+        ({"num_tokens": 10, "num_layers": np.bool_(True)}, "num_layers"),
+        ({"num_tokens": 10, "num_experts": 64.0}, "num_experts"),
+        ({"num_tokens": 10, "k": 2.5}, "k"),
+        ({"num_tokens": 10, "k": False}, "k"),
+    ],
+    ids=["tokens-bool", "tokens-float", "tokens-str", "layers-numpy-bool", "experts-float", "k-float", "k-bool"],
+)
+def test_synthetic_refuses_non_integers(kwargs, name):
+    with pytest.raises(TypeError, match=rf"^{name} must be an int, got "):
+        synthetic_trace(**kwargs)
+
+
+def test_synthetic_accepts_numpy_integers_and_the_size_limit():
+    t = synthetic_trace(np.int64(5), np.int32(3), np.uint16(32), np.int8(2), seed=1)
+    assert t.ids.shape == (5, 3, 2) and t.num_experts == 32
+    assert np.array_equal(t.ids, synthetic_trace(5, 3, 32, 2, seed=1).ids)
+    assert SYNTHETIC_MAX_BYTES == 4 * 2**30
+    # Exactly at the limit is allowed (only checked, not generated: 4 GiB of ids).
+    with pytest.raises(ValueError, match=r"num_tokens=4473925 is too large"):
+        synthetic_trace(SYNTHETIC_MAX_BYTES // (40 * 6 * 4) + 1)
+
+
+def test_synthetic_many_experts_same_trace_as_small_blocks():
+    # Wide layers are generated in smaller token blocks; the trace must not
+    # depend on the block size (the random streams are consumed token by token).
+    a = synthetic_trace(40, num_layers=2, num_experts=2**17, k=4, seed=5)
+    b = synthetic_trace(3, num_layers=2, num_experts=2**17, k=4, seed=5)
+    assert np.array_equal(a.ids[:3], b.ids)
+    srt = np.sort(a.ids, axis=2)
+    assert np.all(srt[:, :, 1:] != srt[:, :, :-1]) and a.ids.max() < 2**17
