@@ -10,7 +10,10 @@ CXXFLAGS  ?= -O2 -g
 WARN       = -Wall -Wextra -Wno-unused-parameter
 COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
 
-CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/cache.cpp \
+CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/config.cpp \
+            libexpcache/src/device_arena.cpp libexpcache/src/cache.cpp libexpcache/src/classes.cpp \
+            libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
+            libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/inspect.cpp \
             libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp \
             libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
             libexpcache/src/backend/source_file.cpp

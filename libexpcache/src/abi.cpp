@@ -7,7 +7,7 @@
 #include <unordered_set>
 
 #include "cache.hpp"
-#include "cores.hpp"
+#include "config.hpp"
 #include "errors.hpp"
 
 struct expcache_t {
@@ -61,15 +61,6 @@ expcache_status_t guarded(const char* function, F&& f) {
     return s;
 }
 
-// Threads that stage pageable and file misses: the usable cores less four (left to the engine), at
-// least 2 and at most 12. On the 16-core host of an H200, 12 decoded fastest of 8, 12 and 15
-// (docs/transfers.md); more only add to the memory traffic.
-uint32_t default_copy_threads() {
-    const unsigned cores = expcache::usable_cores();  // 0: unknown
-    if (cores < 6) return 2;
-    return cores - 4 < 12 ? cores - 4 : 12;
-}
-
 #define EXPCACHE_REQUIRE(cond, ...)                                        \
     do {                                                                   \
         if (!(cond)) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
@@ -92,19 +83,7 @@ uint32_t expcache_version(void) {
 expcache_status_t expcache_config_init(expcache_config_t* config) {
     return guarded(__func__, [&] {
         EXPCACHE_REQUIRE(config, "config is NULL");
-        *config = expcache_config_t{};
-        config->struct_size = sizeof *config;
-        config->backend = EXPCACHE_BACKEND_AUTO;
-        config->device = 0;
-        config->max_classes = 4;
-        config->log_level = EXPCACHE_LOG_NOTICE;
-        config->reserve_bytes = uint64_t(1) << 30;
-        config->device_capacity_bytes = uint64_t(64) << 30;
-        config->slab_bytes = uint64_t(512) << 20;
-        config->copy_threads = default_copy_threads();
-        config->staging_bytes = uint64_t(64) << 20;
-        config->staging_chunk_bytes = uint64_t(512) << 10;
-        config->file_reads = EXPCACHE_FILE_READS_BUFFERED;
+        expcache::config_defaults(config);
         return EXPCACHE_OK;
     });
 }

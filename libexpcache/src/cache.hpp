@@ -1,18 +1,32 @@
 // The cache core: layers, size classes, slots, budgets and the three
 // serving paths. Backend-independent; every method is called by the ABI
 // layer with validated handles and runs under the cache's mutex.
+//
+// One class, its members defined by concept: cache.cpp (lifetime, logging,
+// layout, files), classes.cpp (size classes, budgets, caps), slots.cpp (a
+// call's slot fill, shared by decode and batch), serve.cpp (what every
+// serving call shares: its preamble, uploads and staging buffers),
+// serve_select.cpp, serve_compact.cpp, serve_batch.cpp (one path each) and
+// inspect.cpp (reads, checksums, counters, fault injection).
 #pragma once
 
-#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "backend/backend.hpp"
+#include "device_arena.hpp"
 #include "expcache.h"
 #include "policy/policy.hpp"
 
 namespace expcache {
+
+constexpr uint64_t kAlign = 256;  // where each part of a slot, and of the compact buffer, starts
+constexpr uint64_t kGiB = uint64_t(1) << 30;
+constexpr uint32_t kMaxCompact = 1u << 20;  // ids of one load_compact, experts of one checksum
+
+inline uint64_t align_up(uint64_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
 
 enum Part { kGate = 0, kUp = 1, kDown = 2, kParts = 3 };
 
@@ -60,6 +74,14 @@ struct ClassState {
     bool cap_announced = false;  // a notice was given for `cap`
     uint64_t resident = 0, held = 0, layers = 0;
     expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
+
+    // Where each part of the slot (or staging entry laid out like one) at `base` goes.
+    void parts_at(unsigned char* base, unsigned char* out[kParts]) const {
+        for (int p = 0; p < kParts; ++p) out[p] = base + part_off[p];
+    }
+    expcache_expert_ptrs_t ptrs_at(unsigned char* base) const {
+        return {base + part_off[kGate], base + part_off[kUp], base + part_off[kDown]};
+    }
 };
 
 struct BatchState {
@@ -67,6 +89,13 @@ struct BatchState {
     int32_t cls = -1;
     std::vector<int32_t> held;
     void* staging = nullptr;
+};
+
+// Staging the cache keeps between calls (compact's buffer, decode's overflow): it only grows,
+// so calls of one size reuse it.
+struct OwnedBuffer {
+    void* ptr = nullptr;
+    uint64_t bytes = 0;
 };
 
 class Cache {
@@ -109,10 +138,61 @@ public:
     expcache_status_t device_bytes_in_use(uint64_t* out) const;
 
 private:
-    Cache() = default;
-    class CallScope;
-    class UploadScope;
+    Cache(const expcache_config_t& config, std::unique_ptr<Backend> backend);
 
+    // Serializes a call and makes the backend's device current for its length.
+    class CallScope {
+    public:
+        explicit CallScope(const Cache& c) : lock_(c.mu_), backend_(*c.backend_) { backend_.enter(); }
+        ~CallScope() { backend_.leave(); }
+
+    private:
+        std::lock_guard<std::mutex> lock_;
+        Backend& backend_;
+    };
+
+    // A call's uploads from pageable and file sources may still be running on the
+    // backend's staging threads; all are enqueued on the stream before the call
+    // returns. If one failed, the slots the call filled hold wrong bytes: they are
+    // made free again and the call fails, so a later hit never serves them.
+    class UploadScope {
+    public:
+        explicit UploadScope(Cache& c) : c_(c) { c_.inserted_.clear(); }
+        ~UploadScope() { abandon(); }
+        UploadScope(const UploadScope&) = delete;
+        UploadScope& operator=(const UploadScope&) = delete;
+
+        // The end of a call that succeeded so far.
+        expcache_status_t settle() {
+            settled_ = true;
+            return c_.settle_uploads();
+        }
+        // The end of a call that failed, and the point before freeing memory that its
+        // uploads may still write to: wait for them; the call's own error stays the message.
+        void abandon();
+
+    private:
+        Cache& c_;
+        bool settled_ = false;
+    };
+
+    // One serving call, from taking the lock to settling its uploads (members destroyed in
+    // reverse: the uploads settle while the lock is still held). open_call() fills in the rest.
+    struct ServeCall {
+        ServeCall(Cache& cache, uint32_t on_path, uint32_t layer, void* on_stream)
+            : scope(cache), uploads(cache), path(on_path), layer_index(layer), stream(on_stream) {}
+        CallScope scope;
+        UploadScope uploads;
+        const uint32_t path;
+        const uint32_t layer_index;
+        void* const stream;
+        LayerState* layer = nullptr;
+        int32_t c = -1;  // the layer's class
+        ClassState* cls = nullptr;
+        expcache_stats_t* st = nullptr;  // the class's counters of this path
+    };
+
+    // cache.cpp
     void log(uint32_t level, const char* fmt, ...)
 #if defined(__GNUC__)
         __attribute__((format(printf, 3, 4)))
@@ -121,10 +201,9 @@ private:
     expcache_status_t check(expcache_status_t s);
     expcache_status_t usable() const;
     expcache_status_t validate_layer(uint32_t layer) const;
-    expcache_status_t validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
-                                       const char* count_name) const;
-    expcache_status_t begin_call(void* stream);
-    expcache_status_t start_call(uint32_t layer, uint32_t path, void* stream, int32_t* out_cls);
+
+    // classes.cpp
+    int32_t bound_class(const LayerState& layer) const;
     expcache_status_t bind(uint32_t layer, uint32_t path, int32_t* out_cls);
     void activate_class(int32_t c, const LayerState& layer);
     expcache_status_t release_class(int32_t c, uint32_t path);
@@ -133,29 +212,46 @@ private:
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why);
     expcache_status_t grow(int32_t c, uint32_t path);
+    std::string class_name(const ClassState& cls) const;
+
+    // slots.cpp
     expcache_status_t acquire_slot(int32_t c, bool allow_grow, bool allow_evict, uint32_t path, int32_t* out);
     void evict(int32_t c, int32_t slot, uint32_t path);
     void uninstall(int32_t c, int32_t slot);
-    expcache_status_t settle_uploads();
+    // Serves the call's unique experts from slots of its class; those left without one are
+    // pending_[0, *out_direct), for stage_overflow(). batch: nullptr for decode.
+    expcache_status_t fill_slots(ServeCall& call, BatchState* batch, uint32_t* out_direct);
+    expcache_status_t stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct);
+
+    // serve.cpp
+    expcache_status_t validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
+                                       const char* count_name) const;
+    expcache_status_t begin_call(void* stream);
+    // admit: a path's own check, made after the request's and before anything changes.
+    expcache_status_t open_call(ServeCall& call, const uint32_t* ids, uint64_t n, uint64_t max_n,
+                                const char* count_name, expcache_status_t (Cache::*admit)() const = nullptr);
     void dedupe(LayerState& layer, const uint32_t* ids, uint64_t n);
     expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
                                   void* stream);
-    void slot_ptrs(const ClassState& cls, const SlotState& slot, expcache_expert_ptrs_t* out) const;
-    expcache_status_t injected_copy_failure();
     // One transfer of copy_expert(); an exception from the backend (setting up the staging ring:
     // its memory, its threads) becomes a failed status, so the caller frees the slot it filled.
     expcache_status_t upload(const LayerState& layer, unsigned char* dst, const unsigned char* src, uint64_t bytes,
                              void* stream);
-    expcache_status_t checksum_jobs(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n);
-    expcache_status_t alloc_device(uint64_t bytes, void** out);
-    void free_device_now(void* ptr);
-    expcache_status_t free_device_after(void* ptr, void* stream);
+    expcache_status_t injected_copy_failure();
+    expcache_status_t settle_uploads();
     expcache_status_t alloc_staging(uint64_t bytes, int32_t c, uint32_t path, void** out);
-    bool owns_range(const void* ptr, uint64_t bytes) const;
-    std::string class_name(const ClassState& cls) const;
+    expcache_status_t reserve_buffer(ServeCall& call, OwnedBuffer& buf, uint64_t bytes, bool may_release);
+
+    // serve_batch.cpp
+    expcache_status_t batch_room() const;
+    void unhold(const BatchState& batch);
+
+    // inspect.cpp
+    expcache_status_t checksum_jobs(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n);
 
     mutable std::mutex mu_;
     std::unique_ptr<Backend> backend_;
+    DeviceArena arena_;  // after backend_, which it uses
     expcache_config_t config_ = {};
     uint32_t log_level_ = EXPCACHE_LOG_NOTICE;
     expcache_log_fn log_fn_ = nullptr;
@@ -170,19 +266,14 @@ private:
 
     std::vector<std::unique_ptr<SourceFile>> files_;
     std::vector<LayerState> layers_;
-    std::vector<ClassState> classes_;
+    std::vector<ClassState> classes_;  // sized once: references to a class stay valid
     std::vector<BatchState> batches_;
     uint64_t next_batch_id_ = 1;
 
-    std::map<uintptr_t, uint64_t> allocations_;  // device address -> bytes
-    uint64_t device_bytes_ = 0;
-    uint64_t inject_skip_ = 0, inject_count_ = 0;
     uint64_t inject_copy_skip_ = 0, inject_copy_count_ = 0;
 
-    void* compact_ = nullptr;  // owned staging of load_compact
-    uint64_t compact_bytes_ = 0;
-    void* overflow_ = nullptr;  // owned staging of select's overflow
-    uint64_t overflow_bytes_ = 0;
+    OwnedBuffer compact_;   // load_compact's output
+    OwnedBuffer overflow_;  // select's misses that got no slot
 
     // Per-call scratch, kept to avoid allocations on the hot path.
     std::vector<uint32_t> unique_;

@@ -1,0 +1,229 @@
+#include "cache.hpp"
+
+#include <algorithm>
+
+#include "errors.hpp"
+
+namespace expcache {
+
+namespace {
+
+// Bytes as GiB, or MiB below 1 GiB (the host backend's emulated devices are small).
+std::string human_bytes(uint64_t n) {
+    if (n >= kGiB) return format("%.2f GiB", double(n) / double(kGiB));
+    return format("%.1f MiB", double(n) / double(uint64_t(1) << 20));
+}
+
+}  // namespace
+
+std::string Cache::class_name(const ClassState& cls) const {
+    return format("[gate %llu, up %llu, down %llu B; %.2f MiB/expert]", (unsigned long long)cls.key[kGate],
+                  (unsigned long long)cls.key[kUp], (unsigned long long)cls.key[kDown],
+                  double(cls.key[kGate] + cls.key[kUp] + cls.key[kDown]) / double(1 << 20));
+}
+
+// A layer's binding outlives its class's reuse for another layout; the generation tells.
+int32_t Cache::bound_class(const LayerState& layer) const {
+    if (layer.cls >= 0 && classes_[layer.cls].in_use && classes_[layer.cls].gen == layer.cls_gen) return layer.cls;
+    return -1;
+}
+
+void Cache::activate_class(int32_t c, const LayerState& layer) {
+    ClassState& cls = classes_[c];
+    cls.in_use = true;
+    cls.gen++;
+    uint64_t off = 0;
+    for (int p = 0; p < kParts; ++p) {
+        cls.key[p] = layer.bytes[p];
+        cls.part_off[p] = off;
+        off += align_up(layer.bytes[p]);
+    }
+    cls.slot_bytes = off;
+    cls.policy = config_.policy == EXPCACHE_POLICY_OPPCLASS ? make_oppclass_policy() : make_lru_policy();
+    cls.cap_valid = false;
+    cls.cap_announced = false;
+    cls.cap = cls.target = 0;
+    cls.layers = 0;
+}
+
+expcache_status_t Cache::bind(uint32_t layer_index, uint32_t path, int32_t* out_cls) {
+    LayerState& layer = layers_[layer_index];
+    const int32_t bound = bound_class(layer);
+    if (bound >= 0) {
+        *out_cls = bound;
+        return EXPCACHE_OK;
+    }
+    int32_t found = -1, empty = -1, lru = -1;
+    for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
+        const ClassState& cls = classes_[c];
+        if (!cls.in_use) {
+            if (empty < 0) empty = c;
+            continue;
+        }
+        if (std::equal(cls.key, cls.key + kParts, layer.bytes)) {
+            found = c;
+            break;
+        }
+        if (cls.held == 0 && (lru < 0 || cls.last_used < classes_[lru].last_used)) lru = c;
+    }
+    if (found < 0 && empty >= 0) {
+        found = empty;
+        activate_class(found, layer);
+    } else if (found < 0) {
+        if (lru < 0)
+            return fail(EXPCACHE_ERR_INVALID_STATE,
+                        "layer %u needs a new size class, all %zu classes are in use and every one holds "
+                        "slots of an unfinished batch; finish a batch or raise max_classes",
+                        layer_index, classes_.size());
+        ClassState& victim = classes_[lru];
+        std::string old_name = class_name(victim);
+        expcache_status_t s = release_class(lru, path);
+        if (s != EXPCACHE_OK) return s;
+        victim.stats[path].class_reuses++;
+        found = lru;
+        activate_class(found, layer);
+        log(EXPCACHE_LOG_NOTICE,
+            "more size classes than max_classes=%zu: released class %d %s and reused it for %s (layer %u)",
+            classes_.size(), lru, old_name.c_str(), class_name(classes_[found]).c_str(), layer_index);
+    }
+    layer.cls = found;
+    layer.cls_gen = classes_[found].gen;
+    layer.slot_of.assign(layer.num_experts, -1);
+    classes_[found].layers++;
+    *out_cls = found;
+    return EXPCACHE_OK;
+}
+
+// Frees a class's slots. Every resident expert becomes non-resident; waits
+// for the device first since in-flight work may still read the slots.
+expcache_status_t Cache::release_class(int32_t c, uint32_t path) {
+    ClassState& cls = classes_[c];
+    if (cls.slabs.empty()) return EXPCACHE_OK;
+    expcache_status_t s = check(backend_->sync_device());
+    if (s != EXPCACHE_OK) return s;
+    for (SlotState& slot : cls.slots)
+        if (slot.layer >= 0) layers_[slot.layer].slot_of[slot.expert] = -1;
+    for (void* slab : cls.slabs) arena_.free_now(slab);
+    cls.slabs.clear();
+    cls.slots.clear();
+    cls.free_slots.clear();
+    cls.policy->clear();
+    cls.resident = 0;
+    cls.cap_valid = false;
+    cls.stats[path].releases++;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::release_unheld(uint32_t path) {
+    uint32_t released = 0, kept = 0;
+    for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
+        if (!classes_[c].in_use || classes_[c].slabs.empty()) continue;
+        if (classes_[c].held > 0) {
+            ++kept;
+            continue;
+        }
+        expcache_status_t s = release_class(c, path);
+        if (s != EXPCACHE_OK) return s;
+        ++released;
+    }
+    log(EXPCACHE_LOG_NOTICE, "released %u expert cache(s)%s", released,
+        kept ? format(", kept %u holding batch slots", kept).c_str() : "");
+    return EXPCACHE_OK;
+}
+
+// What the budgets ask for this class (see expcache_config_t).
+uint64_t Cache::class_target(const ClassState& cls) const {
+    uint64_t experts = 0;
+    unsigned __int128 class_bytes = 0, total_bytes = 0;
+    for (const LayerState& l : layers_) {
+        if (!l.registered) continue;
+        uint64_t slot = align_up(l.bytes[kGate]) + align_up(l.bytes[kUp]) + align_up(l.bytes[kDown]);
+        total_bytes += (unsigned __int128)slot * l.num_experts;
+        if (std::equal(cls.key, cls.key + kParts, l.bytes)) {
+            experts += l.num_experts;
+            class_bytes += (unsigned __int128)slot * l.num_experts;
+        }
+    }
+    uint64_t target = experts;
+    if (config_.budget_experts) target = std::min(target, config_.budget_experts);
+    if (config_.budget_bytes && total_bytes > 0) {
+        unsigned __int128 share = (unsigned __int128)config_.budget_bytes * class_bytes / total_bytes;
+        target = std::min<uint64_t>(target, static_cast<uint64_t>(share / cls.slot_bytes));
+    }
+    return target;
+}
+
+void Cache::announce_cap(int32_t c, uint32_t path, const char* why) {
+    ClassState& cls = classes_[c];
+    cls.stats[path].cap_notices++;
+    cls.cap_announced = true;
+    if (cls.cap == 0 && cls.target > 0) {
+        // Nothing of this class can be cached: every miss becomes a direct load. Said as a warning,
+        // once per change, so that a reserve larger than free memory is never silent.
+        log(EXPCACHE_LOG_WARNING,
+            "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; "
+            "lower reserve_bytes or the budget, or free device memory",
+            c, class_name(cls).c_str(), (unsigned long long)cls.target, why);
+        return;
+    }
+    log(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c,
+        class_name(cls).c_str(), (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB),
+        (unsigned long long)cls.target, why);
+}
+
+// Runtime cap = target, limited by free device memory minus the reserve and
+// minus what the other classes may still grow into. Computed when a class
+// first grows and again after a release or a layout change, never on every
+// call, so the cap (and its notice) changes only when something did.
+expcache_status_t Cache::refresh_cap(int32_t c, uint32_t path) {
+    ClassState& cls = classes_[c];
+    uint64_t free_bytes = 0, total = 0;
+    expcache_status_t s = check(backend_->mem_info(&free_bytes, &total));
+    if (s != EXPCACHE_OK) return s;
+    uint64_t others = 0;
+    for (int32_t o = 0; o < static_cast<int32_t>(classes_.size()); ++o) {
+        const ClassState& oc = classes_[o];
+        if (o == c || !oc.in_use || !oc.cap_valid) continue;
+        if (oc.cap > oc.slots.size()) others += (oc.cap - oc.slots.size()) * oc.slot_bytes;
+    }
+    uint64_t needed = config_.reserve_bytes + others;
+    uint64_t avail = free_bytes > needed ? free_bytes - needed : 0;
+    uint64_t mem_cap = cls.slots.size() + avail / cls.slot_bytes;
+    uint64_t old_cap = cls.cap;
+    cls.target = class_target(cls);
+    cls.cap = std::min(cls.target, mem_cap);
+    cls.cap_valid = true;
+    if (!cls.cap_announced || cls.cap != old_cap) {
+        std::string why;
+        if (cls.cap < cls.target)
+            why = format(", limited by free device memory minus the reserve (%s free, reserve %s)",
+                         human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());
+        announce_cap(c, path, why.c_str());
+    }
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::grow(int32_t c, uint32_t path) {
+    ClassState& cls = classes_[c];
+    uint64_t have = cls.slots.size();
+    uint64_t per_slab = std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes);
+    uint64_t n = std::min(cls.cap - have, per_slab);
+    void* slab = nullptr;
+    expcache_status_t s = check(arena_.alloc(n * cls.slot_bytes, &slab));
+    if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) {
+        // Memory is shorter than the cap assumed: stop growing here.
+        cls.cap = have;
+        announce_cap(c, path, format(", a slot allocation failed: %s", last_error()).c_str());
+        clear_last_error();
+        return EXPCACHE_OK;
+    }
+    if (s != EXPCACHE_OK) return s;
+    cls.slabs.push_back(slab);
+    cls.slots.resize(have + n);
+    cls.policy->resize(static_cast<int32_t>(have + n));
+    for (uint64_t i = 0; i < n; ++i) cls.slots[have + i].dev = static_cast<unsigned char*>(slab) + i * cls.slot_bytes;
+    for (uint64_t i = n; i-- > 0;) cls.free_slots.push_back(static_cast<int32_t>(have + i));
+    return EXPCACHE_OK;
+}
+
+}  // namespace expcache

@@ -1,0 +1,197 @@
+// What the three serving paths share: the preamble of a call, its uploads and the
+// staging buffers the cache keeps between calls.
+#include "cache.hpp"
+
+#include <exception>
+#include <new>
+
+#include "errors.hpp"
+
+namespace expcache {
+
+namespace {
+
+constexpr const char* kPathNames[EXPCACHE_NUM_PATHS] = {"decode", "compact", "batch", "control"};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// The preamble
+
+// The checks every serving path makes before touching anything.
+expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
+                                          const char* count_name) const {
+    expcache_status_t s = usable();
+    if (s == EXPCACHE_OK) s = validate_layer(layer);
+    if (s != EXPCACHE_OK) return s;
+    if (n == 0 || n > max_n)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 1..%llu, got %llu", count_name,
+                    (unsigned long long)max_n, (unsigned long long)n);
+    uint32_t ne = layers_[layer].num_experts;
+    for (uint64_t i = 0; i < n; ++i)
+        if (ids[i] >= ne)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %u (index %llu) out of range for layer %u (%u experts)",
+                        ids[i], (unsigned long long)i, layer, ne);
+    return EXPCACHE_OK;
+}
+
+// Every call that enqueues work starts here: finish deferred frees, and when the
+// stream changes, make the new stream wait for the old one's work so that
+// no slot or staging byte is overwritten while a kernel may still read it.
+expcache_status_t Cache::begin_call(void* stream) {
+    backend_->reclaim();
+    if (have_last_stream_ && last_stream_ != stream) {
+        expcache_status_t s = check(backend_->fence(last_stream_, stream));
+        if (s != EXPCACHE_OK) return s;
+    }
+    last_stream_ = stream;
+    have_last_stream_ = true;
+    return EXPCACHE_OK;
+}
+
+// The request's checks and the path's own come before anything changes. Then the
+// stream is ordered, the layer's class bound and a new call opened on the path: the
+// clock the policy sees advances (a call whose layer is not after the previous call's
+// starts a new token), and the call's unique experts are listed.
+expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_t n, uint64_t max_n,
+                                   const char* count_name, expcache_status_t (Cache::*admit)() const) {
+    const uint32_t layer = call.layer_index;
+    expcache_status_t s = validate_request(layer, ids, n, max_n, count_name);
+    if (s == EXPCACHE_OK && admit) s = (this->*admit)();
+    if (s == EXPCACHE_OK) s = begin_call(call.stream);
+    if (s == EXPCACHE_OK) s = bind(layer, call.path, &call.c);
+    if (s != EXPCACHE_OK) return s;
+    ClassState& cls = classes_[call.c];
+    ++call_;
+    cls.last_used = call_;
+    cls.stats[call.path].calls++;
+    if (last_layer_ < 0 || static_cast<int64_t>(layer) <= last_layer_) ++clock_.token;
+    last_layer_ = layer;
+    clock_.pos = layers_[layer].rank;
+    cls.policy->set_clock(clock_);
+    call.layer = &layers_[layer];
+    call.cls = &cls;
+    call.st = &cls.stats[call.path];
+    dedupe(*call.layer, ids, n);
+    return EXPCACHE_OK;
+}
+
+void Cache::dedupe(LayerState& layer, const uint32_t* ids, uint64_t n) {
+    unique_.clear();
+    for (uint64_t i = 0; i < n; ++i) {
+        uint32_t e = ids[i];
+        if (layer.seen[e] != call_) {
+            layer.seen[e] = call_;
+            layer.seen_pos[e] = static_cast<uint32_t>(unique_.size());
+            unique_.push_back(e);
+        }
+    }
+    ptrs_.resize(unique_.size());
+}
+
+// ---------------------------------------------------------------------------
+// Uploads
+
+// Copies the three parts, merging parts that are adjacent both in the
+// source and in the destination into one transfer.
+expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
+                                     void* stream) {
+    int p = 0;
+    while (p < kParts) {
+        const unsigned char* src = layer.source(p, expert);
+        unsigned char* d = dst[p];
+        uint64_t bytes = layer.bytes[p];
+        int q = p + 1;
+        while (q < kParts && layer.source(q, expert) == src + bytes && dst[q] == d + bytes) {
+            bytes += layer.bytes[q];
+            ++q;
+        }
+        expcache_status_t s = injected_copy_failure();
+        if (s == EXPCACHE_OK) s = upload(layer, d, src, bytes, stream);
+        if (s != EXPCACHE_OK) return s;
+        p = q;
+    }
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::upload(const LayerState& layer, unsigned char* dst, const unsigned char* src, uint64_t bytes,
+                                void* stream) {
+    try {
+        return check(layer.file ? backend_->read_file(dst, *layer.file, reinterpret_cast<uintptr_t>(src), bytes, stream)
+                                : backend_->copy_h2d(dst, src, bytes, layer.pinned, stream));
+    } catch (const std::bad_alloc&) {
+        return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory to set up an upload");
+    } catch (const std::exception& e) {
+        return fail(EXPCACHE_ERR_INTERNAL, "an upload could not be set up: %s", e.what());
+    }
+}
+
+expcache_status_t Cache::injected_copy_failure() {
+    if (inject_copy_count_ == 0) return EXPCACHE_OK;
+    if (inject_copy_skip_ > 0) {
+        --inject_copy_skip_;
+        return EXPCACHE_OK;
+    }
+    --inject_copy_count_;
+    return fail(EXPCACHE_ERR_CUDA, "injected copy failure");
+}
+
+void Cache::UploadScope::abandon() {
+    if (settled_) return;
+    settled_ = true;
+    std::string why = last_error();
+    if (c_.settle_uploads() != EXPCACHE_OK) {
+        std::string also = last_error();
+        // Only the message is set here: the call returns its own status.
+        fail(EXPCACHE_ERR_IO, "%s (an upload issued earlier in the call failed too: %s)", why.c_str(),
+             also.c_str());
+    }
+}
+
+expcache_status_t Cache::settle_uploads() {
+    expcache_status_t s = check(backend_->finish_uploads());
+    if (s != EXPCACHE_OK)
+        for (const auto& cs : inserted_) uninstall(cs.first, cs.second);
+    inserted_.clear();
+    return s;
+}
+
+// ---------------------------------------------------------------------------
+// Staging buffers
+
+// Staging is tried first; only when device memory is really short are the
+// expert caches released (all classes not holding batch slots) and the
+// allocation retried, exactly once.
+expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path, void** out) {
+    expcache_status_t s = check(arena_.alloc(bytes, out));
+    if (s != EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) return s;
+    std::string first = last_error();
+    s = release_unheld(path);
+    if (s != EXPCACHE_OK) return s;
+    classes_[c].stats[path].alloc_retries++;
+    log(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",
+        kPathNames[path], double(bytes) / double(1 << 20), first.c_str());
+    s = check(arena_.alloc(bytes, out));
+    if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
+        return fail(s, "%s staging of %llu bytes failed even after releasing the expert caches: %s",
+                    kPathNames[path], (unsigned long long)bytes, last_error());
+    return s;
+}
+
+// Grows an owned buffer to `bytes`; the old memory is freed once the stream's work on it
+// has finished. may_release: the allocation may release the expert caches and retry
+// (alloc_staging), which only a call that has not resolved any hit yet can allow.
+expcache_status_t Cache::reserve_buffer(ServeCall& call, OwnedBuffer& buf, uint64_t bytes, bool may_release) {
+    if (buf.bytes >= bytes) return EXPCACHE_OK;
+    expcache_status_t s;
+    if (buf.ptr && (s = check(arena_.free_after(buf.ptr, call.stream))) != EXPCACHE_OK) return s;
+    buf = OwnedBuffer{};
+    void* p = nullptr;
+    s = may_release ? alloc_staging(bytes, call.c, call.path, &p) : check(arena_.alloc(bytes, &p));
+    if (s != EXPCACHE_OK) return s;
+    buf.ptr = p;
+    buf.bytes = bytes;
+    return EXPCACHE_OK;
+}
+
+}  // namespace expcache

@@ -1,0 +1,97 @@
+// The batch (prefill) path: a prompt's experts for one layer, deduplicated and
+// held in place until batch_finish, so a kernel may read them for as long as
+// the batch runs. Misses only take free capacity; what finds none is staged in
+// memory of the batch's own, freed with it.
+#include "cache.hpp"
+
+#include <algorithm>
+
+#include "errors.hpp"
+
+namespace expcache {
+
+namespace {
+
+constexpr uint64_t kMaxBatchIds = uint64_t(1) << 26;
+
+}  // namespace
+
+expcache_status_t Cache::batch_room() const {
+    if (batches_.size() >= EXPCACHE_MAX_BATCHES)
+        return fail(EXPCACHE_ERR_INVALID_STATE, "%d batches are unfinished; call expcache_batch_finish first",
+                    EXPCACHE_MAX_BATCHES);
+    return EXPCACHE_OK;
+}
+
+void Cache::unhold(const BatchState& batch) {
+    ClassState& cls = classes_[batch.cls];
+    for (int32_t slot : batch.held)
+        if (--cls.slots[slot].holds == 0) cls.held--;
+}
+
+expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids, uint64_t n, void* stream,
+                                       uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
+                                       uint64_t* out_batch) {
+    ServeCall call(*this, EXPCACHE_PATH_BATCH, layer_index, stream);
+    expcache_status_t s = open_call(call, ids, n, kMaxBatchIds, "n", &Cache::batch_room);
+    if (s != EXPCACHE_OK) return s;
+    BatchState batch;
+    batch.id = next_batch_id_;
+    batch.cls = call.c;
+    uint32_t direct = 0;
+    if ((s = fill_slots(call, &batch, &direct)) != EXPCACHE_OK) {
+        unhold(batch);
+        return s;
+    }
+    if (direct > 0) {
+        // Batch staging comes out of what the caches leave free (the reserve); it never releases
+        // them, so a prompt cannot flush the decode working set even when memory is short.
+        const uint64_t bytes = uint64_t(direct) * call.cls->slot_bytes;
+        if ((s = check(arena_.alloc(bytes, &batch.staging))) != EXPCACHE_OK) {
+            unhold(batch);
+            if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
+                return fail(s, "batch staging of %u experts (%llu bytes) does not fit next to the caches (%s); "
+                            "split the batch, finish other batches, or raise reserve_bytes",
+                            direct, (unsigned long long)bytes, last_error());
+            return s;
+        }
+        if ((s = stage_overflow(call, static_cast<unsigned char*>(batch.staging), direct)) != EXPCACHE_OK) {
+            unhold(batch);
+            call.uploads.abandon();  // earlier uploads may still write into the staging
+            check(arena_.free_after(batch.staging, stream));
+            return s;
+        }
+    }
+    if ((s = call.uploads.settle()) != EXPCACHE_OK) {
+        unhold(batch);
+        if (batch.staging) check(arena_.free_after(batch.staging, stream));
+        return s;
+    }
+    for (uint32_t j = 0; j < unique_.size(); ++j) {
+        out_ids[j] = unique_[j];
+        out_ptrs[j] = ptrs_[j];
+    }
+    *out_count = static_cast<uint32_t>(unique_.size());
+    *out_batch = batch.id;
+    ++next_batch_id_;
+    log(EXPCACHE_LOG_DEBUG, "batch %llu layer %u: %llu ids, %zu unique, %zu misses, %u direct",
+        (unsigned long long)batch.id, layer_index, (unsigned long long)n, unique_.size(), pending_.size(), direct);
+    batches_.push_back(std::move(batch));
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::batch_finish(uint64_t id, void* stream) {
+    CallScope scope(*this);
+    auto it = std::find_if(batches_.begin(), batches_.end(), [&](const BatchState& b) { return b.id == id; });
+    if (it == batches_.end())
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "batch %llu is unknown or already finished",
+                    (unsigned long long)id);
+    expcache_status_t s = usable();
+    if (s == EXPCACHE_OK && it->staging) s = check(arena_.free_after(it->staging, stream));
+    if (s != EXPCACHE_OK) return s;
+    unhold(*it);
+    batches_.erase(it);
+    return EXPCACHE_OK;
+}
+
+}  // namespace expcache

@@ -1,0 +1,70 @@
+// The compact path: one layer's listed experts copied, in the order listed and
+// duplicates included, into one buffer of three part arrays (gate, up, down),
+// from their slots where resident and from the source otherwise. Nothing is
+// inserted: the cache only lends its hits.
+#include "cache.hpp"
+
+namespace expcache {
+
+expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
+                                      expcache_compact_t* out) {
+    ServeCall call(*this, EXPCACHE_PATH_COMPACT, layer_index, stream);
+    expcache_status_t s = open_call(call, ids, n, kMaxCompact, "n");
+    if (s != EXPCACHE_OK) return s;
+    const LayerState& layer = *call.layer;
+    const uint64_t* b = layer.bytes;
+    uint64_t off[kParts];
+    off[kGate] = 0;
+    off[kUp] = align_up(off[kGate] + b[kGate] * n);
+    off[kDown] = align_up(off[kUp] + b[kUp] * n);
+    uint64_t total = off[kDown] + b[kDown] * n;
+
+    // Allocate before resolving hits: the retry may release the caches.
+    if ((s = reserve_buffer(call, compact_, total, true)) != EXPCACHE_OK) return s;
+    const ClassState& cls = *call.cls;
+    expcache_stats_t& st = *call.st;
+    unsigned char* base = static_cast<unsigned char*>(compact_.ptr);
+    uint32_t next_unique = 0;  // unique_ is in first-appearance order
+    for (uint32_t i = 0; i < n; ++i) {
+        uint32_t e = ids[i];
+        bool first = layer.seen_pos[e] == next_unique;
+        if (first) ++next_unique;
+        unsigned char* dst[kParts] = {base + off[kGate] + b[kGate] * i, base + off[kUp] + b[kUp] * i,
+                                      base + off[kDown] + b[kDown] * i};
+        int32_t slot = layer.slot_of[e];
+        if (slot >= 0) {
+            const SlotState& ss = cls.slots[slot];
+            for (int p = 0; p < kParts; ++p)
+                if ((s = injected_copy_failure()) != EXPCACHE_OK ||
+                    (s = check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) != EXPCACHE_OK)
+                    return s;
+            if (first) {
+                cls.policy->on_hit(slot);
+                st.hits++;
+            }
+            st.bytes_d2d += layer.expert_bytes();
+        } else {
+            if ((s = copy_expert(layer, e, dst, stream)) != EXPCACHE_OK) return s;
+            if (first) {
+                st.misses++;
+                st.direct_loads++;
+            }
+            st.bytes_h2d += layer.expert_bytes();
+        }
+    }
+    if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
+    out->num_experts = n;
+    out->base = compact_.ptr;
+    out->bytes = total;
+    out->gate_offset = off[kGate];
+    out->up_offset = off[kUp];
+    out->down_offset = off[kDown];
+    out->gate_bytes = b[kGate];
+    out->up_bytes = b[kUp];
+    out->down_bytes = b[kDown];
+    log(EXPCACHE_LOG_DEBUG, "load_compact layer %u n %u: %.1f MiB buffer", layer_index, n,
+        double(total) / double(1 << 20));
+    return EXPCACHE_OK;
+}
+
+}  // namespace expcache
