@@ -1,7 +1,7 @@
 """Evaluate expert-cache eviction policies offline (see docs/policy.md).
 
 Replays the bundled DeepSeek V4 Flash decode traces and synthetic traces
-through :func:`pyexpcache.policies.simulate_policy` (the library's exact call
+through :func:`pyexpcache.sim.simulate_policy` (the library's exact call
 semantics) and prints, with tabulate:
 
 1. every policy x held-out trace x capacity (5, 10, 25, 50 % of the experts):
@@ -43,8 +43,7 @@ import numpy as np
 from tabulate import tabulate
 
 from pyexpcache.layout import ModelLayout
-from pyexpcache.policies import simulate_global, simulate_policy
-from pyexpcache.simulate import simulate_belady
+from pyexpcache.sim import simulate_belady, simulate_global, simulate_policy
 from pyexpcache.traces import list_traces, load_decode_trace, synthetic_trace
 
 TUNING = ("podA_a_coffee_full", "podA_b2_json_long_full")

@@ -19,7 +19,7 @@ import functools
 import pytest  # asv imports this module too (every module of the package): see asv.conf.json
 
 from benchmarks import LAYOUTS, Rig
-from pyexpcache.simulate import simulate_belady, simulate_lru
+from pyexpcache.sim import simulate_belady, simulate_lru
 from pyexpcache.traces import load_decode_trace
 
 

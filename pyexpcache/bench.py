@@ -40,8 +40,7 @@ import numpy as np
 from . import __version__, _cuda, _lib, library_version
 from .cache import ExpertCache, StagingStats
 from .layout import ModelLayout
-from .policies import simulate_policy
-from .simulate import BATCH, DECODE, Call, simulate_belady, simulate_lru
+from .sim import BATCH, DECODE, Call, simulate_belady, simulate_lru, simulate_policy
 from .source import HostSource
 from .traces import list_traces, load_decode_trace, load_prefill_trace, synthetic_trace
 

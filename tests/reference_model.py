@@ -80,7 +80,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from pyexpcache.policies import Ctx, OppClassLRU
+from pyexpcache.sim import Ctx, OppClassLRU
 
 ALIGN = 256
 PATHS = ("decode", "compact", "batch", "control")
@@ -135,7 +135,7 @@ class RefClass:
     # Resident entries, coldest first.
     lru: "OrderedDict[Key, None]" = field(default_factory=OrderedDict)
     holds: Dict[Key, int] = field(default_factory=dict)
-    pol: object = None  # the OppClassLRU of pyexpcache.policies when the cache uses it; order is in `lru` otherwise
+    pol: object = None  # the OppClassLRU of pyexpcache.sim when the cache uses it; order is in `lru` otherwise
     allocated: int = 0
     slabs: List[int] = field(default_factory=list)  # allocation ids
     target: int = 0

@@ -13,7 +13,7 @@ import pytest
 
 from pyexpcache import ExpertCache, HostSource, ModelLayout
 from pyexpcache import bench
-from pyexpcache.simulate import BATCH, DECODE, simulate_lru
+from pyexpcache.sim import BATCH, DECODE, simulate_lru
 from pyexpcache.traces import load_decode_trace
 
 from conftest import CUDA_OK, CUDA_REASON, SCALE
@@ -47,7 +47,7 @@ def test_turns_workload_repeats_the_decode_after_a_prompt():
 def _replay_and_simulate(cache, layout, workload, policy):
     """Replay a workload through the cache, then the same calls through the offline simulator of
     `policy` at the cache's runtime caps."""
-    from pyexpcache.policies import simulate_policy
+    from pyexpcache.sim import simulate_policy
 
     for call in workload.calls:
         if call.kind == DECODE:

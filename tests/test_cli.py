@@ -10,16 +10,25 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from pyexpcache import cli
 
+# Children run in other folders: they find the package the way this process did.
+PACKAGE_ROOT = str(Path(cli.__file__).resolve().parent.parent)
+
 FAST = ["bench", "--backend", "host", "--traces", "smoke_count64", "--variants", "expcache,nocache", "--quiet"]
 
 
+def child_env(**extra) -> dict:
+    path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **extra)
+
+
 def child(*args, env_extra=None, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **(env_extra or {}))
+    env = child_env(**(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "pyexpcache", *args], capture_output=True, text=True, env=env,
                           timeout=300, **kw)
 
@@ -150,7 +159,8 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
 
 def test_ctrl_c_stops_the_command_with_130(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--scenario", "all"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=child_env())
     time.sleep(6)  # the first scenario's replay is running by now
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)

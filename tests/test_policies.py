@@ -1,21 +1,26 @@
-"""Tests for pyexpcache.policies: the generic simulator, the peers' policies and ours."""
+"""Tests for pyexpcache.sim's policies: the generic simulator, the peers' policies and ours."""
 
 import random
 import time
 
 import pytest
 
-from pyexpcache.policies import (
+from pyexpcache.sim import (
+    BATCH,
+    DECODE,
     POLICIES,
+    Call,
     ClassLRU,
     Ctx,
     OppClassLRU,
     missed_opportunities,
+    prompt_stream,
+    simulate_belady,
     simulate_global,
+    simulate_lru,
     simulate_policy,
     token_index,
 )
-from pyexpcache.simulate import BATCH, DECODE, Call, prompt_stream, simulate_belady, simulate_lru
 from pyexpcache.traces import load_decode_trace, load_prefill_trace
 
 FIELDS = ("hits", "misses", "inserts", "appends", "direct", "evictions")

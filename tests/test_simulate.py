@@ -1,4 +1,4 @@
-"""Tests for pyexpcache.simulate: exact LRU/Belady counters on hand-made streams and the real traces."""
+"""Tests for pyexpcache.sim: exact LRU/Belady counters on hand-made streams and the real traces."""
 
 import functools
 import random
@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pyexpcache.simulate import (
+from pyexpcache.sim import (
     BATCH,
     DECODE,
     Call,
