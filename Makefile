@@ -50,7 +50,7 @@ lib: $(LIBS) $(REPLAY_LIB)
 
 # The benchmark's C replay loop; its expcache_* symbols resolve at load time
 # to whichever library the process loaded first (see benchmarks/c/replay.c).
-$(REPLAY_LIB): benchmarks/c/replay.c libexpcache/include/expcache.h
+$(REPLAY_LIB): benchmarks/c/replay.c libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
 	@mkdir -p $(BUILD)
 	$(CC) -O2 -std=c11 -fPIC -shared -Wall -Ilibexpcache/include -o $@ $<
 

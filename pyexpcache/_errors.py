@@ -1,7 +1,23 @@
 """Exceptions: one base class carrying the library status and message, one
-subclass per status, raised from exactly one place (:func:`check`)."""
+subclass per status, raised from exactly one place (:func:`check`).
+
+The status codes themselves are defined here, once, mirroring expcache.h's
+``EXPCACHE_OK`` and ``EXPCACHE_ERR_*``; ``_lib`` imports them from this module
+(which must not import ``_lib``: ``_lib`` imports it)."""
 
 from __future__ import annotations
+
+# Status codes (expcache.h: EXPCACHE_OK, EXPCACHE_ERR_*).
+OK = 0
+ERR_INVALID_ARGUMENT = 1
+ERR_OUT_OF_DEVICE_MEMORY = 2
+ERR_OUT_OF_HOST_MEMORY = 3
+ERR_INVALID_STATE = 4
+ERR_UNSUPPORTED = 5
+ERR_CUDA = 6
+ERR_POISONED = 7
+ERR_INTERNAL = 8
+ERR_IO = 9
 
 
 class ExpcacheError(Exception):
@@ -72,15 +88,15 @@ class ExpcacheWarning(RuntimeWarning):
 
 
 _BY_STATUS = {
-    1: InvalidArgumentError,
-    2: OutOfDeviceMemoryError,
-    3: OutOfHostMemoryError,
-    4: InvalidStateError,
-    5: UnsupportedError,
-    6: CudaError,
-    7: PoisonedError,
-    8: InternalError,
-    9: SourceIOError,
+    ERR_INVALID_ARGUMENT: InvalidArgumentError,
+    ERR_OUT_OF_DEVICE_MEMORY: OutOfDeviceMemoryError,
+    ERR_OUT_OF_HOST_MEMORY: OutOfHostMemoryError,
+    ERR_INVALID_STATE: InvalidStateError,
+    ERR_UNSUPPORTED: UnsupportedError,
+    ERR_CUDA: CudaError,
+    ERR_POISONED: PoisonedError,
+    ERR_INTERNAL: InternalError,
+    ERR_IO: SourceIOError,
 }
 
 

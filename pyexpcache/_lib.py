@@ -16,11 +16,22 @@ import threading
 from ctypes import POINTER, c_char_p, c_int32, c_uint32, c_uint64, c_void_p
 
 from . import _loader
-from ._errors import error_for
+from ._errors import (  # noqa: F401 (re-exported: the status codes, defined once in _errors)
+    ERR_CUDA,
+    ERR_INTERNAL,
+    ERR_INVALID_ARGUMENT,
+    ERR_INVALID_STATE,
+    ERR_IO,
+    ERR_OUT_OF_DEVICE_MEMORY,
+    ERR_OUT_OF_HOST_MEMORY,
+    ERR_POISONED,
+    ERR_UNSUPPORTED,
+    OK,
+    error_for,
+)
 from ._ints import checked_int
 
-# Status codes (expcache.h).
-OK = 0
+# Constants of expcache.h (the status codes: ``OK``, ``ERR_*`` above).
 BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
 SOURCE_PAGEABLE, SOURCE_PINNED, SOURCE_FILE = 0, 1, 2
 LOG_SILENT, LOG_WARNING, LOG_NOTICE, LOG_DEBUG = 0, 1, 2, 3
@@ -30,7 +41,11 @@ PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
 MAX_SELECT = 1024
 MAX_BATCHES = 64
+# Constants of expcache_testing.h.
 CHECKSUM_RESULTS = 65536
+(STRUCT_CONFIG, STRUCT_LAYER_DESC, STRUCT_EXPERT_PTRS, STRUCT_COMPACT, STRUCT_CLASS_INFO, STRUCT_STATS,
+ STRUCT_STAGING_STATS) = range(7)
+STRUCT_COUNT = 7
 
 
 class Config(ctypes.Structure):
@@ -155,6 +170,7 @@ def _check(status, func, args):
 
 
 # Each exported function: (name, argtypes, restype); status-returning ones (c_int32) raise on failure.
+# expcache.h, in the header's order:
 _FUNCTIONS = [
     # const char* expcache_status_string(expcache_status_t status);
     ("expcache_status_string", [c_int32], c_char_p),
@@ -168,20 +184,20 @@ _FUNCTIONS = [
     ("expcache_create", [POINTER(Config), POINTER(CachePtr)], c_int32),
     # void expcache_destroy(expcache_t* cache);
     ("expcache_destroy", [CachePtr], None),
-    # expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend);
-    ("expcache_get_backend", [CachePtr, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_backend_get(const expcache_t* cache, uint32_t* out_backend);
+    ("expcache_backend_get", [CachePtr, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc);
     ("expcache_layer_desc_init", [POINTER(LayerDesc)], c_int32),
-    # expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file);
-    ("expcache_open_file", [CachePtr, c_char_p, POINTER(c_uint32)], c_int32),
-    # expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
-    ("expcache_register_layer", [CachePtr, c_uint32, POINTER(LayerDesc)], c_int32),
+    # expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file);
+    ("expcache_file_open", [CachePtr, c_char_p, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
+    ("expcache_layer_register", [CachePtr, c_uint32, POINTER(LayerDesc)], c_int32),
     # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
     #                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
     ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
-    # expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+    # expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
     #                                               void* stream, expcache_compact_t* out);
-    ("expcache_load_compact_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(Compact)], c_int32),
+    ("expcache_compact_load_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(Compact)], c_int32),
     # expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint64_t n,
     #     void* stream, uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
     ("expcache_batch_prepare_async",
@@ -193,47 +209,52 @@ _FUNCTIONS = [
     ("expcache_release_all", [CachePtr], c_int32),
     # expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
     ("expcache_synchronize", [CachePtr, c_void_p], c_int32),
-    # expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert, void* dst,
-    #                                          uint64_t dst_bytes, uint32_t* out_resident);
-    ("expcache_read_resident", [CachePtr, c_uint32, c_uint32, c_void_p, c_uint64, POINTER(c_uint32)], c_int32),
-    # expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
-    ("expcache_read_device", [CachePtr, c_void_p, c_void_p, c_uint64], c_int32),
-    # expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
-    #                                     uint32_t n, void* stream, uint64_t* out_sums);
-    ("expcache_checksum", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
-    # expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
-    #                                           uint32_t n, void* stream, uint32_t first);
-    ("expcache_checksum_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32], c_int32),
-    # expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out);
-    ("expcache_checksum_results", [CachePtr, c_uint32, c_uint32, c_void_p], c_int32),
-    # expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
-    ("expcache_class_count", [CachePtr, POINTER(c_uint32)], c_int32),
-    # expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out);
-    ("expcache_class_info", [CachePtr, c_uint32, POINTER(ClassInfo)], c_int32),
-    # expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
-    ("expcache_layer_class", [CachePtr, c_uint32, POINTER(c_uint32)], c_int32),
-    # expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index, uint32_t path,
+    # expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count);
+    ("expcache_class_count_get", [CachePtr, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index,
+    #                                           expcache_class_info_t* out);
+    ("expcache_class_info_get", [CachePtr, c_uint32, POINTER(ClassInfo)], c_int32),
+    # expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
+    ("expcache_layer_bind_class", [CachePtr, c_uint32, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index, uint32_t path,
     #                                      expcache_stats_t* out);
-    ("expcache_get_stats", [CachePtr, c_uint32, c_uint32, POINTER(Stats)], c_int32),
-    # expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out);
-    ("expcache_get_staging_stats", [CachePtr, POINTER(StagingStats)], c_int32),
-    # expcache_status_t expcache_reset_stats(expcache_t* cache);
-    ("expcache_reset_stats", [CachePtr], c_int32),
-    # expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user);
-    ("expcache_set_log_callback", [CachePtr, LOG_FN, c_void_p], c_int32),
-    # expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level);
-    ("expcache_set_log_level", [CachePtr, c_uint32], c_int32),
-    # expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-    ("expcache_inject_alloc_failures", [CachePtr, c_uint64, c_uint64], c_int32),
-    # expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-    ("expcache_inject_copy_failures", [CachePtr, c_uint64, c_uint64], c_int32),
-    # expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-    ("expcache_inject_staging_failures", [CachePtr, c_uint64, c_uint64], c_int32),
-    # expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
-    ("expcache_device_bytes_in_use", [CachePtr, POINTER(c_uint64)], c_int32),
-    # expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
-    #                                         uint32_t* class_info, uint32_t* stats);
-    ("expcache_struct_sizes", [POINTER(c_uint32)] * 5, c_int32),
+    ("expcache_stats_get", [CachePtr, c_uint32, c_uint32, POINTER(Stats)], c_int32),
+    # expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out);
+    ("expcache_staging_stats_get", [CachePtr, POINTER(StagingStats)], c_int32),
+    # expcache_status_t expcache_stats_reset(expcache_t* cache);
+    ("expcache_stats_reset", [CachePtr], c_int32),
+    # expcache_status_t expcache_log_set_callback(expcache_t* cache, expcache_log_fn fn, void* user);
+    ("expcache_log_set_callback", [CachePtr, LOG_FN, c_void_p], c_int32),
+    # expcache_status_t expcache_log_set_level(expcache_t* cache, uint32_t level);
+    ("expcache_log_set_level", [CachePtr, c_uint32], c_int32),
+    # expcache_testing.h:
+    # expcache_status_t expcache_testing_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert,
+    #                                                  void* dst, uint64_t dst_bytes, uint32_t* out_resident);
+    ("expcache_testing_read_resident", [CachePtr, c_uint32, c_uint32, c_void_p, c_uint64, POINTER(c_uint32)],
+     c_int32),
+    # expcache_status_t expcache_testing_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
+    ("expcache_testing_read_device", [CachePtr, c_void_p, c_void_p, c_uint64], c_int32),
+    # expcache_status_t expcache_testing_checksum(expcache_t* cache, uint32_t layer,
+    #                                             const expcache_expert_ptrs_t* ptrs, uint32_t n,
+    #                                             void* stream, uint64_t* out_sums);
+    ("expcache_testing_checksum", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
+    # expcache_status_t expcache_testing_checksum_async(expcache_t* cache, uint32_t layer,
+    #                                                   const expcache_expert_ptrs_t* ptrs, uint32_t n,
+    #                                                   void* stream, uint32_t first);
+    ("expcache_testing_checksum_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32], c_int32),
+    # expcache_status_t expcache_testing_checksum_results(expcache_t* cache, uint32_t first, uint32_t n,
+    #                                                     uint64_t* out);
+    ("expcache_testing_checksum_results", [CachePtr, c_uint32, c_uint32, c_void_p], c_int32),
+    # expcache_status_t expcache_testing_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+    ("expcache_testing_inject_alloc_failures", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_testing_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+    ("expcache_testing_inject_copy_failures", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_testing_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+    ("expcache_testing_inject_staging_failures", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
+    ("expcache_testing_device_bytes_in_use", [CachePtr, POINTER(c_uint64)], c_int32),
+    # uint32_t expcache_testing_struct_size(uint32_t which);
+    ("expcache_testing_struct_size", [c_uint32], c_uint32),
 ]
 
 
@@ -246,15 +267,27 @@ def _declare(dll: ctypes.CDLL) -> None:
             fn.errcheck = _check
 
 
+# The ctypes mirror of each public struct, by its EXPCACHE_STRUCT_* index.
+STRUCT_MIRRORS = {
+    STRUCT_CONFIG: Config,
+    STRUCT_LAYER_DESC: LayerDesc,
+    STRUCT_EXPERT_PTRS: ExpertPtrs,
+    STRUCT_COMPACT: Compact,
+    STRUCT_CLASS_INFO: ClassInfo,
+    STRUCT_STATS: Stats,
+    STRUCT_STAGING_STATS: StagingStats,
+}
+assert sorted(STRUCT_MIRRORS) == list(range(STRUCT_COUNT))
+
+
 def check_struct_sizes(dll: ctypes.CDLL, path) -> None:
-    """Raise ImportError when a ctypes mirror disagrees with the library's struct sizes."""
-    sizes = [c_uint32() for _ in range(5)]
-    dll.expcache_struct_sizes(*[ctypes.byref(s) for s in sizes])
-    mirrors = (Config, LayerDesc, Compact, ClassInfo, Stats)
-    for mirror, size in zip(mirrors, sizes):
-        if ctypes.sizeof(mirror) != size.value:
+    """Raise ImportError when a ctypes mirror disagrees with the library's struct sizes
+    (every public struct, through expcache_testing_struct_size)."""
+    for which, mirror in STRUCT_MIRRORS.items():
+        size = dll.expcache_testing_struct_size(which)
+        if ctypes.sizeof(mirror) != size:
             raise ImportError(
-                f"{path}: struct {mirror.__name__} is {size.value} bytes in the library but "
+                f"{path}: struct {mirror.__name__} is {size} bytes in the library but "
                 f"{ctypes.sizeof(mirror)} in pyexpcache; rebuild the library (make lib)"
             )
 

@@ -391,11 +391,11 @@ class ExpertCache:
             raise
         self._handle = handle.value
         try:
-            lib.expcache_set_log_callback(self._handle, self._log_fn, None)
+            lib.expcache_log_set_callback(self._handle, self._log_fn, None)
             file_id = None
             if getattr(source, "file_path", None):
                 out = ctypes.c_uint32()
-                lib.expcache_open_file(self._handle, os.fsencode(source.file_path), ctypes.byref(out))
+                lib.expcache_file_open(self._handle, os.fsencode(source.file_path), ctypes.byref(out))
                 file_id = out.value
             for i, spec in enumerate(layout.layers):
                 if spec is None:
@@ -411,7 +411,7 @@ class ExpertCache:
                 _lib.set_fields(d, **dict(zip(("gate_bytes", "up_bytes", "down_bytes"), spec.class_key)),
                                 **dict(zip(("gate_stride", "up_stride", "down_stride"), place.strides)),
                                 **dict(zip(("gate_base", "up_base", "down_base"), place.bases)))
-                lib.expcache_register_layer(self._handle, i, ctypes.byref(d))
+                lib.expcache_layer_register(self._handle, i, ctypes.byref(d))
         except BaseException:
             self.close()
             raise
@@ -489,7 +489,7 @@ class ExpertCache:
     def backend(self) -> str:
         """``"host"`` or ``"cuda"``: the backend in use."""
         out = ctypes.c_uint32()
-        self._call("expcache_get_backend", ctypes.byref(out))
+        self._call("expcache_backend_get", ctypes.byref(out))
         return _BACKEND_NAMES[out.value]
 
     # -- serving -------------------------------------------------------------
@@ -533,7 +533,7 @@ class ExpertCache:
         ids = self._as_ids(expert_ids, "expert_ids")
         out = _lib.Compact()
         out.struct_size = ctypes.sizeof(out)
-        self._call("expcache_load_compact_async", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"),
+        self._call("expcache_compact_load_async", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"),
                    stream_handle(stream), ctypes.byref(out))
         return CompactBuffer(out.base or 0, out.bytes, out.gate_offset, out.up_offset, out.down_offset,
                              out.gate_bytes, out.up_bytes, out.down_bytes, out.num_experts)
@@ -572,14 +572,14 @@ class ExpertCache:
         nbytes = spec.expert_bytes if spec else 1  # the library reports a bad or dense layer
         out = np.empty(nbytes, dtype=np.uint8)
         resident = ctypes.c_uint32()
-        self._call("expcache_read_resident", layer, expert, out.ctypes.data, nbytes, ctypes.byref(resident))
+        self._call("expcache_testing_read_resident", layer, expert, out.ctypes.data, nbytes, ctypes.byref(resident))
         return out if resident.value else None
 
     def read_device(self, address: int, nbytes: int) -> np.ndarray:
         """Copy ``nbytes`` at a device ``address`` the cache handed out to host memory."""
         address, nbytes = u64(address, "address"), u64(nbytes, "nbytes")
         out = np.empty(nbytes, dtype=np.uint8)
-        self._call("expcache_read_device", address, out.ctypes.data, nbytes)
+        self._call("expcache_testing_read_device", address, out.ctypes.data, nbytes)
         return out
 
     def checksum(self, layer: int, pointers, stream=None) -> np.ndarray:
@@ -588,7 +588,7 @@ class ExpertCache:
         layer = u32(layer, "layer")
         ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
         out = np.empty(ptrs.shape[0], dtype=np.uint64)
-        self._call("expcache_checksum", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
+        self._call("expcache_testing_checksum", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
                    stream_handle(stream), out.ctypes.data)
         return out
 
@@ -598,7 +598,7 @@ class ExpertCache:
         synchronizing it."""
         layer, first = u32(layer, "layer"), u32(first, "first")
         ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
-        self._call("expcache_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
+        self._call("expcache_testing_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
                    stream_handle(stream), first)
 
     def checksum_results(self, first: int, n: int) -> np.ndarray:
@@ -607,13 +607,13 @@ class ExpertCache:
         if n > _lib.CHECKSUM_RESULTS:
             raise ValueError(f"n must be at most {_lib.CHECKSUM_RESULTS}, got {n}")
         out = np.empty(max(n, 1), dtype=np.uint64)
-        self._call("expcache_checksum_results", first, n, out.ctypes.data)
+        self._call("expcache_testing_checksum_results", first, n, out.ctypes.data)
         return out[:n]
 
     def layer_class(self, layer: int) -> int:
         """The class index ``layer`` is bound to (binding it now if needed)."""
         out = ctypes.c_uint32()
-        self._call("expcache_layer_class", u32(layer, "layer"), ctypes.byref(out))
+        self._call("expcache_layer_bind_class", u32(layer, "layer"), ctypes.byref(out))
         return out.value
 
     def classes(self) -> list[ClassInfo]:
@@ -622,7 +622,7 @@ class ExpertCache:
         info = _lib.ClassInfo()
         info.struct_size = ctypes.sizeof(info)
         for i in range(self.max_classes):
-            self._call("expcache_class_info", i, ctypes.byref(info))
+            self._call("expcache_class_info_get", i, ctypes.byref(info))
             if info.in_use:
                 out.append(ClassInfo(i, *(getattr(info, f[0]) for f in _lib.ClassInfo._fields_[2:])))
         return out
@@ -635,7 +635,7 @@ class ExpertCache:
         for info in self.classes():
             paths = {}
             for p, name in enumerate(_lib.PATH_NAMES):
-                self._call("expcache_get_stats", info.index, p, ctypes.byref(st))
+                self._call("expcache_stats_get", info.index, p, ctypes.byref(st))
                 paths[name] = PathStats(**{n: getattr(st, n) for n in _lib.STAT_FIELDS})
             out.append(ClassStats(info, paths))
         return CacheStats(out)
@@ -645,30 +645,30 @@ class ExpertCache:
         staged): pieces, bytes, and where the time of a staged call goes."""
         st = _lib.StagingStats()
         st.struct_size = ctypes.sizeof(st)
-        self._call("expcache_get_staging_stats", ctypes.byref(st))
+        self._call("expcache_staging_stats_get", ctypes.byref(st))
         return StagingStats(**{n: getattr(st, n) for n in _lib.STAGING_FIELDS})
 
     def reset_stats(self) -> None:
         """Zero every counter, the staging ring's too."""
-        self._call("expcache_reset_stats")
+        self._call("expcache_stats_reset")
 
     @property
     def device_bytes_in_use(self) -> int:
         """Device bytes the cache holds now (slots and staging)."""
         out = ctypes.c_uint64()
-        self._call("expcache_device_bytes_in_use", ctypes.byref(out))
+        self._call("expcache_testing_device_bytes_in_use", ctypes.byref(out))
         return out.value
 
     # -- testing -----------------------------------------------------------------
     def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` device allocations succeed, then fail the next ``count``."""
-        self._call("expcache_inject_alloc_failures", u64(n, "n"), u64(count, "count"))
+        self._call("expcache_testing_inject_alloc_failures", u64(n, "n"), u64(count, "count"))
 
     def fail_copy_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` copies be issued, then fail the next ``count`` (CudaError)."""
-        self._call("expcache_inject_copy_failures", u64(n, "n"), u64(count, "count"))
+        self._call("expcache_testing_inject_copy_failures", u64(n, "n"), u64(count, "count"))
 
     def fail_staging_after(self, n: int, count: int = 1) -> None:
         """Fault injection: let ``n`` staged pieces (pageable and file uploads) be filled, then
         fail the next ``count`` on the staging threads (CudaError from the call that staged them)."""
-        self._call("expcache_inject_staging_failures", u64(n, "n"), u64(count, "count"))
+        self._call("expcache_testing_inject_staging_failures", u64(n, "n"), u64(count, "count"))

@@ -416,7 +416,7 @@ class GGUFSource(BufferSource):
         return np.concatenate([self.part(layer, expert, p) for p in range(3)])
 
     def expected_checksum(self, layer: int, expert: int) -> int:
-        """What expcache_checksum gives for this expert when its bytes are intact."""
+        """What expcache_testing_checksum gives for this expert when its bytes are intact."""
         return sum(checksum_bytes(self.part(layer, expert, p)) for p in range(3)) & _MASK64
 
     # -- lifetime ----------------------------------------------------------

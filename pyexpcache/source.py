@@ -35,7 +35,7 @@ def pattern_seed(layer: int, expert: int, part: int) -> int:
 
 
 def checksum_bytes(data: np.ndarray) -> int:
-    """The checksum expcache_checksum computes for one range: sum of 64-bit little-endian
+    """The checksum expcache_testing_checksum computes for one range: sum of 64-bit little-endian
     words (zero-padded tail) times (2j + 1), modulo 2^64."""
     raw = np.ascontiguousarray(data).view(np.uint8).ravel()
     pad = (-raw.size) % 8
@@ -239,7 +239,7 @@ class HostSource(BufferSource):
 
     # -- what the cache needs --------------------------------------------
     def placement(self, layer: int) -> Optional[LayerPlacement]:
-        """Addresses and strides of ``layer``'s parts (for expcache_register_layer); None for
+        """Addresses and strides of ``layer``'s parts (for expcache_layer_register); None for
         a layer without routed experts."""
         return self._placements[layer]
 
@@ -255,7 +255,7 @@ class HostSource(BufferSource):
         return np.concatenate([self.part(layer, expert, p) for p in range(3)])
 
     def expected_checksum(self, layer: int, expert: int) -> int:
-        """What expcache_checksum must give for this expert when its bytes are intact."""
+        """What expcache_testing_checksum must give for this expert when its bytes are intact."""
         total = 0
         for p, nbytes in enumerate(self._placements[layer].sizes):
             if nbytes % 8 == 0:

@@ -8,7 +8,7 @@ through :class:`pyexpcache.ExpertCache` on the host backend:
 * which (layer, expert) are resident, and in which recency order;
 * every counter of ``expcache_stats_t`` per class index and path;
 * class infos (key, slot bytes, target, cap, allocated, resident, held, layers);
-* device bytes in use (unrounded, as ``expcache_device_bytes_in_use`` reports)
+* device bytes in use (unrounded, as ``expcache_testing_device_bytes_in_use`` reports)
   and the host backend's emulated capacity (allocations rounded up to 256 B);
 * which calls fail, and with which status.
 
@@ -45,7 +45,7 @@ Decode [expcache_select_async]
     (``direct_loads``), which is reused while large enough and otherwise
     reallocated (no release/retry on this path).
 
-Compact [expcache_load_compact_async]
+Compact [expcache_compact_load_async]
     The staging buffer (reused while large enough) is allocated first; when
     that fails, every class holding no batch slot is released (``releases`` on
     the compact path), ``alloc_retries`` +1 on the layer's class, and the
@@ -66,7 +66,7 @@ Batch [expcache_batch_prepare_async / _finish]
     prepare drops the holds it took (entries it appended stay resident). Holds
     last until finish; at most 64 batches are outstanding.
 
-Control [expcache_release_all, expcache_reset_stats, inject_alloc_failures]
+Control [expcache_release_all, expcache_stats_reset, inject_alloc_failures]
     release_all frees the compact and overflow buffers and every class's slots
     that hold no batch slot (``releases`` on the control path).
     Fault injection lets ``skip`` allocation attempts through and fails the
@@ -225,7 +225,7 @@ class ReferenceCache:
         self.allocs: Dict[int, Tuple[int, int]] = {}
         self._next_alloc = 1
         self.used = 0           # rounded, as the host backend counts its capacity
-        self.device_bytes = 0   # as expcache_device_bytes_in_use reports
+        self.device_bytes = 0   # as expcache_testing_device_bytes_in_use reports
         self.inject_skip = 0
         self.inject_count = 0
         self.compact: Optional[int] = None

@@ -68,7 +68,7 @@ $(1)/obj/%.o: libexpcache/src/%.cpp $$(HEADERS)
 	@mkdir -p $$(dir $$@)
 	$$(CXX) $$(SAN_CXXFLAGS) $$(SAN_OPT) $(2) -c $$< -o $$@
 
-$(1)/stress.o: $$(STRESS_SRC) libexpcache/include/expcache.h
+$(1)/stress.o: $$(STRESS_SRC) libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(STRESS_CFLAGS) $$(SAN_OPT) $(2) -c $$< -o $$@
 

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "expcache.h"
+#include "expcache_testing.h" /* the checksum hooks; includes expcache.h */
 
 #define REPLAY_DECODE 0
 #define REPLAY_BATCH 1
@@ -66,7 +66,7 @@ static uint64_t bytes_h2d(expcache_t* cache, uint32_t max_classes) {
         for (uint32_t p = 0; p < EXPCACHE_NUM_PATHS; ++p) {
             expcache_stats_t st;
             st.struct_size = sizeof st;
-            if (expcache_get_stats(cache, c, p, &st) == EXPCACHE_OK) total += st.bytes_h2d;
+            if (expcache_stats_get(cache, c, p, &st) == EXPCACHE_OK) total += st.bytes_h2d;
         }
     return total;
 }
@@ -76,7 +76,7 @@ static expcache_status_t load_compact(expcache_t* cache, uint32_t layer, const u
                                       void* stream, expcache_expert_ptrs_t* ptrs) {
     expcache_compact_t buf;
     buf.struct_size = sizeof buf;
-    expcache_status_t s = expcache_load_compact_async(cache, layer, ids, n, stream, &buf);
+    expcache_status_t s = expcache_compact_load_async(cache, layer, ids, n, stream, &buf);
     for (uint32_t i = 0; s == EXPCACHE_OK && i < n; ++i) {
         ptrs[i].gate = (char*)buf.base + buf.gate_offset + buf.gate_bytes * i;
         ptrs[i].up = (char*)buf.base + buf.up_offset + buf.up_bytes * i;
@@ -161,7 +161,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
                                             : expcache_select_async(cache, call->layer, cid, n, stream, ptrs);
             out->decode_serve_seconds += now_s() - t0;
             out->decode_calls++;
-            if (s == EXPCACHE_OK) s = expcache_checksum_async(cache, call->layer, ptrs, n, stream, slots);
+            if (s == EXPCACHE_OK) s = expcache_testing_checksum_async(cache, call->layer, ptrs, n, stream, slots);
             if (s != EXPCACHE_OK) goto done;
             pending[num_pending++] = (pending_t){c, call->layer, slots, n, cid};
             slots += n;
@@ -171,7 +171,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
             if (token_ends) {
                 if ((s = expcache_synchronize(cache, stream)) != EXPCACHE_OK) goto done;
                 out->decode_seconds += now_s() - token_t0;
-                if ((s = expcache_checksum_results(cache, 0, slots, sums)) != EXPCACHE_OK) goto done;
+                if ((s = expcache_testing_checksum_results(cache, 0, slots, sums)) != EXPCACHE_OK) goto done;
                 for (uint32_t p = 0; p < num_pending; ++p)
                     verify(out, pending[p].call, expected + (uint64_t)pending[p].layer * experts_per_layer,
                            pending[p].served, sums + pending[p].first, pending[p].n);
@@ -207,7 +207,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
             }
         }
         const double served_s = now_s() - t0;
-        if (s == EXPCACHE_OK) s = expcache_checksum(cache, call->layer, ptrs, n, stream, sums);
+        if (s == EXPCACHE_OK) s = expcache_testing_checksum(cache, call->layer, ptrs, n, stream, sums);
         if (have_batch) {
             expcache_status_t f = expcache_batch_finish(cache, batch, stream);
             if (s == EXPCACHE_OK) s = f;

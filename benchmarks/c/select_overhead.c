@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
         d.gate_base = source;
         d.up_base = source + PART / 4;
         d.down_base = source + PART / 2;
-        CHECK(expcache_register_layer(cache, l, &d));
+        CHECK(expcache_layer_register(cache, l, &d));
     }
     uint32_t ids[LAYERS][K];
     for (uint32_t l = 0; l < LAYERS; ++l)
@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
     }
     expcache_stats_t st;
     st.struct_size = sizeof st;
-    CHECK(expcache_get_stats(cache, 0, EXPCACHE_PATH_DECODE, &st));
+    CHECK(expcache_stats_get(cache, 0, EXPCACHE_PATH_DECODE, &st));
     if (st.misses != (uint64_t)LAYERS * K) {
         fprintf(stderr, "expected only warm-up misses, got %llu\n", (unsigned long long)st.misses);
         return 1;

@@ -1,6 +1,7 @@
 /*
- * expcache.h — the one public header of libexpcache, a GPU expert cache for
- * streaming Mixture-of-Experts inference.
+ * expcache.h — the public header of libexpcache, a GPU expert cache for
+ * streaming Mixture-of-Experts inference (the hooks for tests, benchmarks
+ * and bindings are in expcache_testing.h).
  *
  * An engine that cannot keep every routed expert in device memory registers
  * where each layer's experts live on the host, then asks the cache, layer by
@@ -11,11 +12,21 @@
  * without ever evicting, and builds compact staging buffers for batched
  * kernels, releasing the cache only when device memory is really short.
  *
+ * Naming: expcache_<verb> acts on the cache handle itself (create, select_async, release_all, ...),
+ * expcache_<object>_<verb> on the rest (layer_register, stats_get); _async: stream-ordered; _get: getter.
+ *
  * Conventions
  *  - Every function that can fail returns an expcache_status_t (0 = OK).
  *    Results are written through out-pointers, placed last. On failure the
  *    out-pointers are left untouched and the cache stays consistent: every
- *    slot marked resident holds exactly its expert's bytes.
+ *    slot marked resident holds exactly its expert's bytes. Every function
+ *    taking a cache fails with INVALID_ARGUMENT on a NULL or destroyed
+ *    handle and on a NULL where a pointer is required (a NULL stream is
+ *    the default stream); each function's Status line lists the rest.
+ *  - Functions without _async finish their work before they return (only
+ *    expcache_batch_finish defers a free to its stream); those that also
+ *    wait for device work say so. Sizes are in bytes and capacities in
+ *    experts unless a name or comment says otherwise.
  *  - expcache_status_string() names a status; expcache_last_error() gives
  *    the detail of the calling thread's last failure (function, reason, CUDA
  *    error name). Nothing aborts, exits or throws across this ABI.
@@ -32,7 +43,7 @@
  *  - Ownership: the library never frees caller memory, and it reads the
  *    caller's memory until expcache_destroy returns: the host expert bytes
  *    registered with a layer (pinned or pageable) must stay mapped, valid
- *    and unchanged until then, and a file opened with expcache_open_file
+ *    and unchanged until then, and a file opened with expcache_file_open
  *    must not shrink. Freeing or unmapping them earlier makes later misses
  *    copy freed memory (wrong bytes or a crash); the library cannot detect
  *    it. Device pointers handed out stay valid only as long as each
@@ -212,8 +223,11 @@ EXPCACHE_API expcache_status_t expcache_create(const expcache_config_t* config, 
  */
 EXPCACHE_API void expcache_destroy(expcache_t* cache);
 
-/** The backend actually in use (EXPCACHE_BACKEND_HOST or _CUDA). */
-EXPCACHE_API expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend);
+/**
+ * Write the backend actually in use (EXPCACHE_BACKEND_HOST or _CUDA) to
+ * *out_backend. Status: INVALID_ARGUMENT.
+ */
+EXPCACHE_API expcache_status_t expcache_backend_get(const expcache_t* cache, uint32_t* out_backend);
 
 /* ---------------------------------------------------------------------- */
 /* Model layout                                                            */
@@ -222,7 +236,7 @@ EXPCACHE_API expcache_status_t expcache_get_backend(const expcache_t* cache, uin
 /** Where a layer's host bytes live (expcache_layer_desc_t.source_kind). */
 #define EXPCACHE_SOURCE_PAGEABLE 0 /**< ordinary host memory (malloc, mmap) */
 #define EXPCACHE_SOURCE_PINNED 1   /**< page-locked host memory (cudaMallocHost, cudaHostRegister) */
-#define EXPCACHE_SOURCE_FILE 2     /**< a file opened with expcache_open_file (models larger than RAM) */
+#define EXPCACHE_SOURCE_FILE 2     /**< a file opened with expcache_file_open (models larger than RAM) */
 
 /**
  * One MoE layer: expert e's gate bytes are at gate_base + e*gate_stride and
@@ -237,7 +251,7 @@ typedef struct expcache_layer_desc_t {
     uint32_t struct_size;  /**< sizeof(expcache_layer_desc_t) */
     uint32_t num_experts;  /**< 1..EXPCACHE_MAX_EXPERTS_LIMIT */
     uint32_t source_kind;  /**< EXPCACHE_SOURCE_* */
-    uint32_t file;         /**< EXPCACHE_SOURCE_FILE: the id from expcache_open_file; else must be 0 */
+    uint32_t file;         /**< EXPCACHE_SOURCE_FILE: the id from expcache_file_open; else must be 0 */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< each > 0 */
     uint64_t gate_stride, up_stride, down_stride; /**< bytes between experts */
     const void* gate_base;
@@ -258,14 +272,14 @@ EXPCACHE_API expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* d
  * INVALID_ARGUMENT, INVALID_STATE (1024 files open already), IO (cannot
  * open; the message has errno's text).
  */
-EXPCACHE_API expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file);
+EXPCACHE_API expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file);
 
 /**
  * Register layer `layer` (< config.num_layers). Each layer is registered
  * once. Validates sizes, strides, pointers and address overflow.
  * Status: INVALID_ARGUMENT, INVALID_STATE (already registered).
  */
-EXPCACHE_API expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer,
+EXPCACHE_API expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer,
                                                        const expcache_layer_desc_t* desc);
 
 /* ---------------------------------------------------------------------- */
@@ -292,9 +306,10 @@ typedef struct expcache_expert_ptrs_t {
  * served from a staging buffer. Copies are enqueued on `stream`.
  *
  * The addresses are valid for device work enqueued on `stream` (or ordered
- * after it) before the next select, load_compact, batch_prepare,
- * release_all or layer_class call on this cache. A later call on another stream waits, on the device, for the
- * work enqueued on this stream before it overwrites a slot.
+ * after it) before the next select_async, compact_load_async,
+ * batch_prepare_async, release_all or layer_bind_class call on this cache.
+ * A later call on another stream waits, on the device, for the work
+ * enqueued on this stream before it overwrites a slot.
  * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, IO (file
  * sources), CUDA, POISONED.
  */
@@ -320,11 +335,11 @@ typedef struct expcache_compact_t {
  * device; residency does not change. The staging allocation is tried
  * first; only if it fails are the expert caches released and the
  * allocation retried, once. The buffer is owned by the cache and valid for
- * work enqueued on `stream` before the next load_compact call or
+ * work enqueued on `stream` before the next compact_load_async call or
  * release_all. Status: INVALID_ARGUMENT, INVALID_STATE,
  * OUT_OF_DEVICE_MEMORY (after the retry), IO (file sources), CUDA, POISONED.
  */
-EXPCACHE_API expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer,
+EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer,
                                                            const uint32_t* ids, uint32_t n,
                                                            void* stream, expcache_compact_t* out);
 
@@ -365,62 +380,28 @@ EXPCACHE_API expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t
 /**
  * Release every expert cache: waits for this cache's device work, frees all
  * slots of classes that hold no batch slot, the compact buffer and select's
- * overflow buffer (so every address select and load_compact handed out). The
- * layout and the statistics remain. Status: CUDA, POISONED.
+ * overflow buffer (so every address select_async and compact_load_async
+ * handed out). The layout and the statistics remain. Synchronous.
+ * Status: INVALID_ARGUMENT, CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_release_all(expcache_t* cache);
 
-/** Wait until the device work this cache enqueued on `stream` has finished. */
+/**
+ * Wait, on the host, until the device work this cache enqueued on `stream`
+ * has finished (the host backend returns at once). Status: INVALID_ARGUMENT,
+ * CUDA, POISONED.
+ */
 EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
 
 /* ---------------------------------------------------------------------- */
-/* Inspection                                                              */
+/* Size classes                                                            */
 /* ---------------------------------------------------------------------- */
 
 /**
- * Copy the resident bytes of expert (layer, expert) to host memory dst
- * (at least gate+up+down bytes; gate, then up, then down). Synchronizes.
- * *out_resident is set to 1 and dst filled when the expert is resident,
- * else 0 and dst untouched. For tests and debugging.
+ * Write the number of classes currently in use to *out_count (each has an
+ * index 0..max_classes-1; an index may be empty). Status: INVALID_ARGUMENT.
  */
-EXPCACHE_API expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert,
-                                                      void* dst, uint64_t dst_bytes, uint32_t* out_resident);
-
-/** Copy n bytes of device memory at src (an address the cache handed out) to host dst. Synchronizes. */
-EXPCACHE_API expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
-
-/**
- * Checksum kernel: for each expert i of ptrs[0..n) (parts of the sizes of
- * `layer`'s class), read every byte and write to out_sums[i] (host memory)
- * the sum over parts p and 64-bit little-endian words w_j (tail zero-padded)
- * of w_j * (2j + 1), modulo 2^64, with j counted from the start of each
- * part. The memory-bound floor of the expert GEMVs; used to verify served
- * bytes. Synchronizes `stream`.
- */
-EXPCACHE_API expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer,
-                                                 const expcache_expert_ptrs_t* ptrs, uint32_t n,
-                                                 void* stream, uint64_t* out_sums);
-
-/** Result slots of expcache_checksum_async, per cache. */
-#define EXPCACHE_CHECKSUM_RESULTS 65536
-
-/**
- * expcache_checksum without waiting: enqueued on `stream`, the sums land in
- * the cache's result slots [first, first + n) when the stream reaches the
- * kernel (the host backend computes them before returning). Read them with
- * expcache_checksum_results after synchronizing the stream. Lets an engine
- * run layer after layer without a host synchronization between them.
- */
-EXPCACHE_API expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer,
-                                                       const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
-                                                       uint32_t first);
-
-/** Copy result slots [first, first + n) to host memory `out`. Does not wait: synchronize the stream first. */
-EXPCACHE_API expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n,
-                                                         uint64_t* out);
-
-/** Number of classes currently in use (each has an index 0..max_classes-1 that may be empty). */
-EXPCACHE_API expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count);
+EXPCACHE_API expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count);
 
 /** One class slot. `in_use` is 0 for an empty slot index. */
 typedef struct expcache_class_info_t {
@@ -436,23 +417,32 @@ typedef struct expcache_class_info_t {
     uint64_t num_layers;        /**< registered layers bound to this class */
 } expcache_class_info_t;
 
-EXPCACHE_API expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index,
-                                                   expcache_class_info_t* out);
+/**
+ * Fill *out (struct_size set by the caller) with class index `class_index`
+ * (< config.max_classes), in use or not. Status: INVALID_ARGUMENT (index out
+ * of range, struct_size mismatch).
+ */
+EXPCACHE_API expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index,
+                                                       expcache_class_info_t* out);
 
 /**
- * The class index layer `layer` is bound to. A layer not bound yet is bound
- * now, as its next select would bind it: when max_classes classes are in
- * use that reuses (releases) the least recently used one, so, like a select,
- * this call invalidates the addresses handed out before it.
+ * Bind layer `layer` to its size class now if it is not bound yet, as its
+ * next select would, and write the class index to *out_class. Binding may
+ * release the least recently used class when max_classes classes are in
+ * use (its slots are freed and its index reused), so, like a select, this
+ * call may invalidate the addresses handed out before it; a layer already
+ * bound changes nothing. Synchronous. Status: INVALID_ARGUMENT (layer out of
+ * range), INVALID_STATE (layer not registered, or every class holds slots of
+ * an unfinished batch), CUDA, POISONED.
  */
-EXPCACHE_API expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
+EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
 
 /* ---------------------------------------------------------------------- */
 /* Statistics                                                              */
 /* ---------------------------------------------------------------------- */
 
 #define EXPCACHE_PATH_DECODE 0  /**< expcache_select_async */
-#define EXPCACHE_PATH_COMPACT 1 /**< expcache_load_compact_async */
+#define EXPCACHE_PATH_COMPACT 1 /**< expcache_compact_load_async */
 #define EXPCACHE_PATH_BATCH 2   /**< expcache_batch_prepare_async */
 #define EXPCACHE_PATH_CONTROL 3 /**< expcache_release_all and other explicit calls */
 #define EXPCACHE_NUM_PATHS 4
@@ -475,8 +465,12 @@ typedef struct expcache_stats_t {
     uint64_t class_reuses;   /**< times this class index was taken by another key */
 } expcache_stats_t;
 
-/** Counters of class `class_index` on path `path` (EXPCACHE_PATH_*). */
-EXPCACHE_API expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index,
+/**
+ * Copy the counters of class `class_index` (< config.max_classes) on path
+ * `path` (EXPCACHE_PATH_*) to *out (struct_size set by the caller).
+ * Status: INVALID_ARGUMENT (index or path out of range, struct_size mismatch).
+ */
+EXPCACHE_API expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index,
                                                   uint32_t path, expcache_stats_t* out);
 
 /**
@@ -501,14 +495,17 @@ typedef struct expcache_staging_stats_t {
     uint64_t first_fill_ns;  /**< from a call's first piece queued to that piece filled (the link's wait to start) */
 } expcache_staging_stats_t;
 
-/** Counters of the staging ring since the cache was made or its stats were reset. */
-EXPCACHE_API expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out);
+/**
+ * Copy the staging ring's counters since the cache was made or its stats
+ * were reset to *out (struct_size set by the caller). Status: INVALID_ARGUMENT.
+ */
+EXPCACHE_API expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out);
 
-/** Zero every counter (the staging ring's too). */
-EXPCACHE_API expcache_status_t expcache_reset_stats(expcache_t* cache);
+/** Zero every counter (every class and path, the staging ring's too). Status: INVALID_ARGUMENT. */
+EXPCACHE_API expcache_status_t expcache_stats_reset(expcache_t* cache);
 
 /* ---------------------------------------------------------------------- */
-/* Logging and fault injection                                             */
+/* Logging                                                                 */
 /* ---------------------------------------------------------------------- */
 
 /**
@@ -520,42 +517,14 @@ EXPCACHE_API expcache_status_t expcache_reset_stats(expcache_t* cache);
  */
 typedef void (*expcache_log_fn)(void* user, uint32_t level, const char* message);
 
-/** Route log lines to fn instead of stderr (fn NULL restores stderr). */
-EXPCACHE_API expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user);
-
-/** Set the log level (EXPCACHE_LOG_*). */
-EXPCACHE_API expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level);
-
 /**
- * Fault injection, both backends: let the next `skip` device allocations
- * succeed, then make the following `count` fail as if device memory were
- * exhausted. count 0 disables injection.
+ * Route this cache's log lines to fn (called with `user`) instead of stderr;
+ * fn NULL restores stderr. Status: INVALID_ARGUMENT.
  */
-EXPCACHE_API expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
+EXPCACHE_API expcache_status_t expcache_log_set_callback(expcache_t* cache, expcache_log_fn fn, void* user);
 
-/**
- * Fault injection, both backends: let the next `skip` copies (host to device
- * or device to device) be issued, then make the following `count` fail with
- * EXPCACHE_ERR_CUDA as if the copy had been refused. The failing call leaves
- * no slot marked resident that does not hold its expert. count 0 disables.
- */
-EXPCACHE_API expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-
-/**
- * Fault injection, both backends: let the next `skip` staged pieces (the
- * pieces of pageable and file uploads, filled on the staging threads) be
- * filled, then make the following `count` fail on those threads with
- * EXPCACHE_ERR_CUDA, as a failed transfer would. The call that staged them
- * fails, and none of the experts it loaded stays resident. count 0 disables.
- */
-EXPCACHE_API expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
-
-/** Device bytes this cache currently has allocated (slots and staging). */
-EXPCACHE_API expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
-
-/** sizeof of each public struct, for bindings to check their mirrors. */
-EXPCACHE_API expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
-                                                     uint32_t* class_info, uint32_t* stats);
+/** Set the log level (EXPCACHE_LOG_*). Status: INVALID_ARGUMENT (handle, or level > EXPCACHE_LOG_DEBUG). */
+EXPCACHE_API expcache_status_t expcache_log_set_level(expcache_t* cache, uint32_t level);
 
 #ifdef __cplusplus
 }

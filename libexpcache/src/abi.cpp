@@ -9,6 +9,7 @@
 #include "cache.hpp"
 #include "config.hpp"
 #include "errors.hpp"
+#include "expcache_testing.h"
 
 struct expcache_t {
     std::unique_ptr<expcache::Cache> impl;
@@ -125,7 +126,7 @@ void expcache_destroy(expcache_t* cache) {
     }
 }
 
-expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_backend) {
+expcache_status_t expcache_backend_get(const expcache_t* cache, uint32_t* out_backend) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(out_backend, "out_backend is NULL");
@@ -134,7 +135,7 @@ expcache_status_t expcache_get_backend(const expcache_t* cache, uint32_t* out_ba
     });
 }
 
-expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc) {
+expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_TRY(check_struct(desc, "desc"));
@@ -142,7 +143,7 @@ expcache_status_t expcache_register_layer(expcache_t* cache, uint32_t layer, con
     });
 }
 
-expcache_status_t expcache_open_file(expcache_t* cache, const char* path, uint32_t* out_file) {
+expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(path && path[0], "path is NULL or empty");
@@ -161,7 +162,7 @@ expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const
     });
 }
 
-expcache_status_t expcache_load_compact_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
                                               void* stream, expcache_compact_t* out) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
@@ -204,53 +205,7 @@ expcache_status_t expcache_synchronize(expcache_t* cache, void* stream) {
     });
 }
 
-expcache_status_t expcache_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert, void* dst,
-                                         uint64_t dst_bytes, uint32_t* out_resident) {
-    return guarded(__func__, [&] {
-        EXPCACHE_TRY(check_handle(cache));
-        EXPCACHE_REQUIRE(dst, "dst is NULL");
-        EXPCACHE_REQUIRE(out_resident, "out_resident is NULL");
-        return cache->impl->read_resident(layer, expert, dst, dst_bytes, out_resident);
-    });
-}
-
-expcache_status_t expcache_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n) {
-    return guarded(__func__, [&] {
-        EXPCACHE_TRY(check_handle(cache));
-        EXPCACHE_REQUIRE(src && dst, "src and dst must not be NULL");
-        EXPCACHE_REQUIRE(n > 0, "n must be > 0");
-        return cache->impl->read_device(src, dst, n);
-    });
-}
-
-expcache_status_t expcache_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
-                                    uint32_t n, void* stream, uint64_t* out_sums) {
-    return guarded(__func__, [&] {
-        EXPCACHE_TRY(check_handle(cache));
-        EXPCACHE_REQUIRE(ptrs, "ptrs is NULL");
-        EXPCACHE_REQUIRE(out_sums, "out_sums is NULL");
-        return cache->impl->checksum(layer, ptrs, n, stream, out_sums);
-    });
-}
-
-expcache_status_t expcache_checksum_async(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
-                                          uint32_t n, void* stream, uint32_t first) {
-    return guarded(__func__, [&] {
-        EXPCACHE_TRY(check_handle(cache));
-        EXPCACHE_REQUIRE(ptrs, "ptrs is NULL");
-        return cache->impl->checksum_async(layer, ptrs, n, stream, first);
-    });
-}
-
-expcache_status_t expcache_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out) {
-    return guarded(__func__, [&] {
-        EXPCACHE_TRY(check_handle(cache));
-        EXPCACHE_REQUIRE(out, "out is NULL");
-        return cache->impl->checksum_results(first, n, out);
-    });
-}
-
-expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_count) {
+expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(out_count, "out_count is NULL");
@@ -258,7 +213,7 @@ expcache_status_t expcache_class_count(const expcache_t* cache, uint32_t* out_co
     });
 }
 
-expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out) {
+expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_TRY(check_struct(out, "out"));
@@ -266,7 +221,7 @@ expcache_status_t expcache_class_info(const expcache_t* cache, uint32_t class_in
     });
 }
 
-expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32_t* out_class) {
+expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, uint32_t* out_class) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(out_class, "out_class is NULL");
@@ -274,7 +229,7 @@ expcache_status_t expcache_layer_class(expcache_t* cache, uint32_t layer, uint32
     });
 }
 
-expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_index, uint32_t path,
+expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index, uint32_t path,
                                      expcache_stats_t* out) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
@@ -283,7 +238,7 @@ expcache_status_t expcache_get_stats(const expcache_t* cache, uint32_t class_ind
     });
 }
 
-expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_staging_stats_t* out) {
+expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_TRY(check_struct(out, "out"));
@@ -291,49 +246,98 @@ expcache_status_t expcache_get_staging_stats(const expcache_t* cache, expcache_s
     });
 }
 
-expcache_status_t expcache_reset_stats(expcache_t* cache) {
+expcache_status_t expcache_stats_reset(expcache_t* cache) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         return cache->impl->reset_stats();
     });
 }
 
-expcache_status_t expcache_set_log_callback(expcache_t* cache, expcache_log_fn fn, void* user) {
+expcache_status_t expcache_log_set_callback(expcache_t* cache, expcache_log_fn fn, void* user) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         return cache->impl->set_log_callback(fn, user);
     });
 }
 
-expcache_status_t expcache_set_log_level(expcache_t* cache, uint32_t level) {
+expcache_status_t expcache_log_set_level(expcache_t* cache, uint32_t level) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         return cache->impl->set_log_level(level);
     });
 }
 
-expcache_status_t expcache_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
+// ---------------------------------------------------------------------------
+// expcache_testing.h: hooks for tests, benchmarks and bindings
+
+expcache_status_t expcache_testing_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert, void* dst,
+                                                 uint64_t dst_bytes, uint32_t* out_resident) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(dst, "dst is NULL");
+        EXPCACHE_REQUIRE(out_resident, "out_resident is NULL");
+        return cache->impl->read_resident(layer, expert, dst, dst_bytes, out_resident);
+    });
+}
+
+expcache_status_t expcache_testing_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(src && dst, "src and dst must not be NULL");
+        EXPCACHE_REQUIRE(n > 0, "n must be > 0");
+        return cache->impl->read_device(src, dst, n);
+    });
+}
+
+expcache_status_t expcache_testing_checksum(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+                                            uint32_t n, void* stream, uint64_t* out_sums) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ptrs, "ptrs is NULL");
+        EXPCACHE_REQUIRE(out_sums, "out_sums is NULL");
+        return cache->impl->checksum(layer, ptrs, n, stream, out_sums);
+    });
+}
+
+expcache_status_t expcache_testing_checksum_async(expcache_t* cache, uint32_t layer, const expcache_expert_ptrs_t* ptrs,
+                                                  uint32_t n, void* stream, uint32_t first) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ptrs, "ptrs is NULL");
+        return cache->impl->checksum_async(layer, ptrs, n, stream, first);
+    });
+}
+
+expcache_status_t expcache_testing_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out, "out is NULL");
+        return cache->impl->checksum_results(first, n, out);
+    });
+}
+
+expcache_status_t expcache_testing_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         return cache->impl->inject_alloc_failures(skip, count);
     });
 }
 
-expcache_status_t expcache_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
+expcache_status_t expcache_testing_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         return cache->impl->inject_copy_failures(skip, count);
     });
 }
 
-expcache_status_t expcache_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
+expcache_status_t expcache_testing_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         return cache->impl->inject_staging_failures(skip, count);
     });
 }
 
-expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes) {
+expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(out_bytes, "out_bytes is NULL");
@@ -341,17 +345,18 @@ expcache_status_t expcache_device_bytes_in_use(const expcache_t* cache, uint64_t
     });
 }
 
-expcache_status_t expcache_struct_sizes(uint32_t* config, uint32_t* layer_desc, uint32_t* compact,
-                                        uint32_t* class_info, uint32_t* stats) {
-    return guarded(__func__, [&] {
-        EXPCACHE_REQUIRE(config && layer_desc && compact && class_info && stats, "an out-pointer is NULL");
-        *config = sizeof(expcache_config_t);
-        *layer_desc = sizeof(expcache_layer_desc_t);
-        *compact = sizeof(expcache_compact_t);
-        *class_info = sizeof(expcache_class_info_t);
-        *stats = sizeof(expcache_stats_t);
-        return EXPCACHE_OK;
-    });
+uint32_t expcache_testing_struct_size(uint32_t which) {
+    switch (which) {
+        case EXPCACHE_STRUCT_CONFIG: return sizeof(expcache_config_t);
+        case EXPCACHE_STRUCT_LAYER_DESC: return sizeof(expcache_layer_desc_t);
+        case EXPCACHE_STRUCT_EXPERT_PTRS: return sizeof(expcache_expert_ptrs_t);
+        case EXPCACHE_STRUCT_COMPACT: return sizeof(expcache_compact_t);
+        case EXPCACHE_STRUCT_CLASS_INFO: return sizeof(expcache_class_info_t);
+        case EXPCACHE_STRUCT_STATS: return sizeof(expcache_stats_t);
+        case EXPCACHE_STRUCT_STAGING_STATS: return sizeof(expcache_staging_stats_t);
+        default: return 0;
+    }
 }
+static_assert(EXPCACHE_STRUCT_COUNT == 7, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");
 
 }  // extern "C"

@@ -117,7 +117,7 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
                     d.source_kind);
     const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
     if (from_file && d.file >= files_.size())
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file %u was not opened with expcache_open_file (%zu open)", d.file,
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file %u was not opened with expcache_file_open (%zu open)", d.file,
                     files_.size());
     if (!from_file && d.file != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file must be 0 unless source_kind is file");
     const uint64_t bytes[kParts] = {d.gate_bytes, d.up_bytes, d.down_bytes};

@@ -3,6 +3,7 @@
 #include "cache.hpp"
 
 #include "errors.hpp"
+#include "expcache_testing.h"  // EXPCACHE_CHECKSUM_RESULTS
 
 namespace expcache {
 

@@ -1,6 +1,7 @@
 /*
  * stress.c — a seeded, randomized stress driver for libexpcache, written
- * against the public header (expcache.h) only, on the host backend. Built and
+ * against the public headers (expcache.h and the test hooks of
+ * expcache_testing.h) only, on the host backend. Built and
  * run by tests/sanitize.mk under ASan + UBSan (make asan-test) and valgrind
  * (make valgrind-test); tests/test_sanitizers.py runs both.
  *
@@ -8,7 +9,7 @@
  * tight emulated device memory, small slabs, reserves, budgets, several size
  * classes and fewer class indices than classes, odd unaligned part sizes,
  * pageable host sources in two arrangements and file sources read through
- * expcache_open_file, now and then a layer of thousands of tiny experts) and
+ * expcache_file_open, now and then a layer of thousands of tiny experts) and
  * runs a long random sequence of every exported function, good and bad input
  * alike: NULL pointers, out-of-range layers and ids, wrong struct_size,
  * destroyed and foreign handles, unknown batch ids, injected allocation and
@@ -19,15 +20,16 @@
  *     failures leave the out-pointers untouched and expcache_last_error()
  *     names the function;
  *   - every device address handed out holds exactly the source bytes (read
- *     back with expcache_read_device, and through expcache_checksum), for as
- *     long as the header says it is valid: select's until the next select,
- *     load_compact, batch_prepare or release_all, the compact buffer's until
- *     the next load_compact or release_all, a batch's until its
- *     batch_finish; a batch's held experts stay resident while it is held;
- *   - every resident expert (expcache_read_resident) holds its source bytes,
+ *     back with expcache_testing_read_device, and through
+ *     expcache_testing_checksum), for as long as the header says it is
+ *     valid: select's until the next select, compact_load, batch_prepare,
+ *     release_all or layer_bind_class, the compact buffer's until the next
+ *     compact_load or release_all, a batch's until its batch_finish; a
+ *     batch's held experts stay resident while it is held;
+ *   - every resident expert (expcache_testing_read_resident) holds its source bytes,
  *     also after failed calls; class infos agree with what is resident and
  *     held;
- *   - counters never decrease except after expcache_reset_stats, bad input
+ *   - counters never decrease except after expcache_stats_reset, bad input
  *     changes none of them, and each serving call moves them consistently;
  *   - device_bytes_in_use equals the slots of every class plus the staging
  *     buffers the calls made (nothing leaks), never exceeds the emulated
@@ -56,7 +58,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "expcache.h"
+#include "expcache_testing.h" /* includes expcache.h */
 
 #define MAX_CACHES 3
 #define MAX_LAYERS 8
@@ -274,8 +276,8 @@ static unsigned char* scratch(uint64_t n) {
 static int verify_range(Model* m, const void* dev, const unsigned char* want, uint64_t n, const char* what,
                         uint32_t layer, uint32_t e, int part) {
     unsigned char* buf = scratch(n);
-    expcache_status_t s = expcache_read_device(m->h, dev, buf, n);
-    check_status("expcache_read_device", s, ST(OK) | ST(IA));
+    expcache_status_t s = expcache_testing_read_device(m->h, dev, buf, n);
+    check_status("expcache_testing_read_device", s, ST(OK) | ST(IA));
     if (s != OK) {
         diverge("%s: layer %u expert %u %s at %p (+%" PRIu64 " B) is not readable: %s", what, layer, e,
                 kPart[part], dev, n, expcache_last_error());
@@ -307,8 +309,8 @@ static int resident(Model* m, uint32_t layer, uint32_t e) {
     uint64_t eb = expert_bytes(L);
     unsigned char* dst = (unsigned char*)xmalloc(eb); /* exact size: ASan catches an overrun */
     uint32_t r = 0xA5A5A5A5u;
-    expcache_status_t s = expcache_read_resident(m->h, layer, e, dst, eb, &r);
-    check_status("expcache_read_resident", s, ST(OK));
+    expcache_status_t s = expcache_testing_read_resident(m->h, layer, e, dst, eb, &r);
+    check_status("expcache_testing_read_resident", s, ST(OK));
     int out = -1;
     if (s != OK) {
         diverge("read_resident(layer %u, expert %u) failed: %s", layer, e, expcache_last_error());
@@ -366,10 +368,10 @@ static void log_cb(void* user, uint32_t level, const char* msg) {
 }
 
 static void install_log(Model* m, uint32_t level) {
-    expcache_status_t s = expcache_set_log_callback(m->h, log_cb, &m->log);
-    check_status("expcache_set_log_callback", s, ST(OK));
-    s = expcache_set_log_level(m->h, level);
-    check_status("expcache_set_log_level", s, ST(OK));
+    expcache_status_t s = expcache_log_set_callback(m->h, log_cb, &m->log);
+    check_status("expcache_log_set_callback", s, ST(OK));
+    s = expcache_log_set_level(m->h, level);
+    check_status("expcache_log_set_level", s, ST(OK));
     if (s == OK) m->log.level = level;
     m->log.installed = 1;
 }
@@ -398,8 +400,8 @@ static void check_stats(Model* m, int exact) {
             expcache_stats_t st;
             memset(&st, 0xA5, sizeof st);
             st.struct_size = sizeof st;
-            expcache_status_t s = expcache_get_stats(m->h, c, p, &st);
-            check_status("expcache_get_stats", s, ST(OK));
+            expcache_status_t s = expcache_stats_get(m->h, c, p, &st);
+            check_status("expcache_stats_get", s, ST(OK));
             if (s != OK) continue;
             if (st.struct_size != sizeof st) diverge("get_stats wrote struct_size %u", st.struct_size);
             const expcache_stats_t* o = &m->snap[c][p];
@@ -419,19 +421,19 @@ static void check_batches(Model* m, int all);
 static void check_invariants(Model* m, int deep, int exact_stats) {
     if (!m->live) return;
     uint64_t db = 0xA5A5A5A5A5A5A5A5ull;
-    expcache_status_t s = expcache_device_bytes_in_use(m->h, &db);
-    check_status("expcache_device_bytes_in_use", s, ST(OK));
+    expcache_status_t s = expcache_testing_device_bytes_in_use(m->h, &db);
+    check_status("expcache_testing_device_bytes_in_use", s, ST(OK));
     uint32_t cc = 0xA5A5u;
-    s = expcache_class_count(m->h, &cc);
-    check_status("expcache_class_count", s, ST(OK));
+    s = expcache_class_count_get(m->h, &cc);
+    check_status("expcache_class_count_get", s, ST(OK));
     uint32_t in_use = 0;
     uint64_t slots_bytes = 0, resident_total = 0;
     for (uint32_t c = 0; c < m->max_classes; ++c) {
         expcache_class_info_t ci;
         memset(&ci, 0xA5, sizeof ci);
         ci.struct_size = sizeof ci;
-        s = expcache_class_info(m->h, c, &ci);
-        check_status("expcache_class_info", s, ST(OK));
+        s = expcache_class_info_get(m->h, c, &ci);
+        check_status("expcache_class_info_get", s, ST(OK));
         if (s != OK) continue;
         m->info[c] = ci;
         if (ci.struct_size != sizeof ci) diverge("class_info wrote struct_size %u", ci.struct_size);
@@ -784,8 +786,8 @@ static void op_create(void) {
     for (int i = 0; i < g_nstale; ++i) /* a new cache may reuse a destroyed one's address */
         if (g_stale[i] == h) g_stale[i--] = g_stale[--g_nstale];
     uint32_t backend = 0;
-    s = expcache_get_backend(h, &backend);
-    check_status("expcache_get_backend", s, ST(OK));
+    s = expcache_backend_get(h, &backend);
+    check_status("expcache_backend_get", s, ST(OK));
     if (backend != EXPCACHE_BACKEND_HOST) diverge("backend %u, want host", backend);
     m->log.magic = LOG_MAGIC;
     m->log.level = env == 3 ? EXPCACHE_LOG_DEBUG : level;
@@ -824,9 +826,9 @@ static int open_file(Model* m, const unsigned char* image, uint64_t bytes, uint3
     }
     close(fd);
     uint32_t id = 0xA5A5A5A5u;
-    expcache_status_t s = expcache_open_file(m->h, path, &id);
+    expcache_status_t s = expcache_file_open(m->h, path, &id);
     unlink(path);
-    check_status("expcache_open_file", s, ST(OK));
+    check_status("expcache_file_open", s, ST(OK));
     if (s != OK) return 0;
     if (id != m->nfiles) diverge("open_file gave id %u, want %u (ids count up from 0)", id, m->nfiles);
     m->nfiles++;
@@ -941,20 +943,20 @@ static void fill_desc(const Layer* L, expcache_layer_desc_t* d) {
     }
 }
 
-/* expcache_open_file with bad input: none may open anything. */
+/* expcache_file_open with bad input: none may open anything. */
 static void bad_open_file(Model* m) {
     uint32_t id = 0xA5A5A5A5u;
     expcache_status_t s;
     switch (below(5)) {
-        case 0: s = expcache_open_file(m->h, NULL, &id); expect_bad("expcache_open_file", s, IA, "path NULL"); break;
-        case 1: s = expcache_open_file(m->h, "", &id); expect_bad("expcache_open_file", s, IA, "path empty"); break;
-        case 2: s = expcache_open_file(m->h, tmp_dir(), NULL); expect_bad("expcache_open_file", s, IA, "out_file NULL"); break;
-        case 3: s = expcache_open_file(m->h, tmp_dir(), &id); expect_bad("expcache_open_file", s, IO, "a directory"); break;
+        case 0: s = expcache_file_open(m->h, NULL, &id); expect_bad("expcache_file_open", s, IA, "path NULL"); break;
+        case 1: s = expcache_file_open(m->h, "", &id); expect_bad("expcache_file_open", s, IA, "path empty"); break;
+        case 2: s = expcache_file_open(m->h, tmp_dir(), NULL); expect_bad("expcache_file_open", s, IA, "out_file NULL"); break;
+        case 3: s = expcache_file_open(m->h, tmp_dir(), &id); expect_bad("expcache_file_open", s, IO, "a directory"); break;
         default: {
             char path[4200];
             snprintf(path, sizeof path, "%s/expcache-stress-missing-%" PRIu64, tmp_dir(), rnd());
-            s = expcache_open_file(m->h, path, &id);
-            expect_bad("expcache_open_file", s, IO, "no such file");
+            s = expcache_file_open(m->h, path, &id);
+            expect_bad("expcache_file_open", s, IO, "no such file");
             break;
         }
     }
@@ -969,8 +971,8 @@ static void op_register(Model* m) {
     expcache_status_t s;
     if (L->registered) {
         fill_desc(L, &d);
-        s = expcache_register_layer(m->h, l, &d);
-        expect_bad("expcache_register_layer", s, IS, "layer already registered");
+        s = expcache_layer_register(m->h, l, &d);
+        expect_bad("expcache_layer_register", s, IS, "layer already registered");
         if (pct(30)) bad_open_file(m);
         check_invariants(m, 0, 1);
         return;
@@ -1042,8 +1044,8 @@ static void op_register(Model* m) {
                 what = "file id never opened";
                 break;
         }
-        s = expcache_register_layer(m->h, layer, dp);
-        expect_bad("expcache_register_layer", s, IA, what);
+        s = expcache_layer_register(m->h, layer, dp);
+        expect_bad("expcache_layer_register", s, IA, what);
         trace("register_layer %u bad (%s): %s", layer, what, sname(s));
         if (s == OK && layer == l) L->registered = 1; /* refused nothing: keep the model in step */
         else free_layer(L), L->key = key, L->num_experts = n;
@@ -1051,11 +1053,11 @@ static void op_register(Model* m) {
         return;
     }
     if (pct(5)) {
-        s = expcache_register_layer((expcache_t*)g_foreign, l, &d);
-        expect_bad("expcache_register_layer", s, IA, "foreign handle");
+        s = expcache_layer_register((expcache_t*)g_foreign, l, &d);
+        expect_bad("expcache_layer_register", s, IA, "foreign handle");
     }
-    s = expcache_register_layer(m->h, l, &d);
-    check_status("expcache_register_layer", s, ST(OK));
+    s = expcache_layer_register(m->h, l, &d);
+    check_status("expcache_layer_register", s, ST(OK));
     trace("register_layer %u: %u experts, parts %" PRIu64 "/%" PRIu64 "/%" PRIu64 ", strides %" PRIu64 "/%" PRIu64
           "/%" PRIu64 "%s: %s",
           l, n, L->bytes[0], L->bytes[1], L->bytes[2], L->stride[0], L->stride[1], L->stride[2],
@@ -1105,8 +1107,8 @@ static uint32_t uniq(Model* m, uint32_t layer, const uint32_t* ids, uint64_t n, 
 
 static int layer_class_of(Model* m, uint32_t layer, uint32_t* out) {
     uint32_t c = 0xA5A5u;
-    expcache_status_t s = expcache_layer_class(m->h, layer, &c);
-    check_status("expcache_layer_class", s, ST(OK));
+    expcache_status_t s = expcache_layer_bind_class(m->h, layer, &c);
+    check_status("expcache_layer_bind_class", s, ST(OK));
     if (s != OK) return 0;
     if (c >= m->max_classes) {
         diverge("layer_class(%u) = %u, max_classes %u", layer, c, m->max_classes);
@@ -1118,8 +1120,8 @@ static int layer_class_of(Model* m, uint32_t layer, uint32_t* out) {
 
 static int get_stat(Model* m, uint32_t c, uint32_t path, expcache_stats_t* st) {
     st->struct_size = sizeof *st;
-    expcache_status_t s = expcache_get_stats(m->h, c, path, st);
-    check_status("expcache_get_stats", s, ST(OK));
+    expcache_status_t s = expcache_stats_get(m->h, c, path, st);
+    check_status("expcache_stats_get", s, ST(OK));
     return s == OK;
 }
 
@@ -1149,11 +1151,11 @@ static void consumed_copy_fault(Model* m, expcache_status_t s) {
 /* The device bytes the model does not attribute to the staging buffer `cap`. */
 static uint64_t bytes_besides(Model* m, const uint64_t* cap, uint64_t* db) {
     uint64_t slots = 0, batch = 0;
-    expcache_device_bytes_in_use(m->h, db);
+    expcache_testing_device_bytes_in_use(m->h, db);
     for (uint32_t c = 0; c < m->max_classes; ++c) {
         expcache_class_info_t ci;
         ci.struct_size = sizeof ci;
-        if (expcache_class_info(m->h, c, &ci) == OK) slots += ci.allocated_experts * ci.slot_bytes;
+        if (expcache_class_info_get(m->h, c, &ci) == OK) slots += ci.allocated_experts * ci.slot_bytes;
     }
     for (int b = 0; b < m->nbatches; ++b) batch += m->batches[b].staging;
     return slots + batch + m->compact_cap + m->overflow_cap - *cap;
@@ -1318,8 +1320,8 @@ static void op_compact(Model* m) {
     m->cmp_valid = 0;
     m->sel_valid = 0;
     g_compacts++;
-    expcache_status_t s = expcache_load_compact_async(m->h, layer, ids, n, rand_stream(), &out);
-    check_status("expcache_load_compact_async", s, serving_statuses(m));
+    expcache_status_t s = expcache_compact_load_async(m->h, layer, ids, n, rand_stream(), &out);
+    check_status("expcache_compact_load_async", s, serving_statuses(m));
     consumed_copy_fault(m, s);
     trace("load_compact layer %u n %u (%u unique, %u resident): %s", layer, n, u, pre_res, sname(s));
     if (want_is != (s == IS))
@@ -1554,8 +1556,8 @@ static void op_release_all(Model* m) {
                     m->info[c].allocated_experts);
     if (m->nbatches == 0) {
         uint64_t db = 1;
-        s = expcache_device_bytes_in_use(m->h, &db);
-        check_status("expcache_device_bytes_in_use", s, ST(OK));
+        s = expcache_testing_device_bytes_in_use(m->h, &db);
+        check_status("expcache_testing_device_bytes_in_use", s, ST(OK));
         if (db != 0) diverge("device_bytes_in_use is %" PRIu64 " after release_all with no batch held", db);
     }
 }
@@ -1579,25 +1581,25 @@ static void arm_faults(Model* m, const char* fn, expcache_status_t (*inject)(exp
 
 static void op_inject(Model* m) {
     uint64_t skip = below(5), count = pct(30) ? 0 : between(1, 3);
-    arm_faults(m, "expcache_inject_alloc_failures", expcache_inject_alloc_failures, skip, count, NULL);
+    arm_faults(m, "expcache_testing_inject_alloc_failures", expcache_testing_inject_alloc_failures, skip, count, NULL);
 }
 
 static void op_inject_copy(Model* m) {
     uint64_t skip = below(40), count = pct(20) ? 0 : between(1, 2);
-    arm_faults(m, "expcache_inject_copy_failures", expcache_inject_copy_failures, skip, count, &m->copy_faults_left);
+    arm_faults(m, "expcache_testing_inject_copy_failures", expcache_testing_inject_copy_failures, skip, count, &m->copy_faults_left);
 }
 
 static void op_inject_staging(Model* m) {
     uint64_t skip = below(60), count = pct(20) ? 0 : between(1, 2);
-    arm_faults(m, "expcache_inject_staging_failures", expcache_inject_staging_failures, skip, count,
+    arm_faults(m, "expcache_testing_inject_staging_failures", expcache_testing_inject_staging_failures, skip, count,
                &m->staging_faults_left);
 }
 
 static void op_reset_stats(Model* m) {
     g_cur_op = "reset_stats";
     check_invariants(m, 0, 1);
-    expcache_status_t s = expcache_reset_stats(m->h);
-    check_status("expcache_reset_stats", s, ST(OK));
+    expcache_status_t s = expcache_stats_reset(m->h);
+    check_status("expcache_stats_reset", s, ST(OK));
     trace("reset_stats: %s", sname(s));
     memset(m->snap, 0, sizeof m->snap);
     for (uint32_t c = 0; c < m->max_classes; ++c)
@@ -1612,13 +1614,13 @@ static void op_layer_class(Model* m) {
     uint32_t c = 0xA5A5u;
     int bad = layer >= m->num_layers || !m->layers[layer].registered;
     int want_is = !bad && bind_fails(m, layer);
-    expcache_status_t s = expcache_layer_class(m->h, layer, &c);
+    expcache_status_t s = expcache_layer_bind_class(m->h, layer, &c);
     trace("layer_class %u: %s %u", layer, sname(s), c);
     if (bad) {
-        expect_bad("expcache_layer_class", s, layer >= m->num_layers ? IA : IS,
+        expect_bad("expcache_layer_bind_class", s, layer >= m->num_layers ? IA : IS,
                    layer >= m->num_layers ? "layer out of range" : "layer not registered");
     } else {
-        check_status("expcache_layer_class", s, ST(OK) | ST(IS));
+        check_status("expcache_layer_bind_class", s, ST(OK) | ST(IS));
         if (want_is != (s == IS)) diverge("layer_class(%u) returned %s, predicted %s", layer, sname(s), want_is ? "INVALID_STATE" : "OK");
     }
     if (s != OK) {
@@ -1651,24 +1653,24 @@ static void op_read_resident(Model* m) {
     expcache_status_t s;
     switch (below(5)) {
         case 0:
-            s = expcache_read_resident(m->h, layer, L->num_experts + (uint32_t)below(3), dst, eb, &r);
-            expect_bad("expcache_read_resident", s, IA, "expert out of range");
+            s = expcache_testing_read_resident(m->h, layer, L->num_experts + (uint32_t)below(3), dst, eb, &r);
+            expect_bad("expcache_testing_read_resident", s, IA, "expert out of range");
             break;
         case 1:
-            s = expcache_read_resident(m->h, layer, 0, dst, eb - 1, &r);
-            expect_bad("expcache_read_resident", s, IA, "dst_bytes too small");
+            s = expcache_testing_read_resident(m->h, layer, 0, dst, eb - 1, &r);
+            expect_bad("expcache_testing_read_resident", s, IA, "dst_bytes too small");
             break;
         case 2:
-            s = expcache_read_resident(m->h, layer, 0, NULL, eb, &r);
-            expect_bad("expcache_read_resident", s, IA, "dst NULL");
+            s = expcache_testing_read_resident(m->h, layer, 0, NULL, eb, &r);
+            expect_bad("expcache_testing_read_resident", s, IA, "dst NULL");
             break;
         case 3:
-            s = expcache_read_resident(m->h, layer, 0, dst, eb, NULL);
-            expect_bad("expcache_read_resident", s, IA, "out_resident NULL");
+            s = expcache_testing_read_resident(m->h, layer, 0, dst, eb, NULL);
+            expect_bad("expcache_testing_read_resident", s, IA, "out_resident NULL");
             break;
         default:
-            s = expcache_read_resident(m->h, m->num_layers + (uint32_t)below(9), 0, dst, eb, &r);
-            expect_bad("expcache_read_resident", s, IA, "layer out of range");
+            s = expcache_testing_read_resident(m->h, m->num_layers + (uint32_t)below(9), 0, dst, eb, &r);
+            expect_bad("expcache_testing_read_resident", s, IA, "layer out of range");
             break;
     }
     for (uint64_t i = 0; i < eb; ++i)
@@ -1732,27 +1734,27 @@ static void op_read_device(Model* m) {
     if (!pick_handed_out(m, &dev, &src, &n) || pct(30)) {
         switch (below(4)) {
             case 0:
-                s = expcache_read_device(m->h, host + 8, host, 8);
-                expect_bad("expcache_read_device", s, IA, "host address");
+                s = expcache_testing_read_device(m->h, host + 8, host, 8);
+                expect_bad("expcache_testing_read_device", s, IA, "host address");
                 break;
             case 1:
-                s = expcache_read_device(m->h, NULL, host, 8);
-                expect_bad("expcache_read_device", s, IA, "src NULL");
+                s = expcache_testing_read_device(m->h, NULL, host, 8);
+                expect_bad("expcache_testing_read_device", s, IA, "src NULL");
                 break;
             case 2: {
                 /* Any address of a live model, read far past its allocation. */
                 if (m->sel_valid) {
-                    s = expcache_read_device(m->h, m->sel_ptrs[0].gate, host, (uint64_t)1 << 40);
-                    expect_bad("expcache_read_device", s, IA, "range past the allocation");
+                    s = expcache_testing_read_device(m->h, m->sel_ptrs[0].gate, host, (uint64_t)1 << 40);
+                    expect_bad("expcache_testing_read_device", s, IA, "range past the allocation");
                 }
                 break;
             }
             default:
                 if (m->sel_valid) {
-                    s = expcache_read_device(m->h, m->sel_ptrs[0].gate, host, 0);
-                    expect_bad("expcache_read_device", s, IA, "n 0");
-                    s = expcache_read_device(m->h, m->sel_ptrs[0].gate, NULL, 1);
-                    expect_bad("expcache_read_device", s, IA, "dst NULL");
+                    s = expcache_testing_read_device(m->h, m->sel_ptrs[0].gate, host, 0);
+                    expect_bad("expcache_testing_read_device", s, IA, "n 0");
+                    s = expcache_testing_read_device(m->h, m->sel_ptrs[0].gate, NULL, 1);
+                    expect_bad("expcache_testing_read_device", s, IA, "dst NULL");
                 }
                 break;
         }
@@ -1822,13 +1824,13 @@ static void op_checksum(Model* m) {
         expcache_expert_ptrs_t bad = ptrs[0];
         uint64_t hostbuf[4];
         switch (below(4)) {
-            case 0: s = expcache_checksum(m->h, layer, ptrs, 0, NULL, sums); expect_bad("expcache_checksum", s, IA, "n 0"); break;
-            case 1: s = expcache_checksum(m->h, layer, NULL, 1, NULL, sums); expect_bad("expcache_checksum", s, IA, "ptrs NULL"); break;
-            case 2: s = expcache_checksum(m->h, layer, ptrs, 1, NULL, NULL); expect_bad("expcache_checksum", s, IA, "out_sums NULL"); break;
+            case 0: s = expcache_testing_checksum(m->h, layer, ptrs, 0, NULL, sums); expect_bad("expcache_testing_checksum", s, IA, "n 0"); break;
+            case 1: s = expcache_testing_checksum(m->h, layer, NULL, 1, NULL, sums); expect_bad("expcache_testing_checksum", s, IA, "ptrs NULL"); break;
+            case 2: s = expcache_testing_checksum(m->h, layer, ptrs, 1, NULL, NULL); expect_bad("expcache_testing_checksum", s, IA, "out_sums NULL"); break;
             default:
                 bad.up = hostbuf;
-                s = expcache_checksum(m->h, layer, &bad, 1, NULL, sums);
-                expect_bad("expcache_checksum", s, IA, "host address");
+                s = expcache_testing_checksum(m->h, layer, &bad, 1, NULL, sums);
+                expect_bad("expcache_testing_checksum", s, IA, "host address");
                 break;
         }
         if (sums[0] != 0x3C3C) diverge("failed checksum wrote out_sums");
@@ -1839,8 +1841,8 @@ static void op_checksum(Model* m) {
     expcache_expert_ptrs_t* p = (expcache_expert_ptrs_t*)xmalloc(sizeof(expcache_expert_ptrs_t) * n);
     uint64_t* out = (uint64_t*)xmalloc(sizeof(uint64_t) * n);
     memcpy(p, ptrs, sizeof(expcache_expert_ptrs_t) * n);
-    s = expcache_checksum(m->h, layer, p, n, rand_stream(), out);
-    check_status("expcache_checksum", s, ST(OK));
+    s = expcache_testing_checksum(m->h, layer, p, n, rand_stream(), out);
+    check_status("expcache_testing_checksum", s, ST(OK));
     trace("checksum layer %u n %u: %s", layer, n, sname(s));
     if (s == OK) {
         for (uint32_t i = 0; i < n; ++i)
@@ -1861,25 +1863,25 @@ static void op_log(Model* m) {
     switch (below(4)) {
         case 0: {
             uint32_t bad = EXPCACHE_LOG_DEBUG + 1 + (uint32_t)below(1000);
-            s = expcache_set_log_level(m->h, bad);
-            expect_bad("expcache_set_log_level", s, IA, "level out of range");
+            s = expcache_log_set_level(m->h, bad);
+            expect_bad("expcache_log_set_level", s, IA, "level out of range");
             break;
         }
         case 1:
             /* stderr again, silenced first so the run's output stays clean; then back. */
-            s = expcache_set_log_level(m->h, EXPCACHE_LOG_SILENT);
-            check_status("expcache_set_log_level", s, ST(OK));
+            s = expcache_log_set_level(m->h, EXPCACHE_LOG_SILENT);
+            check_status("expcache_log_set_level", s, ST(OK));
             if (s == OK) m->log.level = 0;
-            s = expcache_set_log_callback(m->h, NULL, NULL);
-            check_status("expcache_set_log_callback", s, ST(OK));
+            s = expcache_log_set_callback(m->h, NULL, NULL);
+            check_status("expcache_log_set_callback", s, ST(OK));
             m->log.installed = 0;
             if (pct(50)) op_select(m); /* nothing may reach the callback now */
             install_log(m, (uint32_t)below(3));
             break;
         default: {
             uint32_t level = (uint32_t)below(3);
-            s = expcache_set_log_level(m->h, level);
-            check_status("expcache_set_log_level", s, ST(OK));
+            s = expcache_log_set_level(m->h, level);
+            check_status("expcache_log_set_level", s, ST(OK));
             if (s == OK) m->log.level = level;
             break;
         }
@@ -1890,16 +1892,25 @@ static void op_log(Model* m) {
 
 static void op_misc(Model* m) {
     g_cur_op = "misc";
-    uint32_t a = 0, b = 0, c = 0, d = 0, e = 0;
-    expcache_status_t s = expcache_struct_sizes(&a, &b, &c, &d, &e);
-    check_status("expcache_struct_sizes", s, ST(OK));
-    if (a != sizeof(expcache_config_t) || b != sizeof(expcache_layer_desc_t) || c != sizeof(expcache_compact_t) ||
-        d != sizeof(expcache_class_info_t) || e != sizeof(expcache_stats_t))
-        diverge("struct_sizes %u %u %u %u %u do not match the header", a, b, c, d, e);
-    uint32_t* outs[5] = {&a, &b, &c, &d, &e};
-    outs[below(5)] = NULL;
-    s = expcache_struct_sizes(outs[0], outs[1], outs[2], outs[3], outs[4]);
-    expect_bad("expcache_struct_sizes", s, IA, "a NULL out-pointer");
+    static const uint32_t sizes[EXPCACHE_STRUCT_COUNT] = {
+        [EXPCACHE_STRUCT_CONFIG] = sizeof(expcache_config_t),
+        [EXPCACHE_STRUCT_LAYER_DESC] = sizeof(expcache_layer_desc_t),
+        [EXPCACHE_STRUCT_EXPERT_PTRS] = sizeof(expcache_expert_ptrs_t),
+        [EXPCACHE_STRUCT_COMPACT] = sizeof(expcache_compact_t),
+        [EXPCACHE_STRUCT_CLASS_INFO] = sizeof(expcache_class_info_t),
+        [EXPCACHE_STRUCT_STATS] = sizeof(expcache_stats_t),
+        [EXPCACHE_STRUCT_STAGING_STATS] = sizeof(expcache_staging_stats_t),
+    };
+    for (uint32_t w = 0; w < EXPCACHE_STRUCT_COUNT; ++w) {
+        g_calls++;
+        if (expcache_testing_struct_size(w) != sizes[w])
+            diverge("struct_size(%u) = %u, the header's is %u", w, expcache_testing_struct_size(w), sizes[w]);
+    }
+    const uint32_t unknown = (uint32_t)(pct(50) ? EXPCACHE_STRUCT_COUNT + below(1000) : UINT32_MAX - below(1000));
+    g_calls++;
+    if (expcache_testing_struct_size(unknown) != 0)
+        diverge("struct_size(%u) = %u for an unknown struct, not 0", unknown, expcache_testing_struct_size(unknown));
+    expcache_status_t s;
     if (expcache_version() != EXPCACHE_VERSION_MAJOR * 10000 + EXPCACHE_VERSION_MINOR * 100 + EXPCACHE_VERSION_PATCH)
         diverge("expcache_version %u", expcache_version());
     for (int st = -2; st < 12; ++st) {
@@ -1911,37 +1922,37 @@ static void op_misc(Model* m) {
     s = expcache_layer_desc_init(NULL);
     expect_bad("expcache_layer_desc_init", s, IA, "NULL");
     expcache_destroy(NULL);
-    s = expcache_get_backend(m->h, NULL);
-    expect_bad("expcache_get_backend", s, IA, "out NULL");
-    s = expcache_class_count(m->h, NULL);
-    expect_bad("expcache_class_count", s, IA, "out NULL");
-    s = expcache_device_bytes_in_use(m->h, NULL);
-    expect_bad("expcache_device_bytes_in_use", s, IA, "out NULL");
+    s = expcache_backend_get(m->h, NULL);
+    expect_bad("expcache_backend_get", s, IA, "out NULL");
+    s = expcache_class_count_get(m->h, NULL);
+    expect_bad("expcache_class_count_get", s, IA, "out NULL");
+    s = expcache_testing_device_bytes_in_use(m->h, NULL);
+    expect_bad("expcache_testing_device_bytes_in_use", s, IA, "out NULL");
     s = expcache_synchronize(m->h, rand_stream());
     check_status("expcache_synchronize", s, ST(OK));
 
     expcache_class_info_t ci;
     memset(&ci, 0x3C, sizeof ci);
     ci.struct_size = sizeof ci;
-    s = expcache_class_info(m->h, m->max_classes + (uint32_t)below(100), &ci);
-    expect_bad("expcache_class_info", s, IA, "class index out of range");
+    s = expcache_class_info_get(m->h, m->max_classes + (uint32_t)below(100), &ci);
+    expect_bad("expcache_class_info_get", s, IA, "class index out of range");
     ci.struct_size = sizeof ci - 8;
-    s = expcache_class_info(m->h, 0, &ci);
-    expect_bad("expcache_class_info", s, IA, "struct_size");
-    s = expcache_class_info(m->h, 0, NULL);
-    expect_bad("expcache_class_info", s, IA, "out NULL");
+    s = expcache_class_info_get(m->h, 0, &ci);
+    expect_bad("expcache_class_info_get", s, IA, "struct_size");
+    s = expcache_class_info_get(m->h, 0, NULL);
+    expect_bad("expcache_class_info_get", s, IA, "out NULL");
     if (ci.in_use != 0x3C3C3C3Cu) diverge("failed class_info wrote *out");
 
     expcache_stats_t st;
     memset(&st, 0x3C, sizeof st);
     st.struct_size = sizeof st;
-    s = expcache_get_stats(m->h, m->max_classes, 0, &st);
-    expect_bad("expcache_get_stats", s, IA, "class index out of range");
-    s = expcache_get_stats(m->h, 0, EXPCACHE_NUM_PATHS + (uint32_t)below(5), &st);
-    expect_bad("expcache_get_stats", s, IA, "path out of range");
+    s = expcache_stats_get(m->h, m->max_classes, 0, &st);
+    expect_bad("expcache_stats_get", s, IA, "class index out of range");
+    s = expcache_stats_get(m->h, 0, EXPCACHE_NUM_PATHS + (uint32_t)below(5), &st);
+    expect_bad("expcache_stats_get", s, IA, "path out of range");
     st.struct_size = 0;
-    s = expcache_get_stats(m->h, 0, 0, &st);
-    expect_bad("expcache_get_stats", s, IA, "struct_size");
+    s = expcache_stats_get(m->h, 0, 0, &st);
+    expect_bad("expcache_stats_get", s, IA, "struct_size");
     if (st.calls != 0x3C3C3C3C3C3C3C3Cull) diverge("failed get_stats wrote *out");
     check_invariants(m, 0, 1);
 }
@@ -1981,22 +1992,22 @@ static void op_bad_serving(Model* m) {
             break;
         case 3:
             cmp.struct_size = sizeof cmp + 8;
-            s = expcache_load_compact_async(m->h, layer, ids, 2, NULL, &cmp);
-            expect_bad("expcache_load_compact_async", s, IA, "struct_size");
+            s = expcache_compact_load_async(m->h, layer, ids, 2, NULL, &cmp);
+            expect_bad("expcache_compact_load_async", s, IA, "struct_size");
             break;
         case 4:
             if (pct(50)) {
-                s = expcache_load_compact_async(m->h, layer, ids, 0, NULL, &cmp);
-                expect_bad("expcache_load_compact_async", s, IA, "n 0");
+                s = expcache_compact_load_async(m->h, layer, ids, 0, NULL, &cmp);
+                expect_bad("expcache_compact_load_async", s, IA, "n 0");
             } else {
-                s = expcache_load_compact_async(m->h, layer, ids, 1, NULL, NULL);
-                expect_bad("expcache_load_compact_async", s, IA, "out NULL");
+                s = expcache_compact_load_async(m->h, layer, ids, 1, NULL, NULL);
+                expect_bad("expcache_compact_load_async", s, IA, "out NULL");
             }
             break;
         case 5:
             ids[0] = ne;
-            s = expcache_load_compact_async(m->h, layer, ids, 3, NULL, &cmp);
-            expect_bad("expcache_load_compact_async", s, IA, "expert id out of range");
+            s = expcache_compact_load_async(m->h, layer, ids, 3, NULL, &cmp);
+            expect_bad("expcache_compact_load_async", s, IA, "expert id out of range");
             break;
         case 6:
             s = expcache_batch_prepare_async(m->h, layer, ids, 0, NULL, out_ids, out, &count, &batch);
@@ -2025,8 +2036,8 @@ static void op_bad_serving(Model* m) {
             if (unreg == UINT32_MAX) break;
             s = expcache_select_async(m->h, unreg, ids, 1, NULL, out);
             expect_bad("expcache_select_async", s, IS, "layer not registered");
-            s = expcache_load_compact_async(m->h, unreg, ids, 1, NULL, &cmp);
-            expect_bad("expcache_load_compact_async", s, IS, "layer not registered");
+            s = expcache_compact_load_async(m->h, unreg, ids, 1, NULL, &cmp);
+            expect_bad("expcache_compact_load_async", s, IS, "layer not registered");
             s = expcache_batch_prepare_async(m->h, unreg, ids, 1, NULL, out_ids, out, &count, &batch);
             expect_bad("expcache_batch_prepare_async", s, IS, "layer not registered");
             break;
@@ -2043,16 +2054,16 @@ static void op_bad_serving(Model* m) {
             {
                 uint64_t sum = 0;
                 expcache_expert_ptrs_t p = {ids, ids, ids};
-                s = expcache_checksum(m->h, unreg, &p, 1, NULL, &sum);
-                expect_bad("expcache_checksum", s, IS, "layer not registered");
+                s = expcache_testing_checksum(m->h, unreg, &p, 1, NULL, &sum);
+                expect_bad("expcache_testing_checksum", s, IS, "layer not registered");
                 uint32_t r = 0;
-                s = expcache_read_resident(m->h, unreg, 0, ids, sizeof ids, &r);
-                expect_bad("expcache_read_resident", s, IS, "layer not registered");
+                s = expcache_testing_read_resident(m->h, unreg, 0, ids, sizeof ids, &r);
+                expect_bad("expcache_testing_read_resident", s, IS, "layer not registered");
             }
             break;
         default:
-            s = expcache_inject_alloc_failures(m->h, 0, 0); /* count 0 disables injection */
-            check_status("expcache_inject_alloc_failures", s, ST(OK));
+            s = expcache_testing_inject_alloc_failures(m->h, 0, 0); /* count 0 disables injection */
+            check_status("expcache_testing_inject_alloc_failures", s, ST(OK));
             break;
     }
     if (count != 7 || batch != 7) diverge("failed batch_prepare wrote out_count/out_batch");
@@ -2087,30 +2098,30 @@ static void op_stale(void) {
     expcache_status_t s;
     const char* fn = "";
     switch (below(21)) {
-        case 0: s = expcache_get_backend(h, &u); fn = "expcache_get_backend"; break;
-        case 1: s = expcache_register_layer(h, 0, &d); fn = "expcache_register_layer"; break;
+        case 0: s = expcache_backend_get(h, &u); fn = "expcache_backend_get"; break;
+        case 1: s = expcache_layer_register(h, 0, &d); fn = "expcache_layer_register"; break;
         case 2: s = expcache_select_async(h, 0, ids, 1, NULL, p); fn = "expcache_select_async"; break;
-        case 3: s = expcache_load_compact_async(h, 0, ids, 1, NULL, &cmp); fn = "expcache_load_compact_async"; break;
+        case 3: s = expcache_compact_load_async(h, 0, ids, 1, NULL, &cmp); fn = "expcache_compact_load_async"; break;
         case 4: s = expcache_batch_prepare_async(h, 0, ids, 1, NULL, &u, p, &cnt, &u64); fn = "expcache_batch_prepare_async"; break;
         case 5: s = expcache_batch_finish(h, 1, NULL); fn = "expcache_batch_finish"; break;
         case 6: s = expcache_release_all(h); fn = "expcache_release_all"; break;
         case 7: s = expcache_synchronize(h, NULL); fn = "expcache_synchronize"; break;
-        case 8: s = expcache_read_resident(h, 0, 0, buf, sizeof buf, &u); fn = "expcache_read_resident"; break;
-        case 9: s = expcache_read_device(h, buf, buf + 8, 8); fn = "expcache_read_device"; break;
-        case 10: p[0].gate = p[0].up = p[0].down = buf; s = expcache_checksum(h, 0, p, 1, NULL, &sum); fn = "expcache_checksum"; break;
-        case 11: s = expcache_class_count(h, &u); fn = "expcache_class_count"; break;
-        case 12: s = expcache_class_info(h, 0, &ci); fn = "expcache_class_info"; break;
-        case 13: s = expcache_layer_class(h, 0, &u); fn = "expcache_layer_class"; break;
-        case 14: s = expcache_get_stats(h, 0, 0, &st); fn = "expcache_get_stats"; break;
-        case 15: s = expcache_reset_stats(h); fn = "expcache_reset_stats"; break;
-        case 16: s = expcache_set_log_callback(h, log_cb, NULL); fn = "expcache_set_log_callback"; break;
-        case 17: s = expcache_set_log_level(h, 0); fn = "expcache_set_log_level"; break;
+        case 8: s = expcache_testing_read_resident(h, 0, 0, buf, sizeof buf, &u); fn = "expcache_testing_read_resident"; break;
+        case 9: s = expcache_testing_read_device(h, buf, buf + 8, 8); fn = "expcache_testing_read_device"; break;
+        case 10: p[0].gate = p[0].up = p[0].down = buf; s = expcache_testing_checksum(h, 0, p, 1, NULL, &sum); fn = "expcache_testing_checksum"; break;
+        case 11: s = expcache_class_count_get(h, &u); fn = "expcache_class_count_get"; break;
+        case 12: s = expcache_class_info_get(h, 0, &ci); fn = "expcache_class_info_get"; break;
+        case 13: s = expcache_layer_bind_class(h, 0, &u); fn = "expcache_layer_bind_class"; break;
+        case 14: s = expcache_stats_get(h, 0, 0, &st); fn = "expcache_stats_get"; break;
+        case 15: s = expcache_stats_reset(h); fn = "expcache_stats_reset"; break;
+        case 16: s = expcache_log_set_callback(h, log_cb, NULL); fn = "expcache_log_set_callback"; break;
+        case 17: s = expcache_log_set_level(h, 0); fn = "expcache_log_set_level"; break;
         case 18:
-            if (pct(50)) s = expcache_inject_alloc_failures(h, 0, 1), fn = "expcache_inject_alloc_failures";
-            else s = expcache_inject_copy_failures(h, 0, 1), fn = "expcache_inject_copy_failures";
+            if (pct(50)) s = expcache_testing_inject_alloc_failures(h, 0, 1), fn = "expcache_testing_inject_alloc_failures";
+            else s = expcache_testing_inject_copy_failures(h, 0, 1), fn = "expcache_testing_inject_copy_failures";
             break;
-        case 19: s = expcache_device_bytes_in_use(h, &u64); fn = "expcache_device_bytes_in_use"; break;
-        default: s = expcache_open_file(h, "/dev/null", &u); fn = "expcache_open_file"; break;
+        case 19: s = expcache_testing_device_bytes_in_use(h, &u64); fn = "expcache_testing_device_bytes_in_use"; break;
+        default: s = expcache_file_open(h, "/dev/null", &u); fn = "expcache_file_open"; break;
     }
     trace("%s on %s handle %p: %s", fn, h == (expcache_t*)g_foreign ? "foreign" : "destroyed", (void*)h, sname(s));
     expect_bad(fn, s, IA, h == (expcache_t*)g_foreign ? "foreign handle" : "destroyed handle");
@@ -2166,7 +2177,7 @@ static void op_file_limit(void) {
     uint32_t n = 0;
     for (; n < 1100; ++n) {
         uint32_t id = 0xA5A5A5A5u;
-        s = expcache_open_file(h, path, &id);
+        s = expcache_file_open(h, path, &id);
         g_calls++;
         if (s != OK) break;
         if (id != n) diverge("open_file gave id %u, want %u", id, n);
@@ -2174,7 +2185,7 @@ static void op_file_limit(void) {
     unlink(path);
     if (s != OK) {
         trace("open_file failed after %u files: %s (%s)", n, sname(s), expcache_last_error());
-        check_status("expcache_open_file", s, ST(IA) | ST(IS) | ST(IO));
+        check_status("expcache_file_open", s, ST(IA) | ST(IS) | ST(IO));
         if (s == IO && n < 1000) diverge("open_file failed after only %u files: %s", n, expcache_last_error());
     }
     /* A layer from the last file opened still works. */
@@ -2188,14 +2199,14 @@ static void op_file_limit(void) {
         d.gate_bytes = d.up_bytes = d.down_bytes = d.gate_stride = d.up_stride = d.down_stride = 5;
         d.up_base = (const void*)(uintptr_t)5;
         d.down_base = (const void*)(uintptr_t)10;
-        s = expcache_register_layer(h, 0, &d);
-        check_status("expcache_register_layer", s, ST(OK));
+        s = expcache_layer_register(h, 0, &d);
+        check_status("expcache_layer_register", s, ST(OK));
         uint32_t e = 0;
         expcache_expert_ptrs_t p;
         s = expcache_select_async(h, 0, &e, 1, NULL, &p);
         check_status("expcache_select_async", s, ST(OK));
         unsigned char got[5];
-        if (s == OK && (expcache_read_device(h, p.down, got, 5) != OK || memcmp(got, bytes + 10, 5) != 0))
+        if (s == OK && (expcache_testing_read_device(h, p.down, got, 5) != OK || memcmp(got, bytes + 10, 5) != 0))
             diverge("a layer read from file %u holds wrong bytes", n - 1);
     }
     expcache_destroy(h);

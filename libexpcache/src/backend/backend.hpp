@@ -60,7 +60,7 @@ public:
     virtual expcache_status_t sync_stream(void* stream) = 0;
     virtual expcache_status_t sync_device() = 0;
 
-    // Weighted 64-bit word sums (see expcache_checksum) into result slots
+    // Weighted 64-bit word sums (see expcache_testing_checksum) into result slots
     // [first, first + num_sums), enqueued on `stream` (the host backend computes
     // them now); read them with checksum_results once the stream has finished.
     virtual expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums,
