@@ -52,7 +52,7 @@ ENV_TRACES = "EXPCACHE_BENCH_TRACES"  # comma list of bundled decode traces
 #: counts, so the same hit rates) over one trace, so a whole asv run takes a couple of
 #: minutes; the GPU runs the real sizes over the seven bundled decode traces.
 HOST_TRACES = ("podA_c_python_full",)
-HOST_SCALE = 256
+HOST_SCALE = 256  # pyexpcache.bench.HOST_SCALE; not imported: asv loads this file against older commits too
 MICRO_HOST_SCALE = 4096
 
 _PROBE = """

@@ -14,7 +14,8 @@ import math
 import os
 import sys
 
-GiB = 1 << 30
+from .layout import GiB
+
 INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
 
@@ -300,7 +301,7 @@ def _transfer(args) -> int:
         raise UsageError(f"--copy-threads: expected a comma list of integers, got {args.copy_threads!r}") from None
     if args.file_dir is not None and not os.path.isdir(args.file_dir):
         raise UsageError(f"--file-dir {args.file_dir}: no such folder")
-    from . import transfer
+    from .bench import transfer
     from .bench import Progress, resolve_backend
 
     if resolve_backend("auto", args.device) != "cuda":

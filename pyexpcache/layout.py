@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 WEIGHTS_PER_MATRIX = 4096 * 2048
+GiB = 1 << 30
 NUM_LAYERS = 43
 NUM_EXPERTS = 256
 TOP_K = 6
@@ -92,13 +93,6 @@ class ModelLayout:
             raise ValueError(f"unknown quant {quant!r}: expected 'q2', 'q4' or 'mixed'")
         layout = cls(tuple(specs), name=f"deepseek-v4-flash-{quant}")
         return layout.scaled(scale) if scale != 1 else layout
-
-    @classmethod
-    def from_gguf(cls, path) -> "ModelLayout":
-        """The routed-expert layout of a GGUF model file (see :mod:`pyexpcache.gguf`)."""
-        from .gguf import layout_from_gguf
-
-        return layout_from_gguf(path)
 
     @classmethod
     def preset(cls, name: str, *, scale: int = 1) -> "ModelLayout":

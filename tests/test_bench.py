@@ -13,7 +13,7 @@ import pytest
 
 from pyexpcache import ExpertCache, HostSource, ModelLayout
 from pyexpcache import bench
-from pyexpcache.sim import BATCH, DECODE, simulate_lru
+from pyexpcache.sim import BATCH, DECODE, Call, simulate_lru
 from pyexpcache.traces import load_decode_trace
 
 from conftest import CUDA_OK, CUDA_REASON, SCALE
@@ -121,7 +121,7 @@ def test_bench_detects_corrupted_bytes(monkeypatch):
     b = bench.Bench(layout, backend="host", budget_bytes=layout.total_bytes // 10)
     try:
         b.expected[5, 7] ^= np.uint64(1)  # as if expert (5, 7) had been served wrong
-        w = bench.Workload("t", [bench.Call(DECODE, 5, (7, 8))], 1, 0)
+        w = bench.Workload("t", [Call(DECODE, 5, (7, 8))], 1, 0)
         r = b.run_variant("expcache", w)
         assert r.checksum_errors == 1
     finally:
@@ -227,7 +227,8 @@ def test_transfer_size_lists_parse():
 
 
 def test_transfer_cli_sizes_are_the_benchmarks():
-    from pyexpcache import cli, transfer
+    from pyexpcache import cli
+    from pyexpcache.bench import transfer
 
     parser = cli._parser()
     assert {f"{s} MiB" for s in parser.parse_args(["transfer"]).sizes} == set(transfer.SIZES)
@@ -237,7 +238,7 @@ def test_transfer_cli_sizes_are_the_benchmarks():
 
 
 def test_host_copy_rate_copies_and_refuses_bad_pieces():
-    from pyexpcache import transfer
+    from pyexpcache.bench import transfer
 
     buffer = np.arange(8 << 20, dtype=np.uint8)
     rates = transfer.host_copy_rates([1, 2], piece=64 << 10, buffer_bytes=8 << 20, total=16 << 20)
@@ -250,7 +251,8 @@ def test_host_copy_rate_copies_and_refuses_bad_pieces():
 
 def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     # The CLI's printing, without a GPU: the table's rows stand in for a run's.
-    from pyexpcache import bench, cli, transfer
+    from pyexpcache import bench, cli
+    from pyexpcache.bench import transfer
 
     rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
             transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20)]
@@ -269,14 +271,15 @@ def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
 
 
 def test_transfer_refuses_unknown_sources():
-    from pyexpcache import transfer
+    from pyexpcache.bench import transfer
 
     with pytest.raises(ValueError, match="unknown sources"):
         transfer.run(sources=("pinned", "nvme"))
 
 
 def test_transfer_table_formats_rows_and_says_what_raw_means():
-    from pyexpcache import StagingStats, transfer
+    from pyexpcache import StagingStats
+    from pyexpcache.bench import transfer
 
     staged = StagingStats(calls=2, pieces=8, bytes=8 << 20, caller_fills=2, fill_ns=800_000, wait_ns=100_000,
                           send_ns=24_000, sends=4, span_ns=400_000, first_fill_ns=20_000)
@@ -295,7 +298,7 @@ def test_transfer_table_formats_rows_and_says_what_raw_means():
 
 @pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 def test_transfer_table_moves_every_byte_from_every_source(tmp_path):
-    from pyexpcache import transfer
+    from pyexpcache.bench import transfer
 
     rows = transfer.run(sizes=["0.5 MiB"], total_bytes=64 << 20, copy_threads=(1, 4), chunks=(256 << 10,),
                         file_dir=str(tmp_path))

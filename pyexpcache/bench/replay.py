@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_double, c_int32, c_uint32, c_uint64, c_void_p
 
-from ._lib import _check, library_path
+from .._lib import _check, library_path
 
 DECODE, BATCH = 0, 1
 MODE_CACHE, MODE_NOCACHE, MODE_SLAB = 0, 1, 2

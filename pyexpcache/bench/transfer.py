@@ -20,10 +20,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _cuda
-from .cache import ExpertCache, StagingStats, staging_defaults
-from .layout import LayerSpec, ModelLayout
-from .source import HostSource, LayerPlacement
+from .. import _cuda
+from ..cache import ExpertCache, StagingStats, staging_defaults
+from ..layout import LayerSpec, ModelLayout
+from ..source import HostSource, LayerPlacement
 
 MiB = 1 << 20
 # Expert sizes of the issue: a small expert, DeepSeek V4 Flash q2 and q4 (gate, up, down bytes).

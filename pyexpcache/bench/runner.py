@@ -1,0 +1,332 @@
+"""Running the variants side by side in one process: the shared source, stream and
+expected checksums (:class:`Bench`), one variant's replay through the C loop, and
+:func:`run`, which makes a :class:`~pyexpcache.bench.report.Report`."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+import sys
+import threading
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .. import __version__, _cuda, _lib, library_version
+from ..cache import ExpertCache
+from ..layout import GiB, ModelLayout
+from ..sim import simulate_belady, simulate_lru, simulate_policy
+from ..source import HostSource
+from .progress import Progress
+from .report import Report, VariantResult, git_commit
+from .workload import DEFAULT_TRACES, Workload, build_workload
+
+VARIANTS = ("expcache", "oppclass", "slab", "nocache", "resident")
+HOST_SCALE = 256  # host backend: expert sizes / 256, same slot counts
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """While a loop runs in C: Ctrl-C only sets a flag (yielded as a function) that the loop's
+    progress callback reads to stop it; KeyboardInterrupt is raised when the block ends. A
+    Python-level KeyboardInterrupt could fire at the callback's first instruction, outside any
+    ``try``, where ctypes would print and drop it. Only on the main thread, with Python's
+    default handler in place; elsewhere the flag stays down."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: False
+        return
+    hits = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        yield lambda: bool(hits)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hits:
+        raise KeyboardInterrupt
+
+
+def resolve_backend(backend: str = "auto", device: int = 0) -> str:
+    """The backend ``"auto"`` picks here: ``"cuda"`` when the library and a device allow it."""
+    if backend != "auto":
+        return backend
+    probe_layout = ModelLayout.preset("q2", scale=65536)
+    with HostSource(probe_layout) as src, ExpertCache(probe_layout, src, budget_experts=1, backend="auto",
+                                                       device=device, log_level=0) as probe:
+        return probe.backend
+
+
+class Bench:
+    """Holds what every variant shares: layout, source, stream, expected checksums."""
+
+    def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
+                 budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
+                 progress: Optional[Progress] = None, device: int = 0, source=None, placement: str = "expert",
+                 layer_sync: bool = True, cache_options: Optional[dict] = None):
+        self.layout = layout
+        # Extra ExpertCache arguments of the expcache and oppclass variants (copy_threads,
+        # staging_chunk_bytes, file_reads); the baselines keep the old design's.
+        self.cache_options = dict(cache_options or {})
+        self.backend = backend
+        self.budget_bytes = budget_bytes
+        self.reserve_bytes = reserve_bytes
+        self.layer_sync = layer_sync
+        self.device = device
+        self.progress = progress or Progress(False)
+        self.is_cuda = self._resolve_backend() == "cuda"
+        if not self.is_cuda:
+            # A host "upload" is one memcpy: no link for staging threads to overlap with.
+            self.cache_options.setdefault("copy_threads", 0)
+        if source is not None:
+            self.pinned = source.pinned
+        else:
+            self.pinned = self.is_cuda if pinned is None else pinned
+        if self.pinned and not self.is_cuda:
+            raise ValueError("a pinned source needs the CUDA backend")
+        self.stream = self._make_stream()
+        if source is None:
+            fill = (lambda done, total: self.progress(
+                f"filling {'pinned' if self.pinned else 'pageable'} source", done, total))
+            source = HostSource(layout, pinned=self.pinned, arrangement=placement, progress=fill)
+        self.source = source
+        self.placement = getattr(source, "arrangement", "tensor (GGUF file)")
+        self.expected = np.zeros((layout.num_layers, max(s.num_experts for s in layout.layers if s)), np.uint64)
+        for layer in layout.moe_layers:
+            for e in range(layout[layer].num_experts):
+                self.expected[layer, e] = self.source.expected_checksum(layer, e)
+
+    def _resolve_backend(self) -> str:
+        return resolve_backend(self.backend, self.device)
+
+    def _make_stream(self) -> int:
+        if not self.is_cuda:
+            return 0
+        rt = _cuda.runtime()
+        _cuda.check(rt.cudaSetDevice(self.device), "cudaSetDevice")
+        stream = _cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
+        return int(stream)
+
+    def device_name(self) -> str:
+        if not self.is_cuda:
+            return "host (no GPU: host backend, times are host-emulated)"
+        rt = _cuda.runtime()
+        props = _cuda.check(rt.cudaGetDeviceProperties(self.device), "cudaGetDeviceProperties")
+        name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
+        return name.rstrip("\x00")
+
+    def close(self) -> None:
+        if self.is_cuda and self.stream:
+            _cuda.runtime().cudaStreamDestroy(self.stream)
+            self.stream = 0
+        self.source.close()
+
+    # -- the link ----------------------------------------------------------------
+    def measure_link(self, chunk_bytes: int, repeats: int = 20) -> tuple[float, str]:
+        """Raw host-to-device bandwidth (bytes/s) with plain cudaMemcpyAsync of ``chunk_bytes``
+        pieces from pinned memory (the source's own when it is pinned), whatever the source kind:
+        the link bound is what the link allows; on the host backend, memcpy bandwidth."""
+        chunk = min(chunk_bytes, self.source.nbytes)
+        if self.is_cuda and not self.source.pinned:
+            from ..layout import LayerSpec
+
+            spec = next(s for s in self.layout.layers if s)
+            probe = ModelLayout((LayerSpec(max(1, -(-chunk // spec.expert_bytes)), *spec.class_key),))
+            with HostSource(probe, pinned=True) as pinned:
+                saved, self.source = self.source, pinned
+                try:
+                    return self.measure_link(chunk_bytes, repeats)
+                finally:
+                    self.source = saved
+        if not self.is_cuda:
+            dst = np.empty(chunk, np.uint8)
+            src = self.source.buffer[:chunk]
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                np.copyto(dst, src)
+            return chunk * repeats / (time.perf_counter() - t0), "host memcpy (emulated link)"
+        rt = _cuda.runtime()
+        dev = _cuda.check(rt.cudaMalloc(chunk), "cudaMalloc")
+        try:
+            src = self.source.buffer.ctypes.data
+            kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+            start = _cuda.check(rt.cudaEventCreate(), "cudaEventCreate")
+            stop = _cuda.check(rt.cudaEventCreate(), "cudaEventCreate")
+            _cuda.check(rt.cudaMemcpyAsync(dev, src, chunk, kind, self.stream), "cudaMemcpyAsync")
+            _cuda.check(rt.cudaEventRecord(start, self.stream), "cudaEventRecord")
+            for _ in range(repeats):
+                _cuda.check(rt.cudaMemcpyAsync(dev, src, chunk, kind, self.stream), "cudaMemcpyAsync")
+            _cuda.check(rt.cudaEventRecord(stop, self.stream), "cudaEventRecord")
+            _cuda.check(rt.cudaEventSynchronize(stop), "cudaEventSynchronize")
+            ms = _cuda.check(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime")
+            rt.cudaEventDestroy(start)
+            rt.cudaEventDestroy(stop)
+            label = f"cudaMemcpyAsync from pinned memory, {chunk / (1 << 20):.2f} MiB chunks"
+            return chunk * repeats / (ms / 1e3), label
+        finally:
+            rt.cudaFree(dev)
+
+    # -- variants --------------------------------------------------------------
+    def _cache(self, **kwargs) -> ExpertCache:
+        kwargs.setdefault("log_level", _lib.LOG_NOTICE)
+        if self.reserve_bytes is not None:
+            kwargs.setdefault("reserve_bytes", self.reserve_bytes)
+        return ExpertCache(self.layout, self.source, backend=self.backend, device=self.device, **kwargs)
+
+    def class_capacities(self, cache: ExpertCache) -> tuple[list[int], list[int]]:
+        """(runtime cap per class index, class index per layer) of a cache, for the simulators."""
+        layer_class = [0] * self.layout.num_layers
+        for layer in self.layout.moe_layers:
+            layer_class[layer] = cache.layer_class(layer)
+        caps = {c.index: c.cap_experts for c in cache.classes()}
+        return [caps.get(i, 0) for i in range(max(caps) + 1)], layer_class
+
+    def run_variant(self, variant: str, workload: Workload) -> VariantResult:
+        result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
+        if variant in ("expcache", "oppclass"):
+            cache = self._cache(budget_bytes=self.budget_bytes, policy="lru" if variant == "expcache" else variant,
+                                log_level=_lib.LOG_NOTICE if variant == "expcache" else _lib.LOG_WARNING,
+                                **self.cache_options)
+        elif variant == "slab":
+            # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
+            biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
+            cache = self._cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1,
+                                log_level=_lib.LOG_WARNING, copy_threads=0)
+        elif variant == "nocache":
+            cache = self._cache(budget_experts=1, log_level=_lib.LOG_WARNING, copy_threads=0)
+        elif variant == "resident":
+            need = sum(s.num_experts * sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
+            try:
+                cache = self._cache(budget_bytes=need + (1 << 20), reserve_bytes=0, log_level=_lib.LOG_WARNING)
+                self._preload(cache)
+            except MemoryError as exc:
+                cache.close()
+                result.skipped = f"the model does not fit in device memory ({exc})"
+                return result
+            if any(c.resident_experts < sum(self.layout[i].num_experts for i in self.layout.moe_layers
+                                            if self.layout[i].class_key == c.key) for c in cache.classes()):
+                cache.close()
+                result.skipped = "the model does not fit in device memory minus the reserve"
+                return result
+            cache.reset_stats()
+        else:
+            raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
+        with cache:
+            self._replay(cache, variant, workload, result)
+            if variant in ("expcache", "oppclass"):
+                self.capacities = self.class_capacities(cache)
+            stats = cache.stats()
+            total = stats.total
+            result.hits, result.misses = total.hits, total.misses
+            result.bytes_h2d, result.bytes_d2d, result.releases = total.bytes_h2d, total.bytes_d2d, total.releases
+            staging = cache.staging_stats()
+            result.staging = staging if staging.calls else None
+        return result
+
+    def _preload(self, cache: ExpertCache) -> None:
+        layers = self.layout.moe_layers
+        for n, layer in enumerate(layers):
+            experts = self.layout[layer].num_experts
+            for start in range(0, experts, 256):
+                cache.select(layer, np.arange(start, min(start + 256, experts)), self.stream)
+            self.progress("preloading all experts", n + 1, len(layers))
+        cache.synchronize(self.stream)
+
+    def _replay(self, cache: ExpertCache, variant: str, workload: Workload, result: VariantResult) -> None:
+        from . import replay as _replay
+
+        calls, ids = workload.arrays()
+        mode = {"nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}.get(variant, _replay.MODE_CACHE)
+        out = _replay.ReplayResult()
+        failed: list[BaseException] = []
+
+        with _sigint_deferred() as interrupted:
+            def on_progress(done: int, total: int) -> int:
+                # A ctypes callback cannot raise into C: Ctrl-C (noted by the handler above) or an
+                # error of the display asks the loop to stop, and is raised once it has returned.
+                try:
+                    self.progress(variant, done, total)
+                except BaseException as exc:
+                    failed.append(exc)
+                return 1 if failed or interrupted() else 0
+
+            progress = _replay.PROGRESS_FN(on_progress)
+            expected = np.ascontiguousarray(self.expected)
+            with cache.raw_handle() as handle:
+                _replay.lib.expcache_replay(handle, ctypes.addressof(calls), len(calls), ids.ctypes.data, mode,
+                                            self.stream, expected.ctypes.data, expected.shape[1],
+                                            cache.max_classes, int(self.layer_sync), progress, ctypes.byref(out))
+        if failed:
+            raise failed[0]
+        if out.stopped:  # asked by the callback and not raised above: only an interrupt does that
+            raise KeyboardInterrupt
+        result.decode_seconds += out.decode_seconds
+        result.prefill_seconds += out.prefill_seconds
+        result.decode_calls += out.decode_calls
+        result.decode_serve_seconds += out.decode_serve_seconds
+        result.checksum_errors += out.checksum_errors
+        result.experts_checked += out.experts_checked
+        result.decode_bytes_h2d += out.decode_bytes_h2d
+        if out.checksum_errors:
+            print(f"CHECKSUM MISMATCH: {variant}: {out.checksum_errors} experts differ from the source "
+                  f"(first in call {out.first_bad_call})", file=sys.stderr)
+
+
+def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int]) -> Optional[float]:
+    """The clairvoyant optimum at the library's per-class capacities (decode-only workloads)."""
+    if workload.has_batches:
+        return None
+    return simulate_belady(workload.calls, capacities, layer_class).hit_rate
+
+
+def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
+        traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
+        pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: int = 1,
+        progress: Optional[Progress] = None, device: int = 0, source=None,
+        bench: Optional[Bench] = None) -> Report:
+    """Run the benchmark and return a :class:`Report` (see the module docstring). ``source``
+    (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source; an
+    existing ``bench`` (whose source is then reused, and left open) replaces both."""
+    workload = build_workload(scenario, traces, layout.moe_layers)
+    for call in workload.calls:
+        spec = layout[call.layer] if call.layer < layout.num_layers else None
+        if spec is None or max(call.ids) >= spec.num_experts:
+            raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
+                             f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
+                             "experts)")
+    own = bench is None
+    if own:
+        bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
+                      reserve_bytes=reserve_bytes, progress=progress, device=device, source=source)
+    try:
+        chunk = max(s.expert_bytes for s in layout.layers if s)
+        link, link_label = bench.measure_link(chunk)
+        report = Report(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
+                        layout=layout.name, scenario=scenario,
+                        source="pinned" if bench.pinned else "pageable", placement=bench.placement,
+                        budget_bytes=budget_bytes,
+                        host_scale=host_scale, decode_tokens=workload.decode_tokens,
+                        prefill_tokens=workload.prefill_tokens, link_bytes_per_s=link, link_label=link_label,
+                        layer_sync=bench.layer_sync, traces=list(traces), version=__version__,
+                        library=library_version(), git_commit=git_commit())
+        for variant in variants:
+            r = bench.run_variant(variant, workload)
+            if r.skipped is None and r.decode_bytes_h2d:
+                # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
+                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / link)
+            if variant in ("expcache", "oppclass"):
+                capacities, layer_class = bench.capacities
+                r.belady_hit_rate = belady_hit_rate(workload, capacities, layer_class)
+                # The offline simulator of the same policy must agree with the library's counters.
+                sim = (simulate_lru(workload.calls, capacities, layer_class) if variant == "expcache"
+                       else simulate_policy(workload.calls, capacities, layer_class, policy=variant,
+                                            layers=layout.moe_layers))
+                if sim.hit_rate != r.hit_rate:
+                    raise RuntimeError(f"{variant}: library hit rate {r.hit_rate} differs from the simulator's "
+                                       f"{sim.hit_rate} at the same capacities: a bug")
+            report.results.append(r)
+        return report
+    finally:
+        if own:
+            bench.close()

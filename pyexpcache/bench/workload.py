@@ -1,0 +1,118 @@
+"""Workloads: the calls a scenario replays (decode traces in a row, prompts' prefill
+batches between them, conversation turns), in the form the C replay loop takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..sim import BATCH, DECODE, Call
+from ..traces import list_traces, load_decode_trace, load_prefill_trace, synthetic_trace
+
+SCENARIOS = ("decode", "prefill", "turns")
+DEFAULT_TRACES = ("podA_a_coffee_full", "podA_b2_json_long_full", "podA_c_python_full", "podA_b_json_full",
+                  "oracle50_k0w", "livemask_forensic_k0", "smoke_count64")
+
+
+@dataclass
+class Workload:
+    """An ordered list of calls (decode: one token at one layer; batch: a prompt's layer)."""
+
+    name: str
+    calls: list[Call]
+    decode_tokens: int
+    prefill_tokens: int
+
+    @property
+    def has_batches(self) -> bool:
+        return any(c.kind == BATCH for c in self.calls)
+
+    def arrays(self):
+        """The calls as the C replay loop takes them: a ctypes replay_call_t array and all ids."""
+        from .replay import BATCH as C_BATCH, DECODE as C_DECODE, ReplayCall
+
+        calls = (ReplayCall * len(self.calls))()
+        offset = 0
+        for c, call in zip(calls, self.calls):
+            c.kind = C_BATCH if call.kind == BATCH else C_DECODE
+            c.layer, c.offset, c.count = call.layer, offset, len(call.ids)
+            offset += len(call.ids)
+        ids = np.fromiter((e for call in self.calls for e in call.ids), dtype=np.uint32, count=offset)
+        return calls, ids
+
+
+def _decode_calls(trace, layers: Optional[set]) -> list[Call]:
+    out = []
+    for t in range(trace.num_tokens):
+        for i, layer in enumerate(trace.layers):
+            if layers is None or layer in layers:
+                out.append(Call(DECODE, layer, tuple(trace.ids[t, i].tolist())))
+    return out
+
+
+def _prefill_calls(prompt, layers: Optional[set]) -> list[Call]:
+    return [Call(BATCH, layer, tuple(prompt.prefill[layer].ravel().tolist()))
+            for layer in range(prompt.num_layers) if layers is None or layer in layers]
+
+
+def _decode_trace(name: str):
+    """A bundled trace, a CSV path, or ``synthetic:TOKENS[:SEED]`` (fitted to the real traces'
+    locality: per-layer popularity skew plus reuse of the previous token's experts)."""
+    if name.startswith("synthetic:"):
+        fields = name.split(":")
+        try:
+            tokens = int(fields[1])
+            seed = int(fields[2]) if len(fields) > 2 else 0
+        except (IndexError, ValueError):
+            raise ValueError(f"expected synthetic:TOKENS[:SEED], got {name!r}") from None
+        if tokens <= 0 or len(fields) > 3:
+            raise ValueError(f"expected synthetic:TOKENS[:SEED] with TOKENS > 0, got {name!r}")
+        return synthetic_trace(tokens, seed=seed, name=name)
+    return load_decode_trace(name)
+
+
+def build_workload(scenario: str, traces: Sequence[str] = DEFAULT_TRACES,
+                   layers: Optional[Sequence[int]] = None) -> Workload:
+    """The calls of a scenario.
+
+    ``decode``: the decode traces one after another (a server answering requests).
+    ``prefill``: each bundled prefill prompt's batches (layers 0-42) then its decode token,
+    each followed by one of the decode traces, in turn: prompts never flush decode state.
+    ``turns``: two conversation turns per decode trace: decode, the prefill of a new prompt,
+    then the same decode again.
+    """
+    keep = set(layers) if layers is not None else None
+    decode = [_decode_trace(name) for name in traces]
+    calls: list[Call] = []
+    dec_tokens = pre_tokens = 0
+
+    def add_decode(trace):
+        nonlocal dec_tokens
+        calls.extend(_decode_calls(trace, keep))
+        dec_tokens += trace.num_tokens
+
+    def add_prompt(prompt):
+        nonlocal pre_tokens
+        calls.extend(_prefill_calls(prompt, keep))
+        pre_tokens += prompt.num_prefill_tokens
+        add_decode(prompt.decode)
+
+    if scenario == "decode":
+        for trace in decode:
+            add_decode(trace)
+    elif scenario in ("prefill", "turns"):
+        prompts = [p for info in list_traces() if info.kind == "prefill" for p in load_prefill_trace(info.name)]
+        if scenario == "prefill":
+            for i, prompt in enumerate(prompts):
+                add_prompt(prompt)
+                add_decode(decode[i % len(decode)])
+        else:
+            for i, trace in enumerate(decode):
+                add_decode(trace)
+                add_prompt(prompts[i % len(prompts)])
+                add_decode(trace)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}: expected one of {SCENARIOS}")
+    return Workload(scenario, calls, dec_tokens, pre_tokens)

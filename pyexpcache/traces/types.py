@@ -1,0 +1,170 @@
+"""Routing trace data types: a decode :class:`Trace`, a :class:`PrefillPrompt`, a bundled
+file's :class:`TraceInfo`, and the notice :class:`TraceWarning`; the DeepSeek-V4-Flash
+geometry they are shaped by."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Union
+
+import numpy as np
+
+from ..layout import FIRST_ROUTED_LAYER, NUM_EXPERTS, NUM_LAYERS, TOP_K
+
+__all__ = ["NUM_EXPERTS", "TOP_K", "DECODE_FIRST_LAYER", "DECODE_NUM_LAYERS", "PREFILL_NUM_LAYERS", "PathLike",
+           "TraceWarning", "TraceInfo", "Trace", "PrefillPrompt"]
+
+#: Model layer stored at array index 0 of a decode trace (layers before it route by hash).
+DECODE_FIRST_LAYER = FIRST_ROUTED_LAYER
+#: Layers in a decode trace (model layers 3..42).
+DECODE_NUM_LAYERS = NUM_LAYERS - FIRST_ROUTED_LAYER
+#: Layers in a prefill block (model layers 0..42, hash-routed ones included).
+PREFILL_NUM_LAYERS = NUM_LAYERS
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class TraceWarning(UserWarning):
+    """A trace file loaded with something dropped: it ends inside a token (an interrupted logger)."""
+
+
+class TraceInfo(NamedTuple):
+    """One bundled trace file: its short ``name``, ``kind`` and file ``path``."""
+
+    name: str
+    kind: str  # "decode" or "prefill"
+    path: Path
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Decode routing of ``num_tokens`` tokens over ``num_layers`` consecutive MoE layers.
+
+    Attributes:
+        name: a label (file name stem for bundled traces).
+        ids: int32 array ``[tokens, layers, k]``; ``ids[t, i]`` are the expert ids
+            (router selection order) of token ``t`` at model layer ``first_layer + i``.
+        weights: float32 array of the same shape with the gate weights, or ``None``
+            when the source has no weight columns.
+        first_layer: model layer number of array index 0 (3 for decode traces).
+        positions: int64 array ``[tokens]``, absolute context position of each token.
+        num_experts: routed experts per layer; every id is in ``[0, num_experts)``.
+    """
+
+    name: str
+    ids: np.ndarray
+    weights: np.ndarray | None
+    first_layer: int
+    positions: np.ndarray
+    num_experts: int = NUM_EXPERTS
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.ids)
+        if ids.ndim != 3:
+            raise ValueError(f"Trace {self.name!r}: ids must have shape [tokens, layers, k], got {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_experts):
+            raise ValueError(f"Trace {self.name!r}: expert ids must lie in [0, {self.num_experts})")
+        positions = np.asarray(self.positions, dtype=np.int64)
+        if positions.shape != ids.shape[:1]:
+            raise ValueError(f"Trace {self.name!r}: positions must have shape [{ids.shape[0]}], got {positions.shape}")
+        weights = self.weights
+        if weights is not None:
+            weights = np.asarray(weights, dtype=np.float32)
+            if weights.shape != ids.shape:
+                raise ValueError(f"Trace {self.name!r}: weights shape {weights.shape} != ids shape {ids.shape}")
+        # Frozen dataclass: normalise dtypes through object.__setattr__.
+        object.__setattr__(self, "ids", ids.astype(np.int32, copy=False))
+        object.__setattr__(self, "positions", positions)
+        object.__setattr__(self, "weights", weights)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens (first axis of ``ids``)."""
+        return int(self.ids.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        """Number of MoE layers stored (second axis of ``ids``)."""
+        return int(self.ids.shape[1])
+
+    @property
+    def k(self) -> int:
+        """Experts per token and layer (third axis of ``ids``)."""
+        return int(self.ids.shape[2])
+
+    @property
+    def layers(self) -> range:
+        """Model layer numbers covered, in array order."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
+
+    @property
+    def num_requests(self) -> int:
+        """Total expert requests ``tokens * layers * k``."""
+        return int(self.ids.size)
+
+    def layer_ids(self, layer: int) -> np.ndarray:
+        """Expert ids at *model* layer ``layer``: int32 view of shape ``[tokens, k]``."""
+        if layer not in self.layers:
+            raise IndexError(
+                f"Trace {self.name!r} holds model layers {self.first_layer}..{self.layers.stop - 1}, not {layer}"
+            )
+        return self.ids[:, layer - self.first_layer, :]
+
+    def __repr__(self) -> str:
+        return (
+            f"Trace(name={self.name!r}, tokens={self.num_tokens}, layers={self.first_layer}.."
+            f"{self.first_layer + self.num_layers - 1}, k={self.k}, weights={self.weights is not None})"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillPrompt:
+    """One prompt of a prefill file: its layer-major prefill and the decode token(s) after it.
+
+    Attributes:
+        name: label ``"<file>#<index>"``.
+        index: 0-based prompt number within the file.
+        prefill: int32 array ``[layers, prompt_tokens, k]``; ``prefill[layer]`` holds
+            the ids of every prompt token at *model* layer ``layer`` (all 43 layers,
+            0..42, so array index == model layer).
+        prefill_weights: float32 array of the same shape, or ``None``.
+        positions: int64 array ``[prompt_tokens]`` (0..prompt_tokens-1 in the files).
+        decode: :class:`Trace` of the decode token(s) logged after the prefill
+            (one token, model layers 3..42, in the bundled files).
+    """
+
+    name: str
+    index: int
+    prefill: np.ndarray
+    prefill_weights: np.ndarray | None
+    positions: np.ndarray
+    decode: Trace
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt length in tokens (second axis of ``prefill``)."""
+        return int(self.prefill.shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        """Prefill layers stored (first axis of ``prefill``; model layers 0..num_layers-1)."""
+        return int(self.prefill.shape[0])
+
+    @property
+    def k(self) -> int:
+        """Experts per token and layer."""
+        return int(self.prefill.shape[2])
+
+    def layer_ids(self, layer: int) -> np.ndarray:
+        """Prefill expert ids at model layer ``layer``: int32 ``[prompt_tokens, k]``."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"prompt {self.name!r} has prefill layers 0..{self.num_layers - 1}, not {layer}")
+        return self.prefill[layer]
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefillPrompt(name={self.name!r}, prefill_tokens={self.num_prefill_tokens}, "
+            f"layers={self.num_layers}, decode_tokens={self.decode.num_tokens})"
+        )
