@@ -48,11 +48,11 @@ help:
 
 lib: $(LIBS) $(REPLAY_LIB)
 
-# The benchmark's C replay loop; its expcache_* symbols resolve at load time
-# to whichever library the process loaded first (see benchmarks/c/replay.c).
-$(REPLAY_LIB): benchmarks/c/replay.c libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
+# The benchmark's C replay loop (pyexpcache/bench/replay.c): it links nothing of
+# libexpcache and is handed the loaded library's functions in a table.
+$(REPLAY_LIB): pyexpcache/bench/replay.c libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
 	@mkdir -p $(BUILD)
-	$(CC) -O2 -std=c11 -fPIC -shared -Wall -Ilibexpcache/include -o $@ $<
+	$(CC) -O2 -std=c11 -fPIC -shared -Wall -Ilibexpcache/include -Wl,--no-undefined -o $@ $<
 
 $(BUILD)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
 	@mkdir -p $(dir $@)

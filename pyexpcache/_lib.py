@@ -162,7 +162,8 @@ def set_fields(struct: ctypes.Structure, **values) -> None:
         setattr(struct, name, checked_int(value, name, lo, hi))
 
 
-def _check(status, func, args):
+def raise_for_status(status, func=None, args=None):
+    """ctypes ``errcheck`` of every status-returning function: the exception for a failed status."""
     if status != OK:
         name = lib.expcache_status_string(status).decode()
         raise error_for(status, name, lib.expcache_last_error().decode(errors="replace"))
@@ -264,7 +265,7 @@ def _declare(dll: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
         fn.restype = restype
         if restype is c_int32:
-            fn.errcheck = _check
+            fn.errcheck = raise_for_status
 
 
 # The ctypes mirror of each public struct, by its EXPCACHE_STRUCT_* index.

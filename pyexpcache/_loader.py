@@ -33,9 +33,7 @@ def load() -> tuple[ctypes.CDLL, Path]:
             tried.append(f"{path}: not found")
             continue
         try:
-            # RTLD_GLOBAL: the benchmark's replay loop resolves its expcache_* symbols
-            # against this very library.
-            return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL), path
+            return ctypes.CDLL(str(path)), path  # RTLD_LOCAL: nothing else resolves against it
         except OSError as exc:
             tried.append(f"{path}: {exc}")
     raise OSError(

@@ -1,12 +1,14 @@
-"""ctypes declarations of the benchmark's C replay loop (benchmarks/c/replay.c),
-loaded from beside the libexpcache in use."""
+"""ctypes declarations of the benchmark's C replay loop (``replay.c`` beside this file), built
+as ``libexpcache_replay.so`` and loaded from beside the libexpcache in use, privately
+(RTLD_LOCAL): the loop is handed the library's functions in a :class:`ReplayApi` table."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from ctypes import POINTER, c_double, c_int32, c_uint32, c_uint64, c_void_p
 
-from .._lib import _check, library_path
+from .. import _lib
 
 DECODE, BATCH = 0, 1
 MODE_CACHE, MODE_NOCACHE, MODE_SLAB = 0, 1, 2
@@ -24,19 +26,47 @@ class ReplayResult(ctypes.Structure):
                 ("decode_serve_seconds", c_double), ("stopped", c_uint64)]
 
 
+# replay_api_t's function pointers, in order, and the libexpcache export each one takes.
+API_FUNCTIONS = (
+    ("select_async", "expcache_select_async"),
+    ("compact_load_async", "expcache_compact_load_async"),
+    ("batch_prepare_async", "expcache_batch_prepare_async"),
+    ("batch_finish", "expcache_batch_finish"),
+    ("release_all", "expcache_release_all"),
+    ("synchronize", "expcache_synchronize"),
+    ("stats_get", "expcache_stats_get"),
+    ("checksum", "expcache_testing_checksum"),
+    ("checksum_async", "expcache_testing_checksum_async"),
+    ("checksum_results", "expcache_testing_checksum_results"),
+)
+
+
+class ReplayApi(ctypes.Structure):
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(f, c_void_p) for f, _ in API_FUNCTIONS]
+
+
 # int (*replay_progress_fn)(uint64_t done, uint64_t total): nonzero stops the replay.
 PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, c_uint64, c_uint64)
 
-_path = library_path.parent / "libexpcache_replay.so"
-try:
-    lib = ctypes.CDLL(str(_path))
-except OSError as exc:
-    raise ImportError(f"{_path}: {exc}; build it with `make lib`") from None
 
-# expcache_status_t expcache_replay(expcache_t* cache, const replay_call_t* calls, uint64_t num_calls,
-#     const uint32_t* ids, uint32_t mode, void* stream, const uint64_t* expected, uint32_t experts_per_layer,
-#     uint32_t max_classes, uint32_t layer_sync, replay_progress_fn progress, replay_result_t* out);
-lib.expcache_replay.argtypes = [c_void_p, c_void_p, c_uint64, c_void_p, c_uint32, c_void_p, c_void_p, c_uint32,
-                                c_uint32, c_uint32, PROGRESS_FN, POINTER(ReplayResult)]
-lib.expcache_replay.restype = c_int32
-lib.expcache_replay.errcheck = _check
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[ctypes.CDLL, ReplayApi]:
+    """The replay library and the table of the loaded libexpcache's functions it calls."""
+    path = _lib.library_path.parent / "libexpcache_replay.so"
+    try:
+        dll = ctypes.CDLL(str(path))  # RTLD_LOCAL: nothing of it resolves against other libraries
+    except OSError as exc:
+        raise ImportError(f"{path}: {exc}; build it with `make lib`") from None
+    # expcache_status_t expcache_replay(const replay_api_t* api, expcache_t* cache, const replay_call_t* calls,
+    #     uint64_t num_calls, const uint32_t* ids, uint32_t mode, void* stream, const uint64_t* expected,
+    #     uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync, replay_progress_fn progress,
+    #     replay_result_t* out);
+    dll.expcache_replay.argtypes = [POINTER(ReplayApi), c_void_p, c_void_p, c_uint64, c_void_p, c_uint32, c_void_p,
+                                    c_void_p, c_uint32, c_uint32, c_uint32, PROGRESS_FN, POINTER(ReplayResult)]
+    dll.expcache_replay.restype = c_int32
+    dll.expcache_replay.errcheck = _lib.raise_for_status
+    api = ReplayApi()
+    api.struct_size = ctypes.sizeof(api)
+    for field, name in API_FUNCTIONS:
+        setattr(api, field, ctypes.cast(getattr(_lib.lib, name), c_void_p).value)
+    return dll, api

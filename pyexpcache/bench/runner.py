@@ -253,10 +253,11 @@ class Bench:
 
             progress = _replay.PROGRESS_FN(on_progress)
             expected = np.ascontiguousarray(self.expected)
+            dll, api = _replay.load()
             with cache.raw_handle() as handle:
-                _replay.lib.expcache_replay(handle, ctypes.addressof(calls), len(calls), ids.ctypes.data, mode,
-                                            self.stream, expected.ctypes.data, expected.shape[1],
-                                            cache.max_classes, int(self.layer_sync), progress, ctypes.byref(out))
+                dll.expcache_replay(ctypes.byref(api), handle, ctypes.addressof(calls), len(calls), ids.ctypes.data,
+                                    mode, self.stream, expected.ctypes.data, expected.shape[1], cache.max_classes,
+                                    int(self.layer_sync), progress, ctypes.byref(out))
         if failed:
             raise failed[0]
         if out.stopped:  # asked by the callback and not raised above: only an interrupt does that

@@ -5,9 +5,10 @@
  * every byte of them — the per-layer synchronization point — and compare
  * with the expected sums.
  *
- * Built as libexpcache_replay.so without linking libexpcache: its expcache_*
- * symbols resolve to the library the Python process already loaded (with
- * RTLD_GLOBAL), so both always use the same one.
+ * Built as libexpcache_replay.so without linking libexpcache, and loaded
+ * with RTLD_LOCAL: the caller passes the library's functions in a
+ * replay_api_t (pyexpcache/bench/replay.py fills it from the libexpcache it
+ * loaded), so the loop always calls the same library as the cache it is given.
  */
 #define _POSIX_C_SOURCE 199309L
 #include <stdint.h>
@@ -23,6 +24,26 @@
 #define REPLAY_MODE_CACHE 0   /* select / batch_prepare */
 #define REPLAY_MODE_NOCACHE 1 /* compact loads only: every expert uploaded every time */
 #define REPLAY_MODE_SLAB 2    /* select; release_all before every batch (the old ds4 design) */
+
+/* The libexpcache functions the loop calls, from the library that made the cache. */
+typedef struct replay_api_t {
+    uint32_t struct_size;
+    uint32_t reserved;
+    expcache_status_t (*select_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*,
+                                      expcache_expert_ptrs_t*);
+    expcache_status_t (*compact_load_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*,
+                                            expcache_compact_t*);
+    expcache_status_t (*batch_prepare_async)(expcache_t*, uint32_t, const uint32_t*, uint64_t, void*, uint32_t*,
+                                             expcache_expert_ptrs_t*, uint32_t*, uint64_t*);
+    expcache_status_t (*batch_finish)(expcache_t*, uint64_t, void*);
+    expcache_status_t (*release_all)(expcache_t*);
+    expcache_status_t (*synchronize)(expcache_t*, void*);
+    expcache_status_t (*stats_get)(const expcache_t*, uint32_t, uint32_t, expcache_stats_t*);
+    expcache_status_t (*checksum)(expcache_t*, uint32_t, const expcache_expert_ptrs_t*, uint32_t, void*, uint64_t*);
+    expcache_status_t (*checksum_async)(expcache_t*, uint32_t, const expcache_expert_ptrs_t*, uint32_t, void*,
+                                        uint32_t);
+    expcache_status_t (*checksum_results)(expcache_t*, uint32_t, uint32_t, uint64_t*);
+} replay_api_t;
 
 typedef struct replay_call_t {
     uint32_t kind;
@@ -60,23 +81,23 @@ static double now_s(void) {
 }
 
 /* Host-to-device bytes over every class and path (read outside the timed region). */
-static uint64_t bytes_h2d(expcache_t* cache, uint32_t max_classes) {
+static uint64_t bytes_h2d(const replay_api_t* api, expcache_t* cache, uint32_t max_classes) {
     uint64_t total = 0;
     for (uint32_t c = 0; c < max_classes; ++c)
         for (uint32_t p = 0; p < EXPCACHE_NUM_PATHS; ++p) {
             expcache_stats_t st;
             st.struct_size = sizeof st;
-            if (expcache_stats_get(cache, c, p, &st) == EXPCACHE_OK) total += st.bytes_h2d;
+            if (api->stats_get(cache, c, p, &st) == EXPCACHE_OK) total += st.bytes_h2d;
         }
     return total;
 }
 
 /* Load ids into the compact buffer and point ptrs at each expert's parts in it. */
-static expcache_status_t load_compact(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+static expcache_status_t load_compact(const replay_api_t* api, expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
                                       void* stream, expcache_expert_ptrs_t* ptrs) {
     expcache_compact_t buf;
     buf.struct_size = sizeof buf;
-    expcache_status_t s = expcache_compact_load_async(cache, layer, ids, n, stream, &buf);
+    expcache_status_t s = api->compact_load_async(cache, layer, ids, n, stream, &buf);
     for (uint32_t i = 0; s == EXPCACHE_OK && i < n; ++i) {
         ptrs[i].gate = (char*)buf.base + buf.gate_offset + buf.gate_bytes * i;
         ptrs[i].up = (char*)buf.base + buf.up_offset + buf.up_bytes * i;
@@ -124,9 +145,11 @@ static void verify(replay_result_t* out, uint64_t call, const uint64_t* want, co
  * Returns EXPCACHE_OK, or the first failing call's status (result filled up to it).
  */
 __attribute__((visibility("default"))) expcache_status_t expcache_replay(
-    expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, uint32_t mode,
+    const replay_api_t* api, expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, uint32_t mode,
     void* stream, const uint64_t* expected, uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync,
     replay_progress_fn progress, replay_result_t* out) {
+    if (!api || api->struct_size != sizeof *api || !cache || !calls || !ids || !expected || !out)
+        return EXPCACHE_ERR_INVALID_ARGUMENT;
     memset(out, 0, sizeof *out);
     out->first_bad_call = UINT64_MAX;
     uint32_t max_count = 1;
@@ -141,7 +164,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     uint32_t num_pending = 0, slots = 0;
     double token_t0 = 0;
     expcache_status_t s = EXPCACHE_OK;
-    uint64_t moved = bytes_h2d(cache, max_classes);
+    uint64_t moved = bytes_h2d(api, cache, max_classes);
     if (!uniq || !ptrs || !sums || !seen || !pending) {
         s = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
         goto done;
@@ -157,11 +180,11 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         if (call->kind == REPLAY_DECODE && !layer_sync) {
             /* Enqueue: serve, checksum into the next result slots; wait once at the token's end. */
             if (num_pending == 0) token_t0 = t0;
-            s = mode == REPLAY_MODE_NOCACHE ? load_compact(cache, call->layer, cid, n, stream, ptrs)
-                                            : expcache_select_async(cache, call->layer, cid, n, stream, ptrs);
+            s = mode == REPLAY_MODE_NOCACHE ? load_compact(api, cache, call->layer, cid, n, stream, ptrs)
+                                            : api->select_async(cache, call->layer, cid, n, stream, ptrs);
             out->decode_serve_seconds += now_s() - t0;
             out->decode_calls++;
-            if (s == EXPCACHE_OK) s = expcache_testing_checksum_async(cache, call->layer, ptrs, n, stream, slots);
+            if (s == EXPCACHE_OK) s = api->checksum_async(cache, call->layer, ptrs, n, stream, slots);
             if (s != EXPCACHE_OK) goto done;
             pending[num_pending++] = (pending_t){c, call->layer, slots, n, cid};
             slots += n;
@@ -169,13 +192,13 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
             int token_ends = !next || next->kind != REPLAY_DECODE || next->layer <= call->layer ||
                              num_pending == MAX_PENDING || slots + next->count > EXPCACHE_CHECKSUM_RESULTS;
             if (token_ends) {
-                if ((s = expcache_synchronize(cache, stream)) != EXPCACHE_OK) goto done;
+                if ((s = api->synchronize(cache, stream)) != EXPCACHE_OK) goto done;
                 out->decode_seconds += now_s() - token_t0;
-                if ((s = expcache_testing_checksum_results(cache, 0, slots, sums)) != EXPCACHE_OK) goto done;
+                if ((s = api->checksum_results(cache, 0, slots, sums)) != EXPCACHE_OK) goto done;
                 for (uint32_t p = 0; p < num_pending; ++p)
                     verify(out, pending[p].call, expected + (uint64_t)pending[p].layer * experts_per_layer,
                            pending[p].served, sums + pending[p].first, pending[p].n);
-                uint64_t now_moved = bytes_h2d(cache, max_classes);
+                uint64_t now_moved = bytes_h2d(api, cache, max_classes);
                 out->decode_bytes_h2d += now_moved - moved;
                 moved = now_moved;
                 num_pending = slots = 0;
@@ -190,31 +213,31 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         }
         if (call->kind == REPLAY_DECODE) {
             if (mode == REPLAY_MODE_NOCACHE) {
-                s = load_compact(cache, call->layer, cid, n, stream, ptrs);
+                s = load_compact(api, cache, call->layer, cid, n, stream, ptrs);
             } else {
-                s = expcache_select_async(cache, call->layer, cid, n, stream, ptrs);
+                s = api->select_async(cache, call->layer, cid, n, stream, ptrs);
             }
         } else {
-            if (mode == REPLAY_MODE_SLAB) s = expcache_release_all(cache);
+            if (mode == REPLAY_MODE_SLAB) s = api->release_all(cache);
             if (s == EXPCACHE_OK && mode == REPLAY_MODE_NOCACHE) {
                 n = dedupe(cid, n, seen, uniq);
                 served = uniq;
-                s = load_compact(cache, call->layer, uniq, n, stream, ptrs);
+                s = load_compact(api, cache, call->layer, uniq, n, stream, ptrs);
             } else if (s == EXPCACHE_OK) {
-                s = expcache_batch_prepare_async(cache, call->layer, cid, n, stream, uniq, ptrs, &n, &batch);
+                s = api->batch_prepare_async(cache, call->layer, cid, n, stream, uniq, ptrs, &n, &batch);
                 served = uniq;
                 have_batch = s == EXPCACHE_OK;
             }
         }
         const double served_s = now_s() - t0;
-        if (s == EXPCACHE_OK) s = expcache_testing_checksum(cache, call->layer, ptrs, n, stream, sums);
+        if (s == EXPCACHE_OK) s = api->checksum(cache, call->layer, ptrs, n, stream, sums);
         if (have_batch) {
-            expcache_status_t f = expcache_batch_finish(cache, batch, stream);
+            expcache_status_t f = api->batch_finish(cache, batch, stream);
             if (s == EXPCACHE_OK) s = f;
         }
         double dt = now_s() - t0;
         if (s != EXPCACHE_OK) goto done;
-        uint64_t now_moved = bytes_h2d(cache, max_classes);
+        uint64_t now_moved = bytes_h2d(api, cache, max_classes);
         if (call->kind == REPLAY_DECODE) {
             out->decode_seconds += dt;
             out->decode_serve_seconds += served_s;
