@@ -17,6 +17,14 @@ from .policy import Policy
 __all__ = ["ARC", "S3FIFO", "WTinyLFU"]
 
 
+def first_evictable(od, evictable):
+    """The first key of the ordered dict ``od`` that ``evictable`` accepts, or None."""
+    for key in od:
+        if evictable(key):
+            return key
+    return None
+
+
 class ARC(Policy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST'03).
 
@@ -97,13 +105,6 @@ class ARC(Policy):
             del self.t2[key]
             self.b2[key] = None
 
-    @staticmethod
-    def _first(od, evictable):
-        for key in od:
-            if evictable(key):
-                return key
-        return None
-
     def victim(self, evictable):
         if self.c is None:
             self.c = max(len(self), 1)
@@ -113,7 +114,7 @@ class ARC(Policy):
         else:
             order = (self.t2, self.t1)
         for od in order:
-            v = self._first(od, evictable)
+            v = first_evictable(od, evictable)
             if v is not None:
                 return v
         return None
@@ -278,24 +279,17 @@ class WTinyLFU(Policy):
                 del od[key]
                 return
 
-    @staticmethod
-    def _first(od, evictable):
-        for key in od:
-            if evictable(key):
-                return key
-        return None
-
     def victim(self, evictable):
         wsize = max(int(self._cap() * self.window_frac), 1)
         # Window overflow moves into probation while main is below its share.
         while len(self.win) > wsize and len(self.prob) + len(self.prot) < self._cap() - wsize:
             k, _ = self.win.popitem(last=False)
             self.prob[k] = None
-        main = self._first(self.prob, evictable)
+        main = first_evictable(self.prob, evictable)
         if main is None:
-            main = self._first(self.prot, evictable)
+            main = first_evictable(self.prot, evictable)
         if len(self.win) > wsize or main is None:
-            cand = self._first(self.win, evictable)
+            cand = first_evictable(self.win, evictable)
             if cand is None:
                 return main
             if main is None:
