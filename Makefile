@@ -41,7 +41,7 @@ help:
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
 	@echo "make copy-methods      ways to move a call's misses to the GPU, side by side (CUDA; COPY_TABLES=pinned,pageable,enqueue,host,link)"
-	@echo "make asv-history / asv-quick / asv-record / asv-publish / bench-quick: see benchmarks/README.md"
+	@echo "make asv-history / asv-quick / asv-record / asv-publish / asv-import-h200 / bench-quick: see benchmarks/README.md"
 	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
 	@echo "make clean   remove $(BUILD)/"
 	@echo "variables: PYTHON=$(PYTHON) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"

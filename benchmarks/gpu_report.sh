@@ -30,7 +30,7 @@ run_step() {
     case $1 in
     build) step build 240 make lib ;;
     tests) step tests 300 python3 -m pytest -q -rs --durations=5 tests/test_cache.py tests/test_abi.py \
-        tests/test_bench.py tests/test_gguf.py tests/test_streams.py ;;
+        tests/test_policy.py tests/bench tests/test_gguf.py tests/test_streams.py ;;
     select_overhead) step select_overhead 60 make --no-print-directory select-overhead ;;
     # compute-sanitizer over the GPU tests (CUDA backend only): memory errors, then races.
     memcheck) step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
@@ -43,11 +43,11 @@ run_step() {
     staging_sweep) step staging_sweep 270 python3 benchmarks/staging_sweep.py --threads 8,12 --chunks 512K,1M ;;
     decode_pinned) step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json" ;;
     decode_no_layer_sync) step decode_no_layer_sync 240 python3 -m pyexpcache bench --quiet --no-layer-sync \
-        --variants expcache,resident --json "$DIR/decode_no_layer_sync.json" ;;
+        --variants oppclass,lru,resident --json "$DIR/decode_no_layer_sync.json" ;;
     decode_pageable) step decode_pageable 200 python3 -m pyexpcache bench --quiet --source pageable \
-        --traces podA_c_python_full --variants expcache,slab,nocache --json "$DIR/decode_pageable.json" ;;
+        --traces podA_c_python_full --variants oppclass,slab,nocache --json "$DIR/decode_pageable.json" ;;
     prefill_turns) step prefill_turns 330 python3 -m pyexpcache bench --quiet --scenario prefill,turns \
-        --variants expcache,slab --json "$DIR/prefill_turns.json" ;;
+        --variants oppclass,slab --json "$DIR/prefill_turns.json" ;;
     *) echo "unknown step: $1" >&2; return 2 ;;
     esac
 }

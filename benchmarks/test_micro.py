@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import functools
 
-import pytest  # asv imports this module too (every module of the package): see asv.conf.json
+import pytest
 
-from benchmarks import LAYOUTS, Rig
+from benchmarks import LAYOUTS, Rig  # the asv package, benchmarks/benchmarks/ (no pytest in there)
 from pyexpcache.sim import simulate_belady, simulate_lru
 from pyexpcache.traces import load_decode_trace
 

@@ -328,9 +328,9 @@ class ExpertCache:
             a multiple of 4096 in 64 KiB..64 MiB).
         file_reads: file sources: ``"buffered"`` (default: pread through the page cache) or
             ``"direct"`` (O_DIRECT where the file system allows it: models larger than RAM).
-        policy: eviction policy of every class: ``"lru"`` (default) or ``"oppclass"`` (decayed use
-            count classes with age in missed opportunities of the expert's layer; more hits at
-            small budgets: docs/policy.md).
+        policy: eviction policy of every class: ``"oppclass"`` (default: OppClassLRU, decayed use
+            count classes with age in missed opportunities of the expert's layer; more hits than
+            LRU, most at small budgets: docs/policy.md) or ``"lru"``.
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
 
@@ -347,7 +347,7 @@ class ExpertCache:
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
                  copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
-                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: str = "lru"):
+                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: str = "oppclass"):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if policy not in _lib.POLICIES:

@@ -1,30 +1,22 @@
-"""Fixtures shared by the contract suites: every cache test runs against each
-available backend (host always; CUDA when a device is present)."""
+"""Fixtures shared by the contract suites: every cache test runs against each available
+backend (host always; CUDA when a device is present) and each eviction policy ("lru",
+"oppclass"). What the test modules import lives in tests/support/ (this file puts tests/ on
+sys.path, so ``from support.cache import ...`` works from any folder under tests/)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, ModelLayout
-from pyexpcache import _cuda
-from pyexpcache._lib import library_path
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
-SCALE = 4096  # DeepSeek V4 Flash sizes / 4096: q2 experts 1,728 B, q4 3,456 B
+from pyexpcache import ExpertCache, HostSource, ModelLayout  # noqa: E402
 
-
-def cuda_available() -> tuple[bool, str]:
-    if library_path.name == "libexpcache_host.so":
-        return False, f"{library_path} is the host-only build"
-    if _cuda.device_count() == 0:
-        return False, "no CUDA device (or cuda-python missing)"
-    return True, ""
-
-
-CUDA_OK, CUDA_REASON = cuda_available()
-BACKENDS = [
-    "host",
-    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)),
-]
+from support.cache import BACKENDS, POLICIES, SCALE  # noqa: E402
 
 
 @pytest.fixture(params=BACKENDS)
@@ -32,9 +24,18 @@ def backend(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=POLICIES)
+def policy(request) -> str:
+    """The eviction policy of the caches a test makes. A test pins one with
+    ``@pytest.mark.parametrize("policy", ["lru"])`` (a direct parametrization overrides this
+    fixture, for make_cache too)."""
+    return request.param
+
+
 @pytest.fixture
-def make_cache(backend):
+def make_cache(backend, policy):
     """make_cache(layout=None, *, pinned=None, arrangement="tensor", **cache_kwargs) -> (cache, source).
+    Every cache gets the test's backend and ``policy=`` explicitly (never the library's default).
     Everything made is closed at teardown, caches before sources."""
     made = []
 
@@ -44,6 +45,7 @@ def make_cache(backend):
             pinned = backend == "cuda"
         source = HostSource(layout, pinned=pinned, arrangement=arrangement)
         kwargs.setdefault("log_level", 2)
+        kwargs.setdefault("policy", policy)
         cache = ExpertCache(layout, source, backend=backend, **kwargs)
         made.append((cache, source))
         return cache, source
@@ -52,13 +54,3 @@ def make_cache(backend):
     for cache, source in reversed(made):
         cache.close()
         source.close()
-
-
-def assert_served(cache, source, layer, ids, ptrs):
-    """Every served pointer holds exactly the source bytes (read back from the device)."""
-    spec = cache.layout[layer]
-    for e, row in zip(ids, ptrs):
-        for part, (addr, nbytes) in enumerate(zip(row, spec.class_key)):
-            got = cache.read_device(int(addr), nbytes)
-            want = source.part(layer, int(e), part)
-            assert (got == want).all(), f"layer {layer} expert {e} part {part} differs from the source"

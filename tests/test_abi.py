@@ -18,7 +18,7 @@ from pyexpcache import ExpcacheError, ModelLayout, HostSource, ExpertCache
 from pyexpcache import _lib
 from pyexpcache._lib import lib
 
-from conftest import SCALE
+from support.cache import SCALE
 
 INVALID, OOM, STATE, UNSUPPORTED, IO = (_lib.ERR_INVALID_ARGUMENT, _lib.ERR_OUT_OF_DEVICE_MEMORY,
                                         _lib.ERR_INVALID_STATE, _lib.ERR_UNSUPPORTED, _lib.ERR_IO)
@@ -428,7 +428,7 @@ def test_unregistered_layer_is_invalid_state():
 
 
 def test_cuda_backend_unavailable_is_unsupported():
-    from conftest import CUDA_OK
+    from support.cache import CUDA_OK
 
     if CUDA_OK:
         pytest.skip("a CUDA device is present")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import SCALE
+from support.cache import SCALE
 from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, ModelLayout
 
 BIG32 = 2**32 + 5

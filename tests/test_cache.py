@@ -1,4 +1,6 @@
-"""Contract suite of the cache core, run against every backend."""
+"""Contract suite of the cache core, run against every backend and every eviction policy
+(tests/conftest.py's make_cache). Tests whose assertions depend on one policy's victim order
+pin it (``@pytest.mark.parametrize("policy", ["lru"])``) and say why."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pyexpcache import (
     OutOfDeviceMemoryError,
 )
 
-from conftest import SCALE, assert_served
+from support.cache import SCALE, assert_served
 
 
 def small(num_layers=4, num_experts=16, quant="q2"):
@@ -47,6 +49,23 @@ def test_select_counts_hits_and_misses(make_cache):
     assert st.bytes_h2d == 4 * cache.layout[0].expert_bytes
 
 
+def test_full_class_evicts_one_resident_expert_per_miss(make_cache):
+    """Whatever the policy: a miss on a full class evicts exactly one expert of another call and
+    the new one is resident, with its bytes."""
+    cache, source = make_cache(small(), budget_experts=3)
+    for e in (0, 1, 2):
+        cache.select(0, [e])
+    cache.select(0, [0])
+    cache.select(0, [3])
+    resident = [e for e in range(4) if cache.read_expert(0, e) is not None]
+    assert len(resident) == 3 and 3 in resident
+    for e in resident:
+        assert (cache.read_expert(0, e) == source.expert_bytes(0, e)).all()
+    st = cache.stats().path("decode")
+    assert (st.hits, st.misses, st.evictions) == (1, 4, 1)
+
+
+@pytest.mark.parametrize("policy", ["lru"])  # which expert goes is LRU's victim order
 def test_lru_evicts_least_recently_used(make_cache):
     cache, _ = make_cache(small(), budget_experts=3)
     for e in (0, 1, 2):
@@ -462,7 +481,7 @@ from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelL
 layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="threads-cannot-start")
 with HostSource(layout, pinned=False) as source, \\
         ExpertCache(layout, source, budget_experts=6, backend="host", copy_threads=8, staging_bytes=1 << 20,
-                    staging_chunk_bytes=128 << 10, log_level=0) as cache:
+                    staging_chunk_bytes=128 << 10, log_level=0, policy=POLICY) as cache:
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
@@ -486,13 +505,14 @@ with HostSource(layout, pinned=False) as source, \\
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="limits the address space with RLIMIT_AS (Linux)")
-def test_staging_threads_that_cannot_start_fail_the_call_and_free_its_slot():
+def test_staging_threads_that_cannot_start_fail_the_call_and_free_its_slot(policy):
     """The staging ring starts its threads on the first staged upload; when the system refuses
     them (here: no address space for their stacks), that upload fails with a status and the slot
     it was filling is free again: the next call of the whole budget loads every expert into a slot,
     none directly, byte for byte (the ring goes on with the threads it has)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-c", _THREADS_CANNOT_START], capture_output=True, text=True, env=env)
+    code = _THREADS_CANNOT_START.replace("POLICY", repr(policy))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("InternalError") and "an upload could not be set up" in lines[0], lines
@@ -540,7 +560,7 @@ def test_staged_pieces_filled_together_are_sent_together(make_cache):
     _consistent(cache, source, layout)
 
 
-def test_pinned_uploads_of_a_call_go_together(backend):
+def test_pinned_uploads_of_a_call_go_together(backend, policy):
     """Pinned uploads wait until the end of their call and then go to the link together (one
     cudaMemcpyBatchAsync on the CUDA backend; the host backend copies them one by one, and takes
     that path for a source declared pinned). Every part lands, in a call of over a thousand
@@ -551,7 +571,7 @@ def test_pinned_uploads_of_a_call_go_together(backend):
     layout = ModelLayout((LayerSpec(400, 4096, 4096, 8200),), name="many-parts")  # 3 uploads an expert
     with HostSource(layout, pinned=backend == "cuda", arrangement="tensor") as source:
         source.pinned = True  # host backend: the library copies "pinned" memory directly, whatever it is
-        with ExpertCache(layout, source, backend=backend, budget_experts=400, log_level=2) as cache:
+        with ExpertCache(layout, source, backend=backend, budget_experts=400, log_level=2, policy=policy) as cache:
             ids = np.arange(400)
             assert_served(cache, source, 0, ids[:6], cache.select(0, ids[:6]))
             with cache.prepare_batch(0, ids[6:].reshape(2, 197)) as batch:  # 1,182 uploads in one call

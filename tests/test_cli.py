@@ -1,11 +1,14 @@
-"""First contact with the command line: every --help without a built library, one-line
-errors for what a run needs (checked before it starts), Ctrl-C with status 130, and reports
-that say what made them."""
+"""The command line (pyexpcache/cli.py). First contact: every --help without a built library,
+one-line errors for what a run needs (checked before it starts), Ctrl-C with status 130, and
+reports that say what made them. Then `expcache bench` end to end on the host backend (every
+scenario, --plot) and its refused arguments, and `expcache transfer`'s arguments and printing
+(the benchmarks themselves: tests/bench/)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +22,7 @@ from pyexpcache import cli
 # Children run in other folders: they find the package the way this process did.
 PACKAGE_ROOT = str(Path(cli.__file__).resolve().parent.parent)
 
-FAST = ["bench", "--backend", "host", "--traces", "smoke_count64", "--variants", "expcache,nocache", "--quiet"]
+FAST = ["bench", "--backend", "host", "--traces", "smoke_count64", "--variants", "lru,nocache", "--quiet"]
 
 
 def child_env(**extra) -> dict:
@@ -151,7 +154,7 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
     workload = bench.build_workload("decode", ["podA_a_coffee_full"], layout.moe_layers)
     try:
         with pytest.raises(KeyboardInterrupt):
-            b.run_variant("expcache", workload)
+            b.run_variant("lru", workload)
     finally:
         b.close()
     assert len(calls) == 2 and calls[-1][0] < calls[-1][1]  # stopped early, at the second report
@@ -169,3 +172,82 @@ def test_ctrl_c_stops_the_command_with_130(tmp_path):
     assert time.monotonic() - sent < 10, "Ctrl-C was not prompt"
     assert "Exception ignored" not in err and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "expcache bench: interrupted"
+
+
+# ---------------------------------------------------------------------------
+# expcache bench and expcache transfer, end to end and their arguments
+
+
+def test_cli_bench_host_end_to_end(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--traces", "podA_b_json_full",
+         "--layers", "3-12", "--scenario", "all", "--json", str(out), "--quiet"],
+        capture_output=True, text=True, env=child_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("expcache bench") == 3
+    data = json.loads(out.read_text())
+    assert [d["scenario"] for d in data] == ["decode", "prefill", "turns"]
+    assert all(r["checksum_errors"] == 0 for d in data for r in d["results"])
+
+
+def test_cli_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--variants", "nope"],
+                          capture_output=True, text=True, env=child_env())
+    assert proc.returncode == 2 and "expected a comma list" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--layers", "40-50", "--backend", "host"],
+                          capture_output=True, text=True, env=child_env())
+    assert proc.returncode != 0 and "not in 0..42" in proc.stderr
+
+
+def test_cli_plot_hit_rate_curve(tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    png = tmp_path / "curve.png"
+    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--traces",
+                           "podA_b_json_full", "--variants", "lru", "--layers", "3-8", "--plot", str(png),
+                           "--quiet"], capture_output=True, text=True, env=child_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_transfer_size_lists_parse():
+    import argparse
+
+    from pyexpcache.cli import _sizes
+
+    assert _sizes("256K,1M,2MiB,4096") == [256 << 10, 1 << 20, 2 << 20, 4096]
+    for bad in ("", "x", "1M,,2M", "1Q"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _sizes(bad)
+
+
+def test_transfer_cli_sizes_are_the_benchmarks():
+    from pyexpcache import cli
+    from pyexpcache.bench import transfer
+
+    parser = cli._parser()
+    assert {f"{s} MiB" for s in parser.parse_args(["transfer"]).sizes} == set(transfer.SIZES)
+    assert parser.parse_args(["transfer", "--sizes", "0.5,13.5"]).sizes == ["0.5", "13.5"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["transfer", "--sizes", "0.7"])
+
+
+def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
+    # The CLI's printing, without a GPU: the table's rows stand in for a run's.
+    from pyexpcache import bench, cli
+    from pyexpcache.bench import transfer
+
+    rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
+            transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20)]
+    asked = {}
+    monkeypatch.setattr(cli, "_has_cuda_python", lambda: True)
+    monkeypatch.setattr(bench, "resolve_backend", lambda *a: "cuda")
+    monkeypatch.setattr(transfer, "run", lambda **kw: asked.update(kw) or rows)
+    real = transfer.host_copy_rates
+    monkeypatch.setattr(transfer, "host_copy_rates",
+                        lambda counts: real(counts, piece=64 << 10, buffer_bytes=8 << 20, total=8 << 20))
+    assert cli.main(["transfer", "--sizes", "0.5", "--sources", "pinned,pageable", "--detail"]) == 0
+    out = capsys.readouterr().out
+    assert asked["sizes"] == ["0.5 MiB"] and asked["sources"] == ["pinned", "pageable"]
+    assert "119 %" in out and "50 %" in out
+    assert re.search(r"host copy, 512 KiB pieces .*: 1 thread [0-9.]+, 4 threads [0-9.]+$", out.strip())

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import CUDA_OK, CUDA_REASON, SCALE
+from support.cache import CUDA_OK, CUDA_REASON, SCALE
 from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout
 
 
@@ -27,11 +27,11 @@ def layout():
 
 
 @pytest.mark.parametrize("arrangement", ["tensor", "expert"])
-def test_cache_serves_right_bytes_after_its_source_with_block_ends(backend, arrangement):
+def test_cache_serves_right_bytes_after_its_source_with_block_ends(backend, policy, arrangement):
     lay = layout()
     pinned = backend == "cuda"
     with HostSource(lay, pinned=pinned, arrangement=arrangement) as src:
-        cache = ExpertCache(lay, src, budget_experts=4, backend=backend, log_level=0)
+        cache = ExpertCache(lay, src, budget_experts=4, backend=backend, log_level=0, policy=policy)
         want = {e: src.expert_bytes(7, e) for e in range(12)}
     # The source is closed, but the cache still uses it: its memory stays until the cache closes.
     assert src.closed and src.users == 1 and src.nbytes > 0
@@ -52,12 +52,12 @@ def test_closed_source_refuses_new_caches():
         ExpertCache(lay, src, budget_experts=4, backend="host")
 
 
-def test_source_shared_by_two_caches_is_released_by_the_last(backend):
+def test_source_shared_by_two_caches_is_released_by_the_last(backend, policy):
     lay = layout()
     src = HostSource(lay, pinned=backend == "cuda")
     want = [src.expert_bytes(3, e) for e in range(3)]
-    a = ExpertCache(lay, src, budget_experts=2, backend=backend, log_level=0)
-    b = ExpertCache(lay, src, budget_experts=2, backend=backend, log_level=0)
+    a = ExpertCache(lay, src, budget_experts=2, backend=backend, log_level=0, policy=policy)
+    b = ExpertCache(lay, src, budget_experts=2, backend=backend, log_level=0, policy=policy)
     src.close()
     a.close()
     assert src.nbytes > 0 and src.users == 1
@@ -80,7 +80,7 @@ def test_failed_cache_creation_does_not_hold_the_source():
 
 @pytest.mark.parametrize("kind", ["pageable", pytest.param("pinned", marks=pytest.mark.skipif(
     not CUDA_OK, reason=CUDA_REASON))])
-def test_explicit_source_close_then_misses_in_a_child(kind):
+def test_explicit_source_close_then_misses_in_a_child(kind, policy):
     # Before the lifetime rule: a pinned source's close() freed its memory under the live cache,
     # and the next miss copied freed memory (wrong bytes; with a GGUF mapping, SIGSEGV).
     pinned = kind == "pinned"
@@ -89,7 +89,8 @@ def test_explicit_source_close_then_misses_in_a_child(kind):
         lay = ModelLayout.preset("q2", scale=4096)
         src = HostSource(lay, pinned={pinned})
         want = {{e: src.expert_bytes(9, e) for e in range(40)}}
-        cache = ExpertCache(lay, src, budget_experts=4, backend="{'cuda' if pinned else 'host'}", log_level=0)
+        cache = ExpertCache(lay, src, budget_experts=4, backend="{'cuda' if pinned else 'host'}", log_level=0,
+                            policy={policy!r})
         src.close()
         bad = 0
         for e in range(40):
@@ -102,9 +103,9 @@ def test_explicit_source_close_then_misses_in_a_child(kind):
     assert out.stdout.split() == ["bad", "0"]
 
 
-def test_gguf_source_closed_under_a_live_cache_in_a_child(tmp_path):
+def test_gguf_source_closed_under_a_live_cache_in_a_child(tmp_path, policy):
     pytest.importorskip("gguf")
-    from test_gguf import Q4, write_model
+    from support.gguf_files import Q4, write_model
 
     path = write_model(tmp_path / "m.gguf", [Q4] * 3)
     out = run_child(f"""
@@ -112,7 +113,7 @@ def test_gguf_source_closed_under_a_live_cache_in_a_child(tmp_path):
         from pyexpcache.gguf import GGUFSource
         with GGUFSource({str(path)!r}) as src:
             want = {{(l, e): src.expert_bytes(l, e) for l in src.layout.moe_layers for e in range(8)}}
-            cache = ExpertCache(src.layout, src, budget_experts=2, backend="host", log_level=0)
+            cache = ExpertCache(src.layout, src, budget_experts=2, backend="host", log_level=0, policy={policy!r})
         bad = 0
         for (l, e), b in want.items():   # past the with block: every miss reads the mapping
             cache.select(l, [e])
@@ -127,16 +128,16 @@ def test_gguf_source_closed_under_a_live_cache_in_a_child(tmp_path):
     assert out.stdout.split() == ["bad", "0", "closed", "True", "bytes", "0"]
 
 
-def test_close_while_threads_select_in_a_child():
+def test_close_while_threads_select_in_a_child(policy):
     # Before the call gate: SIGSEGV 3 times of 3 (close destroyed the handle under running selects).
-    out = run_child("""
+    out = run_child(f"""
         import threading, time
         import numpy as np
         from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout
         lay = ModelLayout.preset("q2", scale=4096)
         for attempt in range(3):
             src = HostSource(lay)
-            cache = ExpertCache(lay, src, budget_experts=16, backend="host", log_level=0)
+            cache = ExpertCache(lay, src, budget_experts=16, backend="host", log_level=0, policy={policy!r})
             started, counts, errors = threading.Barrier(5), [0] * 4, []
             def work(i):
                 rng = np.random.default_rng(i)

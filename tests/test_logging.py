@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from conftest import SCALE
+from support.cache import SCALE
 from pyexpcache import ExpcacheWarning, ExpertCache, HostSource, InvalidArgumentError, ModelLayout
 
 
@@ -21,11 +21,11 @@ def small_device_cache(src, layout, **kw):
                        reserve_bytes=2 << 20, **kw)
 
 
-def test_cap_zero_warns_once_per_class():
+def test_cap_zero_warns_once_per_class(policy):
     layout = ModelLayout.preset("mixed", scale=SCALE)
     with HostSource(layout) as src, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with small_device_cache(src, layout, log_level=1) as cache:
+        with small_device_cache(src, layout, log_level=1, policy=policy) as cache:
             for token in range(3):
                 for layer in (5, 40):  # a q2 and a q4 layer: two classes
                     cache.select(layer, [token, token + 1])
@@ -38,10 +38,10 @@ def test_cap_zero_warns_once_per_class():
         assert w.filename == __file__  # points at the user's line, not at the wrapper
 
 
-def test_cap_zero_warns_even_when_notices_are_off():
+def test_cap_zero_warns_even_when_notices_are_off(policy):
     layout = ModelLayout.preset("q2", scale=SCALE)
     with HostSource(layout) as src, pytest.warns(ExpcacheWarning, match="cap 0"):
-        with small_device_cache(src, layout, log_level=1) as cache:
+        with small_device_cache(src, layout, log_level=1, policy=policy) as cache:
             cache.select(5, [1])
 
 

@@ -123,5 +123,5 @@ def test_installed_package_runs_outside_the_repository(venv_dir, tmp_path):
     assert Path(package_file).resolve().is_relative_to(venv_dir.resolve()), package_file
     assert library.resolve().is_relative_to(venv_dir.resolve()), version
     assert library.name == "libexpcache_host.so", version
-    _run([python, "-m", "pyexpcache", "bench", "--traces", "smoke_count64", "--variants", "expcache,nocache",
+    _run([python, "-m", "pyexpcache", "bench", "--traces", "smoke_count64", "--variants", "lru,nocache",
           "--quiet"], env=env, cwd=tmp_path)

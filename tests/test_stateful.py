@@ -1,5 +1,5 @@
 """Stateful fuzzing: random call sequences through libexpcache (host backend) and
-the pure-Python reference model (``reference_model.py``) side by side.
+the pure-Python reference model (``tests/support/reference_model.py``) side by side.
 
 Each hypothesis example builds one cache over a small layout (2-4 size classes,
 including the DeepSeek q2/q4 "mixed" shape scaled down, 4-8 experts per layer,
@@ -47,8 +47,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout  # noqa: E402
 from pyexpcache._lib import lib  # noqa: E402
 
-from conftest import SCALE, assert_served  # noqa: E402
-from reference_model import PATHS, STAT_FIELDS, ModelError, ReferenceCache, align_up  # noqa: E402
+from support.cache import SCALE, assert_served  # noqa: E402
+from support.reference_model import PATHS, STAT_FIELDS, ModelError, ReferenceCache, align_up  # noqa: E402
 
 FUZZ_EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", "400"))
 FUZZ_STEPS = int(os.environ.get("EXPCACHE_FUZZ_STEPS", "50"))
@@ -374,14 +374,15 @@ TestCacheMatchesModel = CacheMachine.TestCase
 # the machine relies on, independently of the library).
 
 def test_model_lru_and_batch_semantics():
+    # LRU's victim order and recency list: the model pinned to policy="lru", whatever its default.
     layout = ModelLayout((LayerSpec(16, 512, 512, 640),))
-    m = ReferenceCache(layout, budget_experts=3)
+    m = ReferenceCache(layout, budget_experts=3, policy="lru")
     m.select(0, [0, 1, 2])
     m.select(0, [0])
     m.select(0, [3])  # evicts 1
     assert m.resident_set() == {(0, 0), (0, 2), (0, 3)}
     assert m.lru_order(0) == [(0, 2), (0, 0), (0, 3)]
-    m2 = ReferenceCache(layout, budget_experts=4)
+    m2 = ReferenceCache(layout, budget_experts=4, policy="lru")
     m2.select(0, [0, 1])
     h, unique, where = m2.prepare_batch(0, [0, 2, 3, 4, 5, 2])
     assert unique == [0, 2, 3, 4, 5]

@@ -9,7 +9,7 @@ import pytest
 from pyexpcache import ExpertCache, HostSource, LayerSpec, ModelLayout
 from pyexpcache import _cuda
 
-from conftest import CUDA_OK, CUDA_REASON
+from support.cache import CUDA_OK, CUDA_REASON
 
 pytestmark = pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 
@@ -49,11 +49,11 @@ def _bytes_at(addr: int, n: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
-def test_eviction_on_another_stream_waits_for_earlier_reads(cuda, pinned):
+def test_eviction_on_another_stream_waits_for_earlier_reads(cuda, policy, pinned):
     rt, a, b = cuda
     layout = ModelLayout((LayerSpec(4, PART, PART, PART),), name="fence")
     with HostSource(layout, pinned=pinned) as source, \
-            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0) as cache:
+            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache:
         old = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
         _long_read(cache, old, a)                # a long read of expert 0's slot on stream A
@@ -65,13 +65,13 @@ def test_eviction_on_another_stream_waits_for_earlier_reads(cuda, pinned):
         assert (_bytes_at(int(new[0]), PART) == source.part(0, 1, 0)).all()
 
 
-def test_race_is_observable_without_the_fence(cuda):
+def test_race_is_observable_without_the_fence(cuda, policy):
     """Control: the same overwrite done by hand on stream B, with no fence, corrupts what A reads.
     Shows the tests around it would fail if the cache did not order the streams."""
     rt, a, b = cuda
     layout = ModelLayout((LayerSpec(2, PART, PART, PART),), name="race")
     with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=2, backend="cuda", log_level=0) as cache:
+            ExpertCache(layout, source, budget_experts=2, backend="cuda", log_level=0, policy=policy) as cache:
         old = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
         _long_read(cache, old, a)
@@ -85,12 +85,12 @@ def test_race_is_observable_without_the_fence(cuda):
     assert raced
 
 
-def test_staging_reuse_on_another_stream_waits_for_earlier_reads(cuda):
+def test_staging_reuse_on_another_stream_waits_for_earlier_reads(cuda, policy):
     """Select's overflow staging (capacity smaller than the request) is fenced the same way."""
     rt, a, b = cuda
     layout = ModelLayout((LayerSpec(8, PART, PART, PART),), name="fence-staging")
     with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0) as cache:
+            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache:
         first = cache.select(0, [0, 1], stream=a)   # expert 1 is served from staging
         cache.synchronize(a)
         _long_read(cache, first[1], a)

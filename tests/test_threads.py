@@ -23,7 +23,8 @@
 
 ctypes releases the GIL around library calls, so the C calls do run concurrently.
 Selects in the first two tests go through the C ABI with per-thread buffers (see
-test_python_select_is_thread_safe for why). About 10 s in all.
+test_python_select_is_thread_safe for why). Every test runs once per eviction policy; about
+10 s per policy.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from pyexpcache import (
 )
 from pyexpcache._lib import lib
 
-from conftest import SCALE, assert_served
+from support.cache import SCALE, assert_served
 
 NUM_THREADS = 4
 ITERATIONS = 3000
@@ -144,10 +145,10 @@ def assert_residents_intact(cache, source):
                 assert (got == source.expert_bytes(layer, e)).all(), f"resident ({layer}, {e}) corrupted"
 
 
-def test_shared_cache_disjoint_layers_counters_and_bytes():
+def test_shared_cache_disjoint_layers_counters_and_bytes(policy):
     layout = mixed_layout()
     source = HostSource(layout)
-    cache = ExpertCache(layout, source, backend="host", budget_experts=12, max_classes=2, log_level=0)
+    cache = ExpertCache(layout, source, backend="host", budget_experts=12, max_classes=2, log_level=0, policy=policy)
     order = OrderLock()
     # expected[key][path] = [calls, unique ids, all ids]
     expected = [defaultdict(lambda: defaultdict(lambda: [0, 0, 0])) for _ in range(NUM_THREADS)]
@@ -241,11 +242,11 @@ def test_shared_cache_disjoint_layers_counters_and_bytes():
     cache.close()
 
 
-def test_shared_cache_with_concurrent_control_calls():
+def test_shared_cache_with_concurrent_control_calls(policy):
     layout = mixed_layout()
     source = HostSource(layout)
     slot = 3840
-    cache = ExpertCache(layout, source, backend="host", budget_experts=10, max_classes=2, log_level=0,
+    cache = ExpertCache(layout, source, backend="host", budget_experts=10, max_classes=2, log_level=0, policy=policy,
                         device_capacity_bytes=40 * slot, reserve_bytes=2 * slot, slab_bytes=3 * slot)
     stop = threading.Event()
     allowed = (OutOfDeviceMemoryError,)
@@ -342,10 +343,10 @@ def seeded_ops(seed, layout, count):
     return ops
 
 
-def replay(layout, source, ops, barrier=None):
+def replay(layout, source, ops, policy, barrier=None):
     """Run ops on a fresh cache; return (counters, residency, device bytes, outcome per op)."""
     slot = 3840
-    cache = ExpertCache(layout, source, backend="host", budget_experts=9, max_classes=2, log_level=0,
+    cache = ExpertCache(layout, source, backend="host", budget_experts=9, max_classes=2, log_level=0, policy=policy,
                         device_capacity_bytes=30 * slot, reserve_bytes=slot, slab_bytes=2 * slot)
     if barrier is not None:
         barrier.wait()
@@ -387,21 +388,21 @@ def replay(layout, source, ops, barrier=None):
     return snapshot
 
 
-def test_separate_caches_are_independent():
+def test_separate_caches_are_independent(policy):
     q2, q4 = mixed_layout()[0].class_key, mixed_layout()[7].class_key
     keys = [q2, q2, q4, q2, q4, (264, 264, 336)]  # three classes, max_classes=2: class reuse too
     layout = ModelLayout(tuple(LayerSpec(12, *k) for k in keys), name="three-threads")
     source = HostSource(layout)
     ops = seeded_ops(42, layout, 1200)
     ops = ops[:900] + [op for op in ops[900:] if op[0] != "reset_stats"]
-    serial = replay(layout, source, ops)
+    serial = replay(layout, source, ops, policy)
     assert "EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY" in serial[3]  # the memory-pressure paths ran
     assert sum(v["class_reuses"] for v in serial[0].values()) > 0  # ... and class reuse
     results = [None] * NUM_THREADS
     barrier = threading.Barrier(NUM_THREADS)
 
     def worker(t):
-        results[t] = replay(layout, source, ops, barrier)
+        results[t] = replay(layout, source, ops, policy, barrier)
 
     run_threads(worker, NUM_THREADS)
     for t, r in enumerate(results):
@@ -410,10 +411,10 @@ def test_separate_caches_are_independent():
         assert r[1] == serial[1] and r[2] == serial[2], f"thread {t}: residency diverged"
 
 
-def test_python_select_is_thread_safe():
+def test_python_select_is_thread_safe(policy):
     layout = mixed_layout(num_layers=4, num_experts=8)
     source = HostSource(layout)
-    cache = ExpertCache(layout, source, backend="host", budget_experts=32, log_level=0)
+    cache = ExpertCache(layout, source, backend="host", budget_experts=32, log_level=0, policy=policy)
     # Every thread's experts are resident and never evicted: their addresses are fixed.
     want = {layer: cache.select(layer, [layer, (layer + 1) % 8]).tolist() for layer in range(4)}
     bad = []

@@ -143,8 +143,9 @@ EXPCACHE_API uint32_t expcache_version(void);
 
 /** Eviction policies (expcache_config_t.policy), per class. */
 #define EXPCACHE_POLICY_LRU 0      /**< least recently used */
-#define EXPCACHE_POLICY_OPPCLASS 1 /**< decayed use count classes, age in missed opportunities of the
-                                        expert's layer (docs/policy.md): more hits at small budgets */
+#define EXPCACHE_POLICY_OPPCLASS 1 /**< the default: decayed use count classes, age in missed
+                                        opportunities of the expert's layer (docs/policy.md): more hits
+                                        than LRU, most at small budgets */
 
 /** Most size classes one cache can hold. */
 #define EXPCACHE_MAX_CLASSES_LIMIT 64
@@ -190,7 +191,7 @@ typedef struct expcache_config_t {
                                     cores the process may use (its CPU affinity) less 4, at least 2, at
                                     most 12; 0 = plain pageable copies, and files read by the calling
                                     thread alone */
-    uint32_t policy;           /**< EXPCACHE_POLICY_*; default LRU */
+    uint32_t policy;           /**< EXPCACHE_POLICY_*; default OPPCLASS */
     uint64_t staging_bytes;    /**< pageable and file sources: size of the pinned staging ring; default
                                     64 MiB; 1 MiB..16 GiB */
     uint64_t staging_chunk_bytes; /**< largest piece one thread fills and one transfer moves; default 512 KiB;

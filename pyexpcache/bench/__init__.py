@@ -8,8 +8,9 @@ before the next layer (the next layer's ids depend on this layer's output).
 
 Variants, side by side in one process on the same source and stream:
 
-``expcache``  this library: one cache per size class, LRU decode, batches that never evict.
-``oppclass``  the same with the OppClassLRU policy (docs/policy.md).
+``oppclass``  this library as it comes: one cache per size class, OppClassLRU decode
+              (docs/policy.md), batches that never evict.
+``lru``       the same with the LRU policy.
 ``slab``      the old ds4 design: one slab keyed on the last-seen expert size (a cache
               with ``max_classes=1``, so every size change releases it), released again
               before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
@@ -26,9 +27,9 @@ misses were the only cost.
 from .curve import hit_rate_curve, plot_curve
 from .progress import Progress
 from .report import Report, VariantResult, format_report, git_commit, write_json
-from .runner import HOST_SCALE, VARIANTS, Bench, belady_hit_rate, resolve_backend, run
+from .runner import HOST_SCALE, POLICY_VARIANTS, VARIANTS, Bench, belady_hit_rate, resolve_backend, run
 from .workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
 
-__all__ = ["DEFAULT_TRACES", "HOST_SCALE", "SCENARIOS", "VARIANTS", "Bench", "Progress", "Report", "VariantResult",
+__all__ = ["DEFAULT_TRACES", "HOST_SCALE", "POLICY_VARIANTS", "SCENARIOS", "VARIANTS", "Bench", "Progress", "Report", "VariantResult",
            "Workload", "belady_hit_rate", "build_workload", "format_report", "git_commit", "hit_rate_curve",
            "plot_curve", "resolve_backend", "run", "write_json"]

@@ -10,7 +10,7 @@ from .workload import Workload
 
 
 def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[float]) -> dict:
-    """LRU (the library's policy) and Belady hit rates at fractions of each class's experts."""
+    """LRU, OppClassLRU (the library's default) and Belady hit rates at fractions of each class's experts."""
     keys = list(layout.classes())
     layer_class = [keys.index(s.class_key) if s else 0 for s in layout.layers]
     sizes = [sum(layout[i].num_experts for i in layers) for layers in layout.classes().values()]
@@ -35,8 +35,8 @@ def plot_curve(curve: dict, path: str, title: str) -> None:
         raise ImportError("--plot needs matplotlib (pip install matplotlib)") from exc
     x = [100 * f for f in curve["fraction"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [100 * v for v in curve["lru"]], "o-", label="LRU (expcache default)")
-    ax.plot(x, [100 * v for v in curve["oppclass"]], "^-", label="OppClassLRU (policy=\"oppclass\")")
+    ax.plot(x, [100 * v for v in curve["lru"]], "o-", label="LRU (policy=\"lru\")")
+    ax.plot(x, [100 * v for v in curve["oppclass"]], "^-", label="OppClassLRU (the default)")
     ax.plot(x, [100 * v for v in curve["belady"]], "s--", label="Belady (optimum)")
     ax.set_xlabel("experts cached (% of each class)")
     ax.set_ylabel("hit rate (%)")

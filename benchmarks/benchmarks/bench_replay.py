@@ -1,6 +1,8 @@
 """asv: the main benchmark (``pyexpcache.bench``) tracked over commits.
 
-Replays real DeepSeek V4 Flash routing through the expcache variant, per layout
+Replays real DeepSeek V4 Flash routing through the library with the LRU policy (the
+``expcache`` variant at commits where LRU was the default, ``lru`` after) and, where the
+commit has it, with OppClassLRU (``oppclass``), per layout
 (uniform q2, mixed q2-q4) and scenario (``decode``: decode traces back to back;
 ``prefill``: each bundled prompt prefilled at every layer, then decode). Every
 number comes from ``bench.run``'s :class:`VariantResult`, whose hits, misses and
@@ -48,8 +50,11 @@ def run_replays() -> dict:
 
 
 def _replay(bench, layout, scenario, traces, budget, scale, kwargs) -> dict:
-    # The OppClassLRU variant rides along where the commit has it (its own graphs: ReplayPolicy).
-    variants = ("expcache", "oppclass") if "oppclass" in getattr(bench, "VARIANTS", ()) else ("expcache",)
+    # The LRU variant (Replay's graphs) was named "expcache" while LRU was the default, "lru" after;
+    # the OppClassLRU variant rides along where the commit has it (its own graphs: ReplayPolicy).
+    names = getattr(bench, "VARIANTS", ())
+    lru = "lru" if "lru" in names else "expcache"
+    variants = (lru, "oppclass") if "oppclass" in names else (lru,)
     report = bench.run(layout, scenario, variants=variants, traces=traces, budget_bytes=budget,
                        backend=BACKEND, host_scale=scale, **kwargs)
     if report.backend != BACKEND:
@@ -58,8 +63,9 @@ def _replay(bench, layout, scenario, traces, budget, scale, kwargs) -> dict:
         if x.checksum_errors:
             raise RuntimeError(f"{layout.name} {scenario} {x.variant}: {x.checksum_errors} experts served "
                                "with wrong bytes")
-    r = report.results[0]
-    opp = report.results[1] if len(report.results) > 1 else None
+    by_variant = {x.variant: x for x in report.results}
+    r = by_variant[lru]
+    opp = by_variant.get("oppclass")
     return {
         "oppclass_hit_rate": opp.hit_rate if opp else None,
         "oppclass_tokens_per_s": opp.tokens_per_s if opp else None,
@@ -95,7 +101,7 @@ class _ScenarioGrid:
 
 
 class Replay(_ScenarioGrid):
-    """Decode throughput, hit rate and traffic of the expcache variant."""
+    """Decode throughput, hit rate and traffic of the library with the LRU policy."""
 
     def setup(self, results, backend, layout, scenario):
         _numbers(results, layout, scenario)
@@ -157,7 +163,7 @@ class ReplayBelady:
 
 
 class ReplayPolicy(_ScenarioGrid):
-    """The OppClassLRU policy (``policy="oppclass"``) next to the default LRU, same replay."""
+    """The OppClassLRU policy (``policy="oppclass"``) next to LRU, same replay."""
 
     def setup(self, results, backend, layout, scenario):
         if _numbers(results, layout, scenario).get("oppclass_hit_rate") is None:

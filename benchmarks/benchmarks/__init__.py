@@ -1,12 +1,13 @@
-"""expcache benchmarks.
+"""expcache's asv benchmarks (benchmark_dir of benchmarks/asv.conf.json).
 
-``bench_*.py``  asv suites (benchmark history; see benchmarks/README.md).
-``test_micro.py``  pytest-benchmark micro benchmarks (regression gate, CI quick mode).
-``c/``  C programs (``make select-overhead``).
+``bench_*.py``  asv suites (benchmark history; see benchmarks/README.md). asv imports every
+module of this package, so nothing here may import pytest; the pytest-benchmark micro
+benchmarks (``benchmarks/test_micro.py``), the C programs (``benchmarks/c/``) and the scripts
+(``benchmarks/*.py``) live beside it, outside the package.
 
-This package also holds what the suites share: which backend runs, the layouts
-and traces each backend uses, and :class:`Rig`, the small cache set-up the
-hot-path benchmarks time. Nothing here touches CUDA at import time: asv forks
+This package also holds what the suites share (test_micro.py imports it too): which
+backend runs, the layouts and traces each backend uses, and :class:`Rig`, the small cache
+set-up the hot-path benchmarks time. Nothing here touches CUDA at import time: asv forks
 benchmark processes from the process that imported this package, and a CUDA
 context does not survive a fork.
 """
@@ -15,19 +16,20 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: benchmarks/benchmarks/__init__.py
 
 # In the environments asv builds per commit (virtualenv; asv sets ASV_ENV_TYPE there)
 # the commit's installed pyexpcache must run, so nothing is added. Everywhere else
-# (`asv run --python=same`, pytest) the checkout this folder belongs to runs: its
-# pyexpcache, which loads the libraries `make lib` put in its build/.
-if "ASV_ENV_TYPE" not in os.environ and str(ROOT) not in sys.path:
+# (`asv run --python=same`, where ASV_ENV_TYPE is "existing", and pytest) the checkout this
+# folder belongs to runs: its pyexpcache, which loads the libraries `make lib` put in its build/.
+if os.environ.get("ASV_ENV_TYPE", "existing") == "existing" and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 GiB = 1 << 30
@@ -184,6 +186,10 @@ class Rig:
         from pyexpcache import ExpertCache
 
         kwargs.setdefault("log_level", 0)
+        if "policy" in inspect.signature(ExpertCache).parameters:
+            # These series measured LRU before OppClassLRU became the default: kept LRU, so each
+            # graph stays one policy across commits (oppclass has series of its own).
+            kwargs.setdefault("policy", "lru")
         cache = ExpertCache(self.layout, self.source, backend=self.backend, **kwargs)
         self.caches.append(cache)
         return cache

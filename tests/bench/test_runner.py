@@ -1,0 +1,80 @@
+"""The benchmark's runner (pyexpcache/bench/runner.py) on the host backend: every variant side by
+side on one workload, checksums that catch wrong bytes, decode bytes and times apart from
+prefill's, and one wait per token serving what one wait per layer serves."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pyexpcache import ModelLayout
+from pyexpcache import bench
+from pyexpcache.sim import DECODE, Call
+
+
+def test_bench_run_host_reports_every_variant():
+    layout = ModelLayout.preset("mixed", scale=4096)
+    report = bench.run(layout, "decode", traces=["podA_b_json_full"], budget_bytes=(12 << 30) // 4096,
+                       backend="host", host_scale=4096)
+    names = [r.variant for r in report.results]
+    assert names == list(bench.VARIANTS)
+    r = {x.variant: x for x in report.results}
+    assert report.checksum_errors == 0 and r["oppclass"].experts_checked == 37 * 40 * 6
+    assert r["resident"].hit_rate == 1.0 and r["nocache"].hit_rate == 0.0
+    assert r["slab"].hit_rate < r["oppclass"].hit_rate <= r["oppclass"].belady_hit_rate + 0.02
+    assert r["slab"].releases > 37  # the old design released at every size change
+    assert r["oppclass"].decode_bytes_h2d == r["oppclass"].bytes_h2d > 0  # decode only: every byte is decode's
+    for x in report.results:  # the serving calls' share of the decode time
+        assert x.decode_calls == 37 * 40
+        assert 0 < x.decode_serve_seconds < x.decode_seconds
+        assert x.serve_us_per_call > 0 and x.after_serve_us_per_call > 0
+    text = bench.format_report(report)
+    assert "host-emulated" in text and "Belady" in text
+    json.dumps(report.to_json())
+
+
+def test_bench_detects_corrupted_bytes(monkeypatch):
+    layout = ModelLayout.preset("q2", scale=4096)
+    b = bench.Bench(layout, backend="host", budget_bytes=layout.total_bytes // 10)
+    try:
+        b.expected[5, 7] ^= np.uint64(1)  # as if expert (5, 7) had been served wrong
+        w = bench.Workload("t", [Call(DECODE, 5, (7, 8))], 1, 0)
+        r = b.run_variant("lru", w)
+        assert r.checksum_errors == 1
+    finally:
+        b.close()
+
+
+def test_prefill_bytes_are_not_charged_to_decode():
+    layout = ModelLayout.preset("q2", scale=4096)
+    report = bench.run(layout, "turns", variants=["oppclass"], traces=["podA_b_json_full"],
+                       budget_bytes=layout.total_bytes // 10, backend="host")
+    r = report.results[0]
+    assert 0 < r.decode_bytes_h2d < r.bytes_h2d
+    assert r.link_bound_tokens_per_s == pytest.approx(
+        r.decode_tokens / (r.decode_bytes_h2d / report.link_bytes_per_s))
+
+
+@pytest.mark.parametrize("variant", ["lru", "oppclass", "nocache"])
+def test_no_layer_sync_serves_the_same_bytes_and_counts(variant):
+    """One wait per token instead of per layer: the same hits, misses and checksums, and a
+    corrupted expectation is still caught."""
+    layout = ModelLayout.preset("mixed", scale=4096)
+    w = bench.build_workload("decode", ["podA_b_json_full"])
+    results = {}
+    for sync in (True, False):
+        b = bench.Bench(layout, backend="host", budget_bytes=layout.total_bytes // 10, layer_sync=sync)
+        try:
+            results[sync] = b.run_variant(variant, w)
+            b.expected[5, int(w.calls[2].ids[0])] ^= np.uint64(1)  # layer 5 of the first token, its first expert
+            bad = b.run_variant(variant, w)
+        finally:
+            b.close()
+        assert results[sync].checksum_errors == 0
+        assert bad.checksum_errors >= 1
+    a, b_ = results[True], results[False]
+    assert (a.hits, a.misses, a.experts_checked, a.decode_bytes_h2d, a.decode_calls) == (
+        b_.hits, b_.misses, b_.experts_checked, b_.decode_bytes_h2d, b_.decode_calls)
+    assert 0 < b_.decode_serve_seconds < b_.decode_seconds

@@ -1,0 +1,17 @@
+"""Bundled traces the simulator's tests replay (each loaded once per module)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyexpcache.traces import load_decode_trace
+
+
+@pytest.fixture(scope="module")
+def coffee():
+    return load_decode_trace("podA_a_coffee_full")
+
+
+@pytest.fixture(scope="module")
+def python_trace():
+    return load_decode_trace("podA_c_python_full")

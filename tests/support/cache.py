@@ -1,0 +1,43 @@
+"""The contract suite's axes and checks, shared by tests/conftest.py's fixtures and the test
+modules: every cache test runs against each available backend (host always; CUDA when a device
+is present) and each eviction policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyexpcache import _cuda
+from pyexpcache._lib import library_path
+
+SCALE = 4096  # DeepSeek V4 Flash sizes / 4096: q2 experts 1,728 B, q4 3,456 B
+
+#: The library's eviction policies. Every contract test runs against each; a test whose
+#: assertions depend on one policy's victim order pins it with
+#: ``@pytest.mark.parametrize("policy", ["lru"])`` and says why.
+POLICIES = ["lru", "oppclass"]
+
+
+def cuda_available() -> tuple[bool, str]:
+    if library_path.name == "libexpcache_host.so":
+        return False, f"{library_path} is the host-only build"
+    if _cuda.device_count() == 0:
+        return False, "no CUDA device (or cuda-python missing)"
+    return True, ""
+
+
+CUDA_OK, CUDA_REASON = cuda_available()
+BACKENDS = [
+    "host",
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)),
+]
+
+
+def assert_served(cache, source, layer, ids, ptrs):
+    """Every served pointer holds exactly the source bytes (read back from the device)."""
+    spec = cache.layout[layer]
+    for e, row in zip(ids, ptrs):
+        for part, (addr, nbytes) in enumerate(zip(row, spec.class_key)):
+            got = cache.read_device(int(addr), nbytes)
+            want = source.part(layer, int(e), part)
+            assert (got == want).all(), f"layer {layer} expert {e} part {part} differs from the source"
+

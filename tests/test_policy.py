@@ -1,0 +1,63 @@
+"""The library's eviction policies (libexpcache/src/policy/) against their twins in the offline
+simulator (pyexpcache/sim/): replaying the same workload, the library's counters equal the
+simulator's count for count, per class and path, for every policy and backend. This is what keeps
+a policy and its simulator honest (docs/architecture.md, "Where to add")."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyexpcache import ModelLayout
+from pyexpcache import bench
+from pyexpcache.sim import DECODE, simulate_lru
+
+from support.cache import SCALE
+
+
+def _replay_and_simulate(cache, layout, workload, policy):
+    """Replay a workload through the cache, then the same calls through the offline simulator of
+    `policy` at the cache's runtime caps."""
+    from pyexpcache.sim import simulate_policy
+
+    for call in workload.calls:
+        if call.kind == DECODE:
+            cache.select(call.layer, call.ids)
+        else:
+            cache.prepare_batch(call.layer, call.ids).finish()
+    layer_class = [cache.layer_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
+    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
+    if policy == "lru":
+        return simulate_lru(workload.calls, caps, layer_class), caps, layer_class
+    return (simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers),
+            caps, layer_class)
+
+
+@pytest.mark.parametrize("quant,budget_fraction,first", [("mixed", 0.05, 0), ("mixed", 0.15, 3), ("q2", 0.10, 0),
+                                                         ("q2", 0.05, 3)])
+def test_simulator_equals_library_counters(backend, make_cache, policy, quant, budget_fraction, first):
+    """The library and the offline simulator of the same policy agree count for count, with the
+    layers 0-2 that the decode traces never route registered or not."""
+    full = ModelLayout.preset(quant, scale=SCALE)
+    layout = ModelLayout(tuple(s if i >= first else None for i, s in enumerate(full.layers)), name="registered")
+    cache, _ = make_cache(layout, budget_bytes=int(layout.total_bytes * budget_fraction), policy=policy)
+    w = bench.build_workload("decode", ["podA_c_python_full", "podA_b_json_full"])
+    sim, caps, layer_class = _replay_and_simulate(cache, layout, w, policy)
+    for c in cache.stats().classes:
+        d = c.paths["decode"]
+        i = c.info.index
+        assert (d.hits, d.misses, d.evictions, d.direct_loads) == (
+            sim.hits[i], sim.misses[i], sim.evictions[i], sim.direct[i])
+    assert cache.stats().hit_rate == sim.hit_rate
+    if policy == "oppclass":  # and it earns its keep on these traces
+        assert sim.hit_rate > simulate_lru(w.calls, caps, layer_class).hit_rate
+
+
+def test_simulator_equals_library_with_prefill_batches(make_cache, policy):
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 8, policy=policy)
+    w = bench.build_workload("prefill", ["podA_b_json_full"])
+    sim, _, _ = _replay_and_simulate(cache, layout, w, policy)
+    st = cache.stats()
+    assert st.total.hits == sim.hits.sum() and st.total.misses == sim.misses.sum()
+    assert st.path("batch").appends == sim.appends.sum()
+    assert st.path("decode").evictions == sim.evictions.sum()

@@ -1,0 +1,12 @@
+"""The bundled trace the trace tests read most (loaded once per module)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyexpcache.traces import load_decode_trace
+
+
+@pytest.fixture(scope="module")
+def coffee():
+    return load_decode_trace("podA_a_coffee_full")
