@@ -80,18 +80,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from pyexpcache._lib import MAX_BATCHES, MAX_SELECT, PATH_NAMES as PATHS, STAT_FIELDS  # the ABI's, not the model's
 from pyexpcache.sim import Ctx, OppClassLRU
 
 ALIGN = 256
-PATHS = ("decode", "compact", "batch", "control")
-STAT_FIELDS = (
-    "calls", "hits", "misses", "evictions", "appends", "direct_loads", "bytes_h2d", "bytes_d2d",
-    "releases", "alloc_retries", "cap_notices", "class_reuses",
-)
-MAX_SELECT = 1024
 MAX_COMPACT = 1 << 20
 MAX_BATCH_IDS = 1 << 26
-MAX_BATCHES = 64
 GIB = 1 << 30
 
 # Default config values (expcache_config_init).
