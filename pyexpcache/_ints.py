@@ -41,8 +41,3 @@ def u64(value, name: str) -> int:
     if type(value) is int and 0 <= value <= U64_MAX:
         return value
     return checked_int(value, name, 0, U64_MAX)
-
-
-def i32(value, name: str) -> int:
-    """An int32_t argument."""
-    return checked_int(value, name, I32_MIN, I32_MAX)

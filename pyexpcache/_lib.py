@@ -29,7 +29,7 @@ from ._errors import (  # noqa: F401 (re-exported: the status codes, defined onc
     OK,
     error_for,
 )
-from ._ints import checked_int
+from ._ints import I32_MAX, I32_MIN, U32_MAX, U64_MAX, checked_int
 
 # Constants of expcache.h (the status codes: ``OK``, ``ERR_*`` above).
 BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
@@ -146,7 +146,8 @@ class StagingStats(ctypes.Structure):
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
 CachePtr = c_void_p
 
-_RANGES = {c_uint32: (0, (1 << 32) - 1), c_int32: (-(1 << 31), (1 << 31) - 1), c_uint64: (0, (1 << 64) - 1)}
+# The range of each C field type (c_void_p: addresses, as uint64).
+_RANGES = {c_uint32: (0, U32_MAX), c_int32: (I32_MIN, I32_MAX), c_uint64: (0, U64_MAX), c_void_p: (0, U64_MAX)}
 
 
 def set_fields(struct: ctypes.Structure, **values) -> None:
@@ -154,11 +155,7 @@ def set_fields(struct: ctypes.Structure, **values) -> None:
     (ValueError/OverflowError naming the field, never a silent wrap)."""
     types = dict(struct._fields_)
     for name, value in values.items():
-        ctype = types[name]
-        if ctype is c_void_p:
-            lo, hi = _RANGES[c_uint64]
-        else:
-            lo, hi = _RANGES[ctype]
+        lo, hi = _RANGES[types[name]]
         setattr(struct, name, checked_int(value, name, lo, hi))
 
 
