@@ -13,7 +13,8 @@ COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexp
 CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/config.cpp \
             libexpcache/src/device_arena.cpp libexpcache/src/cache.cpp libexpcache/src/classes.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
-            libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/inspect.cpp \
+            libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_prefetch.cpp \
+            libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp \
             libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp \
             libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
             libexpcache/src/backend/source_file.cpp

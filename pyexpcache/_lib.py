@@ -44,8 +44,8 @@ MAX_BATCHES = 64
 # Constants of expcache_testing.h.
 CHECKSUM_RESULTS = 65536
 (STRUCT_CONFIG, STRUCT_LAYER_DESC, STRUCT_EXPERT_PTRS, STRUCT_COMPACT, STRUCT_CLASS_INFO, STRUCT_STATS,
- STRUCT_STAGING_STATS) = range(7)
-STRUCT_COUNT = 7
+ STRUCT_STAGING_STATS, STRUCT_PREFETCH_STATS) = range(8)
+STRUCT_COUNT = 8
 
 
 class Config(ctypes.Structure):
@@ -66,6 +66,8 @@ class Config(ctypes.Structure):
         ("staging_bytes", c_uint64),
         ("staging_chunk_bytes", c_uint64),
         ("file_reads", c_uint32),
+        ("prefetch_max_per_layer", c_uint32),
+        ("prefetch_piece_bytes", c_uint64),
     ]
 
 
@@ -143,6 +145,16 @@ class StagingStats(ctypes.Structure):
     _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in STAGING_FIELDS]
 
 
+PREFETCH_FIELDS = (
+    "calls", "issued", "used", "wasted", "cancelled", "skipped", "dropped", "bytes_issued", "bytes_used",
+    "bytes_wasted", "bytes_cancelled", "bytes_sent", "pieces", "hints", "hint_refreshes",
+)
+
+
+class PrefetchStats(ctypes.Structure):
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in PREFETCH_FIELDS]
+
+
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
 CachePtr = c_void_p
 
@@ -193,6 +205,17 @@ _FUNCTIONS = [
     # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
     #                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
     ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
+    # expcache_status_t expcache_select_split_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
+    #     uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs, uint8_t* out_resident, void** out_ready);
+    ("expcache_select_split_async",
+     [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p, c_void_p, POINTER(c_void_p)], c_int32),
+    # expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream);
+    ("expcache_ready_wait_async", [CachePtr, c_void_p, c_void_p], c_int32),
+    # expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
+    #                                           uint32_t n, void* stream, uint32_t* out_queued);
+    ("expcache_prefetch_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n);
+    ("expcache_hint", [CachePtr, c_uint32, c_void_p, c_uint32], c_int32),
     # expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
     #                                               void* stream, expcache_compact_t* out);
     ("expcache_compact_load_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(Compact)], c_int32),
@@ -219,6 +242,8 @@ _FUNCTIONS = [
     ("expcache_stats_get", [CachePtr, c_uint32, c_uint32, POINTER(Stats)], c_int32),
     # expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out);
     ("expcache_staging_stats_get", [CachePtr, POINTER(StagingStats)], c_int32),
+    # expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_prefetch_stats_t* out);
+    ("expcache_prefetch_stats_get", [CachePtr, POINTER(PrefetchStats)], c_int32),
     # expcache_status_t expcache_stats_reset(expcache_t* cache);
     ("expcache_stats_reset", [CachePtr], c_int32),
     # expcache_status_t expcache_log_set_callback(expcache_t* cache, expcache_log_fn fn, void* user);
@@ -249,6 +274,10 @@ _FUNCTIONS = [
     ("expcache_testing_inject_copy_failures", [CachePtr, c_uint64, c_uint64], c_int32),
     # expcache_status_t expcache_testing_inject_staging_failures(expcache_t* cache, uint64_t skip, uint64_t count);
     ("expcache_testing_inject_staging_failures", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache, uint32_t paused);
+    ("expcache_testing_prefetch_pause", [CachePtr, c_uint32], c_int32),
+    # expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache);
+    ("expcache_testing_prefetch_drain", [CachePtr], c_int32),
     # expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
     ("expcache_testing_device_bytes_in_use", [CachePtr, POINTER(c_uint64)], c_int32),
     # uint32_t expcache_testing_struct_size(uint32_t which);
@@ -274,6 +303,7 @@ STRUCT_MIRRORS = {
     STRUCT_CLASS_INFO: ClassInfo,
     STRUCT_STATS: Stats,
     STRUCT_STAGING_STATS: StagingStats,
+    STRUCT_PREFETCH_STATS: PrefetchStats,
 }
 assert sorted(STRUCT_MIRRORS) == list(range(STRUCT_COUNT))
 

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -20,6 +20,8 @@ from ._errors import CacheClosedError, ExpcacheWarning
 from ._ints import u32, u64
 from .layout import ModelLayout
 from .source import Source
+from .selection import Selection
+from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats
 
 logger = logging.getLogger("pyexpcache")
 
@@ -70,169 +72,10 @@ class _Scratch(threading.local):
     def __init__(self):
         self.ids = np.empty(_lib.MAX_SELECT, dtype=np.uint32)
         self.out = np.empty((_lib.MAX_SELECT, 3), dtype=np.uint64)
+        self.resident = np.empty(_lib.MAX_SELECT, dtype=np.uint8)
         self.ids_address = self.ids.ctypes.data
         self.out_address = self.out.ctypes.data
-
-
-@dataclass
-class PathStats:
-    """Counters of one (class, path); see expcache_stats_t. Experts are counted once per call."""
-
-    calls: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    appends: int = 0
-    direct_loads: int = 0
-    bytes_h2d: int = 0
-    bytes_d2d: int = 0
-    releases: int = 0
-    alloc_retries: int = 0
-    cap_notices: int = 0
-    class_reuses: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """hits / (hits + misses); 0.0 when nothing was asked."""
-        asked = self.hits + self.misses
-        return self.hits / asked if asked else 0.0
-
-    def __add__(self, other: "PathStats") -> "PathStats":
-        return PathStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
-
-
-@dataclass
-class ClassInfo:
-    """One size class: its key, budget, cap and occupancy (see expcache_class_info_t)."""
-
-    index: int
-    gate_bytes: int
-    up_bytes: int
-    down_bytes: int
-    slot_bytes: int
-    target_experts: int
-    cap_experts: int
-    allocated_experts: int
-    resident_experts: int
-    held_experts: int
-    num_layers: int
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.gate_bytes, self.up_bytes, self.down_bytes)
-
-
-@dataclass
-class ClassStats:
-    """A class and its counters per path ("decode", "compact", "batch", "control")."""
-
-    info: ClassInfo
-    paths: dict[str, PathStats] = field(default_factory=dict)
-
-    @property
-    def total(self) -> PathStats:
-        out = PathStats()
-        for p in self.paths.values():
-            out = out + p
-        return out
-
-    @property
-    def hit_rate(self) -> float:
-        return self.total.hit_rate
-
-
-@dataclass
-class CacheStats:
-    """Counters of every class in use."""
-
-    classes: list[ClassStats]
-
-    def path(self, name: str) -> PathStats:
-        """One path summed over classes."""
-        out = PathStats()
-        for c in self.classes:
-            out = out + c.paths[name]
-        return out
-
-    @property
-    def total(self) -> PathStats:
-        out = PathStats()
-        for c in self.classes:
-            out = out + c.total
-        return out
-
-    @property
-    def hit_rate(self) -> float:
-        return self.total.hit_rate
-
-
-@dataclass
-class StagingStats:
-    """Counters of the staging ring (pageable and file sources): see expcache_staging_stats_t.
-    Times in nanoseconds; the per-call and per-piece figures are derived from them."""
-
-    calls: int = 0
-    pieces: int = 0
-    bytes: int = 0
-    caller_fills: int = 0
-    fill_ns: int = 0
-    chunk_waits: int = 0
-    chunk_wait_ns: int = 0
-    wait_ns: int = 0
-    send_ns: int = 0
-    sends: int = 0
-    span_ns: int = 0
-    first_fill_ns: int = 0
-
-    @property
-    def pieces_per_call(self) -> float:
-        return self.pieces / self.calls if self.calls else 0.0
-
-    @property
-    def fill_us_per_piece(self) -> float:
-        """Filling time of one piece (a copy or pread), on whichever thread filled it."""
-        return self.fill_ns / self.pieces / 1e3 if self.pieces else 0.0
-
-    @property
-    def wait_us_per_call(self) -> float:
-        """Time the calling thread waited for workers' pieces, per call."""
-        return self.wait_ns / self.calls / 1e3 if self.calls else 0.0
-
-    @property
-    def span_us_per_call(self) -> float:
-        """From a call's first piece queued to its last piece sent."""
-        return self.span_ns / self.calls / 1e3 if self.calls else 0.0
-
-    @property
-    def first_fill_us_per_call(self) -> float:
-        """From a call's first piece queued to that piece filled: how long the link waits to start."""
-        return self.first_fill_ns / self.calls / 1e3 if self.calls else 0.0
-
-    @property
-    def threads_filling(self) -> float:
-        """Threads filling on average during a call's span (fill time over span)."""
-        return self.fill_ns / self.span_ns if self.span_ns else 0.0
-
-    @property
-    def pieces_per_send(self) -> float:
-        """Pieces handed to the link together (those found filled at once go as one transfer)."""
-        return self.pieces / self.sends if self.sends else 0.0
-
-    @property
-    def send_us_per_piece(self) -> float:
-        """Time the calling thread spent handing one piece to the link."""
-        return self.send_ns / self.pieces / 1e3 if self.pieces else 0.0
-
-    COLUMNS = ("pieces/call", "pieces/send", "span µs", "first piece µs", "caller wait µs", "threads filling",
-               "fill µs/piece", "send µs/piece", "caller fills")
-
-    def columns(self) -> list[str]:
-        """The figures under :attr:`COLUMNS`, as text: how `expcache transfer --detail` and the
-        staging sweep show where staged calls spend their time (µs are per call unless per piece)."""
-        return [f"{self.pieces_per_call:.1f}", f"{self.pieces_per_send:.1f}", f"{self.span_us_per_call:.1f}",
-                f"{self.first_fill_us_per_call:.1f}", f"{self.wait_us_per_call:.1f}", f"{self.threads_filling:.1f}",
-                f"{self.fill_us_per_piece:.1f}", f"{self.send_us_per_piece:.2f}",
-                f"{100 * self.caller_fills / self.pieces:.0f} %" if self.pieces else "—"]
+        self.resident_address = self.resident.ctypes.data
 
 
 @dataclass
@@ -331,6 +174,10 @@ class ExpertCache:
         policy: eviction policy of every class: ``"oppclass"`` (default: OppClassLRU, decayed use
             count classes with age in missed opportunities of the expert's layer; more hits than
             LRU, most at small budgets: docs/policy.md) or ``"lru"``.
+        prefetch_max_per_layer: most experts of one layer prefetched and not yet used at once
+            (default 8; 0 turns :meth:`prefetch` off).
+        prefetch_piece_bytes: largest piece a prefetch moves at a time, the most a demand miss
+            waits behind one (default 256 KiB; a multiple of 4096 in 4 KiB..64 MiB).
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
 
@@ -347,7 +194,8 @@ class ExpertCache:
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
                  copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
-                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: str = "oppclass"):
+                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: str = "oppclass",
+                 prefetch_max_per_layer: Optional[int] = None, prefetch_piece_bytes: Optional[int] = None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if policy not in _lib.POLICIES:
@@ -367,7 +215,8 @@ class ExpertCache:
             ("budget_experts", budget_experts), ("budget_bytes", budget_bytes), ("reserve_bytes", reserve_bytes),
             ("device_capacity_bytes", device_capacity_bytes), ("slab_bytes", slab_bytes), ("log_level", log_level),
             ("copy_threads", copy_threads), ("staging_bytes", staging_bytes),
-            ("staging_chunk_bytes", staging_chunk_bytes)) if value is not None)
+            ("staging_chunk_bytes", staging_chunk_bytes), ("prefetch_max_per_layer", prefetch_max_per_layer),
+            ("prefetch_piece_bytes", prefetch_piece_bytes)) if value is not None)
         _lib.set_fields(cfg, backend=_BACKENDS[backend], policy=_lib.POLICIES[policy],
                         file_reads=_lib.FILE_READS[file_reads], **given)
         self.layout = layout
@@ -376,6 +225,7 @@ class ExpertCache:
         self.policy = policy
         self._scratch = _Scratch()
         self._select_fn = lib.expcache_select_async
+        self._split_fn = lib.expcache_select_split_async
         self._warned: set[str] = set()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
         self._log_fn = _lib.LOG_FN(self._on_log)
@@ -526,6 +376,55 @@ class ExpertCache:
             self._select_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address)
         return scratch.out[:k].copy()
 
+    def select_split(self, layer: int, expert_ids, stream=None) -> "Selection":
+        """Hits before misses: :meth:`select`, except that the misses are copied on the cache's own
+        copy stream. Returns a :class:`~pyexpcache.selection.Selection`: ``pointers`` ([k, 3]
+        addresses), ``resident`` (a bool per id: usable on ``stream`` at once) and
+        :meth:`~pyexpcache.selection.Selection.wait`, which makes a stream wait for the misses'
+        bytes (a no-op on the host backend and when every id was a hit). Launch the hits' work,
+        then ``wait(stream)``, then the misses'. Validity as :meth:`select`'s."""
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF:
+            layer = u32(layer, "layer")
+        ids = self._as_ids(expert_ids, "expert_ids")
+        k = ids.size
+        if k > _lib.MAX_SELECT:
+            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        s = stream_handle(stream)
+        scratch = self._scratch
+        scratch.ids[:k] = ids
+        ready = ctypes.c_void_p()
+        with self._gate:
+            self._split_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address,
+                           scratch.resident_address, ctypes.byref(ready))
+        return Selection(self, layer, scratch.out[:k].copy(), scratch.resident[:k].astype(bool), ready.value or 0, s)
+
+    def wait_ready(self, ready: int, stream=None) -> None:
+        """Make ``stream`` wait for ``ready`` (a :class:`Selection`'s ``ready`` event; 0 returns)."""
+        self._call("expcache_ready_wait_async", u64(ready, "ready") or None, stream_handle(stream))
+
+    def prefetch(self, layer: int, expert_ids, stream=None) -> int:
+        """Copy ``expert_ids`` of ``layer``, expected soon, into the cache over the link's idle time;
+        returns at once with the number queued. List them most likely first. Pieces of at most
+        ``prefetch_piece_bytes`` move one at a time from a thread of the cache's; the next select
+        (or any serving call) cancels what is still queued, so a demand miss waits for at most one
+        piece. Never evicts an expert the current or previous serving call used or a batch holds;
+        at most ``prefetch_max_per_layer`` of a layer prefetched and unused at once. ``stream``:
+        the engine's compute stream (the first prefetch waits for its work so far). Counted in
+        :meth:`prefetch_stats`."""
+        layer = u32(layer, "layer")
+        ids = self._as_ids(expert_ids, "expert_ids")
+        queued = ctypes.c_uint32()
+        self._call("expcache_prefetch_async", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"),
+                   stream_handle(stream), ctypes.byref(queued))
+        return queued.value
+
+    def hint(self, layer: int, expert_ids) -> None:
+        """Tell the policy that ``expert_ids`` of ``layer`` are expected soon: those resident are
+        refreshed as hits would be; nothing is copied. Counted in :meth:`prefetch_stats`."""
+        layer = u32(layer, "layer")
+        ids = self._as_ids(expert_ids, "expert_ids")
+        self._call("expcache_hint", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"))
+
     def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
         """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to
         device, misses host to device). Asynchronous on ``stream``."""
@@ -648,8 +547,16 @@ class ExpertCache:
         self._call("expcache_staging_stats_get", ctypes.byref(st))
         return StagingStats(**{n: getattr(st, n) for n in _lib.STAGING_FIELDS})
 
+    def prefetch_stats(self) -> PrefetchStats:
+        """Counters of :meth:`prefetch` and :meth:`hint`: issued, used, wasted, cancelled (and their
+        bytes), skipped, dropped, bytes sent, hints and refreshes."""
+        st = _lib.PrefetchStats()
+        st.struct_size = ctypes.sizeof(st)
+        self._call("expcache_prefetch_stats_get", ctypes.byref(st))
+        return PrefetchStats(**{n: getattr(st, n) for n in _lib.PREFETCH_FIELDS})
+
     def reset_stats(self) -> None:
-        """Zero every counter, the staging ring's too."""
+        """Zero every counter, the staging ring's and prefetch's too."""
         self._call("expcache_stats_reset")
 
     @property
@@ -672,3 +579,12 @@ class ExpertCache:
         """Fault injection: let ``n`` staged pieces (pageable and file uploads) be filled, then
         fail the next ``count`` on the staging threads (CudaError from the call that staged them)."""
         self._call("expcache_testing_inject_staging_failures", u64(n, "n"), u64(count, "count"))
+
+    def pause_prefetch(self, paused: bool = True) -> None:
+        """Testing: while paused the prefetch thread sends nothing, so queued prefetches stay queued
+        until the next serving call cancels them."""
+        self._call("expcache_testing_prefetch_pause", 1 if paused else 0)
+
+    def drain_prefetch(self) -> None:
+        """Testing: wait until every queued prefetch has been sent and has landed (not while paused)."""
+        self._call("expcache_testing_prefetch_drain")

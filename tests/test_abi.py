@@ -32,13 +32,15 @@ EXPORTS = {
     "expcache_batch_prepare_async", "expcache_batch_finish", "expcache_release_all", "expcache_synchronize",
     "expcache_class_count_get", "expcache_class_info_get", "expcache_layer_bind_class", "expcache_stats_get",
     "expcache_staging_stats_get", "expcache_stats_reset", "expcache_log_set_callback", "expcache_log_set_level",
+    "expcache_select_split_async", "expcache_ready_wait_async", "expcache_prefetch_async", "expcache_hint",
+    "expcache_prefetch_stats_get",
 }
 TESTING_EXPORTS = {
     "expcache_testing_read_resident", "expcache_testing_read_device", "expcache_testing_checksum",
     "expcache_testing_checksum_async", "expcache_testing_checksum_results",
     "expcache_testing_inject_alloc_failures", "expcache_testing_inject_copy_failures",
     "expcache_testing_inject_staging_failures", "expcache_testing_device_bytes_in_use",
-    "expcache_testing_struct_size",
+    "expcache_testing_struct_size", "expcache_testing_prefetch_pause", "expcache_testing_prefetch_drain",
 }
 
 
@@ -47,7 +49,7 @@ def test_struct_sizes_match_library():
         _lib.STRUCT_CONFIG: _lib.Config, _lib.STRUCT_LAYER_DESC: _lib.LayerDesc,
         _lib.STRUCT_EXPERT_PTRS: _lib.ExpertPtrs, _lib.STRUCT_COMPACT: _lib.Compact,
         _lib.STRUCT_CLASS_INFO: _lib.ClassInfo, _lib.STRUCT_STATS: _lib.Stats,
-        _lib.STRUCT_STAGING_STATS: _lib.StagingStats,
+        _lib.STRUCT_STAGING_STATS: _lib.StagingStats, _lib.STRUCT_PREFETCH_STATS: _lib.PrefetchStats,
     }
     assert sorted(mirrors) == list(range(_lib.STRUCT_COUNT))
     for which, mirror in mirrors.items():
@@ -191,6 +193,16 @@ def _staging(size=None):
     return s
 
 
+def _prefetch_stats(size=None):
+    s = _lib.PrefetchStats()
+    s.struct_size = ctypes.sizeof(s) if size is None else size
+    return s
+
+
+RESIDENT = (ctypes.c_uint8 * 1024)()
+READY = ctypes.c_void_p()
+
+
 def _info():
     i = _lib.ClassInfo()
     i.struct_size = ctypes.sizeof(i)
@@ -313,6 +325,37 @@ CASES = [
     ("log_set_level bad", "expcache_log_set_level", lambda h: (h, 5), INVALID, "log level"),
     ("testing_device_bytes_in_use NULL", "expcache_testing_device_bytes_in_use",
      lambda h: (h, None), INVALID, "out_bytes is NULL"),
+    ("select_split NULL ids", "expcache_select_split_async",
+     lambda h: (h, 0, None, 1, None, PTRS, RESIDENT, byref(READY)), INVALID, "ids is NULL"),
+    ("select_split NULL out_resident", "expcache_select_split_async",
+     lambda h: (h, 0, IDS, 1, None, PTRS, None, byref(READY)), INVALID, "out_resident is NULL"),
+    ("select_split NULL out_ready", "expcache_select_split_async",
+     lambda h: (h, 0, IDS, 1, None, PTRS, RESIDENT, None), INVALID, "out_ready is NULL"),
+    ("select_split k 0", "expcache_select_split_async",
+     lambda h: (h, 0, IDS, 0, None, PTRS, RESIDENT, byref(READY)), INVALID, "k must be"),
+    ("select_split expert out of range", "expcache_select_split_async",
+     lambda h: (h, 0, BAD_IDS, 2, None, PTRS, RESIDENT, byref(READY)), INVALID, "expert id 999"),
+    ("ready_wait foreign event", "expcache_ready_wait_async", lambda h: (h, 12345, None), INVALID,
+     "not an event of this cache"),
+    ("prefetch NULL ids", "expcache_prefetch_async", lambda h: (h, 0, None, 1, None, None), INVALID, "ids is NULL"),
+    ("prefetch n too large", "expcache_prefetch_async", lambda h: (h, 0, IDS, 5000, None, None), INVALID,
+     "n must be"),
+    ("prefetch layer out of range", "expcache_prefetch_async", lambda h: (h, 99, IDS, 1, None, None), INVALID,
+     "layer 99"),
+    ("prefetch expert out of range", "expcache_prefetch_async", lambda h: (h, 0, BAD_IDS, 2, None, None), INVALID,
+     "expert id 999"),
+    ("hint NULL ids", "expcache_hint", lambda h: (h, 0, None, 1), INVALID, "ids is NULL"),
+    ("hint n 0", "expcache_hint", lambda h: (h, 0, IDS, 0), INVALID, "n must be"),
+    ("hint expert out of range", "expcache_hint", lambda h: (h, 0, BAD_IDS, 2), INVALID, "expert id 999"),
+    ("prefetch_stats_get NULL", "expcache_prefetch_stats_get", lambda h: (h, None), INVALID, "out is NULL"),
+    ("prefetch_stats_get wrong size", "expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats(8))),
+     INVALID, "struct_size is 8"),
+    ("testing_prefetch_pause bad flag", "expcache_testing_prefetch_pause", lambda h: (h, 2), INVALID,
+     "paused must be 0 or 1"),
+    ("create bad prefetch limit", "expcache_create",
+     lambda h: (byref(_cfg(prefetch_max_per_layer=5000)), byref(_lib.CachePtr())), INVALID, "prefetch_max_per_layer"),
+    ("create unaligned prefetch piece", "expcache_create",
+     lambda h: (byref(_cfg(prefetch_piece_bytes=5000)), byref(_lib.CachePtr())), INVALID, "prefetch_piece_bytes"),
 ]
 
 # layer_register's descriptor checks, on a fresh layer index of a 2-layer cache.
@@ -358,6 +401,13 @@ HANDLE_CALLS = [
     ("expcache_testing_inject_copy_failures", lambda h: (h, 0, 0)),
     ("expcache_testing_inject_staging_failures", lambda h: (h, 0, 0)),
     ("expcache_testing_device_bytes_in_use", lambda h: (h, byref(OUT_U64))),
+    ("expcache_select_split_async", lambda h: (h, 0, IDS, 1, None, PTRS, RESIDENT, byref(READY))),
+    ("expcache_ready_wait_async", lambda h: (h, None, None)),
+    ("expcache_prefetch_async", lambda h: (h, 0, IDS, 1, None, None)),
+    ("expcache_hint", lambda h: (h, 0, IDS, 1)),
+    ("expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats()))),
+    ("expcache_testing_prefetch_pause", lambda h: (h, 0)),
+    ("expcache_testing_prefetch_drain", lambda h: (h,)),
 ]
 
 # Exports that take no cache and cannot fail: checked by the tests above and below, not by a table.

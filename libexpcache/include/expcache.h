@@ -76,7 +76,7 @@ extern "C" {
 #endif
 
 #define EXPCACHE_VERSION_MAJOR 0
-#define EXPCACHE_VERSION_MINOR 1
+#define EXPCACHE_VERSION_MINOR 2
 #define EXPCACHE_VERSION_PATCH 0
 
 /* ---------------------------------------------------------------------- */
@@ -198,6 +198,12 @@ typedef struct expcache_config_t {
                                     64 KiB..64 MiB, a multiple of 4096 (a ring smaller than 2 chunks uses
                                     smaller ones) */
     uint32_t file_reads;       /**< EXPCACHE_FILE_READS_*; default BUFFERED */
+    uint32_t prefetch_max_per_layer; /**< most experts of one layer prefetched and not yet used at once
+                                    (expcache_prefetch_async); default 8; 0 turns prefetch off (every id
+                                    is counted as dropped); at most EXPCACHE_MAX_SELECT */
+    uint64_t prefetch_piece_bytes; /**< largest piece a prefetch moves at a time: a demand miss waits for
+                                    at most one piece in flight; default 256 KiB; 4 KiB..64 MiB, a
+                                    multiple of 4096 */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -317,6 +323,64 @@ typedef struct expcache_expert_ptrs_t {
 EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer,
                                                      const uint32_t* ids, uint32_t k, void* stream,
                                                      expcache_expert_ptrs_t* out_ptrs);
+
+/**
+ * Hits before misses: expcache_select_async, except that the misses are copied on
+ * the cache's own copy stream, so the hits can be used at once. out_resident[i] is 1
+ * when ids[i] was resident when the call began: its addresses are valid for work
+ * enqueued on `stream` from now on, exactly as expcache_select_async's. The others'
+ * bytes land on the copy stream; *out_ready is an event (a cudaEvent_t) recorded
+ * behind them, which work on `stream` must wait for (cudaStreamWaitEvent, or
+ * expcache_ready_wait_async) before it reads them. *out_ready is NULL when
+ * nothing needs waiting for: no misses, or the host backend (whose copies finish
+ * before the call returns). The event belongs to the cache and is recorded again
+ * by the next call of this function; a wait enqueued before that stays valid.
+ * The copy stream waits for the work enqueued on `stream` before this call, so no
+ * slot a kernel may still read is overwritten; later calls on any stream wait for
+ * the copy stream, so a caller that never waits for *out_ready still never reads
+ * a torn slot after its next call. Status: as expcache_select_async.
+ */
+EXPCACHE_API expcache_status_t expcache_select_split_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
+                                                           uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs,
+                                                           uint8_t* out_resident, void** out_ready);
+
+/**
+ * Make `stream` wait (on the device) for `ready`, an event from
+ * expcache_select_split_async; NULL returns at once (the host backend always
+ * gives NULL). Status: INVALID_ARGUMENT (ready is not this cache's event), CUDA.
+ */
+EXPCACHE_API expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream);
+
+/**
+ * Prefetch: copy experts ids[0..n) of `layer`, expected to be selected soon, into
+ * the cache using the link's idle time. Returns at once; the bytes move on the
+ * cache's copy stream in pieces of at most config.prefetch_piece_bytes, one piece
+ * in flight at a time, from a thread of the cache's. Every serving call (select,
+ * compact load, batch) first cancels what is still queued, so a demand miss never
+ * waits for more than the one piece in flight. Ids earlier in the list are sent
+ * first (list them most likely first). An id already resident or on its way is
+ * skipped; at most config.prefetch_max_per_layer experts of a layer are
+ * prefetched and unused at once, and a prefetch only takes a free slot, grows the
+ * class within its cap, or evicts an expert that neither the current nor the
+ * previous serving call used and that no batch holds (never one of this call's).
+ * Prefetched experts enter the policy as the first to go until a select uses
+ * them. Bytes land after the work enqueued on `stream` before the previous serving
+ * call (before the first serving call: on `stream` so far), so kernels still reading
+ * older experts are never overwritten. *out_queued (may be NULL): experts queued.
+ * Counted in expcache_prefetch_stats_get. Status: INVALID_ARGUMENT, INVALID_STATE
+ * (layer not registered), OUT_OF_DEVICE_MEMORY, CUDA (also a failure of an earlier
+ * prefetch piece, reported once), POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
+                                                       uint32_t n, void* stream, uint32_t* out_queued);
+
+/**
+ * Hint: experts ids[0..n) of `layer` are expected to be selected soon. Those
+ * resident are refreshed in the policy as a select's hits would be (no copy, no
+ * counters of the decode path); the rest are ignored. Counted in
+ * expcache_prefetch_stats_get. Status: INVALID_ARGUMENT, INVALID_STATE.
+ */
+EXPCACHE_API expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n);
 
 /** A compact buffer: all gate parts, then all up parts, then all down parts. */
 typedef struct expcache_compact_t {
@@ -502,7 +566,29 @@ typedef struct expcache_staging_stats_t {
  */
 EXPCACHE_API expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out);
 
-/** Zero every counter (every class and path, the staging ring's too). Status: INVALID_ARGUMENT. */
+/** Counters of prefetches and hints, over the whole cache. Experts are counted once per call. */
+typedef struct expcache_prefetch_stats_t {
+    uint32_t struct_size;      /**< sizeof(expcache_prefetch_stats_t); set by the caller */
+    uint32_t reserved;
+    uint64_t calls;            /**< expcache_prefetch_async calls */
+    uint64_t issued;           /**< experts queued (each took a slot) */
+    uint64_t used;             /**< prefetched experts a later serving call found resident (first use) */
+    uint64_t wasted;           /**< prefetched experts evicted or released before any use */
+    uint64_t cancelled;        /**< prefetches dropped before all their bytes were sent (a serving call
+                                    pre-empted them, or a piece failed); their slots were freed */
+    uint64_t skipped;          /**< ids already resident or on their way */
+    uint64_t dropped;          /**< ids not prefetched: the layer's limit reached, or no slot may be taken */
+    uint64_t bytes_issued, bytes_used, bytes_wasted, bytes_cancelled; /**< the experts' bytes of each */
+    uint64_t bytes_sent;       /**< bytes the prefetch pieces moved over the link */
+    uint64_t pieces;           /**< pieces sent */
+    uint64_t hints;            /**< ids given to expcache_hint (once per call) */
+    uint64_t hint_refreshes;   /**< hinted ids found resident and refreshed */
+} expcache_prefetch_stats_t;
+
+/** Copy the prefetch and hint counters to *out (struct_size set by the caller). Status: INVALID_ARGUMENT. */
+EXPCACHE_API expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_prefetch_stats_t* out);
+
+/** Zero every counter (every class and path, the staging ring's and prefetch's too). Status: INVALID_ARGUMENT. */
 EXPCACHE_API expcache_status_t expcache_stats_reset(expcache_t* cache);
 
 /* ---------------------------------------------------------------------- */

@@ -127,6 +127,21 @@ EXPCACHE_API expcache_status_t expcache_testing_inject_staging_failures(expcache
  */
 EXPCACHE_API expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
 
+/**
+ * Prefetch, both backends: while paused (1), the prefetch thread sends no
+ * piece, so what expcache_prefetch_async queued stays queued until a serving
+ * call cancels it or the pause ends (0): tests make cancellation certain.
+ * Status: INVALID_ARGUMENT.
+ */
+EXPCACHE_API expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache, uint32_t paused);
+
+/**
+ * Prefetch, both backends: wait until every queued prefetch piece has been
+ * sent and has landed (returns at once while paused, leaving them queued), so
+ * tests make completion certain. Status: INVALID_ARGUMENT, CUDA.
+ */
+EXPCACHE_API expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache);
+
 /* ---------------------------------------------------------------------- */
 /* Struct sizes, for bindings to check their mirrors                       */
 /* ---------------------------------------------------------------------- */
@@ -138,7 +153,8 @@ EXPCACHE_API expcache_status_t expcache_testing_device_bytes_in_use(const expcac
 #define EXPCACHE_STRUCT_CLASS_INFO 4    /**< expcache_class_info_t */
 #define EXPCACHE_STRUCT_STATS 5         /**< expcache_stats_t */
 #define EXPCACHE_STRUCT_STAGING_STATS 6 /**< expcache_staging_stats_t */
-#define EXPCACHE_STRUCT_COUNT 7         /**< the number of EXPCACHE_STRUCT_* values */
+#define EXPCACHE_STRUCT_PREFETCH_STATS 7 /**< expcache_prefetch_stats_t */
+#define EXPCACHE_STRUCT_COUNT 8         /**< the number of EXPCACHE_STRUCT_* values */
 
 /**
  * sizeof, in bytes, of the public struct `which` (EXPCACHE_STRUCT_*) as the

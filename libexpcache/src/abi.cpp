@@ -162,6 +162,43 @@ expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const
     });
 }
 
+expcache_status_t expcache_select_split_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
+                                              void* stream, expcache_expert_ptrs_t* out_ptrs, uint8_t* out_resident,
+                                              void** out_ready) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_ptrs, "out_ptrs is NULL");
+        EXPCACHE_REQUIRE(out_resident, "out_resident is NULL");
+        EXPCACHE_REQUIRE(out_ready, "out_ready is NULL");
+        return cache->impl->select_split(layer, ids, k, stream, out_ptrs, out_resident, out_ready);
+    });
+}
+
+expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->wait_ready(ready, stream);
+    });
+}
+
+expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
+                                          void* stream, uint32_t* out_queued) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        return cache->impl->prefetch(layer, ids, n, stream, out_queued);
+    });
+}
+
+expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        return cache->impl->hint(layer, ids, n);
+    });
+}
+
 expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
                                               void* stream, expcache_compact_t* out) {
     return guarded(__func__, [&] {
@@ -243,6 +280,14 @@ expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_s
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_TRY(check_struct(out, "out"));
         return cache->impl->get_staging_stats(out);
+    });
+}
+
+expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_prefetch_stats_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->get_prefetch_stats(out);
     });
 }
 
@@ -337,6 +382,21 @@ expcache_status_t expcache_testing_inject_staging_failures(expcache_t* cache, ui
     });
 }
 
+expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache, uint32_t paused) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(paused <= 1, "paused must be 0 or 1, got %u", paused);
+        return cache->impl->prefetch_pause(paused != 0);
+    });
+}
+
+expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->prefetch_drain();
+    });
+}
+
 expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
@@ -354,9 +414,10 @@ uint32_t expcache_testing_struct_size(uint32_t which) {
         case EXPCACHE_STRUCT_CLASS_INFO: return sizeof(expcache_class_info_t);
         case EXPCACHE_STRUCT_STATS: return sizeof(expcache_stats_t);
         case EXPCACHE_STRUCT_STAGING_STATS: return sizeof(expcache_staging_stats_t);
+        case EXPCACHE_STRUCT_PREFETCH_STATS: return sizeof(expcache_prefetch_stats_t);
         default: return 0;
     }
 }
-static_assert(EXPCACHE_STRUCT_COUNT == 7, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");
+static_assert(EXPCACHE_STRUCT_COUNT == 8, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");
 
 }  // extern "C"

@@ -48,6 +48,7 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
 // finishes it before any of the memory is freed.
 Cache::~Cache() {
     backend_->enter();
+    prefetcher_.reset();  // its thread may be sending into the slots
     backend_->sync_device();
     backend_->reclaim();
     arena_.free_all();

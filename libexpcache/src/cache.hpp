@@ -19,6 +19,7 @@
 #include "device_arena.hpp"
 #include "expcache.h"
 #include "policy/policy.hpp"
+#include "prefetcher.hpp"
 
 namespace expcache {
 
@@ -42,6 +43,7 @@ struct LayerState {
     uint32_t key_base = 0; // expert e's policy key is key_base + e
     int32_t cls = -1;      // bound class index, valid while classes_[cls].gen == cls_gen
     uint64_t cls_gen = 0;
+    uint32_t prefetched = 0;         // experts prefetched and not used yet (loading or landed)
     std::vector<int32_t> slot_of;    // per expert: slot index or -1
     std::vector<uint64_t> seen;      // per expert: last call that listed it (dedupe without clearing)
     std::vector<uint32_t> seen_pos;  // per expert: its index in that call's unique list
@@ -55,7 +57,16 @@ struct SlotState {
     int32_t layer = -1;  // -1: free
     uint32_t expert = 0;
     uint32_t holds = 0;       // unfinished batches using it
-    uint64_t last_call = 0;   // protects it from eviction during that call
+    uint64_t last_call = 0;   // protects it from eviction during that call (and from a prefetch's
+                              // during the next one)
+    uint8_t prefetch = 0;     // kPrefetch*: what a prefetch put here and nothing used yet
+};
+
+enum PrefetchState : uint8_t {
+    kPrefetchNone = 0,
+    kPrefetchLoading = 1,  // queued on the prefetch thread: never evicted, never served; every
+                           // serving call cancels it first
+    kPrefetchUnused = 2,   // every byte sent; the first use counts it as used, an eviction as wasted
 };
 
 struct ClassState {
@@ -108,6 +119,14 @@ public:
     expcache_status_t register_layer(uint32_t layer, const expcache_layer_desc_t& desc);
     expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                              expcache_expert_ptrs_t* out);
+    expcache_status_t select_split(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
+                                   expcache_expert_ptrs_t* out, uint8_t* out_resident, void** out_ready);
+    expcache_status_t wait_ready(void* ready, void* stream);
+    expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
+    expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
+    expcache_status_t get_prefetch_stats(expcache_prefetch_stats_t* out) const;
+    expcache_status_t prefetch_pause(bool paused);
+    expcache_status_t prefetch_drain();
     expcache_status_t load_compact(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream,
                                    expcache_compact_t* out);
     expcache_status_t batch_prepare(uint32_t layer, const uint32_t* ids, uint64_t n, void* stream,
@@ -186,6 +205,7 @@ private:
         const uint32_t path;
         const uint32_t layer_index;
         void* const stream;
+        void* copy_stream = stream;  // where the call's uploads go (a split select: the cache's own)
         LayerState* layer = nullptr;
         int32_t c = -1;  // the layer's class
         ClassState* cls = nullptr;
@@ -215,7 +235,8 @@ private:
     std::string class_name(const ClassState& cls) const;
 
     // slots.cpp
-    expcache_status_t acquire_slot(int32_t c, bool allow_grow, bool allow_evict, uint32_t path, int32_t* out);
+    enum class Evict { kNo, kDemand, kPrefetch };  // kPrefetch: never a slot of the current or previous call
+    expcache_status_t acquire_slot(int32_t c, bool allow_grow, Evict evict, uint32_t path, int32_t* out);
     void evict(int32_t c, int32_t slot, uint32_t path);
     void uninstall(int32_t c, int32_t slot);
     // Serves the call's unique experts from slots of its class; those left without one are
@@ -242,6 +263,15 @@ private:
     expcache_status_t alloc_staging(uint64_t bytes, int32_t c, uint32_t path, void** out);
     expcache_status_t reserve_buffer(ServeCall& call, OwnedBuffer& buf, uint64_t bytes, bool may_release);
 
+    // serve_select.cpp
+    expcache_status_t serve_decode(ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out);
+
+    // serve_prefetch.cpp
+    expcache_status_t settle_prefetches(bool cancel);
+    void note_use(ClassState& cls, int32_t slot);
+    void drop_prefetched(ClassState& cls, SlotState& slot);
+    Prefetcher& prefetcher();
+
     // serve_batch.cpp
     expcache_status_t batch_room() const;
     void unhold(const BatchState& batch);
@@ -264,6 +294,18 @@ private:
     void* last_stream_ = nullptr;
     bool have_last_stream_ = false;
 
+    // Prefetch (serve_prefetch.cpp). The serving calls' ids: a prefetch never evicts a slot used
+    // by the current or previous one, and its pieces wait for the mark recorded at the start of
+    // the previous one, so every kernel reading an older slot was enqueued before them.
+    std::unique_ptr<Prefetcher> prefetcher_;  // made by the first prefetch
+    Prefetcher::Taken taken_;
+    expcache_prefetch_stats_t pstats_ = {};
+    uint64_t cur_call_ = 0, prev_call_ = 0;
+    int cur_mark_ = 0, prev_mark_ = 0, marks_ = 0;  // marks_: serving calls marked, up to 2
+    bool copy_dirty_ = false;  // the copy stream has work a later call's stream must wait for
+    expcache_status_t prefetch_error_ = EXPCACHE_OK;
+    std::string prefetch_message_;
+
     std::vector<std::unique_ptr<SourceFile>> files_;
     std::vector<LayerState> layers_;
     std::vector<ClassState> classes_;  // sized once: references to a class stay valid
@@ -279,6 +321,7 @@ private:
     std::vector<uint32_t> unique_;
     std::vector<expcache_expert_ptrs_t> ptrs_;
     std::vector<uint32_t> pending_;
+    std::vector<uint8_t> resident_;  // select_split: per unique id, resident when the call began
     std::vector<ChecksumJob> checksum_jobs_;
     std::vector<std::pair<int32_t, int32_t>> inserted_;  // (class, slot) filled by the current call
 };

@@ -99,10 +99,14 @@ expcache_status_t Cache::bind(uint32_t layer_index, uint32_t path, int32_t* out_
 expcache_status_t Cache::release_class(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (cls.slabs.empty()) return EXPCACHE_OK;
-    expcache_status_t s = check(backend_->sync_device());
+    expcache_status_t s = settle_prefetches(true);  // no piece goes out into the slabs after this
+    if (s == EXPCACHE_OK) s = check(backend_->sync_device());
     if (s != EXPCACHE_OK) return s;
-    for (SlotState& slot : cls.slots)
-        if (slot.layer >= 0) layers_[slot.layer].slot_of[slot.expert] = -1;
+    for (SlotState& slot : cls.slots) {
+        if (slot.layer < 0) continue;
+        if (slot.prefetch != kPrefetchNone) drop_prefetched(cls, slot);
+        layers_[slot.layer].slot_of[slot.expert] = -1;
+    }
     for (void* slab : cls.slabs) arena_.free_now(slab);
     cls.slabs.clear();
     cls.slots.clear();

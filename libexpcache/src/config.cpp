@@ -61,6 +61,14 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
                     "staging_chunk_bytes must be a multiple of 4096 in 64 KiB..64 MiB, got %llu",
                     (unsigned long long)cfg.staging_chunk_bytes);
+    if (cfg.prefetch_max_per_layer > EXPCACHE_MAX_SELECT)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "prefetch_max_per_layer must be 0..%d, got %u", EXPCACHE_MAX_SELECT,
+                    cfg.prefetch_max_per_layer);
+    if (cfg.prefetch_piece_bytes < 4096 || cfg.prefetch_piece_bytes > (uint64_t(64) << 20) ||
+        cfg.prefetch_piece_bytes % 4096 != 0)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "prefetch_piece_bytes must be a multiple of 4096 in 4 KiB..64 MiB, got %llu",
+                    (unsigned long long)cfg.prefetch_piece_bytes);
     if (cfg.file_reads > EXPCACHE_FILE_READS_DIRECT)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown file_reads %u (0 buffered, 1 direct)", cfg.file_reads);
     return EXPCACHE_OK;
@@ -103,6 +111,9 @@ void config_defaults(expcache_config_t* config) {
     config->staging_bytes = uint64_t(64) << 20;
     config->staging_chunk_bytes = uint64_t(512) << 10;
     config->file_reads = EXPCACHE_FILE_READS_BUFFERED;
+    config->prefetch_max_per_layer = 8;
+    // About 5 us of an H200's PCIe 5 link: the most a demand miss waits behind a prefetch.
+    config->prefetch_piece_bytes = uint64_t(256) << 10;
     // More hits than LRU at every budget measured, for ~0.2 us more per call (docs/policy.md).
     config->policy = EXPCACHE_POLICY_OPPCLASS;
 }

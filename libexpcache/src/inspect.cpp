@@ -23,8 +23,10 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
     if (dst_bytes < layer.expert_bytes())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "dst_bytes %llu < expert size %llu", (unsigned long long)dst_bytes,
                     (unsigned long long)layer.expert_bytes());
+    if ((s = settle_prefetches(false)) != EXPCACHE_OK) return s;
     const int32_t c = bound_class(layer);
     int32_t slot = c >= 0 ? layer.slot_of[expert] : -1;
+    if (slot >= 0 && classes_[c].slots[slot].prefetch == kPrefetchLoading) slot = -1;  // bytes not all sent
     if (slot < 0) {
         *out_resident = 0;
         return EXPCACHE_OK;
@@ -182,6 +184,8 @@ expcache_status_t Cache::reset_stats() {
     for (ClassState& c : classes_)
         for (expcache_stats_t& st : c.stats) st = expcache_stats_t{};
     backend_->reset_staging_stats();
+    pstats_ = expcache_prefetch_stats_t{};
+    if (prefetcher_) prefetcher_->reset_counters();
     return EXPCACHE_OK;
 }
 

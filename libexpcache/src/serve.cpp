@@ -35,14 +35,27 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
     return EXPCACHE_OK;
 }
 
-// Every call that enqueues work starts here: finish deferred frees, and when the
-// stream changes, make the new stream wait for the old one's work so that
-// no slot or staging byte is overwritten while a kernel may still read it.
+// Every call that enqueues work starts here: finish deferred frees, cancel the
+// prefetches still queued (a demand miss never waits behind them), and when the
+// stream changes, make the new stream wait for the old one's work so that no
+// slot or staging byte is overwritten while a kernel may still read it; likewise
+// for what the cache's copy stream sent (split selects' misses, prefetch pieces).
 expcache_status_t Cache::begin_call(void* stream) {
     backend_->reclaim();
-    if (have_last_stream_ && last_stream_ != stream) {
-        expcache_status_t s = check(backend_->fence(last_stream_, stream));
-        if (s != EXPCACHE_OK) return s;
+    expcache_status_t s = settle_prefetches(true);
+    if (s != EXPCACHE_OK) return s;
+    if (have_last_stream_ && last_stream_ != stream && (s = check(backend_->fence(last_stream_, stream))) != EXPCACHE_OK)
+        return s;
+    if (copy_dirty_) {
+        if ((s = check(backend_->fence(backend_->copy_stream(), stream))) != EXPCACHE_OK) return s;
+        copy_dirty_ = false;
+    }
+    if (prefetcher_) {
+        // Where this call begins on its stream: the next prefetch but one waits for it.
+        if ((s = check(backend_->mark(cur_mark_ ^ 1, stream))) != EXPCACHE_OK) return s;
+        prev_mark_ = cur_mark_;
+        cur_mark_ ^= 1;
+        if (marks_ < 2) ++marks_;
     }
     last_stream_ = stream;
     have_last_stream_ = true;
@@ -63,6 +76,8 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     if (s != EXPCACHE_OK) return s;
     ClassState& cls = classes_[call.c];
     ++call_;
+    prev_call_ = cur_call_;
+    cur_call_ = call_;
     cls.last_used = call_;
     cls.stats[call.path].calls++;
     if (last_layer_ < 0 || static_cast<int64_t>(layer) <= last_layer_) ++clock_.token;

@@ -21,7 +21,7 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
 
     // Allocate before resolving hits: the retry may release the caches.
     if ((s = reserve_buffer(call, compact_, total, true)) != EXPCACHE_OK) return s;
-    const ClassState& cls = *call.cls;
+    ClassState& cls = *call.cls;
     expcache_stats_t& st = *call.st;
     unsigned char* base = static_cast<unsigned char*>(compact_.ptr);
     uint32_t next_unique = 0;  // unique_ is in first-appearance order
@@ -33,7 +33,9 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
                                       base + off[kDown] + b[kDown] * i};
         int32_t slot = layer.slot_of[e];
         if (slot >= 0) {
-            const SlotState& ss = cls.slots[slot];
+            SlotState& ss = cls.slots[slot];
+            ss.last_call = call_;  // read on `stream` now: no prefetch may overwrite it before the next call
+            if (ss.prefetch != kPrefetchNone) note_use(cls, slot);
             for (int p = 0; p < kParts; ++p)
                 if ((s = injected_copy_failure()) != EXPCACHE_OK ||
                     (s = check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) != EXPCACHE_OK)

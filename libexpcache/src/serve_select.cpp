@@ -1,17 +1,18 @@
 // The decode path: a token's experts for one layer, each served from a slot of
 // the layer's class (hits refreshed, misses inserted, evicting as needed); what
-// the class cannot hold at once comes from the overflow staging.
+// the class cannot hold at once comes from the overflow staging. A split select
+// sends the misses on the cache's own copy stream, so the hits can be used while
+// they cross.
 #include "cache.hpp"
+
+#include "errors.hpp"
 
 namespace expcache {
 
-expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
-                                expcache_expert_ptrs_t* out) {
-    ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
-    expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
-    if (s != EXPCACHE_OK) return s;
+expcache_status_t Cache::serve_decode(ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out) {
     uint32_t direct = 0;
-    if ((s = fill_slots(call, nullptr, &direct)) != EXPCACHE_OK) return s;
+    expcache_status_t s = fill_slots(call, nullptr, &direct);
+    if (s != EXPCACHE_OK) return s;
     if (direct > 0) {
         // The class cannot hold the whole request: serve the overflow from staging. It never
         // releases the caches: the hits resolved above point into them.
@@ -22,9 +23,58 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
     for (uint32_t i = 0; i < k; ++i) out[i] = ptrs_[layer.seen_pos[ids[i]]];
-    log(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", layer_index, k,
+    log(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
         unique_.size(), unique_.size() - pending_.size(), pending_.size(), direct);
     return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
+                                expcache_expert_ptrs_t* out) {
+    ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
+    expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
+    if (s != EXPCACHE_OK) return s;
+    return serve_decode(call, ids, k, out);
+}
+
+expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
+                                      expcache_expert_ptrs_t* out, uint8_t* out_resident, void** out_ready) {
+    ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
+    expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
+    if (s != EXPCACHE_OK) return s;
+    const LayerState& layer = *call.layer;
+    resident_.resize(unique_.size());
+    bool any_miss = false;
+    for (size_t j = 0; j < unique_.size(); ++j) {
+        resident_[j] = layer.slot_of[unique_[j]] >= 0;
+        any_miss = any_miss || !resident_[j];
+    }
+    void* copy = backend_->copy_stream();
+    if (any_miss && copy) {
+        // The misses may overwrite slots that work enqueued on `stream` so far still reads.
+        if ((s = check(backend_->fence(stream, copy))) != EXPCACHE_OK) return s;
+        call.copy_stream = copy;
+    }
+    if ((s = serve_decode(call, ids, k, out)) != EXPCACHE_OK) {
+        if (call.copy_stream != stream) copy_dirty_ = true;  // some copies may have gone out
+        return s;
+    }
+    void* ready = nullptr;
+    if (call.copy_stream != stream) {
+        copy_dirty_ = true;
+        if ((s = check(backend_->record_ready(copy, &ready))) != EXPCACHE_OK) return s;
+    }
+    for (uint32_t i = 0; i < k; ++i) out_resident[i] = resident_[layer.seen_pos[ids[i]]];
+    *out_ready = ready;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::wait_ready(void* ready, void* stream) {
+    CallScope scope(*this);
+    expcache_status_t s = usable();
+    if (s != EXPCACHE_OK) return s;
+    if (!backend_->is_ready_event(ready))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "ready %p is not an event of this cache's split selects", ready);
+    return check(backend_->wait_ready(ready, stream));
 }
 
 }  // namespace expcache

@@ -7,19 +7,25 @@ namespace expcache {
 
 namespace {
 
+// Which slots a miss may evict: none held by a batch or loading a prefetch, and for a demand call
+// none this call uses, for a prefetch none the current or previous serving call used.
+struct EvictableCtx {
+    const std::vector<SlotState>* slots;
+    uint64_t first_protected_call;  // slots with last_call >= this stay
+};
+
 bool slot_evictable(const void* ctx, int32_t s) {
-    // ctx points at {slots, current call}; see acquire_slot.
-    auto* c = static_cast<const std::pair<const std::vector<SlotState>*, uint64_t>*>(ctx);
-    const SlotState& slot = (*c->first)[static_cast<size_t>(s)];
-    return slot.holds == 0 && slot.last_call != c->second;
+    auto* c = static_cast<const EvictableCtx*>(ctx);
+    const SlotState& slot = (*c->slots)[static_cast<size_t>(s)];
+    return slot.holds == 0 && slot.prefetch != kPrefetchLoading && slot.last_call < c->first_protected_call;
 }
 
 }  // namespace
 
 // A slot for a miss: a free one, else a new one within the cap, else (if
-// allowed) the policy's victim among slots neither used by this call nor
-// held by a batch. *out = -1 when none may be had.
-expcache_status_t Cache::acquire_slot(int32_t c, bool allow_grow, bool allow_evict, uint32_t path, int32_t* out) {
+// allowed) the policy's victim among the evictable slots. *out = -1 when none
+// may be had.
+expcache_status_t Cache::acquire_slot(int32_t c, bool allow_grow, Evict evict_mode, uint32_t path, int32_t* out) {
     ClassState& cls = classes_[c];
     if (cls.free_slots.empty() && allow_grow) {
         if (!cls.cap_valid) {
@@ -37,8 +43,9 @@ expcache_status_t Cache::acquire_slot(int32_t c, bool allow_grow, bool allow_evi
         return EXPCACHE_OK;
     }
     *out = -1;
-    if (allow_evict) {
-        std::pair<const std::vector<SlotState>*, uint64_t> ctx(&cls.slots, call_);
+    if (evict_mode != Evict::kNo) {
+        // A demand call protects the slots it uses (last_call == call_, the newest id).
+        EvictableCtx ctx{&cls.slots, evict_mode == Evict::kPrefetch ? prev_call_ : call_};
         int32_t v = cls.policy->victim(slot_evictable, &ctx);
         if (v >= 0) {
             evict(c, v, path);
@@ -51,6 +58,7 @@ expcache_status_t Cache::acquire_slot(int32_t c, bool allow_grow, bool allow_evi
 void Cache::evict(int32_t c, int32_t s, uint32_t path) {
     ClassState& cls = classes_[c];
     SlotState& slot = cls.slots[s];
+    if (slot.prefetch != kPrefetchNone) drop_prefetched(cls, slot);
     layers_[slot.layer].slot_of[slot.expert] = -1;
     cls.policy->on_remove(s);
     slot.layer = -1;
@@ -95,6 +103,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             pending_.push_back(j);
             continue;
         }
+        if (cls.slots[slot].prefetch != kPrefetchNone) note_use(cls, slot);
         if (!batch) {
             cls.policy->on_hit(slot);
             cls.slots[slot].last_call = call_;
@@ -108,7 +117,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         st.misses++;
         int32_t slot = -1;
         uint64_t evictions_before = st.evictions;
-        expcache_status_t s = acquire_slot(call.c, true, !batch, call.path, &slot);
+        expcache_status_t s = acquire_slot(call.c, true, batch ? Evict::kNo : Evict::kDemand, call.path, &slot);
         if (s != EXPCACHE_OK) return s;
         if (slot < 0) {
             pending_[direct++] = j;  // compacted in place: served from staging
@@ -117,7 +126,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         SlotState& ss = cls.slots[slot];
         unsigned char* dst[kParts];
         cls.parts_at(ss.dev, dst);
-        if ((s = copy_expert(layer, e, dst, call.stream)) != EXPCACHE_OK) {
+        if ((s = copy_expert(layer, e, dst, call.copy_stream)) != EXPCACHE_OK) {
             cls.free_slots.push_back(slot);  // never marked resident
             return s;
         }
@@ -146,7 +155,7 @@ expcache_status_t Cache::stage_overflow(ServeCall& call, unsigned char* base, ui
         unsigned char* entry = base + uint64_t(i) * cls.slot_bytes;
         unsigned char* dst[kParts];
         cls.parts_at(entry, dst);
-        expcache_status_t s = copy_expert(layer, unique_[j], dst, call.stream);
+        expcache_status_t s = copy_expert(layer, unique_[j], dst, call.copy_stream);
         if (s != EXPCACHE_OK) return s;
         ptrs_[j] = cls.ptrs_at(entry);
         call.st->direct_loads++;

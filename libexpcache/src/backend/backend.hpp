@@ -67,6 +67,36 @@ public:
                                              uint32_t first, void* stream) = 0;
     virtual expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) = 0;
 
+    // The cache's own copy stream, where split selects' misses and prefetch pieces go
+    // (host: nullptr, its copies finish as they are made).
+    virtual void* copy_stream() { return nullptr; }
+    // Record the event behind a split select's misses on `stream` and give it (host: nullptr).
+    virtual expcache_status_t record_ready(void* stream, void** out_event) {
+        (void)stream;
+        *out_event = nullptr;
+        return EXPCACHE_OK;
+    }
+    // Whether `event` may be passed to wait_ready: NULL, or the event record_ready gives.
+    virtual bool is_ready_event(const void* event) const { return event == nullptr; }
+    virtual expcache_status_t wait_ready(void* event, void* stream) {
+        (void)event;
+        (void)stream;
+        return EXPCACHE_OK;
+    }
+    // Call marks: record mark `i` (0 or 1) on `stream`; make `stream` wait for mark `i`.
+    virtual expcache_status_t mark(int i, void* stream) {
+        (void)i;
+        (void)stream;
+        return EXPCACHE_OK;
+    }
+    virtual expcache_status_t wait_mark(int i, void* stream) {
+        (void)i;
+        (void)stream;
+        return EXPCACHE_OK;
+    }
+    // The link prefetch pieces cross, from the prefetch thread (the staging ring's transport).
+    virtual StagingRing::Transport& link() = 0;
+
     // Make this backend's device current for the calling thread and restore
     // the caller's on scope exit (host: nothing).
     virtual void enter() {}
@@ -108,6 +138,7 @@ public:
         if (ring_) ring_->reset_stats();
     }
     void inject_staging_failures(uint64_t skip, uint64_t count) final { ring().inject_failures(skip, count); }
+    StagingRing::Transport& link() final { return *transport_; }
 
 protected:
     StagingBackend(const StagingConfig& staging, std::unique_ptr<StagingRing::Transport> transport)

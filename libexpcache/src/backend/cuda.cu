@@ -186,15 +186,22 @@ public:
             cudaEventDestroy(d.event);
         }
         for (cudaEvent_t e : event_pool_) cudaEventDestroy(e);
-        if (fence_event_) cudaEventDestroy(fence_event_);
+        for (cudaEvent_t e : {fence_event_, ready_event_, marks_[0], marks_[1]})
+            if (e) cudaEventDestroy(e);
+        if (copy_stream_) cudaStreamDestroy(copy_stream_);
         checksum_.release();
         leave();
     }
     expcache_status_t init() {
         enter();
-        cudaError_t e = cudaEventCreateWithFlags(&fence_event_, cudaEventDisableTiming);
+        cudaError_t e = cudaSuccess;
+        for (cudaEvent_t* ev : {&fence_event_, &ready_event_, &marks_[0], &marks_[1]})
+            if (e == cudaSuccess) e = cudaEventCreateWithFlags(ev, cudaEventDisableTiming);
+        // Non-blocking: the legacy default stream must not serialize with it; the cache orders it
+        // against the caller's streams with events.
+        if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking);
         leave();
-        return e == cudaSuccess ? EXPCACHE_OK : cuda_fail(e, "cudaEventCreateWithFlags");
+        return e == cudaSuccess ? EXPCACHE_OK : cuda_fail(e, "creating the cache's events and copy stream");
     }
     uint32_t kind() const override { return EXPCACHE_BACKEND_CUDA; }
 
@@ -280,6 +287,25 @@ public:
         EXPCACHE_CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(to), fence_event_, 0));
         return EXPCACHE_OK;
     }
+    void* copy_stream() override { return copy_stream_; }
+    expcache_status_t record_ready(void* stream, void** out_event) override {
+        EXPCACHE_CUDA_TRY(cudaEventRecord(ready_event_, static_cast<cudaStream_t>(stream)));
+        *out_event = ready_event_;
+        return EXPCACHE_OK;
+    }
+    bool is_ready_event(const void* event) const override { return event == nullptr || event == ready_event_; }
+    expcache_status_t wait_ready(void* event, void* stream) override {
+        if (event) EXPCACHE_CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t mark(int i, void* stream) override {
+        EXPCACHE_CUDA_TRY(cudaEventRecord(marks_[i & 1], static_cast<cudaStream_t>(stream)));
+        return EXPCACHE_OK;
+    }
+    expcache_status_t wait_mark(int i, void* stream) override {
+        EXPCACHE_CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), marks_[i & 1], 0));
+        return EXPCACHE_OK;
+    }
     expcache_status_t sync_stream(void* stream) override {
         EXPCACHE_CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
@@ -308,6 +334,9 @@ private:
     int depth_ = 0;
     int saved_device_ = -1;
     cudaEvent_t fence_event_ = nullptr;
+    cudaEvent_t ready_event_ = nullptr;  // behind a split select's misses
+    cudaEvent_t marks_[2] = {};          // the starts of the last two serving calls (prefetch ordering)
+    cudaStream_t copy_stream_ = nullptr;
     std::vector<Deferred> deferred_;
     std::vector<cudaEvent_t> event_pool_;
     ChecksumScratch checksum_;

@@ -1,0 +1,152 @@
+#include "prefetcher.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "errors.hpp"
+
+namespace expcache {
+
+Prefetcher::Prefetcher(StagingRing::Transport& link, void* stream, uint64_t piece_bytes)
+    : link_(link), stream_(stream), piece_bytes_(piece_bytes) {}
+
+Prefetcher::~Prefetcher() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+        queue_.clear();
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();  // after the piece in flight landed
+    if (bounce_) link_.free_chunk(bounce_, marker_);
+}
+
+void Prefetcher::submit(const PrefetchJob& job) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(job);
+    if (!thread_.joinable()) thread_ = std::thread(&Prefetcher::run, this);
+    wake_.notify_one();
+}
+
+void Prefetcher::run() {
+    link_.thread_start();
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+        wake_.wait(lock, [&] { return stop_ || (!paused_ && !queue_.empty()); });
+        if (stop_) return;
+        if (!send_next(lock)) {
+            landed_.notify_all();  // drain() may be waiting for the queue that just emptied
+            continue;
+        }
+        // One piece in flight: the next goes out only once it has landed, so a serving call
+        // that cancels the queue is delayed by this piece at most.
+        in_flight_ = true;
+        lock.unlock();
+        expcache_status_t s = link_.wait(marker_);
+        std::string why = s == EXPCACHE_OK ? std::string() : last_error();
+        lock.lock();
+        in_flight_ = false;
+        if (s != EXPCACHE_OK && error_ == EXPCACHE_OK) {
+            error_ = s;
+            message_ = "a prefetch piece failed: " + why;
+        }
+        landed_.notify_all();
+    }
+}
+
+bool Prefetcher::send_next(std::unique_lock<std::mutex>&) {
+    PrefetchJob& job = queue_.front();
+    expcache_status_t s = EXPCACHE_OK;
+    if (!bounce_) s = link_.alloc_chunk(piece_bytes_, &bounce_, &marker_);
+    if (s == EXPCACHE_OK) {
+        const PrefetchJob::Part& p = job.parts[job.part];
+        const uint64_t n = std::min(piece_bytes_, p.bytes - job.offset);
+        unsigned char* dst = p.dst + job.offset;
+        if (job.file) {
+            s = job.file->read(bounce_, reinterpret_cast<uintptr_t>(p.src) + job.offset, n);
+            if (s == EXPCACHE_OK) s = link_.send(dst, bounce_, n, stream_, marker_);
+        } else if (job.pinned) {
+            s = link_.send(dst, p.src + job.offset, n, stream_, marker_);
+        } else {
+            std::memcpy(bounce_, p.src + job.offset, n);  // the link reads pageable memory slowly
+            s = link_.send(dst, bounce_, n, stream_, marker_);
+        }
+        if (s == EXPCACHE_OK) {
+            sent_ = true;
+            bytes_sent_ += n;
+            ++pieces_;
+            job.offset += n;
+            if (job.offset == p.bytes) {
+                job.offset = 0;
+                if (++job.part == job.num_parts) {
+                    done_.push_back(job);
+                    queue_.pop_front();
+                }
+            }
+            return true;
+        }
+    }
+    if (error_ == EXPCACHE_OK) {
+        error_ = s;
+        message_ = std::string("a prefetch piece failed: ") + last_error();
+    }
+    failed_.push_back(job);
+    queue_.pop_front();
+    return false;
+}
+
+void Prefetcher::take(bool cancel, Taken* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    out->done.insert(out->done.end(), done_.begin(), done_.end());
+    done_.clear();
+    out->cancelled.insert(out->cancelled.end(), failed_.begin(), failed_.end());
+    failed_.clear();
+    if (cancel) {
+        out->cancelled.insert(out->cancelled.end(), queue_.begin(), queue_.end());
+        queue_.clear();
+    }
+    out->sent = out->sent || sent_;
+    sent_ = false;
+    if (error_ != EXPCACHE_OK && out->error == EXPCACHE_OK) {
+        out->error = error_;
+        out->message = message_;
+    }
+    error_ = EXPCACHE_OK;
+}
+
+bool Prefetcher::idle() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return queue_.empty() && done_.empty() && failed_.empty();
+}
+
+void Prefetcher::pause(bool paused) {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        paused_ = paused;
+    }
+    wake_.notify_all();
+    landed_.notify_all();
+}
+
+expcache_status_t Prefetcher::drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    landed_.wait(lock, [&] { return paused_ || (queue_.empty() && !in_flight_); });
+    return EXPCACHE_OK;
+}
+
+uint64_t Prefetcher::bytes_sent() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bytes_sent_;
+}
+
+uint64_t Prefetcher::pieces() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pieces_;
+}
+
+void Prefetcher::reset_counters() {
+    std::lock_guard<std::mutex> lock(mu_);
+    bytes_sent_ = pieces_ = 0;
+}
+
+}  // namespace expcache
