@@ -21,6 +21,7 @@ from ._ints import u32, u64
 from .layout import ModelLayout
 from .source import Source
 from .selection import Selection
+from .views import ExpertView, ViewCache
 from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats
 
 logger = logging.getLogger("pyexpcache")
@@ -174,8 +175,8 @@ class ExpertCache:
         policy: eviction policy of every class: ``"oppclass"`` (default: OppClassLRU, decayed use
             count classes with age in missed opportunities of the expert's layer; more hits than
             LRU, most at small budgets: docs/policy.md) or ``"lru"``.
-        prefetch_max_per_layer: most experts of one layer prefetched and not yet used at once
-            (default 8; 0 turns :meth:`prefetch` off).
+        prefetch_max_per_layer: most experts of one layer prefetched between two serving calls of
+            that layer (default 8; 0 turns :meth:`prefetch` off).
         prefetch_piece_bytes: largest piece a prefetch moves at a time, the most a demand miss
             waits behind one (default 256 KiB; a multiple of 4096 in 4 KiB..64 MiB).
 
@@ -226,6 +227,7 @@ class ExpertCache:
         self._scratch = _Scratch()
         self._select_fn = lib.expcache_select_async
         self._split_fn = lib.expcache_select_split_async
+        self._views = ViewCache(layout)
         self._warned: set[str] = set()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
         self._log_fn = _lib.LOG_FN(self._on_log)
@@ -242,6 +244,7 @@ class ExpertCache:
         self._handle = handle.value
         try:
             lib.expcache_log_set_callback(self._handle, self._log_fn, None)
+            self._views.configure(self.backend == "cuda", device)
             file_id = None
             if getattr(source, "file_path", None):
                 out = ctypes.c_uint32()
@@ -376,10 +379,37 @@ class ExpertCache:
             self._select_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address)
         return scratch.out[:k].copy()
 
-    def select_split(self, layer: int, expert_ids, stream=None) -> "Selection":
+    def select_views(self, layer: int, expert_ids, stream=None, *, dtype=None, shapes=None) -> list[ExpertView]:
+        """:meth:`select`, returning per id an :class:`~pyexpcache.views.ExpertView` whose ``gate``,
+        ``up`` and ``down`` are zero-copy :class:`~pyexpcache.views.TensorView` objects:
+        ``torch.from_dlpack``, ``cupy.from_dlpack``, ``numpy.from_dlpack`` take them, and
+        ``torch.as_tensor`` / ``numpy.asarray`` through ``__cuda_array_interface__`` (CUDA
+        backend) or ``__array_interface__`` (host backend), so one engine runs with and without
+        a GPU. Raw bytes (uint8) by default; ``dtype`` (a numpy dtype or ``"bfloat16"``) and
+        ``shapes`` (gate, up, down shapes, each covering its part exactly) for unquantized
+        layouts. Views are made once per slot and reused: an all-hit call makes only its list.
+        A view is valid under the rule of :meth:`select`'s addresses (for work ordered after
+        the call on ``stream``, until the cache's next select, load_compact, prepare_batch,
+        release_all or layer_class call) and does not keep the bytes alive."""
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF:
+            layer = u32(layer, "layer")
+        ids = self._as_ids(expert_ids, "expert_ids")
+        k = ids.size
+        if k > _lib.MAX_SELECT:
+            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        s = stream_handle(stream)
+        scratch = self._scratch
+        scratch.ids[:k] = ids
+        with self._gate:
+            self._select_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address)
+        return self._views.get(layer, scratch.out[:k].tolist(), s, dtype, shapes)
+
+    def select_split(self, layer: int, expert_ids, stream=None, *, views: bool = False, dtype=None,
+                     shapes=None) -> Selection:
         """Hits before misses: :meth:`select`, except that the misses are copied on the cache's own
         copy stream. Returns a :class:`~pyexpcache.selection.Selection`: ``pointers`` ([k, 3]
-        addresses), ``resident`` (a bool per id: usable on ``stream`` at once) and
+        addresses), ``resident`` (a bool per id: usable on ``stream`` at once), with ``views``
+        its ``views`` (as :meth:`select_views` makes them, ``dtype`` and ``shapes`` alike), and
         :meth:`~pyexpcache.selection.Selection.wait`, which makes a stream wait for the misses'
         bytes (a no-op on the host backend and when every id was a hit). Launch the hits' work,
         then ``wait(stream)``, then the misses'. Validity as :meth:`select`'s."""
@@ -396,7 +426,9 @@ class ExpertCache:
         with self._gate:
             self._split_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address,
                            scratch.resident_address, ctypes.byref(ready))
-        return Selection(self, layer, scratch.out[:k].copy(), scratch.resident[:k].astype(bool), ready.value or 0, s)
+        pointers = scratch.out[:k].copy()
+        made = self._views.get(layer, pointers.tolist(), s, dtype, shapes) if views else None
+        return Selection(self, layer, pointers, scratch.resident[:k].astype(bool), ready.value or 0, s, made)
 
     def wait_ready(self, ready: int, stream=None) -> None:
         """Make ``stream`` wait for ``ready`` (a :class:`Selection`'s ``ready`` event; 0 returns)."""
@@ -408,7 +440,7 @@ class ExpertCache:
         ``prefetch_piece_bytes`` move one at a time from a thread of the cache's; the next select
         (or any serving call) cancels what is still queued, so a demand miss waits for at most one
         piece. Never evicts an expert the current or previous serving call used or a batch holds;
-        at most ``prefetch_max_per_layer`` of a layer prefetched and unused at once. ``stream``:
+        at most ``prefetch_max_per_layer`` of a layer between two serving calls of it. ``stream``:
         the engine's compute stream (the first prefetch waits for its work so far). Counted in
         :meth:`prefetch_stats`."""
         layer = u32(layer, "layer")
@@ -457,6 +489,7 @@ class ExpertCache:
     def release_all(self) -> None:
         """Free every expert cache not holding batch slots, and the staging buffers. Synchronizes."""
         self._call("expcache_release_all")
+        self._views.clear()
 
     def synchronize(self, stream=None) -> None:
         """Wait for the work enqueued on ``stream``."""

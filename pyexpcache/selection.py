@@ -18,16 +18,21 @@ class Selection:
             work on the select's stream at once; the others' bytes land on the cache's copy stream.
         ready: the event (a ``cudaEvent_t`` as an int) behind the misses' copies, 0 when there is
             nothing to wait for (every id a hit, or the host backend).
+        views: with ``select_split(..., views=True)``, an :class:`~pyexpcache.views.ExpertView` per
+            id (None otherwise). A miss's view is ready on the select's stream only after
+            :meth:`wait`: wait before handing it to a consumer.
 
     Valid under the rule of :meth:`~pyexpcache.ExpertCache.select`'s addresses: for work ordered
     after the call on its stream (the misses': after :meth:`wait`), until the cache's next select,
     load_compact, prepare_batch, release_all or layer_class call.
     """
 
-    __slots__ = ("_cache", "layer", "pointers", "resident", "ready", "_stream")
+    __slots__ = ("_cache", "layer", "pointers", "resident", "ready", "views", "_stream")
 
-    def __init__(self, cache, layer: int, pointers: np.ndarray, resident: np.ndarray, ready: int, stream: int):
+    def __init__(self, cache, layer: int, pointers: np.ndarray, resident: np.ndarray, ready: int, stream: int,
+                 views=None):
         self._cache = cache
+        self.views = views
         self.layer = layer
         self.pointers = pointers
         self.resident = resident

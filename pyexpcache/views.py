@@ -1,0 +1,291 @@
+"""Zero-copy tensor views of cached experts: what an engine gets instead of raw addresses.
+
+A :class:`TensorView` is one part (gate, up or down) of one cached expert, exported to any
+array library without a copy: DLPack (``torch.from_dlpack(view)``, ``cupy.from_dlpack``,
+``numpy.from_dlpack``), the CUDA Array Interface v3 on the CUDA backend
+(``torch.as_tensor(view)``, ``cupy.asarray``, Numba) and the NumPy array interface on the host
+backend (``numpy.asarray(view)``). An :class:`ExpertView` groups an expert's three parts.
+
+**Validity.** A view is valid under the same rule as the addresses ``ExpertCache.select``
+returns: for work ordered after the select on its stream, until the next ``select``,
+``load_compact``, ``prepare_batch``, ``release_all`` or ``layer_class`` call on the cache. A
+view (and any array made from it) does not keep the bytes alive, like a raw pointer: after that
+call its slot may hold another expert, or no longer exist.
+
+**Streams.** ``stream`` is the handle of the CUDA stream on which the bytes are ready (0: the
+legacy default stream). ``__dlpack__(stream=s)`` makes the consumer's stream ``s`` wait for it
+(an event recorded on ``stream``, waited on by ``s``; no host synchronization) unless they are
+the same stream or ``s`` is -1; ``__cuda_array_interface__`` hands the stream to the consumer,
+which waits itself.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+
+import numpy as np
+
+from . import _dlpack
+from ._cuda import check, runtime, stream_handle
+from ._ints import I32_MAX, checked_int, u64
+
+_I64_MAX = (1 << 63) - 1
+_LEGACY = 1  # cudaStreamLegacy: what 0 and None mean for a stream here (see _legacy)
+
+
+def _legacy(handle: int) -> int:
+    # The library and stream_handle() use 0 for the legacy default stream; DLPack and the CUDA
+    # Array Interface call it 1 (cudaStreamLegacy, also a valid handle for every CUDA call),
+    # which stays the legacy stream even if cuda-python is set to per-thread default streams.
+    return _LEGACY if handle == 0 else handle
+
+
+def _dtype(value):
+    """A numpy dtype, or :data:`_dlpack.BFLOAT16` for "bfloat16" (numpy has none); TypeError
+    for one DLPack cannot carry."""
+    if value is None:
+        return np.dtype(np.uint8)
+    if value is _dlpack.BFLOAT16 or (isinstance(value, str) and value == "bfloat16"):
+        return _dlpack.BFLOAT16
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"dtype must be a numpy dtype, a dtype name or 'bfloat16', got {value!r}") from None
+    if dtype.name == "bfloat16":  # ml_dtypes' numpy bfloat16: DLPack's, not a void type
+        return _dlpack.BFLOAT16
+    _dlpack.data_type(dtype)  # refuses what DLPack cannot express, here rather than at export
+    return dtype
+
+
+def _shape(value, nbytes: int, dtype) -> tuple[int, ...]:
+    """``value`` (None: all of ``nbytes``) as a tuple of dimensions covering exactly ``nbytes``."""
+    if value is None:
+        if nbytes % dtype.itemsize:
+            raise ValueError(f"{nbytes} bytes are not a whole number of {dtype} items ({dtype.itemsize} bytes each)")
+        return (nbytes // dtype.itemsize,)
+    try:
+        dims = (operator.index(value),)
+    except TypeError:
+        dims = tuple(value)
+    shape = tuple(checked_int(d, f"shape[{i}]", 0, _I64_MAX) for i, d in enumerate(dims))
+    size = math.prod(shape) * dtype.itemsize
+    if size != nbytes:
+        raise ValueError(f"shape {shape} of {dtype} is {size} bytes, but the view has {nbytes} bytes")
+    return shape
+
+
+def _consumer_stream(stream):
+    """The handle of a DLPack consumer's ``stream`` argument; None for -1 ("do not synchronize")."""
+    if stream is None:
+        return _LEGACY  # the array API standard: None means the legacy default stream
+    if not isinstance(stream, bool):
+        try:
+            if operator.index(stream) == -1:
+                return None
+        except TypeError:  # a stream object: stream_handle takes it
+            pass
+    return _legacy(stream_handle(stream))
+
+
+class _Events(dict):
+    """This thread's event per device, destroyed with the thread's locals."""
+
+    def __del__(self):
+        try:
+            rt = runtime()
+            for event in self.values():
+                rt.cudaEventDestroy(event)
+        except Exception:  # interpreter shutdown: nothing left to tidy
+            pass
+
+
+_local = threading.local()
+
+
+def _make_wait(producer: int, consumer: int, device_id: int) -> None:
+    """Enqueue on ``consumer`` a wait for the work enqueued so far on ``producer``."""
+    rt = runtime()
+    # The event, and a legacy stream handle, belong to the current device: make it ours.
+    previous = int(check(rt.cudaGetDevice(), "cudaGetDevice"))
+    if previous != device_id:
+        check(rt.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
+    try:
+        events = getattr(_local, "events", None)
+        if events is None:
+            events = _local.events = _Events()
+        event = events.get(device_id)
+        if event is None:
+            event = check(rt.cudaEventCreateWithFlags(rt.cudaEventDisableTiming), "cudaEventCreateWithFlags")
+            events[device_id] = event
+        # Re-recording an event that an earlier wait still refers to is fine: a wait captures
+        # the event's state when it is enqueued.
+        check(rt.cudaEventRecord(event, producer), "cudaEventRecord")
+        check(rt.cudaStreamWaitEvent(consumer, event, 0), "cudaStreamWaitEvent")
+    finally:
+        if previous != device_id:
+            rt.cudaSetDevice(previous)
+
+
+class TensorView:
+    """One part (gate, up or down) of one cached expert: ``nbytes`` bytes at device address
+    ``ptr``, seen as ``shape`` of ``dtype`` (default: raw bytes, uint8 of shape ``(nbytes,)``).
+    Zero-copy: DLPack and the CUDA Array Interface (CUDA backend) or the NumPy array interface
+    (host backend) give consumers the address itself, C-contiguous and writable (NumPy imports
+    any unversioned DLPack capsule read-only; ``numpy.asarray(view)`` is writable).
+
+    A view is valid under the same rule as the addresses ``ExpertCache.select`` returns: for
+    work ordered after the select on its stream, until the next ``select``, ``load_compact``,
+    ``prepare_batch``, ``release_all`` or ``layer_class`` call on the cache. The view does not
+    keep the bytes alive, like a raw pointer; nor do arrays made from it.
+
+    ``cuda``: device memory (DLPack device ``(2, device_id)``) or host-backend memory (``(1,
+    0)``). ``stream``: the CUDA stream on which the bytes are ready (an int handle, an object
+    with ``__cuda_stream__`` or a cuda-python stream; None or 0: the legacy default stream).
+    ``dtype``: a numpy dtype or name, or ``"bfloat16"`` (DLPack only: the array interfaces
+    cannot express it). ``shape`` must cover exactly ``nbytes``.
+    """
+
+    __slots__ = ("ptr", "nbytes", "shape", "dtype", "cuda", "device_id", "stream", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int, *, cuda: bool, device_id: int = 0, stream: int = 0,
+                 dtype=None, shape=None):
+        self.ptr = u64(ptr, "ptr")
+        self.nbytes = u64(nbytes, "nbytes")
+        if self.ptr == 0 and self.nbytes:
+            raise ValueError(f"a view of {self.nbytes} bytes needs an address, got 0")
+        self.cuda = bool(cuda)
+        self.device_id = checked_int(device_id, "device_id", 0, I32_MAX)
+        self.stream = stream_handle(stream)
+        self.dtype = _dtype(dtype)
+        self.shape = _shape(shape, self.nbytes, self.dtype)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_dlpack.KDLCUDA, self.device_id) if self.cuda else (_dlpack.KDLCPU, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A ``"dltensor"`` capsule of the view (unversioned whatever ``max_version`` asks:
+        the array API standard lets consumers take it). On CUDA, ``stream`` is the consumer's:
+        None or 1 the legacy default stream (so is 0, which the standard disallows), 2 the
+        per-thread one, -1 "do not synchronize", another int a ``cudaStream_t`` (or a stream
+        object); unless it is the view's own stream (or -1), it is made to wait for the view's
+        stream, without blocking the host. On the host backend ``stream`` is ignored.
+        ``copy=True`` and a ``dl_device`` other than the view's raise BufferError."""
+        if copy:
+            raise BufferError("a view is zero-copy; copy=True is not supported")
+        device = self.__dlpack_device__()
+        if dl_device is not None:
+            try:
+                wanted = (int(dl_device[0]), int(dl_device[1]))
+            except (TypeError, ValueError, IndexError):
+                raise BufferError(f"dl_device must be a (device_type, device_id) pair, got {dl_device!r}") from None
+            if wanted != device:
+                raise BufferError(f"the view is on DLPack device {device}, not {wanted}; it cannot be moved "
+                                  "without a copy")
+        if self.cuda:
+            consumer = _consumer_stream(stream)
+            producer = _legacy(self.stream)
+            if consumer is not None and consumer != producer:
+                _make_wait(producer, consumer, self.device_id)
+        return _dlpack.capsule(self, self.ptr, self.shape, self.dtype, *device)
+
+    def _interface(self, what: str, error=TypeError) -> dict:
+        if isinstance(self.dtype, _dlpack.ExtraDType):
+            raise error(f"{what} cannot express {self.dtype.name}: export a {self.dtype.name} view "
+                        "through DLPack (from_dlpack) instead")
+        # A zero-size array's address is 0 in both interfaces.
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr if self.nbytes else 0, False),
+                "version": 3, "strides": None}
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CUDA Array Interface v3 (CUDA backend only: AttributeError otherwise, so that
+        ``hasattr`` tells). ``stream`` is the view's, 1 for the legacy default stream (v3
+        disallows 0); the consumer synchronizes with it."""
+        if not self.cuda:
+            raise AttributeError("a host-backend view has no __cuda_array_interface__ (use __array_interface__)")
+        # AttributeError for bfloat16, so that consumers probing with hasattr() go on to DLPack.
+        interface = self._interface("__cuda_array_interface__", AttributeError)
+        interface["stream"] = _legacy(self.stream)
+        return interface
+
+    @property
+    def __array_interface__(self) -> dict:
+        """NumPy array interface v3 (host backend only: AttributeError otherwise)."""
+        if self.cuda:
+            raise AttributeError("a CUDA view has no __array_interface__ (use DLPack or __cuda_array_interface__)")
+        return self._interface("__array_interface__")
+
+    def __repr__(self) -> str:
+        device = f"cuda:{self.device_id}" if self.cuda else "host"
+        return (f"TensorView(ptr={self.ptr:#x}, nbytes={self.nbytes}, dtype={self.dtype}, shape={self.shape}, "
+                f"device={device})")
+
+
+class ExpertView:
+    """The gate, up and down :class:`TensorView` of one cached expert (valid under the same
+    rule as each of them). Iterates over the three parts in that order."""
+
+    __slots__ = ("gate", "up", "down")
+
+    def __init__(self, gate: TensorView, up: TensorView, down: TensorView):
+        self.gate, self.up, self.down = gate, up, down
+
+    @property
+    def parts(self) -> tuple[TensorView, TensorView, TensorView]:
+        return (self.gate, self.up, self.down)
+
+    def __iter__(self):
+        return iter(self.parts)
+
+    def __repr__(self) -> str:
+        return f"ExpertView(gate={self.gate!r}, up={self.up!r}, down={self.down!r})"
+
+
+class ViewCache:
+    """The views :meth:`~pyexpcache.ExpertCache.select_views` hands out, one per slot address and
+    format, made on first use: a slot keeps its address for its class's life, so an all-hit
+    select only looks its views up (and sets their stream when it changed). A slot reused by
+    another class, or asked for in another format, gets new views."""
+
+    _LIMIT = 1 << 16  # addresses kept before starting afresh (slots freed and allocated elsewhere)
+
+    def __init__(self, layout):
+        self._layout = layout
+        self._cuda = False
+        self._device = 0
+        self._by_gate: dict[int, tuple] = {}
+
+    def configure(self, cuda: bool, device_id: int) -> None:
+        self._cuda, self._device = bool(cuda), int(device_id)
+        self._by_gate.clear()
+
+    def clear(self) -> None:
+        self._by_gate.clear()
+
+    def get(self, layer: int, rows: list, stream: int, dtype=None, shapes=None) -> list[ExpertView]:
+        """Views of ``rows`` ([gate, up, down] addresses of ``layer``'s class) ready on ``stream``."""
+        sizes = self._layout[layer].class_key
+        fmt = (sizes, dtype, None if shapes is None else tuple(tuple(s) for s in shapes))
+        table = self._by_gate
+        out = []
+        for g, u, d in rows:
+            entry = table.get(g)
+            if entry is None or entry[1] != u or entry[2] != d or entry[3] != fmt:
+                entry = (self._make(g, u, d, sizes, stream, dtype, fmt[2]), u, d, fmt)
+                if len(table) >= self._LIMIT:
+                    table.clear()
+                table[g] = entry
+            view = entry[0]
+            if view.gate.stream != stream:
+                view.gate.stream = view.up.stream = view.down.stream = stream
+            out.append(view)
+        return out
+
+    def _make(self, g, u, d, sizes, stream, dtype, shapes) -> ExpertView:
+        parts = []
+        for i, (ptr, nbytes) in enumerate(zip((g, u, d), sizes)):
+            parts.append(TensorView(ptr, nbytes, cuda=self._cuda, device_id=self._device, stream=stream, dtype=dtype,
+                                    shape=None if shapes is None else shapes[i]))
+        return ExpertView(*parts)
