@@ -18,7 +18,7 @@ CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/c
             libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp \
             libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
             libexpcache/src/backend/source_file.cpp
-CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu
+CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu libexpcache/src/kernels/spin.cu
 HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
 
 CORE_OBJ  = $(patsubst libexpcache/src/%.cpp,$(BUILD)/obj/%.o,$(CORE_SRC))

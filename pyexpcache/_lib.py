@@ -278,6 +278,8 @@ _FUNCTIONS = [
     ("expcache_testing_prefetch_pause", [CachePtr, c_uint32], c_int32),
     # expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache);
     ("expcache_testing_prefetch_drain", [CachePtr], c_int32),
+    # expcache_status_t expcache_testing_spin_async(expcache_t* cache, void* stream, uint64_t ns);
+    ("expcache_testing_spin_async", [CachePtr, c_void_p, c_uint64], c_int32),
     # expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
     ("expcache_testing_device_bytes_in_use", [CachePtr, POINTER(c_uint64)], c_int32),
     # uint32_t expcache_testing_struct_size(uint32_t which);

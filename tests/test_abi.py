@@ -41,6 +41,7 @@ TESTING_EXPORTS = {
     "expcache_testing_inject_alloc_failures", "expcache_testing_inject_copy_failures",
     "expcache_testing_inject_staging_failures", "expcache_testing_device_bytes_in_use",
     "expcache_testing_struct_size", "expcache_testing_prefetch_pause", "expcache_testing_prefetch_drain",
+    "expcache_testing_spin_async",
 }
 
 
@@ -350,6 +351,8 @@ CASES = [
     ("prefetch_stats_get NULL", "expcache_prefetch_stats_get", lambda h: (h, None), INVALID, "out is NULL"),
     ("prefetch_stats_get wrong size", "expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats(8))),
      INVALID, "struct_size is 8"),
+    ("testing_spin_async too long", "expcache_testing_spin_async", lambda h: (h, None, 2 * 10**9), INVALID,
+     "at most 1e9"),
     ("testing_prefetch_pause bad flag", "expcache_testing_prefetch_pause", lambda h: (h, 2), INVALID,
      "paused must be 0 or 1"),
     ("create bad prefetch limit", "expcache_create",
@@ -408,6 +411,7 @@ HANDLE_CALLS = [
     ("expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats()))),
     ("expcache_testing_prefetch_pause", lambda h: (h, 0)),
     ("expcache_testing_prefetch_drain", lambda h: (h,)),
+    ("expcache_testing_spin_async", lambda h: (h, None, 1000)),
 ]
 
 # Exports that take no cache and cannot fail: checked by the tests above and below, not by a table.

@@ -73,9 +73,9 @@ def test_resident_ids_are_skipped_and_the_layer_limit_drops_the_rest(make_cache)
     cache.drain_prefetch()
     p = cache.prefetch_stats()
     assert (p.issued, p.skipped, p.dropped) == (2, 1, 1)
-    assert cache.prefetch(L, [4]) == 0  # still two of the layer prefetched and unused
-    cache.select(L, [1])                 # one used: room for one more
-    assert cache.prefetch(L, [4, 5]) == 1
+    assert cache.prefetch(L, [4]) == 0  # two of the layer prefetched since its last select
+    cache.select(L, [1])                 # a select of the layer: a new limit
+    assert cache.prefetch(L, [4, 5, 6]) == 2
 
 
 def test_prefetch_off(make_cache):
@@ -158,7 +158,7 @@ def test_prefetch_of_many_pieces_while_selects_run(make_cache):
                 cache.drain_prefetch()
     p = cache.prefetch_stats()
     outstanding = p.issued - p.used - p.wasted - p.cancelled  # resident, not used yet
-    assert p.used > 0 and 0 <= outstanding <= 8 * len(layers)
+    assert p.used > 0 and 0 <= outstanding <= 24
     assert p.bytes_sent <= p.bytes_issued
 
 

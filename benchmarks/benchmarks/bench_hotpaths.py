@@ -11,6 +11,8 @@ times one call, alternating layer 5 and layer 40 (two size classes in ``mixed``)
                           full of decode experts, finished and synchronized.
 ``track_select_overhead`` ns per all-hit select in a tight loop: what the engine pays per layer
                           per token before any GPU work.
+``track_select_views_ratio`` an all-hit select_views (zero-copy tensor views) over an all-hit
+                          select, in the same loop and process (target: at most 2).
 
 No ``setup`` method, on purpose: asv (asv_runner >= 0.3) re-runs setup before every
 timed call of a class that has one and times each call alone. The rig is built
@@ -103,3 +105,29 @@ class HotPaths:
         return best
 
     track_select_overhead.unit = "ns"
+
+    def track_select_views_ratio(self, backend, layout):
+        """Best-of-5 ns of an all-hit select_views over that of an all-hit select, side by side."""
+        s = _state(backend, layout)
+        rig, cache = s.rig, s.hits
+        if not hasattr(cache, "select_views"):
+            raise NotImplementedError("no select_views at this commit")
+        before = cache.stats().path("decode")
+        calls = 5000
+
+        def best(fn) -> float:
+            out = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter_ns()
+                for i in range(calls):
+                    fn(rig.LAYERS[i % 2], rig.hot_ids)
+                out = min(out, (time.perf_counter_ns() - t0) / calls)
+            return out
+
+        plain, views = best(cache.select), best(cache.select_views)
+        after = cache.stats().path("decode")
+        if after.misses != before.misses:
+            raise RuntimeError("an all-hit select missed: the benchmark's set-up is wrong")
+        return views / plain
+
+    track_select_views_ratio.unit = "ratio"

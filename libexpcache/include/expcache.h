@@ -198,9 +198,9 @@ typedef struct expcache_config_t {
                                     64 KiB..64 MiB, a multiple of 4096 (a ring smaller than 2 chunks uses
                                     smaller ones) */
     uint32_t file_reads;       /**< EXPCACHE_FILE_READS_*; default BUFFERED */
-    uint32_t prefetch_max_per_layer; /**< most experts of one layer prefetched and not yet used at once
-                                    (expcache_prefetch_async); default 8; 0 turns prefetch off (every id
-                                    is counted as dropped); at most EXPCACHE_MAX_SELECT */
+    uint32_t prefetch_max_per_layer; /**< most experts of one layer queued by expcache_prefetch_async
+                                    between two serving calls of that layer; default 8; 0 turns prefetch
+                                    off (every id is counted as dropped); at most EXPCACHE_MAX_SELECT */
     uint64_t prefetch_piece_bytes; /**< largest piece a prefetch moves at a time: a demand miss waits for
                                     at most one piece in flight; default 256 KiB; 4 KiB..64 MiB, a
                                     multiple of 4096 */
@@ -360,7 +360,7 @@ EXPCACHE_API expcache_status_t expcache_ready_wait_async(expcache_t* cache, void
  * waits for more than the one piece in flight. Ids earlier in the list are sent
  * first (list them most likely first). An id already resident or on its way is
  * skipped; at most config.prefetch_max_per_layer experts of a layer are
- * prefetched and unused at once, and a prefetch only takes a free slot, grows the
+ * prefetched between two serving calls of it, and a prefetch only takes a free slot, grows the
  * class within its cap, or evicts an expert that neither the current nor the
  * previous serving call used and that no batch holds (never one of this call's).
  * Prefetched experts enter the policy as the first to go until a select uses

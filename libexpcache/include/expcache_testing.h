@@ -142,6 +142,14 @@ EXPCACHE_API expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache
  */
 EXPCACHE_API expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache);
 
+/**
+ * Benchmarks, both backends: `ns` nanoseconds (at most 1 s) of work that only
+ * takes time, enqueued on `stream` (one GPU thread spinning on the global
+ * timer; the host backend spins on the calling thread before returning): an
+ * engine's non-expert work of a layer. Status: INVALID_ARGUMENT, CUDA.
+ */
+EXPCACHE_API expcache_status_t expcache_testing_spin_async(expcache_t* cache, void* stream, uint64_t ns);
+
 /* ---------------------------------------------------------------------- */
 /* Struct sizes, for bindings to check their mirrors                       */
 /* ---------------------------------------------------------------------- */

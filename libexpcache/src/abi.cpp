@@ -397,6 +397,14 @@ expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache) {
     });
 }
 
+expcache_status_t expcache_testing_spin_async(expcache_t* cache, void* stream, uint64_t ns) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ns <= 1000000000ull, "ns must be at most 1e9 (1 s), got %llu", (unsigned long long)ns);
+        return cache->impl->spin(stream, ns);
+    });
+}
+
 expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

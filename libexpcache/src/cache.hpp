@@ -43,7 +43,7 @@ struct LayerState {
     uint32_t key_base = 0; // expert e's policy key is key_base + e
     int32_t cls = -1;      // bound class index, valid while classes_[cls].gen == cls_gen
     uint64_t cls_gen = 0;
-    uint32_t prefetched = 0;         // experts prefetched and not used yet (loading or landed)
+    uint32_t prefetched = 0;         // experts prefetched since the layer's last serving call (the limit)
     std::vector<int32_t> slot_of;    // per expert: slot index or -1
     std::vector<uint64_t> seen;      // per expert: last call that listed it (dedupe without clearing)
     std::vector<uint32_t> seen_pos;  // per expert: its index in that call's unique list
@@ -127,6 +127,7 @@ public:
     expcache_status_t get_prefetch_stats(expcache_prefetch_stats_t* out) const;
     expcache_status_t prefetch_pause(bool paused);
     expcache_status_t prefetch_drain();
+    expcache_status_t spin(void* stream, uint64_t ns);
     expcache_status_t load_compact(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream,
                                    expcache_compact_t* out);
     expcache_status_t batch_prepare(uint32_t layer, const uint32_t* ids, uint64_t n, void* stream,

@@ -217,4 +217,10 @@ expcache_status_t Cache::device_bytes_in_use(uint64_t* out) const {
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::spin(void* stream, uint64_t ns) {
+    CallScope scope(*this);
+    expcache_status_t s = usable();
+    return s == EXPCACHE_OK ? check(backend_->spin_async(ns, stream)) : s;
+}
+
 }  // namespace expcache

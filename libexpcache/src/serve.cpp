@@ -85,6 +85,7 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     clock_.pos = layers_[layer].rank;
     cls.policy->set_clock(clock_);
     call.layer = &layers_[layer];
+    call.layer->prefetched = 0;  // the layer's prefetches are answered: a new limit for the next ones
     call.cls = &cls;
     call.st = &cls.stats[call.path];
     dedupe(*call.layer, ids, n);

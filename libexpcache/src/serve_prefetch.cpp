@@ -35,7 +35,7 @@ expcache_status_t Cache::settle_prefetches(bool cancel) {
         LayerState& layer = layers_[slot.layer];
         pstats_.cancelled++;
         pstats_.bytes_cancelled += layer.expert_bytes();
-        layer.prefetched--;
+        if (layer.prefetched > 0) layer.prefetched--;
         slot.prefetch = kPrefetchNone;
         uninstall(job.cls, job.slot);
     }
@@ -54,7 +54,6 @@ void Cache::note_use(ClassState& cls, int32_t s) {
     LayerState& layer = layers_[slot.layer];
     pstats_.used++;
     pstats_.bytes_used += layer.expert_bytes();
-    layer.prefetched--;
     slot.prefetch = kPrefetchNone;
 }
 
@@ -63,7 +62,6 @@ void Cache::drop_prefetched(ClassState&, SlotState& slot) {
     LayerState& layer = layers_[slot.layer];
     pstats_.wasted++;
     pstats_.bytes_wasted += layer.expert_bytes();
-    layer.prefetched--;
     slot.prefetch = kPrefetchNone;
 }
 

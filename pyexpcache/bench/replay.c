@@ -5,6 +5,12 @@
  * every byte of them — the per-layer synchronization point — and compare
  * with the expected sums.
  *
+ * With options, a decode call models an engine's layer: the advice for the
+ * layer (a prefetch or a hint of predicted experts, made from the previous
+ * layer), then `compute_ns` of non-expert work on the stream and a wait for
+ * it (the router's result reaches the host), then the select (split: the hits'
+ * checksum runs while the misses cross) and the experts' checksum.
+ *
  * Built as libexpcache_replay.so without linking libexpcache, and loaded
  * with RTLD_LOCAL: the caller passes the library's functions in a
  * replay_api_t (pyexpcache/bench/replay.py fills it from the libexpcache it
@@ -43,7 +49,29 @@ typedef struct replay_api_t {
     expcache_status_t (*checksum_async)(expcache_t*, uint32_t, const expcache_expert_ptrs_t*, uint32_t, void*,
                                         uint32_t);
     expcache_status_t (*checksum_results)(expcache_t*, uint32_t, uint32_t, uint64_t*);
+    expcache_status_t (*select_split_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*,
+                                            expcache_expert_ptrs_t*, uint8_t*, void**);
+    expcache_status_t (*ready_wait_async)(expcache_t*, void*, void*);
+    expcache_status_t (*prefetch_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*, uint32_t*);
+    expcache_status_t (*hint)(expcache_t*, uint32_t, const uint32_t*, uint32_t);
+    expcache_status_t (*spin_async)(expcache_t*, void*, uint64_t);
 } replay_api_t;
+
+#define REPLAY_ADVICE_NONE 0
+#define REPLAY_ADVICE_PREFETCH 1
+#define REPLAY_ADVICE_HINT 2
+
+/* The engine a decode call models (NULL: none of it). */
+typedef struct replay_options_t {
+    uint32_t struct_size;
+    uint32_t advice;        /* REPLAY_ADVICE_*: what is done with each call's advice ids */
+    uint64_t compute_ns;    /* non-expert work per layer, before its select */
+    uint32_t split;         /* 1: select_split_async, the hits checksummed before waiting for the misses */
+    uint32_t reserved;
+    const uint64_t* advice_offset; /* per call: its advice ids in advice_ids (count 0: none) */
+    const uint32_t* advice_count;
+    const uint32_t* advice_ids;
+} replay_options_t;
 
 typedef struct replay_call_t {
     uint32_t kind;
@@ -147,8 +175,12 @@ static void verify(replay_result_t* out, uint64_t call, const uint64_t* want, co
 __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     const replay_api_t* api, expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, uint32_t mode,
     void* stream, const uint64_t* expected, uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync,
-    replay_progress_fn progress, replay_result_t* out) {
+    const replay_options_t* options, replay_progress_fn progress, replay_result_t* out) {
     if (!api || api->struct_size != sizeof *api || !cache || !calls || !ids || !expected || !out)
+        return EXPCACHE_ERR_INVALID_ARGUMENT;
+    if (options && (options->struct_size != sizeof *options || !layer_sync || mode != REPLAY_MODE_CACHE ||
+                    (options->advice != REPLAY_ADVICE_NONE &&
+                     (!options->advice_offset || !options->advice_count || !options->advice_ids))))
         return EXPCACHE_ERR_INVALID_ARGUMENT;
     memset(out, 0, sizeof *out);
     out->first_bad_call = UINT64_MAX;
@@ -156,7 +188,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     for (uint64_t c = 0; c < num_calls; ++c)
         if (calls[c].count > max_count) max_count = calls[c].count;
     uint32_t* uniq = malloc(sizeof(uint32_t) * max_count);
-    expcache_expert_ptrs_t* ptrs = malloc(sizeof(expcache_expert_ptrs_t) * max_count);
+    expcache_expert_ptrs_t* ptrs = malloc(sizeof(expcache_expert_ptrs_t) * 2 * max_count); /* 2x: split order */
     uint64_t* sums = malloc(sizeof(uint64_t) * (max_count > EXPCACHE_CHECKSUM_RESULTS ? max_count
                                                                                     : EXPCACHE_CHECKSUM_RESULTS));
     uint8_t* seen = calloc(experts_per_layer, 1);
@@ -208,6 +240,64 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
                 progress(c + 1, num_calls)) {
                 out->stopped = 1;
                 goto done;
+            }
+            continue;
+        }
+        if (call->kind == REPLAY_DECODE && options) {
+            /* One engine layer: advice, non-expert work, select, the experts' work. */
+            uint32_t na = options->advice == REPLAY_ADVICE_NONE ? 0 : options->advice_count[c];
+            const uint32_t* advice = na ? options->advice_ids + options->advice_offset[c] : NULL;
+            if (na && options->advice == REPLAY_ADVICE_PREFETCH)
+                s = api->prefetch_async(cache, call->layer, advice, na, stream, NULL);
+            else if (na)
+                s = api->hint(cache, call->layer, advice, na);
+            if (s == EXPCACHE_OK && options->compute_ns) {
+                s = api->spin_async(cache, stream, options->compute_ns);
+                if (s == EXPCACHE_OK) s = api->synchronize(cache, stream);
+            }
+            const double ts = now_s();
+            double served_s = 0;
+            if (s == EXPCACHE_OK && options->split) {
+                /* The hits' checksum into the first result slots at once, the misses' after their event:
+                   ordered[] lists the ids' pointers hits first, served[] their ids in that order. */
+                uint8_t resident[EXPCACHE_MAX_SELECT];
+                void* ready = NULL;
+                expcache_expert_ptrs_t* ordered = ptrs + n;
+                s = api->select_split_async(cache, call->layer, cid, n, stream, ptrs, resident, &ready);
+                served_s = now_s() - ts;
+                uint32_t nh = 0;
+                for (int pass = 1; s == EXPCACHE_OK && pass >= 0; --pass)
+                    for (uint32_t i = 0; i < n; ++i)
+                        if (resident[i] == pass) {
+                            ordered[nh] = ptrs[i];
+                            uniq[nh++] = cid[i];
+                        }
+                uint32_t hits = 0;
+                for (uint32_t i = 0; i < n; ++i) hits += resident[i] ? 1 : 0;
+                served = uniq;
+                if (s == EXPCACHE_OK && hits) s = api->checksum_async(cache, call->layer, ordered, hits, stream, 0);
+                if (s == EXPCACHE_OK && hits < n) s = api->ready_wait_async(cache, ready, stream);
+                if (s == EXPCACHE_OK && hits < n)
+                    s = api->checksum_async(cache, call->layer, ordered + hits, n - hits, stream, hits);
+                if (s == EXPCACHE_OK) s = api->synchronize(cache, stream);
+                if (s == EXPCACHE_OK) s = api->checksum_results(cache, 0, n, sums);
+            } else if (s == EXPCACHE_OK) {
+                s = api->select_async(cache, call->layer, cid, n, stream, ptrs);
+                served_s = now_s() - ts;
+                if (s == EXPCACHE_OK) s = api->checksum(cache, call->layer, ptrs, n, stream, sums);
+            }
+            if (s != EXPCACHE_OK) goto done;
+            uint64_t now_moved = bytes_h2d(api, cache, max_classes);
+            out->decode_seconds += now_s() - t0; /* the advice and the non-expert work included */
+            out->decode_serve_seconds += served_s;
+            out->decode_calls++;
+            out->decode_bytes_h2d += now_moved - moved;
+            moved = now_moved;
+            verify(out, c, expected + (uint64_t)call->layer * experts_per_layer, served, sums, n);
+            out->calls_done = c + 1;
+            if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls) && progress(c + 1, num_calls)) {
+                out->stopped = 1;
+                break;
             }
             continue;
         }

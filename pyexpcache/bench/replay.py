@@ -12,6 +12,7 @@ from .. import _lib
 
 DECODE, BATCH = 0, 1
 MODE_CACHE, MODE_NOCACHE, MODE_SLAB = 0, 1, 2
+ADVICE_NONE, ADVICE_PREFETCH, ADVICE_HINT = 0, 1, 2
 
 
 class ReplayCall(ctypes.Structure):
@@ -26,6 +27,13 @@ class ReplayResult(ctypes.Structure):
                 ("decode_serve_seconds", c_double), ("stopped", c_uint64)]
 
 
+class ReplayOptions(ctypes.Structure):
+    """replay_options_t: the engine a decode call models (layer_sync mode, the cache's own variants)."""
+    _fields_ = [("struct_size", c_uint32), ("advice", c_uint32), ("compute_ns", c_uint64), ("split", c_uint32),
+                ("reserved", c_uint32), ("advice_offset", c_void_p), ("advice_count", c_void_p),
+                ("advice_ids", c_void_p)]
+
+
 # replay_api_t's function pointers, in order, and the libexpcache export each one takes.
 API_FUNCTIONS = (
     ("select_async", "expcache_select_async"),
@@ -38,6 +46,11 @@ API_FUNCTIONS = (
     ("checksum", "expcache_testing_checksum"),
     ("checksum_async", "expcache_testing_checksum_async"),
     ("checksum_results", "expcache_testing_checksum_results"),
+    ("select_split_async", "expcache_select_split_async"),
+    ("ready_wait_async", "expcache_ready_wait_async"),
+    ("prefetch_async", "expcache_prefetch_async"),
+    ("hint", "expcache_hint"),
+    ("spin_async", "expcache_testing_spin_async"),
 )
 
 
@@ -59,10 +72,11 @@ def load() -> tuple[ctypes.CDLL, ReplayApi]:
         raise ImportError(f"{path}: {exc}; build it with `make lib`") from None
     # expcache_status_t expcache_replay(const replay_api_t* api, expcache_t* cache, const replay_call_t* calls,
     #     uint64_t num_calls, const uint32_t* ids, uint32_t mode, void* stream, const uint64_t* expected,
-    #     uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync, replay_progress_fn progress,
-    #     replay_result_t* out);
+    #     uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync, const replay_options_t* options,
+    #     replay_progress_fn progress, replay_result_t* out);
     dll.expcache_replay.argtypes = [POINTER(ReplayApi), c_void_p, c_void_p, c_uint64, c_void_p, c_uint32, c_void_p,
-                                    c_void_p, c_uint32, c_uint32, c_uint32, PROGRESS_FN, POINTER(ReplayResult)]
+                                    c_void_p, c_uint32, c_uint32, c_uint32, POINTER(ReplayOptions), PROGRESS_FN,
+                                    POINTER(ReplayResult)]
     dll.expcache_replay.restype = c_int32
     dll.expcache_replay.errcheck = _lib.raise_for_status
     api = ReplayApi()

@@ -237,7 +237,11 @@ class Bench:
             self.progress("preloading all experts", n + 1, len(layers))
         cache.synchronize(self.stream)
 
-    def _replay(self, cache: ExpertCache, variant: str, workload: Workload, result: VariantResult) -> None:
+    def _replay(self, cache: ExpertCache, variant: str, workload: Workload, result: VariantResult,
+                options=None) -> None:
+        """One replay of ``workload`` through the C loop into ``result``; ``options`` (a
+        :class:`~pyexpcache.bench.replay.ReplayOptions`, kept alive by the caller with its arrays)
+        makes each decode call an engine's layer."""
         from . import replay as _replay
 
         calls, ids = workload.arrays()
@@ -261,7 +265,8 @@ class Bench:
             with cache.raw_handle() as handle:
                 dll.expcache_replay(ctypes.byref(api), handle, ctypes.addressof(calls), len(calls), ids.ctypes.data,
                                     mode, self.stream, expected.ctypes.data, expected.shape[1], cache.max_classes,
-                                    int(self.layer_sync), progress, ctypes.byref(out))
+                                    int(self.layer_sync), ctypes.byref(options) if options is not None else None,
+                                    progress, ctypes.byref(out))
         if failed:
             raise failed[0]
         if out.stopped:  # asked by the callback and not raised above: only an interrupt does that

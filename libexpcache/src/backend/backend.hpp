@@ -66,6 +66,8 @@ public:
     virtual expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums,
                                              uint32_t first, void* stream) = 0;
     virtual expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) = 0;
+    // `ns` nanoseconds of work on `stream` that only takes time (the host backend spins now).
+    virtual expcache_status_t spin_async(uint64_t ns, void* stream) = 0;
 
     // The cache's own copy stream, where split selects' misses and prefetch pieces go
     // (host: nullptr, its copies finish as they are made).

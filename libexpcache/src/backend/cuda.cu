@@ -9,6 +9,7 @@
 #include "staging_ring.hpp"
 #include "../errors.hpp"
 #include "../kernels/checksum.cuh"
+#include "../kernels/spin.cuh"
 
 namespace expcache {
 
@@ -321,6 +322,10 @@ public:
     }
     expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
         checksum_.results(first, n, out);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t spin_async(uint64_t ns, void* stream) override {
+        EXPCACHE_CUDA_TRY(launch_spin(ns, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
 

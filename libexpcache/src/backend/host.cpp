@@ -4,6 +4,7 @@
 // Copies complete before returning, so streams and fences are no-ops.
 // Pageable and file uploads go through the same StagingRing as on the CUDA
 // backend, with a memcpy for the link.
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
@@ -116,6 +117,12 @@ public:
         for (uint32_t i = 0; i < num_sums; ++i) results_[first + i] = 0;
         for (uint32_t i = 0; i < num_jobs; ++i)
             results_[first + jobs[i].out] += checksum_host(jobs[i].ptr, jobs[i].bytes);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t spin_async(uint64_t ns, void*) override {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+        while (std::chrono::steady_clock::now() < until) {
+        }
         return EXPCACHE_OK;
     }
     expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
