@@ -110,6 +110,35 @@ def _size(text: str) -> int:
     return sizes[0]
 
 
+def _nonnegative_us(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of µs, got {text!r}") from None
+    if not 0 <= value <= 1e6:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1e6] µs, got {text}")
+    return value
+
+
+def _prefetch_specs(text: str) -> list[str]:
+    from .bench.predict import parse_prefetch
+
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise argparse.ArgumentTypeError("expected a comma list of none, cooc, oracle:R")
+    for spec in specs:
+        try:
+            parse_prefetch(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return specs
+
+
+def _engine_mode(args) -> bool:
+    return (args.layer_compute_us is not None or args.prefetch is not None or args.hints or args.split
+            or args.loop == "torch")
+
+
 def _parser() -> argparse.ArgumentParser:
     from .bench import DEFAULT_TRACES, SCENARIOS, VARIANTS
 
@@ -158,6 +187,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest staging piece one thread fills and one transfer moves, e.g. 1M (default 512K)")
     b.add_argument("--file-reads", choices=("buffered", "direct"), default="buffered",
                    help="with --gguf-reads file: through the page cache (default) or O_DIRECT")
+    e = b.add_argument_group("engine model", "any of these replaces the variants table by the engine "
+                             "comparison (decode scenario, the library's default policy): each setting side by "
+                             "side with none in one run")
+    e.add_argument("--layer-compute-us", type=_nonnegative_us, default=None, metavar="N",
+                   help="N µs of non-expert work per layer (a GPU kernel that only takes time) before the layer's "
+                        "select, as attention at batch 1 would be (default 0)")
+    e.add_argument("--prefetch", type=_prefetch_specs, default=None, metavar="SPECS",
+                   help="comma list of none, cooc (an online next-layer predictor learning only from earlier "
+                        "tokens) and oracle:R (simulated: knows each next-layer expert with probability R); each "
+                        "prefetches its predictions of the next layer while this one computes")
+    e.add_argument("--prefetch-top", type=int, default=6, metavar="K",
+                   help="experts each prediction names, most likely first (default 6; a layer takes at most 8)")
+    e.add_argument("--hints", action="store_true",
+                   help="also run each --prefetch predictor as hints only (refresh resident experts, no copy)")
+    e.add_argument("--split", action="store_true",
+                   help="serve with the split select: the hits' work runs while the misses cross")
+    e.add_argument("--loop", choices=("c", "torch"), default="c",
+                   help="c: the C replay loop (default); torch: a torch decode loop (one torch kernel per expert "
+                        "over its view, a synchronize per layer), plain select against hits before misses")
     b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     b.add_argument("--plot", metavar="FILE.png",
                    help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)")
@@ -215,6 +263,21 @@ def _check_bench(args) -> None:
         _writable_file(args.json, "--json")
     if args.scale is not None and args.scale < 1:
         raise UsageError(f"--scale must be >= 1, got {args.scale}")
+    if _engine_mode(args):
+        if args.scenario != ["decode"]:
+            raise UsageError("the engine model (--layer-compute-us, --prefetch, --hints, --split, --loop torch) "
+                             "replays the decode scenario only")
+        if args.no_layer_sync:
+            raise UsageError("the engine model waits after every layer: drop --no-layer-sync")
+        if not 1 <= args.prefetch_top <= 256:
+            raise UsageError(f"--prefetch-top must be 1..256, got {args.prefetch_top}")
+        if args.hints and not args.prefetch:
+            raise UsageError("--hints gives the --prefetch predictors as hints: name them, e.g. --prefetch cooc")
+        if args.loop == "torch":
+            _need(_has_module("torch"), "--loop torch needs torch", "torch")
+            if args.prefetch or args.hints:
+                raise UsageError("--loop torch compares plain and split selects; --prefetch and --hints run in "
+                                 "the C loop (--loop c)")
     from . import bench
 
     bench.build_workload("decode", args.traces)  # every trace readable (one-line errors name the file)
@@ -258,6 +321,8 @@ def _bench(args) -> int:
                          progress=progress, device=args.device, source=source, placement=args.placement,
                          layer_sync=not args.no_layer_sync, cache_options=_cache_options(args))
     try:
+        if _engine_mode(args):
+            return _engine(args, shared)
         for scenario in scenarios:
             report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
                                host_scale=scale, bench=shared)
@@ -282,6 +347,35 @@ def _bench(args) -> int:
         bench.plot_curve(curve, args.plot, f"{layout.name}: {workload.decode_tokens} decode tokens")
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _engine(args, shared) -> int:
+    """The engine comparison (``--layer-compute-us``, ``--prefetch``, ``--hints``, ``--split``,
+    ``--loop torch``) on the bench's source: one table, each setting against the first."""
+    compute = args.layer_compute_us or 0.0
+    if args.loop == "torch":
+        from .bench.torch_loop import format_torch_loop_report, run_torch_loop
+
+        report = run_torch_loop(shared, traces=args.traces, compute_us=compute, progress=shared.progress)
+        text = format_torch_loop_report(report)
+    else:
+        from .bench.engine import format_engine_report, run_engine
+
+        report = run_engine(shared, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
+                            compute_us=compute, split=args.split, top=args.prefetch_top)
+        text = format_engine_report(report)
+    report.argv = ["expcache"] + list(args.argv)
+    print(text, flush=True)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+    errors = sum(r.checksum_errors for r in report.results)
+    if errors:
+        print(f"FAILED: {errors} experts served with bytes that differ from the source", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _info() -> int:
