@@ -12,7 +12,7 @@ The public API::
         print(cache.stats().hit_rate)
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from ._errors import (  # noqa: E402 (the version first: submodules read it)
     ArgumentRangeError,

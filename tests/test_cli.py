@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import pyexpcache
+
 from pyexpcache import cli
 
 # Children run in other folders: they find the package the way this process did.
@@ -126,7 +128,7 @@ def test_json_report_records_what_made_it(capsys, tmp_path):
     import pyexpcache
 
     assert report["version"] == pyexpcache.__version__
-    assert report["library"].startswith("0.1.0 (") and ".so" in report["library"]
+    assert report["library"].startswith(pyexpcache.__version__ + " (") and ".so" in report["library"]
     assert report["argv"] == ["expcache"] + FAST + ["--json", str(path)]
     assert report["traces"] == ["smoke_count64"]
     assert report["device"].startswith("host")
