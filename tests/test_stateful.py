@@ -7,9 +7,12 @@ sometimes a dense layer), with random budgets (experts, bytes or both), a
 max_classes sometimes smaller than the number of classes, sometimes a tight
 emulated device capacity and reserve, and sometimes small slabs. It then runs a
 random sequence of select / prepare_batch / batch finish / load_compact /
-release_all / fail_device_alloc_after / reset_stats calls (plus the odd invalid
-call) on both, and after every step compares:
+prefetch / hint / release_all / fail_device_alloc_after / reset_stats calls (plus
+the odd invalid call) on both, and after every step compares:
 
+* prefetch made certain: in half the examples the prefetch thread is paused (every
+  prefetch stays queued until the next serving call or release cancels it), in the
+  others each prefetch is drained at once (every byte sent);
 * the raised exception type (library status vs model status), or success; on
   failure of a select made through the raw ABI, that its out-pointers are untouched;
 * that hits are served in place (at the address the expert was loaded to), newly
@@ -20,7 +23,8 @@ call) on both, and after every step compares:
   each later step (held slots must never be overwritten);
 * which (layer, expert) are resident (``read_expert`` is not None) and that
   their bytes equal the source;
-* every counter of every class and path (``cache.stats()``), the class infos
+* every counter of every class and path (``cache.stats()``) and of prefetch and hints
+  (``cache.prefetch_stats()``, all but the piece count), the class infos
   (key, target, cap, allocated, resident, held, layers), device bytes in use.
 
 Default run: ``max_examples=400`` sequences of up to ``stateful_step_count=50``
@@ -45,7 +49,7 @@ from hypothesis import HealthCheck, settings, strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 
 from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout  # noqa: E402
-from pyexpcache._lib import lib  # noqa: E402
+from pyexpcache._lib import PREFETCH_FIELDS, lib  # noqa: E402
 
 from support.cache import SCALE, assert_served  # noqa: E402
 from support.reference_model import PATHS, STAT_FIELDS, ModelError, ReferenceCache, align_up  # noqa: E402
@@ -159,14 +163,18 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = None
         self.model = None
 
-    @initialize(cfg=configs())
-    def setup(self, cfg):
+    @initialize(cfg=configs(), paused=st.booleans(), limit=st.sampled_from([1, 3, 8]))
+    def setup(self, cfg, paused, limit):
         name, kw = cfg
         self.layout = LAYOUTS[name]
         self.source = source_for(name)
         self.kw = kw
-        self.cache = ExpertCache(self.layout, self.source, backend="host", log_level=0, **kw)
-        self.model = ReferenceCache(self.layout, **kw)
+        self.paused = paused
+        self.cache = ExpertCache(self.layout, self.source, backend="host", log_level=0,
+                                 prefetch_max_per_layer=limit, **kw)
+        if paused:
+            self.cache.pause_prefetch()
+        self.model = ReferenceCache(self.layout, prefetch_max_per_layer=limit, **kw)
         self.batches = []  # (Batch, model handle)
         self.compact = None  # (layer, ids, CompactBuffer) while valid
         self.moe_layers = self.layout.moe_layers
@@ -303,6 +311,27 @@ class CacheMachine(RuleBasedStateMachine):
         self.both(lambda: self.model.finish_batch(h),
                   lambda: lib.expcache_batch_finish(self.cache._handle, h, None))
 
+    @rule(data=st.data())
+    def prefetch(self, data):
+        layer = self.draw_layer(data)
+        ids = self.draw_ids(data, layer, 7)
+
+        def lib_call():
+            queued = self.cache.prefetch(layer, np.array(ids, dtype=np.int64))
+            if not self.paused:
+                self.cache.drain_prefetch()
+            return queued
+
+        ok, m_queued, l_queued = self.both(lambda: self.model.prefetch(layer, ids, lands=not self.paused), lib_call)
+        if ok:
+            assert l_queued == m_queued
+
+    @rule(data=st.data())
+    def hint(self, data):
+        layer = self.draw_layer(data)
+        ids = self.draw_ids(data, layer, 7)
+        self.both(lambda: self.model.hint(layer, ids), lambda: self.cache.hint(layer, np.array(ids, dtype=np.int64)))
+
     @rule()
     def release_all(self):
         self.compact = None
@@ -349,6 +378,9 @@ class CacheMachine(RuleBasedStateMachine):
                 got = {f: getattr(c.paths[p], f) for f in STAT_FIELDS}
                 want = m_stats[c.info.index][p]
                 assert got == want, f"class {c.info.index} path {p}: library {got}, model {want}"
+        got = {f: getattr(self.cache.prefetch_stats(), f) for f in PREFETCH_FIELDS if f != "pieces"}
+        want = {f: v for f, v in self.model.pstats.items() if f != "pieces"}
+        assert got == want, f"prefetch: library {got}, model {want}"
         assert self.cache.device_bytes_in_use == self.model.device_bytes_in_use
         # Unfinished batches still hold their bytes; so does the live compact buffer.
         for batch, _ in self.batches:

@@ -3,6 +3,8 @@ work enqueued earlier on another stream may still read it."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -98,3 +100,80 @@ def test_staging_reuse_on_another_stream_waits_for_earlier_reads(cuda, policy):
         assert int(second[1][0]) == int(first[1][0])
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         assert _all_reads_saw(cache, source.expected_checksum(0, 1))
+
+
+def test_split_select_misses_wait_for_earlier_reads_on_the_stream(cuda, policy):
+    """The split select copies its misses on the cache's own stream: that stream waits for the
+    work enqueued on the caller's before overwriting a slot."""
+    rt, a, _ = cuda
+    layout = ModelLayout((LayerSpec(4, PART, PART, PART),), name="fence-split")
+    with HostSource(layout, pinned=True) as source, \
+            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache:
+        old = cache.select(0, [0], stream=a)[0]
+        cache.synchronize(a)
+        _long_read(cache, old, a)
+        sel = cache.select_split(0, [1], stream=a)  # evicts expert 0: the same slot, on the copy stream
+        assert not sel.resident[0] and sel.ready != 0
+        assert int(sel.pointers[0][0]) == int(old[0])
+        sel.wait(a)
+        _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        assert _all_reads_saw(cache, source.expected_checksum(0, 0))
+        assert (_bytes_at(int(sel.pointers[0][0]), PART) == source.part(0, 1, 0)).all()
+
+
+def test_split_select_misses_are_whole_after_wait(cuda, policy):
+    """Work enqueued after Selection.wait() reads the misses' bytes whole."""
+    rt, a, _ = cuda
+    layout = ModelLayout((LayerSpec(6, PART, PART, PART),), name="split-ready")
+    with HostSource(layout, pinned=True) as source, \
+            ExpertCache(layout, source, budget_experts=6, backend="cuda", log_level=0, policy=policy) as cache:
+        for e in range(6):
+            sel = cache.select_split(0, [e], stream=a)
+            sel.wait(a)
+            _long_read(cache, sel.pointers[0], a)
+            cache.synchronize(a)
+            assert _all_reads_saw(cache, source.expected_checksum(0, e)), f"expert {e} read before it landed"
+
+
+@pytest.mark.parametrize("policy", ["lru"])  # the victim must be expert 0
+def test_prefetch_waits_for_reads_of_older_calls(cuda, policy):
+    """A prefetch may evict an expert used two serving calls ago; its pieces wait for the work
+    enqueued on the stream before the previous call, so a kernel still reading it is safe."""
+    rt, a, _ = cuda
+    layout = ModelLayout((LayerSpec(5, PART, PART, PART),), name="fence-prefetch")
+    with HostSource(layout, pinned=True) as source, \
+            ExpertCache(layout, source, budget_experts=3, backend="cuda", log_level=0, policy=policy,
+                        prefetch_piece_bytes=1 << 20) as cache:
+        old = cache.select(0, [0], stream=a)[0]
+        cache.synchronize(a)
+        _long_read(cache, old, a)
+        cache.select(0, [1], stream=a)
+        cache.select(0, [2], stream=a)
+        assert cache.prefetch(0, [3], stream=a) == 1  # evicts 0 (used two calls ago)
+        cache.drain_prefetch()
+        _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+        assert _all_reads_saw(cache, source.expected_checksum(0, 0))
+        got = cache.select(0, [3], stream=a)[0]
+        assert int(got[0]) == int(old[0]), "the test needs the prefetch to reuse the slot being read"
+        cache.synchronize(a)
+        assert (_bytes_at(int(got[0]), PART) == source.part(0, 3, 0)).all()
+        assert cache.prefetch_stats().used == 1
+
+
+def test_a_select_right_after_a_prefetch_reads_whole_bytes(cuda, policy):
+    """Whether the prefetch was cancelled, half sent or landed when the select came, the expert
+    read on the select's stream is whole."""
+    rt, a, _ = cuda
+    layout = ModelLayout((LayerSpec(8, PART, PART, PART),), name="prefetch-then-select")
+    with HostSource(layout, pinned=True) as source, \
+            ExpertCache(layout, source, budget_experts=8, backend="cuda", log_level=0, policy=policy,
+                        prefetch_piece_bytes=256 << 10) as cache:
+        for e in range(8):
+            cache.prefetch(0, [e], stream=a)
+            time.sleep(0.0002 * e)  # from at once to after it landed
+            ptrs = cache.select(0, [e], stream=a)[0]
+            _long_read(cache, ptrs, a)
+            cache.synchronize(a)
+            assert _all_reads_saw(cache, source.expected_checksum(0, e)), f"expert {e}"
+        p = cache.prefetch_stats()
+        assert p.issued == 8 and p.used + p.cancelled == 8

@@ -80,7 +80,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from pyexpcache._lib import MAX_BATCHES, MAX_SELECT, PATH_NAMES as PATHS, STAT_FIELDS  # the ABI's, not the model's
+from pyexpcache._lib import MAX_BATCHES, MAX_SELECT, PATH_NAMES as PATHS, PREFETCH_FIELDS, STAT_FIELDS  # the ABI's
 from pyexpcache.sim import Ctx, OppClassLRU
 
 ALIGN = 256
@@ -138,6 +138,10 @@ class RefClass:
     cap_announced: bool = False
     layers: int = 0
     stats: Dict[str, Dict[str, int]] = field(default_factory=new_stats)
+    # Prefetched entries not used yet: "loading" (queued, never served) or "unused" (every byte sent).
+    pf: Dict[Key, str] = field(default_factory=dict)
+    # The serving call that last used each entry (0: none), for what a prefetch may evict.
+    last_use: Dict[Key, int] = field(default_factory=dict)
 
     @property
     def resident(self) -> int:
@@ -182,8 +186,12 @@ class ReferenceCache:
     def __init__(self, layout, *, budget_experts: Optional[int] = None, budget_bytes: Optional[int] = None,
                  reserve_bytes: Optional[int] = None, max_classes: int = 4,
                  device_capacity_bytes: Optional[int] = None, slab_bytes: Optional[int] = None,
-                 batch_staging_releases: bool = False, policy: str = "lru"):
+                 batch_staging_releases: bool = False, policy: str = "lru", prefetch_max_per_layer: int = 8):
         self.batch_staging_releases = batch_staging_releases
+        self.prefetch_max = int(prefetch_max_per_layer)
+        self.pstats = {f: 0 for f in PREFETCH_FIELDS}
+        self.pf_count: Dict[int, int] = {}  # per layer: prefetched since its last serving call
+        self.cur_call = self.prev_call = 0
         if policy not in ("lru", "oppclass"):
             raise ModelError(INVALID_ARGUMENT, f"unknown policy {policy}")
         self.policy = policy
@@ -296,6 +304,7 @@ class ReferenceCache:
         cls.key = key
         cls.slot_bytes = sum(align_up(b) for b in key)
         cls.lru = OrderedDict()
+        cls.pf, cls.last_use = {}, {}
         cls.pol = OppClassLRU(None) if self.policy == "oppclass" else None  # a reused class starts afresh
         cls.holds = {}
         cls.allocated = 0
@@ -334,6 +343,10 @@ class ReferenceCache:
         if not cls.slabs:
             return
         assert cls.held == 0
+        self._cancel_prefetches()  # nothing is sent into the slabs after this
+        for k in list(cls.pf):
+            self._forget_prefetch(cls, k, "wasted")
+        cls.last_use = {}
         for aid in cls.slabs:
             self._free(aid)
         cls.slabs = []
@@ -406,9 +419,10 @@ class ReferenceCache:
         cls.slabs.append(aid)
         cls.allocated += n
 
-    def _acquire(self, c: int, *, allow_evict: bool, protected: set, path: str) -> bool:
+    def _acquire(self, c: int, *, allow_evict: bool, protected: set, path: str, prefetch: bool = False) -> bool:
         """Make room for one more resident entry. Returns True when there is a free slot
-        (possibly after growing or evicting), False when the miss must go to staging."""
+        (possibly after growing or evicting), False when the miss must go to staging. A
+        prefetch may evict no entry of the current or previous serving call, nor one loading."""
         cls = self.classes[c]
         if cls.free == 0:
             if not cls.cap_valid:
@@ -418,12 +432,19 @@ class ReferenceCache:
         if cls.free > 0:
             return True
         if allow_evict:
-            evictable = lambda k: k not in protected and cls.holds.get(k, 0) == 0  # noqa: E731
+            if prefetch:
+                evictable = lambda k: (cls.holds.get(k, 0) == 0 and cls.pf.get(k) != "loading"  # noqa: E731
+                                       and cls.last_use.get(k, 0) < self.prev_call)
+            else:
+                evictable = lambda k: k not in protected and cls.holds.get(k, 0) == 0  # noqa: E731
             if cls.pol is not None:
                 victim = cls.pol.victim(evictable)
             else:
                 victim = next((k for k in cls.lru if evictable(k)), None)
             if victim is not None:
+                if victim in cls.pf:
+                    self._forget_prefetch(cls, victim, "wasted")
+                cls.last_use.pop(victim, None)
                 del cls.lru[victim]
                 if cls.pol is not None:
                     cls.pol.on_remove(victim)
@@ -433,10 +454,13 @@ class ReferenceCache:
 
     def _start_call(self, layer: int, path: str):
         """Bind the layer's class and open a call on `path` (the library's start_call):
-        returns (class index, class, the path's counters)."""
+        returns (class index, class, the path's counters). Queued prefetches are cancelled first."""
+        self._cancel_prefetches()
         c = self._bind(layer, path)
         cls = self.classes[c]
         self.call += 1
+        self.prev_call, self.cur_call = self.cur_call, self.call
+        self.pf_count[layer] = 0
         cls.last_used = self.call
         cls.stats[path]["calls"] += 1
         self._tick(cls, layer)
@@ -453,6 +477,12 @@ class ReferenceCache:
             cls.pol.begin(self._ctx)
 
     def _hit(self, cls: RefClass, k: Key) -> None:
+        """A serving call's hit: the policy's refresh (and a prefetched entry's first use)."""
+        if k in cls.pf:
+            self._forget_prefetch(cls, k, "used")
+        self._refresh(cls, k)
+
+    def _refresh(self, cls: RefClass, k: Key) -> None:
         cls.lru.move_to_end(k)
         if cls.pol is not None:
             cls.pol.on_hit(k, self._ctx)
@@ -485,6 +515,7 @@ class ReferenceCache:
             k = (layer, e)
             if k in cls.lru:
                 self._hit(cls, k)
+                cls.last_use[k] = self.call
                 protected.add(k)
                 st["hits"] += 1
                 where[e] = "hit"
@@ -499,6 +530,7 @@ class ReferenceCache:
                 direct.append(e)
                 continue
             self._insert(cls, k, cold=False)  # hot end
+            cls.last_use[k] = self.call
             protected.add(k)
             if st["evictions"] == before:
                 st["appends"] += 1
@@ -541,6 +573,7 @@ class ReferenceCache:
             k = (layer, e)
             first = e not in where
             if k in cls.lru:
+                cls.last_use[k] = self.call
                 if first:
                     self._hit(cls, k)
                     st["hits"] += 1
@@ -573,15 +606,15 @@ class ReferenceCache:
 
         def undo() -> None:
             for k in held:
-                cls.holds[k] -= 1
-                if cls.holds[k] == 0:
-                    del cls.holds[k]
+                self._unhold(cls, k)
 
         where: Dict[int, str] = {}
         misses = []
         for e in unique:
             k = (layer, e)
             if k in cls.lru:
+                if k in cls.pf:
+                    self._forget_prefetch(cls, k, "used")
                 st["hits"] += 1
                 hold(k)
                 where[e] = "hit"
@@ -595,6 +628,7 @@ class ReferenceCache:
                 direct.append(e)
                 continue
             self._insert(cls, k, cold=True)  # the coldest entry
+            cls.last_use[k] = self.call
             st["appends"] += 1
             st["bytes_h2d"] += shape.expert_bytes
             hold(k)
@@ -626,10 +660,93 @@ class ReferenceCache:
         self._free(b.staging)
         cls = self.classes[b.cls]
         for k in b.held:
-            cls.holds[k] -= 1
-            if cls.holds[k] == 0:
-                del cls.holds[k]
+            self._unhold(cls, k)
         del self.batches[i]
+
+    def _unhold(self, cls: RefClass, k: Key) -> None:
+        cls.holds[k] -= 1
+        if cls.holds[k] == 0:
+            del cls.holds[k]
+        # Read by the batch's work so far: no prefetch may overwrite it before the next call.
+        cls.last_use[k] = max(cls.last_use.get(k, 0), self.cur_call)
+
+    # ------------------------------------------------------------------ prefetch and hints
+    def _forget_prefetch(self, cls: RefClass, k: Key, outcome: str) -> None:
+        """A prefetched entry's end: "used" by a serving call, "wasted" (evicted or released unused)."""
+        del cls.pf[k]
+        self.pstats[outcome] += 1
+        self.pstats["bytes_" + outcome] += self.layers[k[0]].expert_bytes
+
+    def _cancel_prefetches(self) -> None:
+        """Every queued (loading) prefetch leaves its slot: a serving call or a release pre-empts them."""
+        for cls in self.classes:
+            for k in [k for k, state in cls.pf.items() if state == "loading"]:
+                del cls.pf[k]
+                cls.last_use.pop(k, None)
+                del cls.lru[k]
+                if cls.pol is not None:
+                    cls.pol.on_remove(k)
+                self.pstats["cancelled"] += 1
+                self.pstats["bytes_cancelled"] += self.layers[k[0]].expert_bytes
+                if self.pf_count.get(k[0], 0) > 0:
+                    self.pf_count[k[0]] -= 1
+
+    def prefetch(self, layer: int, ids: Sequence[int], *, lands: bool) -> int:
+        """expcache_prefetch_async. ``lands``: every queued byte is sent before anything else
+        happens (the test drained the prefetch thread); otherwise the entries stay loading (the
+        thread is paused) until a serving call or a release cancels them. Returns the count queued."""
+        ids = [int(e) for e in ids]
+        shape = self._validate_layer(layer)
+        if not 1 <= len(ids) <= MAX_SELECT:
+            raise ModelError(INVALID_ARGUMENT, "n must be 1..1024")
+        self._validate_ids(shape, ids)
+        self.pstats["calls"] += 1
+        c = self._bind(layer, "control")
+        cls = self.classes[c]
+        queued = 0
+        for e in self._unique(ids):
+            k = (layer, e)
+            if k in cls.lru:
+                self.pstats["skipped"] += 1
+                continue
+            if self.pf_count.get(layer, 0) >= self.prefetch_max:
+                self.pstats["dropped"] += 1
+                continue
+            if not self._acquire(c, allow_evict=True, protected=set(), path="control", prefetch=True):
+                self.pstats["dropped"] += 1
+                continue
+            self._insert(cls, k, cold=True)
+            cls.last_use[k] = 0
+            cls.pf[k] = "loading"  # during the call, whatever comes after: no later id of it evicts this
+            self.pf_count[layer] = self.pf_count.get(layer, 0) + 1
+            self.pstats["issued"] += 1
+            self.pstats["bytes_issued"] += shape.expert_bytes
+            queued += 1
+        if lands:
+            for k, state in cls.pf.items():
+                if state == "loading":
+                    cls.pf[k] = "unused"
+                    self.pstats["bytes_sent"] += self.layers[k[0]].expert_bytes
+        return queued
+
+    def hint(self, layer: int, ids: Sequence[int]) -> None:
+        """expcache_hint: resident entries (not loading) refreshed as hits, no counters of a path."""
+        ids = [int(e) for e in ids]
+        shape = self._validate_layer(layer)
+        if not 1 <= len(ids) <= MAX_SELECT:
+            raise ModelError(INVALID_ARGUMENT, "n must be 1..1024")
+        self._validate_ids(shape, ids)
+        unique = self._unique(ids)
+        self.pstats["hints"] += len(unique)
+        c = self.class_of(layer)
+        if c is None:
+            return
+        cls = self.classes[c]
+        for e in unique:
+            k = (layer, e)
+            if k in cls.lru and cls.pf.get(k) != "loading":
+                self._refresh(cls, k)
+                self.pstats["hint_refreshes"] += 1
 
     # ------------------------------------------------------------------ control
     def release_all(self) -> None:
@@ -642,6 +759,7 @@ class ReferenceCache:
     def reset_stats(self) -> None:
         for cls in self.classes:
             cls.stats = new_stats()
+        self.pstats = {f: 0 for f in PREFETCH_FIELDS}
 
     def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
         self.inject_skip = n if count else 0
@@ -650,7 +768,8 @@ class ReferenceCache:
     # ------------------------------------------------------------------ inspection
     def is_resident(self, layer: int, expert: int) -> bool:
         c = self.class_of(layer)
-        return c is not None and (layer, expert) in self.classes[c].lru
+        return (c is not None and (layer, expert) in self.classes[c].lru
+                and self.classes[c].pf.get((layer, expert)) != "loading")
 
     def resident_set(self) -> set:
         out = set()
@@ -658,7 +777,8 @@ class ReferenceCache:
             c = self.class_of(layer)
             if c is None:
                 continue
-            out.update(k for k in self.classes[c].lru if k[0] == layer)
+            cls = self.classes[c]
+            out.update(k for k in cls.lru if k[0] == layer and cls.pf.get(k) != "loading")
         return out
 
     def lru_order(self, c: int) -> List[Key]:
