@@ -1,0 +1,258 @@
+"""A real MoE forward through expcache: greedy decoding whose routed experts live in host memory.
+
+A small Mixture-of-Experts decoder with random weights (default 8 layers of 64 experts, top-6
+routing, hidden 1024, expert FFN 512, bf16). Each layer's experts are three host tensors, gate
+[E, F, H], up [E, F, H] and down [E, H, F] (pinned on CUDA). A ``Source`` tells the cache where
+each expert's bytes are (addresses from ``data_ptr()``, stride = bytes per expert), and an
+``ExpertCache`` with a budget of a fraction of all experts serves the routed ones as zero-copy
+views (``torch.from_dlpack(view.gate)``), so some are misses copied over the link. The same
+tokens are decoded by the reference, the same model with every expert resident as torch tensors,
+through the same expert function; the logits must be equal bit for bit at every step.
+
+Modes: plain ``select_views``; ``--split`` (``select_split``: the hits' experts run first, the
+misses' after ``sel.wait(stream)``, summed in router order all the same); ``--prefetch`` (after
+routing layer L, prefetch layer L+1's experts of the previous token). The attention is a stand-in
+(a fixed random [H, H] matmul plus residual); RMSNorm has no weights.
+
+Run:  python3 examples/torch_moe_decode.py [--device auto|cuda|cpu] [--split] [--prefetch]
+On the CPU (expcache's host backend) the defaults shrink (bf16 matmuls are slow there): give
+sizes explicitly (--layers --experts --hidden --ffn ...) to override. Exits 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+try:
+    import pyexpcache  # noqa: F401
+except ImportError:  # run from a checkout without installing it: the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pyexpcache import ExpertCache, LayerSpec, ModelLayout
+from pyexpcache.source import LayerPlacement
+
+BF16 = torch.bfloat16
+DEFAULTS = dict(layers=8, experts=64, hidden=1024, ffn=512, vocab=4096)
+CPU_DEFAULTS = dict(DEFAULTS, hidden=512, ffn=256, vocab=2048)  # bf16 matmuls are slow on the CPU
+
+
+class TorchHostSource:
+    """A cache source (it has what the ``pyexpcache.source.Source`` protocol asks) over existing
+    host tensors: per layer (gate, up, down), each [E, ...] and contiguous. The cache copies misses
+    from these addresses and keeps this object (so the tensors) alive while it is open. pinned: the
+    tensors are page-locked (torch's pin_memory), so misses cross the link without staging."""
+
+    file_path = None  # bytes come from memory, not a file
+
+    def __init__(self, layout: ModelLayout, parts: list[tuple[torch.Tensor, ...]], pinned: bool):
+        assert all(t.is_contiguous() and t.device.type == "cpu" for p in parts for t in p)
+        self.layout, self.parts, self.pinned = layout, parts, pinned
+
+    def placement(self, layer: int) -> LayerPlacement:
+        ts = self.parts[layer]
+        per_expert = tuple(t[0].numel() * t.element_size() for t in ts)
+        return LayerPlacement(bases=tuple(t.data_ptr() for t in ts), strides=per_expert, sizes=per_expert)
+
+
+def rms_norm(x):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def expert_ffn(x, gate, up, down):
+    """One expert, from three tensors: the one function both models use."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def combine(outs, weights):
+    """Sum the experts' outputs in router order (a fixed order keeps results bit-identical)."""
+    y = weights[0] * outs[0]
+    for w, o in zip(weights[1:], outs[1:]):
+        y = y + w * o
+    return y
+
+
+class Model:
+    """Random weights: dense ones on ``device``; routed experts in host memory (``host``) and,
+    for the reference, resident on ``device`` (the same tensors when the device is the CPU)."""
+
+    def __init__(self, a, device: torch.device):
+        g = torch.Generator().manual_seed(a.seed)
+        H, Fd, E = a.hidden, a.ffn, a.experts
+
+        def rnd(*shape, fan_in):
+            return (torch.randn(*shape, generator=g) / fan_in ** 0.5).to(BF16)
+
+        self.embed = rnd(a.vocab, H, fan_in=1).to(device)
+        self.pos = rnd(a.tokens + 1, H, fan_in=1).to(device)  # varies the routing from step to step
+        self.attn = [rnd(H, H, fan_in=H).to(device) for _ in range(a.layers)]
+        self.router = [rnd(H, E, fan_in=H).to(device) for _ in range(a.layers)]
+        self.lm_head = rnd(H, a.vocab, fan_in=H).to(device)
+        self.pinned = device.type == "cuda"
+        self.host = []
+        for _ in range(a.layers):
+            parts = (rnd(E, Fd, H, fan_in=H), rnd(E, Fd, H, fan_in=H), rnd(E, H, Fd, fan_in=Fd))
+            if self.pinned:
+                try:
+                    parts = tuple(t.pin_memory() for t in parts)
+                except RuntimeError as exc:  # the cache then stages pageable misses itself
+                    print(f"note: pinning failed ({exc}); experts stay in pageable memory")
+                    self.pinned = False
+            self.host.append(parts)
+        self.resident = [tuple(t.to(device) for t in p) for p in self.host]
+        self.top_k = a.top_k
+
+    def step(self, token: int, pos: int, experts) -> torch.Tensor:
+        """Logits (float32 [1, vocab]) for ``token``; ``experts(layer, h, ids)`` returns the
+        selected experts' outputs in router order."""
+        x = (self.embed[token] + self.pos[pos]).unsqueeze(0)
+        for layer, (attn, router) in enumerate(zip(self.attn, self.router)):
+            x = x + rms_norm(x) @ attn  # the attention stand-in
+            h = rms_norm(x)
+            top, ids = torch.topk((h @ router).float(), self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1).to(BF16)[0]
+            x = x + combine(experts(layer, h, ids[0].cpu().numpy().astype(np.uint32)), weights)
+        return (rms_norm(x) @ self.lm_head).float()
+
+
+def cache_experts(cache, a, stream):
+    """``experts()`` for Model.step, served by the cache: plain, --split, with --prefetch."""
+    shapes = ((a.ffn, a.hidden), (a.ffn, a.hidden), (a.hidden, a.ffn))
+    last_ids = [None] * a.layers  # each layer's latest experts: the guess for its next select
+
+    def run(h, view):
+        return expert_ffn(h, *(torch.from_dlpack(part) for part in view))  # zero-copy
+
+    def experts(layer, h, ids):
+        # The views are valid until the cache's next select: use them before the next layer's.
+        if a.split:
+            sel = cache.select_split(layer, ids, stream, views=True, dtype="bfloat16", shapes=shapes)
+        else:
+            views = cache.select_views(layer, ids, stream, dtype="bfloat16", shapes=shapes)
+        if a.prefetch:  # after the select (which cancels queued prefetches), overlapping this layer
+            last_ids[layer] = ids
+            nxt = (layer + 1) % a.layers
+            if last_ids[nxt] is not None:
+                cache.prefetch(nxt, last_ids[nxt], stream)
+        if not a.split:
+            return [run(h, v) for v in views]
+        outs = [None] * len(ids)
+        for i in sel.hits:  # resident: usable at once
+            outs[i] = run(h, sel.views[i])
+        sel.wait(stream)  # the misses' bytes, copied on the cache's own stream
+        for i in sel.misses:
+            outs[i] = run(h, sel.views[i])
+        return outs
+
+    return experts
+
+
+def decode(model, experts, a, sync):
+    """Greedy decoding of a.tokens tokens from a.prompt: (logits per step, tokens, seconds)."""
+    token, logits, tokens = a.prompt, [], []
+    sync()
+    t0 = time.perf_counter()
+    for pos in range(a.tokens):
+        out = model.step(token, pos, experts)
+        token = int(out.argmax())
+        logits.append(out)
+        tokens.append(token)
+    sync()
+    return logits, tokens, time.perf_counter() - t0
+
+
+def cuda_unusable_reason():
+    """None when torch has CUDA and expcache's CUDA backend opens, else why not."""
+    if not torch.cuda.is_available():
+        return "torch.cuda is not available"
+    t = torch.zeros(2, 256, dtype=torch.uint8)
+    layout = ModelLayout((LayerSpec(2, 256, 256, 256),))
+    try:
+        ExpertCache(layout, TorchHostSource(layout, [(t, t, t)], False), budget_experts=1, backend="cuda").close()
+    except Exception as exc:
+        return f"expcache's CUDA backend: {exc}"
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="cuda: torch CUDA and expcache's CUDA backend; cpu: expcache's host backend;\n"
+                        "auto: cuda when both work, else cpu (default)")
+    for name, help_ in (("layers", "MoE layers"), ("experts", "routed experts per layer"), ("hidden", "hidden size H"),
+                        ("ffn", "expert FFN size F"), ("vocab", "vocabulary size")):
+        cpu = f"; {CPU_DEFAULTS[name]} on cpu" if CPU_DEFAULTS[name] != DEFAULTS[name] else ""
+        p.add_argument(f"--{name}", type=int, help=f"{help_} (default {DEFAULTS[name]}{cpu})")
+    p.add_argument("--top-k", type=int, default=6, help="experts per token and layer (default 6)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens to decode (default 32)")
+    p.add_argument("--prompt", type=int, default=1, help="the prompt token (default 1)")
+    p.add_argument("--budget-fraction", type=float, default=0.25,
+                   help="cache budget as a fraction of all experts' bytes (default 0.25)")
+    p.add_argument("--split", action="store_true", help="select_split: hits' experts first, then wait, then misses'")
+    p.add_argument("--prefetch", action="store_true", help="prefetch layer L+1's previous experts after routing L")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    a = p.parse_args(argv)
+
+    reason = cuda_unusable_reason() if a.device != "cpu" else "asked for cpu"
+    if a.device == "cuda" and reason:
+        sys.exit(f"--device cuda: {reason}")
+    on_cuda = reason is None
+    defaults = DEFAULTS if on_cuda else CPU_DEFAULTS
+    shrunk = [f"{n} {v}" for n, v in defaults.items() if getattr(a, n) is None and v != DEFAULTS[n]]
+    for n, v in defaults.items():
+        setattr(a, n, v if getattr(a, n) is None else getattr(a, n))
+    if not 1 <= a.top_k <= a.experts or not 0 < a.budget_fraction <= 1 or not 0 <= a.prompt < a.vocab:
+        sys.exit("need 1 <= --top-k <= --experts, 0 < --budget-fraction <= 1 and 0 <= --prompt < --vocab")
+    device = torch.device("cuda" if on_cuda else "cpu")
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    print(f"device: {device}" + ("" if on_cuda else f" (expcache host backend; {reason})"))
+    if shrunk:
+        print(f"note: defaults reduced on cpu (bf16 matmuls are slow there): {', '.join(shrunk)}; "
+              "give the sizes to override")
+
+    model = Model(a, device)
+    part = a.ffn * a.hidden * 2  # bytes of one bf16 [F, H] (or [H, F]) matrix
+    layout = ModelLayout(tuple(LayerSpec(a.experts, part, part, part) for _ in range(a.layers)), name="torch-moe")
+    budget = int(a.budget_fraction * layout.total_bytes)
+    print(f"model: {a.layers} layers x {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, ffn {a.ffn}, "
+          f"vocab {a.vocab}, bf16; experts {layout.total_bytes / 2**20:.1f} MiB in "
+          f"{'pinned' if model.pinned else 'pageable'} host memory; cache budget {a.budget_fraction:.0%} "
+          f"= {budget / 2**20:.1f} MiB; mode: {'split' if a.split else 'plain'}{' + prefetch' if a.prefetch else ''}")
+
+    # The reference: every expert resident, indexed by id. A warm-up token first (kernel setup).
+    def resident(layer, h, ids):
+        return [expert_ffn(h, *(t[e] for t in model.resident[layer])) for e in ids.tolist()]
+    model.step(a.prompt, 0, resident)
+    ref_logits, ref_tokens, ref_s = decode(model, resident, a, sync)
+
+    source = TorchHostSource(layout, model.host, model.pinned)
+    with ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if on_cuda else "host",
+                     device=torch.cuda.current_device() if on_cuda else 0, log_level=1) as cache:
+        stream = torch.cuda.current_stream().cuda_stream if on_cuda else None
+        got_logits, got_tokens, got_s = decode(model, cache_experts(cache, a, stream), a, sync)
+        decode_stats, pf = cache.stats().path("decode"), cache.prefetch_stats()
+
+    print(f"{'reference (all experts resident):':34}{a.tokens / ref_s:8.1f} tok/s")
+    print(f"{'expcache (' + ('select_split' if a.split else 'select_views') + '):':34}{a.tokens / got_s:8.1f} tok/s, "
+          f"decode hit rate {decode_stats.hit_rate:.1%} ({decode_stats.hits} hits, {decode_stats.misses} misses, "
+          f"{decode_stats.bytes_h2d / 2**20:.1f} MiB host to device)")
+    if a.prefetch:
+        print(f"prefetch: {pf.calls} calls, {pf.issued} issued, {pf.used} used ({pf.accuracy:.0%}), {pf.wasted} wasted, "
+              f"{pf.cancelled} cancelled, {pf.skipped} skipped, {pf.dropped} dropped")
+    print(f"tokens: {got_tokens}")
+    for step, (want, got) in enumerate(zip(ref_logits, got_logits)):
+        if not torch.equal(want, got):
+            sys.exit(f"MISMATCH at step {step}: logits differ (max |diff| {(want - got).abs().max().item():.3g}; "
+                     f"reference token {ref_tokens[step]}, expcache token {got_tokens[step]})")
+    print(f"logits bit-identical: yes ({a.tokens} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
