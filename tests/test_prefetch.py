@@ -44,11 +44,12 @@ def test_a_serving_call_cancels_what_is_still_queued(make_cache):
     L = _first_layer(cache)
     cache.pause_prefetch()
     assert cache.prefetch(L, [1, 2, 3]) == 3
-    ptrs = cache.select(L, [1, 4])  # pre-empts the queue: 1 is a miss again, its slot freed first
+    ptrs = cache.select(L, [1, 4])  # pre-empts the queue: 2, 3 freed; 1 a miss the select finishes in place
     cache.pause_prefetch(False)
     assert_served(cache, source, L, [1, 4], ptrs)
     p = cache.prefetch_stats()
-    assert (p.issued, p.cancelled, p.used, p.bytes_sent) == (3, 3, 0, 0)
+    assert (p.issued, p.cancelled, p.used, p.bytes_sent) == (3, 2, 1, 0)
+    assert cache.stats().path("decode").bytes_h2d == 2 * cache.layout[L].expert_bytes
     assert cache.stats().path("decode").misses == 2
     assert _resident(cache, L, [1, 2, 3, 4]) == [True, False, False, True]
     assert sum(c.resident_experts for c in cache.classes()) == 2

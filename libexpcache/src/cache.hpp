@@ -67,6 +67,9 @@ enum PrefetchState : uint8_t {
     kPrefetchLoading = 1,  // queued on the prefetch thread: never evicted, never served; every
                            // serving call cancels it first
     kPrefetchUnused = 2,   // every byte sent; the first use counts it as used, an eviction as wasted
+    kPrefetchPartial = 3,  // cancelled by the serving call under way with bytes left to send: if that call
+                           // lists it, it sends the rest into the same slot (a miss, counted as used);
+                           // otherwise the slot is freed (cancelled)
 };
 
 struct ClassState {
@@ -268,7 +271,12 @@ private:
     expcache_status_t serve_decode(ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out);
 
     // serve_prefetch.cpp
-    expcache_status_t settle_prefetches(bool cancel);
+    // cancel: every queued prefetch is cancelled; keep_partial: those with bytes sent... or not, stay
+    // kPrefetchPartial for the serving call under way (resolve_partial), else they are freed.
+    expcache_status_t settle_prefetches(bool cancel, bool keep_partial = false);
+    void resolve_partial(ServeCall& call);
+    void cancel_prefetch(int32_t c, int32_t slot);
+    expcache_status_t finish_partial(ServeCall& call, int32_t slot, bool cold);
     void note_use(ClassState& cls, int32_t slot);
     void drop_prefetched(ClassState& cls, SlotState& slot);
     Prefetcher& prefetcher();
@@ -300,6 +308,7 @@ private:
     // the previous one, so every kernel reading an older slot was enqueued before them.
     std::unique_ptr<Prefetcher> prefetcher_;  // made by the first prefetch
     Prefetcher::Taken taken_;
+    std::vector<PrefetchJob> partial_;  // kPrefetchPartial slots of the serving call under way
     expcache_prefetch_stats_t pstats_ = {};
     uint64_t cur_call_ = 0, prev_call_ = 0;
     int cur_mark_ = 0, prev_mark_ = 0, marks_ = 0;  // marks_: serving calls marked, up to 2

@@ -26,7 +26,9 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
     if ((s = settle_prefetches(false)) != EXPCACHE_OK) return s;
     const int32_t c = bound_class(layer);
     int32_t slot = c >= 0 ? layer.slot_of[expert] : -1;
-    if (slot >= 0 && classes_[c].slots[slot].prefetch == kPrefetchLoading) slot = -1;  // bytes not all sent
+    if (slot >= 0 && classes_[c].slots[slot].prefetch != kPrefetchNone &&
+        classes_[c].slots[slot].prefetch != kPrefetchUnused)
+        slot = -1;  // bytes not all sent
     if (slot < 0) {
         *out_resident = 0;
         return EXPCACHE_OK;

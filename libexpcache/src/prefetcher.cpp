@@ -99,7 +99,7 @@ void Prefetcher::take(bool cancel, Taken* out) {
     std::lock_guard<std::mutex> lock(mu_);
     out->done.insert(out->done.end(), done_.begin(), done_.end());
     done_.clear();
-    out->cancelled.insert(out->cancelled.end(), failed_.begin(), failed_.end());
+    out->failed.insert(out->failed.end(), failed_.begin(), failed_.end());
     failed_.clear();
     if (cancel) {
         out->cancelled.insert(out->cancelled.end(), queue_.begin(), queue_.end());

@@ -52,7 +52,8 @@ public:
     struct Taken {
         std::vector<PrefetchJob> done;       // every byte sent: the slot holds its expert once what went
                                              // out has landed (ordered by the caller's fence on `stream`)
-        std::vector<PrefetchJob> cancelled;  // not every byte was sent (cancelled, or a piece failed)
+        std::vector<PrefetchJob> cancelled;  // taken off the queue by cancel, their progress in part/offset
+        std::vector<PrefetchJob> failed;     // a piece failed: the slot's bytes are wrong
         bool sent = false;                   // a piece went out since the last take()
         expcache_status_t error = EXPCACHE_OK;  // the first piece failure since the last take()
         std::string message;

@@ -42,7 +42,7 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
 // for what the cache's copy stream sent (split selects' misses, prefetch pieces).
 expcache_status_t Cache::begin_call(void* stream) {
     backend_->reclaim();
-    expcache_status_t s = settle_prefetches(true);
+    expcache_status_t s = settle_prefetches(true, true);
     if (s != EXPCACHE_OK) return s;
     if (have_last_stream_ && last_stream_ != stream && (s = check(backend_->fence(last_stream_, stream))) != EXPCACHE_OK)
         return s;
@@ -89,6 +89,7 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     call.cls = &cls;
     call.st = &cls.stats[call.path];
     dedupe(*call.layer, ids, n);
+    if (!partial_.empty()) resolve_partial(call);
     return EXPCACHE_OK;
 }
 

@@ -18,26 +18,29 @@ Prefetcher& Cache::prefetcher() {
     return *prefetcher_;
 }
 
-// Takes back what the prefetch thread finished (and, with cancel, everything still queued:
-// those slots are freed). Called under the mutex by every serving call (cancel) and by the
-// calls that look at residency.
-expcache_status_t Cache::settle_prefetches(bool cancel) {
+// Takes back what the prefetch thread finished (and, with cancel, everything still queued).
+// Called under the mutex by every serving call (cancel, keep_partial: what the call lists may
+// be finished by it, resolve_partial), by releases (cancel) and by the calls that look at
+// residency. Partial slots left by a call that failed are freed first.
+expcache_status_t Cache::settle_prefetches(bool cancel, bool keep_partial) {
+    for (const PrefetchJob& job : partial_) cancel_prefetch(job.cls, job.slot);
+    partial_.clear();
     if (!prefetcher_) return EXPCACHE_OK;
     taken_.done.clear();
     taken_.cancelled.clear();
+    taken_.failed.clear();
     taken_.sent = false;
     taken_.error = EXPCACHE_OK;
     prefetcher_->take(cancel, &taken_);
     for (const PrefetchJob& job : taken_.done) classes_[job.cls].slots[job.slot].prefetch = kPrefetchUnused;
+    for (const PrefetchJob& job : taken_.failed) cancel_prefetch(job.cls, job.slot);
     for (const PrefetchJob& job : taken_.cancelled) {
-        ClassState& cls = classes_[job.cls];
-        SlotState& slot = cls.slots[job.slot];
-        LayerState& layer = layers_[slot.layer];
-        pstats_.cancelled++;
-        pstats_.bytes_cancelled += layer.expert_bytes();
-        if (layer.prefetched > 0) layer.prefetched--;
-        slot.prefetch = kPrefetchNone;
-        uninstall(job.cls, job.slot);
+        if (keep_partial) {
+            classes_[job.cls].slots[job.slot].prefetch = kPrefetchPartial;
+            partial_.push_back(job);
+        } else {
+            cancel_prefetch(job.cls, job.slot);
+        }
     }
     if (taken_.sent) copy_dirty_ = true;
     if (taken_.error != EXPCACHE_OK && prefetch_error_ == EXPCACHE_OK) {
@@ -46,6 +49,72 @@ expcache_status_t Cache::settle_prefetches(bool cancel) {
         prefetch_message_ = taken_.message;
         log(EXPCACHE_LOG_WARNING, "%s", taken_.message.c_str());
     }
+    return EXPCACHE_OK;
+}
+
+// A prefetch that will not be finished: its slot is freed, never served.
+void Cache::cancel_prefetch(int32_t c, int32_t s) {
+    SlotState& slot = classes_[c].slots[s];
+    LayerState& layer = layers_[slot.layer];
+    pstats_.cancelled++;
+    pstats_.bytes_cancelled += layer.expert_bytes();
+    if (layer.prefetched > 0) layer.prefetched--;
+    slot.prefetch = kPrefetchNone;
+    uninstall(c, s);
+}
+
+// After the serving call's ids are known: the partial prefetches it lists (decode and batch,
+// which insert) are finished by fill_slots; the others are freed.
+void Cache::resolve_partial(ServeCall& call) {
+    size_t kept = 0;
+    for (const PrefetchJob& job : partial_) {
+        const SlotState& slot = classes_[job.cls].slots[job.slot];
+        const bool listed = call.path != EXPCACHE_PATH_COMPACT && job.cls == call.c &&
+                            slot.layer == static_cast<int32_t>(call.layer_index) &&
+                            call.layer->seen[slot.expert] == call_;
+        if (listed) {
+            partial_[kept++] = job;
+        } else {
+            cancel_prefetch(job.cls, job.slot);
+        }
+    }
+    partial_.resize(kept);
+}
+
+// A miss whose prefetch was cut short: what is left of its bytes goes now, into the same slot,
+// on the call's copy stream, and it enters the policy as any miss of the call would.
+expcache_status_t Cache::finish_partial(ServeCall& call, int32_t s, bool cold) {
+    size_t i = 0;
+    while (i < partial_.size() && !(partial_[i].cls == call.c && partial_[i].slot == s)) ++i;
+    if (i == partial_.size()) return fail(EXPCACHE_ERR_INTERNAL, "a partial prefetch of slot %d is not on record", s);
+    const PrefetchJob job = partial_[i];
+    partial_.erase(partial_.begin() + static_cast<long>(i));
+    ClassState& cls = *call.cls;
+    SlotState& slot = cls.slots[s];
+    const LayerState& layer = *call.layer;
+    uint64_t sent_now = 0;
+    for (int p = job.part; p < job.num_parts; ++p) {
+        const PrefetchJob::Part& part = job.parts[p];
+        const uint64_t from = p == job.part ? job.offset : 0;
+        expcache_status_t st = injected_copy_failure();
+        if (st == EXPCACHE_OK) st = upload(layer, part.dst + from, part.src + from, part.bytes - from, call.copy_stream);
+        if (st != EXPCACHE_OK) {
+            slot.prefetch = kPrefetchNone;
+            uninstall(call.c, s);
+            return st;
+        }
+        sent_now += part.bytes - from;
+    }
+    slot.prefetch = kPrefetchNone;
+    slot.last_call = call_;
+    inserted_.emplace_back(call.c, s);  // a later upload failure of the call frees it
+    cls.policy->on_remove(s);
+    cls.policy->on_insert(s, cold, layer.key_base + slot.expert);
+    pstats_.used++;
+    pstats_.bytes_used += layer.expert_bytes();
+    call.st->misses++;
+    call.st->appends++;
+    call.st->bytes_h2d += sent_now;
     return EXPCACHE_OK;
 }
 
@@ -169,7 +238,8 @@ expcache_status_t Cache::hint(uint32_t layer_index, const uint32_t* ids, uint32_
     ClassState& cls = classes_[c];
     for (uint32_t e : unique_) {
         int32_t slot = layer.slot_of[e];
-        if (slot < 0 || cls.slots[slot].prefetch == kPrefetchLoading) continue;
+        if (slot < 0 || cls.slots[slot].prefetch == kPrefetchLoading || cls.slots[slot].prefetch == kPrefetchPartial)
+            continue;
         cls.policy->on_hit(slot);
         pstats_.hint_refreshes++;
     }

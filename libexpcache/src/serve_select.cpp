@@ -45,7 +45,8 @@ expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids,
     resident_.resize(unique_.size());
     bool any_miss = false;
     for (size_t j = 0; j < unique_.size(); ++j) {
-        resident_[j] = layer.slot_of[unique_[j]] >= 0;
+        const int32_t slot = layer.slot_of[unique_[j]];
+        resident_[j] = slot >= 0 && call.cls->slots[slot].prefetch != kPrefetchPartial;
         any_miss = any_miss || !resident_[j];
     }
     void* copy = backend_->copy_stream();

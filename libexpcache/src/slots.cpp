@@ -17,7 +17,8 @@ struct EvictableCtx {
 bool slot_evictable(const void* ctx, int32_t s) {
     auto* c = static_cast<const EvictableCtx*>(ctx);
     const SlotState& slot = (*c->slots)[static_cast<size_t>(s)];
-    return slot.holds == 0 && slot.prefetch != kPrefetchLoading && slot.last_call < c->first_protected_call;
+    return slot.holds == 0 && slot.prefetch != kPrefetchLoading && slot.prefetch != kPrefetchPartial &&
+           slot.last_call < c->first_protected_call;
 }
 
 }  // namespace
@@ -101,6 +102,13 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         int32_t slot = layer.slot_of[unique_[j]];
         if (slot < 0) {
             pending_.push_back(j);
+            continue;
+        }
+        if (cls.slots[slot].prefetch == kPrefetchPartial) {
+            // Not resident when the call began: a miss that finishes its prefetch in place.
+            expcache_status_t s = finish_partial(call, slot, batch != nullptr);
+            if (s != EXPCACHE_OK) return s;
+            serve(j, slot);
             continue;
         }
         if (cls.slots[slot].prefetch != kPrefetchNone) note_use(cls, slot);

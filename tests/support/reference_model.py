@@ -192,6 +192,7 @@ class ReferenceCache:
         self.pstats = {f: 0 for f in PREFETCH_FIELDS}
         self.pf_count: Dict[int, int] = {}  # per layer: prefetched since its last serving call
         self.cur_call = self.prev_call = 0
+        self.resumed: set = set()  # keys of queued prefetches the serving call under way finishes
         if policy not in ("lru", "oppclass"):
             raise ModelError(INVALID_ARGUMENT, f"unknown policy {policy}")
         self.policy = policy
@@ -452,10 +453,13 @@ class ReferenceCache:
                 return True
         return False
 
-    def _start_call(self, layer: int, path: str):
+    def _start_call(self, layer: int, path: str, ids: Sequence[int] = ()):
         """Bind the layer's class and open a call on `path` (the library's start_call):
-        returns (class index, class, the path's counters). Queued prefetches are cancelled first."""
-        self._cancel_prefetches()
+        returns (class index, class, the path's counters). Queued prefetches are cancelled
+        first, but those of the layer this decode or batch call lists stay, to be finished in
+        place by the call (``self.resumed``)."""
+        keep = {(layer, int(e)) for e in ids} if path in ("decode", "batch") else set()
+        self.resumed = self._cancel_prefetches(keep)
         c = self._bind(layer, path)
         cls = self.classes[c]
         self.call += 1
@@ -506,14 +510,18 @@ class ReferenceCache:
         if not 1 <= len(ids) <= MAX_SELECT:
             raise ModelError(INVALID_ARGUMENT, "k must be 1..1024")
         self._validate_ids(shape, ids)
-        c, cls, st = self._start_call(layer, "decode")
+        c, cls, st = self._start_call(layer, "decode", ids)
         unique = self._unique(ids)
         where: Dict[int, str] = {}
         protected = set()
         misses = []
         for e in unique:
             k = (layer, e)
-            if k in cls.lru:
+            if k in self.resumed:
+                self._finish_in_place(cls, k, False, st)
+                protected.add(k)
+                where[e] = "slot"
+            elif k in cls.lru:
                 self._hit(cls, k)
                 cls.last_use[k] = self.call
                 protected.add(k)
@@ -596,7 +604,7 @@ class ReferenceCache:
         self._validate_ids(shape, ids)
         if len(self.batches) >= MAX_BATCHES:
             raise ModelError(INVALID_STATE, "64 batches are unfinished")
-        c, cls, st = self._start_call(layer, "batch")
+        c, cls, st = self._start_call(layer, "batch", ids)
         unique = self._unique(ids)
         held: List[Key] = []
 
@@ -612,7 +620,11 @@ class ReferenceCache:
         misses = []
         for e in unique:
             k = (layer, e)
-            if k in cls.lru:
+            if k in self.resumed:
+                self._finish_in_place(cls, k, True, st)
+                hold(k)
+                where[e] = "slot"
+            elif k in cls.lru:
                 if k in cls.pf:
                     self._forget_prefetch(cls, k, "used")
                 st["hits"] += 1
@@ -677,10 +689,18 @@ class ReferenceCache:
         self.pstats[outcome] += 1
         self.pstats["bytes_" + outcome] += self.layers[k[0]].expert_bytes
 
-    def _cancel_prefetches(self) -> None:
-        """Every queued (loading) prefetch leaves its slot: a serving call or a release pre-empts them."""
+    def _cancel_prefetches(self, keep: set = frozenset()) -> set:
+        """Every queued (loading) prefetch leaves its slot (a serving call or a release pre-empts
+        them), but those in ``keep``: returned, still resident, for the call to finish."""
+        kept = set()
         for cls in self.classes:
             for k in [k for k, state in cls.pf.items() if state == "loading"]:
+                if k in keep:
+                    del cls.pf[k]
+                    self.pstats["used"] += 1
+                    self.pstats["bytes_used"] += self.layers[k[0]].expert_bytes
+                    kept.add(k)
+                    continue
                 del cls.pf[k]
                 cls.last_use.pop(k, None)
                 del cls.lru[k]
@@ -690,6 +710,19 @@ class ReferenceCache:
                 self.pstats["bytes_cancelled"] += self.layers[k[0]].expert_bytes
                 if self.pf_count.get(k[0], 0) > 0:
                     self.pf_count[k[0]] -= 1
+        return kept
+
+    def _finish_in_place(self, cls: RefClass, k: Key, cold: bool, st: Dict[str, int]) -> None:
+        """A miss whose queued prefetch the call finishes: its slot, re-entered in the policy as
+        a fresh insert, no eviction (nothing of it was sent while paused: all its bytes move now)."""
+        del cls.lru[k]
+        if cls.pol is not None:
+            cls.pol.on_remove(k)
+        self._insert(cls, k, cold=cold)
+        cls.last_use[k] = self.call
+        st["misses"] += 1
+        st["appends"] += 1
+        st["bytes_h2d"] += self.layers[k[0]].expert_bytes
 
     def prefetch(self, layer: int, ids: Sequence[int], *, lands: bool) -> int:
         """expcache_prefetch_async. ``lands``: every queued byte is sent before anything else
