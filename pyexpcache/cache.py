@@ -437,9 +437,9 @@ class ExpertCache:
     def prefetch(self, layer: int, expert_ids, stream=None) -> int:
         """Copy ``expert_ids`` of ``layer``, expected soon, into the cache over the link's idle time;
         returns at once with the number queued. List them most likely first. Pieces of at most
-        ``prefetch_piece_bytes`` move one at a time from a thread of the cache's; the next select
-        (or any serving call) cancels what is still queued, so a demand miss waits for at most one
-        piece. Never evicts an expert the current or previous serving call used or a batch holds;
+        ``prefetch_piece_bytes`` move one at a time from a thread of the cache's; the next serving
+        call takes back what is still queued (a select or batch listing an expert finishes it in
+        place, the others are cancelled), so a demand miss waits for at most one piece. Never evicts an expert the current or previous serving call used or a batch holds;
         at most ``prefetch_max_per_layer`` of a layer between two serving calls of it. ``stream``:
         the engine's compute stream (the first prefetch waits for its work so far). Counted in
         :meth:`prefetch_stats`."""

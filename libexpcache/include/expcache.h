@@ -355,8 +355,11 @@ EXPCACHE_API expcache_status_t expcache_ready_wait_async(expcache_t* cache, void
  * Prefetch: copy experts ids[0..n) of `layer`, expected to be selected soon, into
  * the cache using the link's idle time. Returns at once; the bytes move on the
  * cache's copy stream in pieces of at most config.prefetch_piece_bytes, one piece
- * in flight at a time, from a thread of the cache's. Every serving call (select,
- * compact load, batch) first cancels what is still queued, so a demand miss never
+ * in flight at a time, from a thread of the cache's. Every serving call
+ * (select, compact load, batch) first takes back what is still queued: the
+ * experts a select or batch lists are finished by it in place (the rest of their
+ * bytes into the same slot, on its stream: a miss, counted as used), the others
+ * are cancelled and their slots freed, so a demand miss never
  * waits for more than the one piece in flight. Ids earlier in the list are sent
  * first (list them most likely first). An id already resident or on its way is
  * skipped; at most config.prefetch_max_per_layer experts of a layer are
@@ -572,10 +575,11 @@ typedef struct expcache_prefetch_stats_t {
     uint32_t reserved;
     uint64_t calls;            /**< expcache_prefetch_async calls */
     uint64_t issued;           /**< experts queued (each took a slot) */
-    uint64_t used;             /**< prefetched experts a later serving call found resident (first use) */
+    uint64_t used;             /**< prefetched experts a later serving call used: found resident (first use),
+                                    or finished in place by the select or batch that listed them */
     uint64_t wasted;           /**< prefetched experts evicted or released before any use */
-    uint64_t cancelled;        /**< prefetches dropped before all their bytes were sent (a serving call
-                                    pre-empted them, or a piece failed); their slots were freed */
+    uint64_t cancelled;        /**< prefetches dropped before all their bytes were sent (a serving call that
+                                    did not list them pre-empted them, or a piece failed); slots freed */
     uint64_t skipped;          /**< ids already resident or on their way */
     uint64_t dropped;          /**< ids not prefetched: the layer's limit reached, or no slot may be taken */
     uint64_t bytes_issued, bytes_used, bytes_wasted, bytes_cancelled; /**< the experts' bytes of each */
