@@ -199,6 +199,9 @@ def _parser() -> argparse.ArgumentParser:
                         "prefetches its predictions of the next layer while this one computes")
     e.add_argument("--prefetch-top", type=int, default=6, metavar="K",
                    help="experts each prediction names, most likely first (default 6; a layer takes at most 8)")
+    e.add_argument("--prefetch-piece", type=_size, default=None, metavar="SIZE",
+                   help="largest piece a prefetch sends at a time, the most a demand miss waits behind one, e.g. "
+                        "1M (default 256K; a multiple of 4K in 4K..64M)")
     e.add_argument("--hints", action="store_true",
                    help="also run each --prefetch predictor as hints only (refresh resident experts, no copy)")
     e.add_argument("--split", action="store_true",
@@ -244,6 +247,8 @@ def _cache_options(args) -> dict:
         options["copy_threads"] = args.copy_threads
     if args.staging_chunk is not None:
         options["staging_chunk_bytes"] = args.staging_chunk
+    if getattr(args, "prefetch_piece", None) is not None:
+        options["prefetch_piece_bytes"] = args.prefetch_piece
     return options
 
 

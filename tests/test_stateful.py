@@ -324,7 +324,10 @@ class CacheMachine(RuleBasedStateMachine):
 
         ok, m_queued, l_queued = self.both(lambda: self.model.prefetch(layer, ids, lands=not self.paused), lib_call)
         if ok:
-            assert l_queued == m_queued
+            assert l_queued == m_queued, (
+                f"prefetch({layer}, {ids}) queued: library {l_queued}, model {m_queued}; "
+                f"library {self.cache.prefetch_stats()}, model {self.model.pstats}; "
+                f"model resident {sorted(self.model.resident_set())}")
 
     @rule(data=st.data())
     def hint(self, data):

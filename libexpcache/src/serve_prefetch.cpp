@@ -153,6 +153,7 @@ expcache_status_t Cache::prefetch(uint32_t layer_index, const uint32_t* ids, uin
     if ((s = bind(layer_index, EXPCACHE_PATH_CONTROL, &c)) != EXPCACHE_OK) return s;
     LayerState& layer = layers_[layer_index];
     ClassState& cls = classes_[c];
+    cls.policy->set_clock(clock_);  // where the engine is now, for the victims' ages
     ++call_;  // for dedupe only: a prefetch is not a serving call
     dedupe(layer, ids, n);
     // The pieces must not overwrite a slot an older call's kernels may still read: they wait for
@@ -207,7 +208,7 @@ expcache_status_t Cache::prefetch(uint32_t layer_index, const uint32_t* ids, uin
         layer.slot_of[e] = slot;
         layer.prefetched++;
         cls.resident++;
-        cls.policy->on_insert(slot, true, layer.key_base + e);
+        cls.policy->on_prefetch(slot, layer.key_base + e);
         try {
             pump.submit(job);
         } catch (const std::exception& ex) {
@@ -236,11 +237,12 @@ expcache_status_t Cache::hint(uint32_t layer_index, const uint32_t* ids, uint32_
     int32_t c = bound_class(layer);
     if (c < 0) return EXPCACHE_OK;  // nothing of the layer is resident yet
     ClassState& cls = classes_[c];
+    cls.policy->set_clock(clock_);  // a refresh is dated now, not at the class's last serving call
     for (uint32_t e : unique_) {
         int32_t slot = layer.slot_of[e];
         if (slot < 0 || cls.slots[slot].prefetch == kPrefetchLoading || cls.slots[slot].prefetch == kPrefetchPartial)
             continue;
-        cls.policy->on_hit(slot);
+        cls.policy->on_hint(slot);
         pstats_.hint_refreshes++;
     }
     return EXPCACHE_OK;

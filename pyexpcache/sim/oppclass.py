@@ -102,6 +102,21 @@ class OppClassLRU(Policy):
         self.where[key] = k
         self.when[key] = (ctx.token, ctx.pos)
 
+    def on_hint(self, key, ctx):
+        # Recency only, as the library: a hint is not a use.
+        k = self.where[key]
+        self.lists[k].move_to_end(key)
+        self.when[key] = (ctx.token, ctx.pos)
+
+    def on_prefetch(self, key, ctx):
+        # Class 0, the cold end, with no use counted, as the library.
+        if self.size_exp:
+            self.cls_of[key] = ctx.cls
+        self.lists[0][key] = None
+        self.lists[0].move_to_end(key, last=False)
+        self.where[key] = 0
+        self.when[key] = (-(1 << 30), 0)
+
     def on_insert(self, key, cold, ctx):
         k = self._use(key, ctx)
         if self.size_exp:

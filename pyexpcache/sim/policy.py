@@ -77,6 +77,14 @@ class Policy:
     def on_miss(self, key: int, ctx: Ctx) -> None:
         """Every miss (decode and batch), before it is placed or served directly."""
 
+    def on_hint(self, key: int, ctx: Ctx) -> None:
+        """A hint that the resident ``key`` is expected soon: a hit unless a policy says otherwise."""
+        self.on_hit(key, ctx)
+
+    def on_prefetch(self, key: int, ctx: Ctx) -> None:
+        """A prefetch placed ``key``: a cold insert unless a policy says otherwise."""
+        self.on_insert(key, True, ctx)
+
     def on_insert(self, key: int, cold: bool, ctx: Ctx) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -736,6 +736,8 @@ class ReferenceCache:
         self.pstats["calls"] += 1
         c = self._bind(layer, "control")
         cls = self.classes[c]
+        if cls.pol is not None:
+            cls.pol.begin(self._ctx)  # the class's clock is now's, as the library sets it
         queued = 0
         for e in self._unique(ids):
             k = (layer, e)
@@ -748,7 +750,10 @@ class ReferenceCache:
             if not self._acquire(c, allow_evict=True, protected=set(), path="control", prefetch=True):
                 self.pstats["dropped"] += 1
                 continue
-            self._insert(cls, k, cold=True)
+            cls.lru[k] = None
+            cls.lru.move_to_end(k, last=False)
+            if cls.pol is not None:
+                cls.pol.on_prefetch(k, self._ctx)
             cls.last_use[k] = 0
             cls.pf[k] = "loading"  # during the call, whatever comes after: no later id of it evicts this
             self.pf_count[layer] = self.pf_count.get(layer, 0) + 1
@@ -775,10 +780,14 @@ class ReferenceCache:
         if c is None:
             return
         cls = self.classes[c]
+        if cls.pol is not None:
+            cls.pol.begin(self._ctx)
         for e in unique:
             k = (layer, e)
             if k in cls.lru and cls.pf.get(k) != "loading":
-                self._refresh(cls, k)
+                cls.lru.move_to_end(k)
+                if cls.pol is not None:
+                    cls.pol.on_hint(k, self._ctx)
                 self.pstats["hint_refreshes"] += 1
 
     # ------------------------------------------------------------------ control

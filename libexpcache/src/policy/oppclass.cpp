@@ -34,6 +34,7 @@ public:
         key_.resize(n, 0);
         tok_.resize(n, 0);
         pos_.resize(n, 0);
+        cls_.resize(n, 0);
     }
     void set_clock(const PolicyClock& clock) override { clock_ = clock; }
 
@@ -49,6 +50,17 @@ public:
     void on_hit(int32_t slot) override {
         lists_.unlink(slot);
         place(slot, use(key_[slot]), clock_.token, clock_.pos, true);
+    }
+    // A hint refreshes recency only: counting it as a use would raise the count of every predicted
+    // expert, right or wrong (measured: more demand misses, docs/engine.md).
+    void on_hint(int32_t slot) override {
+        lists_.unlink(slot);
+        place(slot, cls_[slot], clock_.token, clock_.pos, true);
+    }
+    // A prefetch is not a use either: class 0, the cold end, until a select uses it.
+    void on_prefetch(int32_t slot, uint32_t key) override {
+        key_[slot] = key;
+        place(slot, 0, kNever, 0, false);
     }
     void on_remove(int32_t slot) override { lists_.unlink(slot); }  // the key's count is kept
 
@@ -77,6 +89,7 @@ public:
         key_.clear();
         tok_.clear();
         pos_.clear();
+        cls_.clear();
         // Counts survive: an expert's history outlives its eviction and a release.
     }
 
@@ -97,6 +110,7 @@ private:
     void place(int32_t slot, int k, int32_t token, int32_t pos, bool hot) {
         tok_[slot] = token;
         pos_[slot] = pos;
+        cls_[slot] = k;
         if (hot) lists_.push_back(k, slot);
         else lists_.push_front(k, slot);
     }
@@ -107,6 +121,7 @@ private:
     std::vector<double> count_, time_;               // per key: decayed count, time of last use
     std::vector<uint32_t> key_;                       // per slot
     std::vector<int32_t> tok_, pos_;                  // per slot: token and layer position of last use
+    std::vector<int> cls_;                            // per slot: its list
     IntrusiveLists lists_{kClasses};                  // one list per class, cold end first
 };
 

@@ -31,6 +31,10 @@ public:
     // appends), else it is the most recently used.
     virtual void on_insert(int32_t slot, bool cold, uint32_t key) = 0;
     virtual void on_hit(int32_t slot) = 0;
+    // A hint: the slot's expert is expected soon. By default a hit.
+    virtual void on_hint(int32_t slot) { on_hit(slot); }
+    // A prefetch put expert `key` here: among the first to go until a use. By default a cold insert.
+    virtual void on_prefetch(int32_t slot, uint32_t key) { on_insert(slot, true, key); }
     virtual void on_remove(int32_t slot) = 0;
     // The slot to evict next among those `evictable` accepts, or -1.
     virtual int32_t victim(Evictable evictable, const void* ctx) const = 0;
