@@ -253,3 +253,23 @@ def test_prefetch_config_is_checked():
             ExpertCache(layout, source, budget_experts=2, backend="host", prefetch_piece_bytes=1000)
         with pytest.raises(ValueError, match="prefetch_max_per_layer"):
             ExpertCache(layout, source, budget_experts=2, backend="host", prefetch_max_per_layer=-1)
+
+
+def test_a_failed_finish_in_place_frees_the_slot(make_cache):
+    """The select that lists a queued prefetch sends the rest of its bytes; when that copy fails
+    the select fails, the expert is not resident and the prefetch counts as cancelled."""
+    from pyexpcache import CudaError
+
+    cache, source = make_cache(budget_experts=8)
+    L = _first_layer(cache)
+    cache.pause_prefetch()
+    cache.prefetch(L, [3])
+    cache.fail_copy_after(0)
+    with pytest.raises(CudaError, match="injected copy failure"):
+        cache.select(L, [3])
+    cache.pause_prefetch(False)
+    assert cache.read_expert(L, 3) is None
+    p = cache.prefetch_stats()
+    assert (p.issued, p.used, p.cancelled) == (1, 0, 1)
+    ptrs = cache.select(L, [3])
+    assert_served(cache, source, L, [3], ptrs)

@@ -271,8 +271,8 @@ private:
     expcache_status_t serve_decode(ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out);
 
     // serve_prefetch.cpp
-    // cancel: every queued prefetch is cancelled; keep_partial: those with bytes sent... or not, stay
-    // kPrefetchPartial for the serving call under way (resolve_partial), else they are freed.
+    // cancel: every queued prefetch is taken off the queue; keep_partial: they stay kPrefetchPartial for
+    // the serving call under way to finish or free (resolve_partial), else they are freed at once.
     expcache_status_t settle_prefetches(bool cancel, bool keep_partial = false);
     void resolve_partial(ServeCall& call);
     void cancel_prefetch(int32_t c, int32_t slot);

@@ -99,8 +99,7 @@ expcache_status_t Cache::finish_partial(ServeCall& call, int32_t s, bool cold) {
         expcache_status_t st = injected_copy_failure();
         if (st == EXPCACHE_OK) st = upload(layer, part.dst + from, part.src + from, part.bytes - from, call.copy_stream);
         if (st != EXPCACHE_OK) {
-            slot.prefetch = kPrefetchNone;
-            uninstall(call.c, s);
+            cancel_prefetch(call.c, s);  // its bytes are incomplete: freed, counted cancelled
             return st;
         }
         sent_now += part.bytes - from;
