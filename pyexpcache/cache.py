@@ -361,11 +361,10 @@ class ExpertCache:
             raise ValueError(f"{what} must be in [0, 2^32), got {ids.min()}..{ids.max()}")
         return np.ascontiguousarray(ids.reshape(-1), dtype=np.uint32)
 
-    def select(self, layer: int, expert_ids, stream=None) -> np.ndarray:
-        """Decode path: make ``expert_ids`` of ``layer`` resident; return a [k, 3] uint64 array of
-        device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
-        valid for work enqueued on it before the next select, load_compact or prepare_batch.
-        A contiguous uint32 array of ids is the fast path (about 3 µs; a list costs more)."""
+    def _decode(self, fn, layer, expert_ids, stream, *out) -> tuple[int, int]:
+        """The decode call every select shares: checks, the ids into this thread's buffer, then
+        ``fn(handle, layer, ids, k, stream, out_ptrs, *out)`` through the gate, the addresses left
+        in the buffer. Returns (k, the stream's handle)."""
         if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF:
             layer = u32(layer, "layer")
         ids = self._as_ids(expert_ids, "expert_ids")
@@ -376,8 +375,16 @@ class ExpertCache:
         scratch = self._scratch
         scratch.ids[:k] = ids
         with self._gate:
-            self._select_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address)
-        return scratch.out[:k].copy()
+            fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address, *out)
+        return k, s
+
+    def select(self, layer: int, expert_ids, stream=None) -> np.ndarray:
+        """Decode path: make ``expert_ids`` of ``layer`` resident; return a [k, 3] uint64 array of
+        device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
+        valid for work enqueued on it before the next select, load_compact or prepare_batch.
+        A contiguous uint32 array of ids is the fast path (about 3 µs; a list costs more)."""
+        k, _ = self._decode(self._select_fn, layer, expert_ids, stream)
+        return self._scratch.out[:k].copy()
 
     def select_views(self, layer: int, expert_ids, stream=None, *, dtype=None, shapes=None) -> list[ExpertView]:
         """:meth:`select`, returning per id an :class:`~pyexpcache.views.ExpertView` whose ``gate``,
@@ -391,18 +398,8 @@ class ExpertCache:
         A view is valid under the rule of :meth:`select`'s addresses (for work ordered after
         the call on ``stream``, until the cache's next select, load_compact, prepare_batch,
         release_all or layer_class call) and does not keep the bytes alive."""
-        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF:
-            layer = u32(layer, "layer")
-        ids = self._as_ids(expert_ids, "expert_ids")
-        k = ids.size
-        if k > _lib.MAX_SELECT:
-            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
-        s = stream_handle(stream)
-        scratch = self._scratch
-        scratch.ids[:k] = ids
-        with self._gate:
-            self._select_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address)
-        return self._views.get(layer, scratch.out[:k].tolist(), s, dtype, shapes)
+        k, s = self._decode(self._select_fn, layer, expert_ids, stream)
+        return self._views.get(layer, self._scratch.out[:k].tolist(), s, dtype, shapes)
 
     def select_split(self, layer: int, expert_ids, stream=None, *, views: bool = False, dtype=None,
                      shapes=None) -> Selection:
@@ -413,19 +410,9 @@ class ExpertCache:
         :meth:`~pyexpcache.selection.Selection.wait`, which makes a stream wait for the misses'
         bytes (a no-op on the host backend and when every id was a hit). Launch the hits' work,
         then ``wait(stream)``, then the misses'. Validity as :meth:`select`'s."""
-        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF:
-            layer = u32(layer, "layer")
-        ids = self._as_ids(expert_ids, "expert_ids")
-        k = ids.size
-        if k > _lib.MAX_SELECT:
-            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
-        s = stream_handle(stream)
-        scratch = self._scratch
-        scratch.ids[:k] = ids
         ready = ctypes.c_void_p()
-        with self._gate:
-            self._split_fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address,
-                           scratch.resident_address, ctypes.byref(ready))
+        scratch = self._scratch
+        k, s = self._decode(self._split_fn, layer, expert_ids, stream, scratch.resident_address, ctypes.byref(ready))
         pointers = scratch.out[:k].copy()
         made = self._views.get(layer, pointers.tolist(), s, dtype, shapes) if views else None
         return Selection(self, layer, pointers, scratch.resident[:k].astype(bool), ready.value or 0, s, made)
