@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
 
 from ..stats import PrefetchStats
 from . import predict
+from .report import json_with_derived
 from .workload import DEFAULT_TRACES, _decode_trace, build_workload
 
 
@@ -117,11 +118,7 @@ class EngineReport:
         return sum(r.checksum_errors for r in self.results)
 
     def to_json(self) -> dict:
-        out = asdict(self)
-        for r, d in zip(self.results, out["results"]):
-            d.update(tokens_per_s=r.tokens_per_s, misses_per_token=r.misses_per_token,
-                     bytes_per_token=r.bytes_per_token, link_busy=r.link_busy)
-        return out
+        return json_with_derived(self, ("tokens_per_s", "misses_per_token", "bytes_per_token", "link_busy"))
 
 
 def advice_arrays(traces, layers: Sequence[int], spec: str, top: int, seed: int = 0):

@@ -89,11 +89,17 @@ class Report:
         return sum(r.checksum_errors for r in self.results)
 
     def to_json(self) -> dict:
-        out = asdict(self)
-        for r, d in zip(self.results, out["results"]):
-            d.update(tokens_per_s=r.tokens_per_s, hit_rate=r.hit_rate, gib_per_token=r.gib_per_token,
-                     serve_us_per_call=r.serve_us_per_call, after_serve_us_per_call=r.after_serve_us_per_call)
-        return out
+        return json_with_derived(self, ("tokens_per_s", "hit_rate", "gib_per_token", "serve_us_per_call",
+                                        "after_serve_us_per_call"))
+
+
+def json_with_derived(report, properties) -> dict:
+    """A report dataclass as a JSON-ready dict, each of its ``results`` with the named properties
+    (figures derived from the counters) added beside its fields."""
+    out = asdict(report)
+    for r, d in zip(report.results, out["results"]):
+        d.update((name, getattr(r, name)) for name in properties)
+    return out
 
 
 def git_commit() -> Optional[str]:

@@ -40,11 +40,12 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from .report import json_with_derived
 from .workload import DEFAULT_TRACES, build_workload
 
 MODES = ("plain", "split")
@@ -109,11 +110,8 @@ class TorchLoopReport:
         return sum(r.checksum_errors for r in self.results)
 
     def to_json(self) -> dict:
-        out = asdict(self)
-        for r, d in zip(self.results, out["results"]):
-            d.update(tokens_per_s=r.tokens_per_s, hit_rate=r.hit_rate, misses_per_token=r.misses_per_token,
-                     kernels_per_expert=r.kernels_per_expert, serve_us_per_call=r.serve_us_per_call)
-        return out
+        return json_with_derived(self, ("tokens_per_s", "hit_rate", "misses_per_token", "kernels_per_expert",
+                                        "serve_us_per_call"))
 
 
 def _word_bytes(spec) -> int:
