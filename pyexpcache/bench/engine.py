@@ -26,7 +26,7 @@ import numpy as np
 from ..stats import PrefetchStats
 from . import predict
 from .report import json_with_derived
-from .workload import DEFAULT_TRACES, _decode_trace, build_workload
+from .workload import DEFAULT_TRACES, _decode_trace, decode_workload
 
 
 @dataclass
@@ -157,8 +157,8 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
     plan = settings(prefetch, hints)
-    workload = build_workload("decode", traces, bench.layout.moe_layers)
-    loaded = [_decode_trace(name) for name in traces]
+    loaded = [_decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
+    workload = decode_workload(loaded, bench.layout.moe_layers)
     chunk = max(s.expert_bytes for s in bench.layout.layers if s)
     link, link_label = bench.measure_link(chunk)
     report = EngineReport(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
@@ -166,14 +166,17 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
                           budget_bytes=bench.budget_bytes, compute_us=compute_us, top=top, split=split,
                           link_bytes_per_s=link, link_label=link_label, traces=list(traces),
                           version=__version__, library=library_version(), git_commit=git_commit())
+    advice = {}  # predictor -> its arrays: a prefetch and a hint setting of one predictor share them
     for setting in plan:
         options = _replay.ReplayOptions()
         options.struct_size = ctypes.sizeof(options)
         options.compute_ns = int(round(compute_us * 1e3))
         options.split = int(split)
-        arrays = None
         if setting.advice != "none":
-            arrays = advice_arrays(loaded, bench.layout.moe_layers, setting.predictor, top, seed)
+            arrays = advice.get(setting.predictor)
+            if arrays is None:
+                arrays = advice[setting.predictor] = advice_arrays(loaded, bench.layout.moe_layers,
+                                                                   setting.predictor, top, seed)
             options.advice = _replay.ADVICE_PREFETCH if setting.advice == "prefetch" else _replay.ADVICE_HINT
             options.advice_offset, options.advice_count, options.advice_ids = (a.ctypes.data for a in arrays)
         cache = bench._cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options)
@@ -186,7 +189,6 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
                 decode_seconds=scratch.decode_seconds, hits=decode.hits, misses=decode.misses,
                 demand_bytes=scratch.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link,
                 checksum_errors=scratch.checksum_errors, experts_checked=scratch.experts_checked))
-        del arrays
     return report
 
 

@@ -73,6 +73,14 @@ def _decode_trace(name: str):
     return load_decode_trace(name)
 
 
+def decode_workload(traces, layers: Optional[Sequence[int]] = None) -> Workload:
+    """The ``decode`` scenario of already loaded :class:`~pyexpcache.traces.Trace` objects: their
+    tokens one trace after another, each token's layers in order (``layers``: those kept)."""
+    keep = set(layers) if layers is not None else None
+    calls = [call for trace in traces for call in _decode_calls(trace, keep)]
+    return Workload("decode", calls, sum(t.num_tokens for t in traces), 0)
+
+
 def build_workload(scenario: str, traces: Sequence[str] = DEFAULT_TRACES,
                    layers: Optional[Sequence[int]] = None) -> Workload:
     """The calls of a scenario.
@@ -100,9 +108,8 @@ def build_workload(scenario: str, traces: Sequence[str] = DEFAULT_TRACES,
         add_decode(prompt.decode)
 
     if scenario == "decode":
-        for trace in decode:
-            add_decode(trace)
-    elif scenario in ("prefill", "turns"):
+        return decode_workload(decode, layers)
+    if scenario in ("prefill", "turns"):
         prompts = [p for info in list_traces() if info.kind == "prefill" for p in load_prefill_trace(info.name)]
         if scenario == "prefill":
             for i, prompt in enumerate(prompts):
