@@ -278,7 +278,7 @@ private:
     void cancel_prefetch(int32_t c, int32_t slot);
     expcache_status_t finish_partial(ServeCall& call, int32_t slot, bool cold);
     void note_use(ClassState& cls, int32_t slot);
-    void drop_prefetched(ClassState& cls, SlotState& slot);
+    void drop_prefetched(SlotState& slot);
     Prefetcher& prefetcher();
 
     // serve_batch.cpp

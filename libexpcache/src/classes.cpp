@@ -104,7 +104,7 @@ expcache_status_t Cache::release_class(int32_t c, uint32_t path) {
     if (s != EXPCACHE_OK) return s;
     for (SlotState& slot : cls.slots) {
         if (slot.layer < 0) continue;
-        if (slot.prefetch != kPrefetchNone) drop_prefetched(cls, slot);
+        if (slot.prefetch != kPrefetchNone) drop_prefetched(slot);
         layers_[slot.layer].slot_of[slot.expert] = -1;
     }
     for (void* slab : cls.slabs) arena_.free_now(slab);

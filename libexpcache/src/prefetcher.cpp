@@ -114,11 +114,6 @@ void Prefetcher::take(bool cancel, Taken* out) {
     error_ = EXPCACHE_OK;
 }
 
-bool Prefetcher::idle() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return queue_.empty() && done_.empty() && failed_.empty();
-}
-
 void Prefetcher::pause(bool paused) {
     {
         std::lock_guard<std::mutex> lock(mu_);

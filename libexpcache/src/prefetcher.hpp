@@ -61,7 +61,6 @@ public:
     // What finished since the last take(); with cancel, every job still queued is cancelled
     // too, and no piece goes out after this returns until the next submit.
     void take(bool cancel, Taken* out);
-    bool idle() const;  // nothing queued
 
     // Testing: pause the thread between pieces; wait until the queue is empty and the last
     // piece landed (at once while paused).

@@ -126,7 +126,7 @@ void Cache::note_use(ClassState& cls, int32_t s) {
 }
 
 // A landed prefetch leaving its slot unused.
-void Cache::drop_prefetched(ClassState&, SlotState& slot) {
+void Cache::drop_prefetched(SlotState& slot) {
     LayerState& layer = layers_[slot.layer];
     pstats_.wasted++;
     pstats_.bytes_wasted += layer.expert_bytes();

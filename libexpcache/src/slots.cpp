@@ -59,7 +59,7 @@ expcache_status_t Cache::acquire_slot(int32_t c, bool allow_grow, Evict evict_mo
 void Cache::evict(int32_t c, int32_t s, uint32_t path) {
     ClassState& cls = classes_[c];
     SlotState& slot = cls.slots[s];
-    if (slot.prefetch != kPrefetchNone) drop_prefetched(cls, slot);
+    if (slot.prefetch != kPrefetchNone) drop_prefetched(slot);
     layers_[slot.layer].slot_of[slot.expert] = -1;
     cls.policy->on_remove(s);
     slot.layer = -1;

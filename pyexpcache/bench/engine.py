@@ -17,7 +17,6 @@ serves every setting with the split select (the hits' kernel runs while the miss
 from __future__ import annotations
 
 import ctypes
-import json
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -225,8 +224,3 @@ def format_engine_report(report: EngineReport) -> str:
                                     "prefetch used / wasted / cancelled", "hint refreshes", "link busy",
                                     "checksums"], disable_numparse=True)
     return "\n".join(head) + "\n\n" + table
-
-
-def write_engine_json(report: EngineReport, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report.to_json(), f, indent=2)

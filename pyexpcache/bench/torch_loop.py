@@ -35,7 +35,6 @@ them). Host backend: the views are host memory, the kernels CPU reductions, the 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import time
@@ -394,8 +393,3 @@ def format_torch_loop_report(report: TorchLoopReport) -> str:
     table = tabulate(rows, headers=["mode", "decode tok/s", "vs plain", "hit rate", "misses/token",
                                     "select µs/layer", "kernels/expert", "checksums"], disable_numparse=True)
     return "\n".join(head) + "\n\n" + table
-
-
-def write_torch_loop_json(report: TorchLoopReport, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report.to_json(), f, indent=2)
