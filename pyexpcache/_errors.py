@@ -7,6 +7,8 @@ The status codes themselves are defined here, once, mirroring expcache.h's
 
 from __future__ import annotations
 
+import sys
+
 # Status codes (expcache.h: EXPCACHE_OK, EXPCACHE_ERR_*).
 OK = 0
 ERR_INVALID_ARGUMENT = 1
@@ -85,6 +87,17 @@ class CacheClosedError(ValueError):
 class ExpcacheWarning(RuntimeWarning):
     """Trouble the library reports without failing a call, e.g. a size class left with
     cap 0 (no device memory after the reserve: nothing of it is cached)."""
+
+
+def stacklevel_outside(module: str) -> int:
+    """``stacklevel`` for a warning issued by the caller of this function that names the first
+    frame outside ``module`` (the caller's ``__name__``): the user's line, however many of the
+    module's own functions lie between."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == module:
+        level += 1
+        frame = frame.f_back
+    return level
 
 
 _BY_STATUS = {

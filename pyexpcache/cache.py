@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _lib
 from ._cuda import stream_handle
-from ._errors import CacheClosedError, ExpcacheWarning
+from ._errors import CacheClosedError, ExpcacheWarning, stacklevel_outside
 from ._ints import u32, u64
 from .layout import ModelLayout
 from .source import Source
@@ -275,8 +275,8 @@ class ExpertCache:
             text = message.decode(errors="replace")
             if level == _lib.LOG_WARNING and text not in self._warned:
                 self._warned.add(text)
-                # stacklevel 3: this callback, the wrapper method that called C, the user's line.
-                warnings.warn(f"expcache: {text}", ExpcacheWarning, stacklevel=3)
+                # Named at the user's line: past this callback and the methods that called C.
+                warnings.warn(f"expcache: {text}", ExpcacheWarning, stacklevel=stacklevel_outside(__name__))
             if logger.hasHandlers():
                 logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s", text)
             elif level != _lib.LOG_WARNING:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import gzip
 import os
-import sys
 import warnings
 import zlib
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._errors import stacklevel_outside
 from .types import (DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, NUM_EXPERTS, PREFILL_NUM_LAYERS, PathLike, PrefillPrompt,
                     Trace, TraceInfo, TraceWarning)
 
@@ -82,15 +82,6 @@ def _stem(path: Path) -> str:
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _caller_stacklevel() -> int:
-    """``stacklevel`` for a warning issued here that names the first caller outside this module."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
-        level += 1
-        frame = frame.f_back
-    return level
 
 
 class _Row(NamedTuple):
@@ -310,7 +301,7 @@ def _warn_truncated_tail(path: Path, where: str, tail: list[_Row], cut: _Cut | N
         f"{path}: the file ends inside a token{where}, which is dropped: {' and '.join(parts)}; "
         f"{kept} complete token{'s' if kept != 1 else ''} kept",
         TraceWarning,
-        stacklevel=_caller_stacklevel(),
+        stacklevel=stacklevel_outside(__name__),
     )
 
 
