@@ -177,3 +177,28 @@ def test_a_select_right_after_a_prefetch_reads_whole_bytes(cuda, policy):
             assert _all_reads_saw(cache, source.expected_checksum(0, e)), f"expert {e}"
         p = cache.prefetch_stats()
         assert p.issued == 8 and p.used + p.cancelled == 8
+
+
+@pytest.mark.parametrize("policy", ["lru"])
+def test_a_miss_into_a_cancelled_prefetchs_slot_waits_for_its_pieces(cuda, policy):
+    """A serving call waits for the copy stream only where it touches a prefetch's slot: a miss
+    that takes the slot of a prefetch it cancelled lands after that prefetch's pieces in flight,
+    never under them."""
+    rt, a, _ = cuda
+    layout = ModelLayout((LayerSpec(3, PART, PART, PART),), name="fence-cancelled")
+    with HostSource(layout, pinned=True) as source, \
+            ExpertCache(layout, source, budget_experts=2, backend="cuda", log_level=0, policy=policy,
+                        prefetch_piece_bytes=64 << 10) as cache:
+        ptrs = cache.select(0, [0], stream=a)[0]
+        cache.synchronize(a)
+        _long_read(cache, ptrs, a)
+        cache.select(0, [0], stream=a)  # marked after the long read: the prefetch's pieces wait for it
+        cache.select(0, [0], stream=a)
+        assert cache.prefetch(0, [1], stream=a) == 1  # the second slot; its pieces wait
+        got = cache.select(0, [2], stream=a)[0]  # cancels it and takes its slot
+        cache.synchronize(a)
+        p = cache.prefetch_stats()
+        assert p.cancelled == 1 and p.pieces >= 1, p
+        assert int(got[0]) != int(ptrs[0])
+        for part in range(3):
+            assert (_bytes_at(int(got[part]), PART) == source.part(0, 2, part)).all(), f"part {part}"

@@ -60,6 +60,8 @@ struct SlotState {
     uint64_t last_call = 0;   // protects it from eviction during that call (and from a prefetch's
                               // during the next one)
     uint8_t prefetch = 0;     // kPrefetch*: what a prefetch put here and nothing used yet
+    bool copy_pending = false;  // a prefetch's bytes may still cross on the copy stream: a call that
+                                // reads or rewrites the slot waits for that stream first (order_slot)
 };
 
 enum PrefetchState : uint8_t {
@@ -251,7 +253,16 @@ private:
     // serve.cpp
     expcache_status_t validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
                                        const char* count_name) const;
-    expcache_status_t begin_call(void* stream);
+    // per_slot: the call orders each slot it reads or writes itself (order_slot), so what
+    // prefetches sent into other slots needs no wait; else the stream waits for all of it.
+    expcache_status_t begin_call(void* stream, bool per_slot = false);
+    // `stream` waits for everything the copy stream was given so far.
+    expcache_status_t fence_copy(void* stream);
+    // Before `stream` reads or writes slot s of class c: waits for the copy stream if a prefetch
+    // sent bytes into the slot since the last fence_copy.
+    expcache_status_t order_slot(int32_t c, int32_t s, void* stream);
+    // After the device was synchronized: nothing the copy stream sent is still crossing.
+    void forget_copy_pending();
     // admit: a path's own check, made after the request's and before anything changes.
     expcache_status_t open_call(ServeCall& call, const uint32_t* ids, uint64_t n, uint64_t max_n,
                                 const char* count_name, expcache_status_t (Cache::*admit)() const = nullptr);
@@ -312,7 +323,8 @@ private:
     expcache_prefetch_stats_t pstats_ = {};
     uint64_t cur_call_ = 0, prev_call_ = 0;
     int cur_mark_ = 0, prev_mark_ = 0, marks_ = 0;  // marks_: serving calls marked, up to 2
-    bool copy_dirty_ = false;  // the copy stream has work a later call's stream must wait for
+    bool copy_dirty_ = false;  // the copy stream has split misses a later call's stream must wait for
+    std::vector<std::pair<int32_t, int32_t>> copy_pending_;  // (class, slot) marked copy_pending
     expcache_status_t prefetch_error_ = EXPCACHE_OK;
     std::string prefetch_message_;
 

@@ -102,6 +102,7 @@ expcache_status_t Cache::release_class(int32_t c, uint32_t path) {
     expcache_status_t s = settle_prefetches(true);  // no piece goes out into the slabs after this
     if (s == EXPCACHE_OK) s = check(backend_->sync_device());
     if (s != EXPCACHE_OK) return s;
+    forget_copy_pending();
     for (SlotState& slot : cls.slots) {
         if (slot.layer < 0) continue;
         if (slot.prefetch != kPrefetchNone) drop_prefetched(slot);

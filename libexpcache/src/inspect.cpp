@@ -81,7 +81,7 @@ expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_pt
                                   void* stream, uint64_t* out_sums) {
     CallScope scope(*this);
     expcache_status_t s = checksum_jobs(layer_index, ptrs, n);
-    if (s == EXPCACHE_OK) s = begin_call(stream);
+    if (s == EXPCACHE_OK) s = begin_call(stream, true);  // the selects that served ptrs ordered their slots
     // Slots past the public area, so a synchronous checksum never overwrites unread async results.
     const uint32_t first = EXPCACHE_CHECKSUM_RESULTS;
     if (s == EXPCACHE_OK)
@@ -99,7 +99,7 @@ expcache_status_t Cache::checksum_async(uint32_t layer_index, const expcache_exp
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "result slots %u..%llu are past the %d slots of the area", first,
                     (unsigned long long)first + n - 1, EXPCACHE_CHECKSUM_RESULTS);
     expcache_status_t s = checksum_jobs(layer_index, ptrs, n);
-    if (s == EXPCACHE_OK) s = begin_call(stream);
+    if (s == EXPCACHE_OK) s = begin_call(stream, true);  // the selects that served ptrs ordered their slots
     if (s == EXPCACHE_OK)
         s = check(backend_->checksum_async(checksum_jobs_.data(), static_cast<uint32_t>(checksum_jobs_.size()), n,
                                            first, stream));

@@ -17,14 +17,18 @@ Prefetcher::~Prefetcher() {
         queue_.clear();
     }
     wake_.notify_all();
-    if (thread_.joinable()) thread_.join();  // after the piece in flight landed
-    if (bounce_) link_.free_chunk(bounce_, marker_);
+    if (thread_.joinable()) thread_.join();  // after the transfers in flight landed
+    for (Transfer& t : ring_)
+        if (t.marker) link_.free_chunk(t.bounce, t.marker);
 }
 
 void Prefetcher::submit(const PrefetchJob& job) {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.push_back(job);
     if (!thread_.joinable()) thread_ = std::thread(&Prefetcher::run, this);
+    // A pinned source costs the caller only the enqueue: start the link now rather than after
+    // the thread wakes. Others (a memcpy or a read first) wait for the thread.
+    if (job.pinned && !job.file) fill();
     wake_.notify_one();
 }
 
@@ -32,20 +36,21 @@ void Prefetcher::run() {
     link_.thread_start();
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-        wake_.wait(lock, [&] { return stop_ || (!paused_ && !queue_.empty()); });
-        if (stop_) return;
-        if (!send_next(lock)) {
-            landed_.notify_all();  // drain() may be waiting for the queue that just emptied
+        wake_.wait(lock, [&] { return stop_ || in_flight_ > 0 || (!paused_ && !queue_.empty()); });
+        if (!stop_) fill();
+        if (in_flight_ == 0) {
+            landed_.notify_all();  // drain() may be waiting for a queue that failed empty
+            if (stop_) return;
             continue;
         }
-        // One piece in flight: the next goes out only once it has landed, so a serving call
-        // that cancels the queue is delayed by this piece at most.
-        in_flight_ = true;
+        // Wait for the oldest transfer; the next one is already queued behind it.
+        void* marker = ring_[head_].marker;
         lock.unlock();
-        expcache_status_t s = link_.wait(marker_);
+        expcache_status_t s = link_.wait(marker);
         std::string why = s == EXPCACHE_OK ? std::string() : last_error();
         lock.lock();
-        in_flight_ = false;
+        head_ = (head_ + 1) % kDepth;
+        --in_flight_;
         if (s != EXPCACHE_OK && error_ == EXPCACHE_OK) {
             error_ = s;
             message_ = "a prefetch piece failed: " + why;
@@ -54,25 +59,31 @@ void Prefetcher::run() {
     }
 }
 
-bool Prefetcher::send_next(std::unique_lock<std::mutex>&) {
+void Prefetcher::fill() {
+    while (!paused_ && !queue_.empty() && in_flight_ < kDepth) send_next();
+}
+
+bool Prefetcher::send_next() {
     PrefetchJob& job = queue_.front();
+    Transfer& t = ring_[(head_ + in_flight_) % kDepth];
+    const uint64_t most = std::max<uint64_t>(piece_bytes_ / kDepth, 1);
     expcache_status_t s = EXPCACHE_OK;
-    if (!bounce_) s = link_.alloc_chunk(piece_bytes_, &bounce_, &marker_);
+    if (!t.marker) s = link_.alloc_chunk(most, &t.bounce, &t.marker);
     if (s == EXPCACHE_OK) {
         const PrefetchJob::Part& p = job.parts[job.part];
-        const uint64_t n = std::min(piece_bytes_, p.bytes - job.offset);
+        const uint64_t n = std::min(most, p.bytes - job.offset);
         unsigned char* dst = p.dst + job.offset;
         if (job.file) {
-            s = job.file->read(bounce_, reinterpret_cast<uintptr_t>(p.src) + job.offset, n);
-            if (s == EXPCACHE_OK) s = link_.send(dst, bounce_, n, stream_, marker_);
+            s = job.file->read(t.bounce, reinterpret_cast<uintptr_t>(p.src) + job.offset, n);
+            if (s == EXPCACHE_OK) s = link_.send(dst, t.bounce, n, stream_, t.marker);
         } else if (job.pinned) {
-            s = link_.send(dst, p.src + job.offset, n, stream_, marker_);
+            s = link_.send(dst, p.src + job.offset, n, stream_, t.marker);
         } else {
-            std::memcpy(bounce_, p.src + job.offset, n);  // the link reads pageable memory slowly
-            s = link_.send(dst, bounce_, n, stream_, marker_);
+            std::memcpy(t.bounce, p.src + job.offset, n);  // the link reads pageable memory slowly
+            s = link_.send(dst, t.bounce, n, stream_, t.marker);
         }
         if (s == EXPCACHE_OK) {
-            sent_ = true;
+            ++in_flight_;
             bytes_sent_ += n;
             ++pieces_;
             job.offset += n;
@@ -105,8 +116,6 @@ void Prefetcher::take(bool cancel, Taken* out) {
         out->cancelled.insert(out->cancelled.end(), queue_.begin(), queue_.end());
         queue_.clear();
     }
-    out->sent = out->sent || sent_;
-    sent_ = false;
     if (error_ != EXPCACHE_OK && out->error == EXPCACHE_OK) {
         out->error = error_;
         out->message = message_;
@@ -125,7 +134,7 @@ void Prefetcher::pause(bool paused) {
 
 expcache_status_t Prefetcher::drain() {
     std::unique_lock<std::mutex> lock(mu_);
-    landed_.wait(lock, [&] { return paused_ || (queue_.empty() && !in_flight_); });
+    landed_.wait(lock, [&] { return paused_ || (queue_.empty() && in_flight_ == 0); });
     return EXPCACHE_OK;
 }
 

@@ -1,6 +1,8 @@
 // The prefetch thread: moves queued experts into their slots over the link's
-// idle time, one piece at a time, so that a serving call that cancels the
-// queue waits for at most the piece in flight.
+// idle time. At most one piece's bytes are in flight, sent as kDepth smaller
+// transfers so that the next is queued on the stream while one crosses (the
+// link never idles while the thread wakes); a serving call that cancels the
+// queue shares the link with at most those bytes.
 //
 // The cache decides what to prefetch and into which slot (under its mutex);
 // this class only moves bytes. It never touches cache state: the cache takes
@@ -40,13 +42,18 @@ struct PrefetchJob {
 
 class Prefetcher {
 public:
+    // Transfers in flight at once, each of piece_bytes / kDepth.
+    static constexpr int kDepth = 2;
+
     // `stream`: where pieces go (the cache's copy stream); the thread starts on the first submit.
     Prefetcher(StagingRing::Transport& link, void* stream, uint64_t piece_bytes);
     ~Prefetcher();
     Prefetcher(const Prefetcher&) = delete;
     Prefetcher& operator=(const Prefetcher&) = delete;
 
-    // Queue a job at the back. Throws std::bad_alloc or std::system_error (the thread).
+    // Queue a job at the back. A pinned job's first transfers go out from the calling thread
+    // when the link is free (no wait for the thread to wake); the caller must be on the
+    // stream's device. Throws std::bad_alloc or std::system_error (the thread).
     void submit(const PrefetchJob& job);
 
     struct Taken {
@@ -54,7 +61,6 @@ public:
                                              // out has landed (ordered by the caller's fence on `stream`)
         std::vector<PrefetchJob> cancelled;  // taken off the queue by cancel, their progress in part/offset
         std::vector<PrefetchJob> failed;     // a piece failed: the slot's bytes are wrong
-        bool sent = false;                   // a piece went out since the last take()
         expcache_status_t error = EXPCACHE_OK;  // the first piece failure since the last take()
         std::string message;
     };
@@ -73,8 +79,10 @@ public:
 
 private:
     void run();
-    // Under mu_: send the next piece of the front job; false when a piece failed.
-    bool send_next(std::unique_lock<std::mutex>& lock);
+    // Under mu_: send transfers of the front jobs until kDepth are in flight or the queue is empty.
+    void fill();
+    // Under mu_: send the next transfer of the front job; false when it failed.
+    bool send_next();
 
     StagingRing::Transport& link_;
     void* stream_;
@@ -85,12 +93,18 @@ private:
     std::condition_variable landed_; // drain(): a piece landed
     std::deque<PrefetchJob> queue_;
     std::vector<PrefetchJob> done_, failed_;
-    bool sent_ = false, stop_ = false, paused_ = false, in_flight_ = false;
+    bool stop_ = false, paused_ = false;
     expcache_status_t error_ = EXPCACHE_OK;
     std::string message_;
     uint64_t bytes_sent_ = 0, pieces_ = 0;
-    void* bounce_ = nullptr;  // one piece of memory the link can read, for pageable and file sources
-    void* marker_ = nullptr;
+    // The transfers in flight, oldest at head_: each with memory the link can read (for pageable
+    // and file sources) and the marker recorded behind it.
+    struct Transfer {
+        void* bounce = nullptr;
+        void* marker = nullptr;
+    };
+    Transfer ring_[kDepth];
+    int head_ = 0, in_flight_ = 0;
     std::thread thread_;
 };
 

@@ -39,17 +39,15 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
 // prefetches still queued (a demand miss never waits behind them), and when the
 // stream changes, make the new stream wait for the old one's work so that no
 // slot or staging byte is overwritten while a kernel may still read it; likewise
-// for what the cache's copy stream sent (split selects' misses, prefetch pieces).
-expcache_status_t Cache::begin_call(void* stream) {
+// for what the cache's copy stream sent: split selects' misses always, prefetch
+// pieces only where the call touches their slots when it orders them per slot.
+expcache_status_t Cache::begin_call(void* stream, bool per_slot) {
     backend_->reclaim();
     expcache_status_t s = settle_prefetches(true, true);
     if (s != EXPCACHE_OK) return s;
     if (have_last_stream_ && last_stream_ != stream && (s = check(backend_->fence(last_stream_, stream))) != EXPCACHE_OK)
         return s;
-    if (copy_dirty_) {
-        if ((s = check(backend_->fence(backend_->copy_stream(), stream))) != EXPCACHE_OK) return s;
-        copy_dirty_ = false;
-    }
+    if ((copy_dirty_ || (!per_slot && !copy_pending_.empty())) && (s = fence_copy(stream)) != EXPCACHE_OK) return s;
     if (prefetcher_) {
         // Where this call begins on its stream: the next prefetch but one waits for it.
         if ((s = check(backend_->mark(cur_mark_ ^ 1, stream))) != EXPCACHE_OK) return s;
@@ -71,7 +69,7 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     const uint32_t layer = call.layer_index;
     expcache_status_t s = validate_request(layer, ids, n, max_n, count_name);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
-    if (s == EXPCACHE_OK) s = begin_call(call.stream);
+    if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
     if (s == EXPCACHE_OK) s = bind(layer, call.path, &call.c);
     if (s != EXPCACHE_OK) return s;
     ClassState& cls = classes_[call.c];
@@ -91,6 +89,26 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     dedupe(*call.layer, ids, n);
     if (!partial_.empty()) resolve_partial(call);
     return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::fence_copy(void* stream) {
+    expcache_status_t s = check(backend_->fence(backend_->copy_stream(), stream));
+    if (s != EXPCACHE_OK) return s;
+    copy_dirty_ = false;
+    forget_copy_pending();
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::order_slot(int32_t c, int32_t s, void* stream) {
+    if (!classes_[c].slots[s].copy_pending || stream == backend_->copy_stream()) return EXPCACHE_OK;
+    return fence_copy(stream);
+}
+
+void Cache::forget_copy_pending() {
+    for (const auto& cs : copy_pending_)
+        if (cs.second < static_cast<int32_t>(classes_[cs.first].slots.size()))
+            classes_[cs.first].slots[cs.second].copy_pending = false;
+    copy_pending_.clear();
 }
 
 void Cache::dedupe(LayerState& layer, const uint32_t* ids, uint64_t n) {

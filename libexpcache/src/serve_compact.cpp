@@ -35,6 +35,7 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
         if (slot >= 0) {
             SlotState& ss = cls.slots[slot];
             ss.last_call = call_;  // read on `stream` now: no prefetch may overwrite it before the next call
+            if ((s = order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
             if (ss.prefetch != kPrefetchNone) note_use(cls, slot);
             for (int p = 0; p < kParts; ++p)
                 if ((s = injected_copy_failure()) != EXPCACHE_OK ||

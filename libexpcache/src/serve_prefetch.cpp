@@ -29,7 +29,6 @@ expcache_status_t Cache::settle_prefetches(bool cancel, bool keep_partial) {
     taken_.done.clear();
     taken_.cancelled.clear();
     taken_.failed.clear();
-    taken_.sent = false;
     taken_.error = EXPCACHE_OK;
     prefetcher_->take(cancel, &taken_);
     for (const PrefetchJob& job : taken_.done) classes_[job.cls].slots[job.slot].prefetch = kPrefetchUnused;
@@ -42,7 +41,6 @@ expcache_status_t Cache::settle_prefetches(bool cancel, bool keep_partial) {
             cancel_prefetch(job.cls, job.slot);
         }
     }
-    if (taken_.sent) copy_dirty_ = true;
     if (taken_.error != EXPCACHE_OK && prefetch_error_ == EXPCACHE_OK) {
         // Reported by the next prefetch call: a demand call is not the one that failed.
         prefetch_error_ = taken_.error;
@@ -204,6 +202,10 @@ expcache_status_t Cache::prefetch(uint32_t layer_index, const uint32_t* ids, uin
         ss.expert = e;
         ss.last_call = 0;
         ss.prefetch = kPrefetchLoading;
+        if (!ss.copy_pending) {
+            ss.copy_pending = true;
+            copy_pending_.emplace_back(c, slot);
+        }
         layer.slot_of[e] = slot;
         layer.prefetched++;
         cls.resident++;
@@ -269,6 +271,7 @@ expcache_status_t Cache::prefetch_drain() {
     CallScope scope(*this);
     expcache_status_t s = prefetcher().drain();
     if (s == EXPCACHE_OK) s = check(backend_->sync_stream(backend_->copy_stream()));
+    if (s == EXPCACHE_OK) forget_copy_pending();  // every piece landed
     if (s == EXPCACHE_OK) s = settle_prefetches(false);
     return s;
 }

@@ -106,11 +106,14 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         }
         if (cls.slots[slot].prefetch == kPrefetchPartial) {
             // Not resident when the call began: a miss that finishes its prefetch in place.
-            expcache_status_t s = finish_partial(call, slot, batch != nullptr);
+            expcache_status_t s = order_slot(call.c, slot, call.copy_stream);
+            if (s == EXPCACHE_OK) s = finish_partial(call, slot, batch != nullptr);
             if (s != EXPCACHE_OK) return s;
             serve(j, slot);
             continue;
         }
+        expcache_status_t s = order_slot(call.c, slot, call.stream);
+        if (s != EXPCACHE_OK) return s;
         if (cls.slots[slot].prefetch != kPrefetchNone) note_use(cls, slot);
         if (!batch) {
             cls.policy->on_hit(slot);
@@ -134,7 +137,8 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         SlotState& ss = cls.slots[slot];
         unsigned char* dst[kParts];
         cls.parts_at(ss.dev, dst);
-        if ((s = copy_expert(layer, e, dst, call.copy_stream)) != EXPCACHE_OK) {
+        if ((s = order_slot(call.c, slot, call.copy_stream)) != EXPCACHE_OK ||
+            (s = copy_expert(layer, e, dst, call.copy_stream)) != EXPCACHE_OK) {
             cls.free_slots.push_back(slot);  // never marked resident
             return s;
         }
