@@ -177,8 +177,8 @@ class ExpertCache:
             LRU, most at small budgets: docs/policy.md) or ``"lru"``.
         prefetch_max_per_layer: most experts of one layer prefetched between two serving calls of
             that layer (default 8; 0 turns :meth:`prefetch` off).
-        prefetch_piece_bytes: largest piece a prefetch moves at a time, the most a demand miss
-            waits behind one (default 256 KiB; a multiple of 4096 in 4 KiB..64 MiB).
+        prefetch_piece_bytes: most prefetch bytes in flight at once (two transfers of half), what
+            a demand miss shares the link with (default 4 MiB; a multiple of 4096 in 4 KiB..64 MiB).
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
 
@@ -423,10 +423,12 @@ class ExpertCache:
 
     def prefetch(self, layer: int, expert_ids, stream=None) -> int:
         """Copy ``expert_ids`` of ``layer``, expected soon, into the cache over the link's idle time;
-        returns at once with the number queued. List them most likely first. Pieces of at most
-        ``prefetch_piece_bytes`` move one at a time from a thread of the cache's; the next serving
-        call takes back what is still queued (a select or batch listing an expert finishes it in
-        place, the others are cancelled), so a demand miss waits for at most one piece. Never evicts an expert the current or previous serving call used or a batch holds;
+        returns at once with the number queued. List them most likely first. At most
+        ``prefetch_piece_bytes`` are in flight at a time, sent by a thread of the cache's; the next
+        serving call takes back what is still queued (a select or batch listing an expert finishes
+        it in place, the others are cancelled), so a demand miss shares the link with at most one
+        piece, and waits for it only if it reads or rewrites that prefetch's slot. Never evicts an
+        expert the current or previous serving call used or a batch holds;
         at most ``prefetch_max_per_layer`` of a layer between two serving calls of it. ``stream``:
         the engine's compute stream (the first prefetch waits for its work so far). Counted in
         :meth:`prefetch_stats`."""

@@ -200,8 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--prefetch-top", type=int, default=6, metavar="K",
                    help="experts each prediction names, most likely first (default 6; a layer takes at most 8)")
     e.add_argument("--prefetch-piece", type=_size, default=None, metavar="SIZE",
-                   help="largest piece a prefetch sends at a time, the most a demand miss waits behind one, e.g. "
-                        "1M (default 256K; a multiple of 4K in 4K..64M)")
+                   help="most prefetch bytes in flight at once, what a demand miss shares the link with, "
+                        "e.g. 1M (default 4M; a multiple of 4K in 4K..64M)")
     e.add_argument("--hints", action="store_true",
                    help="also run each --prefetch predictor as hints only (refresh resident experts, no copy)")
     e.add_argument("--split", action="store_true",

@@ -201,8 +201,9 @@ typedef struct expcache_config_t {
     uint32_t prefetch_max_per_layer; /**< most experts of one layer queued by expcache_prefetch_async
                                     between two serving calls of that layer; default 8; 0 turns prefetch
                                     off (every id is counted as dropped); at most EXPCACHE_MAX_SELECT */
-    uint64_t prefetch_piece_bytes; /**< largest piece a prefetch moves at a time: a demand miss waits for
-                                    at most one piece in flight; default 256 KiB; 4 KiB..64 MiB, a
+    uint64_t prefetch_piece_bytes; /**< most prefetch bytes in flight at once, sent as two transfers of
+                                    half so that one is queued while the other crosses: what a demand
+                                    miss shares the link with; default 4 MiB; 4 KiB..64 MiB, a
                                     multiple of 4096 */
 } expcache_config_t;
 
@@ -354,13 +355,15 @@ EXPCACHE_API expcache_status_t expcache_ready_wait_async(expcache_t* cache, void
 /**
  * Prefetch: copy experts ids[0..n) of `layer`, expected to be selected soon, into
  * the cache using the link's idle time. Returns at once; the bytes move on the
- * cache's copy stream in pieces of at most config.prefetch_piece_bytes, one piece
- * in flight at a time, from a thread of the cache's. Every serving call
- * (select, compact load, batch) first takes back what is still queued: the
- * experts a select or batch lists are finished by it in place (the rest of their
- * bytes into the same slot, on its stream: a miss, counted as used), the others
- * are cancelled and their slots freed, so a demand miss never
- * waits for more than the one piece in flight. Ids earlier in the list are sent
+ * cache's copy stream, at most config.prefetch_piece_bytes in flight at a time
+ * (two transfers of half), from a thread of the cache's (the first from the
+ * calling thread when the source is pinned). Every serving call (select, compact
+ * load, batch) first takes back what is still queued: the experts a select or
+ * batch lists are finished by it in place (the rest of their bytes into the same
+ * slot, on its stream: a miss, counted as used), the others are cancelled and
+ * their slots freed. A demand miss therefore shares the link with at most one
+ * piece in flight, and its stream waits for the copy stream only when it reads
+ * or rewrites a slot a prefetch sent bytes into. Ids earlier in the list are sent
  * first (list them most likely first). An id already resident or on its way is
  * skipped; at most config.prefetch_max_per_layer experts of a layer are
  * prefetched between two serving calls of it, and a prefetch only takes a free slot, grows the
@@ -584,7 +587,7 @@ typedef struct expcache_prefetch_stats_t {
     uint64_t dropped;          /**< ids not prefetched: the layer's limit reached, or no slot may be taken */
     uint64_t bytes_issued, bytes_used, bytes_wasted, bytes_cancelled; /**< the experts' bytes of each */
     uint64_t bytes_sent;       /**< bytes the prefetch pieces moved over the link */
-    uint64_t pieces;           /**< pieces sent */
+    uint64_t pieces;           /**< transfers sent (each at most half of prefetch_piece_bytes) */
     uint64_t hints;            /**< ids given to expcache_hint (once per call) */
     uint64_t hint_refreshes;   /**< hinted ids found resident and refreshed */
 } expcache_prefetch_stats_t;
