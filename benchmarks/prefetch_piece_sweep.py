@@ -1,8 +1,9 @@
 """The engine model (``expcache bench --layer-compute-us``) at several prefetch piece sizes, one
 source for all, each size's settings side by side with ``none`` in its own table.
 
-A piece is the most a demand miss waits behind a prefetch; a bigger one leaves fewer gaps on the
-link between pieces (the prefetch thread waits for each before sending the next). Run::
+A piece is the most prefetch data in flight (two transfers of half), what a demand miss shares
+the link with; a bigger one lets a right prefetch cover more of the window before the select, and
+each transfer costs the prefetch thread two API calls. Run::
 
     python3 benchmarks/prefetch_piece_sweep.py --pieces 256K,1M,4M --layer-compute-us 60
 """
