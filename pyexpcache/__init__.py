@@ -32,13 +32,15 @@ from ._errors import (  # noqa: E402 (the version first: submodules read it)
 from .cache import (Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats, StagingStats,
                     staging_defaults)
 from .layout import LayerSpec, ModelLayout
+from .multi import DeviceBatch, DeviceSelection, MultiDeviceCache
+from .placement import Placement, loads_from_calls
 from .source import HostSource, checksum_bytes
 
 __all__ = [
     "ArgumentRangeError", "CacheClosedError", "ExpcacheWarning", "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
-    "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
-    "ModelLayout", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "PoisonedError",
-    "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version", "staging_defaults",
+    "DeviceBatch", "DeviceSelection", "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
+    "ModelLayout", "MultiDeviceCache", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError",
+    "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version", "loads_from_calls", "staging_defaults",
 ]
 
 

@@ -152,8 +152,8 @@ class HostSource(BufferSource):
 
     Args:
         layout: the model layout.
-        pinned: allocate page-locked memory with ``cudaMallocHost`` (needs cuda-python and
-            a GPU; misses then cross the link at full speed). Otherwise ordinary numpy
+        pinned: allocate page-locked memory with ``cudaHostAlloc`` (portable: pinned for every
+            device; needs cuda-python and a GPU; misses then cross the link at full speed). Otherwise ordinary numpy
             (pageable) memory.
         arrangement: ``"tensor"`` places each part as a GGUF file does, one contiguous
             [experts][bytes] tensor per part; ``"expert"`` places each expert's three parts
@@ -177,7 +177,8 @@ class HostSource(BufferSource):
 
             rt = _cuda.runtime()
             try:
-                ptr = _cuda.check(rt.cudaMallocHost(total), f"cudaMallocHost({total} bytes)")
+                # Portable: pinned for every device, so caches on several GPUs read it at full speed.
+                ptr = _cuda.check(rt.cudaHostAlloc(total, rt.cudaHostAllocPortable), f"cudaHostAlloc({total} bytes)")
             except RuntimeError as exc:
                 raise MemoryError(f"{total / 2**30:.1f} GiB of pinned host memory for {layout.name} could not be "
                                   f"allocated ({exc}); replay fewer layers (bench --layers), use pageable memory "

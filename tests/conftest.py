@@ -54,3 +54,40 @@ def make_cache(backend, policy):
     for cache, source in reversed(made):
         cache.close()
         source.close()
+
+
+#: The devices axis of the multi-device suites: how many devices one MultiDeviceCache spreads over.
+DEVICE_COUNTS = [1, 2, 3]
+
+
+@pytest.fixture(params=DEVICE_COUNTS, ids=[f"{n}dev" for n in DEVICE_COUNTS])
+def num_devices(request) -> int:
+    return request.param
+
+
+@pytest.fixture
+def make_multi(backend, policy, num_devices):
+    """make_multi(layout=None, *, placement=None, **cache_kwargs) -> (multi, source): a
+    MultiDeviceCache over ``num_devices`` devices (host backend: emulated; CUDA: the GPUs there
+    are, the same one repeated when there are fewer). Closed at teardown, caches before sources."""
+    from pyexpcache import MultiDeviceCache, _cuda
+
+    made = []
+
+    def make(layout=None, *, placement=None, pinned=None, **kwargs):
+        layout = layout or ModelLayout.preset("q2", scale=SCALE)
+        if pinned is None:
+            pinned = backend == "cuda"
+        gpus = _cuda.device_count() if backend == "cuda" else num_devices
+        devices = [i % max(gpus, 1) for i in range(num_devices)]
+        source = HostSource(layout, pinned=pinned)
+        kwargs.setdefault("log_level", 0)
+        kwargs.setdefault("policy", policy)
+        multi = MultiDeviceCache(layout, source, devices=devices, placement=placement, backend=backend, **kwargs)
+        made.append((multi, source))
+        return multi, source
+
+    yield make
+    for multi, source in reversed(made):
+        multi.close()
+        source.close()

@@ -1,0 +1,267 @@
+"""Several devices: placement (pyexpcache/placement.py) and MultiDeviceCache (pyexpcache/multi.py).
+
+The contract tests run on every backend × policy × device count (1, 2, 3; the host backend
+emulates the devices, CUDA repeats the GPUs there are)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pyexpcache import (CacheClosedError, LayerSpec, ModelLayout, MultiDeviceCache, HostSource, Placement,
+                        loads_from_calls)
+from pyexpcache.bench.workload import decode_workload
+from pyexpcache.traces import load_decode_trace
+
+from support.cache import SCALE, assert_served
+
+
+def _layout(n_layers=4, experts=12):
+    q2 = ModelLayout.preset("q2", scale=SCALE)[3]
+    return ModelLayout((None,) + tuple(LayerSpec(experts, *q2.class_key) for _ in range(n_layers)), name="multi")
+
+
+# -- placement ---------------------------------------------------------------------------
+
+
+def test_round_robin_gives_expert_e_to_device_e_mod_n():
+    layout = _layout()
+    p = Placement.round_robin(layout, 3)
+    assert p.owners[0] is None
+    assert p.owners[1].tolist() == [e % 3 for e in range(12)]
+    assert p.experts_per_device().tolist() == [16, 16, 16]
+
+
+def test_balanced_placement_evens_each_layers_load():
+    layout = _layout(n_layers=2, experts=10)
+    rng = np.random.default_rng(0)
+    loads = [None] + [rng.integers(0, 1000, 10) for _ in range(2)]
+    p = Placement.balanced(layout, 3, loads)
+    for layer in (1, 2):
+        per = np.bincount(p.owners[layer], weights=loads[layer], minlength=3)
+        # Greedy in decreasing load: no device exceeds the lightest by more than one expert's load.
+        assert per.max() - per.min() <= loads[layer].max(), per
+    zero = Placement.balanced(layout, 2, [None, np.zeros(10), np.zeros(10)])
+    assert zero.owners[1].tolist() == [e % 2 for e in range(10)]
+
+
+def test_balanced_placement_of_a_real_trace_splits_its_requests_evenly():
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    calls = decode_workload([load_decode_trace("podA_a_coffee_full")], None).calls
+    loads = loads_from_calls(layout, calls)
+    assert sum(int(w.sum()) for w in loads if w is not None) == sum(len(c.ids) for c in calls)
+    share = Placement.balanced(layout, 2, loads).load_share(loads)
+    assert abs(share[0] - 0.5) < 0.005, share
+    rr = Placement.round_robin(layout, 2).load_share(loads)
+    assert abs(share[0] - 0.5) <= abs(rr[0] - 0.5)
+
+
+def test_placement_rejects_what_it_cannot_place():
+    layout = _layout()
+    with pytest.raises(ValueError, match="num_devices must be 1..64"):
+        Placement.round_robin(layout, 0)
+    with pytest.raises(TypeError, match="must be an int"):
+        Placement.round_robin(layout, 2.0)
+    with pytest.raises(ValueError, match="loads has 2 layers"):
+        Placement.balanced(layout, 2, [None, None])
+    with pytest.raises(ValueError, match=r"loads\[1\] has shape"):
+        Placement.balanced(layout, 2, [None, np.ones(3)] + [np.ones(12)] * 3)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        Placement.balanced(layout, 2, [None, -np.ones(12)] + [np.ones(12)] * 3)
+    with pytest.raises(ValueError, match=r"owners\[2\] must be device indices 0..1"):
+        Placement.explicit(layout, 2, [None, np.zeros(12, int), np.full(12, 2), np.zeros(12, int), np.zeros(12, int)])
+    with pytest.raises(ValueError, match=r"owners\[1\] is None"):
+        Placement.explicit(layout, 2, [None] * 5)
+
+
+# -- serving -------------------------------------------------------------------------------
+
+
+def _resident_on(multi, layer, e):
+    return [d for d, c in enumerate(multi.caches) if c.read_expert(layer, e) is not None]
+
+
+def test_select_serves_each_expert_from_its_owner_byte_exact(make_multi, num_devices):
+    layout = _layout()
+    multi, source = make_multi(layout, budget_experts=8)
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        layer = int(rng.integers(1, 5))
+        ids = rng.integers(0, 12, 6)
+        sel = multi.select(layer, ids)
+        want = multi.placement.owners[layer][ids]
+        assert sel.owners.tolist() == want.tolist()
+        assert sel.devices.tolist() == [multi.devices[d] for d in want]
+        for d in range(num_devices):
+            mine = sel.owners == d
+            assert_served(multi.caches[d], source, layer, ids[mine], sel.pointers[mine])
+        for e in set(ids.tolist()):
+            assert _resident_on(multi, layer, e) == [multi.placement.owners[layer][e]]
+
+
+def test_each_device_counts_its_own_share(make_multi, num_devices):
+    layout = _layout()
+    multi, _ = make_multi(layout, budget_experts=64)
+    ids = np.arange(12)
+    multi.select(1, ids)
+    multi.select(1, ids)
+    per = [st.total for st in multi.stats()]
+    owned = np.bincount(multi.placement.owners[1], minlength=num_devices)
+    assert [p.misses for p in per] == owned.tolist()
+    assert [p.hits for p in per] == owned.tolist()
+    total = multi.total_stats()
+    assert (total.hits, total.misses) == (12, 12)
+
+
+def test_the_budget_is_each_devices(make_multi, num_devices):
+    layout = _layout(n_layers=1, experts=12)
+    multi, _ = make_multi(layout, budget_experts=2, policy="lru")
+    for e in range(12):
+        multi.select(1, [e])
+    held = [c.classes()[0].resident_experts for c in multi.caches]
+    assert held == [2] * num_devices
+    assert sum(len(_resident_on(multi, 1, e)) for e in range(12)) == 2 * num_devices
+
+
+def test_prefetch_and_hints_go_to_the_owners(make_multi, num_devices):
+    layout = _layout()
+    multi, source = make_multi(layout, budget_experts=12)
+    multi.select(2, [0])  # makes each device's class, so hints have something to refresh
+    queued = multi.prefetch(1, np.arange(8))
+    owned = np.bincount(multi.placement.owners[1][:8], minlength=num_devices)
+    assert queued == 8
+    assert [p.issued for p in multi.prefetch_stats()] == owned.tolist()
+    for c in multi.caches:
+        c.drain_prefetch()
+    sel = multi.select(1, np.arange(8))
+    for d in range(num_devices):
+        assert_served(multi.caches[d], source, 1, np.arange(8)[sel.owners == d], sel.pointers[sel.owners == d])
+    assert [p.used for p in multi.prefetch_stats()] == owned.tolist()
+    multi.hint(1, [0, 1, 2])
+    assert sum(p.hints for p in multi.prefetch_stats()) == 3
+
+
+def test_batches_and_compact_loads_are_per_owner(make_multi, num_devices):
+    layout = _layout()
+    multi, source = make_multi(layout, budget_experts=12)
+    ids = np.array([[0, 1, 2], [2, 3, 4], [5, 0, 7]])
+    with multi.prepare_batch(3, ids) as batch:
+        got = set()
+        for d, b in enumerate(batch.batches):
+            if b is None:
+                continue
+            assert set((multi.placement.owners[3][b.ids] == d).tolist()) == {True}
+            assert_served(multi.caches[d], source, 3, b.ids, b.pointers)
+            got |= set(b.ids.tolist())
+        assert got == {0, 1, 2, 3, 4, 5, 7}
+    assert all(b is None or b.finished for b in batch.batches)
+    ids = np.array([4, 9, 4, 11])
+    for d, part in enumerate(multi.load_compact(4, ids)):
+        if part is None:
+            assert not (multi.placement.owners[4][ids] == d).any()
+            continue
+        pos, buf = part
+        assert_served(multi.caches[d], source, 4, ids[pos], buf.pointers())
+
+
+def test_an_explicit_placement_is_followed(make_multi, num_devices):
+    layout = _layout()
+    owners = [None] + [np.full(12, num_devices - 1)] * 4
+    multi, _ = make_multi(layout, placement=Placement.explicit(layout, num_devices, owners), budget_experts=4)
+    assert set(multi.select(2, [1, 5, 9]).owners.tolist()) == {num_devices - 1}
+
+
+def test_bad_input_is_refused_with_the_reason(make_multi, num_devices):
+    layout = _layout()
+    multi, source = make_multi(layout, budget_experts=4)
+    with pytest.raises(ValueError, match="layer 0 has no routed experts"):
+        multi.select(0, [1])
+    with pytest.raises(ValueError, match="layer 9 has no routed experts"):
+        multi.select(9, [1])
+    with pytest.raises(ValueError, match=r"expert id 12 \(index 1\) out of range for layer 1 \(12 experts\)"):
+        multi.select(1, [3, 12])
+    with pytest.raises(ValueError, match="expert_ids is empty"):
+        multi.select(1, [])
+    with pytest.raises(ValueError, match="must be in"):
+        multi.select(1, [-1])
+    with pytest.raises(ValueError, match=f"one stream per device \\({num_devices}\\), got {num_devices + 1}"):
+        multi.select(1, [1], streams=[None] * (num_devices + 1))
+    with pytest.raises(OverflowError):
+        multi.select(2**32, [1])
+    assert multi.total_stats().misses == 0  # nothing was served by the refused calls
+    with pytest.raises(ValueError, match="spreads over 5 devices"):
+        MultiDeviceCache(layout, source, devices=list(range(num_devices)), placement=Placement.round_robin(layout, 5),
+                         budget_experts=1, backend="host")
+    with pytest.raises(ValueError, match="devices must list 1..64"):
+        MultiDeviceCache(layout, source, devices=[], budget_experts=1, backend="host")
+    with pytest.raises(ValueError, match=r"devices\[0\] must be in"):
+        MultiDeviceCache(layout, source, devices=[-1], budget_experts=1, backend="host")
+    with pytest.raises(TypeError, match="devices="):
+        MultiDeviceCache(layout, source, device=0, budget_experts=1, backend="host")
+    with pytest.raises(ValueError, match="different layout"):
+        MultiDeviceCache(layout, source, devices=[0], placement=Placement.round_robin(_layout(n_layers=2), 1),
+                         budget_experts=1, backend="host")
+
+
+def test_calls_after_close_raise_the_closed_error(make_multi):
+    multi, source = make_multi(_layout(), budget_experts=4)
+    multi.select(1, [1, 2])
+    multi.close()
+    multi.close()
+    assert multi.closed
+    with pytest.raises(CacheClosedError):
+        multi.select(1, [1, 2])
+    assert source.users == 0
+
+
+def test_a_failed_creation_closes_the_caches_it_made():
+    layout = _layout()
+    with HostSource(layout) as source:
+        with pytest.raises(ValueError, match="backend must be one of"):
+            MultiDeviceCache(layout, source, devices=[0, 1], budget_experts=1, backend="nope")
+        assert source.users == 0
+
+
+def test_close_while_threads_select_in_a_child():
+    code = textwrap.dedent("""
+        import threading, time
+        import numpy as np
+        from pyexpcache import CacheClosedError, HostSource, ModelLayout, MultiDeviceCache
+        lay = ModelLayout.preset("q2", scale=4096)
+        src = HostSource(lay)
+        multi = MultiDeviceCache(lay, src, devices=[0, 1, 2], budget_experts=8, backend="host", log_level=0)
+        started, counts, errors = threading.Barrier(5), [0] * 4, []
+        def work(i):
+            rng = np.random.default_rng(i)
+            started.wait()
+            while True:
+                try:
+                    multi.select(int(rng.integers(3, 43)), rng.choice(256, 6, replace=False))
+                    multi.prefetch(int(rng.integers(3, 43)), rng.choice(256, 4, replace=False))
+                except CacheClosedError:
+                    return
+                except BaseException as exc:
+                    errors.append(repr(exc))
+                    return
+                counts[i] += 1
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.2)
+        multi.close()
+        for t in threads:
+            t.join(10)
+        src.close()
+        assert not errors, errors
+        assert all(c > 0 for c in counts), counts
+        assert not any(t.is_alive() for t in threads)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
+    assert out.stdout.strip() == "ok"
