@@ -209,6 +209,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--loop", choices=("c", "torch"), default="c",
                    help="c: the C replay loop (default); torch: a torch decode loop (one torch kernel per expert "
                         "over its view, a synchronize per layer), plain select against hits before misses")
+    m = b.add_argument_group("several devices", "replaces the variants table by one device, one device at N "
+                             "times the budget, and N devices side by side (decode scenario, the library's "
+                             "default policy; --budget-gib is each device's)")
+    m.add_argument("--devices", type=int, default=None, metavar="N",
+                   help="spread the experts over N devices (2..64; the host backend emulates them; with fewer "
+                        "GPUs than N the caches share a GPU and its link)")
+    m.add_argument("--device-placement", choices=("balanced", "round-robin"), default="balanced",
+                   help="which device owns each expert: balanced by the replayed traces' request counts "
+                        "(default), or expert e on device e mod N")
     b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     b.add_argument("--plot", metavar="FILE.png",
                    help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)")
@@ -268,6 +277,13 @@ def _check_bench(args) -> None:
         _writable_file(args.json, "--json")
     if args.scale is not None and args.scale < 1:
         raise UsageError(f"--scale must be >= 1, got {args.scale}")
+    if args.devices is not None:
+        if not 2 <= args.devices <= 64:
+            raise UsageError(f"--devices must be 2..64, got {args.devices}")
+        if _engine_mode(args):
+            raise UsageError("--devices runs the plain decode loop: drop the engine model's options")
+        if args.scenario != ["decode"] or args.no_layer_sync:
+            raise UsageError("--devices replays the decode scenario, waiting after every layer")
     if _engine_mode(args):
         if args.scenario != ["decode"]:
             raise UsageError("the engine model (--layer-compute-us, --prefetch, --hints, --split, --loop torch) "
@@ -326,6 +342,8 @@ def _bench(args) -> int:
                          progress=progress, device=args.device, source=source, placement=args.placement,
                          layer_sync=not args.no_layer_sync, cache_options=_cache_options(args))
     try:
+        if args.devices is not None:
+            return _devices(args, shared)
         if _engine_mode(args):
             return _engine(args, shared)
         for scenario in scenarios:
@@ -369,6 +387,20 @@ def _engine(args, shared) -> int:
         report = run_engine(shared, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
                             compute_us=compute, split=args.split, top=args.prefetch_top)
         text = format_engine_report(report)
+    return _print_report(args, report, text)
+
+
+def _devices(args, shared) -> int:
+    """``--devices N``: one device, one at N times the budget, N devices, in one table."""
+    from .bench.devices import format_devices_report, run_devices
+
+    report = run_devices(shared, args.devices, traces=args.traces, placement=args.device_placement)
+    return _print_report(args, report, format_devices_report(report))
+
+
+def _print_report(args, report, text: str) -> int:
+    """A one-table report (engine model, devices): printed, written as JSON with --json, and
+    exit status 1 when a served expert's bytes differed from the source."""
     report.argv = ["expcache"] + list(args.argv)
     print(text, flush=True)
     if args.json:

@@ -341,3 +341,89 @@ done:
     free(pending);
     return s;
 }
+
+/*
+ * Several devices: each decode call's ids are split by owner (owners[layer *
+ * experts_per_layer + id], an index into devs), every owner's select is
+ * enqueued on its own stream, then every owner's checksum, then the layer waits
+ * for all of them, so the owners' links move their misses at the same time.
+ * Decode calls only, one wait per layer. call_bytes (may be NULL): per call and
+ * device, the host-to-device bytes that device moved for it
+ * (call_bytes[call * num_devs + d], read outside the timed region).
+ */
+typedef struct replay_device_t {
+    expcache_t* cache;
+    void* stream;
+    uint32_t max_classes;
+    uint32_t reserved;
+} replay_device_t;
+
+#define REPLAY_MAX_DEVICES 64
+
+__attribute__((visibility("default"))) expcache_status_t expcache_replay_devices(
+    const replay_api_t* api, const replay_device_t* devs, uint32_t num_devs, const uint8_t* owners,
+    const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, const uint64_t* expected,
+    uint32_t experts_per_layer, replay_progress_fn progress, uint64_t* call_bytes, replay_result_t* out) {
+    if (!api || api->struct_size != sizeof *api || !devs || num_devs == 0 || num_devs > REPLAY_MAX_DEVICES ||
+        !owners || !calls || !ids || !expected || !out)
+        return EXPCACHE_ERR_INVALID_ARGUMENT;
+    for (uint32_t d = 0; d < num_devs; ++d)
+        if (!devs[d].cache) return EXPCACHE_ERR_INVALID_ARGUMENT;
+    for (uint64_t c = 0; c < num_calls; ++c)
+        if (calls[c].kind != REPLAY_DECODE || calls[c].count == 0 || calls[c].count > EXPCACHE_MAX_SELECT)
+            return EXPCACHE_ERR_INVALID_ARGUMENT;
+    memset(out, 0, sizeof *out);
+    out->first_bad_call = UINT64_MAX;
+    uint32_t (*sub)[EXPCACHE_MAX_SELECT] = malloc(sizeof *sub * num_devs); /* each device's ids of a call */
+    uint32_t cnt[REPLAY_MAX_DEVICES];
+    if (!sub) return EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
+    expcache_expert_ptrs_t ptrs[EXPCACHE_MAX_SELECT];
+    uint64_t sums[EXPCACHE_MAX_SELECT];
+    uint64_t moved[REPLAY_MAX_DEVICES];
+    expcache_status_t s = EXPCACHE_OK;
+    for (uint32_t d = 0; d < num_devs; ++d) moved[d] = bytes_h2d(api, devs[d].cache, devs[d].max_classes);
+    for (uint64_t c = 0; c < num_calls; ++c) {
+        const replay_call_t* call = &calls[c];
+        const uint32_t* cid = ids + call->offset;
+        const uint8_t* own = owners + (uint64_t)call->layer * experts_per_layer;
+        memset(cnt, 0, sizeof(uint32_t) * num_devs);
+        for (uint32_t i = 0; i < call->count; ++i) {
+            if (cid[i] >= experts_per_layer || own[cid[i]] >= num_devs) {
+                free(sub);
+                return EXPCACHE_ERR_INVALID_ARGUMENT;
+            }
+            uint32_t d = own[cid[i]];
+            sub[d][cnt[d]++] = cid[i];
+        }
+        double t0 = now_s();
+        /* Each owner's select, then its checksum into its own result area: all enqueued first. */
+        for (uint32_t d = 0; s == EXPCACHE_OK && d < num_devs; ++d) {
+            if (!cnt[d]) continue;
+            s = api->select_async(devs[d].cache, call->layer, sub[d], cnt[d], devs[d].stream, ptrs);
+            if (s == EXPCACHE_OK) s = api->checksum_async(devs[d].cache, call->layer, ptrs, cnt[d], devs[d].stream, 0);
+        }
+        for (uint32_t d = 0; s == EXPCACHE_OK && d < num_devs; ++d)
+            if (cnt[d]) s = api->synchronize(devs[d].cache, devs[d].stream);
+        const double dt = now_s() - t0;
+        if (s != EXPCACHE_OK) break;
+        out->decode_seconds += dt;
+        out->decode_calls++;
+        for (uint32_t d = 0; d < num_devs; ++d) {
+            uint64_t now_moved = bytes_h2d(api, devs[d].cache, devs[d].max_classes);
+            if (call_bytes) call_bytes[c * num_devs + d] = now_moved - moved[d];
+            out->decode_bytes_h2d += now_moved - moved[d];
+            moved[d] = now_moved;
+            if (!cnt[d]) continue;
+            if ((s = api->checksum_results(devs[d].cache, 0, cnt[d], sums)) != EXPCACHE_OK) break;
+            verify(out, c, expected + (uint64_t)call->layer * experts_per_layer, sub[d], sums, cnt[d]);
+        }
+        if (s != EXPCACHE_OK) break;
+        out->calls_done = c + 1;
+        if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls) && progress(c + 1, num_calls)) {
+            out->stopped = 1;
+            break;
+        }
+    }
+    free(sub);
+    return s;
+}

@@ -34,6 +34,11 @@ class ReplayOptions(ctypes.Structure):
                 ("advice_ids", c_void_p)]
 
 
+class ReplayDevice(ctypes.Structure):
+    """replay_device_t: one device of expcache_replay_devices."""
+    _fields_ = [("cache", c_void_p), ("stream", c_void_p), ("max_classes", c_uint32), ("reserved", c_uint32)]
+
+
 # replay_api_t's function pointers, in order, and the libexpcache export each one takes.
 API_FUNCTIONS = (
     ("select_async", "expcache_select_async"),
@@ -79,6 +84,15 @@ def load() -> tuple[ctypes.CDLL, ReplayApi]:
                                     POINTER(ReplayResult)]
     dll.expcache_replay.restype = c_int32
     dll.expcache_replay.errcheck = _lib.raise_for_status
+    # expcache_status_t expcache_replay_devices(const replay_api_t* api, const replay_device_t* devs,
+    #     uint32_t num_devs, const uint8_t* owners, const replay_call_t* calls, uint64_t num_calls,
+    #     const uint32_t* ids, const uint64_t* expected, uint32_t experts_per_layer, replay_progress_fn progress,
+    #     uint64_t* call_bytes, replay_result_t* out);
+    dll.expcache_replay_devices.argtypes = [POINTER(ReplayApi), c_void_p, c_uint32, c_void_p, c_void_p, c_uint64,
+                                            c_void_p, c_void_p, c_uint32, PROGRESS_FN, c_void_p,
+                                            POINTER(ReplayResult)]
+    dll.expcache_replay_devices.restype = c_int32
+    dll.expcache_replay_devices.errcheck = _lib.raise_for_status
     api = ReplayApi()
     api.struct_size = ctypes.sizeof(api)
     for field, name in API_FUNCTIONS:

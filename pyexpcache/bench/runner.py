@@ -125,10 +125,22 @@ class Bench:
         self.source.close()
 
     # -- the link ----------------------------------------------------------------
-    def measure_link(self, chunk_bytes: int, repeats: int = 20) -> tuple[float, str]:
+    def measure_link(self, chunk_bytes: int, repeats: int = 20, device: Optional[int] = None) -> tuple[float, str]:
         """Raw host-to-device bandwidth (bytes/s) with plain cudaMemcpyAsync of ``chunk_bytes``
         pieces from pinned memory (the source's own when it is pinned), whatever the source kind:
-        the link bound is what the link allows; on the host backend, memcpy bandwidth."""
+        the link bound is what the link allows; on the host backend, memcpy bandwidth.
+        ``device``: another CUDA device's link (default: the bench's)."""
+        if self.is_cuda and device is not None and device != self.device:
+            rt = _cuda.runtime()
+            saved = self.device, self.stream
+            self.device = device
+            self.stream = self._make_stream()
+            try:
+                return self.measure_link(chunk_bytes, repeats)
+            finally:
+                rt.cudaStreamDestroy(self.stream)
+                self.device, self.stream = saved
+                _cuda.check(rt.cudaSetDevice(self.device), "cudaSetDevice")
         chunk = min(chunk_bytes, self.source.nbytes)
         if self.is_cuda and not self.source.pinned:
             from ..layout import LayerSpec

@@ -1,0 +1,271 @@
+"""The decode traces over several devices (``expcache bench --devices N``).
+
+Three runs side by side in one process, on one source: one device at the per-device budget, one
+device at N times it (where it fits), and N devices at the per-device budget each, the experts
+placed by a :class:`~pyexpcache.placement.Placement`. Each decode call is one layer: its ids are
+split by owner, every owner's select and checksum enqueued on that owner's stream, then the layer
+waits for all of them (``expcache_replay_devices`` in ``replay.c``).
+
+Reported per run: tok/s, the hit rate, MiB moved per token, the link bound and the share of it
+reached; per device: hit rate, MiB per token and how busy its link was. The link bound of a run
+is what its links allow for the bytes each device moved in each layer: a layer takes at least
+its busiest device's bytes over that device's measured link bandwidth, so the bound of N links
+is the decode tokens over the sum, over layers, of that maximum (for one device, of its bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .. import _cuda
+from ..multi import MultiDeviceCache
+from ..placement import Placement, loads_from_calls
+from .report import json_with_derived
+from .workload import DEFAULT_TRACES, _decode_trace, decode_workload
+
+PLACEMENTS = ("balanced", "round-robin")
+
+
+@dataclass
+class DeviceRun:
+    """One device's share of a run."""
+
+    device: int
+    hits: int = 0
+    misses: int = 0
+    bytes_h2d: int = 0
+    link_bytes_per_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+@dataclass
+class DevicesResult:
+    name: str
+    num_devices: int
+    budget_bytes: int  # per device
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    bound_seconds: float = 0.0  # what the links need for the bytes each device moved, layer by layer
+    checksum_errors: int = 0
+    experts_checked: int = 0
+    devices: list[DeviceRun] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def link_bound_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.bound_seconds if self.bound_seconds else float("inf")
+
+    @property
+    def share_of_bound(self) -> float:
+        bound = self.link_bound_tokens_per_s
+        return self.tokens_per_s / bound if bound != float("inf") and bound else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        hits = sum(d.hits for d in self.devices)
+        total = hits + sum(d.misses for d in self.devices)
+        return hits / total if total else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return sum(d.bytes_h2d for d in self.devices) / self.decode_tokens if self.decode_tokens else 0.0
+
+    def link_busy(self, d: DeviceRun) -> float:
+        if not self.decode_seconds or not d.link_bytes_per_s:
+            return 0.0
+        return d.bytes_h2d / d.link_bytes_per_s / self.decode_seconds
+
+
+@dataclass
+class DevicesReport:
+    backend: str
+    device: str
+    layout: str
+    source: str
+    budget_bytes: int
+    devices: list[int]
+    placement: str
+    shared_gpus: bool  # fewer GPUs than devices: caches share a GPU and its link
+    traces: list[str]
+    results: list[DevicesResult] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    version: str = ""
+    library: str = ""
+    git_commit: Optional[str] = None
+    argv: Optional[list[str]] = None
+
+    @property
+    def checksum_errors(self) -> int:
+        return sum(r.checksum_errors for r in self.results)
+
+    def to_json(self) -> dict:
+        return json_with_derived(self, ("tokens_per_s", "link_bound_tokens_per_s", "share_of_bound", "hit_rate",
+                                        "bytes_per_token"))
+
+
+def _placement(layout, n: int, kind: str, calls) -> Placement:
+    if kind == "round-robin":
+        return Placement.round_robin(layout, n)
+    if kind == "balanced":
+        return Placement.balanced(layout, n, loads_from_calls(layout, calls))
+    raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {kind!r}")
+
+
+def _fits(bench, device: int, nbytes: int) -> bool:
+    """Whether ``device`` has room for a cache of ``nbytes`` beside the reserve (host: always)."""
+    if not bench.is_cuda:
+        return True
+    rt = _cuda.runtime()
+    _cuda.check(rt.cudaSetDevice(device), "cudaSetDevice")
+    free, _ = _cuda.check(rt.cudaMemGetInfo(), "cudaMemGetInfo")
+    _cuda.check(rt.cudaSetDevice(bench.device), "cudaSetDevice")
+    reserve = bench.reserve_bytes if bench.reserve_bytes is not None else 1 << 30
+    return int(free) >= nbytes + reserve + (1 << 30)
+
+
+def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], workload, links: dict,
+                result: DevicesResult) -> None:
+    from . import replay as _replay
+    from .runner import _sigint_deferred
+
+    calls, ids = workload.arrays()
+    n = multi.num_devices
+    owners = np.zeros((bench.layout.num_layers, bench.expected.shape[1]), np.uint8)
+    for layer, own in enumerate(multi.placement.owners):
+        if own is not None:
+            owners[layer, :own.size] = own
+    call_bytes = np.zeros((len(calls), n), np.uint64)
+    devs = (_replay.ReplayDevice * n)()
+    out = _replay.ReplayResult()
+    failed: list[BaseException] = []
+    with _sigint_deferred() as interrupted, contextlib.ExitStack() as stack:
+        for d, cache in enumerate(multi.caches):
+            devs[d].cache = stack.enter_context(cache.raw_handle())
+            devs[d].stream = streams[d] or None
+            devs[d].max_classes = cache.max_classes
+
+        def on_progress(done: int, total: int) -> int:
+            try:
+                bench.progress(name, done, total)
+            except BaseException as exc:
+                failed.append(exc)
+            return 1 if failed or interrupted() else 0
+
+        progress = _replay.PROGRESS_FN(on_progress)
+        expected = np.ascontiguousarray(bench.expected)
+        dll, api = _replay.load()
+        dll.expcache_replay_devices(ctypes.byref(api), devs, n, owners.ctypes.data, ctypes.addressof(calls),
+                                    len(calls), ids.ctypes.data, expected.ctypes.data, expected.shape[1], progress,
+                                    call_bytes.ctypes.data, ctypes.byref(out))
+    if failed:
+        raise failed[0]
+    if out.stopped:
+        raise KeyboardInterrupt
+    rates = np.array([links[dev] for dev in multi.devices])
+    result.decode_seconds = out.decode_seconds
+    result.bound_seconds = float((call_bytes / rates).max(axis=1).sum())
+    result.checksum_errors = out.checksum_errors
+    result.experts_checked = out.experts_checked
+    for d, (dev, st) in enumerate(zip(multi.devices, multi.stats())):
+        decode = st.path("decode")
+        result.devices.append(DeviceRun(dev, decode.hits, decode.misses, int(call_bytes[:, d].sum()), links[dev]))
+
+
+def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRACES, placement: str = "balanced",
+                policy: str = "oppclass") -> DevicesReport:
+    """One device at ``bench.budget_bytes``, one at ``num_devices`` times it where that fits, and
+    ``num_devices`` devices at ``bench.budget_bytes`` each; see the module docstring."""
+    from .. import __version__, library_version
+    from .report import git_commit
+
+    if not 2 <= num_devices <= 64:
+        raise ValueError(f"--devices must be 2..64, got {num_devices}")
+    gpus = _cuda.device_count() if bench.is_cuda else num_devices
+    devices = [(bench.device + i) % max(gpus, 1) for i in range(num_devices)]
+    loaded = [_decode_trace(name) for name in traces]
+    workload = decode_workload(loaded, bench.layout.moe_layers)
+    chunk = max(s.expert_bytes for s in bench.layout.layers if s)
+    links = {dev: bench.measure_link(chunk, device=dev)[0] for dev in sorted(set(devices))}
+    report = DevicesReport(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
+                           layout=bench.layout.name, source="pinned" if bench.pinned else "pageable",
+                           budget_bytes=bench.budget_bytes, devices=devices, placement=placement,
+                           shared_gpus=len(set(devices)) < num_devices, traces=list(traces),
+                           version=__version__, library=library_version(), git_commit=git_commit())
+    runs = [("1 device", [bench.device], bench.budget_bytes),
+            (f"1 device, {num_devices}x budget", [bench.device], num_devices * bench.budget_bytes),
+            (f"{num_devices} devices", devices, bench.budget_bytes)]
+    streams: dict[int, int] = {bench.device: bench.stream}
+    rt = _cuda.runtime() if bench.is_cuda else None
+    try:
+        for name, devs, budget in runs:
+            if len(devs) == 1 and budget > bench.budget_bytes and not _fits(bench, devs[0], budget):
+                report.skipped.append(f"{name}: {budget / (1 << 30):.1f} GiB does not fit on device {devs[0]}")
+                continue
+            for dev in devs:
+                if dev not in streams and rt is None:
+                    streams[dev] = 0  # host backend: no streams
+                elif dev not in streams:
+                    _cuda.check(rt.cudaSetDevice(dev), "cudaSetDevice")
+                    streams[dev] = int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking),
+                                                   "cudaStreamCreate"))
+            if rt is not None:
+                _cuda.check(rt.cudaSetDevice(bench.device), "cudaSetDevice")
+            place = _placement(bench.layout, len(devs), placement, workload.calls)
+            options = dict(bench.cache_options)
+            if bench.reserve_bytes is not None:
+                options.setdefault("reserve_bytes", bench.reserve_bytes)
+            result = DevicesResult(name, len(devs), budget, decode_tokens=workload.decode_tokens)
+            with MultiDeviceCache(bench.layout, bench.source, devices=devs, placement=place, budget_bytes=budget,
+                                  backend=bench.backend, policy=policy, log_level=1, **options) as multi:
+                _replay_run(bench, name, multi, [streams[d] for d in devs], workload, links, result)
+            report.results.append(result)
+    finally:
+        for dev, s in streams.items():
+            if rt is not None and s != bench.stream:
+                rt.cudaStreamDestroy(s)
+    return report
+
+
+def format_devices_report(report: DevicesReport) -> str:
+    from tabulate import tabulate
+
+    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
+    head = [
+        f"expcache bench — decode over {len(report.devices)} devices on {report.device}",
+        f"layout {report.layout}, {report.source} source, {report.budget_bytes / (1 << 30):.2f} GiB per device; "
+        f"devices {report.devices}; placement {report.placement}"
+        + (" (by the replayed traces' request counts)" if report.placement == "balanced" else "")
+        + f"; times {timing}",
+        "link bound: per layer, the busiest device's bytes over its measured link bandwidth, summed over layers",
+    ]
+    if report.shared_gpus:
+        head.append(f"fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, "
+                    f"the second link is not)")
+    ref = report.results[0] if report.results else None
+    rows = []
+    for r in report.results:
+        per = "; ".join(f"{d.device}: {100 * d.hit_rate:.1f} % / {d.bytes_h2d / r.decode_tokens / (1 << 20):.1f} MiB"
+                        f" / {100 * r.link_busy(d):.0f} %" for d in r.devices)
+        rows.append([
+            r.name, f"{r.budget_bytes * r.num_devices / (1 << 30):.2f}", f"{r.tokens_per_s:.2f}",
+            f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
+            f"{100 * r.hit_rate:.1f} %", f"{r.bytes_per_token / (1 << 20):.1f}",
+            f"{r.link_bound_tokens_per_s:.2f}", f"{100 * r.share_of_bound:.0f} %", per,
+            f"{r.checksum_errors} bad / {r.experts_checked}",
+        ])
+    table = tabulate(rows, headers=["run", "GiB in all", "decode tok/s", "vs 1 device", "hit rate", "MiB moved/token",
+                                    "link bound tok/s", "of bound", "per device: hit rate / MiB per token / link busy",
+                                    "checksums"], disable_numparse=True)
+    tail = "".join(f"\nskipped: {s}" for s in report.skipped)
+    return "\n".join(head) + "\n\n" + table + tail

@@ -1,0 +1,97 @@
+"""``expcache bench --devices N`` (pyexpcache/bench/devices.py) on the host backend, which emulates
+the devices: the three runs, every expert's bytes checked, the per-device counters and the link
+bound's arithmetic (times on the host mean nothing: no test looks at them)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pyexpcache import ModelLayout
+from pyexpcache import bench
+from pyexpcache.bench import devices
+from pyexpcache.cli import main
+
+TRACE = "podA_b_json_full"  # 40 tokens x 37 layers
+
+
+@pytest.fixture(scope="module")
+def host_bench():
+    layout = ModelLayout.preset("mixed", scale=4096)
+    b = bench.Bench(layout, backend="host", budget_bytes=(4 << 30) // 4096)
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("placement", devices.PLACEMENTS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_three_runs_serve_the_right_bytes(host_bench, n, placement):
+    report = devices.run_devices(host_bench, n, traces=[TRACE], placement=placement)
+    assert [r.name for r in report.results] == ["1 device", f"1 device, {n}x budget", f"{n} devices"]
+    assert [r.num_devices for r in report.results] == [1, 1, n]
+    assert report.devices == list(range(n)) and not report.shared_gpus
+    one, big, many = report.results
+    for r in report.results:
+        assert r.checksum_errors == 0 and r.experts_checked == 40 * 37 * 6
+        assert sum(d.hits + d.misses for d in r.devices) == 40 * 37 * 6
+        assert r.bound_seconds > 0 and r.tokens_per_s > 0
+    # N devices at B each hold as much as one at N x B: hit rates far above one device at B.
+    assert many.hit_rate > one.hit_rate + 0.05 and big.hit_rate > one.hit_rate + 0.05
+    # Each device moved only what it owns: the bytes add up to the run's total.
+    assert many.bytes_per_token == sum(d.bytes_h2d for d in many.devices) / many.decode_tokens
+    assert all(d.bytes_h2d > 0 for d in many.devices)
+    text = devices.format_devices_report(report)
+    assert f"{n} devices" in text and "link bound" in text and "0 bad / 8880" in text
+
+
+def test_the_link_bound_is_the_busiest_device_per_layer(host_bench, monkeypatch):
+    """Two devices of one link speed: the bound of a run is the sum over its layers of the busier
+    device's bytes over that speed (checked against the bytes the run recorded per call)."""
+    recorded = {}
+    real = devices._replay_run
+
+    def spy(bench_, name, multi, streams, workload, links, result):
+        real(bench_, name, multi, streams, workload, links, result)
+        recorded[name] = (dict(links), result)
+
+    monkeypatch.setattr(devices, "_replay_run", spy)
+    report = devices.run_devices(host_bench, 2, traces=[TRACE], placement="round-robin")
+    links, many = recorded["2 devices"]
+    rate = links[0]
+    # The bound can never be below what the busier device moved in all, nor above what both did.
+    total = [d.bytes_h2d for d in many.devices]
+    assert max(total) / rate <= many.bound_seconds * (1 + 1e-9)
+    assert many.bound_seconds <= sum(total) / rate * (1 + 1e-9)
+    one = report.results[0]
+    assert one.bound_seconds == pytest.approx(one.devices[0].bytes_h2d / links[0])
+
+
+def test_cli_devices_writes_json(tmp_path, capsys):
+    out = tmp_path / "devices.json"
+    assert main(["bench", "--devices", "2", "--traces", TRACE, "--quiet", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 devices" in text and "per device" in text
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["results"]] == ["1 device", "1 device, 2x budget", "2 devices"]
+    assert all(r["checksum_errors"] == 0 for r in data["results"])
+    assert data["results"][2]["link_bound_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--devices", "1"], "--devices must be 2..64"),
+    (["--devices", "2", "--prefetch", "cooc"], "drop the engine model"),
+    (["--devices", "2", "--scenario", "prefill"], "decode scenario"),
+    (["--devices", "2", "--no-layer-sync"], "decode scenario"),
+])
+def test_cli_devices_refuses_what_it_cannot_run(argv, why, capsys):
+    assert main(["bench", "--traces", TRACE, "--quiet"] + argv) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_run_devices_refuses_one_device(host_bench):
+    with pytest.raises(ValueError, match="2..64"):
+        devices.run_devices(host_bench, 1, traces=[TRACE])
+    with pytest.raises(ValueError, match="placement must be one of"):
+        devices.run_devices(host_bench, 2, traces=[TRACE], placement="nope")
