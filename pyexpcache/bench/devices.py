@@ -9,8 +9,9 @@ waits for all of them (``expcache_replay_devices`` in ``replay.c``).
 Reported per run: tok/s, the hit rate, MiB moved per token, the link bound and the share of it
 reached; per device: hit rate, MiB per token and how busy its link was. The link bound of a run
 is what its links allow for the bytes each device moved in each layer: a layer takes at least
-its busiest device's bytes over that device's measured link bandwidth, so the bound of N links
-is the decode tokens over the sum, over layers, of that maximum (for one device, of its bytes).
+its busiest link's bytes (those of every device on that GPU) over the link's measured bandwidth,
+so the bound of N links is the decode tokens over the sum, over layers, of that maximum (for
+one device, of its bytes). Devices listed on the same GPU share its link in the bound too.
 """
 
 from __future__ import annotations
@@ -172,14 +173,21 @@ def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], w
         raise failed[0]
     if out.stopped:
         raise KeyboardInterrupt
-    rates = np.array([links[dev] for dev in multi.devices])
     result.decode_seconds = out.decode_seconds
-    result.bound_seconds = float((call_bytes / rates).max(axis=1).sum())
+    result.bound_seconds = link_bound_seconds(call_bytes, multi.devices, links)
     result.checksum_errors = out.checksum_errors
     result.experts_checked = out.experts_checked
     for d, (dev, st) in enumerate(zip(multi.devices, multi.stats())):
         decode = st.path("decode")
         result.devices.append(DeviceRun(dev, decode.hits, decode.misses, int(call_bytes[:, d].sum()), links[dev]))
+
+
+def link_bound_seconds(call_bytes: np.ndarray, devices: Sequence[int], links: dict) -> float:
+    """The least time the links need for ``call_bytes`` ([calls, devices] bytes): per call, the
+    busiest link's bytes (summed over the devices on it) over its bandwidth, summed over calls."""
+    gpus = sorted(set(devices))
+    per_link = np.stack([call_bytes[:, [i for i, d in enumerate(devices) if d == g]].sum(axis=1) for g in gpus], axis=1)
+    return float((per_link / np.array([links[g] for g in gpus])).max(axis=1).sum())
 
 
 def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRACES, placement: str = "balanced",
@@ -250,13 +258,14 @@ def format_devices_report(report: DevicesReport) -> str:
         "link bound: per layer, the busiest device's bytes over its measured link bandwidth, summed over layers",
     ]
     if report.shared_gpus:
-        head.append(f"fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, "
-                    f"the second link is not)")
+        head.append("fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
+                    "other links are not; the bound counts the shared link once)")
     ref = report.results[0] if report.results else None
     rows = []
     for r in report.results:
-        per = "; ".join(f"{d.device}: {100 * d.hit_rate:.1f} % / {d.bytes_h2d / r.decode_tokens / (1 << 20):.1f} MiB"
-                        f" / {100 * r.link_busy(d):.0f} %" for d in r.devices)
+        per = "; ".join(f"#{i} ({d.device}): {100 * d.hit_rate:.1f} % / "
+                        f"{d.bytes_h2d / r.decode_tokens / (1 << 20):.1f} MiB / {100 * r.link_busy(d):.0f} %"
+                        for i, d in enumerate(r.devices))
         rows.append([
             r.name, f"{r.budget_bytes * r.num_devices / (1 << 30):.2f}", f"{r.tokens_per_s:.2f}",
             f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",

@@ -95,3 +95,10 @@ def test_run_devices_refuses_one_device(host_bench):
         devices.run_devices(host_bench, 1, traces=[TRACE])
     with pytest.raises(ValueError, match="placement must be one of"):
         devices.run_devices(host_bench, 2, traces=[TRACE], placement="nope")
+
+
+def test_devices_on_one_gpu_share_its_link_in_the_bound():
+    b = np.array([[100, 300], [200, 50]], dtype=np.uint64)
+    assert devices.link_bound_seconds(b, [0, 1], {0: 100.0, 1: 100.0}) == pytest.approx(3 + 2)
+    assert devices.link_bound_seconds(b, [0, 0], {0: 100.0}) == pytest.approx(4 + 2.5)
+    assert devices.link_bound_seconds(b, [1, 0], {0: 50.0, 1: 100.0}) == pytest.approx(6 + 2)
