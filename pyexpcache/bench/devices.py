@@ -255,7 +255,8 @@ def format_devices_report(report: DevicesReport) -> str:
         f"devices {report.devices}; placement {report.placement}"
         + (" (by the replayed traces' request counts)" if report.placement == "balanced" else "")
         + f"; times {timing}",
-        "link bound: per layer, the busiest device's bytes over its measured link bandwidth, summed over layers",
+        "link bound: per layer, the busiest link's bytes (every device on that GPU) over its measured bandwidth, "
+        "summed over layers",
     ]
     if report.shared_gpus:
         head.append("fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
