@@ -16,6 +16,8 @@
 #   make ring-test       tests/c/ring_test.cpp, a unit test of the staging ring over a fake link
 #                        (transfers land only when waited for; refused transfers), with ASan
 #                        and UBSan; make ring-tsan-test: the same with ThreadSanitizer
+#   make prefetch-test   tests/c/prefetch_test.cpp, the prefetch thread over the same fake link,
+#                        with ASan and UBSan; make prefetch-tsan-test: with ThreadSanitizer
 #
 # The driver prints its counts and exits 1 on any divergence from the header's
 # promises (each is printed with the seed and operation number); a sanitizer
@@ -57,7 +59,7 @@ TSAN_BIN = $(TSAN_DIR)/stress
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
 TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: asan-test valgrind-test tsan-test sanitize ring-test ring-tsan-test
+.PHONY: asan-test valgrind-test tsan-test sanitize ring-test ring-tsan-test prefetch-test prefetch-tsan-test
 
 sanitize: asan-test valgrind-test tsan-test
 
@@ -82,12 +84,28 @@ $(eval $(call stress_build,$(TSAN_DIR),$(TSAN_FLAGS)))
 # The ring's unit test: the ring and what it uses, from the same objects as the stress driver.
 RING_SRC = libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/source_file.cpp libexpcache/src/errors.cpp
 define ring_build
-$(1)/ring_test: tests/c/ring_test.cpp $$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(RING_SRC)) $$(HEADERS)
+$(1)/ring_test: tests/c/ring_test.cpp tests/c/fake_link.hpp $$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(RING_SRC)) $$(HEADERS)
 	$$(CXX) $$(SAN_CXXFLAGS) $$(SAN_OPT) $(2) -o $$@ tests/c/ring_test.cpp \
 		$$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(RING_SRC)) -lpthread
 endef
 $(eval $(call ring_build,$(ASAN_DIR),$(SAN_FLAGS)))
 $(eval $(call ring_build,$(TSAN_DIR),$(TSAN_FLAGS)))
+
+# The prefetch thread's unit test over the same fake link.
+PREFETCH_SRC = libexpcache/src/prefetcher.cpp $(RING_SRC)
+define prefetch_build
+$(1)/prefetch_test: tests/c/prefetch_test.cpp tests/c/fake_link.hpp $$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(PREFETCH_SRC)) $$(HEADERS)
+	$$(CXX) $$(SAN_CXXFLAGS) $$(SAN_OPT) $(2) -o $$@ tests/c/prefetch_test.cpp \
+		$$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(PREFETCH_SRC)) -lpthread
+endef
+$(eval $(call prefetch_build,$(ASAN_DIR),$(SAN_FLAGS)))
+$(eval $(call prefetch_build,$(TSAN_DIR),$(TSAN_FLAGS)))
+
+prefetch-test: $(ASAN_DIR)/prefetch_test
+	$(SAN_ENV) $(ASAN_DIR)/prefetch_test
+
+prefetch-tsan-test: $(TSAN_DIR)/prefetch_test
+	$(TSAN_ENV) $(TSAN_DIR)/prefetch_test
 
 ring-test: $(ASAN_DIR)/ring_test
 	$(SAN_ENV) $(ASAN_DIR)/ring_test

@@ -3,8 +3,9 @@ under ThreadSanitizer and valgrind, through the targets of tests/sanitize.mk: a 
 sequence of every exported function on the host backend (tight memory, odd
 part sizes, file sources, injected faults, bad input, destroyed handles),
 checked call by call against the header's promises. The driver's counts are
-printed, and are part of the assertion message when a run fails. Also the staging
-ring's unit test (tests/c/ring_test.cpp) under ASan + UBSan and under TSan."""
+printed, and are part of the assertion message when a run fails. Also the unit tests of the
+staging ring (tests/c/ring_test.cpp) and of the prefetch thread (tests/c/prefetch_test.cpp) over a
+fake link, each under ASan + UBSan and under TSan."""
 
 from __future__ import annotations
 
@@ -101,23 +102,36 @@ def test_stress_under_tsan():
     assert_stress_clean("tsan-test")
 
 
-def assert_ring_test_clean(target: str) -> None:
-    """`make target` builds and runs tests/c/ring_test.cpp: every check passes, no sanitizer report."""
+def assert_unit_test_clean(target: str, program: str = "ring_test") -> None:
+    """`make target` builds and runs tests/c/<program>.cpp: every check passes, no sanitizer report."""
     rc, out, err = run_make(target)
     lines = (out + "\n" + err).splitlines()
-    summary = [line for line in lines if line.startswith("ring_test:") or line.startswith("FAILED")]
+    summary = [line for line in lines if line.startswith(f"{program}:") or line.startswith("FAILED")]
     message = f"make {target} exited {rc}\n" + "\n".join(summary or lines[-60:])
     print(message)
     assert rc == 0, message
-    assert re.search(r"^ring_test: \d+ checks, 0 failed$", out, re.M), message
+    assert re.search(rf"^{program}: \d+ checks, 0 failed$", out, re.M), message
 
 
 def test_staging_ring_unit_under_asan_and_ubsan():
     # The ring over a fake link whose transfers land only when waited for, and that refuses some.
     require_sanitizer("address,undefined")
-    assert_ring_test_clean("ring-test")
+    assert_unit_test_clean("ring-test")
 
 
 def test_staging_ring_unit_under_tsan():
     require_sanitizer("thread")
-    assert_ring_test_clean("ring-tsan-test")
+    assert_unit_test_clean("ring-tsan-test")
+
+
+def test_prefetch_thread_unit_under_asan_and_ubsan():
+    # At most one piece in flight, exact progress of cancelled jobs, bounce memory never refilled
+    # under a transfer, refused transfers, pause, drain and destruction with transfers in flight.
+    require_sanitizer("address,undefined")
+    assert_unit_test_clean("prefetch-test", "prefetch_test")
+
+
+def test_prefetch_thread_unit_under_tsan():
+    # The calling thread's first sends and cancels against the prefetch thread.
+    require_sanitizer("thread")
+    assert_unit_test_clean("prefetch-tsan-test", "prefetch_test")
