@@ -12,7 +12,7 @@ The public API::
         print(cache.stats().hit_rate)
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from ._errors import (  # noqa: E402 (the version first: submodules read it)
     ArgumentRangeError,
@@ -37,10 +37,12 @@ from .placement import Placement, loads_from_calls
 from .source import HostSource, checksum_bytes
 
 __all__ = [
-    "ArgumentRangeError", "CacheClosedError", "ExpcacheWarning", "Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "CudaError", "ExpcacheError",
-    "DeviceBatch", "DeviceSelection", "ExpertCache", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec",
-    "ModelLayout", "MultiDeviceCache", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError",
-    "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version", "loads_from_calls", "staging_defaults",
+    "ArgumentRangeError", "Batch", "CacheClosedError", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer",
+    "CudaError", "DeviceBatch", "DeviceSelection", "ExpcacheError", "ExpcacheWarning", "ExpertCache",
+    "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec", "ModelLayout",
+    "MultiDeviceCache", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "Placement",
+    "PoisonedError", "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version",
+    "loads_from_calls", "staging_defaults",
 ]
 
 

@@ -153,8 +153,8 @@ class HostSource(BufferSource):
     Args:
         layout: the model layout.
         pinned: allocate page-locked memory with ``cudaHostAlloc`` (portable: pinned for every
-            device; needs cuda-python and a GPU; misses then cross the link at full speed). Otherwise ordinary numpy
-            (pageable) memory.
+            device; needs cuda-python and a GPU; misses then cross the link at full speed).
+            Otherwise ordinary numpy (pageable) memory.
         arrangement: ``"tensor"`` places each part as a GGUF file does, one contiguous
             [experts][bytes] tensor per part; ``"expert"`` places each expert's three parts
             together (256-byte aligned), so one copy moves a whole expert.

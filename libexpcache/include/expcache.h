@@ -76,7 +76,7 @@ extern "C" {
 #endif
 
 #define EXPCACHE_VERSION_MAJOR 0
-#define EXPCACHE_VERSION_MINOR 2
+#define EXPCACHE_VERSION_MINOR 3
 #define EXPCACHE_VERSION_PATCH 0
 
 /* ---------------------------------------------------------------------- */

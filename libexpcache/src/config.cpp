@@ -112,7 +112,8 @@ void config_defaults(expcache_config_t* config) {
     config->staging_chunk_bytes = uint64_t(512) << 10;
     config->file_reads = EXPCACHE_FILE_READS_BUFFERED;
     config->prefetch_max_per_layer = 8;
-    // About 5 us of an H200's PCIe 5 link: the most a demand miss waits behind a prefetch.
+    // About 80 us of an H200's PCIe 5 link, as two transfers: a right prefetch covers the window before
+    // its select; a demand miss into another slot shares the link with at most this (docs/engine.md).
     config->prefetch_piece_bytes = uint64_t(4) << 20;
     // More hits than LRU at every budget measured, for ~0.2 us more per call (docs/policy.md).
     config->policy = EXPCACHE_POLICY_OPPCLASS;
