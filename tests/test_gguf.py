@@ -20,7 +20,7 @@ import pytest
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-from pyexpcache import ExpertCache, LayerSpec, ModelLayout, checksum_bytes
+from pyexpcache import ExpertCache, LayerSpec, ModelLayout, MultiDeviceCache, checksum_bytes
 from pyexpcache.gguf import (
     GGUFLayoutError,
     GGUFSource,
@@ -187,6 +187,30 @@ def test_source_layout_argument_must_match_file(mixed_file, tmp_path):
     other = layout_from_gguf(write_model(tmp_path / "u.gguf", [Q4] * 7))
     with pytest.raises(ValueError, match="differs"):
         GGUFSource(mixed_file, layout=other)
+
+
+@pytest.mark.parametrize("reads", ["mmap", "file"])
+def test_several_devices_serve_one_file(mixed_file, backend, policy, reads):
+    """Every device's cache reads the same GGUF file (each opens it for itself): each expert from
+    its owner, with the file's bytes, the file kept open until the last cache closes."""
+    src = GGUFSource(mixed_file, reads=reads)
+    layout = src.layout
+    devices = [0, 0, 0] if backend == "cuda" else [0, 1, 2]
+    multi = MultiDeviceCache(layout, src, devices=devices, budget_experts=2, backend=backend, policy=policy,
+                             log_level=0)
+    src.close()  # the caches keep it
+    with multi:
+        rng = np.random.default_rng(11)
+        for step in range(12):
+            layer = layout.moe_layers[step % len(layout.moe_layers)]
+            ids = rng.choice(8, 4, replace=False)
+            sel = multi.select(layer, ids)
+            for e, row, d in zip(ids, sel.pointers, sel.owners):
+                want = file_parts(mixed_file, layer, int(e))
+                for p, (addr, nbytes) in enumerate(zip(row, layout[layer].class_key)):
+                    assert (multi.caches[d].read_device(int(addr), nbytes) == want[p]).all()
+        assert all(st.total.misses > 0 for st in multi.stats())
+    assert src.users == 0
 
 
 @pytest.mark.parametrize("reads,file_reads", [("mmap", "buffered"), ("file", "buffered"), ("file", "direct")])
