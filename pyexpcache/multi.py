@@ -262,7 +262,15 @@ class MultiDeviceCache:
         return out
 
     def prefetch_stats(self) -> list[PrefetchStats]:
+        """Each device's prefetch and hint counters, in ``devices`` order."""
         return [c.prefetch_stats() for c in self.caches]
+
+    def total_prefetch_stats(self) -> PrefetchStats:
+        """The prefetch and hint counters of every device, summed."""
+        out = PrefetchStats()
+        for st in self.prefetch_stats():
+            out = out + st
+        return out
 
     def reset_stats(self) -> None:
         for cache in self.caches:

@@ -194,3 +194,6 @@ class PrefetchStats:
     def accuracy(self) -> float:
         """used / issued: the share of queued prefetches a select used; 0.0 when none was issued."""
         return self.used / self.issued if self.issued else 0.0
+
+    def __add__(self, other: "PrefetchStats") -> "PrefetchStats":
+        return PrefetchStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

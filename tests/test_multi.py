@@ -143,6 +143,8 @@ def test_prefetch_and_hints_go_to_the_owners(make_multi, num_devices):
     assert [p.used for p in multi.prefetch_stats()] == owned.tolist()
     multi.hint(1, [0, 1, 2])
     assert sum(p.hints for p in multi.prefetch_stats()) == 3
+    total = multi.total_prefetch_stats()
+    assert (total.issued, total.used, total.hints) == (8, 8, 3) and total.accuracy == 1.0
 
 
 def test_batches_and_compact_loads_are_per_owner(make_multi, num_devices):
