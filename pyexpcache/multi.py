@@ -3,9 +3,10 @@
 Each (layer, expert) is owned by one device (a :class:`~pyexpcache.placement.Placement`); each
 device has an :class:`~pyexpcache.ExpertCache` of its own, with its own budget, link, copy
 stream and counters, all reading the same host source. A select splits its ids by owner and
-issues each owner's select on that owner's stream: the calls only enqueue, so every device's
-misses cross its own link at the same time. The result gives each expert's addresses on its
-owner and the owner. On the host backend the devices are emulated (one host cache each, with
+issues each owner's select on that owner's stream. With a pinned source the calls only enqueue,
+so every device's misses cross its own link at the same time; a pageable or file source's misses
+are staged by the thread that calls, so there each owner's call runs on a thread of its own
+(``parallel``). The result gives each expert's addresses on its owner and the owner. On the host backend the devices are emulated (one host cache each, with
 its own emulated capacity), so the whole logic runs without a GPU.
 
 The same CUDA device may be listed twice (two caches sharing one GPU and its link): that runs the
@@ -14,6 +15,7 @@ multi-device logic on one GPU, without the second link.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -71,15 +73,23 @@ class MultiDeviceCache:
             ``len(devices)`` devices, or per-layer expected loads (request counts per expert,
             e.g. :func:`~pyexpcache.placement.loads_from_calls`) to balance.
         budget_bytes, budget_experts: each device's budget (not the total).
+        parallel: run each owner's share of a call on a thread of its own (the first owner's on
+            the calling thread), so that owners whose misses the calling thread must stage
+            (pageable and file sources) move them at the same time. Default: when the source is
+            not pinned. A pinned source's calls only enqueue: in order on the calling thread they
+            already overlap, without the hand-off.
         options: every other :class:`~pyexpcache.ExpertCache` option, applied to each device.
 
-    Use as a context manager, or call :meth:`close`. Threads: as for ExpertCache; each owner's
-    cache serializes its own calls, and a call that reaches a closed owner raises
-    :class:`~pyexpcache.CacheClosedError`.
+    A failing owner: in order (``parallel`` off), the call stops there and the owners before it
+    keep what they did; in parallel every owner's share runs and the first failure in device
+    order is raised. Use as a context manager, or call :meth:`close`. Threads: as for
+    ExpertCache; each owner's cache serializes its own calls, and a call that reaches a closed
+    owner raises :class:`~pyexpcache.CacheClosedError`.
     """
 
     def __init__(self, layout: ModelLayout, source, *, devices: Sequence[int] = (0, 1), placement=None,
-                 budget_bytes: Optional[int] = None, budget_experts: Optional[int] = None, **options):
+                 budget_bytes: Optional[int] = None, budget_experts: Optional[int] = None,
+                 parallel: Optional[bool] = None, **options):
         if "device" in options:
             raise TypeError("MultiDeviceCache takes devices=[...], not device=")
         devices = [checked_int(d, f"devices[{i}]", 0, I32_MAX) for i, d in enumerate(devices)]
@@ -102,6 +112,10 @@ class MultiDeviceCache:
         self.devices = devices
         self.placement = placement
         self._device_ids = np.asarray(devices, dtype=np.int64)
+        staged = not getattr(source, "pinned", False) or getattr(source, "file_path", None) is not None
+        self.parallel = (staged if parallel is None else bool(parallel)) and len(devices) > 1
+        self._pool = (ThreadPoolExecutor(len(devices) - 1, thread_name_prefix="expcache-owner")
+                      if self.parallel else None)
         self.caches: list[ExpertCache] = []
         try:
             for d in devices:
@@ -113,9 +127,12 @@ class MultiDeviceCache:
 
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
-        """Close every device's cache (idempotent)."""
+        """Close every device's cache (idempotent), then the owners' threads."""
         for cache in getattr(self, "caches", ()):
             cache.close()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def __enter__(self):
         return self
@@ -167,6 +184,37 @@ class MultiDeviceCache:
             out.append((pos, ids[pos]))
         return out
 
+    def _each(self, parts, fn) -> list:
+        """``fn(d, ids)`` for every device with ids (``parts`` from :meth:`split`), in device order
+        or, with ``parallel``, at once (the first on this thread); results per device, None where
+        it had none. In order the first failure stops the call; in parallel all run, then the
+        first failure in device order is raised."""
+        out: list = [None] * self.num_devices
+        work = [d for d, (pos, _) in enumerate(parts) if pos.size]
+        if self._pool is None or len(work) < 2:
+            for d in work:
+                out[d] = fn(d, parts[d][1])
+            return out
+        futures = {}
+        for d in work[1:]:
+            try:
+                futures[d] = self._pool.submit(fn, d, parts[d][1])
+            except RuntimeError:  # close() shut the pool down: run it here (its cache says it is closed)
+                futures[d] = None
+        first: Optional[BaseException] = None
+        try:
+            out[work[0]] = fn(work[0], parts[work[0]][1])
+        except BaseException as exc:
+            first = exc
+        for d in work[1:]:
+            try:
+                out[d] = futures[d].result() if futures[d] is not None else fn(d, parts[d][1])
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+        return out
+
     def _streams(self, streams) -> list:
         if streams is None:
             return [None] * self.num_devices
@@ -187,9 +235,10 @@ class MultiDeviceCache:
             raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
         pointers = np.empty((k, 3), dtype=np.uint64)
         owners = np.empty(k, dtype=np.uint8)
-        for d, (pos, ids) in enumerate(parts):
+        got = self._each(parts, lambda d, ids: self.caches[d].select(layer, ids, streams[d]))
+        for d, (pos, _) in enumerate(parts):
             if pos.size:
-                pointers[pos] = self.caches[d].select(layer, ids, streams[d])
+                pointers[pos] = got[d]
                 owners[pos] = d
         return DeviceSelection(pointers, owners, self._device_ids[owners])
 
@@ -199,18 +248,19 @@ class MultiDeviceCache:
         streams = self._streams(streams)
         parts = self.split(layer, expert_ids)
         out: list = [None] * sum(len(p) for p, _ in parts)
-        for d, (pos, ids) in enumerate(parts):
+        got = self._each(parts, lambda d, ids: self.caches[d].select_views(layer, ids, streams[d], dtype=dtype,
+                                                                          shapes=shapes))
+        for d, (pos, _) in enumerate(parts):
             if pos.size:
-                for i, view in zip(pos.tolist(), self.caches[d].select_views(layer, ids, streams[d], dtype=dtype,
-                                                                               shapes=shapes)):
+                for i, view in zip(pos.tolist(), got[d]):
                     out[i] = view
         return out
 
     def prefetch(self, layer: int, expert_ids, streams=None) -> int:
         """:meth:`ExpertCache.prefetch` of each owner's share, on its stream; the number queued."""
         streams = self._streams(streams)
-        return sum(self.caches[d].prefetch(layer, ids, streams[d])
-                   for d, (pos, ids) in enumerate(self.split(layer, expert_ids)) if pos.size)
+        got = self._each(self.split(layer, expert_ids), lambda d, ids: self.caches[d].prefetch(layer, ids, streams[d]))
+        return sum(q for q in got if q is not None)
 
     def hint(self, layer: int, expert_ids) -> None:
         """:meth:`ExpertCache.hint` of each owner's share."""
@@ -222,8 +272,9 @@ class MultiDeviceCache:
         """:meth:`ExpertCache.load_compact` of each owner's share: per device, (positions in
         ``expert_ids``, its :class:`~pyexpcache.CompactBuffer`), or None where it owns none."""
         streams = self._streams(streams)
-        return [(pos, self.caches[d].load_compact(layer, ids, streams[d])) if pos.size else None
-                for d, (pos, ids) in enumerate(self.split(layer, expert_ids))]
+        parts = self.split(layer, expert_ids)
+        got = self._each(parts, lambda d, ids: self.caches[d].load_compact(layer, ids, streams[d]))
+        return [(pos, got[d]) if pos.size else None for d, (pos, _) in enumerate(parts)]
 
     def prepare_batch(self, layer: int, expert_ids_2d, streams=None) -> DeviceBatch:
         """Prefill path per owner: each device prepares the union of the ids it owns (as
@@ -231,12 +282,15 @@ class MultiDeviceCache:
         streams = self._streams(streams)
         flat = ExpertCache._as_ids(expert_ids_2d, "expert_ids_2d")
         out = DeviceBatch([None] * self.num_devices)
+
+        def prepare(d, ids):
+            out.batches[d] = self.caches[d].prepare_batch(layer, ids, streams[d])
+            return out.batches[d]
+
         try:
-            for d, (pos, ids) in enumerate(self.split(layer, flat)):
-                if pos.size:
-                    out.batches[d] = self.caches[d].prepare_batch(layer, ids, streams[d])
+            self._each(self.split(layer, flat), prepare)
         except BaseException:
-            out.finish(streams)
+            out.finish(streams)  # the owners' batches that were prepared
             raise
         return out
 

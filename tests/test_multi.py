@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from pyexpcache import (CacheClosedError, LayerSpec, ModelLayout, MultiDeviceCache, HostSource, Placement,
+from pyexpcache import (CacheClosedError, ExpcacheError, LayerSpec, ModelLayout, MultiDeviceCache, HostSource, Placement,
                         loads_from_calls)
 from pyexpcache.bench.workload import decode_workload
 from pyexpcache.traces import load_decode_trace
@@ -267,3 +267,32 @@ def test_close_while_threads_select_in_a_child():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
     assert out.stdout.strip() == "ok"
+
+
+def test_owners_run_in_parallel_when_the_source_is_staged():
+    layout = _layout()
+    with HostSource(layout) as source:
+        for parallel, want in ((None, True), (False, False), (True, True)):
+            with MultiDeviceCache(layout, source, devices=[0, 1], budget_experts=2, backend="host",
+                                  parallel=parallel, log_level=0) as multi:
+                assert multi.parallel is want
+        with MultiDeviceCache(layout, source, devices=[0], budget_experts=2, backend="host", parallel=True) as one:
+            assert one.parallel is False  # nothing to overlap
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_failing_owner_stops_the_call_in_order_or_is_raised_after_all_in_parallel(parallel):
+    layout = _layout(n_layers=1, experts=12)
+    with HostSource(layout) as source, \
+            MultiDeviceCache(layout, source, devices=[0, 1, 2], budget_experts=4, backend="host", log_level=0,
+                             parallel=parallel) as multi:
+        multi.caches[1].fail_copy_after(0)
+        with pytest.raises(ExpcacheError, match="injected copy failure"):
+            multi.select(1, np.arange(12))
+        misses = [st.total.misses for st in multi.stats()]
+        assert misses[0] == 4 and misses[1] >= 1  # device 1 failed at its first copy
+        assert misses[2] == (4 if parallel else 0)
+        sel = multi.select(1, np.arange(12))  # a later call is whole on every device
+        for d in range(3):
+            mine = sel.owners == d
+            assert_served(multi.caches[d], source, 1, np.arange(12)[mine], sel.pointers[mine])

@@ -9,8 +9,10 @@ load_compact / prefetch (drained at once) / hint / release_all / fail_device_all
 reset_stats calls and after every step compares, per device: residency and resident bytes (an
 expert is only ever resident on its owner), every counter of every class and path, the prefetch
 counters, the class infos and device bytes in use; and after every serving call, that each id was
-served by its owner with the source's bytes. A device's failure stops the call there, on both
-sides (the devices before it keep what they did, as the multi-device cache documents).
+served by its owner with the source's bytes. Half the examples run the owners in parallel. A
+device's failure stops the call there, on both sides (the devices before it keep what they did),
+or in parallel every owner's share runs and the first failure in device order is the call's, as
+the multi-device cache documents.
 
 Default run: 120 sequences of up to 30 steps (a few seconds); ``EXPCACHE_FUZZ_EXAMPLES`` and
 ``EXPCACHE_FUZZ_STEPS`` scale it as for test_stateful.py.
@@ -56,15 +58,15 @@ class MultiMachine(RuleBasedStateMachine):
         super().__init__()
         self.multi = None
 
-    @initialize(cfg=configs(), n=st.integers(1, 3), data=st.data())
-    def setup(self, cfg, n, data):
+    @initialize(cfg=configs(), n=st.integers(1, 3), parallel=st.booleans(), data=st.data())
+    def setup(self, cfg, n, parallel, data):
         name, kw = cfg
         self.layout = LAYOUTS[name]
         self.source = source_for(name)
         self.n = n
         self.placement = data.draw(placements(self.layout, n))
         self.multi = MultiDeviceCache(self.layout, self.source, devices=list(range(n)), placement=self.placement,
-                                      backend="host", log_level=0, **kw)
+                                      backend="host", log_level=0, parallel=parallel, **kw)
         self.models = [ReferenceCache(self.layout, **kw) for _ in range(n)]
         self.batches = []  # (DeviceBatch, model handles per device)
         self.moe_layers = self.layout.moe_layers
@@ -79,16 +81,18 @@ class MultiMachine(RuleBasedStateMachine):
         return [[e for e, o in zip(ids, own.tolist()) if o == d] for d in range(self.n)]
 
     def both(self, layer, ids, model_call, multi_call):
-        """Each device's model gets its share, in device order, until one fails; the multi-device
-        cache gets the whole call. The outcome must agree; returns (ok, model outputs, output)."""
+        """Each device's model gets its share, in device order, until one fails (in parallel: every
+        share, the first failure counting); the multi-device cache gets the whole call. The
+        outcome must agree; returns (ok, model outputs, output)."""
         m_exc, m_out = None, [None] * self.n
         for d, share in enumerate(self.shares(layer, ids)):
             if share:
                 try:
                     m_out[d] = model_call(self.models[d], share)
                 except ModelError as exc:
-                    m_exc = exc
-                    break
+                    m_exc = m_exc or exc
+                    if not self.multi.parallel:
+                        break
         l_exc = out = None
         try:
             out = multi_call()

@@ -4,7 +4,8 @@ Three runs side by side in one process, on one source: one device at the per-dev
 device at N times it (where it fits), and N devices at the per-device budget each, the experts
 placed by a :class:`~pyexpcache.placement.Placement`. Each decode call is one layer: its ids are
 split by owner, every owner's select and checksum enqueued on that owner's stream, then the layer
-waits for all of them (``expcache_replay_devices`` in ``replay.c``).
+waits for all of them (``expcache_replay_devices`` in ``replay.c``, one thread: with a pinned
+source the owners' copies overlap; a pageable source's are staged one owner after another).
 
 Reported per run: tok/s, the hit rate, MiB moved per token, the link bound and the share of it
 reached; per device: hit rate, MiB per token and how busy its link was. The link bound of a run
