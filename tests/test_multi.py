@@ -85,9 +85,12 @@ def _resident_on(multi, layer, e):
     return [d for d, c in enumerate(multi.caches) if c.read_expert(layer, e) is not None]
 
 
-def test_select_serves_each_expert_from_its_owner_byte_exact(make_multi, num_devices):
+@pytest.mark.parametrize("pinned", [None, False], ids=["default-source", "pageable"])
+def test_select_serves_each_expert_from_its_owner_byte_exact(make_multi, num_devices, pinned):
+    """On CUDA the default source is pinned (owners in order), pageable runs them on threads."""
     layout = _layout()
-    multi, source = make_multi(layout, budget_experts=8)
+    multi, source = make_multi(layout, budget_experts=8, pinned=pinned)
+    assert multi.parallel == (num_devices > 1 and not source.pinned)
     rng = np.random.default_rng(1)
     for _ in range(40):
         layer = int(rng.integers(1, 5))
