@@ -139,7 +139,6 @@ def _fits(bench, device: int, nbytes: int) -> bool:
 def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], workload, links: dict,
                 result: DevicesResult) -> None:
     from . import replay as _replay
-    from .runner import _sigint_deferred
 
     calls, ids = workload.arrays()
     n = multi.num_devices
@@ -149,31 +148,19 @@ def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], w
             owners[layer, :own.size] = own
     call_bytes = np.zeros((len(calls), n), np.uint64)
     devs = (_replay.ReplayDevice * n)()
-    out = _replay.ReplayResult()
-    failed: list[BaseException] = []
-    with _sigint_deferred() as interrupted, contextlib.ExitStack() as stack:
-        for d, cache in enumerate(multi.caches):
-            devs[d].cache = stack.enter_context(cache.raw_handle())
-            devs[d].stream = streams[d] or None
-            devs[d].max_classes = cache.max_classes
 
-        def on_progress(done: int, total: int) -> int:
-            try:
-                bench.progress(name, done, total)
-            except BaseException as exc:
-                failed.append(exc)
-            return 1 if failed or interrupted() else 0
-
-        progress = _replay.PROGRESS_FN(on_progress)
+    def loop(dll, api, progress, out):
         expected = np.ascontiguousarray(bench.expected)
-        dll, api = _replay.load()
-        dll.expcache_replay_devices(ctypes.byref(api), devs, n, owners.ctypes.data, ctypes.addressof(calls),
-                                    len(calls), ids.ctypes.data, expected.ctypes.data, expected.shape[1], progress,
-                                    call_bytes.ctypes.data, ctypes.byref(out))
-    if failed:
-        raise failed[0]
-    if out.stopped:
-        raise KeyboardInterrupt
+        with contextlib.ExitStack() as stack:
+            for d, cache in enumerate(multi.caches):
+                devs[d].cache = stack.enter_context(cache.raw_handle())
+                devs[d].stream = streams[d] or None
+                devs[d].max_classes = cache.max_classes
+            dll.expcache_replay_devices(ctypes.byref(api), devs, n, owners.ctypes.data, ctypes.addressof(calls),
+                                        len(calls), ids.ctypes.data, expected.ctypes.data, expected.shape[1],
+                                        progress, call_bytes.ctypes.data, ctypes.byref(out))
+
+    out = bench.run_c_loop(name, loop)
     result.decode_seconds = out.decode_seconds
     result.bound_seconds = link_bound_seconds(call_bytes, multi.devices, links)
     result.checksum_errors = out.checksum_errors
@@ -195,9 +182,6 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
                 policy: str = "oppclass") -> DevicesReport:
     """One device at ``bench.budget_bytes``, one at ``num_devices`` times it where that fits, and
     ``num_devices`` devices at ``bench.budget_bytes`` each; see the module docstring."""
-    from .. import __version__, library_version
-    from .report import git_commit
-
     if not 2 <= num_devices <= 64:
         raise ValueError(f"--devices must be 2..64, got {num_devices}")
     gpus = _cuda.device_count() if bench.is_cuda else num_devices
@@ -206,11 +190,8 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
     workload = decode_workload(loaded, bench.layout.moe_layers)
     chunk = max(s.expert_bytes for s in bench.layout.layers if s)
     links = {dev: bench.measure_link(chunk, device=dev)[0] for dev in sorted(set(devices))}
-    report = DevicesReport(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
-                           layout=bench.layout.name, source="pinned" if bench.pinned else "pageable",
-                           budget_bytes=bench.budget_bytes, devices=devices, placement=placement,
-                           shared_gpus=len(set(devices)) < num_devices, traces=list(traces),
-                           version=__version__, library=library_version(), git_commit=git_commit())
+    report = DevicesReport(**bench.report_header(), devices=devices, placement=placement,
+                           shared_gpus=len(set(devices)) < num_devices, traces=list(traces))
     runs = [("1 device", [bench.device], bench.budget_bytes),
             (f"1 device, {num_devices}x budget", [bench.device], num_devices * bench.budget_bytes),
             (f"{num_devices} devices", devices, bench.budget_bytes)]

@@ -149,9 +149,8 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
     :class:`~pyexpcache.bench.runner.Bench`: its source, stream and budget), each with a new cache
     of ``policy``; see the module docstring."""
-    from .. import __version__, library_version
     from . import replay as _replay
-    from .report import VariantResult, git_commit
+    from .report import VariantResult
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
@@ -160,11 +159,8 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     workload = decode_workload(loaded, bench.layout.moe_layers)
     chunk = max(s.expert_bytes for s in bench.layout.layers if s)
     link, link_label = bench.measure_link(chunk)
-    report = EngineReport(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
-                          layout=bench.layout.name, source="pinned" if bench.pinned else "pageable",
-                          budget_bytes=bench.budget_bytes, compute_us=compute_us, top=top, split=split,
-                          link_bytes_per_s=link, link_label=link_label, traces=list(traces),
-                          version=__version__, library=library_version(), git_commit=git_commit())
+    report = EngineReport(**bench.report_header(), compute_us=compute_us, top=top, split=split,
+                          link_bytes_per_s=link, link_label=link_label, traces=list(traces))
     advice = {}  # predictor -> its arrays: a prefetch and a hint setting of one predictor share them
     for setting in plan:
         options = _replay.ReplayOptions()

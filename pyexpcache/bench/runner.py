@@ -124,6 +124,15 @@ class Bench:
             self.stream = 0
         self.source.close()
 
+    def report_header(self) -> dict:
+        """What every one-table report (engine model, torch loop, devices) starts with: where it
+        ran, on what layout, source and budget, and the version, library and commit that made it."""
+        from .report import git_commit
+
+        return dict(backend="cuda" if self.is_cuda else "host", device=self.device_name(), layout=self.layout.name,
+                    source="pinned" if self.pinned else "pageable", budget_bytes=self.budget_bytes,
+                    version=__version__, library=library_version(), git_commit=git_commit())
+
     # -- the link ----------------------------------------------------------------
     def measure_link(self, chunk_bytes: int, repeats: int = 20, device: Optional[int] = None) -> tuple[float, str]:
         """Raw host-to-device bandwidth (bytes/s) with plain cudaMemcpyAsync of ``chunk_bytes``
@@ -249,6 +258,32 @@ class Bench:
             self.progress("preloading all experts", n + 1, len(layers))
         cache.synchronize(self.stream)
 
+    def run_c_loop(self, name: str, loop):
+        """Run one C replay loop, ``loop(dll, api, progress, out)``, with a progress callback that
+        shows ``name`` and asks the loop to stop on Ctrl-C (deferred meanwhile) or when the display
+        fails; returns the loop's ReplayResult, or raises what stopped it once it has returned."""
+        from . import replay as _replay
+
+        out = _replay.ReplayResult()
+        failed: list[BaseException] = []
+        with _sigint_deferred() as interrupted:
+            def on_progress(done: int, total: int) -> int:
+                # A ctypes callback cannot raise into C: Ctrl-C (noted by the handler above) or an
+                # error of the display asks the loop to stop, and is raised once it has returned.
+                try:
+                    self.progress(name, done, total)
+                except BaseException as exc:
+                    failed.append(exc)
+                return 1 if failed or interrupted() else 0
+
+            dll, api = _replay.load()
+            loop(dll, api, _replay.PROGRESS_FN(on_progress), out)
+        if failed:
+            raise failed[0]
+        if out.stopped:  # asked by the callback and not raised above: only an interrupt does that
+            raise KeyboardInterrupt
+        return out
+
     def _replay(self, cache: ExpertCache, variant: str, workload: Workload, result: VariantResult,
                 options=None) -> None:
         """One replay of ``workload`` through the C loop into ``result``; ``options`` (a
@@ -258,31 +293,16 @@ class Bench:
 
         calls, ids = workload.arrays()
         mode = {"nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}.get(variant, _replay.MODE_CACHE)
-        out = _replay.ReplayResult()
-        failed: list[BaseException] = []
 
-        with _sigint_deferred() as interrupted:
-            def on_progress(done: int, total: int) -> int:
-                # A ctypes callback cannot raise into C: Ctrl-C (noted by the handler above) or an
-                # error of the display asks the loop to stop, and is raised once it has returned.
-                try:
-                    self.progress(variant, done, total)
-                except BaseException as exc:
-                    failed.append(exc)
-                return 1 if failed or interrupted() else 0
-
-            progress = _replay.PROGRESS_FN(on_progress)
+        def loop(dll, api, progress, out):
             expected = np.ascontiguousarray(self.expected)
-            dll, api = _replay.load()
             with cache.raw_handle() as handle:
                 dll.expcache_replay(ctypes.byref(api), handle, ctypes.addressof(calls), len(calls), ids.ctypes.data,
                                     mode, self.stream, expected.ctypes.data, expected.shape[1], cache.max_classes,
                                     int(self.layer_sync), ctypes.byref(options) if options is not None else None,
                                     progress, ctypes.byref(out))
-        if failed:
-            raise failed[0]
-        if out.stopped:  # asked by the callback and not raised above: only an interrupt does that
-            raise KeyboardInterrupt
+
+        out = self.run_c_loop(variant, loop)
         result.decode_seconds += out.decode_seconds
         result.prefill_seconds += out.prefill_seconds
         result.decode_calls += out.decode_calls

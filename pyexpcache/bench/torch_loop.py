@@ -329,8 +329,6 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     options), each mode with a new cache of ``policy``. ``progress(label, done, total)`` (default:
     ``bench.progress``) is called every few hundred decode calls. ``expected``: the table of
     :func:`expected_sums` (computed here when not given)."""
-    from .. import __version__, library_version
-    from .report import git_commit
 
     torch = _import_torch()
     if not 0 <= compute_us <= 1e6:
@@ -349,11 +347,8 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     ids = [np.asarray(call.ids, dtype=np.uint32) for call in workload.calls]
     loop = _Loop(torch, bench)
     loop.warm_up()
-    report = TorchLoopReport(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
-                             layout=bench.layout.name, source="pinned" if bench.pinned else "pageable",
-                             budget_bytes=bench.budget_bytes, compute_us=compute_us, traces=list(traces),
-                             policy=policy, torch_version=str(torch.__version__), version=__version__,
-                             library=library_version(), git_commit=git_commit())
+    report = TorchLoopReport(**bench.report_header(), compute_us=compute_us, traces=list(traces), policy=policy,
+                             torch_version=str(torch.__version__))
     compute_ns = int(round(compute_us * 1e3))
     for mode in modes:
         cache = bench._cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options)
