@@ -26,15 +26,14 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, settings, strategies as st  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 
 from pyexpcache import ExpcacheError, MultiDeviceCache, Placement  # noqa: E402
-from pyexpcache._lib import PREFETCH_FIELDS  # noqa: E402
 
 from support.cache import assert_served  # noqa: E402
-from support.reference_model import PATHS, STAT_FIELDS, ModelError, ReferenceCache  # noqa: E402
-from test_stateful import FUZZ_RANDOM, LAYOUTS, _status, configs, source_for  # noqa: E402
+from support.reference_model import ModelError, ReferenceCache  # noqa: E402
+from test_stateful import LAYOUTS, _status, assert_cache_matches_model, configs, fuzz_settings, source_for  # noqa: E402
 
 EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", "120"))
 STEPS = int(os.environ.get("EXPCACHE_FUZZ_STEPS", "30"))
@@ -210,43 +209,13 @@ class MultiMachine(RuleBasedStateMachine):
         if self.multi is None:
             return
         for d, (cache, model) in enumerate(zip(self.multi.caches, self.models)):
-            model.check_invariants()
-            for layer in self.moe_layers:
-                for e in range(self.layout[layer].num_experts):
-                    got = cache.read_expert(layer, e)
-                    assert (got is not None) == model.is_resident(layer, e), f"device {d} ({layer}, {e})"
-                    if got is not None:
-                        assert self.placement.owners[layer][e] == d, f"({layer}, {e}) resident off its owner"
-                        assert (got == self.source.expert_bytes(layer, e)).all(), f"device {d} ({layer}, {e})"
-            infos = {c.index: c for c in cache.classes()}
-            m_infos = model.class_infos()
-            assert sorted(infos) == sorted(m_infos), f"device {d} classes"
-            for i, info in infos.items():
-                got = dict(key=info.key, slot_bytes=info.slot_bytes, target_experts=info.target_experts,
-                           cap_experts=info.cap_experts, allocated_experts=info.allocated_experts,
-                           resident_experts=info.resident_experts, held_experts=info.held_experts,
-                           num_layers=info.num_layers)
-                assert got == m_infos[i], f"device {d} class {i}: {got} != {m_infos[i]}"
-            m_stats = model.stats()
-            for c in cache.stats().classes:
-                for p in PATHS:
-                    got = {f: getattr(c.paths[p], f) for f in STAT_FIELDS}
-                    assert got == m_stats[c.info.index][p], f"device {d} class {c.info.index} path {p}"
-            got = {f: getattr(cache.prefetch_stats(), f) for f in PREFETCH_FIELDS if f != "pieces"}
-            assert got == {f: v for f, v in model.pstats.items() if f != "pieces"}, f"device {d} prefetch"
-            assert cache.device_bytes_in_use == model.device_bytes_in_use
+            for layer, e in assert_cache_matches_model(cache, model, self.source, f"device {d}: "):
+                assert self.placement.owners[layer][e] == d, f"({layer}, {e}) resident off its owner"
         for batch, _ in self.batches:
             for d, b in enumerate(batch.batches):
                 if b is not None:
                     assert_served(self.multi.caches[d], self.source, b.layer, b.ids, b.pointers)
 
 
-MultiMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=STEPS,
-    deadline=None,
-    derandomize=not FUZZ_RANDOM,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
-)
+MultiMachine.TestCase.settings = fuzz_settings(EXAMPLES, STEPS)
 TestMultiMatchesModels = MultiMachine.TestCase

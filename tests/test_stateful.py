@@ -155,6 +155,46 @@ def _status(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def assert_cache_matches_model(cache, model, source, where: str = "") -> set:
+    """The library's cache and the reference model agree: the model's own invariants, which
+    (layer, expert) are resident and their bytes, the class infos, every counter of every class and
+    path, the prefetch and hint counters (all but the piece count) and device bytes in use.
+    ``where`` prefixes the messages. Returns the resident (layer, expert) pairs."""
+    model.check_invariants()
+    layout = cache.layout
+    resident = set()
+    for layer in layout.moe_layers:
+        for e in range(layout[layer].num_experts):
+            got = cache.read_expert(layer, e)
+            want = model.is_resident(layer, e)
+            assert (got is not None) == want, (
+                f"{where}layer {layer} expert {e}: library resident={got is not None}, model resident={want}")
+            if got is not None:
+                assert (got == source.expert_bytes(layer, e)).all(), f"{where}({layer}, {e}) corrupted"
+                resident.add((layer, e))
+    infos = {c.index: c for c in cache.classes()}
+    m_infos = model.class_infos()
+    assert sorted(infos) == sorted(m_infos), (
+        f"{where}classes in use: library {sorted(infos)}, model {sorted(m_infos)}")
+    for i, info in infos.items():
+        got = dict(key=info.key, slot_bytes=info.slot_bytes, target_experts=info.target_experts,
+                   cap_experts=info.cap_experts, allocated_experts=info.allocated_experts,
+                   resident_experts=info.resident_experts, held_experts=info.held_experts,
+                   num_layers=info.num_layers)
+        assert got == m_infos[i], f"{where}class {i}: library {got}, model {m_infos[i]}"
+    m_stats = model.stats()
+    for c in cache.stats().classes:
+        for p in PATHS:
+            got = {f: getattr(c.paths[p], f) for f in STAT_FIELDS}
+            want = m_stats[c.info.index][p]
+            assert got == want, f"{where}class {c.info.index} path {p}: library {got}, model {want}"
+    got = {f: getattr(cache.prefetch_stats(), f) for f in PREFETCH_FIELDS if f != "pieces"}
+    want = {f: v for f, v in model.pstats.items() if f != "pieces"}
+    assert got == want, f"{where}prefetch: library {got}, model {want}"
+    assert cache.device_bytes_in_use == model.device_bytes_in_use, f"{where}device bytes in use"
+    return resident
+
+
 class CacheMachine(RuleBasedStateMachine):
     """The library and the model driven by the same calls."""
 
@@ -355,36 +395,7 @@ class CacheMachine(RuleBasedStateMachine):
     def same_state(self):
         if self.cache is None:
             return
-        self.model.check_invariants()
-        # Residency, and resident bytes.
-        for layer in self.moe_layers:
-            for e in range(self.layout[layer].num_experts):
-                got = self.cache.read_expert(layer, e)
-                want = self.model.is_resident(layer, e)
-                assert (got is not None) == want, (
-                    f"layer {layer} expert {e}: library resident={got is not None}, model resident={want}")
-                if got is not None:
-                    assert (got == self.source.expert_bytes(layer, e)).all(), f"({layer}, {e}) corrupted"
-        # Classes and counters.
-        infos = {c.index: c for c in self.cache.classes()}
-        m_infos = self.model.class_infos()
-        assert sorted(infos) == sorted(m_infos), f"classes in use: library {sorted(infos)}, model {sorted(m_infos)}"
-        for i, info in infos.items():
-            got = dict(key=info.key, slot_bytes=info.slot_bytes, target_experts=info.target_experts,
-                       cap_experts=info.cap_experts, allocated_experts=info.allocated_experts,
-                       resident_experts=info.resident_experts, held_experts=info.held_experts,
-                       num_layers=info.num_layers)
-            assert got == m_infos[i], f"class {i}: library {got}, model {m_infos[i]}"
-        m_stats = self.model.stats()
-        for c in self.cache.stats().classes:
-            for p in PATHS:
-                got = {f: getattr(c.paths[p], f) for f in STAT_FIELDS}
-                want = m_stats[c.info.index][p]
-                assert got == want, f"class {c.info.index} path {p}: library {got}, model {want}"
-        got = {f: getattr(self.cache.prefetch_stats(), f) for f in PREFETCH_FIELDS if f != "pieces"}
-        want = {f: v for f, v in self.model.pstats.items() if f != "pieces"}
-        assert got == want, f"prefetch: library {got}, model {want}"
-        assert self.cache.device_bytes_in_use == self.model.device_bytes_in_use
+        assert_cache_matches_model(self.cache, self.model, self.source)
         # Unfinished batches still hold their bytes; so does the live compact buffer.
         for batch, _ in self.batches:
             assert_served(self.cache, self.source, batch.layer, batch.ids, batch.pointers)
@@ -393,14 +404,15 @@ class CacheMachine(RuleBasedStateMachine):
             assert_served(self.cache, self.source, layer, ids, buf.pointers())
 
 
-CacheMachine.TestCase.settings = settings(
-    max_examples=FUZZ_EXAMPLES,
-    stateful_step_count=FUZZ_STEPS,
-    deadline=None,
-    derandomize=not FUZZ_RANDOM,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
-)
+def fuzz_settings(examples: int, steps: int):
+    """The machines' hypothesis settings: derandomized unless asked to run longer, no deadline."""
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=not FUZZ_RANDOM,
+                    database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                           HealthCheck.data_too_large])
+
+
+CacheMachine.TestCase.settings = fuzz_settings(FUZZ_EXAMPLES, FUZZ_STEPS)
 TestCacheMatchesModel = CacheMachine.TestCase
 
 
