@@ -4,22 +4,14 @@ these guard against are reproduced in child processes, so the suite survives a r
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import threading
 
 import numpy as np
 import pytest
 
 from support.cache import CUDA_OK, CUDA_REASON, SCALE
+from support.child import close_while_threads_call, run_child
 from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout
-
-
-def run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (a crash there is a failed test, not a dead suite)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def layout():
@@ -130,42 +122,12 @@ def test_gguf_source_closed_under_a_live_cache_in_a_child(tmp_path, policy):
 
 def test_close_while_threads_select_in_a_child(policy):
     # Before the call gate: SIGSEGV 3 times of 3 (close destroyed the handle under running selects).
-    out = run_child(f"""
-        import threading, time
-        import numpy as np
-        from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout
-        lay = ModelLayout.preset("q2", scale=4096)
-        for attempt in range(3):
-            src = HostSource(lay)
-            cache = ExpertCache(lay, src, budget_experts=16, backend="host", log_level=0, policy={policy!r})
-            started, counts, errors = threading.Barrier(5), [0] * 4, []
-            def work(i):
-                rng = np.random.default_rng(i)
-                started.wait()
-                while True:
-                    try:
-                        cache.select(int(rng.integers(3, 43)), rng.choice(256, 6, replace=False).astype(np.uint32))
-                        cache.stats()
-                    except CacheClosedError:
-                        return
-                    except BaseException as exc:
-                        errors.append(repr(exc))
-                        return
-                    counts[i] += 1
-            threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            started.wait()
-            time.sleep(0.2)
-            cache.close()
-            for t in threads:
-                t.join(10)
-            src.close()
-            assert not errors, errors
-            assert all(c > 0 for c in counts), counts
-            assert not any(t.is_alive() for t in threads)
-        print("ok")
-    """)
+    out = close_while_threads_call(
+        f'ExpertCache(lay, src, budget_experts=16, backend="host", log_level=0, policy={policy!r})',
+        """
+        cache.select(int(rng.integers(3, 43)), rng.choice(256, 6, replace=False).astype(np.uint32))
+        cache.stats()
+        """, attempts=3)
     assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
     assert out.stdout.strip() == "ok"
 

@@ -5,9 +5,6 @@ emulates the devices, CUDA repeats the GPUs there are)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -18,6 +15,7 @@ from pyexpcache.bench.workload import decode_workload
 from pyexpcache.traces import load_decode_trace
 
 from support.cache import SCALE, assert_served
+from support.child import close_while_threads_call
 
 
 def _layout(n_layers=4, experts=12):
@@ -232,42 +230,12 @@ def test_a_failed_creation_closes_the_caches_it_made():
 
 
 def test_close_while_threads_select_in_a_child():
-    code = textwrap.dedent("""
-        import threading, time
-        import numpy as np
-        from pyexpcache import CacheClosedError, HostSource, ModelLayout, MultiDeviceCache
-        lay = ModelLayout.preset("q2", scale=4096)
-        src = HostSource(lay)
-        multi = MultiDeviceCache(lay, src, devices=[0, 1, 2], budget_experts=8, backend="host", log_level=0)
-        started, counts, errors = threading.Barrier(5), [0] * 4, []
-        def work(i):
-            rng = np.random.default_rng(i)
-            started.wait()
-            while True:
-                try:
-                    multi.select(int(rng.integers(3, 43)), rng.choice(256, 6, replace=False))
-                    multi.prefetch(int(rng.integers(3, 43)), rng.choice(256, 4, replace=False))
-                except CacheClosedError:
-                    return
-                except BaseException as exc:
-                    errors.append(repr(exc))
-                    return
-                counts[i] += 1
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        started.wait()
-        time.sleep(0.2)
-        multi.close()
-        for t in threads:
-            t.join(10)
-        src.close()
-        assert not errors, errors
-        assert all(c > 0 for c in counts), counts
-        assert not any(t.is_alive() for t in threads)
-        print("ok")
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = close_while_threads_call(
+        'MultiDeviceCache(lay, src, devices=[0, 1, 2], budget_experts=8, backend="host", log_level=0)',
+        """
+        cache.select(int(rng.integers(3, 43)), rng.choice(256, 6, replace=False))
+        cache.prefetch(int(rng.integers(3, 43)), rng.choice(256, 4, replace=False))
+        """)
     assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
     assert out.stdout.strip() == "ok"
 
