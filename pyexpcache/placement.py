@@ -34,6 +34,24 @@ def _check_devices(num_devices) -> int:
     return int(num_devices)
 
 
+def _spread(num_experts: int, n: int) -> np.ndarray:
+    """Expert e on device e mod n."""
+    return (np.arange(num_experts) % n).astype(np.uint8)
+
+
+def _per_layer(layout: ModelLayout, given: Sequence, what: str):
+    """(layer, spec, given[layer]) for every layer with routed experts, once ``given`` is checked
+    to have one entry per layer and one for each such layer."""
+    if len(given) != layout.num_layers:
+        raise ValueError(f"{what} has {len(given)} layers, the layout {layout.num_layers}")
+    for i, spec in enumerate(layout.layers):
+        if spec is None:
+            continue
+        if given[i] is None:
+            raise ValueError(f"{what}[{i}] is None but layer {i} has {spec.num_experts} experts")
+        yield i, spec, given[i]
+
+
 @dataclass(frozen=True)
 class Placement:
     """The owner of every expert: ``owners[layer]`` is a uint8 array of the layer's experts
@@ -47,8 +65,8 @@ class Placement:
     @classmethod
     def round_robin(cls, layout: ModelLayout, num_devices: int) -> "Placement":
         n = _check_devices(num_devices)
-        return cls(n, tuple(None if spec is None else (np.arange(spec.num_experts) % n).astype(np.uint8)
-                            for spec in layout.layers), "round-robin")
+        return cls(n, tuple(None if spec is None else _spread(spec.num_experts, n) for spec in layout.layers),
+                   "round-robin")
 
     @classmethod
     def balanced(cls, layout: ModelLayout, num_devices: int, loads: Sequence) -> "Placement":
@@ -56,22 +74,15 @@ class Placement:
         non-negative number per expert of the layer (None or absent for layers without routed
         experts; a layer whose loads are all zero falls back to round-robin)."""
         n = _check_devices(num_devices)
-        if len(loads) != layout.num_layers:
-            raise ValueError(f"loads has {len(loads)} layers, the layout {layout.num_layers}")
-        owners = []
-        for i, spec in enumerate(layout.layers):
-            if spec is None:
-                owners.append(None)
-                continue
-            if loads[i] is None:
-                raise ValueError(f"loads[{i}] is None but layer {i} has {spec.num_experts} experts")
-            w = np.asarray(loads[i], dtype=np.float64)
+        owners: list = [None] * layout.num_layers
+        for i, spec, given in _per_layer(layout, loads, "loads"):
+            w = np.asarray(given, dtype=np.float64)
             if w.shape != (spec.num_experts,):
                 raise ValueError(f"loads[{i}] has shape {w.shape}, want ({spec.num_experts},)")
             if not np.isfinite(w).all() or (w < 0).any():
                 raise ValueError(f"loads[{i}] must be finite and non-negative")
             if not w.any():
-                owners.append((np.arange(spec.num_experts) % n).astype(np.uint8))
+                owners[i] = _spread(spec.num_experts, n)
                 continue
             own = np.empty(spec.num_experts, dtype=np.uint8)
             load = np.zeros(n)
@@ -82,36 +93,25 @@ class Placement:
                 own[e] = d
                 load[d] += w[e]
                 count[d] += 1
-            owners.append(own)
+            owners[i] = own
         return cls(n, tuple(owners), "balanced")
 
     @classmethod
     def explicit(cls, layout: ModelLayout, num_devices: int, owners: Sequence) -> "Placement":
         """``owners[layer]``: the owning device index of each expert of the layer."""
         n = _check_devices(num_devices)
-        if len(owners) != layout.num_layers:
-            raise ValueError(f"owners has {len(owners)} layers, the layout {layout.num_layers}")
-        out = []
-        for i, spec in enumerate(layout.layers):
-            if spec is None:
-                out.append(None)
-                continue
-            if owners[i] is None:
-                raise ValueError(f"owners[{i}] is None but layer {i} has {spec.num_experts} experts")
-            o = np.asarray(owners[i])
+        out: list = [None] * layout.num_layers
+        for i, spec, given in _per_layer(layout, owners, "owners"):
+            o = np.asarray(given)
             if o.shape != (spec.num_experts,) or not np.issubdtype(o.dtype, np.integer):
                 raise ValueError(f"owners[{i}] must be {spec.num_experts} integers, got shape {o.shape} "
                                  f"of {o.dtype}")
             if o.size and (o.min() < 0 or o.max() >= n):
                 raise ValueError(f"owners[{i}] must be device indices 0..{n - 1}, got {o.min()}..{o.max()}")
-            out.append(o.astype(np.uint8))
+            out[i] = o.astype(np.uint8)
         return cls(n, tuple(out), "explicit")
 
     # -- queries ------------------------------------------------------------
-    def of(self, layer: int, expert_ids) -> np.ndarray:
-        """The owners of ``expert_ids`` of ``layer`` (ids are assumed checked by the caller)."""
-        return self.owners[layer][expert_ids]
-
     def experts_per_device(self) -> np.ndarray:
         """Experts each device owns, summed over layers."""
         return np.bincount(np.concatenate([o for o in self.owners if o is not None]),
