@@ -20,6 +20,7 @@ from ._errors import (  # noqa: E402 (the version first: submodules read it)
     CudaError,
     ExpcacheWarning,
     ExpcacheError,
+    ForkedError,
     InternalError,
     InvalidArgumentError,
     InvalidStateError,
@@ -39,7 +40,7 @@ from .source import HostSource, checksum_bytes
 __all__ = [
     "ArgumentRangeError", "Batch", "CacheClosedError", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer",
     "CudaError", "DeviceBatch", "DeviceSelection", "ExpcacheError", "ExpcacheWarning", "ExpertCache",
-    "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec", "ModelLayout",
+    "ForkedError", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec", "ModelLayout",
     "MultiDeviceCache", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "Placement",
     "PoisonedError", "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version",
     "loads_from_calls", "staging_defaults",

@@ -84,6 +84,12 @@ class CacheClosedError(ValueError):
     :meth:`~pyexpcache.ExpertCache.close` began. A ValueError, like I/O on a closed file."""
 
 
+class ForkedError(CacheClosedError):
+    """A cache or source used in a child process made by fork() after it was created: its
+    library threads, locks and device state stayed in the parent. Create it in the child
+    (or start children with the ``spawn`` or ``forkserver`` method)."""
+
+
 class ExpcacheWarning(RuntimeWarning):
     """Trouble the library reports without failing a call, e.g. a size class left with
     cap 0 (no device memory after the reserve: nothing of it is cached)."""

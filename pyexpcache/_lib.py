@@ -156,7 +156,9 @@ class PrefetchStats(ctypes.Structure):
 
 
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
+DROPPED_FN = ctypes.CFUNCTYPE(None, c_void_p)
 CachePtr = c_void_p
+MemoryRefPtr = c_void_p
 
 # The range of each C field type (c_void_p: addresses, as uint64).
 _RANGES = {c_uint32: (0, U32_MAX), c_int32: (I32_MIN, I32_MAX), c_uint64: (0, U64_MAX), c_void_p: (0, U64_MAX)}
@@ -246,6 +248,13 @@ _FUNCTIONS = [
     ("expcache_prefetch_stats_get", [CachePtr, POINTER(PrefetchStats)], c_int32),
     # expcache_status_t expcache_stats_reset(expcache_t* cache);
     ("expcache_stats_reset", [CachePtr], c_int32),
+    # expcache_status_t expcache_memory_retain(expcache_t* cache, const void* ptr, expcache_memory_ref_t** out_ref);
+    ("expcache_memory_retain", [CachePtr, c_void_p, POINTER(MemoryRefPtr)], c_int32),
+    # void expcache_memory_release(expcache_memory_ref_t* ref);
+    ("expcache_memory_release", [MemoryRefPtr], None),
+    # expcache_status_t expcache_memory_set_dropped_callback(expcache_t* cache, expcache_memory_dropped_fn fn,
+    #                                                        void* user);
+    ("expcache_memory_set_dropped_callback", [CachePtr, DROPPED_FN, c_void_p], c_int32),
     # expcache_status_t expcache_log_set_callback(expcache_t* cache, expcache_log_fn fn, void* user);
     ("expcache_log_set_callback", [CachePtr, LOG_FN, c_void_p], c_int32),
     # expcache_status_t expcache_log_set_level(expcache_t* cache, uint32_t level);

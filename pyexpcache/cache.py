@@ -14,9 +14,10 @@ from typing import Optional
 
 import numpy as np
 
-from . import _lib
+from . import _lib, _lifetime
 from ._cuda import stream_handle
-from ._errors import CacheClosedError, ExpcacheWarning, stacklevel_outside
+from ._errors import CacheClosedError, ExpcacheWarning, ForkedError, stacklevel_outside
+from ._memory import MemoryPin
 from ._ints import u32, u64
 from .layout import ModelLayout
 from .source import Source
@@ -43,21 +44,29 @@ class _Gate:
     """Lets calls into one cache run while it is open and :meth:`ExpertCache.close` wait for
     them: a call enters (counted) or raises CacheClosedError; close marks the gate shut, waits
     until no call is in flight, and destroys the handle under the gate's lock, so a call that
-    starts meanwhile blocks, then raises. Nested entries on one thread are counted alike."""
+    starts meanwhile blocks, then raises. Nested entries on one thread are counted alike.
+    In a forked child the gate is a new one, shut, raising ForkedError."""
 
-    __slots__ = ("lock", "idle", "active", "shut")
+    __slots__ = ("lock", "idle", "active", "shut", "forked")
 
     def __init__(self):
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.active = 0
         self.shut = False
+        self.forked = False
 
     def __enter__(self):
         with self.lock:
-            if self.shut:
-                raise CacheClosedError("the cache is closed")
-            self.active += 1
+            if not self.shut:
+                self.active += 1
+                return
+        if self.forked:
+            raise ForkedError("this cache was created before the process forked: a cache cannot be used in a "
+                              "forked child (its threads, locks and device state stayed in the parent); create a "
+                              "new cache (and source) in the child")
+        _lifetime.park_if_exiting()
+        raise CacheClosedError("the cache is closed")
 
     def __exit__(self, *exc):
         with self.lock:
@@ -231,6 +240,7 @@ class ExpertCache:
         self._warned: set[str] = set()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
         self._log_fn = _lib.LOG_FN(self._on_log)
+        self._dropped_fn = _lib.DROPPED_FN(self._on_memory_dropped)
         add_user = getattr(source, "add_user", None)
         if add_user is not None:
             add_user()  # raises when the source is closed; from now on it outlives this cache
@@ -242,9 +252,11 @@ class ExpertCache:
             self._leave_source()
             raise
         self._handle = handle.value
+        _lifetime.register(self)
         try:
             lib.expcache_log_set_callback(self._handle, self._log_fn, None)
-            self._views.configure(self.backend == "cuda", device)
+            lib.expcache_memory_set_dropped_callback(self._handle, self._dropped_fn, None)
+            self._views.configure(self.backend == "cuda", device, self._pin_memory)
             file_id = None
             if getattr(source, "file_path", None):
                 out = ctypes.c_uint32()
@@ -286,22 +298,58 @@ class ExpertCache:
         except Exception:
             pass
 
+    def _on_memory_dropped(self, user):
+        # A ctypes callback inside a library call (its lock held): the call let go of memory that
+        # views keep; the views kept here for reuse go, so only those still in use keep it.
+        try:
+            self._views.clear()
+        except Exception:
+            pass
+
+    def _pin_memory(self, address: int) -> MemoryPin:
+        with self._gate:
+            return MemoryPin(self._handle, address)
+
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
         """Destroy the cache (idempotent): waits for calls in flight on other threads, then for
-        its device work, and frees all it allocated. Later calls raise CacheClosedError. The
-        source is released from this cache (and freed if it was closed meanwhile)."""
+        its device work, and frees all it allocated, except memory that views (and arrays made
+        from them) still use: that goes with the last of them. Later calls raise
+        CacheClosedError. The source is released from this cache (and freed if it was closed
+        meanwhile). Caches left open are closed at interpreter exit; in a child made by fork()
+        close() only forgets the cache (:mod:`pyexpcache._lifetime`)."""
+        self._close(None)
+
+    def _close(self, timeout) -> None:
         gate = getattr(self, "_gate", None)
         if gate is None:
             return  # __init__ failed before anything was made
         with gate.lock:
             gate.shut = True
             while gate.active:
-                gate.idle.wait()
+                if not gate.idle.wait(timeout):
+                    logger.warning("expcache: a call on this cache was still running at exit; the cache is "
+                                   "left to the operating system")
+                    return
             handle, self._handle = self._handle, None
             if handle is not None:
                 _lib.lib.expcache_destroy(handle)
+            self._views.clear()
             self._leave_source()
+
+    _exit_order = 0  # closed at exit before the sources
+
+    def _close_at_exit(self) -> None:
+        self._close(10.0)
+
+    def _after_fork_in_child(self) -> None:
+        gate = _Gate()  # the parent's may be held by a thread that does not exist here
+        gate.shut = gate.forked = True
+        self._gate = gate
+        self._handle = None  # the parent's: never destroyed here
+        self._source_user = False
+        self._views = ViewCache(self.layout)  # their pins are the parent's (MemoryPin leaves them)
+        self._scratch = _Scratch()
 
     def _leave_source(self) -> None:
         if self._source_user:
@@ -322,7 +370,7 @@ class ExpertCache:
 
     @property
     def closed(self) -> bool:
-        """True once :meth:`close` began."""
+        """True once :meth:`close` began (and in a child made by fork())."""
         return self._gate.shut
 
     @contextlib.contextmanager

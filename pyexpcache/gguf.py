@@ -385,8 +385,10 @@ class GGUFSource(BufferSource):
             LayerPlacement(tuple(origin + o for o in r.offsets), r.strides, r.sizes) if r else None
             for r in records
         ]
+        self._track()
 
     def _check_open(self):
+        self._check_usable()
         if self._mm is None or self.closed:
             raise ValueError(f"{self.path}: the source is closed")
 

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _lib
+from . import _lib, _lifetime
 from ._ints import I32_MAX, checked_int, u32
 from .cache import CacheStats, ExpertCache, PathStats
 from .layout import ModelLayout
@@ -116,6 +116,7 @@ class MultiDeviceCache:
         self.parallel = (staged if parallel is None else bool(parallel)) and len(devices) > 1
         self._pool = (ThreadPoolExecutor(len(devices) - 1, thread_name_prefix="expcache-owner")
                       if self.parallel else None)
+        _lifetime.register(self)
         self.caches: list[ExpertCache] = []
         try:
             for d in devices:
@@ -133,6 +134,14 @@ class MultiDeviceCache:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
+
+    _exit_order = 0  # its caches close themselves at exit
+
+    def _close_at_exit(self) -> None:
+        pass
+
+    def _after_fork_in_child(self) -> None:
+        self._pool = None  # the owners' threads are not in the child; its caches raise ForkedError
 
     def __enter__(self):
         return self

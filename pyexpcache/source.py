@@ -9,12 +9,15 @@ byte for byte (tests) or by checksum (the benchmark's kernel).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import numpy as np
 
+from . import _lifetime
+from ._errors import ForkedError
 from .layout import ModelLayout
 
 _ALIGN = 256
@@ -71,6 +74,15 @@ class Source(Protocol):
 _users_lock = threading.Lock()
 
 
+def _new_users_lock() -> None:
+    global _users_lock
+    _users_lock = threading.Lock()  # a forked child's: the parent's may be held by a thread not there
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_users_lock)
+
+
 class BufferSource:
     """What the sources whose bytes sit in a host buffer (``self.buffer``) share: the
     lifetime rule, a context manager around ``close()``, and the buffer's size.
@@ -86,9 +98,30 @@ class BufferSource:
     buffer: np.ndarray
     _users = 0
     _close_requested = False
+    _forked = False
+    _exit_order = 1  # nothing to do at exit (the operating system frees the memory)
+
+    def _track(self) -> None:
+        """Called at the end of a subclass's __init__: fork makes the source unusable in the child."""
+        _lifetime.register(self)
+
+    def _check_usable(self) -> None:
+        if self._forked:
+            raise ForkedError(f"{type(self).__name__} was created before the process forked: its memory (pinned "
+                              "memory is not even mapped in a child) belongs to the parent; create the source and "
+                              "its caches in the child")
+
+    def _after_fork_in_child(self) -> None:
+        self._forked = True
+        self._close_requested = True
+        self.buffer = np.empty(0, np.uint8)
+
+    def _close_at_exit(self) -> None:
+        pass
 
     def add_user(self) -> None:
         """Called by a cache that will read this source's memory (raises ValueError when closed)."""
+        self._check_usable()
         with _users_lock:
             if self._close_requested:
                 raise ValueError(f"{self!r}: the source is closed")
@@ -96,6 +129,8 @@ class BufferSource:
 
     def remove_user(self) -> None:
         """Called by that cache once it is destroyed; the last user out releases a closed source."""
+        if self._forked:
+            return
         with _users_lock:
             self._users -= 1
             release = self._close_requested and self._users == 0
@@ -105,6 +140,8 @@ class BufferSource:
     def close(self) -> None:
         """Close the source (idempotent): its memory is released now, or, while caches still
         use it, when the last of them closes."""
+        if self._forked:
+            return  # the parent's memory: left alone
         with _users_lock:
             if self._close_requested:
                 return
@@ -193,6 +230,7 @@ class HostSource(BufferSource):
             for (offs, strides), spec in zip(offsets, layout.layers)
         ]
         self._fill(progress)
+        self._track()
 
     def _plan(self):
         offsets, pos = [], 0
@@ -242,11 +280,13 @@ class HostSource(BufferSource):
     def placement(self, layer: int) -> Optional[LayerPlacement]:
         """Addresses and strides of ``layer``'s parts (for expcache_layer_register); None for
         a layer without routed experts."""
+        self._check_usable()
         return self._placements[layer]
 
     # -- verification ------------------------------------------------------
     def part(self, layer: int, expert: int, part: int) -> np.ndarray:
         """A uint8 view of one part's source bytes."""
+        self._check_usable()
         place = self._placements[layer]
         off = place.bases[part] - self._base + expert * place.strides[part]
         return self.buffer[off:off + place.sizes[part]]
@@ -257,6 +297,7 @@ class HostSource(BufferSource):
 
     def expected_checksum(self, layer: int, expert: int) -> int:
         """What expcache_testing_checksum must give for this expert when its bytes are intact."""
+        self._check_usable()
         total = 0
         for p, nbytes in enumerate(self._placements[layer].sizes):
             if nbytes % 8 == 0:

@@ -6,11 +6,12 @@ array library without a copy: DLPack (``torch.from_dlpack(view)``, ``cupy.from_d
 (``torch.as_tensor(view)``, ``cupy.asarray``, Numba) and the NumPy array interface on the host
 backend (``numpy.asarray(view)``). An :class:`ExpertView` groups an expert's three parts.
 
-**Validity.** A view is valid under the same rule as the addresses ``ExpertCache.select``
-returns: for work ordered after the select on its stream, until the next ``select``,
-``load_compact``, ``prepare_batch``, ``release_all`` or ``layer_class`` call on the cache. A
-view (and any array made from it) does not keep the bytes alive, like a raw pointer: after that
-call its slot may hold another expert, or no longer exist.
+**Validity.** A view's bytes are the expert's under the same rule as the addresses
+``ExpertCache.select`` returns: for work ordered after the select on its stream, until the next
+``select``, ``load_compact``, ``prepare_batch``, ``release_all`` or ``layer_class`` call on the
+cache; after that call its slot may hold another expert. The *memory* stays allocated while the
+view, or any array or tensor made from it, lives (:mod:`pyexpcache._memory`): reading one after
+``release_all`` or ``close()`` reads stale bytes, never freed memory.
 
 **Streams.** ``stream`` is the handle of the CUDA stream on which the bytes are ready (0: the
 legacy default stream). ``__dlpack__(stream=s)`` makes the consumer's stream ``s`` wait for it
@@ -27,7 +28,7 @@ import threading
 
 import numpy as np
 
-from . import _dlpack
+from . import _dlpack, _lifetime
 from ._cuda import check, runtime, stream_handle
 from ._ints import I32_MAX, checked_int, u64
 
@@ -93,6 +94,8 @@ class _Events(dict):
     """This thread's event per device, destroyed with the thread's locals."""
 
     def __del__(self):
+        if _lifetime.in_forked_child:
+            return  # the parent's CUDA state
         try:
             rt = runtime()
             for event in self.values():
@@ -135,10 +138,11 @@ class TensorView:
     (host backend) give consumers the address itself, C-contiguous and writable (NumPy imports
     any unversioned DLPack capsule read-only; ``numpy.asarray(view)`` is writable).
 
-    A view is valid under the same rule as the addresses ``ExpertCache.select`` returns: for
-    work ordered after the select on its stream, until the next ``select``, ``load_compact``,
-    ``prepare_batch``, ``release_all`` or ``layer_class`` call on the cache. The view does not
-    keep the bytes alive, like a raw pointer; nor do arrays made from it.
+    Its bytes are the expert's under the rule of the addresses ``ExpertCache.select`` returns:
+    for work ordered after the select on its stream, until the next ``select``, ``load_compact``,
+    ``prepare_batch``, ``release_all`` or ``layer_class`` call on the cache. ``owner`` (the
+    cache's :class:`~pyexpcache._memory.MemoryPin` for views it makes) is kept alive by the view
+    and by every array made from it, so the memory stays allocated as long as they live.
 
     ``cuda``: device memory (DLPack device ``(2, device_id)``) or host-backend memory (``(1,
     0)``). ``stream``: the CUDA stream on which the bytes are ready (an int handle, an object
@@ -147,10 +151,10 @@ class TensorView:
     cannot express it). ``shape`` must cover exactly ``nbytes``.
     """
 
-    __slots__ = ("ptr", "nbytes", "shape", "dtype", "cuda", "device_id", "stream", "__weakref__")
+    __slots__ = ("ptr", "nbytes", "shape", "dtype", "cuda", "device_id", "stream", "owner", "__weakref__")
 
     def __init__(self, ptr: int, nbytes: int, *, cuda: bool, device_id: int = 0, stream: int = 0,
-                 dtype=None, shape=None):
+                 dtype=None, shape=None, owner=None):
         self.ptr = u64(ptr, "ptr")
         self.nbytes = u64(nbytes, "nbytes")
         if self.ptr == 0 and self.nbytes:
@@ -160,6 +164,7 @@ class TensorView:
         self.stream = stream_handle(stream)
         self.dtype = _dtype(dtype)
         self.shape = _shape(shape, self.nbytes, self.dtype)
+        self.owner = owner
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (_dlpack.KDLCUDA, self.device_id) if self.cuda else (_dlpack.KDLCPU, 0)
@@ -255,14 +260,17 @@ class ViewCache:
         self._layout = layout
         self._cuda = False
         self._device = 0
+        self._pin = None
         self._by_gate: dict[int, tuple] = {}
 
-    def configure(self, cuda: bool, device_id: int) -> None:
-        self._cuda, self._device = bool(cuda), int(device_id)
+    def configure(self, cuda: bool, device_id: int, pin) -> None:
+        """``pin(address)``: the owner every view of a slot at ``address`` keeps (a MemoryPin)."""
+        self._cuda, self._device, self._pin = bool(cuda), int(device_id), pin
         self._by_gate.clear()
 
     def clear(self) -> None:
-        self._by_gate.clear()
+        """Forget every view (those still referenced elsewhere keep their memory)."""
+        self._by_gate = {}
 
     def get(self, layer: int, rows: list, stream: int, dtype=None, shapes=None) -> list[ExpertView]:
         """Views of ``rows`` ([gate, up, down] addresses of ``layer``'s class) ready on ``stream``."""
@@ -284,8 +292,9 @@ class ViewCache:
         return out
 
     def _make(self, g, u, d, sizes, stream, dtype, shapes) -> ExpertView:
+        owner = self._pin(g) if self._pin is not None else None  # a slot's parts lie in one allocation
         parts = []
         for i, (ptr, nbytes) in enumerate(zip((g, u, d), sizes)):
             parts.append(TensorView(ptr, nbytes, cuda=self._cuda, device_id=self._device, stream=stream, dtype=dtype,
-                                    shape=None if shapes is None else shapes[i]))
+                                    shape=None if shapes is None else shapes[i], owner=owner))
         return ExpertView(*parts)

@@ -18,6 +18,8 @@
 #                        and UBSan; make ring-tsan-test: the same with ThreadSanitizer
 #   make prefetch-test   tests/c/prefetch_test.cpp, the prefetch thread over the same fake link,
 #                        with ASan and UBSan; make prefetch-tsan-test: with ThreadSanitizer
+#   make memory-test     tests/c/memory_test.c, memory kept past release_all and destroy by
+#                        expcache_memory_retain, and a cache inherited by fork(), with ASan and UBSan
 #
 # The driver prints its counts and exits 1 on any divergence from the header's
 # promises (each is printed with the seed and operation number); a sanitizer
@@ -59,7 +61,7 @@ TSAN_BIN = $(TSAN_DIR)/stress
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
 TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: asan-test valgrind-test tsan-test sanitize ring-test ring-tsan-test prefetch-test prefetch-tsan-test
+.PHONY: asan-test valgrind-test tsan-test sanitize ring-test ring-tsan-test prefetch-test prefetch-tsan-test memory-test
 
 sanitize: asan-test valgrind-test tsan-test
 
@@ -100,6 +102,16 @@ $(1)/prefetch_test: tests/c/prefetch_test.cpp tests/c/fake_link.hpp $$(patsubst 
 endef
 $(eval $(call prefetch_build,$(ASAN_DIR),$(SAN_FLAGS)))
 $(eval $(call prefetch_build,$(TSAN_DIR),$(TSAN_FLAGS)))
+
+# The memory references' test: a C program over the public API, linked like the stress driver.
+$(ASAN_DIR)/memory_test: tests/c/memory_test.c $(patsubst libexpcache/src/%.cpp,$(ASAN_DIR)/obj/%.o,$(SAN_CXX_SRC)) \
+		libexpcache/include/expcache.h
+	$(CC) $(STRESS_CFLAGS) $(SAN_OPT) $(SAN_FLAGS) -c tests/c/memory_test.c -o $(ASAN_DIR)/memory_test.o
+	$(CXX) $(SAN_FLAGS) -o $@ $(ASAN_DIR)/memory_test.o \
+		$(patsubst libexpcache/src/%.cpp,$(ASAN_DIR)/obj/%.o,$(SAN_CXX_SRC)) -lpthread
+
+memory-test: $(ASAN_DIR)/memory_test
+	$(SAN_ENV) $(ASAN_DIR)/memory_test
 
 prefetch-test: $(ASAN_DIR)/prefetch_test
 	$(SAN_ENV) $(ASAN_DIR)/prefetch_test

@@ -33,7 +33,8 @@ EXPORTS = {
     "expcache_class_count_get", "expcache_class_info_get", "expcache_layer_bind_class", "expcache_stats_get",
     "expcache_staging_stats_get", "expcache_stats_reset", "expcache_log_set_callback", "expcache_log_set_level",
     "expcache_select_split_async", "expcache_ready_wait_async", "expcache_prefetch_async", "expcache_hint",
-    "expcache_prefetch_stats_get",
+    "expcache_prefetch_stats_get", "expcache_memory_retain", "expcache_memory_release",
+    "expcache_memory_set_dropped_callback",
 }
 TESTING_EXPORTS = {
     "expcache_testing_read_resident", "expcache_testing_read_device", "expcache_testing_checksum",
@@ -70,7 +71,7 @@ def test_every_exported_function_is_declared():
     assert exported == expected, ("unexpected", sorted(exported - expected), "missing", sorted(expected - exported))
     assert {name for name, _, _ in _lib._FUNCTIONS} == exported
     for name in exported:
-        assert getattr(lib, name).restype is not None or name == "expcache_destroy", name
+        assert getattr(lib, name).restype is not None or name in ("expcache_destroy", "expcache_memory_release"), name
         assert getattr(lib, name).argtypes is not None, name
 
 
@@ -324,6 +325,10 @@ CASES = [
     ("stats_get bad class", "expcache_stats_get", lambda h: (h, 9, 0, byref(_stats())), INVALID, "class index 9"),
     ("stats_get struct_size", "expcache_stats_get", lambda h: (h, 0, 0, byref(_stats(8))), INVALID, "struct_size"),
     ("log_set_level bad", "expcache_log_set_level", lambda h: (h, 5), INVALID, "log level"),
+    ("memory_retain NULL out", "expcache_memory_retain", lambda h: (h, HOST_BUF.ctypes.data, None), INVALID,
+     "out_ref is NULL"),
+    ("memory_retain foreign address", "expcache_memory_retain",
+     lambda h: (h, HOST_BUF.ctypes.data, byref(_lib.MemoryRefPtr())), INVALID, "not inside device memory"),
     ("testing_device_bytes_in_use NULL", "expcache_testing_device_bytes_in_use",
      lambda h: (h, None), INVALID, "out_bytes is NULL"),
     ("select_split NULL ids", "expcache_select_split_async",
@@ -400,6 +405,8 @@ HANDLE_CALLS = [
     ("expcache_stats_reset", lambda h: (h,)),
     ("expcache_log_set_callback", lambda h: (h, _lib.LOG_FN(), None)),
     ("expcache_log_set_level", lambda h: (h, 1)),
+    ("expcache_memory_retain", lambda h: (h, None, byref(_lib.MemoryRefPtr()))),
+    ("expcache_memory_set_dropped_callback", lambda h: (h, _lib.DROPPED_FN(), None)),
     ("expcache_testing_inject_alloc_failures", lambda h: (h, 0, 0)),
     ("expcache_testing_inject_copy_failures", lambda h: (h, 0, 0)),
     ("expcache_testing_inject_staging_failures", lambda h: (h, 0, 0)),
@@ -416,7 +423,7 @@ HANDLE_CALLS = [
 
 # Exports that take no cache and cannot fail: checked by the tests above and below, not by a table.
 NEVER_FAIL = {"expcache_status_string", "expcache_last_error", "expcache_version", "expcache_destroy",
-              "expcache_testing_struct_size"}
+              "expcache_memory_release", "expcache_testing_struct_size"}
 
 
 def test_every_export_has_bad_input():
@@ -470,6 +477,7 @@ def test_destroyed_handle(call, dead):
 def test_destroy_accepts_null_and_repeats(dead):
     lib.expcache_destroy(None)
     lib.expcache_destroy(dead)
+    lib.expcache_memory_release(None)
 
 
 def test_unregistered_layer_is_invalid_state():

@@ -5,7 +5,9 @@ part sizes, file sources, injected faults, bad input, destroyed handles),
 checked call by call against the header's promises. The driver's counts are
 printed, and are part of the assertion message when a run fails. Also the unit tests of the
 staging ring (tests/c/ring_test.cpp) and of the prefetch thread (tests/c/prefetch_test.cpp) over a
-fake link, each under ASan + UBSan and under TSan."""
+fake link, each under ASan + UBSan and under TSan, and the memory references' test
+(tests/c/memory_test.c: memory kept past release_all and destroy, a cache inherited by fork())
+under ASan + UBSan."""
 
 from __future__ import annotations
 
@@ -135,3 +137,10 @@ def test_prefetch_thread_unit_under_tsan():
     # The calling thread's first sends and cancels against the prefetch thread.
     require_sanitizer("thread")
     assert_unit_test_clean("prefetch-tsan-test", "prefetch_test")
+
+
+def test_memory_kept_past_the_cache_under_asan_and_ubsan():
+    # Kept memory read after release_all and destroy (a use-after-free report if it was freed),
+    # freed by its last reference (a leak report if not), and a cache inherited by fork().
+    require_sanitizer("address,undefined")
+    assert_unit_test_clean("memory-test", "memory_test")

@@ -227,7 +227,16 @@ EXPCACHE_API expcache_status_t expcache_create(const expcache_config_t* config, 
 /**
  * Destroy a cache: waits for the device work this cache enqueued, frees
  * every slot and staging buffer. NULL is accepted and ignored. All device
- * pointers the cache handed out become invalid.
+ * pointers the cache handed out become invalid, except inside memory that
+ * an expcache_memory_ref_t keeps alive (below).
+ *
+ * fork(): a cache belongs to the process that created it. In a child made
+ * by fork() its threads do not exist and its locks and CUDA state are the
+ * parent's, so every call on it fails with INVALID_STATE ("created before
+ * this process forked"; create a new cache in the child), and
+ * expcache_destroy in the child only forgets the handle: it touches no
+ * thread, lock or device state, and leaks the rest deliberately (the
+ * child's copy of it). The parent's cache is unaffected.
  */
 EXPCACHE_API void expcache_destroy(expcache_t* cache);
 
@@ -597,6 +606,51 @@ EXPCACHE_API expcache_status_t expcache_prefetch_stats_get(const expcache_t* cac
 
 /** Zero every counter (every class and path, the staging ring's and prefetch's too). Status: INVALID_ARGUMENT. */
 EXPCACHE_API expcache_status_t expcache_stats_reset(expcache_t* cache);
+
+/* ---------------------------------------------------------------------- */
+/* Memory kept alive past the cache                                         */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * A reference to one device allocation of a cache's (a slab of slots, a staging
+ * buffer), keeping its memory allocated until released, after expcache_destroy too.
+ * Bindings hand one out with every zero-copy view, so a tensor made from a view can
+ * never read freed memory. The *bytes* follow the usual validity rule: a slot may hold
+ * another expert after the cache's next serving call; once the cache stops using the
+ * allocation (expcache_release_all, a class released or reused, expcache_destroy) the
+ * bytes stay as they were (stale, readable) until the last reference goes.
+ */
+typedef struct expcache_memory_ref_t expcache_memory_ref_t;
+
+/**
+ * Keep alive the allocation that holds the device address `ptr` (one the cache
+ * handed out). Takes the cache's lock; cheap (a lookup). Status: INVALID_ARGUMENT
+ * (handle, NULL out_ref, or `ptr` not inside memory the cache holds).
+ */
+EXPCACHE_API expcache_status_t expcache_memory_retain(expcache_t* cache, const void* ptr,
+                                                      expcache_memory_ref_t** out_ref);
+
+/**
+ * Drop a reference; the last one of an allocation the cache no longer uses frees it
+ * (on the CUDA backend cudaFree, which waits for the device). Any thread, any time,
+ * before or after expcache_destroy; takes no cache lock, so a dropped-memory callback
+ * (below) may call it. NULL is ignored. In a child made by fork() it does nothing
+ * (the memory is the parent's).
+ */
+EXPCACHE_API void expcache_memory_release(expcache_memory_ref_t* ref);
+
+/**
+ * Called when a call let go of allocations that references keep alive (so a binding
+ * that keeps references for its own bookkeeping, e.g. reusable views, can drop them and
+ * let the memory go). Called on the thread making the call, at its end, with the
+ * cache's mutex held: it must not call into the same cache (expcache_memory_release
+ * excepted).
+ */
+typedef void (*expcache_memory_dropped_fn)(void* user);
+
+/** Set (fn NULL: clear) the dropped-memory callback. Status: INVALID_ARGUMENT. */
+EXPCACHE_API expcache_status_t expcache_memory_set_dropped_callback(expcache_t* cache, expcache_memory_dropped_fn fn,
+                                                                    void* user);
 
 /* ---------------------------------------------------------------------- */
 /* Logging                                                                 */

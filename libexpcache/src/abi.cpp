@@ -2,6 +2,9 @@
 // anything thrown into a status, exactly once, here. Handles are checked
 // against a registry of live caches, so a destroyed or foreign handle gets
 // INVALID_ARGUMENT instead of a crash.
+#include <pthread.h>
+
+#include <atomic>
 #include <mutex>
 #include <new>
 #include <unordered_set>
@@ -11,8 +14,22 @@
 #include "errors.hpp"
 #include "expcache_testing.h"
 
+namespace {
+
+// fork(): how many times this process's ancestry forked since the library was loaded, as seen
+// by this process (a child adds one). A handle made under another count is the parent's.
+std::atomic<uint64_t> g_forks{0};
+
+}  // namespace
+
 struct expcache_t {
     std::unique_ptr<expcache::Cache> impl;
+    uint64_t forks = g_forks.load();
+};
+
+struct expcache_memory_ref_t {
+    std::shared_ptr<expcache::KeptMemory> kept;
+    uint64_t forks = g_forks.load();
 };
 
 namespace {
@@ -25,6 +42,18 @@ std::unordered_set<const expcache_t*>& registry() {
     return *r;
 }
 
+// The registry's lock is taken across fork(), so a child never inherits it held by a thread
+// that does not exist there.
+void fork_prepare() { g_registry_mu.lock(); }
+void fork_parent() { g_registry_mu.unlock(); }
+void fork_child() {
+    g_forks.fetch_add(1);
+    g_registry_mu.unlock();
+}
+const int g_atfork = pthread_atfork(fork_prepare, fork_parent, fork_child);
+
+bool forked_since(uint64_t forks) { return forks != g_forks.load(std::memory_order_relaxed); }
+
 bool is_live(const expcache_t* c) {
     std::lock_guard<std::mutex> lock(g_registry_mu);
     return registry().count(c) != 0;
@@ -33,6 +62,11 @@ bool is_live(const expcache_t* c) {
 expcache_status_t check_handle(const expcache_t* c) {
     if (!c) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "cache is NULL");
     if (!is_live(c)) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "cache %p is not a live cache (destroyed?)", (const void*)c);
+    if (forked_since(c->forks))
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "cache %p was created before this process forked: a cache cannot be used in a forked child "
+                    "(its threads, locks and CUDA state stayed in the parent); create a new cache in the child",
+                    (const void*)c);
     return EXPCACHE_OK;
 }
 
@@ -119,6 +153,11 @@ void expcache_destroy(expcache_t* cache) {
     {
         std::lock_guard<std::mutex> lock(g_registry_mu);
         if (registry().erase(cache) == 0) return;  // unknown or already destroyed: ignore
+    }
+    if (forked_since(cache->forks)) {
+        (void)cache->impl.release();  // the parent's threads, locks and device state: leaked, untouched
+        delete cache;
+        return;
     }
     try {
         delete cache;
@@ -302,6 +341,32 @@ expcache_status_t expcache_log_set_callback(expcache_t* cache, expcache_log_fn f
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         return cache->impl->set_log_callback(fn, user);
+    });
+}
+
+expcache_status_t expcache_memory_retain(expcache_t* cache, const void* ptr, expcache_memory_ref_t** out_ref) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_ref, "out_ref is NULL");
+        std::unique_ptr<expcache_memory_ref_t> ref(new expcache_memory_ref_t());
+        EXPCACHE_TRY(cache->impl->retain_memory(ptr, &ref->kept));
+        *out_ref = ref.release();
+        return EXPCACHE_OK;
+    });
+}
+
+void expcache_memory_release(expcache_memory_ref_t* ref) {
+    if (!ref || forked_since(ref->forks)) return;  // in a forked child: the parent's memory, left alone
+    try {
+        delete ref;
+    } catch (...) {
+    }
+}
+
+expcache_status_t expcache_memory_set_dropped_callback(expcache_t* cache, expcache_memory_dropped_fn fn, void* user) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->set_dropped_callback(fn, user);
     });
 }
 

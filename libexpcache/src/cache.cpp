@@ -75,6 +75,20 @@ expcache_status_t Cache::set_log_callback(expcache_log_fn fn, void* user) {
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::retain_memory(const void* ptr, std::shared_ptr<KeptMemory>* out) {
+    CallScope scope(*this);
+    if (!arena_.retain(ptr, out))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%p is not inside device memory this cache holds", ptr);
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::set_dropped_callback(expcache_memory_dropped_fn fn, void* user) {
+    CallScope scope(*this);
+    dropped_fn_ = fn;
+    dropped_user_ = user;
+    return EXPCACHE_OK;
+}
+
 expcache_status_t Cache::set_log_level(uint32_t level) {
     CallScope scope(*this);
     if (level > EXPCACHE_LOG_DEBUG) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "log level must be 0..3, got %u", level);

@@ -157,6 +157,8 @@ public:
     expcache_status_t reset_stats();
     expcache_status_t set_log_callback(expcache_log_fn fn, void* user);
     expcache_status_t set_log_level(uint32_t level);
+    expcache_status_t retain_memory(const void* ptr, std::shared_ptr<KeptMemory>* out);
+    expcache_status_t set_dropped_callback(expcache_memory_dropped_fn fn, void* user);
     expcache_status_t inject_alloc_failures(uint64_t skip, uint64_t count);
     expcache_status_t inject_copy_failures(uint64_t skip, uint64_t count);
     expcache_status_t inject_staging_failures(uint64_t skip, uint64_t count);
@@ -166,14 +168,22 @@ private:
     Cache(const expcache_config_t& config, std::unique_ptr<Backend> backend);
 
     // Serializes a call and makes the backend's device current for its length.
+    // At its end, tells the dropped-memory callback if the call let go of kept memory.
     class CallScope {
     public:
-        explicit CallScope(const Cache& c) : lock_(c.mu_), backend_(*c.backend_) { backend_.enter(); }
-        ~CallScope() { backend_.leave(); }
+        explicit CallScope(const Cache& c)
+            : lock_(c.mu_), cache_(c), disowned_(c.arena_.disowned()) {
+            c.backend_->enter();
+        }
+        ~CallScope() {
+            if (cache_.arena_.disowned() != disowned_ && cache_.dropped_fn_) cache_.dropped_fn_(cache_.dropped_user_);
+            cache_.backend_->leave();
+        }
 
     private:
         std::lock_guard<std::mutex> lock_;
-        Backend& backend_;
+        const Cache& cache_;
+        const uint64_t disowned_;
     };
 
     // A call's uploads from pageable and file sources may still be running on the
@@ -306,6 +316,8 @@ private:
     uint32_t log_level_ = EXPCACHE_LOG_NOTICE;
     expcache_log_fn log_fn_ = nullptr;
     void* log_user_ = nullptr;
+    expcache_memory_dropped_fn dropped_fn_ = nullptr;
+    void* dropped_user_ = nullptr;
     bool poisoned_ = false;
     uint64_t call_ = 0;
     PolicyClock clock_;

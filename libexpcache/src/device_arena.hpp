@@ -7,15 +7,42 @@
 // It knows nothing of the cache: statuses come back as the backend gave them,
 // and the cache decides what a failure means (poisoning, releasing its expert
 // caches and retrying, the message it adds).
+//
+// An allocation may be kept alive past its free by references (retain(): what
+// expcache_memory_retain hands out, e.g. for zero-copy views and the tensors
+// made from them). Freeing a kept allocation only disowns it: it leaves the
+// arena and the backend's accounting at once, and the last reference frees it,
+// from any thread, after the cache is gone too.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <memory>
 
 #include "backend/backend.hpp"
 #include "expcache.h"
 
 namespace expcache {
+
+// One allocation that references keep alive; freed by the last of them once disowned.
+class KeptMemory {
+public:
+    explicit KeptMemory(void* ptr) : ptr_(ptr) {}
+    ~KeptMemory() {
+        if (free_) free_(ptr_, device_);
+    }
+    KeptMemory(const KeptMemory&) = delete;
+    KeptMemory& operator=(const KeptMemory&) = delete;
+    void disown(Backend::FreeFn free, int device) {
+        free_ = free;
+        device_ = device;
+    }
+
+private:
+    void* ptr_;
+    Backend::FreeFn free_ = nullptr;  // set once the arena let go of it
+    int device_ = 0;
+};
 
 class DeviceArena {
 public:
@@ -36,13 +63,29 @@ public:
     bool owns(const void* ptr, uint64_t bytes) const;
     uint64_t bytes_in_use() const { return bytes_; }
 
+    // A reference keeping alive the allocation that holds `ptr`; false when none does.
+    bool retain(const void* ptr, std::shared_ptr<KeptMemory>* out);
+    // Allocations freed so far while references kept them (each was disowned, not freed).
+    uint64_t disowned() const { return disowned_; }
+
     // The allocations after the next `skip` fail, `count` of them; count 0 disarms.
     void inject_failures(uint64_t skip, uint64_t count);
 
 private:
+    struct Allocation {
+        uint64_t bytes;
+        std::shared_ptr<KeptMemory> kept;  // made by the first retain()
+    };
+    using Map = std::map<uintptr_t, Allocation>;  // by address; ordered, for owns()
+
+    Map::const_iterator containing(const void* ptr, uint64_t bytes) const;
+    // Removes `it` from the map: true when references keep it (disowned, not to be freed).
+    bool let_go(Map::iterator it);
+
     Backend& backend_;
-    std::map<uintptr_t, uint64_t> allocations_;  // address -> bytes; ordered, for owns()
+    Map allocations_;
     uint64_t bytes_ = 0;
+    uint64_t disowned_ = 0;
     uint64_t inject_skip_ = 0, inject_count_ = 0;
 };
 

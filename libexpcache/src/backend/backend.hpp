@@ -33,6 +33,13 @@ public:
     virtual expcache_status_t free_after(void* ptr, void* stream) = 0;
     // Free what free_after deferred and has since become safe; never blocks.
     virtual void reclaim() = 0;
+    // Forget `ptr` (from alloc) as if it were freed, without freeing it: the returned function
+    // frees it later, from any thread, after this backend is gone too (memory a reference keeps
+    // alive past the cache: DeviceArena). Its caller has made sure no work of the backend's
+    // still writes to it.
+    using FreeFn = void (*)(void* ptr, int device);
+    virtual FreeFn disown(void* ptr) = 0;
+    virtual int device_ordinal() const { return 0; }
     virtual expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
 
     // Uploads: a pinned source is enqueued on `stream` by finish_uploads(), all of a

@@ -225,6 +225,18 @@ public:
         return EXPCACHE_OK;
     }
     void free_now(void* ptr) override { cudaFree(ptr); }
+    FreeFn disown(void*) override {
+        // cudaFree waits for the device, so work still reading the memory finishes first.
+        return [](void* p, int device) {
+            int previous = -1;
+            if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+            if (previous != device) cudaSetDevice(device);
+            cudaFree(p);
+            if (previous >= 0 && previous != device) cudaSetDevice(previous);
+            cudaGetLastError();  // nothing to report to: the cache may be gone
+        };
+    }
+    int device_ordinal() const override { return device_; }
     expcache_status_t free_after(void* ptr, void* stream) override {
         cudaEvent_t ev;
         if (event_pool_.empty()) {

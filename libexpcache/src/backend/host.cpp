@@ -91,6 +91,14 @@ public:
         return EXPCACHE_OK;
     }
     void reclaim() override {}
+    FreeFn disown(void* ptr) override {
+        auto it = sizes_.find(ptr);
+        if (it != sizes_.end()) {
+            used_ -= it->second;
+            sizes_.erase(it);
+        }
+        return [](void* p, int) { std::free(p); };
+    }
     expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) override {
         *free_bytes = capacity_ - used_;
         *total_bytes = capacity_;
