@@ -1,6 +1,6 @@
-"""``expcache`` command line: ``bench`` (the main job), ``transfer``, ``inspect`` (a GGUF model), ``info``.
+"""The expcache command line: bench (the main job), transfer, inspect (a GGUF model), info.
 
-Nothing here loads libexpcache or cuda-python before a command runs, so every ``--help``
+Nothing here loads libexpcache or cuda-python before a command runs, so every --help
 works on a fresh clone. What a run needs (output paths, optional packages, the traces) is
 checked before the run starts; errors are one line; Ctrl-C stops with status 130.
 """
@@ -142,6 +142,7 @@ def _engine_mode(args) -> bool:
 def _parser() -> argparse.ArgumentParser:
     from .bench import DEFAULT_TRACES, SCENARIOS, VARIANTS
 
+    # The module docstring is the top help's description: plain text, as every help text here.
     p = argparse.ArgumentParser(prog="expcache", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="replay real routing through the cache; tokens/s and hit rate vs baselines",

@@ -54,6 +54,14 @@ def test_help_texts_name_backend_device_and_transfer():
     assert "cudaMemcpyAsync" in transfer_help and "CUDA device ordinal" in transfer_help
 
 
+def test_help_texts_have_no_markup():
+    # Help is read in a terminal: no reStructuredText (``literal``, :role:`x`) or Markdown backticks.
+    parser = cli._parser()
+    sub = parser._subparsers._group_actions[0].choices
+    for name, text in [("expcache", parser.format_help())] + [(n, p.format_help()) for n, p in sub.items()]:
+        assert "`" not in text, f"{name} --help: {[line for line in text.splitlines() if '`' in line]}"
+
+
 def test_info_without_the_library_is_one_error_not_a_traceback(tmp_path):
     out = child("info", env_extra={"EXPCACHE_LIBRARY": str(tmp_path / "missing.so")})
     assert out.returncode == 1
