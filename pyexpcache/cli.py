@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+from typing import Optional
 
 from .layout import GiB
 
@@ -64,17 +65,44 @@ def _gib(option: str, minimum_exclusive: bool):
     return parse
 
 
+def _whole(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
 def _layers(text: str) -> list[int]:
+    """Layer numbers and ranges: 3-42, 5,7,9, 3-10,40."""
     out: list[int] = []
-    for part in text.split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out.extend(range(int(lo), int(hi) + 1))
-        elif part:
-            out.append(int(part))
+    try:
+        for part in (p.strip() for p in text.split(",")):
+            first, dash, last = part.partition("-")
+            if part:
+                lo, hi = int(first), int(last if dash else first)
+                if not 0 <= lo <= hi:
+                    raise ValueError
+                out.extend(range(lo, hi + 1))
+    except ValueError:
+        out = []
     if not out:
-        raise argparse.ArgumentTypeError(f"no layers in {text!r}")
+        raise argparse.ArgumentTypeError(f"expected layer numbers like 3-42 or 5,7,9, got {text!r}")
     return sorted(set(out))
+
+
+def _thread_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts such as 1,4,8, got {text!r}")
+    return counts
 
 
 def _csv(choices):
@@ -170,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: the GPU when the CUDA build of the library and a device are usable, else the "
                         "host backend (host memory with an emulated capacity); cuda needs cuda-python "
                         "(the [cuda] extra)")
-    b.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    b.add_argument("--device", type=_whole(0), default=0, help="CUDA device ordinal (default 0)")
     b.add_argument("--source", choices=("pinned", "pageable"), default=None,
                    help="host memory of the experts (default: pinned on the GPU, pageable on the host)")
     b.add_argument("--placement", choices=("expert", "tensor"), default="expert",
@@ -180,9 +208,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="enqueue a token's layers back to back and wait once per token, instead of after every "
                         "layer (an engine waits per layer: the next layer's ids come from this one's output)")
     b.add_argument("--layers", type=_layers, default=None, help="MoE layers to keep, e.g. 3-10 (default: all)")
-    b.add_argument("--scale", type=int, default=None,
-                   help="divide expert sizes and the budget by this (default: 1 on the GPU, 256 on the host)")
-    b.add_argument("--copy-threads", type=int, default=None,
+    b.add_argument("--scale", type=_whole(1), default=None,
+                   help="divide expert sizes and the budget by this, a power of two up to 65536 (default: 1 on the "
+                        "GPU, 256 on the host); the generated experts must fit in host memory")
+    b.add_argument("--copy-threads", type=_whole(0), default=None,
                    help="threads staging pageable and file misses (default: the cores less 4, 2 to 12)")
     b.add_argument("--staging-chunk", type=_size, default=None,
                    help="largest staging piece one thread fills and one transfer moves, e.g. 1M (default 512K)")
@@ -230,9 +259,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "cudaMemcpyAsync of the same chunks in the same run. Needs a CUDA device, "
                                    "the CUDA build of libexpcache and cuda-python.")
     t.add_argument("--gib", type=_gib("--gib", True), default=1.0,
-                   help="bytes moved per measurement, GiB (default 1)")
-    t.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
-    t.add_argument("--copy-threads", default="",
+                   help="bytes moved per measurement, GiB (default 1); each measurement holds about twice as "
+                        "much host memory")
+    t.add_argument("--device", type=_whole(0), default=0, help="CUDA device ordinal (default 0)")
+    t.add_argument("--copy-threads", type=_thread_counts, default=None,
                    help="comma list of copy thread counts for staged sources (default: the library's)")
     t.add_argument("--chunks", type=_sizes, default=None,
                    help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default: the library's)")
@@ -251,19 +281,105 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The bench options that are ExpertCache settings: (option, attribute of args, ExpertCache keyword).
+_CACHE_SETTINGS = (("--copy-threads", "copy_threads", "copy_threads"),
+                   ("--staging-chunk", "staging_chunk", "staging_chunk_bytes"),
+                   ("--prefetch-piece", "prefetch_piece", "prefetch_piece_bytes"))
+
+
 def _cache_options(args) -> dict:
     options = {"file_reads": args.file_reads}
-    if args.copy_threads is not None:
-        options["copy_threads"] = args.copy_threads
-    if args.staging_chunk is not None:
-        options["staging_chunk_bytes"] = args.staging_chunk
-    if getattr(args, "prefetch_piece", None) is not None:
-        options["prefetch_piece_bytes"] = args.prefetch_piece
+    for _, attribute, keyword in _CACHE_SETTINGS:
+        if getattr(args, attribute) is not None:
+            options[keyword] = getattr(args, attribute)
     return options
+
+
+def _check_cache_setting(option: str, keyword: str, value: int) -> None:
+    """Let the library judge a cache setting before the run (its ranges are its own): a cache of
+    one tiny expert on the host backend is made with it."""
+    from ._errors import ExpcacheError
+    from .cache import ExpertCache
+    from .layout import LayerSpec, ModelLayout
+    from .source import HostSource
+
+    layout = ModelLayout((LayerSpec(1, 256, 256, 256),))
+    with HostSource(layout) as source:
+        try:
+            ExpertCache(layout, source, budget_experts=1, backend="host", log_level=0, **{keyword: value}).close()
+        except ExpcacheError as exc:
+            raise UsageError(f"{option}: {exc.message.removeprefix('expcache_create: ')}") from None
+
+
+def _host_memory_available() -> Optional[int]:
+    """Bytes of host memory a run may take: the kernel's MemAvailable, at most a cgroup v2
+    memory limit (a container's); None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next(line.strip()[3:] for line in f if line.startswith("0::"))
+        with open(os.path.join("/sys/fs/cgroup", group.lstrip("/"), "memory.max")) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            found.append(int(limit))
+    except (OSError, ValueError, StopIteration):
+        pass
+    return min(found) if found else None
+
+
+def _bench_host_bytes(args, layout, backend: str, budget: int) -> int:
+    """Host memory a bench run with the generated source holds at its peak: the source and, on
+    the host backend, the emulated device memory (the budgets of the caches alive at once, or
+    the resident variant's whole model; never more than one more copy of the source)."""
+    source = layout.total_bytes
+    if backend == "cuda":
+        return source
+    device = budget * (args.devices or 1)
+    if "resident" in args.variants and args.devices is None and not _engine_mode(args):
+        device = source
+    return source + min(device, source)
+
+
+def _generated_layout(args, scale: int):
+    """The --layout preset at ``scale``, less the layers --layers leaves out."""
+    from .layout import ModelLayout
+
+    try:
+        layout = ModelLayout.preset(args.layout, scale=scale)
+    except ValueError as exc:
+        raise UsageError(f"--scale {scale}: {exc}; use a power of two up to 65536, e.g. 256") from None
+    if args.layers is None:
+        return layout
+    return ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
+                       name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
+
+
+def _check_bench_memory(args, backend: str, scale: int) -> None:
+    """Refuse a run whose generated source (and emulated device memory) the host cannot hold,
+    before allocating it, naming the --scale that fits."""
+    available = _host_memory_available()
+
+    def need(s: int) -> int:
+        return _bench_host_bytes(args, _generated_layout(args, s), backend, int(args.budget_gib * GiB / s))
+
+    if available is None or need(scale) <= available:
+        return
+    fits = next((s for s in (1 << i for i in range(17)) if s > scale and need(s) <= available), None)
+    what = "the generated experts" + (" and the host backend's emulated device memory" if backend == "host" else "")
+    hint = f"use --scale {fits} or more" if fits else "even --scale 65536 does not fit"
+    raise UsageError(f"--scale {scale}{'' if args.scale else ' (the default)'}: {what} need "
+                     f"{need(scale) / GiB:.1f} GiB of host memory and {available / GiB:.1f} GiB is available; {hint}")
 
 
 def _check_bench(args) -> None:
     """What `bench` needs, checked before anything is allocated or run."""
+    from .layout import ModelLayout
+
     if args.backend == "cuda" or args.source == "pinned":
         _need(_has_cuda_python(), f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} needs "
               "cuda-python", "cuda")
@@ -271,13 +387,25 @@ def _check_bench(args) -> None:
         _need(_has_module("gguf"), "--gguf needs the gguf package", "gguf")
         if not os.path.isfile(args.gguf):
             raise UsageError(f"--gguf {args.gguf}: no such file")
+        if args.layers is not None:
+            raise UsageError("--layers cannot be combined with --gguf")
+    if args.layers is not None:
+        count = ModelLayout.preset(args.layout).num_layers
+        bad = [i for i in args.layers if i >= count]
+        if bad:
+            raise UsageError(f"--layers: {bad} not in 0..{count - 1}")
     if args.plot:
         _need(_has_module("matplotlib"), "--plot needs matplotlib", "plot")
         _writable_file(args.plot, "--plot")
     if args.json:
         _writable_file(args.json, "--json")
-    if args.scale is not None and args.scale < 1:
-        raise UsageError(f"--scale must be >= 1, got {args.scale}")
+    if args.gguf and args.scale is not None:
+        raise UsageError("--scale cannot be combined with --gguf: a GGUF model's experts keep their sizes")
+    if args.scale is not None:
+        _generated_layout(args, args.scale)  # the sizes divide by it
+    for option, attribute, keyword in _CACHE_SETTINGS:
+        if getattr(args, attribute) is not None:
+            _check_cache_setting(option, keyword, getattr(args, attribute))
     if args.devices is not None:
         if not 2 <= args.devices <= 64:
             raise UsageError(f"--devices must be 2..64, got {args.devices}")
@@ -307,7 +435,6 @@ def _check_bench(args) -> None:
 
 def _bench(args) -> int:
     from . import bench
-    from .layout import ModelLayout
 
     _check_bench(args)
     backend = bench.resolve_backend(args.backend, args.device)
@@ -320,16 +447,8 @@ def _bench(args) -> int:
         source = GGUFSource(args.gguf, reads=args.gguf_reads)
         layout = source.layout
     else:
-        layout = ModelLayout.preset(args.layout, scale=scale)
-    if args.layers is not None and source is not None:
-        source.close()
-        raise UsageError("--layers cannot be combined with --gguf")
-    if args.layers is not None:
-        bad = [i for i in args.layers if not 0 <= i < layout.num_layers]
-        if bad:
-            raise UsageError(f"--layers: {bad} not in 0..{layout.num_layers - 1}")
-        layout = ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
-                             name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
+        _check_bench_memory(args, backend, scale)
+        layout = _generated_layout(args, scale)
     pinned = None if args.source is None else args.source == "pinned"
     budget = int(args.budget_gib * GiB / scale)
     reserve = None if args.reserve_gib is None else int(args.reserve_gib * GiB)
@@ -427,14 +546,21 @@ def _info() -> int:
 
 def _transfer(args) -> int:
     _need(_has_cuda_python(), "expcache transfer needs cuda-python", "cuda")
-    try:
-        threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
-    except ValueError:
-        raise UsageError(f"--copy-threads: expected a comma list of integers, got {args.copy_threads!r}") from None
+    threads = args.copy_threads or []
     if args.file_dir is not None and not os.path.isdir(args.file_dir):
         raise UsageError(f"--file-dir {args.file_dir}: no such folder")
+    for count in threads:
+        _check_cache_setting("--copy-threads", "copy_threads", count)
+    for chunk in args.chunks or []:
+        _check_cache_setting("--chunks", "staging_chunk_bytes", chunk)
     from .bench import transfer
     from .bench import Progress, resolve_backend
+
+    need = max(transfer.measured_layout(f"{s} MiB", int(args.gib * GiB)).total_bytes for s in args.sizes)
+    available = _host_memory_available()
+    if available is not None and need > available:
+        raise UsageError(f"--gib {args.gib:g}: a measurement holds {need / GiB:.1f} GiB of host memory and "
+                         f"{available / GiB:.1f} GiB is available; lower --gib")
 
     if resolve_backend("auto", args.device) != "cuda":
         print("expcache transfer: needs a CUDA device and the CUDA build of libexpcache", file=sys.stderr)

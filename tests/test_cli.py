@@ -112,6 +112,78 @@ def test_budget_must_be_a_finite_positive_number(capsys, value):
     assert "--budget-gib must be a finite number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "abc"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got 'abc'"),
+    (["--layers", "-3"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '-3'"),
+    (["--layers", "9-5"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '9-5'"),
+    (["--scale", "0"], "argument --scale: expected a whole number >= 1, got '0'"),
+    (["--copy-threads", "-1"], "argument --copy-threads: expected a whole number >= 0, got '-1'"),
+    (["--device", "-1"], "argument --device: expected a whole number >= 0, got '-1'"),
+])
+def test_unparsable_options_name_the_option_and_the_form(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(FAST + argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"expcache bench: error: {message}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scale", "5"], "--scale 5: layer 0: part sizes (2162688, 2162688, 2752512) are not divisible by 5; "
+                       "use a power of two up to 65536, e.g. 256"),
+    (["--copy-threads", "100"], "--copy-threads: copy_threads must be 0..64, got 100"),
+    (["--staging-chunk", "1K"], "--staging-chunk: staging_chunk_bytes must be a multiple of 4096 in 64 KiB..64 MiB, "
+                                "got 1024"),
+    (["--prefetch", "cooc", "--prefetch-piece", "1K"],
+     "--prefetch-piece: prefetch_piece_bytes must be a multiple of 4096 in 4 KiB..64 MiB, got 1024"),
+])
+def test_option_values_the_run_cannot_take_fail_before_it(monkeypatch, capsys, argv, message):
+    # Before: a library or layout error once the source was filled, naming no option.
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + argv)
+    assert rc == 2 and err.strip() == f"expcache bench: {message}" and not out
+
+
+def test_scale_the_host_cannot_hold_names_one_that_fits(monkeypatch, capsys):
+    # Before: numpy's "Unable to allocate 27.6 GiB" (--scale 3 on a 22 GiB host), or the OOM killer.
+    from pyexpcache import bench
+
+    monkeypatch.setattr(cli, "_host_memory_available", lambda: 1 << 30)
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--scale", "16"])
+    # At /16 the mixed experts are 5.2 GiB; at /128, 0.65 GiB and a 0.09 GiB budget fit in 1 GiB.
+    assert rc == 2 and not out
+    assert err.strip() == ("expcache bench: --scale 16: the generated experts and the host backend's emulated device "
+                           "memory need 5.9 GiB of host memory and 1.0 GiB is available; use --scale 128 or more")
+
+
+def test_scale_with_gguf_is_refused(capsys, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    rc, out, err, _ = run_main(capsys, FAST + ["--gguf", str(model), "--scale", "4"])
+    assert rc == 2 and "--scale cannot be combined with --gguf" in err
+
+
+def test_transfer_options_fail_before_the_run(monkeypatch, capsys):
+    from pyexpcache.bench import transfer
+
+    monkeypatch.setattr(cli, "_has_cuda_python", lambda: True)
+    monkeypatch.setattr(transfer, "run", lambda **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, ["transfer", "--copy-threads", "2,100"])
+    assert rc == 2 and err.strip() == "expcache transfer: --copy-threads: copy_threads must be 0..64, got 100"
+    rc, out, err, _ = run_main(capsys, ["transfer", "--chunks", "1K"])
+    assert rc == 2 and "--chunks: staging_chunk_bytes must be a multiple of 4096" in err
+    monkeypatch.setattr(cli, "_host_memory_available", lambda: 8 << 30)
+    rc, out, err, _ = run_main(capsys, ["transfer", "--gib", "100"])
+    assert rc == 2 and err.strip() == ("expcache transfer: --gib 100: a measurement holds 200.0 GiB of host memory "
+                                       "and 8.0 GiB is available; lower --gib")
+    with pytest.raises(SystemExit):
+        cli.main(["transfer", "--copy-threads", "x"])
+    assert "argument --copy-threads: expected a comma list of thread counts such as 1,4,8, got 'x'" in \
+        capsys.readouterr().err
+
+
 def test_inspect_a_directory_is_one_line(capsys, tmp_path):
     pytest.importorskip("gguf")
     folder = tmp_path / "some_dir.gguf"
