@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Optional
 
-from .layout import GiB
+from .layout import FIRST_ROUTED_LAYER, GiB
 
 INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
@@ -93,6 +93,17 @@ def _layers(text: str) -> list[int]:
     if not out:
         raise argparse.ArgumentTypeError(f"expected layer numbers like 3-42 or 5,7,9, got {text!r}")
     return sorted(set(out))
+
+
+def _ranges(numbers: list[int]) -> str:
+    """Sorted numbers as --layers spells them: [3, 4, 5, 9] is 3-5,9."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _thread_counts(text: str) -> list[int]:
@@ -393,7 +404,7 @@ def _check_bench(args) -> None:
         count = ModelLayout.preset(args.layout).num_layers
         bad = [i for i in args.layers if i >= count]
         if bad:
-            raise UsageError(f"--layers: {bad} not in 0..{count - 1}")
+            raise UsageError(f"--layers: {_ranges(bad)} not in 0..{count - 1}, the model's layers")
     if args.plot:
         _need(_has_module("matplotlib"), "--plot needs matplotlib", "plot")
         _writable_file(args.plot, "--plot")
@@ -430,7 +441,13 @@ def _check_bench(args) -> None:
                                  "the C loop (--loop c)")
     from . import bench
 
-    bench.build_workload("decode", args.traces)  # every trace readable (one-line errors name the file)
+    # Every trace readable (one-line errors name the file), and some of --layers traced.
+    routed = sorted({call.layer for call in bench.build_workload("decode", args.traces).calls})
+    if args.layers is not None and not set(args.layers) & set(routed):
+        untraced = (f" (layers 0-{FIRST_ROUTED_LAYER - 1} of DeepSeek V4 Flash are hash-routed: no trace has them)"
+                    if min(args.layers) < FIRST_ROUTED_LAYER else "")
+        raise UsageError(f"--layers {_ranges(args.layers)}: the traces have none of these layers; they have layers "
+                         f"{_ranges(routed)}{untraced}")
 
 
 def _bench(args) -> int:

@@ -158,6 +158,23 @@ def test_scale_the_host_cannot_hold_names_one_that_fits(monkeypatch, capsys):
                            "memory need 5.9 GiB of host memory and 1.0 GiB is available; use --scale 128 or more")
 
 
+@pytest.mark.parametrize("layers, message", [
+    ("0-2", "--layers 0-2: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
+            "Flash are hash-routed: no trace has them)"),
+    ("0,1", "--layers 0-1: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
+            "Flash are hash-routed: no trace has them)"),
+    ("45,50-52", "--layers: 45,50-52 not in 0..42, the model's layers"),
+])
+def test_layers_no_trace_has_fail_before_the_run(monkeypatch, capsys, layers, message):
+    # Before, 0-2: a traceback once every variant had run ("library hit rate 0.0 differs from the
+    # simulator's nan ... a bug").
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--layers", layers])
+    assert rc == 2 and err.strip() == f"expcache bench: {message}" and not out
+
+
 def test_scale_with_gguf_is_refused(capsys, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
