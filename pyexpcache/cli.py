@@ -8,10 +8,12 @@ checked before the run starts; errors are one line; Ctrl-C stops with status 130
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import math
 import os
+import stat
 import sys
 from typing import Optional
 
@@ -40,15 +42,56 @@ def _need(ok: bool, what: str, extra: str) -> None:
         raise UsageError(f"{what}; install it with: pip install 'expcache[{extra}]'")
 
 
-def _writable_file(path: str, option: str) -> None:
-    """Refuse an output path that cannot be written, before hours of benchmark."""
-    if os.path.isdir(path):
-        raise UsageError(f"{option} {path}: is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{option} {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"{option} {path}: not writable")
+class _OutputFile:
+    """An output file (bench --json, --plot), opened before the run so that a path which cannot
+    be written fails at once rather than after hours of benchmark (a check of permissions alone
+    passes /proc or a read-only mount for root); the run writes into it. A file created here
+    that nothing was written to is removed on close, so a failed or interrupted run leaves no
+    empty file; an existing file keeps its contents until the run writes."""
+
+    def __init__(self, path: str, option: str):
+        self.path = path
+        try:
+            try:
+                fd, self.created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), True
+            except FileExistsError:
+                fd, self.created = os.open(path, os.O_WRONLY), False  # not truncated yet
+        except IsADirectoryError:
+            raise UsageError(f"{option} {path}: is a directory; give a file name") from None
+        except OSError as exc:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise UsageError(f"{option} {path}: folder {parent} does not exist") from None
+            raise UsageError(f"{option} {path}: cannot write it ({exc.strerror})") from None
+        self.regular = stat.S_ISREG(os.fstat(fd).st_mode)  # not a pipe or a device: truncated on write
+        self.file = os.fdopen(fd, "wb")
+        self.written = False
+
+    def write(self, data: bytes) -> None:
+        """Replace the file's contents by ``data``."""
+        if self.regular:
+            self.file.seek(0)
+            self.file.truncate()
+        self.file.write(data)
+        self.file.flush()
+        self.written = True
+
+    def close(self) -> None:
+        self.file.close()
+        if self.created and not self.written:
+            os.unlink(self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _json_bytes(value) -> bytes:
+    import json
+
+    return json.dumps(value, indent=2).encode()
 
 
 def _gib(option: str, minimum_exclusive: bool):
@@ -259,7 +302,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--device-placement", choices=("balanced", "round-robin"), default="balanced",
                    help="which device owns each expert: balanced by the replayed traces' request counts "
                         "(default), or expert e on device e mod N")
-    b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    b.add_argument("--json", metavar="FILE", help="also write the report as JSON, rewritten after each scenario (an "
+                   "interrupted run keeps the scenarios it finished)")
     b.add_argument("--plot", metavar="FILE.png",
                    help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)")
     b.add_argument("--quiet", action="store_true", help="no progress bar or notices")
@@ -407,9 +451,11 @@ def _check_bench(args) -> None:
             raise UsageError(f"--layers: {_ranges(bad)} not in 0..{count - 1}, the model's layers")
     if args.plot:
         _need(_has_module("matplotlib"), "--plot needs matplotlib", "plot")
-        _writable_file(args.plot, "--plot")
-    if args.json:
-        _writable_file(args.json, "--json")
+        from matplotlib.figure import Figure
+
+        if _image_format(args.plot) not in Figure().canvas.get_supported_filetypes():
+            raise UsageError(f"--plot {args.plot}: matplotlib writes no .{_image_format(args.plot)} files; name a "
+                             ".png, .svg or .pdf file")
     if args.gguf and args.scale is not None:
         raise UsageError("--scale cannot be combined with --gguf: a GGUF model's experts keep their sizes")
     if args.scale is not None:
@@ -450,10 +496,24 @@ def _check_bench(args) -> None:
                          f"{_ranges(routed)}{untraced}")
 
 
+def _image_format(path: str) -> str:
+    """--plot's image format: the file name's extension, png without one."""
+    return os.path.splitext(path)[1][1:].lower() or "png"
+
+
 def _bench(args) -> int:
+    _check_bench(args)
+    with contextlib.ExitStack() as outputs:
+        json_out = outputs.enter_context(_OutputFile(args.json, "--json")) if args.json else None
+        plot_out = outputs.enter_context(_OutputFile(args.plot, "--plot")) if args.plot else None
+        return _run_bench(args, json_out, plot_out)
+
+
+def _run_bench(args, json_out: Optional[_OutputFile], plot_out: Optional[_OutputFile]) -> int:
+    """The bench run, into the output files opened before it; the JSON report is written after
+    each scenario, so an interrupted run keeps the scenarios it finished."""
     from . import bench
 
-    _check_bench(args)
     backend = bench.resolve_backend(args.backend, args.device)
     scale = args.scale if args.scale is not None else (1 if backend == "cuda" else bench.HOST_SCALE)
     source = None
@@ -480,9 +540,9 @@ def _bench(args) -> int:
                          layer_sync=not args.no_layer_sync, cache_options=_cache_options(args))
     try:
         if args.devices is not None:
-            return _devices(args, shared)
+            return _devices(args, shared, json_out)
         if _engine_mode(args):
-            return _engine(args, shared)
+            return _engine(args, shared, json_out)
         for scenario in scenarios:
             report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
                                host_scale=scale, bench=shared)
@@ -490,26 +550,28 @@ def _bench(args) -> int:
             print(bench.format_report(report))
             print(flush=True)
             reports.append(report)
+            if json_out:
+                json_out.write(_json_bytes([r.to_json() for r in reports]))
             if report.checksum_errors:
                 print(f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
                       file=sys.stderr)
                 failed = True
     finally:
         shared.close()
-    if args.json:
-        import json
+    if plot_out:
+        import io
 
-        with open(args.json, "w") as f:
-            json.dump([r.to_json() for r in reports], f, indent=2)
-    if args.plot:
         workload = bench.build_workload("decode", args.traces, layout.moe_layers)
         curve = bench.hit_rate_curve(workload, layout, [0.02, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5])
-        bench.plot_curve(curve, args.plot, f"{layout.name}: {workload.decode_tokens} decode tokens")
+        image = io.BytesIO()
+        bench.plot_curve(curve, image, f"{layout.name}: {workload.decode_tokens} decode tokens",
+                         image_format=_image_format(args.plot))
+        plot_out.write(image.getvalue())
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def _engine(args, shared) -> int:
+def _engine(args, shared, json_out: Optional[_OutputFile]) -> int:
     """The engine comparison (``--layer-compute-us``, ``--prefetch``, ``--hints``, ``--split``,
     ``--loop torch``) on the bench's source: one table, each setting against the first."""
     compute = args.layer_compute_us or 0.0
@@ -524,27 +586,24 @@ def _engine(args, shared) -> int:
         report = run_engine(shared, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
                             compute_us=compute, split=args.split, top=args.prefetch_top)
         text = format_engine_report(report)
-    return _print_report(args, report, text)
+    return _print_report(args, report, text, json_out)
 
 
-def _devices(args, shared) -> int:
+def _devices(args, shared, json_out: Optional[_OutputFile]) -> int:
     """``--devices N``: one device, one at N times the budget, N devices, in one table."""
     from .bench.devices import format_devices_report, run_devices
 
     report = run_devices(shared, args.devices, traces=args.traces, placement=args.device_placement)
-    return _print_report(args, report, format_devices_report(report))
+    return _print_report(args, report, format_devices_report(report), json_out)
 
 
-def _print_report(args, report, text: str) -> int:
+def _print_report(args, report, text: str, json_out: Optional[_OutputFile]) -> int:
     """A one-table report (engine model, devices): printed, written as JSON with --json, and
     exit status 1 when a served expert's bytes differed from the source."""
     report.argv = ["expcache"] + list(args.argv)
     print(text, flush=True)
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(report.to_json(), f, indent=2)
+    if json_out:
+        json_out.write(_json_bytes(report.to_json()))
     errors = sum(r.checksum_errors for r in report.results)
     if errors:
         print(f"FAILED: {errors} experts served with bytes that differ from the source", file=sys.stderr)

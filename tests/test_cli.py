@@ -90,6 +90,64 @@ def test_bad_output_paths_fail_before_the_run(capsys, tmp_path, argv, fragment):
     assert "expcache bench —" not in out  # nothing was run
 
 
+def test_an_output_file_that_cannot_be_created_fails_before_the_run(monkeypatch, capsys):
+    # /proc takes no new file, not even from root, whom a check of permissions lets through:
+    # before, the whole benchmark ran, then "[Errno 2]", status 1 and the results lost.
+    from pyexpcache import bench
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--json", "/proc/x.json"])
+    assert rc == 2 and not out and len(err.strip().splitlines()) == 1
+    assert err.startswith("expcache bench: --json /proc/x.json: cannot write it (")
+
+
+def interrupt_scenario(monkeypatch, number: int) -> None:
+    """bench.run raises KeyboardInterrupt from its ``number``-th call on (1: every call)."""
+    from pyexpcache import bench
+
+    real, calls = bench.run, []
+
+    def run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) >= number:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run", run)
+
+
+def test_an_interrupted_run_keeps_the_scenarios_it_finished(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "r.json"
+    interrupt_scenario(monkeypatch, 2)
+    rc, out, err, _ = run_main(capsys, FAST + ["--scenario", "decode,prefill", "--json", str(path)])
+    assert rc == 130
+    assert [r["scenario"] for r in json.loads(path.read_text())] == ["decode"]
+
+
+def test_a_run_that_wrote_nothing_leaves_no_file_and_an_old_file_unchanged(monkeypatch, capsys, tmp_path):
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("x" * 100_000)  # the results of an earlier run, longer than this run's
+    interrupt_scenario(monkeypatch, 1)
+    for path in (new, old):
+        assert run_main(capsys, FAST + ["--json", str(path)])[0] == 130
+    assert not new.exists() and old.read_text() == "x" * 100_000
+    monkeypatch.undo()
+    assert run_main(capsys, FAST + ["--json", str(old)])[0] == 0
+    assert [r["scenario"] for r in json.loads(old.read_text())] == ["decode"]  # replaced, not overwritten in part
+
+
+def test_a_plot_format_matplotlib_cannot_write_fails_before_the_run(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--plot", str(tmp_path / "curve.pnx")])
+    assert rc == 2 and "matplotlib writes no .pnx files; name a .png, .svg or .pdf file" in err
+    assert not (tmp_path / "curve.pnx").exists()
+
+
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "_has_module", lambda name: name != "matplotlib")
     rc, out, err, _ = run_main(capsys, FAST + ["--plot", str(tmp_path / "x.png")])
