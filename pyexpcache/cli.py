@@ -17,7 +17,7 @@ import stat
 import sys
 from typing import Optional
 
-from .layout import FIRST_ROUTED_LAYER, GiB
+from .layout import FIRST_ROUTED_LAYER, NUM_LAYERS, GiB
 
 INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
@@ -261,7 +261,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-layer-sync", action="store_true",
                    help="enqueue a token's layers back to back and wait once per token, instead of after every "
                         "layer (an engine waits per layer: the next layer's ids come from this one's output)")
-    b.add_argument("--layers", type=_layers, default=None, help="MoE layers to keep, e.g. 3-10 (default: all)")
+    b.add_argument("--layers", type=_layers, default=None,
+                   help=f"MoE layers to keep, e.g. 3-10 or 5,7,9 (default: all; the bundled traces have layers "
+                        f"{FIRST_ROUTED_LAYER}-{NUM_LAYERS - 1})")
     b.add_argument("--scale", type=_whole(1), default=None,
                    help="divide expert sizes and the budget by this, a power of two up to 65536 (default: 1 on the "
                         "GPU, 256 on the host); the generated experts must fit in host memory")
