@@ -1,6 +1,6 @@
-"""``expcache`` command line: ``bench`` (the main job), ``transfer``, ``inspect`` (a GGUF model), ``info``.
+"""The expcache command line: bench (the main job), transfer, inspect (a GGUF model), info.
 
-Nothing here loads libexpcache or cuda-python before a command runs, so every ``--help``
+Nothing here loads libexpcache or cuda-python before a command runs, so every --help
 works on a fresh clone. What a run needs (output paths, optional packages, the traces) is
 checked before the run starts; errors are one line; Ctrl-C stops with status 130.
 """
@@ -8,13 +8,16 @@ checked before the run starts; errors are one line; Ctrl-C stops with status 130
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import logging
 import math
 import os
+import stat
 import sys
+from typing import Optional
 
-from .layout import GiB
+from .layout import FIRST_ROUTED_LAYER, NUM_LAYERS, GiB
 
 INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
@@ -39,15 +42,56 @@ def _need(ok: bool, what: str, extra: str) -> None:
         raise UsageError(f"{what}; install it with: pip install 'expcache[{extra}]'")
 
 
-def _writable_file(path: str, option: str) -> None:
-    """Refuse an output path that cannot be written, before hours of benchmark."""
-    if os.path.isdir(path):
-        raise UsageError(f"{option} {path}: is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{option} {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise UsageError(f"{option} {path}: not writable")
+class _OutputFile:
+    """An output file (bench --json, --plot), opened before the run so that a path which cannot
+    be written fails at once rather than after hours of benchmark (a check of permissions alone
+    passes /proc or a read-only mount for root); the run writes into it. A file created here
+    that nothing was written to is removed on close, so a failed or interrupted run leaves no
+    empty file; an existing file keeps its contents until the run writes."""
+
+    def __init__(self, path: str, option: str):
+        self.path = path
+        try:
+            try:
+                fd, self.created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), True
+            except FileExistsError:
+                fd, self.created = os.open(path, os.O_WRONLY), False  # not truncated yet
+        except IsADirectoryError:
+            raise UsageError(f"{option} {path}: is a directory; give a file name") from None
+        except OSError as exc:
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent):
+                raise UsageError(f"{option} {path}: folder {parent} does not exist") from None
+            raise UsageError(f"{option} {path}: cannot write it ({exc.strerror})") from None
+        self.regular = stat.S_ISREG(os.fstat(fd).st_mode)  # not a pipe or a device: truncated on write
+        self.file = os.fdopen(fd, "wb")
+        self.written = False
+
+    def write(self, data: bytes) -> None:
+        """Replace the file's contents by ``data``."""
+        if self.regular:
+            self.file.seek(0)
+            self.file.truncate()
+        self.file.write(data)
+        self.file.flush()
+        self.written = True
+
+    def close(self) -> None:
+        self.file.close()
+        if self.created and not self.written:
+            os.unlink(self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _json_bytes(value) -> bytes:
+    import json
+
+    return json.dumps(value, indent=2).encode()
 
 
 def _gib(option: str, minimum_exclusive: bool):
@@ -64,17 +108,55 @@ def _gib(option: str, minimum_exclusive: bool):
     return parse
 
 
+def _whole(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
 def _layers(text: str) -> list[int]:
+    """Layer numbers and ranges: 3-42, 5,7,9, 3-10,40."""
     out: list[int] = []
-    for part in text.split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out.extend(range(int(lo), int(hi) + 1))
-        elif part:
-            out.append(int(part))
+    try:
+        for part in (p.strip() for p in text.split(",")):
+            first, dash, last = part.partition("-")
+            if part:
+                lo, hi = int(first), int(last if dash else first)
+                if not 0 <= lo <= hi:
+                    raise ValueError
+                out.extend(range(lo, hi + 1))
+    except ValueError:
+        out = []
     if not out:
-        raise argparse.ArgumentTypeError(f"no layers in {text!r}")
+        raise argparse.ArgumentTypeError(f"expected layer numbers like 3-42 or 5,7,9, got {text!r}")
     return sorted(set(out))
+
+
+def _ranges(numbers: list[int]) -> str:
+    """Sorted numbers as --layers spells them: [3, 4, 5, 9] is 3-5,9."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _thread_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts such as 1,4,8, got {text!r}")
+    return counts
 
 
 def _csv(choices):
@@ -142,6 +224,7 @@ def _engine_mode(args) -> bool:
 def _parser() -> argparse.ArgumentParser:
     from .bench import DEFAULT_TRACES, SCENARIOS, VARIANTS
 
+    # The module docstring is the top help's description: plain text, as every help text here.
     p = argparse.ArgumentParser(prog="expcache", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="replay real routing through the cache; tokens/s and hit rate vs baselines",
@@ -169,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: the GPU when the CUDA build of the library and a device are usable, else the "
                         "host backend (host memory with an emulated capacity); cuda needs cuda-python "
                         "(the [cuda] extra)")
-    b.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    b.add_argument("--device", type=_whole(0), default=0, help="CUDA device ordinal (default 0)")
     b.add_argument("--source", choices=("pinned", "pageable"), default=None,
                    help="host memory of the experts (default: pinned on the GPU, pageable on the host)")
     b.add_argument("--placement", choices=("expert", "tensor"), default="expert",
@@ -178,10 +261,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-layer-sync", action="store_true",
                    help="enqueue a token's layers back to back and wait once per token, instead of after every "
                         "layer (an engine waits per layer: the next layer's ids come from this one's output)")
-    b.add_argument("--layers", type=_layers, default=None, help="MoE layers to keep, e.g. 3-10 (default: all)")
-    b.add_argument("--scale", type=int, default=None,
-                   help="divide expert sizes and the budget by this (default: 1 on the GPU, 256 on the host)")
-    b.add_argument("--copy-threads", type=int, default=None,
+    b.add_argument("--layers", type=_layers, default=None,
+                   help=f"MoE layers to keep, e.g. 3-10 or 5,7,9 (default: all; the bundled traces have layers "
+                        f"{FIRST_ROUTED_LAYER}-{NUM_LAYERS - 1})")
+    b.add_argument("--scale", type=_whole(1), default=None,
+                   help="divide expert sizes and the budget by this, a power of two up to 65536 (default: 1 on the "
+                        "GPU, 256 on the host); the generated experts must fit in host memory")
+    b.add_argument("--copy-threads", type=_whole(0), default=None,
                    help="threads staging pageable and file misses (default: the cores less 4, 2 to 12)")
     b.add_argument("--staging-chunk", type=_size, default=None,
                    help="largest staging piece one thread fills and one transfer moves, e.g. 1M (default 512K)")
@@ -218,7 +304,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--device-placement", choices=("balanced", "round-robin"), default="balanced",
                    help="which device owns each expert: balanced by the replayed traces' request counts "
                         "(default), or expert e on device e mod N")
-    b.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    b.add_argument("--json", metavar="FILE", help="also write the report as JSON, rewritten after each scenario (an "
+                   "interrupted run keeps the scenarios it finished)")
     b.add_argument("--plot", metavar="FILE.png",
                    help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)")
     b.add_argument("--quiet", action="store_true", help="no progress bar or notices")
@@ -229,9 +316,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "cudaMemcpyAsync of the same chunks in the same run. Needs a CUDA device, "
                                    "the CUDA build of libexpcache and cuda-python.")
     t.add_argument("--gib", type=_gib("--gib", True), default=1.0,
-                   help="bytes moved per measurement, GiB (default 1)")
-    t.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
-    t.add_argument("--copy-threads", default="",
+                   help="bytes moved per measurement, GiB (default 1); each measurement holds about twice as "
+                        "much host memory")
+    t.add_argument("--device", type=_whole(0), default=0, help="CUDA device ordinal (default 0)")
+    t.add_argument("--copy-threads", type=_thread_counts, default=None,
                    help="comma list of copy thread counts for staged sources (default: the library's)")
     t.add_argument("--chunks", type=_sizes, default=None,
                    help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default: the library's)")
@@ -250,19 +338,105 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The bench options that are ExpertCache settings: (option, attribute of args, ExpertCache keyword).
+_CACHE_SETTINGS = (("--copy-threads", "copy_threads", "copy_threads"),
+                   ("--staging-chunk", "staging_chunk", "staging_chunk_bytes"),
+                   ("--prefetch-piece", "prefetch_piece", "prefetch_piece_bytes"))
+
+
 def _cache_options(args) -> dict:
     options = {"file_reads": args.file_reads}
-    if args.copy_threads is not None:
-        options["copy_threads"] = args.copy_threads
-    if args.staging_chunk is not None:
-        options["staging_chunk_bytes"] = args.staging_chunk
-    if getattr(args, "prefetch_piece", None) is not None:
-        options["prefetch_piece_bytes"] = args.prefetch_piece
+    for _, attribute, keyword in _CACHE_SETTINGS:
+        if getattr(args, attribute) is not None:
+            options[keyword] = getattr(args, attribute)
     return options
+
+
+def _check_cache_setting(option: str, keyword: str, value: int) -> None:
+    """Let the library judge a cache setting before the run (its ranges are its own): a cache of
+    one tiny expert on the host backend is made with it."""
+    from ._errors import ExpcacheError
+    from .cache import ExpertCache
+    from .layout import LayerSpec, ModelLayout
+    from .source import HostSource
+
+    layout = ModelLayout((LayerSpec(1, 256, 256, 256),))
+    with HostSource(layout) as source:
+        try:
+            ExpertCache(layout, source, budget_experts=1, backend="host", log_level=0, **{keyword: value}).close()
+        except ExpcacheError as exc:
+            raise UsageError(f"{option}: {exc.message.removeprefix('expcache_create: ')}") from None
+
+
+def _host_memory_available() -> Optional[int]:
+    """Bytes of host memory a run may take: the kernel's MemAvailable, at most a cgroup v2
+    memory limit (a container's); None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next(line.strip()[3:] for line in f if line.startswith("0::"))
+        with open(os.path.join("/sys/fs/cgroup", group.lstrip("/"), "memory.max")) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            found.append(int(limit))
+    except (OSError, ValueError, StopIteration):
+        pass
+    return min(found) if found else None
+
+
+def _bench_host_bytes(args, layout, backend: str, budget: int) -> int:
+    """Host memory a bench run with the generated source holds at its peak: the source and, on
+    the host backend, the emulated device memory (the budgets of the caches alive at once, or
+    the resident variant's whole model; never more than one more copy of the source)."""
+    source = layout.total_bytes
+    if backend == "cuda":
+        return source
+    device = budget * (args.devices or 1)
+    if "resident" in args.variants and args.devices is None and not _engine_mode(args):
+        device = source
+    return source + min(device, source)
+
+
+def _generated_layout(args, scale: int):
+    """The --layout preset at ``scale``, less the layers --layers leaves out."""
+    from .layout import ModelLayout
+
+    try:
+        layout = ModelLayout.preset(args.layout, scale=scale)
+    except ValueError as exc:
+        raise UsageError(f"--scale {scale}: {exc}; use a power of two up to 65536, e.g. 256") from None
+    if args.layers is None:
+        return layout
+    return ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
+                       name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
+
+
+def _check_bench_memory(args, backend: str, scale: int) -> None:
+    """Refuse a run whose generated source (and emulated device memory) the host cannot hold,
+    before allocating it, naming the --scale that fits."""
+    available = _host_memory_available()
+
+    def need(s: int) -> int:
+        return _bench_host_bytes(args, _generated_layout(args, s), backend, int(args.budget_gib * GiB / s))
+
+    if available is None or need(scale) <= available:
+        return
+    fits = next((s for s in (1 << i for i in range(17)) if s > scale and need(s) <= available), None)
+    what = "the generated experts" + (" and the host backend's emulated device memory" if backend == "host" else "")
+    hint = f"use --scale {fits} or more" if fits else "even --scale 65536 does not fit"
+    raise UsageError(f"--scale {scale}{'' if args.scale else ' (the default)'}: {what} need "
+                     f"{need(scale) / GiB:.1f} GiB of host memory and {available / GiB:.1f} GiB is available; {hint}")
 
 
 def _check_bench(args) -> None:
     """What `bench` needs, checked before anything is allocated or run."""
+    from .layout import ModelLayout
+
     if args.backend == "cuda" or args.source == "pinned":
         _need(_has_cuda_python(), f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} needs "
               "cuda-python", "cuda")
@@ -270,13 +444,27 @@ def _check_bench(args) -> None:
         _need(_has_module("gguf"), "--gguf needs the gguf package", "gguf")
         if not os.path.isfile(args.gguf):
             raise UsageError(f"--gguf {args.gguf}: no such file")
+        if args.layers is not None:
+            raise UsageError("--layers cannot be combined with --gguf")
+    if args.layers is not None:
+        count = ModelLayout.preset(args.layout).num_layers
+        bad = [i for i in args.layers if i >= count]
+        if bad:
+            raise UsageError(f"--layers: {_ranges(bad)} not in 0..{count - 1}, the model's layers")
     if args.plot:
         _need(_has_module("matplotlib"), "--plot needs matplotlib", "plot")
-        _writable_file(args.plot, "--plot")
-    if args.json:
-        _writable_file(args.json, "--json")
-    if args.scale is not None and args.scale < 1:
-        raise UsageError(f"--scale must be >= 1, got {args.scale}")
+        from matplotlib.figure import Figure
+
+        if _image_format(args.plot) not in Figure().canvas.get_supported_filetypes():
+            raise UsageError(f"--plot {args.plot}: matplotlib writes no .{_image_format(args.plot)} files; name a "
+                             ".png, .svg or .pdf file")
+    if args.gguf and args.scale is not None:
+        raise UsageError("--scale cannot be combined with --gguf: a GGUF model's experts keep their sizes")
+    if args.scale is not None:
+        _generated_layout(args, args.scale)  # the sizes divide by it
+    for option, attribute, keyword in _CACHE_SETTINGS:
+        if getattr(args, attribute) is not None:
+            _check_cache_setting(option, keyword, getattr(args, attribute))
     if args.devices is not None:
         if not 2 <= args.devices <= 64:
             raise UsageError(f"--devices must be 2..64, got {args.devices}")
@@ -301,14 +489,33 @@ def _check_bench(args) -> None:
                                  "the C loop (--loop c)")
     from . import bench
 
-    bench.build_workload("decode", args.traces)  # every trace readable (one-line errors name the file)
+    # Every trace readable (one-line errors name the file), and some of --layers traced.
+    routed = sorted({call.layer for call in bench.build_workload("decode", args.traces).calls})
+    if args.layers is not None and not set(args.layers) & set(routed):
+        untraced = (f" (layers 0-{FIRST_ROUTED_LAYER - 1} of DeepSeek V4 Flash are hash-routed: no trace has them)"
+                    if min(args.layers) < FIRST_ROUTED_LAYER else "")
+        raise UsageError(f"--layers {_ranges(args.layers)}: the traces have none of these layers; they have layers "
+                         f"{_ranges(routed)}{untraced}")
+
+
+def _image_format(path: str) -> str:
+    """--plot's image format: the file name's extension, png without one."""
+    return os.path.splitext(path)[1][1:].lower() or "png"
 
 
 def _bench(args) -> int:
-    from . import bench
-    from .layout import ModelLayout
-
     _check_bench(args)
+    with contextlib.ExitStack() as outputs:
+        json_out = outputs.enter_context(_OutputFile(args.json, "--json")) if args.json else None
+        plot_out = outputs.enter_context(_OutputFile(args.plot, "--plot")) if args.plot else None
+        return _run_bench(args, json_out, plot_out)
+
+
+def _run_bench(args, json_out: Optional[_OutputFile], plot_out: Optional[_OutputFile]) -> int:
+    """The bench run, into the output files opened before it; the JSON report is written after
+    each scenario, so an interrupted run keeps the scenarios it finished."""
+    from . import bench
+
     backend = bench.resolve_backend(args.backend, args.device)
     scale = args.scale if args.scale is not None else (1 if backend == "cuda" else bench.HOST_SCALE)
     source = None
@@ -319,16 +526,8 @@ def _bench(args) -> int:
         source = GGUFSource(args.gguf, reads=args.gguf_reads)
         layout = source.layout
     else:
-        layout = ModelLayout.preset(args.layout, scale=scale)
-    if args.layers is not None and source is not None:
-        source.close()
-        raise UsageError("--layers cannot be combined with --gguf")
-    if args.layers is not None:
-        bad = [i for i in args.layers if not 0 <= i < layout.num_layers]
-        if bad:
-            raise UsageError(f"--layers: {bad} not in 0..{layout.num_layers - 1}")
-        layout = ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
-                             name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
+        _check_bench_memory(args, backend, scale)
+        layout = _generated_layout(args, scale)
     pinned = None if args.source is None else args.source == "pinned"
     budget = int(args.budget_gib * GiB / scale)
     reserve = None if args.reserve_gib is None else int(args.reserve_gib * GiB)
@@ -343,9 +542,9 @@ def _bench(args) -> int:
                          layer_sync=not args.no_layer_sync, cache_options=_cache_options(args))
     try:
         if args.devices is not None:
-            return _devices(args, shared)
+            return _devices(args, shared, json_out)
         if _engine_mode(args):
-            return _engine(args, shared)
+            return _engine(args, shared, json_out)
         for scenario in scenarios:
             report = bench.run(layout, scenario, variants=args.variants, traces=args.traces, budget_bytes=budget,
                                host_scale=scale, bench=shared)
@@ -353,26 +552,28 @@ def _bench(args) -> int:
             print(bench.format_report(report))
             print(flush=True)
             reports.append(report)
+            if json_out:
+                json_out.write(_json_bytes([r.to_json() for r in reports]))
             if report.checksum_errors:
                 print(f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
                       file=sys.stderr)
                 failed = True
     finally:
         shared.close()
-    if args.json:
-        import json
+    if plot_out:
+        import io
 
-        with open(args.json, "w") as f:
-            json.dump([r.to_json() for r in reports], f, indent=2)
-    if args.plot:
         workload = bench.build_workload("decode", args.traces, layout.moe_layers)
         curve = bench.hit_rate_curve(workload, layout, [0.02, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5])
-        bench.plot_curve(curve, args.plot, f"{layout.name}: {workload.decode_tokens} decode tokens")
+        image = io.BytesIO()
+        bench.plot_curve(curve, image, f"{layout.name}: {workload.decode_tokens} decode tokens",
+                         image_format=_image_format(args.plot))
+        plot_out.write(image.getvalue())
         print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def _engine(args, shared) -> int:
+def _engine(args, shared, json_out: Optional[_OutputFile]) -> int:
     """The engine comparison (``--layer-compute-us``, ``--prefetch``, ``--hints``, ``--split``,
     ``--loop torch``) on the bench's source: one table, each setting against the first."""
     compute = args.layer_compute_us or 0.0
@@ -387,27 +588,24 @@ def _engine(args, shared) -> int:
         report = run_engine(shared, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
                             compute_us=compute, split=args.split, top=args.prefetch_top)
         text = format_engine_report(report)
-    return _print_report(args, report, text)
+    return _print_report(args, report, text, json_out)
 
 
-def _devices(args, shared) -> int:
+def _devices(args, shared, json_out: Optional[_OutputFile]) -> int:
     """``--devices N``: one device, one at N times the budget, N devices, in one table."""
     from .bench.devices import format_devices_report, run_devices
 
     report = run_devices(shared, args.devices, traces=args.traces, placement=args.device_placement)
-    return _print_report(args, report, format_devices_report(report))
+    return _print_report(args, report, format_devices_report(report), json_out)
 
 
-def _print_report(args, report, text: str) -> int:
+def _print_report(args, report, text: str, json_out: Optional[_OutputFile]) -> int:
     """A one-table report (engine model, devices): printed, written as JSON with --json, and
     exit status 1 when a served expert's bytes differed from the source."""
     report.argv = ["expcache"] + list(args.argv)
     print(text, flush=True)
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(report.to_json(), f, indent=2)
+    if json_out:
+        json_out.write(_json_bytes(report.to_json()))
     errors = sum(r.checksum_errors for r in report.results)
     if errors:
         print(f"FAILED: {errors} experts served with bytes that differ from the source", file=sys.stderr)
@@ -426,14 +624,21 @@ def _info() -> int:
 
 def _transfer(args) -> int:
     _need(_has_cuda_python(), "expcache transfer needs cuda-python", "cuda")
-    try:
-        threads = [int(t) for t in args.copy_threads.split(",") if t.strip()]
-    except ValueError:
-        raise UsageError(f"--copy-threads: expected a comma list of integers, got {args.copy_threads!r}") from None
+    threads = args.copy_threads or []
     if args.file_dir is not None and not os.path.isdir(args.file_dir):
         raise UsageError(f"--file-dir {args.file_dir}: no such folder")
+    for count in threads:
+        _check_cache_setting("--copy-threads", "copy_threads", count)
+    for chunk in args.chunks or []:
+        _check_cache_setting("--chunks", "staging_chunk_bytes", chunk)
     from .bench import transfer
     from .bench import Progress, resolve_backend
+
+    need = max(transfer.measured_layout(f"{s} MiB", int(args.gib * GiB)).total_bytes for s in args.sizes)
+    available = _host_memory_available()
+    if available is not None and need > available:
+        raise UsageError(f"--gib {args.gib:g}: a measurement holds {need / GiB:.1f} GiB of host memory and "
+                         f"{available / GiB:.1f} GiB is available; lower --gib")
 
     if resolve_backend("auto", args.device) != "cuda":
         print("expcache transfer: needs a CUDA device and the CUDA build of libexpcache", file=sys.stderr)

@@ -54,6 +54,14 @@ def test_help_texts_name_backend_device_and_transfer():
     assert "cudaMemcpyAsync" in transfer_help and "CUDA device ordinal" in transfer_help
 
 
+def test_help_texts_have_no_markup():
+    # Help is read in a terminal: no reStructuredText (``literal``, :role:`x`) or Markdown backticks.
+    parser = cli._parser()
+    sub = parser._subparsers._group_actions[0].choices
+    for name, text in [("expcache", parser.format_help())] + [(n, p.format_help()) for n, p in sub.items()]:
+        assert "`" not in text, f"{name} --help: {[line for line in text.splitlines() if '`' in line]}"
+
+
 def test_info_without_the_library_is_one_error_not_a_traceback(tmp_path):
     out = child("info", env_extra={"EXPCACHE_LIBRARY": str(tmp_path / "missing.so")})
     assert out.returncode == 1
@@ -82,6 +90,64 @@ def test_bad_output_paths_fail_before_the_run(capsys, tmp_path, argv, fragment):
     assert "expcache bench —" not in out  # nothing was run
 
 
+def test_an_output_file_that_cannot_be_created_fails_before_the_run(monkeypatch, capsys):
+    # /proc takes no new file, not even from root, whom a check of permissions lets through:
+    # before, the whole benchmark ran, then "[Errno 2]", status 1 and the results lost.
+    from pyexpcache import bench
+
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs Linux's /proc")
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--json", "/proc/x.json"])
+    assert rc == 2 and not out and len(err.strip().splitlines()) == 1
+    assert err.startswith("expcache bench: --json /proc/x.json: cannot write it (")
+
+
+def interrupt_scenario(monkeypatch, number: int) -> None:
+    """bench.run raises KeyboardInterrupt from its ``number``-th call on (1: every call)."""
+    from pyexpcache import bench
+
+    real, calls = bench.run, []
+
+    def run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) >= number:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run", run)
+
+
+def test_an_interrupted_run_keeps_the_scenarios_it_finished(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "r.json"
+    interrupt_scenario(monkeypatch, 2)
+    rc, out, err, _ = run_main(capsys, FAST + ["--scenario", "decode,prefill", "--json", str(path)])
+    assert rc == 130
+    assert [r["scenario"] for r in json.loads(path.read_text())] == ["decode"]
+
+
+def test_a_run_that_wrote_nothing_leaves_no_file_and_an_old_file_unchanged(monkeypatch, capsys, tmp_path):
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("x" * 100_000)  # the results of an earlier run, longer than this run's
+    interrupt_scenario(monkeypatch, 1)
+    for path in (new, old):
+        assert run_main(capsys, FAST + ["--json", str(path)])[0] == 130
+    assert not new.exists() and old.read_text() == "x" * 100_000
+    monkeypatch.undo()
+    assert run_main(capsys, FAST + ["--json", str(old)])[0] == 0
+    assert [r["scenario"] for r in json.loads(old.read_text())] == ["decode"]  # replaced, not overwritten in part
+
+
+def test_a_plot_format_matplotlib_cannot_write_fails_before_the_run(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--plot", str(tmp_path / "curve.pnx")])
+    assert rc == 2 and "matplotlib writes no .pnx files; name a .png, .svg or .pdf file" in err
+    assert not (tmp_path / "curve.pnx").exists()
+
+
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cli, "_has_module", lambda name: name != "matplotlib")
     rc, out, err, _ = run_main(capsys, FAST + ["--plot", str(tmp_path / "x.png")])
@@ -102,6 +168,95 @@ def test_budget_must_be_a_finite_positive_number(capsys, value):
         cli.main(FAST + ["--budget-gib", value])
     assert exit_.value.code == 2
     assert "--budget-gib must be a finite number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "abc"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got 'abc'"),
+    (["--layers", "-3"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '-3'"),
+    (["--layers", "9-5"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '9-5'"),
+    (["--scale", "0"], "argument --scale: expected a whole number >= 1, got '0'"),
+    (["--copy-threads", "-1"], "argument --copy-threads: expected a whole number >= 0, got '-1'"),
+    (["--device", "-1"], "argument --device: expected a whole number >= 0, got '-1'"),
+])
+def test_unparsable_options_name_the_option_and_the_form(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(FAST + argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"expcache bench: error: {message}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scale", "5"], "--scale 5: layer 0: part sizes (2162688, 2162688, 2752512) are not divisible by 5; "
+                       "use a power of two up to 65536, e.g. 256"),
+    (["--copy-threads", "100"], "--copy-threads: copy_threads must be 0..64, got 100"),
+    (["--staging-chunk", "1K"], "--staging-chunk: staging_chunk_bytes must be a multiple of 4096 in 64 KiB..64 MiB, "
+                                "got 1024"),
+    (["--prefetch", "cooc", "--prefetch-piece", "1K"],
+     "--prefetch-piece: prefetch_piece_bytes must be a multiple of 4096 in 4 KiB..64 MiB, got 1024"),
+])
+def test_option_values_the_run_cannot_take_fail_before_it(monkeypatch, capsys, argv, message):
+    # Before: a library or layout error once the source was filled, naming no option.
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + argv)
+    assert rc == 2 and err.strip() == f"expcache bench: {message}" and not out
+
+
+def test_scale_the_host_cannot_hold_names_one_that_fits(monkeypatch, capsys):
+    # Before: numpy's "Unable to allocate 27.6 GiB" (--scale 3 on a 22 GiB host), or the OOM killer.
+    from pyexpcache import bench
+
+    monkeypatch.setattr(cli, "_host_memory_available", lambda: 1 << 30)
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--scale", "16"])
+    # At /16 the mixed experts are 5.2 GiB; at /128, 0.65 GiB and a 0.09 GiB budget fit in 1 GiB.
+    assert rc == 2 and not out
+    assert err.strip() == ("expcache bench: --scale 16: the generated experts and the host backend's emulated device "
+                           "memory need 5.9 GiB of host memory and 1.0 GiB is available; use --scale 128 or more")
+
+
+@pytest.mark.parametrize("layers, message", [
+    ("0-2", "--layers 0-2: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
+            "Flash are hash-routed: no trace has them)"),
+    ("0,1", "--layers 0-1: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
+            "Flash are hash-routed: no trace has them)"),
+    ("45,50-52", "--layers: 45,50-52 not in 0..42, the model's layers"),
+])
+def test_layers_no_trace_has_fail_before_the_run(monkeypatch, capsys, layers, message):
+    # Before, 0-2: a traceback once every variant had run ("library hit rate 0.0 differs from the
+    # simulator's nan ... a bug").
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--layers", layers])
+    assert rc == 2 and err.strip() == f"expcache bench: {message}" and not out
+
+
+def test_scale_with_gguf_is_refused(capsys, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    rc, out, err, _ = run_main(capsys, FAST + ["--gguf", str(model), "--scale", "4"])
+    assert rc == 2 and "--scale cannot be combined with --gguf" in err
+
+
+def test_transfer_options_fail_before_the_run(monkeypatch, capsys):
+    from pyexpcache.bench import transfer
+
+    monkeypatch.setattr(cli, "_has_cuda_python", lambda: True)
+    monkeypatch.setattr(transfer, "run", lambda **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, ["transfer", "--copy-threads", "2,100"])
+    assert rc == 2 and err.strip() == "expcache transfer: --copy-threads: copy_threads must be 0..64, got 100"
+    rc, out, err, _ = run_main(capsys, ["transfer", "--chunks", "1K"])
+    assert rc == 2 and "--chunks: staging_chunk_bytes must be a multiple of 4096" in err
+    monkeypatch.setattr(cli, "_host_memory_available", lambda: 8 << 30)
+    rc, out, err, _ = run_main(capsys, ["transfer", "--gib", "100"])
+    assert rc == 2 and err.strip() == ("expcache transfer: --gib 100: a measurement holds 200.0 GiB of host memory "
+                                       "and 8.0 GiB is available; lower --gib")
+    with pytest.raises(SystemExit):
+        cli.main(["transfer", "--copy-threads", "x"])
+    assert "argument --copy-threads: expected a comma list of thread counts such as 1,4,8, got 'x'" in \
+        capsys.readouterr().err
 
 
 def test_inspect_a_directory_is_one_line(capsys, tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..layout import ModelLayout
 from ..sim import simulate_belady, simulate_lru, simulate_policy
@@ -25,7 +25,9 @@ def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[
     return out
 
 
-def plot_curve(curve: dict, path: str, title: str) -> None:
+def plot_curve(curve: dict, out, title: str, image_format: Optional[str] = None) -> None:
+    """Draw ``curve`` into ``out``, a file name or a binary file; ``image_format`` (png, svg,
+    pdf, ...) defaults to the name's extension, png for a file."""
     try:
         import matplotlib
 
@@ -44,5 +46,5 @@ def plot_curve(curve: dict, path: str, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(out, dpi=120, format=image_format)
     plt.close(fig)

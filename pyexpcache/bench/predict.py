@@ -84,7 +84,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -381,12 +380,10 @@ def recall(trace, preds: np.ndarray) -> float:
 
 
 def _decode_traces(names: Optional[Sequence[str]]):
-    from ..traces import TraceWarning, list_traces, load_decode_trace
+    from ..traces import list_traces, load_decode_trace
 
     names = list(names) if names else [i.name for i in list_traces() if i.kind == "decode"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TraceWarning)  # oracle50_k0w's cut last token
-        return [load_decode_trace(n) for n in names]
+    return [load_decode_trace(n) for n in names]
 
 
 def _table(traces, columns) -> str:

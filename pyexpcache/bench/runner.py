@@ -331,6 +331,8 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
     (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source; an
     existing ``bench`` (whose source is then reused, and left open) replaces both."""
     workload = build_workload(scenario, traces, layout.moe_layers)
+    if not workload.calls:
+        raise ValueError(f"the traces route none of layout {layout.name}'s layers")
     for call in workload.calls:
         spec = layout[call.layer] if call.layer < layout.num_layers else None
         if spec is None or max(call.ids) >= spec.num_experts:

@@ -155,6 +155,13 @@ def library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 
 ARRANGEMENTS = ("tensor", "expert")  # host placements measured: one tensor per part, or each expert's parts together
 
 
+def measured_layout(size: str, total_bytes: int) -> ModelLayout:
+    """What one measurement of ``size`` experts selects from, all in host memory at once: two
+    layers of ``total_bytes`` of experts each (at least 64 experts)."""
+    parts = SIZES[size]
+    return ModelLayout((LayerSpec(max(64, total_bytes // sum(parts)), *parts),) * 2, name=f"transfer-{size}")
+
+
 def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=ARRANGEMENTS,
         sources: Sequence[str] = SOURCES, copy_threads: Optional[Sequence[int]] = None,
         chunks: Optional[Sequence[int]] = None,
@@ -177,8 +184,7 @@ def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrange
         for size in sizes:
             parts = SIZES[size]
             expert = sum(parts)
-            n = max(64, total_bytes // expert)
-            layout = ModelLayout((LayerSpec(int(n), *parts),) * 2, name=f"transfer-{size}")
+            layout = measured_layout(size, total_bytes)
             pinned_raw: Optional[float] = None
             for kind in sources:
                 for arrangement in arrangements:

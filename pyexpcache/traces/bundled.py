@@ -126,8 +126,8 @@ def _read_rows(path: Path, num_experts: int) -> _Rows:
     """Parse and validate a route CSV, plain or gzip-compressed.
 
     A row with missing or empty columns is tolerated only at the end of the file
-    (an interrupted logger leaves a truncated last line, e.g. ``143,`` in
-    oracle50_k0w) and dropped there (``cut`` says which); anywhere else it is an
+    (an interrupted logger leaves a truncated last line, e.g. ``143,`` upstream's
+    oracle50_k0w ended with) and dropped there (``cut`` says which); anywhere else it is an
     error, because silently dropping it would shift the token/layer structure.
 
     Raises:

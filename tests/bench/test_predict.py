@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import numpy as np
 import pytest
 
 from pyexpcache.bench.predict import (PREDICTORS, CoocPredictor, main, parse_prefetch, predictions,
                                       previous_token_predictions, recall)
-from pyexpcache.traces import Trace, TraceWarning, list_traces, load_decode_trace
+from pyexpcache.traces import Trace, list_traces, load_decode_trace
 
 DECODE = [i.name for i in list_traces() if i.kind == "decode"]
 
@@ -34,9 +33,7 @@ MARGIN = 0.04
 
 @functools.lru_cache(maxsize=None)
 def _trace(name: str) -> Trace:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TraceWarning)  # oracle50_k0w ends inside a token
-        return load_decode_trace(name)
+    return load_decode_trace(name)
 
 
 def _perturbed_after(trace: Trace, t: int, seed: int = 1) -> Trace:

@@ -78,3 +78,11 @@ def test_no_layer_sync_serves_the_same_bytes_and_counts(variant):
     assert (a.hits, a.misses, a.experts_checked, a.decode_bytes_h2d, a.decode_calls) == (
         b_.hits, b_.misses, b_.experts_checked, b_.decode_bytes_h2d, b_.decode_calls)
     assert 0 < b_.decode_serve_seconds < b_.decode_seconds
+
+
+def test_a_layout_the_traces_never_route_to_is_an_error_not_a_bug():
+    # Before: every variant ran on no calls, then "library hit rate 0.0 differs from the simulator's nan ... a bug".
+    full = ModelLayout.preset("q2", scale=4096)
+    layout = ModelLayout(tuple(s if i < 3 else None for i, s in enumerate(full.layers)), name="layers 0-2")
+    with pytest.raises(ValueError, match="the traces route none of layout layers 0-2's layers"):
+        bench.run(layout, "decode", traces=["podA_b_json_full"], backend="host", budget_bytes=1 << 20)
