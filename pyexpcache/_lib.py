@@ -147,7 +147,7 @@ class StagingStats(ctypes.Structure):
 
 PREFETCH_FIELDS = (
     "calls", "issued", "used", "wasted", "cancelled", "skipped", "dropped", "bytes_issued", "bytes_used",
-    "bytes_wasted", "bytes_cancelled", "bytes_sent", "pieces", "hints", "hint_refreshes",
+    "bytes_wasted", "bytes_cancelled", "bytes_sent", "pieces", "hints", "hint_refreshes", "late", "bytes_late_sent",
 )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyexpcache import ExpertCache, InvalidArgumentError
+from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, ModelLayout
 
 from support.cache import assert_served
 
@@ -48,7 +48,8 @@ def test_a_serving_call_cancels_what_is_still_queued(make_cache):
     cache.pause_prefetch(False)
     assert_served(cache, source, L, [1, 4], ptrs)
     p = cache.prefetch_stats()
-    assert (p.issued, p.cancelled, p.used, p.bytes_sent) == (3, 2, 1, 0)
+    assert (p.issued, p.cancelled, p.used, p.late, p.bytes_sent) == (3, 2, 0, 1, 0)
+    assert (p.bytes_used, p.bytes_late_sent) == (0, 0)
     assert cache.stats().path("decode").bytes_h2d == 2 * cache.layout[L].expert_bytes
     assert cache.stats().path("decode").misses == 2
     assert _resident(cache, L, [1, 2, 3, 4]) == [True, False, False, True]
@@ -158,9 +159,9 @@ def test_prefetch_of_many_pieces_while_selects_run(make_cache):
             if token % 3 == 0:
                 cache.drain_prefetch()
     p = cache.prefetch_stats()
-    outstanding = p.issued - p.used - p.wasted - p.cancelled  # resident, not used yet
+    outstanding = p.issued - p.used - p.late - p.wasted - p.cancelled  # resident, not used yet
     assert p.used > 0 and 0 <= outstanding <= 24
-    assert p.bytes_sent <= p.bytes_issued
+    assert p.bytes_used + p.bytes_late_sent <= p.bytes_sent <= p.bytes_issued
 
 
 @pytest.mark.parametrize("policy", ["lru"])  # the refresh is visible in LRU's victim
@@ -270,6 +271,43 @@ def test_a_failed_finish_in_place_frees_the_slot(make_cache):
     cache.pause_prefetch(False)
     assert cache.read_expert(L, 3) is None
     p = cache.prefetch_stats()
-    assert (p.issued, p.used, p.cancelled) == (1, 0, 1)
+    assert (p.issued, p.used, p.late, p.cancelled) == (1, 0, 0, 1)
     ptrs = cache.select(L, [3])
     assert_served(cache, source, L, [3], ptrs)
+
+
+def assert_counted_once(cache, expert_bytes, prefetched_listed):
+    """The accounting rule: a prefetched expert a select listed is either a hit and ``used`` (all
+    its bytes sent by the prefetch) or a miss and ``late`` (the prefetch's share in
+    bytes_late_sent, the rest in the decode path's bytes_h2d), never both; no more bytes count as
+    used or late than the prefetch thread sent."""
+    p, d = cache.prefetch_stats(), cache.stats().path("decode")
+    assert p.used + p.late == prefetched_listed, (p, d)
+    assert (p.used, p.bytes_used) == (d.hits, d.hits * expert_bytes), (p, d)
+    assert p.late == d.misses, (p, d)
+    assert p.bytes_late_sent + d.bytes_h2d == p.late * expert_bytes, (p, d)
+    assert p.bytes_used <= p.bytes_sent and p.bytes_used + p.bytes_late_sent <= p.bytes_sent, (p, d)
+
+
+ISSUE_26 = ModelLayout.preset("q2", scale=256)  # 27,648-byte experts: 14 transfers of 2 KiB each
+
+
+def _issue_26_runs(backend, runs=20):
+    """Fresh caches over one source (made once: it is 300 MB), as the issue's runs were."""
+    with HostSource(ISSUE_26, pinned=backend == "cuda") as source:
+        for _ in range(runs):
+            with ExpertCache(ISSUE_26, source, backend=backend, policy="lru", log_level=2, budget_experts=16,
+                             prefetch_piece_bytes=4096) as cache:
+                yield cache, source
+
+
+def test_a_select_racing_its_prefetch_counts_each_expert_once(backend):
+    """Issue 26: prefetch(6, [10, 11]); synchronize(); select(6, [10]). The thread has sent all,
+    part or none of expert 10 when the select takes the queue back; whichever it was, 10 is a
+    hit and used or a miss and late, and the bytes add up."""
+    for cache, source in _issue_26_runs(backend):
+        assert cache.prefetch(6, [10, 11]) == 2
+        cache.synchronize()
+        ptrs = cache.select(6, [10])
+        assert_served(cache, source, 6, [10], ptrs)
+        assert_counted_once(cache, ISSUE_26[6].expert_bytes, 1)

@@ -70,7 +70,7 @@ enum PrefetchState : uint8_t {
                            // serving call cancels it first
     kPrefetchUnused = 2,   // every byte sent; the first use counts it as used, an eviction as wasted
     kPrefetchPartial = 3,  // cancelled by the serving call under way with bytes left to send: if that call
-                           // lists it, it sends the rest into the same slot (a miss, counted as used);
+                           // lists it, it sends the rest into the same slot (a miss, counted late);
                            // otherwise the slot is freed (cancelled)
 };
 

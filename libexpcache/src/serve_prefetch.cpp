@@ -80,7 +80,8 @@ void Cache::resolve_partial(ServeCall& call) {
 }
 
 // A miss whose prefetch was cut short: what is left of its bytes goes now, into the same slot,
-// on the call's copy stream, and it enters the policy as any miss of the call would.
+// on the call's copy stream, and it enters the policy as any miss of the call would. Counted
+// late, not used: only a prefetch whose bytes were all sent before the call is a hit.
 expcache_status_t Cache::finish_partial(ServeCall& call, int32_t s, bool cold) {
     size_t i = 0;
     while (i < partial_.size() && !(partial_[i].cls == call.c && partial_[i].slot == s)) ++i;
@@ -107,8 +108,9 @@ expcache_status_t Cache::finish_partial(ServeCall& call, int32_t s, bool cold) {
     inserted_.emplace_back(call.c, s);  // a later upload failure of the call frees it
     cls.policy->on_remove(s);
     cls.policy->on_insert(s, cold, layer.key_base + slot.expert);
-    pstats_.used++;
-    pstats_.bytes_used += layer.expert_bytes();
+    // A demand miss, never a prefetch used: the prefetch's share of the bytes is counted late.
+    pstats_.late++;
+    pstats_.bytes_late_sent += layer.expert_bytes() - sent_now;
     call.st->misses++;
     call.st->appends++;
     call.st->bytes_h2d += sent_now;
