@@ -381,6 +381,20 @@ EXPCACHE_API expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32
                                                        uint32_t n, void* stream, uint32_t* out_queued);
 
 /**
+ * Wait, on the host, until every prefetch queued by expcache_prefetch_async has
+ * been sent and has landed (the cache's copy stream synchronized). Each expert
+ * queued is then resident: a serving call that lists it before it is evicted is a
+ * hit and counts it used. Returns at once when nothing is queued. Synchronous;
+ * other calls on this cache wait until it returns. A piece that failed is reported
+ * here once (CUDA, as expcache_prefetch_async would): its expert is not resident,
+ * counted cancelled. While the prefetch thread is paused
+ * (expcache_testing_prefetch_pause) with prefetches queued, it waits only for the
+ * pieces in flight and fails with INVALID_STATE, the queue left as it was.
+ * Status: INVALID_ARGUMENT, INVALID_STATE (paused), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_prefetch_wait(expcache_t* cache);
+
+/**
  * Hint: experts ids[0..n) of `layer` are expected to be selected soon. Those
  * resident are refreshed in the policy as a select's hits would be (no copy, no
  * counters of the decode path); the rest are ignored. Counted in

@@ -130,8 +130,8 @@ public:
     expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
     expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
     expcache_status_t get_prefetch_stats(expcache_prefetch_stats_t* out) const;
+    expcache_status_t prefetch_wait();
     expcache_status_t prefetch_pause(bool paused);
-    expcache_status_t prefetch_drain();
     expcache_status_t spin(void* stream, uint64_t ns);
     expcache_status_t load_compact(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream,
                                    expcache_compact_t* out);
@@ -290,6 +290,8 @@ private:
     expcache_status_t finish_partial(ServeCall& call, int32_t slot, bool cold);
     void note_use(ClassState& cls, int32_t slot);
     void drop_prefetched(SlotState& slot);
+    // A piece failure settle_prefetches() recorded, returned (and forgotten) once; else OK.
+    expcache_status_t take_prefetch_error();
     Prefetcher& prefetcher();
 
     // serve_batch.cpp

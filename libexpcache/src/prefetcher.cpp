@@ -132,10 +132,10 @@ void Prefetcher::pause(bool paused) {
     landed_.notify_all();
 }
 
-expcache_status_t Prefetcher::drain() {
+size_t Prefetcher::drain() {
     std::unique_lock<std::mutex> lock(mu_);
-    landed_.wait(lock, [&] { return paused_ || (queue_.empty() && in_flight_ == 0); });
-    return EXPCACHE_OK;
+    landed_.wait(lock, [&] { return in_flight_ == 0 && (queue_.empty() || paused_); });
+    return queue_.size();
 }
 
 uint64_t Prefetcher::bytes_sent() const {
