@@ -147,7 +147,7 @@ class StagingStats(ctypes.Structure):
 
 PREFETCH_FIELDS = (
     "calls", "issued", "used", "wasted", "cancelled", "skipped", "dropped", "bytes_issued", "bytes_used",
-    "bytes_wasted", "bytes_cancelled", "bytes_sent", "pieces", "hints", "hint_refreshes",
+    "bytes_wasted", "bytes_cancelled", "bytes_sent", "pieces", "hints", "hint_refreshes", "late", "bytes_late_sent",
 )
 
 
@@ -216,6 +216,8 @@ _FUNCTIONS = [
     # expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
     #                                           uint32_t n, void* stream, uint32_t* out_queued);
     ("expcache_prefetch_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_prefetch_wait(expcache_t* cache);
+    ("expcache_prefetch_wait", [CachePtr], c_int32),
     # expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n);
     ("expcache_hint", [CachePtr, c_uint32, c_void_p, c_uint32], c_int32),
     # expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
@@ -285,8 +287,6 @@ _FUNCTIONS = [
     ("expcache_testing_inject_staging_failures", [CachePtr, c_uint64, c_uint64], c_int32),
     # expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache, uint32_t paused);
     ("expcache_testing_prefetch_pause", [CachePtr, c_uint32], c_int32),
-    # expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache);
-    ("expcache_testing_prefetch_drain", [CachePtr], c_int32),
     # expcache_status_t expcache_testing_spin_async(expcache_t* cache, void* stream, uint64_t ns);
     ("expcache_testing_spin_async", [CachePtr, c_void_p, c_uint64], c_int32),
     # expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);

@@ -487,6 +487,13 @@ class ExpertCache:
                    stream_handle(stream), ctypes.byref(queued))
         return queued.value
 
+    def wait_prefetch(self) -> None:
+        """Block until every queued prefetch has been sent and has landed: each is then resident,
+        so a select listing it is a hit and counts it ``used``. Raises CudaError for a prefetch
+        piece that failed (once), InvalidStateError while the thread is paused
+        (:meth:`pause_prefetch`) with prefetches queued. Synchronizes."""
+        self._call("expcache_prefetch_wait")
+
     def hint(self, layer: int, expert_ids) -> None:
         """Tell the policy that ``expert_ids`` of ``layer`` are expected soon: those resident are
         refreshed as hits would be; nothing is copied. Counted in :meth:`prefetch_stats`."""
@@ -652,9 +659,5 @@ class ExpertCache:
 
     def pause_prefetch(self, paused: bool = True) -> None:
         """Testing: while paused the prefetch thread sends nothing, so queued prefetches stay queued
-        until the next serving call cancels them."""
+        until the next serving call cancels them (:meth:`wait_prefetch` refuses to wait for them)."""
         self._call("expcache_testing_prefetch_pause", 1 if paused else 0)
-
-    def drain_prefetch(self) -> None:
-        """Testing: wait until every queued prefetch has been sent and has landed (not while paused)."""
-        self._call("expcache_testing_prefetch_drain")

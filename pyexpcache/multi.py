@@ -271,6 +271,11 @@ class MultiDeviceCache:
         got = self._each(self.split(layer, expert_ids), lambda d, ids: self.caches[d].prefetch(layer, ids, streams[d]))
         return sum(q for q in got if q is not None)
 
+    def wait_prefetch(self) -> None:
+        """:meth:`ExpertCache.wait_prefetch` on each device: every queued prefetch landed."""
+        for cache in self.caches:
+            cache.wait_prefetch()
+
     def hint(self, layer: int, expert_ids) -> None:
         """:meth:`ExpertCache.hint` of each owner's share."""
         for d, (pos, ids) in enumerate(self.split(layer, expert_ids)):

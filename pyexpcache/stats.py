@@ -170,9 +170,12 @@ class StagingStats:
 @dataclass
 class PrefetchStats:
     """Counters of prefetches and hints over the whole cache (see expcache_prefetch_stats_t):
-    experts queued (``issued``), used by a later select (``used``), evicted unused (``wasted``),
-    cancelled before all their bytes were sent (``cancelled``), and their bytes; ids skipped
-    (resident or on their way) or dropped (limit reached, no slot); hints and those refreshed."""
+    experts queued (``issued``), all their bytes sent before a select listed them (``used``: the
+    select's hits), evicted unused (``wasted``), cancelled before all their bytes were sent
+    (``cancelled``), and their bytes; ids skipped (resident or on their way) or dropped (limit
+    reached, no slot); hints and those refreshed. ``late``: listed by a select while bytes of
+    theirs were still queued, so the select finished them in place as misses (never ``used``);
+    ``bytes_late_sent`` the part of their bytes the prefetch had sent, the rest is the misses'."""
 
     calls: int = 0
     issued: int = 0
@@ -189,10 +192,13 @@ class PrefetchStats:
     pieces: int = 0
     hints: int = 0
     hint_refreshes: int = 0
+    late: int = 0
+    bytes_late_sent: int = 0
 
     @property
     def accuracy(self) -> float:
-        """used / issued: the share of queued prefetches a select used; 0.0 when none was issued."""
+        """used / issued: the share of queued prefetches that landed before a select used them (late
+        ones not counted); 0.0 when none was issued."""
         return self.used / self.issued if self.issued else 0.0
 
     def __add__(self, other: "PrefetchStats") -> "PrefetchStats":

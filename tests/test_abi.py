@@ -33,7 +33,7 @@ EXPORTS = {
     "expcache_class_count_get", "expcache_class_info_get", "expcache_layer_bind_class", "expcache_stats_get",
     "expcache_staging_stats_get", "expcache_stats_reset", "expcache_log_set_callback", "expcache_log_set_level",
     "expcache_select_split_async", "expcache_ready_wait_async", "expcache_prefetch_async", "expcache_hint",
-    "expcache_prefetch_stats_get", "expcache_memory_retain", "expcache_memory_release",
+    "expcache_prefetch_stats_get", "expcache_prefetch_wait", "expcache_memory_retain", "expcache_memory_release",
     "expcache_memory_set_dropped_callback",
 }
 TESTING_EXPORTS = {
@@ -41,7 +41,7 @@ TESTING_EXPORTS = {
     "expcache_testing_checksum_async", "expcache_testing_checksum_results",
     "expcache_testing_inject_alloc_failures", "expcache_testing_inject_copy_failures",
     "expcache_testing_inject_staging_failures", "expcache_testing_device_bytes_in_use",
-    "expcache_testing_struct_size", "expcache_testing_prefetch_pause", "expcache_testing_prefetch_drain",
+    "expcache_testing_struct_size", "expcache_testing_prefetch_pause",
     "expcache_testing_spin_async",
 }
 
@@ -417,7 +417,7 @@ HANDLE_CALLS = [
     ("expcache_hint", lambda h: (h, 0, IDS, 1)),
     ("expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats()))),
     ("expcache_testing_prefetch_pause", lambda h: (h, 0)),
-    ("expcache_testing_prefetch_drain", lambda h: (h,)),
+    ("expcache_prefetch_wait", lambda h: (h,)),
     ("expcache_testing_spin_async", lambda h: (h, None, 1000)),
 ]
 

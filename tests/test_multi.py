@@ -136,8 +136,7 @@ def test_prefetch_and_hints_go_to_the_owners(make_multi, num_devices):
     owned = np.bincount(multi.placement.owners[1][:8], minlength=num_devices)
     assert queued == 8
     assert [p.issued for p in multi.prefetch_stats()] == owned.tolist()
-    for c in multi.caches:
-        c.drain_prefetch()
+    multi.wait_prefetch()
     sel = multi.select(1, np.arange(8))
     for d in range(num_devices):
         assert_served(multi.caches[d], source, 1, np.arange(8)[sel.owners == d], sel.pointers[sel.owners == d])

@@ -171,8 +171,7 @@ class MultiMachine(RuleBasedStateMachine):
 
         def multi_call():
             queued = self.multi.prefetch(layer, np.array(ids))
-            for c in self.multi.caches:
-                c.drain_prefetch()
+            self.multi.wait_prefetch()
             return queued
 
         ok, m_queued, l_queued = self.both(layer, ids, lambda m, share: m.prefetch(layer, share, lands=True),

@@ -1,14 +1,14 @@
 """Prefetch, hints and the split select, on every backend and policy: what is queued, used,
 wasted or cancelled, what a prefetch may never evict, and that every expert served equals its
-source bytes. Timing-dependent outcomes are made certain with the testing hooks: a paused
-prefetch thread leaves its queue to be cancelled, a drained one has sent everything."""
+source bytes. Timing-dependent outcomes are made certain: a paused prefetch thread (the
+testing hook) leaves its queue to be cancelled; after wait_prefetch everything queued landed."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pyexpcache import ExpertCache, InvalidArgumentError
+from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, ModelLayout
 
 from support.cache import assert_served
 
@@ -21,11 +21,11 @@ def _resident(cache, layer, ids):
     return [cache.read_expert(layer, e) is not None for e in ids]
 
 
-def test_a_drained_prefetch_is_served_as_hits(make_cache):
+def test_a_waited_prefetch_is_served_as_hits(make_cache):
     cache, source = make_cache(budget_experts=16)
     L = _first_layer(cache)
     assert cache.prefetch(L, [5, 6, 7]) == 3
-    cache.drain_prefetch()
+    cache.wait_prefetch()
     assert _resident(cache, L, [5, 6, 7]) == [True] * 3
     ptrs = cache.select(L, [5, 6, 8])
     assert_served(cache, source, L, [5, 6, 8], ptrs)
@@ -48,7 +48,8 @@ def test_a_serving_call_cancels_what_is_still_queued(make_cache):
     cache.pause_prefetch(False)
     assert_served(cache, source, L, [1, 4], ptrs)
     p = cache.prefetch_stats()
-    assert (p.issued, p.cancelled, p.used, p.bytes_sent) == (3, 2, 1, 0)
+    assert (p.issued, p.cancelled, p.used, p.late, p.bytes_sent) == (3, 2, 0, 1, 0)
+    assert (p.bytes_used, p.bytes_late_sent) == (0, 0)
     assert cache.stats().path("decode").bytes_h2d == 2 * cache.layout[L].expert_bytes
     assert cache.stats().path("decode").misses == 2
     assert _resident(cache, L, [1, 2, 3, 4]) == [True, False, False, True]
@@ -62,7 +63,7 @@ def test_queued_prefetches_are_never_read_as_resident(make_cache):
     cache.prefetch(L, [9])
     assert cache.read_expert(L, 9) is None  # its slot is taken, its bytes not sent
     cache.pause_prefetch(False)
-    cache.drain_prefetch()
+    cache.wait_prefetch()
     assert (cache.read_expert(L, 9) == source.expert_bytes(L, 9)).all()
 
 
@@ -71,7 +72,7 @@ def test_resident_ids_are_skipped_and_the_layer_limit_drops_the_rest(make_cache)
     L = _first_layer(cache)
     cache.select(L, [0])
     assert cache.prefetch(L, [0, 1, 2, 3, 3]) == 2  # 0 resident, 1 and 2 queued, 3 over the limit
-    cache.drain_prefetch()
+    cache.wait_prefetch()
     p = cache.prefetch_stats()
     assert (p.issued, p.skipped, p.dropped) == (2, 1, 1)
     assert cache.prefetch(L, [4]) == 0  # two of the layer prefetched since its last select
@@ -96,7 +97,7 @@ def test_a_prefetch_never_evicts_the_current_or_previous_call(make_cache, policy
     assert cache.prefetch_stats().dropped == 2
     cache.select(L, [2])  # now 0 and 1 were used two calls ago
     assert cache.prefetch(L, [4, 5, 6]) == 2
-    cache.drain_prefetch()
+    cache.wait_prefetch()
     assert _resident(cache, L, [0, 1, 2, 3, 4, 5]) == [False, False, True, True, True, True]
     ptrs = cache.select(L, [4, 5])
     assert_served(cache, source, L, [4, 5], ptrs)
@@ -119,7 +120,7 @@ def test_an_unused_prefetch_evicted_is_wasted(make_cache):
     cache, source = make_cache(budget_experts=3)
     L = _first_layer(cache)
     cache.prefetch(L, [7])
-    cache.drain_prefetch()
+    cache.wait_prefetch()
     for ids in ([0], [1], [2], [3]):  # misses evict the coldest first: the unused prefetch
         cache.select(L, ids)
     p = cache.prefetch_stats()
@@ -132,7 +133,7 @@ def test_release_all_counts_unused_prefetches_as_wasted(make_cache):
     cache, _ = make_cache(budget_experts=8)
     L = _first_layer(cache)
     cache.prefetch(L, [1, 2])
-    cache.drain_prefetch()
+    cache.wait_prefetch()
     cache.release_all()
     p = cache.prefetch_stats()
     assert (p.wasted, p.cancelled) == (2, 0)
@@ -156,11 +157,11 @@ def test_prefetch_of_many_pieces_while_selects_run(make_cache):
             nxt = layers[(j + 1) % len(layers)]
             cache.prefetch(nxt, rng.choice(64, size=6, replace=False))
             if token % 3 == 0:
-                cache.drain_prefetch()
+                cache.wait_prefetch()
     p = cache.prefetch_stats()
-    outstanding = p.issued - p.used - p.wasted - p.cancelled  # resident, not used yet
+    outstanding = p.issued - p.used - p.late - p.wasted - p.cancelled  # resident, not used yet
     assert p.used > 0 and 0 <= outstanding <= 24
-    assert p.bytes_sent <= p.bytes_issued
+    assert p.bytes_used + p.bytes_late_sent <= p.bytes_sent <= p.bytes_issued
 
 
 @pytest.mark.parametrize("policy", ["lru"])  # the refresh is visible in LRU's victim
@@ -270,6 +271,77 @@ def test_a_failed_finish_in_place_frees_the_slot(make_cache):
     cache.pause_prefetch(False)
     assert cache.read_expert(L, 3) is None
     p = cache.prefetch_stats()
-    assert (p.issued, p.used, p.cancelled) == (1, 0, 1)
+    assert (p.issued, p.used, p.late, p.cancelled) == (1, 0, 0, 1)
     ptrs = cache.select(L, [3])
     assert_served(cache, source, L, [3], ptrs)
+
+
+def assert_counted_once(cache, expert_bytes, prefetched_listed):
+    """The accounting rule: a prefetched expert a select listed is either a hit and ``used`` (all
+    its bytes sent by the prefetch) or a miss and ``late`` (the prefetch's share in
+    bytes_late_sent, the rest in the decode path's bytes_h2d), never both; no more bytes count as
+    used or late than the prefetch thread sent."""
+    p, d = cache.prefetch_stats(), cache.stats().path("decode")
+    assert p.used + p.late == prefetched_listed, (p, d)
+    assert (p.used, p.bytes_used) == (d.hits, d.hits * expert_bytes), (p, d)
+    assert p.late == d.misses, (p, d)
+    assert p.bytes_late_sent + d.bytes_h2d == p.late * expert_bytes, (p, d)
+    assert p.bytes_used <= p.bytes_sent and p.bytes_used + p.bytes_late_sent <= p.bytes_sent, (p, d)
+
+
+ISSUE_26 = ModelLayout.preset("q2", scale=256)  # 27,648-byte experts: 14 transfers of 2 KiB each
+
+
+def _issue_26_runs(backend, runs=20):
+    """Fresh caches over one source (made once: it is 300 MB), as the issue's runs were."""
+    with HostSource(ISSUE_26, pinned=backend == "cuda") as source:
+        for _ in range(runs):
+            with ExpertCache(ISSUE_26, source, backend=backend, policy="lru", log_level=2, budget_experts=16,
+                             prefetch_piece_bytes=4096) as cache:
+                yield cache, source
+
+
+def test_a_select_racing_its_prefetch_counts_each_expert_once(backend):
+    """Issue 26: prefetch(6, [10, 11]); synchronize(); select(6, [10]). The thread has sent all,
+    part or none of expert 10 when the select takes the queue back; whichever it was, 10 is a
+    hit and used or a miss and late, and the bytes add up."""
+    for cache, source in _issue_26_runs(backend):
+        assert cache.prefetch(6, [10, 11]) == 2
+        cache.synchronize()
+        ptrs = cache.select(6, [10])
+        assert_served(cache, source, 6, [10], ptrs)
+        assert_counted_once(cache, ISSUE_26[6].expert_bytes, 1)
+
+
+def test_a_select_after_wait_prefetch_is_a_hit_and_the_prefetch_used(backend):
+    """Issue 26 with the wait: prefetch(6, [10, 11]); wait_prefetch(); select(6, [10]) is a hit
+    and the prefetch of 10 used, in every run."""
+    size = ISSUE_26[6].expert_bytes
+    for cache, source in _issue_26_runs(backend):
+        assert cache.prefetch(6, [10, 11]) == 2
+        cache.wait_prefetch()
+        assert _resident(cache, 6, [10, 11]) == [True, True]
+        ptrs = cache.select(6, [10])
+        assert_served(cache, source, 6, [10], ptrs)
+        d, p = cache.stats().path("decode"), cache.prefetch_stats()
+        assert (d.hits, d.misses, d.bytes_h2d) == (1, 0, 0)
+        assert (p.used, p.late, p.bytes_used, p.bytes_sent) == (1, 0, size, 2 * size)
+        assert_counted_once(cache, size, 1)
+
+
+def test_wait_prefetch_while_paused_refuses_and_leaves_the_queue(make_cache):
+    cache, source = make_cache(budget_experts=8)
+    L = _first_layer(cache)
+    cache.wait_prefetch()  # nothing was ever queued
+    cache.pause_prefetch()
+    cache.wait_prefetch()  # paused, nothing queued: nothing to wait for
+    cache.prefetch(L, [2, 3])
+    with pytest.raises(InvalidStateError, match="paused.*2 prefetches stay queued"):
+        cache.wait_prefetch()
+    assert _resident(cache, L, [2, 3]) == [False, False]
+    assert cache.prefetch_stats().bytes_sent == 0
+    cache.pause_prefetch(False)
+    cache.wait_prefetch()
+    assert _resident(cache, L, [2, 3]) == [True, True]
+    p = cache.prefetch_stats()
+    assert (p.issued, p.cancelled, p.bytes_sent) == (2, 0, 2 * cache.layout[L].expert_bytes)

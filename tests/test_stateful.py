@@ -359,7 +359,7 @@ class CacheMachine(RuleBasedStateMachine):
         def lib_call():
             queued = self.cache.prefetch(layer, np.array(ids, dtype=np.int64))
             if not self.paused:
-                self.cache.drain_prefetch()
+                self.cache.wait_prefetch()
             return queued
 
         ok, m_queued, l_queued = self.both(lambda: self.model.prefetch(layer, ids, lands=not self.paused), lib_call)

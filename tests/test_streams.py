@@ -150,7 +150,7 @@ def test_prefetch_waits_for_reads_of_older_calls(cuda, policy):
         cache.select(0, [1], stream=a)
         cache.select(0, [2], stream=a)
         assert cache.prefetch(0, [3], stream=a) == 1  # evicts 0 (used two calls ago)
-        cache.drain_prefetch()
+        cache.wait_prefetch()
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         assert _all_reads_saw(cache, source.expected_checksum(0, 0))
         got = cache.select(0, [3], stream=a)[0]

@@ -369,7 +369,7 @@ EXPCACHE_API expcache_status_t expcache_ready_wait_async(expcache_t* cache, void
  * calling thread when the source is pinned). Every serving call (select, compact
  * load, batch) first takes back what is still queued: the experts a select or
  * batch lists are finished by it in place (the rest of their bytes into the same
- * slot, on its stream: a miss, counted as used), the others are cancelled and
+ * slot, on its stream: a miss, counted late, never used), the others are cancelled and
  * their slots freed. A demand miss therefore shares the link with at most one
  * piece in flight, and its stream waits for the copy stream only when it reads
  * or rewrites a slot a prefetch sent bytes into. Ids earlier in the list are sent
@@ -388,6 +388,20 @@ EXPCACHE_API expcache_status_t expcache_ready_wait_async(expcache_t* cache, void
  */
 EXPCACHE_API expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
                                                        uint32_t n, void* stream, uint32_t* out_queued);
+
+/**
+ * Wait, on the host, until every prefetch queued by expcache_prefetch_async has
+ * been sent and has landed (the cache's copy stream synchronized). Each expert
+ * queued is then resident: a serving call that lists it before it is evicted is a
+ * hit and counts it used. Returns at once when nothing is queued. Synchronous;
+ * other calls on this cache wait until it returns. A piece that failed is reported
+ * here once (CUDA, as expcache_prefetch_async would): its expert is not resident,
+ * counted cancelled. While the prefetch thread is paused
+ * (expcache_testing_prefetch_pause) with prefetches queued, it waits only for the
+ * pieces in flight and fails with INVALID_STATE, the queue left as it was.
+ * Status: INVALID_ARGUMENT, INVALID_STATE (paused), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_prefetch_wait(expcache_t* cache);
 
 /**
  * Hint: experts ids[0..n) of `layer` are expected to be selected soon. Those
@@ -581,17 +595,24 @@ typedef struct expcache_staging_stats_t {
  */
 EXPCACHE_API expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out);
 
-/** Counters of prefetches and hints, over the whole cache. Experts are counted once per call. */
+/**
+ * Counters of prefetches and hints, over the whole cache. Experts are counted once per call.
+ * Each expert queued ends in one of used, late, wasted or cancelled (or is still queued or
+ * resident unused), and is counted in one only: a serving call's hit on a prefetched expert is
+ * used; a serving call's miss never is. Hence bytes_used + bytes_late_sent <= bytes_sent
+ * (since creation, or since a reset made while no prefetched expert was queued or unused).
+ */
 typedef struct expcache_prefetch_stats_t {
     uint32_t struct_size;      /**< sizeof(expcache_prefetch_stats_t); set by the caller */
     uint32_t reserved;
     uint64_t calls;            /**< expcache_prefetch_async calls */
     uint64_t issued;           /**< experts queued (each took a slot) */
-    uint64_t used;             /**< prefetched experts a later serving call used: found resident (first use),
-                                    or finished in place by the select or batch that listed them */
+    uint64_t used;             /**< prefetched experts whose bytes were all sent before a serving call that
+                                    listed them (a hit of that call: first use) */
     uint64_t wasted;           /**< prefetched experts evicted or released before any use */
-    uint64_t cancelled;        /**< prefetches dropped before all their bytes were sent (a serving call that
-                                    did not list them pre-empted them, or a piece failed); slots freed */
+    uint64_t cancelled;        /**< prefetches dropped before all their bytes were sent (pre-empted by a
+                                    serving call that did not list them or by a compact load, or a piece or
+                                    the in-place finish failed); slots freed */
     uint64_t skipped;          /**< ids already resident or on their way */
     uint64_t dropped;          /**< ids not prefetched: the layer's limit reached, or no slot may be taken */
     uint64_t bytes_issued, bytes_used, bytes_wasted, bytes_cancelled; /**< the experts' bytes of each */
@@ -599,6 +620,11 @@ typedef struct expcache_prefetch_stats_t {
     uint64_t pieces;           /**< transfers sent (each at most half of prefetch_piece_bytes) */
     uint64_t hints;            /**< ids given to expcache_hint (once per call) */
     uint64_t hint_refreshes;   /**< hinted ids found resident and refreshed */
+    uint64_t late;             /**< prefetched experts a select or batch listed while bytes of theirs were
+                                    still queued: it finished them in place, as misses of its path (the
+                                    rest of their bytes in its bytes_h2d); never counted used */
+    uint64_t bytes_late_sent;  /**< of those experts' bytes, the part the prefetch had sent (the rest moved
+                                    as the misses') */
 } expcache_prefetch_stats_t;
 
 /** Copy the prefetch and hint counters to *out (struct_size set by the caller). Status: INVALID_ARGUMENT. */

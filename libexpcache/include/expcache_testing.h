@@ -130,17 +130,11 @@ EXPCACHE_API expcache_status_t expcache_testing_device_bytes_in_use(const expcac
 /**
  * Prefetch, both backends: while paused (1), the prefetch thread sends no
  * piece, so what expcache_prefetch_async queued stays queued until a serving
- * call cancels it or the pause ends (0): tests make cancellation certain.
+ * call cancels it or the pause ends (0): tests make cancellation certain
+ * (expcache_prefetch_wait makes completion certain, and refuses while paused).
  * Status: INVALID_ARGUMENT.
  */
 EXPCACHE_API expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache, uint32_t paused);
-
-/**
- * Prefetch, both backends: wait until every queued prefetch piece has been
- * sent and has landed (returns at once while paused, leaving them queued), so
- * tests make completion certain. Status: INVALID_ARGUMENT, CUDA.
- */
-EXPCACHE_API expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache);
 
 /**
  * Benchmarks, both backends: `ns` nanoseconds (at most 1 s) of work that only

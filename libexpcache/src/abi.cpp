@@ -230,6 +230,13 @@ expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, con
     });
 }
 
+expcache_status_t expcache_prefetch_wait(expcache_t* cache) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->prefetch_wait();
+    });
+}
+
 expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
@@ -452,13 +459,6 @@ expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache, uint32_t pa
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(paused <= 1, "paused must be 0 or 1, got %u", paused);
         return cache->impl->prefetch_pause(paused != 0);
-    });
-}
-
-expcache_status_t expcache_testing_prefetch_drain(expcache_t* cache) {
-    return guarded(__func__, [&] {
-        EXPCACHE_TRY(check_handle(cache));
-        return cache->impl->prefetch_drain();
     });
 }
 

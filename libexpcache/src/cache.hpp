@@ -70,7 +70,7 @@ enum PrefetchState : uint8_t {
                            // serving call cancels it first
     kPrefetchUnused = 2,   // every byte sent; the first use counts it as used, an eviction as wasted
     kPrefetchPartial = 3,  // cancelled by the serving call under way with bytes left to send: if that call
-                           // lists it, it sends the rest into the same slot (a miss, counted as used);
+                           // lists it, it sends the rest into the same slot (a miss, counted late);
                            // otherwise the slot is freed (cancelled)
 };
 
@@ -130,8 +130,8 @@ public:
     expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
     expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
     expcache_status_t get_prefetch_stats(expcache_prefetch_stats_t* out) const;
+    expcache_status_t prefetch_wait();
     expcache_status_t prefetch_pause(bool paused);
-    expcache_status_t prefetch_drain();
     expcache_status_t spin(void* stream, uint64_t ns);
     expcache_status_t load_compact(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream,
                                    expcache_compact_t* out);
@@ -300,6 +300,8 @@ private:
     expcache_status_t finish_partial(ServeCall& call, int32_t slot, bool cold);
     void note_use(ClassState& cls, int32_t slot);
     void drop_prefetched(SlotState& slot);
+    // A piece failure settle_prefetches() recorded, returned (and forgotten) once; else OK.
+    expcache_status_t take_prefetch_error();
     Prefetcher& prefetcher();
 
     // serve_batch.cpp

@@ -24,8 +24,10 @@ Prefetcher::~Prefetcher() {
 
 void Prefetcher::submit(const PrefetchJob& job) {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(job);
+    // The thread first: when it cannot start, nothing is queued (the caller frees the slot, and
+    // no later thread sends into it; drain() never waits for a queue no thread serves).
     if (!thread_.joinable()) thread_ = std::thread(&Prefetcher::run, this);
+    queue_.push_back(job);
     // A pinned source costs the caller only the enqueue: start the link now rather than after
     // the thread wakes. Others (a memcpy or a read first) wait for the thread.
     if (job.pinned && !job.file) fill();
@@ -132,10 +134,10 @@ void Prefetcher::pause(bool paused) {
     landed_.notify_all();
 }
 
-expcache_status_t Prefetcher::drain() {
+size_t Prefetcher::drain() {
     std::unique_lock<std::mutex> lock(mu_);
-    landed_.wait(lock, [&] { return paused_ || (queue_.empty() && in_flight_ == 0); });
-    return EXPCACHE_OK;
+    landed_.wait(lock, [&] { return in_flight_ == 0 && (queue_.empty() || paused_); });
+    return queue_.size();
 }
 
 uint64_t Prefetcher::bytes_sent() const {

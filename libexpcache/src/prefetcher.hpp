@@ -68,10 +68,11 @@ public:
     // too, and no piece goes out after this returns until the next submit.
     void take(bool cancel, Taken* out);
 
-    // Testing: pause the thread between pieces; wait until the queue is empty and the last
-    // piece landed (at once while paused).
+    // Wait until the queue is empty and the last piece landed; while paused, only until the
+    // pieces in flight landed. Returns the jobs still queued: 0 unless paused.
+    size_t drain();
+    // Testing: pause the thread between pieces.
     void pause(bool paused);
-    expcache_status_t drain();
 
     uint64_t bytes_sent() const;
     uint64_t pieces() const;

@@ -80,7 +80,8 @@ void Cache::resolve_partial(ServeCall& call) {
 }
 
 // A miss whose prefetch was cut short: what is left of its bytes goes now, into the same slot,
-// on the call's copy stream, and it enters the policy as any miss of the call would.
+// on the call's copy stream, and it enters the policy as any miss of the call would. Counted
+// late, not used: only a prefetch whose bytes were all sent before the call is a hit.
 expcache_status_t Cache::finish_partial(ServeCall& call, int32_t s, bool cold) {
     size_t i = 0;
     while (i < partial_.size() && !(partial_[i].cls == call.c && partial_[i].slot == s)) ++i;
@@ -107,8 +108,9 @@ expcache_status_t Cache::finish_partial(ServeCall& call, int32_t s, bool cold) {
     inserted_.emplace_back(call.c, s);  // a later upload failure of the call frees it
     cls.policy->on_remove(s);
     cls.policy->on_insert(s, cold, layer.key_base + slot.expert);
-    pstats_.used++;
-    pstats_.bytes_used += layer.expert_bytes();
+    // A demand miss, never a prefetch used: the prefetch's share of the bytes is counted late.
+    pstats_.late++;
+    pstats_.bytes_late_sent += layer.expert_bytes() - sent_now;
     call.st->misses++;
     call.st->appends++;
     call.st->bytes_h2d += sent_now;
@@ -136,11 +138,7 @@ expcache_status_t Cache::prefetch(uint32_t layer_index, const uint32_t* ids, uin
     CallScope scope(*this);
     expcache_status_t s = validate_request(layer_index, ids, n, EXPCACHE_MAX_SELECT, "n");
     if (s != EXPCACHE_OK) return s;
-    if (prefetch_error_ != EXPCACHE_OK) {
-        s = prefetch_error_;
-        prefetch_error_ = EXPCACHE_OK;
-        return check(fail(s, "%s", prefetch_message_.c_str()));
-    }
+    if ((s = take_prefetch_error()) != EXPCACHE_OK) return s;
     backend_->reclaim();
     pstats_.calls++;
     const bool first = !prefetcher_;
@@ -261,19 +259,33 @@ expcache_status_t Cache::get_prefetch_stats(expcache_prefetch_stats_t* out) cons
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::take_prefetch_error() {
+    if (prefetch_error_ == EXPCACHE_OK) return EXPCACHE_OK;
+    const expcache_status_t s = prefetch_error_;
+    prefetch_error_ = EXPCACHE_OK;
+    return check(fail(s, "%s", prefetch_message_.c_str()));
+}
+
+// Every queued prefetch sent and landed: each is resident (kPrefetchUnused), so a serving call
+// that lists it is a hit. The thread needs no cache lock, so waiting under ours cannot deadlock.
+expcache_status_t Cache::prefetch_wait() {
+    CallScope scope(*this);
+    expcache_status_t s = usable();
+    if (s != EXPCACHE_OK || !prefetcher_) return s;
+    if (const size_t left = prefetcher_->drain())
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "the prefetch thread is paused (expcache_testing_prefetch_pause): %zu prefetches stay queued",
+                    left);
+    if ((s = check(backend_->sync_stream(backend_->copy_stream()))) != EXPCACHE_OK) return s;
+    forget_copy_pending();  // every piece landed
+    if ((s = settle_prefetches(false)) != EXPCACHE_OK) return s;
+    return take_prefetch_error();
+}
+
 expcache_status_t Cache::prefetch_pause(bool paused) {
     CallScope scope(*this);
     prefetcher().pause(paused);
     return EXPCACHE_OK;
-}
-
-expcache_status_t Cache::prefetch_drain() {
-    CallScope scope(*this);
-    expcache_status_t s = prefetcher().drain();
-    if (s == EXPCACHE_OK) s = check(backend_->sync_stream(backend_->copy_stream()));
-    if (s == EXPCACHE_OK) forget_copy_pending();  // every piece landed
-    if (s == EXPCACHE_OK) s = settle_prefetches(false);
-    return s;
 }
 
 }  // namespace expcache

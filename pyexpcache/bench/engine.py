@@ -211,12 +211,12 @@ def format_engine_report(report: EngineReport) -> str:
             f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
             f"{r.misses_per_token:.2f}",
             f"{r.bytes_per_token / (1 << 20):.1f}",
-            f"{p.used} / {p.wasted} / {p.cancelled}" if p.issued else "—",
+            f"{p.used} / {p.late} / {p.wasted} / {p.cancelled}" if p.issued else "—",
             f"{p.hint_refreshes}" if p.hints else "—",
             f"{100 * r.link_busy:.0f} %",
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
     table = tabulate(rows, headers=["setting", "decode tok/s", "vs none", "demand misses/token", "MiB moved/token",
-                                    "prefetch used / wasted / cancelled", "hint refreshes", "link busy",
+                                    "prefetch used / late / wasted / cancelled", "hint refreshes", "link busy",
                                     "checksums"], disable_numparse=True)
     return "\n".join(head) + "\n\n" + table

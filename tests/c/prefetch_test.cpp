@@ -3,7 +3,7 @@
 // are ever in flight, as kDepth transfers; a cancelled job's progress (part, offset) says exactly
 // which bytes were sent, so finishing the rest by hand gives the source's bytes; pageable jobs'
 // bounce memory is never refilled under a transfer; a refused transfer fails its job; pause,
-// drain and destruction with transfers in flight. Then a caller thread submitting and cancelling
+// drain (while paused: after the pieces in flight landed) and destruction with transfers in flight. Then a caller thread submitting and cancelling
 // against the thread for a while (the case for ThreadSanitizer). Built with the sanitizers by
 // tests/sanitize.mk (`make prefetch-test`, `make prefetch-tsan-test`).
 //
@@ -148,13 +148,32 @@ void test_pause_holds_the_queue_and_drain_waits() {
     Prefetcher pf(link, nullptr, 8 << 10);
     pf.pause(true);
     pf.submit(a.job(0, true));
-    CHECK(pf.drain() == EXPCACHE_OK, "drain while paused returns");
+    CHECK(pf.drain() == 1, "drain while paused returns, the job still queued");
     CHECK(pf.pieces() == 0, "%llu transfers while paused", (unsigned long long)pf.pieces());
     pf.pause(false);
-    pf.drain();
+    CHECK(pf.drain() == 0, "drain after the pause leaves nothing queued");
     Prefetcher::Taken got;
     pf.take(false, &got);
     CHECK(got.done.size() == 1, "%zu done after the pause", got.done.size());
+    link.drain();
+    CHECK(a.whole(), "the expert differs");
+}
+
+// Paused while pieces cross: drain waits for them to land before it says what stays queued.
+void test_drain_while_paused_lands_the_pieces_in_flight() {
+    FakeLink link;
+    Expert a(1 << 20, 1, 1, 4);
+    Prefetcher pf(link, nullptr, 8 << 10);
+    pf.submit(a.job(0, true));  // pinned: the first transfers leave from this thread, in flight now
+    pf.pause(true);
+    const size_t left = pf.drain();
+    const uint64_t sent = pf.bytes_sent();
+    CHECK(sent > 0 && left == (sent < a.src.size() ? 1u : 0u), "%zu queued after %llu bytes sent", left,
+          (unsigned long long)sent);
+    CHECK(std::memcmp(a.dst.data(), a.src.data(), sent) == 0, "the %llu bytes sent have not all landed",
+          (unsigned long long)sent);
+    pf.pause(false);
+    CHECK(pf.drain() == 0, "drain after the pause leaves nothing queued");
     link.drain();
     CHECK(a.whole(), "the expert differs");
 }
@@ -199,6 +218,7 @@ int main() {
     test_a_cancelled_jobs_progress_is_exact();
     test_a_refused_transfer_fails_its_job();
     test_pause_holds_the_queue_and_drain_waits();
+    test_drain_while_paused_lands_the_pieces_in_flight();
     test_submit_and_cancel_against_the_thread();
     std::printf("prefetch_test: %d checks, %d failed\n", expcache_test::checks, expcache_test::failures);
     return expcache_test::failures ? 1 : 0;

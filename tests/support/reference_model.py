@@ -697,8 +697,7 @@ class ReferenceCache:
             for k in [k for k, state in cls.pf.items() if state == "loading"]:
                 if k in keep:
                     del cls.pf[k]
-                    self.pstats["used"] += 1
-                    self.pstats["bytes_used"] += self.layers[k[0]].expert_bytes
+                    self.pstats["late"] += 1  # a miss of the call, never used; nothing of it sent (paused)
                     kept.add(k)
                     continue
                 del cls.pf[k]
