@@ -347,12 +347,23 @@ class ExpertCache:
 
     # -- serving -------------------------------------------------------------
     @staticmethod
-    def _as_ids(expert_ids, what: str) -> np.ndarray:
-        """A contiguous uint32 array of the ids (the library checks them against the layer)."""
+    def _as_ids(expert_ids, what: str, tokens: bool = False) -> np.ndarray:
+        """A contiguous 1-D uint32 array of the ids (the library checks them against the layer).
+        One token's ids must be 1-D (a 2-D array is not flattened into one select, nor a scalar
+        taken for one id); ``tokens``: prepare_batch's tokens x k ids, any shape, flattened."""
         if (type(expert_ids) is np.ndarray and expert_ids.dtype == np.uint32
-                and expert_ids.flags.c_contiguous):
-            return expert_ids.reshape(-1)  # the hot path: nothing to convert or check
-        ids = np.asarray(expert_ids)
+                and expert_ids.ndim == 1 and expert_ids.flags.c_contiguous):
+            return expert_ids  # the hot path: nothing to convert or check
+        try:
+            ids = np.asarray(expert_ids)
+        except ValueError:  # numpy refuses rows of different lengths
+            raise ValueError(f"{what} must be a rectangular array of ids, got a ragged nesting "
+                             f"(rows of different lengths)") from None
+        if ids.ndim != 1 and not tokens:
+            got = f"a scalar ({ids.item()!r}); pass [{ids.item()!r}] for one expert" if ids.ndim == 0 else \
+                f"a {ids.ndim}-D array of shape {ids.shape}"
+            raise ValueError(f"{what} must be 1-D (one token's expert ids), got {got}; "
+                             f"prepare_batch takes 2-D (tokens x k) ids")
         if ids.size == 0:
             return np.empty(0, dtype=np.uint32)  # the library reports the empty request
         if ids.dtype.kind not in "iu":
@@ -382,7 +393,9 @@ class ExpertCache:
         """Decode path: make ``expert_ids`` of ``layer`` resident; return a [k, 3] uint64 array of
         device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
         valid for work enqueued on it before the next select, load_compact or prepare_batch.
-        A contiguous uint32 array of ids is the fast path (about 3 µs; a list costs more)."""
+        ``expert_ids``: one token's ids, 1-D (ValueError otherwise: several tokens' tokens x k ids
+        go to :meth:`prepare_batch`). A contiguous 1-D uint32 array of ids is the fast path (about
+        3 µs; a list costs more)."""
         k, _ = self._decode(self._select_fn, layer, expert_ids, stream)
         return self._scratch.out[:k].copy()
 
@@ -463,7 +476,7 @@ class ExpertCache:
         evicting anything. Returns a :class:`Batch` (a context manager) whose ``ids`` are the
         unique experts and ``pointers`` their [n, 3] device addresses, held until finished."""
         layer = u32(layer, "layer")
-        ids = self._as_ids(expert_ids_2d, "expert_ids_2d")
+        ids = self._as_ids(expert_ids_2d, "expert_ids_2d", tokens=True)
         n = ids.size
         out_ids = np.empty(max(n, 1), dtype=np.uint32)
         out_ptrs = np.empty((max(n, 1), 3), dtype=np.uint64)

@@ -280,7 +280,7 @@ class MultiDeviceCache:
         """Prefill path per owner: each device prepares the union of the ids it owns (as
         :meth:`ExpertCache.prepare_batch`: free capacity only, nothing evicted)."""
         streams = self._streams(streams)
-        flat = ExpertCache._as_ids(expert_ids_2d, "expert_ids_2d")
+        flat = ExpertCache._as_ids(expert_ids_2d, "expert_ids_2d", tokens=True)
         out = DeviceBatch([None] * self.num_devices)
 
         def prepare(d, ids):

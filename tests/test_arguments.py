@@ -77,3 +77,56 @@ def test_numpy_integers_are_accepted(make_cache):
     ptrs = cache.select(np.int64(5), np.array([1, 2], dtype=np.int64))
     assert ptrs.shape == (2, 3)
     assert (cache.read_expert(np.uint32(5), np.int16(2)) == source.expert_bytes(5, 2)).all()
+
+
+# -- the shape of expert ids ---------------------------------------------------------------
+# One token's calls take 1-D ids; a 2-D array used to be flattened into one select of every
+# token's experts (and a scalar served as one id). prepare_batch takes tokens x k.
+
+SINGLE_TOKEN_CALLS = [
+    ("select", lambda c, ids: c.select(5, ids)),
+    ("select_views", lambda c, ids: c.select_views(5, ids)),
+    ("select_split", lambda c, ids: c.select_split(5, ids)),
+    ("prefetch", lambda c, ids: c.prefetch(5, ids)),
+    ("hint", lambda c, ids: c.hint(5, ids)),
+    ("load_compact", lambda c, ids: c.load_compact(5, ids)),
+]
+NOT_1D = [
+    pytest.param(np.array([[1, 2], [3, 4]]), r"a 2-D array of shape \(2, 2\)", id="2d-int64"),
+    pytest.param(np.array([[1, 2], [3, 4]], dtype=np.uint32), r"a 2-D array of shape \(2, 2\)", id="2d-uint32"),
+    pytest.param([[1, 2]], r"a 2-D array of shape \(1, 2\)", id="nested-list"),
+    pytest.param(np.zeros((1, 2, 1), dtype=np.uint32), r"a 3-D array", id="3d"),
+    pytest.param(3, r"a scalar \(3\)", id="int"),
+    pytest.param(np.uint32(3), r"a scalar \(3\)", id="numpy-scalar"),
+]
+
+
+@pytest.mark.parametrize("ids, got", NOT_1D)
+@pytest.mark.parametrize("name, call", SINGLE_TOKEN_CALLS, ids=[c[0] for c in SINGLE_TOKEN_CALLS])
+def test_single_token_calls_refuse_ids_that_are_not_1d(make_cache, name, call, ids, got):
+    cache, source = make_cache(budget_experts=4)
+    cache.select(5, [1])
+    before = cache.stats().total
+    with pytest.raises(ValueError, match=rf"expert_ids must be 1-D \(one token's expert ids\), got {got}.*"
+                                         r"prepare_batch takes 2-D \(tokens x k\) ids"):
+        call(cache, ids)
+    after = cache.stats().total
+    assert (after.calls, after.hits, after.misses) == (before.calls, before.hits, before.misses), \
+        "a refused call reached the library"
+    assert cache.prefetch_stats().calls == 0 and cache.prefetch_stats().hints == 0
+
+
+def test_ragged_ids_are_refused_naming_the_parameter(make_cache):
+    cache, _ = make_cache(budget_experts=4)
+    with pytest.raises(ValueError, match="expert_ids_2d must be a rectangular array of ids, got a ragged nesting"):
+        cache.prepare_batch(5, [[1, 2], [3]])
+    with pytest.raises(ValueError, match="expert_ids must be"):
+        cache.select(5, [[1, 2], [3]])
+
+
+@pytest.mark.parametrize("ids", [np.array([[1, 2], [2, 3]], dtype=np.uint32), [[1, 2], [2, 3]], [1, 2, 3]],
+                         ids=["2d-uint32", "nested-list", "1d"])
+def test_prepare_batch_takes_tokens_by_k_ids(make_cache, ids):
+    cache, source = make_cache(budget_experts=8)
+    with cache.prepare_batch(5, ids) as batch:
+        assert sorted(batch.ids.tolist()) == [1, 2, 3]
