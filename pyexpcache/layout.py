@@ -32,6 +32,17 @@ MIXED_Q4_LAYERS = range(37, 43)
 _BLOCK_BYTES = {"IQ2_XXS": 66, "Q2_K": 84, "Q4_K": 144}
 
 
+def _spans(indices: list[int]) -> str:
+    """Sorted indices as runs: [1, 3, 4, 5] -> "1, 3-5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _matrix_bytes(block: str) -> int:
     return WEIGHTS_PER_MATRIX // 256 * _BLOCK_BYTES[block]
 
@@ -136,6 +147,17 @@ class ModelLayout:
     def moe_layers(self) -> list[int]:
         """Indices of the layers with routed experts."""
         return [i for i, s in enumerate(self.layers) if s is not None]
+
+    @property
+    def dense_layers(self) -> frozenset[int]:
+        """Indices of the layers without routed experts (``None`` entries)."""
+        return frozenset(i for i, s in enumerate(self.layers) if s is None)
+
+    def no_experts_reason(self, layer: int) -> str:
+        """Why ``layer`` (dense or past the last layer) has no routed experts, naming those that do."""
+        where = (f"it is a dense layer of {self.name}" if 0 <= layer < self.num_layers
+                 else f"{self.name} has {self.num_layers} layers")
+        return f"layer {layer} has no routed experts: {where}; the layers with routed experts are {_spans(self.moe_layers)}"
 
     @property
     def total_bytes(self) -> int:

@@ -156,8 +156,7 @@ class MultiDeviceCache:
     def _layer(self, layer) -> int:
         layer = int(u32(layer, "layer"))
         if layer >= self.layout.num_layers or self.layout.layers[layer] is None:
-            raise ValueError(f"layer {layer} has no routed experts in {self.layout.name} "
-                             f"({self.layout.num_layers} layers)")
+            raise ValueError(self.layout.no_experts_reason(layer))
         return layer
 
     def owners_of(self, layer: int, expert_ids) -> np.ndarray:

@@ -130,3 +130,45 @@ def test_prepare_batch_takes_tokens_by_k_ids(make_cache, ids):
     cache, source = make_cache(budget_experts=8)
     with cache.prepare_batch(5, ids) as batch:
         assert sorted(batch.ids.tolist()) == [1, 2, 3]
+
+
+# -- dense layers ----------------------------------------------------------------------------
+# A None in the layout is a layer without routed experts: the library never hears of it, and
+# used to answer "layer 0 is not registered".
+
+LAYER_CALLS = [
+    ("select", lambda c, layer: c.select(layer, [1])),
+    ("select_views", lambda c, layer: c.select_views(layer, [1])),
+    ("select_split", lambda c, layer: c.select_split(layer, [1])),
+    ("prefetch", lambda c, layer: c.prefetch(layer, [1])),
+    ("hint", lambda c, layer: c.hint(layer, [1])),
+    ("load_compact", lambda c, layer: c.load_compact(layer, [1])),
+    ("prepare_batch", lambda c, layer: c.prepare_batch(layer, [[1]])),
+    ("read_expert", lambda c, layer: c.read_expert(layer, 1)),
+    ("layer_class", lambda c, layer: c.layer_class(layer)),
+    ("checksum", lambda c, layer: c.checksum(layer, np.zeros((1, 3), np.uint64))),
+]
+
+
+@pytest.mark.parametrize("name, call", LAYER_CALLS, ids=[c[0] for c in LAYER_CALLS])
+@pytest.mark.parametrize("dense", [0, 2])
+def test_a_dense_layer_is_named_as_such(make_cache, name, call, dense):
+    q2 = ModelLayout.preset("q2", scale=SCALE)[3]
+    layout = ModelLayout((None, q2, None) + (q2,) * 4, name="three-dense")
+    cache, _ = make_cache(layout, budget_experts=4)
+    with pytest.raises(ValueError, match=rf"layer {dense} has no routed experts: it is a dense layer of three-dense; "
+                                         r"the layers with routed experts are 1, 3-6"):
+        call(cache, dense)
+    assert cache.stats().total.calls == 0
+
+
+def test_the_library_says_an_unregistered_layer_may_be_dense():
+    layout = ModelLayout((None, ModelLayout.preset("q2", scale=SCALE)[3]))
+    with HostSource(layout) as src, ExpertCache(layout, src, budget_experts=4, backend="host") as cache:
+        from pyexpcache import InvalidStateError, _lib
+
+        ids = np.array([1], dtype=np.uint32)
+        out = np.empty((1, 3), dtype=np.uint64)
+        with cache.raw_handle() as h, pytest.raises(InvalidStateError, match=(
+                r"layer 0 is not registered \(a dense layer, or expcache_layer_register was not called for it\)")):
+            _lib.lib.expcache_select_async(h, 0, ids.ctypes.data, 1, None, out.ctypes.data)

@@ -98,7 +98,9 @@ expcache_status_t Cache::validate_layer(uint32_t layer) const {
     if (layer >= layers_.size())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u out of range (num_layers %zu)", layer, layers_.size());
     if (!layers_[layer].registered)
-        return fail(EXPCACHE_ERR_INVALID_STATE, "layer %u is not registered", layer);
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "layer %u is not registered (a dense layer, or expcache_layer_register was not called for it)",
+                    layer);
     return EXPCACHE_OK;
 }
 
