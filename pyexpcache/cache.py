@@ -160,8 +160,9 @@ class ExpertCache:
             3 one line per call too (``EXPCACHE_VERBOSE=1`` sets 3). Lines go to the ``pyexpcache``
             logger (warnings at WARNING, notices at INFO, per-call lines at DEBUG), or to stderr
             when logging is not configured. A warning (a class left with cap 0: nothing of it
-            is cached) is also issued once per class through :mod:`warnings`
-            (:class:`~pyexpcache.ExpcacheWarning`).
+            is cached, whether the budget is too small for one of its experts or device memory
+            after the reserve is; it says the smallest budget or largest reserve that holds one)
+            is also issued once per class through :mod:`warnings` (:class:`~pyexpcache.ExpcacheWarning`).
         copy_threads: pageable and file sources: threads staging misses into a pinned ring, each
             filling whole chunks while the calling thread sends the filled ones over the link, in
             order (default: the cores the process may use less 4, at least 2 and at most 12, the

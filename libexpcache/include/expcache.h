@@ -130,7 +130,9 @@ EXPCACHE_API uint32_t expcache_version(void);
 
 /** Log levels (expcache_config_t.log_level). */
 #define EXPCACHE_LOG_SILENT 0
-#define EXPCACHE_LOG_WARNING 1 /**< trouble only: a class left with cap 0 (nothing cached). */
+#define EXPCACHE_LOG_WARNING 1 /**< trouble only: a class left with cap 0 (nothing cached: a budget too
+                                    small for one of its experts, a reserve above free memory, a failed
+                                    slot allocation), once per change, with the fix */
 #define EXPCACHE_LOG_NOTICE 2  /**< plus cap changes, class reuse, cache releases (default). */
 #define EXPCACHE_LOG_DEBUG 3   /**< plus one line per call. EXPCACHE_VERBOSE=1 sets this. */
 
