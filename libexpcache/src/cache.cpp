@@ -8,12 +8,6 @@
 
 namespace expcache {
 
-namespace {
-
-constexpr uint64_t kMaxPartBytes = uint64_t(1) << 40;
-
-}  // namespace
-
 // ---------------------------------------------------------------------------
 // Lifetime
 
@@ -128,7 +122,7 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
     static const char* names[kParts] = {"gate", "up", "down"};
     for (int p = 0; p < kParts; ++p) {
-        if (bytes[p] == 0 || bytes[p] > kMaxPartBytes)
+        if (bytes[p] == 0 || bytes[p] > EXPCACHE_MAX_PART_BYTES_LIMIT)
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_bytes must be 1..2^40, got %llu", names[p],
                         (unsigned long long)bytes[p]);
         if (stride[p] < bytes[p])
