@@ -362,8 +362,10 @@ class ExpertCache:
             raise ValueError(f"{what} must be a rectangular array of ids, got a ragged nesting "
                              f"(rows of different lengths)") from None
         if ids.ndim != 1 and not tokens:
-            got = f"a scalar ({ids.item()!r}); pass [{ids.item()!r}] for one expert" if ids.ndim == 0 else \
-                f"a {ids.ndim}-D array of shape {ids.shape}"
+            got = f"a {ids.ndim}-D array of shape {ids.shape}"
+            if ids.ndim == 0:
+                got = f"a scalar ({ids.item()!r})" + (f"; pass [{ids.item()}] for one expert" if ids.dtype.kind in "iu"
+                                                      else "")
             raise ValueError(f"{what} must be 1-D (one token's expert ids), got {got}; "
                              f"prepare_batch takes 2-D (tokens x k) ids")
         if ids.size == 0:

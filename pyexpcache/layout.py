@@ -184,7 +184,8 @@ class ModelLayout:
         """Why ``layer`` (dense or past the last layer) has no routed experts, naming those that do."""
         where = (f"it is a dense layer of {self.name}" if 0 <= layer < self.num_layers
                  else f"{self.name} has {self.num_layers} layers")
-        return f"layer {layer} has no routed experts: {where}; the layers with routed experts are {_spans(self.moe_layers)}"
+        return (f"layer {layer} has no routed experts: {where}; "
+                f"the layers with routed experts are {_spans(self.moe_layers)}")
 
     @property
     def total_bytes(self) -> int:

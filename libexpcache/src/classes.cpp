@@ -236,17 +236,20 @@ expcache_status_t Cache::refresh_cap(int32_t c, uint32_t path) {
         if (cls.cap < cls.target)
             why = format(", limited by free device memory minus the reserve (%s free, reserve %s)",
                          human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());
-        // For cap 0: the largest reserve that leaves one slot (free - reserve - others >= slot_bytes).
-        std::string others_note = others ? format(" (or lower the budget: other classes may still grow into %s)",
-                                                  human_bytes(others).c_str())
-                                         : std::string();
-        if (free_bytes >= others + cls.slot_bytes)
-            fix = format("a reserve_bytes of at most %llu B (%s) leaves room for one expert of this class%s",
-                         (unsigned long long)(free_bytes - others - cls.slot_bytes),
-                         human_bytes(free_bytes - others - cls.slot_bytes).c_str(), others_note.c_str());
-        else
-            fix = format("free device memory: one expert of this class needs %s%s", human_bytes(cls.slot_bytes).c_str(),
-                         others_note.c_str());
+        if (cls.cap == 0 && cls.target > 0) {
+            // The largest reserve that leaves one slot: free - reserve - others >= slot_bytes.
+            const std::string others_note =
+                others ? format(" (or lower the budget: other classes may still grow into %s)",
+                                human_bytes(others).c_str())
+                       : std::string();
+            if (free_bytes >= others + cls.slot_bytes)
+                fix = format("a reserve_bytes of at most %llu B (%s) leaves room for one expert of this class%s",
+                             (unsigned long long)(free_bytes - others - cls.slot_bytes),
+                             human_bytes(free_bytes - others - cls.slot_bytes).c_str(), others_note.c_str());
+            else
+                fix = format("free device memory: one expert of this class needs %s%s",
+                             human_bytes(cls.slot_bytes).c_str(), others_note.c_str());
+        }
         announce_cap(c, path, why.c_str(), fix.c_str());
     }
     return EXPCACHE_OK;
