@@ -92,7 +92,8 @@ class ForkedError(CacheClosedError):
 
 class ExpcacheWarning(RuntimeWarning):
     """Trouble the library reports without failing a call, e.g. a size class left with
-    cap 0 (no device memory after the reserve: nothing of it is cached)."""
+    cap 0 (nothing of it is cached: a budget too small for one of its experts, or no device
+    memory after the reserve), with the smallest budget or largest reserve that holds one."""
 
 
 def stacklevel_outside(module: str) -> int:

@@ -41,6 +41,10 @@ PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
 MAX_SELECT = 1024
 MAX_BATCHES = 64
+MAX_CLASSES_LIMIT = 64
+MAX_LAYERS_LIMIT = 4096  # layers of one cache (a layout is checked against these when it is made)
+MAX_EXPERTS_LIMIT = 65536  # experts of one layer
+MAX_PART_BYTES_LIMIT = 1 << 40  # bytes of one gate, up or down part
 # Constants of expcache_testing.h.
 CHECKSUM_RESULTS = 65536
 (STRUCT_CONFIG, STRUCT_LAYER_DESC, STRUCT_EXPERT_PTRS, STRUCT_COMPACT, STRUCT_CLASS_INFO, STRUCT_STATS,

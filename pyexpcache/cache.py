@@ -169,8 +169,9 @@ class ExpertCache:
             3 one line per call too (``EXPCACHE_VERBOSE=1`` sets 3). Lines go to the ``pyexpcache``
             logger (warnings at WARNING, notices at INFO, per-call lines at DEBUG), or to stderr
             when logging is not configured. A warning (a class left with cap 0: nothing of it
-            is cached) is also issued once per class through :mod:`warnings`
-            (:class:`~pyexpcache.ExpcacheWarning`).
+            is cached, whether the budget is too small for one of its experts or device memory
+            after the reserve is; it says the smallest budget or largest reserve that holds one)
+            is also issued once per class through :mod:`warnings` (:class:`~pyexpcache.ExpcacheWarning`).
         copy_threads: pageable and file sources: threads staging misses into a pinned ring, each
             filling whole chunks while the calling thread sends the filled ones over the link, in
             order (default: the cores the process may use less 4, at least 2 and at most 12, the
@@ -237,6 +238,7 @@ class ExpertCache:
         self._select_fn = lib.expcache_select_async
         self._split_fn = lib.expcache_select_split_async
         self._views = ViewCache(layout)
+        self._dense_layers = layout.dense_layers
         self._warned: set[str] = set()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
         self._log_fn = _lib.LOG_FN(self._on_log)
@@ -395,12 +397,25 @@ class ExpertCache:
 
     # -- serving -------------------------------------------------------------
     @staticmethod
-    def _as_ids(expert_ids, what: str) -> np.ndarray:
-        """A contiguous uint32 array of the ids (the library checks them against the layer)."""
+    def _as_ids(expert_ids, what: str, tokens: bool = False) -> np.ndarray:
+        """A contiguous 1-D uint32 array of the ids (the library checks them against the layer).
+        One token's ids must be 1-D (a 2-D array is not flattened into one select, nor a scalar
+        taken for one id); ``tokens``: prepare_batch's tokens x k ids, any shape, flattened."""
         if (type(expert_ids) is np.ndarray and expert_ids.dtype == np.uint32
-                and expert_ids.flags.c_contiguous):
-            return expert_ids.reshape(-1)  # the hot path: nothing to convert or check
-        ids = np.asarray(expert_ids)
+                and expert_ids.ndim == 1 and expert_ids.flags.c_contiguous):
+            return expert_ids  # the hot path: nothing to convert or check
+        try:
+            ids = np.asarray(expert_ids)
+        except ValueError:  # numpy refuses rows of different lengths
+            raise ValueError(f"{what} must be a rectangular array of ids, got a ragged nesting "
+                             f"(rows of different lengths)") from None
+        if ids.ndim != 1 and not tokens:
+            got = f"a {ids.ndim}-D array of shape {ids.shape}"
+            if ids.ndim == 0:
+                got = f"a scalar ({ids.item()!r})" + (f"; pass [{ids.item()}] for one expert" if ids.dtype.kind in "iu"
+                                                      else "")
+            raise ValueError(f"{what} must be 1-D (one token's expert ids), got {got}; "
+                             f"prepare_batch takes 2-D (tokens x k) ids")
         if ids.size == 0:
             return np.empty(0, dtype=np.uint32)  # the library reports the empty request
         if ids.dtype.kind not in "iu":
@@ -409,12 +424,20 @@ class ExpertCache:
             raise ValueError(f"{what} must be in [0, 2^32), got {ids.min()}..{ids.max()}")
         return np.ascontiguousarray(ids.reshape(-1), dtype=np.uint32)
 
+    def _layer(self, layer) -> int:
+        """``layer`` as a uint32, refused (ValueError) when it is a dense layer of the layout: the
+        library never heard of it. A layer past the last one is the library's to report."""
+        layer = u32(layer, "layer")
+        if layer in self._dense_layers:
+            raise ValueError(self.layout.no_experts_reason(layer))
+        return layer
+
     def _decode(self, fn, layer, expert_ids, stream, *out) -> tuple[int, int]:
         """The decode call every select shares: checks, the ids into this thread's buffer, then
         ``fn(handle, layer, ids, k, stream, out_ptrs, *out)`` through the gate, the addresses left
         in the buffer. Returns (k, the stream's handle)."""
-        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF:
-            layer = u32(layer, "layer")
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
+            layer = self._layer(layer)
         ids = self._as_ids(expert_ids, "expert_ids")
         k = ids.size
         if k > _lib.MAX_SELECT:
@@ -430,7 +453,9 @@ class ExpertCache:
         """Decode path: make ``expert_ids`` of ``layer`` resident; return a [k, 3] uint64 array of
         device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
         valid for work enqueued on it before the next select, load_compact or prepare_batch.
-        A contiguous uint32 array of ids is the fast path (about 3 µs; a list costs more)."""
+        ``expert_ids``: one token's ids, 1-D (ValueError otherwise: several tokens' tokens x k ids
+        go to :meth:`prepare_batch`). A contiguous 1-D uint32 array of ids is the fast path (about
+        3 µs; a list costs more)."""
         k, _ = self._decode(self._select_fn, layer, expert_ids, stream)
         return self._scratch.out[:k].copy()
 
@@ -480,7 +505,7 @@ class ExpertCache:
         at most ``prefetch_max_per_layer`` of a layer between two serving calls of it. ``stream``:
         the engine's compute stream (the first prefetch waits for its work so far). Counted in
         :meth:`prefetch_stats`."""
-        layer = u32(layer, "layer")
+        layer = self._layer(layer)
         ids = self._as_ids(expert_ids, "expert_ids")
         queued = ctypes.c_uint32()
         self._call("expcache_prefetch_async", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"),
@@ -497,14 +522,14 @@ class ExpertCache:
     def hint(self, layer: int, expert_ids) -> None:
         """Tell the policy that ``expert_ids`` of ``layer`` are expected soon: those resident are
         refreshed as hits would be; nothing is copied. Counted in :meth:`prefetch_stats`."""
-        layer = u32(layer, "layer")
+        layer = self._layer(layer)
         ids = self._as_ids(expert_ids, "expert_ids")
         self._call("expcache_hint", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"))
 
     def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
         """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to
         device, misses host to device). Asynchronous on ``stream``."""
-        layer = u32(layer, "layer")
+        layer = self._layer(layer)
         ids = self._as_ids(expert_ids, "expert_ids")
         out = _lib.Compact()
         out.struct_size = ctypes.sizeof(out)
@@ -517,8 +542,8 @@ class ExpertCache:
         """Prefill path: serve the union of ``expert_ids_2d`` (tokens x k ids of ``layer``) without
         evicting anything. Returns a :class:`Batch` (a context manager) whose ``ids`` are the
         unique experts and ``pointers`` their [n, 3] device addresses, held until finished."""
-        layer = u32(layer, "layer")
-        ids = self._as_ids(expert_ids_2d, "expert_ids_2d")
+        layer = self._layer(layer)
+        ids = self._as_ids(expert_ids_2d, "expert_ids_2d", tokens=True)
         n = ids.size
         out_ids = np.empty(max(n, 1), dtype=np.uint32)
         out_ptrs = np.empty((max(n, 1), 3), dtype=np.uint64)
@@ -543,7 +568,7 @@ class ExpertCache:
     def read_expert(self, layer: int, expert: int) -> Optional[np.ndarray]:
         """The resident bytes of (layer, expert) (gate, up, down) as uint8, or None when it is
         not resident. Synchronizes."""
-        layer, expert = u32(layer, "layer"), u32(expert, "expert")
+        layer, expert = self._layer(layer), u32(expert, "expert")
         spec = self.layout[layer] if layer < self.layout.num_layers else None
         nbytes = spec.expert_bytes if spec else 1  # the library reports a bad or dense layer
         out = np.empty(nbytes, dtype=np.uint8)
@@ -561,7 +586,7 @@ class ExpertCache:
     def checksum(self, layer: int, pointers, stream=None) -> np.ndarray:
         """Run the checksum kernel over experts at ``pointers`` ([n, 3] addresses of ``layer``'s
         class, as select returns): uint64 per expert. Reads every byte. Synchronizes."""
-        layer = u32(layer, "layer")
+        layer = self._layer(layer)
         ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
         out = np.empty(ptrs.shape[0], dtype=np.uint64)
         self._call("expcache_testing_checksum", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
@@ -572,7 +597,7 @@ class ExpertCache:
         """:meth:`checksum` without waiting: the sums go to result slots ``[first, first + n)``
         when ``stream`` reaches the kernel; read them with :meth:`checksum_results` after
         synchronizing it."""
-        layer, first = u32(layer, "layer"), u32(first, "first")
+        layer, first = self._layer(layer), u32(first, "first")
         ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
         self._call("expcache_testing_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
                    stream_handle(stream), first)
@@ -589,7 +614,7 @@ class ExpertCache:
     def layer_class(self, layer: int) -> int:
         """The class index ``layer`` is bound to (binding it now if needed)."""
         out = ctypes.c_uint32()
-        self._call("expcache_layer_bind_class", u32(layer, "layer"), ctypes.byref(out))
+        self._call("expcache_layer_bind_class", self._layer(layer), ctypes.byref(out))
         return out.value
 
     def classes(self) -> list[ClassInfo]:

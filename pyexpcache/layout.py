@@ -17,8 +17,12 @@ mixed      q4 in layers 37-42, q2 elsewhere
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Iterable, Optional
+
+from ._errors import ArgumentRangeError
+from ._ints import checked_int
+from ._lib import MAX_EXPERTS_LIMIT, MAX_LAYERS_LIMIT, MAX_PART_BYTES_LIMIT
 
 WEIGHTS_PER_MATRIX = 4096 * 2048
 GiB = 1 << 30
@@ -32,18 +36,47 @@ MIXED_Q4_LAYERS = range(37, 43)
 _BLOCK_BYTES = {"IQ2_XXS": 66, "Q2_K": 84, "Q4_K": 144}
 
 
+def _within_limit(value, name: str, limit: int) -> int:
+    """``value`` as an int in 1..``limit`` (a limit of expcache.h): TypeError for anything but an
+    integer (a bool, a float such as 768.0 and a string included), ArgumentRangeError (a ValueError)
+    outside."""
+    try:
+        return checked_int(value, name, 1, limit)
+    except ArgumentRangeError:
+        raise ArgumentRangeError(f"{name} must be 1..{limit} (the library's limit), got {value}") from None
+
+
+def _spans(indices: list[int]) -> str:
+    """Sorted indices as runs: [1, 3, 4, 5] -> "1, 3-5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _matrix_bytes(block: str) -> int:
     return WEIGHTS_PER_MATRIX // 256 * _BLOCK_BYTES[block]
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One MoE layer: ``num_experts`` experts of identical part sizes (bytes)."""
+    """One MoE layer: ``num_experts`` experts of identical part sizes (bytes). Each is checked
+    when the spec is made against the library's limits (``num_experts`` 1..65536, each part
+    1..2^40 bytes): a non-integer raises TypeError, a value outside ValueError, naming the field."""
 
     num_experts: int
     gate_bytes: int
     up_bytes: int
     down_bytes: int
+
+    def __post_init__(self):
+        for f in fields(self):
+            limit = MAX_EXPERTS_LIMIT if f.name == "num_experts" else MAX_PART_BYTES_LIMIT
+            # Stored as a plain int (a numpy integer is accepted and converted).
+            object.__setattr__(self, f.name, _within_limit(getattr(self, f.name), f"LayerSpec.{f.name}", limit))
 
     @property
     def expert_bytes(self) -> int:
@@ -58,19 +91,24 @@ class LayerSpec:
 @dataclass(frozen=True)
 class ModelLayout:
     """An ordered list of layers. Index i is model layer i; an entry is None for a
-    layer without routed experts (a dense layer), which the cache never sees."""
+    layer without routed experts (a dense layer), which the cache never sees. At most
+    the library's 4096 layers; each entry a :class:`LayerSpec` or None (any sequence of
+    them is kept as a tuple)."""
 
     layers: tuple[Optional[LayerSpec], ...]
     name: str = "custom"
 
     def __post_init__(self):
+        if not isinstance(self.layers, tuple):
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if not 1 <= len(self.layers) <= MAX_LAYERS_LIMIT:
+            raise ValueError(f"a layout has 1..{MAX_LAYERS_LIMIT} layers (the library's limit), got {len(self.layers)}")
+        for i, spec in enumerate(self.layers):
+            if spec is not None and not isinstance(spec, LayerSpec):
+                raise TypeError(f"layer {i} must be a LayerSpec or None (a dense layer), got {type(spec).__name__} "
+                                f"{spec!r}")
         if not any(s is not None for s in self.layers):
             raise ValueError("a layout needs at least one MoE layer")
-        for i, spec in enumerate(self.layers):
-            if spec is None:
-                continue
-            if spec.num_experts <= 0 or min(spec.class_key) <= 0:
-                raise ValueError(f"layer {i}: experts and part sizes must be positive, got {spec}")
 
     # -- presets ---------------------------------------------------------
     @classmethod
@@ -136,6 +174,18 @@ class ModelLayout:
     def moe_layers(self) -> list[int]:
         """Indices of the layers with routed experts."""
         return [i for i, s in enumerate(self.layers) if s is not None]
+
+    @property
+    def dense_layers(self) -> frozenset[int]:
+        """Indices of the layers without routed experts (``None`` entries)."""
+        return frozenset(i for i, s in enumerate(self.layers) if s is None)
+
+    def no_experts_reason(self, layer: int) -> str:
+        """Why ``layer`` (dense or past the last layer) has no routed experts, naming those that do."""
+        where = (f"it is a dense layer of {self.name}" if 0 <= layer < self.num_layers
+                 else f"{self.name} has {self.num_layers} layers")
+        return (f"layer {layer} has no routed experts: {where}; "
+                f"the layers with routed experts are {_spans(self.moe_layers)}")
 
     @property
     def total_bytes(self) -> int:

@@ -165,8 +165,7 @@ class MultiDeviceCache:
     def _layer(self, layer) -> int:
         layer = int(u32(layer, "layer"))
         if layer >= self.layout.num_layers or self.layout.layers[layer] is None:
-            raise ValueError(f"layer {layer} has no routed experts in {self.layout.name} "
-                             f"({self.layout.num_layers} layers)")
+            raise ValueError(self.layout.no_experts_reason(layer))
         return layer
 
     def owners_of(self, layer: int, expert_ids) -> np.ndarray:
@@ -294,7 +293,7 @@ class MultiDeviceCache:
         """Prefill path per owner: each device prepares the union of the ids it owns (as
         :meth:`ExpertCache.prepare_batch`: free capacity only, nothing evicted)."""
         streams = self._streams(streams)
-        flat = ExpertCache._as_ids(expert_ids_2d, "expert_ids_2d")
+        flat = ExpertCache._as_ids(expert_ids_2d, "expert_ids_2d", tokens=True)
         out = DeviceBatch([None] * self.num_devices)
 
         def prepare(d, ids):

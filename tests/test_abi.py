@@ -548,3 +548,16 @@ def test_host_only_library_serves(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_limits_match_the_header():
+    """pyexpcache._lib's copies of expcache.h's limits (layouts are checked against them)."""
+    import re
+    from pathlib import Path
+
+    header = Path(__file__).resolve().parent.parent / "libexpcache" / "include" / "expcache.h"
+    if not header.exists():
+        pytest.skip(f"{header} not in this tree")
+    limits = dict(re.findall(r"^#define EXPCACHE_(MAX_\w+) (\d+)(?:ULL)?\b", header.read_text(), re.M))
+    assert {"MAX_EXPERTS_LIMIT", "MAX_LAYERS_LIMIT", "MAX_PART_BYTES_LIMIT", "MAX_SELECT"} <= set(limits)
+    assert {n: int(v) for n, v in limits.items()} == {n: getattr(_lib, n) for n in limits}

@@ -4,6 +4,7 @@ lines reach stderr when Python's logging is not configured."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -43,6 +44,55 @@ def test_cap_zero_warns_even_when_notices_are_off(policy):
     with HostSource(layout) as src, pytest.warns(ExpcacheWarning, match="cap 0"):
         with small_device_cache(src, layout, log_level=1, policy=policy) as cache:
             cache.select(5, [1])
+
+
+def serve_one_layer(layout, src, layer, **kw):
+    """Select two experts of ``layer`` on a host cache made with ``kw``: (its class's info, the
+    ExpcacheWarning texts issued)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ExpertCache(layout, src, backend="host", log_level=1, **kw) as cache:
+            cache.select(layer, [1, 2])
+            info = next(i for i in cache.classes() if i.key == layout[layer].class_key)
+    return info, [str(w.message) for w in caught if issubclass(w.category, ExpcacheWarning)]
+
+
+def test_a_budget_below_one_expert_warns_with_the_smallest_that_holds_one(policy):
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    with HostSource(layout) as src:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ExpertCache(layout, src, budget_bytes=1, backend="host", log_level=1, policy=policy) as cache:
+                for token in range(3):
+                    for layer in (5, 40):  # a q2 and a q4 layer: two classes
+                        cache.select(layer, [token, token + 1])
+        ours = [str(w.message) for w in caught if issubclass(w.category, ExpcacheWarning)]
+        assert len(ours) == 2, ours  # once per class
+        for layer in (5, 40):
+            info, texts = serve_one_layer(layout, src, layer, budget_bytes=1, policy=policy)
+            assert info.cap_experts == 0 and len(texts) == 1, texts
+            assert "cap 0 experts" in texts[0] and "less than one expert" in texts[0], texts[0]
+            need = int(re.search(r"budget_bytes of at least (\d+) B", texts[0]).group(1))
+            assert serve_one_layer(layout, src, layer, budget_bytes=need, policy=policy)[0].cap_experts >= 1
+            assert serve_one_layer(layout, src, layer, budget_bytes=need - 1, policy=policy)[0].cap_experts == 0
+
+
+def test_a_reserve_above_free_memory_warns_with_the_largest_that_leaves_one_expert(policy):
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    small = dict(budget_experts=8, device_capacity_bytes=1 << 20, policy=policy)
+    with HostSource(layout) as src:
+        info, texts = serve_one_layer(layout, src, 5, reserve_bytes=2 << 20, **small)
+        assert info.cap_experts == 0 and len(texts) == 1, texts
+        most = int(re.search(r"reserve_bytes of at most (\d+) B", texts[0]).group(1))
+        assert serve_one_layer(layout, src, 5, reserve_bytes=most, **small)[0].cap_experts >= 1
+        assert serve_one_layer(layout, src, 5, reserve_bytes=most + 1, **small)[0].cap_experts == 0
+
+
+def test_a_failed_first_slot_allocation_warns(make_cache):
+    cache, _ = make_cache(budget_experts=4, log_level=1)
+    cache.fail_device_alloc_after(0)
+    with pytest.warns(ExpcacheWarning, match=r"cap 0 experts.*a slot allocation failed.*free device memory"):
+        cache.select(5, [1])
 
 
 def test_no_warning_when_memory_suffices(make_cache):

@@ -209,6 +209,29 @@ def test_bad_input_is_refused_with_the_reason(make_multi, num_devices):
                          budget_experts=1, backend="host")
 
 
+MULTI_SINGLE_TOKEN_CALLS = [
+    ("select", lambda m, ids: m.select(1, ids)),
+    ("select_views", lambda m, ids: m.select_views(1, ids)),
+    ("prefetch", lambda m, ids: m.prefetch(1, ids)),
+    ("hint", lambda m, ids: m.hint(1, ids)),
+    ("load_compact", lambda m, ids: m.load_compact(1, ids)),
+    ("owners_of", lambda m, ids: m.owners_of(1, ids)),
+]
+
+
+@pytest.mark.parametrize("ids", [np.array([[1, 2], [3, 4]], dtype=np.uint32), [[1, 2]], 3],
+                         ids=["2d-uint32", "nested-list", "scalar"])
+@pytest.mark.parametrize("name, call", MULTI_SINGLE_TOKEN_CALLS, ids=[c[0] for c in MULTI_SINGLE_TOKEN_CALLS])
+def test_single_token_calls_refuse_ids_that_are_not_1d(make_multi, num_devices, name, call, ids):
+    multi, _ = make_multi(_layout(), budget_experts=4)
+    with pytest.raises(ValueError, match=r"expert_ids must be 1-D \(one token's expert ids\).*"
+                                         r"prepare_batch takes 2-D \(tokens x k\) ids"):
+        call(multi, ids)
+    assert multi.total_stats().calls == 0 and multi.total_prefetch_stats().calls == 0
+    with multi.prepare_batch(1, [[1, 2], [2, 3]]) as batch:  # tokens x k is the batch's shape
+        assert sum(len(b) for b in batch.batches if b is not None) == 3
+
+
 def test_calls_after_close_raise_the_closed_error(make_multi):
     multi, source = make_multi(_layout(), budget_experts=4)
     multi.select(1, [1, 2])

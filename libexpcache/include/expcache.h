@@ -130,7 +130,9 @@ EXPCACHE_API uint32_t expcache_version(void);
 
 /** Log levels (expcache_config_t.log_level). */
 #define EXPCACHE_LOG_SILENT 0
-#define EXPCACHE_LOG_WARNING 1 /**< trouble only: a class left with cap 0 (nothing cached). */
+#define EXPCACHE_LOG_WARNING 1 /**< trouble only: a class left with cap 0 (nothing cached: a budget too
+                                    small for one of its experts, a reserve above free memory, a failed
+                                    slot allocation), once per change, with the fix */
 #define EXPCACHE_LOG_NOTICE 2  /**< plus cap changes, class reuse, cache releases (default). */
 #define EXPCACHE_LOG_DEBUG 3   /**< plus one line per call. EXPCACHE_VERBOSE=1 sets this. */
 
@@ -153,6 +155,8 @@ EXPCACHE_API uint32_t expcache_version(void);
 #define EXPCACHE_MAX_LAYERS_LIMIT 4096
 /** Most experts one layer can have. */
 #define EXPCACHE_MAX_EXPERTS_LIMIT 65536
+/** Largest gate, up or down part of one expert, in bytes (2^40). */
+#define EXPCACHE_MAX_PART_BYTES_LIMIT 1099511627776ULL
 
 /**
  * Cache configuration. Fill with expcache_config_init(), then change fields.
@@ -269,7 +273,7 @@ typedef struct expcache_layer_desc_t {
     uint32_t num_experts;  /**< 1..EXPCACHE_MAX_EXPERTS_LIMIT */
     uint32_t source_kind;  /**< EXPCACHE_SOURCE_* */
     uint32_t file;         /**< EXPCACHE_SOURCE_FILE: the id from expcache_file_open; else must be 0 */
-    uint64_t gate_bytes, up_bytes, down_bytes;    /**< each > 0 */
+    uint64_t gate_bytes, up_bytes, down_bytes;    /**< each 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
     uint64_t gate_stride, up_stride, down_stride; /**< bytes between experts */
     const void* gate_base;
     const void* up_base;

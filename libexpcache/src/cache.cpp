@@ -8,12 +8,6 @@
 
 namespace expcache {
 
-namespace {
-
-constexpr uint64_t kMaxPartBytes = uint64_t(1) << 40;
-
-}  // namespace
-
 // ---------------------------------------------------------------------------
 // Lifetime
 
@@ -112,7 +106,9 @@ expcache_status_t Cache::validate_layer(uint32_t layer) const {
     if (layer >= layers_.size())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u out of range (num_layers %zu)", layer, layers_.size());
     if (!layers_[layer].registered)
-        return fail(EXPCACHE_ERR_INVALID_STATE, "layer %u is not registered", layer);
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "layer %u is not registered (a dense layer, or expcache_layer_register was not called for it)",
+                    layer);
     return EXPCACHE_OK;
 }
 
@@ -140,7 +136,7 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
     static const char* names[kParts] = {"gate", "up", "down"};
     for (int p = 0; p < kParts; ++p) {
-        if (bytes[p] == 0 || bytes[p] > kMaxPartBytes)
+        if (bytes[p] == 0 || bytes[p] > EXPCACHE_MAX_PART_BYTES_LIMIT)
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_bytes must be 1..2^40, got %llu", names[p],
                         (unsigned long long)bytes[p]);
         if (stride[p] < bytes[p])

@@ -245,8 +245,9 @@ private:
     expcache_status_t release_class(int32_t c, uint32_t path);
     expcache_status_t release_unheld(uint32_t path);
     uint64_t class_target(const ClassState& cls) const;
+    std::string zero_target_reason(const ClassState& cls) const;
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
-    void announce_cap(int32_t c, uint32_t path, const char* why);
+    void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");
     expcache_status_t grow(int32_t c, uint32_t path);
     std::string class_name(const ClassState& cls) const;
 

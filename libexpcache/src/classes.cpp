@@ -8,10 +8,33 @@ namespace expcache {
 
 namespace {
 
-// Bytes as GiB, or MiB below 1 GiB (the host backend's emulated devices are small).
+// Bytes as GiB, MiB, KiB or B (the host backend's emulated devices and scaled layouts are small).
 std::string human_bytes(uint64_t n) {
     if (n >= kGiB) return format("%.2f GiB", double(n) / double(kGiB));
-    return format("%.1f MiB", double(n) / double(uint64_t(1) << 20));
+    if (n >= (uint64_t(1) << 20)) return format("%.1f MiB", double(n) / double(uint64_t(1) << 20));
+    if (n >= 1024) return format("%.1f KiB", double(n) / 1024.0);
+    return format("%llu B", (unsigned long long)n);
+}
+
+// What budget_bytes is shared out over (see expcache_config_t): the slot bytes of every registered
+// expert, of those of one class, and how many experts that class has.
+struct ClassShare {
+    uint64_t experts = 0;
+    unsigned __int128 class_bytes = 0, total_bytes = 0;
+};
+
+ClassShare class_share(const std::vector<LayerState>& layers, const ClassState& cls) {
+    ClassShare out;
+    for (const LayerState& l : layers) {
+        if (!l.registered) continue;
+        uint64_t slot = align_up(l.bytes[kGate]) + align_up(l.bytes[kUp]) + align_up(l.bytes[kDown]);
+        out.total_bytes += (unsigned __int128)slot * l.num_experts;
+        if (std::equal(cls.key, cls.key + kParts, l.bytes)) {
+            out.experts += l.num_experts;
+            out.class_bytes += (unsigned __int128)slot * l.num_experts;
+        }
+    }
+    return out;
 }
 
 }  // namespace
@@ -138,37 +161,47 @@ expcache_status_t Cache::release_unheld(uint32_t path) {
 
 // What the budgets ask for this class (see expcache_config_t).
 uint64_t Cache::class_target(const ClassState& cls) const {
-    uint64_t experts = 0;
-    unsigned __int128 class_bytes = 0, total_bytes = 0;
-    for (const LayerState& l : layers_) {
-        if (!l.registered) continue;
-        uint64_t slot = align_up(l.bytes[kGate]) + align_up(l.bytes[kUp]) + align_up(l.bytes[kDown]);
-        total_bytes += (unsigned __int128)slot * l.num_experts;
-        if (std::equal(cls.key, cls.key + kParts, l.bytes)) {
-            experts += l.num_experts;
-            class_bytes += (unsigned __int128)slot * l.num_experts;
-        }
-    }
-    uint64_t target = experts;
+    const ClassShare share = class_share(layers_, cls);
+    uint64_t target = share.experts;
     if (config_.budget_experts) target = std::min(target, config_.budget_experts);
-    if (config_.budget_bytes && total_bytes > 0) {
-        unsigned __int128 share = (unsigned __int128)config_.budget_bytes * class_bytes / total_bytes;
-        target = std::min<uint64_t>(target, static_cast<uint64_t>(share / cls.slot_bytes));
+    if (config_.budget_bytes && share.total_bytes > 0) {
+        unsigned __int128 bytes = (unsigned __int128)config_.budget_bytes * share.class_bytes / share.total_bytes;
+        target = std::min<uint64_t>(target, static_cast<uint64_t>(bytes / cls.slot_bytes));
     }
     return target;
 }
 
-void Cache::announce_cap(int32_t c, uint32_t path, const char* why) {
+// Why the budgets give a class no expert, and the smallest budget_bytes that gives it one: its
+// share, budget_bytes * class_bytes / total_bytes (rounded down), must reach one slot.
+std::string Cache::zero_target_reason(const ClassState& cls) const {
+    const ClassShare share = class_share(layers_, cls);
+    if (!config_.budget_bytes || share.class_bytes == 0) return " (the budget asks 0 experts); raise the budget";
+    const unsigned __int128 need =
+        ((unsigned __int128)cls.slot_bytes * share.total_bytes + share.class_bytes - 1) / share.class_bytes;
+    const std::string fix =
+        need > UINT64_MAX
+            ? std::string("no budget_bytes can give it one (set budget_experts instead)")
+            : format("a budget_bytes of at least %llu B (%s) holds one expert of this class", (unsigned long long)need,
+                     human_bytes(static_cast<uint64_t>(need)).c_str());
+    return format(": its share of budget_bytes (%llu B over all classes) is less than one expert's slot (%s); %s",
+                  (unsigned long long)config_.budget_bytes, human_bytes(cls.slot_bytes).c_str(), fix.c_str());
+}
+
+void Cache::announce_cap(int32_t c, uint32_t path, const char* why, const char* fix) {
     ClassState& cls = classes_[c];
     cls.stats[path].cap_notices++;
     cls.cap_announced = true;
-    if (cls.cap == 0 && cls.target > 0) {
+    if (cls.cap == 0) {
         // Nothing of this class can be cached: every miss becomes a direct load. Said as a warning,
-        // once per change, so that a reserve larger than free memory is never silent.
+        // once per change, with the reason and the fix, so that no way to cap 0 is silent.
+        if (cls.target == 0) {
+            log(EXPCACHE_LOG_WARNING, "class %d %s: cap 0 experts, nothing of this class will be cached%s", c,
+                class_name(cls).c_str(), zero_target_reason(cls).c_str());
+            return;
+        }
         log(EXPCACHE_LOG_WARNING,
-            "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; "
-            "lower reserve_bytes or the budget, or free device memory",
-            c, class_name(cls).c_str(), (unsigned long long)cls.target, why);
+            "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; %s", c,
+            class_name(cls).c_str(), (unsigned long long)cls.target, why, fix);
         return;
     }
     log(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c,
@@ -199,11 +232,25 @@ expcache_status_t Cache::refresh_cap(int32_t c, uint32_t path) {
     cls.cap = std::min(cls.target, mem_cap);
     cls.cap_valid = true;
     if (!cls.cap_announced || cls.cap != old_cap) {
-        std::string why;
+        std::string why, fix;
         if (cls.cap < cls.target)
             why = format(", limited by free device memory minus the reserve (%s free, reserve %s)",
                          human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());
-        announce_cap(c, path, why.c_str());
+        if (cls.cap == 0 && cls.target > 0) {
+            // The largest reserve that leaves one slot: free - reserve - others >= slot_bytes.
+            const std::string others_note =
+                others ? format(" (or lower the budget: other classes may still grow into %s)",
+                                human_bytes(others).c_str())
+                       : std::string();
+            if (free_bytes >= others + cls.slot_bytes)
+                fix = format("a reserve_bytes of at most %llu B (%s) leaves room for one expert of this class%s",
+                             (unsigned long long)(free_bytes - others - cls.slot_bytes),
+                             human_bytes(free_bytes - others - cls.slot_bytes).c_str(), others_note.c_str());
+            else
+                fix = format("free device memory: one expert of this class needs %s%s",
+                             human_bytes(cls.slot_bytes).c_str(), others_note.c_str());
+        }
+        announce_cap(c, path, why.c_str(), fix.c_str());
     }
     return EXPCACHE_OK;
 }
@@ -218,7 +265,10 @@ expcache_status_t Cache::grow(int32_t c, uint32_t path) {
     if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) {
         // Memory is shorter than the cap assumed: stop growing here.
         cls.cap = have;
-        announce_cap(c, path, format(", a slot allocation failed: %s", last_error()).c_str());
+        announce_cap(c, path, format(", a slot allocation failed: %s", last_error()).c_str(),
+                     format("free device memory or lower slab_bytes (the allocation asked %s; one expert of this "
+                            "class needs %s)", human_bytes(n * cls.slot_bytes).c_str(),
+                            human_bytes(cls.slot_bytes).c_str()).c_str());
         clear_last_error();
         return EXPCACHE_OK;
     }
