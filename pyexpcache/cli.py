@@ -634,11 +634,16 @@ def _transfer(args) -> int:
     from .bench import transfer
     from .bench import Progress, resolve_backend
 
-    need = max(transfer.measured_layout(f"{s} MiB", int(args.gib * GiB)).total_bytes for s in args.sizes)
+    need = max(transfer.measured_bytes(f"{s} MiB", int(args.gib * GiB)) for s in args.sizes)
     available = _host_memory_available()
     if available is not None and need > available:
         raise UsageError(f"--gib {args.gib:g}: a measurement holds {need / GiB:.1f} GiB of host memory and "
                          f"{available / GiB:.1f} GiB is available; lower --gib")
+    for s in args.sizes:
+        try:
+            transfer.measured_layout(f"{s} MiB", int(args.gib * GiB))
+        except ValueError as exc:
+            raise UsageError(f"--gib {args.gib:g}: {exc}; lower --gib") from None
 
     if resolve_backend("auto", args.device) != "cuda":
         print("expcache transfer: needs a CUDA device and the CUDA build of libexpcache", file=sys.stderr)

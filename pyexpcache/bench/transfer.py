@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import _cuda
+from .. import _cuda, _lib
 from ..cache import ExpertCache, StagingStats, staging_defaults
 from ..layout import LayerSpec, ModelLayout
 from ..source import HostSource, LayerPlacement
@@ -155,11 +155,23 @@ def library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 
 ARRANGEMENTS = ("tensor", "expert")  # host placements measured: one tensor per part, or each expert's parts together
 
 
+def measured_bytes(size: str, total_bytes: int) -> int:
+    """Host bytes of :func:`measured_layout`'s experts (what a measurement holds at once)."""
+    parts = SIZES[size]
+    return 2 * max(64, total_bytes // sum(parts)) * sum(parts)
+
+
 def measured_layout(size: str, total_bytes: int) -> ModelLayout:
     """What one measurement of ``size`` experts selects from, all in host memory at once: two
-    layers of ``total_bytes`` of experts each (at least 64 experts)."""
+    layers of ``total_bytes`` of experts each (at least 64 experts; ValueError past the
+    library's experts per layer)."""
     parts = SIZES[size]
-    return ModelLayout((LayerSpec(max(64, total_bytes // sum(parts)), *parts),) * 2, name=f"transfer-{size}")
+    n = max(64, total_bytes // sum(parts))
+    if n > _lib.MAX_EXPERTS_LIMIT:
+        raise ValueError(f"{total_bytes / 2**30:g} GiB of {size} experts is {n} experts per layer, more than the "
+                         f"library's {_lib.MAX_EXPERTS_LIMIT}; at most "
+                         f"{_lib.MAX_EXPERTS_LIMIT * sum(parts) / 2**30:.1f} GiB")
+    return ModelLayout((LayerSpec(n, *parts),) * 2, name=f"transfer-{size}")
 
 
 def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=ARRANGEMENTS,
