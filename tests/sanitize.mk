@@ -1,4 +1,4 @@
-# The C stress driver (tests/c/stress.c) under sanitizers and valgrind, on the
+# The C stress driver (tests/c/stress/, described in its main.c) under sanitizers and valgrind, on the
 # host backend (no GPU, no nvcc). Included from the repository's Makefile,
 # which defines CC, CXX, BUILD, COMMON, WARN, HEADERS, CORE_SRC (the C++ core,
 # host backend included) and STUB_OBJ; run from the repository root. To try
@@ -49,7 +49,8 @@ VALGRIND_ARGS  = -q --error-exitcode=1 --leak-check=full --errors-for-leak-kinds
 # The C++ core with the host backend, plus the stub that stands in for the CUDA backend.
 SAN_CXX_SRC   = $(CORE_SRC) $(patsubst $(BUILD)/obj/%.o,libexpcache/src/%.cpp,$(STUB_OBJ))
 SAN_CXXFLAGS  = $(if $(COMMON),$(COMMON),-std=c++17 -Ilibexpcache/include -Ilibexpcache/src) $(WARN)
-STRESS_SRC    = tests/c/stress.c
+STRESS_SRC    = $(sort $(wildcard tests/c/stress/*.c))
+STRESS_HDR    = tests/c/stress/stress.h libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
 STRESS_CFLAGS = -std=c11 -Wall -Wextra -Ilibexpcache/include
 
 ASAN_DIR = $(BUILD)/asan
@@ -65,18 +66,20 @@ TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
 sanitize: asan-test valgrind-test tsan-test
 
-# $(call stress_build,DIR,FLAGS): the core, the host backend and the driver compiled and linked
-# with FLAGS into DIR/stress, one object per source under DIR/obj.
+# $(call stress_build,DIR,FLAGS): the core, the host backend and the driver (every file of
+# tests/c/stress/) compiled and linked with FLAGS into DIR/stress, one object per source: the
+# core's under DIR/obj, the driver's under DIR/stress_obj.
 define stress_build
 $(1)/obj/%.o: libexpcache/src/%.cpp $$(HEADERS)
 	@mkdir -p $$(dir $$@)
 	$$(CXX) $$(SAN_CXXFLAGS) $$(SAN_OPT) $(2) -c $$< -o $$@
 
-$(1)/stress.o: $$(STRESS_SRC) libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
+$(1)/stress_obj/%.o: tests/c/stress/%.c $$(STRESS_HDR)
 	@mkdir -p $$(dir $$@)
 	$$(CC) $$(STRESS_CFLAGS) $$(SAN_OPT) $(2) -c $$< -o $$@
 
-$(1)/stress: $(1)/stress.o $$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(SAN_CXX_SRC))
+$(1)/stress: $$(patsubst tests/c/stress/%.c,$(1)/stress_obj/%.o,$$(STRESS_SRC)) \
+		$$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(SAN_CXX_SRC))
 	$$(CXX) $(2) -o $$@ $$^ -lpthread
 endef
 $(eval $(call stress_build,$(ASAN_DIR),$(SAN_FLAGS)))

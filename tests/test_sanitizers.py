@@ -1,4 +1,4 @@
-"""The C stress driver (tests/c/stress.c) under AddressSanitizer + UBSan and
+"""The C stress driver (tests/c/stress/) under AddressSanitizer + UBSan and
 under ThreadSanitizer and valgrind, through the targets of tests/sanitize.mk: a long seeded random
 sequence of every exported function on the host backend (tight memory, odd
 part sizes, file sources, injected faults, bad input, destroyed handles),
