@@ -190,6 +190,8 @@ _FUNCTIONS = [
     ("expcache_last_error", [], c_char_p),
     # uint32_t expcache_version(void);
     ("expcache_version", [], c_uint32),
+    # const char* expcache_policy_name(uint32_t policy);
+    ("expcache_policy_name", [c_uint32], c_char_p),
     # expcache_status_t expcache_config_init(expcache_config_t* config);
     ("expcache_config_init", [POINTER(Config)], c_int32),
     # expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache);
