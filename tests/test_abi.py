@@ -128,15 +128,15 @@ def test_policy_names_match_the_header():
     count = defines.pop("COUNT")
     assert sorted(defines.values()) == list(range(count))
     assert {lib.expcache_policy_name(i).decode(): i for i in range(count)} == {n.lower(): i for n, i in defines.items()}
+    assert _lib.POLICIES == {n.lower(): i for n, i in sorted(defines.items(), key=lambda d: d[1])}
+    assert list(_lib.POLICIES.values()) == list(range(count))  # in id order
     for unknown in (count, count + 1, 1000, (1 << 32) - 1):
         assert lib.expcache_policy_name(unknown) is None
 
 
 def test_unknown_policy_message_lists_the_policies():
-    count = 0
-    while lib.expcache_policy_name(count) is not None:
-        count += 1
-    listed = ", ".join(f"{i} {lib.expcache_policy_name(i).decode()}" for i in range(count))
+    count = len(_lib.POLICIES)
+    listed = ", ".join(f"{i} {name}" for name, i in _lib.POLICIES.items())
     _expect("expcache_create", (byref(_cfg(policy=count)), byref(_lib.CachePtr())), INVALID,
             f"unknown policy {count} ({listed})")
 
