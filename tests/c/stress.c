@@ -736,8 +736,8 @@ static void op_create(void) {
        chunks are reused within one call. */
     if (pct(30)) cfg.staging_bytes = (uint64_t)1 << 20;
     cfg.file_reads = pct(50) ? EXPCACHE_FILE_READS_DIRECT : EXPCACHE_FILE_READS_BUFFERED;
-    /* Nothing below predicts victims, so every check holds for either policy. */
-    cfg.policy = pct(50) ? EXPCACHE_POLICY_OPPCLASS : EXPCACHE_POLICY_LRU;
+    /* Nothing below predicts victims, so every check holds for any policy. */
+    cfg.policy = (uint32_t)below(EXPCACHE_POLICY_COUNT);
     m->capacity = cfg.device_capacity_bytes;
     m->reserve = cfg.reserve_bytes;
     m->budget_experts = cfg.budget_experts;
@@ -1911,6 +1911,15 @@ static void op_misc(Model* m) {
     g_calls++;
     if (expcache_testing_struct_size(unknown) != 0)
         diverge("struct_size(%u) = %u for an unknown struct, not 0", unknown, expcache_testing_struct_size(unknown));
+    for (uint32_t p = 0; p < EXPCACHE_POLICY_COUNT; ++p) {
+        g_calls++;
+        const char* name = expcache_policy_name(p);
+        if (!name || !name[0]) diverge("policy_name(%u) = %s", p, name ? "\"\"" : "NULL");
+    }
+    const uint32_t no_policy = (uint32_t)(pct(50) ? EXPCACHE_POLICY_COUNT + below(1000) : UINT32_MAX - below(1000));
+    g_calls++;
+    if (expcache_policy_name(no_policy) != NULL)
+        diverge("policy_name(%u) = %s for an unknown policy, not NULL", no_policy, expcache_policy_name(no_policy));
     expcache_status_t s;
     if (expcache_version() != EXPCACHE_VERSION_MAJOR * 10000 + EXPCACHE_VERSION_MINOR * 100 + EXPCACHE_VERSION_PATCH)
         diverge("expcache_version %u", expcache_version());
