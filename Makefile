@@ -14,10 +14,12 @@ CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/c
             libexpcache/src/device_arena.cpp libexpcache/src/cache.cpp libexpcache/src/classes.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
             libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_prefetch.cpp \
-            libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp \
-            libexpcache/src/policy/lru.cpp libexpcache/src/policy/oppclass.cpp libexpcache/src/backend/host.cpp \
+            libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/backend/host.cpp \
             libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
-            libexpcache/src/backend/source_file.cpp
+            libexpcache/src/backend/source_file.cpp $(POLICY_SRC)
+# Every file of policy/: the table (registry.cpp) and one file per policy, so a new policy's file
+# is built without an edit here.
+POLICY_SRC = $(sort $(wildcard libexpcache/src/policy/*.cpp))
 CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu libexpcache/src/kernels/spin.cu
 HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
 

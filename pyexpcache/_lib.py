@@ -3,9 +3,9 @@ expcache.h field by field, each function has argtypes and restype, and the C
 prototype is quoted above it. Status-returning functions raise through
 ``errcheck``, so every failure becomes an exception in exactly one place.
 
-The library is loaded on first use of ``lib`` or ``library_path`` (a module
-``__getattr__``), not on import, so ``--help`` and the pure-Python tools work
-before it is built. :func:`set_fields` is how a struct is filled: it range-checks
+The library is loaded on first use of ``lib``, ``library_path`` or ``POLICIES``
+(a module ``__getattr__``), not on import, so ``--help`` and the pure-Python tools
+work before it is built. :func:`set_fields` is how a struct is filled: it range-checks
 every integer against its C field type, since ctypes would silently wrap it.
 """
 
@@ -35,7 +35,8 @@ from ._ints import I32_MAX, I32_MIN, U32_MAX, U64_MAX, checked_int
 BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
 SOURCE_PAGEABLE, SOURCE_PINNED, SOURCE_FILE = 0, 1, 2
 LOG_SILENT, LOG_WARNING, LOG_NOTICE, LOG_DEBUG = 0, 1, 2, 3
-POLICIES = {"lru": 0, "oppclass": 1}
+# POLICIES, {name: EXPCACHE_POLICY_* id} in id order, is the library's own table (policy_table), read
+# when it loads: a policy is named once, in libexpcache/src/policy/registry.cpp.
 FILE_READS = {"buffered": 0, "direct": 1}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
@@ -194,6 +195,8 @@ _FUNCTIONS = [
     ("expcache_last_error", [], c_char_p),
     # uint32_t expcache_version(void);
     ("expcache_version", [], c_uint32),
+    # const char* expcache_policy_name(uint32_t policy);
+    ("expcache_policy_name", [c_uint32], c_char_p),
     # expcache_status_t expcache_config_init(expcache_config_t* config);
     ("expcache_config_init", [POINTER(Config)], c_int32),
     # expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache);
@@ -335,25 +338,35 @@ def check_struct_sizes(dll: ctypes.CDLL, path) -> None:
             )
 
 
+def policy_table(dll: ctypes.CDLL) -> dict[str, int]:
+    """{name: id} of the library's eviction policies: expcache_policy_name of ids 0, 1, ... until NULL."""
+    table: dict[str, int] = {}
+    while (name := dll.expcache_policy_name(len(table))) is not None:
+        table[name.decode()] = len(table)
+    return table
+
+
 _load_lock = threading.Lock()
 
 
 def _load() -> None:
-    """Find, load and declare the library once; then ``lib`` and ``library_path`` are plain globals."""
-    global lib, library_path
+    """Find, load and declare the library once; then ``lib``, ``library_path`` and ``POLICIES`` are
+    plain globals."""
+    global lib, library_path, POLICIES
     with _load_lock:
         if "lib" in globals():
             return
         dll, path = _loader.load()
         _declare(dll)
         check_struct_sizes(dll, path)
+        POLICIES = policy_table(dll)
         library_path = path
         lib = dll
 
 
 def __getattr__(name: str):
     # Only reached while ``lib`` / ``library_path`` are not yet globals (PEP 562).
-    if name in ("lib", "library_path"):
+    if name in ("lib", "library_path", "POLICIES"):
         _load()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Fixtures shared by the contract suites: every cache test runs against each available
-backend (host always; CUDA when a device is present) and each eviction policy ("lru",
-"oppclass"). What the test modules import lives in tests/support/ (this file puts tests/ on
-sys.path, so ``from support.cache import ...`` works from any folder under tests/)."""
+backend (host always; CUDA when a device is present) and each eviction policy of the library
+(support.cache.POLICIES). What the test modules import lives in tests/support/ (this file puts
+tests/ on sys.path, so ``from support.cache import ...`` works from any folder under tests/)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ INVALID, OOM, STATE, UNSUPPORTED, IO = (_lib.ERR_INVALID_ARGUMENT, _lib.ERR_OUT_
 # The exports of expcache.h and of expcache_testing.h: one naming scheme (expcache_<verb> on the
 # cache handle, expcache_<object>_<verb> otherwise; the test hooks expcache_testing_*).
 EXPORTS = {
-    "expcache_status_string", "expcache_last_error", "expcache_version", "expcache_config_init",
+    "expcache_status_string", "expcache_last_error", "expcache_version", "expcache_policy_name",
+    "expcache_config_init",
     "expcache_create", "expcache_destroy", "expcache_backend_get", "expcache_layer_desc_init",
     "expcache_file_open", "expcache_layer_register", "expcache_select_async", "expcache_compact_load_async",
     "expcache_batch_prepare_async", "expcache_batch_finish", "expcache_release_all", "expcache_synchronize",
@@ -112,6 +113,32 @@ def test_status_strings_are_static_and_never_null():
     names = [lib.expcache_status_string(s).decode() for s in range(-1, 11)]
     assert names[1] == "EXPCACHE_OK" and names[2] == "EXPCACHE_ERR_INVALID_ARGUMENT"
     assert names[0] == names[-1] == "EXPCACHE_ERR_UNKNOWN"
+
+
+def test_policy_names_match_the_header():
+    """expcache_policy_name names each EXPCACHE_POLICY_* id by its constant's lower-case tail; the ids
+    are 0..EXPCACHE_POLICY_COUNT-1, and past them it returns NULL."""
+    import re
+    from pathlib import Path
+
+    header = Path(__file__).resolve().parent.parent / "libexpcache" / "include" / "expcache.h"
+    if not header.exists():
+        pytest.skip(f"{header} not in this tree")
+    defines = {n: int(v) for n, v in re.findall(r"^#define EXPCACHE_POLICY_(\w+) (\d+)", header.read_text(), re.M)}
+    count = defines.pop("COUNT")
+    assert sorted(defines.values()) == list(range(count))
+    assert {lib.expcache_policy_name(i).decode(): i for i in range(count)} == {n.lower(): i for n, i in defines.items()}
+    assert _lib.POLICIES == {n.lower(): i for n, i in sorted(defines.items(), key=lambda d: d[1])}
+    assert list(_lib.POLICIES.values()) == list(range(count))  # in id order
+    for unknown in (count, count + 1, 1000, (1 << 32) - 1):
+        assert lib.expcache_policy_name(unknown) is None
+
+
+def test_unknown_policy_message_lists_the_policies():
+    count = len(_lib.POLICIES)
+    listed = ", ".join(f"{i} {name}" for name, i in _lib.POLICIES.items())
+    _expect("expcache_create", (byref(_cfg(policy=count)), byref(_lib.CachePtr())), INVALID,
+            f"unknown policy {count} ({listed})")
 
 
 @pytest.fixture
@@ -422,8 +449,8 @@ HANDLE_CALLS = [
 ]
 
 # Exports that take no cache and cannot fail: checked by the tests above and below, not by a table.
-NEVER_FAIL = {"expcache_status_string", "expcache_last_error", "expcache_version", "expcache_destroy",
-              "expcache_memory_release", "expcache_testing_struct_size"}
+NEVER_FAIL = {"expcache_status_string", "expcache_last_error", "expcache_version", "expcache_policy_name",
+              "expcache_destroy", "expcache_memory_release", "expcache_testing_struct_size"}
 
 
 def test_every_export_has_bad_input():

@@ -7,18 +7,24 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ModelLayout
+from pyexpcache import ModelLayout, _lib, sim
 from pyexpcache import bench
-from pyexpcache.sim import DECODE, simulate_lru
+from pyexpcache.sim import DECODE, simulate_lru, simulate_policy
 
 from support.cache import SCALE
 
 
+def test_every_library_policy_has_a_simulator_twin():
+    """Each policy of the library's table (libexpcache/src/policy/registry.cpp, read through
+    expcache_policy_name into pyexpcache._lib.POLICIES) has its twin under the same name in the
+    simulator's registry (pyexpcache/sim/registry.py), which the tests below replay."""
+    missing = sorted(set(_lib.POLICIES) - set(sim.POLICIES))
+    assert not missing, f"library policies without a simulator twin in pyexpcache/sim/registry.py: {missing}"
+
+
 def _replay_and_simulate(cache, layout, workload, policy):
     """Replay a workload through the cache, then the same calls through the offline simulator of
-    `policy` at the cache's runtime caps."""
-    from pyexpcache.sim import simulate_policy
-
+    `policy` (its twin of the same name) at the cache's runtime caps."""
     for call in workload.calls:
         if call.kind == DECODE:
             cache.select(call.layer, call.ids)
@@ -26,8 +32,6 @@ def _replay_and_simulate(cache, layout, workload, policy):
             cache.prepare_batch(call.layer, call.ids).finish()
     layer_class = [cache.layer_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
     caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
-    if policy == "lru":
-        return simulate_lru(workload.calls, caps, layer_class), caps, layer_class
     return (simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers),
             caps, layer_class)
 

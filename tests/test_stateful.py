@@ -51,7 +51,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout  # noqa: E402
 from pyexpcache._lib import PREFETCH_FIELDS, lib  # noqa: E402
 
-from support.cache import SCALE, assert_served  # noqa: E402
+from support.cache import POLICIES, SCALE, assert_served  # noqa: E402
 from support.reference_model import PATHS, STAT_FIELDS, ModelError, ReferenceCache, align_up  # noqa: E402
 
 FUZZ_EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", "400"))
@@ -126,7 +126,7 @@ def configs(draw):
         kw["reserve_bytes"] = draw(st.sampled_from([None, 0]))
     if draw(st.booleans()):
         kw["slab_bytes"] = draw(st.integers(1, 3 * slot))
-    kw["policy"] = draw(st.sampled_from(["lru", "oppclass"]))
+    kw["policy"] = draw(st.sampled_from(POLICIES))
     return name, {k: v for k, v in kw.items() if v is not None}
 
 

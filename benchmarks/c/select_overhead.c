@@ -1,6 +1,7 @@
 /*
  * Host CPU time of an all-hit expcache_select_async of 6 experts, measured
- * from C (no Python in the loop). Usage: select_overhead [host|cuda] [calls] [lru|oppclass]
+ * from C (no Python in the loop). Usage: select_overhead [host|cuda] [calls] [policy]
+ * (a name expcache_policy_name gives: lru, the default, oppclass, ...)
  * Prints one line: backend, calls, ns per call (best of 5 runs).
  */
 #include <stdio.h>
@@ -39,7 +40,15 @@ int main(int argc, char** argv) {
     cfg.num_layers = LAYERS;
     cfg.budget_experts = 1024;
     cfg.log_level = EXPCACHE_LOG_SILENT;
-    cfg.policy = strcmp(policy, "oppclass") == 0 ? EXPCACHE_POLICY_OPPCLASS : EXPCACHE_POLICY_LRU;
+    cfg.policy = UINT32_MAX;
+    for (uint32_t p = 0; expcache_policy_name(p); ++p)
+        if (strcmp(policy, expcache_policy_name(p)) == 0) cfg.policy = p;
+    if (cfg.policy == UINT32_MAX) {
+        fprintf(stderr, "unknown policy %s; the library's:", policy);
+        for (uint32_t p = 0; expcache_policy_name(p); ++p) fprintf(stderr, " %s", expcache_policy_name(p));
+        fprintf(stderr, "\n");
+        return 2;
+    }
     expcache_t* cache = NULL;
     CHECK(expcache_create(&cfg, &cache));
     for (uint32_t l = 0; l < LAYERS; ++l) {

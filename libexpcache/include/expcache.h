@@ -143,11 +143,20 @@ EXPCACHE_API uint32_t expcache_version(void);
                                             models larger than RAM, whose streaming would only thrash
                                             the page cache */
 
-/** Eviction policies (expcache_config_t.policy), per class. */
-#define EXPCACHE_POLICY_LRU 0      /**< least recently used */
-#define EXPCACHE_POLICY_OPPCLASS 1 /**< the default: decayed use count classes, age in missed
+/** Eviction policies (expcache_config_t.policy), per class. Ids are 0..EXPCACHE_POLICY_COUNT-1. */
+#define EXPCACHE_POLICY_LRU 0      /**< "lru": least recently used */
+#define EXPCACHE_POLICY_OPPCLASS 1 /**< "oppclass", the default: decayed use count classes, age in missed
                                         opportunities of the expert's layer (docs/policy.md): more hits
                                         than LRU, most at small budgets */
+#define EXPCACHE_POLICY_COUNT 2    /**< the number of EXPCACHE_POLICY_* values */
+
+/**
+ * The name of eviction policy `policy` (EXPCACHE_POLICY_*): "lru", "oppclass", the lower-case
+ * tail of its constant, as pyexpcache and its simulator name it. Static; NULL for an id that is
+ * not a policy of this library (ids are dense, so a binding lists the policies by calling it
+ * from 0 until NULL). Never fails (no status), touches no cache, callable from any thread.
+ */
+EXPCACHE_API const char* expcache_policy_name(uint32_t policy);
 
 /** Most size classes one cache can hold. */
 #define EXPCACHE_MAX_CLASSES_LIMIT 64

@@ -115,6 +115,8 @@ uint32_t expcache_version(void) {
     return EXPCACHE_VERSION_MAJOR * 10000 + EXPCACHE_VERSION_MINOR * 100 + EXPCACHE_VERSION_PATCH;
 }
 
+const char* expcache_policy_name(uint32_t policy) { return expcache::policy_name(policy); }
+
 expcache_status_t expcache_config_init(expcache_config_t* config) {
     return guarded(__func__, [&] {
         EXPCACHE_REQUIRE(config, "config is NULL");

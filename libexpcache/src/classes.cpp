@@ -62,7 +62,7 @@ void Cache::activate_class(int32_t c, const LayerState& layer) {
         off += align_up(layer.bytes[p]);
     }
     cls.slot_bytes = off;
-    cls.policy = config_.policy == EXPCACHE_POLICY_OPPCLASS ? make_oppclass_policy() : make_lru_policy();
+    cls.policy = make_policy(config_.policy);
     cls.cap_valid = false;
     cls.cap_announced = false;
     cls.cap = cls.target = 0;

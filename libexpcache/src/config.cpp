@@ -7,6 +7,7 @@
 
 #include "cores.hpp"
 #include "errors.hpp"
+#include "policy/policy.hpp"
 
 namespace expcache {
 
@@ -51,8 +52,8 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
     if (cfg.slab_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "slab_bytes must be > 0");
     if (cfg.copy_threads > 64) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "copy_threads must be 0..64, got %u", cfg.copy_threads);
-    if (cfg.policy > EXPCACHE_POLICY_OPPCLASS)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown policy %u (0 lru, 1 oppclass)", cfg.policy);
+    if (!policy_name(cfg.policy))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown policy %u (%s)", cfg.policy, policy_list().c_str());
     if (cfg.staging_bytes < (uint64_t(1) << 20) || cfg.staging_bytes > (uint64_t(16) << 30))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "staging_bytes must be 1 MiB..16 GiB, got %llu",
                     (unsigned long long)cfg.staging_bytes);

@@ -1,7 +1,12 @@
 """The name -> policy registry and the simulators' entry points.
 
 * :data:`POLICIES` maps names to factories ``capacity -> Policy``;
-  :func:`make_policy` resolves a name, class or factory.
+  :func:`make_policy` resolves a name, class or factory. Every policy of the
+  library (``pyexpcache._lib.POLICIES``, from the table in
+  ``libexpcache/src/policy/registry.cpp``) has its twin here under the same
+  name, which replays count for count what the library does
+  (``tests/test_policy.py`` checks both); the other entries are candidates
+  evaluated offline (``benchmarks/policy_eval.py``).
 * :func:`simulate_policy` (one policy object per size class) and
   :func:`simulate_global` (one policy object, one byte budget for every class)
   replay a stream through :func:`pyexpcache.sim.driver.replay`;

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from pyexpcache import _cuda
-from pyexpcache._lib import library_path
+from pyexpcache._lib import POLICIES as _LIBRARY_POLICIES, library_path
 
 SCALE = 4096  # DeepSeek V4 Flash sizes / 4096: q2 experts 1,728 B, q4 3,456 B
 
-#: The library's eviction policies. Every contract test runs against each; a test whose
-#: assertions depend on one policy's victim order pins it with
-#: ``@pytest.mark.parametrize("policy", ["lru"])`` and says why.
-POLICIES = ["lru", "oppclass"]
+#: The library's eviction policies, by name in id order (its table: pyexpcache._lib.POLICIES). Every
+#: contract test runs against each; a test whose assertions depend on one policy's victim order
+#: pins it with ``@pytest.mark.parametrize("policy", ["lru"])`` and says why.
+POLICIES = list(_LIBRARY_POLICIES)
 
 
 def cuda_available() -> tuple[bool, str]:

@@ -81,7 +81,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pyexpcache._lib import MAX_BATCHES, MAX_SELECT, PATH_NAMES as PATHS, PREFETCH_FIELDS, STAT_FIELDS  # the ABI's
-from pyexpcache.sim import Ctx, OppClassLRU
+from pyexpcache._lib import POLICIES
+from pyexpcache.sim import Ctx, make_policy
 
 ALIGN = 256
 MAX_COMPACT = 1 << 20
@@ -129,7 +130,7 @@ class RefClass:
     # Resident entries, coldest first.
     lru: "OrderedDict[Key, None]" = field(default_factory=OrderedDict)
     holds: Dict[Key, int] = field(default_factory=dict)
-    pol: object = None  # the OppClassLRU of pyexpcache.sim when the cache uses it; order is in `lru` otherwise
+    pol: object = None  # the policy's twin in pyexpcache.sim; None for LRU, whose order is `lru` itself
     allocated: int = 0
     slabs: List[int] = field(default_factory=list)  # allocation ids
     target: int = 0
@@ -193,7 +194,7 @@ class ReferenceCache:
         self.pf_count: Dict[int, int] = {}  # per layer: prefetched since its last serving call
         self.cur_call = self.prev_call = 0
         self.resumed: set = set()  # keys of queued prefetches the serving call under way finishes
-        if policy not in ("lru", "oppclass"):
+        if policy not in POLICIES:
             raise ModelError(INVALID_ARGUMENT, f"unknown policy {policy}")
         self.policy = policy
         # The policy clock, as the library keeps it: a serving call whose layer is not after the
@@ -306,7 +307,8 @@ class ReferenceCache:
         cls.slot_bytes = sum(align_up(b) for b in key)
         cls.lru = OrderedDict()
         cls.pf, cls.last_use = {}, {}
-        cls.pol = OppClassLRU(None) if self.policy == "oppclass" else None  # a reused class starts afresh
+        # A reused class starts afresh.
+        cls.pol = None if self.policy == "lru" else make_policy(self.policy)(None)
         cls.holds = {}
         cls.allocated = 0
         cls.cap_valid = False

@@ -1,10 +1,11 @@
-// Eviction policy interface: one file per policy, chosen per cache at
-// create time. A policy orders a class's resident slots; the core decides
+// Eviction policy interface: one file per policy, listed in the table of
+// registry.cpp, chosen per cache at create time. A policy orders a class's resident slots; the core decides
 // which slots may be evicted (not used by the current call, not held).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace expcache {
 
@@ -42,7 +43,9 @@ public:
     virtual void clear() = 0;
 };
 
-std::unique_ptr<Policy> make_lru_policy();
-std::unique_ptr<Policy> make_oppclass_policy();
+// The policy table (registry.cpp), by EXPCACHE_POLICY_* id.
+const char* policy_name(uint32_t id);            // nullptr for an unknown id
+std::string policy_list();                       // "0 lru, 1 oppclass", for messages
+std::unique_ptr<Policy> make_policy(uint32_t id);  // a known id (config.cpp checked it)
 
 }  // namespace expcache

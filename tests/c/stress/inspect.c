@@ -275,6 +275,15 @@ void op_misc(Model* m) {
     g_calls++;
     if (expcache_testing_struct_size(unknown) != 0)
         diverge("struct_size(%u) = %u for an unknown struct, not 0", unknown, expcache_testing_struct_size(unknown));
+    for (uint32_t p = 0; p < EXPCACHE_POLICY_COUNT; ++p) {
+        g_calls++;
+        const char* name = expcache_policy_name(p);
+        if (!name || !name[0]) diverge("policy_name(%u) = %s", p, name ? "\"\"" : "NULL");
+    }
+    const uint32_t no_policy = (uint32_t)(pct(50) ? EXPCACHE_POLICY_COUNT + below(1000) : UINT32_MAX - below(1000));
+    g_calls++;
+    if (expcache_policy_name(no_policy) != NULL)
+        diverge("policy_name(%u) = %s for an unknown policy, not NULL", no_policy, expcache_policy_name(no_policy));
     expcache_status_t s;
     if (expcache_version() != EXPCACHE_VERSION_MAJOR * 10000 + EXPCACHE_VERSION_MINOR * 100 + EXPCACHE_VERSION_PATCH)
         diverge("expcache_version %u", expcache_version());

@@ -136,8 +136,8 @@ void op_create(void) {
        chunks are reused within one call. */
     if (pct(30)) cfg.staging_bytes = (uint64_t)1 << 20;
     cfg.file_reads = pct(50) ? EXPCACHE_FILE_READS_DIRECT : EXPCACHE_FILE_READS_BUFFERED;
-    /* Nothing below predicts victims, so every check holds for either policy. */
-    cfg.policy = pct(50) ? EXPCACHE_POLICY_OPPCLASS : EXPCACHE_POLICY_LRU;
+    /* Nothing below predicts victims, so every check holds for any policy. */
+    cfg.policy = (uint32_t)below(EXPCACHE_POLICY_COUNT);
     m->capacity = cfg.device_capacity_bytes;
     m->reserve = cfg.reserve_bytes;
     m->budget_experts = cfg.budget_experts;
