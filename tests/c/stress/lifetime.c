@@ -43,7 +43,7 @@ static void bad_configs(void) {
         case 7: cfg.device_capacity_bytes = 0; what = "device_capacity_bytes 0"; break;
         case 8: cfg.slab_bytes = 0; what = "slab_bytes 0"; break;
         case 9: cfg.copy_threads = 65; what = "copy_threads"; break;
-        case 10: cfg.policy = 2 + (uint32_t)below(100); what = "policy"; break;
+        case 10: cfg.policy = EXPCACHE_POLICY_COUNT + (uint32_t)below(100); what = "policy"; break;
         case 11: cfg.staging_bytes = pct(50) ? 1000 : (uint64_t)17 << 30; what = "staging_bytes"; break;
         case 12: cfg.backend = EXPCACHE_BACKEND_CUDA; want = UNSUP; what = "CUDA backend in a host-only build"; break;
         case 13: {
