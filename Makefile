@@ -10,17 +10,19 @@ CXXFLAGS  ?= -O2 -g
 WARN       = -Wall -Wextra -Wno-unused-parameter
 COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
 
-CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/config.cpp \
-            libexpcache/src/device_arena.cpp libexpcache/src/cache.cpp libexpcache/src/classes.cpp \
+CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/log.cpp libexpcache/src/config.cpp \
+            libexpcache/src/device_arena.cpp libexpcache/src/layers.cpp libexpcache/src/class_table.cpp \
+            libexpcache/src/stream_order.cpp libexpcache/src/prefetch_coordinator.cpp libexpcache/src/cache.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
-            libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_prefetch.cpp \
+            libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp \
             libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/backend/host.cpp \
             libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
-            libexpcache/src/backend/source_file.cpp $(POLICY_SRC)
+            libexpcache/src/backend/source_file.cpp libexpcache/src/kernels/test_kernels_host.cpp $(POLICY_SRC)
 # Every file of policy/: the table (registry.cpp) and one file per policy, so a new policy's file
 # is built without an edit here.
 POLICY_SRC = $(sort $(wildcard libexpcache/src/policy/*.cpp))
-CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu libexpcache/src/kernels/spin.cu
+CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu libexpcache/src/kernels/spin.cu \
+            libexpcache/src/kernels/test_kernels_cuda.cu
 HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
 
 CORE_OBJ  = $(patsubst libexpcache/src/%.cpp,$(BUILD)/obj/%.o,$(CORE_SRC))

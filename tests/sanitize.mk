@@ -97,7 +97,7 @@ $(eval $(call ring_build,$(ASAN_DIR),$(SAN_FLAGS)))
 $(eval $(call ring_build,$(TSAN_DIR),$(TSAN_FLAGS)))
 
 # The prefetch thread's unit test over the same fake link.
-PREFETCH_SRC = libexpcache/src/prefetcher.cpp $(RING_SRC)
+PREFETCH_SRC = libexpcache/src/prefetcher.cpp libexpcache/src/layers.cpp $(RING_SRC)
 define prefetch_build
 $(1)/prefetch_test: tests/c/prefetch_test.cpp tests/c/fake_link.hpp $$(patsubst libexpcache/src/%.cpp,$(1)/obj/%.o,$$(PREFETCH_SRC)) $$(HEADERS)
 	$$(CXX) $$(SAN_CXXFLAGS) $$(SAN_OPT) $(2) -o $$@ tests/c/prefetch_test.cpp \

@@ -5,15 +5,6 @@
 namespace expcache {
 
 expcache_status_t DeviceArena::alloc(uint64_t bytes, void** out) {
-    if (inject_count_ > 0) {
-        if (inject_skip_ > 0) {
-            --inject_skip_;
-        } else {
-            --inject_count_;
-            return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY, "injected device allocation failure (%llu bytes)",
-                        (unsigned long long)bytes);
-        }
-    }
     void* p = nullptr;
     expcache_status_t s = backend_.alloc(bytes, &p);
     if (s != EXPCACHE_OK) return s;
@@ -79,11 +70,6 @@ bool DeviceArena::retain(const void* ptr, std::shared_ptr<KeptMemory>* out) {
     if (!it->second.kept) it->second.kept = std::make_shared<KeptMemory>(reinterpret_cast<void*>(it->first));
     *out = it->second.kept;
     return true;
-}
-
-void DeviceArena::inject_failures(uint64_t skip, uint64_t count) {
-    inject_skip_ = count ? skip : 0;
-    inject_count_ = count;
 }
 
 }  // namespace expcache

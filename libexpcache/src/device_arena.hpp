@@ -1,8 +1,7 @@
 // Every byte of device memory a cache holds, by address: so that
 // device_bytes_in_use is exact, a pointer a caller hands back (read_device,
 // checksum) can be proven to lie inside memory the cache allocated, and
-// destruction frees everything. Injected allocation failures are decided here,
-// in front of the backend, so every allocation site sees them alike.
+// destruction frees everything.
 //
 // It knows nothing of the cache: statuses come back as the backend gave them,
 // and the cache decides what a failure means (poisoning, releasing its expert
@@ -50,7 +49,7 @@ public:
     DeviceArena(const DeviceArena&) = delete;
     DeviceArena& operator=(const DeviceArena&) = delete;
 
-    // OK, or the backend's failure; an injected failure is OUT_OF_DEVICE_MEMORY.
+    // OK, or the backend's failure.
     expcache_status_t alloc(uint64_t bytes, void** out);
     // A pointer alloc() did not return (or one already freed) is ignored, as is nullptr.
     void free_now(void* ptr);
@@ -67,9 +66,16 @@ public:
     bool retain(const void* ptr, std::shared_ptr<KeptMemory>* out);
     // Allocations freed so far while references kept them (each was disowned, not freed).
     uint64_t disowned() const { return disowned_; }
+    // The caller's expcache_memory_dropped_fn: called by notify_dropped() when allocations were
+    // disowned since the count `since` (the end of a call).
+    void set_dropped_callback(expcache_memory_dropped_fn fn, void* user) {
+        dropped_fn_ = fn;
+        dropped_user_ = user;
+    }
+    void notify_dropped(uint64_t since) const {
+        if (disowned_ != since && dropped_fn_) dropped_fn_(dropped_user_);
+    }
 
-    // The allocations after the next `skip` fail, `count` of them; count 0 disarms.
-    void inject_failures(uint64_t skip, uint64_t count);
 
 private:
     struct Allocation {
@@ -86,7 +92,8 @@ private:
     Map allocations_;
     uint64_t bytes_ = 0;
     uint64_t disowned_ = 0;
-    uint64_t inject_skip_ = 0, inject_count_ = 0;
+    expcache_memory_dropped_fn dropped_fn_ = nullptr;
+    void* dropped_user_ = nullptr;
 };
 
 }  // namespace expcache

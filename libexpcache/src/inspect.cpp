@@ -13,8 +13,8 @@ namespace expcache {
 expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, void* dst, uint64_t dst_bytes,
                                        uint32_t* out_resident) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK) s = validate_layer(layer_index);
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
     if (s != EXPCACHE_OK) return s;
     LayerState& layer = layers_[layer_index];
     if (expert >= layer.num_experts)
@@ -23,8 +23,8 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
     if (dst_bytes < layer.expert_bytes())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "dst_bytes %llu < expert size %llu", (unsigned long long)dst_bytes,
                     (unsigned long long)layer.expert_bytes());
-    if ((s = settle_prefetches(false)) != EXPCACHE_OK) return s;
-    const int32_t c = bound_class(layer);
+    if ((s = prefetch_.settle(false)) != EXPCACHE_OK) return s;
+    const int32_t c = classes_.bound(layer);
     int32_t slot = c >= 0 ? layer.slot_of[expert] : -1;
     if (slot >= 0 && classes_[c].slots[slot].prefetch != kPrefetchNone &&
         classes_[c].slots[slot].prefetch != kPrefetchUnused)
@@ -36,7 +36,7 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
     const ClassState& cls = classes_[c];
     unsigned char* d = static_cast<unsigned char*>(dst);
     for (int p = 0; p < kParts; ++p) {
-        if ((s = check(backend_->copy_d2h_sync(d, cls.slots[slot].dev + cls.part_off[p], layer.bytes[p]))) !=
+        if ((s = health_.check(backend_->copy_d2h_sync(d, cls.slots[slot].dev + cls.part_off[p], layer.bytes[p]))) !=
             EXPCACHE_OK)
             return s;
         d += layer.bytes[p];
@@ -47,22 +47,23 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
 
 expcache_status_t Cache::read_device(const void* src, void* dst, uint64_t n) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
+    expcache_status_t s = health_.usable();
     if (s != EXPCACHE_OK) return s;
     if (!arena_.owns(src, n))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "[%p, +%llu) is not inside memory this cache allocated", src,
                     (unsigned long long)n);
-    return check(backend_->copy_d2h_sync(dst, src, n));
+    return health_.check(backend_->copy_d2h_sync(dst, src, n));
 }
 
 // The jobs of a checksum: one per part of each expert, each inside memory this cache allocated.
-expcache_status_t Cache::checksum_jobs(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n) {
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK) s = validate_layer(layer_index);
+expcache_status_t Cache::checksum_jobs(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n,
+                                       std::vector<ChecksumJob>* out) {
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
     if (s != EXPCACHE_OK) return s;
     if (n == 0 || n > kMaxCompact) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%u, got %u", kMaxCompact, n);
     const LayerState& layer = layers_[layer_index];
-    std::vector<ChecksumJob>& jobs = checksum_jobs_;
+    std::vector<ChecksumJob>& jobs = *out;
     jobs.clear();
     for (uint32_t i = 0; i < n; ++i) {
         const void* parts[kParts] = {ptrs[i].gate, ptrs[i].up, ptrs[i].down};
@@ -80,15 +81,15 @@ expcache_status_t Cache::checksum_jobs(uint32_t layer_index, const expcache_expe
 expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n,
                                   void* stream, uint64_t* out_sums) {
     CallScope scope(*this);
-    expcache_status_t s = checksum_jobs(layer_index, ptrs, n);
+    std::vector<ChecksumJob> jobs;
+    expcache_status_t s = checksum_jobs(layer_index, ptrs, n, &jobs);
     if (s == EXPCACHE_OK) s = begin_call(stream, true);  // the selects that served ptrs ordered their slots
     // Slots past the public area, so a synchronous checksum never overwrites unread async results.
     const uint32_t first = EXPCACHE_CHECKSUM_RESULTS;
     if (s == EXPCACHE_OK)
-        s = check(backend_->checksum_async(checksum_jobs_.data(), static_cast<uint32_t>(checksum_jobs_.size()), n,
-                                           first, stream));
-    if (s == EXPCACHE_OK) s = check(backend_->sync_stream(stream));
-    if (s == EXPCACHE_OK) s = check(backend_->checksum_results(first, n, out_sums));
+        s = health_.check(backend_->kernels().checksum_async(jobs.data(), static_cast<uint32_t>(jobs.size()), n, first, stream));
+    if (s == EXPCACHE_OK) s = health_.check(backend_->sync_stream(stream));
+    if (s == EXPCACHE_OK) s = health_.check(backend_->kernels().checksum_results(first, n, out_sums));
     return s;
 }
 
@@ -98,22 +99,22 @@ expcache_status_t Cache::checksum_async(uint32_t layer_index, const expcache_exp
     if (uint64_t(first) + n > EXPCACHE_CHECKSUM_RESULTS)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "result slots %u..%llu are past the %d slots of the area", first,
                     (unsigned long long)first + n - 1, EXPCACHE_CHECKSUM_RESULTS);
-    expcache_status_t s = checksum_jobs(layer_index, ptrs, n);
+    std::vector<ChecksumJob> jobs;
+    expcache_status_t s = checksum_jobs(layer_index, ptrs, n, &jobs);
     if (s == EXPCACHE_OK) s = begin_call(stream, true);  // the selects that served ptrs ordered their slots
     if (s == EXPCACHE_OK)
-        s = check(backend_->checksum_async(checksum_jobs_.data(), static_cast<uint32_t>(checksum_jobs_.size()), n,
-                                           first, stream));
+        s = health_.check(backend_->kernels().checksum_async(jobs.data(), static_cast<uint32_t>(jobs.size()), n, first, stream));
     return s;
 }
 
 expcache_status_t Cache::checksum_results(uint32_t first, uint32_t n, uint64_t* out) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
+    expcache_status_t s = health_.usable();
     if (s != EXPCACHE_OK) return s;
     if (n == 0 || uint64_t(first) + n > EXPCACHE_CHECKSUM_RESULTS)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "result slots [%u, +%u) must be non-empty and within the %d slots",
                     first, n, EXPCACHE_CHECKSUM_RESULTS);
-    return check(backend_->checksum_results(first, n, out));
+    return health_.check(backend_->kernels().checksum_results(first, n, out));
 }
 
 // ---------------------------------------------------------------------------
@@ -129,10 +130,10 @@ expcache_status_t Cache::class_count(uint32_t* out) const {
 
 expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) const {
     CallScope scope(*this);
-    if (index >= classes_.size())
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %zu)", index,
+    if (index >= static_cast<uint32_t>(classes_.size()))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
-    const ClassState& c = classes_[index];
+    const ClassState& c = classes_[static_cast<int32_t>(index)];
     expcache_class_info_t info = {};
     info.struct_size = sizeof info;
     info.in_use = c.in_use;
@@ -140,7 +141,7 @@ expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) 
     info.up_bytes = c.key[kUp];
     info.down_bytes = c.key[kDown];
     info.slot_bytes = c.slot_bytes;
-    info.target_experts = c.in_use ? class_target(c) : 0;
+    info.target_experts = c.in_use ? classes_.target(c) : 0;
     info.cap_experts = c.cap;
     info.allocated_experts = c.slots.size();
     info.resident_experts = c.resident;
@@ -152,10 +153,10 @@ expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) 
 
 expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK) s = validate_layer(layer);
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer);
     int32_t c = -1;
-    if (s == EXPCACHE_OK) s = bind(layer, EXPCACHE_PATH_CONTROL, &c);
+    if (s == EXPCACHE_OK) s = classes_.bind(layer, EXPCACHE_PATH_CONTROL, &c);
     if (s != EXPCACHE_OK) return s;
     *out = static_cast<uint32_t>(c);
     return EXPCACHE_OK;
@@ -163,12 +164,12 @@ expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
 
 expcache_status_t Cache::get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const {
     CallScope scope(*this);
-    if (index >= classes_.size())
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %zu)", index,
+    if (index >= static_cast<uint32_t>(classes_.size()))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
     if (path >= EXPCACHE_NUM_PATHS)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "path %u out of range (0..%d)", path, EXPCACHE_NUM_PATHS - 1);
-    *out = classes_[index].stats[path];
+    *out = classes_[static_cast<int32_t>(index)].stats[path];
     out->struct_size = sizeof *out;
     return EXPCACHE_OK;
 }
@@ -186,8 +187,7 @@ expcache_status_t Cache::reset_stats() {
     for (ClassState& c : classes_)
         for (expcache_stats_t& st : c.stats) st = expcache_stats_t{};
     backend_->reset_staging_stats();
-    pstats_ = expcache_prefetch_stats_t{};
-    if (prefetcher_) prefetcher_->reset_counters();
+    prefetch_.reset_stats();
     return EXPCACHE_OK;
 }
 
@@ -196,20 +196,19 @@ expcache_status_t Cache::reset_stats() {
 
 expcache_status_t Cache::inject_alloc_failures(uint64_t skip, uint64_t count) {
     CallScope scope(*this);
-    arena_.inject_failures(skip, count);
+    backend_->fail_allocs(skip, count);
     return EXPCACHE_OK;
 }
 
 expcache_status_t Cache::inject_copy_failures(uint64_t skip, uint64_t count) {
     CallScope scope(*this);
-    inject_copy_skip_ = count ? skip : 0;
-    inject_copy_count_ = count;
+    backend_->fail_copies(skip, count);
     return EXPCACHE_OK;
 }
 
 expcache_status_t Cache::inject_staging_failures(uint64_t skip, uint64_t count) {
     CallScope scope(*this);
-    backend_->inject_staging_failures(count ? skip : 0, count);
+    backend_->fail_staging(skip, count);
     return EXPCACHE_OK;
 }
 
@@ -221,8 +220,8 @@ expcache_status_t Cache::device_bytes_in_use(uint64_t* out) const {
 
 expcache_status_t Cache::spin(void* stream, uint64_t ns) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
-    return s == EXPCACHE_OK ? check(backend_->spin_async(ns, stream)) : s;
+    expcache_status_t s = health_.usable();
+    return s == EXPCACHE_OK ? health_.check(backend_->kernels().spin_async(ns, stream)) : s;
 }
 
 }  // namespace expcache

@@ -30,7 +30,7 @@ void Prefetcher::submit(const PrefetchJob& job) {
     queue_.push_back(job);
     // A pinned source costs the caller only the enqueue: start the link now rather than after
     // the thread wakes. Others (a memcpy or a read first) wait for the thread.
-    if (job.pinned && !job.file) fill();
+    if (job.source.pinned()) fill();
     wake_.notify_one();
 }
 
@@ -75,14 +75,11 @@ bool Prefetcher::send_next() {
         const PrefetchJob::Part& p = job.parts[job.part];
         const uint64_t n = std::min(most, p.bytes - job.offset);
         unsigned char* dst = p.dst + job.offset;
-        if (job.file) {
-            s = job.file->read(t.bounce, reinterpret_cast<uintptr_t>(p.src) + job.offset, n);
-            if (s == EXPCACHE_OK) s = link_.send(dst, t.bounce, n, stream_, t.marker);
-        } else if (job.pinned) {
+        if (job.source.pinned()) {
             s = link_.send(dst, p.src + job.offset, n, stream_, t.marker);
         } else {
-            std::memcpy(t.bounce, p.src + job.offset, n);  // the link reads pageable memory slowly
-            s = link_.send(dst, t.bounce, n, stream_, t.marker);
+            s = job.source.fill(static_cast<unsigned char*>(t.bounce), p.src, job.offset, n);
+            if (s == EXPCACHE_OK) s = link_.send(dst, t.bounce, n, stream_, t.marker);
         }
         if (s == EXPCACHE_OK) {
             ++in_flight_;

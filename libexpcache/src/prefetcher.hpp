@@ -21,18 +21,18 @@
 #include "backend/source_file.hpp"
 #include "backend/staging_ring.hpp"
 #include "expcache.h"
+#include "layers.hpp"
 
 namespace expcache {
 
 struct PrefetchJob {
     struct Part {
         unsigned char* dst;
-        const unsigned char* src;  // a file offset when file != nullptr
+        const unsigned char* src;  // a file offset for a file source
         uint64_t bytes;
     };
     int32_t cls = -1, slot = -1;  // the cache's tag: where the expert goes
-    const SourceFile* file = nullptr;
-    bool pinned = false;  // src may go to the link as it is
+    ExpertSource source;          // pinned: src may go to the link as it is
     Part parts[3] = {};
     int num_parts = 0;
     // Progress, the thread's: the part and the offset in it of the next piece.

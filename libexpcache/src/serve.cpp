@@ -21,8 +21,8 @@ constexpr const char* kPathNames[EXPCACHE_NUM_PATHS] = {"decode", "compact", "ba
 // The checks every serving path makes before touching anything.
 expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
                                           const char* count_name) const {
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK) s = validate_layer(layer);
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer);
     if (s != EXPCACHE_OK) return s;
     if (n == 0 || n > max_n)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 1..%llu, got %llu", count_name,
@@ -43,21 +43,9 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
 // pieces only where the call touches their slots when it orders them per slot.
 expcache_status_t Cache::begin_call(void* stream, bool per_slot) {
     backend_->reclaim();
-    expcache_status_t s = settle_prefetches(true, true);
+    expcache_status_t s = prefetch_.settle(true, true);
     if (s != EXPCACHE_OK) return s;
-    if (have_last_stream_ && last_stream_ != stream && (s = check(backend_->fence(last_stream_, stream))) != EXPCACHE_OK)
-        return s;
-    if ((copy_dirty_ || (!per_slot && !copy_pending_.empty())) && (s = fence_copy(stream)) != EXPCACHE_OK) return s;
-    if (prefetcher_) {
-        // Where this call begins on its stream: the next prefetch but one waits for it.
-        if ((s = check(backend_->mark(cur_mark_ ^ 1, stream))) != EXPCACHE_OK) return s;
-        prev_mark_ = cur_mark_;
-        cur_mark_ ^= 1;
-        if (marks_ < 2) ++marks_;
-    }
-    last_stream_ = stream;
-    have_last_stream_ = true;
-    return EXPCACHE_OK;
+    return streams_.begin(stream, per_slot, prefetch_.active());
 }
 
 // The request's checks and the path's own come before anything changes. Then the
@@ -70,58 +58,20 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     expcache_status_t s = validate_request(layer, ids, n, max_n, count_name);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
-    if (s == EXPCACHE_OK) s = bind(layer, call.path, &call.c);
+    if (s == EXPCACHE_OK) s = classes_.bind(layer, call.path, &call.c);
     if (s != EXPCACHE_OK) return s;
     ClassState& cls = classes_[call.c];
-    ++call_;
-    prev_call_ = cur_call_;
-    cur_call_ = call_;
-    cls.last_used = call_;
+    clock_.open_serving(layer, layers_[layer].rank);
+    cls.last_used = clock_.call;
     cls.stats[call.path].calls++;
-    if (last_layer_ < 0 || static_cast<int64_t>(layer) <= last_layer_) ++clock_.token;
-    last_layer_ = layer;
-    clock_.pos = layers_[layer].rank;
-    cls.policy->set_clock(clock_);
+    cls.policy->set_clock(clock_.policy);
     call.layer = &layers_[layer];
     call.layer->prefetched = 0;  // the layer's prefetches are answered: a new limit for the next ones
     call.cls = &cls;
     call.st = &cls.stats[call.path];
-    dedupe(*call.layer, ids, n);
-    if (!partial_.empty()) resolve_partial(call);
+    scratch_.dedupe(*call.layer, ids, n, clock_.call);
+    prefetch_.resolve_partial(call.c, layer, call.path != EXPCACHE_PATH_COMPACT);
     return EXPCACHE_OK;
-}
-
-expcache_status_t Cache::fence_copy(void* stream) {
-    expcache_status_t s = check(backend_->fence(backend_->copy_stream(), stream));
-    if (s != EXPCACHE_OK) return s;
-    copy_dirty_ = false;
-    forget_copy_pending();
-    return EXPCACHE_OK;
-}
-
-expcache_status_t Cache::order_slot(int32_t c, int32_t s, void* stream) {
-    if (!classes_[c].slots[s].copy_pending || stream == backend_->copy_stream()) return EXPCACHE_OK;
-    return fence_copy(stream);
-}
-
-void Cache::forget_copy_pending() {
-    for (const auto& cs : copy_pending_)
-        if (cs.second < static_cast<int32_t>(classes_[cs.first].slots.size()))
-            classes_[cs.first].slots[cs.second].copy_pending = false;
-    copy_pending_.clear();
-}
-
-void Cache::dedupe(LayerState& layer, const uint32_t* ids, uint64_t n) {
-    unique_.clear();
-    for (uint64_t i = 0; i < n; ++i) {
-        uint32_t e = ids[i];
-        if (layer.seen[e] != call_) {
-            layer.seen[e] = call_;
-            layer.seen_pos[e] = static_cast<uint32_t>(unique_.size());
-            unique_.push_back(e);
-        }
-    }
-    ptrs_.resize(unique_.size());
 }
 
 // ---------------------------------------------------------------------------
@@ -133,42 +83,19 @@ expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, u
                                      void* stream) {
     int p = 0;
     while (p < kParts) {
-        const unsigned char* src = layer.source(p, expert);
+        const unsigned char* src = layer.source_at(p, expert);
         unsigned char* d = dst[p];
         uint64_t bytes = layer.bytes[p];
         int q = p + 1;
-        while (q < kParts && layer.source(q, expert) == src + bytes && dst[q] == d + bytes) {
+        while (q < kParts && layer.source_at(q, expert) == src + bytes && dst[q] == d + bytes) {
             bytes += layer.bytes[q];
             ++q;
         }
-        expcache_status_t s = injected_copy_failure();
-        if (s == EXPCACHE_OK) s = upload(layer, d, src, bytes, stream);
+        expcache_status_t s = health_.check(layer.source.upload(*backend_, d, src, bytes, stream));
         if (s != EXPCACHE_OK) return s;
         p = q;
     }
     return EXPCACHE_OK;
-}
-
-expcache_status_t Cache::upload(const LayerState& layer, unsigned char* dst, const unsigned char* src, uint64_t bytes,
-                                void* stream) {
-    try {
-        return check(layer.file ? backend_->read_file(dst, *layer.file, reinterpret_cast<uintptr_t>(src), bytes, stream)
-                                : backend_->copy_h2d(dst, src, bytes, layer.pinned, stream));
-    } catch (const std::bad_alloc&) {
-        return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory to set up an upload");
-    } catch (const std::exception& e) {
-        return fail(EXPCACHE_ERR_INTERNAL, "an upload could not be set up: %s", e.what());
-    }
-}
-
-expcache_status_t Cache::injected_copy_failure() {
-    if (inject_copy_count_ == 0) return EXPCACHE_OK;
-    if (inject_copy_skip_ > 0) {
-        --inject_copy_skip_;
-        return EXPCACHE_OK;
-    }
-    --inject_copy_count_;
-    return fail(EXPCACHE_ERR_CUDA, "injected copy failure");
 }
 
 void Cache::UploadScope::abandon() {
@@ -184,10 +111,10 @@ void Cache::UploadScope::abandon() {
 }
 
 expcache_status_t Cache::settle_uploads() {
-    expcache_status_t s = check(backend_->finish_uploads());
+    expcache_status_t s = health_.check(backend_->finish_uploads());
     if (s != EXPCACHE_OK)
-        for (const auto& cs : inserted_) uninstall(cs.first, cs.second);
-    inserted_.clear();
+        for (const auto& cs : scratch_.inserted) classes_.uninstall(cs.first, cs.second);
+    scratch_.inserted.clear();
     return s;
 }
 
@@ -198,15 +125,15 @@ expcache_status_t Cache::settle_uploads() {
 // expert caches released (all classes not holding batch slots) and the
 // allocation retried, exactly once.
 expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path, void** out) {
-    expcache_status_t s = check(arena_.alloc(bytes, out));
+    expcache_status_t s = health_.check(arena_.alloc(bytes, out));
     if (s != EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) return s;
     std::string first = last_error();
-    s = release_unheld(path);
+    s = classes_.release_unheld(path);
     if (s != EXPCACHE_OK) return s;
     classes_[c].stats[path].alloc_retries++;
-    log(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",
+    log_(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",
         kPathNames[path], double(bytes) / double(1 << 20), first.c_str());
-    s = check(arena_.alloc(bytes, out));
+    s = health_.check(arena_.alloc(bytes, out));
     if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
         return fail(s, "%s staging of %llu bytes failed even after releasing the expert caches: %s",
                     kPathNames[path], (unsigned long long)bytes, last_error());
@@ -219,10 +146,10 @@ expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path,
 expcache_status_t Cache::reserve_buffer(ServeCall& call, OwnedBuffer& buf, uint64_t bytes, bool may_release) {
     if (buf.bytes >= bytes) return EXPCACHE_OK;
     expcache_status_t s;
-    if (buf.ptr && (s = check(arena_.free_after(buf.ptr, call.stream))) != EXPCACHE_OK) return s;
+    if (buf.ptr && (s = health_.check(arena_.free_after(buf.ptr, call.stream))) != EXPCACHE_OK) return s;
     buf = OwnedBuffer{};
     void* p = nullptr;
-    s = may_release ? alloc_staging(bytes, call.c, call.path, &p) : check(arena_.alloc(bytes, &p));
+    s = may_release ? alloc_staging(bytes, call.c, call.path, &p) : health_.check(arena_.alloc(bytes, &p));
     if (s != EXPCACHE_OK) return s;
     buf.ptr = p;
     buf.bytes = bytes;

@@ -17,7 +17,7 @@ constexpr uint64_t kMaxBatchIds = uint64_t(1) << 26;
 }  // namespace
 
 expcache_status_t Cache::batch_room() const {
-    if (batches_.size() >= EXPCACHE_MAX_BATCHES)
+    if (batches_.open.size() >= EXPCACHE_MAX_BATCHES)
         return fail(EXPCACHE_ERR_INVALID_STATE, "%d batches are unfinished; call expcache_batch_finish first",
                     EXPCACHE_MAX_BATCHES);
     return EXPCACHE_OK;
@@ -29,7 +29,7 @@ void Cache::unhold(const BatchState& batch) {
         SlotState& ss = cls.slots[slot];
         if (--ss.holds == 0) cls.held--;
         // Read by the batch's work up to now: no prefetch may overwrite it before the next call.
-        ss.last_call = std::max(ss.last_call, cur_call_);
+        ss.last_call = std::max(ss.last_call, clock_.cur);
     }
 }
 
@@ -40,7 +40,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
     expcache_status_t s = open_call(call, ids, n, kMaxBatchIds, "n", &Cache::batch_room);
     if (s != EXPCACHE_OK) return s;
     BatchState batch;
-    batch.id = next_batch_id_;
+    batch.id = batches_.next_id;
     batch.cls = call.c;
     uint32_t direct = 0;
     if ((s = fill_slots(call, &batch, &direct)) != EXPCACHE_OK) {
@@ -51,7 +51,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         // Batch staging comes out of what the caches leave free (the reserve); it never releases
         // them, so a prompt cannot flush the decode working set even when memory is short.
         const uint64_t bytes = uint64_t(direct) * call.cls->slot_bytes;
-        if ((s = check(arena_.alloc(bytes, &batch.staging))) != EXPCACHE_OK) {
+        if ((s = health_.check(arena_.alloc(bytes, &batch.staging))) != EXPCACHE_OK) {
             unhold(batch);
             if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
                 return fail(s, "batch staging of %u experts (%llu bytes) does not fit next to the caches (%s); "
@@ -62,39 +62,41 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         if ((s = stage_overflow(call, static_cast<unsigned char*>(batch.staging), direct)) != EXPCACHE_OK) {
             unhold(batch);
             call.uploads.abandon();  // earlier uploads may still write into the staging
-            check(arena_.free_after(batch.staging, stream));
+            health_.check(arena_.free_after(batch.staging, stream));
             return s;
         }
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) {
         unhold(batch);
-        if (batch.staging) check(arena_.free_after(batch.staging, stream));
+        if (batch.staging) health_.check(arena_.free_after(batch.staging, stream));
         return s;
     }
-    for (uint32_t j = 0; j < unique_.size(); ++j) {
-        out_ids[j] = unique_[j];
-        out_ptrs[j] = ptrs_[j];
+    const CallScratch& scratch = call.scratch;
+    for (uint32_t j = 0; j < scratch.unique.size(); ++j) {
+        out_ids[j] = scratch.unique[j];
+        out_ptrs[j] = scratch.ptrs[j];
     }
-    *out_count = static_cast<uint32_t>(unique_.size());
+    *out_count = static_cast<uint32_t>(scratch.unique.size());
     *out_batch = batch.id;
-    ++next_batch_id_;
-    log(EXPCACHE_LOG_DEBUG, "batch %llu layer %u: %llu ids, %zu unique, %zu misses, %u direct",
-        (unsigned long long)batch.id, layer_index, (unsigned long long)n, unique_.size(), pending_.size(), direct);
-    batches_.push_back(std::move(batch));
+    ++batches_.next_id;
+    log_(EXPCACHE_LOG_DEBUG, "batch %llu layer %u: %llu ids, %zu unique, %zu misses, %u direct",
+        (unsigned long long)batch.id, layer_index, (unsigned long long)n, scratch.unique.size(), scratch.pending.size(),
+        direct);
+    batches_.open.push_back(std::move(batch));
     return EXPCACHE_OK;
 }
 
 expcache_status_t Cache::batch_finish(uint64_t id, void* stream) {
     CallScope scope(*this);
-    auto it = std::find_if(batches_.begin(), batches_.end(), [&](const BatchState& b) { return b.id == id; });
-    if (it == batches_.end())
+    auto it = std::find_if(batches_.open.begin(), batches_.open.end(), [&](const BatchState& b) { return b.id == id; });
+    if (it == batches_.open.end())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "batch %llu is unknown or already finished",
                     (unsigned long long)id);
-    expcache_status_t s = usable();
-    if (s == EXPCACHE_OK && it->staging) s = check(arena_.free_after(it->staging, stream));
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK && it->staging) s = health_.check(arena_.free_after(it->staging, stream));
     if (s != EXPCACHE_OK) return s;
     unhold(*it);
-    batches_.erase(it);
+    batches_.open.erase(it);
     return EXPCACHE_OK;
 }
 

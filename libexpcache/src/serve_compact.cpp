@@ -20,11 +20,11 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
     uint64_t total = off[kDown] + b[kDown] * n;
 
     // Allocate before resolving hits: the retry may release the caches.
-    if ((s = reserve_buffer(call, compact_, total, true)) != EXPCACHE_OK) return s;
+    if ((s = reserve_buffer(call, staging_.compact, total, true)) != EXPCACHE_OK) return s;
     ClassState& cls = *call.cls;
     expcache_stats_t& st = *call.st;
-    unsigned char* base = static_cast<unsigned char*>(compact_.ptr);
-    uint32_t next_unique = 0;  // unique_ is in first-appearance order
+    unsigned char* base = static_cast<unsigned char*>(staging_.compact.ptr);
+    uint32_t next_unique = 0;  // the call's unique ids are in first-appearance order
     for (uint32_t i = 0; i < n; ++i) {
         uint32_t e = ids[i];
         bool first = layer.seen_pos[e] == next_unique;
@@ -34,12 +34,11 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
         int32_t slot = layer.slot_of[e];
         if (slot >= 0) {
             SlotState& ss = cls.slots[slot];
-            ss.last_call = call_;  // read on `stream` now: no prefetch may overwrite it before the next call
-            if ((s = order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
-            if (ss.prefetch != kPrefetchNone) note_use(cls, slot);
+            ss.last_call = clock_.call;  // read on `stream` now: no prefetch may overwrite it before the next call
+            if ((s = streams_.order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
+            if (ss.prefetch != kPrefetchNone) prefetch_.note_use(call.c, slot);
             for (int p = 0; p < kParts; ++p)
-                if ((s = injected_copy_failure()) != EXPCACHE_OK ||
-                    (s = check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) != EXPCACHE_OK)
+                if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) != EXPCACHE_OK)
                     return s;
             if (first) {
                 cls.policy->on_hit(slot);
@@ -57,7 +56,7 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
     out->num_experts = n;
-    out->base = compact_.ptr;
+    out->base = staging_.compact.ptr;
     out->bytes = total;
     out->gate_offset = off[kGate];
     out->up_offset = off[kUp];
@@ -65,7 +64,7 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
     out->gate_bytes = b[kGate];
     out->up_bytes = b[kUp];
     out->down_bytes = b[kDown];
-    log(EXPCACHE_LOG_DEBUG, "load_compact layer %u n %u: %.1f MiB buffer", layer_index, n,
+    log_(EXPCACHE_LOG_DEBUG, "load_compact layer %u n %u: %.1f MiB buffer", layer_index, n,
         double(total) / double(1 << 20));
     return EXPCACHE_OK;
 }

@@ -16,15 +16,15 @@ expcache_status_t Cache::serve_decode(ServeCall& call, const uint32_t* ids, uint
     if (direct > 0) {
         // The class cannot hold the whole request: serve the overflow from staging. It never
         // releases the caches: the hits resolved above point into them.
-        if ((s = reserve_buffer(call, overflow_, uint64_t(direct) * call.cls->slot_bytes, false)) != EXPCACHE_OK)
+        if ((s = reserve_buffer(call, staging_.overflow, uint64_t(direct) * call.cls->slot_bytes, false)) != EXPCACHE_OK)
             return s;
-        if ((s = stage_overflow(call, static_cast<unsigned char*>(overflow_.ptr), direct)) != EXPCACHE_OK) return s;
+        if ((s = stage_overflow(call, static_cast<unsigned char*>(staging_.overflow.ptr), direct)) != EXPCACHE_OK) return s;
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
-    for (uint32_t i = 0; i < k; ++i) out[i] = ptrs_[layer.seen_pos[ids[i]]];
-    log(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
-        unique_.size(), unique_.size() - pending_.size(), pending_.size(), direct);
+    for (uint32_t i = 0; i < k; ++i) out[i] = scratch_.ptrs[layer.seen_pos[ids[i]]];
+    log_(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
+        scratch_.unique.size(), scratch_.unique.size() - scratch_.pending.size(), scratch_.pending.size(), direct);
     return EXPCACHE_OK;
 }
 
@@ -42,40 +42,41 @@ expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids,
     expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
     if (s != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
-    resident_.resize(unique_.size());
+    std::vector<uint8_t>& resident = scratch_.resident;
+    resident.resize(scratch_.unique.size());
     bool any_miss = false;
-    for (size_t j = 0; j < unique_.size(); ++j) {
-        const int32_t slot = layer.slot_of[unique_[j]];
-        resident_[j] = slot >= 0 && call.cls->slots[slot].prefetch != kPrefetchPartial;
-        any_miss = any_miss || !resident_[j];
+    for (size_t j = 0; j < scratch_.unique.size(); ++j) {
+        const int32_t slot = layer.slot_of[scratch_.unique[j]];
+        resident[j] = slot >= 0 && call.cls->slots[slot].prefetch != kPrefetchPartial;
+        any_miss = any_miss || !resident[j];
     }
     void* copy = backend_->copy_stream();
     if (any_miss && copy) {
         // The misses may overwrite slots that work enqueued on `stream` so far still reads.
-        if ((s = check(backend_->fence(stream, copy))) != EXPCACHE_OK) return s;
+        if ((s = health_.check(backend_->fence(stream, copy))) != EXPCACHE_OK) return s;
         call.copy_stream = copy;
     }
     if ((s = serve_decode(call, ids, k, out)) != EXPCACHE_OK) {
-        if (call.copy_stream != stream) copy_dirty_ = true;  // some copies may have gone out
+        if (call.copy_stream != stream) streams_.copy_dirty();  // some copies may have gone out
         return s;
     }
     void* ready = nullptr;
     if (call.copy_stream != stream) {
-        copy_dirty_ = true;
-        if ((s = check(backend_->record_ready(copy, &ready))) != EXPCACHE_OK) return s;
+        streams_.copy_dirty();
+        if ((s = health_.check(backend_->record_ready(copy, &ready))) != EXPCACHE_OK) return s;
     }
-    for (uint32_t i = 0; i < k; ++i) out_resident[i] = resident_[layer.seen_pos[ids[i]]];
+    for (uint32_t i = 0; i < k; ++i) out_resident[i] = resident[layer.seen_pos[ids[i]]];
     *out_ready = ready;
     return EXPCACHE_OK;
 }
 
 expcache_status_t Cache::wait_ready(void* ready, void* stream) {
     CallScope scope(*this);
-    expcache_status_t s = usable();
+    expcache_status_t s = health_.usable();
     if (s != EXPCACHE_OK) return s;
     if (!backend_->is_ready_event(ready))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "ready %p is not an event of this cache's split selects", ready);
-    return check(backend_->wait_ready(ready, stream));
+    return health_.check(backend_->wait_ready(ready, stream));
 }
 
 }  // namespace expcache

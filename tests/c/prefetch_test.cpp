@@ -36,7 +36,7 @@ struct Expert {
         PrefetchJob j;
         j.cls = 0;
         j.slot = slot;
-        j.pinned = pinned;
+        j.source.kind = pinned ? EXPCACHE_SOURCE_PINNED : EXPCACHE_SOURCE_PAGEABLE;
         uint64_t off = 0;
         for (int p = 0; p < 3; ++p) {
             j.parts[p] = {reinterpret_cast<unsigned char*>(dst.data()) + off,

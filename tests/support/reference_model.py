@@ -110,6 +110,7 @@ class ModelError(Exception):
 
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 INVALID_STATE = "INVALID_STATE"
+DENSE = "ValueError"  # ExpertCache's own refusal of a dense layer (a ValueError, not a status)
 OUT_OF_DEVICE_MEMORY = "OUT_OF_DEVICE_MEMORY"
 
 Key = Tuple[int, int]  # (layer, expert)
@@ -280,8 +281,8 @@ class ReferenceCache:
         if not 0 <= layer < len(self.layers):
             raise ModelError(INVALID_ARGUMENT, f"layer {layer} out of range")
         shape = self.layers[layer]
-        if shape is None:
-            raise ModelError(INVALID_STATE, f"layer {layer} is not registered")
+        if shape is None:  # a dense layer: the wrapper refuses it before the library sees it
+            raise ModelError(DENSE, f"layer {layer} has no routed experts")
         return shape
 
     def _validate_ids(self, shape: LayerShape, ids: Sequence[int]) -> None:

@@ -1,6 +1,6 @@
 // The one internal interface both backends implement. The cache core above
 // it is identical for host and CUDA; a backend only moves bytes, allocates
-// "device" memory, orders streams and runs the checksum kernel.
+// "device" memory and orders streams.
 #pragma once
 
 #include <cstddef>
@@ -13,13 +13,6 @@
 #include "staging_ring.hpp"
 
 namespace expcache {
-
-// One contiguous range to checksum; results are summed into sums[out].
-struct ChecksumJob {
-    const void* ptr;
-    uint64_t bytes;
-    uint32_t out;
-};
 
 class Backend {
 public:
@@ -57,8 +50,6 @@ public:
     // The staging ring's counters, added to *out (nothing when it was never made).
     virtual void staging_stats(expcache_staging_stats_t* out) const = 0;
     virtual void reset_staging_stats() = 0;
-    // Fault injection: the staged pieces after the next `skip` fail, `count` of them.
-    virtual void inject_staging_failures(uint64_t skip, uint64_t count) = 0;
     virtual expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
     virtual expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) = 0;
 
@@ -67,14 +58,6 @@ public:
     virtual expcache_status_t sync_stream(void* stream) = 0;
     virtual expcache_status_t sync_device() = 0;
 
-    // Weighted 64-bit word sums (see expcache_testing_checksum) into result slots
-    // [first, first + num_sums), enqueued on `stream` (the host backend computes
-    // them now); read them with checksum_results once the stream has finished.
-    virtual expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums,
-                                             uint32_t first, void* stream) = 0;
-    virtual expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) = 0;
-    // `ns` nanoseconds of work on `stream` that only takes time (the host backend spins now).
-    virtual expcache_status_t spin_async(uint64_t ns, void* stream) = 0;
 
     // The cache's own copy stream, where split selects' misses and prefetch pieces go
     // (host: nullptr, its copies finish as they are made).
@@ -146,7 +129,8 @@ public:
     void reset_staging_stats() final {
         if (ring_) ring_->reset_stats();
     }
-    void inject_staging_failures(uint64_t skip, uint64_t count) final { ring().inject_failures(skip, count); }
+    // Fault injection (backend/instrumented.hpp): the staged pieces after the next `skip` fail, `count` of them.
+    void inject_staging_failures(uint64_t skip, uint64_t count) { ring().inject_failures(skip, count); }
     StagingRing::Transport& link() final { return *transport_; }
 
 protected:
@@ -179,12 +163,10 @@ private:
 // capacity_bytes: the emulated device size. The host backend stages pageable
 // and file uploads through the same ring as the CUDA backend (its "link" is a
 // memcpy), so the ring's threads and failures are exercised without a GPU.
-std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes, const StagingConfig& staging);
+std::unique_ptr<StagingBackend> make_host_backend(uint64_t capacity_bytes, const StagingConfig& staging);
 
 // UNSUPPORTED when the library was built without CUDA or no device is usable.
-expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, std::unique_ptr<Backend>* out);
+expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, std::unique_ptr<StagingBackend>* out);
 
-// Checksum of one range, as the kernels compute it (host reference).
-uint64_t checksum_host(const void* ptr, uint64_t bytes);
 
 }  // namespace expcache

@@ -6,48 +6,12 @@
 #include <vector>
 
 #include "backend.hpp"
+#include "cuda_errors.cuh"
 #include "staging_ring.hpp"
-#include "../errors.hpp"
-#include "../kernels/checksum.cuh"
-#include "../kernels/spin.cuh"
 
 namespace expcache {
 
 namespace {
-
-// Errors after which the context is unusable: the handle is poisoned.
-bool is_sticky(cudaError_t e) {
-    switch (e) {
-        case cudaErrorIllegalAddress:
-        case cudaErrorLaunchFailure:
-        case cudaErrorHardwareStackError:
-        case cudaErrorIllegalInstruction:
-        case cudaErrorMisalignedAddress:
-        case cudaErrorInvalidAddressSpace:
-        case cudaErrorInvalidPc:
-        case cudaErrorAssert:
-        case cudaErrorLaunchTimeout:
-        case cudaErrorECCUncorrectable:
-            return true;
-        default:
-            return false;
-    }
-}
-
-expcache_status_t cuda_fail(cudaError_t e, const char* what) {
-    cudaGetLastError();  // clear a non-sticky error so it does not leak into the caller's next check
-    if (e == cudaErrorMemoryAllocation)
-        return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY, "%s: %s (%s)", what, cudaGetErrorName(e),
-                    cudaGetErrorString(e));
-    return fail(is_sticky(e) ? EXPCACHE_ERR_POISONED : EXPCACHE_ERR_CUDA, "%s: %s (%s)", what,
-                cudaGetErrorName(e), cudaGetErrorString(e));
-}
-
-#define EXPCACHE_CUDA_TRY(call)                                  \
-    do {                                                         \
-        cudaError_t e_ = (call);                                 \
-        if (e_ != cudaSuccess) return cuda_fail(e_, #call);      \
-    } while (0)
 
 // The arrays of one cudaMemcpyBatchAsync, kept between calls. A copy engine pays a few
 // microseconds per transfer: measured on an H200 (benchmarks/c/copy_methods.cu), 18 parts of
@@ -190,7 +154,6 @@ public:
         for (cudaEvent_t e : {fence_event_, ready_event_, marks_[0], marks_[1]})
             if (e) cudaEventDestroy(e);
         if (copy_stream_) cudaStreamDestroy(copy_stream_);
-        checksum_.release();
         leave();
     }
     expcache_status_t init() {
@@ -327,20 +290,6 @@ public:
         EXPCACHE_CUDA_TRY(cudaDeviceSynchronize());
         return EXPCACHE_OK;
     }
-    expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, uint32_t first,
-                                     void* stream) override {
-        EXPCACHE_CUDA_TRY(checksum_.launch(jobs, num_jobs, num_sums, first, static_cast<cudaStream_t>(stream)));
-        return EXPCACHE_OK;
-    }
-    expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
-        checksum_.results(first, n, out);
-        return EXPCACHE_OK;
-    }
-    expcache_status_t spin_async(uint64_t ns, void* stream) override {
-        EXPCACHE_CUDA_TRY(launch_spin(ns, static_cast<cudaStream_t>(stream)));
-        return EXPCACHE_OK;
-    }
-
 private:
     struct Deferred {
         void* ptr;
@@ -356,12 +305,11 @@ private:
     cudaStream_t copy_stream_ = nullptr;
     std::vector<Deferred> deferred_;
     std::vector<cudaEvent_t> event_pool_;
-    ChecksumScratch checksum_;
 };
 
 }  // namespace
 
-expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, std::unique_ptr<Backend>* out) {
+expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, std::unique_ptr<StagingBackend>* out) {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {

@@ -4,7 +4,6 @@
 // Copies complete before returning, so streams and fences are no-ops.
 // Pageable and file uploads go through the same StagingRing as on the CUDA
 // backend, with a memcpy for the link.
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <unordered_map>
@@ -15,24 +14,6 @@
 #include "../errors.hpp"
 
 namespace expcache {
-
-uint64_t checksum_host(const void* ptr, uint64_t bytes) {
-    const unsigned char* p = static_cast<const unsigned char*>(ptr);
-    uint64_t sum = 0;
-    uint64_t words = bytes / 8;
-    for (uint64_t j = 0; j < words; ++j) {
-        uint64_t w;
-        std::memcpy(&w, p + 8 * j, 8);
-        sum += w * (2 * j + 1);
-    }
-    uint64_t tail = bytes % 8;
-    if (tail) {
-        uint64_t w = 0;
-        std::memcpy(&w, p + 8 * words, tail);
-        sum += w * (2 * words + 1);
-    }
-    return sum;
-}
 
 namespace {
 
@@ -119,36 +100,16 @@ public:
     expcache_status_t fence(void*, void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_stream(void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_device() override { return EXPCACHE_OK; }
-    expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, uint32_t first,
-                                     void*) override {
-        if (results_.size() < uint64_t(first) + num_sums) results_.resize(uint64_t(first) + num_sums, 0);
-        for (uint32_t i = 0; i < num_sums; ++i) results_[first + i] = 0;
-        for (uint32_t i = 0; i < num_jobs; ++i)
-            results_[first + jobs[i].out] += checksum_host(jobs[i].ptr, jobs[i].bytes);
-        return EXPCACHE_OK;
-    }
-    expcache_status_t spin_async(uint64_t ns, void*) override {
-        const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
-        while (std::chrono::steady_clock::now() < until) {
-        }
-        return EXPCACHE_OK;
-    }
-    expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
-        for (uint32_t i = 0; i < n; ++i) out[i] = uint64_t(first) + i < results_.size() ? results_[first + i] : 0;
-        return EXPCACHE_OK;
-    }
-
 private:
     uint64_t capacity_;
     uint64_t used_ = 0;
-    std::vector<uint64_t> results_;  // checksum result slots
     std::unordered_map<void*, uint64_t> sizes_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_host_backend(uint64_t capacity_bytes, const StagingConfig& staging) {
-    return std::unique_ptr<Backend>(new HostBackend(capacity_bytes, staging));
+std::unique_ptr<StagingBackend> make_host_backend(uint64_t capacity_bytes, const StagingConfig& staging) {
+    return std::unique_ptr<StagingBackend>(new HostBackend(capacity_bytes, staging));
 }
 
 }  // namespace expcache

@@ -5,11 +5,11 @@
 
 #include <cuda_runtime.h>
 
-#include "../backend/backend.hpp"
+#include "test_kernels.hpp"
 
 namespace expcache {
 
-// Device and pinned scratch one checksum call needs; owned by the backend.
+// Device and pinned scratch one checksum call needs; owned by the CUDA test kernels.
 class ChecksumScratch {
 public:
     ~ChecksumScratch();

@@ -1,4 +1,4 @@
-#include "cache.hpp"
+#include "class_table.hpp"
 
 #include <algorithm>
 
@@ -23,7 +23,7 @@ struct ClassShare {
     unsigned __int128 class_bytes = 0, total_bytes = 0;
 };
 
-ClassShare class_share(const std::vector<LayerState>& layers, const ClassState& cls) {
+ClassShare class_share(const LayerTable& layers, const ClassState& cls) {
     ClassShare out;
     for (const LayerState& l : layers) {
         if (!l.registered) continue;
@@ -39,19 +39,28 @@ ClassShare class_share(const std::vector<LayerState>& layers, const ClassState& 
 
 }  // namespace
 
-std::string Cache::class_name(const ClassState& cls) const {
+ClassTable::ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
+                       Log& log, Health& health, SlotObserver& observer)
+    : config_(config), backend_(backend), arena_(arena), layers_(layers), log_(log), health_(health),
+      observer_(observer), classes_(config.max_classes) {}
+
+void ClassTable::invalidate_caps() {
+    for (ClassState& cls : classes_) cls.cap_valid = false;
+}
+
+std::string ClassTable::name(const ClassState& cls) const {
     return format("[gate %llu, up %llu, down %llu B; %.2f MiB/expert]", (unsigned long long)cls.key[kGate],
                   (unsigned long long)cls.key[kUp], (unsigned long long)cls.key[kDown],
                   double(cls.key[kGate] + cls.key[kUp] + cls.key[kDown]) / double(1 << 20));
 }
 
 // A layer's binding outlives its class's reuse for another layout; the generation tells.
-int32_t Cache::bound_class(const LayerState& layer) const {
+int32_t ClassTable::bound(const LayerState& layer) const {
     if (layer.cls >= 0 && classes_[layer.cls].in_use && classes_[layer.cls].gen == layer.cls_gen) return layer.cls;
     return -1;
 }
 
-void Cache::activate_class(int32_t c, const LayerState& layer) {
+void ClassTable::activate(int32_t c, const LayerState& layer) {
     ClassState& cls = classes_[c];
     cls.in_use = true;
     cls.gen++;
@@ -69,11 +78,11 @@ void Cache::activate_class(int32_t c, const LayerState& layer) {
     cls.layers = 0;
 }
 
-expcache_status_t Cache::bind(uint32_t layer_index, uint32_t path, int32_t* out_cls) {
+expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t* out_cls) {
     LayerState& layer = layers_[layer_index];
-    const int32_t bound = bound_class(layer);
-    if (bound >= 0) {
-        *out_cls = bound;
+    const int32_t current = bound(layer);
+    if (current >= 0) {
+        *out_cls = current;
         return EXPCACHE_OK;
     }
     int32_t found = -1, empty = -1, lru = -1;
@@ -91,7 +100,7 @@ expcache_status_t Cache::bind(uint32_t layer_index, uint32_t path, int32_t* out_
     }
     if (found < 0 && empty >= 0) {
         found = empty;
-        activate_class(found, layer);
+        activate(found, layer);
     } else if (found < 0) {
         if (lru < 0)
             return fail(EXPCACHE_ERR_INVALID_STATE,
@@ -99,15 +108,15 @@ expcache_status_t Cache::bind(uint32_t layer_index, uint32_t path, int32_t* out_
                         "slots of an unfinished batch; finish a batch or raise max_classes",
                         layer_index, classes_.size());
         ClassState& victim = classes_[lru];
-        std::string old_name = class_name(victim);
-        expcache_status_t s = release_class(lru, path);
+        std::string old_name = name(victim);
+        expcache_status_t s = release(lru, path);
         if (s != EXPCACHE_OK) return s;
         victim.stats[path].class_reuses++;
         found = lru;
-        activate_class(found, layer);
-        log(EXPCACHE_LOG_NOTICE,
+        activate(found, layer);
+        log_(EXPCACHE_LOG_NOTICE,
             "more size classes than max_classes=%zu: released class %d %s and reused it for %s (layer %u)",
-            classes_.size(), lru, old_name.c_str(), class_name(classes_[found]).c_str(), layer_index);
+            classes_.size(), lru, old_name.c_str(), name(classes_[found]).c_str(), layer_index);
     }
     layer.cls = found;
     layer.cls_gen = classes_[found].gen;
@@ -119,16 +128,14 @@ expcache_status_t Cache::bind(uint32_t layer_index, uint32_t path, int32_t* out_
 
 // Frees a class's slots. Every resident expert becomes non-resident; waits
 // for the device first since in-flight work may still read the slots.
-expcache_status_t Cache::release_class(int32_t c, uint32_t path) {
+expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (cls.slabs.empty()) return EXPCACHE_OK;
-    expcache_status_t s = settle_prefetches(true);  // no piece goes out into the slabs after this
-    if (s == EXPCACHE_OK) s = check(backend_->sync_device());
+    expcache_status_t s = observer_.before_release();  // nothing goes out into the slabs, or reads them, after this
     if (s != EXPCACHE_OK) return s;
-    forget_copy_pending();
     for (SlotState& slot : cls.slots) {
         if (slot.layer < 0) continue;
-        if (slot.prefetch != kPrefetchNone) drop_prefetched(slot);
+        if (slot.prefetch != kPrefetchNone) observer_.dropped_unused(slot);
         layers_[slot.layer].slot_of[slot.expert] = -1;
     }
     for (void* slab : cls.slabs) arena_.free_now(slab);
@@ -142,7 +149,7 @@ expcache_status_t Cache::release_class(int32_t c, uint32_t path) {
     return EXPCACHE_OK;
 }
 
-expcache_status_t Cache::release_unheld(uint32_t path) {
+expcache_status_t ClassTable::release_unheld(uint32_t path) {
     uint32_t released = 0, kept = 0;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
         if (!classes_[c].in_use || classes_[c].slabs.empty()) continue;
@@ -150,17 +157,17 @@ expcache_status_t Cache::release_unheld(uint32_t path) {
             ++kept;
             continue;
         }
-        expcache_status_t s = release_class(c, path);
+        expcache_status_t s = release(c, path);
         if (s != EXPCACHE_OK) return s;
         ++released;
     }
-    log(EXPCACHE_LOG_NOTICE, "released %u expert cache(s)%s", released,
+    log_(EXPCACHE_LOG_NOTICE, "released %u expert cache(s)%s", released,
         kept ? format(", kept %u holding batch slots", kept).c_str() : "");
     return EXPCACHE_OK;
 }
 
 // What the budgets ask for this class (see expcache_config_t).
-uint64_t Cache::class_target(const ClassState& cls) const {
+uint64_t ClassTable::target(const ClassState& cls) const {
     const ClassShare share = class_share(layers_, cls);
     uint64_t target = share.experts;
     if (config_.budget_experts) target = std::min(target, config_.budget_experts);
@@ -173,7 +180,7 @@ uint64_t Cache::class_target(const ClassState& cls) const {
 
 // Why the budgets give a class no expert, and the smallest budget_bytes that gives it one: its
 // share, budget_bytes * class_bytes / total_bytes (rounded down), must reach one slot.
-std::string Cache::zero_target_reason(const ClassState& cls) const {
+std::string ClassTable::zero_target_reason(const ClassState& cls) const {
     const ClassShare share = class_share(layers_, cls);
     if (!config_.budget_bytes || share.class_bytes == 0) return " (the budget asks 0 experts); raise the budget";
     const unsigned __int128 need =
@@ -187,7 +194,7 @@ std::string Cache::zero_target_reason(const ClassState& cls) const {
                   (unsigned long long)config_.budget_bytes, human_bytes(cls.slot_bytes).c_str(), fix.c_str());
 }
 
-void Cache::announce_cap(int32_t c, uint32_t path, const char* why, const char* fix) {
+void ClassTable::announce_cap(int32_t c, uint32_t path, const char* why, const char* fix) {
     ClassState& cls = classes_[c];
     cls.stats[path].cap_notices++;
     cls.cap_announced = true;
@@ -195,17 +202,17 @@ void Cache::announce_cap(int32_t c, uint32_t path, const char* why, const char* 
         // Nothing of this class can be cached: every miss becomes a direct load. Said as a warning,
         // once per change, with the reason and the fix, so that no way to cap 0 is silent.
         if (cls.target == 0) {
-            log(EXPCACHE_LOG_WARNING, "class %d %s: cap 0 experts, nothing of this class will be cached%s", c,
-                class_name(cls).c_str(), zero_target_reason(cls).c_str());
+            log_(EXPCACHE_LOG_WARNING, "class %d %s: cap 0 experts, nothing of this class will be cached%s", c,
+                name(cls).c_str(), zero_target_reason(cls).c_str());
             return;
         }
-        log(EXPCACHE_LOG_WARNING,
+        log_(EXPCACHE_LOG_WARNING,
             "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; %s", c,
-            class_name(cls).c_str(), (unsigned long long)cls.target, why, fix);
+            name(cls).c_str(), (unsigned long long)cls.target, why, fix);
         return;
     }
-    log(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c,
-        class_name(cls).c_str(), (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB),
+    log_(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c,
+        name(cls).c_str(), (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB),
         (unsigned long long)cls.target, why);
 }
 
@@ -213,10 +220,10 @@ void Cache::announce_cap(int32_t c, uint32_t path, const char* why, const char* 
 // minus what the other classes may still grow into. Computed when a class
 // first grows and again after a release or a layout change, never on every
 // call, so the cap (and its notice) changes only when something did.
-expcache_status_t Cache::refresh_cap(int32_t c, uint32_t path) {
+expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     uint64_t free_bytes = 0, total = 0;
-    expcache_status_t s = check(backend_->mem_info(&free_bytes, &total));
+    expcache_status_t s = health_.check(backend_.mem_info(&free_bytes, &total));
     if (s != EXPCACHE_OK) return s;
     uint64_t others = 0;
     for (int32_t o = 0; o < static_cast<int32_t>(classes_.size()); ++o) {
@@ -228,7 +235,7 @@ expcache_status_t Cache::refresh_cap(int32_t c, uint32_t path) {
     uint64_t avail = free_bytes > needed ? free_bytes - needed : 0;
     uint64_t mem_cap = cls.slots.size() + avail / cls.slot_bytes;
     uint64_t old_cap = cls.cap;
-    cls.target = class_target(cls);
+    cls.target = target(cls);
     cls.cap = std::min(cls.target, mem_cap);
     cls.cap_valid = true;
     if (!cls.cap_announced || cls.cap != old_cap) {
@@ -255,13 +262,13 @@ expcache_status_t Cache::refresh_cap(int32_t c, uint32_t path) {
     return EXPCACHE_OK;
 }
 
-expcache_status_t Cache::grow(int32_t c, uint32_t path) {
+expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     uint64_t have = cls.slots.size();
     uint64_t per_slab = std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes);
     uint64_t n = std::min(cls.cap - have, per_slab);
     void* slab = nullptr;
-    expcache_status_t s = check(arena_.alloc(n * cls.slot_bytes, &slab));
+    expcache_status_t s = health_.check(arena_.alloc(n * cls.slot_bytes, &slab));
     if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) {
         // Memory is shorter than the cap assumed: stop growing here.
         cls.cap = have;
@@ -279,6 +286,101 @@ expcache_status_t Cache::grow(int32_t c, uint32_t path) {
     for (uint64_t i = 0; i < n; ++i) cls.slots[have + i].dev = static_cast<unsigned char*>(slab) + i * cls.slot_bytes;
     for (uint64_t i = n; i-- > 0;) cls.free_slots.push_back(static_cast<int32_t>(have + i));
     return EXPCACHE_OK;
+}
+
+// ---------------------------------------------------------------------------
+// Slots
+
+namespace {
+
+struct EvictableCtx {
+    const std::vector<SlotState>* slots;
+    uint64_t first_protected_call;  // slots with last_call >= this stay
+};
+
+bool slot_evictable(const void* ctx, int32_t s) {
+    auto* c = static_cast<const EvictableCtx*>(ctx);
+    const SlotState& slot = (*c->slots)[static_cast<size_t>(s)];
+    return slot.holds == 0 && slot.prefetch != kPrefetchLoading && slot.prefetch != kPrefetchPartial &&
+           slot.last_call < c->first_protected_call;
+}
+
+}  // namespace
+
+expcache_status_t ClassTable::acquire(int32_t c, bool allow_grow, Evict evict_mode, uint64_t protect_from,
+                                      uint32_t path, int32_t* out) {
+    ClassState& cls = classes_[c];
+    if (cls.free_slots.empty() && allow_grow) {
+        if (!cls.cap_valid) {
+            expcache_status_t s = refresh_cap(c, path);
+            if (s != EXPCACHE_OK) return s;
+        }
+        if (cls.slots.size() < cls.cap) {
+            expcache_status_t s = grow(c, path);
+            if (s != EXPCACHE_OK) return s;
+        }
+    }
+    if (!cls.free_slots.empty()) {
+        *out = cls.free_slots.back();
+        cls.free_slots.pop_back();
+        return EXPCACHE_OK;
+    }
+    *out = -1;
+    if (evict_mode != Evict::kNo) {
+        EvictableCtx ctx{&cls.slots, protect_from};
+        int32_t v = cls.policy->victim(slot_evictable, &ctx);
+        if (v >= 0) {
+            evict(c, v, path);
+            *out = v;
+        }
+    }
+    return EXPCACHE_OK;
+}
+
+void ClassTable::install(int32_t c, int32_t s, uint32_t layer_index, uint32_t expert, Insert how, uint64_t call) {
+    ClassState& cls = classes_[c];
+    SlotState& slot = cls.slots[s];
+    LayerState& layer = layers_[layer_index];
+    slot.layer = static_cast<int32_t>(layer_index);
+    slot.expert = expert;
+    slot.last_call = call;
+    slot.prefetch = how == Insert::kPrefetch ? kPrefetchLoading : kPrefetchNone;
+    layer.slot_of[expert] = s;
+    cls.resident++;
+    if (how == Insert::kPrefetch) cls.policy->on_prefetch(s, layer.key_base + expert);
+    else cls.policy->on_insert(s, how == Insert::kCold, layer.key_base + expert);
+}
+
+void ClassTable::reinstall(int32_t c, int32_t s, bool cold, uint64_t call) {
+    ClassState& cls = classes_[c];
+    SlotState& slot = cls.slots[s];
+    slot.prefetch = kPrefetchNone;
+    slot.last_call = call;
+    cls.policy->on_remove(s);
+    cls.policy->on_insert(s, cold, layers_[slot.layer].key_base + slot.expert);
+}
+
+void ClassTable::evict(int32_t c, int32_t s, uint32_t path) {
+    ClassState& cls = classes_[c];
+    SlotState& slot = cls.slots[s];
+    if (slot.prefetch != kPrefetchNone) observer_.dropped_unused(slot);
+    layers_[slot.layer].slot_of[slot.expert] = -1;
+    cls.policy->on_remove(s);
+    slot.layer = -1;
+    cls.resident--;
+    cls.stats[path].evictions++;
+}
+
+void ClassTable::uninstall(int32_t c, int32_t s) {
+    ClassState& cls = classes_[c];
+    SlotState& slot = cls.slots[s];
+    if (slot.layer < 0) return;
+    layers_[slot.layer].slot_of[slot.expert] = -1;
+    cls.policy->on_remove(s);
+    slot.layer = -1;
+    slot.prefetch = kPrefetchNone;
+    cls.resident--;
+    cls.free_slots.push_back(s);
 }
 
 }  // namespace expcache

@@ -1,0 +1,149 @@
+// The size classes: per class its slots (device memory in slabs), which expert each holds, the
+// eviction policy's state, its budget and runtime cap, and its counters. A class is bound by
+// the layers whose experts have its byte sizes; at most max_classes exist at once. Every change
+// to a slot's residency goes through this table: bind, grow, acquire, install, evict, release.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "device_arena.hpp"
+#include "expcache.h"
+#include "layers.hpp"
+#include "log.hpp"
+#include "policy/policy.hpp"
+
+namespace expcache {
+
+constexpr uint64_t kAlign = 256;  // where each part of a slot, and of the compact buffer, starts
+constexpr uint64_t kGiB = uint64_t(1) << 30;
+
+inline uint64_t align_up(uint64_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
+
+enum PrefetchState : uint8_t {
+    kPrefetchNone = 0,
+    kPrefetchLoading = 1,  // queued on the prefetch thread: never evicted, never served; every
+                           // serving call cancels it first
+    kPrefetchUnused = 2,   // every byte sent; the first use counts it as used, an eviction as wasted
+    kPrefetchPartial = 3,  // cancelled by the serving call under way with bytes left to send: if that call
+                           // lists it, it sends the rest into the same slot (a miss, counted late);
+                           // otherwise the slot is freed (cancelled)
+};
+
+struct SlotState {
+    unsigned char* dev = nullptr;
+    int32_t layer = -1;  // -1: free
+    uint32_t expert = 0;
+    uint32_t holds = 0;       // unfinished batches using it
+    uint64_t last_call = 0;   // protects it from eviction during that call (and from a prefetch's
+                              // during the next one)
+    uint8_t prefetch = 0;     // kPrefetch*: what a prefetch put here and nothing used yet
+    bool copy_pending = false;  // a prefetch's bytes may still cross on the copy stream: a call that
+                                // reads or rewrites the slot waits for that stream first (StreamOrder)
+};
+
+struct ClassState {
+    bool in_use = false;
+    uint64_t gen = 0;
+    uint64_t key[kParts] = {};
+    uint64_t part_off[kParts] = {};
+    uint64_t slot_bytes = 0;
+    uint64_t last_used = 0;  // call id, for reusing the least recently used class
+    std::vector<SlotState> slots;
+    std::vector<int32_t> free_slots;
+    std::vector<void*> slabs;
+    std::unique_ptr<Policy> policy;
+    uint64_t target = 0, cap = 0;
+    bool cap_valid = false;      // recompute before the next growth
+    bool cap_announced = false;  // a notice was given for `cap`
+    uint64_t resident = 0, held = 0, layers = 0;
+    expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
+
+    // Where each part of the slot (or staging entry laid out like one) at `base` goes.
+    void parts_at(unsigned char* base, unsigned char* out[kParts]) const {
+        for (int p = 0; p < kParts; ++p) out[p] = base + part_off[p];
+    }
+    expcache_expert_ptrs_t ptrs_at(unsigned char* base) const {
+        return {base + part_off[kGate], base + part_off[kUp], base + part_off[kDown]};
+    }
+};
+
+// What the table needs from the rest of the cache around its slots' life (the prefetches).
+class SlotObserver {
+public:
+    virtual ~SlotObserver() = default;
+    // Before a class's slots are freed: nothing may be sent into them, or read, afterwards.
+    virtual expcache_status_t before_release() = 0;
+    // A slot holding a prefetched expert nothing used leaves it (evicted or released).
+    virtual void dropped_unused(SlotState& slot) = 0;
+};
+
+// Which slots a miss may evict: kDemand none the call uses (last_call >= protect_from), kPrefetch
+// none the current or previous serving call used; never one a batch holds or a prefetch loads.
+enum class Evict { kNo, kDemand, kPrefetch };
+// How an expert enters a slot: as the most recently used (a decode miss), among the first to go
+// (a batch's append), or as a prefetch (loading, until a use).
+enum class Insert { kDemand, kCold, kPrefetch };
+
+class ClassTable {
+public:
+    ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers, Log& log,
+               Health& health, SlotObserver& observer);
+
+    ClassState& operator[](int32_t c) { return classes_[static_cast<size_t>(c)]; }
+    const ClassState& operator[](int32_t c) const { return classes_[static_cast<size_t>(c)]; }
+    int32_t size() const { return static_cast<int32_t>(classes_.size()); }
+    std::vector<ClassState>::iterator begin() { return classes_.begin(); }
+    std::vector<ClassState>::iterator end() { return classes_.end(); }
+    std::vector<ClassState>::const_iterator begin() const { return classes_.begin(); }
+    std::vector<ClassState>::const_iterator end() const { return classes_.end(); }
+
+    // The class a layer is bound to, or -1 (never bound, or its class was reused since).
+    int32_t bound(const LayerState& layer) const;
+    // Binds the layer to the class of its sizes: its own, a free one, or the least recently used
+    // one not holding batch slots (released and reused).
+    expcache_status_t bind(uint32_t layer, uint32_t path, int32_t* out_cls);
+    // Frees a class's slots (every resident expert becomes non-resident).
+    expcache_status_t release(int32_t c, uint32_t path);
+    // Every class not holding batch slots.
+    expcache_status_t release_unheld(uint32_t path);
+    // Budget shares depend on the whole layout: caps are recomputed before the next growth.
+    void invalidate_caps();
+
+    // A slot for a miss: a free one, else a new one within the cap, else (evict) the policy's
+    // victim among the evictable slots (protect_from: see Evict). *out = -1 when none may be had.
+    expcache_status_t acquire(int32_t c, bool allow_grow, Evict evict, uint64_t protect_from, uint32_t path,
+                              int32_t* out);
+    // The one way an expert enters a slot from acquire(): resident for `layer`, ranked by `how`,
+    // used by call `call` (0 for a prefetch).
+    void install(int32_t c, int32_t s, uint32_t layer, uint32_t expert, Insert how, uint64_t call);
+    // A prefetch finished by a serving call enters the policy again as that call's miss.
+    void reinstall(int32_t c, int32_t s, bool cold, uint64_t call);
+    void evict(int32_t c, int32_t s, uint32_t path);
+    // A slot whose bytes are not its expert's (a failed upload, a cancelled prefetch): free again.
+    void uninstall(int32_t c, int32_t s);
+
+    std::string name(const ClassState& cls) const;
+    // What the budgets ask for this class (see expcache_config_t).
+    uint64_t target(const ClassState& cls) const;
+
+private:
+    void activate(int32_t c, const LayerState& layer);
+    std::string zero_target_reason(const ClassState& cls) const;
+    expcache_status_t refresh_cap(int32_t c, uint32_t path);
+    void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");
+    expcache_status_t grow(int32_t c, uint32_t path);
+
+    const expcache_config_t& config_;
+    Backend& backend_;
+    DeviceArena& arena_;
+    LayerTable& layers_;
+    Log& log_;
+    Health& health_;
+    SlotObserver& observer_;
+    std::vector<ClassState> classes_;  // sized once: references to a class stay valid
+};
+
+}  // namespace expcache

@@ -1,0 +1,113 @@
+#include "layers.hpp"
+
+#include <cstring>
+#include <exception>
+#include <new>
+
+#include "errors.hpp"
+
+namespace expcache {
+
+expcache_status_t ExpertSource::upload(Backend& backend, unsigned char* dst, const unsigned char* src, uint64_t bytes,
+                                       void* stream) const {
+    // An exception from the backend (setting up the staging ring: its memory, its threads)
+    // becomes a failed status, so the caller frees the slot it filled.
+    try {
+        if (file) return backend.read_file(dst, *file, reinterpret_cast<uintptr_t>(src), bytes, stream);
+        return backend.copy_h2d(dst, src, bytes, pinned(), stream);
+    } catch (const std::bad_alloc&) {
+        return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "no host memory to set up an upload");
+    } catch (const std::exception& e) {
+        return fail(EXPCACHE_ERR_INTERNAL, "an upload could not be set up: %s", e.what());
+    }
+}
+
+expcache_status_t ExpertSource::fill(unsigned char* dst, const unsigned char* src, uint64_t offset, uint64_t n) const {
+    if (file) return file->read(dst, reinterpret_cast<uintptr_t>(src) + offset, n);
+    std::memcpy(dst, src + offset, n);  // the link reads pageable memory slowly
+    return EXPCACHE_OK;
+}
+
+expcache_status_t LayerTable::validate(uint32_t layer) const {
+    if (layer >= layers_.size())
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u out of range (num_layers %zu)", layer, layers_.size());
+    if (!layers_[layer].registered)
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "layer %u is not registered (a dense layer, or expcache_layer_register was not called for it)",
+                    layer);
+    return EXPCACHE_OK;
+}
+
+expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d) {
+    if (layer >= layers_.size())
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u out of range (num_layers %zu)", layer, layers_.size());
+    if (layers_[layer].registered) return fail(EXPCACHE_ERR_INVALID_STATE, "layer %u is already registered", layer);
+    if (d.num_experts == 0 || d.num_experts > EXPCACHE_MAX_EXPERTS_LIMIT)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "num_experts must be 1..%u, got %u", EXPCACHE_MAX_EXPERTS_LIMIT,
+                    d.num_experts);
+    if (d.source_kind > EXPCACHE_SOURCE_FILE)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown source_kind %u (0 pageable, 1 pinned, 2 file)",
+                    d.source_kind);
+    const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
+    if (from_file && d.file >= files_.size())
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file %u was not opened with expcache_file_open (%zu open)", d.file,
+                    files_.size());
+    if (!from_file && d.file != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file must be 0 unless source_kind is file");
+    const uint64_t bytes[kParts] = {d.gate_bytes, d.up_bytes, d.down_bytes};
+    const uint64_t stride[kParts] = {d.gate_stride, d.up_stride, d.down_stride};
+    const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
+    static const char* names[kParts] = {"gate", "up", "down"};
+    for (int p = 0; p < kParts; ++p) {
+        if (bytes[p] == 0 || bytes[p] > EXPCACHE_MAX_PART_BYTES_LIMIT)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_bytes must be 1..2^40, got %llu", names[p],
+                        (unsigned long long)bytes[p]);
+        if (stride[p] < bytes[p])
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_stride %llu is smaller than %s_bytes %llu", names[p],
+                        (unsigned long long)stride[p], names[p], (unsigned long long)bytes[p]);
+        if (!base[p] && !from_file) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_base is NULL", names[p]);
+        unsigned __int128 end = (unsigned __int128)reinterpret_cast<uintptr_t>(base[p]) +
+                                (unsigned __int128)stride[p] * (d.num_experts - 1) + bytes[p];
+        if (from_file && end > files_[d.file]->size())
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert ends at byte %llu, past the end of %s "
+                        "(%llu bytes)", names[p], (unsigned long long)end, files_[d.file]->path().c_str(),
+                        (unsigned long long)files_[d.file]->size());
+        if (end > (unsigned __int128)UINTPTR_MAX)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert would end past the address space",
+                        names[p]);
+    }
+    LayerState& l = layers_[layer];
+    l.registered = true;
+    l.source.kind = d.source_kind;
+    l.source.file = from_file ? files_[d.file].get() : nullptr;
+    l.num_experts = d.num_experts;
+    for (int p = 0; p < kParts; ++p) {
+        l.bytes[p] = bytes[p];
+        l.stride[p] = stride[p];
+        l.base[p] = static_cast<const unsigned char*>(base[p]);
+    }
+    l.key_base = next_key_;
+    next_key_ += d.num_experts;
+    // Layer positions for the policy clock: rank among the registered layers.
+    int32_t rank = 0;
+    for (LayerState& other : layers_)
+        if (other.registered) other.rank = rank++;
+    registered_ = rank;
+    l.seen.assign(d.num_experts, 0);
+    l.seen_pos.assign(d.num_experts, 0);
+    l.slot_of.assign(d.num_experts, -1);
+    return EXPCACHE_OK;
+}
+
+expcache_status_t LayerTable::open_file(const char* path, bool direct, uint32_t* out_file, std::string* note) {
+    if (files_.size() >= 1024) return fail(EXPCACHE_ERR_INVALID_STATE, "1024 files are open already");
+    std::unique_ptr<SourceFile> f(new SourceFile());
+    expcache_status_t s = f->open(path, direct);
+    if (s != EXPCACHE_OK) return s;
+    *note = format("source file %s: %llu bytes, %s reads", path, (unsigned long long)f->size(),
+                   f->direct() ? "O_DIRECT" : direct ? "buffered (O_DIRECT refused)" : "buffered");
+    files_.push_back(std::move(f));
+    *out_file = static_cast<uint32_t>(files_.size() - 1);
+    return EXPCACHE_OK;
+}
+
+}  // namespace expcache

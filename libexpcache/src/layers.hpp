@@ -1,0 +1,80 @@
+// The model's layers as registered: where each layer's experts are (its source), their sizes,
+// and per expert its slot in the layer's class. A source kind (pageable or pinned memory, a
+// file) is dispatched in ExpertSource alone.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "backend/source_file.hpp"
+#include "expcache.h"
+
+namespace expcache {
+
+enum Part { kGate = 0, kUp = 1, kDown = 2, kParts = 3 };
+
+// Where an expert's bytes come from and how they move: a source kind in one place.
+struct ExpertSource {
+    uint32_t kind = EXPCACHE_SOURCE_PAGEABLE;
+    const SourceFile* file = nullptr;  // EXPCACHE_SOURCE_FILE: addresses are offsets into it
+
+    // Pinned memory goes to the link as it is; the others are staged.
+    bool pinned() const { return kind == EXPCACHE_SOURCE_PINNED; }
+    // One transfer of `bytes` at `src` (an address, or a file offset) into device memory at
+    // dst, enqueued on `stream` by the backend (staged ones finish by finish_uploads()).
+    expcache_status_t upload(Backend& backend, unsigned char* dst, const unsigned char* src, uint64_t bytes,
+                             void* stream) const;
+    // One staged piece for the prefetch thread: `n` bytes at src + offset into host memory at dst.
+    expcache_status_t fill(unsigned char* dst, const unsigned char* src, uint64_t offset, uint64_t n) const;
+};
+
+struct LayerState {
+    bool registered = false;
+    ExpertSource source;
+    uint32_t num_experts = 0;
+    uint64_t bytes[kParts] = {};
+    uint64_t stride[kParts] = {};
+    const unsigned char* base[kParts] = {};
+    int32_t rank = 0;      // position among the registered layers (the policy clock's pos)
+    uint32_t key_base = 0; // expert e's policy key is key_base + e
+    int32_t cls = -1;      // bound class index, valid while the class's gen == cls_gen
+    uint64_t cls_gen = 0;
+    uint32_t prefetched = 0;         // experts prefetched since the layer's last serving call (the limit)
+    std::vector<int32_t> slot_of;    // per expert: slot index or -1
+    std::vector<uint64_t> seen;      // per expert: last call that listed it (dedupe without clearing)
+    std::vector<uint32_t> seen_pos;  // per expert: its index in that call's unique list
+
+    uint64_t expert_bytes() const { return bytes[kGate] + bytes[kUp] + bytes[kDown]; }
+    const unsigned char* source_at(int part, uint32_t expert) const { return base[part] + stride[part] * expert; }
+};
+
+class LayerTable {
+public:
+    explicit LayerTable(uint32_t num_layers) : layers_(num_layers) {}
+
+    // Checks a descriptor against the limits and the open files, then records the layer.
+    expcache_status_t add(uint32_t layer, const expcache_layer_desc_t& desc);
+    // Opens a file source; *note says how it will be read (for the log).
+    expcache_status_t open_file(const char* path, bool direct, uint32_t* out_file, std::string* note);
+    // INVALID_ARGUMENT out of range, INVALID_STATE not registered.
+    expcache_status_t validate(uint32_t layer) const;
+
+    LayerState& operator[](size_t i) { return layers_[i]; }
+    const LayerState& operator[](size_t i) const { return layers_[i]; }
+    size_t size() const { return layers_.size(); }
+    std::vector<LayerState>::iterator begin() { return layers_.begin(); }
+    std::vector<LayerState>::iterator end() { return layers_.end(); }
+    std::vector<LayerState>::const_iterator begin() const { return layers_.begin(); }
+    std::vector<LayerState>::const_iterator end() const { return layers_.end(); }
+    int32_t registered() const { return registered_; }
+
+private:
+    std::vector<LayerState> layers_;
+    std::vector<std::unique_ptr<SourceFile>> files_;
+    uint32_t next_key_ = 0;
+    int32_t registered_ = 0;
+};
+
+}  // namespace expcache

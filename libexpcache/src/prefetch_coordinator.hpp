@@ -1,0 +1,82 @@
+// Prefetch and hints, on the cache's side: which slot a prefetch takes, what a serving call does
+// with the queue (finish in place what it lists, cancel the rest), and the counters. The
+// prefetch thread itself (prefetcher.hpp) only moves bytes. A prefetched expert takes its slot
+// at once, marked loading: never served, never evicted, and cancelled by the next serving call
+// if its bytes are not all sent by then. Once sent it is resident like any other, first to go
+// until a select uses it.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.hpp"
+#include "call.hpp"
+#include "class_table.hpp"
+#include "layers.hpp"
+#include "log.hpp"
+#include "prefetcher.hpp"
+#include "stream_order.hpp"
+
+namespace expcache {
+
+class PrefetchCoordinator {
+public:
+    struct Services {
+        const expcache_config_t& config;
+        Backend& backend;
+        LayerTable& layers;
+        ClassTable& classes;
+        StreamOrder& streams;
+        CallClock& clock;
+        CallScratch& scratch;
+        Log& log;
+        Health& health;
+    };
+    explicit PrefetchCoordinator(const Services& services) : x_(services) {}
+
+    bool active() const { return prefetcher_ != nullptr; }
+    // Stops the thread (its pieces may be in flight into the slots).
+    void stop() { prefetcher_.reset(); }
+
+    // Takes back what the thread finished (and, with cancel, everything still queued). Called
+    // under the cache's lock by every serving call (cancel, keep_partial: what the call lists may
+    // be finished by it, resolve_partial), by releases (cancel) and by the prefetch calls.
+    // Partial slots left by a call that failed are freed first.
+    expcache_status_t settle(bool cancel, bool keep_partial = false);
+    // After a serving call's ids are known (it lists them in scratch.unique, marked in the layer's
+    // seen with call id `call`): the partial prefetches it lists are kept for fill_slots to finish,
+    // the others are freed. inserts: the call's path inserts (decode, batch; not compact).
+    void resolve_partial(int32_t c, uint32_t layer, bool inserts);
+    // A miss whose prefetch was cut short: the rest of its bytes go now on `stream`, into the same
+    // slot, and it enters the policy as any miss of call `call` would. Counted late, never used.
+    // *sent_now: the bytes this call sent.
+    expcache_status_t finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint64_t* sent_now);
+    // A hit on a prefetched slot: the prefetch paid.
+    void note_use(int32_t c, int32_t s);
+    // A landed prefetch leaving its slot unused (SlotObserver).
+    void dropped_unused(SlotState& slot);
+
+    expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
+    expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
+    void stats(expcache_prefetch_stats_t* out) const;
+    void reset_stats();
+    // Every queued prefetch sent and landed.
+    expcache_status_t wait();
+    void pause(bool paused) { pump().pause(paused); }
+
+private:
+    Prefetcher& pump();
+    void cancel(int32_t c, int32_t s);
+    expcache_status_t take_error();
+
+    Services x_;
+    std::unique_ptr<Prefetcher> prefetcher_;  // made by the first prefetch
+    Prefetcher::Taken taken_;
+    std::vector<PrefetchJob> partial_;  // kPrefetchPartial slots of the serving call under way
+    expcache_prefetch_stats_t stats_ = {};
+    expcache_status_t error_ = EXPCACHE_OK;  // a piece's failure, reported by the next prefetch call
+    std::string message_;
+};
+
+}  // namespace expcache
