@@ -188,8 +188,7 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
     devices = [(bench.device + i) % max(gpus, 1) for i in range(num_devices)]
     loaded = [_decode_trace(name) for name in traces]
     workload = decode_workload(loaded, bench.layout.moe_layers)
-    chunk = max(s.expert_bytes for s in bench.layout.layers if s)
-    links = {dev: bench.measure_link(chunk, device=dev)[0] for dev in sorted(set(devices))}
+    links = {dev: bench.measure_link(dev).bytes_per_s for dev in sorted(set(devices))}
     report = DevicesReport(**bench.report_header(), devices=devices, placement=placement,
                            shared_gpus=len(set(devices)) < num_devices, traces=list(traces))
     runs = [("1 device", [bench.device], bench.budget_bytes),

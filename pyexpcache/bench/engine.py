@@ -157,10 +157,9 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     plan = settings(prefetch, hints)
     loaded = [_decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
     workload = decode_workload(loaded, bench.layout.moe_layers)
-    chunk = max(s.expert_bytes for s in bench.layout.layers if s)
-    link, link_label = bench.measure_link(chunk)
+    link = bench.measure_link()
     report = EngineReport(**bench.report_header(), compute_us=compute_us, top=top, split=split,
-                          link_bytes_per_s=link, link_label=link_label, traces=list(traces))
+                          link_bytes_per_s=link.bytes_per_s, link_label=link.label, traces=list(traces))
     advice = {}  # predictor -> its arrays: a prefetch and a hint setting of one predictor share them
     for setting in plan:
         options = _replay.ReplayOptions()
@@ -182,7 +181,7 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
             report.results.append(EngineResult(
                 setting.name, setting.simulated, decode_tokens=workload.decode_tokens,
                 decode_seconds=scratch.decode_seconds, hits=decode.hits, misses=decode.misses,
-                demand_bytes=scratch.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link,
+                demand_bytes=scratch.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link.bytes_per_s,
                 checksum_errors=scratch.checksum_errors, experts_checked=scratch.experts_checked))
     return report
 

@@ -9,7 +9,6 @@ import ctypes
 import signal
 import sys
 import threading
-import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -19,6 +18,8 @@ from ..cache import ExpertCache
 from ..layout import GiB, ModelLayout
 from ..sim import simulate_belady, simulate_lru, simulate_policy
 from ..source import HostSource
+from . import link
+from .link import Link
 from .progress import Progress
 from .report import Report, VariantResult, git_commit
 from .workload import DEFAULT_TRACES, Workload, build_workload
@@ -134,61 +135,17 @@ class Bench:
                     version=__version__, library=library_version(), git_commit=git_commit())
 
     # -- the link ----------------------------------------------------------------
-    def measure_link(self, chunk_bytes: int, repeats: int = 20, device: Optional[int] = None) -> tuple[float, str]:
-        """Raw host-to-device bandwidth (bytes/s) with plain cudaMemcpyAsync of ``chunk_bytes``
-        pieces from pinned memory (the source's own when it is pinned), whatever the source kind:
-        the link bound is what the link allows; on the host backend, memcpy bandwidth.
-        ``device``: another CUDA device's link (default: the bench's)."""
-        if self.is_cuda and device is not None and device != self.device:
-            rt = _cuda.runtime()
-            saved = self.device, self.stream
-            self.device = device
-            self.stream = self._make_stream()
-            try:
-                return self.measure_link(chunk_bytes, repeats)
-            finally:
-                rt.cudaStreamDestroy(self.stream)
-                self.device, self.stream = saved
-                _cuda.check(rt.cudaSetDevice(self.device), "cudaSetDevice")
-        chunk = min(chunk_bytes, self.source.nbytes)
-        if self.is_cuda and not self.source.pinned:
-            from ..layout import LayerSpec
+    @property
+    def link_chunk_bytes(self) -> int:
+        """The piece a link measurement copies: the largest expert."""
+        return max(s.expert_bytes for s in self.layout.layers if s)
 
-            spec = next(s for s in self.layout.layers if s)
-            probe = ModelLayout((LayerSpec(max(1, -(-chunk // spec.expert_bytes)), *spec.class_key),))
-            with HostSource(probe, pinned=True) as pinned:
-                saved, self.source = self.source, pinned
-                try:
-                    return self.measure_link(chunk_bytes, repeats)
-                finally:
-                    self.source = saved
-        if not self.is_cuda:
-            dst = np.empty(chunk, np.uint8)
-            src = self.source.buffer[:chunk]
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                np.copyto(dst, src)
-            return chunk * repeats / (time.perf_counter() - t0), "host memcpy (emulated link)"
-        rt = _cuda.runtime()
-        dev = _cuda.check(rt.cudaMalloc(chunk), "cudaMalloc")
-        try:
-            src = self.source.buffer.ctypes.data
-            kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-            start = _cuda.check(rt.cudaEventCreate(), "cudaEventCreate")
-            stop = _cuda.check(rt.cudaEventCreate(), "cudaEventCreate")
-            _cuda.check(rt.cudaMemcpyAsync(dev, src, chunk, kind, self.stream), "cudaMemcpyAsync")
-            _cuda.check(rt.cudaEventRecord(start, self.stream), "cudaEventRecord")
-            for _ in range(repeats):
-                _cuda.check(rt.cudaMemcpyAsync(dev, src, chunk, kind, self.stream), "cudaMemcpyAsync")
-            _cuda.check(rt.cudaEventRecord(stop, self.stream), "cudaEventRecord")
-            _cuda.check(rt.cudaEventSynchronize(stop), "cudaEventSynchronize")
-            ms = _cuda.check(rt.cudaEventElapsedTime(start, stop), "cudaEventElapsedTime")
-            rt.cudaEventDestroy(start)
-            rt.cudaEventDestroy(stop)
-            label = f"cudaMemcpyAsync from pinned memory, {chunk / (1 << 20):.2f} MiB chunks"
-            return chunk * repeats / (ms / 1e3), label
-        finally:
-            rt.cudaFree(dev)
+    def measure_link(self, device: Optional[int] = None) -> Link:
+        """The link of ``device`` (default: the bench's), measured now (:func:`~pyexpcache.bench.link.measure`
+        of :attr:`link_chunk_bytes` pieces): on the host backend, memcpy bandwidth."""
+        device = self.device if device is None else device
+        return link.measure(self.source, self.link_chunk_bytes, cuda=self.is_cuda, device=device,
+                            stream=self.stream if device == self.device else None)
 
     # -- variants --------------------------------------------------------------
     def _cache(self, **kwargs) -> ExpertCache:
@@ -344,21 +301,21 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
         bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
                       reserve_bytes=reserve_bytes, progress=progress, device=device, source=source)
     try:
-        chunk = max(s.expert_bytes for s in layout.layers if s)
-        link, link_label = bench.measure_link(chunk)
+        measured = bench.measure_link()
         report = Report(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
                         layout=layout.name, scenario=scenario,
                         source="pinned" if bench.pinned else "pageable", placement=bench.placement,
                         budget_bytes=budget_bytes,
                         host_scale=host_scale, decode_tokens=workload.decode_tokens,
-                        prefill_tokens=workload.prefill_tokens, link_bytes_per_s=link, link_label=link_label,
+                        prefill_tokens=workload.prefill_tokens, link_bytes_per_s=measured.bytes_per_s,
+                        link_label=measured.label,
                         layer_sync=bench.layer_sync, traces=list(traces), version=__version__,
                         library=library_version(), git_commit=git_commit())
         for variant in variants:
             r = bench.run_variant(variant, workload)
             if r.skipped is None and r.decode_bytes_h2d:
                 # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
-                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / link)
+                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / measured.bytes_per_s)
             if variant in POLICY_VARIANTS:
                 capacities, layer_class = bench.capacities
                 r.belady_hit_rate = belady_hit_rate(workload, capacities, layer_class)

@@ -24,6 +24,7 @@ from .. import _cuda
 from ..cache import ExpertCache, StagingStats, staging_defaults
 from ..layout import LayerSpec, ModelLayout
 from ..source import HostSource, LayerPlacement
+from . import link
 
 MiB = 1 << 20
 # Expert sizes of the issue: a small expert, DeepSeek V4 Flash q2 and q4 (gate, up, down bytes).
@@ -89,20 +90,9 @@ def host_copy_rates(thread_counts: Sequence[int], piece: int = HOST_COPY_PIECE, 
 
 
 def _raw_copy_gb_s(src_ptr: int, chunk: int, total: int, stream: int) -> float:
-    rt = _cuda.runtime()
-    dev = _cuda.check(rt.cudaMalloc(chunk), "cudaMalloc")
-    try:
-        kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        n = max(1, total // chunk)
-        _cuda.check(rt.cudaMemcpyAsync(dev, src_ptr, chunk, kind, stream), "cudaMemcpyAsync")
-        _cuda.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-        t0 = time.perf_counter()
-        for _ in range(n):
-            _cuda.check(rt.cudaMemcpyAsync(dev, src_ptr, chunk, kind, stream), "cudaMemcpyAsync")
-        _cuda.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-        return n * chunk / (time.perf_counter() - t0) / 1e9
-    finally:
-        rt.cudaFree(dev)
+    """GB/s of plain cudaMemcpyAsync of ``total`` bytes in ``chunk``-byte copies from ``src_ptr``:
+    the link as every bound of the benchmark measures it (:func:`~pyexpcache.bench.link.copy_rate`)."""
+    return link.copy_rate(src_ptr, chunk, max(1, total // chunk), stream) / 1e9
 
 
 class _FileCopy:

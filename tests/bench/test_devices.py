@@ -12,6 +12,7 @@ import pytest
 from pyexpcache import ModelLayout
 from pyexpcache import bench
 from pyexpcache.bench import devices
+from pyexpcache.bench.link import Link
 from pyexpcache.cli import main
 
 TRACE = "podA_b_json_full"  # 40 tokens x 37 layers
@@ -53,7 +54,7 @@ def test_the_link_bound_is_the_busiest_device_per_layer(host_bench, monkeypatch,
     a loaded machine (3.07 and 9.76 GB/s were seen), so each device is held to its own measured
     speed, and the unequal case is also run with given speeds."""
     if given is not None:
-        monkeypatch.setattr(host_bench, "measure_link", lambda chunk, repeats=20, device=None: (given[device], "given"))
+        monkeypatch.setattr(host_bench, "measure_link", lambda device=None: Link(given[device], "given"))
     recorded = {}
     real = devices._replay_run
 
