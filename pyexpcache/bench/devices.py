@@ -28,7 +28,7 @@ from .. import _cuda
 from ..multi import MultiDeviceCache
 from ..placement import Placement, loads_from_calls
 from .report import json_with_derived
-from .workload import DEFAULT_TRACES, _decode_trace, decode_workload
+from .workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 PLACEMENTS = ("balanced", "round-robin")
 
@@ -186,7 +186,7 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
         raise ValueError(f"--devices must be 2..64, got {num_devices}")
     gpus = _cuda.device_count() if bench.is_cuda else num_devices
     devices = [(bench.device + i) % max(gpus, 1) for i in range(num_devices)]
-    loaded = [_decode_trace(name) for name in traces]
+    loaded = [decode_trace(name) for name in traces]
     workload = decode_workload(loaded, bench.layout.moe_layers)
     links = {dev: bench.measure_link(dev).bytes_per_s for dev in sorted(set(devices))}
     report = DevicesReport(**bench.report_header(), devices=devices, placement=placement,

@@ -25,7 +25,7 @@ import numpy as np
 from ..stats import PrefetchStats
 from . import predict
 from .report import json_with_derived
-from .workload import DEFAULT_TRACES, _decode_trace, decode_workload
+from .workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 
 @dataclass
@@ -150,12 +150,11 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     :class:`~pyexpcache.bench.runner.Bench`: its source, stream and budget), each with a new cache
     of ``policy``; see the module docstring."""
     from . import replay as _replay
-    from .report import VariantResult
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
     plan = settings(prefetch, hints)
-    loaded = [_decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
+    loaded = [decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
     workload = decode_workload(loaded, bench.layout.moe_layers)
     link = bench.measure_link()
     report = EngineReport(**bench.report_header(), compute_us=compute_us, top=top, split=split,
@@ -173,16 +172,15 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
                                                                    setting.predictor, top, seed)
             options.advice = _replay.ADVICE_PREFETCH if setting.advice == "prefetch" else _replay.ADVICE_HINT
             options.advice_offset, options.advice_count, options.advice_ids = (a.ctypes.data for a in arrays)
-        cache = bench._cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options)
-        with cache:
-            scratch = VariantResult(setting.name, decode_tokens=workload.decode_tokens)
-            bench._replay(cache, setting.name, workload, scratch, options=options)
+        with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,
+                              **bench.cache_options) as cache:
+            out = bench.replay(cache, workload, label=setting.name, options=options)
             decode = cache.stats().path("decode")
             report.results.append(EngineResult(
                 setting.name, setting.simulated, decode_tokens=workload.decode_tokens,
-                decode_seconds=scratch.decode_seconds, hits=decode.hits, misses=decode.misses,
-                demand_bytes=scratch.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link.bytes_per_s,
-                checksum_errors=scratch.checksum_errors, experts_checked=scratch.experts_checked))
+                decode_seconds=out.decode_seconds, hits=decode.hits, misses=decode.misses,
+                demand_bytes=out.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link.bytes_per_s,
+                checksum_errors=out.checksum_errors, experts_checked=out.experts_checked))
     return report
 
 

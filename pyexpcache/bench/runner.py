@@ -148,9 +148,11 @@ class Bench:
                             stream=self.stream if device == self.device else None)
 
     # -- variants --------------------------------------------------------------
-    def _cache(self, **kwargs) -> ExpertCache:
+    def make_cache(self, **kwargs) -> ExpertCache:
+        """A new :class:`~pyexpcache.ExpertCache` over the bench's layout and source, on its backend
+        and device, with the bench's reserve unless ``reserve_bytes`` is given; ``kwargs`` go to
+        ExpertCache (the log level defaults to notices)."""
         kwargs.setdefault("log_level", _lib.LOG_NOTICE)
-        kwargs.setdefault("policy", "lru")  # the baselines: the old designs were LRU
         if self.reserve_bytes is not None:
             kwargs.setdefault("reserve_bytes", self.reserve_bytes)
         return ExpertCache(self.layout, self.source, backend=self.backend, device=self.device, **kwargs)
@@ -167,20 +169,22 @@ class Bench:
         result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
         if variant in POLICY_VARIANTS:
             # Cap notices once, from the first policy variant run; the same caps follow for the other.
-            cache = self._cache(budget_bytes=self.budget_bytes, policy=variant,
-                                log_level=_lib.LOG_NOTICE if variant == POLICY_VARIANTS[0] else _lib.LOG_WARNING,
-                                **self.cache_options)
+            cache = self.make_cache(budget_bytes=self.budget_bytes, policy=variant,
+                                    log_level=_lib.LOG_NOTICE if variant == POLICY_VARIANTS[0] else _lib.LOG_WARNING,
+                                    **self.cache_options)
+        # The baselines are LRU, as the old designs were.
         elif variant == "slab":
             # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
             biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
-            cache = self._cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1,
-                                log_level=_lib.LOG_WARNING, copy_threads=0)
+            cache = self.make_cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1, policy="lru",
+                                    log_level=_lib.LOG_WARNING, copy_threads=0)
         elif variant == "nocache":
-            cache = self._cache(budget_experts=1, log_level=_lib.LOG_WARNING, copy_threads=0)
+            cache = self.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
         elif variant == "resident":
             need = sum(s.num_experts * sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
             try:
-                cache = self._cache(budget_bytes=need + (1 << 20), reserve_bytes=0, log_level=_lib.LOG_WARNING)
+                cache = self.make_cache(budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru",
+                                        log_level=_lib.LOG_WARNING)
                 self._preload(cache)
             except MemoryError as exc:
                 cache.close()
@@ -195,7 +199,11 @@ class Bench:
         else:
             raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
         with cache:
-            self._replay(cache, variant, workload, result)
+            out = self.replay(cache, workload, label=variant, serve=variant if variant in ("slab", "nocache") else "cache")
+            result.decode_seconds, result.prefill_seconds = out.decode_seconds, out.prefill_seconds
+            result.decode_calls, result.decode_serve_seconds = out.decode_calls, out.decode_serve_seconds
+            result.checksum_errors, result.experts_checked = out.checksum_errors, out.experts_checked
+            result.decode_bytes_h2d = out.decode_bytes_h2d
             if variant in POLICY_VARIANTS:
                 self.capacities = self.class_capacities(cache)
             stats = cache.stats()
@@ -241,35 +249,36 @@ class Bench:
             raise KeyboardInterrupt
         return out
 
-    def _replay(self, cache: ExpertCache, variant: str, workload: Workload, result: VariantResult,
-                options=None) -> None:
-        """One replay of ``workload`` through the C loop into ``result``; ``options`` (a
+    def replay(self, cache: ExpertCache, workload: Workload, *, label: str, serve: str = "cache", options=None):
+        """Replay ``workload`` on ``cache`` through the C loop, every expert served checksummed
+        against the source (a mismatch is also printed to stderr, with ``label``, which the
+        progress bar shows too), each layer waited for unless the bench's ``layer_sync`` is off.
+        ``serve``: ``"cache"`` (select, prefill batches), ``"nocache"`` (compact loads) or ``"slab"``
+        (select, the cache released before each batch). ``options`` (a
         :class:`~pyexpcache.bench.replay.ReplayOptions`, kept alive by the caller with its arrays)
-        makes each decode call an engine's layer."""
+        makes each decode call an engine's layer. Returns the loop's
+        :class:`~pyexpcache.bench.replay.ReplayResult`."""
         from . import replay as _replay
 
+        modes = {"cache": _replay.MODE_CACHE, "nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}
+        if serve not in modes:
+            raise ValueError(f"serve must be one of {', '.join(modes)}, got {serve!r}")
         calls, ids = workload.arrays()
-        mode = {"nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}.get(variant, _replay.MODE_CACHE)
 
         def loop(dll, api, progress, out):
             expected = np.ascontiguousarray(self.expected)
             with cache.raw_handle() as handle:
                 dll.expcache_replay(ctypes.byref(api), handle, ctypes.addressof(calls), len(calls), ids.ctypes.data,
-                                    mode, self.stream, expected.ctypes.data, expected.shape[1], cache.max_classes,
-                                    int(self.layer_sync), ctypes.byref(options) if options is not None else None,
-                                    progress, ctypes.byref(out))
+                                    modes[serve], self.stream, expected.ctypes.data, expected.shape[1],
+                                    cache.max_classes, int(self.layer_sync),
+                                    ctypes.byref(options) if options is not None else None, progress,
+                                    ctypes.byref(out))
 
-        out = self.run_c_loop(variant, loop)
-        result.decode_seconds += out.decode_seconds
-        result.prefill_seconds += out.prefill_seconds
-        result.decode_calls += out.decode_calls
-        result.decode_serve_seconds += out.decode_serve_seconds
-        result.checksum_errors += out.checksum_errors
-        result.experts_checked += out.experts_checked
-        result.decode_bytes_h2d += out.decode_bytes_h2d
+        out = self.run_c_loop(label, loop)
         if out.checksum_errors:
-            print(f"CHECKSUM MISMATCH: {variant}: {out.checksum_errors} experts differ from the source "
+            print(f"CHECKSUM MISMATCH: {label}: {out.checksum_errors} experts differ from the source "
                   f"(first in call {out.first_bad_call})", file=sys.stderr)
+        return out
 
 
 def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int]) -> Optional[float]:

@@ -351,8 +351,8 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
                              torch_version=str(torch.__version__))
     compute_ns = int(round(compute_us * 1e3))
     for mode in modes:
-        cache = bench._cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options)
-        with cache:
+        with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,
+                              **bench.cache_options) as cache:
             report.results.append(_run_mode(loop, cache, mode, workload, ids, expected, compute_ns, progress))
         loop.spans.clear()  # the next cache's slots are elsewhere
     return report

@@ -12,7 +12,7 @@ import pytest
 from pyexpcache import ModelLayout
 from pyexpcache import bench
 from pyexpcache.bench import engine, predict
-from pyexpcache.bench.workload import _decode_trace, build_workload
+from pyexpcache.bench.workload import decode_trace, build_workload
 
 
 def test_settings_put_none_first_and_add_hints():
@@ -24,7 +24,7 @@ def test_settings_put_none_first_and_add_hints():
 
 
 def test_advice_is_the_previous_layers_prediction():
-    trace = _decode_trace("podA_b_json_full")
+    trace = decode_trace("podA_b_json_full")
     layers = list(trace.layers)
     offsets, counts, ids = engine.advice_arrays([trace], layers, "oracle:1.0", top=6)
     calls = build_workload("decode", ["podA_b_json_full"], layers).calls
