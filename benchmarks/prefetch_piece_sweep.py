@@ -15,7 +15,7 @@ import sys
 
 from pyexpcache import ModelLayout
 from pyexpcache.bench import Bench, HOST_SCALE, resolve_backend
-from pyexpcache.bench.engine import format_engine_report, run_engine
+from pyexpcache.bench.modes.engine import format_engine_report, run_engine
 from pyexpcache.cli import _sizes
 from pyexpcache.layout import GiB
 

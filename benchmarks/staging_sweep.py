@@ -28,7 +28,7 @@ from tabulate import tabulate
 from pyexpcache import StagingStats, bench
 from pyexpcache.cli import _sizes
 from pyexpcache.layout import ModelLayout
-from pyexpcache.bench.transfer import host_copy_gb_s
+from pyexpcache.bench.modes.transfer import host_copy_gb_s
 
 GiB = 1 << 30
 

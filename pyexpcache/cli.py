@@ -578,12 +578,12 @@ def _engine(args, shared, json_out: Optional[_OutputFile]) -> int:
     ``--loop torch``) on the bench's source: one table, each setting against the first."""
     compute = args.layer_compute_us or 0.0
     if args.loop == "torch":
-        from .bench.torch_loop import format_torch_loop_report, run_torch_loop
+        from .bench.modes.torch_loop import format_torch_loop_report, run_torch_loop
 
         report = run_torch_loop(shared, traces=args.traces, compute_us=compute, progress=shared.progress)
         text = format_torch_loop_report(report)
     else:
-        from .bench.engine import format_engine_report, run_engine
+        from .bench.modes.engine import format_engine_report, run_engine
 
         report = run_engine(shared, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
                             compute_us=compute, split=args.split, top=args.prefetch_top)
@@ -593,7 +593,7 @@ def _engine(args, shared, json_out: Optional[_OutputFile]) -> int:
 
 def _devices(args, shared, json_out: Optional[_OutputFile]) -> int:
     """``--devices N``: one device, one at N times the budget, N devices, in one table."""
-    from .bench.devices import format_devices_report, run_devices
+    from .bench.modes.devices import format_devices_report, run_devices
 
     report = run_devices(shared, args.devices, traces=args.traces, placement=args.device_placement)
     return _print_report(args, report, format_devices_report(report), json_out)
@@ -631,7 +631,7 @@ def _transfer(args) -> int:
         _check_cache_setting("--copy-threads", "copy_threads", count)
     for chunk in args.chunks or []:
         _check_cache_setting("--chunks", "staging_chunk_bytes", chunk)
-    from .bench import transfer
+    from .bench.modes import transfer
     from .bench import Progress, resolve_backend
 
     need = max(transfer.measured_layout(f"{s} MiB", int(args.gib * GiB)).total_bytes for s in args.sizes)

@@ -241,7 +241,7 @@ def test_scale_with_gguf_is_refused(capsys, tmp_path):
 
 
 def test_transfer_options_fail_before_the_run(monkeypatch, capsys):
-    from pyexpcache.bench import transfer
+    from pyexpcache.bench.modes import transfer
 
     monkeypatch.setattr(cli, "_has_cuda_python", lambda: True)
     monkeypatch.setattr(transfer, "run", lambda **kw: pytest.fail("the run started"))
@@ -296,6 +296,7 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
     # interrupt is raised again once the loop returned (before: "Exception ignored on calling
     # ctypes callback function", and the run went on).
     from pyexpcache import bench
+    from pyexpcache.bench.modes.variants import run_variant
     from pyexpcache.layout import ModelLayout
 
     layout = ModelLayout.preset("q2", scale=4096)
@@ -311,7 +312,7 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
     workload = bench.build_workload("decode", ["podA_a_coffee_full"], layout.moe_layers)
     try:
         with pytest.raises(KeyboardInterrupt):
-            b.run_variant("lru", workload)
+            run_variant(b, "lru", workload)
     finally:
         b.close()
     assert len(calls) == 2 and calls[-1][0] < calls[-1][1]  # stopped early, at the second report
@@ -380,7 +381,7 @@ def test_transfer_size_lists_parse():
 
 def test_transfer_cli_sizes_are_the_benchmarks():
     from pyexpcache import cli
-    from pyexpcache.bench import transfer
+    from pyexpcache.bench.modes import transfer
 
     parser = cli._parser()
     assert {f"{s} MiB" for s in parser.parse_args(["transfer"]).sizes} == set(transfer.SIZES)
@@ -392,7 +393,7 @@ def test_transfer_cli_sizes_are_the_benchmarks():
 def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     # The CLI's printing, without a GPU: the table's rows stand in for a run's.
     from pyexpcache import bench, cli
-    from pyexpcache.bench import transfer
+    from pyexpcache.bench.modes import transfer
 
     rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
             transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20)]

@@ -1,4 +1,4 @@
-"""The benchmark's engine model (pyexpcache/bench/engine.py) on the host backend: the settings,
+"""The benchmark's engine model (pyexpcache/bench/modes/engine.py) on the host backend: the settings,
 the advice each decode call gets, every setting's bytes checked, and what prefetch and hints
 change in the counters (times on the host mean nothing: no test looks at them)."""
 
@@ -11,7 +11,8 @@ import pytest
 
 from pyexpcache import ModelLayout
 from pyexpcache import bench
-from pyexpcache.bench import engine, predict
+from pyexpcache.bench import predict
+from pyexpcache.bench.modes import engine
 from pyexpcache.bench.workload import decode_trace, build_workload
 
 

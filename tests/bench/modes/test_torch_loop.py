@@ -1,4 +1,4 @@
-"""The torch decode loop (pyexpcache/bench/torch_loop.py) on the host backend: both modes side by
+"""The torch decode loop (pyexpcache/bench/modes/torch_loop.py) on the host backend: both modes side by
 side on one cache setting, every kernel's result checked against the source's bytes (and the check
 able to fail), one kernel per expert where the slot's parts touch and one per part where they do
 not, and a report that renders and serializes."""
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="the torch decode loop needs PyTorch
 
 from pyexpcache import ModelLayout  # noqa: E402
 from pyexpcache.bench import Bench, build_workload  # noqa: E402
-from pyexpcache.bench.torch_loop import (  # noqa: E402
+from pyexpcache.bench.modes.torch_loop import (  # noqa: E402
     TorchLoopReport, expected_sums, format_torch_loop_report, run_torch_loop)
 
 TRACES = ["synthetic:20"]

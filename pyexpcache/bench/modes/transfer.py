@@ -20,11 +20,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import _cuda
-from ..cache import ExpertCache, StagingStats, staging_defaults
-from ..layout import LayerSpec, ModelLayout
-from ..source import HostSource, LayerPlacement
-from . import link
+from ... import _cuda
+from ...cache import ExpertCache, StagingStats, staging_defaults
+from ...layout import LayerSpec, ModelLayout
+from ...source import HostSource, LayerPlacement
+from .. import link
 
 MiB = 1 << 20
 # Expert sizes of the issue: a small expert, DeepSeek V4 Flash q2 and q4 (gate, up, down bytes).

@@ -24,11 +24,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .. import _cuda
-from ..multi import MultiDeviceCache
-from ..placement import Placement, loads_from_calls
-from .report import json_with_derived
-from .workload import DEFAULT_TRACES, decode_trace, decode_workload
+from ... import _cuda
+from ...multi import MultiDeviceCache
+from ...placement import Placement, loads_from_calls
+from ..report import json_with_derived
+from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 PLACEMENTS = ("balanced", "round-robin")
 
@@ -138,7 +138,7 @@ def _fits(bench, device: int, nbytes: int) -> bool:
 
 def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], workload, links: dict,
                 result: DevicesResult) -> None:
-    from . import replay as _replay
+    from .. import replay as _replay
 
     calls, ids = workload.arrays()
     n = multi.num_devices

@@ -22,10 +22,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..stats import PrefetchStats
-from . import predict
-from .report import json_with_derived
-from .workload import DEFAULT_TRACES, decode_trace, decode_workload
+from ...stats import PrefetchStats
+from .. import predict
+from ..report import json_with_derived
+from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 
 @dataclass
@@ -147,9 +147,9 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
                hints: bool = False, compute_us: float = 0.0, top: int = 6, split: bool = False,
                policy: str = "oppclass", seed: int = 0) -> EngineReport:
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
-    :class:`~pyexpcache.bench.runner.Bench`: its source, stream and budget), each with a new cache
+    :class:`~pyexpcache.bench.bench.Bench`: its source, stream and budget), each with a new cache
     of ``policy``; see the module docstring."""
-    from . import replay as _replay
+    from .. import replay as _replay
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")

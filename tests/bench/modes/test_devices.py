@@ -1,4 +1,4 @@
-"""``expcache bench --devices N`` (pyexpcache/bench/devices.py) on the host backend, which emulates
+"""``expcache bench --devices N`` (pyexpcache/bench/modes/devices.py) on the host backend, which emulates
 the devices: the three runs, every expert's bytes checked, the per-device counters and the link
 bound's arithmetic (times on the host mean nothing: no test looks at them)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from pyexpcache import ModelLayout
 from pyexpcache import bench
-from pyexpcache.bench import devices
+from pyexpcache.bench.modes import devices
 from pyexpcache.bench.link import Link
 from pyexpcache.cli import main
 

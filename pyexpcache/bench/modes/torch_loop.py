@@ -25,7 +25,7 @@ Every kernel's result is checked against the same reduction computed with numpy 
 bytes (:func:`expected_sums`), after each layer's synchronize and outside the timed part (a stack
 of the layer's results and one read back). The decode time of a layer runs from before its
 non-expert work to after its synchronize, as in the C loop's engine model
-(:mod:`~pyexpcache.bench.engine`).
+(:mod:`~pyexpcache.bench.modes.engine`).
 
 CUDA: the loop runs with ``torch.cuda.ExternalStream(bench.stream)`` as torch's current stream,
 so the cache's copies and torch's kernels share the stream the C loop uses (no event between
@@ -44,8 +44,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .report import json_with_derived
-from .workload import DEFAULT_TRACES, build_workload
+from ..report import json_with_derived
+from ..workload import DEFAULT_TRACES, build_workload
 
 MODES = ("plain", "split")
 PROGRESS_EVERY = 256  # decode calls between two progress reports
@@ -179,7 +179,7 @@ class _Loop:
     """What both modes share: torch, the stream, the per-layer word type, the span views."""
 
     def __init__(self, torch, bench):
-        from ..views import TensorView
+        from ...views import TensorView
 
         self.torch = torch
         self.bench = bench
@@ -249,7 +249,7 @@ class _Loop:
 
 def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.ndarray, compute_ns: int,
               progress: Callable[[str, int, int], None]) -> TorchLoopResult:
-    from .. import _lib
+    from ... import _lib
 
     torch = loop.torch
     stream = loop.stream
@@ -325,7 +325,7 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
                    progress: Optional[Callable[[str, int, int], None]] = None,
                    expected: Optional[np.ndarray] = None) -> TorchLoopReport:
     """Replay the decode traces in a torch decode loop once per mode (see the module docstring) on
-    ``bench`` (a :class:`~pyexpcache.bench.runner.Bench`: its source, stream, budget and cache
+    ``bench`` (a :class:`~pyexpcache.bench.bench.Bench`: its source, stream, budget and cache
     options), each mode with a new cache of ``policy``. ``progress(label, done, total)`` (default:
     ``bench.progress``) is called every few hundred decode calls. ``expected``: the table of
     :func:`expected_sums` (computed here when not given)."""

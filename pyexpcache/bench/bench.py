@@ -1,6 +1,6 @@
-"""Running the variants side by side in one process: the shared source, stream and
-expected checksums (:class:`Bench`), one variant's replay through the C loop, and
-:func:`run`, which makes a :class:`~pyexpcache.bench.report.Report`."""
+"""What every mode of the benchmark shares (:class:`Bench`): the layout, the source, the stream,
+the expected checksums, the caches made over them, the replays through the C loop, the link, and
+the header of a report; and the backend ``"auto"`` picks (:func:`resolve_backend`)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,19 @@ import ctypes
 import signal
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
 from .. import __version__, _cuda, _lib, library_version
 from ..cache import ExpertCache
 from ..layout import GiB, ModelLayout
-from ..sim import simulate_belady, simulate_lru, simulate_policy
 from ..source import HostSource
 from . import link
 from .link import Link
 from .progress import Progress
-from .report import Report, VariantResult, git_commit
-from .workload import DEFAULT_TRACES, Workload, build_workload
+from .workload import Workload
 
-# The library's two policies first (named after them; oppclass is the default), then the baselines.
-VARIANTS = ("oppclass", "lru", "slab", "nocache", "resident")
-POLICY_VARIANTS = ("oppclass", "lru")
 HOST_SCALE = 256  # host backend: expert sizes / 256, same slot counts
 
 
@@ -62,7 +57,7 @@ def resolve_backend(backend: str = "auto", device: int = 0) -> str:
 
 
 class Bench:
-    """Holds what every variant shares: layout, source, stream, expected checksums."""
+    """Holds what every mode shares: layout, source, stream, expected checksums."""
 
     def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
                  budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
@@ -157,72 +152,6 @@ class Bench:
             kwargs.setdefault("reserve_bytes", self.reserve_bytes)
         return ExpertCache(self.layout, self.source, backend=self.backend, device=self.device, **kwargs)
 
-    def class_capacities(self, cache: ExpertCache) -> tuple[list[int], list[int]]:
-        """(runtime cap per class index, class index per layer) of a cache, for the simulators."""
-        layer_class = [0] * self.layout.num_layers
-        for layer in self.layout.moe_layers:
-            layer_class[layer] = cache.layer_class(layer)
-        caps = {c.index: c.cap_experts for c in cache.classes()}
-        return [caps.get(i, 0) for i in range(max(caps) + 1)], layer_class
-
-    def run_variant(self, variant: str, workload: Workload) -> VariantResult:
-        result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
-        if variant in POLICY_VARIANTS:
-            # Cap notices once, from the first policy variant run; the same caps follow for the other.
-            cache = self.make_cache(budget_bytes=self.budget_bytes, policy=variant,
-                                    log_level=_lib.LOG_NOTICE if variant == POLICY_VARIANTS[0] else _lib.LOG_WARNING,
-                                    **self.cache_options)
-        # The baselines are LRU, as the old designs were.
-        elif variant == "slab":
-            # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
-            biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
-            cache = self.make_cache(budget_experts=max(1, self.budget_bytes // biggest), max_classes=1, policy="lru",
-                                    log_level=_lib.LOG_WARNING, copy_threads=0)
-        elif variant == "nocache":
-            cache = self.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
-        elif variant == "resident":
-            need = sum(s.num_experts * sum(-(-b // 256) * 256 for b in s.class_key) for s in self.layout.layers if s)
-            try:
-                cache = self.make_cache(budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru",
-                                        log_level=_lib.LOG_WARNING)
-                self._preload(cache)
-            except MemoryError as exc:
-                cache.close()
-                result.skipped = f"the model does not fit in device memory ({exc})"
-                return result
-            if any(c.resident_experts < sum(self.layout[i].num_experts for i in self.layout.moe_layers
-                                            if self.layout[i].class_key == c.key) for c in cache.classes()):
-                cache.close()
-                result.skipped = "the model does not fit in device memory minus the reserve"
-                return result
-            cache.reset_stats()
-        else:
-            raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
-        with cache:
-            out = self.replay(cache, workload, label=variant, serve=variant if variant in ("slab", "nocache") else "cache")
-            result.decode_seconds, result.prefill_seconds = out.decode_seconds, out.prefill_seconds
-            result.decode_calls, result.decode_serve_seconds = out.decode_calls, out.decode_serve_seconds
-            result.checksum_errors, result.experts_checked = out.checksum_errors, out.experts_checked
-            result.decode_bytes_h2d = out.decode_bytes_h2d
-            if variant in POLICY_VARIANTS:
-                self.capacities = self.class_capacities(cache)
-            stats = cache.stats()
-            total = stats.total
-            result.hits, result.misses = total.hits, total.misses
-            result.bytes_h2d, result.bytes_d2d, result.releases = total.bytes_h2d, total.bytes_d2d, total.releases
-            staging = cache.staging_stats()
-            result.staging = staging if staging.calls else None
-        return result
-
-    def _preload(self, cache: ExpertCache) -> None:
-        layers = self.layout.moe_layers
-        for n, layer in enumerate(layers):
-            experts = self.layout[layer].num_experts
-            for start in range(0, experts, 256):
-                cache.select(layer, np.arange(start, min(start + 256, experts)), self.stream)
-            self.progress("preloading all experts", n + 1, len(layers))
-        cache.synchronize(self.stream)
-
     def run_c_loop(self, name: str, loop):
         """Run one C replay loop, ``loop(dll, api, progress, out)``, with a progress callback that
         shows ``name`` and asks the loop to stop on Ctrl-C (deferred meanwhile) or when the display
@@ -279,64 +208,3 @@ class Bench:
             print(f"CHECKSUM MISMATCH: {label}: {out.checksum_errors} experts differ from the source "
                   f"(first in call {out.first_bad_call})", file=sys.stderr)
         return out
-
-
-def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int]) -> Optional[float]:
-    """The clairvoyant optimum at the library's per-class capacities (decode-only workloads)."""
-    if workload.has_batches:
-        return None
-    return simulate_belady(workload.calls, capacities, layer_class).hit_rate
-
-
-def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
-        traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
-        pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: int = 1,
-        progress: Optional[Progress] = None, device: int = 0, source=None,
-        bench: Optional[Bench] = None) -> Report:
-    """Run the benchmark and return a :class:`Report` (see the module docstring). ``source``
-    (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source; an
-    existing ``bench`` (whose source is then reused, and left open) replaces both."""
-    workload = build_workload(scenario, traces, layout.moe_layers)
-    if not workload.calls:
-        raise ValueError(f"the traces route none of layout {layout.name}'s layers")
-    for call in workload.calls:
-        spec = layout[call.layer] if call.layer < layout.num_layers else None
-        if spec is None or max(call.ids) >= spec.num_experts:
-            raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
-                             f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
-                             "experts)")
-    own = bench is None
-    if own:
-        bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
-                      reserve_bytes=reserve_bytes, progress=progress, device=device, source=source)
-    try:
-        measured = bench.measure_link()
-        report = Report(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
-                        layout=layout.name, scenario=scenario,
-                        source="pinned" if bench.pinned else "pageable", placement=bench.placement,
-                        budget_bytes=budget_bytes,
-                        host_scale=host_scale, decode_tokens=workload.decode_tokens,
-                        prefill_tokens=workload.prefill_tokens, link_bytes_per_s=measured.bytes_per_s,
-                        link_label=measured.label,
-                        layer_sync=bench.layer_sync, traces=list(traces), version=__version__,
-                        library=library_version(), git_commit=git_commit())
-        for variant in variants:
-            r = bench.run_variant(variant, workload)
-            if r.skipped is None and r.decode_bytes_h2d:
-                # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
-                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / measured.bytes_per_s)
-            if variant in POLICY_VARIANTS:
-                capacities, layer_class = bench.capacities
-                r.belady_hit_rate = belady_hit_rate(workload, capacities, layer_class)
-                # The offline simulator of the same policy must agree with the library's counters.
-                sim = (simulate_lru(workload.calls, capacities, layer_class) if variant == "lru"
-                       else simulate_policy(workload.calls, capacities, layer_class, policy=variant,
-                                            layers=layout.moe_layers))
-                if sim.hit_rate != r.hit_rate:
-                    raise RuntimeError(f"{variant}: library hit rate {r.hit_rate} differs from the simulator's "
-                                       f"{sim.hit_rate} at the same capacities: a bug")
-            report.results.append(r)
-        return report
-    finally:
-        if own:
-            bench.close()

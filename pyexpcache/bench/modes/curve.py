@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..layout import ModelLayout
-from ..sim import simulate_belady, simulate_lru, simulate_policy
-from .workload import Workload
+from ...layout import ModelLayout
+from ...sim import simulate_belady, simulate_lru, simulate_policy
+from ..workload import Workload
 
 
 def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[float]) -> dict:
