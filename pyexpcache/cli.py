@@ -539,7 +539,7 @@ def _run_bench(args, json_out: Optional[_OutputFile], plot_out: Optional[_Output
     reports, failed = [], False
     shared = bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget, reserve_bytes=reserve,
                          progress=progress, device=args.device, source=source, placement=args.placement,
-                         layer_sync=not args.no_layer_sync, cache_options=_cache_options(args))
+                         layer_sync=not args.no_layer_sync, cache_options=_cache_options(args), scale=scale)
     try:
         if args.devices is not None:
             return _devices(args, shared, json_out)
@@ -578,34 +578,34 @@ def _engine(args, shared, json_out: Optional[_OutputFile]) -> int:
     ``--loop torch``) on the bench's source: one table, each setting against the first."""
     compute = args.layer_compute_us or 0.0
     if args.loop == "torch":
-        from .bench.modes.torch_loop import format_torch_loop_report, run_torch_loop
+        from .bench.modes.torch_loop import run_torch_loop
 
         report = run_torch_loop(shared, traces=args.traces, compute_us=compute, progress=shared.progress)
-        text = format_torch_loop_report(report)
     else:
-        from .bench.modes.engine import format_engine_report, run_engine
+        from .bench.modes.engine import run_engine
 
         report = run_engine(shared, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
                             compute_us=compute, split=args.split, top=args.prefetch_top)
-        text = format_engine_report(report)
-    return _print_report(args, report, text, json_out)
+    return _print_report(args, report, json_out)
 
 
 def _devices(args, shared, json_out: Optional[_OutputFile]) -> int:
     """``--devices N``: one device, one at N times the budget, N devices, in one table."""
-    from .bench.modes.devices import format_devices_report, run_devices
+    from .bench.modes.devices import run_devices
 
     report = run_devices(shared, args.devices, traces=args.traces, placement=args.device_placement)
-    return _print_report(args, report, format_devices_report(report), json_out)
+    return _print_report(args, report, json_out)
 
 
-def _print_report(args, report, text: str, json_out: Optional[_OutputFile]) -> int:
+def _print_report(args, report, json_out: Optional[_OutputFile]) -> int:
     """A one-table report (engine model, devices): printed, written as JSON with --json, and
     exit status 1 when a served expert's bytes differed from the source."""
+    from .bench import format_report
+
     report.argv = ["expcache"] + list(args.argv)
-    print(text, flush=True)
+    print(format_report(report), flush=True)
     if json_out:
-        json_out.write(_json_bytes(report.to_json()))
+        json_out.write(_json_bytes([report.to_json()]))
     errors = sum(r.checksum_errors for r in report.results)
     if errors:
         print(f"FAILED: {errors} experts served with bytes that differ from the source", file=sys.stderr)

@@ -9,9 +9,9 @@ the main benchmark, which asv tracks) and the hit-rate curve's.
 
 from .bench import HOST_SCALE, Bench, resolve_backend
 from .modes.curve import hit_rate_curve, plot_curve
-from .modes.variants import POLICY_VARIANTS, VARIANTS, VariantResult, belady_hit_rate, format_report, run
+from .modes.variants import POLICY_VARIANTS, VARIANTS, VariantResult, belady_hit_rate, run
 from .progress import Progress
-from .report import Report, git_commit, write_json
+from .report import Report, format_report, git_commit, write_json
 from .workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
 
 __all__ = ["DEFAULT_TRACES", "HOST_SCALE", "POLICY_VARIANTS", "SCENARIOS", "VARIANTS", "Bench", "Progress", "Report",

@@ -13,13 +13,14 @@ from typing import Optional
 
 import numpy as np
 
-from .. import __version__, _cuda, _lib, library_version
+from .. import _cuda, _lib
 from ..cache import ExpertCache
 from ..layout import GiB, ModelLayout
 from ..source import HostSource
 from . import link
 from .link import Link
 from .progress import Progress
+from .report import made_by
 from .workload import Workload
 
 HOST_SCALE = 256  # host backend: expert sizes / 256, same slot counts
@@ -46,6 +47,16 @@ def _sigint_deferred():
         raise KeyboardInterrupt
 
 
+def device_name(cuda: bool, device: int = 0) -> str:
+    """A report header's device: the CUDA device's name, or the host backend's description."""
+    if not cuda:
+        return "host (no GPU: host backend, times are host-emulated)"
+    rt = _cuda.runtime()
+    props = _cuda.check(rt.cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
+    name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
+    return name.rstrip("\x00")
+
+
 def resolve_backend(backend: str = "auto", device: int = 0) -> str:
     """The backend ``"auto"`` picks here: ``"cuda"`` when the library and a device allow it."""
     if backend != "auto":
@@ -62,8 +73,9 @@ class Bench:
     def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
                  budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
                  progress: Optional[Progress] = None, device: int = 0, source=None, placement: str = "expert",
-                 layer_sync: bool = True, cache_options: Optional[dict] = None):
+                 layer_sync: bool = True, cache_options: Optional[dict] = None, scale: int = 1):
         self.layout = layout
+        self.scale = scale  # the layout's expert sizes and the budget were divided by this (reports say so)
         # Extra ExpertCache arguments of the expcache and oppclass variants (copy_threads,
         # staging_chunk_bytes, file_reads); the baselines keep the old design's.
         self.cache_options = dict(cache_options or {})
@@ -107,12 +119,7 @@ class Bench:
         return int(stream)
 
     def device_name(self) -> str:
-        if not self.is_cuda:
-            return "host (no GPU: host backend, times are host-emulated)"
-        rt = _cuda.runtime()
-        props = _cuda.check(rt.cudaGetDeviceProperties(self.device), "cudaGetDeviceProperties")
-        name = props.name.decode() if isinstance(props.name, bytes) else str(props.name)
-        return name.rstrip("\x00")
+        return device_name(self.is_cuda, self.device)
 
     def close(self) -> None:
         if self.is_cuda and self.stream:
@@ -121,13 +128,11 @@ class Bench:
         self.source.close()
 
     def report_header(self) -> dict:
-        """What every one-table report (engine model, torch loop, devices) starts with: where it
-        ran, on what layout, source and budget, and the version, library and commit that made it."""
-        from .report import git_commit
-
+        """The :class:`~pyexpcache.bench.report.Report` fields the bench fills for every mode: where
+        it runs, on what layout, source and budget, and the version, library and commit."""
         return dict(backend="cuda" if self.is_cuda else "host", device=self.device_name(), layout=self.layout.name,
-                    source="pinned" if self.pinned else "pageable", budget_bytes=self.budget_bytes,
-                    version=__version__, library=library_version(), git_commit=git_commit())
+                    source="pinned" if self.pinned else "pageable", placement=self.placement,
+                    budget_bytes=self.budget_bytes, host_scale=self.scale, **made_by())
 
     # -- the link ----------------------------------------------------------------
     @property

@@ -20,14 +20,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
 from ... import _cuda
 from ...multi import MultiDeviceCache
 from ...placement import Placement, loads_from_calls
-from ..report import json_with_derived
+from ..report import Report
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 PLACEMENTS = ("balanced", "round-robin")
@@ -60,6 +60,9 @@ class DevicesResult:
     experts_checked: int = 0
     devices: list[DeviceRun] = field(default_factory=list)
 
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "link_bound_tokens_per_s", "share_of_bound", "hit_rate",
+                                          "bytes_per_token")
+
     @property
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
@@ -87,33 +90,6 @@ class DevicesResult:
         if not self.decode_seconds or not d.link_bytes_per_s:
             return 0.0
         return d.bytes_h2d / d.link_bytes_per_s / self.decode_seconds
-
-
-@dataclass
-class DevicesReport:
-    backend: str
-    device: str
-    layout: str
-    source: str
-    budget_bytes: int
-    devices: list[int]
-    placement: str
-    shared_gpus: bool  # fewer GPUs than devices: caches share a GPU and its link
-    traces: list[str]
-    results: list[DevicesResult] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    version: str = ""
-    library: str = ""
-    git_commit: Optional[str] = None
-    argv: Optional[list[str]] = None
-
-    @property
-    def checksum_errors(self) -> int:
-        return sum(r.checksum_errors for r in self.results)
-
-    def to_json(self) -> dict:
-        return json_with_derived(self, ("tokens_per_s", "link_bound_tokens_per_s", "share_of_bound", "hit_rate",
-                                        "bytes_per_token"))
 
 
 def _placement(layout, n: int, kind: str, calls) -> Placement:
@@ -179,7 +155,7 @@ def link_bound_seconds(call_bytes: np.ndarray, devices: Sequence[int], links: di
 
 
 def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRACES, placement: str = "balanced",
-                policy: str = "oppclass") -> DevicesReport:
+                policy: str = "oppclass") -> Report:
     """One device at ``bench.budget_bytes``, one at ``num_devices`` times it where that fits, and
     ``num_devices`` devices at ``bench.budget_bytes`` each; see the module docstring."""
     if not 2 <= num_devices <= 64:
@@ -188,9 +164,12 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
     devices = [(bench.device + i) % max(gpus, 1) for i in range(num_devices)]
     loaded = [decode_trace(name) for name in traces]
     workload = decode_workload(loaded, bench.layout.moe_layers)
-    links = {dev: bench.measure_link(dev).bytes_per_s for dev in sorted(set(devices))}
-    report = DevicesReport(**bench.report_header(), devices=devices, placement=placement,
-                           shared_gpus=len(set(devices)) < num_devices, traces=list(traces))
+    measured = {dev: bench.measure_link(dev) for dev in sorted(set(devices))}
+    links = {dev: link.bytes_per_s for dev, link in measured.items()}
+    report = Report("devices", f"decode over {num_devices} devices", **bench.report_header(), traces=list(traces),
+                    link_bytes_per_s=links[bench.device], link_label=measured[bench.device].label,
+                    settings=dict(devices=devices, device_placement=placement,
+                                  shared_gpus=len(set(devices)) < num_devices))
     runs = [("1 device", [bench.device], bench.budget_bytes),
             (f"1 device, {num_devices}x budget", [bench.device], num_devices * bench.budget_bytes),
             (f"{num_devices} devices", devices, bench.budget_bytes)]
@@ -226,22 +205,25 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
     return report
 
 
-def format_devices_report(report: DevicesReport) -> str:
-    from tabulate import tabulate
-
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — decode over {len(report.devices)} devices on {report.device}",
-        f"layout {report.layout}, {report.source} source, {report.budget_bytes / (1 << 30):.2f} GiB per device; "
-        f"devices {report.devices}; placement {report.placement}"
-        + (" (by the replayed traces' request counts)" if report.placement == "balanced" else "")
-        + f"; times {timing}",
+def describe(report: Report) -> list[str]:
+    """The several-devices run's lines under the header: the devices, the placement, the bound."""
+    st = report.settings
+    lines = [
+        f"the budget is each device's; devices {st['devices']}; placement {st['device_placement']}"
+        + (" (by the replayed traces' request counts)" if st["device_placement"] == "balanced" else ""),
         "link bound: per layer, the busiest link's bytes (every device on that GPU) over its measured bandwidth, "
         "summed over layers",
     ]
-    if report.shared_gpus:
-        head.append("fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
-                    "other links are not; the bound counts the shared link once)")
+    if st["shared_gpus"]:
+        lines.append("fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
+                     "other links are not; the bound counts the shared link once)")
+    return lines
+
+
+def table(report: Report) -> str:
+    """The three runs side by side, with each one's ratio to the first."""
+    from tabulate import tabulate
+
     ref = report.results[0] if report.results else None
     rows = []
     for r in report.results:
@@ -255,8 +237,6 @@ def format_devices_report(report: DevicesReport) -> str:
             f"{r.link_bound_tokens_per_s:.2f}", f"{100 * r.share_of_bound:.0f} %", per,
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    table = tabulate(rows, headers=["run", "GiB in all", "decode tok/s", "vs 1 device", "hit rate", "MiB moved/token",
-                                    "link bound tok/s", "of bound", "per device: hit rate / MiB per token / link busy",
-                                    "checksums"], disable_numparse=True)
-    tail = "".join(f"\nskipped: {s}" for s in report.skipped)
-    return "\n".join(head) + "\n\n" + table + tail
+    return tabulate(rows, headers=["run", "GiB in all", "decode tok/s", "vs 1 device", "hit rate", "MiB moved/token",
+                                   "link bound tok/s", "of bound", "per device: hit rate / MiB per token / link busy",
+                                   "checksums"], disable_numparse=True)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Sequence
 
 import numpy as np
 
 from ...stats import PrefetchStats
 from .. import predict
-from ..report import json_with_derived
+from ..report import Report
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 
@@ -72,6 +72,8 @@ class EngineResult:
     checksum_errors: int = 0
     experts_checked: int = 0
 
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "misses_per_token", "bytes_per_token", "link_busy")
+
     @property
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
@@ -91,33 +93,6 @@ class EngineResult:
         if not self.decode_seconds or not self.link_bytes_per_s:
             return 0.0
         return (self.demand_bytes + self.prefetch.bytes_sent) / self.link_bytes_per_s / self.decode_seconds
-
-
-@dataclass
-class EngineReport:
-    backend: str
-    device: str
-    layout: str
-    source: str
-    budget_bytes: int
-    compute_us: float
-    top: int
-    split: bool
-    link_bytes_per_s: float
-    link_label: str
-    traces: list[str]
-    results: list[EngineResult] = field(default_factory=list)
-    version: str = ""
-    library: str = ""
-    git_commit: Optional[str] = None
-    argv: Optional[list[str]] = None
-
-    @property
-    def checksum_errors(self) -> int:
-        return sum(r.checksum_errors for r in self.results)
-
-    def to_json(self) -> dict:
-        return json_with_derived(self, ("tokens_per_s", "misses_per_token", "bytes_per_token", "link_busy"))
 
 
 def advice_arrays(traces, layers: Sequence[int], spec: str, top: int, seed: int = 0):
@@ -145,7 +120,7 @@ def advice_arrays(traces, layers: Sequence[int], spec: str, top: int, seed: int 
 
 def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Sequence[str] = ("cooc",),
                hints: bool = False, compute_us: float = 0.0, top: int = 6, split: bool = False,
-               policy: str = "oppclass", seed: int = 0) -> EngineReport:
+               policy: str = "oppclass", seed: int = 0) -> Report:
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
     :class:`~pyexpcache.bench.bench.Bench`: its source, stream and budget), each with a new cache
     of ``policy``; see the module docstring."""
@@ -157,8 +132,9 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     loaded = [decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
     workload = decode_workload(loaded, bench.layout.moe_layers)
     link = bench.measure_link()
-    report = EngineReport(**bench.report_header(), compute_us=compute_us, top=top, split=split,
-                          link_bytes_per_s=link.bytes_per_s, link_label=link.label, traces=list(traces))
+    report = Report("engine", "engine model", **bench.report_header(), traces=list(traces),
+                    link_bytes_per_s=link.bytes_per_s, link_label=link.label,
+                    settings=dict(compute_us=compute_us, top=top, split=split))
     advice = {}  # predictor -> its arrays: a prefetch and a hint setting of one predictor share them
     for setting in plan:
         options = _replay.ReplayOptions()
@@ -184,20 +160,18 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     return report
 
 
-def format_engine_report(report: EngineReport) -> str:
+def describe(report: Report) -> list[str]:
+    """The engine model's lines under the header: the non-expert work, the select, the predictions."""
+    st = report.settings
+    return [f"{st['compute_us']:g} µs of non-expert work per layer before its select; "
+            f"{'split select (hits before misses)' if st['split'] else 'plain select'}; predictions: top {st['top']}",
+            "oracle:R is simulated: an engine that knows each next-layer expert with probability R."]
+
+
+def table(report: Report) -> str:
     """The settings side by side, with each one's ratio to ``none``."""
     from tabulate import tabulate
 
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — engine model on {report.device}",
-        f"layout {report.layout}, {report.source} source, budget {report.budget_bytes / (1 << 30):.2f} GiB; "
-        f"{report.compute_us:g} µs of non-expert work per layer before its select; "
-        f"{'split select (hits before misses)' if report.split else 'plain select'}; "
-        f"predictions: top {report.top}; times {timing}; link {report.link_bytes_per_s / 1e9:.1f} GB/s "
-        f"({report.link_label})",
-        "oracle:R is simulated: an engine that knows each next-layer expert with probability R.",
-    ]
     ref = report.results[0] if report.results else None
     rows = []
     for r in report.results:
@@ -213,7 +187,6 @@ def format_engine_report(report: EngineReport) -> str:
             f"{100 * r.link_busy:.0f} %",
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    table = tabulate(rows, headers=["setting", "decode tok/s", "vs none", "demand misses/token", "MiB moved/token",
-                                    "prefetch used / wasted / cancelled", "hint refreshes", "link busy",
-                                    "checksums"], disable_numparse=True)
-    return "\n".join(head) + "\n\n" + table
+    return tabulate(rows, headers=["setting", "decode tok/s", "vs none", "demand misses/token", "MiB moved/token",
+                                   "prefetch used / wasted / cancelled", "hint refreshes", "link busy",
+                                   "checksums"], disable_numparse=True)

@@ -39,12 +39,12 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional, Sequence
 
 import numpy as np
 
-from ..report import json_with_derived
+from ..report import Report
 from ..workload import DEFAULT_TRACES, build_workload
 
 MODES = ("plain", "split")
@@ -64,6 +64,9 @@ class TorchLoopResult:
     decode_calls: int = 0
     serve_seconds: float = 0.0  # inside select_views / select_split (and making the views)
     kernels: int = 0            # torch reductions launched
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "misses_per_token", "kernels_per_expert",
+                                          "serve_us_per_call")
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,32 +88,6 @@ class TorchLoopResult:
     @property
     def serve_us_per_call(self) -> float:
         return 1e6 * self.serve_seconds / self.decode_calls if self.decode_calls else 0.0
-
-
-@dataclass
-class TorchLoopReport:
-    backend: str
-    device: str
-    layout: str
-    source: str
-    budget_bytes: int
-    compute_us: float
-    traces: list[str]
-    results: list[TorchLoopResult] = field(default_factory=list)
-    policy: str = "oppclass"
-    torch_version: str = ""
-    version: str = ""
-    library: str = ""
-    git_commit: Optional[str] = None
-    argv: Optional[list[str]] = None
-
-    @property
-    def checksum_errors(self) -> int:
-        return sum(r.checksum_errors for r in self.results)
-
-    def to_json(self) -> dict:
-        return json_with_derived(self, ("tokens_per_s", "hit_rate", "misses_per_token", "kernels_per_expert",
-                                        "serve_us_per_call"))
 
 
 def _word_bytes(spec) -> int:
@@ -323,7 +300,7 @@ def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.n
 def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us: float = 0.0,
                    policy: str = "oppclass", modes: Sequence[str] = MODES,
                    progress: Optional[Callable[[str, int, int], None]] = None,
-                   expected: Optional[np.ndarray] = None) -> TorchLoopReport:
+                   expected: Optional[np.ndarray] = None) -> Report:
     """Replay the decode traces in a torch decode loop once per mode (see the module docstring) on
     ``bench`` (a :class:`~pyexpcache.bench.bench.Bench`: its source, stream, budget and cache
     options), each mode with a new cache of ``policy``. ``progress(label, done, total)`` (default:
@@ -347,8 +324,8 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     ids = [np.asarray(call.ids, dtype=np.uint32) for call in workload.calls]
     loop = _Loop(torch, bench)
     loop.warm_up()
-    report = TorchLoopReport(**bench.report_header(), compute_us=compute_us, traces=list(traces), policy=policy,
-                             torch_version=str(torch.__version__))
+    report = Report("torch", "torch loop", **bench.report_header(), traces=list(traces),
+                    settings=dict(compute_us=compute_us, policy=policy, torch_version=str(torch.__version__)))
     compute_ns = int(round(compute_us * 1e3))
     for mode in modes:
         with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,
@@ -358,19 +335,19 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     return report
 
 
-def format_torch_loop_report(report: TorchLoopReport) -> str:
+def describe(report: Report) -> list[str]:
+    """The torch loop's lines under the header: the policy, the non-expert work, torch, the kernels."""
+    st = report.settings
+    return [f"policy {st['policy']}; {st['compute_us']:g} µs of non-expert work per layer before its select; "
+            f"torch {st['torch_version']}",
+            f"{KERNEL_NOTE} (int32 sum of the expert's bytes; one span over gate+up+down when they touch, "
+            "else one kernel per part)"]
+
+
+def table(report: Report) -> str:
     """The modes side by side, with each one's ratio to ``plain`` (else to the first)."""
     from tabulate import tabulate
 
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — torch loop on {report.device}",
-        f"layout {report.layout}, {report.source} source, budget {report.budget_bytes / (1 << 30):.2f} GiB, "
-        f"policy {report.policy}; {report.compute_us:g} µs of non-expert work per layer before its select; "
-        f"times {timing}; torch {report.torch_version}",
-        f"{KERNEL_NOTE} (int32 sum of the expert's bytes; one span over gate+up+down when they touch, "
-        "else one kernel per part)",
-    ]
     by_mode = {r.mode: r for r in report.results}
     ref = by_mode.get("plain") or (report.results[0] if report.results else None)
     rows = []
@@ -385,6 +362,5 @@ def format_torch_loop_report(report: TorchLoopReport) -> str:
             f"{r.kernels_per_expert:g}",
             f"{r.checksum_errors} bad / {r.experts_checked} checked",
         ])
-    table = tabulate(rows, headers=["mode", "decode tok/s", "vs plain", "hit rate", "misses/token",
-                                    "select µs/layer", "kernels/expert", "checksums"], disable_numparse=True)
-    return "\n".join(head) + "\n\n" + table
+    return tabulate(rows, headers=["mode", "decode tok/s", "vs plain", "hit rate", "misses/token",
+                                   "select µs/layer", "kernels/expert", "checksums"], disable_numparse=True)

@@ -28,17 +28,17 @@ policy at the same per-class capacities.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import numpy as np
 
-from ... import __version__, _lib, library_version
+from ... import _lib
 from ...cache import ExpertCache, StagingStats
 from ...layout import GiB, ModelLayout
 from ...sim import simulate_belady, simulate_lru, simulate_policy
 from ..bench import Bench
 from ..progress import Progress
-from ..report import Report, git_commit
+from ..report import Report
 from ..workload import DEFAULT_TRACES, Workload, build_workload
 
 # The library's two policies first (named after them; oppclass is the default), then the baselines.
@@ -69,6 +69,9 @@ class VariantResult:
     belady_hit_rate: Optional[float] = None
     skipped: Optional[str] = None
     staging: Optional[StagingStats] = None  # pageable or file sources: the staging ring's counters
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "gib_per_token", "serve_us_per_call",
+                                          "after_serve_us_per_call")  # in the JSON beside the fields
 
     @property
     def tokens_per_s(self) -> float:
@@ -183,12 +186,14 @@ def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list
 
 def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
         traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
-        pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: int = 1,
+        pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: Optional[int] = None,
         progress: Optional[Progress] = None, device: int = 0, source=None,
         bench: Optional[Bench] = None) -> Report:
     """Run the variants on one scenario and return a :class:`Report` (see the module docstring).
     ``source`` (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source;
-    an existing ``bench`` (whose source is then reused, and left open) replaces both."""
+    an existing ``bench`` (whose source is then reused, and left open) replaces both.
+    ``host_scale``: what the layout's sizes and the budget were divided by (default: the bench's
+    ``scale``), for the header."""
     workload = build_workload(scenario, traces, layout.moe_layers)
     if not workload.calls:
         raise ValueError(f"the traces route none of layout {layout.name}'s layers")
@@ -201,18 +206,17 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
     own = bench is None
     if own:
         bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
-                      reserve_bytes=reserve_bytes, progress=progress, device=device, source=source)
+                      reserve_bytes=reserve_bytes, progress=progress, device=device, source=source,
+                      scale=host_scale or 1)
     try:
         measured = bench.measure_link()
-        report = Report(backend="cuda" if bench.is_cuda else "host", device=bench.device_name(),
-                        layout=layout.name, scenario=scenario,
-                        source="pinned" if bench.pinned else "pageable", placement=bench.placement,
-                        budget_bytes=budget_bytes,
-                        host_scale=host_scale, decode_tokens=workload.decode_tokens,
-                        prefill_tokens=workload.prefill_tokens, link_bytes_per_s=measured.bytes_per_s,
+        header = bench.report_header()
+        if host_scale is not None:
+            header["host_scale"] = host_scale
+        report = Report("variants", scenario, **header, traces=list(traces), link_bytes_per_s=measured.bytes_per_s,
                         link_label=measured.label,
-                        layer_sync=bench.layer_sync, traces=list(traces), version=__version__,
-                        library=library_version(), git_commit=git_commit())
+                        settings=dict(scenario=scenario, decode_tokens=workload.decode_tokens,
+                                      prefill_tokens=workload.prefill_tokens, layer_sync=bench.layer_sync))
         for variant in variants:
             r, capacities = _run_variant(bench, variant, workload)
             if r.skipped is None and r.decode_bytes_h2d:
@@ -235,21 +239,17 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
             bench.close()
 
 
-def format_report(report: Report) -> str:
-    """The report as text tables (tabulate)."""
+def describe(report: Report) -> list[str]:
+    """The variants table's lines under the header: the tokens, and how often the loop waits."""
+    st = report.settings
+    return [f"{st['decode_tokens']} decode tokens, {st['prefill_tokens']} prefill tokens; "
+            + ("a wait after every layer" if st["layer_sync"] else "one wait per token (--no-layer-sync)")]
+
+
+def table(report: Report) -> str:
+    """The variants side by side, with each one's ratio to ``slab`` (tabulate)."""
     from tabulate import tabulate
 
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — {report.scenario} on {report.device}",
-        f"layout {report.layout}, {report.source} source ({report.placement} placement), "
-        f"budget {report.budget_bytes / GiB:.2f} GiB"
-        + (f" (sizes and budget / {report.host_scale}, same slot counts)" if report.host_scale != 1 else ""),
-        f"{report.decode_tokens} decode tokens, {report.prefill_tokens} prefill tokens; "
-        f"{'a wait after every layer' if report.layer_sync else 'one wait per token (--no-layer-sync)'}; "
-        f"times {timing}; "
-        f"link {report.link_bytes_per_s / 1e9:.1f} GB/s ({report.link_label})",
-    ]
     base = {r.variant: r for r in report.results if r.skipped is None}
     ref = base.get("slab")
     rows = []
@@ -269,7 +269,6 @@ def format_report(report: Report) -> str:
             f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    table = tabulate(rows, headers=["variant", "decode tok/s", "hit rate", "Belady", "GiB/decode token",
-                                    "link-bound tok/s", "of link bound", "vs slab", "checksums"],
-                     disable_numparse=True)
-    return "\n".join(head) + "\n\n" + table
+    return tabulate(rows, headers=["variant", "decode tok/s", "hit rate", "Belady", "GiB/decode token",
+                                   "link-bound tok/s", "of link bound", "vs slab", "checksums"],
+                    disable_numparse=True)

@@ -68,7 +68,7 @@ def test_every_setting_serves_the_right_bytes(host_bench, split):
     assert oracle.prefetch.issued > 0 and oracle.prefetch.used > 0
     assert oracle.misses < none.misses
     assert by["hint cooc"].prefetch.hints > 0 and by["hint cooc"].prefetch.issued == 0
-    text = engine.format_engine_report(report)
+    text = bench.format_report(report)
     assert "(simulated)" in text and "vs none" in text and "link busy" in text
     json.dumps(report.to_json())
 
