@@ -73,7 +73,7 @@ def git_commit() -> Optional[str]:
     import subprocess
     from pathlib import Path
 
-    tree = Path(__file__).resolve().parent.parent
+    tree = Path(__file__).resolve().parents[2]  # pyexpcache/bench/report.py -> the tree
     if not (tree / ".git").exists():
         return None
     try:
