@@ -16,7 +16,7 @@ import sys
 from pyexpcache import ModelLayout
 from pyexpcache.bench import Bench, HOST_SCALE, format_report, resolve_backend
 from pyexpcache.bench.modes.engine import run_engine
-from pyexpcache.cli import _sizes
+from pyexpcache.bench.options import sizes as _sizes
 from pyexpcache.layout import GiB
 
 

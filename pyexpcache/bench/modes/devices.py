@@ -1,4 +1,5 @@
-"""The decode traces over several devices (``expcache bench --devices N``).
+"""The decode traces over several devices (``expcache bench devices --devices N``; ``expcache bench
+--devices N``).
 
 Three runs side by side in one process, on one source: one device at the per-device budget, one
 device at N times it (where it fits), and N devices at the per-device budget each, the experts
@@ -20,17 +21,35 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 
 from ... import _cuda
 from ...multi import MultiDeviceCache
 from ...placement import Placement, loads_from_calls
+from ..options import BENCH, OUTPUT, Option, UsageError
 from ..report import Report
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 PLACEMENTS = ("balanced", "round-robin")
+
+NAME = "devices"
+TITLE = "several-devices run"
+HELP = "one device, one device at N times the budget, and N devices side by side"
+DESCRIPTION = ("Spread the experts over N devices: one device, one device at N times the budget, and N devices "
+               "side by side (decode scenario, the library's default policy; --budget-gib is each device's).")
+RUNS = "replays the decode scenario, waiting after every layer, with the library's default policy"
+USES_BENCH = True
+
+DEVICES = Option("--devices", type=int, default=None, metavar="N",
+                 help="spread the experts over N devices (2..64; the host backend emulates them; with fewer GPUs "
+                      "than N the caches share a GPU and its link)")
+DEVICE_PLACEMENT = Option("--device-placement", choices=PLACEMENTS, default="balanced",
+                          help="which device owns each expert: balanced by the replayed traces' request counts "
+                               "(default), or expert e on device e mod N")
+OPTIONS = BENCH + (DEVICES, DEVICE_PLACEMENT) + OUTPUT
+SELECTED_BY = (DEVICES,)
 
 
 @dataclass
@@ -203,6 +222,23 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
             if rt is not None and s != bench.stream:
                 rt.cudaStreamDestroy(s)
     return report
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    if args.devices is None:
+        raise UsageError("name the number of devices: --devices N (2..64)")
+    if not 2 <= args.devices <= 64:
+        raise UsageError(f"--devices must be 2..64, got {args.devices}")
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    return budget * args.devices  # the N devices' caches, or one of N times the budget
+
+
+def run(bench, args) -> Iterator[Report]:
+    yield run_devices(bench, args.devices, traces=args.traces, placement=args.device_placement)
 
 
 def describe(report: Report) -> list[str]:

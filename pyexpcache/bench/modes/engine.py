@@ -1,8 +1,10 @@
-"""The benchmark as an engine sees it: every decode call is one layer of a decode step, with
-``compute_us`` of non-expert work (attention, the shared expert, the router: a kernel that only
-takes time) on the compute stream before the layer's select, and the advice for the layer (a
-prefetch, or a hint, of the experts a predictor expects there, made once the previous layer was
-routed) issued just before that work, while the link would otherwise sit idle.
+"""The engine model (``expcache bench engine``; ``expcache bench`` with ``--layer-compute-us``,
+``--prefetch``, ``--hints`` or ``--split``): the benchmark as an engine sees it. Every decode call
+is one layer of a decode step, with ``compute_us`` of non-expert work (attention, the shared
+expert, the router: a kernel that only takes time) on the compute stream before the layer's
+select, and the advice for the layer (a prefetch, or a hint, of the experts a predictor expects
+there, made once the previous layer was routed) issued just before that work, while the link
+would otherwise sit idle.
 
 :func:`run_engine` replays the decode traces once per setting, side by side in one process with
 the same cache settings, and reports tok/s, demand misses and bytes moved per token (demand
@@ -16,16 +18,54 @@ serves every setting with the split select (the hits' kernel runs while the miss
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 from dataclasses import dataclass, field
-from typing import ClassVar, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 
 from ...stats import PrefetchStats
 from .. import predict
+from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError
 from ..report import Report
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
+
+NAME = "engine"
+TITLE = "engine model"
+HELP = "each layer as an engine runs it: non-expert work, prefetch or hints of predicted experts, the split select"
+DESCRIPTION = ("The decode traces as an engine runs them, through the C loop: before each layer's select, N µs of "
+               "non-expert work, and the advice for the layer (a prefetch, or hints, of the experts a predictor "
+               "expects) while the link would sit idle; each setting side by side with none in one run (decode "
+               "scenario, the library's default policy).")
+RUNS = "replays the decode scenario, waiting after every layer, with the library's default policy"
+USES_BENCH = True
+
+
+def _prefetch_specs(text: str) -> list[str]:
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise argparse.ArgumentTypeError("expected a comma list of none, cooc, oracle:R")
+    for spec in specs:
+        try:
+            predict.parse_prefetch(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return specs
+
+
+PREFETCH = Option("--prefetch", type=_prefetch_specs, default=None, metavar="SPECS",
+                  help="comma list of none, cooc (an online next-layer predictor learning only from earlier tokens) "
+                       "and oracle:R (simulated: knows each next-layer expert with probability R); each prefetches "
+                       "its predictions of the next layer while this one computes")
+PREFETCH_TOP = Option("--prefetch-top", type=int, default=6, metavar="K",
+                      help="experts each prediction names, most likely first (default 6; a layer takes at most 8)")
+HINTS = Option("--hints", action="store_true",
+               help="also run each --prefetch predictor as hints only (refresh resident experts, no copy)")
+SPLIT = Option("--split", action="store_true",
+               help="serve with the split select: the hits' work runs while the misses cross")
+OPTIONS = BENCH + (LAYER_COMPUTE_US, PREFETCH, PREFETCH_TOP, HINTS, SPLIT) + OUTPUT
+SELECTED_BY = (LAYER_COMPUTE_US, PREFETCH, HINTS, SPLIT)  # any of them, in the flag spelling
 
 
 @dataclass
@@ -158,6 +198,24 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
                 demand_bytes=out.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link.bytes_per_s,
                 checksum_errors=out.checksum_errors, experts_checked=out.experts_checked))
     return report
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    if not 1 <= args.prefetch_top <= 256:
+        raise UsageError(f"--prefetch-top must be 1..256, got {args.prefetch_top}")
+    if args.hints and not args.prefetch:
+        raise UsageError("--hints gives the --prefetch predictors as hints: name them, e.g. --prefetch cooc")
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    return budget  # one cache at a time
+
+
+def run(bench, args) -> Iterator[Report]:
+    yield run_engine(bench, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
+                     compute_us=args.layer_compute_us or 0.0, split=args.split, top=args.prefetch_top)
 
 
 def describe(report: Report) -> list[str]:

@@ -1,4 +1,5 @@
-"""The decode traces replayed in a Python/torch decode loop, as engines such as the public
+"""The torch loop (``expcache bench torch``; ``expcache bench --loop torch``): the decode traces
+replayed in a Python/torch decode loop, as engines such as the public
 mixtral-offloading project run one: per token, per layer, optionally ``compute_us`` of non-expert
 work on the stream (the library's ``expcache_testing_spin_async``) and a synchronize (the
 router's result must reach the host), then the layer's experts served as zero-copy views, then
@@ -40,16 +41,32 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional, Sequence
+from typing import Callable, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
+from .. import options
+from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option
 from ..report import Report
 from ..workload import DEFAULT_TRACES, build_workload
 
-MODES = ("plain", "split")
+MODES = ("plain", "split")  # of the loop: how each layer is served
 PROGRESS_EVERY = 256  # decode calls between two progress reports
 KERNEL_NOTE = "torch loop: one torch kernel per expert over its view, a synchronize per layer"
+
+NAME = "torch"
+TITLE = "torch loop"
+HELP = "a torch decode loop: one torch kernel per expert over its view, plain and split selects side by side"
+DESCRIPTION = ("The decode traces in a torch decode loop (one torch kernel per expert over its zero-copy view, a "
+               "synchronize per layer), the plain select against hits before misses, side by side (decode "
+               "scenario, the library's default policy); needs torch (the [torch] extra).")
+RUNS = "replays the decode scenario in torch, plain and split selects side by side"
+USES_BENCH = True
+
+LOOP = Option("--loop", choices=("c", "torch"), default="c",
+              help="c: the C replay loop (default); torch: the torch loop (expcache bench torch)")
+OPTIONS = BENCH + (LAYER_COMPUTE_US,) + OUTPUT
+SELECTED_BY = (LOOP,)  # --loop torch, in the flag spelling
 
 
 @dataclass
@@ -333,6 +350,21 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
             report.results.append(_run_mode(loop, cache, mode, workload, ids, expected, compute_ns, progress))
         loop.spans.clear()  # the next cache's slots are elsewhere
     return report
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    options.need(options.has_module("torch"), "the torch loop (--loop torch) needs torch", "torch")
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    return budget  # one cache at a time
+
+
+def run(bench, args) -> Iterator[Report]:
+    yield run_torch_loop(bench, traces=args.traces, compute_us=args.layer_compute_us or 0.0,
+                         progress=bench.progress)
 
 
 def describe(report: Report) -> list[str]:

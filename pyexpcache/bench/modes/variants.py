@@ -1,5 +1,6 @@
-"""The variants table (``expcache bench``, ``expcache bench variants``): real routing replayed
-through the cache and the baselines it replaces, side by side, with the clairvoyant optimum.
+"""The variants table (``expcache bench variants``; ``expcache bench`` runs it unless its options
+name another mode): real routing replayed through the cache and the baselines it replaces, side
+by side, with the clairvoyant optimum.
 
 Every layer of every token does what an engine does: select the router's experts, run a kernel
 that reads every byte of them (the memory-bound floor of the expert GEMVs) and checksums them
@@ -28,7 +29,7 @@ policy at the same per-class capacities.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence
+from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -37,13 +38,33 @@ from ...cache import ExpertCache, StagingStats
 from ...layout import GiB, ModelLayout
 from ...sim import simulate_belady, simulate_lru, simulate_policy
 from ..bench import Bench
+from ..options import BENCH, OUTPUT, PLOT, Option, csv
 from ..progress import Progress
 from ..report import Report
-from ..workload import DEFAULT_TRACES, Workload, build_workload
+from ..workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
+from . import curve
 
 # The library's two policies first (named after them; oppclass is the default), then the baselines.
 VARIANTS = ("oppclass", "lru", "slab", "nocache", "resident")
 POLICY_VARIANTS = ("oppclass", "lru")
+
+NAME = "variants"
+TITLE = "variants table"
+HELP = "the library's policies next to the designs they replace and Belady, per scenario"
+DESCRIPTION = ("Replay bundled DeepSeek V4 Flash routing through the cache on the GPU (or on the host backend when "
+               "there is none) and compare with the baselines: each scenario a table of the variants side by side.")
+RUNS = "replays each --scenario through every --variants"
+USES_BENCH = True
+
+SCENARIO = Option("--scenario", type=csv(SCENARIOS + ("all",)), default=["decode"],
+                  help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
+VARIANTS_OPTION = Option("--variants", type=csv(VARIANTS), default=list(VARIANTS),
+                         help=f"comma list of {', '.join(VARIANTS)} (default: all)")
+NO_LAYER_SYNC = Option("--no-layer-sync", action="store_true",
+                       help="enqueue a token's layers back to back and wait once per token, instead of after every "
+                            "layer (an engine waits per layer: the next layer's ids come from this one's output)")
+OPTIONS = BENCH + (SCENARIO, VARIANTS_OPTION, NO_LAYER_SYNC, PLOT) + OUTPUT
+SELECTED_BY = ()  # the default of the flag spelling
 
 
 @dataclass
@@ -184,7 +205,7 @@ def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list
     return simulate_belady(workload.calls, capacities, layer_class).hit_rate
 
 
-def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
+def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
         traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
         pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: Optional[int] = None,
         progress: Optional[Progress] = None, device: int = 0, source=None,
@@ -237,6 +258,27 @@ def run(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str
     finally:
         if own:
             bench.close()
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    """What the variants table cannot run, before anything is allocated: --plot's file type."""
+    curve.check_plot(args)
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    """Emulated device memory its caches hold at once: the budget, or the model for ``resident``."""
+    return model_bytes if "resident" in args.variants else budget
+
+
+def run(bench: Bench, args) -> Iterator[Report]:
+    """A report per --scenario, each as it is finished; then --plot's curve, when asked for."""
+    for scenario in SCENARIOS if "all" in args.scenario else tuple(args.scenario):
+        yield run_scenario(bench.layout, scenario, variants=args.variants, traces=args.traces,
+                           budget_bytes=bench.budget_bytes, bench=bench)
+    if args.outputs.get("plot"):
+        curve.write_plot(bench.layout, args.traces, args.outputs["plot"])
 
 
 def describe(report: Report) -> list[str]:

@@ -26,7 +26,7 @@ def test_transfer_refuses_unknown_sources():
     from pyexpcache.bench.modes import transfer
 
     with pytest.raises(ValueError, match="unknown sources"):
-        transfer.run(sources=("pinned", "nvme"))
+        transfer.measure(sources=("pinned", "nvme"))
 
 
 def test_transfer_table_formats_rows_and_says_what_raw_means():
@@ -52,7 +52,7 @@ def test_transfer_table_formats_rows_and_says_what_raw_means():
 def test_transfer_table_moves_every_byte_from_every_source(tmp_path):
     from pyexpcache.bench.modes import transfer
 
-    rows = transfer.run(sizes=["0.5 MiB"], total_bytes=64 << 20, copy_threads=(1, 4), chunks=(256 << 10,),
+    rows = transfer.measure(sizes=["0.5 MiB"], total_bytes=64 << 20, copy_threads=(1, 4), chunks=(256 << 10,),
                         file_dir=str(tmp_path))
     assert sorted({r.source for r in rows}) == sorted(transfer.SOURCES)
     for r in rows:
