@@ -14,9 +14,9 @@ import argparse
 import sys
 
 from pyexpcache import ModelLayout
-from pyexpcache.bench import Bench, HOST_SCALE, resolve_backend
-from pyexpcache.bench.engine import format_engine_report, run_engine
-from pyexpcache.cli import _sizes
+from pyexpcache.bench import Bench, HOST_SCALE, format_report, resolve_backend
+from pyexpcache.bench.modes.engine import run_engine
+from pyexpcache.bench.options import sizes as _sizes
 from pyexpcache.layout import GiB
 
 
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     backend = resolve_backend("auto")
     scale = 1 if backend == "cuda" else HOST_SCALE
     layout = ModelLayout.preset("mixed", scale=scale)
-    bench = Bench(layout, backend=backend, budget_bytes=12 * GiB // scale)
+    bench = Bench(layout, backend=backend, budget_bytes=12 * GiB // scale, scale=scale)
     kwargs = {} if args.traces is None else {"traces": args.traces.split(",")}
     failed = False
     try:
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
             report = run_engine(bench, prefetch=args.prefetch.split(","), hints=args.hints,
                                 compute_us=args.layer_compute_us, **kwargs)
             print(f"## prefetch pieces of {piece // 1024} KiB")
-            print(format_engine_report(report), flush=True)
+            print(format_report(report), flush=True)
             print()
             failed = failed or report.checksum_errors > 0
     finally:

@@ -20,6 +20,7 @@ import pytest
 import pyexpcache
 
 from pyexpcache import cli
+from pyexpcache.bench import options
 
 # Children run in other folders: they find the package the way this process did.
 PACKAGE_ROOT = str(Path(cli.__file__).resolve().parent.parent)
@@ -38,7 +39,8 @@ def child(*args, env_extra=None, **kw) -> subprocess.CompletedProcess:
                           timeout=300, **kw)
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["transfer"], ["inspect"], ["info"]])
+@pytest.mark.parametrize("command", [[], ["bench"], ["transfer"], ["inspect"], ["info"]]
+                         + [["bench", m] for m in ("variants", "engine", "torch", "devices", "curve", "transfer")])
 def test_every_help_works_without_the_library(tmp_path, command):
     out = child(*command, "--help", env_extra={"EXPCACHE_LIBRARY": str(tmp_path / "missing.so")}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -83,7 +85,7 @@ def run_main(capsys, argv):
 def test_bad_output_paths_fail_before_the_run(capsys, tmp_path, argv, fragment):
     argv = [a.format(tmp=tmp_path) for a in argv]
     rc, out, err, _ = run_main(capsys, FAST + argv)
-    if "--plot" in argv and not cli._has_module("matplotlib"):
+    if "--plot" in argv and not options.has_module("matplotlib"):
         fragment = "matplotlib"
     assert rc == 2
     assert fragment in err and len(err.strip().splitlines()) == 1
@@ -104,10 +106,11 @@ def test_an_output_file_that_cannot_be_created_fails_before_the_run(monkeypatch,
 
 
 def interrupt_scenario(monkeypatch, number: int) -> None:
-    """bench.run raises KeyboardInterrupt from its ``number``-th call on (1: every call)."""
-    from pyexpcache import bench
+    """The variants table's run of a scenario raises KeyboardInterrupt from its ``number``-th call on
+    (1: every call)."""
+    from pyexpcache.bench.modes import variants
 
-    real, calls = bench.run, []
+    real, calls = variants.run_scenario, []
 
     def run(*args, **kwargs):
         calls.append(1)
@@ -115,7 +118,7 @@ def interrupt_scenario(monkeypatch, number: int) -> None:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(variants, "run_scenario", run)
 
 
 def test_an_interrupted_run_keeps_the_scenarios_it_finished(monkeypatch, capsys, tmp_path):
@@ -149,13 +152,13 @@ def test_a_plot_format_matplotlib_cannot_write_fails_before_the_run(monkeypatch,
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "_has_module", lambda name: name != "matplotlib")
+    monkeypatch.setattr(options, "has_module", lambda name: name != "matplotlib")
     rc, out, err, _ = run_main(capsys, FAST + ["--plot", str(tmp_path / "x.png")])
     assert rc == 2 and "expcache[plot]" in err and not out
 
 
 def test_cuda_backend_without_cuda_python_names_the_extra(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "_has_cuda_python", lambda: False)
+    monkeypatch.setattr(options, "has_cuda_python", lambda: False)
     rc, out, err, _ = run_main(capsys, ["bench", "--backend", "cuda", "--quiet"])
     assert rc == 2 and "cuda-python" in err and "expcache[cuda]" in err and len(err.strip().splitlines()) == 1
     rc, out, err, _ = run_main(capsys, ["transfer"])
@@ -207,7 +210,7 @@ def test_scale_the_host_cannot_hold_names_one_that_fits(monkeypatch, capsys):
     # Before: numpy's "Unable to allocate 27.6 GiB" (--scale 3 on a 22 GiB host), or the OOM killer.
     from pyexpcache import bench
 
-    monkeypatch.setattr(cli, "_host_memory_available", lambda: 1 << 30)
+    monkeypatch.setattr(options, "host_memory_available", lambda: 1 << 30)
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
     rc, out, err, _ = run_main(capsys, FAST + ["--scale", "16"])
     # At /16 the mixed experts are 5.2 GiB; at /128, 0.65 GiB and a 0.09 GiB budget fit in 1 GiB.
@@ -241,15 +244,15 @@ def test_scale_with_gguf_is_refused(capsys, tmp_path):
 
 
 def test_transfer_options_fail_before_the_run(monkeypatch, capsys):
-    from pyexpcache.bench import transfer
+    from pyexpcache.bench.modes import transfer
 
-    monkeypatch.setattr(cli, "_has_cuda_python", lambda: True)
-    monkeypatch.setattr(transfer, "run", lambda **kw: pytest.fail("the run started"))
+    monkeypatch.setattr(options, "has_cuda_python", lambda: True)
+    monkeypatch.setattr(transfer, "measure", lambda **kw: pytest.fail("the run started"))
     rc, out, err, _ = run_main(capsys, ["transfer", "--copy-threads", "2,100"])
     assert rc == 2 and err.strip() == "expcache transfer: --copy-threads: copy_threads must be 0..64, got 100"
     rc, out, err, _ = run_main(capsys, ["transfer", "--chunks", "1K"])
     assert rc == 2 and "--chunks: staging_chunk_bytes must be a multiple of 4096" in err
-    monkeypatch.setattr(cli, "_host_memory_available", lambda: 8 << 30)
+    monkeypatch.setattr(options, "host_memory_available", lambda: 8 << 30)
     rc, out, err, _ = run_main(capsys, ["transfer", "--gib", "100"])
     assert rc == 2 and err.strip() == ("expcache transfer: --gib 100: a measurement holds 200.0 GiB of host memory "
                                        "and 8.0 GiB is available; lower --gib")
@@ -296,6 +299,7 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
     # interrupt is raised again once the loop returned (before: "Exception ignored on calling
     # ctypes callback function", and the run went on).
     from pyexpcache import bench
+    from pyexpcache.bench.modes.variants import run_variant
     from pyexpcache.layout import ModelLayout
 
     layout = ModelLayout.preset("q2", scale=4096)
@@ -311,7 +315,7 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
     workload = bench.build_workload("decode", ["podA_a_coffee_full"], layout.moe_layers)
     try:
         with pytest.raises(KeyboardInterrupt):
-            b.run_variant("lru", workload)
+            run_variant(b, "lru", workload)
     finally:
         b.close()
     assert len(calls) == 2 and calls[-1][0] < calls[-1][1]  # stopped early, at the second report
@@ -370,7 +374,7 @@ def test_cli_plot_hit_rate_curve(tmp_path):
 def test_transfer_size_lists_parse():
     import argparse
 
-    from pyexpcache.cli import _sizes
+    from pyexpcache.bench.options import sizes as _sizes
 
     assert _sizes("256K,1M,2MiB,4096") == [256 << 10, 1 << 20, 2 << 20, 4096]
     for bad in ("", "x", "1M,,2M", "1Q"):
@@ -380,7 +384,7 @@ def test_transfer_size_lists_parse():
 
 def test_transfer_cli_sizes_are_the_benchmarks():
     from pyexpcache import cli
-    from pyexpcache.bench import transfer
+    from pyexpcache.bench.modes import transfer
 
     parser = cli._parser()
     assert {f"{s} MiB" for s in parser.parse_args(["transfer"]).sizes} == set(transfer.SIZES)
@@ -391,15 +395,16 @@ def test_transfer_cli_sizes_are_the_benchmarks():
 
 def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     # The CLI's printing, without a GPU: the table's rows stand in for a run's.
-    from pyexpcache import bench, cli
-    from pyexpcache.bench import transfer
+    from pyexpcache import cli
+    from pyexpcache.bench.modes import transfer
 
     rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
             transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20)]
     asked = {}
-    monkeypatch.setattr(cli, "_has_cuda_python", lambda: True)
-    monkeypatch.setattr(bench, "resolve_backend", lambda *a: "cuda")
-    monkeypatch.setattr(transfer, "run", lambda **kw: asked.update(kw) or rows)
+    monkeypatch.setattr(options, "has_cuda_python", lambda: True)
+    monkeypatch.setattr(transfer, "resolve_backend", lambda *a: "cuda")
+    monkeypatch.setattr(transfer, "device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(transfer, "measure", lambda **kw: asked.update(kw) or rows)
     real = transfer.host_copy_rates
     monkeypatch.setattr(transfer, "host_copy_rates",
                         lambda counts: real(counts, piece=64 << 10, buffer_bytes=8 << 20, total=8 << 20))

@@ -1,5 +1,8 @@
-"""What a run reports: per-variant results, the report with what made it (version,
-library, commit, command line, traces), its text tables and JSON."""
+"""What every mode of the benchmark returns: one :class:`Report` type, with one header (the
+mode, where it ran, on what layout, source, budget and traces, against which link, and the
+version, library, commit and command line that made it), the mode's own settings and its rows;
+printed (:func:`format_report`: the header, then the mode's lines and table) and serialized
+(:meth:`Report.to_json`) one way for every mode."""
 
 from __future__ import annotations
 
@@ -7,99 +10,61 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..cache import StagingStats
 from ..layout import GiB
 
 
 @dataclass
-class VariantResult:
-    variant: str
-    decode_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    decode_calls: int = 0
-    # Of decode_seconds, the time in the serving calls (select); the rest is each layer's
-    # checksum kernel and the wait for the transfers still crossing when select returned.
-    decode_serve_seconds: float = 0.0
-    decode_tokens: int = 0
-    prefill_tokens: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_h2d: int = 0
-    decode_bytes_h2d: int = 0
-    bytes_d2d: int = 0
-    releases: int = 0
-    checksum_errors: int = 0
-    experts_checked: int = 0
-    link_bound_tokens_per_s: Optional[float] = None
-    belady_hit_rate: Optional[float] = None
-    skipped: Optional[str] = None
-    staging: Optional[StagingStats] = None  # pageable or file sources: the staging ring's counters
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def serve_us_per_call(self) -> float:
-        """Mean µs a decode call spends in select (or the compact load)."""
-        return 1e6 * self.decode_serve_seconds / self.decode_calls if self.decode_calls else 0.0
-
-    @property
-    def after_serve_us_per_call(self) -> float:
-        """Mean µs of a decode call after select returned: the checksum kernel, the wait for
-        transfers still crossing, the readback (per token without the per-layer wait)."""
-        return 1e6 * (self.decode_seconds - self.decode_serve_seconds) / self.decode_calls if self.decode_calls else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        asked = self.hits + self.misses
-        return self.hits / asked if asked else 0.0
-
-    @property
-    def gib_per_token(self) -> float:
-        """Host-to-device GiB per decode token, counting decode calls only."""
-        return self.decode_bytes_h2d / GiB / self.decode_tokens if self.decode_tokens else 0.0
-
-
-@dataclass
 class Report:
-    backend: str
-    device: str
-    layout: str
-    scenario: str
-    source: str
-    placement: str
-    budget_bytes: int
-    host_scale: int
-    decode_tokens: int
-    prefill_tokens: int
-    link_bytes_per_s: float
-    link_label: str
-    layer_sync: bool
-    results: list[VariantResult] = field(default_factory=list)
-    # What a kept report needs to be read later: which traces, which code, which command.
+    mode: str                             # the mode that made it (pyexpcache.bench.modes)
+    title: str                            # what ran, as the first line names it: "decode", "engine model", ...
+    backend: Optional[str] = None         # "host" or "cuda"; None where nothing ran on a backend (a simulator)
+    device: Optional[str] = None          # the device's name
+    layout: Optional[str] = None
+    source: Optional[str] = None          # "pinned" or "pageable" host memory
+    placement: Optional[str] = None       # where an expert's parts lie in the source
+    budget_bytes: Optional[int] = None    # the cache budget (per device where there are several)
+    host_scale: int = 1                   # expert sizes and the budget divided by this
     traces: list[str] = field(default_factory=list)
+    link_bytes_per_s: Optional[float] = None  # the link measured in the run (pyexpcache.bench.link)
+    link_label: Optional[str] = None
+    settings: dict = field(default_factory=dict)  # the mode's own; in the JSON beside the header's fields
+    results: list = field(default_factory=list)   # the mode's rows (dataclasses)
+    skipped: list[str] = field(default_factory=list)  # what the mode could not run here, and why
+    # What a kept report needs to be read later: which code, which command.
     version: str = ""                 # pyexpcache's version
-    library: str = ""                 # the loaded libexpcache: version and path
+    library: Optional[str] = None     # the loaded libexpcache: version and path
     git_commit: Optional[str] = None  # of the source tree the package runs from, when it is one
     argv: Optional[list[str]] = None  # the command line, when run from it
 
     @property
     def checksum_errors(self) -> int:
-        return sum(r.checksum_errors for r in self.results)
+        """Experts served with bytes that differ from the source, over every row."""
+        return sum(getattr(r, "checksum_errors", 0) for r in self.results)
 
     def to_json(self) -> dict:
-        return json_with_derived(self, ("tokens_per_s", "hit_rate", "gib_per_token", "serve_us_per_call",
-                                        "after_serve_us_per_call"))
+        """The report as a JSON-ready dict: the header's fields, the settings beside them, and each
+        row's fields with the figures its class derives from them (its ``DERIVED`` properties)."""
+        out = asdict(self)
+        settings = out.pop("settings")
+        for r, d in zip(self.results, out["results"]):
+            d.update((name, getattr(r, name)) for name in getattr(type(r), "DERIVED", ()))
+        keys = list(out)
+        at = keys.index("results")
+        ordered = {k: out[k] for k in keys[:at]}
+        ordered.update(settings)
+        ordered.update((k, out[k]) for k in keys[at:])
+        return ordered
 
 
-def json_with_derived(report, properties) -> dict:
-    """A report dataclass as a JSON-ready dict, each of its ``results`` with the named properties
-    (figures derived from the counters) added beside its fields."""
-    out = asdict(report)
-    for r, d in zip(report.results, out["results"]):
-        d.update((name, getattr(r, name)) for name in properties)
-    return out
+def made_by() -> dict:
+    """The header's version, library and git_commit: what made a report."""
+    from .. import __version__, library_version
+
+    try:
+        library = library_version()
+    except (ImportError, OSError):  # a mode that needs no library (the simulator) runs without one
+        library = None
+    return dict(version=__version__, library=library, git_commit=git_commit())
 
 
 def git_commit() -> Optional[str]:
@@ -108,7 +73,7 @@ def git_commit() -> Optional[str]:
     import subprocess
     from pathlib import Path
 
-    tree = Path(__file__).resolve().parent.parent
+    tree = Path(__file__).resolve().parents[2]  # pyexpcache/bench/report.py -> the tree
     if not (tree / ".git").exists():
         return None
     try:
@@ -121,44 +86,42 @@ def git_commit() -> Optional[str]:
     return head + ("-dirty" if dirty else "")
 
 
-def format_report(report: Report) -> str:
-    """The report as text tables (tabulate)."""
-    from tabulate import tabulate
+def header_lines(report: Report) -> list[str]:
+    """The header every mode's report is printed with: what ran on which device; the layout,
+    source and budget; the times and the link; the traces. Parts a report lacks are left out."""
+    lines = [f"expcache bench — {report.title}" + (f" on {report.device}" if report.device else "")]
+    what = []
+    if report.layout:
+        what.append(f"layout {report.layout}")
+    if report.source:
+        what.append(f"{report.source} source" + (f" ({report.placement} placement)" if report.placement else ""))
+    if report.budget_bytes is not None:
+        what.append(f"budget {report.budget_bytes / GiB:.2f} GiB"
+                    + (f" (sizes and budget / {report.host_scale}, same slot counts)" if report.host_scale != 1
+                       else ""))
+    if what:
+        lines.append(", ".join(what))
+    how = []
+    if report.backend:
+        how.append(f"times {'host-emulated' if report.backend == 'host' else 'measured on the GPU'}")
+    if report.link_bytes_per_s:
+        how.append(f"link {report.link_bytes_per_s / 1e9:.1f} GB/s ({report.link_label})")
+    if how:
+        lines.append("; ".join(how))
+    if report.traces:
+        lines.append(f"traces {', '.join(report.traces)}")
+    return lines
 
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — {report.scenario} on {report.device}",
-        f"layout {report.layout}, {report.source} source ({report.placement} placement), "
-        f"budget {report.budget_bytes / GiB:.2f} GiB"
-        + (f" (sizes and budget / {report.host_scale}, same slot counts)" if report.host_scale != 1 else ""),
-        f"{report.decode_tokens} decode tokens, {report.prefill_tokens} prefill tokens; "
-        f"{'a wait after every layer' if report.layer_sync else 'one wait per token (--no-layer-sync)'}; "
-        f"times {timing}; "
-        f"link {report.link_bytes_per_s / 1e9:.1f} GB/s ({report.link_label})",
-    ]
-    base = {r.variant: r for r in report.results if r.skipped is None}
-    ref = base.get("slab")
-    rows = []
-    for r in report.results:
-        if r.skipped:
-            rows.append([r.variant] + ["—"] * 7 + [f"skipped: {r.skipped}"])
-            continue
-        link_ratio = r.tokens_per_s / r.link_bound_tokens_per_s if r.link_bound_tokens_per_s else None
-        rows.append([
-            r.variant,
-            f"{r.tokens_per_s:.2f}",
-            f"{100 * r.hit_rate:.1f} %",
-            f"{100 * r.belady_hit_rate:.1f} %" if r.belady_hit_rate is not None else "—",
-            f"{r.gib_per_token:.3f}",
-            f"{r.link_bound_tokens_per_s:.2f}" if r.link_bound_tokens_per_s else "∞",
-            f"{100 * link_ratio:.0f} %" if link_ratio else "—",
-            f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
-            f"{r.checksum_errors} bad / {r.experts_checked}",
-        ])
-    table = tabulate(rows, headers=["variant", "decode tok/s", "hit rate", "Belady", "GiB/decode token",
-                                    "link-bound tok/s", "of link bound", "vs slab", "checksums"],
-                     disable_numparse=True)
-    return "\n".join(head) + "\n\n" + table
+
+def format_report(report: Report) -> str:
+    """The report as text: the header, the lines its mode adds, the mode's table, and what was
+    skipped."""
+    from .modes import by_name
+
+    mode = by_name(report.mode)
+    head = header_lines(report) + mode.describe(report)
+    tail = "".join(f"\nskipped: {s}" for s in report.skipped)
+    return "\n".join(head) + "\n\n" + mode.table(report) + tail
 
 
 def write_json(report: Report, path: str) -> None:

@@ -57,7 +57,7 @@ def _prefill_calls(prompt, layers: Optional[set]) -> list[Call]:
             for layer in range(prompt.num_layers) if layers is None or layer in layers]
 
 
-def _decode_trace(name: str):
+def decode_trace(name: str):
     """A bundled trace, a CSV path, or ``synthetic:TOKENS[:SEED]`` (fitted to the real traces'
     locality: per-layer popularity skew plus reuse of the previous token's experts)."""
     if name.startswith("synthetic:"):
@@ -92,7 +92,7 @@ def build_workload(scenario: str, traces: Sequence[str] = DEFAULT_TRACES,
     then the same decode again.
     """
     keep = set(layers) if layers is not None else None
-    decode = [_decode_trace(name) for name in traces]
+    decode = [decode_trace(name) for name in traces]
     calls: list[Call] = []
     dec_tokens = pre_tokens = 0
 

@@ -1,8 +1,10 @@
-"""The benchmark as an engine sees it: every decode call is one layer of a decode step, with
-``compute_us`` of non-expert work (attention, the shared expert, the router: a kernel that only
-takes time) on the compute stream before the layer's select, and the advice for the layer (a
-prefetch, or a hint, of the experts a predictor expects there, made once the previous layer was
-routed) issued just before that work, while the link would otherwise sit idle.
+"""The engine model (``expcache bench engine``; ``expcache bench`` with ``--layer-compute-us``,
+``--prefetch``, ``--hints`` or ``--split``): the benchmark as an engine sees it. Every decode call
+is one layer of a decode step, with ``compute_us`` of non-expert work (attention, the shared
+expert, the router: a kernel that only takes time) on the compute stream before the layer's
+select, and the advice for the layer (a prefetch, or a hint, of the experts a predictor expects
+there, made once the previous layer was routed) issued just before that work, while the link
+would otherwise sit idle.
 
 :func:`run_engine` replays the decode traces once per setting, side by side in one process with
 the same cache settings, and reports tok/s, demand misses and bytes moved per token (demand
@@ -16,16 +18,54 @@ serves every setting with the split select (the hits' kernel runs while the miss
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 
-from ..stats import PrefetchStats
-from . import predict
-from .report import json_with_derived
-from .workload import DEFAULT_TRACES, _decode_trace, decode_workload
+from ...stats import PrefetchStats
+from .. import predict
+from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError
+from ..report import Report
+from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
+
+NAME = "engine"
+TITLE = "engine model"
+HELP = "each layer as an engine runs it: non-expert work, prefetch or hints of predicted experts, the split select"
+DESCRIPTION = ("The decode traces as an engine runs them, through the C loop: before each layer's select, N µs of "
+               "non-expert work, and the advice for the layer (a prefetch, or hints, of the experts a predictor "
+               "expects) while the link would sit idle; each setting side by side with none in one run (decode "
+               "scenario, the library's default policy).")
+RUNS = "replays the decode scenario, waiting after every layer, with the library's default policy"
+USES_BENCH = True
+
+
+def _prefetch_specs(text: str) -> list[str]:
+    specs = [s.strip() for s in text.split(",") if s.strip()]
+    if not specs:
+        raise argparse.ArgumentTypeError("expected a comma list of none, cooc, oracle:R")
+    for spec in specs:
+        try:
+            predict.parse_prefetch(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return specs
+
+
+PREFETCH = Option("--prefetch", type=_prefetch_specs, default=None, metavar="SPECS",
+                  help="comma list of none, cooc (an online next-layer predictor learning only from earlier tokens) "
+                       "and oracle:R (simulated: knows each next-layer expert with probability R); each prefetches "
+                       "its predictions of the next layer while this one computes")
+PREFETCH_TOP = Option("--prefetch-top", type=int, default=6, metavar="K",
+                      help="experts each prediction names, most likely first (default 6; a layer takes at most 8)")
+HINTS = Option("--hints", action="store_true",
+               help="also run each --prefetch predictor as hints only (refresh resident experts, no copy)")
+SPLIT = Option("--split", action="store_true",
+               help="serve with the split select: the hits' work runs while the misses cross")
+OPTIONS = BENCH + (LAYER_COMPUTE_US, PREFETCH, PREFETCH_TOP, HINTS, SPLIT) + OUTPUT
+SELECTED_BY = (LAYER_COMPUTE_US, PREFETCH, HINTS, SPLIT)  # any of them, in the flag spelling
 
 
 @dataclass
@@ -72,6 +112,8 @@ class EngineResult:
     checksum_errors: int = 0
     experts_checked: int = 0
 
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "misses_per_token", "bytes_per_token", "link_busy")
+
     @property
     def tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
@@ -91,33 +133,6 @@ class EngineResult:
         if not self.decode_seconds or not self.link_bytes_per_s:
             return 0.0
         return (self.demand_bytes + self.prefetch.bytes_sent) / self.link_bytes_per_s / self.decode_seconds
-
-
-@dataclass
-class EngineReport:
-    backend: str
-    device: str
-    layout: str
-    source: str
-    budget_bytes: int
-    compute_us: float
-    top: int
-    split: bool
-    link_bytes_per_s: float
-    link_label: str
-    traces: list[str]
-    results: list[EngineResult] = field(default_factory=list)
-    version: str = ""
-    library: str = ""
-    git_commit: Optional[str] = None
-    argv: Optional[list[str]] = None
-
-    @property
-    def checksum_errors(self) -> int:
-        return sum(r.checksum_errors for r in self.results)
-
-    def to_json(self) -> dict:
-        return json_with_derived(self, ("tokens_per_s", "misses_per_token", "bytes_per_token", "link_busy"))
 
 
 def advice_arrays(traces, layers: Sequence[int], spec: str, top: int, seed: int = 0):
@@ -145,22 +160,21 @@ def advice_arrays(traces, layers: Sequence[int], spec: str, top: int, seed: int 
 
 def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Sequence[str] = ("cooc",),
                hints: bool = False, compute_us: float = 0.0, top: int = 6, split: bool = False,
-               policy: str = "oppclass", seed: int = 0) -> EngineReport:
+               policy: str = "oppclass", seed: int = 0) -> Report:
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
-    :class:`~pyexpcache.bench.runner.Bench`: its source, stream and budget), each with a new cache
+    :class:`~pyexpcache.bench.bench.Bench`: its source, stream and budget), each with a new cache
     of ``policy``; see the module docstring."""
-    from . import replay as _replay
-    from .report import VariantResult
+    from .. import replay as _replay
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
     plan = settings(prefetch, hints)
-    loaded = [_decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
+    loaded = [decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
     workload = decode_workload(loaded, bench.layout.moe_layers)
-    chunk = max(s.expert_bytes for s in bench.layout.layers if s)
-    link, link_label = bench.measure_link(chunk)
-    report = EngineReport(**bench.report_header(), compute_us=compute_us, top=top, split=split,
-                          link_bytes_per_s=link, link_label=link_label, traces=list(traces))
+    link = bench.measure_link()
+    report = Report("engine", "engine model", **bench.report_header(), traces=list(traces),
+                    link_bytes_per_s=link.bytes_per_s, link_label=link.label,
+                    settings=dict(compute_us=compute_us, top=top, split=split))
     advice = {}  # predictor -> its arrays: a prefetch and a hint setting of one predictor share them
     for setting in plan:
         options = _replay.ReplayOptions()
@@ -174,33 +188,48 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
                                                                    setting.predictor, top, seed)
             options.advice = _replay.ADVICE_PREFETCH if setting.advice == "prefetch" else _replay.ADVICE_HINT
             options.advice_offset, options.advice_count, options.advice_ids = (a.ctypes.data for a in arrays)
-        cache = bench._cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options)
-        with cache:
-            scratch = VariantResult(setting.name, decode_tokens=workload.decode_tokens)
-            bench._replay(cache, setting.name, workload, scratch, options=options)
+        with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,
+                              **bench.cache_options) as cache:
+            out = bench.replay(cache, workload, label=setting.name, options=options)
             decode = cache.stats().path("decode")
             report.results.append(EngineResult(
                 setting.name, setting.simulated, decode_tokens=workload.decode_tokens,
-                decode_seconds=scratch.decode_seconds, hits=decode.hits, misses=decode.misses,
-                demand_bytes=scratch.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link,
-                checksum_errors=scratch.checksum_errors, experts_checked=scratch.experts_checked))
+                decode_seconds=out.decode_seconds, hits=decode.hits, misses=decode.misses,
+                demand_bytes=out.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link.bytes_per_s,
+                checksum_errors=out.checksum_errors, experts_checked=out.experts_checked))
     return report
 
 
-def format_engine_report(report: EngineReport) -> str:
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    if not 1 <= args.prefetch_top <= 256:
+        raise UsageError(f"--prefetch-top must be 1..256, got {args.prefetch_top}")
+    if args.hints and not args.prefetch:
+        raise UsageError("--hints gives the --prefetch predictors as hints: name them, e.g. --prefetch cooc")
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    return budget  # one cache at a time
+
+
+def run(bench, args) -> Iterator[Report]:
+    yield run_engine(bench, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
+                     compute_us=args.layer_compute_us or 0.0, split=args.split, top=args.prefetch_top)
+
+
+def describe(report: Report) -> list[str]:
+    """The engine model's lines under the header: the non-expert work, the select, the predictions."""
+    st = report.settings
+    return [f"{st['compute_us']:g} µs of non-expert work per layer before its select; "
+            f"{'split select (hits before misses)' if st['split'] else 'plain select'}; predictions: top {st['top']}",
+            "oracle:R is simulated: an engine that knows each next-layer expert with probability R."]
+
+
+def table(report: Report) -> str:
     """The settings side by side, with each one's ratio to ``none``."""
     from tabulate import tabulate
 
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — engine model on {report.device}",
-        f"layout {report.layout}, {report.source} source, budget {report.budget_bytes / (1 << 30):.2f} GiB; "
-        f"{report.compute_us:g} µs of non-expert work per layer before its select; "
-        f"{'split select (hits before misses)' if report.split else 'plain select'}; "
-        f"predictions: top {report.top}; times {timing}; link {report.link_bytes_per_s / 1e9:.1f} GB/s "
-        f"({report.link_label})",
-        "oracle:R is simulated: an engine that knows each next-layer expert with probability R.",
-    ]
     ref = report.results[0] if report.results else None
     rows = []
     for r in report.results:
@@ -216,7 +245,6 @@ def format_engine_report(report: EngineReport) -> str:
             f"{100 * r.link_busy:.0f} %",
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    table = tabulate(rows, headers=["setting", "decode tok/s", "vs none", "demand misses/token", "MiB moved/token",
-                                    "prefetch used / late / wasted / cancelled", "hint refreshes", "link busy",
-                                    "checksums"], disable_numparse=True)
-    return "\n".join(head) + "\n\n" + table
+    return tabulate(rows, headers=["setting", "decode tok/s", "vs none", "demand misses/token", "MiB moved/token",
+                                   "prefetch used / late / wasted / cancelled", "hint refreshes", "link busy",
+                                   "checksums"], disable_numparse=True)

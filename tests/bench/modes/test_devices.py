@@ -1,4 +1,4 @@
-"""``expcache bench --devices N`` (pyexpcache/bench/devices.py) on the host backend, which emulates
+"""``expcache bench --devices N`` (pyexpcache/bench/modes/devices.py) on the host backend, which emulates
 the devices: the three runs, every expert's bytes checked, the per-device counters and the link
 bound's arithmetic (times on the host mean nothing: no test looks at them)."""
 
@@ -11,7 +11,8 @@ import pytest
 
 from pyexpcache import ModelLayout
 from pyexpcache import bench
-from pyexpcache.bench import devices
+from pyexpcache.bench.modes import devices
+from pyexpcache.bench.link import Link
 from pyexpcache.cli import main
 
 TRACE = "podA_b_json_full"  # 40 tokens x 37 layers
@@ -31,7 +32,7 @@ def test_the_three_runs_serve_the_right_bytes(host_bench, n, placement):
     report = devices.run_devices(host_bench, n, traces=[TRACE], placement=placement)
     assert [r.name for r in report.results] == ["1 device", f"1 device, {n}x budget", f"{n} devices"]
     assert [r.num_devices for r in report.results] == [1, 1, n]
-    assert report.devices == list(range(n)) and not report.shared_gpus
+    assert report.settings["devices"] == list(range(n)) and not report.settings["shared_gpus"]
     one, big, many = report.results
     for r in report.results:
         assert r.checksum_errors == 0 and r.experts_checked == 40 * 37 * 6
@@ -42,7 +43,7 @@ def test_the_three_runs_serve_the_right_bytes(host_bench, n, placement):
     # Each device moved only what it owns: the bytes add up to the run's total.
     assert many.bytes_per_token == sum(d.bytes_h2d for d in many.devices) / many.decode_tokens
     assert all(d.bytes_h2d > 0 for d in many.devices)
-    text = devices.format_devices_report(report)
+    text = bench.format_report(report)
     assert f"{n} devices" in text and "link bound" in text and "0 bad / 8880" in text
 
 
@@ -53,7 +54,7 @@ def test_the_link_bound_is_the_busiest_device_per_layer(host_bench, monkeypatch,
     a loaded machine (3.07 and 9.76 GB/s were seen), so each device is held to its own measured
     speed, and the unequal case is also run with given speeds."""
     if given is not None:
-        monkeypatch.setattr(host_bench, "measure_link", lambda chunk, repeats=20, device=None: (given[device], "given"))
+        monkeypatch.setattr(host_bench, "measure_link", lambda device=None: Link(given[device], "given"))
     recorded = {}
     real = devices._replay_run
 
@@ -81,7 +82,7 @@ def test_cli_devices_writes_json(tmp_path, capsys):
     assert main(["bench", "--devices", "2", "--traces", TRACE, "--quiet", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "2 devices" in text and "per device" in text
-    data = json.loads(out.read_text())
+    (data,) = json.loads(out.read_text())
     assert [r["name"] for r in data["results"]] == ["1 device", "1 device, 2x budget", "2 devices"]
     assert all(r["checksum_errors"] == 0 for r in data["results"])
     assert data["results"][2]["link_bound_tokens_per_s"] > 0

@@ -1,4 +1,4 @@
-"""The hit-rate curve (pyexpcache/bench/curve.py): LRU, OppClassLRU and Belady at fractions of
+"""The hit-rate curve (pyexpcache/bench/modes/curve.py): LRU, OppClassLRU and Belady at fractions of
 each class's experts, from the offline simulator."""
 
 from __future__ import annotations

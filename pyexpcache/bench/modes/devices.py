@@ -1,4 +1,5 @@
-"""The decode traces over several devices (``expcache bench --devices N``).
+"""The decode traces over several devices (``expcache bench devices --devices N``; ``expcache bench
+--devices N``).
 
 Three runs side by side in one process, on one source: one device at the per-device budget, one
 device at N times it (where it fits), and N devices at the per-device budget each, the experts
@@ -20,17 +21,35 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 
-from .. import _cuda
-from ..multi import MultiDeviceCache
-from ..placement import Placement, loads_from_calls
-from .report import json_with_derived
-from .workload import DEFAULT_TRACES, _decode_trace, decode_workload
+from ... import _cuda
+from ...multi import MultiDeviceCache
+from ...placement import Placement, loads_from_calls
+from ..options import BENCH, OUTPUT, Option, UsageError
+from ..report import Report
+from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
 
 PLACEMENTS = ("balanced", "round-robin")
+
+NAME = "devices"
+TITLE = "several-devices run"
+HELP = "one device, one device at N times the budget, and N devices side by side"
+DESCRIPTION = ("Spread the experts over N devices: one device, one device at N times the budget, and N devices "
+               "side by side (decode scenario, the library's default policy; --budget-gib is each device's).")
+RUNS = "replays the decode scenario, waiting after every layer, with the library's default policy"
+USES_BENCH = True
+
+DEVICES = Option("--devices", type=int, default=None, metavar="N",
+                 help="spread the experts over N devices (2..64; the host backend emulates them; with fewer GPUs "
+                      "than N the caches share a GPU and its link)")
+DEVICE_PLACEMENT = Option("--device-placement", choices=PLACEMENTS, default="balanced",
+                          help="which device owns each expert: balanced by the replayed traces' request counts "
+                               "(default), or expert e on device e mod N")
+OPTIONS = BENCH + (DEVICES, DEVICE_PLACEMENT) + OUTPUT
+SELECTED_BY = (DEVICES,)
 
 
 @dataclass
@@ -59,6 +78,9 @@ class DevicesResult:
     checksum_errors: int = 0
     experts_checked: int = 0
     devices: list[DeviceRun] = field(default_factory=list)
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "link_bound_tokens_per_s", "share_of_bound", "hit_rate",
+                                          "bytes_per_token")
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,33 +111,6 @@ class DevicesResult:
         return d.bytes_h2d / d.link_bytes_per_s / self.decode_seconds
 
 
-@dataclass
-class DevicesReport:
-    backend: str
-    device: str
-    layout: str
-    source: str
-    budget_bytes: int
-    devices: list[int]
-    placement: str
-    shared_gpus: bool  # fewer GPUs than devices: caches share a GPU and its link
-    traces: list[str]
-    results: list[DevicesResult] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    version: str = ""
-    library: str = ""
-    git_commit: Optional[str] = None
-    argv: Optional[list[str]] = None
-
-    @property
-    def checksum_errors(self) -> int:
-        return sum(r.checksum_errors for r in self.results)
-
-    def to_json(self) -> dict:
-        return json_with_derived(self, ("tokens_per_s", "link_bound_tokens_per_s", "share_of_bound", "hit_rate",
-                                        "bytes_per_token"))
-
-
 def _placement(layout, n: int, kind: str, calls) -> Placement:
     if kind == "round-robin":
         return Placement.round_robin(layout, n)
@@ -138,7 +133,7 @@ def _fits(bench, device: int, nbytes: int) -> bool:
 
 def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], workload, links: dict,
                 result: DevicesResult) -> None:
-    from . import replay as _replay
+    from .. import replay as _replay
 
     calls, ids = workload.arrays()
     n = multi.num_devices
@@ -179,19 +174,21 @@ def link_bound_seconds(call_bytes: np.ndarray, devices: Sequence[int], links: di
 
 
 def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRACES, placement: str = "balanced",
-                policy: str = "oppclass") -> DevicesReport:
+                policy: str = "oppclass") -> Report:
     """One device at ``bench.budget_bytes``, one at ``num_devices`` times it where that fits, and
     ``num_devices`` devices at ``bench.budget_bytes`` each; see the module docstring."""
     if not 2 <= num_devices <= 64:
         raise ValueError(f"--devices must be 2..64, got {num_devices}")
     gpus = _cuda.device_count() if bench.is_cuda else num_devices
     devices = [(bench.device + i) % max(gpus, 1) for i in range(num_devices)]
-    loaded = [_decode_trace(name) for name in traces]
+    loaded = [decode_trace(name) for name in traces]
     workload = decode_workload(loaded, bench.layout.moe_layers)
-    chunk = max(s.expert_bytes for s in bench.layout.layers if s)
-    links = {dev: bench.measure_link(chunk, device=dev)[0] for dev in sorted(set(devices))}
-    report = DevicesReport(**bench.report_header(), devices=devices, placement=placement,
-                           shared_gpus=len(set(devices)) < num_devices, traces=list(traces))
+    measured = {dev: bench.measure_link(dev) for dev in sorted(set(devices))}
+    links = {dev: link.bytes_per_s for dev, link in measured.items()}
+    report = Report("devices", f"decode over {num_devices} devices", **bench.report_header(), traces=list(traces),
+                    link_bytes_per_s=links[bench.device], link_label=measured[bench.device].label,
+                    settings=dict(devices=devices, device_placement=placement,
+                                  shared_gpus=len(set(devices)) < num_devices))
     runs = [("1 device", [bench.device], bench.budget_bytes),
             (f"1 device, {num_devices}x budget", [bench.device], num_devices * bench.budget_bytes),
             (f"{num_devices} devices", devices, bench.budget_bytes)]
@@ -227,22 +224,42 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
     return report
 
 
-def format_devices_report(report: DevicesReport) -> str:
-    from tabulate import tabulate
+# -- the mode ---------------------------------------------------------------------------------
 
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — decode over {len(report.devices)} devices on {report.device}",
-        f"layout {report.layout}, {report.source} source, {report.budget_bytes / (1 << 30):.2f} GiB per device; "
-        f"devices {report.devices}; placement {report.placement}"
-        + (" (by the replayed traces' request counts)" if report.placement == "balanced" else "")
-        + f"; times {timing}",
+def check(args) -> None:
+    if args.devices is None:
+        raise UsageError("name the number of devices: --devices N (2..64)")
+    if not 2 <= args.devices <= 64:
+        raise UsageError(f"--devices must be 2..64, got {args.devices}")
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    return budget * args.devices  # the N devices' caches, or one of N times the budget
+
+
+def run(bench, args) -> Iterator[Report]:
+    yield run_devices(bench, args.devices, traces=args.traces, placement=args.device_placement)
+
+
+def describe(report: Report) -> list[str]:
+    """The several-devices run's lines under the header: the devices, the placement, the bound."""
+    st = report.settings
+    lines = [
+        f"the budget is each device's; devices {st['devices']}; placement {st['device_placement']}"
+        + (" (by the replayed traces' request counts)" if st["device_placement"] == "balanced" else ""),
         "link bound: per layer, the busiest link's bytes (every device on that GPU) over its measured bandwidth, "
         "summed over layers",
     ]
-    if report.shared_gpus:
-        head.append("fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
-                    "other links are not; the bound counts the shared link once)")
+    if st["shared_gpus"]:
+        lines.append("fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
+                     "other links are not; the bound counts the shared link once)")
+    return lines
+
+
+def table(report: Report) -> str:
+    """The three runs side by side, with each one's ratio to the first."""
+    from tabulate import tabulate
+
     ref = report.results[0] if report.results else None
     rows = []
     for r in report.results:
@@ -256,8 +273,6 @@ def format_devices_report(report: DevicesReport) -> str:
             f"{r.link_bound_tokens_per_s:.2f}", f"{100 * r.share_of_bound:.0f} %", per,
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    table = tabulate(rows, headers=["run", "GiB in all", "decode tok/s", "vs 1 device", "hit rate", "MiB moved/token",
-                                    "link bound tok/s", "of bound", "per device: hit rate / MiB per token / link busy",
-                                    "checksums"], disable_numparse=True)
-    tail = "".join(f"\nskipped: {s}" for s in report.skipped)
-    return "\n".join(head) + "\n\n" + table + tail
+    return tabulate(rows, headers=["run", "GiB in all", "decode tok/s", "vs 1 device", "hit rate", "MiB moved/token",
+                                   "link bound tok/s", "of bound", "per device: hit rate / MiB per token / link busy",
+                                   "checksums"], disable_numparse=True)

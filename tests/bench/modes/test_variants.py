@@ -1,4 +1,4 @@
-"""The benchmark's runner (pyexpcache/bench/runner.py) on the host backend: every variant side by
+"""The variants table (pyexpcache/bench/modes/variants.py) on the host backend: every variant side by
 side on one workload, checksums that catch wrong bytes, decode bytes and times apart from
 prefill's, and one wait per token serving what one wait per layer serves."""
 
@@ -11,6 +11,7 @@ import pytest
 
 from pyexpcache import ModelLayout
 from pyexpcache import bench
+from pyexpcache.bench.modes.variants import run_variant
 from pyexpcache.sim import DECODE, Call
 
 
@@ -41,7 +42,7 @@ def test_bench_detects_corrupted_bytes(monkeypatch):
     try:
         b.expected[5, 7] ^= np.uint64(1)  # as if expert (5, 7) had been served wrong
         w = bench.Workload("t", [Call(DECODE, 5, (7, 8))], 1, 0)
-        r = b.run_variant("lru", w)
+        r = run_variant(b, "lru", w)
         assert r.checksum_errors == 1
     finally:
         b.close()
@@ -67,9 +68,9 @@ def test_no_layer_sync_serves_the_same_bytes_and_counts(variant):
     for sync in (True, False):
         b = bench.Bench(layout, backend="host", budget_bytes=layout.total_bytes // 10, layer_sync=sync)
         try:
-            results[sync] = b.run_variant(variant, w)
+            results[sync] = run_variant(b, variant, w)
             b.expected[5, int(w.calls[2].ids[0])] ^= np.uint64(1)  # layer 5 of the first token, its first expert
-            bad = b.run_variant(variant, w)
+            bad = run_variant(b, variant, w)
         finally:
             b.close()
         assert results[sync].checksum_errors == 0

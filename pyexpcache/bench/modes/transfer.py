@@ -1,6 +1,7 @@
-"""Transfer benchmark: how fast the library moves misses, next to the raw link, from
-pinned memory, pageable memory (through the pinned ring) and a file (pread into the ring:
-``file`` through the page cache, ``file-direct`` with O_DIRECT, from the disk).
+"""The transfer table (``expcache bench transfer``; ``expcache transfer``): how fast the library
+moves misses, next to the raw link, from pinned memory, pageable memory (through the pinned ring)
+and a file (pread into the ring: ``file`` through the page cache, ``file-direct`` with O_DIRECT,
+from the disk).
 
 For each source kind and expert size, every select is all misses (distinct
 experts, a cache large enough to hold them all), six experts per call as in
@@ -16,14 +17,19 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .. import _cuda, _lib
-from ..cache import ExpertCache, StagingStats, staging_defaults
-from ..layout import LayerSpec, ModelLayout
-from ..source import HostSource, LayerPlacement
+from ... import _cuda, _lib
+from ...cache import ExpertCache, StagingStats, staging_defaults
+from ...layout import GiB, LayerSpec, ModelLayout
+from ...source import HostSource, LayerPlacement
+from .. import link, options
+from ..bench import device_name, resolve_backend
+from ..options import DEVICE, OUTPUT, NotAvailable, Option, UsageError, csv, gib, sizes, thread_counts
+from ..progress import Progress
+from ..report import Report, made_by
 
 MiB = 1 << 20
 # Expert sizes of the issue: a small expert, DeepSeek V4 Flash q2 and q4 (gate, up, down bytes).
@@ -33,6 +39,33 @@ SIZES = {
     "13.5 MiB": (4718592, 4718592, 4718592),
 }
 SOURCES = ("pinned", "pageable", "file", "file-direct")
+
+NAME = "transfer"
+TITLE = "transfer table"
+HELP = "miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)"
+DESCRIPTION = ("Measure how fast the library moves misses to the GPU from pinned memory, pageable memory (staged "
+               "through its pinned ring) and a file (pread, through the page cache or O_DIRECT), for each expert "
+               "size, next to plain cudaMemcpyAsync of the same chunks in the same run. Needs a CUDA device, the "
+               "CUDA build of libexpcache and cuda-python.")
+RUNS = "measures miss throughput per source kind and expert size"
+USES_BENCH = False
+
+GIB = Option("--gib", type=gib("--gib", True), default=1.0,
+             help="bytes moved per measurement, GiB (default 1); each measurement holds about twice as much host "
+                  "memory")
+COPY_THREADS = Option("--copy-threads", type=thread_counts, default=None,
+                      help="comma list of copy thread counts for staged sources (default: the library's)")
+CHUNKS = Option("--chunks", type=sizes, default=None,
+                help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default: the library's)")
+SOURCES_OPTION = Option("--sources", type=csv(SOURCES), default=list(SOURCES),
+                        help="file: reads served from the page cache; file-direct: O_DIRECT reads, from the disk")
+SIZES_OPTION = Option("--sizes", type=csv(("0.5", "6.75", "13.5")), default=["0.5", "6.75", "13.5"],
+                      help="comma list of expert sizes in MiB, of 0.5, 6.75, 13.5 (default: all)")
+FILE_DIR = Option("--file-dir", default=None, help="folder for the file source's temporary file")
+DETAIL = Option("--detail", action="store_true",
+                help="also show where staged calls spend their time (the staging ring's counters)")
+OPTIONS = (GIB, DEVICE, COPY_THREADS, CHUNKS, SOURCES_OPTION, SIZES_OPTION, FILE_DIR, DETAIL) + OUTPUT
+SELECTED_BY = ()  # named only: expcache bench transfer, or expcache transfer
 
 
 @dataclass
@@ -47,6 +80,8 @@ class TransferRow:
     raw_pinned_gb_s: float
     bytes_moved: int
     staging: Optional[StagingStats] = None  # staged sources: where the time went
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("of_raw_pinned",)
 
     @property
     def of_raw_pinned(self) -> float:
@@ -89,20 +124,9 @@ def host_copy_rates(thread_counts: Sequence[int], piece: int = HOST_COPY_PIECE, 
 
 
 def _raw_copy_gb_s(src_ptr: int, chunk: int, total: int, stream: int) -> float:
-    rt = _cuda.runtime()
-    dev = _cuda.check(rt.cudaMalloc(chunk), "cudaMalloc")
-    try:
-        kind = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        n = max(1, total // chunk)
-        _cuda.check(rt.cudaMemcpyAsync(dev, src_ptr, chunk, kind, stream), "cudaMemcpyAsync")
-        _cuda.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-        t0 = time.perf_counter()
-        for _ in range(n):
-            _cuda.check(rt.cudaMemcpyAsync(dev, src_ptr, chunk, kind, stream), "cudaMemcpyAsync")
-        _cuda.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
-        return n * chunk / (time.perf_counter() - t0) / 1e9
-    finally:
-        rt.cudaFree(dev)
+    """GB/s of plain cudaMemcpyAsync of ``total`` bytes in ``chunk``-byte copies from ``src_ptr``:
+    the link as every bound of the benchmark measures it (:func:`~pyexpcache.bench.link.copy_rate`)."""
+    return link.copy_rate(src_ptr, chunk, max(1, total // chunk), stream) / 1e9
 
 
 class _FileCopy:
@@ -174,7 +198,7 @@ def measured_layout(size: str, total_bytes: int) -> ModelLayout:
     return ModelLayout((LayerSpec(n, *parts),) * 2, name=f"transfer-{size}")
 
 
-def run(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=ARRANGEMENTS,
+def measure(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=ARRANGEMENTS,
         sources: Sequence[str] = SOURCES, copy_threads: Optional[Sequence[int]] = None,
         chunks: Optional[Sequence[int]] = None,
         device: int = 0, progress=None, file_dir: Optional[str] = None) -> list[TransferRow]:
@@ -256,3 +280,67 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
 LEGEND = ("raw: plain cudaMemcpyAsync of one expert at a time, measured in the same run. The library sends "
           "a call's pinned copies in one cudaMemcpyBatchAsync,\nso it can exceed that; staged sources are "
           "copied by the copy threads into pinned chunks first.")
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    options.need(options.has_cuda_python(), "the transfer table needs cuda-python", "cuda")
+    if args.file_dir is not None and not os.path.isdir(args.file_dir):
+        raise UsageError(f"--file-dir {args.file_dir}: no such folder")
+    for count in args.copy_threads or []:
+        options.check_cache_setting("--copy-threads", "copy_threads", count)
+    for chunk in args.chunks or []:
+        options.check_cache_setting("--chunks", "staging_chunk_bytes", chunk)
+    need = max(measured_bytes(f"{s} MiB", int(args.gib * GiB)) for s in args.sizes)
+    available = options.host_memory_available()
+    if available is not None and need > available:
+        raise UsageError(f"--gib {args.gib:g}: a measurement holds {need / GiB:.1f} GiB of host memory and "
+                         f"{available / GiB:.1f} GiB is available; lower --gib")
+    for s in args.sizes:
+        try:
+            measured_layout(f"{s} MiB", int(args.gib * GiB))
+        except ValueError as exc:
+            raise UsageError(f"--gib {args.gib:g}: {exc}; lower --gib") from None
+
+
+def run(bench, args) -> Iterator[Report]:
+    """The table as a report (``bench``: unused, None); with --detail, the host's copy rate too."""
+    if resolve_backend("auto", args.device) != "cuda":
+        raise NotAvailable("needs a CUDA device and the CUDA build of libexpcache")
+    threads = args.copy_threads or []
+    staged = max(1, len(threads)) * len(args.chunks or [0])
+    total = len(args.sizes) * len(ARRANGEMENTS) * sum(1 if k == "pinned" else staged for k in args.sources)
+    bar = Progress(False if args.quiet else None)
+    done = [0]
+
+    def progress(row) -> None:
+        done[0] += 1
+        bar(f"transfer {row.size} {row.source}", done[0], total)
+
+    rows = measure(sizes=[f"{s} MiB" for s in args.sizes], total_bytes=int(args.gib * GiB), device=args.device,
+                   copy_threads=threads, chunks=args.chunks, sources=args.sources, file_dir=args.file_dir,
+                   progress=progress)
+    rates = None
+    if args.detail:
+        # The host's side of the staged rows' bound, in this run: it moves between machines and
+        # leases more than the library does.
+        rates = host_copy_rates(sorted(set([1] + [r.copy_threads for r in rows if r.copy_threads])))
+    yield Report(NAME, "transfer", backend="cuda", device=device_name(True, args.device), results=rows,
+                 settings=dict(bytes_per_measurement=int(args.gib * GiB), detail=args.detail, host_copy_gb_s=rates),
+                 **made_by())
+
+
+def describe(report: Report) -> list[str]:
+    return [f"{report.settings['bytes_per_measurement'] / GiB:g} GiB moved per measurement; every select all "
+            "misses, 6 experts per call"]
+
+
+def table(report: Report) -> str:
+    text = format_rows(report.results, detail=report.settings["detail"])
+    rates = report.settings["host_copy_gb_s"]
+    if rates:
+        text += (f"\n\nhost copy, {HOST_COPY_PIECE >> 10} KiB pieces of a {HOST_COPY_BUFFER >> 30} GiB pageable "
+                 "buffer (numpy), GB/s together: "
+                 + ", ".join(f"{t} {'thread' if t == 1 else 'threads'} {gb_s:.1f}" for t, gb_s in rates.items()))
+    return text

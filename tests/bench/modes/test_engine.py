@@ -1,4 +1,4 @@
-"""The benchmark's engine model (pyexpcache/bench/engine.py) on the host backend: the settings,
+"""The benchmark's engine model (pyexpcache/bench/modes/engine.py) on the host backend: the settings,
 the advice each decode call gets, every setting's bytes checked, and what prefetch and hints
 change in the counters (times on the host mean nothing: no test looks at them)."""
 
@@ -11,8 +11,9 @@ import pytest
 
 from pyexpcache import ModelLayout
 from pyexpcache import bench
-from pyexpcache.bench import engine, predict
-from pyexpcache.bench.workload import _decode_trace, build_workload
+from pyexpcache.bench import predict
+from pyexpcache.bench.modes import engine
+from pyexpcache.bench.workload import decode_trace, build_workload
 
 
 def test_settings_put_none_first_and_add_hints():
@@ -24,7 +25,7 @@ def test_settings_put_none_first_and_add_hints():
 
 
 def test_advice_is_the_previous_layers_prediction():
-    trace = _decode_trace("podA_b_json_full")
+    trace = decode_trace("podA_b_json_full")
     layers = list(trace.layers)
     offsets, counts, ids = engine.advice_arrays([trace], layers, "oracle:1.0", top=6)
     calls = build_workload("decode", ["podA_b_json_full"], layers).calls
@@ -67,7 +68,7 @@ def test_every_setting_serves_the_right_bytes(host_bench, split):
     assert oracle.prefetch.issued > 0 and oracle.prefetch.used > 0
     assert oracle.misses < none.misses
     assert by["hint cooc"].prefetch.hints > 0 and by["hint cooc"].prefetch.issued == 0
-    text = engine.format_engine_report(report)
+    text = bench.format_report(report)
     assert "(simulated)" in text and "vs none" in text and "link busy" in text
     json.dumps(report.to_json())
 

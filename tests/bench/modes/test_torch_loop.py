@@ -1,4 +1,4 @@
-"""The torch decode loop (pyexpcache/bench/torch_loop.py) on the host backend: both modes side by
+"""The torch decode loop (pyexpcache/bench/modes/torch_loop.py) on the host backend: both modes side by
 side on one cache setting, every kernel's result checked against the source's bytes (and the check
 able to fail), one kernel per expert where the slot's parts touch and one per part where they do
 not, and a report that renders and serializes."""
@@ -13,9 +13,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch decode loop needs PyTorch (pip install torch)")
 
 from pyexpcache import ModelLayout  # noqa: E402
-from pyexpcache.bench import Bench, build_workload  # noqa: E402
-from pyexpcache.bench.torch_loop import (  # noqa: E402
-    TorchLoopReport, expected_sums, format_torch_loop_report, run_torch_loop)
+from pyexpcache.bench import Bench, Report, build_workload, format_report  # noqa: E402
+from pyexpcache.bench.modes.torch_loop import expected_sums, run_torch_loop  # noqa: E402
 
 TRACES = ["synthetic:20"]
 K = 6
@@ -40,7 +39,7 @@ def expected(bench):
 def test_both_modes_serve_the_source_bytes(bench, expected):
     calls = len(build_workload("decode", TRACES, bench.layout.moe_layers).calls)
     report = run_torch_loop(bench, traces=TRACES, compute_us=5, expected=expected)
-    assert isinstance(report, TorchLoopReport) and report.backend == "host"
+    assert isinstance(report, Report) and report.backend == "host"
     assert [r.mode for r in report.results] == ["plain", "split"]
     plain, split = report.results
     for r in report.results:
@@ -54,7 +53,7 @@ def test_both_modes_serve_the_source_bytes(bench, expected):
     # Same policy, budget and calls: the same hits and misses, however the layer is served.
     assert (plain.hits, plain.misses) == (split.hits, split.misses)
     assert plain.hit_rate == split.hit_rate
-    text = format_torch_loop_report(report)
+    text = format_report(report)
     assert "torch loop: one torch kernel per expert over its view, a synchronize per layer" in text
     assert "host-emulated" in text and "vs plain" in text and f"0 bad / {calls * K} checked" in text
     data = json.loads(json.dumps(report.to_json()))
@@ -76,7 +75,7 @@ def test_a_corrupted_expectation_is_caught(bench, expected, capsys):
     for r in report.results:
         assert r.checksum_errors >= 1
     assert "CHECKSUM MISMATCH: torch plain" in capsys.readouterr().err
-    assert f"{report.results[0].checksum_errors} bad" in format_torch_loop_report(report)
+    assert f"{report.results[0].checksum_errors} bad" in format_report(report)
 
 
 def test_arguments_are_checked(bench, expected):
@@ -94,4 +93,4 @@ def test_one_mode_and_progress(bench, expected):
                             progress=lambda label, done, total: seen.append((label, done, total)))
     assert [r.mode for r in report.results] == ["split"] and report.checksum_errors == 0
     assert seen and seen[-1] == ("torch split", 800, 800)
-    assert "vs plain" in format_torch_loop_report(report)  # the ratio to the first when there is no plain
+    assert "vs plain" in format_report(report)  # the ratio to the first when there is no plain

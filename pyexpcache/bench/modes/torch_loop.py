@@ -1,4 +1,5 @@
-"""The decode traces replayed in a Python/torch decode loop, as engines such as the public
+"""The torch loop (``expcache bench torch``; ``expcache bench --loop torch``): the decode traces
+replayed in a Python/torch decode loop, as engines such as the public
 mixtral-offloading project run one: per token, per layer, optionally ``compute_us`` of non-expert
 work on the stream (the library's ``expcache_testing_spin_async``) and a synchronize (the
 router's result must reach the host), then the layer's experts served as zero-copy views, then
@@ -25,7 +26,7 @@ Every kernel's result is checked against the same reduction computed with numpy 
 bytes (:func:`expected_sums`), after each layer's synchronize and outside the timed part (a stack
 of the layer's results and one read back). The decode time of a layer runs from before its
 non-expert work to after its synchronize, as in the C loop's engine model
-(:mod:`~pyexpcache.bench.engine`).
+(:mod:`~pyexpcache.bench.modes.engine`).
 
 CUDA: the loop runs with ``torch.cuda.ExternalStream(bench.stream)`` as torch's current stream,
 so the cache's copies and torch's kernels share the stream the C loop uses (no event between
@@ -39,17 +40,33 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .report import json_with_derived
-from .workload import DEFAULT_TRACES, build_workload
+from .. import options
+from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option
+from ..report import Report
+from ..workload import DEFAULT_TRACES, build_workload
 
-MODES = ("plain", "split")
+MODES = ("plain", "split")  # of the loop: how each layer is served
 PROGRESS_EVERY = 256  # decode calls between two progress reports
 KERNEL_NOTE = "torch loop: one torch kernel per expert over its view, a synchronize per layer"
+
+NAME = "torch"
+TITLE = "torch loop"
+HELP = "a torch decode loop: one torch kernel per expert over its view, plain and split selects side by side"
+DESCRIPTION = ("The decode traces in a torch decode loop (one torch kernel per expert over its zero-copy view, a "
+               "synchronize per layer), the plain select against hits before misses, side by side (decode "
+               "scenario, the library's default policy); needs torch (the [torch] extra).")
+RUNS = "replays the decode scenario in torch, plain and split selects side by side"
+USES_BENCH = True
+
+LOOP = Option("--loop", choices=("c", "torch"), default="c",
+              help="c: the C replay loop (default); torch: the torch loop (expcache bench torch)")
+OPTIONS = BENCH + (LAYER_COMPUTE_US,) + OUTPUT
+SELECTED_BY = (LOOP,)  # --loop torch, in the flag spelling
 
 
 @dataclass
@@ -64,6 +81,9 @@ class TorchLoopResult:
     decode_calls: int = 0
     serve_seconds: float = 0.0  # inside select_views / select_split (and making the views)
     kernels: int = 0            # torch reductions launched
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "misses_per_token", "kernels_per_expert",
+                                          "serve_us_per_call")
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,32 +105,6 @@ class TorchLoopResult:
     @property
     def serve_us_per_call(self) -> float:
         return 1e6 * self.serve_seconds / self.decode_calls if self.decode_calls else 0.0
-
-
-@dataclass
-class TorchLoopReport:
-    backend: str
-    device: str
-    layout: str
-    source: str
-    budget_bytes: int
-    compute_us: float
-    traces: list[str]
-    results: list[TorchLoopResult] = field(default_factory=list)
-    policy: str = "oppclass"
-    torch_version: str = ""
-    version: str = ""
-    library: str = ""
-    git_commit: Optional[str] = None
-    argv: Optional[list[str]] = None
-
-    @property
-    def checksum_errors(self) -> int:
-        return sum(r.checksum_errors for r in self.results)
-
-    def to_json(self) -> dict:
-        return json_with_derived(self, ("tokens_per_s", "hit_rate", "misses_per_token", "kernels_per_expert",
-                                        "serve_us_per_call"))
 
 
 def _word_bytes(spec) -> int:
@@ -179,7 +173,7 @@ class _Loop:
     """What both modes share: torch, the stream, the per-layer word type, the span views."""
 
     def __init__(self, torch, bench):
-        from ..views import TensorView
+        from ...views import TensorView
 
         self.torch = torch
         self.bench = bench
@@ -249,7 +243,7 @@ class _Loop:
 
 def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.ndarray, compute_ns: int,
               progress: Callable[[str, int, int], None]) -> TorchLoopResult:
-    from .. import _lib
+    from ... import _lib
 
     torch = loop.torch
     stream = loop.stream
@@ -323,9 +317,9 @@ def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.n
 def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us: float = 0.0,
                    policy: str = "oppclass", modes: Sequence[str] = MODES,
                    progress: Optional[Callable[[str, int, int], None]] = None,
-                   expected: Optional[np.ndarray] = None) -> TorchLoopReport:
+                   expected: Optional[np.ndarray] = None) -> Report:
     """Replay the decode traces in a torch decode loop once per mode (see the module docstring) on
-    ``bench`` (a :class:`~pyexpcache.bench.runner.Bench`: its source, stream, budget and cache
+    ``bench`` (a :class:`~pyexpcache.bench.bench.Bench`: its source, stream, budget and cache
     options), each mode with a new cache of ``policy``. ``progress(label, done, total)`` (default:
     ``bench.progress``) is called every few hundred decode calls. ``expected``: the table of
     :func:`expected_sums` (computed here when not given)."""
@@ -347,30 +341,45 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     ids = [np.asarray(call.ids, dtype=np.uint32) for call in workload.calls]
     loop = _Loop(torch, bench)
     loop.warm_up()
-    report = TorchLoopReport(**bench.report_header(), compute_us=compute_us, traces=list(traces), policy=policy,
-                             torch_version=str(torch.__version__))
+    report = Report("torch", "torch loop", **bench.report_header(), traces=list(traces),
+                    settings=dict(compute_us=compute_us, policy=policy, torch_version=str(torch.__version__)))
     compute_ns = int(round(compute_us * 1e3))
     for mode in modes:
-        cache = bench._cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options)
-        with cache:
+        with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,
+                              **bench.cache_options) as cache:
             report.results.append(_run_mode(loop, cache, mode, workload, ids, expected, compute_ns, progress))
         loop.spans.clear()  # the next cache's slots are elsewhere
     return report
 
 
-def format_torch_loop_report(report: TorchLoopReport) -> str:
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    options.need(options.has_module("torch"), "the torch loop (--loop torch) needs torch", "torch")
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    return budget  # one cache at a time
+
+
+def run(bench, args) -> Iterator[Report]:
+    yield run_torch_loop(bench, traces=args.traces, compute_us=args.layer_compute_us or 0.0,
+                         progress=bench.progress)
+
+
+def describe(report: Report) -> list[str]:
+    """The torch loop's lines under the header: the policy, the non-expert work, torch, the kernels."""
+    st = report.settings
+    return [f"policy {st['policy']}; {st['compute_us']:g} µs of non-expert work per layer before its select; "
+            f"torch {st['torch_version']}",
+            f"{KERNEL_NOTE} (int32 sum of the expert's bytes; one span over gate+up+down when they touch, "
+            "else one kernel per part)"]
+
+
+def table(report: Report) -> str:
     """The modes side by side, with each one's ratio to ``plain`` (else to the first)."""
     from tabulate import tabulate
 
-    timing = "host-emulated" if report.backend == "host" else "measured on the GPU"
-    head = [
-        f"expcache bench — torch loop on {report.device}",
-        f"layout {report.layout}, {report.source} source, budget {report.budget_bytes / (1 << 30):.2f} GiB, "
-        f"policy {report.policy}; {report.compute_us:g} µs of non-expert work per layer before its select; "
-        f"times {timing}; torch {report.torch_version}",
-        f"{KERNEL_NOTE} (int32 sum of the expert's bytes; one span over gate+up+down when they touch, "
-        "else one kernel per part)",
-    ]
     by_mode = {r.mode: r for r in report.results}
     ref = by_mode.get("plain") or (report.results[0] if report.results else None)
     rows = []
@@ -385,6 +394,5 @@ def format_torch_loop_report(report: TorchLoopReport) -> str:
             f"{r.kernels_per_expert:g}",
             f"{r.checksum_errors} bad / {r.experts_checked} checked",
         ])
-    table = tabulate(rows, headers=["mode", "decode tok/s", "vs plain", "hit rate", "misses/token",
-                                    "select µs/layer", "kernels/expert", "checksums"], disable_numparse=True)
-    return "\n".join(head) + "\n\n" + table
+    return tabulate(rows, headers=["mode", "decode tok/s", "vs plain", "hit rate", "misses/token",
+                                   "select µs/layer", "kernels/expert", "checksums"], disable_numparse=True)

@@ -1,0 +1,148 @@
+"""The hit-rate curve (``expcache bench curve``; the variants table draws it with ``--plot``): LRU,
+OppClassLRU and Belady's MIN at fractions of each size class's experts, from the offline
+simulator (no cache, no device), over the decode traces."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+from ...layout import ModelLayout
+from ...sim import simulate_belady, simulate_lru, simulate_policy
+from .. import options
+from ..options import LAYERS, LAYOUT, OUTPUT, PLOT, TRACES, UsageError
+from ..report import Report, made_by
+from ..workload import Workload, build_workload
+
+NAME = "curve"
+TITLE = "hit-rate curve"
+HELP = "hit rate against budget for LRU, OppClassLRU and Belady, from the simulator (no device)"
+DESCRIPTION = ("Hit rate against budget for LRU, OppClassLRU (the library's default) and Belady's MIN over the "
+               "decode traces, from the offline simulator: no cache and no device; --plot draws it.")
+RUNS = "simulates the decode traces"
+USES_BENCH = False
+OPTIONS = (LAYOUT, LAYERS, TRACES, PLOT) + OUTPUT
+SELECTED_BY = ()  # named only: expcache bench curve
+
+FRACTIONS = (0.02, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5)  # of each class's experts
+
+
+@dataclass
+class CurvePoint:
+    fraction: float  # of each class's experts cached
+    lru: float
+    oppclass: float
+    belady: float    # nan where the workload has prefill batches
+
+
+def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[float]) -> dict:
+    """LRU, OppClassLRU (the library's default) and Belady hit rates at fractions of each class's experts."""
+    keys = list(layout.classes())
+    layer_class = [keys.index(s.class_key) if s else 0 for s in layout.layers]
+    sizes = [sum(layout[i].num_experts for i in layers) for layers in layout.classes().values()]
+    out = {"fraction": list(fractions), "lru": [], "oppclass": [], "belady": []}
+    for f in fractions:
+        caps = [int(f * n) for n in sizes]
+        out["lru"].append(simulate_lru(workload.calls, caps, layer_class).hit_rate)
+        out["oppclass"].append(simulate_policy(workload.calls, caps, layer_class, policy="oppclass",
+                                               layers=layout.moe_layers).hit_rate)
+        out["belady"].append(simulate_belady(workload.calls, caps, layer_class).hit_rate
+                             if not workload.has_batches else float("nan"))
+    return out
+
+
+def plot_curve(curve: dict, out, title: str, image_format: Optional[str] = None) -> None:
+    """Draw ``curve`` into ``out``, a file name or a binary file; ``image_format`` (png, svg,
+    pdf, ...) defaults to the name's extension, png for a file."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("--plot needs matplotlib (pip install matplotlib)") from exc
+    x = [100 * f for f in curve["fraction"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [100 * v for v in curve["lru"]], "o-", label="LRU (policy=\"lru\")")
+    ax.plot(x, [100 * v for v in curve["oppclass"]], "^-", label="OppClassLRU (the default)")
+    ax.plot(x, [100 * v for v in curve["belady"]], "s--", label="Belady (optimum)")
+    ax.set_xlabel("experts cached (% of each class)")
+    ax.set_ylabel("hit rate (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120, format=image_format)
+    plt.close(fig)
+
+
+def image_format(path: str) -> str:
+    """--plot's image format: the file name's extension, png without one."""
+    import os
+
+    return os.path.splitext(path)[1][1:].lower() or "png"
+
+
+def check_plot(args) -> None:
+    """--plot, when given: matplotlib installed and able to write the file's type."""
+    path = getattr(args, "plot", None)
+    if not path:
+        return
+    options.need(options.has_module("matplotlib"), "--plot needs matplotlib", "plot")
+    from matplotlib.figure import Figure
+
+    if image_format(path) not in Figure().canvas.get_supported_filetypes():
+        raise UsageError(f"--plot {path}: matplotlib writes no .{image_format(path)} files; name a .png, .svg or "
+                         ".pdf file")
+
+
+def _draw(curve: dict, layout: ModelLayout, workload: Workload, out) -> None:
+    import io
+
+    image = io.BytesIO()
+    plot_curve(curve, image, f"{layout.name}: {workload.decode_tokens} decode tokens",
+               image_format=image_format(out.path))
+    out.write(image.getvalue())
+    print(f"wrote {out.path}", file=sys.stderr)
+
+
+def write_plot(layout: ModelLayout, traces: Sequence[str], out) -> None:
+    """The curve of ``traces`` on ``layout`` at :data:`FRACTIONS`, drawn into ``out`` (an output
+    file of the command line: ``write(bytes)`` and ``path``)."""
+    workload = build_workload("decode", traces, layout.moe_layers)
+    _draw(hit_rate_curve(workload, layout, FRACTIONS), layout, workload, out)
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    check_plot(args)
+
+
+def run(bench, args) -> Iterator[Report]:
+    """The curve at :data:`FRACTIONS` as a report (``bench``: unused, None), and drawn into --plot."""
+    layout = options.generated_layout(args, 1)  # hit rates depend on the experts' counts, not their sizes
+    workload = build_workload("decode", args.traces, layout.moe_layers)
+    curve = hit_rate_curve(workload, layout, FRACTIONS)
+    yield Report(NAME, "hit rate against budget, offline simulator", layout=layout.name, traces=list(args.traces),
+                 settings=dict(decode_tokens=workload.decode_tokens),
+                 results=[CurvePoint(*row) for row in zip(*(curve[k] for k in ("fraction", "lru", "oppclass",
+                                                                               "belady")))],
+                 **made_by())
+    if args.outputs.get("plot"):
+        _draw(curve, layout, workload, args.outputs["plot"])
+
+
+def describe(report: Report) -> list[str]:
+    return [f"{report.settings['decode_tokens']} decode tokens; capacity per size class, every policy at the same "
+            "capacities"]
+
+
+def table(report: Report) -> str:
+    from tabulate import tabulate
+
+    rows = [[f"{100 * p.fraction:g} %", f"{100 * p.lru:.1f} %", f"{100 * p.oppclass:.1f} %",
+             f"{100 * p.belady:.1f} %" if p.belady == p.belady else "—"] for p in report.results]
+    return tabulate(rows, headers=["experts cached (of each class)", "LRU", "OppClassLRU (the default)", "Belady"],
+                    disable_numparse=True)

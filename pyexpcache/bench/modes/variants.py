@@ -1,0 +1,316 @@
+"""The variants table (``expcache bench variants``; ``expcache bench`` runs it unless its options
+name another mode): real routing replayed through the cache and the baselines it replaces, side
+by side, with the clairvoyant optimum.
+
+Every layer of every token does what an engine does: select the router's experts, run a kernel
+that reads every byte of them (the memory-bound floor of the expert GEMVs) and checksums them
+against the source, and wait for it before the next layer (the next layer's ids depend on this
+layer's output).
+
+Variants, side by side in one process on the same source and stream:
+
+``oppclass``  this library as it comes: one cache per size class, OppClassLRU decode
+              (docs/policy.md), batches that never evict.
+``lru``       the same with the LRU policy.
+``slab``      the old ds4 design: one slab keyed on the last-seen expert size (a cache
+              with ``max_classes=1``, so every size change releases it), released again
+              before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
+``nocache``   every selected expert uploaded every time (compact loads, nothing kept; pageable
+              memory copied with plain cudaMemcpyAsync).
+``resident``  the ceiling: every expert resident before the replay starts (skipped when
+              device memory cannot hold the model).
+
+The link bound of a variant is its host-to-device bytes divided by the link measured in the same
+run (:mod:`~pyexpcache.bench.link`): how fast decode could be if moving misses were the only
+cost. The policy variants' hit rates are checked against the offline simulator of the same
+policy at the same per-class capacities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Iterator, Optional, Sequence
+
+import numpy as np
+
+from ... import _lib
+from ...cache import ExpertCache, StagingStats
+from ...layout import GiB, ModelLayout
+from ...sim import simulate_belady, simulate_lru, simulate_policy
+from ..bench import Bench
+from ..options import BENCH, OUTPUT, PLOT, Option, csv
+from ..progress import Progress
+from ..report import Report
+from ..workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
+from . import curve
+
+# The library's two policies first (named after them; oppclass is the default), then the baselines.
+VARIANTS = ("oppclass", "lru", "slab", "nocache", "resident")
+POLICY_VARIANTS = ("oppclass", "lru")
+
+NAME = "variants"
+TITLE = "variants table"
+HELP = "the library's policies next to the designs they replace and Belady, per scenario"
+DESCRIPTION = ("Replay bundled DeepSeek V4 Flash routing through the cache on the GPU (or on the host backend when "
+               "there is none) and compare with the baselines: each scenario a table of the variants side by side.")
+RUNS = "replays each --scenario through every --variants"
+USES_BENCH = True
+
+SCENARIO = Option("--scenario", type=csv(SCENARIOS + ("all",)), default=["decode"],
+                  help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
+VARIANTS_OPTION = Option("--variants", type=csv(VARIANTS), default=list(VARIANTS),
+                         help=f"comma list of {', '.join(VARIANTS)} (default: all)")
+NO_LAYER_SYNC = Option("--no-layer-sync", action="store_true",
+                       help="enqueue a token's layers back to back and wait once per token, instead of after every "
+                            "layer (an engine waits per layer: the next layer's ids come from this one's output)")
+OPTIONS = BENCH + (SCENARIO, VARIANTS_OPTION, NO_LAYER_SYNC, PLOT) + OUTPUT
+SELECTED_BY = ()  # the default of the flag spelling
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_calls: int = 0
+    # Of decode_seconds, the time in the serving calls (select); the rest is each layer's
+    # checksum kernel and the wait for the transfers still crossing when select returned.
+    decode_serve_seconds: float = 0.0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_h2d: int = 0
+    decode_bytes_h2d: int = 0
+    bytes_d2d: int = 0
+    releases: int = 0
+    checksum_errors: int = 0
+    experts_checked: int = 0
+    link_bound_tokens_per_s: Optional[float] = None
+    belady_hit_rate: Optional[float] = None
+    skipped: Optional[str] = None
+    staging: Optional[StagingStats] = None  # pageable or file sources: the staging ring's counters
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "gib_per_token", "serve_us_per_call",
+                                          "after_serve_us_per_call")  # in the JSON beside the fields
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def serve_us_per_call(self) -> float:
+        """Mean µs a decode call spends in select (or the compact load)."""
+        return 1e6 * self.decode_serve_seconds / self.decode_calls if self.decode_calls else 0.0
+
+    @property
+    def after_serve_us_per_call(self) -> float:
+        """Mean µs of a decode call after select returned: the checksum kernel, the wait for
+        transfers still crossing, the readback (per token without the per-layer wait)."""
+        return 1e6 * (self.decode_seconds - self.decode_serve_seconds) / self.decode_calls if self.decode_calls else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0
+
+    @property
+    def gib_per_token(self) -> float:
+        """Host-to-device GiB per decode token, counting decode calls only."""
+        return self.decode_bytes_h2d / GiB / self.decode_tokens if self.decode_tokens else 0.0
+
+
+def class_capacities(layout: ModelLayout, cache: ExpertCache) -> tuple[list[int], list[int]]:
+    """(runtime cap per class index, class index per layer) of a cache, for the simulators."""
+    layer_class = [0] * layout.num_layers
+    for layer in layout.moe_layers:
+        layer_class[layer] = cache.layer_class(layer)
+    caps = {c.index: c.cap_experts for c in cache.classes()}
+    return [caps.get(i, 0) for i in range(max(caps) + 1)], layer_class
+
+
+def _preload(bench: Bench, cache: ExpertCache) -> None:
+    layers = bench.layout.moe_layers
+    for n, layer in enumerate(layers):
+        experts = bench.layout[layer].num_experts
+        for start in range(0, experts, 256):
+            cache.select(layer, np.arange(start, min(start + 256, experts)), bench.stream)
+        bench.progress("preloading all experts", n + 1, len(layers))
+    cache.synchronize(bench.stream)
+
+
+def _run_variant(bench: Bench, variant: str, workload: Workload):
+    """:func:`run_variant`, and the cache's class capacities for the simulators (policy variants)."""
+    layout = bench.layout
+    result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
+    capacities = None
+    if variant in POLICY_VARIANTS:
+        # Cap notices once, from the first policy variant run; the same caps follow for the other.
+        cache = bench.make_cache(budget_bytes=bench.budget_bytes, policy=variant,
+                                 log_level=_lib.LOG_NOTICE if variant == POLICY_VARIANTS[0] else _lib.LOG_WARNING,
+                                 **bench.cache_options)
+    # The baselines are LRU, as the old designs were.
+    elif variant == "slab":
+        # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
+        biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in layout.layers if s)
+        cache = bench.make_cache(budget_experts=max(1, bench.budget_bytes // biggest), max_classes=1, policy="lru",
+                                 log_level=_lib.LOG_WARNING, copy_threads=0)
+    elif variant == "nocache":
+        cache = bench.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
+    elif variant == "resident":
+        need = sum(s.num_experts * sum(-(-b // 256) * 256 for b in s.class_key) for s in layout.layers if s)
+        cache = None
+        try:
+            cache = bench.make_cache(budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru",
+                                     log_level=_lib.LOG_WARNING)
+            _preload(bench, cache)
+        except MemoryError as exc:
+            if cache is not None:
+                cache.close()
+            result.skipped = f"the model does not fit in device memory ({exc})"
+            return result, capacities
+        if any(c.resident_experts < sum(layout[i].num_experts for i in layout.moe_layers
+                                        if layout[i].class_key == c.key) for c in cache.classes()):
+            cache.close()
+            result.skipped = "the model does not fit in device memory minus the reserve"
+            return result, capacities
+        cache.reset_stats()
+    else:
+        raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
+    with cache:
+        out = bench.replay(cache, workload, label=variant, serve=variant if variant in ("slab", "nocache") else "cache")
+        result.decode_seconds, result.prefill_seconds = out.decode_seconds, out.prefill_seconds
+        result.decode_calls, result.decode_serve_seconds = out.decode_calls, out.decode_serve_seconds
+        result.checksum_errors, result.experts_checked = out.checksum_errors, out.experts_checked
+        result.decode_bytes_h2d = out.decode_bytes_h2d
+        if variant in POLICY_VARIANTS:
+            capacities = class_capacities(layout, cache)
+        total = cache.stats().total
+        result.hits, result.misses = total.hits, total.misses
+        result.bytes_h2d, result.bytes_d2d, result.releases = total.bytes_h2d, total.bytes_d2d, total.releases
+        staging = cache.staging_stats()
+        result.staging = staging if staging.calls else None
+    return result, capacities
+
+
+def run_variant(bench: Bench, variant: str, workload: Workload) -> VariantResult:
+    """One variant's replay of ``workload`` on ``bench``, with a new cache of its own."""
+    return _run_variant(bench, variant, workload)[0]
+
+
+def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int]) -> Optional[float]:
+    """The clairvoyant optimum at the library's per-class capacities (decode-only workloads)."""
+    if workload.has_batches:
+        return None
+    return simulate_belady(workload.calls, capacities, layer_class).hit_rate
+
+
+def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
+        traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
+        pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: Optional[int] = None,
+        progress: Optional[Progress] = None, device: int = 0, source=None,
+        bench: Optional[Bench] = None) -> Report:
+    """Run the variants on one scenario and return a :class:`Report` (see the module docstring).
+    ``source`` (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source;
+    an existing ``bench`` (whose source is then reused, and left open) replaces both.
+    ``host_scale``: what the layout's sizes and the budget were divided by (default: the bench's
+    ``scale``), for the header."""
+    workload = build_workload(scenario, traces, layout.moe_layers)
+    if not workload.calls:
+        raise ValueError(f"the traces route none of layout {layout.name}'s layers")
+    for call in workload.calls:
+        spec = layout[call.layer] if call.layer < layout.num_layers else None
+        if spec is None or max(call.ids) >= spec.num_experts:
+            raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
+                             f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
+                             "experts)")
+    own = bench is None
+    if own:
+        bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
+                      reserve_bytes=reserve_bytes, progress=progress, device=device, source=source,
+                      scale=host_scale or 1)
+    try:
+        measured = bench.measure_link()
+        header = bench.report_header()
+        if host_scale is not None:
+            header["host_scale"] = host_scale
+        report = Report("variants", scenario, **header, traces=list(traces), link_bytes_per_s=measured.bytes_per_s,
+                        link_label=measured.label,
+                        settings=dict(scenario=scenario, decode_tokens=workload.decode_tokens,
+                                      prefill_tokens=workload.prefill_tokens, layer_sync=bench.layer_sync))
+        for variant in variants:
+            r, capacities = _run_variant(bench, variant, workload)
+            if r.skipped is None and r.decode_bytes_h2d:
+                # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
+                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / measured.bytes_per_s)
+            if capacities is not None:
+                caps, layer_class = capacities
+                r.belady_hit_rate = belady_hit_rate(workload, caps, layer_class)
+                # The offline simulator of the same policy must agree with the library's counters.
+                sim = (simulate_lru(workload.calls, caps, layer_class) if variant == "lru"
+                       else simulate_policy(workload.calls, caps, layer_class, policy=variant,
+                                            layers=layout.moe_layers))
+                if sim.hit_rate != r.hit_rate:
+                    raise RuntimeError(f"{variant}: library hit rate {r.hit_rate} differs from the simulator's "
+                                       f"{sim.hit_rate} at the same capacities: a bug")
+            report.results.append(r)
+        return report
+    finally:
+        if own:
+            bench.close()
+
+
+# -- the mode ---------------------------------------------------------------------------------
+
+def check(args) -> None:
+    """What the variants table cannot run, before anything is allocated: --plot's file type."""
+    curve.check_plot(args)
+
+
+def device_bytes(args, budget: int, model_bytes: int) -> int:
+    """Emulated device memory its caches hold at once: the budget, or the model for ``resident``."""
+    return model_bytes if "resident" in args.variants else budget
+
+
+def run(bench: Bench, args) -> Iterator[Report]:
+    """A report per --scenario, each as it is finished; then --plot's curve, when asked for."""
+    for scenario in SCENARIOS if "all" in args.scenario else tuple(args.scenario):
+        yield run_scenario(bench.layout, scenario, variants=args.variants, traces=args.traces,
+                           budget_bytes=bench.budget_bytes, bench=bench)
+    if args.outputs.get("plot"):
+        curve.write_plot(bench.layout, args.traces, args.outputs["plot"])
+
+
+def describe(report: Report) -> list[str]:
+    """The variants table's lines under the header: the tokens, and how often the loop waits."""
+    st = report.settings
+    return [f"{st['decode_tokens']} decode tokens, {st['prefill_tokens']} prefill tokens; "
+            + ("a wait after every layer" if st["layer_sync"] else "one wait per token (--no-layer-sync)")]
+
+
+def table(report: Report) -> str:
+    """The variants side by side, with each one's ratio to ``slab`` (tabulate)."""
+    from tabulate import tabulate
+
+    base = {r.variant: r for r in report.results if r.skipped is None}
+    ref = base.get("slab")
+    rows = []
+    for r in report.results:
+        if r.skipped:
+            rows.append([r.variant] + ["—"] * 7 + [f"skipped: {r.skipped}"])
+            continue
+        link_ratio = r.tokens_per_s / r.link_bound_tokens_per_s if r.link_bound_tokens_per_s else None
+        rows.append([
+            r.variant,
+            f"{r.tokens_per_s:.2f}",
+            f"{100 * r.hit_rate:.1f} %",
+            f"{100 * r.belady_hit_rate:.1f} %" if r.belady_hit_rate is not None else "—",
+            f"{r.gib_per_token:.3f}",
+            f"{r.link_bound_tokens_per_s:.2f}" if r.link_bound_tokens_per_s else "∞",
+            f"{100 * link_ratio:.0f} %" if link_ratio else "—",
+            f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
+            f"{r.checksum_errors} bad / {r.experts_checked}",
+        ])
+    return tabulate(rows, headers=["variant", "decode tok/s", "hit rate", "Belady", "GiB/decode token",
+                                   "link-bound tok/s", "of link bound", "vs slab", "checksums"],
+                    disable_numparse=True)

@@ -1,0 +1,312 @@
+"""The benchmark's command-line options, each defined once as an :class:`Option` and listed by
+every mode that takes it (the mode's ``OPTIONS``; the command line builds its parsers from those
+lists), with the value parsers they use, the options every mode on a :class:`~pyexpcache.bench.Bench`
+shares (:data:`BENCH`), and what a mode's ``check`` raises (:class:`UsageError`).
+
+Nothing here loads libexpcache or cuda-python at import, so every --help works on a fresh clone.
+Help texts are plain text: they are read in a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from typing import Optional
+
+from ..layout import FIRST_ROUTED_LAYER, NUM_LAYERS
+from .workload import DEFAULT_TRACES
+
+
+class UsageError(Exception):
+    """A command line that cannot run: printed as one line, status 2 (as argparse does)."""
+
+
+class NotAvailable(Exception):
+    """What a run needs is not on this machine (a CUDA device): printed as one line, status 1."""
+
+
+# -- what a run needs ------------------------------------------------------------------------
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
+
+
+def has_cuda_python() -> bool:
+    return has_module("cuda.bindings") or has_module("cuda.cudart")
+
+
+def need(ok: bool, what: str, extra: str) -> None:
+    """UsageError naming the pip extra that installs what is missing, unless ``ok``."""
+    if not ok:
+        raise UsageError(f"{what}; install it with: pip install 'expcache[{extra}]'")
+
+
+def host_memory_available() -> Optional[int]:
+    """Bytes of host memory a run may take: the kernel's MemAvailable, at most a cgroup v2
+    memory limit (a container's); None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            group = next(line.strip()[3:] for line in f if line.startswith("0::"))
+        with open(os.path.join("/sys/fs/cgroup", group.lstrip("/"), "memory.max")) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            found.append(int(limit))
+    except (OSError, ValueError, StopIteration):
+        pass
+    return min(found) if found else None
+
+
+def check_cache_setting(option: str, keyword: str, value: int) -> None:
+    """Let the library judge a cache setting before the run (its ranges are its own): a cache of
+    one tiny expert on the host backend is made with it."""
+    from .._errors import ExpcacheError
+    from ..cache import ExpertCache
+    from ..layout import LayerSpec, ModelLayout
+    from ..source import HostSource
+
+    layout = ModelLayout((LayerSpec(1, 256, 256, 256),))
+    with HostSource(layout) as source:
+        try:
+            ExpertCache(layout, source, budget_experts=1, backend="host", log_level=0, **{keyword: value}).close()
+        except ExpcacheError as exc:
+            raise UsageError(f"{option}: {exc.message.removeprefix('expcache_create: ')}") from None
+
+
+def generated_layout(args, scale: int):
+    """The --layout preset at ``scale``, less the layers --layers leaves out."""
+    from ..layout import ModelLayout
+
+    try:
+        layout = ModelLayout.preset(args.layout, scale=scale)
+    except ValueError as exc:
+        raise UsageError(f"--scale {scale}: {exc}; use a power of two up to 65536, e.g. 256") from None
+    if args.layers is None:
+        return layout
+    return ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
+                       name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
+
+
+# -- value parsers ---------------------------------------------------------------------------
+
+def gib(option: str, minimum_exclusive: bool):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (minimum_exclusive and value == 0) or value > 1e6:
+            raise argparse.ArgumentTypeError(
+                f"{option} must be a finite number of GiB {'>' if minimum_exclusive else '>='} 0 (at most 1e6), "
+                f"got {text!r}")
+        return value
+    return parse
+
+
+def whole(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def layers(text: str) -> list[int]:
+    """Layer numbers and ranges: 3-42, 5,7,9, 3-10,40."""
+    out: list[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",")):
+            first, dash, last = part.partition("-")
+            if part:
+                lo, hi = int(first), int(last if dash else first)
+                if not 0 <= lo <= hi:
+                    raise ValueError
+                out.extend(range(lo, hi + 1))
+    except ValueError:
+        out = []
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected layer numbers like 3-42 or 5,7,9, got {text!r}")
+    return sorted(set(out))
+
+
+def ranges(numbers: list[int]) -> str:
+    """Sorted numbers as --layers spells them: [3, 4, 5, 9] is 3-5,9."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def thread_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected a comma list of thread counts such as 1,4,8, got {text!r}")
+    return counts
+
+
+def csv(choices):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if choices and t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}; got {text!r}")
+        return items
+    return parse
+
+
+def sizes(text: str) -> list[int]:
+    """A comma list of byte sizes: 262144, 256K, 1M."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20}
+    out = []
+    for item in (t.strip().upper().removesuffix("IB").removesuffix("B") for t in text.split(",")):
+        number, unit = (item[:-1], item[-1]) if item[-1:] in ("K", "M") else (item, "")
+        try:
+            value = int(float(number) * units[unit])
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a comma list of sizes such as 256K,1M; got {text!r}")
+        out.append(value)
+    return out
+
+
+def size(text: str) -> int:
+    parsed = sizes(text)
+    if len(parsed) != 1:
+        raise argparse.ArgumentTypeError(f"expected one size such as 512K; got {text!r}")
+    return parsed[0]
+
+
+def nonnegative_us(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of µs, got {text!r}") from None
+    if not 0 <= value <= 1e6:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1e6] µs, got {text}")
+    return value
+
+
+# -- options ---------------------------------------------------------------------------------
+
+class Option:
+    """One command-line option: ``argparse`` arguments, defined once. A mode lists the options it
+    takes; an option is *given* when its value differs from its default."""
+
+    def __init__(self, *flags: str, **kwargs):
+        self.flags = flags
+        self.kwargs = kwargs
+
+    @property
+    def dest(self) -> str:
+        return self.kwargs.get("dest") or self.flags[0].lstrip("-").replace("-", "_")
+
+    @property
+    def default(self):
+        return self.kwargs.get("default", False if self.kwargs.get("action") == "store_true" else None)
+
+    def add_to(self, parser) -> None:
+        parser.add_argument(*self.flags, **self.kwargs)
+
+    def given(self, args) -> bool:
+        return getattr(args, self.dest, self.default) != self.default
+
+    @property
+    def spelled(self) -> str:
+        """The option as it is given to choose a mode: --devices, --loop torch (its one other choice)."""
+        choices = self.kwargs.get("choices")
+        others = [c for c in choices if c != self.default] if choices else []
+        return f"{self.flags[0]} {others[0]}" if len(others) == 1 else self.flags[0]
+
+    def __repr__(self) -> str:
+        return f"Option({self.flags[0]})"
+
+
+LAYOUT = Option("--layout", default="mixed", choices=("q2", "q4", "mixed"),
+                help="DeepSeek V4 Flash expert layout (default: mixed q2-q4)")
+GGUF = Option("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's experts instead of a generated layout; "
+              "its layers and experts must match the traces")
+GGUF_READS = Option("--gguf-reads", choices=("mmap", "file"), default="mmap",
+                    help="with --gguf: copy misses from a mapping of the file (pageable) or read them from the file "
+                         "(pread; see --file-reads)")
+TRACES = Option("--traces", type=csv(None), default=list(DEFAULT_TRACES),
+                help="comma list of bundled decode traces, CSV paths, or synthetic:TOKENS[:SEED] "
+                     "(default: the seven bundled traces)")
+BUDGET = Option("--budget-gib", type=gib("--budget-gib", True), default=12.0,
+                help="expert cache budget in GiB (default 12)")
+RESERVE = Option("--reserve-gib", type=gib("--reserve-gib", False), default=None,
+                 help="device memory kept free (default 1 GiB)")
+BACKEND = Option("--backend", default="auto", choices=("auto", "host", "cuda"),
+                 help="auto: the GPU when the CUDA build of the library and a device are usable, else the host "
+                      "backend (host memory with an emulated capacity); cuda needs cuda-python (the [cuda] extra)")
+DEVICE = Option("--device", type=whole(0), default=0, help="CUDA device ordinal (default 0)")
+SOURCE = Option("--source", choices=("pinned", "pageable"), default=None,
+                help="host memory of the experts (default: pinned on the GPU, pageable on the host)")
+PLACEMENT = Option("--placement", choices=("expert", "tensor"), default="expert",
+                   help="host placement of the generated source: each expert's parts together (default, as an "
+                        "engine stages experts in pinned memory) or one tensor per part (as in a GGUF)")
+LAYERS = Option("--layers", type=layers, default=None,
+                help=f"MoE layers to keep, e.g. 3-10 or 5,7,9 (default: all; the bundled traces have layers "
+                     f"{FIRST_ROUTED_LAYER}-{NUM_LAYERS - 1})")
+SCALE = Option("--scale", type=whole(1), default=None,
+               help="divide expert sizes and the budget by this, a power of two up to 65536 (default: 1 on the GPU, "
+                    "256 on the host); the generated experts must fit in host memory")
+COPY_THREADS = Option("--copy-threads", type=whole(0), default=None,
+                      help="threads staging pageable and file misses (default: the cores less 4, 2 to 12)")
+STAGING_CHUNK = Option("--staging-chunk", type=size, default=None,
+                       help="largest staging piece one thread fills and one transfer moves, e.g. 1M (default 512K)")
+PREFETCH_PIECE = Option("--prefetch-piece", type=size, default=None, metavar="SIZE",
+                        help="most prefetch bytes in flight at once, what a demand miss shares the link with, "
+                             "e.g. 1M (default 4M; a multiple of 4K in 4K..64M)")
+FILE_READS = Option("--file-reads", choices=("buffered", "direct"), default="buffered",
+                    help="with --gguf-reads file: through the page cache (default) or O_DIRECT")
+LAYER_COMPUTE_US = Option("--layer-compute-us", type=nonnegative_us, default=None, metavar="N",
+                          help="N µs of non-expert work per layer (a GPU kernel that only takes time) before the "
+                               "layer's select, as attention at batch 1 would be (default 0)")
+PLOT = Option("--plot", metavar="FILE.png",
+              help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)")
+JSON = Option("--json", metavar="FILE", help="also write the reports as JSON (a list, one per table), rewritten after "
+              "each one (an interrupted run keeps those it finished)")
+QUIET = Option("--quiet", action="store_true", help="no progress bar or notices")
+
+#: The options of every mode that runs on a Bench: its layout, source, backend, budget and
+#: cache settings, and the traces it replays.
+BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, BUDGET, RESERVE, BACKEND, DEVICE, SOURCE, PLACEMENT, LAYERS, SCALE,
+         COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
+#: What every mode writes: --json, and --quiet for the progress bar.
+OUTPUT = (JSON, QUIET)
+#: The options that are output files, opened before a run (the mode finds them in ``args.outputs``).
+FILES = (JSON, PLOT)
+
+# The bench options that are ExpertCache settings: (option, ExpertCache keyword).
+CACHE_SETTINGS = ((COPY_THREADS, "copy_threads"), (STAGING_CHUNK, "staging_chunk_bytes"),
+                  (PREFETCH_PIECE, "prefetch_piece_bytes"))
+
+
+def cache_options(args) -> dict:
+    """The ExpertCache settings the options give (the Bench's ``cache_options``)."""
+    options = {"file_reads": args.file_reads}
+    for option, keyword in CACHE_SETTINGS:
+        if getattr(args, option.dest) is not None:
+            options[keyword] = getattr(args, option.dest)
+    return options
