@@ -8,10 +8,10 @@ side of the bound, next to the link's. Usage:
                                         [--env VAR=a,b ...] [--repeat N]
 
 --env runs each configuration with the environment variable VAR set to each value in turn, read
-when the configuration's cache makes its staging ring (EXPCACHE_STAGING_NT_MAX, _COALESCE,
-_MIN_PIECES, _FILE_BOUNCE, _COPY, _SHORT, _PREFETCH, _PREFETCH_HINT:
-libexpcache/src/backend/staging_ring.cpp and docs/transfers.md say what each sets); several --env
-options make a grid. --repeat runs the whole grid N times, so that configurations alternate in one
+when the configuration's cache is created (EXPCACHE_STAGING_NT_MAX, _COALESCE, _MIN_PIECES,
+_FILE_BOUNCE, _COPY, _SHORT, _PREFETCH, _PREFETCH_HINT: libexpcache/src/backend/staging_tuning.hpp
+says what each sets and accepts, docs/transfers.md what each default was measured against; a
+malformed value stops the sweep with the library's message); several --env options make a grid. --repeat runs the whole grid N times, so that configurations alternate in one
 process rather than following each other.
 """
 
@@ -71,7 +71,7 @@ def main() -> int:
         grid = [(threads, chunk, env) for _ in range(args.repeat) for threads in thread_counts
                 for chunk in args.chunks for env in settings]
         for threads, chunk, env in grid:
-            os.environ.update(env)  # read when the configuration's cache makes its staging ring
+            os.environ.update(env)  # read when the configuration's cache is created
             env_label = " ".join(f"{k}={v}" for k, v in env.items())
             shared.cache_options = {"copy_threads": threads, "staging_chunk_bytes": chunk}
             report = bench.run(layout, "decode", variants=["expcache"], traces=traces,

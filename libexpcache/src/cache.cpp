@@ -25,9 +25,10 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
 
 expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr<Cache>* out) {
     expcache_config_t cfg;
-    expcache_status_t s = resolve_config(config, &cfg);
+    StagingTuning tuning;
+    expcache_status_t s = resolve_config(config, &cfg, &tuning);
     if (s != EXPCACHE_OK) return s;
-    const StagingConfig staging{cfg.copy_threads, cfg.staging_bytes, cfg.staging_chunk_bytes};
+    const StagingConfig staging{cfg.copy_threads, cfg.staging_bytes, cfg.staging_chunk_bytes, tuning};
     std::unique_ptr<StagingBackend> backend;
     std::unique_ptr<TestKernels> kernels;
     if (cfg.backend != EXPCACHE_BACKEND_HOST) {

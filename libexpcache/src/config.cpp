@@ -1,10 +1,12 @@
 #include "config.hpp"
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <strings.h>
 
+#include "backend/staging_tuning.hpp"
 #include "cores.hpp"
 #include "errors.hpp"
 #include "policy/policy.hpp"
@@ -33,6 +35,100 @@ int parse_switch(const char* text) {
     for (const char* w : kOff)
         if (strcasecmp(text, w) == 0) return 0;
     return -1;
+}
+
+// A whole number 0..max in decimal digits, nothing else (no sign, space, suffix or base): *out.
+bool parse_count(const char* text, uint64_t max, uint64_t* out) {
+    if (*text == '\0') return false;
+    uint64_t value = 0;
+    for (const char* p = text; *p != '\0'; ++p) {
+        if (*p < '0' || *p > '9') return false;
+        const uint64_t digit = uint64_t(*p - '0');
+        if (digit > max || value > (max - digit) / 10) return false;  // past max, or past 2^64
+        value = value * 10 + digit;
+    }
+    *out = value;
+    return true;
+}
+
+// Variable `name`, when set, into *value: `what` (a noun for the message) 0..max.
+expcache_status_t read_count(const char* name, uint64_t max, const char* what, uint64_t* value) {
+    const char* env = std::getenv(name);
+    if (env && !parse_count(env, max, value))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s=\"%s\" is not %s between 0 and %llu", name, env, what,
+                    (unsigned long long)max);
+    return EXPCACHE_OK;
+}
+
+// Variable `name`, when set, into *index: the position of its value among `words` (any case);
+// `accepted` lists them for the message.
+template <size_t N>
+expcache_status_t read_word(const char* name, const char* const (&words)[N], const char* accepted, size_t* index) {
+    const char* env = std::getenv(name);
+    if (!env) return EXPCACHE_OK;
+    for (size_t i = 0; i < N; ++i)
+        if (strcasecmp(env, words[i]) == 0) {
+            *index = i;
+            return EXPCACHE_OK;
+        }
+    return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s=\"%s\" is not one of %s", name, env, accepted);
+}
+
+// Variable `name`, when set, into *on: an on/off word (parse_switch); `meaning_on` and
+// `meaning_off` say what each does, for the message.
+expcache_status_t read_switch(const char* name, const char* meaning_on, const char* meaning_off, bool* on) {
+    const char* env = std::getenv(name);
+    if (!env) return EXPCACHE_OK;
+    const int value = parse_switch(env);
+    if (value < 0)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "%s=\"%s\" is not one of 1, true, yes, on (%s) or 0, false, no, off (%s)", name, env, meaning_on,
+                    meaning_off);
+    *on = value == 1;
+    return EXPCACHE_OK;
+}
+
+// The staging ring's EXPCACHE_STAGING_* variables over StagingTuning's defaults (what each one
+// sets, and why these ranges: backend/staging_tuning.hpp). *out only when all are good.
+expcache_status_t read_staging_environment(StagingTuning* out) {
+    static const char* const kCopies[] = {"wide", "sse2"};
+    static const char* const kHints[] = {"t0", "t2", "nta"};
+    static const int kLocality[] = {3, 1, 0};  // kHints' as __builtin_prefetch has them
+    StagingTuning t;
+    uint64_t ahead = t.prefetch.ahead;
+    size_t copy = t.wide_stores ? 0 : 1, hint = SIZE_MAX;
+    expcache_status_t s = read_count("EXPCACHE_STAGING_NT_MAX", UINT64_MAX, "a number of bytes", &t.nt_max_bytes);
+    if (s == EXPCACHE_OK)
+        s = read_switch("EXPCACHE_STAGING_FILE_BOUNCE", "through a bounce buffer", "into the chunk", &t.file_bounce);
+    if (s == EXPCACHE_OK)
+        s = read_count("EXPCACHE_STAGING_COALESCE", UINT64_MAX, "a number of bytes", &t.coalesce_bytes);
+    if (s == EXPCACHE_OK)
+        s = read_count("EXPCACHE_STAGING_MIN_PIECES", t.kMaxMinPieces, "a whole number", &t.min_pieces);
+    if (s == EXPCACHE_OK)
+        s = read_count("EXPCACHE_STAGING_SHORT", t.kMaxShortPieces, "a whole number", &t.short_pieces);
+    if (s == EXPCACHE_OK)
+        s = read_word("EXPCACHE_STAGING_COPY", kCopies,
+                      "wide (64-byte stores where the CPU has AVX-512) or sse2 (16-byte stores)", &copy);
+    if (s == EXPCACHE_OK) s = read_count("EXPCACHE_STAGING_PREFETCH", t.kMaxPrefetchBytes, "a number of bytes", &ahead);
+    if (s == EXPCACHE_OK)
+        s = read_word("EXPCACHE_STAGING_PREFETCH_HINT", kHints, "t0 (into L1), t2 (into L2) or nta (non-temporal)",
+                      &hint);
+    if (s == EXPCACHE_OK) {
+        const char* env = std::getenv("EXPCACHE_STAGING_TRACE");
+        if (env && *env == '\0')
+            s = fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                     "EXPCACHE_STAGING_TRACE=\"\" is not a file path (unset it for no trace)");
+        else if (env)
+            t.trace_path = env;
+    }
+    if (s == EXPCACHE_OK)
+        s = read_count("EXPCACHE_STAGING_TRACE_PIECES", t.kMaxTracePieces, "a whole number", &t.trace_pieces);
+    if (s != EXPCACHE_OK) return s;
+    t.wide_stores = copy == 0;
+    t.prefetch.ahead = static_cast<size_t>(ahead);
+    if (hint != SIZE_MAX) t.prefetch.locality = kLocality[hint];
+    *out = t;
+    return EXPCACHE_OK;
 }
 
 expcache_status_t check_fields(const expcache_config_t& cfg) {
@@ -120,12 +216,15 @@ void config_defaults(expcache_config_t* config) {
     config->policy = EXPCACHE_POLICY_OPPCLASS;
 }
 
-expcache_status_t resolve_config(const expcache_config_t& config, expcache_config_t* out) {
+expcache_status_t resolve_config(const expcache_config_t& config, expcache_config_t* out, StagingTuning* staging) {
     expcache_config_t cfg = config;
+    StagingTuning tuning;
     expcache_status_t s = check_fields(cfg);
     if (s == EXPCACHE_OK) s = apply_environment(&cfg);
+    if (s == EXPCACHE_OK) s = read_staging_environment(&tuning);
     if (s != EXPCACHE_OK) return s;
     *out = cfg;
+    *staging = tuning;
     return EXPCACHE_OK;
 }
 

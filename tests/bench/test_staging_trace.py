@@ -13,7 +13,7 @@ def test_staging_trace_notes_every_piece_and_summarizes_it(tmp_path, monkeypatch
 
     staging_trace = load_benchmark_script("staging_trace")
     path = tmp_path / "trace.csv"
-    monkeypatch.setenv("EXPCACHE_STAGING_TRACE", str(path))  # read when the cache makes its ring
+    monkeypatch.setenv("EXPCACHE_STAGING_TRACE", str(path))  # read when the cache is created
     layout = ModelLayout((LayerSpec(16, 300_000, 300_000, 400_000),), name="traced")
     with HostSource(layout, pinned=False) as source:
         cache = ExpertCache(layout, source, backend="host", budget_bytes=16 * layout[0].expert_bytes,

@@ -27,6 +27,7 @@
 #include "fake_link.hpp"
 
 using expcache::StagingRing;
+using expcache::StagingTuning;
 using expcache_test::FakeLink;
 using expcache_test::random_bytes;
 using expcache_test::checks;
@@ -190,16 +191,16 @@ void test_failed_fill(unsigned threads) {
     CHECK(dst2 == src, "bytes differ after a failed fill");
 }
 
-// EXPCACHE_STAGING_COALESCE: while the link is busy the caller holds a send until more pieces are
-// filled. The bytes still arrive whole, no chunk is refilled under its transfer, and with workers
-// some sends carry several pieces; with the caller alone it waits for the link, then sends one.
+// StagingTuning::coalesce_bytes: while the link is busy the caller holds a send until more pieces
+// are filled. The bytes still arrive whole, no chunk is refilled under its transfer, and with
+// workers some sends carry several pieces; with the caller alone it waits for the link, then sends one.
 void test_coalescing(unsigned threads) {
-    setenv("EXPCACHE_STAGING_COALESCE", "65536", 1);  // read when the ring is made
+    StagingTuning tuning;
+    tuning.coalesce_bytes = 65536;  // a quarter of this ring at most: 32 KiB
     FakeLink t;
     t.busy_polls_ = 2000;
     {
-        StagingRing ring(t, threads, 16 * 8192, 8192);
-        unsetenv("EXPCACHE_STAGING_COALESCE");
+        StagingRing ring(t, threads, 16 * 8192, 8192, tuning);
         for (int call_no = 0; call_no < 10; ++call_no) {
             Call call{{30000, 50000, 20000 + 4096u * call_no}};
             const std::vector<char> src = random_bytes(call.total(), 100 + call_no);
@@ -238,10 +239,27 @@ void test_small_uploads_spread() {
           (unsigned long long)t.largest_);
 }
 
+// The same upload with StagingTuning's min_pieces 1 and short_pieces 0: whole chunks, 2 of them.
+void test_tuned_pieces() {
+    StagingTuning tuning;
+    tuning.min_pieces = 1;
+    tuning.short_pieces = 0;
+    FakeLink t;
+    StagingRing ring(t, 4, 8 << 20, 512 << 10, tuning);
+    Call call{{1 << 20}};
+    const std::vector<char> src = random_bytes(call.total(), 6);
+    std::vector<char> dst(call.total(), 0);
+    CHECK(stage(ring, call, src, dst) == EXPCACHE_OK, "%s", expcache::last_error());
+    t.drain();
+    CHECK(dst == src, "bytes differ");
+    CHECK(t.sent_ == 2 && t.largest_ == 512 << 10, "tuned: %llu pieces, the largest %llu bytes",
+          (unsigned long long)t.sent_, (unsigned long long)t.largest_);
+}
+
 // File pieces: buffered reads through the thread's bounce buffer (the default), straight into
-// the chunk (EXPCACHE_STAGING_FILE_BOUNCE=0), and O_DIRECT where the file system allows it;
+// the chunk (StagingTuning::file_bounce off), and O_DIRECT where the file system allows it;
 // uploads at odd offsets and sizes, several calls, so chunks and bounce buffers are reused.
-void test_file_pieces(unsigned threads, const char* bounce, bool direct) {
+void test_file_pieces(unsigned threads, bool bounce, bool direct) {
     char path[] = "/tmp/expcache_ring_test_XXXXXX";
     const int fd = mkstemp(path);
     CHECK(fd >= 0, "mkstemp failed");
@@ -252,11 +270,11 @@ void test_file_pieces(unsigned threads, const char* bounce, bool direct) {
     CHECK(written, "writing %s failed", path);
     expcache::SourceFile file;
     CHECK(file.open(path, direct) == EXPCACHE_OK, "open: %s", expcache::last_error());
-    setenv("EXPCACHE_STAGING_FILE_BOUNCE", bounce, 1);  // read when the ring is made
+    StagingTuning tuning;
+    tuning.file_bounce = bounce;
     FakeLink t;
     {
-        StagingRing ring(t, threads, 8 * 65536, 65536);
-        unsetenv("EXPCACHE_STAGING_FILE_BOUNCE");
+        StagingRing ring(t, threads, 8 * 65536, 65536, tuning);
         std::mt19937 rng(threads);
         for (int call_no = 0; call_no < 12; ++call_no) {
             std::vector<std::pair<uint64_t, uint64_t>> uploads;  // offset, bytes
@@ -277,8 +295,8 @@ void test_file_pieces(unsigned threads, const char* bounce, bool direct) {
             if (s == EXPCACHE_OK) s = ring.finish();
             CHECK(s == EXPCACHE_OK, "call %d: %s", call_no, expcache::last_error());
             t.drain();
-            CHECK(dst == want, "file call %d (%u threads, bounce %s, direct %d): bytes differ", call_no, threads, bounce,
-                  int(direct));
+            CHECK(dst == want, "file call %d (%u threads, bounce %d, direct %d): bytes differ", call_no, threads,
+                  int(bounce), int(direct));
         }
     }
     CHECK(t.resent_in_flight_ == 0 && t.freed_in_flight_ == 0, "in flight: resent %llu freed %llu",
@@ -333,9 +351,10 @@ int main() {
     for (unsigned threads : {1u, 4u}) test_failed_fill(threads);
     for (unsigned threads : {1u, 2u, 4u}) test_coalescing(threads);
     test_small_uploads_spread();
+    test_tuned_pieces();
     for (unsigned threads : {1u, 4u})
-        for (const char* bounce : {"1", "0"}) test_file_pieces(threads, bounce, false);
-    test_file_pieces(4, "1", true);
+        for (bool bounce : {true, false}) test_file_pieces(threads, bounce, false);
+    test_file_pieces(4, true, true);
     std::printf("ring_test: %d checks, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }

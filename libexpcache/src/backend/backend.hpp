@@ -11,6 +11,7 @@
 #include "expcache.h"
 #include "source_file.hpp"
 #include "staging_ring.hpp"
+#include "staging_tuning.hpp"
 
 namespace expcache {
 
@@ -95,11 +96,13 @@ public:
     virtual void leave() {}
 };
 
-// The staging ring of pageable and file uploads (expcache_config_t fields).
+// The staging ring of pageable and file uploads (expcache_config_t fields, and the
+// EXPCACHE_STAGING_* variables read when the cache was created).
 struct StagingConfig {
     uint32_t copy_threads;  // 0: pageable copies go straight to the link, files are read by the caller
     uint64_t ring_bytes;
     uint64_t chunk_bytes;
+    StagingTuning tuning;
 };
 
 // What both backends share. Pinned uploads wait in a list until finish_uploads()
@@ -149,7 +152,8 @@ private:
     // Made on first use: caches that never stage start no threads.
     StagingRing& ring() {
         if (!ring_)
-            ring_.reset(new StagingRing(*transport_, staging_.copy_threads, staging_.ring_bytes, staging_.chunk_bytes));
+            ring_.reset(new StagingRing(*transport_, staging_.copy_threads, staging_.ring_bytes, staging_.chunk_bytes,
+                                        staging_.tuning));
         return *ring_;
     }
     expcache_status_t flush_pinned();

@@ -1,8 +1,8 @@
 #include "staging_ring.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 
@@ -62,42 +62,24 @@ void StagingRing::wake(std::atomic<unsigned>& sleepers, std::condition_variable&
     cv.notify_all();
 }
 
-StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes)
+StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes,
+                         const StagingTuning& tuning)
     : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes),
-      num_threads_(copy_threads > 0 ? copy_threads - 1 : 0) {
+      num_threads_(copy_threads > 0 ? copy_threads - 1 : 0), nt_max_(tuning.nt_max_bytes),
+      bounce_(tuning.file_bounce), coalesce_(tuning.coalesce_bytes), min_pieces_(tuning.min_pieces),
+      wide_(tuning.wide_stores && copy_nt_wide_supported()), prefetch_(tuning.prefetch),
+      short_pieces_(tuning.short_pieces) {
     // Poll 1 ms when every worker and the caller have a core of their own (0: unknown).
     unsigned cores = usable_cores();
     spin_us_ = cores > num_threads_ + 1 ? 1000 : 0;
-    // For measurements: EXPCACHE_STAGING_NT_MAX (bytes; 0: memcpy only) limits the pageable
-    // pieces filled with non-temporal stores, EXPCACHE_STAGING_FILE_BOUNCE=0 has buffered file
-    // reads land in the chunk directly, EXPCACHE_STAGING_COALESCE (bytes) holds a send while
-    // the link is busy until that many bytes are filled (0: never), EXPCACHE_STAGING_MIN_PIECES
-    // sets the pieces an upload is cut into at least (see queue(), fill() and finish()).
-    if (const char* nt = std::getenv("EXPCACHE_STAGING_NT_MAX")) nt_max_ = std::strtoull(nt, nullptr, 10);
-    if (const char* b = std::getenv("EXPCACHE_STAGING_FILE_BOUNCE")) bounce_ = std::strcmp(b, "0") != 0;
-    if (const char* c = std::getenv("EXPCACHE_STAGING_COALESCE")) coalesce_ = std::strtoull(c, nullptr, 10);
-    if (const char* m = std::getenv("EXPCACHE_STAGING_MIN_PIECES")) min_pieces_ = std::strtoull(m, nullptr, 10);
-    // EXPCACHE_STAGING_COPY=sse2 fills with 16-byte non-temporal stores rather than 64-byte ones
-    // (the default where the CPU has AVX-512). EXPCACHE_STAGING_SHORT: how many pieces at the
-    // start of a call are short (the first 1/2^n of a chunk, then twice that, up to half).
-    if (const char* c = std::getenv("EXPCACHE_STAGING_COPY")) wide_ = std::strcmp(c, "sse2") != 0;
-    wide_ = wide_ && copy_nt_wide_supported();
-    // EXPCACHE_STAGING_PREFETCH (bytes; 0: none) sets how far ahead the 64-byte copy asks for
-    // source lines, EXPCACHE_STAGING_PREFETCH_HINT into which caches (t0, t2 or nta; copy_nt.hpp).
-    if (const char* p = std::getenv("EXPCACHE_STAGING_PREFETCH")) prefetch_.ahead = std::strtoull(p, nullptr, 10);
-    if (const char* h = std::getenv("EXPCACHE_STAGING_PREFETCH_HINT"))
-        prefetch_.locality = std::strcmp(h, "nta") == 0 ? 0 : std::strcmp(h, "t2") == 0 ? 1 : 3;
-    if (const char* h = std::getenv("EXPCACHE_STAGING_SHORT")) short_pieces_ = std::strtoull(h, nullptr, 10);
-    if (short_pieces_ > 16) short_pieces_ = 16;
-    if (const char* t = std::getenv("EXPCACHE_STAGING_TRACE")) {
-        // At most 2^24 pieces (1 GiB of notes); without the memory for them, no trace.
-        const char* n = std::getenv("EXPCACHE_STAGING_TRACE_PIECES");
-        const uint64_t pieces = n ? std::strtoull(n, nullptr, 10) : 65536;
+    if (short_pieces_ > StagingTuning::kMaxShortPieces) short_pieces_ = StagingTuning::kMaxShortPieces;
+    if (!tuning.trace_path.empty()) {
+        const uint64_t pieces = std::min(tuning.trace_pieces, StagingTuning::kMaxTracePieces);
         try {
-            trace_pieces_.resize(pieces < (uint64_t(1) << 24) ? pieces : uint64_t(1) << 24);
-            trace_path_ = t;
+            trace_pieces_.resize(pieces);
+            trace_path_ = tuning.trace_path;
         } catch (const std::exception&) {
-            trace_pieces_.clear();
+            trace_pieces_.clear();  // without the memory for them, no trace
         }
         trace_origin_ = now_ns();
     }

@@ -25,6 +25,7 @@
 #include "expcache.h"
 #include "copy_nt.hpp"
 #include "source_file.hpp"
+#include "staging_tuning.hpp"
 
 namespace expcache {
 
@@ -64,8 +65,9 @@ public:
     // An idle thread polls for a while before it sleeps: waking a sleeping thread costs
     // tens of microseconds (more in a VM), about the time a chunk takes to cross the
     // link, and decode calls come every few hundred microseconds. The polling is left
-    // out when the threads would share cores.
-    StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes);
+    // out when the threads would share cores. `tuning`: the measurement knobs (staging_tuning.hpp).
+    StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes,
+                const StagingTuning& tuning = StagingTuning());
     ~StagingRing();
     StagingRing(const StagingRing&) = delete;
     StagingRing& operator=(const StagingRing&) = delete;
@@ -91,11 +93,7 @@ public:
     // of them, in queue order.
     void inject_failures(uint64_t skip, uint64_t count);
 
-    // For measurements: with EXPCACHE_STAGING_TRACE=FILE set, the ring notes when each of its
-    // first EXPCACHE_STAGING_TRACE_PIECES pieces (default 65536, 2^24 at most) was queued, taken
-    // by a filler, filled and sent, and when each call began, reached finish() and returned; it
-    // appends them to FILE as CSV when it is destroyed (docs/transfers.md). Nothing is noted
-    // without it.
+    // What a trace notes (StagingTuning::trace_path), per piece and per call.
     struct TracePiece {
         uint64_t call, bytes, queued, taken, filled, sent, send;
         unsigned filler;  // 0: the calling thread, 1..: a worker
@@ -166,13 +164,14 @@ private:
     uint64_t chunk_;
     unsigned num_threads_;
     unsigned spin_us_ = 0;
-    uint64_t nt_max_ = UINT64_MAX;  // pageable pieces up to this size get non-temporal stores (see fill())
-    bool bounce_ = true;            // buffered file reads go through the thread's bounce buffer (see fill())
-    uint64_t coalesce_ = 4 << 20;   // while the link is busy, hold a send until it has this many bytes
-    uint64_t min_pieces_ = 4;       // an upload is cut into this many pieces at least (see queue())
-    bool wide_ = true;              // fill with copy_nt_wide, else copy_nt (see stream_copy())
-    Prefetch prefetch_ = kStagingPrefetch;  // copy_nt_wide's (see stream_copy())
-    uint64_t short_pieces_ = 3;     // the first pieces of a call are short, this many (see queue())
+    // The knobs (StagingTuning says what each sets).
+    uint64_t nt_max_;               // see fill()
+    bool bounce_;                   // see fill()
+    uint64_t coalesce_;             // a quarter of the ring at most (see send_round())
+    uint64_t min_pieces_;           // see queue()
+    bool wide_;                     // and the CPU has AVX-512: copy_nt_wide, else copy_nt (see stream_copy())
+    Prefetch prefetch_;             // copy_nt_wide's (see stream_copy())
+    uint64_t short_pieces_;         // see queue()
     void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
     std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
     std::vector<std::thread> threads_;
