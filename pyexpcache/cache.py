@@ -516,7 +516,7 @@ class ExpertCache:
         """Block until every queued prefetch has been sent and has landed: each is then resident,
         so a select listing it is a hit and counts it ``used``. Raises CudaError for a prefetch
         piece that failed (once), InvalidStateError while the thread is paused
-        (:meth:`pause_prefetch`) with prefetches queued. Synchronizes."""
+        (:func:`pyexpcache.testing.pause_prefetch`) with prefetches queued. Synchronizes."""
         self._call("expcache_prefetch_wait")
 
     def hint(self, layer: int, expert_ids) -> None:
@@ -565,52 +565,6 @@ class ExpertCache:
         self._call("expcache_synchronize", stream_handle(stream))
 
     # -- inspection ------------------------------------------------------------
-    def read_expert(self, layer: int, expert: int) -> Optional[np.ndarray]:
-        """The resident bytes of (layer, expert) (gate, up, down) as uint8, or None when it is
-        not resident. Synchronizes."""
-        layer, expert = self._layer(layer), u32(expert, "expert")
-        spec = self.layout[layer] if layer < self.layout.num_layers else None
-        nbytes = spec.expert_bytes if spec else 1  # the library reports a bad or dense layer
-        out = np.empty(nbytes, dtype=np.uint8)
-        resident = ctypes.c_uint32()
-        self._call("expcache_testing_read_resident", layer, expert, out.ctypes.data, nbytes, ctypes.byref(resident))
-        return out if resident.value else None
-
-    def read_device(self, address: int, nbytes: int) -> np.ndarray:
-        """Copy ``nbytes`` at a device ``address`` the cache handed out to host memory."""
-        address, nbytes = u64(address, "address"), u64(nbytes, "nbytes")
-        out = np.empty(nbytes, dtype=np.uint8)
-        self._call("expcache_testing_read_device", address, out.ctypes.data, nbytes)
-        return out
-
-    def checksum(self, layer: int, pointers, stream=None) -> np.ndarray:
-        """Run the checksum kernel over experts at ``pointers`` ([n, 3] addresses of ``layer``'s
-        class, as select returns): uint64 per expert. Reads every byte. Synchronizes."""
-        layer = self._layer(layer)
-        ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
-        out = np.empty(ptrs.shape[0], dtype=np.uint64)
-        self._call("expcache_testing_checksum", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
-                   stream_handle(stream), out.ctypes.data)
-        return out
-
-    def checksum_async(self, layer: int, pointers, first: int, stream=None) -> None:
-        """:meth:`checksum` without waiting: the sums go to result slots ``[first, first + n)``
-        when ``stream`` reaches the kernel; read them with :meth:`checksum_results` after
-        synchronizing it."""
-        layer, first = self._layer(layer), u32(first, "first")
-        ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
-        self._call("expcache_testing_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
-                   stream_handle(stream), first)
-
-    def checksum_results(self, first: int, n: int) -> np.ndarray:
-        """Result slots ``[first, first + n)`` of :meth:`checksum_async` (does not wait)."""
-        first, n = u32(first, "first"), u32(n, "n")
-        if n > _lib.CHECKSUM_RESULTS:
-            raise ValueError(f"n must be at most {_lib.CHECKSUM_RESULTS}, got {n}")
-        out = np.empty(max(n, 1), dtype=np.uint64)
-        self._call("expcache_testing_checksum_results", first, n, out.ctypes.data)
-        return out[:n]
-
     def layer_class(self, layer: int) -> int:
         """The class index ``layer`` is bound to (binding it now if needed)."""
         out = ctypes.c_uint32()
@@ -660,29 +614,3 @@ class ExpertCache:
     def reset_stats(self) -> None:
         """Zero every counter, the staging ring's and prefetch's too."""
         self._call("expcache_stats_reset")
-
-    @property
-    def device_bytes_in_use(self) -> int:
-        """Device bytes the cache holds now (slots and staging)."""
-        out = ctypes.c_uint64()
-        self._call("expcache_testing_device_bytes_in_use", ctypes.byref(out))
-        return out.value
-
-    # -- testing -----------------------------------------------------------------
-    def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
-        """Fault injection: let ``n`` device allocations succeed, then fail the next ``count``."""
-        self._call("expcache_testing_inject_alloc_failures", u64(n, "n"), u64(count, "count"))
-
-    def fail_copy_after(self, n: int, count: int = 1) -> None:
-        """Fault injection: let ``n`` copies be issued, then fail the next ``count`` (CudaError)."""
-        self._call("expcache_testing_inject_copy_failures", u64(n, "n"), u64(count, "count"))
-
-    def fail_staging_after(self, n: int, count: int = 1) -> None:
-        """Fault injection: let ``n`` staged pieces (pageable and file uploads) be filled, then
-        fail the next ``count`` on the staging threads (CudaError from the call that staged them)."""
-        self._call("expcache_testing_inject_staging_failures", u64(n, "n"), u64(count, "count"))
-
-    def pause_prefetch(self, paused: bool = True) -> None:
-        """Testing: while paused the prefetch thread sends nothing, so queued prefetches stay queued
-        until the next serving call cancels them (:meth:`wait_prefetch` refuses to wait for them)."""
-        self._call("expcache_testing_prefetch_pause", 1 if paused else 0)
