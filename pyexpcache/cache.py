@@ -182,9 +182,10 @@ class ExpertCache:
             a multiple of 4096 in 64 KiB..64 MiB).
         file_reads: file sources: ``"buffered"`` (default: pread through the page cache) or
             ``"direct"`` (O_DIRECT where the file system allows it: models larger than RAM).
-        policy: eviction policy of every class: ``"oppclass"`` (default: OppClassLRU, decayed use
-            count classes with age in missed opportunities of the expert's layer; more hits than
-            LRU, most at small budgets: docs/policy.md) or ``"lru"``.
+        policy: eviction policy of every class, a name of the library's policy table: ``"oppclass"``
+            (OppClassLRU, decayed use count classes with age in missed opportunities of the
+            expert's layer; more hits than LRU, most at small budgets: docs/policy.md) or ``"lru"``.
+            Default (None): the library's default, ``"oppclass"`` (``pyexpcache._lib.DEFAULT_POLICY``).
         prefetch_max_per_layer: most experts of one layer prefetched between two serving calls of
             that layer (default 8; 0 turns :meth:`prefetch` off).
         prefetch_piece_bytes: most prefetch bytes in flight at once (two transfers of half), what
@@ -205,11 +206,11 @@ class ExpertCache:
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
                  copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
-                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: str = "oppclass",
+                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: Optional[str] = None,
                  prefetch_max_per_layer: Optional[int] = None, prefetch_piece_bytes: Optional[int] = None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
-        if policy not in _lib.POLICIES:
+        if policy is not None and policy not in _lib.POLICIES:
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if file_reads not in _lib.FILE_READS:
             raise ValueError(f"file_reads must be one of {sorted(_lib.FILE_READS)}, got {file_reads!r}")
@@ -228,12 +229,13 @@ class ExpertCache:
             ("copy_threads", copy_threads), ("staging_bytes", staging_bytes),
             ("staging_chunk_bytes", staging_chunk_bytes), ("prefetch_max_per_layer", prefetch_max_per_layer),
             ("prefetch_piece_bytes", prefetch_piece_bytes)) if value is not None)
-        _lib.set_fields(cfg, backend=_BACKENDS[backend], policy=_lib.POLICIES[policy],
-                        file_reads=_lib.FILE_READS[file_reads], **given)
+        if policy is not None:
+            given["policy"] = _lib.POLICIES[policy]
+        _lib.set_fields(cfg, backend=_BACKENDS[backend], file_reads=_lib.FILE_READS[file_reads], **given)
         self.layout = layout
         self.source = source
         self.max_classes = max_classes
-        self.policy = policy
+        self.policy = _lib.DEFAULT_POLICY if policy is None else policy
         self._scratch = _Scratch()
         self._select_fn = lib.expcache_select_async
         self._split_fn = lib.expcache_select_split_async
