@@ -501,7 +501,8 @@ with HostSource(layout, pinned=False) as source, \\
     ids = [3, 4, 5, 6, 7, 8]
     ptrs = cache.select(0, ids)
     st = cache.stats().total
-    print(st.misses, st.direct_loads, testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids])
+    print(st.misses, st.direct_loads,
+          testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids])
 """
 
 
