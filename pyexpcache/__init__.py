@@ -30,19 +30,25 @@ from ._errors import (  # noqa: E402 (the version first: submodules read it)
     SourceIOError,
     UnsupportedError,
 )
-from .cache import (Batch, CacheStats, ClassInfo, ClassStats, CompactBuffer, ExpertCache, PathStats, StagingStats,
-                    staging_defaults)
+from .cache import Batch, CompactBuffer, ExpertCache, staging_defaults
+from .gguf import GGUFSource
 from .layout import LayerSpec, ModelLayout
 from .multi import DeviceBatch, DeviceSelection, MultiDeviceCache
 from .placement import Placement, loads_from_calls
-from .source import HostSource, checksum_bytes
+from .selection import Selection
+from .source import BufferSource, HostSource, LayerPlacement, Source, checksum_bytes
+from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats
+from .views import ExpertView, TensorView
 
+# Every public name: the caches, their options' types and what their methods return (so an engine
+# can annotate with them), the sources, the exceptions. The test hooks are pyexpcache.testing's.
 __all__ = [
-    "ArgumentRangeError", "Batch", "CacheClosedError", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer",
-    "CudaError", "DeviceBatch", "DeviceSelection", "ExpcacheError", "ExpcacheWarning", "ExpertCache",
-    "ForkedError", "HostSource", "InternalError", "InvalidArgumentError", "InvalidStateError", "LayerSpec", "ModelLayout",
-    "MultiDeviceCache", "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "Placement",
-    "PoisonedError", "SourceIOError", "StagingStats", "UnsupportedError", "checksum_bytes", "library_version",
+    "ArgumentRangeError", "Batch", "BufferSource", "CacheClosedError", "CacheStats", "ClassInfo", "ClassStats",
+    "CompactBuffer", "CudaError", "DeviceBatch", "DeviceSelection", "ExpcacheError", "ExpcacheWarning",
+    "ExpertCache", "ExpertView", "ForkedError", "GGUFSource", "HostSource", "InternalError", "InvalidArgumentError",
+    "InvalidStateError", "LayerPlacement", "LayerSpec", "ModelLayout", "MultiDeviceCache", "OutOfDeviceMemoryError",
+    "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError", "PrefetchStats", "Selection", "Source",
+    "SourceIOError", "StagingStats", "TensorView", "UnsupportedError", "checksum_bytes", "library_version",
     "loads_from_calls", "staging_defaults",
 ]
 

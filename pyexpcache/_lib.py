@@ -3,8 +3,8 @@ expcache.h field by field, each function has argtypes and restype, and the C
 prototype is quoted above it. Status-returning functions raise through
 ``errcheck``, so every failure becomes an exception in exactly one place.
 
-The library is loaded on first use of ``lib``, ``library_path`` or ``POLICIES``
-(a module ``__getattr__``), not on import, so ``--help`` and the pure-Python tools
+The library is loaded on first use of ``lib``, ``library_path``, ``POLICIES`` or
+``DEFAULT_POLICY`` (a module ``__getattr__``), not on import, so ``--help`` and the pure-Python tools
 work before it is built. :func:`set_fields` is how a struct is filled: it range-checks
 every integer against its C field type, since ctypes would silently wrap it.
 """
@@ -36,7 +36,8 @@ BACKEND_AUTO, BACKEND_HOST, BACKEND_CUDA = 0, 1, 2
 SOURCE_PAGEABLE, SOURCE_PINNED, SOURCE_FILE = 0, 1, 2
 LOG_SILENT, LOG_WARNING, LOG_NOTICE, LOG_DEBUG = 0, 1, 2, 3
 # POLICIES, {name: EXPCACHE_POLICY_* id} in id order, is the library's own table (policy_table), read
-# when it loads: a policy is named once, in libexpcache/src/policy/registry.cpp.
+# when it loads: a policy is named once, in libexpcache/src/policy/registry.cpp. DEFAULT_POLICY is the
+# name of the one expcache_config_init fills in.
 FILE_READS = {"buffered": 0, "direct": 1}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
@@ -346,13 +347,20 @@ def policy_table(dll: ctypes.CDLL) -> dict[str, int]:
     return table
 
 
+def default_policy(dll: ctypes.CDLL) -> str:
+    """The name of the policy expcache_config_init fills in."""
+    cfg = Config()
+    dll.expcache_config_init(ctypes.byref(cfg))
+    return dll.expcache_policy_name(cfg.policy).decode()
+
+
 _load_lock = threading.Lock()
 
 
 def _load() -> None:
-    """Find, load and declare the library once; then ``lib``, ``library_path`` and ``POLICIES`` are
-    plain globals."""
-    global lib, library_path, POLICIES
+    """Find, load and declare the library once; then ``lib``, ``library_path``, ``POLICIES`` and
+    ``DEFAULT_POLICY`` are plain globals."""
+    global lib, library_path, POLICIES, DEFAULT_POLICY
     with _load_lock:
         if "lib" in globals():
             return
@@ -360,13 +368,14 @@ def _load() -> None:
         _declare(dll)
         check_struct_sizes(dll, path)
         POLICIES = policy_table(dll)
+        DEFAULT_POLICY = default_policy(dll)
         library_path = path
         lib = dll
 
 
 def __getattr__(name: str):
     # Only reached while ``lib`` / ``library_path`` are not yet globals (PEP 562).
-    if name in ("lib", "library_path", "POLICIES"):
+    if name in ("lib", "library_path", "POLICIES", "DEFAULT_POLICY"):
         _load()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

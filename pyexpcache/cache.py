@@ -182,9 +182,10 @@ class ExpertCache:
             a multiple of 4096 in 64 KiB..64 MiB).
         file_reads: file sources: ``"buffered"`` (default: pread through the page cache) or
             ``"direct"`` (O_DIRECT where the file system allows it: models larger than RAM).
-        policy: eviction policy of every class: ``"oppclass"`` (default: OppClassLRU, decayed use
-            count classes with age in missed opportunities of the expert's layer; more hits than
-            LRU, most at small budgets: docs/policy.md) or ``"lru"``.
+        policy: eviction policy of every class, a name of the library's policy table: ``"oppclass"``
+            (OppClassLRU, decayed use count classes with age in missed opportunities of the
+            expert's layer; more hits than LRU, most at small budgets: docs/policy.md) or ``"lru"``.
+            Default (None): the library's default, ``"oppclass"`` (``pyexpcache._lib.DEFAULT_POLICY``).
         prefetch_max_per_layer: most experts of one layer prefetched between two serving calls of
             that layer (default 8; 0 turns :meth:`prefetch` off).
         prefetch_piece_bytes: most prefetch bytes in flight at once (two transfers of half), what
@@ -205,11 +206,11 @@ class ExpertCache:
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
                  copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
-                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: str = "oppclass",
+                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: Optional[str] = None,
                  prefetch_max_per_layer: Optional[int] = None, prefetch_piece_bytes: Optional[int] = None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
-        if policy not in _lib.POLICIES:
+        if policy is not None and policy not in _lib.POLICIES:
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if file_reads not in _lib.FILE_READS:
             raise ValueError(f"file_reads must be one of {sorted(_lib.FILE_READS)}, got {file_reads!r}")
@@ -228,12 +229,13 @@ class ExpertCache:
             ("copy_threads", copy_threads), ("staging_bytes", staging_bytes),
             ("staging_chunk_bytes", staging_chunk_bytes), ("prefetch_max_per_layer", prefetch_max_per_layer),
             ("prefetch_piece_bytes", prefetch_piece_bytes)) if value is not None)
-        _lib.set_fields(cfg, backend=_BACKENDS[backend], policy=_lib.POLICIES[policy],
-                        file_reads=_lib.FILE_READS[file_reads], **given)
+        if policy is not None:
+            given["policy"] = _lib.POLICIES[policy]
+        _lib.set_fields(cfg, backend=_BACKENDS[backend], file_reads=_lib.FILE_READS[file_reads], **given)
         self.layout = layout
         self.source = source
         self.max_classes = max_classes
-        self.policy = policy
+        self.policy = _lib.DEFAULT_POLICY if policy is None else policy
         self._scratch = _Scratch()
         self._select_fn = lib.expcache_select_async
         self._split_fn = lib.expcache_select_split_async
@@ -516,7 +518,7 @@ class ExpertCache:
         """Block until every queued prefetch has been sent and has landed: each is then resident,
         so a select listing it is a hit and counts it ``used``. Raises CudaError for a prefetch
         piece that failed (once), InvalidStateError while the thread is paused
-        (:meth:`pause_prefetch`) with prefetches queued. Synchronizes."""
+        (:func:`pyexpcache.testing.pause_prefetch`) with prefetches queued. Synchronizes."""
         self._call("expcache_prefetch_wait")
 
     def hint(self, layer: int, expert_ids) -> None:
@@ -565,52 +567,6 @@ class ExpertCache:
         self._call("expcache_synchronize", stream_handle(stream))
 
     # -- inspection ------------------------------------------------------------
-    def read_expert(self, layer: int, expert: int) -> Optional[np.ndarray]:
-        """The resident bytes of (layer, expert) (gate, up, down) as uint8, or None when it is
-        not resident. Synchronizes."""
-        layer, expert = self._layer(layer), u32(expert, "expert")
-        spec = self.layout[layer] if layer < self.layout.num_layers else None
-        nbytes = spec.expert_bytes if spec else 1  # the library reports a bad or dense layer
-        out = np.empty(nbytes, dtype=np.uint8)
-        resident = ctypes.c_uint32()
-        self._call("expcache_testing_read_resident", layer, expert, out.ctypes.data, nbytes, ctypes.byref(resident))
-        return out if resident.value else None
-
-    def read_device(self, address: int, nbytes: int) -> np.ndarray:
-        """Copy ``nbytes`` at a device ``address`` the cache handed out to host memory."""
-        address, nbytes = u64(address, "address"), u64(nbytes, "nbytes")
-        out = np.empty(nbytes, dtype=np.uint8)
-        self._call("expcache_testing_read_device", address, out.ctypes.data, nbytes)
-        return out
-
-    def checksum(self, layer: int, pointers, stream=None) -> np.ndarray:
-        """Run the checksum kernel over experts at ``pointers`` ([n, 3] addresses of ``layer``'s
-        class, as select returns): uint64 per expert. Reads every byte. Synchronizes."""
-        layer = self._layer(layer)
-        ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
-        out = np.empty(ptrs.shape[0], dtype=np.uint64)
-        self._call("expcache_testing_checksum", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
-                   stream_handle(stream), out.ctypes.data)
-        return out
-
-    def checksum_async(self, layer: int, pointers, first: int, stream=None) -> None:
-        """:meth:`checksum` without waiting: the sums go to result slots ``[first, first + n)``
-        when ``stream`` reaches the kernel; read them with :meth:`checksum_results` after
-        synchronizing it."""
-        layer, first = self._layer(layer), u32(first, "first")
-        ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
-        self._call("expcache_testing_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
-                   stream_handle(stream), first)
-
-    def checksum_results(self, first: int, n: int) -> np.ndarray:
-        """Result slots ``[first, first + n)`` of :meth:`checksum_async` (does not wait)."""
-        first, n = u32(first, "first"), u32(n, "n")
-        if n > _lib.CHECKSUM_RESULTS:
-            raise ValueError(f"n must be at most {_lib.CHECKSUM_RESULTS}, got {n}")
-        out = np.empty(max(n, 1), dtype=np.uint64)
-        self._call("expcache_testing_checksum_results", first, n, out.ctypes.data)
-        return out[:n]
-
     def layer_class(self, layer: int) -> int:
         """The class index ``layer`` is bound to (binding it now if needed)."""
         out = ctypes.c_uint32()
@@ -660,29 +616,3 @@ class ExpertCache:
     def reset_stats(self) -> None:
         """Zero every counter, the staging ring's and prefetch's too."""
         self._call("expcache_stats_reset")
-
-    @property
-    def device_bytes_in_use(self) -> int:
-        """Device bytes the cache holds now (slots and staging)."""
-        out = ctypes.c_uint64()
-        self._call("expcache_testing_device_bytes_in_use", ctypes.byref(out))
-        return out.value
-
-    # -- testing -----------------------------------------------------------------
-    def fail_device_alloc_after(self, n: int, count: int = 1) -> None:
-        """Fault injection: let ``n`` device allocations succeed, then fail the next ``count``."""
-        self._call("expcache_testing_inject_alloc_failures", u64(n, "n"), u64(count, "count"))
-
-    def fail_copy_after(self, n: int, count: int = 1) -> None:
-        """Fault injection: let ``n`` copies be issued, then fail the next ``count`` (CudaError)."""
-        self._call("expcache_testing_inject_copy_failures", u64(n, "n"), u64(count, "count"))
-
-    def fail_staging_after(self, n: int, count: int = 1) -> None:
-        """Fault injection: let ``n`` staged pieces (pageable and file uploads) be filled, then
-        fail the next ``count`` on the staging threads (CudaError from the call that staged them)."""
-        self._call("expcache_testing_inject_staging_failures", u64(n, "n"), u64(count, "count"))
-
-    def pause_prefetch(self, paused: bool = True) -> None:
-        """Testing: while paused the prefetch thread sends nothing, so queued prefetches stay queued
-        until the next serving call cancels them (:meth:`wait_prefetch` refuses to wait for them)."""
-        self._call("expcache_testing_prefetch_pause", 1 if paused else 0)

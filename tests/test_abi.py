@@ -14,7 +14,7 @@ from ctypes import byref, c_uint32, c_uint64
 import numpy as np
 import pytest
 
-from pyexpcache import ExpcacheError, ModelLayout, HostSource, ExpertCache
+from pyexpcache import ExpcacheError, ModelLayout, HostSource, ExpertCache, testing
 from pyexpcache import _lib
 from pyexpcache._lib import lib
 
@@ -475,7 +475,7 @@ def test_bad_input(case, live):
     _expect(fn_name, make_args(cache._handle), status, fragment)
     # The cache still serves correct bytes afterwards.
     ptrs = cache.select(3, [1, 2])
-    assert (cache.read_device(int(ptrs[1][0]), 528) == source.part(3, 2, 0)).all()
+    assert (testing.read_device(cache, int(ptrs[1][0]), 528) == source.part(3, 2, 0)).all()
 
 
 @pytest.mark.parametrize("case", DESC_CASES, ids=[c[0] for c in DESC_CASES])
@@ -555,12 +555,13 @@ def test_host_only_library_serves(tmp_path):
         pytest.skip("libexpcache_host.so not built")
     code = (
         "import pyexpcache as p\n"
+        "from pyexpcache import testing\n"
         "L = p.ModelLayout.preset('q2', scale=4096)\n"
         "s = p.HostSource(L)\n"
         "c = p.ExpertCache(L, s, budget_experts=4)\n"
         "assert c.backend == 'host'\n"
         "ptr = c.select(3, [1, 2])\n"
-        "assert (c.read_expert(3, 2) == s.expert_bytes(3, 2)).all()\n"
+        "assert (testing.read_expert(c, 3, 2) == s.expert_bytes(3, 2)).all()\n"
         "try:\n"
         "    p.ExpertCache(L, s, budget_experts=4, backend='cuda')\n"
         "except p.UnsupportedError as e:\n"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from support.cache import SCALE
-from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, ModelLayout
+from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, ModelLayout, testing
 
 BIG32 = 2**32 + 5
 BIG64 = 2**64 + 2**20
@@ -19,16 +19,16 @@ CALLS = [
     ("select expert id", lambda c: c.select(5, [2**32 + 1]), "expert_ids"),
     ("load_compact layer", lambda c: c.load_compact(BIG32, [1]), "layer"),
     ("prepare_batch layer", lambda c: c.prepare_batch(BIG32, [[1]]), "layer"),
-    ("read_expert layer", lambda c: c.read_expert(BIG32, 1), "layer"),
-    ("read_expert expert", lambda c: c.read_expert(5, 2**32 + 1), "expert"),
-    ("read_device address", lambda c: c.read_device(BIG64, 8), "address"),
-    ("read_device nbytes", lambda c: c.read_device(0, BIG64), "nbytes"),
+    ("read_expert layer", lambda c: testing.read_expert(c, BIG32, 1), "layer"),
+    ("read_expert expert", lambda c: testing.read_expert(c, 5, 2**32 + 1), "expert"),
+    ("read_device address", lambda c: testing.read_device(c, BIG64, 8), "address"),
+    ("read_device nbytes", lambda c: testing.read_device(c, 0, BIG64), "nbytes"),
     ("layer_class", lambda c: c.layer_class(BIG32), "layer"),
-    ("checksum layer", lambda c: c.checksum(BIG32, np.zeros((1, 3), np.uint64)), "layer"),
-    ("checksum_async first", lambda c: c.checksum_async(5, np.zeros((1, 3), np.uint64), BIG32), "first"),
-    ("checksum_results n", lambda c: c.checksum_results(0, BIG32), "n"),
-    ("fail_device_alloc_after", lambda c: c.fail_device_alloc_after(BIG64), "n"),
-    ("fail_copy_after count", lambda c: c.fail_copy_after(0, -1), "count"),
+    ("checksum layer", lambda c: testing.checksum(c, BIG32, np.zeros((1, 3), np.uint64)), "layer"),
+    ("checksum_async first", lambda c: testing.checksum_async(c, 5, np.zeros((1, 3), np.uint64), BIG32), "first"),
+    ("checksum_results n", lambda c: testing.checksum_results(c, 0, BIG32), "n"),
+    ("fail_device_alloc_after", lambda c: testing.fail_device_alloc_after(c, BIG64), "n"),
+    ("fail_copy_after count", lambda c: testing.fail_copy_after(c, 0, -1), "count"),
     ("select stream", lambda c: c.select(5, [1], stream=BIG64), "stream"),
 ]
 
@@ -43,7 +43,7 @@ def test_out_of_range_integers_raise_naming_the_parameter(make_cache, name, call
     after = cache.stats().total
     assert (after.calls, after.hits, after.misses) == (before.calls, before.hits, before.misses), \
         "a refused call reached the library"
-    assert (cache.read_expert(5, 1) == source.expert_bytes(5, 1)).all()
+    assert (testing.read_expert(cache, 5, 1) == source.expert_bytes(5, 1)).all()
 
 
 def test_range_error_is_both_value_and_overflow_error():
@@ -76,7 +76,7 @@ def test_numpy_integers_are_accepted(make_cache):
     cache, source = make_cache(budget_experts=4)
     ptrs = cache.select(np.int64(5), np.array([1, 2], dtype=np.int64))
     assert ptrs.shape == (2, 3)
-    assert (cache.read_expert(np.uint32(5), np.int16(2)) == source.expert_bytes(5, 2)).all()
+    assert (testing.read_expert(cache, np.uint32(5), np.int16(2)) == source.expert_bytes(5, 2)).all()
 
 
 # -- the shape of expert ids ---------------------------------------------------------------
@@ -144,9 +144,9 @@ LAYER_CALLS = [
     ("hint", lambda c, layer: c.hint(layer, [1])),
     ("load_compact", lambda c, layer: c.load_compact(layer, [1])),
     ("prepare_batch", lambda c, layer: c.prepare_batch(layer, [[1]])),
-    ("read_expert", lambda c, layer: c.read_expert(layer, 1)),
+    ("read_expert", lambda c, layer: testing.read_expert(c, layer, 1)),
     ("layer_class", lambda c, layer: c.layer_class(layer)),
-    ("checksum", lambda c, layer: c.checksum(layer, np.zeros((1, 3), np.uint64))),
+    ("checksum", lambda c, layer: testing.checksum(c, layer, np.zeros((1, 3), np.uint64))),
 ]
 
 

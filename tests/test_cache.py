@@ -18,6 +18,7 @@ from pyexpcache import (
     LayerSpec,
     ModelLayout,
     OutOfDeviceMemoryError,
+    testing,
 )
 
 from support.cache import SCALE, assert_served
@@ -36,7 +37,7 @@ def test_select_serves_source_bytes(make_cache):
         assert ptrs.shape == (4, 3)
         assert_served(cache, source, layer, ids, ptrs)
         for e in ids:
-            assert (cache.read_expert(layer, e) == source.expert_bytes(layer, e)).all()
+            assert (testing.read_expert(cache, layer, e) == source.expert_bytes(layer, e)).all()
 
 
 def test_select_counts_hits_and_misses(make_cache):
@@ -57,10 +58,10 @@ def test_full_class_evicts_one_resident_expert_per_miss(make_cache):
         cache.select(0, [e])
     cache.select(0, [0])
     cache.select(0, [3])
-    resident = [e for e in range(4) if cache.read_expert(0, e) is not None]
+    resident = [e for e in range(4) if testing.read_expert(cache, 0, e) is not None]
     assert len(resident) == 3 and 3 in resident
     for e in resident:
-        assert (cache.read_expert(0, e) == source.expert_bytes(0, e)).all()
+        assert (testing.read_expert(cache, 0, e) == source.expert_bytes(0, e)).all()
     st = cache.stats().path("decode")
     assert (st.hits, st.misses, st.evictions) == (1, 4, 1)
 
@@ -72,8 +73,8 @@ def test_lru_evicts_least_recently_used(make_cache):
         cache.select(0, [e])
     cache.select(0, [0])          # 1 is now least recently used
     cache.select(0, [3])          # evicts 1
-    assert cache.read_expert(0, 1) is None
-    assert all(cache.read_expert(0, e) is not None for e in (0, 2, 3))
+    assert testing.read_expert(cache, 0, 1) is None
+    assert all(testing.read_expert(cache, 0, e) is not None for e in (0, 2, 3))
     assert cache.stats().path("decode").evictions == 1
 
 
@@ -92,7 +93,7 @@ def test_miss_never_evicts_expert_of_same_call(make_cache):
     cache.select(0, [0, 1, 2])
     # 0 and 1 are hits of this call; the miss 3 must evict 2, the only one not in the call.
     ptrs = cache.select(0, [1, 3, 0])
-    assert cache.read_expert(0, 2) is None
+    assert testing.read_expert(cache, 0, 2) is None
     assert_served(cache, source, 0, [1, 3, 0], ptrs)
 
 
@@ -167,7 +168,7 @@ def test_batch_appends_into_free_capacity_only(make_cache):
         assert_served(cache, source, 0, batch.ids, batch.pointers)
     st = cache.stats().path("batch")
     assert (st.hits, st.misses, st.appends, st.direct_loads, st.evictions) == (1, 4, 2, 2, 0)
-    assert cache.read_expert(0, 1) is not None  # the decode expert survived
+    assert testing.read_expert(cache, 0, 1) is not None  # the decode expert survived
 
 
 def test_batch_appends_are_evicted_first(make_cache):
@@ -175,7 +176,7 @@ def test_batch_appends_are_evicted_first(make_cache):
     cache.select(0, [0])
     cache.prepare_batch(0, [[1, 2]]).finish()
     cache.select(0, [3])  # evicts a cold append, not the decode expert 0
-    assert cache.read_expert(0, 0) is not None
+    assert testing.read_expert(cache, 0, 0) is not None
 
 
 def test_batch_holds_slots_until_finished(make_cache):
@@ -188,7 +189,7 @@ def test_batch_holds_slots_until_finished(make_cache):
     batch.finish()
     batch.finish()  # idempotent
     cache.select(0, [2, 3])
-    assert cache.read_expert(0, 2) is not None and cache.read_expert(0, 0) is None
+    assert testing.read_expert(cache, 0, 2) is not None and testing.read_expert(cache, 0, 0) is None
 
 
 def test_batch_finish_rejects_unknown_batch(make_cache):
@@ -247,36 +248,36 @@ def test_compact_buffer_layout_and_bytes(make_cache):
     assert buf.num_experts == 4 and buf.gate_bytes == spec.gate_bytes
     assert buf.up_offset >= 4 * spec.gate_bytes and buf.down_offset >= buf.up_offset + 4 * spec.up_bytes
     assert_served(cache, source, 0, ids, buf.pointers())
-    whole = cache.read_device(buf.base, buf.nbytes)
+    whole = testing.read_device(cache, buf.base, buf.nbytes)
     gate = whole[:4 * spec.gate_bytes].reshape(4, -1)
     for i, e in enumerate(ids):
         assert (gate[i] == source.part(0, e, 0)).all()
     st = cache.stats().path("compact")
     assert (st.hits, st.misses) == (2, 1)
     assert st.bytes_d2d == 2 * spec.expert_bytes and st.bytes_h2d == 2 * spec.expert_bytes  # 5 is copied twice
-    assert cache.read_expert(0, 5) is None  # compact loads do not change residency
+    assert testing.read_expert(cache, 0, 5) is None  # compact loads do not change residency
 
 
 def test_compact_retries_once_after_releasing_the_cache(make_cache):
     cache, source = make_cache(small(), budget_experts=8)
     cache.select(0, [0, 1, 2])
-    cache.fail_device_alloc_after(0, count=1)
+    testing.fail_device_alloc_after(cache, 0, count=1)
     buf = cache.load_compact(0, [0, 3])
     assert_served(cache, source, 0, [0, 3], buf.pointers())
     st = cache.stats()
     assert st.path("compact").alloc_retries == 1
     assert st.path("compact").releases == 1
-    assert cache.read_expert(0, 1) is None  # the cache was released for the retry
+    assert testing.read_expert(cache, 0, 1) is None  # the cache was released for the retry
     assert st.path("compact").misses == 2     # ... so 0 was read from the host
 
 
 def test_compact_fails_cleanly_after_second_failure(make_cache):
     cache, source = make_cache(small(), budget_experts=8)
     cache.select(0, [0, 1, 2])
-    cache.fail_device_alloc_after(0, count=2)
+    testing.fail_device_alloc_after(cache, 0, count=2)
     with pytest.raises(OutOfDeviceMemoryError, match="even after releasing"):
         cache.load_compact(0, [0, 3])
-    assert cache.device_bytes_in_use == 0  # slots released, nothing leaked
+    assert testing.device_bytes_in_use(cache) == 0  # slots released, nothing leaked
     assert cache.stats().path("compact").alloc_retries == 1
     # The cache is consistent and usable.
     ptrs = cache.select(0, [0, 1, 4])
@@ -288,7 +289,7 @@ def test_compact_fails_cleanly_after_second_failure(make_cache):
 def test_slot_allocation_failure_caps_the_class(make_cache):
     cache, source = make_cache(small(), budget_experts=8, slab_bytes=2 * 2304)
     cache.select(0, [0, 1])           # first slab of 2 slots
-    cache.fail_device_alloc_after(0, count=1)
+    testing.fail_device_alloc_after(cache, 0, count=1)
     ptrs = cache.select(0, [2, 3])    # growth fails: the class is capped at 2 and evicts
     assert_served(cache, source, 0, [2, 3], ptrs)
     info = cache.classes()[0]
@@ -353,10 +354,10 @@ def test_cap_notice_only_when_cap_changes(make_cache, caplog):
 def test_release_all_frees_slots_and_keeps_layout(make_cache):
     cache, source = make_cache(small(), budget_experts=4)
     cache.select(0, [1, 2])
-    assert cache.device_bytes_in_use > 0
+    assert testing.device_bytes_in_use(cache) > 0
     cache.release_all()
-    assert cache.device_bytes_in_use == 0
-    assert cache.read_expert(0, 1) is None
+    assert testing.device_bytes_in_use(cache) == 0
+    assert testing.read_expert(cache, 0, 1) is None
     assert cache.stats().path("control").releases == 1
     ptrs = cache.select(0, [1, 2])
     assert_served(cache, source, 0, [1, 2], ptrs)
@@ -390,7 +391,7 @@ def test_checksum_kernel_matches_source(make_cache):
     layout = ModelLayout((LayerSpec(4, 520, 1000, 333),), name="odd")  # unaligned sizes, tails
     cache, source = make_cache(layout, budget_experts=2)
     ptrs = cache.select(0, [0, 1, 2])
-    sums = cache.checksum(0, ptrs)
+    sums = testing.checksum(cache, 0, ptrs)
     assert sums.tolist() == [source.expected_checksum(0, e) for e in (0, 1, 2)]
     # A corrupted expectation is detected: the sums differ per expert.
     assert len(set(sums.tolist())) == 3
@@ -410,9 +411,9 @@ def test_checksum_many_experts_and_multi_chunk_parts(make_cache):
     cache, source = make_cache(layout, budget_experts=12)
     ids = list(range(12))
     ptrs = cache.select(0, ids)
-    assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
+    assert testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
     buf = cache.load_compact(0, ids[::-1])
-    assert cache.checksum(0, buf.pointers()).tolist() == [source.expected_checksum(0, e) for e in ids[::-1]]
+    assert testing.checksum(cache, 0, buf.pointers()).tolist() == [source.expected_checksum(0, e) for e in ids[::-1]]
 
 
 @pytest.mark.parametrize("copy_threads", [0, 1, 4])
@@ -423,7 +424,7 @@ def test_pageable_source_staged_through_the_pinned_ring(make_cache, copy_threads
                                staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
     for ids in ([0, 1, 2, 3], [4, 5, 0, 6], [7, 8, 9, 10, 11, 12]):
         ptrs = cache.select(0, ids)
-        assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
+        assert testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
     buf = cache.load_compact(0, [13, 14, 15])
     assert_served(cache, source, 0, [13, 14, 15], buf.pointers())
 
@@ -436,7 +437,7 @@ def test_a_ring_of_two_chunks_serves_many_threads(make_cache):
                                staging_chunk_bytes=512 << 10)
     for ids in ([0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11, 0]):
         ptrs = cache.select(0, ids)
-        assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
+        assert testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
     assert_served(cache, source, 0, [8, 9, 1], cache.load_compact(0, [8, 9, 1]).pointers())
     assert cache.staging_stats().pieces >= 13 * -(-layout[0].expert_bytes // (512 << 10))
 
@@ -450,25 +451,25 @@ def test_failed_staged_piece_leaves_none_of_the_calls_experts_resident(make_cach
     cache, source = make_cache(layout, pinned=False, budget_experts=6, copy_threads=copy_threads,
                                staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
     cache.select(0, [0, 1])
-    cache.fail_staging_after(skip)
+    testing.fail_staging_after(cache, skip)
     # Each expert is three uploads of several pieces: the failing piece is inside this call.
     with pytest.raises(CudaError, match="injected staging failure"):
         cache.select(0, [0, 2, 3, 4])
-    assert cache.read_expert(0, 0) is not None  # the call's hit stays
+    assert testing.read_expert(cache, 0, 0) is not None  # the call's hit stays
     for e in (2, 3, 4):  # whatever was uploaded before the failing piece is not resident either
-        assert cache.read_expert(0, e) is None
+        assert testing.read_expert(cache, 0, e) is None
     _consistent(cache, source, layout)
     # The next calls are served, byte for byte; batches and compact loads fail the same way.
     ptrs = cache.select(0, [2, 3, 4])
-    assert cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in (2, 3, 4)]
-    cache.fail_staging_after(skip)
+    assert testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in (2, 3, 4)]
+    testing.fail_staging_after(cache, skip)
     with pytest.raises(CudaError, match="injected staging failure"):
         cache.load_compact(0, [5, 6, 7])
-    cache.fail_staging_after(skip)
+    testing.fail_staging_after(cache, skip)
     with pytest.raises(CudaError, match="injected staging failure"):
         cache.prepare_batch(0, [[8, 9], [10, 11]])
     for e in (8, 9, 10, 11):
-        assert cache.read_expert(0, e) is None
+        assert testing.read_expert(cache, 0, e) is None
     assert all(c.held_experts == 0 for c in cache.classes())  # the failed batch holds nothing
     _consistent(cache, source, layout)
     assert_served(cache, source, 0, [5, 6, 7], cache.load_compact(0, [5, 6, 7]).pointers())
@@ -476,7 +477,7 @@ def test_failed_staged_piece_leaves_none_of_the_calls_experts_resident(make_cach
 
 _THREADS_CANNOT_START = """
 import resource
-from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout
+from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout, testing
 
 layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="threads-cannot-start")
 with HostSource(layout, pinned=False) as source, \\
@@ -495,12 +496,13 @@ with HostSource(layout, pinned=False) as source, \\
         print(type(e).__name__, e)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    print(*[cache.read_expert(0, e) is None for e in range(3)])
+    print(*[testing.read_expert(cache, 0, e) is None for e in range(3)])
     cache.reset_stats()
     ids = [3, 4, 5, 6, 7, 8]
     ptrs = cache.select(0, ids)
     st = cache.stats().total
-    print(st.misses, st.direct_loads, cache.checksum(0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids])
+    print(st.misses, st.direct_loads,
+          testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids])
 """
 
 
@@ -579,7 +581,7 @@ def test_pinned_uploads_of_a_call_go_together(backend, policy):
                 assert_served(cache, source, 0, batch.ids, batch.pointers)
             assert cache.stats().total.bytes_h2d == 400 * layout[0].expert_bytes
             cache.release_all()
-            cache.fail_copy_after(700)
+            testing.fail_copy_after(cache, 700)
             with pytest.raises(CudaError, match="injected copy failure"):
                 cache.prepare_batch(0, ids.reshape(4, 100))
             _consistent(cache, source, layout)
@@ -591,7 +593,7 @@ def _consistent(cache, source, layout):
     """Every resident expert holds exactly its source bytes."""
     for layer in layout.moe_layers:
         for e in range(layout[layer].num_experts):
-            got = cache.read_expert(layer, e)
+            got = testing.read_expert(cache, layer, e)
             if got is not None:
                 assert (got == source.expert_bytes(layer, e)).all(), f"({layer}, {e}) resident with wrong bytes"
 
@@ -604,7 +606,7 @@ def test_failed_copy_never_leaves_a_wrong_resident_expert(make_cache, skip):
     cache, source = make_cache(layout, budget_experts=3)
     cache.select(0, [0, 1, 2])
     # Every path, with the (skip+1)-th copy of the sequence failing.
-    cache.fail_copy_after(skip, count=1)
+    testing.fail_copy_after(cache, skip, count=1)
     failures = 0
     for step in (lambda: cache.select(0, [3, 4, 0]), lambda: cache.select(0, [5, 6, 7, 8, 9]),
                  lambda: cache.load_compact(0, [1, 3, 10]), lambda: cache.prepare_batch(1, [[0, 1], [2, 3]]).finish(),
@@ -634,9 +636,9 @@ def test_checksum_async_layer_after_layer_without_waiting(make_cache):
         for layer in range(4):
             ids = rng.choice(16, 3, replace=False)
             ptrs = cache.select(layer, ids)
-            cache.checksum_async(layer, ptrs, first=len(expected))
+            testing.checksum_async(cache, layer, ptrs, first=len(expected))
             expected += [source.expected_checksum(layer, int(e)) for e in ids]
         mid = cache.select(0, [15])
-        assert cache.checksum(0, mid).tolist() == [source.expected_checksum(0, 15)]
+        assert testing.checksum(cache, 0, mid).tolist() == [source.expected_checksum(0, 15)]
     cache.synchronize()
-    assert cache.checksum_results(0, len(expected)).tolist() == expected
+    assert testing.checksum_results(cache, 0, len(expected)).tolist() == expected

@@ -70,6 +70,19 @@ def test_info_without_the_library_is_one_error_not_a_traceback(tmp_path):
     assert "Traceback" not in out.stderr and "libexpcache not found" in out.stderr
 
 
+def test_variants_are_checked_against_the_library_when_parsed(tmp_path):
+    """--variants names the library's policies, read when the option is parsed (never for --help):
+    without the library that is one usage error, not a traceback."""
+    out = child("bench", "--variants", "lru", env_extra={"EXPCACHE_LIBRARY": str(tmp_path / "missing.so")})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "argument --variants: libexpcache not found" in out.stderr
+    out = child("bench", "--variants", "lru,belady")
+    assert out.returncode == 2
+    from pyexpcache.bench import variants
+
+    assert f"expected a comma list of {', '.join(variants())}; got 'lru,belady'" in out.stderr
+
+
 def run_main(capsys, argv):
     started = time.monotonic()
     rc = cli.main(argv)

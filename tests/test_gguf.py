@@ -20,7 +20,7 @@ import pytest
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-from pyexpcache import ExpertCache, LayerSpec, ModelLayout, MultiDeviceCache, checksum_bytes
+from pyexpcache import ExpertCache, LayerSpec, ModelLayout, MultiDeviceCache, checksum_bytes, testing
 from pyexpcache.gguf import (
     GGUFLayoutError,
     GGUFSource,
@@ -208,7 +208,7 @@ def test_several_devices_serve_one_file(mixed_file, backend, policy, reads):
             for e, row, d in zip(ids, sel.pointers, sel.owners):
                 want = file_parts(mixed_file, layer, int(e))
                 for p, (addr, nbytes) in enumerate(zip(row, layout[layer].class_key)):
-                    assert (multi.caches[d].read_device(int(addr), nbytes) == want[p]).all()
+                    assert (testing.read_device(multi.caches[d], int(addr), nbytes) == want[p]).all()
         assert all(st.total.misses > 0 for st in multi.stats())
     assert src.users == 0
 
@@ -229,11 +229,11 @@ def test_cache_serves_file_bytes(mixed_file, backend, policy, reads, file_reads)
                 for e, row in zip(ids, ptrs):
                     want = file_parts(mixed_file, layer, int(e)) if step < 3 else None
                     for p, (addr, nbytes) in enumerate(zip(row, layout[layer].class_key)):
-                        got = cache.read_device(int(addr), nbytes)
+                        got = testing.read_device(cache, int(addr), nbytes)
                         assert (got == src.part(layer, int(e), p)).all()
                         if want is not None:
                             assert (got == want[p]).all()
-                sums = cache.checksum(layer, ptrs)
+                sums = testing.checksum(cache, layer, ptrs)
                 assert sums.tolist() == [src.expected_checksum(layer, int(e)) for e in ids]
             assert len(cache.classes()) == 2
             assert cache.stats().path("decode").evictions > 0
@@ -259,14 +259,14 @@ def test_file_reads_fail_cleanly_when_the_file_shrinks(tmp_path, backend, policy
                 cache.select(last, [2, 6, 3, 7])
             # The reads run on the staging threads: the call fails as a whole and none of its
             # experts is resident, the ones whose reads succeeded included.
-            assert all(cache.read_expert(last, e) is None for e in (2, 3, 6, 7))
+            assert all(testing.read_expert(cache, last, e) is None for e in (2, 3, 6, 7))
             assert sum(c.resident_experts for c in cache.classes()) == 2
             # What was read before is intact and still served; the readable experts load again.
             again = cache.select(0, [0, 1])
             assert (again == ok).all()
-            assert (cache.read_expert(0, 1) == src.expert_bytes(0, 1)).all()
+            assert (testing.read_expert(cache, 0, 1) == src.expert_bytes(0, 1)).all()
             cache.select(last, [2, 3])
-            assert (cache.read_expert(last, 3) == src.expert_bytes(last, 3)).all()
+            assert (testing.read_expert(cache, last, 3) == src.expert_bytes(last, 3)).all()
 
 
 def test_file_layout_past_the_end_of_the_file_is_refused(tmp_path):

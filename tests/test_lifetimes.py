@@ -11,7 +11,7 @@ import pytest
 
 from support.cache import CUDA_OK, CUDA_REASON, SCALE
 from support.child import close_while_threads_call, run_child
-from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout
+from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout, testing
 
 
 def layout():
@@ -30,7 +30,7 @@ def test_cache_serves_right_bytes_after_its_source_with_block_ends(backend, poli
     try:
         for e in range(12):  # 12 misses through 4 slots: every one copies from the source
             cache.select(7, [e])
-            assert (cache.read_expert(7, e) == want[e]).all()
+            assert (testing.read_expert(cache, 7, e) == want[e]).all()
     finally:
         cache.close()
     assert src.users == 0 and src.nbytes == 0  # released with its last cache
@@ -55,7 +55,7 @@ def test_source_shared_by_two_caches_is_released_by_the_last(backend, policy):
     assert src.nbytes > 0 and src.users == 1
     for e in range(3):
         b.select(3, [e])
-        assert (b.read_expert(3, e) == want[e]).all()
+        assert (testing.read_expert(b, 3, e) == want[e]).all()
     b.close()
     assert src.nbytes == 0 and src.users == 0
 
@@ -77,7 +77,7 @@ def test_explicit_source_close_then_misses_in_a_child(kind, policy):
     # and the next miss copied freed memory (wrong bytes; with a GGUF mapping, SIGSEGV).
     pinned = kind == "pinned"
     out = run_child(f"""
-        from pyexpcache import ExpertCache, HostSource, ModelLayout
+        from pyexpcache import ExpertCache, HostSource, ModelLayout, testing
         lay = ModelLayout.preset("q2", scale=4096)
         src = HostSource(lay, pinned={pinned})
         want = {{e: src.expert_bytes(9, e) for e in range(40)}}
@@ -87,7 +87,7 @@ def test_explicit_source_close_then_misses_in_a_child(kind, policy):
         bad = 0
         for e in range(40):
             cache.select(9, [e])
-            bad += not (cache.read_expert(9, e) == want[e]).all()
+            bad += not (testing.read_expert(cache, 9, e) == want[e]).all()
         cache.close()
         print("bad", bad)
     """)
@@ -101,7 +101,7 @@ def test_gguf_source_closed_under_a_live_cache_in_a_child(tmp_path, policy):
 
     path = write_model(tmp_path / "m.gguf", [Q4] * 3)
     out = run_child(f"""
-        from pyexpcache import ExpertCache
+        from pyexpcache import ExpertCache, testing
         from pyexpcache.gguf import GGUFSource
         with GGUFSource({str(path)!r}) as src:
             want = {{(l, e): src.expert_bytes(l, e) for l in src.layout.moe_layers for e in range(8)}}
@@ -109,10 +109,10 @@ def test_gguf_source_closed_under_a_live_cache_in_a_child(tmp_path, policy):
         bad = 0
         for (l, e), b in want.items():   # past the with block: every miss reads the mapping
             cache.select(l, [e])
-            bad += not (cache.read_expert(l, e) == b).all()
+            bad += not (testing.read_expert(cache, l, e) == b).all()
         src.close()                      # idempotent; the mapping still belongs to the cache
         cache.select(0, [7]); cache.select(0, [6])
-        bad += not (cache.read_expert(0, 6) == want[(0, 6)]).all()
+        bad += not (testing.read_expert(cache, 0, 6) == want[(0, 6)]).all()
         cache.close()
         print("bad", bad, "closed", src.closed, "bytes", src.nbytes)
     """)
@@ -138,7 +138,7 @@ def test_calls_after_close_raise_the_closed_error(make_cache):
     cache.close()
     cache.close()  # idempotent
     assert cache.closed
-    for call in (lambda: cache.select(3, [1]), cache.stats, cache.release_all, lambda: cache.read_expert(3, 1),
+    for call in (lambda: cache.select(3, [1]), cache.stats, cache.release_all, lambda: testing.read_expert(cache, 3, 1),
                  lambda: cache.prepare_batch(3, [[1]]), lambda: cache.load_compact(3, [1]), cache.synchronize):
         with pytest.raises(CacheClosedError, match="closed"):
             call()

@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from support.cache import SCALE
-from pyexpcache import ExpcacheWarning, ExpertCache, HostSource, InvalidArgumentError, ModelLayout
+from pyexpcache import ExpcacheWarning, ExpertCache, HostSource, InvalidArgumentError, ModelLayout, testing
 
 
 def small_device_cache(src, layout, **kw):
@@ -30,7 +30,7 @@ def test_cap_zero_warns_once_per_class(policy):
             for token in range(3):
                 for layer in (5, 40):  # a q2 and a q4 layer: two classes
                     cache.select(layer, [token, token + 1])
-                    assert cache.read_expert(layer, token) is None  # loaded directly, never cached
+                    assert testing.read_expert(cache, layer, token) is None  # loaded directly, never cached
             assert cache.stats().hit_rate == 0.0
     ours = [w for w in caught if issubclass(w.category, ExpcacheWarning)]
     assert len(ours) == 2, [str(w.message) for w in ours]
@@ -90,7 +90,7 @@ def test_a_reserve_above_free_memory_warns_with_the_largest_that_leaves_one_expe
 
 def test_a_failed_first_slot_allocation_warns(make_cache):
     cache, _ = make_cache(budget_experts=4, log_level=1)
-    cache.fail_device_alloc_after(0)
+    testing.fail_device_alloc_after(cache, 0)
     with pytest.warns(ExpcacheWarning, match=r"cap 0 experts.*a slot allocation failed.*free device memory"):
         cache.select(5, [1])
 

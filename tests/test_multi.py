@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pyexpcache import (CacheClosedError, ExpcacheError, LayerSpec, ModelLayout, MultiDeviceCache, HostSource, Placement,
-                        loads_from_calls)
+                        loads_from_calls, testing)
 from pyexpcache.bench.workload import decode_workload
 from pyexpcache.traces import load_decode_trace
 
@@ -80,7 +80,7 @@ def test_placement_rejects_what_it_cannot_place():
 
 
 def _resident_on(multi, layer, e):
-    return [d for d, c in enumerate(multi.caches) if c.read_expert(layer, e) is not None]
+    return [d for d, c in enumerate(multi.caches) if testing.read_expert(c, layer, e) is not None]
 
 
 @pytest.mark.parametrize("pinned", [None, False], ids=["default-source", "pageable"])
@@ -279,7 +279,7 @@ def test_a_failing_owner_stops_the_call_in_order_or_is_raised_after_all_in_paral
     with HostSource(layout) as source, \
             MultiDeviceCache(layout, source, devices=[0, 1, 2], budget_experts=4, backend="host", log_level=0,
                              parallel=parallel) as multi:
-        multi.caches[1].fail_copy_after(0)
+        testing.fail_copy_after(multi.caches[1], 0)
         with pytest.raises(ExpcacheError, match="injected copy failure"):
             multi.select(1, np.arange(12))
         misses = [st.total.misses for st in multi.stats()]

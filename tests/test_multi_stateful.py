@@ -29,7 +29,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 
-from pyexpcache import ExpcacheError, MultiDeviceCache, Placement  # noqa: E402
+from pyexpcache import ExpcacheError, MultiDeviceCache, Placement, testing  # noqa: E402
 
 from support.cache import assert_served  # noqa: E402
 from support.reference_model import ModelError, ReferenceCache  # noqa: E402
@@ -194,7 +194,7 @@ class MultiMachine(RuleBasedStateMachine):
     def inject(self, d, n, count):
         d %= self.n
         self.models[d].fail_device_alloc_after(n, count)
-        self.multi.caches[d].fail_device_alloc_after(n, count)
+        testing.fail_device_alloc_after(self.multi.caches[d], n, count)
 
     @rule()
     def reset_stats(self):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ModelLayout, _lib, sim
+from pyexpcache import ExpertCache, HostSource, ModelLayout, _lib, sim
 from pyexpcache import bench
 from pyexpcache.sim import DECODE, simulate_lru, simulate_policy
 
@@ -20,6 +20,19 @@ def test_every_library_policy_has_a_simulator_twin():
     simulator's registry (pyexpcache/sim/registry.py), which the tests below replay."""
     missing = sorted(set(_lib.POLICIES) - set(sim.POLICIES))
     assert not missing, f"library policies without a simulator twin in pyexpcache/sim/registry.py: {missing}"
+
+
+def test_a_cache_without_a_policy_runs_the_librarys_default(backend):
+    """ExpertCache(policy=None) leaves the policy expcache_config_init fills in: its name is
+    _lib.DEFAULT_POLICY (a name of the table), and the cache counts as that policy's twin does."""
+    assert _lib.DEFAULT_POLICY in _lib.POLICIES
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    with HostSource(layout, pinned=backend == "cuda") as source, \
+            ExpertCache(layout, source, budget_bytes=layout.total_bytes // 20, backend=backend, log_level=0) as cache:
+        assert cache.policy == _lib.DEFAULT_POLICY
+        w = bench.build_workload("decode", ["podA_b_json_full"])
+        sim, _, _ = _replay_and_simulate(cache, layout, w, _lib.DEFAULT_POLICY)
+        assert cache.stats().total.hits == sim.hits.sum() and cache.stats().total.misses == sim.misses.sum()
 
 
 def _replay_and_simulate(cache, layout, workload, policy):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, ModelLayout
+from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, ModelLayout, testing
 
 from support.cache import assert_served
 
@@ -18,7 +18,7 @@ def _first_layer(cache) -> int:
 
 
 def _resident(cache, layer, ids):
-    return [cache.read_expert(layer, e) is not None for e in ids]
+    return [testing.read_expert(cache, layer, e) is not None for e in ids]
 
 
 def test_a_waited_prefetch_is_served_as_hits(make_cache):
@@ -42,10 +42,10 @@ def test_a_waited_prefetch_is_served_as_hits(make_cache):
 def test_a_serving_call_cancels_what_is_still_queued(make_cache):
     cache, source = make_cache(budget_experts=16)
     L = _first_layer(cache)
-    cache.pause_prefetch()
+    testing.pause_prefetch(cache)
     assert cache.prefetch(L, [1, 2, 3]) == 3
     ptrs = cache.select(L, [1, 4])  # pre-empts the queue: 2, 3 freed; 1 a miss the select finishes in place
-    cache.pause_prefetch(False)
+    testing.pause_prefetch(cache, False)
     assert_served(cache, source, L, [1, 4], ptrs)
     p = cache.prefetch_stats()
     assert (p.issued, p.cancelled, p.used, p.late, p.bytes_sent) == (3, 2, 0, 1, 0)
@@ -59,12 +59,12 @@ def test_a_serving_call_cancels_what_is_still_queued(make_cache):
 def test_queued_prefetches_are_never_read_as_resident(make_cache):
     cache, source = make_cache(budget_experts=16)
     L = _first_layer(cache)
-    cache.pause_prefetch()
+    testing.pause_prefetch(cache)
     cache.prefetch(L, [9])
-    assert cache.read_expert(L, 9) is None  # its slot is taken, its bytes not sent
-    cache.pause_prefetch(False)
+    assert testing.read_expert(cache, L, 9) is None  # its slot is taken, its bytes not sent
+    testing.pause_prefetch(cache, False)
     cache.wait_prefetch()
-    assert (cache.read_expert(L, 9) == source.expert_bytes(L, 9)).all()
+    assert (testing.read_expert(cache, L, 9) == source.expert_bytes(L, 9)).all()
 
 
 def test_resident_ids_are_skipped_and_the_layer_limit_drops_the_rest(make_cache):
@@ -126,7 +126,7 @@ def test_an_unused_prefetch_evicted_is_wasted(make_cache):
     p = cache.prefetch_stats()
     assert (p.issued, p.used, p.wasted) == (1, 0, 1)
     assert p.bytes_wasted == cache.layout[L].expert_bytes
-    assert cache.read_expert(L, 7) is None
+    assert testing.read_expert(cache, L, 7) is None
 
 
 def test_release_all_counts_unused_prefetches_as_wasted(make_cache):
@@ -137,7 +137,7 @@ def test_release_all_counts_unused_prefetches_as_wasted(make_cache):
     cache.release_all()
     p = cache.prefetch_stats()
     assert (p.wasted, p.cancelled) == (2, 0)
-    cache.pause_prefetch()
+    testing.pause_prefetch(cache)
     cache.prefetch(L, [3])
     cache.release_all()  # cancels the queued one before freeing its slot
     assert cache.prefetch_stats().cancelled == 1
@@ -227,7 +227,7 @@ def test_close_with_prefetches_queued_or_in_flight(make_cache):
         cache, _ = make_cache(budget_experts=64, prefetch_piece_bytes=4096)
         L = _first_layer(cache)
         if paused:
-            cache.pause_prefetch()
+            testing.pause_prefetch(cache)
         cache.prefetch(L, list(range(8)))
         cache.close()  # stops the thread; nothing is sent into freed slots
         assert cache.closed
@@ -263,13 +263,13 @@ def test_a_failed_finish_in_place_frees_the_slot(make_cache):
 
     cache, source = make_cache(budget_experts=8)
     L = _first_layer(cache)
-    cache.pause_prefetch()
+    testing.pause_prefetch(cache)
     cache.prefetch(L, [3])
-    cache.fail_copy_after(0)
+    testing.fail_copy_after(cache, 0)
     with pytest.raises(CudaError, match="injected copy failure"):
         cache.select(L, [3])
-    cache.pause_prefetch(False)
-    assert cache.read_expert(L, 3) is None
+    testing.pause_prefetch(cache, False)
+    assert testing.read_expert(cache, L, 3) is None
     p = cache.prefetch_stats()
     assert (p.issued, p.used, p.late, p.cancelled) == (1, 0, 0, 1)
     ptrs = cache.select(L, [3])
@@ -333,14 +333,14 @@ def test_wait_prefetch_while_paused_refuses_and_leaves_the_queue(make_cache):
     cache, source = make_cache(budget_experts=8)
     L = _first_layer(cache)
     cache.wait_prefetch()  # nothing was ever queued
-    cache.pause_prefetch()
+    testing.pause_prefetch(cache)
     cache.wait_prefetch()  # paused, nothing queued: nothing to wait for
     cache.prefetch(L, [2, 3])
     with pytest.raises(InvalidStateError, match="paused.*2 prefetches stay queued"):
         cache.wait_prefetch()
     assert _resident(cache, L, [2, 3]) == [False, False]
     assert cache.prefetch_stats().bytes_sent == 0
-    cache.pause_prefetch(False)
+    testing.pause_prefetch(cache, False)
     cache.wait_prefetch()
     assert _resident(cache, L, [2, 3]) == [True, True]
     p = cache.prefetch_stats()

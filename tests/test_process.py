@@ -17,7 +17,7 @@ _SOURCES = {"host": "pinned=False", "cuda": "pinned=True"}
 _FORK = """
 import os, sys, time
 import numpy as np
-from pyexpcache import ExpertCache, ForkedError, HostSource, ModelLayout
+from pyexpcache import ExpertCache, ForkedError, HostSource, ModelLayout, testing
 lay = ModelLayout.preset("q2", scale=4096)
 for attempt in range(5):
     src = HostSource(lay, {source})
@@ -47,7 +47,7 @@ for attempt in range(5):
             print("child hung"); sys.exit(1)
         time.sleep(0.01)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-    assert (cache.read_expert(5, 2) == src.expert_bytes(5, 2)).all()   # the parent's cache still works
+    assert (testing.read_expert(cache, 5, 2) == src.expert_bytes(5, 2)).all()   # the parent's cache still works
     cache.close(); src.close()
 print("ok")
 """
@@ -58,7 +58,7 @@ _CHILD_ENDS = {
     "new_cache_in_child": """src2 = HostSource(lay, pinned=False)
         with ExpertCache(lay, src2, budget_experts=8, backend="host", log_level=0) as fresh:
             fresh.select(5, [1, 2])
-            code = code or int(not (fresh.read_expert(5, 2) == src2.expert_bytes(5, 2)).all())
+            code = code or int(not (testing.read_expert(fresh, 5, 2) == src2.expert_bytes(5, 2)).all())
         src2.close(); sys.exit(code)""",
 }
 

@@ -21,7 +21,7 @@ the odd invalid call) on both, and after every step compares:
 * the bytes behind every served pointer (select, batch, compact), and the
   pointers of every unfinished batch and of the live compact buffer again after
   each later step (held slots must never be overwritten);
-* which (layer, expert) are resident (``read_expert`` is not None) and that
+* which (layer, expert) are resident (``testing.read_expert`` is not None) and that
   their bytes equal the source;
 * every counter of every class and path (``cache.stats()``) and of prefetch and hints
   (``cache.prefetch_stats()``, all but the piece count), the class infos
@@ -48,7 +48,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, settings, strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
 
-from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout  # noqa: E402
+from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout, testing  # noqa: E402
 from pyexpcache._lib import PREFETCH_FIELDS, lib  # noqa: E402
 
 from support.cache import POLICIES, SCALE, assert_served  # noqa: E402
@@ -165,7 +165,7 @@ def assert_cache_matches_model(cache, model, source, where: str = "") -> set:
     resident = set()
     for layer in layout.moe_layers:
         for e in range(layout[layer].num_experts):
-            got = cache.read_expert(layer, e)
+            got = testing.read_expert(cache, layer, e)
             want = model.is_resident(layer, e)
             assert (got is not None) == want, (
                 f"{where}layer {layer} expert {e}: library resident={got is not None}, model resident={want}")
@@ -191,7 +191,7 @@ def assert_cache_matches_model(cache, model, source, where: str = "") -> set:
     got = {f: getattr(cache.prefetch_stats(), f) for f in PREFETCH_FIELDS if f != "pieces"}
     want = {f: v for f, v in model.pstats.items() if f != "pieces"}
     assert got == want, f"{where}prefetch: library {got}, model {want}"
-    assert cache.device_bytes_in_use == model.device_bytes_in_use, f"{where}device bytes in use"
+    assert testing.device_bytes_in_use(cache) == model.device_bytes_in_use, f"{where}device bytes in use"
     return resident
 
 
@@ -213,7 +213,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = ExpertCache(self.layout, self.source, backend="host", log_level=0,
                                  prefetch_max_per_layer=limit, **kw)
         if paused:
-            self.cache.pause_prefetch()
+            testing.pause_prefetch(self.cache)
         self.model = ReferenceCache(self.layout, prefetch_max_per_layer=limit, **kw)
         self.batches = []  # (Batch, model handle)
         self.compact = None  # (layer, ids, CompactBuffer) while valid
@@ -392,7 +392,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(0, 4), count=st.integers(0, 3))
     def inject(self, n, count):
         self.both(lambda: self.model.fail_device_alloc_after(n, count),
-                  lambda: self.cache.fail_device_alloc_after(n, count))
+                  lambda: testing.fail_device_alloc_after(self.cache, n, count))
 
     @rule()
     def reset_stats(self):

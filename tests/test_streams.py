@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, LayerSpec, ModelLayout
+from pyexpcache import ExpertCache, HostSource, LayerSpec, ModelLayout, testing
 from pyexpcache import _cuda
 
 from support.cache import CUDA_OK, CUDA_REASON
@@ -36,11 +36,11 @@ def _long_read(cache: ExpertCache, ptrs, stream: int) -> None:
     checksum kernel, result slots [0, REPEATS)). Enqueued at once, it runs for milliseconds
     whatever the host does meanwhile, so a later write that is not ordered after it lands
     while it still reads."""
-    cache.checksum_async(0, np.tile(np.asarray(ptrs, dtype=np.uint64).reshape(1, 3), (REPEATS, 1)), 0, stream)
+    testing.checksum_async(cache, 0, np.tile(np.asarray(ptrs, dtype=np.uint64).reshape(1, 3), (REPEATS, 1)), 0, stream)
 
 
 def _all_reads_saw(cache: ExpertCache, want: int) -> bool:
-    return bool((cache.checksum_results(0, REPEATS) == want).all())
+    return bool((testing.checksum_results(cache, 0, REPEATS) == want).all())
 
 
 def _bytes_at(addr: int, n: int) -> np.ndarray:

@@ -45,6 +45,7 @@ from pyexpcache import (
     LayerSpec,
     ModelLayout,
     OutOfDeviceMemoryError,
+    testing,
 )
 from pyexpcache._lib import lib
 
@@ -140,7 +141,7 @@ def run_threads(target, n):
 def assert_residents_intact(cache, source):
     for layer in cache.layout.moe_layers:
         for e in range(cache.layout[layer].num_experts):
-            got = cache.read_expert(layer, e)
+            got = testing.read_expert(cache, layer, e)
             if got is not None:
                 assert (got == source.expert_bytes(layer, e)).all(), f"resident ({layer}, {e}) corrupted"
 
@@ -261,10 +262,10 @@ def test_shared_cache_with_concurrent_control_calls(policy):
                 elif op < 0.45:
                     cache.reset_stats()
                 elif op < 0.6:
-                    cache.fail_device_alloc_after(rng.randrange(4), rng.randrange(3))
+                    testing.fail_device_alloc_after(cache, rng.randrange(4), rng.randrange(3))
                 else:
                     cache.stats()
-                    assert cache.device_bytes_in_use <= 40 * slot
+                    assert testing.device_bytes_in_use(cache) <= 40 * slot
                 time.sleep(0.0005)
             return
         rng = random.Random(2000 + t)
@@ -306,13 +307,13 @@ def test_shared_cache_with_concurrent_control_calls(policy):
         stop.set()
         ctl.join(timeout=60)
     assert not ctl_errors, ctl_errors
-    cache.fail_device_alloc_after(0, 0)
+    testing.fail_device_alloc_after(cache, 0, 0)
     assert_residents_intact(cache, source)
     for info in cache.classes():
         assert info.held_experts == 0
         assert info.resident_experts <= info.allocated_experts
     cache.release_all()
-    assert cache.device_bytes_in_use == 0
+    assert testing.device_bytes_in_use(cache) == 0
     # Still fully usable.
     ptrs = cache.select(0, [1, 2, 3])
     assert_served(cache, source, 0, [1, 2, 3], ptrs)
@@ -368,7 +369,7 @@ def replay(layout, source, ops, policy, barrier=None):
                 buf = cache.load_compact(op[1], op[2])
                 assert_served(cache, source, op[1], op[2], buf.pointers())
             elif op[0] == "inject":
-                cache.fail_device_alloc_after(op[1], op[2])
+                testing.fail_device_alloc_after(cache, op[1], op[2])
             elif op[0] == "release_all":
                 cache.release_all()
             else:
@@ -380,8 +381,8 @@ def replay(layout, source, ops, policy, barrier=None):
         assert_served(cache, source, b.layer, b.ids, b.pointers)
     counters = {(c.info.index, c.info.key, p): vars(s).copy() for c in cache.stats().classes for p, s in c.paths.items()}
     resident = {(l, e) for l in layout.moe_layers for e in range(layout[l].num_experts)
-                if cache.read_expert(l, e) is not None}
-    snapshot = (counters, resident, cache.device_bytes_in_use, outcomes)
+                if testing.read_expert(cache, l, e) is not None}
+    snapshot = (counters, resident, testing.device_bytes_in_use(cache), outcomes)
     for b in batches:
         b.finish()
     cache.close()

@@ -52,7 +52,9 @@ def run_replays() -> dict:
 def _replay(bench, layout, scenario, traces, budget, scale, kwargs) -> dict:
     # The LRU variant (Replay's graphs) was named "expcache" while LRU was the default, "lru" after;
     # the OppClassLRU variant rides along where the commit has it (its own graphs: ReplayPolicy).
-    names = getattr(bench, "VARIANTS", ())
+    # The variants are bench.variants() (read from the library's policy table) since that exists,
+    # the constant bench.VARIANTS before; the series keep their names either way.
+    names = bench.variants() if callable(getattr(bench, "variants", None)) else getattr(bench, "VARIANTS", ())
     lru = "lru" if "lru" in names else "expcache"
     variants = (lru, "oppclass") if "oppclass" in names else (lru,)
     report = bench.run(layout, scenario, variants=variants, traces=traces, budget_bytes=budget,

@@ -10,12 +10,12 @@ and the hit-rate curve's.
 
 from .bench import HOST_SCALE, Bench, resolve_backend
 from .modes.curve import hit_rate_curve, plot_curve
-from .modes.variants import POLICY_VARIANTS, VARIANTS, VariantResult, belady_hit_rate
+from .modes.variants import BASELINES, VariantResult, belady_hit_rate, policy_variants, variants
 from .modes.variants import run_scenario as run
 from .progress import Progress
 from .report import Report, format_report, git_commit, write_json
 from .workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
 
-__all__ = ["DEFAULT_TRACES", "HOST_SCALE", "POLICY_VARIANTS", "SCENARIOS", "VARIANTS", "Bench", "Progress", "Report",
-           "VariantResult", "Workload", "belady_hit_rate", "build_workload", "format_report", "git_commit",
-           "hit_rate_curve", "plot_curve", "resolve_backend", "run", "write_json"]
+__all__ = ["BASELINES", "DEFAULT_TRACES", "HOST_SCALE", "SCENARIOS", "Bench", "Progress", "Report", "VariantResult",
+           "Workload", "belady_hit_rate", "build_workload", "format_report", "git_commit", "hit_rate_curve",
+           "plot_curve", "policy_variants", "resolve_backend", "run", "variants", "write_json"]

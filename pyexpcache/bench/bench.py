@@ -76,7 +76,7 @@ class Bench:
                  layer_sync: bool = True, cache_options: Optional[dict] = None, scale: int = 1):
         self.layout = layout
         self.scale = scale  # the layout's expert sizes and the budget were divided by this (reports say so)
-        # Extra ExpertCache arguments of the expcache and oppclass variants (copy_threads,
+        # Extra ExpertCache arguments of the policy variants and the other modes' caches (copy_threads,
         # staging_chunk_bytes, file_reads); the baselines keep the old design's.
         self.cache_options = dict(cache_options or {})
         self.backend = backend

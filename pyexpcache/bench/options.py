@@ -165,11 +165,18 @@ def thread_counts(text: str) -> list[int]:
 
 
 def csv(choices):
+    """A comma list of ``choices`` (a sequence; empty: anything), or of what ``choices()`` returns
+    when it is callable: called only when a value is parsed, so a list read from the library
+    leaves --help free of it."""
     def parse(text: str) -> list[str]:
+        try:
+            allowed = choices() if callable(choices) else choices
+        except (ImportError, OSError) as exc:  # the library, for a list read from it: one line, as argparse's
+            raise argparse.ArgumentTypeError(str(exc)) from None
         items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if choices and t not in choices]
+        bad = [t for t in items if allowed and t not in allowed]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)}; got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(allowed)}; got {text!r}")
         return items
     return parse
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import _cuda
+from pyexpcache import _cuda, testing
 from pyexpcache._lib import POLICIES as _LIBRARY_POLICIES, library_path
 
 SCALE = 4096  # DeepSeek V4 Flash sizes / 4096: q2 experts 1,728 B, q4 3,456 B
@@ -37,7 +37,7 @@ def assert_served(cache, source, layer, ids, ptrs):
     spec = cache.layout[layer]
     for e, row in zip(ids, ptrs):
         for part, (addr, nbytes) in enumerate(zip(row, spec.class_key)):
-            got = cache.read_device(int(addr), nbytes)
+            got = testing.read_device(cache, int(addr), nbytes)
             want = source.part(layer, int(e), part)
             assert (got == want).all(), f"layer {layer} expert {e} part {part} differs from the source"
 

@@ -1,15 +1,17 @@
-"""The hit-rate curve (``expcache bench curve``; the variants table draws it with ``--plot``): LRU,
-OppClassLRU and Belady's MIN at fractions of each size class's experts, from the offline
-simulator (no cache, no device), over the decode traces."""
+"""The hit-rate curve (``expcache bench curve``; the variants table draws it with ``--plot``): each
+of the library's eviction policies (:func:`~pyexpcache.bench.modes.variants.policy_variants`: its
+default first) and Belady's MIN at fractions of each size class's experts, from the offline
+simulator (each policy's twin of the same name; no cache, no device), over the decode traces. The
+policies' names are read from the library, which must be built; nothing is run on it."""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 from ...layout import ModelLayout
-from ...sim import simulate_belady, simulate_lru, simulate_policy
+from ...sim import simulate_belady, simulate_policy
 from .. import options
 from ..options import LAYERS, LAYOUT, OUTPUT, PLOT, TRACES, UsageError
 from ..report import Report, made_by
@@ -17,9 +19,10 @@ from ..workload import Workload, build_workload
 
 NAME = "curve"
 TITLE = "hit-rate curve"
-HELP = "hit rate against budget for LRU, OppClassLRU and Belady, from the simulator (no device)"
-DESCRIPTION = ("Hit rate against budget for LRU, OppClassLRU (the library's default) and Belady's MIN over the "
-               "decode traces, from the offline simulator: no cache and no device; --plot draws it.")
+HELP = "hit rate against budget for each of the library's policies and Belady, from the simulator (no device)"
+DESCRIPTION = ("Hit rate against budget for each of the library's eviction policies (its default first) and "
+               "Belady's MIN over the decode traces, from the offline simulator: no cache and no device; --plot "
+               "draws it.")
 RUNS = "simulates the decode traces"
 USES_BENCH = False
 OPTIONS = (LAYOUT, LAYERS, TRACES, PLOT) + OUTPUT
@@ -31,25 +34,39 @@ FRACTIONS = (0.02, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5)  # of each class's experts
 @dataclass
 class CurvePoint:
     fraction: float  # of each class's experts cached
-    lru: float
-    oppclass: float
-    belady: float    # nan where the workload has prefill batches
+    hit_rates: dict[str, float] = field(default_factory=dict)  # per policy, by name: the library's default first
+    belady: float = float("nan")  # nan where the workload has prefill batches
 
 
-def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[float]) -> dict:
-    """LRU, OppClassLRU (the library's default) and Belady hit rates at fractions of each class's experts."""
+def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[float],
+                   policies: Optional[Sequence[str]] = None) -> dict:
+    """Hit rates at fractions of each class's experts: ``{"fraction": [...], "policies": {name:
+    [...]}, "belady": [...], "default": name}``, a list per policy of ``policies`` (default: the
+    library's, :func:`~pyexpcache.bench.modes.variants.policy_variants`), each by its simulator twin,
+    and Belady's. ``default``: the library's default policy when it is one of them, else None."""
+    from ... import _lib
+    from .variants import policy_variants
+
+    if policies is None:
+        policies = policy_variants()
     keys = list(layout.classes())
     layer_class = [keys.index(s.class_key) if s else 0 for s in layout.layers]
     sizes = [sum(layout[i].num_experts for i in layers) for layers in layout.classes().values()]
-    out = {"fraction": list(fractions), "lru": [], "oppclass": [], "belady": []}
+    out = {"fraction": list(fractions), "policies": {name: [] for name in policies}, "belady": [],
+           "default": _lib.DEFAULT_POLICY if _lib.DEFAULT_POLICY in policies else None}
     for f in fractions:
         caps = [int(f * n) for n in sizes]
-        out["lru"].append(simulate_lru(workload.calls, caps, layer_class).hit_rate)
-        out["oppclass"].append(simulate_policy(workload.calls, caps, layer_class, policy="oppclass",
-                                               layers=layout.moe_layers).hit_rate)
+        for name, rates in out["policies"].items():
+            rates.append(simulate_policy(workload.calls, caps, layer_class, policy=name,
+                                         layers=layout.moe_layers).hit_rate)
         out["belady"].append(simulate_belady(workload.calls, caps, layer_class).hit_rate
                              if not workload.has_batches else float("nan"))
     return out
+
+
+def policy_label(name: str, default: Optional[str]) -> str:
+    """A policy's name, marked when it is the library's default."""
+    return f"{name} (the default)" if name == default else name
 
 
 def plot_curve(curve: dict, out, title: str, image_format: Optional[str] = None) -> None:
@@ -64,8 +81,10 @@ def plot_curve(curve: dict, out, title: str, image_format: Optional[str] = None)
         raise ImportError("--plot needs matplotlib (pip install matplotlib)") from exc
     x = [100 * f for f in curve["fraction"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [100 * v for v in curve["lru"]], "o-", label="LRU (policy=\"lru\")")
-    ax.plot(x, [100 * v for v in curve["oppclass"]], "^-", label="OppClassLRU (the default)")
+    markers = "^ovD<>phx*"
+    for i, (name, rates) in enumerate(curve["policies"].items()):
+        ax.plot(x, [100 * v for v in rates], f"{markers[i % len(markers)]}-",
+                label=policy_label(name, curve["default"]))
     ax.plot(x, [100 * v for v in curve["belady"]], "s--", label="Belady (optimum)")
     ax.set_xlabel("experts cached (% of each class)")
     ax.set_ylabel("hit rate (%)")
@@ -125,10 +144,11 @@ def run(bench, args) -> Iterator[Report]:
     layout = options.generated_layout(args, 1)  # hit rates depend on the experts' counts, not their sizes
     workload = build_workload("decode", args.traces, layout.moe_layers)
     curve = hit_rate_curve(workload, layout, FRACTIONS)
+    names = list(curve["policies"])
     yield Report(NAME, "hit rate against budget, offline simulator", layout=layout.name, traces=list(args.traces),
-                 settings=dict(decode_tokens=workload.decode_tokens),
-                 results=[CurvePoint(*row) for row in zip(*(curve[k] for k in ("fraction", "lru", "oppclass",
-                                                                               "belady")))],
+                 settings=dict(decode_tokens=workload.decode_tokens, policies=names, default_policy=curve["default"]),
+                 results=[CurvePoint(f, {n: curve["policies"][n][i] for n in names}, curve["belady"][i])
+                          for i, f in enumerate(curve["fraction"])],
                  **made_by())
     if args.outputs.get("plot"):
         _draw(curve, layout, workload, args.outputs["plot"])
@@ -142,7 +162,9 @@ def describe(report: Report) -> list[str]:
 def table(report: Report) -> str:
     from tabulate import tabulate
 
-    rows = [[f"{100 * p.fraction:g} %", f"{100 * p.lru:.1f} %", f"{100 * p.oppclass:.1f} %",
-             f"{100 * p.belady:.1f} %" if p.belady == p.belady else "—"] for p in report.results]
-    return tabulate(rows, headers=["experts cached (of each class)", "LRU", "OppClassLRU (the default)", "Belady"],
-                    disable_numparse=True)
+    names = report.settings["policies"]
+    rows = [[f"{100 * p.fraction:g} %"] + [f"{100 * p.hit_rates[n]:.1f} %" for n in names]
+            + [f"{100 * p.belady:.1f} %" if p.belady == p.belady else "—"] for p in report.results]
+    headers = (["experts cached (of each class)"] + [policy_label(n, report.settings["default_policy"]) for n in names]
+               + ["Belady"])
+    return tabulate(rows, headers=headers, disable_numparse=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator, Sequence
+from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -174,9 +174,10 @@ def link_bound_seconds(call_bytes: np.ndarray, devices: Sequence[int], links: di
 
 
 def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRACES, placement: str = "balanced",
-                policy: str = "oppclass") -> Report:
+                policy: Optional[str] = None) -> Report:
     """One device at ``bench.budget_bytes``, one at ``num_devices`` times it where that fits, and
-    ``num_devices`` devices at ``bench.budget_bytes`` each; see the module docstring."""
+    ``num_devices`` devices at ``bench.budget_bytes`` each, every cache of ``policy`` (None: the
+    library's default); see the module docstring."""
     if not 2 <= num_devices <= 64:
         raise ValueError(f"--devices must be 2..64, got {num_devices}")
     gpus = _cuda.device_count() if bench.is_cuda else num_devices

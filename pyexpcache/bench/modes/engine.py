@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator, Sequence
+from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -160,10 +160,10 @@ def advice_arrays(traces, layers: Sequence[int], spec: str, top: int, seed: int 
 
 def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Sequence[str] = ("cooc",),
                hints: bool = False, compute_us: float = 0.0, top: int = 6, split: bool = False,
-               policy: str = "oppclass", seed: int = 0) -> Report:
+               policy: Optional[str] = None, seed: int = 0) -> Report:
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
     :class:`~pyexpcache.bench.bench.Bench`: its source, stream and budget), each with a new cache
-    of ``policy``; see the module docstring."""
+    of ``policy`` (None: the library's default); see the module docstring."""
     from .. import replay as _replay
 
     if not 0 <= compute_us <= 1e6:

@@ -315,14 +315,16 @@ def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.n
 
 
 def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us: float = 0.0,
-                   policy: str = "oppclass", modes: Sequence[str] = MODES,
+                   policy: Optional[str] = None, modes: Sequence[str] = MODES,
                    progress: Optional[Callable[[str, int, int], None]] = None,
                    expected: Optional[np.ndarray] = None) -> Report:
     """Replay the decode traces in a torch decode loop once per mode (see the module docstring) on
     ``bench`` (a :class:`~pyexpcache.bench.bench.Bench`: its source, stream, budget and cache
-    options), each mode with a new cache of ``policy``. ``progress(label, done, total)`` (default:
-    ``bench.progress``) is called every few hundred decode calls. ``expected``: the table of
-    :func:`expected_sums` (computed here when not given)."""
+    options), each mode with a new cache of ``policy`` (None: the library's default, which the report
+    names). ``progress(label, done, total)`` (default: ``bench.progress``) is called every few
+    hundred decode calls. ``expected``: the table of :func:`expected_sums` (computed here when not
+    given)."""
+    from ... import _lib
 
     torch = _import_torch()
     if not 0 <= compute_us <= 1e6:
@@ -342,7 +344,8 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     loop = _Loop(torch, bench)
     loop.warm_up()
     report = Report("torch", "torch loop", **bench.report_header(), traces=list(traces),
-                    settings=dict(compute_us=compute_us, policy=policy, torch_version=str(torch.__version__)))
+                    settings=dict(compute_us=compute_us, policy=_lib.DEFAULT_POLICY if policy is None else policy,
+                                  torch_version=str(torch.__version__)))
     compute_ns = int(round(compute_us * 1e3))
     for mode in modes:
         with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,

@@ -7,11 +7,11 @@ that reads every byte of them (the memory-bound floor of the expert GEMVs) and c
 against the source, and wait for it before the next layer (the next layer's ids depend on this
 layer's output).
 
-Variants, side by side in one process on the same source and stream:
+Variants, side by side in one process on the same source and stream (:func:`variants`):
 
-``oppclass``  this library as it comes: one cache per size class, OppClassLRU decode
-              (docs/policy.md), batches that never evict.
-``lru``       the same with the LRU policy.
+each policy   this library: one cache per size class, batches that never evict, decode evicting
+              by one of the library's policies, the variant named after it (``oppclass``, ``lru``:
+              docs/policy.md), the library's default first (:func:`policy_variants`).
 ``slab``      the old ds4 design: one slab keyed on the last-seen expert size (a cache
               with ``max_classes=1``, so every size change releases it), released again
               before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
@@ -22,8 +22,12 @@ Variants, side by side in one process on the same source and stream:
 
 The link bound of a variant is its host-to-device bytes divided by the link measured in the same
 run (:mod:`~pyexpcache.bench.link`): how fast decode could be if moving misses were the only
-cost. The policy variants' hit rates are checked against the offline simulator of the same
-policy at the same per-class capacities.
+cost. Each policy variant's hit rate is checked against the offline simulator of the same
+policy (its twin of the same name) at the same per-class capacities.
+
+The policies are the library's (``pyexpcache._lib.POLICIES``), so :func:`variants` loads it; nothing
+here does at import, and ``--variants`` is checked against them only when it is parsed, so every
+--help works before the library is built.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import numpy as np
 from ... import _lib
 from ...cache import ExpertCache, StagingStats
 from ...layout import GiB, ModelLayout
-from ...sim import simulate_belady, simulate_lru, simulate_policy
+from ...sim import simulate_belady, simulate_policy
 from ..bench import Bench
 from ..options import BENCH, OUTPUT, PLOT, Option, csv
 from ..progress import Progress
@@ -44,9 +48,24 @@ from ..report import Report
 from ..workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
 from . import curve
 
-# The library's two policies first (named after them; oppclass is the default), then the baselines.
-VARIANTS = ("oppclass", "lru", "slab", "nocache", "resident")
-POLICY_VARIANTS = ("oppclass", "lru")
+# The designs the library replaces, after its policies (variants()).
+BASELINES = ("slab", "nocache", "resident")
+
+
+def policy_variants() -> tuple[str, ...]:
+    """The library's policies by name: its default (the one expcache_config_init fills in) first,
+    then the rest of its table in id order. Loads the library."""
+    default = _lib.DEFAULT_POLICY
+    return (default,) + tuple(name for name in _lib.POLICIES if name != default)
+
+
+def variants() -> tuple[str, ...]:
+    """Every variant: :func:`policy_variants`, then :data:`BASELINES`. Loads the library."""
+    return policy_variants() + BASELINES
+
+
+_all_variants = variants  # for run_scenario, whose argument of that name hides it
+
 
 NAME = "variants"
 TITLE = "variants table"
@@ -58,8 +77,9 @@ USES_BENCH = True
 
 SCENARIO = Option("--scenario", type=csv(SCENARIOS + ("all",)), default=["decode"],
                   help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
-VARIANTS_OPTION = Option("--variants", type=csv(VARIANTS), default=list(VARIANTS),
-                         help=f"comma list of {', '.join(VARIANTS)} (default: all)")
+VARIANTS_OPTION = Option("--variants", type=csv(variants), default=None,
+                         help="comma list of variants: the library's eviction policies by name, "
+                              f"{', '.join(BASELINES)} (default: all, the library's default policy first)")
 NO_LAYER_SYNC = Option("--no-layer-sync", action="store_true",
                        help="enqueue a token's layers back to back and wait once per token, instead of after every "
                             "layer (an engine waits per layer: the next layer's ids come from this one's output)")
@@ -144,10 +164,10 @@ def _run_variant(bench: Bench, variant: str, workload: Workload):
     layout = bench.layout
     result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
     capacities = None
-    if variant in POLICY_VARIANTS:
-        # Cap notices once, from the first policy variant run; the same caps follow for the other.
+    if variant in _lib.POLICIES:
+        # Cap notices once, from the default policy's run; the same caps follow for the others.
         cache = bench.make_cache(budget_bytes=bench.budget_bytes, policy=variant,
-                                 log_level=_lib.LOG_NOTICE if variant == POLICY_VARIANTS[0] else _lib.LOG_WARNING,
+                                 log_level=_lib.LOG_NOTICE if variant == _lib.DEFAULT_POLICY else _lib.LOG_WARNING,
                                  **bench.cache_options)
     # The baselines are LRU, as the old designs were.
     elif variant == "slab":
@@ -176,14 +196,14 @@ def _run_variant(bench: Bench, variant: str, workload: Workload):
             return result, capacities
         cache.reset_stats()
     else:
-        raise ValueError(f"unknown variant {variant!r}: expected one of {VARIANTS}")
+        raise ValueError(f"unknown variant {variant!r}: expected one of {', '.join(variants())}")
     with cache:
         out = bench.replay(cache, workload, label=variant, serve=variant if variant in ("slab", "nocache") else "cache")
         result.decode_seconds, result.prefill_seconds = out.decode_seconds, out.prefill_seconds
         result.decode_calls, result.decode_serve_seconds = out.decode_calls, out.decode_serve_seconds
         result.checksum_errors, result.experts_checked = out.checksum_errors, out.experts_checked
         result.decode_bytes_h2d = out.decode_bytes_h2d
-        if variant in POLICY_VARIANTS:
+        if variant in _lib.POLICIES:
             capacities = class_capacities(layout, cache)
         total = cache.stats().total
         result.hits, result.misses = total.hits, total.misses
@@ -205,14 +225,15 @@ def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list
     return simulate_belady(workload.calls, capacities, layer_class).hit_rate
 
 
-def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Sequence[str] = VARIANTS,
+def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Optional[Sequence[str]] = None,
         traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
         pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: Optional[int] = None,
         progress: Optional[Progress] = None, device: int = 0, source=None,
         bench: Optional[Bench] = None) -> Report:
-    """Run the variants on one scenario and return a :class:`Report` (see the module docstring).
-    ``source`` (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces the generated host source;
-    an existing ``bench`` (whose source is then reused, and left open) replaces both.
+    """Run ``variants`` (default: all, :func:`variants`) on one scenario and return a :class:`Report`
+    (see the module docstring). ``source`` (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces
+    the generated host source; an existing ``bench`` (whose source is then reused, and left open)
+    replaces both.
     ``host_scale``: what the layout's sizes and the budget were divided by (default: the bench's
     ``scale``), for the header."""
     workload = build_workload(scenario, traces, layout.moe_layers)
@@ -224,6 +245,8 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Seq
             raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
                              f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
                              "experts)")
+    if variants is None:
+        variants = _all_variants()
     own = bench is None
     if own:
         bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
@@ -247,9 +270,7 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Seq
                 caps, layer_class = capacities
                 r.belady_hit_rate = belady_hit_rate(workload, caps, layer_class)
                 # The offline simulator of the same policy must agree with the library's counters.
-                sim = (simulate_lru(workload.calls, caps, layer_class) if variant == "lru"
-                       else simulate_policy(workload.calls, caps, layer_class, policy=variant,
-                                            layers=layout.moe_layers))
+                sim = simulate_policy(workload.calls, caps, layer_class, policy=variant, layers=layout.moe_layers)
                 if sim.hit_rate != r.hit_rate:
                     raise RuntimeError(f"{variant}: library hit rate {r.hit_rate} differs from the simulator's "
                                        f"{sim.hit_rate} at the same capacities: a bug")
@@ -263,13 +284,16 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Seq
 # -- the mode ---------------------------------------------------------------------------------
 
 def check(args) -> None:
-    """What the variants table cannot run, before anything is allocated: --plot's file type."""
+    """What the variants table cannot run, before anything is allocated: --plot's file type. Without
+    --variants, all of them (:func:`variants`: the library's policies are read here)."""
     curve.check_plot(args)
+    if args.variants is None:
+        args.variants = list(variants())
 
 
 def device_bytes(args, budget: int, model_bytes: int) -> int:
     """Emulated device memory its caches hold at once: the budget, or the model for ``resident``."""
-    return model_bytes if "resident" in args.variants else budget
+    return model_bytes if args.variants is None or "resident" in args.variants else budget
 
 
 def run(bench: Bench, args) -> Iterator[Report]:

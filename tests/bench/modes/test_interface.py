@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from pyexpcache import cli
+from pyexpcache import bench, cli
 from pyexpcache.bench import format_report, modes, options
 from pyexpcache.bench.report import Report
 
@@ -106,8 +106,11 @@ def test_curve_mode_reports_the_simulator(tmp_path, capsys):
     (report,) = json.loads(path.read_text())
     assert report["mode"] == "curve" and report["backend"] is None and report["decode_tokens"] == 117
     assert [p["fraction"] for p in report["results"]] == list(modes.by_name("curve").FRACTIONS)
+    assert report["policies"] == list(bench.policy_variants()) and report["default_policy"] == bench.policy_variants()[0]
     for p in report["results"]:
-        assert p["lru"] <= p["belady"] and p["oppclass"] <= p["belady"]
+        assert list(p["hit_rates"]) == report["policies"]
+        assert all(rate <= p["belady"] for rate in p["hit_rates"].values())
+    assert f"{report['default_policy']} (the default)" in text
 
 
 def test_one_header_for_every_report():

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout
+from pyexpcache import ModelLayout, _lib
 from pyexpcache import bench
 from pyexpcache.bench.modes.variants import run_variant
 from pyexpcache.sim import DECODE, Call
@@ -20,7 +20,7 @@ def test_bench_run_host_reports_every_variant():
     report = bench.run(layout, "decode", traces=["podA_b_json_full"], budget_bytes=(12 << 30) // 4096,
                        backend="host", host_scale=4096)
     names = [r.variant for r in report.results]
-    assert names == list(bench.VARIANTS)
+    assert names == list(bench.variants())
     r = {x.variant: x for x in report.results}
     assert report.checksum_errors == 0 and r["oppclass"].experts_checked == 37 * 40 * 6
     assert r["resident"].hit_rate == 1.0 and r["nocache"].hit_rate == 0.0
@@ -34,6 +34,34 @@ def test_bench_run_host_reports_every_variant():
     text = bench.format_report(report)
     assert "host-emulated" in text and "Belady" in text
     json.dumps(report.to_json())
+
+
+def test_variants_are_the_librarys_policies_then_the_baselines():
+    """The policy variants are the library's table, by name, its default first: nothing typed."""
+    assert bench.policy_variants()[0] == _lib.DEFAULT_POLICY
+    assert sorted(bench.policy_variants()) == sorted(_lib.POLICIES)
+    assert bench.variants() == bench.policy_variants() + bench.BASELINES == bench.policy_variants() + (
+        "slab", "nocache", "resident")
+
+
+def test_every_policy_variant_agrees_with_its_simulator(monkeypatch):
+    """run_scenario checks each policy variant's hit rate against simulate_policy of the same name
+    (one call per policy, with the layout's MoE layers): an LRU special case would show here."""
+    from pyexpcache.bench.modes import variants as mode
+
+    calls = []
+    real = mode.simulate_policy
+
+    def spy(*args, policy, layers=None, **kw):
+        calls.append((policy, tuple(layers)))
+        return real(*args, policy=policy, layers=layers, **kw)
+
+    monkeypatch.setattr(mode, "simulate_policy", spy)
+    layout = ModelLayout.preset("mixed", scale=4096)
+    report = bench.run(layout, "decode", variants=list(bench.policy_variants()), traces=["podA_b_json_full"],
+                       budget_bytes=layout.total_bytes // 20, backend="host")
+    assert calls == [(p, tuple(layout.moe_layers)) for p in bench.policy_variants()]
+    assert [r.variant for r in report.results] == list(bench.policy_variants())
 
 
 def test_bench_detects_corrupted_bytes(monkeypatch):
