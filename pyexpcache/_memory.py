@@ -27,5 +27,8 @@ class MemoryPin:
 
     def __del__(self):
         ref, self._ref = getattr(self, "_ref", None), None
-        if ref and not _lifetime.in_forked_child:
-            self._release(ref)
+        try:
+            if ref and not _lifetime.in_forked_child:
+                self._release(ref)
+        except Exception:  # interpreter shutdown: the process's memory goes with it
+            pass

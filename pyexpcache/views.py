@@ -94,13 +94,13 @@ class _Events(dict):
     """This thread's event per device, destroyed with the thread's locals."""
 
     def __del__(self):
-        if _lifetime.in_forked_child:
-            return  # the parent's CUDA state
         try:
+            if _lifetime.in_forked_child:
+                return  # the parent's CUDA state
             rt = runtime()
             for event in self.values():
                 rt.cudaEventDestroy(event)
-        except Exception:  # interpreter shutdown: nothing left to tidy
+        except Exception:  # interpreter shutdown (modules already torn down): nothing left to tidy
             pass
 
 
