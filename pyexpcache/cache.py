@@ -472,7 +472,8 @@ class ExpertCache:
         layouts. Views are made once per slot and reused: an all-hit call makes only its list.
         A view is valid under the rule of :meth:`select`'s addresses (for work ordered after
         the call on ``stream``, until the cache's next select, load_compact, prepare_batch,
-        release_all or layer_class call) and does not keep the bytes alive."""
+        release_all or layer_class call); its memory stays allocated while the view, or an
+        array made from it, lives (after release_all and close too)."""
         k, s = self._decode(self._select_fn, layer, expert_ids, stream)
         return self._views.get(layer, self._scratch.out[:k].tolist(), s, dtype, shapes)
 
