@@ -48,8 +48,7 @@ def _after_fork_in_child() -> None:
 def _at_exit() -> None:
     global exiting
     exiting = True
-    # Caches before sources: closing a cache releases its source.
-    for obj in sorted(_tracked(), key=lambda o: getattr(o, "_exit_order", 0)):
+    for obj in _tracked():
         try:
             obj._close_at_exit()
         except Exception:

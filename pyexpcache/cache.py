@@ -341,8 +341,6 @@ class ExpertCache:
             self._views.clear()
             self._leave_source()
 
-    _exit_order = 0  # closed at exit before the sources
-
     def _close_at_exit(self) -> None:
         self._close(10.0)
 
@@ -353,7 +351,6 @@ class ExpertCache:
         self._handle = None  # the parent's: never destroyed here
         self._source_user = False
         self._views = ViewCache(self.layout)  # their pins are the parent's (MemoryPin leaves them)
-        self._scratch = _Scratch()
 
     def _leave_source(self) -> None:
         if self._source_user:

@@ -135,10 +135,8 @@ class MultiDeviceCache:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    _exit_order = 0  # its caches close themselves at exit
-
     def _close_at_exit(self) -> None:
-        pass
+        pass  # its caches close themselves at exit
 
     def _after_fork_in_child(self) -> None:
         self._pool = None  # the owners' threads are not in the child; its caches raise ForkedError

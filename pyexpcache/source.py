@@ -99,7 +99,6 @@ class BufferSource:
     _users = 0
     _close_requested = False
     _forked = False
-    _exit_order = 1  # nothing to do at exit (the operating system frees the memory)
 
     def _track(self) -> None:
         """Called at the end of a subclass's __init__: fork makes the source unusable in the child."""
@@ -117,7 +116,7 @@ class BufferSource:
         self.buffer = np.empty(0, np.uint8)
 
     def _close_at_exit(self) -> None:
-        pass
+        pass  # the operating system frees the memory
 
     def add_user(self) -> None:
         """Called by a cache that will read this source's memory (raises ValueError when closed)."""

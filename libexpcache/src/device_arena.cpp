@@ -21,7 +21,7 @@ bool DeviceArena::let_go(Map::iterator it) {
     allocations_.erase(it);
     // Only the cache makes references (under its lock), so none appears meanwhile; one may go
     // away on another thread, which then frees the memory once disown() gave it the way.
-    if (!kept || kept.use_count() == 1) return false;
+    if (!kept || kept.use_count() == 1) return false;  // the moved-out copy is the only one
     kept->disown(backend_.disown(ptr), backend_.device_ordinal());
     ++disowned_;
     return true;
@@ -36,7 +36,7 @@ void DeviceArena::free_now(void* ptr) {
 expcache_status_t DeviceArena::free_after(void* ptr, void* stream) {
     auto it = allocations_.find(reinterpret_cast<uintptr_t>(ptr));
     if (it == allocations_.end()) return EXPCACHE_OK;
-    if (!it->second.kept || it->second.kept.use_count() == 1) {
+    if (!kept_elsewhere(it->second)) {
         expcache_status_t s = backend_.free_after(ptr, stream);
         if (s != EXPCACHE_OK) return s;  // still ours: freed with the cache
     }

@@ -85,6 +85,8 @@ private:
     using Map = std::map<uintptr_t, Allocation>;  // by address; ordered, for owns()
 
     Map::const_iterator containing(const void* ptr, uint64_t bytes) const;
+    // A reference besides the arena's own holds the allocation.
+    static bool kept_elsewhere(const Allocation& a) { return a.kept && a.kept.use_count() > 1; }
     // Removes `it` from the map: true when references keep it (disowned, not to be freed).
     bool let_go(Map::iterator it);
 
