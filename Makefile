@@ -14,7 +14,8 @@ CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/l
             libexpcache/src/device_arena.cpp libexpcache/src/layers.cpp libexpcache/src/class_table.cpp \
             libexpcache/src/stream_order.cpp libexpcache/src/prefetch_coordinator.cpp libexpcache/src/cache.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
-            libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp \
+            libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_device.cpp \
+            libexpcache/src/device_lookup.cpp libexpcache/src/kernels/lookup_kernels_host.cpp \
             libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/backend/host.cpp \
             libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
             libexpcache/src/backend/source_file.cpp libexpcache/src/kernels/test_kernels_host.cpp $(POLICY_SRC)
@@ -22,7 +23,7 @@ CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/l
 # is built without an edit here.
 POLICY_SRC = $(sort $(wildcard libexpcache/src/policy/*.cpp))
 CUDA_SRC  = libexpcache/src/backend/cuda.cu libexpcache/src/kernels/checksum.cu libexpcache/src/kernels/spin.cu \
-            libexpcache/src/kernels/test_kernels_cuda.cu
+            libexpcache/src/kernels/test_kernels_cuda.cu libexpcache/src/kernels/lookup_kernels_cuda.cu
 HEADERS   = $(wildcard libexpcache/include/*.h libexpcache/src/*.hpp libexpcache/src/*/*.hpp libexpcache/src/*/*.cuh)
 
 CORE_OBJ  = $(patsubst libexpcache/src/%.cpp,$(BUILD)/obj/%.o,$(CORE_SRC))

@@ -30,6 +30,7 @@ from ._errors import (  # noqa: E402 (the version first: submodules read it)
     SourceIOError,
     UnsupportedError,
 )
+from .bank import ExpertBank
 from .cache import Batch, CompactBuffer, ExpertCache, staging_defaults
 from .gguf import GGUFSource
 from .layout import LayerSpec, ModelLayout
@@ -45,7 +46,7 @@ from .views import ExpertView, TensorView
 __all__ = [
     "ArgumentRangeError", "Batch", "BufferSource", "CacheClosedError", "CacheStats", "ClassInfo", "ClassStats",
     "CompactBuffer", "CudaError", "DeviceBatch", "DeviceSelection", "ExpcacheError", "ExpcacheWarning",
-    "ExpertCache", "ExpertView", "ForkedError", "GGUFSource", "HostSource", "InternalError", "InvalidArgumentError",
+    "ExpertBank", "ExpertCache", "ExpertView", "ForkedError", "GGUFSource", "HostSource", "InternalError", "InvalidArgumentError",
     "InvalidStateError", "LayerPlacement", "LayerSpec", "ModelLayout", "MultiDeviceCache", "OutOfDeviceMemoryError",
     "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError", "PrefetchStats", "Selection", "Source",
     "SourceIOError", "StagingStats", "TensorView", "UnsupportedError", "checksum_bytes", "library_version",

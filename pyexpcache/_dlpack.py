@@ -111,16 +111,17 @@ class _Base:
         self.__array_interface__, self.owner = interface, owner
 
 
-def capsule(owner, ptr: int, shape: tuple[int, ...], dtype, device_type: int, device_id: int):
-    """A ``"dltensor"`` PyCapsule for the C-contiguous array of ``shape`` and ``dtype`` (a numpy
-    dtype or :data:`BFLOAT16`) at address ``ptr`` on DLPack device ``(device_type, device_id)``.
+def capsule(owner, ptr: int, shape: tuple[int, ...], dtype, device_type: int, device_id: int, strides=None):
+    """A ``"dltensor"`` PyCapsule for the array of ``shape`` and ``dtype`` (a numpy dtype or
+    :data:`BFLOAT16`) at address ``ptr`` on DLPack device ``(device_type, device_id)``,
+    C-contiguous or with ``strides`` in bytes (multiples of the item size).
     ``owner`` stays referenced until the consumer's deleter runs (or the unconsumed capsule
     dies). The caller validates the address, shape and device; this lays them out."""
     code, bits = data_type(dtype)
     # An unsigned integer of the same size: numpy exports it whatever the type (bfloat16 too).
     typestr = np.dtype(f"u{bits // 8}").str
     array = np.asarray(_Base({"shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 3,
-                              "strides": None}, owner))
+                              "strides": None if strides is None else tuple(strides)}, owner))
     result = array.__dlpack__()
     tensor = _Tensor.from_address(_capsule_pointer(result, _NAME))
     tensor.data = ptr or None  # numpy's stand-in buffer for an empty array is not on the device

@@ -39,8 +39,10 @@ LOG_SILENT, LOG_WARNING, LOG_NOTICE, LOG_DEBUG = 0, 1, 2, 3
 # when it loads: a policy is named once, in libexpcache/src/policy/registry.cpp. DEFAULT_POLICY is the
 # name of the one expcache_config_init fills in.
 FILE_READS = {"buffered": 0, "direct": 1}
-PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
-PATH_NAMES = ("decode", "compact", "batch", "control")
+LOOKUP_HOST, LOOKUP_DEVICE = 0, 1
+LOOKUPS = {"host": LOOKUP_HOST, "device": LOOKUP_DEVICE}
+PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL, PATH_DEVICE = 0, 1, 2, 3, 4
+PATH_NAMES = ("decode", "compact", "batch", "control", "device")
 MAX_SELECT = 1024
 MAX_BATCHES = 64
 MAX_CLASSES_LIMIT = 64
@@ -50,8 +52,8 @@ MAX_PART_BYTES_LIMIT = 1 << 40  # bytes of one gate, up or down part
 # Constants of expcache_testing.h.
 CHECKSUM_RESULTS = 65536
 (STRUCT_CONFIG, STRUCT_LAYER_DESC, STRUCT_EXPERT_PTRS, STRUCT_COMPACT, STRUCT_CLASS_INFO, STRUCT_STATS,
- STRUCT_STAGING_STATS, STRUCT_PREFETCH_STATS) = range(8)
-STRUCT_COUNT = 8
+ STRUCT_STAGING_STATS, STRUCT_PREFETCH_STATS, STRUCT_BANK) = range(9)
+STRUCT_COUNT = 9
 
 
 class Config(ctypes.Structure):
@@ -74,6 +76,7 @@ class Config(ctypes.Structure):
         ("file_reads", c_uint32),
         ("prefetch_max_per_layer", c_uint32),
         ("prefetch_piece_bytes", c_uint64),
+        ("lookup", c_uint32),
     ]
 
 
@@ -128,6 +131,22 @@ class ClassInfo(ctypes.Structure):
         ("resident_experts", c_uint64),
         ("held_experts", c_uint64),
         ("num_layers", c_uint64),
+    ]
+
+
+class Bank(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("reserved", c_uint32),
+        ("base", c_void_p),
+        ("slot_stride", c_uint64),
+        ("cap", c_uint64),
+        ("gate_offset", c_uint64),
+        ("up_offset", c_uint64),
+        ("down_offset", c_uint64),
+        ("gate_bytes", c_uint64),
+        ("up_bytes", c_uint64),
+        ("down_bytes", c_uint64),
     ]
 
 
@@ -242,6 +261,13 @@ _FUNCTIONS = [
     ("expcache_release_all", [CachePtr], c_int32),
     # expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
     ("expcache_synchronize", [CachePtr, c_void_p], c_int32),
+    # expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index, expcache_bank_t* out);
+    ("expcache_class_bank_get", [CachePtr, c_uint32, POINTER(Bank)], c_int32),
+    # expcache_status_t expcache_select_device_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #                                                uint32_t id_bits, uint32_t n, uint32_t k, int32_t* out_slots,
+    #                                                void* stream);
+    ("expcache_select_device_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p],
+     c_int32),
     # expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count);
     ("expcache_class_count_get", [CachePtr, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index,
@@ -323,6 +349,7 @@ STRUCT_MIRRORS = {
     STRUCT_STATS: Stats,
     STRUCT_STAGING_STATS: StagingStats,
     STRUCT_PREFETCH_STATS: PrefetchStats,
+    STRUCT_BANK: Bank,
 }
 assert sorted(STRUCT_MIRRORS) == list(range(STRUCT_COUNT))
 

@@ -15,6 +15,8 @@ from typing import Optional
 import numpy as np
 
 from . import _lib, _lifetime
+from . import bank as _bank
+from .bank import ExpertBank
 from ._cuda import stream_handle
 from ._errors import CacheClosedError, ExpcacheWarning, ForkedError, stacklevel_outside
 from ._memory import MemoryPin
@@ -22,7 +24,7 @@ from ._ints import u32, u64
 from .layout import ModelLayout
 from .source import Source
 from .selection import Selection
-from .views import ExpertView, ViewCache
+from .views import ExpertView, TensorView, ViewCache
 from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats
 
 logger = logging.getLogger("pyexpcache")
@@ -190,6 +192,11 @@ class ExpertCache:
             that layer (default 8; 0 turns :meth:`prefetch` off).
         prefetch_piece_bytes: most prefetch bytes in flight at once (two transfers of half), what
             a demand miss shares the link with (default 4 MiB; a multiple of 4096 in 4 KiB..64 MiB).
+        lookup: ``"host"`` (default) or ``"device"``: each class's slots become one bank
+            (:meth:`bank`) and :meth:`select_device` looks experts up on the GPU, capturable in a
+            CUDA graph; the other calls keep working, each synchronizing the device (see
+            :meth:`select_device`). A device-lookup cache evicts by LRU (the default policy then),
+            refuses :meth:`prefetch` and :meth:`hint`, and needs a pinned source for device selects.
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
 
@@ -207,9 +214,18 @@ class ExpertCache:
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
                  copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
                  staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: Optional[str] = None,
-                 prefetch_max_per_layer: Optional[int] = None, prefetch_piece_bytes: Optional[int] = None):
+                 prefetch_max_per_layer: Optional[int] = None, prefetch_piece_bytes: Optional[int] = None,
+                 lookup: str = "host"):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        if lookup not in _lib.LOOKUPS:
+            raise ValueError(f"lookup must be one of {sorted(_lib.LOOKUPS)}, got {lookup!r}")
+        if lookup == "device":
+            if policy is None:
+                policy = "lru"
+            elif policy != "lru":
+                raise ValueError(f"lookup='device' evicts by LRU on the device (recency stamps): use policy='lru' "
+                                 f"(or leave it unset), got {policy!r}")
         if policy is not None and policy not in _lib.POLICIES:
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if file_reads not in _lib.FILE_READS:
@@ -231,7 +247,9 @@ class ExpertCache:
             ("prefetch_piece_bytes", prefetch_piece_bytes)) if value is not None)
         if policy is not None:
             given["policy"] = _lib.POLICIES[policy]
-        _lib.set_fields(cfg, backend=_BACKENDS[backend], file_reads=_lib.FILE_READS[file_reads], **given)
+        _lib.set_fields(cfg, backend=_BACKENDS[backend], file_reads=_lib.FILE_READS[file_reads],
+                        lookup=_lib.LOOKUPS[lookup], **given)
+        self.lookup = lookup
         self.layout = layout
         self.source = source
         self.max_classes = max_classes
@@ -260,7 +278,9 @@ class ExpertCache:
         try:
             lib.expcache_log_set_callback(self._handle, self._log_fn, None)
             lib.expcache_memory_set_dropped_callback(self._handle, self._dropped_fn, None)
-            self._views.configure(self.backend == "cuda", device, self._pin_memory)
+            self._is_cuda = self.backend == "cuda"
+            self._device = device
+            self._views.configure(self._is_cuda, device, self._pin_memory)
             file_id = None
             if getattr(source, "file_path", None):
                 out = ctypes.c_uint32()
@@ -489,6 +509,71 @@ class ExpertCache:
         pointers = scratch.out[:k].copy()
         made = self._views.get(layer, pointers.tolist(), s, dtype, shapes) if views else None
         return Selection(self, layer, pointers, scratch.resident[:k].astype(bool), ready.value or 0, s, made)
+
+    def bank(self, layer: int, dtype=None, shapes=None) -> ExpertBank:
+        """The slot bank of ``layer``'s class on a ``lookup="device"`` cache (binding the class now
+        if needed, which allocates its bank: do it before capturing a graph). ``dtype`` and
+        ``shapes`` (one shape per part, as :meth:`select_views` takes them) format each slot's
+        parts; the views are ``[cap, *shape]``. The bank's address never changes while the cache
+        lives, so views and graphs made from it stay valid."""
+        index = self.layer_class(layer)
+        b = _lib.Bank()
+        b.struct_size = ctypes.sizeof(b)
+        self._call("expcache_class_bank_get", index, ctypes.byref(b))
+        if not b.base:
+            raise RuntimeError(f"layer {layer}'s class has no bank: its cap is 0 experts (see the cap warning); raise "
+                               "the budget or free device memory")
+        cuda = self.backend == "cuda"
+        owner = self._pin_memory(b.base)
+        parts = []
+        for i, (offset, nbytes) in enumerate(((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes),
+                                              (b.down_offset, b.down_bytes))):
+            one = TensorView(b.base + offset, nbytes, cuda=cuda, device_id=self._device, dtype=dtype,
+                             shape=None if shapes is None else shapes[i])
+            shape = (b.cap,) + one.shape
+            inner = [one.dtype.itemsize]
+            for dim in reversed(one.shape[1:]):
+                inner.insert(0, inner[0] * dim)
+            parts.append(TensorView(b.base + offset, b.cap * nbytes, cuda=cuda, device_id=self._device, dtype=dtype,
+                                    shape=shape, strides=(b.slot_stride, *inner), owner=owner))
+        return ExpertBank(index, b.cap, b.slot_stride, *parts)
+
+    def select_device(self, layer: int, ids, stream=None, out=None):
+        """Device-side select on a ``lookup="device"`` cache: ``ids`` (a [k] or [n, k] int32 or
+        int64 array on the GPU: torch, cupy, anything with DLPack or the CUDA Array Interface; a
+        numpy array on the host backend) become resident in ``layer``'s bank, and the result (or
+        ``out``: int32, same shape) holds each id's slot, for ``bank(layer).gate[slots]`` and the
+        like. The n rows of a 2-D call are one step (a speculative verification): each distinct
+        expert is copied once and all are protected. Kernels on ``stream`` (default: torch's
+        current stream for a torch tensor, else the legacy default stream) do the lookup, the
+        LRU update, the misses' copies (read from the pinned source by the GPU) and the counts,
+        with no host synchronization: the call may be captured in a CUDA graph (bind each layer
+        first: one call outside the capture, or :meth:`bank`), and each replay does the whole
+        select. An id out of range gets slot -1 and is reported by the next synchronizing call.
+
+        The other calls (select, select_views, load_compact, prepare_batch, release_all, stats,
+        ...) synchronize the device and see the device selects' residency; they must not run
+        while device selects are in flight on other threads' streams."""
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
+            layer = self._layer(layer)
+        src = _bank.id_array(ids, "ids")
+        if out is None:
+            out = _bank.empty_slots(ids, src.shape)
+        dst = _bank.id_array(out, "out")
+        if dst.bits != 32 or dst.shape != src.shape:
+            raise ValueError(f"out must be int32 of the ids' shape {src.shape}, got {dst.bits}-bit {dst.shape}")
+        cuda = self._is_cuda
+        for a, what in ((src, "ids"), (dst, "out")):
+            if a.cuda != cuda:
+                where = "device memory (a CUDA tensor)" if cuda else "host memory (a numpy array) on the host backend"
+                raise ValueError(f"{what} must be in {where}, got {'device' if a.cuda else 'host'} memory")
+        n, k = (1, src.shape[0]) if len(src.shape) == 1 else src.shape
+        if stream is None:
+            stream = _bank.default_stream(ids)
+        s = stream_handle(stream)
+        with self._gate:
+            _lib.lib.expcache_select_device_async(self._handle, layer, src.ptr, src.bits, n, k, dst.ptr, s)
+        return out
 
     def wait_ready(self, ready: int, stream=None) -> None:
         """Make ``stream`` wait for ``ready`` (a :class:`Selection`'s ``ready`` event; 0 returns)."""

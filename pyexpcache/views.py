@@ -77,6 +77,16 @@ def _shape(value, nbytes: int, dtype) -> tuple[int, ...]:
     return shape
 
 
+def _strides(value, shape: tuple[int, ...], dtype) -> tuple[int, ...]:
+    """Byte strides, one per dimension of ``shape``, each a non-negative multiple of the item size."""
+    strides = tuple(checked_int(s, f"strides[{i}]", 0, _I64_MAX) for i, s in enumerate(value))
+    if len(strides) != len(shape):
+        raise ValueError(f"strides {strides} must have one entry per dimension of shape {shape}")
+    if any(s % dtype.itemsize for s in strides):
+        raise ValueError(f"strides {strides} must be multiples of the item size ({dtype.itemsize} bytes)")
+    return strides
+
+
 def _consumer_stream(stream):
     """The handle of a DLPack consumer's ``stream`` argument; None for -1 ("do not synchronize")."""
     if stream is None:
@@ -151,10 +161,10 @@ class TensorView:
     cannot express it). ``shape`` must cover exactly ``nbytes``.
     """
 
-    __slots__ = ("ptr", "nbytes", "shape", "dtype", "cuda", "device_id", "stream", "owner", "__weakref__")
+    __slots__ = ("ptr", "nbytes", "shape", "dtype", "cuda", "device_id", "stream", "owner", "strides", "__weakref__")
 
     def __init__(self, ptr: int, nbytes: int, *, cuda: bool, device_id: int = 0, stream: int = 0,
-                 dtype=None, shape=None, owner=None):
+                 dtype=None, shape=None, owner=None, strides=None):
         self.ptr = u64(ptr, "ptr")
         self.nbytes = u64(nbytes, "nbytes")
         if self.ptr == 0 and self.nbytes:
@@ -165,6 +175,8 @@ class TensorView:
         self.dtype = _dtype(dtype)
         self.shape = _shape(shape, self.nbytes, self.dtype)
         self.owner = owner
+        # Strides in bytes (None: C-contiguous): a bank's views step from slot to slot.
+        self.strides = None if strides is None else _strides(strides, self.shape, self.dtype)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (_dlpack.KDLCUDA, self.device_id) if self.cuda else (_dlpack.KDLCPU, 0)
@@ -193,7 +205,7 @@ class TensorView:
             producer = _legacy(self.stream)
             if consumer is not None and consumer != producer:
                 _make_wait(producer, consumer, self.device_id)
-        return _dlpack.capsule(self, self.ptr, self.shape, self.dtype, *device)
+        return _dlpack.capsule(self, self.ptr, self.shape, self.dtype, *device, strides=self.strides)
 
     def _interface(self, what: str, error=TypeError) -> dict:
         if isinstance(self.dtype, _dlpack.ExtraDType):
@@ -201,7 +213,7 @@ class TensorView:
                         "through DLPack (from_dlpack) instead")
         # A zero-size array's address is 0 in both interfaces.
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr if self.nbytes else 0, False),
-                "version": 3, "strides": None}
+                "version": 3, "strides": self.strides}
 
     @property
     def __cuda_array_interface__(self) -> dict:

@@ -53,6 +53,7 @@ def test_struct_sizes_match_library():
         _lib.STRUCT_EXPERT_PTRS: _lib.ExpertPtrs, _lib.STRUCT_COMPACT: _lib.Compact,
         _lib.STRUCT_CLASS_INFO: _lib.ClassInfo, _lib.STRUCT_STATS: _lib.Stats,
         _lib.STRUCT_STAGING_STATS: _lib.StagingStats, _lib.STRUCT_PREFETCH_STATS: _lib.PrefetchStats,
+        _lib.STRUCT_BANK: _lib.Bank,
     }
     assert sorted(mirrors) == list(range(_lib.STRUCT_COUNT))
     for which, mirror in mirrors.items():

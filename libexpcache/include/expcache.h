@@ -150,6 +150,10 @@ EXPCACHE_API uint32_t expcache_version(void);
                                         than LRU, most at small budgets */
 #define EXPCACHE_POLICY_COUNT 2    /**< the number of EXPCACHE_POLICY_* values */
 
+/** Where a cache looks experts up (expcache_config_t.lookup). */
+#define EXPCACHE_LOOKUP_HOST 0   /**< the host: expcache_select_async and the other serving calls */
+#define EXPCACHE_LOOKUP_DEVICE 1 /**< the device too: slot banks and expcache_select_device_async */
+
 /**
  * The name of eviction policy `policy` (EXPCACHE_POLICY_*): "lru", "oppclass", the lower-case
  * tail of its constant, as pyexpcache and its simulator name it. Static; NULL for an id that is
@@ -218,6 +222,10 @@ typedef struct expcache_config_t {
                                     half so that one is queued while the other crosses: what a demand
                                     miss shares the link with; default 4 MiB; 4 KiB..64 MiB, a
                                     multiple of 4096 */
+    uint32_t lookup;           /**< EXPCACHE_LOOKUP_*; default HOST. DEVICE: each class's slots are one bank
+                                    allocated whole when the class is bound, and expcache_select_device_async
+                                    looks experts up on the device (see "Serving from the device"); needs
+                                    policy LRU */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -501,6 +509,85 @@ EXPCACHE_API expcache_status_t expcache_release_all(expcache_t* cache);
 EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* stream);
 
 /* ---------------------------------------------------------------------- */
+/* Serving from the device (config.lookup = EXPCACHE_LOOKUP_DEVICE)        */
+/* ---------------------------------------------------------------------- */
+
+/*
+ * On a device-lookup cache each size class keeps its slots in one bank: one
+ * device allocation of `cap` slots at a fixed stride, allocated whole when the
+ * class is bound (expcache_layer_bind_class, or the first serving call of one of
+ * its layers) and kept, at the same address, until the cache is destroyed. Beside
+ * the banks the cache keeps its residency on the device: which slot holds which
+ * expert, the slots' recency (LRU) and the counters of EXPCACHE_PATH_DEVICE.
+ *
+ * expcache_select_device_async reads and updates that state with kernels on its
+ * stream alone, so it may be captured in a CUDA graph and replayed. The other calls
+ * (select, select_split, compact_load, batch_prepare/finish, release_all,
+ * read_resident, the checksums, class_info, stats, reset_stats, layer_bind_class)
+ * keep working in any order with it: each one synchronizes the device first, reads
+ * the device state, does its work and writes the state back before it returns, its
+ * copies finished. They must not run while device selects are in flight on other
+ * threads' streams. On a device-lookup cache:
+ *   - every layer is registered before the first class is bound (the banks and the
+ *     device table are sized from the whole layout);
+ *   - a class index is never reused for other sizes (max_classes must cover them);
+ *   - release_all empties the banks but keeps their memory (captured graphs read
+ *     them), and a staging allocation that fails is retried after emptying them;
+ *   - prefetch_async and hint are refused (UNSUPPORTED): a device select copies
+ *     its misses itself;
+ *   - the policy is LRU (config.policy must be EXPCACHE_POLICY_LRU).
+ */
+
+/** One class's bank: slot s's gate part is at base + s*slot_stride + gate_offset, gate_bytes long. */
+typedef struct expcache_bank_t {
+    uint32_t struct_size;  /**< sizeof(expcache_bank_t); set by the caller */
+    uint32_t reserved;
+    void* base;            /**< device address of slot 0 (256-byte aligned) */
+    uint64_t slot_stride;  /**< bytes between slots */
+    uint64_t cap;          /**< slots in the bank */
+    uint64_t gate_offset, up_offset, down_offset; /**< part starts within a slot (256-byte aligned) */
+    uint64_t gate_bytes, up_bytes, down_bytes;    /**< part sizes: the class key */
+} expcache_bank_t;
+
+/**
+ * Fill *out (struct_size set by the caller) with the bank of class `class_index`
+ * (from expcache_layer_bind_class). The bank's address never changes while the
+ * cache lives. Status: INVALID_ARGUMENT (index out of range, struct_size
+ * mismatch), INVALID_STATE (not a device-lookup cache, or no class at that index).
+ */
+EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index,
+                                                       expcache_bank_t* out);
+
+/**
+ * Device-side select: the n rows of k expert ids of `layer` at `ids` (device
+ * memory; host memory on the host backend), integers of `id_bits` 32 or 64 bits,
+ * become resident in the layer's bank, and out_slots[i] (device memory, n*k int32)
+ * is ids[i]'s slot in it. The rows are one step (several tokens of a speculative
+ * verification): each distinct expert is copied once and none of them is evicted by
+ * another. Kernels on `stream` look the ids up, refresh their recency, evict the
+ * least recently used slots not used by this call and not held by a batch, copy
+ * the misses' bytes from the layer's source (read by the GPU from mapped pinned
+ * memory), and count. No host synchronization and no host decision depends on the
+ * ids: the call may be made while `stream` is being captured into a CUDA graph, and
+ * each replay does the whole select. An id out of range gets slot -1; the next
+ * synchronizing call reports it (INVALID_ARGUMENT) once.
+ *
+ * The slots stay valid for work ordered after this call on `stream` until the next
+ * call that serves or releases on this cache. Work on other streams is ordered by the
+ * caller (events), as for any device buffer. The first call for a layer binds its
+ * class (allocating its bank), which a capture does not allow: bind before capturing
+ * (expcache_layer_bind_class, or one call outside the capture). Only a pinned source
+ * can be read by the GPU; pageable and file sources fail with UNSUPPORTED.
+ * Status: INVALID_ARGUMENT (n*k 0 or over EXPCACHE_MAX_SELECT, or over the bank's
+ * cap less the slots batches hold; id_bits; NULL pointers), INVALID_STATE (not a
+ * device-lookup cache, layer not registered, a capture under way when the class must
+ * be bound), UNSUPPORTED (source not pinned), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_select_device_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                            uint32_t id_bits, uint32_t n, uint32_t k,
+                                                            int32_t* out_slots, void* stream);
+
+/* ---------------------------------------------------------------------- */
 /* Size classes                                                            */
 /* ---------------------------------------------------------------------- */
 
@@ -552,7 +639,9 @@ EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint
 #define EXPCACHE_PATH_COMPACT 1 /**< expcache_compact_load_async */
 #define EXPCACHE_PATH_BATCH 2   /**< expcache_batch_prepare_async */
 #define EXPCACHE_PATH_CONTROL 3 /**< expcache_release_all and other explicit calls */
-#define EXPCACHE_NUM_PATHS 4
+#define EXPCACHE_PATH_DEVICE 4  /**< expcache_select_device_async (counted on the device, read by the
+                                     synchronizing calls) */
+#define EXPCACHE_NUM_PATHS 5
 
 /** Counters of one (class, path). Unique experts per call are counted once. */
 typedef struct expcache_stats_t {

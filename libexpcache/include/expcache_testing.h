@@ -156,7 +156,8 @@ EXPCACHE_API expcache_status_t expcache_testing_spin_async(expcache_t* cache, vo
 #define EXPCACHE_STRUCT_STATS 5         /**< expcache_stats_t */
 #define EXPCACHE_STRUCT_STAGING_STATS 6 /**< expcache_staging_stats_t */
 #define EXPCACHE_STRUCT_PREFETCH_STATS 7 /**< expcache_prefetch_stats_t */
-#define EXPCACHE_STRUCT_COUNT 8         /**< the number of EXPCACHE_STRUCT_* values */
+#define EXPCACHE_STRUCT_BANK 8          /**< expcache_bank_t */
+#define EXPCACHE_STRUCT_COUNT 9         /**< the number of EXPCACHE_STRUCT_* values */
 
 /**
  * sizeof, in bytes, of the public struct `which` (EXPCACHE_STRUCT_*) as the

@@ -283,6 +283,24 @@ expcache_status_t expcache_release_all(expcache_t* cache) {
     });
 }
 
+expcache_status_t expcache_select_device_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                               uint32_t n, uint32_t k, int32_t* out_slots, void* stream) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_slots, "out_slots is NULL");
+        return cache->impl->select_device(layer, ids, id_bits, n, k, out_slots, stream);
+    });
+}
+
+expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index, expcache_bank_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->bank(class_index, out);
+    });
+}
+
 expcache_status_t expcache_synchronize(expcache_t* cache, void* stream) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
@@ -490,9 +508,10 @@ uint32_t expcache_testing_struct_size(uint32_t which) {
         case EXPCACHE_STRUCT_STATS: return sizeof(expcache_stats_t);
         case EXPCACHE_STRUCT_STAGING_STATS: return sizeof(expcache_staging_stats_t);
         case EXPCACHE_STRUCT_PREFETCH_STATS: return sizeof(expcache_prefetch_stats_t);
+        case EXPCACHE_STRUCT_BANK: return sizeof(expcache_bank_t);
         default: return 0;
     }
 }
-static_assert(EXPCACHE_STRUCT_COUNT == 8, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");
+static_assert(EXPCACHE_STRUCT_COUNT == 9, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");
 
 }  // extern "C"

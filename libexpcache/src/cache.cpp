@@ -11,13 +11,15 @@ namespace expcache {
 // ---------------------------------------------------------------------------
 // Lifetime
 
-Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBackend> backend)
+Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBackend> backend,
+             std::unique_ptr<LookupKernels> lookup_kernels)
     : backend_(std::move(backend)),
       arena_(*backend_),
       config_(config),
       log_(config.log_level),
       layers_(config.num_layers),
       classes_(config_, *backend_, arena_, layers_, log_, health_, *this),
+      lookup_(config_, *backend_, arena_, layers_, classes_, health_, std::move(lookup_kernels)),
       streams_(*backend_, health_, classes_),
       prefetch_({config_, *backend_, layers_, classes_, streams_, clock_, scratch_, log_, health_}) {
     batches_.open.reserve(EXPCACHE_MAX_BATCHES);
@@ -31,10 +33,12 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     const StagingConfig staging{cfg.copy_threads, cfg.staging_bytes, cfg.staging_chunk_bytes, tuning};
     std::unique_ptr<StagingBackend> backend;
     std::unique_ptr<TestKernels> kernels;
+    std::unique_ptr<LookupKernels> lookup;
     if (cfg.backend != EXPCACHE_BACKEND_HOST) {
         s = make_cuda_backend(cfg.device, staging, &backend);
         if (s == EXPCACHE_OK) {
             kernels = make_cuda_kernels(cfg.device);
+            lookup = make_cuda_lookup_kernels(cfg.device);
         } else if (cfg.backend == EXPCACHE_BACKEND_CUDA) {
             return s;
         } else {
@@ -44,9 +48,10 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     if (!backend) {
         backend = make_host_backend(cfg.device_capacity_bytes, staging);
         kernels = make_host_kernels();
+        lookup = make_host_lookup_kernels();
     }
     std::unique_ptr<InstrumentedBackend> instrumented(new InstrumentedBackend(std::move(backend), std::move(kernels)));
-    out->reset(new Cache(cfg, std::move(instrumented)));
+    out->reset(new Cache(cfg, std::move(instrumented), std::move(lookup)));
     return EXPCACHE_OK;
 }
 
@@ -104,6 +109,10 @@ expcache_status_t Cache::set_log_level(uint32_t level) {
 
 expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_desc_t& d) {
     CallScope scope(*this);
+    if (lookup_.frozen())
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "layer %u registered after a class was bound on a device-lookup cache: its banks and device "
+                    "table are sized from the whole layout, so register every layer first", layer);
     expcache_status_t s = layers_.add(layer, d);
     if (s != EXPCACHE_OK) return s;
     clock_.policy.positions = layers_.registered();
@@ -124,6 +133,8 @@ expcache_status_t Cache::open_file(const char* path, uint32_t* out_file) {
 
 expcache_status_t Cache::release_all() {
     CallScope scope(*this);
+    LookupSync lookup(*this);
+    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = health_.check(backend_->sync_device());
     if (s != EXPCACHE_OK) return s;
@@ -144,15 +155,26 @@ expcache_status_t Cache::synchronize(void* stream) {
 // ---------------------------------------------------------------------------
 // Prefetch and hints (prefetch_coordinator.hpp): the calls' checks, under the lock
 
+// A device select copies its misses itself, in the graph; a prefetch thread filling slots
+// behind the device's back would break the one residency both sides keep.
+expcache_status_t Cache::refuse_on_device_lookup(const char* what) const {
+    if (!lookup_.enabled()) return EXPCACHE_OK;
+    return fail(EXPCACHE_ERR_UNSUPPORTED,
+                "%s is not available on a device-lookup cache: select_device copies its misses itself (inside a "
+                "captured graph too); use it, or a cache made with lookup host", what);
+}
+
 expcache_status_t Cache::prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued) {
     CallScope scope(*this);
     expcache_status_t s = validate_request(layer, ids, n, EXPCACHE_MAX_SELECT, "n");
+    if (s == EXPCACHE_OK) s = refuse_on_device_lookup("prefetch");
     return s == EXPCACHE_OK ? prefetch_.prefetch(layer, ids, n, stream, out_queued) : s;
 }
 
 expcache_status_t Cache::hint(uint32_t layer, const uint32_t* ids, uint32_t n) {
     CallScope scope(*this);
     expcache_status_t s = validate_request(layer, ids, n, EXPCACHE_MAX_SELECT, "n");
+    if (s == EXPCACHE_OK) s = refuse_on_device_lookup("hint");
     return s == EXPCACHE_OK ? prefetch_.hint(layer, ids, n) : s;
 }
 

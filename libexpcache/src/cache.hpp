@@ -1,13 +1,15 @@
 // The cache: the one object behind an expcache_t. It orchestrates the rooms, each of which owns
 // its own state: LayerTable (layers.hpp: registered layers and their sources), ClassTable
 // (class_table.hpp: size classes, slots, residency, policies, caps, counters), StreamOrder
-// (stream_order.hpp), PrefetchCoordinator (prefetch_coordinator.hpp), DeviceArena
+// (stream_order.hpp), PrefetchCoordinator (prefetch_coordinator.hpp), DeviceLookup
+// (device_lookup.hpp: the residency a device-lookup cache keeps on the device), DeviceArena
 // (device_arena.hpp: every allocation) and the backend. Every public method runs under the
 // cache's mutex, called by the ABI layer with validated handles.
 //
 // Its methods by file: cache.cpp (lifetime, layout, control), serve.cpp (what every serving call
 // shares: its preamble, uploads and staging buffers), slots.cpp (a call's slot fill, shared by
-// decode and batch), serve_select.cpp, serve_compact.cpp, serve_batch.cpp (one path each),
+// decode and batch), serve_select.cpp, serve_compact.cpp, serve_batch.cpp, serve_device.cpp
+// (one path each),
 // prefetch.cpp (the prefetch calls' entry points) and inspect.cpp (reads, checksums, counters,
 // fault injection).
 #pragma once
@@ -21,6 +23,8 @@
 #include "call.hpp"
 #include "class_table.hpp"
 #include "device_arena.hpp"
+#include "device_lookup.hpp"
+#include "errors.hpp"
 #include "expcache.h"
 #include "layers.hpp"
 #include "log.hpp"
@@ -80,6 +84,9 @@ public:
                                     uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
                                     uint64_t* out_batch);
     expcache_status_t batch_finish(uint64_t batch, void* stream);
+    expcache_status_t select_device(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
+                                    int32_t* out_slots, void* stream);
+    expcache_status_t bank(uint32_t index, expcache_bank_t* out);
     expcache_status_t release_all();
     expcache_status_t synchronize(void* stream);
     expcache_status_t read_resident(uint32_t layer, uint32_t expert, void* dst, uint64_t dst_bytes,
@@ -106,7 +113,8 @@ public:
     expcache_status_t device_bytes_in_use(uint64_t* out) const;
 
 private:
-    Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBackend> backend);
+    Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBackend> backend,
+          std::unique_ptr<LookupKernels> lookup_kernels);
 
     // Serializes a call and makes the backend's device current for its length; at its end, tells
     // the dropped-memory callback if the call let go of kept memory.
@@ -124,6 +132,28 @@ private:
         std::lock_guard<std::mutex> lock_;
         const Cache& cache_;
         const uint64_t disowned_;
+    };
+
+    // On a device-lookup cache, a host-side call works on the host's mirror of the device's
+    // residency: read back when the call starts (the device synchronized), written back when it
+    // ends, its copies finished (device_lookup.hpp). Nothing on other caches. Const calls
+    // (stats, class info) read back too: the mirror is a copy, not state a caller sees change.
+    class LookupSync {
+    public:
+        explicit LookupSync(const Cache& c) : c_(const_cast<Cache&>(c)), status_(c_.lookup_.pull()) {}
+        ~LookupSync() {
+            // A failed write-back is a CUDA failure (the next call reports the poisoned cache); the
+            // call's own message stays the one its caller reads.
+            const std::string message = last_error();
+            if (c_.lookup_.push() != EXPCACHE_OK) restore_last_error(message);
+        }
+        LookupSync(const LookupSync&) = delete;
+        LookupSync& operator=(const LookupSync&) = delete;
+        expcache_status_t status() const { return status_; }
+
+    private:
+        Cache& c_;
+        const expcache_status_t status_;
     };
 
     // A call's uploads from pageable and file sources may still be running on the
@@ -156,9 +186,10 @@ private:
     // the call's lists are the cache's scratch, borrowed for the call.
     struct ServeCall {
         ServeCall(Cache& cache, uint32_t on_path, uint32_t layer, void* on_stream)
-            : scope(cache), uploads(cache), scratch(cache.scratch_), path(on_path), layer_index(layer),
+            : scope(cache), lookup(cache), uploads(cache), scratch(cache.scratch_), path(on_path), layer_index(layer),
               stream(on_stream) {}
         CallScope scope;
+        LookupSync lookup;  // written back after the uploads settle
         UploadScope uploads;
         CallScratch& scratch;
         const uint32_t path;
@@ -201,6 +232,8 @@ private:
 
     // serve_batch.cpp
     expcache_status_t batch_room() const;
+    // cache.cpp
+    expcache_status_t refuse_on_device_lookup(const char* what) const;
     void unhold(const BatchState& batch);
 
     // inspect.cpp
@@ -215,6 +248,7 @@ private:
     Health health_;
     LayerTable layers_;
     ClassTable classes_;
+    DeviceLookup lookup_;
     StreamOrder streams_;
     CallClock clock_;
     CallScratch scratch_;

@@ -42,7 +42,7 @@ ClassShare class_share(const LayerTable& layers, const ClassState& cls) {
 ClassTable::ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
                        Log& log, Health& health, SlotObserver& observer)
     : config_(config), backend_(backend), arena_(arena), layers_(layers), log_(log), health_(health),
-      observer_(observer), classes_(config.max_classes) {}
+      observer_(observer), banked_(config.lookup == EXPCACHE_LOOKUP_DEVICE), classes_(config.max_classes) {}
 
 void ClassTable::invalidate_caps() {
     for (ClassState& cls : classes_) cls.cap_valid = false;
@@ -102,6 +102,11 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
         found = empty;
         activate(found, layer);
     } else if (found < 0) {
+        if (banked_)
+            return fail(EXPCACHE_ERR_INVALID_STATE,
+                        "layer %u needs a new size class and all %zu classes are in use; a device-lookup cache "
+                        "never reuses a class (its bank's address is fixed): raise max_classes to the number of "
+                        "distinct expert sizes", layer_index, classes_.size());
         if (lru < 0)
             return fail(EXPCACHE_ERR_INVALID_STATE,
                         "layer %u needs a new size class, all %zu classes are in use and every one holds "
@@ -123,7 +128,17 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
     layer.slot_of.assign(layer.num_experts, -1);
     classes_[found].layers++;
     *out_cls = found;
-    return EXPCACHE_OK;
+    return banked_ ? reserve_bank(found, path) : EXPCACHE_OK;
+}
+
+// The whole cap in one allocation, once (a cap of 0, or an allocation that fails, leaves the
+// class without a bank: its device selects are refused, its host calls load directly).
+expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
+    ClassState& cls = classes_[c];
+    if (!cls.slots.empty() || cls.cap_valid) return EXPCACHE_OK;
+    expcache_status_t s = refresh_cap(c, path);
+    if (s == EXPCACHE_OK && cls.cap > 0) s = grow(c, path);
+    return s;
 }
 
 // Frees a class's slots. Every resident expert becomes non-resident; waits
@@ -137,6 +152,19 @@ expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
         if (slot.layer < 0) continue;
         if (slot.prefetch != kPrefetchNone) observer_.dropped_unused(slot);
         layers_[slot.layer].slot_of[slot.expert] = -1;
+    }
+    if (banked_) {
+        // A bank keeps its memory (graphs captured with its address read it): only emptied.
+        cls.free_slots.clear();
+        for (size_t i = cls.slots.size(); i-- > 0;) {
+            cls.slots[i].layer = -1;
+            cls.slots[i].prefetch = kPrefetchNone;
+            cls.free_slots.push_back(static_cast<int32_t>(i));
+        }
+        cls.policy->clear();
+        cls.resident = 0;
+        cls.stats[path].releases++;
+        return EXPCACHE_OK;
     }
     for (void* slab : cls.slabs) arena_.free_now(slab);
     cls.slabs.clear();
@@ -222,6 +250,10 @@ void ClassTable::announce_cap(int32_t c, uint32_t path, const char* why, const c
 // call, so the cap (and its notice) changes only when something did.
 expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
+    if (banked_ && !cls.slots.empty()) {
+        cls.cap_valid = true;  // a bank never grows or shrinks
+        return EXPCACHE_OK;
+    }
     uint64_t free_bytes = 0, total = 0;
     expcache_status_t s = health_.check(backend_.mem_info(&free_bytes, &total));
     if (s != EXPCACHE_OK) return s;
@@ -237,6 +269,7 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     uint64_t old_cap = cls.cap;
     cls.target = target(cls);
     cls.cap = std::min(cls.target, mem_cap);
+    if (banked_) cls.cap = std::min<uint64_t>(cls.cap, (uint64_t(1) << 24) - 1);  // victim_rank's slot bits
     cls.cap_valid = true;
     if (!cls.cap_announced || cls.cap != old_cap) {
         std::string why, fix;
@@ -265,7 +298,7 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
 expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     uint64_t have = cls.slots.size();
-    uint64_t per_slab = std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes);
+    uint64_t per_slab = banked_ ? cls.cap : std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes);
     uint64_t n = std::min(cls.cap - have, per_slab);
     void* slab = nullptr;
     expcache_status_t s = health_.check(arena_.alloc(n * cls.slot_bytes, &slab));

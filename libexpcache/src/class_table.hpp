@@ -111,6 +111,9 @@ public:
     expcache_status_t release_unheld(uint32_t path);
     // Budget shares depend on the whole layout: caps are recomputed before the next growth.
     void invalidate_caps();
+    // A device-lookup cache's classes are banks: all `cap` slots in one allocation, made when
+    // the class is bound, kept (at one address) until the cache is destroyed.
+    bool banked() const { return banked_; }
 
     // A slot for a miss: a free one, else a new one within the cap, else (evict) the policy's
     // victim among the evictable slots (protect_from: see Evict). *out = -1 when none may be had.
@@ -135,6 +138,7 @@ private:
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");
     expcache_status_t grow(int32_t c, uint32_t path);
+    expcache_status_t reserve_bank(int32_t c, uint32_t path);
 
     const expcache_config_t& config_;
     Backend& backend_;
@@ -143,6 +147,7 @@ private:
     Log& log_;
     Health& health_;
     SlotObserver& observer_;
+    const bool banked_;
     std::vector<ClassState> classes_;  // sized once: references to a class stay valid
 };
 

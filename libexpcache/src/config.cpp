@@ -150,6 +150,12 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
     if (cfg.copy_threads > 64) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "copy_threads must be 0..64, got %u", cfg.copy_threads);
     if (!policy_name(cfg.policy))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown policy %u (%s)", cfg.policy, policy_list().c_str());
+    if (cfg.lookup > EXPCACHE_LOOKUP_DEVICE)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown lookup %u (0 host, 1 device)", cfg.lookup);
+    if (cfg.lookup == EXPCACHE_LOOKUP_DEVICE && cfg.policy != EXPCACHE_POLICY_LRU)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "lookup device keeps recency on the device and evicts by LRU: set policy to lru (%u), got %s",
+                    EXPCACHE_POLICY_LRU, policy_name(cfg.policy));
     if (cfg.staging_bytes < (uint64_t(1) << 20) || cfg.staging_bytes > (uint64_t(16) << 30))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "staging_bytes must be 1 MiB..16 GiB, got %llu",
                     (unsigned long long)cfg.staging_bytes);

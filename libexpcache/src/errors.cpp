@@ -45,6 +45,7 @@ void prefix_last_error(const char* function) {
 
 const char* last_error() { return t_last_error.c_str(); }
 void clear_last_error() { t_last_error.clear(); }
+void restore_last_error(const std::string& message) { t_last_error = message; }
 
 }  // namespace expcache
 

@@ -24,6 +24,8 @@ void prefix_last_error(const char* function);
 
 const char* last_error();
 void clear_last_error();
+// Put back a message saved from last_error() (a clean-up's failure must not replace the call's).
+void restore_last_error(const std::string& message);
 
 std::string vformat(const char* fmt, va_list ap);
 std::string format(const char* fmt, ...)

@@ -13,6 +13,8 @@ namespace expcache {
 expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, void* dst, uint64_t dst_bytes,
                                        uint32_t* out_resident) {
     CallScope scope(*this);
+    LookupSync lookup(*this);
+    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
     if (s != EXPCACHE_OK) return s;
@@ -130,6 +132,8 @@ expcache_status_t Cache::class_count(uint32_t* out) const {
 
 expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) const {
     CallScope scope(*this);
+    LookupSync lookup(*this);
+    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     if (index >= static_cast<uint32_t>(classes_.size()))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
@@ -153,6 +157,8 @@ expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) 
 
 expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
     CallScope scope(*this);
+    LookupSync lookup(*this);
+    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer);
     int32_t c = -1;
@@ -164,6 +170,8 @@ expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
 
 expcache_status_t Cache::get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const {
     CallScope scope(*this);
+    LookupSync lookup(*this);
+    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     if (index >= static_cast<uint32_t>(classes_.size()))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
@@ -184,6 +192,8 @@ expcache_status_t Cache::get_staging_stats(expcache_staging_stats_t* out) const 
 
 expcache_status_t Cache::reset_stats() {
     CallScope scope(*this);
+    LookupSync lookup(*this);
+    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     for (ClassState& c : classes_)
         for (expcache_stats_t& st : c.stats) st = expcache_stats_t{};
     backend_->reset_staging_stats();

@@ -55,7 +55,8 @@ expcache_status_t Cache::begin_call(void* stream, bool per_slot) {
 expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_t n, uint64_t max_n,
                                    const char* count_name, expcache_status_t (Cache::*admit)() const) {
     const uint32_t layer = call.layer_index;
-    expcache_status_t s = validate_request(layer, ids, n, max_n, count_name);
+    expcache_status_t s = call.lookup.status();
+    if (s == EXPCACHE_OK) s = validate_request(layer, ids, n, max_n, count_name);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
     if (s == EXPCACHE_OK) s = classes_.bind(layer, call.path, &call.c);

@@ -88,6 +88,8 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
 
 expcache_status_t Cache::batch_finish(uint64_t id, void* stream) {
     CallScope scope(*this);
+    LookupSync lookup(*this);
+    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     auto it = std::find_if(batches_.open.begin(), batches_.open.end(), [&](const BatchState& b) { return b.id == id; });
     if (it == batches_.open.end())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "batch %llu is unknown or already finished",

@@ -53,6 +53,8 @@ public:
     virtual void reset_staging_stats() = 0;
     virtual expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) = 0;
     virtual expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) = 0;
+    // From pageable host memory, finished when it returns (the device lookup's small tables).
+    virtual expcache_status_t copy_h2d_sync(void* dst, const void* src, uint64_t bytes) = 0;
 
     // Make `to` wait (on the device) for the work enqueued on `from` so far.
     virtual expcache_status_t fence(void* from, void* to) = 0;

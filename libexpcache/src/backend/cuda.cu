@@ -258,6 +258,10 @@ public:
         EXPCACHE_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
         return EXPCACHE_OK;
     }
+    expcache_status_t copy_h2d_sync(void* dst, const void* src, uint64_t bytes) override {
+        EXPCACHE_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+        return EXPCACHE_OK;
+    }
     expcache_status_t fence(void* from, void* to) override {
         EXPCACHE_CUDA_TRY(cudaEventRecord(fence_event_, static_cast<cudaStream_t>(from)));
         EXPCACHE_CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(to), fence_event_, 0));

@@ -97,6 +97,10 @@ public:
         std::memcpy(dst, src, bytes);
         return EXPCACHE_OK;
     }
+    expcache_status_t copy_h2d_sync(void* dst, const void* src, uint64_t bytes) override {
+        std::memcpy(dst, src, bytes);
+        return EXPCACHE_OK;
+    }
     expcache_status_t fence(void*, void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_stream(void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_device() override { return EXPCACHE_OK; }

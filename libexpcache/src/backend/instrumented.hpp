@@ -60,6 +60,9 @@ public:
     expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) override {
         return inner_->copy_d2h_sync(dst, src, bytes);
     }
+    expcache_status_t copy_h2d_sync(void* dst, const void* src, uint64_t bytes) override {
+        return inner_->copy_h2d_sync(dst, src, bytes);
+    }
     expcache_status_t fence(void* from, void* to) override { return inner_->fence(from, to); }
     expcache_status_t sync_stream(void* stream) override { return inner_->sync_stream(stream); }
     expcache_status_t sync_device() override { return inner_->sync_device(); }

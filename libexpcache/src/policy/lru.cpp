@@ -25,6 +25,9 @@ public:
         return -1;
     }
     void clear() override { list_.clear(); }
+    void order(std::vector<int32_t>* out) const override {
+        for (int32_t s = list_.first(0); s >= 0; s = list_.next(s)) out->push_back(s);
+    }
 
 private:
     IntrusiveLists list_{1};

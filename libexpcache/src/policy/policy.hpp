@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace expcache {
 
@@ -41,6 +42,9 @@ public:
     virtual int32_t victim(Evictable evictable, const void* ctx) const = 0;
     // Forget every slot.
     virtual void clear() = 0;
+    // The resident slots from the first to go to the last, where the policy is a recency order
+    // (LRU: a device-lookup cache's stamps are made from it); nothing otherwise.
+    virtual void order(std::vector<int32_t>* out) const { (void)out; }
 };
 
 // The policy table (registry.cpp), by EXPCACHE_POLICY_* id.

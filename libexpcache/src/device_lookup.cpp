@@ -1,0 +1,277 @@
+#include "device_lookup.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "errors.hpp"
+
+namespace expcache {
+
+namespace {
+
+constexpr uint64_t kMaxStamp = uint64_t(1) << 40;  // victim_rank packs a stamp above 24 bits of slot
+
+// Offsets of DeviceClass's arrays in one allocation, each 256-byte aligned.
+struct ClassLayout {
+    uint64_t key_of_slot, stamp, pin, counters, misses, miss_count, bytes;
+    explicit ClassLayout(uint64_t cap) {
+        uint64_t off = 0;
+        auto take = [&](uint64_t n) {
+            uint64_t at = off;
+            off = align_up(off + n);
+            return at;
+        };
+        key_of_slot = take(cap * sizeof(int32_t));
+        stamp = take(cap * sizeof(uint64_t));
+        pin = take(cap);
+        counters = take(sizeof(DeviceCounters));
+        misses = take(EXPCACHE_MAX_SELECT * sizeof(DeviceMiss));
+        miss_count = take(sizeof(uint32_t));
+        bytes = off;
+    }
+};
+
+}  // namespace
+
+DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
+                           ClassTable& classes, Health& health, std::unique_ptr<LookupKernels> kernels)
+    : enabled_(config.lookup == EXPCACHE_LOOKUP_DEVICE), backend_(backend), arena_(arena), layers_(layers),
+      classes_(classes), health_(health), kernels_(std::move(kernels)),
+      classes_state_(static_cast<size_t>(classes.size())), maps_(layers.size()) {}
+
+expcache_status_t DeviceLookup::make_table() {
+    keys_ = 0;
+    for (const LayerState& l : layers_)
+        if (l.registered) keys_ = std::max(keys_, l.key_base + l.num_experts);
+    key_layer_.assign(keys_, 0);
+    for (size_t i = 0; i < layers_.size(); ++i)
+        if (layers_[i].registered)
+            std::fill_n(key_layer_.begin() + layers_[i].key_base, layers_[i].num_experts, static_cast<uint32_t>(i));
+    const uint64_t bytes = 256 + 256 + uint64_t(keys_) * sizeof(int32_t);
+    expcache_status_t s = health_.check(arena_.alloc(bytes, &table_));
+    if (s != EXPCACHE_OK) return s;
+    unsigned char* p = static_cast<unsigned char*>(table_);
+    tick_dev_ = reinterpret_cast<uint64_t*>(p);
+    error_dev_ = reinterpret_cast<DeviceError*>(p + 256);
+    slot_of_key_dev_ = reinterpret_cast<int32_t*>(p + 512);
+    return EXPCACHE_OK;
+}
+
+expcache_status_t DeviceLookup::make_class(int32_t c) {
+    const ClassState& cls = classes_[c];
+    const uint64_t cap = cls.slots.size();
+    const ClassLayout at(cap);
+    ClassDevice& d = classes_state_[c];
+    expcache_status_t s = health_.check(arena_.alloc(at.bytes, &d.base));
+    if (s != EXPCACHE_OK) return s;
+    unsigned char* p = static_cast<unsigned char*>(d.base);
+    d.view.key_of_slot = reinterpret_cast<int32_t*>(p + at.key_of_slot);
+    d.view.stamp = reinterpret_cast<uint64_t*>(p + at.stamp);
+    d.view.pin = p + at.pin;
+    d.view.counters = reinterpret_cast<DeviceCounters*>(p + at.counters);
+    d.view.misses = reinterpret_cast<DeviceMiss*>(p + at.misses);
+    d.view.miss_count = reinterpret_cast<uint32_t*>(p + at.miss_count);
+    d.view.cap = static_cast<uint32_t>(cap);
+    d.view.bank = cls.slabs.empty() ? nullptr : static_cast<unsigned char*>(cls.slabs[0]);
+    d.view.slot_bytes = cls.slot_bytes;
+    for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off[q];
+    return EXPCACHE_OK;
+}
+
+// The device's residency becomes the mirror's: slots, the layers' slot maps, the free list and
+// the LRU order (by stamp); the counters of the device path.
+void DeviceLookup::adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps) {
+    ClassState& cls = classes_[c];
+    for (size_t s = 0; s < cls.slots.size(); ++s) {
+        SlotState& slot = cls.slots[s];
+        const int32_t host_key =
+            slot.layer < 0 ? -1 : static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
+        if (host_key == keys[s]) continue;
+        if (slot.layer >= 0) {
+            layers_[slot.layer].slot_of[slot.expert] = -1;
+            slot.layer = -1;
+            cls.resident--;
+        }
+        if (keys[s] >= 0) {
+            const uint32_t layer = key_layer_[keys[s]];
+            slot.layer = static_cast<int32_t>(layer);
+            slot.expert = static_cast<uint32_t>(keys[s]) - layers_[layer].key_base;
+            slot.last_call = 0;
+            layers_[layer].slot_of[slot.expert] = static_cast<int32_t>(s);
+            cls.resident++;
+        }
+    }
+    std::vector<int32_t> order;
+    cls.free_slots.clear();
+    for (size_t s = cls.slots.size(); s-- > 0;) {
+        if (cls.slots[s].layer < 0) cls.free_slots.push_back(static_cast<int32_t>(s));
+        else order.push_back(static_cast<int32_t>(s));
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        return stamps[a] != stamps[b] ? stamps[a] < stamps[b] : a < b;
+    });
+    cls.policy->clear();
+    for (int32_t s : order) cls.policy->on_insert(s, false, layers_[cls.slots[s].layer].key_base + cls.slots[s].expert);
+}
+
+expcache_status_t DeviceLookup::pull() {
+    if (!enabled_ || !table_ || !selected_) return EXPCACHE_OK;
+    expcache_status_t s = health_.check(backend_.sync_device());
+    if (s != EXPCACHE_OK) return s;
+    DeviceError error = {};
+    if ((s = health_.check(backend_.copy_d2h_sync(&tick_, tick_dev_, sizeof(tick_)))) != EXPCACHE_OK ||
+        (s = health_.check(backend_.copy_d2h_sync(&error, error_dev_, sizeof(error)))) != EXPCACHE_OK)
+        return s;
+    std::vector<int32_t> keys;
+    std::vector<uint64_t> stamps;
+    for (int32_t c = 0; c < classes_.size(); ++c) {
+        if (!ready(c)) continue;
+        const DeviceClass& d = classes_state_[c].view;
+        keys.resize(d.cap);
+        stamps.resize(d.cap);
+        DeviceCounters n = {};
+        if (d.cap && ((s = health_.check(backend_.copy_d2h_sync(keys.data(), d.key_of_slot, d.cap * sizeof(int32_t)))) !=
+                          EXPCACHE_OK ||
+                      (s = health_.check(backend_.copy_d2h_sync(stamps.data(), d.stamp, d.cap * sizeof(uint64_t)))) !=
+                          EXPCACHE_OK))
+            return s;
+        if ((s = health_.check(backend_.copy_d2h_sync(&n, d.counters, sizeof(n)))) != EXPCACHE_OK) return s;
+        adopt(c, keys, stamps);
+        expcache_stats_t& st = classes_[c].stats[EXPCACHE_PATH_DEVICE];
+        st.calls = n.calls;
+        st.hits = n.hits;
+        st.misses = n.misses;
+        st.evictions = n.evictions;
+        st.appends = n.appends;
+        st.bytes_h2d = n.bytes_h2d;
+    }
+    if (error.set)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "a device select of layer %u got expert id %lld (index %u) out of range (%u experts); its slot "
+                    "was given as -1",
+                    error.layer, (long long)error.id, error.index, layers_[error.layer].num_experts);
+    return EXPCACHE_OK;
+}
+
+expcache_status_t DeviceLookup::push() {
+    if (!enabled_) return EXPCACHE_OK;
+    bool any = false;
+    for (const ClassState& cls : classes_) any = any || (cls.in_use && !cls.slabs.empty());
+    if (!any && !table_) return EXPCACHE_OK;
+    expcache_status_t s = health_.check(backend_.sync_device());
+    if (s != EXPCACHE_OK) return s;
+    if (!table_ && (s = make_table()) != EXPCACHE_OK) return s;
+    std::vector<int32_t> slot_of_key(keys_, -1);
+    std::vector<int32_t> keys, order;
+    std::vector<uint64_t> stamps;
+    std::vector<uint8_t> pins;
+    for (int32_t c = 0; c < classes_.size(); ++c) {
+        ClassState& cls = classes_[c];
+        if (!cls.in_use || cls.slabs.empty()) continue;
+        if (!ready(c) && (s = make_class(c)) != EXPCACHE_OK) return s;
+        const DeviceClass& d = classes_state_[c].view;
+        keys.assign(d.cap, -1);
+        stamps.assign(d.cap, 0);
+        pins.assign(d.cap, 0);
+        order.clear();
+        cls.policy->order(&order);
+        if (tick_ + order.size() + 1 >= kMaxStamp)
+            return fail(EXPCACHE_ERR_INVALID_STATE, "the device lookup's clock ran out (2^40 calls)");
+        for (int32_t slot : order) stamps[slot] = ++tick_;
+        for (uint32_t i = 0; i < d.cap; ++i) {
+            const SlotState& slot = cls.slots[i];
+            pins[i] = slot.holds > 0;
+            if (slot.layer < 0) continue;
+            keys[i] = static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
+            slot_of_key[keys[i]] = static_cast<int32_t>(i);
+        }
+        const expcache_stats_t& st = cls.stats[EXPCACHE_PATH_DEVICE];
+        const DeviceCounters n = {st.calls, st.hits, st.misses, st.evictions, st.appends, st.bytes_h2d};
+        if (d.cap && ((s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, keys.data(), d.cap * sizeof(int32_t)))) !=
+                          EXPCACHE_OK ||
+                      (s = health_.check(backend_.copy_h2d_sync(d.stamp, stamps.data(), d.cap * sizeof(uint64_t)))) !=
+                          EXPCACHE_OK ||
+                      (s = health_.check(backend_.copy_h2d_sync(d.pin, pins.data(), d.cap))) != EXPCACHE_OK))
+            return s;
+        if ((s = health_.check(backend_.copy_h2d_sync(d.counters, &n, sizeof(n)))) != EXPCACHE_OK) return s;
+    }
+    const DeviceError none = {};
+    if ((s = health_.check(backend_.copy_h2d_sync(tick_dev_, &tick_, sizeof(tick_)))) != EXPCACHE_OK ||
+        (s = health_.check(backend_.copy_h2d_sync(error_dev_, &none, sizeof(none)))) != EXPCACHE_OK)
+        return s;
+    if (keys_)
+        s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, slot_of_key.data(), keys_ * sizeof(int32_t)));
+    return s;
+}
+
+// Where the device reads the layer's parts: its pinned source, mapped (the host backend's
+// "device" reads any host memory; a file has no address at all).
+expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
+    const LayerState& l = layers_[layer];
+    m->resolved = true;
+    const char* fix = "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
+                      "HostSource(..., pinned=True)), or use the host-side select";
+    if (l.source.kind == EXPCACHE_SOURCE_FILE) {
+        m->status = EXPCACHE_ERR_UNSUPPORTED;
+        m->why = format("layer %u's source is a file, which the GPU cannot read: a device select copies misses by "
+                        "reading pinned host memory; %s", layer, fix);
+        return EXPCACHE_OK;
+    }
+    bool aligned = true;
+    for (int p = 0; p < kParts; ++p) {
+        expcache_status_t s = kernels_->mapped(l.base[p], &m->src[p]);
+        if (s != EXPCACHE_OK) {
+            m->status = s;
+            m->why = format("layer %u's source is %s, which the GPU cannot read (%s part: %s): a device select "
+                            "copies misses by reading pinned host memory; %s", layer,
+                            l.source.pinned() ? "pinned memory the GPU cannot map" : "pageable memory",
+                            p == kGate ? "gate" : p == kUp ? "up" : "down", last_error(), fix);
+            clear_last_error();
+            return EXPCACHE_OK;
+        }
+        aligned = aligned && reinterpret_cast<uintptr_t>(m->src[p]) % 16 == 0 && l.stride[p] % 16 == 0;
+    }
+    m->aligned = aligned;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* ids, uint32_t id_bits, uint32_t count,
+                                       int32_t* out_slots, void* stream) {
+    LayerMap& m = maps_[layer];
+    if (!m.resolved) {
+        expcache_status_t s = resolve(layer, &m);
+        if (s != EXPCACHE_OK) return s;
+    }
+    if (m.status != EXPCACHE_OK) return fail(m.status, "%s", m.why.c_str());
+    const ClassState& cls = classes_[c];
+    const DeviceClass& d = classes_state_[c].view;
+    if (count > d.cap - std::min<uint64_t>(cls.held, d.cap))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "a device select of %u ids needs as many slots it may fill: layer %u's bank has %u%s; raise the "
+                    "budget or select fewer ids at once", count, layer, d.cap,
+                    cls.held ? format(", %llu of them held by batches", (unsigned long long)cls.held).c_str() : "");
+    const LayerState& l = layers_[layer];
+    DeviceSelectArgs a = {};
+    a.ids = ids;
+    a.id_bits = id_bits;
+    a.count = count;
+    a.out_slots = out_slots;
+    a.layer = layer;
+    a.key_base = l.key_base;
+    a.num_experts = l.num_experts;
+    a.aligned = m.aligned;
+    for (int p = 0; p < kParts; ++p) {
+        a.src[p] = m.src[p];
+        a.src_stride[p] = l.stride[p];
+        a.part_bytes[p] = l.bytes[p];
+    }
+    a.cls = d;
+    a.tick = tick_dev_;
+    a.slot_of_key = slot_of_key_dev_;
+    a.error = error_dev_;
+    selected_ = true;  // even when the launch fails: the host backend's steps may have run
+    return health_.check(kernels_->select(a, stream));
+}
+
+}  // namespace expcache

@@ -1,0 +1,101 @@
+// The device-side select (expcache_select_device_async): what its kernels read and write, and
+// the kernels themselves, one implementation per backend (the host runs the same steps in
+// order, on host memory). The state they work on belongs to DeviceLookup (device_lookup.hpp),
+// which lays it out and keeps the host's mirror of it.
+//
+// One select is two steps on the stream: a lookup (one block: ids to keys, hits refreshed,
+// each distinct miss given the least recently used slot that is neither used by this call nor
+// pinned, the slot map updated, the counters added) and a copy (many blocks reading the
+// misses' bytes from mapped pinned memory into their slots; nothing to do when all hit).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "expcache.h"
+
+#ifdef __CUDACC__
+#define EXPCACHE_HOST_DEVICE __host__ __device__
+#else
+#define EXPCACHE_HOST_DEVICE
+#endif
+
+namespace expcache {
+
+// Counters of one class's device selects (EXPCACHE_PATH_DEVICE's fields of expcache_stats_t).
+struct DeviceCounters {
+    uint64_t calls, hits, misses, evictions, appends, bytes_h2d;
+};
+
+// The first id out of range since the host last looked (set != 0).
+struct DeviceError {
+    uint32_t set;
+    uint32_t layer;
+    uint32_t index;  // its position in the call's ids
+    uint32_t pad;
+    int64_t id;
+};
+
+// One miss of the latest select of a class: expert `expert` of the select's layer goes to `slot`.
+struct DeviceMiss {
+    uint32_t expert;
+    int32_t slot;
+};
+
+// A class's state on the device, laid out by DeviceLookup.
+struct DeviceClass {
+    int32_t* key_of_slot;  // [cap] the key the slot holds, -1 free
+    uint64_t* stamp;       // [cap] the tick of its last use (0 free): the least is the LRU victim
+    uint8_t* pin;          // [cap] 1: a batch holds it, never evicted
+    DeviceCounters* counters;
+    DeviceMiss* misses;    // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
+    uint32_t* miss_count;
+    uint32_t cap;
+    unsigned char* bank;
+    uint64_t slot_bytes;
+    uint64_t part_off[3];
+};
+
+// Every argument of one select. Pointers are device addresses (host addresses on the host backend).
+struct DeviceSelectArgs {
+    const void* ids;
+    uint32_t id_bits;  // 32 or 64
+    uint32_t count;    // n * k, 1..EXPCACHE_MAX_SELECT
+    int32_t* out_slots;
+    uint32_t layer;
+    uint32_t key_base;
+    uint32_t num_experts;
+    uint32_t aligned;              // 1: every source part address and size is a multiple of 16
+    const unsigned char* src[3];   // the layer's parts, as the GPU reads them (mapped pinned memory)
+    uint64_t src_stride[3];
+    uint64_t part_bytes[3];
+    DeviceClass cls;
+    uint64_t* tick;                // the cache's call clock: each select takes the next value
+    int32_t* slot_of_key;          // [keys] the slot holding each key, -1 none
+    DeviceError* error;
+};
+
+class LookupKernels {
+public:
+    virtual ~LookupKernels() = default;
+    // Enqueue the lookup and the copy of one select on `stream`.
+    virtual expcache_status_t select(const DeviceSelectArgs& args, void* stream) = 0;
+    // The address at which the device reads pinned host memory `host`, or UNSUPPORTED with the
+    // reason (pageable memory, a driver without mapped memory).
+    virtual expcache_status_t mapped(const void* host, const unsigned char** out) = 0;
+    // Whether `stream` is being captured into a graph (nothing may allocate or synchronize).
+    virtual bool capturing(void* stream) = 0;
+};
+
+std::unique_ptr<LookupKernels> make_host_lookup_kernels();
+// The CUDA build's, for `device` (the stub build: never called, the CUDA backend is refused first).
+std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int device);
+
+// The lookup step's choice of victim, shared by both implementations: the least (stamp, slot)
+// among the slots neither pinned nor used by this call (stamp == tick). Stamps stay below 2^40
+// and caps below 2^24 (DeviceLookup checks both).
+EXPCACHE_HOST_DEVICE inline uint64_t victim_rank(uint64_t stamp, uint8_t pin, uint64_t tick, uint32_t slot) {
+    return (pin || stamp == tick) ? UINT64_MAX : ((stamp << 24) | slot);
+}
+
+}  // namespace expcache

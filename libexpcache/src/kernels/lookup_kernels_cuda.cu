@@ -1,0 +1,200 @@
+// The device-side select on the CUDA backend: the lookup kernel (one block) and the copy
+// kernel (a grid reading mapped pinned memory), enqueued on the caller's stream with the
+// cache's device current. Nothing here synchronizes or allocates, so a select can be captured.
+#include "../backend/cuda_errors.cuh"
+#include "lookup_kernels.hpp"
+
+namespace expcache {
+
+namespace {
+
+constexpr int kLookupThreads = 256;
+constexpr int kCopyThreads = 512;
+constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread: mapped reads cross PCIe
+
+__device__ uint64_t warp_min(uint64_t v) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const uint64_t o = __shfl_down_sync(0xffffffffu, v, off);
+        v = o < v ? o : v;
+    }
+    return v;
+}
+
+__global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs a) {
+    __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
+    __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
+    __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
+    __shared__ uint64_t warp_best[kLookupThreads / 32];
+    __shared__ uint64_t tick_s;
+    __shared__ uint32_t hits, misses, evictions;
+    const DeviceClass& c = a.cls;
+    const uint32_t tid = threadIdx.x;
+    if (tid == 0) {
+        tick_s = ++*a.tick;
+        hits = misses = evictions = 0;
+    }
+    for (uint32_t i = tid; i < a.count; i += blockDim.x) {
+        const int64_t id = a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i]
+                                           : static_cast<const int32_t*>(a.ids)[i];
+        if (id < 0 || id >= static_cast<int64_t>(a.num_experts)) {
+            if (atomicCAS(&a.error->set, 0u, 1u) == 0u) {
+                a.error->layer = a.layer;
+                a.error->index = i;
+                a.error->id = id;
+            }
+            keys[i] = UINT32_MAX;
+        } else {
+            keys[i] = a.key_base + static_cast<uint32_t>(id);
+        }
+    }
+    __syncthreads();
+    const uint64_t tick = tick_s;
+    // Each id's first occurrence; hits refreshed (and so protected from this call's misses).
+    for (uint32_t i = tid; i < a.count; i += blockDim.x) {
+        uint32_t f = i;
+        for (uint32_t j = 0; j < i; ++j)
+            if (keys[j] == keys[i]) {
+                f = j;
+                break;
+            }
+        first[i] = f;
+        missed[i] = 0;
+        if (f == i && keys[i] != UINT32_MAX) {
+            const int32_t slot = a.slot_of_key[keys[i]];
+            if (slot >= 0) {
+                c.stamp[slot] = tick;
+                atomicAdd(&hits, 1u);
+            } else {
+                missed[i] = 1;
+            }
+        }
+    }
+    __syncthreads();
+    // Misses in order of first occurrence, each given the least recently used evictable slot
+    // (a block-wide minimum over the bank), so the choices are the host backend's.
+    for (uint32_t i = 0; i < a.count; ++i) {
+        if (!missed[i]) continue;  // uniform: every thread reads the same shared flag
+        uint64_t best = UINT64_MAX;
+        for (uint32_t s = tid; s < c.cap; s += blockDim.x) {
+            const uint64_t r = victim_rank(c.stamp[s], c.pin[s], tick, s);
+            best = r < best ? r : best;
+        }
+        best = warp_min(best);
+        if ((tid & 31) == 0) warp_best[tid / 32] = best;
+        __syncthreads();
+        if (tid == 0) {
+            for (uint32_t w = 1; w < blockDim.x / 32; ++w) best = warp_best[w] < best ? warp_best[w] : best;
+            if (best != UINT64_MAX) {
+                const int32_t v = static_cast<int32_t>(best & 0xffffff);
+                const int32_t old = c.key_of_slot[v];
+                if (old >= 0) {
+                    a.slot_of_key[old] = -1;
+                    ++evictions;
+                }
+                c.key_of_slot[v] = static_cast<int32_t>(keys[i]);
+                c.stamp[v] = tick;
+                a.slot_of_key[keys[i]] = v;
+                c.misses[misses++] = DeviceMiss{keys[i] - a.key_base, v};
+            }
+        }
+        __syncthreads();
+    }
+    for (uint32_t i = tid; i < a.count; i += blockDim.x)
+        a.out_slots[i] = keys[i] == UINT32_MAX ? -1 : a.slot_of_key[keys[first[i]]];
+    if (tid == 0) {
+        *c.miss_count = misses;
+        DeviceCounters& n = *c.counters;
+        n.calls++;
+        n.hits += hits;
+        n.misses += misses;
+        n.evictions += evictions;
+        n.appends += misses - evictions;
+        n.bytes_h2d += uint64_t(misses) * (a.part_bytes[0] + a.part_bytes[1] + a.part_bytes[2]);
+    }
+}
+
+__global__ void __launch_bounds__(kCopyThreads) copy_kernel(DeviceSelectArgs a) {
+    const DeviceClass& c = a.cls;
+    const uint32_t n = *c.miss_count;
+    const uint64_t gtid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const uint64_t gstride = uint64_t(gridDim.x) * blockDim.x;
+    for (uint32_t m = 0; m < n; ++m) {
+        const DeviceMiss miss = c.misses[m];
+        unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
+        for (int p = 0; p < 3; ++p) {
+            const unsigned char* src = a.src[p] + a.src_stride[p] * miss.expert;
+            unsigned char* dst = slot + c.part_off[p];
+            const uint64_t bytes = a.part_bytes[p];
+            if (!a.aligned) {
+                for (uint64_t b = gtid; b < bytes; b += gstride) dst[b] = src[b];
+                continue;
+            }
+            const uint4* s4 = reinterpret_cast<const uint4*>(src);
+            uint4* d4 = reinterpret_cast<uint4*>(dst);
+            const uint64_t words = bytes / 16;
+            for (uint64_t w = gtid; w < words; w += kCopyUnroll * gstride) {
+                uint4 v[kCopyUnroll];
+#pragma unroll
+                for (int u = 0; u < kCopyUnroll; ++u)
+                    if (w + u * gstride < words) v[u] = s4[w + u * gstride];
+#pragma unroll
+                for (int u = 0; u < kCopyUnroll; ++u)
+                    if (w + u * gstride < words) d4[w + u * gstride] = v[u];
+            }
+            for (uint64_t b = words * 16 + gtid; b < bytes; b += gstride) dst[b] = src[b];
+        }
+    }
+}
+
+class CudaLookupKernels final : public LookupKernels {
+public:
+    explicit CudaLookupKernels(int device) {
+        int sms = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
+            cudaGetLastError();
+            sms = 32;
+        }
+        copy_blocks_ = 2 * sms;
+    }
+    expcache_status_t select(const DeviceSelectArgs& args, void* stream) override {
+        cudaStream_t s = static_cast<cudaStream_t>(stream);
+        lookup_kernel<<<1, kLookupThreads, 0, s>>>(args);
+        EXPCACHE_CUDA_TRY(cudaGetLastError());
+        copy_kernel<<<copy_blocks_, kCopyThreads, 0, s>>>(args);
+        EXPCACHE_CUDA_TRY(cudaGetLastError());
+        return EXPCACHE_OK;
+    }
+    expcache_status_t mapped(const void* host, const unsigned char** out) override {
+        cudaPointerAttributes attr = {};
+        cudaError_t e = cudaPointerGetAttributes(&attr, host);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return fail(EXPCACHE_ERR_UNSUPPORTED, "cudaPointerGetAttributes(%p): %s", host, cudaGetErrorString(e));
+        }
+        if (attr.type != cudaMemoryTypeHost || attr.devicePointer == nullptr)
+            return fail(EXPCACHE_ERR_UNSUPPORTED,
+                        "%p is not pinned host memory the GPU can map (cudaHostAlloc, cudaMallocHost or "
+                        "cudaHostRegister make it so)", host);
+        *out = static_cast<const unsigned char*>(attr.devicePointer);
+        return EXPCACHE_OK;
+    }
+    bool capturing(void* stream) override {
+        cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+        if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status) != cudaSuccess) {
+            cudaGetLastError();
+            return true;  // the legacy stream while another stream is captured: treat as capturing
+        }
+        return status != cudaStreamCaptureStatusNone;
+    }
+
+private:
+    int copy_blocks_ = 64;
+};
+
+}  // namespace
+
+std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int device) {
+    return std::unique_ptr<LookupKernels>(new CudaLookupKernels(device));
+}
+
+}  // namespace expcache

@@ -1,0 +1,110 @@
+// The device-side select on the host backend: the lookup and the copy of lookup_kernels.hpp,
+// run in order on host memory before the call returns, with the same choices as the CUDA kernels.
+#include <cstring>
+#include <vector>
+
+#include "lookup_kernels.hpp"
+
+namespace expcache {
+
+namespace {
+
+class HostLookupKernels final : public LookupKernels {
+public:
+    expcache_status_t select(const DeviceSelectArgs& a, void*) override {
+        lookup(a);
+        copy(a);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t mapped(const void* host, const unsigned char** out) override {
+        *out = static_cast<const unsigned char*>(host);  // the host backend's "device" reads host memory
+        return EXPCACHE_OK;
+    }
+    bool capturing(void*) override { return false; }
+
+private:
+    void lookup(const DeviceSelectArgs& a) {
+        const DeviceClass& c = a.cls;
+        const uint64_t tick = ++*a.tick;
+        keys_.resize(a.count);
+        first_.resize(a.count);
+        // Ids to keys; each id's first occurrence in the call.
+        for (uint32_t i = 0; i < a.count; ++i) {
+            const int64_t id = a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i]
+                                               : static_cast<const int32_t*>(a.ids)[i];
+            if (id < 0 || id >= static_cast<int64_t>(a.num_experts)) {
+                if (!a.error->set) *a.error = DeviceError{1, a.layer, i, 0, id};
+                keys_[i] = UINT32_MAX;
+            } else {
+                keys_[i] = a.key_base + static_cast<uint32_t>(id);
+            }
+            first_[i] = i;
+            for (uint32_t j = 0; j < i; ++j)
+                if (keys_[j] == keys_[i]) {
+                    first_[i] = j;
+                    break;
+                }
+        }
+        // Hits: refreshed, and so protected from this call's misses.
+        uint64_t hits = 0, misses = 0, evictions = 0;
+        for (uint32_t i = 0; i < a.count; ++i) {
+            if (first_[i] != i || keys_[i] == UINT32_MAX) continue;
+            const int32_t slot = a.slot_of_key[keys_[i]];
+            if (slot >= 0) {
+                c.stamp[slot] = tick;
+                ++hits;
+            }
+        }
+        // Misses, in order of first occurrence: each takes the least recently used evictable slot.
+        *c.miss_count = 0;
+        for (uint32_t i = 0; i < a.count; ++i) {
+            const uint32_t key = keys_[i];
+            if (first_[i] != i || key == UINT32_MAX || a.slot_of_key[key] >= 0) continue;
+            uint64_t best = UINT64_MAX;
+            for (uint32_t s = 0; s < c.cap; ++s) {
+                const uint64_t r = victim_rank(c.stamp[s], c.pin[s], tick, s);
+                if (r < best) best = r;
+            }
+            if (best == UINT64_MAX) continue;  // every slot pinned or used (the host checked n*k fits)
+            const int32_t v = static_cast<int32_t>(best & 0xffffff);
+            if (c.key_of_slot[v] >= 0) {
+                a.slot_of_key[c.key_of_slot[v]] = -1;
+                ++evictions;
+            }
+            c.key_of_slot[v] = static_cast<int32_t>(key);
+            c.stamp[v] = tick;
+            a.slot_of_key[key] = v;
+            c.misses[(*c.miss_count)++] = DeviceMiss{key - a.key_base, v};
+            ++misses;
+        }
+        for (uint32_t i = 0; i < a.count; ++i)
+            a.out_slots[i] = keys_[i] == UINT32_MAX ? -1 : a.slot_of_key[keys_[first_[i]]];
+        DeviceCounters& n = *c.counters;
+        n.calls++;
+        n.hits += hits;
+        n.misses += misses;
+        n.evictions += evictions;
+        n.appends += misses - evictions;
+        n.bytes_h2d += misses * (a.part_bytes[0] + a.part_bytes[1] + a.part_bytes[2]);
+    }
+
+    void copy(const DeviceSelectArgs& a) {
+        const DeviceClass& c = a.cls;
+        for (uint32_t m = 0; m < *c.miss_count; ++m) {
+            const DeviceMiss miss = c.misses[m];
+            unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
+            for (int p = 0; p < 3; ++p)
+                std::memcpy(slot + c.part_off[p], a.src[p] + a.src_stride[p] * miss.expert, a.part_bytes[p]);
+        }
+    }
+
+    std::vector<uint32_t> keys_, first_;  // per id (the cache's lock serializes selects)
+};
+
+}  // namespace
+
+std::unique_ptr<LookupKernels> make_host_lookup_kernels() {
+    return std::unique_ptr<LookupKernels>(new HostLookupKernels());
+}
+
+}  // namespace expcache

@@ -1,0 +1,73 @@
+// The device path: a select whose ids never leave the device (DeviceLookup's kernels), and the
+// banks its slots index. Only the first call of a layer does host work that depends on the
+// cache's state (binding the class: its bank and device state); after that a call checks its
+// arguments and enqueues, so it can be captured into a graph.
+#include "cache.hpp"
+
+#include "errors.hpp"
+
+namespace expcache {
+
+expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t n,
+                                       uint32_t k, int32_t* out_slots, void* stream) {
+    CallScope scope(*this);
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
+    if (s != EXPCACHE_OK) return s;
+    if (!lookup_.enabled())
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "select_device needs a device-lookup cache: create it with config.lookup = "
+                    "EXPCACHE_LOOKUP_DEVICE (pyexpcache: ExpertCache(..., lookup=\"device\"))");
+    if (id_bits != 32 && id_bits != 64)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "id_bits must be 32 or 64, got %u", id_bits);
+    const uint64_t count = uint64_t(n) * k;
+    if (n == 0 || k == 0 || count > EXPCACHE_MAX_SELECT)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n*k must be 1..%d ids, got n %u, k %u", EXPCACHE_MAX_SELECT, n, k);
+    int32_t c = classes_.bound(layers_[layer_index]);
+    if (c < 0 || !lookup_.ready(c)) {
+        if (lookup_.capturing(stream))
+            return fail(EXPCACHE_ERR_INVALID_STATE,
+                        "layer %u's class is not bound yet, and binding allocates its bank, which a stream capture "
+                        "does not allow: bind it before capturing (expcache_layer_bind_class; pyexpcache: "
+                        "cache.bank(layer), or one select_device outside the capture)", layer_index);
+        LookupSync lookup(*this);  // written back (the class's device state made) when the block ends
+        if ((s = lookup.status()) != EXPCACHE_OK) return s;
+        if ((s = classes_.bind(layer_index, EXPCACHE_PATH_DEVICE, &c)) != EXPCACHE_OK) return s;
+    }
+    if (!lookup_.ready(c))  // the write-back failed, or the class has no bank
+        return health_.usable() != EXPCACHE_OK
+                   ? EXPCACHE_ERR_POISONED
+                   : fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
+                          "layer %u's class %s has no bank: its cap is 0 experts (see the cap notice in the log); "
+                          "raise the budget or free device memory", layer_index, classes_.name(classes_[c]).c_str());
+    return lookup_.select(layer_index, c, ids, id_bits, static_cast<uint32_t>(count), out_slots, stream);
+}
+
+expcache_status_t Cache::bank(uint32_t index, expcache_bank_t* out) {
+    CallScope scope(*this);
+    if (index >= static_cast<uint32_t>(classes_.size()))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
+                    classes_.size());
+    if (!lookup_.enabled())
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "banks belong to device-lookup caches: create the cache with config.lookup = "
+                    "EXPCACHE_LOOKUP_DEVICE (pyexpcache: lookup=\"device\")");
+    const ClassState& cls = classes_[static_cast<int32_t>(index)];
+    if (!cls.in_use)
+        return fail(EXPCACHE_ERR_INVALID_STATE, "class index %u holds no class (bind a layer first)", index);
+    expcache_bank_t b = {};
+    b.struct_size = sizeof b;
+    b.base = cls.slabs.empty() ? nullptr : cls.slabs[0];
+    b.slot_stride = cls.slot_bytes;
+    b.cap = cls.slots.size();
+    b.gate_offset = cls.part_off[kGate];
+    b.up_offset = cls.part_off[kUp];
+    b.down_offset = cls.part_off[kDown];
+    b.gate_bytes = cls.key[kGate];
+    b.up_bytes = cls.key[kUp];
+    b.down_bytes = cls.key[kDown];
+    *out = b;
+    return EXPCACHE_OK;
+}
+
+}  // namespace expcache

@@ -1,0 +1,146 @@
+"""Serving from the device: a class's slot bank as zero-copy arrays, and the id arrays a
+device-side select reads and writes (:meth:`pyexpcache.ExpertCache.select_device`).
+
+A cache made with ``lookup="device"`` keeps each size class's slots in one bank, one device
+allocation of ``cap`` slots at a fixed stride that never moves while the cache lives. An
+:class:`ExpertBank` shows it as three strided views, ``gate``, ``up`` and ``down``, of shape
+``[cap, ...]``: ``bank.gate[slots]`` in torch (or a fused MoE kernel given slot ids) reads the
+experts in place, and a CUDA graph captured with them stays valid for the cache's life.
+
+Id arrays are taken from whatever holds them, without a copy: the CUDA Array Interface
+(torch, cupy, numba), DLPack, or the NumPy array interface on the host backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _dlpack
+from .views import TensorView
+
+_INT_BITS = {"<i4": 32, "<i8": 64, "|i4": 32, "|i8": 64}
+_CAPSULE_POINTER = ctypes.pythonapi["PyCapsule_GetPointer"]
+_CAPSULE_POINTER.restype, _CAPSULE_POINTER.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
+
+
+@dataclass(frozen=True)
+class IdArray:
+    """Where an array of ids is and what it holds: ``ptr`` (a device address, or a host address
+    on the host backend), ``shape`` (1-D [k] or 2-D [n, k]), ``bits`` (32 or 64), ``cuda``."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    bits: int
+    cuda: bool
+    keep: object = None  # what keeps ``ptr`` valid during the call (a DLPack capsule)
+
+
+def _contiguous(shape, strides, itemsize) -> bool:
+    if strides is None:
+        return True
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def id_array(array, what: str) -> IdArray:
+    """``array`` seen through the CUDA Array Interface, the NumPy array interface or DLPack:
+    a C-contiguous 1-D or 2-D array of int32 or int64. TypeError or ValueError saying what is
+    wrong otherwise."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    cuda = interface is not None
+    if interface is None:
+        interface = getattr(array, "__array_interface__", None)
+    if interface is not None:
+        typestr = interface["typestr"]
+        shape = tuple(interface["shape"])
+        ptr = interface["data"][0] if interface.get("data") else 0
+        bits = _INT_BITS.get(typestr)
+        strides = interface.get("strides")
+        keep = None
+    elif hasattr(array, "__dlpack__"):
+        keep = array.__dlpack__()
+        tensor = _dlpack._Tensor.from_address(_CAPSULE_POINTER(keep, b"dltensor"))
+        cuda = tensor.device.device_type == _dlpack.KDLCUDA
+        shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
+        ptr = (tensor.data or 0) + tensor.byte_offset
+        code, nbits = tensor.dtype.code, tensor.dtype.bits
+        bits = nbits if code == 0 and nbits in (32, 64) and tensor.dtype.lanes == 1 else None
+        typestr = f"DLPack type code {code}, {nbits} bits"
+        itemsize = max(nbits // 8, 1)
+        strides = (None if not tensor.strides else tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim)))
+    else:
+        raise TypeError(f"{what} must be an array (torch, cupy, numpy: DLPack or an array interface), got "
+                        f"{type(array).__name__}")
+    if bits is None:
+        raise TypeError(f"{what} must hold int32 or int64 ids, got {typestr}")
+    if len(shape) not in (1, 2):
+        raise ValueError(f"{what} must be 1-D [k] or 2-D [n, k], got shape {shape}")
+    if not _contiguous(shape, strides, bits // 8):
+        raise ValueError(f"{what} must be C-contiguous, got strides {strides} for shape {shape}")
+    return IdArray(int(ptr), shape, bits, cuda, keep)
+
+
+def empty_slots(like, shape: tuple[int, ...]):
+    """An int32 array of ``shape`` where ``like`` lives: a torch tensor on its device, a cupy
+    array, or a numpy array. TypeError for anything else (pass ``out=``)."""
+    module = type(like).__module__.split(".")[0]
+    if module == "torch":
+        torch = sys.modules["torch"]
+        return torch.empty(shape, dtype=torch.int32, device=like.device)
+    if module == "cupy":
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(like.device.id):
+            return cupy.empty(shape, dtype=cupy.int32)
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=np.int32)
+    raise TypeError(f"cannot make the slot array beside a {type(like).__name__}: pass out= (an int32 array of "
+                    f"shape {shape} in the ids' memory)")
+
+
+def default_stream(like) -> int | None:
+    """The stream a torch tensor's work goes to by default (torch's current stream on its device),
+    so that an eager or captured torch step needs no stream argument; None otherwise."""
+    if type(like).__module__.split(".")[0] == "torch" and like.is_cuda:
+        torch = sys.modules["torch"]
+        return torch.cuda.current_stream(like.device).cuda_stream
+    return None
+
+
+class ExpertBank:
+    """One size class's slot bank (:meth:`pyexpcache.ExpertCache.bank`).
+
+    Attributes:
+        class_index: the class.
+        cap: slots in the bank; slot ids from :meth:`~pyexpcache.ExpertCache.select_device` are 0..cap-1.
+        slot_stride: bytes from one slot to the next.
+        gate, up, down: :class:`~pyexpcache.views.TensorView` of shape ``[cap, ...part shape]``
+            (strided by ``slot_stride``), zero-copy: DLPack always, the CUDA Array Interface on
+            the CUDA backend, the NumPy array interface on the host backend.
+
+    A slot's bytes are its expert's for work ordered after the select that returned the slot
+    on its stream, until the next call that serves or releases on the cache. The memory stays
+    allocated while the bank, or an array made from it, lives.
+    """
+
+    __slots__ = ("class_index", "cap", "slot_stride", "gate", "up", "down")
+
+    def __init__(self, class_index: int, cap: int, slot_stride: int, gate: TensorView, up: TensorView,
+                 down: TensorView):
+        self.class_index, self.cap, self.slot_stride = class_index, cap, slot_stride
+        self.gate, self.up, self.down = gate, up, down
+
+    @property
+    def parts(self) -> tuple[TensorView, TensorView, TensorView]:
+        return (self.gate, self.up, self.down)
+
+    def __repr__(self) -> str:
+        return (f"ExpertBank(class {self.class_index}, cap={self.cap}, slot_stride={self.slot_stride}, "
+                f"gate={self.gate.shape}, up={self.up.shape}, down={self.down.shape}, dtype={self.gate.dtype})")
