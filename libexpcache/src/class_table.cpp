@@ -269,7 +269,7 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     uint64_t old_cap = cls.cap;
     cls.target = target(cls);
     cls.cap = std::min(cls.target, mem_cap);
-    if (banked_) cls.cap = std::min<uint64_t>(cls.cap, (uint64_t(1) << 24) - 1);  // victim_rank's slot bits
+    if (banked_) cls.cap = std::min<uint64_t>(cls.cap, uint64_t(INT32_MAX));  // slot ids are int32
     cls.cap_valid = true;
     if (!cls.cap_announced || cls.cap != old_cap) {
         std::string why, fix;

@@ -10,7 +10,6 @@ namespace expcache {
 
 namespace {
 
-constexpr uint64_t kMaxStamp = uint64_t(1) << 40;  // victim_rank packs a stamp above 24 bits of slot
 
 // Offsets of DeviceClass's arrays in one allocation, each 256-byte aligned.
 struct ClassLayout {
@@ -52,7 +51,7 @@ expcache_status_t DeviceLookup::make_table() {
     expcache_status_t s = health_.check(arena_.alloc(bytes, &table_));
     if (s != EXPCACHE_OK) return s;
     unsigned char* p = static_cast<unsigned char*>(table_);
-    tick_dev_ = reinterpret_cast<uint64_t*>(p);
+    clock_dev_ = reinterpret_cast<uint64_t*>(p);
     error_dev_ = reinterpret_cast<DeviceError*>(p + 256);
     slot_of_key_dev_ = reinterpret_cast<int32_t*>(p + 512);
     return EXPCACHE_OK;
@@ -120,7 +119,7 @@ expcache_status_t DeviceLookup::pull() {
     expcache_status_t s = health_.check(backend_.sync_device());
     if (s != EXPCACHE_OK) return s;
     DeviceError error = {};
-    if ((s = health_.check(backend_.copy_d2h_sync(&tick_, tick_dev_, sizeof(tick_)))) != EXPCACHE_OK ||
+    if ((s = health_.check(backend_.copy_d2h_sync(&clock_, clock_dev_, sizeof(clock_)))) != EXPCACHE_OK ||
         (s = health_.check(backend_.copy_d2h_sync(&error, error_dev_, sizeof(error)))) != EXPCACHE_OK)
         return s;
     std::vector<int32_t> keys;
@@ -176,9 +175,7 @@ expcache_status_t DeviceLookup::push() {
         pins.assign(d.cap, 0);
         order.clear();
         cls.policy->order(&order);
-        if (tick_ + order.size() + 1 >= kMaxStamp)
-            return fail(EXPCACHE_ERR_INVALID_STATE, "the device lookup's clock ran out (2^40 calls)");
-        for (int32_t slot : order) stamps[slot] = ++tick_;
+        for (int32_t slot : order) stamps[slot] = ++clock_;
         for (uint32_t i = 0; i < d.cap; ++i) {
             const SlotState& slot = cls.slots[i];
             pins[i] = slot.holds > 0;
@@ -197,7 +194,7 @@ expcache_status_t DeviceLookup::push() {
         if ((s = health_.check(backend_.copy_h2d_sync(d.counters, &n, sizeof(n)))) != EXPCACHE_OK) return s;
     }
     const DeviceError none = {};
-    if ((s = health_.check(backend_.copy_h2d_sync(tick_dev_, &tick_, sizeof(tick_)))) != EXPCACHE_OK ||
+    if ((s = health_.check(backend_.copy_h2d_sync(clock_dev_, &clock_, sizeof(clock_)))) != EXPCACHE_OK ||
         (s = health_.check(backend_.copy_h2d_sync(error_dev_, &none, sizeof(none)))) != EXPCACHE_OK)
         return s;
     if (keys_)
@@ -267,7 +264,7 @@ expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* id
         a.part_bytes[p] = l.bytes[p];
     }
     a.cls = d;
-    a.tick = tick_dev_;
+    a.clock = clock_dev_;
     a.slot_of_key = slot_of_key_dev_;
     a.error = error_dev_;
     selected_ = true;  // even when the launch fails: the host backend's steps may have run

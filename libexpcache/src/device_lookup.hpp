@@ -69,13 +69,13 @@ private:
     Health& health_;
     std::unique_ptr<LookupKernels> kernels_;
 
-    void* table_ = nullptr;  // tick, error, slot_of_key[keys]
-    uint64_t* tick_dev_ = nullptr;
+    void* table_ = nullptr;  // the stamp clock, the error, slot_of_key[keys]
+    uint64_t* clock_dev_ = nullptr;
     DeviceError* error_dev_ = nullptr;
     int32_t* slot_of_key_dev_ = nullptr;
     uint32_t keys_ = 0;
     std::vector<uint32_t> key_layer_;  // per key, its layer
-    uint64_t tick_ = 0;                // the mirror's clock (the device's when pulled)
+    uint64_t clock_ = 0;  // the stamp clock (kernels/lookup_kernels.hpp): the device's when pulled
     bool selected_ = false;  // a device select was enqueued once: graphs may replay it, so pull always
     std::vector<ClassDevice> classes_state_;
     std::vector<LayerMap> maps_;

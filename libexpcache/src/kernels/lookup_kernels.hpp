@@ -7,6 +7,12 @@
 // each distinct miss given the least recently used slot that is neither used by this call nor
 // pinned, the slot map updated, the counters added) and a copy (many blocks reading the
 // misses' bytes from mapped pinned memory into their slots; nothing to do when all hit).
+//
+// Recency is a stamp per slot from one clock: a select takes the stamps [base, base + 2048)
+// (base = clock + 1), its hits base + i and its misses base + 1024 + i for i the position of
+// the id's first occurrence, so the order it leaves is the host LRU list's after the same
+// select (hits refreshed in order, then misses inserted in order); a slot stamped >= base is
+// this call's and never its victim. The host writes stamps 1, 2, ... in its LRU order.
 #pragma once
 
 #include <cstdint>
@@ -45,12 +51,12 @@ struct DeviceMiss {
 // A class's state on the device, laid out by DeviceLookup.
 struct DeviceClass {
     int32_t* key_of_slot;  // [cap] the key the slot holds, -1 free
-    uint64_t* stamp;       // [cap] the tick of its last use (0 free): the least is the LRU victim
+    uint64_t* stamp;       // [cap] its stamp (0 free): the least evictable one is the LRU victim
     uint8_t* pin;          // [cap] 1: a batch holds it, never evicted
     DeviceCounters* counters;
     DeviceMiss* misses;    // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
     uint32_t* miss_count;
-    uint32_t cap;
+    uint32_t cap;  // < 2^31
     unsigned char* bank;
     uint64_t slot_bytes;
     uint64_t part_off[3];
@@ -70,7 +76,7 @@ struct DeviceSelectArgs {
     uint64_t src_stride[3];
     uint64_t part_bytes[3];
     DeviceClass cls;
-    uint64_t* tick;                // the cache's call clock: each select takes the next value
+    uint64_t* clock;               // the stamp clock: each select takes kStampsPerSelect stamps
     int32_t* slot_of_key;          // [keys] the slot holding each key, -1 none
     DeviceError* error;
 };
@@ -91,11 +97,13 @@ std::unique_ptr<LookupKernels> make_host_lookup_kernels();
 // The CUDA build's, for `device` (the stub build: never called, the CUDA backend is refused first).
 std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int device);
 
-// The lookup step's choice of victim, shared by both implementations: the least (stamp, slot)
-// among the slots neither pinned nor used by this call (stamp == tick). Stamps stay below 2^40
-// and caps below 2^24 (DeviceLookup checks both).
-EXPCACHE_HOST_DEVICE inline uint64_t victim_rank(uint64_t stamp, uint8_t pin, uint64_t tick, uint32_t slot) {
-    return (pin || stamp == tick) ? UINT64_MAX : ((stamp << 24) | slot);
+constexpr uint64_t kStampsPerSelect = 2 * EXPCACHE_MAX_SELECT;
+
+// The lookup step's choice of victim, shared by both implementations: the least stamp (then the
+// least slot) among the slots neither pinned nor used by this call (stamp >= base). Free slots
+// are stamped 0: the lowest free slot goes first.
+EXPCACHE_HOST_DEVICE inline bool evictable(uint64_t stamp, uint8_t pin, uint64_t base) {
+    return !pin && stamp < base;
 }
 
 }  // namespace expcache

@@ -12,10 +12,24 @@ constexpr int kLookupThreads = 256;
 constexpr int kCopyThreads = 512;
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread: mapped reads cross PCIe
 
-__device__ uint64_t warp_min(uint64_t v) {
+// A candidate victim: the least stamp, then the least slot; slot -1 is none.
+struct Candidate {
+    uint64_t stamp;
+    int32_t slot;
+};
+
+__device__ bool better(const Candidate& a, const Candidate& b) {
+    if (a.slot < 0) return false;
+    if (b.slot < 0) return true;
+    return a.stamp != b.stamp ? a.stamp < b.stamp : a.slot < b.slot;
+}
+
+__device__ Candidate warp_best(Candidate v) {
     for (int off = 16; off > 0; off >>= 1) {
-        const uint64_t o = __shfl_down_sync(0xffffffffu, v, off);
-        v = o < v ? o : v;
+        Candidate o;
+        o.stamp = __shfl_down_sync(0xffffffffu, v.stamp, off);
+        o.slot = __shfl_down_sync(0xffffffffu, v.slot, off);
+        if (better(o, v)) v = o;
     }
     return v;
 }
@@ -24,13 +38,14 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
-    __shared__ uint64_t warp_best[kLookupThreads / 32];
-    __shared__ uint64_t tick_s;
+    __shared__ Candidate warp_bests[kLookupThreads / 32];
+    __shared__ uint64_t base_s;
     __shared__ uint32_t hits, misses, evictions;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
     if (tid == 0) {
-        tick_s = ++*a.tick;
+        base_s = *a.clock + 1;
+        *a.clock += kStampsPerSelect;
         hits = misses = evictions = 0;
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
@@ -48,7 +63,7 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
         }
     }
     __syncthreads();
-    const uint64_t tick = tick_s;
+    const uint64_t base = base_s;
     // Each id's first occurrence; hits refreshed (and so protected from this call's misses).
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
         uint32_t f = i;
@@ -62,7 +77,7 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
         if (f == i && keys[i] != UINT32_MAX) {
             const int32_t slot = a.slot_of_key[keys[i]];
             if (slot >= 0) {
-                c.stamp[slot] = tick;
+                c.stamp[slot] = base + i;
                 atomicAdd(&hits, 1u);
             } else {
                 missed[i] = 1;
@@ -74,25 +89,26 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     // (a block-wide minimum over the bank), so the choices are the host backend's.
     for (uint32_t i = 0; i < a.count; ++i) {
         if (!missed[i]) continue;  // uniform: every thread reads the same shared flag
-        uint64_t best = UINT64_MAX;
+        Candidate best{0, -1};
         for (uint32_t s = tid; s < c.cap; s += blockDim.x) {
-            const uint64_t r = victim_rank(c.stamp[s], c.pin[s], tick, s);
-            best = r < best ? r : best;
+            const Candidate here{c.stamp[s], static_cast<int32_t>(s)};
+            if (evictable(here.stamp, c.pin[s], base) && better(here, best)) best = here;
         }
-        best = warp_min(best);
-        if ((tid & 31) == 0) warp_best[tid / 32] = best;
+        best = warp_best(best);
+        if ((tid & 31) == 0) warp_bests[tid / 32] = best;
         __syncthreads();
         if (tid == 0) {
-            for (uint32_t w = 1; w < blockDim.x / 32; ++w) best = warp_best[w] < best ? warp_best[w] : best;
-            if (best != UINT64_MAX) {
-                const int32_t v = static_cast<int32_t>(best & 0xffffff);
+            for (uint32_t w = 1; w < blockDim.x / 32; ++w)
+                if (better(warp_bests[w], best)) best = warp_bests[w];
+            if (best.slot >= 0) {
+                const int32_t v = best.slot;
                 const int32_t old = c.key_of_slot[v];
                 if (old >= 0) {
                     a.slot_of_key[old] = -1;
                     ++evictions;
                 }
                 c.key_of_slot[v] = static_cast<int32_t>(keys[i]);
-                c.stamp[v] = tick;
+                c.stamp[v] = base + EXPCACHE_MAX_SELECT + i;
                 a.slot_of_key[keys[i]] = v;
                 c.misses[misses++] = DeviceMiss{keys[i] - a.key_base, v};
             }

@@ -25,7 +25,8 @@ public:
 private:
     void lookup(const DeviceSelectArgs& a) {
         const DeviceClass& c = a.cls;
-        const uint64_t tick = ++*a.tick;
+        const uint64_t base = *a.clock + 1;
+        *a.clock += kStampsPerSelect;
         keys_.resize(a.count);
         first_.resize(a.count);
         // Ids to keys; each id's first occurrence in the call.
@@ -51,7 +52,7 @@ private:
             if (first_[i] != i || keys_[i] == UINT32_MAX) continue;
             const int32_t slot = a.slot_of_key[keys_[i]];
             if (slot >= 0) {
-                c.stamp[slot] = tick;
+                c.stamp[slot] = base + i;
                 ++hits;
             }
         }
@@ -60,19 +61,16 @@ private:
         for (uint32_t i = 0; i < a.count; ++i) {
             const uint32_t key = keys_[i];
             if (first_[i] != i || key == UINT32_MAX || a.slot_of_key[key] >= 0) continue;
-            uint64_t best = UINT64_MAX;
-            for (uint32_t s = 0; s < c.cap; ++s) {
-                const uint64_t r = victim_rank(c.stamp[s], c.pin[s], tick, s);
-                if (r < best) best = r;
-            }
-            if (best == UINT64_MAX) continue;  // every slot pinned or used (the host checked n*k fits)
-            const int32_t v = static_cast<int32_t>(best & 0xffffff);
+            int32_t v = -1;
+            for (uint32_t s = 0; s < c.cap; ++s)
+                if (evictable(c.stamp[s], c.pin[s], base) && (v < 0 || c.stamp[s] < c.stamp[v])) v = static_cast<int32_t>(s);
+            if (v < 0) continue;  // every slot pinned or used (the host checked n*k fits)
             if (c.key_of_slot[v] >= 0) {
                 a.slot_of_key[c.key_of_slot[v]] = -1;
                 ++evictions;
             }
             c.key_of_slot[v] = static_cast<int32_t>(key);
-            c.stamp[v] = tick;
+            c.stamp[v] = base + EXPCACHE_MAX_SELECT + i;
             a.slot_of_key[key] = v;
             c.misses[(*c.miss_count)++] = DeviceMiss{key - a.key_base, v};
             ++misses;
