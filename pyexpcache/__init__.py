@@ -46,10 +46,10 @@ __all__ = [
     "ArgumentRangeError", "Batch", "BufferSource", "CacheClosedError", "CacheStats", "ClassInfo", "ClassStats",
     "CompactBuffer", "CudaError", "DeviceBatch", "DeviceSelection", "ExpcacheError", "ExpcacheWarning",
     "ExpertCache", "ExpertView", "ForkedError", "GGUFSource", "HostSource", "InternalError", "InvalidArgumentError",
-    "InvalidStateError", "LayerPlacement", "LayerSpec", "LayoutFileError", "ModelLayout", "MultiDeviceCache", "OutOfDeviceMemoryError",
-    "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError", "PrefetchStats", "Selection", "Source",
-    "SourceIOError", "StagingStats", "TensorView", "UnsupportedError", "checksum_bytes", "library_version",
-    "loads_from_calls", "matrix_bytes", "staging_defaults",
+    "InvalidStateError", "LayerPlacement", "LayerSpec", "LayoutFileError", "ModelLayout", "MultiDeviceCache",
+    "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError", "PrefetchStats",
+    "Selection", "Source", "SourceIOError", "StagingStats", "TensorView", "UnsupportedError", "checksum_bytes",
+    "library_version", "loads_from_calls", "matrix_bytes", "staging_defaults",
 ]
 
 
