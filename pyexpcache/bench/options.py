@@ -113,7 +113,8 @@ def layout_kind(text: str) -> tuple[str, str, Optional[str]]:
         with open(path, "rb") as f:
             head = f.read(4)
             gguf = head == b"GGUF" or path.endswith(".gguf")
-            data = None if gguf else f.read(64 << 20)
+            # JSON is read whole (at most 64 MiB; a layout or a config is a few KiB), anything else not.
+            data = f.read(64 << 20) if not gguf and head.lstrip()[:1] in (b"{", b"") else b""
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
     kind = "gguf" if gguf else None
@@ -147,8 +148,8 @@ def layout_argument(text: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def model_layout(text: str):
-    """The full-size layout --layout names (:func:`layout_kind`); UsageError naming the option
-    and what is wrong with the file."""
+    """The full-size layout --layout names (:func:`layout_kind`), read once per command (cached
+    by the text); UsageError naming the option and what is wrong with the file."""
     from ..layout import LayoutFileError, ModelLayout
 
     try:
