@@ -33,7 +33,7 @@ from ._errors import (  # noqa: E402 (the version first: submodules read it)
 from .bank import ExpertBank
 from .cache import Batch, CompactBuffer, ExpertCache, staging_defaults
 from .gguf import GGUFSource
-from .layout import LayerSpec, ModelLayout
+from .layout import LayerSpec, LayoutFileError, ModelLayout, matrix_bytes
 from .multi import DeviceBatch, DeviceSelection, MultiDeviceCache
 from .placement import Placement, loads_from_calls
 from .selection import Selection
@@ -47,10 +47,10 @@ __all__ = [
     "ArgumentRangeError", "Batch", "BufferSource", "CacheClosedError", "CacheStats", "ClassInfo", "ClassStats",
     "CompactBuffer", "CudaError", "DeviceBatch", "DeviceSelection", "ExpcacheError", "ExpcacheWarning",
     "ExpertBank", "ExpertCache", "ExpertView", "ForkedError", "GGUFSource", "HostSource", "InternalError", "InvalidArgumentError",
-    "InvalidStateError", "LayerPlacement", "LayerSpec", "ModelLayout", "MultiDeviceCache", "OutOfDeviceMemoryError",
-    "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError", "PrefetchStats", "Selection", "Source",
-    "SourceIOError", "StagingStats", "TensorView", "UnsupportedError", "checksum_bytes", "library_version",
-    "loads_from_calls", "staging_defaults",
+    "InvalidStateError", "LayerPlacement", "LayerSpec", "LayoutFileError", "ModelLayout", "MultiDeviceCache",
+    "OutOfDeviceMemoryError", "OutOfHostMemoryError", "PathStats", "Placement", "PoisonedError", "PrefetchStats",
+    "Selection", "Source", "SourceIOError", "StagingStats", "TensorView", "UnsupportedError", "checksum_bytes",
+    "library_version", "loads_from_calls", "matrix_bytes", "staging_defaults",
 ]
 
 

@@ -168,8 +168,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _check_shared(args) -> None:
     """What the shared options (a Bench's, the traces) need, checked before anything is allocated
     or run; only those the command line has."""
-    from .layout import ModelLayout
-
     taken = args.taken
     if (options.BACKEND in taken and args.backend == "cuda") or (options.SOURCE in taken and args.source == "pinned"):
         options.need(options.has_cuda_python(), f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} "
@@ -180,8 +178,12 @@ def _check_shared(args) -> None:
             raise UsageError(f"--gguf {args.gguf}: no such file")
         if args.layers is not None:
             raise UsageError("--layers cannot be combined with --gguf")
+        if options.LAYOUT.given(args):
+            raise UsageError("--layout cannot be combined with --gguf: the GGUF file gives the layout")
+    elif options.LAYOUT in taken:
+        options.model_layout(args.layout)  # the file read, its errors one line
     if options.LAYERS in taken and args.layers is not None:
-        count = ModelLayout.preset(args.layout).num_layers
+        count = options.model_layout(args.layout).num_layers
         bad = [i for i in args.layers if i >= count]
         if bad:
             raise UsageError(f"--layers: {options.ranges(bad)} not in 0..{count - 1}, the model's layers")

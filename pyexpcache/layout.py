@@ -13,12 +13,23 @@ q2         2.0625 MiB     2.625 MiB    6.75 MiB
 q4 (Q4_K)  4.5 MiB        4.5 MiB      13.5 MiB
 mixed      q4 in layers 37-42, q2 elsewhere
 =========  =============  ===========  ==========
+
+Any other model is described by a layout file (:meth:`ModelLayout.from_json`, written by
+:meth:`ModelLayout.write_json`), read from its Hugging Face ``config.json``
+(:meth:`ModelLayout.from_hf_config`) or from a GGUF file (:func:`pyexpcache.gguf.layout_from_gguf`),
+or named as a preset of a well-known model (:meth:`ModelLayout.preset`, :data:`PRESETS`).
+:func:`matrix_bytes` gives the bytes of a matrix in any GGUF block type. docs/models.md has the
+file format and the rules for each source.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import warnings
 from dataclasses import dataclass, fields, replace
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 from ._errors import ArgumentRangeError
 from ._ints import checked_int
@@ -32,8 +43,88 @@ TOP_K = 6
 FIRST_ROUTED_LAYER = 3  # layers 0-2 route by token-id hash and are absent from decode traces
 MIXED_Q4_LAYERS = range(37, 43)
 
-# Bytes per 256 weights of each GGUF block type used by the presets.
-_BLOCK_BYTES = {"IQ2_XXS": 66, "Q2_K": 84, "Q4_K": 144}
+PathLike = Union[str, "os.PathLike[str]"]
+_PARTS = ("gate", "up", "down")
+
+
+class LayoutFileError(ValueError):
+    """A layout file or a Hugging Face ``config.json`` that cannot be read as a layout. The
+    message names the file and the entry, as ``mixtral.json: layers[0].gate.shape: ...``."""
+
+
+# -- GGUF block types --------------------------------------------------------------------------
+
+# (weights per block, bytes per block) of the GGUF types used for experts, used when the gguf
+# package is not installed; with it, its GGML_QUANT_SIZES (every type it knows) is used, and
+# tests/test_layout.py holds this table to it. Source: llama.cpp's gguf-py/gguf/constants.py.
+_BUILTIN_BLOCKS = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+    "IQ1_S": (256, 50), "IQ1_M": (256, 56), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82),
+    "IQ3_XXS": (256, 98), "IQ3_S": (256, 110), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17),
+}
+# The unquantized types as Hugging Face configs and PyTorch spell them (upper case).
+_DTYPE_NAMES = {"BFLOAT16": "BF16", "FLOAT16": "F16", "FP16": "F16", "HALF": "F16", "FLOAT32": "F32",
+                "FP32": "F32", "FLOAT": "F32"}
+
+
+@functools.lru_cache(maxsize=1)
+def _block_table() -> tuple[dict[str, tuple[int, int]], str]:
+    """The block sizes and where they come from (for messages)."""
+    try:
+        from gguf.constants import GGML_QUANT_SIZES  # noqa: PLC0415 (optional, imported when needed)
+    except ImportError:
+        return dict(_BUILTIN_BLOCKS), "the built-in table; pip install gguf for every type it knows"
+    return {t.name: (int(b), int(n)) for t, (b, n) in GGML_QUANT_SIZES.items()}, "the gguf package"
+
+
+def quant_types() -> dict[str, tuple[int, int]]:
+    """Every GGUF block type whose size is known here: its name -> (weights per block, bytes per
+    block), e.g. ``"Q4_K": (256, 144)``. From the gguf package's ``GGML_QUANT_SIZES`` when it is
+    installed, else a built-in table of the types used for experts (F32, F16, BF16, Q4_0 to
+    Q8_0, the K quants Q2_K to Q6_K, the IQ quants, MXFP4)."""
+    return dict(_block_table()[0])
+
+
+def quant_type(name: str) -> str:
+    """The GGUF type name ``name`` stands for: a GGUF type in any case (``"q4_k"`` is ``"Q4_K"``)
+    or an unquantized dtype as Hugging Face and PyTorch write it (``"bfloat16"``,
+    ``"torch.float16"``, ``"fp32"`` are BF16, F16, F32). ValueError for an unknown name, listing
+    the known types; TypeError for anything but a string."""
+    if not isinstance(name, str):
+        raise TypeError(f"a quant type is a name such as 'Q4_K' or 'bf16', got {type(name).__name__} {name!r}")
+    key = name.strip().upper()
+    key = key[len("TORCH."):] if key.startswith("TORCH.") else key
+    key = _DTYPE_NAMES.get(key, key)
+    table, origin = _block_table()
+    if key not in table:
+        raise ValueError(f"unknown quant type {name!r}: the known types ({origin}) are {', '.join(table)}; "
+                         "the dtypes bf16, fp16 and fp32 are BF16, F16 and F32")
+    return key
+
+
+def matrix_bytes(quant: str, rows: int, cols: int) -> int:
+    """Bytes of a ``[rows, cols]`` matrix stored in the GGUF block type ``quant`` (any name
+    :func:`quant_type` takes: ``"Q4_K"``, ``"MXFP4"``, ``"bf16"``).
+
+    ``cols`` is the row length, the contiguous dimension along which a block runs: a PyTorch
+    weight ``[out_features, in_features]`` is ``[rows, cols]`` (GGUF lists the same shape the
+    other way round, its ``ne[0]`` being ``cols``). An expert's gate and up matrices are
+    ``[ffn, hidden]`` and its down matrix ``[hidden, ffn]``. Mixtral 8x7B's gate in Q4_K is
+    ``matrix_bytes("Q4_K", 14336, 4096)`` = 14336 * 4096 / 256 * 144 = 33,030,144 bytes.
+
+    Raises ValueError for an unknown type (listing the known ones) or a row length that is not
+    a multiple of the type's block, TypeError for a size that is not an integer.
+    """
+    name = quant_type(quant)
+    block, size = _block_table()[0][name]
+    rows = checked_int(rows, "rows", 1, MAX_PART_BYTES_LIMIT)
+    cols = checked_int(cols, "cols", 1, MAX_PART_BYTES_LIMIT)
+    if cols % block:
+        raise ValueError(f"a row of {cols} weights is not a multiple of the {name} block of {block} weights "
+                         f"(in a [rows, cols] matrix, cols is the row length)")
+    return rows * (cols // block) * size
 
 
 def _within_limit(value, name: str, limit: int) -> int:
@@ -58,7 +149,8 @@ def _spans(indices: list[int]) -> str:
 
 
 def _matrix_bytes(block: str) -> int:
-    return WEIGHTS_PER_MATRIX // 256 * _BLOCK_BYTES[block]
+    """A DeepSeek V4 Flash expert matrix (every row length a multiple of 256) in ``block``."""
+    return matrix_bytes(block, WEIGHTS_PER_MATRIX // 4096, 4096)
 
 
 @dataclass(frozen=True)
@@ -134,8 +226,103 @@ class ModelLayout:
 
     @classmethod
     def preset(cls, name: str, *, scale: int = 1) -> "ModelLayout":
-        """``"q2"``, ``"q4"`` or ``"mixed"`` (DeepSeek V4 Flash)."""
-        return cls.deepseek_v4_flash(name, scale=scale)
+        """A well-known model's routed experts, by name (:data:`PRESETS` lists them, with the
+        source of their numbers in :data:`PRESET_SOURCES`): ``"q2"``, ``"q4"`` or ``"mixed"``
+        (DeepSeek V4 Flash, also ``"deepseek-v4-flash-mixed"`` etc.), ``"mixtral-8x7b-q4k"``,
+        ``"qwen3-30b-a3b-bf16"``, ``"olmoe-1b-7b-bf16"``, ``"deepseek-v3-q4k"``,
+        ``"gpt-oss-20b-mxfp4"``. The layout is named after the preset. ``scale`` divides every
+        part size (see :meth:`scaled`). ValueError for an unknown name, listing the presets."""
+        flash = name.removeprefix("deepseek-v4-flash-") if name.startswith("deepseek-v4-flash-") else name
+        if flash in ("q2", "q4", "mixed"):
+            return cls.deepseek_v4_flash(flash, scale=scale)
+        if name not in _PRESETS:
+            raise ValueError(f"unknown preset {name!r}: the presets are {', '.join(PRESETS)}")
+        model, quant = _PRESETS[name]
+        layout = cls.from_hf_config(_MODEL_CONFIGS[model][0], quant, name=name)
+        return layout.scaled(scale) if scale != 1 else layout
+
+    # -- layout files ----------------------------------------------------
+    @classmethod
+    def from_json(cls, source: Union[PathLike, Mapping]) -> "ModelLayout":
+        """A layout from a layout file (a path) or its parsed contents (a dict).
+
+        The file is ``{"name": str, "layers": [...]}`` with one entry per model layer: ``null``
+        for a dense layer, or ``{"experts": E, "gate_bytes": g, "up_bytes": u, "down_bytes": d}``.
+        Shorthands: a part as a GGUF type and a ``[rows, cols]`` shape instead of its bytes
+        (``"gate": {"type": "Q4_K", "shape": [14336, 4096]}``, sized by :func:`matrix_bytes`),
+        with a default ``"type"`` (or ``"dtype"``) at the top, in a layer or in a repeat; and
+        ``{"repeat": n, "layer": {...}}`` (or ``null``) for n equal layers, or
+        ``{"repeat": n, "layers": [...]}`` for a group of layers n times over. ``"comment"`` is
+        allowed in any object and ignored; any other unknown key is an error (a misspelt key
+        would otherwise be lost). ``name`` defaults to the file's name without ``.json``.
+
+        Raises :class:`LayoutFileError` (a ValueError) naming the file and the entry at fault;
+        OSError when the file cannot be read. docs/models.md has examples.
+        """
+        if isinstance(source, Mapping):
+            return _layout_from_object(source, "the layout", "custom")
+        path = os.fspath(source)
+        stem = os.path.basename(path)
+        return _layout_from_object(_read_json(path), path, stem[:-5] if stem.endswith(".json") else stem)
+
+    def to_json(self) -> dict:
+        """This layout as a layout file's contents (what :meth:`from_json` reads back equal):
+        the name and each layer's byte sizes, a run of equal consecutive layers written as one
+        ``{"repeat": n, "layer": ...}`` entry."""
+        entries: list = []
+        i = 0
+        while i < len(self.layers):
+            spec, run = self.layers[i], 1
+            while i + run < len(self.layers) and self.layers[i + run] == spec:
+                run += 1
+            item = None if spec is None else {"experts": spec.num_experts, "gate_bytes": spec.gate_bytes,
+                                              "up_bytes": spec.up_bytes, "down_bytes": spec.down_bytes}
+            entries.append(item if run == 1 else {"repeat": run, "layer": item})
+            i += run
+        return {"name": self.name, "layers": entries}
+
+    def write_json(self, path: PathLike) -> None:
+        """Write :meth:`to_json` to ``path`` as a layout file (JSON, two-space indent)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+
+    # -- Hugging Face configs --------------------------------------------
+    @classmethod
+    def from_hf_config(cls, source: Union[PathLike, Mapping], quant: Union[str, Mapping[str, str], None] = None,
+                       *, name: Optional[str] = None) -> "ModelLayout":
+        """The routed experts of a model described by its Hugging Face ``config.json`` (a path
+        or the parsed dict; transformers is not needed).
+
+        Read: ``num_hidden_layers``; the routed experts per layer (``num_local_experts``,
+        ``num_experts`` or ``n_routed_experts``); ``hidden_size``; an expert's FFN width
+        (``moe_intermediate_size``, else ``intermediate_size``); the dense layers, by the rules
+        of the families that have them: ``mlp_only_layers`` and ``decoder_sparse_step``
+        (Qwen2-MoE, Qwen3-MoE: layer i has experts when it is not listed and
+        ``(i + 1) % step == 0``), ``first_k_dense_replace`` and ``moe_layer_freq`` (DeepSeek
+        V2/V3, Kimi K2, GLM-4.5: when ``i >= k`` and ``i % freq == 0``); a model with none of
+        them (Mixtral, OLMoE, GPT-OSS) has experts in every layer. A config whose model sits
+        under ``text_config`` (a multimodal wrapper) is read there. Gate and up are
+        ``[ffn, hidden]``, down ``[hidden, ffn]``.
+
+        The stored type: ``quant`` when given (a GGUF type or dtype for every part, or a dict
+        ``{"gate": ..., "up": ..., "down": ...}``); else MXFP4 for ``quantization_config``'s
+        ``quant_method`` ``"mxfp4"`` (GPT-OSS's experts: 4-bit values and a shared scale per 32
+        weights, 17 bytes, GGUF's MXFP4 block); else ``torch_dtype`` (or ``dtype``): bf16, fp16,
+        fp32. Another ``quant_method`` (fp8, ...) warns that the sizes are the dtype's.
+
+        ``name`` defaults to the model folder's name (or ``model_type``) and the type. Raises
+        :class:`LayoutFileError` naming the missing or unusable key.
+        """
+        if isinstance(source, Mapping):
+            config, where, default = dict(source), "the config", None
+        else:
+            where = os.fspath(source)
+            config = _read_json(where)
+            parent = os.path.basename(os.path.dirname(os.path.abspath(where)))
+            stem = os.path.basename(where)
+            default = parent if stem == "config.json" and parent else stem.removesuffix(".json")
+        return _layout_from_hf(cls, config, where, quant, name, default)
 
     # -- derived layouts -------------------------------------------------
     def scaled(self, divisor: int) -> "ModelLayout":
@@ -205,3 +392,273 @@ class ModelLayout:
         keys = list(self.classes())
         pick = self.moe_layers if layers is None else layers
         return [keys.index(self.layers[i].class_key) for i in pick]
+
+
+# -- reading layout files ----------------------------------------------------------------------
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LayoutFileError(f"{path}: not JSON: {exc}") from None
+
+
+def _shown(value) -> str:
+    """A value as JSON writes it, for messages."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+class _File:
+    """One layout file being read: its name for messages, and the checks that name the entry."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, at: str, message: str) -> LayoutFileError:
+        return LayoutFileError(f"{self.where}: {at}: {message}")
+
+    def keys(self, obj, at: str, allowed: tuple) -> None:
+        if not isinstance(obj, Mapping):
+            raise self.fail(at, f"expected an object, got {_shown(obj)}")
+        unknown = [k for k in obj if k not in allowed and k != "comment"]
+        if unknown:
+            raise self.fail(at, f"unknown key {', '.join(map(repr, unknown))}; expected {', '.join(allowed)}")
+
+    def whole(self, value, at: str, limit: int) -> int:
+        try:
+            return checked_int(value, at, 1, limit)
+        except TypeError:
+            raise self.fail(at, f"expected a whole number, got {_shown(value)}") from None
+        except ArgumentRangeError:
+            raise self.fail(at, f"must be 1..{limit} (the library's limit), got {value}") from None
+
+    def type_at(self, obj, at: str, inherited: Optional[str]) -> Optional[str]:
+        """The type ``obj`` gives ("type" or "dtype"), else ``inherited``."""
+        given = [k for k in ("type", "dtype") if k in obj]
+        if len(given) > 1:
+            raise self.fail(at, 'give "type" or "dtype", not both')
+        if not given:
+            return inherited
+        try:
+            return quant_type(obj[given[0]])
+        except (TypeError, ValueError) as exc:
+            raise self.fail(f"{at}.{given[0]}", str(exc)) from None
+
+    def part_bytes(self, layer, at: str, part: str, quant: Optional[str]) -> int:
+        key = f"{part}_bytes"
+        if key in layer and part in layer:
+            raise self.fail(at, f'give "{key}" or "{part}", not both')
+        if key in layer:
+            return self.whole(layer[key], f"{at}.{key}", MAX_PART_BYTES_LIMIT)
+        if part not in layer:
+            raise self.fail(at, f'no "{key}" (or "{part}": {{"type": ..., "shape": [rows, cols]}})')
+        here = f"{at}.{part}"
+        spec = layer[part]
+        self.keys(spec, here, ("type", "dtype", "shape"))
+        quant = self.type_at(spec, here, quant)
+        if quant is None:
+            raise self.fail(here, 'no type: give "type" here, in the layer or at the top of the file')
+        shape = spec.get("shape")
+        if not isinstance(shape, list) or len(shape) != 2:
+            raise self.fail(f"{here}.shape", f"expected [rows, cols], got {_shown(shape)}")
+        rows, cols = (self.whole(v, f"{here}.shape[{k}]", MAX_PART_BYTES_LIMIT) for k, v in enumerate(shape))
+        try:
+            return matrix_bytes(quant, rows, cols)
+        except ValueError as exc:
+            raise self.fail(here, str(exc)) from None
+
+    def layer(self, entry, at: str, quant: Optional[str]) -> Optional[LayerSpec]:
+        if entry is None:
+            return None
+        self.keys(entry, at, ("experts", "type", "dtype") + _PARTS + tuple(f"{p}_bytes" for p in _PARTS))
+        quant = self.type_at(entry, at, quant)
+        if "experts" not in entry:
+            raise self.fail(at, 'no "experts" (the number of routed experts; null is a dense layer)')
+        experts = self.whole(entry["experts"], f"{at}.experts", MAX_EXPERTS_LIMIT)
+        sizes = [self.part_bytes(entry, at, p, quant) for p in _PARTS]
+        try:
+            return LayerSpec(experts, *sizes)
+        except (TypeError, ValueError) as exc:
+            raise self.fail(at, str(exc)) from None
+
+    def layer_list(self, entries, at: str, quant: Optional[str]) -> list[Optional[LayerSpec]]:
+        if not isinstance(entries, list):
+            raise self.fail(at, f"expected a list of layers, got {_shown(entries)}")
+        out: list[Optional[LayerSpec]] = []
+        for i, entry in enumerate(entries):
+            here = f"{at}[{i}]"
+            if isinstance(entry, Mapping) and "repeat" in entry:
+                self.keys(entry, here, ("repeat", "layer", "layers", "type", "dtype"))
+                times = self.whole(entry["repeat"], f"{here}.repeat", MAX_LAYERS_LIMIT)
+                inner = self.type_at(entry, here, quant)
+                if ("layer" in entry) == ("layers" in entry):
+                    raise self.fail(here, 'a repeat takes "layer" (one layer, or null) or "layers" (a group of '
+                                          'layers, repeated in order)')
+                group = ([self.layer(entry["layer"], f"{here}.layer", inner)] if "layer" in entry
+                         else self.layer_list(entry["layers"], f"{here}.layers", inner))
+                if not group:
+                    raise self.fail(f"{here}.layers", "an empty group")
+                added = group * times if len(out) + times * len(group) <= MAX_LAYERS_LIMIT else None
+            else:
+                added = [self.layer(entry, here, quant)]
+            if added is None or len(out) + len(added) > MAX_LAYERS_LIMIT:
+                raise self.fail(here, f"the layers pass the library's limit of {MAX_LAYERS_LIMIT}")
+            out.extend(added)
+        return out
+
+
+def _looks_like_hf_config(obj) -> bool:
+    return isinstance(obj, Mapping) and ("model_type" in obj or "architectures" in obj)
+
+
+def _layout_from_object(obj, where: str, default_name: str) -> ModelLayout:
+    file = _File(where)
+    if not isinstance(obj, Mapping):
+        raise LayoutFileError(f'{where}: expected an object {{"name": ..., "layers": [...]}}, got {_shown(obj)}')
+    if "layers" not in obj:
+        hint = (": this looks like a Hugging Face config.json (ModelLayout.from_hf_config reads it)"
+                if _looks_like_hf_config(obj) else "")
+        raise LayoutFileError(f'{where}: no "layers" list{hint}')
+    file.keys(obj, "top level", ("name", "layers", "type", "dtype"))
+    name = obj.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise file.fail("name", f"expected a non-empty string, got {_shown(name)}")
+    layers = file.layer_list(obj["layers"], "layers", file.type_at(obj, "top level", None))
+    try:
+        return ModelLayout(tuple(layers), name=name)
+    except ValueError as exc:
+        raise file.fail("layers", str(exc)) from None
+
+
+# -- reading Hugging Face configs --------------------------------------------------------------
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+
+def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default_name: Optional[str]):
+    if not isinstance(config, Mapping):
+        raise LayoutFileError(f"{where}: expected a JSON object, got {_shown(config)}")
+    if not any(config.get(k) is not None for k in _EXPERT_KEYS) and isinstance(config.get("text_config"), Mapping):
+        outer, config = config, config["text_config"]
+        where = f"{where} (text_config)"
+        config = dict(config, **{k: outer[k] for k in ("torch_dtype", "dtype", "quantization_config")
+                                 if k in outer and k not in config})
+    model = config.get("model_type") or (config.get("architectures") or [None])[0] or "model"
+    file = _File(where)
+
+    def number(keys: tuple, what: str, lowest: int = 1) -> tuple[str, int]:
+        key = next((k for k in keys if config.get(k) is not None), None)
+        if key is None:
+            raise LayoutFileError(f"{where}: no {' or '.join(map(repr, keys))} key ({what}) in this {model} config; "
+                                  "a layout file describes any model (docs/models.md)")
+        try:
+            return key, checked_int(config[key], key, lowest, MAX_PART_BYTES_LIMIT)
+        except (TypeError, ArgumentRangeError):
+            raise file.fail(key, f"expected a whole number >= {lowest} ({what}), got {_shown(config[key])}") from None
+
+    _, num_layers = number(("num_hidden_layers",), "the number of layers")
+    key, experts = number(_EXPERT_KEYS, "the routed experts per layer", lowest=0)
+    if experts == 0:
+        raise file.fail(key, "0 routed experts: not a mixture-of-experts model")
+    _, hidden = number(("hidden_size",), "the model width")
+    _, ffn = number(_FFN_KEYS, "an expert's FFN width")
+    only = config.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise file.fail("mlp_only_layers", f"expected a list of layer numbers, got {_shown(only)}")
+    rules = {k: number((k,), what, lowest)[1] if config.get(k) is not None else default
+             for k, what, lowest, default in (("decoder_sparse_step", "MoE every n-th layer", 1, 1),
+                                              ("first_k_dense_replace", "dense layers first", 0, 0),
+                                              ("moe_layer_freq", "MoE every n-th layer", 1, 1))}
+    types = _hf_types(config, quant, file)
+    try:
+        gate = matrix_bytes(types[0], ffn, hidden)
+        up = matrix_bytes(types[1], ffn, hidden)
+        down = matrix_bytes(types[2], hidden, ffn)
+        spec = LayerSpec(experts, gate, up, down)
+    except (TypeError, ValueError) as exc:
+        raise LayoutFileError(f"{where}: experts of [{ffn}, {hidden}] gate/up and [{hidden}, {ffn}] down in "
+                              f"{'/'.join(types)}: {exc}") from None
+
+    def routed(i: int) -> bool:
+        return (i not in only and (i + 1) % rules["decoder_sparse_step"] == 0
+                and i >= rules["first_k_dense_replace"] and i % rules["moe_layer_freq"] == 0)
+
+    label = types[0].lower() if len(set(types)) == 1 else "-".join(t.lower() for t in types)
+    name = name or f"{default_name or model}-{label}"
+    try:
+        return cls(tuple(spec if routed(i) else None for i in range(num_layers)), name=name)
+    except ValueError as exc:
+        raise LayoutFileError(f"{where}: {exc}") from None
+
+
+def _hf_types(config, quant, file: _File) -> tuple[str, str, str]:
+    """The GGUF type of gate, up and down: ``quant``, else the config's (see from_hf_config)."""
+    if isinstance(quant, Mapping):
+        if sorted(quant) != sorted(_PARTS):
+            raise ValueError(f"quant as a dict names gate, up and down, got {', '.join(map(str, quant))}")
+        return tuple(quant_type(quant[p]) for p in _PARTS)
+    if quant is not None:
+        return (quant_type(quant),) * 3
+    qconfig = config.get("quantization_config")
+    method = qconfig.get("quant_method") if isinstance(qconfig, Mapping) else None
+    if method == "mxfp4":
+        return ("MXFP4",) * 3
+    key = next((k for k in ("torch_dtype", "dtype") if config.get(k) is not None), None)
+    if key is None:
+        raise LayoutFileError(f"{file.where}: no 'torch_dtype' or 'dtype' key (the experts' type): give the type "
+                              "(quant=..., or --layout CONFIG.json:TYPE)")
+    try:
+        dtype = quant_type(config[key])
+    except (TypeError, ValueError) as exc:
+        raise file.fail(key, str(exc)) from None
+    if method is not None:
+        warnings.warn(f"{file.where}: the weights are stored as {method} (quantization_config) but the layout has "
+                      f"{dtype} sizes ({key}); give the stored type (quant=..., or --layout CONFIG.json:TYPE)",
+                      stacklevel=4)
+    return (dtype,) * 3
+
+
+# -- presets -----------------------------------------------------------------------------------
+
+# The config.json numbers of well-known MoE models that from_hf_config reads (the files' other
+# keys left out), each with its source. The presets give the type explicitly.
+_MODEL_CONFIGS = {
+    "mixtral-8x7b": (dict(model_type="mixtral", num_hidden_layers=32, num_local_experts=8, hidden_size=4096,
+                          intermediate_size=14336),
+                     "https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json"),
+    "qwen3-30b-a3b": (dict(model_type="qwen3_moe", num_hidden_layers=48, num_experts=128, hidden_size=2048,
+                           moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
+                      "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json"),
+    "olmoe-1b-7b": (dict(model_type="olmoe", num_hidden_layers=16, num_experts=64, hidden_size=2048,
+                         intermediate_size=1024),
+                    "https://huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json"),
+    "deepseek-v3": (dict(model_type="deepseek_v3", num_hidden_layers=61, n_routed_experts=256, hidden_size=7168,
+                         moe_intermediate_size=2048, first_k_dense_replace=3, moe_layer_freq=1),
+                    "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json"),
+    "gpt-oss-20b": (dict(model_type="gpt_oss", num_hidden_layers=24, num_local_experts=32, hidden_size=2880,
+                         intermediate_size=2880),
+                    "https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json"),
+}
+# Preset name -> (model, type of every expert matrix).
+_PRESETS = {
+    "mixtral-8x7b-q4k": ("mixtral-8x7b", "Q4_K"),
+    "qwen3-30b-a3b-bf16": ("qwen3-30b-a3b", "BF16"),
+    "olmoe-1b-7b-bf16": ("olmoe-1b-7b", "BF16"),
+    "deepseek-v3-q4k": ("deepseek-v3", "Q4_K"),
+    "gpt-oss-20b-mxfp4": ("gpt-oss-20b", "MXFP4"),
+}
+#: Every name :meth:`ModelLayout.preset` takes.
+PRESETS = ("q2", "q4", "mixed", "deepseek-v4-flash-q2", "deepseek-v4-flash-q4", "deepseek-v4-flash-mixed",
+           *_PRESETS)
+#: Where each preset's numbers come from.
+PRESET_SOURCES = {
+    **{n: "the antirez/ds4 engine's issue #503 and PR #504 (DeepSeek V4 Flash: 43 layers x 256 experts, "
+          "[2048, 4096] gate/up, [4096, 2048] down)" for n in PRESETS[:6]},
+    **{n: _MODEL_CONFIGS[model][1] for n, (model, _) in _PRESETS.items()},
+}

@@ -426,3 +426,145 @@ def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     assert asked["sizes"] == ["0.5 MiB"] and asked["sources"] == ["pinned", "pageable"]
     assert "119 %" in out and "50 %" in out
     assert re.search(r"host copy, 512 KiB pieces .*: 1 thread [0-9.]+, 4 threads [0-9.]+$", out.strip())
+
+
+# -- --layout: presets, layout files, Hugging Face configs, GGUF files --------------------------------
+
+from support import hf_configs  # noqa: E402
+
+EXAMPLE_LAYOUT = Path(PACKAGE_ROOT) / "examples" / "layouts" / "mixtral-8x7b-q4k.json"
+
+
+def test_layout_help_lists_every_preset_and_form():
+    from pyexpcache.layout import PRESETS
+
+    text = options.LAYOUT.kwargs["help"]
+    assert all(name in text for name in PRESETS)
+    assert all(form in text for form in ("layout file", "Hugging Face config.json", "GGUF file", "CONFIG.json:TYPE"))
+    assert "--layout NAME|FILE" in cli._parser()._subparsers._group_actions[0].choices["bench"].format_help()
+
+
+def test_layout_kind_decides_what_a_file_is(tmp_path):
+    hf = hf_configs.write(tmp_path, "Mixtral-8x7B-v0.1")
+    (tmp_path / "model.gguf").write_bytes(b"")
+    (tmp_path / "no-suffix").write_bytes(b"GGUF" + bytes(20))
+    assert options.layout_kind("mixtral-8x7b-q4k") == ("preset", "mixtral-8x7b-q4k", None)
+    assert options.layout_kind(str(EXAMPLE_LAYOUT)) == ("file", str(EXAMPLE_LAYOUT), None)
+    assert options.layout_kind(str(hf)) == ("hf", str(hf), None)
+    assert options.layout_kind(f"{hf}:Q4_K") == ("hf", str(hf), "Q4_K")
+    assert options.layout_kind(str(hf.parent)) == ("hf", str(hf), None)
+    assert options.layout_kind(str(tmp_path / "model.gguf"))[0] == "gguf"
+    assert options.layout_kind(str(tmp_path / "no-suffix"))[0] == "gguf"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: "mixtral", "mixtral: not a preset or a file; --layout takes a preset name, a layout file"),
+    (lambda d: f"{d}/missing.json", "missing.json: no such file; --layout takes"),
+    (lambda d: str(d), "a folder without a config.json"),
+    (lambda d: _write(d / "notes.txt", "hello"), "notes.txt: neither JSON nor a GGUF file; --layout takes"),
+    (lambda d: _write(d / "x.json", '{"a": 1}'),
+     'x.json: JSON without a "layers" list, "model_type" or "architectures"; --layout takes'),
+    (lambda d: _write(d / "l.json", EXAMPLE_LAYOUT.read_text()) + ":Q4_K",
+     "l.json:Q4_K: a :TYPE suffix applies to a Hugging Face config.json only"),
+])
+def test_a_layout_that_names_nothing_usable_lists_the_forms(capsys, tmp_path, make, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(FAST + ["--layout", make(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("expcache bench: error: argument --layout: ") and message in err, err
+
+
+def _write(path, text) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def _layout_given_to_the_bench(monkeypatch, capsys, argv):
+    """The layout and scale the run would have started with (the run itself stopped)."""
+    from pyexpcache import bench
+
+    seen = []
+
+    def stop(layout, **kw):
+        seen.append((layout, kw["scale"]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "Bench", stop)
+    rc, out, err, _ = run_main(capsys, FAST + argv)
+    assert rc == 130 and len(seen) == 1, err
+    return seen[0]
+
+
+def test_each_layout_form_reaches_the_bench(monkeypatch, capsys, tmp_path):
+    from pyexpcache import ModelLayout
+
+    mixtral = ModelLayout.preset("mixtral-8x7b-q4k")
+    layout, scale = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", "mixtral-8x7b-q4k"])
+    assert scale == 256 and layout == mixtral.scaled(256)
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(EXAMPLE_LAYOUT), "--scale", "16"])
+    assert layout == mixtral.scaled(16)
+    hf = hf_configs.write(tmp_path, "Mixtral-8x7B-v0.1")
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", f"{hf}:Q4_K", "--scale", "16"])
+    assert layout.layers == mixtral.scaled(16).layers and layout.name == "Mixtral-8x7B-v0.1-q4_k/16"
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(hf.parent), "--scale", "16"])
+    assert layout == ModelLayout.from_hf_config(hf).scaled(16)
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", "deepseek-v3-q4k", "--layers", "3-5",
+                                                                 "--scale", "16"])
+    assert layout.moe_layers == [3, 4, 5] and layout[3] == ModelLayout.preset("deepseek-v3-q4k", scale=16)[3]
+
+
+def test_a_gguf_files_layout(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("gguf")
+    from support.gguf_files import write_model
+
+    from pyexpcache.gguf import layout_from_gguf
+
+    model = write_model(tmp_path / "tiny.gguf", [None, {}, {}])
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(model), "--scale", "1"])
+    assert layout == layout_from_gguf(model)
+
+
+@pytest.mark.parametrize("contents, message", [
+    ({"layers": [{"experts": 0, "gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}]},
+     "layers[0].experts: must be 1..65536 (the library's limit), got 0"),
+    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [8, 100]}, "up_bytes": 1, "down_bytes": 1}]},
+     "layers[0].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights (in a [rows, cols] "
+     "matrix, cols is the row length)"),
+])
+def test_a_bad_layout_file_is_one_line_before_the_run(monkeypatch, capsys, tmp_path, contents, message):
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    path = _write(tmp_path / "bad.json", json.dumps(contents))
+    rc, out, err, _ = run_main(capsys, FAST + ["--layout", path])
+    assert rc == 2 and err.strip() == f"expcache bench: --layout {path}: {message}" and not out
+
+
+def test_a_hugging_face_config_without_a_key_is_one_line(monkeypatch, capsys, tmp_path):
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    config = {k: v for k, v in hf_configs.CONFIGS["gpt-oss-20b"].items() if k != "intermediate_size"}
+    path = hf_configs.write(tmp_path, "gpt-oss-20b", config)
+    rc, out, err, _ = run_main(capsys, FAST + ["--layout", str(path)])
+    assert rc == 2 and err.strip() == (
+        f"expcache bench: --layout {path}: no 'moe_intermediate_size' or 'intermediate_size' key (an expert's FFN "
+        "width) in this gpt_oss config; a layout file describes any model (docs/models.md)")
+
+
+def test_layout_with_gguf_is_refused(capsys, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    rc, out, err, _ = run_main(capsys, FAST + ["--gguf", str(model), "--layout", "q2"])
+    assert rc == 2 and "--layout cannot be combined with --gguf: the GGUF file gives the layout" in err
+
+
+def test_a_scale_that_does_not_divide_a_presets_parts_names_one_that_does(monkeypatch, capsys):
+    from pyexpcache import bench
+
+    monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
+    rc, out, err, _ = run_main(capsys, FAST + ["--layout", "gpt-oss-20b-mxfp4"])
+    assert rc == 2 and err.strip() == (
+        "expcache bench: --scale 256 (the default on the host backend): layer 0: part sizes (4406400, 4406400, "
+        "4406400) are not divisible by 256; use a power of two up to 128")

@@ -5,8 +5,12 @@ LayerSpecs or None, at most the library's number of layers."""
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,3 +76,339 @@ def test_a_list_of_layers_is_kept_as_a_tuple():
     assert layout.layers == (None, spec) and layout == ModelLayout((None, spec))
     with HostSource(layout) as src, ExpertCache(layout, src, budget_experts=2, backend="host", log_level=0) as cache:
         assert cache.select(1, [1]).shape == (1, 3)
+
+
+# -- matrix_bytes: every GGUF block type -----------------------------------------------------------
+
+from pyexpcache import LayoutFileError, matrix_bytes  # noqa: E402
+from pyexpcache import layout as layout_module  # noqa: E402
+from pyexpcache.layout import PRESET_SOURCES, PRESETS, quant_type, quant_types  # noqa: E402
+
+from support import hf_configs  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "layouts" / "mixtral-8x7b-q4k.json"
+MIXTRAL_PART = 14336 * 4096 // 256 * 144  # the issue's hand computation: 33,030,144 bytes
+
+
+@pytest.fixture
+def without_gguf(monkeypatch):
+    """The gguf package hidden: the built-in block table answers."""
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    monkeypatch.setitem(sys.modules, "gguf.constants", None)
+    layout_module._block_table.cache_clear()
+    yield
+    layout_module._block_table.cache_clear()
+
+
+def test_matrix_bytes_of_every_type_the_gguf_package_knows():
+    gguf = pytest.importorskip("gguf")
+    assert len(gguf.GGML_QUANT_SIZES) == len(quant_types())
+    for qtype, (block, size) in gguf.GGML_QUANT_SIZES.items():
+        assert quant_types()[qtype.name] == (block, size)
+        assert matrix_bytes(qtype.name, 3, 2 * block) == 3 * 2 * size, qtype.name
+
+
+def test_the_built_in_table_agrees_with_the_gguf_package():
+    gguf = pytest.importorskip("gguf")
+    known = {t.name: (int(b), int(s)) for t, (b, s) in gguf.GGML_QUANT_SIZES.items()}
+    for name, sizes in layout_module._BUILTIN_BLOCKS.items():
+        assert known[name] == sizes, name
+
+
+def test_without_the_gguf_package_the_built_in_table_answers(without_gguf):
+    assert quant_types() == layout_module._BUILTIN_BLOCKS
+    assert matrix_bytes("Q4_K", 14336, 4096) == MIXTRAL_PART
+    assert matrix_bytes("MXFP4", 2880, 2880) == 2880 * 2880 // 32 * 17
+    with pytest.raises(ValueError, match=r"unknown quant type 'TQ1_0': the known types \(the built-in table; pip "
+                                         r"install gguf for every type it knows\) are F32, F16, BF16, Q4_0"):
+        matrix_bytes("TQ1_0", 1, 256)
+
+
+def test_matrix_bytes_is_the_issues_mixtral_computation():
+    assert matrix_bytes("Q4_K", 14336, 4096) == MIXTRAL_PART == 33_030_144
+    assert matrix_bytes("Q4_K", 4096, 14336) == MIXTRAL_PART  # down: [hidden, ffn]
+
+
+@pytest.mark.parametrize("name, canonical", [("q4_k", "Q4_K"), (" Q6_K ", "Q6_K"), ("bf16", "BF16"),
+                                             ("bfloat16", "BF16"), ("torch.float16", "F16"), ("fp16", "F16"),
+                                             ("half", "F16"), ("float32", "F32"), ("fp32", "F32"),
+                                             ("mxfp4", "MXFP4")])
+def test_quant_type_takes_any_case_and_the_dtype_spellings(name, canonical):
+    assert quant_type(name) == canonical
+
+
+def test_matrix_bytes_errors_say_what_is_wrong():
+    with pytest.raises(ValueError, match=r"unknown quant type 'Q4K': the known types \(.*\) are F32, F16, .*Q4_K"):
+        matrix_bytes("Q4K", 1, 256)
+    with pytest.raises(ValueError, match=r"a row of 1408 weights is not a multiple of the Q4_K block of 256 "
+                                         r"weights \(in a \[rows, cols\] matrix, cols is the row length\)"):
+        matrix_bytes("Q4_K", 2048, 1408)
+    with pytest.raises(TypeError, match="rows must be an integer, got float 2.0"):
+        matrix_bytes("F16", 2.0, 32)
+    with pytest.raises(ValueError, match=r"cols must be in \[1, "):
+        matrix_bytes("F16", 2, 0)
+    with pytest.raises(TypeError, match="a quant type is a name such as 'Q4_K' or 'bf16', got int 12"):
+        matrix_bytes(12, 2, 32)
+
+
+# -- layout files -------------------------------------------------------------------------------------
+
+def test_the_mixtral_example_file_is_the_issues_numbers():
+    layout = ModelLayout.from_json(EXAMPLE)
+    assert layout.name == "mixtral-8x7b-q4k" and layout.num_layers == 32 and layout.moe_layers == list(range(32))
+    assert {s for s in layout.layers} == {LayerSpec(8, MIXTRAL_PART, MIXTRAL_PART, MIXTRAL_PART)}
+    assert layout.total_bytes == 32 * 8 * 3 * 14336 * 4096 // 256 * 144
+    assert layout == ModelLayout.preset("mixtral-8x7b-q4k")
+
+
+def test_the_plain_format_with_dense_layers():
+    layout = ModelLayout.from_json({"name": "tiny", "layers": [
+        None, {"experts": 4, "gate_bytes": 768, "up_bytes": 768, "down_bytes": 1024},
+        {"experts": 8, "gate_bytes": 512, "up_bytes": 512, "down_bytes": 512}]})
+    assert layout == ModelLayout((None, LayerSpec(4, 768, 768, 1024), LayerSpec(8, 512, 512, 512)), name="tiny")
+
+
+def test_a_type_is_taken_from_the_part_else_the_layer_else_the_file():
+    layout = ModelLayout.from_json({"type": "Q4_K", "layers": [
+        {"experts": 2, "gate": {"shape": [2, 256]}, "up": {"shape": [2, 256]}, "down": {"shape": [1, 512]}},
+        {"experts": 2, "dtype": "bf16", "gate": {"shape": [2, 256]}, "up": {"type": "Q8_0", "shape": [2, 256]},
+         "down_bytes": 99}]})
+    assert layout[0] == LayerSpec(2, 2 * 144, 2 * 144, 2 * 144)
+    assert layout[1] == LayerSpec(2, 2 * 256 * 2, 2 * 8 * 34, 99)
+
+
+def test_a_repeat_takes_one_layer_or_a_group():
+    moe = {"experts": 4, "gate_bytes": 10, "up_bytes": 10, "down_bytes": 20}
+    layout = ModelLayout.from_json({"name": "r", "layers": [
+        {"repeat": 2, "layer": None}, {"repeat": 3, "layers": [None, moe]}, moe]})
+    spec = LayerSpec(4, 10, 10, 20)
+    assert layout.layers == (None, None, None, spec, None, spec, None, spec, spec)
+
+
+def test_a_repeat_gives_its_type_to_its_layers():
+    layout = ModelLayout.from_json({"layers": [{"repeat": 2, "type": "F16", "layer": {
+        "experts": 1, "gate": {"shape": [1, 4]}, "up": {"shape": [1, 4]}, "down": {"shape": [4, 1]}}}]})
+    assert layout.layers == (LayerSpec(1, 8, 8, 8),) * 2
+
+
+def test_the_name_defaults_to_the_files(tmp_path):
+    path = tmp_path / "my-model.json"
+    path.write_text(json.dumps({"layers": [{"experts": 1, "gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}]}))
+    assert ModelLayout.from_json(path).name == "my-model"
+    assert ModelLayout.from_json(str(path)).name == "my-model"
+
+
+@pytest.mark.parametrize("layout", [
+    ModelLayout.preset("mixed"), ModelLayout.preset("deepseek-v3-q4k"), ModelLayout.preset("q2", scale=256),
+    ModelLayout((None, LayerSpec(4, 768, 768, 1024), None, None, LayerSpec(4, 768, 768, 1024),
+                 LayerSpec(4, 768, 768, 1024), LayerSpec(8, 1, 2, 3)), name="odd one"),
+], ids=lambda layout: layout.name)
+def test_to_json_round_trips_through_a_file(tmp_path, layout):
+    assert ModelLayout.from_json(layout.to_json()) == layout
+    path = tmp_path / "layout.json"
+    layout.write_json(path)
+    assert ModelLayout.from_json(path) == layout
+    assert json.loads(path.read_text()) == layout.to_json()
+
+
+def test_to_json_writes_a_run_of_equal_layers_once():
+    assert ModelLayout.preset("deepseek-v3-q4k").to_json() == {"name": "deepseek-v3-q4k", "layers": [
+        {"repeat": 3, "layer": None},
+        {"repeat": 58, "layer": {"experts": 256, "gate_bytes": 8257536, "up_bytes": 8257536, "down_bytes": 8257536}},
+    ]}
+
+
+def _bad(**layer):
+    return {"name": "bad", "layers": [dict({"experts": 8, "gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}, **layer)]}
+
+
+SHAPED = {"type": "Q4_K", "shape": [14336, 4096]}
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"name": "x"}, r"the layout: no \"layers\" list$"),
+    (hf_configs.CONFIGS["Mixtral-8x7B-v0.1"], r"no \"layers\" list: this looks like a Hugging Face config.json "
+                                              r"\(ModelLayout.from_hf_config reads it\)"),
+    ({"layers": [], "layer": 1}, r"top level: unknown key 'layer'; expected name, layers, type, dtype"),
+    ({"layers": {}}, r"layers: expected a list of layers, got \{\}"),
+    ({"layers": [None, None]}, r"layers: a layout needs at least one MoE layer"),
+    ({"name": 3, "layers": []}, r"name: expected a non-empty string, got 3"),
+    ({"layers": [{"gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}]}, r"layers\[0\]: no \"experts\""),
+    (_bad(experts=0), r"layers\[0\].experts: must be 1..65536 \(the library's limit\), got 0"),
+    (_bad(experts=8.0), r"layers\[0\].experts: expected a whole number, got 8.0"),
+    (_bad(experts="8"), r"layers\[0\].experts: expected a whole number, got \"8\""),
+    (_bad(down_bytes=True), r"layers\[0\].down_bytes: expected a whole number, got true"),
+    (_bad(expert=8), r"layers\[0\]: unknown key 'expert'; expected experts, type, dtype, gate, up, down"),
+    ({"layers": [{"experts": 8, "gate_bytes": 1, "up_bytes": 1}]},
+     r"layers\[0\]: no \"down_bytes\" \(or \"down\": \{\"type\": ..., \"shape\": \[rows, cols\]\}\)"),
+    (_bad(gate=SHAPED), r"layers\[0\]: give \"gate_bytes\" or \"gate\", not both"),
+    ({"layers": [{"experts": 8, "gate": {"shape": [1, 256]}, "up_bytes": 1, "down_bytes": 1}]},
+     r"layers\[0\].gate: no type: give \"type\" here, in the layer or at the top of the file"),
+    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [256]}, "up_bytes": 1, "down_bytes": 1}]},
+     r"layers\[0\].gate.shape: expected \[rows, cols\], got \[256\]"),
+    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shapes": [1, 256]}, "up_bytes": 1, "down_bytes": 1}]},
+     r"layers\[0\].gate: unknown key 'shapes'; expected type, dtype, shape"),
+    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [1, 100]}, "up_bytes": 1, "down_bytes": 1}]},
+     r"layers\[0\].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights"),
+    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [0, 256]}, "up_bytes": 1, "down_bytes": 1}]},
+     r"layers\[0\].gate.shape\[0\]: must be 1..1099511627776"),
+    ({"type": "Q4K", "layers": []}, r"top level.type: unknown quant type 'Q4K': the known types"),
+    ({"type": "F16", "dtype": "F16", "layers": []}, r"top level: give \"type\" or \"dtype\", not both"),
+    ({"layers": [{"repeat": 2, "layer": None, "layers": []}]},
+     r"layers\[0\]: a repeat takes \"layer\" \(one layer, or null\) or \"layers\""),
+    ({"layers": [{"repeat": 0, "layer": None}]}, r"layers\[0\].repeat: must be 1..4096"),
+    ({"layers": [{"repeat": 2, "layers": []}]}, r"layers\[0\].layers: an empty group"),
+    ({"layers": [{"repeat": 4096, "layers": [None, None]}]}, r"layers\[0\]: the layers pass the library's limit "
+                                                             r"of 4096"),
+    ({"layers": [{"repeat": 2, "layers": [_bad(experts=-1)["layers"][0]]}]},
+     r"layers\[0\].layers\[0\].experts: must be 1..65536"),
+])
+def test_a_bad_layout_names_the_entry(obj, message):
+    with pytest.raises(LayoutFileError, match=message):
+        ModelLayout.from_json(obj)
+
+
+def test_a_bad_file_is_named(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"layers": [')
+    with pytest.raises(LayoutFileError, match=rf"{re.escape(str(path))}: not JSON: "):
+        ModelLayout.from_json(path)
+    path.write_text(json.dumps(_bad(experts=0)))
+    with pytest.raises(LayoutFileError, match=rf"^{re.escape(str(path))}: layers\[0\].experts: must be 1..65536"):
+        ModelLayout.from_json(path)
+    with pytest.raises(FileNotFoundError):
+        ModelLayout.from_json(tmp_path / "missing.json")
+    path.write_text("[]")
+    with pytest.raises(LayoutFileError, match=r'broken.json: expected an object \{"name": ..., "layers": \[...\]\}, '
+                                              r"got \[\]"):
+        ModelLayout.from_json(path)
+    with pytest.raises(LayoutFileError, match=r"broken.json: expected a JSON object, got \[\]"):
+        ModelLayout.from_hf_config(path)
+
+
+def test_comments_are_allowed_anywhere():
+    layout = ModelLayout.from_json({"comment": "from somewhere", "type": "F16", "layers": [
+        {"comment": ["any", "value"], "experts": 1, "gate": {"comment": 1, "shape": [1, 1]}, "up_bytes": 2,
+         "down_bytes": 2}]})
+    assert layout.layers == (LayerSpec(1, 2, 2, 2),)
+
+
+# -- Hugging Face config.json -----------------------------------------------------------------------
+
+def _spec(experts, ffn, hidden, block, size):
+    part = ffn * hidden // block * size
+    return LayerSpec(experts, part, part, part)
+
+
+@pytest.mark.parametrize("model, layers, moe, spec", [
+    ("Mixtral-8x7B-v0.1", 32, range(32), _spec(8, 14336, 4096, 1, 2)),
+    ("Qwen1.5-MoE-A2.7B", 24, range(24), _spec(60, 1408, 2048, 1, 2)),
+    ("Qwen3-30B-A3B", 48, range(48), _spec(128, 768, 2048, 1, 2)),
+    ("OLMoE-1B-7B-0924", 16, range(16), _spec(64, 1024, 2048, 1, 4)),
+    ("DeepSeek-V3", 61, range(3, 61), _spec(256, 2048, 7168, 1, 2)),
+    ("gpt-oss-20b", 24, range(24), _spec(32, 2880, 2880, 32, 17)),
+])
+def test_a_hugging_face_config_gives_the_experts(tmp_path, model, layers, moe, spec):
+    path = hf_configs.write(tmp_path, model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layout = ModelLayout.from_hf_config(path)
+    assert layout.num_layers == layers and layout.moe_layers == list(moe)
+    assert {layout[i] for i in moe} == {spec}
+    # DeepSeek V3's weights are fp8: said, and the sizes are its torch_dtype's.
+    assert [str(w.message) for w in caught] == ([
+        f"{path}: the weights are stored as fp8 (quantization_config) but the layout has BF16 sizes (torch_dtype); "
+        "give the stored type (quant=..., or --layout CONFIG.json:TYPE)"] if model == "DeepSeek-V3" else [])
+    label = "mxfp4" if model == "gpt-oss-20b" else "f32" if model.startswith("OLMoE") else "bf16"
+    assert layout.name == f"{model}-{label}"
+
+
+def test_a_quant_type_overrides_the_configs():
+    config = hf_configs.CONFIGS["Mixtral-8x7B-v0.1"]
+    q4k = ModelLayout.from_hf_config(config, "q4_k")
+    assert q4k.layers == ModelLayout.preset("mixtral-8x7b-q4k").layers and q4k.name == "mixtral-q4_k"
+    mixed = ModelLayout.from_hf_config(config, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, name="m")
+    assert mixed.name == "m" and mixed[0] == LayerSpec(8, MIXTRAL_PART, MIXTRAL_PART, 4096 * 14336 // 256 * 210)
+    with pytest.raises(ValueError, match="quant as a dict names gate, up and down, got gate"):
+        ModelLayout.from_hf_config(config, {"gate": "Q4_K"})
+    with pytest.raises(ValueError, match="unknown quant type 'Q3'"):
+        ModelLayout.from_hf_config(config, "Q3")
+
+
+@pytest.mark.parametrize("preset, model", [("mixtral-8x7b-q4k", "Mixtral-8x7B-v0.1"),
+                                           ("qwen3-30b-a3b-bf16", "Qwen3-30B-A3B"),
+                                           ("olmoe-1b-7b-bf16", "OLMoE-1B-7B-0924"),
+                                           ("deepseek-v3-q4k", "DeepSeek-V3"),
+                                           ("gpt-oss-20b-mxfp4", "gpt-oss-20b")])
+def test_each_preset_is_its_models_config(preset, model):
+    quant = ModelLayout.preset(preset).name.rpartition("-")[2].replace("q4k", "Q4_K")
+    assert ModelLayout.preset(preset).layers == ModelLayout.from_hf_config(hf_configs.CONFIGS[model], quant).layers
+    assert ModelLayout.preset(preset).name == preset
+    assert PRESET_SOURCES[preset].startswith("https://huggingface.co/")
+
+
+def test_every_preset_has_a_source_and_an_unknown_one_lists_them():
+    assert set(PRESET_SOURCES) == set(PRESETS)
+    assert ModelLayout.preset("deepseek-v4-flash-mixed") == ModelLayout.preset("mixed")
+    with pytest.raises(ValueError, match=r"unknown preset 'mixtral': the presets are q2, q4, mixed, .*"
+                                         r"mixtral-8x7b-q4k, .*gpt-oss-20b-mxfp4"):
+        ModelLayout.preset("mixtral")
+
+
+def test_the_dense_layer_rules_of_each_family():
+    base = {"model_type": "x", "num_hidden_layers": 8, "num_experts": 4, "hidden_size": 32,
+            "intermediate_size": 32, "torch_dtype": "float16"}
+
+    def moe(**rules):
+        return ModelLayout.from_hf_config(dict(base, **rules)).moe_layers
+
+    assert moe() == list(range(8))
+    assert moe(decoder_sparse_step=2) == [1, 3, 5, 7]  # Qwen2-MoE: (i + 1) % step == 0
+    assert moe(mlp_only_layers=[0, 5]) == [1, 2, 3, 4, 6, 7]
+    assert moe(first_k_dense_replace=3) == [3, 4, 5, 6, 7]  # DeepSeek
+    assert moe(first_k_dense_replace=1, moe_layer_freq=2) == [2, 4, 6]
+    assert moe(decoder_sparse_step=1, mlp_only_layers=[], first_k_dense_replace=0, moe_layer_freq=1) == list(range(8))
+
+
+def test_a_config_under_text_config_is_read_there():
+    outer = {"model_type": "wrapper", "torch_dtype": "bfloat16",
+             "text_config": {k: v for k, v in hf_configs.CONFIGS["Qwen3-30B-A3B"].items() if k != "torch_dtype"}}
+    assert ModelLayout.from_hf_config(outer).layers == ModelLayout.preset("qwen3-30b-a3b-bf16").layers
+
+
+def test_the_dtype_key_of_newer_configs():
+    config = {k: v for k, v in hf_configs.CONFIGS["OLMoE-1B-7B-0924"].items() if k != "torch_dtype"}
+    assert ModelLayout.from_hf_config(dict(config, dtype="bfloat16")).layers == \
+        ModelLayout.preset("olmoe-1b-7b-bf16").layers
+
+
+def _without(model, *keys, **changes):
+    return dict({k: v for k, v in hf_configs.CONFIGS[model].items() if k not in keys}, **changes)
+
+
+@pytest.mark.parametrize("config, quant, message", [
+    (_without("Mixtral-8x7B-v0.1", "hidden_size"), None,
+     r"the config: no 'hidden_size' key \(the model width\) in this mixtral config; a layout file describes any "
+     r"model \(docs/models.md\)"),
+    (_without("Mixtral-8x7B-v0.1", "num_local_experts"), None,
+     r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' key \(the routed experts per layer\) in this "
+     r"mixtral config"),
+    (_without("Qwen3-30B-A3B", "moe_intermediate_size", "intermediate_size"), None,
+     r"no 'moe_intermediate_size' or 'intermediate_size' key \(an expert's FFN width\) in this qwen3_moe config"),
+    (_without("Qwen3-30B-A3B", "num_hidden_layers", "model_type"), None,
+     r"no 'num_hidden_layers' key \(the number of layers\) in this Qwen3MoeForCausalLM config"),
+    (_without("Qwen3-30B-A3B", num_experts=0), None, r"num_experts: 0 routed experts: not a mixture-of-experts"),
+    (_without("Qwen3-30B-A3B", hidden_size=2048.5), None, r"hidden_size: expected a whole number >= 1"),
+    (_without("Qwen3-30B-A3B", decoder_sparse_step=0), None, r"decoder_sparse_step: expected a whole number >= 1"),
+    (_without("Qwen3-30B-A3B", mlp_only_layers="0"), None, r"mlp_only_layers: expected a list of layer numbers"),
+    (_without("Qwen3-30B-A3B", "torch_dtype"), None,
+     r"no 'torch_dtype' or 'dtype' key \(the experts' type\): give the type \(quant=..., or --layout "
+     r"CONFIG.json:TYPE\)"),
+    (_without("Qwen3-30B-A3B", torch_dtype="int4"), None, r"torch_dtype: unknown quant type 'int4'"),
+    (hf_configs.CONFIGS["Qwen1.5-MoE-A2.7B"], "Q4_K",
+     r"experts of \[1408, 2048\] gate/up and \[2048, 1408\] down in Q4_K/Q4_K/Q4_K: a row of 1408 weights is not "
+     r"a multiple of the Q4_K block of 256 weights"),
+])
+def test_a_config_the_reader_cannot_use_names_the_key(config, quant, message):
+    with pytest.raises(LayoutFileError, match=message):
+        ModelLayout.from_hf_config(config, quant)

@@ -10,12 +10,14 @@ Help texts are plain text: they are read in a terminal.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import json
 import math
 import os
 from typing import Optional
 
-from ..layout import FIRST_ROUTED_LAYER, NUM_LAYERS
+from ..layout import FIRST_ROUTED_LAYER, NUM_LAYERS, PRESETS
 from .workload import DEFAULT_TRACES
 
 
@@ -83,14 +85,111 @@ def check_cache_setting(option: str, keyword: str, value: int) -> None:
             raise UsageError(f"{option}: {exc.message.removeprefix('expcache_create: ')}") from None
 
 
-def generated_layout(args, scale: int):
-    """The --layout preset at ``scale``, less the layers --layers leaves out."""
-    from ..layout import ModelLayout
+# -- --layout ---------------------------------------------------------------------------------
+
+LAYOUT_FORMS = ('a preset name, a layout file (.json with "layers"), a Hugging Face config.json or the model '
+                "folder holding it (CONFIG.json:TYPE for another type, e.g. config.json:Q4_K), or a GGUF file (.gguf)")
+
+
+def layout_kind(text: str) -> tuple[str, str, Optional[str]]:
+    """What --layout names, as (kind, preset name or path, type): kind ``"preset"``, ``"file"``
+    (a layout file: JSON with "layers"), ``"hf"`` (JSON with "model_type" or "architectures", or
+    a folder holding such a config.json; a ``:TYPE`` suffix gives its experts' type) or
+    ``"gguf"`` (a .gguf name or the GGUF magic). ValueError naming the forms otherwise."""
+    if text in PRESETS:
+        return "preset", text, None
+    path, quant = text, None
+    if not os.path.exists(text) and ":" in text and os.path.exists(text.rpartition(":")[0]):
+        path, _, quant = text.rpartition(":")
+    if not os.path.exists(path):
+        what = "no such file" if os.sep in text or text.endswith((".json", ".gguf")) else "not a preset or a file"
+        raise ValueError(f"{text}: {what}; --layout takes {LAYOUT_FORMS}; the presets are "
+                         f"{', '.join(PRESETS)}")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{path}: a folder without a config.json; --layout takes {LAYOUT_FORMS}")
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            gguf = head == b"GGUF" or path.endswith(".gguf")
+            # JSON is read whole (at most 64 MiB; a layout or a config is a few KiB), anything else not.
+            data = f.read(64 << 20) if not gguf and head.lstrip()[:1] in (b"{", b"") else b""
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
+    kind = "gguf" if gguf else None
+    if kind is None:
+        try:
+            obj = json.loads(head + data)
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        if isinstance(obj, dict) and "layers" in obj:
+            kind = "file"
+        elif isinstance(obj, dict) and ("model_type" in obj or "architectures" in obj):
+            kind = "hf"
+        else:
+            found = "JSON without a \"layers\" list, \"model_type\" or \"architectures\"" if obj is not None \
+                else "neither JSON nor a GGUF file"
+            raise ValueError(f"{path}: {found}; --layout takes {LAYOUT_FORMS}")
+    if quant is not None and kind != "hf":
+        raise ValueError(f"{text}: a :TYPE suffix applies to a Hugging Face config.json only; {path} is "
+                         f"{'a GGUF file' if kind == 'gguf' else 'a layout file, which gives its own types'}")
+    return kind, path, quant
+
+
+def layout_argument(text: str) -> str:
+    """--layout's type: the text, once :func:`layout_kind` knows what it names."""
+    try:
+        layout_kind(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+@functools.lru_cache(maxsize=8)
+def model_layout(text: str):
+    """The full-size layout --layout names (:func:`layout_kind`), read once per command (cached
+    by the text); UsageError naming the option and what is wrong with the file."""
+    from ..layout import LayoutFileError, ModelLayout
 
     try:
-        layout = ModelLayout.preset(args.layout, scale=scale)
+        kind, path, quant = layout_kind(text)
     except ValueError as exc:
-        raise UsageError(f"--scale {scale}: {exc}; use a power of two up to 65536, e.g. 256") from None
+        raise UsageError(f"--layout {exc}") from None
+    try:
+        if kind == "preset":
+            return ModelLayout.preset(path)
+        if kind == "file":
+            return ModelLayout.from_json(path)
+        if kind == "hf":
+            return ModelLayout.from_hf_config(path, quant)
+        need(has_module("gguf"), f"--layout {text}: a GGUF file's layout needs the gguf package", "gguf")
+        from ..gguf import layout_from_gguf
+
+        return layout_from_gguf(path)
+    except (LayoutFileError, ValueError, OSError) as exc:
+        message = str(exc).removeprefix(f"{path}: ")
+        raise UsageError(f"--layout {text}: {message}") from None
+
+
+def _power_of_two_dividing(layout) -> int:
+    """The largest power of two (at most 65536) that divides every part size of ``layout``."""
+    sizes = [b for s in layout.layers if s for b in s.class_key]
+    return min([1 << 16] + [b & -b for b in sizes])
+
+
+def generated_layout(args, scale: int):
+    """The --layout at ``scale``, less the layers --layers leaves out."""
+    from ..layout import ModelLayout
+
+    layout = model_layout(args.layout)
+    try:
+        layout = layout.scaled(scale) if scale != 1 else layout
+    except ValueError as exc:
+        most = _power_of_two_dividing(layout)
+        default = "" if getattr(args, "scale", None) else " (the default on the host backend)"
+        raise UsageError(f"--scale {scale}{default}: {exc}; use a power of two up to {most}"
+                         + (", e.g. 256" if most >= 256 else "")) from None
     if args.layers is None:
         return layout
     return ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
@@ -249,8 +348,11 @@ class Option:
         return f"Option({self.flags[0]})"
 
 
-LAYOUT = Option("--layout", default="mixed", choices=("q2", "q4", "mixed"),
-                help="DeepSeek V4 Flash expert layout (default: mixed q2-q4)")
+LAYOUT = Option("--layout", default="mixed", type=layout_argument, metavar="NAME|FILE",
+                help="the model's routed experts: a preset (" + ", ".join(PRESETS) + "; default mixed: DeepSeek V4 "
+                     "Flash q2-q4), a layout file (.json with a layers list: docs/models.md), a Hugging Face "
+                     "config.json (CONFIG.json:TYPE for another type, e.g. config.json:Q4_K) or a model folder "
+                     "holding one, or a GGUF file (its layout only; --gguf serves its bytes)")
 GGUF = Option("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's experts instead of a generated layout; "
               "its layers and experts must match the traces")
 GGUF_READS = Option("--gguf-reads", choices=("mmap", "file"), default="mmap",
