@@ -41,3 +41,36 @@ def assert_served(cache, source, layer, ids, ptrs):
             want = source.part(layer, int(e), part)
             assert (got == want).all(), f"layer {layer} expert {e} part {part} differs from the source"
 
+
+
+def device_ids(cache, ids, dtype="int64"):
+    """``ids`` where a device select reads them: a numpy array on the host backend, a CUDA tensor
+    (torch, else cupy) on the CUDA backend."""
+    import numpy as np
+
+    host = np.asarray(ids, dtype=dtype)
+    if cache.backend == "host":
+        return host
+    try:
+        import torch
+    except ImportError:
+        import cupy
+
+        return cupy.asarray(host)
+    return torch.from_numpy(host).to("cuda")
+
+
+def to_numpy(array):
+    """A device select's ids or slots, back on the host."""
+    import numpy as np
+
+    if hasattr(array, "get"):  # cupy
+        return array.get()
+    if hasattr(array, "cpu"):  # torch
+        return array.cpu().numpy()
+    return np.asarray(array)
+
+
+def bank_rows(bank, slots):
+    """[n, 3] addresses (gate, up, down) of ``slots`` in ``bank``, as select returns for experts."""
+    return [[part.ptr + int(s) * bank.slot_stride for part in bank.parts] for s in slots]

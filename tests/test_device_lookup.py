@@ -1,0 +1,296 @@
+"""The device-side lookup (``ExpertCache(lookup="device")``): slot banks, ``select_device``, and
+every other call on the same cache in any order, on each backend. Device selects are LRU, so
+these tests pin the policy. Ids live where the backend's device does: numpy arrays on the host
+backend, CUDA tensors on the CUDA backend (support.cache.device_ids)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from pyexpcache import (
+    ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, ModelLayout, UnsupportedError, _lib, testing,
+)
+from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
+
+
+
+@pytest.fixture
+def policy() -> str:
+    return "lru"  # a device-lookup cache evicts by LRU (make_cache passes it)
+
+
+def _layout():
+    return ModelLayout.preset("q2", scale=SCALE)
+
+
+def _cache(make_cache, experts=6, **kw):
+    kw.setdefault("budget_experts", experts)
+    return make_cache(_layout(), lookup="device", **kw)
+
+
+def _select(cache, layer, ids, **kw):
+    return to_numpy(cache.select_device(layer, device_ids(cache, ids), **kw))
+
+
+def _device(cache):
+    return cache.stats().classes[0].paths["device"]
+
+
+def test_bank_is_the_class_whole_and_fixed(make_cache):
+    cache, _ = _cache(make_cache, experts=6)
+    layer = cache.layout.moe_layers[0]
+    bank = cache.bank(layer)
+    assert bank.cap == 6
+    assert bank.gate.shape[0] == bank.up.shape[0] == bank.down.shape[0] == 6
+    info = cache.classes()[0]
+    assert info.allocated_experts == info.cap_experts == 6  # reserved whole when bound
+    spec = cache.layout[layer]
+    assert bank.gate.shape[1:] == (spec.gate_bytes,)
+    assert bank.slot_stride == info.slot_bytes
+    base = bank.gate.ptr
+    _select(cache, layer, [1, 2, 3])
+    cache.release_all()
+    assert cache.bank(layer).gate.ptr == base  # emptied, never moved
+    assert cache.classes()[0].resident_experts == 0
+
+
+def test_slots_hold_the_source_bytes(make_cache):
+    cache, source = _cache(make_cache, experts=8)
+    layer = cache.layout.moe_layers[1]
+    ids = [4, 9, 4, 0, 17, 9]
+    slots = _select(cache, layer, ids)
+    assert slots.dtype == np.int32 and slots.shape == (6,)
+    assert slots[0] == slots[2] and slots[1] == slots[5]
+    assert len({int(s) for s in slots}) == 4 and all(0 <= s < 8 for s in slots)
+    assert_served(cache, source, layer, ids, bank_rows(cache.bank(layer), slots))
+    d = _device(cache)
+    assert (d.calls, d.hits, d.misses, d.appends, d.evictions) == (1, 0, 4, 4, 0)
+    assert d.bytes_h2d == 4 * cache.layout[layer].expert_bytes
+    slots2 = _select(cache, layer, [9, 4])
+    assert list(slots2) == [slots[1], slots[0]]
+    assert _device(cache).hits == 2
+
+
+def test_rows_are_one_step(make_cache):
+    """[n, k] ids: the distinct experts of all rows copied once and protected together (the bank
+    must have n*k slots it may fill: the host cannot count the distinct ids it never sees)."""
+    cache, source = _cache(make_cache, experts=6)
+    layer = cache.layout.moe_layers[0]
+    ids = np.array([[1, 2], [2, 3], [4, 1]])
+    slots = _select(cache, layer, ids)
+    assert slots.shape == (3, 2)
+    assert len(set(slots.ravel().tolist())) == 4
+    assert _device(cache).misses == 4
+    assert_served(cache, source, layer, ids.ravel(), bank_rows(cache.bank(layer), slots.ravel()))
+
+
+def test_lru_victims_and_int32_ids(make_cache):
+    cache, source = _cache(make_cache, experts=3)
+    layer = cache.layout.moe_layers[0]
+    _select(cache, layer, [1, 2, 3])
+    _select(cache, layer, [1])          # 2 is now the least recently used
+    _select(cache, layer, np.array([7], dtype=np.int32))
+    assert testing.read_expert(cache, layer, 2) is None
+    for e in (1, 3, 7):
+        assert testing.read_expert(cache, layer, e) is not None
+    assert _device(cache).evictions == 1
+
+
+def test_host_and_device_selects_share_one_lru(make_cache):
+    """A host select sees the device selects' residency and recency, and the other way round:
+    both evict the least recently used expert over the calls of both kinds."""
+    cache, source = _cache(make_cache, experts=3)
+    layer = cache.layout.moe_layers[0]
+    _select(cache, layer, [1, 2])
+    cache.select(layer, [3, 1])            # 1 hit; 3 a miss; LRU order now 2, 3, 1
+    assert cache.stats().classes[0].paths["decode"].hits == 1
+    slots = _select(cache, layer, [5])     # evicts 2
+    assert testing.read_expert(cache, layer, 2) is None
+    ptrs = cache.select(layer, [5, 3])     # both hits, served from the device select's slot
+    assert cache.stats().classes[0].paths["decode"].hits == 3
+    assert int(ptrs[0][0]) == bank_rows(cache.bank(layer), slots)[0][0]
+    assert_served(cache, source, layer, [5, 3], ptrs)
+    cache.select(layer, [8])               # evicts 1 (2 is gone; order was 1, 5, 3)
+    assert testing.read_expert(cache, layer, 1) is None
+    assert _select(cache, layer, [3]).shape == (1,)
+    assert _device(cache).hits == 1
+
+
+def test_batches_pin_their_slots(make_cache):
+    cache, source = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[0]
+    with cache.prepare_batch(layer, np.array([[1, 2], [2, 3]])) as batch:
+        assert cache.classes()[0].held_experts == 3
+        slots = _select(cache, layer, [6])          # the one free slot
+        with pytest.raises(InvalidArgumentError, match="held by batches"):
+            _select(cache, layer, [7, 8])           # 2 ids, 1 slot it may fill
+        _select(cache, layer, [9])                  # evicts 6, never a held slot
+        for e in (1, 2, 3):
+            assert testing.read_expert(cache, layer, e) is not None
+        assert testing.read_expert(cache, layer, 6) is None
+        assert_served(cache, source, layer, [1, 2, 3], batch.pointers)
+    _select(cache, layer, [10, 11])
+    assert cache.classes()[0].held_experts == 0
+    assert slots.shape == (1,)
+
+
+def test_compact_and_views_after_device_selects(make_cache):
+    cache, source = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[2]
+    _select(cache, layer, [3, 4])
+    buf = cache.load_compact(layer, [4, 5, 3])
+    assert_served(cache, source, layer, [4, 5, 3], buf.pointers())
+    assert cache.stats().classes[0].paths["compact"].hits == 2
+    views = cache.select_views(layer, [3])
+    assert views[0].gate.ptr == bank_rows(cache.bank(layer), _select(cache, layer, [3]))[0][0]
+
+
+def test_release_all_then_misses_again(make_cache):
+    cache, source = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[0]
+    _select(cache, layer, [1, 2])
+    cache.release_all()
+    slots = _select(cache, layer, [1, 2])
+    assert _device(cache).misses == 4
+    assert_served(cache, source, layer, [1, 2], bank_rows(cache.bank(layer), slots))
+
+
+def test_reset_stats_zeroes_the_device_counters(make_cache):
+    cache, _ = _cache(make_cache)
+    layer = cache.layout.moe_layers[0]
+    _select(cache, layer, [1, 2])
+    cache.reset_stats()
+    assert _device(cache).calls == 0
+    _select(cache, layer, [1])
+    d = _device(cache)
+    assert (d.calls, d.hits, d.misses) == (1, 1, 0)
+
+
+def test_id_out_of_range_is_reported_once(make_cache):
+    cache, _ = _cache(make_cache)
+    layer = cache.layout.moe_layers[0]
+    n = cache.layout[layer].num_experts
+    slots = _select(cache, layer, [1, n + 3, 2])
+    assert slots[1] == -1 and slots[0] >= 0 and slots[2] >= 0
+    with pytest.raises(InvalidArgumentError, match=f"expert id {n + 3} \\(index 1\\) out of range"):
+        cache.stats()
+    cache.stats()  # reported once
+    assert _select(cache, layer, [-1])[0] == -1
+    with pytest.raises(InvalidArgumentError, match="expert id -1"):
+        cache.select(layer, [1])
+
+
+def test_argument_errors(make_cache):
+    cache, _ = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[0]
+    ids = device_ids(cache, [1, 2])
+    with pytest.raises(TypeError, match="int32 or int64"):
+        cache.select_device(layer, device_ids(cache, [1.0, 2.0], dtype="float32"))
+    with pytest.raises(ValueError, match="1-D \\[k\\] or 2-D"):
+        cache.select_device(layer, device_ids(cache, np.zeros((1, 1, 2))))
+    with pytest.raises(ValueError, match="out must be int32"):
+        cache.select_device(layer, ids, out=device_ids(cache, [0, 0], dtype="int64"))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cache.select_device(layer, device_ids(cache, np.zeros((2, 4)))[:, ::2])
+    with pytest.raises(InvalidArgumentError, match="needs as many slots"):
+        cache.select_device(layer, device_ids(cache, [1, 2, 3, 4, 5]))
+    with pytest.raises(InvalidArgumentError, match="n\\*k must be 1..1024"):
+        cache.select_device(layer, device_ids(cache, np.zeros((2, 600))))
+    dense = next((i for i, s in enumerate(cache.layout.layers) if s is None), None)
+    if dense is not None:
+        with pytest.raises(ValueError, match="no routed experts"):
+            cache.select_device(dense, ids)
+    with pytest.raises(UnsupportedError, match="prefetch is not available on a device-lookup cache"):
+        cache.prefetch(layer, [1])
+    with pytest.raises(UnsupportedError, match="hint is not available"):
+        cache.hint(layer, [1])
+
+
+def test_out_is_filled(make_cache):
+    cache, _ = _cache(make_cache)
+    layer = cache.layout.moe_layers[0]
+    out = device_ids(cache, [[-5, -5], [-5, -5]], dtype="int32")
+    got = cache.select_device(layer, device_ids(cache, [[1, 2], [3, 1]]), out=out)
+    assert got is out
+    s = to_numpy(out)
+    assert s[0, 0] == s[1, 1] and (s >= 0).all()
+
+
+def test_host_lookup_cache_refuses(make_cache):
+    cache, _ = make_cache(_layout(), budget_experts=4)
+    layer = cache.layout.moe_layers[0]
+    with pytest.raises(InvalidStateError, match="needs a device-lookup cache"):
+        cache.select_device(layer, device_ids(cache, [1]))
+    with pytest.raises(InvalidStateError, match="banks belong to device-lookup caches"):
+        cache.bank(layer)
+
+
+def test_lookup_argument_checked(backend):
+    layout = _layout()
+    with HostSource(layout) as source:
+        with pytest.raises(ValueError, match="lookup must be one of"):
+            ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="gpu")
+        with pytest.raises(ValueError, match="evicts by LRU"):
+            ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", policy="oppclass")
+        with ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0) as cache:
+            assert cache.policy == "lru" and cache.lookup == "device"
+
+
+def test_c_config_refuses_a_device_lookup_with_another_policy():
+    lib = _lib.lib
+    cfg = _lib.Config()
+    lib.expcache_config_init(ctypes.byref(cfg))
+    cfg.num_layers, cfg.budget_experts, cfg.backend = 4, 4, _lib.BACKEND_HOST
+    cfg.lookup = _lib.LOOKUP_DEVICE
+    handle = _lib.CachePtr()
+    with pytest.raises(InvalidArgumentError, match="set policy to lru"):
+        lib.expcache_create(ctypes.byref(cfg), ctypes.byref(handle))
+    cfg.lookup = 2
+    with pytest.raises(InvalidArgumentError, match="unknown lookup 2"):
+        lib.expcache_create(ctypes.byref(cfg), ctypes.byref(handle))
+
+
+def test_no_class_reuse_on_a_device_lookup_cache(make_cache):
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    cache, _ = make_cache(layout, budget_experts=4, lookup="device", max_classes=1)
+    first, second = [next(i for i in layout.moe_layers if layout[i].class_key == key) for key in layout.classes()]
+    _select(cache, first, [1])
+    with pytest.raises(InvalidStateError, match="never reuses a class"):
+        _select(cache, second, [1])
+    assert _select(cache, first, [1])[0] >= 0  # the first class is intact
+
+
+def test_bank_views_outlive_the_cache(make_cache):
+    cache, source = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[0]
+    slot = int(_select(cache, layer, [5])[0])
+    bank = cache.bank(layer, dtype=np.uint8)
+    want = source.part(layer, 5, 0)
+    if cache.backend == "host":
+        gate = np.asarray(bank.gate)
+        assert gate.strides == (bank.slot_stride, 1)
+        cache.close()
+        assert (gate[slot] == want).all()  # the bank's memory lives while the array does
+    else:
+        import torch
+
+        gate = torch.from_dlpack(bank.gate)
+        assert gate.stride() == (bank.slot_stride, 1)
+        assert (gate[slot].cpu().numpy() == want).all()
+        cache.close()
+        torch.cuda.synchronize()
+        assert (gate[slot].cpu().numpy() == want).all()
+
+
+def test_bank_shapes_and_dtype(make_cache):
+    cache, source = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[0]
+    spec = cache.layout[layer]
+    shapes = [(2, spec.gate_bytes // 4), (spec.up_bytes // 2,), (1, spec.down_bytes // 2)]
+    bank = cache.bank(layer, dtype="uint16", shapes=shapes)
+    assert bank.gate.shape == (4, 2, spec.gate_bytes // 4)
+    assert bank.gate.strides == (bank.slot_stride, spec.gate_bytes // 2, 2)
+    assert bank.down.shape == (4, 1, spec.down_bytes // 2)
