@@ -350,8 +350,8 @@ def read_trace(path: PathLike, *, num_experts: Optional[int] = None, name: Optio
             with _open_text(path, gz) as fh:
                 (_read_jsonl if fmt == "jsonl" else _read_csv)(cols, fh)
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text ({exc.reason}){'; is it gzip data without .gz?' if not gz else ''}"
-                             ) from None
+            hint = "" if gz else "; is it gzip data without .gz in its name?"
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason}){hint}") from None
         except csv.Error as exc:
             raise ValueError(f"{path}: not CSV ({' '.join(str(exc).split())})") from None
         except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
