@@ -323,8 +323,8 @@ QUIET = Option("--quiet", action="store_true", help="no progress bar or notices"
 
 #: The options of every mode that runs on a Bench: its layout, source, backend, budget and
 #: cache settings, and the traces it replays.
-BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, BUDGET, BUDGET_FRACTION, RESERVE, BACKEND, DEVICE, SOURCE, PLACEMENT, LAYERS, SCALE,
-         COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
+BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, BUDGET, BUDGET_FRACTION, RESERVE, BACKEND, DEVICE, SOURCE, PLACEMENT,
+         LAYERS, SCALE, COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
 #: What every mode writes: --json, and --quiet for the progress bar.
 OUTPUT = (JSON, QUIET)
 #: The options that are output files, opened before a run (the mode finds them in ``args.outputs``).

@@ -3,8 +3,8 @@ batches between them, conversation turns), in the form the C replay loop takes."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import os
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
