@@ -169,6 +169,8 @@ def _check_shared(args) -> None:
     """What the shared options (a Bench's, the traces) need, checked before anything is allocated
     or run; only those the command line has."""
     taken = args.taken
+    if options.BUDGET_FRACTION in taken:
+        options.check_budget(args)
     if (options.BACKEND in taken and args.backend == "cuda") or (options.SOURCE in taken and args.source == "pinned"):
         options.need(options.has_cuda_python(), f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} "
                      "needs cuda-python", "cuda")
@@ -198,10 +200,20 @@ def _check_shared(args) -> None:
 
 
 def _check_traces(args) -> None:
-    """Every trace readable (one-line errors name the file), and some of --layers traced."""
-    from . import bench
+    """Every trace loaded, once: one-line errors name the file, and a trace with (token, layer)
+    records missing gives its one notice here. Each checked against the generated layout (--layout;
+    a GGUF model's when the run opens it), and some of --layers traced. ``args.traces`` becomes the
+    loaded traces, which the mode replays."""
+    from .bench.workload import decode_trace
+    from .traces import check_layout
 
-    routed = sorted({call.layer for call in bench.build_workload("decode", args.traces).calls})
+    loaded = [decode_trace(t) for t in args.traces]
+    routed = sorted({layer for trace in loaded for layer in trace.routed_layers})
+    if options.LAYOUT in args.taken and not getattr(args, "gguf", None):
+        layout = options.generated_layout(args, 1)  # the experts' counts: the sizes do not matter here
+        for trace in loaded:
+            check_layout(trace, layout, args.layers)
+    args.traces = loaded
     if args.layers is not None and not set(args.layers) & set(routed):
         untraced = (f" (layers 0-{FIRST_ROUTED_LAYER - 1} of DeepSeek V4 Flash are hash-routed: no trace has them)"
                     if min(args.layers) < FIRST_ROUTED_LAYER else "")
@@ -225,8 +237,8 @@ def _check_bench_memory(args, mode, backend: str, scale: int) -> None:
     available = options.host_memory_available()
 
     def need(s: int) -> int:
-        return _bench_host_bytes(args, mode, options.generated_layout(args, s), backend,
-                                 int(args.budget_gib * GiB / s))
+        layout = options.generated_layout(args, s)
+        return _bench_host_bytes(args, mode, layout, backend, options.budget_bytes(args, layout, s))
 
     if available is None or need(scale) <= available:
         return
@@ -276,7 +288,7 @@ def _open_bench(args, mode):
     if backend == "host":
         print("no GPU in use: running on the host backend (hit rates exact, times host-emulated, "
               f"expert sizes / {scale})", file=sys.stderr)
-    return bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=int(args.budget_gib * GiB / scale),
+    return bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=options.budget_bytes(args, layout, scale),
                        reserve_bytes=reserve, progress=bench.Progress(False if args.quiet else None),
                        device=args.device, source=source, placement=args.placement,
                        layer_sync=not getattr(args, "no_layer_sync", False),

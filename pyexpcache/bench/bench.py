@@ -24,6 +24,23 @@ from .report import made_by
 from .workload import Workload
 
 HOST_SCALE = 256  # host backend: expert sizes / 256, same slot counts
+DEFAULT_BUDGET_BYTES = 12 * GiB
+
+
+def resolve_budget(layout: ModelLayout, budget_bytes: Optional[int] = None,
+                   budget_fraction: Optional[float] = None) -> int:
+    """The cache budget in bytes: ``budget_bytes``, or ``budget_fraction`` (0 < F <= 1) of the bytes
+    of every expert of ``layout`` (:attr:`~pyexpcache.ModelLayout.total_bytes`, rounded down), or
+    :data:`DEFAULT_BUDGET_BYTES` when neither is given. ValueError for both, or a fraction outside
+    (0, 1]."""
+    if budget_fraction is None:
+        return DEFAULT_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    if budget_bytes is not None:
+        raise ValueError("give budget_bytes or budget_fraction, not both")
+    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
+            or not 0 < budget_fraction <= 1:
+        raise ValueError(f"budget_fraction must be a number in (0, 1], got {budget_fraction!r}")
+    return int(budget_fraction * layout.total_bytes)
 
 
 @contextlib.contextmanager
@@ -129,10 +146,12 @@ class Bench:
 
     def report_header(self) -> dict:
         """The :class:`~pyexpcache.bench.report.Report` fields the bench fills for every mode: where
-        it runs, on what layout, source and budget, and the version, library and commit."""
+        it runs, on what layout, source and budget (in bytes and as a fraction of the layout's
+        experts' bytes), and the version, library and commit."""
         return dict(backend="cuda" if self.is_cuda else "host", device=self.device_name(), layout=self.layout.name,
                     source="pinned" if self.pinned else "pageable", placement=self.placement,
-                    budget_bytes=self.budget_bytes, host_scale=self.scale, **made_by())
+                    budget_bytes=self.budget_bytes, budget_fraction=self.budget_bytes / self.layout.total_bytes,
+                    host_scale=self.scale, **made_by())
 
     # -- the link ----------------------------------------------------------------
     @property

@@ -212,6 +212,18 @@ def gib(option: str, minimum_exclusive: bool):
     return parse
 
 
+def fraction(option: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= 1:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{option} must be a number F with 0 < F <= 1, got {text!r}")
+        return value
+    return parse
+
+
 def whole(minimum: int):
     def parse(text: str) -> int:
         try:
@@ -358,11 +370,24 @@ GGUF = Option("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's expe
 GGUF_READS = Option("--gguf-reads", choices=("mmap", "file"), default="mmap",
                     help="with --gguf: copy misses from a mapping of the file (pageable) or read them from the file "
                          "(pread; see --file-reads)")
-TRACES = Option("--traces", type=csv(None), default=list(DEFAULT_TRACES),
-                help="comma list of bundled decode traces, CSV paths, or synthetic:TOKENS[:SEED] "
-                     "(default: the seven bundled traces)")
-BUDGET = Option("--budget-gib", type=gib("--budget-gib", True), default=12.0,
-                help="expert cache budget in GiB (default 12)")
+class _Flatten(argparse.Action):
+    """nargs="+" of values that are lists (a comma list each): one list of their items."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [item for value in values for item in value])
+
+
+TRACES = Option("--traces", type=csv(None), nargs="+", action=_Flatten, default=list(DEFAULT_TRACES),
+                metavar="TRACE",
+                help="the decode traces, several after --traces or in a comma list: routing-trace files of any model "
+                     "in the generic format (*.jsonl, *.csv or *.npz, each optionally .gz: docs/traces.md), bundled "
+                     "traces by name, route-CSV paths (*.route.csv), or synthetic:TOKENS[:SEED] (default: the seven "
+                     "bundled traces)")
+BUDGET = Option("--budget-gib", type=gib("--budget-gib", True), default=None,
+                help="expert cache budget in GiB (default 12, unless --budget-fraction)")
+BUDGET_FRACTION = Option("--budget-fraction", type=fraction("--budget-fraction"), default=None, metavar="F",
+                         help="expert cache budget as a fraction F of the bytes of every expert of the layout, "
+                              "0 < F <= 1 (instead of --budget-gib)")
 RESERVE = Option("--reserve-gib", type=gib("--reserve-gib", False), default=None,
                  help="device memory kept free (default 1 GiB)")
 BACKEND = Option("--backend", default="auto", choices=("auto", "host", "cuda"),
@@ -400,8 +425,8 @@ QUIET = Option("--quiet", action="store_true", help="no progress bar or notices"
 
 #: The options of every mode that runs on a Bench: its layout, source, backend, budget and
 #: cache settings, and the traces it replays.
-BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, BUDGET, RESERVE, BACKEND, DEVICE, SOURCE, PLACEMENT, LAYERS, SCALE,
-         COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
+BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, BUDGET, BUDGET_FRACTION, RESERVE, BACKEND, DEVICE, SOURCE, PLACEMENT,
+         LAYERS, SCALE, COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
 #: What every mode writes: --json, and --quiet for the progress bar.
 OUTPUT = (JSON, QUIET)
 #: The options that are output files, opened before a run (the mode finds them in ``args.outputs``).
@@ -410,6 +435,23 @@ FILES = (JSON, PLOT)
 # The bench options that are ExpertCache settings: (option, ExpertCache keyword).
 CACHE_SETTINGS = ((COPY_THREADS, "copy_threads"), (STAGING_CHUNK, "staging_chunk_bytes"),
                   (PREFETCH_PIECE, "prefetch_piece_bytes"))
+
+
+def check_budget(args) -> None:
+    """UsageError when both --budget-gib and --budget-fraction are given."""
+    if getattr(args, "budget_gib", None) is not None and getattr(args, "budget_fraction", None) is not None:
+        raise UsageError("--budget-gib and --budget-fraction are mutually exclusive: give one")
+
+
+def budget_bytes(args, layout, scale: int) -> int:
+    """The cache budget the options give for ``layout`` (its sizes already divided by ``scale``):
+    --budget-fraction of its experts' bytes, or --budget-gib (default 12) divided by ``scale``."""
+    check_budget(args)
+    if args.budget_fraction is not None:
+        from .bench import resolve_budget
+
+        return resolve_budget(layout, budget_fraction=args.budget_fraction)
+    return int((12.0 if args.budget_gib is None else args.budget_gib) * (1 << 30) / scale)
 
 
 def cache_options(args) -> dict:

@@ -23,6 +23,7 @@ class Report:
     source: Optional[str] = None          # "pinned" or "pageable" host memory
     placement: Optional[str] = None       # where an expert's parts lie in the source
     budget_bytes: Optional[int] = None    # the cache budget (per device where there are several)
+    budget_fraction: Optional[float] = None  # budget_bytes over the bytes of every expert of the layout
     host_scale: int = 1                   # expert sizes and the budget divided by this
     traces: list[str] = field(default_factory=list)
     link_bytes_per_s: Optional[float] = None  # the link measured in the run (pyexpcache.bench.link)
@@ -96,7 +97,10 @@ def header_lines(report: Report) -> list[str]:
     if report.source:
         what.append(f"{report.source} source" + (f" ({report.placement} placement)" if report.placement else ""))
     if report.budget_bytes is not None:
-        what.append(f"budget {report.budget_bytes / GiB:.2f} GiB"
+        gib = report.budget_bytes / GiB
+        what.append((f"budget {gib:.2f} GiB" if gib >= 1 else f"budget {gib:.3g} GiB")
+                    + (f" = {100 * report.budget_fraction:.1f} % of the experts' bytes"
+                       if report.budget_fraction is not None else "")
                     + (f" (sizes and budget / {report.host_scale}, same slot counts)" if report.host_scale != 1
                        else ""))
     if what:

@@ -3,13 +3,16 @@ batches between them, conversation turns), in the form the C replay loop takes."
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from ..sim import BATCH, DECODE, Call
-from ..traces import list_traces, load_decode_trace, load_prefill_trace, synthetic_trace
+from ..traces import Trace, list_traces, load_decode_trace, load_prefill_trace, read_trace, synthetic_trace
+from ..traces.bundled import is_route_csv
+from ..traces.generic import is_generic_path
 
 SCENARIOS = ("decode", "prefill", "turns")
 DEFAULT_TRACES = ("podA_a_coffee_full", "podA_b2_json_long_full", "podA_c_python_full", "podA_b_json_full",
@@ -44,11 +47,14 @@ class Workload:
 
 
 def _decode_calls(trace, layers: Optional[set]) -> list[Call]:
+    """A call per (token, layer) record of ``trace``, token-major: a missing record makes none."""
     out = []
+    ids = trace.ids.tolist()
+    present = trace.present.tolist()
     for t in range(trace.num_tokens):
         for i, layer in enumerate(trace.layers):
-            if layers is None or layer in layers:
-                out.append(Call(DECODE, layer, tuple(trace.ids[t, i].tolist())))
+            if present[t][i] and (layers is None or layer in layers):
+                out.append(Call(DECODE, layer, tuple(ids[t][i])))
     return out
 
 
@@ -57,9 +63,28 @@ def _prefill_calls(prompt, layers: Optional[set]) -> list[Call]:
             for layer in range(prompt.num_layers) if layers is None or layer in layers]
 
 
-def decode_trace(name: str):
-    """A bundled trace, a CSV path, or ``synthetic:TOKENS[:SEED]`` (fitted to the real traces'
-    locality: per-layer popularity skew plus reuse of the previous token's experts)."""
+TraceSpec = Union[str, "os.PathLike[str]", Trace]
+
+
+def trace_label(trace: TraceSpec) -> str:
+    """How a report names a trace: a loaded trace's name, else what was given."""
+    return trace.name if isinstance(trace, Trace) else str(trace)
+
+
+def decode_trace(name: TraceSpec) -> Trace:
+    """A loaded :class:`~pyexpcache.traces.Trace` (returned as is); a generic routing-trace file
+    (``*.jsonl``, ``*.csv``, ``*.npz``, each optionally ``.gz``: :func:`~pyexpcache.traces.read_trace`);
+    a bundled trace or a route-CSV path (``*.route.csv``, or a ``*.csv`` starting with that format's
+    header); or ``synthetic:TOKENS[:SEED]`` (fitted to the real traces' locality: per-layer
+    popularity skew plus reuse of the previous token's experts)."""
+    if isinstance(name, Trace):
+        return name
+    if is_generic_path(name) and not is_route_csv(name):
+        return read_trace(name)
+    if isinstance(name, os.PathLike):
+        return load_decode_trace(name)
+    if not isinstance(name, str):
+        raise TypeError(f"a trace is a Trace, a file path or a bundled trace's name, got {type(name).__name__}")
     if name.startswith("synthetic:"):
         fields = name.split(":")
         try:
@@ -81,9 +106,10 @@ def decode_workload(traces, layers: Optional[Sequence[int]] = None) -> Workload:
     return Workload("decode", calls, sum(t.num_tokens for t in traces), 0)
 
 
-def build_workload(scenario: str, traces: Sequence[str] = DEFAULT_TRACES,
+def build_workload(scenario: str, traces: Sequence[TraceSpec] = DEFAULT_TRACES,
                    layers: Optional[Sequence[int]] = None) -> Workload:
-    """The calls of a scenario.
+    """The calls of a scenario, over ``traces`` (each as :func:`decode_trace` takes it: a loaded
+    :class:`~pyexpcache.traces.Trace`, a file or a bundled name); ``layers``: the model layers kept.
 
     ``decode``: the decode traces one after another (a server answering requests).
     ``prefill``: each bundled prefill prompt's batches (layers 0-42) then its decode token,

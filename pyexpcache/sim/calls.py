@@ -29,7 +29,7 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
-from ..traces import PrefillPrompt, Trace
+from ..traces import MISSING, PrefillPrompt, Trace
 
 __all__ = [
     "DECODE",
@@ -46,6 +46,7 @@ __all__ = [
     "SimResult",
     "Requests",
     "decode_stream",
+    "present_rows",
     "prompt_stream",
     "as_stream",
     "token_index",
@@ -166,16 +167,27 @@ def decode_stream(ids: Trace | np.ndarray, *, first_layer: int = 0) -> list[Call
             ``trace.first_layer`` to use model layer numbers).
 
     Returns:
-        ``tokens * layers`` decode :class:`Call`.
+        A decode :class:`Call` per (token, layer) with a record: ``tokens * layers`` of them
+        for a complete trace; a row of :data:`~pyexpcache.traces.MISSING` (-1) ids, a
+        (token, layer) the trace has no record of, makes no call.
     """
     arr = ids.ids if isinstance(ids, Trace) else np.asarray(ids)
     if arr.ndim != 3:
         raise ValueError(f"decode ids must have shape [tokens, layers, k], got {arr.shape}")
-    if arr.size and arr.min() < 0:
-        raise ValueError("expert ids must be >= 0")
+    present = present_rows(arr)
+    if arr.size and arr[present].min(initial=0) < 0:
+        raise ValueError(f"expert ids must be >= 0 (a row of {MISSING} marks a missing record)")
     L = arr.shape[1]
     rows = arr.tolist()
-    return [Call(DECODE, first_layer + l, tuple(tok[l])) for tok in rows for l in range(L)]
+    keep = present.tolist()
+    return [Call(DECODE, first_layer + l, tuple(tok[l])) for t, tok in enumerate(rows) for l in range(L)
+            if keep[t][l]]
+
+
+def present_rows(arr: np.ndarray) -> np.ndarray:
+    """bool ``[tokens, layers]`` of a ``[tokens, layers, k]`` id array: the rows that are not all
+    :data:`~pyexpcache.traces.MISSING` (the (token, layer) records present)."""
+    return ~(arr == MISSING).all(axis=2) if arr.shape[2] else np.ones(arr.shape[:2], dtype=bool)
 
 
 def prompt_stream(

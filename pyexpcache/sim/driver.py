@@ -38,7 +38,7 @@ import numpy as np
 
 from ..traces import Trace
 from .calls import (APPEND, COUNTERS, DECODE, DIRECT, EVICT, HIT, INSERT, KEY_SHIFT, MISS, Call, as_stream,
-                    token_index)
+                    present_rows, token_index)
 from .policy import Ctx, Policy
 
 __all__ = ["PreparedStream", "prepare", "ClassSlots", "SharedBudget", "replay"]
@@ -78,7 +78,13 @@ def _weights_for(requests, stream, weights):
             raise ValueError(f"weights must have shape [tokens, layers, k], got {weights.shape}")
         L = weights.shape[1]
         rows = weights.tolist()
-        out = [tuple(tok[l]) for tok in rows for l in range(L)]
+        # The rows of the calls decode_stream makes: a missing (token, layer) record makes none.
+        ids = requests.ids if isinstance(requests, Trace) else requests
+        if isinstance(ids, np.ndarray) and ids.ndim == 3 and ids.shape[:2] == weights.shape[:2]:
+            keep = present_rows(ids).tolist()
+        else:
+            keep = [[True] * L for _ in rows]
+        out = [tuple(tok[l]) for t, tok in enumerate(rows) for l in range(L) if keep[t][l]]
     else:
         out = [None if w is None else tuple(w) for w in weights]
     if len(out) != len(stream):

@@ -74,6 +74,19 @@ def _resolve(name_or_path: PathLike, kind: str | None) -> tuple[Path, str | None
     return path, kind or guessed
 
 
+def is_route_csv(path: PathLike) -> bool:
+    """Whether the file at ``path`` (plain or gzip) starts with a route CSV's header (``pos,layer,n,``):
+    how a ``*.csv`` path not named ``*.route.csv`` is told from a generic trace's CSV. False for
+    anything unreadable (its reader says why)."""
+    try:
+        fh, _ = _open_text(Path(path))
+        with fh:
+            first = fh.readline(256)
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error):
+        return False
+    return first.replace(" ", "").startswith("pos,layer,n,")
+
+
 def _stem(path: Path) -> str:
     """Trace name of a file: its name without ``.gz`` and then ``.route.csv`` (or the last suffix)."""
     name = path.name[:-3] if path.name.endswith(".gz") else path.name

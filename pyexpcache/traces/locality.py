@@ -18,7 +18,8 @@ def locality_stats(trace: Trace, *, top_fraction: float = 0.1) -> dict:
 
     Returns a dict with:
         ``reuse_previous``: fraction of requests (token t >= 1, layer, slot) whose
-            expert was also chosen by token t-1 at the same layer (recency).
+            expert was also chosen by token t-1 at the same layer (recency), over the
+            (token, layer) records present at t and t-1.
         ``top10_share``: per layer, the share of that layer's requests taken by its
             ``round(top_fraction * num_experts)`` most requested experts (26 of 256
             for 10 %), averaged over layers (popularity skew; the uniform value is
@@ -33,14 +34,16 @@ def locality_stats(trace: Trace, *, top_fraction: float = 0.1) -> dict:
     ids = trace.ids
     T, L, k = ids.shape
     E = trace.num_experts
-    if T >= 2:
+    present = trace.present  # a missing (token, layer) record counts nowhere
+    both = present[1:] & present[:-1]
+    if T >= 2 and both.any():
         # [T-1, L, k, k]: does slot j of token t match any slot of token t-1?
         hit = (ids[1:, :, :, None] == ids[:-1, :, None, :]).any(axis=-1)
-        reuse = float(hit.mean())
+        reuse = float(hit[both].mean())
     else:
         reuse = float("nan")
     # Per-layer expert histograms in one bincount: offset ids by layer * E.
-    flat = (ids + (np.arange(L, dtype=np.int64) * E)[None, :, None]).ravel()
+    flat = (ids + (np.arange(L, dtype=np.int64) * E)[None, :, None])[present].ravel()
     counts = np.bincount(flat, minlength=L * E).reshape(L, E)
     ntop = _top_count(E, top_fraction)
     top = -np.sort(-counts, axis=1)[:, :ntop].sum(axis=1)

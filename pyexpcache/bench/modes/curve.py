@@ -15,7 +15,7 @@ from ...sim import simulate_belady, simulate_policy
 from .. import options
 from ..options import LAYERS, LAYOUT, OUTPUT, PLOT, TRACES, UsageError
 from ..report import Report, made_by
-from ..workload import Workload, build_workload
+from ..workload import Workload, build_workload, trace_label
 
 NAME = "curve"
 TITLE = "hit-rate curve"
@@ -145,7 +145,8 @@ def run(bench, args) -> Iterator[Report]:
     workload = build_workload("decode", args.traces, layout.moe_layers)
     curve = hit_rate_curve(workload, layout, FRACTIONS)
     names = list(curve["policies"])
-    yield Report(NAME, "hit rate against budget, offline simulator", layout=layout.name, traces=list(args.traces),
+    yield Report(NAME, "hit rate against budget, offline simulator", layout=layout.name,
+                 traces=[trace_label(t) for t in args.traces],
                  settings=dict(decode_tokens=workload.decode_tokens, policies=names, default_policy=curve["default"]),
                  results=[CurvePoint(f, {n: curve["policies"][n][i] for n in names}, curve["belady"][i])
                           for i, f in enumerate(curve["fraction"])],

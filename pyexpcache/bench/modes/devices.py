@@ -30,7 +30,7 @@ from ...multi import MultiDeviceCache
 from ...placement import Placement, loads_from_calls
 from ..options import BENCH, OUTPUT, Option, UsageError
 from ..report import Report
-from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
+from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
 PLACEMENTS = ("balanced", "round-robin")
 
@@ -186,7 +186,8 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
     workload = decode_workload(loaded, bench.layout.moe_layers)
     measured = {dev: bench.measure_link(dev) for dev in sorted(set(devices))}
     links = {dev: link.bytes_per_s for dev, link in measured.items()}
-    report = Report("devices", f"decode over {num_devices} devices", **bench.report_header(), traces=list(traces),
+    report = Report("devices", f"decode over {num_devices} devices", **bench.report_header(),
+                    traces=[trace_label(t) for t in traces],
                     link_bytes_per_s=links[bench.device], link_label=measured[bench.device].label,
                     settings=dict(devices=devices, device_placement=placement,
                                   shared_gpus=len(set(devices)) < num_devices))

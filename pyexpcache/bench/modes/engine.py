@@ -29,7 +29,7 @@ from ...stats import PrefetchStats
 from .. import predict
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError
 from ..report import Report
-from ..workload import DEFAULT_TRACES, decode_trace, decode_workload
+from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
 NAME = "engine"
 TITLE = "engine model"
@@ -170,9 +170,14 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
     plan = settings(prefetch, hints)
     loaded = [decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
+    for trace in loaded:
+        if not trace.complete:
+            raise ValueError(f"trace {trace.name} misses {trace.missing_records} (token, layer) records: the engine "
+                             "model predicts each layer from the token's previous one and needs complete traces "
+                             "(the variants table replays incomplete ones)")
     workload = decode_workload(loaded, bench.layout.moe_layers)
     link = bench.measure_link()
-    report = Report("engine", "engine model", **bench.report_header(), traces=list(traces),
+    report = Report("engine", "engine model", **bench.report_header(), traces=[trace_label(t) for t in traces],
                     link_bytes_per_s=link.bytes_per_s, link_label=link.label,
                     settings=dict(compute_us=compute_us, top=top, split=split))
     advice = {}  # predictor -> its arrays: a prefetch and a hint setting of one predictor share them

@@ -48,7 +48,7 @@ import numpy as np
 from .. import options
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option
 from ..report import Report
-from ..workload import DEFAULT_TRACES, build_workload
+from ..workload import DEFAULT_TRACES, build_workload, trace_label
 
 MODES = ("plain", "split")  # of the loop: how each layer is served
 PROGRESS_EVERY = 256  # decode calls between two progress reports
@@ -343,7 +343,7 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     ids = [np.asarray(call.ids, dtype=np.uint32) for call in workload.calls]
     loop = _Loop(torch, bench)
     loop.warm_up()
-    report = Report("torch", "torch loop", **bench.report_header(), traces=list(traces),
+    report = Report("torch", "torch loop", **bench.report_header(), traces=[trace_label(t) for t in traces],
                     settings=dict(compute_us=compute_us, policy=_lib.DEFAULT_POLICY if policy is None else policy,
                                   torch_version=str(torch.__version__)))
     compute_ns = int(round(compute_us * 1e3))

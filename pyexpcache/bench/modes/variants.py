@@ -40,12 +40,14 @@ import numpy as np
 from ... import _lib
 from ...cache import ExpertCache, StagingStats
 from ...layout import GiB, ModelLayout
-from ...sim import simulate_belady, simulate_policy
+from ...sim import BATCH, simulate_belady, simulate_policy
 from ..bench import Bench
 from ..options import BENCH, OUTPUT, PLOT, Option, csv
 from ..progress import Progress
 from ..report import Report
-from ..workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
+from ...traces import check_layout
+from ..bench import resolve_budget
+from ..workload import DEFAULT_TRACES, SCENARIOS, TraceSpec, Workload, build_workload, decode_trace, trace_label
 from . import curve
 
 # The designs the library replaces, after its policies (variants()).
@@ -226,25 +228,38 @@ def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list
 
 
 def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Optional[Sequence[str]] = None,
-        traces: Sequence[str] = DEFAULT_TRACES, budget_bytes: int = 12 * GiB, backend: str = "auto",
+        traces: Sequence[TraceSpec] = DEFAULT_TRACES, budget_bytes: Optional[int] = None,
+        budget_fraction: Optional[float] = None, backend: str = "auto",
         pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: Optional[int] = None,
         progress: Optional[Progress] = None, device: int = 0, source=None,
-        bench: Optional[Bench] = None) -> Report:
+        bench: Optional[Bench] = None, layers: Optional[Sequence[int]] = None) -> Report:
     """Run ``variants`` (default: all, :func:`variants`) on one scenario and return a :class:`Report`
-    (see the module docstring). ``source`` (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces
+    (see the module docstring). ``traces``: loaded :class:`~pyexpcache.traces.Trace` objects,
+    generic routing-trace files, bundled names or ``synthetic:TOKENS[:SEED]``
+    (:func:`~pyexpcache.bench.workload.decode_trace`); each is checked against ``layout``
+    (:func:`~pyexpcache.traces.check_layout`: its layers must be MoE layers of the layout, its ids
+    below their expert counts), and a (token, layer) a trace has no record of makes no call.
+    ``layers``: the model layers replayed (default: all the traces have). The budget:
+    ``budget_bytes`` or ``budget_fraction`` of every expert's bytes (not both; default 12 GiB,
+    :func:`~pyexpcache.bench.bench.resolve_budget`); with ``bench``, the bench's.
+    ``source`` (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces
     the generated host source; an existing ``bench`` (whose source is then reused, and left open)
     replaces both.
     ``host_scale``: what the layout's sizes and the budget were divided by (default: the bench's
     ``scale``), for the header."""
-    workload = build_workload(scenario, traces, layout.moe_layers)
+    budget_bytes = resolve_budget(layout, budget_bytes, budget_fraction)
+    loaded = [decode_trace(t) for t in traces]
+    keep = layout.moe_layers if layers is None else [i for i in layers if i in set(layout.moe_layers)]
+    workload = build_workload(scenario, loaded, keep)
     if not workload.calls:
         raise ValueError(f"the traces route none of layout {layout.name}'s layers")
+    for trace in loaded:
+        check_layout(trace, layout, layers)
     for call in workload.calls:
-        spec = layout[call.layer] if call.layer < layout.num_layers else None
-        if spec is None or max(call.ids) >= spec.num_experts:
-            raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
-                             f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
-                             "experts)")
+        if call.kind == BATCH and max(call.ids) >= layout[call.layer].num_experts:
+            raise ValueError(f"the {scenario} scenario replays the bundled DeepSeek V4 Flash prompts, which route to "
+                             f"layer {call.layer}, expert {max(call.ids)}; layout {layout.name} gives that layer "
+                             f"{layout[call.layer].num_experts} experts")
     if variants is None:
         variants = _all_variants()
     own = bench is None
@@ -257,7 +272,8 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
         header = bench.report_header()
         if host_scale is not None:
             header["host_scale"] = host_scale
-        report = Report("variants", scenario, **header, traces=list(traces), link_bytes_per_s=measured.bytes_per_s,
+        report = Report("variants", scenario, **header, traces=[trace_label(t) for t in traces],
+                        link_bytes_per_s=measured.bytes_per_s,
                         link_label=measured.label,
                         settings=dict(scenario=scenario, decode_tokens=workload.decode_tokens,
                                       prefill_tokens=workload.prefill_tokens, layer_sync=bench.layer_sync))
@@ -300,7 +316,7 @@ def run(bench: Bench, args) -> Iterator[Report]:
     """A report per --scenario, each as it is finished; then --plot's curve, when asked for."""
     for scenario in SCENARIOS if "all" in args.scenario else tuple(args.scenario):
         yield run_scenario(bench.layout, scenario, variants=args.variants, traces=args.traces,
-                           budget_bytes=bench.budget_bytes, bench=bench)
+                           budget_bytes=bench.budget_bytes, bench=bench, layers=args.layers)
     if args.outputs.get("plot"):
         curve.write_plot(bench.layout, args.traces, args.outputs["plot"])
 
