@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pyexpcache
@@ -480,9 +481,26 @@ def _write(path, text) -> str:
     return str(path)
 
 
-def _layout_given_to_the_bench(monkeypatch, capsys, argv):
+def _trace_of(tmp_path, layers) -> str:
+    """A generic-format trace of two tokens routing experts 0 and 1 in each of ``layers``: one
+    that fits any layout whose MoE layers include them (the bundled traces are DeepSeek V4 Flash's)."""
+    from pyexpcache.traces import write_trace
+    from pyexpcache.traces.types import Trace
+
+    layers = list(layers)
+    path = tmp_path / f"routing-{layers[0]}-{layers[-1]}.jsonl"
+    ids = np.tile(np.array([0, 1], dtype=np.int32), (2, len(layers), 1))
+    write_trace(path, Trace("fits", ids=ids, weights=None, first_layer=layers[0], positions=np.arange(2),
+                            num_experts=2))
+    return str(path)
+
+
+def _layout_given_to_the_bench(monkeypatch, capsys, argv, trace=None):
     """The layout and scale the run would have started with (the run itself stopped)."""
     from pyexpcache import bench
+
+    if trace is not None:
+        argv = argv + ["--traces", trace]
 
     seen = []
 
@@ -500,17 +518,20 @@ def test_each_layout_form_reaches_the_bench(monkeypatch, capsys, tmp_path):
     from pyexpcache import ModelLayout
 
     mixtral = ModelLayout.preset("mixtral-8x7b-q4k")
-    layout, scale = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", "mixtral-8x7b-q4k"])
+    routing = _trace_of(tmp_path, range(32))
+    layout, scale = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", "mixtral-8x7b-q4k"], routing)
     assert scale == 256 and layout == mixtral.scaled(256)
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(EXAMPLE_LAYOUT), "--scale", "16"])
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(EXAMPLE_LAYOUT), "--scale", "16"],
+                                           routing)
     assert layout == mixtral.scaled(16)
     hf = hf_configs.write(tmp_path, "Mixtral-8x7B-v0.1")
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", f"{hf}:Q4_K", "--scale", "16"])
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", f"{hf}:Q4_K", "--scale", "16"], routing)
     assert layout.layers == mixtral.scaled(16).layers and layout.name == "Mixtral-8x7B-v0.1-q4_k/16"
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(hf.parent), "--scale", "16"])
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(hf.parent), "--scale", "16"],
+                                           routing)
     assert layout == ModelLayout.from_hf_config(hf).scaled(16)
     layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", "deepseek-v3-q4k", "--layers", "3-5",
-                                                                 "--scale", "16"])
+                                                                 "--scale", "16"], _trace_of(tmp_path, range(3, 6)))
     assert layout.moe_layers == [3, 4, 5] and layout[3] == ModelLayout.preset("deepseek-v3-q4k", scale=16)[3]
 
 
@@ -521,7 +542,8 @@ def test_a_gguf_files_layout(monkeypatch, capsys, tmp_path):
     from pyexpcache.gguf import layout_from_gguf
 
     model = write_model(tmp_path / "tiny.gguf", [None, {}, {}])
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(model), "--scale", "1"])
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(model), "--scale", "1"],
+                                           _trace_of(tmp_path, range(1, 3)))
     assert layout == layout_from_gguf(model)
 
 
@@ -560,11 +582,12 @@ def test_layout_with_gguf_is_refused(capsys, tmp_path):
     assert rc == 2 and "--layout cannot be combined with --gguf: the GGUF file gives the layout" in err
 
 
-def test_a_scale_that_does_not_divide_a_presets_parts_names_one_that_does(monkeypatch, capsys):
+def test_a_scale_that_does_not_divide_a_presets_parts_names_one_that_does(monkeypatch, capsys, tmp_path):
     from pyexpcache import bench
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
-    rc, out, err, _ = run_main(capsys, FAST + ["--layout", "gpt-oss-20b-mxfp4"])
+    rc, out, err, _ = run_main(capsys, FAST + ["--layout", "gpt-oss-20b-mxfp4", "--traces",
+                                               _trace_of(tmp_path, range(24))])
     assert rc == 2 and err.strip() == (
         "expcache bench: --scale 256 (the default on the host backend): layer 0: part sizes (4406400, 4406400, "
         "4406400) are not divisible by 256; use a power of two up to 128")
