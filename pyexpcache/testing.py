@@ -34,7 +34,7 @@ from ._ints import u32, u64
 from .cache import ExpertCache
 
 __all__ = [
-    "CHECKSUM_RESULTS", "checksum", "checksum_async", "checksum_results", "device_bytes_in_use",
+    "CHECKSUM_RESULTS", "bank_checksum_async", "checksum", "checksum_async", "checksum_results", "device_bytes_in_use",
     "fail_copy_after", "fail_device_alloc_after", "fail_staging_after", "pause_prefetch", "read_device",
     "read_expert",
 ]
@@ -105,6 +105,26 @@ def checksum_async(cache: ExpertCache, layer: int, pointers, first: int, stream=
     layer, first = cache._layer(layer), u32(first, "first")
     ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
     cache._call("expcache_testing_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
+                stream_handle(stream), first)
+
+
+def bank_checksum_async(cache: ExpertCache, layer: int, slots, first: int, stream=None) -> None:
+    """The checksum kernel over the experts in ``slots`` of ``layer``'s bank (a device-lookup
+    cache; ``slots`` an int32 array where :meth:`~pyexpcache.ExpertCache.select_device` writes
+    them: a CUDA array, or numpy on the host backend): one sum per slot into result slots
+    ``[first, first + n)``, read by the kernel from ``slots`` (capturable in a graph after one call
+    outside it). Read them with :func:`checksum_results` after synchronizing ``stream``."""
+    from . import bank as _bank
+
+    cache = _cache(cache, "bank_checksum_async")
+    layer, first = cache._layer(layer), u32(first, "first")
+    ids = _bank.id_array(slots, "slots")
+    if ids.bits != 32:
+        raise TypeError(f"slots must be int32 (as select_device gives them), got {ids.bits}-bit integers")
+    count = 1
+    for dim in ids.shape:
+        count *= dim
+    cache._call("expcache_testing_bank_checksum_async", layer, ids.ptr, u32(count, "len(slots)"),
                 stream_handle(stream), first)
 
 

@@ -31,6 +31,7 @@ EXPORTS = {
     "expcache_create", "expcache_destroy", "expcache_backend_get", "expcache_layer_desc_init",
     "expcache_file_open", "expcache_layer_register", "expcache_select_async", "expcache_compact_load_async",
     "expcache_batch_prepare_async", "expcache_batch_finish", "expcache_release_all", "expcache_synchronize",
+    "expcache_class_bank_get", "expcache_select_device_async",
     "expcache_class_count_get", "expcache_class_info_get", "expcache_layer_bind_class", "expcache_stats_get",
     "expcache_staging_stats_get", "expcache_stats_reset", "expcache_log_set_callback", "expcache_log_set_level",
     "expcache_select_split_async", "expcache_ready_wait_async", "expcache_prefetch_async", "expcache_hint",
@@ -39,7 +40,7 @@ EXPORTS = {
 }
 TESTING_EXPORTS = {
     "expcache_testing_read_resident", "expcache_testing_read_device", "expcache_testing_checksum",
-    "expcache_testing_checksum_async", "expcache_testing_checksum_results",
+    "expcache_testing_checksum_async", "expcache_testing_bank_checksum_async", "expcache_testing_checksum_results",
     "expcache_testing_inject_alloc_failures", "expcache_testing_inject_copy_failures",
     "expcache_testing_inject_staging_failures", "expcache_testing_device_bytes_in_use",
     "expcache_testing_struct_size", "expcache_testing_prefetch_pause",
@@ -60,7 +61,7 @@ def test_struct_sizes_match_library():
         assert lib.expcache_testing_struct_size(which) == ctypes.sizeof(mirror), mirror.__name__
 
 
-@pytest.mark.parametrize("which", [_lib.STRUCT_COUNT, 8, 1000, (1 << 32) - 1])
+@pytest.mark.parametrize("which", [_lib.STRUCT_COUNT, _lib.STRUCT_COUNT + 1, 1000, (1 << 32) - 1])
 def test_struct_size_of_an_unknown_struct_is_zero(which):
     assert lib.expcache_testing_struct_size(which) == 0
 

@@ -294,3 +294,17 @@ def test_bank_shapes_and_dtype(make_cache):
     assert bank.gate.shape == (4, 2, spec.gate_bytes // 4)
     assert bank.gate.strides == (bank.slot_stride, spec.gate_bytes // 2, 2)
     assert bank.down.shape == (4, 1, spec.down_bytes // 2)
+
+
+def test_bank_checksum_reads_the_slots(make_cache):
+    """The benchmark's kernel over a bank: each slot's expert summed as the source's checksum."""
+    cache, source = _cache(make_cache, experts=6)
+    layer = cache.layout.moe_layers[0]
+    ids = [3, 7, 3, 11]
+    slots = cache.select_device(layer, device_ids(cache, ids), )
+    testing.bank_checksum_async(cache, layer, slots, first=10)
+    cache.synchronize()
+    got = testing.checksum_results(cache, 10, 4)
+    assert got.tolist() == [source.expected_checksum(layer, e) for e in ids]
+    with pytest.raises(TypeError, match="int32"):
+        testing.bank_checksum_async(cache, layer, device_ids(cache, ids), first=0)

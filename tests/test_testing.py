@@ -16,7 +16,7 @@ HOOKS = sorted(name for name in testing.__all__ if name != "CHECKSUM_RESULTS")
 
 
 def test_the_hooks_are_the_modules_functions():
-    assert HOOKS == ["checksum", "checksum_async", "checksum_results", "device_bytes_in_use", "fail_copy_after",
+    assert HOOKS == ["bank_checksum_async", "checksum", "checksum_async", "checksum_results", "device_bytes_in_use", "fail_copy_after",
                      "fail_device_alloc_after", "fail_staging_after", "pause_prefetch", "read_device",
                      "read_expert"]
     assert all(callable(getattr(testing, name)) for name in HOOKS)
@@ -65,6 +65,7 @@ def test_hooks_go_through_the_call_gate(make_cache):
     ptrs = cache.select(3, [1])
     cache.close()
     calls = {
+        "bank_checksum_async": lambda: testing.bank_checksum_async(cache, 3, np.zeros(1, np.int32), 0),
         "checksum": lambda: testing.checksum(cache, 3, ptrs),
         "checksum_async": lambda: testing.checksum_async(cache, 3, ptrs, 0),
         "checksum_results": lambda: testing.checksum_results(cache, 0, 1),

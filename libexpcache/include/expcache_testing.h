@@ -78,6 +78,22 @@ EXPCACHE_API expcache_status_t expcache_testing_checksum_async(expcache_t* cache
                                                                void* stream, uint32_t first);
 
 /**
+ * The checksum kernel over a device-lookup cache's bank: the experts in slots
+ * slots[0..n) (device memory, int32; host memory on the host backend) of
+ * `layer`'s bank, each summed over its three parts into result slot first + i
+ * (0 for a slot outside the bank), as expcache_testing_checksum_async's. The
+ * slot ids are read by the kernel, so this can follow expcache_select_device_async
+ * inside a captured graph (call it once outside the capture first: its scratch is
+ * allocated then). The benchmark's graph loop reads every routed expert this way.
+ * Status: INVALID_ARGUMENT (n 0 or over EXPCACHE_MAX_SELECT, slots past
+ * EXPCACHE_CHECKSUM_RESULTS, NULL slots), INVALID_STATE (not a device-lookup cache,
+ * layer not registered or its class not bound), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_testing_bank_checksum_async(expcache_t* cache, uint32_t layer,
+                                                                    const int32_t* slots, uint32_t n, void* stream,
+                                                                    uint32_t first);
+
+/**
  * Copy result slots [first, first + n) (non-empty, within
  * EXPCACHE_CHECKSUM_RESULTS) to host memory `out` (n uint64_t). Does not
  * wait: synchronize the stream of the expcache_testing_checksum_async calls

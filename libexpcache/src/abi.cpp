@@ -445,6 +445,15 @@ expcache_status_t expcache_testing_checksum_async(expcache_t* cache, uint32_t la
     });
 }
 
+expcache_status_t expcache_testing_bank_checksum_async(expcache_t* cache, uint32_t layer, const int32_t* slots,
+                                                      uint32_t n, void* stream, uint32_t first) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(slots, "slots is NULL");
+        return cache->impl->bank_checksum_async(layer, slots, n, stream, first);
+    });
+}
+
 expcache_status_t expcache_testing_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

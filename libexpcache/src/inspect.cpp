@@ -109,6 +109,33 @@ expcache_status_t Cache::checksum_async(uint32_t layer_index, const expcache_exp
     return s;
 }
 
+expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t* slots, uint32_t n, void* stream,
+                                             uint32_t first) {
+    CallScope scope(*this);
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
+    if (s != EXPCACHE_OK) return s;
+    if (n == 0 || n > EXPCACHE_MAX_SELECT || uint64_t(first) + n > EXPCACHE_CHECKSUM_RESULTS)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%d and result slots [%u, +%u) within the %d slots",
+                    EXPCACHE_MAX_SELECT, first, n, EXPCACHE_CHECKSUM_RESULTS);
+    const int32_t c = classes_.bound(layers_[layer_index]);
+    if (!lookup_.enabled() || c < 0 || classes_[c].slabs.empty())
+        return fail(EXPCACHE_ERR_INVALID_STATE, "layer %u has no bank: a device-lookup cache's layer, bound (select "
+                    "it once), is needed", layer_index);
+    const ClassState& cls = classes_[c];
+    BankChecksum b = {};
+    b.base = static_cast<const unsigned char*>(cls.slabs[0]);
+    b.stride = cls.slot_bytes;
+    for (int p = 0; p < kParts; ++p) {
+        b.part_off[p] = cls.part_off[p];
+        b.part_bytes[p] = cls.key[p];
+    }
+    b.cap = static_cast<uint32_t>(cls.slots.size());
+    b.n = n;
+    b.slots = slots;
+    return health_.check(backend_->kernels().bank_checksum_async(b, first, stream));
+}
+
 expcache_status_t Cache::checksum_results(uint32_t first, uint32_t n, uint64_t* out) {
     CallScope scope(*this);
     expcache_status_t s = health_.usable();

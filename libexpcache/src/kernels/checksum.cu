@@ -38,17 +38,9 @@ __device__ __forceinline__ uint64_t load_word(const unsigned char* p, uint64_t j
     return w;
 }
 
-__global__ void checksum_kernel(const __grid_constant__ Params prm) {
-    const DeviceJob* jobs = prm.num_jobs > kInlineJobs ? prm.table : prm.inline_jobs;
-    uint32_t lo = 0, hi = prm.num_jobs;
-    uint64_t block = blockIdx.x;
-    while (hi - lo > 1) {
-        uint32_t mid = (lo + hi) / 2;
-        if (jobs[mid].first_block <= block) lo = mid; else hi = mid;
-    }
-    const DeviceJob job = jobs[lo];
-    uint64_t begin = (block - job.first_block) * kChunkBytes;
-    uint64_t end = begin + kChunkBytes < job.bytes ? begin + kChunkBytes : job.bytes;
+// This thread's share of the weighted sum of bytes [begin, end) of the range at ptr.
+__device__ uint64_t chunk_sum(const unsigned char* ptr, uint64_t bytes, uint64_t begin, uint64_t end) {
+    const DeviceJob job{ptr, bytes, 0, 0, 0};
     bool aligned16 = (reinterpret_cast<uintptr_t>(job.ptr) & 15) == 0;
     uint64_t sum = 0;
     if (aligned16) {
@@ -79,6 +71,13 @@ __global__ void checksum_kernel(const __grid_constant__ Params prm) {
         for (uint64_t j = begin / 8 + threadIdx.x; 8 * j < end; j += kThreads)
             sum += load_word(job.ptr, j, job.bytes, false) * (2 * j + 1);
     }
+    return sum;
+}
+
+// The block's sum into sums[out]; the last block of the grid writes sums[0, num_sums) to `dst`
+// and zeroes them and the counter for the next launch.
+__device__ void finish_block(uint64_t sum, uint32_t out, uint32_t num_sums, unsigned long long* sums,
+                             unsigned int* counter, unsigned long long* dst) {
     // Integer addition modulo 2^64 is associative, so any reduction order is exact.
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, o);
     __shared__ uint64_t warp_sums[kThreads / 32];
@@ -88,19 +87,57 @@ __global__ void checksum_kernel(const __grid_constant__ Params prm) {
     if (threadIdx.x == 0) {
         uint64_t total = 0;
         for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-        atomicAdd(&prm.sums[job.out], static_cast<unsigned long long>(total));
+        atomicAdd(&sums[out], static_cast<unsigned long long>(total));
         __threadfence();
-        last = atomicAdd(prm.counter, 1u) == gridDim.x - 1;
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
     __syncthreads();
     if (last) {
         // Every other block's sums are visible (they fenced before counting).
         __threadfence();
-        for (uint32_t i = threadIdx.x; i < prm.num_sums; i += kThreads) {
-            prm.out[i] = atomicExch(&prm.sums[i], 0ull);
-        }
-        if (threadIdx.x == 0) *prm.counter = 0;
+        for (uint32_t i = threadIdx.x; i < num_sums; i += kThreads) dst[i] = atomicExch(&sums[i], 0ull);
+        if (threadIdx.x == 0) *counter = 0;
     }
+}
+
+__global__ void checksum_kernel(const __grid_constant__ Params prm) {
+    const DeviceJob* jobs = prm.num_jobs > kInlineJobs ? prm.table : prm.inline_jobs;
+    uint32_t lo = 0, hi = prm.num_jobs;
+    uint64_t block = blockIdx.x;
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (jobs[mid].first_block <= block) lo = mid; else hi = mid;
+    }
+    const DeviceJob job = jobs[lo];
+    uint64_t begin = (block - job.first_block) * kChunkBytes;
+    uint64_t end = begin + kChunkBytes < job.bytes ? begin + kChunkBytes : job.bytes;
+    finish_block(chunk_sum(job.ptr, job.bytes, begin, end), job.out, prm.num_sums, prm.sums, prm.counter, prm.out);
+}
+
+struct BankParams {
+    BankChecksum bank;
+    uint64_t part_blocks[3];  // chunks of each part
+    uint64_t expert_blocks;   // their sum: the blocks of one slot
+    unsigned long long* sums;
+    unsigned int* counter;
+    unsigned long long* out;
+};
+
+// Block b reads chunk (b % expert_blocks) of slot slots[b / expert_blocks].
+__global__ void bank_checksum_kernel(const __grid_constant__ BankParams prm) {
+    const uint32_t i = blockIdx.x / prm.expert_blocks;
+    uint64_t r = blockIdx.x % prm.expert_blocks;
+    int p = 0;
+    while (r >= prm.part_blocks[p]) r -= prm.part_blocks[p++];
+    const int32_t slot = prm.bank.slots[i];
+    uint64_t sum = 0;
+    if (slot >= 0 && static_cast<uint32_t>(slot) < prm.bank.cap) {
+        const uint64_t bytes = prm.bank.part_bytes[p];
+        const uint64_t begin = r * kChunkBytes;
+        const uint64_t end = begin + kChunkBytes < bytes ? begin + kChunkBytes : bytes;
+        sum = chunk_sum(prm.bank.base + uint64_t(slot) * prm.bank.stride + prm.bank.part_off[p], bytes, begin, end);
+    }
+    finish_block(sum, i, prm.bank.n, prm.sums, prm.counter, prm.out);
 }
 
 }  // namespace
@@ -205,6 +242,27 @@ cudaError_t ChecksumScratch::launch(const ChecksumJob* jobs, uint32_t num_jobs, 
     if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&results_dev), results_, 0)) != cudaSuccess) return e;
     prm.out = results_dev + first;
     checksum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(prm);
+    return cudaGetLastError();
+}
+
+cudaError_t ChecksumScratch::launch_bank(const BankChecksum& bank, uint32_t first, cudaStream_t stream) {
+    cudaError_t e = reserve(0, bank.n, uint64_t(first) + bank.n);
+    if (e != cudaSuccess) return e;
+    BankParams prm;
+    std::memset(&prm, 0, sizeof prm);
+    prm.bank = bank;
+    for (int p = 0; p < 3; ++p) {
+        prm.part_blocks[p] = (bank.part_bytes[p] + kChunkBytes - 1) / kChunkBytes;
+        prm.expert_blocks += prm.part_blocks[p];
+    }
+    const uint64_t blocks = prm.expert_blocks * bank.n;
+    if (blocks == 0 || blocks > 0x7fffffffu) return cudaErrorInvalidValue;
+    prm.sums = sums_;
+    prm.counter = counter_;
+    unsigned long long* results_dev = nullptr;
+    if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&results_dev), results_, 0)) != cudaSuccess) return e;
+    prm.out = results_dev + first;
+    bank_checksum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(prm);
     return cudaGetLastError();
 }
 

@@ -19,6 +19,9 @@ public:
     // accumulators. Nothing waits: read the slots after synchronizing the stream.
     cudaError_t launch(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums, uint32_t first,
                        cudaStream_t stream);
+    // The sums of a bank's slots (test_kernels.hpp) into result slots [first, first + n): one
+    // launch whose grid depends on the class only, the slot ids read on the device.
+    cudaError_t launch_bank(const BankChecksum& bank, uint32_t first, cudaStream_t stream);
     // Result slots [first, first + n) as the kernels left them.
     void results(uint32_t first, uint32_t n, uint64_t* out) const;
     // Frees everything; call with the owning device current.

@@ -18,6 +18,18 @@ struct ChecksumJob {
     uint32_t out;
 };
 
+// The experts of a bank's slots, read by slot id from device memory (what a fused MoE kernel
+// given select_device's slots reads): slot slots[i]'s parts sum into one result each.
+struct BankChecksum {
+    const unsigned char* base;
+    uint64_t stride;
+    uint64_t part_off[3];
+    uint64_t part_bytes[3];
+    uint32_t cap;     // a slot outside [0, cap) sums to 0
+    uint32_t n;
+    const int32_t* slots;  // device memory (host memory on the host backend)
+};
+
 class TestKernels {
 public:
     virtual ~TestKernels() = default;
@@ -27,6 +39,9 @@ public:
     virtual expcache_status_t checksum_async(const ChecksumJob* jobs, uint32_t num_jobs, uint32_t num_sums,
                                              uint32_t first, void* stream) = 0;
     virtual expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) = 0;
+    // The sums of a bank's slots into result slots [first, first + n), as checksum_async's; the
+    // slot ids are read on the device, so the launch can be captured in a graph.
+    virtual expcache_status_t bank_checksum_async(const BankChecksum& bank, uint32_t first, void* stream) = 0;
     // `ns` nanoseconds of work on `stream` that only takes time (the host spins now).
     virtual expcache_status_t spin_async(uint64_t ns, void* stream) = 0;
 };

@@ -37,6 +37,18 @@ public:
             results_[first + jobs[i].out] += checksum_host(jobs[i].ptr, jobs[i].bytes);
         return EXPCACHE_OK;
     }
+    expcache_status_t bank_checksum_async(const BankChecksum& b, uint32_t first, void*) override {
+        if (results_.size() < uint64_t(first) + b.n) results_.resize(uint64_t(first) + b.n, 0);
+        for (uint32_t i = 0; i < b.n; ++i) {
+            const int32_t slot = b.slots[i];
+            uint64_t sum = 0;
+            if (slot >= 0 && static_cast<uint32_t>(slot) < b.cap)
+                for (int p = 0; p < 3; ++p)
+                    sum += checksum_host(b.base + uint64_t(slot) * b.stride + b.part_off[p], b.part_bytes[p]);
+            results_[first + i] = sum;
+        }
+        return EXPCACHE_OK;
+    }
     expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
         for (uint32_t i = 0; i < n; ++i) out[i] = uint64_t(first) + i < results_.size() ? results_[first + i] : 0;
         return EXPCACHE_OK;
