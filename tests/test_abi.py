@@ -240,6 +240,12 @@ def _info():
     return i
 
 
+def _bank():
+    b = _lib.Bank()
+    b.struct_size = ctypes.sizeof(b)
+    return b
+
+
 HOST_BUF = np.zeros(1 << 16, np.uint8)
 
 # (name, function, args(h) -> tuple, status, message fragment). `h` is a live handle.
@@ -341,6 +347,28 @@ CASES = [
      lambda h: (h, 65536, 1, HOST_BUF.ctypes.data), INVALID, "within the 65536 slots"),
     ("testing_checksum_results empty", "expcache_testing_checksum_results",
      lambda h: (h, 0, 0, HOST_BUF.ctypes.data), INVALID, "non-empty"),
+    ("select_device NULL ids", "expcache_select_device_async",
+     lambda h: (h, 0, None, 32, 1, 1, HOST_BUF.ctypes.data, None), INVALID, "ids is NULL"),
+    ("select_device NULL out", "expcache_select_device_async",
+     lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, None, None), INVALID, "out_slots is NULL"),
+    ("select_device on a host-lookup cache", "expcache_select_device_async",
+     lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, None), STATE,
+     "needs a device-lookup cache"),
+    ("select_device bad layer", "expcache_select_device_async",
+     lambda h: (h, 50, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, None), INVALID, "layer 50"),
+    ("class_bank_get NULL", "expcache_class_bank_get", lambda h: (h, 0, None), INVALID, "out is NULL"),
+    ("class_bank_get bad struct_size", "expcache_class_bank_get",
+     lambda h: (h, 0, byref(_lib.Bank())), INVALID, "struct_size"),
+    ("class_bank_get out of range", "expcache_class_bank_get", lambda h: (h, 4, byref(_bank())), INVALID,
+     "class index 4"),
+    ("class_bank_get on a host-lookup cache", "expcache_class_bank_get", lambda h: (h, 0, byref(_bank())), STATE,
+     "banks belong to device-lookup caches"),
+    ("testing_bank_checksum NULL slots", "expcache_testing_bank_checksum_async",
+     lambda h: (h, 0, None, 1, None, 0), INVALID, "slots is NULL"),
+    ("testing_bank_checksum n 0", "expcache_testing_bank_checksum_async",
+     lambda h: (h, 0, HOST_BUF.ctypes.data, 0, None, 0), INVALID, "n must be 1..1024"),
+    ("testing_bank_checksum on a host-lookup cache", "expcache_testing_bank_checksum_async",
+     lambda h: (h, 0, HOST_BUF.ctypes.data, 1, None, 0), STATE, "has no bank"),
     ("class_count_get NULL", "expcache_class_count_get", lambda h: (h, None), INVALID, "out_count is NULL"),
     ("class_info_get out of range", "expcache_class_info_get",
      lambda h: (h, 4, byref(_info())), INVALID, "class index 4"),
@@ -448,6 +476,9 @@ HANDLE_CALLS = [
     ("expcache_testing_prefetch_pause", lambda h: (h, 0)),
     ("expcache_prefetch_wait", lambda h: (h,)),
     ("expcache_testing_spin_async", lambda h: (h, None, 1000)),
+    ("expcache_select_device_async", lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, None)),
+    ("expcache_class_bank_get", lambda h: (h, 0, byref(_bank()))),
+    ("expcache_testing_bank_checksum_async", lambda h: (h, 0, HOST_BUF.ctypes.data, 1, None, 0)),
 ]
 
 # Exports that take no cache and cannot fail: checked by the tests above and below, not by a table.
