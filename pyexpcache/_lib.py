@@ -39,6 +39,8 @@ LOG_SILENT, LOG_WARNING, LOG_NOTICE, LOG_DEBUG = 0, 1, 2, 3
 # when it loads: a policy is named once, in libexpcache/src/policy/registry.cpp. DEFAULT_POLICY is the
 # name of the one expcache_config_init fills in.
 FILE_READS = {"buffered": 0, "direct": 1}
+# EXPCACHE_PARTITION_*: how a class's slots are shared among its layers.
+PARTITIONS = {"global": 0, "layer": 1}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL = 0, 1, 2, 3
 PATH_NAMES = ("decode", "compact", "batch", "control")
 MAX_SELECT = 1024
@@ -74,6 +76,7 @@ class Config(ctypes.Structure):
         ("file_reads", c_uint32),
         ("prefetch_max_per_layer", c_uint32),
         ("prefetch_piece_bytes", c_uint64),
+        ("partition", c_uint32),
     ]
 
 
