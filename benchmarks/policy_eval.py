@@ -15,6 +15,12 @@ semantics) and prints, with tabulate:
    the per-trace hindsight best), and demand-following global budgets;
 5. the targets of the issue, met or not.
 
+``--default`` prints only the default policy's table instead (docs/policy.md, "The default:
+duel"): every trace (the bundled decode traces, the synthetic ones of DEFAULT_SYNTHETIC, and
+traces whose popularity shifts, SHIFTING) x 10 / 25 / 50 % of the experts x partition global and
+layer: LRU, OppClassLRU, the library's default, Belady (per layer: within each layer's share)
+and default - LRU in points, as Markdown; about 3 minutes on 2 cores.
+
 Tuning traces: podA_a_coffee_full and podA_b2_json_long_full (every parameter
 of our policies was chosen on these).  Held-out: the other five decode traces.
 
@@ -43,8 +49,10 @@ import numpy as np
 from tabulate import tabulate
 
 from pyexpcache.layout import ModelLayout
+from pyexpcache import _lib
 from pyexpcache.sim import simulate_belady, simulate_global, simulate_policy
-from pyexpcache.traces import list_traces, load_decode_trace, synthetic_trace
+from pyexpcache.sim.registry import simulate_belady_partitioned
+from pyexpcache.traces import Trace, list_traces, load_decode_trace, synthetic_trace
 
 TUNING = ("podA_a_coffee_full", "podA_b2_json_long_full")
 FRACTIONS = (0.05, 0.10, 0.25, 0.50)
@@ -59,6 +67,23 @@ SYNTHETIC = (  # (label, synthetic_trace kwargs)
     ("syn_flat", dict(num_tokens=150, seed=1, zipf=0.9, reuse=0.25)),
     ("syn_skewed", dict(num_tokens=150, seed=2, zipf=1.6, reuse=0.45)),
 )
+# The default policy's table: synthetic traces of other models' shapes (layers, experts, top-k of
+# Mixtral-8x7B, OLMoE-1B-7B, Qwen3-30B-A3B), and traces whose popularity shifts: synthetic
+# segments of different seeds, and four bundled prompts back to back (a server's next request).
+DEFAULT_SYNTHETIC = SYNTHETIC + (
+    ("syn_mixtral_32x8_top2", dict(num_tokens=600, seed=3, num_layers=32, num_experts=8, k=2, first_layer=0)),
+    ("syn_olmoe_16x64_top8", dict(num_tokens=300, seed=4, num_layers=16, num_experts=64, k=8, first_layer=0)),
+    ("syn_qwen3_48x128_top8", dict(num_tokens=200, seed=5, num_layers=48, num_experts=128, k=8, first_layer=0)),
+)
+SHIFTING = (  # (label, parts: ("syn", synthetic_trace kwargs) or ("real", bundled name))
+    ("shift_syn_4x100", tuple(("syn", dict(num_tokens=100, seed=10 + i)) for i in range(4))),
+    ("shift_syn_mixtral_4x150", tuple(("syn", dict(num_tokens=150, seed=20 + i, num_layers=32, num_experts=8, k=2,
+                                                   first_layer=0)) for i in range(4))),
+    ("shift_deepseek_4_prompts", tuple(("real", n) for n in ("podA_b_json_full", "smoke_count64",
+                                                              "podA_c_python_full", "livemask_forensic_k0"))),
+)
+DEFAULT_FRACTIONS = (0.10, 0.25, 0.50)
+PARTITIONS = ("global", "layer")
 SHARES = tuple(round(0.10 + 0.025 * i, 3) for i in range(15))  # q4 share of the budget, fixed splits
 
 
@@ -70,7 +95,22 @@ def _trace(spec):
     kind, name = spec
     if kind == "real":
         return load_decode_trace(name)
-    return synthetic_trace(**dict(SYNTHETIC)[name])
+    if kind == "shift":
+        parts = [load_decode_trace(a) if k == "real" else synthetic_trace(**a) for k, a in dict(SHIFTING)[name]]
+        ids = np.concatenate([t.ids for t in parts])
+        return Trace(name, ids, None, parts[0].first_layer, np.arange(len(ids)), parts[0].num_experts)
+    return synthetic_trace(**dict(DEFAULT_SYNTHETIC)[name])
+
+
+def _run_partitioned(job):
+    spec, policy, frac, partition = job
+    tr = _trace(spec)
+    cap = int(round(frac * tr.num_layers * tr.num_experts))
+    if policy == "belady":
+        r = simulate_belady_partitioned(tr, cap, partition=partition)
+    else:
+        r = simulate_policy(tr, cap, policy=policy, partition=partition)
+    return job, 100.0 * r.hit_rate
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,8 +195,49 @@ def _summary_table(rows, title):
                    headers=["policy", "cap", "hit %", "MiB/token", "vs LRU", "vs ClassLRU", "gap closed"]))
 
 
+def default_table(workers):
+    """The default policy against LRU, OppClassLRU and Belady on every trace, capacity and
+    partition; prints Markdown and returns the rows."""
+    default = _lib.DEFAULT_POLICY
+    policies = ("lru", "oppclass", default, "belady")
+    specs = ([("real", i.name) for i in list_traces() if i.kind == "decode"] +
+             [("syn", n) for n, _ in DEFAULT_SYNTHETIC] + [("shift", n) for n, _ in SHIFTING])
+    jobs = [(s, p, f, part) for s in specs for p in policies for f in DEFAULT_FRACTIONS for part in PARTITIONS]
+    jobs.sort(key=lambda j: -_trace(j[0]).num_requests)
+    res = _map(_run_partitioned, jobs, workers)
+    rows = []
+    for s in specs:
+        for part in PARTITIONS:
+            for f in DEFAULT_FRACTIONS:
+                h = {p: res[(s, p, f, part)] for p in policies}
+                rows.append({"trace": s[1], "kind": s[0], "partition": part, "fraction": f, **h,
+                             "default_minus_lru": h[default] - h["lru"]})
+    print(f"| trace | partition | cap | LRU | OppClassLRU | **{default}** | Belady | {default} − LRU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['trace']} | {r['partition']} | {r['fraction']:.0%} | {r['lru']:.2f} | {r['oppclass']:.2f} | "
+              f"**{r[default]:.2f}** | {r['belady']:.2f} | {r['default_minus_lru']:+.2f} |")
+    worst = min(rows, key=lambda r: r["default_minus_lru"])
+    print(f"\nworst {default} − LRU: {worst['default_minus_lru']:+.2f} points ({worst['trace']}, {worst['partition']}, "
+          f"{worst['fraction']:.0%}); OppClassLRU − LRU worst: "
+          f"{min(r['oppclass'] - r['lru'] for r in rows):+.2f}")
+    print(f"\nDeepSeek decode traces, mean gain over LRU (points), {default} / OppClassLRU:\n")
+    print("| partition | cap | " + f"{default} − LRU | OppClassLRU − LRU | share kept |")
+    print("|---|---|---|---|---|")
+    for part in PARTITIONS:
+        for f in DEFAULT_FRACTIONS:
+            sel = [r for r in rows if r["kind"] == "real" and r["partition"] == part and r["fraction"] == f]
+            d = np.mean([r[default] - r["lru"] for r in sel])
+            o = np.mean([r["oppclass"] - r["lru"] for r in sel])
+            kept = f"{100 * d / o:.0f} %" if o > 0.05 else "(no gain to keep)"
+            print(f"| {part} | {f:.0%} | {d:+.2f} | {o:+.2f} | {kept} |")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--default", action="store_true",
+                    help="only the default policy's table: every trace x 10/25/50 %% x global/layer, Markdown")
     ap.add_argument("--quick", action="store_true", help="held-out traces at 10 %% only, reduced mixed check (<20 s)")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     tmp = tempfile.gettempdir()
@@ -164,6 +245,13 @@ def main(argv=None):
     ap.add_argument("--png", default=os.path.join(tmp, "policy_eval.png"), help="output PNG path ('' to skip)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    if args.default:
+        rows = default_table(args.workers)
+        print(f"\nwall time {time.perf_counter() - t_start:.1f} s")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"default_policy": _lib.DEFAULT_POLICY, "rows": rows}, fh, indent=1, default=float)
+        return rows
 
     decode = [i.name for i in list_traces() if i.kind == "decode"]
     held = [n for n in decode if n not in TUNING]

@@ -43,6 +43,8 @@ LOOKUP_HOST, LOOKUP_DEVICE = 0, 1
 LOOKUPS = {"host": LOOKUP_HOST, "device": LOOKUP_DEVICE}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL, PATH_DEVICE = 0, 1, 2, 3, 4
 PATH_NAMES = ("decode", "compact", "batch", "control", "device")
+# EXPCACHE_PARTITION_*: how a class's slots are shared among its layers.
+PARTITIONS = {"global": 0, "layer": 1}
 MAX_SELECT = 1024
 MAX_BATCHES = 64
 MAX_CLASSES_LIMIT = 64
@@ -77,6 +79,7 @@ class Config(ctypes.Structure):
         ("prefetch_max_per_layer", c_uint32),
         ("prefetch_piece_bytes", c_uint64),
         ("lookup", c_uint32),
+        ("partition", c_uint32),
     ]
 
 

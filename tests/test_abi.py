@@ -143,6 +143,18 @@ def test_unknown_policy_message_lists_the_policies():
             f"unknown policy {count} ({listed})")
 
 
+def test_unknown_partition_is_refused_with_the_accepted_values():
+    for bad in (2, 7, (1 << 32) - 1):
+        _expect("expcache_create", (byref(_cfg(partition=bad)), byref(_lib.CachePtr())), INVALID,
+                f"unknown partition {bad} (0 global, 1 layer)")
+
+
+def test_partition_defaults_to_global():
+    cfg = _lib.Config()
+    lib.expcache_config_init(byref(cfg))
+    assert cfg.partition == _lib.PARTITIONS["global"] == 0
+
+
 @pytest.fixture
 def live():
     layout = ModelLayout.preset("q2", scale=SCALE)

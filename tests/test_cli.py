@@ -81,7 +81,14 @@ def test_variants_are_checked_against_the_library_when_parsed(tmp_path):
     assert out.returncode == 2
     from pyexpcache.bench import variants
 
-    assert f"expected a comma list of {', '.join(variants())}; got 'lru,belady'" in out.stderr
+    assert f"expected a comma list of default, {', '.join(variants())}; got 'lru,belady'" in out.stderr
+
+
+def test_variants_default_names_the_librarys_default_policy():
+    from pyexpcache import _lib
+    from pyexpcache.bench.modes.variants import resolve_variants
+
+    assert resolve_variants(["default", "lru", _lib.DEFAULT_POLICY]) == [_lib.DEFAULT_POLICY, "lru"]
 
 
 def run_main(capsys, argv):

@@ -235,6 +235,8 @@ def test_lookup_argument_checked(backend):
             ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="gpu")
         with pytest.raises(ValueError, match="evicts by LRU"):
             ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", policy="oppclass")
+        with pytest.raises(InvalidArgumentError, match="set partition to global"):
+            ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", partition="layer")
         with ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0) as cache:
             assert cache.policy == "lru" and cache.lookup == "device"
 

@@ -35,9 +35,9 @@ def test_a_cache_without_a_policy_runs_the_librarys_default(backend):
         assert cache.stats().total.hits == sim.hits.sum() and cache.stats().total.misses == sim.misses.sum()
 
 
-def _replay_and_simulate(cache, layout, workload, policy):
+def _replay_and_simulate(cache, layout, workload, policy, partition="global"):
     """Replay a workload through the cache, then the same calls through the offline simulator of
-    `policy` (its twin of the same name) at the cache's runtime caps."""
+    `policy` (its twin of the same name) at the cache's runtime caps, under `partition`."""
     for call in workload.calls:
         if call.kind == DECODE:
             cache.select(call.layer, call.ids)
@@ -45,7 +45,9 @@ def _replay_and_simulate(cache, layout, workload, policy):
             cache.prepare_batch(call.layer, call.ids).finish()
     layer_class = [cache.layer_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
     caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
-    return (simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers),
+    experts = [layout[i].num_experts if layout[i] else 0 for i in range(layout.num_layers)]
+    return (simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers,
+                            partition=partition, layer_experts=experts),
             caps, layer_class)
 
 
@@ -78,3 +80,47 @@ def test_simulator_equals_library_with_prefill_batches(make_cache, policy):
     assert st.total.hits == sim.hits.sum() and st.total.misses == sim.misses.sum()
     assert st.path("batch").appends == sim.appends.sum()
     assert st.path("decode").evictions == sim.evictions.sum()
+
+
+@pytest.mark.parametrize("partition", ["global", "layer"])
+@pytest.mark.parametrize("quant,budget_fraction,first", [("mixed", 0.10, 3), ("q2", 0.25, 0), ("q2", 0.05, 3)])
+def test_simulator_equals_library_under_each_partition(make_cache, policy, partition, quant, budget_fraction, first):
+    """partition="layer" in the library (each layer its share of its class's cap; a miss of a layer
+    holding its share evicts among that layer's slots) and in the simulator (LayerSlots, the same
+    shares) agree count for count, per class, for every policy; layers 0-2 registered or not
+    (registered, they take shares the traces never use)."""
+    full = ModelLayout.preset(quant, scale=SCALE)
+    layout = ModelLayout(tuple(s if i >= first else None for i, s in enumerate(full.layers)), name="registered")
+    cache, _ = make_cache(layout, budget_bytes=int(layout.total_bytes * budget_fraction), partition=partition)
+    assert cache.partition == partition
+    w = bench.build_workload("decode", ["podA_c_python_full", "podA_b_json_full"])
+    sim, caps, layer_class = _replay_and_simulate(cache, layout, w, policy, partition)
+    for c in cache.stats().classes:
+        d = c.paths["decode"]
+        i = c.info.index
+        assert (d.hits, d.misses, d.evictions, d.direct_loads) == (
+            sim.hits[i], sim.misses[i], sim.evictions[i], sim.direct[i])
+    other = simulate_policy(w.calls, caps, layer_class, policy=policy, layers=layout.moe_layers)
+    if partition == "layer":  # the partition is not the global cache under another name
+        assert (sim.hits != other.hits).any()
+
+
+@pytest.mark.parametrize("partition", ["global", "layer"])
+def test_prefill_batches_under_each_partition(make_cache, policy, partition):
+    """Batches append below a layer's share only, in the library as in the simulator."""
+    layout = ModelLayout.preset("mixed", scale=SCALE)
+    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 8, partition=partition)
+    w = bench.build_workload("prefill", ["podA_b_json_full"])
+    sim, _, _ = _replay_and_simulate(cache, layout, w, policy, partition)
+    st = cache.stats()
+    assert st.total.hits == sim.hits.sum() and st.total.misses == sim.misses.sum()
+    assert st.path("batch").appends == sim.appends.sum()
+    assert st.path("decode").evictions == sim.evictions.sum()
+
+
+def test_partition_is_checked_before_the_library_sees_it(backend):
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    with HostSource(layout) as source:
+        for bad in ("layers", "", None, 1):
+            with pytest.raises(ValueError, match="partition must be one of"):
+                ExpertCache(layout, source, budget_experts=4, backend=backend, partition=bad)

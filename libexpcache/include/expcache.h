@@ -145,10 +145,26 @@ EXPCACHE_API uint32_t expcache_version(void);
 
 /** Eviction policies (expcache_config_t.policy), per class. Ids are 0..EXPCACHE_POLICY_COUNT-1. */
 #define EXPCACHE_POLICY_LRU 0      /**< "lru": least recently used */
-#define EXPCACHE_POLICY_OPPCLASS 1 /**< "oppclass", the default: decayed use count classes, age in missed
-                                        opportunities of the expert's layer (docs/policy.md): more hits
-                                        than LRU, most at small budgets */
-#define EXPCACHE_POLICY_COUNT 2    /**< the number of EXPCACHE_POLICY_* values */
+#define EXPCACHE_POLICY_OPPCLASS 1 /**< "oppclass": decayed use count classes, age in missed opportunities
+                                        of the expert's layer (docs/policy.md): more hits than LRU on the
+                                        DeepSeek traces, most at small budgets; fewer where popularity
+                                        shifts */
+#define EXPCACHE_POLICY_DUEL 2     /**< "duel", the default: LRU and OppClassLRU both order the slots, the
+                                        one whose victims go chosen online from two shadow caches (set
+                                        dueling; docs/policy.md): within 0.5 points of LRU on every trace
+                                        measured, most of OppClassLRU's gain where it has one */
+#define EXPCACHE_POLICY_COUNT 3    /**< the number of EXPCACHE_POLICY_* values */
+
+/** How a class's slots are shared among its layers (expcache_config_t.partition). */
+#define EXPCACHE_PARTITION_GLOBAL 0 /**< a miss may evict any slot of its class (default) */
+#define EXPCACHE_PARTITION_LAYER 1  /**< each layer its own share of its class's slots: the class's runtime
+                                         cap split over the class's registered layers in proportion to their
+                                         experts (rounded down, the slots left over one each to the layers
+                                         of the largest remainders, ties to the lower layer). A miss of a
+                                         layer holding its share evicts the policy's victim among that
+                                         layer's slots; below its share it takes a free or new slot (and,
+                                         when the cap allows none, the victim among the class's slots).
+                                         Batches append only below the layer's share */
 
 /** Where a cache looks experts up (expcache_config_t.lookup). */
 #define EXPCACHE_LOOKUP_HOST 0   /**< the host: expcache_select_async and the other serving calls */
@@ -208,7 +224,7 @@ typedef struct expcache_config_t {
                                     cores the process may use (its CPU affinity) less 4, at least 2, at
                                     most 12; 0 = plain pageable copies, and files read by the calling
                                     thread alone */
-    uint32_t policy;           /**< EXPCACHE_POLICY_*; default OPPCLASS */
+    uint32_t policy;           /**< EXPCACHE_POLICY_*; default DUEL */
     uint64_t staging_bytes;    /**< pageable and file sources: size of the pinned staging ring; default
                                     64 MiB; 1 MiB..16 GiB */
     uint64_t staging_chunk_bytes; /**< largest piece one thread fills and one transfer moves; default 512 KiB;
@@ -226,6 +242,7 @@ typedef struct expcache_config_t {
                                     allocated whole when the class is bound, and expcache_select_device_async
                                     looks experts up on the device (see "Serving from the device"); needs
                                     policy LRU */
+    uint32_t partition;        /**< EXPCACHE_PARTITION_GLOBAL (default) or _LAYER; a device lookup needs GLOBAL */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */

@@ -37,6 +37,31 @@ ClassShare class_share(const LayerTable& layers, const ClassState& cls) {
     return out;
 }
 
+// EXPCACHE_PARTITION_LAYER: layer `index`'s share of the class's `cap` slots, the cap split over
+// the class's registered layers in proportion to their experts, rounded down, the slots left over
+// one each to the largest remainders (ties: the lower layer). pyexpcache.sim.driver.layer_shares
+// is its twin.
+uint64_t layer_share(const LayerTable& layers, const ClassState& cls, uint64_t cap, uint32_t index) {
+    std::vector<std::pair<uint64_t, uint32_t>> rems;  // (remainder, layer), largest first
+    unsigned __int128 total = 0;
+    uint64_t given = 0, mine = 0;
+    for (uint32_t l = 0; l < layers.size(); ++l)
+        if (layers[l].registered && std::equal(cls.key, cls.key + kParts, layers[l].bytes)) total += layers[l].num_experts;
+    if (total == 0) return 0;
+    for (uint32_t l = 0; l < layers.size(); ++l) {
+        if (!layers[l].registered || !std::equal(cls.key, cls.key + kParts, layers[l].bytes)) continue;
+        const unsigned __int128 scaled = (unsigned __int128)cap * layers[l].num_experts;
+        const uint64_t q = static_cast<uint64_t>(scaled / total);
+        given += q;
+        if (l == index) mine = q;
+        rems.emplace_back(static_cast<uint64_t>(scaled % total), l);
+    }
+    std::stable_sort(rems.begin(), rems.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (uint64_t i = 0; i < cap - given && i < rems.size(); ++i)
+        if (rems[i].second == index) ++mine;
+    return mine;
+}
+
 }  // namespace
 
 ClassTable::ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
@@ -329,21 +354,32 @@ namespace {
 struct EvictableCtx {
     const std::vector<SlotState>* slots;
     uint64_t first_protected_call;  // slots with last_call >= this stay
+    int32_t layer;                  // >= 0: only that layer's slots (EXPCACHE_PARTITION_LAYER)
 };
 
 bool slot_evictable(const void* ctx, int32_t s) {
     auto* c = static_cast<const EvictableCtx*>(ctx);
     const SlotState& slot = (*c->slots)[static_cast<size_t>(s)];
     return slot.holds == 0 && slot.prefetch != kPrefetchLoading && slot.prefetch != kPrefetchPartial &&
-           slot.last_call < c->first_protected_call;
+           slot.last_call < c->first_protected_call && (c->layer < 0 || slot.layer == c->layer);
 }
 
 }  // namespace
 
-expcache_status_t ClassTable::acquire(int32_t c, bool allow_grow, Evict evict_mode, uint64_t protect_from,
-                                      uint32_t path, int32_t* out) {
+expcache_status_t ClassTable::acquire(int32_t c, uint32_t layer, bool allow_grow, Evict evict_mode,
+                                      uint64_t protect_from, uint32_t path, int32_t* out) {
     ClassState& cls = classes_[c];
-    if (cls.free_slots.empty() && allow_grow) {
+    int32_t only = -1;  // the layer a victim must be of
+    if (config_.partition == EXPCACHE_PARTITION_LAYER) {
+        if (!cls.cap_valid) {
+            expcache_status_t s = refresh_cap(c, path);
+            if (s != EXPCACHE_OK) return s;
+        }
+        const std::vector<int32_t>& held = layers_[layer].slot_of;
+        const uint64_t holds = static_cast<uint64_t>(held.size() - std::count(held.begin(), held.end(), -1));
+        if (holds >= layer_share(layers_, cls, cls.cap, layer)) only = static_cast<int32_t>(layer);
+    }
+    if (only < 0 && cls.free_slots.empty() && allow_grow) {  // a full share: its own victim or nothing
         if (!cls.cap_valid) {
             expcache_status_t s = refresh_cap(c, path);
             if (s != EXPCACHE_OK) return s;
@@ -353,14 +389,14 @@ expcache_status_t ClassTable::acquire(int32_t c, bool allow_grow, Evict evict_mo
             if (s != EXPCACHE_OK) return s;
         }
     }
-    if (!cls.free_slots.empty()) {
+    if (only < 0 && !cls.free_slots.empty()) {
         *out = cls.free_slots.back();
         cls.free_slots.pop_back();
         return EXPCACHE_OK;
     }
     *out = -1;
     if (evict_mode != Evict::kNo) {
-        EvictableCtx ctx{&cls.slots, protect_from};
+        EvictableCtx ctx{&cls.slots, protect_from, only};
         int32_t v = cls.policy->victim(slot_evictable, &ctx);
         if (v >= 0) {
             evict(c, v, path);

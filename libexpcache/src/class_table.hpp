@@ -115,10 +115,12 @@ public:
     // the class is bound, kept (at one address) until the cache is destroyed.
     bool banked() const { return banked_; }
 
-    // A slot for a miss: a free one, else a new one within the cap, else (evict) the policy's
-    // victim among the evictable slots (protect_from: see Evict). *out = -1 when none may be had.
-    expcache_status_t acquire(int32_t c, bool allow_grow, Evict evict, uint64_t protect_from, uint32_t path,
-                              int32_t* out);
+    // A slot for a miss of `layer`: a free one, else a new one within the cap, else (evict) the
+    // policy's victim among the evictable slots (protect_from: see Evict). Under
+    // EXPCACHE_PARTITION_LAYER a layer holding its share (layer_share) takes only the victim among
+    // its own slots. *out = -1 when none may be had.
+    expcache_status_t acquire(int32_t c, uint32_t layer, bool allow_grow, Evict evict, uint64_t protect_from,
+                              uint32_t path, int32_t* out);
     // The one way an expert enters a slot from acquire(): resident for `layer`, ranked by `how`,
     // used by call `call` (0 for a prefetch).
     void install(int32_t c, int32_t s, uint32_t layer, uint32_t expert, Insert how, uint64_t call);

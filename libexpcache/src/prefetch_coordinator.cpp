@@ -139,7 +139,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
             continue;
         }
         int32_t slot = -1;
-        if ((s = x_.classes.acquire(c, true, Evict::kPrefetch, x_.clock.prev, EXPCACHE_PATH_CONTROL, &slot)) !=
+        if ((s = x_.classes.acquire(c, layer_index, true, Evict::kPrefetch, x_.clock.prev, EXPCACHE_PATH_CONTROL, &slot)) !=
             EXPCACHE_OK)
             return s;
         if (slot < 0) {

@@ -24,6 +24,9 @@ Model
      smaller than the call) the id is served directly, without caching.
      Capacity 0 serves everything directly.
 
+* ``partition="layer"`` (:func:`simulate_policy`): each layer its own share of its class's
+  capacity; a decode miss of a layer holding its share evicts one of that layer's entries, a
+  batch appends only below it (:class:`~pyexpcache.sim.driver.LayerSlots`).
 * ``"batch"`` call (prefill: one layer, the ids of many tokens): the union
   of the ids is served.  A resident id is a hit and its recency does *not*
   change.  A missing id is a miss; it is appended at the *least* recently used
@@ -57,6 +60,8 @@ Policies (``POLICIES`` maps names to factories):
 ``oppclass``       ours, the winner: :class:`OppClassLRU` (docs/policy.md)
 ``hazard``         ours, candidate 2: :class:`HazardClassLRU`, the same lists
                    ranked by a reuse hazard learned online
+``duel``           the library's default: :class:`DuelPolicy`, LRU and
+                   OppClassLRU, the one followed chosen by two shadow caches
 =================  ==========================================================
 
 Nothing here needs more than numpy; every policy keeps O(1) or O(log n)
@@ -72,6 +77,7 @@ Modules
 ``frequency``  :class:`ClassLRU`, :class:`LRFU`
 ``segmented``  :class:`ARC`, :class:`S3FIFO`, :class:`WTinyLFU`
 ``oppclass``   :func:`missed_opportunities`, :class:`OppClassLRU`, :class:`HazardClassLRU`
+``duel``       :class:`DuelPolicy`
 ``belady``     :func:`simulate_belady`
 ``registry``   :data:`POLICIES`, :func:`make_policy`, the ``simulate_*`` entry points
 """
@@ -81,6 +87,7 @@ from .calls import (BATCH, DECODE, KEY_SHIFT, Call, Requests, SimResult, as_stre
                     token_index)
 from .frequency import LRFU, ClassLRU
 from .lru import LRU
+from .duel import DuelPolicy
 from .oppclass import HazardClassLRU, OppClassLRU, missed_opportunities
 from .policy import Ctx, Policy
 from .registry import POLICIES, make_policy, simulate, simulate_global, simulate_lru, simulate_policy
@@ -109,6 +116,7 @@ __all__ = [
     "WTinyLFU",
     "OppClassLRU",
     "HazardClassLRU",
+    "DuelPolicy",
     "missed_opportunities",
     # registry and simulators
     "POLICIES",

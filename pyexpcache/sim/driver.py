@@ -22,6 +22,10 @@ Where entries live and what "room" means is the *space*:
 * :class:`ClassSlots`: class ``c`` holds at most ``capacity[c]`` entries and
   has a policy object of its own; a full class evicts one of its own entries
   (capacity 0 serves everything directly without asking the policy).
+* :class:`LayerSlots`: the *per-layer partition* (``partition="layer"``): class ``c``'s
+  ``capacity[c]`` split into a share per layer (:func:`layer_shares`); a miss of layer ``L``
+  takes free room while ``L`` holds fewer entries than its share, else evicts one of ``L``'s own
+  entries (the policy's victim among them), else is served directly.
 * :class:`SharedBudget`: the *global budget* mode for multi-class layouts: one
   policy object orders the entries of every class and the classes compete for
   one byte budget (a miss evicts victims, of any class, until its bytes fit; a
@@ -41,7 +45,7 @@ from .calls import (APPEND, COUNTERS, DECODE, DIRECT, EVICT, HIT, INSERT, KEY_SH
                     present_rows, token_index)
 from .policy import Ctx, Policy
 
-__all__ = ["PreparedStream", "prepare", "ClassSlots", "SharedBudget", "replay"]
+__all__ = ["PreparedStream", "prepare", "ClassSlots", "LayerSlots", "SharedBudget", "replay", "layer_shares"]
 
 
 # --------------------------------------------------------------------------- the stream
@@ -116,9 +120,10 @@ class ClassSlots:
 
     The interface :func:`replay` uses (shared with :class:`SharedBudget`):
     ``layer_class``, ``policies`` and ``resident`` (per class: the policy object and a
-    container of the resident keys), ``sizes`` (per class: :attr:`Ctx.size`), ``fits(c)``,
-    ``may_evict(c)``, ``holds(key, c)``, ``add(key, c)``, ``remove(key, c)`` (returns the
-    removed entry's class) and ``check(c)``.
+    container of the resident keys), ``sizes`` (per class: :attr:`Ctx.size`), ``fits(c, layer)``,
+    ``may_evict(c, layer)``, ``evictable(want, layer)`` (the predicate handed to ``victim``),
+    ``holds(key, c)``, ``add(key, c)``, ``remove(key, c)`` (returns the removed entry's class)
+    and ``check(c)``.
     """
 
     def __init__(self, capacity: Sequence[int], layer_class: Sequence[int], policies: Sequence[Policy]) -> None:
@@ -128,13 +133,17 @@ class ClassSlots:
         self.resident = [set() for _ in capacity]
         self.sizes = [1] * len(capacity)
 
-    def fits(self, c: int) -> bool:
+    def fits(self, c: int, layer: int) -> bool:
         """Is there room for one more entry of class ``c``?"""
         return len(self.resident[c]) < self.capacity[c]
 
-    def may_evict(self, c: int) -> bool:
+    def may_evict(self, c: int, layer: int) -> bool:
         """May a miss of class ``c`` ask its policy for a victim?  (Capacity 0: no.)"""
         return self.capacity[c] > 0
+
+    def evictable(self, want, layer: int):
+        """What a decode miss may evict: any entry the call does not request."""
+        return lambda k: k not in want  # noqa: E731
 
     def holds(self, key: int, c: int) -> bool:
         return key in self.resident[c]
@@ -150,6 +159,62 @@ class ClassSlots:
         res = self.resident[c]
         assert len(res) <= self.capacity[c]
         assert len(self.policies[c]) == len(res), (len(self.policies[c]), len(res))
+
+
+def layer_shares(capacity: Sequence[int], layer_class: Sequence[int], layer_experts: Sequence[int]) -> list[int]:
+    """Each layer's share of its class's capacity under ``partition="layer"``, as the library
+    computes it (``libexpcache/src/class_table.cpp``): ``capacity[c]`` split over the class's
+    layers in proportion to their experts (``layer_experts[l]``; 0 for a layer outside every
+    class), rounded down, the slots left over handed one each to the layers of the largest
+    remainders (ties: the lower layer), so the shares add up to the capacity."""
+    shares = [0] * len(layer_class)
+    for c, cap in enumerate(capacity):
+        members = [l for l, k in enumerate(layer_class) if k == c and l < len(layer_experts) and layer_experts[l] > 0]
+        total = sum(layer_experts[l] for l in members)
+        if not total:
+            continue
+        rem = []
+        for l in members:
+            q, r = divmod(cap * layer_experts[l], total)
+            shares[l] = q
+            rem.append((-r, l))
+        left = cap - sum(shares[l] for l in members)
+        for _, l in sorted(rem)[:left]:
+            shares[l] += 1
+    return shares
+
+
+class LayerSlots(ClassSlots):
+    """The per-layer partition: as :class:`ClassSlots`, but layer ``l`` holds at most
+    ``share[l]`` entries (:func:`layer_shares`) and a miss evicts only an entry of its own
+    layer.  Keys are ``layer << KEY_SHIFT | expert``, so an entry's layer is ``key >> KEY_SHIFT``."""
+
+    def __init__(self, capacity: Sequence[int], layer_class: Sequence[int], policies: Sequence[Policy],
+                 layer_experts: Sequence[int]) -> None:
+        super().__init__(capacity, layer_class, policies)
+        self.share = layer_shares(capacity, layer_class, layer_experts)
+        self.count = [0] * len(self.share)
+
+    def fits(self, c: int, layer: int) -> bool:
+        return self.count[layer] < self.share[layer]
+
+    def may_evict(self, c: int, layer: int) -> bool:
+        return self.share[layer] > 0
+
+    def evictable(self, want, layer: int):
+        return lambda k: k >> KEY_SHIFT == layer and k not in want  # noqa: E731
+
+    def add(self, key: int, c: int) -> None:
+        super().add(key, c)
+        self.count[key >> KEY_SHIFT] += 1
+
+    def remove(self, key: int, c: int) -> int:
+        self.count[key >> KEY_SHIFT] -= 1
+        return super().remove(key, c)
+
+    def check(self, c: int) -> None:
+        super().check(c)
+        assert all(n <= s for n, s in zip(self.count, self.share))
 
 
 class SharedBudget:
@@ -173,12 +238,15 @@ class SharedBudget:
         self.count = [0] * n
         self.peak = [0] * n
 
-    def fits(self, c: int) -> bool:
+    def fits(self, c: int, layer: int) -> bool:
         """Are ``class_bytes[c]`` bytes free?"""
         return self.used + self.sizes[c] <= self.budget
 
-    def may_evict(self, c: int) -> bool:
+    def may_evict(self, c: int, layer: int) -> bool:
         return True
+
+    def evictable(self, want, layer: int):
+        return lambda k: k not in want  # noqa: E731
 
     def holds(self, key: int, c: int) -> bool:
         return key in self.entries
@@ -242,10 +310,11 @@ def _serve_hits(want, resident, pol, ctx, counters) -> list:
 def _make_room(space, c, key, pol, evictable, want, ctx, counters, check) -> bool:
     """Evict the policy's victims until an entry of class ``c`` fits; False: serve ``key``
     directly (no victim left, or the first replacement refused by ``admit``)."""
-    if not space.may_evict(c):
+    layer = ctx.layer
+    if not space.may_evict(c, layer):
         return False
     first = True
-    while not space.fits(c):
+    while not space.fits(c, layer):
         v = pol.victim(evictable)
         if v is None or (first and not pol.admit(key, v, ctx)):
             return False
@@ -279,11 +348,11 @@ def replay(prepared: PreparedStream, space, *, check: bool = False) -> list[list
         if call.kind == DECODE:
             missing = _serve_hits(want, res, pol, ctx, ct)
             if missing:
-                evictable = lambda k: k not in want  # noqa: E731
+                evictable = space.evictable(want, call.layer)
                 for key in missing:
                     ct[MISS] += 1
                     pol.on_miss(key, ctx)
-                    if not space.fits(c) and not _make_room(space, c, key, pol, evictable, want, ctx, cnt, check):
+                    if not space.fits(c, call.layer) and not _make_room(space, c, key, pol, evictable, want, ctx, cnt, check):
                         ct[DIRECT] += 1
                         continue
                     space.add(key, c)
@@ -296,7 +365,7 @@ def replay(prepared: PreparedStream, space, *, check: bool = False) -> list[list
                 else:
                     ct[MISS] += 1
                     pol.on_miss(key, ctx)
-                    if space.fits(c):
+                    if space.fits(c, call.layer):
                         space.add(key, c)
                         pol.on_insert(key, True, ctx)
                         ct[APPEND] += 1

@@ -7,7 +7,8 @@
   name, which replays count for count what the library does
   (``tests/test_policy.py`` checks both); the other entries are candidates
   evaluated offline (``benchmarks/policy_eval.py``).
-* :func:`simulate_policy` (one policy object per size class) and
+* :func:`simulate_policy` (one policy object per size class; ``partition="layer"``: each
+  layer its own share of its class, as the library's ``partition="layer"``) and
   :func:`simulate_global` (one policy object, one byte budget for every class)
   replay a stream through :func:`pyexpcache.sim.driver.replay`;
   :func:`simulate_lru` is ``simulate_policy`` with :class:`~pyexpcache.sim.lru.LRU`.
@@ -20,15 +21,22 @@ from functools import partial
 from typing import Callable, Sequence
 
 from .belady import simulate_belady
-from .calls import Requests, SimResult, as_stream, check_classes
-from .driver import ClassSlots, SharedBudget, prepare, replay
+from ..traces import Trace
+from .calls import COUNTERS, Requests, SimResult, as_stream, check_classes
+from .duel import DuelPolicy
+from .driver import ClassSlots, LayerSlots, SharedBudget, layer_shares, prepare, replay
 from .frequency import LRFU, ClassLRU
 from .lru import LRU
 from .oppclass import HazardClassLRU, OppClassLRU
 from .policy import Policy
 from .segmented import ARC, S3FIFO, WTinyLFU
 
-__all__ = ["POLICIES", "make_policy", "simulate_policy", "simulate_global", "simulate_lru", "simulate"]
+__all__ = ["POLICIES", "PARTITIONS", "make_policy", "simulate_policy", "simulate_global", "simulate_lru", "simulate",
+           "simulate_belady_partitioned", "layer_experts_of"]
+
+#: How a class's slots are shared among its layers: "global" (any miss may evict any entry of
+#: its class) or "layer" (each layer its own share, :func:`~pyexpcache.sim.driver.layer_shares`).
+PARTITIONS = ("global", "layer")
 
 POLICIES: dict[str, Callable[[int], Policy]] = {
     "lru": LRU,
@@ -39,6 +47,7 @@ POLICIES: dict[str, Callable[[int], Policy]] = {
     "wtinylfu": WTinyLFU,
     "oppclass": OppClassLRU,
     "hazard": HazardClassLRU,
+    "duel": DuelPolicy,
 }
 
 
@@ -72,6 +81,8 @@ def simulate_policy(
     weights=None,
     tokens: Sequence[int] | None = None,
     layers: Sequence[int] | None = None,
+    partition: str = "global",
+    layer_experts: Sequence[int] | None = None,
     check: bool = False,
 ) -> SimResult:
     """Replay ``requests`` through one ``policy`` object per size class.
@@ -86,6 +97,13 @@ def simulate_policy(
         tokens: token index of every call (default :func:`token_index`).
         layers: the layers whose ranks are the clock's layer positions, as the library's
             registered MoE layers are (default: the layers the stream uses).
+        partition: ``"global"`` (default) or ``"layer"``: each layer its own share of its
+            class's capacity (:func:`~pyexpcache.sim.driver.layer_shares`); a miss of a layer
+            holding its share evicts one of that layer's entries.
+        layer_experts: with ``partition="layer"``, the experts of each layer (indexed as
+            ``layer_class``; 0 for a layer in no class, e.g. a dense one): what the shares are
+            in proportion to. Default: a Trace's ``num_experts`` for each of its layers
+            (:func:`layer_experts_of`); required for a stream of calls.
         check: assert the invariants after every call (slow; for tests).
 
     Returns:
@@ -94,9 +112,54 @@ def simulate_policy(
     prepared = prepare(requests, weights, tokens, layers)
     cap, cls = check_classes(prepared.stream, capacity, layer_class)
     factory = make_policy(policy)
-    space = ClassSlots(cap, cls, [factory(c) for c in cap])
+    policies = [factory(c) for c in cap]
+    if _check_partition(partition) == "layer":
+        space = LayerSlots(cap, cls, policies, layer_experts_of(requests, cls, layer_experts))
+    else:
+        space = ClassSlots(cap, cls, policies)
     counters = replay(prepared, space, check=check)
     return SimResult.from_counters(_policy_name(factory), cap, counters, len(prepared.stream))
+
+
+def _check_partition(partition: str) -> str:
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
+    return partition
+
+
+def layer_experts_of(requests, layer_class: Sequence[int], layer_experts: Sequence[int] | None = None) -> list[int]:
+    """The experts of each layer (indexed as ``layer_class``) that ``partition="layer"`` splits a
+    class in proportion to: ``layer_experts`` when given, else a Trace's ``num_experts`` for
+    each layer (a stream of calls does not say: pass ``layer_experts``)."""
+    if layer_experts is not None:
+        out = [int(n) for n in layer_experts]
+        if len(out) < len(layer_class):
+            raise ValueError(f"layer_experts has {len(out)} entries, layer_class {len(layer_class)}")
+        if any(n < 0 for n in out):
+            raise ValueError("layer_experts entries must be >= 0")
+        return out
+    if isinstance(requests, Trace):
+        return [requests.num_experts] * len(layer_class)
+    raise ValueError('partition="layer" needs layer_experts (the experts of each layer) for a stream of calls')
+
+
+def simulate_belady_partitioned(requests, capacity: int | Sequence[int], layer_class: Sequence[int] | None = None,
+                                *, partition: str = "global", layer_experts: Sequence[int] | None = None,
+                                bypass: bool = True) -> SimResult:
+    """Belady's MIN (:func:`~pyexpcache.sim.belady.simulate_belady`) under ``partition``:
+    ``"global"`` is ``simulate_belady``; ``"layer"`` runs it within each layer's share (every
+    layer a class of its own, capacity its share), counters summed back per class."""
+    if _check_partition(partition) == "global":
+        return simulate_belady(requests, capacity, layer_class, bypass=bypass)
+    stream = as_stream(requests)
+    cap, cls = check_classes(stream, capacity, layer_class)
+    shares = layer_shares(cap, cls, layer_experts_of(requests, cls, layer_experts))
+    per_layer = simulate_belady(stream, shares, list(range(len(cls))), bypass=bypass)
+    rows = [[0] * len(COUNTERS) for _ in cap]
+    for layer, c in enumerate(cls):
+        for j, name in enumerate(COUNTERS):
+            rows[c][j] += int(getattr(per_layer, name)[layer])
+    return SimResult.from_counters("belady", cap, rows, per_layer.calls)
 
 
 def simulate_global(

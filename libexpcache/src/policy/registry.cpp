@@ -15,6 +15,7 @@ namespace expcache {
 
 std::unique_ptr<Policy> make_lru_policy();       // lru.cpp
 std::unique_ptr<Policy> make_oppclass_policy();  // oppclass.cpp
+std::unique_ptr<Policy> make_duel_policy();      // duel.cpp
 
 namespace {
 
@@ -27,6 +28,7 @@ struct PolicyEntry {
 constexpr PolicyEntry kPolicies[] = {
     {EXPCACHE_POLICY_LRU, "lru", make_lru_policy},
     {EXPCACHE_POLICY_OPPCLASS, "oppclass", make_oppclass_policy},
+    {EXPCACHE_POLICY_DUEL, "duel", make_duel_policy},
 };
 constexpr uint32_t kCount = sizeof kPolicies / sizeof kPolicies[0];
 

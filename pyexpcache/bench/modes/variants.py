@@ -11,7 +11,10 @@ Variants, side by side in one process on the same source and stream (:func:`vari
 
 each policy   this library: one cache per size class, batches that never evict, decode evicting
               by one of the library's policies, the variant named after it (``oppclass``, ``lru``:
-              docs/policy.md), the library's default first (:func:`policy_variants`).
+              docs/policy.md), the library's default first (:func:`policy_variants`);
+              ``default`` in ``--variants`` names it. With ``--partition global,layer`` each
+              policy also runs with ``partition="layer"`` (each layer its share of its class),
+              the variant ``<policy> (layer)``, its Belady column run within each layer's share.
 ``slab``      the old ds4 design: one slab keyed on the last-seen expert size (a cache
               with ``max_classes=1``, so every size change releases it), released again
               before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
@@ -40,7 +43,8 @@ import numpy as np
 from ... import _lib
 from ...cache import ExpertCache, StagingStats
 from ...layout import GiB, ModelLayout
-from ...sim import BATCH, simulate_belady, simulate_policy
+from ...sim import BATCH, simulate_policy
+from ...sim.registry import PARTITIONS, simulate_belady_partitioned
 from ..bench import Bench
 from ..options import BENCH, OUTPUT, PLOT, Option, csv
 from ..progress import Progress
@@ -69,6 +73,17 @@ def variants() -> tuple[str, ...]:
 _all_variants = variants  # for run_scenario, whose argument of that name hides it
 
 
+def resolve_variants(names: Sequence[str]) -> list[str]:
+    """``names`` with ``default`` replaced by the library's default policy (each name once, in
+    order). Loads the library when ``default`` is among them."""
+    out = []
+    for n in names:
+        n = _lib.DEFAULT_POLICY if n == "default" else n
+        if n not in out:
+            out.append(n)
+    return out
+
+
 NAME = "variants"
 TITLE = "variants table"
 HELP = "the library's policies next to the designs they replace and Belady, per scenario"
@@ -79,13 +94,17 @@ USES_BENCH = True
 
 SCENARIO = Option("--scenario", type=csv(SCENARIOS + ("all",)), default=["decode"],
                   help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
-VARIANTS_OPTION = Option("--variants", type=csv(variants), default=None,
-                         help="comma list of variants: the library's eviction policies by name, "
-                              f"{', '.join(BASELINES)} (default: all, the library's default policy first)")
+VARIANTS_OPTION = Option("--variants", type=csv(lambda: ("default",) + variants()), default=None,
+                         help="comma list of variants: the library's eviction policies by name (default: the "
+                              f"library's default policy), {', '.join(BASELINES)} (default: all, the library's "
+                              "default policy first)")
+PARTITION = Option("--partition", type=csv(PARTITIONS), default=["global"],
+                   help="comma list of global, layer: how each policy variant's classes are shared among their "
+                        "layers (layer: each layer its own share; a variant '<policy> (layer)'); default global")
 NO_LAYER_SYNC = Option("--no-layer-sync", action="store_true",
                        help="enqueue a token's layers back to back and wait once per token, instead of after every "
                             "layer (an engine waits per layer: the next layer's ids come from this one's output)")
-OPTIONS = BENCH + (SCENARIO, VARIANTS_OPTION, NO_LAYER_SYNC, PLOT) + OUTPUT
+OPTIONS = BENCH + (SCENARIO, VARIANTS_OPTION, PARTITION, NO_LAYER_SYNC, PLOT) + OUTPUT
 SELECTED_BY = ()  # the default of the flag spelling
 
 
@@ -161,15 +180,22 @@ def _preload(bench: Bench, cache: ExpertCache) -> None:
     cache.synchronize(bench.stream)
 
 
-def _run_variant(bench: Bench, variant: str, workload: Workload):
+def variant_label(variant: str, partition: str = "global") -> str:
+    """A policy variant's name in the table: the policy, with `` (layer)`` under that partition."""
+    return variant if partition == "global" else f"{variant} ({partition})"
+
+
+def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str = "global"):
     """:func:`run_variant`, and the cache's class capacities for the simulators (policy variants)."""
     layout = bench.layout
-    result = VariantResult(variant, decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens)
+    result = VariantResult(variant_label(variant, partition), decode_tokens=workload.decode_tokens,
+                           prefill_tokens=workload.prefill_tokens)
     capacities = None
     if variant in _lib.POLICIES:
         # Cap notices once, from the default policy's run; the same caps follow for the others.
-        cache = bench.make_cache(budget_bytes=bench.budget_bytes, policy=variant,
-                                 log_level=_lib.LOG_NOTICE if variant == _lib.DEFAULT_POLICY else _lib.LOG_WARNING,
+        notices = variant == _lib.DEFAULT_POLICY and partition == "global"
+        cache = bench.make_cache(budget_bytes=bench.budget_bytes, policy=variant, partition=partition,
+                                 log_level=_lib.LOG_NOTICE if notices else _lib.LOG_WARNING,
                                  **bench.cache_options)
     # The baselines are LRU, as the old designs were.
     elif variant == "slab":
@@ -215,16 +241,23 @@ def _run_variant(bench: Bench, variant: str, workload: Workload):
     return result, capacities
 
 
-def run_variant(bench: Bench, variant: str, workload: Workload) -> VariantResult:
+def run_variant(bench: Bench, variant: str, workload: Workload, partition: str = "global") -> VariantResult:
     """One variant's replay of ``workload`` on ``bench``, with a new cache of its own."""
-    return _run_variant(bench, variant, workload)[0]
+    return _run_variant(bench, variant, workload, partition)[0]
 
 
-def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int]) -> Optional[float]:
-    """The clairvoyant optimum at the library's per-class capacities (decode-only workloads)."""
+def _layer_experts(layout: ModelLayout) -> list[int]:
+    return [layout[i].num_experts if layout[i] else 0 for i in range(layout.num_layers)]
+
+
+def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int], partition: str = "global",
+                    layer_experts: Optional[Sequence[int]] = None) -> Optional[float]:
+    """The clairvoyant optimum at the library's per-class capacities (decode-only workloads);
+    under ``partition="layer"`` within each layer's share (``layer_experts``: each layer's experts)."""
     if workload.has_batches:
         return None
-    return simulate_belady(workload.calls, capacities, layer_class).hit_rate
+    return simulate_belady_partitioned(workload.calls, capacities, layer_class, partition=partition,
+                                       layer_experts=layer_experts).hit_rate
 
 
 def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Optional[Sequence[str]] = None,
@@ -232,7 +265,8 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
         budget_fraction: Optional[float] = None, backend: str = "auto",
         pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: Optional[int] = None,
         progress: Optional[Progress] = None, device: int = 0, source=None,
-        bench: Optional[Bench] = None, layers: Optional[Sequence[int]] = None) -> Report:
+        bench: Optional[Bench] = None, layers: Optional[Sequence[int]] = None,
+        partitions: Sequence[str] = ("global",)) -> Report:
     """Run ``variants`` (default: all, :func:`variants`) on one scenario and return a :class:`Report`
     (see the module docstring). ``traces``: loaded :class:`~pyexpcache.traces.Trace` objects,
     generic routing-trace files, bundled names or ``synthetic:TOKENS[:SEED]``
@@ -246,7 +280,8 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
     the generated host source; an existing ``bench`` (whose source is then reused, and left open)
     replaces both.
     ``host_scale``: what the layout's sizes and the budget were divided by (default: the bench's
-    ``scale``), for the header."""
+    ``scale``), for the header. ``partitions``: each policy variant runs once per partition
+    (``"layer"``: the variant ``<policy> (layer)``); the baselines once."""
     budget_bytes = resolve_budget(layout, budget_bytes, budget_fraction)
     loaded = [decode_trace(t) for t in traces]
     keep = layout.moe_layers if layers is None else [i for i in layers if i in set(layout.moe_layers)]
@@ -262,6 +297,10 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
                              f"{layout[call.layer].num_experts} experts")
     if variants is None:
         variants = _all_variants()
+    variants = resolve_variants(variants)
+    bad = [p for p in partitions if p not in PARTITIONS]
+    if bad or not partitions:
+        raise ValueError(f"partitions must be a non-empty list of {', '.join(PARTITIONS)}, got {list(partitions)}")
     own = bench is None
     if own:
         bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
@@ -277,18 +316,21 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
                         link_label=measured.label,
                         settings=dict(scenario=scenario, decode_tokens=workload.decode_tokens,
                                       prefill_tokens=workload.prefill_tokens, layer_sync=bench.layer_sync))
-        for variant in variants:
-            r, capacities = _run_variant(bench, variant, workload)
+        runs = [(v, p) for v in variants for p in (partitions if v in _lib.POLICIES else ("global",))]
+        experts = _layer_experts(layout)
+        for variant, partition in runs:
+            r, capacities = _run_variant(bench, variant, workload, partition)
             if r.skipped is None and r.decode_bytes_h2d:
                 # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
                 r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / measured.bytes_per_s)
             if capacities is not None:
                 caps, layer_class = capacities
-                r.belady_hit_rate = belady_hit_rate(workload, caps, layer_class)
+                r.belady_hit_rate = belady_hit_rate(workload, caps, layer_class, partition, experts)
                 # The offline simulator of the same policy must agree with the library's counters.
-                sim = simulate_policy(workload.calls, caps, layer_class, policy=variant, layers=layout.moe_layers)
+                sim = simulate_policy(workload.calls, caps, layer_class, policy=variant, layers=layout.moe_layers,
+                                      partition=partition, layer_experts=experts)
                 if sim.hit_rate != r.hit_rate:
-                    raise RuntimeError(f"{variant}: library hit rate {r.hit_rate} differs from the simulator's "
+                    raise RuntimeError(f"{r.variant}: library hit rate {r.hit_rate} differs from the simulator's "
                                        f"{sim.hit_rate} at the same capacities: a bug")
             report.results.append(r)
         return report
@@ -303,8 +345,7 @@ def check(args) -> None:
     """What the variants table cannot run, before anything is allocated: --plot's file type. Without
     --variants, all of them (:func:`variants`: the library's policies are read here)."""
     curve.check_plot(args)
-    if args.variants is None:
-        args.variants = list(variants())
+    args.variants = list(variants()) if args.variants is None else resolve_variants(args.variants)
 
 
 def device_bytes(args, budget: int, model_bytes: int) -> int:
@@ -316,7 +357,8 @@ def run(bench: Bench, args) -> Iterator[Report]:
     """A report per --scenario, each as it is finished; then --plot's curve, when asked for."""
     for scenario in SCENARIOS if "all" in args.scenario else tuple(args.scenario):
         yield run_scenario(bench.layout, scenario, variants=args.variants, traces=args.traces,
-                           budget_bytes=bench.budget_bytes, bench=bench, layers=args.layers)
+                           budget_bytes=bench.budget_bytes, bench=bench, layers=args.layers,
+                           partitions=getattr(args, "partition", None) or ("global",))
     if args.outputs.get("plot"):
         curve.write_plot(bench.layout, args.traces, args.outputs["plot"])
 
