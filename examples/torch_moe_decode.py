@@ -14,7 +14,17 @@ misses' after ``sel.wait(stream)``, summed in router order all the same); ``--pr
 routing layer L, prefetch layer L+1's experts of the previous token). The attention is a stand-in
 (a fixed random [H, H] matmul plus residual); RMSNorm has no weights.
 
-Run:  python3 examples/torch_moe_decode.py [--device auto|cuda|cpu] [--split] [--prefetch]
+``--graph``: served from the GPU. The cache is made with ``lookup="device"``; the router's ids
+never leave the device: ``cache.select_device(layer, ids)`` turns them into slot ids in the
+layer's bank, and the experts are read in place through the bank by slot id (``index_select`` +
+``bmm``, one batched expert function). On CUDA the whole decode step (embedding, every layer, the
+greedy argmax feeding the next step) is captured once in a CUDA graph and replayed per token. The
+reference runs the same batched function over the resident experts indexed by id, so the logits
+must again be equal bit for bit. Printed side by side in the same run: the resident model eager
+and captured in a graph, today's ``select_views`` path, and the captured ``select_device`` step,
+with the misses' bytes at the measured link rate (a lower bound on the time per token).
+
+Run:  python3 examples/torch_moe_decode.py [--device auto|cuda|cpu] [--split] [--prefetch] [--graph]
 On the CPU (expcache's host backend) the defaults shrink (bf16 matmuls are slow there): give
 sizes explicitly (--layers --experts --hidden --ffn ...) to override. Exits 1 on a mismatch.
 """
@@ -121,6 +131,156 @@ class Model:
         return (rms_norm(x) @ self.lm_head).float()
 
 
+def batched_experts(h, parts, index, weights):
+    """The routed experts as one batched function: ``parts`` (gate [N, F, H], up [N, F, H], down
+    [N, H, F]: the resident experts, or a bank's slots) gathered at ``index`` ([k] on the device),
+    then bmm; the outputs weighted and summed. Both the reference and the bank path use it."""
+    k = index.shape[0]
+    g, u, d = (t.index_select(0, index) for t in parts)
+    x = h.expand(k, 1, h.shape[-1])
+    y = torch.bmm(F.silu(torch.bmm(x, g.transpose(1, 2))) * torch.bmm(x, u.transpose(1, 2)), d.transpose(1, 2))
+    return (weights[:, None, None] * y).sum(0)
+
+
+class GraphStep:
+    """One greedy decode step that never leaves the device: the token and the position are device
+    tensors the step advances itself, so it can be captured once and replayed (``--graph``).
+    ``experts(layer, h, ids, weights)`` gives the layer's weighted expert output from device ids."""
+
+    def __init__(self, model, a, device, experts):
+        self.model, self.experts = model, experts
+        self.token = torch.full((1,), a.prompt, dtype=torch.long, device=device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.logits = None
+
+    def __call__(self):
+        m = self.model
+        x = m.embed.index_select(0, self.token) + m.pos.index_select(0, self.pos)
+        for layer, (attn, router) in enumerate(zip(m.attn, m.router)):
+            x = x + rms_norm(x) @ attn
+            h = rms_norm(x)
+            top, ids = torch.topk((h @ router).float(), m.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1).to(BF16)[0]
+            x = x + self.experts(layer, h, ids[0], weights)
+        self.logits = (rms_norm(x) @ m.lm_head).float()
+        self.token.copy_(self.logits.argmax(-1))
+        self.pos.add_(1)
+        return self.logits
+
+
+def run_graph_steps(step, a, on_cuda, capture: bool):
+    """Decode a.tokens tokens with ``step`` (a GraphStep), captured in a CUDA graph when
+    ``capture`` (after warm-up steps on a side stream, as torch asks); returns (logits, tokens,
+    seconds). The warm-up steps advance the position: it is reset before timing."""
+    graph = None
+    if capture:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    else:
+        step()  # warm-up: kernel setup, and a device-lookup cache binds its layers
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    step.token.fill_(a.prompt)
+    step.pos.zero_()
+    logits = []
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(a.tokens):
+        if graph is not None:
+            graph.replay()
+        else:
+            step()
+        logits.append(step.logits.clone())
+    sync()
+    seconds = time.perf_counter() - t0
+    return logits, [int(x.argmax()) for x in logits], seconds
+
+
+def link_rate(on_cuda) -> float:
+    """Host-to-device bytes/s of a 256 MiB copy from pinned memory (0 on the CPU)."""
+    if not on_cuda:
+        return 0.0
+    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 4 * src.numel() / (time.perf_counter() - t0)
+
+
+def graph_main(a, model, layout, budget, on_cuda, device) -> int:
+    """--graph: the resident reference (eager, captured), today's select_views path, and the
+    captured select_device step, in one run; the logits of the device path equal the reference's."""
+    shapes = ((a.ffn, a.hidden), (a.ffn, a.hidden), (a.hidden, a.ffn))
+    resident = [tuple(t for t in parts) for parts in model.resident]
+    ref_step = GraphStep(model, a, device, lambda layer, h, ids, w: batched_experts(h, resident[layer], ids, w))
+    ref_logits, ref_tokens, ref_eager_s = run_graph_steps(ref_step, a, on_cuda, capture=False)
+    rows = [("resident, eager", ref_eager_s)]
+    if on_cuda:
+        _, _, ref_graph_s = run_graph_steps(GraphStep(model, a, device, lambda layer, h, ids, w: batched_experts(
+            h, resident[layer], ids, w)), a, on_cuda, capture=True)
+        rows.append(("resident, one CUDA graph", ref_graph_s))
+
+    source = TorchHostSource(layout, model.host, model.pinned)
+    backend = "cuda" if on_cuda else "host"
+    dev = torch.cuda.current_device() if on_cuda else 0
+    # Today's path, for comparison: ids to the host every layer, a view and a kernel chain per expert.
+    with ExpertCache(layout, source, budget_bytes=budget, backend=backend, device=dev, log_level=1) as cache:
+        stream = torch.cuda.current_stream().cuda_stream if on_cuda else None
+        _, _, views_s = decode(model, cache_experts(cache, a, stream), a, torch.cuda.synchronize if on_cuda
+                               else (lambda: None))
+    rows.append(("expcache select_views, eager", views_s))
+
+    with ExpertCache(layout, source, budget_bytes=budget, backend=backend, device=dev, log_level=1,
+                     lookup="device") as cache:
+        banks = [tuple(torch.from_dlpack(p) for p in cache.bank(layer, dtype="bfloat16", shapes=shapes).parts)
+                 for layer in range(a.layers)]
+
+        def bank_experts(layer, h, ids, weights):
+            slots = cache.select_device(layer, ids)  # on torch's current stream (the capture's too)
+            return batched_experts(h, banks[layer], slots, weights)
+
+        step = GraphStep(model, a, device, bank_experts)
+        cache.reset_stats()
+        got_logits, got_tokens, got_s = run_graph_steps(step, a, on_cuda, capture=on_cuda)
+        st = cache.stats().path("device")
+    rows.append(("expcache select_device" + (", one CUDA graph" if on_cuda else ", eager"), got_s))
+
+    # Counters cover the warm-up steps too: per token as measured over them all.
+    calls_per_token = a.layers
+    tokens_counted = st.calls / calls_per_token if calls_per_token else 0
+    miss_bytes = st.bytes_h2d * (a.tokens / tokens_counted) if tokens_counted else 0.0
+    rate = link_rate(on_cuda)
+    print(f"{'path':38}{'tok/s':>9}{'vs resident graph' if on_cuda else 'vs resident':>20}")
+    base = rows[1][1] if on_cuda else rows[0][1]
+    for name, seconds in rows:
+        print(f"{name:38}{a.tokens / seconds:9.1f}{base / seconds:19.2f}x")
+    print(f"select_device: hit rate {st.hit_rate:.1%} ({st.hits} hits, {st.misses} misses over {st.calls} selects, "
+          f"warm-up included)")
+    if on_cuda and rate:
+        bound = (base + miss_bytes / rate) / a.tokens
+        print(f"misses' bytes per token {miss_bytes / a.tokens / 2**20:.1f} MiB at {rate / 1e9:.1f} GB/s: "
+              f"resident graph + link = {1e3 * bound:.3f} ms/token; select_device graph {1e3 * got_s / a.tokens:.3f} "
+              f"ms/token = {got_s / a.tokens / bound:.2f}x that")
+        print(f"select_device graph vs select_views: {views_s / got_s:.1f}x")
+    print(f"tokens: {got_tokens}")
+    for i, (want, got) in enumerate(zip(ref_logits, got_logits)):
+        if not torch.equal(want, got):
+            sys.exit(f"MISMATCH at step {i}: logits differ (max |diff| {(want - got).abs().max().item():.3g}; "
+                     f"reference token {ref_tokens[i]}, expcache token {got_tokens[i]})")
+    print(f"logits bit-identical: yes ({a.tokens} steps)")
+    return 0
+
+
 def cache_experts(cache, a, stream):
     """``experts()`` for Model.step, served by the cache: plain, --split, with --prefetch."""
     shapes = ((a.ffn, a.hidden), (a.ffn, a.hidden), (a.hidden, a.ffn))
@@ -196,8 +356,12 @@ def main(argv=None) -> int:
                    help="cache budget as a fraction of all experts' bytes (default 0.25)")
     p.add_argument("--split", action="store_true", help="select_split: hits' experts first, then wait, then misses'")
     p.add_argument("--prefetch", action="store_true", help="prefetch layer L+1's previous experts after routing L")
+    p.add_argument("--graph", action="store_true",
+                   help="serve from the GPU: select_device and the bank, the whole step in one CUDA graph")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     a = p.parse_args(argv)
+    if a.graph and (a.split or a.prefetch):
+        sys.exit("--graph serves from the device: it takes neither --split nor --prefetch")
 
     reason = cuda_unusable_reason() if a.device != "cpu" else "asked for cpu"
     if a.device == "cuda" and reason:
@@ -223,7 +387,10 @@ def main(argv=None) -> int:
     print(f"model: {a.layers} layers x {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, ffn {a.ffn}, "
           f"vocab {a.vocab}, bf16; experts {layout.total_bytes / 2**20:.1f} MiB in "
           f"{'pinned' if model.pinned else 'pageable'} host memory; cache budget {a.budget_fraction:.0%} "
-          f"= {budget / 2**20:.1f} MiB; mode: {'split' if a.split else 'plain'}{' + prefetch' if a.prefetch else ''}")
+          f"= {budget / 2**20:.1f} MiB; mode: "
+          f"{'graph' if a.graph else 'split' if a.split else 'plain'}{' + prefetch' if a.prefetch else ''}")
+    if a.graph:
+        return graph_main(a, model, layout, budget, on_cuda, device)
 
     # The reference: every expert resident, indexed by id. A warm-up token first (kernel setup).
     def resident(layer, h, ids):

@@ -1,6 +1,7 @@
 """examples/: each example runs end to end in a child process, at small sizes.
 
-examples/torch_moe_decode.py decodes through the cache (plain select_views, --split, --prefetch)
+examples/torch_moe_decode.py decodes through the cache (plain select_views, --split, --prefetch,
+--graph: select_device and the banks, the step captured in a CUDA graph on the GPU)
 and through an all-resident reference, and must report bit-identical logits: on the host backend
 always, on CUDA when torch and the CUDA library both have a device.
 
@@ -27,7 +28,7 @@ EXAMPLE = REPO / "examples" / "torch_moe_decode.py"
 EXAMPLE_EP = REPO / "examples" / "torch_moe_decode_ep.py"
 SMALL = ["--layers", "3", "--experts", "16", "--hidden", "64", "--ffn", "32", "--vocab", "256", "--tokens", "6"]
 MODES = [pytest.param([], id="plain"), pytest.param(["--split"], id="split"),
-         pytest.param(["--prefetch"], id="prefetch")]
+         pytest.param(["--prefetch"], id="prefetch"), pytest.param(["--graph"], id="graph")]
 
 if not torch.cuda.is_available():
     TORCH_CUDA_REASON = "torch has no CUDA device (a CPU build, or no GPU)"

@@ -331,9 +331,11 @@ class Option:
     """One command-line option: ``argparse`` arguments, defined once. A mode lists the options it
     takes; an option is *given* when its value differs from its default."""
 
-    def __init__(self, *flags: str, **kwargs):
+    def __init__(self, *flags: str, selects: Optional[dict] = None, **kwargs):
         self.flags = flags
         self.kwargs = kwargs
+        # {value: mode name}: an option whose value chooses among modes (--loop torch, --loop graph).
+        self.selects = selects
 
     @property
     def dest(self) -> str:
@@ -349,9 +351,18 @@ class Option:
     def given(self, args) -> bool:
         return getattr(args, self.dest, self.default) != self.default
 
+    def chooses(self, args, mode: str) -> bool:
+        """Whether the option, as given, chooses ``mode`` (any given value does, unless the
+        option's values choose among modes)."""
+        if not self.given(args):
+            return False
+        return self.selects is None or self.selects.get(getattr(args, self.dest)) == mode
+
     @property
     def spelled(self) -> str:
         """The option as it is given to choose a mode: --devices, --loop torch (its one other choice)."""
+        if self.selects:
+            return f"{self.flags[0]} {'|'.join(self.selects)}"
         choices = self.kwargs.get("choices")
         others = [c for c in choices if c != self.default] if choices else []
         return f"{self.flags[0]} {others[0]}" if len(others) == 1 else self.flags[0]

@@ -8,6 +8,8 @@ mode           module        what it runs
 ``engine``     engine        each layer as an engine runs it: non-expert work, prefetch or
                              hints, the split select (the C loop)
 ``torch``      torch_loop    a torch decode loop over zero-copy views
+``graph``      graph_loop    each token's step captured in a CUDA graph: select_device and
+                             a kernel reading the experts through the bank
 ``devices``    devices       the experts spread over N devices
 ``curve``      curve         hit rate against budget, from the simulator
 ``transfer``   transfer      miss throughput per source kind next to the raw link (GPU)
@@ -39,14 +41,14 @@ import importlib
 from ..options import UsageError
 
 # Mode name -> its module, in the order the help lists them. Defined here only.
-_MODULES = {"variants": "variants", "engine": "engine", "torch": "torch_loop", "devices": "devices",
-            "curve": "curve", "transfer": "transfer"}
+_MODULES = {"variants": "variants", "engine": "engine", "torch": "torch_loop", "graph": "graph_loop",
+            "devices": "devices", "curve": "curve", "transfer": "transfer"}
 NAMES = tuple(_MODULES)
 # The flag spelling, `expcache bench [options]`: the modes its options can choose, the one it
 # runs when they choose none, and which wins when options of several are given.
-FLAG_MODES = ("variants", "engine", "torch", "devices")
+FLAG_MODES = ("variants", "engine", "torch", "graph", "devices")
 DEFAULT = "variants"
-PRECEDENCE = ("devices", "torch", "engine")
+PRECEDENCE = ("devices", "torch", "graph", "engine")
 
 
 def by_name(name: str):
@@ -74,7 +76,7 @@ def choose(args):
     chosen, by = by_name(DEFAULT), None
     for name in PRECEDENCE:
         mode = by_name(name)
-        by = next((o for o in mode.SELECTED_BY if o.given(args)), None)
+        by = next((o for o in mode.SELECTED_BY if o.chooses(args, name)), None)
         if by is not None:
             chosen = mode
             break

@@ -63,8 +63,9 @@ DESCRIPTION = ("The decode traces in a torch decode loop (one torch kernel per e
 RUNS = "replays the decode scenario in torch, plain and split selects side by side"
 USES_BENCH = True
 
-LOOP = Option("--loop", choices=("c", "torch"), default="c",
-              help="c: the C replay loop (default); torch: the torch loop (expcache bench torch)")
+LOOP = Option("--loop", choices=("c", "torch", "graph"), default="c", selects={"torch": "torch", "graph": "graph"},
+              help="c: the C replay loop (default); torch: the torch loop (expcache bench torch); graph: each token's "
+                   "step captured in a CUDA graph with the device-side select (expcache bench graph)")
 OPTIONS = BENCH + (LAYER_COMPUTE_US,) + OUTPUT
 SELECTED_BY = (LOOP,)  # --loop torch, in the flag spelling
 
