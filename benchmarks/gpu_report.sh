@@ -9,6 +9,8 @@
 # 8 files, and every step writes one or two):
 #   build tests select_overhead memcheck racecheck copy_methods transfer staging_sweep
 #   decode_pinned decode_no_layer_sync decode_pageable prefill_turns
+#   device_lookup graph_loop torch_graph (serving from the GPU: its tests, the graph loop on the
+#   bundled traces, the torch step of a Qwen3-30B-A3B-like model at two budgets)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-gpu-report}
@@ -48,6 +50,14 @@ run_step() {
         --traces podA_c_python_full --variants oppclass,slab,nocache --json "$DIR/decode_pageable.json" ;;
     prefill_turns) step prefill_turns 330 python3 -m pyexpcache bench --quiet --scenario prefill,turns \
         --variants oppclass,slab --json "$DIR/prefill_turns.json" ;;
+    device_lookup) step device_lookup 300 python3 -m pytest -q -rs tests/test_device_lookup.py \
+        tests/test_examples.py -k "cuda" ;;
+    graph_loop) step graph_loop 420 python3 -m pyexpcache bench --loop graph --quiet --json "$DIR/graph_loop.json" ;;
+    # 16 layers x 128 experts, top-8, hidden 2048, expert FFN 768, bf16: a budget that holds every expert
+    # (the working set), then a quarter of them.
+    torch_graph) step torch_graph 300 bash -c 'for f in 1.0 0.25; do python3 examples/torch_moe_decode.py \
+        --device cuda --graph --layers 16 --experts 128 --top-k 8 --hidden 2048 --ffn 768 --tokens 64 \
+        --budget-fraction $f || exit 1; done' ;;
     *) echo "unknown step: $1" >&2; return 2 ;;
     esac
 }
