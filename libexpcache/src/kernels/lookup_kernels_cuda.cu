@@ -9,7 +9,7 @@ namespace expcache {
 namespace {
 
 constexpr int kLookupThreads = 256;
-constexpr int kCopyThreads = 512;
+constexpr int kCopyThreads = 256;  // one block of these per SM: the link's rate (benchmarks/c/copy_methods.cu)
 constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread: mapped reads cross PCIe
 
 // A candidate victim: the least stamp, then the least slot; slot -1 is none.
@@ -38,14 +38,14 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
+    __shared__ int32_t slot_at[EXPCACHE_MAX_SELECT];  // each first occurrence's slot (-1: none yet)
     __shared__ Candidate warp_bests[kLookupThreads / 32];
     __shared__ uint64_t base_s;
     __shared__ uint32_t hits, misses, evictions;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
     if (tid == 0) {
-        base_s = *a.clock + 1;
-        *a.clock += kStampsPerSelect;
+        base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
         hits = misses = evictions = 0;
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
@@ -74,8 +74,10 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
             }
         first[i] = f;
         missed[i] = 0;
+        slot_at[i] = -1;
         if (f == i && keys[i] != UINT32_MAX) {
             const int32_t slot = a.slot_of_key[keys[i]];
+            slot_at[i] = slot;
             if (slot >= 0) {
                 c.stamp[slot] = base + i;
                 atomicAdd(&hits, 1u);
@@ -110,22 +112,27 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
                 c.key_of_slot[v] = static_cast<int32_t>(keys[i]);
                 c.stamp[v] = base + EXPCACHE_MAX_SELECT + i;
                 a.slot_of_key[keys[i]] = v;
+                slot_at[i] = v;
                 c.misses[misses++] = DeviceMiss{keys[i] - a.key_base, v};
             }
         }
         __syncthreads();
     }
-    for (uint32_t i = tid; i < a.count; i += blockDim.x)
-        a.out_slots[i] = keys[i] == UINT32_MAX ? -1 : a.slot_of_key[keys[first[i]]];
+    __syncthreads();  // the all-hit path never entered the loop's barriers
+    for (uint32_t i = tid; i < a.count; i += blockDim.x) a.out_slots[i] = slot_at[first[i]];
     if (tid == 0) {
         *c.miss_count = misses;
+        // Reductions without a result: nothing waits for them (the next select is stream-ordered).
         DeviceCounters& n = *c.counters;
-        n.calls++;
-        n.hits += hits;
-        n.misses += misses;
-        n.evictions += evictions;
-        n.appends += misses - evictions;
-        n.bytes_h2d += uint64_t(misses) * (a.part_bytes[0] + a.part_bytes[1] + a.part_bytes[2]);
+        auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };
+        add(&n.calls, 1);
+        if (hits) add(&n.hits, hits);
+        if (misses) {
+            add(&n.misses, misses);
+            add(&n.evictions, evictions);
+            add(&n.appends, misses - evictions);
+            add(&n.bytes_h2d, uint64_t(misses) * (a.part_bytes[0] + a.part_bytes[1] + a.part_bytes[2]));
+        }
     }
 }
 
@@ -170,7 +177,7 @@ public:
             cudaGetLastError();
             sms = 32;
         }
-        copy_blocks_ = 2 * sms;
+        copy_blocks_ = sms;
     }
     expcache_status_t select(const DeviceSelectArgs& args, void* stream) override {
         cudaStream_t s = static_cast<cudaStream_t>(stream);
