@@ -37,9 +37,9 @@ run_step() {
     # compute-sanitizer over the GPU tests (CUDA backend only): memory errors, then races.
     memcheck) step memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
         python3 -m pytest -q -x -k "cuda or another_stream" tests/test_cache.py tests/test_streams.py \
-        tests/test_gguf.py ;;
+        tests/test_gguf.py tests/test_device_lookup.py ;;
     racecheck) step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
-        python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py ;;
+        python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py tests/test_device_lookup.py ;;
     copy_methods) step copy_methods 120 make --no-print-directory copy-methods ;;
     transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --detail ;;
     staging_sweep) step staging_sweep 270 python3 benchmarks/staging_sweep.py --threads 8,12 --chunks 512K,1M ;;
