@@ -123,8 +123,8 @@ def _add_flag_options(parser) -> None:
                 placed.append(option)
             elif option not in everyone and option not in own + also:
                 also.append(option)
-        chosen_by = (f"; {' or '.join(o.spelled for o in mode.SELECTED_BY)} chooses it" if mode.SELECTED_BY
-                     else "; runs when no other mode's options are given")
+        spellings = " or ".join(o.spelled_for(mode.NAME) for o in mode.SELECTED_BY)
+        chosen_by = f"; {spellings} chooses it" if spellings else "; runs when no other mode's options are given"
         takes_too = f"; takes {', '.join(o.flags[0] for o in also)} too" if also else ""
         group = parser.add_argument_group(f"{mode.TITLE} (expcache bench {mode.NAME})",
                                           f"{mode.HELP}{chosen_by}{takes_too}")

@@ -358,11 +358,15 @@ class Option:
             return False
         return self.selects is None or self.selects.get(getattr(args, self.dest)) == mode
 
+    def spelled_for(self, mode: str) -> str:
+        """The option as it is given to choose ``mode``: --devices, --loop torch, --loop graph."""
+        if self.selects:
+            return " or ".join(f"{self.flags[0]} {value}" for value, m in self.selects.items() if m == mode)
+        return self.spelled
+
     @property
     def spelled(self) -> str:
         """The option as it is given to choose a mode: --devices, --loop torch (its one other choice)."""
-        if self.selects:
-            return f"{self.flags[0]} {'|'.join(self.selects)}"
         choices = self.kwargs.get("choices")
         others = [c for c in choices if c != self.default] if choices else []
         return f"{self.flags[0]} {others[0]}" if len(others) == 1 else self.flags[0]

@@ -84,7 +84,7 @@ def choose(args):
     for option in flag_options():
         if option.given(args) and option not in own:
             owner = next(by_name(n) for n in FLAG_MODES if option in by_name(n).OPTIONS + by_name(n).SELECTED_BY)
-            raise UsageError(f"the {chosen.TITLE}{f' ({by.spelled})' if by else ''} {chosen.RUNS}: drop the "
+            raise UsageError(f"the {chosen.TITLE}{f' ({by.spelled_for(chosen.NAME)})' if by else ''} {chosen.RUNS}: drop the "
                              f"{owner.TITLE}'s {option.flags[0]}, or run the {owner.TITLE} (expcache bench "
                              f"{owner.NAME})")
     return chosen
