@@ -44,6 +44,11 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     __shared__ uint32_t hits, misses, evictions;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
+#if __CUDA_ARCH__ >= 900
+    // The copy grid may start launching now (programmatic dependent launch): it waits for this
+    // grid's completion before it reads anything, so its launch overlaps the lookup.
+    cudaTriggerProgrammaticLaunchCompletion();
+#endif
     if (tid == 0) {
         base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
         hits = misses = evictions = 0;
@@ -137,6 +142,9 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
 }
 
 __global__ void __launch_bounds__(kCopyThreads) copy_kernel(DeviceSelectArgs a) {
+#if __CUDA_ARCH__ >= 900
+    cudaGridDependencySynchronize();  // the lookup grid has finished and its writes are visible
+#endif
     const DeviceClass& c = a.cls;
     const uint32_t n = *c.miss_count;
     const uint64_t gtid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -178,13 +186,34 @@ public:
             sms = 32;
         }
         copy_blocks_ = sms;
+        int major = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+            cudaGetLastError();
+            major = 0;
+        }
+        dependent_launch_ = major >= 9;
     }
     expcache_status_t select(const DeviceSelectArgs& args, void* stream) override {
         cudaStream_t s = static_cast<cudaStream_t>(stream);
         lookup_kernel<<<1, kLookupThreads, 0, s>>>(args);
         EXPCACHE_CUDA_TRY(cudaGetLastError());
-        copy_kernel<<<copy_blocks_, kCopyThreads, 0, s>>>(args);
-        EXPCACHE_CUDA_TRY(cudaGetLastError());
+        if (!dependent_launch_) {
+            copy_kernel<<<copy_blocks_, kCopyThreads, 0, s>>>(args);
+            EXPCACHE_CUDA_TRY(cudaGetLastError());
+            return EXPCACHE_OK;
+        }
+        // Hopper and later: the copy grid launches while the lookup runs (an all-hit select's
+        // second kernel then costs little more than its exit).
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(static_cast<unsigned>(copy_blocks_));
+        config.blockDim = dim3(kCopyThreads);
+        config.stream = s;
+        config.attrs = &attr;
+        config.numAttrs = 1;
+        EXPCACHE_CUDA_TRY(cudaLaunchKernelEx(&config, copy_kernel, args));
         return EXPCACHE_OK;
     }
     expcache_status_t mapped(const void* host, const unsigned char** out) override {
@@ -212,6 +241,7 @@ public:
 
 private:
     int copy_blocks_ = 64;
+    bool dependent_launch_ = false;  // programmatic dependent launch of the copy (compute capability 9+)
 };
 
 }  // namespace
