@@ -90,7 +90,8 @@ void op_create(void) {
     expcache_status_t s = expcache_config_init(&cfg);
     check_status("expcache_config_init", s, ST(OK));
     if (cfg.struct_size != sizeof cfg || cfg.max_classes != 4 || cfg.reserve_bytes != ((uint64_t)1 << 30) ||
-        cfg.budget_bytes || cfg.budget_experts || cfg.policy != EXPCACHE_POLICY_OPPCLASS || cfg.backend != EXPCACHE_BACKEND_AUTO)
+        cfg.budget_bytes || cfg.budget_experts || cfg.policy != EXPCACHE_POLICY_DUEL || cfg.backend != EXPCACHE_BACKEND_AUTO ||
+        cfg.lookup != EXPCACHE_LOOKUP_HOST || cfg.partition != EXPCACHE_PARTITION_GLOBAL)
         diverge("expcache_config_init defaults are not the documented ones");
 
     /* The layout is planned now so that capacity and budgets are tight against it. */
