@@ -310,3 +310,31 @@ def test_bank_checksum_reads_the_slots(make_cache):
     assert got.tolist() == [source.expected_checksum(layer, e) for e in ids]
     with pytest.raises(TypeError, match="int32"):
         testing.bank_checksum_async(cache, layer, device_ids(cache, ids), first=0)
+
+
+def test_a_file_source_cannot_be_read_by_the_device(backend, tmp_path):
+    """A file has no address the GPU could read: the device select says so and what to use."""
+    pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
+    from pyexpcache import GGUFSource
+    from support.gguf_files import write_model
+
+    model = write_model(tmp_path / "m.gguf", [None, {}, {}])
+    with GGUFSource(model, reads="file") as source, \
+            ExpertCache(source.layout, source, budget_experts=4, backend=backend, lookup="device",
+                        log_level=0) as cache:
+        layer = source.layout.moe_layers[0]
+        with pytest.raises(UnsupportedError, match="source is a file, which the GPU cannot read.*pinned source"):
+            cache.select_device(layer, device_ids(cache, [0]))
+        assert cache.select(layer, [0]).shape == (1, 3)  # the host-side select serves it
+
+
+def test_a_pageable_source_cannot_be_read_by_the_gpu(make_cache, backend):
+    """On the CUDA backend only pinned memory is mapped for the device; the host backend's
+    "device" reads any host memory."""
+    cache, source = _cache(make_cache, pinned=False)
+    layer = cache.layout.moe_layers[0]
+    if backend == "host":
+        assert _select(cache, layer, [1])[0] >= 0
+        return
+    with pytest.raises(UnsupportedError, match="source is pageable memory, which the GPU cannot read"):
+        cache.select_device(layer, device_ids(cache, [1]))
