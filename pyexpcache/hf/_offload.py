@@ -21,7 +21,8 @@ class _HostRegistration:
 
     def pin(self, tensor: torch.Tensor) -> None:
         rt = torch.cuda.cudart()
-        code = rt.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        # Portable (1: pinned for every device) and mapped (2: the GPU's lookup reads misses through it).
+        code = rt.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 3)
         if int(code) != 0:
             raise MemoryError(f"cudaHostRegister of {tensor.numel() * tensor.element_size()} bytes failed "
                               f"(error {int(code)}): the experts cannot be page-locked in place")
@@ -159,6 +160,10 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
             down, down_pinned = _to_host(e.down, cuda, registration)
             tensors[e.layer] = (first, down)
             pinned = pinned and first_pinned and down_pinned
+            for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):  # small: kept where the model computes
+                bias = getattr(e.module, name, None)
+                if isinstance(bias, torch.Tensor) and bias.device != compute:
+                    bias.data = bias.data.to(compute)
         source = ParameterSource(layout, layers, tensors, pinned)
         cache = ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if cuda else "host",
                             device=compute.index or 0, lookup="device", policy=policy)
