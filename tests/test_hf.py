@@ -124,3 +124,17 @@ def test_the_recorded_routing_replays_to_the_live_hit_rate(tmp_path):
     (result,) = [r for r in report.results if r.variant == "lru"]
     assert (result.hits, result.misses) == (live.hits, live.misses)
     assert 0 < result.hit_rate < 1
+
+
+def test_a_batch_of_prompts_is_served_and_recorded_per_sequence(tmp_path):
+    model = tiny_model("qwen3_moe", seed=1)
+    prompts = [[5, 17, 33, 2], [60, 1, 9, 14]]
+    tokens, logits = greedy(model, prompt=prompts, new_tokens=4)
+    with offload(model, budget_fraction=0.25), record_routing(model, tmp_path / "batch.npz") as recorder:
+        served_tokens, served_logits = greedy(model, prompt=prompts, new_tokens=4)
+    assert torch.equal(served_tokens, tokens)
+    torch.testing.assert_close(served_logits, logits, **TOLERANCE)
+    trace = read_trace(tmp_path / "batch.npz")
+    # 4 prompt tokens and 3 decoded ones fed back (the 4th new token is not run) per sequence.
+    assert recorder.records == 2 * 7 * 3
+    assert sorted(set(trace.sequences)) == [0, 1]
