@@ -1,0 +1,26 @@
+"""Hugging Face transformers: a MoE model's experts served by expcache (``pip install expcache[hf]``).
+
+- :func:`offload`: every experts-interface MoE layer of a transformers >= 5 model served from an
+  expcache slot bank through a registered experts implementation (``"expcache"``).
+- :func:`record_routing`: a context manager writing the model's routing as a generic trace and
+  its layout file, for ``expcache bench --layout L --traces T``.
+
+``docs/hf.md`` says how to use them, with real checkpoints.
+"""
+
+try:
+    import torch  # noqa: F401
+    import transformers
+except ImportError as exc:  # pragma: no cover - the message is the point
+    raise ImportError(f"pyexpcache.hf needs torch and transformers >= 5 (pip install expcache[hf]): {exc}") from exc
+if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
+    raise ImportError(f"pyexpcache.hf needs transformers >= 5 (its experts interface), found {transformers.__version__}")
+
+from ._experts import ExpertsLayer, find_experts  # noqa: E402
+from ._offload import Offloaded, offload  # noqa: E402
+from ._record import RoutingRecorder, record_routing  # noqa: E402
+from ._serve import IMPLEMENTATION  # noqa: E402
+from ._source import ParameterSource  # noqa: E402
+
+__all__ = ["IMPLEMENTATION", "ExpertsLayer", "Offloaded", "ParameterSource", "RoutingRecorder", "find_experts",
+           "offload", "record_routing"]

@@ -1,0 +1,111 @@
+"""Finding a transformers model's experts modules and describing them as a layout.
+
+transformers 5 marks each MoE family's experts module with ``@use_experts_implementation``: the
+decorator gives the instance ``has_gate``, ``has_bias``, ``is_transposed`` and ``is_concatenated``
+and routes ``forward`` through ``ExpertsInterface`` by ``config._experts_implementation``. Its
+weights are two 3-D parameters: ``gate_up_proj`` [E, 2I, H] (or ``up_proj`` [E, I, H] without a
+gate) and ``down_proj`` [E, H, I]; transposed ([E, H, 2I], [E, I, H]) where ``is_transposed``.
+
+An expert's first weight (gate_up or up) is one slab; the cache's slot holds it as two parts of
+half its bytes each, ``gate`` then ``up``, and ``down_proj``'s slab as ``down``. For the common
+concatenated layout the halves are exactly the gate and the up matrices; for GPT-OSS's
+interleaved, transposed slab they are its first and second halves of rows. Either way the two
+parts side by side are the slab's bytes, so the serving side rebuilds it exactly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import LayerSpec, ModelLayout
+
+_LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+#: torch dtypes the bank views can take, by the name ExpertCache.bank's ``dtype`` takes.
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an experts module of transformers' experts interface."""
+    return (hasattr(module, "is_transposed") and hasattr(module, "has_gate") and hasattr(module, "_apply_gate")
+            and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+            and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None), torch.Tensor))
+
+
+@dataclass(frozen=True)
+class ExpertsLayer:
+    """One MoE layer's experts module: its model layer number, its name in the model and the module."""
+
+    layer: int
+    name: str
+    module: torch.nn.Module
+
+    @property
+    def first(self) -> torch.Tensor:
+        """The first weight: ``gate_up_proj`` (or ``up_proj`` without a gate), [E, ...]."""
+        return self.module.gate_up_proj if self.module.has_gate else self.module.up_proj
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.module.down_proj
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.first.shape[0])
+
+    @property
+    def dtype_name(self) -> str:
+        return _DTYPES[self.first.dtype]
+
+    def spec(self) -> LayerSpec:
+        """Its layer in the layout: gate and up each half the first slab's bytes, down the second's."""
+        first = self.first[0].numel() * self.first.element_size()
+        down = self.down[0].numel() * self.down.element_size()
+        return LayerSpec(self.num_experts, first // 2, first // 2, down)
+
+
+def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
+    """Every experts module of ``model``, in model order, each with its layer number.
+
+    The number is the one after ``layers.`` in the module's name (``model.layers.3.mlp.experts``
+    is layer 3), so dense layers keep their numbers; a model whose names do not give distinct
+    numbers is numbered 0, 1, ... in module order.
+
+    Raises:
+        ValueError: no such module, naming the model's class; or weights this package cannot
+            serve (another dtype than float32, float16, bfloat16; expert parallelism), naming them.
+    """
+    found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no MoE layer served through transformers' experts interface "
+                         "(an *Experts module marked @use_experts_implementation, with gate_up_proj and down_proj); "
+                         "pyexpcache.hf serves the MoE families of transformers >= 5 that have one")
+    numbers = []
+    for name, _ in found:
+        match = _LAYER_NUMBER.search(name)
+        numbers.append(int(match.group(1)) if match else None)
+    if None in numbers or len(set(numbers)) != len(numbers):
+        numbers = list(range(len(found)))
+    layers = [ExpertsLayer(n, name, m) for n, (name, m) in zip(numbers, found)]
+    for e in layers:
+        for what, t in (("the first weight", e.first), ("down_proj", e.down)):
+            if t.dtype not in _DTYPES:
+                raise ValueError(f"{e.name}: {what} is {t.dtype}; pyexpcache.hf serves float32, float16 and bfloat16 "
+                                 "experts (load a quantized checkpoint dequantized, e.g. dtype=torch.bfloat16)")
+        if e.first.dtype != e.down.dtype:
+            raise ValueError(f"{e.name}: gate_up and down weights differ in dtype ({e.first.dtype}, {e.down.dtype})")
+        if getattr(e.module, "_is_expert_parallel", False):
+            raise ValueError(f"{e.name}: expert-parallel experts (each rank holding some) are not supported")
+    return layers
+
+
+def layout_of(model: torch.nn.Module, layers: list[ExpertsLayer]) -> ModelLayout:
+    """The layout of ``layers``: one entry per model layer up to the last MoE one, None for the others."""
+    specs = [None] * (max(e.layer for e in layers) + 1)
+    for e in layers:
+        specs[e.layer] = e.spec()
+    config = getattr(model, "config", None)
+    name = getattr(config, "model_type", None) or type(model).__name__
+    return ModelLayout(tuple(specs), name=name)

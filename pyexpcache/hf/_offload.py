@@ -1,0 +1,198 @@
+"""offload(): a transformers MoE model's experts served by an ExpertCache."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..bench.bench import resolve_budget
+from ..cache import ExpertCache
+from ._experts import ExpertsLayer, find_experts, layout_of
+from ._serve import IMPLEMENTATION, LayerServer, register
+from ._source import ParameterSource
+
+
+class _HostRegistration:
+    """Host tensors page-locked in place (cudaHostRegister), unregistered by :meth:`close`."""
+
+    def __init__(self):
+        self._pointers: list[int] = []
+
+    def pin(self, tensor: torch.Tensor) -> None:
+        rt = torch.cuda.cudart()
+        # Portable (1: pinned for every device) and mapped (2: the GPU's lookup reads misses through it).
+        code = rt.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 3)
+        if int(code) != 0:
+            raise MemoryError(f"cudaHostRegister of {tensor.numel() * tensor.element_size()} bytes failed "
+                              f"(error {int(code)}): the experts cannot be page-locked in place")
+        self._pointers.append(tensor.data_ptr())
+
+    def close(self) -> None:
+        while self._pointers:
+            torch.cuda.cudart().cudaHostUnregister(self._pointers.pop())
+
+
+def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    experts = {id(p) for e in layers for p in e.module.parameters(recurse=False)}
+    for p in model.parameters():
+        if id(p) not in experts:
+            return p.device
+    return torch.device("cpu")
+
+
+def _to_host(param: torch.nn.Parameter, cuda: bool, registration: _HostRegistration) -> tuple[torch.Tensor, bool]:
+    """The parameter's data in host memory (pinned when ``cuda`` and possible), the parameter
+    made to hold it: a GPU tensor is copied once into pinned memory (its device memory freed),
+    a host tensor is used where it is (page-locked in place for CUDA). Returns (tensor, pinned)."""
+    data = param.data
+    if data.device.type == "cpu":
+        if not data.is_contiguous():
+            data = data.contiguous()
+        if cuda and not data.is_pinned():
+            registration.pin(data)
+        param.data = data
+        return data, cuda
+    if data.device.type != "cuda":
+        raise ValueError(f"experts on {data.device} cannot be offloaded: they must be in host or CUDA memory")
+    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+    host.copy_(data)
+    param.data = host
+    return host, True
+
+
+class Offloaded:
+    """What :func:`offload` returns: the cache serving the model's experts, and the way back.
+
+    Attributes:
+        cache: the :class:`~pyexpcache.ExpertCache` (``lookup="device"``); its ``stats()`` count
+            the experts' hits and misses.
+        layout: the :class:`~pyexpcache.ModelLayout` built from the experts modules.
+        source: the :class:`ParameterSource` over the experts' host tensors.
+        layers: model layer number -> the experts module's name.
+
+    :meth:`close` (idempotent; also on leaving a ``with`` block) restores the model's previous
+    experts implementation and closes the cache. The experts' weights stay in host memory: on a
+    GPU, move them back (``model.to("cuda")``) before running the model without expcache.
+    """
+
+    def __init__(self, model, cache: ExpertCache, source: ParameterSource, layers: list[ExpertsLayer],
+                 previous: list, registration: _HostRegistration):
+        self.model, self.cache, self.source, self.layout = model, cache, source, cache.layout
+        self.layers = {e.layer: e.name for e in layers}
+        self._modules = [e.module for e in layers]
+        self._previous = previous
+        self._registration = registration
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for config, value in self._previous:
+            config._experts_implementation_internal = value
+        for module in self._modules:
+            if hasattr(module, "_expcache_server"):
+                del module._expcache_server
+        self.cache.close()
+        self._registration.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Offloaded({type(self.model).__name__}, {len(self.layers)} MoE layers, "
+                f"{self.cache.backend} backend{', closed' if self._closed else ''})")
+
+
+def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budget_fraction: Optional[float] = None,
+            device=None, policy: Optional[str] = None) -> Offloaded:
+    """Serve ``model``'s routed experts from an expcache slot bank; returns an :class:`Offloaded`.
+
+    Every experts module of transformers' experts interface (transformers >= 5: Mixtral,
+    Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS and the other families that have one) gets
+    its weights in host memory: those already there are used in place (page-locked in place when
+    the model runs on a GPU), those on a GPU are copied once into pinned memory and their device
+    memory freed. A layout and a source are built from the modules, an
+    ``ExpertCache(lookup="device")`` over them, and the model's experts implementation is set to
+    ``"expcache"``: each layer turns the router's ids into slot ids on the device
+    (``select_device``) and computes its experts from the bank, bit-identical to transformers'
+    ``batched_mm`` implementation. ``model.generate()`` then works as before.
+
+    Args:
+        model: a transformers model (``PreTrainedModel``) with experts-interface MoE layers.
+        budget_bytes: the cache's budget over all experts; or
+        budget_fraction: the budget as a fraction (0 < F <= 1) of every expert's bytes. One of the two.
+        device: where the model computes (default: where its first non-expert parameter is): a
+            CUDA device gives a CUDA cache, the CPU expcache's host backend.
+        policy: ``None`` or ``"lru"`` (the device lookup evicts by LRU).
+
+    Raises:
+        ValueError: no experts-interface MoE layer (naming the model's class), a budget missing,
+            doubled or out of range, experts of a dtype other than float32/float16/bfloat16.
+        RuntimeError: a budget too small for one expert per layer (from the cache).
+    """
+    layers = find_experts(model)
+    if budget_bytes is None and budget_fraction is None:
+        raise ValueError("give budget_bytes or budget_fraction")
+    compute = _compute_device(model, layers, device)
+    if compute.type not in ("cpu", "cuda"):
+        raise ValueError(f"the model computes on {compute}: expcache serves CUDA devices and the CPU (host backend)")
+    cuda = compute.type == "cuda"
+    layout = layout_of(model, layers)
+    budget = resolve_budget(layout, budget_bytes, budget_fraction)
+    register()
+    registration = _HostRegistration()
+    cache = None
+    try:
+        tensors, pinned = {}, True
+        for e in layers:
+            first, first_pinned = _to_host(e.first, cuda, registration)
+            down, down_pinned = _to_host(e.down, cuda, registration)
+            tensors[e.layer] = (first, down)
+            pinned = pinned and first_pinned and down_pinned
+            for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):  # small: kept where the model computes
+                bias = getattr(e.module, name, None)
+                if isinstance(bias, torch.Tensor) and bias.device != compute:
+                    bias.data = bias.data.to(compute)
+        source = ParameterSource(layout, layers, tensors, pinned)
+        cache = ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if cuda else "host",
+                            device=compute.index or 0, lookup="device", policy=policy)
+        for e in layers:
+            half = e.first[0].numel() // 2
+            bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((half,), (half,), tuple(e.down.shape[1:])))
+            e.module._expcache_server = LayerServer(cache, e.layer, bank, tuple(e.first.shape[1:]), e.name)
+        previous = _set_implementation(model, layers)
+    except BaseException:
+        for e in layers:
+            if hasattr(e.module, "_expcache_server"):
+                del e.module._expcache_server
+        if cache is not None:
+            cache.close()
+        registration.close()
+        raise
+    return Offloaded(model, cache, source, layers, previous, registration)
+
+
+def _set_implementation(model, layers: list[ExpertsLayer]) -> list:
+    """Set every experts module's config to the implementation; returns (config, previous value) pairs."""
+    previous = []
+    for e in layers:
+        config = e.module.config
+        if all(config is not c for c, _ in previous):
+            previous.append((config, config._experts_implementation))
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(IMPLEMENTATION)
+    for config, _ in previous:  # a module whose config the model's call did not reach
+        if config._experts_implementation != IMPLEMENTATION:
+            config._experts_implementation_internal = IMPLEMENTATION
+    return previous
