@@ -532,7 +532,7 @@ class ExpertCache:
         if not b.base:
             raise RuntimeError(f"layer {layer}'s class has no bank: its cap is 0 experts (see the cap warning); raise "
                                "the budget or free device memory")
-        cuda = self.backend == "cuda"
+        cuda = self._is_cuda
         owner = self._pin_memory(b.base)
         parts = []
         for i, (offset, nbytes) in enumerate(((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes),
