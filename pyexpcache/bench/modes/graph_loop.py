@@ -235,7 +235,7 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
     :class:`~pyexpcache.bench.bench.Bench`; its source must be pinned on the CUDA backend), next to
     the C loop's host select unless ``c_loop`` is false."""
-    from ... import testing
+    from ... import _lib, testing
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
@@ -262,7 +262,6 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     try:
         with bench.make_cache(budget_bytes=bench.budget_bytes, lookup="device", log_level=1,
                               **bench.cache_options) as cache:
-            lib = cache  # the calls below go through the cache's gate
             all_ids = arrays.empty(ids.size)
             arrays.upload(all_ids, ids)
             cur = arrays.empty(num_layers * k)
@@ -284,12 +283,10 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
             def step() -> None:
                 for i, layer in enumerate(layers):
                     if compute_ns:
-                        with lib.raw_handle() as handle:
-                            from ... import _lib
-
+                        with cache.raw_handle() as handle:
                             _lib.lib.expcache_testing_spin_async(handle, stream or None, compute_ns)
-                    lib.select_device(layer, cur_views[i], stream=stream, out=slot_views[i])
-                    testing.bank_checksum_async(lib, layer, slot_views[i], first=i * k, stream=stream)
+                    cache.select_device(layer, cur_views[i], stream=stream, out=slot_views[i])
+                    testing.bank_checksum_async(cache, layer, slot_views[i], first=i * k, stream=stream)
 
             expected = np.stack([bench.expected[layer][ids[:, i, :]] for i, layer in enumerate(layers)], axis=1)
             result = GraphLoopResult("graph loop, select_device", decode_tokens=tokens - 1, served_tokens=tokens,
@@ -299,7 +296,7 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
 
             def verify(t: int) -> None:
                 nonlocal first_bad
-                got = testing.checksum_results(lib, 0, num_layers * k).reshape(num_layers, k)
+                got = testing.checksum_results(cache, 0, num_layers * k).reshape(num_layers, k)
                 bad = got != expected[t]
                 result.experts_checked += got.size
                 if bad.any():
@@ -340,7 +337,7 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
             # The all-hit select: the last token's ids, resident now, one select per layer.
             def selects() -> None:
                 for i, layer in enumerate(layers):
-                    lib.select_device(layer, cur_views[i], stream=stream, out=slot_views[i])
+                    cache.select_device(layer, cur_views[i], stream=stream, out=slot_views[i])
 
             selects()
             _sync(bench)

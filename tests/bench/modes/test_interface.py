@@ -45,6 +45,7 @@ def test_every_mode_has_the_interface(name):
     (["--layer-compute-us", "60", "--prefetch-top", "3"], "engine"),
     (["--split"], "engine"),
     (["--loop", "torch", "--layer-compute-us", "60"], "torch"),
+    (["--loop", "graph", "--layer-compute-us", "60"], "graph"),
     (["--loop", "c", "--hints", "--prefetch", "cooc"], "engine"),
     (["--devices", "2", "--device-placement", "round-robin"], "devices"),
 ])
@@ -58,6 +59,8 @@ def test_the_flag_spelling_chooses_a_mode(argv, name):
                               "engine model's --prefetch-top, or run the engine model (expcache bench engine)"),
     (["--loop", "torch", "--split"], "the torch loop (--loop torch) replays the decode scenario in torch, plain and "
                                      "split selects side by side: drop the engine model's --split"),
+    (["--loop", "graph", "--split"], "the graph loop (--loop graph) replays the decode scenario with the device-side "
+                                     "select in a CUDA graph, next to the C loop: drop the engine model's --split"),
     (["--prefetch", "cooc", "--no-layer-sync"], "drop the variants table's --no-layer-sync"),
     (["--device-placement", "round-robin"], "drop the several-devices run's --device-placement"),
 ])
