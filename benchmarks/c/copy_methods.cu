@@ -70,7 +70,7 @@ __device__ __forceinline__ uint4 load_256(const uint4* p) {
 
 // Each block takes its share of every job; each thread keeps four 16-byte loads in flight.
 template <bool kPrefetch256>
-__global__ void gather_with(GatherJobs jobs) {
+__global__ void gather(GatherJobs jobs) {
     auto load = [](const uint4* p) { return kPrefetch256 ? load_256(p) : *p; };
     for (int j = 0; j < jobs.count; ++j) {
         const uint4* __restrict__ s = jobs.src[j];
@@ -86,24 +86,6 @@ __global__ void gather_with(GatherJobs jobs) {
             d[i + 3 * stride] = e;
         }
         for (; i < n; i += stride) d[i] = load(s + i);
-    }
-}
-
-__global__ void gather(GatherJobs jobs) {
-    for (int j = 0; j < jobs.count; ++j) {
-        const uint4* __restrict__ s = jobs.src[j];
-        uint4* __restrict__ d = jobs.dst[j];
-        const unsigned long long n = jobs.n16[j];
-        const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-        unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-        for (; i + 3 * stride < n; i += 4 * stride) {
-            uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
-            d[i] = a;
-            d[i + stride] = b;
-            d[i + 2 * stride] = c;
-            d[i + 3 * stride] = e;
-        }
-        for (; i < n; i += stride) d[i] = s[i];
     }
 }
 
@@ -185,7 +167,10 @@ void pinned_table(double gib) {
         });
         std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, "cudaMemcpyBatchAsync", batched, 100 * batched / ref);
 
-        for (int blocks : {16, 32, 64, 132, 264}) {
+        // The gather kernel by block count; then with loads asking for 256-byte L2 sectors.
+        const struct { bool prefetch256; int blocks; } runs[] = {
+            {false, 16}, {false, 32}, {false, 64}, {false, 132}, {false, 264}, {true, 132}, {true, 264}};
+        for (const auto& run : runs) {
             const double g = time_calls(calls, call_bytes, stream, [&](int c) {
                 GatherJobs jobs{};
                 for (int e = c * k; e < c * k + k; ++e)
@@ -194,27 +179,13 @@ void pinned_table(double gib) {
                         jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
                         jobs.n16[jobs.count] = L.part[p] / 16;
                     }
-                gather<<<blocks, 256, 0, stream>>>(jobs);
+                if (run.prefetch256) gather<true><<<run.blocks, 256, 0, stream>>>(jobs);
+                else gather<false><<<run.blocks, 256, 0, stream>>>(jobs);
                 CHECK(cudaGetLastError());
             });
             char name[64];
-            std::snprintf(name, sizeof name, "gather kernel, %d blocks", blocks);
-            std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, name, g, 100 * g / ref);
-        }
-        for (int blocks : {132, 264}) {
-            const double g = time_calls(calls, call_bytes, stream, [&](int c) {
-                GatherJobs jobs{};
-                for (int e = c * k; e < c * k + k; ++e)
-                    for (int p = 0; p < 3; ++p, ++jobs.count) {
-                        jobs.src[jobs.count] = reinterpret_cast<const uint4*>(src_part(e, p));
-                        jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
-                        jobs.n16[jobs.count] = L.part[p] / 16;
-                    }
-                gather_with<true><<<blocks, 256, 0, stream>>>(jobs);
-                CHECK(cudaGetLastError());
-            });
-            char name[64];
-            std::snprintf(name, sizeof name, "gather L2::256B, %d blk", blocks);
+            std::snprintf(name, sizeof name, run.prefetch256 ? "gather L2::256B, %d blk" : "gather kernel, %d blocks",
+                          run.blocks);
             std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, name, g, 100 * g / ref);
         }
         // The gather kernel's bytes must be the source's.
