@@ -225,14 +225,14 @@ def link_rate(on_cuda) -> float:
 def graph_main(a, model, layout, budget, on_cuda, device) -> int:
     """--graph: the resident reference (eager, captured), today's select_views path, and the
     captured select_device step, in one run; the logits of the device path equal the reference's."""
-    shapes = ((a.ffn, a.hidden), (a.ffn, a.hidden), (a.hidden, a.ffn))
-    resident = [tuple(t for t in parts) for parts in model.resident]
-    ref_step = GraphStep(model, a, device, lambda layer, h, ids, w: batched_experts(h, resident[layer], ids, w))
-    ref_logits, ref_tokens, ref_eager_s = run_graph_steps(ref_step, a, on_cuda, capture=False)
+    def resident(layer, h, ids, weights):
+        return batched_experts(h, model.resident[layer], ids, weights)
+
+    ref_logits, ref_tokens, ref_eager_s = run_graph_steps(GraphStep(model, a, device, resident), a, on_cuda,
+                                                          capture=False)
     rows = [("resident, eager", ref_eager_s)]
     if on_cuda:
-        _, _, ref_graph_s = run_graph_steps(GraphStep(model, a, device, lambda layer, h, ids, w: batched_experts(
-            h, resident[layer], ids, w)), a, on_cuda, capture=True)
+        _, _, ref_graph_s = run_graph_steps(GraphStep(model, a, device, resident), a, on_cuda, capture=True)
         rows.append(("resident, one CUDA graph", ref_graph_s))
 
     source = TorchHostSource(layout, model.host, model.pinned)
@@ -250,7 +250,7 @@ def graph_main(a, model, layout, budget, on_cuda, device) -> int:
 
     with ExpertCache(layout, source, budget_bytes=budget, backend=backend, device=dev, log_level=1,
                      lookup="device") as cache:
-        banks = [tuple(torch.from_dlpack(p) for p in cache.bank(layer, dtype="bfloat16", shapes=shapes).parts)
+        banks = [tuple(torch.from_dlpack(p) for p in cache.bank(layer, dtype="bfloat16", shapes=part_shapes(a)).parts)
                  for layer in range(a.layers)]
 
         def bank_experts(layer, h, ids, weights):
@@ -276,18 +276,28 @@ def graph_main(a, model, layout, budget, on_cuda, device) -> int:
               f"resident graph + link = {1e3 * bound:.3f} ms/token; select_device graph {1e3 * got_s / a.tokens:.3f} "
               f"ms/token = {got_s / a.tokens / bound:.2f}x that")
         print(f"select_device graph vs select_views: {views_s / got_s:.1f}x")
+    return check_logits(ref_logits, ref_tokens, got_logits, got_tokens)
+
+
+def part_shapes(a):
+    """Each expert part's [rows, cols] in the cache: gate and up [F, H], down [H, F]."""
+    return (a.ffn, a.hidden), (a.ffn, a.hidden), (a.hidden, a.ffn)
+
+
+def check_logits(ref_logits, ref_tokens, got_logits, got_tokens) -> int:
+    """Print the tokens, exit 1 at the first step whose logits differ from the reference's, else 0."""
     print(f"tokens: {got_tokens}")
-    for i, (want, got) in enumerate(zip(ref_logits, got_logits)):
+    for step, (want, got) in enumerate(zip(ref_logits, got_logits)):
         if not torch.equal(want, got):
-            sys.exit(f"MISMATCH at step {i}: logits differ (max |diff| {(want - got).abs().max().item():.3g}; "
-                     f"reference token {ref_tokens[i]}, expcache token {got_tokens[i]})")
-    print(f"logits bit-identical: yes ({a.tokens} steps)")
+            sys.exit(f"MISMATCH at step {step}: logits differ (max |diff| {(want - got).abs().max().item():.3g}; "
+                     f"reference token {ref_tokens[step]}, expcache token {got_tokens[step]})")
+    print(f"logits bit-identical: yes ({len(got_logits)} steps)")
     return 0
 
 
 def cache_experts(cache, a, stream):
     """``experts()`` for Model.step, served by the cache: plain, --split, with --prefetch."""
-    shapes = ((a.ffn, a.hidden), (a.ffn, a.hidden), (a.hidden, a.ffn))
+    shapes = part_shapes(a)
     last_ids = [None] * a.layers  # each layer's latest experts: the guess for its next select
 
     def run(h, view):
@@ -416,13 +426,7 @@ def main(argv=None) -> int:
     if a.prefetch:
         print(f"prefetch: {pf.calls} calls, {pf.issued} issued, {pf.used} used ({pf.accuracy:.0%}), {pf.wasted} wasted, "
               f"{pf.cancelled} cancelled, {pf.skipped} skipped, {pf.dropped} dropped")
-    print(f"tokens: {got_tokens}")
-    for step, (want, got) in enumerate(zip(ref_logits, got_logits)):
-        if not torch.equal(want, got):
-            sys.exit(f"MISMATCH at step {step}: logits differ (max |diff| {(want - got).abs().max().item():.3g}; "
-                     f"reference token {ref_tokens[step]}, expcache token {got_tokens[step]})")
-    print(f"logits bit-identical: yes ({a.tokens} steps)")
-    return 0
+    return check_logits(ref_logits, ref_tokens, got_logits, got_tokens)
 
 
 if __name__ == "__main__":
