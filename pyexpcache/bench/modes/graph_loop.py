@@ -98,11 +98,10 @@ class GraphLoopResult:
         return self.tokens_per_s / bound if bound else 0.0
 
 
-def _steps(bench, traces) -> tuple[np.ndarray, list[int]]:
-    """Every token's ids ([tokens, layers, k] int32, the traces one after another) and the model
-    layers of the second axis: the layout's MoE layers the traces route. ValueError for traces a
-    captured step cannot replay (a missing record, layers or k that differ between traces)."""
-    loaded = [decode_trace(t) for t in traces]
+def _steps(bench, loaded) -> tuple[np.ndarray, list[int]]:
+    """Every token's ids ([tokens, layers, k] int32, the loaded traces one after another) and the
+    model layers of the second axis: the layout's MoE layers the traces route. ValueError for
+    traces a captured step cannot replay (a missing record, layers or k that differ between traces)."""
     moe = set(bench.layout.moe_layers)
     rows, layers = [], None
     for trace in loaded:
@@ -211,7 +210,7 @@ def _sync(bench) -> None:
         _cuda.check(_cuda.runtime().cudaStreamSynchronize(bench.stream), "cudaStreamSynchronize")
 
 
-def _c_loop(bench, workload, compute_ns: int, link: float) -> GraphLoopResult:
+def _c_loop(bench, workload, num_layers: int, compute_ns: int, link: float) -> GraphLoopResult:
     """The C loop with the host select (LRU), the same non-expert work per layer."""
     from .. import replay as _replay
 
@@ -225,8 +224,7 @@ def _c_loop(bench, workload, compute_ns: int, link: float) -> GraphLoopResult:
                            decode_seconds=out.decode_seconds, served_tokens=workload.decode_tokens,
                            hits=decode.hits, misses=decode.misses,
                            bytes_h2d=out.decode_bytes_h2d, link_bytes_per_s=link,
-                           compute_seconds=workload.decode_tokens * len(set(c.layer for c in workload.calls))
-                           * compute_ns * 1e-9,
+                           compute_seconds=workload.decode_tokens * num_layers * compute_ns * 1e-9,
                            checksum_errors=out.checksum_errors, experts_checked=out.experts_checked)
 
 
@@ -242,7 +240,8 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     if bench.is_cuda and not bench.pinned:
         raise ValueError("the graph loop's device select reads the experts from pinned memory: use --source pinned")
     progress = progress or bench.progress
-    ids, layers = _steps(bench, traces)
+    loaded = [decode_trace(t) for t in traces]  # parsed once: the graph's ids and the C loop's calls
+    ids, layers = _steps(bench, loaded)
     tokens, num_layers, k = ids.shape
     if tokens < 2:
         raise ValueError("the graph loop needs at least 2 tokens (the first binds and warms up)")
@@ -253,7 +252,7 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
                     settings=dict(compute_us=compute_us, policy="lru", layers=f"{layers[0]}-{layers[-1]}", k=k,
                                   capture=bench.is_cuda))
     if c_loop:
-        report.results.append(_c_loop(bench, decode_workload([decode_trace(t) for t in traces], layers), compute_ns,
+        report.results.append(_c_loop(bench, decode_workload(loaded, layers), num_layers, compute_ns,
                                       link.bytes_per_s))
 
     arrays = _DeviceArrays(bench.is_cuda, bench.device)
