@@ -11,6 +11,7 @@
 #   decode_pinned decode_no_layer_sync decode_pageable prefill_turns
 #   device_lookup graph_loop torch_graph (serving from the GPU: its tests, the graph loop on the
 #   bundled traces, the torch step of a Qwen3-30B-A3B-like model at two budgets)
+#   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-gpu-report}
@@ -58,6 +59,10 @@ run_step() {
     torch_graph) step torch_graph 300 bash -c 'for f in 1.0 0.25; do python3 examples/torch_moe_decode.py \
         --device cuda --graph --layers 16 --experts 128 --top-k 8 --hidden 2048 --ffn 768 --tokens 64 \
         --budget-fraction $f || exit 1; done' ;;
+    # pyexpcache.hf on CUDA: the tests, then the decode benchmark of a random Qwen3-MoE of real
+    # layer geometry, offloaded at two budgets beside the unmodified model, eager and captured.
+    hf) step hf 420 python3 -m pytest -q -rs tests/test_hf.py -k "cuda or not cpu" ;;
+    hf_decode) step hf_decode 420 python3 benchmarks/hf_decode.py --device cuda --json "$DIR/hf_decode.json" ;;
     *) echo "unknown step: $1" >&2; return 2 ;;
     esac
 }

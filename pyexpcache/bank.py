@@ -114,6 +114,18 @@ def default_stream(like) -> int | None:
     return None
 
 
+def slot_view(ptr: int, nbytes: int, cap: int, slot_stride: int, *, cuda: bool, device_id: int, dtype, shape,
+              owner) -> TensorView:
+    """``nbytes`` at ``ptr`` in each of ``cap`` slots ``slot_stride`` bytes apart, as one view
+    ``[cap, *shape]`` (each slot's bytes C-contiguous)."""
+    one = TensorView(ptr, nbytes, cuda=cuda, device_id=device_id, dtype=dtype, shape=shape)
+    inner = [one.dtype.itemsize]
+    for dim in reversed(one.shape[1:]):
+        inner.insert(0, inner[0] * dim)
+    return TensorView(ptr, cap * nbytes, cuda=cuda, device_id=device_id, dtype=dtype, shape=(cap, *one.shape),
+                      strides=(slot_stride, *inner), owner=owner)
+
+
 class ExpertBank:
     """One size class's slot bank (:meth:`pyexpcache.ExpertCache.bank`).
 
@@ -140,6 +152,25 @@ class ExpertBank:
     @property
     def parts(self) -> tuple[TensorView, TensorView, TensorView]:
         return (self.gate, self.up, self.down)
+
+    def gate_up(self, shape=None, dtype=None) -> TensorView:
+        """The gate and up parts as one view ``[cap, *shape]``: each slot's two parts side by side,
+        the fused gate-and-up weight most engines keep per expert (transformers' ``gate_up_proj``,
+        vLLM's ``w13``). ``shape`` covers both parts' bytes (default: the gate's shape with its
+        first dimension doubled when the two parts have one shape, else the bytes 1-D); ``dtype``
+        defaults to the parts'. Up must start where gate ends, which it does when the gate's byte
+        size is a multiple of the slot alignment (256 B); ValueError otherwise."""
+        gate, up = self.gate, self.up
+        gate_bytes = gate.nbytes // self.cap if self.cap else 0
+        up_bytes = up.nbytes // self.cap if self.cap else 0
+        if up.ptr != gate.ptr + gate_bytes:
+            raise ValueError(f"gate ({gate_bytes} B) and up are {up.ptr - gate.ptr - gate_bytes} B apart in a slot: "
+                             "they are one view only when the gate's bytes are a multiple of 256 (the slot alignment)")
+        dtype = gate.dtype if dtype is None else dtype
+        if shape is None and dtype == gate.dtype and gate.shape[1:] == up.shape[1:] and len(gate.shape) > 1:
+            shape = (2 * gate.shape[1], *gate.shape[2:])
+        return slot_view(gate.ptr, gate_bytes + up_bytes, self.cap, self.slot_stride, cuda=gate.cuda,
+                         device_id=gate.device_id, dtype=dtype, shape=shape, owner=gate.owner)
 
     def __repr__(self) -> str:
         return (f"ExpertBank(class {self.class_index}, cap={self.cap}, slot_stride={self.slot_stride}, "

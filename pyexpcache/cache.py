@@ -534,17 +534,10 @@ class ExpertCache:
                                "the budget or free device memory")
         cuda = self._is_cuda
         owner = self._pin_memory(b.base)
-        parts = []
-        for i, (offset, nbytes) in enumerate(((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes),
-                                              (b.down_offset, b.down_bytes))):
-            one = TensorView(b.base + offset, nbytes, cuda=cuda, device_id=self._device, dtype=dtype,
-                             shape=None if shapes is None else shapes[i])
-            shape = (b.cap,) + one.shape
-            inner = [one.dtype.itemsize]
-            for dim in reversed(one.shape[1:]):
-                inner.insert(0, inner[0] * dim)
-            parts.append(TensorView(b.base + offset, b.cap * nbytes, cuda=cuda, device_id=self._device, dtype=dtype,
-                                    shape=shape, strides=(b.slot_stride, *inner), owner=owner))
+        parts = [_bank.slot_view(b.base + offset, nbytes, b.cap, b.slot_stride, cuda=cuda, device_id=self._device,
+                                 dtype=dtype, shape=None if shapes is None else shapes[i], owner=owner)
+                 for i, (offset, nbytes) in enumerate(((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes),
+                                                       (b.down_offset, b.down_bytes)))]
         return ExpertBank(index, b.cap, b.slot_stride, *parts)
 
     def select_device(self, layer: int, ids, stream=None, out=None):

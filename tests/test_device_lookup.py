@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pyexpcache import (
-    ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, ModelLayout, UnsupportedError, _lib, testing,
+    ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, LayerSpec, ModelLayout, UnsupportedError, _lib, testing,
 )
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
 
@@ -296,6 +296,39 @@ def test_bank_shapes_and_dtype(make_cache):
     assert bank.gate.shape == (4, 2, spec.gate_bytes // 4)
     assert bank.gate.strides == (bank.slot_stride, spec.gate_bytes // 2, 2)
     assert bank.down.shape == (4, 1, spec.down_bytes // 2)
+
+
+def test_bank_gate_up_is_both_parts_as_one_view(make_cache):
+    """gate_up(): each slot's gate and up side by side (gate bytes a multiple of 256), as the fused
+    weight engines keep; two equal-shaped parts double the first dimension."""
+    layout = ModelLayout([LayerSpec(8, 1024, 1024, 512)])
+    cache, source = make_cache(layout, lookup="device", budget_experts=4)
+    slots = _select(cache, 0, [6, 2])
+    bank = cache.bank(0, dtype="uint16", shapes=[(4, 128), (4, 128), (256,)])
+    joined = bank.gate_up()
+    assert joined.shape == (4, 8, 128) and joined.strides == (bank.slot_stride, 256, 2)
+    assert joined.ptr == bank.gate.ptr and joined.dtype == bank.gate.dtype
+    rows = _bank_bytes(cache, bank.gate_up(dtype=np.uint8))
+    for expert, slot in zip([6, 2], slots):
+        want = np.concatenate([source.part(0, expert, 0), source.part(0, expert, 1)])
+        assert (rows[slot] == want).all()
+    assert bank.gate_up(shape=(1024,), dtype="uint16").shape == (4, 1024)
+
+
+def test_bank_gate_up_refuses_parts_apart(make_cache):
+    layout = ModelLayout([LayerSpec(8, 1000, 1000, 512)])  # up starts at 1024, not 1000
+    cache, _ = make_cache(layout, lookup="device", budget_experts=4)
+    with pytest.raises(ValueError, match="24 B apart in a slot.*multiple of 256"):
+        cache.bank(0).gate_up()
+
+
+def _bank_bytes(cache, view):
+    """The view's [cap, nbytes] bytes as a numpy array (copied from the device on CUDA)."""
+    if cache.backend == "host":
+        return np.asarray(view)
+    import torch
+
+    return torch.from_dlpack(view).cpu().numpy()
 
 
 def test_bank_checksum_reads_the_slots(make_cache):

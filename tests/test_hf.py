@@ -1,5 +1,6 @@
-"""pyexpcache.hf on the CPU (host backend): tiny random models of each transformers MoE family,
-built from their config classes (no download), served with 25 % of their experts cached."""
+"""pyexpcache.hf: tiny random models of each transformers MoE family, built from their config
+classes (no download), served with 25 % of their experts cached, on the CPU (host backend) and,
+with a GPU, on CUDA."""
 
 import pytest
 
@@ -9,8 +10,10 @@ transformers = pytest.importorskip("transformers", minversion="5",
 
 from pyexpcache import ModelLayout  # noqa: E402
 from pyexpcache import bench  # noqa: E402
-from pyexpcache.hf import IMPLEMENTATION, find_experts, offload, record_routing  # noqa: E402
+from pyexpcache.hf import IMPLEMENTATION, GraphDecoder, find_experts, offload, record_routing  # noqa: E402
+from pyexpcache.hf._experts import split  # noqa: E402
 from pyexpcache.traces import read_trace  # noqa: E402
+from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)
@@ -36,14 +39,23 @@ FAMILIES = {
 }
 PROMPT = [[5, 17, 33, 2, 61, 40]]
 NEW_TOKENS = 8
-#: Against the unmodified model (transformers' default experts implementation, grouped_mm, which
-#: groups the (token, expert) pairs by expert and adds the outputs in another order), float32 logits
-#: differ by rounding: at most 6e-6 measured over the six families, on logits up to 6.4 in magnitude
-#: (tokens equal). Against batched_mm (the same kernels on the same bytes) they are bit-identical.
-TOLERANCE = dict(rtol=1e-5, atol=5e-5)
+#: Where the model computes: the CPU (expcache's host backend) and, with a GPU, CUDA. On CUDA the
+#: models are bfloat16, the dtype transformers' grouped_mm kernels are made for.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()),
+                                                                 reason=CUDA_REASON or "torch has no CUDA device"))]
+#: Logits of one model computed two ways that round differently (GEMMs of other shapes, or
+#: batched_mm against grouped_mm, which add the k experts' outputs in another order), by device.
+#: float32 on the CPU: at most 6e-6 measured over the six families, on logits up to 6.4 in magnitude.
+TOLERANCE = {"cpu": dict(rtol=1e-5, atol=5e-5), "cuda": dict(rtol=1e-5, atol=5e-5)}
 
 
-def tiny_model(family: str, seed: int = 0):
+#: Where grouped_mm rounds a (token, expert) row by its place in the pairs sorted by expert (its
+#: alignment): on the CPU, GPT-OSS's transposed weights (1e-6 on logits up to 6, measured). Slots
+#: sort in another order than expert ids, so there the logits are within TOLERANCE, not equal.
+ROW_PLACE_ROUNDS = {("cpu", "gpt_oss")}
+
+
+def tiny_model(family: str, seed: int = 0, device: str = "cpu"):
     model_class, config_class, extra = FAMILIES[family]
     config = getattr(transformers, config_class)(**{**COMMON, **extra})
     torch.manual_seed(seed)
@@ -52,31 +64,132 @@ def tiny_model(family: str, seed: int = 0):
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.3)
-    return model
+    return model.to(torch.bfloat16).to(device) if device == "cuda" else model
 
 
-def greedy(model, prompt=PROMPT, new_tokens=NEW_TOKENS):
+def greedy(model, prompt=PROMPT, new_tokens=NEW_TOKENS, **kwargs):
+    device = next(model.parameters()).device
     with torch.no_grad():
-        out = model.generate(torch.tensor(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        out = model.generate(torch.tensor(prompt, device=device), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, **kwargs)
     return out.sequences, torch.stack(out.logits)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_offload_generates_the_unmodified_models_tokens(family):
-    model = tiny_model(family)
-    tokens, logits = greedy(model)  # the unmodified model
-    model.set_experts_implementation("batched_mm")
-    _, batched_logits = greedy(model)
+def test_offload_generates_the_unmodified_models_tokens_and_logits(family, device):
+    """One token per forward (a one-token prompt, then decoding): each layer's experts computed by
+    the same kernels (grouped_mm, transformers' default) on the same bytes, bit-identical."""
+    model = tiny_model(family, device=device)
+    tokens, logits = greedy(model, prompt=[[5]])  # the unmodified model
     with offload(model, budget_fraction=0.25) as handle:
         assert model.config._experts_implementation == IMPLEMENTATION
-        served_tokens, served_logits = greedy(model)
+        assert handle.computed_by == "grouped_mm"
+        assert handle.cache.backend == ("cuda" if device == "cuda" else "host")
+        served_tokens, served_logits = greedy(model, prompt=[[5]])
         total = handle.cache.stats().total
     assert torch.equal(served_tokens, tokens)
-    assert torch.equal(served_logits, batched_logits)  # the same kernels on the same bytes
-    torch.testing.assert_close(served_logits, logits, **TOLERANCE)
+    if (device, family) in ROW_PLACE_ROUNDS:
+        torch.testing.assert_close(served_logits, logits, **TOLERANCE[device])
+    else:
+        assert torch.equal(served_logits, logits)
     assert total.misses > 0 and total.evictions > 0  # 25 %: experts were streamed
-    assert model.config._experts_implementation == "batched_mm"  # restored by close()
+    assert model.config._experts_implementation == "grouped_mm"  # restored by close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_prompt_is_served_in_chunks_the_cache_holds(family, device):
+    """A 6-token prompt at 25 % of the experts: a select of n tokens needs n*k slots, so the
+    prompt's forward is served cap//k tokens at a time. grouped_mm's per-expert groups are then
+    smaller, and a GEMM's rounding depends on its shape: logits within TOLERANCE, tokens equal."""
+    model = tiny_model(family, device=device)
+    tokens, logits = greedy(model)
+    with offload(model, budget_fraction=0.25):
+        served_tokens, served_logits = greedy(model)
+    assert torch.equal(served_tokens, tokens)
+    torch.testing.assert_close(served_logits, logits, **TOLERANCE[device])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", ["batched_mm", "eager"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # GPT-OSS: transposed, with biases
+def test_offload_computes_with_the_models_implementation(family, implementation, device):
+    model = tiny_model(family, device=device)
+    model.set_experts_implementation(implementation)
+    tokens, logits = greedy(model, prompt=[[5]])
+    with offload(model, budget_fraction=0.25) as handle:
+        assert handle.computed_by == implementation
+        served_tokens, served_logits = greedy(model, prompt=[[5]])
+    assert torch.equal(served_tokens, tokens)
+    assert torch.equal(served_logits, logits)
+    assert model.config._experts_implementation == implementation
+    if device == "cpu":
+        model.set_experts_implementation("grouped_mm")
+        torch.testing.assert_close(greedy(model, prompt=[[5]])[1], logits, **TOLERANCE[device])  # another order
+
+
+@pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device")
+def test_a_model_loaded_on_the_host_runs_on_the_gpu_with_its_experts_on_the_host():
+    """The loading recipe of docs/hf.md: a checkpoint loaded on the host, then offload(device=)."""
+    reference = tiny_model("qwen3_moe", device="cuda")
+    tokens, logits = greedy(reference)
+    model = tiny_model("qwen3_moe").to(torch.bfloat16)  # on the host, as from_pretrained(..., device_map="cpu")
+    with offload(model, budget_fraction=0.25, device="cuda") as handle:
+        experts = {id(p) for e in find_experts(model) for p in (e.first, e.down)}
+        for name, p in model.named_parameters():
+            assert p.device.type == ("cpu" if id(p) in experts else "cuda"), name
+            if id(p) in experts:
+                assert p.is_pinned(), name  # page-locked in place: the GPU reads misses from it
+        served_tokens, served_logits = greedy(model)
+        assert handle.cache.stats().total.misses > 0
+    assert torch.equal(served_tokens, tokens)
+    assert torch.equal(served_logits, logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_decoder_captures_the_offloaded_step(device):
+    """GraphDecoder: static KV cache, each decode step one CUDA graph replay (eager on the CPU).
+    Offloaded at 25 %, its logits equal the unmodified model's under the same decoder, and its
+    tokens those of generate()."""
+    model = tiny_model("qwen3_moe", device=device)
+    tokens, _ = greedy(model, prompt=[[5]])  # one token: the prefill is not served in chunks
+    prompt = torch.tensor([[5]])
+    decoder = GraphDecoder(model, max_len=32)
+    want, want_logits = decoder.generate(prompt, NEW_TOKENS, output_logits=True)
+    assert torch.equal(want.cpu(), tokens.cpu())
+    with offload(model, budget_fraction=0.25) as handle:
+        served = GraphDecoder(model, max_len=32)
+        got, got_logits = served.generate(prompt, NEW_TOKENS, output_logits=True)
+        assert served.captured == (device == "cuda")
+        again = served.generate(prompt, NEW_TOKENS)  # the capture replayed for a second sequence
+        total = handle.cache.stats().total
+    assert torch.equal(got, want) and torch.equal(again, want)
+    assert torch.equal(got_logits, want_logits)
+    assert total.misses > 0 and total.hits > 0
+
+
+def test_graph_decoder_refuses_bad_arguments():
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match="max_len must be an int >= 2"):
+        GraphDecoder(model, max_len=1)
+    decoder = GraphDecoder(model, max_len=8)
+    with pytest.raises(ValueError, match="exceed max_len 8"):
+        decoder.generate(torch.tensor(PROMPT), 4)
+    with pytest.raises(ValueError, match=r"input_ids must be \[1, P\]"):
+        decoder.generate(torch.tensor([[1], [2]]), 2)
+
+
+@pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device")
+def test_generate_with_a_static_cache_compiles_the_offloaded_model():
+    """generate() with a static KV cache compiles the forward (torch.compile, reduce-overhead)."""
+    model = tiny_model("qwen3_moe", device="cuda")
+    tokens, logits = greedy(model, cache_implementation="static")
+    with offload(model, budget_fraction=0.25):
+        served_tokens, served_logits = greedy(model, cache_implementation="static")
+    assert torch.equal(served_tokens, tokens)
+    torch.testing.assert_close(served_logits.float(), logits.float(), rtol=0, atol=0)
 
 
 def test_layout_and_source_describe_the_parameters_byte_for_byte():
@@ -90,9 +203,21 @@ def test_layout_and_source_describe_the_parameters_byte_for_byte():
         slots = handle.cache.select_device(e.layer, ids)
         server = e.module._expcache_server
         for expert, slot in zip(ids[0].tolist(), slots[0].tolist()):
-            first = torch.cat((server.gate[slot], server.up[slot])).view(e.first.shape[1:])
-            assert torch.equal(first, e.first[expert])
+            assert torch.equal(server.first[slot], e.first[expert])  # the bank is gate_up_proj by slot
             assert torch.equal(server.down[slot], e.down[expert])
+
+
+def test_a_second_offload_is_refused():
+    model = tiny_model("mixtral")
+    with offload(model, budget_fraction=0.5):
+        with pytest.raises(ValueError, match="already served by expcache: close its handle first"):
+            offload(model, budget_fraction=0.5)
+
+
+def test_experts_too_small_for_a_slot_are_refused():
+    with pytest.raises(ValueError, match="slab of 192 B cannot be served"):
+        split(192)
+    assert split(6144) == 3072 and split(1000) == 256  # half, rounded down to the 256 B alignment
 
 
 def test_a_model_without_experts_interface_layers_is_refused_by_name():
@@ -133,7 +258,7 @@ def test_a_batch_of_prompts_is_served_and_recorded_per_sequence(tmp_path):
     with offload(model, budget_fraction=0.25), record_routing(model, tmp_path / "batch.npz") as recorder:
         served_tokens, served_logits = greedy(model, prompt=prompts, new_tokens=4)
     assert torch.equal(served_tokens, tokens)
-    torch.testing.assert_close(served_logits, logits, **TOLERANCE)
+    torch.testing.assert_close(served_logits, logits, **TOLERANCE["cpu"])
     trace = read_trace(tmp_path / "batch.npz")
     # 4 prompt tokens and 3 decoded ones fed back (the 4th new token is not run) per sequence.
     assert recorder.records == 2 * 7 * 3

@@ -2,6 +2,8 @@
 
 - :func:`offload`: every experts-interface MoE layer of a transformers >= 5 model served from an
   expcache slot bank through a registered experts implementation (``"expcache"``).
+- :class:`GraphDecoder`: greedy decoding with a static KV cache, each decode step one CUDA graph
+  replay (offloaded or not).
 - :func:`record_routing`: a context manager writing the model's routing as a generic trace and
   its layout file, for ``expcache bench --layout L --traces T``.
 
@@ -17,10 +19,11 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
     raise ImportError(f"pyexpcache.hf needs transformers >= 5 (its experts interface), found {transformers.__version__}")
 
 from ._experts import ExpertsLayer, find_experts  # noqa: E402
+from ._graph import GraphDecoder  # noqa: E402
 from ._offload import Offloaded, offload  # noqa: E402
 from ._record import RoutingRecorder, record_routing  # noqa: E402
 from ._serve import IMPLEMENTATION  # noqa: E402
 from ._source import ParameterSource  # noqa: E402
 
-__all__ = ["IMPLEMENTATION", "ExpertsLayer", "Offloaded", "ParameterSource", "RoutingRecorder", "find_experts",
-           "offload", "record_routing"]
+__all__ = ["IMPLEMENTATION", "ExpertsLayer", "GraphDecoder", "Offloaded", "ParameterSource", "RoutingRecorder",
+           "find_experts", "offload", "record_routing"]

@@ -6,11 +6,11 @@ and routes ``forward`` through ``ExpertsInterface`` by ``config._experts_impleme
 weights are two 3-D parameters: ``gate_up_proj`` [E, 2I, H] (or ``up_proj`` [E, I, H] without a
 gate) and ``down_proj`` [E, H, I]; transposed ([E, H, 2I], [E, I, H]) where ``is_transposed``.
 
-An expert's first weight (gate_up or up) is one slab; the cache's slot holds it as two parts of
-half its bytes each, ``gate`` then ``up``, and ``down_proj``'s slab as ``down``. For the common
-concatenated layout the halves are exactly the gate and the up matrices; for GPT-OSS's
-interleaved, transposed slab they are its first and second halves of rows. Either way the two
-parts side by side are the slab's bytes, so the serving side rebuilds it exactly.
+An expert's first weight (gate_up or up) is one slab; the cache's slot holds it as two parts,
+``gate`` then ``up``, and ``down_proj``'s slab as ``down``. The split is at half the slab's bytes
+(for the common concatenated layout, exactly the gate and the up matrices) rounded down to the
+slot alignment (256 B), so that up starts where gate ends and the slot's first two parts are the
+slab itself (``ExpertBank.gate_up``): the bank is then ``gate_up_proj`` indexed by slot.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ..layout import LayerSpec, ModelLayout
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 #: torch dtypes the bank views can take, by the name ExpertCache.bank's ``dtype`` takes.
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_ALIGN = 256  # where each part of a slot starts (the library's slot alignment)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -60,10 +61,20 @@ class ExpertsLayer:
         return _DTYPES[self.first.dtype]
 
     def spec(self) -> LayerSpec:
-        """Its layer in the layout: gate and up each half the first slab's bytes, down the second's."""
+        """Its layer in the layout: the first slab split into gate and up (:func:`split`), down the second's."""
         first = self.first[0].numel() * self.first.element_size()
         down = self.down[0].numel() * self.down.element_size()
-        return LayerSpec(self.num_experts, first // 2, first // 2, down)
+        gate = split(first)
+        return LayerSpec(self.num_experts, gate, first - gate, down)
+
+
+def split(first_bytes: int) -> int:
+    """The gate part's bytes of a first slab of ``first_bytes``: half, rounded down to the slot
+    alignment, so that the up part follows it with no gap. ValueError for a slab of 256 B or less."""
+    if first_bytes <= _ALIGN:
+        raise ValueError(f"an expert's gate_up slab of {first_bytes} B cannot be served: it must be over {_ALIGN} B "
+                         "(the slot alignment)")
+    return max(_ALIGN, first_bytes // 2 // _ALIGN * _ALIGN)
 
 
 def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:

@@ -6,31 +6,37 @@ from typing import Optional
 
 import torch
 
+from .. import _cuda
 from ..bench.bench import resolve_budget
 from ..cache import ExpertCache
 from ._experts import ExpertsLayer, find_experts, layout_of
-from ._serve import IMPLEMENTATION, LayerServer, register
+from ._serve import IMPLEMENTATION, LayerServer, inner_implementation, register
 from ._source import ParameterSource
 
 
 class _HostRegistration:
-    """Host tensors page-locked in place (cudaHostRegister), unregistered by :meth:`close`."""
+    """Host tensors page-locked in place (cudaHostRegister), unregistered by :meth:`close`. The
+    calls go through cuda-python's runtime, not torch's: a refused registration then leaves no
+    error behind for torch's next launch check to find."""
 
     def __init__(self):
         self._pointers: list[int] = []
 
-    def pin(self, tensor: torch.Tensor) -> None:
-        rt = torch.cuda.cudart()
-        # Portable (1: pinned for every device) and mapped (2: the GPU's lookup reads misses through it).
-        code = rt.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 3)
-        if int(code) != 0:
-            raise MemoryError(f"cudaHostRegister of {tensor.numel() * tensor.element_size()} bytes failed "
-                              f"(error {int(code)}): the experts cannot be page-locked in place")
+    def pin(self, tensor: torch.Tensor) -> bool:
+        """Page-locks ``tensor``'s memory in place; False where it cannot be (memory mapped from a
+        file, for one: the caller copies it into pinned memory then)."""
+        rt = _cuda.runtime()
+        # Portable (1) and mapped (2): pinned for every device, and the GPU's lookup reads misses through it.
+        result = rt.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 3)
+        if int(result[0]) != 0:
+            rt.cudaGetLastError()
+            return False
         self._pointers.append(tensor.data_ptr())
+        return True
 
     def close(self) -> None:
         while self._pointers:
-            torch.cuda.cudart().cudaHostUnregister(self._pointers.pop())
+            _cuda.runtime().cudaHostUnregister(self._pointers.pop())
 
 
 def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) -> torch.device:
@@ -51,16 +57,30 @@ def _to_host(param: torch.nn.Parameter, cuda: bool, registration: _HostRegistrat
     if data.device.type == "cpu":
         if not data.is_contiguous():
             data = data.contiguous()
-        if cuda and not data.is_pinned():
-            registration.pin(data)
-        param.data = data
-        return data, cuda
-    if data.device.type != "cuda":
+        if not cuda or data.is_pinned() or registration.pin(data):
+            param.data = data
+            return data, cuda
+    elif data.device.type != "cuda":
         raise ValueError(f"experts on {data.device} cannot be offloaded: they must be in host or CUDA memory")
     host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
     host.copy_(data)
     param.data = host
     return host, True
+
+
+def _move_the_rest(model: torch.nn.Module, layers: list[ExpertsLayer], compute: torch.device) -> None:
+    """Every parameter and buffer in host memory but the experts' weights moved to ``compute``: a
+    model loaded on the host runs on the GPU, its experts served by the cache."""
+    if compute.type == "cpu":
+        return
+    experts = {id(e.first) for e in layers} | {id(e.down) for e in layers}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in experts and p.device.type == "cpu":
+                p.data = p.data.to(compute)
+        for name, b in module.named_buffers(recurse=False):
+            if b.device.type == "cpu":
+                setattr(module, name, b.to(compute))
 
 
 class Offloaded:
@@ -72,6 +92,8 @@ class Offloaded:
         layout: the :class:`~pyexpcache.ModelLayout` built from the experts modules.
         source: the :class:`ParameterSource` over the experts' host tensors.
         layers: model layer number -> the experts module's name.
+        computed_by: the experts implementation that computes each layer from the bank: the one
+            the model had (``"grouped_mm"``, transformers' default, ``"batched_mm"`` or ``"eager"``).
 
     :meth:`close` (idempotent; also on leaving a ``with`` block) restores the model's previous
     experts implementation and closes the cache. The experts' weights stay in host memory: on a
@@ -79,8 +101,9 @@ class Offloaded:
     """
 
     def __init__(self, model, cache: ExpertCache, source: ParameterSource, layers: list[ExpertsLayer],
-                 previous: list, registration: _HostRegistration):
+                 previous: list, registration: _HostRegistration, computed_by: str):
         self.model, self.cache, self.source, self.layout = model, cache, source, cache.layout
+        self.computed_by = computed_by
         self.layers = {e.layer: e.name for e in layers}
         self._modules = [e.module for e in layers]
         self._previous = previous
@@ -121,12 +144,16 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     Every experts module of transformers' experts interface (transformers >= 5: Mixtral,
     Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS and the other families that have one) gets
     its weights in host memory: those already there are used in place (page-locked in place when
-    the model runs on a GPU), those on a GPU are copied once into pinned memory and their device
-    memory freed. A layout and a source are built from the modules, an
-    ``ExpertCache(lookup="device")`` over them, and the model's experts implementation is set to
-    ``"expcache"``: each layer turns the router's ids into slot ids on the device
-    (``select_device``) and computes its experts from the bank, bit-identical to transformers'
-    ``batched_mm`` implementation. ``model.generate()`` then works as before.
+    the model runs on a GPU, or copied into pinned memory where they cannot be), those on a GPU
+    are copied once into pinned memory and their device memory freed. Every other parameter and
+    buffer in host memory moves to ``device``, so a checkpoint loaded on the host runs on the GPU
+    with its experts never there but through the cache. A layout and a source are built from the
+    modules, an ``ExpertCache(lookup="device")`` over them, and the model's experts implementation
+    is set to ``"expcache"``: each layer turns the router's ids into slot ids on the device
+    (``select_device``), and the implementation the model had (``grouped_mm`` by default,
+    ``batched_mm`` or ``eager``: set it before offloading to choose) computes the layer from the
+    bank, bit-identical to the unmodified model. ``model.generate()`` then works as before, and
+    a static-cache decode step can be captured in a CUDA graph (:class:`GraphDecoder`).
 
     Args:
         model: a transformers model (``PreTrainedModel``) with experts-interface MoE layers.
@@ -142,6 +169,7 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
         RuntimeError: a budget too small for one expert per layer (from the cache).
     """
     layers = find_experts(model)
+    inner = [inner_implementation(e.module) for e in layers]  # before ours is set; refuses a second offload
     if budget_bytes is None and budget_fraction is None:
         raise ValueError("give budget_bytes or budget_fraction")
     compute = _compute_device(model, layers, device)
@@ -154,6 +182,7 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     registration = _HostRegistration()
     cache = None
     try:
+        _move_the_rest(model, layers, compute)
         tensors, pinned = {}, True
         for e in layers:
             first, first_pinned = _to_host(e.first, cuda, registration)
@@ -167,10 +196,11 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
         source = ParameterSource(layout, layers, tensors, pinned)
         cache = ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if cuda else "host",
                             device=compute.index or 0, lookup="device", policy=policy)
-        for e in layers:
-            half = e.first[0].numel() // 2
-            bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((half,), (half,), tuple(e.down.shape[1:])))
-            e.module._expcache_server = LayerServer(cache, e.layer, bank, tuple(e.first.shape[1:]), e.name)
+        for e, (_, function) in zip(layers, inner):
+            spec, size = layout[e.layer], e.first.element_size()
+            bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((spec.gate_bytes // size,),
+                                                                    (spec.up_bytes // size,), tuple(e.down.shape[1:])))
+            e.module._expcache_server = LayerServer(cache, e.layer, bank, e.module, function, e.name, compute)
         previous = _set_implementation(model, layers)
     except BaseException:
         for e in layers:
@@ -180,7 +210,7 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
             cache.close()
         registration.close()
         raise
-    return Offloaded(model, cache, source, layers, previous, registration)
+    return Offloaded(model, cache, source, layers, previous, registration, inner[0][0])
 
 
 def _set_implementation(model, layers: list[ExpertsLayer]) -> list:

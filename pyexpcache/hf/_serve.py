@@ -2,14 +2,17 @@
 
 Registered with transformers' ``ExpertsInterface`` under :data:`IMPLEMENTATION`. For the ids the
 router chose (``top_k_index`` [T, k]), ``cache.select_device`` makes the experts resident and
-gives their slots, with no host synchronization (a CUDA graph can hold it); the weights are
-gathered from the bank by slot and the experts computed with the same operations, in the same
-order, as transformers' ``batched_mm`` implementation computes them from the parameters by id:
-one matrix product per (token, expert) pair, the k outputs weighted and summed per token. The
-gathered weights are the parameters' bytes, so the result is bit-identical to ``batched_mm``'s.
+gives their slots, with no host synchronization (a CUDA graph can hold it). The layer is then
+computed by the implementation the model had before (transformers' ``grouped_mm`` by default,
+or ``batched_mm``, or the module's own ``eager`` loop), called with the slots for ids and with
+the module seen through :class:`BankExperts`: its weights are the bank's ``[cap, ...]`` views,
+which hold, at each slot, the bytes of the expert the slot was given. The same kernels run on the
+same bytes, so the result is bit-identical to the unmodified model's.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -17,27 +20,67 @@ import torch
 IMPLEMENTATION = "expcache"
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool) -> torch.Tensor:
-    """Per row r: x[r] times expert weight[r] ([out, in], or [in, out] when transposed), plus bias[r]."""
-    if transposed:
-        out = torch.bmm(x.unsqueeze(1), weight).squeeze(1)
-    else:
-        out = torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1)
-    if bias is not None:
-        out.add_(bias)
-    return out
+def inner_implementation(module: torch.nn.Module) -> tuple[str, Callable]:
+    """The implementation ``module`` runs now (by its config), as (name, function of (module,
+    hidden_states, top_k_index, top_k_weights)): a registered one, or the module's own forward
+    for ``"eager"``."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = module.config._experts_implementation
+    if name == IMPLEMENTATION:
+        raise ValueError(f"{type(module).__name__} is already served by expcache: close its handle first")
+    if name in (None, "eager"):
+        return "eager", type(module).forward.__wrapped__  # the forward use_experts_implementation wrapped
+    return name, ALL_EXPERTS_FUNCTIONS[name]
+
+
+class SlotIndexed:
+    """Per-expert rows (a bias) seen by slot: ``rows_by_slot[slots]`` is ``rows[experts]``, for the
+    experts the slots were last given (``slot_expert``, written by each select)."""
+
+    def __init__(self, rows: torch.Tensor, slot_expert: torch.Tensor):
+        self.rows, self.slot_expert = rows, slot_expert
+
+    def __getitem__(self, slots):
+        return self.rows[self.slot_expert[slots]]
+
+
+class BankExperts:
+    """An experts module as an experts implementation sees it, served from a bank: every attribute
+    is the module's, except ``gate_up_proj`` (or ``up_proj``) and ``down_proj``, the bank's
+    ``[cap, ...]`` views with the parameters' shapes, ``num_experts`` (``cap``: ids are slots)
+    and the biases, indexed by slot."""
+
+    def __init__(self, module: torch.nn.Module, first: torch.Tensor, down: torch.Tensor, cap: int,
+                 slot_expert: torch.Tensor | None):
+        self._module = module
+        first_name = "gate_up_proj" if module.has_gate else "up_proj"
+        setattr(self, first_name, first)
+        self.down_proj = down
+        self.num_experts = cap
+        if slot_expert is not None:
+            setattr(self, first_name + "_bias", SlotIndexed(getattr(module, first_name + "_bias"), slot_expert))
+            self.down_proj_bias = SlotIndexed(module.down_proj_bias, slot_expert)
+
+    def __getattr__(self, name):  # everything not replaced is the module's
+        return getattr(self._module, name)
 
 
 class LayerServer:
-    """One layer's side of the implementation: its cache, layer and bank views (torch tensors
-    over the bank, zero-copy). ``gate`` and ``up`` are [cap, half] (the first slab's halves),
-    ``down`` [cap, *down slab shape]; ``first_shape`` is the first slab's shape."""
+    """One layer's side of the implementation: its cache, layer, the bank seen as the module's
+    weights (:class:`BankExperts`), and the implementation that computes it (``inner``)."""
 
-    def __init__(self, cache, layer: int, bank, first_shape: tuple[int, ...], name: str):
-        self.cache, self.layer, self.name = cache, layer, name
-        self.gate, self.up, self.down = (torch.from_dlpack(v) for v in bank.parts)
-        self.first_shape = first_shape
+    def __init__(self, cache, layer: int, bank, module: torch.nn.Module, inner: Callable, name: str, device):
+        self.cache, self.layer, self.name, self.inner = cache, layer, name, inner
         self.cap = bank.cap
+        first = module.gate_up_proj if module.has_gate else module.up_proj
+        self.first = torch.from_dlpack(bank.gate_up(shape=tuple(first.shape[1:])))
+        self.down = torch.from_dlpack(bank.down)
+        # Biases are small and stay on the compute device: each select records which expert each
+        # slot was given, and the biases are read by that.
+        slot_expert = torch.zeros(self.cap, dtype=torch.long, device=device) if module.has_bias else None
+        self.slot_expert = slot_expert
+        self.experts = BankExperts(module, self.first, self.down, self.cap, slot_expert)
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights):
         tokens, k = top_k_index.shape
@@ -46,31 +89,16 @@ class LayerServer:
                                "raise the budget")
         rows = self.cap // k  # a select of n rows needs n*k slots it may fill
         if tokens <= rows:
-            return self._serve(module, hidden_states, top_k_index, top_k_weights)
-        parts = [self._serve(module, hidden_states[i:i + rows], top_k_index[i:i + rows], top_k_weights[i:i + rows])
+            return self._serve(hidden_states, top_k_index, top_k_weights)
+        parts = [self._serve(hidden_states[i:i + rows], top_k_index[i:i + rows], top_k_weights[i:i + rows])
                  for i in range(0, tokens, rows)]
         return torch.cat(parts)
 
-    def _serve(self, module, hidden_states, top_k_index, top_k_weights):
-        tokens, k = top_k_index.shape
-        slots = self.cache.select_device(self.layer, top_k_index.contiguous()).reshape(-1)
-        pairs = tokens * k
-        x = hidden_states.repeat_interleave(k, dim=0)
-        ids = top_k_index.reshape(-1)
-        first = torch.cat((self.gate.index_select(0, slots), self.up.index_select(0, slots)), dim=1)
-        first = first.view(pairs, *self.first_shape)
-        if module.has_bias:
-            bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias)[ids]
-        else:
-            bias = None
-        out = _linear(x, first, bias, module.is_transposed)
-        out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
-        down = self.down.index_select(0, slots)
-        out = _linear(out, down, module.down_proj_bias[ids] if module.has_bias else None, module.is_transposed)
-        if module.has_post_expert_norm:
-            out = module.post_expert_norm(out)
-        out = out * top_k_weights.reshape(-1).unsqueeze(-1)
-        return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    def _serve(self, hidden_states, top_k_index, top_k_weights):
+        slots = self.cache.select_device(self.layer, top_k_index.contiguous()).to(top_k_index.dtype)
+        if self.slot_expert is not None:
+            self.slot_expert[slots.reshape(-1)] = top_k_index.reshape(-1)
+        return self.inner(self.experts, hidden_states, slots, top_k_weights)
 
 
 def experts_forward(module, hidden_states, top_k_index, top_k_weights):

@@ -1,0 +1,108 @@
+"""GraphDecoder: greedy decoding with every decode step one CUDA graph replay."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+
+class GraphDecoder:
+    """Greedy decoding of a transformers causal LM with a static KV cache, each decode step one
+    CUDA graph replay: the forward of one token per row (every layer; the experts served from
+    expcache's banks when the model is offloaded) and the argmax that feeds the next step are
+    captured once, at the first step, and replayed from then on. Works for a model offloaded by
+    :func:`~pyexpcache.hf.offload` or not (the benchmark compares the two this way). On the CPU
+    the same step runs eagerly.
+
+    >>> decoder = GraphDecoder(model, max_len=512)
+    >>> tokens = decoder.generate(input_ids, max_new_tokens=64)   # [B, P + 64]
+
+    The capture is made once per decoder; ``generate`` may be called again (with the same batch
+    size) and replays it. The step is run once before the capture (cuBLAS and the allocator warm
+    up on a side stream, as ``torch.cuda.graph`` asks), at the position the first replay then
+    computes again: its expert selects count in the cache's stats.
+    """
+
+    def __init__(self, model, max_len: int, *, batch: int = 1):
+        from transformers import StaticCache
+
+        if type(max_len) is not int or max_len < 2:
+            raise ValueError(f"max_len must be an int >= 2 (prompt and new tokens), got {max_len!r}")
+        if type(batch) is not int or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        self.model, self.max_len, self.batch = model, max_len, batch
+        self.device = next(model.parameters()).device
+        self.kv = StaticCache(config=model.config, max_cache_len=max_len)
+        # transformers 5.24 renamed the forward's past_key_values to cache (the old name warns)
+        self._kv_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._logits: Optional[torch.Tensor] = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _step(self) -> torch.Tensor:
+        out = self.model(input_ids=self.token, cache_position=self.position, use_cache=True, **{self._kv_name: self.kv})
+        logits = out.logits[:, -1, :]
+        self.token.copy_(logits.argmax(-1, keepdim=True))
+        self.position.add_(1)
+        return logits
+
+    def _capture(self) -> None:
+        token, position = self.token.clone(), self.position.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.token.copy_(token)
+        self.position.copy_(position)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._logits = self._step()
+        self.graph = graph
+
+    def step(self) -> torch.Tensor:
+        """One decode step: the logits [B, vocab] of the token in ``self.token`` at ``self.position``
+        (on CUDA a buffer the next step overwrites); ``token`` becomes their argmax and the
+        position advances."""
+        if self.device.type != "cuda":
+            return self._step()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self._logits
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, output_logits: bool = False):
+        """Greedy: the prompt ``input_ids`` [B, P] (a forward of its own, eager), then
+        ``max_new_tokens`` tokens, the first from the prompt's logits and each other from one step.
+        Returns the tokens [B, P + max_new_tokens], and with ``output_logits`` also the logits of
+        each new token, [max_new_tokens, B, vocab]."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
+            raise ValueError(f"input_ids must be [{self.batch}, P] (the decoder's batch), got {tuple(input_ids.shape)}")
+        prompt = input_ids.shape[1]
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if prompt + max_new_tokens > self.max_len:
+            raise ValueError(f"{prompt} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
+        input_ids = input_ids.to(self.device)
+        self.kv.reset()
+        out = self.model(input_ids=input_ids, cache_position=torch.arange(prompt, device=self.device), use_cache=True,
+                         **{self._kv_name: self.kv})
+        logits = out.logits[:, -1, :]
+        self.token.copy_(logits.argmax(-1, keepdim=True))
+        self.position.fill_(prompt)
+        tokens, kept = [self.token.clone()], [logits.clone()] if output_logits else None
+        for _ in range(max_new_tokens - 1):
+            logits = self.step()
+            tokens.append(self.token.clone())
+            if output_logits:
+                kept.append(logits.clone())
+        sequences = torch.cat([input_ids, *tokens], dim=1)
+        return (sequences, torch.stack(kept)) if output_logits else sequences
