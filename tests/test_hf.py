@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers", minversion="5",
 from pyexpcache import ModelLayout  # noqa: E402
 from pyexpcache import bench  # noqa: E402
 from pyexpcache.hf import IMPLEMENTATION, GraphDecoder, find_experts, offload, record_routing  # noqa: E402
+from pyexpcache.hf import _serve as hf_serve  # noqa: E402
 from pyexpcache.hf._experts import split  # noqa: E402
 from pyexpcache.traces import read_trace  # noqa: E402
 from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
@@ -128,6 +129,25 @@ def test_offload_computes_with_the_models_implementation(family, implementation,
     if device == "cpu":
         model.set_experts_implementation("grouped_mm")
         torch.testing.assert_close(greedy(model, prompt=[[5]])[1], logits, **TOLERANCE[device])  # another order
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_bank_of_more_slots_than_one_grouped_product_takes(device, monkeypatch):
+    """torch's grouped_mm takes fewer than 1024 groups; a bank of more slots is multiplied over
+    windows of slots (5 here). On CUDA the logits equal the unmodified model's; on the CPU a row's
+    rounding depends on its place in its group (ROW_PLACE_ROUNDS), and a window's first group
+    also holds the earlier windows' rows: there they are within TOLERANCE."""
+    monkeypatch.setattr(hf_serve, "GROUPED_MM_GROUPS", 5)
+    model = tiny_model("qwen3_moe", device=device)
+    tokens, logits = greedy(model)
+    with offload(model, budget_fraction=1.0) as handle:  # 24 slots: 5 windows
+        served_tokens, served_logits = greedy(model)
+        assert handle.cache.stats().total.hits > 0
+    assert torch.equal(served_tokens, tokens)
+    if device == "cuda":
+        assert torch.equal(served_logits, logits)
+    else:
+        torch.testing.assert_close(served_logits, logits, **TOLERANCE[device])
 
 
 @pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device")

@@ -12,31 +12,32 @@ class GraphDecoder:
     """Greedy decoding of a transformers causal LM with a static KV cache, each decode step one
     CUDA graph replay: the forward of one token per row (every layer; the experts served from
     expcache's banks when the model is offloaded) and the argmax that feeds the next step are
-    captured once, at the first step, and replayed from then on. Works for a model offloaded by
+    captured once, by the first :meth:`generate`, and replayed from then on. Works for a model offloaded by
     :func:`~pyexpcache.hf.offload` or not (the benchmark compares the two this way). On the CPU
-    the same step runs eagerly.
+    the same step runs eagerly, as it does everywhere with ``capture=False``.
 
     >>> decoder = GraphDecoder(model, max_len=512)
     >>> tokens = decoder.generate(input_ids, max_new_tokens=64)   # [B, P + 64]
 
-    The capture is made once per decoder; ``generate`` may be called again (with the same batch
-    size) and replays it. The step is run once before the capture (cuBLAS and the allocator warm
-    up on a side stream, as ``torch.cuda.graph`` asks), at the position the first replay then
-    computes again: its expert selects count in the cache's stats.
+    The capture is made once per decoder, by the first ``generate``; later calls (with the same
+    batch size) replay it. The capture costs one more step and one more forward of the prompt
+    (see :meth:`generate`), whose expert selects count in the cache's stats.
     """
 
-    def __init__(self, model, max_len: int, *, batch: int = 1):
+    def __init__(self, model, max_len: int, *, batch: int = 1, capture: bool = True):
         from transformers import StaticCache
 
         if type(max_len) is not int or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2 (prompt and new tokens), got {max_len!r}")
         if type(batch) is not int or batch < 1:
             raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-        self.model, self.max_len, self.batch = model, max_len, batch
+        self.model, self.max_len, self.batch, self.capture = model, max_len, batch, bool(capture)
         self.device = next(model.parameters()).device
         self.kv = StaticCache(config=model.config, max_cache_len=max_len)
         # transformers 5.24 renamed the forward's past_key_values to cache (the old name warns)
-        self._kv_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        parameters = inspect.signature(model.forward).parameters
+        self._kv_name = "cache" if "cache" in parameters else "past_key_values"
+        self._takes_cache_position = "cache_position" in parameters
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -46,35 +47,47 @@ class GraphDecoder:
     def captured(self) -> bool:
         return self.graph is not None
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """The model's forward at ``positions`` [L], writing the KV cache. The cache tracks its own
+        length on the device (it decides where keys are written); the positions given agree with it."""
+        kwargs = {self._kv_name: self.kv, "position_ids": positions.view(1, -1).expand(input_ids.shape[0], -1)}
+        if self._takes_cache_position:  # transformers before the cache tracked its length
+            kwargs["cache_position"] = positions
+        return self.model(input_ids=input_ids, use_cache=True, **kwargs)
+
     def _step(self) -> torch.Tensor:
-        out = self.model(input_ids=self.token, cache_position=self.position, use_cache=True, **{self._kv_name: self.kv})
-        logits = out.logits[:, -1, :]
+        logits = self._forward(self.token, self.position).logits[:, -1, :]
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.position.add_(1)
         return logits
 
+    def _prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prompt's forward from an empty cache; ``token`` becomes its argmax, ``position`` its length."""
+        self.kv.reset()
+        prompt = input_ids.shape[1]
+        logits = self._forward(input_ids, torch.arange(prompt, device=self.device)).logits[:, -1, :]
+        self.token.copy_(logits.argmax(-1, keepdim=True))
+        self.position.fill_(prompt)
+        return logits
+
     def _capture(self) -> None:
-        token, position = self.token.clone(), self.position.clone()
+        """Captures the step. It runs once first on a side stream (cuBLAS and the allocator warm
+        up, as ``torch.cuda.graph`` asks), which advances the KV cache: the caller starts again."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._step()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self.token.copy_(token)
-        self.position.copy_(position)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._logits = self._step()
         self.graph = graph
 
-    def step(self) -> torch.Tensor:
-        """One decode step: the logits [B, vocab] of the token in ``self.token`` at ``self.position``
-        (on CUDA a buffer the next step overwrites); ``token`` becomes their argmax and the
-        position advances."""
-        if self.device.type != "cuda":
-            return self._step()
+    def _next(self) -> torch.Tensor:
+        """One decode step: the logits [B, vocab] of ``token`` at ``position`` (on CUDA a buffer the
+        next step overwrites); ``token`` becomes their argmax and the position advances."""
         if self.graph is None:
-            self._capture()
+            return self._step()
         self.graph.replay()
         return self._logits
 
@@ -83,7 +96,9 @@ class GraphDecoder:
         """Greedy: the prompt ``input_ids`` [B, P] (a forward of its own, eager), then
         ``max_new_tokens`` tokens, the first from the prompt's logits and each other from one step.
         Returns the tokens [B, P + max_new_tokens], and with ``output_logits`` also the logits of
-        each new token, [max_new_tokens, B, vocab]."""
+        each new token, [max_new_tokens, B, vocab]. The first call on CUDA captures the step
+        after the prompt's forward, and runs that forward again (the capture's warm-up step moved
+        the KV cache on)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != self.batch:
             raise ValueError(f"input_ids must be [{self.batch}, P] (the decoder's batch), got {tuple(input_ids.shape)}")
         prompt = input_ids.shape[1]
@@ -92,15 +107,13 @@ class GraphDecoder:
         if prompt + max_new_tokens > self.max_len:
             raise ValueError(f"{prompt} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
         input_ids = input_ids.to(self.device)
-        self.kv.reset()
-        out = self.model(input_ids=input_ids, cache_position=torch.arange(prompt, device=self.device), use_cache=True,
-                         **{self._kv_name: self.kv})
-        logits = out.logits[:, -1, :]
-        self.token.copy_(logits.argmax(-1, keepdim=True))
-        self.position.fill_(prompt)
+        logits = self._prefill(input_ids)
+        if max_new_tokens > 1 and self.graph is None and self.capture and self.device.type == "cuda":
+            self._capture()
+            logits = self._prefill(input_ids)
         tokens, kept = [self.token.clone()], [logits.clone()] if output_logits else None
         for _ in range(max_new_tokens - 1):
-            logits = self.step()
+            logits = self._next()
             tokens.append(self.token.clone())
             if output_logits:
                 kept.append(logits.clone())

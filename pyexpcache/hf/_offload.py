@@ -10,7 +10,7 @@ from .. import _cuda
 from ..bench.bench import resolve_budget
 from ..cache import ExpertCache
 from ._experts import ExpertsLayer, find_experts, layout_of
-from ._serve import IMPLEMENTATION, LayerServer, inner_implementation, register
+from ._serve import IMPLEMENTATION, LayerServer, forget_cache, inner_implementation, register, serve_cache
 from ._source import ParameterSource
 
 
@@ -101,8 +101,9 @@ class Offloaded:
     """
 
     def __init__(self, model, cache: ExpertCache, source: ParameterSource, layers: list[ExpertsLayer],
-                 previous: list, registration: _HostRegistration, computed_by: str):
+                 previous: list, registration: _HostRegistration, computed_by: str, key: int):
         self.model, self.cache, self.source, self.layout = model, cache, source, cache.layout
+        self._key = key
         self.computed_by = computed_by
         self.layers = {e.layer: e.name for e in layers}
         self._modules = [e.module for e in layers]
@@ -119,6 +120,7 @@ class Offloaded:
         for module in self._modules:
             if hasattr(module, "_expcache_server"):
                 del module._expcache_server
+        forget_cache(self._key)
         self.cache.close()
         self._registration.close()
 
@@ -180,7 +182,7 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     budget = resolve_budget(layout, budget_bytes, budget_fraction)
     register()
     registration = _HostRegistration()
-    cache = None
+    cache, key = None, None
     try:
         _move_the_rest(model, layers, compute)
         tensors, pinned = {}, True
@@ -196,21 +198,24 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
         source = ParameterSource(layout, layers, tensors, pinned)
         cache = ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if cuda else "host",
                             device=compute.index or 0, lookup="device", policy=policy)
+        key = serve_cache(cache)
         for e, (_, function) in zip(layers, inner):
             spec, size = layout[e.layer], e.first.element_size()
             bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((spec.gate_bytes // size,),
                                                                     (spec.up_bytes // size,), tuple(e.down.shape[1:])))
-            e.module._expcache_server = LayerServer(cache, e.layer, bank, e.module, function, e.name, compute)
+            e.module._expcache_server = LayerServer(key, e.layer, bank, e.module, function, e.name, compute)
         previous = _set_implementation(model, layers)
     except BaseException:
         for e in layers:
             if hasattr(e.module, "_expcache_server"):
                 del e.module._expcache_server
+        if key is not None:
+            forget_cache(key)
         if cache is not None:
             cache.close()
         registration.close()
         raise
-    return Offloaded(model, cache, source, layers, previous, registration, inner[0][0])
+    return Offloaded(model, cache, source, layers, previous, registration, inner[0][0], key)
 
 
 def _set_implementation(model, layers: list[ExpertsLayer]) -> list:

@@ -12,12 +12,52 @@ same bytes, so the result is bit-identical to the unmodified model's.
 
 from __future__ import annotations
 
+import itertools
+import types
 from typing import Callable
 
 import torch
 
 #: The name the implementation is registered under (``config.experts_implementation``).
 IMPLEMENTATION = "expcache"
+
+
+#: torch._grouped_mm multiplies fewer than 1024 groups (here: slots) per call.
+GROUPED_MM_GROUPS = 1023
+
+
+def over_windows(inner: Callable, cap: int) -> Callable:
+    """``inner``; or, when it is transformers' ``grouped_mm`` and the bank has more slots than one
+    grouped product takes, the same function (its code object, unchanged) with its grouped
+    products done over windows of at most :data:`GROUPED_MM_GROUPS` slots. The (token, expert)
+    rows are sorted by slot, so each window's rows follow the previous window's: each window's
+    product is kept for its rows (from the end of the previous window's groups on), computed
+    by the same kernel on the same weights as one product would compute it."""
+    from transformers.integrations import moe
+
+    if inner is not moe.grouped_mm_experts_forward or cap <= GROUPED_MM_GROUPS:
+        return inner
+    if "_grouped_linear" not in inner.__code__.co_names:
+        raise ValueError(f"this transformers' grouped_mm has no _grouped_linear to serve a bank of {cap} slots "
+                         f"(over {GROUPED_MM_GROUPS}) with: use batched_mm (model.set_experts_implementation) or a smaller budget")
+    one_product = moe._grouped_linear
+
+    def grouped_linear(input, weight, offs, bias=None, is_transposed=False):
+        out = None
+        for first in range(0, weight.shape[0], GROUPED_MM_GROUPS):
+            window = slice(first, first + GROUPED_MM_GROUPS)
+            part = one_product(input, weight[window], offs[window], is_transposed=is_transposed)
+            if out is None:
+                out = part
+            else:  # rows before this window's first group belong to earlier windows
+                rows = torch.arange(input.shape[0], device=input.device)
+                out = torch.where((rows >= offs[first - 1]).unsqueeze(-1), part, out)
+        if bias is not None:
+            out.add_(bias)
+        return out
+
+    return types.FunctionType(inner.__code__, {**inner.__globals__, "_grouped_linear": grouped_linear},
+                              inner.__name__, inner.__defaults__, inner.__closure__)
 
 
 def inner_implementation(module: torch.nn.Module) -> tuple[str, Callable]:
@@ -32,6 +72,35 @@ def inner_implementation(module: torch.nn.Module) -> tuple[str, Callable]:
     if name in (None, "eager"):
         return "eager", type(module).forward.__wrapped__  # the forward use_experts_implementation wrapped
     return name, ALL_EXPERTS_FUNCTIONS[name]
+
+
+#: The caches the select op serves, by the key it is given (its arguments are tensors and ints).
+_CACHES: dict[int, object] = {}
+_KEYS = itertools.count()
+
+
+def serve_cache(cache) -> int:
+    """Makes ``cache`` reachable by :func:`select_device`; returns its key (:func:`forget_cache` drops it)."""
+    key = next(_KEYS)
+    _CACHES[key] = cache
+    return key
+
+
+def forget_cache(key: int) -> None:
+    _CACHES.pop(key, None)
+
+
+@torch.library.custom_op("expcache::select_device", mutates_args=())
+def select_device(ids: torch.Tensor, cache: int, layer: int) -> torch.Tensor:
+    """``ExpertCache.select_device`` as a torch operator, so that torch.compile keeps it in its
+    graph (no graph break) and a CUDA graph captures its kernels with the rest of the step. Its
+    effect on the bank is ordered by the data: the slots it returns are what reads the bank."""
+    return _CACHES[cache].select_device(layer, ids)
+
+
+@select_device.register_fake
+def _(ids: torch.Tensor, cache: int, layer: int) -> torch.Tensor:
+    return torch.empty_like(ids, dtype=torch.int32)
 
 
 class SlotIndexed:
@@ -70,12 +139,15 @@ class LayerServer:
     """One layer's side of the implementation: its cache, layer, the bank seen as the module's
     weights (:class:`BankExperts`), and the implementation that computes it (``inner``)."""
 
-    def __init__(self, cache, layer: int, bank, module: torch.nn.Module, inner: Callable, name: str, device):
-        self.cache, self.layer, self.name, self.inner = cache, layer, name, inner
+    def __init__(self, cache_key: int, layer: int, bank, module: torch.nn.Module, inner: Callable, name: str, device):
+        self.cache_key, self.layer, self.name = cache_key, layer, name
         self.cap = bank.cap
+        self.inner = over_windows(inner, self.cap)
         first = module.gate_up_proj if module.has_gate else module.up_proj
         self.first = torch.from_dlpack(bank.gate_up(shape=tuple(first.shape[1:])))
         self.down = torch.from_dlpack(bank.down)
+        for t in (self.first, self.down):  # torch.compile: fixed addresses, never copied into a graph's inputs
+            torch._dynamo.mark_static_address(t)
         # Biases are small and stay on the compute device: each select records which expert each
         # slot was given, and the biases are read by that.
         slot_expert = torch.zeros(self.cap, dtype=torch.long, device=device) if module.has_bias else None
@@ -95,7 +167,7 @@ class LayerServer:
         return torch.cat(parts)
 
     def _serve(self, hidden_states, top_k_index, top_k_weights):
-        slots = self.cache.select_device(self.layer, top_k_index.contiguous()).to(top_k_index.dtype)
+        slots = select_device(top_k_index.contiguous(), self.cache_key, self.layer).to(top_k_index.dtype)
         if self.slot_expert is not None:
             self.slot_expert[slots.reshape(-1)] = top_k_index.reshape(-1)
         return self.inner(self.experts, hidden_states, slots, top_k_weights)
