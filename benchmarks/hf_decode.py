@@ -11,12 +11,13 @@ model (every expert resident on the GPU) and for the offloaded one:
   graph replay (eager on the CPU).
 
 The offloaded model runs at each ``--budgets`` fraction of its experts: 1.0 holds the working
-set (every expert); 0.25 streams. A random router spreads the tokens over all experts nearly
-evenly, the worst case for a cache. The decode rate is the tokens after the first over the time
+set (every expert); 0.25 streams. The weights are drawn at a scale (``--weight-scale``) where
+greedy tokens vary and each layer routes over nearly all its experts: locality is low, a hard
+case for a cache. The decode rate is the tokens after the first over the time
 after the first (the prompt's forward and the first token are timed apart and left out). Per
 budget it prints tok/s, the ratio to the unmodified model in the same mode, the hit rate of the
 timed tokens, and the link bound: the unmodified graph step plus the misses' bytes per token at
-the measured host-to-device rate (``cudaMemcpyAsync`` from the experts' own pinned memory). The
+the measured host-to-device rate (``cudaMemcpyAsync`` of 64 MiB from pinned memory). The
 offloaded model's tokens must equal the unmodified model's in each mode, or it exits 1.
 
 Run (from the repository root, after ``make lib``):
@@ -40,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tabulate import tabulate  # noqa: E402
 import transformers  # noqa: E402
 
-from pyexpcache.bench.link import copy_rate  # noqa: E402
+from pyexpcache import HostSource, LayerSpec, ModelLayout  # noqa: E402
+from pyexpcache.bench.link import measure  # noqa: E402
 from pyexpcache.hf import GraphDecoder, find_experts, offload  # noqa: E402
 
 
@@ -58,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (random ids)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per timed run")
+    p.add_argument("--weight-scale", type=float, default=3.0,
+                   help="every weight matrix N(0, scale / sqrt(fan-in)); at 3 greedy tokens vary and each layer "
+                        "routes over nearly all its experts (at transformers' init, 0.02, the tokens repeat and "
+                        "a layer uses a fifth of its experts)")
     p.add_argument("--budgets", default="1.0,0.25", help="fractions of the experts the cache holds")
     p.add_argument("--json", type=Path, help="write the results here")
     return p.parse_args(argv)
@@ -78,6 +84,10 @@ def build_model(a, device: torch.device):
             model = transformers.Qwen3MoeForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
+    with torch.no_grad():  # every matrix N(0, scale / sqrt(fan-in)): see --weight-scale
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, a.weight_scale / p.shape[-1] ** 0.5)
     return model.eval()
 
 
@@ -88,24 +98,26 @@ def sync(device: torch.device) -> None:
 
 class Timed:
     """A decode run's tokens and its decode rate: (N - 1) tokens over the time of N tokens less
-    the time of 1 (the prompt's forward and the first token). ``stats`` (a cache's, or None)
-    gives the counters before and after the run of N (``self.hits``, ``self.misses``)."""
+    the time of 1 (the prompt's forward and the first token), after one untimed run of N (a
+    graph decoder captures its step there, kernels are chosen, a cache is warmed to its steady
+    state). ``stats`` (the offload's ``total_stats``, or None) gives the counters of the timed run of N
+    (``self.hits``, ``self.misses``)."""
 
     def __init__(self, run, device, tokens: int, stats=None):
-        run(1)  # warm-up (a graph decoder captures its step here)
+        run(tokens)
         sync(device)
         t0 = time.perf_counter()
         run(1)
         sync(device)
         first = time.perf_counter() - t0
-        before = stats().total if stats else None
+        before = stats() if stats else None
         t0 = time.perf_counter()
         self.tokens = run(tokens)
         sync(device)
         self.seconds = max(time.perf_counter() - t0 - first, 1e-9)
         self.tok_s = (tokens - 1) / self.seconds
         if stats:
-            after = stats().total
+            after = stats()
             self.hits, self.misses = after.hits - before.hits, after.misses - before.misses
 
 
@@ -120,13 +132,14 @@ def runs(model, prompt, device):
     return {"eager": eager, "graph": lambda n: decoder.generate(prompt, n)}
 
 
-def link_rate(handle, device) -> float:
-    """Host-to-device bytes/s from the first experts tensor's pinned memory (0 on the CPU)."""
+def link_rate(device) -> float:
+    """The host-to-device rate of the benchmark's link (``pyexpcache.bench.link``: cudaMemcpyAsync
+    of 64 MiB from pinned memory); 0 on the CPU."""
     if device.type != "cuda":
         return 0.0
-    first = next(iter(handle.source._tensors.values()))[0]
-    chunk = min(64 << 20, first.numel() * first.element_size())
-    return copy_rate(first.data_ptr(), chunk, 20, torch.cuda.current_stream(device).cuda_stream)
+    probe = ModelLayout((LayerSpec(64, 1 << 19, 1 << 19, 1 << 19),))
+    with HostSource(probe, pinned=True) as pinned:
+        return measure(pinned, 64 << 20, cuda=True, device=device.index or 0).bytes_per_s
 
 
 def main(argv=None) -> int:
@@ -151,15 +164,14 @@ def main(argv=None) -> int:
         rows.append(["resident", mode, f"{t.tok_s:.2f}", "1.00", "", "", ""])
         results.append({"budget": None, "mode": mode, "tok_s": t.tok_s})
     step_s = 1 / resident["graph"].tok_s
+    rate = link_rate(device)
     for fraction in budgets:
         with offload(model, budget_fraction=fraction) as handle:
             sync(device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the experts' device copies, freed by the first offload
-            rate = link_rate(handle, device)
             for mode, run in runs(model, prompt, device).items():
-                run(a.tokens)  # the cache warmed by a whole run first: the timed runs see its steady state
-                t = Timed(run, device, a.tokens, handle.cache.stats)
+                t = Timed(run, device, a.tokens, handle.total_stats)
                 hit_rate = t.hits / max(t.hits + t.misses, 1)
                 same = torch.equal(t.tokens.cpu(), resident[mode].tokens.cpu())
                 bad += not same
@@ -177,7 +189,7 @@ def main(argv=None) -> int:
     print(tabulate(rows, headers=["experts", "mode", "tok/s", "x unmodified", "hits", "link bound tok/s",
                                   "of bound"], disable_numparse=True))
     if device.type == "cuda":
-        print(f"link: {rate / 1e9:.1f} GB/s (cudaMemcpyAsync from the experts' pinned memory, 64 MiB)")
+        print(f"link: {rate / 1e9:.1f} GB/s (cudaMemcpyAsync from pinned memory, 64 MiB)")
     print("tokens equal to the unmodified model's in every run" if not bad else f"{bad} runs' tokens differ")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))

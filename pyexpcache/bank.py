@@ -54,6 +54,8 @@ def id_array(array, what: str) -> IdArray:
     """``array`` seen through the CUDA Array Interface, the NumPy array interface or DLPack:
     a C-contiguous 1-D or 2-D array of int32 or int64. TypeError or ValueError saying what is
     wrong otherwise."""
+    if type(array).__module__ == "torch" and isinstance(array, sys.modules["torch"].Tensor):
+        return _torch_ids(array, what)  # the common case, without building an interface dict
     interface = getattr(array, "__cuda_array_interface__", None)
     cuda = interface is not None
     if interface is None:
@@ -86,6 +88,21 @@ def id_array(array, what: str) -> IdArray:
     if not _contiguous(shape, strides, bits // 8):
         raise ValueError(f"{what} must be C-contiguous, got strides {strides} for shape {shape}")
     return IdArray(int(ptr), shape, bits, cuda, keep)
+
+
+def _torch_ids(tensor, what: str) -> IdArray:
+    torch = sys.modules["torch"]
+    bits = {torch.int32: 32, torch.int64: 64}.get(tensor.dtype)
+    if bits is None:
+        raise TypeError(f"{what} must hold int32 or int64 ids, got torch.{str(tensor.dtype).split('.')[-1]}")
+    if tensor.dim() not in (1, 2):
+        raise ValueError(f"{what} must be 1-D [k] or 2-D [n, k], got shape {tuple(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} must be C-contiguous, got strides {tuple(tensor.stride())} for shape "
+                         f"{tuple(tensor.shape)}")
+    if tensor.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{what} must be in CUDA or host memory, got a tensor on {tensor.device}")
+    return IdArray(tensor.data_ptr(), tuple(tensor.shape), bits, tensor.device.type == "cuda", tensor)
 
 
 def empty_slots(like, shape: tuple[int, ...]):

@@ -298,6 +298,25 @@ def test_bank_shapes_and_dtype(make_cache):
     assert bank.down.shape == (4, 1, spec.down_bytes // 2)
 
 
+def test_torch_ids_are_read_directly_and_checked(make_cache):
+    """torch tensors are read by data_ptr (no interface dict); their errors say the same as numpy's."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    cache, source = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[0]
+    device = "cuda" if cache.backend == "cuda" else "cpu"
+    slots = cache.select_device(layer, torch.tensor([[3, 7]], device=device, dtype=torch.int32))
+    assert slots.dtype == torch.int32 and slots.shape == (1, 2)
+    assert_served(cache, source, layer, [3, 7], bank_rows(cache.bank(layer), slots.cpu().reshape(-1).tolist()))
+    with pytest.raises(TypeError, match="int32 or int64 ids, got torch.float32"):
+        cache.select_device(layer, torch.tensor([1.0], device=device))
+    with pytest.raises(ValueError, match="1-D \\[k\\] or 2-D"):
+        cache.select_device(layer, torch.zeros((1, 1, 2), dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cache.select_device(layer, torch.zeros((2, 4), dtype=torch.long, device=device)[:, ::2])
+    with pytest.raises(ValueError, match="CUDA or host memory, got a tensor on meta"):
+        cache.select_device(layer, torch.zeros(2, dtype=torch.long, device="meta"))
+
+
 def test_bank_gate_up_is_both_parts_as_one_view(make_cache):
     """gate_up(): each slot's gate and up side by side (gate bytes a multiple of 256), as the fused
     weight engines keep; two equal-shaped parts double the first dimension."""

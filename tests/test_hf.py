@@ -87,9 +87,9 @@ def test_offload_generates_the_unmodified_models_tokens_and_logits(family, devic
     with offload(model, budget_fraction=0.25) as handle:
         assert model.config._experts_implementation == IMPLEMENTATION
         assert handle.computed_by == "grouped_mm"
-        assert handle.cache.backend == ("cuda" if device == "cuda" else "host")
+        assert handle.caches[0].backend == ("cuda" if device == "cuda" else "host")
         served_tokens, served_logits = greedy(model, prompt=[[5]])
-        total = handle.cache.stats().total
+        total = handle.total_stats()
     assert torch.equal(served_tokens, tokens)
     if (device, family) in ROW_PLACE_ROUNDS:
         torch.testing.assert_close(served_logits, logits, **TOLERANCE[device])
@@ -132,6 +132,24 @@ def test_offload_computes_with_the_models_implementation(family, implementation,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_layers_are_grouped_into_caches_whose_banks_one_grouped_product_takes(device, monkeypatch):
+    """With grouped_mm, a budget of more slots than one grouped product takes (1023; 10 here) is
+    split over caches of consecutive layers, each bank under the limit: one product per layer,
+    bit-identical to the unmodified model."""
+    monkeypatch.setattr(hf_serve, "GROUPED_MM_GROUPS", 10)
+    model = tiny_model("qwen3_moe", device=device)
+    tokens, logits = greedy(model, prompt=[[5]])
+    with offload(model, budget_fraction=1.0) as handle:  # 3 layers x 8 experts; 9 slots a cache at most
+        assert len(handle.caches) == 3 and all(c.bank(c.layout.moe_layers[0]).cap <= 10 for c in handle.caches)
+        with pytest.raises(ValueError, match="served by 3 caches"):
+            handle.cache
+        served_tokens, served_logits = greedy(model, prompt=[[5]])
+        assert handle.total_stats().hits > 0
+    assert torch.equal(served_tokens, tokens)
+    assert torch.equal(served_logits, logits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_bank_of_more_slots_than_one_grouped_product_takes(device, monkeypatch):
     """torch's grouped_mm takes fewer than 1024 groups; a bank of more slots is multiplied over
     windows of slots (5 here). On CUDA the logits equal the unmodified model's; on the CPU a row's
@@ -142,7 +160,7 @@ def test_a_bank_of_more_slots_than_one_grouped_product_takes(device, monkeypatch
     tokens, logits = greedy(model)
     with offload(model, budget_fraction=1.0) as handle:  # 24 slots: 5 windows
         served_tokens, served_logits = greedy(model)
-        assert handle.cache.stats().total.hits > 0
+        assert handle.total_stats().hits > 0
     assert torch.equal(served_tokens, tokens)
     if device == "cuda":
         assert torch.equal(served_logits, logits)
@@ -163,7 +181,7 @@ def test_a_model_loaded_on_the_host_runs_on_the_gpu_with_its_experts_on_the_host
             if id(p) in experts:
                 assert p.is_pinned(), name  # page-locked in place: the GPU reads misses from it
         served_tokens, served_logits = greedy(model)
-        assert handle.cache.stats().total.misses > 0
+        assert handle.total_stats().misses > 0
     assert torch.equal(served_tokens, tokens)
     assert torch.equal(served_logits, logits)
 
@@ -184,7 +202,7 @@ def test_graph_decoder_captures_the_offloaded_step(device):
         got, got_logits = served.generate(prompt, NEW_TOKENS, output_logits=True)
         assert served.captured == (device == "cuda")
         again = served.generate(prompt, NEW_TOKENS)  # the capture replayed for a second sequence
-        total = handle.cache.stats().total
+        total = handle.total_stats()
     assert torch.equal(got, want) and torch.equal(again, want)
     assert torch.equal(got_logits, want_logits)
     assert total.misses > 0 and total.hits > 0
@@ -203,13 +221,21 @@ def test_graph_decoder_refuses_bad_arguments():
 
 @pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device")
 def test_generate_with_a_static_cache_compiles_the_offloaded_model():
-    """generate() with a static KV cache compiles the forward (torch.compile, reduce-overhead)."""
+    """generate() with a static KV cache compiles the forward (torch.compile, reduce-overhead, CUDA
+    graphs) and the expert select stays in the compiled graph (no graph break). Inductor fuses the
+    offloaded graph's neighbours of the experts otherwise than the unmodified graph's: bf16
+    logits then round differently (within 0.05 on logits up to 4, measured); tokens equal."""
+    from torch._dynamo.utils import counters
+
     model = tiny_model("qwen3_moe", device="cuda")
     tokens, logits = greedy(model, cache_implementation="static")
-    with offload(model, budget_fraction=0.25):
+    counters.clear()
+    with offload(model, budget_fraction=0.25) as handle:
         served_tokens, served_logits = greedy(model, cache_implementation="static")
+        assert handle.total_stats().misses > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch.equal(served_tokens, tokens)
-    torch.testing.assert_close(served_logits.float(), logits.float(), rtol=0, atol=0)
+    torch.testing.assert_close(served_logits.float(), logits.float(), rtol=0, atol=0.05)
 
 
 def test_layout_and_source_describe_the_parameters_byte_for_byte():
@@ -259,7 +285,7 @@ def test_the_recorded_routing_replays_to_the_live_hit_rate(tmp_path):
     # replay does (a longer prompt's tokens are selected per layer together, in chunks).
     with offload(model, budget_fraction=0.25) as handle, record_routing(model, trace_path) as recorder:
         greedy(model, prompt=[[7]], new_tokens=24)
-        live = handle.cache.stats().total
+        live = handle.total_stats()
     assert recorder.layout_path == tmp_path / "routing.layout.json"
     layout = ModelLayout.from_json(recorder.layout_path)
     assert layout == handle.layout

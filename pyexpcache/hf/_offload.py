@@ -9,7 +9,10 @@ import torch
 from .. import _cuda
 from ..bench.bench import resolve_budget
 from ..cache import ExpertCache
+from ..layout import ModelLayout
+from ..stats import PathStats
 from ._experts import ExpertsLayer, find_experts, layout_of
+from . import _serve
 from ._serve import IMPLEMENTATION, LayerServer, forget_cache, inner_implementation, register, serve_cache
 from ._source import ParameterSource
 
@@ -84,32 +87,50 @@ def _move_the_rest(model: torch.nn.Module, layers: list[ExpertsLayer], compute: 
 
 
 class Offloaded:
-    """What :func:`offload` returns: the cache serving the model's experts, and the way back.
+    """What :func:`offload` returns: the caches serving the model's experts, and the way back.
 
     Attributes:
-        cache: the :class:`~pyexpcache.ExpertCache` (``lookup="device"``); its ``stats()`` count
-            the experts' hits and misses.
-        layout: the :class:`~pyexpcache.ModelLayout` built from the experts modules.
-        source: the :class:`ParameterSource` over the experts' host tensors.
+        caches: the :class:`~pyexpcache.ExpertCache` objects (``lookup="device"``), one per group
+            of consecutive MoE layers: one, unless transformers' grouped_mm computes the experts
+            and the budget holds more slots than one grouped product takes (1023): then each
+            group's bank holds fewer (see :func:`offload`).
+        cache: the cache, when there is one (else ValueError: use ``caches``, ``total_stats()``).
+        layout: the :class:`~pyexpcache.ModelLayout` built from the experts modules (every group's).
+        sources: the :class:`ParameterSource` of each cache, over the experts' host tensors.
         layers: model layer number -> the experts module's name.
         computed_by: the experts implementation that computes each layer from the bank: the one
             the model had (``"grouped_mm"``, transformers' default, ``"batched_mm"`` or ``"eager"``).
 
     :meth:`close` (idempotent; also on leaving a ``with`` block) restores the model's previous
-    experts implementation and closes the cache. The experts' weights stay in host memory: on a
+    experts implementation and closes the caches. The experts' weights stay in host memory: on a
     GPU, move them back (``model.to("cuda")``) before running the model without expcache.
     """
 
-    def __init__(self, model, cache: ExpertCache, source: ParameterSource, layers: list[ExpertsLayer],
-                 previous: list, registration: _HostRegistration, computed_by: str, key: int):
-        self.model, self.cache, self.source, self.layout = model, cache, source, cache.layout
-        self._key = key
-        self.computed_by = computed_by
+    def __init__(self, model, layout: ModelLayout, served: list, layers: list[ExpertsLayer], previous: list,
+                 registration: _HostRegistration, computed_by: str):
+        self.model, self.layout, self.computed_by = model, layout, computed_by
+        self.caches = [cache for cache, _, _ in served]
+        self.sources = [source for _, source, _ in served]
+        self._keys = [key for _, _, key in served]
         self.layers = {e.layer: e.name for e in layers}
         self._modules = [e.module for e in layers]
         self._previous = previous
         self._registration = registration
         self._closed = False
+
+    @property
+    def cache(self) -> ExpertCache:
+        if len(self.caches) != 1:
+            raise ValueError(f"this model's experts are served by {len(self.caches)} caches, one per group of layers: "
+                             "see .caches, or .total_stats() for their counters together")
+        return self.caches[0]
+
+    def total_stats(self) -> PathStats:
+        """Every cache's counters, summed (hits, misses, evictions, bytes over the link, ...)."""
+        out = PathStats()
+        for cache in self.caches:
+            out = out + cache.stats().total
+        return out
 
     def close(self) -> None:
         if self._closed:
@@ -120,8 +141,9 @@ class Offloaded:
         for module in self._modules:
             if hasattr(module, "_expcache_server"):
                 del module._expcache_server
-        forget_cache(self._key)
-        self.cache.close()
+        for key, cache in zip(self._keys, self.caches):
+            forget_cache(key)
+            cache.close()
         self._registration.close()
 
     @property
@@ -135,8 +157,9 @@ class Offloaded:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Offloaded({type(self.model).__name__}, {len(self.layers)} MoE layers, "
-                f"{self.cache.backend} backend{', closed' if self._closed else ''})")
+        return (f"Offloaded({type(self.model).__name__}, {len(self.layers)} MoE layers, {len(self.caches)} "
+                f"cache{'s' if len(self.caches) > 1 else ''}, {self.caches[0].backend} backend"
+                f"{', closed' if self._closed else ''})")
 
 
 def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budget_fraction: Optional[float] = None,
@@ -182,7 +205,8 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     budget = resolve_budget(layout, budget_bytes, budget_fraction)
     register()
     registration = _HostRegistration()
-    cache, key = None, None
+    served = []  # (cache, source, key) per group of layers
+    functions = {e.layer: function for e, (_, function) in zip(layers, inner)}
     try:
         _move_the_rest(model, layers, compute)
         tensors, pinned = {}, True
@@ -195,27 +219,57 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
                 bias = getattr(e.module, name, None)
                 if isinstance(bias, torch.Tensor) and bias.device != compute:
                     bias.data = bias.data.to(compute)
-        source = ParameterSource(layout, layers, tensors, pinned)
-        cache = ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if cuda else "host",
-                            device=compute.index or 0, lookup="device", policy=policy)
-        key = serve_cache(cache)
-        for e, (_, function) in zip(layers, inner):
-            spec, size = layout[e.layer], e.first.element_size()
-            bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((spec.gate_bytes // size,),
-                                                                    (spec.up_bytes // size,), tuple(e.down.shape[1:])))
-            e.module._expcache_server = LayerServer(key, e.layer, bank, e.module, function, e.name, compute)
+        for group in _groups(layers, layout, budget, [name for name, _ in inner]):
+            group_layout = ModelLayout(tuple(spec if any(e.layer == i for e in group) else None
+                                             for i, spec in enumerate(layout.layers)), name=layout.name)
+            share = sum(group_layout[e.layer].expert_bytes * e.num_experts for e in group)
+            source = ParameterSource(group_layout, group, {e.layer: tensors[e.layer] for e in group}, pinned)
+            cache = ExpertCache(group_layout, source, budget_bytes=budget * share // layout_bytes(layout),
+                                backend="cuda" if cuda else "host", device=compute.index or 0, lookup="device",
+                                policy=policy)
+            served.append((cache, source, serve_cache(cache)))
+            for e in group:
+                spec, size = layout[e.layer], e.first.element_size()
+                bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((spec.gate_bytes // size,),
+                                                                        (spec.up_bytes // size,),
+                                                                        tuple(e.down.shape[1:])))
+                e.module._expcache_server = LayerServer(served[-1][2], e.layer, bank, e.module, functions[e.layer],
+                                                        e.name, compute)
         previous = _set_implementation(model, layers)
     except BaseException:
         for e in layers:
             if hasattr(e.module, "_expcache_server"):
                 del e.module._expcache_server
-        if key is not None:
+        for cache, _, key in served:
             forget_cache(key)
-        if cache is not None:
             cache.close()
         registration.close()
         raise
-    return Offloaded(model, cache, source, layers, previous, registration, inner[0][0], key)
+    return Offloaded(model, layout, served, layers, previous, registration, inner[0][0])
+
+
+def layout_bytes(layout: ModelLayout) -> int:
+    return sum(s.expert_bytes * s.num_experts for s in layout.layers if s is not None)
+
+
+def _groups(layers: list[ExpertsLayer], layout: ModelLayout, budget: int, implementations: list[str]):
+    """The layers split into groups of consecutive layers, one cache each. One group, unless
+    transformers' grouped_mm computes the experts and the bank would hold more slots than one
+    grouped product takes (``GROUPED_MM_GROUPS``): then groups whose banks hold fewer, each
+    with its layers' share of the budget (a layer alone over the limit is served over windows)."""
+    fraction = budget / layout_bytes(layout)
+    if any(name != "grouped_mm" for name in implementations) or fraction * sum(
+            e.num_experts for e in layers) <= _serve.GROUPED_MM_GROUPS * 0.9:
+        return [layers]
+    groups, slots = [[]], 0.0
+    for e in layers:
+        wanted = fraction * e.num_experts
+        if groups[-1] and slots + wanted > _serve.GROUPED_MM_GROUPS * 0.9:  # a margin for the slots' rounding
+            groups.append([])
+            slots = 0.0
+        groups[-1].append(e)
+        slots += wanted
+    return groups
 
 
 def _set_implementation(model, layers: list[ExpertsLayer]) -> list:

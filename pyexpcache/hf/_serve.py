@@ -167,7 +167,12 @@ class LayerServer:
         return torch.cat(parts)
 
     def _serve(self, hidden_states, top_k_index, top_k_weights):
-        slots = select_device(top_k_index.contiguous(), self.cache_key, self.layer).to(top_k_index.dtype)
+        ids = top_k_index.contiguous()
+        if torch.compiler.is_compiling():  # the operator keeps the select in torch.compile's graph
+            slots = select_device(ids, self.cache_key, self.layer)
+        else:  # eager or captured by hand: the call itself, without the operator's dispatch
+            slots = _CACHES[self.cache_key].select_device(self.layer, ids)
+        slots = slots.to(top_k_index.dtype)
         if self.slot_expert is not None:
             self.slot_expert[slots.reshape(-1)] = top_k_index.reshape(-1)
         return self.inner(self.experts, hidden_states, slots, top_k_weights)
