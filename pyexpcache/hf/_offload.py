@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -141,6 +142,7 @@ class Offloaded:
         for module in self._modules:
             if hasattr(module, "_expcache_server"):
                 del module._expcache_server
+        self.model.__dict__.pop("_optimize_model_for_decode", None)
         for key, cache in zip(self._keys, self.caches):
             forget_cache(key)
             cache.close()
@@ -206,7 +208,7 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     register()
     registration = _HostRegistration()
     served = []  # (cache, source, key) per group of layers
-    functions = {e.layer: function for e, (_, function) in zip(layers, inner)}
+    functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
     try:
         _move_the_rest(model, layers, compute)
         tensors, pinned = {}, True
@@ -233,9 +235,10 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
                 bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((spec.gate_bytes // size,),
                                                                         (spec.up_bytes // size,),
                                                                         tuple(e.down.shape[1:])))
-                e.module._expcache_server = LayerServer(served[-1][2], e.layer, bank, e.module, functions[e.layer],
+                e.module._expcache_server = LayerServer(served[-1][2], e.layer, bank, e.module, *functions[e.layer],
                                                         e.name, compute)
         previous = _set_implementation(model, layers)
+        _decode_like_transformers(model, layers, compute)
     except BaseException:
         for e in layers:
             if hasattr(e.module, "_expcache_server"):
@@ -270,6 +273,32 @@ def _groups(layers: list[ExpertsLayer], layout: ModelLayout, budget: int, implem
         groups[-1].append(e)
         slots += wanted
     return groups
+
+
+def _decode_like_transformers(model, layers: list[ExpertsLayer], compute: torch.device) -> None:
+    """transformers' ``generate`` decodes with ``batched_mm`` where the model has ``grouped_mm``
+    (on a GPU: faster for a few tokens; ``_optimize_model_for_decode``). The served layers, whose
+    implementation is expcache's, would not switch: the model's method is wrapped (on the instance,
+    until close) to switch theirs alike, so that each phase runs the unmodified model's kernels."""
+    original = getattr(model, "_optimize_model_for_decode", None)
+    servers = [e.module._expcache_server for e in layers]
+    if original is None or compute.type == "cpu" or not any(s.inner_name == "grouped_mm" for s in servers):
+        return
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    @contextlib.contextmanager
+    def optimize_model_for_decode():
+        with original():
+            for server in servers:
+                if server.inner_name == "grouped_mm":
+                    server.decode_inner = ALL_EXPERTS_FUNCTIONS["batched_mm"]
+            try:
+                yield
+            finally:
+                for server in servers:
+                    server.decode_inner = None
+
+    model._optimize_model_for_decode = optimize_model_for_decode
 
 
 def _set_implementation(model, layers: list[ExpertsLayer]) -> list:

@@ -139,10 +139,12 @@ class LayerServer:
     """One layer's side of the implementation: its cache, layer, the bank seen as the module's
     weights (:class:`BankExperts`), and the implementation that computes it (``inner``)."""
 
-    def __init__(self, cache_key: int, layer: int, bank, module: torch.nn.Module, inner: Callable, name: str, device):
-        self.cache_key, self.layer, self.name = cache_key, layer, name
+    def __init__(self, cache_key: int, layer: int, bank, module: torch.nn.Module, inner_name: str, inner: Callable,
+                 name: str, device):
+        self.cache_key, self.layer, self.name, self.inner_name = cache_key, layer, name, inner_name
         self.cap = bank.cap
         self.inner = over_windows(inner, self.cap)
+        self.decode_inner = None  # while generate() decodes: what transformers switches grouped_mm to
         first = module.gate_up_proj if module.has_gate else module.up_proj
         self.first = torch.from_dlpack(bank.gate_up(shape=tuple(first.shape[1:])))
         self.down = torch.from_dlpack(bank.down)
@@ -175,7 +177,7 @@ class LayerServer:
         slots = slots.to(top_k_index.dtype)
         if self.slot_expert is not None:
             self.slot_expert[slots.reshape(-1)] = top_k_index.reshape(-1)
-        return self.inner(self.experts, hidden_states, slots, top_k_weights)
+        return (self.decode_inner or self.inner)(self.experts, hidden_states, slots, top_k_weights)
 
 
 def experts_forward(module, hidden_states, top_k_index, top_k_weights):
