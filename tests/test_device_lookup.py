@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from pyexpcache import (
-    ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, LayerSpec, ModelLayout, UnsupportedError, _lib, testing,
+    ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, LayerSpec, ModelLayout, UnsupportedError, _lib,
+    testing,
 )
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
 

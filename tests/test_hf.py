@@ -309,3 +309,27 @@ def test_a_batch_of_prompts_is_served_and_recorded_per_sequence(tmp_path):
     # 4 prompt tokens and 3 decoded ones fed back (the 4th new token is not run) per sequence.
     assert recorder.records == 2 * 7 * 3
     assert sorted(set(trace.sequences)) == [0, 1]
+
+
+def test_the_decode_benchmark_runs_side_by_side_on_the_cpu(tmp_path):
+    """benchmarks/hf_decode.py at a tiny size: every mode and budget beside the unmodified model,
+    the offloaded tokens equal to its tokens, the JSON written."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_decode.py"
+    spec = importlib.util.spec_from_file_location("hf_decode", path)
+    hf_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_decode)
+    out = tmp_path / "hf.json"
+    rc = hf_decode.main(["--device", "cpu", "--layers", "2", "--experts", "8", "--top-k", "2", "--hidden", "64",
+                         "--ffn", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "256",
+                         "--tokens", "6", "--json", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["budget"], r["mode"]) for r in results] == [
+        (None, "eager"), (None, "graph"), (1.0, "eager"), (1.0, "graph"), (0.25, "eager"), (0.25, "graph")]
+    served = [r for r in results if r["budget"] is not None]
+    assert all(r["tokens_equal"] and r["tok_s"] > 0 for r in served)
+    assert served[0]["hit_rate"] == 1.0 and 0 < served[2]["hit_rate"] < 1

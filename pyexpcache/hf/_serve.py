@@ -39,7 +39,8 @@ def over_windows(inner: Callable, cap: int) -> Callable:
         return inner
     if "_grouped_linear" not in inner.__code__.co_names:
         raise ValueError(f"this transformers' grouped_mm has no _grouped_linear to serve a bank of {cap} slots "
-                         f"(over {GROUPED_MM_GROUPS}) with: use batched_mm (model.set_experts_implementation) or a smaller budget")
+                         f"(over {GROUPED_MM_GROUPS}) with: use batched_mm (model.set_experts_implementation) "
+                         "or a smaller budget")
     one_product = moe._grouped_linear
 
     def grouped_linear(input, weight, offs, bias=None, is_transposed=False):
