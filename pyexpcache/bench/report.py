@@ -13,6 +13,23 @@ from typing import Optional
 from ..layout import GiB
 
 
+class DecodeRate:
+    """A row that timed ``decode_tokens`` over ``decode_seconds``: its decode rate."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class HitRate:
+    """A row that counted ``hits`` and ``misses``: the share of hits."""
+
+    @property
+    def hit_rate(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0
+
+
 @dataclass
 class Report:
     mode: str                             # the mode that made it (pyexpcache.bench.modes)

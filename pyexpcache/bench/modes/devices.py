@@ -29,7 +29,7 @@ from ... import _cuda
 from ...multi import MultiDeviceCache
 from ...placement import Placement, loads_from_calls
 from ..options import BENCH, OUTPUT, Option, UsageError
-from ..report import Report
+from ..report import DecodeRate, HitRate, Report
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
 PLACEMENTS = ("balanced", "round-robin")
@@ -53,7 +53,7 @@ SELECTED_BY = (DEVICES,)
 
 
 @dataclass
-class DeviceRun:
+class DeviceRun(HitRate):
     """One device's share of a run."""
 
     device: int
@@ -62,13 +62,9 @@ class DeviceRun:
     bytes_h2d: int = 0
     link_bytes_per_s: float = 0.0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
-
 
 @dataclass
-class DevicesResult:
+class DevicesResult(DecodeRate):
     name: str
     num_devices: int
     budget_bytes: int  # per device
@@ -81,10 +77,6 @@ class DevicesResult:
 
     DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "link_bound_tokens_per_s", "share_of_bound", "hit_rate",
                                           "bytes_per_token")
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def link_bound_tokens_per_s(self) -> float:

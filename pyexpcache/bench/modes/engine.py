@@ -28,7 +28,7 @@ import numpy as np
 from ...stats import PrefetchStats
 from .. import predict
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError
-from ..report import Report
+from ..report import DecodeRate, Report
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
 NAME = "engine"
@@ -99,7 +99,7 @@ def settings(prefetch: Sequence[str], hints: bool) -> list[Setting]:
 
 
 @dataclass
-class EngineResult:
+class EngineResult(DecodeRate):
     setting: str
     simulated: bool
     decode_tokens: int = 0
@@ -113,10 +113,6 @@ class EngineResult:
     experts_checked: int = 0
 
     DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "misses_per_token", "bytes_per_token", "link_busy")
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def misses_per_token(self) -> float:

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import options
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT
-from ..report import Report
+from ..report import DecodeRate, HitRate, Report
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 from .torch_loop import LOOP
 
@@ -53,7 +53,7 @@ PROGRESS_EVERY = 16    # tokens between two progress reports
 
 
 @dataclass
-class GraphLoopResult:
+class GraphLoopResult(DecodeRate, HitRate):
     loop: str
     decode_tokens: int = 0      # timed
     decode_seconds: float = 0.0
@@ -69,15 +69,6 @@ class GraphLoopResult:
     DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "misses_per_token", "link_bound_tokens_per_s",
                                           "of_link_bound")
     # Hits and misses count every token served; times, bytes and the bound the timed ones.
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
     @property
     def misses_per_token(self) -> float:

@@ -47,7 +47,7 @@ import numpy as np
 
 from .. import options
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option
-from ..report import Report
+from ..report import DecodeRate, HitRate, Report
 from ..workload import DEFAULT_TRACES, build_workload, trace_label
 
 MODES = ("plain", "split")  # of the loop: how each layer is served
@@ -71,7 +71,7 @@ SELECTED_BY = (LOOP,)  # --loop torch, in the flag spelling
 
 
 @dataclass
-class TorchLoopResult:
+class TorchLoopResult(DecodeRate, HitRate):
     mode: str
     decode_tokens: int = 0
     decode_seconds: float = 0.0
@@ -85,15 +85,6 @@ class TorchLoopResult:
 
     DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "misses_per_token", "kernels_per_expert",
                                           "serve_us_per_call")
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
     @property
     def misses_per_token(self) -> float:

@@ -48,7 +48,7 @@ from ...sim.registry import PARTITIONS, simulate_belady_partitioned
 from ..bench import Bench
 from ..options import BENCH, OUTPUT, PLOT, Option, csv
 from ..progress import Progress
-from ..report import Report
+from ..report import DecodeRate, HitRate, Report
 from ...traces import check_layout
 from ..bench import resolve_budget
 from ..workload import DEFAULT_TRACES, SCENARIOS, TraceSpec, Workload, build_workload, decode_trace, trace_label
@@ -109,7 +109,7 @@ SELECTED_BY = ()  # the default of the flag spelling
 
 
 @dataclass
-class VariantResult:
+class VariantResult(DecodeRate, HitRate):
     variant: str
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
@@ -136,10 +136,6 @@ class VariantResult:
                                           "after_serve_us_per_call")  # in the JSON beside the fields
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
     def serve_us_per_call(self) -> float:
         """Mean µs a decode call spends in select (or the compact load)."""
         return 1e6 * self.decode_serve_seconds / self.decode_calls if self.decode_calls else 0.0
@@ -149,11 +145,6 @@ class VariantResult:
         """Mean µs of a decode call after select returned: the checksum kernel, the wait for
         transfers still crossing, the readback (per token without the per-layer wait)."""
         return 1e6 * (self.decode_seconds - self.decode_serve_seconds) / self.decode_calls if self.decode_calls else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        asked = self.hits + self.misses
-        return self.hits / asked if asked else 0.0
 
     @property
     def gib_per_token(self) -> float:
