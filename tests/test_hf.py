@@ -219,6 +219,27 @@ def test_graph_decoder_refuses_bad_arguments():
         decoder.generate(torch.tensor([[1], [2]]), 2)
 
 
+def test_the_offloaded_forward_compiles_into_one_graph():
+    """torch.compile with fullgraph=True (a graph break raises) through generate's own compilation
+    (asked for on the CPU too, backend "eager"): the select is an operator in the graph. Under
+    dynamo transformers' grouped_mm takes its fallback for float32 (one product per expert),
+    so the logits round otherwise than the eager reference: within TOLERANCE, tokens equal."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("qwen3_moe")
+    tokens, logits = greedy(model, prompt=[[5]], cache_implementation="static")
+    config = transformers.CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True  # transformers' switch to compile on the CPU
+    counters.clear()
+    with offload(model, budget_fraction=0.25) as handle:
+        served_tokens, served_logits = greedy(model, prompt=[[5]], cache_implementation="static",
+                                              compile_config=config)
+        assert handle.total_stats().misses > 0
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(served_tokens, tokens)
+    torch.testing.assert_close(served_logits, logits, **TOLERANCE["cpu"])
+
+
 @pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device")
 def test_generate_with_a_static_cache_compiles_the_offloaded_model():
     """generate() with a static KV cache compiles the forward (torch.compile, reduce-overhead, CUDA
