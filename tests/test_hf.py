@@ -168,12 +168,26 @@ def test_a_bank_of_more_slots_than_one_grouped_product_takes(device, monkeypatch
         torch.testing.assert_close(served_logits, logits, **TOLERANCE[device])
 
 
+def test_a_checkpoint_loaded_with_from_pretrained_is_offloaded(tmp_path):
+    """docs/hf.md's recipe with a real checkpoint, written here by save_pretrained (no download):
+    from_pretrained on the host, then offload; the tokens and logits are the saved model's."""
+    saved = tiny_model("qwen3_moe")
+    tokens, logits = greedy(saved, prompt=[[5]])
+    saved.save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)  # on the host
+    with offload(model, budget_fraction=0.25) as handle:
+        served_tokens, served_logits = greedy(model, prompt=[[5]])
+        assert handle.total_stats().misses > 0
+    assert torch.equal(served_tokens, tokens)
+    assert torch.equal(served_logits, logits)
+
+
 @pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device")
 def test_a_model_loaded_on_the_host_runs_on_the_gpu_with_its_experts_on_the_host():
     """The loading recipe of docs/hf.md: a checkpoint loaded on the host, then offload(device=)."""
     reference = tiny_model("qwen3_moe", device="cuda")
     tokens, logits = greedy(reference)
-    model = tiny_model("qwen3_moe").to(torch.bfloat16)  # on the host, as from_pretrained(..., device_map="cpu")
+    model = tiny_model("qwen3_moe").to(torch.bfloat16)  # on the host, as from_pretrained loads it
     with offload(model, budget_fraction=0.25, device="cuda") as handle:
         experts = {id(p) for e in find_experts(model) for p in (e.first, e.down)}
         for name, p in model.named_parameters():
