@@ -15,8 +15,8 @@ class ParameterSource:
     """The experts' weights where they are, as a :class:`~pyexpcache.source.Source`: per layer,
     the first slab's two parts (``gate``, ``up``: ``_experts.split``) and the down slab, each
     expert at a fixed stride in its 3-D host tensor. It keeps the tensors (so their memory)
-    alive; the caller keeps it alive
-    while a cache reads it (:class:`~pyexpcache.hf.Offloaded` does).
+    alive; the caller keeps it alive while a cache reads it (:class:`~pyexpcache.hf.Offloaded`
+    does).
 
     ``pinned``: whether the tensors are page-locked (a CUDA cache reads misses from them with the
     GPU); the host backend takes either.
