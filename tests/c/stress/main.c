@@ -58,6 +58,7 @@
  *   log.c          the log callback and levels
  *   bad_serving.c  bad input to the serving calls
  *   handles.c      destroyed and foreign handles
+ *   device.c       a device-lookup cache of its own: select_device among the host-side calls
  *
  * usage: stress [SEED [OPS]] [--trace]
  * A seed always replays the same sequence (the draws never depend on heap
@@ -115,6 +116,7 @@ static void step(void) {
         for (int i = 0; m->nbatches && i < 4 * EXPCACHE_MAX_BATCHES; ++i) op_batch_finish(m);
         op_release_all(m);
     } else if (r < 960) op_destroy(m);
+    else if (r < 964) op_device_lookup();
     else op_select(m);
 }
 

@@ -224,4 +224,7 @@ void add_stale(expcache_t* h);
 void unstale(expcache_t* h);
 void op_stale(void);
 
+/* device.c: a device-lookup cache, made, driven and destroyed within one operation. */
+void op_device_lookup(void);
+
 #endif /* EXPCACHE_STRESS_H */
