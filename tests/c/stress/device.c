@@ -204,29 +204,19 @@ static void release(Model* m, const expcache_bank_t* bank) {
 
 static void bad_device_select(Model* m) {
     int32_t ids[2] = {0, 1}, slots[2];
-    const char* fn = "expcache_select_device_async";
-    expcache_status_t s;
+    const int32_t* in = ids;
+    int32_t* out = slots;
+    uint32_t layer = 0, bits = 32, n = 1;
+    const char* what = "";
     switch (below(5)) {
-        case 0:
-            s = expcache_select_device_async(m->h, 0, ids, 16, 1, 2, slots, NULL);
-            expect_bad(fn, s, IA, "id_bits 16");
-            break;
-        case 1:
-            s = expcache_select_device_async(m->h, 0, ids, 32, 0, 2, slots, NULL);
-            expect_bad(fn, s, IA, "n 0");
-            break;
-        case 2:
-            s = expcache_select_device_async(m->h, 0, NULL, 32, 1, 2, slots, NULL);
-            expect_bad(fn, s, IA, "ids NULL");
-            break;
-        case 3:
-            s = expcache_select_device_async(m->h, 0, ids, 32, 1, 2, NULL, NULL);
-            expect_bad(fn, s, IA, "out_slots NULL");
-            break;
-        default:
-            s = expcache_select_device_async(m->h, m->num_layers + (uint32_t)below(3), ids, 32, 1, 2, slots, NULL);
-            expect_bad(fn, s, IA, "layer out of range");
+        case 0: bits = 16; what = "id_bits 16"; break;
+        case 1: n = 0; what = "n 0"; break;
+        case 2: in = NULL; what = "ids NULL"; break;
+        case 3: out = NULL; what = "out_slots NULL"; break;
+        default: layer = m->num_layers + (uint32_t)below(3); what = "layer out of range";
     }
+    expcache_status_t s = expcache_select_device_async(m->h, layer, in, bits, n, 2, out, NULL);
+    expect_bad("expcache_select_device_async", s, IA, what);
 }
 
 void op_device_lookup(void) {
