@@ -3,33 +3,38 @@ side by side with the unmodified model, in one process.
 
 The model is a random ``Qwen3MoeForCausalLM`` of real layer geometry (default: 16 layers of 128
 experts, top-8, hidden 2048, expert FFN 768, 32 query and 4 key-value heads of 128, vocabulary
-151,936, bf16: Qwen3-30B-A3B's layers, 16 of its 48). Two modes, each timed for the unmodified
-model (every expert resident on the GPU) and for the offloaded one:
+151,936, bf16: Qwen3-30B-A3B's layers, 16 of its 48). Two copies of it are made: the unmodified
+one (every expert resident on the GPU) and one offloaded at each ``--budgets`` fraction of its
+experts in turn (1.0 holds the working set, every expert; 0.25 streams). Two modes:
 
 - eager: ``model.generate`` (greedy, dynamic KV cache);
 - graph: :class:`pyexpcache.hf.GraphDecoder`, a static KV cache and every decode step one CUDA
   graph replay (eager on the CPU).
 
-The offloaded model runs at each ``--budgets`` fraction of its experts: 1.0 holds the working
-set (every expert); 0.25 streams. The weights are drawn at a scale (``--weight-scale``) where
-greedy tokens vary and each layer routes over nearly all its experts: locality is low, a hard
-case for a cache. The decode rate is the tokens after the first over the time
-after the first (the prompt's forward and the first token are timed apart and left out). Per
-budget it prints tok/s, the ratio to the unmodified model in the same mode, the hit rate of the
-timed tokens, and the link bound: the unmodified graph step plus the misses' bytes per token at
-the measured host-to-device rate (``cudaMemcpyAsync`` of 64 MiB from pinned memory). The
-offloaded model's tokens must equal the unmodified model's in each mode, or it exits 1.
+Eager decoding is bound by the host's time per launch, which drifted between 22 and 37 ms a
+token within a minute, in one process, on the H200's host: the two copies are timed in
+alternation, ``--rounds`` runs each, and each round's ratio compares runs made seconds apart.
+The table gives the median rate of each copy, the median of the rounds' ratios and their range.
+The weights are drawn at a scale (``--weight-scale``) where greedy tokens vary and each layer
+routes over nearly all its experts: locality is low, a hard case for a cache. A run's decode
+rate is the tokens after the first over the time after the first (the prompt's forward and the
+first token are timed apart and left out). Per budget it prints the hit rate of the timed runs,
+and the link bound: the unmodified graph step plus the misses' bytes per token at the measured
+host-to-device rate (``cudaMemcpyAsync`` of 64 MiB from pinned memory). The offloaded model's
+tokens must equal the unmodified model's in every run, or it exits 1.
 
 Run (from the repository root, after ``make lib``):
     python3 benchmarks/hf_decode.py [--device cuda] [--json PATH]
-    python3 benchmarks/hf_decode.py --device cpu --layers 2 --experts 8 --hidden 64 --ffn 32 \\
-        --heads 4 --kv-heads 2 --head-dim 16 --vocab 256 --tokens 8      # a check of the script
+    python3 benchmarks/hf_decode.py --device cpu --layers 2 --experts 8 --top-k 2 --hidden 64 --ffn 32 \\
+        --heads 4 --kv-heads 2 --head-dim 16 --vocab 256 --tokens 8 --rounds 2   # a check of the script
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,8 +70,12 @@ def parse_args(argv=None):
                         "routes over nearly all its experts (at transformers' init, 0.02, the tokens repeat and "
                         "a layer uses a fifth of its experts)")
     p.add_argument("--budgets", default="1.0,0.25", help="fractions of the experts the cache holds")
+    p.add_argument("--rounds", type=int, default=5, help="timed runs of each copy per mode and budget, in alternation")
     p.add_argument("--json", type=Path, help="write the results here")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return a
 
 
 def build_model(a, device: torch.device):
@@ -96,29 +105,66 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Timed:
-    """A decode run's tokens and its decode rate: (N - 1) tokens over the time of N tokens less
-    the time of 1 (the prompt's forward and the first token), after one untimed run of N (a
-    graph decoder captures its step there, kernels are chosen, a cache is warmed to its steady
-    state). ``stats`` (the offload's ``total_stats``, or None) gives the counters of the timed run of N
-    (``self.hits``, ``self.misses``)."""
+def timed(run, device, tokens: int, stats):
+    """One decode run: its tokens, its decode rate ((N - 1) tokens over the time of N tokens less
+    the time of 1: the prompt's forward and the first token) and the counters' change over the
+    run of N (``stats``: a function returning counters with ``hits`` and ``misses``, or None)."""
+    sync(device)
+    t0 = time.perf_counter()
+    run(1)
+    sync(device)
+    first = time.perf_counter() - t0
+    before = stats() if stats else None
+    t0 = time.perf_counter()
+    out = run(tokens)
+    sync(device)
+    seconds = time.perf_counter() - t0 - first
+    after = stats() if stats else None
+    counts = (after.hits - before.hits, after.misses - before.misses) if stats else (0, 0)
+    return out, (tokens - 1) / max(seconds, 1e-9), counts
 
-    def __init__(self, run, device, tokens: int, stats=None):
-        run(tokens)
-        sync(device)
-        t0 = time.perf_counter()
-        run(1)
-        sync(device)
-        first = time.perf_counter() - t0
-        before = stats() if stats else None
-        t0 = time.perf_counter()
-        self.tokens = run(tokens)
-        sync(device)
-        self.seconds = max(time.perf_counter() - t0 - first, 1e-9)
-        self.tok_s = (tokens - 1) / self.seconds
-        if stats:
-            after = stats()
-            self.hits, self.misses = after.hits - before.hits, after.misses - before.misses
+
+class Paired:
+    """One mode's decode rates, the unmodified copy's and the offloaded copy's, timed in
+    alternation: after one untimed run of N tokens each (a graph decoder captures its step there,
+    kernels are chosen, the cache is warmed to its steady state), ``rounds`` rounds of one timed
+    run each. ``stats`` (the offload's ``total_stats``) gives the counters of the offloaded
+    copy's timed runs (``self.hits``, ``self.misses``); ``tokens_equal`` is whether every run's
+    tokens equal the unmodified copy's."""
+
+    def __init__(self, unmodified, offloaded, device, tokens: int, rounds: int, stats):
+        want = unmodified(tokens)
+        outs = [offloaded(tokens)]
+        self.unmodified, self.offloaded, self.ratios = [], [], []
+        self.hits = self.misses = 0
+        for _ in range(rounds):
+            out, rate, _ = timed(unmodified, device, tokens, None)
+            outs.append(out)
+            self.unmodified.append(rate)
+            out, rate, (hits, misses) = timed(offloaded, device, tokens, stats)
+            outs.append(out)
+            self.offloaded.append(rate)
+            self.ratios.append(self.offloaded[-1] / self.unmodified[-1])
+            self.hits += hits
+            self.misses += misses
+        self.tokens_equal = all(torch.equal(o.cpu(), want.cpu()) for o in outs)
+        self.runs = rounds
+
+    @property
+    def unmodified_tok_s(self) -> float:
+        return statistics.median(self.unmodified)
+
+    @property
+    def tok_s(self) -> float:
+        return statistics.median(self.offloaded)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.hits + self.misses, 1)
 
 
 def runs(model, prompt, device):
@@ -158,36 +204,37 @@ def main(argv=None) -> int:
           f"expert FFN {a.ffn}, {next(model.parameters()).dtype}, {expert_bytes / 2**20:.2f} MiB per expert, "
           f"{len(layers) * a.experts * expert_bytes / 2**30:.2f} GiB of experts; prompt {a.prompt}, "
           f"{a.tokens} new tokens; {device}")
-    resident = {mode: Timed(run, device, a.tokens) for mode, run in runs(model, prompt, device).items()}
-    rows, results, bad = [], [], 0
-    for mode, t in resident.items():
-        rows.append(["resident", mode, f"{t.tok_s:.2f}", "1.00", "", "", ""])
-        results.append({"budget": None, "mode": mode, "tok_s": t.tok_s})
-    step_s = 1 / resident["graph"].tok_s
+    served = copy.deepcopy(model)  # the same weights, offloaded at each budget in turn
+    unmodified = runs(model, prompt, device)
     rate = link_rate(device)
+    rows, results, bad = [], [], 0
     for fraction in budgets:
-        with offload(model, budget_fraction=fraction) as handle:
+        with offload(served, budget_fraction=fraction) as handle:
             sync(device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the experts' device copies, freed by the first offload
-            for mode, run in runs(model, prompt, device).items():
-                t = Timed(run, device, a.tokens, handle.total_stats)
-                hit_rate = t.hits / max(t.hits + t.misses, 1)
-                same = torch.equal(t.tokens.cpu(), resident[mode].tokens.cpu())
-                bad += not same
-                # Misses per token forward of the timed run: the prompt's P and the N - 1 steps.
-                miss_bytes = t.misses * expert_bytes / (a.prompt + a.tokens - 1)
-                bound = 1 / (step_s + miss_bytes / rate) if rate else float("nan")
-                ratio = t.tok_s / resident[mode].tok_s
-                rows.append([f"offload {fraction:g}", mode, f"{t.tok_s:.2f}", f"{ratio:.2f}", f"{100 * hit_rate:.1f} %",
-                             f"{bound:.2f}" if rate else "", f"{100 * t.tok_s / bound:.1f} %" if rate else ""])
-                results.append({"budget": fraction, "mode": mode, "tok_s": t.tok_s, "ratio": ratio,
-                                "hit_rate": hit_rate, "bound_tok_s": bound if rate else None,
-                                "link_bytes_per_s": rate, "tokens_equal": same})
-                if not same:
-                    print(f"offload {fraction:g} {mode}: tokens differ from the unmodified model's", file=sys.stderr)
-    print(tabulate(rows, headers=["experts", "mode", "tok/s", "x unmodified", "hits", "link bound tok/s",
-                                  "of bound"], disable_numparse=True))
+            paired = {mode: Paired(unmodified[mode], run, device, a.tokens, a.rounds, handle.total_stats)
+                      for mode, run in runs(served, prompt, device).items()}
+        step_s = 1 / paired["graph"].unmodified_tok_s
+        for mode, p in paired.items():
+            bad += not p.tokens_equal
+            # Misses per token forward of the timed runs: each run's prompt P and N - 1 steps.
+            miss_bytes = p.misses * expert_bytes / (p.runs * (a.prompt + a.tokens - 1))
+            bound = 1 / (step_s + miss_bytes / rate) if rate else float("nan")
+            rows.append([f"{fraction:g}", mode, f"{p.unmodified_tok_s:.2f}", f"{p.tok_s:.2f}",
+                         f"{p.ratio:.2f} ({min(p.ratios):.2f}-{max(p.ratios):.2f})", f"{100 * p.hit_rate:.1f} %",
+                         f"{bound:.2f}" if rate else "", f"{100 * p.tok_s / bound:.1f} %" if rate else ""])
+            results.append({"budget": fraction, "mode": mode, "rounds": p.runs,
+                            "unmodified_tok_s": p.unmodified_tok_s, "tok_s": p.tok_s, "ratio": p.ratio,
+                            "ratios": p.ratios, "unmodified_runs_tok_s": p.unmodified, "runs_tok_s": p.offloaded,
+                            "hit_rate": p.hit_rate, "bound_tok_s": bound if rate else None,
+                            "link_bytes_per_s": rate, "tokens_equal": p.tokens_equal})
+            if not p.tokens_equal:
+                print(f"offload {fraction:g} {mode}: tokens differ from the unmodified model's", file=sys.stderr)
+    print(tabulate(rows, headers=["budget", "mode", "unmodified tok/s", "offloaded tok/s",
+                                  "x unmodified (range)", "hits", "link bound tok/s", "of bound"],
+                   disable_numparse=True))
+    print(f"medians of {a.rounds} rounds; each round times the unmodified copy, then the offloaded one")
     if device.type == "cuda":
         print(f"link: {rate / 1e9:.1f} GB/s (cudaMemcpyAsync from pinned memory, 64 MiB)")
     print("tokens equal to the unmodified model's in every run" if not bad else f"{bad} runs' tokens differ")
