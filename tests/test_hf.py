@@ -170,23 +170,25 @@ def test_a_bank_of_more_slots_than_one_grouped_product_takes(device, monkeypatch
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_checkpoint_loaded_with_from_pretrained_is_offloaded(tmp_path, device):
-    """docs/hf.md's recipe with a real checkpoint, written here by save_pretrained (no download):
-    from_pretrained on the host, then offload(device=...); the tokens and logits are the saved
-    model's. On CUDA the experts stay on the host, pinned (in place, or copied into pinned
-    memory where loading mapped them from the file), and torch never holds them on the GPU: its
-    peak allocation is under half their bytes (the experts are made 54 times the other weights)."""
-    saved = tiny_model("qwen3_moe", device=device, moe_intermediate_size=384)
-    tokens, logits = greedy(saved, prompt=[[5]])
-    saved.save_pretrained(tmp_path)
-    experts_bytes = sum(p.numel() * p.element_size() for e in find_experts(saved) for p in (e.first, e.down))
-    del saved
+    """docs/hf.md's recipe with a real checkpoint, written here by save_pretrained (no
+    download): from_pretrained on the host, then offload(device=...); the tokens and logits are
+    those of the checkpoint loaded and run unmodified where the model computes. On CUDA the
+    experts stay on the host, pinned (in place, or copied into pinned memory where loading
+    mapped them from the file), and torch never holds them on the GPU: its peak allocation is
+    under half their bytes (the experts are made 54 times the other weights)."""
     cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tiny_model("qwen3_moe", moe_intermediate_size=384).to(dtype).save_pretrained(tmp_path)
+    # The unmodified model: the checkpoint loaded likewise, all of it where the model computes.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).to(device)
+    tokens, logits = greedy(reference, prompt=[[5]])
+    experts_bytes = sum(p.numel() * p.element_size() for e in find_experts(reference) for p in (e.first, e.down))
+    del reference
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.bfloat16 if cuda else torch.float32)  # on the host
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)  # on the host
     with offload(model, budget_fraction=0.25, device=device) as handle:
         experts = {id(p) for e in find_experts(model) for p in (e.first, e.down)}
         for name, p in model.named_parameters():
@@ -287,6 +289,7 @@ def test_generate_with_a_static_cache_compiles_the_offloaded_model():
         served_tokens, served_logits = greedy(model, cache_implementation="static")
         assert handle.total_stats().misses > 0
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1  # the offloaded forward was compiled
     assert torch.equal(served_tokens, tokens)
     torch.testing.assert_close(served_logits.float(), logits.float(), rtol=0, atol=0.05)
 
