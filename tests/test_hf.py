@@ -334,8 +334,11 @@ def test_a_budget_is_required():
         offload(tiny_model("mixtral"), budget_bytes=None)
 
 
-def test_the_recorded_routing_replays_to_the_live_hit_rate(tmp_path):
-    model = tiny_model("qwen3_moe")
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_recorded_routing_replays_to_the_live_hit_rate(tmp_path, device):
+    """The live run on ``device`` (on CUDA, the device lookup's kernels), the replay by the bench
+    on the host backend: the same LRU, the same hits."""
+    model = tiny_model("qwen3_moe", device=device)
     trace_path = tmp_path / "routing.jsonl"
     # One prompt token: every forward is one token, so the live run selects token by token as the
     # replay does (a longer prompt's tokens are selected per layer together, in chunks).
