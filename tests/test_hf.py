@@ -334,6 +334,19 @@ def test_a_budget_is_required():
         offload(tiny_model("mixtral"), budget_bytes=None)
 
 
+def test_offload_shows_its_progress_when_asked(capsys):
+    model = tiny_model("qwen3_moe")
+    with offload(model, budget_fraction=0.25, progress=True):
+        pass
+    err = capsys.readouterr().err
+    assert "experts in host memory" in err and "3/3" in err
+    with offload(model, budget_fraction=0.25, progress=False):
+        pass
+    assert capsys.readouterr().err.count("experts in host memory") == 0
+    with pytest.raises(TypeError, match="progress must be None, True or False, got str"):
+        offload(model, budget_fraction=0.25, progress="yes")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_recorded_routing_replays_to_the_live_hit_rate(tmp_path, device):
     """The live run on ``device`` (on CUDA, the device lookup's kernels), the replay by the bench

@@ -7,13 +7,11 @@ import time
 from typing import Optional
 
 
-
-
 class Progress:
     """A one-line progress bar on stderr (nothing when stderr is not a terminal, unless forced)."""
 
-    def __init__(self, enabled: Optional[bool] = None, stream=sys.stderr):
-        self.stream = stream
+    def __init__(self, enabled: Optional[bool] = None, stream=None):
+        self.stream = sys.stderr if stream is None else stream  # sys.stderr as it is now (it may be redirected)
         self.enabled = stream.isatty() if enabled is None else enabled
         self._last = 0.0
 

@@ -9,6 +9,7 @@ import torch
 
 from .. import _cuda
 from ..bench.bench import resolve_budget
+from ..bench.progress import Progress
 from ..cache import ExpertCache
 from ..layout import ModelLayout
 from ..stats import PathStats
@@ -165,7 +166,7 @@ class Offloaded:
 
 
 def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budget_fraction: Optional[float] = None,
-            device=None, policy: Optional[str] = None) -> Offloaded:
+            device=None, policy: Optional[str] = None, progress: Optional[bool] = None) -> Offloaded:
     """Serve ``model``'s routed experts from an expcache slot bank; returns an :class:`Offloaded`.
 
     Every experts module of transformers' experts interface (transformers >= 5: Mixtral,
@@ -189,6 +190,9 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
         device: where the model computes (default: where its first non-expert parameter is): a
             CUDA device gives a CUDA cache, the CPU expcache's host backend.
         policy: ``None`` or ``"lru"`` (the device lookup evicts by LRU).
+        progress: a bar on stderr while the experts are placed in host memory (for a real
+            checkpoint, tens of GB page-locked or copied: seconds to minutes); ``None`` shows it
+            when stderr is a terminal.
 
     Raises:
         ValueError: no experts-interface MoE layer (naming the model's class), a budget missing,
@@ -199,6 +203,8 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     inner = [inner_implementation(e.module) for e in layers]  # before ours is set; refuses a second offload
     if budget_bytes is None and budget_fraction is None:
         raise ValueError("give budget_bytes or budget_fraction")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
     compute = _compute_device(model, layers, device)
     if compute.type not in ("cpu", "cuda"):
         raise ValueError(f"the model computes on {compute}: expcache serves CUDA devices and the CPU (host backend)")
@@ -212,7 +218,8 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     try:
         _move_the_rest(model, layers, compute)
         tensors, pinned = {}, True
-        for e in layers:
+        bar = Progress(progress)
+        for i, e in enumerate(layers):
             first, first_pinned = _to_host(e.first, cuda, registration)
             down, down_pinned = _to_host(e.down, cuda, registration)
             tensors[e.layer] = (first, down)
@@ -221,6 +228,7 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
                 bias = getattr(e.module, name, None)
                 if isinstance(bias, torch.Tensor) and bias.device != compute:
                     bias.data = bias.data.to(compute)
+            bar("experts in host memory", i + 1, len(layers))
         for group in _groups(layers, layout, budget, [name for name, _ in inner]):
             group_layout = ModelLayout(tuple(spec if any(e.layer == i for e in group) else None
                                              for i, spec in enumerate(layout.layers)), name=layout.name)
