@@ -242,6 +242,24 @@ def test_graph_decoder_captures_the_offloaded_step(device):
     assert total.misses > 0 and total.hits > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_decoder_decodes_a_batch(device):
+    """Two sequences per step (one select of 2 x k ids a layer): the offloaded decoder's tokens
+    and logits equal the same decoder's over the unmodified model, row by row."""
+    model = tiny_model("qwen3_moe", seed=1, device=device)
+    prompts = torch.tensor([[5, 17, 33], [60, 1, 9]])
+    want, want_logits = GraphDecoder(model, max_len=32, batch=2).generate(prompts, NEW_TOKENS, output_logits=True)
+    assert not torch.equal(want[0], want[1])
+    with offload(model, budget_fraction=0.5) as handle:
+        served = GraphDecoder(model, max_len=32, batch=2)
+        got, got_logits = served.generate(prompts, NEW_TOKENS, output_logits=True)
+        assert served.captured == (device == "cuda")
+        total = handle.total_stats()
+    assert torch.equal(got, want)
+    assert torch.equal(got_logits, want_logits)
+    assert total.misses > 0 and total.hits > 0
+
+
 def test_graph_decoder_refuses_bad_arguments():
     model = tiny_model("qwen3_moe")
     with pytest.raises(ValueError, match="max_len must be an int >= 2"):

@@ -12,7 +12,7 @@ class Progress:
 
     def __init__(self, enabled: Optional[bool] = None, stream=None):
         self.stream = sys.stderr if stream is None else stream  # sys.stderr as it is now (it may be redirected)
-        self.enabled = stream.isatty() if enabled is None else enabled
+        self.enabled = self.stream.isatty() if enabled is None else enabled
         self._last = 0.0
 
     def __call__(self, label: str, done: int, total: int) -> None:
