@@ -2,6 +2,8 @@
 classes (no download), served with 25 % of their experts cached, on the CPU (host backend) and,
 with a GPU, on CUDA."""
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="pyexpcache.hf needs torch (pip install expcache[hf])")
@@ -15,6 +17,7 @@ from pyexpcache.hf import _serve as hf_serve  # noqa: E402
 from pyexpcache.hf._experts import split  # noqa: E402
 from pyexpcache.traces import read_trace  # noqa: E402
 from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
+from support.child import run_child  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)
@@ -327,6 +330,32 @@ def test_layout_and_source_describe_the_parameters_byte_for_byte():
             assert torch.equal(server.down[slot], e.down[expert])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_model_outlives_its_dropped_handle_and_the_interpreter_exits_cleanly(device):
+    """In a child process (a failure would be a crash): a handle dropped without close() leaves
+    the model served, and the interpreter exits with the model, its caches, a captured decode
+    step and the page-locked experts all still alive."""
+    tests = str(Path(__file__).resolve().parent)
+    out = run_child(f"""
+        import sys
+        sys.path[:0] = [{tests!r}]
+        import torch
+        from test_hf import greedy, tiny_model
+        from pyexpcache.hf import GraphDecoder, offload
+        model = tiny_model("qwen3_moe", device="{device}")
+        tokens, _ = greedy(model)
+        handle = offload(model, budget_fraction=0.25, progress=False)
+        decoder = GraphDecoder(model, max_len=16)
+        decoder.generate(torch.tensor([[3]]), 4)
+        del handle
+        served, _ = greedy(model)
+        assert torch.equal(served, tokens), (served, tokens)
+        print("served after the handle was dropped")
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "served after the handle was dropped" in out.stdout
+
+
 def test_a_second_offload_is_refused():
     model = tiny_model("mixtral")
     with offload(model, budget_fraction=0.5):
@@ -406,7 +435,6 @@ def test_the_decode_benchmark_runs_side_by_side_on_the_cpu(tmp_path):
     the offloaded tokens equal to its tokens, the JSON written."""
     import importlib.util
     import json
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_decode.py"
     spec = importlib.util.spec_from_file_location("hf_decode", path)
