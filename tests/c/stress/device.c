@@ -52,21 +52,14 @@ static int make_cache(Model* m, uint32_t* budget) {
     cfg.policy = EXPCACHE_POLICY_LRU;
     cfg.log_level = EXPCACHE_LOG_SILENT;
     expcache_status_t s = expcache_create(&cfg, &m->h);
-    g_calls++;
     check_status("expcache_create", s, ST(OK));
     if (s != OK) return 0;
     g_creates++;
     for (uint32_t l = 0; l < m->num_layers; ++l) {
         Layer* L = &m->layers[l];
         expcache_layer_desc_t d;
-        expcache_layer_desc_init(&d);
-        d.num_experts = L->num_experts;
-        d.source_kind = EXPCACHE_SOURCE_PINNED;
-        d.gate_bytes = L->bytes[0], d.up_bytes = L->bytes[1], d.down_bytes = L->bytes[2];
-        d.gate_stride = L->stride[0], d.up_stride = L->stride[1], d.down_stride = L->stride[2];
-        d.gate_base = L->base[0], d.up_base = L->base[1], d.down_base = L->base[2];
+        fill_desc(L, &d);
         s = expcache_layer_register(m->h, l, &d);
-        g_calls++;
         check_status("expcache_layer_register", s, ST(OK));
         L->registered = s == OK;
     }
@@ -76,10 +69,7 @@ static int make_cache(Model* m, uint32_t* budget) {
 static expcache_stats_t device_stats(Model* m) {
     expcache_stats_t st;
     memset(&st, 0, sizeof st);
-    st.struct_size = sizeof st;
-    expcache_status_t s = expcache_stats_get(m->h, 0, EXPCACHE_PATH_DEVICE, &st);
-    g_calls++;
-    check_status("expcache_stats_get", s, ST(OK));
+    get_stat(m, 0, EXPCACHE_PATH_DEVICE, &st);
     return st;
 }
 
@@ -111,7 +101,6 @@ static void device_select(Model* m, uint32_t layer, uint32_t budget, expcache_ba
     expcache_stats_t before = device_stats(m);
     g_selects++;
     expcache_status_t s = expcache_select_device_async(m->h, layer, wide, bits, n, k, slots, NULL);
-    g_calls++;
     uint64_t experts = 0; /* a bank holds at most the class's experts */
     for (uint32_t l = 0; l < m->num_layers; ++l) experts += m->layers[l].num_experts;
     uint64_t cap = bank->cap ? bank->cap : budget < experts ? budget : experts;
@@ -125,7 +114,6 @@ static void device_select(Model* m, uint32_t layer, uint32_t budget, expcache_ba
     if (!bank->cap) {
         bank->struct_size = sizeof *bank;
         s = expcache_class_bank_get(m->h, 0, bank);
-        g_calls++;
         check_status("expcache_class_bank_get", s, ST(OK));
         if (s != OK || !bank->base || bank->cap == 0) goto out;
     }
@@ -151,7 +139,6 @@ static void device_select(Model* m, uint32_t layer, uint32_t budget, expcache_ba
         expcache_stats_t st;
         st.struct_size = sizeof st;
         s = expcache_stats_get(m->h, 0, EXPCACHE_PATH_DEVICE, &st);
-        g_calls++;
         expect_bad("expcache_stats_get", s, IA, "after a device select of an id out of range");
     }
     expcache_stats_t after = device_stats(m);
@@ -176,7 +163,6 @@ static void host_select(Model* m, uint32_t layer) {
     gen_ids(L, ids, k);
     g_selects++;
     expcache_status_t s = expcache_select_async(m->h, layer, ids, k, NULL, out);
-    g_calls++;
     check_status("expcache_select_async", s, ST(OK) | ST(IA));
     trace("select (host) layer %u k %u: %s", layer, k, sname(s));
     if (s != OK) return; /* IA: more ids than the bank holds */
@@ -185,14 +171,12 @@ static void host_select(Model* m, uint32_t layer) {
 
 static void release(Model* m, const expcache_bank_t* bank) {
     expcache_status_t s = expcache_release_all(m->h);
-    g_calls++;
     g_releases++;
     check_status("expcache_release_all", s, ST(OK));
     if (!bank->cap) return;
     expcache_bank_t now;
     now.struct_size = sizeof now;
     s = expcache_class_bank_get(m->h, 0, &now);
-    g_calls++;
     check_status("expcache_class_bank_get", s, ST(OK));
     if (s == OK && (now.base != bank->base || now.cap != bank->cap))
         diverge("release_all moved or resized the bank (%p, %" PRIu64 " slots; was %p, %" PRIu64 ")", now.base,

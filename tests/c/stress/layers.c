@@ -89,7 +89,7 @@ static void build_sources(Model* m, uint32_t l, int as_file) {
     L->mark = (uint32_t*)xcalloc(n, sizeof(uint32_t));
 }
 
-static void fill_desc(const Layer* L, expcache_layer_desc_t* d) {
+void fill_desc(const Layer* L, expcache_layer_desc_t* d) {
     expcache_layer_desc_init(d);
     d->num_experts = L->num_experts;
     d->source_kind = L->from_file ? EXPCACHE_SOURCE_FILE : L->pinned;

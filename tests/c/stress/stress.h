@@ -184,6 +184,7 @@ int count_fds(void);
 
 /* layers.c: layer sources and registration. */
 void op_register(Model* m);
+void fill_desc(const Layer* L, expcache_layer_desc_t* d);
 
 /* serving.c: what select, compact and batch share. */
 extern uint32_t g_u[MAX_SERVE_IDS];
