@@ -148,7 +148,10 @@ class Paired:
             self.hits += hits
             self.misses += misses
         self.tokens_equal = all(torch.equal(o.cpu(), want.cpu()) for o in outs)
-        self.runs = rounds
+
+    @property
+    def runs(self) -> int:
+        return len(self.ratios)
 
     @property
     def unmodified_tok_s(self) -> float:

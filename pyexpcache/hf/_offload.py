@@ -229,12 +229,13 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
                 if isinstance(bias, torch.Tensor) and bias.device != compute:
                     bias.data = bias.data.to(compute)
             bar("experts in host memory", i + 1, len(layers))
+        total = layout_bytes(layout)
         for group in _groups(layers, layout, budget, [name for name, _ in inner]):
             group_layout = ModelLayout(tuple(spec if any(e.layer == i for e in group) else None
                                              for i, spec in enumerate(layout.layers)), name=layout.name)
             share = sum(group_layout[e.layer].expert_bytes * e.num_experts for e in group)
             source = ParameterSource(group_layout, group, {e.layer: tensors[e.layer] for e in group}, pinned)
-            cache = ExpertCache(group_layout, source, budget_bytes=budget * share // layout_bytes(layout),
+            cache = ExpertCache(group_layout, source, budget_bytes=budget * share // total,
                                 backend="cuda" if cuda else "host", device=compute.index or 0, lookup="device",
                                 policy=policy)
             served.append((cache, source, serve_cache(cache)))

@@ -45,13 +45,13 @@ def over_windows(inner: Callable, cap: int) -> Callable:
 
     def grouped_linear(input, weight, offs, bias=None, is_transposed=False):
         out = None
+        rows = torch.arange(input.shape[0], device=input.device)
         for first in range(0, weight.shape[0], GROUPED_MM_GROUPS):
             window = slice(first, first + GROUPED_MM_GROUPS)
             part = one_product(input, weight[window], offs[window], is_transposed=is_transposed)
             if out is None:
                 out = part
             else:  # rows before this window's first group belong to earlier windows
-                rows = torch.arange(input.shape[0], device=input.device)
                 out = torch.where((rows >= offs[first - 1]).unsqueeze(-1), part, out)
         if bias is not None:
             out.add_(bias)
