@@ -129,7 +129,10 @@ def _is_number(value) -> bool:
 
 
 def _open_text(path: Path, gz: bool):
-    return gzip.open(path, "rt", encoding="utf-8", newline="") if gz else open(path, encoding="utf-8", newline="")
+    # utf-8-sig: UTF-8 that may start with a byte-order mark (Notepad, Excel's "CSV UTF-8").
+    if gz:
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 def _read_jsonl(cols: _Columns, fh) -> None:
@@ -327,16 +330,21 @@ def read_trace(path: PathLike, *, num_experts: Optional[int] = None, name: Optio
         :data:`~pyexpcache.traces.MISSING` (-1): the replays skip it. When some token lacks a layer
         that others have, one :class:`TraceWarning` gives the count and the first one.
 
+    A text file may start with a UTF-8 byte-order mark.
+
     Raises:
         ValueError: an unknown file-name ending; one line naming the file and line (the record,
             in an .npz) for a malformed record (not JSON, a field missing or of the wrong type, an
             unknown field, negative numbers, a different k or weights in some records only, an
             expert id of ``num_experts`` or more), a duplicate (seq, token, layer), an empty file,
             a CSV header other than the format's, undecodable gzip or UTF-8 data.
+        IsADirectoryError: ``path`` is a directory.
         FileNotFoundError: no such file.
     """
     path = Path(path)
     fmt, gz = trace_format(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; expected a routing-trace file (docs/traces.md)")
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
     if name is None:

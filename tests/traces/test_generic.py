@@ -279,3 +279,24 @@ def test_a_synthetic_trace_round_trips_through_jsonl(tmp_path):
     write_trace(tmp_path / "s.jsonl.gz", trace)
     back = read_trace(tmp_path / "s.jsonl.gz", num_experts=trace.num_experts)
     assert (back.ids == trace.ids).all() and back.layers == trace.layers
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "jsonl.gz", "csv.gz"])
+def test_a_utf8_bom_is_read(tmp_path, fmt):
+    # Windows editors (Notepad, Excel's "CSV UTF-8") start a file with the byte-order mark EF BB BF.
+    trace = _trace()
+    path = tmp_path / f"bom.{fmt}"
+    write_trace(path, trace)
+    data = path.read_bytes()
+    if fmt.endswith(".gz"):
+        path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + gzip.decompress(data)))
+    else:
+        path.write_bytes(b"\xef\xbb\xbf" + data)
+    _same(trace, read_trace(path))
+
+
+def test_a_directory_is_named_as_one(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    path.mkdir()
+    with pytest.raises(IsADirectoryError, match=r"runs\.jsonl is a directory; expected a routing-trace file"):
+        read_trace(path)
