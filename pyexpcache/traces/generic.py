@@ -10,8 +10,8 @@ within a sequence in increasing ``token``; a token's layers in increasing ``laye
 the records': the layers from the smallest to the largest ``layer`` of any record, ``k`` the length
 of ``experts`` (the same in every record), experts per layer the largest id plus one unless given.
 A (token, layer) without a record is replayed without that layer (one :class:`TraceWarning` gives
-the count); a duplicate (seq, token, layer) and every malformed record are a ``ValueError`` naming
-the file and line (or record, in an .npz).
+the count); a duplicate (seq, token, layer), every malformed record and a layer or expert id past
+the C library's limits are a ``ValueError`` naming the file and line (or record, in an .npz).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from .._errors import stacklevel_outside
+from .._lib import MAX_EXPERTS_LIMIT, MAX_LAYERS_LIMIT
 from .types import MISSING, PathLike, Trace, TraceWarning
 
 __all__ = ["FORMATS", "trace_format", "is_generic_path", "read_trace", "write_trace", "TraceWriter"]
@@ -39,6 +40,8 @@ FORMATS = {"jsonl": ".jsonl", "csv": ".csv", "npz": ".npz"}
 _REQUIRED = ("token", "layer", "experts")
 _OPTIONAL = ("seq", "weights")
 _FIELDS = _REQUIRED + _OPTIONAL
+#: token and seq are stored as int64.
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def trace_format(path: PathLike) -> tuple[str, bool]:
@@ -92,10 +95,22 @@ class _Columns:
         """One record, its values already of the right Python types; the checks every format shares."""
         if token < 0 or layer < 0:
             self.fail(where, f"token and layer must be >= 0, got token {token}, layer {layer}")
+        # Checked here, record by record, before any array is made: the trace is dense over the
+        # layers, so a stray layer of 10^9 would otherwise become tokens x 10^9 x k cells.
+        if token > _I64_MAX:
+            self.fail(where, f"token {token} is too large: at most 2^63 - 1")
+        if layer >= MAX_LAYERS_LIMIT:
+            self.fail(where, f"layer {layer} is past the library's limit: a cache has at most {MAX_LAYERS_LIMIT} "
+                             f"layers (0..{MAX_LAYERS_LIMIT - 1})")
+        if seq is not None and not _I64_MIN <= seq <= _I64_MAX:
+            self.fail(where, f"seq {seq} is outside [-2^63, 2^63 - 1]")
         if not experts:
             self.fail(where, "experts is empty: a record lists the k experts the router chose")
         if min(experts) < 0:
             self.fail(where, f"expert ids must be >= 0, got {experts}")
+        if max(experts) >= MAX_EXPERTS_LIMIT:
+            self.fail(where, f"expert id {max(experts)} is past the library's limit: a layer has at most "
+                             f"{MAX_EXPERTS_LIMIT} experts (ids 0..{MAX_EXPERTS_LIMIT - 1})")
         if self.experts and len(experts) != len(self.experts[0]):
             self.fail(where, f"{len(experts)} experts where the first record ({self.at(self.where[0])}) has "
                              f"{len(self.experts[0])}: every record has the same k")
@@ -143,6 +158,10 @@ def _read_jsonl(cols: _Columns, fh) -> None:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             cols.fail(number, f"not a JSON object ({exc.msg} at column {exc.colno})")
+        except ValueError as exc:  # an integer of more digits than sys.get_int_max_str_digits()
+            cols.fail(number, f"a number too long to read ({exc})")
+        except RecursionError:
+            cols.fail(number, "not a JSON object (nested too deeply to read)")
         if not isinstance(record, dict):
             cols.fail(number, f"a record is a JSON object, got {type(record).__name__}")
         unknown = [key for key in record if key not in _FIELDS]
@@ -269,8 +288,6 @@ def _assemble(cols: _Columns, name: str, num_experts: Optional[int]) -> Trace:
     elif top >= num_experts:
         bad = int(np.flatnonzero((experts >= num_experts).any(axis=1))[0])
         cols.fail(cols.where[bad], f"expert id {int(experts[bad].max())} outside [0, {num_experts})")
-    if top >= 1 << 31:
-        cols.fail(cols.where[int(np.argmax(experts.max(axis=1)))], f"expert id {top} is too large (at most 2^31 - 1)")
     cell = tok_index * num_layers + (layer - first_layer)
     order = np.argsort(cell, kind="stable")
     dup = np.flatnonzero(cell[order][1:] == cell[order][:-1])
@@ -333,16 +350,21 @@ def read_trace(path: PathLike, *, num_experts: Optional[int] = None, name: Optio
     A text file may start with a UTF-8 byte-order mark.
 
     Raises:
-        ValueError: an unknown file-name ending; one line naming the file and line (the record,
-            in an .npz) for a malformed record (not JSON, a field missing or of the wrong type, an
+        ValueError: an unknown file-name ending; ``num_experts`` outside 1..65536 (the library's
+            ``EXPCACHE_MAX_EXPERTS_LIMIT``); one line naming the file and line (the record, in an
+            .npz) for a malformed record (not JSON, a field missing or of the wrong type, an
             unknown field, negative numbers, a different k or weights in some records only, an
-            expert id of ``num_experts`` or more), a duplicate (seq, token, layer), an empty file,
-            a CSV header other than the format's, undecodable gzip or UTF-8 data.
+            expert id of ``num_experts`` or more), a number past a limit (a layer of 4096 or more,
+            ``EXPCACHE_MAX_LAYERS_LIMIT``, refused before the layers' array is made; an expert id
+            of 65536 or more; a token or seq outside int64), a duplicate (seq, token, layer), an
+            empty file, a CSV header other than the format's, undecodable gzip or UTF-8 data.
         IsADirectoryError: ``path`` is a directory.
         FileNotFoundError: no such file.
     """
     path = Path(path)
     fmt, gz = trace_format(path)
+    if num_experts is not None and not 1 <= num_experts <= MAX_EXPERTS_LIMIT:
+        raise ValueError(f"num_experts must be in 1..{MAX_EXPERTS_LIMIT} (the library's limit), got {num_experts}")
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; expected a routing-trace file (docs/traces.md)")
     if not path.is_file():

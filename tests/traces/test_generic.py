@@ -5,7 +5,11 @@ layout."""
 from __future__ import annotations
 
 import gzip
+import io
 import json
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -281,6 +285,119 @@ def test_a_synthetic_trace_round_trips_through_jsonl(tmp_path):
     assert (back.ids == trace.ids).all() and back.layers == trace.layers
 
 
+# -- hostile input: the library's limits, huge integers, a BOM, a directory (issue 36) ----------
+
+def _write_records(path, records) -> None:
+    """``records`` (dicts of token, layer, experts) in the format of ``path``'s name, written by hand:
+    the writer would not be what is tested."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    if name.endswith(".npz"):
+        buf = io.BytesIO()
+        arrays = {key: np.array([r[key] for r in records], dtype=np.uint64) for key in records[0]}
+        np.savez(buf, **arrays)
+        data = buf.getvalue()
+    elif name.endswith(".csv"):
+        header = list(records[0])
+        lines = [",".join(header)] + [",".join(" ".join(map(str, r[h])) if isinstance(r[h], list) else str(r[h])
+                                               for h in header) for r in records]
+        data = ("\n".join(lines) + "\n").encode()
+    else:
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
+
+
+_READ_IN_CHILD = """
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # 1 GiB: a dense array of the layers fails at once
+from pyexpcache.traces import read_trace
+out = []
+for path in sys.argv[1:]:
+    try:
+        read_trace(path)
+        out.append(["read", ""])
+    except BaseException as exc:
+        out.append([type(exc).__name__, str(exc)])
+print(json.dumps(out))
+"""
+
+
+def test_a_layer_past_the_library_limit_is_refused_before_anything_is_allocated(tmp_path):
+    # Two records, layers 0 and 10^9: the dense [tokens, layers, k] array would be 14.9 GiB. In a child
+    # process under a 1 GiB address-space limit, so a reader that allocates it fails fast instead.
+    paths = []
+    for fmt in FORMATS:
+        path = tmp_path / f"huge.{fmt}"
+        _write_records(path, [{"token": 0, "layer": 0, "experts": [1, 2]},
+                              {"token": 1, "layer": 10**9, "experts": [1, 2]}])
+        paths.append(path)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", _READ_IN_CHILD, *map(str, paths)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    for path, (kind, message) in zip(paths, json.loads(done.stdout)):
+        where = f"{path}: record 1" if ".npz" in path.name else f"{path}:{3 if '.csv' in path.name else 2}"
+        assert (kind, message) == ("ValueError", f"{where}: layer 1000000000 is past the library's limit: a cache has "
+                                                 "at most 4096 layers (0..4095)")
+
+
+def test_the_library_limits_bound_layers_and_expert_ids(tmp_path):
+    path = tmp_path / "limits.jsonl"
+    _lines(path, [{"token": 0, "layer": 4095, "experts": [65535]}])
+    t = read_trace(path)
+    assert (t.first_layer, t.num_layers, t.num_experts) == (4095, 1, 65536)
+    _lines(path, [{"token": 0, "layer": 4096, "experts": [1]}])
+    with pytest.raises(ValueError, match=r"limits\.jsonl:1: layer 4096 is past the library's limit: a cache has at "
+                                         r"most 4096 layers \(0\.\.4095\)"):
+        read_trace(path)
+    _lines(path, [{"token": 0, "layer": 0, "experts": [1]}, {"token": 0, "layer": 1, "experts": [65536]}])
+    with pytest.raises(ValueError, match=r"limits\.jsonl:2: expert id 65536 is past the library's limit: a layer "
+                                         r"has at most 65536 experts \(ids 0\.\.65535\)"):
+        read_trace(path)
+    _lines(path, [{"token": 0, "layer": 0, "experts": [1]}])
+    with pytest.raises(ValueError, match=r"num_experts must be in 1\.\.65536 \(the library's limit\), got 65537"):
+        read_trace(path, num_experts=65537)
+
+
+@pytest.mark.parametrize("fmt,record,message", [
+    ("jsonl", {"token": 2**63, "layer": 0, "experts": [1]}, r":2: token 9223372036854775808 is too large: at most "
+                                                             r"2\^63 - 1"),
+    ("jsonl", {"seq": 2**64, "token": 1, "layer": 0, "experts": [1]}, r":2: seq 18446744073709551616 is outside "
+                                                                       r"\[-2\^63, 2\^63 - 1\]"),
+    ("jsonl", {"token": 1, "layer": 2**64, "experts": [1]}, r":2: layer 18446744073709551616 is past the library's "
+                                                             r"limit"),
+    ("jsonl", {"token": 1, "layer": 0, "experts": [1, 2**64]}, r":2: expert id 18446744073709551616 is past the "
+                                                                r"library's limit"),
+    ("csv", {"token": 2**63, "layer": 0, "experts": [1]}, r":3: token 9223372036854775808 is too large"),
+    ("csv", {"token": 1, "layer": 0, "experts": [2**70]}, r":3: expert id 1180591620717411303424 is past"),
+    ("npz", {"token": 2**63, "layer": 0, "experts": [1]}, r": record 1: token 9223372036854775808 is too large"),
+    ("npz.gz", {"token": 1, "layer": 0, "experts": [2**64 - 1]}, r": record 1: expert id 18446744073709551615 is "
+                                                                  r"past"),
+])
+def test_huge_integers_name_the_file_and_line(tmp_path, fmt, record, message):
+    path = tmp_path / f"big.{fmt}"
+    first = {key: ([1] if key == "experts" else 0) for key in record}
+    _write_records(path, [first, record])
+    with pytest.raises(ValueError, match=r"big\." + fmt.replace(".", r"\.") + message) as caught:
+        read_trace(path)
+    assert type(caught.value) is ValueError  # the reader's class, not an OverflowError
+
+
+@pytest.mark.parametrize("line,message", [
+    # Python reads at most 4300 digits of an integer (sys.get_int_max_str_digits): json.loads raises
+    # a ValueError of its own, without the file.
+    ('{"token": 1' + "0" * 5000 + ', "layer": 0, "experts": [1]}', r"a number too long to read \(Exceeds the limit"),
+    # json.loads raises RecursionError past the interpreter's recursion limit.
+    ('{"token": 1, "layer": 0, "experts": ' + "[" * 100000 + "]" * 100000 + "}",
+     r"not a JSON object \(nested too deeply to read\)"),
+])
+def test_a_json_line_python_cannot_read_names_the_line(tmp_path, line, message):
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"token": 0, "layer": 0, "experts": [1]}\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"long\.jsonl:2: " + message) as caught:
+        read_trace(path)
+    assert type(caught.value) is ValueError
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "jsonl.gz", "csv.gz"])
 def test_a_utf8_bom_is_read(tmp_path, fmt):
     # Windows editors (Notepad, Excel's "CSV UTF-8") start a file with the byte-order mark EF BB BF.
@@ -300,3 +417,15 @@ def test_a_directory_is_named_as_one(tmp_path):
     path.mkdir()
     with pytest.raises(IsADirectoryError, match=r"runs\.jsonl is a directory; expected a routing-trace file"):
         read_trace(path)
+
+
+@pytest.mark.parametrize("record", [{"token": 2**63, "layer": 0, "experts": [1]},
+                                    {"token": 0, "layer": 5000, "experts": [1]}])
+def test_the_command_line_prints_one_line_for_a_hostile_trace(capsys, tmp_path, record):
+    from pyexpcache import cli
+
+    path = tmp_path / "bad.jsonl"
+    _lines(path, [record])
+    assert cli.main(["bench", "--backend", "host", "--traces", str(path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"expcache bench: {path}:1: ") and "Traceback" not in err
