@@ -295,15 +295,30 @@ class ModelLayout:
         or the parsed dict; transformers is not needed).
 
         Read: ``num_hidden_layers``; the routed experts per layer (``num_local_experts``,
-        ``num_experts`` or ``n_routed_experts``); ``hidden_size``; an expert's FFN width
-        (``moe_intermediate_size``, else ``intermediate_size``); the dense layers, by the rules
-        of the families that have them: ``mlp_only_layers`` and ``decoder_sparse_step``
-        (Qwen2-MoE, Qwen3-MoE: layer i has experts when it is not listed and
-        ``(i + 1) % step == 0``), ``first_k_dense_replace`` and ``moe_layer_freq`` (DeepSeek
-        V2/V3, Kimi K2, GLM-4.5: when ``i >= k`` and ``i % freq == 0``); a model with none of
-        them (Mixtral, OLMoE, GPT-OSS) has experts in every layer. A config whose model sits
-        under ``text_config`` (a multimodal wrapper) is read there. Gate and up are
-        ``[ffn, hidden]``, down ``[hidden, ffn]``.
+        ``num_experts``, ``n_routed_experts`` or ``moe_num_experts``); ``hidden_size``; an
+        expert's FFN width (``moe_intermediate_size``, else ``intermediate_size``); and which
+        layers have experts, as transformers' modeling code of each family chooses them. A list
+        of the layers decides alone (as in transformers, where it overrides the keys it is made
+        from): ``mlp_layer_types`` (GLM-4.7-Flash, DeepSeek V3.2/V4, ...: ``"sparse"``,
+        ``"moe"`` or ``"hash_moe"`` per layer, else ``"dense"``), ``moe_layers`` (Llama 4),
+        ``moe_layers_enum`` (Step 3.7), ``layers_num_experts`` (Jamba: more than 1); two lists
+        that disagree are refused. Else layer i has experts when every rule the config has
+        holds: ``mlp_only_layers`` does not list it and ``(i + 1) % decoder_sparse_step == 0``
+        (Qwen2-MoE, Qwen3-MoE); ``(i + 1) % interleave_moe_layer_step == 0`` (Llama 4); ``i >=
+        first_k_dense_replace`` and ``i % moe_layer_freq == 0``, or ``moe_layer_freq[i]`` for a
+        list (DeepSeek V2/V3, Kimi K2, GLM-4.5, dots.llm3); ``i >= num_dense_layers`` (AFMoE,
+        LFM2-MoE) or ``dense_mlp_idx``; ``i % expert_layer_period == expert_layer_offset``
+        (Jamba); ``moe_layer_start_index <= i <= moe_layer_end_index`` (-1: the last) and ``(i +
+        1) % moe_layer_interval == 0`` (ERNIE 4.5); ``enable_moe_block`` (Gemma 4). A rule key
+        left out takes transformers' default for the ``model_type`` where that is not the
+        neutral value (Jamba: period 2, offset 1; ERNIE 4.5: start 1; AFMoE: 1 and LFM2-MoE: 2
+        dense layers). A model with none of them (Mixtral, OLMoE, GPT-OSS) has experts in every
+        layer. Refused, as rules this reader does not implement: Nemotron-H's
+        ``hybrid_override_pattern`` or a ``layers_block_type`` with ``"moe"`` blocks (its experts
+        have no gate, either), dots.llm3's ``pyramid_num_routed``, a ``per_layer_config``
+        overriding any key read here, and a list of experts or FFN widths per layer. A config
+        whose model sits under ``text_config`` (a multimodal wrapper) is read there. Gate and up
+        are ``[ffn, hidden]``, down ``[hidden, ffn]``.
 
         The stored type: ``quant`` when given (a GGUF type or dtype for every part, or a dict
         ``{"gate": ..., "up": ..., "down": ...}``); else MXFP4 for ``quantization_config``'s
@@ -537,7 +552,7 @@ def _layout_from_object(obj, where: str, default_name: str) -> ModelLayout:
 
 # -- reading Hugging Face configs --------------------------------------------------------------
 
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _FFN_KEYS = ("moe_intermediate_size", "intermediate_size")
 
 
@@ -551,6 +566,7 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
                                  if k in outer and k not in config})
     model = config.get("model_type") or (config.get("architectures") or [None])[0] or "model"
     file = _File(where)
+    _refuse_unread_rules(config, file)
 
     def number(keys: tuple, what: str, lowest: int = 1) -> tuple[str, int]:
         key = next((k for k in keys if config.get(k) is not None), None)
@@ -560,6 +576,9 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
         try:
             return key, checked_int(config[key], key, lowest, MAX_PART_BYTES_LIMIT)
         except (TypeError, ArgumentRangeError):
+            if isinstance(config[key], list):
+                raise file.fail(key, f"a list, one value per layer ({what}), which this reader does not implement: a "
+                                     "layout file gives each layer its own (docs/models.md)") from None
             raise file.fail(key, f"expected a whole number >= {lowest} ({what}), got {_shown(config[key])}") from None
 
     _, num_layers = number(("num_hidden_layers",), "the number of layers")
@@ -568,13 +587,7 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
         raise file.fail(key, "0 routed experts: not a mixture-of-experts model")
     _, hidden = number(("hidden_size",), "the model width")
     _, ffn = number(_FFN_KEYS, "an expert's FFN width")
-    only = config.get("mlp_only_layers") or []
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise file.fail("mlp_only_layers", f"expected a list of layer numbers, got {_shown(only)}")
-    rules = {k: number((k,), what, lowest)[1] if config.get(k) is not None else default
-             for k, what, lowest, default in (("decoder_sparse_step", "MoE every n-th layer", 1, 1),
-                                              ("first_k_dense_replace", "dense layers first", 0, 0),
-                                              ("moe_layer_freq", "MoE every n-th layer", 1, 1))}
+    routed = _routed_layers(config, model, num_layers, file)
     types = _hf_types(config, quant, file)
     try:
         gate = matrix_bytes(types[0], ffn, hidden)
@@ -585,16 +598,146 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
         raise LayoutFileError(f"{where}: experts of [{ffn}, {hidden}] gate/up and [{hidden}, {ffn}] down in "
                               f"{'/'.join(types)}: {exc}") from None
 
-    def routed(i: int) -> bool:
-        return (i not in only and (i + 1) % rules["decoder_sparse_step"] == 0
-                and i >= rules["first_k_dense_replace"] and i % rules["moe_layer_freq"] == 0)
-
     label = types[0].lower() if len(set(types)) == 1 else "-".join(t.lower() for t in types)
     name = name or f"{default_name or model}-{label}"
     try:
-        return cls(tuple(spec if routed(i) else None for i in range(num_layers)), name=name)
+        return cls(tuple(spec if i in routed else None for i in range(num_layers)), name=name)
     except ValueError as exc:
         raise LayoutFileError(f"{where}: {exc}") from None
+
+
+# Which layers have routed experts: the config keys that transformers' modeling code reads to choose
+# (or that its config class builds the list it reads from). Keys giving the layers as a list: a
+# list decides alone, as in transformers (Llama 4's moe_layers overrides interleave_moe_layer_step;
+# mlp_layer_types is built from first_k_dense_replace and the like only when a config has none).
+_LAYER_LISTS = ("mlp_layer_types",  # GLM-4.7-Flash, DeepSeek V3.2/V4, ...: "sparse", "moe", "hash_moe" or "dense"
+                "moe_layers",  # Llama 4: the MoE layers' numbers
+                "moe_layers_enum",  # Step 3.7: the same, as a list or a comma-separated string
+                "layers_num_experts")  # Jamba (a property, in a dict made from the config): 1 for a dense layer
+# Rules over the layer number: every one the config has must hold.
+_LAYER_RULES = ("mlp_only_layers", "decoder_sparse_step", "interleave_moe_layer_step", "first_k_dense_replace",
+                "moe_layer_freq", "num_dense_layers", "dense_mlp_idx", "expert_layer_period", "expert_layer_offset",
+                "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "enable_moe_block")
+# transformers' default for a rule key a config leaves out, where it is not the value that keeps every layer.
+_RULE_DEFAULTS = {
+    "jamba": {"expert_layer_period": 2, "expert_layer_offset": 1},
+    "ernie4_5_moe": {"moe_layer_start_index": 1},
+    "afmoe": {"num_dense_layers": 1},
+    "lfm2_moe": {"num_dense_layers": 2},
+}
+# Keys that choose layers (or give them their own experts) by rules this reader does not implement.
+_UNREAD_RULES = {
+    "hybrid_override_pattern": "Nemotron-H's block pattern (each layer is Mamba, attention, an MLP or the experts, "
+                               "which have no gate: up_proj only, not the gate/up/down parts of a layout entry)",
+    "layers_block_type": "Nemotron-H's block types (each layer is Mamba, attention, an MLP or the experts, which have "
+                         "no gate: up_proj only, not the gate/up/down parts of a layout entry)",
+    "pyramid_num_routed": "dots.llm3's routed experts per layer (a number of its own for each layer)",
+    "per_layer_config": "per-layer overrides of the keys read here (a heterogeneous model)",
+}
+# What a per-layer override may not touch: every key the reader reads.
+_READ_KEYS = frozenset(("num_hidden_layers", "hidden_size", "torch_dtype", "dtype", "quantization_config",
+                        *_EXPERT_KEYS, *_FFN_KEYS, *_LAYER_LISTS, *_LAYER_RULES, *_UNREAD_RULES))
+
+
+def _refuse_unread_rules(config, file: _File) -> None:
+    """A LayoutFileError for a key of ``_UNREAD_RULES`` that the config uses."""
+    for key, what in _UNREAD_RULES.items():
+        value = config.get(key)
+        if key == "layers_block_type" and isinstance(value, list) and "moe" not in value:
+            continue  # Jamba's and GraniteMoeHybrid's: Mamba or attention, experts in every layer
+        if key == "per_layer_config" and isinstance(value, Mapping):
+            touched = sorted({k for v in value.values() if isinstance(v, Mapping) for k in v} & _READ_KEYS)
+            if not touched:
+                continue
+            what = f"per-layer overrides of {', '.join(touched)} (a heterogeneous model)"
+        if value not in (None, [], {}, ""):
+            raise file.fail(key, f"{what}: this reader does not implement it; a layout file describes the model "
+                                 "(docs/models.md)")
+
+
+def _routed_layers(config, model: str, num_layers: int, file: _File) -> frozenset[int]:
+    """The layers with routed experts (see from_hf_config): by the config's layer list, else by
+    its rules over the layer number."""
+    lists = [(key, _listed_layers(config[key], key, num_layers, file)) for key in _LAYER_LISTS
+             if config.get(key) is not None]
+    for other, theirs in lists[1:]:
+        if theirs != lists[0][1]:
+            shown = "; ".join(f"{k} gives {_spans(sorted(v)) or 'none'}" for k, v in (lists[0], (other, theirs)))
+            raise LayoutFileError(f"{file.where}: the layers with routed experts differ by key ({shown}); which one "
+                                  f"this {model} model's code reads depends on its family: a layout file describes "
+                                  "it (docs/models.md)")
+    if lists:
+        return lists[0][1]
+    rules = {**_RULE_DEFAULTS.get(config.get("model_type"), {}),
+             **{k: config[k] for k in _LAYER_RULES if config.get(k) is not None}}
+    return _ruled_layers(rules, num_layers, file)
+
+
+def _listed_layers(value, key: str, num_layers: int, file: _File) -> frozenset[int]:
+    """The MoE layers a layer list (``_LAYER_LISTS``) gives."""
+    if key == "moe_layers_enum" and isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+        value = [int(v) if v.isdigit() else v for v in value]
+    if not isinstance(value, list):
+        raise file.fail(key, f"expected a list, got {_shown(value)}")
+    if key == "mlp_layer_types":
+        kinds = {"sparse": True, "moe": True, "hash_moe": True, "dense": False}
+        if any(not isinstance(v, str) or v not in kinds for v in value) or len(value) != num_layers:
+            raise file.fail(key, f"expected one of {', '.join(map(repr, kinds))} for each of the {num_layers} layers, "
+                                 f"got {_shown(value)}")
+        return frozenset(i for i, v in enumerate(value) if kinds[v])
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+        raise file.fail(key, f"expected whole numbers >= 0, got {_shown(value)}")
+    if key == "layers_num_experts":
+        if len(value) != num_layers:
+            raise file.fail(key, f"expected one number for each of the {num_layers} layers, got {_shown(value)}")
+        return frozenset(i for i, v in enumerate(value) if v > 1)
+    if key == "moe_layers" and any(v >= num_layers for v in value):
+        raise file.fail(key, f"expected layer numbers below {num_layers}, got {_shown(value)}")
+    return frozenset(v for v in value if v < num_layers)  # Step 3.7 lists its MTP layers past the last one too
+
+
+def _ruled_layers(rules: dict, num_layers: int, file: _File) -> frozenset[int]:
+    """The MoE layers by the rules over the layer number (``_LAYER_RULES``) in ``rules``."""
+    def whole(key: str, lowest: int, what: str) -> Optional[int]:
+        if rules.get(key) is None:
+            return None
+        try:
+            return checked_int(rules[key], key, lowest, MAX_PART_BYTES_LIMIT)
+        except (TypeError, ArgumentRangeError):
+            raise file.fail(key, f"expected a whole number >= {lowest} ({what}), got {_shown(rules[key])}") from None
+
+    only = rules.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise file.fail("mlp_only_layers", f"expected a list of layer numbers, got {_shown(only)}")
+    freq = rules.get("moe_layer_freq")
+    if isinstance(freq, list):  # dots.llm3, MiniMax-M3: a flag per layer
+        if len(freq) != num_layers or any(not isinstance(f, (bool, int)) for f in freq):
+            raise file.fail("moe_layer_freq", f"expected a whole number, or a flag for each of the {num_layers} "
+                                              f"layers, got {_shown(freq)}")
+        flags = [bool(f) for f in freq]
+    else:
+        every = whole("moe_layer_freq", 1, "MoE every n-th layer") or 1
+        flags = [i % every == 0 for i in range(num_layers)]
+    enabled = rules.get("enable_moe_block", True)
+    if not isinstance(enabled, bool):
+        raise file.fail("enable_moe_block", f"expected true or false, got {_shown(enabled)}")
+    step = whole("decoder_sparse_step", 1, "MoE every n-th layer") or 1
+    interleave = whole("interleave_moe_layer_step", 1, "MoE every n-th layer") or 1
+    first = max(whole(k, 0, "dense layers first") or 0 for k in ("first_k_dense_replace", "num_dense_layers",
+                                                                  "dense_mlp_idx"))
+    period = whole("expert_layer_period", 1, "MoE every n-th layer") or 1
+    offset = whole("expert_layer_offset", 0, "the first MoE layer of each period") or 0
+    if offset >= period:
+        raise file.fail("expert_layer_offset", f"must be below expert_layer_period ({period}), got {offset}")
+    start = whole("moe_layer_start_index", 0, "the first MoE layer") or 0
+    end = None if rules.get("moe_layer_end_index") == -1 else whole("moe_layer_end_index", 0, "the last MoE layer")
+    end = num_layers - 1 if end is None else end  # ERNIE's -1: up to the last layer
+    interval = whole("moe_layer_interval", 1, "MoE every n-th layer") or 1
+    return frozenset(i for i in range(num_layers)
+                     if enabled and i not in only and (i + 1) % step == 0 and (i + 1) % interleave == 0
+                     and i >= first and flags[i] and i % period == offset and start <= i <= end
+                     and (i + 1) % interval == 0)
 
 
 def _hf_types(config, quant, file: _File) -> tuple[str, str, str]:

@@ -370,6 +370,143 @@ def test_the_dense_layer_rules_of_each_family():
     assert moe(decoder_sparse_step=1, mlp_only_layers=[], first_k_dense_replace=0, moe_layer_freq=1) == list(range(8))
 
 
+def test_the_moe_layer_rules_of_llama4_jamba_and_the_other_families():
+    """Each family's rule for which layers have routed experts, as transformers' modeling code (or
+    the config class building the list it reads) applies it; a config of any other key has experts
+    in every layer."""
+    base = {"model_type": "x", "num_hidden_layers": 8, "num_experts": 4, "hidden_size": 32,
+            "intermediate_size": 32, "torch_dtype": "float16"}
+
+    def moe(**rules):
+        return ModelLayout.from_hf_config(dict(base, **rules)).moe_layers
+
+    assert moe(interleave_moe_layer_step=2) == [1, 3, 5, 7]  # Llama 4: range(step - 1, n, step)
+    assert moe(interleave_moe_layer_step=4) == [3, 7]
+    assert moe(moe_layers=[0, 5]) == [0, 5]  # Llama 4's list overrides the step
+    assert moe(moe_layers=[0, 5], interleave_moe_layer_step=1) == [0, 5]
+    assert moe(expert_layer_period=2, expert_layer_offset=1) == [1, 3, 5, 7]  # Jamba: i % period == offset
+    assert moe(expert_layer_period=3, expert_layer_offset=0) == [0, 3, 6]
+    assert moe(model_type="jamba") == [1, 3, 5, 7]  # transformers' Jamba defaults: period 2, offset 1
+    assert moe(layers_num_experts=[1, 4, 1, 4, 4, 1, 1, 4]) == [1, 3, 4, 7]  # Jamba's derived list
+    assert moe(mlp_layer_types=["dense", "sparse", "moe", "hash_moe", "dense", "sparse", "dense", "sparse"]) == \
+        [1, 2, 3, 5, 7]  # GLM-4.7-Flash, DeepSeek V3.2/V4, ...
+    assert moe(mlp_layer_types=["dense"] + ["sparse"] * 7, first_k_dense_replace=1) == list(range(1, 8))
+    assert moe(moe_layers_enum="3,4,5,6,7,8,9") == [3, 4, 5, 6, 7]  # Step 3.7 (its MTP layers past the last)
+    assert moe(moe_layers_enum=[2, 6]) == [2, 6]
+    assert moe(num_dense_layers=3) == [3, 4, 5, 6, 7]  # AFMoE, LFM2-MoE
+    assert moe(model_type="lfm2_moe") == [2, 3, 4, 5, 6, 7]  # its default: 2 dense layers
+    assert moe(dense_mlp_idx=2) == list(range(2, 8))  # Inkling's legacy key
+    assert moe(moe_layer_freq=[0, 1, 1, 0, 1, 1, 0, 1]) == [1, 2, 4, 5, 7]  # dots.llm3, MiniMax-M3: a flag each
+    assert moe(moe_layer_start_index=1, moe_layer_end_index=-1, moe_layer_interval=2) == [1, 3, 5, 7]  # ERNIE 4.5
+    assert moe(moe_layer_start_index=2, moe_layer_end_index=5, moe_layer_interval=1) == [2, 3, 4, 5]
+    assert moe(model_type="ernie4_5_moe") == list(range(1, 8))  # its default start: 1
+    assert moe(enable_moe_block=True) == list(range(8))  # Gemma 4
+    assert moe(layers_block_type=["mamba", "attention"] * 4) == list(range(8))  # Jamba/GraniteMoeHybrid: attention
+
+
+def test_the_layer_rules_of_real_llama4_and_jamba_configs():
+    """Llama 4 Maverick (MoE in every second layer: 24 of its 48) and Jamba v0.1 (16 of 32): the
+    keys of their config.json files on the Hub."""
+    maverick = {"model_type": "llama4", "torch_dtype": "bfloat16", "text_config": {
+        "model_type": "llama4_text", "num_hidden_layers": 48, "num_local_experts": 128, "hidden_size": 5120,
+        "intermediate_size": 8192, "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 2}}
+    layout = ModelLayout.from_hf_config(maverick)
+    assert layout.moe_layers == list(range(1, 48, 2))
+    assert layout[1] == LayerSpec(128, 8192 * 5120 * 2, 8192 * 5120 * 2, 5120 * 8192 * 2)
+    jamba = {"model_type": "jamba", "torch_dtype": "bfloat16", "num_hidden_layers": 32, "num_experts": 16,
+             "hidden_size": 4096, "intermediate_size": 14336, "expert_layer_period": 2, "expert_layer_offset": 1,
+             "attn_layer_period": 8, "attn_layer_offset": 4}
+    assert ModelLayout.from_hf_config(jamba).moe_layers == list(range(1, 32, 2))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(hybrid_override_pattern="MEM*EME"), r"hybrid_override_pattern: Nemotron-H's block pattern .* this reader "
+                                              r"does not implement it; a layout file describes the model"),
+    (dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"] * 2),
+     r"layers_block_type: Nemotron-H's block types .*experts, which have no gate"),
+    (dict(pyramid_num_routed=[-1, 4, 8, 12, 16, 20, 24, 28]), r"pyramid_num_routed: dots.llm3's routed experts per layer"),
+    (dict(per_layer_config={"3": {"num_experts": 2}}), r"per_layer_config: per-layer overrides of num_experts"),
+    (dict(num_experts=[4] * 8), r"num_experts: a list, one value per layer \(the routed experts per layer\), which "
+                                r"this reader does not implement"),
+    (dict(moe_intermediate_size=[32, 16]), r"moe_intermediate_size: a list, one value per layer"),
+    (dict(moe_layers=[1], mlp_layer_types=["dense"] * 8),
+     r"the layers with routed experts differ by key \(mlp_layer_types gives none; moe_layers gives 1\)"),
+    (dict(mlp_layer_types=["sparse"] * 7), r"mlp_layer_types: expected one of 'sparse', 'moe', 'hash_moe', 'dense' "
+                                           r"for each of the 8 layers"),
+    (dict(mlp_layer_types=["shared"] * 8), r"mlp_layer_types: expected one of"),
+    (dict(moe_layers=[8]), r"moe_layers: expected layer numbers below 8, got \[8\]"),
+    (dict(expert_layer_period=2, expert_layer_offset=2), r"expert_layer_offset: must be below expert_layer_period"),
+    (dict(interleave_moe_layer_step=0), r"interleave_moe_layer_step: expected a whole number >= 1"),
+    (dict(moe_layer_freq=[1, 0]), r"moe_layer_freq: expected a whole number, or a flag for each of the 8 layers"),
+    (dict(enable_moe_block=False), r"a layout needs at least one MoE layer"),  # Gemma 4 without its experts
+])
+def test_a_layer_rule_it_does_not_implement_or_a_bad_one_is_refused(changes, message):
+    base = {"model_type": "x", "num_hidden_layers": 8, "num_experts": 4, "hidden_size": 32,
+            "intermediate_size": 32, "torch_dtype": "float16"}
+    with pytest.raises(LayoutFileError, match=message):
+        ModelLayout.from_hf_config(dict(base, **changes))
+
+
+#: transformers config class -> arguments: the families whose MoE layers follow a rule, built tiny.
+_TRANSFORMERS_CONFIGS = {
+    "Llama4TextConfig": dict(num_local_experts=4, interleave_moe_layer_step=2, intermediate_size_mlp=64),
+    "Llama4TextConfig/moe_layers": dict(num_local_experts=4, moe_layers=[0, 4, 5], intermediate_size_mlp=64),
+    "JambaConfig": dict(num_experts=4, expert_layer_period=3, expert_layer_offset=2, attn_layer_period=2,
+                        attn_layer_offset=1, use_mamba_kernels=False),
+    "JambaConfig/defaults": dict(num_experts=4, use_mamba_kernels=False),
+    "Qwen2MoeConfig": dict(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[1], moe_intermediate_size=16,
+                           shared_expert_intermediate_size=16),
+    "Qwen3MoeConfig": dict(num_experts=4, decoder_sparse_step=3, moe_intermediate_size=16),
+    "DeepseekV3Config": dict(n_routed_experts=4, first_k_dense_replace=2, n_group=1, topk_group=1,
+                             num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+                             qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4, moe_intermediate_size=16),
+    "Ernie4_5_MoeConfig": dict(moe_num_experts=4, moe_layer_start_index=1, moe_layer_end_index=4,
+                               moe_layer_interval=2, moe_intermediate_size=16),
+    "Glm4MoeLiteConfig": dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=None,
+                              qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4, n_group=1,
+                              topk_group=1, moe_intermediate_size=16),
+    "AfmoeConfig": dict(num_experts=4, num_dense_layers=2, moe_intermediate_size=16),
+    "Lfm2MoeConfig": dict(num_experts=4, num_dense_layers=3, layer_types=["conv", "full_attention"] * 3,
+                          moe_intermediate_size=16),
+    "DeepseekV4Config": dict(n_routed_experts=4),
+    "GraniteMoeHybridConfig": dict(num_local_experts=4, layers_block_type=["mamba", "attention"] * 3, mamba_d_head=8,
+                                   mamba_n_heads=8),
+    "MixtralConfig": dict(num_local_experts=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TRANSFORMERS_CONFIGS))
+def test_the_moe_layers_are_those_transformers_builds(name):
+    """A tiny model of each family built by transformers (on the meta device: no memory): the
+    layers holding experts (a 3-D gate_up_proj or up_proj), their number and their bytes are the
+    layout's from the config's to_dict(), the keys its config.json has."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers", minversion="5")
+    config_class = getattr(transformers, name.split("/")[0], None)
+    if config_class is None:
+        pytest.skip(f"this transformers has no {name}")
+    config = config_class(**{**dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=16, num_hidden_layers=6, head_dim=8),
+                             **_TRANSFORMERS_CONFIGS[name]})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    built = {}
+    for parameter_name, p in model.named_parameters():
+        match = re.search(r"layers\.(\d+)\..*\b(gate_up_proj|up_proj)$", parameter_name)
+        if match and p.dim() == 3:
+            built[int(match.group(1))] = (p.shape[0], p[0].numel() * 4)
+    layout = ModelLayout.from_hf_config(config.to_dict(), "F32")
+    assert {i: (s.num_experts, s.gate_bytes + s.up_bytes) for i, s in enumerate(layout.layers) if s} == built
+    assert layout.num_layers == 6 and 0 < len(built) <= 6
+
+
+def test_a_nemotron_h_config_from_transformers_is_refused():
+    transformers = pytest.importorskip("transformers", minversion="5")
+    config = transformers.NemotronHConfig(vocab_size=64, hidden_size=32, n_routed_experts=4)
+    with pytest.raises(LayoutFileError, match=r"layers_block_type: Nemotron-H's block types"):
+        ModelLayout.from_hf_config(config.to_dict(), "F32")
+
+
 def test_a_config_under_text_config_is_read_there():
     outer = {"model_type": "wrapper", "torch_dtype": "bfloat16",
              "text_config": {k: v for k, v in hf_configs.CONFIGS["Qwen3-30B-A3B"].items() if k != "torch_dtype"}}
@@ -391,8 +528,8 @@ def _without(model, *keys, **changes):
      r"the config: no 'hidden_size' key \(the model width\) in this mixtral config; a layout file describes any "
      r"model \(docs/models.md\)"),
     (_without("Mixtral-8x7B-v0.1", "num_local_experts"), None,
-     r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' key \(the routed experts per layer\) in this "
-     r"mixtral config"),
+     r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' or 'moe_num_experts' key \(the routed experts "
+     r"per layer\) in this mixtral config"),
     (_without("Qwen3-30B-A3B", "moe_intermediate_size", "intermediate_size"), None,
      r"no 'moe_intermediate_size' or 'intermediate_size' key \(an expert's FFN width\) in this qwen3_moe config"),
     (_without("Qwen3-30B-A3B", "num_hidden_layers", "model_type"), None,
