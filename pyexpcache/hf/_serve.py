@@ -7,7 +7,9 @@ computed by the implementation the model had before (transformers' ``grouped_mm`
 or ``batched_mm``, or the module's own ``eager`` loop), called with the slots for ids and with
 the module seen through :class:`BankExperts`: its weights are the bank's ``[cap, ...]`` views,
 which hold, at each slot, the bytes of the expert the slot was given. The same kernels run on the
-same bytes, so the result is bit-identical to the unmodified model's.
+same bytes, so the result is bit-identical to the unmodified model's. On the CPU, ``grouped_mm``
+is called with the expert ids, its grouped products taking each expert from its slot
+(:func:`by_expert_id`): a CPU GEMM rounds a row by its place, which sorting by slot would move.
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ def over_windows(inner: Callable, cap: int) -> Callable:
                 out = part
             else:  # rows before this window's first group belong to earlier windows
                 out = torch.where((rows >= offs[first - 1]).unsqueeze(-1), part, out)
+        if bias is not None:
+            out.add_(bias)
+        return out
+
+    return types.FunctionType(inner.__code__, {**inner.__globals__, "_grouped_linear": grouped_linear},
+                              inner.__name__, inner.__defaults__, inner.__closure__)
+
+
+def by_expert_id(inner: Callable, server: "LayerServer") -> Callable | None:
+    """On the CPU: transformers' ``grouped_mm`` (its code object, unchanged), called with the
+    router's expert ids, with its grouped products made from the bank: group e (expert e's rows,
+    where transformers' own sort by expert id puts them) is multiplied by the slot
+    ``server.expert_slots[e]``. torch's CPU grouped product is one GEMM per group, and a GEMM
+    rounds a row by its place (its alignment): with the rows where the unmodified model has them,
+    each is rounded as there (sorted by slot, they moved). None for another implementation."""
+    from transformers.integrations import moe
+
+    if inner is not moe.grouped_mm_experts_forward or "_grouped_linear" not in inner.__code__.co_names:
+        return None
+
+    def grouped_linear(input, weight, offs, bias=None, is_transposed=False):
+        weight = weight if is_transposed else weight.transpose(-2, -1)  # the bank, [cap, in, out]
+        input = input.to(weight.dtype)
+        out = input.new_zeros(input.shape[0], weight.shape[-1])
+        slots, start = server.expert_slots, 0
+        for expert, end in enumerate(offs.tolist()):
+            if end > start:  # what torch's CPU grouped_mm computes for the group, from the expert's slot
+                out[start:end] = torch.mm(input[start:end], weight[slots[expert]])
+            start = end
         if bias is not None:
             out.add_(bias)
         return out
@@ -156,6 +187,11 @@ class LayerServer:
         slot_expert = torch.zeros(self.cap, dtype=torch.long, device=device) if module.has_bias else None
         self.slot_expert = slot_expert
         self.experts = BankExperts(module, self.first, self.down, self.cap, slot_expert)
+        # On the CPU, grouped_mm by expert id (by_expert_id): the module seen with its own expert
+        # count and biases, the bank for its weights; expert_slots is set by each select.
+        self.by_expert = by_expert_id(inner, self) if torch.device(device).type == "cpu" else None
+        self.experts_by_id = BankExperts(module, self.first, self.down, int(first.shape[0]), None)
+        self.expert_slots: list[int] = []
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights):
         tokens, k = top_k_index.shape
@@ -175,6 +211,12 @@ class LayerServer:
             slots = select_device(ids, self.cache_key, self.layer)
         else:  # eager or captured by hand: the call itself, without the operator's dispatch
             slots = _CACHES[self.cache_key].select_device(self.layer, ids)
+        if self.by_expert is not None and not torch.compiler.is_compiling():
+            expert_slots = [0] * self.experts_by_id.num_experts
+            for expert, slot in zip(top_k_index.reshape(-1).tolist(), slots.reshape(-1).tolist()):
+                expert_slots[expert] = slot
+            self.expert_slots = expert_slots
+            return self.by_expert(self.experts_by_id, hidden_states, top_k_index, top_k_weights)
         slots = slots.to(top_k_index.dtype)
         if self.slot_expert is not None:
             self.slot_expert[slots.reshape(-1)] = top_k_index.reshape(-1)
