@@ -325,6 +325,79 @@ def test_generate_with_a_static_cache_compiles_the_offloaded_model():
     torch.testing.assert_close(served_logits.float(), logits.float(), rtol=0, atol=0.05)
 
 
+def _edited_weights(model):
+    """Every experts module's weights and biases with a change of their own (a merged adapter, say),
+    made on the host in float32 so that two models of one seed get the same bytes."""
+    generator = torch.Generator().manual_seed(7)
+    out = []
+    for e in find_experts(model):
+        names = ["gate_up_proj" if e.module.has_gate else "up_proj", "down_proj"]
+        names += [n for n in ("gate_up_proj_bias", "down_proj_bias") if isinstance(getattr(e.module, n, None),
+                                                                                torch.Tensor)]
+        for name in names:
+            p = getattr(e.module, name)
+            new = p.detach().float().cpu() + 0.2 * torch.randn(p.shape, generator=generator)
+            out.append((e.module, name, new.to(p.dtype)))
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edit", ["copy_", "replaced", "data"])
+def test_edited_expert_weights_are_served_after_refresh(edit, device):
+    """The experts' weights are the cache's host source; the experts resident in the slots keep
+    the bytes they were copied with. An edit (in place: copy_; a new Parameter; or through .data,
+    which the check cannot see) then refresh(): the offloaded model, and a decoder captured before,
+    equal the unmodified model with the same edit. An edit the parameters show (a new version or
+    tensor) is refused at the next forward until refresh()."""
+    reference = tiny_model("gpt_oss", device=device)  # transposed, with biases
+    with torch.no_grad():
+        for module, name, new in _edited_weights(reference):
+            getattr(module, name).copy_(new)
+    want_tokens, want_logits = greedy(reference, prompt=[[5]])
+    want_decoded = GraphDecoder(reference, max_len=32).generate(torch.tensor([[7]]), NEW_TOKENS)
+
+    model = tiny_model("gpt_oss", device=device)
+    tokens, _ = greedy(model, prompt=[[5]])
+    assert not torch.equal(tokens, want_tokens)  # the edit changes the tokens
+    with offload(model, budget_fraction=0.5) as handle:
+        decoder = GraphDecoder(model, max_len=32)
+        decoder.generate(torch.tensor([[7]]), NEW_TOKENS)  # captured on CUDA, with experts resident
+        with torch.no_grad():
+            for module, name, new in _edited_weights(model):
+                p = getattr(module, name)
+                if edit == "copy_":
+                    p.copy_(new)
+                elif edit == "data":
+                    p.data.copy_(new)
+                else:
+                    setattr(module, name, torch.nn.Parameter(new.to(p.device)))
+        if edit != "data":
+            with pytest.raises(RuntimeError, match=r"model.layers.0.mlp.experts: the experts' weights changed since "
+                                                   r"offload \(or the last refresh\).*call refresh\(\)"):
+                greedy(model, prompt=[[5]])
+        handle.refresh()
+        served_tokens, served_logits = greedy(model, prompt=[[5]])
+        decoded = decoder.generate(torch.tensor([[7]]), NEW_TOKENS)
+        experts = {id(p) for e in find_experts(model) for p in (e.first, e.down)}
+        assert all(p.device.type == "cpu" for p in model.parameters() if id(p) in experts)
+    assert torch.equal(served_tokens, want_tokens)
+    assert torch.equal(served_logits, want_logits)
+    assert torch.equal(decoded, want_decoded)
+
+
+def test_refresh_refuses_a_weight_of_another_shape_and_a_closed_handle():
+    model = tiny_model("qwen3_moe")
+    with offload(model, budget_fraction=0.5) as handle:
+        e = find_experts(model)[1]
+        e.module.down_proj = torch.nn.Parameter(e.down.detach()[:, :, :8].contiguous())
+        with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.down_proj is now torch.float32 \[8, 32, 8\];"
+                                             r" it was offloaded as torch.float32 \[8, 32, 24\]: close the handle "
+                                             r"and offload again"):
+            handle.refresh()
+    with pytest.raises(ValueError, match="this handle is closed"):
+        handle.refresh()
+
+
 def test_layout_and_source_describe_the_parameters_byte_for_byte():
     model = tiny_model("deepseek_v3")
     layers = find_experts(model)

@@ -103,6 +103,13 @@ class Offloaded:
         computed_by: the experts implementation that computes each layer from the bank: the one
             the model had (``"grouped_mm"``, transformers' default, ``"batched_mm"`` or ``"eager"``).
 
+    The experts' parameters hold the host tensors the caches read, and each slot a copy made at
+    the expert's miss: after editing the experts' weights (a merged adapter, ``load_state_dict``,
+    a new Parameter), call :meth:`refresh`. Until then a forward raises RuntimeError where the
+    parameters show the edit (a new tensor, or a new version from an in-place operation on the
+    parameter; an edit through ``.data`` does not show). Biases are read from the module at
+    each forward, as they are.
+
     :meth:`close` (idempotent; also on leaving a ``with`` block) restores the model's previous
     experts implementation and closes the caches. The experts' weights stay in host memory: on a
     GPU, move them back (``model.to("cuda")``) before running the model without expcache.
@@ -115,6 +122,7 @@ class Offloaded:
         self.sources = [source for _, source, _ in served]
         self._keys = [key for _, _, key in served]
         self.layers = {e.layer: e.name for e in layers}
+        self._experts = layers
         self._modules = [e.module for e in layers]
         self._previous = previous
         self._registration = registration
@@ -133,6 +141,39 @@ class Offloaded:
         for cache in self.caches:
             out = out + cache.stats().total
         return out
+
+    def refresh(self) -> None:
+        """Serve the experts' weights as they are now, after an edit: each cache is emptied (every
+        expert's next select copies it anew) and an experts parameter that no longer holds the
+        host tensor the cache reads (a new Parameter, or one moved to a GPU) is copied into that
+        tensor and made to hold it again, so it stays in host memory, page-locked where it was.
+        The bank's addresses do not change: a graph captured before (:class:`GraphDecoder`)
+        replays with the new weights. Synchronizes the device.
+
+        Raises:
+            ValueError: the handle is closed, or a weight's shape or dtype is not the one offloaded
+                (the layout was made for it: close and offload again).
+        """
+        if self._closed:
+            raise ValueError("this handle is closed: offload the model again to serve its experts")
+        sources = {layer: source for source in self.sources for layer in source.layout.moe_layers}
+        for e in self._experts:
+            names = ("gate_up_proj" if e.module.has_gate else "up_proj", "down_proj")
+            for name, host in zip(names, sources[e.layer].tensors(e.layer)):
+                p = getattr(e.module, name)
+                if p.shape != host.shape or p.dtype != host.dtype:
+                    raise ValueError(f"{e.name}.{name} is now {p.dtype} {list(p.shape)}; it was offloaded as "
+                                     f"{host.dtype} {list(host.shape)}: close the handle and offload again")
+        for cache in self.caches:  # waits for the device: no copy reads the host tensors while they are written
+            cache.release_all()
+        for e in self._experts:
+            names = ("gate_up_proj" if e.module.has_gate else "up_proj", "down_proj")
+            for name, host in zip(names, sources[e.layer].tensors(e.layer)):
+                p = getattr(e.module, name)
+                if p.data_ptr() != host.data_ptr() or p.device != host.device:
+                    host.copy_(p.detach())
+                    p.data = host
+            e.module._expcache_server.remember_weights(e.module)
 
     def close(self) -> None:
         if self._closed:
@@ -182,6 +223,10 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     ``batched_mm`` or ``eager``: set it before offloading to choose) computes the layer from the
     bank, bit-identical to the unmodified model. ``model.generate()`` then works as before, and
     a static-cache decode step can be captured in a CUDA graph (:class:`GraphDecoder`).
+
+    The slots hold copies of the experts' weights, made at each miss: after editing the weights,
+    call :meth:`Offloaded.refresh` (a forward raises RuntimeError until then, where the edit shows
+    on the parameters).
 
     Args:
         model: a transformers model (``PreTrainedModel``) with experts-interface MoE layers.

@@ -136,14 +136,15 @@ def _(ids: torch.Tensor, cache: int, layer: int) -> torch.Tensor:
 
 
 class SlotIndexed:
-    """Per-expert rows (a bias) seen by slot: ``rows_by_slot[slots]`` is ``rows[experts]``, for the
-    experts the slots were last given (``slot_expert``, written by each select)."""
+    """A module's per-expert rows (a bias, read from the module each time: a bias edited or
+    replaced is served as it is) seen by slot: ``rows_by_slot[slots]`` is ``rows[experts]``, for
+    the experts the slots were last given (``slot_expert``, written by each select)."""
 
-    def __init__(self, rows: torch.Tensor, slot_expert: torch.Tensor):
-        self.rows, self.slot_expert = rows, slot_expert
+    def __init__(self, module: torch.nn.Module, name: str, slot_expert: torch.Tensor):
+        self.module, self.name, self.slot_expert = module, name, slot_expert
 
     def __getitem__(self, slots):
-        return self.rows[self.slot_expert[slots]]
+        return getattr(self.module, self.name)[self.slot_expert[slots]]
 
 
 class BankExperts:
@@ -160,16 +161,26 @@ class BankExperts:
         self.down_proj = down
         self.num_experts = cap
         if slot_expert is not None:
-            setattr(self, first_name + "_bias", SlotIndexed(getattr(module, first_name + "_bias"), slot_expert))
-            self.down_proj_bias = SlotIndexed(module.down_proj_bias, slot_expert)
+            setattr(self, first_name + "_bias", SlotIndexed(module, first_name + "_bias", slot_expert))
+            self.down_proj_bias = SlotIndexed(module, "down_proj_bias", slot_expert)
 
     def __getattr__(self, name):  # everything not replaced is the module's
         return getattr(self._module, name)
 
 
+def weights_state(module: torch.nn.Module) -> tuple:
+    """What shows an edit of an experts module's weights: each weight's tensor and its version
+    (an in-place operation on the parameter counts one; one on its ``.data`` does not)."""
+    first = module.gate_up_proj if module.has_gate else module.up_proj
+    return tuple((t.data_ptr(), t.device, t._version) for t in (first, module.down_proj))
+
+
 class LayerServer:
     """One layer's side of the implementation: its cache, layer, the bank seen as the module's
-    weights (:class:`BankExperts`), and the implementation that computes it (``inner``)."""
+    weights (:class:`BankExperts`), and the implementation that computes it (``inner``). The bank
+    holds copies of the weights made at each miss: a forward after an edit that the parameters
+    show (:func:`weights_state`) raises until the handle's ``refresh()`` (which calls
+    :meth:`remember_weights`)."""
 
     def __init__(self, cache_key: int, layer: int, bank, module: torch.nn.Module, inner_name: str, inner: Callable,
                  name: str, device):
@@ -192,8 +203,17 @@ class LayerServer:
         self.by_expert = by_expert_id(inner, self) if torch.device(device).type == "cpu" else None
         self.experts_by_id = BankExperts(module, self.first, self.down, int(first.shape[0]), None)
         self.expert_slots: list[int] = []
+        self.remember_weights(module)
+
+    def remember_weights(self, module: torch.nn.Module) -> None:
+        """The module's weights as they are now are the ones served (see :func:`weights_state`)."""
+        self.weights_state = weights_state(module)
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights):
+        if not torch.compiler.is_compiling() and weights_state(module) != self.weights_state:
+            raise RuntimeError(f"{self.name}: the experts' weights changed since offload (or the last refresh): the "
+                               "experts resident in the cache still hold the old bytes and the others would be read "
+                               "anew; call refresh() on the handle offload returned to serve the weights as they are")
         tokens, k = top_k_index.shape
         if k > self.cap:
             raise RuntimeError(f"{self.name}: the router chose {k} experts per token but the cache holds {self.cap}; "

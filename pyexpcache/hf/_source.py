@@ -44,3 +44,7 @@ class ParameterSource:
 
     def placement(self, layer: int) -> Optional[LayerPlacement]:
         return self._placements.get(layer)
+
+    def tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s host tensors the cache reads: the first weight's and ``down_proj``'s."""
+        return self._tensors[layer]
