@@ -398,6 +398,50 @@ def test_refresh_refuses_a_weight_of_another_shape_and_a_closed_handle():
         handle.refresh()
 
 
+def _expert_weights(model):
+    return [p for e in find_experts(model) for p in (e.first, e.down)]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])  # a shared expert added to the output; biases
+def test_the_served_experts_are_inference_only(family):
+    """The served product reads the bank's copies, not the parameters: a backward that would give
+    the experts' weights a gradient raises, naming the layer and the way out (also when they are
+    the only weights asking for one). With them frozen the rest of the model trains: its
+    gradients (the router's, the biases', attention's, ...) are the unmodified model's with
+    frozen experts, bit for bit."""
+    ids = torch.tensor([[5, 17, 33, 2, 61, 40]])
+    reference = tiny_model(family)
+    for p in _expert_weights(reference):
+        p.requires_grad_(False)
+    reference(ids, labels=ids).loss.backward()
+    want = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+
+    model = tiny_model(family)
+    with offload(model, budget_fraction=1.0):
+        loss = model(ids, labels=ids).loss  # a forward with gradients on: served as always
+        with pytest.raises(RuntimeError, match=r"model.layers.2.mlp.experts: the experts served by expcache are "
+                                               r"inference-only: their weights \(gate_up_proj, down_proj\) get no "
+                                               r"gradient.*requires_grad_\(False\)"):
+            loss.backward()
+        for p in model.parameters():  # only the experts ask: torch would say that nothing does
+            p.requires_grad_(False)
+        for p in _expert_weights(model):
+            p.requires_grad_(True)
+        with pytest.raises(RuntimeError, match="inference-only"):
+            model(ids, labels=ids).loss.backward()
+        for p in model.parameters():
+            p.requires_grad_(True)
+            p.grad = None
+        for p in _expert_weights(model):
+            p.requires_grad_(False)
+        model(ids, labels=ids).loss.backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and all(g is not None for g in got.values())
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert all(p.grad is None for p in _expert_weights(model))
+
+
 def test_layout_and_source_describe_the_parameters_byte_for_byte():
     model = tiny_model("deepseek_v3")
     layers = find_experts(model)

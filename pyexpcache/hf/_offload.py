@@ -226,7 +226,9 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
 
     The slots hold copies of the experts' weights, made at each miss: after editing the weights,
     call :meth:`Offloaded.refresh` (a forward raises RuntimeError until then, where the edit shows
-    on the parameters).
+    on the parameters). The served experts are inference-only: their weights get no gradient, and
+    a backward that would give them one (they ``requires_grad``) raises RuntimeError naming the
+    layer. Frozen (``requires_grad_(False)``), the rest of the model trains as it would.
 
     Args:
         model: a transformers model (``PreTrainedModel``) with experts-interface MoE layers.
@@ -242,7 +244,9 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
     Raises:
         ValueError: no experts-interface MoE layer (naming the model's class), a budget missing,
             doubled or out of range, experts of a dtype other than float32/float16/bfloat16.
-        RuntimeError: a budget too small for one expert per layer (from the cache).
+        RuntimeError: a budget too small for one expert per layer (from the cache); later, from a
+            forward, experts edited since (call refresh()), or from a backward, experts that ask
+            for a gradient.
     """
     layers = find_experts(model)
     inner = [inner_implementation(e.module) for e in layers]  # before ours is set; refuses a second offload

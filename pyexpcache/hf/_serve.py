@@ -168,6 +168,24 @@ class BankExperts:
         return getattr(self._module, name)
 
 
+class InferenceOnly(torch.autograd.Function):
+    """A served layer's output, tied to the experts' weights that ask for a gradient: the product
+    read the bank's copies, so none can be computed, and a backward through it raises."""
+
+    @staticmethod
+    def forward(ctx, output, name, *weights):
+        ctx.name = name
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"{ctx.name}: the experts served by expcache are inference-only: their weights (gate_up_proj, "
+                           "down_proj) get no gradient, the product reading the cache's copies of them. Freeze them "
+                           "to train the rest of the model (for e in pyexpcache.hf.find_experts(model): "
+                           "e.first.requires_grad_(False); e.down.requires_grad_(False): the router, the biases and "
+                           "everything else get their gradients), or close the handle to train the experts")
+
+
 def weights_state(module: torch.nn.Module) -> tuple:
     """What shows an edit of an experts module's weights: each weight's tensor and its version
     (an in-place operation on the parameter counts one; one on its ``.data`` does not)."""
@@ -220,10 +238,16 @@ class LayerServer:
                                "raise the budget")
         rows = self.cap // k  # a select of n rows needs n*k slots it may fill
         if tokens <= rows:
-            return self._serve(hidden_states, top_k_index, top_k_weights)
-        parts = [self._serve(hidden_states[i:i + rows], top_k_index[i:i + rows], top_k_weights[i:i + rows])
-                 for i in range(0, tokens, rows)]
-        return torch.cat(parts)
+            out = self._serve(hidden_states, top_k_index, top_k_weights)
+        else:
+            out = torch.cat([self._serve(hidden_states[i:i + rows], top_k_index[i:i + rows], top_k_weights[i:i + rows])
+                             for i in range(0, tokens, rows)])
+        if torch.is_grad_enabled():
+            asking = [w for w in (module.gate_up_proj if module.has_gate else module.up_proj, module.down_proj)
+                      if w.requires_grad]
+            if asking:
+                out = InferenceOnly.apply(out, self.name, *asking)
+        return out
 
     def _serve(self, hidden_states, top_k_index, top_k_weights):
         ids = top_k_index.contiguous()
