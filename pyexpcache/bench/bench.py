@@ -18,29 +18,15 @@ from ..cache import ExpertCache
 from ..layout import GiB, ModelLayout
 from ..source import HostSource
 from . import link
+# DEFAULT_BUDGET_BYTES and resolve_budget are re-exported: pyexpcache.hf and the modes import them here.
+from .budget import (  # noqa: F401
+    DEFAULT_BUDGET_BYTES, class_info, max_classes, resolve_budget, scaled_budget, unscaled)
 from .link import Link
 from .progress import Progress
 from .report import made_by
 from .workload import Workload
 
-HOST_SCALE = 256  # host backend: expert sizes / 256, same slot counts
-DEFAULT_BUDGET_BYTES = 12 * GiB
-
-
-def resolve_budget(layout: ModelLayout, budget_bytes: Optional[int] = None,
-                   budget_fraction: Optional[float] = None) -> int:
-    """The cache budget in bytes: ``budget_bytes``, or ``budget_fraction`` (0 < F <= 1) of the bytes
-    of every expert of ``layout`` (:attr:`~pyexpcache.ModelLayout.total_bytes`, rounded down), or
-    :data:`DEFAULT_BUDGET_BYTES` when neither is given. ValueError for both, or a fraction outside
-    (0, 1]."""
-    if budget_fraction is None:
-        return DEFAULT_BUDGET_BYTES if budget_bytes is None else budget_bytes
-    if budget_bytes is not None:
-        raise ValueError("give budget_bytes or budget_fraction, not both")
-    if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
-            or not 0 < budget_fraction <= 1:
-        raise ValueError(f"budget_fraction must be a number in (0, 1], got {budget_fraction!r}")
-    return int(budget_fraction * layout.total_bytes)
+HOST_SCALE = 256  # host backend: expert sizes / 256, same slot counts (budget.scaled_budget)
 
 
 @contextlib.contextmanager
@@ -93,11 +79,16 @@ class Bench:
                  layer_sync: bool = True, cache_options: Optional[dict] = None, scale: int = 1):
         self.layout = layout
         self.scale = scale  # the layout's expert sizes and the budget were divided by this (reports say so)
+        # The full-size run this one stands for: its layout and budget. At divided sizes the caches
+        # get the budget that gives each class that run's slot count (budget.scaled_budget; ValueError
+        # when none does), so hit rates are the full size's.
+        self.full_layout = unscaled(layout, scale)
+        self.full_budget_bytes = budget_bytes * scale
+        self.budget_bytes = self.budget_for(self.full_budget_bytes)
         # Extra ExpertCache arguments of the policy variants and the other modes' caches (copy_threads,
         # staging_chunk_bytes, file_reads); the baselines keep the old design's.
         self.cache_options = dict(cache_options or {})
         self.backend = backend
-        self.budget_bytes = budget_bytes
         self.reserve_bytes = reserve_bytes
         self.layer_sync = layer_sync
         self.device = device
@@ -144,14 +135,33 @@ class Bench:
             self.stream = 0
         self.source.close()
 
+    def budget_for(self, full_budget_bytes: int) -> int:
+        """The budget a cache of the bench's layout gets for a full-size budget of
+        ``full_budget_bytes``: the same at scale 1, else the one that keeps each class's slot count
+        (:func:`~pyexpcache.bench.budget.scaled_budget`)."""
+        return scaled_budget(self.layout, full_budget_bytes, self.scale)
+
     def report_header(self) -> dict:
         """The :class:`~pyexpcache.bench.report.Report` fields the bench fills for every mode: where
-        it runs, on what layout, source and budget (in bytes and as a fraction of the layout's
-        experts' bytes), and the version, library and commit."""
+        it runs, on what layout, source and budget (the caches' in bytes, the full-size run's whose
+        slot counts they have, and that as a fraction of the model's experts' bytes), and the
+        version, library and commit."""
         return dict(backend="cuda" if self.is_cuda else "host", device=self.device_name(), layout=self.layout.name,
                     source="pinned" if self.pinned else "pageable", placement=self.placement,
-                    budget_bytes=self.budget_bytes, budget_fraction=self.budget_bytes / self.layout.total_bytes,
-                    host_scale=self.scale, **made_by())
+                    budget_bytes=self.budget_bytes,
+                    budget_fraction=self.full_budget_bytes / self.full_layout.total_bytes,
+                    host_scale=self.scale, full_budget_bytes=self.full_budget_bytes if self.scale != 1 else None,
+                    **made_by())
+
+    @property
+    def max_classes(self) -> int:
+        """The ``max_classes`` of the bench's caches: the layout's size classes (at most the
+        library's limit), so that no class is released for another."""
+        return max_classes(self.layout)
+
+    def full_slot_bytes(self) -> list[int]:
+        """The slot bytes of each size class of the full-size layout (the library's)."""
+        return [c.slot_bytes for c in class_info(self.full_layout, self.full_budget_bytes)]
 
     # -- the link ----------------------------------------------------------------
     @property
@@ -169,9 +179,11 @@ class Bench:
     # -- variants --------------------------------------------------------------
     def make_cache(self, **kwargs) -> ExpertCache:
         """A new :class:`~pyexpcache.ExpertCache` over the bench's layout and source, on its backend
-        and device, with the bench's reserve unless ``reserve_bytes`` is given; ``kwargs`` go to
-        ExpertCache (the log level defaults to notices)."""
+        and device, with the bench's reserve unless ``reserve_bytes`` is given, and room for every
+        size class of the layout unless ``max_classes`` is given; ``kwargs`` go to ExpertCache (the
+        log level defaults to notices)."""
         kwargs.setdefault("log_level", _lib.LOG_NOTICE)
+        kwargs.setdefault("max_classes", self.max_classes)
         if self.reserve_bytes is not None:
             kwargs.setdefault("reserve_bytes", self.reserve_bytes)
         return ExpertCache(self.layout, self.source, backend=self.backend, device=self.device, **kwargs)

@@ -460,13 +460,18 @@ def check_budget(args) -> None:
 
 def budget_bytes(args, layout, scale: int) -> int:
     """The cache budget the options give for ``layout`` (its sizes already divided by ``scale``):
-    --budget-fraction of its experts' bytes, or --budget-gib (default 12) divided by ``scale``."""
-    check_budget(args)
-    if args.budget_fraction is not None:
-        from .bench import resolve_budget
+    --budget-fraction of its experts' bytes, or --budget-gib (default 12) divided by ``scale``
+    (:func:`~pyexpcache.bench.budget.resolve_budget`). UsageError for both, or for a budget that
+    rounds to 0 bytes (naming the option and the smallest value of it that holds an expert)."""
+    from .budget import resolve_budget
 
-        return resolve_budget(layout, budget_fraction=args.budget_fraction)
-    return int((12.0 if args.budget_gib is None else args.budget_gib) * (1 << 30) / scale)
+    check_budget(args)
+    gib = args.budget_gib
+    try:
+        return resolve_budget(layout, None if gib is None else gib * (1 << 30), args.budget_fraction, scale=scale,
+                              names=(BUDGET.flags[0], BUDGET_FRACTION.flags[0]), bytes_unit=1 << 30)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def cache_options(args) -> dict:

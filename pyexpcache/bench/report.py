@@ -40,8 +40,11 @@ class Report:
     source: Optional[str] = None          # "pinned" or "pageable" host memory
     placement: Optional[str] = None       # where an expert's parts lie in the source
     budget_bytes: Optional[int] = None    # the cache budget (per device where there are several)
-    budget_fraction: Optional[float] = None  # budget_bytes over the bytes of every expert of the layout
-    host_scale: int = 1                   # expert sizes and the budget divided by this
+    budget_fraction: Optional[float] = None  # the full-size budget over the bytes of every expert of the model
+    host_scale: int = 1                   # expert sizes divided by this
+    # At host_scale != 1: the full-size budget whose slot counts the caches' budget_bytes gives every
+    # class (checked with the library); None where that was not checked.
+    full_budget_bytes: Optional[int] = None
     traces: list[str] = field(default_factory=list)
     link_bytes_per_s: Optional[float] = None  # the link measured in the run (pyexpcache.bench.link)
     link_label: Optional[str] = None
@@ -104,6 +107,16 @@ def git_commit() -> Optional[str]:
     return head + ("-dirty" if dirty else "")
 
 
+def _bytes(n: int) -> str:
+    """A budget as GiB (two decimals), or MiB, KiB or B below one GiB (a host run's are small)."""
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
 def header_lines(report: Report) -> list[str]:
     """The header every mode's report is printed with: what ran on which device; the layout,
     source and budget; the times and the link; the traces. Parts a report lacks are left out."""
@@ -114,12 +127,15 @@ def header_lines(report: Report) -> list[str]:
     if report.source:
         what.append(f"{report.source} source" + (f" ({report.placement} placement)" if report.placement else ""))
     if report.budget_bytes is not None:
-        gib = report.budget_bytes / GiB
-        what.append((f"budget {gib:.2f} GiB" if gib >= 1 else f"budget {gib:.3g} GiB")
+        scaled = report.host_scale != 1
+        kept = scaled and report.full_budget_bytes is not None
+        what.append(f"budget {_bytes(report.full_budget_bytes if kept else report.budget_bytes)}"
                     + (f" = {100 * report.budget_fraction:.1f} % of the experts' bytes"
                        if report.budget_fraction is not None else "")
-                    + (f" (sizes and budget / {report.host_scale}, same slot counts)" if report.host_scale != 1
-                       else ""))
+                    + (f" (sizes / {report.host_scale} here, budget {_bytes(report.budget_bytes)}: the same slot "
+                       "counts)" if kept else
+                       f" (sizes and budget / {report.host_scale}; slot counts not checked against the full size's)"
+                       if scaled else ""))
     if what:
         lines.append(", ".join(what))
     how = []

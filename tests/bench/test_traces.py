@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pyexpcache import ExpertCache, HostSource, ModelLayout, bench, cli
-from pyexpcache.bench import options
+from pyexpcache.bench import budget, options
 from pyexpcache.bench.bench import resolve_budget
 from pyexpcache.sim import decode_stream, simulate_lru
 from pyexpcache.traces import (MISSING, Trace, TraceWarning, load_decode_trace, read_trace, synthetic_trace,
@@ -66,7 +66,10 @@ def test_bench_run_takes_loaded_traces_with_records_missing():
     report = bench.run(layout, "decode", variants=["lru", "nocache"], traces=[trace], budget_fraction=0.25,
                        backend="host", host_scale=SCALE)
     lru = report.results[0]
-    assert report.traces == ["holed"] and report.budget_bytes == layout.total_bytes // 4
+    # The caches' budget keeps the slot count of the full-size run at a quarter of its bytes.
+    assert report.traces == ["holed"] and report.full_budget_bytes == layout.total_bytes // 4 * SCALE
+    assert library_lru_capacity(layout, report.budget_bytes) == budget.class_targets(
+        ModelLayout.preset("q2"), report.full_budget_bytes)[0]
     assert report.budget_fraction == pytest.approx(0.25)
     assert lru.experts_checked == trace.num_requests and report.checksum_errors == 0
     assert lru.decode_calls == int(trace.present.sum())
@@ -125,7 +128,8 @@ def test_cli_replays_a_generic_trace_with_records_missing(capsys, tmp_path):
     assert "= 25.0 % of the experts' bytes" in captured.out
     (report,) = json.loads(out.read_text())
     layout = ModelLayout.preset("q2", scale=SCALE)
-    assert report["budget_bytes"] == layout.total_bytes // 4 and report["budget_fraction"] == pytest.approx(0.25)
+    assert report["full_budget_bytes"] == layout.total_bytes // 4 * SCALE
+    assert report["budget_fraction"] == pytest.approx(0.25)
     assert report["traces"] == ["routing"]
     with pytest.warns(TraceWarning):
         loaded = read_trace(path, num_experts=256)

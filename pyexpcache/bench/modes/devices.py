@@ -183,8 +183,10 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
                     link_bytes_per_s=links[bench.device], link_label=measured[bench.device].label,
                     settings=dict(devices=devices, device_placement=placement,
                                   shared_gpus=len(set(devices)) < num_devices))
+    # Each cache's budget: at divided sizes the one keeping the full-size run's slot counts.
     runs = [("1 device", [bench.device], bench.budget_bytes),
-            (f"1 device, {num_devices}x budget", [bench.device], num_devices * bench.budget_bytes),
+            (f"1 device, {num_devices}x budget", [bench.device],
+             bench.budget_for(num_devices * bench.full_budget_bytes)),
             (f"{num_devices} devices", devices, bench.budget_bytes)]
     streams: dict[int, int] = {bench.device: bench.stream}
     rt = _cuda.runtime() if bench.is_cuda else None
@@ -203,7 +205,7 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
             if rt is not None:
                 _cuda.check(rt.cudaSetDevice(bench.device), "cudaSetDevice")
             place = _placement(bench.layout, len(devs), placement, workload.calls)
-            options = dict(bench.cache_options)
+            options = dict(bench.cache_options, max_classes=bench.max_classes)
             if bench.reserve_bytes is not None:
                 options.setdefault("reserve_bytes", bench.reserve_bytes)
             result = DevicesResult(name, len(devs), budget, decode_tokens=workload.decode_tokens)

@@ -46,6 +46,7 @@ from ...layout import GiB, ModelLayout
 from ...sim import BATCH, simulate_policy
 from ...sim.registry import PARTITIONS, simulate_belady_partitioned
 from ..bench import Bench
+from ..budget import class_info, keeps_slot_counts
 from ..options import BENCH, OUTPUT, PLOT, Option, csv
 from ..progress import Progress
 from ..report import DecodeRate, HitRate, Report
@@ -190,14 +191,16 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
                                  **bench.cache_options)
     # The baselines are LRU, as the old designs were.
     elif variant == "slab":
-        # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0).
-        biggest = max(sum(-(-b // 256) * 256 for b in s.class_key) for s in layout.layers if s)
-        cache = bench.make_cache(budget_experts=max(1, bench.budget_bytes // biggest), max_classes=1, policy="lru",
-                                 log_level=_lib.LOG_WARNING, copy_threads=0)
+        # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0). Its
+        # slots: the full-size budget over the full-size run's largest slot (the same count at any scale).
+        biggest = max(bench.full_slot_bytes())
+        cache = bench.make_cache(budget_experts=max(1, bench.full_budget_bytes // biggest), max_classes=1,
+                                 policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
     elif variant == "nocache":
         cache = bench.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
     elif variant == "resident":
-        need = sum(s.num_experts * sum(-(-b // 256) * 256 for b in s.class_key) for s in layout.layers if s)
+        need = sum(sum(layout[i].num_experts for i in layers) * c.slot_bytes
+                   for layers, c in zip(layout.classes().values(), class_info(layout, 1)))
         cache = None
         try:
             cache = bench.make_cache(budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru",
@@ -300,8 +303,12 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
     try:
         measured = bench.measure_link()
         header = bench.report_header()
-        if host_scale is not None:
-            header["host_scale"] = host_scale
+        if host_scale is not None and host_scale != bench.scale:
+            # The bench's layout and budget were divided by host_scale outside it: whether that kept
+            # the full size's slot counts is checked here, for the header.
+            full = bench.budget_bytes * host_scale
+            header.update(host_scale=host_scale, full_budget_bytes=full if keeps_slot_counts(
+                layout, bench.budget_bytes, full, host_scale) else None)
         report = Report("variants", scenario, **header, traces=[trace_label(t) for t in traces],
                         link_bytes_per_s=measured.bytes_per_s,
                         link_label=measured.label,

@@ -118,15 +118,19 @@ def test_curve_mode_reports_the_simulator(tmp_path, capsys):
 
 def test_one_header_for_every_report():
     report = Report("devices", "decode over 2 devices", backend="host", device="host (emulated)", layout="L",
-                    source="pageable", placement="expert", budget_bytes=1 << 30, host_scale=256, traces=["a", "b"],
-                    link_bytes_per_s=2e9, link_label="memcpy",
-                    settings=dict(devices=[0, 1], device_placement="balanced", shared_gpus=False))
+                    source="pageable", placement="expert", budget_bytes=50 << 20, budget_fraction=0.25,
+                    host_scale=256, full_budget_bytes=12 << 30, traces=["a", "b"], link_bytes_per_s=2e9,
+                    link_label="memcpy", settings=dict(devices=[0, 1], device_placement="balanced", shared_gpus=False))
     lines = format_report(report).splitlines()
     assert lines[:4] == ["expcache bench — decode over 2 devices on host (emulated)",
-                         "layout L, pageable source (expert placement), budget 1.00 GiB (sizes and budget / 256, "
-                         "same slot counts)",
+                         "layout L, pageable source (expert placement), budget 12.00 GiB = 25.0 % of the experts' "
+                         "bytes (sizes / 256 here, budget 50 MiB: the same slot counts)",
                          "times host-emulated; link 2.0 GB/s (memcpy)",
                          "traces a, b"]
+    report.full_budget_bytes = None  # divided sizes whose slot counts nothing checked: not claimed
+    assert format_report(report).splitlines()[1] == (
+        "layout L, pageable source (expert placement), budget 50 MiB = 25.0 % of the experts' bytes (sizes and "
+        "budget / 256; slot counts not checked against the full size's)")
     data = report.to_json()
     assert data["devices"] == [0, 1] and "settings" not in data and list(data).index("devices") < list(data).index(
         "results")
