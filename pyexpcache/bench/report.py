@@ -150,15 +150,49 @@ def header_lines(report: Report) -> list[str]:
     return lines
 
 
+#: Marks, in a table, a share of a link bound above 100 %; :func:`format_report` says why under it.
+OVER_BOUND = "†"
+
+
+def share(ratio: float, digits: int = 0) -> str:
+    """A share of a link bound (or a link's busy time) as a table prints it, ``87 %``; above
+    100 % marked with :data:`OVER_BOUND`."""
+    return f"{100 * ratio:.{digits}f} %" + (f" {OVER_BOUND}" if ratio > 1 else "")
+
+
+def timed(report: Report, label: str) -> str:
+    """A table column of times, rates or link shares: on the host backend labelled as emulation."""
+    return f"{label} (emulated)" if report.backend == "host" else label
+
+
+def table_notes(report: Report, table: str) -> list[str]:
+    """What a table's figures are where they are not GPU measurements: on the host backend, the
+    emulation; a share above 100 % of a link bound (marked :data:`OVER_BOUND`), why."""
+    host = report.backend == "host"
+    notes = []
+    if host:
+        notes.append("host backend: the (emulated) columns are host emulation, not GPU measurements: host memory "
+                     "stands in for the device's and a memcpy for the link, so they do not rank the rows as a GPU "
+                     "would; the hit rates are the GPU's")
+    if OVER_BOUND in table:
+        notes.append(f"{OVER_BOUND} above 100 %: " + (
+            "the emulated link (a memcpy rate measured once, on one expert's bytes, before the run) is no bound on "
+            "the host backend's copies" if host else
+            "the run moved its misses faster than the link measured before it"))
+    return notes
+
+
 def format_report(report: Report) -> str:
-    """The report as text: the header, the lines its mode adds, the mode's table, and what was
-    skipped."""
+    """The report as text: the header, the lines its mode adds, the mode's table, the notes on its
+    figures (:func:`table_notes`) and what was skipped."""
     from .modes import by_name
 
     mode = by_name(report.mode)
     head = header_lines(report) + mode.describe(report)
-    tail = "".join(f"\nskipped: {s}" for s in report.skipped)
-    return "\n".join(head) + "\n\n" + mode.table(report) + tail
+    table = mode.table(report)
+    tail = "".join(f"\n{line}" for line in table_notes(report, table))
+    tail += "".join(f"\nskipped: {s}" for s in report.skipped)
+    return "\n".join(head) + "\n\n" + table + tail
 
 
 def write_json(report: Report, path: str) -> None:

@@ -29,7 +29,7 @@ from ... import _cuda
 from ...multi import MultiDeviceCache
 from ...placement import Placement, loads_from_calls
 from ..options import BENCH, OUTPUT, Option, UsageError
-from ..report import DecodeRate, HitRate, Report
+from ..report import DecodeRate, HitRate, Report, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
 PLACEMENTS = ("balanced", "round-robin")
@@ -260,15 +260,17 @@ def table(report: Report) -> str:
     rows = []
     for r in report.results:
         per = "; ".join(f"#{i} ({d.device}): {100 * d.hit_rate:.1f} % / "
-                        f"{d.bytes_h2d / r.decode_tokens / (1 << 20):.1f} MiB / {100 * r.link_busy(d):.0f} %"
+                        f"{d.bytes_h2d / r.decode_tokens / (1 << 20):.1f} MiB / {share(r.link_busy(d))}"
                         for i, d in enumerate(r.devices))
         rows.append([
             r.name, f"{r.budget_bytes * r.num_devices / (1 << 30):.2f}", f"{r.tokens_per_s:.2f}",
             f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
             f"{100 * r.hit_rate:.1f} %", f"{r.bytes_per_token / (1 << 20):.1f}",
-            f"{r.link_bound_tokens_per_s:.2f}", f"{100 * r.share_of_bound:.0f} %", per,
+            f"{r.link_bound_tokens_per_s:.2f}", share(r.share_of_bound), per,
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    return tabulate(rows, headers=["run", "GiB in all", "decode tok/s", "vs 1 device", "hit rate", "MiB moved/token",
-                                   "link bound tok/s", "of bound", "per device: hit rate / MiB per token / link busy",
+    return tabulate(rows, headers=["run", "GiB in all", timed(report, "decode tok/s"), timed(report, "vs 1 device"),
+                                   "hit rate", "MiB moved/token", timed(report, "link bound tok/s"),
+                                   timed(report, "of bound"),
+                                   "per device: hit rate / MiB per token / " + timed(report, "link busy"),
                                    "checksums"], disable_numparse=True)

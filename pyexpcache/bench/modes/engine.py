@@ -28,7 +28,7 @@ import numpy as np
 from ...stats import PrefetchStats
 from .. import predict
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError
-from ..report import DecodeRate, Report
+from ..report import DecodeRate, Report, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
 NAME = "engine"
@@ -243,9 +243,10 @@ def table(report: Report) -> str:
             f"{r.bytes_per_token / (1 << 20):.1f}",
             f"{p.used} / {p.late} / {p.wasted} / {p.cancelled}" if p.issued else "—",
             f"{p.hint_refreshes}" if p.hints else "—",
-            f"{100 * r.link_busy:.0f} %",
+            share(r.link_busy),
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    return tabulate(rows, headers=["setting", "decode tok/s", "vs none", "demand misses/token", "MiB moved/token",
-                                   "prefetch used / late / wasted / cancelled", "hint refreshes", "link busy",
-                                   "checksums"], disable_numparse=True)
+    return tabulate(rows, headers=["setting", timed(report, "decode tok/s"), timed(report, "vs none"),
+                                   "demand misses/token", "MiB moved/token",
+                                   "prefetch used / late / wasted / cancelled", "hint refreshes",
+                                   timed(report, "link busy"), "checksums"], disable_numparse=True)

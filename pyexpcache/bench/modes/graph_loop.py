@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import options
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT
-from ..report import DecodeRate, HitRate, Report
+from ..report import DecodeRate, HitRate, Report, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 from .torch_loop import LOOP
 
@@ -396,7 +396,9 @@ def table(report: Report) -> str:
         rows.append([r.loop, f"{r.tokens_per_s:.2f}",
                      f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
                      f"{100 * r.hit_rate:.2f} %", f"{r.misses_per_token:.2f}",
-                     f"{100 * r.of_link_bound:.1f} %" if r.of_link_bound else "—",
+                     share(r.of_link_bound, 1) if r.of_link_bound else "—",
                      f"{r.checksum_errors} bad / {r.experts_checked} checked"])
-    return tabulate(rows, headers=["loop", "decode tok/s", f"vs {ref.loop if ref else '—'}", "hit rate",
-                                   "misses/token", "of link bound", "checksums"], disable_numparse=True)
+    versus = timed(report, f"vs {ref.loop if ref else '—'}")
+    return tabulate(rows, headers=["loop", timed(report, "decode tok/s"), versus, "hit rate", "misses/token",
+                                   timed(report, "of link bound"), "checksums"],
+                    disable_numparse=True)

@@ -47,7 +47,7 @@ import numpy as np
 
 from .. import options
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option
-from ..report import DecodeRate, HitRate, Report
+from ..report import DecodeRate, HitRate, Report, timed
 from ..workload import DEFAULT_TRACES, build_workload, trace_label
 
 MODES = ("plain", "split")  # of the loop: how each layer is served
@@ -389,5 +389,6 @@ def table(report: Report) -> str:
             f"{r.kernels_per_expert:g}",
             f"{r.checksum_errors} bad / {r.experts_checked} checked",
         ])
-    return tabulate(rows, headers=["mode", "decode tok/s", "vs plain", "hit rate", "misses/token",
-                                   "select µs/layer", "kernels/expert", "checksums"], disable_numparse=True)
+    return tabulate(rows, headers=["mode", timed(report, "decode tok/s"), timed(report, "vs plain"), "hit rate",
+                                   "misses/token", timed(report, "select µs/layer"), "kernels/expert", "checksums"],
+                    disable_numparse=True)

@@ -49,7 +49,7 @@ from ..bench import Bench
 from ..budget import class_info, keeps_slot_counts
 from ..options import BENCH, OUTPUT, PLOT, Option, csv
 from ..progress import Progress
-from ..report import DecodeRate, HitRate, Report
+from ..report import DecodeRate, HitRate, Report, share, timed
 from ...traces import check_layout
 from ..bench import resolve_budget
 from ..workload import DEFAULT_TRACES, SCENARIOS, TraceSpec, Workload, build_workload, decode_trace, trace_label
@@ -387,10 +387,11 @@ def table(report: Report) -> str:
             f"{100 * r.belady_hit_rate:.1f} %" if r.belady_hit_rate is not None else "—",
             f"{r.gib_per_token:.3f}",
             f"{r.link_bound_tokens_per_s:.2f}" if r.link_bound_tokens_per_s else "∞",
-            f"{100 * link_ratio:.0f} %" if link_ratio else "—",
+            share(link_ratio) if link_ratio else "—",
             f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
             f"{r.checksum_errors} bad / {r.experts_checked}",
         ])
-    return tabulate(rows, headers=["variant", "decode tok/s", "hit rate", "Belady", "GiB/decode token",
-                                   "link-bound tok/s", "of link bound", "vs slab", "checksums"],
+    return tabulate(rows, headers=["variant", timed(report, "decode tok/s"), "hit rate", "Belady", "GiB/decode token",
+                                   timed(report, "link-bound tok/s"), timed(report, "of link bound"),
+                                   timed(report, "vs slab"), "checksums"],
                     disable_numparse=True)
