@@ -37,6 +37,21 @@ class IdArray:
     bits: int
     cuda: bool
     keep: object = None  # what keeps ``ptr`` valid during the call (a DLPack capsule)
+    readonly: bool = False  # the array interface says its memory must not be written
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def host_values(self) -> np.ndarray:
+        """The ids as a numpy array over their host memory (not for device memory)."""
+        if self.cuda:
+            raise ValueError("the ids are in device memory")
+        kind = ctypes.c_int32 if self.bits == 32 else ctypes.c_int64
+        return np.ctypeslib.as_array((kind * self.size).from_address(self.ptr))
 
 
 def _contiguous(shape, strides, itemsize) -> bool:
@@ -50,12 +65,22 @@ def _contiguous(shape, strides, itemsize) -> bool:
     return True
 
 
-def id_array(array, what: str) -> IdArray:
+def id_array(array, what: str, *, writable: bool = False) -> IdArray:
     """``array`` seen through the CUDA Array Interface, the NumPy array interface or DLPack:
-    a C-contiguous 1-D or 2-D array of int32 or int64. TypeError or ValueError saying what is
-    wrong otherwise."""
+    a C-contiguous 1-D or 2-D array of int32 or int64, writable when ``writable`` (an array
+    interface that marks its memory read-only is refused). TypeError or ValueError saying what
+    is wrong otherwise."""
     if type(array).__module__ == "torch" and isinstance(array, sys.modules["torch"].Tensor):
-        return _torch_ids(array, what)  # the common case, without building an interface dict
+        ids = _torch_ids(array, what)  # the common case, without building an interface dict
+    else:
+        ids = _interface_ids(array, what)
+    if writable and ids.readonly:
+        raise ValueError(f"{what} is read-only (its array interface says so): the select writes the slot ids into "
+                         "it; pass a writable array")
+    return ids
+
+
+def _interface_ids(array, what: str) -> IdArray:
     interface = getattr(array, "__cuda_array_interface__", None)
     cuda = interface is not None
     if interface is None:
@@ -67,6 +92,7 @@ def id_array(array, what: str) -> IdArray:
         bits = _INT_BITS.get(typestr)
         strides = interface.get("strides")
         keep = None
+        readonly = bool(interface["data"][1]) if interface.get("data") else False
     elif hasattr(array, "__dlpack__"):
         keep = array.__dlpack__()
         tensor = _dlpack._Tensor.from_address(_CAPSULE_POINTER(keep, b"dltensor"))
@@ -78,6 +104,7 @@ def id_array(array, what: str) -> IdArray:
         typestr = f"DLPack type code {code}, {nbits} bits"
         itemsize = max(nbits // 8, 1)
         strides = (None if not tensor.strides else tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim)))
+        readonly = False  # an unversioned DLPack tensor carries no read-only flag
     else:
         raise TypeError(f"{what} must be an array (torch, cupy, numpy: DLPack or an array interface), got "
                         f"{type(array).__name__}")
@@ -87,7 +114,7 @@ def id_array(array, what: str) -> IdArray:
         raise ValueError(f"{what} must be 1-D [k] or 2-D [n, k], got shape {shape}")
     if not _contiguous(shape, strides, bits // 8):
         raise ValueError(f"{what} must be C-contiguous, got strides {strides} for shape {shape}")
-    return IdArray(int(ptr), shape, bits, cuda, keep)
+    return IdArray(int(ptr), shape, bits, cuda, keep, readonly)
 
 
 def _torch_ids(tensor, what: str) -> IdArray:

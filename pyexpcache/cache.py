@@ -9,16 +9,18 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from . import _lib, _lifetime
+from . import _errors, _lib, _lifetime
 from . import bank as _bank
 from .bank import ExpertBank
 from ._cuda import stream_handle
-from ._errors import CacheClosedError, ExpcacheWarning, ForkedError, stacklevel_outside
+from ._errors import (CacheClosedError, ExpcacheWarning, ForkedError, InvalidArgumentError, InvalidStateError,
+                      stacklevel_outside)
 from ._memory import MemoryPin
 from ._ints import u32, u64
 from .layout import ModelLayout
@@ -47,21 +49,32 @@ class _Gate:
     them: a call enters (counted) or raises CacheClosedError; close marks the gate shut, waits
     until no call is in flight, and destroys the handle under the gate's lock, so a call that
     starts meanwhile blocks, then raises. Nested entries on one thread are counted alike.
-    In a forked child the gate is a new one, shut, raising ForkedError."""
+    In a forked child the gate is a new one, shut, raising ForkedError.
 
-    __slots__ = ("lock", "idle", "active", "shut", "forked")
+    ``after``, when given, runs on a thread each time that thread's outermost entry ends, the
+    gate already left: the cache's log lines are delivered there, so a logging handler may call
+    the cache (close included), and a warning raised as an error surfaces at the call."""
 
-    def __init__(self):
+    __slots__ = ("lock", "idle", "active", "shut", "forked", "depth", "after")
+
+    def __init__(self, after=None):
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.active = 0
         self.shut = False
         self.forked = False
+        self.depth = threading.local()
+        self.after = after
+
+    def inside(self) -> bool:
+        """True on a thread inside a call through this gate."""
+        return getattr(self.depth, "n", 0) > 0
 
     def __enter__(self):
         with self.lock:
             if not self.shut:
                 self.active += 1
+                self.depth.n = getattr(self.depth, "n", 0) + 1
                 return
         if self.forked:
             raise ForkedError("this cache was created before the process forked: a cache cannot be used in a "
@@ -70,11 +83,50 @@ class _Gate:
         _lifetime.park_if_exiting()
         raise CacheClosedError("the cache is closed")
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         with self.lock:
             self.active -= 1
+            self.depth.n -= 1
+            outermost = self.depth.n == 0
             if self.shut and self.active == 0:
                 self.idle.notify_all()
+        if outermost and self.after is not None:
+            self.after(exc_type is None)
+
+
+# A cache's callbacks hold it weakly (the library, the gate and the view cache keep them), so
+# they make no reference cycle: a cache dropped without close() is closed by its last reference.
+def _log_to(ref):
+    def on_log(user, level, message):
+        cache = ref()
+        if cache is not None:
+            cache._on_log(level, message)
+    return on_log
+
+
+def _dropped_to(ref):
+    def on_dropped(user):
+        cache = ref()
+        if cache is not None:
+            cache._on_memory_dropped()
+    return on_dropped
+
+
+def _deliver_to(ref):
+    def deliver(ok):
+        cache = ref()
+        if cache is not None:
+            cache._deliver_log(ok)
+    return deliver
+
+
+def _pin_to(ref):
+    def pin(address):
+        cache = ref()
+        if cache is None:
+            raise CacheClosedError("the cache is closed")
+        return cache._pin_memory(address)
+    return pin
 
 
 class _Scratch(threading.local):
@@ -162,7 +214,10 @@ class ExpertCache:
         budget_bytes: total budget over all classes, shared in proportion to class bytes.
         reserve_bytes: device memory always left free (default 1 GiB;
             ``EXPCACHE_RESERVE_GB`` overrides).
-        max_classes: size classes held at once (default 4).
+        max_classes: size classes held at once (default: the layout's number of distinct expert
+            sizes, at most the library's limit of 64). A smaller value warns at construction
+            (:class:`~pyexpcache.ExpcacheWarning`): layers of a class beyond it release a whole
+            class and rebind it, so they get no hits across each other.
         backend: ``"auto"`` (CUDA when usable, else host), ``"host"`` or ``"cuda"``.
         device: CUDA device ordinal.
         device_capacity_bytes: host backend only: the emulated device size (default 64 GiB).
@@ -215,7 +270,8 @@ class ExpertCache:
     """
 
     def __init__(self, layout: ModelLayout, source: Source, *, budget_experts: Optional[int] = None,
-                 budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None, max_classes: int = 4,
+                 budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None,
+                 max_classes: Optional[int] = None,
                  backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
                  slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
                  copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
@@ -241,11 +297,17 @@ class ExpertCache:
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
             raise ValueError("source was built for a different layout")
         self._handle = None
-        self._gate = _Gate()
+        # Callbacks reach this cache through a weak reference, so the cache holds no cycle: one
+        # dropped without close() closes when its last reference goes.
+        this = weakref.ref(self)
+        self._gate = _Gate(_deliver_to(this))
+        self._log_lines = threading.local()
         self._source_user = False
         lib = _lib.lib
         cfg = _lib.Config()
         lib.expcache_config_init(ctypes.byref(cfg))
+        if max_classes is None:
+            max_classes = min(max(1, len(layout.classes())), _lib.MAX_CLASSES_LIMIT)
         given = {"device": device, "num_layers": layout.num_layers, "max_classes": max_classes}
         given.update((name, value) for name, value in (
             ("budget_experts", budget_experts), ("budget_bytes", budget_bytes), ("reserve_bytes", reserve_bytes),
@@ -269,9 +331,9 @@ class ExpertCache:
         self._views = ViewCache(layout)
         self._dense_layers = layout.dense_layers
         self._warned: set[str] = set()
-        # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect it.
-        self._log_fn = _lib.LOG_FN(self._on_log)
-        self._dropped_fn = _lib.DROPPED_FN(self._on_memory_dropped)
+        # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect them.
+        self._log_fn = _lib.LOG_FN(_log_to(this))
+        self._dropped_fn = _lib.DROPPED_FN(_dropped_to(this))
         add_user = getattr(source, "add_user", None)
         if add_user is not None:
             add_user()  # raises when the source is closed; from now on it outlives this cache
@@ -286,10 +348,20 @@ class ExpertCache:
         _lifetime.register(self)
         try:
             lib.expcache_log_set_callback(self._handle, self._log_fn, None)
+            self._device = device
+            self._register(layout, source)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, layout: ModelLayout, source: Source) -> None:
+        # Through the gate, so its lines (a layout with more size classes than max_classes
+        # warns) reach the user as any call's do.
+        lib = _lib.lib
+        with self._gate:
             lib.expcache_memory_set_dropped_callback(self._handle, self._dropped_fn, None)
             self._is_cuda = self.backend == "cuda"
-            self._device = device
-            self._views.configure(self._is_cuda, device, self._pin_memory)
+            self._views.configure(self._is_cuda, self._device, _pin_to(weakref.ref(self)))
             file_id = None
             if getattr(source, "file_path", None):
                 out = ctypes.c_uint32()
@@ -310,28 +382,60 @@ class ExpertCache:
                                 **dict(zip(("gate_stride", "up_stride", "down_stride"), place.strides)),
                                 **dict(zip(("gate_base", "up_base", "down_base"), place.bases)))
                 lib.expcache_layer_register(self._handle, i, ctypes.byref(d))
-        except BaseException:
-            self.close()
-            raise
 
-    def _on_log(self, user, level, message):
-        # Runs inside a library call (a ctypes callback): it must not raise.
+    def _on_log(self, level: int, message: bytes) -> None:
+        # A ctypes callback at the end of a library call: it must not raise. Inside a call on
+        # this thread the line waits for the call to leave the gate (_deliver_log); a line from
+        # a library thread, or from close(), is delivered at once.
         try:
-            text = message.decode(errors="replace")
-            if level == _lib.LOG_WARNING and text not in self._warned:
-                self._warned.add(text)
-                # Named at the user's line: past this callback and the methods that called C.
-                warnings.warn(f"expcache: {text}", ExpcacheWarning, stacklevel=stacklevel_outside(__name__))
-            if logger.hasHandlers():
-                logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s", text)
-            elif level != _lib.LOG_WARNING:
-                # Nobody configured logging: Python would drop INFO/DEBUG lines, so the
-                # library's own stderr format is kept (the warning went through warnings).
-                print(f"expcache: {text}", file=sys.stderr)
+            line = (level, message.decode(errors="replace"))
+            if self._gate.inside():
+                lines = getattr(self._log_lines, "lines", None)
+                if lines is None:
+                    lines = self._log_lines.lines = []
+                lines.append(line)
+            else:
+                self._emit(*line, raise_warnings=False)
         except Exception:
             pass
 
-    def _on_memory_dropped(self, user):
+    def _deliver_log(self, ok: bool) -> None:
+        """The lines the thread's call logged, once it left the gate. A warning made an error
+        (``-W error``) raises here, at the call, unless the call is already raising."""
+        lines = getattr(self._log_lines, "lines", None)
+        if not lines:
+            return
+        self._log_lines.lines = []
+        error = None
+        for level, text in lines:
+            try:
+                self._emit(level, text, raise_warnings=ok)
+            except Exception as e:  # a warning filtered to an error, or a handler's own failure
+                if error is None:
+                    error = e
+        if error is not None:
+            raise error
+
+    def _emit(self, level: int, text: str, *, raise_warnings: bool) -> None:
+        # A warning goes through warnings the first time its text is seen (once, whatever
+        # logging is configured), and to the logger when it comes back; other lines to the
+        # logger, or to stderr when nobody configured logging (Python would drop INFO lines).
+        if level == _lib.LOG_WARNING and text not in self._warned:
+            self._warned.add(text)
+            try:
+                # Named at the user's line: past the gate and the methods that called C.
+                warnings.warn(f"expcache: {text}", ExpcacheWarning, stacklevel=stacklevel_outside(__name__))
+                return
+            except Exception:
+                if raise_warnings:
+                    raise
+                # an error filter while another error is in flight, or in a library thread: logged
+        if logger.hasHandlers():
+            logger.log(_LOG_LEVELS.get(level, logging.INFO), "%s", text)
+        elif level != _lib.LOG_WARNING:
+            print(f"expcache: {text}", file=sys.stderr)
+
+    def _on_memory_dropped(self):
         # A ctypes callback inside a library call (its lock held): the call let go of memory that
         # views keep; the views kept here for reuse go, so only those still in use keep it.
         try:
@@ -357,18 +461,28 @@ class ExpertCache:
         gate = getattr(self, "_gate", None)
         if gate is None:
             return  # __init__ failed before anything was made
-        with gate.lock:
-            gate.shut = True
-            while gate.active:
-                if not gate.idle.wait(timeout):
-                    logger.warning("expcache: a call on this cache was still running at exit; the cache is "
-                                   "left to the operating system")
-                    return
-            handle, self._handle = self._handle, None
-            if handle is not None:
-                _lib.lib.expcache_destroy(handle)
-            self._views.clear()
-            self._leave_source()
+        if gate.inside():
+            # This thread's own call would wait for itself (a raw_handle() block, a callback).
+            raise InvalidStateError(_errors.ERR_INVALID_STATE, "EXPCACHE_ERR_INVALID_STATE",
+                                    "close() was called inside a call on this cache on the same thread; "
+                                    "close it after that call returns")
+        gate.depth.n = 1  # the library's lines from destroy wait until the gate's lock is let go
+        try:
+            with gate.lock:
+                gate.shut = True
+                while gate.active:
+                    if not gate.idle.wait(timeout):
+                        logger.warning("expcache: a call on this cache was still running at exit; the cache is "
+                                       "left to the operating system")
+                        return
+                handle, self._handle = self._handle, None
+                if handle is not None:
+                    _lib.lib.expcache_destroy(handle)
+                self._views.clear()
+                self._leave_source()
+        finally:
+            gate.depth.n = 0
+        self._deliver_log(True)
 
     def _close_at_exit(self) -> None:
         self._close(10.0)
@@ -551,7 +665,11 @@ class ExpertCache:
         LRU update, the misses' copies (read from the pinned source by the GPU) and the counts,
         with no host synchronization: the call may be captured in a CUDA graph (bind each layer
         first: one call outside the capture, or :meth:`bank`), and each replay does the whole
-        select. An id out of range gets slot -1 and is reported by the next synchronizing call.
+        select. An id out of range in device memory gets slot -1, and the next synchronizing call
+        (which does its own work as usual) warns with the first such id (:class:`ExpcacheWarning`),
+        as :meth:`close` does for one no call read back; ids in host memory (the host backend) are
+        checked here, and one out of range raises InvalidArgumentError with nothing selected.
+        ``out`` must be writable (a read-only array is refused).
 
         The other calls (select, select_views, load_compact, prepare_batch, release_all, stats,
         ...) synchronize the device and see the device selects' residency; they must not run
@@ -559,9 +677,13 @@ class ExpertCache:
         if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
             layer = self._layer(layer)
         src = _bank.id_array(ids, "ids")
+        if src.size == 0:  # an empty tensor's address may be NULL: said here, for every kind of array
+            raise InvalidArgumentError(_errors.ERR_INVALID_ARGUMENT, "EXPCACHE_ERR_INVALID_ARGUMENT",
+                                       f"select_device: n*k must be 1..{_lib.MAX_SELECT} ids, got an empty array "
+                                       f"of shape {src.shape}")
         if out is None:
             out = _bank.empty_slots(ids, src.shape)
-        dst = _bank.id_array(out, "out")
+        dst = _bank.id_array(out, "out", writable=True)
         if dst.bits != 32 or dst.shape != src.shape:
             raise ValueError(f"out must be int32 of the ids' shape {src.shape}, got {dst.bits}-bit {dst.shape}")
         cuda = self._is_cuda
@@ -570,12 +692,25 @@ class ExpertCache:
                 where = "device memory (a CUDA tensor)" if cuda else "host memory (a numpy array) on the host backend"
                 raise ValueError(f"{what} must be in {where}, got {'device' if a.cuda else 'host'} memory")
         n, k = (1, src.shape[0]) if len(src.shape) == 1 else src.shape
+        if not src.cuda:
+            self._check_host_ids(layer, src.host_values())
         if stream is None:
             stream = _bank.default_stream(ids)
         s = stream_handle(stream)
         with self._gate:
             _lib.lib.expcache_select_device_async(self._handle, layer, src.ptr, src.bits, n, k, dst.ptr, s)
         return out
+
+    def _check_host_ids(self, layer: int, ids: np.ndarray) -> None:
+        # Ids in host memory are read here, so an id out of range is refused at once rather than
+        # given slot -1 and logged by a later call, as one in device memory is.
+        num_experts = self.layout[layer].num_experts
+        bad = np.flatnonzero((ids < 0) | (ids >= num_experts))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidArgumentError(_errors.ERR_INVALID_ARGUMENT, "EXPCACHE_ERR_INVALID_ARGUMENT",
+                                       f"select_device: expert id {int(ids[i])} (index {i}) out of range for layer "
+                                       f"{layer} ({num_experts} experts); nothing was selected")
 
     def wait_ready(self, ready: int, stream=None) -> None:
         """Make ``stream`` wait for ``ready`` (a :class:`Selection`'s ``ready`` event; 0 returns)."""

@@ -6,12 +6,14 @@ backend, CUDA tensors on the CUDA backend (support.cache.device_ids)."""
 from __future__ import annotations
 
 import ctypes
+import warnings
 
 import numpy as np
 import pytest
 
+from pyexpcache import bank as _bank
 from pyexpcache import (
-    ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, LayerSpec, ModelLayout, UnsupportedError, _lib,
+    ExpcacheWarning, ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, LayerSpec, ModelLayout, UnsupportedError, _lib,
     testing,
 )
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
@@ -170,18 +172,54 @@ def test_reset_stats_zeroes_the_device_counters(make_cache):
     assert (d.calls, d.hits, d.misses) == (1, 1, 0)
 
 
-def test_id_out_of_range_is_reported_once(make_cache):
+def _raw_select_device(cache, layer, ids):
+    """select_device through the C ABI with ids the library reads on its own device (numpy on
+    the host backend): the path of device-memory ids, whose range no host code checks."""
+    ids = device_ids(cache, ids)
+    out = device_ids(cache, [0] * len(ids), dtype="int32")
+    src, dst = _bank.id_array(ids, "ids"), _bank.id_array(out, "out")
+    with cache.raw_handle() as h:
+        _lib.lib.expcache_select_device_async(h, layer, src.ptr, src.bits, 1, len(ids), dst.ptr, None)
+    return to_numpy(out)
+
+
+def test_an_id_out_of_range_is_logged_by_the_next_call_which_still_does_its_work(make_cache):
+    cache, src = _cache(make_cache)
+    layer = cache.layout.moe_layers[0]
+    n = cache.layout[layer].num_experts
+    slots = _raw_select_device(cache, layer, [1, n + 3, 2])
+    assert slots[1] == -1 and slots[0] >= 0 and slots[2] >= 0
+    with pytest.warns(ExpcacheWarning, match=f"expert id {n + 3} \\(index 1\\) out of range"):
+        ptrs = cache.select(layer, [1, 4])  # the call that reads the report back is performed
+    assert_served(cache, src, layer, [1, 4], ptrs)
+    assert testing.read_expert(cache, layer, 4) is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.stats()  # reported once
+        cache.release_all()
+    assert all(testing.read_expert(cache, layer, e) is None for e in (1, 2, 4))  # release_all released
+
+
+def test_a_report_no_call_read_back_is_logged_at_close(make_cache):
+    cache, _ = _cache(make_cache)
+    layer = cache.layout.moe_layers[0]
+    _raw_select_device(cache, layer, [-1])
+    with pytest.warns(ExpcacheWarning, match="expert id -1 \\(index 0\\) out of range"):
+        cache.close()
+
+
+def test_host_memory_ids_out_of_range_raise_at_once(make_cache, backend):
+    if backend != "host":
+        pytest.skip("ids in host memory are the host backend's")
     cache, _ = _cache(make_cache)
     layer = cache.layout.moe_layers[0]
     n = cache.layout[layer].num_experts
-    slots = _select(cache, layer, [1, n + 3, 2])
-    assert slots[1] == -1 and slots[0] >= 0 and slots[2] >= 0
     with pytest.raises(InvalidArgumentError, match=f"expert id {n + 3} \\(index 1\\) out of range"):
-        cache.stats()
-    cache.stats()  # reported once
-    assert _select(cache, layer, [-1])[0] == -1
-    with pytest.raises(InvalidArgumentError, match="expert id -1"):
-        cache.select(layer, [1])
+        cache.select_device(layer, np.array([1, n + 3, 2], dtype=np.int32))
+    assert cache.stats().path("device").calls == 0  # nothing was selected
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.stats()  # and nothing is left to report
 
 
 def test_argument_errors(make_cache):
@@ -200,6 +238,9 @@ def test_argument_errors(make_cache):
         cache.select_device(layer, device_ids(cache, [1, 2, 3, 4, 5]))
     with pytest.raises(InvalidArgumentError, match="n\\*k must be 1..1024"):
         cache.select_device(layer, device_ids(cache, np.zeros((2, 600))))
+    for empty in (np.zeros(0), np.zeros((0, 6)), np.zeros((2, 0))):
+        with pytest.raises(InvalidArgumentError, match="n\\*k must be 1..1024 ids, got an empty array"):
+            cache.select_device(layer, device_ids(cache, empty))
     dense = next((i for i, s in enumerate(cache.layout.layers) if s is None), None)
     if dense is not None:
         with pytest.raises(ValueError, match="no routed experts"):
@@ -208,6 +249,32 @@ def test_argument_errors(make_cache):
         cache.prefetch(layer, [1])
     with pytest.raises(UnsupportedError, match="hint is not available"):
         cache.hint(layer, [1])
+
+
+def test_an_empty_torch_tensor_is_refused_by_its_size(make_cache, backend):
+    torch = pytest.importorskip("torch")
+    cache, _ = _cache(make_cache)
+    layer = cache.layout.moe_layers[0]
+    empty = torch.zeros(0, dtype=torch.int64, device="cuda" if backend == "cuda" else "cpu")
+    assert empty.data_ptr() == 0 or backend == "cuda"  # the address C would have read as NULL
+    with pytest.raises(InvalidArgumentError, match="n\\*k must be 1..1024 ids, got an empty array of shape \\(0,\\)"):
+        cache.select_device(layer, empty)
+
+
+def test_a_read_only_out_is_refused(make_cache, backend):
+    if backend != "host":
+        pytest.skip("numpy arrays are the host backend's out arrays")
+    cache, _ = _cache(make_cache)
+    layer = cache.layout.moe_layers[0]
+    ids = np.array([1, 2], dtype=np.int32)
+    frozen = np.zeros(2, dtype=np.int32)
+    frozen.flags.writeable = False
+    over_bytes = np.frombuffer(bytes(8), dtype=np.int32)  # immutable memory
+    for out in (frozen, over_bytes):
+        with pytest.raises(ValueError, match="out is read-only"):
+            cache.select_device(layer, ids, out=out)
+        assert not out.any()  # nothing written
+    assert cache.stats().path("device").calls == 0
 
 
 def test_out_is_filled(make_cache):

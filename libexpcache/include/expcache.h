@@ -587,7 +587,8 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * memory), and count. No host synchronization and no host decision depends on the
  * ids: the call may be made while `stream` is being captured into a CUDA graph, and
  * each replay does the whole select. An id out of range gets slot -1; the next
- * synchronizing call reports it (INVALID_ARGUMENT) once.
+ * synchronizing call does its own work as usual and logs the first such id as a
+ * warning (layer, id, index), once; expcache_destroy logs one no call read back.
  *
  * The slots stay valid for work ordered after this call on `stream` until the next
  * call that serves or releases on this cache. Work on other streams is ordered by the
@@ -806,7 +807,11 @@ EXPCACHE_API expcache_status_t expcache_memory_set_dropped_callback(expcache_t* 
  * for trouble a user must see (a class whose cap is 0 because no device memory is
  * left after the reserve: every expert of it is loaded directly, nothing cached),
  * NOTICE for state changes, DEBUG for per-call lines. Called on the thread making
- * the call, with the cache's mutex held: it must not call into the same cache.
+ * the call, after the call's work and with no lock of the library held, just before
+ * the exported function returns: the callback may call any function of the library,
+ * on this cache too (expcache_destroy included; its own lines follow it), and
+ * expcache_last_error() still reads the outer call's message afterwards. Lines logged
+ * by the library's own threads outside any call are delivered on those threads.
  */
 typedef void (*expcache_log_fn)(void* user, uint32_t level, const char* message);
 

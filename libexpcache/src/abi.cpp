@@ -82,6 +82,7 @@ expcache_status_t check_struct(const T* p, const char* name) {
 // Runs f, maps exceptions, and prefixes any failure with the function name.
 template <typename F>
 expcache_status_t guarded(const char* function, F&& f) {
+    expcache::DeferredLog deferred;  // lines reach the callback after the call, its locks released
     expcache_status_t s;
     try {
         s = f();
@@ -152,6 +153,7 @@ expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** 
 
 void expcache_destroy(expcache_t* cache) {
     if (!cache) return;
+    expcache::DeferredLog deferred;
     {
         std::lock_guard<std::mutex> lock(g_registry_mu);
         if (registry().erase(cache) == 0) return;  // unknown or already destroyed: ignore

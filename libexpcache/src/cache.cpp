@@ -19,7 +19,7 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
       log_(config.log_level),
       layers_(config.num_layers),
       classes_(config_, *backend_, arena_, layers_, log_, health_, *this),
-      lookup_(config_, *backend_, arena_, layers_, classes_, health_, std::move(lookup_kernels)),
+      lookup_(config_, *backend_, arena_, layers_, classes_, log_, health_, std::move(lookup_kernels)),
       streams_(*backend_, health_, classes_),
       prefetch_({config_, *backend_, layers_, classes_, streams_, clock_, scratch_, log_, health_}) {
     batches_.open.reserve(EXPCACHE_MAX_BATCHES);
@@ -59,6 +59,7 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
 // finishes it before any of the memory is freed.
 Cache::~Cache() {
     backend_->enter();
+    lookup_.report_pending();
     prefetch_.stop();  // its thread may be sending into the slots
     backend_->sync_device();
     backend_->reclaim();
@@ -117,6 +118,15 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     if (s != EXPCACHE_OK) return s;
     clock_.policy.positions = layers_.registered();
     classes_.invalidate_caps();  // budget shares depend on the whole layout
+    const size_t needed = layers_.size_classes();
+    if (needed > config_.max_classes && !classes_warned_) {
+        classes_warned_ = true;
+        log_(EXPCACHE_LOG_WARNING,
+             "the layers registered so far have %zu expert size classes and max_classes is %u: every layer of "
+             "a class beyond %u will release a whole class and rebind it (no hits across them); set "
+             "max_classes to %zu (at most %d)",
+             needed, config_.max_classes, config_.max_classes, needed, EXPCACHE_MAX_CLASSES_LIMIT);
+    }
     return EXPCACHE_OK;
 }
 

@@ -257,6 +257,7 @@ private:
     PrefetchCoordinator prefetch_;
     Batches batches_;
     StagingBuffers staging_;
+    bool classes_warned_ = false;  // the layout's size classes outnumber max_classes: said once
 };
 
 }  // namespace expcache

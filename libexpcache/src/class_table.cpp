@@ -144,9 +144,12 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
         victim.stats[path].class_reuses++;
         found = lru;
         activate(found, layer);
-        log_(EXPCACHE_LOG_NOTICE,
-            "more size classes than max_classes=%zu: released class %d %s and reused it for %s (layer %u)",
-            classes_.size(), lru, old_name.c_str(), name(classes_[found]).c_str(), layer_index);
+        // The first reuse warns (a thrash loses every hit of both classes); later ones are notices.
+        const bool first = reuses_++ == 0;
+        log_(first ? EXPCACHE_LOG_WARNING : EXPCACHE_LOG_NOTICE,
+             "more size classes than max_classes=%zu: released class %d %s and reused it for %s (layer %u)%s",
+             classes_.size(), lru, old_name.c_str(), name(classes_[found]).c_str(), layer_index,
+             first ? "; raise max_classes to the number of distinct expert sizes (later reuses are notices)" : "");
     }
     layer.cls = found;
     layer.cls_gen = classes_[found].gen;

@@ -150,6 +150,7 @@ private:
     Health& health_;
     SlotObserver& observer_;
     const bool banked_;
+    uint64_t reuses_ = 0;  // classes released for another size: the first one warns
     std::vector<ClassState> classes_;  // sized once: references to a class stay valid
 };
 

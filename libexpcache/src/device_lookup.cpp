@@ -34,9 +34,10 @@ struct ClassLayout {
 }  // namespace
 
 DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
-                           ClassTable& classes, Health& health, std::unique_ptr<LookupKernels> kernels)
+                           ClassTable& classes, const Log& log, Health& health,
+                           std::unique_ptr<LookupKernels> kernels)
     : enabled_(config.lookup == EXPCACHE_LOOKUP_DEVICE), backend_(backend), arena_(arena), layers_(layers),
-      classes_(classes), health_(health), kernels_(std::move(kernels)),
+      classes_(classes), log_(log), health_(health), kernels_(std::move(kernels)),
       classes_state_(static_cast<size_t>(classes.size())), maps_(layers.size()) {}
 
 expcache_status_t DeviceLookup::make_table() {
@@ -145,12 +146,27 @@ expcache_status_t DeviceLookup::pull() {
         st.appends = n.appends;
         st.bytes_h2d = n.bytes_h2d;
     }
-    if (error.set)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                    "a device select of layer %u got expert id %lld (index %u) out of range (%u experts); its slot "
-                    "was given as -1",
-                    error.layer, (long long)error.id, error.index, layers_[error.layer].num_experts);
+    report(error);
     return EXPCACHE_OK;
+}
+
+// A select's id out of range is the caller's bug, found on the device after the call returned:
+// the call that reads it back does its own work and says so in the log (a warning), once.
+void DeviceLookup::report(const DeviceError& error) {
+    if (!error.set) return;
+    log_(EXPCACHE_LOG_WARNING,
+         "a device select of layer %u got expert id %lld (index %u) out of range (%u experts); its slot was "
+         "given as -1 (the first such id since the last report)",
+         error.layer, (long long)error.id, error.index, layers_[error.layer].num_experts);
+}
+
+void DeviceLookup::report_pending() {
+    if (!enabled_ || !table_ || !selected_) return;
+    DeviceError error = {};
+    if (health_.check(backend_.sync_device()) != EXPCACHE_OK ||
+        health_.check(backend_.copy_d2h_sync(&error, error_dev_, sizeof(error))) != EXPCACHE_OK)
+        return;
+    report(error);
 }
 
 expcache_status_t DeviceLookup::push() {

@@ -23,7 +23,7 @@ namespace expcache {
 class DeviceLookup {
 public:
     DeviceLookup(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
-                 ClassTable& classes, Health& health, std::unique_ptr<LookupKernels> kernels);
+                 ClassTable& classes, const Log& log, Health& health, std::unique_ptr<LookupKernels> kernels);
 
     bool enabled() const { return enabled_; }
     // Whether the device state exists: the layout is then fixed (its size depends on it).
@@ -34,8 +34,10 @@ public:
     bool capturing(void* stream) { return kernels_->capturing(stream); }
 
     // Device to mirror; the device synchronized first. A select's id out of range since the
-    // last pull is reported here (INVALID_ARGUMENT), once.
+    // last pull is logged here (a warning), once; the calling call goes on.
     expcache_status_t pull();
+    // At destroy: an out-of-range id no call has read back yet is logged.
+    void report_pending();
     // Mirror to device, the device synchronized first (the calling call's copies have landed);
     // makes the state of classes bound since.
     expcache_status_t push();
@@ -60,12 +62,14 @@ private:
     expcache_status_t make_class(int32_t c);
     expcache_status_t resolve(uint32_t layer, LayerMap* out);
     void adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps);
+    void report(const DeviceError& error);
 
     const bool enabled_;
     Backend& backend_;
     DeviceArena& arena_;
     LayerTable& layers_;
     ClassTable& classes_;
+    const Log& log_;
     Health& health_;
     std::unique_ptr<LookupKernels> kernels_;
 

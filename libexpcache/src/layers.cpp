@@ -1,5 +1,6 @@
 #include "layers.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <new>
@@ -108,6 +109,17 @@ expcache_status_t LayerTable::open_file(const char* path, bool direct, uint32_t*
     files_.push_back(std::move(f));
     *out_file = static_cast<uint32_t>(files_.size() - 1);
     return EXPCACHE_OK;
+}
+
+size_t LayerTable::size_classes() const {
+    std::vector<const uint64_t*> keys;
+    for (const LayerState& l : layers_) {
+        if (!l.registered) continue;
+        bool seen = false;
+        for (const uint64_t* k : keys) seen = seen || std::equal(k, k + kParts, l.bytes);
+        if (!seen) keys.push_back(l.bytes);
+    }
+    return keys.size();
 }
 
 }  // namespace expcache

@@ -69,6 +69,8 @@ public:
     std::vector<LayerState>::const_iterator begin() const { return layers_.begin(); }
     std::vector<LayerState>::const_iterator end() const { return layers_.end(); }
     int32_t registered() const { return registered_; }
+    // Distinct (gate, up, down) sizes among the registered layers: the classes the layout needs.
+    size_t size_classes() const;
 
 private:
     std::vector<LayerState> layers_;

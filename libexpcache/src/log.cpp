@@ -3,10 +3,37 @@
 #include <cstdarg>
 #include <cstdio>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "errors.hpp"
 
 namespace expcache {
+
+namespace {
+
+struct QueuedLine {
+    expcache_log_fn fn;
+    void* user;
+    uint32_t level;
+    std::string message;
+};
+
+thread_local unsigned t_call_depth = 0;
+thread_local std::vector<QueuedLine> t_queued;
+
+}  // namespace
+
+DeferredLog::DeferredLog() { ++t_call_depth; }
+
+DeferredLog::~DeferredLog() {
+    if (--t_call_depth != 0 || t_queued.empty()) return;
+    const std::string message = last_error();
+    std::vector<QueuedLine> lines = std::move(t_queued);
+    t_queued.clear();
+    for (const QueuedLine& line : lines) line.fn(line.user, line.level, line.message.c_str());
+    restore_last_error(message);
+}
 
 void Log::operator()(uint32_t level, const char* fmt, ...) const {
     if (level > level_) return;
@@ -14,8 +41,9 @@ void Log::operator()(uint32_t level, const char* fmt, ...) const {
     va_start(ap, fmt);
     std::string msg = vformat(fmt, ap);
     va_end(ap);
-    if (fn_) fn_(user_, level, msg.c_str());
-    else std::fprintf(stderr, "expcache: %s\n", msg.c_str());
+    if (!fn_) std::fprintf(stderr, "expcache: %s\n", msg.c_str());
+    else if (t_call_depth != 0) t_queued.push_back(QueuedLine{fn_, user_, level, std::move(msg)});
+    else fn_(user_, level, msg.c_str());
 }
 
 expcache_status_t Health::usable() const {

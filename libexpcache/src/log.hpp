@@ -9,6 +9,9 @@
 
 namespace expcache {
 
+// A line is delivered to the callback after the exported call that logged it returns (its locks
+// released), so a callback may call into the cache; a line logged on a thread outside any
+// exported call (a worker) is delivered at once. stderr lines are printed at once.
 class Log {
 public:
     explicit Log(uint32_t level) : level_(level) {}
@@ -28,6 +31,17 @@ private:
     uint32_t level_;
     expcache_log_fn fn_ = nullptr;
     void* user_ = nullptr;
+};
+
+// Marks the calling thread as inside an exported call for its lifetime (nested ones count):
+// lines logged meanwhile are queued on the thread and delivered when the outermost ends, with
+// the call's error message kept across the callbacks' own calls.
+class DeferredLog {
+public:
+    DeferredLog();
+    ~DeferredLog();
+    DeferredLog(const DeferredLog&) = delete;
+    DeferredLog& operator=(const DeferredLog&) = delete;
 };
 
 // A POISONED status from the backend is sticky: every later call reports it.

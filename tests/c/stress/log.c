@@ -21,6 +21,7 @@ void log_cb(void* user, uint32_t level, const char* msg) {
     size_t n = strlen(msg);
     if (n == 0 || msg[n - 1] == '\n') diverge("log line empty or ends in a newline: \"%s\"", msg);
     if (strstr(msg, "injected")) g_faults_seen++;
+    if (level == EXPCACHE_LOG_WARNING && strstr(msg, "out of range")) g_range_reports++;
     if (g_trace) fprintf(stderr, "    log[%u]: %s\n", level, msg);
 }
 

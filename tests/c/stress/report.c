@@ -9,6 +9,7 @@ int g_trace;
 
 uint64_t g_op, g_calls, g_bad, g_errors, g_faults_armed, g_faults_seen, g_ooms, g_verified_bytes;
 uint64_t g_staging_faults_seen; /* calls failed by an injected staging fault */
+uint64_t g_range_reports;       /* warnings of a device select's id out of range */
 uint64_t g_creates, g_destroys, g_log_lines, g_selects, g_compacts, g_batches, g_finishes, g_releases;
 uint64_t g_serial; /* cache serial numbers: source patterns and messages */
 uint64_t g_cur;    /* serial of the cache the current op works on */

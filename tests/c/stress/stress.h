@@ -57,6 +57,7 @@ extern uint64_t g_seed;
 extern int g_trace;
 extern uint64_t g_op, g_calls, g_bad, g_errors, g_faults_armed, g_faults_seen, g_ooms, g_verified_bytes;
 extern uint64_t g_staging_faults_seen; /* calls failed by an injected staging fault */
+extern uint64_t g_range_reports;       /* warnings of a device select's id out of range */
 extern uint64_t g_creates, g_destroys, g_log_lines, g_selects, g_compacts, g_batches, g_finishes, g_releases;
 extern uint64_t g_serial; /* cache serial numbers: source patterns and messages */
 extern uint64_t g_cur;    /* serial of the cache the current op works on */
