@@ -17,8 +17,8 @@ import math
 import os
 from typing import Optional
 
-from ..layout import FIRST_ROUTED_LAYER, NUM_LAYERS, PRESETS
-from .workload import DEFAULT_TRACES
+from ..layout import FIRST_ROUTED_LAYER, NUM_LAYERS, PRESETS, TOP_K as DEFAULT_TOP_K
+from .workload import DEFAULT_TRACES, decode_trace
 
 
 class UsageError(Exception):
@@ -396,13 +396,17 @@ TRACES = Option("--traces", type=csv(None), nargs="+", action=_Flatten, default=
                 metavar="TRACE",
                 help="the decode traces, several after --traces or in a comma list: routing-trace files of any model "
                      "in the generic format (*.jsonl, *.csv or *.npz, each optionally .gz: docs/traces.md), bundled "
-                     "traces by name, route-CSV paths (*.route.csv), or synthetic:TOKENS[:SEED] (default: the seven "
-                     "bundled traces)")
+                     "traces by name, route-CSV paths (*.route.csv), or synthetic:TOKENS[:SEED] (of the layout's MoE "
+                     "layers and experts, --top-k per token; default: the seven bundled traces)")
 BUDGET = Option("--budget-gib", type=gib("--budget-gib", True), default=None,
                 help="expert cache budget in GiB (default 12, unless --budget-fraction)")
 BUDGET_FRACTION = Option("--budget-fraction", type=fraction("--budget-fraction"), default=None, metavar="F",
                          help="expert cache budget as a fraction F of the bytes of every expert of the layout, "
                               "0 < F <= 1 (instead of --budget-gib)")
+TOP_K = Option("--top-k", type=whole(1), default=None, metavar="K",
+               help="experts per token of the synthetic:TOKENS traces, at most half the layout's experts per layer "
+                    f"(default: a Hugging Face config's num_experts_per_tok, else {DEFAULT_TOP_K}, DeepSeek V4 "
+                    "Flash's)")
 RESERVE = Option("--reserve-gib", type=gib("--reserve-gib", False), default=None,
                  help="device memory kept free (default 1 GiB)")
 BACKEND = Option("--backend", default="auto", choices=("auto", "host", "cuda"),
@@ -440,8 +444,8 @@ QUIET = Option("--quiet", action="store_true", help="no progress bar or notices"
 
 #: The options of every mode that runs on a Bench: its layout, source, backend, budget and
 #: cache settings, and the traces it replays.
-BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, BUDGET, BUDGET_FRACTION, RESERVE, BACKEND, DEVICE, SOURCE, PLACEMENT,
-         LAYERS, SCALE, COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
+BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, TOP_K, BUDGET, BUDGET_FRACTION, RESERVE, BACKEND, DEVICE, SOURCE,
+         PLACEMENT, LAYERS, SCALE, COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
 #: What every mode writes: --json, and --quiet for the progress bar.
 OUTPUT = (JSON, QUIET)
 #: The options that are output files, opened before a run (the mode finds them in ``args.outputs``).
@@ -450,6 +454,64 @@ FILES = (JSON, PLOT)
 # The bench options that are ExpertCache settings: (option, ExpertCache keyword).
 CACHE_SETTINGS = ((COPY_THREADS, "copy_threads"), (STAGING_CHUNK, "staging_chunk_bytes"),
                   (PREFETCH_PIECE, "prefetch_piece_bytes"))
+
+
+def _config_top_k(text: str) -> Optional[int]:
+    """The experts per token a Hugging Face config.json that --layout names gives
+    (``num_experts_per_tok``, or ``experts_per_token``; under ``text_config`` for a multimodal
+    wrapper), or None (another kind of --layout, or no such key)."""
+    kind, path, _ = layout_kind(text)
+    if kind != "hf":
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    for where in (config, config.get("text_config")):
+        for key in ("num_experts_per_tok", "experts_per_token"):
+            value = where.get(key) if isinstance(where, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def synthetic_traces(args) -> None:
+    """Make --traces' synthetic:TOKENS[:SEED] traces now, shaped by the model's layout (--layout's,
+    or --gguf's; before --layers): its MoE layers and experts per layer, and --top-k experts per
+    token (default: a Hugging Face config's num_experts_per_tok, else 6); ``args.traces`` then
+    holds each trace made in its spec's place (a mode's ``check`` calls this, before the command
+    line loads the traces). UsageError for a top-k above half the layout's experts per layer
+    (fresh draws skip the previous token's), naming the option, and for --top-k without a
+    synthetic trace."""
+    from ..traces.synthetic import is_deepseek_v4_flash_shaped
+
+    traces = list(getattr(args, "traces", None) or [])
+    synthetic = [t for t in traces if isinstance(t, str) and t.startswith("synthetic:")]
+    k = getattr(args, "top_k", None)
+    if not synthetic:
+        if k is not None:
+            raise UsageError(f"{TOP_K.flags[0]} applies to synthetic:TOKENS traces (a recorded trace has its own k), "
+                             "and --traces has none")
+        return
+    if getattr(args, "gguf", None):
+        from ..gguf import layout_from_gguf
+
+        layout = layout_from_gguf(args.gguf)
+    else:
+        layout = model_layout(args.layout)
+    experts = min(layout[i].num_experts for i in layout.moe_layers)
+    most = experts // 2
+    if k is None:
+        from_config = None if getattr(args, "gguf", None) or is_deepseek_v4_flash_shaped(layout) else \
+            _config_top_k(args.layout)
+        default = (f"the config's num_experts_per_tok of {from_config}" if from_config is not None else
+                   f"the default top-k of {DEFAULT_TOP_K}")
+        k = DEFAULT_TOP_K if from_config is None else from_config
+        if not 1 <= k <= most:
+            raise UsageError(f"--traces {synthetic[0]}: layout {layout.name} has {experts} experts per layer, too few "
+                             f"for {default}: give {TOP_K.flags[0]} K, 1 <= K <= {most}")
+    elif not 1 <= k <= most:
+        raise UsageError(f"{TOP_K.flags[0]} {k}: layout {layout.name} has {experts} experts per layer: "
+                         f"1 <= K <= {most} (fresh draws skip the previous token's experts)")
+    args.traces = [decode_trace(t, layout, k) if t in synthetic else t for t in traces]
 
 
 def check_budget(args) -> None:

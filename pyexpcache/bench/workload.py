@@ -9,8 +9,10 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from ..layout import ModelLayout
 from ..sim import BATCH, DECODE, Call
-from ..traces import Trace, list_traces, load_decode_trace, load_prefill_trace, read_trace, synthetic_trace
+from ..traces import TOP_K, Trace, list_traces, load_decode_trace, load_prefill_trace, read_trace, synthetic_trace
+from ..traces.synthetic import synthetic_trace_for
 from ..traces.bundled import is_route_csv
 from ..traces.generic import is_generic_path
 
@@ -71,12 +73,15 @@ def trace_label(trace: TraceSpec) -> str:
     return trace.name if isinstance(trace, Trace) else str(trace)
 
 
-def decode_trace(name: TraceSpec) -> Trace:
+def decode_trace(name: TraceSpec, layout: Optional[ModelLayout] = None, k: Optional[int] = None) -> Trace:
     """A loaded :class:`~pyexpcache.traces.Trace` (returned as is); a generic routing-trace file
     (``*.jsonl``, ``*.csv``, ``*.npz``, each optionally ``.gz``: :func:`~pyexpcache.traces.read_trace`);
     a bundled trace or a route-CSV path (``*.route.csv``, or a ``*.csv`` starting with that format's
     header); or ``synthetic:TOKENS[:SEED]`` (fitted to the real traces' locality: per-layer
-    popularity skew plus reuse of the previous token's experts)."""
+    popularity skew plus reuse of the previous token's experts), shaped by ``layout`` when given
+    (its MoE layers and experts, ``k`` experts per token, default 6:
+    :func:`~pyexpcache.traces.synthetic.synthetic_trace_for`; DeepSeek V4 Flash's layers 3-42
+    without one, or for its layouts)."""
     if isinstance(name, Trace):
         return name
     if is_generic_path(name) and not is_route_csv(name):
@@ -94,7 +99,9 @@ def decode_trace(name: TraceSpec) -> Trace:
             raise ValueError(f"expected synthetic:TOKENS[:SEED], got {name!r}") from None
         if tokens <= 0 or len(fields) > 3:
             raise ValueError(f"expected synthetic:TOKENS[:SEED] with TOKENS > 0, got {name!r}")
-        return synthetic_trace(tokens, seed=seed, name=name)
+        if layout is None:
+            return synthetic_trace(tokens, k=TOP_K if k is None else k, seed=seed, name=name)
+        return synthetic_trace_for(layout, tokens, k, seed=seed, name=name)
     return load_decode_trace(name)
 
 
@@ -107,9 +114,10 @@ def decode_workload(traces, layers: Optional[Sequence[int]] = None) -> Workload:
 
 
 def build_workload(scenario: str, traces: Sequence[TraceSpec] = DEFAULT_TRACES,
-                   layers: Optional[Sequence[int]] = None) -> Workload:
+                   layers: Optional[Sequence[int]] = None, layout: Optional[ModelLayout] = None) -> Workload:
     """The calls of a scenario, over ``traces`` (each as :func:`decode_trace` takes it: a loaded
-    :class:`~pyexpcache.traces.Trace`, a file or a bundled name); ``layers``: the model layers kept.
+    :class:`~pyexpcache.traces.Trace`, a file, a bundled name, or a synthetic trace shaped by
+    ``layout``); ``layers``: the model layers kept.
 
     ``decode``: the decode traces one after another (a server answering requests).
     ``prefill``: each bundled prefill prompt's batches (layers 0-42) then its decode token,
@@ -118,7 +126,7 @@ def build_workload(scenario: str, traces: Sequence[TraceSpec] = DEFAULT_TRACES,
     then the same decode again.
     """
     keep = set(layers) if layers is not None else None
-    decode = [decode_trace(name) for name in traces]
+    decode = [decode_trace(name, layout) for name in traces]
     calls: list[Call] = []
     dec_tokens = pre_tokens = 0
 

@@ -7,8 +7,9 @@ import numbers
 
 import numpy as np
 
+from ..layout import NUM_LAYERS
 from .locality import locality_stats
-from .types import DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, NUM_EXPERTS, TOP_K, Trace
+from .types import DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, MISSING, NUM_EXPERTS, TOP_K, Trace
 
 #: Zipf exponent of the synthetic per-layer popularity.  Fitted with
 #: :func:`fit_synthetic_params` to the bundled coffee trace (299 tokens), whose
@@ -156,6 +157,40 @@ def synthetic_trace(
     if name is None:
         name = f"synthetic(T={T},L={L},E={E},k={k},zipf={zipf:g},reuse={reuse:g},seed={seed})"
     return Trace(name, ids, None, first_layer, np.arange(T, dtype=np.int64), E)
+
+
+def is_deepseek_v4_flash_shaped(layout) -> bool:
+    """Whether ``layout`` (a :class:`~pyexpcache.ModelLayout`) has DeepSeek V4 Flash's geometry:
+    its 43 layers, each of 256 routed experts (the first three routed by hash, which no trace has)."""
+    return layout.num_layers == NUM_LAYERS and all(s is not None and s.num_experts == NUM_EXPERTS
+                                                   for s in layout.layers)
+
+
+def synthetic_trace_for(layout, num_tokens: int, k: int | None = None, *, seed: int = 0,
+                        zipf: float = DEFAULT_ZIPF, reuse: float = DEFAULT_REUSE, name: str | None = None) -> Trace:
+    """:func:`synthetic_trace` shaped by ``layout`` (a :class:`~pyexpcache.ModelLayout`): its MoE
+    layers, from the first to the last (a dense layer between them has no records), the fewest
+    experts of any of them, and ``k`` experts per token (default :data:`TOP_K`, DeepSeek V4
+    Flash's 6). A DeepSeek V4 Flash-shaped layout (:func:`is_deepseek_v4_flash_shaped`) gets the
+    trace of layers 3-42 that :func:`synthetic_trace` makes by default. ValueError when ``k`` is
+    more than half the experts (fresh draws skip the previous token's), naming both."""
+    k = TOP_K if k is None else k
+    if is_deepseek_v4_flash_shaped(layout):
+        return synthetic_trace(num_tokens, k=k, seed=seed, zipf=zipf, reuse=reuse, name=name)
+    moe = layout.moe_layers
+    experts = min(layout[i].num_experts for i in moe)
+    if isinstance(k, numbers.Integral) and not isinstance(k, bool) and not 0 < k <= experts // 2:
+        raise ValueError(f"a synthetic trace of k={k} experts per token needs more experts than layout {layout.name} "
+                         f"has ({experts} experts per layer): k at most {experts // 2}")
+    first = moe[0]
+    trace = synthetic_trace(num_tokens, moe[-1] - first + 1, experts, k, seed=seed, zipf=zipf, reuse=reuse,
+                            first_layer=first, name=name)
+    ids = trace.ids
+    dense = [i - first for i in range(first, moe[-1] + 1) if layout[i] is None]
+    if dense:
+        ids = ids.copy()
+        ids[:, dense] = MISSING
+    return Trace(trace.name, ids, None, first, trace.positions, experts)
 
 
 def fit_synthetic_params(trace: Trace, *, seed: int = 0) -> dict:

@@ -13,7 +13,7 @@ from typing import Iterator, Optional, Sequence
 from ...layout import ModelLayout
 from ...sim import simulate_belady, simulate_policy
 from .. import options
-from ..options import LAYERS, LAYOUT, OUTPUT, PLOT, TRACES, UsageError
+from ..options import LAYERS, LAYOUT, OUTPUT, PLOT, TOP_K, TRACES, UsageError
 from ..report import Report, made_by
 from ..workload import Workload, build_workload, trace_label
 
@@ -25,7 +25,7 @@ DESCRIPTION = ("Hit rate against budget for each of the library's eviction polic
                "draws it.")
 RUNS = "simulates the decode traces"
 USES_BENCH = False
-OPTIONS = (LAYOUT, LAYERS, TRACES, PLOT) + OUTPUT
+OPTIONS = (LAYOUT, LAYERS, TRACES, TOP_K, PLOT) + OUTPUT
 SELECTED_BY = ()  # named only: expcache bench curve
 
 FRACTIONS = (0.02, 0.05, 0.1, 0.15, 0.25, 0.35, 0.5)  # of each class's experts
@@ -129,7 +129,7 @@ def _draw(curve: dict, layout: ModelLayout, workload: Workload, out) -> None:
 def write_plot(layout: ModelLayout, traces: Sequence[str], out) -> None:
     """The curve of ``traces`` on ``layout`` at :data:`FRACTIONS`, drawn into ``out`` (an output
     file of the command line: ``write(bytes)`` and ``path``)."""
-    workload = build_workload("decode", traces, layout.moe_layers)
+    workload = build_workload("decode", traces, layout.moe_layers, layout)
     _draw(hit_rate_curve(workload, layout, FRACTIONS), layout, workload, out)
 
 
@@ -137,12 +137,13 @@ def write_plot(layout: ModelLayout, traces: Sequence[str], out) -> None:
 
 def check(args) -> None:
     check_plot(args)
+    options.synthetic_traces(args)
 
 
 def run(bench, args) -> Iterator[Report]:
     """The curve at :data:`FRACTIONS` as a report (``bench``: unused, None), and drawn into --plot."""
     layout = options.generated_layout(args, 1)  # hit rates depend on the experts' counts, not their sizes
-    workload = build_workload("decode", args.traces, layout.moe_layers)
+    workload = build_workload("decode", args.traces, layout.moe_layers, layout)
     curve = hit_rate_curve(workload, layout, FRACTIONS)
     names = list(curve["policies"])
     yield Report(NAME, "hit rate against budget, offline simulator", layout=layout.name,

@@ -28,7 +28,7 @@ import numpy as np
 from ... import _cuda
 from ...multi import MultiDeviceCache
 from ...placement import Placement, loads_from_calls
-from ..options import BENCH, OUTPUT, Option, UsageError
+from ..options import BENCH, OUTPUT, Option, UsageError, synthetic_traces
 from ..report import DecodeRate, HitRate, Report, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
@@ -174,7 +174,7 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
         raise ValueError(f"--devices must be 2..64, got {num_devices}")
     gpus = _cuda.device_count() if bench.is_cuda else num_devices
     devices = [(bench.device + i) % max(gpus, 1) for i in range(num_devices)]
-    loaded = [decode_trace(name) for name in traces]
+    loaded = [decode_trace(name, bench.layout) for name in traces]
     workload = decode_workload(loaded, bench.layout.moe_layers)
     measured = {dev: bench.measure_link(dev) for dev in sorted(set(devices))}
     links = {dev: link.bytes_per_s for dev, link in measured.items()}
@@ -227,6 +227,7 @@ def check(args) -> None:
         raise UsageError("name the number of devices: --devices N (2..64)")
     if not 2 <= args.devices <= 64:
         raise UsageError(f"--devices must be 2..64, got {args.devices}")
+    synthetic_traces(args)
 
 
 def device_bytes(args, budget: int, model_bytes: int) -> int:

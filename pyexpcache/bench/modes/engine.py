@@ -27,7 +27,7 @@ import numpy as np
 
 from ...stats import PrefetchStats
 from .. import predict
-from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError
+from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError, synthetic_traces
 from ..report import DecodeRate, Report, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 
@@ -165,7 +165,7 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
     plan = settings(prefetch, hints)
-    loaded = [decode_trace(name) for name in traces]  # parsed once, for the calls and the predictions
+    loaded = [decode_trace(name, bench.layout) for name in traces]  # parsed once, for the calls and the predictions
     for trace in loaded:
         if not trace.complete:
             raise ValueError(f"trace {trace.name} misses {trace.missing_records} (token, layer) records: the engine "
@@ -208,6 +208,7 @@ def check(args) -> None:
         raise UsageError(f"--prefetch-top must be 1..256, got {args.prefetch_top}")
     if args.hints and not args.prefetch:
         raise UsageError("--hints gives the --prefetch predictors as hints: name them, e.g. --prefetch cooc")
+    synthetic_traces(args)
 
 
 def device_bytes(args, budget: int, model_bytes: int) -> int:

@@ -231,7 +231,7 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     if bench.is_cuda and not bench.pinned:
         raise ValueError("the graph loop's device select reads the experts from pinned memory: use --source pinned")
     progress = progress or bench.progress
-    loaded = [decode_trace(t) for t in traces]  # parsed once: the graph's ids and the C loop's calls
+    loaded = [decode_trace(t, bench.layout) for t in traces]  # parsed once: the graph's ids and the C loop's calls
     ids, layers = _steps(bench, loaded)
     tokens, num_layers, k = ids.shape
     if tokens < 2:
@@ -362,6 +362,7 @@ def check(args) -> None:
     if getattr(args, "source", None) not in (None, "pinned") and args.backend != "host":
         raise options.UsageError("the graph loop's device select reads the experts from pinned memory: use "
                                  "--source pinned (the default on the GPU)")
+    options.synthetic_traces(args)
 
 
 def device_bytes(args, budget: int, model_bytes: int) -> int:

@@ -121,7 +121,7 @@ def expected_sums(bench, traces: Sequence[str] = DEFAULT_TRACES, *, workload=Non
     layout = bench.layout
     progress = progress or bench.progress
     if workload is None:
-        workload = build_workload("decode", traces, layout.moe_layers)
+        workload = build_workload("decode", traces, layout.moe_layers, layout)
     _check_fits(layout, workload)
     wanted: dict[int, set] = {}
     for call in workload.calls:
@@ -328,7 +328,7 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     if len(set(modes)) != len(modes) or not modes:
         raise ValueError(f"modes must be distinct and at least one, got {modes}")
     progress = progress or bench.progress
-    workload = build_workload("decode", traces, bench.layout.moe_layers)
+    workload = build_workload("decode", traces, bench.layout.moe_layers, bench.layout)
     _check_fits(bench.layout, workload)
     if expected is None:
         expected = expected_sums(bench, workload=workload, progress=progress)
@@ -351,6 +351,7 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
 
 def check(args) -> None:
     options.need(options.has_module("torch"), "the torch loop (--loop torch) needs torch", "torch")
+    options.synthetic_traces(args)
 
 
 def device_bytes(args, budget: int, model_bytes: int) -> int:

@@ -47,7 +47,7 @@ from ...sim import BATCH, simulate_policy
 from ...sim.registry import PARTITIONS, simulate_belady_partitioned
 from ..bench import Bench
 from ..budget import class_info, keeps_slot_counts
-from ..options import BENCH, OUTPUT, PLOT, Option, csv
+from ..options import BENCH, OUTPUT, PLOT, Option, csv, synthetic_traces
 from ..progress import Progress
 from ..report import DecodeRate, HitRate, Report, share, timed
 from ...traces import check_layout
@@ -277,7 +277,7 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
     ``scale``), for the header. ``partitions``: each policy variant runs once per partition
     (``"layer"``: the variant ``<policy> (layer)``); the baselines once."""
     budget_bytes = resolve_budget(layout, budget_bytes, budget_fraction)
-    loaded = [decode_trace(t) for t in traces]
+    loaded = [decode_trace(t, layout) for t in traces]
     keep = layout.moe_layers if layers is None else [i for i in layers if i in set(layout.moe_layers)]
     workload = build_workload(scenario, loaded, keep)
     if not workload.calls:
@@ -343,6 +343,7 @@ def check(args) -> None:
     """What the variants table cannot run, before anything is allocated: --plot's file type. Without
     --variants, all of them (:func:`variants`: the library's policies are read here)."""
     curve.check_plot(args)
+    synthetic_traces(args)
     args.variants = list(variants()) if args.variants is None else resolve_variants(args.variants)
 
 
