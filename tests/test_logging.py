@@ -306,3 +306,20 @@ def test_fewer_max_classes_than_the_layout_has_warns_at_construction_and_at_the_
                 cache.select(layer, [1])
     reuses = [str(w.message) for w in caught if "reused it" in str(w.message)]
     assert len(reuses) == 1 and "raise max_classes" in reuses[0], reuses
+
+
+def test_partition_layer_warns_when_layers_get_no_share(policy):
+    layout = ModelLayout.preset("q2", scale=SCALE)  # 43 layers of one class
+    with HostSource(layout) as src, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ExpertCache(layout, src, budget_experts=10, backend="host", partition="layer", policy=policy,
+                         log_level=1) as cache:
+            cache.select(5, [1, 2])
+    ours = [str(w.message) for w in caught if issubclass(w.category, ExpcacheWarning)]
+    assert len(ours) == 1, ours
+    assert "leaves 33 of them" in ours[0] and "a share of 0" in ours[0], ours
+    assert "cap of at least 43 experts" in ours[0] and "partition global" in ours[0], ours
+    with HostSource(layout) as src, warnings.catch_warnings():
+        warnings.simplefilter("error", ExpcacheWarning)
+        with ExpertCache(layout, src, budget_experts=43, backend="host", partition="layer", policy=policy) as cache:
+            cache.select(5, [1, 2])  # every layer has a slot: no warning

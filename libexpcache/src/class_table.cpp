@@ -270,6 +270,35 @@ void ClassTable::announce_cap(int32_t c, uint32_t path, const char* why, const c
     log_(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c,
         name(cls).c_str(), (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB),
         (unsigned long long)cls.target, why);
+    if (config_.partition == EXPCACHE_PARTITION_LAYER) warn_empty_shares(c);
+}
+
+// EXPCACHE_PARTITION_LAYER: a layer whose share of the cap is 0 caches nothing (its misses are
+// loaded directly, its repeats miss again): said as a warning, with the smallest cap that gives
+// every layer of the class a slot.
+void ClassTable::warn_empty_shares(int32_t c) const {
+    const ClassState& cls = classes_[c];
+    uint32_t layers = 0, empty = 0, first = 0;
+    for (uint32_t l = 0; l < layers_.size(); ++l) {
+        if (!layers_[l].registered || !std::equal(cls.key, cls.key + kParts, layers_[l].bytes)) continue;
+        ++layers;
+        if (layer_share(layers_, cls, cls.cap, l) == 0 && empty++ == 0) first = l;
+    }
+    if (empty == 0) return;
+    auto every_layer_has_a_slot = [&](uint64_t cap) {
+        for (uint32_t l = 0; l < layers_.size(); ++l)
+            if (layers_[l].registered && std::equal(cls.key, cls.key + kParts, layers_[l].bytes) &&
+                layer_share(layers_, cls, cap, l) == 0)
+                return false;
+        return true;
+    };
+    uint64_t enough = layers;  // one slot per layer, more where the layers' expert counts differ
+    while (enough < 4ull * layers && !every_layer_has_a_slot(enough)) ++enough;
+    log_(EXPCACHE_LOG_WARNING,
+         "class %d %s: partition layer splits its cap of %llu experts over %u layers and leaves %u of them (layer "
+         "%u first) a share of 0: their misses are loaded directly and never cached; give the class a cap of at "
+         "least %llu experts (a larger budget) or use partition global",
+         c, name(cls).c_str(), (unsigned long long)cls.cap, layers, empty, first, (unsigned long long)enough);
 }
 
 // Runtime cap = target, limited by free device memory minus the reserve and

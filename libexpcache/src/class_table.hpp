@@ -139,6 +139,7 @@ private:
     std::string zero_target_reason(const ClassState& cls) const;
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");
+    void warn_empty_shares(int32_t c) const;
     expcache_status_t grow(int32_t c, uint32_t path);
     expcache_status_t reserve_bank(int32_t c, uint32_t path);
 
