@@ -273,6 +273,75 @@ def test_graph_decoder_decodes_a_batch(device):
     assert total.misses > 0 and total.hits > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_decoder_captures_a_model_with_eager_masks_and_sliding_layers(device):
+    """GPT-OSS: eager attention (its sinks), every other layer a sliding window of 16. The decoder
+    makes the step's masks on the device (transformers' eager masks copy a host scalar to the
+    GPU, which a capture refuses, and its sliding masks read a host count fixed at the capture):
+    captured on CUDA, the tokens are generate()'s, and offloaded its logits are the unmodified
+    decoder's."""
+    model = tiny_model("gpt_oss", device=device)
+    assert model.config._attn_implementation == "eager" and "sliding_attention" in model.config.layer_types
+    prompt = torch.tensor([[5, 17, 33]])
+    tokens, _ = greedy(model, prompt=prompt.tolist(), new_tokens=12)
+    decoder = GraphDecoder(model, max_len=16)  # prompt and new tokens within the window
+    want, want_logits = decoder.generate(prompt, 12, output_logits=True)
+    assert decoder.captured == (device == "cuda")
+    assert torch.equal(want.cpu(), tokens.cpu())
+    with offload(model, budget_fraction=0.5):
+        served = GraphDecoder(model, max_len=16)
+        got, got_logits = served.generate(prompt, 12, output_logits=True)
+        assert served.captured == (device == "cuda")
+    assert torch.equal(got, want)
+    assert torch.equal(got_logits, want_logits)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])  # eager and sliding layers; sdpa
+def test_graph_decoder_makes_the_masks_transformers_makes(family):
+    """The step's masks, made on the device from the decoder's position, are the ones transformers'
+    masking functions make from the cache at that step: the same values (eager: 0 and the dtype's
+    minimum; sdpa: booleans) for full and sliding attention layers."""
+    from transformers import masking_utils
+
+    model = tiny_model(family)
+    decoder = GraphDecoder(model, max_len=16)
+    decoder.generate(torch.tensor([[5, 17, 33]]), 4)  # the cache holds 6 positions; the step is at 6
+    assert decoder.position.item() == 6
+    embeds = model.get_input_embeddings()(decoder.token)
+    arguments = dict(config=model.config, inputs_embeds=embeds, attention_mask=None,
+                     position_ids=decoder.position.view(1, -1), **{decoder._kv_name: decoder.kv})
+    ours = decoder._step_mask()
+    assert ours is not None and ours.shape == (1, 1, 1, 16)
+    theirs = [masking_utils.create_causal_mask(**arguments)]
+    if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+        theirs.append(masking_utils.create_sliding_window_causal_mask(**arguments))
+    for mask in theirs:
+        assert mask.dtype == ours.dtype and torch.equal(mask, ours)
+
+
+def test_graph_decoder_refuses_a_step_it_cannot_capture_with_the_reason():
+    """Checked before capturing (on CUDA, when the decoder is made): a sliding window shorter than
+    max_len (transformers stores each new position of such a layer by a host count, which replays
+    cannot follow), and eager attention over layers whose masks the decoder does not make."""
+    from pyexpcache.hf import _graph
+
+    model = tiny_model("gpt_oss")  # sliding window 16
+    decoder = GraphDecoder(model, max_len=32)  # on the CPU: decodes eagerly, nothing refused
+    problem = _graph._capture_problem(model, decoder.kv, 32)
+    assert problem.startswith("layer 0's static KV cache keeps the last 16 positions (a sliding or chunked window)")
+    assert "use max_len <= 16, or capture=False" in problem
+    assert _graph._capture_problem(model, GraphDecoder(model, max_len=16).kv, 16) is None
+    qwen = tiny_model("qwen3_moe")
+    qwen.config._attn_implementation = "eager"
+    qwen.config.layer_types = ["full_attention", "linear_attention", "full_attention"]
+    problem = _graph._capture_problem(qwen, GraphDecoder(tiny_model("qwen3_moe"), max_len=16).kv, 16)
+    assert "eager attention masks are made by transformers with a host scalar" in problem
+    if CUDA_OK and torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"GraphDecoder cannot capture GptOssForCausalLM's decode step: layer 0's "
+                                             r"static KV cache keeps the last 16 positions"):
+            GraphDecoder(tiny_model("gpt_oss", device="cuda"), max_len=32)
+
+
 def test_graph_decoder_refuses_bad_arguments():
     model = tiny_model("qwen3_moe")
     with pytest.raises(ValueError, match="max_len must be an int >= 2"):
@@ -354,13 +423,13 @@ def test_edited_expert_weights_are_served_after_refresh(edit, device):
         for module, name, new in _edited_weights(reference):
             getattr(module, name).copy_(new)
     want_tokens, want_logits = greedy(reference, prompt=[[5]])
-    want_decoded = GraphDecoder(reference, max_len=32).generate(torch.tensor([[7]]), NEW_TOKENS)
+    want_decoded = GraphDecoder(reference, max_len=16).generate(torch.tensor([[7]]), NEW_TOKENS)  # its window: 16
 
     model = tiny_model("gpt_oss", device=device)
     tokens, _ = greedy(model, prompt=[[5]])
     assert not torch.equal(tokens, want_tokens)  # the edit changes the tokens
     with offload(model, budget_fraction=0.5) as handle:
-        decoder = GraphDecoder(model, max_len=32)
+        decoder = GraphDecoder(model, max_len=16)
         decoder.generate(torch.tensor([[7]]), NEW_TOKENS)  # captured on CUDA, with experts resident
         with torch.no_grad():
             for module, name, new in _edited_weights(model):

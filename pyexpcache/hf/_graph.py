@@ -8,6 +8,38 @@ from typing import Optional
 import torch
 
 
+#: The layer types whose decode-step mask GraphDecoder makes itself: causal over the static cache
+#: (a sliding or chunked window no shorter than max_len masks nothing more).
+_MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: The attention implementations whose masks it makes: sdpa's booleans and eager's 0 / finfo.min.
+_MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def _capture_problem(model, kv, max_len: int) -> Optional[str]:
+    """Why ``model``'s decode step over the static cache ``kv`` cannot be captured in a CUDA graph,
+    or None."""
+    for i, layer in enumerate(kv.layers):
+        window = getattr(layer, "max_cache_len", max_len)
+        if getattr(layer, "is_sliding", False) and window < max_len:
+            return (f"layer {i}'s static KV cache keeps the last {window} positions (a sliding or chunked window), and "
+                    "transformers chooses on the host how it stores each new one (a Python count), which the replays "
+                    f"of a captured step cannot follow past {window} positions: use max_len <= {window}, or "
+                    "capture=False to decode eagerly")
+    if model.config._attn_implementation == "eager" and not _makes_step_mask(model, kv, max_len):
+        return ("its eager attention masks are made by transformers with a host scalar that torch copies to the GPU "
+                "(torch.where with a Python number), which a capture refuses, and GraphDecoder makes them itself only "
+                f"for {', '.join(_MASKED_LAYER_TYPES)} layers: load the model with attn_implementation=\"sdpa\", or "
+                "use capture=False")
+    return None
+
+
+def _makes_step_mask(model, kv, max_len: int) -> bool:
+    """Whether the decoder makes the step's attention mask itself (see GraphDecoder)."""
+    types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    return (model.config._attn_implementation in _MASKED_IMPLEMENTATIONS and set(types) <= set(_MASKED_LAYER_TYPES)
+            and all(getattr(layer, "max_cache_len", max_len) >= max_len for layer in kv.layers))
+
+
 class GraphDecoder:
     """Greedy decoding of a transformers causal LM with a static KV cache, each decode step one
     CUDA graph replay: the forward of one token per row (every layer; the experts served from
@@ -22,6 +54,18 @@ class GraphDecoder:
     The capture is made once per decoder, by the first ``generate``; later calls (with the same
     batch size) replay it. The capture costs one more step and one more forward of the prompt
     (see :meth:`generate`), whose expert selects count in the cache's stats.
+
+    The step's attention mask is made by the decoder, on the device from the step's position
+    (for sdpa and eager attention over full, sliding and chunked attention layers: causal over
+    the static cache, the values transformers makes), so a replay masks by its own position.
+    transformers' own masks would be fixed at the capture where they read a host count (a
+    sliding layer's), and its eager masks copy a host scalar to the GPU, which a capture refuses.
+
+    Raises:
+        ValueError: on CUDA with ``capture``, a step that cannot be captured, with the reason: a
+            sliding or chunked window shorter than ``max_len`` (transformers stores each new
+            position of such a layer by a host count), or eager attention over layers whose mask
+            the decoder does not make. ``capture=False`` decodes such a model eagerly.
     """
 
     def __init__(self, model, max_len: int, *, batch: int = 1, capture: bool = True):
@@ -42,21 +86,47 @@ class GraphDecoder:
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self._logits: Optional[torch.Tensor] = None
+        if self.capture and self.device.type == "cuda":
+            problem = _capture_problem(model, self.kv, max_len)
+            if problem is not None:
+                raise ValueError(f"GraphDecoder cannot capture {type(model).__name__}'s decode step: {problem}")
+        # The step's mask (see the class): the cache's positions, and eager's two values, on the device.
+        self._mask_positions = None
+        if _makes_step_mask(model, self.kv, max_len):
+            self._mask_positions = torch.arange(max_len, device=self.device)
+            if model.config._attn_implementation == "eager":
+                dtype = model.get_input_embeddings().weight.dtype
+                self._mask_values = (torch.zeros((), dtype=dtype, device=self.device),
+                                     torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device))
+            else:
+                self._mask_values = None
 
     @property
     def captured(self) -> bool:
         return self.graph is not None
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask=None):
         """The model's forward at ``positions`` [L], writing the KV cache. The cache tracks its own
         length on the device (it decides where keys are written); the positions given agree with it."""
         kwargs = {self._kv_name: self.kv, "position_ids": positions.view(1, -1).expand(input_ids.shape[0], -1)}
         if self._takes_cache_position:  # transformers before the cache tracked its length
             kwargs["cache_position"] = positions
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         return self.model(input_ids=input_ids, use_cache=True, **kwargs)
 
+    def _step_mask(self) -> Optional[torch.Tensor]:
+        """The step's attention mask [B, 1, 1, max_len] (see the class), made on the device from
+        ``position``: the cache's positions up to it attend. None where the model makes its own."""
+        if self._mask_positions is None:
+            return None
+        mask = self._mask_positions <= self.position
+        if self._mask_values is not None:  # eager: 0 where a position attends, the dtype's minimum elsewhere
+            mask = torch.where(mask, *self._mask_values)
+        return mask.view(1, 1, 1, -1).expand(self.batch, 1, 1, -1)
+
     def _step(self) -> torch.Tensor:
-        logits = self._forward(self.token, self.position).logits[:, -1, :]
+        logits = self._forward(self.token, self.position, self._step_mask()).logits[:, -1, :]
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.position.add_(1)
         return logits
