@@ -10,6 +10,11 @@ bank by slot id (``expcache_testing_bank_checksum_async``, the memory-bound floo
 GEMVs, whose sums are checked against the source after each token, outside the timing). A token's
 time runs from its ids' copy to the end of a synchronize after the replay.
 
+A trace may lack records (a token not logged at some layer, traces of different layers): a
+missing (token, layer) record is no select, as in the C loop. The step is then one per set of
+layers the tokens have records of, captured after the first token with that set runs it eagerly
+(untimed, as the first token of a complete trace), and replayed for the later tokens with it.
+
 Side by side in one run, with the same budget, LRU and layers: the C loop serving each layer with
 the host select (``expcache_select_async``; the ids on the host), the same non-expert work and the
 same reading kernel (the checksum over the served addresses). Both caches evict by LRU with the
@@ -33,6 +38,7 @@ import numpy as np
 from .. import options
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT
 from ..report import DecodeRate, HitRate, Report, share, timed
+from ...traces import MISSING
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 from .torch_loop import LOOP
 
@@ -90,30 +96,26 @@ class GraphLoopResult(DecodeRate, HitRate):
 
 
 def _steps(bench, loaded) -> tuple[np.ndarray, list[int]]:
-    """Every token's ids ([tokens, layers, k] int32, the loaded traces one after another) and the
-    model layers of the second axis: the layout's MoE layers the traces route. ValueError for
-    traces a captured step cannot replay (a missing record, layers or k that differ between traces)."""
+    """Every token's ids ([tokens, layers, k] int32, the loaded traces one after another, rows of
+    ``MISSING`` where a token has no record of a layer) and the model layers of the second axis:
+    every MoE layer of the layout that some trace routes. ValueError for traces of different k,
+    or traces that route none of the layout's MoE layers."""
     moe = set(bench.layout.moe_layers)
-    rows, layers = [], None
-    for trace in loaded:
-        if not trace.complete:
-            raise ValueError(f"trace {trace.name} misses {trace.missing_records} (token, layer) records: a captured "
-                             "step replays the same layers every token (the variants table replays incomplete "
-                             "traces)")
-        keep = [i for i, layer in enumerate(trace.layers) if layer in moe]
-        these = [trace.layers[i] for i in keep]
-        if layers is None:
-            layers = these
-        elif these != layers:
-            raise ValueError(f"trace {trace.name} routes layers {these[0]}-{these[-1]}, the first trace "
-                             f"{layers[0]}-{layers[-1]}: one captured step serves one set of layers")
-        rows.append(trace.ids[:, keep, :])
+    layers = sorted({layer for trace in loaded for layer in trace.routed_layers if layer in moe})
     if not layers:
         raise ValueError(f"the traces route none of layout {bench.layout.name}'s MoE layers")
-    ks = {r.shape[2] for r in rows}
+    ks = {trace.k for trace in loaded}
     if len(ks) != 1:
         raise ValueError(f"the traces route different numbers of experts per layer ({sorted(ks)})")
-    return np.ascontiguousarray(np.concatenate(rows), dtype=np.int32), layers
+    k = ks.pop()
+    rows = []
+    for trace in loaded:
+        out = np.full((trace.num_tokens, len(layers), k), MISSING, np.int32)
+        for j, layer in enumerate(layers):
+            if layer in trace.layers:
+                out[:, j] = trace.ids[:, layer - trace.first_layer]
+        rows.append(out)
+    return np.ascontiguousarray(np.concatenate(rows)), layers
 
 
 class _DeviceArrays:
@@ -201,7 +203,7 @@ def _sync(bench) -> None:
         _cuda.check(_cuda.runtime().cudaStreamSynchronize(bench.stream), "cudaStreamSynchronize")
 
 
-def _c_loop(bench, workload, num_layers: int, compute_ns: int, link: float) -> GraphLoopResult:
+def _c_loop(bench, workload, compute_ns: int, link: float) -> GraphLoopResult:
     """The C loop with the host select (LRU), the same non-expert work per layer."""
     from .. import replay as _replay
 
@@ -215,7 +217,7 @@ def _c_loop(bench, workload, num_layers: int, compute_ns: int, link: float) -> G
                            decode_seconds=out.decode_seconds, served_tokens=workload.decode_tokens,
                            hits=decode.hits, misses=decode.misses,
                            bytes_h2d=out.decode_bytes_h2d, link_bytes_per_s=link,
-                           compute_seconds=workload.decode_tokens * num_layers * compute_ns * 1e-9,
+                           compute_seconds=len(workload.calls) * compute_ns * 1e-9,
                            checksum_errors=out.checksum_errors, experts_checked=out.experts_checked)
 
 
@@ -231,7 +233,7 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     if bench.is_cuda and not bench.pinned:
         raise ValueError("the graph loop's device select reads the experts from pinned memory: use --source pinned")
     progress = progress or bench.progress
-    loaded = [decode_trace(t, bench.layout) for t in traces]  # parsed once: the graph's ids and the C loop's calls
+    loaded = [decode_trace(t, bench.layout) for t in traces]  # parsed once: the graph's ids, the C loop's calls
     ids, layers = _steps(bench, loaded)
     tokens, num_layers, k = ids.shape
     if tokens < 2:
@@ -240,15 +242,15 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     link = bench.measure_link()
     report = Report("graph", "graph loop", **bench.report_header(), traces=[trace_label(t) for t in traces],
                     link_bytes_per_s=link.bytes_per_s, link_label=link.label,
-                    settings=dict(compute_us=compute_us, policy="lru", layers=f"{layers[0]}-{layers[-1]}", k=k,
+                    settings=dict(compute_us=compute_us, policy="lru", layers=options.ranges(layers), k=k,
                                   capture=bench.is_cuda))
     if c_loop:
-        report.results.append(_c_loop(bench, decode_workload(loaded, layers), num_layers, compute_ns,
-                                      link.bytes_per_s))
+        report.results.append(_c_loop(bench, decode_workload(loaded, layers), compute_ns, link.bytes_per_s))
 
     arrays = _DeviceArrays(bench.is_cuda, bench.device)
-    graph = all_hit = None
+    graphs: list[_Graph] = []
     stream = bench.stream
+    present = ids[:, :, 0] >= 0  # [tokens, layers]: the records a token has
     try:
         with bench.make_cache(budget_bytes=bench.budget_bytes, lookup="device", log_level=1,
                               **bench.cache_options) as cache:
@@ -270,70 +272,93 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
                 _cuda.check(rt.cudaMemcpyAsync(cur, all_ids + t * step_bytes, step_bytes,
                                                rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync")
 
-            def step() -> None:
-                for i, layer in enumerate(layers):
-                    if compute_ns:
-                        with cache.raw_handle() as handle:
-                            _lib.lib.expcache_testing_spin_async(handle, stream or None, compute_ns)
-                    cache.select_device(layer, cur_views[i], stream=stream, out=slot_views[i])
-                    testing.bank_checksum_async(cache, layer, slot_views[i], first=i * k, stream=stream)
+            def step_of(rows: tuple[int, ...]) -> Callable[[], None]:
+                """A token's step over the layers (indices into ``layers``) it has records of: a
+                missing record is no select, as in the C loop."""
+                def step() -> None:
+                    for i in rows:
+                        if compute_ns:
+                            with cache.raw_handle() as handle:
+                                _lib.lib.expcache_testing_spin_async(handle, stream or None, compute_ns)
+                        cache.select_device(layers[i], cur_views[i], stream=stream, out=slot_views[i])
+                        testing.bank_checksum_async(cache, layers[i], slot_views[i], first=i * k, stream=stream)
+                return step
 
-            expected = np.stack([bench.expected[layer][ids[:, i, :]] for i, layer in enumerate(layers)], axis=1)
-            result = GraphLoopResult("graph loop, select_device", decode_tokens=tokens - 1, served_tokens=tokens,
-                                     link_bytes_per_s=link.bytes_per_s,
-                                     compute_seconds=(tokens - 1) * num_layers * compute_ns * 1e-9)
+            expected = np.stack([bench.expected[layer][np.maximum(ids[:, i, :], 0)]
+                                 for i, layer in enumerate(layers)], axis=1)
+            result = GraphLoopResult("graph loop, select_device", served_tokens=tokens,
+                                     link_bytes_per_s=link.bytes_per_s)
             first_bad = None
 
-            def verify(t: int) -> None:
+            def verify(t: int, rows: tuple[int, ...]) -> None:
                 nonlocal first_bad
-                got = testing.checksum_results(cache, 0, num_layers * k).reshape(num_layers, k)
-                bad = got != expected[t]
+                got = testing.checksum_results(cache, 0, num_layers * k).reshape(num_layers, k)[list(rows)]
+                bad = got != expected[t, list(rows)]
                 result.experts_checked += got.size
                 if bad.any():
                     result.checksum_errors += int(bad.sum())
                     if first_bad is None:
                         i, j = np.argwhere(bad)[0]
-                        first_bad = (t, layers[i], int(ids[t, i, j]))
+                        first_bad = (t, layers[rows[i]], int(ids[t, rows[i], j]))
 
-            # Token 0, eagerly: binds every layer's class (its bank) and makes the kernels' scratch.
-            put_token(0)
-            step()
-            _sync(bench)
-            verify(0)
-            if bench.is_cuda:
-                graph = _Graph(stream, step)
-            run = graph.launch if graph is not None else step
-            before = cache.stats().path("device")
+            # One step per set of layers the tokens have records of (one set for a complete trace),
+            # made when a token first has it: that token runs it eagerly, untimed (binding the
+            # layers' classes, their banks and the kernels' scratch), then it is captured in a graph
+            # (on the host backend it runs eagerly every time) and replayed for the later tokens.
+            steps: dict[tuple[int, ...], Callable[[], None]] = {}
+            untimed_bytes = 0
             perf = time.perf_counter
-            for t in range(1, tokens):
+            for t in range(tokens):
+                rows = tuple(np.flatnonzero(present[t]).tolist())
+                if rows not in steps:
+                    before = cache.stats().path("device").bytes_h2d
+                    step = step_of(rows)
+                    put_token(t)
+                    step()
+                    _sync(bench)
+                    verify(t, rows)
+                    untimed_bytes += cache.stats().path("device").bytes_h2d - before
+                    if bench.is_cuda and rows:
+                        graphs.append(_Graph(stream, step))
+                        step = graphs[-1].launch
+                    steps[rows] = step
+                    continue
                 t0 = perf()
                 put_token(t)
-                run()
+                steps[rows]()
                 _sync(bench)
                 result.decode_seconds += perf() - t0
-                verify(t)
+                result.decode_tokens += 1
+                result.compute_seconds += len(rows) * compute_ns * 1e-9
+                verify(t, rows)
                 if t % PROGRESS_EVERY == 0 or t + 1 == tokens:
                     progress("graph loop", t, tokens - 1)
             after = cache.stats().path("device")
             result.hits, result.misses = after.hits, after.misses
-            result.bytes_h2d = after.bytes_h2d - before.bytes_h2d
+            result.bytes_h2d = after.bytes_h2d - untimed_bytes
             totals = (after.hits, after.misses)
             report.results.append(result)
+            report.settings["steps"] = len(steps)
             if first_bad is not None:
                 t, layer, e = first_bad
                 print(f"CHECKSUM MISMATCH: graph loop: {result.checksum_errors} experts differ from the source "
                       f"(first at token {t}: layer {layer}, expert {e})", file=sys.stderr)
 
-            # The all-hit select: the last token's ids, resident now, one select per layer.
+            # The all-hit select: the last token's ids, resident now, one select per layer it has.
+            last = int(np.flatnonzero(present.any(axis=1))[-1])
+            rows = tuple(np.flatnonzero(present[last]).tolist())
+            if last != tokens - 1:
+                put_token(last)
+
             def selects() -> None:
-                for i, layer in enumerate(layers):
-                    cache.select_device(layer, cur_views[i], stream=stream, out=slot_views[i])
+                for i in rows:
+                    cache.select_device(layers[i], cur_views[i], stream=stream, out=slot_views[i])
 
             selects()
             _sync(bench)
             if bench.is_cuda:
-                all_hit = _Graph(stream, selects)
-            go = all_hit.launch if all_hit is not None else selects
+                graphs.append(_Graph(stream, selects))
+            go = graphs[-1].launch if bench.is_cuda else selects
             go()
             _sync(bench)
             misses_before = cache.stats().path("device").misses
@@ -344,14 +369,13 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
             seconds = perf() - t0
             if cache.stats().path("device").misses != misses_before:
                 raise RuntimeError("the all-hit selects missed: the budget cannot hold one token's experts")
-            report.settings["all_hit_select_us"] = 1e6 * seconds / (ALL_HIT_REPLAYS * num_layers)
+            report.settings["all_hit_select_us"] = 1e6 * seconds / (ALL_HIT_REPLAYS * len(rows))
             report.settings["same_hits_as_c_loop"] = (
                 None if not c_loop else
                 totals == (report.results[0].hits, report.results[0].misses))
     finally:
-        for g in (graph, all_hit):
-            if g is not None:
-                g.close()
+        for g in graphs:
+            g.close()
         arrays.close()
     return report
 
@@ -376,7 +400,11 @@ def run(bench, args) -> Iterator[Report]:
 
 def describe(report: Report) -> list[str]:
     st = report.settings
+    sets = st.get("steps", 1)
     capture = "captured once in a CUDA graph, replayed per token" if st["capture"] else "run eagerly (host backend)"
+    if sets > 1:
+        capture += (f"; {sets} steps, one per set of layers the tokens have records of (a missing record selects "
+                    "nothing; each set's first token untimed)")
     same = st.get("same_hits_as_c_loop")
     lines = [f"policy lru; layers {st['layers']}, k {st['k']}; {st['compute_us']:g} µs of non-expert work per layer; "
              f"each token's step {capture}",

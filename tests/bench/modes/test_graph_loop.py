@@ -11,7 +11,8 @@ import pytest
 from pyexpcache import ModelLayout
 from pyexpcache import bench
 from pyexpcache.bench.modes import graph_loop
-from pyexpcache.traces import Trace
+from pyexpcache.traces import MISSING, Trace, synthetic_trace
+from support.cache import CUDA_OK, CUDA_REASON
 
 
 @pytest.fixture
@@ -34,11 +35,62 @@ def test_same_hits_as_the_c_loop_and_every_expert_checked(host_bench):
     assert any("hits and misses equal" in line for line in graph_loop.describe(report))
 
 
-def test_refuses_a_trace_with_missing_records(host_bench):
-    ids = np.zeros((3, 40, 6), np.int32)
-    ids[:, :, :] = np.arange(6)
-    ids[1, 5, :] = -1  # no record of token 1 at layer 8
-    trace = Trace("holes", ids=ids, weights=None, first_layer=3, positions=np.arange(3))
-    with pytest.raises(ValueError, match="misses 1 .* records: a captured step replays the same layers"):
-        graph_loop.run_graph_loop(host_bench, traces=[trace])
+def holed(first_layer: int = 3, layers: int = 40, tokens: int = 24, seed: int = 4) -> Trace:
+    """A DeepSeek-shaped synthetic trace with records missing: token 0 lacks two layers, the last
+    token its last ten, others a layer here and there (the same layer twice in a row at one point)."""
+    t = synthetic_trace(tokens, layers, 256, 6, seed=seed, first_layer=first_layer)
+    ids = t.ids.copy()
+    ids[0, [1, 7]] = MISSING
+    ids[-1, layers - 10:] = MISSING
+    for token, layer in ((3, 5), (4, 5), (9, 0), (15, 22), (16, 39)):
+        ids[token, layer] = MISSING
+    return Trace(f"holed{seed}", ids, None, first_layer, t.positions, 256)
 
+
+def test_replays_a_trace_with_missing_records(host_bench):
+    """A missing (token, layer) record is no select in that token's step, as in the C loop: the same
+    hits, every expert of the records there checked. A step per set of layers a token has, each run
+    once outside the timing (the first token of that set) before it is replayed."""
+    trace = holed()
+    report = graph_loop.run_graph_loop(host_bench, traces=[trace])
+    c_loop, graph = report.results
+    assert report.settings["same_hits_as_c_loop"] is True and graph.misses > 0
+    assert graph.checksum_errors == c_loop.checksum_errors == 0
+    assert graph.experts_checked == c_loop.experts_checked == trace.num_requests
+    patterns = {tuple(row) for row in trace.present}
+    assert graph.served_tokens == trace.num_tokens
+    assert graph.decode_tokens == trace.num_tokens - len(patterns)  # each set's first token runs untimed
+    assert report.settings["steps"] == len(patterns)
+
+
+def test_replays_traces_of_different_layers(host_bench):
+    """Two traces routing different layers (3-42, then 10-42) and one with a layer no token routes:
+    one step's layers are every layer routed, each token selecting those it has."""
+    a, b = holed(seed=5), synthetic_trace(8, 33, 256, 6, seed=6, first_layer=10, name="from10")
+    report = graph_loop.run_graph_loop(host_bench, traces=[a, b])
+    c_loop, graph = report.results
+    assert report.settings["same_hits_as_c_loop"] is True and report.settings["layers"] == "3-42"
+    assert graph.experts_checked == c_loop.experts_checked == a.num_requests + b.num_requests
+    assert graph.checksum_errors == 0
+
+
+def test_refuses_traces_of_different_k(host_bench):
+    a, b = synthetic_trace(4, 40, 256, 6, first_layer=3), synthetic_trace(4, 40, 256, 4, first_layer=3)
+    with pytest.raises(ValueError, match=r"different numbers of experts per layer \(\[4, 6\]\)"):
+        graph_loop.run_graph_loop(host_bench, traces=[a, b])
+
+
+@pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON or "no CUDA device")
+def test_replays_missing_records_in_captured_graphs_on_cuda():
+    """The same on the GPU: a graph captured per set of layers, replayed for the tokens that have it."""
+    layout = ModelLayout.preset("q2", scale=4096)
+    b = bench.Bench(layout, backend="cuda", pinned=True, budget_bytes=(12 << 30) // 4096)
+    try:
+        trace = holed()
+        report = graph_loop.run_graph_loop(b, traces=[trace])
+        c_loop, graph = report.results
+        assert report.settings["capture"] is True and report.settings["same_hits_as_c_loop"] is True
+        assert graph.checksum_errors == 0 and graph.experts_checked == trace.num_requests
+        assert report.settings["steps"] == len({tuple(row) for row in trace.present})
+    finally:
+        b.close()
