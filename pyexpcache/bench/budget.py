@@ -56,6 +56,9 @@ def class_info(layout: ModelLayout, budget_bytes: int) -> list:
     library makes it at ``budget_bytes``: its :class:`~pyexpcache.stats.ClassInfo` (slot bytes,
     the experts the budget gives it). Nothing is allocated for the experts."""
     keys = list(layout.classes())
+    if len(keys) > _lib.MAX_CLASSES_LIMIT:
+        raise ValueError(f"layout {layout.name} has {len(keys)} size classes, more than a cache holds at once "
+                         f"({_lib.MAX_CLASSES_LIMIT})")
     with ExpertCache(layout, _Placements(layout), budget_bytes=budget_bytes, max_classes=max_classes(layout),
                      backend="host", log_level=0, copy_threads=0) as cache:
         for layers in layout.classes().values():
@@ -176,8 +179,8 @@ def resolve_budget(layout: ModelLayout, budget_bytes=None, budget_fraction: Opti
     expert of every class of the full-size layout (:func:`smallest_budget`)."""
     if budget_fraction is None:
         if budget_bytes is None:
-            return int(DEFAULT_BUDGET_BYTES / scale)
-        budget = int(budget_bytes / scale)
+            return DEFAULT_BUDGET_BYTES // scale
+        budget = budget_bytes // scale if isinstance(budget_bytes, int) else int(budget_bytes / scale)
         if budget > 0:
             return budget
         given, name = budget_bytes / bytes_unit if bytes_unit != 1 else budget_bytes, names[0]
