@@ -424,7 +424,8 @@ def test_the_layer_rules_of_real_llama4_and_jamba_configs():
                                               r"does not implement it; a layout file describes the model"),
     (dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"] * 2),
      r"layers_block_type: Nemotron-H's block types .*experts, which have no gate"),
-    (dict(pyramid_num_routed=[-1, 4, 8, 12, 16, 20, 24, 28]), r"pyramid_num_routed: dots.llm3's routed experts per layer"),
+    (dict(pyramid_num_routed=[-1, 4, 8, 12, 16, 20, 24, 28]),
+     r"pyramid_num_routed: dots.llm3's routed experts per layer"),
     (dict(per_layer_config={"3": {"num_experts": 2}}), r"per_layer_config: per-layer overrides of num_experts"),
     (dict(num_experts=[4] * 8), r"num_experts: a list, one value per layer \(the routed experts per layer\), which "
                                 r"this reader does not implement"),

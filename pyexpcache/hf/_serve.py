@@ -179,8 +179,9 @@ class InferenceOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise RuntimeError(f"{ctx.name}: the experts served by expcache are inference-only: their weights (gate_up_proj, "
-                           "down_proj) get no gradient, the product reading the cache's copies of them. Freeze them "
+        raise RuntimeError(f"{ctx.name}: the experts served by expcache are inference-only: their weights "
+                           "(gate_up_proj, down_proj) get no gradient, the product reading the cache's copies of them. "
+                           "Freeze them "
                            "to train the rest of the model (for e in pyexpcache.hf.find_experts(model): "
                            "e.first.requires_grad_(False); e.down.requires_grad_(False): the router, the biases and "
                            "everything else get their gradients), or close the handle to train the experts")
