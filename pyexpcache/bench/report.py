@@ -173,7 +173,7 @@ def table_notes(report: Report, table: str) -> list[str]:
     if host:
         notes.append("host backend: the (emulated) columns are host emulation, not GPU measurements: host memory "
                      "stands in for the device's and a memcpy for the link, so they do not rank the rows as a GPU "
-                     "would; the hit rates are the GPU's")
+                     "would; the hits and misses are the GPU's")
     if OVER_BOUND in table:
         notes.append(f"{OVER_BOUND} above 100 %: " + (
             "the emulated link (a memcpy rate measured once, on one expert's bytes, before the run) is no bound on "
