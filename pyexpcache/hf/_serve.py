@@ -222,6 +222,10 @@ class LayerServer:
         self.by_expert = by_expert_id(inner, self) if torch.device(device).type == "cpu" else None
         self.experts_by_id = BankExperts(module, self.first, self.down, int(first.shape[0]), None)
         self.expert_slots: list[int] = []
+        # The biases' tensors where the model computes: a graph captured with them reads these.
+        self.bias_tensors = {name: getattr(module, name).data for name in ("gate_up_proj_bias", "up_proj_bias",
+                                                                             "down_proj_bias")
+                             if isinstance(getattr(module, name, None), torch.Tensor)}
         self.remember_weights(module)
 
     def remember_weights(self, module: torch.nn.Module) -> None:
