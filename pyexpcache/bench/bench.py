@@ -20,7 +20,7 @@ from ..source import HostSource
 from . import link
 # DEFAULT_BUDGET_BYTES and resolve_budget are re-exported: pyexpcache.hf and the modes import them here.
 from .budget import (  # noqa: F401
-    DEFAULT_BUDGET_BYTES, class_info, max_classes, resolve_budget, scaled_budget, unscaled)
+    DEFAULT_BUDGET_BYTES, class_info, resolve_budget, scaled_budget, unscaled)
 from .link import Link
 from .progress import Progress
 from .report import made_by
@@ -153,12 +153,6 @@ class Bench:
                     host_scale=self.scale, full_budget_bytes=self.full_budget_bytes if self.scale != 1 else None,
                     **made_by())
 
-    @property
-    def max_classes(self) -> int:
-        """The ``max_classes`` of the bench's caches: the layout's size classes (at most the
-        library's limit), so that no class is released for another."""
-        return max_classes(self.layout)
-
     def full_slot_bytes(self) -> list[int]:
         """The slot bytes of each size class of the full-size layout (the library's)."""
         return [c.slot_bytes for c in class_info(self.full_layout, self.full_budget_bytes)]
@@ -179,11 +173,10 @@ class Bench:
     # -- variants --------------------------------------------------------------
     def make_cache(self, **kwargs) -> ExpertCache:
         """A new :class:`~pyexpcache.ExpertCache` over the bench's layout and source, on its backend
-        and device, with the bench's reserve unless ``reserve_bytes`` is given, and room for every
-        size class of the layout unless ``max_classes`` is given; ``kwargs`` go to ExpertCache (the
-        log level defaults to notices)."""
+        and device, with the bench's reserve unless ``reserve_bytes`` is given; ``kwargs`` go to
+        ExpertCache (the log level defaults to notices; ``max_classes`` to ExpertCache's, every size
+        class of the layout)."""
         kwargs.setdefault("log_level", _lib.LOG_NOTICE)
-        kwargs.setdefault("max_classes", self.max_classes)
         if self.reserve_bytes is not None:
             kwargs.setdefault("reserve_bytes", self.reserve_bytes)
         return ExpertCache(self.layout, self.source, backend=self.backend, device=self.device, **kwargs)

@@ -45,12 +45,6 @@ class _Placements:
         return LayerPlacement((_NOWHERE,) * 3, spec.class_key, spec.class_key)
 
 
-def max_classes(layout: ModelLayout) -> int:
-    """The ``max_classes`` a cache of ``layout`` needs to hold every size class at once (at
-    most the library's limit)."""
-    return min(len(layout.classes()), _lib.MAX_CLASSES_LIMIT)
-
-
 def class_info(layout: ModelLayout, budget_bytes: int) -> list:
     """Each size class of ``layout`` (in :meth:`~pyexpcache.ModelLayout.classes` order) as the
     library makes it at ``budget_bytes``: its :class:`~pyexpcache.stats.ClassInfo` (slot bytes,
@@ -59,8 +53,9 @@ def class_info(layout: ModelLayout, budget_bytes: int) -> list:
     if len(keys) > _lib.MAX_CLASSES_LIMIT:
         raise ValueError(f"layout {layout.name} has {len(keys)} size classes, more than a cache holds at once "
                          f"({_lib.MAX_CLASSES_LIMIT})")
-    with ExpertCache(layout, _Placements(layout), budget_bytes=budget_bytes, max_classes=max_classes(layout),
-                     backend="host", log_level=0, copy_threads=0) as cache:
+    # ExpertCache's max_classes holds every size class of the layout.
+    with ExpertCache(layout, _Placements(layout), budget_bytes=budget_bytes, backend="host", log_level=0,
+                     copy_threads=0) as cache:
         for layers in layout.classes().values():
             cache.layer_class(layers[0])
         found = {c.key: c for c in cache.classes()}

@@ -205,7 +205,7 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
             if rt is not None:
                 _cuda.check(rt.cudaSetDevice(bench.device), "cudaSetDevice")
             place = _placement(bench.layout, len(devs), placement, workload.calls)
-            options = dict(bench.cache_options, max_classes=bench.max_classes)
+            options = dict(bench.cache_options)
             if bench.reserve_bytes is not None:
                 options.setdefault("reserve_bytes", bench.reserve_bytes)
             result = DevicesResult(name, len(devs), budget, decode_tokens=workload.decode_tokens)
