@@ -235,7 +235,9 @@ def graph_main(a, model, layout, budget, on_cuda, device) -> int:
         _, _, ref_graph_s = run_graph_steps(GraphStep(model, a, device, resident), a, on_cuda, capture=True)
         rows.append(("resident, one CUDA graph", ref_graph_s))
 
-    source = TorchHostSource(layout, model.host, model.pinned)
+    # A device select reads pinned memory; the host backend emulates page-locking, so there the
+    # tensors count as pinned.
+    source = TorchHostSource(layout, model.host, model.pinned or not on_cuda)
     backend = "cuda" if on_cuda else "host"
     dev = torch.cuda.current_device() if on_cuda else 0
     # Today's path, for comparison: ids to the host every layer, a view and a kernel chain per expert;

@@ -361,6 +361,11 @@ class ExpertCache:
         with self._gate:
             lib.expcache_memory_set_dropped_callback(self._handle, self._dropped_fn, None)
             self._is_cuda = self.backend == "cuda"
+            if self._is_cuda and getattr(source, "pinned_emulated", False):
+                raise ValueError("the source's pinned memory is emulated (it was made where no CUDA device could be "
+                                 "used: cuda-python missing, or no GPU), which a CUDA cache cannot read as pinned: "
+                                 "make the source where cuda-python sees the GPU (pip install .[cuda]), or use "
+                                 "pinned=False")
             self._views.configure(self._is_cuda, self._device, _pin_to(weakref.ref(self)))
             file_id = None
             if getattr(source, "file_path", None):

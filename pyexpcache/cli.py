@@ -283,7 +283,7 @@ def _open_bench(args, mode):
     else:
         _check_bench_memory(args, mode, backend, scale)
         layout = options.generated_layout(args, scale)
-    pinned = None if args.source is None else args.source == "pinned"
+    pinned = getattr(mode, "PINNED_SOURCE", None) if args.source is None else args.source == "pinned"
     reserve = None if args.reserve_gib is None else int(args.reserve_gib * GiB)
     if backend == "host":
         print("no GPU in use: running on the host backend (hit rates exact, times host-emulated, "

@@ -189,8 +189,11 @@ class HostSource(BufferSource):
     Args:
         layout: the model layout.
         pinned: allocate page-locked memory with ``cudaHostAlloc`` (portable: pinned for every
-            device; needs cuda-python and a GPU; misses then cross the link at full speed).
-            Otherwise ordinary numpy (pageable) memory.
+            device; misses then cross the link at full speed, and a device select can read it).
+            Otherwise ordinary numpy (pageable) memory. Where no CUDA device can be used (no
+            cuda-python, or no GPU) the pinning is emulated for the host backend: ordinary memory
+            that a host-backend cache treats as pinned (:attr:`pinned_emulated`), which a CUDA
+            cache refuses.
         arrangement: ``"tensor"`` places each part as a GGUF file does, one contiguous
             [experts][bytes] tensor per part; ``"expert"`` places each expert's three parts
             together (256-byte aligned), so one copy moves a whole expert.
@@ -208,9 +211,11 @@ class HostSource(BufferSource):
         self.arrangement = arrangement
         self._pinned_ptr = None
         offsets, total = self._plan()
-        if pinned:
-            from . import _cuda
+        from . import _cuda
 
+        #: True where ``pinned=True`` could not use CUDA: page-locking emulated for the host backend.
+        self.pinned_emulated = bool(pinned) and _cuda.device_count() == 0
+        if pinned and not self.pinned_emulated:
             rt = _cuda.runtime()
             try:
                 # Portable: pinned for every device, so caches on several GPUs read it at full speed.
@@ -317,5 +322,6 @@ class HostSource(BufferSource):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.buffer.nbytes} bytes"
-        return (f"HostSource({self.layout.name}, {'pinned' if self.pinned else 'pageable'}, "
+        kind = "pinned (emulated)" if self.pinned_emulated else "pinned" if self.pinned else "pageable"
+        return (f"HostSource({self.layout.name}, {kind}, "
                 f"{self.arrangement} placement, {state})")

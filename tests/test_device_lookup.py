@@ -31,6 +31,7 @@ def _layout():
 
 def _cache(make_cache, experts=6, **kw):
     kw.setdefault("budget_experts", experts)
+    kw.setdefault("pinned", True)  # what a device select reads (emulated on the host backend)
     return make_cache(_layout(), lookup="device", **kw)
 
 
@@ -325,7 +326,8 @@ def test_c_config_refuses_a_device_lookup_with_another_policy():
 
 def test_no_class_reuse_on_a_device_lookup_cache(make_cache):
     layout = ModelLayout.preset("mixed", scale=SCALE)
-    cache, _ = make_cache(layout, budget_experts=4, lookup="device", max_classes=1)
+    with pytest.warns(ExpcacheWarning, match="2 expert size classes and max_classes is 1"):
+        cache, _ = make_cache(layout, budget_experts=4, lookup="device", max_classes=1, pinned=True)
     first, second = [next(i for i in layout.moe_layers if layout[i].class_key == key) for key in layout.classes()]
     _select(cache, first, [1])
     with pytest.raises(InvalidStateError, match="never reuses a class"):
@@ -389,7 +391,7 @@ def test_bank_gate_up_is_both_parts_as_one_view(make_cache):
     """gate_up(): each slot's gate and up side by side (gate bytes a multiple of 256), as the fused
     weight engines keep; two equal-shaped parts double the first dimension."""
     layout = ModelLayout([LayerSpec(8, 1024, 1024, 512)])
-    cache, source = make_cache(layout, lookup="device", budget_experts=4)
+    cache, source = make_cache(layout, lookup="device", budget_experts=4, pinned=True)
     slots = _select(cache, 0, [6, 2])
     bank = cache.bank(0, dtype="uint16", shapes=[(4, 128), (4, 128), (256,)])
     joined = bank.gate_up()
@@ -404,7 +406,7 @@ def test_bank_gate_up_is_both_parts_as_one_view(make_cache):
 
 def test_bank_gate_up_refuses_parts_apart(make_cache):
     layout = ModelLayout([LayerSpec(8, 1000, 1000, 512)])  # up starts at 1024, not 1000
-    cache, _ = make_cache(layout, lookup="device", budget_experts=4)
+    cache, _ = make_cache(layout, lookup="device", budget_experts=4, pinned=True)
     with pytest.raises(ValueError, match="24 B apart in a slot.*multiple of 256"):
         cache.bank(0).gate_up()
 
@@ -448,13 +450,31 @@ def test_a_file_source_cannot_be_read_by_the_device(backend, tmp_path):
         assert cache.select(layer, [0]).shape == (1, 3)  # the host-side select serves it
 
 
-def test_a_pageable_source_cannot_be_read_by_the_gpu(make_cache, backend):
-    """On the CUDA backend only pinned memory is mapped for the device; the host backend's
-    "device" reads any host memory."""
+def test_a_pageable_source_cannot_be_read_by_the_gpu(make_cache):
+    """Only pinned memory is mapped for the device: the host backend, whose "device" could read
+    any host memory, refuses a pageable source as the CUDA backend does, with the same error."""
     cache, source = _cache(make_cache, pinned=False)
     layer = cache.layout.moe_layers[0]
-    if backend == "host":
-        assert _select(cache, layer, [1])[0] >= 0
-        return
-    with pytest.raises(UnsupportedError, match="source is pageable memory, which the GPU cannot read"):
+    with pytest.raises(UnsupportedError, match="layer 0's source is pageable memory, which the GPU cannot read: "
+                                               "a device select copies misses by reading pinned host memory"):
         cache.select_device(layer, device_ids(cache, [1]))
+    assert cache.select(layer, [1]).shape == (1, 3)  # the host-side select serves it
+
+
+def test_pinned_memory_is_emulated_where_no_cuda_device_is(monkeypatch, backend):
+    """HostSource(pinned=True) without a usable CUDA device: ordinary memory a host-backend cache
+    treats as pinned (so device selects read it, as on a GPU), which a CUDA cache refuses."""
+    from pyexpcache import _cuda
+
+    monkeypatch.setattr(_cuda, "device_count", lambda: 0)
+    layout = _layout()
+    with HostSource(layout, pinned=True) as source:
+        assert source.pinned_emulated and "pinned (emulated)" in repr(source)
+        if backend == "cuda":
+            with pytest.raises(ValueError, match="pinned memory is emulated"):
+                ExpertCache(layout, source, budget_experts=4, backend="cuda", lookup="device")
+            return
+        with ExpertCache(layout, source, budget_experts=4, backend="host", lookup="device") as cache:
+            layer = layout.moe_layers[0]
+            slots = _select(cache, layer, [3, 1])
+            assert_served(cache, source, layer, [3, 1], bank_rows(cache.bank(layer), slots))

@@ -34,7 +34,7 @@ LAYOUTS = {
     "two classes": ModelLayout((LayerSpec(8, 512, 512, 768), None, LayerSpec(12, 1024, 1024, 256),
                                 LayerSpec(8, 512, 512, 768)), name="two"),
 }
-_SOURCES = {name: HostSource(layout) for name, layout in LAYOUTS.items()}
+_SOURCES = {name: HostSource(layout, pinned=True) for name, layout in LAYOUTS.items()}  # read by device selects
 COUNTED = ("hits", "misses", "evictions")
 
 

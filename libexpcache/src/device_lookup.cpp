@@ -225,10 +225,13 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
     m->resolved = true;
     const char* fix = "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
                       "HostSource(..., pinned=True)), or use the host-side select";
-    if (l.source.kind == EXPCACHE_SOURCE_FILE) {
+    // Refused by the layer's declared kind, not by whether this backend could map the memory: the
+    // host backend (which could read any memory) keeps the CUDA backend's contract.
+    if (!l.source.pinned()) {
         m->status = EXPCACHE_ERR_UNSUPPORTED;
-        m->why = format("layer %u's source is a file, which the GPU cannot read: a device select copies misses by "
-                        "reading pinned host memory; %s", layer, fix);
+        m->why = format("layer %u's source is %s, which the GPU cannot read: a device select copies misses by "
+                        "reading pinned host memory; %s", layer,
+                        l.source.kind == EXPCACHE_SOURCE_FILE ? "a file" : "pageable memory", fix);
         return EXPCACHE_OK;
     }
     bool aligned = true;
@@ -236,9 +239,8 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
         expcache_status_t s = kernels_->mapped(l.base[p], &m->src[p]);
         if (s != EXPCACHE_OK) {
             m->status = s;
-            m->why = format("layer %u's source is %s, which the GPU cannot read (%s part: %s): a device select "
-                            "copies misses by reading pinned host memory; %s", layer,
-                            l.source.pinned() ? "pinned memory the GPU cannot map" : "pageable memory",
+            m->why = format("layer %u's source is pinned memory the GPU cannot map (%s part: %s): a device "
+                            "select copies misses by reading pinned host memory; %s", layer,
                             p == kGate ? "gate" : p == kUp ? "up" : "down", last_error(), fix);
             clear_last_error();
             return EXPCACHE_OK;

@@ -100,9 +100,9 @@ class Bench:
         if source is not None:
             self.pinned = source.pinned
         else:
+            # Pinned on the host backend: emulated where no CUDA device is (HostSource), as a device
+            # select's source must be on either backend.
             self.pinned = self.is_cuda if pinned is None else pinned
-        if self.pinned and not self.is_cuda:
-            raise ValueError("a pinned source needs the CUDA backend")
         self.stream = self._make_stream()
         if source is None:
             fill = (lambda done, total: self.progress(

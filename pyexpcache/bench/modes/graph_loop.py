@@ -224,13 +224,13 @@ def _c_loop(bench, workload, compute_ns: int, link: float) -> GraphLoopResult:
 def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us: float = 0.0,
                    progress: Optional[Callable[[str, int, int], None]] = None, c_loop: bool = True) -> Report:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
-    :class:`~pyexpcache.bench.bench.Bench`; its source must be pinned on the CUDA backend), next to
+    :class:`~pyexpcache.bench.bench.Bench`; its source must be pinned, emulated on the host backend), next to
     the C loop's host select unless ``c_loop`` is false."""
     from ... import _lib, testing
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
-    if bench.is_cuda and not bench.pinned:
+    if not bench.pinned:
         raise ValueError("the graph loop's device select reads the experts from pinned memory: use --source pinned")
     progress = progress or bench.progress
     loaded = [decode_trace(t, bench.layout) for t in traces]  # parsed once: the graph's ids, the C loop's calls
@@ -382,10 +382,15 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
 
 # -- the mode ---------------------------------------------------------------------------------
 
+#: The source this mode's Bench gets by default: a device select reads pinned memory (on the host
+#: backend, emulated).
+PINNED_SOURCE = True
+
+
 def check(args) -> None:
-    if getattr(args, "source", None) not in (None, "pinned") and args.backend != "host":
+    if getattr(args, "source", None) not in (None, "pinned"):
         raise options.UsageError("the graph loop's device select reads the experts from pinned memory: use "
-                                 "--source pinned (the default on the GPU)")
+                                 "--source pinned (the default)")
     options.synthetic_traces(args)
 
 

@@ -194,8 +194,9 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
         # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0). Its
         # slots: the full-size budget over the full-size run's largest slot (the same count at any scale).
         biggest = max(bench.full_slot_bytes())
+        # Silent: its class reuses (the thrash it stands for) would warn; they are counted in its stats.
         cache = bench.make_cache(budget_experts=max(1, bench.full_budget_bytes // biggest), max_classes=1,
-                                 policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
+                                 policy="lru", log_level=_lib.LOG_SILENT, copy_threads=0)
     elif variant == "nocache":
         cache = bench.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
     elif variant == "resident":

@@ -18,7 +18,7 @@ from support.cache import CUDA_OK, CUDA_REASON
 @pytest.fixture
 def host_bench():
     layout = ModelLayout.preset("q2", scale=4096)
-    b = bench.Bench(layout, backend="host", budget_bytes=(12 << 30) // 4096)
+    b = bench.Bench(layout, backend="host", pinned=True, budget_bytes=(12 << 30) // 4096)
     yield b
     b.close()
 
