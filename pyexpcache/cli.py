@@ -346,7 +346,8 @@ _COMMANDS = {"bench": _bench, "transfer": _bench, "inspect": _inspect, "info": l
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     # One line per warning (the library's and the traces' notices), not Python's two-line form.
-    print(f"expcache: warning: {message}", file=sys.stderr if file is None else file)
+    text = str(message).removeprefix("expcache: ")  # the library's warnings carry the prefix already
+    print(f"expcache: warning: {text}", file=sys.stderr if file is None else file)
 
 
 def main(argv=None) -> int:
