@@ -598,3 +598,14 @@ def test_a_scale_that_does_not_divide_a_presets_parts_names_one_that_does(monkey
     assert rc == 2 and err.strip() == (
         "expcache bench: --scale 256 (the default on the host backend): layer 0: part sizes (4406400, 4406400, "
         "4406400) are not divisible by 256; use a power of two up to 128")
+
+
+@pytest.mark.parametrize("quiet", [[], ["--quiet"]])
+def test_a_cap_zero_class_is_one_line_per_class(quiet):
+    # The warning went out through warnings and the logger both, each line prefixed twice.
+    out = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--reserve-gib", "70",
+                          "--traces", "synthetic:8", *quiet], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "cap 0" in line]
+    assert len(lines) == 2, out.stderr  # the mixed layout's two classes
+    assert all(line.startswith("expcache: warning: class ") for line in lines), lines
