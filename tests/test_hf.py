@@ -431,6 +431,7 @@ def test_edited_expert_weights_are_served_after_refresh(edit, device):
     with offload(model, budget_fraction=0.5) as handle:
         decoder = GraphDecoder(model, max_len=16)
         decoder.generate(torch.tensor([[7]]), NEW_TOKENS)  # captured on CUDA, with experts resident
+        served = [(module, name, getattr(module, name).data_ptr()) for module, name, _ in _edited_weights(model)]
         with torch.no_grad():
             for module, name, new in _edited_weights(model):
                 p = getattr(module, name)
@@ -445,6 +446,8 @@ def test_edited_expert_weights_are_served_after_refresh(edit, device):
                                                    r"offload \(or the last refresh\).*call refresh\(\)"):
                 greedy(model, prompt=[[5]])
         handle.refresh()
+        # Every weight and bias where it was served from: the banks' sources and a captured graph read there.
+        assert [getattr(module, name).data_ptr() for module, name, _ in served] == [ptr for _, _, ptr in served]
         served_tokens, served_logits = greedy(model, prompt=[[5]])
         decoded = decoder.generate(torch.tensor([[7]]), NEW_TOKENS)
         experts = {id(p) for e in find_experts(model) for p in (e.first, e.down)}

@@ -57,16 +57,14 @@ def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) 
 def _to_host(param: torch.nn.Parameter, cuda: bool, registration: _HostRegistration) -> tuple[torch.Tensor, bool]:
     """The parameter's data in host memory (pinned when ``cuda`` and possible), the parameter
     made to hold it: a GPU tensor is copied once into pinned memory (its device memory freed),
-    a host tensor is used where it is (page-locked in place for CUDA; on the host backend, whose
-    device selects read pinned sources only as a GPU's do, the page-locking is emulated).
-    Returns (tensor, pinned)."""
+    a host tensor is used where it is (page-locked in place for CUDA). Returns (tensor, pinned)."""
     data = param.data
     if data.device.type == "cpu":
         if not data.is_contiguous():
             data = data.contiguous()
         if not cuda or data.is_pinned() or registration.pin(data):
             param.data = data
-            return data, True
+            return data, cuda
     elif data.device.type != "cuda":
         raise ValueError(f"experts on {data.device} cannot be offloaded: they must be in host or CUDA memory")
     host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
@@ -178,144 +176,6 @@ class Offloaded:
                 kept.copy_(p.detach())
                 p.data = kept
         for e in self._experts:
-            e.module._expcache_server.remember_weights(e.module)
-
-    def close(self) -> None:
-        while self._pointers:
-            _cuda.runtime().cudaHostUnregister(self._pointers.pop())
-
-
-def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    experts = {id(p) for e in layers for p in e.module.parameters(recurse=False)}
-    for p in model.parameters():
-        if id(p) not in experts:
-            return p.device
-    return torch.device("cpu")
-
-
-def _to_host(param: torch.nn.Parameter, cuda: bool, registration: _HostRegistration) -> tuple[torch.Tensor, bool]:
-    """The parameter's data in host memory (pinned when ``cuda`` and possible), the parameter
-    made to hold it: a GPU tensor is copied once into pinned memory (its device memory freed),
-    a host tensor is used where it is (page-locked in place for CUDA; on the host backend, whose
-    device selects read pinned sources only as a GPU's do, the page-locking is emulated).
-    Returns (tensor, pinned)."""
-    data = param.data
-    if data.device.type == "cpu":
-        if not data.is_contiguous():
-            data = data.contiguous()
-        if not cuda or data.is_pinned() or registration.pin(data):
-            param.data = data
-            return data, True
-    elif data.device.type != "cuda":
-        raise ValueError(f"experts on {data.device} cannot be offloaded: they must be in host or CUDA memory")
-    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-    host.copy_(data)
-    param.data = host
-    return host, True
-
-
-def _move_the_rest(model: torch.nn.Module, layers: list[ExpertsLayer], compute: torch.device) -> None:
-    """Every parameter and buffer in host memory but the experts' weights moved to ``compute``: a
-    model loaded on the host runs on the GPU, its experts served by the cache."""
-    if compute.type == "cpu":
-        return
-    experts = {id(e.first) for e in layers} | {id(e.down) for e in layers}
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if id(p) not in experts and p.device.type == "cpu":
-                p.data = p.data.to(compute)
-        for name, b in module.named_buffers(recurse=False):
-            if b.device.type == "cpu":
-                setattr(module, name, b.to(compute))
-
-
-class Offloaded:
-    """What :func:`offload` returns: the caches serving the model's experts, and the way back.
-
-    Attributes:
-        caches: the :class:`~pyexpcache.ExpertCache` objects (``lookup="device"``), one per group
-            of consecutive MoE layers: one, unless transformers' grouped_mm computes the experts
-            and the budget holds more slots than one grouped product takes (1023): then each
-            group's bank holds fewer (see :func:`offload`).
-        cache: the cache, when there is one (else ValueError: use ``caches``, ``total_stats()``).
-        layout: the :class:`~pyexpcache.ModelLayout` built from the experts modules (every group's).
-        sources: the :class:`ParameterSource` of each cache, over the experts' host tensors.
-        layers: model layer number -> the experts module's name.
-        computed_by: the experts implementation that computes each layer from the bank: the one
-            the model had (``"grouped_mm"``, transformers' default, ``"batched_mm"`` or ``"eager"``).
-
-    The experts' parameters hold the host tensors the caches read, and each slot a copy made at
-    the expert's miss: after editing the experts' weights (a merged adapter, ``load_state_dict``,
-    a new Parameter), call :meth:`refresh`. Until then a forward raises RuntimeError where the
-    parameters show the edit (a new tensor, or a new version from an in-place operation on the
-    parameter; an edit through ``.data`` does not show). Biases are read from the module at
-    each forward, as they are.
-
-    :meth:`close` (idempotent; also on leaving a ``with`` block) restores the model's previous
-    experts implementation and closes the caches. The experts' weights stay in host memory: on a
-    GPU, move them back (``model.to("cuda")``) before running the model without expcache.
-    """
-
-    def __init__(self, model, layout: ModelLayout, served: list, layers: list[ExpertsLayer], previous: list,
-                 registration: _HostRegistration, computed_by: str):
-        self.model, self.layout, self.computed_by = model, layout, computed_by
-        self.caches = [cache for cache, _, _ in served]
-        self.sources = [source for _, source, _ in served]
-        self._keys = [key for _, _, key in served]
-        self.layers = {e.layer: e.name for e in layers}
-        self._experts = layers
-        self._modules = [e.module for e in layers]
-        self._previous = previous
-        self._registration = registration
-        self._closed = False
-
-    @property
-    def cache(self) -> ExpertCache:
-        if len(self.caches) != 1:
-            raise ValueError(f"this model's experts are served by {len(self.caches)} caches, one per group of layers: "
-                             "see .caches, or .total_stats() for their counters together")
-        return self.caches[0]
-
-    def total_stats(self) -> PathStats:
-        """Every cache's counters, summed (hits, misses, evictions, bytes over the link, ...)."""
-        out = PathStats()
-        for cache in self.caches:
-            out = out + cache.stats().total
-        return out
-
-    def refresh(self) -> None:
-        """Serve the experts' weights as they are now, after an edit: each cache is emptied (every
-        expert's next select copies it anew) and an experts parameter that no longer holds the
-        host tensor the cache reads (a new Parameter, or one moved to a GPU) is copied into that
-        tensor and made to hold it again, so it stays in host memory, page-locked where it was.
-        The bank's addresses do not change: a graph captured before (:class:`GraphDecoder`)
-        replays with the new weights. Synchronizes the device.
-
-        Raises:
-            ValueError: the handle is closed, or a weight's shape or dtype is not the one offloaded
-                (the layout was made for it: close and offload again).
-        """
-        if self._closed:
-            raise ValueError("this handle is closed: offload the model again to serve its experts")
-        sources = {layer: source for source in self.sources for layer in source.layout.moe_layers}
-        for e in self._experts:
-            names = ("gate_up_proj" if e.module.has_gate else "up_proj", "down_proj")
-            for name, host in zip(names, sources[e.layer].tensors(e.layer)):
-                p = getattr(e.module, name)
-                if p.shape != host.shape or p.dtype != host.dtype:
-                    raise ValueError(f"{e.name}.{name} is now {p.dtype} {list(p.shape)}; it was offloaded as "
-                                     f"{host.dtype} {list(host.shape)}: close the handle and offload again")
-        for cache in self.caches:  # waits for the device: no copy reads the host tensors while they are written
-            cache.release_all()
-        for e in self._experts:
-            names = ("gate_up_proj" if e.module.has_gate else "up_proj", "down_proj")
-            for name, host in zip(names, sources[e.layer].tensors(e.layer)):
-                p = getattr(e.module, name)
-                if p.data_ptr() != host.data_ptr() or p.device != host.device:
-                    host.copy_(p.detach())
-                    p.data = host
             e.module._expcache_server.remember_weights(e.module)
 
     def close(self) -> None:
