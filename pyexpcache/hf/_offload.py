@@ -57,14 +57,16 @@ def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) 
 def _to_host(param: torch.nn.Parameter, cuda: bool, registration: _HostRegistration) -> tuple[torch.Tensor, bool]:
     """The parameter's data in host memory (pinned when ``cuda`` and possible), the parameter
     made to hold it: a GPU tensor is copied once into pinned memory (its device memory freed),
-    a host tensor is used where it is (page-locked in place for CUDA). Returns (tensor, pinned)."""
+    a host tensor is used where it is (page-locked in place for CUDA; on the host backend, whose
+    device selects read pinned sources only as a GPU's do, the page-locking is emulated).
+    Returns (tensor, pinned)."""
     data = param.data
     if data.device.type == "cpu":
         if not data.is_contiguous():
             data = data.contiguous()
         if not cuda or data.is_pinned() or registration.pin(data):
             param.data = data
-            return data, cuda
+            return data, True
     elif data.device.type != "cuda":
         raise ValueError(f"experts on {data.device} cannot be offloaded: they must be in host or CUDA memory")
     host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
