@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pyexpcache import (
+    ExpcacheWarning,
     InvalidArgumentError,
     InvalidStateError,
     LayerSpec,
@@ -218,8 +219,10 @@ def three_class_layout():
 
 
 def test_more_classes_than_max_classes_reuses_least_recent_class(make_cache, caplog):
-    cache, source = make_cache(three_class_layout(), budget_experts=4, max_classes=2)
-    with caplog.at_level(logging.INFO, logger="pyexpcache"):
+    with pytest.warns(ExpcacheWarning, match="3 expert size classes and max_classes is 2"):
+        cache, source = make_cache(three_class_layout(), budget_experts=4, max_classes=2)
+    with caplog.at_level(logging.INFO, logger="pyexpcache"), \
+            pytest.warns(ExpcacheWarning, match="reused it .*raise max_classes"):  # the first reuse
         for _ in range(3):
             for layer in range(4):
                 ptrs = cache.select(layer, [1, 2])
