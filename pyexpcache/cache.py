@@ -51,9 +51,10 @@ class _Gate:
     starts meanwhile blocks, then raises. Nested entries on one thread are counted alike.
     In a forked child the gate is a new one, shut, raising ForkedError.
 
-    ``after``, when given, runs on a thread each time that thread's outermost entry ends, the
-    gate already left: the cache's log lines are delivered there, so a logging handler may call
-    the cache (close included), and a warning raised as an error surfaces at the call."""
+    ``after``, when given, runs on a thread when that thread's outermost entry ends with lines
+    queued on it (``queue``), the gate already left: the cache's log lines are delivered there,
+    so a logging handler may call the cache (close included), and a warning raised as an error
+    surfaces at the call."""
 
     __slots__ = ("lock", "idle", "active", "shut", "forked", "depth", "after")
 
@@ -69,6 +70,19 @@ class _Gate:
     def inside(self) -> bool:
         """True on a thread inside a call through this gate."""
         return getattr(self.depth, "n", 0) > 0
+
+    def queue(self, item) -> None:
+        """Keep ``item`` for this thread's ``after``."""
+        items = getattr(self.depth, "items", None)
+        if items is None:
+            items = self.depth.items = []
+        items.append(item)
+
+    def take(self) -> list:
+        """This thread's queued items, emptied."""
+        items = getattr(self.depth, "items", None) or []
+        self.depth.items = None
+        return items
 
     def __enter__(self):
         with self.lock:
@@ -90,7 +104,7 @@ class _Gate:
             outermost = self.depth.n == 0
             if self.shut and self.active == 0:
                 self.idle.notify_all()
-        if outermost and self.after is not None:
+        if outermost and self.after is not None and getattr(self.depth, "items", None):
             self.after(exc_type is None)
 
 
@@ -301,7 +315,6 @@ class ExpertCache:
         # dropped without close() closes when its last reference goes.
         this = weakref.ref(self)
         self._gate = _Gate(_deliver_to(this))
-        self._log_lines = threading.local()
         self._source_user = False
         lib = _lib.lib
         cfg = _lib.Config()
@@ -395,10 +408,7 @@ class ExpertCache:
         try:
             line = (level, message.decode(errors="replace"))
             if self._gate.inside():
-                lines = getattr(self._log_lines, "lines", None)
-                if lines is None:
-                    lines = self._log_lines.lines = []
-                lines.append(line)
+                self._gate.queue(line)
             else:
                 self._emit(*line, raise_warnings=False)
         except Exception:
@@ -407,12 +417,8 @@ class ExpertCache:
     def _deliver_log(self, ok: bool) -> None:
         """The lines the thread's call logged, once it left the gate. A warning made an error
         (``-W error``) raises here, at the call, unless the call is already raising."""
-        lines = getattr(self._log_lines, "lines", None)
-        if not lines:
-            return
-        self._log_lines.lines = []
         error = None
-        for level, text in lines:
+        for level, text in self._gate.take():
             try:
                 self._emit(level, text, raise_warnings=ok)
             except Exception as e:  # a warning filtered to an error, or a handler's own failure
