@@ -19,6 +19,7 @@ def run_graph_loops() -> dict:
     try:
         from pyexpcache import ModelLayout
         from pyexpcache.bench import Bench
+        from pyexpcache.bench.modes import graph_loop
         from pyexpcache.bench.modes.graph_loop import run_graph_loop
     except ImportError:  # a commit from before the graph loop
         return {}
@@ -28,7 +29,9 @@ def run_graph_loops() -> dict:
     out = {}
     for quant in LAYOUTS:
         layout = ModelLayout.preset(quant, scale=scale)
-        bench = Bench(layout, backend=BACKEND, budget_bytes=budget, scale=scale)
+        # The source the mode asks for (pinned on both backends), where the commit's mode says so.
+        bench = Bench(layout, backend=BACKEND, budget_bytes=budget, scale=scale,
+                      pinned=getattr(graph_loop, "PINNED_SOURCE", None))
         try:
             report = run_graph_loop(bench, traces=traces)
         finally:
