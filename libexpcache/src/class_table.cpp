@@ -37,29 +37,28 @@ ClassShare class_share(const LayerTable& layers, const ClassState& cls) {
     return out;
 }
 
-// EXPCACHE_PARTITION_LAYER: layer `index`'s share of the class's `cap` slots, the cap split over
-// the class's registered layers in proportion to their experts, rounded down, the slots left over
-// one each to the largest remainders (ties: the lower layer). pyexpcache.sim.driver.layer_shares
-// is its twin.
-uint64_t layer_share(const LayerTable& layers, const ClassState& cls, uint64_t cap, uint32_t index) {
+// EXPCACHE_PARTITION_LAYER: every layer's share of the class's `cap` slots (0 for the layers of
+// other classes), the cap split over the class's registered layers in proportion to their experts,
+// rounded down, the slots left over one each to the largest remainders (ties: the lower layer).
+// pyexpcache.sim.driver.layer_shares is its twin.
+std::vector<uint64_t> layer_shares(const LayerTable& layers, const ClassState& cls, uint64_t cap) {
+    std::vector<uint64_t> shares(layers.size(), 0);
     std::vector<std::pair<uint64_t, uint32_t>> rems;  // (remainder, layer), largest first
     unsigned __int128 total = 0;
-    uint64_t given = 0, mine = 0;
+    uint64_t given = 0;
     for (uint32_t l = 0; l < layers.size(); ++l)
         if (layers[l].registered && std::equal(cls.key, cls.key + kParts, layers[l].bytes)) total += layers[l].num_experts;
-    if (total == 0) return 0;
+    if (total == 0) return shares;
     for (uint32_t l = 0; l < layers.size(); ++l) {
         if (!layers[l].registered || !std::equal(cls.key, cls.key + kParts, layers[l].bytes)) continue;
         const unsigned __int128 scaled = (unsigned __int128)cap * layers[l].num_experts;
-        const uint64_t q = static_cast<uint64_t>(scaled / total);
-        given += q;
-        if (l == index) mine = q;
+        shares[l] = static_cast<uint64_t>(scaled / total);
+        given += shares[l];
         rems.emplace_back(static_cast<uint64_t>(scaled % total), l);
     }
     std::stable_sort(rems.begin(), rems.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-    for (uint64_t i = 0; i < cap - given && i < rems.size(); ++i)
-        if (rems[i].second == index) ++mine;
-    return mine;
+    for (uint64_t i = 0; i < cap - given && i < rems.size(); ++i) ++shares[rems[i].second];
+    return shares;
 }
 
 }  // namespace
@@ -278,18 +277,20 @@ void ClassTable::announce_cap(int32_t c, uint32_t path, const char* why, const c
 // every layer of the class a slot.
 void ClassTable::warn_empty_shares(int32_t c) const {
     const ClassState& cls = classes_[c];
+    std::vector<bool> mine(layers_.size(), false);
     uint32_t layers = 0, empty = 0, first = 0;
+    const std::vector<uint64_t> shares = layer_shares(layers_, cls, cls.cap);
     for (uint32_t l = 0; l < layers_.size(); ++l) {
-        if (!layers_[l].registered || !std::equal(cls.key, cls.key + kParts, layers_[l].bytes)) continue;
+        mine[l] = layers_[l].registered && std::equal(cls.key, cls.key + kParts, layers_[l].bytes);
+        if (!mine[l]) continue;
         ++layers;
-        if (layer_share(layers_, cls, cls.cap, l) == 0 && empty++ == 0) first = l;
+        if (shares[l] == 0 && empty++ == 0) first = l;
     }
     if (empty == 0) return;
     auto every_layer_has_a_slot = [&](uint64_t cap) {
+        const std::vector<uint64_t> at = layer_shares(layers_, cls, cap);
         for (uint32_t l = 0; l < layers_.size(); ++l)
-            if (layers_[l].registered && std::equal(cls.key, cls.key + kParts, layers_[l].bytes) &&
-                layer_share(layers_, cls, cap, l) == 0)
-                return false;
+            if (mine[l] && at[l] == 0) return false;
         return true;
     };
     uint64_t enough = layers;  // one slot per layer, more where the layers' expert counts differ
@@ -409,7 +410,7 @@ expcache_status_t ClassTable::acquire(int32_t c, uint32_t layer, bool allow_grow
         }
         const std::vector<int32_t>& held = layers_[layer].slot_of;
         const uint64_t holds = static_cast<uint64_t>(held.size() - std::count(held.begin(), held.end(), -1));
-        if (holds >= layer_share(layers_, cls, cls.cap, layer)) only = static_cast<int32_t>(layer);
+        if (holds >= layer_shares(layers_, cls, cls.cap)[layer]) only = static_cast<int32_t>(layer);
     }
     if (only < 0 && cls.free_slots.empty() && allow_grow) {  // a full share: its own victim or nothing
         if (!cls.cap_valid) {
