@@ -14,6 +14,7 @@ Id arrays are taken from whatever holds them, without a copy: the CUDA Array Int
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from dataclasses import dataclass
 
@@ -41,10 +42,7 @@ class IdArray:
 
     @property
     def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def host_values(self) -> np.ndarray:
         """The ids as a numpy array over their host memory (not for device memory)."""
