@@ -57,8 +57,10 @@ class build_make(Command):
 
     def _make(self, build_dir):
         if not (ROOT / "Makefile").exists() or shutil.which("make") is None:
-            raise RuntimeError("expcache builds its libraries with make, g++ and cc from a source checkout "
-                               f"(Makefile, libexpcache/); {ROOT} lacks the Makefile or make is not installed")
+            raise RuntimeError(
+                "expcache builds its libraries with make, g++ and cc from a source checkout "
+                f"(Makefile, libexpcache/); {ROOT} lacks the Makefile or make is not installed"
+            )
         cmd = ["make", "-C", str(ROOT), "lib", f"BUILD={build_dir}", f"PYTHON={sys.executable}"]
         cmd += [f"{k}={os.environ[k]}" for k in KNOBS if k in os.environ]
         if "-j" not in os.environ.get("MAKEFLAGS", ""):
@@ -104,8 +106,11 @@ class build_make(Command):
     def _report(built, where):
         if "libexpcache_host.so" not in built or "libexpcache_replay.so" not in built:
             raise RuntimeError(f"make lib did not build the host and replay libraries (got {built})")
-        cuda = ("with the CUDA library" if "libexpcache.so" in built
-                else "host backend only, no nvcc; NVCC=/path/to/nvcc builds the CUDA library")
+        cuda = (
+            "with the CUDA library"
+            if "libexpcache.so" in built
+            else "host backend only, no nvcc; NVCC=/path/to/nvcc builds the CUDA library"
+        )
         print(f"expcache: libraries in {where}: {', '.join(built)} ({cuda})", flush=True)
 
     # The sub-command protocol of setuptools' build (used by editable and --record installs).

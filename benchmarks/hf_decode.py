@@ -65,10 +65,14 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (random ids)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per timed run")
-    p.add_argument("--weight-scale", type=float, default=3.0,
-                   help="every weight matrix N(0, scale / sqrt(fan-in)); at 3 greedy tokens vary and each layer "
-                        "routes over nearly all its experts (at transformers' init, 0.02, the tokens repeat and "
-                        "a layer uses a fifth of its experts)")
+    p.add_argument(
+        "--weight-scale",
+        type=float,
+        default=3.0,
+        help="every weight matrix N(0, scale / sqrt(fan-in)); at 3 greedy tokens vary and each layer "
+        "routes over nearly all its experts (at transformers' init, 0.02, the tokens repeat and "
+        "a layer uses a fifth of its experts)",
+    )
     p.add_argument("--budgets", default="1.0,0.25", help="fractions of the experts the cache holds")
     p.add_argument("--rounds", type=int, default=5, help="timed runs of each copy per mode and budget, in alternation")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -80,10 +84,19 @@ def parse_args(argv=None):
 
 def build_model(a, device: torch.device):
     config = transformers.Qwen3MoeConfig(
-        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=4 * a.ffn, moe_intermediate_size=a.ffn,
-        num_experts=a.experts, num_experts_per_tok=a.top_k, num_hidden_layers=a.layers,
-        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, head_dim=a.head_dim,
-        max_position_embeddings=max(4096, a.prompt + a.tokens), norm_topk_prob=True)
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=4 * a.ffn,
+        moe_intermediate_size=a.ffn,
+        num_experts=a.experts,
+        num_experts_per_tok=a.top_k,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        max_position_embeddings=max(4096, a.prompt + a.tokens),
+        norm_topk_prob=True,
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -200,13 +213,16 @@ def main(argv=None) -> int:
     budgets = [float(f) for f in a.budgets.split(",")]
     model = build_model(a, device)
     layers = find_experts(model)
-    expert_bytes = sum(e.first[0].numel() * e.first.element_size() + e.down[0].numel() * e.down.element_size()
-                       for e in layers) / len(layers)
+    expert_bytes = sum(
+        e.first[0].numel() * e.first.element_size() + e.down[0].numel() * e.down.element_size() for e in layers
+    ) / len(layers)
     prompt = torch.randint(0, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1)).to(device)
-    print(f"{type(model).__name__}: {a.layers} layers x {a.experts} experts, top-{a.top_k}, hidden {a.hidden}, "
-          f"expert FFN {a.ffn}, {next(model.parameters()).dtype}, {expert_bytes / 2**20:.2f} MiB per expert, "
-          f"{len(layers) * a.experts * expert_bytes / 2**30:.2f} GiB of experts; prompt {a.prompt}, "
-          f"{a.tokens} new tokens; {device}")
+    print(
+        f"{type(model).__name__}: {a.layers} layers x {a.experts} experts, top-{a.top_k}, hidden {a.hidden}, "
+        f"expert FFN {a.ffn}, {next(model.parameters()).dtype}, {expert_bytes / 2**20:.2f} MiB per expert, "
+        f"{len(layers) * a.experts * expert_bytes / 2**30:.2f} GiB of experts; prompt {a.prompt}, "
+        f"{a.tokens} new tokens; {device}"
+    )
     served = copy.deepcopy(model)  # the same weights, offloaded at each budget in turn
     unmodified = runs(model, prompt, device)
     rate = link_rate(device)
@@ -216,27 +232,63 @@ def main(argv=None) -> int:
             sync(device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the experts' device copies, freed by the first offload
-            paired = {mode: Paired(unmodified[mode], run, device, a.tokens, a.rounds, handle.total_stats)
-                      for mode, run in runs(served, prompt, device).items()}
+            paired = {
+                mode: Paired(unmodified[mode], run, device, a.tokens, a.rounds, handle.total_stats)
+                for mode, run in runs(served, prompt, device).items()
+            }
         step_s = 1 / paired["graph"].unmodified_tok_s
         for mode, p in paired.items():
             bad += not p.tokens_equal
             # Misses per token forward of the timed runs: each run's prompt P and N - 1 steps.
             miss_bytes = p.misses * expert_bytes / (p.runs * (a.prompt + a.tokens - 1))
             bound = 1 / (step_s + miss_bytes / rate) if rate else float("nan")
-            rows.append([f"{fraction:g}", mode, f"{p.unmodified_tok_s:.2f}", f"{p.tok_s:.2f}",
-                         f"{p.ratio:.2f} ({min(p.ratios):.2f}-{max(p.ratios):.2f})", f"{100 * p.hit_rate:.1f} %",
-                         f"{bound:.2f}" if rate else "", f"{100 * p.tok_s / bound:.1f} %" if rate else ""])
-            results.append({"budget": fraction, "mode": mode, "rounds": p.runs,
-                            "unmodified_tok_s": p.unmodified_tok_s, "tok_s": p.tok_s, "ratio": p.ratio,
-                            "ratios": p.ratios, "unmodified_runs_tok_s": p.unmodified, "runs_tok_s": p.offloaded,
-                            "hit_rate": p.hit_rate, "bound_tok_s": bound if rate else None,
-                            "link_bytes_per_s": rate, "tokens_equal": p.tokens_equal})
+            rows.append(
+                [
+                    f"{fraction:g}",
+                    mode,
+                    f"{p.unmodified_tok_s:.2f}",
+                    f"{p.tok_s:.2f}",
+                    f"{p.ratio:.2f} ({min(p.ratios):.2f}-{max(p.ratios):.2f})",
+                    f"{100 * p.hit_rate:.1f} %",
+                    f"{bound:.2f}" if rate else "",
+                    f"{100 * p.tok_s / bound:.1f} %" if rate else "",
+                ]
+            )
+            results.append(
+                {
+                    "budget": fraction,
+                    "mode": mode,
+                    "rounds": p.runs,
+                    "unmodified_tok_s": p.unmodified_tok_s,
+                    "tok_s": p.tok_s,
+                    "ratio": p.ratio,
+                    "ratios": p.ratios,
+                    "unmodified_runs_tok_s": p.unmodified,
+                    "runs_tok_s": p.offloaded,
+                    "hit_rate": p.hit_rate,
+                    "bound_tok_s": bound if rate else None,
+                    "link_bytes_per_s": rate,
+                    "tokens_equal": p.tokens_equal,
+                }
+            )
             if not p.tokens_equal:
                 print(f"offload {fraction:g} {mode}: tokens differ from the unmodified model's", file=sys.stderr)
-    print(tabulate(rows, headers=["budget", "mode", "unmodified tok/s", "offloaded tok/s",
-                                  "x unmodified (range)", "hits", "link bound tok/s", "of bound"],
-                   disable_numparse=True))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "budget",
+                "mode",
+                "unmodified tok/s",
+                "offloaded tok/s",
+                "x unmodified (range)",
+                "hits",
+                "link bound tok/s",
+                "of bound",
+            ],
+            disable_numparse=True,
+        )
+    )
     print(f"medians of {a.rounds} rounds; each round times the unmodified copy, then the offloaded one")
     if device.type == "cuda":
         print(f"link: {rate / 1e9:.1f} GB/s (cudaMemcpyAsync from pinned memory, 64 MiB)")

@@ -77,10 +77,17 @@ DEFAULT_SYNTHETIC = SYNTHETIC + (
 )
 SHIFTING = (  # (label, parts: ("syn", synthetic_trace kwargs) or ("real", bundled name))
     ("shift_syn_4x100", tuple(("syn", dict(num_tokens=100, seed=10 + i)) for i in range(4))),
-    ("shift_syn_mixtral_4x150", tuple(("syn", dict(num_tokens=150, seed=20 + i, num_layers=32, num_experts=8, k=2,
-                                                   first_layer=0)) for i in range(4))),
-    ("shift_deepseek_4_prompts", tuple(("real", n) for n in ("podA_b_json_full", "smoke_count64",
-                                                              "podA_c_python_full", "livemask_forensic_k0"))),
+    (
+        "shift_syn_mixtral_4x150",
+        tuple(
+            ("syn", dict(num_tokens=150, seed=20 + i, num_layers=32, num_experts=8, k=2, first_layer=0))
+            for i in range(4)
+        ),
+    ),
+    (
+        "shift_deepseek_4_prompts",
+        tuple(("real", n) for n in ("podA_b_json_full", "smoke_count64", "podA_c_python_full", "livemask_forensic_k0")),
+    ),
 )
 DEFAULT_FRACTIONS = (0.10, 0.25, 0.50)
 PARTITIONS = ("global", "layer")
@@ -119,8 +126,9 @@ def _mixed():
     cls = layout.layer_class_index(range(3, 43))  # decode traces hold model layers 3..42
     keys = list(layout.classes())
     sizes = [layout[layout.classes()[k][0]].expert_bytes for k in keys]
-    totals = [len(layout.classes()[k]) * layout[layout.classes()[k][0]].num_experts * sizes[i]
-              for i, k in enumerate(keys)]
+    totals = [
+        len(layout.classes()[k]) * layout[layout.classes()[k][0]].num_experts * sizes[i] for i, k in enumerate(keys)
+    ]
     return cls, sizes, totals
 
 
@@ -130,8 +138,14 @@ def _run_uniform(job):
     cap = int(round(frac * tr.num_layers * tr.num_experts))
     t0 = time.perf_counter()
     r = simulate_belady(tr, cap) if policy == "belady" else simulate_policy(tr, cap, policy=policy)
-    return job, {"hits": int(r.hits.sum()), "misses": int(r.misses.sum()), "requests": r.requests,
-                 "tokens": tr.num_tokens, "capacity": cap, "seconds": time.perf_counter() - t0}
+    return job, {
+        "hits": int(r.hits.sum()),
+        "misses": int(r.misses.sum()),
+        "requests": r.requests,
+        "tokens": tr.num_tokens,
+        "capacity": cap,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _run_mixed(job):
@@ -181,18 +195,39 @@ def _summary(res, specs, policies, fractions):
         lru, bel = mean.get("lru"), mean.get("belady")
         for p in policies:
             gap = (mean[p] - lru) / (bel - lru) if bel is not None and bel - lru > 1e-9 else float("nan")
-            rows.append({"policy": p, "fraction": f, "hit": mean[p], "mib_per_token": mib[p],
-                         "vs_lru": mean[p] - lru, "vs_classlru": mean[p] - mean.get("classlru", np.nan),
-                         "gap_closed": gap})
+            rows.append(
+                {
+                    "policy": p,
+                    "fraction": f,
+                    "hit": mean[p],
+                    "mib_per_token": mib[p],
+                    "vs_lru": mean[p] - lru,
+                    "vs_classlru": mean[p] - mean.get("classlru", np.nan),
+                    "gap_closed": gap,
+                }
+            )
     return rows
 
 
 def _summary_table(rows, title):
     print(f"\n## {title}\n")
-    print(tabulate([[r["policy"], f"{r['fraction']:.0%}", f"{r['hit']:.2f}", f"{r['mib_per_token']:.0f}",
-                     f"{r['vs_lru']:+.2f}", f"{r['vs_classlru']:+.2f}",
-                     "" if np.isnan(r["gap_closed"]) else f"{100 * r['gap_closed']:.0f} %"] for r in rows],
-                   headers=["policy", "cap", "hit %", "MiB/token", "vs LRU", "vs ClassLRU", "gap closed"]))
+    print(
+        tabulate(
+            [
+                [
+                    r["policy"],
+                    f"{r['fraction']:.0%}",
+                    f"{r['hit']:.2f}",
+                    f"{r['mib_per_token']:.0f}",
+                    f"{r['vs_lru']:+.2f}",
+                    f"{r['vs_classlru']:+.2f}",
+                    "" if np.isnan(r["gap_closed"]) else f"{100 * r['gap_closed']:.0f} %",
+                ]
+                for r in rows
+            ],
+            headers=["policy", "cap", "hit %", "MiB/token", "vs LRU", "vs ClassLRU", "gap closed"],
+        )
+    )
 
 
 def default_table(workers):
@@ -200,8 +235,11 @@ def default_table(workers):
     partition; prints Markdown and returns the rows."""
     default = _lib.DEFAULT_POLICY
     policies = ("lru", "oppclass", default, "belady")
-    specs = ([("real", i.name) for i in list_traces() if i.kind == "decode"] +
-             [("syn", n) for n, _ in DEFAULT_SYNTHETIC] + [("shift", n) for n, _ in SHIFTING])
+    specs = (
+        [("real", i.name) for i in list_traces() if i.kind == "decode"]
+        + [("syn", n) for n, _ in DEFAULT_SYNTHETIC]
+        + [("shift", n) for n, _ in SHIFTING]
+    )
     jobs = [(s, p, f, part) for s in specs for p in policies for f in DEFAULT_FRACTIONS for part in PARTITIONS]
     jobs.sort(key=lambda j: -_trace(j[0]).num_requests)
     res = _map(_run_partitioned, jobs, workers)
@@ -210,17 +248,29 @@ def default_table(workers):
         for part in PARTITIONS:
             for f in DEFAULT_FRACTIONS:
                 h = {p: res[(s, p, f, part)] for p in policies}
-                rows.append({"trace": s[1], "kind": s[0], "partition": part, "fraction": f, **h,
-                             "default_minus_lru": h[default] - h["lru"]})
+                rows.append(
+                    {
+                        "trace": s[1],
+                        "kind": s[0],
+                        "partition": part,
+                        "fraction": f,
+                        **h,
+                        "default_minus_lru": h[default] - h["lru"],
+                    }
+                )
     print(f"| trace | partition | cap | LRU | OppClassLRU | **{default}** | Belady | {default} − LRU |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['trace']} | {r['partition']} | {r['fraction']:.0%} | {r['lru']:.2f} | {r['oppclass']:.2f} | "
-              f"**{r[default]:.2f}** | {r['belady']:.2f} | {r['default_minus_lru']:+.2f} |")
+        print(
+            f"| {r['trace']} | {r['partition']} | {r['fraction']:.0%} | {r['lru']:.2f} | {r['oppclass']:.2f} | "
+            f"**{r[default]:.2f}** | {r['belady']:.2f} | {r['default_minus_lru']:+.2f} |"
+        )
     worst = min(rows, key=lambda r: r["default_minus_lru"])
-    print(f"\nworst {default} − LRU: {worst['default_minus_lru']:+.2f} points ({worst['trace']}, {worst['partition']}, "
-          f"{worst['fraction']:.0%}); OppClassLRU − LRU worst: "
-          f"{min(r['oppclass'] - r['lru'] for r in rows):+.2f}")
+    print(
+        f"\nworst {default} − LRU: {worst['default_minus_lru']:+.2f} points ({worst['trace']}, {worst['partition']}, "
+        f"{worst['fraction']:.0%}); OppClassLRU − LRU worst: "
+        f"{min(r['oppclass'] - r['lru'] for r in rows):+.2f}"
+    )
     print(f"\nDeepSeek decode traces, mean gain over LRU (points), {default} / OppClassLRU:\n")
     print("| partition | cap | " + f"{default} − LRU | OppClassLRU − LRU | share kept |")
     print("|---|---|---|---|---|")
@@ -236,8 +286,11 @@ def default_table(workers):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--default", action="store_true",
-                    help="only the default policy's table: every trace x 10/25/50 %% x global/layer, Markdown")
+    ap.add_argument(
+        "--default",
+        action="store_true",
+        help="only the default policy's table: every trace x 10/25/50 %% x global/layer, Markdown",
+    )
     ap.add_argument("--quick", action="store_true", help="held-out traces at 10 %% only, reduced mixed check (<20 s)")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     tmp = tempfile.gettempdir()
@@ -259,8 +312,10 @@ def main(argv=None):
     fractions = (0.10,) if args.quick else FRACTIONS
     real_specs = [("real", n) for n in (held if args.quick else decode)]
     syn_specs = [("syn", SYNTHETIC[0][0])] if args.quick else [("syn", s[0]) for s in SYNTHETIC]
-    print(f"# Eviction policies on DeepSeek V4 Flash routing ({'quick' if args.quick else 'full'} run, "
-          f"{args.workers} worker(s))")
+    print(
+        f"# Eviction policies on DeepSeek V4 Flash routing ({'quick' if args.quick else 'full'} run, "
+        f"{args.workers} worker(s))"
+    )
     print(f"tuning traces: {', '.join(TUNING)}; held-out: {', '.join(held)}")
 
     jobs = [(s, p, f) for s in real_specs + syn_specs for p in policies for f in fractions]
@@ -305,12 +360,15 @@ def main(argv=None):
     mjobs.sort(key=lambda j: -_trace(j[0]).num_tokens)
     mres = _map(_run_mixed, mjobs, args.workers)
     # The one fixed split a deployment would pick: the best share on the tuning traces.
-    tuned_share = min(shares, key=lambda sh: np.mean([mres[(("real", n), "fixed", WINNER, sh)]["mib_per_token"]
-                                                      for n in TUNING]))
+    tuned_share = min(
+        shares, key=lambda sh: np.mean([mres[(("real", n), "fixed", WINNER, sh)]["mib_per_token"] for n in TUNING])
+    )
     print(f"\n## Mixed q2-q4 layout, {BUDGET >> 30} GiB budget: MiB moved per token (lower is better)\n")
-    print(f"fixed splits use {WINNER} in each class; the q4 share of the budget is swept over "
-          f"{shares[0]:.3f}..{shares[-1]:.3f}; the share best on the tuning traces is {tuned_share:.3f}; "
-          f"proportional = {_mixed()[2][1] / sum(_mixed()[2]):.3f} (each class's share of all expert bytes)")
+    print(
+        f"fixed splits use {WINNER} in each class; the q4 share of the budget is swept over "
+        f"{shares[0]:.3f}..{shares[-1]:.3f}; the share best on the tuning traces is {tuned_share:.3f}; "
+        f"proportional = {_mixed()[2][1] / sum(_mixed()[2]):.3f} (each class's share of all expert bytes)"
+    )
     mrows = []
     mixed_out = {}
     for s in mixed_specs:
@@ -328,13 +386,33 @@ def main(argv=None):
             "sweep": sweep,
         }
         mixed_out[s[1]] = d
-        mrows.append([s[1] + (" (tuning)" if s[1] in TUNING else ""), f"{d['lru_proportional']:.1f}",
-                      f"{d['proportional']:.1f}", f"{d['tuned_fixed']:.1f}",
-                      f"{d['hindsight_fixed']:.1f} @{hind_share:.3f}", f"{d['lru_global']:.1f}",
-                      f"{d['global']:.1f}", f"{d['global'] - d['hindsight_fixed']:+.1f}"])
-    print(tabulate(mrows, headers=["trace", "LRU prop.", f"{WINNER} prop.", "best fixed (tuned)",
-                                   "best fixed (hindsight)", "LRU global", f"{WINNER} global",
-                                   "global - hindsight"]))
+        mrows.append(
+            [
+                s[1] + (" (tuning)" if s[1] in TUNING else ""),
+                f"{d['lru_proportional']:.1f}",
+                f"{d['proportional']:.1f}",
+                f"{d['tuned_fixed']:.1f}",
+                f"{d['hindsight_fixed']:.1f} @{hind_share:.3f}",
+                f"{d['lru_global']:.1f}",
+                f"{d['global']:.1f}",
+                f"{d['global'] - d['hindsight_fixed']:+.1f}",
+            ]
+        )
+    print(
+        tabulate(
+            mrows,
+            headers=[
+                "trace",
+                "LRU prop.",
+                f"{WINNER} prop.",
+                "best fixed (tuned)",
+                "best fixed (hindsight)",
+                "LRU global",
+                f"{WINNER} global",
+                "global - hindsight",
+            ],
+        )
+    )
 
     # ---------------------------------------------------------------- targets
     def pick(rows, p, f):
@@ -345,30 +423,49 @@ def main(argv=None):
     if 0.10 in fractions:
         w = pick(held_rows, WINNER, 0.10)
         targets.append(("10 %: >= 2 points above ClassLRU", f"{w['vs_classlru']:+.2f}", w["vs_classlru"] >= 2.0))
-        targets.append(("10 %: >= 40 % of the LRU->Belady gap closed", f"{100 * w['gap_closed']:.0f} %",
-                        w["gap_closed"] >= 0.40))
+        targets.append(
+            ("10 %: >= 40 % of the LRU->Belady gap closed", f"{100 * w['gap_closed']:.0f} %", w["gap_closed"] >= 0.40)
+        )
     all_specs = real_specs + syn_specs
     worst = min((_hit(res, s, WINNER, f) - _hit(res, s, "lru", f), s[1], f) for s in all_specs for f in fractions)
-    targets.append(("never > 1 point below LRU (worst of every trace, synthetic too, x capacity)",
-                    f"{worst[0]:+.2f} ({worst[1]}, {worst[2]:.0%})", worst[0] >= -1.0))
+    targets.append(
+        (
+            "never > 1 point below LRU (worst of every trace, synthetic too, x capacity)",
+            f"{worst[0]:+.2f} ({worst[1]}, {worst[2]:.0%})",
+            worst[0] >= -1.0,
+        )
+    )
     held_mixed = [n for n in mixed_out if n not in TUNING]
     g = np.mean([mixed_out[n]["global"] for n in held_mixed])
-    for key, label in (("tuned_fixed", f"best fixed split on the tuning traces (q4 share {tuned_share:.3f})"),
-                       ("proportional", "proportional split"),
-                       ("hindsight_fixed", "per-trace hindsight best fixed split")):
+    for key, label in (
+        ("tuned_fixed", f"best fixed split on the tuning traces (q4 share {tuned_share:.3f})"),
+        ("proportional", "proportional split"),
+        ("hindsight_fixed", "per-trace hindsight best fixed split"),
+    ):
         ref = np.mean([mixed_out[n][key] for n in held_mixed])
-        targets.append((f"mixed 12 GiB: global <= {label}, mean",
-                        f"{g:.1f} vs {ref:.1f} MiB/token ({100 * (g / ref - 1):+.2f} %)", g <= ref))
+        targets.append(
+            (
+                f"mixed 12 GiB: global <= {label}, mean",
+                f"{g:.1f} vs {ref:.1f} MiB/token ({100 * (g / ref - 1):+.2f} %)",
+                g <= ref,
+            )
+        )
     print(tabulate([[t, v, "met" if ok else "NOT met"] for t, v, ok in targets], headers=["target", "value", ""]))
 
     elapsed = time.perf_counter() - t_start
     print(f"\nwall time {elapsed:.1f} s")
 
     out = {
-        "tuning": list(TUNING), "held_out": held, "fractions": list(fractions), "policies": list(policies),
-        "winner": WINNER, "quick": args.quick,
+        "tuning": list(TUNING),
+        "held_out": held,
+        "fractions": list(fractions),
+        "policies": list(policies),
+        "winner": WINNER,
+        "quick": args.quick,
         "runs": [{"trace": s[1], "kind": s[0], "policy": p, "fraction": f, **r} for (s, p, f), r in res.items()],
-        "held_out_mean": held_rows, "tuning_mean": tune_rows, "synthetic": syn_rows,
+        "held_out_mean": held_rows,
+        "tuning_mean": tune_rows,
+        "synthetic": syn_rows,
         "mixed": {"budget_bytes": BUDGET, "tuned_share": tuned_share, "traces": mixed_out},
         "targets": [{"target": t, "value": v, "met": bool(ok)} for t, v, ok in targets],
         "wall_seconds": elapsed,

@@ -37,8 +37,9 @@ def main(argv=None) -> int:
     try:
         for piece in args.pieces:
             bench.cache_options["prefetch_piece_bytes"] = piece
-            report = run_engine(bench, prefetch=args.prefetch.split(","), hints=args.hints,
-                                compute_us=args.layer_compute_us, **kwargs)
+            report = run_engine(
+                bench, prefetch=args.prefetch.split(","), hints=args.hints, compute_us=args.layer_compute_us, **kwargs
+            )
             print(f"## prefetch pieces of {piece // 1024} KiB")
             print(format_report(report), flush=True)
             print()

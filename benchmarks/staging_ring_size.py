@@ -4,6 +4,7 @@ memory, calls of 6 experts back to back as in `expcache transfer`, for staging r
 
     python3 benchmarks/staging_ring_size.py
 """
+
 import sys
 
 from pyexpcache import _cuda
@@ -26,13 +27,24 @@ def main() -> int:
                         for ring in (4 << 20, 16 << 20, 64 << 20):
                             runs = []
                             for _ in range(2):
-                                gb_s, _, st = transfer.library_gb_s(layout, src, stream, copy_threads=threads,
-                                                                     staging_chunk_bytes=chunk, staging_bytes=ring)
-                                runs.append(f"{gb_s:.1f} GB/s, span {st.span_us_per_call:.0f} µs, fill "
-                                            f"{st.fill_us_per_piece:.1f} µs/piece, {st.threads_filling:.1f} "
-                                            f"threads filling, first piece {st.first_fill_us_per_call:.1f} µs")
-                            print(f"{size} expert, {threads} threads, {chunk >> 10} KiB chunks, {ring >> 20} MiB "
-                                  f"ring: " + " | ".join(runs), flush=True)
+                                gb_s, _, st = transfer.library_gb_s(
+                                    layout,
+                                    src,
+                                    stream,
+                                    copy_threads=threads,
+                                    staging_chunk_bytes=chunk,
+                                    staging_bytes=ring,
+                                )
+                                runs.append(
+                                    f"{gb_s:.1f} GB/s, span {st.span_us_per_call:.0f} µs, fill "
+                                    f"{st.fill_us_per_piece:.1f} µs/piece, {st.threads_filling:.1f} "
+                                    f"threads filling, first piece {st.first_fill_us_per_call:.1f} µs"
+                                )
+                            print(
+                                f"{size} expert, {threads} threads, {chunk >> 10} KiB chunks, {ring >> 20} MiB "
+                                f"ring: " + " | ".join(runs),
+                                flush=True,
+                            )
     finally:
         rt.cudaStreamDestroy(stream)
     return 0

@@ -47,8 +47,14 @@ def main() -> int:
     p.add_argument("--traces", default="podA_c_python_full")
     p.add_argument("--layout", default="mixed")
     p.add_argument("--budget-gib", type=float, default=12.0)
-    p.add_argument("--env", action="append", default=[], type=_env_values, metavar="VAR=a,b",
-                   help="run each configuration with VAR set to each value (repeatable: a grid)")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=_env_values,
+        metavar="VAR=a,b",
+        help="run each configuration with VAR set to each value (repeatable: a grid)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="run the grid this many times, alternating")
     args = p.parse_args()
     if args.repeat < 1:
@@ -62,37 +68,76 @@ def main() -> int:
     rows = []
     thread_counts = [int(t) for t in args.threads.split(",")]
     try:
-        fill = [[t, f"{c >> 10} KiB", f"{host_copy_gb_s(shared.source.buffer, c, t):.1f}"]
-                for t in [1] + thread_counts for c in args.chunks]
-        print(tabulate(fill, headers=["threads", "piece", "host copy GB/s (pageable source)"],
-                       disable_numparse=True), flush=True)
-        settings = [dict(zip([name for name, _ in args.env], values))
-                    for values in itertools.product(*[values for _, values in args.env])]
-        grid = [(threads, chunk, env) for _ in range(args.repeat) for threads in thread_counts
-                for chunk in args.chunks for env in settings]
+        fill = [
+            [t, f"{c >> 10} KiB", f"{host_copy_gb_s(shared.source.buffer, c, t):.1f}"]
+            for t in [1] + thread_counts
+            for c in args.chunks
+        ]
+        print(
+            tabulate(fill, headers=["threads", "piece", "host copy GB/s (pageable source)"], disable_numparse=True),
+            flush=True,
+        )
+        settings = [
+            dict(zip([name for name, _ in args.env], values))
+            for values in itertools.product(*[values for _, values in args.env])
+        ]
+        grid = [
+            (threads, chunk, env)
+            for _ in range(args.repeat)
+            for threads in thread_counts
+            for chunk in args.chunks
+            for env in settings
+        ]
         for threads, chunk, env in grid:
             os.environ.update(env)  # read when the configuration's cache is created
             env_label = " ".join(f"{k}={v}" for k, v in env.items())
             shared.cache_options = {"copy_threads": threads, "staging_chunk_bytes": chunk}
-            report = bench.run(layout, "decode", variants=["expcache"], traces=traces,
-                               budget_bytes=shared.budget_bytes, bench=shared)
+            report = bench.run(
+                layout, "decode", variants=["expcache"], traces=traces, budget_bytes=shared.budget_bytes, bench=shared
+            )
             r = report.results[0]
             st = r.staging
-            rows.append([threads, f"{chunk >> 10} KiB", env_label,
-                         f"{r.tokens_per_s:.2f}", f"{100 * r.hit_rate:.1f} %",
-                         f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
-                         f"{r.serve_us_per_call:.0f}", f"{r.after_serve_us_per_call:.0f}", *st.columns(),
-                         f"{r.checksum_errors} bad / {r.experts_checked}"])
-            print(f"staging_sweep: {threads} threads, {chunk >> 10} KiB chunks {env_label}: {r.tokens_per_s:.2f} tok/s",
-                  file=sys.stderr, flush=True)  # progress; the table follows at the end
+            rows.append(
+                [
+                    threads,
+                    f"{chunk >> 10} KiB",
+                    env_label,
+                    f"{r.tokens_per_s:.2f}",
+                    f"{100 * r.hit_rate:.1f} %",
+                    f"{100 * r.tokens_per_s / r.link_bound_tokens_per_s:.0f} %",
+                    f"{r.serve_us_per_call:.0f}",
+                    f"{r.after_serve_us_per_call:.0f}",
+                    *st.columns(),
+                    f"{r.checksum_errors} bad / {r.experts_checked}",
+                ]
+            )
+            print(
+                f"staging_sweep: {threads} threads, {chunk >> 10} KiB chunks {env_label}: {r.tokens_per_s:.2f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )  # progress; the table follows at the end
             if r.checksum_errors:
                 return 1
     finally:
         shared.close()
-    print(tabulate(rows, headers=["copy threads", "chunk", "environment", "decode tok/s", "hit rate",
-                                  "of link bound", "select µs/call", "after select µs/call",
-                                  *StagingStats.COLUMNS, "checksums"],
-                   disable_numparse=True))
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "copy threads",
+                "chunk",
+                "environment",
+                "decode tok/s",
+                "hit rate",
+                "of link bound",
+                "select µs/call",
+                "after select µs/call",
+                *StagingStats.COLUMNS,
+                "checksums",
+            ],
+            disable_numparse=True,
+        )
+    )
     return 0
 
 

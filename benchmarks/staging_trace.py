@@ -30,6 +30,7 @@ from tabulate import tabulate
 class Ring:
     """One ring's trace: calls as (begun, finishing, finished) and pieces as (seq, bytes, queued,
     taken, filled, sent, send, filler), times in ns from the ring's making."""
+
     title: str
     calls: List[tuple] = field(default_factory=list)
     pieces: List[tuple] = field(default_factory=list)
@@ -75,8 +76,21 @@ def read(path: str) -> List[Ring]:
     return rings
 
 
-SUMMARY = ["ring", "calls", "pieces/call", "MiB/call", "last queued µs", "finish() µs", "first filled µs",
-           "first sent µs", "last sent µs", "returned µs", "to next call µs", "fillers", "fill µs/piece"]
+SUMMARY = [
+    "ring",
+    "calls",
+    "pieces/call",
+    "MiB/call",
+    "last queued µs",
+    "finish() µs",
+    "first filled µs",
+    "first sent µs",
+    "last sent µs",
+    "returned µs",
+    "to next call µs",
+    "fillers",
+    "fill µs/piece",
+]
 
 
 def summary_rows(rings: Sequence[Ring]) -> Iterator[list]:
@@ -90,16 +104,34 @@ def summary_rows(rings: Sequence[Ring]) -> Iterator[list]:
             nxt = calls[k + 1][0][0] - c[2] if k + 1 < len(calls) else np.nan
             first = min(ps, key=lambda p: p[0])
             sent = [p[5] for p in ps if p[5]]
-            rows.append([len(ps), sum(p[1] for p in ps) / 2**20, max(p[2] for p in ps) - begun, c[1] - begun,
-                         first[4] - begun, (min(sent) - begun) if sent else np.nan,
-                         (max(sent) - begun) if sent else np.nan, c[2] - begun, nxt,
-                         len({p[7] for p in ps}), np.mean([p[4] - p[3] for p in ps])])
+            rows.append(
+                [
+                    len(ps),
+                    sum(p[1] for p in ps) / 2**20,
+                    max(p[2] for p in ps) - begun,
+                    c[1] - begun,
+                    first[4] - begun,
+                    (min(sent) - begun) if sent else np.nan,
+                    (max(sent) - begun) if sent else np.nan,
+                    c[2] - begun,
+                    nxt,
+                    len({p[7] for p in ps}),
+                    np.mean([p[4] - p[3] for p in ps]),
+                ]
+            )
         with warnings.catch_warnings():  # a column without a value in any call (no piece sent): "—"
             warnings.simplefilter("ignore", RuntimeWarning)
             med = np.nanmedian(np.array(rows, dtype=float), axis=0)
         us = ["—" if np.isnan(v) else f"{v / 1e3:.1f}" for v in med]
-        yield [f"{i}: {ring.title.split(':', 1)[-1].strip()}", len(calls), f"{med[0]:.1f}", f"{med[1]:.2f}",
-               *us[2:9], f"{med[9]:.0f}", us[10]]
+        yield [
+            f"{i}: {ring.title.split(':', 1)[-1].strip()}",
+            len(calls),
+            f"{med[0]:.1f}",
+            f"{med[1]:.2f}",
+            *us[2:9],
+            f"{med[9]:.0f}",
+            us[10],
+        ]
 
 
 def timeline_rows(ring: Ring, call: int) -> Iterator[list]:
@@ -108,9 +140,16 @@ def timeline_rows(ring: Ring, call: int) -> Iterator[list]:
         raise ValueError(f"no call {call}: the ring traced {len(ring.calls)}")
     begun = ring.calls[call][0]
     for seq, size, queued, taken, filled, sent, send, filler in by_call[call]:
-        yield [call, seq, f"{size >> 10}", *(f"{(t - begun) / 1e3:.1f}" for t in (queued, taken, filled)),
-               f"{(filled - taken) / 1e3:.1f}", f"{(sent - begun) / 1e3:.1f}" if sent else "—", send or "—",
-               filler]
+        yield [
+            call,
+            seq,
+            f"{size >> 10}",
+            *(f"{(t - begun) / 1e3:.1f}" for t in (queued, taken, filled)),
+            f"{(filled - taken) / 1e3:.1f}",
+            f"{(sent - begun) / 1e3:.1f}" if sent else "—",
+            send or "—",
+            filler,
+        ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,8 +172,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:
             p.error(str(e))
         print()
-        print(tabulate(rows, headers=["call", "piece", "KiB", "queued µs", "taken µs", "filled µs", "fill µs",
-                                      "sent µs", "send", "filler"], disable_numparse=True))
+        print(
+            tabulate(
+                rows,
+                headers=[
+                    "call",
+                    "piece",
+                    "KiB",
+                    "queued µs",
+                    "taken µs",
+                    "filled µs",
+                    "fill µs",
+                    "sent µs",
+                    "send",
+                    "filler",
+                ],
+                disable_numparse=True,
+            )
+        )
     return 0
 
 

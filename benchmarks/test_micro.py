@@ -37,8 +37,7 @@ def _no_cuda() -> str:
     return ""
 
 
-@pytest.fixture(scope="module", params=[(b, q) for b in ("host", "cuda") for q in LAYOUTS],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[(b, q) for b in ("host", "cuda") for q in LAYOUTS], ids=lambda p: "-".join(p))
 def rig(request):
     """One rig per backend and layout, shared by the module's tests."""
     backend, layout = request.param
@@ -126,9 +125,14 @@ def trace():
 
 
 def _sim_info(benchmark, result, trace) -> None:
-    benchmark.extra_info.update(trace=TRACE, tokens=trace.num_tokens, capacity=list(result.capacity),
-                                requests=result.requests, hit_rate=result.hit_rate,
-                                evictions=int(result.evictions.sum()))
+    benchmark.extra_info.update(
+        trace=TRACE,
+        tokens=trace.num_tokens,
+        capacity=list(result.capacity),
+        requests=result.requests,
+        hit_rate=result.hit_rate,
+        evictions=int(result.evictions.sum()),
+    )
 
 
 def test_simulate_lru(benchmark, trace):

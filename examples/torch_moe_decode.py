@@ -97,7 +97,7 @@ class Model:
         H, Fd, E = a.hidden, a.ffn, a.experts
 
         def rnd(*shape, fan_in):
-            return (torch.randn(*shape, generator=g) / fan_in ** 0.5).to(BF16)
+            return (torch.randn(*shape, generator=g) / fan_in**0.5).to(BF16)
 
         self.embed = rnd(a.vocab, H, fan_in=1).to(device)
         self.pos = rnd(a.tokens + 1, H, fan_in=1).to(device)  # varies the routing from step to step
@@ -225,11 +225,13 @@ def link_rate(on_cuda) -> float:
 def graph_main(a, model, layout, budget, on_cuda, device) -> int:
     """--graph: the resident reference (eager, captured), today's select_views path, and the
     captured select_device step, in one run; the logits of the device path equal the reference's."""
+
     def resident(layer, h, ids, weights):
         return batched_experts(h, model.resident[layer], ids, weights)
 
-    ref_logits, ref_tokens, ref_eager_s = run_graph_steps(GraphStep(model, a, device, resident), a, on_cuda,
-                                                          capture=False)
+    ref_logits, ref_tokens, ref_eager_s = run_graph_steps(
+        GraphStep(model, a, device, resident), a, on_cuda, capture=False
+    )
     rows = [("resident, eager", ref_eager_s)]
     if on_cuda:
         _, _, ref_graph_s = run_graph_steps(GraphStep(model, a, device, resident), a, on_cuda, capture=True)
@@ -250,18 +252,22 @@ def graph_main(a, model, layout, budget, on_cuda, device) -> int:
         _, _, views_s = decode(model, experts, a, sync)
     rows.append(("expcache select_views, eager", views_s))
 
-    with ExpertCache(layout, source, budget_bytes=budget, backend=backend, device=dev, log_level=1,
-                     lookup="device") as cache:
-        banks = [tuple(torch.from_dlpack(p) for p in cache.bank(layer, dtype="bfloat16", shapes=part_shapes(a)).parts)
-                 for layer in range(a.layers)]
+    with ExpertCache(
+        layout, source, budget_bytes=budget, backend=backend, device=dev, log_level=1, lookup="device"
+    ) as cache:
+        banks = [
+            tuple(torch.from_dlpack(p) for p in cache.bank(layer, dtype="bfloat16", shapes=part_shapes(a)).parts)
+            for layer in range(a.layers)
+        ]
 
         def bank_experts(layer, h, ids, weights):
             slots = cache.select_device(layer, ids)  # on torch's current stream (the capture's too)
             return batched_experts(h, banks[layer], slots, weights)
 
         step = GraphStep(model, a, device, bank_experts)
-        got_logits, got_tokens, got_s = run_graph_steps(step, a, on_cuda, capture=on_cuda,
-                                                        before_timing=cache.reset_stats)
+        got_logits, got_tokens, got_s = run_graph_steps(
+            step, a, on_cuda, capture=on_cuda, before_timing=cache.reset_stats
+        )
         st = cache.stats().path("device")  # the timed pass's
     rows.append(("expcache select_device" + (", one CUDA graph" if on_cuda else ", eager"), got_s))
     miss_bytes = st.bytes_h2d
@@ -270,13 +276,17 @@ def graph_main(a, model, layout, budget, on_cuda, device) -> int:
     base = rows[1][1] if on_cuda else rows[0][1]
     for name, seconds in rows:
         print(f"{name:38}{a.tokens / seconds:9.1f}{base / seconds:19.2f}x")
-    print(f"select_device: hit rate {st.hit_rate:.1%} ({st.hits} hits, {st.misses} misses over {st.calls} selects "
-          "of the timed pass; the first pass warmed the cache)")
+    print(
+        f"select_device: hit rate {st.hit_rate:.1%} ({st.hits} hits, {st.misses} misses over {st.calls} selects "
+        "of the timed pass; the first pass warmed the cache)"
+    )
     if on_cuda and rate:
         bound = (base + miss_bytes / rate) / a.tokens
-        print(f"misses' bytes per token {miss_bytes / a.tokens / 2**20:.1f} MiB at {rate / 1e9:.1f} GB/s: "
-              f"resident graph + link = {1e3 * bound:.3f} ms/token; select_device graph {1e3 * got_s / a.tokens:.3f} "
-              f"ms/token = {got_s / a.tokens / bound:.2f}x that")
+        print(
+            f"misses' bytes per token {miss_bytes / a.tokens / 2**20:.1f} MiB at {rate / 1e9:.1f} GB/s: "
+            f"resident graph + link = {1e3 * bound:.3f} ms/token; select_device graph {1e3 * got_s / a.tokens:.3f} "
+            f"ms/token = {got_s / a.tokens / bound:.2f}x that"
+        )
         print(f"select_device graph vs select_views: {views_s / got_s:.1f}x")
     return check_logits(ref_logits, ref_tokens, got_logits, got_tokens)
 
@@ -291,8 +301,10 @@ def check_logits(ref_logits, ref_tokens, got_logits, got_tokens) -> int:
     print(f"tokens: {got_tokens}")
     for step, (want, got) in enumerate(zip(ref_logits, got_logits)):
         if not torch.equal(want, got):
-            sys.exit(f"MISMATCH at step {step}: logits differ (max |diff| {(want - got).abs().max().item():.3g}; "
-                     f"reference token {ref_tokens[step]}, expcache token {got_tokens[step]})")
+            sys.exit(
+                f"MISMATCH at step {step}: logits differ (max |diff| {(want - got).abs().max().item():.3g}; "
+                f"reference token {ref_tokens[step]}, expcache token {got_tokens[step]})"
+            )
     print(f"logits bit-identical: yes ({len(got_logits)} steps)")
     return 0
 
@@ -358,22 +370,38 @@ def cuda_unusable_reason():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cuda: torch CUDA and expcache's CUDA backend; cpu: expcache's host backend;\n"
-                        "auto: cuda when both work, else cpu (default)")
-    for name, help_ in (("layers", "MoE layers"), ("experts", "routed experts per layer"), ("hidden", "hidden size H"),
-                        ("ffn", "expert FFN size F"), ("vocab", "vocabulary size")):
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="cuda: torch CUDA and expcache's CUDA backend; cpu: expcache's host backend;\n"
+        "auto: cuda when both work, else cpu (default)",
+    )
+    for name, help_ in (
+        ("layers", "MoE layers"),
+        ("experts", "routed experts per layer"),
+        ("hidden", "hidden size H"),
+        ("ffn", "expert FFN size F"),
+        ("vocab", "vocabulary size"),
+    ):
         cpu = f"; {CPU_DEFAULTS[name]} on cpu" if CPU_DEFAULTS[name] != DEFAULTS[name] else ""
         p.add_argument(f"--{name}", type=int, help=f"{help_} (default {DEFAULTS[name]}{cpu})")
     p.add_argument("--top-k", type=int, default=6, help="experts per token and layer (default 6)")
     p.add_argument("--tokens", type=int, default=32, help="tokens to decode (default 32)")
     p.add_argument("--prompt", type=int, default=1, help="the prompt token (default 1)")
-    p.add_argument("--budget-fraction", type=float, default=0.25,
-                   help="cache budget as a fraction of all experts' bytes (default 0.25)")
+    p.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.25,
+        help="cache budget as a fraction of all experts' bytes (default 0.25)",
+    )
     p.add_argument("--split", action="store_true", help="select_split: hits' experts first, then wait, then misses'")
     p.add_argument("--prefetch", action="store_true", help="prefetch layer L+1's previous experts after routing L")
-    p.add_argument("--graph", action="store_true",
-                   help="serve from the GPU: select_device and the bank, the whole step in one CUDA graph")
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="serve from the GPU: select_device and the bank, the whole step in one CUDA graph",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     a = p.parse_args(argv)
     if a.graph and (a.split or a.prefetch):
@@ -393,41 +421,56 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     print(f"device: {device}" + ("" if on_cuda else f" (expcache host backend; {reason})"))
     if shrunk:
-        print(f"note: defaults reduced on cpu (bf16 matmuls are slow there): {', '.join(shrunk)}; "
-              "give the sizes to override")
+        print(
+            f"note: defaults reduced on cpu (bf16 matmuls are slow there): {', '.join(shrunk)}; "
+            "give the sizes to override"
+        )
 
     model = Model(a, device)
     part = a.ffn * a.hidden * 2  # bytes of one bf16 [F, H] (or [H, F]) matrix
     layout = ModelLayout(tuple(LayerSpec(a.experts, part, part, part) for _ in range(a.layers)), name="torch-moe")
     budget = int(a.budget_fraction * layout.total_bytes)
-    print(f"model: {a.layers} layers x {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, ffn {a.ffn}, "
-          f"vocab {a.vocab}, bf16; experts {layout.total_bytes / 2**20:.1f} MiB in "
-          f"{'pinned' if model.pinned else 'pageable'} host memory; cache budget {a.budget_fraction:.0%} "
-          f"= {budget / 2**20:.1f} MiB; mode: "
-          f"{'graph' if a.graph else 'split' if a.split else 'plain'}{' + prefetch' if a.prefetch else ''}")
+    print(
+        f"model: {a.layers} layers x {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, ffn {a.ffn}, "
+        f"vocab {a.vocab}, bf16; experts {layout.total_bytes / 2**20:.1f} MiB in "
+        f"{'pinned' if model.pinned else 'pageable'} host memory; cache budget {a.budget_fraction:.0%} "
+        f"= {budget / 2**20:.1f} MiB; mode: "
+        f"{'graph' if a.graph else 'split' if a.split else 'plain'}{' + prefetch' if a.prefetch else ''}"
+    )
     if a.graph:
         return graph_main(a, model, layout, budget, on_cuda, device)
 
     # The reference: every expert resident, indexed by id. A warm-up token first (kernel setup).
     def resident(layer, h, ids):
         return [expert_ffn(h, *(t[e] for t in model.resident[layer])) for e in ids.tolist()]
+
     model.step(a.prompt, 0, resident)
     ref_logits, ref_tokens, ref_s = decode(model, resident, a, sync)
 
     source = TorchHostSource(layout, model.host, model.pinned)
-    with ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if on_cuda else "host",
-                     device=torch.cuda.current_device() if on_cuda else 0, log_level=1) as cache:
+    with ExpertCache(
+        layout,
+        source,
+        budget_bytes=budget,
+        backend="cuda" if on_cuda else "host",
+        device=torch.cuda.current_device() if on_cuda else 0,
+        log_level=1,
+    ) as cache:
         stream = torch.cuda.current_stream().cuda_stream if on_cuda else None
         got_logits, got_tokens, got_s = decode(model, cache_experts(cache, a, stream), a, sync)
         decode_stats, pf = cache.stats().path("decode"), cache.prefetch_stats()
 
     print(f"{'reference (all experts resident):':34}{a.tokens / ref_s:8.1f} tok/s")
-    print(f"{'expcache (' + ('select_split' if a.split else 'select_views') + '):':34}{a.tokens / got_s:8.1f} tok/s, "
-          f"decode hit rate {decode_stats.hit_rate:.1%} ({decode_stats.hits} hits, {decode_stats.misses} misses, "
-          f"{decode_stats.bytes_h2d / 2**20:.1f} MiB host to device)")
+    print(
+        f"{'expcache (' + ('select_split' if a.split else 'select_views') + '):':34}{a.tokens / got_s:8.1f} tok/s, "
+        f"decode hit rate {decode_stats.hit_rate:.1%} ({decode_stats.hits} hits, {decode_stats.misses} misses, "
+        f"{decode_stats.bytes_h2d / 2**20:.1f} MiB host to device)"
+    )
     if a.prefetch:
-        print(f"prefetch: {pf.calls} calls, {pf.issued} issued, {pf.used} used ({pf.accuracy:.0%}), {pf.wasted} wasted, "
-              f"{pf.cancelled} cancelled, {pf.skipped} skipped, {pf.dropped} dropped")
+        print(
+            f"prefetch: {pf.calls} calls, {pf.issued} issued, {pf.used} used ({pf.accuracy:.0%}), {pf.wasted} wasted, "
+            f"{pf.cancelled} cancelled, {pf.skipped} skipped, {pf.dropped} dropped"
+        )
     return check_logits(ref_logits, ref_tokens, got_logits, got_tokens)
 
 

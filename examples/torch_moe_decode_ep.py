@@ -35,8 +35,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from torch_moe_decode import (BF16, CPU_DEFAULTS, DEFAULTS, Model, TorchHostSource, cuda_unusable_reason,  # noqa: E402
-                              decode, expert_ffn)
+from torch_moe_decode import (
+    BF16,
+    CPU_DEFAULTS,
+    DEFAULTS,
+    Model,
+    TorchHostSource,
+    cuda_unusable_reason,  # noqa: E402
+    decode,
+    expert_ffn,
+)
 
 from pyexpcache import ExpertCache, LayerSpec, ModelLayout, Placement, loads_from_calls  # noqa: E402
 from pyexpcache.sim import DECODE, Call  # noqa: E402
@@ -96,8 +104,15 @@ def _decode_rank(rank, world, a):
     h_buf = torch.empty(1, a.hidden, dtype=BF16, device=comm)
     ids_buf = torch.empty(a.top_k, dtype=torch.int64, device=comm)
 
-    with ExpertCache(layout, source, budget_bytes=budget, backend="cuda" if a.on_cuda else "host",
-                     device=device.index or 0, log_level=1) as cache:
+    with ExpertCache(
+        layout,
+        source,
+        budget_bytes=budget,
+        backend="cuda" if a.on_cuda else "host",
+        device=device.index or 0,
+        log_level=1,
+    ) as cache:
+
         def exchange(layer, h, ids):
             """Dispatch h and ids from rank 0, run this rank's experts, combine the rows on rank 0."""
             if rank == 0:
@@ -110,13 +125,12 @@ def _decode_rank(rank, world, a):
             pos = np.flatnonzero(placement.owners[layer][mine] == rank)
             rows = torch.zeros(a.top_k, a.hidden, dtype=BF16, device=device)
             if pos.size:
-                views = cache.select_views(layer, mine[pos].astype(np.uint32), stream, dtype="bfloat16",
-                                           shapes=shapes)
+                views = cache.select_views(layer, mine[pos].astype(np.uint32), stream, dtype="bfloat16", shapes=shapes)
                 for i, view in zip(pos.tolist(), views):
                     rows[i] = expert_ffn(hl, *(torch.from_dlpack(p) for p in view))[0]
             out = rows.to(comm)
             dist.reduce(out, dst=0, op=dist.ReduceOp.SUM)
-            return [out[i:i + 1].to(device) for i in range(a.top_k)] if rank == 0 else None
+            return [out[i : i + 1].to(device) for i in range(a.top_k)] if rank == 0 else None
 
         if rank == 0:
             got = decode(model, exchange, a, sync)
@@ -135,16 +149,22 @@ def _decode_rank(rank, world, a):
         return 0
     (ref_logits, ref_tokens, ref_s), (got_logits, got_tokens, got_s) = ref, got
     print(f"{'reference (one device, all resident):':40}{a.tokens / ref_s:8.1f} tok/s")
-    print(f"{f'expcache, {world} ranks expert-parallel:':40}{a.tokens / got_s:8.1f} tok/s "
-          f"(exchange over {a.dist_backend})")
+    print(
+        f"{f'expcache, {world} ranks expert-parallel:':40}{a.tokens / got_s:8.1f} tok/s "
+        f"(exchange over {a.dist_backend})"
+    )
     for r, dev, hits, misses, moved, b in stats:
-        print(f"  rank {r} on {dev}: budget {b / 2**20:.1f} MiB, hit rate {hits / max(1, hits + misses):.1%} "
-              f"({hits} hits, {misses} misses, {moved / 2**20:.1f} MiB host to device)")
+        print(
+            f"  rank {r} on {dev}: budget {b / 2**20:.1f} MiB, hit rate {hits / max(1, hits + misses):.1%} "
+            f"({hits} hits, {misses} misses, {moved / 2**20:.1f} MiB host to device)"
+        )
     print(f"tokens: {got_tokens}")
     for step, (want, have) in enumerate(zip(ref_logits, got_logits)):
         if not torch.equal(want, have):
-            print(f"MISMATCH at step {step}: logits differ (max |diff| {(want - have).abs().max().item():.3g}; "
-                  f"reference token {ref_tokens[step]}, expert-parallel token {got_tokens[step]})")
+            print(
+                f"MISMATCH at step {step}: logits differ (max |diff| {(want - have).abs().max().item():.3g}; "
+                f"reference token {ref_tokens[step]}, expert-parallel token {got_tokens[step]})"
+            )
             return 1
     print(f"logits bit-identical to the one-device run: yes ({a.tokens} steps)")
     return 0
@@ -157,21 +177,40 @@ def _spawned(rank, world, a, init, results):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ranks", type=int, default=2, help="processes to spawn (default 2; ignored under torchrun)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="cuda: one GPU per rank where there are enough, shared otherwise; cpu: the host\n"
-                        "backend; auto: cuda when usable (default)")
-    p.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="auto: nccl when every rank has its own GPU, else gloo (default)")
-    p.add_argument("--placement", choices=("round-robin", "balanced"), default="round-robin",
-                   help="which rank owns each expert (balanced: by the reference run's request counts)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="cuda: one GPU per rank where there are enough, shared otherwise; cpu: the host\n"
+        "backend; auto: cuda when usable (default)",
+    )
+    p.add_argument(
+        "--dist-backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="auto: nccl when every rank has its own GPU, else gloo (default)",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("round-robin", "balanced"),
+        default="round-robin",
+        help="which rank owns each expert (balanced: by the reference run's request counts)",
+    )
     for name in ("layers", "experts", "hidden", "ffn", "vocab"):
-        p.add_argument(f"--{name}", type=int, help=f"as in torch_moe_decode.py (default {DEFAULTS[name]}; "
-                                                   f"{CPU_DEFAULTS[name]} on cpu)")
+        p.add_argument(
+            f"--{name}",
+            type=int,
+            help=f"as in torch_moe_decode.py (default {DEFAULTS[name]}; {CPU_DEFAULTS[name]} on cpu)",
+        )
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt", type=int, default=1)
-    p.add_argument("--budget-fraction", type=float, default=0.25,
-                   help="each rank's cache budget as a fraction of the experts it owns (default 0.25)")
+    p.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.25,
+        help="each rank's cache budget as a fraction of the experts it owns (default 0.25)",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     a.split = a.prefetch = False  # Model takes the single-device example's arguments
@@ -196,8 +235,10 @@ def main(argv=None) -> int:
         sys.exit(f"--dist-backend nccl needs a GPU per rank ({world} ranks, {gpus} GPUs)")
     if not under_torchrun or int(os.environ["RANK"]) == 0:
         where = f"{gpus} GPU(s)" if a.on_cuda else f"the CPU (expcache host backend; {reason})"
-        print(f"{world} ranks on {where}; exchange over {a.dist_backend}; placement {a.placement}; model "
-              f"{a.layers} layers x {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, ffn {a.ffn}, bf16")
+        print(
+            f"{world} ranks on {where}; exchange over {a.dist_backend}; placement {a.placement}; model "
+            f"{a.layers} layers x {a.experts} experts (top-{a.top_k}), hidden {a.hidden}, ffn {a.ffn}, bf16"
+        )
     if under_torchrun:
         return run_rank(int(os.environ["RANK"]), world, a, "env://")
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,9 +38,9 @@ import ctypes
 
 import numpy as np
 
-KDLCPU = 1   # DLDeviceType
+KDLCPU = 1  # DLDeviceType
 KDLCUDA = 2
-_KDLINT, _KDLUINT, _KDLFLOAT, _KDLBFLOAT = 0, 1, 2, 4   # DLDataTypeCode
+_KDLINT, _KDLUINT, _KDLFLOAT, _KDLBFLOAT = 0, 1, 2, 4  # DLDataTypeCode
 _CODES = {"i": _KDLINT, "u": _KDLUINT, "f": _KDLFLOAT}  # numpy dtype.kind -> code
 
 
@@ -84,6 +84,7 @@ class _DataType(ctypes.Structure):
 
 class _Tensor(ctypes.Structure):
     """DLTensor, the first member of DLManagedTensor (so at the managed tensor's address)."""
+
     _fields_ = [
         ("data", ctypes.c_void_p),
         ("device", _Device),
@@ -120,8 +121,18 @@ def capsule(owner, ptr: int, shape: tuple[int, ...], dtype, device_type: int, de
     code, bits = data_type(dtype)
     # An unsigned integer of the same size: numpy exports it whatever the type (bfloat16 too).
     typestr = np.dtype(f"u{bits // 8}").str
-    array = np.asarray(_Base({"shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 3,
-                              "strides": None if strides is None else tuple(strides)}, owner))
+    array = np.asarray(
+        _Base(
+            {
+                "shape": tuple(shape),
+                "typestr": typestr,
+                "data": (ptr, False),
+                "version": 3,
+                "strides": None if strides is None else tuple(strides),
+            },
+            owner,
+        )
+    )
     result = array.__dlpack__()
     tensor = _Tensor.from_address(_capsule_pointer(result, _NAME))
     tensor.data = ptr or None  # numpy's stand-in buffer for an empty array is not on the device

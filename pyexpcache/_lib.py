@@ -53,8 +53,17 @@ MAX_EXPERTS_LIMIT = 65536  # experts of one layer
 MAX_PART_BYTES_LIMIT = 1 << 40  # bytes of one gate, up or down part
 # Constants of expcache_testing.h.
 CHECKSUM_RESULTS = 65536
-(STRUCT_CONFIG, STRUCT_LAYER_DESC, STRUCT_EXPERT_PTRS, STRUCT_COMPACT, STRUCT_CLASS_INFO, STRUCT_STATS,
- STRUCT_STAGING_STATS, STRUCT_PREFETCH_STATS, STRUCT_BANK) = range(9)
+(
+    STRUCT_CONFIG,
+    STRUCT_LAYER_DESC,
+    STRUCT_EXPERT_PTRS,
+    STRUCT_COMPACT,
+    STRUCT_CLASS_INFO,
+    STRUCT_STATS,
+    STRUCT_STAGING_STATS,
+    STRUCT_PREFETCH_STATS,
+    STRUCT_BANK,
+) = range(9)
 STRUCT_COUNT = 9
 
 
@@ -154,8 +163,18 @@ class Bank(ctypes.Structure):
 
 
 STAT_FIELDS = (
-    "calls", "hits", "misses", "evictions", "appends", "direct_loads", "bytes_h2d", "bytes_d2d",
-    "releases", "alloc_retries", "cap_notices", "class_reuses",
+    "calls",
+    "hits",
+    "misses",
+    "evictions",
+    "appends",
+    "direct_loads",
+    "bytes_h2d",
+    "bytes_d2d",
+    "releases",
+    "alloc_retries",
+    "cap_notices",
+    "class_reuses",
 )
 
 
@@ -164,8 +183,18 @@ class Stats(ctypes.Structure):
 
 
 STAGING_FIELDS = (
-    "calls", "pieces", "bytes", "caller_fills", "fill_ns", "chunk_waits", "chunk_wait_ns", "wait_ns", "send_ns",
-    "sends", "span_ns", "first_fill_ns",
+    "calls",
+    "pieces",
+    "bytes",
+    "caller_fills",
+    "fill_ns",
+    "chunk_waits",
+    "chunk_wait_ns",
+    "wait_ns",
+    "send_ns",
+    "sends",
+    "span_ns",
+    "first_fill_ns",
 )
 
 
@@ -174,8 +203,23 @@ class StagingStats(ctypes.Structure):
 
 
 PREFETCH_FIELDS = (
-    "calls", "issued", "used", "wasted", "cancelled", "skipped", "dropped", "bytes_issued", "bytes_used",
-    "bytes_wasted", "bytes_cancelled", "bytes_sent", "pieces", "hints", "hint_refreshes", "late", "bytes_late_sent",
+    "calls",
+    "issued",
+    "used",
+    "wasted",
+    "cancelled",
+    "skipped",
+    "dropped",
+    "bytes_issued",
+    "bytes_used",
+    "bytes_wasted",
+    "bytes_cancelled",
+    "bytes_sent",
+    "pieces",
+    "hints",
+    "hint_refreshes",
+    "late",
+    "bytes_late_sent",
 )
 
 
@@ -239,8 +283,11 @@ _FUNCTIONS = [
     ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
     # expcache_status_t expcache_select_split_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
     #     uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs, uint8_t* out_resident, void** out_ready);
-    ("expcache_select_split_async",
-     [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p, c_void_p, POINTER(c_void_p)], c_int32),
+    (
+        "expcache_select_split_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p, c_void_p, POINTER(c_void_p)],
+        c_int32,
+    ),
     # expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream);
     ("expcache_ready_wait_async", [CachePtr, c_void_p, c_void_p], c_int32),
     # expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
@@ -255,9 +302,11 @@ _FUNCTIONS = [
     ("expcache_compact_load_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, POINTER(Compact)], c_int32),
     # expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint64_t n,
     #     void* stream, uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
-    ("expcache_batch_prepare_async",
-     [CachePtr, c_uint32, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(c_uint64)],
-     c_int32),
+    (
+        "expcache_batch_prepare_async",
+        [CachePtr, c_uint32, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(c_uint64)],
+        c_int32,
+    ),
     # expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t batch, void* stream);
     ("expcache_batch_finish", [CachePtr, c_uint64, c_void_p], c_int32),
     # expcache_status_t expcache_release_all(expcache_t* cache);
@@ -269,8 +318,11 @@ _FUNCTIONS = [
     # expcache_status_t expcache_select_device_async(expcache_t* cache, uint32_t layer, const void* ids,
     #                                                uint32_t id_bits, uint32_t n, uint32_t k, int32_t* out_slots,
     #                                                void* stream);
-    ("expcache_select_device_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p],
-     c_int32),
+    (
+        "expcache_select_device_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p],
+        c_int32,
+    ),
     # expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count);
     ("expcache_class_count_get", [CachePtr, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index,
@@ -301,8 +353,7 @@ _FUNCTIONS = [
     # expcache_testing.h:
     # expcache_status_t expcache_testing_read_resident(expcache_t* cache, uint32_t layer, uint32_t expert,
     #                                                  void* dst, uint64_t dst_bytes, uint32_t* out_resident);
-    ("expcache_testing_read_resident", [CachePtr, c_uint32, c_uint32, c_void_p, c_uint64, POINTER(c_uint32)],
-     c_int32),
+    ("expcache_testing_read_resident", [CachePtr, c_uint32, c_uint32, c_void_p, c_uint64, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_testing_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
     ("expcache_testing_read_device", [CachePtr, c_void_p, c_void_p, c_uint64], c_int32),
     # expcache_status_t expcache_testing_checksum(expcache_t* cache, uint32_t layer,

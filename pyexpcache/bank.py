@@ -73,8 +73,10 @@ def id_array(array, what: str, *, writable: bool = False) -> IdArray:
     else:
         ids = _interface_ids(array, what)
     if writable and ids.readonly:
-        raise ValueError(f"{what} is read-only (its array interface says so): the select writes the slot ids into "
-                         "it; pass a writable array")
+        raise ValueError(
+            f"{what} is read-only (its array interface says so): the select writes the slot ids into "
+            "it; pass a writable array"
+        )
     return ids
 
 
@@ -101,11 +103,12 @@ def _interface_ids(array, what: str) -> IdArray:
         bits = nbits if code == 0 and nbits in (32, 64) and tensor.dtype.lanes == 1 else None
         typestr = f"DLPack type code {code}, {nbits} bits"
         itemsize = max(nbits // 8, 1)
-        strides = (None if not tensor.strides else tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim)))
+        strides = None if not tensor.strides else tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim))
         readonly = False  # an unversioned DLPack tensor carries no read-only flag
     else:
-        raise TypeError(f"{what} must be an array (torch, cupy, numpy: DLPack or an array interface), got "
-                        f"{type(array).__name__}")
+        raise TypeError(
+            f"{what} must be an array (torch, cupy, numpy: DLPack or an array interface), got {type(array).__name__}"
+        )
     if bits is None:
         raise TypeError(f"{what} must hold int32 or int64 ids, got {typestr}")
     if len(shape) not in (1, 2):
@@ -123,8 +126,9 @@ def _torch_ids(tensor, what: str) -> IdArray:
     if tensor.dim() not in (1, 2):
         raise ValueError(f"{what} must be 1-D [k] or 2-D [n, k], got shape {tuple(tensor.shape)}")
     if not tensor.is_contiguous():
-        raise ValueError(f"{what} must be C-contiguous, got strides {tuple(tensor.stride())} for shape "
-                         f"{tuple(tensor.shape)}")
+        raise ValueError(
+            f"{what} must be C-contiguous, got strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}"
+        )
     if tensor.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{what} must be in CUDA or host memory, got a tensor on {tensor.device}")
     return IdArray(tensor.data_ptr(), tuple(tensor.shape), bits, tensor.device.type == "cuda", tensor)
@@ -143,8 +147,10 @@ def empty_slots(like, shape: tuple[int, ...]):
             return cupy.empty(shape, dtype=cupy.int32)
     if isinstance(like, np.ndarray):
         return np.empty(shape, dtype=np.int32)
-    raise TypeError(f"cannot make the slot array beside a {type(like).__name__}: pass out= (an int32 array of "
-                    f"shape {shape} in the ids' memory)")
+    raise TypeError(
+        f"cannot make the slot array beside a {type(like).__name__}: pass out= (an int32 array of "
+        f"shape {shape} in the ids' memory)"
+    )
 
 
 def default_stream(like) -> int | None:
@@ -156,16 +162,25 @@ def default_stream(like) -> int | None:
     return None
 
 
-def slot_view(ptr: int, nbytes: int, cap: int, slot_stride: int, *, cuda: bool, device_id: int, dtype, shape,
-              owner) -> TensorView:
+def slot_view(
+    ptr: int, nbytes: int, cap: int, slot_stride: int, *, cuda: bool, device_id: int, dtype, shape, owner
+) -> TensorView:
     """``nbytes`` at ``ptr`` in each of ``cap`` slots ``slot_stride`` bytes apart, as one view
     ``[cap, *shape]`` (each slot's bytes C-contiguous)."""
     one = TensorView(ptr, nbytes, cuda=cuda, device_id=device_id, dtype=dtype, shape=shape)
     inner = [one.dtype.itemsize]
     for dim in reversed(one.shape[1:]):
         inner.insert(0, inner[0] * dim)
-    return TensorView(ptr, cap * nbytes, cuda=cuda, device_id=device_id, dtype=dtype, shape=(cap, *one.shape),
-                      strides=(slot_stride, *inner), owner=owner)
+    return TensorView(
+        ptr,
+        cap * nbytes,
+        cuda=cuda,
+        device_id=device_id,
+        dtype=dtype,
+        shape=(cap, *one.shape),
+        strides=(slot_stride, *inner),
+        owner=owner,
+    )
 
 
 class ExpertBank:
@@ -186,8 +201,9 @@ class ExpertBank:
 
     __slots__ = ("class_index", "cap", "slot_stride", "gate", "up", "down")
 
-    def __init__(self, class_index: int, cap: int, slot_stride: int, gate: TensorView, up: TensorView,
-                 down: TensorView):
+    def __init__(
+        self, class_index: int, cap: int, slot_stride: int, gate: TensorView, up: TensorView, down: TensorView
+    ):
         self.class_index, self.cap, self.slot_stride = class_index, cap, slot_stride
         self.gate, self.up, self.down = gate, up, down
 
@@ -206,14 +222,27 @@ class ExpertBank:
         gate_bytes = gate.nbytes // self.cap if self.cap else 0
         up_bytes = up.nbytes // self.cap if self.cap else 0
         if up.ptr != gate.ptr + gate_bytes:
-            raise ValueError(f"gate ({gate_bytes} B) and up are {up.ptr - gate.ptr - gate_bytes} B apart in a slot: "
-                             "they are one view only when the gate's bytes are a multiple of 256 (the slot alignment)")
+            raise ValueError(
+                f"gate ({gate_bytes} B) and up are {up.ptr - gate.ptr - gate_bytes} B apart in a slot: "
+                "they are one view only when the gate's bytes are a multiple of 256 (the slot alignment)"
+            )
         dtype = gate.dtype if dtype is None else dtype
         if shape is None and dtype == gate.dtype and gate.shape[1:] == up.shape[1:] and len(gate.shape) > 1:
             shape = (2 * gate.shape[1], *gate.shape[2:])
-        return slot_view(gate.ptr, gate_bytes + up_bytes, self.cap, self.slot_stride, cuda=gate.cuda,
-                         device_id=gate.device_id, dtype=dtype, shape=shape, owner=gate.owner)
+        return slot_view(
+            gate.ptr,
+            gate_bytes + up_bytes,
+            self.cap,
+            self.slot_stride,
+            cuda=gate.cuda,
+            device_id=gate.device_id,
+            dtype=dtype,
+            shape=shape,
+            owner=gate.owner,
+        )
 
     def __repr__(self) -> str:
-        return (f"ExpertBank(class {self.class_index}, cap={self.cap}, slot_stride={self.slot_stride}, "
-                f"gate={self.gate.shape}, up={self.up.shape}, down={self.down.shape}, dtype={self.gate.dtype})")
+        return (
+            f"ExpertBank(class {self.class_index}, cap={self.cap}, slot_stride={self.slot_stride}, "
+            f"gate={self.gate.shape}, up={self.up.shape}, down={self.down.shape}, dtype={self.gate.dtype})"
+        )

@@ -19,8 +19,14 @@ from . import _errors, _lib, _lifetime
 from . import bank as _bank
 from .bank import ExpertBank
 from ._cuda import stream_handle
-from ._errors import (CacheClosedError, ExpcacheWarning, ForkedError, InvalidArgumentError, InvalidStateError,
-                      stacklevel_outside)
+from ._errors import (
+    CacheClosedError,
+    ExpcacheWarning,
+    ForkedError,
+    InvalidArgumentError,
+    InvalidStateError,
+    stacklevel_outside,
+)
 from ._memory import MemoryPin
 from ._ints import u32, u64
 from .layout import ModelLayout
@@ -91,9 +97,11 @@ class _Gate:
                 self.depth.n = getattr(self.depth, "n", 0) + 1
                 return
         if self.forked:
-            raise ForkedError("this cache was created before the process forked: a cache cannot be used in a "
-                              "forked child (its threads, locks and device state stayed in the parent); create a "
-                              "new cache (and source) in the child")
+            raise ForkedError(
+                "this cache was created before the process forked: a cache cannot be used in a "
+                "forked child (its threads, locks and device state stayed in the parent); create a "
+                "new cache (and source) in the child"
+            )
         _lifetime.park_if_exiting()
         raise CacheClosedError("the cache is closed")
 
@@ -115,6 +123,7 @@ def _log_to(ref):
         cache = ref()
         if cache is not None:
             cache._on_log(level, message)
+
     return on_log
 
 
@@ -123,6 +132,7 @@ def _dropped_to(ref):
         cache = ref()
         if cache is not None:
             cache._on_memory_dropped()
+
     return on_dropped
 
 
@@ -131,6 +141,7 @@ def _deliver_to(ref):
         cache = ref()
         if cache is not None:
             cache._deliver_log(ok)
+
     return deliver
 
 
@@ -140,6 +151,7 @@ def _pin_to(ref):
         if cache is None:
             raise CacheClosedError("the cache is closed")
         return cache._pin_memory(address)
+
     return pin
 
 
@@ -175,9 +187,14 @@ class CompactBuffer:
     def pointers(self) -> np.ndarray:
         """[n, 3] uint64 device addresses of each expert's gate, up and down."""
         i = np.arange(self.num_experts, dtype=np.uint64)
-        cols = [self.base + off + i * np.uint64(b) for off, b in (
-            (self.gate_offset, self.gate_bytes), (self.up_offset, self.up_bytes),
-            (self.down_offset, self.down_bytes))]
+        cols = [
+            self.base + off + i * np.uint64(b)
+            for off, b in (
+                (self.gate_offset, self.gate_bytes),
+                (self.up_offset, self.up_bytes),
+                (self.down_offset, self.down_bytes),
+            )
+        ]
         return np.stack(cols, axis=1).astype(np.uint64)
 
 
@@ -185,8 +202,7 @@ class Batch:
     """A prepared prefill batch: the union of its experts, held in the cache until
     :meth:`finish` (or the end of a ``with`` block)."""
 
-    def __init__(self, cache: "ExpertCache", layer: int, handle: int, ids: np.ndarray,
-                 pointers: np.ndarray, stream):
+    def __init__(self, cache: "ExpertCache", layer: int, handle: int, ids: np.ndarray, pointers: np.ndarray, stream):
         self._cache = cache
         self.layer = layer
         self.handle = handle
@@ -283,15 +299,30 @@ class ExpertCache:
     C type (ValueError/OverflowError naming it) before the library sees it.
     """
 
-    def __init__(self, layout: ModelLayout, source: Source, *, budget_experts: Optional[int] = None,
-                 budget_bytes: Optional[int] = None, reserve_bytes: Optional[int] = None,
-                 max_classes: Optional[int] = None,
-                 backend: str = "auto", device: int = 0, device_capacity_bytes: Optional[int] = None,
-                 slab_bytes: Optional[int] = None, log_level: Optional[int] = None,
-                 copy_threads: Optional[int] = None, staging_bytes: Optional[int] = None,
-                 staging_chunk_bytes: Optional[int] = None, file_reads: str = "buffered", policy: Optional[str] = None,
-                 prefetch_max_per_layer: Optional[int] = None, prefetch_piece_bytes: Optional[int] = None,
-                 lookup: str = "host", partition: str = "global"):
+    def __init__(
+        self,
+        layout: ModelLayout,
+        source: Source,
+        *,
+        budget_experts: Optional[int] = None,
+        budget_bytes: Optional[int] = None,
+        reserve_bytes: Optional[int] = None,
+        max_classes: Optional[int] = None,
+        backend: str = "auto",
+        device: int = 0,
+        device_capacity_bytes: Optional[int] = None,
+        slab_bytes: Optional[int] = None,
+        log_level: Optional[int] = None,
+        copy_threads: Optional[int] = None,
+        staging_bytes: Optional[int] = None,
+        staging_chunk_bytes: Optional[int] = None,
+        file_reads: str = "buffered",
+        policy: Optional[str] = None,
+        prefetch_max_per_layer: Optional[int] = None,
+        prefetch_piece_bytes: Optional[int] = None,
+        lookup: str = "host",
+        partition: str = "global",
+    ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if lookup not in _lib.LOOKUPS:
@@ -300,8 +331,10 @@ class ExpertCache:
             if policy is None:
                 policy = "lru"
             elif policy != "lru":
-                raise ValueError(f"lookup='device' evicts by LRU on the device (recency stamps): use policy='lru' "
-                                 f"(or leave it unset), got {policy!r}")
+                raise ValueError(
+                    f"lookup='device' evicts by LRU on the device (recency stamps): use policy='lru' "
+                    f"(or leave it unset), got {policy!r}"
+                )
         if policy is not None and policy not in _lib.POLICIES:
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if partition not in _lib.PARTITIONS:
@@ -322,16 +355,33 @@ class ExpertCache:
         if max_classes is None:
             max_classes = min(max(1, len(layout.classes())), _lib.MAX_CLASSES_LIMIT)
         given = {"device": device, "num_layers": layout.num_layers, "max_classes": max_classes}
-        given.update((name, value) for name, value in (
-            ("budget_experts", budget_experts), ("budget_bytes", budget_bytes), ("reserve_bytes", reserve_bytes),
-            ("device_capacity_bytes", device_capacity_bytes), ("slab_bytes", slab_bytes), ("log_level", log_level),
-            ("copy_threads", copy_threads), ("staging_bytes", staging_bytes),
-            ("staging_chunk_bytes", staging_chunk_bytes), ("prefetch_max_per_layer", prefetch_max_per_layer),
-            ("prefetch_piece_bytes", prefetch_piece_bytes)) if value is not None)
+        given.update(
+            (name, value)
+            for name, value in (
+                ("budget_experts", budget_experts),
+                ("budget_bytes", budget_bytes),
+                ("reserve_bytes", reserve_bytes),
+                ("device_capacity_bytes", device_capacity_bytes),
+                ("slab_bytes", slab_bytes),
+                ("log_level", log_level),
+                ("copy_threads", copy_threads),
+                ("staging_bytes", staging_bytes),
+                ("staging_chunk_bytes", staging_chunk_bytes),
+                ("prefetch_max_per_layer", prefetch_max_per_layer),
+                ("prefetch_piece_bytes", prefetch_piece_bytes),
+            )
+            if value is not None
+        )
         if policy is not None:
             given["policy"] = _lib.POLICIES[policy]
-        _lib.set_fields(cfg, backend=_BACKENDS[backend], file_reads=_lib.FILE_READS[file_reads],
-                        lookup=_lib.LOOKUPS[lookup], partition=_lib.PARTITIONS[partition], **given)
+        _lib.set_fields(
+            cfg,
+            backend=_BACKENDS[backend],
+            file_reads=_lib.FILE_READS[file_reads],
+            lookup=_lib.LOOKUPS[lookup],
+            partition=_lib.PARTITIONS[partition],
+            **given,
+        )
         self.lookup = lookup
         self.layout = layout
         self.source = source
@@ -375,10 +425,12 @@ class ExpertCache:
             lib.expcache_memory_set_dropped_callback(self._handle, self._dropped_fn, None)
             self._is_cuda = self.backend == "cuda"
             if self._is_cuda and getattr(source, "pinned_emulated", False):
-                raise ValueError("the source's pinned memory is emulated (it was made where no CUDA device could be "
-                                 "used: cuda-python missing, or no GPU), which a CUDA cache cannot read as pinned: "
-                                 "make the source where cuda-python sees the GPU (pip install .[cuda]), or use "
-                                 "pinned=False")
+                raise ValueError(
+                    "the source's pinned memory is emulated (it was made where no CUDA device could be "
+                    "used: cuda-python missing, or no GPU), which a CUDA cache cannot read as pinned: "
+                    "make the source where cuda-python sees the GPU (pip install .[cuda]), or use "
+                    "pinned=False"
+                )
             self._views.configure(self._is_cuda, self._device, _pin_to(weakref.ref(self)))
             file_id = None
             if getattr(source, "file_path", None):
@@ -396,9 +448,12 @@ class ExpertCache:
                     d.source_kind, d.file = _lib.SOURCE_FILE, file_id
                 else:
                     d.source_kind = _lib.SOURCE_PINNED if source.pinned else _lib.SOURCE_PAGEABLE
-                _lib.set_fields(d, **dict(zip(("gate_bytes", "up_bytes", "down_bytes"), spec.class_key)),
-                                **dict(zip(("gate_stride", "up_stride", "down_stride"), place.strides)),
-                                **dict(zip(("gate_base", "up_base", "down_base"), place.bases)))
+                _lib.set_fields(
+                    d,
+                    **dict(zip(("gate_bytes", "up_bytes", "down_bytes"), spec.class_key)),
+                    **dict(zip(("gate_stride", "up_stride", "down_stride"), place.strides)),
+                    **dict(zip(("gate_base", "up_base", "down_base"), place.bases)),
+                )
                 lib.expcache_layer_register(self._handle, i, ctypes.byref(d))
 
     def _on_log(self, level: int, message: bytes) -> None:
@@ -474,17 +529,21 @@ class ExpertCache:
             return  # __init__ failed before anything was made
         if gate.inside():
             # This thread's own call would wait for itself (a raw_handle() block, a callback).
-            raise InvalidStateError(_errors.ERR_INVALID_STATE, "EXPCACHE_ERR_INVALID_STATE",
-                                    "close() was called inside a call on this cache on the same thread; "
-                                    "close it after that call returns")
+            raise InvalidStateError(
+                _errors.ERR_INVALID_STATE,
+                "EXPCACHE_ERR_INVALID_STATE",
+                "close() was called inside a call on this cache on the same thread; close it after that call returns",
+            )
         gate.depth.n = 1  # the library's lines from destroy wait until the gate's lock is let go
         try:
             with gate.lock:
                 gate.shut = True
                 while gate.active:
                     if not gate.idle.wait(timeout):
-                        logger.warning("expcache: a call on this cache was still running at exit; the cache is "
-                                       "left to the operating system")
+                        logger.warning(
+                            "expcache: a call on this cache was still running at exit; the cache is "
+                            "left to the operating system"
+                        )
                         return
                 handle, self._handle = self._handle, None
                 if handle is not None:
@@ -554,21 +613,28 @@ class ExpertCache:
         """A contiguous 1-D uint32 array of the ids (the library checks them against the layer).
         One token's ids must be 1-D (a 2-D array is not flattened into one select, nor a scalar
         taken for one id); ``tokens``: prepare_batch's tokens x k ids, any shape, flattened."""
-        if (type(expert_ids) is np.ndarray and expert_ids.dtype == np.uint32
-                and expert_ids.ndim == 1 and expert_ids.flags.c_contiguous):
+        if (
+            type(expert_ids) is np.ndarray
+            and expert_ids.dtype == np.uint32
+            and expert_ids.ndim == 1
+            and expert_ids.flags.c_contiguous
+        ):
             return expert_ids  # the hot path: nothing to convert or check
         try:
             ids = np.asarray(expert_ids)
         except ValueError:  # numpy refuses rows of different lengths
-            raise ValueError(f"{what} must be a rectangular array of ids, got a ragged nesting "
-                             f"(rows of different lengths)") from None
+            raise ValueError(
+                f"{what} must be a rectangular array of ids, got a ragged nesting (rows of different lengths)"
+            ) from None
         if ids.ndim != 1 and not tokens:
             got = f"a {ids.ndim}-D array of shape {ids.shape}"
             if ids.ndim == 0:
-                got = f"a scalar ({ids.item()!r})" + (f"; pass [{ids.item()}] for one expert" if ids.dtype.kind in "iu"
-                                                      else "")
-            raise ValueError(f"{what} must be 1-D (one token's expert ids), got {got}; "
-                             f"prepare_batch takes 2-D (tokens x k) ids")
+                got = f"a scalar ({ids.item()!r})" + (
+                    f"; pass [{ids.item()}] for one expert" if ids.dtype.kind in "iu" else ""
+                )
+            raise ValueError(
+                f"{what} must be 1-D (one token's expert ids), got {got}; prepare_batch takes 2-D (tokens x k) ids"
+            )
         if ids.size == 0:
             return np.empty(0, dtype=np.uint32)  # the library reports the empty request
         if ids.dtype.kind not in "iu":
@@ -628,8 +694,9 @@ class ExpertCache:
         k, s = self._decode(self._select_fn, layer, expert_ids, stream)
         return self._views.get(layer, self._scratch.out[:k].tolist(), s, dtype, shapes)
 
-    def select_split(self, layer: int, expert_ids, stream=None, *, views: bool = False, dtype=None,
-                     shapes=None) -> Selection:
+    def select_split(
+        self, layer: int, expert_ids, stream=None, *, views: bool = False, dtype=None, shapes=None
+    ) -> Selection:
         """Hits before misses: :meth:`select`, except that the misses are copied on the cache's own
         copy stream. Returns a :class:`~pyexpcache.selection.Selection`: ``pointers`` ([k, 3]
         addresses), ``resident`` (a bool per id: usable on ``stream`` at once), with ``views``
@@ -655,14 +722,28 @@ class ExpertCache:
         b.struct_size = ctypes.sizeof(b)
         self._call("expcache_class_bank_get", index, ctypes.byref(b))
         if not b.base:
-            raise RuntimeError(f"layer {layer}'s class has no bank: its cap is 0 experts (see the cap warning); raise "
-                               "the budget or free device memory")
+            raise RuntimeError(
+                f"layer {layer}'s class has no bank: its cap is 0 experts (see the cap warning); raise "
+                "the budget or free device memory"
+            )
         cuda = self._is_cuda
         owner = self._pin_memory(b.base)
-        parts = [_bank.slot_view(b.base + offset, nbytes, b.cap, b.slot_stride, cuda=cuda, device_id=self._device,
-                                 dtype=dtype, shape=None if shapes is None else shapes[i], owner=owner)
-                 for i, (offset, nbytes) in enumerate(((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes),
-                                                       (b.down_offset, b.down_bytes)))]
+        parts = [
+            _bank.slot_view(
+                b.base + offset,
+                nbytes,
+                b.cap,
+                b.slot_stride,
+                cuda=cuda,
+                device_id=self._device,
+                dtype=dtype,
+                shape=None if shapes is None else shapes[i],
+                owner=owner,
+            )
+            for i, (offset, nbytes) in enumerate(
+                ((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes), (b.down_offset, b.down_bytes))
+            )
+        ]
         return ExpertBank(index, b.cap, b.slot_stride, *parts)
 
     def select_device(self, layer: int, ids, stream=None, out=None):
@@ -689,9 +770,11 @@ class ExpertCache:
             layer = self._layer(layer)
         src = _bank.id_array(ids, "ids")
         if src.size == 0:  # an empty tensor's address may be NULL: said here, for every kind of array
-            raise InvalidArgumentError(_errors.ERR_INVALID_ARGUMENT, "EXPCACHE_ERR_INVALID_ARGUMENT",
-                                       f"select_device: n*k must be 1..{_lib.MAX_SELECT} ids, got an empty array "
-                                       f"of shape {src.shape}")
+            raise InvalidArgumentError(
+                _errors.ERR_INVALID_ARGUMENT,
+                "EXPCACHE_ERR_INVALID_ARGUMENT",
+                f"select_device: n*k must be 1..{_lib.MAX_SELECT} ids, got an empty array of shape {src.shape}",
+            )
         if out is None:
             out = _bank.empty_slots(ids, src.shape)
         dst = _bank.id_array(out, "out", writable=True)
@@ -719,9 +802,12 @@ class ExpertCache:
         bad = np.flatnonzero((ids < 0) | (ids >= num_experts))
         if bad.size:
             i = int(bad[0])
-            raise InvalidArgumentError(_errors.ERR_INVALID_ARGUMENT, "EXPCACHE_ERR_INVALID_ARGUMENT",
-                                       f"select_device: expert id {int(ids[i])} (index {i}) out of range for layer "
-                                       f"{layer} ({num_experts} experts); nothing was selected")
+            raise InvalidArgumentError(
+                _errors.ERR_INVALID_ARGUMENT,
+                "EXPCACHE_ERR_INVALID_ARGUMENT",
+                f"select_device: expert id {int(ids[i])} (index {i}) out of range for layer "
+                f"{layer} ({num_experts} experts); nothing was selected",
+            )
 
     def wait_ready(self, ready: int, stream=None) -> None:
         """Make ``stream`` wait for ``ready`` (a :class:`Selection`'s ``ready`` event; 0 returns)."""
@@ -741,8 +827,14 @@ class ExpertCache:
         layer = self._layer(layer)
         ids = self._as_ids(expert_ids, "expert_ids")
         queued = ctypes.c_uint32()
-        self._call("expcache_prefetch_async", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"),
-                   stream_handle(stream), ctypes.byref(queued))
+        self._call(
+            "expcache_prefetch_async",
+            layer,
+            ids.ctypes.data,
+            u32(ids.size, "len(expert_ids)"),
+            stream_handle(stream),
+            ctypes.byref(queued),
+        )
         return queued.value
 
     def wait_prefetch(self) -> None:
@@ -766,10 +858,25 @@ class ExpertCache:
         ids = self._as_ids(expert_ids, "expert_ids")
         out = _lib.Compact()
         out.struct_size = ctypes.sizeof(out)
-        self._call("expcache_compact_load_async", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"),
-                   stream_handle(stream), ctypes.byref(out))
-        return CompactBuffer(out.base or 0, out.bytes, out.gate_offset, out.up_offset, out.down_offset,
-                             out.gate_bytes, out.up_bytes, out.down_bytes, out.num_experts)
+        self._call(
+            "expcache_compact_load_async",
+            layer,
+            ids.ctypes.data,
+            u32(ids.size, "len(expert_ids)"),
+            stream_handle(stream),
+            ctypes.byref(out),
+        )
+        return CompactBuffer(
+            out.base or 0,
+            out.bytes,
+            out.gate_offset,
+            out.up_offset,
+            out.down_offset,
+            out.gate_bytes,
+            out.up_bytes,
+            out.down_bytes,
+            out.num_experts,
+        )
 
     def prepare_batch(self, layer: int, expert_ids_2d, stream=None) -> Batch:
         """Prefill path: serve the union of ``expert_ids_2d`` (tokens x k ids of ``layer``) without
@@ -783,8 +890,17 @@ class ExpertCache:
         count = ctypes.c_uint32()
         handle = ctypes.c_uint64()
         s = stream_handle(stream)
-        self._call("expcache_batch_prepare_async", layer, ids.ctypes.data, n, s, out_ids.ctypes.data,
-                   out_ptrs.ctypes.data, ctypes.byref(count), ctypes.byref(handle))
+        self._call(
+            "expcache_batch_prepare_async",
+            layer,
+            ids.ctypes.data,
+            n,
+            s,
+            out_ids.ctypes.data,
+            out_ptrs.ctypes.data,
+            ctypes.byref(count),
+            ctypes.byref(handle),
+        )
         c = count.value
         return Batch(self, layer, handle.value, out_ids[:c].copy(), out_ptrs[:c].copy(), s)
 

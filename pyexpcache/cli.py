@@ -84,18 +84,23 @@ def _parser() -> argparse.ArgumentParser:
     # The module docstring is the top help's description: plain text, as every help text here.
     p = argparse.ArgumentParser(prog="expcache", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="replay real routing through the cache; tokens/s and hit rate vs baselines",
-                       usage="%(prog)s [MODE] [options]",
-                       description="Replay bundled DeepSeek V4 Flash routing through the cache on the GPU (or on "
-                                   "the host backend when there is none) and compare with the baselines. Modes: "
-                                   + "; ".join(f"{n}{' (the default)' if n == modes.DEFAULT else ''}: "
-                                               f"{modes.by_name(n).HELP}" for n in modes.NAMES)
-                                   + ". 'expcache bench MODE --help' lists a mode's options. Without a mode, the "
-                                   "options below choose one (the variants table unless another's are given).")
+    b = sub.add_parser(
+        "bench",
+        help="replay real routing through the cache; tokens/s and hit rate vs baselines",
+        usage="%(prog)s [MODE] [options]",
+        description="Replay bundled DeepSeek V4 Flash routing through the cache on the GPU (or on "
+        "the host backend when there is none) and compare with the baselines. Modes: "
+        + "; ".join(
+            f"{n}{' (the default)' if n == modes.DEFAULT else ''}: {modes.by_name(n).HELP}" for n in modes.NAMES
+        )
+        + ". 'expcache bench MODE --help' lists a mode's options. Without a mode, the "
+        "options below choose one (the variants table unless another's are given).",
+    )
     _add_flag_options(b)
     transfer = modes.by_name("transfer")
-    t = sub.add_parser("transfer", help=transfer.HELP, description=transfer.DESCRIPTION + " The same as "
-                       "'expcache bench transfer'.")
+    t = sub.add_parser(
+        "transfer", help=transfer.HELP, description=transfer.DESCRIPTION + " The same as 'expcache bench transfer'."
+    )
     for option in transfer.OPTIONS:
         option.add_to(t)
     i = sub.add_parser("inspect", help="layers, size classes and bytes of a GGUF model's routed experts")
@@ -126,8 +131,9 @@ def _add_flag_options(parser) -> None:
         spellings = " or ".join(o.spelled_for(mode.NAME) for o in mode.SELECTED_BY)
         chosen_by = f"; {spellings} chooses it" if spellings else "; runs when no other mode's options are given"
         takes_too = f"; takes {', '.join(o.flags[0] for o in also)} too" if also else ""
-        group = parser.add_argument_group(f"{mode.TITLE} (expcache bench {mode.NAME})",
-                                          f"{mode.HELP}{chosen_by}{takes_too}")
+        group = parser.add_argument_group(
+            f"{mode.TITLE} (expcache bench {mode.NAME})", f"{mode.HELP}{chosen_by}{takes_too}"
+        )
         for option in own:
             option.add_to(group)
     for option in options.OUTPUT:
@@ -165,6 +171,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 # -- checks before a run ---------------------------------------------------------------------
 
+
 def _check_shared(args) -> None:
     """What the shared options (a Bench's, the traces) need, checked before anything is allocated
     or run; only those the command line has."""
@@ -172,8 +179,11 @@ def _check_shared(args) -> None:
     if options.BUDGET_FRACTION in taken:
         options.check_budget(args)
     if (options.BACKEND in taken and args.backend == "cuda") or (options.SOURCE in taken and args.source == "pinned"):
-        options.need(options.has_cuda_python(), f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} "
-                     "needs cuda-python", "cuda")
+        options.need(
+            options.has_cuda_python(),
+            f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} needs cuda-python",
+            "cuda",
+        )
     if options.GGUF in taken and args.gguf:
         options.need(options.has_module("gguf"), "--gguf needs the gguf package", "gguf")
         if not os.path.isfile(args.gguf):
@@ -215,10 +225,15 @@ def _check_traces(args) -> None:
             check_layout(trace, layout, args.layers)
     args.traces = loaded
     if args.layers is not None and not set(args.layers) & set(routed):
-        untraced = (f" (layers 0-{FIRST_ROUTED_LAYER - 1} of DeepSeek V4 Flash are hash-routed: no trace has them)"
-                    if min(args.layers) < FIRST_ROUTED_LAYER else "")
-        raise UsageError(f"--layers {options.ranges(args.layers)}: the traces have none of these layers; they have "
-                         f"layers {options.ranges(routed)}{untraced}")
+        untraced = (
+            f" (layers 0-{FIRST_ROUTED_LAYER - 1} of DeepSeek V4 Flash are hash-routed: no trace has them)"
+            if min(args.layers) < FIRST_ROUTED_LAYER
+            else ""
+        )
+        raise UsageError(
+            f"--layers {options.ranges(args.layers)}: the traces have none of these layers; they have "
+            f"layers {options.ranges(routed)}{untraced}"
+        )
 
 
 def _bench_host_bytes(args, mode, layout, backend: str, budget: int) -> int:
@@ -245,11 +260,14 @@ def _check_bench_memory(args, mode, backend: str, scale: int) -> None:
     fits = next((s for s in (1 << i for i in range(17)) if s > scale and need(s) <= available), None)
     what = "the generated experts" + (" and the host backend's emulated device memory" if backend == "host" else "")
     hint = f"use --scale {fits} or more" if fits else "even --scale 65536 does not fit"
-    raise UsageError(f"--scale {scale}{'' if args.scale else ' (the default)'}: {what} need "
-                     f"{need(scale) / GiB:.1f} GiB of host memory and {available / GiB:.1f} GiB is available; {hint}")
+    raise UsageError(
+        f"--scale {scale}{'' if args.scale else ' (the default)'}: {what} need "
+        f"{need(scale) / GiB:.1f} GiB of host memory and {available / GiB:.1f} GiB is available; {hint}"
+    )
 
 
 # -- bench -----------------------------------------------------------------------------------
+
 
 def _bench(args) -> int:
     """A bench mode (or `expcache transfer`): the checks, the output files opened before the run,
@@ -262,8 +280,11 @@ def _bench(args) -> int:
     if options.TRACES in mode.OPTIONS:
         _check_traces(args)
     with contextlib.ExitStack() as stack:
-        args.outputs = {o.dest: stack.enter_context(_OutputFile(getattr(args, o.dest), o.flags[0]))
-                        for o in options.FILES if o in mode.OPTIONS and getattr(args, o.dest)}
+        args.outputs = {
+            o.dest: stack.enter_context(_OutputFile(getattr(args, o.dest), o.flags[0]))
+            for o in options.FILES
+            if o in mode.OPTIONS and getattr(args, o.dest)
+        }
         return _run(args, mode)
 
 
@@ -286,13 +307,25 @@ def _open_bench(args, mode):
     pinned = getattr(mode, "PINNED_SOURCE", None) if args.source is None else args.source == "pinned"
     reserve = None if args.reserve_gib is None else int(args.reserve_gib * GiB)
     if backend == "host":
-        print("no GPU in use: running on the host backend (hit rates exact, times host-emulated, "
-              f"expert sizes / {scale})", file=sys.stderr)
-    return bench.Bench(layout, backend=backend, pinned=pinned, budget_bytes=options.budget_bytes(args, layout, scale),
-                       reserve_bytes=reserve, progress=bench.Progress(False if args.quiet else None),
-                       device=args.device, source=source, placement=args.placement,
-                       layer_sync=not getattr(args, "no_layer_sync", False),
-                       cache_options=options.cache_options(args), scale=scale)
+        print(
+            "no GPU in use: running on the host backend (hit rates exact, times host-emulated, "
+            f"expert sizes / {scale})",
+            file=sys.stderr,
+        )
+    return bench.Bench(
+        layout,
+        backend=backend,
+        pinned=pinned,
+        budget_bytes=options.budget_bytes(args, layout, scale),
+        reserve_bytes=reserve,
+        progress=bench.Progress(False if args.quiet else None),
+        device=args.device,
+        source=source,
+        placement=args.placement,
+        layer_sync=not getattr(args, "no_layer_sync", False),
+        cache_options=options.cache_options(args),
+        scale=scale,
+    )
 
 
 def _run(args, mode) -> int:
@@ -311,8 +344,10 @@ def _run(args, mode) -> int:
             if "json" in args.outputs:
                 args.outputs["json"].write(_json_bytes([r.to_json() for r in reports]))
             if report.checksum_errors:
-                print(f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
-                      file=sys.stderr)
+                print(
+                    f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
+                    file=sys.stderr,
+                )
                 failed = True
     finally:
         if shared is not None:
@@ -321,6 +356,7 @@ def _run(args, mode) -> int:
 
 
 # -- the other commands ----------------------------------------------------------------------
+
 
 def _info() -> int:
     from . import library_version

@@ -37,8 +37,7 @@ import numpy as np
 from .layout import LayerSpec, ModelLayout
 from .source import BufferSource, LayerPlacement, checksum_bytes
 
-__all__ = ["GGUFLayoutError", "GGUFExpertLayer", "GGUFSource", "describe_gguf", "inspect_table",
-           "layout_from_gguf"]
+__all__ = ["GGUFLayoutError", "GGUFExpertLayer", "GGUFSource", "describe_gguf", "inspect_table", "layout_from_gguf"]
 
 _MASK64 = (1 << 64) - 1
 _HEADER_BYTES = 24  # magic, version, tensor count, metadata count
@@ -58,8 +57,9 @@ def _import_gguf():
     try:
         import gguf  # noqa: PLC0415 (lazy on purpose: the package is optional)
     except ImportError as exc:
-        raise ImportError("reading GGUF files needs the 'gguf' package: pip install gguf "
-                          "(or pip install 'expcache[gguf]')") from exc
+        raise ImportError(
+            "reading GGUF files needs the 'gguf' package: pip install gguf (or pip install 'expcache[gguf]')"
+        ) from exc
     return gguf
 
 
@@ -83,8 +83,12 @@ def _bounded_reader_class():
             end = int(offset) + np.dtype(dtype).itemsize * n
             size = int(self.data.shape[0])
             if int(offset) < 0 or n < 0 or end > size:
-                raise _Truncated(f"a field at byte {int(offset)} needs {end - int(offset)} bytes "
-                                 f"but the file ends at byte {size}", int(offset), end, size)
+                raise _Truncated(
+                    f"a field at byte {int(offset)} needs {end - int(offset)} bytes but the file ends at byte {size}",
+                    int(offset),
+                    end,
+                    size,
+                )
             return super()._get(offset, dtype, count, *args, **kwargs)
 
         def _build_tensors(self, start_offs, fields, *args, **kwargs):
@@ -93,27 +97,43 @@ def _bounded_reader_class():
             except _Truncated as exc:
                 # Name the tensor whose data runs past the end (an incomplete download).
                 try:
-                    names = {int(start_offs) + int(f.parts[-1][0]): bytes(f.parts[1]).decode("utf-8", "replace")
-                             for f in fields}
+                    names = {
+                        int(start_offs) + int(f.parts[-1][0]): bytes(f.parts[1]).decode("utf-8", "replace")
+                        for f in fields
+                    }
                 except Exception:
                     raise exc from None
                 name = names.get(exc.offset)
                 if name is None:
                     raise
-                raise _Truncated(f"the data of tensor {name} (bytes {exc.offset}..{exc.end}) runs past the "
-                                 f"end of the file ({exc.size} bytes)", exc.offset, exc.end, exc.size) from None
+                raise _Truncated(
+                    f"the data of tensor {name} (bytes {exc.offset}..{exc.end}) runs past the "
+                    f"end of the file ({exc.size} bytes)",
+                    exc.offset,
+                    exc.end,
+                    exc.size,
+                ) from None
 
         def _get_field_parts(self, orig_offs, raw_type, *args, **kwargs):
             if int(raw_type) == int(vt.ARRAY):
                 item_type = int(self._get(orig_offs, np.uint32)[0])
                 length = int(self._get(orig_offs + 4, np.uint64)[0])
                 scalar = {int(k): v for k, v in self.gguf_scalar_to_np.items()}.get(item_type)
-                min_item = (np.dtype(scalar).itemsize if scalar is not None
-                            else 8 if item_type == int(vt.STRING) else 12 if item_type == int(vt.ARRAY) else 1)
+                min_item = (
+                    np.dtype(scalar).itemsize
+                    if scalar is not None
+                    else 8
+                    if item_type == int(vt.STRING)
+                    else 12
+                    if item_type == int(vt.ARRAY)
+                    else 1
+                )
                 left = int(self.data.shape[0]) - (int(orig_offs) + 12)
                 if length * min_item > left:
-                    raise _Truncated(f"a metadata array at byte {int(orig_offs)} claims {length} items of at "
-                                     f"least {min_item} bytes but {left} bytes are left in the file")
+                    raise _Truncated(
+                        f"a metadata array at byte {int(orig_offs)} claims {length} items of at "
+                        f"least {min_item} bytes but {left} bytes are left in the file"
+                    )
             return super()._get_field_parts(orig_offs, raw_type, *args, **kwargs)
 
     return _BoundedReader
@@ -176,7 +196,7 @@ class _Tensor:
     name: str
     type_name: str
     dims: tuple[int, ...]  # GGUF order: fastest first
-    offset: int            # absolute file offset
+    offset: int  # absolute file offset
     nbytes: int
 
 
@@ -267,15 +287,13 @@ def _tensor_info(gguf, t, file_size: int, fail) -> _Tensor:
     if min(dims) <= 0:
         raise fail(f"tensor {t.name}: empty shape {list(dims)}")
     if dims[0] % block:
-        raise fail(f"tensor {t.name}: row length {dims[0]} is not a multiple of the {qtype.name} "
-                   f"block size {block}")
+        raise fail(f"tensor {t.name}: row length {dims[0]} is not a multiple of the {qtype.name} block size {block}")
     nbytes = dims[0] // block * type_size * dims[1] * dims[2]
     if nbytes != int(t.n_bytes):
         raise fail(f"tensor {t.name}: {nbytes} bytes by its shape, the reader says {int(t.n_bytes)}")
     offset = int(t.data_offset)
     if offset < 0 or offset + nbytes > file_size:
-        raise fail(f"truncated: tensor {t.name} spans bytes {offset}..{offset + nbytes} "
-                   f"but the file has {file_size}")
+        raise fail(f"truncated: tensor {t.name} spans bytes {offset}..{offset + nbytes} but the file has {file_size}")
     return _Tensor(t.name, qtype.name, dims, offset, nbytes)
 
 
@@ -290,8 +308,9 @@ def _layer_record(layer: int, parts: dict[str, _Tensor], fail) -> GGUFExpertLaye
 
     counts = {t.name: t.dims[2] for t in parts.values()}
     if len(set(counts.values())) != 1:
-        raise fail(f"layer {layer}: expert counts disagree: "
-                   + ", ".join(f"{n} has {c}" for n, c in sorted(counts.items())))
+        raise fail(
+            f"layer {layer}: expert counts disagree: " + ", ".join(f"{n} has {c}" for n, c in sorted(counts.items()))
+        )
     n = next(iter(counts.values()))
 
     def per_expert(t: _Tensor) -> int:
@@ -307,14 +326,42 @@ def _layer_record(layer: int, parts: dict[str, _Tensor], fail) -> GGUFExpertLaye
         if gu.dims[1] % 2:
             raise fail(f"tensor {gu.name}: {gu.dims[1]} rows per expert do not split into equal gate/up halves")
         half = stride // 2
-        return GGUFExpertLayer(layer, n, True, gu.type_name, gu.type_name, down.type_name,
-                               half, half, down_bytes, gu.offset, gu.offset + half, down.offset,
-                               stride, stride, down_bytes)
+        return GGUFExpertLayer(
+            layer,
+            n,
+            True,
+            gu.type_name,
+            gu.type_name,
+            down.type_name,
+            half,
+            half,
+            down_bytes,
+            gu.offset,
+            gu.offset + half,
+            down.offset,
+            stride,
+            stride,
+            down_bytes,
+        )
     gate, up = parts["gate"], parts["up"]
     gate_bytes, up_bytes = per_expert(gate), per_expert(up)
-    return GGUFExpertLayer(layer, n, False, gate.type_name, up.type_name, down.type_name,
-                           gate_bytes, up_bytes, down_bytes, gate.offset, up.offset, down.offset,
-                           gate_bytes, up_bytes, down_bytes)
+    return GGUFExpertLayer(
+        layer,
+        n,
+        False,
+        gate.type_name,
+        up.type_name,
+        down.type_name,
+        gate_bytes,
+        up_bytes,
+        down_bytes,
+        gate.offset,
+        up.offset,
+        down.offset,
+        gate_bytes,
+        up_bytes,
+        down_bytes,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -368,8 +415,7 @@ class GGUFSource(BufferSource):
         self.buffer = np.empty(0, np.uint8)
         records, size = _scan(self.path)
         file_layout = _layout(records, self.path)
-        if layout is not None and (layout.num_layers != file_layout.num_layers
-                                   or layout.layers != file_layout.layers):
+        if layout is not None and (layout.num_layers != file_layout.num_layers or layout.layers != file_layout.layers):
             raise ValueError(f"{self.path}: the given layout {layout.name!r} differs from the file's")
         self.layout = layout if layout is not None else file_layout
         self.records = records
@@ -382,8 +428,7 @@ class GGUFSource(BufferSource):
         self._base = self.buffer.ctypes.data
         origin = 0 if self.file_path else self._base  # file offsets, or addresses in the mapping
         self._placements = [
-            LayerPlacement(tuple(origin + o for o in r.offsets), r.strides, r.sizes) if r else None
-            for r in records
+            LayerPlacement(tuple(origin + o for o in r.offsets), r.strides, r.sizes) if r else None for r in records
         ]
         self._track()
 
@@ -411,7 +456,7 @@ class GGUFSource(BufferSource):
         if part not in (0, 1, 2):
             raise ValueError(f"part must be 0 (gate), 1 (up) or 2 (down), got {part}")
         off = rec.offsets[part] + expert * rec.strides[part]
-        return self.buffer[off:off + rec.sizes[part]]
+        return self.buffer[off : off + rec.sizes[part]]
 
     def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
         """An expert's bytes: gate, then up, then down (a copy)."""
@@ -492,27 +537,70 @@ def inspect_table(path_or_layout) -> str:
         s = layout[i]
         r = records[i] if records is not None else None
         types = "/".join(r.types) + (" (fused gate_up)" if r.fused else "") if r else "-"
-        rows.append([i, keys.index(s.class_key), s.num_experts, types, f"{s.gate_bytes:,}", f"{s.up_bytes:,}",
-                     f"{s.down_bytes:,}", _mib(s.expert_bytes), f"{s.num_experts * s.expert_bytes:,}"])
-    layer_table = tabulate(rows, headers=["layer", "class", "experts", "types (gate/up/down)", "gate B", "up B",
-                                          "down B", "expert MiB", "layer bytes"],
-                           disable_numparse=True, colalign=("right",) * 3 + ("left",) + ("right",) * 5)
+        rows.append(
+            [
+                i,
+                keys.index(s.class_key),
+                s.num_experts,
+                types,
+                f"{s.gate_bytes:,}",
+                f"{s.up_bytes:,}",
+                f"{s.down_bytes:,}",
+                _mib(s.expert_bytes),
+                f"{s.num_experts * s.expert_bytes:,}",
+            ]
+        )
+    layer_table = tabulate(
+        rows,
+        headers=[
+            "layer",
+            "class",
+            "experts",
+            "types (gate/up/down)",
+            "gate B",
+            "up B",
+            "down B",
+            "expert MiB",
+            "layer bytes",
+        ],
+        disable_numparse=True,
+        colalign=("right",) * 3 + ("left",) + ("right",) * 5,
+    )
 
     crows = []
     for c, (key, layers) in enumerate(classes.items()):
         experts = sum(layout[i].num_experts for i in layers)
         total = sum(layout[i].num_experts * layout[i].expert_bytes for i in layers)
-        crows.append([c, f"{key[0]:,} / {key[1]:,} / {key[2]:,}", _mib(sum(key)), _ranges(layers), len(layers),
-                      f"{experts:,}", f"{total:,}", _gib(total)])
-    class_table = tabulate(crows, headers=["class", "gate / up / down B", "expert MiB", "layers", "n layers",
-                                           "experts", "bytes", "GiB"],
-                           disable_numparse=True, colalign=("right", "left", "right", "left") + ("right",) * 4)
+        crows.append(
+            [
+                c,
+                f"{key[0]:,} / {key[1]:,} / {key[2]:,}",
+                _mib(sum(key)),
+                _ranges(layers),
+                len(layers),
+                f"{experts:,}",
+                f"{total:,}",
+                _gib(total),
+            ]
+        )
+    class_table = tabulate(
+        crows,
+        headers=["class", "gate / up / down B", "expert MiB", "layers", "n layers", "experts", "bytes", "GiB"],
+        disable_numparse=True,
+        colalign=("right", "left", "right", "left") + ("right",) * 4,
+    )
 
     dense = [i for i, s in enumerate(layout.layers) if s is None]
     total = layout.total_bytes
-    lines = [f"{title}: {layout.num_layers} layers, {len(layout.moe_layers)} with routed experts"
-             + (f", dense: {_ranges(dense)}" if dense else ""),
-             "", layer_table, "", class_table, "",
-             f"total: {total:,} bytes ({_gib(total)} GiB) of routed experts in {len(classes)} size class"
-             + ("es" if len(classes) != 1 else "")]
+    lines = [
+        f"{title}: {layout.num_layers} layers, {len(layout.moe_layers)} with routed experts"
+        + (f", dense: {_ranges(dense)}" if dense else ""),
+        "",
+        layer_table,
+        "",
+        class_table,
+        "",
+        f"total: {total:,} bytes ({_gib(total)} GiB) of routed experts in {len(classes)} size class"
+        + ("es" if len(classes) != 1 else ""),
+    ]
     return "\n".join(lines)

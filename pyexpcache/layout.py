@@ -58,15 +58,40 @@ class LayoutFileError(ValueError):
 # package is not installed; with it, its GGML_QUANT_SIZES (every type it knows) is used, and
 # tests/test_layout.py holds this table to it. Source: llama.cpp's gguf-py/gguf/constants.py.
 _BUILTIN_BLOCKS = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-    "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "IQ1_S": (256, 50), "IQ1_M": (256, 56), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ2_S": (256, 82),
-    "IQ3_XXS": (256, 98), "IQ3_S": (256, 110), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "MXFP4": (32, 17),
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "IQ1_S": (256, 50),
+    "IQ1_M": (256, 56),
+    "IQ2_XXS": (256, 66),
+    "IQ2_XS": (256, 74),
+    "IQ2_S": (256, 82),
+    "IQ3_XXS": (256, 98),
+    "IQ3_S": (256, 110),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+    "MXFP4": (32, 17),
 }
 # The unquantized types as Hugging Face configs and PyTorch spell them (upper case).
-_DTYPE_NAMES = {"BFLOAT16": "BF16", "FLOAT16": "F16", "FP16": "F16", "HALF": "F16", "FLOAT32": "F32",
-                "FP32": "F32", "FLOAT": "F32"}
+_DTYPE_NAMES = {
+    "BFLOAT16": "BF16",
+    "FLOAT16": "F16",
+    "FP16": "F16",
+    "HALF": "F16",
+    "FLOAT32": "F32",
+    "FP32": "F32",
+    "FLOAT": "F32",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,12 +120,14 @@ def quant_type(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"a quant type is a name such as 'Q4_K' or 'bf16', got {type(name).__name__} {name!r}")
     key = name.strip().upper()
-    key = key[len("TORCH."):] if key.startswith("TORCH.") else key
+    key = key[len("TORCH.") :] if key.startswith("TORCH.") else key
     key = _DTYPE_NAMES.get(key, key)
     table, origin = _block_table()
     if key not in table:
-        raise ValueError(f"unknown quant type {name!r}: the known types ({origin}) are {', '.join(table)}; "
-                         "the dtypes bf16, fp16 and fp32 are BF16, F16 and F32")
+        raise ValueError(
+            f"unknown quant type {name!r}: the known types ({origin}) are {', '.join(table)}; "
+            "the dtypes bf16, fp16 and fp32 are BF16, F16 and F32"
+        )
     return key
 
 
@@ -122,8 +149,10 @@ def matrix_bytes(quant: str, rows: int, cols: int) -> int:
     rows = checked_int(rows, "rows", 1, MAX_PART_BYTES_LIMIT)
     cols = checked_int(cols, "cols", 1, MAX_PART_BYTES_LIMIT)
     if cols % block:
-        raise ValueError(f"a row of {cols} weights is not a multiple of the {name} block of {block} weights "
-                         f"(in a [rows, cols] matrix, cols is the row length)")
+        raise ValueError(
+            f"a row of {cols} weights is not a multiple of the {name} block of {block} weights "
+            f"(in a [rows, cols] matrix, cols is the row length)"
+        )
     return rows * (cols // block) * size
 
 
@@ -197,8 +226,9 @@ class ModelLayout:
             raise ValueError(f"a layout has 1..{MAX_LAYERS_LIMIT} layers (the library's limit), got {len(self.layers)}")
         for i, spec in enumerate(self.layers):
             if spec is not None and not isinstance(spec, LayerSpec):
-                raise TypeError(f"layer {i} must be a LayerSpec or None (a dense layer), got {type(spec).__name__} "
-                                f"{spec!r}")
+                raise TypeError(
+                    f"layer {i} must be a LayerSpec or None (a dense layer), got {type(spec).__name__} {spec!r}"
+                )
         if not any(s is not None for s in self.layers):
             raise ValueError("a layout needs at least one MoE layer")
 
@@ -275,8 +305,16 @@ class ModelLayout:
             spec, run = self.layers[i], 1
             while i + run < len(self.layers) and self.layers[i + run] == spec:
                 run += 1
-            item = None if spec is None else {"experts": spec.num_experts, "gate_bytes": spec.gate_bytes,
-                                              "up_bytes": spec.up_bytes, "down_bytes": spec.down_bytes}
+            item = (
+                None
+                if spec is None
+                else {
+                    "experts": spec.num_experts,
+                    "gate_bytes": spec.gate_bytes,
+                    "up_bytes": spec.up_bytes,
+                    "down_bytes": spec.down_bytes,
+                }
+            )
             entries.append(item if run == 1 else {"repeat": run, "layer": item})
             i += run
         return {"name": self.name, "layers": entries}
@@ -289,8 +327,13 @@ class ModelLayout:
 
     # -- Hugging Face configs --------------------------------------------
     @classmethod
-    def from_hf_config(cls, source: Union[PathLike, Mapping], quant: Union[str, Mapping[str, str], None] = None,
-                       *, name: Optional[str] = None) -> "ModelLayout":
+    def from_hf_config(
+        cls,
+        source: Union[PathLike, Mapping],
+        quant: Union[str, Mapping[str, str], None] = None,
+        *,
+        name: Optional[str] = None,
+    ) -> "ModelLayout":
         """The routed experts of a model described by its Hugging Face ``config.json`` (a path
         or the parsed dict; transformers is not needed).
 
@@ -351,15 +394,22 @@ class ModelLayout:
                 continue
             if any(b % divisor for b in s.class_key):
                 raise ValueError(f"layer {i}: part sizes {s.class_key} are not divisible by {divisor}")
-            out.append(replace(s, gate_bytes=s.gate_bytes // divisor, up_bytes=s.up_bytes // divisor,
-                               down_bytes=s.down_bytes // divisor))
+            out.append(
+                replace(
+                    s,
+                    gate_bytes=s.gate_bytes // divisor,
+                    up_bytes=s.up_bytes // divisor,
+                    down_bytes=s.down_bytes // divisor,
+                )
+            )
         suffix = f"/{divisor}" if divisor != 1 else ""
         return ModelLayout(tuple(out), name=self.name + suffix)
 
     def with_experts(self, num_experts: int) -> "ModelLayout":
         """The same layout with ``num_experts`` experts per layer."""
-        return ModelLayout(tuple(s and replace(s, num_experts=num_experts) for s in self.layers),
-                           name=f"{self.name}x{num_experts}")
+        return ModelLayout(
+            tuple(s and replace(s, num_experts=num_experts) for s in self.layers), name=f"{self.name}x{num_experts}"
+        )
 
     # -- queries ---------------------------------------------------------
     @property
@@ -384,10 +434,15 @@ class ModelLayout:
 
     def no_experts_reason(self, layer: int) -> str:
         """Why ``layer`` (dense or past the last layer) has no routed experts, naming those that do."""
-        where = (f"it is a dense layer of {self.name}" if 0 <= layer < self.num_layers
-                 else f"{self.name} has {self.num_layers} layers")
-        return (f"layer {layer} has no routed experts: {where}; "
-                f"the layers with routed experts are {_spans(self.moe_layers)}")
+        where = (
+            f"it is a dense layer of {self.name}"
+            if 0 <= layer < self.num_layers
+            else f"{self.name} has {self.num_layers} layers"
+        )
+        return (
+            f"layer {layer} has no routed experts: {where}; "
+            f"the layers with routed experts are {_spans(self.moe_layers)}"
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -410,6 +465,7 @@ class ModelLayout:
 
 
 # -- reading layout files ----------------------------------------------------------------------
+
 
 def _read_json(path: str):
     with open(path, encoding="utf-8") as f:
@@ -512,10 +568,16 @@ class _File:
                 times = self.whole(entry["repeat"], f"{here}.repeat", MAX_LAYERS_LIMIT)
                 inner = self.type_at(entry, here, quant)
                 if ("layer" in entry) == ("layers" in entry):
-                    raise self.fail(here, 'a repeat takes "layer" (one layer, or null) or "layers" (a group of '
-                                          'layers, repeated in order)')
-                group = ([self.layer(entry["layer"], f"{here}.layer", inner)] if "layer" in entry
-                         else self.layer_list(entry["layers"], f"{here}.layers", inner))
+                    raise self.fail(
+                        here,
+                        'a repeat takes "layer" (one layer, or null) or "layers" (a group of '
+                        "layers, repeated in order)",
+                    )
+                group = (
+                    [self.layer(entry["layer"], f"{here}.layer", inner)]
+                    if "layer" in entry
+                    else self.layer_list(entry["layers"], f"{here}.layers", inner)
+                )
                 if not group:
                     raise self.fail(f"{here}.layers", "an empty group")
                 added = group * times if len(out) + times * len(group) <= MAX_LAYERS_LIMIT else None
@@ -536,8 +598,11 @@ def _layout_from_object(obj, where: str, default_name: str) -> ModelLayout:
     if not isinstance(obj, Mapping):
         raise LayoutFileError(f'{where}: expected an object {{"name": ..., "layers": [...]}}, got {_shown(obj)}')
     if "layers" not in obj:
-        hint = (": this looks like a Hugging Face config.json (ModelLayout.from_hf_config reads it)"
-                if _looks_like_hf_config(obj) else "")
+        hint = (
+            ": this looks like a Hugging Face config.json (ModelLayout.from_hf_config reads it)"
+            if _looks_like_hf_config(obj)
+            else ""
+        )
         raise LayoutFileError(f'{where}: no "layers" list{hint}')
     file.keys(obj, "top level", ("name", "layers", "type", "dtype"))
     name = obj.get("name", default_name)
@@ -562,8 +627,10 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
     if not any(config.get(k) is not None for k in _EXPERT_KEYS) and isinstance(config.get("text_config"), Mapping):
         outer, config = config, config["text_config"]
         where = f"{where} (text_config)"
-        config = dict(config, **{k: outer[k] for k in ("torch_dtype", "dtype", "quantization_config")
-                                 if k in outer and k not in config})
+        config = dict(
+            config,
+            **{k: outer[k] for k in ("torch_dtype", "dtype", "quantization_config") if k in outer and k not in config},
+        )
     model = config.get("model_type") or (config.get("architectures") or [None])[0] or "model"
     file = _File(where)
     _refuse_unread_rules(config, file)
@@ -571,14 +638,19 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
     def number(keys: tuple, what: str, lowest: int = 1) -> tuple[str, int]:
         key = next((k for k in keys if config.get(k) is not None), None)
         if key is None:
-            raise LayoutFileError(f"{where}: no {' or '.join(map(repr, keys))} key ({what}) in this {model} config; "
-                                  "a layout file describes any model (docs/models.md)")
+            raise LayoutFileError(
+                f"{where}: no {' or '.join(map(repr, keys))} key ({what}) in this {model} config; "
+                "a layout file describes any model (docs/models.md)"
+            )
         try:
             return key, checked_int(config[key], key, lowest, MAX_PART_BYTES_LIMIT)
         except (TypeError, ArgumentRangeError):
             if isinstance(config[key], list):
-                raise file.fail(key, f"a list, one value per layer ({what}), which this reader does not implement: a "
-                                     "layout file gives each layer its own (docs/models.md)") from None
+                raise file.fail(
+                    key,
+                    f"a list, one value per layer ({what}), which this reader does not implement: a "
+                    "layout file gives each layer its own (docs/models.md)",
+                ) from None
             raise file.fail(key, f"expected a whole number >= {lowest} ({what}), got {_shown(config[key])}") from None
 
     _, num_layers = number(("num_hidden_layers",), "the number of layers")
@@ -595,8 +667,9 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
         down = matrix_bytes(types[2], hidden, ffn)
         spec = LayerSpec(experts, gate, up, down)
     except (TypeError, ValueError) as exc:
-        raise LayoutFileError(f"{where}: experts of [{ffn}, {hidden}] gate/up and [{hidden}, {ffn}] down in "
-                              f"{'/'.join(types)}: {exc}") from None
+        raise LayoutFileError(
+            f"{where}: experts of [{ffn}, {hidden}] gate/up and [{hidden}, {ffn}] down in {'/'.join(types)}: {exc}"
+        ) from None
 
     label = types[0].lower() if len(set(types)) == 1 else "-".join(t.lower() for t in types)
     name = name or f"{default_name or model}-{label}"
@@ -610,14 +683,28 @@ def _layout_from_hf(cls, config, where: str, quant, name: Optional[str], default
 # (or that its config class builds the list it reads from). Keys giving the layers as a list: a
 # list decides alone, as in transformers (Llama 4's moe_layers overrides interleave_moe_layer_step;
 # mlp_layer_types is built from first_k_dense_replace and the like only when a config has none).
-_LAYER_LISTS = ("mlp_layer_types",  # GLM-4.7-Flash, DeepSeek V3.2/V4, ...: "sparse", "moe", "hash_moe" or "dense"
-                "moe_layers",  # Llama 4: the MoE layers' numbers
-                "moe_layers_enum",  # Step 3.7: the same, as a list or a comma-separated string
-                "layers_num_experts")  # Jamba (a property, in a dict made from the config): 1 for a dense layer
+_LAYER_LISTS = (
+    "mlp_layer_types",  # GLM-4.7-Flash, DeepSeek V3.2/V4, ...: "sparse", "moe", "hash_moe" or "dense"
+    "moe_layers",  # Llama 4: the MoE layers' numbers
+    "moe_layers_enum",  # Step 3.7: the same, as a list or a comma-separated string
+    "layers_num_experts",
+)  # Jamba (a property, in a dict made from the config): 1 for a dense layer
 # Rules over the layer number: every one the config has must hold.
-_LAYER_RULES = ("mlp_only_layers", "decoder_sparse_step", "interleave_moe_layer_step", "first_k_dense_replace",
-                "moe_layer_freq", "num_dense_layers", "dense_mlp_idx", "expert_layer_period", "expert_layer_offset",
-                "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval", "enable_moe_block")
+_LAYER_RULES = (
+    "mlp_only_layers",
+    "decoder_sparse_step",
+    "interleave_moe_layer_step",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "num_dense_layers",
+    "dense_mlp_idx",
+    "expert_layer_period",
+    "expert_layer_offset",
+    "moe_layer_start_index",
+    "moe_layer_end_index",
+    "moe_layer_interval",
+    "enable_moe_block",
+)
 # transformers' default for a rule key a config leaves out, where it is not the value that keeps every layer.
 _RULE_DEFAULTS = {
     "jamba": {"expert_layer_period": 2, "expert_layer_offset": 1},
@@ -628,15 +715,27 @@ _RULE_DEFAULTS = {
 # Keys that choose layers (or give them their own experts) by rules this reader does not implement.
 _UNREAD_RULES = {
     "hybrid_override_pattern": "Nemotron-H's block pattern (each layer is Mamba, attention, an MLP or the experts, "
-                               "which have no gate: up_proj only, not the gate/up/down parts of a layout entry)",
+    "which have no gate: up_proj only, not the gate/up/down parts of a layout entry)",
     "layers_block_type": "Nemotron-H's block types (each layer is Mamba, attention, an MLP or the experts, which have "
-                         "no gate: up_proj only, not the gate/up/down parts of a layout entry)",
+    "no gate: up_proj only, not the gate/up/down parts of a layout entry)",
     "pyramid_num_routed": "dots.llm3's routed experts per layer (a number of its own for each layer)",
     "per_layer_config": "per-layer overrides of the keys read here (a heterogeneous model)",
 }
 # What a per-layer override may not touch: every key the reader reads.
-_READ_KEYS = frozenset(("num_hidden_layers", "hidden_size", "torch_dtype", "dtype", "quantization_config",
-                        *_EXPERT_KEYS, *_FFN_KEYS, *_LAYER_LISTS, *_LAYER_RULES, *_UNREAD_RULES))
+_READ_KEYS = frozenset(
+    (
+        "num_hidden_layers",
+        "hidden_size",
+        "torch_dtype",
+        "dtype",
+        "quantization_config",
+        *_EXPERT_KEYS,
+        *_FFN_KEYS,
+        *_LAYER_LISTS,
+        *_LAYER_RULES,
+        *_UNREAD_RULES,
+    )
+)
 
 
 def _refuse_unread_rules(config, file: _File) -> None:
@@ -651,25 +750,31 @@ def _refuse_unread_rules(config, file: _File) -> None:
                 continue
             what = f"per-layer overrides of {', '.join(touched)} (a heterogeneous model)"
         if value not in (None, [], {}, ""):
-            raise file.fail(key, f"{what}: this reader does not implement it; a layout file describes the model "
-                                 "(docs/models.md)")
+            raise file.fail(
+                key, f"{what}: this reader does not implement it; a layout file describes the model (docs/models.md)"
+            )
 
 
 def _routed_layers(config, model: str, num_layers: int, file: _File) -> frozenset[int]:
     """The layers with routed experts (see from_hf_config): by the config's layer list, else by
     its rules over the layer number."""
-    lists = [(key, _listed_layers(config[key], key, num_layers, file)) for key in _LAYER_LISTS
-             if config.get(key) is not None]
+    lists = [
+        (key, _listed_layers(config[key], key, num_layers, file)) for key in _LAYER_LISTS if config.get(key) is not None
+    ]
     for other, theirs in lists[1:]:
         if theirs != lists[0][1]:
             shown = "; ".join(f"{k} gives {_spans(sorted(v)) or 'none'}" for k, v in (lists[0], (other, theirs)))
-            raise LayoutFileError(f"{file.where}: the layers with routed experts differ by key ({shown}); which one "
-                                  f"this {model} model's code reads depends on its family: a layout file describes "
-                                  "it (docs/models.md)")
+            raise LayoutFileError(
+                f"{file.where}: the layers with routed experts differ by key ({shown}); which one "
+                f"this {model} model's code reads depends on its family: a layout file describes "
+                "it (docs/models.md)"
+            )
     if lists:
         return lists[0][1]
-    rules = {**_RULE_DEFAULTS.get(config.get("model_type"), {}),
-             **{k: config[k] for k in _LAYER_RULES if config.get(k) is not None}}
+    rules = {
+        **_RULE_DEFAULTS.get(config.get("model_type"), {}),
+        **{k: config[k] for k in _LAYER_RULES if config.get(k) is not None},
+    }
     return _ruled_layers(rules, num_layers, file)
 
 
@@ -683,8 +788,11 @@ def _listed_layers(value, key: str, num_layers: int, file: _File) -> frozenset[i
     if key == "mlp_layer_types":
         kinds = {"sparse": True, "moe": True, "hash_moe": True, "dense": False}
         if any(not isinstance(v, str) or v not in kinds for v in value) or len(value) != num_layers:
-            raise file.fail(key, f"expected one of {', '.join(map(repr, kinds))} for each of the {num_layers} layers, "
-                                 f"got {_shown(value)}")
+            raise file.fail(
+                key,
+                f"expected one of {', '.join(map(repr, kinds))} for each of the {num_layers} layers, "
+                f"got {_shown(value)}",
+            )
         return frozenset(i for i, v in enumerate(value) if kinds[v])
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
         raise file.fail(key, f"expected whole numbers >= 0, got {_shown(value)}")
@@ -699,6 +807,7 @@ def _listed_layers(value, key: str, num_layers: int, file: _File) -> frozenset[i
 
 def _ruled_layers(rules: dict, num_layers: int, file: _File) -> frozenset[int]:
     """The MoE layers by the rules over the layer number (``_LAYER_RULES``) in ``rules``."""
+
     def whole(key: str, lowest: int, what: str) -> Optional[int]:
         if rules.get(key) is None:
             return None
@@ -713,8 +822,10 @@ def _ruled_layers(rules: dict, num_layers: int, file: _File) -> frozenset[int]:
     freq = rules.get("moe_layer_freq")
     if isinstance(freq, list):  # dots.llm3, MiniMax-M3: a flag per layer
         if len(freq) != num_layers or any(not isinstance(f, (bool, int)) for f in freq):
-            raise file.fail("moe_layer_freq", f"expected a whole number, or a flag for each of the {num_layers} "
-                                              f"layers, got {_shown(freq)}")
+            raise file.fail(
+                "moe_layer_freq",
+                f"expected a whole number, or a flag for each of the {num_layers} layers, got {_shown(freq)}",
+            )
         flags = [bool(f) for f in freq]
     else:
         every = whole("moe_layer_freq", 1, "MoE every n-th layer") or 1
@@ -724,8 +835,9 @@ def _ruled_layers(rules: dict, num_layers: int, file: _File) -> frozenset[int]:
         raise file.fail("enable_moe_block", f"expected true or false, got {_shown(enabled)}")
     step = whole("decoder_sparse_step", 1, "MoE every n-th layer") or 1
     interleave = whole("interleave_moe_layer_step", 1, "MoE every n-th layer") or 1
-    first = max(whole(k, 0, "dense layers first") or 0 for k in ("first_k_dense_replace", "num_dense_layers",
-                                                                  "dense_mlp_idx"))
+    first = max(
+        whole(k, 0, "dense layers first") or 0 for k in ("first_k_dense_replace", "num_dense_layers", "dense_mlp_idx")
+    )
     period = whole("expert_layer_period", 1, "MoE every n-th layer") or 1
     offset = whole("expert_layer_offset", 0, "the first MoE layer of each period") or 0
     if offset >= period:
@@ -734,10 +846,19 @@ def _ruled_layers(rules: dict, num_layers: int, file: _File) -> frozenset[int]:
     end = None if rules.get("moe_layer_end_index") == -1 else whole("moe_layer_end_index", 0, "the last MoE layer")
     end = num_layers - 1 if end is None else end  # ERNIE's -1: up to the last layer
     interval = whole("moe_layer_interval", 1, "MoE every n-th layer") or 1
-    return frozenset(i for i in range(num_layers)
-                     if enabled and i not in only and (i + 1) % step == 0 and (i + 1) % interleave == 0
-                     and i >= first and flags[i] and i % period == offset and start <= i <= end
-                     and (i + 1) % interval == 0)
+    return frozenset(
+        i
+        for i in range(num_layers)
+        if enabled
+        and i not in only
+        and (i + 1) % step == 0
+        and (i + 1) % interleave == 0
+        and i >= first
+        and flags[i]
+        and i % period == offset
+        and start <= i <= end
+        and (i + 1) % interval == 0
+    )
 
 
 def _hf_types(config, quant, file: _File) -> tuple[str, str, str]:
@@ -754,16 +875,20 @@ def _hf_types(config, quant, file: _File) -> tuple[str, str, str]:
         return ("MXFP4",) * 3
     key = next((k for k in ("torch_dtype", "dtype") if config.get(k) is not None), None)
     if key is None:
-        raise LayoutFileError(f"{file.where}: no 'torch_dtype' or 'dtype' key (the experts' type): give the type "
-                              "(quant=..., or --layout CONFIG.json:TYPE)")
+        raise LayoutFileError(
+            f"{file.where}: no 'torch_dtype' or 'dtype' key (the experts' type): give the type "
+            "(quant=..., or --layout CONFIG.json:TYPE)"
+        )
     try:
         dtype = quant_type(config[key])
     except (TypeError, ValueError) as exc:
         raise file.fail(key, str(exc)) from None
     if method is not None:
-        warnings.warn(f"{file.where}: the weights are stored as {method} (quantization_config) but the layout has "
-                      f"{dtype} sizes ({key}); give the stored type (quant=..., or --layout CONFIG.json:TYPE)",
-                      stacklevel=4)
+        warnings.warn(
+            f"{file.where}: the weights are stored as {method} (quantization_config) but the layout has "
+            f"{dtype} sizes ({key}); give the stored type (quant=..., or --layout CONFIG.json:TYPE)",
+            stacklevel=4,
+        )
     return (dtype,) * 3
 
 
@@ -772,21 +897,46 @@ def _hf_types(config, quant, file: _File) -> tuple[str, str, str]:
 # The config.json numbers of well-known MoE models that from_hf_config reads (the files' other
 # keys left out), each with its source. The presets give the type explicitly.
 _MODEL_CONFIGS = {
-    "mixtral-8x7b": (dict(model_type="mixtral", num_hidden_layers=32, num_local_experts=8, hidden_size=4096,
-                          intermediate_size=14336),
-                     "https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json"),
-    "qwen3-30b-a3b": (dict(model_type="qwen3_moe", num_hidden_layers=48, num_experts=128, hidden_size=2048,
-                           moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[]),
-                      "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json"),
-    "olmoe-1b-7b": (dict(model_type="olmoe", num_hidden_layers=16, num_experts=64, hidden_size=2048,
-                         intermediate_size=1024),
-                    "https://huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json"),
-    "deepseek-v3": (dict(model_type="deepseek_v3", num_hidden_layers=61, n_routed_experts=256, hidden_size=7168,
-                         moe_intermediate_size=2048, first_k_dense_replace=3, moe_layer_freq=1),
-                    "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json"),
-    "gpt-oss-20b": (dict(model_type="gpt_oss", num_hidden_layers=24, num_local_experts=32, hidden_size=2880,
-                         intermediate_size=2880),
-                    "https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json"),
+    "mixtral-8x7b": (
+        dict(
+            model_type="mixtral", num_hidden_layers=32, num_local_experts=8, hidden_size=4096, intermediate_size=14336
+        ),
+        "https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json",
+    ),
+    "qwen3-30b-a3b": (
+        dict(
+            model_type="qwen3_moe",
+            num_hidden_layers=48,
+            num_experts=128,
+            hidden_size=2048,
+            moe_intermediate_size=768,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        "https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json",
+    ),
+    "olmoe-1b-7b": (
+        dict(model_type="olmoe", num_hidden_layers=16, num_experts=64, hidden_size=2048, intermediate_size=1024),
+        "https://huggingface.co/allenai/OLMoE-1B-7B-0924/blob/main/config.json",
+    ),
+    "deepseek-v3": (
+        dict(
+            model_type="deepseek_v3",
+            num_hidden_layers=61,
+            n_routed_experts=256,
+            hidden_size=7168,
+            moe_intermediate_size=2048,
+            first_k_dense_replace=3,
+            moe_layer_freq=1,
+        ),
+        "https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json",
+    ),
+    "gpt-oss-20b": (
+        dict(
+            model_type="gpt_oss", num_hidden_layers=24, num_local_experts=32, hidden_size=2880, intermediate_size=2880
+        ),
+        "https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json",
+    ),
 }
 # Preset name -> (model, type of every expert matrix).
 _PRESETS = {
@@ -797,11 +947,13 @@ _PRESETS = {
     "gpt-oss-20b-mxfp4": ("gpt-oss-20b", "MXFP4"),
 }
 #: Every name :meth:`ModelLayout.preset` takes.
-PRESETS = ("q2", "q4", "mixed", "deepseek-v4-flash-q2", "deepseek-v4-flash-q4", "deepseek-v4-flash-mixed",
-           *_PRESETS)
+PRESETS = ("q2", "q4", "mixed", "deepseek-v4-flash-q2", "deepseek-v4-flash-q4", "deepseek-v4-flash-mixed", *_PRESETS)
 #: Where each preset's numbers come from.
 PRESET_SOURCES = {
-    **{n: "the antirez/ds4 engine's issue #503 and PR #504 (DeepSeek V4 Flash: 43 layers x 256 experts, "
-          "[2048, 4096] gate/up, [4096, 2048] down)" for n in PRESETS[:6]},
+    **{
+        n: "the antirez/ds4 engine's issue #503 and PR #504 (DeepSeek V4 Flash: 43 layers x 256 experts, "
+        "[2048, 4096] gate/up, [4096, 2048] down)"
+        for n in PRESETS[:6]
+    },
     **{n: _MODEL_CONFIGS[model][1] for n, (model, _) in _PRESETS.items()},
 }

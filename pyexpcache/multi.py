@@ -87,9 +87,18 @@ class MultiDeviceCache:
     owner raises :class:`~pyexpcache.CacheClosedError`.
     """
 
-    def __init__(self, layout: ModelLayout, source, *, devices: Sequence[int] = (0, 1), placement=None,
-                 budget_bytes: Optional[int] = None, budget_experts: Optional[int] = None,
-                 parallel: Optional[bool] = None, **options):
+    def __init__(
+        self,
+        layout: ModelLayout,
+        source,
+        *,
+        devices: Sequence[int] = (0, 1),
+        placement=None,
+        budget_bytes: Optional[int] = None,
+        budget_experts: Optional[int] = None,
+        parallel: Optional[bool] = None,
+        **options,
+    ):
         if "device" in options:
             raise TypeError("MultiDeviceCache takes devices=[...], not device=")
         devices = [checked_int(d, f"devices[{i}]", 0, I32_MAX) for i, d in enumerate(devices)]
@@ -97,11 +106,13 @@ class MultiDeviceCache:
             raise ValueError(f"devices must list 1..{MAX_DEVICES} devices, got {len(devices)}")
         if isinstance(placement, Placement):
             if placement.num_devices != len(devices):
-                raise ValueError(f"the placement spreads over {placement.num_devices} devices, "
-                                 f"devices lists {len(devices)}")
+                raise ValueError(
+                    f"the placement spreads over {placement.num_devices} devices, devices lists {len(devices)}"
+                )
             if len(placement.owners) != layout.num_layers or any(
-                    (o is None) != (s is None) or (o is not None and o.shape != (s.num_experts,))
-                    for o, s in zip(placement.owners, layout.layers)):
+                (o is None) != (s is None) or (o is not None and o.shape != (s.num_experts,))
+                for o, s in zip(placement.owners, layout.layers)
+            ):
                 raise ValueError("the placement was made for a different layout")
         elif placement is None:
             placement = Placement.round_robin(layout, len(devices))
@@ -114,14 +125,18 @@ class MultiDeviceCache:
         self._device_ids = np.asarray(devices, dtype=np.int64)
         staged = not getattr(source, "pinned", False) or getattr(source, "file_path", None) is not None
         self.parallel = (staged if parallel is None else bool(parallel)) and len(devices) > 1
-        self._pool = (ThreadPoolExecutor(len(devices) - 1, thread_name_prefix="expcache-owner")
-                      if self.parallel else None)
+        self._pool = (
+            ThreadPoolExecutor(len(devices) - 1, thread_name_prefix="expcache-owner") if self.parallel else None
+        )
         _lifetime.register(self)
         self.caches: list[ExpertCache] = []
         try:
             for d in devices:
-                self.caches.append(ExpertCache(layout, source, device=d, budget_bytes=budget_bytes,
-                                               budget_experts=budget_experts, **options))
+                self.caches.append(
+                    ExpertCache(
+                        layout, source, device=d, budget_bytes=budget_bytes, budget_experts=budget_experts, **options
+                    )
+                )
         except BaseException:
             self.close()
             raise
@@ -173,8 +188,7 @@ class MultiDeviceCache:
         n = self.layout.layers[layer].num_experts
         if ids.size and int(ids.max()) >= n:
             bad = int(np.argmax(ids >= n))
-            raise ValueError(f"expert id {int(ids[bad])} (index {bad}) out of range for layer {layer} "
-                             f"({n} experts)")
+            raise ValueError(f"expert id {int(ids[bad])} (index {bad}) out of range for layer {layer} ({n} experts)")
         return self.placement.owners[layer][ids]
 
     def split(self, layer: int, expert_ids) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -254,8 +268,9 @@ class MultiDeviceCache:
         streams = self._streams(streams)
         parts = self.split(layer, expert_ids)
         out: list = [None] * sum(len(p) for p, _ in parts)
-        got = self._each(parts, lambda d, ids: self.caches[d].select_views(layer, ids, streams[d], dtype=dtype,
-                                                                          shapes=shapes))
+        got = self._each(
+            parts, lambda d, ids: self.caches[d].select_views(layer, ids, streams[d], dtype=dtype, shapes=shapes)
+        )
         for d, (pos, _) in enumerate(parts):
             if pos.size:
                 for i, view in zip(pos.tolist(), got[d]):

@@ -65,8 +65,9 @@ class Placement:
     @classmethod
     def round_robin(cls, layout: ModelLayout, num_devices: int) -> "Placement":
         n = _check_devices(num_devices)
-        return cls(n, tuple(None if spec is None else _spread(spec.num_experts, n) for spec in layout.layers),
-                   "round-robin")
+        return cls(
+            n, tuple(None if spec is None else _spread(spec.num_experts, n) for spec in layout.layers), "round-robin"
+        )
 
     @classmethod
     def balanced(cls, layout: ModelLayout, num_devices: int, loads: Sequence) -> "Placement":
@@ -104,8 +105,7 @@ class Placement:
         for i, spec, given in _per_layer(layout, owners, "owners"):
             o = np.asarray(given)
             if o.shape != (spec.num_experts,) or not np.issubdtype(o.dtype, np.integer):
-                raise ValueError(f"owners[{i}] must be {spec.num_experts} integers, got shape {o.shape} "
-                                 f"of {o.dtype}")
+                raise ValueError(f"owners[{i}] must be {spec.num_experts} integers, got shape {o.shape} of {o.dtype}")
             if o.size and (o.min() < 0 or o.max() >= n):
                 raise ValueError(f"owners[{i}] must be device indices 0..{n - 1}, got {o.min()}..{o.max()}")
             out[i] = o.astype(np.uint8)
@@ -114,8 +114,7 @@ class Placement:
     # -- queries ------------------------------------------------------------
     def experts_per_device(self) -> np.ndarray:
         """Experts each device owns, summed over layers."""
-        return np.bincount(np.concatenate([o for o in self.owners if o is not None]),
-                           minlength=self.num_devices)
+        return np.bincount(np.concatenate([o for o in self.owners if o is not None]), minlength=self.num_devices)
 
     def load_share(self, loads: Sequence) -> np.ndarray:
         """Each device's share (0..1) of the total of ``loads`` (per layer, per expert)."""

@@ -29,8 +29,9 @@ class Selection:
 
     __slots__ = ("_cache", "layer", "pointers", "resident", "ready", "views", "_stream")
 
-    def __init__(self, cache, layer: int, pointers: np.ndarray, resident: np.ndarray, ready: int, stream: int,
-                 views=None):
+    def __init__(
+        self, cache, layer: int, pointers: np.ndarray, resident: np.ndarray, ready: int, stream: int, views=None
+    ):
         self._cache = cache
         self.views = views
         self.layer = layer
@@ -60,5 +61,7 @@ class Selection:
         return len(self.pointers)
 
     def __repr__(self) -> str:
-        return (f"Selection(layer={self.layer}, k={len(self)}, hits={int(self.resident.sum())}, "
-                f"waits={'yes' if self.ready else 'no'})")
+        return (
+            f"Selection(layer={self.layer}, k={len(self)}, hits={int(self.resident.sum())}, "
+            f"waits={'yes' if self.ready else 'no'})"
+        )

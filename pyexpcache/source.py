@@ -106,9 +106,11 @@ class BufferSource:
 
     def _check_usable(self) -> None:
         if self._forked:
-            raise ForkedError(f"{type(self).__name__} was created before the process forked: its memory (pinned "
-                              "memory is not even mapped in a child) belongs to the parent; create the source and "
-                              "its caches in the child")
+            raise ForkedError(
+                f"{type(self).__name__} was created before the process forked: its memory (pinned "
+                "memory is not even mapped in a child) belongs to the parent; create the source and "
+                "its caches in the child"
+            )
 
     def _after_fork_in_child(self) -> None:
         self._forked = True
@@ -202,8 +204,14 @@ class HostSource(BufferSource):
 
     file_path = None  # bytes come from memory
 
-    def __init__(self, layout: ModelLayout, *, pinned: bool = False, arrangement: str = "tensor",
-                 progress: Optional[Callable[[int, int], None]] = None):
+    def __init__(
+        self,
+        layout: ModelLayout,
+        *,
+        pinned: bool = False,
+        arrangement: str = "tensor",
+        progress: Optional[Callable[[int, int], None]] = None,
+    ):
         if arrangement not in ("tensor", "expert"):
             raise ValueError(f"arrangement must be 'tensor' or 'expert', got {arrangement!r}")
         self.layout = layout
@@ -221,9 +229,11 @@ class HostSource(BufferSource):
                 # Portable: pinned for every device, so caches on several GPUs read it at full speed.
                 ptr = _cuda.check(rt.cudaHostAlloc(total, rt.cudaHostAllocPortable), f"cudaHostAlloc({total} bytes)")
             except RuntimeError as exc:
-                raise MemoryError(f"{total / 2**30:.1f} GiB of pinned host memory for {layout.name} could not be "
-                                  f"allocated ({exc}); replay fewer layers (bench --layers), use pageable memory "
-                                  "(--source pageable) or smaller experts (--scale)") from None
+                raise MemoryError(
+                    f"{total / 2**30:.1f} GiB of pinned host memory for {layout.name} could not be "
+                    f"allocated ({exc}); replay fewer layers (bench --layers), use pageable memory "
+                    "(--source pageable) or smaller experts (--scale)"
+                ) from None
             self._pinned_ptr = int(ptr)
             self.buffer = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(self._pinned_ptr))
         else:
@@ -293,7 +303,7 @@ class HostSource(BufferSource):
         self._check_usable()
         place = self._placements[layer]
         off = place.bases[part] - self._base + expert * place.strides[part]
-        return self.buffer[off:off + place.sizes[part]]
+        return self.buffer[off : off + place.sizes[part]]
 
     def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
         """An expert's source bytes: gate, then up, then down (a copy)."""
@@ -323,5 +333,4 @@ class HostSource(BufferSource):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.buffer.nbytes} bytes"
         kind = "pinned (emulated)" if self.pinned_emulated else "pinned" if self.pinned else "pageable"
-        return (f"HostSource({self.layout.name}, {kind}, "
-                f"{self.arrangement} placement, {state})")
+        return f"HostSource({self.layout.name}, {kind}, {self.arrangement} placement, {state})"

@@ -155,16 +155,32 @@ class StagingStats:
         """Time the calling thread spent handing one piece to the link."""
         return self.send_ns / self.pieces / 1e3 if self.pieces else 0.0
 
-    COLUMNS = ("pieces/call", "pieces/send", "span µs", "first piece µs", "caller wait µs", "threads filling",
-               "fill µs/piece", "send µs/piece", "caller fills")
+    COLUMNS = (
+        "pieces/call",
+        "pieces/send",
+        "span µs",
+        "first piece µs",
+        "caller wait µs",
+        "threads filling",
+        "fill µs/piece",
+        "send µs/piece",
+        "caller fills",
+    )
 
     def columns(self) -> list[str]:
         """The figures under :attr:`COLUMNS`, as text: how `expcache transfer --detail` and the
         staging sweep show where staged calls spend their time (µs are per call unless per piece)."""
-        return [f"{self.pieces_per_call:.1f}", f"{self.pieces_per_send:.1f}", f"{self.span_us_per_call:.1f}",
-                f"{self.first_fill_us_per_call:.1f}", f"{self.wait_us_per_call:.1f}", f"{self.threads_filling:.1f}",
-                f"{self.fill_us_per_piece:.1f}", f"{self.send_us_per_piece:.2f}",
-                f"{100 * self.caller_fills / self.pieces:.0f} %" if self.pieces else "—"]
+        return [
+            f"{self.pieces_per_call:.1f}",
+            f"{self.pieces_per_send:.1f}",
+            f"{self.span_us_per_call:.1f}",
+            f"{self.first_fill_us_per_call:.1f}",
+            f"{self.wait_us_per_call:.1f}",
+            f"{self.threads_filling:.1f}",
+            f"{self.fill_us_per_piece:.1f}",
+            f"{self.send_us_per_piece:.2f}",
+            f"{100 * self.caller_fills / self.pieces:.0f} %" if self.pieces else "—",
+        ]
 
 
 @dataclass

@@ -34,8 +34,17 @@ from ._ints import u32, u64
 from .cache import ExpertCache
 
 __all__ = [
-    "CHECKSUM_RESULTS", "bank_checksum_async", "checksum", "checksum_async", "checksum_results", "device_bytes_in_use",
-    "fail_copy_after", "fail_device_alloc_after", "fail_staging_after", "pause_prefetch", "read_device",
+    "CHECKSUM_RESULTS",
+    "bank_checksum_async",
+    "checksum",
+    "checksum_async",
+    "checksum_results",
+    "device_bytes_in_use",
+    "fail_copy_after",
+    "fail_device_alloc_after",
+    "fail_staging_after",
+    "pause_prefetch",
+    "read_device",
     "read_expert",
 ]
 
@@ -51,6 +60,7 @@ def _cache(cache, hook: str) -> ExpertCache:
 
 
 # -- reading back ------------------------------------------------------------------------------
+
 
 def read_expert(cache: ExpertCache, layer: int, expert: int) -> Optional[np.ndarray]:
     """The resident bytes of (layer, expert) of ``cache`` (gate, up, down) as uint8, or None when it
@@ -85,6 +95,7 @@ def device_bytes_in_use(cache: ExpertCache) -> int:
 
 # -- checksums ---------------------------------------------------------------------------------
 
+
 def checksum(cache: ExpertCache, layer: int, pointers, stream=None) -> np.ndarray:
     """Run the checksum kernel over experts at ``pointers`` ([n, 3] addresses of ``layer``'s
     class, as :meth:`~pyexpcache.ExpertCache.select` returns): uint64 per expert. Reads every
@@ -93,8 +104,14 @@ def checksum(cache: ExpertCache, layer: int, pointers, stream=None) -> np.ndarra
     layer = cache._layer(layer)
     ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
     out = np.empty(ptrs.shape[0], dtype=np.uint64)
-    cache._call("expcache_testing_checksum", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
-                stream_handle(stream), out.ctypes.data)
+    cache._call(
+        "expcache_testing_checksum",
+        layer,
+        ptrs.ctypes.data,
+        u32(ptrs.shape[0], "len(pointers)"),
+        stream_handle(stream),
+        out.ctypes.data,
+    )
     return out
 
 
@@ -104,8 +121,14 @@ def checksum_async(cache: ExpertCache, layer: int, pointers, first: int, stream=
     cache = _cache(cache, "checksum_async")
     layer, first = cache._layer(layer), u32(first, "first")
     ptrs = np.ascontiguousarray(pointers, dtype=np.uint64).reshape(-1, 3)
-    cache._call("expcache_testing_checksum_async", layer, ptrs.ctypes.data, u32(ptrs.shape[0], "len(pointers)"),
-                stream_handle(stream), first)
+    cache._call(
+        "expcache_testing_checksum_async",
+        layer,
+        ptrs.ctypes.data,
+        u32(ptrs.shape[0], "len(pointers)"),
+        stream_handle(stream),
+        first,
+    )
 
 
 def bank_checksum_async(cache: ExpertCache, layer: int, slots, first: int, stream=None) -> None:
@@ -124,8 +147,9 @@ def bank_checksum_async(cache: ExpertCache, layer: int, slots, first: int, strea
     count = 1
     for dim in ids.shape:
         count *= dim
-    cache._call("expcache_testing_bank_checksum_async", layer, ids.ptr, u32(count, "len(slots)"),
-                stream_handle(stream), first)
+    cache._call(
+        "expcache_testing_bank_checksum_async", layer, ids.ptr, u32(count, "len(slots)"), stream_handle(stream), first
+    )
 
 
 def checksum_results(cache: ExpertCache, first: int, n: int) -> np.ndarray:
@@ -140,6 +164,7 @@ def checksum_results(cache: ExpertCache, first: int, n: int) -> np.ndarray:
 
 
 # -- fault injection and prefetch control ------------------------------------------------------
+
 
 def fail_device_alloc_after(cache: ExpertCache, n: int, count: int = 1) -> None:
     """Fault injection: let ``n`` device allocations of ``cache`` succeed, then fail the next

@@ -163,8 +163,19 @@ class TensorView:
 
     __slots__ = ("ptr", "nbytes", "shape", "dtype", "cuda", "device_id", "stream", "owner", "strides", "__weakref__")
 
-    def __init__(self, ptr: int, nbytes: int, *, cuda: bool, device_id: int = 0, stream: int = 0,
-                 dtype=None, shape=None, owner=None, strides=None):
+    def __init__(
+        self,
+        ptr: int,
+        nbytes: int,
+        *,
+        cuda: bool,
+        device_id: int = 0,
+        stream: int = 0,
+        dtype=None,
+        shape=None,
+        owner=None,
+        strides=None,
+    ):
         self.ptr = u64(ptr, "ptr")
         self.nbytes = u64(nbytes, "nbytes")
         if self.ptr == 0 and self.nbytes:
@@ -198,8 +209,9 @@ class TensorView:
             except (TypeError, ValueError, IndexError):
                 raise BufferError(f"dl_device must be a (device_type, device_id) pair, got {dl_device!r}") from None
             if wanted != device:
-                raise BufferError(f"the view is on DLPack device {device}, not {wanted}; it cannot be moved "
-                                  "without a copy")
+                raise BufferError(
+                    f"the view is on DLPack device {device}, not {wanted}; it cannot be moved without a copy"
+                )
         if self.cuda:
             consumer = _consumer_stream(stream)
             producer = _legacy(self.stream)
@@ -209,11 +221,18 @@ class TensorView:
 
     def _interface(self, what: str, error=TypeError) -> dict:
         if isinstance(self.dtype, _dlpack.ExtraDType):
-            raise error(f"{what} cannot express {self.dtype.name}: export a {self.dtype.name} view "
-                        "through DLPack (from_dlpack) instead")
+            raise error(
+                f"{what} cannot express {self.dtype.name}: export a {self.dtype.name} view "
+                "through DLPack (from_dlpack) instead"
+            )
         # A zero-size array's address is 0 in both interfaces.
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr if self.nbytes else 0, False),
-                "version": 3, "strides": self.strides}
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr if self.nbytes else 0, False),
+            "version": 3,
+            "strides": self.strides,
+        }
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -236,8 +255,10 @@ class TensorView:
 
     def __repr__(self) -> str:
         device = f"cuda:{self.device_id}" if self.cuda else "host"
-        return (f"TensorView(ptr={self.ptr:#x}, nbytes={self.nbytes}, dtype={self.dtype}, shape={self.shape}, "
-                f"device={device})")
+        return (
+            f"TensorView(ptr={self.ptr:#x}, nbytes={self.nbytes}, dtype={self.dtype}, shape={self.shape}, "
+            f"device={device})"
+        )
 
 
 class ExpertView:
@@ -307,6 +328,16 @@ class ViewCache:
         owner = self._pin(g) if self._pin is not None else None  # a slot's parts lie in one allocation
         parts = []
         for i, (ptr, nbytes) in enumerate(zip((g, u, d), sizes)):
-            parts.append(TensorView(ptr, nbytes, cuda=self._cuda, device_id=self._device, stream=stream, dtype=dtype,
-                                    shape=None if shapes is None else shapes[i], owner=owner))
+            parts.append(
+                TensorView(
+                    ptr,
+                    nbytes,
+                    cuda=self._cuda,
+                    device_id=self._device,
+                    stream=stream,
+                    dtype=dtype,
+                    shape=None if shapes is None else shapes[i],
+                    owner=owner,
+                )
+            )
         return ExpertView(*parts)

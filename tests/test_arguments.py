@@ -41,8 +41,9 @@ def test_out_of_range_integers_raise_naming_the_parameter(make_cache, name, call
     with pytest.raises((ArgumentRangeError, ValueError, OverflowError), match=parameter):
         call(cache)
     after = cache.stats().total
-    assert (after.calls, after.hits, after.misses) == (before.calls, before.hits, before.misses), \
+    assert (after.calls, after.hits, after.misses) == (before.calls, before.hits, before.misses), (
         "a refused call reached the library"
+    )
     assert (testing.read_expert(cache, 5, 1) == source.expert_bytes(5, 1)).all()
 
 
@@ -50,12 +51,22 @@ def test_range_error_is_both_value_and_overflow_error():
     assert issubclass(ArgumentRangeError, ValueError) and issubclass(ArgumentRangeError, OverflowError)
 
 
-@pytest.mark.parametrize("option, value", [
-    ("budget_bytes", 2**64 + 2**20), ("budget_experts", 2**64), ("reserve_bytes", -1), ("max_classes", 2**32 + 4),
-    ("device", 2**31), ("slab_bytes", 2**64), ("log_level", 2**32 + 1), ("copy_threads", 2**32 + 2),
-    ("staging_bytes", 2**64 + (64 << 20)), ("staging_chunk_bytes", -(512 << 10)),
-    ("device_capacity_bytes", 2**70),
-])
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("budget_bytes", 2**64 + 2**20),
+        ("budget_experts", 2**64),
+        ("reserve_bytes", -1),
+        ("max_classes", 2**32 + 4),
+        ("device", 2**31),
+        ("slab_bytes", 2**64),
+        ("log_level", 2**32 + 1),
+        ("copy_threads", 2**32 + 2),
+        ("staging_bytes", 2**64 + (64 << 20)),
+        ("staging_chunk_bytes", -(512 << 10)),
+        ("device_capacity_bytes", 2**70),
+    ],
+)
 def test_out_of_range_config_raises_naming_the_option(option, value):
     layout = ModelLayout.preset("q2", scale=SCALE)
     with HostSource(layout) as src:
@@ -107,12 +118,16 @@ def test_single_token_calls_refuse_ids_that_are_not_1d(make_cache, name, call, i
     cache, source = make_cache(budget_experts=4)
     cache.select(5, [1])
     before = cache.stats().total
-    with pytest.raises(ValueError, match=rf"expert_ids must be 1-D \(one token's expert ids\), got {got}.*"
-                                         r"prepare_batch takes 2-D \(tokens x k\) ids"):
+    with pytest.raises(
+        ValueError,
+        match=rf"expert_ids must be 1-D \(one token's expert ids\), got {got}.*"
+        r"prepare_batch takes 2-D \(tokens x k\) ids",
+    ):
         call(cache, ids)
     after = cache.stats().total
-    assert (after.calls, after.hits, after.misses) == (before.calls, before.hits, before.misses), \
+    assert (after.calls, after.hits, after.misses) == (before.calls, before.hits, before.misses), (
         "a refused call reached the library"
+    )
     assert cache.prefetch_stats().calls == 0 and cache.prefetch_stats().hints == 0
 
 
@@ -124,8 +139,11 @@ def test_ragged_ids_are_refused_naming_the_parameter(make_cache):
         cache.select(5, [[1, 2], [3]])
 
 
-@pytest.mark.parametrize("ids", [np.array([[1, 2], [2, 3]], dtype=np.uint32), [[1, 2], [2, 3]], [1, 2, 3]],
-                         ids=["2d-uint32", "nested-list", "1d"])
+@pytest.mark.parametrize(
+    "ids",
+    [np.array([[1, 2], [2, 3]], dtype=np.uint32), [[1, 2], [2, 3]], [1, 2, 3]],
+    ids=["2d-uint32", "nested-list", "1d"],
+)
 def test_prepare_batch_takes_tokens_by_k_ids(make_cache, ids):
     cache, source = make_cache(budget_experts=8)
     with cache.prepare_batch(5, ids) as batch:
@@ -156,8 +174,11 @@ def test_a_dense_layer_is_named_as_such(make_cache, name, call, dense):
     q2 = ModelLayout.preset("q2", scale=SCALE)[3]
     layout = ModelLayout((None, q2, None) + (q2,) * 4, name="three-dense")
     cache, _ = make_cache(layout, budget_experts=4)
-    with pytest.raises(ValueError, match=rf"layer {dense} has no routed experts: it is a dense layer of three-dense; "
-                                         r"the layers with routed experts are 1, 3-6"):
+    with pytest.raises(
+        ValueError,
+        match=rf"layer {dense} has no routed experts: it is a dense layer of three-dense; "
+        r"the layers with routed experts are 1, 3-6",
+    ):
         call(cache, dense)
     assert cache.stats().total.calls == 0
 
@@ -169,6 +190,13 @@ def test_the_library_says_an_unregistered_layer_may_be_dense():
 
         ids = np.array([1], dtype=np.uint32)
         out = np.empty((1, 3), dtype=np.uint64)
-        with cache.raw_handle() as h, pytest.raises(InvalidStateError, match=(
-                r"layer 0 is not registered \(a dense layer, or expcache_layer_register was not called for it\)")):
+        with (
+            cache.raw_handle() as h,
+            pytest.raises(
+                InvalidStateError,
+                match=(
+                    r"layer 0 is not registered \(a dense layer, or expcache_layer_register was not called for it\)"
+                ),
+            ),
+        ):
             _lib.lib.expcache_select_async(h, 0, ids.ctypes.data, 1, None, out.ctypes.data)

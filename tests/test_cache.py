@@ -72,8 +72,8 @@ def test_lru_evicts_least_recently_used(make_cache):
     cache, _ = make_cache(small(), budget_experts=3)
     for e in (0, 1, 2):
         cache.select(0, [e])
-    cache.select(0, [0])          # 1 is now least recently used
-    cache.select(0, [3])          # evicts 1
+    cache.select(0, [0])  # 1 is now least recently used
+    cache.select(0, [3])  # evicts 1
     assert testing.read_expert(cache, 0, 1) is None
     assert all(testing.read_expert(cache, 0, e) is not None for e in (0, 2, 3))
     assert cache.stats().path("decode").evictions == 1
@@ -214,15 +214,24 @@ def test_too_many_unfinished_batches(make_cache):
 
 
 def three_class_layout():
-    return ModelLayout((LayerSpec(8, 512, 512, 640), LayerSpec(8, 1024, 1024, 1024), LayerSpec(8, 264, 264, 336),
-                        LayerSpec(8, 512, 512, 640)), name="three")
+    return ModelLayout(
+        (
+            LayerSpec(8, 512, 512, 640),
+            LayerSpec(8, 1024, 1024, 1024),
+            LayerSpec(8, 264, 264, 336),
+            LayerSpec(8, 512, 512, 640),
+        ),
+        name="three",
+    )
 
 
 def test_more_classes_than_max_classes_reuses_least_recent_class(make_cache, caplog):
     with pytest.warns(ExpcacheWarning, match="3 expert size classes and max_classes is 2"):
         cache, source = make_cache(three_class_layout(), budget_experts=4, max_classes=2)
-    with caplog.at_level(logging.INFO, logger="pyexpcache"), \
-            pytest.warns(ExpcacheWarning, match="reused it .*raise max_classes"):  # the first reuse
+    with (
+        caplog.at_level(logging.INFO, logger="pyexpcache"),
+        pytest.warns(ExpcacheWarning, match="reused it .*raise max_classes"),
+    ):  # the first reuse
         for _ in range(3):
             for layer in range(4):
                 ptrs = cache.select(layer, [1, 2])
@@ -252,7 +261,7 @@ def test_compact_buffer_layout_and_bytes(make_cache):
     assert buf.up_offset >= 4 * spec.gate_bytes and buf.down_offset >= buf.up_offset + 4 * spec.up_bytes
     assert_served(cache, source, 0, ids, buf.pointers())
     whole = testing.read_device(cache, buf.base, buf.nbytes)
-    gate = whole[:4 * spec.gate_bytes].reshape(4, -1)
+    gate = whole[: 4 * spec.gate_bytes].reshape(4, -1)
     for i, e in enumerate(ids):
         assert (gate[i] == source.part(0, e, 0)).all()
     st = cache.stats().path("compact")
@@ -271,7 +280,7 @@ def test_compact_retries_once_after_releasing_the_cache(make_cache):
     assert st.path("compact").alloc_retries == 1
     assert st.path("compact").releases == 1
     assert testing.read_expert(cache, 0, 1) is None  # the cache was released for the retry
-    assert st.path("compact").misses == 2     # ... so 0 was read from the host
+    assert st.path("compact").misses == 2  # ... so 0 was read from the host
 
 
 def test_compact_fails_cleanly_after_second_failure(make_cache):
@@ -291,9 +300,9 @@ def test_compact_fails_cleanly_after_second_failure(make_cache):
 
 def test_slot_allocation_failure_caps_the_class(make_cache):
     cache, source = make_cache(small(), budget_experts=8, slab_bytes=2 * 2304)
-    cache.select(0, [0, 1])           # first slab of 2 slots
+    cache.select(0, [0, 1])  # first slab of 2 slots
     testing.fail_device_alloc_after(cache, 0, count=1)
-    ptrs = cache.select(0, [2, 3])    # growth fails: the class is capped at 2 and evicts
+    ptrs = cache.select(0, [2, 3])  # growth fails: the class is capped at 2 and evicts
     assert_served(cache, source, 0, [2, 3], ptrs)
     info = cache.classes()[0]
     assert info.cap_experts == 2 and info.allocated_experts == 2
@@ -423,8 +432,14 @@ def test_checksum_many_experts_and_multi_chunk_parts(make_cache):
 def test_pageable_source_staged_through_the_pinned_ring(make_cache, copy_threads):
     # 1 MiB ring = eight 128 KiB chunks: experts of ~1.3 MiB cross many chunks and reuse every buffer.
     layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="pageable")
-    cache, source = make_cache(layout, pinned=False, budget_experts=4, copy_threads=copy_threads,
-                               staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
+    cache, source = make_cache(
+        layout,
+        pinned=False,
+        budget_experts=4,
+        copy_threads=copy_threads,
+        staging_bytes=1 << 20,
+        staging_chunk_bytes=128 << 10,
+    )
     for ids in ([0, 1, 2, 3], [4, 5, 0, 6], [7, 8, 9, 10, 11, 12]):
         ptrs = cache.select(0, ids)
         assert testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
@@ -436,8 +451,9 @@ def test_a_ring_of_two_chunks_serves_many_threads(make_cache):
     # Eight threads and two 512 KiB chunks: every piece waits for its chunk's previous one to be
     # sent, and each chunk is reused many times within one call.
     layout = ModelLayout((LayerSpec(12, 700_000, 700_000, 900_104),), name="two-chunks")
-    cache, source = make_cache(layout, pinned=False, budget_experts=4, copy_threads=8, staging_bytes=1 << 20,
-                               staging_chunk_bytes=512 << 10)
+    cache, source = make_cache(
+        layout, pinned=False, budget_experts=4, copy_threads=8, staging_bytes=1 << 20, staging_chunk_bytes=512 << 10
+    )
     for ids in ([0, 1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11, 0]):
         ptrs = cache.select(0, ids)
         assert testing.checksum(cache, 0, ptrs).tolist() == [source.expected_checksum(0, e) for e in ids]
@@ -451,8 +467,14 @@ def test_failed_staged_piece_leaves_none_of_the_calls_experts_resident(make_cach
     from pyexpcache import CudaError
 
     layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="staged-fault")
-    cache, source = make_cache(layout, pinned=False, budget_experts=6, copy_threads=copy_threads,
-                               staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
+    cache, source = make_cache(
+        layout,
+        pinned=False,
+        budget_experts=6,
+        copy_threads=copy_threads,
+        staging_bytes=1 << 20,
+        staging_chunk_bytes=128 << 10,
+    )
     cache.select(0, [0, 1])
     testing.fail_staging_after(cache, skip)
     # Each expert is three uploads of several pieces: the failing piece is inside this call.
@@ -529,8 +551,14 @@ def test_staging_stats_count_what_the_ring_moved(make_cache, copy_threads):
     from pyexpcache import StagingStats
 
     layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="pageable")
-    cache, source = make_cache(layout, pinned=False, budget_experts=4, copy_threads=copy_threads,
-                               staging_bytes=1 << 20, staging_chunk_bytes=128 << 10)
+    cache, source = make_cache(
+        layout,
+        pinned=False,
+        budget_experts=4,
+        copy_threads=copy_threads,
+        staging_bytes=1 << 20,
+        staging_chunk_bytes=128 << 10,
+    )
     assert cache.staging_stats() == StagingStats()
     cache.select(0, [0, 1, 2])
     st = cache.staging_stats()
@@ -553,8 +581,9 @@ def test_staged_pieces_filled_together_are_sent_together(make_cache):
     """The pieces the workers have filled by the time the caller comes to send go to the link in
     one transfer (a cudaMemcpyBatchAsync on the CUDA backend), and arrive byte-exact."""
     layout = ModelLayout((LayerSpec(32, 300_000, 300_000, 300_008),), name="pageable")
-    cache, source = make_cache(layout, pinned=False, budget_experts=32, copy_threads=4,
-                               staging_bytes=4 << 20, staging_chunk_bytes=64 << 10)
+    cache, source = make_cache(
+        layout, pinned=False, budget_experts=32, copy_threads=4, staging_bytes=4 << 20, staging_chunk_bytes=64 << 10
+    )
     for first in range(0, 32, 8):  # 8 misses of ~0.9 MiB a call: ~14 pieces each
         experts = list(range(first, first + 8))
         assert_served(cache, source, 0, experts, cache.select(0, experts))
@@ -611,9 +640,13 @@ def test_failed_copy_never_leaves_a_wrong_resident_expert(make_cache, skip):
     # Every path, with the (skip+1)-th copy of the sequence failing.
     testing.fail_copy_after(cache, skip, count=1)
     failures = 0
-    for step in (lambda: cache.select(0, [3, 4, 0]), lambda: cache.select(0, [5, 6, 7, 8, 9]),
-                 lambda: cache.load_compact(0, [1, 3, 10]), lambda: cache.prepare_batch(1, [[0, 1], [2, 3]]).finish(),
-                 lambda: cache.prepare_batch(0, [[10, 11], [4, 5]]).finish()):
+    for step in (
+        lambda: cache.select(0, [3, 4, 0]),
+        lambda: cache.select(0, [5, 6, 7, 8, 9]),
+        lambda: cache.load_compact(0, [1, 3, 10]),
+        lambda: cache.prepare_batch(1, [[0, 1], [2, 3]]).finish(),
+        lambda: cache.prepare_batch(0, [[10, 11], [4, 5]]).finish(),
+    ):
         try:
             step()
         except CudaError as exc:

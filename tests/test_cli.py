@@ -36,12 +36,16 @@ def child_env(**extra) -> dict:
 
 def child(*args, env_extra=None, **kw) -> subprocess.CompletedProcess:
     env = child_env(**(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "pyexpcache", *args], capture_output=True, text=True, env=env,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "pyexpcache", *args], capture_output=True, text=True, env=env, timeout=300, **kw
+    )
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["transfer"], ["inspect"], ["info"]]
-                         + [["bench", m] for m in ("variants", "engine", "torch", "devices", "curve", "transfer")])
+@pytest.mark.parametrize(
+    "command",
+    [[], ["bench"], ["transfer"], ["inspect"], ["info"]]
+    + [["bench", m] for m in ("variants", "engine", "torch", "devices", "curve", "transfer")],
+)
 def test_every_help_works_without_the_library(tmp_path, command):
     out = child(*command, "--help", env_extra={"EXPCACHE_LIBRARY": str(tmp_path / "missing.so")}, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -98,11 +102,14 @@ def run_main(capsys, argv):
     return rc, captured.out, captured.err, time.monotonic() - started
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--json", "{tmp}"], "is a directory"),
-    (["--json", "{tmp}/no/such/folder/r.json"], "does not exist"),
-    (["--plot", "{tmp}"], "is a directory"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--json", "{tmp}"], "is a directory"),
+        (["--json", "{tmp}/no/such/folder/r.json"], "does not exist"),
+        (["--plot", "{tmp}"], "is a directory"),
+    ],
+)
 def test_bad_output_paths_fail_before_the_run(capsys, tmp_path, argv, fragment):
     argv = [a.format(tmp=tmp_path) for a in argv]
     rc, out, err, _ = run_main(capsys, FAST + argv)
@@ -194,14 +201,17 @@ def test_budget_must_be_a_finite_positive_number(capsys, value):
     assert "--budget-gib must be a finite number" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--layers", "abc"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got 'abc'"),
-    (["--layers", "-3"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '-3'"),
-    (["--layers", "9-5"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '9-5'"),
-    (["--scale", "0"], "argument --scale: expected a whole number >= 1, got '0'"),
-    (["--copy-threads", "-1"], "argument --copy-threads: expected a whole number >= 0, got '-1'"),
-    (["--device", "-1"], "argument --device: expected a whole number >= 0, got '-1'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layers", "abc"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got 'abc'"),
+        (["--layers", "-3"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '-3'"),
+        (["--layers", "9-5"], "argument --layers: expected layer numbers like 3-42 or 5,7,9, got '9-5'"),
+        (["--scale", "0"], "argument --scale: expected a whole number >= 1, got '0'"),
+        (["--copy-threads", "-1"], "argument --copy-threads: expected a whole number >= 0, got '-1'"),
+        (["--device", "-1"], "argument --device: expected a whole number >= 0, got '-1'"),
+    ],
+)
 def test_unparsable_options_name_the_option_and_the_form(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         cli.main(FAST + argv)
@@ -209,15 +219,25 @@ def test_unparsable_options_name_the_option_and_the_form(capsys, argv, message):
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"expcache bench: error: {message}"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--scale", "5"], "--scale 5: layer 0: part sizes (2162688, 2162688, 2752512) are not divisible by 5; "
-                       "use a power of two up to 65536, e.g. 256"),
-    (["--copy-threads", "100"], "--copy-threads: copy_threads must be 0..64, got 100"),
-    (["--staging-chunk", "1K"], "--staging-chunk: staging_chunk_bytes must be a multiple of 4096 in 64 KiB..64 MiB, "
-                                "got 1024"),
-    (["--prefetch", "cooc", "--prefetch-piece", "1K"],
-     "--prefetch-piece: prefetch_piece_bytes must be a multiple of 4096 in 4 KiB..64 MiB, got 1024"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--scale", "5"],
+            "--scale 5: layer 0: part sizes (2162688, 2162688, 2752512) are not divisible by 5; "
+            "use a power of two up to 65536, e.g. 256",
+        ),
+        (["--copy-threads", "100"], "--copy-threads: copy_threads must be 0..64, got 100"),
+        (
+            ["--staging-chunk", "1K"],
+            "--staging-chunk: staging_chunk_bytes must be a multiple of 4096 in 64 KiB..64 MiB, got 1024",
+        ),
+        (
+            ["--prefetch", "cooc", "--prefetch-piece", "1K"],
+            "--prefetch-piece: prefetch_piece_bytes must be a multiple of 4096 in 4 KiB..64 MiB, got 1024",
+        ),
+    ],
+)
 def test_option_values_the_run_cannot_take_fail_before_it(monkeypatch, capsys, argv, message):
     # Before: a library or layout error once the source was filled, naming no option.
     from pyexpcache import bench
@@ -236,17 +256,28 @@ def test_scale_the_host_cannot_hold_names_one_that_fits(monkeypatch, capsys):
     rc, out, err, _ = run_main(capsys, FAST + ["--scale", "16"])
     # At /16 the mixed experts are 5.2 GiB; at /128, 0.65 GiB and a 0.09 GiB budget fit in 1 GiB.
     assert rc == 2 and not out
-    assert err.strip() == ("expcache bench: --scale 16: the generated experts and the host backend's emulated device "
-                           "memory need 5.9 GiB of host memory and 1.0 GiB is available; use --scale 128 or more")
+    assert err.strip() == (
+        "expcache bench: --scale 16: the generated experts and the host backend's emulated device "
+        "memory need 5.9 GiB of host memory and 1.0 GiB is available; use --scale 128 or more"
+    )
 
 
-@pytest.mark.parametrize("layers, message", [
-    ("0-2", "--layers 0-2: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
-            "Flash are hash-routed: no trace has them)"),
-    ("0,1", "--layers 0-1: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
-            "Flash are hash-routed: no trace has them)"),
-    ("45,50-52", "--layers: 45,50-52 not in 0..42, the model's layers"),
-])
+@pytest.mark.parametrize(
+    "layers, message",
+    [
+        (
+            "0-2",
+            "--layers 0-2: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
+            "Flash are hash-routed: no trace has them)",
+        ),
+        (
+            "0,1",
+            "--layers 0-1: the traces have none of these layers; they have layers 3-42 (layers 0-2 of DeepSeek V4 "
+            "Flash are hash-routed: no trace has them)",
+        ),
+        ("45,50-52", "--layers: 45,50-52 not in 0..42, the model's layers"),
+    ],
+)
 def test_layers_no_trace_has_fail_before_the_run(monkeypatch, capsys, layers, message):
     # Before, 0-2: a traceback once every variant had run ("library hit rate 0.0 differs from the
     # simulator's nan ... a bug").
@@ -275,12 +306,16 @@ def test_transfer_options_fail_before_the_run(monkeypatch, capsys):
     assert rc == 2 and "--chunks: staging_chunk_bytes must be a multiple of 4096" in err
     monkeypatch.setattr(options, "host_memory_available", lambda: 8 << 30)
     rc, out, err, _ = run_main(capsys, ["transfer", "--gib", "100"])
-    assert rc == 2 and err.strip() == ("expcache transfer: --gib 100: a measurement holds 200.0 GiB of host memory "
-                                       "and 8.0 GiB is available; lower --gib")
+    assert rc == 2 and err.strip() == (
+        "expcache transfer: --gib 100: a measurement holds 200.0 GiB of host memory "
+        "and 8.0 GiB is available; lower --gib"
+    )
     with pytest.raises(SystemExit):
         cli.main(["transfer", "--copy-threads", "x"])
-    assert "argument --copy-threads: expected a comma list of thread counts such as 1,4,8, got 'x'" in \
-        capsys.readouterr().err
+    assert (
+        "argument --copy-threads: expected a comma list of thread counts such as 1,4,8, got 'x'"
+        in capsys.readouterr().err
+    )
 
 
 def test_inspect_a_directory_is_one_line(capsys, tmp_path):
@@ -343,9 +378,14 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
 
 
 def test_ctrl_c_stops_the_command_with_130(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--scenario", "all"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env=child_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--scenario", "all"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=child_env(),
+    )
     time.sleep(6)  # the first scenario's replay is running by now
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
@@ -363,9 +403,28 @@ def test_ctrl_c_stops_the_command_with_130(tmp_path):
 def test_cli_bench_host_end_to_end(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--traces", "podA_b_json_full",
-         "--layers", "3-12", "--scenario", "all", "--json", str(out), "--quiet"],
-        capture_output=True, text=True, env=child_env(), timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pyexpcache",
+            "bench",
+            "--backend",
+            "host",
+            "--traces",
+            "podA_b_json_full",
+            "--layers",
+            "3-12",
+            "--scenario",
+            "all",
+            "--json",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("expcache bench") == 3
     data = json.loads(out.read_text())
@@ -374,20 +433,48 @@ def test_cli_bench_host_end_to_end(tmp_path):
 
 
 def test_cli_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--variants", "nope"],
-                          capture_output=True, text=True, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "bench", "--variants", "nope"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
     assert proc.returncode == 2 and "expected a comma list" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--layers", "40-50", "--backend", "host"],
-                          capture_output=True, text=True, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "bench", "--layers", "40-50", "--backend", "host"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+    )
     assert proc.returncode != 0 and "not in 0..42" in proc.stderr
 
 
 def test_cli_plot_hit_rate_curve(tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
     png = tmp_path / "curve.png"
-    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--traces",
-                           "podA_b_json_full", "--variants", "lru", "--layers", "3-8", "--plot", str(png),
-                           "--quiet"], capture_output=True, text=True, env=child_env(), timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pyexpcache",
+            "bench",
+            "--backend",
+            "host",
+            "--traces",
+            "podA_b_json_full",
+            "--variants",
+            "lru",
+            "--layers",
+            "3-8",
+            "--plot",
+            str(png),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -419,16 +506,19 @@ def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     from pyexpcache import cli
     from pyexpcache.bench.modes import transfer
 
-    rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
-            transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20)]
+    rows = [
+        transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
+        transfer.TransferRow("pageable", 4, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20),
+    ]
     asked = {}
     monkeypatch.setattr(options, "has_cuda_python", lambda: True)
     monkeypatch.setattr(transfer, "resolve_backend", lambda *a: "cuda")
     monkeypatch.setattr(transfer, "device_name", lambda *a: "a GPU")
     monkeypatch.setattr(transfer, "measure", lambda **kw: asked.update(kw) or rows)
     real = transfer.host_copy_rates
-    monkeypatch.setattr(transfer, "host_copy_rates",
-                        lambda counts: real(counts, piece=64 << 10, buffer_bytes=8 << 20, total=8 << 20))
+    monkeypatch.setattr(
+        transfer, "host_copy_rates", lambda counts: real(counts, piece=64 << 10, buffer_bytes=8 << 20, total=8 << 20)
+    )
     assert cli.main(["transfer", "--sizes", "0.5", "--sources", "pinned,pageable", "--detail"]) == 0
     out = capsys.readouterr().out
     assert asked["sizes"] == ["0.5 MiB"] and asked["sources"] == ["pinned", "pageable"]
@@ -465,16 +555,23 @@ def test_layout_kind_decides_what_a_file_is(tmp_path):
     assert options.layout_kind(str(tmp_path / "no-suffix"))[0] == "gguf"
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: "mixtral", "mixtral: not a preset or a file; --layout takes a preset name, a layout file"),
-    (lambda d: f"{d}/missing.json", "missing.json: no such file; --layout takes"),
-    (lambda d: str(d), "a folder without a config.json"),
-    (lambda d: _write(d / "notes.txt", "hello"), "notes.txt: neither JSON nor a GGUF file; --layout takes"),
-    (lambda d: _write(d / "x.json", '{"a": 1}'),
-     'x.json: JSON without a "layers" list, "model_type" or "architectures"; --layout takes'),
-    (lambda d: _write(d / "l.json", EXAMPLE_LAYOUT.read_text()) + ":Q4_K",
-     "l.json:Q4_K: a :TYPE suffix applies to a Hugging Face config.json only"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: "mixtral", "mixtral: not a preset or a file; --layout takes a preset name, a layout file"),
+        (lambda d: f"{d}/missing.json", "missing.json: no such file; --layout takes"),
+        (lambda d: str(d), "a folder without a config.json"),
+        (lambda d: _write(d / "notes.txt", "hello"), "notes.txt: neither JSON nor a GGUF file; --layout takes"),
+        (
+            lambda d: _write(d / "x.json", '{"a": 1}'),
+            'x.json: JSON without a "layers" list, "model_type" or "architectures"; --layout takes',
+        ),
+        (
+            lambda d: _write(d / "l.json", EXAMPLE_LAYOUT.read_text()) + ":Q4_K",
+            "l.json:Q4_K: a :TYPE suffix applies to a Hugging Face config.json only",
+        ),
+    ],
+)
 def test_a_layout_that_names_nothing_usable_lists_the_forms(capsys, tmp_path, make, message):
     with pytest.raises(SystemExit) as exit_:
         cli.main(FAST + ["--layout", make(tmp_path)])
@@ -497,8 +594,9 @@ def _trace_of(tmp_path, layers) -> str:
     layers = list(layers)
     path = tmp_path / f"routing-{layers[0]}-{layers[-1]}.jsonl"
     ids = np.tile(np.array([0, 1], dtype=np.int32), (2, len(layers), 1))
-    write_trace(path, Trace("fits", ids=ids, weights=None, first_layer=layers[0], positions=np.arange(2),
-                            num_experts=2))
+    write_trace(
+        path, Trace("fits", ids=ids, weights=None, first_layer=layers[0], positions=np.arange(2), num_experts=2)
+    )
     return str(path)
 
 
@@ -528,17 +626,21 @@ def test_each_layout_form_reaches_the_bench(monkeypatch, capsys, tmp_path):
     routing = _trace_of(tmp_path, range(32))
     layout, scale = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", "mixtral-8x7b-q4k"], routing)
     assert scale == 256 and layout == mixtral.scaled(256)
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(EXAMPLE_LAYOUT), "--scale", "16"],
-                                           routing)
+    layout, _ = _layout_given_to_the_bench(
+        monkeypatch, capsys, ["--layout", str(EXAMPLE_LAYOUT), "--scale", "16"], routing
+    )
     assert layout == mixtral.scaled(16)
     hf = hf_configs.write(tmp_path, "Mixtral-8x7B-v0.1")
     layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", f"{hf}:Q4_K", "--scale", "16"], routing)
     assert layout.layers == mixtral.scaled(16).layers and layout.name == "Mixtral-8x7B-v0.1-q4_k/16"
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(hf.parent), "--scale", "16"],
-                                           routing)
+    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(hf.parent), "--scale", "16"], routing)
     assert layout == ModelLayout.from_hf_config(hf).scaled(16)
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", "deepseek-v3-q4k", "--layers", "3-5",
-                                                                 "--scale", "16"], _trace_of(tmp_path, range(3, 6)))
+    layout, _ = _layout_given_to_the_bench(
+        monkeypatch,
+        capsys,
+        ["--layout", "deepseek-v3-q4k", "--layers", "3-5", "--scale", "16"],
+        _trace_of(tmp_path, range(3, 6)),
+    )
     assert layout.moe_layers == [3, 4, 5] and layout[3] == ModelLayout.preset("deepseek-v3-q4k", scale=16)[3]
 
 
@@ -549,18 +651,26 @@ def test_a_gguf_files_layout(monkeypatch, capsys, tmp_path):
     from pyexpcache.gguf import layout_from_gguf
 
     model = write_model(tmp_path / "tiny.gguf", [None, {}, {}])
-    layout, _ = _layout_given_to_the_bench(monkeypatch, capsys, ["--layout", str(model), "--scale", "1"],
-                                           _trace_of(tmp_path, range(1, 3)))
+    layout, _ = _layout_given_to_the_bench(
+        monkeypatch, capsys, ["--layout", str(model), "--scale", "1"], _trace_of(tmp_path, range(1, 3))
+    )
     assert layout == layout_from_gguf(model)
 
 
-@pytest.mark.parametrize("contents, message", [
-    ({"layers": [{"experts": 0, "gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}]},
-     "layers[0].experts: must be 1..65536 (the library's limit), got 0"),
-    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [8, 100]}, "up_bytes": 1, "down_bytes": 1}]},
-     "layers[0].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights (in a [rows, cols] "
-     "matrix, cols is the row length)"),
-])
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        (
+            {"layers": [{"experts": 0, "gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}]},
+            "layers[0].experts: must be 1..65536 (the library's limit), got 0",
+        ),
+        (
+            {"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [8, 100]}, "up_bytes": 1, "down_bytes": 1}]},
+            "layers[0].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights (in a [rows, cols] "
+            "matrix, cols is the row length)",
+        ),
+    ],
+)
 def test_a_bad_layout_file_is_one_line_before_the_run(monkeypatch, capsys, tmp_path, contents, message):
     from pyexpcache import bench
 
@@ -579,7 +689,8 @@ def test_a_hugging_face_config_without_a_key_is_one_line(monkeypatch, capsys, tm
     rc, out, err, _ = run_main(capsys, FAST + ["--layout", str(path)])
     assert rc == 2 and err.strip() == (
         f"expcache bench: --layout {path}: no 'moe_intermediate_size' or 'intermediate_size' key (an expert's FFN "
-        "width) in this gpt_oss config; a layout file describes any model (docs/models.md)")
+        "width) in this gpt_oss config; a layout file describes any model (docs/models.md)"
+    )
 
 
 def test_layout_with_gguf_is_refused(capsys, tmp_path):
@@ -593,18 +704,36 @@ def test_a_scale_that_does_not_divide_a_presets_parts_names_one_that_does(monkey
     from pyexpcache import bench
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
-    rc, out, err, _ = run_main(capsys, FAST + ["--layout", "gpt-oss-20b-mxfp4", "--traces",
-                                               _trace_of(tmp_path, range(24))])
+    rc, out, err, _ = run_main(
+        capsys, FAST + ["--layout", "gpt-oss-20b-mxfp4", "--traces", _trace_of(tmp_path, range(24))]
+    )
     assert rc == 2 and err.strip() == (
         "expcache bench: --scale 256 (the default on the host backend): layer 0: part sizes (4406400, 4406400, "
-        "4406400) are not divisible by 256; use a power of two up to 128")
+        "4406400) are not divisible by 256; use a power of two up to 128"
+    )
 
 
 @pytest.mark.parametrize("quiet", [[], ["--quiet"]])
 def test_a_cap_zero_class_is_one_line_per_class(quiet):
     # The warning went out through warnings and the logger both, each line prefixed twice.
-    out = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--reserve-gib", "70",
-                          "--traces", "synthetic:8", *quiet], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pyexpcache",
+            "bench",
+            "--backend",
+            "host",
+            "--reserve-gib",
+            "70",
+            "--traces",
+            "synthetic:8",
+            *quiet,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if "cap 0" in line]
     assert len(lines) == 2, out.stderr  # the mixed layout's two classes

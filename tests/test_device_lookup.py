@@ -13,11 +13,18 @@ import pytest
 
 from pyexpcache import bank as _bank
 from pyexpcache import (
-    ExpcacheWarning, ExpertCache, HostSource, InvalidArgumentError, InvalidStateError, LayerSpec, ModelLayout, UnsupportedError, _lib,
+    ExpcacheWarning,
+    ExpertCache,
+    HostSource,
+    InvalidArgumentError,
+    InvalidStateError,
+    LayerSpec,
+    ModelLayout,
+    UnsupportedError,
+    _lib,
     testing,
 )
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
-
 
 
 @pytest.fixture
@@ -95,7 +102,7 @@ def test_lru_victims_and_int32_ids(make_cache):
     cache, source = _cache(make_cache, experts=3)
     layer = cache.layout.moe_layers[0]
     _select(cache, layer, [1, 2, 3])
-    _select(cache, layer, [1])          # 2 is now the least recently used
+    _select(cache, layer, [1])  # 2 is now the least recently used
     _select(cache, layer, np.array([7], dtype=np.int32))
     assert testing.read_expert(cache, layer, 2) is None
     for e in (1, 3, 7):
@@ -109,15 +116,15 @@ def test_host_and_device_selects_share_one_lru(make_cache):
     cache, source = _cache(make_cache, experts=3)
     layer = cache.layout.moe_layers[0]
     _select(cache, layer, [1, 2])
-    cache.select(layer, [3, 1])            # 1 hit; 3 a miss; LRU order now 2, 3, 1
+    cache.select(layer, [3, 1])  # 1 hit; 3 a miss; LRU order now 2, 3, 1
     assert cache.stats().classes[0].paths["decode"].hits == 1
-    slots = _select(cache, layer, [5])     # evicts 2
+    slots = _select(cache, layer, [5])  # evicts 2
     assert testing.read_expert(cache, layer, 2) is None
-    ptrs = cache.select(layer, [5, 3])     # both hits, served from the device select's slot
+    ptrs = cache.select(layer, [5, 3])  # both hits, served from the device select's slot
     assert cache.stats().classes[0].paths["decode"].hits == 3
     assert int(ptrs[0][0]) == bank_rows(cache.bank(layer), slots)[0][0]
     assert_served(cache, source, layer, [5, 3], ptrs)
-    cache.select(layer, [8])               # evicts 1 (2 is gone; order was 1, 5, 3)
+    cache.select(layer, [8])  # evicts 1 (2 is gone; order was 1, 5, 3)
     assert testing.read_expert(cache, layer, 1) is None
     assert _select(cache, layer, [3]).shape == (1,)
     assert _device(cache).hits == 1
@@ -128,10 +135,10 @@ def test_batches_pin_their_slots(make_cache):
     layer = cache.layout.moe_layers[0]
     with cache.prepare_batch(layer, np.array([[1, 2], [2, 3]])) as batch:
         assert cache.classes()[0].held_experts == 3
-        slots = _select(cache, layer, [6])          # the one free slot
+        slots = _select(cache, layer, [6])  # the one free slot
         with pytest.raises(InvalidArgumentError, match="held by batches"):
-            _select(cache, layer, [7, 8])           # 2 ids, 1 slot it may fill
-        _select(cache, layer, [9])                  # evicts 6, never a held slot
+            _select(cache, layer, [7, 8])  # 2 ids, 1 slot it may fill
+        _select(cache, layer, [9])  # evicts 6, never a held slot
         for e in (1, 2, 3):
             assert testing.read_expert(cache, layer, e) is not None
         assert testing.read_expert(cache, layer, 6) is None
@@ -425,7 +432,10 @@ def test_bank_checksum_reads_the_slots(make_cache):
     cache, source = _cache(make_cache, experts=6)
     layer = cache.layout.moe_layers[0]
     ids = [3, 7, 3, 11]
-    slots = cache.select_device(layer, device_ids(cache, ids), )
+    slots = cache.select_device(
+        layer,
+        device_ids(cache, ids),
+    )
     testing.bank_checksum_async(cache, layer, slots, first=10)
     cache.synchronize()
     got = testing.checksum_results(cache, 10, 4)
@@ -441,9 +451,10 @@ def test_a_file_source_cannot_be_read_by_the_device(backend, tmp_path):
     from support.gguf_files import write_model
 
     model = write_model(tmp_path / "m.gguf", [None, {}, {}])
-    with GGUFSource(model, reads="file") as source, \
-            ExpertCache(source.layout, source, budget_experts=4, backend=backend, lookup="device",
-                        log_level=0) as cache:
+    with (
+        GGUFSource(model, reads="file") as source,
+        ExpertCache(source.layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0) as cache,
+    ):
         layer = source.layout.moe_layers[0]
         with pytest.raises(UnsupportedError, match="source is a file, which the GPU cannot read.*pinned source"):
             cache.select_device(layer, device_ids(cache, [0]))
@@ -455,8 +466,11 @@ def test_a_pageable_source_cannot_be_read_by_the_gpu(make_cache):
     any host memory, refuses a pageable source as the CUDA backend does, with the same error."""
     cache, source = _cache(make_cache, pinned=False)
     layer = cache.layout.moe_layers[0]
-    with pytest.raises(UnsupportedError, match="layer 0's source is pageable memory, which the GPU cannot read: "
-                                               "a device select copies misses by reading pinned host memory"):
+    with pytest.raises(
+        UnsupportedError,
+        match="layer 0's source is pageable memory, which the GPU cannot read: "
+        "a device select copies misses by reading pinned host memory",
+    ):
         cache.select_device(layer, device_ids(cache, [1]))
     assert cache.select(layer, [1]).shape == (1, 3)  # the host-side select serves it
 

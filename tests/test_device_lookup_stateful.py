@@ -31,8 +31,9 @@ from test_stateful import FUZZ_EXAMPLES, FUZZ_STEPS, fuzz_settings  # noqa: E402
 
 LAYOUTS = {
     "one class": ModelLayout((LayerSpec(10, 512, 512, 768),) * 3, name="one"),
-    "two classes": ModelLayout((LayerSpec(8, 512, 512, 768), None, LayerSpec(12, 1024, 1024, 256),
-                                LayerSpec(8, 512, 512, 768)), name="two"),
+    "two classes": ModelLayout(
+        (LayerSpec(8, 512, 512, 768), None, LayerSpec(12, 1024, 1024, 256), LayerSpec(8, 512, 512, 768)), name="two"
+    ),
 }
 _SOURCES = {name: HostSource(layout, pinned=True) for name, layout in LAYOUTS.items()}  # read by device selects
 COUNTED = ("hits", "misses", "evictions")
@@ -74,8 +75,10 @@ class DeviceLookupMachine(RuleBasedStateMachine):
         layer = data.draw(st.sampled_from(self.layout.moe_layers))
         k = data.draw(st.integers(1, 4))
         n = self.layout[layer].num_experts
-        ids = np.array(data.draw(st.lists(st.lists(st.integers(0, n - 1), min_size=k, max_size=k),
-                                          min_size=rows, max_size=rows)), dtype=np.int64)
+        ids = np.array(
+            data.draw(st.lists(st.lists(st.integers(0, n - 1), min_size=k, max_size=k), min_size=rows, max_size=rows)),
+            dtype=np.int64,
+        )
         room = self.cap - self.held(layer)
         if ids.size > room:
             before = self.dev.classes()
@@ -155,10 +158,18 @@ class DeviceLookupMachine(RuleBasedStateMachine):
                     assert (got == self.source.expert_bytes(layer, e)).all()
         dev, host = self.dev.stats(), self.host.stats()
         for field in COUNTED:
-            got = sum(getattr(p, field) for c in dev.classes for name, p in c.paths.items()
-                      if name in ("device", "decode", "compact", "batch"))
-            want = sum(getattr(p, field) for c in host.classes for name, p in c.paths.items()
-                       if name in ("decode", "compact", "batch"))
+            got = sum(
+                getattr(p, field)
+                for c in dev.classes
+                for name, p in c.paths.items()
+                if name in ("device", "decode", "compact", "batch")
+            )
+            want = sum(
+                getattr(p, field)
+                for c in host.classes
+                for name, p in c.paths.items()
+                if name in ("decode", "compact", "batch")
+            )
             assert got == want, f"{field}: device-lookup cache {got}, host-lookup cache {want}"
 
 

@@ -27,8 +27,12 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "torch_moe_decode.py"
 EXAMPLE_EP = REPO / "examples" / "torch_moe_decode_ep.py"
 SMALL = ["--layers", "3", "--experts", "16", "--hidden", "64", "--ffn", "32", "--vocab", "256", "--tokens", "6"]
-MODES = [pytest.param([], id="plain"), pytest.param(["--split"], id="split"),
-         pytest.param(["--prefetch"], id="prefetch"), pytest.param(["--graph"], id="graph")]
+MODES = [
+    pytest.param([], id="plain"),
+    pytest.param(["--split"], id="split"),
+    pytest.param(["--prefetch"], id="prefetch"),
+    pytest.param(["--graph"], id="graph"),
+]
 
 if not torch.cuda.is_available():
     TORCH_CUDA_REASON = "torch has no CUDA device (a CPU build, or no GPU)"
@@ -43,8 +47,9 @@ def run_example(*args: str, script: Path = EXAMPLE) -> subprocess.CompletedProce
     # bf16 matmuls fast (and the run time steady) on a busy machine.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(script), *SMALL, *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), *SMALL, *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def check_output(proc: subprocess.CompletedProcess, device: str) -> None:
@@ -65,7 +70,6 @@ def test_torch_moe_decode_host(mode):
 @pytest.mark.parametrize("mode", MODES + [pytest.param(["--split", "--prefetch"], id="split+prefetch")])
 def test_torch_moe_decode_cuda(mode):
     check_output(run_example("--device", "cuda", *mode), "cuda")
-
 
 
 def check_ep_output(proc: subprocess.CompletedProcess, ranks: int) -> None:

@@ -117,14 +117,18 @@ def test_fused_gate_up_split_into_halves(tmp_path):
             for p in range(3):
                 assert (src.part(1, e, p) == want[p]).all()
             # gate then up are the expert's whole fused run
-            assert (np.concatenate([src.part(1, e, 0), src.part(1, e, 1)])
-                    == tensor_data(path)["blk.1.ffn_gate_up_exps.weight"][e]).all()
+            assert (
+                np.concatenate([src.part(1, e, 0), src.part(1, e, 1)])
+                == tensor_data(path)["blk.1.ffn_gate_up_exps.weight"][e]
+            ).all()
 
 
 def test_expert_bias_and_shared_expert_tensors_are_ignored(tmp_path):
     rng = np.random.default_rng(3)
-    tensors = moe_tensors(rng, 0) + [("blk.0.ffn_gate_exps.bias", rng.random((8, 4), dtype=np.float32), None),
-                                     ("blk.0.ffn_down_shexp.weight", rng.random((4, ROW), dtype=np.float32), None)]
+    tensors = moe_tensors(rng, 0) + [
+        ("blk.0.ffn_gate_exps.bias", rng.random((8, 4), dtype=np.float32), None),
+        ("blk.0.ffn_down_shexp.weight", rng.random((4, ROW), dtype=np.float32), None),
+    ]
     path = write_tensors(tmp_path / "b.gguf", tensors)
     assert layout_from_gguf(path).layers == (LayerSpec(8, 576, 576, 288),)
 
@@ -196,8 +200,9 @@ def test_several_devices_serve_one_file(mixed_file, backend, policy, reads):
     src = GGUFSource(mixed_file, reads=reads)
     layout = src.layout
     devices = [0, 0, 0] if backend == "cuda" else [0, 1, 2]
-    multi = MultiDeviceCache(layout, src, devices=devices, budget_experts=2, backend=backend, policy=policy,
-                             log_level=0)
+    multi = MultiDeviceCache(
+        layout, src, devices=devices, budget_experts=2, backend=backend, policy=policy, log_level=0
+    )
     src.close()  # the caches keep it
     with multi:
         rng = np.random.default_rng(11)
@@ -217,8 +222,7 @@ def test_several_devices_serve_one_file(mixed_file, backend, policy, reads):
 def test_cache_serves_file_bytes(mixed_file, backend, policy, reads, file_reads):
     with GGUFSource(mixed_file, reads=reads) as src:
         layout = src.layout
-        with ExpertCache(layout, src, budget_experts=4, backend=backend, file_reads=file_reads,
-                         policy=policy) as cache:
+        with ExpertCache(layout, src, budget_experts=4, backend=backend, file_reads=file_reads, policy=policy) as cache:
             rng = np.random.default_rng(7)
             for step in range(12):
                 layer = layout.moe_layers[step % len(layout.moe_layers)]
@@ -247,8 +251,16 @@ def test_file_reads_fail_cleanly_when_the_file_shrinks(tmp_path, backend, policy
     path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
     with GGUFSource(path, reads="file") as src:
         layout = src.layout
-        with ExpertCache(layout, src, budget_experts=8, backend=backend, log_level=0, file_reads=file_reads,
-                         copy_threads=copy_threads, policy=policy) as cache:
+        with ExpertCache(
+            layout,
+            src,
+            budget_experts=8,
+            backend=backend,
+            log_level=0,
+            file_reads=file_reads,
+            copy_threads=copy_threads,
+            policy=policy,
+        ) as cache:
             ok = cache.select(0, [0, 1])
             last = layout.moe_layers[-1]
             # Cut inside the last layer's down tensor, after expert 3's bytes: experts 0-3 of that
@@ -345,11 +357,17 @@ def truncation_points(path) -> dict[str, int]:
     first_ti = reader.tensors[0].field.offset
     last = reader.tensors[-1]
     points = {
-        "magic": 2, "header": 12, "end of header": 24,
-        "metadata": kv + 6, "metadata array": kv + 40,
-        "tensor info": first_ti + 3, "last tensor info": last.field.offset + 20,
-        "before data": reader.data_offset - 1, "start of data": reader.data_offset + 1,
-        "inside the data": (reader.data_offset + size) // 2, "last byte": size - 1,
+        "magic": 2,
+        "header": 12,
+        "end of header": 24,
+        "metadata": kv + 6,
+        "metadata array": kv + 40,
+        "tensor info": first_ti + 3,
+        "last tensor info": last.field.offset + 20,
+        "before data": reader.data_offset - 1,
+        "start of data": reader.data_offset + 1,
+        "inside the data": (reader.data_offset + size) // 2,
+        "last byte": size - 1,
     }
     assert last.name.endswith("_exps.weight") and last.data_offset + last.n_bytes == size  # no tail padding
     del reader
@@ -365,7 +383,7 @@ def test_truncated_file_is_reported(tmp_path, mixed_file):
             layout_from_gguf(path)
         msg = str(exc.value)
         assert msg.startswith(f"{path}: "), where
-        msg = msg[len(f"{path}: "):]  # (the path itself says "truncated")
+        msg = msg[len(f"{path}: ") :]  # (the path itself says "truncated")
         if cut < 4:
             assert "not a GGUF file" in msg, (where, msg)
         else:
@@ -384,8 +402,10 @@ def test_truncated_expert_data_names_the_tensor(tmp_path, mixed_file):
     path.write_bytes(data[:-100])
     with pytest.raises(GGUFLayoutError) as exc:
         layout_from_gguf(path)
-    assert str(exc.value) == (f"{path}: truncated or corrupted: the data of tensor {name} "
-                              f"(bytes {start}..{end}) runs past the end of the file ({len(data) - 100} bytes)")
+    assert str(exc.value) == (
+        f"{path}: truncated or corrupted: the data of tensor {name} "
+        f"(bytes {start}..{end}) runs past the end of the file ({len(data) - 100} bytes)"
+    )
 
 
 def test_file_without_experts(tmp_path):
@@ -486,24 +506,28 @@ def test_bounded_reader_stops_a_corrupted_array_length(tmp_path, mixed_file):
     key_len = len(key)
     length_at = field.offset + 8 + key_len + 4 + 4  # key, value type, item type, then the uint64 length
     del reader
-    assert int.from_bytes(data[length_at:length_at + 8], "little") == 4
-    data[length_at:length_at + 8] = (1 << 62).to_bytes(8, "little")
+    assert int.from_bytes(data[length_at : length_at + 8], "little") == 4
+    data[length_at : length_at + 8] = (1 << 62).to_bytes(8, "little")
     path = tmp_path / "longarray.gguf"
     path.write_bytes(bytes(data))
     start = time.monotonic()
-    with pytest.raises(GGUFLayoutError, match=r"truncated or corrupted: a metadata array .* claims 4611686018427387904"):
+    with pytest.raises(
+        GGUFLayoutError, match=r"truncated or corrupted: a metadata array .* claims 4611686018427387904"
+    ):
         layout_from_gguf(path)
     assert time.monotonic() - start < 2
 
 
 def test_import_without_gguf_package(tmp_path, mixed_file):
-    code = ("import sys; sys.modules['gguf'] = None\n"
-            "import pyexpcache.gguf as g\n"
-            "try:\n"
-            f"    g.layout_from_gguf({str(mixed_file)!r})\n"
-            "except ImportError as e:\n"
-            "    assert 'pip install gguf' in str(e), e\n"
-            "    print('advice ok')\n")
+    code = (
+        "import sys; sys.modules['gguf'] = None\n"
+        "import pyexpcache.gguf as g\n"
+        "try:\n"
+        f"    g.layout_from_gguf({str(mixed_file)!r})\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install gguf' in str(e), e\n"
+        "    print('advice ok')\n"
+    )
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -518,12 +542,14 @@ def test_cli_inspect_prints_classes(mixed_file):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file)], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Q4_K" in proc.stdout and "IQ2_XXS" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file) + ".missing"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file) + ".missing"], capture_output=True, text=True
+    )
     assert bad.returncode == 1 and "expcache inspect" in bad.stderr
 
 
@@ -533,20 +559,46 @@ def test_cli_bench_on_a_gguf_model(tmp_path):
     import subprocess
     import sys
 
-    layers = [dict(types=(Q.Q4_K,) * 3 if i >= 37 else (Q.IQ2_XXS, Q.IQ2_XXS, Q.Q2_K), experts=256,
-                   rows=(1, 1, 1)) for i in range(43)]
+    layers = [
+        dict(types=(Q.Q4_K,) * 3 if i >= 37 else (Q.IQ2_XXS, Q.IQ2_XXS, Q.Q2_K), experts=256, rows=(1, 1, 1))
+        for i in range(43)
+    ]
     path = write_model(tmp_path / "ds4-tiny.gguf", layers)
     out = tmp_path / "r.json"
     for reads in ("mmap", "file"):
-        proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(path), "--backend", "host",
-                               "--gguf-reads", reads, "--traces", "podA_b_json_full", "--budget-gib", "0.0001",
-                               "--json", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pyexpcache",
+                "bench",
+                "--gguf",
+                str(path),
+                "--backend",
+                "host",
+                "--gguf-reads",
+                reads,
+                "--traces",
+                "podA_b_json_full",
+                "--budget-gib",
+                "0.0001",
+                "--json",
+                str(out),
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         data = json.loads(out.read_text())[0]
         assert data["layout"] == "ds4-tiny.gguf"
         assert all(r["checksum_errors"] == 0 and r["experts_checked"] == 37 * 40 * 6 for r in data["results"])
     # A GGUF whose layers do not match the traces is refused with the reason.
     small = write_model(tmp_path / "small.gguf", [Q4] * 4)
-    proc = subprocess.run([sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(small), "--backend", "host",
-                           "--quiet"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(small), "--backend", "host", "--quiet"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "does not have" in proc.stderr

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch", reason="pyexpcache.hf needs torch (pip install expcache[hf])")
-transformers = pytest.importorskip("transformers", minversion="5",
-                                   reason="pyexpcache.hf needs transformers >= 5 (pip install expcache[hf])")
+transformers = pytest.importorskip(
+    "transformers", minversion="5", reason="pyexpcache.hf needs transformers >= 5 (pip install expcache[hf])"
+)
 
 from pyexpcache import ModelLayout  # noqa: E402
 from pyexpcache import bench  # noqa: E402
@@ -19,39 +20,81 @@ from pyexpcache.traces import read_trace  # noqa: E402
 from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
 from support.child import run_child  # noqa: E402
 
-COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 #: family -> (model class name, config class name, config arguments beyond COMMON). 8 experts, top-2.
 FAMILIES = {
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
-                dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
-                  dict(intermediate_size=64, moe_intermediate_size=24, shared_expert_intermediate_size=32,
-                       num_experts=8, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                  dict(intermediate_size=64, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
-                       head_dim=8)),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(intermediate_size=64, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=8),
+    ),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=40, num_experts=8, num_experts_per_tok=2)),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
-                    dict(intermediate_size=64, moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1,
-                         num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
-                         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                         num_key_value_heads=4)),  # MLA: one key and value per head
-    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",
-                dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
-                     sliding_window=16)),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            num_key_value_heads=4,
+        ),
+    ),  # MLA: one key and value per head
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, head_dim=8, sliding_window=16),
+    ),
 }
 PROMPT = [[5, 17, 33, 2, 61, 40]]
 NEW_TOKENS = 8
 #: Where the model computes: the CPU (expcache's host backend) and, with a GPU, CUDA. On CUDA the
 #: models are bfloat16, the dtype transformers' grouped_mm kernels are made for.
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()),
-                                                                 reason=CUDA_REASON or "torch has no CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device"
+        ),
+    ),
+]
 #: Logits of one model computed two ways that round differently (GEMMs of other shapes, or
 #: batched_mm against grouped_mm, which add the k experts' outputs in another order), by device.
 #: float32 on the CPU: at most 6e-6 measured over the six families, on logits up to 6.4 in magnitude.
 TOLERANCE = {"cpu": dict(rtol=1e-5, atol=5e-5), "cuda": dict(rtol=1e-5, atol=5e-5)}
-
 
 
 def tiny_model(family: str, seed: int = 0, device: str = "cpu", **config):
@@ -69,9 +112,16 @@ def tiny_model(family: str, seed: int = 0, device: str = "cpu", **config):
 def greedy(model, prompt=PROMPT, new_tokens=NEW_TOKENS, **kwargs):
     device = next(model.parameters()).device
     with torch.no_grad():
-        out = model.generate(torch.tensor(prompt, device=device), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0, **kwargs)
+        out = model.generate(
+            torch.tensor(prompt, device=device),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **kwargs,
+        )
     return out.sequences, torch.stack(out.logits)
 
 
@@ -308,8 +358,13 @@ def test_graph_decoder_makes_the_masks_transformers_makes(family):
     decoder.generate(torch.tensor([[5, 17, 33]]), 4)  # the cache holds 6 positions; the step is at 6
     assert decoder.position.item() == 6
     embeds = model.get_input_embeddings()(decoder.token)
-    arguments = dict(config=model.config, inputs_embeds=embeds, attention_mask=None,
-                     position_ids=decoder.position.view(1, -1), **{decoder._kv_name: decoder.kv})
+    arguments = dict(
+        config=model.config,
+        inputs_embeds=embeds,
+        attention_mask=None,
+        position_ids=decoder.position.view(1, -1),
+        **{decoder._kv_name: decoder.kv},
+    )
     ours = decoder._step_mask()
     assert ours is not None and ours.shape == (1, 1, 1, 16)
     theirs = [masking_utils.create_causal_mask(**arguments)]
@@ -337,8 +392,11 @@ def test_graph_decoder_refuses_a_step_it_cannot_capture_with_the_reason():
     problem = _graph._capture_problem(qwen, GraphDecoder(tiny_model("qwen3_moe"), max_len=16).kv, 16)
     assert "eager attention masks are made by transformers with a host scalar" in problem
     if CUDA_OK and torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"GraphDecoder cannot capture GptOssForCausalLM's decode step: layer 0's "
-                                             r"static KV cache keeps the last 16 positions"):
+        with pytest.raises(
+            ValueError,
+            match=r"GraphDecoder cannot capture GptOssForCausalLM's decode step: layer 0's "
+            r"static KV cache keeps the last 16 positions",
+        ):
             GraphDecoder(tiny_model("gpt_oss", device="cuda"), max_len=32)
 
 
@@ -366,8 +424,7 @@ def test_the_offloaded_forward_compiles_into_one_graph():
     config._compile_all_devices = True  # transformers' switch to compile on the CPU
     counters.clear()
     with offload(model, budget_fraction=0.25) as handle:
-        served_tokens, served_logits = greedy(model, prompt=[[5]], cache_implementation="static",
-                                              compile_config=config)
+        served_tokens, served_logits = greedy(model, prompt=[[5]], cache_implementation="static", compile_config=config)
         assert handle.total_stats().misses > 0
     assert counters["stats"]["unique_graphs"] == 1
     assert torch.equal(served_tokens, tokens)
@@ -401,8 +458,9 @@ def _edited_weights(model):
     out = []
     for e in find_experts(model):
         names = ["gate_up_proj" if e.module.has_gate else "up_proj", "down_proj"]
-        names += [n for n in ("gate_up_proj_bias", "down_proj_bias") if isinstance(getattr(e.module, n, None),
-                                                                                torch.Tensor)]
+        names += [
+            n for n in ("gate_up_proj_bias", "down_proj_bias") if isinstance(getattr(e.module, n, None), torch.Tensor)
+        ]
         for name in names:
             p = getattr(e.module, name)
             new = p.detach().float().cpu() + 0.2 * torch.randn(p.shape, generator=generator)
@@ -442,8 +500,11 @@ def test_edited_expert_weights_are_served_after_refresh(edit, device):
                 else:
                     setattr(module, name, torch.nn.Parameter(new.to(p.device)))
         if edit != "data":
-            with pytest.raises(RuntimeError, match=r"model.layers.0.mlp.experts: the experts' weights changed since "
-                                                   r"offload \(or the last refresh\).*call refresh\(\)"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"model.layers.0.mlp.experts: the experts' weights changed since "
+                r"offload \(or the last refresh\).*call refresh\(\)",
+            ):
                 greedy(model, prompt=[[5]])
         handle.refresh()
         # Every weight and bias where it was served from: the banks' sources and a captured graph read there.
@@ -462,9 +523,12 @@ def test_refresh_refuses_a_weight_of_another_shape_and_a_closed_handle():
     with offload(model, budget_fraction=0.5) as handle:
         e = find_experts(model)[1]
         e.module.down_proj = torch.nn.Parameter(e.down.detach()[:, :, :8].contiguous())
-        with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.down_proj is now torch.float32 \[8, 32, 8\];"
-                                             r" it was offloaded as torch.float32 \[8, 32, 24\]: close the handle "
-                                             r"and offload again"):
+        with pytest.raises(
+            ValueError,
+            match=r"model.layers.1.mlp.experts.down_proj is now torch.float32 \[8, 32, 8\];"
+            r" it was offloaded as torch.float32 \[8, 32, 24\]: close the handle "
+            r"and offload again",
+        ):
             handle.refresh()
     with pytest.raises(ValueError, match="this handle is closed"):
         handle.refresh()
@@ -491,9 +555,12 @@ def test_the_served_experts_are_inference_only(family):
     model = tiny_model(family)
     with offload(model, budget_fraction=1.0):
         loss = model(ids, labels=ids).loss  # a forward with gradients on: served as always
-        with pytest.raises(RuntimeError, match=r"model.layers.2.mlp.experts: the experts served by expcache are "
-                                               r"inference-only: their weights \(gate_up_proj, down_proj\) get no "
-                                               r"gradient.*requires_grad_\(False\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"model.layers.2.mlp.experts: the experts served by expcache are "
+            r"inference-only: their weights \(gate_up_proj, down_proj\) get no "
+            r"gradient.*requires_grad_\(False\)",
+        ):
             loss.backward()
         for p in model.parameters():  # only the experts ask: torch would say that nothing does
             p.requires_grad_(False)
@@ -640,13 +707,44 @@ def test_the_decode_benchmark_runs_side_by_side_on_the_cpu(tmp_path):
     hf_decode = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hf_decode)
     out = tmp_path / "hf.json"
-    rc = hf_decode.main(["--device", "cpu", "--layers", "2", "--experts", "8", "--top-k", "2", "--hidden", "64",
-                         "--ffn", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "256",
-                         "--tokens", "6", "--rounds", "2", "--json", str(out)])
+    rc = hf_decode.main(
+        [
+            "--device",
+            "cpu",
+            "--layers",
+            "2",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--hidden",
+            "64",
+            "--ffn",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--vocab",
+            "256",
+            "--tokens",
+            "6",
+            "--rounds",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["budget"], r["mode"]) for r in results] == [(1.0, "eager"), (1.0, "graph"), (0.25, "eager"),
-                                                           (0.25, "graph")]
+    assert [(r["budget"], r["mode"]) for r in results] == [
+        (1.0, "eager"),
+        (1.0, "graph"),
+        (0.25, "eager"),
+        (0.25, "graph"),
+    ]
     for r in results:  # two rounds each, the unmodified copy timed in the same rounds
         assert r["tokens_equal"] and len(r["ratios"]) == len(r["runs_tok_s"]) == 2
         assert r["tok_s"] > 0 and r["unmodified_tok_s"] > 0

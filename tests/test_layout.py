@@ -22,25 +22,38 @@ GOOD = dict(num_experts=8, gate_bytes=768, up_bytes=768, down_bytes=1024)
 
 
 @pytest.mark.parametrize("field", list(GOOD))
-@pytest.mark.parametrize("value, shown", [(768.0, "float 768.0"), ("8", "str '8'"), (True, "a bool (True)"),
-                                          (None, "NoneType None"),
-                                          (np.float32(8), f"float32 {np.float32(8)!r}")])
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (768.0, "float 768.0"),
+        ("8", "str '8'"),
+        (True, "a bool (True)"),
+        (None, "NoneType None"),
+        (np.float32(8), f"float32 {np.float32(8)!r}"),
+    ],
+)
 def test_a_non_integer_field_is_a_type_error_naming_it(field, value, shown):
     with pytest.raises(TypeError, match=re.escape(f"LayerSpec.{field} must be an integer, got {shown}")):
         LayerSpec(**dict(GOOD, **{field: value}))
 
 
-@pytest.mark.parametrize("field, value, limit", [
-    ("num_experts", 2**20, _lib.MAX_EXPERTS_LIMIT),
-    ("num_experts", _lib.MAX_EXPERTS_LIMIT + 1, _lib.MAX_EXPERTS_LIMIT),
-    ("num_experts", 0, _lib.MAX_EXPERTS_LIMIT),
-    ("gate_bytes", 0, _lib.MAX_PART_BYTES_LIMIT),
-    ("up_bytes", -768, _lib.MAX_PART_BYTES_LIMIT),
-    ("down_bytes", _lib.MAX_PART_BYTES_LIMIT + 1, _lib.MAX_PART_BYTES_LIMIT),
-])
+@pytest.mark.parametrize(
+    "field, value, limit",
+    [
+        ("num_experts", 2**20, _lib.MAX_EXPERTS_LIMIT),
+        ("num_experts", _lib.MAX_EXPERTS_LIMIT + 1, _lib.MAX_EXPERTS_LIMIT),
+        ("num_experts", 0, _lib.MAX_EXPERTS_LIMIT),
+        ("gate_bytes", 0, _lib.MAX_PART_BYTES_LIMIT),
+        ("up_bytes", -768, _lib.MAX_PART_BYTES_LIMIT),
+        ("down_bytes", _lib.MAX_PART_BYTES_LIMIT + 1, _lib.MAX_PART_BYTES_LIMIT),
+    ],
+)
 def test_a_field_outside_the_librarys_limits_is_refused_naming_it(field, value, limit):
-    with pytest.raises(ArgumentRangeError, match=rf"LayerSpec.{field} must be 1..{limit} \(the library's limit\), "
-                                                 rf"got {value}"):
+    with pytest.raises(
+        ArgumentRangeError,
+        match=rf"LayerSpec.{field} must be 1..{limit} \(the library's limit\), "
+        rf"got {value}",
+    ):
         LayerSpec(**dict(GOOD, **{field: value}))
 
 
@@ -119,8 +132,11 @@ def test_without_the_gguf_package_the_built_in_table_answers(without_gguf):
     assert quant_types() == layout_module._BUILTIN_BLOCKS
     assert matrix_bytes("Q4_K", 14336, 4096) == MIXTRAL_PART
     assert matrix_bytes("MXFP4", 2880, 2880) == 2880 * 2880 // 32 * 17
-    with pytest.raises(ValueError, match=r"unknown quant type 'TQ1_0': the known types \(the built-in table; pip "
-                                         r"install gguf for every type it knows\) are F32, F16, BF16, Q4_0"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown quant type 'TQ1_0': the known types \(the built-in table; pip "
+        r"install gguf for every type it knows\) are F32, F16, BF16, Q4_0",
+    ):
         matrix_bytes("TQ1_0", 1, 256)
 
 
@@ -129,10 +145,21 @@ def test_matrix_bytes_is_the_issues_mixtral_computation():
     assert matrix_bytes("Q4_K", 4096, 14336) == MIXTRAL_PART  # down: [hidden, ffn]
 
 
-@pytest.mark.parametrize("name, canonical", [("q4_k", "Q4_K"), (" Q6_K ", "Q6_K"), ("bf16", "BF16"),
-                                             ("bfloat16", "BF16"), ("torch.float16", "F16"), ("fp16", "F16"),
-                                             ("half", "F16"), ("float32", "F32"), ("fp32", "F32"),
-                                             ("mxfp4", "MXFP4")])
+@pytest.mark.parametrize(
+    "name, canonical",
+    [
+        ("q4_k", "Q4_K"),
+        (" Q6_K ", "Q6_K"),
+        ("bf16", "BF16"),
+        ("bfloat16", "BF16"),
+        ("torch.float16", "F16"),
+        ("fp16", "F16"),
+        ("half", "F16"),
+        ("float32", "F32"),
+        ("fp32", "F32"),
+        ("mxfp4", "MXFP4"),
+    ],
+)
 def test_quant_type_takes_any_case_and_the_dtype_spellings(name, canonical):
     assert quant_type(name) == canonical
 
@@ -140,8 +167,11 @@ def test_quant_type_takes_any_case_and_the_dtype_spellings(name, canonical):
 def test_matrix_bytes_errors_say_what_is_wrong():
     with pytest.raises(ValueError, match=r"unknown quant type 'Q4K': the known types \(.*\) are F32, F16, .*Q4_K"):
         matrix_bytes("Q4K", 1, 256)
-    with pytest.raises(ValueError, match=r"a row of 1408 weights is not a multiple of the Q4_K block of 256 "
-                                         r"weights \(in a \[rows, cols\] matrix, cols is the row length\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"a row of 1408 weights is not a multiple of the Q4_K block of 256 "
+        r"weights \(in a \[rows, cols\] matrix, cols is the row length\)",
+    ):
         matrix_bytes("Q4_K", 2048, 1408)
     with pytest.raises(TypeError, match="rows must be an integer, got float 2.0"):
         matrix_bytes("F16", 2.0, 32)
@@ -153,6 +183,7 @@ def test_matrix_bytes_errors_say_what_is_wrong():
 
 # -- layout files -------------------------------------------------------------------------------------
 
+
 def test_the_mixtral_example_file_is_the_issues_numbers():
     layout = ModelLayout.from_json(EXAMPLE)
     assert layout.name == "mixtral-8x7b-q4k" and layout.num_layers == 32 and layout.moe_layers == list(range(32))
@@ -162,32 +193,65 @@ def test_the_mixtral_example_file_is_the_issues_numbers():
 
 
 def test_the_plain_format_with_dense_layers():
-    layout = ModelLayout.from_json({"name": "tiny", "layers": [
-        None, {"experts": 4, "gate_bytes": 768, "up_bytes": 768, "down_bytes": 1024},
-        {"experts": 8, "gate_bytes": 512, "up_bytes": 512, "down_bytes": 512}]})
+    layout = ModelLayout.from_json(
+        {
+            "name": "tiny",
+            "layers": [
+                None,
+                {"experts": 4, "gate_bytes": 768, "up_bytes": 768, "down_bytes": 1024},
+                {"experts": 8, "gate_bytes": 512, "up_bytes": 512, "down_bytes": 512},
+            ],
+        }
+    )
     assert layout == ModelLayout((None, LayerSpec(4, 768, 768, 1024), LayerSpec(8, 512, 512, 512)), name="tiny")
 
 
 def test_a_type_is_taken_from_the_part_else_the_layer_else_the_file():
-    layout = ModelLayout.from_json({"type": "Q4_K", "layers": [
-        {"experts": 2, "gate": {"shape": [2, 256]}, "up": {"shape": [2, 256]}, "down": {"shape": [1, 512]}},
-        {"experts": 2, "dtype": "bf16", "gate": {"shape": [2, 256]}, "up": {"type": "Q8_0", "shape": [2, 256]},
-         "down_bytes": 99}]})
+    layout = ModelLayout.from_json(
+        {
+            "type": "Q4_K",
+            "layers": [
+                {"experts": 2, "gate": {"shape": [2, 256]}, "up": {"shape": [2, 256]}, "down": {"shape": [1, 512]}},
+                {
+                    "experts": 2,
+                    "dtype": "bf16",
+                    "gate": {"shape": [2, 256]},
+                    "up": {"type": "Q8_0", "shape": [2, 256]},
+                    "down_bytes": 99,
+                },
+            ],
+        }
+    )
     assert layout[0] == LayerSpec(2, 2 * 144, 2 * 144, 2 * 144)
     assert layout[1] == LayerSpec(2, 2 * 256 * 2, 2 * 8 * 34, 99)
 
 
 def test_a_repeat_takes_one_layer_or_a_group():
     moe = {"experts": 4, "gate_bytes": 10, "up_bytes": 10, "down_bytes": 20}
-    layout = ModelLayout.from_json({"name": "r", "layers": [
-        {"repeat": 2, "layer": None}, {"repeat": 3, "layers": [None, moe]}, moe]})
+    layout = ModelLayout.from_json(
+        {"name": "r", "layers": [{"repeat": 2, "layer": None}, {"repeat": 3, "layers": [None, moe]}, moe]}
+    )
     spec = LayerSpec(4, 10, 10, 20)
     assert layout.layers == (None, None, None, spec, None, spec, None, spec, spec)
 
 
 def test_a_repeat_gives_its_type_to_its_layers():
-    layout = ModelLayout.from_json({"layers": [{"repeat": 2, "type": "F16", "layer": {
-        "experts": 1, "gate": {"shape": [1, 4]}, "up": {"shape": [1, 4]}, "down": {"shape": [4, 1]}}}]})
+    layout = ModelLayout.from_json(
+        {
+            "layers": [
+                {
+                    "repeat": 2,
+                    "type": "F16",
+                    "layer": {
+                        "experts": 1,
+                        "gate": {"shape": [1, 4]},
+                        "up": {"shape": [1, 4]},
+                        "down": {"shape": [4, 1]},
+                    },
+                }
+            ]
+        }
+    )
     assert layout.layers == (LayerSpec(1, 8, 8, 8),) * 2
 
 
@@ -198,11 +262,27 @@ def test_the_name_defaults_to_the_files(tmp_path):
     assert ModelLayout.from_json(str(path)).name == "my-model"
 
 
-@pytest.mark.parametrize("layout", [
-    ModelLayout.preset("mixed"), ModelLayout.preset("deepseek-v3-q4k"), ModelLayout.preset("q2", scale=256),
-    ModelLayout((None, LayerSpec(4, 768, 768, 1024), None, None, LayerSpec(4, 768, 768, 1024),
-                 LayerSpec(4, 768, 768, 1024), LayerSpec(8, 1, 2, 3)), name="odd one"),
-], ids=lambda layout: layout.name)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ModelLayout.preset("mixed"),
+        ModelLayout.preset("deepseek-v3-q4k"),
+        ModelLayout.preset("q2", scale=256),
+        ModelLayout(
+            (
+                None,
+                LayerSpec(4, 768, 768, 1024),
+                None,
+                None,
+                LayerSpec(4, 768, 768, 1024),
+                LayerSpec(4, 768, 768, 1024),
+                LayerSpec(8, 1, 2, 3),
+            ),
+            name="odd one",
+        ),
+    ],
+    ids=lambda layout: layout.name,
+)
 def test_to_json_round_trips_through_a_file(tmp_path, layout):
     assert ModelLayout.from_json(layout.to_json()) == layout
     path = tmp_path / "layout.json"
@@ -212,10 +292,16 @@ def test_to_json_round_trips_through_a_file(tmp_path, layout):
 
 
 def test_to_json_writes_a_run_of_equal_layers_once():
-    assert ModelLayout.preset("deepseek-v3-q4k").to_json() == {"name": "deepseek-v3-q4k", "layers": [
-        {"repeat": 3, "layer": None},
-        {"repeat": 58, "layer": {"experts": 256, "gate_bytes": 8257536, "up_bytes": 8257536, "down_bytes": 8257536}},
-    ]}
+    assert ModelLayout.preset("deepseek-v3-q4k").to_json() == {
+        "name": "deepseek-v3-q4k",
+        "layers": [
+            {"repeat": 3, "layer": None},
+            {
+                "repeat": 58,
+                "layer": {"experts": 256, "gate_bytes": 8257536, "up_bytes": 8257536, "down_bytes": 8257536},
+            },
+        ],
+    }
 
 
 def _bad(**layer):
@@ -225,44 +311,69 @@ def _bad(**layer):
 SHAPED = {"type": "Q4_K", "shape": [14336, 4096]}
 
 
-@pytest.mark.parametrize("obj, message", [
-    ({"name": "x"}, r"the layout: no \"layers\" list$"),
-    (hf_configs.CONFIGS["Mixtral-8x7B-v0.1"], r"no \"layers\" list: this looks like a Hugging Face config.json "
-                                              r"\(ModelLayout.from_hf_config reads it\)"),
-    ({"layers": [], "layer": 1}, r"top level: unknown key 'layer'; expected name, layers, type, dtype"),
-    ({"layers": {}}, r"layers: expected a list of layers, got \{\}"),
-    ({"layers": [None, None]}, r"layers: a layout needs at least one MoE layer"),
-    ({"name": 3, "layers": []}, r"name: expected a non-empty string, got 3"),
-    ({"layers": [{"gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}]}, r"layers\[0\]: no \"experts\""),
-    (_bad(experts=0), r"layers\[0\].experts: must be 1..65536 \(the library's limit\), got 0"),
-    (_bad(experts=8.0), r"layers\[0\].experts: expected a whole number, got 8.0"),
-    (_bad(experts="8"), r"layers\[0\].experts: expected a whole number, got \"8\""),
-    (_bad(down_bytes=True), r"layers\[0\].down_bytes: expected a whole number, got true"),
-    (_bad(expert=8), r"layers\[0\]: unknown key 'expert'; expected experts, type, dtype, gate, up, down"),
-    ({"layers": [{"experts": 8, "gate_bytes": 1, "up_bytes": 1}]},
-     r"layers\[0\]: no \"down_bytes\" \(or \"down\": \{\"type\": ..., \"shape\": \[rows, cols\]\}\)"),
-    (_bad(gate=SHAPED), r"layers\[0\]: give \"gate_bytes\" or \"gate\", not both"),
-    ({"layers": [{"experts": 8, "gate": {"shape": [1, 256]}, "up_bytes": 1, "down_bytes": 1}]},
-     r"layers\[0\].gate: no type: give \"type\" here, in the layer or at the top of the file"),
-    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [256]}, "up_bytes": 1, "down_bytes": 1}]},
-     r"layers\[0\].gate.shape: expected \[rows, cols\], got \[256\]"),
-    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shapes": [1, 256]}, "up_bytes": 1, "down_bytes": 1}]},
-     r"layers\[0\].gate: unknown key 'shapes'; expected type, dtype, shape"),
-    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [1, 100]}, "up_bytes": 1, "down_bytes": 1}]},
-     r"layers\[0\].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights"),
-    ({"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [0, 256]}, "up_bytes": 1, "down_bytes": 1}]},
-     r"layers\[0\].gate.shape\[0\]: must be 1..1099511627776"),
-    ({"type": "Q4K", "layers": []}, r"top level.type: unknown quant type 'Q4K': the known types"),
-    ({"type": "F16", "dtype": "F16", "layers": []}, r"top level: give \"type\" or \"dtype\", not both"),
-    ({"layers": [{"repeat": 2, "layer": None, "layers": []}]},
-     r"layers\[0\]: a repeat takes \"layer\" \(one layer, or null\) or \"layers\""),
-    ({"layers": [{"repeat": 0, "layer": None}]}, r"layers\[0\].repeat: must be 1..4096"),
-    ({"layers": [{"repeat": 2, "layers": []}]}, r"layers\[0\].layers: an empty group"),
-    ({"layers": [{"repeat": 4096, "layers": [None, None]}]}, r"layers\[0\]: the layers pass the library's limit "
-                                                             r"of 4096"),
-    ({"layers": [{"repeat": 2, "layers": [_bad(experts=-1)["layers"][0]]}]},
-     r"layers\[0\].layers\[0\].experts: must be 1..65536"),
-])
+@pytest.mark.parametrize(
+    "obj, message",
+    [
+        ({"name": "x"}, r"the layout: no \"layers\" list$"),
+        (
+            hf_configs.CONFIGS["Mixtral-8x7B-v0.1"],
+            r"no \"layers\" list: this looks like a Hugging Face config.json "
+            r"\(ModelLayout.from_hf_config reads it\)",
+        ),
+        ({"layers": [], "layer": 1}, r"top level: unknown key 'layer'; expected name, layers, type, dtype"),
+        ({"layers": {}}, r"layers: expected a list of layers, got \{\}"),
+        ({"layers": [None, None]}, r"layers: a layout needs at least one MoE layer"),
+        ({"name": 3, "layers": []}, r"name: expected a non-empty string, got 3"),
+        ({"layers": [{"gate_bytes": 1, "up_bytes": 1, "down_bytes": 1}]}, r"layers\[0\]: no \"experts\""),
+        (_bad(experts=0), r"layers\[0\].experts: must be 1..65536 \(the library's limit\), got 0"),
+        (_bad(experts=8.0), r"layers\[0\].experts: expected a whole number, got 8.0"),
+        (_bad(experts="8"), r"layers\[0\].experts: expected a whole number, got \"8\""),
+        (_bad(down_bytes=True), r"layers\[0\].down_bytes: expected a whole number, got true"),
+        (_bad(expert=8), r"layers\[0\]: unknown key 'expert'; expected experts, type, dtype, gate, up, down"),
+        (
+            {"layers": [{"experts": 8, "gate_bytes": 1, "up_bytes": 1}]},
+            r"layers\[0\]: no \"down_bytes\" \(or \"down\": \{\"type\": ..., \"shape\": \[rows, cols\]\}\)",
+        ),
+        (_bad(gate=SHAPED), r"layers\[0\]: give \"gate_bytes\" or \"gate\", not both"),
+        (
+            {"layers": [{"experts": 8, "gate": {"shape": [1, 256]}, "up_bytes": 1, "down_bytes": 1}]},
+            r"layers\[0\].gate: no type: give \"type\" here, in the layer or at the top of the file",
+        ),
+        (
+            {"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [256]}, "up_bytes": 1, "down_bytes": 1}]},
+            r"layers\[0\].gate.shape: expected \[rows, cols\], got \[256\]",
+        ),
+        (
+            {"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shapes": [1, 256]}, "up_bytes": 1, "down_bytes": 1}]},
+            r"layers\[0\].gate: unknown key 'shapes'; expected type, dtype, shape",
+        ),
+        (
+            {"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [1, 100]}, "up_bytes": 1, "down_bytes": 1}]},
+            r"layers\[0\].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights",
+        ),
+        (
+            {"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [0, 256]}, "up_bytes": 1, "down_bytes": 1}]},
+            r"layers\[0\].gate.shape\[0\]: must be 1..1099511627776",
+        ),
+        ({"type": "Q4K", "layers": []}, r"top level.type: unknown quant type 'Q4K': the known types"),
+        ({"type": "F16", "dtype": "F16", "layers": []}, r"top level: give \"type\" or \"dtype\", not both"),
+        (
+            {"layers": [{"repeat": 2, "layer": None, "layers": []}]},
+            r"layers\[0\]: a repeat takes \"layer\" \(one layer, or null\) or \"layers\"",
+        ),
+        ({"layers": [{"repeat": 0, "layer": None}]}, r"layers\[0\].repeat: must be 1..4096"),
+        ({"layers": [{"repeat": 2, "layers": []}]}, r"layers\[0\].layers: an empty group"),
+        (
+            {"layers": [{"repeat": 4096, "layers": [None, None]}]},
+            r"layers\[0\]: the layers pass the library's limit "
+            r"of 4096",
+        ),
+        (
+            {"layers": [{"repeat": 2, "layers": [_bad(experts=-1)["layers"][0]]}]},
+            r"layers\[0\].layers\[0\].experts: must be 1..65536",
+        ),
+    ],
+)
 def test_a_bad_layout_names_the_entry(obj, message):
     with pytest.raises(LayoutFileError, match=message):
         ModelLayout.from_json(obj)
@@ -279,35 +390,54 @@ def test_a_bad_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError):
         ModelLayout.from_json(tmp_path / "missing.json")
     path.write_text("[]")
-    with pytest.raises(LayoutFileError, match=r'broken.json: expected an object \{"name": ..., "layers": \[...\]\}, '
-                                              r"got \[\]"):
+    with pytest.raises(
+        LayoutFileError,
+        match=r'broken.json: expected an object \{"name": ..., "layers": \[...\]\}, '
+        r"got \[\]",
+    ):
         ModelLayout.from_json(path)
     with pytest.raises(LayoutFileError, match=r"broken.json: expected a JSON object, got \[\]"):
         ModelLayout.from_hf_config(path)
 
 
 def test_comments_are_allowed_anywhere():
-    layout = ModelLayout.from_json({"comment": "from somewhere", "type": "F16", "layers": [
-        {"comment": ["any", "value"], "experts": 1, "gate": {"comment": 1, "shape": [1, 1]}, "up_bytes": 2,
-         "down_bytes": 2}]})
+    layout = ModelLayout.from_json(
+        {
+            "comment": "from somewhere",
+            "type": "F16",
+            "layers": [
+                {
+                    "comment": ["any", "value"],
+                    "experts": 1,
+                    "gate": {"comment": 1, "shape": [1, 1]},
+                    "up_bytes": 2,
+                    "down_bytes": 2,
+                }
+            ],
+        }
+    )
     assert layout.layers == (LayerSpec(1, 2, 2, 2),)
 
 
 # -- Hugging Face config.json -----------------------------------------------------------------------
+
 
 def _spec(experts, ffn, hidden, block, size):
     part = ffn * hidden // block * size
     return LayerSpec(experts, part, part, part)
 
 
-@pytest.mark.parametrize("model, layers, moe, spec", [
-    ("Mixtral-8x7B-v0.1", 32, range(32), _spec(8, 14336, 4096, 1, 2)),
-    ("Qwen1.5-MoE-A2.7B", 24, range(24), _spec(60, 1408, 2048, 1, 2)),
-    ("Qwen3-30B-A3B", 48, range(48), _spec(128, 768, 2048, 1, 2)),
-    ("OLMoE-1B-7B-0924", 16, range(16), _spec(64, 1024, 2048, 1, 4)),
-    ("DeepSeek-V3", 61, range(3, 61), _spec(256, 2048, 7168, 1, 2)),
-    ("gpt-oss-20b", 24, range(24), _spec(32, 2880, 2880, 32, 17)),
-])
+@pytest.mark.parametrize(
+    "model, layers, moe, spec",
+    [
+        ("Mixtral-8x7B-v0.1", 32, range(32), _spec(8, 14336, 4096, 1, 2)),
+        ("Qwen1.5-MoE-A2.7B", 24, range(24), _spec(60, 1408, 2048, 1, 2)),
+        ("Qwen3-30B-A3B", 48, range(48), _spec(128, 768, 2048, 1, 2)),
+        ("OLMoE-1B-7B-0924", 16, range(16), _spec(64, 1024, 2048, 1, 4)),
+        ("DeepSeek-V3", 61, range(3, 61), _spec(256, 2048, 7168, 1, 2)),
+        ("gpt-oss-20b", 24, range(24), _spec(32, 2880, 2880, 32, 17)),
+    ],
+)
 def test_a_hugging_face_config_gives_the_experts(tmp_path, model, layers, moe, spec):
     path = hf_configs.write(tmp_path, model)
     with warnings.catch_warnings(record=True) as caught:
@@ -316,9 +446,14 @@ def test_a_hugging_face_config_gives_the_experts(tmp_path, model, layers, moe, s
     assert layout.num_layers == layers and layout.moe_layers == list(moe)
     assert {layout[i] for i in moe} == {spec}
     # DeepSeek V3's weights are fp8: said, and the sizes are its torch_dtype's.
-    assert [str(w.message) for w in caught] == ([
-        f"{path}: the weights are stored as fp8 (quantization_config) but the layout has BF16 sizes (torch_dtype); "
-        "give the stored type (quant=..., or --layout CONFIG.json:TYPE)"] if model == "DeepSeek-V3" else [])
+    assert [str(w.message) for w in caught] == (
+        [
+            f"{path}: the weights are stored as fp8 (quantization_config) but the layout has BF16 sizes (torch_dtype); "
+            "give the stored type (quant=..., or --layout CONFIG.json:TYPE)"
+        ]
+        if model == "DeepSeek-V3"
+        else []
+    )
     label = "mxfp4" if model == "gpt-oss-20b" else "f32" if model.startswith("OLMoE") else "bf16"
     assert layout.name == f"{model}-{label}"
 
@@ -335,11 +470,16 @@ def test_a_quant_type_overrides_the_configs():
         ModelLayout.from_hf_config(config, "Q3")
 
 
-@pytest.mark.parametrize("preset, model", [("mixtral-8x7b-q4k", "Mixtral-8x7B-v0.1"),
-                                           ("qwen3-30b-a3b-bf16", "Qwen3-30B-A3B"),
-                                           ("olmoe-1b-7b-bf16", "OLMoE-1B-7B-0924"),
-                                           ("deepseek-v3-q4k", "DeepSeek-V3"),
-                                           ("gpt-oss-20b-mxfp4", "gpt-oss-20b")])
+@pytest.mark.parametrize(
+    "preset, model",
+    [
+        ("mixtral-8x7b-q4k", "Mixtral-8x7B-v0.1"),
+        ("qwen3-30b-a3b-bf16", "Qwen3-30B-A3B"),
+        ("olmoe-1b-7b-bf16", "OLMoE-1B-7B-0924"),
+        ("deepseek-v3-q4k", "DeepSeek-V3"),
+        ("gpt-oss-20b-mxfp4", "gpt-oss-20b"),
+    ],
+)
 def test_each_preset_is_its_models_config(preset, model):
     quant = ModelLayout.preset(preset).name.rpartition("-")[2].replace("q4k", "Q4_K")
     assert ModelLayout.preset(preset).layers == ModelLayout.from_hf_config(hf_configs.CONFIGS[model], quant).layers
@@ -350,14 +490,23 @@ def test_each_preset_is_its_models_config(preset, model):
 def test_every_preset_has_a_source_and_an_unknown_one_lists_them():
     assert set(PRESET_SOURCES) == set(PRESETS)
     assert ModelLayout.preset("deepseek-v4-flash-mixed") == ModelLayout.preset("mixed")
-    with pytest.raises(ValueError, match=r"unknown preset 'mixtral': the presets are q2, q4, mixed, .*"
-                                         r"mixtral-8x7b-q4k, .*gpt-oss-20b-mxfp4"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown preset 'mixtral': the presets are q2, q4, mixed, .*"
+        r"mixtral-8x7b-q4k, .*gpt-oss-20b-mxfp4",
+    ):
         ModelLayout.preset("mixtral")
 
 
 def test_the_dense_layer_rules_of_each_family():
-    base = {"model_type": "x", "num_hidden_layers": 8, "num_experts": 4, "hidden_size": 32,
-            "intermediate_size": 32, "torch_dtype": "float16"}
+    base = {
+        "model_type": "x",
+        "num_hidden_layers": 8,
+        "num_experts": 4,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "torch_dtype": "float16",
+    }
 
     def moe(**rules):
         return ModelLayout.from_hf_config(dict(base, **rules)).moe_layers
@@ -374,8 +523,14 @@ def test_the_moe_layer_rules_of_llama4_jamba_and_the_other_families():
     """Each family's rule for which layers have routed experts, as transformers' modeling code (or
     the config class building the list it reads) applies it; a config of any other key has experts
     in every layer."""
-    base = {"model_type": "x", "num_hidden_layers": 8, "num_experts": 4, "hidden_size": 32,
-            "intermediate_size": 32, "torch_dtype": "float16"}
+    base = {
+        "model_type": "x",
+        "num_hidden_layers": 8,
+        "num_experts": 4,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "torch_dtype": "float16",
+    }
 
     def moe(**rules):
         return ModelLayout.from_hf_config(dict(base, **rules)).moe_layers
@@ -388,8 +543,13 @@ def test_the_moe_layer_rules_of_llama4_jamba_and_the_other_families():
     assert moe(expert_layer_period=3, expert_layer_offset=0) == [0, 3, 6]
     assert moe(model_type="jamba") == [1, 3, 5, 7]  # transformers' Jamba defaults: period 2, offset 1
     assert moe(layers_num_experts=[1, 4, 1, 4, 4, 1, 1, 4]) == [1, 3, 4, 7]  # Jamba's derived list
-    assert moe(mlp_layer_types=["dense", "sparse", "moe", "hash_moe", "dense", "sparse", "dense", "sparse"]) == \
-        [1, 2, 3, 5, 7]  # GLM-4.7-Flash, DeepSeek V3.2/V4, ...
+    assert moe(mlp_layer_types=["dense", "sparse", "moe", "hash_moe", "dense", "sparse", "dense", "sparse"]) == [
+        1,
+        2,
+        3,
+        5,
+        7,
+    ]  # GLM-4.7-Flash, DeepSeek V3.2/V4, ...
     assert moe(mlp_layer_types=["dense"] + ["sparse"] * 7, first_k_dense_replace=1) == list(range(1, 8))
     assert moe(moe_layers_enum="3,4,5,6,7,8,9") == [3, 4, 5, 6, 7]  # Step 3.7 (its MTP layers past the last)
     assert moe(moe_layers_enum=[2, 6]) == [2, 6]
@@ -407,43 +567,86 @@ def test_the_moe_layer_rules_of_llama4_jamba_and_the_other_families():
 def test_the_layer_rules_of_real_llama4_and_jamba_configs():
     """Llama 4 Maverick (MoE in every second layer: 24 of its 48) and Jamba v0.1 (16 of 32): the
     keys of their config.json files on the Hub."""
-    maverick = {"model_type": "llama4", "torch_dtype": "bfloat16", "text_config": {
-        "model_type": "llama4_text", "num_hidden_layers": 48, "num_local_experts": 128, "hidden_size": 5120,
-        "intermediate_size": 8192, "intermediate_size_mlp": 16384, "interleave_moe_layer_step": 2}}
+    maverick = {
+        "model_type": "llama4",
+        "torch_dtype": "bfloat16",
+        "text_config": {
+            "model_type": "llama4_text",
+            "num_hidden_layers": 48,
+            "num_local_experts": 128,
+            "hidden_size": 5120,
+            "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384,
+            "interleave_moe_layer_step": 2,
+        },
+    }
     layout = ModelLayout.from_hf_config(maverick)
     assert layout.moe_layers == list(range(1, 48, 2))
     assert layout[1] == LayerSpec(128, 8192 * 5120 * 2, 8192 * 5120 * 2, 5120 * 8192 * 2)
-    jamba = {"model_type": "jamba", "torch_dtype": "bfloat16", "num_hidden_layers": 32, "num_experts": 16,
-             "hidden_size": 4096, "intermediate_size": 14336, "expert_layer_period": 2, "expert_layer_offset": 1,
-             "attn_layer_period": 8, "attn_layer_offset": 4}
+    jamba = {
+        "model_type": "jamba",
+        "torch_dtype": "bfloat16",
+        "num_hidden_layers": 32,
+        "num_experts": 16,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "attn_layer_period": 8,
+        "attn_layer_offset": 4,
+    }
     assert ModelLayout.from_hf_config(jamba).moe_layers == list(range(1, 32, 2))
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(hybrid_override_pattern="MEM*EME"), r"hybrid_override_pattern: Nemotron-H's block pattern .* this reader "
-                                              r"does not implement it; a layout file describes the model"),
-    (dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"] * 2),
-     r"layers_block_type: Nemotron-H's block types .*experts, which have no gate"),
-    (dict(pyramid_num_routed=[-1, 4, 8, 12, 16, 20, 24, 28]),
-     r"pyramid_num_routed: dots.llm3's routed experts per layer"),
-    (dict(per_layer_config={"3": {"num_experts": 2}}), r"per_layer_config: per-layer overrides of num_experts"),
-    (dict(num_experts=[4] * 8), r"num_experts: a list, one value per layer \(the routed experts per layer\), which "
-                                r"this reader does not implement"),
-    (dict(moe_intermediate_size=[32, 16]), r"moe_intermediate_size: a list, one value per layer"),
-    (dict(moe_layers=[1], mlp_layer_types=["dense"] * 8),
-     r"the layers with routed experts differ by key \(mlp_layer_types gives none; moe_layers gives 1\)"),
-    (dict(mlp_layer_types=["sparse"] * 7), r"mlp_layer_types: expected one of 'sparse', 'moe', 'hash_moe', 'dense' "
-                                           r"for each of the 8 layers"),
-    (dict(mlp_layer_types=["shared"] * 8), r"mlp_layer_types: expected one of"),
-    (dict(moe_layers=[8]), r"moe_layers: expected layer numbers below 8, got \[8\]"),
-    (dict(expert_layer_period=2, expert_layer_offset=2), r"expert_layer_offset: must be below expert_layer_period"),
-    (dict(interleave_moe_layer_step=0), r"interleave_moe_layer_step: expected a whole number >= 1"),
-    (dict(moe_layer_freq=[1, 0]), r"moe_layer_freq: expected a whole number, or a flag for each of the 8 layers"),
-    (dict(enable_moe_block=False), r"a layout needs at least one MoE layer"),  # Gemma 4 without its experts
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(hybrid_override_pattern="MEM*EME"),
+            r"hybrid_override_pattern: Nemotron-H's block pattern .* this reader "
+            r"does not implement it; a layout file describes the model",
+        ),
+        (
+            dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"] * 2),
+            r"layers_block_type: Nemotron-H's block types .*experts, which have no gate",
+        ),
+        (
+            dict(pyramid_num_routed=[-1, 4, 8, 12, 16, 20, 24, 28]),
+            r"pyramid_num_routed: dots.llm3's routed experts per layer",
+        ),
+        (dict(per_layer_config={"3": {"num_experts": 2}}), r"per_layer_config: per-layer overrides of num_experts"),
+        (
+            dict(num_experts=[4] * 8),
+            r"num_experts: a list, one value per layer \(the routed experts per layer\), which "
+            r"this reader does not implement",
+        ),
+        (dict(moe_intermediate_size=[32, 16]), r"moe_intermediate_size: a list, one value per layer"),
+        (
+            dict(moe_layers=[1], mlp_layer_types=["dense"] * 8),
+            r"the layers with routed experts differ by key \(mlp_layer_types gives none; moe_layers gives 1\)",
+        ),
+        (
+            dict(mlp_layer_types=["sparse"] * 7),
+            r"mlp_layer_types: expected one of 'sparse', 'moe', 'hash_moe', 'dense' "
+            r"for each of the 8 layers",
+        ),
+        (dict(mlp_layer_types=["shared"] * 8), r"mlp_layer_types: expected one of"),
+        (dict(moe_layers=[8]), r"moe_layers: expected layer numbers below 8, got \[8\]"),
+        (dict(expert_layer_period=2, expert_layer_offset=2), r"expert_layer_offset: must be below expert_layer_period"),
+        (dict(interleave_moe_layer_step=0), r"interleave_moe_layer_step: expected a whole number >= 1"),
+        (dict(moe_layer_freq=[1, 0]), r"moe_layer_freq: expected a whole number, or a flag for each of the 8 layers"),
+        (dict(enable_moe_block=False), r"a layout needs at least one MoE layer"),  # Gemma 4 without its experts
+    ],
+)
 def test_a_layer_rule_it_does_not_implement_or_a_bad_one_is_refused(changes, message):
-    base = {"model_type": "x", "num_hidden_layers": 8, "num_experts": 4, "hidden_size": 32,
-            "intermediate_size": 32, "torch_dtype": "float16"}
+    base = {
+        "model_type": "x",
+        "num_hidden_layers": 8,
+        "num_experts": 4,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "torch_dtype": "float16",
+    }
     with pytest.raises(LayoutFileError, match=message):
         ModelLayout.from_hf_config(dict(base, **changes))
 
@@ -452,26 +655,65 @@ def test_a_layer_rule_it_does_not_implement_or_a_bad_one_is_refused(changes, mes
 _TRANSFORMERS_CONFIGS = {
     "Llama4TextConfig": dict(num_local_experts=4, interleave_moe_layer_step=2, intermediate_size_mlp=64),
     "Llama4TextConfig/moe_layers": dict(num_local_experts=4, moe_layers=[0, 4, 5], intermediate_size_mlp=64),
-    "JambaConfig": dict(num_experts=4, expert_layer_period=3, expert_layer_offset=2, attn_layer_period=2,
-                        attn_layer_offset=1, use_mamba_kernels=False),
+    "JambaConfig": dict(
+        num_experts=4,
+        expert_layer_period=3,
+        expert_layer_offset=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        use_mamba_kernels=False,
+    ),
     "JambaConfig/defaults": dict(num_experts=4, use_mamba_kernels=False),
-    "Qwen2MoeConfig": dict(num_experts=4, decoder_sparse_step=2, mlp_only_layers=[1], moe_intermediate_size=16,
-                           shared_expert_intermediate_size=16),
+    "Qwen2MoeConfig": dict(
+        num_experts=4,
+        decoder_sparse_step=2,
+        mlp_only_layers=[1],
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
     "Qwen3MoeConfig": dict(num_experts=4, decoder_sparse_step=3, moe_intermediate_size=16),
-    "DeepseekV3Config": dict(n_routed_experts=4, first_k_dense_replace=2, n_group=1, topk_group=1,
-                             num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
-                             qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4, moe_intermediate_size=16),
-    "Ernie4_5_MoeConfig": dict(moe_num_experts=4, moe_layer_start_index=1, moe_layer_end_index=4,
-                               moe_layer_interval=2, moe_intermediate_size=16),
-    "Glm4MoeLiteConfig": dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=8, q_lora_rank=None,
-                              qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4, n_group=1,
-                              topk_group=1, moe_intermediate_size=16),
+    "DeepseekV3Config": dict(
+        n_routed_experts=4,
+        first_k_dense_replace=2,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        num_key_value_heads=4,
+        moe_intermediate_size=16,
+    ),
+    "Ernie4_5_MoeConfig": dict(
+        moe_num_experts=4,
+        moe_layer_start_index=1,
+        moe_layer_end_index=4,
+        moe_layer_interval=2,
+        moe_intermediate_size=16,
+    ),
+    "Glm4MoeLiteConfig": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        num_key_value_heads=4,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=16,
+    ),
     "AfmoeConfig": dict(num_experts=4, num_dense_layers=2, moe_intermediate_size=16),
-    "Lfm2MoeConfig": dict(num_experts=4, num_dense_layers=3, layer_types=["conv", "full_attention"] * 3,
-                          moe_intermediate_size=16),
+    "Lfm2MoeConfig": dict(
+        num_experts=4, num_dense_layers=3, layer_types=["conv", "full_attention"] * 3, moe_intermediate_size=16
+    ),
     "DeepseekV4Config": dict(n_routed_experts=4),
-    "GraniteMoeHybridConfig": dict(num_local_experts=4, layers_block_type=["mamba", "attention"] * 3, mamba_d_head=8,
-                                   mamba_n_heads=8),
+    "GraniteMoeHybridConfig": dict(
+        num_local_experts=4, layers_block_type=["mamba", "attention"] * 3, mamba_d_head=8, mamba_n_heads=8
+    ),
     "MixtralConfig": dict(num_local_experts=4),
 }
 
@@ -486,9 +728,20 @@ def test_the_moe_layers_are_those_transformers_builds(name):
     config_class = getattr(transformers, name.split("/")[0], None)
     if config_class is None:
         pytest.skip(f"this transformers has no {name}")
-    config = config_class(**{**dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                    intermediate_size=16, num_hidden_layers=6, head_dim=8),
-                             **_TRANSFORMERS_CONFIGS[name]})
+    config = config_class(
+        **{
+            **dict(
+                vocab_size=64,
+                hidden_size=32,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=16,
+                num_hidden_layers=6,
+                head_dim=8,
+            ),
+            **_TRANSFORMERS_CONFIGS[name],
+        }
+    )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     built = {}
@@ -509,44 +762,70 @@ def test_a_nemotron_h_config_from_transformers_is_refused():
 
 
 def test_a_config_under_text_config_is_read_there():
-    outer = {"model_type": "wrapper", "torch_dtype": "bfloat16",
-             "text_config": {k: v for k, v in hf_configs.CONFIGS["Qwen3-30B-A3B"].items() if k != "torch_dtype"}}
+    outer = {
+        "model_type": "wrapper",
+        "torch_dtype": "bfloat16",
+        "text_config": {k: v for k, v in hf_configs.CONFIGS["Qwen3-30B-A3B"].items() if k != "torch_dtype"},
+    }
     assert ModelLayout.from_hf_config(outer).layers == ModelLayout.preset("qwen3-30b-a3b-bf16").layers
 
 
 def test_the_dtype_key_of_newer_configs():
     config = {k: v for k, v in hf_configs.CONFIGS["OLMoE-1B-7B-0924"].items() if k != "torch_dtype"}
-    assert ModelLayout.from_hf_config(dict(config, dtype="bfloat16")).layers == \
-        ModelLayout.preset("olmoe-1b-7b-bf16").layers
+    assert (
+        ModelLayout.from_hf_config(dict(config, dtype="bfloat16")).layers
+        == ModelLayout.preset("olmoe-1b-7b-bf16").layers
+    )
 
 
 def _without(model, *keys, **changes):
     return dict({k: v for k, v in hf_configs.CONFIGS[model].items() if k not in keys}, **changes)
 
 
-@pytest.mark.parametrize("config, quant, message", [
-    (_without("Mixtral-8x7B-v0.1", "hidden_size"), None,
-     r"the config: no 'hidden_size' key \(the model width\) in this mixtral config; a layout file describes any "
-     r"model \(docs/models.md\)"),
-    (_without("Mixtral-8x7B-v0.1", "num_local_experts"), None,
-     r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' or 'moe_num_experts' key \(the routed experts "
-     r"per layer\) in this mixtral config"),
-    (_without("Qwen3-30B-A3B", "moe_intermediate_size", "intermediate_size"), None,
-     r"no 'moe_intermediate_size' or 'intermediate_size' key \(an expert's FFN width\) in this qwen3_moe config"),
-    (_without("Qwen3-30B-A3B", "num_hidden_layers", "model_type"), None,
-     r"no 'num_hidden_layers' key \(the number of layers\) in this Qwen3MoeForCausalLM config"),
-    (_without("Qwen3-30B-A3B", num_experts=0), None, r"num_experts: 0 routed experts: not a mixture-of-experts"),
-    (_without("Qwen3-30B-A3B", hidden_size=2048.5), None, r"hidden_size: expected a whole number >= 1"),
-    (_without("Qwen3-30B-A3B", decoder_sparse_step=0), None, r"decoder_sparse_step: expected a whole number >= 1"),
-    (_without("Qwen3-30B-A3B", mlp_only_layers="0"), None, r"mlp_only_layers: expected a list of layer numbers"),
-    (_without("Qwen3-30B-A3B", "torch_dtype"), None,
-     r"no 'torch_dtype' or 'dtype' key \(the experts' type\): give the type \(quant=..., or --layout "
-     r"CONFIG.json:TYPE\)"),
-    (_without("Qwen3-30B-A3B", torch_dtype="int4"), None, r"torch_dtype: unknown quant type 'int4'"),
-    (hf_configs.CONFIGS["Qwen1.5-MoE-A2.7B"], "Q4_K",
-     r"experts of \[1408, 2048\] gate/up and \[2048, 1408\] down in Q4_K/Q4_K/Q4_K: a row of 1408 weights is not "
-     r"a multiple of the Q4_K block of 256 weights"),
-])
+@pytest.mark.parametrize(
+    "config, quant, message",
+    [
+        (
+            _without("Mixtral-8x7B-v0.1", "hidden_size"),
+            None,
+            r"the config: no 'hidden_size' key \(the model width\) in this mixtral config; a layout file describes any "
+            r"model \(docs/models.md\)",
+        ),
+        (
+            _without("Mixtral-8x7B-v0.1", "num_local_experts"),
+            None,
+            r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' or 'moe_num_experts' key \(the routed experts "
+            r"per layer\) in this mixtral config",
+        ),
+        (
+            _without("Qwen3-30B-A3B", "moe_intermediate_size", "intermediate_size"),
+            None,
+            r"no 'moe_intermediate_size' or 'intermediate_size' key \(an expert's FFN width\) in this qwen3_moe config",
+        ),
+        (
+            _without("Qwen3-30B-A3B", "num_hidden_layers", "model_type"),
+            None,
+            r"no 'num_hidden_layers' key \(the number of layers\) in this Qwen3MoeForCausalLM config",
+        ),
+        (_without("Qwen3-30B-A3B", num_experts=0), None, r"num_experts: 0 routed experts: not a mixture-of-experts"),
+        (_without("Qwen3-30B-A3B", hidden_size=2048.5), None, r"hidden_size: expected a whole number >= 1"),
+        (_without("Qwen3-30B-A3B", decoder_sparse_step=0), None, r"decoder_sparse_step: expected a whole number >= 1"),
+        (_without("Qwen3-30B-A3B", mlp_only_layers="0"), None, r"mlp_only_layers: expected a list of layer numbers"),
+        (
+            _without("Qwen3-30B-A3B", "torch_dtype"),
+            None,
+            r"no 'torch_dtype' or 'dtype' key \(the experts' type\): give the type \(quant=..., or --layout "
+            r"CONFIG.json:TYPE\)",
+        ),
+        (_without("Qwen3-30B-A3B", torch_dtype="int4"), None, r"torch_dtype: unknown quant type 'int4'"),
+        (
+            hf_configs.CONFIGS["Qwen1.5-MoE-A2.7B"],
+            "Q4_K",
+            r"experts of \[1408, 2048\] gate/up and \[2048, 1408\] down in Q4_K/Q4_K/Q4_K: a row of 1408 weights is not "
+            r"a multiple of the Q4_K block of 256 weights",
+        ),
+    ],
+)
 def test_a_config_the_reader_cannot_use_names_the_key(config, quant, message):
     with pytest.raises(LayoutFileError, match=message):
         ModelLayout.from_hf_config(config, quant)

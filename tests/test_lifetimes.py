@@ -70,8 +70,9 @@ def test_failed_cache_creation_does_not_hold_the_source():
     assert src.nbytes == 0
 
 
-@pytest.mark.parametrize("kind", ["pageable", pytest.param("pinned", marks=pytest.mark.skipif(
-    not CUDA_OK, reason=CUDA_REASON))])
+@pytest.mark.parametrize(
+    "kind", ["pageable", pytest.param("pinned", marks=pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON))]
+)
 def test_explicit_source_close_then_misses_in_a_child(kind, policy):
     # Before the lifetime rule: a pinned source's close() freed its memory under the live cache,
     # and the next miss copied freed memory (wrong bytes; with a GGUF mapping, SIGSEGV).
@@ -81,7 +82,7 @@ def test_explicit_source_close_then_misses_in_a_child(kind, policy):
         lay = ModelLayout.preset("q2", scale=4096)
         src = HostSource(lay, pinned={pinned})
         want = {{e: src.expert_bytes(9, e) for e in range(40)}}
-        cache = ExpertCache(lay, src, budget_experts=4, backend="{'cuda' if pinned else 'host'}", log_level=0,
+        cache = ExpertCache(lay, src, budget_experts=4, backend="{"cuda" if pinned else "host"}", log_level=0,
                             policy={policy!r})
         src.close()
         bad = 0
@@ -127,7 +128,9 @@ def test_close_while_threads_select_in_a_child(policy):
         """
         cache.select(int(rng.integers(3, 43)), rng.choice(256, 6, replace=False).astype(np.uint32))
         cache.stats()
-        """, attempts=3)
+        """,
+        attempts=3,
+    )
     assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
     assert out.stdout.strip() == "ok"
 
@@ -138,8 +141,15 @@ def test_calls_after_close_raise_the_closed_error(make_cache):
     cache.close()
     cache.close()  # idempotent
     assert cache.closed
-    for call in (lambda: cache.select(3, [1]), cache.stats, cache.release_all, lambda: testing.read_expert(cache, 3, 1),
-                 lambda: cache.prepare_batch(3, [[1]]), lambda: cache.load_compact(3, [1]), cache.synchronize):
+    for call in (
+        lambda: cache.select(3, [1]),
+        cache.stats,
+        cache.release_all,
+        lambda: testing.read_expert(cache, 3, 1),
+        lambda: cache.prepare_batch(3, [[1]]),
+        lambda: cache.load_compact(3, [1]),
+        cache.synchronize,
+    ):
         with pytest.raises(CacheClosedError, match="closed"):
             call()
 

@@ -19,8 +19,9 @@ from pyexpcache import ExpcacheWarning, ExpertCache, HostSource, InvalidArgument
 
 def small_device_cache(src, layout, **kw):
     # An emulated device of 1 MiB with a 2 MiB reserve: no memory is left for any slot.
-    return ExpertCache(layout, src, budget_experts=8, backend="host", device_capacity_bytes=1 << 20,
-                       reserve_bytes=2 << 20, **kw)
+    return ExpertCache(
+        layout, src, budget_experts=8, backend="host", device_capacity_bytes=1 << 20, reserve_bytes=2 << 20, **kw
+    )
 
 
 def test_cap_zero_warns_once_per_class(policy):
@@ -107,8 +108,9 @@ def run_child(code: str, env_extra: dict) -> subprocess.CompletedProcess:
     import os
 
     env = dict(os.environ, **env_extra)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 CHILD = """
@@ -180,8 +182,10 @@ HANDLER_CHILD = """
 """
 
 
-@pytest.mark.parametrize("action", ["cache.stats()", "cache.select(6, [7])", "cache.close()",
-                                    "cache.load_compact(7, [1, 2]); cache.classes()"])
+@pytest.mark.parametrize(
+    "action",
+    ["cache.stats()", "cache.select(6, [7])", "cache.close()", "cache.load_compact(7, [1, 2]); cache.classes()"],
+)
 def test_a_log_handler_may_call_the_cache(action):
     # The cap notice is logged inside the first select; a handler that calls the cache deadlocked
     # on the library's lock (select, stats) or on close waiting for the call that logged.
@@ -225,13 +229,13 @@ def test_a_c_log_callback_may_call_the_cache():
 def child(code: str) -> subprocess.CompletedProcess:
     """A child run that a hang fails in 60 s instead of blocking the suite."""
     try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                              timeout=60)
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("the child hung (a callback that called the cache deadlocked)")
 
 
 # -- warnings as errors ----------------------------------------------------------------------------
+
 
 def test_a_warning_made_an_error_raises_at_the_call(policy):
     layout = ModelLayout.preset("q2", scale=SCALE)
@@ -254,8 +258,9 @@ def test_python_W_error_surfaces_the_cap_zero_warning():
             except Exception as e:
                 print("raised", type(e).__name__)
     """
-    out = subprocess.run([sys.executable, "-W", "error", "-c", textwrap.dedent(code)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "raised ExpcacheWarning", (out.stdout, out.stderr)
 
@@ -263,8 +268,11 @@ def test_python_W_error_surfaces_the_cap_zero_warning():
 def test_a_warning_goes_out_once_when_logging_is_configured(policy, caplog):
     # Through warnings the first time; not through the logger as well (one line, not two).
     layout = ModelLayout.preset("q2", scale=SCALE)
-    with HostSource(layout) as src, warnings.catch_warnings(record=True) as caught, \
-            caplog.at_level(logging.INFO, logger="pyexpcache"):
+    with (
+        HostSource(layout) as src,
+        warnings.catch_warnings(record=True) as caught,
+        caplog.at_level(logging.INFO, logger="pyexpcache"),
+    ):
         warnings.simplefilter("always")
         with small_device_cache(src, layout, log_level=1, policy=policy) as cache:
             cache.select(5, [1])
@@ -274,6 +282,7 @@ def test_a_warning_goes_out_once_when_logging_is_configured(policy, caplog):
 
 
 # -- size classes ----------------------------------------------------------------------------------
+
 
 def five_class_layout() -> ModelLayout:
     sizes = [(256 * (i + 1), 256 * (i + 1), 512) for i in range(5)]
@@ -297,8 +306,9 @@ def test_fewer_max_classes_than_the_layout_has_warns_at_construction_and_at_the_
     layout = five_class_layout()
     with HostSource(layout) as src, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with ExpertCache(layout, src, budget_bytes=layout.total_bytes, backend="host", policy=policy,
-                         max_classes=4) as cache:
+        with ExpertCache(
+            layout, src, budget_bytes=layout.total_bytes, backend="host", policy=policy, max_classes=4
+        ) as cache:
             made = [str(w.message) for w in caught if issubclass(w.category, ExpcacheWarning)]
             assert len(made) == 1 and "5 expert size classes and max_classes is 4" in made[0], made
             assert "set max_classes to 5" in made[0]
@@ -312,8 +322,9 @@ def test_partition_layer_warns_when_layers_get_no_share(policy):
     layout = ModelLayout.preset("q2", scale=SCALE)  # 43 layers of one class
     with HostSource(layout) as src, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with ExpertCache(layout, src, budget_experts=10, backend="host", partition="layer", policy=policy,
-                         log_level=1) as cache:
+        with ExpertCache(
+            layout, src, budget_experts=10, backend="host", partition="layer", policy=policy, log_level=1
+        ) as cache:
             cache.select(5, [1, 2])
     ours = [str(w.message) for w in caught if issubclass(w.category, ExpcacheWarning)]
     assert len(ours) == 1, ours

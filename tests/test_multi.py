@@ -9,8 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyexpcache import (CacheClosedError, ExpcacheError, LayerSpec, ModelLayout, MultiDeviceCache, HostSource, Placement,
-                        loads_from_calls, testing)
+from pyexpcache import (
+    CacheClosedError,
+    ExpcacheError,
+    LayerSpec,
+    ModelLayout,
+    MultiDeviceCache,
+    HostSource,
+    Placement,
+    loads_from_calls,
+    testing,
+)
 from pyexpcache.bench.workload import decode_workload
 from pyexpcache.traces import load_decode_trace
 
@@ -196,8 +205,14 @@ def test_bad_input_is_refused_with_the_reason(make_multi, num_devices):
         multi.select(2**32, [1])
     assert multi.total_stats().misses == 0  # nothing was served by the refused calls
     with pytest.raises(ValueError, match="spreads over 5 devices"):
-        MultiDeviceCache(layout, source, devices=list(range(num_devices)), placement=Placement.round_robin(layout, 5),
-                         budget_experts=1, backend="host")
+        MultiDeviceCache(
+            layout,
+            source,
+            devices=list(range(num_devices)),
+            placement=Placement.round_robin(layout, 5),
+            budget_experts=1,
+            backend="host",
+        )
     with pytest.raises(ValueError, match="devices must list 1..64"):
         MultiDeviceCache(layout, source, devices=[], budget_experts=1, backend="host")
     with pytest.raises(ValueError, match=r"devices\[0\] must be in"):
@@ -205,8 +220,14 @@ def test_bad_input_is_refused_with_the_reason(make_multi, num_devices):
     with pytest.raises(TypeError, match="devices="):
         MultiDeviceCache(layout, source, device=0, budget_experts=1, backend="host")
     with pytest.raises(ValueError, match="different layout"):
-        MultiDeviceCache(layout, source, devices=[0], placement=Placement.round_robin(_layout(n_layers=2), 1),
-                         budget_experts=1, backend="host")
+        MultiDeviceCache(
+            layout,
+            source,
+            devices=[0],
+            placement=Placement.round_robin(_layout(n_layers=2), 1),
+            budget_experts=1,
+            backend="host",
+        )
 
 
 MULTI_SINGLE_TOKEN_CALLS = [
@@ -219,13 +240,17 @@ MULTI_SINGLE_TOKEN_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("ids", [np.array([[1, 2], [3, 4]], dtype=np.uint32), [[1, 2]], 3],
-                         ids=["2d-uint32", "nested-list", "scalar"])
+@pytest.mark.parametrize(
+    "ids", [np.array([[1, 2], [3, 4]], dtype=np.uint32), [[1, 2]], 3], ids=["2d-uint32", "nested-list", "scalar"]
+)
 @pytest.mark.parametrize("name, call", MULTI_SINGLE_TOKEN_CALLS, ids=[c[0] for c in MULTI_SINGLE_TOKEN_CALLS])
 def test_single_token_calls_refuse_ids_that_are_not_1d(make_multi, num_devices, name, call, ids):
     multi, _ = make_multi(_layout(), budget_experts=4)
-    with pytest.raises(ValueError, match=r"expert_ids must be 1-D \(one token's expert ids\).*"
-                                         r"prepare_batch takes 2-D \(tokens x k\) ids"):
+    with pytest.raises(
+        ValueError,
+        match=r"expert_ids must be 1-D \(one token's expert ids\).*"
+        r"prepare_batch takes 2-D \(tokens x k\) ids",
+    ):
         call(multi, ids)
     assert multi.total_stats().calls == 0 and multi.total_prefetch_stats().calls == 0
     with multi.prepare_batch(1, [[1, 2], [2, 3]]) as batch:  # tokens x k is the batch's shape
@@ -257,7 +282,8 @@ def test_close_while_threads_select_in_a_child():
         """
         cache.select(int(rng.integers(3, 43)), rng.choice(256, 6, replace=False))
         cache.prefetch(int(rng.integers(3, 43)), rng.choice(256, 4, replace=False))
-        """)
+        """,
+    )
     assert out.returncode == 0, f"rc {out.returncode}: {out.stderr[-2000:]}"
     assert out.stdout.strip() == "ok"
 
@@ -266,8 +292,9 @@ def test_owners_run_in_parallel_when_the_source_is_staged():
     layout = _layout()
     with HostSource(layout) as source:
         for parallel, want in ((None, True), (False, False), (True, True)):
-            with MultiDeviceCache(layout, source, devices=[0, 1], budget_experts=2, backend="host",
-                                  parallel=parallel, log_level=0) as multi:
+            with MultiDeviceCache(
+                layout, source, devices=[0, 1], budget_experts=2, backend="host", parallel=parallel, log_level=0
+            ) as multi:
                 assert multi.parallel is want
         with MultiDeviceCache(layout, source, devices=[0], budget_experts=2, backend="host", parallel=True) as one:
             assert one.parallel is False  # nothing to overlap
@@ -276,9 +303,12 @@ def test_owners_run_in_parallel_when_the_source_is_staged():
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_failing_owner_stops_the_call_in_order_or_is_raised_after_all_in_parallel(parallel):
     layout = _layout(n_layers=1, experts=12)
-    with HostSource(layout) as source, \
-            MultiDeviceCache(layout, source, devices=[0, 1, 2], budget_experts=4, backend="host", log_level=0,
-                             parallel=parallel) as multi:
+    with (
+        HostSource(layout) as source,
+        MultiDeviceCache(
+            layout, source, devices=[0, 1, 2], budget_experts=4, backend="host", log_level=0, parallel=parallel
+        ) as multi,
+    ):
         testing.fail_copy_after(multi.caches[1], 0)
         with pytest.raises(ExpcacheError, match="injected copy failure"):
             multi.select(1, np.arange(12))

@@ -44,9 +44,14 @@ def placements(draw, layout, n):
     kind = draw(st.sampled_from(["round-robin", "balanced", "explicit"]))
     if kind == "round-robin":
         return Placement.round_robin(layout, n)
-    per_layer = [None if s is None else draw(st.lists(st.integers(0, 9 if kind == "balanced" else n - 1),
-                                                      min_size=s.num_experts, max_size=s.num_experts))
-                 for s in layout.layers]
+    per_layer = [
+        None
+        if s is None
+        else draw(
+            st.lists(st.integers(0, 9 if kind == "balanced" else n - 1), min_size=s.num_experts, max_size=s.num_experts)
+        )
+        for s in layout.layers
+    ]
     if kind == "balanced":
         return Placement.balanced(layout, n, per_layer)
     return Placement.explicit(layout, n, per_layer)
@@ -64,8 +69,16 @@ class MultiMachine(RuleBasedStateMachine):
         self.source = source_for(name)
         self.n = n
         self.placement = data.draw(placements(self.layout, n))
-        self.multi = MultiDeviceCache(self.layout, self.source, devices=list(range(n)), placement=self.placement,
-                                      backend="host", log_level=0, parallel=parallel, **kw)
+        self.multi = MultiDeviceCache(
+            self.layout,
+            self.source,
+            devices=list(range(n)),
+            placement=self.placement,
+            backend="host",
+            log_level=0,
+            parallel=parallel,
+            **kw,
+        )
         self.models = [ReferenceCache(self.layout, **kw) for _ in range(n)]
         self.batches = []  # (DeviceBatch, model handles per device)
         self.moe_layers = self.layout.moe_layers
@@ -111,8 +124,9 @@ class MultiMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def select(self, data):
         layer, ids = self.draw_call(data, 7)
-        ok, _, sel = self.both(layer, ids, lambda m, share: m.select(layer, share),
-                               lambda: self.multi.select(layer, np.array(ids)))
+        ok, _, sel = self.both(
+            layer, ids, lambda m, share: m.select(layer, share), lambda: self.multi.select(layer, np.array(ids))
+        )
         if ok:
             want = self.placement.owners[layer][ids]
             assert sel.owners.tolist() == want.tolist()
@@ -123,8 +137,12 @@ class MultiMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def load_compact(self, data):
         layer, ids = self.draw_call(data, 7)
-        ok, _, parts = self.both(layer, ids, lambda m, share: m.load_compact(layer, share),
-                                 lambda: self.multi.load_compact(layer, np.array(ids)))
+        ok, _, parts = self.both(
+            layer,
+            ids,
+            lambda m, share: m.load_compact(layer, share),
+            lambda: self.multi.load_compact(layer, np.array(ids)),
+        )
         if ok:
             for d, part in enumerate(parts):
                 if part is not None:
@@ -174,8 +192,9 @@ class MultiMachine(RuleBasedStateMachine):
             self.multi.wait_prefetch()
             return queued
 
-        ok, m_queued, l_queued = self.both(layer, ids, lambda m, share: m.prefetch(layer, share, lands=True),
-                                           multi_call)
+        ok, m_queued, l_queued = self.both(
+            layer, ids, lambda m, share: m.prefetch(layer, share, lands=True), multi_call
+        )
         if ok:
             assert l_queued == sum(q for q in m_queued if q is not None)
 

@@ -62,8 +62,16 @@ def wheel(tmp_path_factory) -> Path:
     """A host-only wheel built from a copy of the checkout."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs a git checkout (the copy is what `git ls-files` names)")
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=REPO, capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     src = tmp_path_factory.mktemp("src")
     for name in filter(None, listed):
         path = REPO / name
@@ -95,17 +103,21 @@ def venv_dir(wheel, tmp_path_factory) -> Path:
     (inner / "_outer_site.pth").write_text("".join(f"{p}\n" for p in outer if Path(p).is_dir()))
     # --force-reinstall: the system may hold expcache already (an editable install);
     # pip leaves that one alone, as it lies outside the venv.
-    _run([where / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall",
-          wheel], env=_clean_env())
+    _run(
+        [where / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "--force-reinstall", wheel],
+        env=_clean_env(),
+    )
     return where
 
 
 def test_wheel_holds_the_libraries(wheel):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        tags = [line.split(":", 1)[1].strip() for line in z.read(
-            next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode().splitlines()
-            if line.startswith("Tag:")]
+        tags = [
+            line.split(":", 1)[1].strip()
+            for line in z.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode().splitlines()
+            if line.startswith("Tag:")
+        ]
     assert {"pyexpcache/libexpcache_host.so", "pyexpcache/libexpcache_replay.so"} <= names, sorted(names)
     assert "pyexpcache/libexpcache.so" not in names  # NVCC= : host library only
     assert tags and all(not t.endswith("-any") for t in tags), tags  # a platform wheel
@@ -116,12 +128,18 @@ def test_installed_package_runs_outside_the_repository(venv_dir, tmp_path):
     env = _clean_env()
     python = venv_dir / "bin" / "python"
     _run([venv_dir / "bin" / "expcache", "--help"], env=env, cwd=tmp_path)
-    out = _run([python, "-c", "import pyexpcache; print(pyexpcache.__file__); print(pyexpcache.library_version())"],
-               env=env, cwd=tmp_path).stdout.splitlines()
+    out = _run(
+        [python, "-c", "import pyexpcache; print(pyexpcache.__file__); print(pyexpcache.library_version())"],
+        env=env,
+        cwd=tmp_path,
+    ).stdout.splitlines()
     package_file, version = out[-2], out[-1]
-    library = Path(version[version.index("(") + 1:version.rindex(")")])
+    library = Path(version[version.index("(") + 1 : version.rindex(")")])
     assert Path(package_file).resolve().is_relative_to(venv_dir.resolve()), package_file
     assert library.resolve().is_relative_to(venv_dir.resolve()), version
     assert library.name == "libexpcache_host.so", version
-    _run([python, "-m", "pyexpcache", "bench", "--traces", "smoke_count64", "--variants", "lru,nocache",
-          "--quiet"], env=env, cwd=tmp_path)
+    _run(
+        [python, "-m", "pyexpcache", "bench", "--traces", "smoke_count64", "--variants", "lru,nocache", "--quiet"],
+        env=env,
+        cwd=tmp_path,
+    )

@@ -27,8 +27,10 @@ def test_a_cache_without_a_policy_runs_the_librarys_default(backend):
     _lib.DEFAULT_POLICY (a name of the table), and the cache counts as that policy's twin does."""
     assert _lib.DEFAULT_POLICY in _lib.POLICIES
     layout = ModelLayout.preset("mixed", scale=SCALE)
-    with HostSource(layout, pinned=backend == "cuda") as source, \
-            ExpertCache(layout, source, budget_bytes=layout.total_bytes // 20, backend=backend, log_level=0) as cache:
+    with (
+        HostSource(layout, pinned=backend == "cuda") as source,
+        ExpertCache(layout, source, budget_bytes=layout.total_bytes // 20, backend=backend, log_level=0) as cache,
+    ):
         assert cache.policy == _lib.DEFAULT_POLICY
         w = bench.build_workload("decode", ["podA_b_json_full"])
         sim, _, _ = _replay_and_simulate(cache, layout, w, _lib.DEFAULT_POLICY)
@@ -46,13 +48,24 @@ def _replay_and_simulate(cache, layout, workload, policy, partition="global"):
     layer_class = [cache.layer_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
     caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
     experts = [layout[i].num_experts if layout[i] else 0 for i in range(layout.num_layers)]
-    return (simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers,
-                            partition=partition, layer_experts=experts),
-            caps, layer_class)
+    return (
+        simulate_policy(
+            workload.calls,
+            caps,
+            layer_class,
+            policy=policy,
+            layers=layout.moe_layers,
+            partition=partition,
+            layer_experts=experts,
+        ),
+        caps,
+        layer_class,
+    )
 
 
-@pytest.mark.parametrize("quant,budget_fraction,first", [("mixed", 0.05, 0), ("mixed", 0.15, 3), ("q2", 0.10, 0),
-                                                         ("q2", 0.05, 3)])
+@pytest.mark.parametrize(
+    "quant,budget_fraction,first", [("mixed", 0.05, 0), ("mixed", 0.15, 3), ("q2", 0.10, 0), ("q2", 0.05, 3)]
+)
 def test_simulator_equals_library_counters(backend, make_cache, policy, quant, budget_fraction, first):
     """The library and the offline simulator of the same policy agree count for count, with the
     layers 0-2 that the decode traces never route registered or not."""
@@ -65,7 +78,11 @@ def test_simulator_equals_library_counters(backend, make_cache, policy, quant, b
         d = c.paths["decode"]
         i = c.info.index
         assert (d.hits, d.misses, d.evictions, d.direct_loads) == (
-            sim.hits[i], sim.misses[i], sim.evictions[i], sim.direct[i])
+            sim.hits[i],
+            sim.misses[i],
+            sim.evictions[i],
+            sim.direct[i],
+        )
     assert cache.stats().hit_rate == sim.hit_rate
     if policy == "oppclass":  # and it earns its keep on these traces
         assert sim.hit_rate > simulate_lru(w.calls, caps, layer_class).hit_rate
@@ -99,7 +116,11 @@ def test_simulator_equals_library_under_each_partition(make_cache, policy, parti
         d = c.paths["decode"]
         i = c.info.index
         assert (d.hits, d.misses, d.evictions, d.direct_loads) == (
-            sim.hits[i], sim.misses[i], sim.evictions[i], sim.direct[i])
+            sim.hits[i],
+            sim.misses[i],
+            sim.evictions[i],
+            sim.direct[i],
+        )
     other = simulate_policy(w.calls, caps, layer_class, policy=policy, layers=layout.moe_layers)
     if partition == "layer":  # the partition is not the global cache under another name
         assert (sim.hits != other.hits).any()

@@ -76,7 +76,7 @@ def test_resident_ids_are_skipped_and_the_layer_limit_drops_the_rest(make_cache)
     p = cache.prefetch_stats()
     assert (p.issued, p.skipped, p.dropped) == (2, 1, 1)
     assert cache.prefetch(L, [4]) == 0  # two of the layer prefetched since its last select
-    cache.select(L, [1])                 # a select of the layer: a new limit
+    cache.select(L, [1])  # a select of the layer: a new limit
     assert cache.prefetch(L, [4, 5, 6]) == 2
 
 
@@ -296,8 +296,15 @@ def _issue_26_runs(backend, runs=20):
     """Fresh caches over one source (made once: it is 300 MB), as the issue's runs were."""
     with HostSource(ISSUE_26, pinned=backend == "cuda") as source:
         for _ in range(runs):
-            with ExpertCache(ISSUE_26, source, backend=backend, policy="lru", log_level=2, budget_experts=16,
-                             prefetch_piece_bytes=4096) as cache:
+            with ExpertCache(
+                ISSUE_26,
+                source,
+                backend=backend,
+                policy="lru",
+                log_level=2,
+                budget_experts=16,
+                prefetch_piece_bytes=4096,
+            ) as cache:
                 yield cache, source
 
 

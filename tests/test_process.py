@@ -68,8 +68,14 @@ _BACKENDS = ["host", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA_OK, 
 @pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("end", sorted(_CHILD_ENDS))
 def test_a_forked_child_refuses_the_parents_cache_and_exits_cleanly(backend, end):
-    out = run_child(_FORK.format(backend=backend, source=_SOURCES[backend] if end != "new_cache_in_child"
-                                 else "pinned=False", child_end=_CHILD_ENDS[end]), timeout=300)
+    out = run_child(
+        _FORK.format(
+            backend=backend,
+            source=_SOURCES[backend] if end != "new_cache_in_child" else "pinned=False",
+            child_end=_CHILD_ENDS[end],
+        ),
+        timeout=300,
+    )
     assert out.returncode == 0, f"rc {out.returncode}: {out.stdout[-500:]} {out.stderr[-2000:]}"
     assert out.stdout.strip() == "ok"
 
@@ -128,10 +134,15 @@ print("freed")
 _EXPORTS = {
     "numpy": ("import numpy\narrays = [np.asarray(p) for v in views for p in v]\nread = lambda a: a", "host"),
     "dlpack": ("arrays = [np.from_dlpack(p) for v in views for p in v]\nread = lambda a: a", "host"),
-    "torch": ("import torch\narrays = [torch.from_dlpack(p) for v in views for p in v]\n"
-              "read = lambda a: a.cpu().numpy()", "cuda"),
-    "torch_cai": ("import torch\narrays = [torch.as_tensor(p, device='cuda') for v in views for p in v]\n"
-                  "read = lambda a: a.cpu().numpy()", "cuda"),
+    "torch": (
+        "import torch\narrays = [torch.from_dlpack(p) for v in views for p in v]\nread = lambda a: a.cpu().numpy()",
+        "cuda",
+    ),
+    "torch_cai": (
+        "import torch\narrays = [torch.as_tensor(p, device='cuda') for v in views for p in v]\n"
+        "read = lambda a: a.cpu().numpy()",
+        "cuda",
+    ),
 }
 
 

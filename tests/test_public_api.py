@@ -49,9 +49,21 @@ def test_all_is_sorted_and_every_name_resolves():
 def test_every_returned_type_is_exported():
     returned = _returned(ExpertCache) | _returned(MultiDeviceCache)
     # What the caches return today; the check below is what matters when one is added.
-    assert {"Batch", "CacheStats", "ClassInfo", "ClassStats", "CompactBuffer", "DeviceBatch", "DeviceSelection",
-            "ExpertView", "PathStats", "PrefetchStats", "Selection", "StagingStats", "TensorView"} <= {
-        c.__name__ for c in returned}
+    assert {
+        "Batch",
+        "CacheStats",
+        "ClassInfo",
+        "ClassStats",
+        "CompactBuffer",
+        "DeviceBatch",
+        "DeviceSelection",
+        "ExpertView",
+        "PathStats",
+        "PrefetchStats",
+        "Selection",
+        "StagingStats",
+        "TensorView",
+    } <= {c.__name__ for c in returned}
     for cls in returned:
         assert cls.__name__ in pyexpcache.__all__, f"{cls.__module__}.{cls.__name__} is returned but not exported"
         assert getattr(pyexpcache, cls.__name__) is cls

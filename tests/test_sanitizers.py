@@ -33,8 +33,7 @@ def make_command(target: str) -> list[str]:
 
 def run_make(target: str) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    proc = subprocess.run(make_command(target), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    proc = subprocess.run(make_command(target), cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -42,11 +41,17 @@ def report(target: str, rc: int, stdout: str, stderr: str) -> str:
     """The driver's counts first, then the end of everything else (divergences, sanitizer reports)."""
     counts = [line for line in stdout.splitlines() if line.startswith("stress:")]
     build = re.compile(r"^(\S*/)?(cc|gcc|g\+\+|c\+\+|clang|clang\+\+)\s")  # compiler command lines
-    rest = [line for line in (stdout + "\n" + stderr).splitlines()
-            if line and not line.startswith("stress:") and not build.match(line)]
+    rest = [
+        line
+        for line in (stdout + "\n" + stderr).splitlines()
+        if line and not line.startswith("stress:") and not build.match(line)
+    ]
     tail = "\n".join(rest[-80:])
-    return (f"make {target} exited {rc}\n" + ("\n".join(counts) or "(the driver printed no counts: it crashed "
-            "or a sanitizer stopped it; see below)") + f"\n--- output (last lines) ---\n{tail}")
+    return (
+        f"make {target} exited {rc}\n"
+        + ("\n".join(counts) or "(the driver printed no counts: it crashed or a sanitizer stopped it; see below)")
+        + f"\n--- output (last lines) ---\n{tail}"
+    )
 
 
 @functools.lru_cache(maxsize=None)  # one probe build per flag set, not one per test
@@ -57,10 +62,15 @@ def sanitizer_unavailable(flags: str) -> str:
         return f"no C++ compiler ({cxx})"
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "t.cpp", Path(tmp) / "t"
-        src.write_text("#include <thread>\n#include <vector>\nint main() { std::vector<int> v(4); "
-                       "std::thread t([&] { v[1] = 1; }); t.join(); return v[3]; }\n")
-        build = subprocess.run([cxx, f"-fsanitize={flags}", "-fno-omit-frame-pointer", str(src), "-o", str(exe),
-                                "-lpthread"], capture_output=True, text=True)
+        src.write_text(
+            "#include <thread>\n#include <vector>\nint main() { std::vector<int> v(4); "
+            "std::thread t([&] { v[1] = 1; }); t.join(); return v[3]; }\n"
+        )
+        build = subprocess.run(
+            [cxx, f"-fsanitize={flags}", "-fno-omit-frame-pointer", str(src), "-o", str(exe), "-lpthread"],
+            capture_output=True,
+            text=True,
+        )
         if build.returncode != 0:
             return f"{cxx} cannot build with -fsanitize={flags}: {build.stderr.strip()[-300:]}"
         ran = subprocess.run([str(exe)], capture_output=True, text=True)

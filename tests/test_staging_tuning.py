@@ -27,8 +27,11 @@ BAD = [
     ("EXPCACHE_STAGING_MIN_PIECES", "", "a whole number between 0 and 1024"),
     ("EXPCACHE_STAGING_SHORT", "17", "a whole number between 0 and 16"),  # clamped to 16 before
     ("EXPCACHE_STAGING_SHORT", "3.5", "a whole number between 0 and 16"),
-    ("EXPCACHE_STAGING_COPY", "avx2",
-     "one of wide (64-byte stores where the CPU has AVX-512) or sse2 (16-byte stores)"),
+    (
+        "EXPCACHE_STAGING_COPY",
+        "avx2",
+        "one of wide (64-byte stores where the CPU has AVX-512) or sse2 (16-byte stores)",
+    ),
     ("EXPCACHE_STAGING_PREFETCH", "67108865", "a number of bytes between 0 and 67108864"),
     ("EXPCACHE_STAGING_PREFETCH", "0x1000", "a number of bytes between 0 and 67108864"),
     ("EXPCACHE_STAGING_PREFETCH_HINT", "t1", "one of t0 (into L1), t2 (into L2) or nta (non-temporal)"),
@@ -45,8 +48,16 @@ CALLS = ([0, 1, 2], [3, 4, 0], [5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [1, 2])  #
 
 def make_cache(source, **kwargs):
     kwargs.setdefault("budget_experts", 8)
-    return ExpertCache(LAYOUT, source, backend="host", copy_threads=4, staging_bytes=8 << 20,
-                       staging_chunk_bytes=CHUNK, log_level=2, **kwargs)
+    return ExpertCache(
+        LAYOUT,
+        source,
+        backend="host",
+        copy_threads=4,
+        staging_bytes=8 << 20,
+        staging_chunk_bytes=CHUNK,
+        log_level=2,
+        **kwargs,
+    )
 
 
 def serve_and_check(cache, source):
@@ -82,9 +93,17 @@ GOOD = [
     {"EXPCACHE_STAGING_PREFETCH": "0"},
     {"EXPCACHE_STAGING_PREFETCH": "67108864", "EXPCACHE_STAGING_PREFETCH_HINT": "t0"},
     {"EXPCACHE_STAGING_PREFETCH": "8192", "EXPCACHE_STAGING_PREFETCH_HINT": "nta"},
-    {"EXPCACHE_STAGING_NT_MAX": "65536", "EXPCACHE_STAGING_FILE_BOUNCE": "off", "EXPCACHE_STAGING_COALESCE": "0",
-     "EXPCACHE_STAGING_MIN_PIECES": "1024", "EXPCACHE_STAGING_SHORT": "16", "EXPCACHE_STAGING_COPY": "sse2",
-     "EXPCACHE_STAGING_PREFETCH": "4096", "EXPCACHE_STAGING_PREFETCH_HINT": "T2", "EXPCACHE_STAGING_TRACE_PIECES": "0"},
+    {
+        "EXPCACHE_STAGING_NT_MAX": "65536",
+        "EXPCACHE_STAGING_FILE_BOUNCE": "off",
+        "EXPCACHE_STAGING_COALESCE": "0",
+        "EXPCACHE_STAGING_MIN_PIECES": "1024",
+        "EXPCACHE_STAGING_SHORT": "16",
+        "EXPCACHE_STAGING_COPY": "sse2",
+        "EXPCACHE_STAGING_PREFETCH": "4096",
+        "EXPCACHE_STAGING_PREFETCH_HINT": "T2",
+        "EXPCACHE_STAGING_TRACE_PIECES": "0",
+    },
 ]
 
 

@@ -71,19 +71,35 @@ def _mixed_uneven() -> ModelLayout:
     """q2/q4 with different expert counts per class, and a dense layer (never registered)."""
     base = ModelLayout.preset("mixed", scale=SCALE)
     q2, q4 = base[0].class_key, base[40].class_key
-    return ModelLayout((None, LayerSpec(8, *q2), LayerSpec(4, *q4), LayerSpec(8, *q2), LayerSpec(4, *q4)),
-                       name="mixed-uneven")
+    return ModelLayout(
+        (None, LayerSpec(8, *q2), LayerSpec(4, *q4), LayerSpec(8, *q2), LayerSpec(4, *q4)), name="mixed-uneven"
+    )
 
 
 def _three() -> ModelLayout:
-    return ModelLayout((LayerSpec(6, 512, 512, 640), LayerSpec(6, 1024, 1024, 1024), LayerSpec(6, 264, 264, 336),
-                        LayerSpec(6, 512, 512, 640)), name="three")
+    return ModelLayout(
+        (
+            LayerSpec(6, 512, 512, 640),
+            LayerSpec(6, 1024, 1024, 1024),
+            LayerSpec(6, 264, 264, 336),
+            LayerSpec(6, 512, 512, 640),
+        ),
+        name="three",
+    )
 
 
 def _four_odd() -> ModelLayout:
     """Four classes with unaligned part sizes (tails, 256-byte rounding)."""
-    return ModelLayout((LayerSpec(5, 520, 1000, 333), LayerSpec(5, 256, 256, 256), LayerSpec(5, 100, 200, 300),
-                        LayerSpec(5, 520, 1000, 333), LayerSpec(5, 264, 264, 336)), name="four-odd")
+    return ModelLayout(
+        (
+            LayerSpec(5, 520, 1000, 333),
+            LayerSpec(5, 256, 256, 256),
+            LayerSpec(5, 100, 200, 300),
+            LayerSpec(5, 520, 1000, 333),
+            LayerSpec(5, 264, 264, 336),
+        ),
+        name="four-odd",
+    )
 
 
 LAYOUTS = {f.__name__: f() for f in (_mixed_small, _mixed_uneven, _three, _four_odd)}
@@ -168,19 +184,25 @@ def assert_cache_matches_model(cache, model, source, where: str = "") -> set:
             got = testing.read_expert(cache, layer, e)
             want = model.is_resident(layer, e)
             assert (got is not None) == want, (
-                f"{where}layer {layer} expert {e}: library resident={got is not None}, model resident={want}")
+                f"{where}layer {layer} expert {e}: library resident={got is not None}, model resident={want}"
+            )
             if got is not None:
                 assert (got == source.expert_bytes(layer, e)).all(), f"{where}({layer}, {e}) corrupted"
                 resident.add((layer, e))
     infos = {c.index: c for c in cache.classes()}
     m_infos = model.class_infos()
-    assert sorted(infos) == sorted(m_infos), (
-        f"{where}classes in use: library {sorted(infos)}, model {sorted(m_infos)}")
+    assert sorted(infos) == sorted(m_infos), f"{where}classes in use: library {sorted(infos)}, model {sorted(m_infos)}"
     for i, info in infos.items():
-        got = dict(key=info.key, slot_bytes=info.slot_bytes, target_experts=info.target_experts,
-                   cap_experts=info.cap_experts, allocated_experts=info.allocated_experts,
-                   resident_experts=info.resident_experts, held_experts=info.held_experts,
-                   num_layers=info.num_layers)
+        got = dict(
+            key=info.key,
+            slot_bytes=info.slot_bytes,
+            target_experts=info.target_experts,
+            cap_experts=info.cap_experts,
+            allocated_experts=info.allocated_experts,
+            resident_experts=info.resident_experts,
+            held_experts=info.held_experts,
+            num_layers=info.num_layers,
+        )
         assert got == m_infos[i], f"{where}class {i}: library {got}, model {m_infos[i]}"
     m_stats = model.stats()
     for c in cache.stats().classes:
@@ -210,8 +232,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.source = source_for(name)
         self.kw = kw
         self.paused = paused
-        self.cache = ExpertCache(self.layout, self.source, backend="host", log_level=0,
-                                 prefetch_max_per_layer=limit, **kw)
+        self.cache = ExpertCache(
+            self.layout, self.source, backend="host", log_level=0, prefetch_max_per_layer=limit, **kw
+        )
         if paused:
             testing.pause_prefetch(self.cache)
         self.model = ReferenceCache(self.layout, prefetch_max_per_layer=limit, **kw)
@@ -246,8 +269,12 @@ class CacheMachine(RuleBasedStateMachine):
 
     def draw_layer(self, data):
         if data.draw(st.integers(0, 30)) == 0:  # now and then a dense or out-of-range layer
-            return data.draw(st.sampled_from([self.layout.num_layers, self.layout.num_layers + 5]
-                                             + [i for i, s in enumerate(self.layout.layers) if s is None]))
+            return data.draw(
+                st.sampled_from(
+                    [self.layout.num_layers, self.layout.num_layers + 5]
+                    + [i for i, s in enumerate(self.layout.layers) if s is None]
+                )
+            )
         return data.draw(st.sampled_from(self.moe_layers))
 
     def draw_ids(self, data, layer, max_len):
@@ -286,8 +313,11 @@ class CacheMachine(RuleBasedStateMachine):
     def select(self, data, raw):
         layer = self.draw_layer(data)
         ids = self.draw_ids(data, layer, 7)
-        call = (lambda: raw_select(self.cache, layer, ids)) if raw else (
-            lambda: self.cache.select(layer, np.array(ids, dtype=np.int64)))
+        call = (
+            (lambda: raw_select(self.cache, layer, ids))
+            if raw
+            else (lambda: self.cache.select(layer, np.array(ids, dtype=np.int64)))
+        )
 
         def model_call():
             try:
@@ -296,6 +326,7 @@ class CacheMachine(RuleBasedStateMachine):
                 if raw and e.status == DENSE:
                     raise ModelError(INVALID_STATE, str(e)) from None
                 raise
+
         ok, where, ptrs = self.both(model_call, call)
         if ok:
             assert ptrs.shape == (len(ids), 3)
@@ -313,8 +344,10 @@ class CacheMachine(RuleBasedStateMachine):
         ids = self.draw_ids(data, layer, 7)
         # Any load_compact call (even a failing one) may free the previous buffer.
         self.compact = None
-        ok, _, buf = self.both(lambda: self.model.load_compact(layer, ids),
-                               lambda: self.cache.load_compact(layer, np.array(ids, dtype=np.int64)))
+        ok, _, buf = self.both(
+            lambda: self.model.load_compact(layer, ids),
+            lambda: self.cache.load_compact(layer, np.array(ids, dtype=np.int64)),
+        )
         if ok:
             spec = self.layout[layer]
             assert buf.num_experts == len(ids)
@@ -331,8 +364,10 @@ class CacheMachine(RuleBasedStateMachine):
         tokens = data.draw(st.integers(1, 4))
         rows = [self.draw_ids(data, layer, 3) for _ in range(tokens)]
         flat = [e for r in rows for e in r]
-        ok, m_out, batch = self.both(lambda: self.model.prepare_batch(layer, flat),
-                                     lambda: self.cache.prepare_batch(layer, np.array(flat, dtype=np.int64)))
+        ok, m_out, batch = self.both(
+            lambda: self.model.prepare_batch(layer, flat),
+            lambda: self.cache.prepare_batch(layer, np.array(flat, dtype=np.int64)),
+        )
         if ok:
             handle, unique, where = m_out
             assert batch.ids.tolist() == unique
@@ -356,8 +391,7 @@ class CacheMachine(RuleBasedStateMachine):
         h = self.model.next_batch + handle if handle else 0
         if h in live:
             return
-        self.both(lambda: self.model.finish_batch(h),
-                  lambda: lib.expcache_batch_finish(self.cache._handle, h, None))
+        self.both(lambda: self.model.finish_batch(h), lambda: lib.expcache_batch_finish(self.cache._handle, h, None))
 
     @rule(data=st.data())
     def prefetch(self, data):
@@ -375,7 +409,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert l_queued == m_queued, (
                 f"prefetch({layer}, {ids}) queued: library {l_queued}, model {m_queued}; "
                 f"library {self.cache.prefetch_stats()}, model {self.model.pstats}; "
-                f"model resident {sorted(self.model.resident_set())}")
+                f"model resident {sorted(self.model.resident_set())}"
+            )
 
     @rule(data=st.data())
     def hint(self, data):
@@ -391,8 +426,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 4), count=st.integers(0, 3))
     def inject(self, n, count):
-        self.both(lambda: self.model.fail_device_alloc_after(n, count),
-                  lambda: testing.fail_device_alloc_after(self.cache, n, count))
+        self.both(
+            lambda: self.model.fail_device_alloc_after(n, count),
+            lambda: testing.fail_device_alloc_after(self.cache, n, count),
+        )
 
     @rule()
     def reset_stats(self):
@@ -414,10 +451,14 @@ class CacheMachine(RuleBasedStateMachine):
 
 def fuzz_settings(examples: int, steps: int):
     """The machines' hypothesis settings: derandomized unless asked to run longer, no deadline."""
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=not FUZZ_RANDOM,
-                    database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=not FUZZ_RANDOM,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    )
 
 
 CacheMachine.TestCase.settings = fuzz_settings(FUZZ_EXAMPLES, FUZZ_STEPS)
@@ -427,6 +468,7 @@ TestCacheMatchesModel = CacheMachine.TestCase
 # ---------------------------------------------------------------------------
 # Directed checks of the model itself (fast; they pin the documented semantics
 # the machine relies on, independently of the library).
+
 
 def test_model_lru_and_batch_semantics():
     # LRU's victim order and recency list: the model pinned to policy="lru", whatever its default.

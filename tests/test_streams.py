@@ -15,16 +15,17 @@ from support.cache import CUDA_OK, CUDA_REASON
 
 pytestmark = pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 
-PART = 4 << 20   # 4 MiB per part, 12 MiB per expert
-REPEATS = 8192   # one checksum kernel reading an expert this many times: ~100 GiB, milliseconds of work
+PART = 4 << 20  # 4 MiB per part, 12 MiB per expert
+REPEATS = 8192  # one checksum kernel reading an expert this many times: ~100 GiB, milliseconds of work
 
 
 @pytest.fixture
 def cuda():
     """(runtime, stream A, stream B), destroyed afterwards."""
     rt = _cuda.runtime()
-    a, b = (int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
-            for _ in range(2))
+    a, b = (
+        int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")) for _ in range(2)
+    )
     yield rt, a, b
     rt.cudaDeviceSynchronize()
     rt.cudaStreamDestroy(a)
@@ -54,11 +55,13 @@ def _bytes_at(addr: int, n: int) -> np.ndarray:
 def test_eviction_on_another_stream_waits_for_earlier_reads(cuda, policy, pinned):
     rt, a, b = cuda
     layout = ModelLayout((LayerSpec(4, PART, PART, PART),), name="fence")
-    with HostSource(layout, pinned=pinned) as source, \
-            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache:
+    with (
+        HostSource(layout, pinned=pinned) as source,
+        ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache,
+    ):
         old = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
-        _long_read(cache, old, a)                # a long read of expert 0's slot on stream A
+        _long_read(cache, old, a)  # a long read of expert 0's slot on stream A
         new = cache.select(0, [1], stream=b)[0]  # evicts expert 0: the same slot, on stream B
         assert int(new[0]) == int(old[0]), "the test needs the eviction to reuse the slot being read"
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
@@ -72,14 +75,15 @@ def test_race_is_observable_without_the_fence(cuda, policy):
     Shows the tests around it would fail if the cache did not order the streams."""
     rt, a, b = cuda
     layout = ModelLayout((LayerSpec(2, PART, PART, PART),), name="race")
-    with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=2, backend="cuda", log_level=0, policy=policy) as cache:
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(layout, source, budget_experts=2, backend="cuda", log_level=0, policy=policy) as cache,
+    ):
         old = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
         _long_read(cache, old, a)
         h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-        _cuda.check(rt.cudaMemcpyAsync(int(old[0]), source.part(0, 1, 0).ctypes.data, PART, h2d, b),
-                    "cudaMemcpyAsync")
+        _cuda.check(rt.cudaMemcpyAsync(int(old[0]), source.part(0, 1, 0).ctypes.data, PART, h2d, b), "cudaMemcpyAsync")
         _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
         raced = not _all_reads_saw(cache, source.expected_checksum(0, 0))
     if not raced:
@@ -91,9 +95,11 @@ def test_staging_reuse_on_another_stream_waits_for_earlier_reads(cuda, policy):
     """Select's overflow staging (capacity smaller than the request) is fenced the same way."""
     rt, a, b = cuda
     layout = ModelLayout((LayerSpec(8, PART, PART, PART),), name="fence-staging")
-    with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache:
-        first = cache.select(0, [0, 1], stream=a)   # expert 1 is served from staging
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache,
+    ):
+        first = cache.select(0, [0, 1], stream=a)  # expert 1 is served from staging
         cache.synchronize(a)
         _long_read(cache, first[1], a)
         second = cache.select(0, [2, 3], stream=b)  # reuses the staging for expert 3
@@ -107,8 +113,10 @@ def test_split_select_misses_wait_for_earlier_reads_on_the_stream(cuda, policy):
     work enqueued on the caller's before overwriting a slot."""
     rt, a, _ = cuda
     layout = ModelLayout((LayerSpec(4, PART, PART, PART),), name="fence-split")
-    with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache:
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(layout, source, budget_experts=1, backend="cuda", log_level=0, policy=policy) as cache,
+    ):
         old = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
         _long_read(cache, old, a)
@@ -125,8 +133,10 @@ def test_split_select_misses_are_whole_after_wait(cuda, policy):
     """Work enqueued after Selection.wait() reads the misses' bytes whole."""
     rt, a, _ = cuda
     layout = ModelLayout((LayerSpec(6, PART, PART, PART),), name="split-ready")
-    with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=6, backend="cuda", log_level=0, policy=policy) as cache:
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(layout, source, budget_experts=6, backend="cuda", log_level=0, policy=policy) as cache,
+    ):
         for e in range(6):
             sel = cache.select_split(0, [e], stream=a)
             sel.wait(a)
@@ -141,9 +151,12 @@ def test_prefetch_waits_for_reads_of_older_calls(cuda, policy):
     enqueued on the stream before the previous call, so a kernel still reading it is safe."""
     rt, a, _ = cuda
     layout = ModelLayout((LayerSpec(5, PART, PART, PART),), name="fence-prefetch")
-    with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=3, backend="cuda", log_level=0, policy=policy,
-                        prefetch_piece_bytes=1 << 20) as cache:
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(
+            layout, source, budget_experts=3, backend="cuda", log_level=0, policy=policy, prefetch_piece_bytes=1 << 20
+        ) as cache,
+    ):
         old = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
         _long_read(cache, old, a)
@@ -165,9 +178,12 @@ def test_a_select_right_after_a_prefetch_reads_whole_bytes(cuda, policy):
     read on the select's stream is whole."""
     rt, a, _ = cuda
     layout = ModelLayout((LayerSpec(8, PART, PART, PART),), name="prefetch-then-select")
-    with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=8, backend="cuda", log_level=0, policy=policy,
-                        prefetch_piece_bytes=256 << 10) as cache:
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(
+            layout, source, budget_experts=8, backend="cuda", log_level=0, policy=policy, prefetch_piece_bytes=256 << 10
+        ) as cache,
+    ):
         for e in range(8):
             cache.prefetch(0, [e], stream=a)
             time.sleep(0.0002 * e)  # from at once to after it landed
@@ -186,9 +202,12 @@ def test_a_miss_into_a_cancelled_prefetchs_slot_waits_for_its_pieces(cuda, polic
     never under them."""
     rt, a, _ = cuda
     layout = ModelLayout((LayerSpec(3, PART, PART, PART),), name="fence-cancelled")
-    with HostSource(layout, pinned=True) as source, \
-            ExpertCache(layout, source, budget_experts=2, backend="cuda", log_level=0, policy=policy,
-                        prefetch_piece_bytes=64 << 10) as cache:
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(
+            layout, source, budget_experts=2, backend="cuda", log_level=0, policy=policy, prefetch_piece_bytes=64 << 10
+        ) as cache,
+    ):
         ptrs = cache.select(0, [0], stream=a)[0]
         cache.synchronize(a)
         _long_read(cache, ptrs, a)

@@ -16,9 +16,19 @@ HOOKS = sorted(name for name in testing.__all__ if name != "CHECKSUM_RESULTS")
 
 
 def test_the_hooks_are_the_modules_functions():
-    assert HOOKS == ["bank_checksum_async", "checksum", "checksum_async", "checksum_results", "device_bytes_in_use", "fail_copy_after",
-                     "fail_device_alloc_after", "fail_staging_after", "pause_prefetch", "read_device",
-                     "read_expert"]
+    assert HOOKS == [
+        "bank_checksum_async",
+        "checksum",
+        "checksum_async",
+        "checksum_results",
+        "device_bytes_in_use",
+        "fail_copy_after",
+        "fail_device_alloc_after",
+        "fail_staging_after",
+        "pause_prefetch",
+        "read_device",
+        "read_expert",
+    ]
     assert all(callable(getattr(testing, name)) for name in HOOKS)
     assert testing.CHECKSUM_RESULTS == 65536
 
@@ -85,8 +95,10 @@ def test_hooks_go_through_the_call_gate(make_cache):
 
 def test_a_multi_device_cache_is_refused_with_its_caches_named():
     layout = ModelLayout.preset("q2", scale=SCALE)
-    with HostSource(layout) as source, \
-            MultiDeviceCache(layout, source, devices=[0, 1], budget_experts=4, backend="host", log_level=0) as multi:
+    with (
+        HostSource(layout) as source,
+        MultiDeviceCache(layout, source, devices=[0, 1], budget_experts=4, backend="host", log_level=0) as multi,
+    ):
         with pytest.raises(TypeError, match=r"takes an ExpertCache \(a MultiDeviceCache's are its .caches\)"):
             testing.read_expert(multi, 3, 1)
         assert testing.read_expert(multi.caches[1], 3, 1) is None

@@ -59,8 +59,10 @@ def mixed_layout(num_layers=8, num_experts=16) -> ModelLayout:
     """q2 and q4 (DeepSeek V4 Flash sizes / SCALE); the last quarter of the layers is q4."""
     base = ModelLayout.preset("mixed", scale=SCALE)
     q2, q4 = base[0].class_key, base[40].class_key
-    return ModelLayout(tuple(LayerSpec(num_experts, *(q4 if i >= num_layers * 3 // 4 else q2))
-                             for i in range(num_layers)), name="mixed-threads")
+    return ModelLayout(
+        tuple(LayerSpec(num_experts, *(q4 if i >= num_layers * 3 // 4 else q2)) for i in range(num_layers)),
+        name="mixed-threads",
+    )
 
 
 class RawSelect:
@@ -247,8 +249,18 @@ def test_shared_cache_with_concurrent_control_calls(policy):
     layout = mixed_layout()
     source = HostSource(layout)
     slot = 3840
-    cache = ExpertCache(layout, source, backend="host", budget_experts=10, max_classes=2, log_level=0, policy=policy,
-                        device_capacity_bytes=40 * slot, reserve_bytes=2 * slot, slab_bytes=3 * slot)
+    cache = ExpertCache(
+        layout,
+        source,
+        backend="host",
+        budget_experts=10,
+        max_classes=2,
+        log_level=0,
+        policy=policy,
+        device_capacity_bytes=40 * slot,
+        reserve_bytes=2 * slot,
+        slab_bytes=3 * slot,
+    )
     stop = threading.Event()
     allowed = (OutOfDeviceMemoryError,)
 
@@ -347,8 +359,18 @@ def seeded_ops(seed, layout, count):
 def replay(layout, source, ops, policy, barrier=None):
     """Run ops on a fresh cache; return (counters, residency, device bytes, outcome per op)."""
     slot = 3840
-    cache = ExpertCache(layout, source, backend="host", budget_experts=9, max_classes=2, log_level=0, policy=policy,
-                        device_capacity_bytes=30 * slot, reserve_bytes=slot, slab_bytes=2 * slot)
+    cache = ExpertCache(
+        layout,
+        source,
+        backend="host",
+        budget_experts=9,
+        max_classes=2,
+        log_level=0,
+        policy=policy,
+        device_capacity_bytes=30 * slot,
+        reserve_bytes=slot,
+        slab_bytes=2 * slot,
+    )
     if barrier is not None:
         barrier.wait()
     batches = []
@@ -379,9 +401,15 @@ def replay(layout, source, ops, policy, barrier=None):
             outcomes.append(e.status_name)
     for b in batches:
         assert_served(cache, source, b.layer, b.ids, b.pointers)
-    counters = {(c.info.index, c.info.key, p): vars(s).copy() for c in cache.stats().classes for p, s in c.paths.items()}
-    resident = {(l, e) for l in layout.moe_layers for e in range(layout[l].num_experts)
-                if testing.read_expert(cache, l, e) is not None}
+    counters = {
+        (c.info.index, c.info.key, p): vars(s).copy() for c in cache.stats().classes for p, s in c.paths.items()
+    }
+    resident = {
+        (l, e)
+        for l in layout.moe_layers
+        for e in range(layout[l].num_experts)
+        if testing.read_expert(cache, l, e) is not None
+    }
     snapshot = (counters, resident, testing.device_bytes_in_use(cache), outcomes)
     for b in batches:
         b.finish()

@@ -81,11 +81,21 @@ def test_dtypes_dlpack_cannot_carry_are_refused(backing, bad):
         host_view(backing, dtype=bad)
 
 
-@pytest.mark.parametrize("kwargs, error", [
-    ({"ptr": -1}, ValueError), ({"ptr": True}, TypeError), ({"ptr": 1.0}, TypeError), ({"ptr": 0}, ValueError),
-    ({"nbytes": -64}, ValueError), ({"nbytes": False}, TypeError), ({"nbytes": 1 << 64}, ValueError),
-    ({"device_id": -1}, ValueError), ({"stream": -2}, ValueError), ({"stream": True}, TypeError),
-])
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"ptr": -1}, ValueError),
+        ({"ptr": True}, TypeError),
+        ({"ptr": 1.0}, TypeError),
+        ({"ptr": 0}, ValueError),
+        ({"nbytes": -64}, ValueError),
+        ({"nbytes": False}, TypeError),
+        ({"nbytes": 1 << 64}, ValueError),
+        ({"device_id": -1}, ValueError),
+        ({"stream": -2}, ValueError),
+        ({"stream": True}, TypeError),
+    ],
+)
 def test_arguments_are_checked(backing, kwargs, error):
     args = {"ptr": backing.ctypes.data, "nbytes": 64, **kwargs}
     with pytest.raises(error):
@@ -112,8 +122,13 @@ def test_interfaces_and_device(backing):
     view = host_view(backing, dtype="<f2", shape=(2, 16))
     assert view.__dlpack_device__() == (1, 0)
     assert not hasattr(view, "__cuda_array_interface__")
-    assert view.__array_interface__ == {"shape": (2, 16), "typestr": "<f2", "data": (backing.ctypes.data, False),
-                                        "version": 3, "strides": None}
+    assert view.__array_interface__ == {
+        "shape": (2, 16),
+        "typestr": "<f2",
+        "data": (backing.ctypes.data, False),
+        "version": 3,
+        "strides": None,
+    }
     assert "device=host" in repr(view) and "float16" in repr(view) and "(2, 16)" in repr(view)
 
 
@@ -206,7 +221,7 @@ def test_a_consumer_refusing_the_capsule_raises_its_own_error(backing):
 
 
 def test_expert_view_groups_three_parts(backing):
-    gate, up, down = (host_view(backing[i * 16:(i + 1) * 16]) for i in range(3))
+    gate, up, down = (host_view(backing[i * 16 : (i + 1) * 16]) for i in range(3))
     expert = ExpertView(gate, up, down)
     assert expert.parts == (gate, up, down) and list(expert) == [gate, up, down]
     assert [int(np.from_dlpack(part)[0]) for part in expert] == [0, 16, 32]
@@ -216,22 +231,39 @@ def test_expert_view_groups_three_parts(backing):
 def read_capsule(capsule) -> dict:
     """The DLTensor fields of an unconsumed capsule, as a consumer would read them."""
     t = _dlpack._Tensor.from_address(_dlpack._capsule_pointer(capsule, b"dltensor"))
-    return {"data": t.data or 0, "device": (t.device.device_type, t.device.device_id), "ndim": t.ndim,
-            "dtype": (t.dtype.code, t.dtype.bits, t.dtype.lanes), "shape": tuple(t.shape[i] for i in range(t.ndim)),
-            "strides": tuple(t.strides[i] for i in range(t.ndim)) if t.strides else None,
-            "byte_offset": t.byte_offset}
+    return {
+        "data": t.data or 0,
+        "device": (t.device.device_type, t.device.device_id),
+        "ndim": t.ndim,
+        "dtype": (t.dtype.code, t.dtype.bits, t.dtype.lanes),
+        "shape": tuple(t.shape[i] for i in range(t.ndim)),
+        "strides": tuple(t.strides[i] for i in range(t.ndim)) if t.strides else None,
+        "byte_offset": t.byte_offset,
+    }
 
 
-@pytest.mark.parametrize("dtype, shape, nbytes, code, strides", [
-    (None, None, 64, (1, 8, 1), (1,)), ("float16", (4, 8), 64, (2, 16, 1), (8, 1)),
-    ("int32", (2, 2, 4), 64, (0, 32, 1), (8, 4, 1)), ("bfloat16", (32,), 64, (4, 16, 1), (1,)),
-    ("float64", (), 8, (2, 64, 1), None),  # a 0-d tensor: strides may be NULL
-])
+@pytest.mark.parametrize(
+    "dtype, shape, nbytes, code, strides",
+    [
+        (None, None, 64, (1, 8, 1), (1,)),
+        ("float16", (4, 8), 64, (2, 16, 1), (8, 1)),
+        ("int32", (2, 2, 4), 64, (0, 32, 1), (8, 4, 1)),
+        ("bfloat16", (32,), 64, (4, 16, 1), (1,)),
+        ("float64", (), 8, (2, 64, 1), None),  # a 0-d tensor: strides may be NULL
+    ],
+)
 def test_the_capsule_fields(dtype, shape, nbytes, code, strides):
     view = TensorView(0x7000_0100, nbytes, cuda=True, device_id=3, dtype=dtype, shape=shape)
     fields = read_capsule(view.__dlpack__(stream=-1))
-    assert fields == {"data": 0x7000_0100, "device": (2, 3), "ndim": len(view.shape), "dtype": code,
-                      "shape": view.shape, "strides": strides, "byte_offset": 0}
+    assert fields == {
+        "data": 0x7000_0100,
+        "device": (2, 3),
+        "ndim": len(view.shape),
+        "dtype": code,
+        "shape": view.shape,
+        "strides": strides,
+        "byte_offset": 0,
+    }
     host = read_capsule(TensorView(0x7000_0100, nbytes, cuda=False, dtype=dtype, shape=shape).__dlpack__())
     assert host == {**fields, "device": (1, 0)}
 
@@ -355,13 +387,25 @@ def fake_cuda_view(stream, device_id=0, **kwargs) -> TensorView:
     return TensorView(0x7000_0000, 64, cuda=True, device_id=device_id, stream=stream, **kwargs)
 
 
-@pytest.mark.parametrize("producer, consumer, wait", [
-    (0, None, None), (0, 1, None), (1, None, None), (0, 0, None),   # all the legacy default stream
-    (0, -1, None), (7, -1, None),                                    # -1: do not synchronize
-    (7, 7, None), (2, 2, None),                                      # the same stream
-    (7, None, (7, 1)), (7, 1, (7, 1)), (7, 2, (7, 2)), (7, 9, (7, 9)),
-    (0, 9, (1, 9)), (0, 2, (1, 2)),                                  # 0 recorded as cudaStreamLegacy
-])
+@pytest.mark.parametrize(
+    "producer, consumer, wait",
+    [
+        (0, None, None),
+        (0, 1, None),
+        (1, None, None),
+        (0, 0, None),  # all the legacy default stream
+        (0, -1, None),
+        (7, -1, None),  # -1: do not synchronize
+        (7, 7, None),
+        (2, 2, None),  # the same stream
+        (7, None, (7, 1)),
+        (7, 1, (7, 1)),
+        (7, 2, (7, 2)),
+        (7, 9, (7, 9)),
+        (0, 9, (1, 9)),
+        (0, 2, (1, 2)),  # 0 recorded as cudaStreamLegacy
+    ],
+)
 def test_the_consumer_stream_waits_for_the_view_stream(fake, producer, consumer, wait):
     view = fake_cuda_view(producer)
     capsule = view.__dlpack__(stream=consumer)
@@ -433,8 +477,14 @@ def test_cuda_array_interface(fake):
     view = fake_cuda_view(0, device_id=2, dtype="float16", shape=(4, 8))
     assert view.__dlpack_device__() == (2, 2)
     assert hasattr(view, "__cuda_array_interface__") and not hasattr(view, "__array_interface__")
-    assert view.__cuda_array_interface__ == {"shape": (4, 8), "typestr": "<f2", "data": (0x7000_0000, False),
-                                             "version": 3, "strides": None, "stream": 1}
+    assert view.__cuda_array_interface__ == {
+        "shape": (4, 8),
+        "typestr": "<f2",
+        "data": (0x7000_0000, False),
+        "version": 3,
+        "strides": None,
+        "stream": 1,
+    }
     view.stream = 7
     assert view.__cuda_array_interface__["stream"] == 7
     assert "device=cuda:2" in repr(view)
@@ -461,6 +511,7 @@ def _torch_cuda():
 def _cupy():
     try:
         import cupy
+
         return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
     except Exception:  # not installed, or no usable CUDA under it
         return None
@@ -469,8 +520,10 @@ def _cupy():
 HAVE_DEVICE = _cuda.device_count() > 0
 TORCH = _torch_cuda() if HAVE_DEVICE else None
 CUPY = _cupy() if HAVE_DEVICE else None
-needs_device = pytest.mark.skipif(not (HAVE_DEVICE and (TORCH or CUPY)),
-                                  reason="needs a CUDA device through cuda-python and PyTorch or CuPy with CUDA")
+needs_device = pytest.mark.skipif(
+    not (HAVE_DEVICE and (TORCH or CUPY)),
+    reason="needs a CUDA device through cuda-python and PyTorch or CuPy with CUDA",
+)
 needs_torch = pytest.mark.skipif(TORCH is None, reason="needs a CUDA device and PyTorch with CUDA")
 needs_cupy = pytest.mark.skipif(CUPY is None, reason="needs a CUDA device and CuPy")
 
@@ -482,10 +535,12 @@ def device():
     _cuda.check(rt.cudaSetDevice(0), "cudaSetDevice")
     host = np.random.default_rng(7).integers(0, 256, 256, dtype=np.uint8)
     ptr = int(_cuda.check(rt.cudaMalloc(host.nbytes), "cudaMalloc"))
-    streams = [int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
-               for _ in range(2)]
-    _cuda.check(rt.cudaMemcpy(ptr, host.ctypes.data, host.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice),
-                "cudaMemcpy")
+    streams = [
+        int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")) for _ in range(2)
+    ]
+    _cuda.check(
+        rt.cudaMemcpy(ptr, host.ctypes.data, host.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy"
+    )
     yield rt, ptr, host, *streams
     _cuda.check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
     for s in streams:

@@ -90,8 +90,16 @@ def backend() -> str:
     # asv imports this package once per benchmark process: remember the answer for this
     # library file, interpreter, visible devices and boot (a temporary file).
     lib_stat = library_path.stat()
-    key = "|".join([str(library_path), str(lib_stat.st_mtime_ns), str(lib_stat.st_size), sys.executable,
-                    os.environ.get("CUDA_VISIBLE_DEVICES", "-"), _boot_id()])
+    key = "|".join(
+        [
+            str(library_path),
+            str(lib_stat.st_mtime_ns),
+            str(lib_stat.st_size),
+            sys.executable,
+            os.environ.get("CUDA_VISIBLE_DEVICES", "-"),
+            _boot_id(),
+        ]
+    )
     memo = Path(tempfile.gettempdir()) / f"expcache-bench-backend-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
     try:
         known = memo.read_text().strip()
@@ -100,8 +108,12 @@ def backend() -> str:
     except OSError:
         pass
     try:
-        out = subprocess.run([sys.executable, "-c", _PROBE.format(path=[p for p in sys.path if p])],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", _PROBE.format(path=[p for p in sys.path if p])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "host"
     words = out.stdout.split()
@@ -172,8 +184,9 @@ class Rig:
         self.backend = which
         scale = 1 if which == "cuda" else MICRO_HOST_SCALE
         full = ModelLayout.preset(quant, scale=scale)
-        self.layout = ModelLayout(tuple(s if i in self.LAYERS else None for i, s in enumerate(full.layers)),
-                                  name=f"{full.name}[layers 5, 40]")
+        self.layout = ModelLayout(
+            tuple(s if i in self.LAYERS else None for i, s in enumerate(full.layers)), name=f"{full.name}[layers 5, 40]"
+        )
         self.source = HostSource(self.layout, pinned=which == "cuda")
         self.caches = []
         experts = self.layout[self.LAYERS[0]].num_experts

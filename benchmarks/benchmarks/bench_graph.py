@@ -30,8 +30,9 @@ def run_graph_loops() -> dict:
     for quant in LAYOUTS:
         layout = ModelLayout.preset(quant, scale=scale)
         # The source the mode asks for (pinned on both backends), where the commit's mode says so.
-        bench = Bench(layout, backend=BACKEND, budget_bytes=budget, scale=scale,
-                      pinned=getattr(graph_loop, "PINNED_SOURCE", None))
+        bench = Bench(
+            layout, backend=BACKEND, budget_bytes=budget, scale=scale, pinned=getattr(graph_loop, "PINNED_SOURCE", None)
+        )
         try:
             report = run_graph_loop(bench, traces=traces)
         finally:

@@ -57,14 +57,23 @@ def _replay(bench, layout, scenario, traces, budget, scale, kwargs) -> dict:
     names = bench.variants() if callable(getattr(bench, "variants", None)) else getattr(bench, "VARIANTS", ())
     lru = "lru" if "lru" in names else "expcache"
     variants = (lru, "oppclass") if "oppclass" in names else (lru,)
-    report = bench.run(layout, scenario, variants=variants, traces=traces, budget_bytes=budget,
-                       backend=BACKEND, host_scale=scale, **kwargs)
+    report = bench.run(
+        layout,
+        scenario,
+        variants=variants,
+        traces=traces,
+        budget_bytes=budget,
+        backend=BACKEND,
+        host_scale=scale,
+        **kwargs,
+    )
     if report.backend != BACKEND:
         raise RuntimeError(f"asked for the {BACKEND} backend, ran on {report.backend}")
     for x in report.results:
         if x.checksum_errors:
-            raise RuntimeError(f"{layout.name} {scenario} {x.variant}: {x.checksum_errors} experts served "
-                               "with wrong bytes")
+            raise RuntimeError(
+                f"{layout.name} {scenario} {x.variant}: {x.checksum_errors} experts served with wrong bytes"
+            )
     by_variant = {x.variant: x for x in report.results}
     r = by_variant[lru]
     opp = by_variant.get("oppclass")

@@ -40,13 +40,13 @@
 #include <immintrin.h>
 #endif
 
-#define CHECK(call)                                                                                 \
-    do {                                                                                            \
-        cudaError_t e_ = (call);                                                                    \
-        if (e_ != cudaSuccess) {                                                                    \
+#define CHECK(call)                                                                                    \
+    do {                                                                                               \
+        cudaError_t e_ = (call);                                                                       \
+        if (e_ != cudaSuccess) {                                                                       \
             std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                           \
-        }                                                                                           \
+            std::exit(1);                                                                              \
+        }                                                                                              \
     } while (0)
 
 namespace {
@@ -64,7 +64,8 @@ struct GatherJobs {
 __device__ __forceinline__ uint4 load_256(const uint4* p) {
     uint4 v;
     asm volatile("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
     return v;
 }
 
@@ -168,8 +169,10 @@ void pinned_table(double gib) {
         std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, "cudaMemcpyBatchAsync", batched, 100 * batched / ref);
 
         // The gather kernel by block count; then with loads asking for 256-byte L2 sectors.
-        const struct { bool prefetch256; int blocks; } runs[] = {
-            {false, 16}, {false, 32}, {false, 64}, {false, 132}, {false, 264}, {true, 132}, {true, 264}};
+        const struct {
+            bool prefetch256;
+            int blocks;
+        } runs[] = {{false, 16}, {false, 32}, {false, 64}, {false, 132}, {false, 264}, {true, 132}, {true, 264}};
         for (const auto& run : runs) {
             const double g = time_calls(calls, call_bytes, stream, [&](int c) {
                 GatherJobs jobs{};
@@ -179,8 +182,10 @@ void pinned_table(double gib) {
                         jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
                         jobs.n16[jobs.count] = L.part[p] / 16;
                     }
-                if (run.prefetch256) gather<true><<<run.blocks, 256, 0, stream>>>(jobs);
-                else gather<false><<<run.blocks, 256, 0, stream>>>(jobs);
+                if (run.prefetch256)
+                    gather<true><<<run.blocks, 256, 0, stream>>>(jobs);
+                else
+                    gather<false><<<run.blocks, 256, 0, stream>>>(jobs);
                 CHECK(cudaGetLastError());
             });
             char name[64];
@@ -262,7 +267,8 @@ void enqueue_table(double gib) {
     for (auto& e : events) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     std::printf("\nthe caller's cost of sending n pieces of 128 KiB from pinned chunks, us per batch (median of %d)\n",
                 int(200 * gib) + 1);
-    std::printf("%-4s %12s %18s %16s %16s\n", "n", "batch copy", "n events after", "1 event after", "n cudaMemcpyAsync");
+    std::printf("%-4s %12s %18s %16s %16s\n", "n", "batch copy", "n events after", "1 event after",
+                "n cudaMemcpyAsync");
     cudaMemcpyAttributes attr = {};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     auto median = [](std::vector<double>& v) {
@@ -295,8 +301,7 @@ void enqueue_table(double gib) {
             one.push_back((seconds() - t0) * 1e6);
             CHECK(cudaStreamSynchronize(stream));
             t0 = seconds();
-            for (int i = 0; i < n; ++i)
-                CHECK(cudaMemcpyAsync(dsts[i], srcs[i], piece, cudaMemcpyHostToDevice, stream));
+            for (int i = 0; i < n; ++i) CHECK(cudaMemcpyAsync(dsts[i], srcs[i], piece, cudaMemcpyHostToDevice, stream));
             singles.push_back((seconds() - t0) * 1e6);
             CHECK(cudaStreamSynchronize(stream));
         }
@@ -338,13 +343,15 @@ double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, s
         pool.emplace_back([&, t] {
             std::mt19937_64 rng(t);
             ++ready;
-            while (!go.load()) {}
+            while (!go.load()) {
+            }
             for (size_t i = 0; i < per_thread; ++i) {
                 const char* s = src + (rng() % ((src_bytes - piece) / 4096)) * 4096;
                 fill_with(how, rings[t] + (i % 8) * piece, s, piece);
             }
         });
-    while (ready.load() < threads) {}
+    while (ready.load() < threads) {
+    }
     const double t0 = seconds();
     go = true;
     for (auto& th : pool) th.join();
@@ -356,7 +363,10 @@ double host_fill(const char* src, size_t src_bytes, size_t piece, int threads, s
 void host_table(double gib) {
     const size_t src_bytes = size_t(16) << 30;
     char* src = static_cast<char*>(std::malloc(src_bytes));
-    if (!src) { std::printf("no 16 GiB for the host table\n"); return; }
+    if (!src) {
+        std::printf("no 16 GiB for the host table\n");
+        return;
+    }
     std::memset(src, 3, src_bytes);
     // Background link traffic: a pinned buffer copied to the device over and over.
     const size_t bg_bytes = size_t(256) << 20;
@@ -374,8 +384,10 @@ void host_table(double gib) {
                                        {"64 B, T0 4 KiB ahead", 64, {4096, 3}},
                                        {"64 B, T2 4 KiB ahead", 64, {4096, 1}},
                                        {"64 B, NTA 1 KiB ahead", 64, {1024, 0}}});
-    std::printf("\nhost threads filling pinned chunks from a 16 GiB pageable buffer (malloc: 4 KiB pages), "
-                "GB/s together%s\n", wide ? "" : " (no AVX-512 here: no 64-byte stores)");
+    std::printf(
+        "\nhost threads filling pinned chunks from a 16 GiB pageable buffer (malloc: 4 KiB pages), "
+        "GB/s together%s\n",
+        wide ? "" : " (no AVX-512 here: no 64-byte stores)");
     std::printf("%-7s %-8s %-22s %12s %12s\n", "threads", "piece", "stores", "link idle", "link busy");
     const size_t total = size_t(gib * (1 << 30)) * 4;
     for (int threads : {1, 4, 8, 12})
@@ -395,8 +407,8 @@ void host_table(double gib) {
                 const double busy = host_fill(src, src_bytes, piece, threads, total, how);
                 stop = true;
                 link.join();
-                std::printf("%-7d %-8s %-22s %12.1f %12.1f\n", threads, piece == (size_t(128) << 10) ? "128 KiB" : "512 KiB",
-                            how.name, idle, busy);
+                std::printf("%-7d %-8s %-22s %12.1f %12.1f\n", threads,
+                            piece == (size_t(128) << 10) ? "128 KiB" : "512 KiB", how.name, idle, busy);
             }
     CHECK(cudaFree(bg_dev));
     CHECK(cudaFreeHost(bg_host));
@@ -418,7 +430,9 @@ __attribute__((target("clflushopt"))) void flush(const char* p, size_t n) {
     _mm_sfence();
 }
 #else
-bool cpu_has_cldemote() { return false; }
+bool cpu_has_cldemote() {
+    return false;
+}
 void demote(const char*, size_t) {}
 void flush(const char*, size_t) {}
 #endif
@@ -426,8 +440,8 @@ void flush(const char*, size_t) {}
 // Rounds of: `threads` threads each fill one 1 MiB pinned chunk from a random place in `src`
 // (`how`), then the link takes the chunks, one cudaMemcpyAsync each, timed with events.
 // Returns the link's GB/s over all rounds; the fills are not timed.
-double link_after_fill(const char* src, size_t src_bytes, int threads, int rounds, const char* how,
-                       char* chunks, char* dev, cudaStream_t stream) {
+double link_after_fill(const char* src, size_t src_bytes, int threads, int rounds, const char* how, char* chunks,
+                       char* dev, cudaStream_t stream) {
     const size_t piece = size_t(1) << 20;
     cudaEvent_t start, stop;
     CHECK(cudaEventCreate(&start));
@@ -473,7 +487,10 @@ double link_after_fill(const char* src, size_t src_bytes, int threads, int round
 void link_table(double gib) {
     const size_t src_bytes = size_t(16) << 30;
     char* src = static_cast<char*>(std::malloc(src_bytes));
-    if (!src) { std::printf("no 16 GiB for the link table\n"); return; }
+    if (!src) {
+        std::printf("no 16 GiB for the link table\n");
+        return;
+    }
     std::memset(src, 3, src_bytes);
     const int max_threads = 8;
     char *chunks = nullptr, *dev = nullptr;
@@ -481,8 +498,10 @@ void link_table(double gib) {
     CHECK(cudaMalloc(&dev, size_t(max_threads) << 20));
     cudaStream_t stream;
     CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    std::printf("\nthe link reading 1 MiB pinned chunks just filled by host threads, one cudaMemcpyAsync each "
-                "(CLDEMOTE: %s), GB/s\n", cpu_has_cldemote() ? "yes" : "no, a no-op here");
+    std::printf(
+        "\nthe link reading 1 MiB pinned chunks just filled by host threads, one cudaMemcpyAsync each "
+        "(CLDEMOTE: %s), GB/s\n",
+        cpu_has_cldemote() ? "yes" : "no, a no-op here");
     std::printf("%-7s %-20s %9s\n", "chunks", "filled with", "GB/s");
     const int rounds = std::max(8, int(gib * 1024 / max_threads));
     std::vector<const char*> modes = {"memcpy", "memcpy + cldemote", "memcpy + clflushopt", "non-temporal 16 B"};

@@ -11,13 +11,13 @@
 
 #include "expcache.h"
 
-#define CHECK(call)                                                                    \
-    do {                                                                               \
-        expcache_status_t s_ = (call);                                                 \
-        if (s_ != EXPCACHE_OK) {                                                       \
+#define CHECK(call)                                                                         \
+    do {                                                                                    \
+        expcache_status_t s_ = (call);                                                      \
+        if (s_ != EXPCACHE_OK) {                                                            \
             fprintf(stderr, "%s: %s\n", expcache_status_string(s_), expcache_last_error()); \
-            return 1;                                                                  \
-        }                                                                              \
+            return 1;                                                                       \
+        }                                                                                   \
     } while (0)
 
 static double now_ns(void) {

@@ -128,6 +128,8 @@ EXPCACHE_API uint32_t expcache_version(void);
 #define EXPCACHE_BACKEND_HOST 1 /**< Host memory stands in for device memory. */
 #define EXPCACHE_BACKEND_CUDA 2 /**< cudaMalloc'd slabs, async copies. */
 
+/* The constants' comments span lines, which clang-format would turn into macro continuations. */
+/* clang-format off */
 /** Log levels (expcache_config_t.log_level). */
 #define EXPCACHE_LOG_SILENT 0
 #define EXPCACHE_LOG_WARNING 1 /**< trouble only: a class left with cap 0 (nothing cached: a budget too
@@ -169,6 +171,7 @@ EXPCACHE_API uint32_t expcache_version(void);
 /** Where a cache looks experts up (expcache_config_t.lookup). */
 #define EXPCACHE_LOOKUP_HOST 0   /**< the host: expcache_select_async and the other serving calls */
 #define EXPCACHE_LOOKUP_DEVICE 1 /**< the device too: slot banks and expcache_select_device_async */
+/* clang-format on */
 
 /**
  * The name of eviction policy `policy` (EXPCACHE_POLICY_*): "lru", "oppclass", the lower-case
@@ -203,46 +206,46 @@ EXPCACHE_API const char* expcache_policy_name(uint32_t policy);
  * budgets must be set.
  */
 typedef struct expcache_config_t {
-    uint32_t struct_size;      /**< sizeof(expcache_config_t) */
-    uint32_t backend;          /**< EXPCACHE_BACKEND_*; default AUTO */
-    int32_t device;            /**< CUDA device ordinal; default 0 */
-    uint32_t num_layers;       /**< layers are 0..num_layers-1; required, 1..EXPCACHE_MAX_LAYERS_LIMIT */
-    uint32_t max_classes;      /**< default 4; 1..EXPCACHE_MAX_CLASSES_LIMIT */
-    uint32_t log_level;        /**< EXPCACHE_LOG_*; default NOTICE. The environment variable EXPCACHE_VERBOSE
-                                    (read by expcache_create) raises it to DEBUG when 1, true, yes or on, leaves
-                                    it when 0, false, no or off (any case); any other value fails the create
-                                    with INVALID_ARGUMENT */
-    uint64_t budget_experts;   /**< per-class budget in experts; default 0 (unset) */
-    uint64_t budget_bytes;     /**< total budget in bytes; default 0 (unset) */
-    uint64_t reserve_bytes;    /**< device memory the expert caches never grow into (left for staging
-                                    buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides */
-    uint64_t device_capacity_bytes; /**< host backend only: emulated device size; default 64 GiB */
-    uint64_t slab_bytes;       /**< largest single slot allocation; default 512 MiB (at least one slot) */
-    uint32_t copy_threads;     /**< pageable and file sources: threads filling the pinned staging ring, whole
-                                    chunks each, while the calling thread sends the filled ones in order
-                                    (counted among them: copy_threads - 1 workers are started); default the
-                                    cores the process may use (its CPU affinity) less 4, at least 2, at
-                                    most 12; 0 = plain pageable copies, and files read by the calling
-                                    thread alone */
-    uint32_t policy;           /**< EXPCACHE_POLICY_*; default DUEL */
-    uint64_t staging_bytes;    /**< pageable and file sources: size of the pinned staging ring; default
-                                    64 MiB; 1 MiB..16 GiB */
-    uint64_t staging_chunk_bytes; /**< largest piece one thread fills and one transfer moves; default 512 KiB;
-                                    64 KiB..64 MiB, a multiple of 4096 (a ring smaller than 2 chunks uses
-                                    smaller ones) */
-    uint32_t file_reads;       /**< EXPCACHE_FILE_READS_*; default BUFFERED */
+    uint32_t struct_size;            /**< sizeof(expcache_config_t) */
+    uint32_t backend;                /**< EXPCACHE_BACKEND_*; default AUTO */
+    int32_t device;                  /**< CUDA device ordinal; default 0 */
+    uint32_t num_layers;             /**< layers are 0..num_layers-1; required, 1..EXPCACHE_MAX_LAYERS_LIMIT */
+    uint32_t max_classes;            /**< default 4; 1..EXPCACHE_MAX_CLASSES_LIMIT */
+    uint32_t log_level;              /**< EXPCACHE_LOG_*; default NOTICE. The environment variable EXPCACHE_VERBOSE
+                                          (read by expcache_create) raises it to DEBUG when 1, true, yes or on, leaves
+                                          it when 0, false, no or off (any case); any other value fails the create
+                                          with INVALID_ARGUMENT */
+    uint64_t budget_experts;         /**< per-class budget in experts; default 0 (unset) */
+    uint64_t budget_bytes;           /**< total budget in bytes; default 0 (unset) */
+    uint64_t reserve_bytes;          /**< device memory the expert caches never grow into (left for staging
+                                          buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides */
+    uint64_t device_capacity_bytes;  /**< host backend only: emulated device size; default 64 GiB */
+    uint64_t slab_bytes;             /**< largest single slot allocation; default 512 MiB (at least one slot) */
+    uint32_t copy_threads;           /**< pageable and file sources: threads filling the pinned staging ring, whole
+                                          chunks each, while the calling thread sends the filled ones in order
+                                          (counted among them: copy_threads - 1 workers are started); default the
+                                          cores the process may use (its CPU affinity) less 4, at least 2, at
+                                          most 12; 0 = plain pageable copies, and files read by the calling
+                                          thread alone */
+    uint32_t policy;                 /**< EXPCACHE_POLICY_*; default DUEL */
+    uint64_t staging_bytes;          /**< pageable and file sources: size of the pinned staging ring; default
+                                          64 MiB; 1 MiB..16 GiB */
+    uint64_t staging_chunk_bytes;    /**< largest piece one thread fills and one transfer moves; default 512 KiB;
+                                       64 KiB..64 MiB, a multiple of 4096 (a ring smaller than 2 chunks uses
+                                       smaller ones) */
+    uint32_t file_reads;             /**< EXPCACHE_FILE_READS_*; default BUFFERED */
     uint32_t prefetch_max_per_layer; /**< most experts of one layer queued by expcache_prefetch_async
                                     between two serving calls of that layer; default 8; 0 turns prefetch
                                     off (every id is counted as dropped); at most EXPCACHE_MAX_SELECT */
-    uint64_t prefetch_piece_bytes; /**< most prefetch bytes in flight at once, sent as two transfers of
-                                    half so that one is queued while the other crosses: what a demand
-                                    miss shares the link with; default 4 MiB; 4 KiB..64 MiB, a
-                                    multiple of 4096 */
-    uint32_t lookup;           /**< EXPCACHE_LOOKUP_*; default HOST. DEVICE: each class's slots are one bank
-                                    allocated whole when the class is bound, and expcache_select_device_async
-                                    looks experts up on the device (see "Serving from the device"); needs
-                                    policy LRU */
-    uint32_t partition;        /**< EXPCACHE_PARTITION_GLOBAL (default) or _LAYER; a device lookup needs GLOBAL */
+    uint64_t prefetch_piece_bytes;   /**< most prefetch bytes in flight at once, sent as two transfers of
+                                      half so that one is queued while the other crosses: what a demand
+                                      miss shares the link with; default 4 MiB; 4 KiB..64 MiB, a
+                                      multiple of 4096 */
+    uint32_t lookup;                 /**< EXPCACHE_LOOKUP_*; default HOST. DEVICE: each class's slots are one bank
+                                          allocated whole when the class is bound, and expcache_select_device_async
+                                          looks experts up on the device (see "Serving from the device"); needs
+                                          policy LRU */
+    uint32_t partition;              /**< EXPCACHE_PARTITION_GLOBAL (default) or _LAYER; a device lookup needs GLOBAL */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -303,10 +306,10 @@ EXPCACHE_API expcache_status_t expcache_backend_get(const expcache_t* cache, uin
  * lie inside the file.
  */
 typedef struct expcache_layer_desc_t {
-    uint32_t struct_size;  /**< sizeof(expcache_layer_desc_t) */
-    uint32_t num_experts;  /**< 1..EXPCACHE_MAX_EXPERTS_LIMIT */
-    uint32_t source_kind;  /**< EXPCACHE_SOURCE_* */
-    uint32_t file;         /**< EXPCACHE_SOURCE_FILE: the id from expcache_file_open; else must be 0 */
+    uint32_t struct_size; /**< sizeof(expcache_layer_desc_t) */
+    uint32_t num_experts; /**< 1..EXPCACHE_MAX_EXPERTS_LIMIT */
+    uint32_t source_kind; /**< EXPCACHE_SOURCE_* */
+    uint32_t file;        /**< EXPCACHE_SOURCE_FILE: the id from expcache_file_open; else must be 0 */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< each 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
     uint64_t gate_stride, up_stride, down_stride; /**< bytes between experts */
     const void* gate_base;
@@ -368,9 +371,8 @@ typedef struct expcache_expert_ptrs_t {
  * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, IO (file
  * sources), CUDA, POISONED.
  */
-EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer,
-                                                     const uint32_t* ids, uint32_t k, void* stream,
-                                                     expcache_expert_ptrs_t* out_ptrs);
+EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
+                                                     void* stream, expcache_expert_ptrs_t* out_ptrs);
 
 /**
  * Hits before misses: expcache_select_async, except that the misses are copied on
@@ -451,10 +453,10 @@ EXPCACHE_API expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, 
 
 /** A compact buffer: all gate parts, then all up parts, then all down parts. */
 typedef struct expcache_compact_t {
-    uint32_t struct_size;  /**< sizeof(expcache_compact_t); set by the caller */
-    uint32_t num_experts;  /**< experts in the buffer (= n, duplicates included) */
-    void* base;            /**< start of the buffer */
-    uint64_t bytes;        /**< bytes used from base */
+    uint32_t struct_size;                         /**< sizeof(expcache_compact_t); set by the caller */
+    uint32_t num_experts;                         /**< experts in the buffer (= n, duplicates included) */
+    void* base;                                   /**< start of the buffer */
+    uint64_t bytes;                               /**< bytes used from base */
     uint64_t gate_offset, up_offset, down_offset; /**< region starts, from base */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< per-expert part sizes (region strides) */
 } expcache_compact_t;
@@ -471,9 +473,8 @@ typedef struct expcache_compact_t {
  * release_all. Status: INVALID_ARGUMENT, INVALID_STATE,
  * OUT_OF_DEVICE_MEMORY (after the retry), IO (file sources), CUDA, POISONED.
  */
-EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer,
-                                                           const uint32_t* ids, uint32_t n,
-                                                           void* stream, expcache_compact_t* out);
+EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
+                                                           uint32_t n, void* stream, expcache_compact_t* out);
 
 /** Most batches outstanding at once on one cache. */
 #define EXPCACHE_MAX_BATCHES 64
@@ -495,11 +496,10 @@ EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, ui
  * (EXPCACHE_MAX_BATCHES outstanding), OUT_OF_DEVICE_MEMORY, IO (file sources),
  * CUDA, POISONED.
  */
-EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer,
-                                                            const uint32_t* ids, uint64_t n,
-                                                            void* stream, uint32_t* out_ids,
-                                                            expcache_expert_ptrs_t* out_ptrs,
-                                                            uint32_t* out_count, uint64_t* out_batch);
+EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
+                                                            uint64_t n, void* stream, uint32_t* out_ids,
+                                                            expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
+                                                            uint64_t* out_batch);
 
 /**
  * End a batch: its held slots become evictable and its staging buffer is
@@ -557,11 +557,11 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
 
 /** One class's bank: slot s's gate part is at base + s*slot_stride + gate_offset, gate_bytes long. */
 typedef struct expcache_bank_t {
-    uint32_t struct_size;  /**< sizeof(expcache_bank_t); set by the caller */
+    uint32_t struct_size; /**< sizeof(expcache_bank_t); set by the caller */
     uint32_t reserved;
-    void* base;            /**< device address of slot 0 (256-byte aligned) */
-    uint64_t slot_stride;  /**< bytes between slots */
-    uint64_t cap;          /**< slots in the bank */
+    void* base;                                   /**< device address of slot 0 (256-byte aligned) */
+    uint64_t slot_stride;                         /**< bytes between slots */
+    uint64_t cap;                                 /**< slots in the bank */
     uint64_t gate_offset, up_offset, down_offset; /**< part starts within a slot (256-byte aligned) */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< part sizes: the class key */
 } expcache_bank_t;
@@ -572,8 +572,7 @@ typedef struct expcache_bank_t {
  * cache lives. Status: INVALID_ARGUMENT (index out of range, struct_size
  * mismatch), INVALID_STATE (not a device-lookup cache, or no class at that index).
  */
-EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index,
-                                                       expcache_bank_t* out);
+EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index, expcache_bank_t* out);
 
 /**
  * Device-side select: the n rows of k expert ids of `layer` at `ids` (device
@@ -617,16 +616,16 @@ EXPCACHE_API expcache_status_t expcache_class_count_get(const expcache_t* cache,
 
 /** One class slot. `in_use` is 0 for an empty slot index. */
 typedef struct expcache_class_info_t {
-    uint32_t struct_size;    /**< sizeof(expcache_class_info_t); set by the caller */
-    uint32_t in_use;         /**< 1 when the index holds a class */
+    uint32_t struct_size;                      /**< sizeof(expcache_class_info_t); set by the caller */
+    uint32_t in_use;                           /**< 1 when the index holds a class */
     uint64_t gate_bytes, up_bytes, down_bytes; /**< the class key */
-    uint64_t slot_bytes;     /**< device bytes per slot (parts 256-byte aligned) */
-    uint64_t target_experts; /**< capacity the budgets ask for */
-    uint64_t cap_experts;    /**< runtime cap (target limited by memory) */
-    uint64_t allocated_experts; /**< slots allocated */
-    uint64_t resident_experts;  /**< slots holding an expert */
-    uint64_t held_experts;      /**< slots held by unfinished batches */
-    uint64_t num_layers;        /**< registered layers bound to this class */
+    uint64_t slot_bytes;                       /**< device bytes per slot (parts 256-byte aligned) */
+    uint64_t target_experts;                   /**< capacity the budgets ask for */
+    uint64_t cap_experts;                      /**< runtime cap (target limited by memory) */
+    uint64_t allocated_experts;                /**< slots allocated */
+    uint64_t resident_experts;                 /**< slots holding an expert */
+    uint64_t held_experts;                     /**< slots held by unfinished batches */
+    uint64_t num_layers;                       /**< registered layers bound to this class */
 } expcache_class_info_t;
 
 /**
@@ -653,6 +652,8 @@ EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint
 /* Statistics                                                              */
 /* ---------------------------------------------------------------------- */
 
+/* The constants' comments span lines, which clang-format would turn into macro continuations. */
+/* clang-format off */
 #define EXPCACHE_PATH_DECODE 0  /**< expcache_select_async */
 #define EXPCACHE_PATH_COMPACT 1 /**< expcache_compact_load_async */
 #define EXPCACHE_PATH_BATCH 2   /**< expcache_batch_prepare_async */
@@ -660,23 +661,24 @@ EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint
 #define EXPCACHE_PATH_DEVICE 4  /**< expcache_select_device_async (counted on the device, read by the
                                      synchronizing calls) */
 #define EXPCACHE_NUM_PATHS 5
+/* clang-format on */
 
 /** Counters of one (class, path). Unique experts per call are counted once. */
 typedef struct expcache_stats_t {
-    uint32_t struct_size;    /**< sizeof(expcache_stats_t); set by the caller */
+    uint32_t struct_size; /**< sizeof(expcache_stats_t); set by the caller */
     uint32_t reserved;
-    uint64_t calls;          /**< calls that touched this class */
-    uint64_t hits;           /**< experts found resident */
-    uint64_t misses;         /**< experts not resident */
-    uint64_t evictions;      /**< resident experts evicted to make room */
-    uint64_t appends;        /**< misses inserted without eviction */
-    uint64_t direct_loads;   /**< misses served from staging, not cached */
-    uint64_t bytes_h2d;      /**< bytes copied host to device */
-    uint64_t bytes_d2d;      /**< bytes copied device to device */
-    uint64_t releases;       /**< times the class's slots were released */
-    uint64_t alloc_retries;  /**< staging allocations retried after a release */
-    uint64_t cap_notices;    /**< runtime cap changes announced */
-    uint64_t class_reuses;   /**< times this class index was taken by another key */
+    uint64_t calls;         /**< calls that touched this class */
+    uint64_t hits;          /**< experts found resident */
+    uint64_t misses;        /**< experts not resident */
+    uint64_t evictions;     /**< resident experts evicted to make room */
+    uint64_t appends;       /**< misses inserted without eviction */
+    uint64_t direct_loads;  /**< misses served from staging, not cached */
+    uint64_t bytes_h2d;     /**< bytes copied host to device */
+    uint64_t bytes_d2d;     /**< bytes copied device to device */
+    uint64_t releases;      /**< times the class's slots were released */
+    uint64_t alloc_retries; /**< staging allocations retried after a release */
+    uint64_t cap_notices;   /**< runtime cap changes announced */
+    uint64_t class_reuses;  /**< times this class index was taken by another key */
 } expcache_stats_t;
 
 /**
@@ -684,8 +686,8 @@ typedef struct expcache_stats_t {
  * `path` (EXPCACHE_PATH_*) to *out (struct_size set by the caller).
  * Status: INVALID_ARGUMENT (index or path out of range, struct_size mismatch).
  */
-EXPCACHE_API expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index,
-                                                  uint32_t path, expcache_stats_t* out);
+EXPCACHE_API expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index, uint32_t path,
+                                                  expcache_stats_t* out);
 
 /**
  * Counters of the staging ring that moves misses of pageable and file sources
@@ -693,20 +695,20 @@ EXPCACHE_API expcache_status_t expcache_stats_get(const expcache_t* cache, uint3
  * nanoseconds of the host's steady clock.
  */
 typedef struct expcache_staging_stats_t {
-    uint32_t struct_size;    /**< sizeof(expcache_staging_stats_t); set by the caller */
+    uint32_t struct_size; /**< sizeof(expcache_staging_stats_t); set by the caller */
     uint32_t reserved;
-    uint64_t calls;          /**< calls that staged something */
-    uint64_t pieces;         /**< pieces staged and sent (one fill, one transfer each) */
-    uint64_t bytes;          /**< bytes of those pieces */
-    uint64_t caller_fills;   /**< pieces the calling thread filled itself (no worker had taken them) */
-    uint64_t fill_ns;        /**< time spent filling pieces (memcpy or pread), summed over threads */
-    uint64_t chunk_waits;    /**< fills that first waited for the chunk's previous transfer */
-    uint64_t chunk_wait_ns;  /**< time those waits took, summed over threads */
-    uint64_t wait_ns;        /**< time the calling thread waited for pieces that workers were filling */
-    uint64_t send_ns;        /**< time the calling thread spent handing pieces to the link */
-    uint64_t sends;          /**< transfers handed to the link: the pieces found filled together go as one */
-    uint64_t span_ns;        /**< from a call's first piece queued to its last piece sent, summed over calls */
-    uint64_t first_fill_ns;  /**< from a call's first piece queued to that piece filled (the link's wait to start) */
+    uint64_t calls;         /**< calls that staged something */
+    uint64_t pieces;        /**< pieces staged and sent (one fill, one transfer each) */
+    uint64_t bytes;         /**< bytes of those pieces */
+    uint64_t caller_fills;  /**< pieces the calling thread filled itself (no worker had taken them) */
+    uint64_t fill_ns;       /**< time spent filling pieces (memcpy or pread), summed over threads */
+    uint64_t chunk_waits;   /**< fills that first waited for the chunk's previous transfer */
+    uint64_t chunk_wait_ns; /**< time those waits took, summed over threads */
+    uint64_t wait_ns;       /**< time the calling thread waited for pieces that workers were filling */
+    uint64_t send_ns;       /**< time the calling thread spent handing pieces to the link */
+    uint64_t sends;         /**< transfers handed to the link: the pieces found filled together go as one */
+    uint64_t span_ns;       /**< from a call's first piece queued to its last piece sent, summed over calls */
+    uint64_t first_fill_ns; /**< from a call's first piece queued to that piece filled (the link's wait to start) */
 } expcache_staging_stats_t;
 
 /**
@@ -723,28 +725,28 @@ EXPCACHE_API expcache_status_t expcache_staging_stats_get(const expcache_t* cach
  * (since creation, or since a reset made while no prefetched expert was queued or unused).
  */
 typedef struct expcache_prefetch_stats_t {
-    uint32_t struct_size;      /**< sizeof(expcache_prefetch_stats_t); set by the caller */
+    uint32_t struct_size; /**< sizeof(expcache_prefetch_stats_t); set by the caller */
     uint32_t reserved;
-    uint64_t calls;            /**< expcache_prefetch_async calls */
-    uint64_t issued;           /**< experts queued (each took a slot) */
-    uint64_t used;             /**< prefetched experts whose bytes were all sent before a serving call that
-                                    listed them (a hit of that call: first use) */
-    uint64_t wasted;           /**< prefetched experts evicted or released before any use */
-    uint64_t cancelled;        /**< prefetches dropped before all their bytes were sent (pre-empted by a
-                                    serving call that did not list them or by a compact load, or a piece or
-                                    the in-place finish failed); slots freed */
-    uint64_t skipped;          /**< ids already resident or on their way */
-    uint64_t dropped;          /**< ids not prefetched: the layer's limit reached, or no slot may be taken */
+    uint64_t calls;     /**< expcache_prefetch_async calls */
+    uint64_t issued;    /**< experts queued (each took a slot) */
+    uint64_t used;      /**< prefetched experts whose bytes were all sent before a serving call that
+                             listed them (a hit of that call: first use) */
+    uint64_t wasted;    /**< prefetched experts evicted or released before any use */
+    uint64_t cancelled; /**< prefetches dropped before all their bytes were sent (pre-empted by a
+                             serving call that did not list them or by a compact load, or a piece or
+                             the in-place finish failed); slots freed */
+    uint64_t skipped;   /**< ids already resident or on their way */
+    uint64_t dropped;   /**< ids not prefetched: the layer's limit reached, or no slot may be taken */
     uint64_t bytes_issued, bytes_used, bytes_wasted, bytes_cancelled; /**< the experts' bytes of each */
-    uint64_t bytes_sent;       /**< bytes the prefetch pieces moved over the link */
-    uint64_t pieces;           /**< transfers sent (each at most half of prefetch_piece_bytes) */
-    uint64_t hints;            /**< ids given to expcache_hint (once per call) */
-    uint64_t hint_refreshes;   /**< hinted ids found resident and refreshed */
-    uint64_t late;             /**< prefetched experts a select or batch listed while bytes of theirs were
-                                    still queued: it finished them in place, as misses of its path (the
-                                    rest of their bytes in its bytes_h2d); never counted used */
-    uint64_t bytes_late_sent;  /**< of those experts' bytes, the part the prefetch had sent (the rest moved
-                                    as the misses') */
+    uint64_t bytes_sent;      /**< bytes the prefetch pieces moved over the link */
+    uint64_t pieces;          /**< transfers sent (each at most half of prefetch_piece_bytes) */
+    uint64_t hints;           /**< ids given to expcache_hint (once per call) */
+    uint64_t hint_refreshes;  /**< hinted ids found resident and refreshed */
+    uint64_t late;            /**< prefetched experts a select or batch listed while bytes of theirs were
+                                   still queued: it finished them in place, as misses of its path (the
+                                   rest of their bytes in its bytes_h2d); never counted used */
+    uint64_t bytes_late_sent; /**< of those experts' bytes, the part the prefetch had sent (the rest moved
+                                   as the misses') */
 } expcache_prefetch_stats_t;
 
 /** Copy the prefetch and hint counters to *out (struct_size set by the caller). Status: INVALID_ARGUMENT. */

@@ -38,8 +38,7 @@ EXPCACHE_API expcache_status_t expcache_testing_read_resident(expcache_t* cache,
  * Synchronous: waits for the copy. Status: INVALID_ARGUMENT (n 0, or
  * [src, src + n) not inside this cache's memory), CUDA, POISONED.
  */
-EXPCACHE_API expcache_status_t expcache_testing_read_device(expcache_t* cache, const void* src, void* dst,
-                                                            uint64_t n);
+EXPCACHE_API expcache_status_t expcache_testing_read_device(expcache_t* cache, const void* src, void* dst, uint64_t n);
 
 /* ---------------------------------------------------------------------- */
 /* Checksums                                                               */
@@ -57,8 +56,8 @@ EXPCACHE_API expcache_status_t expcache_testing_read_device(expcache_t* cache, c
  * INVALID_STATE (layer not registered), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_testing_checksum(expcache_t* cache, uint32_t layer,
-                                                         const expcache_expert_ptrs_t* ptrs, uint32_t n,
-                                                         void* stream, uint64_t* out_sums);
+                                                         const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
+                                                         uint64_t* out_sums);
 
 /** Result slots of expcache_testing_checksum_async, per cache. */
 #define EXPCACHE_CHECKSUM_RESULTS 65536
@@ -112,8 +111,7 @@ EXPCACHE_API expcache_status_t expcache_testing_checksum_results(expcache_t* cac
  * exhausted. count 0 disables injection. Takes effect at once. Status:
  * INVALID_ARGUMENT.
  */
-EXPCACHE_API expcache_status_t expcache_testing_inject_alloc_failures(expcache_t* cache, uint64_t skip,
-                                                                      uint64_t count);
+EXPCACHE_API expcache_status_t expcache_testing_inject_alloc_failures(expcache_t* cache, uint64_t skip, uint64_t count);
 
 /**
  * Fault injection, both backends: let the next `skip` copies (host to device
@@ -122,8 +120,7 @@ EXPCACHE_API expcache_status_t expcache_testing_inject_alloc_failures(expcache_t
  * no slot marked resident that does not hold its expert. count 0 disables.
  * Takes effect at once. Status: INVALID_ARGUMENT.
  */
-EXPCACHE_API expcache_status_t expcache_testing_inject_copy_failures(expcache_t* cache, uint64_t skip,
-                                                                     uint64_t count);
+EXPCACHE_API expcache_status_t expcache_testing_inject_copy_failures(expcache_t* cache, uint64_t skip, uint64_t count);
 
 /**
  * Fault injection, both backends: let the next `skip` staged pieces (the
@@ -164,16 +161,16 @@ EXPCACHE_API expcache_status_t expcache_testing_spin_async(expcache_t* cache, vo
 /* Struct sizes, for bindings to check their mirrors                       */
 /* ---------------------------------------------------------------------- */
 
-#define EXPCACHE_STRUCT_CONFIG 0        /**< expcache_config_t */
-#define EXPCACHE_STRUCT_LAYER_DESC 1    /**< expcache_layer_desc_t */
-#define EXPCACHE_STRUCT_EXPERT_PTRS 2   /**< expcache_expert_ptrs_t */
-#define EXPCACHE_STRUCT_COMPACT 3       /**< expcache_compact_t */
-#define EXPCACHE_STRUCT_CLASS_INFO 4    /**< expcache_class_info_t */
-#define EXPCACHE_STRUCT_STATS 5         /**< expcache_stats_t */
-#define EXPCACHE_STRUCT_STAGING_STATS 6 /**< expcache_staging_stats_t */
+#define EXPCACHE_STRUCT_CONFIG 0         /**< expcache_config_t */
+#define EXPCACHE_STRUCT_LAYER_DESC 1     /**< expcache_layer_desc_t */
+#define EXPCACHE_STRUCT_EXPERT_PTRS 2    /**< expcache_expert_ptrs_t */
+#define EXPCACHE_STRUCT_COMPACT 3        /**< expcache_compact_t */
+#define EXPCACHE_STRUCT_CLASS_INFO 4     /**< expcache_class_info_t */
+#define EXPCACHE_STRUCT_STATS 5          /**< expcache_stats_t */
+#define EXPCACHE_STRUCT_STAGING_STATS 6  /**< expcache_staging_stats_t */
 #define EXPCACHE_STRUCT_PREFETCH_STATS 7 /**< expcache_prefetch_stats_t */
-#define EXPCACHE_STRUCT_BANK 8          /**< expcache_bank_t */
-#define EXPCACHE_STRUCT_COUNT 9         /**< the number of EXPCACHE_STRUCT_* values */
+#define EXPCACHE_STRUCT_BANK 8           /**< expcache_bank_t */
+#define EXPCACHE_STRUCT_COUNT 9          /**< the number of EXPCACHE_STRUCT_* values */
 
 /**
  * sizeof, in bytes, of the public struct `which` (EXPCACHE_STRUCT_*) as the

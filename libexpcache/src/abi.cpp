@@ -44,15 +44,21 @@ std::unordered_set<const expcache_t*>& registry() {
 
 // The registry's lock is taken across fork(), so a child never inherits it held by a thread
 // that does not exist there.
-void fork_prepare() { g_registry_mu.lock(); }
-void fork_parent() { g_registry_mu.unlock(); }
+void fork_prepare() {
+    g_registry_mu.lock();
+}
+void fork_parent() {
+    g_registry_mu.unlock();
+}
 void fork_child() {
     g_forks.fetch_add(1);
     g_registry_mu.unlock();
 }
 const int g_atfork = pthread_atfork(fork_prepare, fork_parent, fork_child);
 
-bool forked_since(uint64_t forks) { return forks != g_forks.load(std::memory_order_relaxed); }
+bool forked_since(uint64_t forks) {
+    return forks != g_forks.load(std::memory_order_relaxed);
+}
 
 bool is_live(const expcache_t* c) {
     std::lock_guard<std::mutex> lock(g_registry_mu);
@@ -61,7 +67,8 @@ bool is_live(const expcache_t* c) {
 
 expcache_status_t check_handle(const expcache_t* c) {
     if (!c) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "cache is NULL");
-    if (!is_live(c)) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "cache %p is not a live cache (destroyed?)", (const void*)c);
+    if (!is_live(c))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "cache %p is not a live cache (destroyed?)", (const void*)c);
     if (forked_since(c->forks))
         return fail(EXPCACHE_ERR_INVALID_STATE,
                     "cache %p was created before this process forked: a cache cannot be used in a forked child "
@@ -97,15 +104,15 @@ expcache_status_t guarded(const char* function, F&& f) {
     return s;
 }
 
-#define EXPCACHE_REQUIRE(cond, ...)                                        \
-    do {                                                                   \
+#define EXPCACHE_REQUIRE(cond, ...)                                           \
+    do {                                                                      \
         if (!(cond)) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, __VA_ARGS__); \
     } while (0)
 
-#define EXPCACHE_TRY(expr)                                   \
-    do {                                                     \
-        expcache_status_t s_ = (expr);                       \
-        if (s_ != EXPCACHE_OK) return s_;                    \
+#define EXPCACHE_TRY(expr)                \
+    do {                                  \
+        expcache_status_t s_ = (expr);    \
+        if (s_ != EXPCACHE_OK) return s_; \
     } while (0)
 
 }  // namespace
@@ -116,7 +123,9 @@ uint32_t expcache_version(void) {
     return EXPCACHE_VERSION_MAJOR * 10000 + EXPCACHE_VERSION_MINOR * 100 + EXPCACHE_VERSION_PATCH;
 }
 
-const char* expcache_policy_name(uint32_t policy) { return expcache::policy_name(policy); }
+const char* expcache_policy_name(uint32_t policy) {
+    return expcache::policy_name(policy);
+}
 
 expcache_status_t expcache_config_init(expcache_config_t* config) {
     return guarded(__func__, [&] {
@@ -448,7 +457,7 @@ expcache_status_t expcache_testing_checksum_async(expcache_t* cache, uint32_t la
 }
 
 expcache_status_t expcache_testing_bank_checksum_async(expcache_t* cache, uint32_t layer, const int32_t* slots,
-                                                      uint32_t n, void* stream, uint32_t first) {
+                                                       uint32_t n, void* stream, uint32_t first) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(slots, "slots is NULL");
@@ -511,16 +520,26 @@ expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, 
 
 uint32_t expcache_testing_struct_size(uint32_t which) {
     switch (which) {
-        case EXPCACHE_STRUCT_CONFIG: return sizeof(expcache_config_t);
-        case EXPCACHE_STRUCT_LAYER_DESC: return sizeof(expcache_layer_desc_t);
-        case EXPCACHE_STRUCT_EXPERT_PTRS: return sizeof(expcache_expert_ptrs_t);
-        case EXPCACHE_STRUCT_COMPACT: return sizeof(expcache_compact_t);
-        case EXPCACHE_STRUCT_CLASS_INFO: return sizeof(expcache_class_info_t);
-        case EXPCACHE_STRUCT_STATS: return sizeof(expcache_stats_t);
-        case EXPCACHE_STRUCT_STAGING_STATS: return sizeof(expcache_staging_stats_t);
-        case EXPCACHE_STRUCT_PREFETCH_STATS: return sizeof(expcache_prefetch_stats_t);
-        case EXPCACHE_STRUCT_BANK: return sizeof(expcache_bank_t);
-        default: return 0;
+        case EXPCACHE_STRUCT_CONFIG:
+            return sizeof(expcache_config_t);
+        case EXPCACHE_STRUCT_LAYER_DESC:
+            return sizeof(expcache_layer_desc_t);
+        case EXPCACHE_STRUCT_EXPERT_PTRS:
+            return sizeof(expcache_expert_ptrs_t);
+        case EXPCACHE_STRUCT_COMPACT:
+            return sizeof(expcache_compact_t);
+        case EXPCACHE_STRUCT_CLASS_INFO:
+            return sizeof(expcache_class_info_t);
+        case EXPCACHE_STRUCT_STATS:
+            return sizeof(expcache_stats_t);
+        case EXPCACHE_STRUCT_STAGING_STATS:
+            return sizeof(expcache_staging_stats_t);
+        case EXPCACHE_STRUCT_PREFETCH_STATS:
+            return sizeof(expcache_prefetch_stats_t);
+        case EXPCACHE_STRUCT_BANK:
+            return sizeof(expcache_bank_t);
+        default:
+            return 0;
     }
 }
 static_assert(EXPCACHE_STRUCT_COUNT == 9, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");

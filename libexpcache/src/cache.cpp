@@ -113,7 +113,8 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     if (lookup_.frozen())
         return fail(EXPCACHE_ERR_INVALID_STATE,
                     "layer %u registered after a class was bound on a device-lookup cache: its banks and device "
-                    "table are sized from the whole layout, so register every layer first", layer);
+                    "table are sized from the whole layout, so register every layer first",
+                    layer);
     expcache_status_t s = layers_.add(layer, d);
     if (s != EXPCACHE_OK) return s;
     clock_.policy.positions = layers_.registered();
@@ -171,7 +172,8 @@ expcache_status_t Cache::refuse_on_device_lookup(const char* what) const {
     if (!lookup_.enabled()) return EXPCACHE_OK;
     return fail(EXPCACHE_ERR_UNSUPPORTED,
                 "%s is not available on a device-lookup cache: select_device copies its misses itself (inside a "
-                "captured graph too); use it, or a cache made with lookup host", what);
+                "captured graph too); use it, or a cache made with lookup host",
+                what);
 }
 
 expcache_status_t Cache::prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued) {

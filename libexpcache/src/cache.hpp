@@ -80,9 +80,8 @@ public:
     expcache_status_t spin(void* stream, uint64_t ns);
     expcache_status_t load_compact(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream,
                                    expcache_compact_t* out);
-    expcache_status_t batch_prepare(uint32_t layer, const uint32_t* ids, uint64_t n, void* stream,
-                                    uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
-                                    uint64_t* out_batch);
+    expcache_status_t batch_prepare(uint32_t layer, const uint32_t* ids, uint64_t n, void* stream, uint32_t* out_ids,
+                                    expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
     expcache_status_t batch_finish(uint64_t batch, void* stream);
     expcache_status_t select_device(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
                                     int32_t* out_slots, void* stream);
@@ -188,7 +187,12 @@ private:
     // the call's lists are the cache's scratch, borrowed for the call.
     struct ServeCall {
         ServeCall(Cache& cache, uint32_t on_path, uint32_t layer, void* on_stream)
-            : scope(cache), lookup(cache), uploads(cache), scratch(cache.scratch_), path(on_path), layer_index(layer),
+            : scope(cache),
+              lookup(cache),
+              uploads(cache),
+              scratch(cache.scratch_),
+              path(on_path),
+              layer_index(layer),
               stream(on_stream) {}
         CallScope scope;
         LookupSync lookup;  // written back after the uploads settle
@@ -244,7 +248,7 @@ private:
 
     mutable std::mutex mu_;
     std::unique_ptr<InstrumentedBackend> backend_;  // the backend, with fault injection and test kernels
-    DeviceArena arena_;  // after backend_, which it uses
+    DeviceArena arena_;                             // after backend_, which it uses
     expcache_config_t config_ = {};
     Log log_;
     Health health_;

@@ -47,7 +47,8 @@ std::vector<uint64_t> layer_shares(const LayerTable& layers, const ClassState& c
     unsigned __int128 total = 0;
     uint64_t given = 0;
     for (uint32_t l = 0; l < layers.size(); ++l)
-        if (layers[l].registered && std::equal(cls.key, cls.key + kParts, layers[l].bytes)) total += layers[l].num_experts;
+        if (layers[l].registered && std::equal(cls.key, cls.key + kParts, layers[l].bytes))
+            total += layers[l].num_experts;
     if (total == 0) return shares;
     for (uint32_t l = 0; l < layers.size(); ++l) {
         if (!layers[l].registered || !std::equal(cls.key, cls.key + kParts, layers[l].bytes)) continue;
@@ -65,8 +66,15 @@ std::vector<uint64_t> layer_shares(const LayerTable& layers, const ClassState& c
 
 ClassTable::ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
                        Log& log, Health& health, SlotObserver& observer)
-    : config_(config), backend_(backend), arena_(arena), layers_(layers), log_(log), health_(health),
-      observer_(observer), banked_(config.lookup == EXPCACHE_LOOKUP_DEVICE), classes_(config.max_classes) {}
+    : config_(config),
+      backend_(backend),
+      arena_(arena),
+      layers_(layers),
+      log_(log),
+      health_(health),
+      observer_(observer),
+      banked_(config.lookup == EXPCACHE_LOOKUP_DEVICE),
+      classes_(config.max_classes) {}
 
 void ClassTable::invalidate_caps() {
     for (ClassState& cls : classes_) cls.cap_valid = false;
@@ -130,7 +138,8 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
             return fail(EXPCACHE_ERR_INVALID_STATE,
                         "layer %u needs a new size class and all %zu classes are in use; a device-lookup cache "
                         "never reuses a class (its bank's address is fixed): raise max_classes to the number of "
-                        "distinct expert sizes", layer_index, classes_.size());
+                        "distinct expert sizes",
+                        layer_index, classes_.size());
         if (lru < 0)
             return fail(EXPCACHE_ERR_INVALID_STATE,
                         "layer %u needs a new size class, all %zu classes are in use and every one holds "
@@ -217,7 +226,7 @@ expcache_status_t ClassTable::release_unheld(uint32_t path) {
         ++released;
     }
     log_(EXPCACHE_LOG_NOTICE, "released %u expert cache(s)%s", released,
-        kept ? format(", kept %u holding batch slots", kept).c_str() : "");
+         kept ? format(", kept %u holding batch slots", kept).c_str() : "");
     return EXPCACHE_OK;
 }
 
@@ -240,11 +249,10 @@ std::string ClassTable::zero_target_reason(const ClassState& cls) const {
     if (!config_.budget_bytes || share.class_bytes == 0) return " (the budget asks 0 experts); raise the budget";
     const unsigned __int128 need =
         ((unsigned __int128)cls.slot_bytes * share.total_bytes + share.class_bytes - 1) / share.class_bytes;
-    const std::string fix =
-        need > UINT64_MAX
-            ? std::string("no budget_bytes can give it one (set budget_experts instead)")
-            : format("a budget_bytes of at least %llu B (%s) holds one expert of this class", (unsigned long long)need,
-                     human_bytes(static_cast<uint64_t>(need)).c_str());
+    const std::string fix = need > UINT64_MAX
+                                ? std::string("no budget_bytes can give it one (set budget_experts instead)")
+                                : format("a budget_bytes of at least %llu B (%s) holds one expert of this class",
+                                         (unsigned long long)need, human_bytes(static_cast<uint64_t>(need)).c_str());
     return format(": its share of budget_bytes (%llu B over all classes) is less than one expert's slot (%s); %s",
                   (unsigned long long)config_.budget_bytes, human_bytes(cls.slot_bytes).c_str(), fix.c_str());
 }
@@ -258,17 +266,17 @@ void ClassTable::announce_cap(int32_t c, uint32_t path, const char* why, const c
         // once per change, with the reason and the fix, so that no way to cap 0 is silent.
         if (cls.target == 0) {
             log_(EXPCACHE_LOG_WARNING, "class %d %s: cap 0 experts, nothing of this class will be cached%s", c,
-                name(cls).c_str(), zero_target_reason(cls).c_str());
+                 name(cls).c_str(), zero_target_reason(cls).c_str());
             return;
         }
         log_(EXPCACHE_LOG_WARNING,
-            "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; %s", c,
-            name(cls).c_str(), (unsigned long long)cls.target, why, fix);
+             "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; %s", c,
+             name(cls).c_str(), (unsigned long long)cls.target, why, fix);
         return;
     }
-    log_(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c,
-        name(cls).c_str(), (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB),
-        (unsigned long long)cls.target, why);
+    log_(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c, name(cls).c_str(),
+         (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB), (unsigned long long)cls.target,
+         why);
     if (config_.partition == EXPCACHE_PARTITION_LAYER) warn_empty_shares(c);
 }
 
@@ -336,10 +344,10 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
                          human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());
         if (cls.cap == 0 && cls.target > 0) {
             // The largest reserve that leaves one slot: free - reserve - others >= slot_bytes.
-            const std::string others_note =
-                others ? format(" (or lower the budget: other classes may still grow into %s)",
-                                human_bytes(others).c_str())
-                       : std::string();
+            const std::string others_note = others
+                                                ? format(" (or lower the budget: other classes may still grow into %s)",
+                                                         human_bytes(others).c_str())
+                                                : std::string();
             if (free_bytes >= others + cls.slot_bytes)
                 fix = format("a reserve_bytes of at most %llu B (%s) leaves room for one expert of this class%s",
                              (unsigned long long)(free_bytes - others - cls.slot_bytes),
@@ -365,8 +373,9 @@ expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
         cls.cap = have;
         announce_cap(c, path, format(", a slot allocation failed: %s", last_error()).c_str(),
                      format("free device memory or lower slab_bytes (the allocation asked %s; one expert of this "
-                            "class needs %s)", human_bytes(n * cls.slot_bytes).c_str(),
-                            human_bytes(cls.slot_bytes).c_str()).c_str());
+                            "class needs %s)",
+                            human_bytes(n * cls.slot_bytes).c_str(), human_bytes(cls.slot_bytes).c_str())
+                         .c_str());
         clear_last_error();
         return EXPCACHE_OK;
     }
@@ -449,8 +458,10 @@ void ClassTable::install(int32_t c, int32_t s, uint32_t layer_index, uint32_t ex
     slot.prefetch = how == Insert::kPrefetch ? kPrefetchLoading : kPrefetchNone;
     layer.slot_of[expert] = s;
     cls.resident++;
-    if (how == Insert::kPrefetch) cls.policy->on_prefetch(s, layer.key_base + expert);
-    else cls.policy->on_insert(s, how == Insert::kCold, layer.key_base + expert);
+    if (how == Insert::kPrefetch)
+        cls.policy->on_prefetch(s, layer.key_base + expert);
+    else
+        cls.policy->on_insert(s, how == Insert::kCold, layer.key_base + expert);
 }
 
 void ClassTable::reinstall(int32_t c, int32_t s, bool cold, uint64_t call) {

@@ -20,7 +20,9 @@ namespace expcache {
 constexpr uint64_t kAlign = 256;  // where each part of a slot, and of the compact buffer, starts
 constexpr uint64_t kGiB = uint64_t(1) << 30;
 
-inline uint64_t align_up(uint64_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
+inline uint64_t align_up(uint64_t v) {
+    return (v + kAlign - 1) & ~(kAlign - 1);
+}
 
 enum PrefetchState : uint8_t {
     kPrefetchNone = 0,
@@ -36,10 +38,10 @@ struct SlotState {
     unsigned char* dev = nullptr;
     int32_t layer = -1;  // -1: free
     uint32_t expert = 0;
-    uint32_t holds = 0;       // unfinished batches using it
-    uint64_t last_call = 0;   // protects it from eviction during that call (and from a prefetch's
-                              // during the next one)
-    uint8_t prefetch = 0;     // kPrefetch*: what a prefetch put here and nothing used yet
+    uint32_t holds = 0;         // unfinished batches using it
+    uint64_t last_call = 0;     // protects it from eviction during that call (and from a prefetch's
+                                // during the next one)
+    uint8_t prefetch = 0;       // kPrefetch*: what a prefetch put here and nothing used yet
     bool copy_pending = false;  // a prefetch's bytes may still cross on the copy stream: a call that
                                 // reads or rewrites the slot waits for that stream first (StreamOrder)
 };
@@ -151,7 +153,7 @@ private:
     Health& health_;
     SlotObserver& observer_;
     const bool banked_;
-    uint64_t reuses_ = 0;  // classes released for another size: the first one warns
+    uint64_t reuses_ = 0;              // classes released for another size: the first one warns
     std::vector<ClassState> classes_;  // sized once: references to a class stay valid
 };
 

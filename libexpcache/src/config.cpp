@@ -136,18 +136,18 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "num_layers must be 1..%u, got %u", EXPCACHE_MAX_LAYERS_LIMIT,
                     cfg.num_layers);
     if (cfg.max_classes == 0 || cfg.max_classes > EXPCACHE_MAX_CLASSES_LIMIT)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "max_classes must be 1..%u, got %u",
-                    EXPCACHE_MAX_CLASSES_LIMIT, cfg.max_classes);
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "max_classes must be 1..%u, got %u", EXPCACHE_MAX_CLASSES_LIMIT,
+                    cfg.max_classes);
     if (cfg.backend > EXPCACHE_BACKEND_CUDA)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown backend %u (0 auto, 1 host, 2 cuda)", cfg.backend);
     if (cfg.log_level > EXPCACHE_LOG_DEBUG)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "log_level must be 0..3, got %u", cfg.log_level);
     if (cfg.budget_experts == 0 && cfg.budget_bytes == 0)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "set budget_experts or budget_bytes (both are 0)");
-    if (cfg.device_capacity_bytes == 0)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
+    if (cfg.device_capacity_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
     if (cfg.slab_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "slab_bytes must be > 0");
-    if (cfg.copy_threads > 64) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "copy_threads must be 0..64, got %u", cfg.copy_threads);
+    if (cfg.copy_threads > 64)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "copy_threads must be 0..64, got %u", cfg.copy_threads);
     if (!policy_name(cfg.policy))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown policy %u (%s)", cfg.policy, policy_list().c_str());
     if (cfg.lookup > EXPCACHE_LOOKUP_DEVICE)

@@ -61,7 +61,9 @@ DeviceArena::Map::const_iterator DeviceArena::containing(const void* ptr, uint64
     return inside ? it : allocations_.end();
 }
 
-bool DeviceArena::owns(const void* ptr, uint64_t bytes) const { return containing(ptr, bytes) != allocations_.end(); }
+bool DeviceArena::owns(const void* ptr, uint64_t bytes) const {
+    return containing(ptr, bytes) != allocations_.end();
+}
 
 bool DeviceArena::retain(const void* ptr, std::shared_ptr<KeptMemory>* out) {
     auto found = containing(ptr, 1);

@@ -76,7 +76,6 @@ public:
         if (disowned_ != since && dropped_fn_) dropped_fn_(dropped_user_);
     }
 
-
 private:
     struct Allocation {
         uint64_t bytes;

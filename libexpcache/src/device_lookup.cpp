@@ -10,7 +10,6 @@ namespace expcache {
 
 namespace {
 
-
 // Offsets of DeviceClass's arrays in one allocation, each 256-byte aligned.
 struct ClassLayout {
     uint64_t key_of_slot, stamp, pin, counters, misses, miss_count, bytes;
@@ -34,11 +33,17 @@ struct ClassLayout {
 }  // namespace
 
 DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
-                           ClassTable& classes, const Log& log, Health& health,
-                           std::unique_ptr<LookupKernels> kernels)
-    : enabled_(config.lookup == EXPCACHE_LOOKUP_DEVICE), backend_(backend), arena_(arena), layers_(layers),
-      classes_(classes), log_(log), health_(health), kernels_(std::move(kernels)),
-      classes_state_(static_cast<size_t>(classes.size())), maps_(layers.size()) {}
+                           ClassTable& classes, const Log& log, Health& health, std::unique_ptr<LookupKernels> kernels)
+    : enabled_(config.lookup == EXPCACHE_LOOKUP_DEVICE),
+      backend_(backend),
+      arena_(arena),
+      layers_(layers),
+      classes_(classes),
+      log_(log),
+      health_(health),
+      kernels_(std::move(kernels)),
+      classes_state_(static_cast<size_t>(classes.size())),
+      maps_(layers.size()) {}
 
 expcache_status_t DeviceLookup::make_table() {
     keys_ = 0;
@@ -85,8 +90,7 @@ void DeviceLookup::adopt(int32_t c, const std::vector<int32_t>& keys, const std:
     ClassState& cls = classes_[c];
     for (size_t s = 0; s < cls.slots.size(); ++s) {
         SlotState& slot = cls.slots[s];
-        const int32_t host_key =
-            slot.layer < 0 ? -1 : static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
+        const int32_t host_key = slot.layer < 0 ? -1 : static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
         if (host_key == keys[s]) continue;
         if (slot.layer >= 0) {
             layers_[slot.layer].slot_of[slot.expert] = -1;
@@ -105,12 +109,13 @@ void DeviceLookup::adopt(int32_t c, const std::vector<int32_t>& keys, const std:
     std::vector<int32_t> order;
     cls.free_slots.clear();
     for (size_t s = cls.slots.size(); s-- > 0;) {
-        if (cls.slots[s].layer < 0) cls.free_slots.push_back(static_cast<int32_t>(s));
-        else order.push_back(static_cast<int32_t>(s));
+        if (cls.slots[s].layer < 0)
+            cls.free_slots.push_back(static_cast<int32_t>(s));
+        else
+            order.push_back(static_cast<int32_t>(s));
     }
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-        return stamps[a] != stamps[b] ? stamps[a] < stamps[b] : a < b;
-    });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return stamps[a] != stamps[b] ? stamps[a] < stamps[b] : a < b; });
     cls.policy->clear();
     for (int32_t s : order) cls.policy->on_insert(s, false, layers_[cls.slots[s].layer].key_base + cls.slots[s].expert);
 }
@@ -131,8 +136,8 @@ expcache_status_t DeviceLookup::pull() {
         keys.resize(d.cap);
         stamps.resize(d.cap);
         DeviceCounters n = {};
-        if (d.cap && ((s = health_.check(backend_.copy_d2h_sync(keys.data(), d.key_of_slot, d.cap * sizeof(int32_t)))) !=
-                          EXPCACHE_OK ||
+        if (d.cap && ((s = health_.check(backend_.copy_d2h_sync(keys.data(), d.key_of_slot,
+                                                                d.cap * sizeof(int32_t)))) != EXPCACHE_OK ||
                       (s = health_.check(backend_.copy_d2h_sync(stamps.data(), d.stamp, d.cap * sizeof(uint64_t)))) !=
                           EXPCACHE_OK))
             return s;
@@ -201,8 +206,8 @@ expcache_status_t DeviceLookup::push() {
         }
         const expcache_stats_t& st = cls.stats[EXPCACHE_PATH_DEVICE];
         const DeviceCounters n = {st.calls, st.hits, st.misses, st.evictions, st.appends, st.bytes_h2d};
-        if (d.cap && ((s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, keys.data(), d.cap * sizeof(int32_t)))) !=
-                          EXPCACHE_OK ||
+        if (d.cap && ((s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, keys.data(),
+                                                                d.cap * sizeof(int32_t)))) != EXPCACHE_OK ||
                       (s = health_.check(backend_.copy_h2d_sync(d.stamp, stamps.data(), d.cap * sizeof(uint64_t)))) !=
                           EXPCACHE_OK ||
                       (s = health_.check(backend_.copy_h2d_sync(d.pin, pins.data(), d.cap))) != EXPCACHE_OK))
@@ -213,8 +218,7 @@ expcache_status_t DeviceLookup::push() {
     if ((s = health_.check(backend_.copy_h2d_sync(clock_dev_, &clock_, sizeof(clock_)))) != EXPCACHE_OK ||
         (s = health_.check(backend_.copy_h2d_sync(error_dev_, &none, sizeof(none)))) != EXPCACHE_OK)
         return s;
-    if (keys_)
-        s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, slot_of_key.data(), keys_ * sizeof(int32_t)));
+    if (keys_) s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, slot_of_key.data(), keys_ * sizeof(int32_t)));
     return s;
 }
 
@@ -223,15 +227,17 @@ expcache_status_t DeviceLookup::push() {
 expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
     const LayerState& l = layers_[layer];
     m->resolved = true;
-    const char* fix = "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
-                      "HostSource(..., pinned=True)), or use the host-side select";
+    const char* fix =
+        "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
+        "HostSource(..., pinned=True)), or use the host-side select";
     // Refused by the layer's declared kind, not by whether this backend could map the memory: the
     // host backend (which could read any memory) keeps the CUDA backend's contract.
     if (!l.source.pinned()) {
         m->status = EXPCACHE_ERR_UNSUPPORTED;
-        m->why = format("layer %u's source is %s, which the GPU cannot read: a device select copies misses by "
-                        "reading pinned host memory; %s", layer,
-                        l.source.kind == EXPCACHE_SOURCE_FILE ? "a file" : "pageable memory", fix);
+        m->why = format(
+            "layer %u's source is %s, which the GPU cannot read: a device select copies misses by "
+            "reading pinned host memory; %s",
+            layer, l.source.kind == EXPCACHE_SOURCE_FILE ? "a file" : "pageable memory", fix);
         return EXPCACHE_OK;
     }
     bool aligned = true;
@@ -239,9 +245,14 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
         expcache_status_t s = kernels_->mapped(l.base[p], &m->src[p]);
         if (s != EXPCACHE_OK) {
             m->status = s;
-            m->why = format("layer %u's source is pinned memory the GPU cannot map (%s part: %s): a device "
-                            "select copies misses by reading pinned host memory; %s", layer,
-                            p == kGate ? "gate" : p == kUp ? "up" : "down", last_error(), fix);
+            m->why = format(
+                "layer %u's source is pinned memory the GPU cannot map (%s part: %s): a device "
+                "select copies misses by reading pinned host memory; %s",
+                layer,
+                p == kGate ? "gate"
+                : p == kUp ? "up"
+                           : "down",
+                last_error(), fix);
             clear_last_error();
             return EXPCACHE_OK;
         }
@@ -264,7 +275,8 @@ expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* id
     if (count > d.cap - std::min<uint64_t>(cls.held, d.cap))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
                     "a device select of %u ids needs as many slots it may fill: layer %u's bank has %u%s; raise the "
-                    "budget or select fewer ids at once", count, layer, d.cap,
+                    "budget or select fewer ids at once",
+                    count, layer, d.cap,
                     cls.held ? format(", %llu of them held by batches", (unsigned long long)cls.held).c_str() : "");
     const LayerState& l = layers_[layer];
     DeviceSelectArgs a = {};

@@ -29,8 +29,9 @@ public:
     // Whether the device state exists: the layout is then fixed (its size depends on it).
     bool frozen() const { return table_ != nullptr; }
     // Whether class c's device state exists (made by push() once the class is bound).
-    bool ready(int32_t c) const { return enabled_ && static_cast<size_t>(c) < classes_state_.size() &&
-                                         classes_state_[c].base != nullptr; }
+    bool ready(int32_t c) const {
+        return enabled_ && static_cast<size_t>(c) < classes_state_.size() && classes_state_[c].base != nullptr;
+    }
     bool capturing(void* stream) { return kernels_->capturing(stream); }
 
     // Device to mirror; the device synchronized first. A select's id out of range since the
@@ -79,8 +80,8 @@ private:
     int32_t* slot_of_key_dev_ = nullptr;
     uint32_t keys_ = 0;
     std::vector<uint32_t> key_layer_;  // per key, its layer
-    uint64_t clock_ = 0;  // the stamp clock (kernels/lookup_kernels.hpp): the device's when pulled
-    bool selected_ = false;  // a device select was enqueued once: graphs may replay it, so pull always
+    uint64_t clock_ = 0;               // the stamp clock (kernels/lookup_kernels.hpp): the device's when pulled
+    bool selected_ = false;            // a device select was enqueued once: graphs may replay it, so pull always
     std::vector<ClassDevice> classes_state_;
     std::vector<LayerMap> maps_;
 };

@@ -43,26 +43,45 @@ void prefix_last_error(const char* function) {
     if (t_last_error.compare(0, prefix.size(), prefix) != 0) t_last_error = prefix + t_last_error;
 }
 
-const char* last_error() { return t_last_error.c_str(); }
-void clear_last_error() { t_last_error.clear(); }
-void restore_last_error(const std::string& message) { t_last_error = message; }
+const char* last_error() {
+    return t_last_error.c_str();
+}
+void clear_last_error() {
+    t_last_error.clear();
+}
+void restore_last_error(const std::string& message) {
+    t_last_error = message;
+}
 
 }  // namespace expcache
 
 extern "C" const char* expcache_status_string(expcache_status_t status) {
     switch (status) {
-        case EXPCACHE_OK: return "EXPCACHE_OK";
-        case EXPCACHE_ERR_INVALID_ARGUMENT: return "EXPCACHE_ERR_INVALID_ARGUMENT";
-        case EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY: return "EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY";
-        case EXPCACHE_ERR_OUT_OF_HOST_MEMORY: return "EXPCACHE_ERR_OUT_OF_HOST_MEMORY";
-        case EXPCACHE_ERR_INVALID_STATE: return "EXPCACHE_ERR_INVALID_STATE";
-        case EXPCACHE_ERR_UNSUPPORTED: return "EXPCACHE_ERR_UNSUPPORTED";
-        case EXPCACHE_ERR_CUDA: return "EXPCACHE_ERR_CUDA";
-        case EXPCACHE_ERR_POISONED: return "EXPCACHE_ERR_POISONED";
-        case EXPCACHE_ERR_INTERNAL: return "EXPCACHE_ERR_INTERNAL";
-        case EXPCACHE_ERR_IO: return "EXPCACHE_ERR_IO";
-        default: return "EXPCACHE_ERR_UNKNOWN";
+        case EXPCACHE_OK:
+            return "EXPCACHE_OK";
+        case EXPCACHE_ERR_INVALID_ARGUMENT:
+            return "EXPCACHE_ERR_INVALID_ARGUMENT";
+        case EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY:
+            return "EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY";
+        case EXPCACHE_ERR_OUT_OF_HOST_MEMORY:
+            return "EXPCACHE_ERR_OUT_OF_HOST_MEMORY";
+        case EXPCACHE_ERR_INVALID_STATE:
+            return "EXPCACHE_ERR_INVALID_STATE";
+        case EXPCACHE_ERR_UNSUPPORTED:
+            return "EXPCACHE_ERR_UNSUPPORTED";
+        case EXPCACHE_ERR_CUDA:
+            return "EXPCACHE_ERR_CUDA";
+        case EXPCACHE_ERR_POISONED:
+            return "EXPCACHE_ERR_POISONED";
+        case EXPCACHE_ERR_INTERNAL:
+            return "EXPCACHE_ERR_INTERNAL";
+        case EXPCACHE_ERR_IO:
+            return "EXPCACHE_ERR_IO";
+        default:
+            return "EXPCACHE_ERR_UNKNOWN";
     }
 }
 
-extern "C" const char* expcache_last_error(void) { return expcache::last_error(); }
+extern "C" const char* expcache_last_error(void) {
+    return expcache::last_error();
+}

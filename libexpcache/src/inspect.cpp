@@ -63,7 +63,8 @@ expcache_status_t Cache::checksum_jobs(uint32_t layer_index, const expcache_expe
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
     if (s != EXPCACHE_OK) return s;
-    if (n == 0 || n > kMaxCompact) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%u, got %u", kMaxCompact, n);
+    if (n == 0 || n > kMaxCompact)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%u, got %u", kMaxCompact, n);
     const LayerState& layer = layers_[layer_index];
     std::vector<ChecksumJob>& jobs = *out;
     jobs.clear();
@@ -80,8 +81,8 @@ expcache_status_t Cache::checksum_jobs(uint32_t layer_index, const expcache_expe
     return EXPCACHE_OK;
 }
 
-expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n,
-                                  void* stream, uint64_t* out_sums) {
+expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
+                                  uint64_t* out_sums) {
     CallScope scope(*this);
     std::vector<ChecksumJob> jobs;
     expcache_status_t s = checksum_jobs(layer_index, ptrs, n, &jobs);
@@ -89,7 +90,8 @@ expcache_status_t Cache::checksum(uint32_t layer_index, const expcache_expert_pt
     // Slots past the public area, so a synchronous checksum never overwrites unread async results.
     const uint32_t first = EXPCACHE_CHECKSUM_RESULTS;
     if (s == EXPCACHE_OK)
-        s = health_.check(backend_->kernels().checksum_async(jobs.data(), static_cast<uint32_t>(jobs.size()), n, first, stream));
+        s = health_.check(
+            backend_->kernels().checksum_async(jobs.data(), static_cast<uint32_t>(jobs.size()), n, first, stream));
     if (s == EXPCACHE_OK) s = health_.check(backend_->sync_stream(stream));
     if (s == EXPCACHE_OK) s = health_.check(backend_->kernels().checksum_results(first, n, out_sums));
     return s;
@@ -105,7 +107,8 @@ expcache_status_t Cache::checksum_async(uint32_t layer_index, const expcache_exp
     expcache_status_t s = checksum_jobs(layer_index, ptrs, n, &jobs);
     if (s == EXPCACHE_OK) s = begin_call(stream, true);  // the selects that served ptrs ordered their slots
     if (s == EXPCACHE_OK)
-        s = health_.check(backend_->kernels().checksum_async(jobs.data(), static_cast<uint32_t>(jobs.size()), n, first, stream));
+        s = health_.check(
+            backend_->kernels().checksum_async(jobs.data(), static_cast<uint32_t>(jobs.size()), n, first, stream));
     return s;
 }
 
@@ -120,8 +123,10 @@ expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t
                     EXPCACHE_MAX_SELECT, first, n, EXPCACHE_CHECKSUM_RESULTS);
     const int32_t c = classes_.bound(layers_[layer_index]);
     if (!lookup_.enabled() || c < 0 || classes_[c].slabs.empty())
-        return fail(EXPCACHE_ERR_INVALID_STATE, "layer %u has no bank: a device-lookup cache's layer, bound (select "
-                    "it once), is needed", layer_index);
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "layer %u has no bank: a device-lookup cache's layer, bound (select "
+                    "it once), is needed",
+                    layer_index);
     const ClassState& cls = classes_[c];
     BankChecksum b = {};
     b.base = static_cast<const unsigned char*>(cls.slabs[0]);

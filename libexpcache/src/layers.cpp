@@ -53,7 +53,8 @@ expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d
     if (from_file && d.file >= files_.size())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file %u was not opened with expcache_file_open (%zu open)", d.file,
                     files_.size());
-    if (!from_file && d.file != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file must be 0 unless source_kind is file");
+    if (!from_file && d.file != 0)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file must be 0 unless source_kind is file");
     const uint64_t bytes[kParts] = {d.gate_bytes, d.up_bytes, d.down_bytes};
     const uint64_t stride[kParts] = {d.gate_stride, d.up_stride, d.down_stride};
     const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
@@ -69,8 +70,10 @@ expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d
         unsigned __int128 end = (unsigned __int128)reinterpret_cast<uintptr_t>(base[p]) +
                                 (unsigned __int128)stride[p] * (d.num_experts - 1) + bytes[p];
         if (from_file && end > files_[d.file]->size())
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert ends at byte %llu, past the end of %s "
-                        "(%llu bytes)", names[p], (unsigned long long)end, files_[d.file]->path().c_str(),
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                        "%s part of the last expert ends at byte %llu, past the end of %s "
+                        "(%llu bytes)",
+                        names[p], (unsigned long long)end, files_[d.file]->path().c_str(),
                         (unsigned long long)files_[d.file]->size());
         if (end > (unsigned __int128)UINTPTR_MAX)
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert would end past the address space",
@@ -105,7 +108,9 @@ expcache_status_t LayerTable::open_file(const char* path, bool direct, uint32_t*
     expcache_status_t s = f->open(path, direct);
     if (s != EXPCACHE_OK) return s;
     *note = format("source file %s: %llu bytes, %s reads", path, (unsigned long long)f->size(),
-                   f->direct() ? "O_DIRECT" : direct ? "buffered (O_DIRECT refused)" : "buffered");
+                   f->direct() ? "O_DIRECT"
+                   : direct    ? "buffered (O_DIRECT refused)"
+                               : "buffered");
     files_.push_back(std::move(f));
     *out_file = static_cast<uint32_t>(files_.size() - 1);
     return EXPCACHE_OK;

@@ -37,9 +37,9 @@ struct LayerState {
     uint64_t bytes[kParts] = {};
     uint64_t stride[kParts] = {};
     const unsigned char* base[kParts] = {};
-    int32_t rank = 0;      // position among the registered layers (the policy clock's pos)
-    uint32_t key_base = 0; // expert e's policy key is key_base + e
-    int32_t cls = -1;      // bound class index, valid while the class's gen == cls_gen
+    int32_t rank = 0;       // position among the registered layers (the policy clock's pos)
+    uint32_t key_base = 0;  // expert e's policy key is key_base + e
+    int32_t cls = -1;       // bound class index, valid while the class's gen == cls_gen
     uint64_t cls_gen = 0;
     uint32_t prefetched = 0;         // experts prefetched since the layer's last serving call (the limit)
     std::vector<int32_t> slot_of;    // per expert: slot index or -1

@@ -24,7 +24,9 @@ thread_local std::vector<QueuedLine> t_queued;
 
 }  // namespace
 
-DeferredLog::DeferredLog() { ++t_call_depth; }
+DeferredLog::DeferredLog() {
+    ++t_call_depth;
+}
 
 DeferredLog::~DeferredLog() {
     if (--t_call_depth != 0 || t_queued.empty()) return;
@@ -41,9 +43,12 @@ void Log::operator()(uint32_t level, const char* fmt, ...) const {
     va_start(ap, fmt);
     std::string msg = vformat(fmt, ap);
     va_end(ap);
-    if (!fn_) std::fprintf(stderr, "expcache: %s\n", msg.c_str());
-    else if (t_call_depth != 0) t_queued.push_back(QueuedLine{fn_, user_, level, std::move(msg)});
-    else fn_(user_, level, msg.c_str());
+    if (!fn_)
+        std::fprintf(stderr, "expcache: %s\n", msg.c_str());
+    else if (t_call_depth != 0)
+        t_queued.push_back(QueuedLine{fn_, user_, level, std::move(msg)});
+    else
+        fn_(user_, level, msg.c_str());
 }
 
 expcache_status_t Health::usable() const {

@@ -8,8 +8,7 @@ namespace expcache {
 
 Prefetcher& PrefetchCoordinator::pump() {
     if (!prefetcher_)
-        prefetcher_.reset(
-            new Prefetcher(x_.backend.link(), x_.backend.copy_stream(), x_.config.prefetch_piece_bytes));
+        prefetcher_.reset(new Prefetcher(x_.backend.link(), x_.backend.copy_stream(), x_.config.prefetch_piece_bytes));
     return *prefetcher_;
 }
 
@@ -81,8 +80,8 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
     for (int p = job.part; p < job.num_parts; ++p) {
         const PrefetchJob::Part& part = job.parts[p];
         const uint64_t from = p == job.part ? job.offset : 0;
-        expcache_status_t st =
-            x_.health.check(layer.source.upload(x_.backend, part.dst + from, part.src + from, part.bytes - from, stream));
+        expcache_status_t st = x_.health.check(
+            layer.source.upload(x_.backend, part.dst + from, part.src + from, part.bytes - from, stream));
         if (st != EXPCACHE_OK) {
             cancel(c, s);  // its bytes are incomplete: freed, counted cancelled
             return st;
@@ -124,7 +123,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
     LayerState& layer = x_.layers[layer_index];
     ClassState& cls = x_.classes[c];
     cls.policy->set_clock(x_.clock.policy);  // where the engine is now, for the victims' ages
-    ++x_.clock.call;  // for dedupe only: a prefetch is not a serving call
+    ++x_.clock.call;                         // for dedupe only: a prefetch is not a serving call
     x_.scratch.dedupe(layer, ids, n, x_.clock.call);
     // The pieces must not overwrite a slot an older call's kernels may still read.
     bool ordered = false;
@@ -139,8 +138,8 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
             continue;
         }
         int32_t slot = -1;
-        if ((s = x_.classes.acquire(c, layer_index, true, Evict::kPrefetch, x_.clock.prev, EXPCACHE_PATH_CONTROL, &slot)) !=
-            EXPCACHE_OK)
+        if ((s = x_.classes.acquire(c, layer_index, true, Evict::kPrefetch, x_.clock.prev, EXPCACHE_PATH_CONTROL,
+                                    &slot)) != EXPCACHE_OK)
             return s;
         if (slot < 0) {
             stats_.dropped++;

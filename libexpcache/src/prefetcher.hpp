@@ -57,10 +57,10 @@ public:
     void submit(const PrefetchJob& job);
 
     struct Taken {
-        std::vector<PrefetchJob> done;       // every byte sent: the slot holds its expert once what went
-                                             // out has landed (ordered by the caller's fence on `stream`)
-        std::vector<PrefetchJob> cancelled;  // taken off the queue by cancel, their progress in part/offset
-        std::vector<PrefetchJob> failed;     // a piece failed: the slot's bytes are wrong
+        std::vector<PrefetchJob> done;          // every byte sent: the slot holds its expert once what went
+                                                // out has landed (ordered by the caller's fence on `stream`)
+        std::vector<PrefetchJob> cancelled;     // taken off the queue by cancel, their progress in part/offset
+        std::vector<PrefetchJob> failed;        // a piece failed: the slot's bytes are wrong
         expcache_status_t error = EXPCACHE_OK;  // the first piece failure since the last take()
         std::string message;
     };
@@ -90,8 +90,8 @@ private:
     const uint64_t piece_bytes_;
 
     mutable std::mutex mu_;
-    std::condition_variable wake_;   // the thread: work queued, pause lifted, stop
-    std::condition_variable landed_; // drain(): a piece landed
+    std::condition_variable wake_;    // the thread: work queued, pause lifted, stop
+    std::condition_variable landed_;  // drain(): a piece landed
     std::deque<PrefetchJob> queue_;
     std::vector<PrefetchJob> done_, failed_;
     bool stop_ = false, paused_ = false;

@@ -30,8 +30,9 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
     uint32_t ne = layers_[layer].num_experts;
     for (uint64_t i = 0; i < n; ++i)
         if (ids[i] >= ne)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %u (index %llu) out of range for layer %u (%u experts)",
-                        ids[i], (unsigned long long)i, layer, ne);
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                        "expert id %u (index %llu) out of range for layer %u (%u experts)", ids[i],
+                        (unsigned long long)i, layer, ne);
     return EXPCACHE_OK;
 }
 
@@ -106,8 +107,7 @@ void Cache::UploadScope::abandon() {
     if (c_.settle_uploads() != EXPCACHE_OK) {
         std::string also = last_error();
         // Only the message is set here: the call returns its own status.
-        fail(EXPCACHE_ERR_IO, "%s (an upload issued earlier in the call failed too: %s)", why.c_str(),
-             also.c_str());
+        fail(EXPCACHE_ERR_IO, "%s (an upload issued earlier in the call failed too: %s)", why.c_str(), also.c_str());
     }
 }
 
@@ -133,11 +133,11 @@ expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path,
     if (s != EXPCACHE_OK) return s;
     classes_[c].stats[path].alloc_retries++;
     log_(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",
-        kPathNames[path], double(bytes) / double(1 << 20), first.c_str());
+         kPathNames[path], double(bytes) / double(1 << 20), first.c_str());
     s = health_.check(arena_.alloc(bytes, out));
     if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
-        return fail(s, "%s staging of %llu bytes failed even after releasing the expert caches: %s",
-                    kPathNames[path], (unsigned long long)bytes, last_error());
+        return fail(s, "%s staging of %llu bytes failed even after releasing the expert caches: %s", kPathNames[path],
+                    (unsigned long long)bytes, last_error());
     return s;
 }
 

@@ -54,7 +54,8 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         if ((s = health_.check(arena_.alloc(bytes, &batch.staging))) != EXPCACHE_OK) {
             unhold(batch);
             if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
-                return fail(s, "batch staging of %u experts (%llu bytes) does not fit next to the caches (%s); "
+                return fail(s,
+                            "batch staging of %u experts (%llu bytes) does not fit next to the caches (%s); "
                             "split the batch, finish other batches, or raise reserve_bytes",
                             direct, (unsigned long long)bytes, last_error());
             return s;
@@ -80,8 +81,8 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
     *out_batch = batch.id;
     ++batches_.next_id;
     log_(EXPCACHE_LOG_DEBUG, "batch %llu layer %u: %llu ids, %zu unique, %zu misses, %u direct",
-        (unsigned long long)batch.id, layer_index, (unsigned long long)n, scratch.unique.size(), scratch.pending.size(),
-        direct);
+         (unsigned long long)batch.id, layer_index, (unsigned long long)n, scratch.unique.size(),
+         scratch.pending.size(), direct);
     batches_.open.push_back(std::move(batch));
     return EXPCACHE_OK;
 }
@@ -92,8 +93,7 @@ expcache_status_t Cache::batch_finish(uint64_t id, void* stream) {
     if (lookup.status() != EXPCACHE_OK) return lookup.status();
     auto it = std::find_if(batches_.open.begin(), batches_.open.end(), [&](const BatchState& b) { return b.id == id; });
     if (it == batches_.open.end())
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "batch %llu is unknown or already finished",
-                    (unsigned long long)id);
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "batch %llu is unknown or already finished", (unsigned long long)id);
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK && it->staging) s = health_.check(arena_.free_after(it->staging, stream));
     if (s != EXPCACHE_OK) return s;

@@ -38,7 +38,8 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
             if ((s = streams_.order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
             if (ss.prefetch != kPrefetchNone) prefetch_.note_use(call.c, slot);
             for (int p = 0; p < kParts; ++p)
-                if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) != EXPCACHE_OK)
+                if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) !=
+                    EXPCACHE_OK)
                     return s;
             if (first) {
                 cls.policy->on_hit(slot);
@@ -65,7 +66,7 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
     out->up_bytes = b[kUp];
     out->down_bytes = b[kDown];
     log_(EXPCACHE_LOG_DEBUG, "load_compact layer %u n %u: %.1f MiB buffer", layer_index, n,
-        double(total) / double(1 << 20));
+         double(total) / double(1 << 20));
     return EXPCACHE_OK;
 }
 

@@ -8,8 +8,8 @@
 
 namespace expcache {
 
-expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t n,
-                                       uint32_t k, int32_t* out_slots, void* stream) {
+expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
+                                       int32_t* out_slots, void* stream) {
     CallScope scope(*this);
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
@@ -29,7 +29,8 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
             return fail(EXPCACHE_ERR_INVALID_STATE,
                         "layer %u's class is not bound yet, and binding allocates its bank, which a stream capture "
                         "does not allow: bind it before capturing (expcache_layer_bind_class; pyexpcache: "
-                        "cache.bank(layer), or one select_device outside the capture)", layer_index);
+                        "cache.bank(layer), or one select_device outside the capture)",
+                        layer_index);
         LookupSync lookup(*this);  // written back (the class's device state made) when the block ends
         if ((s = lookup.status()) != EXPCACHE_OK) return s;
         if ((s = classes_.bind(layer_index, EXPCACHE_PATH_DEVICE, &c)) != EXPCACHE_OK) return s;
@@ -39,7 +40,8 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
                    ? EXPCACHE_ERR_POISONED
                    : fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
                           "layer %u's class %s has no bank: its cap is 0 experts (see the cap notice in the log); "
-                          "raise the budget or free device memory", layer_index, classes_.name(classes_[c]).c_str());
+                          "raise the budget or free device memory",
+                          layer_index, classes_.name(classes_[c]).c_str());
     return lookup_.select(layer_index, c, ids, id_bits, static_cast<uint32_t>(count), out_slots, stream);
 }
 

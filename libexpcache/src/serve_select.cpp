@@ -16,15 +16,17 @@ expcache_status_t Cache::serve_decode(ServeCall& call, const uint32_t* ids, uint
     if (direct > 0) {
         // The class cannot hold the whole request: serve the overflow from staging. It never
         // releases the caches: the hits resolved above point into them.
-        if ((s = reserve_buffer(call, staging_.overflow, uint64_t(direct) * call.cls->slot_bytes, false)) != EXPCACHE_OK)
+        if ((s = reserve_buffer(call, staging_.overflow, uint64_t(direct) * call.cls->slot_bytes, false)) !=
+            EXPCACHE_OK)
             return s;
-        if ((s = stage_overflow(call, static_cast<unsigned char*>(staging_.overflow.ptr), direct)) != EXPCACHE_OK) return s;
+        if ((s = stage_overflow(call, static_cast<unsigned char*>(staging_.overflow.ptr), direct)) != EXPCACHE_OK)
+            return s;
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
     for (uint32_t i = 0; i < k; ++i) out[i] = scratch_.ptrs[layer.seen_pos[ids[i]]];
     log_(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
-        scratch_.unique.size(), scratch_.unique.size() - scratch_.pending.size(), scratch_.pending.size(), direct);
+         scratch_.unique.size(), scratch_.unique.size() - scratch_.pending.size(), scratch_.pending.size(), direct);
     return EXPCACHE_OK;
 }
 

@@ -61,8 +61,8 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         int32_t slot = -1;
         uint64_t evictions_before = st.evictions;
         // A demand call protects the slots it uses (last_call == the call's id, the newest).
-        expcache_status_t s = classes_.acquire(call.c, call.layer_index, true, batch ? Evict::kNo : Evict::kDemand, clock_.call,
-                                               call.path, &slot);
+        expcache_status_t s = classes_.acquire(call.c, call.layer_index, true, batch ? Evict::kNo : Evict::kDemand,
+                                               clock_.call, call.path, &slot);
         if (s != EXPCACHE_OK) return s;
         if (slot < 0) {
             scratch.pending[direct++] = j;  // compacted in place: served from staging

@@ -46,7 +46,7 @@ private:
     bool have_last_stream_ = false;
     bool copy_dirty_ = false;
     std::vector<std::pair<int32_t, int32_t>> copy_pending_;  // (class, slot) marked copy_pending
-    int cur_mark_ = 0, prev_mark_ = 0, marks_ = 0;            // marks_: serving calls marked, up to 2
+    int cur_mark_ = 0, prev_mark_ = 0, marks_ = 0;           // marks_: serving calls marked, up to 2
 };
 
 }  // namespace expcache

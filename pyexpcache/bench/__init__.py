@@ -16,6 +16,25 @@ from .progress import Progress
 from .report import Report, format_report, git_commit, write_json
 from .workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
 
-__all__ = ["BASELINES", "DEFAULT_TRACES", "HOST_SCALE", "SCENARIOS", "Bench", "Progress", "Report", "VariantResult",
-           "Workload", "belady_hit_rate", "build_workload", "format_report", "git_commit", "hit_rate_curve",
-           "plot_curve", "policy_variants", "resolve_backend", "run", "variants", "write_json"]
+__all__ = [
+    "BASELINES",
+    "DEFAULT_TRACES",
+    "HOST_SCALE",
+    "SCENARIOS",
+    "Bench",
+    "Progress",
+    "Report",
+    "VariantResult",
+    "Workload",
+    "belady_hit_rate",
+    "build_workload",
+    "format_report",
+    "git_commit",
+    "hit_rate_curve",
+    "plot_curve",
+    "policy_variants",
+    "resolve_backend",
+    "run",
+    "variants",
+    "write_json",
+]

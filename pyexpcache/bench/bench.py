@@ -18,9 +18,15 @@ from ..cache import ExpertCache
 from ..layout import GiB, ModelLayout
 from ..source import HostSource
 from . import link
+
 # DEFAULT_BUDGET_BYTES and resolve_budget are re-exported: pyexpcache.hf and the modes import them here.
 from .budget import (  # noqa: F401
-    DEFAULT_BUDGET_BYTES, class_info, resolve_budget, scaled_budget, unscaled)
+    DEFAULT_BUDGET_BYTES,
+    class_info,
+    resolve_budget,
+    scaled_budget,
+    unscaled,
+)
 from .link import Link
 from .progress import Progress
 from .report import made_by
@@ -36,8 +42,10 @@ def _sigint_deferred():
     Python-level KeyboardInterrupt could fire at the callback's first instruction, outside any
     ``try``, where ctypes would print and drop it. Only on the main thread, with Python's
     default handler in place; elsewhere the flag stays down."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield lambda: False
         return
     hits = []
@@ -65,18 +73,32 @@ def resolve_backend(backend: str = "auto", device: int = 0) -> str:
     if backend != "auto":
         return backend
     probe_layout = ModelLayout.preset("q2", scale=65536)
-    with HostSource(probe_layout) as src, ExpertCache(probe_layout, src, budget_experts=1, backend="auto",
-                                                       device=device, log_level=0) as probe:
+    with (
+        HostSource(probe_layout) as src,
+        ExpertCache(probe_layout, src, budget_experts=1, backend="auto", device=device, log_level=0) as probe,
+    ):
         return probe.backend
 
 
 class Bench:
     """Holds what every mode shares: layout, source, stream, expected checksums."""
 
-    def __init__(self, layout: ModelLayout, *, backend: str = "auto", pinned: Optional[bool] = None,
-                 budget_bytes: int = 12 * GiB, reserve_bytes: Optional[int] = None,
-                 progress: Optional[Progress] = None, device: int = 0, source=None, placement: str = "expert",
-                 layer_sync: bool = True, cache_options: Optional[dict] = None, scale: int = 1):
+    def __init__(
+        self,
+        layout: ModelLayout,
+        *,
+        backend: str = "auto",
+        pinned: Optional[bool] = None,
+        budget_bytes: int = 12 * GiB,
+        reserve_bytes: Optional[int] = None,
+        progress: Optional[Progress] = None,
+        device: int = 0,
+        source=None,
+        placement: str = "expert",
+        layer_sync: bool = True,
+        cache_options: Optional[dict] = None,
+        scale: int = 1,
+    ):
         self.layout = layout
         self.scale = scale  # the layout's expert sizes and the budget were divided by this (reports say so)
         # The full-size run this one stands for: its layout and budget. At divided sizes the caches
@@ -105,8 +127,9 @@ class Bench:
             self.pinned = self.is_cuda if pinned is None else pinned
         self.stream = self._make_stream()
         if source is None:
-            fill = (lambda done, total: self.progress(
-                f"filling {'pinned' if self.pinned else 'pageable'} source", done, total))
+            fill = lambda done, total: self.progress(
+                f"filling {'pinned' if self.pinned else 'pageable'} source", done, total
+            )
             source = HostSource(layout, pinned=self.pinned, arrangement=placement, progress=fill)
         self.source = source
         self.placement = getattr(source, "arrangement", "tensor (GGUF file)")
@@ -146,12 +169,18 @@ class Bench:
         it runs, on what layout, source and budget (the caches' in bytes, the full-size run's whose
         slot counts they have, and that as a fraction of the model's experts' bytes), and the
         version, library and commit."""
-        return dict(backend="cuda" if self.is_cuda else "host", device=self.device_name(), layout=self.layout.name,
-                    source="pinned" if self.pinned else "pageable", placement=self.placement,
-                    budget_bytes=self.budget_bytes,
-                    budget_fraction=self.full_budget_bytes / self.full_layout.total_bytes,
-                    host_scale=self.scale, full_budget_bytes=self.full_budget_bytes if self.scale != 1 else None,
-                    **made_by())
+        return dict(
+            backend="cuda" if self.is_cuda else "host",
+            device=self.device_name(),
+            layout=self.layout.name,
+            source="pinned" if self.pinned else "pageable",
+            placement=self.placement,
+            budget_bytes=self.budget_bytes,
+            budget_fraction=self.full_budget_bytes / self.full_layout.total_bytes,
+            host_scale=self.scale,
+            full_budget_bytes=self.full_budget_bytes if self.scale != 1 else None,
+            **made_by(),
+        )
 
     def full_slot_bytes(self) -> list[int]:
         """The slot bytes of each size class of the full-size layout (the library's)."""
@@ -167,8 +196,13 @@ class Bench:
         """The link of ``device`` (default: the bench's), measured now (:func:`~pyexpcache.bench.link.measure`
         of :attr:`link_chunk_bytes` pieces): on the host backend, memcpy bandwidth."""
         device = self.device if device is None else device
-        return link.measure(self.source, self.link_chunk_bytes, cuda=self.is_cuda, device=device,
-                            stream=self.stream if device == self.device else None)
+        return link.measure(
+            self.source,
+            self.link_chunk_bytes,
+            cuda=self.is_cuda,
+            device=device,
+            stream=self.stream if device == self.device else None,
+        )
 
     # -- variants --------------------------------------------------------------
     def make_cache(self, **kwargs) -> ExpertCache:
@@ -190,6 +224,7 @@ class Bench:
         out = _replay.ReplayResult()
         failed: list[BaseException] = []
         with _sigint_deferred() as interrupted:
+
             def on_progress(done: int, total: int) -> int:
                 # A ctypes callback cannot raise into C: Ctrl-C (noted by the handler above) or an
                 # error of the display asks the loop to stop, and is raised once it has returned.
@@ -226,14 +261,28 @@ class Bench:
         def loop(dll, api, progress, out):
             expected = np.ascontiguousarray(self.expected)
             with cache.raw_handle() as handle:
-                dll.expcache_replay(ctypes.byref(api), handle, ctypes.addressof(calls), len(calls), ids.ctypes.data,
-                                    modes[serve], self.stream, expected.ctypes.data, expected.shape[1],
-                                    cache.max_classes, int(self.layer_sync),
-                                    ctypes.byref(options) if options is not None else None, progress,
-                                    ctypes.byref(out))
+                dll.expcache_replay(
+                    ctypes.byref(api),
+                    handle,
+                    ctypes.addressof(calls),
+                    len(calls),
+                    ids.ctypes.data,
+                    modes[serve],
+                    self.stream,
+                    expected.ctypes.data,
+                    expected.shape[1],
+                    cache.max_classes,
+                    int(self.layer_sync),
+                    ctypes.byref(options) if options is not None else None,
+                    progress,
+                    ctypes.byref(out),
+                )
 
         out = self.run_c_loop(label, loop)
         if out.checksum_errors:
-            print(f"CHECKSUM MISMATCH: {label}: {out.checksum_errors} experts differ from the source "
-                  f"(first in call {out.first_bad_call})", file=sys.stderr)
+            print(
+                f"CHECKSUM MISMATCH: {label}: {out.checksum_errors} experts differ from the source "
+                f"(first in call {out.first_bad_call})",
+                file=sys.stderr,
+            )
         return out

@@ -51,11 +51,14 @@ def class_info(layout: ModelLayout, budget_bytes: int) -> list:
     the experts the budget gives it). Nothing is allocated for the experts."""
     keys = list(layout.classes())
     if len(keys) > _lib.MAX_CLASSES_LIMIT:
-        raise ValueError(f"layout {layout.name} has {len(keys)} size classes, more than a cache holds at once "
-                         f"({_lib.MAX_CLASSES_LIMIT})")
+        raise ValueError(
+            f"layout {layout.name} has {len(keys)} size classes, more than a cache holds at once "
+            f"({_lib.MAX_CLASSES_LIMIT})"
+        )
     # ExpertCache's max_classes holds every size class of the layout.
-    with ExpertCache(layout, _Placements(layout), budget_bytes=budget_bytes, backend="host", log_level=0,
-                     copy_threads=0) as cache:
+    with ExpertCache(
+        layout, _Placements(layout), budget_bytes=budget_bytes, backend="host", log_level=0, copy_threads=0
+    ) as cache:
         for layers in layout.classes().values():
             cache.layer_class(layers[0])
         found = {c.key: c for c in cache.classes()}
@@ -94,9 +97,16 @@ def unscaled(layout: ModelLayout, scale: int) -> ModelLayout:
     part size times ``scale``."""
     if scale == 1:
         return layout
-    return ModelLayout(tuple(s and replace(s, gate_bytes=s.gate_bytes * scale, up_bytes=s.up_bytes * scale,
-                                           down_bytes=s.down_bytes * scale) for s in layout.layers),
-                       name=layout.name.removesuffix(f"/{scale}"))
+    return ModelLayout(
+        tuple(
+            s
+            and replace(
+                s, gate_bytes=s.gate_bytes * scale, up_bytes=s.up_bytes * scale, down_bytes=s.down_bytes * scale
+            )
+            for s in layout.layers
+        ),
+        name=layout.name.removesuffix(f"/{scale}"),
+    )
 
 
 def _class_name(key: Sequence[int]) -> str:
@@ -131,13 +141,21 @@ def scaled_budget(layout: ModelLayout, full_budget_bytes: int, scale: int) -> in
         return budget
     keys = list(full.classes())
     i = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
-    kept = next(s for s in (scale >> n for n in range(1, scale.bit_length())) if s == 1 or (
-        all(b % s == 0 for k in keys for b in k) and _keeping(full.scaled(s), want, max(1, full_budget_bytes // s))[1]
-        == want))
-    raise ValueError(f"at sizes / {scale} no budget keeps every size class's slot count of the full-size "
-                     f"{full.name} at a budget of {full_budget_bytes} B: class {_class_name(keys[i])} has {want[i]} "
-                     f"at full size and {got[i]} at the smallest budget that gives every class at least its count "
-                     f"(the slots' alignment does not scale); scale {kept} keeps them")
+    kept = next(
+        s
+        for s in (scale >> n for n in range(1, scale.bit_length()))
+        if s == 1
+        or (
+            all(b % s == 0 for k in keys for b in k)
+            and _keeping(full.scaled(s), want, max(1, full_budget_bytes // s))[1] == want
+        )
+    )
+    raise ValueError(
+        f"at sizes / {scale} no budget keeps every size class's slot count of the full-size "
+        f"{full.name} at a budget of {full_budget_bytes} B: class {_class_name(keys[i])} has {want[i]} "
+        f"at full size and {got[i]} at the smallest budget that gives every class at least its count "
+        f"(the slots' alignment does not scale); scale {kept} keeps them"
+    )
 
 
 def keeps_slot_counts(layout: ModelLayout, budget_bytes: int, full_budget_bytes: int, scale: int) -> bool:
@@ -158,9 +176,15 @@ def _spelled(name: str, value) -> str:
     return f"{name} {shown}" if name.startswith("--") else f"{name}={shown}"
 
 
-def resolve_budget(layout: ModelLayout, budget_bytes=None, budget_fraction: Optional[float] = None, *,
-                   scale: int = 1, names: tuple[str, str] = ("budget_bytes", "budget_fraction"),
-                   bytes_unit: int = 1) -> int:
+def resolve_budget(
+    layout: ModelLayout,
+    budget_bytes=None,
+    budget_fraction: Optional[float] = None,
+    *,
+    scale: int = 1,
+    names: tuple[str, str] = ("budget_bytes", "budget_fraction"),
+    bytes_unit: int = 1,
+) -> int:
     """The cache budget in bytes for ``layout``: ``budget_bytes`` divided by ``scale``, or
     ``budget_fraction`` (0 < F <= 1) of the bytes of every expert of ``layout``
     (:attr:`~pyexpcache.ModelLayout.total_bytes`), rounded down, or :data:`DEFAULT_BUDGET_BYTES`
@@ -182,8 +206,11 @@ def resolve_budget(layout: ModelLayout, budget_bytes=None, budget_fraction: Opti
     else:
         if budget_bytes is not None:
             raise ValueError(f"give {names[0]} or {names[1]}, not both")
-        if isinstance(budget_fraction, bool) or not isinstance(budget_fraction, (int, float)) \
-                or not 0 < budget_fraction <= 1:
+        if (
+            isinstance(budget_fraction, bool)
+            or not isinstance(budget_fraction, (int, float))
+            or not 0 < budget_fraction <= 1
+        ):
             raise ValueError(f"{names[1]} must be a number in (0, 1], got {budget_fraction!r}")
         budget = int(budget_fraction * layout.total_bytes)
         if budget > 0:
@@ -191,10 +218,14 @@ def resolve_budget(layout: ModelLayout, budget_bytes=None, budget_fraction: Opti
         given, name = budget_fraction, names[1]
     full = unscaled(layout, scale)
     least = smallest_budget(full)
-    least_value = _round_up(least / full.total_bytes) if name == names[1] else (
-        _round_up(least / bytes_unit) if bytes_unit != 1 else str(least))
+    least_value = (
+        _round_up(least / full.total_bytes)
+        if name == names[1]
+        else (_round_up(least / bytes_unit) if bytes_unit != 1 else str(least))
+    )
     at = f" at the host run's sizes / {scale}" if scale != 1 else ""
     classes = len(full.classes())
     holds = "one expert" if classes == 1 else f"one expert of each of its {classes} size classes"
-    raise ValueError(f"{_spelled(name, given)} is a budget of 0 bytes{at}; the smallest {name} that holds {holds} "
-                     f"is {least_value}")
+    raise ValueError(
+        f"{_spelled(name, given)} is a budget of 0 bytes{at}; the smallest {name} that holds {holds} is {least_value}"
+    )

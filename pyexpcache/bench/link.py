@@ -61,8 +61,9 @@ def host_copy_rate(src: np.ndarray, repeats: int) -> float:
     return src.nbytes * repeats / (time.perf_counter() - t0)
 
 
-def measure(source, chunk_bytes: int, *, cuda: bool, device: int = 0, stream: Optional[int] = None,
-            repeats: int = REPEATS) -> Link:
+def measure(
+    source, chunk_bytes: int, *, cuda: bool, device: int = 0, stream: Optional[int] = None, repeats: int = REPEATS
+) -> Link:
     """The link of ``device``: :func:`copy_rate` of ``chunk_bytes`` pieces (at most the source's
     size) from pinned memory, the source's own when it is pinned, else a pinned buffer made for
     the measurement, whatever the source kind: a link bound is what the link allows. ``stream``:

@@ -31,6 +31,7 @@ class NotAvailable(Exception):
 
 # -- what a run needs ------------------------------------------------------------------------
 
+
 def has_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -87,8 +88,10 @@ def check_cache_setting(option: str, keyword: str, value: int) -> None:
 
 # -- --layout ---------------------------------------------------------------------------------
 
-LAYOUT_FORMS = ('a preset name, a layout file (.json with "layers"), a Hugging Face config.json or the model '
-                "folder holding it (CONFIG.json:TYPE for another type, e.g. config.json:Q4_K), or a GGUF file (.gguf)")
+LAYOUT_FORMS = (
+    'a preset name, a layout file (.json with "layers"), a Hugging Face config.json or the model '
+    "folder holding it (CONFIG.json:TYPE for another type, e.g. config.json:Q4_K), or a GGUF file (.gguf)"
+)
 
 
 def layout_kind(text: str) -> tuple[str, str, Optional[str]]:
@@ -103,8 +106,7 @@ def layout_kind(text: str) -> tuple[str, str, Optional[str]]:
         path, _, quant = text.rpartition(":")
     if not os.path.exists(path):
         what = "no such file" if os.sep in text or text.endswith((".json", ".gguf")) else "not a preset or a file"
-        raise ValueError(f"{text}: {what}; --layout takes {LAYOUT_FORMS}; the presets are "
-                         f"{', '.join(PRESETS)}")
+        raise ValueError(f"{text}: {what}; --layout takes {LAYOUT_FORMS}; the presets are {', '.join(PRESETS)}")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"{path}: a folder without a config.json; --layout takes {LAYOUT_FORMS}")
@@ -128,12 +130,17 @@ def layout_kind(text: str) -> tuple[str, str, Optional[str]]:
         elif isinstance(obj, dict) and ("model_type" in obj or "architectures" in obj):
             kind = "hf"
         else:
-            found = "JSON without a \"layers\" list, \"model_type\" or \"architectures\"" if obj is not None \
+            found = (
+                'JSON without a "layers" list, "model_type" or "architectures"'
+                if obj is not None
                 else "neither JSON nor a GGUF file"
+            )
             raise ValueError(f"{path}: {found}; --layout takes {LAYOUT_FORMS}")
     if quant is not None and kind != "hf":
-        raise ValueError(f"{text}: a :TYPE suffix applies to a Hugging Face config.json only; {path} is "
-                         f"{'a GGUF file' if kind == 'gguf' else 'a layout file, which gives its own types'}")
+        raise ValueError(
+            f"{text}: a :TYPE suffix applies to a Hugging Face config.json only; {path} is "
+            f"{'a GGUF file' if kind == 'gguf' else 'a layout file, which gives its own types'}"
+        )
     return kind, path, quant
 
 
@@ -188,15 +195,19 @@ def generated_layout(args, scale: int):
     except ValueError as exc:
         most = _power_of_two_dividing(layout)
         default = "" if getattr(args, "scale", None) else " (the default on the host backend)"
-        raise UsageError(f"--scale {scale}{default}: {exc}; use a power of two up to {most}"
-                         + (", e.g. 256" if most >= 256 else "")) from None
+        raise UsageError(
+            f"--scale {scale}{default}: {exc}; use a power of two up to {most}" + (", e.g. 256" if most >= 256 else "")
+        ) from None
     if args.layers is None:
         return layout
-    return ModelLayout(tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
-                       name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]")
+    return ModelLayout(
+        tuple(s if i in args.layers else None for i, s in enumerate(layout.layers)),
+        name=f"{layout.name}[layers {args.layers[0]}..{args.layers[-1]}]",
+    )
 
 
 # -- value parsers ---------------------------------------------------------------------------
+
 
 def gib(option: str, minimum_exclusive: bool):
     def parse(text: str) -> float:
@@ -207,8 +218,10 @@ def gib(option: str, minimum_exclusive: bool):
         if not math.isfinite(value) or value < 0 or (minimum_exclusive and value == 0) or value > 1e6:
             raise argparse.ArgumentTypeError(
                 f"{option} must be a finite number of GiB {'>' if minimum_exclusive else '>='} 0 (at most 1e6), "
-                f"got {text!r}")
+                f"got {text!r}"
+            )
         return value
+
     return parse
 
 
@@ -221,6 +234,7 @@ def fraction(option: str):
         if not 0 < value <= 1:  # NaN fails too
             raise argparse.ArgumentTypeError(f"{option} must be a number F with 0 < F <= 1, got {text!r}")
         return value
+
     return parse
 
 
@@ -233,6 +247,7 @@ def whole(minimum: int):
         if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}")
         return value
+
     return parse
 
 
@@ -279,6 +294,7 @@ def csv(choices):
     """A comma list of ``choices`` (a sequence; empty: anything), or of what ``choices()`` returns
     when it is callable: called only when a value is parsed, so a list read from the library
     leaves --help free of it."""
+
     def parse(text: str) -> list[str]:
         try:
             allowed = choices() if callable(choices) else choices
@@ -289,6 +305,7 @@ def csv(choices):
         if bad or not items:
             raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(allowed)}; got {text!r}")
         return items
+
     return parse
 
 
@@ -326,6 +343,7 @@ def nonnegative_us(text: str) -> float:
 
 
 # -- options ---------------------------------------------------------------------------------
+
 
 class Option:
     """One command-line option: ``argparse`` arguments, defined once. A mode lists the options it
@@ -375,16 +393,30 @@ class Option:
         return f"Option({self.flags[0]})"
 
 
-LAYOUT = Option("--layout", default="mixed", type=layout_argument, metavar="NAME|FILE",
-                help="the model's routed experts: a preset (" + ", ".join(PRESETS) + "; default mixed: DeepSeek V4 "
-                     "Flash q2-q4), a layout file (.json with a layers list: docs/models.md), a Hugging Face "
-                     "config.json (CONFIG.json:TYPE for another type, e.g. config.json:Q4_K) or a model folder "
-                     "holding one, or a GGUF file (its layout only; --gguf serves its bytes)")
-GGUF = Option("--gguf", metavar="MODEL.gguf", help="use a GGUF model file's experts instead of a generated layout; "
-              "its layers and experts must match the traces")
-GGUF_READS = Option("--gguf-reads", choices=("mmap", "file"), default="mmap",
-                    help="with --gguf: copy misses from a mapping of the file (pageable) or read them from the file "
-                         "(pread; see --file-reads)")
+LAYOUT = Option(
+    "--layout",
+    default="mixed",
+    type=layout_argument,
+    metavar="NAME|FILE",
+    help="the model's routed experts: a preset (" + ", ".join(PRESETS) + "; default mixed: DeepSeek V4 "
+    "Flash q2-q4), a layout file (.json with a layers list: docs/models.md), a Hugging Face "
+    "config.json (CONFIG.json:TYPE for another type, e.g. config.json:Q4_K) or a model folder "
+    "holding one, or a GGUF file (its layout only; --gguf serves its bytes)",
+)
+GGUF = Option(
+    "--gguf",
+    metavar="MODEL.gguf",
+    help="use a GGUF model file's experts instead of a generated layout; its layers and experts must match the traces",
+)
+GGUF_READS = Option(
+    "--gguf-reads",
+    choices=("mmap", "file"),
+    default="mmap",
+    help="with --gguf: copy misses from a mapping of the file (pageable) or read them from the file "
+    "(pread; see --file-reads)",
+)
+
+
 class _Flatten(argparse.Action):
     """nargs="+" of values that are lists (a comma list each): one list of their items."""
 
@@ -392,68 +424,159 @@ class _Flatten(argparse.Action):
         setattr(namespace, self.dest, [item for value in values for item in value])
 
 
-TRACES = Option("--traces", type=csv(None), nargs="+", action=_Flatten, default=list(DEFAULT_TRACES),
-                metavar="TRACE",
-                help="the decode traces, several after --traces or in a comma list: routing-trace files of any model "
-                     "in the generic format (*.jsonl, *.csv or *.npz, each optionally .gz: docs/traces.md), bundled "
-                     "traces by name, route-CSV paths (*.route.csv), or synthetic:TOKENS[:SEED] (of the layout's MoE "
-                     "layers and experts, --top-k per token; default: the seven bundled traces)")
-BUDGET = Option("--budget-gib", type=gib("--budget-gib", True), default=None,
-                help="expert cache budget in GiB (default 12, unless --budget-fraction)")
-BUDGET_FRACTION = Option("--budget-fraction", type=fraction("--budget-fraction"), default=None, metavar="F",
-                         help="expert cache budget as a fraction F of the bytes of every expert of the layout, "
-                              "0 < F <= 1 (instead of --budget-gib)")
-TOP_K = Option("--top-k", type=whole(1), default=None, metavar="K",
-               help="experts per token of the synthetic:TOKENS traces, at most half the layout's experts per layer "
-                    f"(default: a Hugging Face config's num_experts_per_tok, else {DEFAULT_TOP_K}, DeepSeek V4 "
-                    "Flash's)")
-RESERVE = Option("--reserve-gib", type=gib("--reserve-gib", False), default=None,
-                 help="device memory kept free (default 1 GiB)")
-BACKEND = Option("--backend", default="auto", choices=("auto", "host", "cuda"),
-                 help="auto: the GPU when the CUDA build of the library and a device are usable, else the host "
-                      "backend (host memory with an emulated capacity); cuda needs cuda-python (the [cuda] extra)")
+TRACES = Option(
+    "--traces",
+    type=csv(None),
+    nargs="+",
+    action=_Flatten,
+    default=list(DEFAULT_TRACES),
+    metavar="TRACE",
+    help="the decode traces, several after --traces or in a comma list: routing-trace files of any model "
+    "in the generic format (*.jsonl, *.csv or *.npz, each optionally .gz: docs/traces.md), bundled "
+    "traces by name, route-CSV paths (*.route.csv), or synthetic:TOKENS[:SEED] (of the layout's MoE "
+    "layers and experts, --top-k per token; default: the seven bundled traces)",
+)
+BUDGET = Option(
+    "--budget-gib",
+    type=gib("--budget-gib", True),
+    default=None,
+    help="expert cache budget in GiB (default 12, unless --budget-fraction)",
+)
+BUDGET_FRACTION = Option(
+    "--budget-fraction",
+    type=fraction("--budget-fraction"),
+    default=None,
+    metavar="F",
+    help="expert cache budget as a fraction F of the bytes of every expert of the layout, "
+    "0 < F <= 1 (instead of --budget-gib)",
+)
+TOP_K = Option(
+    "--top-k",
+    type=whole(1),
+    default=None,
+    metavar="K",
+    help="experts per token of the synthetic:TOKENS traces, at most half the layout's experts per layer "
+    f"(default: a Hugging Face config's num_experts_per_tok, else {DEFAULT_TOP_K}, DeepSeek V4 "
+    "Flash's)",
+)
+RESERVE = Option(
+    "--reserve-gib", type=gib("--reserve-gib", False), default=None, help="device memory kept free (default 1 GiB)"
+)
+BACKEND = Option(
+    "--backend",
+    default="auto",
+    choices=("auto", "host", "cuda"),
+    help="auto: the GPU when the CUDA build of the library and a device are usable, else the host "
+    "backend (host memory with an emulated capacity); cuda needs cuda-python (the [cuda] extra)",
+)
 DEVICE = Option("--device", type=whole(0), default=0, help="CUDA device ordinal (default 0)")
-SOURCE = Option("--source", choices=("pinned", "pageable"), default=None,
-                help="host memory of the experts (default: pinned on the GPU, pageable on the host)")
-PLACEMENT = Option("--placement", choices=("expert", "tensor"), default="expert",
-                   help="host placement of the generated source: each expert's parts together (default, as an "
-                        "engine stages experts in pinned memory) or one tensor per part (as in a GGUF)")
-LAYERS = Option("--layers", type=layers, default=None,
-                help=f"MoE layers to keep, e.g. 3-10 or 5,7,9 (default: all; the bundled traces have layers "
-                     f"{FIRST_ROUTED_LAYER}-{NUM_LAYERS - 1})")
-SCALE = Option("--scale", type=whole(1), default=None,
-               help="divide expert sizes and the budget by this, a power of two up to 65536 (default: 1 on the GPU, "
-                    "256 on the host); the generated experts must fit in host memory")
-COPY_THREADS = Option("--copy-threads", type=whole(0), default=None,
-                      help="threads staging pageable and file misses (default: the cores less 4, 2 to 12)")
-STAGING_CHUNK = Option("--staging-chunk", type=size, default=None,
-                       help="largest staging piece one thread fills and one transfer moves, e.g. 1M (default 512K)")
-PREFETCH_PIECE = Option("--prefetch-piece", type=size, default=None, metavar="SIZE",
-                        help="most prefetch bytes in flight at once, what a demand miss shares the link with, "
-                             "e.g. 1M (default 4M; a multiple of 4K in 4K..64M)")
-FILE_READS = Option("--file-reads", choices=("buffered", "direct"), default="buffered",
-                    help="with --gguf-reads file: through the page cache (default) or O_DIRECT")
-LAYER_COMPUTE_US = Option("--layer-compute-us", type=nonnegative_us, default=None, metavar="N",
-                          help="N µs of non-expert work per layer (a GPU kernel that only takes time) before the "
-                               "layer's select, as attention at batch 1 would be (default 0)")
-PLOT = Option("--plot", metavar="FILE.png",
-              help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)")
-JSON = Option("--json", metavar="FILE", help="also write the reports as JSON (a list, one per table), rewritten after "
-              "each one (an interrupted run keeps those it finished)")
+SOURCE = Option(
+    "--source",
+    choices=("pinned", "pageable"),
+    default=None,
+    help="host memory of the experts (default: pinned on the GPU, pageable on the host)",
+)
+PLACEMENT = Option(
+    "--placement",
+    choices=("expert", "tensor"),
+    default="expert",
+    help="host placement of the generated source: each expert's parts together (default, as an "
+    "engine stages experts in pinned memory) or one tensor per part (as in a GGUF)",
+)
+LAYERS = Option(
+    "--layers",
+    type=layers,
+    default=None,
+    help=f"MoE layers to keep, e.g. 3-10 or 5,7,9 (default: all; the bundled traces have layers "
+    f"{FIRST_ROUTED_LAYER}-{NUM_LAYERS - 1})",
+)
+SCALE = Option(
+    "--scale",
+    type=whole(1),
+    default=None,
+    help="divide expert sizes and the budget by this, a power of two up to 65536 (default: 1 on the GPU, "
+    "256 on the host); the generated experts must fit in host memory",
+)
+COPY_THREADS = Option(
+    "--copy-threads",
+    type=whole(0),
+    default=None,
+    help="threads staging pageable and file misses (default: the cores less 4, 2 to 12)",
+)
+STAGING_CHUNK = Option(
+    "--staging-chunk",
+    type=size,
+    default=None,
+    help="largest staging piece one thread fills and one transfer moves, e.g. 1M (default 512K)",
+)
+PREFETCH_PIECE = Option(
+    "--prefetch-piece",
+    type=size,
+    default=None,
+    metavar="SIZE",
+    help="most prefetch bytes in flight at once, what a demand miss shares the link with, "
+    "e.g. 1M (default 4M; a multiple of 4K in 4K..64M)",
+)
+FILE_READS = Option(
+    "--file-reads",
+    choices=("buffered", "direct"),
+    default="buffered",
+    help="with --gguf-reads file: through the page cache (default) or O_DIRECT",
+)
+LAYER_COMPUTE_US = Option(
+    "--layer-compute-us",
+    type=nonnegative_us,
+    default=None,
+    metavar="N",
+    help="N µs of non-expert work per layer (a GPU kernel that only takes time) before the "
+    "layer's select, as attention at batch 1 would be (default 0)",
+)
+PLOT = Option(
+    "--plot",
+    metavar="FILE.png",
+    help="plot hit rate vs budget for LRU, OppClassLRU and Belady (needs matplotlib: the [plot] extra)",
+)
+JSON = Option(
+    "--json",
+    metavar="FILE",
+    help="also write the reports as JSON (a list, one per table), rewritten after "
+    "each one (an interrupted run keeps those it finished)",
+)
 QUIET = Option("--quiet", action="store_true", help="no progress bar or notices")
 
 #: The options of every mode that runs on a Bench: its layout, source, backend, budget and
 #: cache settings, and the traces it replays.
-BENCH = (LAYOUT, GGUF, GGUF_READS, TRACES, TOP_K, BUDGET, BUDGET_FRACTION, RESERVE, BACKEND, DEVICE, SOURCE,
-         PLACEMENT, LAYERS, SCALE, COPY_THREADS, STAGING_CHUNK, PREFETCH_PIECE, FILE_READS)
+BENCH = (
+    LAYOUT,
+    GGUF,
+    GGUF_READS,
+    TRACES,
+    TOP_K,
+    BUDGET,
+    BUDGET_FRACTION,
+    RESERVE,
+    BACKEND,
+    DEVICE,
+    SOURCE,
+    PLACEMENT,
+    LAYERS,
+    SCALE,
+    COPY_THREADS,
+    STAGING_CHUNK,
+    PREFETCH_PIECE,
+    FILE_READS,
+)
 #: What every mode writes: --json, and --quiet for the progress bar.
 OUTPUT = (JSON, QUIET)
 #: The options that are output files, opened before a run (the mode finds them in ``args.outputs``).
 FILES = (JSON, PLOT)
 
 # The bench options that are ExpertCache settings: (option, ExpertCache keyword).
-CACHE_SETTINGS = ((COPY_THREADS, "copy_threads"), (STAGING_CHUNK, "staging_chunk_bytes"),
-                  (PREFETCH_PIECE, "prefetch_piece_bytes"))
+CACHE_SETTINGS = (
+    (COPY_THREADS, "copy_threads"),
+    (STAGING_CHUNK, "staging_chunk_bytes"),
+    (PREFETCH_PIECE, "prefetch_piece_bytes"),
+)
 
 
 def _config_top_k(text: str) -> Optional[int]:
@@ -488,8 +611,10 @@ def synthetic_traces(args) -> None:
     k = getattr(args, "top_k", None)
     if not synthetic:
         if k is not None:
-            raise UsageError(f"{TOP_K.flags[0]} applies to synthetic:TOKENS traces (a recorded trace has its own k), "
-                             "and --traces has none")
+            raise UsageError(
+                f"{TOP_K.flags[0]} applies to synthetic:TOKENS traces (a recorded trace has its own k), "
+                "and --traces has none"
+            )
         return
     if getattr(args, "gguf", None):
         from ..gguf import layout_from_gguf
@@ -500,17 +625,25 @@ def synthetic_traces(args) -> None:
     experts = min(layout[i].num_experts for i in layout.moe_layers)
     most = experts // 2
     if k is None:
-        from_config = None if getattr(args, "gguf", None) or is_deepseek_v4_flash_shaped(layout) else \
-            _config_top_k(args.layout)
-        default = (f"the config's num_experts_per_tok of {from_config}" if from_config is not None else
-                   f"the default top-k of {DEFAULT_TOP_K}")
+        from_config = (
+            None if getattr(args, "gguf", None) or is_deepseek_v4_flash_shaped(layout) else _config_top_k(args.layout)
+        )
+        default = (
+            f"the config's num_experts_per_tok of {from_config}"
+            if from_config is not None
+            else f"the default top-k of {DEFAULT_TOP_K}"
+        )
         k = DEFAULT_TOP_K if from_config is None else from_config
         if not 1 <= k <= most:
-            raise UsageError(f"--traces {synthetic[0]}: layout {layout.name} has {experts} experts per layer, too few "
-                             f"for {default}: give {TOP_K.flags[0]} K, 1 <= K <= {most}")
+            raise UsageError(
+                f"--traces {synthetic[0]}: layout {layout.name} has {experts} experts per layer, too few "
+                f"for {default}: give {TOP_K.flags[0]} K, 1 <= K <= {most}"
+            )
     elif not 1 <= k <= most:
-        raise UsageError(f"{TOP_K.flags[0]} {k}: layout {layout.name} has {experts} experts per layer: "
-                         f"1 <= K <= {most} (fresh draws skip the previous token's experts)")
+        raise UsageError(
+            f"{TOP_K.flags[0]} {k}: layout {layout.name} has {experts} experts per layer: "
+            f"1 <= K <= {most} (fresh draws skip the previous token's experts)"
+        )
     args.traces = [decode_trace(t, layout, k) if t in synthetic else t for t in traces]
 
 
@@ -530,8 +663,14 @@ def budget_bytes(args, layout, scale: int) -> int:
     check_budget(args)
     gib = args.budget_gib
     try:
-        return resolve_budget(layout, None if gib is None else gib * (1 << 30), args.budget_fraction, scale=scale,
-                              names=(BUDGET.flags[0], BUDGET_FRACTION.flags[0]), bytes_unit=1 << 30)
+        return resolve_budget(
+            layout,
+            None if gib is None else gib * (1 << 30),
+            args.budget_fraction,
+            scale=scale,
+            names=(BUDGET.flags[0], BUDGET_FRACTION.flags[0]),
+            bytes_unit=1 << 30,
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

@@ -88,8 +88,15 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["PREDICTORS", "PREV_WEIGHT", "CoocPredictor", "parse_prefetch", "predictions", "previous_token_predictions",
-           "recall"]
+__all__ = [
+    "PREDICTORS",
+    "PREV_WEIGHT",
+    "CoocPredictor",
+    "parse_prefetch",
+    "predictions",
+    "previous_token_predictions",
+    "recall",
+]
 
 #: The predictor kinds a prefetch spec may name.
 PREDICTORS = ("none", "cooc", "oracle")
@@ -158,8 +165,7 @@ class CoocPredictor:
         tokens: tokens observed so far.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, *, normalize: bool = True,
-                 prev_weight: float = PREV_WEIGHT):
+    def __init__(self, num_layers: int, num_experts: int, *, normalize: bool = True, prev_weight: float = PREV_WEIGHT):
         num_layers, num_experts = int(num_layers), int(num_experts)
         if num_layers < 1 or num_experts < 1:
             raise ValueError(f"need num_layers >= 1 and num_experts >= 1, got {num_layers} and {num_experts}")
@@ -224,13 +230,14 @@ class CoocPredictor:
         """
         layer = int(layer)
         if not 0 <= layer < self.num_layers - 1:
-            raise ValueError(f"layer must be an array index in [0, {self.num_layers - 1}) (a next layer must "
-                             f"exist), got {layer}")
+            raise ValueError(
+                f"layer must be an array index in [0, {self.num_layers - 1}) (a next layer must exist), got {layer}"
+            )
         if int(top) < 0:
             raise ValueError(f"top must be >= 0, got {top}")
         current = self._check_ids(current, "current").reshape(1, -1)
         order, valid = self._rank(np.array([layer]), current, top)
-        return order[0, :valid[0]].astype(np.uint32)
+        return order[0, : valid[0]].astype(np.uint32)
 
     def predict_token(self, token_ids: np.ndarray, top: int) -> np.ndarray:
         """Every layer's prediction for one token at once (row ``L`` = :meth:`predict` ``(L,
@@ -244,7 +251,7 @@ class CoocPredictor:
         if self.num_layers > 1:
             order, valid = self._rank(np.arange(self.num_layers - 1), token_ids[:-1], top)
             keep = np.arange(order.shape[1]) < valid[:, None]
-            out[:-1, :order.shape[1]] = np.where(keep, order, -1)
+            out[:-1, : order.shape[1]] = np.where(keep, order, -1)
         return out
 
     def _check_token(self, token_ids: np.ndarray) -> np.ndarray:
@@ -301,7 +308,7 @@ def _oracle_predictions(trace, rate: float, top: int, seed: int) -> np.ndarray:
     nxt = trace.ids[:, 1:, :]
     first = np.ones(nxt.shape, dtype=bool)  # a repeated id is one expert: its first slot decides
     for j in range(1, k):
-        first[..., j] = ~(nxt[..., :j] == nxt[..., j:j + 1]).any(axis=-1)
+        first[..., j] = ~(nxt[..., :j] == nxt[..., j : j + 1]).any(axis=-1)
     keep = (draws < rate) & first
     # Included ids first, in router order (a stable sort of the keep flags), then -1.
     order = np.argsort(~keep, axis=-1, kind="stable")
@@ -362,7 +369,7 @@ def _hits(trace, preds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     p = preds[:, :-1, :].astype(np.int64)
     if p.size and (p.min() < -1 or p.max() >= E):
         raise ValueError(f"preds hold ids in [0, {E}) or -1, got {p.min()}..{p.max()}")
-    t_idx, l_idx = np.ogrid[:T, :L - 1]
+    t_idx, l_idx = np.ogrid[:T, : L - 1]
     actual = np.zeros((T, L - 1, E), dtype=bool)
     actual[t_idx[..., None], l_idx[..., None], ids[:, 1:, :]] = True
     predicted = np.zeros((T, L - 1, E + 1), dtype=bool)  # column E takes the -1 padding
@@ -399,14 +406,18 @@ def _table(traces, columns) -> str:
             acc[0] += float(frac.sum())
             acc[1] += frac.size
         rows.append(row)
-    rows.append(["all (pooled over (t, L))", sum(t.num_tokens for t in traces)]
-                + [100 * s / n if n else math.nan for s, n in pooled])
+    rows.append(
+        ["all (pooled over (t, L))", sum(t.num_tokens for t in traces)]
+        + [100 * s / n if n else math.nan for s, n in pooled]
+    )
     return tabulate(rows, headers=["trace", "tokens"] + [name for name, _ in columns], floatfmt=".1f")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m pyexpcache.bench.predict",
-                                 description="Recall (%) of the next-layer expert predictors on decode traces.")
+    ap = argparse.ArgumentParser(
+        prog="python3 -m pyexpcache.bench.predict",
+        description="Recall (%) of the next-layer expert predictors on decode traces.",
+    )
     ap.add_argument("traces", nargs="*", help="bundled decode trace names or CSV paths (default: all bundled)")
     ap.add_argument("--seed", type=int, default=0, help="the oracle's seed (default 0)")
     ap.add_argument("--ablation", action="store_true", help="also the cooc variants (score, bonus, in-sample)")
@@ -427,11 +438,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ("cond+prev", {}),
             ("raw in-sample", dict(normalize=False, prev_weight=0.0, fit_whole_trace=True)),
         ]
-        columns = [(f"{name} top {top}", lambda tr, kw=kw, top=top: _cooc_predictions(tr, top, **kw))
-                   for name, kw in variants for top in (6, 12)]
+        columns = [
+            (f"{name} top {top}", lambda tr, kw=kw, top=top: _cooc_predictions(tr, top, **kw))
+            for name, kw in variants
+            for top in (6, 12)
+        ]
         print()
-        print("cooc variants: raw = sums of counts, cond = conditional frequencies, +prev = the previous-token "
-              "bonus, in-sample = counts over the whole trace (sees the future; a reference, not a predictor)")
+        print(
+            "cooc variants: raw = sums of counts, cond = conditional frequencies, +prev = the previous-token "
+            "bonus, in-sample = counts over the whole trace (sees the future; a reference, not a predictor)"
+        )
         print(_table(traces, columns))
     return 0
 

@@ -35,8 +35,7 @@
 typedef struct replay_api_t {
     uint32_t struct_size;
     uint32_t reserved;
-    expcache_status_t (*select_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*,
-                                      expcache_expert_ptrs_t*);
+    expcache_status_t (*select_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*, expcache_expert_ptrs_t*);
     expcache_status_t (*compact_load_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*,
                                             expcache_compact_t*);
     expcache_status_t (*batch_prepare_async)(expcache_t*, uint32_t, const uint32_t*, uint64_t, void*, uint32_t*,
@@ -64,9 +63,9 @@ typedef struct replay_api_t {
 /* The engine a decode call models (NULL: none of it). */
 typedef struct replay_options_t {
     uint32_t struct_size;
-    uint32_t advice;        /* REPLAY_ADVICE_*: what is done with each call's advice ids */
-    uint64_t compute_ns;    /* non-expert work per layer, before its select */
-    uint32_t split;         /* 1: select_split_async, the hits checksummed before waiting for the misses */
+    uint32_t advice;     /* REPLAY_ADVICE_*: what is done with each call's advice ids */
+    uint64_t compute_ns; /* non-expert work per layer, before its select */
+    uint32_t split;      /* 1: select_split_async, the hits checksummed before waiting for the misses */
     uint32_t reserved;
     const uint64_t* advice_offset; /* per call: its advice ids in advice_ids (count 0: none) */
     const uint32_t* advice_count;
@@ -88,9 +87,9 @@ typedef struct replay_result_t {
     uint64_t experts_checked;
     uint64_t first_bad_call; /* UINT64_MAX when none */
     uint64_t calls_done;
-    uint64_t decode_bytes_h2d;  /* host-to-device bytes moved by decode calls */
-    uint64_t prefill_bytes_h2d; /* ... and by prefill batches */
-    uint64_t decode_calls;      /* decode calls done */
+    uint64_t decode_bytes_h2d;   /* host-to-device bytes moved by decode calls */
+    uint64_t prefill_bytes_h2d;  /* ... and by prefill batches */
+    uint64_t decode_calls;       /* decode calls done */
     double decode_serve_seconds; /* of decode_seconds, in the serving call (select or compact load); the
                                     rest is the checksum: its kernel, the wait for the transfers still
                                     crossing and the sums' readback (with layer_sync; without it, the
@@ -121,8 +120,8 @@ static uint64_t bytes_h2d(const replay_api_t* api, expcache_t* cache, uint32_t m
 }
 
 /* Load ids into the compact buffer and point ptrs at each expert's parts in it. */
-static expcache_status_t load_compact(const replay_api_t* api, expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n,
-                                      void* stream, expcache_expert_ptrs_t* ptrs) {
+static expcache_status_t load_compact(const replay_api_t* api, expcache_t* cache, uint32_t layer, const uint32_t* ids,
+                                      uint32_t n, void* stream, expcache_expert_ptrs_t* ptrs) {
     expcache_compact_t buf;
     buf.struct_size = sizeof buf;
     expcache_status_t s = api->compact_load_async(cache, layer, ids, n, stream, &buf);
@@ -173,9 +172,9 @@ static void verify(replay_result_t* out, uint64_t call, const uint64_t* want, co
  * Returns EXPCACHE_OK, or the first failing call's status (result filled up to it).
  */
 __attribute__((visibility("default"))) expcache_status_t expcache_replay(
-    const replay_api_t* api, expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, uint32_t mode,
-    void* stream, const uint64_t* expected, uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync,
-    const replay_options_t* options, replay_progress_fn progress, replay_result_t* out) {
+    const replay_api_t* api, expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids,
+    uint32_t mode, void* stream, const uint64_t* expected, uint32_t experts_per_layer, uint32_t max_classes,
+    uint32_t layer_sync, const replay_options_t* options, replay_progress_fn progress, replay_result_t* out) {
     if (!api || api->struct_size != sizeof *api || !cache || !calls || !ids || !expected || !out)
         return EXPCACHE_ERR_INVALID_ARGUMENT;
     if (options && (options->struct_size != sizeof *options || !layer_sync || mode != REPLAY_MODE_CACHE ||
@@ -189,8 +188,8 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         if (calls[c].count > max_count) max_count = calls[c].count;
     uint32_t* uniq = malloc(sizeof(uint32_t) * max_count);
     expcache_expert_ptrs_t* ptrs = malloc(sizeof(expcache_expert_ptrs_t) * 2 * max_count); /* 2x: split order */
-    uint64_t* sums = malloc(sizeof(uint64_t) * (max_count > EXPCACHE_CHECKSUM_RESULTS ? max_count
-                                                                                    : EXPCACHE_CHECKSUM_RESULTS));
+    uint64_t* sums =
+        malloc(sizeof(uint64_t) * (max_count > EXPCACHE_CHECKSUM_RESULTS ? max_count : EXPCACHE_CHECKSUM_RESULTS));
     uint8_t* seen = calloc(experts_per_layer, 1);
     pending_t* pending = malloc(sizeof(pending_t) * MAX_PENDING);
     uint32_t num_pending = 0, slots = 0;
@@ -236,8 +235,7 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
                 num_pending = slots = 0;
             }
             out->calls_done = c + 1;
-            if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls) &&
-                progress(c + 1, num_calls)) {
+            if (progress && ((c + 1) % 512 == 0 || c + 1 == num_calls) && progress(c + 1, num_calls)) {
                 out->stopped = 1;
                 goto done;
             }
@@ -364,8 +362,8 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay_devices
     const replay_api_t* api, const replay_device_t* devs, uint32_t num_devs, const uint8_t* owners,
     const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids, const uint64_t* expected,
     uint32_t experts_per_layer, replay_progress_fn progress, uint64_t* call_bytes, replay_result_t* out) {
-    if (!api || api->struct_size != sizeof *api || !devs || num_devs == 0 || num_devs > REPLAY_MAX_DEVICES ||
-        !owners || !calls || !ids || !expected || !out)
+    if (!api || api->struct_size != sizeof *api || !devs || num_devs == 0 || num_devs > REPLAY_MAX_DEVICES || !owners ||
+        !calls || !ids || !expected || !out)
         return EXPCACHE_ERR_INVALID_ARGUMENT;
     for (uint32_t d = 0; d < num_devs; ++d)
         if (!devs[d].cache) return EXPCACHE_ERR_INVALID_ARGUMENT;

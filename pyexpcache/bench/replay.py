@@ -16,26 +16,49 @@ ADVICE_NONE, ADVICE_PREFETCH, ADVICE_HINT = 0, 1, 2
 
 
 class ReplayCall(ctypes.Structure):
-    _fields_ = [("kind", c_uint32), ("layer", c_uint32), ("offset", c_uint64), ("count", c_uint32),
-                ("reserved", c_uint32)]
+    _fields_ = [
+        ("kind", c_uint32),
+        ("layer", c_uint32),
+        ("offset", c_uint64),
+        ("count", c_uint32),
+        ("reserved", c_uint32),
+    ]
 
 
 class ReplayResult(ctypes.Structure):
-    _fields_ = [("decode_seconds", c_double), ("prefill_seconds", c_double), ("checksum_errors", c_uint64),
-                ("experts_checked", c_uint64), ("first_bad_call", c_uint64), ("calls_done", c_uint64),
-                ("decode_bytes_h2d", c_uint64), ("prefill_bytes_h2d", c_uint64), ("decode_calls", c_uint64),
-                ("decode_serve_seconds", c_double), ("stopped", c_uint64)]
+    _fields_ = [
+        ("decode_seconds", c_double),
+        ("prefill_seconds", c_double),
+        ("checksum_errors", c_uint64),
+        ("experts_checked", c_uint64),
+        ("first_bad_call", c_uint64),
+        ("calls_done", c_uint64),
+        ("decode_bytes_h2d", c_uint64),
+        ("prefill_bytes_h2d", c_uint64),
+        ("decode_calls", c_uint64),
+        ("decode_serve_seconds", c_double),
+        ("stopped", c_uint64),
+    ]
 
 
 class ReplayOptions(ctypes.Structure):
     """replay_options_t: the engine a decode call models (layer_sync mode, the cache's own variants)."""
-    _fields_ = [("struct_size", c_uint32), ("advice", c_uint32), ("compute_ns", c_uint64), ("split", c_uint32),
-                ("reserved", c_uint32), ("advice_offset", c_void_p), ("advice_count", c_void_p),
-                ("advice_ids", c_void_p)]
+
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("advice", c_uint32),
+        ("compute_ns", c_uint64),
+        ("split", c_uint32),
+        ("reserved", c_uint32),
+        ("advice_offset", c_void_p),
+        ("advice_count", c_void_p),
+        ("advice_ids", c_void_p),
+    ]
 
 
 class ReplayDevice(ctypes.Structure):
     """replay_device_t: one device of expcache_replay_devices."""
+
     _fields_ = [("cache", c_void_p), ("stream", c_void_p), ("max_classes", c_uint32), ("reserved", c_uint32)]
 
 
@@ -79,18 +102,42 @@ def load() -> tuple[ctypes.CDLL, ReplayApi]:
     #     uint64_t num_calls, const uint32_t* ids, uint32_t mode, void* stream, const uint64_t* expected,
     #     uint32_t experts_per_layer, uint32_t max_classes, uint32_t layer_sync, const replay_options_t* options,
     #     replay_progress_fn progress, replay_result_t* out);
-    dll.expcache_replay.argtypes = [POINTER(ReplayApi), c_void_p, c_void_p, c_uint64, c_void_p, c_uint32, c_void_p,
-                                    c_void_p, c_uint32, c_uint32, c_uint32, POINTER(ReplayOptions), PROGRESS_FN,
-                                    POINTER(ReplayResult)]
+    dll.expcache_replay.argtypes = [
+        POINTER(ReplayApi),
+        c_void_p,
+        c_void_p,
+        c_uint64,
+        c_void_p,
+        c_uint32,
+        c_void_p,
+        c_void_p,
+        c_uint32,
+        c_uint32,
+        c_uint32,
+        POINTER(ReplayOptions),
+        PROGRESS_FN,
+        POINTER(ReplayResult),
+    ]
     dll.expcache_replay.restype = c_int32
     dll.expcache_replay.errcheck = _lib.raise_for_status
     # expcache_status_t expcache_replay_devices(const replay_api_t* api, const replay_device_t* devs,
     #     uint32_t num_devs, const uint8_t* owners, const replay_call_t* calls, uint64_t num_calls,
     #     const uint32_t* ids, const uint64_t* expected, uint32_t experts_per_layer, replay_progress_fn progress,
     #     uint64_t* call_bytes, replay_result_t* out);
-    dll.expcache_replay_devices.argtypes = [POINTER(ReplayApi), c_void_p, c_uint32, c_void_p, c_void_p, c_uint64,
-                                            c_void_p, c_void_p, c_uint32, PROGRESS_FN, c_void_p,
-                                            POINTER(ReplayResult)]
+    dll.expcache_replay_devices.argtypes = [
+        POINTER(ReplayApi),
+        c_void_p,
+        c_uint32,
+        c_void_p,
+        c_void_p,
+        c_uint64,
+        c_void_p,
+        c_void_p,
+        c_uint32,
+        PROGRESS_FN,
+        c_void_p,
+        POINTER(ReplayResult),
+    ]
     dll.expcache_replay_devices.restype = c_int32
     dll.expcache_replay_devices.errcheck = _lib.raise_for_status
     api = ReplayApi()

@@ -32,16 +32,16 @@ class HitRate:
 
 @dataclass
 class Report:
-    mode: str                             # the mode that made it (pyexpcache.bench.modes)
-    title: str                            # what ran, as the first line names it: "decode", "engine model", ...
-    backend: Optional[str] = None         # "host" or "cuda"; None where nothing ran on a backend (a simulator)
-    device: Optional[str] = None          # the device's name
+    mode: str  # the mode that made it (pyexpcache.bench.modes)
+    title: str  # what ran, as the first line names it: "decode", "engine model", ...
+    backend: Optional[str] = None  # "host" or "cuda"; None where nothing ran on a backend (a simulator)
+    device: Optional[str] = None  # the device's name
     layout: Optional[str] = None
-    source: Optional[str] = None          # "pinned" or "pageable" host memory
-    placement: Optional[str] = None       # where an expert's parts lie in the source
-    budget_bytes: Optional[int] = None    # the cache budget (per device where there are several)
+    source: Optional[str] = None  # "pinned" or "pageable" host memory
+    placement: Optional[str] = None  # where an expert's parts lie in the source
+    budget_bytes: Optional[int] = None  # the cache budget (per device where there are several)
     budget_fraction: Optional[float] = None  # the full-size budget over the bytes of every expert of the model
-    host_scale: int = 1                   # expert sizes divided by this
+    host_scale: int = 1  # expert sizes divided by this
     # At host_scale != 1: the full-size budget whose slot counts the caches' budget_bytes gives every
     # class (checked with the library); None where that was not checked.
     full_budget_bytes: Optional[int] = None
@@ -49,11 +49,11 @@ class Report:
     link_bytes_per_s: Optional[float] = None  # the link measured in the run (pyexpcache.bench.link)
     link_label: Optional[str] = None
     settings: dict = field(default_factory=dict)  # the mode's own; in the JSON beside the header's fields
-    results: list = field(default_factory=list)   # the mode's rows (dataclasses)
+    results: list = field(default_factory=list)  # the mode's rows (dataclasses)
     skipped: list[str] = field(default_factory=list)  # what the mode could not run here, and why
     # What a kept report needs to be read later: which code, which command.
-    version: str = ""                 # pyexpcache's version
-    library: Optional[str] = None     # the loaded libexpcache: version and path
+    version: str = ""  # pyexpcache's version
+    library: Optional[str] = None  # the loaded libexpcache: version and path
     git_commit: Optional[str] = None  # of the source tree the package runs from, when it is one
     argv: Optional[list[str]] = None  # the command line, when run from it
 
@@ -98,10 +98,16 @@ def git_commit() -> Optional[str]:
     if not (tree / ".git").exists():
         return None
     try:
-        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("-dirty" if dirty else "")
@@ -129,13 +135,21 @@ def header_lines(report: Report) -> list[str]:
     if report.budget_bytes is not None:
         scaled = report.host_scale != 1
         kept = scaled and report.full_budget_bytes is not None
-        what.append(f"budget {_bytes(report.full_budget_bytes if kept else report.budget_bytes)}"
-                    + (f" = {100 * report.budget_fraction:.1f} % of the experts' bytes"
-                       if report.budget_fraction is not None else "")
-                    + (f" (sizes / {report.host_scale} here, budget {_bytes(report.budget_bytes)}: the same slot "
-                       "counts)" if kept else
-                       f" (sizes and budget / {report.host_scale}; slot counts not checked against the full size's)"
-                       if scaled else ""))
+        what.append(
+            f"budget {_bytes(report.full_budget_bytes if kept else report.budget_bytes)}"
+            + (
+                f" = {100 * report.budget_fraction:.1f} % of the experts' bytes"
+                if report.budget_fraction is not None
+                else ""
+            )
+            + (
+                f" (sizes / {report.host_scale} here, budget {_bytes(report.budget_bytes)}: the same slot counts)"
+                if kept
+                else f" (sizes and budget / {report.host_scale}; slot counts not checked against the full size's)"
+                if scaled
+                else ""
+            )
+        )
     if what:
         lines.append(", ".join(what))
     how = []
@@ -171,14 +185,21 @@ def table_notes(report: Report, table: str) -> list[str]:
     host = report.backend == "host"
     notes = []
     if host:
-        notes.append("host backend: the (emulated) columns are host emulation, not GPU measurements: host memory "
-                     "stands in for the device's and a memcpy for the link, so they do not rank the rows as a GPU "
-                     "would; the hits and misses are the GPU's")
+        notes.append(
+            "host backend: the (emulated) columns are host emulation, not GPU measurements: host memory "
+            "stands in for the device's and a memcpy for the link, so they do not rank the rows as a GPU "
+            "would; the hits and misses are the GPU's"
+        )
     if OVER_BOUND in table:
-        notes.append(f"{OVER_BOUND} above 100 %: " + (
-            "the emulated link (a memcpy rate measured once, on one expert's bytes, before the run) is no bound on "
-            "the host backend's copies" if host else
-            "the run moved its misses faster than the link measured before it"))
+        notes.append(
+            f"{OVER_BOUND} above 100 %: "
+            + (
+                "the emulated link (a memcpy rate measured once, on one expert's bytes, before the run) is no bound on "
+                "the host backend's copies"
+                if host
+                else "the run moved its misses faster than the link measured before it"
+            )
+        )
     return notes
 
 

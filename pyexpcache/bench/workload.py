@@ -17,8 +17,15 @@ from ..traces.bundled import is_route_csv
 from ..traces.generic import is_generic_path
 
 SCENARIOS = ("decode", "prefill", "turns")
-DEFAULT_TRACES = ("podA_a_coffee_full", "podA_b2_json_long_full", "podA_c_python_full", "podA_b_json_full",
-                  "oracle50_k0w", "livemask_forensic_k0", "smoke_count64")
+DEFAULT_TRACES = (
+    "podA_a_coffee_full",
+    "podA_b2_json_long_full",
+    "podA_c_python_full",
+    "podA_b_json_full",
+    "oracle50_k0w",
+    "livemask_forensic_k0",
+    "smoke_count64",
+)
 
 
 @dataclass
@@ -61,8 +68,11 @@ def _decode_calls(trace, layers: Optional[set]) -> list[Call]:
 
 
 def _prefill_calls(prompt, layers: Optional[set]) -> list[Call]:
-    return [Call(BATCH, layer, tuple(prompt.prefill[layer].ravel().tolist()))
-            for layer in range(prompt.num_layers) if layers is None or layer in layers]
+    return [
+        Call(BATCH, layer, tuple(prompt.prefill[layer].ravel().tolist()))
+        for layer in range(prompt.num_layers)
+        if layers is None or layer in layers
+    ]
 
 
 TraceSpec = Union[str, "os.PathLike[str]", Trace]
@@ -113,8 +123,12 @@ def decode_workload(traces, layers: Optional[Sequence[int]] = None) -> Workload:
     return Workload("decode", calls, sum(t.num_tokens for t in traces), 0)
 
 
-def build_workload(scenario: str, traces: Sequence[TraceSpec] = DEFAULT_TRACES,
-                   layers: Optional[Sequence[int]] = None, layout: Optional[ModelLayout] = None) -> Workload:
+def build_workload(
+    scenario: str,
+    traces: Sequence[TraceSpec] = DEFAULT_TRACES,
+    layers: Optional[Sequence[int]] = None,
+    layout: Optional[ModelLayout] = None,
+) -> Workload:
     """The calls of a scenario, over ``traces`` (each as :func:`decode_trace` takes it: a loaded
     :class:`~pyexpcache.traces.Trace`, a file, a bundled name, or a synthetic trace shaped by
     ``layout``); ``layers``: the model layers kept.

@@ -16,7 +16,9 @@ try:
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(f"pyexpcache.hf needs torch and transformers >= 5 (pip install expcache[hf]): {exc}") from exc
 if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
-    raise ImportError(f"pyexpcache.hf needs transformers >= 5 (its experts interface), found {transformers.__version__}")
+    raise ImportError(
+        f"pyexpcache.hf needs transformers >= 5 (its experts interface), found {transformers.__version__}"
+    )
 
 from ._experts import ExpertsLayer, find_experts  # noqa: E402
 from ._graph import GraphDecoder  # noqa: E402
@@ -25,5 +27,14 @@ from ._record import RoutingRecorder, record_routing  # noqa: E402
 from ._serve import IMPLEMENTATION  # noqa: E402
 from ._source import ParameterSource  # noqa: E402
 
-__all__ = ["IMPLEMENTATION", "ExpertsLayer", "GraphDecoder", "Offloaded", "ParameterSource", "RoutingRecorder",
-           "find_experts", "offload", "record_routing"]
+__all__ = [
+    "IMPLEMENTATION",
+    "ExpertsLayer",
+    "GraphDecoder",
+    "Offloaded",
+    "ParameterSource",
+    "RoutingRecorder",
+    "find_experts",
+    "offload",
+    "record_routing",
+]

@@ -30,9 +30,13 @@ _ALIGN = 256  # where each part of a slot starts (the library's slot alignment)
 
 def is_experts_module(module: torch.nn.Module) -> bool:
     """Whether ``module`` is an experts module of transformers' experts interface."""
-    return (hasattr(module, "is_transposed") and hasattr(module, "has_gate") and hasattr(module, "_apply_gate")
-            and isinstance(getattr(module, "down_proj", None), torch.Tensor)
-            and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None), torch.Tensor))
+    return (
+        hasattr(module, "is_transposed")
+        and hasattr(module, "has_gate")
+        and hasattr(module, "_apply_gate")
+        and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+        and isinstance(getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None), torch.Tensor)
+    )
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,10 @@ def split(first_bytes: int) -> int:
     """The gate part's bytes of a first slab of ``first_bytes``: half, rounded down to the slot
     alignment, so that the up part follows it with no gap. ValueError for a slab of 256 B or less."""
     if first_bytes <= _ALIGN:
-        raise ValueError(f"an expert's gate_up slab of {first_bytes} B cannot be served: it must be over {_ALIGN} B "
-                         "(the slot alignment)")
+        raise ValueError(
+            f"an expert's gate_up slab of {first_bytes} B cannot be served: it must be over {_ALIGN} B "
+            "(the slot alignment)"
+        )
     return max(_ALIGN, first_bytes // 2 // _ALIGN * _ALIGN)
 
 
@@ -90,9 +96,11 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
     """
     found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
     if not found:
-        raise ValueError(f"{type(model).__name__} has no MoE layer served through transformers' experts interface "
-                         "(an *Experts module marked @use_experts_implementation, with gate_up_proj and down_proj); "
-                         "pyexpcache.hf serves the MoE families of transformers >= 5 that have one")
+        raise ValueError(
+            f"{type(model).__name__} has no MoE layer served through transformers' experts interface "
+            "(an *Experts module marked @use_experts_implementation, with gate_up_proj and down_proj); "
+            "pyexpcache.hf serves the MoE families of transformers >= 5 that have one"
+        )
     numbers = []
     for name, _ in found:
         match = _LAYER_NUMBER.search(name)
@@ -103,8 +111,10 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
     for e in layers:
         for what, t in (("the first weight", e.first), ("down_proj", e.down)):
             if t.dtype not in _DTYPES:
-                raise ValueError(f"{e.name}: {what} is {t.dtype}; pyexpcache.hf serves float32, float16 and bfloat16 "
-                                 "experts (load a quantized checkpoint dequantized, e.g. dtype=torch.bfloat16)")
+                raise ValueError(
+                    f"{e.name}: {what} is {t.dtype}; pyexpcache.hf serves float32, float16 and bfloat16 "
+                    "experts (load a quantized checkpoint dequantized, e.g. dtype=torch.bfloat16)"
+                )
         if e.first.dtype != e.down.dtype:
             raise ValueError(f"{e.name}: gate_up and down weights differ in dtype ({e.first.dtype}, {e.down.dtype})")
         if getattr(e.module, "_is_expert_parallel", False):

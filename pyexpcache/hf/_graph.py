@@ -21,23 +21,30 @@ def _capture_problem(model, kv, max_len: int) -> Optional[str]:
     for i, layer in enumerate(kv.layers):
         window = getattr(layer, "max_cache_len", max_len)
         if getattr(layer, "is_sliding", False) and window < max_len:
-            return (f"layer {i}'s static KV cache keeps the last {window} positions (a sliding or chunked window), and "
-                    "transformers chooses on the host how it stores each new one (a Python count), which the replays "
-                    f"of a captured step cannot follow past {window} positions: use max_len <= {window}, or "
-                    "capture=False to decode eagerly")
+            return (
+                f"layer {i}'s static KV cache keeps the last {window} positions (a sliding or chunked window), and "
+                "transformers chooses on the host how it stores each new one (a Python count), which the replays "
+                f"of a captured step cannot follow past {window} positions: use max_len <= {window}, or "
+                "capture=False to decode eagerly"
+            )
     if model.config._attn_implementation == "eager" and not _makes_step_mask(model, kv, max_len):
-        return ("its eager attention masks are made by transformers with a host scalar that torch copies to the GPU "
-                "(torch.where with a Python number), which a capture refuses, and GraphDecoder makes them itself only "
-                f"for {', '.join(_MASKED_LAYER_TYPES)} layers: load the model with attn_implementation=\"sdpa\", or "
-                "use capture=False")
+        return (
+            "its eager attention masks are made by transformers with a host scalar that torch copies to the GPU "
+            "(torch.where with a Python number), which a capture refuses, and GraphDecoder makes them itself only "
+            f'for {", ".join(_MASKED_LAYER_TYPES)} layers: load the model with attn_implementation="sdpa", or '
+            "use capture=False"
+        )
     return None
 
 
 def _makes_step_mask(model, kv, max_len: int) -> bool:
     """Whether the decoder makes the step's attention mask itself (see GraphDecoder)."""
     types = getattr(model.config, "layer_types", None) or ["full_attention"]
-    return (model.config._attn_implementation in _MASKED_IMPLEMENTATIONS and set(types) <= set(_MASKED_LAYER_TYPES)
-            and all(getattr(layer, "max_cache_len", max_len) >= max_len for layer in kv.layers))
+    return (
+        model.config._attn_implementation in _MASKED_IMPLEMENTATIONS
+        and set(types) <= set(_MASKED_LAYER_TYPES)
+        and all(getattr(layer, "max_cache_len", max_len) >= max_len for layer in kv.layers)
+    )
 
 
 class GraphDecoder:
@@ -96,8 +103,10 @@ class GraphDecoder:
             self._mask_positions = torch.arange(max_len, device=self.device)
             if model.config._attn_implementation == "eager":
                 dtype = model.get_input_embeddings().weight.dtype
-                self._mask_values = (torch.zeros((), dtype=dtype, device=self.device),
-                                     torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device))
+                self._mask_values = (
+                    torch.zeros((), dtype=dtype, device=self.device),
+                    torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.device),
+                )
             else:
                 self._mask_values = None
 

@@ -117,8 +117,16 @@ class Offloaded:
     GPU, move them back (``model.to("cuda")``) before running the model without expcache.
     """
 
-    def __init__(self, model, layout: ModelLayout, served: list, layers: list[ExpertsLayer], previous: list,
-                 registration: _HostRegistration, computed_by: str):
+    def __init__(
+        self,
+        model,
+        layout: ModelLayout,
+        served: list,
+        layers: list[ExpertsLayer],
+        previous: list,
+        registration: _HostRegistration,
+        computed_by: str,
+    ):
         self.model, self.layout, self.computed_by = model, layout, computed_by
         self.caches = [cache for cache, _, _ in served]
         self.sources = [source for _, source, _ in served]
@@ -133,8 +141,10 @@ class Offloaded:
     @property
     def cache(self) -> ExpertCache:
         if len(self.caches) != 1:
-            raise ValueError(f"this model's experts are served by {len(self.caches)} caches, one per group of layers: "
-                             "see .caches, or .total_stats() for their counters together")
+            raise ValueError(
+                f"this model's experts are served by {len(self.caches)} caches, one per group of layers: "
+                "see .caches, or .total_stats() for their counters together"
+            )
         return self.caches[0]
 
     def total_stats(self) -> PathStats:
@@ -168,8 +178,10 @@ class Offloaded:
         for where, module, name, kept in served:
             p = getattr(module, name)
             if p.shape != kept.shape or p.dtype != kept.dtype:
-                raise ValueError(f"{where}.{name} is now {p.dtype} {list(p.shape)}; it was offloaded as "
-                                 f"{kept.dtype} {list(kept.shape)}: close the handle and offload again")
+                raise ValueError(
+                    f"{where}.{name} is now {p.dtype} {list(p.shape)}; it was offloaded as "
+                    f"{kept.dtype} {list(kept.shape)}: close the handle and offload again"
+                )
         for cache in self.caches:  # waits for the device: no copy reads the host tensors while they are written
             cache.release_all()
         for where, module, name, kept in served:
@@ -206,13 +218,22 @@ class Offloaded:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Offloaded({type(self.model).__name__}, {len(self.layers)} MoE layers, {len(self.caches)} "
-                f"cache{'s' if len(self.caches) > 1 else ''}, {self.caches[0].backend} backend"
-                f"{', closed' if self._closed else ''})")
+        return (
+            f"Offloaded({type(self.model).__name__}, {len(self.layers)} MoE layers, {len(self.caches)} "
+            f"cache{'s' if len(self.caches) > 1 else ''}, {self.caches[0].backend} backend"
+            f"{', closed' if self._closed else ''})"
+        )
 
 
-def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budget_fraction: Optional[float] = None,
-            device=None, policy: Optional[str] = None, progress: Optional[bool] = None) -> Offloaded:
+def offload(
+    model: torch.nn.Module,
+    *,
+    budget_bytes: Optional[int] = None,
+    budget_fraction: Optional[float] = None,
+    device=None,
+    policy: Optional[str] = None,
+    progress: Optional[bool] = None,
+) -> Offloaded:
     """Serve ``model``'s routed experts from an expcache slot bank; returns an :class:`Offloaded`.
 
     Every experts module of transformers' experts interface (transformers >= 5: Mixtral,
@@ -285,21 +306,32 @@ def offload(model: torch.nn.Module, *, budget_bytes: Optional[int] = None, budge
             bar("experts in host memory", i + 1, len(layers))
         total = layout_bytes(layout)
         for group in _groups(layers, layout, budget, [name for name, _ in inner]):
-            group_layout = ModelLayout(tuple(spec if any(e.layer == i for e in group) else None
-                                             for i, spec in enumerate(layout.layers)), name=layout.name)
+            group_layout = ModelLayout(
+                tuple(spec if any(e.layer == i for e in group) else None for i, spec in enumerate(layout.layers)),
+                name=layout.name,
+            )
             share = sum(group_layout[e.layer].expert_bytes * e.num_experts for e in group)
             source = ParameterSource(group_layout, group, {e.layer: tensors[e.layer] for e in group}, pinned)
-            cache = ExpertCache(group_layout, source, budget_bytes=budget * share // total,
-                                backend="cuda" if cuda else "host", device=compute.index or 0, lookup="device",
-                                policy=policy)
+            cache = ExpertCache(
+                group_layout,
+                source,
+                budget_bytes=budget * share // total,
+                backend="cuda" if cuda else "host",
+                device=compute.index or 0,
+                lookup="device",
+                policy=policy,
+            )
             served.append((cache, source, serve_cache(cache)))
             for e in group:
                 spec, size = layout[e.layer], e.first.element_size()
-                bank = cache.bank(e.layer, dtype=e.dtype_name, shapes=((spec.gate_bytes // size,),
-                                                                        (spec.up_bytes // size,),
-                                                                        tuple(e.down.shape[1:])))
-                e.module._expcache_server = LayerServer(served[-1][2], e.layer, bank, e.module, *functions[e.layer],
-                                                        e.name, compute)
+                bank = cache.bank(
+                    e.layer,
+                    dtype=e.dtype_name,
+                    shapes=((spec.gate_bytes // size,), (spec.up_bytes // size,), tuple(e.down.shape[1:])),
+                )
+                e.module._expcache_server = LayerServer(
+                    served[-1][2], e.layer, bank, e.module, *functions[e.layer], e.name, compute
+                )
         previous = _set_implementation(model, layers)
         _decode_like_transformers(model, layers, compute)
     except BaseException:
@@ -324,8 +356,10 @@ def _groups(layers: list[ExpertsLayer], layout: ModelLayout, budget: int, implem
     grouped product takes (``GROUPED_MM_GROUPS``): then groups whose banks hold fewer, each
     with its layers' share of the budget (a layer alone over the limit is served over windows)."""
     fraction = budget / layout_bytes(layout)
-    if any(name != "grouped_mm" for name in implementations) or fraction * sum(
-            e.num_experts for e in layers) <= _serve.GROUPED_MM_GROUPS * 0.9:
+    if (
+        any(name != "grouped_mm" for name in implementations)
+        or fraction * sum(e.num_experts for e in layers) <= _serve.GROUPED_MM_GROUPS * 0.9
+    ):
         return [layers]
     groups, slots = [[]], 0.0
     for e in layers:

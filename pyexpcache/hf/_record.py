@@ -93,12 +93,15 @@ class RoutingRecorder:
             gates = weights.detach().to("cpu", torch.float64).tolist()
             per_row = self._tokens_per_row
             if len(experts) != per_row * len(self._rows):
-                raise RuntimeError(f"record_routing: layer {layer} routed {len(experts)} tokens where the model's "
-                                   f"input has {len(self._rows)} rows of {per_row}")
+                raise RuntimeError(
+                    f"record_routing: layer {layer} routed {len(experts)} tokens where the model's "
+                    f"input has {len(self._rows)} rows of {per_row}"
+                )
             for i, (ids, w) in enumerate(zip(experts, gates)):
                 seq, first = self._rows[i // per_row]
                 self._writer.write(first + i % per_row, layer, ids, weights=w, seq=seq)
                 self.records += 1
+
         return hook
 
 

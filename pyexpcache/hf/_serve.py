@@ -40,9 +40,11 @@ def over_windows(inner: Callable, cap: int) -> Callable:
     if inner is not moe.grouped_mm_experts_forward or cap <= GROUPED_MM_GROUPS:
         return inner
     if "_grouped_linear" not in inner.__code__.co_names:
-        raise ValueError(f"this transformers' grouped_mm has no _grouped_linear to serve a bank of {cap} slots "
-                         f"(over {GROUPED_MM_GROUPS}) with: use batched_mm (model.set_experts_implementation) "
-                         "or a smaller budget")
+        raise ValueError(
+            f"this transformers' grouped_mm has no _grouped_linear to serve a bank of {cap} slots "
+            f"(over {GROUPED_MM_GROUPS}) with: use batched_mm (model.set_experts_implementation) "
+            "or a smaller budget"
+        )
     one_product = moe._grouped_linear
 
     def grouped_linear(input, weight, offs, bias=None, is_transposed=False):
@@ -59,8 +61,13 @@ def over_windows(inner: Callable, cap: int) -> Callable:
             out.add_(bias)
         return out
 
-    return types.FunctionType(inner.__code__, {**inner.__globals__, "_grouped_linear": grouped_linear},
-                              inner.__name__, inner.__defaults__, inner.__closure__)
+    return types.FunctionType(
+        inner.__code__,
+        {**inner.__globals__, "_grouped_linear": grouped_linear},
+        inner.__name__,
+        inner.__defaults__,
+        inner.__closure__,
+    )
 
 
 def by_expert_id(inner: Callable, server: "LayerServer") -> Callable | None:
@@ -88,8 +95,13 @@ def by_expert_id(inner: Callable, server: "LayerServer") -> Callable | None:
             out.add_(bias)
         return out
 
-    return types.FunctionType(inner.__code__, {**inner.__globals__, "_grouped_linear": grouped_linear},
-                              inner.__name__, inner.__defaults__, inner.__closure__)
+    return types.FunctionType(
+        inner.__code__,
+        {**inner.__globals__, "_grouped_linear": grouped_linear},
+        inner.__name__,
+        inner.__defaults__,
+        inner.__closure__,
+    )
 
 
 def inner_implementation(module: torch.nn.Module) -> tuple[str, Callable]:
@@ -153,8 +165,14 @@ class BankExperts:
     ``[cap, ...]`` views with the parameters' shapes, ``num_experts`` (``cap``: ids are slots)
     and the biases, indexed by slot."""
 
-    def __init__(self, module: torch.nn.Module, first: torch.Tensor, down: torch.Tensor, cap: int,
-                 slot_expert: torch.Tensor | None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        first: torch.Tensor,
+        down: torch.Tensor,
+        cap: int,
+        slot_expert: torch.Tensor | None,
+    ):
         self._module = module
         first_name = "gate_up_proj" if module.has_gate else "up_proj"
         setattr(self, first_name, first)
@@ -179,12 +197,14 @@ class InferenceOnly(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise RuntimeError(f"{ctx.name}: the experts served by expcache are inference-only: their weights "
-                           "(gate_up_proj, down_proj) get no gradient, the product reading the cache's copies of them. "
-                           "Freeze them "
-                           "to train the rest of the model (for e in pyexpcache.hf.find_experts(model): "
-                           "e.first.requires_grad_(False); e.down.requires_grad_(False): the router, the biases and "
-                           "everything else get their gradients), or close the handle to train the experts")
+        raise RuntimeError(
+            f"{ctx.name}: the experts served by expcache are inference-only: their weights "
+            "(gate_up_proj, down_proj) get no gradient, the product reading the cache's copies of them. "
+            "Freeze them "
+            "to train the rest of the model (for e in pyexpcache.hf.find_experts(model): "
+            "e.first.requires_grad_(False); e.down.requires_grad_(False): the router, the biases and "
+            "everything else get their gradients), or close the handle to train the experts"
+        )
 
 
 def weights_state(module: torch.nn.Module) -> tuple:
@@ -201,8 +221,17 @@ class LayerServer:
     show (:func:`weights_state`) raises until the handle's ``refresh()`` (which calls
     :meth:`remember_weights`)."""
 
-    def __init__(self, cache_key: int, layer: int, bank, module: torch.nn.Module, inner_name: str, inner: Callable,
-                 name: str, device):
+    def __init__(
+        self,
+        cache_key: int,
+        layer: int,
+        bank,
+        module: torch.nn.Module,
+        inner_name: str,
+        inner: Callable,
+        name: str,
+        device,
+    ):
         self.cache_key, self.layer, self.name, self.inner_name = cache_key, layer, name, inner_name
         self.cap = bank.cap
         self.inner = over_windows(inner, self.cap)
@@ -223,9 +252,11 @@ class LayerServer:
         self.experts_by_id = BankExperts(module, self.first, self.down, int(first.shape[0]), None)
         self.expert_slots: list[int] = []
         # The biases' tensors where the model computes: a graph captured with them reads these.
-        self.bias_tensors = {name: getattr(module, name).data for name in ("gate_up_proj_bias", "up_proj_bias",
-                                                                             "down_proj_bias")
-                             if isinstance(getattr(module, name, None), torch.Tensor)}
+        self.bias_tensors = {
+            name: getattr(module, name).data
+            for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+            if isinstance(getattr(module, name, None), torch.Tensor)
+        }
         self.remember_weights(module)
 
     def remember_weights(self, module: torch.nn.Module) -> None:
@@ -234,22 +265,32 @@ class LayerServer:
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights):
         if not torch.compiler.is_compiling() and weights_state(module) != self.weights_state:
-            raise RuntimeError(f"{self.name}: the experts' weights changed since offload (or the last refresh): the "
-                               "experts resident in the cache still hold the old bytes and the others would be read "
-                               "anew; call refresh() on the handle offload returned to serve the weights as they are")
+            raise RuntimeError(
+                f"{self.name}: the experts' weights changed since offload (or the last refresh): the "
+                "experts resident in the cache still hold the old bytes and the others would be read "
+                "anew; call refresh() on the handle offload returned to serve the weights as they are"
+            )
         tokens, k = top_k_index.shape
         if k > self.cap:
-            raise RuntimeError(f"{self.name}: the router chose {k} experts per token but the cache holds {self.cap}; "
-                               "raise the budget")
+            raise RuntimeError(
+                f"{self.name}: the router chose {k} experts per token but the cache holds {self.cap}; raise the budget"
+            )
         rows = self.cap // k  # a select of n rows needs n*k slots it may fill
         if tokens <= rows:
             out = self._serve(hidden_states, top_k_index, top_k_weights)
         else:
-            out = torch.cat([self._serve(hidden_states[i:i + rows], top_k_index[i:i + rows], top_k_weights[i:i + rows])
-                             for i in range(0, tokens, rows)])
+            out = torch.cat(
+                [
+                    self._serve(hidden_states[i : i + rows], top_k_index[i : i + rows], top_k_weights[i : i + rows])
+                    for i in range(0, tokens, rows)
+                ]
+            )
         if torch.is_grad_enabled():
-            asking = [w for w in (module.gate_up_proj if module.has_gate else module.up_proj, module.down_proj)
-                      if w.requires_grad]
+            asking = [
+                w
+                for w in (module.gate_up_proj if module.has_gate else module.up_proj, module.down_proj)
+                if w.requires_grad
+            ]
             if asking:
                 out = InferenceOnly.apply(out, self.name, *asking)
         return out
@@ -276,8 +317,10 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """The registered implementation: the module's :class:`LayerServer` serves it."""
     server = getattr(module, "_expcache_server", None)
     if server is None:
-        raise RuntimeError(f"{type(module).__name__} runs the {IMPLEMENTATION!r} experts implementation but is not "
-                           "offloaded (pyexpcache.hf.offload), or its handle was closed")
+        raise RuntimeError(
+            f"{type(module).__name__} runs the {IMPLEMENTATION!r} experts implementation but is not "
+            "offloaded (pyexpcache.hf.offload), or its handle was closed"
+        )
     return server(module, hidden_states, top_k_index, top_k_weights)
 
 

@@ -24,23 +24,35 @@ class ParameterSource:
 
     file_path = None  # bytes come from memory, not a file
 
-    def __init__(self, layout: ModelLayout, layers: list[ExpertsLayer], tensors: dict[int, tuple[torch.Tensor, ...]],
-                 pinned: bool):
+    def __init__(
+        self,
+        layout: ModelLayout,
+        layers: list[ExpertsLayer],
+        tensors: dict[int, tuple[torch.Tensor, ...]],
+        pinned: bool,
+    ):
         self.layout = layout
         self.pinned = pinned
         self._tensors = tensors
         self._placements: dict[int, LayerPlacement] = {}
         for e in layers:
             first, down = tensors[e.layer]
-            if first.device.type != "cpu" or down.device.type != "cpu" or not first.is_contiguous() \
-                    or not down.is_contiguous():
+            if (
+                first.device.type != "cpu"
+                or down.device.type != "cpu"
+                or not first.is_contiguous()
+                or not down.is_contiguous()
+            ):
                 raise ValueError(f"{e.name}: the source needs contiguous host tensors")
             spec = layout[e.layer]
             stride = first[0].numel() * first.element_size()
             down_stride = down[0].numel() * down.element_size()
             base = first.data_ptr()
-            self._placements[e.layer] = LayerPlacement(bases=(base, base + spec.gate_bytes, down.data_ptr()),
-                                                       strides=(stride, stride, down_stride), sizes=spec.class_key)
+            self._placements[e.layer] = LayerPlacement(
+                bases=(base, base + spec.gate_bytes, down.data_ptr()),
+                strides=(stride, stride, down_stride),
+                sizes=spec.class_key,
+            )
 
     def placement(self, layer: int) -> Optional[LayerPlacement]:
         return self._placements.get(layer)

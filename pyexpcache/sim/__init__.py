@@ -83,8 +83,18 @@ Modules
 """
 
 from .belady import simulate_belady
-from .calls import (BATCH, DECODE, KEY_SHIFT, Call, Requests, SimResult, as_stream, decode_stream, prompt_stream,
-                    token_index)
+from .calls import (
+    BATCH,
+    DECODE,
+    KEY_SHIFT,
+    Call,
+    Requests,
+    SimResult,
+    as_stream,
+    decode_stream,
+    prompt_stream,
+    token_index,
+)
 from .frequency import LRFU, ClassLRU
 from .lru import LRU
 from .duel import DuelPolicy

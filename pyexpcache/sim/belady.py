@@ -13,8 +13,21 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from .calls import (COUNTERS, DECODE, DIRECT, EVICT, HIT, INSERT, KEY_SHIFT, MISS, Call, Requests, SimResult, as_stream,
-                    check_classes)
+from .calls import (
+    COUNTERS,
+    DECODE,
+    DIRECT,
+    EVICT,
+    HIT,
+    INSERT,
+    KEY_SHIFT,
+    MISS,
+    Call,
+    Requests,
+    SimResult,
+    as_stream,
+    check_classes,
+)
 
 __all__ = ["simulate_belady"]
 

@@ -139,8 +139,13 @@ class SimResult:
 
     def as_dict(self) -> dict:
         """Plain-Python totals and per-class lists, e.g. for JSON reports."""
-        out = {"policy": self.policy, "capacity": list(self.capacity), "calls": self.calls,
-               "requests": self.requests, "hit_rate": self.hit_rate}
+        out = {
+            "policy": self.policy,
+            "capacity": list(self.capacity),
+            "calls": self.calls,
+            "requests": self.requests,
+            "hit_rate": self.hit_rate,
+        }
         for name in COUNTERS:
             arr = getattr(self, name)
             out[name] = int(arr.sum())
@@ -148,9 +153,11 @@ class SimResult:
         return out
 
     def __repr__(self) -> str:
-        return (f"SimResult({self.policy}, capacity={list(self.capacity)}, hit_rate={self.hit_rate:.4f}, "
-                f"hits={int(self.hits.sum())}, misses={int(self.misses.sum())}, "
-                f"evictions={int(self.evictions.sum())}, direct={int(self.direct.sum())})")
+        return (
+            f"SimResult({self.policy}, capacity={list(self.capacity)}, hit_rate={self.hit_rate:.4f}, "
+            f"hits={int(self.hits.sum())}, misses={int(self.misses.sum())}, "
+            f"evictions={int(self.evictions.sum())}, direct={int(self.direct.sum())})"
+        )
 
 
 # --------------------------------------------------------------------------- streams
@@ -180,8 +187,7 @@ def decode_stream(ids: Trace | np.ndarray, *, first_layer: int = 0) -> list[Call
     L = arr.shape[1]
     rows = arr.tolist()
     keep = present.tolist()
-    return [Call(DECODE, first_layer + l, tuple(tok[l])) for t, tok in enumerate(rows) for l in range(L)
-            if keep[t][l]]
+    return [Call(DECODE, first_layer + l, tuple(tok[l])) for t, tok in enumerate(rows) for l in range(L) if keep[t][l]]
 
 
 def present_rows(arr: np.ndarray) -> np.ndarray:

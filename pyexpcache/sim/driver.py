@@ -41,8 +41,21 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..traces import Trace
-from .calls import (APPEND, COUNTERS, DECODE, DIRECT, EVICT, HIT, INSERT, KEY_SHIFT, MISS, Call, as_stream,
-                    present_rows, token_index)
+from .calls import (
+    APPEND,
+    COUNTERS,
+    DECODE,
+    DIRECT,
+    EVICT,
+    HIT,
+    INSERT,
+    KEY_SHIFT,
+    MISS,
+    Call,
+    as_stream,
+    present_rows,
+    token_index,
+)
 from .policy import Ctx, Policy
 
 __all__ = ["PreparedStream", "prepare", "ClassSlots", "LayerSlots", "SharedBudget", "replay", "layer_shares"]
@@ -189,8 +202,13 @@ class LayerSlots(ClassSlots):
     ``share[l]`` entries (:func:`layer_shares`) and a miss evicts only an entry of its own
     layer.  Keys are ``layer << KEY_SHIFT | expert``, so an entry's layer is ``key >> KEY_SHIFT``."""
 
-    def __init__(self, capacity: Sequence[int], layer_class: Sequence[int], policies: Sequence[Policy],
-                 layer_experts: Sequence[int]) -> None:
+    def __init__(
+        self,
+        capacity: Sequence[int],
+        layer_class: Sequence[int],
+        policies: Sequence[Policy],
+        layer_experts: Sequence[int],
+    ) -> None:
         super().__init__(capacity, layer_class, policies)
         self.share = layer_shares(capacity, layer_class, layer_experts)
         self.count = [0] * len(self.share)
@@ -223,8 +241,9 @@ class SharedBudget:
     largest number of class-``c`` entries resident at once.  Interface as :class:`ClassSlots`.
     """
 
-    def __init__(self, budget_bytes: int, class_bytes: Sequence[int], layer_class: Sequence[int],
-                 policy: Policy) -> None:
+    def __init__(
+        self, budget_bytes: int, class_bytes: Sequence[int], layer_class: Sequence[int], policy: Policy
+    ) -> None:
         n = len(class_bytes)
         self.budget = budget_bytes
         self.class_bytes = class_bytes
@@ -352,7 +371,9 @@ def replay(prepared: PreparedStream, space, *, check: bool = False) -> list[list
                 for key in missing:
                     ct[MISS] += 1
                     pol.on_miss(key, ctx)
-                    if not space.fits(c, call.layer) and not _make_room(space, c, key, pol, evictable, want, ctx, cnt, check):
+                    if not space.fits(c, call.layer) and not _make_room(
+                        space, c, key, pol, evictable, want, ctx, cnt, check
+                    ):
                         ct[DIRECT] += 1
                         continue
                     space.add(key, c)

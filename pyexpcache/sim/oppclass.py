@@ -59,8 +59,17 @@ class OppClassLRU(Policy):
 
     name = "oppclass"
 
-    def __init__(self, capacity, half_life: float = 64.0, base: float = 1.3, weight: float = 1.6,
-                 offset: float = 1.0, max_class: int = 15, remember: bool = True, size_exp: float = 0.0):
+    def __init__(
+        self,
+        capacity,
+        half_life: float = 64.0,
+        base: float = 1.3,
+        weight: float = 1.6,
+        offset: float = 1.0,
+        max_class: int = 15,
+        remember: bool = True,
+        size_exp: float = 0.0,
+    ):
         super().__init__(capacity)
         self.size_exp = float(size_exp)
         self.size_factor: dict[int, float] = {}  # global mode: class -> size ** size_exp
@@ -177,11 +186,20 @@ class HazardClassLRU(OppClassLRU):
 
     name = "hazard"
 
-    def __init__(self, capacity, half_life: float = 64.0, base: float = 1.3, weight: float = 1.6,
-                 offset: float = 1.0, max_class: int = 15, M: int = 64, prior_n: float = 100.0,
-                 prior_h: float = 0.3, forget: float = 0.0):
-        super().__init__(capacity, half_life=half_life, base=base, weight=weight, offset=offset,
-                         max_class=max_class)
+    def __init__(
+        self,
+        capacity,
+        half_life: float = 64.0,
+        base: float = 1.3,
+        weight: float = 1.6,
+        offset: float = 1.0,
+        max_class: int = 15,
+        M: int = 64,
+        prior_n: float = 100.0,
+        prior_h: float = 0.3,
+        forget: float = 0.0,
+    ):
+        super().__init__(capacity, half_life=half_life, base=base, weight=weight, offset=offset, max_class=max_class)
         K = self.max_class + 1
         self.M = int(M)
         self.forget = float(forget)

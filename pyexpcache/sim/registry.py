@@ -31,8 +31,17 @@ from .oppclass import HazardClassLRU, OppClassLRU
 from .policy import Policy
 from .segmented import ARC, S3FIFO, WTinyLFU
 
-__all__ = ["POLICIES", "PARTITIONS", "make_policy", "simulate_policy", "simulate_global", "simulate_lru", "simulate",
-           "simulate_belady_partitioned", "layer_experts_of"]
+__all__ = [
+    "POLICIES",
+    "PARTITIONS",
+    "make_policy",
+    "simulate_policy",
+    "simulate_global",
+    "simulate_lru",
+    "simulate",
+    "simulate_belady_partitioned",
+    "layer_experts_of",
+]
 
 #: How a class's slots are shared among its layers: "global" (any miss may evict any entry of
 #: its class) or "layer" (each layer its own share, :func:`~pyexpcache.sim.driver.layer_shares`).
@@ -143,9 +152,15 @@ def layer_experts_of(requests, layer_class: Sequence[int], layer_experts: Sequen
     raise ValueError('partition="layer" needs layer_experts (the experts of each layer) for a stream of calls')
 
 
-def simulate_belady_partitioned(requests, capacity: int | Sequence[int], layer_class: Sequence[int] | None = None,
-                                *, partition: str = "global", layer_experts: Sequence[int] | None = None,
-                                bypass: bool = True) -> SimResult:
+def simulate_belady_partitioned(
+    requests,
+    capacity: int | Sequence[int],
+    layer_class: Sequence[int] | None = None,
+    *,
+    partition: str = "global",
+    layer_experts: Sequence[int] | None = None,
+    bypass: bool = True,
+) -> SimResult:
     """Belady's MIN (:func:`~pyexpcache.sim.belady.simulate_belady`) under ``partition``:
     ``"global"`` is ``simulate_belady``; ``"layer"`` runs it within each layer's share (every
     layer a class of its own, capacity its share), counters summed back per class."""
@@ -206,12 +221,12 @@ def simulate_global(
     factory = make_policy(policy)
     space = SharedBudget(budget_bytes, class_bytes, cls, factory(None))
     counters = replay(prepared, space, check=check)
-    return SimResult.from_counters("global:" + _policy_name(factory), tuple(space.peak), counters,
-                                   len(prepared.stream))
+    return SimResult.from_counters("global:" + _policy_name(factory), tuple(space.peak), counters, len(prepared.stream))
 
 
-def simulate_lru(requests: Requests, capacity: int | Sequence[int],
-                 layer_class: Sequence[int] | None = None) -> SimResult:
+def simulate_lru(
+    requests: Requests, capacity: int | Sequence[int], layer_class: Sequence[int] | None = None
+) -> SimResult:
     """Replay ``requests`` through an LRU cache with the library's decode/batch semantics.
 
     Args:

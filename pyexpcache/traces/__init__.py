@@ -36,8 +36,18 @@ from .generic import FORMATS, TraceWriter, read_trace, trace_format, write_trace
 from .geometry import check_layout
 from .locality import locality_stats
 from .synthetic import DEFAULT_REUSE, DEFAULT_ZIPF, SYNTHETIC_MAX_BYTES, fit_synthetic_params, synthetic_trace
-from .types import (DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, MISSING, NUM_EXPERTS, PREFILL_NUM_LAYERS, TOP_K,
-                    PrefillPrompt, Trace, TraceInfo, TraceWarning)
+from .types import (
+    DECODE_FIRST_LAYER,
+    DECODE_NUM_LAYERS,
+    MISSING,
+    NUM_EXPERTS,
+    PREFILL_NUM_LAYERS,
+    TOP_K,
+    PrefillPrompt,
+    Trace,
+    TraceInfo,
+    TraceWarning,
+)
 
 __all__ = [
     "TRACE_DIR",

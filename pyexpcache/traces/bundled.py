@@ -15,8 +15,17 @@ from typing import NamedTuple
 import numpy as np
 
 from .._errors import stacklevel_outside
-from .types import (DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, NUM_EXPERTS, PREFILL_NUM_LAYERS, PathLike, PrefillPrompt,
-                    Trace, TraceInfo, TraceWarning)
+from .types import (
+    DECODE_FIRST_LAYER,
+    DECODE_NUM_LAYERS,
+    NUM_EXPERTS,
+    PREFILL_NUM_LAYERS,
+    PathLike,
+    PrefillPrompt,
+    Trace,
+    TraceInfo,
+    TraceWarning,
+)
 
 #: Folder holding the bundled DeepSeek-V4-Flash traces (``decode/``, ``prefill/``).
 TRACE_DIR: Path = Path(__file__).resolve().parent.parent / "data" / "traces" / "ds4-flash-reap-loop"
@@ -64,9 +73,7 @@ def _resolve(name_or_path: PathLike, kind: str | None) -> tuple[Path, str | None
             if info.name == name_or_path and (kind is None or info.kind == kind):
                 return info.path, info.kind
         wanted = [i.name for i in list_traces() if kind is None or i.kind == kind]
-        raise FileNotFoundError(
-            f"no bundled {kind or ''} trace named {name_or_path!r}; available: {', '.join(wanted)}"
-        )
+        raise FileNotFoundError(f"no bundled {kind or ''} trace named {name_or_path!r}; available: {', '.join(wanted)}")
     path = Path(name_or_path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
@@ -154,16 +161,14 @@ def _read_rows(path: Path, num_experts: int) -> _Rows:
         with fh:
             return _parse_rows(path, reader, num_experts)
     except UnicodeDecodeError as exc:
-        byte = exc.object[exc.start: exc.start + 1].hex()
+        byte = exc.object[exc.start : exc.start + 1].hex()
         other = next((name for m, name in _OTHER_MAGIC.items() if magic.startswith(m)), None)
         hint = f"; the file looks like {other} data, and only gzip is read" if other else ""
         raise ValueError(
             f"{path}: not a UTF-8 CSV route trace (byte 0x{byte} is not UTF-8: {exc.reason}{hint})"
         ) from None
     except csv.Error as exc:
-        raise ValueError(
-            f"{path}, line {reader.line_num}: not a UTF-8 CSV route trace ({_one_line(exc)})"
-        ) from None
+        raise ValueError(f"{path}, line {reader.line_num}: not a UTF-8 CSV route trace ({_one_line(exc)})") from None
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise ValueError(f"{path}: not a readable gzip file ({_one_line(exc)})") from None
 
@@ -183,9 +188,7 @@ def _parse_rows(path: Path, reader, num_experts: int) -> _Rows:
     if has_weights:
         expected += [f"w{j}" for j in range(k)]
     if k == 0 or header != expected:
-        raise ValueError(
-            f"{path}: unexpected header {header}; expected pos,layer,n,e0..e(k-1)[,w0..w(k-1)]"
-        )
+        raise ValueError(f"{path}: unexpected header {header}; expected pos,layer,n,e0..e(k-1)[,w0..w(k-1)]")
     ncol = len(header)
     rows: list[_Row] = []
     first_incomplete = None  # (line, ncols) of the first truncated row seen
@@ -226,9 +229,9 @@ def _parse_rows(path: Path, reader, num_experts: int) -> _Rows:
         weights = None
         if has_weights:
             try:
-                weights = [float(f) for f in fields[3 + k:]]
+                weights = [float(f) for f in fields[3 + k :]]
             except ValueError:
-                raise ValueError(f"{path}, line {line}: non-numeric gate weight in {fields[3 + k:]}") from None
+                raise ValueError(f"{path}, line {line}: non-numeric gate weight in {fields[3 + k :]}") from None
         rows.append(_Row(line, pos, layer, ids, weights))
     cut = None if first_incomplete is None else _Cut(*first_incomplete, ncol, incomplete - 1)
     return _Rows(k, has_weights, rows, cut)
@@ -299,15 +302,18 @@ def _no_complete_token(path: Path, tail: list[_Row], cut: _Cut | None, first_lay
     return f"{path}: no complete token ({why})"
 
 
-def _warn_truncated_tail(path: Path, where: str, tail: list[_Row], cut: _Cut | None, kept: int,
-                         first_layer: int, num_layers: int) -> None:
+def _warn_truncated_tail(
+    path: Path, where: str, tail: list[_Row], cut: _Cut | None, kept: int, first_layer: int, num_layers: int
+) -> None:
     """Issue the one :class:`TraceWarning` of a file load that dropped a trailing token or cut line."""
     if not tail and cut is None:
         return
     parts = []
     if tail:
-        parts.append(f"pos {tail[0].pos} has only {_layers_of(tail, first_layer, num_layers)} "
-                     f"({len(tail)} rows from line {tail[0].line})")
+        parts.append(
+            f"pos {tail[0].pos} has only {_layers_of(tail, first_layer, num_layers)} "
+            f"({len(tail)} rows from line {tail[0].line})"
+        )
     if cut is not None:
         parts.append(str(cut))
     warnings.warn(
@@ -318,8 +324,9 @@ def _warn_truncated_tail(path: Path, where: str, tail: list[_Row], cut: _Cut | N
     )
 
 
-def _tokens_to_trace(name: str, tokens: list[list[_Row]], k: int, first_layer: int, num_layers: int,
-                     has_weights: bool, num_experts: int) -> Trace:
+def _tokens_to_trace(
+    name: str, tokens: list[list[_Row]], k: int, first_layer: int, num_layers: int, has_weights: bool, num_experts: int
+) -> Trace:
     ids = np.array([[r.ids for r in tok] for tok in tokens], dtype=np.int32).reshape(len(tokens), num_layers, k)
     weights = None
     if has_weights:
@@ -428,16 +435,27 @@ def load_prefill_trace(
         if has_weights:
             pre_w = np.array([r.weights for r in pre], dtype=np.float32).reshape(num_prefill_layers, P, k)
         tokens, tail = _assemble_tokens(
-            seg[need:], path, decode_first_layer, decode_num_layers,
+            seg[need:],
+            path,
+            decode_first_layer,
+            decode_num_layers,
             allow_truncated_tail=(hi == len(rows)),
         )
         name = f"{stem}#{index}"
-        decode = _tokens_to_trace(name + ":decode", tokens, k, decode_first_layer, decode_num_layers,
-                                  has_weights, num_experts)
+        decode = _tokens_to_trace(
+            name + ":decode", tokens, k, decode_first_layer, decode_num_layers, has_weights, num_experts
+        )
         prompts.append(PrefillPrompt(name, index, prefill, pre_w, np.arange(P, dtype=np.int64), decode))
     last = prompts[-1]
-    _warn_truncated_tail(path, f" of prompt {last.index}'s decode part", tail, cut, last.decode.num_tokens,
-                         decode_first_layer, decode_num_layers)
+    _warn_truncated_tail(
+        path,
+        f" of prompt {last.index}'s decode part",
+        tail,
+        cut,
+        last.decode.num_tokens,
+        decode_first_layer,
+        decode_num_layers,
+    )
     return prompts
 
 

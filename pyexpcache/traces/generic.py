@@ -58,8 +58,10 @@ def trace_format(path: PathLike) -> tuple[str, bool]:
         if base.endswith(suffix):
             return fmt, gz
     endings = ", ".join(f"*{s}" for s in FORMATS.values())
-    raise ValueError(f"{path}: not a routing-trace file name: the format is chosen by the ending, one of {endings}, "
-                     "each optionally followed by .gz (docs/traces.md)")
+    raise ValueError(
+        f"{path}: not a routing-trace file name: the format is chosen by the ending, one of {endings}, "
+        "each optionally followed by .gz (docs/traces.md)"
+    )
 
 
 def is_generic_path(name: PathLike) -> bool:
@@ -70,6 +72,7 @@ def is_generic_path(name: PathLike) -> bool:
 
 
 # -- reading ---------------------------------------------------------------------------------
+
 
 class _Columns:
     """The records of a file as columns, with where each came from (for messages)."""
@@ -100,8 +103,11 @@ class _Columns:
         if token > _I64_MAX:
             self.fail(where, f"token {token} is too large: at most 2^63 - 1")
         if layer >= MAX_LAYERS_LIMIT:
-            self.fail(where, f"layer {layer} is past the library's limit: a cache has at most {MAX_LAYERS_LIMIT} "
-                             f"layers (0..{MAX_LAYERS_LIMIT - 1})")
+            self.fail(
+                where,
+                f"layer {layer} is past the library's limit: a cache has at most {MAX_LAYERS_LIMIT} "
+                f"layers (0..{MAX_LAYERS_LIMIT - 1})",
+            )
         if seq is not None and not _I64_MIN <= seq <= _I64_MAX:
             self.fail(where, f"seq {seq} is outside [-2^63, 2^63 - 1]")
         if not experts:
@@ -109,24 +115,36 @@ class _Columns:
         if min(experts) < 0:
             self.fail(where, f"expert ids must be >= 0, got {experts}")
         if max(experts) >= MAX_EXPERTS_LIMIT:
-            self.fail(where, f"expert id {max(experts)} is past the library's limit: a layer has at most "
-                             f"{MAX_EXPERTS_LIMIT} experts (ids 0..{MAX_EXPERTS_LIMIT - 1})")
+            self.fail(
+                where,
+                f"expert id {max(experts)} is past the library's limit: a layer has at most "
+                f"{MAX_EXPERTS_LIMIT} experts (ids 0..{MAX_EXPERTS_LIMIT - 1})",
+            )
         if self.experts and len(experts) != len(self.experts[0]):
-            self.fail(where, f"{len(experts)} experts where the first record ({self.at(self.where[0])}) has "
-                             f"{len(self.experts[0])}: every record has the same k")
+            self.fail(
+                where,
+                f"{len(experts)} experts where the first record ({self.at(self.where[0])}) has "
+                f"{len(self.experts[0])}: every record has the same k",
+            )
         if weights is not None and len(weights) != len(experts):
             self.fail(where, f"{len(weights)} weights for {len(experts)} experts")
         if weights is not None and not all(math.isfinite(w) for w in weights):
             self.fail(where, f"weights must be finite numbers, got {weights}")
         if self.weights and (weights is None) != (self.weights[0] is None):
-            self.fail(where, f"{'no ' if weights is None else ''}weights where the first record "
-                             f"({self.at(self.where[0])}) has {'none' if self.weights[0] is None else 'them'}: "
-                             "weights are in every record or in none")
+            self.fail(
+                where,
+                f"{'no ' if weights is None else ''}weights where the first record "
+                f"({self.at(self.where[0])}) has {'none' if self.weights[0] is None else 'them'}: "
+                "weights are in every record or in none",
+            )
         if self.has_seq is None:
             self.has_seq = seq is not None
         elif self.has_seq != (seq is not None):
-            self.fail(where, f"{'no ' if seq is None else ''}seq where the first record ({self.at(self.where[0])}) "
-                             f"has {'none' if not self.has_seq else 'one'}: seq is in every record or in none")
+            self.fail(
+                where,
+                f"{'no ' if seq is None else ''}seq where the first record ({self.at(self.where[0])}) "
+                f"has {'none' if not self.has_seq else 'one'}: seq is in every record or in none",
+            )
         self.seq.append(0 if seq is None else seq)
         self.token.append(token)
         self.layer.append(layer)
@@ -166,8 +184,11 @@ def _read_jsonl(cols: _Columns, fh) -> None:
             cols.fail(number, f"a record is a JSON object, got {type(record).__name__}")
         unknown = [key for key in record if key not in _FIELDS]
         if unknown:
-            cols.fail(number, f"unknown key {unknown[0]!r}: a record has {', '.join(_REQUIRED)} and optionally "
-                              f"{', '.join(_OPTIONAL)}")
+            cols.fail(
+                number,
+                f"unknown key {unknown[0]!r}: a record has {', '.join(_REQUIRED)} and optionally "
+                f"{', '.join(_OPTIONAL)}",
+            )
         missing = [key for key in _REQUIRED if key not in record]
         if missing:
             cols.fail(number, f"no {missing[0]!r}: a record has {', '.join(_REQUIRED)}")
@@ -179,8 +200,14 @@ def _read_jsonl(cols: _Columns, fh) -> None:
             cols.fail(number, f"experts must be a list of integers, got {experts!r}")
         if weights is not None and (not isinstance(weights, list) or not all(_is_number(w) for w in weights)):
             cols.fail(number, f"weights must be a list of numbers, got {weights!r}")
-        cols.add(number, record.get("seq"), record["token"], record["layer"], experts,
-                 None if weights is None else [float(w) for w in weights])
+        cols.add(
+            number,
+            record.get("seq"),
+            record["token"],
+            record["layer"],
+            experts,
+            None if weights is None else [float(w) for w in weights],
+        )
 
 
 def _ints(cols: _Columns, where: int, key: str, text: str) -> list[int]:
@@ -198,12 +225,16 @@ def _read_csv(cols: _Columns, fh) -> None:
         raise ValueError(f"{cols.path}: empty file (no header)") from None
     header = [h.strip() for h in header]
     if header[:3] == ["pos", "layer", "n"]:
-        raise ValueError(f"{cols.path}: this is the bundled route-CSV format (pos,layer,n,e0..): name the file "
-                         "*.route.csv to read it as one")
+        raise ValueError(
+            f"{cols.path}: this is the bundled route-CSV format (pos,layer,n,e0..): name the file "
+            "*.route.csv to read it as one"
+        )
     bad = [h for h in header if h not in _FIELDS]
     if bad or any(h not in header for h in _REQUIRED) or len(set(header)) != len(header):
-        raise ValueError(f"{cols.path}:1: header {','.join(header)}; expected the columns token,layer,experts and "
-                         "optionally seq and weights, each once, in any order")
+        raise ValueError(
+            f"{cols.path}:1: header {','.join(header)}; expected the columns token,layer,experts and "
+            "optionally seq and weights, each once, in any order"
+        )
     index = {h: i for i, h in enumerate(header)}
     for fields in reader:
         number = reader.line_num
@@ -240,16 +271,19 @@ def _read_npz(cols: _Columns, path: Path, gz: bool) -> None:
         bad = sorted(names - set(_FIELDS))
         missing = [key for key in _REQUIRED if key not in names]
         if bad or missing:
-            raise ValueError(f"{path}: arrays {', '.join(sorted(names))}; expected token, layer, experts and "
-                             "optionally seq and weights")
+            raise ValueError(
+                f"{path}: arrays {', '.join(sorted(names))}; expected token, layer, experts and "
+                "optionally seq and weights"
+            )
         got = {key: arrays[key] for key in names}
     n = len(got["token"])
     shapes = {"token": (n,), "layer": (n,), "seq": (n,)}
     for key, arr in got.items():
         kind = "f" if key == "weights" else "iu"
         if arr.dtype.kind not in kind and not (key == "weights" and arr.dtype.kind in "iu"):
-            raise ValueError(f"{path}: array {key} must hold {'numbers' if key == 'weights' else 'integers'}, "
-                             f"got dtype {arr.dtype}")
+            raise ValueError(
+                f"{path}: array {key} must hold {'numbers' if key == 'weights' else 'integers'}, got dtype {arr.dtype}"
+            )
         want = shapes.get(key)
         if want is not None and arr.shape != want:
             raise ValueError(f"{path}: array {key} has shape {arr.shape}, expected ({n},) like token")
@@ -294,8 +328,11 @@ def _assemble(cols: _Columns, name: str, num_experts: Optional[int]) -> Trace:
     if dup.size:
         a, b = int(order[dup[0]]), int(order[dup[0] + 1])
         seq = f"seq {cols.seq[b]}, " if cols.has_seq else ""
-        cols.fail(cols.where[b], f"duplicate record (({seq}token {cols.token[b]}, layer {cols.layer[b]}) is also at "
-                                 f"{'line' if cols.unit == 'line' else 'record'} {cols.where[a]})")
+        cols.fail(
+            cols.where[b],
+            f"duplicate record (({seq}token {cols.token[b]}, layer {cols.layer[b]}) is also at "
+            f"{'line' if cols.unit == 'line' else 'record'} {cols.where[a]})",
+        )
     k = experts.shape[1]
     ids = np.full((len(tokens), num_layers, k), MISSING, dtype=np.int32)
     ids.reshape(-1, k)[cell] = experts
@@ -391,6 +428,7 @@ def read_trace(path: PathLike, *, num_experts: Optional[int] = None, name: Optio
 
 # -- writing ---------------------------------------------------------------------------------
 
+
 class TraceWriter:
     """Writes a generic routing trace record by record (``with TraceWriter(path) as w:``); the format
     by the file name's ending (:func:`trace_format`). JSON lines and CSV are written as records come
@@ -411,11 +449,21 @@ class TraceWriter:
         self._closed = False
         self.records = 0
         if self.format != "npz":
-            self._file = (gzip.open(self.path, "wt", encoding="utf-8", newline="") if self.gzipped
-                          else open(self.path, "w", encoding="utf-8", newline=""))
+            self._file = (
+                gzip.open(self.path, "wt", encoding="utf-8", newline="")
+                if self.gzipped
+                else open(self.path, "w", encoding="utf-8", newline="")
+            )
 
-    def write(self, token: int, layer: int, experts: Sequence[int], *, weights: Optional[Sequence[float]] = None,
-              seq: Optional[int] = None) -> None:
+    def write(
+        self,
+        token: int,
+        layer: int,
+        experts: Sequence[int],
+        *,
+        weights: Optional[Sequence[float]] = None,
+        seq: Optional[int] = None,
+    ) -> None:
         """One record: the ``experts`` the router chose for ``token`` at ``layer`` (and their gate
         ``weights``; ``seq``: the token's sequence)."""
         if self._closed:
@@ -423,22 +471,28 @@ class TraceWriter:
         token, layer = int(token), int(layer)
         experts = [int(e) for e in experts]
         if token < 0 or layer < 0 or not experts or min(experts) < 0:
-            raise ValueError(f"a record has token and layer >= 0 and k >= 1 experts >= 0, got token {token}, "
-                             f"layer {layer}, experts {experts}")
+            raise ValueError(
+                f"a record has token and layer >= 0 and k >= 1 experts >= 0, got token {token}, "
+                f"layer {layer}, experts {experts}"
+            )
         if self._k is None:
             self._k = len(experts)
             self._columns = {"seq": seq is not None, "weights": weights is not None}
             if self.format == "csv":
                 self._csv = csv.writer(self._file, lineterminator="\n")
-                self._csv.writerow([c for c in ("seq",) if self._columns["seq"]] + list(_REQUIRED)
-                                   + [c for c in ("weights",) if self._columns["weights"]])
+                self._csv.writerow(
+                    [c for c in ("seq",) if self._columns["seq"]]
+                    + list(_REQUIRED)
+                    + [c for c in ("weights",) if self._columns["weights"]]
+                )
             if self.format == "npz":
                 self._buffers = {key: [] for key in _FIELDS}
         if len(experts) != self._k:
             raise ValueError(f"{len(experts)} experts where the first record has {self._k}")
         if (seq is not None) != self._columns["seq"] or (weights is not None) != self._columns["weights"]:
-            raise ValueError("every record has the same fields as the first: seq in all or none, weights in all "
-                             "or none")
+            raise ValueError(
+                "every record has the same fields as the first: seq in all or none, weights in all or none"
+            )
         if weights is not None:
             weights = [float(w) for w in weights]
             if len(weights) != len(experts):
@@ -456,13 +510,24 @@ class TraceWriter:
                 row.append(" ".join(repr(w) for w in weights))
             self._csv.writerow(row)
         else:
-            for key, value in (("seq", seq), ("token", token), ("layer", layer), ("experts", experts),
-                               ("weights", weights)):
+            for key, value in (
+                ("seq", seq),
+                ("token", token),
+                ("layer", layer),
+                ("experts", experts),
+                ("weights", weights),
+            ):
                 self._buffers[key].append(value)
         self.records += 1
 
-    def write_token(self, token: int, experts: Mapping[int, Sequence[int]], *,
-                    weights: Optional[Mapping[int, Sequence[float]]] = None, seq: Optional[int] = None) -> None:
+    def write_token(
+        self,
+        token: int,
+        experts: Mapping[int, Sequence[int]],
+        *,
+        weights: Optional[Mapping[int, Sequence[float]]] = None,
+        seq: Optional[int] = None,
+    ) -> None:
         """A token's records: ``experts[layer]`` for each of its layers, in increasing layer (and
         ``weights[layer]``), then a flush."""
         for layer in sorted(experts):
@@ -487,8 +552,11 @@ class TraceWriter:
             if self._k is None:
                 raise ValueError(f"{self.path}: no records written: an .npz trace needs at least one")
             b = self._buffers
-            arrays = {"token": np.array(b["token"], dtype=np.int64), "layer": np.array(b["layer"], dtype=np.int64),
-                      "experts": np.array(b["experts"], dtype=np.int64)}
+            arrays = {
+                "token": np.array(b["token"], dtype=np.int64),
+                "layer": np.array(b["layer"], dtype=np.int64),
+                "experts": np.array(b["experts"], dtype=np.int64),
+            }
             if self._columns["seq"]:
                 arrays["seq"] = np.array(b["seq"], dtype=np.int64)
             if self._columns["weights"]:
@@ -520,6 +588,11 @@ def write_trace(path: PathLike, trace: Trace) -> int:
         for t in range(trace.num_tokens):
             seq = int(trace.sequences[t]) if trace.sequences is not None else None
             for i in np.flatnonzero(present[t]).tolist():
-                writer.write(int(trace.positions[t]), trace.first_layer + i, ids[t][i],
-                             weights=None if weights is None else weights[t][i], seq=seq)
+                writer.write(
+                    int(trace.positions[t]),
+                    trace.first_layer + i,
+                    ids[t][i],
+                    weights=None if weights is None else weights[t][i],
+                    seq=seq,
+                )
         return writer.records

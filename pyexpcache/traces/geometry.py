@@ -32,13 +32,17 @@ def check_layout(trace: Trace, layout, layers: Optional[Iterable[int]] = None) -
             continue
         spec = layout[layer] if layer < layout.num_layers else None
         if spec is None:
-            raise ValueError(f"trace {trace.name} has layer {layer}, which layout {layout.name} does not have: "
-                             f"{layout.no_experts_reason(layer)}")
+            raise ValueError(
+                f"trace {trace.name} has layer {layer}, which layout {layout.name} does not have: "
+                f"{layout.no_experts_reason(layer)}"
+            )
         i = layer - trace.first_layer
         rows = trace.ids[present[:, i], i]
         top = int(rows.max()) if rows.size else -1
         if top >= spec.num_experts:
             t = int(np.flatnonzero(present[:, i] & (trace.ids[:, i] >= spec.num_experts).any(axis=1))[0])
-            raise ValueError(f"trace {trace.name} layer {layer} has expert id {top} (first at token "
-                             f"{int(trace.positions[t])}), which layout {layout.name} does not have: it gives that "
-                             f"layer {spec.num_experts} experts")
+            raise ValueError(
+                f"trace {trace.name} layer {layer} has expert id {top} (first at token "
+                f"{int(trace.positions[t])}), which layout {layout.name} does not have: it gives that "
+                f"layer {spec.num_experts} experts"
+            )

@@ -162,12 +162,21 @@ def synthetic_trace(
 def is_deepseek_v4_flash_shaped(layout) -> bool:
     """Whether ``layout`` (a :class:`~pyexpcache.ModelLayout`) has DeepSeek V4 Flash's geometry:
     its 43 layers, each of 256 routed experts (the first three routed by hash, which no trace has)."""
-    return layout.num_layers == NUM_LAYERS and all(s is not None and s.num_experts == NUM_EXPERTS
-                                                   for s in layout.layers)
+    return layout.num_layers == NUM_LAYERS and all(
+        s is not None and s.num_experts == NUM_EXPERTS for s in layout.layers
+    )
 
 
-def synthetic_trace_for(layout, num_tokens: int, k: int | None = None, *, seed: int = 0,
-                        zipf: float = DEFAULT_ZIPF, reuse: float = DEFAULT_REUSE, name: str | None = None) -> Trace:
+def synthetic_trace_for(
+    layout,
+    num_tokens: int,
+    k: int | None = None,
+    *,
+    seed: int = 0,
+    zipf: float = DEFAULT_ZIPF,
+    reuse: float = DEFAULT_REUSE,
+    name: str | None = None,
+) -> Trace:
     """:func:`synthetic_trace` shaped by ``layout`` (a :class:`~pyexpcache.ModelLayout`): its MoE
     layers, from the first to the last (a dense layer between them has no records), the fewest
     experts of any of them, and ``k`` experts per token (default :data:`TOP_K`, DeepSeek V4
@@ -180,11 +189,14 @@ def synthetic_trace_for(layout, num_tokens: int, k: int | None = None, *, seed: 
     moe = layout.moe_layers
     experts = min(layout[i].num_experts for i in moe)
     if isinstance(k, numbers.Integral) and not isinstance(k, bool) and not 0 < k <= experts // 2:
-        raise ValueError(f"a synthetic trace of k={k} experts per token needs more experts than layout {layout.name} "
-                         f"has ({experts} experts per layer): k at most {experts // 2}")
+        raise ValueError(
+            f"a synthetic trace of k={k} experts per token needs more experts than layout {layout.name} "
+            f"has ({experts} experts per layer): k at most {experts // 2}"
+        )
     first = moe[0]
-    trace = synthetic_trace(num_tokens, moe[-1] - first + 1, experts, k, seed=seed, zipf=zipf, reuse=reuse,
-                            first_layer=first, name=name)
+    trace = synthetic_trace(
+        num_tokens, moe[-1] - first + 1, experts, k, seed=seed, zipf=zipf, reuse=reuse, first_layer=first, name=name
+    )
     ids = trace.ids
     dense = [i - first for i in range(first, moe[-1] + 1) if layout[i] is None]
     if dense:

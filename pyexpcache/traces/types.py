@@ -13,8 +13,19 @@ import numpy as np
 
 from ..layout import FIRST_ROUTED_LAYER, NUM_EXPERTS, NUM_LAYERS, TOP_K
 
-__all__ = ["NUM_EXPERTS", "TOP_K", "DECODE_FIRST_LAYER", "DECODE_NUM_LAYERS", "PREFILL_NUM_LAYERS", "PathLike",
-           "TraceWarning", "TraceInfo", "Trace", "PrefillPrompt", "MISSING"]
+__all__ = [
+    "NUM_EXPERTS",
+    "TOP_K",
+    "DECODE_FIRST_LAYER",
+    "DECODE_NUM_LAYERS",
+    "PREFILL_NUM_LAYERS",
+    "PathLike",
+    "TraceWarning",
+    "TraceInfo",
+    "Trace",
+    "PrefillPrompt",
+    "MISSING",
+]
 
 #: Model layer stored at array index 0 of a decode trace (layers before it route by hash).
 DECODE_FIRST_LAYER = FIRST_ROUTED_LAYER
@@ -30,6 +41,7 @@ class TraceWarning(UserWarning):
     """A trace file loaded with something dropped or missing: it ends inside a token (an interrupted
     logger), or some (token, layer) records are missing (the tokens are kept with the layers they
     have)."""
+
 
 #: The id that fills ``Trace.ids[t, i]`` when token ``t`` has no record at layer index ``i``.
 MISSING = -1
@@ -80,8 +92,10 @@ class Trace:
         if ids.size and (ids.min() < MISSING or ids.max() >= self.num_experts):
             raise ValueError(f"Trace {self.name!r}: expert ids must lie in [0, {self.num_experts})")
         if ids.size and ids.min() < 0 and not ((ids < 0).all(axis=2) | (ids >= 0).all(axis=2)).all():
-            raise ValueError(f"Trace {self.name!r}: a (token, layer) row of ids is either all {MISSING} (no record) "
-                             "or all expert ids")
+            raise ValueError(
+                f"Trace {self.name!r}: a (token, layer) row of ids is either all {MISSING} (no record) "
+                "or all expert ids"
+            )
         positions = np.asarray(self.positions, dtype=np.int64)
         if positions.shape != ids.shape[:1]:
             raise ValueError(f"Trace {self.name!r}: positions must have shape [{ids.shape[0]}], got {positions.shape}")
@@ -94,8 +108,9 @@ class Trace:
         if sequences is not None:
             sequences = np.asarray(sequences, dtype=np.int64)
             if sequences.shape != ids.shape[:1]:
-                raise ValueError(f"Trace {self.name!r}: sequences must have shape [{ids.shape[0]}], got "
-                                 f"{sequences.shape}")
+                raise ValueError(
+                    f"Trace {self.name!r}: sequences must have shape [{ids.shape[0]}], got {sequences.shape}"
+                )
         object.__setattr__(self, "sequences", sequences)
         # Frozen dataclass: normalise dtypes through object.__setattr__.
         object.__setattr__(self, "ids", ids.astype(np.int32, copy=False))

@@ -15,9 +15,18 @@ from pyexpcache.layout import LayerSpec
 from pyexpcache.traces import MISSING, check_layout, synthetic_trace
 
 #: Qwen3-30B-A3B's config.json (the keys the layout and the top-k are read from).
-QWEN3 = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=48, num_experts=128,
-             num_experts_per_tok=8, hidden_size=2048, moe_intermediate_size=768, decoder_sparse_step=1,
-             mlp_only_layers=[], torch_dtype="bfloat16")
+QWEN3 = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_hidden_layers=48,
+    num_experts=128,
+    num_experts_per_tok=8,
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    torch_dtype="bfloat16",
+)
 
 
 @pytest.fixture
@@ -85,8 +94,18 @@ def test_the_cli_shapes_synthetic_traces_by_the_layout(tmp_path, capsys, qwen3_c
     assert rc == 0, err
     lru = report["results"][0]
     assert lru["experts_checked"] == 10 * 48 * 8  # k from the config's num_experts_per_tok
-    rc, err, report = cli_report(tmp_path, capsys, "--layout", f"{qwen3_config}:Q4_K", "--traces", "synthetic:10",
-                                 "--top-k", "4", "--layers", "0-5")
+    rc, err, report = cli_report(
+        tmp_path,
+        capsys,
+        "--layout",
+        f"{qwen3_config}:Q4_K",
+        "--traces",
+        "synthetic:10",
+        "--top-k",
+        "4",
+        "--layers",
+        "0-5",
+    )
     assert rc == 0, err
     assert report["results"][0]["experts_checked"] == 10 * 6 * 4
 
@@ -94,14 +113,18 @@ def test_the_cli_shapes_synthetic_traces_by_the_layout(tmp_path, capsys, qwen3_c
 def test_the_cli_asks_for_a_top_k_that_fits(tmp_path, capsys):
     rc, err, _ = cli_report(tmp_path, capsys, "--layout", "mixtral-8x7b-q4k", "--traces", "synthetic:10")
     assert rc == 2 and len(err.strip().splitlines()) == 1
-    assert err.startswith("expcache bench: --traces synthetic:10: layout mixtral-8x7b-q4k has 8 experts per layer, "
-                          "too few for the default top-k of 6: give --top-k K, 1 <= K <= 4"), err
-    rc, err, report = cli_report(tmp_path, capsys, "--layout", "mixtral-8x7b-q4k", "--traces", "synthetic:10",
-                                 "--top-k", "2", "--scale", "4096")
+    assert err.startswith(
+        "expcache bench: --traces synthetic:10: layout mixtral-8x7b-q4k has 8 experts per layer, "
+        "too few for the default top-k of 6: give --top-k K, 1 <= K <= 4"
+    ), err
+    rc, err, report = cli_report(
+        tmp_path, capsys, "--layout", "mixtral-8x7b-q4k", "--traces", "synthetic:10", "--top-k", "2", "--scale", "4096"
+    )
     assert rc == 0, err
     assert report["results"][0]["experts_checked"] == 10 * 32 * 2
-    rc, err, _ = cli_report(tmp_path, capsys, "--layout", "mixtral-8x7b-q4k", "--traces", "synthetic:10",
-                            "--top-k", "5")
+    rc, err, _ = cli_report(
+        tmp_path, capsys, "--layout", "mixtral-8x7b-q4k", "--traces", "synthetic:10", "--top-k", "5"
+    )
     assert rc == 2 and "--top-k 5: layout mixtral-8x7b-q4k has 8 experts per layer: 1 <= K <= 4" in err, err
 
 

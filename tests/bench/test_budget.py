@@ -18,15 +18,33 @@ from pyexpcache.traces import Trace, synthetic_trace
 
 #: Qwen3-30B-A3B's config.json (the keys from_hf_config reads): 48 layers x 128 experts, [768, 2048]
 #: gate and up; in Q4_K each part is 884,736 B, 3,456 B at / 256, whose slot stride is 3,584 B.
-QWEN3 = dict(model_type="qwen3_moe", num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, hidden_size=2048,
-             moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[], torch_dtype="bfloat16")
+QWEN3 = dict(
+    model_type="qwen3_moe",
+    num_hidden_layers=48,
+    num_experts=128,
+    num_experts_per_tok=8,
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    torch_dtype="bfloat16",
+)
 
 
 def full_cap(layout: ModelLayout, budget_bytes: int) -> list[int]:
     """Each class's cap in a cache of the full-size ``layout`` itself (a source of its real bytes)."""
-    with HostSource(layout) as source, ExpertCache(layout, source, budget_bytes=budget_bytes, backend="host",
-                                                   max_classes=len(layout.classes()), log_level=0,
-                                                   device_capacity_bytes=1 << 40) as cache:
+    with (
+        HostSource(layout) as source,
+        ExpertCache(
+            layout,
+            source,
+            budget_bytes=budget_bytes,
+            backend="host",
+            max_classes=len(layout.classes()),
+            log_level=0,
+            device_capacity_bytes=1 << 40,
+        ) as cache,
+    ):
         for layers in layout.classes().values():
             cache.select(layers[0], [0])
         return [c.cap_experts for c in cache.classes()]
@@ -65,8 +83,15 @@ def test_a_host_run_of_a_small_model_keeps_its_slot_counts_and_hit_rate():
     trace = synthetic_trace(60, 4, 32, 4, seed=3, first_layer=0, name="small")
     budget_bytes = 16 * 3 * 12288
     at_full = bench.run(full, "decode", variants=["lru"], traces=[trace], budget_bytes=budget_bytes, backend="host")
-    at_256 = bench.run(full.scaled(256), "decode", variants=["lru"], traces=[trace],
-                       budget_bytes=budget_bytes // 256, backend="host", host_scale=256)
+    at_256 = bench.run(
+        full.scaled(256),
+        "decode",
+        variants=["lru"],
+        traces=[trace],
+        budget_bytes=budget_bytes // 256,
+        backend="host",
+        host_scale=256,
+    )
     assert full_cap(full, budget_bytes) == [16]
     b = bench.Bench(full.scaled(256), backend="host", budget_bytes=budget_bytes // 256, scale=256)
     try:
@@ -107,13 +132,17 @@ def test_a_scale_no_budget_can_keep_is_refused_naming_the_class():
     """Three classes whose counts at / 256 move together where at full size they do not (parts of
     1 B and 257 B at / 256 take 768 B and 1,536 B slots, 3 and 3 x 257 times less at full size):
     at this budget (found by a search) no budget at / 256 gives the full-size counts [2, 1, 0]."""
-    full = ModelLayout((LayerSpec(60000, 256, 256, 256), LayerSpec(59999, 65792, 65792, 65792),
-                        LayerSpec(1, 256000, 256000, 256000)), name="tri")
+    full = ModelLayout(
+        (LayerSpec(60000, 256, 256, 256), LayerSpec(59999, 65792, 65792, 65792), LayerSpec(1, 256000, 256000, 256000)),
+        name="tri",
+    )
     assert budget.class_targets(full, 396308) == [2, 1, 0]
-    message = (r"^at sizes / 256 no budget keeps every size class's slot count of the full-size tri at a budget of "
-               r"396308 B: class \[gate 65792, up 65792, down 65792 B\] has 1 at full size and 2 at the smallest "
-               r"budget that gives every class at least its count \(the slots' alignment does not scale\); scale 8 "
-               r"keeps them$")
+    message = (
+        r"^at sizes / 256 no budget keeps every size class's slot count of the full-size tri at a budget of "
+        r"396308 B: class \[gate 65792, up 65792, down 65792 B\] has 1 at full size and 2 at the smallest "
+        r"budget that gives every class at least its count \(the slots' alignment does not scale\); scale 8 "
+        r"keeps them$"
+    )
     with pytest.raises(ValueError, match=message):
         budget.scaled_budget(full.scaled(256), 396308, 256)
     assert budget.class_targets(full.scaled(8), budget.scaled_budget(full.scaled(8), 396308, 8)) == [2, 1, 0]
@@ -164,6 +193,7 @@ def test_the_devices_caches_hold_every_size_class(monkeypatch):
 
 # -- a budget of 0 bytes -----------------------------------------------------------------------
 
+
 def holds_an_expert(layout: ModelLayout, budget_bytes: int) -> bool:
     """Whether a cache of ``layout`` at ``budget_bytes`` gives every class a slot (the library's caps)."""
     return min(full_cap(layout, budget_bytes)) >= 1
@@ -174,35 +204,47 @@ def test_a_fraction_that_rounds_to_0_names_it_and_the_smallest_that_holds_an_exp
     with pytest.raises(ValueError) as raised:
         resolve_budget(layout, budget_fraction=1e-12)
     message = str(raised.value)
-    assert message.startswith("budget_fraction=1e-12 is a budget of 0 bytes; the smallest budget_fraction that "
-                              "holds one expert is ")
+    assert message.startswith(
+        "budget_fraction=1e-12 is a budget of 0 bytes; the smallest budget_fraction that holds one expert is "
+    )
     least = float(message.rpartition(" ")[2])
     assert holds_an_expert(layout, resolve_budget(layout, budget_fraction=least))
     assert not holds_an_expert(layout, resolve_budget(layout, budget_fraction=least * 0.98))
     assert "set budget_experts or budget_bytes" not in message
-    with pytest.raises(ValueError, match=r"^budget_bytes=0 is a budget of 0 bytes; the smallest budget_bytes that "
-                                         r"holds one expert is 36864$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^budget_bytes=0 is a budget of 0 bytes; the smallest budget_bytes that "
+        r"holds one expert is 36864$",
+    ):
         resolve_budget(layout, 0)
 
 
 def test_the_command_line_names_the_option_in_its_units():
     layout = ModelLayout.preset("mixed", scale=256)
     parser = cli._mode_parser(bench.modes.by_name("variants"))
-    with pytest.raises(options.UsageError, match=r"^--budget-gib 1e-09 is a budget of 0 bytes at the host run's "
-                                                 r"sizes / 256; the smallest --budget-gib that holds one expert of "
-                                                 r"each of its 2 size classes is [0-9.e-]+$") as raised:
+    with pytest.raises(
+        options.UsageError,
+        match=r"^--budget-gib 1e-09 is a budget of 0 bytes at the host run's "
+        r"sizes / 256; the smallest --budget-gib that holds one expert of "
+        r"each of its 2 size classes is [0-9.e-]+$",
+    ) as raised:
         options.budget_bytes(parser.parse_args(["--budget-gib", "1e-9"]), layout, 256)
     from pyexpcache.bench import budget
 
     least = float(str(raised.value).rpartition(" ")[2])
     assert min(budget.class_targets(ModelLayout.preset("mixed"), int(least * (1 << 30)))) == 1
-    with pytest.raises(options.UsageError, match=r"^--budget-fraction 1e-12 is a budget of 0 bytes at the host "
-                                                 r"run's sizes / 256; the smallest --budget-fraction that holds"):
+    with pytest.raises(
+        options.UsageError,
+        match=r"^--budget-fraction 1e-12 is a budget of 0 bytes at the host "
+        r"run's sizes / 256; the smallest --budget-fraction that holds",
+    ):
         options.budget_bytes(parser.parse_args(["--budget-fraction", "1e-12"]), layout, 256)
 
 
-@pytest.mark.parametrize("argv,option", [(["--budget-fraction", "1e-12"], "--budget-fraction 1e-12"),
-                                         (["--budget-gib", "1e-9"], "--budget-gib 1e-09")])
+@pytest.mark.parametrize(
+    "argv,option",
+    [(["--budget-fraction", "1e-12"], "--budget-fraction 1e-12"), (["--budget-gib", "1e-9"], "--budget-gib 1e-09")],
+)
 def test_the_cli_prints_a_zero_budget_as_one_line(capsys, argv, option):
     assert cli.main(["bench", "--backend", "host", "--traces", "smoke_count64", "--quiet"] + argv) == 2
     err = capsys.readouterr().err
@@ -215,11 +257,24 @@ def test_offload_names_budget_fraction():
     transformers = pytest.importorskip("transformers", minversion="5")
     from pyexpcache.hf import offload
 
-    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, max_position_embeddings=64, intermediate_size=64,
-                                         moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=8)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=8,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with pytest.raises(ValueError, match=r"^budget_fraction=1e-09 is a budget of 0 bytes; the smallest "
-                                         r"budget_fraction that holds one expert is "):
+    with pytest.raises(
+        ValueError,
+        match=r"^budget_fraction=1e-09 is a budget of 0 bytes; the smallest "
+        r"budget_fraction that holds one expert is ",
+    ):
         offload(model, budget_fraction=1e-9, progress=False)

@@ -11,8 +11,15 @@ import math
 import numpy as np
 import pytest
 
-from pyexpcache.bench.predict import (PREDICTORS, CoocPredictor, main, parse_prefetch, predictions,
-                                      previous_token_predictions, recall)
+from pyexpcache.bench.predict import (
+    PREDICTORS,
+    CoocPredictor,
+    main,
+    parse_prefetch,
+    predictions,
+    previous_token_predictions,
+    recall,
+)
 from pyexpcache.traces import Trace, list_traces, load_decode_trace
 
 DECODE = [i.name for i in list_traces() if i.kind == "decode"]
@@ -44,7 +51,7 @@ def _perturbed_after(trace: Trace, t: int, seed: int = 1) -> Trace:
     for u in range(t + 1, T):
         for layer in range(L):
             ids[u, layer] = rng.choice(trace.num_experts, size=k, replace=False)
-    assert not np.array_equal(ids[t + 1:], trace.ids[t + 1:])
+    assert not np.array_equal(ids[t + 1 :], trace.ids[t + 1 :])
     return Trace(trace.name + "~", ids, None, trace.first_layer, trace.positions, trace.num_experts)
 
 
@@ -54,34 +61,41 @@ def _row(preds: np.ndarray, t: int, layer: int) -> list[int]:
 
 # --- specs ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec, parsed", [
-    ("none", ("none", 0.0)),
-    ("cooc", ("cooc", 0.0)),
-    ("oracle:0.8", ("oracle", 0.8)),
-    ("oracle:0", ("oracle", 0.0)),
-    ("oracle:1", ("oracle", 1.0)),
-    ("oracle:1.0", ("oracle", 1.0)),
-    ("oracle:.25", ("oracle", 0.25)),
-])
+
+@pytest.mark.parametrize(
+    "spec, parsed",
+    [
+        ("none", ("none", 0.0)),
+        ("cooc", ("cooc", 0.0)),
+        ("oracle:0.8", ("oracle", 0.8)),
+        ("oracle:0", ("oracle", 0.0)),
+        ("oracle:1", ("oracle", 1.0)),
+        ("oracle:1.0", ("oracle", 1.0)),
+        ("oracle:.25", ("oracle", 0.25)),
+    ],
+)
 def test_parse_prefetch_accepts(spec, parsed):
     assert parse_prefetch(spec) == parsed
     assert parsed[0] in PREDICTORS
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("", "unknown prefetch predictor ''"),
-    ("lru", "unknown prefetch predictor 'lru': expected none, cooc or oracle:R with 0 <= R <= 1"),
-    ("Cooc", "unknown prefetch predictor 'Cooc'"),
-    ("oracle", "'oracle' needs a rate: oracle:R with 0 <= R <= 1"),
-    ("oracle:", "'oracle' needs a rate"),
-    ("oracle:abc", "oracle rate R must be a number in [0, 1], got 'abc'"),
-    ("oracle:1.5", "oracle rate R must lie in [0, 1], got 1.5"),
-    ("oracle:-0.1", "oracle rate R must lie in [0, 1], got -0.1"),
-    ("oracle:nan", "oracle rate R must lie in [0, 1], got nan"),
-    ("oracle:inf", "oracle rate R must lie in [0, 1]"),
-    ("cooc:3", "'cooc' takes no parameter"),
-    ("none:1", "'none' takes no parameter"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "unknown prefetch predictor ''"),
+        ("lru", "unknown prefetch predictor 'lru': expected none, cooc or oracle:R with 0 <= R <= 1"),
+        ("Cooc", "unknown prefetch predictor 'Cooc'"),
+        ("oracle", "'oracle' needs a rate: oracle:R with 0 <= R <= 1"),
+        ("oracle:", "'oracle' needs a rate"),
+        ("oracle:abc", "oracle rate R must be a number in [0, 1], got 'abc'"),
+        ("oracle:1.5", "oracle rate R must lie in [0, 1], got 1.5"),
+        ("oracle:-0.1", "oracle rate R must lie in [0, 1], got -0.1"),
+        ("oracle:nan", "oracle rate R must lie in [0, 1], got nan"),
+        ("oracle:inf", "oracle rate R must lie in [0, 1]"),
+        ("cooc:3", "'cooc' takes no parameter"),
+        ("none:1", "'none' takes no parameter"),
+    ],
+)
 def test_parse_prefetch_refuses(spec, message):
     with pytest.raises(ValueError) as info:
         parse_prefetch(spec)
@@ -103,6 +117,7 @@ def test_predictions_refuse_bad_spec_and_width():
 
 
 # --- shape, padding, causality -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("spec", ["none", "cooc", "oracle:0.5", "oracle:1"])
 @pytest.mark.parametrize("top", [3, 6, 12])
@@ -138,11 +153,11 @@ def test_predictions_are_strictly_online(spec, t):
     trace = _trace("podA_c_python_full")
     full = predictions(trace, spec, top=8, seed=7)
     changed = predictions(_perturbed_after(trace, t), spec, top=8, seed=7)
-    assert np.array_equal(full[:t + 1], changed[:t + 1])
-    assert not np.array_equal(full[t + 1:], changed[t + 1:])  # the perturbation is seen after t
+    assert np.array_equal(full[: t + 1], changed[: t + 1])
+    assert not np.array_equal(full[t + 1 :], changed[t + 1 :])  # the perturbation is seen after t
     # a prefix of the trace (the same tokens, nothing after t) predicts the same rows too
-    prefix = Trace("prefix", trace.ids[:t + 1], None, trace.first_layer, trace.positions[:t + 1])
-    assert np.array_equal(predictions(prefix, spec, top=8, seed=7), full[:t + 1])
+    prefix = Trace("prefix", trace.ids[: t + 1], None, trace.first_layer, trace.positions[: t + 1])
+    assert np.array_equal(predictions(prefix, spec, top=8, seed=7), full[: t + 1])
 
 
 def test_cooc_reads_only_layer_l_of_the_current_token():
@@ -151,7 +166,7 @@ def test_cooc_reads_only_layer_l_of_the_current_token():
     trace = _trace("podA_c_python_full")
     t, layer = 30, 12
     ids = trace.ids.copy()
-    ids[t, layer + 1:] = (ids[t, layer + 1:] + 17) % trace.num_experts
+    ids[t, layer + 1 :] = (ids[t, layer + 1 :] + 17) % trace.num_experts
     ids[t, :layer] = (ids[t, :layer] + 5) % trace.num_experts
     other = Trace("other", ids, None, trace.first_layer, trace.positions)
     a, b = predictions(trace, "cooc", 12), predictions(other, "cooc", 12)
@@ -166,6 +181,7 @@ def test_oracle_seed_is_reproducible_and_matters():
 
 
 # --- the oracle ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["podA_a_coffee_full", "podA_b2_json_long_full"])
 def test_oracle_recall_follows_its_rate_and_never_guesses(name):
@@ -183,6 +199,7 @@ def test_oracle_recall_follows_its_rate_and_never_guesses(name):
 
 
 # --- cooc ----------------------------------------------------------------------------------------
+
 
 def test_cooc_predictor_agrees_with_predictions():
     trace = _trace("oracle50_k0w")
@@ -276,7 +293,7 @@ def test_cooc_predicts_a_functional_next_layer_perfectly():
     next layer is predicted exactly."""
     E, L, k, T, patterns = 64, 8, 6, 60, 5
     rng = np.random.default_rng(0)
-    sets = rng.permutation(E)[:patterns * k].reshape(patterns, k)
+    sets = rng.permutation(E)[: patterns * k].reshape(patterns, k)
     perms = [rng.permutation(E) for _ in range(L - 1)]
     choice = rng.integers(patterns, size=T)
     ids = np.empty((T, L, k), dtype=np.int32)
@@ -299,16 +316,18 @@ def test_cooc_predicts_a_functional_next_layer_perfectly():
 
 # --- recall and the baseline ---------------------------------------------------------------------
 
+
 def test_recall_counts_distinct_correct_ids_and_ignores_padding():
-    ids = np.array([[[0, 1, 2], [3, 4, 5], [6, 7, 8]],
-                    [[0, 1, 2], [3, 4, 4], [6, 7, 8]]], dtype=np.int32)  # a repeated 4: two experts
+    ids = np.array(
+        [[[0, 1, 2], [3, 4, 5], [6, 7, 8]], [[0, 1, 2], [3, 4, 4], [6, 7, 8]]], dtype=np.int32
+    )  # a repeated 4: two experts
     trace = Trace("tiny", ids, None, 3, np.arange(2), num_experts=16)
     preds = np.full((2, 3, 4), -1, dtype=np.int32)
-    preds[0, 0] = [3, 9, -1, -1]      # 1 of 3
-    preds[0, 1] = [6, 7, 8, 9]        # 3 of 3
-    preds[1, 0] = [4, 4, 3, -1]       # 2 of 2 (4 counted once)
-    preds[1, 1] = [-1, -1, -1, -1]    # 0 of 3
-    preds[:, 2] = [15, 15, 15, 15]    # the last row is not scored
+    preds[0, 0] = [3, 9, -1, -1]  # 1 of 3
+    preds[0, 1] = [6, 7, 8, 9]  # 3 of 3
+    preds[1, 0] = [4, 4, 3, -1]  # 2 of 2 (4 counted once)
+    preds[1, 1] = [-1, -1, -1, -1]  # 0 of 3
+    preds[:, 2] = [15, 15, 15, 15]  # the last row is not scored
     assert math.isclose(recall(trace, preds), (1 / 3 + 1 + 1 + 0) / 4)
     with pytest.raises(ValueError, match="preds must have shape \\[2, 3, top\\]"):
         recall(trace, preds[:, :2])
@@ -322,9 +341,13 @@ def test_previous_token_baseline():
     trace = _trace("podA_b_json_full")
     p = previous_token_predictions(trace, 6)
     assert (p[0] == -1).all() and (p[:, -1] == -1).all()
-    expected = np.mean([len(set(trace.ids[t - 1, layer + 1].tolist()) & set(trace.ids[t, layer + 1].tolist())) / 6
-                        if t else 0.0
-                        for t in range(trace.num_tokens) for layer in range(trace.num_layers - 1)])
+    expected = np.mean(
+        [
+            len(set(trace.ids[t - 1, layer + 1].tolist()) & set(trace.ids[t, layer + 1].tolist())) / 6 if t else 0.0
+            for t in range(trace.num_tokens)
+            for layer in range(trace.num_layers - 1)
+        ]
+    )
     assert math.isclose(recall(trace, p), expected)
 
 

@@ -16,8 +16,16 @@ def test_staging_trace_notes_every_piece_and_summarizes_it(tmp_path, monkeypatch
     monkeypatch.setenv("EXPCACHE_STAGING_TRACE", str(path))  # read when the cache is created
     layout = ModelLayout((LayerSpec(16, 300_000, 300_000, 400_000),), name="traced")
     with HostSource(layout, pinned=False) as source:
-        cache = ExpertCache(layout, source, backend="host", budget_bytes=16 * layout[0].expert_bytes,
-                            copy_threads=4, staging_bytes=4 << 20, staging_chunk_bytes=256 << 10, log_level=2)
+        cache = ExpertCache(
+            layout,
+            source,
+            backend="host",
+            budget_bytes=16 * layout[0].expert_bytes,
+            copy_threads=4,
+            staging_bytes=4 << 20,
+            staging_chunk_bytes=256 << 10,
+            log_level=2,
+        )
         calls = ([0, 1, 2], [3, 4, 0], [5, 6, 7, 8], [1, 2])  # all fit; the last call hits: it stages nothing
         for ids in calls:
             ptrs = cache.select(0, ids)
@@ -39,8 +47,9 @@ def test_staging_trace_notes_every_piece_and_summarizes_it(tmp_path, monkeypatch
     assert staging_trace.main([str(path), "--ring", "0", "--calls", "0,2"]) == 0
     out = capsys.readouterr().out
     assert out.count("4 copy threads") == 1 and "first sent µs" in out and "filler" in out
-    assert sum(1 for line in out.splitlines() if line.startswith(("0 ", "2 "))) == len(ring.pieces_by_call()[0]) + \
-        len(ring.pieces_by_call()[2])
+    assert sum(1 for line in out.splitlines() if line.startswith(("0 ", "2 "))) == len(ring.pieces_by_call()[0]) + len(
+        ring.pieces_by_call()[2]
+    )
 
 
 def test_staging_trace_refuses_what_is_not_a_trace(tmp_path, capsys):

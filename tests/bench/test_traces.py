@@ -15,8 +15,7 @@ from pyexpcache import ExpertCache, HostSource, ModelLayout, bench, cli
 from pyexpcache.bench import budget, options
 from pyexpcache.bench.bench import resolve_budget
 from pyexpcache.sim import decode_stream, simulate_lru
-from pyexpcache.traces import (MISSING, Trace, TraceWarning, load_decode_trace, read_trace, synthetic_trace,
-                               write_trace)
+from pyexpcache.traces import MISSING, Trace, TraceWarning, load_decode_trace, read_trace, synthetic_trace, write_trace
 
 SCALE = 4096
 
@@ -35,8 +34,10 @@ def holed_trace(tokens: int = 40, seed: int = 5) -> Trace:
 
 def library_lru_capacity(layout: ModelLayout, budget_bytes: int) -> int:
     """Slots of the one size class of ``layout`` at ``budget_bytes``: what the library makes of it."""
-    with HostSource(layout) as source, ExpertCache(layout, source, budget_bytes=budget_bytes, backend="host",
-                                                   policy="lru", log_level=0) as cache:
+    with (
+        HostSource(layout) as source,
+        ExpertCache(layout, source, budget_bytes=budget_bytes, backend="host", policy="lru", log_level=0) as cache,
+    ):
         cache.select(layout.moe_layers[0], [0])  # a class is made by its first call
         (cls,) = cache.classes()
         return cls.cap_experts
@@ -63,13 +64,22 @@ def test_resolve_budget():
 def test_bench_run_takes_loaded_traces_with_records_missing():
     layout = ModelLayout.preset("q2", scale=SCALE)
     trace = holed_trace()
-    report = bench.run(layout, "decode", variants=["lru", "nocache"], traces=[trace], budget_fraction=0.25,
-                       backend="host", host_scale=SCALE)
+    report = bench.run(
+        layout,
+        "decode",
+        variants=["lru", "nocache"],
+        traces=[trace],
+        budget_fraction=0.25,
+        backend="host",
+        host_scale=SCALE,
+    )
     lru = report.results[0]
     # The caches' budget keeps the slot count of the full-size run at a quarter of its bytes.
     assert report.traces == ["holed"] and report.full_budget_bytes == layout.total_bytes // 4 * SCALE
-    assert library_lru_capacity(layout, report.budget_bytes) == budget.class_targets(
-        ModelLayout.preset("q2"), report.full_budget_bytes)[0]
+    assert (
+        library_lru_capacity(layout, report.budget_bytes)
+        == budget.class_targets(ModelLayout.preset("q2"), report.full_budget_bytes)[0]
+    )
     assert report.budget_fraction == pytest.approx(0.25)
     assert lru.experts_checked == trace.num_requests and report.checksum_errors == 0
     assert lru.decode_calls == int(trace.present.sum())
@@ -80,8 +90,11 @@ def test_bench_run_takes_loaded_traces_with_records_missing():
 
 def test_bench_run_checks_the_trace_against_the_layout():
     layout = ModelLayout.preset("q2", scale=SCALE).with_experts(64)
-    with pytest.raises(ValueError, match=r"trace holed layer 3 has expert id \d+ .*which layout .* does not have: "
-                                         r"it gives that layer 64 experts"):
+    with pytest.raises(
+        ValueError,
+        match=r"trace holed layer 3 has expert id \d+ .*which layout .* does not have: "
+        r"it gives that layer 64 experts",
+    ):
         bench.run(layout, "decode", traces=[holed_trace()], backend="host")
 
 
@@ -119,8 +132,26 @@ def test_cli_replays_a_generic_trace_with_records_missing(capsys, tmp_path):
     out = tmp_path / "r.json"
     with warnings.catch_warnings():
         warnings.simplefilter("default")
-        rc = cli.main(["bench", "--layout", "q2", "--scale", str(SCALE), "--backend", "host", "--traces", str(path),
-                       "--budget-fraction", "0.25", "--variants", "lru,oppclass", "--quiet", "--json", str(out)])
+        rc = cli.main(
+            [
+                "bench",
+                "--layout",
+                "q2",
+                "--scale",
+                str(SCALE),
+                "--backend",
+                "host",
+                "--traces",
+                str(path),
+                "--budget-fraction",
+                "0.25",
+                "--variants",
+                "lru,oppclass",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     notices = [line for line in captured.err.splitlines() if "records are missing" in line]
@@ -138,10 +169,13 @@ def test_cli_replays_a_generic_trace_with_records_missing(capsys, tmp_path):
     assert lru["hit_rate"] == simulated_lru_hit_rate(loaded, layout, report["budget_bytes"])
 
 
-@pytest.mark.parametrize("records,message", [
-    ([{"token": 0, "layer": 3, "experts": [300]}], r"layer 3 has expert id 300 .*gives that layer 256 experts"),
-    ([{"token": 0, "layer": 50, "experts": [1]}], r"has layer 50, which layout .* does not have: .*43 layers"),
-])
+@pytest.mark.parametrize(
+    "records,message",
+    [
+        ([{"token": 0, "layer": 3, "experts": [300]}], r"layer 3 has expert id 300 .*gives that layer 256 experts"),
+        ([{"token": 0, "layer": 50, "experts": [1]}], r"has layer 50, which layout .* does not have: .*43 layers"),
+    ],
+)
 def test_cli_checks_a_trace_against_the_layout(capsys, tmp_path, records, message):
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -20,15 +20,15 @@ namespace expcache_test {
 
 inline int checks = 0, failures = 0;
 
-#define CHECK(cond, ...)                                                         \
-    do {                                                                         \
-        ++expcache_test::checks;                                                 \
-        if (!(cond)) {                                                           \
-            ++expcache_test::failures;                                           \
-            std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond);        \
-            std::printf(__VA_ARGS__);                                            \
-            std::printf("\n");                                                   \
-        }                                                                        \
+#define CHECK(cond, ...)                                                  \
+    do {                                                                  \
+        ++expcache_test::checks;                                          \
+        if (!(cond)) {                                                    \
+            ++expcache_test::failures;                                    \
+            std::printf("FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+            std::printf(__VA_ARGS__);                                     \
+            std::printf("\n");                                            \
+        }                                                                 \
     } while (0)
 
 // A transfer in flight: its bytes still sit in the chunk.

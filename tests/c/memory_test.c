@@ -14,14 +14,14 @@
 
 static int checks, failures;
 
-#define CHECK(cond)                                                                \
-    do {                                                                           \
-        ++checks;                                                                  \
-        if (!(cond)) {                                                             \
+#define CHECK(cond)                                                                                        \
+    do {                                                                                                   \
+        ++checks;                                                                                          \
+        if (!(cond)) {                                                                                     \
             fprintf(stderr, "memory_test: %s:%d: %s failed (last error: %s)\n", __FILE__, __LINE__, #cond, \
-                    expcache_last_error());                                        \
-            ++failures;                                                            \
-        }                                                                          \
+                    expcache_last_error());                                                                \
+            ++failures;                                                                                    \
+        }                                                                                                  \
     } while (0)
 
 enum { kExperts = 16, kPart = 4096 };
@@ -75,7 +75,7 @@ static void kept_past_release_and_destroy(void) {
 
     CHECK(expcache_release_all(cache) == EXPCACHE_OK);
     CHECK(dropped_calls == 1);
-    CHECK(memcmp(ptrs[0].gate, source[0][1], kPart) == 0);  /* stale but allocated */
+    CHECK(memcmp(ptrs[0].gate, source[0][1], kPart) == 0); /* stale but allocated */
     CHECK(memcmp(ptrs[0].down, source[2][1], kPart) == 0);
 
     /* The emulated device memory was given back: a new slab is allocated at once. */
@@ -84,8 +84,8 @@ static void kept_past_release_and_destroy(void) {
     CHECK(again[0].gate != ptrs[0].gate);
 
     expcache_destroy(cache);
-    CHECK(memcmp(ptrs[1].up, source[1][2], kPart) == 0);  /* still allocated after destroy */
-    expcache_memory_release(ref);                          /* the last reference: freed (ASan: no leak) */
+    CHECK(memcmp(ptrs[1].up, source[1][2], kPart) == 0); /* still allocated after destroy */
+    expcache_memory_release(ref);                        /* the last reference: freed (ASan: no leak) */
     expcache_memory_release(NULL);
 }
 
@@ -102,7 +102,7 @@ static void released_before_the_cache_frees(void) {
     expcache_memory_release(b);
     dropped_calls = 0;
     CHECK(expcache_memory_set_dropped_callback(cache, on_dropped, NULL) == EXPCACHE_OK);
-    CHECK(expcache_release_all(cache) == EXPCACHE_OK);  /* nothing kept: freed by the cache itself */
+    CHECK(expcache_release_all(cache) == EXPCACHE_OK); /* nothing kept: freed by the cache itself */
     CHECK(dropped_calls == 0);
     expcache_destroy(cache);
 }
@@ -123,20 +123,20 @@ static void inherited_by_fork(void) {
             fprintf(stderr, "memory_test: child: select gave %d (%s)\n", s, expcache_last_error());
             bad = 1;
         }
-        expcache_memory_release(ref);  /* the parent's: left alone */
-        expcache_destroy(cache);       /* forgets the handle, touches nothing */
+        expcache_memory_release(ref); /* the parent's: left alone */
+        expcache_destroy(cache);      /* forgets the handle, touches nothing */
         if (expcache_release_all(cache) != EXPCACHE_ERR_INVALID_ARGUMENT) bad = 1;
-        expcache_t* fresh = make_cache();  /* a cache made in the child works */
+        expcache_t* fresh = make_cache(); /* a cache made in the child works */
         if (expcache_select_async(fresh, 0, ids, 2, NULL, ptrs) != EXPCACHE_OK ||
             memcmp(ptrs[1].gate, source[0][8], kPart) != 0)
             bad = 1;
         expcache_destroy(fresh);
-        _exit(bad || failures ? 1 : 0);  /* no leak check in the child: the parent's copy is kept */
+        _exit(bad || failures ? 1 : 0); /* no leak check in the child: the parent's copy is kept */
     }
     int status = 0;
     CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    CHECK(expcache_select_async(cache, 0, ids, 2, NULL, ptrs) == EXPCACHE_OK);  /* the parent's is unaffected */
+    CHECK(expcache_select_async(cache, 0, ids, 2, NULL, ptrs) == EXPCACHE_OK); /* the parent's is unaffected */
     expcache_destroy(cache);
     expcache_memory_release(ref);
 }

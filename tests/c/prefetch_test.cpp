@@ -3,9 +3,9 @@
 // are ever in flight, as kDepth transfers; a cancelled job's progress (part, offset) says exactly
 // which bytes were sent, so finishing the rest by hand gives the source's bytes; pageable jobs'
 // bounce memory is never refilled under a transfer; a refused transfer fails its job; pause,
-// drain (while paused: after the pieces in flight landed) and destruction with transfers in flight. Then a caller thread submitting and cancelling
-// against the thread for a while (the case for ThreadSanitizer). Built with the sanitizers by
-// tests/sanitize.mk (`make prefetch-test`, `make prefetch-tsan-test`).
+// drain (while paused: after the pieces in flight landed) and destruction with transfers in flight. Then a caller
+// thread submitting and cancelling against the thread for a while (the case for ThreadSanitizer). Built with the
+// sanitizers by tests/sanitize.mk (`make prefetch-test`, `make prefetch-tsan-test`).
 //
 //   prefetch_test        every case; prints "prefetch_test: N checks, F failed" and exits 1 on a failure
 #include <chrono>
@@ -90,7 +90,8 @@ void test_every_byte_lands_with_one_piece_in_flight_at_most() {
               (unsigned long long)link.max_pending_bytes_, pinned);
         CHECK(link.max_pending_ == Prefetcher::kDepth, "the next transfer is queued while one crosses (%llu)",
               (unsigned long long)link.max_pending_);
-        CHECK(link.largest_ <= piece / Prefetcher::kDepth, "a transfer of %llu bytes", (unsigned long long)link.largest_);
+        CHECK(link.largest_ <= piece / Prefetcher::kDepth, "a transfer of %llu bytes",
+              (unsigned long long)link.largest_);
         CHECK(link.resent_in_flight_ == 0 && link.freed_in_flight_ == 0, "resent %llu, freed %llu in flight",
               (unsigned long long)link.resent_in_flight_, (unsigned long long)link.freed_in_flight_);
     }
@@ -135,8 +136,8 @@ void test_a_refused_transfer_fails_its_job() {
     wait_for(pf, 2, &got);
     CHECK(got.failed.size() == 1 && got.failed[0].slot == 0, "%zu failed", got.failed.size());
     CHECK(got.done.size() == 1 && got.done[0].slot == 1, "%zu done", got.done.size());
-    CHECK(got.error == EXPCACHE_ERR_CUDA && got.message.find("refused") != std::string::npos, "error %d: %s",
-          got.error, got.message.c_str());
+    CHECK(got.error == EXPCACHE_ERR_CUDA && got.message.find("refused") != std::string::npos, "error %d: %s", got.error,
+          got.message.c_str());
     Prefetcher::Taken again;
     pf.take(false, &again);
     CHECK(again.error == EXPCACHE_OK, "an error is reported once");

@@ -28,13 +28,12 @@
 
 using expcache::StagingRing;
 using expcache::StagingTuning;
-using expcache_test::FakeLink;
-using expcache_test::random_bytes;
 using expcache_test::checks;
 using expcache_test::failures;
+using expcache_test::FakeLink;
+using expcache_test::random_bytes;
 
 namespace {
-
 
 // Uploads of `sizes` bytes each, back to back in one source and one destination.
 struct Call {
@@ -80,8 +79,8 @@ void test_bytes_arrive_and_chunks_wait(unsigned threads) {
         ring.stats(&st);
         CHECK(st.calls == 40 && st.bytes == staged, "calls %llu bytes %llu of %llu", (unsigned long long)st.calls,
               (unsigned long long)st.bytes, (unsigned long long)staged);
-        CHECK(st.pieces >= pieces_min && st.pieces == t.sent_, "pieces %llu, sent %llu",
-              (unsigned long long)st.pieces, (unsigned long long)t.sent_);
+        CHECK(st.pieces >= pieces_min && st.pieces == t.sent_, "pieces %llu, sent %llu", (unsigned long long)st.pieces,
+              (unsigned long long)t.sent_);
         CHECK(st.sends == t.batches_.size() && st.sends >= 1 && st.sends <= st.pieces, "sends %llu",
               (unsigned long long)st.sends);
         CHECK(st.span_ns >= st.first_fill_ns, "span %llu first fill %llu", (unsigned long long)st.span_ns,
@@ -181,8 +180,8 @@ void test_failed_fill(unsigned threads) {
     std::vector<char> dst(call.total(), 0);
     ring.inject_failures(4, 1);
     expcache_status_t s = stage(ring, call, src, dst);
-    CHECK(s == EXPCACHE_ERR_CUDA && std::strstr(expcache::last_error(), "injected staging failure"),
-          "status %d: %s", (int)s, expcache::last_error());
+    CHECK(s == EXPCACHE_ERR_CUDA && std::strstr(expcache::last_error(), "injected staging failure"), "status %d: %s",
+          (int)s, expcache::last_error());
     CHECK(t.sent_ <= 4, "%llu pieces sent past the failed one", (unsigned long long)t.sent_);
     t.drain();
     std::vector<char> dst2(call.total(), 0);
@@ -213,8 +212,8 @@ void test_coalescing(unsigned threads) {
         ring.stats(&st);
         CHECK(t.polls_ > 0, "%u threads: the link was never asked whether it is busy", threads);
         if (threads > 1)
-            CHECK(st.pieces > st.sends, "%u threads: %llu pieces in %llu sends", threads,
-                  (unsigned long long)st.pieces, (unsigned long long)st.sends);
+            CHECK(st.pieces > st.sends, "%u threads: %llu pieces in %llu sends", threads, (unsigned long long)st.pieces,
+                  (unsigned long long)st.sends);
         else
             CHECK(st.pieces == st.sends, "the caller alone: %llu pieces in %llu sends", (unsigned long long)st.pieces,
                   (unsigned long long)st.sends);

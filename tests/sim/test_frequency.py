@@ -48,7 +48,7 @@ def test_classlru_decayed_count_and_classes():
     use(2, True)  # 1.5 + 1 = 2.5 -> class 1
     assert p.count[key][0] == pytest.approx(2.5) and p.where[key] == 1
     use(3, True)  # 2.5 * 2^-0.5 + 1 = 2.768 -> class 1
-    assert p.count[key][0] == pytest.approx(2.5 * 2 ** -0.5 + 1) and p.where[key] == 1
+    assert p.count[key][0] == pytest.approx(2.5 * 2**-0.5 + 1) and p.where[key] == 1
     for t in range(4, 10):
         use(t, True)  # converges to 1 / (1 - 2^-0.5) = 3.41 -> class 1
     assert p.where[key] == 1

@@ -100,8 +100,14 @@ def test_batch_hit_does_not_change_recency():
 
 def test_counters_add_up_on_mixed_stream():
     rng = random.Random(1)
-    calls = [Call(rng.choice([DECODE, DECODE, BATCH]), rng.randrange(4),
-                  tuple(rng.randrange(6) for _ in range(rng.randint(1, 5)))) for _ in range(300)]
+    calls = [
+        Call(
+            rng.choice([DECODE, DECODE, BATCH]),
+            rng.randrange(4),
+            tuple(rng.randrange(6) for _ in range(rng.randint(1, 5))),
+        )
+        for _ in range(300)
+    ]
     r = simulate_lru(calls, [3, 2], layer_class=[0, 1, 0, 1])
     assert np.array_equal(r.misses, r.inserts + r.appends + r.direct)
     assert r.requests == sum(len(set(c.ids)) for c in calls)
@@ -165,8 +171,14 @@ def test_lru_matches_literal_model_on_random_streams(seed):
     layers = rng.randint(1, 4)
     layer_class = [rng.randrange(2) for _ in range(layers)]
     capacity = [rng.randint(0, 6), rng.randint(0, 6)]
-    calls = [Call(DECODE if rng.random() < 0.75 else BATCH, rng.randrange(layers),
-                  tuple(rng.randrange(8) for _ in range(rng.randint(1, 6)))) for _ in range(200)]
+    calls = [
+        Call(
+            DECODE if rng.random() < 0.75 else BATCH,
+            rng.randrange(layers),
+            tuple(rng.randrange(8) for _ in range(rng.randint(1, 6))),
+        )
+        for _ in range(200)
+    ]
     r = simulate_lru(calls, capacity, layer_class)
     ref = _reference_lru(calls, capacity, layer_class)
     for c, st in ref.items():

@@ -42,7 +42,6 @@ def assert_served(cache, source, layer, ids, ptrs):
             assert (got == want).all(), f"layer {layer} expert {e} part {part} differs from the source"
 
 
-
 def device_ids(cache, ids, dtype="int64"):
     """``ids`` where a device select reads them: a numpy array on the host backend, a CUDA tensor
     (torch, else cupy) on the CUDA backend."""

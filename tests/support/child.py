@@ -10,8 +10,9 @@ import textwrap
 
 def run_child(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``code`` (dedented) in a fresh interpreter."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 _CLOSE_RACE = """\

@@ -31,8 +31,10 @@ def exps(rng, qtype: Q, rows: int, experts: int) -> np.ndarray:
 
 def moe_tensors(rng, layer, types=(Q.Q4_K, Q.Q4_K, Q.Q4_K), experts=8, rows=(4, 4, 2), fused=False):
     """(name, array, qtype) of one MoE layer's expert tensors, plus its router and shared expert."""
-    out = [(f"blk.{layer}.ffn_gate_inp.weight", rng.random((experts, ROW), dtype=np.float32), None),
-           (f"blk.{layer}.ffn_gate_shexp.weight", rng.random((4, ROW), dtype=np.float32), None)]
+    out = [
+        (f"blk.{layer}.ffn_gate_inp.weight", rng.random((experts, ROW), dtype=np.float32), None),
+        (f"blk.{layer}.ffn_gate_shexp.weight", rng.random((4, ROW), dtype=np.float32), None),
+    ]
     if fused:
         out.append((f"blk.{layer}.ffn_gate_up_exps.weight", exps(rng, types[0], 2 * rows[0], experts), types[0]))
     else:
@@ -43,8 +45,9 @@ def moe_tensors(rng, layer, types=(Q.Q4_K, Q.Q4_K, Q.Q4_K), experts=8, rows=(4, 
 
 
 def dense_tensors(rng, layer):
-    return [(f"blk.{layer}.ffn_{p}.weight", rng.random((4, ROW), dtype=np.float32), None)
-            for p in ("gate", "up", "down")]
+    return [
+        (f"blk.{layer}.ffn_{p}.weight", rng.random((4, ROW), dtype=np.float32), None) for p in ("gate", "up", "down")
+    ]
 
 
 def write_tensors(path, tensors, *, block_count=None, arch=ARCH) -> Path:
@@ -76,8 +79,11 @@ def write_model(path, layers, *, seed=0, block_count="auto", embd=True) -> Path:
 def tensor_data(path) -> dict[str, np.ndarray]:
     """Every tensor's bytes as the gguf reader sees them, as [experts, bytes per expert] copies."""
     reader = gguf.GGUFReader(str(path))
-    out = {t.name: np.array(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1) for t in reader.tensors
-           if "_exps" in t.name}
+    out = {
+        t.name: np.array(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1)
+        for t in reader.tensors
+        if "_exps" in t.name
+    }
     del reader
     return out
 

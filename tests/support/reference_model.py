@@ -185,10 +185,20 @@ class ReferenceCache:
     objects with ``num_experts`` and ``class_key`` (e.g. :class:`pyexpcache.LayerSpec`),
     or a :class:`pyexpcache.ModelLayout`. Keyword arguments mirror ExpertCache's."""
 
-    def __init__(self, layout, *, budget_experts: Optional[int] = None, budget_bytes: Optional[int] = None,
-                 reserve_bytes: Optional[int] = None, max_classes: int = 4,
-                 device_capacity_bytes: Optional[int] = None, slab_bytes: Optional[int] = None,
-                 batch_staging_releases: bool = False, policy: str = "lru", prefetch_max_per_layer: int = 8):
+    def __init__(
+        self,
+        layout,
+        *,
+        budget_experts: Optional[int] = None,
+        budget_bytes: Optional[int] = None,
+        reserve_bytes: Optional[int] = None,
+        max_classes: int = 4,
+        device_capacity_bytes: Optional[int] = None,
+        slab_bytes: Optional[int] = None,
+        batch_staging_releases: bool = False,
+        policy: str = "lru",
+        prefetch_max_per_layer: int = 8,
+    ):
         self.batch_staging_releases = batch_staging_releases
         self.prefetch_max = int(prefetch_max_per_layer)
         self.pstats = {f: 0 for f in PREFETCH_FIELDS}
@@ -204,8 +214,7 @@ class ReferenceCache:
         self.last_layer: Optional[int] = None
         specs = getattr(layout, "layers", layout)
         self.layers: List[Optional[LayerShape]] = [
-            None if s is None else LayerShape(int(s.num_experts), tuple(int(b) for b in s.class_key))
-            for s in specs
+            None if s is None else LayerShape(int(s.num_experts), tuple(int(b) for b in s.class_key)) for s in specs
         ]
         moe = [i for i, shape in enumerate(self.layers) if shape is not None]
         self.rank = {layer: r for r, layer in enumerate(moe)}
@@ -229,8 +238,8 @@ class ReferenceCache:
         # Device memory: allocation id -> (bytes, rounded bytes).
         self.allocs: Dict[int, Tuple[int, int]] = {}
         self._next_alloc = 1
-        self.used = 0           # rounded, as the host backend counts its capacity
-        self.device_bytes = 0   # as expcache_testing_device_bytes_in_use reports
+        self.used = 0  # rounded, as the host backend counts its capacity
+        self.device_bytes = 0  # as expcache_testing_device_bytes_in_use reports
         self.inject_skip = 0
         self.inject_count = 0
         self.compact: Optional[int] = None
@@ -437,8 +446,11 @@ class ReferenceCache:
             return True
         if allow_evict:
             if prefetch:
-                evictable = lambda k: (cls.holds.get(k, 0) == 0 and cls.pf.get(k) != "loading"  # noqa: E731
-                                       and cls.last_use.get(k, 0) < self.prev_call)
+                evictable = lambda k: (
+                    cls.holds.get(k, 0) == 0
+                    and cls.pf.get(k) != "loading"  # noqa: E731
+                    and cls.last_use.get(k, 0) < self.prev_call
+                )
             else:
                 evictable = lambda k: k not in protected and cls.holds.get(k, 0) == 0  # noqa: E731
             if cls.pol is not None:
@@ -652,8 +664,9 @@ class ReferenceCache:
         if direct:
             try:
                 nbytes = len(direct) * cls.slot_bytes
-                staging = (self._alloc_staging(nbytes, c, "batch") if self.batch_staging_releases
-                           else self._alloc(nbytes))
+                staging = (
+                    self._alloc_staging(nbytes, c, "batch") if self.batch_staging_releases else self._alloc(nbytes)
+                )
             except ModelError:
                 undo()
                 raise
@@ -812,8 +825,11 @@ class ReferenceCache:
     # ------------------------------------------------------------------ inspection
     def is_resident(self, layer: int, expert: int) -> bool:
         c = self.class_of(layer)
-        return (c is not None and (layer, expert) in self.classes[c].lru
-                and self.classes[c].pf.get((layer, expert)) != "loading")
+        return (
+            c is not None
+            and (layer, expert) in self.classes[c].lru
+            and self.classes[c].pf.get((layer, expert)) != "loading"
+        )
 
     def resident_set(self) -> set:
         out = set()
@@ -843,9 +859,15 @@ class ReferenceCache:
             if not cl.in_use:
                 continue
             out[cl.index] = dict(
-                key=cl.key, slot_bytes=cl.slot_bytes, target_experts=self.class_target(cl.index),
-                cap_experts=cl.cap, allocated_experts=cl.allocated, resident_experts=cl.resident,
-                held_experts=cl.held, num_layers=cl.layers)
+                key=cl.key,
+                slot_bytes=cl.slot_bytes,
+                target_experts=self.class_target(cl.index),
+                cap_experts=cl.cap,
+                allocated_experts=cl.allocated,
+                resident_experts=cl.resident,
+                held_experts=cl.held,
+                num_layers=cl.layers,
+            )
         return out
 
     def check_invariants(self) -> None:
@@ -856,7 +878,7 @@ class ReferenceCache:
             assert 0 <= cl.resident <= cl.allocated, cl
             assert all(n > 0 for n in cl.holds.values())
             assert all(k in cl.lru for k in cl.holds), "a held entry is not resident"
-            for (layer, _e) in cl.lru:
+            for layer, _e in cl.lru:
                 assert self.class_of(layer) == cl.index
         assert self.used <= self.capacity
         assert self.device_bytes == sum(b for b, _ in self.allocs.values())

@@ -41,8 +41,11 @@ DECODE_TOKENS = {
 def test_list_traces_names_and_kinds():
     infos = list_traces()
     kinds = {i.name: i.kind for i in infos}
-    assert kinds == {**{n: "decode" for n in DECODE_TOKENS},
-                     "pod12_prefill_learn": "prefill", "pod12_prefill_eval": "prefill"}
+    assert kinds == {
+        **{n: "decode" for n in DECODE_TOKENS},
+        "pod12_prefill_learn": "prefill",
+        "pod12_prefill_eval": "prefill",
+    }
     for info in infos:
         assert info.path.is_file() and info.path.parent == TRACE_DIR / info.kind
 
@@ -59,8 +62,9 @@ def test_bundled_files_match_upstream_git_blobs():
     rows = re.findall(r"^\| ((?:decode|prefill)/\S+) \|.*\| ([0-9a-f]{40}) \|$", readme, flags=re.M)
     assert len(rows) == 10
     changed_section = readme.split("## Changed by expcache", 1)[1]
-    changed = dict(re.findall(r"^- `((?:decode|prefill)/\S+)`:.*?git blob ([0-9a-f]{40})", changed_section,
-                              flags=re.M | re.S))
+    changed = dict(
+        re.findall(r"^- `((?:decode|prefill)/\S+)`:.*?git blob ([0-9a-f]{40})", changed_section, flags=re.M | re.S)
+    )
     assert list(changed) == ["decode/oracle50_k0w.route.csv"]
     for rel, blob in rows:
         assert _git_blob_id((TRACE_DIR / rel).read_bytes()) == changed.get(rel, blob), rel
@@ -182,9 +186,19 @@ def test_trailing_incomplete_token_dropped(tmp_path):
         (HEADER + _token(10).replace(_row(10, 7), _row(10, 7).strip() + ",9\n"), r"line 6: 10 columns"),
         ("pos,layer,e0\n", r"unexpected header"),
     ],
-    ids=["non-integer-id", "id-too-large", "id-negative", "n-mismatch", "layer-missing-in-middle",
-         "token-cut-short-mid-file", "trailing-token-with-gap", "truncated-row-mid-file",
-         "positions-decrease", "extra-column", "bad-header"],
+    ids=[
+        "non-integer-id",
+        "id-too-large",
+        "id-negative",
+        "n-mismatch",
+        "layer-missing-in-middle",
+        "token-cut-short-mid-file",
+        "trailing-token-with-gap",
+        "truncated-row-mid-file",
+        "positions-decrease",
+        "extra-column",
+        "bad-header",
+    ],
 )
 def test_malformed_decode_files(tmp_path, text, match):
     path = _write(tmp_path, text, "bad.route.csv")
@@ -233,7 +247,7 @@ def test_prefill_layer_major_mapping():
     first = rows[p0]
     assert first[:2] == ["0", "0"]
     p = prompts[1]
-    for r in rows[p0: p0 + 66 * 43 + 40: 97]:  # a spread of rows from prompt 1
+    for r in rows[p0 : p0 + 66 * 43 + 40 : 97]:  # a spread of rows from prompt 1
         pos, layer = int(r[0]), int(r[1])
         ids = [int(x) for x in r[3:9]]
         idx = rows.index(r, p0)

@@ -18,8 +18,16 @@ import pytest
 from pyexpcache import ModelLayout
 from pyexpcache.layout import LayerSpec
 from pyexpcache.sim import decode_stream, simulate_lru
-from pyexpcache.traces import (MISSING, Trace, TraceWarning, TraceWriter, check_layout, read_trace, synthetic_trace,
-                               write_trace)
+from pyexpcache.traces import (
+    MISSING,
+    Trace,
+    TraceWarning,
+    TraceWriter,
+    check_layout,
+    read_trace,
+    synthetic_trace,
+    write_trace,
+)
 
 FORMATS = ["jsonl", "csv", "npz", "jsonl.gz", "csv.gz", "npz.gz"]
 
@@ -74,8 +82,11 @@ def test_round_trip_with_records_missing(tmp_path, fmt):
     holed = Trace("t", ids, weights, trace.first_layer, trace.positions, trace.num_experts)
     path = tmp_path / f"h.{fmt}"
     assert write_trace(path, holed) == trace.num_tokens * trace.num_layers - 2
-    with pytest.warns(TraceWarning, match=r"2 of 20 \(token, layer\) records are missing \(the first: token 11, "
-                                          r"layer 3\)"):
+    with pytest.warns(
+        TraceWarning,
+        match=r"2 of 20 \(token, layer\) records are missing \(the first: token 11, "
+        r"layer 3\)",
+    ):
         back = read_trace(path)
     _same(holed, back)
     assert back.missing_records == 2 and not back.complete
@@ -112,7 +123,8 @@ def test_a_token_missing_a_layer_is_served_with_the_others(tmp_path):
     with pytest.warns(TraceWarning) as caught:
         t = read_trace(path)
     assert len(caught) == 1 and "1 of 9 (token, layer) records are missing (the first: token 1, layer 1)" in str(
-        caught[0].message)
+        caught[0].message
+    )
     assert t.num_tokens == 3 and t.present.tolist() == [[True] * 3, [True, False, True], [True] * 3]
     calls = decode_stream(t)
     assert [(c.layer, c.ids) for c in calls[3:5]] == [(0, (1, 4)), (2, (1, 6))]
@@ -134,8 +146,12 @@ def test_a_layer_missing_for_some_tokens(tmp_path):
 
 def test_records_out_of_order_are_sorted(tmp_path):
     # Layer-major, tokens shuffled; two sequences: the one seen first replays first, whatever its id.
-    records = [{"seq": s, "token": tok, "layer": l, "experts": [s, tok, l]} for l in (1, 0) for s in (9, 2)
-               for tok in (3, 1, 2)]
+    records = [
+        {"seq": s, "token": tok, "layer": l, "experts": [s, tok, l]}
+        for l in (1, 0)
+        for s in (9, 2)
+        for tok in (3, 1, 2)
+    ]
     path = tmp_path / "o.jsonl"
     _lines(path, records)
     t = read_trace(path)
@@ -146,37 +162,53 @@ def test_records_out_of_order_are_sorted(tmp_path):
 
 def test_a_duplicate_record_is_an_error(tmp_path):
     path = tmp_path / "d.jsonl"
-    _lines(path, [{"token": 0, "layer": 0, "experts": [1]}, {"token": 1, "layer": 0, "experts": [1]},
-                  {"token": 0, "layer": 0, "experts": [2]}])
+    _lines(
+        path,
+        [
+            {"token": 0, "layer": 0, "experts": [1]},
+            {"token": 1, "layer": 0, "experts": [1]},
+            {"token": 0, "layer": 0, "experts": [2]},
+        ],
+    )
     with pytest.raises(ValueError, match=r"d\.jsonl:3: duplicate record \(\(token 0, layer 0\) is also at line 1\)"):
         read_trace(path)
     # The same token and layer in two sequences is not a duplicate.
-    _lines(path, [{"seq": 0, "token": 0, "layer": 0, "experts": [1]}, {"seq": 1, "token": 0, "layer": 0,
-                                                                          "experts": [2]}])
+    _lines(
+        path, [{"seq": 0, "token": 0, "layer": 0, "experts": [1]}, {"seq": 1, "token": 0, "layer": 0, "experts": [2]}]
+    )
     assert read_trace(path).num_tokens == 2
 
 
-@pytest.mark.parametrize("text,message", [
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [1]}\nnot json\n", r":2: not a JSON object"),
-    ("[1, 2]\n", r":1: a record is a JSON object, got list"),
-    ("{\"token\": 0, \"layer\": 0}\n", r":1: no 'experts'"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [1], \"expert\": 2}\n", r":1: unknown key 'expert'"),
-    ("{\"token\": 0.5, \"layer\": 0, \"experts\": [1]}\n", r":1: token must be an integer, got 0.5"),
-    ("{\"token\": true, \"layer\": 0, \"experts\": [1]}\n", r":1: token must be an integer"),
-    ("{\"token\": 0, \"layer\": -1, \"experts\": [1]}\n", r":1: token and layer must be >= 0"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [1, \"2\"]}\n", r":1: experts must be a list of integers"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": []}\n", r":1: experts is empty"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [-3]}\n", r":1: expert ids must be >= 0"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [1, 2]}\n{\"token\": 1, \"layer\": 0, \"experts\": [1]}\n",
-     r":2: 1 experts where the first record \(.*:1\) has 2: every record has the same k"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [1], \"weights\": [0.5]}\n"
-     "{\"token\": 1, \"layer\": 0, \"experts\": [1]}\n", r":2: no weights where the first record"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [1], \"weights\": [0.5, 1]}\n", r":1: 2 weights for 1 experts"),
-    ("{\"token\": 0, \"layer\": 0, \"experts\": [1], \"weights\": [NaN]}\n", r":1: weights must be finite"),
-    ("{\"seq\": 1, \"token\": 0, \"layer\": 0, \"experts\": [1]}\n{\"token\": 1, \"layer\": 0, \"experts\": [1]}\n",
-     r":2: no seq where the first record"),
-    ("\n\n", r": no records"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"token": 0, "layer": 0, "experts": [1]}\nnot json\n', r":2: not a JSON object"),
+        ("[1, 2]\n", r":1: a record is a JSON object, got list"),
+        ('{"token": 0, "layer": 0}\n', r":1: no 'experts'"),
+        ('{"token": 0, "layer": 0, "experts": [1], "expert": 2}\n', r":1: unknown key 'expert'"),
+        ('{"token": 0.5, "layer": 0, "experts": [1]}\n', r":1: token must be an integer, got 0.5"),
+        ('{"token": true, "layer": 0, "experts": [1]}\n', r":1: token must be an integer"),
+        ('{"token": 0, "layer": -1, "experts": [1]}\n', r":1: token and layer must be >= 0"),
+        ('{"token": 0, "layer": 0, "experts": [1, "2"]}\n', r":1: experts must be a list of integers"),
+        ('{"token": 0, "layer": 0, "experts": []}\n', r":1: experts is empty"),
+        ('{"token": 0, "layer": 0, "experts": [-3]}\n', r":1: expert ids must be >= 0"),
+        (
+            '{"token": 0, "layer": 0, "experts": [1, 2]}\n{"token": 1, "layer": 0, "experts": [1]}\n',
+            r":2: 1 experts where the first record \(.*:1\) has 2: every record has the same k",
+        ),
+        (
+            '{"token": 0, "layer": 0, "experts": [1], "weights": [0.5]}\n{"token": 1, "layer": 0, "experts": [1]}\n',
+            r":2: no weights where the first record",
+        ),
+        ('{"token": 0, "layer": 0, "experts": [1], "weights": [0.5, 1]}\n', r":1: 2 weights for 1 experts"),
+        ('{"token": 0, "layer": 0, "experts": [1], "weights": [NaN]}\n', r":1: weights must be finite"),
+        (
+            '{"seq": 1, "token": 0, "layer": 0, "experts": [1]}\n{"token": 1, "layer": 0, "experts": [1]}\n',
+            r":2: no seq where the first record",
+        ),
+        ("\n\n", r": no records"),
+    ],
+)
 def test_malformed_jsonl_names_the_file_and_line(tmp_path, text, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(text)
@@ -184,17 +216,20 @@ def test_malformed_jsonl_names_the_file_and_line(tmp_path, text, message):
         read_trace(path)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("", r"bad\.csv: empty file"),
-    ("token,layer\n0,0\n", r"bad\.csv:1: header token,layer; expected the columns token,layer,experts"),
-    ("token,layer,experts,extra\n", r"bad\.csv:1: header"),
-    ("pos,layer,n,e0\n0,3,1,5\n", r"bundled route-CSV format .* \*\.route\.csv"),
-    ("token,layer,experts\n0,0,1 2\n1,0\n", r"bad\.csv:3: 2 columns, the header has 3"),
-    ("token,layer,experts\n0,x,1 2\n", r"bad\.csv:2: layer must be an integer, got 'x'"),
-    ("token,layer,experts\n0,0,1;2\n", r"bad\.csv:2: experts must be integers separated by spaces, got '1;2'"),
-    ("token,layer,experts\n0,0,\n", r"bad\.csv:2: experts is empty"),
-    ("token,layer,experts,weights\n0,0,1 2,0.5 x\n", r"bad\.csv:2: weights must be numbers separated by spaces"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("", r"bad\.csv: empty file"),
+        ("token,layer\n0,0\n", r"bad\.csv:1: header token,layer; expected the columns token,layer,experts"),
+        ("token,layer,experts,extra\n", r"bad\.csv:1: header"),
+        ("pos,layer,n,e0\n0,3,1,5\n", r"bundled route-CSV format .* \*\.route\.csv"),
+        ("token,layer,experts\n0,0,1 2\n1,0\n", r"bad\.csv:3: 2 columns, the header has 3"),
+        ("token,layer,experts\n0,x,1 2\n", r"bad\.csv:2: layer must be an integer, got 'x'"),
+        ("token,layer,experts\n0,0,1;2\n", r"bad\.csv:2: experts must be integers separated by spaces, got '1;2'"),
+        ("token,layer,experts\n0,0,\n", r"bad\.csv:2: experts is empty"),
+        ("token,layer,experts,weights\n0,0,1 2,0.5 x\n", r"bad\.csv:2: weights must be numbers separated by spaces"),
+    ],
+)
 def test_malformed_csv_names_the_file_and_line(tmp_path, text, message):
     path = tmp_path / "bad.csv"
     path.write_text(text)
@@ -265,12 +300,18 @@ def test_check_layout(tmp_path):
     _lines(path, [{"token": 0, "layer": 1, "experts": [7]}, {"token": 0, "layer": 2, "experts": [3]}])
     check_layout(read_trace(path), layout)
     _lines(path, [{"token": 0, "layer": 1, "experts": [7]}, {"token": 1, "layer": 2, "experts": [5]}])
-    with pytest.raises(ValueError, match=r"trace c layer 2 has expert id 5 \(first at token 1\), which layout small "
-                                         r"does not have: it gives that layer 4 experts"):
+    with pytest.raises(
+        ValueError,
+        match=r"trace c layer 2 has expert id 5 \(first at token 1\), which layout small "
+        r"does not have: it gives that layer 4 experts",
+    ):
         check_layout(read_trace(path), layout)
     _lines(path, [{"token": 0, "layer": 0, "experts": [1]}, {"token": 0, "layer": 1, "experts": [1]}])
-    with pytest.raises(ValueError, match=r"trace c has layer 0, which layout small does not have: layer 0 has no "
-                                         r"routed experts: it is a dense layer of small"):
+    with pytest.raises(
+        ValueError,
+        match=r"trace c has layer 0, which layout small does not have: layer 0 has no "
+        r"routed experts: it is a dense layer of small",
+    ):
         check_layout(read_trace(path), layout)
     check_layout(read_trace(path), layout, layers=[1])  # only the layers replayed are checked
     _lines(path, [{"token": 0, "layer": 3, "experts": [1]}])
@@ -287,6 +328,7 @@ def test_a_synthetic_trace_round_trips_through_jsonl(tmp_path):
 
 # -- hostile input: the library's limits, huge integers, a BOM, a directory (issue 36) ----------
 
+
 def _write_records(path, records) -> None:
     """``records`` (dicts of token, layer, experts) in the format of ``path``'s name, written by hand:
     the writer would not be what is tested."""
@@ -298,8 +340,9 @@ def _write_records(path, records) -> None:
         data = buf.getvalue()
     elif name.endswith(".csv"):
         header = list(records[0])
-        lines = [",".join(header)] + [",".join(" ".join(map(str, r[h])) if isinstance(r[h], list) else str(r[h])
-                                               for h in header) for r in records]
+        lines = [",".join(header)] + [
+            ",".join(" ".join(map(str, r[h])) if isinstance(r[h], list) else str(r[h]) for h in header) for r in records
+        ]
         data = ("\n".join(lines) + "\n").encode()
     else:
         data = "".join(json.dumps(r) + "\n" for r in records).encode()
@@ -327,17 +370,21 @@ def test_a_layer_past_the_library_limit_is_refused_before_anything_is_allocated(
     paths = []
     for fmt in FORMATS:
         path = tmp_path / f"huge.{fmt}"
-        _write_records(path, [{"token": 0, "layer": 0, "experts": [1, 2]},
-                              {"token": 1, "layer": 10**9, "experts": [1, 2]}])
+        _write_records(
+            path, [{"token": 0, "layer": 0, "experts": [1, 2]}, {"token": 1, "layer": 10**9, "experts": [1, 2]}]
+        )
         paths.append(path)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", _READ_IN_CHILD, *map(str, paths)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_IN_CHILD, *map(str, paths)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr
     for path, (kind, message) in zip(paths, json.loads(done.stdout)):
         where = f"{path}: record 1" if ".npz" in path.name else f"{path}:{3 if '.csv' in path.name else 2}"
-        assert (kind, message) == ("ValueError", f"{where}: layer 1000000000 is past the library's limit: a cache has "
-                                                 "at most 4096 layers (0..4095)")
+        assert (kind, message) == (
+            "ValueError",
+            f"{where}: layer 1000000000 is past the library's limit: a cache has at most 4096 layers (0..4095)",
+        )
 
 
 def test_the_library_limits_bound_layers_and_expert_ids(tmp_path):
@@ -346,33 +393,62 @@ def test_the_library_limits_bound_layers_and_expert_ids(tmp_path):
     t = read_trace(path)
     assert (t.first_layer, t.num_layers, t.num_experts) == (4095, 1, 65536)
     _lines(path, [{"token": 0, "layer": 4096, "experts": [1]}])
-    with pytest.raises(ValueError, match=r"limits\.jsonl:1: layer 4096 is past the library's limit: a cache has at "
-                                         r"most 4096 layers \(0\.\.4095\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"limits\.jsonl:1: layer 4096 is past the library's limit: a cache has at "
+        r"most 4096 layers \(0\.\.4095\)",
+    ):
         read_trace(path)
     _lines(path, [{"token": 0, "layer": 0, "experts": [1]}, {"token": 0, "layer": 1, "experts": [65536]}])
-    with pytest.raises(ValueError, match=r"limits\.jsonl:2: expert id 65536 is past the library's limit: a layer "
-                                         r"has at most 65536 experts \(ids 0\.\.65535\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"limits\.jsonl:2: expert id 65536 is past the library's limit: a layer "
+        r"has at most 65536 experts \(ids 0\.\.65535\)",
+    ):
         read_trace(path)
     _lines(path, [{"token": 0, "layer": 0, "experts": [1]}])
     with pytest.raises(ValueError, match=r"num_experts must be in 1\.\.65536 \(the library's limit\), got 65537"):
         read_trace(path, num_experts=65537)
 
 
-@pytest.mark.parametrize("fmt,record,message", [
-    ("jsonl", {"token": 2**63, "layer": 0, "experts": [1]}, r":2: token 9223372036854775808 is too large: at most "
-                                                             r"2\^63 - 1"),
-    ("jsonl", {"seq": 2**64, "token": 1, "layer": 0, "experts": [1]}, r":2: seq 18446744073709551616 is outside "
-                                                                       r"\[-2\^63, 2\^63 - 1\]"),
-    ("jsonl", {"token": 1, "layer": 2**64, "experts": [1]}, r":2: layer 18446744073709551616 is past the library's "
-                                                             r"limit"),
-    ("jsonl", {"token": 1, "layer": 0, "experts": [1, 2**64]}, r":2: expert id 18446744073709551616 is past the "
-                                                                r"library's limit"),
-    ("csv", {"token": 2**63, "layer": 0, "experts": [1]}, r":3: token 9223372036854775808 is too large"),
-    ("csv", {"token": 1, "layer": 0, "experts": [2**70]}, r":3: expert id 1180591620717411303424 is past"),
-    ("npz", {"token": 2**63, "layer": 0, "experts": [1]}, r": record 1: token 9223372036854775808 is too large"),
-    ("npz.gz", {"token": 1, "layer": 0, "experts": [2**64 - 1]}, r": record 1: expert id 18446744073709551615 is "
-                                                                  r"past"),
-])
+@pytest.mark.parametrize(
+    "fmt,record,message",
+    [
+        (
+            "jsonl",
+            {"token": 2**63, "layer": 0, "experts": [1]},
+            r":2: token 9223372036854775808 is too large: at most "
+            r"2\^63 - 1",
+        ),
+        (
+            "jsonl",
+            {"seq": 2**64, "token": 1, "layer": 0, "experts": [1]},
+            r":2: seq 18446744073709551616 is outside "
+            r"\[-2\^63, 2\^63 - 1\]",
+        ),
+        (
+            "jsonl",
+            {"token": 1, "layer": 2**64, "experts": [1]},
+            r":2: layer 18446744073709551616 is past the library's "
+            r"limit",
+        ),
+        (
+            "jsonl",
+            {"token": 1, "layer": 0, "experts": [1, 2**64]},
+            r":2: expert id 18446744073709551616 is past the "
+            r"library's limit",
+        ),
+        ("csv", {"token": 2**63, "layer": 0, "experts": [1]}, r":3: token 9223372036854775808 is too large"),
+        ("csv", {"token": 1, "layer": 0, "experts": [2**70]}, r":3: expert id 1180591620717411303424 is past"),
+        ("npz", {"token": 2**63, "layer": 0, "experts": [1]}, r": record 1: token 9223372036854775808 is too large"),
+        (
+            "npz.gz",
+            {"token": 1, "layer": 0, "experts": [2**64 - 1]},
+            r": record 1: expert id 18446744073709551615 is "
+            r"past",
+        ),
+    ],
+)
 def test_huge_integers_name_the_file_and_line(tmp_path, fmt, record, message):
     path = tmp_path / f"big.{fmt}"
     first = {key: ([1] if key == "experts" else 0) for key in record}
@@ -382,14 +458,22 @@ def test_huge_integers_name_the_file_and_line(tmp_path, fmt, record, message):
     assert type(caught.value) is ValueError  # the reader's class, not an OverflowError
 
 
-@pytest.mark.parametrize("line,message", [
-    # Python reads at most 4300 digits of an integer (sys.get_int_max_str_digits): json.loads raises
-    # a ValueError of its own, without the file.
-    ('{"token": 1' + "0" * 5000 + ', "layer": 0, "experts": [1]}', r"a number too long to read \(Exceeds the limit"),
-    # json.loads raises RecursionError past the interpreter's recursion limit.
-    ('{"token": 1, "layer": 0, "experts": ' + "[" * 100000 + "]" * 100000 + "}",
-     r"not a JSON object \(nested too deeply to read\)"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        # Python reads at most 4300 digits of an integer (sys.get_int_max_str_digits): json.loads raises
+        # a ValueError of its own, without the file.
+        (
+            '{"token": 1' + "0" * 5000 + ', "layer": 0, "experts": [1]}',
+            r"a number too long to read \(Exceeds the limit",
+        ),
+        # json.loads raises RecursionError past the interpreter's recursion limit.
+        (
+            '{"token": 1, "layer": 0, "experts": ' + "[" * 100000 + "]" * 100000 + "}",
+            r"not a JSON object \(nested too deeply to read\)",
+        ),
+    ],
+)
 def test_a_json_line_python_cannot_read_names_the_line(tmp_path, line, message):
     path = tmp_path / "long.jsonl"
     path.write_text('{"token": 0, "layer": 0, "experts": [1]}\n' + line + "\n")
@@ -419,8 +503,9 @@ def test_a_directory_is_named_as_one(tmp_path):
         read_trace(path)
 
 
-@pytest.mark.parametrize("record", [{"token": 2**63, "layer": 0, "experts": [1]},
-                                    {"token": 0, "layer": 5000, "experts": [1]}])
+@pytest.mark.parametrize(
+    "record", [{"token": 2**63, "layer": 0, "experts": [1]}, {"token": 0, "layer": 5000, "experts": [1]}]
+)
 def test_the_command_line_prints_one_line_for_a_hostile_trace(capsys, tmp_path, record):
     from pyexpcache import cli
 

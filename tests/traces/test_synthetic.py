@@ -81,9 +81,22 @@ def test_fit_synthetic_params_on_coffee(coffee):
         ((10,), {"zipf": float("inf")}, r"zipf must be a finite number >= 0"),
         ((10,), {"reuse": float("nan")}, r"reuse must be in \[0, 1\]"),
     ],
-    ids=["tokens-zero", "tokens-negative", "tokens-huge", "layers-zero", "layers-huge", "experts-2**40",
-         "experts-2**32", "experts-times-layers-huge", "experts-one", "k-zero", "k-over-half", "zipf-nan",
-         "zipf-inf", "reuse-nan"],
+    ids=[
+        "tokens-zero",
+        "tokens-negative",
+        "tokens-huge",
+        "layers-zero",
+        "layers-huge",
+        "experts-2**40",
+        "experts-2**32",
+        "experts-times-layers-huge",
+        "experts-one",
+        "k-zero",
+        "k-over-half",
+        "zipf-nan",
+        "zipf-inf",
+        "reuse-nan",
+    ],
 )
 def test_synthetic_refuses_bad_sizes(args, kwargs, match):
     with pytest.raises(ValueError, match=match) as err:

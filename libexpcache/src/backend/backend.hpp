@@ -39,8 +39,7 @@ public:
     // Uploads: a pinned source is enqueued on `stream` by finish_uploads(), all of a
     // call's pinned uploads together; pageable and file sources may be staged in the
     // background (StagingRing) until then.
-    virtual expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned,
-                                       void* stream) = 0;
+    virtual expcache_status_t copy_h2d(void* dst, const void* src, uint64_t bytes, bool pinned, void* stream) = 0;
     // Read `bytes` at `offset` of `file` into device memory at dst.
     virtual expcache_status_t read_file(void* dst, const class SourceFile& file, uint64_t offset, uint64_t bytes,
                                         void* stream) = 0;
@@ -60,7 +59,6 @@ public:
     virtual expcache_status_t fence(void* from, void* to) = 0;
     virtual expcache_status_t sync_stream(void* stream) = 0;
     virtual expcache_status_t sync_device() = 0;
-
 
     // The cache's own copy stream, where split selects' misses and prefetch pieces go
     // (host: nullptr, its copies finish as they are made).
@@ -173,6 +171,5 @@ std::unique_ptr<StagingBackend> make_host_backend(uint64_t capacity_bytes, const
 
 // UNSUPPORTED when the library was built without CUDA or no device is usable.
 expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, std::unique_ptr<StagingBackend>* out);
-
 
 }  // namespace expcache

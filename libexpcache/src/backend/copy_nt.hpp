@@ -50,8 +50,7 @@ constexpr Prefetch kStagingPrefetch{4096, 1};
 #if defined(__x86_64__) && defined(__GNUC__)
 namespace detail {
 template <int Locality>
-__attribute__((target("avx512f"))) inline void copy_nt_wide_ahead(char* dst, const char* src, size_t n,
-                                                                  size_t ahead) {
+__attribute__((target("avx512f"))) inline void copy_nt_wide_ahead(char* dst, const char* src, size_t n, size_t ahead) {
     // The first `ahead` bytes are asked for at once, then each line `ahead` bytes before its copy;
     // nothing past the source's end.
     for (size_t j = 0; j < ahead && j < n; j += 64) __builtin_prefetch(src + j, 0, Locality);
@@ -81,16 +80,26 @@ __attribute__((target("avx512f"))) inline void copy_nt_wide_ahead(char* dst, con
 inline void copy_nt_wide(char* dst, const char* src, size_t n, Prefetch pf = {}) {
     if (pf.ahead == 0) return detail::copy_nt_wide_ahead<3>(dst, src, n, 0);
     switch (pf.locality) {
-        case 0: return detail::copy_nt_wide_ahead<0>(dst, src, n, pf.ahead);
-        case 1: return detail::copy_nt_wide_ahead<1>(dst, src, n, pf.ahead);
-        case 2: return detail::copy_nt_wide_ahead<2>(dst, src, n, pf.ahead);
-        default: return detail::copy_nt_wide_ahead<3>(dst, src, n, pf.ahead);
+        case 0:
+            return detail::copy_nt_wide_ahead<0>(dst, src, n, pf.ahead);
+        case 1:
+            return detail::copy_nt_wide_ahead<1>(dst, src, n, pf.ahead);
+        case 2:
+            return detail::copy_nt_wide_ahead<2>(dst, src, n, pf.ahead);
+        default:
+            return detail::copy_nt_wide_ahead<3>(dst, src, n, pf.ahead);
     }
 }
-inline bool copy_nt_wide_supported() { return __builtin_cpu_supports("avx512f"); }
+inline bool copy_nt_wide_supported() {
+    return __builtin_cpu_supports("avx512f");
+}
 #else
-inline void copy_nt_wide(char* dst, const char* src, size_t n, Prefetch = {}) { copy_nt(dst, src, n); }
-inline bool copy_nt_wide_supported() { return false; }
+inline void copy_nt_wide(char* dst, const char* src, size_t n, Prefetch = {}) {
+    copy_nt(dst, src, n);
+}
+inline bool copy_nt_wide_supported() {
+    return false;
+}
 #endif
 
 }  // namespace expcache

@@ -141,7 +141,8 @@ private:
 class CudaBackend final : public StagingBackend {
 public:
     CudaBackend(int device, const StagingConfig& staging)
-        : StagingBackend(staging, std::unique_ptr<StagingRing::Transport>(new CudaTransport(device))), device_(device) {}
+        : StagingBackend(staging, std::unique_ptr<StagingRing::Transport>(new CudaTransport(device))),
+          device_(device) {}
     ~CudaBackend() override {
         enter();
         release_staging();
@@ -250,7 +251,8 @@ public:
         return StagingBackend::copy_h2d_batch(copies, n);
     }
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
-        EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+        EXPCACHE_CUDA_TRY(
+            cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
     expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) override {
@@ -275,7 +277,9 @@ public:
     }
     bool is_ready_event(const void* event) const override { return event == nullptr || event == ready_event_; }
     expcache_status_t wait_ready(void* event, void* stream) override {
-        if (event) EXPCACHE_CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+        if (event)
+            EXPCACHE_CUDA_TRY(
+                cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
         return EXPCACHE_OK;
     }
     expcache_status_t mark(int i, void* stream) override {
@@ -294,6 +298,7 @@ public:
         EXPCACHE_CUDA_TRY(cudaDeviceSynchronize());
         return EXPCACHE_OK;
     }
+
 private:
     struct Deferred {
         void* ptr;
@@ -318,8 +323,8 @@ expcache_status_t make_cuda_backend(int device, const StagingConfig& staging, st
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
         cudaGetLastError();
-        return fail(EXPCACHE_ERR_UNSUPPORTED, "no usable CUDA device: cudaGetDeviceCount: %s (%s)",
-                    cudaGetErrorName(e), cudaGetErrorString(e));
+        return fail(EXPCACHE_ERR_UNSUPPORTED, "no usable CUDA device: cudaGetDeviceCount: %s (%s)", cudaGetErrorName(e),
+                    cudaGetErrorString(e));
     }
     if (device < 0 || device >= count)
         return fail(EXPCACHE_ERR_UNSUPPORTED, "CUDA device %d not present (%d device(s))", device, count);

@@ -30,16 +30,15 @@ inline bool is_sticky(cudaError_t e) {
 inline expcache_status_t cuda_fail(cudaError_t e, const char* what) {
     cudaGetLastError();  // clear a non-sticky error so it does not leak into the caller's next check
     if (e == cudaErrorMemoryAllocation)
-        return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY, "%s: %s (%s)", what, cudaGetErrorName(e),
-                    cudaGetErrorString(e));
-    return fail(is_sticky(e) ? EXPCACHE_ERR_POISONED : EXPCACHE_ERR_CUDA, "%s: %s (%s)", what,
-                cudaGetErrorName(e), cudaGetErrorString(e));
+        return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+    return fail(is_sticky(e) ? EXPCACHE_ERR_POISONED : EXPCACHE_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(e),
+                cudaGetErrorString(e));
 }
 
-#define EXPCACHE_CUDA_TRY(call)                                  \
-    do {                                                         \
-        cudaError_t e_ = (call);                                 \
-        if (e_ != cudaSuccess) return cuda_fail(e_, #call);      \
+#define EXPCACHE_CUDA_TRY(call)                             \
+    do {                                                    \
+        cudaError_t e_ = (call);                            \
+        if (e_ != cudaSuccess) return cuda_fail(e_, #call); \
     } while (0)
 
 }  // namespace expcache

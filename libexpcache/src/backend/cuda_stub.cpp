@@ -12,7 +12,11 @@ expcache_status_t make_cuda_backend(int, const StagingConfig&, std::unique_ptr<S
 }
 
 // Never called: the CUDA backend is refused first.
-std::unique_ptr<TestKernels> make_cuda_kernels(int) { return make_host_kernels(); }
-std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int) { return make_host_lookup_kernels(); }
+std::unique_ptr<TestKernels> make_cuda_kernels(int) {
+    return make_host_kernels();
+}
+std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int) {
+    return make_host_lookup_kernels();
+}
 
 }  // namespace expcache

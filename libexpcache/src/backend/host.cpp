@@ -104,6 +104,7 @@ public:
     expcache_status_t fence(void*, void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_stream(void*) override { return EXPCACHE_OK; }
     expcache_status_t sync_device() override { return EXPCACHE_OK; }
+
 private:
     uint64_t capacity_;
     uint64_t used_ = 0;

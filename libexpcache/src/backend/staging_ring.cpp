@@ -58,16 +58,24 @@ void StagingRing::sleep_until(std::atomic<unsigned>& sleepers, std::condition_va
 
 void StagingRing::wake(std::atomic<unsigned>& sleepers, std::condition_variable& cv) {
     if (sleepers.load() == 0) return;
-    { std::lock_guard<std::mutex> lock(mu_); }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+    }
     cv.notify_all();
 }
 
 StagingRing::StagingRing(Transport& transport, unsigned copy_threads, uint64_t ring_bytes, uint64_t chunk_bytes,
                          const StagingTuning& tuning)
-    : transport_(transport), ring_bytes_(ring_bytes), chunk_(chunk_bytes),
-      num_threads_(copy_threads > 0 ? copy_threads - 1 : 0), nt_max_(tuning.nt_max_bytes),
-      bounce_(tuning.file_bounce), coalesce_(tuning.coalesce_bytes), min_pieces_(tuning.min_pieces),
-      wide_(tuning.wide_stores && copy_nt_wide_supported()), prefetch_(tuning.prefetch),
+    : transport_(transport),
+      ring_bytes_(ring_bytes),
+      chunk_(chunk_bytes),
+      num_threads_(copy_threads > 0 ? copy_threads - 1 : 0),
+      nt_max_(tuning.nt_max_bytes),
+      bounce_(tuning.file_bounce),
+      coalesce_(tuning.coalesce_bytes),
+      min_pieces_(tuning.min_pieces),
+      wide_(tuning.wide_stores && copy_nt_wide_supported()),
+      prefetch_(tuning.prefetch),
       short_pieces_(tuning.short_pieces) {
     // Poll 1 ms when every worker and the caller have a core of their own (0: unknown).
     unsigned cores = usable_cores();
@@ -380,10 +388,10 @@ void StagingRing::fill_next(uint64_t seq, std::unique_ptr<char[]>& bounce, unsig
     // Nothing may escape a worker thread (std::terminate): an allocation failure while
     // formatting an error message becomes a status too.
     try {
-        c.status = drop       ? EXPCACHE_OK
-                   : injected ? fail(EXPCACHE_ERR_CUDA, "injected staging failure (piece %llu)",
-                                     (unsigned long long)job.seq)
-                              : fill(job, c, bounce);
+        c.status = drop ? EXPCACHE_OK
+                   : injected
+                       ? fail(EXPCACHE_ERR_CUDA, "injected staging failure (piece %llu)", (unsigned long long)job.seq)
+                       : fill(job, c, bounce);
         c.message = c.status == EXPCACHE_OK ? std::string() : std::string(last_error());
     } catch (...) {
         c.status = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;

@@ -3,9 +3,9 @@
 // and queued; worker threads each fill whole chunks (a copy with non-temporal
 // stores, or pread) while the calling thread hands the filled ones to the link
 // in order, several at a time while the link is busy, so chunk i crosses the
-// link while chunks i+1.. are being filled, across every expert of the call. Only the calling thread talks to the link: worker threads never
-// contend with it for the driver's locks. A chunk is refilled only after the
-// transfer that read it has finished.
+// link while chunks i+1.. are being filled, across every expert of the call. Only the calling thread talks to the link:
+// worker threads never contend with it for the driver's locks. A chunk is refilled only after the transfer that read it
+// has finished.
 //
 // The ring knows nothing of CUDA: a Transport allocates the chunks and moves
 // them (cudaMemcpyAsync and an event on the CUDA backend, a memcpy on the host
@@ -54,7 +54,10 @@ public:
         virtual expcache_status_t wait(void* marker) = 0;
         // Whether the transfer behind `marker` has finished (or failed: wait() says how),
         // without blocking. By default true: a transport whose sends complete as they are made.
-        virtual bool done(void* marker) { (void)marker; return true; }
+        virtual bool done(void* marker) {
+            (void)marker;
+            return true;
+        }
         // Run once on each worker thread before its first job.
         virtual void thread_start() {}
     };
@@ -105,25 +108,25 @@ public:
 private:
     struct Job {
         char* dst;
-        const char* src;          // pageable source, or nullptr for a file
+        const char* src;  // pageable source, or nullptr for a file
         const SourceFile* file;
-        uint64_t offset;          // file offset
+        uint64_t offset;  // file offset
         uint64_t n;
         void* stream;
-        uint64_t seq;             // this job uses chunk seq % chunks
+        uint64_t seq;  // this job uses chunk seq % chunks
     };
     struct Chunk {
         void* host = nullptr;
         void* marker = nullptr;
-        bool sent = false;        // a transfer out of it may still be reading it
+        bool sent = false;              // a transfer out of it may still be reading it
         std::atomic<uint64_t> turn{0};  // the seq of the job allowed to fill it next
         // Written by the job's filler before `filled` is released, read by the sender after.
         Job job{};
-        uint64_t delta = 0;       // the job's bytes start at host + delta
+        uint64_t delta = 0;  // the job's bytes start at host + delta
         expcache_status_t status = EXPCACHE_OK;
         bool dropped = false;
         std::string message;
-        uint64_t filled_ns = 0;   // when it was filled (now_ns), written before `filled`
+        uint64_t filled_ns = 0;           // when it was filled (now_ns), written before `filled`
         std::atomic<uint64_t> filled{0};  // seq + 1 of the last job done filling it
     };
 
@@ -165,14 +168,14 @@ private:
     unsigned num_threads_;
     unsigned spin_us_ = 0;
     // The knobs (StagingTuning says what each sets).
-    uint64_t nt_max_;               // see fill()
-    bool bounce_;                   // see fill()
-    uint64_t coalesce_;             // a quarter of the ring at most (see send_round())
-    uint64_t min_pieces_;           // see queue()
-    bool wide_;                     // and the CPU has AVX-512: copy_nt_wide, else copy_nt (see stream_copy())
-    Prefetch prefetch_;             // copy_nt_wide's (see stream_copy())
-    uint64_t short_pieces_;         // see queue()
-    void* last_marker_ = nullptr;   // the caller's: the marker of the last piece sent
+    uint64_t nt_max_;                        // see fill()
+    bool bounce_;                            // see fill()
+    uint64_t coalesce_;                      // a quarter of the ring at most (see send_round())
+    uint64_t min_pieces_;                    // see queue()
+    bool wide_;                              // and the CPU has AVX-512: copy_nt_wide, else copy_nt (see stream_copy())
+    Prefetch prefetch_;                      // copy_nt_wide's (see stream_copy())
+    uint64_t short_pieces_;                  // see queue()
+    void* last_marker_ = nullptr;            // the caller's: the marker of the last piece sent
     std::unique_ptr<char[]> caller_bounce_;  // the caller's bounce buffer
     std::vector<std::thread> threads_;
     std::unique_ptr<Chunk[]> chunks_;
@@ -190,31 +193,31 @@ private:
     std::unique_ptr<Slot[]> slots_;
     alignas(64) std::atomic<uint64_t> published_{0};
     alignas(64) std::atomic<uint64_t> taken_{0};
-    alignas(64) uint64_t next_seq_ = 0;  // the caller's: seq of the next job queued
-    uint64_t next_send_ = 0;      // the caller's: seq of the next job to send
-    bool in_call_ = false;        // the caller's: pieces were queued since the last finish()
-    uint64_t call_first_ = 0;     // the caller's: the first piece of this call
+    alignas(64) uint64_t next_seq_ = 0;            // the caller's: seq of the next job queued
+    uint64_t next_send_ = 0;                       // the caller's: seq of the next job to send
+    bool in_call_ = false;                         // the caller's: pieces were queued since the last finish()
+    uint64_t call_first_ = 0;                      // the caller's: the first piece of this call
     expcache_status_t call_status_ = EXPCACHE_OK;  // the caller's: this call's first failure
     std::string call_message_;
     // Threads sleeping on work_, turn_ and filled_; each counts itself before it checks under
     // mu_, and the thread that makes the condition true takes mu_ before it notifies.
     std::atomic<unsigned> sleepers_{0}, turn_waiters_{0}, filled_waiters_{0};
-    std::atomic<bool> dropping_{false}; // a job of this batch failed: skip filling the rest
+    std::atomic<bool> dropping_{false};  // a job of this batch failed: skip filling the rest
     std::atomic<bool> stop_{false};
     // Counters: the caller's, and (atomic) those any filling thread adds to.
     uint64_t calls_ = 0, pieces_ = 0, bytes_ = 0, sends_ = 0, caller_fills_ = 0, wait_ns_ = 0, send_ns_ = 0;
     uint64_t span_ns_ = 0, first_fill_ns_ = 0;
-    uint64_t batch_start_ns_ = 0;  // the caller's: when the first piece of this batch was queued
+    uint64_t batch_start_ns_ = 0;       // the caller's: when the first piece of this batch was queued
     Transport::Send batch_[kMaxBatch];  // the caller's: the pieces of one send_batch
     std::atomic<uint64_t> fill_ns_{0}, chunk_waits_{0}, chunk_wait_ns_{0};
     uint64_t inject_from_ = 0, inject_until_ = 0;  // pieces that fail (set between batches)
-    std::string trace_path_;                 // empty: no trace
-    uint64_t trace_origin_ = 0;              // now_ns() when the ring was made
+    std::string trace_path_;                       // empty: no trace
+    uint64_t trace_origin_ = 0;                    // now_ns() when the ring was made
     // By seq. call, bytes and queued are written by the caller before the piece is queued; taken,
     // filled and filler by its filler before `filled` is released; sent and send by the caller
     // after that.
     std::vector<TracePiece> trace_pieces_;
-    std::vector<TraceCall> trace_calls_;     // the caller's
+    std::vector<TraceCall> trace_calls_;  // the caller's
 };
 
 }  // namespace expcache

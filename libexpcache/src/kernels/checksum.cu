@@ -106,7 +106,10 @@ __global__ void checksum_kernel(const __grid_constant__ Params prm) {
     uint64_t block = blockIdx.x;
     while (hi - lo > 1) {
         uint32_t mid = (lo + hi) / 2;
-        if (jobs[mid].first_block <= block) lo = mid; else hi = mid;
+        if (jobs[mid].first_block <= block)
+            lo = mid;
+        else
+            hi = mid;
     }
     const DeviceJob job = jobs[lo];
     uint64_t begin = (block - job.first_block) * kChunkBytes;
@@ -142,7 +145,9 @@ __global__ void bank_checksum_kernel(const __grid_constant__ BankParams prm) {
 
 }  // namespace
 
-ChecksumScratch::~ChecksumScratch() { release(); }
+ChecksumScratch::~ChecksumScratch() {
+    release();
+}
 
 void ChecksumScratch::release() {
     if (jobs_dev_) cudaFree(jobs_dev_);

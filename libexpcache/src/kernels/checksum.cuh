@@ -29,13 +29,13 @@ public:
 
 private:
     cudaError_t reserve(uint32_t num_jobs, uint32_t num_sums, uint64_t results);
-    void* jobs_dev_ = nullptr;         // device job table (large calls only)
-    void* jobs_host_ = nullptr;        // pinned staging of that table
+    void* jobs_dev_ = nullptr;            // device job table (large calls only)
+    void* jobs_host_ = nullptr;           // pinned staging of that table
     cudaEvent_t table_copied_ = nullptr;  // the table's copy has run: jobs_host_ may be rewritten
     bool table_pending_ = false;
-    unsigned long long* sums_ = nullptr;      // zeroed accumulators
-    unsigned int* counter_ = nullptr;         // blocks finished
-    unsigned long long* results_ = nullptr;   // mapped pinned result slots
+    unsigned long long* sums_ = nullptr;     // zeroed accumulators
+    unsigned int* counter_ = nullptr;        // blocks finished
+    unsigned long long* results_ = nullptr;  // mapped pinned result slots
     uint32_t jobs_cap_ = 0, sums_cap_ = 0;
     uint64_t results_cap_ = 0;
 };

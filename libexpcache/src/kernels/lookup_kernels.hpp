@@ -54,7 +54,7 @@ struct DeviceClass {
     uint64_t* stamp;       // [cap] its stamp (0 free): the least evictable one is the LRU victim
     uint8_t* pin;          // [cap] 1: a batch holds it, never evicted
     DeviceCounters* counters;
-    DeviceMiss* misses;    // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
+    DeviceMiss* misses;  // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
     uint32_t* miss_count;
     uint32_t cap;  // < 2^31
     unsigned char* bank;
@@ -71,13 +71,13 @@ struct DeviceSelectArgs {
     uint32_t layer;
     uint32_t key_base;
     uint32_t num_experts;
-    uint32_t aligned;              // 1: every source part address and size is a multiple of 16
-    const unsigned char* src[3];   // the layer's parts, as the GPU reads them (mapped pinned memory)
+    uint32_t aligned;             // 1: every source part address and size is a multiple of 16
+    const unsigned char* src[3];  // the layer's parts, as the GPU reads them (mapped pinned memory)
     uint64_t src_stride[3];
     uint64_t part_bytes[3];
     DeviceClass cls;
-    uint64_t* clock;               // the stamp clock: each select takes kStampsPerSelect stamps
-    int32_t* slot_of_key;          // [keys] the slot holding each key, -1 none
+    uint64_t* clock;       // the stamp clock: each select takes kStampsPerSelect stamps
+    int32_t* slot_of_key;  // [keys] the slot holding each key, -1 none
     DeviceError* error;
 };
 

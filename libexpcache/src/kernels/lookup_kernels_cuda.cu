@@ -10,7 +10,7 @@ namespace {
 
 constexpr int kLookupThreads = 256;
 constexpr int kCopyThreads = 256;  // one block of these per SM: the link's rate (benchmarks/c/copy_methods.cu)
-constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread: mapped reads cross PCIe
+constexpr int kCopyUnroll = 4;     // 16-byte loads in flight per thread: mapped reads cross PCIe
 
 // A candidate victim: the least stamp, then the least slot; slot -1 is none.
 struct Candidate {
@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
         hits = misses = evictions = 0;
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
-        const int64_t id = a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i]
-                                           : static_cast<const int32_t*>(a.ids)[i];
+        const int64_t id =
+            a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
         if (id < 0 || id >= static_cast<int64_t>(a.num_experts)) {
             if (atomicCAS(&a.error->set, 0u, 1u) == 0u) {
                 a.error->layer = a.layer;
@@ -226,7 +226,8 @@ public:
         if (attr.type != cudaMemoryTypeHost || attr.devicePointer == nullptr)
             return fail(EXPCACHE_ERR_UNSUPPORTED,
                         "%p is not pinned host memory the GPU can map (cudaHostAlloc, cudaMallocHost or "
-                        "cudaHostRegister make it so)", host);
+                        "cudaHostRegister make it so)",
+                        host);
         *out = static_cast<const unsigned char*>(attr.devicePointer);
         return EXPCACHE_OK;
     }

@@ -31,8 +31,8 @@ private:
         first_.resize(a.count);
         // Ids to keys; each id's first occurrence in the call.
         for (uint32_t i = 0; i < a.count; ++i) {
-            const int64_t id = a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i]
-                                               : static_cast<const int32_t*>(a.ids)[i];
+            const int64_t id =
+                a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
             if (id < 0 || id >= static_cast<int64_t>(a.num_experts)) {
                 if (!a.error->set) *a.error = DeviceError{1, a.layer, i, 0, id};
                 keys_[i] = UINT32_MAX;
@@ -63,7 +63,8 @@ private:
             if (first_[i] != i || key == UINT32_MAX || a.slot_of_key[key] >= 0) continue;
             int32_t v = -1;
             for (uint32_t s = 0; s < c.cap; ++s)
-                if (evictable(c.stamp[s], c.pin[s], base) && (v < 0 || c.stamp[s] < c.stamp[v])) v = static_cast<int32_t>(s);
+                if (evictable(c.stamp[s], c.pin[s], base) && (v < 0 || c.stamp[s] < c.stamp[v]))
+                    v = static_cast<int32_t>(s);
             if (v < 0) continue;  // every slot pinned or used (the host checked n*k fits)
             if (c.key_of_slot[v] >= 0) {
                 a.slot_of_key[c.key_of_slot[v]] = -1;

@@ -66,6 +66,8 @@ private:
 
 }  // namespace
 
-std::unique_ptr<TestKernels> make_host_kernels() { return std::unique_ptr<TestKernels>(new HostKernels()); }
+std::unique_ptr<TestKernels> make_host_kernels() {
+    return std::unique_ptr<TestKernels>(new HostKernels());
+}
 
 }  // namespace expcache

@@ -18,7 +18,9 @@ namespace {
 
 constexpr int32_t kLimit = 64;  // the counter runs in [-kLimit, kLimit - 1]: its hysteresis
 
-bool any_slot(const void*, int32_t) { return true; }
+bool any_slot(const void*, int32_t) {
+    return true;
+}
 
 // A cache of keys only, ordered by `policy` over slots of its own; it evicts when it holds `room`.
 class Shadow {
@@ -58,7 +60,9 @@ private:
 class DuelPolicy final : public Policy {
 public:
     DuelPolicy()
-        : lru_(make_lru_policy()), opp_(make_oppclass_policy()), shadow_lru_(make_lru_policy()),
+        : lru_(make_lru_policy()),
+          opp_(make_oppclass_policy()),
+          shadow_lru_(make_lru_policy()),
           shadow_opp_(make_oppclass_policy()) {}
 
     void resize(int32_t n) override {
@@ -124,13 +128,15 @@ private:
 
     std::unique_ptr<Policy> lru_, opp_;  // both order the real slots
     Shadow shadow_lru_, shadow_opp_;
-    std::vector<uint32_t> key_;          // per slot
-    int32_t resident_ = 0, room_ = 0;    // slots held now, most held at once (the shadows' size)
-    int32_t psel_ = 0;                   // >= 0: OppClassLRU's victims go
+    std::vector<uint32_t> key_;        // per slot
+    int32_t resident_ = 0, room_ = 0;  // slots held now, most held at once (the shadows' size)
+    int32_t psel_ = 0;                 // >= 0: OppClassLRU's victims go
 };
 
 }  // namespace
 
-std::unique_ptr<Policy> make_duel_policy() { return std::unique_ptr<Policy>(new DuelPolicy()); }
+std::unique_ptr<Policy> make_duel_policy() {
+    return std::unique_ptr<Policy>(new DuelPolicy());
+}
 
 }  // namespace expcache

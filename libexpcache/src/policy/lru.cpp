@@ -11,8 +11,10 @@ class LruPolicy final : public Policy {
 public:
     void resize(int32_t n) override { list_.resize(n); }
     void on_insert(int32_t slot, bool cold, uint32_t) override {
-        if (cold) list_.push_front(0, slot);  // prefill appends go first
-        else list_.push_back(0, slot);
+        if (cold)
+            list_.push_front(0, slot);  // prefill appends go first
+        else
+            list_.push_back(0, slot);
     }
     void on_hit(int32_t slot) override {
         list_.unlink(slot);
@@ -35,6 +37,8 @@ private:
 
 }  // namespace
 
-std::unique_ptr<Policy> make_lru_policy() { return std::unique_ptr<Policy>(new LruPolicy()); }
+std::unique_ptr<Policy> make_lru_policy() {
+    return std::unique_ptr<Policy>(new LruPolicy());
+}
 
 }  // namespace expcache

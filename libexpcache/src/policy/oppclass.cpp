@@ -16,12 +16,12 @@ namespace expcache {
 
 namespace {
 
-constexpr int kClasses = 16;              // counts >= 1.3^15 share the last class
-constexpr double kHalfLife = 64.0;        // tokens
-constexpr double kBase = 1.3;             // class k holds counts in [1.3^k, 1.3^(k+1))
-constexpr double kWeight = 1.6;           // one class is worth a factor 1.6 of age
-constexpr double kOffset = 1.0;           // added to the age
-constexpr int32_t kNever = -(1 << 30);    // last-use token of a cold (prefill) insert
+constexpr int kClasses = 16;            // counts >= 1.3^15 share the last class
+constexpr double kHalfLife = 64.0;      // tokens
+constexpr double kBase = 1.3;           // class k holds counts in [1.3^k, 1.3^(k+1))
+constexpr double kWeight = 1.6;         // one class is worth a factor 1.6 of age
+constexpr double kOffset = 1.0;         // added to the age
+constexpr int32_t kNever = -(1 << 30);  // last-use token of a cold (prefill) insert
 
 class OppClassPolicy final : public Policy {
 public:
@@ -111,22 +111,26 @@ private:
         tok_[slot] = token;
         pos_[slot] = pos;
         cls_[slot] = k;
-        if (hot) lists_.push_back(k, slot);
-        else lists_.push_front(k, slot);
+        if (hot)
+            lists_.push_back(k, slot);
+        else
+            lists_.push_front(k, slot);
     }
 
     double log_base_;
     double scale_[kClasses];
     PolicyClock clock_;
-    std::vector<double> count_, time_;               // per key: decayed count, time of last use
-    std::vector<uint32_t> key_;                       // per slot
-    std::vector<int32_t> tok_, pos_;                  // per slot: token and layer position of last use
-    std::vector<int> cls_;                            // per slot: its list
-    IntrusiveLists lists_{kClasses};                  // one list per class, cold end first
+    std::vector<double> count_, time_;  // per key: decayed count, time of last use
+    std::vector<uint32_t> key_;         // per slot
+    std::vector<int32_t> tok_, pos_;    // per slot: token and layer position of last use
+    std::vector<int> cls_;              // per slot: its list
+    IntrusiveLists lists_{kClasses};    // one list per class, cold end first
 };
 
 }  // namespace
 
-std::unique_ptr<Policy> make_oppclass_policy() { return std::unique_ptr<Policy>(new OppClassPolicy()); }
+std::unique_ptr<Policy> make_oppclass_policy() {
+    return std::unique_ptr<Policy>(new OppClassPolicy());
+}
 
 }  // namespace expcache

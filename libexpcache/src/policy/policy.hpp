@@ -48,8 +48,8 @@ public:
 };
 
 // The policy table (registry.cpp), by EXPCACHE_POLICY_* id.
-const char* policy_name(uint32_t id);            // nullptr for an unknown id
-std::string policy_list();                       // "0 lru, 1 oppclass", for messages
+const char* policy_name(uint32_t id);              // nullptr for an unknown id
+std::string policy_list();                         // "0 lru, 1 oppclass", for messages
 std::unique_ptr<Policy> make_policy(uint32_t id);  // a known id (config.cpp checked it)
 
 }  // namespace expcache

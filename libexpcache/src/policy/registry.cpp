@@ -43,7 +43,9 @@ static_assert(rows_are_ids(), "row i of kPolicies must be EXPCACHE_POLICY_* id i
 
 }  // namespace
 
-const char* policy_name(uint32_t id) { return id < kCount ? kPolicies[id].name : nullptr; }
+const char* policy_name(uint32_t id) {
+    return id < kCount ? kPolicies[id].name : nullptr;
+}
 
 std::string policy_list() {
     std::string out;

@@ -41,8 +41,15 @@ import importlib
 from ..options import UsageError
 
 # Mode name -> its module, in the order the help lists them. Defined here only.
-_MODULES = {"variants": "variants", "engine": "engine", "torch": "torch_loop", "graph": "graph_loop",
-            "devices": "devices", "curve": "curve", "transfer": "transfer"}
+_MODULES = {
+    "variants": "variants",
+    "engine": "engine",
+    "torch": "torch_loop",
+    "graph": "graph_loop",
+    "devices": "devices",
+    "curve": "curve",
+    "transfer": "transfer",
+}
 NAMES = tuple(_MODULES)
 # The flag spelling, `expcache bench [options]`: the modes its options can choose, the one it
 # runs when they choose none, and which wins when options of several are given.
@@ -84,7 +91,9 @@ def choose(args):
     for option in flag_options():
         if option.given(args) and option not in own:
             owner = next(by_name(n) for n in FLAG_MODES if option in by_name(n).OPTIONS + by_name(n).SELECTED_BY)
-            raise UsageError(f"the {chosen.TITLE}{f' ({by.spelled_for(chosen.NAME)})' if by else ''} {chosen.RUNS}: drop the "
-                             f"{owner.TITLE}'s {option.flags[0]}, or run the {owner.TITLE} (expcache bench "
-                             f"{owner.NAME})")
+            raise UsageError(
+                f"the {chosen.TITLE}{f' ({by.spelled_for(chosen.NAME)})' if by else ''} {chosen.RUNS}: drop the "
+                f"{owner.TITLE}'s {option.flags[0]}, or run the {owner.TITLE} (expcache bench "
+                f"{owner.NAME})"
+            )
     return chosen

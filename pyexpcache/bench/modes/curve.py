@@ -20,9 +20,11 @@ from ..workload import Workload, build_workload, trace_label
 NAME = "curve"
 TITLE = "hit-rate curve"
 HELP = "hit rate against budget for each of the library's policies and Belady, from the simulator (no device)"
-DESCRIPTION = ("Hit rate against budget for each of the library's eviction policies (its default first) and "
-               "Belady's MIN over the decode traces, from the offline simulator: no cache and no device; --plot "
-               "draws it.")
+DESCRIPTION = (
+    "Hit rate against budget for each of the library's eviction policies (its default first) and "
+    "Belady's MIN over the decode traces, from the offline simulator: no cache and no device; --plot "
+    "draws it."
+)
 RUNS = "simulates the decode traces"
 USES_BENCH = False
 OPTIONS = (LAYOUT, LAYERS, TRACES, TOP_K, PLOT) + OUTPUT
@@ -38,8 +40,9 @@ class CurvePoint:
     belady: float = float("nan")  # nan where the workload has prefill batches
 
 
-def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[float],
-                   policies: Optional[Sequence[str]] = None) -> dict:
+def hit_rate_curve(
+    workload: Workload, layout: ModelLayout, fractions: Sequence[float], policies: Optional[Sequence[str]] = None
+) -> dict:
     """Hit rates at fractions of each class's experts: ``{"fraction": [...], "policies": {name:
     [...]}, "belady": [...], "default": name}``, a list per policy of ``policies`` (default: the
     library's, :func:`~pyexpcache.bench.modes.variants.policy_variants`), each by its simulator twin,
@@ -52,15 +55,21 @@ def hit_rate_curve(workload: Workload, layout: ModelLayout, fractions: Sequence[
     keys = list(layout.classes())
     layer_class = [keys.index(s.class_key) if s else 0 for s in layout.layers]
     sizes = [sum(layout[i].num_experts for i in layers) for layers in layout.classes().values()]
-    out = {"fraction": list(fractions), "policies": {name: [] for name in policies}, "belady": [],
-           "default": _lib.DEFAULT_POLICY if _lib.DEFAULT_POLICY in policies else None}
+    out = {
+        "fraction": list(fractions),
+        "policies": {name: [] for name in policies},
+        "belady": [],
+        "default": _lib.DEFAULT_POLICY if _lib.DEFAULT_POLICY in policies else None,
+    }
     for f in fractions:
         caps = [int(f * n) for n in sizes]
         for name, rates in out["policies"].items():
-            rates.append(simulate_policy(workload.calls, caps, layer_class, policy=name,
-                                         layers=layout.moe_layers).hit_rate)
-        out["belady"].append(simulate_belady(workload.calls, caps, layer_class).hit_rate
-                             if not workload.has_batches else float("nan"))
+            rates.append(
+                simulate_policy(workload.calls, caps, layer_class, policy=name, layers=layout.moe_layers).hit_rate
+            )
+        out["belady"].append(
+            simulate_belady(workload.calls, caps, layer_class).hit_rate if not workload.has_batches else float("nan")
+        )
     return out
 
 
@@ -83,8 +92,9 @@ def plot_curve(curve: dict, out, title: str, image_format: Optional[str] = None)
     fig, ax = plt.subplots(figsize=(6, 4))
     markers = "^ovD<>phx*"
     for i, (name, rates) in enumerate(curve["policies"].items()):
-        ax.plot(x, [100 * v for v in rates], f"{markers[i % len(markers)]}-",
-                label=policy_label(name, curve["default"]))
+        ax.plot(
+            x, [100 * v for v in rates], f"{markers[i % len(markers)]}-", label=policy_label(name, curve["default"])
+        )
     ax.plot(x, [100 * v for v in curve["belady"]], "s--", label="Belady (optimum)")
     ax.set_xlabel("experts cached (% of each class)")
     ax.set_ylabel("hit rate (%)")
@@ -112,16 +122,18 @@ def check_plot(args) -> None:
     from matplotlib.figure import Figure
 
     if image_format(path) not in Figure().canvas.get_supported_filetypes():
-        raise UsageError(f"--plot {path}: matplotlib writes no .{image_format(path)} files; name a .png, .svg or "
-                         ".pdf file")
+        raise UsageError(
+            f"--plot {path}: matplotlib writes no .{image_format(path)} files; name a .png, .svg or .pdf file"
+        )
 
 
 def _draw(curve: dict, layout: ModelLayout, workload: Workload, out) -> None:
     import io
 
     image = io.BytesIO()
-    plot_curve(curve, image, f"{layout.name}: {workload.decode_tokens} decode tokens",
-               image_format=image_format(out.path))
+    plot_curve(
+        curve, image, f"{layout.name}: {workload.decode_tokens} decode tokens", image_format=image_format(out.path)
+    )
     out.write(image.getvalue())
     print(f"wrote {out.path}", file=sys.stderr)
 
@@ -135,6 +147,7 @@ def write_plot(layout: ModelLayout, traces: Sequence[str], out) -> None:
 
 # -- the mode ---------------------------------------------------------------------------------
 
+
 def check(args) -> None:
     check_plot(args)
     options.synthetic_traces(args)
@@ -146,27 +159,42 @@ def run(bench, args) -> Iterator[Report]:
     workload = build_workload("decode", args.traces, layout.moe_layers, layout)
     curve = hit_rate_curve(workload, layout, FRACTIONS)
     names = list(curve["policies"])
-    yield Report(NAME, "hit rate against budget, offline simulator", layout=layout.name,
-                 traces=[trace_label(t) for t in args.traces],
-                 settings=dict(decode_tokens=workload.decode_tokens, policies=names, default_policy=curve["default"]),
-                 results=[CurvePoint(f, {n: curve["policies"][n][i] for n in names}, curve["belady"][i])
-                          for i, f in enumerate(curve["fraction"])],
-                 **made_by())
+    yield Report(
+        NAME,
+        "hit rate against budget, offline simulator",
+        layout=layout.name,
+        traces=[trace_label(t) for t in args.traces],
+        settings=dict(decode_tokens=workload.decode_tokens, policies=names, default_policy=curve["default"]),
+        results=[
+            CurvePoint(f, {n: curve["policies"][n][i] for n in names}, curve["belady"][i])
+            for i, f in enumerate(curve["fraction"])
+        ],
+        **made_by(),
+    )
     if args.outputs.get("plot"):
         _draw(curve, layout, workload, args.outputs["plot"])
 
 
 def describe(report: Report) -> list[str]:
-    return [f"{report.settings['decode_tokens']} decode tokens; capacity per size class, every policy at the same "
-            "capacities"]
+    return [
+        f"{report.settings['decode_tokens']} decode tokens; capacity per size class, every policy at the same "
+        "capacities"
+    ]
 
 
 def table(report: Report) -> str:
     from tabulate import tabulate
 
     names = report.settings["policies"]
-    rows = [[f"{100 * p.fraction:g} %"] + [f"{100 * p.hit_rates[n]:.1f} %" for n in names]
-            + [f"{100 * p.belady:.1f} %" if p.belady == p.belady else "—"] for p in report.results]
-    headers = (["experts cached (of each class)"] + [policy_label(n, report.settings["default_policy"]) for n in names]
-               + ["Belady"])
+    rows = [
+        [f"{100 * p.fraction:g} %"]
+        + [f"{100 * p.hit_rates[n]:.1f} %" for n in names]
+        + [f"{100 * p.belady:.1f} %" if p.belady == p.belady else "—"]
+        for p in report.results
+    ]
+    headers = (
+        ["experts cached (of each class)"]
+        + [policy_label(n, report.settings["default_policy"]) for n in names]
+        + ["Belady"]
+    )
     return tabulate(rows, headers=headers, disable_numparse=True)

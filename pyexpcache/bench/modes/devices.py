@@ -37,17 +37,28 @@ PLACEMENTS = ("balanced", "round-robin")
 NAME = "devices"
 TITLE = "several-devices run"
 HELP = "one device, one device at N times the budget, and N devices side by side"
-DESCRIPTION = ("Spread the experts over N devices: one device, one device at N times the budget, and N devices "
-               "side by side (decode scenario, the library's default policy; --budget-gib is each device's).")
+DESCRIPTION = (
+    "Spread the experts over N devices: one device, one device at N times the budget, and N devices "
+    "side by side (decode scenario, the library's default policy; --budget-gib is each device's)."
+)
 RUNS = "replays the decode scenario, waiting after every layer, with the library's default policy"
 USES_BENCH = True
 
-DEVICES = Option("--devices", type=int, default=None, metavar="N",
-                 help="spread the experts over N devices (2..64; the host backend emulates them; with fewer GPUs "
-                      "than N the caches share a GPU and its link)")
-DEVICE_PLACEMENT = Option("--device-placement", choices=PLACEMENTS, default="balanced",
-                          help="which device owns each expert: balanced by the replayed traces' request counts "
-                               "(default), or expert e on device e mod N")
+DEVICES = Option(
+    "--devices",
+    type=int,
+    default=None,
+    metavar="N",
+    help="spread the experts over N devices (2..64; the host backend emulates them; with fewer GPUs "
+    "than N the caches share a GPU and its link)",
+)
+DEVICE_PLACEMENT = Option(
+    "--device-placement",
+    choices=PLACEMENTS,
+    default="balanced",
+    help="which device owns each expert: balanced by the replayed traces' request counts "
+    "(default), or expert e on device e mod N",
+)
 OPTIONS = BENCH + (DEVICES, DEVICE_PLACEMENT) + OUTPUT
 SELECTED_BY = (DEVICES,)
 
@@ -75,8 +86,13 @@ class DevicesResult(DecodeRate):
     experts_checked: int = 0
     devices: list[DeviceRun] = field(default_factory=list)
 
-    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "link_bound_tokens_per_s", "share_of_bound", "hit_rate",
-                                          "bytes_per_token")
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "tokens_per_s",
+        "link_bound_tokens_per_s",
+        "share_of_bound",
+        "hit_rate",
+        "bytes_per_token",
+    )
 
     @property
     def link_bound_tokens_per_s(self) -> float:
@@ -123,8 +139,9 @@ def _fits(bench, device: int, nbytes: int) -> bool:
     return int(free) >= nbytes + reserve + (1 << 30)
 
 
-def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], workload, links: dict,
-                result: DevicesResult) -> None:
+def _replay_run(
+    bench, name: str, multi: MultiDeviceCache, streams: list[int], workload, links: dict, result: DevicesResult
+) -> None:
     from .. import replay as _replay
 
     calls, ids = workload.arrays()
@@ -132,7 +149,7 @@ def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], w
     owners = np.zeros((bench.layout.num_layers, bench.expected.shape[1]), np.uint8)
     for layer, own in enumerate(multi.placement.owners):
         if own is not None:
-            owners[layer, :own.size] = own
+            owners[layer, : own.size] = own
     call_bytes = np.zeros((len(calls), n), np.uint64)
     devs = (_replay.ReplayDevice * n)()
 
@@ -143,9 +160,20 @@ def _replay_run(bench, name: str, multi: MultiDeviceCache, streams: list[int], w
                 devs[d].cache = stack.enter_context(cache.raw_handle())
                 devs[d].stream = streams[d] or None
                 devs[d].max_classes = cache.max_classes
-            dll.expcache_replay_devices(ctypes.byref(api), devs, n, owners.ctypes.data, ctypes.addressof(calls),
-                                        len(calls), ids.ctypes.data, expected.ctypes.data, expected.shape[1],
-                                        progress, call_bytes.ctypes.data, ctypes.byref(out))
+            dll.expcache_replay_devices(
+                ctypes.byref(api),
+                devs,
+                n,
+                owners.ctypes.data,
+                ctypes.addressof(calls),
+                len(calls),
+                ids.ctypes.data,
+                expected.ctypes.data,
+                expected.shape[1],
+                progress,
+                call_bytes.ctypes.data,
+                ctypes.byref(out),
+            )
 
     out = bench.run_c_loop(name, loop)
     result.decode_seconds = out.decode_seconds
@@ -165,8 +193,14 @@ def link_bound_seconds(call_bytes: np.ndarray, devices: Sequence[int], links: di
     return float((per_link / np.array([links[g] for g in gpus])).max(axis=1).sum())
 
 
-def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRACES, placement: str = "balanced",
-                policy: Optional[str] = None) -> Report:
+def run_devices(
+    bench,
+    num_devices: int,
+    *,
+    traces: Sequence[str] = DEFAULT_TRACES,
+    placement: str = "balanced",
+    policy: Optional[str] = None,
+) -> Report:
     """One device at ``bench.budget_bytes``, one at ``num_devices`` times it where that fits, and
     ``num_devices`` devices at ``bench.budget_bytes`` each, every cache of ``policy`` (None: the
     library's default); see the module docstring."""
@@ -178,16 +212,21 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
     workload = decode_workload(loaded, bench.layout.moe_layers)
     measured = {dev: bench.measure_link(dev) for dev in sorted(set(devices))}
     links = {dev: link.bytes_per_s for dev, link in measured.items()}
-    report = Report("devices", f"decode over {num_devices} devices", **bench.report_header(),
-                    traces=[trace_label(t) for t in traces],
-                    link_bytes_per_s=links[bench.device], link_label=measured[bench.device].label,
-                    settings=dict(devices=devices, device_placement=placement,
-                                  shared_gpus=len(set(devices)) < num_devices))
+    report = Report(
+        "devices",
+        f"decode over {num_devices} devices",
+        **bench.report_header(),
+        traces=[trace_label(t) for t in traces],
+        link_bytes_per_s=links[bench.device],
+        link_label=measured[bench.device].label,
+        settings=dict(devices=devices, device_placement=placement, shared_gpus=len(set(devices)) < num_devices),
+    )
     # Each cache's budget: at divided sizes the one keeping the full-size run's slot counts.
-    runs = [("1 device", [bench.device], bench.budget_bytes),
-            (f"1 device, {num_devices}x budget", [bench.device],
-             bench.budget_for(num_devices * bench.full_budget_bytes)),
-            (f"{num_devices} devices", devices, bench.budget_bytes)]
+    runs = [
+        ("1 device", [bench.device], bench.budget_bytes),
+        (f"1 device, {num_devices}x budget", [bench.device], bench.budget_for(num_devices * bench.full_budget_bytes)),
+        (f"{num_devices} devices", devices, bench.budget_bytes),
+    ]
     streams: dict[int, int] = {bench.device: bench.stream}
     rt = _cuda.runtime() if bench.is_cuda else None
     try:
@@ -200,8 +239,9 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
                     streams[dev] = 0  # host backend: no streams
                 elif dev not in streams:
                     _cuda.check(rt.cudaSetDevice(dev), "cudaSetDevice")
-                    streams[dev] = int(_cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking),
-                                                   "cudaStreamCreate"))
+                    streams[dev] = int(
+                        _cuda.check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate")
+                    )
             if rt is not None:
                 _cuda.check(rt.cudaSetDevice(bench.device), "cudaSetDevice")
             place = _placement(bench.layout, len(devs), placement, workload.calls)
@@ -209,8 +249,17 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
             if bench.reserve_bytes is not None:
                 options.setdefault("reserve_bytes", bench.reserve_bytes)
             result = DevicesResult(name, len(devs), budget, decode_tokens=workload.decode_tokens)
-            with MultiDeviceCache(bench.layout, bench.source, devices=devs, placement=place, budget_bytes=budget,
-                                  backend=bench.backend, policy=policy, log_level=1, **options) as multi:
+            with MultiDeviceCache(
+                bench.layout,
+                bench.source,
+                devices=devs,
+                placement=place,
+                budget_bytes=budget,
+                backend=bench.backend,
+                policy=policy,
+                log_level=1,
+                **options,
+            ) as multi:
                 _replay_run(bench, name, multi, [streams[d] for d in devs], workload, links, result)
             report.results.append(result)
     finally:
@@ -221,6 +270,7 @@ def run_devices(bench, num_devices: int, *, traces: Sequence[str] = DEFAULT_TRAC
 
 
 # -- the mode ---------------------------------------------------------------------------------
+
 
 def check(args) -> None:
     if args.devices is None:
@@ -248,8 +298,10 @@ def describe(report: Report) -> list[str]:
         "summed over layers",
     ]
     if st["shared_gpus"]:
-        lines.append("fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
-                     "other links are not; the bound counts the shared link once)")
+        lines.append(
+            "fewer GPUs than devices: caches share a GPU and its link (the logic is exercised, the "
+            "other links are not; the bound counts the shared link once)"
+        )
     return lines
 
 
@@ -260,18 +312,38 @@ def table(report: Report) -> str:
     ref = report.results[0] if report.results else None
     rows = []
     for r in report.results:
-        per = "; ".join(f"#{i} ({d.device}): {100 * d.hit_rate:.1f} % / "
-                        f"{d.bytes_h2d / r.decode_tokens / (1 << 20):.1f} MiB / {share(r.link_busy(d))}"
-                        for i, d in enumerate(r.devices))
-        rows.append([
-            r.name, f"{r.budget_bytes * r.num_devices / (1 << 30):.2f}", f"{r.tokens_per_s:.2f}",
-            f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
-            f"{100 * r.hit_rate:.1f} %", f"{r.bytes_per_token / (1 << 20):.1f}",
-            f"{r.link_bound_tokens_per_s:.2f}", share(r.share_of_bound), per,
-            f"{r.checksum_errors} bad / {r.experts_checked}",
-        ])
-    return tabulate(rows, headers=["run", "GiB in all", timed(report, "decode tok/s"), timed(report, "vs 1 device"),
-                                   "hit rate", "MiB moved/token", timed(report, "link bound tok/s"),
-                                   timed(report, "of bound"),
-                                   "per device: hit rate / MiB per token / " + timed(report, "link busy"),
-                                   "checksums"], disable_numparse=True)
+        per = "; ".join(
+            f"#{i} ({d.device}): {100 * d.hit_rate:.1f} % / "
+            f"{d.bytes_h2d / r.decode_tokens / (1 << 20):.1f} MiB / {share(r.link_busy(d))}"
+            for i, d in enumerate(r.devices)
+        )
+        rows.append(
+            [
+                r.name,
+                f"{r.budget_bytes * r.num_devices / (1 << 30):.2f}",
+                f"{r.tokens_per_s:.2f}",
+                f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
+                f"{100 * r.hit_rate:.1f} %",
+                f"{r.bytes_per_token / (1 << 20):.1f}",
+                f"{r.link_bound_tokens_per_s:.2f}",
+                share(r.share_of_bound),
+                per,
+                f"{r.checksum_errors} bad / {r.experts_checked}",
+            ]
+        )
+    return tabulate(
+        rows,
+        headers=[
+            "run",
+            "GiB in all",
+            timed(report, "decode tok/s"),
+            timed(report, "vs 1 device"),
+            "hit rate",
+            "MiB moved/token",
+            timed(report, "link bound tok/s"),
+            timed(report, "of bound"),
+            "per device: hit rate / MiB per token / " + timed(report, "link busy"),
+            "checksums",
+        ],
+        disable_numparse=True,
+    )

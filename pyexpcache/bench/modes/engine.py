@@ -34,10 +34,12 @@ from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_labe
 NAME = "engine"
 TITLE = "engine model"
 HELP = "each layer as an engine runs it: non-expert work, prefetch or hints of predicted experts, the split select"
-DESCRIPTION = ("The decode traces as an engine runs them, through the C loop: before each layer's select, N µs of "
-               "non-expert work, and the advice for the layer (a prefetch, or hints, of the experts a predictor "
-               "expects) while the link would sit idle; each setting side by side with none in one run (decode "
-               "scenario, the library's default policy).")
+DESCRIPTION = (
+    "The decode traces as an engine runs them, through the C loop: before each layer's select, N µs of "
+    "non-expert work, and the advice for the layer (a prefetch, or hints, of the experts a predictor "
+    "expects) while the link would sit idle; each setting side by side with none in one run (decode "
+    "scenario, the library's default policy)."
+)
 RUNS = "replays the decode scenario, waiting after every layer, with the library's default policy"
 USES_BENCH = True
 
@@ -54,16 +56,30 @@ def _prefetch_specs(text: str) -> list[str]:
     return specs
 
 
-PREFETCH = Option("--prefetch", type=_prefetch_specs, default=None, metavar="SPECS",
-                  help="comma list of none, cooc (an online next-layer predictor learning only from earlier tokens) "
-                       "and oracle:R (simulated: knows each next-layer expert with probability R); each prefetches "
-                       "its predictions of the next layer while this one computes")
-PREFETCH_TOP = Option("--prefetch-top", type=int, default=6, metavar="K",
-                      help="experts each prediction names, most likely first (default 6; a layer takes at most 8)")
-HINTS = Option("--hints", action="store_true",
-               help="also run each --prefetch predictor as hints only (refresh resident experts, no copy)")
-SPLIT = Option("--split", action="store_true",
-               help="serve with the split select: the hits' work runs while the misses cross")
+PREFETCH = Option(
+    "--prefetch",
+    type=_prefetch_specs,
+    default=None,
+    metavar="SPECS",
+    help="comma list of none, cooc (an online next-layer predictor learning only from earlier tokens) "
+    "and oracle:R (simulated: knows each next-layer expert with probability R); each prefetches "
+    "its predictions of the next layer while this one computes",
+)
+PREFETCH_TOP = Option(
+    "--prefetch-top",
+    type=int,
+    default=6,
+    metavar="K",
+    help="experts each prediction names, most likely first (default 6; a layer takes at most 8)",
+)
+HINTS = Option(
+    "--hints",
+    action="store_true",
+    help="also run each --prefetch predictor as hints only (refresh resident experts, no copy)",
+)
+SPLIT = Option(
+    "--split", action="store_true", help="serve with the split select: the hits' work runs while the misses cross"
+)
 OPTIONS = BENCH + (LAYER_COMPUTE_US, PREFETCH, PREFETCH_TOP, HINTS, SPLIT) + OUTPUT
 SELECTED_BY = (LAYER_COMPUTE_US, PREFETCH, HINTS, SPLIT)  # any of them, in the flag spelling
 
@@ -72,7 +88,7 @@ SELECTED_BY = (LAYER_COMPUTE_US, PREFETCH, HINTS, SPLIT)  # any of them, in the 
 class Setting:
     """One way of running the engine: what its advice is and where it comes from."""
 
-    advice: str     # "none", "prefetch" or "hint"
+    advice: str  # "none", "prefetch" or "hint"
     predictor: str  # a predict spec: "none", "cooc", "oracle:R"
 
     @property
@@ -150,13 +166,21 @@ def advice_arrays(traces, layers: Sequence[int], spec: str, top: int, seed: int 
                 counts.append(len(row))
                 ids.extend(row.tolist())
                 total += len(row)
-    return (np.asarray(offsets, np.uint64), np.asarray(counts, np.uint32),
-            np.asarray(ids if ids else [0], np.uint32))
+    return (np.asarray(offsets, np.uint64), np.asarray(counts, np.uint32), np.asarray(ids if ids else [0], np.uint32))
 
 
-def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Sequence[str] = ("cooc",),
-               hints: bool = False, compute_us: float = 0.0, top: int = 6, split: bool = False,
-               policy: Optional[str] = None, seed: int = 0) -> Report:
+def run_engine(
+    bench,
+    *,
+    traces: Sequence[str] = DEFAULT_TRACES,
+    prefetch: Sequence[str] = ("cooc",),
+    hints: bool = False,
+    compute_us: float = 0.0,
+    top: int = 6,
+    split: bool = False,
+    policy: Optional[str] = None,
+    seed: int = 0,
+) -> Report:
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
     :class:`~pyexpcache.bench.bench.Bench`: its source, stream and budget), each with a new cache
     of ``policy`` (None: the library's default); see the module docstring."""
@@ -168,14 +192,22 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
     loaded = [decode_trace(name, bench.layout) for name in traces]  # parsed once, for the calls and the predictions
     for trace in loaded:
         if not trace.complete:
-            raise ValueError(f"trace {trace.name} misses {trace.missing_records} (token, layer) records: the engine "
-                             "model predicts each layer from the token's previous one and needs complete traces "
-                             "(the variants table replays incomplete ones)")
+            raise ValueError(
+                f"trace {trace.name} misses {trace.missing_records} (token, layer) records: the engine "
+                "model predicts each layer from the token's previous one and needs complete traces "
+                "(the variants table replays incomplete ones)"
+            )
     workload = decode_workload(loaded, bench.layout.moe_layers)
     link = bench.measure_link()
-    report = Report("engine", "engine model", **bench.report_header(), traces=[trace_label(t) for t in traces],
-                    link_bytes_per_s=link.bytes_per_s, link_label=link.label,
-                    settings=dict(compute_us=compute_us, top=top, split=split))
+    report = Report(
+        "engine",
+        "engine model",
+        **bench.report_header(),
+        traces=[trace_label(t) for t in traces],
+        link_bytes_per_s=link.bytes_per_s,
+        link_label=link.label,
+        settings=dict(compute_us=compute_us, top=top, split=split),
+    )
     advice = {}  # predictor -> its arrays: a prefetch and a hint setting of one predictor share them
     for setting in plan:
         options = _replay.ReplayOptions()
@@ -185,23 +217,36 @@ def run_engine(bench, *, traces: Sequence[str] = DEFAULT_TRACES, prefetch: Seque
         if setting.advice != "none":
             arrays = advice.get(setting.predictor)
             if arrays is None:
-                arrays = advice[setting.predictor] = advice_arrays(loaded, bench.layout.moe_layers,
-                                                                   setting.predictor, top, seed)
+                arrays = advice[setting.predictor] = advice_arrays(
+                    loaded, bench.layout.moe_layers, setting.predictor, top, seed
+                )
             options.advice = _replay.ADVICE_PREFETCH if setting.advice == "prefetch" else _replay.ADVICE_HINT
             options.advice_offset, options.advice_count, options.advice_ids = (a.ctypes.data for a in arrays)
-        with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,
-                              **bench.cache_options) as cache:
+        with bench.make_cache(
+            budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options
+        ) as cache:
             out = bench.replay(cache, workload, label=setting.name, options=options)
             decode = cache.stats().path("decode")
-            report.results.append(EngineResult(
-                setting.name, setting.simulated, decode_tokens=workload.decode_tokens,
-                decode_seconds=out.decode_seconds, hits=decode.hits, misses=decode.misses,
-                demand_bytes=out.decode_bytes_h2d, prefetch=cache.prefetch_stats(), link_bytes_per_s=link.bytes_per_s,
-                checksum_errors=out.checksum_errors, experts_checked=out.experts_checked))
+            report.results.append(
+                EngineResult(
+                    setting.name,
+                    setting.simulated,
+                    decode_tokens=workload.decode_tokens,
+                    decode_seconds=out.decode_seconds,
+                    hits=decode.hits,
+                    misses=decode.misses,
+                    demand_bytes=out.decode_bytes_h2d,
+                    prefetch=cache.prefetch_stats(),
+                    link_bytes_per_s=link.bytes_per_s,
+                    checksum_errors=out.checksum_errors,
+                    experts_checked=out.experts_checked,
+                )
+            )
     return report
 
 
 # -- the mode ---------------------------------------------------------------------------------
+
 
 def check(args) -> None:
     if not 1 <= args.prefetch_top <= 256:
@@ -216,16 +261,25 @@ def device_bytes(args, budget: int, model_bytes: int) -> int:
 
 
 def run(bench, args) -> Iterator[Report]:
-    yield run_engine(bench, traces=args.traces, prefetch=args.prefetch or ["none"], hints=args.hints,
-                     compute_us=args.layer_compute_us or 0.0, split=args.split, top=args.prefetch_top)
+    yield run_engine(
+        bench,
+        traces=args.traces,
+        prefetch=args.prefetch or ["none"],
+        hints=args.hints,
+        compute_us=args.layer_compute_us or 0.0,
+        split=args.split,
+        top=args.prefetch_top,
+    )
 
 
 def describe(report: Report) -> list[str]:
     """The engine model's lines under the header: the non-expert work, the select, the predictions."""
     st = report.settings
-    return [f"{st['compute_us']:g} µs of non-expert work per layer before its select; "
-            f"{'split select (hits before misses)' if st['split'] else 'plain select'}; predictions: top {st['top']}",
-            "oracle:R is simulated: an engine that knows each next-layer expert with probability R."]
+    return [
+        f"{st['compute_us']:g} µs of non-expert work per layer before its select; "
+        f"{'split select (hits before misses)' if st['split'] else 'plain select'}; predictions: top {st['top']}",
+        "oracle:R is simulated: an engine that knows each next-layer expert with probability R.",
+    ]
 
 
 def table(report: Report) -> str:
@@ -236,18 +290,31 @@ def table(report: Report) -> str:
     rows = []
     for r in report.results:
         p = r.prefetch
-        rows.append([
-            r.setting + (" (simulated)" if r.simulated else ""),
-            f"{r.tokens_per_s:.2f}",
-            f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
-            f"{r.misses_per_token:.2f}",
-            f"{r.bytes_per_token / (1 << 20):.1f}",
-            f"{p.used} / {p.late} / {p.wasted} / {p.cancelled}" if p.issued else "—",
-            f"{p.hint_refreshes}" if p.hints else "—",
-            share(r.link_busy),
-            f"{r.checksum_errors} bad / {r.experts_checked}",
-        ])
-    return tabulate(rows, headers=["setting", timed(report, "decode tok/s"), timed(report, "vs none"),
-                                   "demand misses/token", "MiB moved/token",
-                                   "prefetch used / late / wasted / cancelled", "hint refreshes",
-                                   timed(report, "link busy"), "checksums"], disable_numparse=True)
+        rows.append(
+            [
+                r.setting + (" (simulated)" if r.simulated else ""),
+                f"{r.tokens_per_s:.2f}",
+                f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
+                f"{r.misses_per_token:.2f}",
+                f"{r.bytes_per_token / (1 << 20):.1f}",
+                f"{p.used} / {p.late} / {p.wasted} / {p.cancelled}" if p.issued else "—",
+                f"{p.hint_refreshes}" if p.hints else "—",
+                share(r.link_busy),
+                f"{r.checksum_errors} bad / {r.experts_checked}",
+            ]
+        )
+    return tabulate(
+        rows,
+        headers=[
+            "setting",
+            timed(report, "decode tok/s"),
+            timed(report, "vs none"),
+            "demand misses/token",
+            "MiB moved/token",
+            "prefetch used / late / wasted / cancelled",
+            "hint refreshes",
+            timed(report, "link busy"),
+            "checksums",
+        ],
+        disable_numparse=True,
+    )

@@ -45,35 +45,42 @@ from .torch_loop import LOOP
 NAME = "graph"
 TITLE = "graph loop"
 HELP = "each token's step in one CUDA graph: select_device and a kernel reading the experts through the bank"
-DESCRIPTION = ("The decode traces served from the GPU: the ids stay on the device, each token's step (per layer: "
-               "non-expert work, select_device, a kernel reading every routed expert through the bank) captured "
-               "once in a CUDA graph and replayed per token, next to the C loop's host select (both LRU); then the "
-               "all-hit select_device time per layer under replay.")
+DESCRIPTION = (
+    "The decode traces served from the GPU: the ids stay on the device, each token's step (per layer: "
+    "non-expert work, select_device, a kernel reading every routed expert through the bank) captured "
+    "once in a CUDA graph and replayed per token, next to the C loop's host select (both LRU); then the "
+    "all-hit select_device time per layer under replay."
+)
 RUNS = "replays the decode scenario with the device-side select in a CUDA graph, next to the C loop"
 USES_BENCH = True
 OPTIONS = BENCH + (LAYER_COMPUTE_US,) + OUTPUT
 SELECTED_BY = (LOOP,)  # --loop graph, in the flag spelling
 
 ALL_HIT_REPLAYS = 200  # replays of the all-hit graph timed
-PROGRESS_EVERY = 16    # tokens between two progress reports
+PROGRESS_EVERY = 16  # tokens between two progress reports
 
 
 @dataclass
 class GraphLoopResult(DecodeRate, HitRate):
     loop: str
-    decode_tokens: int = 0      # timed
+    decode_tokens: int = 0  # timed
     decode_seconds: float = 0.0
-    served_tokens: int = 0      # those the hits and misses count (the graph loop's eager first token too)
+    served_tokens: int = 0  # those the hits and misses count (the graph loop's eager first token too)
     hits: int = 0
     misses: int = 0
-    bytes_h2d: int = 0          # of the timed tokens
+    bytes_h2d: int = 0  # of the timed tokens
     link_bytes_per_s: float = 0.0
     compute_seconds: float = 0.0  # the non-expert work the timed tokens contain
     checksum_errors: int = 0
     experts_checked: int = 0
 
-    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "misses_per_token", "link_bound_tokens_per_s",
-                                          "of_link_bound")
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "tokens_per_s",
+        "hit_rate",
+        "misses_per_token",
+        "link_bound_tokens_per_s",
+        "of_link_bound",
+    )
     # Hits and misses count every token served; times, bytes and the bound the timed ones.
 
     @property
@@ -139,20 +146,21 @@ class _DeviceArrays:
     def view(self, base, offset: int, count: int, shape):
         """``count`` int32 at element ``offset`` of ``base`` (from :meth:`empty`), shaped ``shape``."""
         if not self.cuda:
-            return base[offset:offset + count].reshape(shape)
+            return base[offset : offset + count].reshape(shape)
         from ...views import TensorView
 
         return TensorView(base + 4 * offset, 4 * count, cuda=True, device_id=self.device, dtype=np.int32, shape=shape)
 
     def upload(self, base, host: np.ndarray) -> None:
         if not self.cuda:
-            base[:host.size] = host.ravel()
+            base[: host.size] = host.ravel()
             return
         from ... import _cuda
 
         rt = _cuda.runtime()
-        _cuda.check(rt.cudaMemcpy(base, host.ctypes.data, host.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice),
-                    "cudaMemcpy")
+        _cuda.check(
+            rt.cudaMemcpy(base, host.ctypes.data, host.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy"
+        )
 
     def close(self) -> None:
         if self._allocations:
@@ -171,8 +179,10 @@ class _Graph:
         from ... import _cuda
 
         rt = self._rt = _cuda.runtime()
-        _cuda.check(rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
-                    "cudaStreamBeginCapture")
+        _cuda.check(
+            rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+            "cudaStreamBeginCapture",
+        )
         try:
             fn()
         except BaseException:
@@ -213,16 +223,29 @@ def _c_loop(bench, workload, compute_ns: int, link: float) -> GraphLoopResult:
     with bench.make_cache(budget_bytes=bench.budget_bytes, policy="lru", log_level=1, **bench.cache_options) as cache:
         out = bench.replay(cache, workload, label="C loop, host select", options=options_)
         decode = cache.stats().path("decode")
-    return GraphLoopResult("C loop, host select", decode_tokens=workload.decode_tokens,
-                           decode_seconds=out.decode_seconds, served_tokens=workload.decode_tokens,
-                           hits=decode.hits, misses=decode.misses,
-                           bytes_h2d=out.decode_bytes_h2d, link_bytes_per_s=link,
-                           compute_seconds=len(workload.calls) * compute_ns * 1e-9,
-                           checksum_errors=out.checksum_errors, experts_checked=out.experts_checked)
+    return GraphLoopResult(
+        "C loop, host select",
+        decode_tokens=workload.decode_tokens,
+        decode_seconds=out.decode_seconds,
+        served_tokens=workload.decode_tokens,
+        hits=decode.hits,
+        misses=decode.misses,
+        bytes_h2d=out.decode_bytes_h2d,
+        link_bytes_per_s=link,
+        compute_seconds=len(workload.calls) * compute_ns * 1e-9,
+        checksum_errors=out.checksum_errors,
+        experts_checked=out.experts_checked,
+    )
 
 
-def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us: float = 0.0,
-                   progress: Optional[Callable[[str, int, int], None]] = None, c_loop: bool = True) -> Report:
+def run_graph_loop(
+    bench,
+    *,
+    traces: Sequence[str] = DEFAULT_TRACES,
+    compute_us: float = 0.0,
+    progress: Optional[Callable[[str, int, int], None]] = None,
+    c_loop: bool = True,
+) -> Report:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
     :class:`~pyexpcache.bench.bench.Bench`; its source must be pinned, emulated on the host backend), next to
     the C loop's host select unless ``c_loop`` is false."""
@@ -240,10 +263,15 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
         raise ValueError("the graph loop needs at least 2 tokens (the first binds and warms up)")
     compute_ns = int(round(compute_us * 1e3))
     link = bench.measure_link()
-    report = Report("graph", "graph loop", **bench.report_header(), traces=[trace_label(t) for t in traces],
-                    link_bytes_per_s=link.bytes_per_s, link_label=link.label,
-                    settings=dict(compute_us=compute_us, policy="lru", layers=options.ranges(layers), k=k,
-                                  capture=bench.is_cuda))
+    report = Report(
+        "graph",
+        "graph loop",
+        **bench.report_header(),
+        traces=[trace_label(t) for t in traces],
+        link_bytes_per_s=link.bytes_per_s,
+        link_label=link.label,
+        settings=dict(compute_us=compute_us, policy="lru", layers=options.ranges(layers), k=k, capture=bench.is_cuda),
+    )
     if c_loop:
         report.results.append(_c_loop(bench, decode_workload(loaded, layers), compute_ns, link.bytes_per_s))
 
@@ -252,8 +280,9 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     stream = bench.stream
     present = ids[:, :, 0] >= 0  # [tokens, layers]: the records a token has
     try:
-        with bench.make_cache(budget_bytes=bench.budget_bytes, lookup="device", log_level=1,
-                              **bench.cache_options) as cache:
+        with bench.make_cache(
+            budget_bytes=bench.budget_bytes, lookup="device", log_level=1, **bench.cache_options
+        ) as cache:
             all_ids = arrays.empty(ids.size)
             arrays.upload(all_ids, ids)
             cur = arrays.empty(num_layers * k)
@@ -269,12 +298,17 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
                 from ... import _cuda
 
                 rt = _cuda.runtime()
-                _cuda.check(rt.cudaMemcpyAsync(cur, all_ids + t * step_bytes, step_bytes,
-                                               rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync")
+                _cuda.check(
+                    rt.cudaMemcpyAsync(
+                        cur, all_ids + t * step_bytes, step_bytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream
+                    ),
+                    "cudaMemcpyAsync",
+                )
 
             def step_of(rows: tuple[int, ...]) -> Callable[[], None]:
                 """A token's step over the layers (indices into ``layers``) it has records of: a
                 missing record is no select, as in the C loop."""
+
                 def step() -> None:
                     for i in rows:
                         if compute_ns:
@@ -282,12 +316,15 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
                                 _lib.lib.expcache_testing_spin_async(handle, stream or None, compute_ns)
                         cache.select_device(layers[i], cur_views[i], stream=stream, out=slot_views[i])
                         testing.bank_checksum_async(cache, layers[i], slot_views[i], first=i * k, stream=stream)
+
                 return step
 
-            expected = np.stack([bench.expected[layer][np.maximum(ids[:, i, :], 0)]
-                                 for i, layer in enumerate(layers)], axis=1)
-            result = GraphLoopResult("graph loop, select_device", served_tokens=tokens,
-                                     link_bytes_per_s=link.bytes_per_s)
+            expected = np.stack(
+                [bench.expected[layer][np.maximum(ids[:, i, :], 0)] for i, layer in enumerate(layers)], axis=1
+            )
+            result = GraphLoopResult(
+                "graph loop, select_device", served_tokens=tokens, link_bytes_per_s=link.bytes_per_s
+            )
             first_bad = None
 
             def verify(t: int, rows: tuple[int, ...]) -> None:
@@ -341,8 +378,11 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
             report.settings["steps"] = len(steps)
             if first_bad is not None:
                 t, layer, e = first_bad
-                print(f"CHECKSUM MISMATCH: graph loop: {result.checksum_errors} experts differ from the source "
-                      f"(first at token {t}: layer {layer}, expert {e})", file=sys.stderr)
+                print(
+                    f"CHECKSUM MISMATCH: graph loop: {result.checksum_errors} experts differ from the source "
+                    f"(first at token {t}: layer {layer}, expert {e})",
+                    file=sys.stderr,
+                )
 
             # The all-hit select: the last token's ids, resident now, one select per layer it has.
             last = int(np.flatnonzero(present.any(axis=1))[-1])
@@ -371,8 +411,8 @@ def run_graph_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
                 raise RuntimeError("the all-hit selects missed: the budget cannot hold one token's experts")
             report.settings["all_hit_select_us"] = 1e6 * seconds / (ALL_HIT_REPLAYS * len(rows))
             report.settings["same_hits_as_c_loop"] = (
-                None if not c_loop else
-                totals == (report.results[0].hits, report.results[0].misses))
+                None if not c_loop else totals == (report.results[0].hits, report.results[0].misses)
+            )
     finally:
         for g in graphs:
             g.close()
@@ -389,8 +429,9 @@ PINNED_SOURCE = True
 
 def check(args) -> None:
     if getattr(args, "source", None) not in (None, "pinned"):
-        raise options.UsageError("the graph loop's device select reads the experts from pinned memory: use "
-                                 "--source pinned (the default)")
+        raise options.UsageError(
+            "the graph loop's device select reads the experts from pinned memory: use --source pinned (the default)"
+        )
     options.synthetic_traces(args)
 
 
@@ -399,8 +440,7 @@ def device_bytes(args, budget: int, model_bytes: int) -> int:
 
 
 def run(bench, args) -> Iterator[Report]:
-    yield run_graph_loop(bench, traces=args.traces, compute_us=args.layer_compute_us or 0.0,
-                         progress=bench.progress)
+    yield run_graph_loop(bench, traces=args.traces, compute_us=args.layer_compute_us or 0.0, progress=bench.progress)
 
 
 def describe(report: Report) -> list[str]:
@@ -408,16 +448,23 @@ def describe(report: Report) -> list[str]:
     sets = st.get("steps", 1)
     capture = "captured once in a CUDA graph, replayed per token" if st["capture"] else "run eagerly (host backend)"
     if sets > 1:
-        capture += (f"; {sets} steps, one per set of layers the tokens have records of (a missing record selects "
-                    "nothing; each set's first token untimed)")
+        capture += (
+            f"; {sets} steps, one per set of layers the tokens have records of (a missing record selects "
+            "nothing; each set's first token untimed)"
+        )
     same = st.get("same_hits_as_c_loop")
-    lines = [f"policy lru; layers {st['layers']}, k {st['k']}; {st['compute_us']:g} µs of non-expert work per layer; "
-             f"each token's step {capture}",
-             f"all-hit select_device: {st['all_hit_select_us']:.2f} µs per layer"
-             + (" (graph replay)" if st["capture"] else " (host backend: meaningless as a time)")]
+    lines = [
+        f"policy lru; layers {st['layers']}, k {st['k']}; {st['compute_us']:g} µs of non-expert work per layer; "
+        f"each token's step {capture}",
+        f"all-hit select_device: {st['all_hit_select_us']:.2f} µs per layer"
+        + (" (graph replay)" if st["capture"] else " (host backend: meaningless as a time)"),
+    ]
     if same is not None:
-        lines.append("hits and misses equal to the C loop's (both LRU)" if same else
-                     "HITS DIFFER from the C loop's (both LRU): a bug")
+        lines.append(
+            "hits and misses equal to the C loop's (both LRU)"
+            if same
+            else "HITS DIFFER from the C loop's (both LRU): a bug"
+        )
     return lines
 
 
@@ -427,12 +474,28 @@ def table(report: Report) -> str:
     ref = report.results[0] if report.results else None
     rows = []
     for r in report.results:
-        rows.append([r.loop, f"{r.tokens_per_s:.2f}",
-                     f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
-                     f"{100 * r.hit_rate:.2f} %", f"{r.misses_per_token:.2f}",
-                     share(r.of_link_bound, 1) if r.of_link_bound else "—",
-                     f"{r.checksum_errors} bad / {r.experts_checked} checked"])
+        rows.append(
+            [
+                r.loop,
+                f"{r.tokens_per_s:.2f}",
+                f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
+                f"{100 * r.hit_rate:.2f} %",
+                f"{r.misses_per_token:.2f}",
+                share(r.of_link_bound, 1) if r.of_link_bound else "—",
+                f"{r.checksum_errors} bad / {r.experts_checked} checked",
+            ]
+        )
     versus = timed(report, f"vs {ref.loop if ref else '—'}")
-    return tabulate(rows, headers=["loop", timed(report, "decode tok/s"), versus, "hit rate", "misses/token",
-                                   timed(report, "of link bound"), "checksums"],
-                    disable_numparse=True)
+    return tabulate(
+        rows,
+        headers=[
+            "loop",
+            timed(report, "decode tok/s"),
+            versus,
+            "hit rate",
+            "misses/token",
+            timed(report, "of link bound"),
+            "checksums",
+        ],
+        disable_numparse=True,
+    )

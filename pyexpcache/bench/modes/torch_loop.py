@@ -57,15 +57,22 @@ KERNEL_NOTE = "torch loop: one torch kernel per expert over its view, a synchron
 NAME = "torch"
 TITLE = "torch loop"
 HELP = "a torch decode loop: one torch kernel per expert over its view, plain and split selects side by side"
-DESCRIPTION = ("The decode traces in a torch decode loop (one torch kernel per expert over its zero-copy view, a "
-               "synchronize per layer), the plain select against hits before misses, side by side (decode "
-               "scenario, the library's default policy); needs torch (the [torch] extra).")
+DESCRIPTION = (
+    "The decode traces in a torch decode loop (one torch kernel per expert over its zero-copy view, a "
+    "synchronize per layer), the plain select against hits before misses, side by side (decode "
+    "scenario, the library's default policy); needs torch (the [torch] extra)."
+)
 RUNS = "replays the decode scenario in torch, plain and split selects side by side"
 USES_BENCH = True
 
-LOOP = Option("--loop", choices=("c", "torch", "graph"), default="c", selects={"torch": "torch", "graph": "graph"},
-              help="c: the C replay loop (default); torch: the torch loop (expcache bench torch); graph: each token's "
-                   "step captured in a CUDA graph with the device-side select (expcache bench graph)")
+LOOP = Option(
+    "--loop",
+    choices=("c", "torch", "graph"),
+    default="c",
+    selects={"torch": "torch", "graph": "graph"},
+    help="c: the C replay loop (default); torch: the torch loop (expcache bench torch); graph: each token's "
+    "step captured in a CUDA graph with the device-side select (expcache bench graph)",
+)
 OPTIONS = BENCH + (LAYER_COMPUTE_US,) + OUTPUT
 SELECTED_BY = (LOOP,)  # --loop torch, in the flag spelling
 
@@ -81,10 +88,15 @@ class TorchLoopResult(DecodeRate, HitRate):
     experts_checked: int = 0
     decode_calls: int = 0
     serve_seconds: float = 0.0  # inside select_views / select_split (and making the views)
-    kernels: int = 0            # torch reductions launched
+    kernels: int = 0  # torch reductions launched
 
-    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "misses_per_token", "kernels_per_expert",
-                                          "serve_us_per_call")
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "tokens_per_s",
+        "hit_rate",
+        "misses_per_token",
+        "kernels_per_expert",
+        "serve_us_per_call",
+    )
 
     @property
     def misses_per_token(self) -> float:
@@ -110,8 +122,13 @@ def _reduce_np(data: np.ndarray, word: int) -> int:
     return int(np.sum(raw.view("<i4") if word == 4 else raw, dtype=np.int64))
 
 
-def expected_sums(bench, traces: Sequence[str] = DEFAULT_TRACES, *, workload=None,
-                  progress: Optional[Callable[[str, int, int], None]] = None) -> np.ndarray:
+def expected_sums(
+    bench,
+    traces: Sequence[str] = DEFAULT_TRACES,
+    *,
+    workload=None,
+    progress: Optional[Callable[[str, int, int], None]] = None,
+) -> np.ndarray:
     """What each part's kernel must give: ``[num_layers, max_experts, 3]`` int64, entry ``[l, e, p]``
     the sum of part ``p`` of expert ``(l, e)`` of ``bench.source`` as int32 words (uint8 where a
     part's size is not a multiple of 4), computed with numpy from the source's bytes; an expert's
@@ -148,9 +165,11 @@ def _check_fits(layout, workload) -> None:
     for call in workload.calls:
         spec = layout[call.layer] if call.layer < layout.num_layers else None
         if spec is None or max(call.ids) >= spec.num_experts:
-            raise ValueError(f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
-                             f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
-                             "experts)")
+            raise ValueError(
+                f"the traces route to layer {call.layer}, expert {max(call.ids)}, which layout "
+                f"{layout.name} does not have: they are DeepSeek V4 Flash traces (43 layers, 256 "
+                "experts)"
+            )
 
 
 def _import_torch():
@@ -172,13 +191,16 @@ class _Loop:
         self.cuda = bench.is_cuda
         self.stream = bench.stream if self.cuda else 0
         self.TensorView = TensorView
-        self.words = {layer: (torch.int32 if _word_bytes(bench.layout[layer]) == 4 else None)
-                      for layer in bench.layout.moe_layers}
+        self.words = {
+            layer: (torch.int32 if _word_bytes(bench.layout[layer]) == 4 else None) for layer in bench.layout.moe_layers
+        }
         self.spans: dict[tuple[int, int], object] = {}
         if self.cuda:
             if not torch.cuda.is_available():
-                raise RuntimeError(f"the cuda backend is in use but torch {torch.__version__} sees no CUDA device "
-                                   "(a CPU-only build?): install a CUDA build of torch, or use --backend host")
+                raise RuntimeError(
+                    f"the cuda backend is in use but torch {torch.__version__} sees no CUDA device "
+                    "(a CPU-only build?): install a CUDA build of torch, or use --backend host"
+                )
             self.device = torch.device("cuda", bench.device)
             self.torch_stream = torch.cuda.ExternalStream(bench.stream, device=self.device)
         else:
@@ -220,8 +242,9 @@ class _Loop:
             if span is None:
                 if len(self.spans) >= 1 << 16:
                     self.spans.clear()
-                span = self.spans[key] = self.TensorView(g.ptr, g.nbytes + u.nbytes + d.nbytes, cuda=g.cuda,
-                                                         device_id=g.device_id, stream=g.stream)
+                span = self.spans[key] = self.TensorView(
+                    g.ptr, g.nbytes + u.nbytes + d.nbytes, cuda=g.cuda, device_id=g.device_id, stream=g.stream
+                )
             elif span.stream != g.stream:
                 span.stream = g.stream
             t = torch.from_dlpack(span)
@@ -233,8 +256,16 @@ class _Loop:
         return 3
 
 
-def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.ndarray, compute_ns: int,
-              progress: Callable[[str, int, int], None]) -> TorchLoopResult:
+def _run_mode(
+    loop: _Loop,
+    cache,
+    mode: str,
+    workload,
+    ids: list,
+    expected: np.ndarray,
+    compute_ns: int,
+    progress: Callable[[str, int, int], None],
+) -> TorchLoopResult:
     from ... import _lib
 
     torch = loop.torch
@@ -287,7 +318,7 @@ def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.n
                 if n == 1:
                     bad = got[pos] != int(row.sum())
                 else:
-                    bad = got[pos:pos + 3] != row.tolist()
+                    bad = got[pos : pos + 3] != row.tolist()
                 pos += n
                 if bad:
                     result.checksum_errors += 1
@@ -301,15 +332,24 @@ def _run_mode(loop: _Loop, cache, mode: str, workload, ids: list, expected: np.n
     result.hits, result.misses = decode.hits, decode.misses
     if first_bad is not None:
         c, layer, e = first_bad
-        print(f"CHECKSUM MISMATCH: torch {mode}: {result.checksum_errors} experts differ from the source "
-              f"(first in call {c}: layer {layer}, expert {e})", file=sys.stderr)
+        print(
+            f"CHECKSUM MISMATCH: torch {mode}: {result.checksum_errors} experts differ from the source "
+            f"(first in call {c}: layer {layer}, expert {e})",
+            file=sys.stderr,
+        )
     return result
 
 
-def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us: float = 0.0,
-                   policy: Optional[str] = None, modes: Sequence[str] = MODES,
-                   progress: Optional[Callable[[str, int, int], None]] = None,
-                   expected: Optional[np.ndarray] = None) -> Report:
+def run_torch_loop(
+    bench,
+    *,
+    traces: Sequence[str] = DEFAULT_TRACES,
+    compute_us: float = 0.0,
+    policy: Optional[str] = None,
+    modes: Sequence[str] = MODES,
+    progress: Optional[Callable[[str, int, int], None]] = None,
+    expected: Optional[np.ndarray] = None,
+) -> Report:
     """Replay the decode traces in a torch decode loop once per mode (see the module docstring) on
     ``bench`` (a :class:`~pyexpcache.bench.bench.Bench`: its source, stream, budget and cache
     options), each mode with a new cache of ``policy`` (None: the library's default, which the report
@@ -335,19 +375,29 @@ def run_torch_loop(bench, *, traces: Sequence[str] = DEFAULT_TRACES, compute_us:
     ids = [np.asarray(call.ids, dtype=np.uint32) for call in workload.calls]
     loop = _Loop(torch, bench)
     loop.warm_up()
-    report = Report("torch", "torch loop", **bench.report_header(), traces=[trace_label(t) for t in traces],
-                    settings=dict(compute_us=compute_us, policy=_lib.DEFAULT_POLICY if policy is None else policy,
-                                  torch_version=str(torch.__version__)))
+    report = Report(
+        "torch",
+        "torch loop",
+        **bench.report_header(),
+        traces=[trace_label(t) for t in traces],
+        settings=dict(
+            compute_us=compute_us,
+            policy=_lib.DEFAULT_POLICY if policy is None else policy,
+            torch_version=str(torch.__version__),
+        ),
+    )
     compute_ns = int(round(compute_us * 1e3))
     for mode in modes:
-        with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1,
-                              **bench.cache_options) as cache:
+        with bench.make_cache(
+            budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options
+        ) as cache:
             report.results.append(_run_mode(loop, cache, mode, workload, ids, expected, compute_ns, progress))
         loop.spans.clear()  # the next cache's slots are elsewhere
     return report
 
 
 # -- the mode ---------------------------------------------------------------------------------
+
 
 def check(args) -> None:
     options.need(options.has_module("torch"), "the torch loop (--loop torch) needs torch", "torch")
@@ -359,17 +409,18 @@ def device_bytes(args, budget: int, model_bytes: int) -> int:
 
 
 def run(bench, args) -> Iterator[Report]:
-    yield run_torch_loop(bench, traces=args.traces, compute_us=args.layer_compute_us or 0.0,
-                         progress=bench.progress)
+    yield run_torch_loop(bench, traces=args.traces, compute_us=args.layer_compute_us or 0.0, progress=bench.progress)
 
 
 def describe(report: Report) -> list[str]:
     """The torch loop's lines under the header: the policy, the non-expert work, torch, the kernels."""
     st = report.settings
-    return [f"policy {st['policy']}; {st['compute_us']:g} µs of non-expert work per layer before its select; "
-            f"torch {st['torch_version']}",
-            f"{KERNEL_NOTE} (int32 sum of the expert's bytes; one span over gate+up+down when they touch, "
-            "else one kernel per part)"]
+    return [
+        f"policy {st['policy']}; {st['compute_us']:g} µs of non-expert work per layer before its select; "
+        f"torch {st['torch_version']}",
+        f"{KERNEL_NOTE} (int32 sum of the expert's bytes; one span over gate+up+down when they touch, "
+        "else one kernel per part)",
+    ]
 
 
 def table(report: Report) -> str:
@@ -380,16 +431,29 @@ def table(report: Report) -> str:
     ref = by_mode.get("plain") or (report.results[0] if report.results else None)
     rows = []
     for r in report.results:
-        rows.append([
-            r.mode + (" (hits before misses)" if r.mode == "split" else ""),
-            f"{r.tokens_per_s:.2f}",
-            f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
-            f"{100 * r.hit_rate:.2f} %",
-            f"{r.misses_per_token:.2f}",
-            f"{r.serve_us_per_call:.1f}",
-            f"{r.kernels_per_expert:g}",
-            f"{r.checksum_errors} bad / {r.experts_checked} checked",
-        ])
-    return tabulate(rows, headers=["mode", timed(report, "decode tok/s"), timed(report, "vs plain"), "hit rate",
-                                   "misses/token", timed(report, "select µs/layer"), "kernels/expert", "checksums"],
-                    disable_numparse=True)
+        rows.append(
+            [
+                r.mode + (" (hits before misses)" if r.mode == "split" else ""),
+                f"{r.tokens_per_s:.2f}",
+                f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
+                f"{100 * r.hit_rate:.2f} %",
+                f"{r.misses_per_token:.2f}",
+                f"{r.serve_us_per_call:.1f}",
+                f"{r.kernels_per_expert:g}",
+                f"{r.checksum_errors} bad / {r.experts_checked} checked",
+            ]
+        )
+    return tabulate(
+        rows,
+        headers=[
+            "mode",
+            timed(report, "decode tok/s"),
+            timed(report, "vs plain"),
+            "hit rate",
+            "misses/token",
+            timed(report, "select µs/layer"),
+            "kernels/expert",
+            "checksums",
+        ],
+        disable_numparse=True,
+    )

@@ -43,27 +43,49 @@ SOURCES = ("pinned", "pageable", "file", "file-direct")
 NAME = "transfer"
 TITLE = "transfer table"
 HELP = "miss throughput per source kind and expert size vs raw cudaMemcpyAsync (GPU)"
-DESCRIPTION = ("Measure how fast the library moves misses to the GPU from pinned memory, pageable memory (staged "
-               "through its pinned ring) and a file (pread, through the page cache or O_DIRECT), for each expert "
-               "size, next to plain cudaMemcpyAsync of the same chunks in the same run. Needs a CUDA device, the "
-               "CUDA build of libexpcache and cuda-python.")
+DESCRIPTION = (
+    "Measure how fast the library moves misses to the GPU from pinned memory, pageable memory (staged "
+    "through its pinned ring) and a file (pread, through the page cache or O_DIRECT), for each expert "
+    "size, next to plain cudaMemcpyAsync of the same chunks in the same run. Needs a CUDA device, the "
+    "CUDA build of libexpcache and cuda-python."
+)
 RUNS = "measures miss throughput per source kind and expert size"
 USES_BENCH = False
 
-GIB = Option("--gib", type=gib("--gib", True), default=1.0,
-             help="bytes moved per measurement, GiB (default 1); each measurement holds about twice as much host "
-                  "memory")
-COPY_THREADS = Option("--copy-threads", type=thread_counts, default=None,
-                      help="comma list of copy thread counts for staged sources (default: the library's)")
-CHUNKS = Option("--chunks", type=sizes, default=None,
-                help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default: the library's)")
-SOURCES_OPTION = Option("--sources", type=csv(SOURCES), default=list(SOURCES),
-                        help="file: reads served from the page cache; file-direct: O_DIRECT reads, from the disk")
-SIZES_OPTION = Option("--sizes", type=csv(("0.5", "6.75", "13.5")), default=["0.5", "6.75", "13.5"],
-                      help="comma list of expert sizes in MiB, of 0.5, 6.75, 13.5 (default: all)")
+GIB = Option(
+    "--gib",
+    type=gib("--gib", True),
+    default=1.0,
+    help="bytes moved per measurement, GiB (default 1); each measurement holds about twice as much host memory",
+)
+COPY_THREADS = Option(
+    "--copy-threads",
+    type=thread_counts,
+    default=None,
+    help="comma list of copy thread counts for staged sources (default: the library's)",
+)
+CHUNKS = Option(
+    "--chunks",
+    type=sizes,
+    default=None,
+    help="comma list of staging chunk sizes for staged sources, e.g. 256K,1M (default: the library's)",
+)
+SOURCES_OPTION = Option(
+    "--sources",
+    type=csv(SOURCES),
+    default=list(SOURCES),
+    help="file: reads served from the page cache; file-direct: O_DIRECT reads, from the disk",
+)
+SIZES_OPTION = Option(
+    "--sizes",
+    type=csv(("0.5", "6.75", "13.5")),
+    default=["0.5", "6.75", "13.5"],
+    help="comma list of expert sizes in MiB, of 0.5, 6.75, 13.5 (default: all)",
+)
 FILE_DIR = Option("--file-dir", default=None, help="folder for the file source's temporary file")
-DETAIL = Option("--detail", action="store_true",
-                help="also show where staged calls spend their time (the staging ring's counters)")
+DETAIL = Option(
+    "--detail", action="store_true", help="also show where staged calls spend their time (the staging ring's counters)"
+)
 OPTIONS = (GIB, DEVICE, COPY_THREADS, CHUNKS, SOURCES_OPTION, SIZES_OPTION, FILE_DIR, DETAIL) + OUTPUT
 SELECTED_BY = ()  # named only: expcache bench transfer, or expcache transfer
 
@@ -95,15 +117,17 @@ def host_copy_gb_s(buffer: np.ndarray, piece: int, threads: int, total: int = 4 
     source's bound. It moves with the machine's load more than the library does."""
     flat = buffer.reshape(-1).view(np.uint8)
     if threads < 1 or piece < 1 or piece + 4096 > flat.nbytes:
-        raise ValueError(f"host_copy_gb_s: need threads >= 1 and 1 <= piece <= {flat.nbytes - 4096} bytes, "
-                         f"got {threads} threads, {piece}-byte pieces")
+        raise ValueError(
+            f"host_copy_gb_s: need threads >= 1 and 1 <= piece <= {flat.nbytes - 4096} bytes, "
+            f"got {threads} threads, {piece}-byte pieces"
+        )
     n = max(threads, total // piece)
     starts = np.random.default_rng(seed).integers(0, (flat.nbytes - piece) // 4096, n) * 4096
 
     def work(mine: np.ndarray) -> None:
         dst = np.empty(piece, np.uint8)
         for start in mine:
-            np.copyto(dst, flat[start:start + piece])
+            np.copyto(dst, flat[start : start + piece])
 
     with ThreadPoolExecutor(threads) as pool:
         t0 = time.perf_counter()
@@ -111,12 +135,16 @@ def host_copy_gb_s(buffer: np.ndarray, piece: int, threads: int, total: int = 4 
         return n * piece / (time.perf_counter() - t0) / 1e9
 
 
-HOST_COPY_PIECE = 512 << 10     # host_copy_rates' defaults: the staging chunk's default size,
-HOST_COPY_BUFFER = 1 << 30      # over a buffer far larger than the host's caches
+HOST_COPY_PIECE = 512 << 10  # host_copy_rates' defaults: the staging chunk's default size,
+HOST_COPY_BUFFER = 1 << 30  # over a buffer far larger than the host's caches
 
 
-def host_copy_rates(thread_counts: Sequence[int], piece: int = HOST_COPY_PIECE, buffer_bytes: int = HOST_COPY_BUFFER,
-                    total: int = 4 << 30) -> dict[int, float]:
+def host_copy_rates(
+    thread_counts: Sequence[int],
+    piece: int = HOST_COPY_PIECE,
+    buffer_bytes: int = HOST_COPY_BUFFER,
+    total: int = 4 << 30,
+) -> dict[int, float]:
     """:func:`host_copy_gb_s` for each thread count, over one pageable buffer of ``buffer_bytes``
     whose pages are touched first (so no first-touch fault is timed)."""
     buffer = np.full(buffer_bytes, 1, dtype=np.uint8)
@@ -144,8 +172,10 @@ class _FileCopy:
         self.layout = source.layout
         self.file_path = path
         base = source.buffer.ctypes.data
-        self._placements = [LayerPlacement(tuple(a - base for a in p.bases), p.strides, p.sizes) if p else None
-                            for p in (source.placement(i) for i in range(source.layout.num_layers))]
+        self._placements = [
+            LayerPlacement(tuple(a - base for a in p.bases), p.strides, p.sizes) if p else None
+            for p in (source.placement(i) for i in range(source.layout.num_layers))
+        ]
 
     def placement(self, layer: int):
         return self._placements[layer]
@@ -157,8 +187,9 @@ def library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 
     ``cache_kwargs`` go to :class:`ExpertCache` (copy_threads, staging_chunk_bytes, ...). Every
     timed miss evicts and reuses an allocated slot, so slab allocation is not timed."""
     n = layout[0].num_experts
-    with ExpertCache(layout, source, budget_experts=n, backend="cuda", reserve_bytes=0, log_level=0,
-                     **cache_kwargs) as cache:
+    with ExpertCache(
+        layout, source, budget_experts=n, backend="cuda", reserve_bytes=0, log_level=0, **cache_kwargs
+    ) as cache:
         for start in range(0, n, 256):
             cache.select(0, np.arange(start, min(n, start + 256)), stream)
         cache.synchronize(stream)
@@ -166,7 +197,7 @@ def library_gb_s(layout: ModelLayout, source: HostSource, stream: int, k: int = 
         ids = np.arange(n, dtype=np.uint32)
         t0 = time.perf_counter()
         for i in range(0, n, k):
-            cache.select(1, ids[i:i + k], stream)
+            cache.select(1, ids[i : i + k], stream)
         cache.synchronize(stream)
         dt = time.perf_counter() - t0
         st = cache.stats().total
@@ -192,16 +223,25 @@ def measured_layout(size: str, total_bytes: int) -> ModelLayout:
     parts = SIZES[size]
     n = max(64, total_bytes // sum(parts))
     if n > _lib.MAX_EXPERTS_LIMIT:
-        raise ValueError(f"{total_bytes / 2**30:g} GiB of {size} experts is {n} experts per layer, more than the "
-                         f"library's {_lib.MAX_EXPERTS_LIMIT}; at most "
-                         f"{_lib.MAX_EXPERTS_LIMIT * sum(parts) / 2**30:.1f} GiB")
+        raise ValueError(
+            f"{total_bytes / 2**30:g} GiB of {size} experts is {n} experts per layer, more than the "
+            f"library's {_lib.MAX_EXPERTS_LIMIT}; at most "
+            f"{_lib.MAX_EXPERTS_LIMIT * sum(parts) / 2**30:.1f} GiB"
+        )
     return ModelLayout((LayerSpec(n, *parts),) * 2, name=f"transfer-{size}")
 
 
-def measure(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arrangements=ARRANGEMENTS,
-        sources: Sequence[str] = SOURCES, copy_threads: Optional[Sequence[int]] = None,
-        chunks: Optional[Sequence[int]] = None,
-        device: int = 0, progress=None, file_dir: Optional[str] = None) -> list[TransferRow]:
+def measure(
+    sizes: Sequence[str] = tuple(SIZES),
+    total_bytes: int = 1 << 30,
+    arrangements=ARRANGEMENTS,
+    sources: Sequence[str] = SOURCES,
+    copy_threads: Optional[Sequence[int]] = None,
+    chunks: Optional[Sequence[int]] = None,
+    device: int = 0,
+    progress=None,
+    file_dir: Optional[str] = None,
+) -> list[TransferRow]:
     """The transfer table (CUDA only). ``file`` writes each source to a file in ``file_dir``
     (default: the system's temporary folder) and reads misses back from it, from the page cache;
     ``file-direct`` reads it with O_DIRECT. Staged sources are measured for every copy thread
@@ -244,8 +284,20 @@ def measure(sizes: Sequence[str] = tuple(SIZES), total_bytes: int = 1 << 30, arr
                                 if kind == "file-direct":
                                     extra["file_reads"] = "direct"
                                 lib_gb_s, moved, staging = library_gb_s(layout, measured, stream, **extra)
-                                rows.append(TransferRow(kind, threads, chunk, size, arrangement, lib_gb_s, raw_same,
-                                                        pinned_raw, moved, staging if staging.calls else None))
+                                rows.append(
+                                    TransferRow(
+                                        kind,
+                                        threads,
+                                        chunk,
+                                        size,
+                                        arrangement,
+                                        lib_gb_s,
+                                        raw_same,
+                                        pinned_raw,
+                                        moved,
+                                        staging if staging.calls else None,
+                                    )
+                                )
                                 if progress:
                                     progress(rows[-1])
     finally:
@@ -260,15 +312,32 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
     on average; per piece: fill and send times; the pieces the calling thread filled)."""
     from tabulate import tabulate
 
-    headers = ["source", "copy threads", "chunk", "expert", "placement", "library GB/s", "raw same-kind GB/s",
-               "raw pinned GB/s", "library / raw pinned"]
+    headers = [
+        "source",
+        "copy threads",
+        "chunk",
+        "expert",
+        "placement",
+        "library GB/s",
+        "raw same-kind GB/s",
+        "raw pinned GB/s",
+        "library / raw pinned",
+    ]
     if detail:
         headers += ["µs/call", *StagingStats.COLUMNS]
     table = []
     for r in rows:
-        row = [r.source, r.copy_threads if r.chunk_bytes else "—", f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
-               r.size, r.arrangement, f"{r.library_gb_s:.1f}", f"{r.raw_same_gb_s:.1f}", f"{r.raw_pinned_gb_s:.1f}",
-               f"{100 * r.of_raw_pinned:.0f} %"]
+        row = [
+            r.source,
+            r.copy_threads if r.chunk_bytes else "—",
+            f"{r.chunk_bytes >> 10} KiB" if r.chunk_bytes else "—",
+            r.size,
+            r.arrangement,
+            f"{r.library_gb_s:.1f}",
+            f"{r.raw_same_gb_s:.1f}",
+            f"{r.raw_pinned_gb_s:.1f}",
+            f"{100 * r.of_raw_pinned:.0f} %",
+        ]
         if detail:
             st = r.staging
             call_us = st.bytes / st.calls / r.library_gb_s / 1e3 if st and st.calls and r.library_gb_s else 0.0
@@ -277,12 +346,15 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
     return tabulate(table, headers=headers, disable_numparse=True) + "\n\n" + LEGEND
 
 
-LEGEND = ("raw: plain cudaMemcpyAsync of one expert at a time, measured in the same run. The library sends "
-          "a call's pinned copies in one cudaMemcpyBatchAsync,\nso it can exceed that; staged sources are "
-          "copied by the copy threads into pinned chunks first.")
+LEGEND = (
+    "raw: plain cudaMemcpyAsync of one expert at a time, measured in the same run. The library sends "
+    "a call's pinned copies in one cudaMemcpyBatchAsync,\nso it can exceed that; staged sources are "
+    "copied by the copy threads into pinned chunks first."
+)
 
 
 # -- the mode ---------------------------------------------------------------------------------
+
 
 def check(args) -> None:
     options.need(options.has_cuda_python(), "the transfer table needs cuda-python", "cuda")
@@ -295,8 +367,10 @@ def check(args) -> None:
     need = max(measured_bytes(f"{s} MiB", int(args.gib * GiB)) for s in args.sizes)
     available = options.host_memory_available()
     if available is not None and need > available:
-        raise UsageError(f"--gib {args.gib:g}: a measurement holds {need / GiB:.1f} GiB of host memory and "
-                         f"{available / GiB:.1f} GiB is available; lower --gib")
+        raise UsageError(
+            f"--gib {args.gib:g}: a measurement holds {need / GiB:.1f} GiB of host memory and "
+            f"{available / GiB:.1f} GiB is available; lower --gib"
+        )
     for s in args.sizes:
         try:
             measured_layout(f"{s} MiB", int(args.gib * GiB))
@@ -318,29 +392,46 @@ def run(bench, args) -> Iterator[Report]:
         done[0] += 1
         bar(f"transfer {row.size} {row.source}", done[0], total)
 
-    rows = measure(sizes=[f"{s} MiB" for s in args.sizes], total_bytes=int(args.gib * GiB), device=args.device,
-                   copy_threads=threads, chunks=args.chunks, sources=args.sources, file_dir=args.file_dir,
-                   progress=progress)
+    rows = measure(
+        sizes=[f"{s} MiB" for s in args.sizes],
+        total_bytes=int(args.gib * GiB),
+        device=args.device,
+        copy_threads=threads,
+        chunks=args.chunks,
+        sources=args.sources,
+        file_dir=args.file_dir,
+        progress=progress,
+    )
     rates = None
     if args.detail:
         # The host's side of the staged rows' bound, in this run: it moves between machines and
         # leases more than the library does.
         rates = host_copy_rates(sorted(set([1] + [r.copy_threads for r in rows if r.copy_threads])))
-    yield Report(NAME, "transfer", backend="cuda", device=device_name(True, args.device), results=rows,
-                 settings=dict(bytes_per_measurement=int(args.gib * GiB), detail=args.detail, host_copy_gb_s=rates),
-                 **made_by())
+    yield Report(
+        NAME,
+        "transfer",
+        backend="cuda",
+        device=device_name(True, args.device),
+        results=rows,
+        settings=dict(bytes_per_measurement=int(args.gib * GiB), detail=args.detail, host_copy_gb_s=rates),
+        **made_by(),
+    )
 
 
 def describe(report: Report) -> list[str]:
-    return [f"{report.settings['bytes_per_measurement'] / GiB:g} GiB moved per measurement; every select all "
-            "misses, 6 experts per call"]
+    return [
+        f"{report.settings['bytes_per_measurement'] / GiB:g} GiB moved per measurement; every select all "
+        "misses, 6 experts per call"
+    ]
 
 
 def table(report: Report) -> str:
     text = format_rows(report.results, detail=report.settings["detail"])
     rates = report.settings["host_copy_gb_s"]
     if rates:
-        text += (f"\n\nhost copy, {HOST_COPY_PIECE >> 10} KiB pieces of a {HOST_COPY_BUFFER >> 30} GiB pageable "
-                 "buffer (numpy), GB/s together: "
-                 + ", ".join(f"{t} {'thread' if t == 1 else 'threads'} {gb_s:.1f}" for t, gb_s in rates.items()))
+        text += (
+            f"\n\nhost copy, {HOST_COPY_PIECE >> 10} KiB pieces of a {HOST_COPY_BUFFER >> 30} GiB pageable "
+            "buffer (numpy), GB/s together: "
+            + ", ".join(f"{t} {'thread' if t == 1 else 'threads'} {gb_s:.1f}" for t, gb_s in rates.items())
+        )
     return text

@@ -88,23 +88,40 @@ def resolve_variants(names: Sequence[str]) -> list[str]:
 NAME = "variants"
 TITLE = "variants table"
 HELP = "the library's policies next to the designs they replace and Belady, per scenario"
-DESCRIPTION = ("Replay bundled DeepSeek V4 Flash routing through the cache on the GPU (or on the host backend when "
-               "there is none) and compare with the baselines: each scenario a table of the variants side by side.")
+DESCRIPTION = (
+    "Replay bundled DeepSeek V4 Flash routing through the cache on the GPU (or on the host backend when "
+    "there is none) and compare with the baselines: each scenario a table of the variants side by side."
+)
 RUNS = "replays each --scenario through every --variants"
 USES_BENCH = True
 
-SCENARIO = Option("--scenario", type=csv(SCENARIOS + ("all",)), default=["decode"],
-                  help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)")
-VARIANTS_OPTION = Option("--variants", type=csv(lambda: ("default",) + variants()), default=None,
-                         help="comma list of variants: the library's eviction policies by name (default: the "
-                              f"library's default policy), {', '.join(BASELINES)} (default: all, the library's "
-                              "default policy first)")
-PARTITION = Option("--partition", type=csv(PARTITIONS), default=["global"],
-                   help="comma list of global, layer: how each policy variant's classes are shared among their "
-                        "layers (layer: each layer its own share; a variant '<policy> (layer)'); default global")
-NO_LAYER_SYNC = Option("--no-layer-sync", action="store_true",
-                       help="enqueue a token's layers back to back and wait once per token, instead of after every "
-                            "layer (an engine waits per layer: the next layer's ids come from this one's output)")
+SCENARIO = Option(
+    "--scenario",
+    type=csv(SCENARIOS + ("all",)),
+    default=["decode"],
+    help=f"comma list of {', '.join(SCENARIOS)}, or all (default: decode)",
+)
+VARIANTS_OPTION = Option(
+    "--variants",
+    type=csv(lambda: ("default",) + variants()),
+    default=None,
+    help="comma list of variants: the library's eviction policies by name (default: the "
+    f"library's default policy), {', '.join(BASELINES)} (default: all, the library's "
+    "default policy first)",
+)
+PARTITION = Option(
+    "--partition",
+    type=csv(PARTITIONS),
+    default=["global"],
+    help="comma list of global, layer: how each policy variant's classes are shared among their "
+    "layers (layer: each layer its own share; a variant '<policy> (layer)'); default global",
+)
+NO_LAYER_SYNC = Option(
+    "--no-layer-sync",
+    action="store_true",
+    help="enqueue a token's layers back to back and wait once per token, instead of after every "
+    "layer (an engine waits per layer: the next layer's ids come from this one's output)",
+)
 OPTIONS = BENCH + (SCENARIO, VARIANTS_OPTION, PARTITION, NO_LAYER_SYNC, PLOT) + OUTPUT
 SELECTED_BY = ()  # the default of the flag spelling
 
@@ -133,8 +150,13 @@ class VariantResult(DecodeRate, HitRate):
     skipped: Optional[str] = None
     staging: Optional[StagingStats] = None  # pageable or file sources: the staging ring's counters
 
-    DERIVED: ClassVar[tuple[str, ...]] = ("tokens_per_s", "hit_rate", "gib_per_token", "serve_us_per_call",
-                                          "after_serve_us_per_call")  # in the JSON beside the fields
+    DERIVED: ClassVar[tuple[str, ...]] = (
+        "tokens_per_s",
+        "hit_rate",
+        "gib_per_token",
+        "serve_us_per_call",
+        "after_serve_us_per_call",
+    )  # in the JSON beside the fields
 
     @property
     def serve_us_per_call(self) -> float:
@@ -180,40 +202,55 @@ def variant_label(variant: str, partition: str = "global") -> str:
 def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str = "global"):
     """:func:`run_variant`, and the cache's class capacities for the simulators (policy variants)."""
     layout = bench.layout
-    result = VariantResult(variant_label(variant, partition), decode_tokens=workload.decode_tokens,
-                           prefill_tokens=workload.prefill_tokens)
+    result = VariantResult(
+        variant_label(variant, partition), decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens
+    )
     capacities = None
     if variant in _lib.POLICIES:
         # Cap notices once, from the default policy's run; the same caps follow for the others.
         notices = variant == _lib.DEFAULT_POLICY and partition == "global"
-        cache = bench.make_cache(budget_bytes=bench.budget_bytes, policy=variant, partition=partition,
-                                 log_level=_lib.LOG_NOTICE if notices else _lib.LOG_WARNING,
-                                 **bench.cache_options)
+        cache = bench.make_cache(
+            budget_bytes=bench.budget_bytes,
+            policy=variant,
+            partition=partition,
+            log_level=_lib.LOG_NOTICE if notices else _lib.LOG_WARNING,
+            **bench.cache_options,
+        )
     # The baselines are LRU, as the old designs were.
     elif variant == "slab":
         # The old design also copied pageable memory with plain cudaMemcpyAsync (copy_threads=0). Its
         # slots: the full-size budget over the full-size run's largest slot (the same count at any scale).
         biggest = max(bench.full_slot_bytes())
         # Silent: its class reuses (the thrash it stands for) would warn; they are counted in its stats.
-        cache = bench.make_cache(budget_experts=max(1, bench.full_budget_bytes // biggest), max_classes=1,
-                                 policy="lru", log_level=_lib.LOG_SILENT, copy_threads=0)
+        cache = bench.make_cache(
+            budget_experts=max(1, bench.full_budget_bytes // biggest),
+            max_classes=1,
+            policy="lru",
+            log_level=_lib.LOG_SILENT,
+            copy_threads=0,
+        )
     elif variant == "nocache":
         cache = bench.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
     elif variant == "resident":
-        need = sum(sum(layout[i].num_experts for i in layers) * c.slot_bytes
-                   for layers, c in zip(layout.classes().values(), class_info(layout, 1)))
+        need = sum(
+            sum(layout[i].num_experts for i in layers) * c.slot_bytes
+            for layers, c in zip(layout.classes().values(), class_info(layout, 1))
+        )
         cache = None
         try:
-            cache = bench.make_cache(budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru",
-                                     log_level=_lib.LOG_WARNING)
+            cache = bench.make_cache(
+                budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru", log_level=_lib.LOG_WARNING
+            )
             _preload(bench, cache)
         except MemoryError as exc:
             if cache is not None:
                 cache.close()
             result.skipped = f"the model does not fit in device memory ({exc})"
             return result, capacities
-        if any(c.resident_experts < sum(layout[i].num_experts for i in layout.moe_layers
-                                        if layout[i].class_key == c.key) for c in cache.classes()):
+        if any(
+            c.resident_experts < sum(layout[i].num_experts for i in layout.moe_layers if layout[i].class_key == c.key)
+            for c in cache.classes()
+        ):
             cache.close()
             result.skipped = "the model does not fit in device memory minus the reserve"
             return result, capacities
@@ -245,23 +282,41 @@ def _layer_experts(layout: ModelLayout) -> list[int]:
     return [layout[i].num_experts if layout[i] else 0 for i in range(layout.num_layers)]
 
 
-def belady_hit_rate(workload: Workload, capacities: list[int], layer_class: list[int], partition: str = "global",
-                    layer_experts: Optional[Sequence[int]] = None) -> Optional[float]:
+def belady_hit_rate(
+    workload: Workload,
+    capacities: list[int],
+    layer_class: list[int],
+    partition: str = "global",
+    layer_experts: Optional[Sequence[int]] = None,
+) -> Optional[float]:
     """The clairvoyant optimum at the library's per-class capacities (decode-only workloads);
     under ``partition="layer"`` within each layer's share (``layer_experts``: each layer's experts)."""
     if workload.has_batches:
         return None
-    return simulate_belady_partitioned(workload.calls, capacities, layer_class, partition=partition,
-                                       layer_experts=layer_experts).hit_rate
+    return simulate_belady_partitioned(
+        workload.calls, capacities, layer_class, partition=partition, layer_experts=layer_experts
+    ).hit_rate
 
 
-def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Optional[Sequence[str]] = None,
-        traces: Sequence[TraceSpec] = DEFAULT_TRACES, budget_bytes: Optional[int] = None,
-        budget_fraction: Optional[float] = None, backend: str = "auto",
-        pinned: Optional[bool] = None, reserve_bytes: Optional[int] = None, host_scale: Optional[int] = None,
-        progress: Optional[Progress] = None, device: int = 0, source=None,
-        bench: Optional[Bench] = None, layers: Optional[Sequence[int]] = None,
-        partitions: Sequence[str] = ("global",)) -> Report:
+def run_scenario(
+    layout: ModelLayout,
+    scenario: str = "decode",
+    *,
+    variants: Optional[Sequence[str]] = None,
+    traces: Sequence[TraceSpec] = DEFAULT_TRACES,
+    budget_bytes: Optional[int] = None,
+    budget_fraction: Optional[float] = None,
+    backend: str = "auto",
+    pinned: Optional[bool] = None,
+    reserve_bytes: Optional[int] = None,
+    host_scale: Optional[int] = None,
+    progress: Optional[Progress] = None,
+    device: int = 0,
+    source=None,
+    bench: Optional[Bench] = None,
+    layers: Optional[Sequence[int]] = None,
+    partitions: Sequence[str] = ("global",),
+) -> Report:
     """Run ``variants`` (default: all, :func:`variants`) on one scenario and return a :class:`Report`
     (see the module docstring). ``traces``: loaded :class:`~pyexpcache.traces.Trace` objects,
     generic routing-trace files, bundled names or ``synthetic:TOKENS[:SEED]``
@@ -287,9 +342,11 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
         check_layout(trace, layout, layers)
     for call in workload.calls:
         if call.kind == BATCH and max(call.ids) >= layout[call.layer].num_experts:
-            raise ValueError(f"the {scenario} scenario replays the bundled DeepSeek V4 Flash prompts, which route to "
-                             f"layer {call.layer}, expert {max(call.ids)}; layout {layout.name} gives that layer "
-                             f"{layout[call.layer].num_experts} experts")
+            raise ValueError(
+                f"the {scenario} scenario replays the bundled DeepSeek V4 Flash prompts, which route to "
+                f"layer {call.layer}, expert {max(call.ids)}; layout {layout.name} gives that layer "
+                f"{layout[call.layer].num_experts} experts"
+            )
     if variants is None:
         variants = _all_variants()
     variants = resolve_variants(variants)
@@ -298,9 +355,17 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
         raise ValueError(f"partitions must be a non-empty list of {', '.join(PARTITIONS)}, got {list(partitions)}")
     own = bench is None
     if own:
-        bench = Bench(layout, backend=backend, pinned=pinned, budget_bytes=budget_bytes,
-                      reserve_bytes=reserve_bytes, progress=progress, device=device, source=source,
-                      scale=host_scale or 1)
+        bench = Bench(
+            layout,
+            backend=backend,
+            pinned=pinned,
+            budget_bytes=budget_bytes,
+            reserve_bytes=reserve_bytes,
+            progress=progress,
+            device=device,
+            source=source,
+            scale=host_scale or 1,
+        )
     try:
         measured = bench.measure_link()
         header = bench.report_header()
@@ -308,13 +373,24 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
             # The bench's layout and budget were divided by host_scale outside it: whether that kept
             # the full size's slot counts is checked here, for the header.
             full = bench.budget_bytes * host_scale
-            header.update(host_scale=host_scale, full_budget_bytes=full if keeps_slot_counts(
-                layout, bench.budget_bytes, full, host_scale) else None)
-        report = Report("variants", scenario, **header, traces=[trace_label(t) for t in traces],
-                        link_bytes_per_s=measured.bytes_per_s,
-                        link_label=measured.label,
-                        settings=dict(scenario=scenario, decode_tokens=workload.decode_tokens,
-                                      prefill_tokens=workload.prefill_tokens, layer_sync=bench.layer_sync))
+            header.update(
+                host_scale=host_scale,
+                full_budget_bytes=full if keeps_slot_counts(layout, bench.budget_bytes, full, host_scale) else None,
+            )
+        report = Report(
+            "variants",
+            scenario,
+            **header,
+            traces=[trace_label(t) for t in traces],
+            link_bytes_per_s=measured.bytes_per_s,
+            link_label=measured.label,
+            settings=dict(
+                scenario=scenario,
+                decode_tokens=workload.decode_tokens,
+                prefill_tokens=workload.prefill_tokens,
+                layer_sync=bench.layer_sync,
+            ),
+        )
         runs = [(v, p) for v in variants for p in (partitions if v in _lib.POLICIES else ("global",))]
         experts = _layer_experts(layout)
         for variant, partition in runs:
@@ -326,11 +402,20 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
                 caps, layer_class = capacities
                 r.belady_hit_rate = belady_hit_rate(workload, caps, layer_class, partition, experts)
                 # The offline simulator of the same policy must agree with the library's counters.
-                sim = simulate_policy(workload.calls, caps, layer_class, policy=variant, layers=layout.moe_layers,
-                                      partition=partition, layer_experts=experts)
+                sim = simulate_policy(
+                    workload.calls,
+                    caps,
+                    layer_class,
+                    policy=variant,
+                    layers=layout.moe_layers,
+                    partition=partition,
+                    layer_experts=experts,
+                )
                 if sim.hit_rate != r.hit_rate:
-                    raise RuntimeError(f"{r.variant}: library hit rate {r.hit_rate} differs from the simulator's "
-                                       f"{sim.hit_rate} at the same capacities: a bug")
+                    raise RuntimeError(
+                        f"{r.variant}: library hit rate {r.hit_rate} differs from the simulator's "
+                        f"{sim.hit_rate} at the same capacities: a bug"
+                    )
             report.results.append(r)
         return report
     finally:
@@ -339,6 +424,7 @@ def run_scenario(layout: ModelLayout, scenario: str = "decode", *, variants: Opt
 
 
 # -- the mode ---------------------------------------------------------------------------------
+
 
 def check(args) -> None:
     """What the variants table cannot run, before anything is allocated: --plot's file type. Without
@@ -356,9 +442,16 @@ def device_bytes(args, budget: int, model_bytes: int) -> int:
 def run(bench: Bench, args) -> Iterator[Report]:
     """A report per --scenario, each as it is finished; then --plot's curve, when asked for."""
     for scenario in SCENARIOS if "all" in args.scenario else tuple(args.scenario):
-        yield run_scenario(bench.layout, scenario, variants=args.variants, traces=args.traces,
-                           budget_bytes=bench.budget_bytes, bench=bench, layers=args.layers,
-                           partitions=getattr(args, "partition", None) or ("global",))
+        yield run_scenario(
+            bench.layout,
+            scenario,
+            variants=args.variants,
+            traces=args.traces,
+            budget_bytes=bench.budget_bytes,
+            bench=bench,
+            layers=args.layers,
+            partitions=getattr(args, "partition", None) or ("global",),
+        )
     if args.outputs.get("plot"):
         curve.write_plot(bench.layout, args.traces, args.outputs["plot"])
 
@@ -366,8 +459,10 @@ def run(bench: Bench, args) -> Iterator[Report]:
 def describe(report: Report) -> list[str]:
     """The variants table's lines under the header: the tokens, and how often the loop waits."""
     st = report.settings
-    return [f"{st['decode_tokens']} decode tokens, {st['prefill_tokens']} prefill tokens; "
-            + ("a wait after every layer" if st["layer_sync"] else "one wait per token (--no-layer-sync)")]
+    return [
+        f"{st['decode_tokens']} decode tokens, {st['prefill_tokens']} prefill tokens; "
+        + ("a wait after every layer" if st["layer_sync"] else "one wait per token (--no-layer-sync)")
+    ]
 
 
 def table(report: Report) -> str:
@@ -382,18 +477,31 @@ def table(report: Report) -> str:
             rows.append([r.variant] + ["—"] * 7 + [f"skipped: {r.skipped}"])
             continue
         link_ratio = r.tokens_per_s / r.link_bound_tokens_per_s if r.link_bound_tokens_per_s else None
-        rows.append([
-            r.variant,
-            f"{r.tokens_per_s:.2f}",
-            f"{100 * r.hit_rate:.1f} %",
-            f"{100 * r.belady_hit_rate:.1f} %" if r.belady_hit_rate is not None else "—",
-            f"{r.gib_per_token:.3f}",
-            f"{r.link_bound_tokens_per_s:.2f}" if r.link_bound_tokens_per_s else "∞",
-            share(link_ratio) if link_ratio else "—",
-            f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
-            f"{r.checksum_errors} bad / {r.experts_checked}",
-        ])
-    return tabulate(rows, headers=["variant", timed(report, "decode tok/s"), "hit rate", "Belady", "GiB/decode token",
-                                   timed(report, "link-bound tok/s"), timed(report, "of link bound"),
-                                   timed(report, "vs slab"), "checksums"],
-                    disable_numparse=True)
+        rows.append(
+            [
+                r.variant,
+                f"{r.tokens_per_s:.2f}",
+                f"{100 * r.hit_rate:.1f} %",
+                f"{100 * r.belady_hit_rate:.1f} %" if r.belady_hit_rate is not None else "—",
+                f"{r.gib_per_token:.3f}",
+                f"{r.link_bound_tokens_per_s:.2f}" if r.link_bound_tokens_per_s else "∞",
+                share(link_ratio) if link_ratio else "—",
+                f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
+                f"{r.checksum_errors} bad / {r.experts_checked}",
+            ]
+        )
+    return tabulate(
+        rows,
+        headers=[
+            "variant",
+            timed(report, "decode tok/s"),
+            "hit rate",
+            "Belady",
+            "GiB/decode token",
+            timed(report, "link-bound tok/s"),
+            timed(report, "of link bound"),
+            timed(report, "vs slab"),
+            "checksums",
+        ],
+        disable_numparse=True,
+    )

@@ -42,4 +42,5 @@ def test_hit_rate_curve_plots_a_line_per_policy(tmp_path, monkeypatch):
     bench.plot_curve(curve, str(tmp_path / "c.png"), "t")
     labels = [line.get_label() for line in drawn[0].get_lines()]
     assert labels == [n + (" (the default)" if n == _lib.DEFAULT_POLICY else "") for n in curve["policies"]] + [
-        "Belady (optimum)"]
+        "Belady (optimum)"
+    ]

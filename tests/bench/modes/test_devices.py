@@ -88,12 +88,15 @@ def test_cli_devices_writes_json(tmp_path, capsys):
     assert data["results"][2]["link_bound_tokens_per_s"] > 0
 
 
-@pytest.mark.parametrize("argv, why", [
-    (["--devices", "1"], "--devices must be 2..64"),
-    (["--devices", "2", "--prefetch", "cooc"], "drop the engine model"),
-    (["--devices", "2", "--scenario", "prefill"], "decode scenario"),
-    (["--devices", "2", "--no-layer-sync"], "decode scenario"),
-])
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--devices", "1"], "--devices must be 2..64"),
+        (["--devices", "2", "--prefetch", "cooc"], "drop the engine model"),
+        (["--devices", "2", "--scenario", "prefill"], "decode scenario"),
+        (["--devices", "2", "--no-layer-sync"], "decode scenario"),
+    ],
+)
 def test_cli_devices_refuses_what_it_cannot_run(argv, why, capsys):
     assert main(["bench", "--traces", TRACE, "--quiet"] + argv) == 2
     assert why in capsys.readouterr().err

@@ -33,7 +33,7 @@ def test_advice_is_the_previous_layers_prediction():
     preds = predict.predictions(trace, "oracle:1.0", top=6)
     for c, call in enumerate(calls[:200]):
         t, i = divmod(c, len(layers))
-        got = ids[offsets[c]:offsets[c] + counts[c]].tolist()
+        got = ids[offsets[c] : offsets[c] + counts[c]].tolist()
         if i == 0:
             assert counts[c] == 0  # a token's first layer: nothing routed before it
         else:
@@ -52,10 +52,16 @@ def host_bench():
 
 @pytest.mark.parametrize("split", [False, True])
 def test_every_setting_serves_the_right_bytes(host_bench, split):
-    report = engine.run_engine(host_bench, traces=["podA_b_json_full"], prefetch=["cooc", "oracle:1.0"],
-                               hints=True, compute_us=20, split=split)
-    assert [r.setting for r in report.results] == ["none", "prefetch cooc", "prefetch oracle:1.0", "hint cooc",
-                                                   "hint oracle:1.0"]
+    report = engine.run_engine(
+        host_bench, traces=["podA_b_json_full"], prefetch=["cooc", "oracle:1.0"], hints=True, compute_us=20, split=split
+    )
+    assert [r.setting for r in report.results] == [
+        "none",
+        "prefetch cooc",
+        "prefetch oracle:1.0",
+        "hint cooc",
+        "hint oracle:1.0",
+    ]
     calls = 37 * 40
     for r in report.results:
         assert r.checksum_errors == 0 and r.experts_checked == calls * 6

@@ -41,7 +41,7 @@ def holed(first_layer: int = 3, layers: int = 40, tokens: int = 24, seed: int = 
     t = synthetic_trace(tokens, layers, 256, 6, seed=seed, first_layer=first_layer)
     ids = t.ids.copy()
     ids[0, [1, 7]] = MISSING
-    ids[-1, layers - 10:] = MISSING
+    ids[-1, layers - 10 :] = MISSING
     for token, layer in ((3, 5), (4, 5), (9, 0), (15, 22), (16, 39)):
         ids[token, layer] = MISSING
     return Trace(f"holed{seed}", ids, None, first_layer, t.positions, 256)

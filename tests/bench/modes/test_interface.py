@@ -38,32 +38,47 @@ def test_every_mode_has_the_interface(name):
     assert not any(o.given(defaults) for o in mode.OPTIONS)
 
 
-@pytest.mark.parametrize("argv, name", [
-    ([], "variants"),
-    (["--scenario", "all", "--variants", "lru"], "variants"),
-    (["--prefetch", "cooc"], "engine"),
-    (["--layer-compute-us", "60", "--prefetch-top", "3"], "engine"),
-    (["--split"], "engine"),
-    (["--loop", "torch", "--layer-compute-us", "60"], "torch"),
-    (["--loop", "graph", "--layer-compute-us", "60"], "graph"),
-    (["--loop", "c", "--hints", "--prefetch", "cooc"], "engine"),
-    (["--devices", "2", "--device-placement", "round-robin"], "devices"),
-])
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        ([], "variants"),
+        (["--scenario", "all", "--variants", "lru"], "variants"),
+        (["--prefetch", "cooc"], "engine"),
+        (["--layer-compute-us", "60", "--prefetch-top", "3"], "engine"),
+        (["--split"], "engine"),
+        (["--loop", "torch", "--layer-compute-us", "60"], "torch"),
+        (["--loop", "graph", "--layer-compute-us", "60"], "graph"),
+        (["--loop", "c", "--hints", "--prefetch", "cooc"], "engine"),
+        (["--devices", "2", "--device-placement", "round-robin"], "devices"),
+    ],
+)
 def test_the_flag_spelling_chooses_a_mode(argv, name):
     args = cli._parse(["bench"] + argv)
     assert args.mode is None and modes.choose(args).NAME == name
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prefetch-top", "3"], "the variants table replays each --scenario through every --variants: drop the "
-                              "engine model's --prefetch-top, or run the engine model (expcache bench engine)"),
-    (["--loop", "torch", "--split"], "the torch loop (--loop torch) replays the decode scenario in torch, plain and "
-                                     "split selects side by side: drop the engine model's --split"),
-    (["--loop", "graph", "--split"], "the graph loop (--loop graph) replays the decode scenario with the device-side "
-                                     "select in a CUDA graph, next to the C loop: drop the engine model's --split"),
-    (["--prefetch", "cooc", "--no-layer-sync"], "drop the variants table's --no-layer-sync"),
-    (["--device-placement", "round-robin"], "drop the several-devices run's --device-placement"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--prefetch-top", "3"],
+            "the variants table replays each --scenario through every --variants: drop the "
+            "engine model's --prefetch-top, or run the engine model (expcache bench engine)",
+        ),
+        (
+            ["--loop", "torch", "--split"],
+            "the torch loop (--loop torch) replays the decode scenario in torch, plain and "
+            "split selects side by side: drop the engine model's --split",
+        ),
+        (
+            ["--loop", "graph", "--split"],
+            "the graph loop (--loop graph) replays the decode scenario with the device-side "
+            "select in a CUDA graph, next to the C loop: drop the engine model's --split",
+        ),
+        (["--prefetch", "cooc", "--no-layer-sync"], "drop the variants table's --no-layer-sync"),
+        (["--device-placement", "round-robin"], "drop the several-devices run's --device-placement"),
+    ],
+)
 def test_the_flag_spelling_refuses_options_of_another_mode(argv, message):
     with pytest.raises(options.UsageError, match=re.escape(message)):
         modes.choose(cli._parse(["bench"] + argv))
@@ -77,11 +92,15 @@ def test_a_named_mode_takes_only_its_options(capsys):
     assert capsys.readouterr().err.strip() == "expcache bench devices: name the number of devices: --devices N (2..64)"
 
 
-@pytest.mark.parametrize("named, flags", [
-    (["variants", "--variants", "oppclass,lru"], ["--variants", "oppclass,lru"]),
-    (["devices", "--devices", "2"], ["--devices", "2"]),
-    (["engine", "--prefetch", "oracle:1.0", "--hints"], ["--prefetch", "oracle:1.0", "--hints"]),
-], ids=["variants", "devices", "engine"])
+@pytest.mark.parametrize(
+    "named, flags",
+    [
+        (["variants", "--variants", "oppclass,lru"], ["--variants", "oppclass,lru"]),
+        (["devices", "--devices", "2"], ["--devices", "2"]),
+        (["engine", "--prefetch", "oracle:1.0", "--hints"], ["--prefetch", "oracle:1.0", "--hints"]),
+    ],
+    ids=["variants", "devices", "engine"],
+)
 def test_a_named_mode_runs_what_its_flag_spelling_runs(tmp_path, capsys, named, flags):
     common = ["--backend", "host", "--traces", TRACE, "--quiet", "--scale", "4096"]
     out = {}
@@ -109,7 +128,9 @@ def test_curve_mode_reports_the_simulator(tmp_path, capsys):
     (report,) = json.loads(path.read_text())
     assert report["mode"] == "curve" and report["backend"] is None and report["decode_tokens"] == 117
     assert [p["fraction"] for p in report["results"]] == list(modes.by_name("curve").FRACTIONS)
-    assert report["policies"] == list(bench.policy_variants()) and report["default_policy"] == bench.policy_variants()[0]
+    assert (
+        report["policies"] == list(bench.policy_variants()) and report["default_policy"] == bench.policy_variants()[0]
+    )
     for p in report["results"]:
         assert list(p["hit_rates"]) == report["policies"]
         assert all(rate <= p["belady"] for rate in p["hit_rates"].values())
@@ -117,20 +138,39 @@ def test_curve_mode_reports_the_simulator(tmp_path, capsys):
 
 
 def test_one_header_for_every_report():
-    report = Report("devices", "decode over 2 devices", backend="host", device="host (emulated)", layout="L",
-                    source="pageable", placement="expert", budget_bytes=50 << 20, budget_fraction=0.25,
-                    host_scale=256, full_budget_bytes=12 << 30, traces=["a", "b"], link_bytes_per_s=2e9,
-                    link_label="memcpy", settings=dict(devices=[0, 1], device_placement="balanced", shared_gpus=False))
+    report = Report(
+        "devices",
+        "decode over 2 devices",
+        backend="host",
+        device="host (emulated)",
+        layout="L",
+        source="pageable",
+        placement="expert",
+        budget_bytes=50 << 20,
+        budget_fraction=0.25,
+        host_scale=256,
+        full_budget_bytes=12 << 30,
+        traces=["a", "b"],
+        link_bytes_per_s=2e9,
+        link_label="memcpy",
+        settings=dict(devices=[0, 1], device_placement="balanced", shared_gpus=False),
+    )
     lines = format_report(report).splitlines()
-    assert lines[:4] == ["expcache bench — decode over 2 devices on host (emulated)",
-                         "layout L, pageable source (expert placement), budget 12.00 GiB = 25.0 % of the experts' "
-                         "bytes (sizes / 256 here, budget 50 MiB: the same slot counts)",
-                         "times host-emulated; link 2.0 GB/s (memcpy)",
-                         "traces a, b"]
+    assert lines[:4] == [
+        "expcache bench — decode over 2 devices on host (emulated)",
+        "layout L, pageable source (expert placement), budget 12.00 GiB = 25.0 % of the experts' "
+        "bytes (sizes / 256 here, budget 50 MiB: the same slot counts)",
+        "times host-emulated; link 2.0 GB/s (memcpy)",
+        "traces a, b",
+    ]
     report.full_budget_bytes = None  # divided sizes whose slot counts nothing checked: not claimed
     assert format_report(report).splitlines()[1] == (
         "layout L, pageable source (expert placement), budget 50 MiB = 25.0 % of the experts' bytes (sizes and "
-        "budget / 256; slot counts not checked against the full size's)")
+        "budget / 256; slot counts not checked against the full size's)"
+    )
     data = report.to_json()
-    assert data["devices"] == [0, 1] and "settings" not in data and list(data).index("devices") < list(data).index(
-        "results")
+    assert (
+        data["devices"] == [0, 1]
+        and "settings" not in data
+        and list(data).index("devices") < list(data).index("results")
+    )

@@ -89,8 +89,13 @@ def test_arguments_are_checked(bench, expected):
 
 def test_one_mode_and_progress(bench, expected):
     seen = []
-    report = run_torch_loop(bench, traces=TRACES, modes=("split",), expected=expected,
-                            progress=lambda label, done, total: seen.append((label, done, total)))
+    report = run_torch_loop(
+        bench,
+        traces=TRACES,
+        modes=("split",),
+        expected=expected,
+        progress=lambda label, done, total: seen.append((label, done, total)),
+    )
     assert [r.mode for r in report.results] == ["split"] and report.checksum_errors == 0
     assert seen and seen[-1] == ("torch split", 800, 800)
     assert "vs plain" in format_report(report)  # the ratio to the first when there is no plain

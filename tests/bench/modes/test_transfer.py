@@ -33,18 +33,29 @@ def test_transfer_table_formats_rows_and_says_what_raw_means():
     from pyexpcache import StagingStats
     from pyexpcache.bench.modes import transfer
 
-    staged = StagingStats(calls=2, pieces=8, bytes=8 << 20, caller_fills=2, fill_ns=800_000, wait_ns=100_000,
-                          send_ns=24_000, sends=4, span_ns=400_000, first_fill_ns=20_000)
-    rows = [transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
-            transfer.TransferRow("pageable", 8, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20, staged)]
+    staged = StagingStats(
+        calls=2,
+        pieces=8,
+        bytes=8 << 20,
+        caller_fills=2,
+        fill_ns=800_000,
+        wait_ns=100_000,
+        send_ns=24_000,
+        sends=4,
+        span_ns=400_000,
+        first_fill_ns=20_000,
+    )
+    rows = [
+        transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
+        transfer.TransferRow("pageable", 8, 1 << 20, "0.5 MiB", "expert", 21.0, 14.0, 42.0, 1 << 20, staged),
+    ]
     text = transfer.format_rows(rows, detail=True)
     lines = text.splitlines()
-    assert "119 %" in lines[2] and "50 %" in lines[3]          # library / raw pinned, per row
+    assert "119 %" in lines[2] and "50 %" in lines[3]  # library / raw pinned, per row
     # the call (4 MiB at 21 GB/s); pieces per call and per send; its span, first piece, wait;
     # threads filling; fill, send per piece; caller fills
-    assert lines[3].split()[-11:] == ["199.7", "4.0", "2.0", "200.0", "10.0", "50.0", "2.0", "100.0", "3.00",
-                                      "25", "%"]
-    assert lines[2].split()[-10:] == ["—"] * 10                 # a pinned source stages nothing
+    assert lines[3].split()[-11:] == ["199.7", "4.0", "2.0", "200.0", "10.0", "50.0", "2.0", "100.0", "3.00", "25", "%"]
+    assert lines[2].split()[-10:] == ["—"] * 10  # a pinned source stages nothing
     assert "cudaMemcpyBatchAsync" in text and "one expert at a time" in text
 
 
@@ -52,8 +63,9 @@ def test_transfer_table_formats_rows_and_says_what_raw_means():
 def test_transfer_table_moves_every_byte_from_every_source(tmp_path):
     from pyexpcache.bench.modes import transfer
 
-    rows = transfer.measure(sizes=["0.5 MiB"], total_bytes=64 << 20, copy_threads=(1, 4), chunks=(256 << 10,),
-                        file_dir=str(tmp_path))
+    rows = transfer.measure(
+        sizes=["0.5 MiB"], total_bytes=64 << 20, copy_threads=(1, 4), chunks=(256 << 10,), file_dir=str(tmp_path)
+    )
     assert sorted({r.source for r in rows}) == sorted(transfer.SOURCES)
     for r in rows:
         assert r.library_gb_s > 0 and r.raw_pinned_gb_s > 0

@@ -17,8 +17,9 @@ from pyexpcache.sim import DECODE, Call
 
 def test_bench_run_host_reports_every_variant():
     layout = ModelLayout.preset("mixed", scale=4096)
-    report = bench.run(layout, "decode", traces=["podA_b_json_full"], budget_bytes=(12 << 30) // 4096,
-                       backend="host", host_scale=4096)
+    report = bench.run(
+        layout, "decode", traces=["podA_b_json_full"], budget_bytes=(12 << 30) // 4096, backend="host", host_scale=4096
+    )
     names = [r.variant for r in report.results]
     assert names == list(bench.variants())
     r = {x.variant: x for x in report.results}
@@ -40,8 +41,11 @@ def test_variants_are_the_librarys_policies_then_the_baselines():
     """The policy variants are the library's table, by name, its default first: nothing typed."""
     assert bench.policy_variants()[0] == _lib.DEFAULT_POLICY
     assert sorted(bench.policy_variants()) == sorted(_lib.POLICIES)
-    assert bench.variants() == bench.policy_variants() + bench.BASELINES == bench.policy_variants() + (
-        "slab", "nocache", "resident")
+    assert (
+        bench.variants()
+        == bench.policy_variants() + bench.BASELINES
+        == bench.policy_variants() + ("slab", "nocache", "resident")
+    )
 
 
 def test_every_policy_variant_agrees_with_its_simulator(monkeypatch):
@@ -58,8 +62,14 @@ def test_every_policy_variant_agrees_with_its_simulator(monkeypatch):
 
     monkeypatch.setattr(mode, "simulate_policy", spy)
     layout = ModelLayout.preset("mixed", scale=4096)
-    report = bench.run(layout, "decode", variants=list(bench.policy_variants()), traces=["podA_b_json_full"],
-                       budget_bytes=layout.total_bytes // 20, backend="host")
+    report = bench.run(
+        layout,
+        "decode",
+        variants=list(bench.policy_variants()),
+        traces=["podA_b_json_full"],
+        budget_bytes=layout.total_bytes // 20,
+        backend="host",
+    )
     assert calls == [(p, tuple(layout.moe_layers)) for p in bench.policy_variants()]
     assert [r.variant for r in report.results] == list(bench.policy_variants())
 
@@ -78,12 +88,17 @@ def test_bench_detects_corrupted_bytes(monkeypatch):
 
 def test_prefill_bytes_are_not_charged_to_decode():
     layout = ModelLayout.preset("q2", scale=4096)
-    report = bench.run(layout, "turns", variants=["oppclass"], traces=["podA_b_json_full"],
-                       budget_bytes=layout.total_bytes // 10, backend="host")
+    report = bench.run(
+        layout,
+        "turns",
+        variants=["oppclass"],
+        traces=["podA_b_json_full"],
+        budget_bytes=layout.total_bytes // 10,
+        backend="host",
+    )
     r = report.results[0]
     assert 0 < r.decode_bytes_h2d < r.bytes_h2d
-    assert r.link_bound_tokens_per_s == pytest.approx(
-        r.decode_tokens / (r.decode_bytes_h2d / report.link_bytes_per_s))
+    assert r.link_bound_tokens_per_s == pytest.approx(r.decode_tokens / (r.decode_bytes_h2d / report.link_bytes_per_s))
 
 
 @pytest.mark.parametrize("variant", ["lru", "oppclass", "nocache"])
@@ -105,7 +120,12 @@ def test_no_layer_sync_serves_the_same_bytes_and_counts(variant):
         assert bad.checksum_errors >= 1
     a, b_ = results[True], results[False]
     assert (a.hits, a.misses, a.experts_checked, a.decode_bytes_h2d, a.decode_calls) == (
-        b_.hits, b_.misses, b_.experts_checked, b_.decode_bytes_h2d, b_.decode_calls)
+        b_.hits,
+        b_.misses,
+        b_.experts_checked,
+        b_.decode_bytes_h2d,
+        b_.decode_calls,
+    )
     assert 0 < b_.decode_serve_seconds < b_.decode_seconds
 
 

@@ -26,7 +26,10 @@ void op_bad_serving(Model* m) {
     if (kind < 14) m->sel_valid = 0;
     if (kind == 3 || kind == 4) m->cmp_valid = 0;
     switch (kind) {
-        case 0: s = expcache_select_async(m->h, layer, ids, 0, NULL, out); expect_bad("expcache_select_async", s, IA, "k 0"); break;
+        case 0:
+            s = expcache_select_async(m->h, layer, ids, 0, NULL, out);
+            expect_bad("expcache_select_async", s, IA, "k 0");
+            break;
         case 1:
             s = expcache_select_async(m->h, layer, ids, EXPCACHE_MAX_SELECT + 1, NULL, out);
             expect_bad("expcache_select_async", s, IA, "k > EXPCACHE_MAX_SELECT");

@@ -32,8 +32,8 @@ void op_batch_prepare(Model* m, int quiet, uint64_t max_n) {
     check_status("expcache_batch_prepare_async", s, serving_statuses(m));
     consumed_copy_fault(m, s);
     if (!quiet || s != OK)
-        trace("batch_prepare layer %u n %" PRIu64 " (%u unique, %u resident; %d outstanding): %s id %" PRIu64, layer,
-              n, u, pre_res, m->nbatches, sname(s), s == OK ? id : 0);
+        trace("batch_prepare layer %u n %" PRIu64 " (%u unique, %u resident; %d outstanding): %s id %" PRIu64, layer, n,
+              u, pre_res, m->nbatches, sname(s), s == OK ? id : 0);
     if (want_is != (s == IS))
         diverge("batch_prepare on layer %u returned %s with %d batches outstanding; the class infos say binding %s",
                 layer, sname(s), m->nbatches, bind_fails(m, layer) ? "must fail" : "is possible");
@@ -43,7 +43,8 @@ void op_batch_prepare(Model* m, int quiet, uint64_t max_n) {
                 diverge("failed batch_prepare wrote out_ids[%" PRIu64 "]", i);
                 break;
             }
-        if (count != 0xA5A5A5A5u || id != 0xA5A5A5A5A5A5A5A5ull) diverge("failed batch_prepare wrote out_count/out_batch");
+        if (count != 0xA5A5A5A5u || id != 0xA5A5A5A5A5A5A5A5ull)
+            diverge("failed batch_prepare wrote out_count/out_batch");
         /* A batch never evicts: what was resident stays so (the layer's class was bound already). */
         for (uint32_t j = 0; j < u; ++j)
             if (g_pre[j] == 1 && resident(m, layer, g_u[j]) != 1)
@@ -115,7 +116,8 @@ void op_batch_finish(Model* m) {
     expcache_status_t s;
     if (m->nbatches == 0 || pct(10)) {
         uint64_t id = pct(50) && m->nfinished ? m->finished[below((uint64_t)m->nfinished)]
-                                              : pct(50) ? 0 : rnd() | ((uint64_t)1 << 62);
+                      : pct(50)               ? 0
+                                              : rnd() | ((uint64_t)1 << 62);
         s = expcache_batch_finish(m->h, id, rand_stream());
         expect_bad("expcache_batch_finish", s, IA, "unknown or finished batch");
         trace("batch_finish unknown %" PRIu64 ": %s", id, sname(s));
@@ -131,8 +133,10 @@ void op_batch_finish(Model* m) {
     g_finishes++;
     if (s != OK) return;
     drop_batch(m, b);
-    if (m->nfinished < MAX_FINISHED) m->finished[m->nfinished++] = id;
-    else m->finished[below(MAX_FINISHED)] = id;
+    if (m->nfinished < MAX_FINISHED)
+        m->finished[m->nfinished++] = id;
+    else
+        m->finished[below(MAX_FINISHED)] = id;
     check_invariants(m, pct(5), 0);
 }
 

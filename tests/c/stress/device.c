@@ -87,8 +87,10 @@ static void device_select(Model* m, uint32_t layer, uint32_t budget, expcache_ba
     if (bad) ids[below(count)] = L->num_experts + (uint32_t)below(3); /* out of range: slot -1 */
     void* wide = xmalloc((size_t)count * bits / 8);
     for (uint32_t i = 0; i < count; ++i) {
-        if (bits == 32) ((int32_t*)wide)[i] = (int32_t)ids[i];
-        else ((int64_t*)wide)[i] = (int64_t)ids[i];
+        if (bits == 32)
+            ((int32_t*)wide)[i] = (int32_t)ids[i];
+        else
+            ((int64_t*)wide)[i] = (int64_t)ids[i];
     }
     int32_t* slots = (int32_t*)xmalloc(sizeof(int32_t) * count);
     uint32_t u = 0, pre = 0;
@@ -152,11 +154,11 @@ static void device_select(Model* m, uint32_t layer, uint32_t budget, expcache_ba
             diverge("a device select's id out of range was logged again by a later call");
     }
     expcache_stats_t after = device_stats(m);
-    if (!bad && (after.calls - before.calls != 1 || after.hits - before.hits != pre ||
-                 after.misses - before.misses != u - pre))
+    if (!bad &&
+        (after.calls - before.calls != 1 || after.hits - before.hits != pre || after.misses - before.misses != u - pre))
         diverge("select_device moved the device counters by calls %" PRIu64 " hits %" PRIu64 " misses %" PRIu64
-                "; want 1, %u, %u", after.calls - before.calls, after.hits - before.hits,
-                after.misses - before.misses, pre, u - pre);
+                "; want 1, %u, %u",
+                after.calls - before.calls, after.hits - before.hits, after.misses - before.misses, pre, u - pre);
     for (uint32_t j = 0; j < u; ++j)
         if (resident(m, layer, g_u[j]) != 1) diverge("expert %u of a device select is not resident", g_u[j]);
 out:
@@ -189,8 +191,8 @@ static void release(Model* m, const expcache_bank_t* bank) {
     s = expcache_class_bank_get(m->h, 0, &now);
     check_status("expcache_class_bank_get", s, ST(OK));
     if (s == OK && (now.base != bank->base || now.cap != bank->cap))
-        diverge("release_all moved or resized the bank (%p, %" PRIu64 " slots; was %p, %" PRIu64 ")", now.base,
-                now.cap, bank->base, bank->cap);
+        diverge("release_all moved or resized the bank (%p, %" PRIu64 " slots; was %p, %" PRIu64 ")", now.base, now.cap,
+                bank->base, bank->cap);
     uint32_t layer = (uint32_t)below(m->num_layers);
     uint32_t e = (uint32_t)below(m->layers[layer].num_experts);
     if (resident(m, layer, e) != 0) diverge("expert %u of layer %u is resident after release_all", e, layer);
@@ -203,11 +205,25 @@ static void bad_device_select(Model* m) {
     uint32_t layer = 0, bits = 32, n = 1;
     const char* what = "";
     switch (below(5)) {
-        case 0: bits = 16; what = "id_bits 16"; break;
-        case 1: n = 0; what = "n 0"; break;
-        case 2: in = NULL; what = "ids NULL"; break;
-        case 3: out = NULL; what = "out_slots NULL"; break;
-        default: layer = m->num_layers + (uint32_t)below(3); what = "layer out of range";
+        case 0:
+            bits = 16;
+            what = "id_bits 16";
+            break;
+        case 1:
+            n = 0;
+            what = "n 0";
+            break;
+        case 2:
+            in = NULL;
+            what = "ids NULL";
+            break;
+        case 3:
+            out = NULL;
+            what = "out_slots NULL";
+            break;
+        default:
+            layer = m->num_layers + (uint32_t)below(3);
+            what = "layer out of range";
     }
     expcache_status_t s = expcache_select_device_async(m->h, layer, in, bits, n, 2, out, NULL);
     expect_bad("expcache_select_device_async", s, IA, what);
@@ -228,11 +244,16 @@ void op_device_lookup(void) {
     for (uint64_t i = 0; i < ops; ++i) {
         uint32_t layer = (uint32_t)below(m->num_layers);
         unsigned r = (unsigned)below(100);
-        if (r < 55) device_select(m, layer, budget, &bank);
-        else if (r < 75) host_select(m, layer);
-        else if (r < 83) release(m, &bank);
-        else if (r < 90) bad_device_select(m);
-        else (void)device_stats(m);
+        if (r < 55)
+            device_select(m, layer, budget, &bank);
+        else if (r < 75)
+            host_select(m, layer);
+        else if (r < 83)
+            release(m, &bank);
+        else if (r < 90)
+            bad_device_select(m);
+        else
+            (void)device_stats(m);
     }
     expcache_destroy(m->h);
     g_calls++;

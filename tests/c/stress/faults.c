@@ -38,7 +38,8 @@ void op_inject(Model* m) {
 
 void op_inject_copy(Model* m) {
     uint64_t skip = below(40), count = pct(20) ? 0 : between(1, 2);
-    arm_faults(m, "expcache_testing_inject_copy_failures", expcache_testing_inject_copy_failures, skip, count, &m->copy_faults_left);
+    arm_faults(m, "expcache_testing_inject_copy_failures", expcache_testing_inject_copy_failures, skip, count,
+               &m->copy_faults_left);
 }
 
 void op_inject_staging(Model* m) {

@@ -47,10 +47,22 @@ void bad_open_file(Model* m) {
     uint32_t id = 0xA5A5A5A5u;
     expcache_status_t s;
     switch (below(5)) {
-        case 0: s = expcache_file_open(m->h, NULL, &id); expect_bad("expcache_file_open", s, IA, "path NULL"); break;
-        case 1: s = expcache_file_open(m->h, "", &id); expect_bad("expcache_file_open", s, IA, "path empty"); break;
-        case 2: s = expcache_file_open(m->h, tmp_dir(), NULL); expect_bad("expcache_file_open", s, IA, "out_file NULL"); break;
-        case 3: s = expcache_file_open(m->h, tmp_dir(), &id); expect_bad("expcache_file_open", s, IO, "a directory"); break;
+        case 0:
+            s = expcache_file_open(m->h, NULL, &id);
+            expect_bad("expcache_file_open", s, IA, "path NULL");
+            break;
+        case 1:
+            s = expcache_file_open(m->h, "", &id);
+            expect_bad("expcache_file_open", s, IA, "path empty");
+            break;
+        case 2:
+            s = expcache_file_open(m->h, tmp_dir(), NULL);
+            expect_bad("expcache_file_open", s, IA, "out_file NULL");
+            break;
+        case 3:
+            s = expcache_file_open(m->h, tmp_dir(), &id);
+            expect_bad("expcache_file_open", s, IO, "a directory");
+            break;
         default: {
             char path[4200];
             snprintf(path, sizeof path, "%s/expcache-stress-missing-%" PRIu64, tmp_dir(), rnd());
@@ -72,7 +84,8 @@ void op_file_limit(void) {
     rlim_t want = 2 * 1100 + 64; /* two descriptors a file where O_DIRECT is allowed */
     if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < want) {
         if (rl.rlim_max != RLIM_INFINITY && rl.rlim_max < want) {
-            printf("stress: open_file limit test skipped (RLIMIT_NOFILE hard limit %llu)\n", (unsigned long long)rl.rlim_max);
+            printf("stress: open_file limit test skipped (RLIMIT_NOFILE hard limit %llu)\n",
+                   (unsigned long long)rl.rlim_max);
             return;
         }
         struct rlimit more = rl;
@@ -138,7 +151,8 @@ void op_file_limit(void) {
     }
     expcache_destroy(h);
     g_calls += 4;
-    if (count_fds() != fds) diverge("destroying a cache with %u files open left %d descriptors open", n, count_fds() - fds);
+    if (count_fds() != fds)
+        diverge("destroying a cache with %u files open left %d descriptors open", n, count_fds() - fds);
 }
 
 /* Open file descriptors of this process (-1 where /proc is not there). */

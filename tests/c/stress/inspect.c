@@ -18,7 +18,8 @@ void op_layer_class(Model* m) {
                    layer >= m->num_layers ? "layer out of range" : "layer not registered");
     } else {
         check_status("expcache_layer_bind_class", s, ST(OK) | ST(IS));
-        if (want_is != (s == IS)) diverge("layer_class(%u) returned %s, predicted %s", layer, sname(s), want_is ? "INVALID_STATE" : "OK");
+        if (want_is != (s == IS))
+            diverge("layer_class(%u) returned %s, predicted %s", layer, sname(s), want_is ? "INVALID_STATE" : "OK");
     }
     if (s != OK) {
         if (c != 0xA5A5u) diverge("failed layer_class wrote *out_class");
@@ -221,9 +222,18 @@ void op_checksum(Model* m) {
         expcache_expert_ptrs_t bad = ptrs[0];
         uint64_t hostbuf[4];
         switch (below(4)) {
-            case 0: s = expcache_testing_checksum(m->h, layer, ptrs, 0, NULL, sums); expect_bad("expcache_testing_checksum", s, IA, "n 0"); break;
-            case 1: s = expcache_testing_checksum(m->h, layer, NULL, 1, NULL, sums); expect_bad("expcache_testing_checksum", s, IA, "ptrs NULL"); break;
-            case 2: s = expcache_testing_checksum(m->h, layer, ptrs, 1, NULL, NULL); expect_bad("expcache_testing_checksum", s, IA, "out_sums NULL"); break;
+            case 0:
+                s = expcache_testing_checksum(m->h, layer, ptrs, 0, NULL, sums);
+                expect_bad("expcache_testing_checksum", s, IA, "n 0");
+                break;
+            case 1:
+                s = expcache_testing_checksum(m->h, layer, NULL, 1, NULL, sums);
+                expect_bad("expcache_testing_checksum", s, IA, "ptrs NULL");
+                break;
+            case 2:
+                s = expcache_testing_checksum(m->h, layer, ptrs, 1, NULL, NULL);
+                expect_bad("expcache_testing_checksum", s, IA, "out_sums NULL");
+                break;
             default:
                 bad.up = hostbuf;
                 s = expcache_testing_checksum(m->h, layer, &bad, 1, NULL, sums);

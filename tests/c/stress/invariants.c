@@ -29,8 +29,8 @@ void check_invariants(Model* m, int deep, int exact_stats) {
         if (ci.in_use > 1) diverge("class %u in_use is %u", c, ci.in_use);
         if (!ci.in_use) {
             if (ci.allocated_experts || ci.resident_experts || ci.held_experts)
-                diverge("empty class index %u reports %" PRIu64 " allocated, %" PRIu64 " resident, %" PRIu64 " held",
-                        c, ci.allocated_experts, ci.resident_experts, ci.held_experts);
+                diverge("empty class index %u reports %" PRIu64 " allocated, %" PRIu64 " resident, %" PRIu64 " held", c,
+                        ci.allocated_experts, ci.resident_experts, ci.held_experts);
             continue;
         }
         in_use++;
@@ -43,7 +43,9 @@ void check_invariants(Model* m, int deep, int exact_stats) {
                 layers++;
             }
         }
-        if (!layers) diverge("class %u has key (%" PRIu64 ", %" PRIu64 ", %" PRIu64 ") of no registered layer", c, key[0], key[1], key[2]);
+        if (!layers)
+            diverge("class %u has key (%" PRIu64 ", %" PRIu64 ", %" PRIu64 ") of no registered layer", c, key[0],
+                    key[1], key[2]);
         if (ci.slot_bytes != slot_bytes_of(key))
             diverge("class %u slot_bytes %" PRIu64 ", want %" PRIu64, c, ci.slot_bytes, slot_bytes_of(key));
         if (!(ci.held_experts <= ci.resident_experts && ci.resident_experts <= ci.allocated_experts))
@@ -130,7 +132,8 @@ void check_invariants(Model* m, int deep, int exact_stats) {
             for (uint32_t e = 0; e < L->num_experts; ++e) total += resident(m, l, e) == 1;
         }
         if (total != resident_total)
-            diverge("read_resident finds %" PRIu64 " resident experts, class infos say %" PRIu64, total, resident_total);
+            diverge("read_resident finds %" PRIu64 " resident experts, class infos say %" PRIu64, total,
+                    resident_total);
     }
 }
 

@@ -16,7 +16,9 @@ static void build_sources(Model* m, uint32_t l, int as_file) {
     const uint64_t* k = m->keys[L->key];
     uint32_t n = L->num_experts;
     for (int p = 0; p < 3; ++p) L->bytes[p] = k[p];
-    L->pinned = pct(20) ? EXPCACHE_SOURCE_PINNED : EXPCACHE_SOURCE_PAGEABLE; /* host backend: pinned is a plain memcpy, pageable goes through the staging ring */
+    L->pinned =
+        pct(20) ? EXPCACHE_SOURCE_PINNED : EXPCACHE_SOURCE_PAGEABLE; /* host backend: pinned is a plain memcpy, pageable
+                                                                        goes through the staging ring */
     L->from_file = as_file;
     uint64_t region[3], start[3];
     if (pct(50)) {
@@ -60,7 +62,8 @@ static void build_sources(Model* m, uint32_t l, int as_file) {
             start[p] = lead + off[p];
             region[p] = 0; /* one buffer, below */
         }
-        if (as_file) L->file_bytes = lead + size + below(100);
+        if (as_file)
+            L->file_bytes = lead + size + below(100);
         else {
             L->nbufs = 1;
             L->bufs[0] = (unsigned char*)xmalloc(size);
@@ -147,16 +150,36 @@ void op_register(Model* m) {
         uint64_t* stride[3] = {&d.gate_stride, &d.up_stride, &d.down_stride};
         const void** base[3] = {&d.gate_base, &d.up_base, &d.down_base};
         switch (below(13)) {
-            case 0: dp = NULL; what = "desc NULL"; break;
-            case 1: d.struct_size = pct(50) ? 0 : (uint32_t)sizeof d + 8; what = "struct_size"; break;
-            case 2: d.num_experts = pct(50) ? 0 : EXPCACHE_MAX_EXPERTS_LIMIT + 1; what = "num_experts"; break;
-            case 3: d.source_kind = EXPCACHE_SOURCE_FILE + 1 + (uint32_t)below(5); what = "source_kind"; break;
-            case 4:
-                if (L->from_file) d.file = m->nfiles + (uint32_t)below(3), what = "file not opened";
-                else d.file = 1 + (uint32_t)below(3), what = "file not 0 for a memory source";
+            case 0:
+                dp = NULL;
+                what = "desc NULL";
                 break;
-            case 5: *bytes[p] = pct(50) ? 0 : ((uint64_t)1 << 40) + 1; what = "part bytes"; break;
-            case 6: *stride[p] = *bytes[p] - 1; what = "stride < bytes"; break;
+            case 1:
+                d.struct_size = pct(50) ? 0 : (uint32_t)sizeof d + 8;
+                what = "struct_size";
+                break;
+            case 2:
+                d.num_experts = pct(50) ? 0 : EXPCACHE_MAX_EXPERTS_LIMIT + 1;
+                what = "num_experts";
+                break;
+            case 3:
+                d.source_kind = EXPCACHE_SOURCE_FILE + 1 + (uint32_t)below(5);
+                what = "source_kind";
+                break;
+            case 4:
+                if (L->from_file)
+                    d.file = m->nfiles + (uint32_t)below(3), what = "file not opened";
+                else
+                    d.file = 1 + (uint32_t)below(3), what = "file not 0 for a memory source";
+                break;
+            case 5:
+                *bytes[p] = pct(50) ? 0 : ((uint64_t)1 << 40) + 1;
+                what = "part bytes";
+                break;
+            case 6:
+                *stride[p] = *bytes[p] - 1;
+                what = "stride < bytes";
+                break;
             case 7:
                 if (L->from_file) { /* offset 0 is valid in a file: make the last expert end past the file */
                     *base[p] = (const void*)(uintptr_t)(L->file_bytes - *bytes[p] + 1);
@@ -173,7 +196,10 @@ void op_register(Model* m) {
                 d.num_experts = 2;
                 what = "address overflow";
                 break;
-            case 9: layer = m->num_layers + (uint32_t)below(5); what = "layer out of range"; break;
+            case 9:
+                layer = m->num_layers + (uint32_t)below(5);
+                what = "layer out of range";
+                break;
             case 10:
                 if (L->from_file) {
                     d.num_experts = n + 1 + (uint32_t)below(4);
@@ -185,7 +211,10 @@ void op_register(Model* m) {
                     what = "file source with a file never opened";
                 }
                 break;
-            case 11: layer = UINT32_MAX; what = "layer UINT32_MAX"; break;
+            case 11:
+                layer = UINT32_MAX;
+                what = "layer UINT32_MAX";
+                break;
             default:
                 d.source_kind = EXPCACHE_SOURCE_FILE;
                 d.file = m->nfiles + (uint32_t)below(1000);
@@ -195,8 +224,10 @@ void op_register(Model* m) {
         s = expcache_layer_register(m->h, layer, dp);
         expect_bad("expcache_layer_register", s, IA, what);
         trace("register_layer %u bad (%s): %s", layer, what, sname(s));
-        if (s == OK && layer == l) L->registered = 1; /* refused nothing: keep the model in step */
-        else free_layer(L), L->key = key, L->num_experts = n;
+        if (s == OK && layer == l)
+            L->registered = 1; /* refused nothing: keep the model in step */
+        else
+            free_layer(L), L->key = key, L->num_experts = n;
         check_invariants(m, 0, 1);
         return;
     }
@@ -210,7 +241,9 @@ void op_register(Model* m) {
           "/%" PRIu64 "%s: %s",
           l, n, L->bytes[0], L->bytes[1], L->bytes[2], L->stride[0], L->stride[1], L->stride[2],
           L->from_file ? " (file)" : "", sname(s));
-    if (s == OK) L->registered = 1;
-    else free_layer(L), L->key = key, L->num_experts = n;
+    if (s == OK)
+        L->registered = 1;
+    else
+        free_layer(L), L->key = key, L->num_experts = n;
     check_invariants(m, 0, 0);
 }

@@ -18,8 +18,7 @@ static const uint64_t kSizes[] = {1, 2, 3, 7, 8, 9, 63, 64, 100, 255, 256, 257, 
 
 static void pick_key(uint64_t k[3], int tiny) {
     for (int p = 0; p < 3; ++p)
-        k[p] = tiny ? between(1, 4)
-                    : pct(70) ? kSizes[below(sizeof kSizes / sizeof kSizes[0])] : between(1, 2500);
+        k[p] = tiny ? between(1, 4) : pct(70) ? kSizes[below(sizeof kSizes / sizeof kSizes[0])] : between(1, 2500);
 }
 
 static void bad_configs(void) {
@@ -33,26 +32,69 @@ static void bad_configs(void) {
     const char* what = "";
     expcache_status_t want = IA;
     switch (which) {
-        case 0: cfg.struct_size = sizeof cfg - 8; what = "struct_size too small"; break;
-        case 1: cfg.num_layers = 0; what = "num_layers 0"; break;
-        case 2: cfg.num_layers = EXPCACHE_MAX_LAYERS_LIMIT + 1; what = "num_layers over the limit"; break;
-        case 3: cfg.max_classes = pct(50) ? 0 : EXPCACHE_MAX_CLASSES_LIMIT + 1; what = "max_classes"; break;
-        case 4: cfg.backend = 3 + (uint32_t)below(100); what = "backend"; break;
-        case 5: cfg.log_level = EXPCACHE_LOG_DEBUG + 1; what = "log_level"; break;
-        case 6: cfg.budget_experts = cfg.budget_bytes = 0; what = "no budget"; break;
-        case 7: cfg.device_capacity_bytes = 0; what = "device_capacity_bytes 0"; break;
-        case 8: cfg.slab_bytes = 0; what = "slab_bytes 0"; break;
-        case 9: cfg.copy_threads = 65; what = "copy_threads"; break;
-        case 10: cfg.policy = EXPCACHE_POLICY_COUNT + (uint32_t)below(100); what = "policy"; break;
-        case 11: cfg.staging_bytes = pct(50) ? 1000 : (uint64_t)17 << 30; what = "staging_bytes"; break;
-        case 12: cfg.backend = EXPCACHE_BACKEND_CUDA; want = UNSUP; what = "CUDA backend in a host-only build"; break;
+        case 0:
+            cfg.struct_size = sizeof cfg - 8;
+            what = "struct_size too small";
+            break;
+        case 1:
+            cfg.num_layers = 0;
+            what = "num_layers 0";
+            break;
+        case 2:
+            cfg.num_layers = EXPCACHE_MAX_LAYERS_LIMIT + 1;
+            what = "num_layers over the limit";
+            break;
+        case 3:
+            cfg.max_classes = pct(50) ? 0 : EXPCACHE_MAX_CLASSES_LIMIT + 1;
+            what = "max_classes";
+            break;
+        case 4:
+            cfg.backend = 3 + (uint32_t)below(100);
+            what = "backend";
+            break;
+        case 5:
+            cfg.log_level = EXPCACHE_LOG_DEBUG + 1;
+            what = "log_level";
+            break;
+        case 6:
+            cfg.budget_experts = cfg.budget_bytes = 0;
+            what = "no budget";
+            break;
+        case 7:
+            cfg.device_capacity_bytes = 0;
+            what = "device_capacity_bytes 0";
+            break;
+        case 8:
+            cfg.slab_bytes = 0;
+            what = "slab_bytes 0";
+            break;
+        case 9:
+            cfg.copy_threads = 65;
+            what = "copy_threads";
+            break;
+        case 10:
+            cfg.policy = EXPCACHE_POLICY_COUNT + (uint32_t)below(100);
+            what = "policy";
+            break;
+        case 11:
+            cfg.staging_bytes = pct(50) ? 1000 : (uint64_t)17 << 30;
+            what = "staging_bytes";
+            break;
+        case 12:
+            cfg.backend = EXPCACHE_BACKEND_CUDA;
+            want = UNSUP;
+            what = "CUDA backend in a host-only build";
+            break;
         case 13: {
             static const uint64_t bad[] = {0, 4096, (64u << 10) - 4096, (64u << 10) + 1, (uint64_t)65 << 20};
             cfg.staging_chunk_bytes = bad[below(5)];
             what = "staging_chunk_bytes";
             break;
         }
-        case 14: cfg.file_reads = 2 + (uint32_t)below(100); what = "file_reads"; break;
+        case 14:
+            cfg.file_reads = 2 + (uint32_t)below(100);
+            what = "file_reads";
+            break;
     }
     expcache_status_t s = expcache_create(&cfg, &h);
     expect_bad("expcache_create", s, want, what);
@@ -90,8 +132,9 @@ void op_create(void) {
     expcache_status_t s = expcache_config_init(&cfg);
     check_status("expcache_config_init", s, ST(OK));
     if (cfg.struct_size != sizeof cfg || cfg.max_classes != 4 || cfg.reserve_bytes != ((uint64_t)1 << 30) ||
-        cfg.budget_bytes || cfg.budget_experts || cfg.policy != EXPCACHE_POLICY_DUEL || cfg.backend != EXPCACHE_BACKEND_AUTO ||
-        cfg.lookup != EXPCACHE_LOOKUP_HOST || cfg.partition != EXPCACHE_PARTITION_GLOBAL)
+        cfg.budget_bytes || cfg.budget_experts || cfg.policy != EXPCACHE_POLICY_DUEL ||
+        cfg.backend != EXPCACHE_BACKEND_AUTO || cfg.lookup != EXPCACHE_LOOKUP_HOST ||
+        cfg.partition != EXPCACHE_PARTITION_GLOBAL)
         diverge("expcache_config_init defaults are not the documented ones");
 
     /* The layout is planned now so that capacity and budgets are tight against it. */
@@ -126,7 +169,7 @@ void op_create(void) {
                         : r < 9 ? ((uint64_t)1 << 30)
                                 : model_bytes;
     int c = (int)below(10);
-    cfg.device_capacity_bytes = c < 1 ? ((uint64_t)64 << 30)
+    cfg.device_capacity_bytes = c < 1   ? ((uint64_t)64 << 30)
                                 : c < 2 ? slot_bytes_of(m->keys[0]) + between(0, 4096)
                                 : c < 6 ? between(256, model_bytes / 2 + 256)
                                         : between(model_bytes / 2, 2 * model_bytes + 4096);

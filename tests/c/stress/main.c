@@ -91,33 +91,55 @@ static void step(void) {
         op_register(m);
         return;
     }
-    if (r < 300) op_select(m);
-    else if (r < 400) op_compact(m);
-    else if (r < 510) op_batch_prepare(m, 0, 0);
-    else if (r < 600) op_batch_finish(m);
-    else if (r < 625) op_release_all(m);
-    else if (r < 660) op_inject(m);
-    else if (r < 670) op_inject_copy(m);
-    else if (r < 680) op_inject_staging(m);
-    else if (r < 690) op_reset_stats(m);
-    else if (r < 720) op_layer_class(m);
-    else if (r < 760) op_read_resident(m);
-    else if (r < 800) op_read_device(m);
-    else if (r < 830) op_checksum(m);
-    else if (r < 845) op_log(m);
-    else if (r < 860) op_misc(m);
-    else if (r < 920) op_bad_serving(m);
-    else if (r < 935) op_register(m);
-    else if (r < 945) op_stale();
-    else if (r < 948) op_fill_batches(m);
+    if (r < 300)
+        op_select(m);
+    else if (r < 400)
+        op_compact(m);
+    else if (r < 510)
+        op_batch_prepare(m, 0, 0);
+    else if (r < 600)
+        op_batch_finish(m);
+    else if (r < 625)
+        op_release_all(m);
+    else if (r < 660)
+        op_inject(m);
+    else if (r < 670)
+        op_inject_copy(m);
+    else if (r < 680)
+        op_inject_staging(m);
+    else if (r < 690)
+        op_reset_stats(m);
+    else if (r < 720)
+        op_layer_class(m);
+    else if (r < 760)
+        op_read_resident(m);
+    else if (r < 800)
+        op_read_device(m);
+    else if (r < 830)
+        op_checksum(m);
+    else if (r < 845)
+        op_log(m);
+    else if (r < 860)
+        op_misc(m);
+    else if (r < 920)
+        op_bad_serving(m);
+    else if (r < 935)
+        op_register(m);
+    else if (r < 945)
+        op_stale();
+    else if (r < 948)
+        op_fill_batches(m);
     else if (r < 956) {
         /* Drain: finish every batch, release, and everything must be back to 0. */
         g_cur_op = "drain";
         for (int i = 0; m->nbatches && i < 4 * EXPCACHE_MAX_BATCHES; ++i) op_batch_finish(m);
         op_release_all(m);
-    } else if (r < 960) op_destroy(m);
-    else if (r < 964) op_device_lookup();
-    else op_select(m);
+    } else if (r < 960)
+        op_destroy(m);
+    else if (r < 964)
+        op_device_lookup();
+    else
+        op_select(m);
 }
 
 int main(int argc, char** argv) {
@@ -137,8 +159,10 @@ int main(int argc, char** argv) {
                 fprintf(stderr, "usage: %s [SEED [OPS]] [--trace]\n", argv[0]);
                 return 2;
             }
-            if (pos == 0) g_seed = v;
-            else ops = v;
+            if (pos == 0)
+                g_seed = v;
+            else
+                ops = v;
             ++pos;
         }
     }

@@ -6,7 +6,7 @@
 #include "stress.h"
 
 Model g_models[MAX_CACHES];
-static unsigned char* g_scratch;     /* read-back buffer */
+static unsigned char* g_scratch; /* read-back buffer */
 static uint64_t g_scratch_bytes;
 
 static const char* kPart[3] = {"gate", "up", "down"};
@@ -29,14 +29,14 @@ static unsigned char* scratch(uint64_t n) {
 }
 
 /* Read `n` bytes at device address `dev` and compare them with `want`. */
-int verify_range(Model* m, const void* dev, const unsigned char* want, uint64_t n, const char* what,
-                        uint32_t layer, uint32_t e, int part) {
+int verify_range(Model* m, const void* dev, const unsigned char* want, uint64_t n, const char* what, uint32_t layer,
+                 uint32_t e, int part) {
     unsigned char* buf = scratch(n);
     expcache_status_t s = expcache_testing_read_device(m->h, dev, buf, n);
     check_status("expcache_testing_read_device", s, ST(OK) | ST(IA));
     if (s != OK) {
-        diverge("%s: layer %u expert %u %s at %p (+%" PRIu64 " B) is not readable: %s", what, layer, e,
-                kPart[part], dev, n, expcache_last_error());
+        diverge("%s: layer %u expert %u %s at %p (+%" PRIu64 " B) is not readable: %s", what, layer, e, kPart[part],
+                dev, n, expcache_last_error());
         return 0;
     }
     if (memcmp(buf, want, n) != 0) {
@@ -119,4 +119,6 @@ void forget_model(Model* m) {
     m->live = 0;
 }
 
-void free_scratch(void) { free(g_scratch); }
+void free_scratch(void) {
+    free(g_scratch);
+}

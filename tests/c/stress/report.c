@@ -18,8 +18,8 @@ const char* g_cur_op = "";
 void diverge(const char* fmt, ...) {
     g_errors++;
     if (g_errors > 40) return;
-    fprintf(stderr, "DIVERGENCE seed %" PRIu64 " op %" PRIu64 " (%s, cache #%" PRIu64 "): ", g_seed, g_op,
-            g_cur_op, g_cur);
+    fprintf(stderr, "DIVERGENCE seed %" PRIu64 " op %" PRIu64 " (%s, cache #%" PRIu64 "): ", g_seed, g_op, g_cur_op,
+            g_cur);
     va_list ap;
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
@@ -50,8 +50,8 @@ int check_status(const char* fn, expcache_status_t s, uint32_t allowed) {
         const char* e = expcache_last_error();
         size_t n = strlen(fn);
         if (!e || strncmp(e, fn, n) != 0 || strncmp(e + n, ": ", 2) != 0 || strlen(e) <= n + 2)
-            diverge("%s failed with %s but expcache_last_error() is \"%s\" (should name the function and reason)",
-                    fn, sname(s), e ? e : "(null)");
+            diverge("%s failed with %s but expcache_last_error() is \"%s\" (should name the function and reason)", fn,
+                    sname(s), e ? e : "(null)");
         if (s == OOM) g_ooms++;
         if ((s == OOM || s == CUDA) && e && strstr(e, "injected")) g_faults_seen++;
     }

@@ -29,7 +29,8 @@ static void resolve_staging_if(Model* m, uint64_t* cap, uint64_t alt) {
 static void resolve_staging(Model* m, uint64_t* cap, uint64_t alt, const char* what) {
     uint64_t db = 0;
     uint64_t other = bytes_besides(m, cap, &db);
-    if (db == other + alt) *cap = alt;
+    if (db == other + alt)
+        *cap = alt;
     else if (db != other + *cap)
         diverge("after a failed call device_bytes_in_use is %" PRIu64 "; with the %s buffer at %" PRIu64 " or %" PRIu64
                 " B it would be %" PRIu64 " or %" PRIu64,
@@ -73,7 +74,7 @@ void op_select(Model* m) {
                 }
         }
         if (s == OOM) m->overflow_cap = 0; /* the overflow buffer was being replaced */
-        if (s == CUDA) {                    /* a copy failed: the overflow buffer may have been replaced first */
+        if (s == CUDA) {                   /* a copy failed: the overflow buffer may have been replaced first */
             uint64_t slot = slot_bytes_of(L->bytes);
             if (strstr(expcache_last_error(), "injected staging failure")) {
                 /* A staged piece failed: the call's new experts are all gone, so the overflow's size

@@ -26,8 +26,7 @@ void gen_ids(const Layer* L, uint32_t* ids, uint64_t n) {
     uint32_t ne = L->num_experts;
     uint32_t hot = ne < 8 ? ne : (uint32_t)between(2, ne / 2 + 1);
     uint32_t off = (uint32_t)below(ne);
-    for (uint64_t i = 0; i < n; ++i)
-        ids[i] = pct(70) ? (off + (uint32_t)below(hot)) % ne : (uint32_t)below(ne);
+    for (uint64_t i = 0; i < n; ++i) ids[i] = pct(70) ? (off + (uint32_t)below(hot)) % ne : (uint32_t)below(ne);
 }
 
 /* Unique ids in first-appearance order; returns the count. */

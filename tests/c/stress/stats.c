@@ -5,8 +5,10 @@
 #include "stress.h"
 
 /* Compare stats with the snapshot: equal (exact) or never smaller; then take it as the new snapshot. */
-#define STAT_FIELDS(X) X(calls) X(hits) X(misses) X(evictions) X(appends) X(direct_loads) X(bytes_h2d) \
-    X(bytes_d2d) X(releases) X(alloc_retries) X(cap_notices) X(class_reuses)
+#define STAT_FIELDS(X)                                                                                               \
+    X(calls)                                                                                                         \
+    X(hits) X(misses) X(evictions) X(appends) X(direct_loads) X(bytes_h2d) X(bytes_d2d) X(releases) X(alloc_retries) \
+        X(cap_notices) X(class_reuses)
 
 void check_stats(Model* m, int exact) {
     for (uint32_t c = 0; c < m->max_classes; ++c)
@@ -19,8 +21,8 @@ void check_stats(Model* m, int exact) {
             if (s != OK) continue;
             if (st.struct_size != sizeof st) diverge("get_stats wrote struct_size %u", st.struct_size);
             const expcache_stats_t* o = &m->snap[c][p];
-#define CMP(f)                                                                                               \
-    if (exact ? st.f != o->f : st.f < o->f)                                                                  \
+#define CMP(f)                                                                                              \
+    if (exact ? st.f != o->f : st.f < o->f)                                                                 \
         diverge("class %u path %u counter " #f " went from %" PRIu64 " to %" PRIu64 "%s", c, p, o->f, st.f, \
                 exact ? " on a call that should change nothing" : " (counters never decrease)");
             STAT_FIELDS(CMP)

@@ -23,7 +23,7 @@
 #define MAX_CACHES 3
 #define MAX_LAYERS 8
 #define MAX_KEYS 6
-#define MAX_EXPERTS 48      /* ordinary layers */
+#define MAX_EXPERTS 48       /* ordinary layers */
 #define BIG_EXPERTS_MAX 8192 /* the occasional layer with thousands of tiny experts */
 #define MAX_BATCH_IDS 256
 #define MAX_COMPACT_IDS 48
@@ -69,8 +69,12 @@ void expect_bad(const char* fn, expcache_status_t s, expcache_status_t expected,
 void* xmalloc(size_t n);
 void* xcalloc(size_t n, size_t size);
 
-static inline const char* sname(expcache_status_t s) { return expcache_status_string(s); }
-static inline uint64_t align_up(uint64_t v) { return (v + ALIGN - 1) & ~(uint64_t)(ALIGN - 1); }
+static inline const char* sname(expcache_status_t s) {
+    return expcache_status_string(s);
+}
+static inline uint64_t align_up(uint64_t v) {
+    return (v + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+}
 
 /* model.c: the reference model, one per live cache, and the read-back of device bytes against it. */
 typedef struct {
@@ -82,7 +86,7 @@ typedef struct {
     unsigned char* bufs[3];
     int nbufs;
     uint32_t pinned;
-    int from_file;      /* EXPCACHE_SOURCE_FILE: bufs[0] is the file's image, off[] the bases in the file */
+    int from_file; /* EXPCACHE_SOURCE_FILE: bufs[0] is the file's image, off[] the bases in the file */
     uint32_t file_id;
     uint64_t off[3], file_bytes;
     uint32_t* mark; /* per expert, stamp for set computations */
@@ -99,7 +103,7 @@ typedef struct {
 
 typedef struct {
     uint32_t magic;
-    uint32_t level;     /* the library's current log level as we set it */
+    uint32_t level; /* the library's current log level as we set it */
     int installed;
     uint64_t lines;
 } LogSink;
@@ -120,9 +124,9 @@ typedef struct {
     expcache_stats_t snap[EXPCACHE_MAX_CLASSES_LIMIT][EXPCACHE_NUM_PATHS];
     expcache_class_info_t info[EXPCACHE_MAX_CLASSES_LIMIT];
     uint64_t compact_cap, overflow_cap;
-    uint64_t copy_faults_left; /* injected copy failures that may still fire */
+    uint64_t copy_faults_left;    /* injected copy failures that may still fire */
     uint64_t staging_faults_left; /* injected staging failures that may still fire (at least) */
-    uint32_t nfiles;           /* files opened: ids 0..nfiles-1 */
+    uint32_t nfiles;              /* files opened: ids 0..nfiles-1 */
     int sel_valid;
     uint32_t sel_layer, sel_k;
     uint32_t sel_ids[EXPCACHE_MAX_SELECT];
@@ -139,10 +143,18 @@ typedef struct {
 
 extern Model g_models[MAX_CACHES];
 
-static inline uint64_t slot_bytes_of(const uint64_t k[3]) { return align_up(k[0]) + align_up(k[1]) + align_up(k[2]); }
-static inline uint64_t expert_bytes(const Layer* L) { return L->bytes[0] + L->bytes[1] + L->bytes[2]; }
-static inline const unsigned char* source(const Layer* L, int p, uint32_t e) { return L->base[p] + L->stride[p] * e; }
-static inline int key_eq(const uint64_t a[3], uint64_t g, uint64_t u, uint64_t d) { return a[0] == g && a[1] == u && a[2] == d; }
+static inline uint64_t slot_bytes_of(const uint64_t k[3]) {
+    return align_up(k[0]) + align_up(k[1]) + align_up(k[2]);
+}
+static inline uint64_t expert_bytes(const Layer* L) {
+    return L->bytes[0] + L->bytes[1] + L->bytes[2];
+}
+static inline const unsigned char* source(const Layer* L, int p, uint32_t e) {
+    return L->base[p] + L->stride[p] * e;
+}
+static inline int key_eq(const uint64_t a[3], uint64_t g, uint64_t u, uint64_t d) {
+    return a[0] == g && a[1] == u && a[2] == d;
+}
 
 void fill_part(unsigned char* dst, uint64_t n, uint64_t serial, uint32_t layer, uint32_t e, int p);
 int verify_range(Model* m, const void* dev, const unsigned char* want, uint64_t n, const char* what, uint32_t layer,
