@@ -31,7 +31,8 @@ from ._errors import (  # noqa: E402 (the version first: submodules read it)
     UnsupportedError,
 )
 from .bank import ExpertBank
-from .cache import Batch, CompactBuffer, ExpertCache, staging_defaults
+from .batch import Batch, CompactBuffer
+from .cache import ExpertCache, staging_defaults
 from .gguf import GGUFSource
 from .layout import LayerSpec, LayoutFileError, ModelLayout, matrix_bytes
 from .multi import DeviceBatch, DeviceSelection, MultiDeviceCache
