@@ -10,7 +10,9 @@ CXXFLAGS  ?= -O2 -g
 WARN       = -Wall -Wextra -Wno-unused-parameter
 COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
 
-CORE_SRC  = libexpcache/src/abi.cpp libexpcache/src/errors.cpp libexpcache/src/log.cpp libexpcache/src/config.cpp \
+CORE_SRC  = libexpcache/src/abi_handles.cpp libexpcache/src/abi_setup.cpp libexpcache/src/abi_serve.cpp \
+            libexpcache/src/abi_inspect.cpp libexpcache/src/abi_testing.cpp \
+            libexpcache/src/errors.cpp libexpcache/src/log.cpp libexpcache/src/config.cpp \
             libexpcache/src/device_arena.cpp libexpcache/src/layers.cpp libexpcache/src/class_table.cpp \
             libexpcache/src/stream_order.cpp libexpcache/src/prefetch_coordinator.cpp libexpcache/src/cache.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \

@@ -31,11 +31,15 @@ from ._errors import (  # noqa: E402 (the version first: submodules read it)
     UnsupportedError,
 )
 from .bank import ExpertBank
-from .cache import Batch, CompactBuffer, ExpertCache, staging_defaults
+from .batch import Batch, CompactBuffer
+from .cache import ExpertCache, staging_defaults
 from .gguf import GGUFSource
-from .layout import LayerSpec, LayoutFileError, ModelLayout, matrix_bytes
+from .layer_spec import LayerSpec
+from .layout import ModelLayout
+from .layout_file import LayoutFileError
 from .multi import DeviceBatch, DeviceSelection, MultiDeviceCache
 from .placement import Placement, loads_from_calls
+from .quant import matrix_bytes
 from .selection import Selection
 from .source import BufferSource, HostSource, LayerPlacement, Source, checksum_bytes
 from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats

@@ -96,12 +96,12 @@ class ExpcacheWarning(RuntimeWarning):
     memory after the reserve), with the smallest budget or largest reserve that holds one."""
 
 
-def stacklevel_outside(module: str) -> int:
+def stacklevel_outside(*modules: str) -> int:
     """``stacklevel`` for a warning issued by the caller of this function that names the first
-    frame outside ``module`` (the caller's ``__name__``): the user's line, however many of the
-    module's own functions lie between."""
+    frame outside ``modules`` (the caller's ``__name__``, and those of the modules whose functions
+    call it): the user's line, however many of their own functions lie between."""
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") == module:
+    while frame is not None and frame.f_globals.get("__name__") in modules:
         level += 1
         frame = frame.f_back
     return level

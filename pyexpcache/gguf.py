@@ -34,7 +34,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from .layout import LayerSpec, ModelLayout
+from .layer_spec import LayerSpec
+from .layout import ModelLayout
 from .source import BufferSource, LayerPlacement, checksum_bytes
 
 __all__ = ["GGUFLayoutError", "GGUFExpertLayer", "GGUFSource", "describe_gguf", "inspect_table", "layout_from_gguf"]

@@ -23,10 +23,10 @@ import numpy as np
 
 from . import _lib, _lifetime
 from ._ints import I32_MAX, checked_int, u32
-from .cache import CacheStats, ExpertCache, PathStats
+from .cache import ExpertCache
 from .layout import ModelLayout
 from .placement import MAX_DEVICES, Placement
-from .stats import PrefetchStats
+from .stats import CacheStats, PathStats, PrefetchStats
 from .views import ExpertView
 
 

@@ -94,7 +94,7 @@ def test_a_list_of_layers_is_kept_as_a_tuple():
 # -- matrix_bytes: every GGUF block type -----------------------------------------------------------
 
 from pyexpcache import LayoutFileError, matrix_bytes  # noqa: E402
-from pyexpcache import layout as layout_module  # noqa: E402
+from pyexpcache import quant as quant_module  # noqa: E402
 from pyexpcache.layout import PRESET_SOURCES, PRESETS, quant_type, quant_types  # noqa: E402
 
 from support import hf_configs  # noqa: E402
@@ -108,9 +108,9 @@ def without_gguf(monkeypatch):
     """The gguf package hidden: the built-in block table answers."""
     monkeypatch.setitem(sys.modules, "gguf", None)
     monkeypatch.setitem(sys.modules, "gguf.constants", None)
-    layout_module._block_table.cache_clear()
+    quant_module._block_table.cache_clear()
     yield
-    layout_module._block_table.cache_clear()
+    quant_module._block_table.cache_clear()
 
 
 def test_matrix_bytes_of_every_type_the_gguf_package_knows():
@@ -124,12 +124,12 @@ def test_matrix_bytes_of_every_type_the_gguf_package_knows():
 def test_the_built_in_table_agrees_with_the_gguf_package():
     gguf = pytest.importorskip("gguf")
     known = {t.name: (int(b), int(s)) for t, (b, s) in gguf.GGML_QUANT_SIZES.items()}
-    for name, sizes in layout_module._BUILTIN_BLOCKS.items():
+    for name, sizes in quant_module._BUILTIN_BLOCKS.items():
         assert known[name] == sizes, name
 
 
 def test_without_the_gguf_package_the_built_in_table_answers(without_gguf):
-    assert quant_types() == layout_module._BUILTIN_BLOCKS
+    assert quant_types() == quant_module._BUILTIN_BLOCKS
     assert matrix_bytes("Q4_K", 14336, 4096) == MIXTRAL_PART
     assert matrix_bytes("MXFP4", 2880, 2880) == 2880 * 2880 // 32 * 17
     with pytest.raises(

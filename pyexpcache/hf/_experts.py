@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import LayerSpec, ModelLayout
+from ..layer_spec import LayerSpec
+from ..layout import ModelLayout
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 #: torch dtypes the bank views can take, by the name ExpertCache.bank's ``dtype`` takes.

@@ -1,0 +1,67 @@
+// The C ABI's inspection calls: size classes, a layer's class, and the counters (per class and
+// path, the staging ring's, prefetch's) and their reset.
+#include "abi_checks.hpp"
+
+using expcache::abi::check_handle;
+using expcache::abi::check_struct;
+using expcache::abi::guarded;
+
+extern "C" {
+
+expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_count, "out_count is NULL");
+        return cache->impl->class_count(out_count);
+    });
+}
+
+expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index, expcache_class_info_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->class_info(class_index, out);
+    });
+}
+
+expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, uint32_t* out_class) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_class, "out_class is NULL");
+        return cache->impl->layer_class(layer, out_class);
+    });
+}
+
+expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index, uint32_t path,
+                                     expcache_stats_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->get_stats(class_index, path, out);
+    });
+}
+
+expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->get_staging_stats(out);
+    });
+}
+
+expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_prefetch_stats_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->get_prefetch_stats(out);
+    });
+}
+
+expcache_status_t expcache_stats_reset(expcache_t* cache) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->reset_stats();
+    });
+}
+
+}  // extern "C"

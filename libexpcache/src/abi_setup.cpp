@@ -1,0 +1,78 @@
+// The C ABI's setup calls: the version, the policy table's names, a config's and a layer
+// description's defaults, the backend in use, registering layers and files, and where log lines go.
+#include "abi_checks.hpp"
+#include "config.hpp"
+#include "policy/policy.hpp"
+
+using expcache::abi::check_handle;
+using expcache::abi::check_struct;
+using expcache::abi::guarded;
+
+extern "C" {
+
+uint32_t expcache_version(void) {
+    return EXPCACHE_VERSION_MAJOR * 10000 + EXPCACHE_VERSION_MINOR * 100 + EXPCACHE_VERSION_PATCH;
+}
+
+const char* expcache_policy_name(uint32_t policy) {
+    return expcache::policy_name(policy);
+}
+
+expcache_status_t expcache_config_init(expcache_config_t* config) {
+    return guarded(__func__, [&] {
+        EXPCACHE_REQUIRE(config, "config is NULL");
+        expcache::config_defaults(config);
+        return EXPCACHE_OK;
+    });
+}
+
+expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* desc) {
+    return guarded(__func__, [&] {
+        EXPCACHE_REQUIRE(desc, "desc is NULL");
+        *desc = expcache_layer_desc_t{};
+        desc->struct_size = sizeof *desc;
+        return EXPCACHE_OK;
+    });
+}
+
+expcache_status_t expcache_backend_get(const expcache_t* cache, uint32_t* out_backend) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_backend, "out_backend is NULL");
+        *out_backend = cache->impl->backend_kind();
+        return EXPCACHE_OK;
+    });
+}
+
+expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(desc, "desc"));
+        return cache->impl->register_layer(layer, *desc);
+    });
+}
+
+expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(path && path[0], "path is NULL or empty");
+        EXPCACHE_REQUIRE(out_file, "out_file is NULL");
+        return cache->impl->open_file(path, out_file);
+    });
+}
+
+expcache_status_t expcache_log_set_callback(expcache_t* cache, expcache_log_fn fn, void* user) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->set_log_callback(fn, user);
+    });
+}
+
+expcache_status_t expcache_log_set_level(expcache_t* cache, uint32_t level) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->set_log_level(level);
+    });
+}
+
+}  // extern "C"

@@ -1,0 +1,357 @@
+"""The serving calls of :class:`~pyexpcache.ExpertCache`, which inherits them from
+:class:`Serving`: select (plain, as views, split, on the device), the device banks, prefetch
+and hints, compact loads, prefill batches, release_all and synchronize. Construction, options,
+lifetime, log lines and the counters are in :mod:`pyexpcache.cache`."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+import numpy as np
+
+from . import _errors, _lib
+from . import bank as _bank
+from ._cuda import stream_handle
+from ._errors import InvalidArgumentError
+from ._gate import Gate
+from ._ints import u32, u64
+from .bank import ExpertBank
+from .batch import Batch, CompactBuffer
+from .layout import ModelLayout
+from .selection import Selection
+from .views import ExpertView, ViewCache
+
+
+class Scratch(threading.local):
+    """Per-thread buffers of select, with their addresses computed once: several threads
+    may share a cache, and numpy's address lookups cost more than the call itself."""
+
+    def __init__(self):
+        self.ids = np.empty(_lib.MAX_SELECT, dtype=np.uint32)
+        self.out = np.empty((_lib.MAX_SELECT, 3), dtype=np.uint64)
+        self.resident = np.empty(_lib.MAX_SELECT, dtype=np.uint8)
+        self.ids_address = self.ids.ctypes.data
+        self.out_address = self.out.ctypes.data
+        self.resident_address = self.resident.ctypes.data
+
+
+class Serving:
+    """The serving methods of :class:`~pyexpcache.ExpertCache` (its only subclass), on the state
+    its constructor sets up: the call gate and handle, this thread's select buffers, the view
+    cache; ``_call``, ``_pin_memory`` and ``layer_class`` are the cache's own."""
+
+    layout: ModelLayout
+    _gate: Gate
+    _handle: Optional[int]
+    _scratch: Scratch
+    _views: ViewCache
+    _dense_layers: frozenset[int]
+    _is_cuda: bool
+    _device: int
+
+    @staticmethod
+    def _as_ids(expert_ids, what: str, tokens: bool = False) -> np.ndarray:
+        """A contiguous 1-D uint32 array of the ids (the library checks them against the layer).
+        One token's ids must be 1-D (a 2-D array is not flattened into one select, nor a scalar
+        taken for one id); ``tokens``: prepare_batch's tokens x k ids, any shape, flattened."""
+        if (
+            type(expert_ids) is np.ndarray
+            and expert_ids.dtype == np.uint32
+            and expert_ids.ndim == 1
+            and expert_ids.flags.c_contiguous
+        ):
+            return expert_ids  # the hot path: nothing to convert or check
+        try:
+            ids = np.asarray(expert_ids)
+        except ValueError:  # numpy refuses rows of different lengths
+            raise ValueError(
+                f"{what} must be a rectangular array of ids, got a ragged nesting (rows of different lengths)"
+            ) from None
+        if ids.ndim != 1 and not tokens:
+            got = f"a {ids.ndim}-D array of shape {ids.shape}"
+            if ids.ndim == 0:
+                got = f"a scalar ({ids.item()!r})" + (
+                    f"; pass [{ids.item()}] for one expert" if ids.dtype.kind in "iu" else ""
+                )
+            raise ValueError(
+                f"{what} must be 1-D (one token's expert ids), got {got}; prepare_batch takes 2-D (tokens x k) ids"
+            )
+        if ids.size == 0:
+            return np.empty(0, dtype=np.uint32)  # the library reports the empty request
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"{what} must be integers, got {ids.dtype}")
+        if (ids.dtype.kind == "i" and ids.min() < 0) or (ids.dtype.itemsize > 4 and ids.max() > 0xFFFFFFFF):
+            raise ValueError(f"{what} must be in [0, 2^32), got {ids.min()}..{ids.max()}")
+        return np.ascontiguousarray(ids.reshape(-1), dtype=np.uint32)
+
+    def _layer(self, layer) -> int:
+        """``layer`` as a uint32, refused (ValueError) when it is a dense layer of the layout: the
+        library never heard of it. A layer past the last one is the library's to report."""
+        layer = u32(layer, "layer")
+        if layer in self._dense_layers:
+            raise ValueError(self.layout.no_experts_reason(layer))
+        return layer
+
+    def _decode(self, fn, layer, expert_ids, stream, *out) -> tuple[int, int]:
+        """The decode call every select shares: checks, the ids into this thread's buffer, then
+        ``fn(handle, layer, ids, k, stream, out_ptrs, *out)`` through the gate, the addresses left
+        in the buffer. Returns (k, the stream's handle)."""
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
+            layer = self._layer(layer)
+        ids = self._as_ids(expert_ids, "expert_ids")
+        k = ids.size
+        if k > _lib.MAX_SELECT:
+            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        s = stream_handle(stream)
+        scratch = self._scratch
+        scratch.ids[:k] = ids
+        with self._gate:
+            fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address, *out)
+        return k, s
+
+    def select(self, layer: int, expert_ids, stream=None) -> np.ndarray:
+        """Decode path: make ``expert_ids`` of ``layer`` resident; return a [k, 3] uint64 array of
+        device addresses (gate, up, down) per id. Asynchronous on ``stream``; the addresses are
+        valid for work enqueued on it before the next select, load_compact or prepare_batch.
+        ``expert_ids``: one token's ids, 1-D (ValueError otherwise: several tokens' tokens x k ids
+        go to :meth:`prepare_batch`). A contiguous 1-D uint32 array of ids is the fast path (about
+        3 µs; a list costs more)."""
+        k, _ = self._decode(self._select_fn, layer, expert_ids, stream)
+        return self._scratch.out[:k].copy()
+
+    def select_views(self, layer: int, expert_ids, stream=None, *, dtype=None, shapes=None) -> list[ExpertView]:
+        """:meth:`select`, returning per id an :class:`~pyexpcache.views.ExpertView` whose ``gate``,
+        ``up`` and ``down`` are zero-copy :class:`~pyexpcache.views.TensorView` objects:
+        ``torch.from_dlpack``, ``cupy.from_dlpack``, ``numpy.from_dlpack`` take them, and
+        ``torch.as_tensor`` / ``numpy.asarray`` through ``__cuda_array_interface__`` (CUDA
+        backend) or ``__array_interface__`` (host backend), so one engine runs with and without
+        a GPU. Raw bytes (uint8) by default; ``dtype`` (a numpy dtype or ``"bfloat16"``) and
+        ``shapes`` (gate, up, down shapes, each covering its part exactly) for unquantized
+        layouts. Views are made once per slot and reused: an all-hit call makes only its list.
+        A view is valid under the rule of :meth:`select`'s addresses (for work ordered after
+        the call on ``stream``, until the cache's next select, load_compact, prepare_batch,
+        release_all or layer_class call); its memory stays allocated while the view, or an
+        array made from it, lives (after release_all and close too)."""
+        k, s = self._decode(self._select_fn, layer, expert_ids, stream)
+        return self._views.get(layer, self._scratch.out[:k].tolist(), s, dtype, shapes)
+
+    def select_split(
+        self, layer: int, expert_ids, stream=None, *, views: bool = False, dtype=None, shapes=None
+    ) -> Selection:
+        """Hits before misses: :meth:`select`, except that the misses are copied on the cache's own
+        copy stream. Returns a :class:`~pyexpcache.selection.Selection`: ``pointers`` ([k, 3]
+        addresses), ``resident`` (a bool per id: usable on ``stream`` at once), with ``views``
+        its ``views`` (as :meth:`select_views` makes them, ``dtype`` and ``shapes`` alike), and
+        :meth:`~pyexpcache.selection.Selection.wait`, which makes a stream wait for the misses'
+        bytes (a no-op on the host backend and when every id was a hit). Launch the hits' work,
+        then ``wait(stream)``, then the misses'. Validity as :meth:`select`'s."""
+        ready = ctypes.c_void_p()
+        scratch = self._scratch
+        k, s = self._decode(self._split_fn, layer, expert_ids, stream, scratch.resident_address, ctypes.byref(ready))
+        pointers = scratch.out[:k].copy()
+        made = self._views.get(layer, pointers.tolist(), s, dtype, shapes) if views else None
+        return Selection(self, layer, pointers, scratch.resident[:k].astype(bool), ready.value or 0, s, made)
+
+    def bank(self, layer: int, dtype=None, shapes=None) -> ExpertBank:
+        """The slot bank of ``layer``'s class on a ``lookup="device"`` cache (binding the class now
+        if needed, which allocates its bank: do it before capturing a graph). ``dtype`` and
+        ``shapes`` (one shape per part, as :meth:`select_views` takes them) format each slot's
+        parts; the views are ``[cap, *shape]``. The bank's address never changes while the cache
+        lives, so views and graphs made from it stay valid."""
+        index = self.layer_class(layer)
+        b = _lib.Bank()
+        b.struct_size = ctypes.sizeof(b)
+        self._call("expcache_class_bank_get", index, ctypes.byref(b))
+        if not b.base:
+            raise RuntimeError(
+                f"layer {layer}'s class has no bank: its cap is 0 experts (see the cap warning); raise "
+                "the budget or free device memory"
+            )
+        cuda = self._is_cuda
+        owner = self._pin_memory(b.base)
+        parts = [
+            _bank.slot_view(
+                b.base + offset,
+                nbytes,
+                b.cap,
+                b.slot_stride,
+                cuda=cuda,
+                device_id=self._device,
+                dtype=dtype,
+                shape=None if shapes is None else shapes[i],
+                owner=owner,
+            )
+            for i, (offset, nbytes) in enumerate(
+                ((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes), (b.down_offset, b.down_bytes))
+            )
+        ]
+        return ExpertBank(index, b.cap, b.slot_stride, *parts)
+
+    def select_device(self, layer: int, ids, stream=None, out=None):
+        """Device-side select on a ``lookup="device"`` cache: ``ids`` (a [k] or [n, k] int32 or
+        int64 array on the GPU: torch, cupy, anything with DLPack or the CUDA Array Interface; a
+        numpy array on the host backend) become resident in ``layer``'s bank, and the result (or
+        ``out``: int32, same shape) holds each id's slot, for ``bank(layer).gate[slots]`` and the
+        like. The n rows of a 2-D call are one step (a speculative verification): each distinct
+        expert is copied once and all are protected. Kernels on ``stream`` (default: torch's
+        current stream for a torch tensor, else the legacy default stream) do the lookup, the
+        LRU update, the misses' copies (read from the pinned source by the GPU) and the counts,
+        with no host synchronization: the call may be captured in a CUDA graph (bind each layer
+        first: one call outside the capture, or :meth:`bank`), and each replay does the whole
+        select. An id out of range in device memory gets slot -1, and the next synchronizing call
+        (which does its own work as usual) warns with the first such id (:class:`ExpcacheWarning`),
+        as :meth:`close` does for one no call read back; ids in host memory (the host backend) are
+        checked here, and one out of range raises InvalidArgumentError with nothing selected.
+        ``out`` must be writable (a read-only array is refused).
+
+        The other calls (select, select_views, load_compact, prepare_batch, release_all, stats,
+        ...) synchronize the device and see the device selects' residency; they must not run
+        while device selects are in flight on other threads' streams."""
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
+            layer = self._layer(layer)
+        src = _bank.id_array(ids, "ids")
+        if src.size == 0:  # an empty tensor's address may be NULL: said here, for every kind of array
+            raise InvalidArgumentError(
+                _errors.ERR_INVALID_ARGUMENT,
+                "EXPCACHE_ERR_INVALID_ARGUMENT",
+                f"select_device: n*k must be 1..{_lib.MAX_SELECT} ids, got an empty array of shape {src.shape}",
+            )
+        if out is None:
+            out = _bank.empty_slots(ids, src.shape)
+        dst = _bank.id_array(out, "out", writable=True)
+        if dst.bits != 32 or dst.shape != src.shape:
+            raise ValueError(f"out must be int32 of the ids' shape {src.shape}, got {dst.bits}-bit {dst.shape}")
+        cuda = self._is_cuda
+        for a, what in ((src, "ids"), (dst, "out")):
+            if a.cuda != cuda:
+                where = "device memory (a CUDA tensor)" if cuda else "host memory (a numpy array) on the host backend"
+                raise ValueError(f"{what} must be in {where}, got {'device' if a.cuda else 'host'} memory")
+        n, k = (1, src.shape[0]) if len(src.shape) == 1 else src.shape
+        if not src.cuda:
+            self._check_host_ids(layer, src.host_values())
+        if stream is None:
+            stream = _bank.default_stream(ids)
+        s = stream_handle(stream)
+        with self._gate:
+            _lib.lib.expcache_select_device_async(self._handle, layer, src.ptr, src.bits, n, k, dst.ptr, s)
+        return out
+
+    def _check_host_ids(self, layer: int, ids: np.ndarray) -> None:
+        # Ids in host memory are read here, so an id out of range is refused at once rather than
+        # given slot -1 and logged by a later call, as one in device memory is.
+        num_experts = self.layout[layer].num_experts
+        bad = np.flatnonzero((ids < 0) | (ids >= num_experts))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidArgumentError(
+                _errors.ERR_INVALID_ARGUMENT,
+                "EXPCACHE_ERR_INVALID_ARGUMENT",
+                f"select_device: expert id {int(ids[i])} (index {i}) out of range for layer "
+                f"{layer} ({num_experts} experts); nothing was selected",
+            )
+
+    def wait_ready(self, ready: int, stream=None) -> None:
+        """Make ``stream`` wait for ``ready`` (a :class:`Selection`'s ``ready`` event; 0 returns)."""
+        self._call("expcache_ready_wait_async", u64(ready, "ready") or None, stream_handle(stream))
+
+    def prefetch(self, layer: int, expert_ids, stream=None) -> int:
+        """Copy ``expert_ids`` of ``layer``, expected soon, into the cache over the link's idle time;
+        returns at once with the number queued. List them most likely first. At most
+        ``prefetch_piece_bytes`` are in flight at a time, sent by a thread of the cache's; the next
+        serving call takes back what is still queued (a select or batch listing an expert finishes
+        it in place, the others are cancelled), so a demand miss shares the link with at most one
+        piece, and waits for it only if it reads or rewrites that prefetch's slot. Never evicts an
+        expert the current or previous serving call used or a batch holds;
+        at most ``prefetch_max_per_layer`` of a layer between two serving calls of it. ``stream``:
+        the engine's compute stream (the first prefetch waits for its work so far). Counted in
+        :meth:`prefetch_stats`."""
+        layer = self._layer(layer)
+        ids = self._as_ids(expert_ids, "expert_ids")
+        queued = ctypes.c_uint32()
+        self._call(
+            "expcache_prefetch_async",
+            layer,
+            ids.ctypes.data,
+            u32(ids.size, "len(expert_ids)"),
+            stream_handle(stream),
+            ctypes.byref(queued),
+        )
+        return queued.value
+
+    def wait_prefetch(self) -> None:
+        """Block until every queued prefetch has been sent and has landed: each is then resident,
+        so a select listing it is a hit and counts it ``used``. Raises CudaError for a prefetch
+        piece that failed (once), InvalidStateError while the thread is paused
+        (:func:`pyexpcache.testing.pause_prefetch`) with prefetches queued. Synchronizes."""
+        self._call("expcache_prefetch_wait")
+
+    def hint(self, layer: int, expert_ids) -> None:
+        """Tell the policy that ``expert_ids`` of ``layer`` are expected soon: those resident are
+        refreshed as hits would be; nothing is copied. Counted in :meth:`prefetch_stats`."""
+        layer = self._layer(layer)
+        ids = self._as_ids(expert_ids, "expert_ids")
+        self._call("expcache_hint", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"))
+
+    def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
+        """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to
+        device, misses host to device). Asynchronous on ``stream``."""
+        layer = self._layer(layer)
+        ids = self._as_ids(expert_ids, "expert_ids")
+        out = _lib.Compact()
+        out.struct_size = ctypes.sizeof(out)
+        self._call(
+            "expcache_compact_load_async",
+            layer,
+            ids.ctypes.data,
+            u32(ids.size, "len(expert_ids)"),
+            stream_handle(stream),
+            ctypes.byref(out),
+        )
+        return CompactBuffer(
+            out.base or 0,
+            out.bytes,
+            out.gate_offset,
+            out.up_offset,
+            out.down_offset,
+            out.gate_bytes,
+            out.up_bytes,
+            out.down_bytes,
+            out.num_experts,
+        )
+
+    def prepare_batch(self, layer: int, expert_ids_2d, stream=None) -> Batch:
+        """Prefill path: serve the union of ``expert_ids_2d`` (tokens x k ids of ``layer``) without
+        evicting anything. Returns a :class:`Batch` (a context manager) whose ``ids`` are the
+        unique experts and ``pointers`` their [n, 3] device addresses, held until finished."""
+        layer = self._layer(layer)
+        ids = self._as_ids(expert_ids_2d, "expert_ids_2d", tokens=True)
+        n = ids.size
+        out_ids = np.empty(max(n, 1), dtype=np.uint32)
+        out_ptrs = np.empty((max(n, 1), 3), dtype=np.uint64)
+        count = ctypes.c_uint32()
+        handle = ctypes.c_uint64()
+        s = stream_handle(stream)
+        self._call(
+            "expcache_batch_prepare_async",
+            layer,
+            ids.ctypes.data,
+            n,
+            s,
+            out_ids.ctypes.data,
+            out_ptrs.ctypes.data,
+            ctypes.byref(count),
+            ctypes.byref(handle),
+        )
+        c = count.value
+        return Batch(self, layer, handle.value, out_ids[:c].copy(), out_ptrs[:c].copy(), s)
+
+    def release_all(self) -> None:
+        """Free every expert cache not holding batch slots, and the staging buffers. Synchronizes."""
+        self._call("expcache_release_all")
+        self._views.clear()
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for the work enqueued on ``stream``."""
+        self._call("expcache_synchronize", stream_handle(stream))
