@@ -22,13 +22,12 @@ import itertools
 import os
 import sys
 
-import numpy as np
 from tabulate import tabulate
 
 from pyexpcache import StagingStats, bench
+from pyexpcache.bench.modes.transfer import host_copy_gb_s
 from pyexpcache.bench.options import sizes as _sizes
 from pyexpcache.layout import ModelLayout
-from pyexpcache.bench.modes.transfer import host_copy_gb_s
 
 GiB = 1 << 30
 

@@ -14,12 +14,12 @@ The public API::
 
 __version__ = "0.3.0"
 
-from ._errors import (  # noqa: E402 (the version first: submodules read it)
+from ._errors import (
     ArgumentRangeError,
     CacheClosedError,
     CudaError,
-    ExpcacheWarning,
     ExpcacheError,
+    ExpcacheWarning,
     ForkedError,
     InternalError,
     InvalidArgumentError,

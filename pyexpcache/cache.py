@@ -15,9 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _errors, _lib, _lifetime
-from . import bank as _bank
-from .bank import ExpertBank
+from . import _errors, _lib, _lifetime, bank as _bank
 from ._cuda import stream_handle
 from ._errors import (
     CacheClosedError,
@@ -27,13 +25,14 @@ from ._errors import (
     InvalidStateError,
     stacklevel_outside,
 )
-from ._memory import MemoryPin
 from ._ints import u32, u64
+from ._memory import MemoryPin
+from .bank import ExpertBank
 from .layout import ModelLayout
-from .source import Source
 from .selection import Selection
-from .views import ExpertView, TensorView, ViewCache
+from .source import Source
 from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats
+from .views import ExpertView, ViewCache
 
 logger = logging.getLogger("pyexpcache")
 
@@ -202,7 +201,7 @@ class Batch:
     """A prepared prefill batch: the union of its experts, held in the cache until
     :meth:`finish` (or the end of a ``with`` block)."""
 
-    def __init__(self, cache: "ExpertCache", layer: int, handle: int, ids: np.ndarray, pointers: np.ndarray, stream):
+    def __init__(self, cache: ExpertCache, layer: int, handle: int, ids: np.ndarray, pointers: np.ndarray, stream):
         self._cache = cache
         self.layer = layer
         self.handle = handle

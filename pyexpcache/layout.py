@@ -28,8 +28,9 @@ import functools
 import json
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Iterable, Mapping, Optional, Union
+from typing import Optional, Union
 
 from ._errors import ArgumentRangeError
 from ._ints import checked_int
@@ -98,7 +99,7 @@ _DTYPE_NAMES = {
 def _block_table() -> tuple[dict[str, tuple[int, int]], str]:
     """The block sizes and where they come from (for messages)."""
     try:
-        from gguf.constants import GGML_QUANT_SIZES  # noqa: PLC0415 (optional, imported when needed)
+        from gguf.constants import GGML_QUANT_SIZES
     except ImportError:
         return dict(_BUILTIN_BLOCKS), "the built-in table; pip install gguf for every type it knows"
     return {t.name: (int(b), int(n)) for t, (b, n) in GGML_QUANT_SIZES.items()}, "the gguf package"
@@ -234,7 +235,7 @@ class ModelLayout:
 
     # -- presets ---------------------------------------------------------
     @classmethod
-    def deepseek_v4_flash(cls, quant: str = "mixed", *, scale: int = 1) -> "ModelLayout":
+    def deepseek_v4_flash(cls, quant: str = "mixed", *, scale: int = 1) -> ModelLayout:
         """DeepSeek V4 Flash routed experts: ``quant`` is "q2", "q4" or "mixed".
 
         ``scale`` divides every part size (a power of two up to 65536 keeps the
@@ -255,7 +256,7 @@ class ModelLayout:
         return layout.scaled(scale) if scale != 1 else layout
 
     @classmethod
-    def preset(cls, name: str, *, scale: int = 1) -> "ModelLayout":
+    def preset(cls, name: str, *, scale: int = 1) -> ModelLayout:
         """A well-known model's routed experts, by name (:data:`PRESETS` lists them, with the
         source of their numbers in :data:`PRESET_SOURCES`): ``"q2"``, ``"q4"`` or ``"mixed"``
         (DeepSeek V4 Flash, also ``"deepseek-v4-flash-mixed"`` etc.), ``"mixtral-8x7b-q4k"``,
@@ -273,7 +274,7 @@ class ModelLayout:
 
     # -- layout files ----------------------------------------------------
     @classmethod
-    def from_json(cls, source: Union[PathLike, Mapping]) -> "ModelLayout":
+    def from_json(cls, source: Union[PathLike, Mapping]) -> ModelLayout:
         """A layout from a layout file (a path) or its parsed contents (a dict).
 
         The file is ``{"name": str, "layers": [...]}`` with one entry per model layer: ``null``
@@ -333,7 +334,7 @@ class ModelLayout:
         quant: Union[str, Mapping[str, str], None] = None,
         *,
         name: Optional[str] = None,
-    ) -> "ModelLayout":
+    ) -> ModelLayout:
         """The routed experts of a model described by its Hugging Face ``config.json`` (a path
         or the parsed dict; transformers is not needed).
 
@@ -383,7 +384,7 @@ class ModelLayout:
         return _layout_from_hf(cls, config, where, quant, name, default)
 
     # -- derived layouts -------------------------------------------------
-    def scaled(self, divisor: int) -> "ModelLayout":
+    def scaled(self, divisor: int) -> ModelLayout:
         """Every part size divided by ``divisor`` (which must divide each size)."""
         if divisor < 1:
             raise ValueError(f"scale divisor must be >= 1, got {divisor}")
@@ -405,7 +406,7 @@ class ModelLayout:
         suffix = f"/{divisor}" if divisor != 1 else ""
         return ModelLayout(tuple(out), name=self.name + suffix)
 
-    def with_experts(self, num_experts: int) -> "ModelLayout":
+    def with_experts(self, num_experts: int) -> ModelLayout:
         """The same layout with ``num_experts`` experts per layer."""
         return ModelLayout(
             tuple(s and replace(s, num_experts=num_experts) for s in self.layers), name=f"{self.name}x{num_experts}"

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, LayerSpec, ModelLayout
-from pyexpcache import _lib
+from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, LayerSpec, ModelLayout, _lib
 
 GOOD = dict(num_experts=8, gate_bytes=768, up_bytes=768, down_bytes=1024)
 
@@ -93,8 +92,11 @@ def test_a_list_of_layers_is_kept_as_a_tuple():
 
 # -- matrix_bytes: every GGUF block type -----------------------------------------------------------
 
-from pyexpcache import LayoutFileError, matrix_bytes  # noqa: E402
-from pyexpcache import layout as layout_module  # noqa: E402
+from pyexpcache import (  # noqa: E402
+    LayoutFileError,
+    layout as layout_module,
+    matrix_bytes,
+)
 from pyexpcache.layout import PRESET_SOURCES, PRESETS, quant_type, quant_types  # noqa: E402
 
 from support import hf_configs  # noqa: E402

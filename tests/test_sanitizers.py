@@ -54,7 +54,7 @@ def report(target: str, rc: int, stdout: str, stderr: str) -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)  # one probe build per flag set, not one per test
+@functools.cache  # one probe build per flag set, not one per test
 def sanitizer_unavailable(flags: str) -> str:
     """'' when the C++ compiler builds and runs a threaded program with -fsanitize=`flags`, else why not."""
     cxx = os.environ.get("CXX") or "g++"

@@ -36,7 +36,6 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import numpy as np
-import pytest
 
 from pyexpcache import (
     ExpcacheError,
@@ -127,7 +126,7 @@ def run_threads(target, n):
     def wrap(i):
         try:
             target(i)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append((i, e))
 
     threads = [threading.Thread(target=wrap, args=(i,)) for i in range(n)]
@@ -308,7 +307,7 @@ def test_shared_cache_with_concurrent_control_calls(policy):
     def control():
         try:
             worker(NUM_THREADS)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             ctl_errors.append(e)
 
     ctl = threading.Thread(target=control)
