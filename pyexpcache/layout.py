@@ -99,7 +99,7 @@ _DTYPE_NAMES = {
 def _block_table() -> tuple[dict[str, tuple[int, int]], str]:
     """The block sizes and where they come from (for messages)."""
     try:
-        from gguf.constants import GGML_QUANT_SIZES
+        from gguf.constants import GGML_QUANT_SIZES  # optional, imported when needed
     except ImportError:
         return dict(_BUILTIN_BLOCKS), "the built-in table; pip install gguf for every type it knows"
     return {t.name: (int(b), int(n)) for t, (b, n) in GGML_QUANT_SIZES.items()}, "the gguf package"

@@ -664,8 +664,8 @@ def test_a_gguf_files_layout(monkeypatch, capsys, tmp_path):
         ),
         (
             {"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [8, 100]}, "up_bytes": 1, "down_bytes": 1}]},
-            "layers[0].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights (in a [rows, cols] "
-            "matrix, cols is the row length)",
+            "layers[0].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights "
+            "(in a [rows, cols] matrix, cols is the row length)",
         ),
     ],
 )

@@ -796,8 +796,8 @@ def _without(model, *keys, **changes):
         (
             _without("Mixtral-8x7B-v0.1", "num_local_experts"),
             None,
-            r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' or 'moe_num_experts' key \(the routed experts "
-            r"per layer\) in this mixtral config",
+            r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' or 'moe_num_experts' key "
+            r"\(the routed experts per layer\) in this mixtral config",
         ),
         (
             _without("Qwen3-30B-A3B", "moe_intermediate_size", "intermediate_size"),
@@ -823,8 +823,8 @@ def _without(model, *keys, **changes):
         (
             hf_configs.CONFIGS["Qwen1.5-MoE-A2.7B"],
             "Q4_K",
-            r"experts of \[1408, 2048\] gate/up and \[2048, 1408\] down in Q4_K/Q4_K/Q4_K: a row of 1408 weights is not "
-            r"a multiple of the Q4_K block of 256 weights",
+            r"experts of \[1408, 2048\] gate/up and \[2048, 1408\] down in Q4_K/Q4_K/Q4_K: a row of 1408 weights "
+            r"is not a multiple of the Q4_K block of 256 weights",
         ),
     ],
 )

@@ -118,7 +118,7 @@ def assert_unit_test_clean(target: str, program: str = "ring_test") -> None:
     """`make target` builds and runs tests/c/<program>.cpp: every check passes, no sanitizer report."""
     rc, out, err = run_make(target)
     lines = (out + "\n" + err).splitlines()
-    summary = [line for line in lines if line.startswith(f"{program}:") or line.startswith("FAILED")]
+    summary = [line for line in lines if line.startswith((f"{program}:", "FAILED"))]
     message = f"make {target} exited {rc}\n" + "\n".join(summary or lines[-60:])
     print(message)
     assert rc == 0, message

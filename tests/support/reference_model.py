@@ -81,7 +81,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pyexpcache._lib import (  # the ABI's
+from pyexpcache._lib import (  # the ABI's constants
     MAX_BATCHES,
     MAX_SELECT,
     PATH_NAMES as PATHS,
@@ -452,12 +452,14 @@ class ReferenceCache:
         if cls.free > 0:
             return True
         if allow_evict:
-            if prefetch:
-                evictable = lambda k: (
-                    cls.holds.get(k, 0) == 0 and cls.pf.get(k) != "loading" and cls.last_use.get(k, 0) < self.prev_call
-                )
-            else:
-                evictable = lambda k: k not in protected and cls.holds.get(k, 0) == 0  # noqa: E731
+
+            def evictable(k):
+                if cls.holds.get(k, 0) != 0:
+                    return False
+                if prefetch:
+                    return cls.pf.get(k) != "loading" and cls.last_use.get(k, 0) < self.prev_call
+                return k not in protected
+
             if cls.pol is not None:
                 victim = cls.pol.victim(evictable)
             else:
@@ -685,11 +687,10 @@ class ReferenceCache:
         return handle, unique, where
 
     def finish_batch(self, handle: int) -> None:
-        for i, b in enumerate(self.batches):
-            if b.handle == handle:
-                break
-        else:
+        i = next((i for i, b in enumerate(self.batches) if b.handle == handle), None)
+        if i is None:
             raise ModelError(INVALID_ARGUMENT, f"batch {handle} is unknown or already finished")
+        b = self.batches[i]
         self._free(b.staging)
         cls = self.classes[b.cls]
         for k in b.held:
