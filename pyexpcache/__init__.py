@@ -12,7 +12,7 @@ The public API::
         print(cache.stats().hit_rate)
 """
 
-__version__ = "0.3.0"
+__version__ = "0.3.0"  # before the imports: submodules read it
 
 from ._errors import (
     ArgumentRangeError,
