@@ -39,14 +39,15 @@ CUDA_LIB  = $(BUILD)/libexpcache.so
 REPLAY_LIB = $(BUILD)/libexpcache_replay.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
-.PHONY: all lib deps deps-bench test bench select-overhead copy-methods help clean
+.PHONY: all lib deps deps-bench deps-lint test bench lint format select-overhead copy-methods help clean
 all: lib
 
 help:
 	@echo "make lib     build $(HOST_LIB) (g++), $(CUDA_LIB) when nvcc is found, and $(REPLAY_LIB)"
-	@echo "make deps    install the Python packages the tests and benchmarks need, if missing (deps-bench: the benchmark's)"
+	@echo "make deps    install the Python packages the tests and benchmarks need, if missing (deps-bench: the benchmark's, deps-lint: ruff, clang-format)"
 	@echo "make test    build, run the test suite (CUDA tests when a GPU is present), then the benchmarks once"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
+	@echo "make lint    ruff (lint, format check) and clang-format (check) over the tracked sources; make format applies both"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
 	@echo "make copy-methods      ways to move a call's misses to the GPU, side by side (CUDA; COPY_TABLES=pinned,pageable,enqueue,host,link)"
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / asv-import-h200 / bench-quick: see benchmarks/README.md"
@@ -117,6 +118,36 @@ test: lib deps
 
 bench: lib deps-bench
 	$(PYTHON) -m pyexpcache bench $(BENCH_ARGS)
+
+# Lint and format: ruff for Python (its settings in pyproject.toml), clang-format (.clang-format)
+# for the C/C++/CUDA files git tracks, so build/ and anything untracked stay out. pip install
+# -e ".[lint]" installs both at the versions the tree is formatted with: another clang-format
+# major formats differently.
+RUFF         ?= $(PYTHON) -m ruff
+CLANG_FORMAT ?= clang-format
+C_SOURCES     = $(shell git ls-files '*.c' '*.cpp' '*.h' '*.hpp' '*.cu' '*.cuh')
+
+deps-lint:
+	@$(RUFF) --version >/dev/null 2>&1 && $(CLANG_FORMAT) --version >/dev/null 2>&1 || \
+		$(PYTHON) -m pip install -q -e ".[lint]"
+
+# The versions first: a failure from another clang-format major or ruff minor than the lint
+# extra's reads as a format difference.
+lint: deps-lint
+	@$(RUFF) --version && $(CLANG_FORMAT) --version
+	$(RUFF) check .
+	$(RUFF) format --check .
+	@test -n "$(C_SOURCES)" || { echo "lint: git ls-files lists no C/C++/CUDA source (not a git checkout?)"; exit 1; }
+	@echo "$(CLANG_FORMAT) --dry-run --Werror <$(words $(C_SOURCES)) tracked C/C++/CUDA files>"
+	@$(CLANG_FORMAT) --dry-run --Werror $(C_SOURCES)
+
+# What `make lint` checks, applied: ruff's safe fixes (import order among them), ruff format, clang-format -i.
+format: deps-lint
+	$(RUFF) check --fix-only .
+	$(RUFF) format .
+	@test -n "$(C_SOURCES)" || { echo "format: git ls-files lists no C/C++/CUDA source (not a git checkout?)"; exit 1; }
+	@echo "$(CLANG_FORMAT) -i <$(words $(C_SOURCES)) tracked C/C++/CUDA files>"
+	@$(CLANG_FORMAT) -i $(C_SOURCES)
 
 clean:
 	rm -rf $(BUILD)

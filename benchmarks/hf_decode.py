@@ -43,12 +43,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tabulate import tabulate  # noqa: E402
-import transformers  # noqa: E402
+import transformers
+from tabulate import tabulate
 
-from pyexpcache import HostSource, LayerSpec, ModelLayout  # noqa: E402
-from pyexpcache.bench.link import measure  # noqa: E402
-from pyexpcache.hf import GraphDecoder, find_experts, offload  # noqa: E402
+from pyexpcache import HostSource, LayerSpec, ModelLayout
+from pyexpcache.bench.link import measure
+from pyexpcache.hf import GraphDecoder, find_experts, offload
 
 
 def parse_args(argv=None):

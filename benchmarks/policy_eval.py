@@ -48,8 +48,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np
 from tabulate import tabulate
 
-from pyexpcache.layout import ModelLayout
 from pyexpcache import _lib
+from pyexpcache.layout import ModelLayout
 from pyexpcache.sim import simulate_belady, simulate_global, simulate_policy
 from pyexpcache.sim.registry import simulate_belady_partitioned
 from pyexpcache.traces import Trace, list_traces, load_decode_trace, synthetic_trace
@@ -97,7 +97,7 @@ SHARES = tuple(round(0.10 + 0.025 * i, 3) for i in range(15))  # q4 share of the
 # --------------------------------------------------------------------------- jobs (run in workers)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trace(spec):
     kind, name = spec
     if kind == "real":
@@ -120,7 +120,7 @@ def _run_partitioned(job):
     return job, 100.0 * r.hit_rate
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mixed():
     layout = ModelLayout.preset("mixed")
     cls = layout.layer_class_index(range(3, 43))  # decode traces hold model layers 3..42

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from pyexpcache import ModelLayout
-from pyexpcache.bench import Bench, HOST_SCALE, format_report, resolve_backend
+from pyexpcache.bench import HOST_SCALE, Bench, format_report, resolve_backend
 from pyexpcache.bench.modes.engine import run_engine
 from pyexpcache.bench.options import sizes as _sizes
 from pyexpcache.layout import GiB

@@ -11,8 +11,9 @@ side of the bound, next to the link's. Usage:
 when the configuration's cache is created (EXPCACHE_STAGING_NT_MAX, _COALESCE, _MIN_PIECES,
 _FILE_BOUNCE, _COPY, _SHORT, _PREFETCH, _PREFETCH_HINT: libexpcache/src/backend/staging_tuning.hpp
 says what each sets and accepts, docs/transfers.md what each default was measured against; a
-malformed value stops the sweep with the library's message); several --env options make a grid. --repeat runs the whole grid N times, so that configurations alternate in one
-process rather than following each other.
+malformed value stops the sweep with the library's message); several --env options make a grid.
+--repeat runs the whole grid N times, so that configurations alternate in one process rather than
+following each other.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import itertools
 import os
 import sys
 
-import numpy as np
 from tabulate import tabulate
 
 from pyexpcache import StagingStats, bench
+from pyexpcache.bench.modes.transfer import host_copy_gb_s
 from pyexpcache.bench.options import sizes as _sizes
 from pyexpcache.layout import ModelLayout
-from pyexpcache.bench.modes.transfer import host_copy_gb_s
 
 GiB = 1 << 30
 

@@ -19,8 +19,9 @@ import bisect
 import gzip
 import sys
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, List, Sequence, TextIO
+from typing import TextIO
 
 import numpy as np
 from tabulate import tabulate
@@ -32,14 +33,14 @@ class Ring:
     taken, filled, sent, send, filler), times in ns from the ring's making."""
 
     title: str
-    calls: List[tuple] = field(default_factory=list)
-    pieces: List[tuple] = field(default_factory=list)
+    calls: list[tuple] = field(default_factory=list)
+    pieces: list[tuple] = field(default_factory=list)
 
-    def pieces_by_call(self) -> List[List[tuple]]:
+    def pieces_by_call(self) -> list[list[tuple]]:
         """Each call's pieces, found by when they were queued (a call's pieces are queued after it
         began and before the next began)."""
         begun = [c[0] for c in self.calls]
-        out: List[List[tuple]] = [[] for _ in self.calls]
+        out: list[list[tuple]] = [[] for _ in self.calls]
         for p in self.pieces:
             i = bisect.bisect_right(begun, p[2]) - 1
             if i >= 0:
@@ -51,9 +52,9 @@ def _open(path: str) -> TextIO:
     return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
 
 
-def read(path: str) -> List[Ring]:
+def read(path: str) -> list[Ring]:
     """The rings of a trace file, in the order they were written."""
-    rings: List[Ring] = []
+    rings: list[Ring] = []
     with _open(path) as f:
         for lineno, line in enumerate(f, 1):
             fields = line.rstrip("\n").split(",")

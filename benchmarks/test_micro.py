@@ -23,7 +23,7 @@ from pyexpcache.sim import simulate_belady, simulate_lru
 from pyexpcache.traces import load_decode_trace
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _no_cuda() -> str:
     """Why the CUDA backend cannot run here ("" when it can). Asked only when a CUDA test
     runs, never at import: asv imports this module in the process it forks benchmarks from."""

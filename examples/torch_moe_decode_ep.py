@@ -41,13 +41,13 @@ from torch_moe_decode import (
     DEFAULTS,
     Model,
     TorchHostSource,
-    cuda_unusable_reason,  # noqa: E402
+    cuda_unusable_reason,
     decode,
     expert_ffn,
 )
 
-from pyexpcache import ExpertCache, LayerSpec, ModelLayout, Placement, loads_from_calls  # noqa: E402
-from pyexpcache.sim import DECODE, Call  # noqa: E402
+from pyexpcache import ExpertCache, LayerSpec, ModelLayout, Placement, loads_from_calls
+from pyexpcache.sim import DECODE, Call
 
 
 def setup(a, rank, world):

@@ -12,14 +12,14 @@ The public API::
         print(cache.stats().hit_rate)
 """
 
-__version__ = "0.3.0"
+__version__ = "0.3.0"  # before the imports: submodules read it
 
-from ._errors import (  # noqa: E402 (the version first: submodules read it)
+from ._errors import (
     ArgumentRangeError,
     CacheClosedError,
     CudaError,
-    ExpcacheWarning,
     ExpcacheError,
+    ExpcacheWarning,
     ForkedError,
     InternalError,
     InvalidArgumentError,

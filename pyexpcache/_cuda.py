@@ -8,7 +8,7 @@ import functools
 from ._ints import u64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def runtime():
     """``cuda.bindings.runtime`` (or the older ``cuda.cudart``); ImportError if absent."""
     try:

@@ -20,7 +20,7 @@ import os
 import threading
 import weakref
 
-_live: "weakref.WeakSet" = weakref.WeakSet()
+_live: weakref.WeakSet = weakref.WeakSet()
 _lock = threading.Lock()
 in_forked_child = False  # True in a child made by fork() after this module was imported
 exiting = False  # True once the exit handler began

@@ -11,8 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _errors, _lib
-from . import bank as _bank
+from . import _errors, _lib, bank as _bank
 from ._cuda import stream_handle
 from ._errors import InvalidArgumentError
 from ._gate import Gate

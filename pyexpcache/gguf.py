@@ -56,7 +56,7 @@ class GGUFLayoutError(ValueError):
 
 def _import_gguf():
     try:
-        import gguf  # noqa: PLC0415 (lazy on purpose: the package is optional)
+        import gguf  # lazy on purpose: the package is optional
     except ImportError as exc:
         raise ImportError(
             "reading GGUF files needs the 'gguf' package: pip install gguf (or pip install 'expcache[gguf]')"

@@ -5,7 +5,8 @@ type and which layers have experts (:meth:`~pyexpcache.ModelLayout.from_hf_confi
 from __future__ import annotations
 
 import warnings
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 from ._errors import ArgumentRangeError
 from ._ints import checked_int

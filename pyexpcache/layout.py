@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Iterable, Mapping, Optional, Union
+from typing import Optional, Union
 
 from ._lib import MAX_LAYERS_LIMIT
 from .hf_config import layout_from_hf
@@ -86,7 +87,7 @@ class ModelLayout:
 
     # -- presets ---------------------------------------------------------
     @classmethod
-    def deepseek_v4_flash(cls, quant: str = "mixed", *, scale: int = 1) -> "ModelLayout":
+    def deepseek_v4_flash(cls, quant: str = "mixed", *, scale: int = 1) -> ModelLayout:
         """DeepSeek V4 Flash routed experts: ``quant`` is "q2", "q4" or "mixed".
 
         ``scale`` divides every part size (a power of two up to 65536 keeps the
@@ -97,7 +98,7 @@ class ModelLayout:
         return layout.scaled(scale) if scale != 1 else layout
 
     @classmethod
-    def preset(cls, name: str, *, scale: int = 1) -> "ModelLayout":
+    def preset(cls, name: str, *, scale: int = 1) -> ModelLayout:
         """A well-known model's routed experts, by name (:data:`PRESETS` lists them, with the
         source of their numbers in :data:`PRESET_SOURCES`): ``"q2"``, ``"q4"`` or ``"mixed"``
         (DeepSeek V4 Flash, also ``"deepseek-v4-flash-mixed"`` etc.), ``"mixtral-8x7b-q4k"``,
@@ -115,7 +116,7 @@ class ModelLayout:
 
     # -- layout files ----------------------------------------------------
     @classmethod
-    def from_json(cls, source: Union[PathLike, Mapping]) -> "ModelLayout":
+    def from_json(cls, source: Union[PathLike, Mapping]) -> ModelLayout:
         """A layout from a layout file (a path) or its parsed contents (a dict).
 
         The file is ``{"name": str, "layers": [...]}`` with one entry per model layer: ``null``
@@ -157,7 +158,7 @@ class ModelLayout:
         quant: Union[str, Mapping[str, str], None] = None,
         *,
         name: Optional[str] = None,
-    ) -> "ModelLayout":
+    ) -> ModelLayout:
         """The routed experts of a model described by its Hugging Face ``config.json`` (a path
         or the parsed dict; transformers is not needed).
 
@@ -207,7 +208,7 @@ class ModelLayout:
         return layout_from_hf(cls, config, where, quant, name, default)
 
     # -- derived layouts -------------------------------------------------
-    def scaled(self, divisor: int) -> "ModelLayout":
+    def scaled(self, divisor: int) -> ModelLayout:
         """Every part size divided by ``divisor`` (which must divide each size)."""
         if divisor < 1:
             raise ValueError(f"scale divisor must be >= 1, got {divisor}")
@@ -229,7 +230,7 @@ class ModelLayout:
         suffix = f"/{divisor}" if divisor != 1 else ""
         return ModelLayout(tuple(out), name=self.name + suffix)
 
-    def with_experts(self, num_experts: int) -> "ModelLayout":
+    def with_experts(self, num_experts: int) -> ModelLayout:
         """The same layout with ``num_experts`` experts per layer."""
         return ModelLayout(
             tuple(s and replace(s, num_experts=num_experts) for s in self.layers), name=f"{self.name}x{num_experts}"

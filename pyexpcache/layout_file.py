@@ -5,7 +5,8 @@ one (:meth:`~pyexpcache.ModelLayout.to_json`), with errors that name the file an
 from __future__ import annotations
 
 import json
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 from ._errors import ArgumentRangeError
 from ._ints import checked_int

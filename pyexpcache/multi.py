@@ -6,8 +6,9 @@ stream and counters, all reading the same host source. A select splits its ids b
 issues each owner's select on that owner's stream. With a pinned source the calls only enqueue,
 so every device's misses cross its own link at the same time; a pageable or file source's misses
 are staged by the thread that calls, so there each owner's call runs on a thread of its own
-(``parallel``). The result gives each expert's addresses on its owner and the owner. On the host backend the devices are emulated (one host cache each, with
-its own emulated capacity), so the whole logic runs without a GPU.
+(``parallel``). The result gives each expert's addresses on its owner and the owner. On the host
+backend the devices are emulated (one host cache each, with its own emulated capacity), so the
+whole logic runs without a GPU.
 
 The same CUDA device may be listed twice (two caches sharing one GPU and its link): that runs the
 multi-device logic on one GPU, without the second link.
@@ -15,9 +16,10 @@ multi-device logic on one GPU, without the second link.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 

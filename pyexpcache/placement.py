@@ -15,8 +15,9 @@ A :class:`Placement` gives every routed expert exactly one owner, a device index
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -63,14 +64,14 @@ class Placement:
 
     # -- construction -------------------------------------------------------
     @classmethod
-    def round_robin(cls, layout: ModelLayout, num_devices: int) -> "Placement":
+    def round_robin(cls, layout: ModelLayout, num_devices: int) -> Placement:
         n = _check_devices(num_devices)
         return cls(
             n, tuple(None if spec is None else _spread(spec.num_experts, n) for spec in layout.layers), "round-robin"
         )
 
     @classmethod
-    def balanced(cls, layout: ModelLayout, num_devices: int, loads: Sequence) -> "Placement":
+    def balanced(cls, layout: ModelLayout, num_devices: int, loads: Sequence) -> Placement:
         """Balance each layer's expected load over the devices. ``loads[layer]``: one
         non-negative number per expert of the layer (None or absent for layers without routed
         experts; a layer whose loads are all zero falls back to round-robin)."""
@@ -98,7 +99,7 @@ class Placement:
         return cls(n, tuple(owners), "balanced")
 
     @classmethod
-    def explicit(cls, layout: ModelLayout, num_devices: int, owners: Sequence) -> "Placement":
+    def explicit(cls, layout: ModelLayout, num_devices: int, owners: Sequence) -> Placement:
         """``owners[layer]``: the owning device index of each expert of the layer."""
         n = _check_devices(num_devices)
         out: list = [None] * layout.num_layers

@@ -53,7 +53,7 @@ _DTYPE_NAMES = {
 def _block_table() -> tuple[dict[str, tuple[int, int]], str]:
     """The block sizes and where they come from (for messages)."""
     try:
-        from gguf.constants import GGML_QUANT_SIZES  # noqa: PLC0415 (optional, imported when needed)
+        from gguf.constants import GGML_QUANT_SIZES
     except ImportError:
         return dict(_BUILTIN_BLOCKS), "the built-in table; pip install gguf for every type it knows"
     return {t.name: (int(b), int(n)) for t, (b, n) in GGML_QUANT_SIZES.items()}, "the gguf package"

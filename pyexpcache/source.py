@@ -68,7 +68,7 @@ class Source(Protocol):
     #: When not None, misses are read from this file and placements hold file offsets.
     file_path: Optional[str]
 
-    def placement(self, layer: int) -> Optional["LayerPlacement"]: ...
+    def placement(self, layer: int) -> Optional[LayerPlacement]: ...
 
 
 _users_lock = threading.Lock()

@@ -29,7 +29,7 @@ class PathStats:
         asked = self.hits + self.misses
         return self.hits / asked if asked else 0.0
 
-    def __add__(self, other: "PathStats") -> "PathStats":
+    def __add__(self, other: PathStats) -> PathStats:
         return PathStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
@@ -217,5 +217,5 @@ class PrefetchStats:
         ones not counted); 0.0 when none was issued."""
         return self.used / self.issued if self.issued else 0.0
 
-    def __add__(self, other: "PrefetchStats") -> "PrefetchStats":
+    def __add__(self, other: PrefetchStats) -> PrefetchStats:
         return PrefetchStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

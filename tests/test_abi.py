@@ -14,8 +14,7 @@ from ctypes import byref, c_uint32, c_uint64
 import numpy as np
 import pytest
 
-from pyexpcache import ExpcacheError, ModelLayout, HostSource, ExpertCache, testing
-from pyexpcache import _lib
+from pyexpcache import ExpcacheError, ExpertCache, HostSource, ModelLayout, _lib, testing
 from pyexpcache._lib import lib
 
 from support.cache import SCALE

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.cache import SCALE
 from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, ModelLayout, testing
+
+from support.cache import SCALE
 
 BIG32 = 2**32 + 5
 BIG64 = 2**64 + 2**20

@@ -668,7 +668,7 @@ def test_checksum_async_layer_after_layer_without_waiting(make_cache):
     cache, source = make_cache(layout, budget_experts=3)  # every layer evicts the previous layers' experts
     rng = np.random.default_rng(3)
     expected = []
-    for token in range(3):
+    for _token in range(3):
         for layer in range(4):
             ids = rng.choice(16, 3, replace=False)
             ptrs = cache.select(layer, ids)

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import pyexpcache
-
 from pyexpcache import cli
 from pyexpcache.bench import options
 
@@ -339,7 +338,6 @@ def test_json_report_records_what_made_it(capsys, tmp_path):
     rc, out, err, _ = run_main(capsys, FAST + ["--json", str(path)])
     assert rc == 0, err
     (report,) = json.loads(path.read_text())
-    import pyexpcache
 
     assert report["version"] == pyexpcache.__version__
     assert report["library"].startswith(pyexpcache.__version__ + " (") and ".so" in report["library"]
@@ -646,9 +644,9 @@ def test_each_layout_form_reaches_the_bench(monkeypatch, capsys, tmp_path):
 
 def test_a_gguf_files_layout(monkeypatch, capsys, tmp_path):
     pytest.importorskip("gguf")
-    from support.gguf_files import write_model
-
     from pyexpcache.gguf import layout_from_gguf
+
+    from support.gguf_files import write_model
 
     model = write_model(tmp_path / "tiny.gguf", [None, {}, {}])
     layout, _ = _layout_given_to_the_bench(
@@ -666,8 +664,8 @@ def test_a_gguf_files_layout(monkeypatch, capsys, tmp_path):
         ),
         (
             {"type": "Q4_K", "layers": [{"experts": 8, "gate": {"shape": [8, 100]}, "up_bytes": 1, "down_bytes": 1}]},
-            "layers[0].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights (in a [rows, cols] "
-            "matrix, cols is the row length)",
+            "layers[0].gate: a row of 100 weights is not a multiple of the Q4_K block of 256 weights "
+            "(in a [rows, cols] matrix, cols is the row length)",
         ),
     ],
 )

@@ -11,7 +11,6 @@ import warnings
 import numpy as np
 import pytest
 
-from pyexpcache import bank as _bank
 from pyexpcache import (
     ExpcacheWarning,
     ExpertCache,
@@ -22,8 +21,10 @@ from pyexpcache import (
     ModelLayout,
     UnsupportedError,
     _lib,
+    bank as _bank,
     testing,
 )
+
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
 
 
@@ -448,6 +449,7 @@ def test_a_file_source_cannot_be_read_by_the_device(backend, tmp_path):
     """A file has no address the GPU could read: the device select says so and what to use."""
     pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
     from pyexpcache import GGUFSource
+
     from support.gguf_files import write_model
 
     model = write_model(tmp_path / "m.gguf", [None, {}, {}])

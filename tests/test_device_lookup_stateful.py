@@ -23,11 +23,11 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+from test_stateful import FUZZ_EXAMPLES, FUZZ_STEPS, fuzz_settings  # noqa: E402
 
 from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, LayerSpec, ModelLayout, testing  # noqa: E402
 
 from support.cache import assert_served, bank_rows  # noqa: E402
-from test_stateful import FUZZ_EXAMPLES, FUZZ_STEPS, fuzz_settings  # noqa: E402
 
 LAYOUTS = {
     "one class": ModelLayout((LayerSpec(10, 512, 512, 768),) * 3, name="one"),

@@ -7,17 +7,15 @@ rows, a few rows per expert), random bytes standing in for quantized blocks.
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import os
-
+import gguf
 import numpy as np
 import pytest
-
-import gguf
 from gguf import GGMLQuantizationType as Q
 
 from pyexpcache import ExpertCache, LayerSpec, ModelLayout, MultiDeviceCache, checksum_bytes, testing

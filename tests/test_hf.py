@@ -11,12 +11,18 @@ transformers = pytest.importorskip(
     "transformers", minversion="5", reason="pyexpcache.hf needs transformers >= 5 (pip install expcache[hf])"
 )
 
-from pyexpcache import ModelLayout  # noqa: E402
-from pyexpcache import bench  # noqa: E402
-from pyexpcache.hf import IMPLEMENTATION, GraphDecoder, find_experts, offload, record_routing  # noqa: E402
-from pyexpcache.hf import _serve as hf_serve  # noqa: E402
+from pyexpcache import ModelLayout, bench  # noqa: E402
+from pyexpcache.hf import (  # noqa: E402
+    IMPLEMENTATION,
+    GraphDecoder,
+    _serve as hf_serve,
+    find_experts,
+    offload,
+    record_routing,
+)
 from pyexpcache.hf._experts import split  # noqa: E402
 from pyexpcache.traces import read_trace  # noqa: E402
+
 from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
 from support.child import run_child  # noqa: E402
 
@@ -204,7 +210,7 @@ def test_layers_are_grouped_into_caches_whose_banks_one_grouped_product_takes(de
     with offload(model, budget_fraction=1.0) as handle:  # 3 layers x 8 experts; 9 slots a cache at most
         assert len(handle.caches) == 3 and all(c.bank(c.layout.moe_layers[0]).cap <= 10 for c in handle.caches)
         with pytest.raises(ValueError, match="served by 3 caches"):
-            handle.cache
+            _ = handle.cache
         served_tokens, served_logits = greedy(model, prompt=[[5]])
         assert handle.total_stats().hits > 0
     assert torch.equal(served_tokens, tokens)

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, LayerSpec, ModelLayout
-from pyexpcache import _lib
+from pyexpcache import ArgumentRangeError, ExpertCache, HostSource, LayerSpec, ModelLayout, _lib
 
 GOOD = dict(num_experts=8, gate_bytes=768, up_bytes=768, down_bytes=1024)
 
@@ -93,8 +92,11 @@ def test_a_list_of_layers_is_kept_as_a_tuple():
 
 # -- matrix_bytes: every GGUF block type -----------------------------------------------------------
 
-from pyexpcache import LayoutFileError, matrix_bytes  # noqa: E402
-from pyexpcache import quant as quant_module  # noqa: E402
+from pyexpcache import (  # noqa: E402
+    LayoutFileError,
+    matrix_bytes,
+    quant as quant_module,
+)
 from pyexpcache.layout import PRESET_SOURCES, PRESETS, quant_type, quant_types  # noqa: E402
 
 from support import hf_configs  # noqa: E402
@@ -794,8 +796,8 @@ def _without(model, *keys, **changes):
         (
             _without("Mixtral-8x7B-v0.1", "num_local_experts"),
             None,
-            r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' or 'moe_num_experts' key \(the routed experts "
-            r"per layer\) in this mixtral config",
+            r"no 'num_local_experts' or 'num_experts' or 'n_routed_experts' or 'moe_num_experts' key "
+            r"\(the routed experts per layer\) in this mixtral config",
         ),
         (
             _without("Qwen3-30B-A3B", "moe_intermediate_size", "intermediate_size"),
@@ -821,8 +823,8 @@ def _without(model, *keys, **changes):
         (
             hf_configs.CONFIGS["Qwen1.5-MoE-A2.7B"],
             "Q4_K",
-            r"experts of \[1408, 2048\] gate/up and \[2048, 1408\] down in Q4_K/Q4_K/Q4_K: a row of 1408 weights is not "
-            r"a multiple of the Q4_K block of 256 weights",
+            r"experts of \[1408, 2048\] gate/up and \[2048, 1408\] down in Q4_K/Q4_K/Q4_K: a row of 1408 weights is "
+            r"not a multiple of the Q4_K block of 256 weights",
         ),
     ],
 )

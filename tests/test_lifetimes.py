@@ -9,9 +9,10 @@ import threading
 import numpy as np
 import pytest
 
+from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout, testing
+
 from support.cache import CUDA_OK, CUDA_REASON, SCALE
 from support.child import close_while_threads_call, run_child
-from pyexpcache import CacheClosedError, ExpertCache, HostSource, ModelLayout, testing
 
 
 def layout():

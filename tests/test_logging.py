@@ -13,8 +13,9 @@ import warnings
 
 import pytest
 
-from support.cache import SCALE
 from pyexpcache import ExpcacheWarning, ExpertCache, HostSource, InvalidArgumentError, LayerSpec, ModelLayout, testing
+
+from support.cache import SCALE
 
 
 def small_device_cache(src, layout, **kw):

@@ -5,17 +5,16 @@ emulates the devices, CUDA repeats the GPUs there are)."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from pyexpcache import (
     CacheClosedError,
     ExpcacheError,
+    HostSource,
     LayerSpec,
     ModelLayout,
     MultiDeviceCache,
-    HostSource,
     Placement,
     loads_from_calls,
     testing,

@@ -28,12 +28,12 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
+from test_stateful import LAYOUTS, _status, assert_cache_matches_model, configs, fuzz_settings, source_for  # noqa: E402
 
 from pyexpcache import ExpcacheError, MultiDeviceCache, Placement, testing  # noqa: E402
 
 from support.cache import assert_served  # noqa: E402
 from support.reference_model import ModelError, ReferenceCache  # noqa: E402
-from test_stateful import LAYOUTS, _status, assert_cache_matches_model, configs, fuzz_settings, source_for  # noqa: E402
 
 EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", "120"))
 STEPS = int(os.environ.get("EXPCACHE_FUZZ_STEPS", "30"))

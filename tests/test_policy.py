@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, ModelLayout, _lib, sim
-from pyexpcache import bench
+from pyexpcache import ExpertCache, HostSource, ModelLayout, _lib, bench, sim
 from pyexpcache.sim import DECODE, simulate_lru, simulate_policy
 
 from support.cache import SCALE

@@ -165,6 +165,7 @@ def test_views_kept_by_the_cache_do_not_hold_released_memory(make_cache):
     import weakref
 
     from pyexpcache import ModelLayout
+
     from support.cache import SCALE
 
     # One class at a time: serving the q4 layer 40 releases the q2 class inside the library.

@@ -54,7 +54,7 @@ def report(target: str, rc: int, stdout: str, stderr: str) -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)  # one probe build per flag set, not one per test
+@functools.cache  # one probe build per flag set, not one per test
 def sanitizer_unavailable(flags: str) -> str:
     """'' when the C++ compiler builds and runs a threaded program with -fsanitize=`flags`, else why not."""
     cxx = os.environ.get("CXX") or "g++"
@@ -118,7 +118,7 @@ def assert_unit_test_clean(target: str, program: str = "ring_test") -> None:
     """`make target` builds and runs tests/c/<program>.cpp: every check passes, no sanitizer report."""
     rc, out, err = run_make(target)
     lines = (out + "\n" + err).splitlines()
-    summary = [line for line in lines if line.startswith(f"{program}:") or line.startswith("FAILED")]
+    summary = [line for line in lines if line.startswith((f"{program}:", "FAILED"))]
     message = f"make {target} exited {rc}\n" + "\n".join(summary or lines[-60:])
     print(message)
     assert rc == 0, message

@@ -159,6 +159,7 @@ def test_variables_are_read_when_the_cache_is_created(tmp_path, monkeypatch):
 def test_file_bounce_either_way_reads_the_right_bytes(tmp_path, monkeypatch, bounce):
     pytest.importorskip("gguf")
     from pyexpcache.gguf import GGUFSource
+
     from support.gguf_files import Q4, write_model
 
     monkeypatch.setenv("EXPCACHE_STAGING_FILE_BOUNCE", bounce)

@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, LayerSpec, ModelLayout, testing
-from pyexpcache import _cuda
+from pyexpcache import ExpertCache, HostSource, LayerSpec, ModelLayout, _cuda, testing
 
 from support.cache import CUDA_OK, CUDA_REASON
 

@@ -88,7 +88,7 @@ def test_hooks_go_through_the_call_gate(make_cache):
         "read_expert": lambda: testing.read_expert(cache, 3, 1),
     }
     assert sorted(calls) == HOOKS
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(CacheClosedError, match="closed"):
             call()
 

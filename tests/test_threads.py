@@ -36,7 +36,6 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import numpy as np
-import pytest
 
 from pyexpcache import (
     ExpcacheError,
@@ -127,7 +126,7 @@ def run_threads(target, n):
     def wrap(i):
         try:
             target(i)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append((i, e))
 
     threads = [threading.Thread(target=wrap, args=(i,)) for i in range(n)]
@@ -161,7 +160,7 @@ def test_shared_cache_disjoint_layers_counters_and_bytes(policy):
         layers = [t, t + NUM_THREADS]
         select = RawSelect(cache)
         exp = expected[t]
-        for it in range(ITERATIONS):
+        for _ in range(ITERATIONS):
             layer = rng.choice(layers)
             n = layout[layer].num_experts
             key = layout[layer].class_key
@@ -283,7 +282,7 @@ def test_shared_cache_with_concurrent_control_calls(policy):
         rng = random.Random(2000 + t)
         layers = [t, t + NUM_THREADS]
         select = RawSelect(cache)
-        for it in range(ITERATIONS):
+        for _ in range(ITERATIONS):
             layer = rng.choice(layers)
             n = layout[layer].num_experts
             op = rng.random()
@@ -308,7 +307,7 @@ def test_shared_cache_with_concurrent_control_calls(policy):
     def control():
         try:
             worker(NUM_THREADS)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             ctl_errors.append(e)
 
     ctl = threading.Thread(target=control)
@@ -405,10 +404,10 @@ def replay(layout, source, ops, policy, barrier=None):
         (c.info.index, c.info.key, p): vars(s).copy() for c in cache.stats().classes for p, s in c.paths.items()
     }
     resident = {
-        (l, e)
-        for l in layout.moe_layers
-        for e in range(layout[l].num_experts)
-        if testing.read_expert(cache, l, e) is not None
+        (layer, e)
+        for layer in layout.moe_layers
+        for e in range(layout[layer].num_experts)
+        if testing.read_expert(cache, layer, e) is not None
     }
     snapshot = (counters, resident, testing.device_bytes_in_use(cache), outcomes)
     for b in batches:

@@ -112,7 +112,7 @@ def test_bfloat16_has_no_array_interface(backing):
     view = host_view(backing, dtype="bfloat16", shape=(4, 8))
     assert view.dtype is _dlpack.BFLOAT16 and view.shape == (4, 8)
     with pytest.raises(TypeError, match="bfloat16"):
-        view.__array_interface__
+        _ = view.__array_interface__
     with pytest.raises(TypeError, match="bfloat16"):
         np.asarray(view)
     assert 'capsule object "dltensor"' in repr(view.__dlpack__())  # DLPack carries bfloat16
@@ -489,7 +489,7 @@ def test_cuda_array_interface(fake):
     assert view.__cuda_array_interface__["stream"] == 7
     assert "device=cuda:2" in repr(view)
     with pytest.raises(AttributeError, match="bfloat16"):  # hasattr() is False: consumers go on to DLPack
-        fake_cuda_view(7, dtype="bfloat16").__cuda_array_interface__
+        _ = fake_cuda_view(7, dtype="bfloat16").__cuda_array_interface__
     with pytest.raises(BufferError):
         view.__dlpack__(dl_device=(1, 0))
     with pytest.raises(BufferError):

@@ -67,7 +67,7 @@ with HostSource(layout) as source, ExpertCache(layout, source, budget_experts=1,
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backend() -> str:
     """The backend the benchmarks run on: ``"cuda"`` when the loaded library and a device
     allow it, else ``"host"``. ``EXPCACHE_BENCH_BACKEND`` forces one.

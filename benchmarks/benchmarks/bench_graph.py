@@ -9,7 +9,7 @@ happen once per commit, in ``setup_cache``; commits without the graph loop are s
 
 from __future__ import annotations
 
-from . import BACKENDS, BUDGET_GIB, GiB, LAYOUTS, backend, replay_scale, replay_traces, skip_other_backends
+from . import BACKENDS, BUDGET_GIB, LAYOUTS, GiB, backend, replay_scale, replay_traces, skip_other_backends
 
 BACKEND = backend()
 

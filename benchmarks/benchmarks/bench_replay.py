@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 
-from . import BACKENDS, BUDGET_GIB, GiB, LAYOUTS, backend, replay_scale, replay_traces, skip_other_backends
+from . import BACKENDS, BUDGET_GIB, LAYOUTS, GiB, backend, replay_scale, replay_traces, skip_other_backends
 
 BACKEND = backend()
 SCENARIOS = ["decode", "prefill"]
@@ -24,8 +24,7 @@ SCENARIOS = ["decode", "prefill"]
 def run_replays() -> dict:
     """{(layout, scenario): numbers} for every layout and scenario, run on BACKEND."""
     try:
-        from pyexpcache import ModelLayout
-        from pyexpcache import bench
+        from pyexpcache import ModelLayout, bench
     except ImportError:  # a commit from before the benchmark existed: the tracks are skipped
         return {}
     scale = replay_scale(BACKEND)

@@ -20,12 +20,12 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
         f"pyexpcache.hf needs transformers >= 5 (its experts interface), found {transformers.__version__}"
     )
 
-from ._experts import ExpertsLayer, find_experts  # noqa: E402
-from ._graph import GraphDecoder  # noqa: E402
-from ._offload import Offloaded, offload  # noqa: E402
-from ._record import RoutingRecorder, record_routing  # noqa: E402
-from ._serve import IMPLEMENTATION  # noqa: E402
-from ._source import ParameterSource  # noqa: E402
+from ._experts import ExpertsLayer, find_experts
+from ._graph import GraphDecoder
+from ._offload import Offloaded, offload
+from ._record import RoutingRecorder, record_routing
+from ._serve import IMPLEMENTATION
+from ._source import ParameterSource
 
 __all__ = [
     "IMPLEMENTATION",

@@ -7,7 +7,6 @@ from typing import Optional
 
 import torch
 
-
 #: The layer types whose decode-step mask GraphDecoder makes itself: causal over the static cache
 #: (a sliding or chunked window no shorter than max_len masks nothing more).
 _MASKED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

@@ -13,8 +13,8 @@ from ..bench.progress import Progress
 from ..cache import ExpertCache
 from ..layout import ModelLayout
 from ..stats import PathStats
-from ._experts import ExpertsLayer, find_experts, layout_of
 from . import _serve
+from ._experts import ExpertsLayer, find_experts, layout_of
 from ._serve import IMPLEMENTATION, LayerServer, forget_cache, inner_implementation, register, serve_cache
 from ._source import ParameterSource
 
@@ -82,7 +82,7 @@ def _move_the_rest(model: torch.nn.Module, layers: list[ExpertsLayer], compute: 
         return
     experts = {id(e.first) for e in layers} | {id(e.down) for e in layers}
     for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
+        for p in module.parameters(recurse=False):
             if id(p) not in experts and p.device.type == "cpu":
                 p.data = p.data.to(compute)
         for name, b in module.named_buffers(recurse=False):
@@ -184,7 +184,7 @@ class Offloaded:
                 )
         for cache in self.caches:  # waits for the device: no copy reads the host tensors while they are written
             cache.release_all()
-        for where, module, name, kept in served:
+        for _where, module, name, kept in served:
             p = getattr(module, name)
             if p.data_ptr() != kept.data_ptr() or p.device != kept.device:
                 kept.copy_(p.detach())

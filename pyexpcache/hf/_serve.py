@@ -70,7 +70,7 @@ def over_windows(inner: Callable, cap: int) -> Callable:
     )
 
 
-def by_expert_id(inner: Callable, server: "LayerServer") -> Callable | None:
+def by_expert_id(inner: Callable, server: LayerServer) -> Callable | None:
     """On the CPU: transformers' ``grouped_mm`` (its code object, unchanged), called with the
     router's expert ids, with its grouped products made from the bank: group e (expert e's rows,
     where transformers' own sort by expert id puts them) is multiplied by the slot

@@ -5,7 +5,6 @@ value of it that holds an expert."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from pyexpcache import ExpertCache, HostSource, ModelLayout, bench, cli
@@ -14,7 +13,7 @@ from pyexpcache.bench.bench import resolve_budget
 from pyexpcache.bench.modes import devices, graph_loop
 from pyexpcache.bench.modes.variants import run_variant
 from pyexpcache.layout import LayerSpec
-from pyexpcache.traces import Trace, synthetic_trace
+from pyexpcache.traces import synthetic_trace
 
 #: Qwen3-30B-A3B's config.json (the keys from_hf_config reads): 48 layers x 128 experts, [768, 2048]
 #: gate and up; in Q4_K each part is 884,736 B, 3,456 B at / 256, whose slot stride is 3,584 B.

@@ -38,7 +38,7 @@ MEASURED = {
 MARGIN = 0.04
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trace(name: str) -> Trace:
     return load_decode_trace(name)
 

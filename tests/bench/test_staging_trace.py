@@ -38,7 +38,7 @@ def test_staging_trace_notes_every_piece_and_summarizes_it(tmp_path, monkeypatch
     assert len(ring.calls) == stats.calls == 3
     assert sum(p[1] for p in ring.pieces) == stats.bytes == 9 * layout[0].expert_bytes
     assert [p[0] for p in ring.pieces] == list(range(len(ring.pieces))) and len(ring.pieces) == stats.pieces
-    for seq, size, queued, taken, filled, sent, send, filler in ring.pieces:
+    for _seq, _size, queued, taken, filled, sent, send, filler in ring.pieces:
         assert 0 < queued <= taken <= filled <= sent and 1 <= send <= stats.sends and 0 <= filler < 4
     for (begun, finishing, finished), pieces in zip(ring.calls, ring.pieces_by_call()):
         assert begun <= finishing <= finished and pieces

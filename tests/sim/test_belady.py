@@ -11,7 +11,6 @@ from pyexpcache.sim import simulate_belady, simulate_lru
 
 from support.sim_streams import B, D, counters
 
-
 # --------------------------------------------------------------------------- by hand
 
 
@@ -67,7 +66,7 @@ def _optimal_hits(calls, cap):
     """
     plans = [list(dict.fromkeys((call.layer, e) for e in call.ids)) for call in calls]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i, cache):
         if i == len(plans):
             return 0

@@ -12,7 +12,6 @@ from pyexpcache.traces import load_prefill_trace
 
 from support.sim_streams import B, D, counters, random_stream
 
-
 # --------------------------------------------------------------------------- by hand
 
 

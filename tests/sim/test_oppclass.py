@@ -11,7 +11,6 @@ from pyexpcache.traces import load_decode_trace
 
 from support.sim_streams import D, counters
 
-
 # --------------------------------------------------------------------------- by hand
 
 

@@ -12,7 +12,6 @@ from pyexpcache.sim import POLICIES, simulate, simulate_belady, simulate_global,
 
 from support.sim_streams import D, counters, random_stream
 
-
 # --------------------------------------------------------------------------- invariants of every policy
 
 

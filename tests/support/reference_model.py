@@ -77,11 +77,18 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Optional
 
-from pyexpcache._lib import MAX_BATCHES, MAX_SELECT, PATH_NAMES as PATHS, PREFETCH_FIELDS, STAT_FIELDS  # the ABI's
-from pyexpcache._lib import POLICIES
+from pyexpcache._lib import (  # the ABI's constants
+    MAX_BATCHES,
+    MAX_SELECT,
+    PATH_NAMES as PATHS,
+    POLICIES,
+    PREFETCH_FIELDS,
+    STAT_FIELDS,
+)
 from pyexpcache.sim import Ctx, make_policy
 
 ALIGN = 256
@@ -113,10 +120,10 @@ INVALID_STATE = "INVALID_STATE"
 DENSE = "ValueError"  # ExpertCache's own refusal of a dense layer (a ValueError, not a status)
 OUT_OF_DEVICE_MEMORY = "OUT_OF_DEVICE_MEMORY"
 
-Key = Tuple[int, int]  # (layer, expert)
+Key = tuple[int, int]  # (layer, expert)
 
 
-def new_stats() -> Dict[str, Dict[str, int]]:
+def new_stats() -> dict[str, dict[str, int]]:
     return {p: {f: 0 for f in STAT_FIELDS} for p in PATHS}
 
 
@@ -125,25 +132,25 @@ class RefClass:
     index: int
     in_use: bool = False
     gen: int = 0
-    key: Tuple[int, int, int] = (0, 0, 0)
+    key: tuple[int, int, int] = (0, 0, 0)
     slot_bytes: int = 0
     last_used: int = 0
     # Resident entries, coldest first.
-    lru: "OrderedDict[Key, None]" = field(default_factory=OrderedDict)
-    holds: Dict[Key, int] = field(default_factory=dict)
+    lru: OrderedDict[Key, None] = field(default_factory=OrderedDict)
+    holds: dict[Key, int] = field(default_factory=dict)
     pol: object = None  # the policy's twin in pyexpcache.sim; None for LRU, whose order is `lru` itself
     allocated: int = 0
-    slabs: List[int] = field(default_factory=list)  # allocation ids
+    slabs: list[int] = field(default_factory=list)  # allocation ids
     target: int = 0
     cap: int = 0
     cap_valid: bool = False
     cap_announced: bool = False
     layers: int = 0
-    stats: Dict[str, Dict[str, int]] = field(default_factory=new_stats)
+    stats: dict[str, dict[str, int]] = field(default_factory=new_stats)
     # Prefetched entries not used yet: "loading" (queued, never served) or "unused" (every byte sent).
-    pf: Dict[Key, str] = field(default_factory=dict)
+    pf: dict[Key, str] = field(default_factory=dict)
     # The serving call that last used each entry (0: none), for what a prefetch may evict.
-    last_use: Dict[Key, int] = field(default_factory=dict)
+    last_use: dict[Key, int] = field(default_factory=dict)
 
     @property
     def resident(self) -> int:
@@ -162,14 +169,14 @@ class RefClass:
 class RefBatch:
     handle: int
     cls: int
-    held: List[Key]
+    held: list[Key]
     staging: Optional[int]  # allocation id
 
 
 @dataclass
 class LayerShape:
     num_experts: int
-    key: Tuple[int, int, int]
+    key: tuple[int, int, int]
 
     @property
     def expert_bytes(self) -> int:
@@ -202,7 +209,7 @@ class ReferenceCache:
         self.batch_staging_releases = batch_staging_releases
         self.prefetch_max = int(prefetch_max_per_layer)
         self.pstats = {f: 0 for f in PREFETCH_FIELDS}
-        self.pf_count: Dict[int, int] = {}  # per layer: prefetched since its last serving call
+        self.pf_count: dict[int, int] = {}  # per layer: prefetched since its last serving call
         self.cur_call = self.prev_call = 0
         self.resumed: set = set()  # keys of queued prefetches the serving call under way finishes
         if policy not in POLICIES:
@@ -213,7 +220,7 @@ class ReferenceCache:
         self.token = 0
         self.last_layer: Optional[int] = None
         specs = getattr(layout, "layers", layout)
-        self.layers: List[Optional[LayerShape]] = [
+        self.layers: list[Optional[LayerShape]] = [
             None if s is None else LayerShape(int(s.num_experts), tuple(int(b) for b in s.class_key)) for s in specs
         ]
         moe = [i for i, shape in enumerate(self.layers) if shape is not None]
@@ -233,10 +240,10 @@ class ReferenceCache:
         self.slab_bytes = DEFAULT_SLAB if slab_bytes is None else int(slab_bytes)
         self.classes = [RefClass(i) for i in range(max_classes)]
         self._ctx = Ctx()
-        self.binding: Dict[int, Tuple[int, int]] = {}  # layer -> (class index, gen)
+        self.binding: dict[int, tuple[int, int]] = {}  # layer -> (class index, gen)
         self.call = 0
         # Device memory: allocation id -> (bytes, rounded bytes).
-        self.allocs: Dict[int, Tuple[int, int]] = {}
+        self.allocs: dict[int, tuple[int, int]] = {}
         self._next_alloc = 1
         self.used = 0  # rounded, as the host backend counts its capacity
         self.device_bytes = 0  # as expcache_testing_device_bytes_in_use reports
@@ -246,7 +253,7 @@ class ReferenceCache:
         self.compact_bytes = 0
         self.overflow: Optional[int] = None
         self.overflow_bytes = 0
-        self.batches: List[RefBatch] = []
+        self.batches: list[RefBatch] = []
         self.next_batch = 1
 
     # ------------------------------------------------------------------ memory
@@ -308,7 +315,7 @@ class ReferenceCache:
         cls = self.classes[c]
         return c if cls.in_use and cls.gen == gen else None
 
-    def _activate(self, c: int, key: Tuple[int, int, int]) -> None:
+    def _activate(self, c: int, key: tuple[int, int, int]) -> None:
         cls = self.classes[c]
         assert cls.resident == 0 and cls.held == 0 and not cls.slabs
         cls.in_use = True
@@ -445,14 +452,14 @@ class ReferenceCache:
         if cls.free > 0:
             return True
         if allow_evict:
-            if prefetch:
-                evictable = lambda k: (
-                    cls.holds.get(k, 0) == 0
-                    and cls.pf.get(k) != "loading"  # noqa: E731
-                    and cls.last_use.get(k, 0) < self.prev_call
-                )
-            else:
-                evictable = lambda k: k not in protected and cls.holds.get(k, 0) == 0  # noqa: E731
+
+            def evictable(k):
+                if cls.holds.get(k, 0) != 0:
+                    return False
+                if prefetch:
+                    return cls.pf.get(k) != "loading" and cls.last_use.get(k, 0) < self.prev_call
+                return k not in protected
+
             if cls.pol is not None:
                 victim = cls.pol.victim(evictable)
             else:
@@ -514,11 +521,11 @@ class ReferenceCache:
             cls.pol.on_insert(k, cold, self._ctx)
 
     @staticmethod
-    def _unique(ids: Iterable[int]) -> List[int]:
+    def _unique(ids: Iterable[int]) -> list[int]:
         return list(dict.fromkeys(int(e) for e in ids))
 
     # ------------------------------------------------------------------ serving
-    def select(self, layer: int, ids: Sequence[int]) -> Dict[int, str]:
+    def select(self, layer: int, ids: Sequence[int]) -> dict[int, str]:
         """Decode path. Returns, per unique id, "hit", "slot" (loaded into a slot) or "direct"."""
         ids = [int(e) for e in ids]
         shape = self._validate_layer(layer)
@@ -527,7 +534,7 @@ class ReferenceCache:
         self._validate_ids(shape, ids)
         c, cls, st = self._start_call(layer, "decode", ids)
         unique = self._unique(ids)
-        where: Dict[int, str] = {}
+        where: dict[int, str] = {}
         protected = set()
         misses = []
         for e in unique:
@@ -572,7 +579,7 @@ class ReferenceCache:
                 where[e] = "direct"
         return where
 
-    def load_compact(self, layer: int, ids: Sequence[int]) -> Dict[int, str]:
+    def load_compact(self, layer: int, ids: Sequence[int]) -> dict[int, str]:
         """Compact path. Returns, per unique id, "hit" or "direct"."""
         ids = [int(e) for e in ids]
         shape = self._validate_layer(layer)
@@ -591,7 +598,7 @@ class ReferenceCache:
             self.compact, self.compact_bytes = None, 0
             self.compact = self._alloc_staging(total, c, "compact")
             self.compact_bytes = total
-        where: Dict[int, str] = {}
+        where: dict[int, str] = {}
         for e in ids:
             k = (layer, e)
             first = e not in where
@@ -610,7 +617,7 @@ class ReferenceCache:
                 st["bytes_h2d"] += shape.expert_bytes
         return where
 
-    def prepare_batch(self, layer: int, ids: Sequence[int]) -> Tuple[int, List[int], Dict[int, str]]:
+    def prepare_batch(self, layer: int, ids: Sequence[int]) -> tuple[int, list[int], dict[int, str]]:
         """Batch path. Returns (handle, unique ids, per unique id "hit"/"slot"/"direct")."""
         ids = [int(e) for e in ids]
         shape = self._validate_layer(layer)
@@ -621,7 +628,7 @@ class ReferenceCache:
             raise ModelError(INVALID_STATE, "64 batches are unfinished")
         c, cls, st = self._start_call(layer, "batch", ids)
         unique = self._unique(ids)
-        held: List[Key] = []
+        held: list[Key] = []
 
         def hold(k: Key) -> None:
             cls.holds[k] = cls.holds.get(k, 0) + 1
@@ -631,7 +638,7 @@ class ReferenceCache:
             for k in held:
                 self._unhold(cls, k)
 
-        where: Dict[int, str] = {}
+        where: dict[int, str] = {}
         misses = []
         for e in unique:
             k = (layer, e)
@@ -680,11 +687,10 @@ class ReferenceCache:
         return handle, unique, where
 
     def finish_batch(self, handle: int) -> None:
-        for i, b in enumerate(self.batches):
-            if b.handle == handle:
-                break
-        else:
+        i = next((i for i, b in enumerate(self.batches) if b.handle == handle), None)
+        if i is None:
             raise ModelError(INVALID_ARGUMENT, f"batch {handle} is unknown or already finished")
+        b = self.batches[i]
         self._free(b.staging)
         cls = self.classes[b.cls]
         for k in b.held:
@@ -727,7 +733,7 @@ class ReferenceCache:
                     self.pf_count[k[0]] -= 1
         return kept
 
-    def _finish_in_place(self, cls: RefClass, k: Key, cold: bool, st: Dict[str, int]) -> None:
+    def _finish_in_place(self, cls: RefClass, k: Key, cold: bool, st: dict[str, int]) -> None:
         """A miss whose queued prefetch the call finishes: its slot, re-entered in the policy as
         a fresh insert, no eviction (nothing of it was sent while paused: all its bytes move now)."""
         del cls.lru[k]
@@ -841,7 +847,7 @@ class ReferenceCache:
             out.update(k for k in cls.lru if k[0] == layer and cls.pf.get(k) != "loading")
         return out
 
-    def lru_order(self, c: int) -> List[Key]:
+    def lru_order(self, c: int) -> list[Key]:
         """Class ``c``'s resident entries, coldest first."""
         return list(self.classes[c].lru)
 
@@ -849,11 +855,11 @@ class ReferenceCache:
     def device_bytes_in_use(self) -> int:
         return self.device_bytes
 
-    def stats(self) -> Dict[int, Dict[str, Dict[str, int]]]:
+    def stats(self) -> dict[int, dict[str, dict[str, int]]]:
         """Class index (in use) -> path -> counter -> value."""
         return {cl.index: {p: dict(v) for p, v in cl.stats.items()} for cl in self.classes if cl.in_use}
 
-    def class_infos(self) -> Dict[int, Dict[str, int]]:
+    def class_infos(self) -> dict[int, dict[str, int]]:
         out = {}
         for cl in self.classes:
             if not cl.in_use:

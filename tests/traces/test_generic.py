@@ -117,7 +117,7 @@ def test_geometry_comes_from_the_records(tmp_path):
 
 def test_a_token_missing_a_layer_is_served_with_the_others(tmp_path):
     path = tmp_path / "m.jsonl"
-    records = [{"token": t, "layer": l, "experts": [t % 4, 4 + l]} for t in range(3) for l in range(3)]
+    records = [{"token": t, "layer": layer, "experts": [t % 4, 4 + layer]} for t in range(3) for layer in range(3)]
     del records[4]  # token 1, layer 1
     _lines(path, records)
     with pytest.warns(TraceWarning) as caught:
@@ -133,7 +133,7 @@ def test_a_token_missing_a_layer_is_served_with_the_others(tmp_path):
 
 def test_a_layer_missing_for_some_tokens(tmp_path):
     path = tmp_path / "m.csv"
-    rows = [f"{t},{l},{t} {l + 4}" for t in range(6) for l in range(2, 5) if not (l == 3 and t % 2)]
+    rows = [f"{t},{layer},{t} {layer + 4}" for t in range(6) for layer in range(2, 5) if not (layer == 3 and t % 2)]
     path.write_text("token,layer,experts\n" + "\n".join(rows) + "\n")
     with pytest.warns(TraceWarning, match=r"3 of 18 .*the first: token 1, layer 3\)"):
         t = read_trace(path)
@@ -147,8 +147,8 @@ def test_a_layer_missing_for_some_tokens(tmp_path):
 def test_records_out_of_order_are_sorted(tmp_path):
     # Layer-major, tokens shuffled; two sequences: the one seen first replays first, whatever its id.
     records = [
-        {"seq": s, "token": tok, "layer": l, "experts": [s, tok, l]}
-        for l in (1, 0)
+        {"seq": s, "token": tok, "layer": layer, "experts": [s, tok, layer]}
+        for layer in (1, 0)
         for s in (9, 2)
         for tok in (3, 1, 2)
     ]

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ModelLayout, _lib
-from pyexpcache import bench
+from pyexpcache import ModelLayout, _lib, bench
 
 
 def test_hit_rate_curve_has_a_line_per_library_policy_under_belady():

@@ -9,10 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout
-from pyexpcache import bench
-from pyexpcache.bench.modes import devices
+from pyexpcache import ModelLayout, bench
 from pyexpcache.bench.link import Link
+from pyexpcache.bench.modes import devices
 from pyexpcache.cli import main
 
 TRACE = "podA_b_json_full"  # 40 tokens x 37 layers

@@ -9,11 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout
-from pyexpcache import bench
+from pyexpcache import ModelLayout, bench
 from pyexpcache.bench import predict
 from pyexpcache.bench.modes import engine
-from pyexpcache.bench.workload import decode_trace, build_workload
+from pyexpcache.bench.workload import build_workload, decode_trace
 
 
 def test_settings_put_none_first_and_add_hints():

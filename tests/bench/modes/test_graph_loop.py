@@ -5,13 +5,12 @@ nothing: no test looks at them)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout
-from pyexpcache import bench
+from pyexpcache import ModelLayout, bench
 from pyexpcache.bench.modes import graph_loop
 from pyexpcache.traces import MISSING, Trace, synthetic_trace
+
 from support.cache import CUDA_OK, CUDA_REASON
 
 

@@ -9,8 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout, _lib
-from pyexpcache import bench
+from pyexpcache import ModelLayout, _lib, bench
 from pyexpcache.bench.modes.variants import run_variant
 from pyexpcache.sim import DECODE, Call
 

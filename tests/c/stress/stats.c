@@ -5,10 +5,19 @@
 #include "stress.h"
 
 /* Compare stats with the snapshot: equal (exact) or never smaller; then take it as the new snapshot. */
-#define STAT_FIELDS(X)                                                                                               \
-    X(calls)                                                                                                         \
-    X(hits) X(misses) X(evictions) X(appends) X(direct_loads) X(bytes_h2d) X(bytes_d2d) X(releases) X(alloc_retries) \
-        X(cap_notices) X(class_reuses)
+#define STAT_FIELDS(X) \
+    X(calls)           \
+    X(hits)            \
+    X(misses)          \
+    X(evictions)       \
+    X(appends)         \
+    X(direct_loads)    \
+    X(bytes_h2d)       \
+    X(bytes_d2d)       \
+    X(releases)        \
+    X(alloc_retries)   \
+    X(cap_notices)     \
+    X(class_reuses)
 
 void check_stats(Model* m, int exact) {
     for (uint32_t c = 0; c < m->max_classes; ++c)
