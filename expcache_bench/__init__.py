@@ -1,19 +1,29 @@
-"""The benchmark (``expcache bench``): real routing replayed through the cache, in modes.
+"""expcache's benchmark suite (the ``expcache`` command): real routing replayed through the cache
+of :mod:`pyexpcache`, in modes, and the tools it stands on.
 
-What every mode shares lives here: :class:`Bench` (the layout, source, stream and expected
-checksums; its caches, replays through the C loop and the link), the workloads, the link
-measurement, the report, the command-line options and the progress bar. The modes, one module
-each behind one interface, are in :mod:`pyexpcache.bench.modes`; the names below re-export the
-variants table's (:func:`run` is its ``run_scenario``: the main benchmark, which asv tracks)
-and the hit-rate curve's.
+Modules: :mod:`~expcache_bench.cli` (the command line), :mod:`~expcache_bench.modes` (the modes,
+one module each behind one interface), :mod:`~expcache_bench.bench` (:class:`Bench`: what every
+mode shares: the layout, source, stream and expected checksums; its caches, the replays through
+the C loop and the link), :mod:`~expcache_bench.options`, :mod:`~expcache_bench.report`,
+:mod:`~expcache_bench.workload`, :mod:`~expcache_bench.link`, :mod:`~expcache_bench.budget` (the
+budget at divided sizes), :mod:`~expcache_bench.replay` (the C replay loop, ``replay.c``, built as
+``libexpcache_replay.so``), :mod:`~expcache_bench.predict` (the prefetch predictors),
+:mod:`~expcache_bench.policies`, the offline simulator :mod:`~expcache_bench.sim` and the bundled
+and synthetic traces :mod:`~expcache_bench.traces`.
+
+The library never imports this package. The names below re-export the variants table's
+(:func:`run` is its ``run_scenario``: the main benchmark, which asv tracks) and the hit-rate
+curve's.
 """
 
+from pyexpcache.progress import Progress
+
 from .bench import HOST_SCALE, Bench, resolve_backend
+from .modes import format_report
 from .modes.curve import hit_rate_curve, plot_curve
 from .modes.variants import BASELINES, VariantResult, belady_hit_rate, policy_variants, variants
 from .modes.variants import run_scenario as run
-from .progress import Progress
-from .report import Report, format_report, git_commit, write_json
+from .report import Report, git_commit, write_json
 from .workload import DEFAULT_TRACES, SCENARIOS, Workload, build_workload
 
 __all__ = [

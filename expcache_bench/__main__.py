@@ -1,3 +1,5 @@
+"""`python3 -m expcache_bench`: the expcache command."""
+
 import sys
 
 from .cli import main

@@ -13,22 +13,17 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _cuda, _lib
-from ..cache import ExpertCache
-from ..layout import GiB, ModelLayout
-from ..source import HostSource
-from . import link
+from pyexpcache import _cuda, _lib
+from pyexpcache.budget import class_info, unscaled
+from pyexpcache.cache import ExpertCache
+from pyexpcache.layout import GiB, ModelLayout
+from pyexpcache.progress import Progress
+from pyexpcache.source import HostSource
 
-# DEFAULT_BUDGET_BYTES and resolve_budget are re-exported: pyexpcache.hf and the modes import them here.
-from .budget import (  # noqa: F401
-    DEFAULT_BUDGET_BYTES,
-    class_info,
-    resolve_budget,
-    scaled_budget,
-    unscaled,
-)
+from . import link
+from . import replay as _replay  # the C loop's declarations (Bench.replay is a method)
+from .budget import scaled_budget
 from .link import Link
-from .progress import Progress
 from .report import made_by
 from .workload import Workload
 
@@ -219,8 +214,6 @@ class Bench:
         """Run one C replay loop, ``loop(dll, api, progress, out)``, with a progress callback that
         shows ``name`` and asks the loop to stop on Ctrl-C (deferred meanwhile) or when the display
         fails; returns the loop's ReplayResult, or raises what stopped it once it has returned."""
-        from . import replay as _replay
-
         out = _replay.ReplayResult()
         failed: list[BaseException] = []
         with _sigint_deferred() as interrupted:
@@ -251,8 +244,6 @@ class Bench:
         :class:`~pyexpcache.bench.replay.ReplayOptions`, kept alive by the caller with its arrays)
         makes each decode call an engine's layer. Returns the loop's
         :class:`~pyexpcache.bench.replay.ReplayResult`."""
-        from . import replay as _replay
-
         modes = {"cache": _replay.MODE_CACHE, "nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}
         if serve not in modes:
             raise ValueError(f"serve must be one of {', '.join(modes)}, got {serve!r}")

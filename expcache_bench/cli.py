@@ -1,8 +1,10 @@
-"""The expcache command line: bench (the main job, in modes), transfer, inspect (a GGUF model), info.
+"""The expcache command line: bench (the main job, in modes), inspect (a GGUF model), info.
 
-`expcache bench MODE [options]` runs one of the benchmark's modes (pyexpcache/bench/modes/), each
-with the options it lists; `expcache bench [options]` (the flag spelling) runs the mode its options
-choose, the variants table by default, and `expcache transfer` is `expcache bench transfer`.
+`expcache bench MODE [options]` runs one of the benchmark's modes (expcache_bench/modes/), each
+with the options it lists; `expcache bench [options]` runs the default mode, the variants table.
+Deprecated for one release, each with a DeprecationWarning naming the mode's spelling: a mode
+chosen by an option of the flag spelling (`expcache bench --loop torch`, `--devices N`,
+`--prefetch ...`) and `expcache transfer` (`expcache bench transfer`).
 
 Nothing here loads libexpcache or cuda-python before a command runs, so every --help
 works on a fresh clone. What a run needs (output paths, optional packages, the traces) is
@@ -13,14 +15,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import stat
 import sys
+import warnings
 
-from .bench import options
-from .bench.options import NotAvailable, UsageError
-from .layout import FIRST_ROUTED_LAYER, GiB
+from pyexpcache import library_version
+from pyexpcache._errors import ExpcacheError
+from pyexpcache.gguf import GGUFSource, inspect_table
+from pyexpcache.layout import FIRST_ROUTED_LAYER, GiB
+from pyexpcache.progress import Progress
+
+from . import bench, modes, options
+from .modes import format_report
+from .options import NotAvailable, UsageError
+from .traces import check_layout
+from .workload import decode_trace
 
 INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
@@ -72,18 +84,15 @@ class _OutputFile:
 
 
 def _json_bytes(value) -> bytes:
-    import json
-
     return json.dumps(value, indent=2).encode()
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The top-level parser: bench in the flag spelling, transfer, inspect, info."""
-    from .bench import modes
-
+    """The top-level parser: bench (a mode's name is the first argument, read by :func:`_parse`),
+    inspect, info, and the deprecated transfer."""
     # The module docstring is the top help's description: plain text, as every help text here.
     p = argparse.ArgumentParser(prog="expcache", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{bench,inspect,info}")
     b = sub.add_parser(
         "bench",
         help="replay real routing through the cache; tokens/s and hit rate vs baselines",
@@ -93,13 +102,14 @@ def _parser() -> argparse.ArgumentParser:
         + "; ".join(
             f"{n}{' (the default)' if n == modes.DEFAULT else ''}: {modes.by_name(n).HELP}" for n in modes.NAMES
         )
-        + ". 'expcache bench MODE --help' lists a mode's options. Without a mode, the "
-        "options below choose one (the variants table unless another's are given).",
+        + ". 'expcache bench MODE --help' lists a mode's options. Without a mode, it runs the "
+        f"{modes.by_name(modes.DEFAULT).TITLE}, with the options below.",
     )
     _add_flag_options(b)
     transfer = modes.by_name("transfer")
     t = sub.add_parser(
-        "transfer", help=transfer.HELP, description=transfer.DESCRIPTION + " The same as 'expcache bench transfer'."
+        "transfer",
+        description=transfer.DESCRIPTION + " Deprecated: the same as 'expcache bench transfer', the one spelling.",
     )
     for option in transfer.OPTIONS:
         option.add_to(t)
@@ -110,34 +120,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_flag_options(parser) -> None:
-    """`expcache bench`'s options in the flag spelling: those every mode of it takes, then each
-    mode's own in a group of its own (an option shared by some modes in the first one's)."""
-    from .bench import modes
-
-    flag_modes = [modes.by_name(n) for n in modes.FLAG_MODES]
-    everyone = [o for o in flag_modes[0].OPTIONS if all(o in m.OPTIONS for m in flag_modes)]
-    for option in everyone:
-        if option not in options.OUTPUT:
-            option.add_to(parser)
-    placed = list(everyone)
-    for mode in flag_modes:
-        own, also = [], []
-        for option in mode.OPTIONS + mode.SELECTED_BY:
-            if option not in placed:
-                own.append(option)
-                placed.append(option)
-            elif option not in everyone and option not in own + also:
-                also.append(option)
-        spellings = " or ".join(o.spelled_for(mode.NAME) for o in mode.SELECTED_BY)
-        chosen_by = f"; {spellings} chooses it" if spellings else "; runs when no other mode's options are given"
-        takes_too = f"; takes {', '.join(o.flags[0] for o in also)} too" if also else ""
-        group = parser.add_argument_group(
-            f"{mode.TITLE} (expcache bench {mode.NAME})", f"{mode.HELP}{chosen_by}{takes_too}"
-        )
-        for option in own:
-            option.add_to(group)
-    for option in options.OUTPUT:
+    """`expcache bench`'s options without a mode's name: the default mode's, shown in the help, and
+    every other option of the flag spelling, which chooses its mode (deprecated: parsed, not
+    shown; :func:`~expcache_bench.modes.choose` warns)."""
+    default = modes.by_name(modes.DEFAULT)
+    for option in default.OPTIONS:
         option.add_to(parser)
+    for option in modes.flag_options():
+        if option not in default.OPTIONS:
+            option.add_to(parser, hidden=True)
 
 
 def _mode_parser(mode) -> argparse.ArgumentParser:
@@ -152,8 +143,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     """The command line as a namespace with ``command``, ``mode`` (a bench mode's name, None for
     the flag spelling), ``prog`` (what messages start with), ``taken`` (the options its parser
     had) and ``argv``."""
-    from .bench import modes
-
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in modes.NAMES:
         mode = modes.by_name(argv[1])
         args = _mode_parser(mode).parse_args(argv[2:])
@@ -214,9 +203,6 @@ def _check_traces(args) -> None:
     records missing gives its one notice here. Each checked against the generated layout (--layout;
     a GGUF model's when the run opens it), and some of --layers traced. ``args.traces`` becomes the
     loaded traces, which the mode replays."""
-    from .bench.workload import decode_trace
-    from .traces import check_layout
-
     loaded = [decode_trace(t) for t in args.traces]
     routed = sorted({layer for trace in loaded for layer in trace.routed_layers})
     if options.LAYOUT in args.taken and not getattr(args, "gguf", None):
@@ -272,9 +258,14 @@ def _check_bench_memory(args, mode, backend: str, scale: int) -> None:
 def _bench(args) -> int:
     """A bench mode (or `expcache transfer`): the checks, the output files opened before the run,
     the run."""
-    from .bench import modes
-
     _check_shared(args)
+    if args.command == "transfer":
+        warnings.warn(
+            "'expcache transfer' is deprecated and goes in the next release: run 'expcache bench transfer' "
+            "with the same options",
+            DeprecationWarning,
+            stacklevel=1,
+        )
     mode = modes.by_name(args.mode) if args.mode else modes.choose(args)
     mode.check(args)
     if options.TRACES in mode.OPTIONS:
@@ -290,14 +281,10 @@ def _bench(args) -> int:
 
 def _open_bench(args, mode):
     """The Bench of a mode that runs on one, from the shared options."""
-    from . import bench
-
     backend = bench.resolve_backend(args.backend, args.device)
     scale = args.scale if args.scale is not None else (1 if backend == "cuda" else bench.HOST_SCALE)
     source = None
     if args.gguf:
-        from .gguf import GGUFSource
-
         scale = 1
         source = GGUFSource(args.gguf, reads=args.gguf_reads)
         layout = source.layout
@@ -318,7 +305,7 @@ def _open_bench(args, mode):
         pinned=pinned,
         budget_bytes=options.budget_bytes(args, layout, scale),
         reserve_bytes=reserve,
-        progress=bench.Progress(False if args.quiet else None),
+        progress=Progress(False if args.quiet else None),
         device=args.device,
         source=source,
         placement=args.placement,
@@ -332,8 +319,6 @@ def _run(args, mode) -> int:
     """The mode's reports, each printed and the JSON list rewritten as it comes (an interrupted
     run keeps the reports it finished); status 1 when a served expert's bytes differed from the
     source."""
-    from .bench import format_report
-
     shared = _open_bench(args, mode) if mode.USES_BENCH else None
     reports, failed = [], False
     try:
@@ -359,11 +344,8 @@ def _run(args, mode) -> int:
 
 
 def _info() -> int:
-    from . import library_version
-    from .bench import resolve_backend
-
     print(f"libexpcache {library_version()}")
-    print(f"auto backend here: {resolve_backend()}")
+    print(f"auto backend here: {bench.resolve_backend()}")
     return 0
 
 
@@ -371,8 +353,6 @@ def _inspect(args) -> int:
     options.need(options.has_module("gguf"), "expcache inspect needs the gguf package", "gguf")
     if os.path.isdir(args.model):
         raise UsageError(f"{args.model}: is a directory, not a GGUF file")
-    from .gguf import inspect_table
-
     print(inspect_table(args.model))
     return 0
 
@@ -386,12 +366,18 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     print(f"expcache: warning: {text}", file=sys.stderr if file is None else file)
 
 
+def show_warnings() -> None:
+    """Warnings printed one line each on stderr, this command's DeprecationWarnings (a deprecated
+    spelling) among them unless -W options say otherwise."""
+    warnings.showwarning = _show_warning
+    if not sys.warnoptions:
+        warnings.filterwarnings("always", category=DeprecationWarning, module=r"expcache_bench\.")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parse(argv)
-    import warnings
-
-    warnings.showwarning = _show_warning
+    show_warnings()
     if args.command == "bench":
         logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s")
     try:
@@ -404,8 +390,6 @@ def main(argv=None) -> int:
         print(f"{args.prog}: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from ._errors import ExpcacheError
-
         if isinstance(exc, (ValueError, OSError, MemoryError, ImportError, ExpcacheError, NotAvailable)):
             print(f"{args.prog}: {exc}", file=sys.stderr)
             return 1

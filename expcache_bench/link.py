@@ -11,9 +11,9 @@ from typing import Optional
 
 import numpy as np
 
-from .. import _cuda
-from ..layout import LayerSpec, ModelLayout
-from ..source import HostSource
+from pyexpcache import _cuda
+from pyexpcache.layout import LayerSpec, ModelLayout
+from pyexpcache.source import HostSource
 
 REPEATS = 20  # timed copies of a link measurement, after one untimed
 

@@ -1,6 +1,6 @@
 """The benchmark's command-line options, each defined once as an :class:`Option` and listed by
 every mode that takes it (the mode's ``OPTIONS``; the command line builds its parsers from those
-lists), with the value parsers they use, the options every mode on a :class:`~pyexpcache.bench.Bench`
+lists), with the value parsers they use, the options every mode on a :class:`~expcache_bench.Bench`
 shares (:data:`BENCH`), and what a mode's ``check`` raises (:class:`UsageError`).
 
 Nothing here loads libexpcache or cuda-python at import, so every --help works on a fresh clone.
@@ -17,7 +17,15 @@ import math
 import os
 from typing import Optional
 
-from ..layout import FIRST_ROUTED_LAYER, NUM_LAYERS, PRESETS, TOP_K as DEFAULT_TOP_K
+from pyexpcache._errors import ExpcacheError
+from pyexpcache.budget import resolve_budget
+from pyexpcache.cache import ExpertCache
+from pyexpcache.gguf import layout_from_gguf
+from pyexpcache.layout import FIRST_ROUTED_LAYER, NUM_LAYERS, PRESETS, LayerSpec, LayoutFileError, ModelLayout
+from pyexpcache.layout import TOP_K as DEFAULT_TOP_K
+from pyexpcache.source import HostSource
+
+from .traces.synthetic import is_deepseek_v4_flash_shaped
 from .workload import DEFAULT_TRACES, decode_trace
 
 
@@ -73,11 +81,6 @@ def host_memory_available() -> Optional[int]:
 def check_cache_setting(option: str, keyword: str, value: int) -> None:
     """Let the library judge a cache setting before the run (its ranges are its own): a cache of
     one tiny expert on the host backend is made with it."""
-    from .._errors import ExpcacheError
-    from ..cache import ExpertCache
-    from ..layout import LayerSpec, ModelLayout
-    from ..source import HostSource
-
     layout = ModelLayout((LayerSpec(1, 256, 256, 256),))
     with HostSource(layout) as source:
         try:
@@ -157,8 +160,6 @@ def layout_argument(text: str) -> str:
 def model_layout(text: str):
     """The full-size layout --layout names (:func:`layout_kind`), read once per command (cached
     by the text); UsageError naming the option and what is wrong with the file."""
-    from ..layout import LayoutFileError, ModelLayout
-
     try:
         kind, path, quant = layout_kind(text)
     except ValueError as exc:
@@ -171,8 +172,6 @@ def model_layout(text: str):
         if kind == "hf":
             return ModelLayout.from_hf_config(path, quant)
         need(has_module("gguf"), f"--layout {text}: a GGUF file's layout needs the gguf package", "gguf")
-        from ..gguf import layout_from_gguf
-
         return layout_from_gguf(path)
     except (LayoutFileError, ValueError, OSError) as exc:
         message = str(exc).removeprefix(f"{path}: ")
@@ -187,8 +186,6 @@ def _power_of_two_dividing(layout) -> int:
 
 def generated_layout(args, scale: int):
     """The --layout at ``scale``, less the layers --layers leaves out."""
-    from ..layout import ModelLayout
-
     layout = model_layout(args.layout)
     try:
         layout = layout.scaled(scale) if scale != 1 else layout
@@ -363,8 +360,9 @@ class Option:
     def default(self):
         return self.kwargs.get("default", False if self.kwargs.get("action") == "store_true" else None)
 
-    def add_to(self, parser) -> None:
-        parser.add_argument(*self.flags, **self.kwargs)
+    def add_to(self, parser, hidden: bool = False) -> None:
+        """The option in ``parser``; ``hidden``: parsed but left out of the help (a deprecated spelling)."""
+        parser.add_argument(*self.flags, **(dict(self.kwargs, help=argparse.SUPPRESS) if hidden else self.kwargs))
 
     def given(self, args) -> bool:
         return getattr(args, self.dest, self.default) != self.default
@@ -604,8 +602,6 @@ def synthetic_traces(args) -> None:
     line loads the traces). UsageError for a top-k above half the layout's experts per layer
     (fresh draws skip the previous token's), naming the option, and for --top-k without a
     synthetic trace."""
-    from ..traces.synthetic import is_deepseek_v4_flash_shaped
-
     traces = list(getattr(args, "traces", None) or [])
     synthetic = [t for t in traces if isinstance(t, str) and t.startswith("synthetic:")]
     k = getattr(args, "top_k", None)
@@ -617,8 +613,6 @@ def synthetic_traces(args) -> None:
             )
         return
     if getattr(args, "gguf", None):
-        from ..gguf import layout_from_gguf
-
         layout = layout_from_gguf(args.gguf)
     else:
         layout = model_layout(args.layout)
@@ -656,10 +650,8 @@ def check_budget(args) -> None:
 def budget_bytes(args, layout, scale: int) -> int:
     """The cache budget the options give for ``layout`` (its sizes already divided by ``scale``):
     --budget-fraction of its experts' bytes, or --budget-gib (default 12) divided by ``scale``
-    (:func:`~pyexpcache.bench.budget.resolve_budget`). UsageError for both, or for a budget that
+    (:func:`~pyexpcache.budget.resolve_budget`). UsageError for both, or for a budget that
     rounds to 0 bytes (naming the option and the smallest value of it that holds an expert)."""
-    from .budget import resolve_budget
-
     check_budget(args)
     gib = args.budget_gib
     try:

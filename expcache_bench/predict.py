@@ -87,6 +87,9 @@ import sys
 from typing import Optional, Sequence
 
 import numpy as np
+from tabulate import tabulate
+
+from .traces import list_traces, load_decode_trace
 
 __all__ = [
     "PREDICTORS",
@@ -387,14 +390,12 @@ def recall(trace, preds: np.ndarray) -> float:
 
 
 def _decode_traces(names: Optional[Sequence[str]]):
-    from ..traces import list_traces, load_decode_trace
 
     names = list(names) if names else [i.name for i in list_traces() if i.kind == "decode"]
     return [load_decode_trace(n) for n in names]
 
 
 def _table(traces, columns) -> str:
-    from tabulate import tabulate
 
     rows, pooled = [], [[0, 0] for _ in columns]
     for trace in traces:

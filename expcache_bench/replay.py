@@ -1,14 +1,17 @@
 """ctypes declarations of the benchmark's C replay loop (``replay.c`` beside this file), built
-as ``libexpcache_replay.so`` and loaded from beside the libexpcache in use, privately
-(RTLD_LOCAL): the loop is handed the library's functions in a :class:`ReplayApi` table."""
+as ``libexpcache_replay.so`` and loaded privately (RTLD_LOCAL) from the first of
+:func:`candidate_paths` that exists: this package's folder (an installed suite), the source
+tree's ``build/`` (an editable one), beside the libexpcache in use. The loop links nothing of
+libexpcache: it is handed the loaded library's functions in a :class:`ReplayApi` table."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 from ctypes import POINTER, c_double, c_int32, c_uint32, c_uint64, c_void_p
+from pathlib import Path
 
-from .. import _lib
+from pyexpcache import _lib
 
 DECODE, BATCH = 0, 1
 MODE_CACHE, MODE_NOCACHE, MODE_SLAB = 0, 1, 2
@@ -90,10 +93,30 @@ class ReplayApi(ctypes.Structure):
 PROGRESS_FN = ctypes.CFUNCTYPE(ctypes.c_int, c_uint64, c_uint64)
 
 
+LIBRARY = "libexpcache_replay.so"
+
+
+def candidate_paths() -> list[Path]:
+    """Where the replay library is looked for, in order: this package's folder (where ``pip
+    install .`` puts it), the source tree's ``build/`` (``make lib``, an editable install), and
+    beside the libexpcache in use (loads it)."""
+    here = Path(__file__).resolve().parent
+    out = []
+    for folder in (here, here.parent / "build", Path(_lib.library_path).resolve().parent):
+        if folder / LIBRARY not in out:
+            out.append(folder / LIBRARY)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def load() -> tuple[ctypes.CDLL, ReplayApi]:
     """The replay library and the table of the loaded libexpcache's functions it calls."""
-    path = _lib.library_path.parent / "libexpcache_replay.so"
+    tried = candidate_paths()
+    path = next((p for p in tried if p.exists()), None)
+    if path is None:
+        raise ImportError(
+            f"{LIBRARY} not found (tried {', '.join(map(str, tried))}); build it with `make lib` in the source tree"
+        )
     try:
         dll = ctypes.CDLL(str(path))  # RTLD_LOCAL: nothing of it resolves against other libraries
     except OSError as exc:

@@ -1,16 +1,19 @@
 """What every mode of the benchmark returns: one :class:`Report` type, with one header (the
 mode, where it ran, on what layout, source, budget and traces, against which link, and the
 version, library, commit and command line that made it), the mode's own settings and its rows;
-printed (:func:`format_report`: the header, then the mode's lines and table) and serialized
-(:meth:`Report.to_json`) one way for every mode."""
+printed (:func:`~expcache_bench.modes.format_report`: the header, then the mode's lines and table)
+and serialized (:meth:`Report.to_json`) one way for every mode."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 
-from ..layout import GiB
+from pyexpcache import __version__, library_version
+from pyexpcache.layout import GiB
 
 
 class DecodeRate:
@@ -79,8 +82,6 @@ class Report:
 
 def made_by() -> dict:
     """The header's version, library and git_commit: what made a report."""
-    from .. import __version__, library_version
-
     try:
         library = library_version()
     except (ImportError, OSError):  # a mode that needs no library (the simulator) runs without one
@@ -91,10 +92,7 @@ def made_by() -> dict:
 def git_commit() -> Optional[str]:
     """The commit of the git work tree this package runs from (``-dirty`` when tracked files
     changed), or None for an installed package or without git."""
-    import subprocess
-    from pathlib import Path
-
-    tree = Path(__file__).resolve().parents[2]  # pyexpcache/bench/report.py -> the tree
+    tree = Path(__file__).resolve().parents[1]  # expcache_bench/report.py -> the tree
     if not (tree / ".git").exists():
         return None
     try:
@@ -164,7 +162,7 @@ def header_lines(report: Report) -> list[str]:
     return lines
 
 
-#: Marks, in a table, a share of a link bound above 100 %; :func:`format_report` says why under it.
+#: Marks, in a table, a share of a link bound above 100 %; :func:`table_notes` says why under it.
 OVER_BOUND = "†"
 
 
@@ -201,19 +199,6 @@ def table_notes(report: Report, table: str) -> list[str]:
             )
         )
     return notes
-
-
-def format_report(report: Report) -> str:
-    """The report as text: the header, the lines its mode adds, the mode's table, the notes on its
-    figures (:func:`table_notes`) and what was skipped."""
-    from .modes import by_name
-
-    mode = by_name(report.mode)
-    head = header_lines(report) + mode.describe(report)
-    table = mode.table(report)
-    tail = "".join(f"\n{line}" for line in table_notes(report, table))
-    tail += "".join(f"\nskipped: {s}" for s in report.skipped)
-    return "\n".join(head) + "\n\n" + table + tail
 
 
 def write_json(report: Report, path: str) -> None:

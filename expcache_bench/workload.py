@@ -9,12 +9,16 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..layout import ModelLayout
-from ..sim import BATCH, DECODE, Call
-from ..traces import TOP_K, Trace, list_traces, load_decode_trace, load_prefill_trace, read_trace, synthetic_trace
-from ..traces.synthetic import synthetic_trace_for
-from ..traces.bundled import is_route_csv
-from ..traces.generic import is_generic_path
+from pyexpcache.layout import ModelLayout
+from pyexpcache.routing import Trace, is_generic_path, read_trace
+
+from .replay import BATCH as C_BATCH
+from .replay import DECODE as C_DECODE
+from .replay import ReplayCall
+from .sim import BATCH, DECODE, Call
+from .traces import TOP_K, list_traces, load_decode_trace, load_prefill_trace, synthetic_trace
+from .traces.bundled import is_route_csv
+from .traces.synthetic import synthetic_trace_for
 
 SCENARIOS = ("decode", "prefill", "turns")
 DEFAULT_TRACES = (
@@ -43,7 +47,6 @@ class Workload:
 
     def arrays(self):
         """The calls as the C replay loop takes them: a ctypes replay_call_t array and all ids."""
-        from .replay import BATCH as C_BATCH, DECODE as C_DECODE, ReplayCall
 
         calls = (ReplayCall * len(self.calls))()
         offset = 0

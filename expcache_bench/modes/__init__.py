@@ -19,9 +19,9 @@ A mode's module has:
 
 - ``NAME``, ``TITLE`` (how messages call it), ``HELP`` and ``DESCRIPTION`` (its help texts) and
   ``RUNS`` (what it runs, for messages about options it does not take);
-- ``OPTIONS``: the :class:`~pyexpcache.bench.options.Option` objects it takes, which its parser
+- ``OPTIONS``: the :class:`~expcache_bench.options.Option` objects it takes, which its parser
   is built from, and ``SELECTED_BY``: the options that choose it when ``expcache bench`` is given
-  options rather than a mode's name (the flag spelling, see :func:`choose`);
+  options rather than a mode's name (the flag spelling, deprecated: see :func:`choose`);
 - ``USES_BENCH``: whether it runs on a :class:`~pyexpcache.bench.Bench` the command line makes
   from the shared options (then ``device_bytes(args, budget, model_bytes)``: the emulated device
   memory its caches hold at once, for the host backend's memory check);
@@ -31,28 +31,31 @@ A mode's module has:
   is complete (``bench`` is None when ``USES_BENCH`` is false; output files opened by the command
   line are in ``args.outputs``, keyed by option);
 - ``describe(report)`` and ``table(report)``: the lines it adds under the report's header, and its
-  table (:func:`~pyexpcache.bench.report.format_report` prints them).
+  table (:func:`format_report` prints them).
 """
 
 from __future__ import annotations
 
-import importlib
+import warnings
 
 from ..options import UsageError
+from ..report import Report, header_lines, table_notes
+from . import curve, devices, engine, graph_loop, torch_loop, transfer, variants
 
 # Mode name -> its module, in the order the help lists them. Defined here only.
 _MODULES = {
-    "variants": "variants",
-    "engine": "engine",
-    "torch": "torch_loop",
-    "graph": "graph_loop",
-    "devices": "devices",
-    "curve": "curve",
-    "transfer": "transfer",
+    "variants": variants,
+    "engine": engine,
+    "torch": torch_loop,
+    "graph": graph_loop,
+    "devices": devices,
+    "curve": curve,
+    "transfer": transfer,
 }
 NAMES = tuple(_MODULES)
-# The flag spelling, `expcache bench [options]`: the modes its options can choose, the one it
-# runs when they choose none, and which wins when options of several are given.
+# The flag spelling, `expcache bench [options]` (deprecated but for the default mode: the mode's
+# name is the one spelling): the modes its options can choose, the one it runs when they choose
+# none, and which wins when options of several are given.
 FLAG_MODES = ("variants", "engine", "torch", "graph", "devices")
 DEFAULT = "variants"
 PRECEDENCE = ("devices", "torch", "graph", "engine")
@@ -61,10 +64,9 @@ PRECEDENCE = ("devices", "torch", "graph", "engine")
 def by_name(name: str):
     """The module of the mode ``name``."""
     try:
-        module = _MODULES[name]
+        return _MODULES[name]
     except KeyError:
         raise ValueError(f"unknown mode {name!r}: expected one of {', '.join(NAMES)}") from None
-    return importlib.import_module(f"{__name__}.{module}")
 
 
 def flag_options() -> list:
@@ -72,14 +74,18 @@ def flag_options() -> list:
     out = []
     for name in FLAG_MODES:
         mode = by_name(name)
-        out += [o for o in mode.OPTIONS + mode.SELECTED_BY if o not in out]
+        for option in mode.OPTIONS + mode.SELECTED_BY:
+            if option not in out:
+                out.append(option)
     return out
 
 
 def choose(args):
     """The mode the flag spelling's options ask for: the first of :data:`PRECEDENCE` one of whose
     ``SELECTED_BY`` options is given, else :data:`DEFAULT`. UsageError when an option given is
-    not that mode's, naming the mode it belongs to."""
+    not that mode's, naming the mode it belongs to. An option that chooses a mode other than the
+    default is a deprecated spelling of ``expcache bench MODE`` (kept for one release): a
+    DeprecationWarning names the mode's spelling."""
     chosen, by = by_name(DEFAULT), None
     for name in PRECEDENCE:
         mode = by_name(name)
@@ -96,4 +102,23 @@ def choose(args):
                 f"{owner.TITLE}'s {option.flags[0]}, or run the {owner.TITLE} (expcache bench "
                 f"{owner.NAME})"
             )
+    if by is not None:
+        less = f" less {by.flags[0]}" if by.selects else ""
+        warnings.warn(
+            f"choosing the {chosen.TITLE} by an option ({by.spelled_for(chosen.NAME)}) is deprecated and goes "
+            f"in the next release: run 'expcache bench {chosen.NAME}' with the same options{less}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     return chosen
+
+
+def format_report(report: Report) -> str:
+    """The report as text: the header, the lines its mode adds, the mode's table, the notes on its
+    figures (:func:`table_notes`) and what was skipped."""
+    mode = by_name(report.mode)
+    head = header_lines(report) + mode.describe(report)
+    table = mode.table(report)
+    tail = "".join(f"\n{line}" for line in table_notes(report, table))
+    tail += "".join(f"\nskipped: {s}" for s in report.skipped)
+    return "\n".join(head) + "\n\n" + table + tail

@@ -1,20 +1,27 @@
 """The hit-rate curve (``expcache bench curve``; the variants table draws it with ``--plot``): each
-of the library's eviction policies (:func:`~pyexpcache.bench.modes.variants.policy_variants`: its
+of the library's eviction policies (:func:`~expcache_bench.policies.policy_variants`: its
 default first) and Belady's MIN at fractions of each size class's experts, from the offline
 simulator (each policy's twin of the same name; no cache, no device), over the decode traces. The
 policies' names are read from the library, which must be built; nothing is run on it."""
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ...layout import ModelLayout
-from ...sim import simulate_belady, simulate_policy
+from tabulate import tabulate
+
+from pyexpcache import _lib
+from pyexpcache.layout import ModelLayout
+
 from .. import options
 from ..options import LAYERS, LAYOUT, OUTPUT, PLOT, TOP_K, TRACES, UsageError
+from ..policies import policy_variants
 from ..report import Report, made_by
+from ..sim import simulate_belady, simulate_policy
 from ..workload import Workload, build_workload, trace_label
 
 NAME = "curve"
@@ -45,11 +52,8 @@ def hit_rate_curve(
 ) -> dict:
     """Hit rates at fractions of each class's experts: ``{"fraction": [...], "policies": {name:
     [...]}, "belady": [...], "default": name}``, a list per policy of ``policies`` (default: the
-    library's, :func:`~pyexpcache.bench.modes.variants.policy_variants`), each by its simulator twin,
+    library's, :func:`~expcache_bench.policies.policy_variants`), each by its simulator twin,
     and Belady's. ``default``: the library's default policy when it is one of them, else None."""
-    from ... import _lib
-    from .variants import policy_variants
-
     if policies is None:
         policies = policy_variants()
     keys = list(layout.classes())
@@ -81,7 +85,7 @@ def policy_label(name: str, default: Optional[str]) -> str:
 def plot_curve(curve: dict, out, title: str, image_format: Optional[str] = None) -> None:
     """Draw ``curve`` into ``out``, a file name or a binary file; ``image_format`` (png, svg,
     pdf, ...) defaults to the name's extension, png for a file."""
-    try:
+    try:  # matplotlib is optional (the [plot] extra): imported only to draw
         import matplotlib
 
         matplotlib.use("Agg")
@@ -108,8 +112,6 @@ def plot_curve(curve: dict, out, title: str, image_format: Optional[str] = None)
 
 def image_format(path: str) -> str:
     """--plot's image format: the file name's extension, png without one."""
-    import os
-
     return os.path.splitext(path)[1][1:].lower() or "png"
 
 
@@ -119,7 +121,7 @@ def check_plot(args) -> None:
     if not path:
         return
     options.need(options.has_module("matplotlib"), "--plot needs matplotlib", "plot")
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # optional (the [plot] extra): imported only for --plot
 
     if image_format(path) not in Figure().canvas.get_supported_filetypes():
         raise UsageError(
@@ -128,8 +130,6 @@ def check_plot(args) -> None:
 
 
 def _draw(curve: dict, layout: ModelLayout, workload: Workload, out) -> None:
-    import io
-
     image = io.BytesIO()
     plot_curve(
         curve, image, f"{layout.name}: {workload.decode_tokens} decode tokens", image_format=image_format(out.path)
@@ -183,8 +183,6 @@ def describe(report: Report) -> list[str]:
 
 
 def table(report: Report) -> str:
-    from tabulate import tabulate
-
     names = report.settings["policies"]
     rows = [
         [f"{100 * p.fraction:g} %"]

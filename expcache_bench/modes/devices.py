@@ -24,10 +24,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
+from tabulate import tabulate
 
-from ... import _cuda
-from ...multi import MultiDeviceCache
-from ...placement import Placement, loads_from_calls
+from pyexpcache import _cuda
+from pyexpcache.multi import MultiDeviceCache
+from pyexpcache.placement import Placement, loads_from_calls
+
+from .. import replay as _replay
 from ..options import BENCH, OUTPUT, Option, UsageError, synthetic_traces
 from ..report import DecodeRate, HitRate, Report, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
@@ -142,7 +145,6 @@ def _fits(bench, device: int, nbytes: int) -> bool:
 def _replay_run(
     bench, name: str, multi: MultiDeviceCache, streams: list[int], workload, links: dict, result: DevicesResult
 ) -> None:
-    from .. import replay as _replay
 
     calls, ids = workload.arrays()
     n = multi.num_devices
@@ -307,7 +309,6 @@ def describe(report: Report) -> list[str]:
 
 def table(report: Report) -> str:
     """The three runs side by side, with each one's ratio to the first."""
-    from tabulate import tabulate
 
     ref = report.results[0] if report.results else None
     rows = []

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
+from tabulate import tabulate
 
-from ...stats import PrefetchStats
+from pyexpcache.stats import PrefetchStats
+
 from .. import predict
+from .. import replay as _replay
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option, UsageError, synthetic_traces
 from ..report import DecodeRate, Report, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
@@ -184,7 +187,6 @@ def run_engine(
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
     :class:`~pyexpcache.bench.bench.Bench`: its source, stream and budget), each with a new cache
     of ``policy`` (None: the library's default); see the module docstring."""
-    from .. import replay as _replay
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
@@ -284,7 +286,6 @@ def describe(report: Report) -> list[str]:
 
 def table(report: Report) -> str:
     """The settings side by side, with each one's ratio to ``none``."""
-    from tabulate import tabulate
 
     ref = report.results[0] if report.results else None
     rows = []

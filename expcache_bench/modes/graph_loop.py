@@ -1,4 +1,4 @@
-"""The graph loop (``expcache bench graph``; ``expcache bench --loop graph``): the decode traces
+"""The graph loop (``expcache bench graph``; ``expcache bench --loop graph``, deprecated): the decode traces
 served from the GPU, each token's step captured once in a CUDA graph and replayed per token.
 
 The traces' ids are put on the device once, as a router would leave them; before each replay one
@@ -34,11 +34,16 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
+from tabulate import tabulate
+
+from pyexpcache import _cuda, _lib, testing
+from pyexpcache.routing import MISSING
+from pyexpcache.views import TensorView
 
 from .. import options
+from .. import replay as _replay
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT
 from ..report import DecodeRate, HitRate, Report, share, timed
-from ...traces import MISSING
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 from .torch_loop import LOOP
 
@@ -136,7 +141,6 @@ class _DeviceArrays:
     def empty(self, count: int):
         if not self.cuda:
             return np.zeros(count, np.int32)
-        from ... import _cuda
 
         rt = _cuda.runtime()
         ptr = int(_cuda.check(rt.cudaMalloc(4 * count), f"cudaMalloc({4 * count})"))
@@ -147,7 +151,6 @@ class _DeviceArrays:
         """``count`` int32 at element ``offset`` of ``base`` (from :meth:`empty`), shaped ``shape``."""
         if not self.cuda:
             return base[offset : offset + count].reshape(shape)
-        from ...views import TensorView
 
         return TensorView(base + 4 * offset, 4 * count, cuda=True, device_id=self.device, dtype=np.int32, shape=shape)
 
@@ -155,7 +158,6 @@ class _DeviceArrays:
         if not self.cuda:
             base[: host.size] = host.ravel()
             return
-        from ... import _cuda
 
         rt = _cuda.runtime()
         _cuda.check(
@@ -164,8 +166,6 @@ class _DeviceArrays:
 
     def close(self) -> None:
         if self._allocations:
-            from ... import _cuda
-
             rt = _cuda.runtime()
             for ptr in self._allocations:
                 rt.cudaFree(ptr)
@@ -176,7 +176,6 @@ class _Graph:
     """A CUDA graph captured from the calls ``fn`` makes on ``stream`` (cuda-python's runtime)."""
 
     def __init__(self, stream: int, fn: Callable[[], None]):
-        from ... import _cuda
 
         rt = self._rt = _cuda.runtime()
         _cuda.check(
@@ -196,7 +195,6 @@ class _Graph:
         self._stream = stream
 
     def launch(self) -> None:
-        from ... import _cuda
 
         _cuda.check(self._rt.cudaGraphLaunch(self._exec, self._stream), "cudaGraphLaunch")
 
@@ -208,14 +206,11 @@ class _Graph:
 
 def _sync(bench) -> None:
     if bench.is_cuda:
-        from ... import _cuda
-
         _cuda.check(_cuda.runtime().cudaStreamSynchronize(bench.stream), "cudaStreamSynchronize")
 
 
 def _c_loop(bench, workload, compute_ns: int, link: float) -> GraphLoopResult:
     """The C loop with the host select (LRU), the same non-expert work per layer."""
-    from .. import replay as _replay
 
     options_ = _replay.ReplayOptions()
     options_.struct_size = ctypes.sizeof(options_)
@@ -249,7 +244,6 @@ def run_graph_loop(
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
     :class:`~pyexpcache.bench.bench.Bench`; its source must be pinned, emulated on the host backend), next to
     the C loop's host select unless ``c_loop`` is false."""
-    from ... import _lib, testing
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
@@ -295,7 +289,6 @@ def run_graph_loop(
                 if not bench.is_cuda:
                     cur[:] = ids[t].ravel()
                     return
-                from ... import _cuda
 
                 rt = _cuda.runtime()
                 _cuda.check(
@@ -469,7 +462,6 @@ def describe(report: Report) -> list[str]:
 
 
 def table(report: Report) -> str:
-    from tabulate import tabulate
 
     ref = report.results[0] if report.results else None
     rows = []

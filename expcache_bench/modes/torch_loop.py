@@ -1,4 +1,4 @@
-"""The torch loop (``expcache bench torch``; ``expcache bench --loop torch``): the decode traces
+"""The torch loop (``expcache bench torch``; ``expcache bench --loop torch``, deprecated): the decode traces
 replayed in a Python/torch decode loop, as engines such as the public
 mixtral-offloading project run one: per token, per layer, optionally ``compute_us`` of non-expert
 work on the stream (the library's ``expcache_testing_spin_async``) and a synchronize (the
@@ -44,6 +44,10 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
+from tabulate import tabulate
+
+from pyexpcache import _lib
+from pyexpcache.views import TensorView
 
 from .. import options
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option
@@ -70,8 +74,8 @@ LOOP = Option(
     choices=("c", "torch", "graph"),
     default="c",
     selects={"torch": "torch", "graph": "graph"},
-    help="c: the C replay loop (default); torch: the torch loop (expcache bench torch); graph: each token's "
-    "step captured in a CUDA graph with the device-side select (expcache bench graph)",
+    help="deprecated: name the mode instead, expcache bench torch (the torch loop) or expcache bench graph (each "
+    "token's step captured in a CUDA graph with the device-side select); c: the C replay loop (default)",
 )
 OPTIONS = BENCH + (LAYER_COMPUTE_US,) + OUTPUT
 SELECTED_BY = (LOOP,)  # --loop torch, in the flag spelling
@@ -173,10 +177,10 @@ def _check_fits(layout, workload) -> None:
 
 
 def _import_torch():
-    try:
+    try:  # torch is optional (the [torch] extra) and slow to import: only when a loop runs
         import torch
     except ImportError as exc:
-        raise ImportError("the torch decode loop (bench --loop torch) needs PyTorch: pip install torch") from exc
+        raise ImportError("the torch decode loop (expcache bench torch) needs PyTorch: pip install torch") from exc
     return torch
 
 
@@ -184,7 +188,6 @@ class _Loop:
     """What both modes share: torch, the stream, the per-layer word type, the span views."""
 
     def __init__(self, torch, bench):
-        from ...views import TensorView
 
         self.torch = torch
         self.bench = bench
@@ -266,7 +269,6 @@ def _run_mode(
     compute_ns: int,
     progress: Callable[[str, int, int], None],
 ) -> TorchLoopResult:
-    from ... import _lib
 
     torch = loop.torch
     stream = loop.stream
@@ -356,7 +358,6 @@ def run_torch_loop(
     names). ``progress(label, done, total)`` (default: ``bench.progress``) is called every few
     hundred decode calls. ``expected``: the table of :func:`expected_sums` (computed here when not
     given)."""
-    from ... import _lib
 
     torch = _import_torch()
     if not 0 <= compute_us <= 1e6:
@@ -400,7 +401,7 @@ def run_torch_loop(
 
 
 def check(args) -> None:
-    options.need(options.has_module("torch"), "the torch loop (--loop torch) needs torch", "torch")
+    options.need(options.has_module("torch"), "the torch loop (expcache bench torch) needs torch", "torch")
     options.synthetic_traces(args)
 
 
@@ -425,7 +426,6 @@ def describe(report: Report) -> list[str]:
 
 def table(report: Report) -> str:
     """The modes side by side, with each one's ratio to ``plain`` (else to the first)."""
-    from tabulate import tabulate
 
     by_mode = {r.mode: r for r in report.results}
     ref = by_mode.get("plain") or (report.results[0] if report.results else None)

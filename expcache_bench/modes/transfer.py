@@ -20,15 +20,17 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
+from tabulate import tabulate
 
-from ... import _cuda, _lib
-from ...cache import ExpertCache, StagingStats, staging_defaults
-from ...layout import GiB, LayerSpec, ModelLayout
-from ...source import HostSource, LayerPlacement
+from pyexpcache import _cuda, _lib
+from pyexpcache.cache import ExpertCache, StagingStats, staging_defaults
+from pyexpcache.layout import GiB, LayerSpec, ModelLayout
+from pyexpcache.progress import Progress
+from pyexpcache.source import HostSource, LayerPlacement
+
 from .. import link, options
 from ..bench import device_name, resolve_backend
 from ..options import DEVICE, OUTPUT, NotAvailable, Option, UsageError, csv, gib, sizes, thread_counts
-from ..progress import Progress
 from ..report import Report, made_by
 
 MiB = 1 << 20
@@ -310,7 +312,6 @@ def format_rows(rows: Sequence[TransferRow], detail: bool = False) -> str:
     call, then :meth:`StagingStats.columns`: pieces, its staging span from first piece queued to
     last sent, the wait for its first piece, the calling thread's wait for workers, threads filling
     on average; per piece: fill and send times; the pieces the calling thread filled)."""
-    from tabulate import tabulate
 
     headers = [
         "source",

@@ -11,7 +11,7 @@ Variants, side by side in one process on the same source and stream (:func:`vari
 
 each policy   this library: one cache per size class, batches that never evict, decode evicting
               by one of the library's policies, the variant named after it (``oppclass``, ``lru``:
-              docs/policy.md), the library's default first (:func:`policy_variants`);
+              docs/policy.md), the library's default first (:func:`~expcache_bench.policies.policy_variants`);
               ``default`` in ``--variants`` names it. With ``--partition global,layer`` each
               policy also runs with ``partition="layer"`` (each layer its share of its class),
               the variant ``<policy> (layer)``, its Belady column run within each layer's share.
@@ -39,31 +39,27 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterator, Optional, Sequence
 
 import numpy as np
+from tabulate import tabulate
 
-from ... import _lib
-from ...cache import ExpertCache, StagingStats
-from ...layout import GiB, ModelLayout
-from ...sim import BATCH, simulate_policy
-from ...sim.registry import PARTITIONS, simulate_belady_partitioned
+from pyexpcache import _lib
+from pyexpcache.budget import class_info, resolve_budget
+from pyexpcache.cache import ExpertCache, StagingStats
+from pyexpcache.layout import GiB, ModelLayout
+from pyexpcache.progress import Progress
+
 from ..bench import Bench
-from ..budget import class_info, keeps_slot_counts
+from ..budget import keeps_slot_counts
 from ..options import BENCH, OUTPUT, PLOT, Option, csv, synthetic_traces
-from ..progress import Progress
+from ..policies import policy_variants
 from ..report import DecodeRate, HitRate, Report, share, timed
-from ...traces import check_layout
-from ..bench import resolve_budget
+from ..sim import BATCH, simulate_policy
+from ..sim.registry import PARTITIONS, simulate_belady_partitioned
+from ..traces import check_layout
 from ..workload import DEFAULT_TRACES, SCENARIOS, TraceSpec, Workload, build_workload, decode_trace, trace_label
 from . import curve
 
 # The designs the library replaces, after its policies (variants()).
 BASELINES = ("slab", "nocache", "resident")
-
-
-def policy_variants() -> tuple[str, ...]:
-    """The library's policies by name: its default (the one expcache_config_init fills in) first,
-    then the rest of its table in id order. Loads the library."""
-    default = _lib.DEFAULT_POLICY
-    return (default,) + tuple(name for name in _lib.POLICIES if name != default)
 
 
 def variants() -> tuple[str, ...]:
@@ -467,8 +463,6 @@ def describe(report: Report) -> list[str]:
 
 def table(report: Report) -> str:
     """The variants side by side, with each one's ratio to ``slab`` (tabulate)."""
-    from tabulate import tabulate
-
     base = {r.variant: r for r in report.results if r.skipped is None}
     ref = base.get("slab")
     rows = []

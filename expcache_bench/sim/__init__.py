@@ -95,9 +95,9 @@ from .calls import (
     prompt_stream,
     token_index,
 )
+from .duel import DuelPolicy
 from .frequency import LRFU, ClassLRU
 from .lru import LRU
-from .duel import DuelPolicy
 from .oppclass import HazardClassLRU, OppClassLRU, missed_opportunities
 from .policy import Ctx, Policy
 from .registry import POLICIES, make_policy, simulate, simulate_global, simulate_lru, simulate_policy

@@ -29,7 +29,9 @@ from typing import Iterable, Sequence, Union
 
 import numpy as np
 
-from ..traces import MISSING, PrefillPrompt, Trace
+from pyexpcache.routing import MISSING, Trace
+
+from ..traces.types import PrefillPrompt
 
 __all__ = [
     "DECODE",

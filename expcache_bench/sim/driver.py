@@ -40,7 +40,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..traces import Trace
+from pyexpcache.routing import Trace
+
 from .calls import (
     APPEND,
     COUNTERS,

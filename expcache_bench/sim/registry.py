@@ -20,11 +20,12 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Sequence
 
+from pyexpcache.routing import Trace
+
 from .belady import simulate_belady
-from ..traces import Trace
 from .calls import COUNTERS, Requests, SimResult, as_stream, check_classes
-from .duel import DuelPolicy
 from .driver import ClassSlots, LayerSlots, SharedBudget, layer_shares, prepare, replay
+from .duel import DuelPolicy
 from .frequency import LRFU, ClassLRU
 from .lru import LRU
 from .oppclass import HazardClassLRU, OppClassLRU

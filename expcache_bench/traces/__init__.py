@@ -1,14 +1,12 @@
-"""MoE routing traces: the generic format of any model, the bundled DeepSeek-V4-Flash traces and a
-synthetic generator.
+"""The benchmark's routing traces: the bundled DeepSeek-V4-Flash traces, a synthetic generator,
+locality statistics and the check of a trace against a model layout.
 
-A routing trace says which ``k`` routed experts the router picked for every
-(token, MoE layer).  It is what an expert cache is replayed against.
-
-The generic format (:mod:`~pyexpcache.traces.generic`, ``docs/traces.md``): one record per
-(token, layer) as JSON lines, CSV or .npz, each optionally gzip-compressed, read by
-:func:`read_trace` (the geometry from the records; missing records are skipped with one
-:class:`TraceWarning`) and written by :func:`write_trace` or, record by record, a
-:class:`TraceWriter`. :func:`check_layout` checks a trace against a model layout.
+A routing trace says which ``k`` routed experts the router picked for every (token, MoE layer).
+Its type (:class:`~pyexpcache.routing.Trace`) and the generic format of any model (read by
+:func:`~pyexpcache.routing.read_trace`, written by :func:`~pyexpcache.routing.write_trace` or a
+:class:`~pyexpcache.routing.TraceWriter`; ``docs/traces.md``) are the library's
+(:mod:`pyexpcache.routing`), re-exported here for convenience. :func:`check_layout` checks a trace
+against a model layout.
 
 Bundled traces live in :data:`TRACE_DIR` (copied from ``imanu86/reap-loop``,
 MIT licence; see ``README.md`` and ``ATTRIBUTION.md`` there).  Two kinds exist:
@@ -24,29 +22,23 @@ any name).  A file that ends inside a token (an interrupted logger) loads
 without that token and with a :class:`TraceWarning` saying what was dropped;
 every other defect is a one-line ``ValueError`` naming the file.
 
-Layer numbering: a :class:`Trace` stores its layers densely (array index 0 is
-model layer ``first_layer``); methods that take a ``layer`` argument take the
-*model* layer number, so callers never do the offset arithmetic by hand.
-
 Only numpy and the standard library are used.
 """
 
+from pyexpcache.routing import FORMATS, MISSING, Trace, TraceWarning, TraceWriter, read_trace, trace_format, write_trace
+
 from .bundled import TRACE_DIR, list_traces, load_decode_trace, load_prefill_trace, load_trace
-from .generic import FORMATS, TraceWriter, read_trace, trace_format, write_trace
 from .geometry import check_layout
 from .locality import locality_stats
 from .synthetic import DEFAULT_REUSE, DEFAULT_ZIPF, SYNTHETIC_MAX_BYTES, fit_synthetic_params, synthetic_trace
 from .types import (
     DECODE_FIRST_LAYER,
     DECODE_NUM_LAYERS,
-    MISSING,
     NUM_EXPERTS,
     PREFILL_NUM_LAYERS,
     TOP_K,
     PrefillPrompt,
-    Trace,
     TraceInfo,
-    TraceWarning,
 )
 
 __all__ = [

@@ -14,18 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._errors import stacklevel_outside
-from .types import (
-    DECODE_FIRST_LAYER,
-    DECODE_NUM_LAYERS,
-    NUM_EXPERTS,
-    PREFILL_NUM_LAYERS,
-    PathLike,
-    PrefillPrompt,
-    Trace,
-    TraceInfo,
-    TraceWarning,
-)
+from pyexpcache._errors import stacklevel_outside
+from pyexpcache.routing import PathLike, Trace, TraceWarning
+
+from .types import DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, NUM_EXPERTS, PREFILL_NUM_LAYERS, PrefillPrompt, TraceInfo
 
 #: Folder holding the bundled DeepSeek-V4-Flash traces (``decode/``, ``prefill/``).
 TRACE_DIR: Path = Path(__file__).resolve().parent.parent / "data" / "traces" / "ds4-flash-reap-loop"

@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from .types import Trace
+from pyexpcache.routing import Trace
 
 __all__ = ["check_layout"]
 

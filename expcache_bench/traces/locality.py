@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .types import Trace
+from pyexpcache.routing import Trace
 
 
 def _top_count(num_experts: int, top_fraction: float) -> int:

@@ -7,9 +7,11 @@ import numbers
 
 import numpy as np
 
-from ..layout import NUM_LAYERS
+from pyexpcache.layout import NUM_LAYERS
+from pyexpcache.routing import MISSING, Trace
+
 from .locality import locality_stats
-from .types import DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, MISSING, NUM_EXPERTS, TOP_K, Trace
+from .types import DECODE_FIRST_LAYER, DECODE_NUM_LAYERS, NUM_EXPERTS, TOP_K
 
 #: Zipf exponent of the synthetic per-layer popularity.  Fitted with
 #: :func:`fit_synthetic_params` to the bundled coffee trace (299 tokens), whose

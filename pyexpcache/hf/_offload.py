@@ -8,13 +8,13 @@ from typing import Optional
 import torch
 
 from .. import _cuda
-from ..bench.bench import resolve_budget
-from ..bench.progress import Progress
+from ..budget import resolve_budget
 from ..cache import ExpertCache
 from ..layout import ModelLayout
+from ..progress import Progress
 from ..stats import PathStats
-from ._experts import ExpertsLayer, find_experts, layout_of
 from . import _serve
+from ._experts import ExpertsLayer, find_experts, layout_of
 from ._serve import IMPLEMENTATION, LayerServer, forget_cache, inner_implementation, register, serve_cache
 from ._source import ParameterSource
 

@@ -1,6 +1,6 @@
 """The generic routing-trace format, for any MoE model: one record per (token, layer), as JSON lines,
 CSV or .npz, each optionally gzip-compressed (``docs/traces.md`` is the contract); reading it into a
-:class:`~pyexpcache.traces.Trace` (:func:`read_trace`) and writing it (:func:`write_trace`, and
+:class:`~pyexpcache.routing.Trace` (:func:`read_trace`) and writing it (:func:`write_trace`, and
 :class:`TraceWriter`, which appends records token by token).
 
 A record is ``{"token": int, "layer": int, "experts": [int, ...]}`` with an optional ``"seq"`` (an
@@ -30,7 +30,7 @@ import numpy as np
 
 from .._errors import stacklevel_outside
 from .._lib import MAX_EXPERTS_LIMIT, MAX_LAYERS_LIMIT
-from .types import MISSING, PathLike, Trace, TraceWarning
+from .trace import MISSING, PathLike, Trace, TraceWarning
 
 __all__ = ["FORMATS", "trace_format", "is_generic_path", "read_trace", "write_trace", "TraceWriter"]
 
