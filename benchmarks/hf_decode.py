@@ -43,11 +43,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tabulate import tabulate  # noqa: E402
 import transformers  # noqa: E402
+from tabulate import tabulate  # noqa: E402
 
+from expcache_bench.link import measure  # noqa: E402
 from pyexpcache import HostSource, LayerSpec, ModelLayout  # noqa: E402
-from pyexpcache.bench.link import measure  # noqa: E402
 from pyexpcache.hf import GraphDecoder, find_experts, offload  # noqa: E402
 
 
@@ -195,7 +195,7 @@ def runs(model, prompt, device):
 
 
 def link_rate(device) -> float:
-    """The host-to-device rate of the benchmark's link (``pyexpcache.bench.link``: cudaMemcpyAsync
+    """The host-to-device rate of the benchmark's link (``expcache_bench.link``: cudaMemcpyAsync
     of 64 MiB from pinned memory); 0 on the CPU."""
     if device.type != "cuda":
         return 0.0

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from expcache_bench import HOST_SCALE, Bench, format_report, resolve_backend
+from expcache_bench.modes.engine import run_engine
+from expcache_bench.options import sizes as _sizes
 from pyexpcache import ModelLayout
-from pyexpcache.bench import Bench, HOST_SCALE, format_report, resolve_backend
-from pyexpcache.bench.modes.engine import run_engine
-from pyexpcache.bench.options import sizes as _sizes
 from pyexpcache.layout import GiB
 
 

@@ -7,8 +7,8 @@ memory, calls of 6 experts back to back as in `expcache transfer`, for staging r
 
 import sys
 
+from expcache_bench.modes import transfer
 from pyexpcache import _cuda
-from pyexpcache.bench.modes import transfer
 from pyexpcache.layout import LayerSpec, ModelLayout
 from pyexpcache.source import HostSource
 

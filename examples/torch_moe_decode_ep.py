@@ -46,8 +46,8 @@ from torch_moe_decode import (
     expert_ffn,
 )
 
+from expcache_bench.sim import DECODE, Call  # noqa: E402
 from pyexpcache import ExpertCache, LayerSpec, ModelLayout, Placement, loads_from_calls  # noqa: E402
-from pyexpcache.sim import DECODE, Call  # noqa: E402
 
 
 def setup(a, rank, world):

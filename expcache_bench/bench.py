@@ -156,11 +156,11 @@ class Bench:
     def budget_for(self, full_budget_bytes: int) -> int:
         """The budget a cache of the bench's layout gets for a full-size budget of
         ``full_budget_bytes``: the same at scale 1, else the one that keeps each class's slot count
-        (:func:`~pyexpcache.bench.budget.scaled_budget`)."""
+        (:func:`~expcache_bench.budget.scaled_budget`)."""
         return scaled_budget(self.layout, full_budget_bytes, self.scale)
 
     def report_header(self) -> dict:
-        """The :class:`~pyexpcache.bench.report.Report` fields the bench fills for every mode: where
+        """The :class:`~expcache_bench.report.Report` fields the bench fills for every mode: where
         it runs, on what layout, source and budget (the caches' in bytes, the full-size run's whose
         slot counts they have, and that as a fraction of the model's experts' bytes), and the
         version, library and commit."""
@@ -188,7 +188,7 @@ class Bench:
         return max(s.expert_bytes for s in self.layout.layers if s)
 
     def measure_link(self, device: Optional[int] = None) -> Link:
-        """The link of ``device`` (default: the bench's), measured now (:func:`~pyexpcache.bench.link.measure`
+        """The link of ``device`` (default: the bench's), measured now (:func:`~expcache_bench.link.measure`
         of :attr:`link_chunk_bytes` pieces): on the host backend, memcpy bandwidth."""
         device = self.device if device is None else device
         return link.measure(
@@ -241,9 +241,9 @@ class Bench:
         progress bar shows too), each layer waited for unless the bench's ``layer_sync`` is off.
         ``serve``: ``"cache"`` (select, prefill batches), ``"nocache"`` (compact loads) or ``"slab"``
         (select, the cache released before each batch). ``options`` (a
-        :class:`~pyexpcache.bench.replay.ReplayOptions`, kept alive by the caller with its arrays)
+        :class:`~expcache_bench.replay.ReplayOptions`, kept alive by the caller with its arrays)
         makes each decode call an engine's layer. Returns the loop's
-        :class:`~pyexpcache.bench.replay.ReplayResult`."""
+        :class:`~expcache_bench.replay.ReplayResult`."""
         modes = {"cache": _replay.MODE_CACHE, "nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}
         if serve not in modes:
             raise ValueError(f"serve must be one of {', '.join(modes)}, got {serve!r}")

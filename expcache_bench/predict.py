@@ -3,7 +3,7 @@
 An engine decoding token ``t`` has just routed layer ``L`` (its experts known) and runs that
 layer's experts; meanwhile the host-to-device link is idle and could bring in layer ``L+1``'s
 experts ahead of the router. A predictor says which ones. Layers here are array indices of a
-:class:`~pyexpcache.traces.Trace` (``0 .. num_layers-1``, model layers ``first_layer + i``), never
+:class:`~pyexpcache.routing.Trace` (``0 .. num_layers-1``, model layers ``first_layer + i``), never
 model layer numbers.
 
 Predictors (a spec string, :func:`parse_prefetch`):
@@ -38,7 +38,7 @@ the counts so far, then :meth:`CoocPredictor.observe` the whole token), so chang
 
 Recall = ``|pred ∩ actual| / |actual|`` averaged over every ``(t, L)`` with ``L+1`` existing,
 token 0 included (nothing to predict from there: 0). Measured on the seven bundled decode traces,
-each learned from scratch (``python3 -m pyexpcache.bench.predict``; ``--ablation`` for the
+each learned from scratch (``python3 -m expcache_bench.predict``; ``--ablation`` for the
 variants), numbers in %:
 
 ======================== ====== =========== ============ ========== ==========
@@ -325,7 +325,7 @@ def predictions(trace, spec: str, top: int = 6, seed: int = 0) -> np.ndarray:
     """Every token's and layer's prefetch prediction for a decode trace, made strictly online.
 
     Args:
-        trace: a :class:`~pyexpcache.traces.Trace`.
+        trace: a :class:`~pyexpcache.routing.Trace`.
         spec: a prefetch spec (:func:`parse_prefetch`).
         top: prediction width (>= 1).
         seed: the oracle's random seed (cooc and none are deterministic).
@@ -416,7 +416,7 @@ def _table(traces, columns) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python3 -m pyexpcache.bench.predict",
+        prog="python3 -m expcache_bench.predict",
         description="Recall (%) of the next-layer expert predictors on decode traces.",
     )
     ap.add_argument("traces", nargs="*", help="bundled decode trace names or CSV paths (default: all bundled)")

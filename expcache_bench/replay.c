@@ -13,7 +13,7 @@
  *
  * Built as libexpcache_replay.so without linking libexpcache, and loaded
  * with RTLD_LOCAL: the caller passes the library's functions in a
- * replay_api_t (pyexpcache/bench/replay.py fills it from the libexpcache it
+ * replay_api_t (expcache_bench/replay.py fills it from the libexpcache it
  * loaded), so the loop always calls the same library as the cache it is given.
  */
 #define _POSIX_C_SOURCE 199309L

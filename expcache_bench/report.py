@@ -35,7 +35,7 @@ class HitRate:
 
 @dataclass
 class Report:
-    mode: str  # the mode that made it (pyexpcache.bench.modes)
+    mode: str  # the mode that made it (expcache_bench.modes)
     title: str  # what ran, as the first line names it: "decode", "engine model", ...
     backend: Optional[str] = None  # "host" or "cuda"; None where nothing ran on a backend (a simulator)
     device: Optional[str] = None  # the device's name
@@ -49,7 +49,7 @@ class Report:
     # class (checked with the library); None where that was not checked.
     full_budget_bytes: Optional[int] = None
     traces: list[str] = field(default_factory=list)
-    link_bytes_per_s: Optional[float] = None  # the link measured in the run (pyexpcache.bench.link)
+    link_bytes_per_s: Optional[float] = None  # the link measured in the run (expcache_bench.link)
     link_label: Optional[str] = None
     settings: dict = field(default_factory=dict)  # the mode's own; in the JSON beside the header's fields
     results: list = field(default_factory=list)  # the mode's rows (dataclasses)

@@ -87,13 +87,13 @@ def trace_label(trace: TraceSpec) -> str:
 
 
 def decode_trace(name: TraceSpec, layout: Optional[ModelLayout] = None, k: Optional[int] = None) -> Trace:
-    """A loaded :class:`~pyexpcache.traces.Trace` (returned as is); a generic routing-trace file
-    (``*.jsonl``, ``*.csv``, ``*.npz``, each optionally ``.gz``: :func:`~pyexpcache.traces.read_trace`);
+    """A loaded :class:`~pyexpcache.routing.Trace` (returned as is); a generic routing-trace file
+    (``*.jsonl``, ``*.csv``, ``*.npz``, each optionally ``.gz``: :func:`~pyexpcache.routing.read_trace`);
     a bundled trace or a route-CSV path (``*.route.csv``, or a ``*.csv`` starting with that format's
     header); or ``synthetic:TOKENS[:SEED]`` (fitted to the real traces' locality: per-layer
     popularity skew plus reuse of the previous token's experts), shaped by ``layout`` when given
     (its MoE layers and experts, ``k`` experts per token, default 6:
-    :func:`~pyexpcache.traces.synthetic.synthetic_trace_for`; DeepSeek V4 Flash's layers 3-42
+    :func:`~expcache_bench.traces.synthetic.synthetic_trace_for`; DeepSeek V4 Flash's layers 3-42
     without one, or for its layouts)."""
     if isinstance(name, Trace):
         return name
@@ -119,7 +119,7 @@ def decode_trace(name: TraceSpec, layout: Optional[ModelLayout] = None, k: Optio
 
 
 def decode_workload(traces, layers: Optional[Sequence[int]] = None) -> Workload:
-    """The ``decode`` scenario of already loaded :class:`~pyexpcache.traces.Trace` objects: their
+    """The ``decode`` scenario of already loaded :class:`~pyexpcache.routing.Trace` objects: their
     tokens one trace after another, each token's layers in order (``layers``: those kept)."""
     keep = set(layers) if layers is not None else None
     calls = [call for trace in traces for call in _decode_calls(trace, keep)]
@@ -133,7 +133,7 @@ def build_workload(
     layout: Optional[ModelLayout] = None,
 ) -> Workload:
     """The calls of a scenario, over ``traces`` (each as :func:`decode_trace` takes it: a loaded
-    :class:`~pyexpcache.traces.Trace`, a file, a bundled name, or a synthetic trace shaped by
+    :class:`~pyexpcache.routing.Trace`, a file, a bundled name, or a synthetic trace shaped by
     ``layout``); ``layers``: the model layers kept.
 
     ``decode``: the decode traces one after another (a server answering requests).

@@ -7,28 +7,16 @@ rows, a few rows per expert), random bytes standing in for quantized blocks.
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import os
-
+import gguf
 import numpy as np
 import pytest
-
-import gguf
 from gguf import GGMLQuantizationType as Q
-
-from pyexpcache import ExpertCache, LayerSpec, ModelLayout, MultiDeviceCache, checksum_bytes, testing
-from pyexpcache.gguf import (
-    GGUFLayoutError,
-    GGUFSource,
-    describe_gguf,
-    inspect_table,
-    layout_from_gguf,
-)
-
 from support.gguf_files import (
     MIXED,
     Q4,
@@ -40,6 +28,15 @@ from support.gguf_files import (
     tensor_data,
     write_model,
     write_tensors,
+)
+
+from pyexpcache import ExpertCache, LayerSpec, ModelLayout, MultiDeviceCache, checksum_bytes, testing
+from pyexpcache.gguf import (
+    GGUFLayoutError,
+    GGUFSource,
+    describe_gguf,
+    inspect_table,
+    layout_from_gguf,
 )
 
 
@@ -543,12 +540,14 @@ def test_cli_inspect_prints_classes(mixed_file):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file)], capture_output=True, text=True
+        [sys.executable, "-m", "expcache_bench", "inspect", str(mixed_file)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
     assert "Q4_K" in proc.stdout and "IQ2_XXS" in proc.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file) + ".missing"], capture_output=True, text=True
+        [sys.executable, "-m", "expcache_bench", "inspect", str(mixed_file) + ".missing"],
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 1 and "expcache inspect" in bad.stderr
 
@@ -597,7 +596,7 @@ def test_cli_bench_on_a_gguf_model(tmp_path):
     # A GGUF whose layers do not match the traces is refused with the reason.
     small = write_model(tmp_path / "small.gguf", [Q4] * 4)
     proc = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(small), "--backend", "host", "--quiet"],
+        [sys.executable, "-m", "expcache_bench", "bench", "--gguf", str(small), "--backend", "host", "--quiet"],
         capture_output=True,
         text=True,
     )

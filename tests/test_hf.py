@@ -11,14 +11,15 @@ transformers = pytest.importorskip(
     "transformers", minversion="5", reason="pyexpcache.hf needs transformers >= 5 (pip install expcache[hf])"
 )
 
+from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
+from support.child import run_child  # noqa: E402
+
+import expcache_bench as bench  # noqa: E402
+from expcache_bench.traces import read_trace  # noqa: E402
 from pyexpcache import ModelLayout  # noqa: E402
-from pyexpcache import bench  # noqa: E402
 from pyexpcache.hf import IMPLEMENTATION, GraphDecoder, find_experts, offload, record_routing  # noqa: E402
 from pyexpcache.hf import _serve as hf_serve  # noqa: E402
 from pyexpcache.hf._experts import split  # noqa: E402
-from pyexpcache.traces import read_trace  # noqa: E402
-from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
-from support.child import run_child  # noqa: E402
 
 COMMON = dict(
     vocab_size=96,

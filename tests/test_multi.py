@@ -5,26 +5,24 @@ emulates the devices, CUDA repeats the GPUs there are)."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
+from support.cache import SCALE, assert_served
+from support.child import close_while_threads_call
 
+from expcache_bench.traces import load_decode_trace
+from expcache_bench.workload import decode_workload
 from pyexpcache import (
     CacheClosedError,
     ExpcacheError,
+    HostSource,
     LayerSpec,
     ModelLayout,
     MultiDeviceCache,
-    HostSource,
     Placement,
     loads_from_calls,
     testing,
 )
-from pyexpcache.bench.workload import decode_workload
-from pyexpcache.traces import load_decode_trace
-
-from support.cache import SCALE, assert_served
-from support.child import close_while_threads_call
 
 
 def _layout(n_layers=4, experts=12):

@@ -22,12 +22,12 @@ A mode's module has:
 - ``OPTIONS``: the :class:`~expcache_bench.options.Option` objects it takes, which its parser
   is built from, and ``SELECTED_BY``: the options that choose it when ``expcache bench`` is given
   options rather than a mode's name (the flag spelling, deprecated: see :func:`choose`);
-- ``USES_BENCH``: whether it runs on a :class:`~pyexpcache.bench.Bench` the command line makes
+- ``USES_BENCH``: whether it runs on a :class:`~expcache_bench.Bench` the command line makes
   from the shared options (then ``device_bytes(args, budget, model_bytes)``: the emulated device
   memory its caches hold at once, for the host backend's memory check);
-- ``check(args)``: :class:`~pyexpcache.bench.options.UsageError` for what it cannot run, before
+- ``check(args)``: :class:`~expcache_bench.options.UsageError` for what it cannot run, before
   anything is allocated;
-- ``run(bench, args)``: its :class:`~pyexpcache.bench.report.Report` objects, each yielded when it
+- ``run(bench, args)``: its :class:`~expcache_bench.report.Report` objects, each yielded when it
   is complete (``bench`` is None when ``USES_BENCH`` is false; output files opened by the command
   line are in ``args.outputs``, keyed by option);
 - ``describe(report)`` and ``table(report)``: the lines it adds under the report's header, and its

@@ -11,7 +11,7 @@ the same cache settings, and reports tok/s, demand misses and bytes moved per to
 misses and prefetch pieces), prefetch used/wasted/cancelled and how busy the link was: bytes
 moved over the measured link bandwidth times the decode time. Settings: ``none`` first (the
 reference every ratio is taken against), then each ``prefetch`` spec of
-:mod:`~pyexpcache.bench.predict` (``cooc``, ``oracle:R``: simulated, and labelled so), and with
+:mod:`~expcache_bench.predict` (``cooc``, ``oracle:R``: simulated, and labelled so), and with
 hints the same predictions given as :meth:`~pyexpcache.ExpertCache.hint` only. ``split``
 serves every setting with the split select (the hits' kernel runs while the misses cross).
 """
@@ -185,7 +185,7 @@ def run_engine(
     seed: int = 0,
 ) -> Report:
     """Replay the decode traces once per :func:`settings` entry on ``bench`` (a
-    :class:`~pyexpcache.bench.bench.Bench`: its source, stream and budget), each with a new cache
+    :class:`~expcache_bench.bench.Bench`: its source, stream and budget), each with a new cache
     of ``policy`` (None: the library's default); see the module docstring."""
 
     if not 0 <= compute_us <= 1e6:

@@ -242,7 +242,7 @@ def run_graph_loop(
     c_loop: bool = True,
 ) -> Report:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
-    :class:`~pyexpcache.bench.bench.Bench`; its source must be pinned, emulated on the host backend), next to
+    :class:`~expcache_bench.bench.Bench`; its source must be pinned, emulated on the host backend), next to
     the C loop's host select unless ``c_loop`` is false."""
 
     if not 0 <= compute_us <= 1e6:

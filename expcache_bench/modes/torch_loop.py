@@ -26,7 +26,7 @@ Every kernel's result is checked against the same reduction computed with numpy 
 bytes (:func:`expected_sums`), after each layer's synchronize and outside the timed part (a stack
 of the layer's results and one read back). The decode time of a layer runs from before its
 non-expert work to after its synchronize, as in the C loop's engine model
-(:mod:`~pyexpcache.bench.modes.engine`).
+(:mod:`~expcache_bench.modes.engine`).
 
 CUDA: the loop runs with ``torch.cuda.ExternalStream(bench.stream)`` as torch's current stream,
 so the cache's copies and torch's kernels share the stream the C loop uses (no event between
@@ -353,7 +353,7 @@ def run_torch_loop(
     expected: Optional[np.ndarray] = None,
 ) -> Report:
     """Replay the decode traces in a torch decode loop once per mode (see the module docstring) on
-    ``bench`` (a :class:`~pyexpcache.bench.bench.Bench`: its source, stream, budget and cache
+    ``bench`` (a :class:`~expcache_bench.bench.Bench`: its source, stream, budget and cache
     options), each mode with a new cache of ``policy`` (None: the library's default, which the report
     names). ``progress(label, done, total)`` (default: ``bench.progress``) is called every few
     hundred decode calls. ``expected``: the table of :func:`expected_sums` (computed here when not

@@ -155,7 +155,7 @@ def host_copy_rates(
 
 def _raw_copy_gb_s(src_ptr: int, chunk: int, total: int, stream: int) -> float:
     """GB/s of plain cudaMemcpyAsync of ``total`` bytes in ``chunk``-byte copies from ``src_ptr``:
-    the link as every bound of the benchmark measures it (:func:`~pyexpcache.bench.link.copy_rate`)."""
+    the link as every bound of the benchmark measures it (:func:`~expcache_bench.link.copy_rate`)."""
     return link.copy_rate(src_ptr, chunk, max(1, total // chunk), stream) / 1e9
 
 

@@ -24,7 +24,7 @@ each policy   this library: one cache per size class, batches that never evict, 
               device memory cannot hold the model).
 
 The link bound of a variant is its host-to-device bytes divided by the link measured in the same
-run (:mod:`~pyexpcache.bench.link`): how fast decode could be if moving misses were the only
+run (:mod:`~expcache_bench.link`): how fast decode could be if moving misses were the only
 cost. Each policy variant's hit rate is checked against the offline simulator of the same
 policy (its twin of the same name) at the same per-class capacities.
 
@@ -314,14 +314,14 @@ def run_scenario(
     partitions: Sequence[str] = ("global",),
 ) -> Report:
     """Run ``variants`` (default: all, :func:`variants`) on one scenario and return a :class:`Report`
-    (see the module docstring). ``traces``: loaded :class:`~pyexpcache.traces.Trace` objects,
+    (see the module docstring). ``traces``: loaded :class:`~pyexpcache.routing.Trace` objects,
     generic routing-trace files, bundled names or ``synthetic:TOKENS[:SEED]``
-    (:func:`~pyexpcache.bench.workload.decode_trace`); each is checked against ``layout``
-    (:func:`~pyexpcache.traces.check_layout`: its layers must be MoE layers of the layout, its ids
+    (:func:`~expcache_bench.workload.decode_trace`); each is checked against ``layout``
+    (:func:`~expcache_bench.traces.check_layout`: its layers must be MoE layers of the layout, its ids
     below their expert counts), and a (token, layer) a trace has no record of makes no call.
     ``layers``: the model layers replayed (default: all the traces have). The budget:
     ``budget_bytes`` or ``budget_fraction`` of every expert's bytes (not both; default 12 GiB,
-    :func:`~pyexpcache.bench.bench.resolve_budget`); with ``bench``, the bench's.
+    :func:`~expcache_bench.bench.resolve_budget`); with ``bench``, the bench's.
     ``source`` (e.g. a :class:`~pyexpcache.gguf.GGUFSource`) replaces
     the generated host source; an existing ``bench`` (whose source is then reused, and left open)
     replaces both.

@@ -8,7 +8,7 @@ library's.
 Model
 -----
 * Keys are ``(layer, expert)``.  Every *cache layer* (an index chosen by the
-  caller, see :mod:`pyexpcache.sim.calls`) belongs to one size class,
+  caller, see :mod:`expcache_bench.sim.calls`) belongs to one size class,
   ``layer_class[layer]``; class ``c`` holds at most ``capacity[c]`` experts.
   Classes never interact (except in :func:`simulate_global`'s shared budget).
 * The input is a *request stream*: a sequence of :class:`Call`.  A call asks
@@ -26,7 +26,7 @@ Model
 
 * ``partition="layer"`` (:func:`simulate_policy`): each layer its own share of its class's
   capacity; a decode miss of a layer holding its share evicts one of that layer's entries, a
-  batch appends only below it (:class:`~pyexpcache.sim.driver.LayerSlots`).
+  batch appends only below it (:class:`~expcache_bench.sim.driver.LayerSlots`).
 * ``"batch"`` call (prefill: one layer, the ids of many tokens): the union
   of the ids is served.  A resident id is a hit and its recency does *not*
   change.  A missing id is a miss; it is appended at the *least* recently used

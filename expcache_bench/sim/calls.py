@@ -1,6 +1,6 @@
 """Requests and results of the offline simulators: calls, streams, keys, counters.
 
-What every other module of :mod:`pyexpcache.sim` shares:
+What every other module of :mod:`expcache_bench.sim` shares:
 
 * :class:`Call` (``kind`` :data:`DECODE` or :data:`BATCH`, a cache layer, expert
   ids): one request to the cache; a *stream* is a sequence of them.
@@ -15,7 +15,7 @@ What every other module of :mod:`pyexpcache.sim` shares:
 Layer indices
 -------------
 ``layer_class`` is indexed by the ``layer`` of the calls.  Passing a
-:class:`~pyexpcache.traces.Trace` or a ``[tokens, layers, k]`` array uses the
+:class:`~pyexpcache.routing.Trace` or a ``[tokens, layers, k]`` array uses the
 array index (0 = the trace's first layer).  :func:`prompt_stream` uses model
 layer numbers (0..42) so a prompt's prefill and decode share keys; use
 ``decode_stream(trace, first_layer=trace.first_layer)`` to put a decode trace
@@ -177,7 +177,7 @@ def decode_stream(ids: Trace | np.ndarray, *, first_layer: int = 0) -> list[Call
 
     Returns:
         A decode :class:`Call` per (token, layer) with a record: ``tokens * layers`` of them
-        for a complete trace; a row of :data:`~pyexpcache.traces.MISSING` (-1) ids, a
+        for a complete trace; a row of :data:`~pyexpcache.routing.MISSING` (-1) ids, a
         (token, layer) the trace has no record of, makes no call.
     """
     arr = ids.ids if isinstance(ids, Trace) else np.asarray(ids)
@@ -194,7 +194,7 @@ def decode_stream(ids: Trace | np.ndarray, *, first_layer: int = 0) -> list[Call
 
 def present_rows(arr: np.ndarray) -> np.ndarray:
     """bool ``[tokens, layers]`` of a ``[tokens, layers, k]`` id array: the rows that are not all
-    :data:`~pyexpcache.traces.MISSING` (the (token, layer) records present)."""
+    :data:`~pyexpcache.routing.MISSING` (the (token, layer) records present)."""
     return ~(arr == MISSING).all(axis=2) if arr.shape[2] else np.ones(arr.shape[:2], dtype=bool)
 
 

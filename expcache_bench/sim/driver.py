@@ -1,8 +1,8 @@
 """The one replay loop of the online simulators, and the two cache spaces it runs on.
 
 :func:`replay` serves every call of a prepared stream (:func:`prepare`) and
-lets policy objects (:class:`~pyexpcache.sim.policy.Policy`) decide the order
-of eviction, with the library's call semantics (see :mod:`pyexpcache.sim`):
+lets policy objects (:class:`~expcache_bench.sim.policy.Policy`) decide the order
+of eviction, with the library's call semantics (see :mod:`expcache_bench.sim`):
 
 * ``"decode"`` call: deduplicated ids, hits first in call order
   (``on_hit``), then each miss in order (``on_miss``): into free room if the
@@ -111,7 +111,7 @@ def _weights_for(requests, stream, weights):
 
 
 def prepare(requests, weights=None, tokens=None, layers=None) -> PreparedStream:
-    """The stream of ``requests`` (:func:`~pyexpcache.sim.calls.as_stream`) with its weights
+    """The stream of ``requests`` (:func:`~expcache_bench.sim.calls.as_stream`) with its weights
     (default: a Trace's own), token indices (default :func:`token_index`) and layer positions:
     ranks among ``layers`` (the library: its registered MoE layers), else among the layers the
     stream uses."""
@@ -350,7 +350,7 @@ def _make_room(space, c, key, pol, evictable, want, ctx, counters, check) -> boo
 def replay(prepared: PreparedStream, space, *, check: bool = False) -> list[list[int]]:
     """Serve every call of ``prepared`` in ``space`` (:class:`ClassSlots` or
     :class:`SharedBudget`); returns a counter row per class (columns
-    :data:`~pyexpcache.sim.calls.COUNTERS`).  ``check``: assert the invariants after
+    :data:`~expcache_bench.sim.calls.COUNTERS`).  ``check``: assert the invariants after
     every call (slow; for tests)."""
     toks, pos_of, wts = prepared.tokens, prepared.pos_of, prepared.weights
     cls, pols, resident, sizes = space.layer_class, space.policies, space.resident, space.sizes

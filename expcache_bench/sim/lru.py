@@ -1,4 +1,4 @@
-"""Least recently used: the library's default policy, as a :class:`~pyexpcache.sim.policy.Policy`."""
+"""Least recently used: the library's default policy, as a :class:`~expcache_bench.sim.policy.Policy`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["LRU"]
 
 class LRU(Policy):
     """Least recently used; cold inserts go to the LRU end.  Same counters as
-    the library's LRU classes (:func:`pyexpcache.sim.simulate_lru` runs it)."""
+    the library's LRU classes (:func:`expcache_bench.sim.simulate_lru` runs it)."""
 
     name = "lru"
 

@@ -7,7 +7,7 @@ per size class; ``on_insert(slot, cold)``, ``on_hit(slot)``,
 :class:`Ctx` added (token index, layer, gate weights) and three optional
 hooks (``begin`` at the start of every call, ``on_miss`` for every miss,
 ``admit`` for bypass).  Keys are ``layer << KEY_SHIFT | expert``
-(:data:`~pyexpcache.sim.calls.KEY_SHIFT`).  :mod:`pyexpcache.sim.driver` says
+(:data:`~expcache_bench.sim.calls.KEY_SHIFT`).  :mod:`expcache_bench.sim.driver` says
 when each hook is called.
 """
 

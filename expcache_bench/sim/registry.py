@@ -10,9 +10,9 @@
 * :func:`simulate_policy` (one policy object per size class; ``partition="layer"``: each
   layer its own share of its class, as the library's ``partition="layer"``) and
   :func:`simulate_global` (one policy object, one byte budget for every class)
-  replay a stream through :func:`pyexpcache.sim.driver.replay`;
-  :func:`simulate_lru` is ``simulate_policy`` with :class:`~pyexpcache.sim.lru.LRU`.
-* :func:`simulate` picks LRU or Belady (:mod:`pyexpcache.sim.belady`) by name.
+  replay a stream through :func:`expcache_bench.sim.driver.replay`;
+  :func:`simulate_lru` is ``simulate_policy`` with :class:`~expcache_bench.sim.lru.LRU`.
+* :func:`simulate` picks LRU or Belady (:mod:`expcache_bench.sim.belady`) by name.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: How a class's slots are shared among its layers: "global" (any miss may evict any entry of
-#: its class) or "layer" (each layer its own share, :func:`~pyexpcache.sim.driver.layer_shares`).
+#: its class) or "layer" (each layer its own share, :func:`~expcache_bench.sim.driver.layer_shares`).
 PARTITIONS = ("global", "layer")
 
 POLICIES: dict[str, Callable[[int], Policy]] = {
@@ -99,7 +99,7 @@ def simulate_policy(
 
     Args:
         requests: as :func:`simulate_lru` (a sequence of
-            :class:`~pyexpcache.sim.calls.Call`, a :class:`Trace` or an int array).
+            :class:`~expcache_bench.sim.calls.Call`, a :class:`Trace` or an int array).
         capacity, layer_class: as in ``simulate_lru``.
         policy: name in :data:`POLICIES` or a factory ``capacity -> Policy``.
         weights: gate weights, ``[tokens, layers, k]`` array or per-call tuples
@@ -108,7 +108,7 @@ def simulate_policy(
         layers: the layers whose ranks are the clock's layer positions, as the library's
             registered MoE layers are (default: the layers the stream uses).
         partition: ``"global"`` (default) or ``"layer"``: each layer its own share of its
-            class's capacity (:func:`~pyexpcache.sim.driver.layer_shares`); a miss of a layer
+            class's capacity (:func:`~expcache_bench.sim.driver.layer_shares`); a miss of a layer
             holding its share evicts one of that layer's entries.
         layer_experts: with ``partition="layer"``, the experts of each layer (indexed as
             ``layer_class``; 0 for a layer in no class, e.g. a dense one): what the shares are
@@ -162,7 +162,7 @@ def simulate_belady_partitioned(
     layer_experts: Sequence[int] | None = None,
     bypass: bool = True,
 ) -> SimResult:
-    """Belady's MIN (:func:`~pyexpcache.sim.belady.simulate_belady`) under ``partition``:
+    """Belady's MIN (:func:`~expcache_bench.sim.belady.simulate_belady`) under ``partition``:
     ``"global"`` is ``simulate_belady``; ``"layer"`` runs it within each layer's share (every
     layer a class of its own, capacity its share), counters summed back per class."""
     if _check_partition(partition) == "global":
@@ -242,7 +242,7 @@ def simulate_lru(
 
     Runs at roughly 10^6 requests per second (one ``OrderedDict`` per class),
     through the replay loop of :func:`simulate_policy` with the
-    :class:`~pyexpcache.sim.lru.LRU` policy.
+    :class:`~expcache_bench.sim.lru.LRU` policy.
     """
     # The stream, not the Trace: LRU reads no gate weights, so none are gathered.
     return simulate_policy(as_stream(requests), capacity, layer_class, LRU)

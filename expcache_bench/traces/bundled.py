@@ -1,6 +1,6 @@
 """The bundled DeepSeek-V4-Flash traces and the route-CSV format: finding, reading and
-validating trace files (plain or gzip) into :class:`~pyexpcache.traces.Trace` and
-:class:`~pyexpcache.traces.PrefillPrompt`."""
+validating trace files (plain or gzip) into :class:`~pyexpcache.routing.Trace` and
+:class:`~expcache_bench.traces.PrefillPrompt`."""
 
 from __future__ import annotations
 

@@ -381,7 +381,7 @@ def read_trace(path: PathLike, *, num_experts: Optional[int] = None, name: Optio
         A :class:`Trace` over the layers from the records' smallest to their largest ``layer``;
         ``positions`` are the records' ``token`` numbers, ``sequences`` their ``seq`` (None without
         it), ``weights`` theirs (None without them). A (token, layer) without a record is a row of
-        :data:`~pyexpcache.traces.MISSING` (-1): the replays skip it. When some token lacks a layer
+        :data:`~pyexpcache.routing.MISSING` (-1): the replays skip it. When some token lacks a layer
         that others have, one :class:`TraceWarning` gives the count and the first one.
 
     A text file may start with a UTF-8 byte-order mark.

@@ -80,9 +80,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from pyexpcache._lib import MAX_BATCHES, MAX_SELECT, PATH_NAMES as PATHS, PREFETCH_FIELDS, STAT_FIELDS  # the ABI's
-from pyexpcache._lib import POLICIES
-from pyexpcache.sim import Ctx, make_policy
+from expcache_bench.sim import Ctx, make_policy
+from pyexpcache._lib import MAX_BATCHES, MAX_SELECT, POLICIES, PREFETCH_FIELDS, STAT_FIELDS  # the ABI's
+from pyexpcache._lib import PATH_NAMES as PATHS
 
 ALIGN = 256
 MAX_COMPACT = 1 << 20
@@ -131,7 +131,7 @@ class RefClass:
     # Resident entries, coldest first.
     lru: "OrderedDict[Key, None]" = field(default_factory=OrderedDict)
     holds: Dict[Key, int] = field(default_factory=dict)
-    pol: object = None  # the policy's twin in pyexpcache.sim; None for LRU, whose order is `lru` itself
+    pol: object = None  # the policy's twin in expcache_bench.sim; None for LRU, whose order is `lru` itself
     allocated: int = 0
     slabs: List[int] = field(default_factory=list)  # allocation ids
     target: int = 0
