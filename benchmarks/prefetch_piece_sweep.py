@@ -1,4 +1,4 @@
-"""The engine model (``expcache bench --layer-compute-us``) at several prefetch piece sizes, one
+"""The engine model (``expcache bench engine``) at several prefetch piece sizes, one
 source for all, each size's settings side by side with ``none`` in its own table.
 
 A piece is the most prefetch data in flight (two transfers of half), what a demand miss shares

@@ -1,5 +1,5 @@
 """Does a smaller (so warmer) staging ring fill faster? Library miss throughput from pageable
-memory, calls of 6 experts back to back as in `expcache transfer`, for staging rings of 4, 16 and
+memory, calls of 6 experts back to back as in `expcache bench transfer`, for staging rings of 4, 16 and
 64 MiB (the default), each measured twice, with the staging counters. CUDA only.
 
     python3 benchmarks/staging_ring_size.py

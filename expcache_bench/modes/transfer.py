@@ -1,4 +1,4 @@
-"""The transfer table (``expcache bench transfer``; ``expcache transfer``): how fast the library
+"""The transfer table (``expcache bench transfer``; ``expcache transfer``, deprecated): how fast the library
 moves misses, next to the raw link, from pinned memory, pageable memory (through the pinned ring)
 and a file (pread into the ring: ``file`` through the page cache, ``file-direct`` with O_DIRECT,
 from the disk).
@@ -89,7 +89,7 @@ DETAIL = Option(
     "--detail", action="store_true", help="also show where staged calls spend their time (the staging ring's counters)"
 )
 OPTIONS = (GIB, DEVICE, COPY_THREADS, CHUNKS, SOURCES_OPTION, SIZES_OPTION, FILE_DIR, DETAIL) + OUTPUT
-SELECTED_BY = ()  # named only: expcache bench transfer, or expcache transfer
+SELECTED_BY = ()  # named only: expcache bench transfer (expcache transfer: deprecated)
 
 
 @dataclass
