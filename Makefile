@@ -57,9 +57,9 @@ help:
 
 lib: $(LIBS) $(REPLAY_LIB)
 
-# The benchmark's C replay loop (pyexpcache/bench/replay.c): it links nothing of
+# The benchmark suite's C replay loop (expcache_bench/replay.c): it links nothing of
 # libexpcache and is handed the loaded library's functions in a table.
-$(REPLAY_LIB): pyexpcache/bench/replay.c libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
+$(REPLAY_LIB): expcache_bench/replay.c libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
 	@mkdir -p $(BUILD)
 	$(CC) -O2 -std=c11 -fPIC -shared -Wall -Ilibexpcache/include -Wl,--no-undefined -o $@ $<
 
@@ -117,7 +117,7 @@ test: lib deps
 	$(MAKE) --no-print-directory bench-quick
 
 bench: lib deps-bench
-	$(PYTHON) -m pyexpcache bench $(BENCH_ARGS)
+	$(PYTHON) -m expcache_bench bench $(BENCH_ARGS)
 
 # Lint and format: ruff for Python (its settings in pyproject.toml), clang-format (.clang-format)
 # for the C/C++/CUDA files git tracks, so build/ and anything untracked stay out. pip install

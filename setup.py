@@ -2,14 +2,15 @@
 
 pyproject.toml holds the metadata; this file only adds the native libraries.
 ``pip install .`` runs ``make lib BUILD=<build-pip/temp.*/make>`` with this
-Python and copies what make built into the wheel's ``pyexpcache/`` folder:
+Python and copies what make built into the wheel, each library into the folder
+of the package that loads it:
 
-    libexpcache_host.so    always (g++)
-    libexpcache.so         only when make found nvcc (the Makefile decides)
-    libexpcache_replay.so  always (the benchmark's C replay loop)
+    pyexpcache/libexpcache_host.so        always (g++)
+    pyexpcache/libexpcache.so             only when make found nvcc (the Makefile decides)
+    expcache_bench/libexpcache_replay.so  always (the benchmark suite's C replay loop)
 
 ``pip install -e .`` runs plain ``make lib`` in the source tree instead: the
-editable package finds ``build/`` through pyexpcache/_loader.py.
+editable packages find ``build/`` (pyexpcache/_loader.py, expcache_bench/replay.py).
 
 Knobs, from the environment, handed to make: ``NVCC=`` (empty: host library
 only; or a path to nvcc), ``CUDA_ARCHS="80 90"``; CC, CXX and CXXFLAGS reach
@@ -36,7 +37,12 @@ except ImportError:
         bdist_wheel = None
 
 ROOT = Path(__file__).resolve().parent
-LIBS = ("libexpcache_host.so", "libexpcache.so", "libexpcache_replay.so")
+# Each library make builds -> the package folder it is installed into.
+LIBS = {
+    "libexpcache_host.so": "pyexpcache",
+    "libexpcache.so": "pyexpcache",
+    "libexpcache_replay.so": "expcache_bench",
+}
 KNOBS = ("NVCC", "CUDA_ARCHS")  # passed to make on its command line when set
 STAMP_KEYS = ("CC", "CXX", "CXXFLAGS")  # with the knobs: a change means a fresh make folder
 
@@ -91,24 +97,25 @@ class build_make(Command):
         for name in LIBS:
             (make_dir / name).unlink(missing_ok=True)
         self._make(make_dir)
-        package_dir = Path(self.build_lib) / "pyexpcache"
-        package_dir.mkdir(parents=True, exist_ok=True)
         built = []
-        for name in LIBS:
+        for name, package in LIBS.items():
+            package_dir = Path(self.build_lib) / package
+            package_dir.mkdir(parents=True, exist_ok=True)
             (package_dir / name).unlink(missing_ok=True)  # none left from an earlier build
             if (make_dir / name).exists():
                 shutil.copy2(make_dir / name, package_dir / name)
                 self._outputs[str(package_dir / name)] = str(make_dir / name)
-                built.append(name)
-        self._report(built, package_dir)
+                built.append(f"{package}/{name}")
+        self._report(built, Path(self.build_lib))
 
     @staticmethod
     def _report(built, where):
-        if "libexpcache_host.so" not in built or "libexpcache_replay.so" not in built:
+        names = [Path(b).name for b in built]
+        if "libexpcache_host.so" not in names or "libexpcache_replay.so" not in names:
             raise RuntimeError(f"make lib did not build the host and replay libraries (got {built})")
         cuda = (
             "with the CUDA library"
-            if "libexpcache.so" in built
+            if "libexpcache.so" in names
             else "host backend only, no nvcc; NVCC=/path/to/nvcc builds the CUDA library"
         )
         print(f"expcache: libraries in {where}: {', '.join(built)} ({cuda})", flush=True)

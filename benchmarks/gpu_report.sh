@@ -42,18 +42,18 @@ run_step() {
     racecheck) step racecheck 300 compute-sanitizer --tool racecheck --error-exitcode 1 --target-processes all \
         python3 -m pytest -q -x -k "cuda and (checksum or select)" tests/test_cache.py tests/test_device_lookup.py ;;
     copy_methods) step copy_methods 120 make --no-print-directory copy-methods ;;
-    transfer) step transfer 300 python3 -m pyexpcache transfer --gib 0.5 --detail ;;
+    transfer) step transfer 300 python3 -m expcache_bench bench transfer --gib 0.5 --detail ;;
     staging_sweep) step staging_sweep 270 python3 benchmarks/staging_sweep.py --threads 8,12 --chunks 512K,1M ;;
-    decode_pinned) step decode_pinned 300 python3 -m pyexpcache bench --quiet --json "$DIR/decode_pinned.json" ;;
-    decode_no_layer_sync) step decode_no_layer_sync 240 python3 -m pyexpcache bench --quiet --no-layer-sync \
+    decode_pinned) step decode_pinned 300 python3 -m expcache_bench bench --quiet --json "$DIR/decode_pinned.json" ;;
+    decode_no_layer_sync) step decode_no_layer_sync 240 python3 -m expcache_bench bench --quiet --no-layer-sync \
         --variants oppclass,lru,resident --json "$DIR/decode_no_layer_sync.json" ;;
-    decode_pageable) step decode_pageable 200 python3 -m pyexpcache bench --quiet --source pageable \
+    decode_pageable) step decode_pageable 200 python3 -m expcache_bench bench --quiet --source pageable \
         --traces podA_c_python_full --variants oppclass,slab,nocache --json "$DIR/decode_pageable.json" ;;
-    prefill_turns) step prefill_turns 330 python3 -m pyexpcache bench --quiet --scenario prefill,turns \
+    prefill_turns) step prefill_turns 330 python3 -m expcache_bench bench --quiet --scenario prefill,turns \
         --variants oppclass,slab --json "$DIR/prefill_turns.json" ;;
     device_lookup) step device_lookup 300 python3 -m pytest -q -rs tests/test_device_lookup.py \
         tests/test_examples.py -k "cuda" ;;
-    graph_loop) step graph_loop 420 python3 -m pyexpcache bench --loop graph --quiet --json "$DIR/graph_loop.json" ;;
+    graph_loop) step graph_loop 420 python3 -m expcache_bench bench graph --quiet --json "$DIR/graph_loop.json" ;;
     # 16 layers x 128 experts, top-8, hidden 2048, expert FFN 768, bf16: a budget that holds every expert
     # (the working set), then a quarter of them.
     torch_graph) step torch_graph 300 bash -c 'for f in 1.0 0.25; do python3 examples/torch_moe_decode.py \

@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformers
 from tabulate import tabulate
 
+from expcache_bench.link import measure
 from pyexpcache import HostSource, LayerSpec, ModelLayout
-from pyexpcache.bench.link import measure
 from pyexpcache.hf import GraphDecoder, find_experts, offload
 
 
@@ -195,7 +195,7 @@ def runs(model, prompt, device):
 
 
 def link_rate(device) -> float:
-    """The host-to-device rate of the benchmark's link (``pyexpcache.bench.link``: cudaMemcpyAsync
+    """The host-to-device rate of the benchmark's link (``expcache_bench.link``: cudaMemcpyAsync
     of 64 MiB from pinned memory); 0 on the CPU."""
     if device.type != "cuda":
         return 0.0

@@ -1,7 +1,7 @@
 """Evaluate expert-cache eviction policies offline (see docs/policy.md).
 
 Replays the bundled DeepSeek V4 Flash decode traces and synthetic traces
-through :func:`pyexpcache.sim.simulate_policy` (the library's exact call
+through :func:`expcache_bench.sim.simulate_policy` (the library's exact call
 semantics) and prints, with tabulate:
 
 1. every policy x held-out trace x capacity (5, 10, 25, 50 % of the experts):
@@ -48,11 +48,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np
 from tabulate import tabulate
 
+from expcache_bench.sim import simulate_belady, simulate_global, simulate_policy
+from expcache_bench.sim.registry import simulate_belady_partitioned
+from expcache_bench.traces import Trace, list_traces, load_decode_trace, synthetic_trace
 from pyexpcache import _lib
 from pyexpcache.layout import ModelLayout
-from pyexpcache.sim import simulate_belady, simulate_global, simulate_policy
-from pyexpcache.sim.registry import simulate_belady_partitioned
-from pyexpcache.traces import Trace, list_traces, load_decode_trace, synthetic_trace
 
 TUNING = ("podA_a_coffee_full", "podA_b2_json_long_full")
 FRACTIONS = (0.05, 0.10, 0.25, 0.50)
@@ -338,7 +338,7 @@ def main(argv=None):
         tune_rows = _summary(res, [("real", n) for n in TUNING], policies, fractions)
         _summary_table(tune_rows, "Mean over the tuning traces (parameters were chosen here)")
     syn_rows = {}
-    print("\n## Synthetic traces (pyexpcache.traces.synthetic_trace, 150 tokens): hit %\n")
+    print("\n## Synthetic traces (expcache_bench.traces.synthetic_trace, 150 tokens): hit %\n")
     rows = []
     for s in syn_specs:
         syn_rows[s[1]] = _summary(res, [s], policies, fractions)

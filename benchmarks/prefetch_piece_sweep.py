@@ -1,4 +1,4 @@
-"""The engine model (``expcache bench --layer-compute-us``) at several prefetch piece sizes, one
+"""The engine model (``expcache bench engine``) at several prefetch piece sizes, one
 source for all, each size's settings side by side with ``none`` in its own table.
 
 A piece is the most prefetch data in flight (two transfers of half), what a demand miss shares
@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from expcache_bench import HOST_SCALE, Bench, format_report, resolve_backend
+from expcache_bench.modes.engine import run_engine
+from expcache_bench.options import sizes as _sizes
 from pyexpcache import ModelLayout
-from pyexpcache.bench import HOST_SCALE, Bench, format_report, resolve_backend
-from pyexpcache.bench.modes.engine import run_engine
-from pyexpcache.bench.options import sizes as _sizes
 from pyexpcache.layout import GiB
 
 

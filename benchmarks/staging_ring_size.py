@@ -1,5 +1,5 @@
 """Does a smaller (so warmer) staging ring fill faster? Library miss throughput from pageable
-memory, calls of 6 experts back to back as in `expcache transfer`, for staging rings of 4, 16 and
+memory, calls of 6 experts back to back as in `expcache bench transfer`, for staging rings of 4, 16 and
 64 MiB (the default), each measured twice, with the staging counters. CUDA only.
 
     python3 benchmarks/staging_ring_size.py
@@ -7,8 +7,8 @@ memory, calls of 6 experts back to back as in `expcache transfer`, for staging r
 
 import sys
 
+from expcache_bench.modes import transfer
 from pyexpcache import _cuda
-from pyexpcache.bench.modes import transfer
 from pyexpcache.layout import LayerSpec, ModelLayout
 from pyexpcache.source import HostSource
 

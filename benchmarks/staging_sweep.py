@@ -25,10 +25,12 @@ import sys
 
 from tabulate import tabulate
 
-from pyexpcache import StagingStats, bench
-from pyexpcache.bench.modes.transfer import host_copy_gb_s
-from pyexpcache.bench.options import sizes as _sizes
+import expcache_bench as bench
+from expcache_bench.modes.transfer import host_copy_gb_s
+from expcache_bench.options import sizes as _sizes
+from pyexpcache import StagingStats
 from pyexpcache.layout import ModelLayout
+from pyexpcache.progress import Progress
 
 GiB = 1 << 30
 
@@ -64,7 +66,7 @@ def main() -> int:
         return 1
     layout = ModelLayout.preset(args.layout)
     traces = [t for t in args.traces.split(",") if t]
-    shared = bench.Bench(layout, pinned=False, budget_bytes=int(args.budget_gib * GiB), progress=bench.Progress(False))
+    shared = bench.Bench(layout, pinned=False, budget_bytes=int(args.budget_gib * GiB), progress=Progress(False))
     rows = []
     thread_counts = [int(t) for t in args.threads.split(",")]
     try:

@@ -19,8 +19,8 @@ import functools
 import pytest
 
 from benchmarks import LAYOUTS, Rig  # the asv package, benchmarks/benchmarks/ (no pytest in there)
-from pyexpcache.sim import simulate_belady, simulate_lru
-from pyexpcache.traces import load_decode_trace
+from expcache_bench.sim import simulate_belady, simulate_lru
+from expcache_bench.traces import load_decode_trace
 
 
 @functools.cache

@@ -46,8 +46,8 @@ from torch_moe_decode import (
     expert_ffn,
 )
 
+from expcache_bench.sim import DECODE, Call
 from pyexpcache import ExpertCache, LayerSpec, ModelLayout, Placement, loads_from_calls
-from pyexpcache.sim import DECODE, Call
 
 
 def setup(a, rank, world):

@@ -97,7 +97,7 @@ __all__ = [
 
 def library_version() -> str:
     """The loaded libexpcache's version and path."""
-    from ._lib import lib, library_path
+    from ._lib import lib, library_path  # loads the library: not at import (every --help runs without it)
 
     v = lib.expcache_version()
     return f"{v // 10000}.{v // 100 % 100}.{v % 100} ({library_path})"

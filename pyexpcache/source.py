@@ -16,7 +16,7 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 
-from . import _lifetime
+from . import _cuda, _lifetime
 from ._errors import ForkedError
 from .layout import ModelLayout
 
@@ -219,8 +219,6 @@ class HostSource(BufferSource):
         self.arrangement = arrangement
         self._pinned_ptr = None
         offsets, total = self._plan()
-        from . import _cuda
-
         #: True where ``pinned=True`` could not use CUDA: page-locking emulated for the host backend.
         self.pinned_emulated = bool(pinned) and _cuda.device_count() == 0
         if pinned and not self.pinned_emulated:
@@ -325,8 +323,6 @@ class HostSource(BufferSource):
         """Free the memory (pinned: cudaFreeHost); called once, when closed and unused."""
         self.buffer = np.empty(0, np.uint8)
         if self._pinned_ptr is not None:
-            from . import _cuda
-
             ptr, self._pinned_ptr = self._pinned_ptr, None
             _cuda.check(_cuda.runtime().cudaFreeHost(ptr), "cudaFreeHost")
 

@@ -168,7 +168,7 @@ class StagingStats:
     )
 
     def columns(self) -> list[str]:
-        """The figures under :attr:`COLUMNS`, as text: how `expcache transfer --detail` and the
+        """The figures under :attr:`COLUMNS`, as text: how `expcache bench transfer --detail` and the
         staging sweep show where staged calls spend their time (µs are per call unless per piece)."""
         return [
             f"{self.pieces_per_call:.1f}",

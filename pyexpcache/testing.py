@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _lib
+from . import _lib, bank as _bank
 from ._cuda import stream_handle
 from ._ints import u32, u64
 from .cache import ExpertCache
@@ -137,8 +137,6 @@ def bank_checksum_async(cache: ExpertCache, layer: int, slots, first: int, strea
     them: a CUDA array, or numpy on the host backend): one sum per slot into result slots
     ``[first, first + n)``, read by the kernel from ``slots`` (capturable in a graph after one call
     outside it). Read them with :func:`checksum_results` after synchronizing ``stream``."""
-    from . import bank as _bank
-
     cache = _cache(cache, "bank_checksum_async")
     layer, first = cache._layer(layer), u32(first, "first")
     ids = _bank.id_array(slots, "slots")

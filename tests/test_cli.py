@@ -1,4 +1,4 @@
-"""The command line (pyexpcache/cli.py). First contact: every --help without a built library,
+"""The command line (expcache_bench/cli.py). First contact: every --help without a built library,
 one-line errors for what a run needs (checked before it starts), Ctrl-C with status 130, and
 reports that say what made them. Then `expcache bench` end to end on the host backend (every
 scenario, --plot) and its refused arguments, and `expcache transfer`'s arguments and printing
@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 import pyexpcache
-from pyexpcache import cli
-from pyexpcache.bench import options
+from expcache_bench import cli, options
 
 # Children run in other folders: they find the package the way this process did.
 PACKAGE_ROOT = str(Path(cli.__file__).resolve().parent.parent)
@@ -36,7 +35,7 @@ def child_env(**extra) -> dict:
 def child(*args, env_extra=None, **kw) -> subprocess.CompletedProcess:
     env = child_env(**(env_extra or {}))
     return subprocess.run(
-        [sys.executable, "-m", "pyexpcache", *args], capture_output=True, text=True, env=env, timeout=300, **kw
+        [sys.executable, "-m", "expcache_bench", *args], capture_output=True, text=True, env=env, timeout=300, **kw
     )
 
 
@@ -55,7 +54,7 @@ def test_help_texts_name_backend_device_and_transfer():
     text = cli._parser().format_help()
     sub = cli._parser()._subparsers._group_actions[0].choices
     bench_help, transfer_help = sub["bench"].format_help(), sub["transfer"].format_help()
-    assert "transfer" in text
+    assert "{bench,inspect,info}" in text and "transfer" in bench_help  # one spelling: expcache bench transfer
     assert "host backend" in bench_help and "CUDA device ordinal" in bench_help
     assert "cudaMemcpyAsync" in transfer_help and "CUDA device ordinal" in transfer_help
 
@@ -66,6 +65,48 @@ def test_help_texts_have_no_markup():
     sub = parser._subparsers._group_actions[0].choices
     for name, text in [("expcache", parser.format_help())] + [(n, p.format_help()) for n, p in sub.items()]:
         assert "`" not in text, f"{name} --help: {[line for line in text.splitlines() if '`' in line]}"
+
+
+@pytest.mark.parametrize(
+    "argv, old, new",
+    [
+        (["bench", "--loop", "torch", "--traces", "no-such-trace"], "--loop torch", "'expcache bench torch'"),
+        (["bench", "--loop", "graph", "--traces", "no-such-trace"], "--loop graph", "'expcache bench graph'"),
+        (["bench", "--devices", "1", "--backend", "host"], "--devices", "'expcache bench devices'"),
+        (["bench", "--prefetch", "cooc", "--traces", "no-such-trace"], "--prefetch", "'expcache bench engine'"),
+        (["bench", "--split", "--traces", "no-such-trace"], "--split", "'expcache bench engine'"),
+        (["transfer", "--gib", "0.001", "--sizes", "0.5"], "'expcache transfer'", "'expcache bench transfer'"),
+    ],
+    ids=["loop-torch", "loop-graph", "devices", "prefetch", "split", "transfer"],
+)
+def test_a_mode_chosen_the_old_way_still_runs_and_names_the_new_spelling(argv, old, new):
+    """The flag spelling of a mode (and `expcache transfer`) is deprecated for one release: the
+    run goes on (here to the error of its arguments, which comes after the choice), and one line on
+    stderr names the mode's spelling."""
+    out = child(*argv)
+    (line,) = [x for x in out.stderr.splitlines() if "deprecated" in x]
+    assert line.startswith("expcache: warning: ") and old in line and new in line, out.stderr
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.splitlines()) >= 2, out.stderr  # what the run said after the warning
+
+
+def test_a_named_mode_and_the_default_are_not_deprecated():
+    for argv in (["bench", "devices", "--devices", "1", "--backend", "host"], ["bench", "--variants", "nope"]):
+        out = child(*argv)
+        assert out.returncode == 2 and "deprecated" not in out.stderr, out.stderr
+
+
+def test_python_m_pyexpcache_forwards_with_a_deprecation_warning():
+    out = subprocess.run(
+        [sys.executable, "-m", "pyexpcache", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
+    assert out.returncode == 0 and "usage: expcache bench" in out.stdout, out.stderr
+    assert out.stderr.strip().startswith("expcache: warning: 'python3 -m pyexpcache' is deprecated"), out.stderr
+    assert "'expcache'" in out.stderr and "'python3 -m expcache_bench'" in out.stderr
 
 
 def test_info_without_the_library_is_one_error_not_a_traceback(tmp_path):
@@ -82,14 +123,14 @@ def test_variants_are_checked_against_the_library_when_parsed(tmp_path):
     assert "argument --variants: libexpcache not found" in out.stderr
     out = child("bench", "--variants", "lru,belady")
     assert out.returncode == 2
-    from pyexpcache.bench import variants
+    from expcache_bench import variants
 
     assert f"expected a comma list of default, {', '.join(variants())}; got 'lru,belady'" in out.stderr
 
 
 def test_variants_default_names_the_librarys_default_policy():
+    from expcache_bench.modes.variants import resolve_variants
     from pyexpcache import _lib
-    from pyexpcache.bench.modes.variants import resolve_variants
 
     assert resolve_variants(["default", "lru", _lib.DEFAULT_POLICY]) == [_lib.DEFAULT_POLICY, "lru"]
 
@@ -122,7 +163,7 @@ def test_bad_output_paths_fail_before_the_run(capsys, tmp_path, argv, fragment):
 def test_an_output_file_that_cannot_be_created_fails_before_the_run(monkeypatch, capsys):
     # /proc takes no new file, not even from root, whom a check of permissions lets through:
     # before, the whole benchmark ran, then "[Errno 2]", status 1 and the results lost.
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     if not os.path.isdir("/proc/self"):
         pytest.skip("needs Linux's /proc")
@@ -135,7 +176,7 @@ def test_an_output_file_that_cannot_be_created_fails_before_the_run(monkeypatch,
 def interrupt_scenario(monkeypatch, number: int) -> None:
     """The variants table's run of a scenario raises KeyboardInterrupt from its ``number``-th call on
     (1: every call)."""
-    from pyexpcache.bench.modes import variants
+    from expcache_bench.modes import variants
 
     real, calls = variants.run_scenario, []
 
@@ -170,7 +211,7 @@ def test_a_run_that_wrote_nothing_leaves_no_file_and_an_old_file_unchanged(monke
 
 def test_a_plot_format_matplotlib_cannot_write_fails_before_the_run(monkeypatch, capsys, tmp_path):
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib, an optional dependency")
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
     rc, out, err, _ = run_main(capsys, FAST + ["--plot", str(tmp_path / "curve.pnx")])
@@ -188,7 +229,7 @@ def test_cuda_backend_without_cuda_python_names_the_extra(monkeypatch, capsys):
     monkeypatch.setattr(options, "has_cuda_python", lambda: False)
     rc, out, err, _ = run_main(capsys, ["bench", "--backend", "cuda", "--quiet"])
     assert rc == 2 and "cuda-python" in err and "expcache[cuda]" in err and len(err.strip().splitlines()) == 1
-    rc, out, err, _ = run_main(capsys, ["transfer"])
+    rc, out, err, _ = run_main(capsys, ["bench", "transfer"])
     assert rc == 2 and "expcache[cuda]" in err
 
 
@@ -239,7 +280,7 @@ def test_unparsable_options_name_the_option_and_the_form(capsys, argv, message):
 )
 def test_option_values_the_run_cannot_take_fail_before_it(monkeypatch, capsys, argv, message):
     # Before: a library or layout error once the source was filled, naming no option.
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
     rc, out, err, _ = run_main(capsys, FAST + argv)
@@ -248,7 +289,7 @@ def test_option_values_the_run_cannot_take_fail_before_it(monkeypatch, capsys, a
 
 def test_scale_the_host_cannot_hold_names_one_that_fits(monkeypatch, capsys):
     # Before: numpy's "Unable to allocate 27.6 GiB" (--scale 3 on a 22 GiB host), or the OOM killer.
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     monkeypatch.setattr(options, "host_memory_available", lambda: 1 << 30)
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
@@ -280,7 +321,7 @@ def test_scale_the_host_cannot_hold_names_one_that_fits(monkeypatch, capsys):
 def test_layers_no_trace_has_fail_before_the_run(monkeypatch, capsys, layers, message):
     # Before, 0-2: a traceback once every variant had run ("library hit rate 0.0 differs from the
     # simulator's nan ... a bug").
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
     rc, out, err, _ = run_main(capsys, FAST + ["--layers", layers])
@@ -295,22 +336,22 @@ def test_scale_with_gguf_is_refused(capsys, tmp_path):
 
 
 def test_transfer_options_fail_before_the_run(monkeypatch, capsys):
-    from pyexpcache.bench.modes import transfer
+    from expcache_bench.modes import transfer
 
     monkeypatch.setattr(options, "has_cuda_python", lambda: True)
     monkeypatch.setattr(transfer, "measure", lambda **kw: pytest.fail("the run started"))
-    rc, out, err, _ = run_main(capsys, ["transfer", "--copy-threads", "2,100"])
-    assert rc == 2 and err.strip() == "expcache transfer: --copy-threads: copy_threads must be 0..64, got 100"
-    rc, out, err, _ = run_main(capsys, ["transfer", "--chunks", "1K"])
+    rc, out, err, _ = run_main(capsys, ["bench", "transfer", "--copy-threads", "2,100"])
+    assert rc == 2 and err.strip() == "expcache bench transfer: --copy-threads: copy_threads must be 0..64, got 100"
+    rc, out, err, _ = run_main(capsys, ["bench", "transfer", "--chunks", "1K"])
     assert rc == 2 and "--chunks: staging_chunk_bytes must be a multiple of 4096" in err
     monkeypatch.setattr(options, "host_memory_available", lambda: 8 << 30)
-    rc, out, err, _ = run_main(capsys, ["transfer", "--gib", "100"])
+    rc, out, err, _ = run_main(capsys, ["bench", "transfer", "--gib", "100"])
     assert rc == 2 and err.strip() == (
-        "expcache transfer: --gib 100: a measurement holds 200.0 GiB of host memory "
+        "expcache bench transfer: --gib 100: a measurement holds 200.0 GiB of host memory "
         "and 8.0 GiB is available; lower --gib"
     )
     with pytest.raises(SystemExit):
-        cli.main(["transfer", "--copy-threads", "x"])
+        cli.main(["bench", "transfer", "--copy-threads", "x"])
     assert (
         "argument --copy-threads: expected a comma list of thread counts such as 1,4,8, got 'x'"
         in capsys.readouterr().err
@@ -352,8 +393,8 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
     # The replay runs in C; its progress callback turns Ctrl-C into a stop request and the
     # interrupt is raised again once the loop returned (before: "Exception ignored on calling
     # ctypes callback function", and the run went on).
-    from pyexpcache import bench
-    from pyexpcache.bench.modes.variants import run_variant
+    import expcache_bench as bench
+    from expcache_bench.modes.variants import run_variant
     from pyexpcache.layout import ModelLayout
 
     layout = ModelLayout.preset("q2", scale=4096)
@@ -377,7 +418,7 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
 
 def test_ctrl_c_stops_the_command_with_130(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pyexpcache", "bench", "--backend", "host", "--scenario", "all"],
+        [sys.executable, "-m", "expcache_bench", "bench", "--backend", "host", "--scenario", "all"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -432,14 +473,14 @@ def test_cli_bench_host_end_to_end(tmp_path):
 
 def test_cli_rejects_bad_arguments():
     proc = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "bench", "--variants", "nope"],
+        [sys.executable, "-m", "expcache_bench", "bench", "--variants", "nope"],
         capture_output=True,
         text=True,
         env=child_env(),
     )
     assert proc.returncode == 2 and "expected a comma list" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "bench", "--layers", "40-50", "--backend", "host"],
+        [sys.executable, "-m", "expcache_bench", "bench", "--layers", "40-50", "--backend", "host"],
         capture_output=True,
         text=True,
         env=child_env(),
@@ -480,7 +521,7 @@ def test_cli_plot_hit_rate_curve(tmp_path):
 def test_transfer_size_lists_parse():
     import argparse
 
-    from pyexpcache.bench.options import sizes as _sizes
+    from expcache_bench.options import sizes as _sizes
 
     assert _sizes("256K,1M,2MiB,4096") == [256 << 10, 1 << 20, 2 << 20, 4096]
     for bad in ("", "x", "1M,,2M", "1Q"):
@@ -489,20 +530,20 @@ def test_transfer_size_lists_parse():
 
 
 def test_transfer_cli_sizes_are_the_benchmarks():
-    from pyexpcache import cli
-    from pyexpcache.bench.modes import transfer
+    from expcache_bench import cli
+    from expcache_bench.modes import transfer
 
-    parser = cli._parser()
-    assert {f"{s} MiB" for s in parser.parse_args(["transfer"]).sizes} == set(transfer.SIZES)
-    assert parser.parse_args(["transfer", "--sizes", "0.5,13.5"]).sizes == ["0.5", "13.5"]
+    parser = cli._mode_parser(transfer)  # expcache bench transfer
+    assert {f"{s} MiB" for s in parser.parse_args([]).sizes} == set(transfer.SIZES)
+    assert parser.parse_args(["--sizes", "0.5,13.5"]).sizes == ["0.5", "13.5"]
     with pytest.raises(SystemExit):
-        parser.parse_args(["transfer", "--sizes", "0.7"])
+        parser.parse_args(["--sizes", "0.7"])
 
 
 def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     # The CLI's printing, without a GPU: the table's rows stand in for a run's.
-    from pyexpcache import cli
-    from pyexpcache.bench.modes import transfer
+    from expcache_bench import cli
+    from expcache_bench.modes import transfer
 
     rows = [
         transfer.TransferRow("pinned", 0, 0, "0.5 MiB", "tensor", 50.0, 42.0, 42.0, 1 << 20),
@@ -517,7 +558,7 @@ def test_transfer_cli_detail_prints_the_host_copy_rate(monkeypatch, capsys):
     monkeypatch.setattr(
         transfer, "host_copy_rates", lambda counts: real(counts, piece=64 << 10, buffer_bytes=8 << 20, total=8 << 20)
     )
-    assert cli.main(["transfer", "--sizes", "0.5", "--sources", "pinned,pageable", "--detail"]) == 0
+    assert cli.main(["bench", "transfer", "--sizes", "0.5", "--sources", "pinned,pageable", "--detail"]) == 0
     out = capsys.readouterr().out
     assert asked["sizes"] == ["0.5 MiB"] and asked["sources"] == ["pinned", "pageable"]
     assert "119 %" in out and "50 %" in out
@@ -586,8 +627,8 @@ def _write(path, text) -> str:
 def _trace_of(tmp_path, layers) -> str:
     """A generic-format trace of two tokens routing experts 0 and 1 in each of ``layers``: one
     that fits any layout whose MoE layers include them (the bundled traces are DeepSeek V4 Flash's)."""
-    from pyexpcache.traces import write_trace
-    from pyexpcache.traces.types import Trace
+    from expcache_bench.traces import write_trace
+    from pyexpcache.routing import Trace
 
     layers = list(layers)
     path = tmp_path / f"routing-{layers[0]}-{layers[-1]}.jsonl"
@@ -600,7 +641,7 @@ def _trace_of(tmp_path, layers) -> str:
 
 def _layout_given_to_the_bench(monkeypatch, capsys, argv, trace=None):
     """The layout and scale the run would have started with (the run itself stopped)."""
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     if trace is not None:
         argv = argv + ["--traces", trace]
@@ -670,7 +711,7 @@ def test_a_gguf_files_layout(monkeypatch, capsys, tmp_path):
     ],
 )
 def test_a_bad_layout_file_is_one_line_before_the_run(monkeypatch, capsys, tmp_path, contents, message):
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
     path = _write(tmp_path / "bad.json", json.dumps(contents))
@@ -679,7 +720,7 @@ def test_a_bad_layout_file_is_one_line_before_the_run(monkeypatch, capsys, tmp_p
 
 
 def test_a_hugging_face_config_without_a_key_is_one_line(monkeypatch, capsys, tmp_path):
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
     config = {k: v for k, v in hf_configs.CONFIGS["gpt-oss-20b"].items() if k != "intermediate_size"}
@@ -699,7 +740,7 @@ def test_layout_with_gguf_is_refused(capsys, tmp_path):
 
 
 def test_a_scale_that_does_not_divide_a_presets_parts_names_one_that_does(monkeypatch, capsys, tmp_path):
-    from pyexpcache import bench
+    from expcache_bench import bench  # the module the command line makes its Bench with
 
     monkeypatch.setattr(bench, "Bench", lambda *a, **kw: pytest.fail("the run started"))
     rc, out, err, _ = run_main(

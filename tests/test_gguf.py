@@ -541,12 +541,14 @@ def test_cli_inspect_prints_classes(mixed_file):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file)], capture_output=True, text=True
+        [sys.executable, "-m", "expcache_bench", "inspect", str(mixed_file)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
     assert "Q4_K" in proc.stdout and "IQ2_XXS" in proc.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "inspect", str(mixed_file) + ".missing"], capture_output=True, text=True
+        [sys.executable, "-m", "expcache_bench", "inspect", str(mixed_file) + ".missing"],
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 1 and "expcache inspect" in bad.stderr
 
@@ -595,7 +597,7 @@ def test_cli_bench_on_a_gguf_model(tmp_path):
     # A GGUF whose layers do not match the traces is refused with the reason.
     small = write_model(tmp_path / "small.gguf", [Q4] * 4)
     proc = subprocess.run(
-        [sys.executable, "-m", "pyexpcache", "bench", "--gguf", str(small), "--backend", "host", "--quiet"],
+        [sys.executable, "-m", "expcache_bench", "bench", "--gguf", str(small), "--backend", "host", "--quiet"],
         capture_output=True,
         text=True,
     )

@@ -11,7 +11,9 @@ transformers = pytest.importorskip(
     "transformers", minversion="5", reason="pyexpcache.hf needs transformers >= 5 (pip install expcache[hf])"
 )
 
-from pyexpcache import ModelLayout, bench  # noqa: E402
+import expcache_bench as bench  # noqa: E402
+from expcache_bench.traces import read_trace  # noqa: E402
+from pyexpcache import ModelLayout  # noqa: E402
 from pyexpcache.hf import (  # noqa: E402
     IMPLEMENTATION,
     GraphDecoder,
@@ -21,7 +23,6 @@ from pyexpcache.hf import (  # noqa: E402
     record_routing,
 )
 from pyexpcache.hf._experts import split  # noqa: E402
-from pyexpcache.traces import read_trace  # noqa: E402
 
 from support.cache import CUDA_OK, CUDA_REASON  # noqa: E402
 from support.child import run_child  # noqa: E402

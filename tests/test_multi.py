@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from expcache_bench.traces import load_decode_trace
+from expcache_bench.workload import decode_workload
 from pyexpcache import (
     CacheClosedError,
     ExpcacheError,
@@ -19,8 +21,6 @@ from pyexpcache import (
     loads_from_calls,
     testing,
 )
-from pyexpcache.bench.workload import decode_workload
-from pyexpcache.traces import load_decode_trace
 
 from support.cache import SCALE, assert_served
 from support.child import close_while_threads_call

@@ -118,8 +118,14 @@ def test_wheel_holds_the_libraries(wheel):
             for line in z.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode().splitlines()
             if line.startswith("Tag:")
         ]
-    assert {"pyexpcache/libexpcache_host.so", "pyexpcache/libexpcache_replay.so"} <= names, sorted(names)
+    # Each library in the folder of the package that loads it: the suite's replay loop with the suite.
+    assert {"pyexpcache/libexpcache_host.so", "expcache_bench/libexpcache_replay.so"} <= names, sorted(names)
     assert "pyexpcache/libexpcache.so" not in names  # NVCC= : host library only
+    assert not any(n.startswith("pyexpcache/") and "replay" in n for n in names), sorted(names)
+    # Both packages, the bundled traces with their attribution beside them.
+    assert {"pyexpcache/__init__.py", "pyexpcache/routing/format.py", "expcache_bench/cli.py"} <= names
+    bundled = "expcache_bench/data/traces/ds4-flash-reap-loop/"
+    assert {bundled + "ATTRIBUTION.md", bundled + "README.md", bundled + "decode/smoke_count64.route.csv"} <= names
     assert tags and all(not t.endswith("-any") for t in tags), tags  # a platform wheel
     assert not wheel.name.endswith("-none-any.whl"), wheel.name
 
@@ -138,8 +144,19 @@ def test_installed_package_runs_outside_the_repository(venv_dir, tmp_path):
     assert Path(package_file).resolve().is_relative_to(venv_dir.resolve()), package_file
     assert library.resolve().is_relative_to(venv_dir.resolve()), version
     assert library.name == "libexpcache_host.so", version
+    replay = _run(
+        [
+            python,
+            "-c",
+            "from expcache_bench import replay; print(next(p for p in replay.candidate_paths() if p.exists()))",
+        ],
+        env=env,
+        cwd=tmp_path,
+    ).stdout.splitlines()[-1]
+    assert Path(replay).resolve().parent.name == "expcache_bench", replay
+    assert Path(replay).resolve().is_relative_to(venv_dir.resolve()), replay
     _run(
-        [python, "-m", "pyexpcache", "bench", "--traces", "smoke_count64", "--variants", "lru,nocache", "--quiet"],
+        [python, "-m", "expcache_bench", "bench", "--traces", "smoke_count64", "--variants", "lru,nocache", "--quiet"],
         env=env,
         cwd=tmp_path,
     )

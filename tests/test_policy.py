@@ -1,5 +1,5 @@
 """The library's eviction policies (libexpcache/src/policy/) against their twins in the offline
-simulator (pyexpcache/sim/): replaying the same workload, the library's counters equal the
+simulator (expcache_bench/sim/): replaying the same workload, the library's counters equal the
 simulator's count for count, per class and path, for every policy and backend. This is what keeps
 a policy and its simulator honest (docs/architecture.md, "Where to add")."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, ModelLayout, _lib, bench, sim
-from pyexpcache.sim import DECODE, simulate_lru, simulate_policy
+import expcache_bench as bench
+from expcache_bench import sim
+from expcache_bench.sim import DECODE, simulate_lru, simulate_policy
+from pyexpcache import ExpertCache, HostSource, ModelLayout, _lib
 
 from support.cache import SCALE
 
@@ -16,9 +18,9 @@ from support.cache import SCALE
 def test_every_library_policy_has_a_simulator_twin():
     """Each policy of the library's table (libexpcache/src/policy/registry.cpp, read through
     expcache_policy_name into pyexpcache._lib.POLICIES) has its twin under the same name in the
-    simulator's registry (pyexpcache/sim/registry.py), which the tests below replay."""
+    simulator's registry (expcache_bench/sim/registry.py), which the tests below replay."""
     missing = sorted(set(_lib.POLICIES) - set(sim.POLICIES))
-    assert not missing, f"library policies without a simulator twin in pyexpcache/sim/registry.py: {missing}"
+    assert not missing, f"library policies without a simulator twin in expcache_bench/sim/registry.py: {missing}"
 
 
 def test_a_cache_without_a_policy_runs_the_librarys_default(backend):

@@ -54,7 +54,7 @@ ENV_TRACES = "EXPCACHE_BENCH_TRACES"  # comma list of bundled decode traces
 #: counts, so the same hit rates) over one trace, so a whole asv run takes a couple of
 #: minutes; the GPU runs the real sizes over the seven bundled decode traces.
 HOST_TRACES = ("podA_c_python_full",)
-HOST_SCALE = 256  # pyexpcache.bench.HOST_SCALE; not imported: asv loads this file against older commits too
+HOST_SCALE = 256  # expcache_bench.HOST_SCALE; not imported: asv loads this file against older commits too
 MICRO_HOST_SCALE = 4096
 
 _PROBE = """
@@ -148,15 +148,27 @@ def replay_scale(which: str) -> int:
     return int(value) if value else (1 if which == "cuda" else HOST_SCALE)
 
 
+def suite_module(name: str = ""):
+    """A module of the commit's benchmark suite: ``expcache_bench[.name]``, or, at a commit from
+    before the library and the suite were two packages, ``pyexpcache.bench[.name]`` (the
+    simulator and traces were ``pyexpcache.sim`` and ``pyexpcache.traces``). ImportError where
+    neither exists (a commit from before the benchmark)."""
+    import importlib
+
+    try:
+        return importlib.import_module("expcache_bench" + (f".{name}" if name else ""))
+    except ImportError:
+        old = name if name.split(".")[0] in ("sim", "traces") else "bench" + (f".{name}" if name else "")
+        return importlib.import_module(f"pyexpcache.{old}")
+
+
 def replay_traces(which: str) -> list[str]:
     """Decode traces of the replay benchmarks: all seven on the GPU, one on the host."""
     value = os.environ.get(ENV_TRACES, "").strip()
     if value:
         return [t.strip() for t in value.split(",") if t.strip()]
     if which == "cuda":
-        from pyexpcache.bench import DEFAULT_TRACES
-
-        return list(DEFAULT_TRACES)
+        return list(suite_module().DEFAULT_TRACES)
     return list(HOST_TRACES)
 
 
@@ -249,8 +261,8 @@ class Rig:
 
     def prompt_ids(self, layer: int):
         """[tokens, 6] ids of the first bundled prefill prompt at ``layer``."""
-        from pyexpcache.traces import list_traces, load_prefill_trace
-
+        traces = suite_module("traces")
+        list_traces, load_prefill_trace = traces.list_traces, traces.load_prefill_trace
         name = next(t.name for t in list_traces() if t.kind == "prefill")
         return self.np.ascontiguousarray(load_prefill_trace(name)[0].prefill[layer], dtype=self.np.uint32)
 

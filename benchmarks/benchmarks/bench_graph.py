@@ -9,7 +9,17 @@ happen once per commit, in ``setup_cache``; commits without the graph loop are s
 
 from __future__ import annotations
 
-from . import BACKENDS, BUDGET_GIB, LAYOUTS, GiB, backend, replay_scale, replay_traces, skip_other_backends
+from . import (
+    BACKENDS,
+    BUDGET_GIB,
+    LAYOUTS,
+    GiB,
+    backend,
+    replay_scale,
+    replay_traces,
+    skip_other_backends,
+    suite_module,
+)
 
 BACKEND = backend()
 
@@ -18,10 +28,11 @@ def run_graph_loops() -> dict:
     """{layout: numbers} for every layout, run on BACKEND."""
     try:
         from pyexpcache import ModelLayout
-        from pyexpcache.bench import Bench
-        from pyexpcache.bench.modes import graph_loop
-        from pyexpcache.bench.modes.graph_loop import run_graph_loop
-    except ImportError:  # a commit from before the graph loop
+
+        Bench = suite_module().Bench
+        graph_loop = suite_module("modes.graph_loop")
+        run_graph_loop = graph_loop.run_graph_loop
+    except (ImportError, AttributeError):  # a commit from before the graph loop
         return {}
     scale = replay_scale(BACKEND)
     traces = replay_traces(BACKEND)

@@ -40,7 +40,7 @@ ClassShare class_share(const LayerTable& layers, const ClassState& cls) {
 // EXPCACHE_PARTITION_LAYER: every layer's share of the class's `cap` slots (0 for the layers of
 // other classes), the cap split over the class's registered layers in proportion to their experts,
 // rounded down, the slots left over one each to the largest remainders (ties: the lower layer).
-// pyexpcache.sim.driver.layer_shares is its twin.
+// expcache_bench.sim.driver.layer_shares is its twin.
 std::vector<uint64_t> layer_shares(const LayerTable& layers, const ClassState& cls, uint64_t cap) {
     std::vector<uint64_t> shares(layers.size(), 0);
     std::vector<std::pair<uint64_t, uint32_t>> rems;  // (remainder, layer), largest first

@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 
 from .. import _cuda
-from ..bench.bench import resolve_budget
-from ..bench.progress import Progress
+from ..budget import resolve_budget
 from ..cache import ExpertCache
 from ..layout import ModelLayout
+from ..progress import Progress
 from ..stats import PathStats
 from . import _serve
 from ._experts import ExpertsLayer, find_experts, layout_of

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..traces.generic import FORMATS, TraceWriter
+from ..routing import FORMATS, TraceWriter, trace_format
 from ._experts import find_experts, layout_of
 
 
@@ -120,7 +120,5 @@ def record_routing(model: torch.nn.Module, path, *, layout_path=None) -> Routing
         ValueError: the model has no experts-interface MoE layer (naming its class), or the trace
             name has no known ending.
     """
-    from ..traces.generic import trace_format
-
     trace_format(os.fspath(path))  # the ending, checked before anything is written
     return RoutingRecorder(model, path, layout_path)

@@ -1,5 +1,5 @@
-"""Synthetic traces in the benchmark (``--traces synthetic:TOKENS[:SEED]``, pyexpcache/bench/workload.py,
-pyexpcache/traces/synthetic.py): shaped by the layout (its MoE layers, experts per layer, and a top-k from
+"""Synthetic traces in the benchmark (``--traces synthetic:TOKENS[:SEED]``, expcache_bench/workload.py,
+expcache_bench/traces/synthetic.py): shaped by the layout (its MoE layers, experts per layer, and a top-k from
 --top-k or the model's config), the DeepSeek V4 Flash layouts' trace unchanged."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout, bench, cli
-from pyexpcache.bench.workload import decode_trace
+import expcache_bench as bench
+from expcache_bench import cli
+from expcache_bench.traces import MISSING, check_layout, synthetic_trace
+from expcache_bench.workload import decode_trace
+from pyexpcache import ModelLayout
 from pyexpcache.layout import LayerSpec
-from pyexpcache.traces import MISSING, check_layout, synthetic_trace
 
 #: Qwen3-30B-A3B's config.json (the keys the layout and the top-k are read from).
 QWEN3 = dict(

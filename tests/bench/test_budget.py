@@ -1,4 +1,4 @@
-"""The benchmark's budget (pyexpcache/bench/budget.py, bench.Bench): a host run at divided sizes keeps
+"""The benchmark's budget (expcache_bench/budget.py, bench.Bench): a host run at divided sizes keeps
 the slot counts of the full-size run (or refuses the scale), its caches hold every size class of the
 layout at once, and a budget that rounds to 0 bytes names the option it came from and the smallest
 value of it that holds an expert."""
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, ModelLayout, bench, cli
-from pyexpcache.bench import options
-from pyexpcache.bench.bench import resolve_budget
-from pyexpcache.bench.modes import devices, graph_loop
-from pyexpcache.bench.modes.variants import run_variant
+import expcache_bench as bench
+from expcache_bench import cli, options
+from expcache_bench.modes import devices, graph_loop
+from expcache_bench.modes.variants import run_variant
+from expcache_bench.traces import synthetic_trace
+from pyexpcache import ExpertCache, HostSource, ModelLayout
+from pyexpcache.budget import class_targets, resolve_budget
 from pyexpcache.layout import LayerSpec
-from pyexpcache.traces import synthetic_trace
 
 #: Qwen3-30B-A3B's config.json (the keys from_hf_config reads): 48 layers x 128 experts, [768, 2048]
 #: gate and up; in Q4_K each part is 884,736 B, 3,456 B at / 256, whose slot stride is 3,584 B.
@@ -126,7 +127,7 @@ def test_deepseek_at_256_keeps_its_budget():
 
 
 def test_a_scale_no_budget_can_keep_is_refused_naming_the_class():
-    from pyexpcache.bench import budget
+    from expcache_bench import budget
 
     """Three classes whose counts at / 256 move together where at full size they do not (parts of
     1 B and 257 B at / 256 take 768 B and 1,536 B slots, 3 and 3 x 257 times less at full size):
@@ -135,7 +136,7 @@ def test_a_scale_no_budget_can_keep_is_refused_naming_the_class():
         (LayerSpec(60000, 256, 256, 256), LayerSpec(59999, 65792, 65792, 65792), LayerSpec(1, 256000, 256000, 256000)),
         name="tri",
     )
-    assert budget.class_targets(full, 396308) == [2, 1, 0]
+    assert class_targets(full, 396308) == [2, 1, 0]
     message = (
         r"^at sizes / 256 no budget keeps every size class's slot count of the full-size tri at a budget of "
         r"396308 B: class \[gate 65792, up 65792, down 65792 B\] has 1 at full size and 2 at the smallest "
@@ -144,7 +145,7 @@ def test_a_scale_no_budget_can_keep_is_refused_naming_the_class():
     )
     with pytest.raises(ValueError, match=message):
         budget.scaled_budget(full.scaled(256), 396308, 256)
-    assert budget.class_targets(full.scaled(8), budget.scaled_budget(full.scaled(8), 396308, 8)) == [2, 1, 0]
+    assert class_targets(full.scaled(8), budget.scaled_budget(full.scaled(8), 396308, 8)) == [2, 1, 0]
 
 
 def test_the_caches_hold_every_size_class_at_once():
@@ -228,10 +229,9 @@ def test_the_command_line_names_the_option_in_its_units():
         r"each of its 2 size classes is [0-9.e-]+$",
     ) as raised:
         options.budget_bytes(parser.parse_args(["--budget-gib", "1e-9"]), layout, 256)
-    from pyexpcache.bench import budget
 
     least = float(str(raised.value).rpartition(" ")[2])
-    assert min(budget.class_targets(ModelLayout.preset("mixed"), int(least * (1 << 30)))) == 1
+    assert min(class_targets(ModelLayout.preset("mixed"), int(least * (1 << 30)))) == 1
     with pytest.raises(
         options.UsageError,
         match=r"^--budget-fraction 1e-12 is a budget of 0 bytes at the host "

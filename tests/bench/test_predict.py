@@ -1,4 +1,4 @@
-"""Next-layer expert predictors (pyexpcache/bench/predict.py): the prefetch specs, predictions
+"""Next-layer expert predictors (expcache_bench/predict.py): the prefetch specs, predictions
 made strictly online (later tokens change nothing before them), their shape and padding, the
 simulated oracle's recall and purity, cooc's recall on the bundled decode traces, and a trace
 whose next layer is a fixed function of the current one, predicted perfectly."""
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from pyexpcache.bench.predict import (
+from expcache_bench.predict import (
     PREDICTORS,
     CoocPredictor,
     main,
@@ -20,7 +20,7 @@ from pyexpcache.bench.predict import (
     previous_token_predictions,
     recall,
 )
-from pyexpcache.traces import Trace, list_traces, load_decode_trace
+from expcache_bench.traces import Trace, list_traces, load_decode_trace
 
 DECODE = [i.name for i in list_traces() if i.kind == "decode"]
 

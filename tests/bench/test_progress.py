@@ -4,7 +4,7 @@ is when the bar is made (a redirected stderr gets it)."""
 import io
 import sys
 
-from pyexpcache.bench import Progress
+from expcache_bench import Progress
 
 
 class Terminal(io.StringIO):

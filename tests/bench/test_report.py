@@ -1,4 +1,4 @@
-"""The report's text (pyexpcache/bench/report.py): a host run's times and link shares labelled as
+"""The report's text (expcache_bench/report.py): a host run's times and link shares labelled as
 emulation, a share above 100 % of a link bound marked and explained under the table, whatever the
 backend; the budget line of a host run at divided sizes."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache.bench import format_report
-from pyexpcache.bench.modes.graph_loop import GraphLoopResult
-from pyexpcache.bench.modes.variants import VariantResult
-from pyexpcache.bench.report import Report
+from expcache_bench import format_report
+from expcache_bench.modes.graph_loop import GraphLoopResult
+from expcache_bench.modes.variants import VariantResult
+from expcache_bench.report import Report
 
 
 def variants_report(backend: str) -> Report:

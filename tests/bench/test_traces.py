@@ -1,4 +1,4 @@
-"""The benchmark on routing traces of any model (pyexpcache/bench/): loaded traces and generic files in
+"""The benchmark on routing traces of any model (expcache_bench/): loaded traces and generic files in
 bench.run and on the command line, (token, layer) records missing, the check against the layout,
 and the budget as a fraction of the experts' bytes; hit rates equal to the simulator's."""
 
@@ -11,11 +11,20 @@ import warnings
 import numpy as np
 import pytest
 
-from pyexpcache import ExpertCache, HostSource, ModelLayout, bench, cli
-from pyexpcache.bench import budget, options
-from pyexpcache.bench.bench import resolve_budget
-from pyexpcache.sim import decode_stream, simulate_lru
-from pyexpcache.traces import MISSING, Trace, TraceWarning, load_decode_trace, read_trace, synthetic_trace, write_trace
+import expcache_bench as bench
+from expcache_bench import cli, options
+from expcache_bench.sim import decode_stream, simulate_lru
+from expcache_bench.traces import (
+    MISSING,
+    Trace,
+    TraceWarning,
+    load_decode_trace,
+    read_trace,
+    synthetic_trace,
+    write_trace,
+)
+from pyexpcache import ExpertCache, HostSource, ModelLayout
+from pyexpcache.budget import class_targets, resolve_budget
 
 SCALE = 4096
 
@@ -78,7 +87,7 @@ def test_bench_run_takes_loaded_traces_with_records_missing():
     assert report.traces == ["holed"] and report.full_budget_bytes == layout.total_bytes // 4 * SCALE
     assert (
         library_lru_capacity(layout, report.budget_bytes)
-        == budget.class_targets(ModelLayout.preset("q2"), report.full_budget_bytes)[0]
+        == class_targets(ModelLayout.preset("q2"), report.full_budget_bytes)[0]
     )
     assert report.budget_fraction == pytest.approx(0.25)
     assert lru.experts_checked == trace.num_requests and report.checksum_errors == 0

@@ -1,13 +1,13 @@
-"""Workloads of the benchmark (pyexpcache/bench/workload.py): the bundled and synthetic traces
+"""Workloads of the benchmark (expcache_bench/workload.py): the bundled and synthetic traces
 as the calls an engine makes, decode, prefill and turns."""
 
 from __future__ import annotations
 
 import pytest
 
-from pyexpcache import bench
-from pyexpcache.sim import BATCH, DECODE
-from pyexpcache.traces import load_decode_trace
+import expcache_bench as bench
+from expcache_bench.sim import BATCH, DECODE
+from expcache_bench.traces import load_decode_trace
 
 
 def test_decode_workload_is_token_major_over_model_layers():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache.traces import load_decode_trace
+from expcache_bench.traces import load_decode_trace
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Belady's MIN in the offline simulator (pyexpcache/sim/belady.py): exact counters on hand-made
+"""Belady's MIN in the offline simulator (expcache_bench/sim/belady.py): exact counters on hand-made
 streams, optimal against exhaustive search, and a literal model on random streams."""
 
 import functools
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from pyexpcache.sim import simulate_belady, simulate_lru
+from expcache_bench.sim import simulate_belady, simulate_lru
 
 from support.sim_streams import B, D, counters
 

@@ -1,11 +1,11 @@
-"""Request streams (pyexpcache/sim/calls.py): decode and prompt streams from the bundled
+"""Request streams (expcache_bench/sim/calls.py): decode and prompt streams from the bundled
 traces, token boundaries, and the class map a stream must fit."""
 
 import numpy as np
 import pytest
 
-from pyexpcache.sim import BATCH, DECODE, Call, decode_stream, prompt_stream, simulate_lru, token_index
-from pyexpcache.traces import load_prefill_trace
+from expcache_bench.sim import BATCH, DECODE, Call, decode_stream, prompt_stream, simulate_lru, token_index
+from expcache_bench.traces import load_prefill_trace
 
 from support.sim_streams import B, D, counters
 

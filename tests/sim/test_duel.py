@@ -1,11 +1,11 @@
-"""The default policy's simulator twin (pyexpcache/sim/duel.py): LRU and OppClassLRU followed by
+"""The default policy's simulator twin (expcache_bench/sim/duel.py): LRU and OppClassLRU followed by
 shadow-cache dueling. By hand: it is OppClassLRU until LRU's shadow wins; on real and shifting
 traces: never far below LRU, and OppClassLRU's gain kept on a DeepSeek trace."""
 
 import numpy as np
 
-from pyexpcache.sim import Ctx, DuelPolicy, simulate_policy
-from pyexpcache.traces import Trace, synthetic_trace
+from expcache_bench.sim import Ctx, DuelPolicy, simulate_policy
+from expcache_bench.traces import Trace, synthetic_trace
 
 
 def _ctx(token, pos=0, layers=1):

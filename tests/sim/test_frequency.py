@@ -1,9 +1,9 @@
-"""ClassLRU (pyexpcache/sim/frequency.py) by hand: decayed use counts, classes of counts, cold
+"""ClassLRU (expcache_bench/sim/frequency.py) by hand: decayed use counts, classes of counts, cold
 inserts first."""
 
 import pytest
 
-from pyexpcache.sim import ClassLRU, Ctx, simulate_lru, simulate_policy
+from expcache_bench.sim import ClassLRU, Ctx, simulate_lru, simulate_policy
 
 from support.sim_streams import B, D, counters
 

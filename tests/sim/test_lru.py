@@ -1,4 +1,4 @@
-"""LRU in the offline simulator (pyexpcache/sim/lru.py and simulate_lru): exact counters on
+"""LRU in the offline simulator (expcache_bench/sim/lru.py and simulate_lru): exact counters on
 hand-made streams, a literal model of the semantics on random streams, and the generic
 simulator's LRU policy equal to simulate_lru."""
 
@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from pyexpcache.sim import BATCH, DECODE, Call, prompt_stream, simulate_lru, simulate_policy
-from pyexpcache.traces import load_prefill_trace
+from expcache_bench.sim import BATCH, DECODE, Call, prompt_stream, simulate_lru, simulate_policy
+from expcache_bench.traces import load_prefill_trace
 
 from support.sim_streams import B, D, counters, random_stream
 

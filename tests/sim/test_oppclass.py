@@ -1,4 +1,4 @@
-"""OppClassLRU (pyexpcache/sim/oppclass.py), the library's other policy: age in missed
+"""OppClassLRU (expcache_bench/sim/oppclass.py), the library's other policy: age in missed
 opportunities of an expert's layer, frequency over recency, and the held-out hit rates reported
 in docs/policy.md."""
 
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from pyexpcache.sim import ClassLRU, Ctx, OppClassLRU, missed_opportunities, simulate_lru, simulate_policy
-from pyexpcache.traces import load_decode_trace
+from expcache_bench.sim import ClassLRU, Ctx, OppClassLRU, missed_opportunities, simulate_lru, simulate_policy
+from expcache_bench.traces import load_decode_trace
 
 from support.sim_streams import D, counters
 

@@ -1,4 +1,4 @@
-"""partition="layer" in the simulator (pyexpcache/sim/driver.py: layer_shares, LayerSlots; the
+"""partition="layer" in the simulator (expcache_bench/sim/driver.py: layer_shares, LayerSlots; the
 library's twin is ClassTable::acquire): the shares, the semantics by hand, every policy's
 invariants on random streams, and the per-layer Belady."""
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from pyexpcache.sim import POLICIES, simulate_belady, simulate_policy
-from pyexpcache.sim.driver import layer_shares
-from pyexpcache.sim.registry import simulate_belady_partitioned
+from expcache_bench.sim import POLICIES, simulate_belady, simulate_policy
+from expcache_bench.sim.driver import layer_shares
+from expcache_bench.sim.registry import simulate_belady_partitioned
 
 from support.sim_streams import B, D, counters, random_stream
 

@@ -1,4 +1,4 @@
-"""Every policy through the simulator's entry points (pyexpcache/sim/registry.py: simulate_policy,
+"""Every policy through the simulator's entry points (expcache_bench/sim/registry.py: simulate_policy,
 simulate_global, simulate): the driver's invariants on random streams, real-trace counters, shared
 byte budgets, the weights a policy sees, and reference figures of LRU and Belady on a real trace."""
 
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from pyexpcache.sim import POLICIES, simulate, simulate_belady, simulate_global, simulate_lru, simulate_policy
+from expcache_bench.sim import POLICIES, simulate, simulate_belady, simulate_global, simulate_lru, simulate_policy
 
 from support.sim_streams import D, counters, random_stream
 

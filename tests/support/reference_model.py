@@ -81,7 +81,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from pyexpcache._lib import (  # the ABI's constants
+from expcache_bench.sim import Ctx, make_policy
+from pyexpcache._lib import (  # the ABI's
     MAX_BATCHES,
     MAX_SELECT,
     PATH_NAMES as PATHS,
@@ -89,7 +90,6 @@ from pyexpcache._lib import (  # the ABI's constants
     PREFETCH_FIELDS,
     STAT_FIELDS,
 )
-from pyexpcache.sim import Ctx, make_policy
 
 ALIGN = 256
 MAX_COMPACT = 1 << 20
@@ -138,7 +138,7 @@ class RefClass:
     # Resident entries, coldest first.
     lru: OrderedDict[Key, None] = field(default_factory=OrderedDict)
     holds: dict[Key, int] = field(default_factory=dict)
-    pol: object = None  # the policy's twin in pyexpcache.sim; None for LRU, whose order is `lru` itself
+    pol: object = None  # the policy's twin in expcache_bench.sim; None for LRU, whose order is `lru` itself
     allocated: int = 0
     slabs: list[int] = field(default_factory=list)  # allocation ids
     target: int = 0

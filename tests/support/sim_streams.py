@@ -1,9 +1,9 @@
-"""Request streams for the offline simulator's tests (pyexpcache/sim/): decode and batch calls
+"""Request streams for the offline simulator's tests (expcache_bench/sim/): decode and batch calls
 by hand, random streams, and a simulator result's counters as one tuple."""
 
 from __future__ import annotations
 
-from pyexpcache.sim import BATCH, DECODE, Call
+from expcache_bench.sim import BATCH, DECODE, Call
 
 #: A SimResult's per-class counters, in the order counters() returns them.
 FIELDS = ("hits", "misses", "inserts", "appends", "direct", "evictions")

@@ -1,4 +1,4 @@
-"""The bundled traces and their loaders (pyexpcache/traces/bundled.py): the files against
+"""The bundled traces and their loaders (expcache_bench/traces/bundled.py): the files against
 upstream, decode and prefill loading, compressed and unreadable files, files without a complete
 token, and the notice for a truncated tail. Locality and synthetic traces: test_locality.py,
 test_synthetic.py."""
@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from pyexpcache.traces import (
+from expcache_bench.traces import (
     DECODE_FIRST_LAYER,
     TRACE_DIR,
     PrefillPrompt,
@@ -484,6 +484,6 @@ def test_complete_files_give_no_notice(tmp_path):
 
 def test_trace_warning_is_a_user_warning():
     assert issubclass(TraceWarning, UserWarning)
-    import pyexpcache.traces as traces
+    import expcache_bench.traces as traces
 
     assert "TraceWarning" in traces.__all__ and "SYNTHETIC_MAX_BYTES" in traces.__all__

@@ -1,4 +1,4 @@
-"""The generic routing-trace format (pyexpcache/traces/generic.py, docs/traces.md): a round trip per
+"""The generic routing-trace format (pyexpcache/routing/format.py, docs/traces.md): a round trip per
 format, the missing-data cases, malformed input, the incremental writer, and the check against a
 layout."""
 
@@ -15,10 +15,8 @@ import warnings
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout
-from pyexpcache.layout import LayerSpec
-from pyexpcache.sim import decode_stream, simulate_lru
-from pyexpcache.traces import (
+from expcache_bench.sim import decode_stream, simulate_lru
+from expcache_bench.traces import (
     MISSING,
     Trace,
     TraceWarning,
@@ -28,6 +26,8 @@ from pyexpcache.traces import (
     synthetic_trace,
     write_trace,
 )
+from pyexpcache import ModelLayout
+from pyexpcache.layout import LayerSpec
 
 FORMATS = ["jsonl", "csv", "npz", "jsonl.gz", "csv.gz", "npz.gz"]
 
@@ -293,7 +293,7 @@ def test_the_writer_appends_token_by_token(tmp_path, fmt):
         writer.write(3, 4, [1, 2])
 
 
-@pytest.mark.filterwarnings("ignore::pyexpcache.traces.TraceWarning")
+@pytest.mark.filterwarnings("ignore::pyexpcache.routing.TraceWarning")
 def test_check_layout(tmp_path):
     layout = ModelLayout((None, LayerSpec(8, 64, 64, 64), LayerSpec(4, 64, 64, 64)), name="small")
     path = tmp_path / "c.jsonl"
@@ -352,7 +352,7 @@ def _write_records(path, records) -> None:
 _READ_IN_CHILD = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # 1 GiB: a dense array of the layers fails at once
-from pyexpcache.traces import read_trace
+from expcache_bench.traces import read_trace
 out = []
 for path in sys.argv[1:]:
     try:
@@ -507,7 +507,7 @@ def test_a_directory_is_named_as_one(tmp_path):
     "record", [{"token": 2**63, "layer": 0, "experts": [1]}, {"token": 0, "layer": 5000, "experts": [1]}]
 )
 def test_the_command_line_prints_one_line_for_a_hostile_trace(capsys, tmp_path, record):
-    from pyexpcache import cli
+    from expcache_bench import cli
 
     path = tmp_path / "bad.jsonl"
     _lines(path, [record])

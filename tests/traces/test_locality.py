@@ -1,9 +1,9 @@
-"""Locality statistics of a trace (pyexpcache/traces/locality.py): by hand and on a bundled trace."""
+"""Locality statistics of a trace (expcache_bench/traces/locality.py): by hand and on a bundled trace."""
 
 import numpy as np
 import pytest
 
-from pyexpcache.traces import Trace, locality_stats
+from expcache_bench.traces import Trace, locality_stats
 
 
 def test_locality_stats_by_hand():

@@ -1,10 +1,10 @@
-"""Synthetic traces (pyexpcache/traces/synthetic.py): the real traces' locality by default,
+"""Synthetic traces (expcache_bench/traces/synthetic.py): the real traces' locality by default,
 shape and reproducibility, parameters, the fit to a real trace, and refused sizes and types."""
 
 import numpy as np
 import pytest
 
-from pyexpcache.traces import (
+from expcache_bench.traces import (
     DEFAULT_REUSE,
     DEFAULT_ZIPF,
     SYNTHETIC_MAX_BYTES,

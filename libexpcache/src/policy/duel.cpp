@@ -3,7 +3,7 @@
 // whose victim goes: set dueling, as CPU caches choose between replacement policies. OppClassLRU
 // wins on the DeepSeek traces; LRU where popularity shifts (a new prompt, a new topic), where a
 // decayed count keeps yesterday's experts. Measured in docs/policy.md. The decisions mirror
-// pyexpcache/sim/duel.py, so the simulator and the library agree count for count.
+// expcache_bench/sim/duel.py, so the simulator and the library agree count for count.
 #include <memory>
 #include <vector>
 

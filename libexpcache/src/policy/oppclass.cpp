@@ -4,7 +4,7 @@
 // it. Layers run in a fixed order once per token, so a count of calls mixes
 // up experts of layers ahead of and behind the current one. Tuned on two of
 // the bundled traces and evaluated on the other five: docs/policy.md. The
-// arithmetic mirrors pyexpcache/sim/oppclass.py (same double operations), so the
+// arithmetic mirrors expcache_bench/sim/oppclass.py (same double operations), so the
 // offline simulator and the library agree count for count.
 #include <cmath>
 #include <vector>

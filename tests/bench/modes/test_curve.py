@@ -1,11 +1,12 @@
-"""The hit-rate curve (pyexpcache/bench/modes/curve.py): each of the library's policies (its default
+"""The hit-rate curve (expcache_bench/modes/curve.py): each of the library's policies (its default
 first) and Belady at fractions of each class's experts, from the offline simulator."""
 
 from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ModelLayout, _lib, bench
+import expcache_bench as bench
+from pyexpcache import ModelLayout, _lib
 
 
 def test_hit_rate_curve_has_a_line_per_library_policy_under_belady():

@@ -1,4 +1,4 @@
-"""``expcache bench --devices N`` (pyexpcache/bench/modes/devices.py) on the host backend, which emulates
+"""``expcache bench --devices N`` (expcache_bench/modes/devices.py) on the host backend, which emulates
 the devices: the three runs, every expert's bytes checked, the per-device counters and the link
 bound's arithmetic (times on the host mean nothing: no test looks at them)."""
 
@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout, bench
-from pyexpcache.bench.link import Link
-from pyexpcache.bench.modes import devices
-from pyexpcache.cli import main
+import expcache_bench as bench
+from expcache_bench.cli import main
+from expcache_bench.link import Link
+from expcache_bench.modes import devices
+from pyexpcache import ModelLayout
 
 TRACE = "podA_b_json_full"  # 40 tokens x 37 layers
 

@@ -1,4 +1,4 @@
-"""The benchmark's engine model (pyexpcache/bench/modes/engine.py) on the host backend: the settings,
+"""The benchmark's engine model (expcache_bench/modes/engine.py) on the host backend: the settings,
 the advice each decode call gets, every setting's bytes checked, and what prefetch and hints
 change in the counters (times on the host mean nothing: no test looks at them)."""
 
@@ -9,10 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout, bench
-from pyexpcache.bench import predict
-from pyexpcache.bench.modes import engine
-from pyexpcache.bench.workload import build_workload, decode_trace
+import expcache_bench as bench
+from expcache_bench import predict
+from expcache_bench.modes import engine
+from expcache_bench.workload import build_workload, decode_trace
+from pyexpcache import ModelLayout
 
 
 def test_settings_put_none_first_and_add_hints():

@@ -1,4 +1,4 @@
-"""The graph loop (pyexpcache/bench/modes/graph_loop.py) on the host backend, where it runs
+"""The graph loop (expcache_bench/modes/graph_loop.py) on the host backend, where it runs
 eagerly: the same hits as the C loop's host select (both LRU), every expert read through the bank
 checked against the source, the all-hit select timed, and what it refuses (times on the host mean
 nothing: no test looks at them)."""
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from pyexpcache import ModelLayout, bench
-from pyexpcache.bench.modes import graph_loop
-from pyexpcache.traces import MISSING, Trace, synthetic_trace
+import expcache_bench as bench
+from expcache_bench.modes import graph_loop
+from expcache_bench.traces import MISSING, Trace, synthetic_trace
+from pyexpcache import ModelLayout
 
 from support.cache import CUDA_OK, CUDA_REASON
 

@@ -1,4 +1,4 @@
-"""Every mode of the benchmark behind one interface (pyexpcache/bench/modes/__init__.py): the same
+"""Every mode of the benchmark behind one interface (expcache_bench/modes/__init__.py): the same
 contract for each module, the flag spelling's choice of a mode and its refusals, and a named mode
 running the same replay as its flag spelling."""
 
@@ -8,12 +8,13 @@ import argparse
 import inspect
 import json
 import re
+import warnings
 
 import pytest
 
-from pyexpcache import bench, cli
-from pyexpcache.bench import format_report, modes, options
-from pyexpcache.bench.report import Report
+import expcache_bench as bench
+from expcache_bench import cli, format_report, modes, options
+from expcache_bench.report import Report
 
 TRACE = "podA_b_json_full"
 
@@ -54,7 +55,14 @@ def test_every_mode_has_the_interface(name):
 )
 def test_the_flag_spelling_chooses_a_mode(argv, name):
     args = cli._parse(["bench"] + argv)
-    assert args.mode is None and modes.choose(args).NAME == name
+    assert args.mode is None
+    if name == modes.DEFAULT:  # `expcache bench [options]` runs the default mode: not deprecated
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert modes.choose(args).NAME == name
+    else:  # an option chose the mode: deprecated, the warning names the mode's spelling
+        with pytest.warns(DeprecationWarning, match=re.escape(f"run 'expcache bench {name}' with the same options")):
+            assert modes.choose(args).NAME == name
 
 
 @pytest.mark.parametrize(

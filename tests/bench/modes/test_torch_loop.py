@@ -1,4 +1,4 @@
-"""The torch decode loop (pyexpcache/bench/modes/torch_loop.py) on the host backend: both modes side by
+"""The torch decode loop (expcache_bench/modes/torch_loop.py) on the host backend: both modes side by
 side on one cache setting, every kernel's result checked against the source's bytes (and the check
 able to fail), one kernel per expert where the slot's parts touch and one per part where they do
 not, and a report that renders and serializes."""
@@ -12,9 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch decode loop needs PyTorch (pip install torch)")
 
+from expcache_bench import Bench, Report, build_workload, format_report  # noqa: E402
+from expcache_bench.modes.torch_loop import expected_sums, run_torch_loop  # noqa: E402
 from pyexpcache import ModelLayout  # noqa: E402
-from pyexpcache.bench import Bench, Report, build_workload, format_report  # noqa: E402
-from pyexpcache.bench.modes.torch_loop import expected_sums, run_torch_loop  # noqa: E402
 
 TRACES = ["synthetic:20"]
 K = 6

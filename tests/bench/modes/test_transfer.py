@@ -1,4 +1,4 @@
-"""The transfer benchmark (pyexpcache/bench/modes/transfer.py): the host copy rate, the table's rows
+"""The transfer benchmark (expcache_bench/modes/transfer.py): the host copy rate, the table's rows
 and what they say, and (CUDA) every byte of every source moved. Its command line is in
 tests/test_cli.py."""
 
@@ -11,7 +11,7 @@ from support.cache import CUDA_OK, CUDA_REASON
 
 
 def test_host_copy_rate_copies_and_refuses_bad_pieces():
-    from pyexpcache.bench.modes import transfer
+    from expcache_bench.modes import transfer
 
     buffer = np.arange(8 << 20, dtype=np.uint8)
     rates = transfer.host_copy_rates([1, 2], piece=64 << 10, buffer_bytes=8 << 20, total=16 << 20)
@@ -23,15 +23,15 @@ def test_host_copy_rate_copies_and_refuses_bad_pieces():
 
 
 def test_transfer_refuses_unknown_sources():
-    from pyexpcache.bench.modes import transfer
+    from expcache_bench.modes import transfer
 
     with pytest.raises(ValueError, match="unknown sources"):
         transfer.measure(sources=("pinned", "nvme"))
 
 
 def test_transfer_table_formats_rows_and_says_what_raw_means():
+    from expcache_bench.modes import transfer
     from pyexpcache import StagingStats
-    from pyexpcache.bench.modes import transfer
 
     staged = StagingStats(
         calls=2,
@@ -61,7 +61,7 @@ def test_transfer_table_formats_rows_and_says_what_raw_means():
 
 @pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
 def test_transfer_table_moves_every_byte_from_every_source(tmp_path):
-    from pyexpcache.bench.modes import transfer
+    from expcache_bench.modes import transfer
 
     rows = transfer.measure(
         sizes=["0.5 MiB"], total_bytes=64 << 20, copy_threads=(1, 4), chunks=(256 << 10,), file_dir=str(tmp_path)

@@ -1,4 +1,4 @@
-"""The variants table (pyexpcache/bench/modes/variants.py) on the host backend: every variant side by
+"""The variants table (expcache_bench/modes/variants.py) on the host backend: every variant side by
 side on one workload, checksums that catch wrong bytes, decode bytes and times apart from
 prefill's, and one wait per token serving what one wait per layer serves."""
 
@@ -9,9 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from pyexpcache import ModelLayout, _lib, bench
-from pyexpcache.bench.modes.variants import run_variant
-from pyexpcache.sim import DECODE, Call
+import expcache_bench as bench
+from expcache_bench.modes.variants import run_variant
+from expcache_bench.sim import DECODE, Call
+from pyexpcache import ModelLayout, _lib
 
 
 def test_bench_run_host_reports_every_variant():
@@ -50,7 +51,7 @@ def test_variants_are_the_librarys_policies_then_the_baselines():
 def test_every_policy_variant_agrees_with_its_simulator(monkeypatch):
     """run_scenario checks each policy variant's hit rate against simulate_policy of the same name
     (one call per policy, with the layout's MoE layers): an LRU special case would show here."""
-    from pyexpcache.bench.modes import variants as mode
+    from expcache_bench.modes import variants as mode
 
     calls = []
     real = mode.simulate_policy
