@@ -188,9 +188,12 @@ class MultiMachine(RuleBasedStateMachine):
         layer, ids = self.draw_call(data, 7)
 
         def multi_call():
-            queued = self.multi.prefetch(layer, np.array(ids))
-            self.multi.wait_prefetch()
-            return queued
+            # Drained even when a device fails: the devices before it keep their queued
+            # prefetches, which land in the background (the models' land at once).
+            try:
+                return self.multi.prefetch(layer, np.array(ids))
+            finally:
+                self.multi.wait_prefetch()
 
         ok, m_queued, l_queued = self.both(
             layer, ids, lambda m, share: m.prefetch(layer, share, lands=True), multi_call
