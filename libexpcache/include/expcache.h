@@ -663,6 +663,14 @@ EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint
 #define EXPCACHE_NUM_PATHS 5
 /* clang-format on */
 
+/**
+ * The name of serving path `path` (EXPCACHE_PATH_*): "decode", "compact", the lower-case tail
+ * of its constant, as pyexpcache's stats name it and the library's log lines say it. Static;
+ * NULL for `path` >= EXPCACHE_NUM_PATHS. Never fails (no status), touches no cache, callable
+ * from any thread.
+ */
+EXPCACHE_API const char* expcache_path_name(uint32_t path);
+
 /** Counters of one (class, path). Unique experts per call are counted once. */
 typedef struct expcache_stats_t {
     uint32_t struct_size; /**< sizeof(expcache_stats_t); set by the caller */
