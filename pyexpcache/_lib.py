@@ -324,6 +324,14 @@ _FUNCTIONS = [
         [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p],
         c_int32,
     ),
+    # expcache_status_t expcache_select_device_counted_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #                                                        uint32_t id_bits, uint32_t n, uint32_t k,
+    #                                                        int32_t* out_slots, uint32_t* out_counts, void* stream);
+    (
+        "expcache_select_device_counted_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p, c_void_p],
+        c_int32,
+    ),
     # expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count);
     ("expcache_class_count_get", [CachePtr, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index,
