@@ -18,8 +18,9 @@ CORE_SRC  = libexpcache/src/abi_handles.cpp libexpcache/src/abi_setup.cpp libexp
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
             libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_device.cpp \
             libexpcache/src/device_lookup.cpp libexpcache/src/kernels/lookup_kernels_host.cpp \
-            libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/backend/host.cpp \
-            libexpcache/src/backend/staging_ring.cpp libexpcache/src/backend/staging_backend.cpp \
+            libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/paths.cpp \
+            libexpcache/src/backend/host.cpp libexpcache/src/backend/staging_ring.cpp \
+            libexpcache/src/backend/staging_backend.cpp \
             libexpcache/src/backend/source_file.cpp libexpcache/src/kernels/test_kernels_host.cpp $(POLICY_SRC)
 # Every file of policy/: the table (registry.cpp) and one file per policy, so a new policy's file
 # is built without an edit here.

@@ -3,8 +3,8 @@ expcache.h field by field, each function has argtypes and restype, and the C
 prototype is quoted above it. Status-returning functions raise through
 ``errcheck``, so every failure becomes an exception in exactly one place.
 
-The library is loaded on first use of ``lib``, ``library_path``, ``POLICIES`` or
-``DEFAULT_POLICY`` (a module ``__getattr__``), not on import, so ``--help`` and the pure-Python tools
+The library is loaded on first use of ``lib``, ``library_path``, ``POLICIES``, ``DEFAULT_POLICY`` or
+``PATH_NAMES`` (a module ``__getattr__``), not on import, so ``--help`` and the pure-Python tools
 work before it is built. :func:`set_fields` is how a struct is filled: it range-checks
 every integer against its C field type, since ctypes would silently wrap it.
 """
@@ -42,7 +42,8 @@ FILE_READS = {"buffered": 0, "direct": 1}
 LOOKUP_HOST, LOOKUP_DEVICE = 0, 1
 LOOKUPS = {"host": LOOKUP_HOST, "device": LOOKUP_DEVICE}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL, PATH_DEVICE = 0, 1, 2, 3, 4
-PATH_NAMES = ("decode", "compact", "batch", "control", "device")
+# PATH_NAMES, the EXPCACHE_PATH_* names in id order, is the library's own table (path_table), read
+# when it loads: a path is named once, in libexpcache/src/paths.cpp.
 # EXPCACHE_PARTITION_*: how a class's slots are shared among its layers.
 PARTITIONS = {"global": 0, "layer": 1}
 MAX_SELECT = 1024
@@ -323,6 +324,14 @@ _FUNCTIONS = [
         [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p],
         c_int32,
     ),
+    # expcache_status_t expcache_select_device_counted_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #                                                        uint32_t id_bits, uint32_t n, uint32_t k,
+    #                                                        int32_t* out_slots, uint32_t* out_counts, void* stream);
+    (
+        "expcache_select_device_counted_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_uint32, c_void_p, c_void_p, c_void_p],
+        c_int32,
+    ),
     # expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count);
     ("expcache_class_count_get", [CachePtr, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index,
@@ -330,6 +339,8 @@ _FUNCTIONS = [
     ("expcache_class_info_get", [CachePtr, c_uint32, POINTER(ClassInfo)], c_int32),
     # expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
     ("expcache_layer_bind_class", [CachePtr, c_uint32, POINTER(c_uint32)], c_int32),
+    # const char* expcache_path_name(uint32_t path);
+    ("expcache_path_name", [c_uint32], c_char_p),
     # expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index, uint32_t path,
     #                                      expcache_stats_t* out);
     ("expcache_stats_get", [CachePtr, c_uint32, c_uint32, POINTER(Stats)], c_int32),
@@ -431,6 +442,14 @@ def policy_table(dll: ctypes.CDLL) -> dict[str, int]:
     return table
 
 
+def path_table(dll: ctypes.CDLL) -> tuple[str, ...]:
+    """The names of the library's serving paths in id order: expcache_path_name of ids 0, 1, ... until NULL."""
+    names: list[str] = []
+    while (name := dll.expcache_path_name(len(names))) is not None:
+        names.append(name.decode())
+    return tuple(names)
+
+
 def default_policy(dll: ctypes.CDLL) -> str:
     """The name of the policy expcache_config_init fills in."""
     cfg = Config()
@@ -442,9 +461,9 @@ _load_lock = threading.Lock()
 
 
 def _load() -> None:
-    """Find, load and declare the library once; then ``lib``, ``library_path``, ``POLICIES`` and
-    ``DEFAULT_POLICY`` are plain globals."""
-    global lib, library_path, POLICIES, DEFAULT_POLICY
+    """Find, load and declare the library once; then ``lib``, ``library_path``, ``POLICIES``,
+    ``DEFAULT_POLICY`` and ``PATH_NAMES`` are plain globals."""
+    global lib, library_path, POLICIES, DEFAULT_POLICY, PATH_NAMES
     with _load_lock:
         if "lib" in globals():
             return
@@ -453,13 +472,14 @@ def _load() -> None:
         check_struct_sizes(dll, path)
         POLICIES = policy_table(dll)
         DEFAULT_POLICY = default_policy(dll)
+        PATH_NAMES = path_table(dll)
         library_path = path
         lib = dll
 
 
 def __getattr__(name: str):
     # Only reached while ``lib`` / ``library_path`` are not yet globals (PEP 562).
-    if name in ("lib", "library_path", "POLICIES", "DEFAULT_POLICY"):
+    if name in ("lib", "library_path", "POLICIES", "DEFAULT_POLICY", "PATH_NAMES"):
         _load()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

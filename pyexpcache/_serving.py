@@ -188,7 +188,7 @@ class Serving:
         ]
         return ExpertBank(index, b.cap, b.slot_stride, *parts)
 
-    def select_device(self, layer: int, ids, stream=None, out=None):
+    def select_device(self, layer: int, ids, stream=None, out=None, counts=None):
         """Device-side select on a ``lookup="device"`` cache: ``ids`` (a [k] or [n, k] int32 or
         int64 array on the GPU: torch, cupy, anything with DLPack or the CUDA Array Interface; a
         numpy array on the host backend) become resident in ``layer``'s bank, and the result (or
@@ -204,6 +204,13 @@ class Serving:
         as :meth:`close` does for one no call read back; ids in host memory (the host backend) are
         checked here, and one out of range raises InvalidArgumentError with nothing selected.
         ``out`` must be writable (a read-only array is refused).
+
+        ``counts`` (optional: 2 int32 or uint32 where ``out`` lives, writable) gets the step's
+        counts from the lookup kernel, on ``stream`` with no synchronization (capturable too):
+        ``counts[0]`` the distinct experts among the ids (the union of the rows), ``counts[1]``
+        how many of them missed (were copied by this call). An id out of range is not counted.
+        An engine verifying speculative drafts reads them on the device to choose the next
+        draft's length (docs/device_lookup.md).
 
         The other calls (select, select_views, load_compact, prepare_batch, release_all, stats,
         ...) synchronize the device and see the device selects' residency; they must not run
@@ -222,8 +229,17 @@ class Serving:
         dst = _bank.id_array(out, "out", writable=True)
         if dst.bits != 32 or dst.shape != src.shape:
             raise ValueError(f"out must be int32 of the ids' shape {src.shape}, got {dst.bits}-bit {dst.shape}")
+        arrays = [(src, "ids"), (dst, "out")]
+        if counts is not None:
+            tally = _bank.id_array(counts, "counts", writable=True, unsigned=True)
+            if tally.bits != 32 or tally.shape != (2,):
+                raise ValueError(
+                    f"counts must be 2 int32 or uint32 (distinct experts, misses), got {tally.bits}-bit "
+                    f"integers of shape {tally.shape}"
+                )
+            arrays.append((tally, "counts"))
         cuda = self._is_cuda
-        for a, what in ((src, "ids"), (dst, "out")):
+        for a, what in arrays:
             if a.cuda != cuda:
                 where = "device memory (a CUDA tensor)" if cuda else "host memory (a numpy array) on the host backend"
                 raise ValueError(f"{what} must be in {where}, got {'device' if a.cuda else 'host'} memory")
@@ -234,7 +250,12 @@ class Serving:
             stream = _bank.default_stream(ids)
         s = stream_handle(stream)
         with self._gate:
-            _lib.lib.expcache_select_device_async(self._handle, layer, src.ptr, src.bits, n, k, dst.ptr, s)
+            if counts is None:
+                _lib.lib.expcache_select_device_async(self._handle, layer, src.ptr, src.bits, n, k, dst.ptr, s)
+            else:
+                _lib.lib.expcache_select_device_counted_async(
+                    self._handle, layer, src.ptr, src.bits, n, k, dst.ptr, tally.ptr, s
+                )
         return out
 
     def _check_host_ids(self, layer: int, ids: np.ndarray) -> None:

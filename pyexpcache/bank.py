@@ -24,6 +24,7 @@ from . import _dlpack
 from .views import TensorView
 
 _INT_BITS = {"<i4": 32, "<i8": 64, "|i4": 32, "|i8": 64}
+_UINT_BITS = {"<u4": 32, "|u4": 32}  # also taken where ``unsigned`` (select_device's counts)
 _CAPSULE_POINTER = ctypes.pythonapi["PyCapsule_GetPointer"]
 _CAPSULE_POINTER.restype, _CAPSULE_POINTER.argtypes = ctypes.c_void_p, (ctypes.py_object, ctypes.c_char_p)
 
@@ -63,15 +64,15 @@ def _contiguous(shape, strides, itemsize) -> bool:
     return True
 
 
-def id_array(array, what: str, *, writable: bool = False) -> IdArray:
+def id_array(array, what: str, *, writable: bool = False, unsigned: bool = False) -> IdArray:
     """``array`` seen through the CUDA Array Interface, the NumPy array interface or DLPack:
-    a C-contiguous 1-D or 2-D array of int32 or int64, writable when ``writable`` (an array
-    interface that marks its memory read-only is refused). TypeError or ValueError saying what
-    is wrong otherwise."""
+    a C-contiguous 1-D or 2-D array of int32 or int64 (or uint32 when ``unsigned``), writable
+    when ``writable`` (an array interface that marks its memory read-only is refused).
+    TypeError or ValueError saying what is wrong otherwise."""
     if type(array).__module__ == "torch" and isinstance(array, sys.modules["torch"].Tensor):
-        ids = _torch_ids(array, what)  # the common case, without building an interface dict
+        ids = _torch_ids(array, what, unsigned)  # the common case, without building an interface dict
     else:
-        ids = _interface_ids(array, what)
+        ids = _interface_ids(array, what, unsigned)
     if writable and ids.readonly:
         raise ValueError(
             f"{what} is read-only (its array interface says so): the select writes the slot ids into "
@@ -80,7 +81,11 @@ def id_array(array, what: str, *, writable: bool = False) -> IdArray:
     return ids
 
 
-def _interface_ids(array, what: str) -> IdArray:
+def _kinds(unsigned: bool) -> str:
+    return "int32, int64 or uint32 integers" if unsigned else "int32 or int64 ids"
+
+
+def _interface_ids(array, what: str, unsigned: bool) -> IdArray:
     interface = getattr(array, "__cuda_array_interface__", None)
     cuda = interface is not None
     if interface is None:
@@ -89,7 +94,7 @@ def _interface_ids(array, what: str) -> IdArray:
         typestr = interface["typestr"]
         shape = tuple(interface["shape"])
         ptr = interface["data"][0] if interface.get("data") else 0
-        bits = _INT_BITS.get(typestr)
+        bits = _INT_BITS.get(typestr) or (_UINT_BITS.get(typestr) if unsigned else None)
         strides = interface.get("strides")
         keep = None
         readonly = bool(interface["data"][1]) if interface.get("data") else False
@@ -100,7 +105,9 @@ def _interface_ids(array, what: str) -> IdArray:
         shape = tuple(tensor.shape[i] for i in range(tensor.ndim))
         ptr = (tensor.data or 0) + tensor.byte_offset
         code, nbits = tensor.dtype.code, tensor.dtype.bits
-        bits = nbits if code == 0 and nbits in (32, 64) and tensor.dtype.lanes == 1 else None
+        # DLPack's type codes: 0 signed, 1 unsigned integers
+        integer = (code == 0 and nbits in (32, 64)) or (unsigned and code == 1 and nbits == 32)
+        bits = nbits if integer and tensor.dtype.lanes == 1 else None
         typestr = f"DLPack type code {code}, {nbits} bits"
         itemsize = max(nbits // 8, 1)
         strides = None if not tensor.strides else tuple(tensor.strides[i] * itemsize for i in range(tensor.ndim))
@@ -110,7 +117,7 @@ def _interface_ids(array, what: str) -> IdArray:
             f"{what} must be an array (torch, cupy, numpy: DLPack or an array interface), got {type(array).__name__}"
         )
     if bits is None:
-        raise TypeError(f"{what} must hold int32 or int64 ids, got {typestr}")
+        raise TypeError(f"{what} must hold {_kinds(unsigned)}, got {typestr}")
     if len(shape) not in (1, 2):
         raise ValueError(f"{what} must be 1-D [k] or 2-D [n, k], got shape {shape}")
     if not _contiguous(shape, strides, bits // 8):
@@ -118,11 +125,13 @@ def _interface_ids(array, what: str) -> IdArray:
     return IdArray(int(ptr), shape, bits, cuda, keep, readonly)
 
 
-def _torch_ids(tensor, what: str) -> IdArray:
+def _torch_ids(tensor, what: str, unsigned: bool) -> IdArray:
     torch = sys.modules["torch"]
     bits = {torch.int32: 32, torch.int64: 64}.get(tensor.dtype)
+    if bits is None and unsigned and tensor.dtype == getattr(torch, "uint32", None):
+        bits = 32
     if bits is None:
-        raise TypeError(f"{what} must hold int32 or int64 ids, got torch.{str(tensor.dtype).split('.')[-1]}")
+        raise TypeError(f"{what} must hold {_kinds(unsigned)}, got torch.{str(tensor.dtype).split('.')[-1]}")
     if tensor.dim() not in (1, 2):
         raise ValueError(f"{what} must be 1-D [k] or 2-D [n, k], got shape {tuple(tensor.shape)}")
     if not tensor.is_contiguous():

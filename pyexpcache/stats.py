@@ -56,7 +56,8 @@ class ClassInfo:
 
 @dataclass
 class ClassStats:
-    """A class and its counters per path ("decode", "compact", "batch", "control")."""
+    """A class and its counters per path, by the library's path names (``_lib.PATH_NAMES``: "decode",
+    "compact", "batch", "control", "device")."""
 
     info: ClassInfo
     paths: dict[str, PathStats] = field(default_factory=dict)

@@ -49,9 +49,11 @@ EXPORTS = {
     "expcache_synchronize",
     "expcache_class_bank_get",
     "expcache_select_device_async",
+    "expcache_select_device_counted_async",
     "expcache_class_count_get",
     "expcache_class_info_get",
     "expcache_layer_bind_class",
+    "expcache_path_name",
     "expcache_stats_get",
     "expcache_staging_stats_get",
     "expcache_stats_reset",
@@ -175,6 +177,26 @@ def test_policy_names_match_the_header():
     assert list(_lib.POLICIES.values()) == list(range(count))  # in id order
     for unknown in (count, count + 1, 1000, (1 << 32) - 1):
         assert lib.expcache_policy_name(unknown) is None
+
+
+def test_path_names_match_the_header():
+    """expcache_path_name names each EXPCACHE_PATH_* id by its constant's lower-case tail; the ids
+    are 0..EXPCACHE_NUM_PATHS-1, past them it returns NULL, and pyexpcache's PATH_NAMES (what
+    stats() names the paths) is the library's table in id order."""
+    import re
+    from pathlib import Path
+
+    header = Path(__file__).resolve().parent.parent / "libexpcache" / "include" / "expcache.h"
+    if not header.exists():
+        pytest.skip(f"{header} not in this tree")
+    text = header.read_text()
+    defines = {n: int(v) for n, v in re.findall(r"^#define EXPCACHE_PATH_(\w+) +(\d+)", text, re.M)}
+    count = int(re.search(r"^#define EXPCACHE_NUM_PATHS (\d+)", text, re.M).group(1))
+    assert sorted(defines.values()) == list(range(count))
+    assert {lib.expcache_path_name(i).decode(): i for i in range(count)} == {n.lower(): i for n, i in defines.items()}
+    assert _lib.PATH_NAMES == tuple(n.lower() for n, _ in sorted(defines.items(), key=lambda d: d[1]))
+    for unknown in (count, count + 1, 1000, (1 << 32) - 1):
+        assert lib.expcache_path_name(unknown) is None
 
 
 def test_unknown_policy_message_lists_the_policies():
@@ -640,6 +662,41 @@ CASES = [
         INVALID,
         "layer 50",
     ),
+    (
+        "select_device_counted NULL ids",
+        "expcache_select_device_counted_async",
+        lambda h: (h, 0, None, 32, 1, 1, HOST_BUF.ctypes.data, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "ids is NULL",
+    ),
+    (
+        "select_device_counted NULL out",
+        "expcache_select_device_counted_async",
+        lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, None, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "out_slots is NULL",
+    ),
+    (
+        "select_device_counted NULL counts",
+        "expcache_select_device_counted_async",
+        lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, None, None),
+        INVALID,
+        "out_counts is NULL",
+    ),
+    (
+        "select_device_counted on a host-lookup cache",
+        "expcache_select_device_counted_async",
+        lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, HOST_BUF.ctypes.data, None),
+        STATE,
+        "needs a device-lookup cache",
+    ),
+    (
+        "select_device_counted bad layer",
+        "expcache_select_device_counted_async",
+        lambda h: (h, 50, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "layer 50",
+    ),
     ("class_bank_get NULL", "expcache_class_bank_get", lambda h: (h, 0, None), INVALID, "out is NULL"),
     (
         "class_bank_get bad struct_size",
@@ -880,6 +937,10 @@ HANDLE_CALLS = [
     ("expcache_prefetch_wait", lambda h: (h,)),
     ("expcache_testing_spin_async", lambda h: (h, None, 1000)),
     ("expcache_select_device_async", lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, None)),
+    (
+        "expcache_select_device_counted_async",
+        lambda h: (h, 0, HOST_BUF.ctypes.data, 32, 1, 1, HOST_BUF.ctypes.data, HOST_BUF.ctypes.data, None),
+    ),
     ("expcache_class_bank_get", lambda h: (h, 0, byref(_bank()))),
     ("expcache_testing_bank_checksum_async", lambda h: (h, 0, HOST_BUF.ctypes.data, 1, None, 0)),
 ]
@@ -890,6 +951,7 @@ NEVER_FAIL = {
     "expcache_last_error",
     "expcache_version",
     "expcache_policy_name",
+    "expcache_path_name",
     "expcache_destroy",
     "expcache_memory_release",
     "expcache_testing_struct_size",

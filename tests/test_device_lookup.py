@@ -181,14 +181,21 @@ def test_reset_stats_zeroes_the_device_counters(make_cache):
     assert (d.calls, d.hits, d.misses) == (1, 1, 0)
 
 
-def _raw_select_device(cache, layer, ids):
+def _raw_select_device(cache, layer, ids, counts=None):
     """select_device through the C ABI with ids the library reads on its own device (numpy on
-    the host backend): the path of device-memory ids, whose range no host code checks."""
+    the host backend): the path of device-memory ids, whose range no host code checks. With
+    ``counts`` (2 int32 on the device), the counted call writes them."""
     ids = device_ids(cache, ids)
     out = device_ids(cache, [0] * len(ids), dtype="int32")
     src, dst = _bank.id_array(ids, "ids"), _bank.id_array(out, "out")
     with cache.raw_handle() as h:
-        _lib.lib.expcache_select_device_async(h, layer, src.ptr, src.bits, 1, len(ids), dst.ptr, None)
+        if counts is None:
+            _lib.lib.expcache_select_device_async(h, layer, src.ptr, src.bits, 1, len(ids), dst.ptr, None)
+        else:
+            tally = _bank.id_array(counts, "counts").ptr
+            _lib.lib.expcache_select_device_counted_async(
+                h, layer, src.ptr, src.bits, 1, len(ids), dst.ptr, tally, None
+            )
     return to_numpy(out)
 
 
@@ -294,6 +301,137 @@ def test_out_is_filled(make_cache):
     assert got is out
     s = to_numpy(out)
     assert s[0, 0] == s[1, 1] and (s >= 0).all()
+
+
+# The counts of a step (select_device(..., counts=)): the distinct experts of its rows and their misses.
+
+
+def _counts(cache):
+    return device_ids(cache, [-7, -7], dtype="int32")  # where the select writes, filled so a miss shows
+
+
+def _resident(cache, layer):
+    return {e for e in range(cache.layout[layer].num_experts) if testing.read_expert(cache, layer, e) is not None}
+
+
+def test_counts_price_a_verification_step(make_cache):
+    """A [3, 6] verification step with overlapping rows: counts[0] is the size of the rows' union,
+    counts[1] the experts of it not resident before (read back expert by expert), equal to the
+    device path's misses, and the hits are the rest; the same step again misses nothing."""
+    cache, source = _cache(make_cache, experts=24)
+    layer = cache.layout.moe_layers[0]
+    _select(cache, layer, [1, 2, 3, 4, 20])
+    ids = np.array([[1, 2, 5, 6, 7, 2], [2, 5, 9, 10, 1, 11], [5, 12, 1, 2, 13, 3]])
+    union = set(ids.ravel().tolist())
+    before, stats = _resident(cache, layer), _device(cache)
+    counts = _counts(cache)
+    slots = _select(cache, layer, ids, counts=counts)
+    distinct, misses = (int(c) for c in to_numpy(counts))
+    assert (distinct, misses) == (len(union), len(union - before)) == (11, 8)
+    after = _device(cache)
+    assert after.misses - stats.misses == misses and after.hits - stats.hits == distinct - misses
+    assert_served(cache, source, layer, ids.ravel(), bank_rows(cache.bank(layer), slots.ravel()))
+    again = _counts(cache)
+    assert list(_select(cache, layer, ids, counts=again).ravel()) == list(slots.ravel())
+    assert [int(c) for c in to_numpy(again)] == [11, 0]
+    assert _device(cache).hits - after.hits == 11
+
+
+def test_counts_follow_an_lru_model(make_cache):
+    """Random steps of 1 to 3 rows over a small bank: each step's counts equal those of a Python
+    model of the device LRU (hits refreshed in order of first occurrence, then each miss evicting
+    the least recently used), and so does the residency after it."""
+    cache, _ = _cache(make_cache, experts=7)
+    layer = cache.layout.moe_layers[1]
+    rng = np.random.default_rng(37)
+    lru: dict[int, None] = {}  # the model: resident experts, least recently used first
+    for _ in range(40):
+        n = int(rng.integers(1, 4))
+        k = int(rng.integers(1, 7 // n + 1))
+        ids = rng.integers(0, 12, size=(n, k))
+        order = list(dict.fromkeys(ids.ravel().tolist()))  # the distinct experts, by first occurrence
+        missed = [e for e in order if e not in lru]
+        for e in order:
+            if e in lru:
+                lru[e] = lru.pop(e)  # refreshed
+        for e in missed:
+            if len(lru) == 7:
+                del lru[next(iter(lru))]
+            lru[e] = None
+        counts = _counts(cache)
+        _select(cache, layer, ids, counts=counts)
+        assert [int(c) for c in to_numpy(counts)] == [len(order), len(missed)], ids.tolist()
+        assert _resident(cache, layer) == set(lru)
+
+
+@pytest.mark.filterwarnings("ignore::pyexpcache.ExpcacheWarning")  # the report of the ids out of range
+def test_counts_leave_out_ids_out_of_range(make_cache):
+    """An id out of range (slot -1) is no expert: neither distinct nor a miss."""
+    cache, _ = _cache(make_cache, experts=8)
+    layer = cache.layout.moe_layers[0]
+    n = cache.layout[layer].num_experts
+    _select(cache, layer, [4])
+    counts = _counts(cache)
+    slots = _raw_select_device(cache, layer, [4, n, 6, -1, 6, n + 9, 4, 7], counts=counts)
+    assert [s < 0 for s in slots] == [False, True, False, True, False, True, False, False]
+    assert [int(c) for c in to_numpy(counts)] == [3, 2]  # 4 (a hit), 6 and 7
+    counts = _counts(cache)
+    _raw_select_device(cache, layer, [n, -3], counts=counts)
+    assert [int(c) for c in to_numpy(counts)] == [0, 0]
+
+
+def test_counts_arguments(make_cache, backend):
+    """counts: 2 int32 or uint32, writable, where the ids live; anything else is refused before
+    anything is selected."""
+    cache, _ = _cache(make_cache, experts=4)
+    layer = cache.layout.moe_layers[0]
+    ids = device_ids(cache, [1, 2])
+    with pytest.raises(TypeError, match="counts must hold int32, int64 or uint32 integers"):
+        cache.select_device(layer, ids, counts=device_ids(cache, [0, 0], dtype="float32"))
+    for bad in (device_ids(cache, [0, 0], dtype="int64"), device_ids(cache, [0, 0, 0], dtype="int32")):
+        with pytest.raises(ValueError, match="counts must be 2 int32 or uint32"):
+            cache.select_device(layer, ids, counts=bad)
+    with pytest.raises(ValueError, match="counts must be 2 int32 or uint32 .* shape \\(1, 2\\)"):
+        cache.select_device(layer, ids, counts=device_ids(cache, [[0, 0]], dtype="int32"))
+    with pytest.raises(TypeError, match="counts must be an array"):
+        cache.select_device(layer, ids, counts=[0, 0])
+    if backend == "host":
+        frozen = np.zeros(2, dtype=np.int32)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="counts is read-only"):
+            cache.select_device(layer, ids, counts=frozen)
+        unsigned = np.full(2, 99, dtype=np.uint32)
+        cache.select_device(layer, ids, counts=unsigned)
+        assert list(unsigned) == [2, 2]
+        assert cache.stats().path("device").calls == 1  # the refused calls selected nothing
+    else:
+        with pytest.raises(ValueError, match="counts must be in device memory"):
+            cache.select_device(layer, ids, counts=np.zeros(2, dtype=np.int32))
+        assert cache.stats().path("device").calls == 0
+
+
+def test_counts_are_written_by_each_graph_replay(make_cache, backend):
+    """A counted select captured in a CUDA graph: each replay writes the step's counts."""
+    if backend != "cuda":
+        pytest.skip("CUDA graphs are the CUDA backend's")
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    cache, source = _cache(make_cache, experts=8)
+    layer = cache.layout.moe_layers[0]
+    cache.bank(layer)  # binds the class: a capture cannot allocate its bank
+    ids = torch.tensor([[1, 2, 3], [3, 4, 1]], device="cuda")
+    slots = torch.empty((2, 3), dtype=torch.int32, device="cuda")
+    counts = torch.full((2,), -7, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cache.select_device(layer, ids, out=slots, counts=counts)
+    seen = []
+    for step in ([[1, 2, 3], [3, 4, 1]], [[1, 2, 3], [3, 4, 1]], [[5, 6, 1], [1, 1, 7]]):
+        ids.copy_(torch.tensor(step))
+        graph.replay()
+        torch.cuda.synchronize()
+        seen.append(counts.tolist())
+        assert_served(cache, source, layer, np.ravel(step), bank_rows(cache.bank(layer), slots.cpu().ravel().tolist()))
+    assert seen == [[4, 4], [4, 0], [4, 3]]
 
 
 def test_host_lookup_cache_refuses(make_cache):

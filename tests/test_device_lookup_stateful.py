@@ -7,7 +7,8 @@ The host-lookup cache is the one ``tests/test_stateful.py`` holds against the re
 the two caches evict by the same LRU rules (a device select's recency is the host list's after
 the same select: ``docs/device_lookup.md``), so after every step they must agree on which
 (layer, expert) are resident, on every hit and miss (the device path's and the host paths'
-counters together against the host cache's), and the bytes behind every slot a device select
+counters together against the host cache's; each device select's counts, its distinct experts and
+their misses, against the host select's), and the bytes behind every slot a device select
 gave, every batch's pointers and every compact buffer equal the source. Layouts have one or two
 size classes; budgets leave room for a step's ids (a device select of n*k ids needs n*k slots it
 may fill: the rule the library checks) and sometimes not (the call must fail and change nothing).
@@ -66,6 +67,9 @@ class DeviceLookupMachine(RuleBasedStateMachine):
         n = self.layout[layer].num_experts
         return data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=most))
 
+    def host_misses(self):
+        return sum(c.paths["decode"].misses for c in self.host.stats().classes)
+
     def held(self, layer):
         index = self.dev.layer_class(layer)
         return next(c.held_experts for c in self.dev.classes() if c.index == index)
@@ -86,8 +90,12 @@ class DeviceLookupMachine(RuleBasedStateMachine):
                 self.dev.select_device(layer, ids)
             assert self.dev.classes() == before
             return
-        slots = self.dev.select_device(layer, ids)
+        counts = np.full(2, -1, dtype=np.int32)
+        missed = self.host_misses()
+        slots = self.dev.select_device(layer, ids, counts=counts)
         self.host.select(layer, ids.ravel())
+        # The step's counts: its distinct experts, and those the host-lookup cache missed.
+        assert list(counts) == [len(set(ids.ravel().tolist())), self.host_misses() - missed]
         self.device_slots = [(layer, ids.ravel().tolist(), slots.ravel().tolist())]
 
     @rule(data=st.data())

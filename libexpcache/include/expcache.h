@@ -604,6 +604,27 @@ EXPCACHE_API expcache_status_t expcache_select_device_async(expcache_t* cache, u
                                                             uint32_t id_bits, uint32_t n, uint32_t k,
                                                             int32_t* out_slots, void* stream);
 
+/**
+ * expcache_select_device_async that also counts the step: out_counts[0] is the
+ * number of distinct experts among the n*k ids (the union of the rows), and
+ * out_counts[1] how many of them missed (were copied by this call); the hits are
+ * the difference. An id out of range (slot -1) is not an expert and is not
+ * counted. out_counts (2 uint32; device memory, host memory on the host backend,
+ * like out_slots) is written by the lookup kernel on `stream`, with no host
+ * synchronization (capturable, like the select), and is valid for work ordered
+ * after this call on `stream`: an engine verifying a speculative draft reads it
+ * on the device to price the next draft's length. Everything else is
+ * expcache_select_device_async's. Status: INVALID_ARGUMENT (n*k 0 or over
+ * EXPCACHE_MAX_SELECT, or over the bank's cap less the slots batches hold;
+ * id_bits; NULL ids, out_slots or out_counts), INVALID_STATE (not a
+ * device-lookup cache, layer not registered, a capture under way when the class
+ * must be bound), UNSUPPORTED (source not pinned), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_select_device_counted_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                                    uint32_t id_bits, uint32_t n, uint32_t k,
+                                                                    int32_t* out_slots, uint32_t* out_counts,
+                                                                    void* stream);
+
 /* ---------------------------------------------------------------------- */
 /* Size classes                                                            */
 /* ---------------------------------------------------------------------- */
@@ -662,6 +683,14 @@ EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint
                                      synchronizing calls) */
 #define EXPCACHE_NUM_PATHS 5
 /* clang-format on */
+
+/**
+ * The name of serving path `path` (EXPCACHE_PATH_*): "decode", "compact", the lower-case tail
+ * of its constant, as pyexpcache's stats name it and the library's log lines say it. Static;
+ * NULL for `path` >= EXPCACHE_NUM_PATHS. Never fails (no status), touches no cache, callable
+ * from any thread.
+ */
+EXPCACHE_API const char* expcache_path_name(uint32_t path);
 
 /** Counters of one (class, path). Unique experts per call are counted once. */
 typedef struct expcache_stats_t {

@@ -1,12 +1,17 @@
-// The C ABI's inspection calls: size classes, a layer's class, and the counters (per class and
-// path, the staging ring's, prefetch's) and their reset.
+// The C ABI's inspection calls: size classes, a layer's class, the paths' names, and the counters
+// (per class and path, the staging ring's, prefetch's) and their reset.
 #include "abi_checks.hpp"
+#include "paths.hpp"
 
 using expcache::abi::check_handle;
 using expcache::abi::check_struct;
 using expcache::abi::guarded;
 
 extern "C" {
+
+const char* expcache_path_name(uint32_t path) {
+    return expcache::path_name(path);
+}
 
 expcache_status_t expcache_class_count_get(const expcache_t* cache, uint32_t* out_count) {
     return guarded(__func__, [&] {

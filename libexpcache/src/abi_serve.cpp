@@ -104,7 +104,19 @@ expcache_status_t expcache_select_device_async(expcache_t* cache, uint32_t layer
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(ids, "ids is NULL");
         EXPCACHE_REQUIRE(out_slots, "out_slots is NULL");
-        return cache->impl->select_device(layer, ids, id_bits, n, k, out_slots, stream);
+        return cache->impl->select_device(layer, ids, id_bits, n, k, out_slots, nullptr, stream);
+    });
+}
+
+expcache_status_t expcache_select_device_counted_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                       uint32_t id_bits, uint32_t n, uint32_t k, int32_t* out_slots,
+                                                       uint32_t* out_counts, void* stream) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_slots, "out_slots is NULL");
+        EXPCACHE_REQUIRE(out_counts, "out_counts is NULL");
+        return cache->impl->select_device(layer, ids, id_bits, n, k, out_slots, out_counts, stream);
     });
 }
 

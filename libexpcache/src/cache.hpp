@@ -83,8 +83,9 @@ public:
     expcache_status_t batch_prepare(uint32_t layer, const uint32_t* ids, uint64_t n, void* stream, uint32_t* out_ids,
                                     expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
     expcache_status_t batch_finish(uint64_t batch, void* stream);
+    // out_counts: 2 uint32 on the device (distinct experts, misses), or nullptr when not wanted.
     expcache_status_t select_device(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
-                                    int32_t* out_slots, void* stream);
+                                    int32_t* out_slots, uint32_t* out_counts, void* stream);
     expcache_status_t bank(uint32_t index, expcache_bank_t* out);
     expcache_status_t release_all();
     expcache_status_t synchronize(void* stream);

@@ -263,7 +263,7 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
 }
 
 expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* ids, uint32_t id_bits, uint32_t count,
-                                       int32_t* out_slots, void* stream) {
+                                       int32_t* out_slots, uint32_t* out_counts, void* stream) {
     LayerMap& m = maps_[layer];
     if (!m.resolved) {
         expcache_status_t s = resolve(layer, &m);
@@ -284,6 +284,7 @@ expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* id
     a.id_bits = id_bits;
     a.count = count;
     a.out_slots = out_slots;
+    a.out_counts = out_counts;
     a.layer = layer;
     a.key_base = l.key_base;
     a.num_experts = l.num_experts;

@@ -43,9 +43,9 @@ public:
     // makes the state of classes bound since.
     expcache_status_t push();
     // Enqueue one device select of `count` ids of `layer` (bound to class c, whose state is
-    // ready) on `stream`.
+    // ready) on `stream`; out_counts (nullptr: not wanted) gets the distinct experts and misses.
     expcache_status_t select(uint32_t layer, int32_t c, const void* ids, uint32_t id_bits, uint32_t count,
-                             int32_t* out_slots, void* stream);
+                             int32_t* out_slots, uint32_t* out_counts, void* stream);
 
 private:
     struct ClassDevice {

@@ -6,14 +6,9 @@
 #include <new>
 
 #include "errors.hpp"
+#include "paths.hpp"
 
 namespace expcache {
-
-namespace {
-
-constexpr const char* kPathNames[EXPCACHE_NUM_PATHS] = {"decode", "compact", "batch", "control"};
-
-}  // namespace
 
 // ---------------------------------------------------------------------------
 // The preamble
@@ -133,10 +128,10 @@ expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path,
     if (s != EXPCACHE_OK) return s;
     classes_[c].stats[path].alloc_retries++;
     log_(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",
-         kPathNames[path], double(bytes) / double(1 << 20), first.c_str());
+         path_name(path), double(bytes) / double(1 << 20), first.c_str());
     s = health_.check(arena_.alloc(bytes, out));
     if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
-        return fail(s, "%s staging of %llu bytes failed even after releasing the expert caches: %s", kPathNames[path],
+        return fail(s, "%s staging of %llu bytes failed even after releasing the expert caches: %s", path_name(path),
                     (unsigned long long)bytes, last_error());
     return s;
 }

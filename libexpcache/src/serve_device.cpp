@@ -9,7 +9,7 @@
 namespace expcache {
 
 expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
-                                       int32_t* out_slots, void* stream) {
+                                       int32_t* out_slots, uint32_t* out_counts, void* stream) {
     CallScope scope(*this);
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
@@ -42,7 +42,7 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
                           "layer %u's class %s has no bank: its cap is 0 experts (see the cap notice in the log); "
                           "raise the budget or free device memory",
                           layer_index, classes_.name(classes_[c]).c_str());
-    return lookup_.select(layer_index, c, ids, id_bits, static_cast<uint32_t>(count), out_slots, stream);
+    return lookup_.select(layer_index, c, ids, id_bits, static_cast<uint32_t>(count), out_slots, out_counts, stream);
 }
 
 expcache_status_t Cache::bank(uint32_t index, expcache_bank_t* out) {

@@ -5,8 +5,9 @@
 //
 // One select is two steps on the stream: a lookup (one block: ids to keys, hits refreshed,
 // each distinct miss given the least recently used slot that is neither used by this call nor
-// pinned, the slot map updated, the counters added) and a copy (many blocks reading the
-// misses' bytes from mapped pinned memory into their slots; nothing to do when all hit).
+// pinned, the slot map updated, the counters added, the call's own counts written when asked
+// for) and a copy (many blocks reading the misses' bytes from mapped pinned memory into their
+// slots; nothing to do when all hit).
 //
 // Recency is a stamp per slot from one clock: a select takes the stamps [base, base + 2048)
 // (base = clock + 1), its hits base + i and its misses base + 1024 + i for i the position of
@@ -68,6 +69,7 @@ struct DeviceSelectArgs {
     uint32_t id_bits;  // 32 or 64
     uint32_t count;    // n * k, 1..EXPCACHE_MAX_SELECT
     int32_t* out_slots;
+    uint32_t* out_counts;  // nullptr, or [kCountDistinct] and [kCountMisses] of this call
     uint32_t layer;
     uint32_t key_base;
     uint32_t num_experts;
@@ -98,6 +100,11 @@ std::unique_ptr<LookupKernels> make_host_lookup_kernels();
 std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int device);
 
 constexpr uint64_t kStampsPerSelect = 2 * EXPCACHE_MAX_SELECT;
+
+// DeviceSelectArgs::out_counts: the distinct experts among the call's ids in range (its union
+// of rows), and how many of them missed (were given a slot and copied).
+constexpr int kCountDistinct = 0;
+constexpr int kCountMisses = 1;
 
 // The lookup step's choice of victim, shared by both implementations: the least stamp (then the
 // least slot) among the slots neither pinned nor used by this call (stamp >= base). Free slots

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     __shared__ int32_t slot_at[EXPCACHE_MAX_SELECT];  // each first occurrence's slot (-1: none yet)
     __shared__ Candidate warp_bests[kLookupThreads / 32];
     __shared__ uint64_t base_s;
-    __shared__ uint32_t hits, misses, evictions;
+    __shared__ uint32_t distinct, hits, misses, evictions;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
 #if __CUDA_ARCH__ >= 900
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
 #endif
     if (tid == 0) {
         base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
-        hits = misses = evictions = 0;
+        distinct = hits = misses = evictions = 0;
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
         const int64_t id =
@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
         missed[i] = 0;
         slot_at[i] = -1;
         if (f == i && keys[i] != UINT32_MAX) {
+            atomicAdd(&distinct, 1u);
             const int32_t slot = a.slot_of_key[keys[i]];
             slot_at[i] = slot;
             if (slot >= 0) {
@@ -127,6 +128,10 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     for (uint32_t i = tid; i < a.count; i += blockDim.x) a.out_slots[i] = slot_at[first[i]];
     if (tid == 0) {
         *c.miss_count = misses;
+        if (a.out_counts) {
+            a.out_counts[kCountDistinct] = distinct;
+            a.out_counts[kCountMisses] = misses;
+        }
         // Reductions without a result: nothing waits for them (the next select is stream-ordered).
         DeviceCounters& n = *c.counters;
         auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };

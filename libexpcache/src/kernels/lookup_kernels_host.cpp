@@ -47,9 +47,10 @@ private:
                 }
         }
         // Hits: refreshed, and so protected from this call's misses.
-        uint64_t hits = 0, misses = 0, evictions = 0;
+        uint64_t distinct = 0, hits = 0, misses = 0, evictions = 0;
         for (uint32_t i = 0; i < a.count; ++i) {
             if (first_[i] != i || keys_[i] == UINT32_MAX) continue;
+            ++distinct;
             const int32_t slot = a.slot_of_key[keys_[i]];
             if (slot >= 0) {
                 c.stamp[slot] = base + i;
@@ -78,6 +79,10 @@ private:
         }
         for (uint32_t i = 0; i < a.count; ++i)
             a.out_slots[i] = keys_[i] == UINT32_MAX ? -1 : a.slot_of_key[keys_[first_[i]]];
+        if (a.out_counts) {
+            a.out_counts[kCountDistinct] = static_cast<uint32_t>(distinct);
+            a.out_counts[kCountMisses] = static_cast<uint32_t>(misses);
+        }
         DeviceCounters& n = *c.counters;
         n.calls++;
         n.hits += hits;
