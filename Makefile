@@ -115,11 +115,15 @@ deps: deps-bench
 	@$(PYTHON) -c "import numpy, tabulate, pytest, xdist, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -e ".[test]"
 
+# pytest on $(JOBS) xdist workers; tests/ uses no benchmark fixture: pytest-benchmark is left out (under
+# xdist it would only warn that it is disabled).
+PYTEST_PARALLEL = $(PYTHON) -m pytest -q -p no:benchmark -n $(JOBS)
+
 # The test suite but the tests marked long, on $(JOBS) pytest-xdist workers (a test file to a worker:
 # module fixtures are made once), the fuzz machines with hypothesis' quick profile (tests/conftest.py).
 test: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) lib
-	$(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile -m "not long" tests
+	$(PYTEST_PARALLEL) --dist loadfile -m "not long" tests
 
 # What CI runs after make test: the tests marked long (the C stress driver and unit tests under
 # ASan+UBSan, TSan and valgrind, one worker per sanitizer's build folder; the wheel's build), the fuzz
@@ -127,7 +131,7 @@ test: deps
 # so they cannot rot.
 test-long: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) lib
-	$(PYTHON) -m pytest -q -n $(JOBS) --dist loadgroup -m "long or fuzz" --hypothesis-profile=long tests
+	$(PYTEST_PARALLEL) --dist loadgroup -m "long or fuzz" --hypothesis-profile=long tests
 	$(MAKE) --no-print-directory bench-quick
 
 bench: lib deps-bench
