@@ -7,6 +7,8 @@ NVCC      ?= $(shell command -v nvcc 2>/dev/null)
 BUILD     ?= build
 CUDA_ARCHS ?= 80 90
 CXXFLAGS  ?= -O2 -g
+# make test and test-long: the compiler jobs of their build and their pytest-xdist workers.
+JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
 WARN       = -Wall -Wextra -Wno-unused-parameter
 COMMON     = -std=c++17 -fPIC -fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src
 
@@ -40,13 +42,14 @@ CUDA_LIB  = $(BUILD)/libexpcache.so
 REPLAY_LIB = $(BUILD)/libexpcache_replay.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
-.PHONY: all lib deps deps-bench deps-lint test bench lint format select-overhead copy-methods help clean
+.PHONY: all lib deps deps-bench deps-lint test test-long bench lint format select-overhead copy-methods help clean
 all: lib
 
 help:
 	@echo "make lib     build $(HOST_LIB) (g++), $(CUDA_LIB) when nvcc is found, and $(REPLAY_LIB)"
 	@echo "make deps    install the Python packages the tests and benchmarks need, if missing (deps-bench: the benchmark's, deps-lint: ruff, clang-format)"
-	@echo "make test    build, run the test suite (CUDA tests when a GPU is present), then the benchmarks once"
+	@echo "make test    build, run the test suite in parallel (CUDA tests when a GPU is present) but the long tests"
+	@echo "make test-long   the long tests (sanitizers, the wheel build, the fuzz machines' long run), the benchmarks once"
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make lint    ruff (lint, format check) and clang-format (check) over the tracked sources; make format applies both"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
@@ -54,7 +57,7 @@ help:
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / asv-import-h200 / bench-quick: see benchmarks/README.md"
 	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
 	@echo "make clean   remove $(BUILD)/"
-	@echo "variables: PYTHON=$(PYTHON) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
+	@echo "variables: PYTHON=$(PYTHON) JOBS=$(JOBS) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
 
 lib: $(LIBS) $(REPLAY_LIB)
 
@@ -109,12 +112,26 @@ deps-bench:
 		$(PYTHON) -m pip install -q -e ".[cuda]"; fi
 
 deps: deps-bench
-	@$(PYTHON) -c "import numpy, tabulate, pytest, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \
+	@$(PYTHON) -c "import numpy, tabulate, pytest, xdist, pytest_benchmark, hypothesis, gguf, asv" 2>/dev/null || \
 		$(PYTHON) -m pip install -q -e ".[test]"
 
-# The test suite, then the benchmarks in quick mode (once each, host backend) so they cannot rot.
-test: lib deps
-	$(PYTHON) -m pytest -q tests
+# pytest on $(JOBS) xdist workers; tests/ uses no benchmark fixture: pytest-benchmark is left out (under
+# xdist it would only warn that it is disabled).
+PYTEST_PARALLEL = $(PYTHON) -m pytest -q -p no:benchmark -n $(JOBS)
+
+# The test suite but the tests marked long, on $(JOBS) pytest-xdist workers (a test file to a worker:
+# module fixtures are made once), the fuzz machines with hypothesis' quick profile (tests/conftest.py).
+test: deps
+	@$(MAKE) --no-print-directory -j$(JOBS) lib
+	$(PYTEST_PARALLEL) --dist loadfile -m "not long" tests
+
+# What CI runs after make test: the tests marked long (the C stress driver and unit tests under
+# ASan+UBSan, TSan and valgrind, one worker per sanitizer's build folder; the wheel's build), the fuzz
+# machines again with the long profile, then the benchmarks in quick mode (once each, host backend)
+# so they cannot rot.
+test-long: deps
+	@$(MAKE) --no-print-directory -j$(JOBS) lib
+	$(PYTEST_PARALLEL) --dist loadgroup -m "long or fuzz" --hypothesis-profile=long tests
 	$(MAKE) --no-print-directory bench-quick
 
 bench: lib deps-bench

@@ -18,6 +18,18 @@ from pyexpcache import ExpertCache, HostSource, ModelLayout  # noqa: E402
 
 from support.cache import BACKENDS, POLICIES, SCALE  # noqa: E402
 
+try:
+    from hypothesis import settings as hypothesis_settings
+except ImportError:  # the fuzz suites skip without hypothesis
+    pass
+else:
+    # How long the stateful fuzz machines (the `fuzz` marker) run: "quick" by default (make test),
+    # "long" with --hypothesis-profile=long (make test-long). Each machine scales these counts
+    # (tests/test_stateful.py's fuzz_counts); EXPCACHE_FUZZ_EXAMPLES/STEPS override both.
+    hypothesis_settings.register_profile("quick", max_examples=100, stateful_step_count=30)
+    hypothesis_settings.register_profile("long", max_examples=400, stateful_step_count=50)
+    hypothesis_settings.load_profile("quick")  # the plugin's --hypothesis-profile, read later, replaces it
+
 
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> str:

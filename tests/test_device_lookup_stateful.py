@@ -13,6 +13,8 @@ gave, every batch's pointers and every compact buffer equal the source. Layouts 
 size classes; budgets leave room for a step's ids (a device select of n*k ids needs n*k slots it
 may fill: the rule the library checks) and sometimes not (the call must fail and change nothing).
 
+A quarter of test_stateful.py's sequences, at least 50, of as many steps: 100 of up to 50 with
+hypothesis' long profile (``make test-long``), 50 of up to 30 with the quick one (``make test``).
 ``EXPCACHE_FUZZ_EXAMPLES`` and ``EXPCACHE_FUZZ_STEPS`` run it longer, as for test_stateful.py.
 """
 
@@ -182,4 +184,4 @@ class DeviceLookupMachine(RuleBasedStateMachine):
 
 
 DeviceLookupMachine.TestCase.settings = fuzz_settings(max(FUZZ_EXAMPLES // 4, 50), FUZZ_STEPS)
-TestDeviceLookupMatchesHostLookup = DeviceLookupMachine.TestCase
+TestDeviceLookupMatchesHostLookup = pytest.mark.fuzz(DeviceLookupMachine.TestCase)

@@ -14,8 +14,10 @@ device's failure stops the call there, on both sides (the devices before it keep
 or in parallel every owner's share runs and the first failure in device order is the call's, as
 the multi-device cache documents.
 
-Default run: 120 sequences of up to 30 steps (a few seconds); ``EXPCACHE_FUZZ_EXAMPLES`` and
-``EXPCACHE_FUZZ_STEPS`` scale it as for test_stateful.py.
+Runs 3/10 of the sequences of hypothesis' profile, each 3/5 of its steps: with the long profile
+(``make test-long``) 120 sequences of up to 30 steps (a few seconds), with the quick one (``make
+test``) 30 of up to 18; ``EXPCACHE_FUZZ_EXAMPLES`` and ``EXPCACHE_FUZZ_STEPS`` set the counts as for
+test_stateful.py.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from pyexpcache import ExpcacheError, MultiDeviceCache, Placement, testing  # no
 from support.cache import assert_served  # noqa: E402
 from support.reference_model import ModelError, ReferenceCache  # noqa: E402
 
-EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", "120"))
-STEPS = int(os.environ.get("EXPCACHE_FUZZ_STEPS", "30"))
+EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", hypothesis.settings.default.max_examples * 3 // 10))
+STEPS = int(os.environ.get("EXPCACHE_FUZZ_STEPS", hypothesis.settings.default.stateful_step_count * 3 // 5))
 
 
 @st.composite
@@ -239,4 +241,4 @@ class MultiMachine(RuleBasedStateMachine):
 
 
 MultiMachine.TestCase.settings = fuzz_settings(EXAMPLES, STEPS)
-TestMultiMatchesModels = MultiMachine.TestCase
+TestMultiMatchesModels = pytest.mark.fuzz(MultiMachine.TestCase)

@@ -24,6 +24,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The wheel's build compiles the whole host library again (about 20 s of 2 cores): make test-long.
+pytestmark = pytest.mark.long
+
 
 def _clean_env(**extra) -> dict:
     """The environment minus whatever could point the child at the source tree's library."""

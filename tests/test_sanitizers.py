@@ -86,7 +86,12 @@ def require_sanitizer(flags: str) -> None:
         pytest.skip(reason)
 
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not found")
+# make test-long runs these (the `long` marker). Targets that build into one folder share a pytest-xdist
+# group, so that two workers never build the same objects at once: ASan's, TSan's, valgrind's.
+pytestmark = [pytest.mark.long, pytest.mark.skipif(shutil.which("make") is None, reason="make not found")]
+ASAN_BUILD = pytest.mark.xdist_group("build/asan")
+TSAN_BUILD = pytest.mark.xdist_group("build/tsan")
+VALGRIND_BUILD = pytest.mark.xdist_group("build/valgrind")
 
 
 def assert_stress_clean(target: str) -> None:
@@ -98,16 +103,19 @@ def assert_stress_clean(target: str) -> None:
     assert re.search(r"\b0 errors found\b", out), message
 
 
+@ASAN_BUILD
 def test_stress_under_asan_and_ubsan():
     require_sanitizer("address,undefined")
     assert_stress_clean("asan-test")
 
 
+@VALGRIND_BUILD
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind not installed (apt-get install valgrind)")
 def test_stress_under_valgrind():
     assert_stress_clean("valgrind-test")
 
 
+@TSAN_BUILD
 def test_stress_under_tsan():
     # The staging ring's threads fill chunks while the calling thread queues and waits.
     require_sanitizer("thread")
@@ -125,17 +133,20 @@ def assert_unit_test_clean(target: str, program: str = "ring_test") -> None:
     assert re.search(rf"^{program}: \d+ checks, 0 failed$", out, re.M), message
 
 
+@ASAN_BUILD
 def test_staging_ring_unit_under_asan_and_ubsan():
     # The ring over a fake link whose transfers land only when waited for, and that refuses some.
     require_sanitizer("address,undefined")
     assert_unit_test_clean("ring-test")
 
 
+@TSAN_BUILD
 def test_staging_ring_unit_under_tsan():
     require_sanitizer("thread")
     assert_unit_test_clean("ring-tsan-test")
 
 
+@ASAN_BUILD
 def test_prefetch_thread_unit_under_asan_and_ubsan():
     # At most one piece in flight, exact progress of cancelled jobs, bounce memory never refilled
     # under a transfer, refused transfers, pause, drain and destruction with transfers in flight.
@@ -143,12 +154,14 @@ def test_prefetch_thread_unit_under_asan_and_ubsan():
     assert_unit_test_clean("prefetch-test", "prefetch_test")
 
 
+@TSAN_BUILD
 def test_prefetch_thread_unit_under_tsan():
     # The calling thread's first sends and cancels against the prefetch thread.
     require_sanitizer("thread")
     assert_unit_test_clean("prefetch-tsan-test", "prefetch_test")
 
 
+@ASAN_BUILD
 def test_memory_kept_past_the_cache_under_asan_and_ubsan():
     # Kept memory read after release_all and destroy (a use-after-free report if it was freed),
     # freed by its last reference (a leak report if not), and a cache inherited by fork().

@@ -27,10 +27,12 @@ the odd invalid call) on both, and after every step compares:
   (``cache.prefetch_stats()``, all but the piece count), the class infos
   (key, target, cap, allocated, resident, held, layers), device bytes in use.
 
-Default run: ``max_examples=400`` sequences of up to ``stateful_step_count=50``
-steps, derandomized so CI is reproducible. Measured: about 430 sequences and
-16,000 steps (37 per sequence on average; each step also runs the full
-comparison), about 20-30 s on 2 cores. Fuzzing with 4,000 fresh random sequences
+Runs, derandomized so CI is reproducible, take their counts from hypothesis'
+profile (tests/conftest.py): ``make test`` (the quick profile) runs 100 sequences of
+up to 30 steps, a few seconds; ``make test-long`` (``--hypothesis-profile=long``)
+``max_examples=400`` sequences of up to ``stateful_step_count=50`` steps. Measured
+for the long run: about 430 sequences and 16,000 steps (37 per sequence on average;
+each step also runs the full comparison), about 15-30 s on 2 cores. Fuzzing with 4,000 fresh random sequences
 of up to 80 steps (about 6 minutes) found no divergence either.
 Run longer and with fresh randomness with e.g.::
 
@@ -54,8 +56,9 @@ from pyexpcache._lib import PREFETCH_FIELDS, lib  # noqa: E402
 from support.cache import POLICIES, SCALE, assert_served  # noqa: E402
 from support.reference_model import DENSE, INVALID_STATE, PATHS, STAT_FIELDS, ModelError, ReferenceCache, align_up  # noqa: E402
 
-FUZZ_EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", "400"))
-FUZZ_STEPS = int(os.environ.get("EXPCACHE_FUZZ_STEPS", "50"))
+# The hypothesis profile's counts (quick or long), unless the environment asks for a longer run.
+FUZZ_EXAMPLES = int(os.environ.get("EXPCACHE_FUZZ_EXAMPLES", settings.default.max_examples))
+FUZZ_STEPS = int(os.environ.get("EXPCACHE_FUZZ_STEPS", settings.default.stateful_step_count))
 FUZZ_RANDOM = "EXPCACHE_FUZZ_EXAMPLES" in os.environ  # fresh randomness when asked to run longer
 
 
@@ -462,7 +465,7 @@ def fuzz_settings(examples: int, steps: int):
 
 
 CacheMachine.TestCase.settings = fuzz_settings(FUZZ_EXAMPLES, FUZZ_STEPS)
-TestCacheMatchesModel = CacheMachine.TestCase
+TestCacheMatchesModel = pytest.mark.fuzz(CacheMachine.TestCase)
 
 
 # ---------------------------------------------------------------------------
