@@ -1,4 +1,4 @@
-"""asv: the graph loop (``expcache bench --loop graph``) tracked over commits.
+"""asv: the graph loop (``expcache bench graph``) tracked over commits.
 
 The decode traces served from the device: each token's step captured in a CUDA graph with
 ``select_device`` (eager on the host backend), next to the C loop's host select in the same run,
