@@ -39,7 +39,7 @@ class Scratch(threading.local):
 class Serving:
     """The serving methods of :class:`~pyexpcache.ExpertCache` (its only subclass), on the state
     its constructor sets up: the call gate and handle, this thread's select buffers, the view
-    cache; ``_call``, ``_pin_memory`` and ``layer_class`` are the cache's own."""
+    cache; ``_call``, ``_pin_memory`` and ``bind_class`` are the cache's own."""
 
     layout: ModelLayout
     _gate: Gate
@@ -131,7 +131,7 @@ class Serving:
         layouts. Views are made once per slot and reused: an all-hit call makes only its list.
         A view is valid under the rule of :meth:`select`'s addresses (for work ordered after
         the call on ``stream``, until the cache's next select, load_compact, prepare_batch,
-        release_all or layer_class call); its memory stays allocated while the view, or an
+        release_all or bind_class call); its memory stays allocated while the view, or an
         array made from it, lives (after release_all and close too)."""
         k, s = self._decode(self._select_fn, layer, expert_ids, stream)
         return self._views.get(layer, self._scratch.out[:k].tolist(), s, dtype, shapes)
@@ -159,7 +159,7 @@ class Serving:
         ``shapes`` (one shape per part, as :meth:`select_views` takes them) format each slot's
         parts; the views are ``[cap, *shape]``. The bank's address never changes while the cache
         lives, so views and graphs made from it stay valid."""
-        index = self.layer_class(layer)
+        index = self.bind_class(layer)
         b = _lib.Bank()
         b.struct_size = ctypes.sizeof(b)
         self._call("expcache_class_bank_get", index, ctypes.byref(b))

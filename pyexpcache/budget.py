@@ -58,7 +58,7 @@ def class_info(layout: ModelLayout, budget_bytes: int) -> list:
         layout, _Placements(layout), budget_bytes=budget_bytes, backend="host", log_level=0, copy_threads=0
     ) as cache:
         for layers in layout.classes().values():
-            cache.layer_class(layers[0])
+            cache.bind_class(layers[0])
         found = {c.key: c for c in cache.classes()}
     return [found[k] for k in keys]
 

@@ -461,11 +461,23 @@ class ExpertCache(Serving):
         return _BACKEND_NAMES[out.value]
 
     # -- inspection ------------------------------------------------------------
-    def layer_class(self, layer: int) -> int:
-        """The class index ``layer`` is bound to (binding it now if needed)."""
+    def bind_class(self, layer: int) -> int:
+        """Bind ``layer`` to its size class now if it is not bound yet (on a device-lookup cache this
+        allocates the class's bank: do it before capturing a graph) and return the class index."""
         out = ctypes.c_uint32()
         self._call("expcache_layer_bind_class", self._layer(layer), ctypes.byref(out))
         return out.value
+
+    def layer_class(self, layer: int) -> int:
+        """Deprecated spelling of :meth:`bind_class` (it binds, as its C name says); goes in the next
+        release."""
+        warnings.warn(
+            "ExpertCache.layer_class() is deprecated and goes in the next release: use bind_class(), "
+            "which binds the layer's class as its C name, expcache_layer_bind_class, says",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.bind_class(layer)
 
     def classes(self) -> list[ClassInfo]:
         """Every class in use."""

@@ -24,7 +24,7 @@ class Selection:
 
     Valid under the rule of :meth:`~pyexpcache.ExpertCache.select`'s addresses: for work ordered
     after the call on its stream (the misses': after :meth:`wait`), until the cache's next select,
-    load_compact, prepare_batch, release_all or layer_class call.
+    load_compact, prepare_batch, release_all or bind_class call.
     """
 
     __slots__ = ("_cache", "layer", "pointers", "resident", "ready", "views", "_stream")

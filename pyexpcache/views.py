@@ -8,7 +8,7 @@ backend (``numpy.asarray(view)``). An :class:`ExpertView` groups an expert's thr
 
 **Validity.** A view's bytes are the expert's under the same rule as the addresses
 ``ExpertCache.select`` returns: for work ordered after the select on its stream, until the next
-``select``, ``load_compact``, ``prepare_batch``, ``release_all`` or ``layer_class`` call on the
+``select``, ``load_compact``, ``prepare_batch``, ``release_all`` or ``bind_class`` call on the
 cache; after that call its slot may hold another expert. The *memory* stays allocated while the
 view, or any array or tensor made from it, lives (:mod:`pyexpcache._memory`): reading one after
 ``release_all`` or ``close()`` reads stale bytes, never freed memory.
@@ -150,7 +150,7 @@ class TensorView:
 
     Its bytes are the expert's under the rule of the addresses ``ExpertCache.select`` returns:
     for work ordered after the select on its stream, until the next ``select``, ``load_compact``,
-    ``prepare_batch``, ``release_all`` or ``layer_class`` call on the cache. ``owner`` (the
+    ``prepare_batch``, ``release_all`` or ``bind_class`` call on the cache. ``owner`` (the
     cache's :class:`~pyexpcache._memory.MemoryPin` for views it makes) is kept alive by the view
     and by every array made from it, so the memory stays allocated as long as they live.
 

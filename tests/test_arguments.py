@@ -24,7 +24,7 @@ CALLS = [
     ("read_expert expert", lambda c: testing.read_expert(c, 5, 2**32 + 1), "expert"),
     ("read_device address", lambda c: testing.read_device(c, BIG64, 8), "address"),
     ("read_device nbytes", lambda c: testing.read_device(c, 0, BIG64), "nbytes"),
-    ("layer_class", lambda c: c.layer_class(BIG32), "layer"),
+    ("bind_class", lambda c: c.bind_class(BIG32), "layer"),
     ("checksum layer", lambda c: testing.checksum(c, BIG32, np.zeros((1, 3), np.uint64)), "layer"),
     ("checksum_async first", lambda c: testing.checksum_async(c, 5, np.zeros((1, 3), np.uint64), BIG32), "first"),
     ("checksum_results n", lambda c: testing.checksum_results(c, 0, BIG32), "n"),
@@ -164,7 +164,7 @@ LAYER_CALLS = [
     ("load_compact", lambda c, layer: c.load_compact(layer, [1])),
     ("prepare_batch", lambda c, layer: c.prepare_batch(layer, [[1]])),
     ("read_expert", lambda c, layer: testing.read_expert(c, layer, 1)),
-    ("layer_class", lambda c, layer: c.layer_class(layer)),
+    ("bind_class", lambda c, layer: c.bind_class(layer)),
     ("checksum", lambda c, layer: testing.checksum(c, layer, np.zeros((1, 3), np.uint64))),
 ]
 

@@ -313,7 +313,7 @@ def test_budget_bytes_shared_in_proportion_to_class_bytes(make_cache):
     layout = ModelLayout.preset("mixed", scale=SCALE)
     cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 10)
     for layer in (0, 40):
-        cache.layer_class(layer)
+        cache.bind_class(layer)
     infos = {c.key: c for c in cache.classes()}
     q2, q4 = layout[0].class_key, layout[40].class_key
     # Same fraction of each class's experts, within one slot of rounding.
@@ -678,3 +678,13 @@ def test_checksum_async_layer_after_layer_without_waiting(make_cache):
         assert testing.checksum(cache, 0, mid).tolist() == [source.expected_checksum(0, 15)]
     cache.synchronize()
     assert testing.checksum_results(cache, 0, len(expected)).tolist() == expected
+
+
+def test_layer_class_is_the_deprecated_spelling_of_bind_class(make_cache):
+    """bind_class binds and returns the class index; layer_class, its old name, warns and agrees."""
+    cache, _ = make_cache(budget_experts=8)
+    layer = cache.layout.moe_layers[0]
+    index = cache.bind_class(layer)
+    assert cache.classes()[0].index == index
+    with pytest.warns(DeprecationWarning, match="use bind_class"):
+        assert cache.layer_class(layer) == index

@@ -73,7 +73,7 @@ class DeviceLookupMachine(RuleBasedStateMachine):
         return sum(c.paths["decode"].misses for c in self.host.stats().classes)
 
     def held(self, layer):
-        index = self.dev.layer_class(layer)
+        index = self.dev.bind_class(layer)
         return next(c.held_experts for c in self.dev.classes() if c.index == index)
 
     @rule(data=st.data(), rows=st.integers(1, 3))

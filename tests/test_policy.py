@@ -46,7 +46,7 @@ def _replay_and_simulate(cache, layout, workload, policy, partition="global"):
             cache.select(call.layer, call.ids)
         else:
             cache.prepare_batch(call.layer, call.ids).finish()
-    layer_class = [cache.layer_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
+    layer_class = [cache.bind_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
     caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
     experts = [layout[i].num_experts if layout[i] else 0 for i in range(layout.num_layers)]
     return (

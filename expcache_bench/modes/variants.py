@@ -176,7 +176,7 @@ def class_capacities(layout: ModelLayout, cache: ExpertCache) -> tuple[list[int]
     """(runtime cap per class index, class index per layer) of a cache, for the simulators."""
     layer_class = [0] * layout.num_layers
     for layer in layout.moe_layers:
-        layer_class[layer] = cache.layer_class(layer)
+        layer_class[layer] = cache.bind_class(layer)
     caps = {c.index: c.cap_experts for c in cache.classes()}
     return [caps.get(i, 0) for i in range(max(caps) + 1)], layer_class
 
