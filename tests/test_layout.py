@@ -730,20 +730,21 @@ def test_the_moe_layers_are_those_transformers_builds(name):
     config_class = getattr(transformers, name.split("/")[0], None)
     if config_class is None:
         pytest.skip(f"this transformers has no {name}")
-    config = config_class(
-        **{
-            **dict(
-                vocab_size=64,
-                hidden_size=32,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                intermediate_size=16,
-                num_hidden_layers=6,
-                head_dim=8,
-            ),
-            **_TRANSFORMERS_CONFIGS[name],
-        }
+    kwargs = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=16,
+        num_hidden_layers=6,
+        head_dim=8,
     )
+    try:
+        config = config_class(**{**kwargs, **_TRANSFORMERS_CONFIGS[name]})
+    except ValueError as exc:
+        # transformers 5.17's GraniteMoeHybridConfig refuses its own family's layer types
+        # ("mamba", "attention"), which 5.24 builds: nothing of the layout reader is tested then.
+        pytest.skip(f"transformers {transformers.__version__} does not build this {name}: {exc}")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     built = {}
