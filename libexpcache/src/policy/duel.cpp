@@ -6,6 +6,7 @@
 // expcache_bench/sim/duel.py, so the simulator and the library agree count for count.
 // The four orders are held by value (final classes): a hit calls them without virtual dispatch.
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "lru.hpp"
@@ -26,6 +27,9 @@ bool any_slot(const void*, int32_t) {
 template <class P>
 class Shadow {
 public:
+    template <class... Args>
+    explicit Shadow(Args&&... args) : policy_(std::forward<Args>(args)...) {}
+
     void set_clock(const PolicyClock& clock) { policy_.set_clock(clock); }
     // One request of `key`: true for a hit.
     bool request(uint32_t key, int32_t room) {
@@ -58,6 +62,8 @@ private:
 
 class DuelPolicy final : public Policy {
 public:
+    DuelPolicy() : opp_(&memo_), shadow_opp_(&memo_) {}
+
     void resize(int32_t n) override {
         lru_.resize(n);
         opp_.resize(n);
@@ -119,6 +125,9 @@ private:
         if (lru_hit && !opp_hit && psel_ > -kLimit) --psel_;
     }
 
+    // OppClassLRU's counts: the shadow counts a request first, the real order takes the result when
+    // its count of the key is the shadow's (a prefill append counts in the real order alone).
+    OppClassPolicy::UseMemo memo_;
     LruPolicy lru_;  // both order the real slots
     OppClassPolicy opp_;
     Shadow<LruPolicy> shadow_lru_;

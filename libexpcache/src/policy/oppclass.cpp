@@ -6,8 +6,14 @@
 
 namespace expcache {
 
-OppClassPolicy::OppClassPolicy() : log_base_(std::log(kBase)) {
+OppClassPolicy::OppClassPolicy(UseMemo* memo) : memo_(memo), log_base_(std::log(kBase)) {
     for (int k = 0; k < kClasses; ++k) scale_[k] = std::pow(kWeight, k);
+    below_[0] = above_[0] = 0.0;
+    for (int j = 1; j < kClasses; ++j) {
+        double at = std::exp((j - 1e-9) * log_base_);  // log(at) / log_base_ + 1e-9 == j
+        below_[j] = at * (1.0 - 1e-9);
+        above_[j] = at * (1.0 + 1e-9);
+    }
 }
 
 void OppClassPolicy::resize(int32_t n) {

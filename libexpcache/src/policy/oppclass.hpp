@@ -4,8 +4,9 @@
 // it. Layers run in a fixed order once per token, so a count of calls mixes
 // up experts of layers ahead of and behind the current one. Tuned on two of
 // the bundled traces and evaluated on the other five: docs/policy.md. The
-// arithmetic mirrors expcache_bench/sim/oppclass.py (same double operations), so the
-// offline simulator and the library agree count for count.
+// arithmetic mirrors expcache_bench/sim/oppclass.py (same double operations; the class by
+// comparisons that give the simulator's logarithm's result, class_of), so the offline simulator
+// and the library agree count for count.
 // Declared here, with its per-request hooks inline, so that duel.cpp holds it
 // by value and calls it without virtual dispatch; oppclass.cpp has the rest.
 #pragma once
@@ -19,7 +20,22 @@
 namespace expcache {
 
 class OppClassPolicy final : public Policy {
+    struct Count {
+        double d = 0.0;  // decayed count (0: never used)
+        double t = 0.0;  // time of the last use
+    };
+
 public:
+    // The last use counted, by its inputs (the key's count before, the time now) and its result: two
+    // policies that count the same uses of a key (duel.cpp's real order and its shadow) share one, and
+    // the second of them takes the result without computing it again.
+    struct UseMemo {
+        Count before{-1.0, 0.0};  // no count matches: counts are >= 0
+        double t = 0.0;
+        Count after;
+        int k = 0;
+    };
+
     static constexpr int kClasses = 16;            // counts >= 1.3^15 share the last class
     static constexpr double kHalfLife = 64.0;      // tokens
     static constexpr double kBase = 1.3;           // class k holds counts in [1.3^k, 1.3^(k+1))
@@ -27,7 +43,7 @@ public:
     static constexpr double kOffset = 1.0;         // added to the age
     static constexpr int32_t kNever = -(1 << 30);  // last-use token of a cold (prefill) insert
 
-    OppClassPolicy();
+    explicit OppClassPolicy(UseMemo* memo = nullptr);
 
     void resize(int32_t n) override;
     void set_clock(const PolicyClock& clock) override { clock_ = clock; }
@@ -60,19 +76,45 @@ public:
     int32_t victim(Evictable evictable, const void* ctx) const override;
     void clear() override;
 
+    // min(int(log(d) / log(kBase) + 1e-9), kClasses - 1), the simulator's class of a count d >= 1,
+    // by comparisons: below_[j] and above_[j] bound, a relative 1e-9 below and above, the count
+    // where that expression reaches j. A count between the two takes the logarithm; anywhere else
+    // the expression, whose rounding errors are below 1e-13, lands on the same side of j as the
+    // exact one, whose distance from j is at least 3.8e-9 there (tests/c/policy_class_test.cpp
+    // compares the two around every boundary).
+    int class_of(double d) const {
+        static_assert((kClasses & (kClasses - 1)) == 0, "the bisection halves a power of two of classes");
+        int j = 0;  // the last boundary at or below d, by bisection (below_ grows with j)
+        for (int step = kClasses / 2; step > 0; step /= 2) j += d >= below_[j + step] ? step : 0;
+        if (j > 0 && d < above_[j]) {
+            int k = static_cast<int>(std::log(d) / log_base_ + 1e-9);
+            return k < kClasses - 1 ? k : kClasses - 1;
+        }
+        return j;
+    }
+
 private:
     // One more use of `key` now; returns its class.
     int use(uint32_t key) {
-        if (key >= count_.size()) {
-            count_.resize(key + 1, 0.0);
-            time_.resize(key + 1, 0.0);
+        if (key >= count_.size()) count_.resize(key + 1);
+        Count& c = count_[key];
+        const double t = double(clock_.token) + double(clock_.pos) / double(clock_.positions);
+        if (!memo_) return count(c, t);
+        if (c.d == memo_->before.d && c.t == memo_->before.t && t == memo_->t) {
+            c = memo_->after;  // the same inputs: the same double operations gave this
+            return memo_->k;
         }
-        double t = double(clock_.token) + double(clock_.pos) / double(clock_.positions);
-        double d = count_[key] == 0.0 ? 1.0 : count_[key] * std::pow(2.0, -(t - time_[key]) / kHalfLife) + 1.0;
-        count_[key] = d;
-        time_[key] = t;
-        int k = static_cast<int>(std::log(d) / log_base_ + 1e-9);
-        return k < kClasses - 1 ? k : kClasses - 1;
+        memo_->before = c;
+        memo_->t = t;
+        memo_->k = count(c, t);
+        memo_->after = c;
+        return memo_->k;
+    }
+    // Count a use of c at time t; returns the class.
+    int count(Count& c, double t) const {
+        c.d = c.d == 0.0 ? 1.0 : c.d * std::pow(2.0, -(t - c.t) / kHalfLife) + 1.0;
+        c.t = t;
+        return class_of(c.d);
     }
     void place(int32_t slot, int k, int32_t token, int32_t pos, bool hot) {
         tok_[slot] = token;
@@ -84,14 +126,16 @@ private:
             lists_.push_front(k, slot);
     }
 
+    UseMemo* memo_;  // or nullptr
     double log_base_;
     double scale_[kClasses];
+    double below_[kClasses], above_[kClasses];  // class_of's bounds; [0] unused
     PolicyClock clock_;
-    std::vector<double> count_, time_;  // per key: decayed count, time of last use
-    std::vector<uint32_t> key_;         // per slot
-    std::vector<int32_t> tok_, pos_;    // per slot: token and layer position of last use
-    std::vector<int> cls_;              // per slot: its list
-    IntrusiveLists lists_{kClasses};    // one list per class, cold end first
+    std::vector<Count> count_;        // per key
+    std::vector<uint32_t> key_;       // per slot
+    std::vector<int32_t> tok_, pos_;  // per slot: token and layer position of last use
+    std::vector<int> cls_;            // per slot: its list
+    IntrusiveLists lists_{kClasses};  // one list per class, cold end first
 };
 
 }  // namespace expcache
