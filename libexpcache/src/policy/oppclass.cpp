@@ -2,11 +2,29 @@
 // the registry.
 #include "oppclass.hpp"
 
+#include <array>
 #include <memory>
 
 namespace expcache {
 
-OppClassPolicy::OppClassPolicy(UseMemo* memo) : memo_(memo), log_base_(std::log(kBase)) {
+namespace {
+
+// 2^(-k / kHalfLife) for k = 0 .. kDecayTokens - 1, by the expression decay() evaluates otherwise.
+const double* decay_table() {
+    static const std::array<double, OppClassPolicy::kDecayTokens> table = [] {
+        std::array<double, OppClassPolicy::kDecayTokens> t{};
+        for (int k = 0; k < OppClassPolicy::kDecayTokens; ++k) {
+            const double dt = k;
+            t[k] = std::pow(2.0, -dt / OppClassPolicy::kHalfLife);
+        }
+        return t;
+    }();
+    return table.data();
+}
+
+}  // namespace
+
+OppClassPolicy::OppClassPolicy(UseMemo* memo) : memo_(memo), log_base_(std::log(kBase)), decay_(decay_table()) {
     for (int k = 0; k < kClasses; ++k) scale_[k] = std::pow(kWeight, k);
     below_[0] = above_[0] = 0.0;
     for (int j = 1; j < kClasses; ++j) {

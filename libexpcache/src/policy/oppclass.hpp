@@ -4,9 +4,9 @@
 // it. Layers run in a fixed order once per token, so a count of calls mixes
 // up experts of layers ahead of and behind the current one. Tuned on two of
 // the bundled traces and evaluated on the other five: docs/policy.md. The
-// arithmetic mirrors expcache_bench/sim/oppclass.py (same double operations; the class by
-// comparisons that give the simulator's logarithm's result, class_of), so the offline simulator
-// and the library agree count for count.
+// arithmetic mirrors expcache_bench/sim/oppclass.py (same double operations; the class found by
+// comparisons and the decay over whole tokens read from a table, both giving the simulator's values:
+// class_of, decay), so the offline simulator and the library agree count for count.
 // Declared here, with its per-request hooks inline, so that duel.cpp holds it
 // by value and calls it without virtual dispatch; oppclass.cpp has the rest.
 #pragma once
@@ -26,10 +26,14 @@ class OppClassPolicy final : public Policy {
     };
 
 public:
-    // The last use counted, by its inputs (the key's count before, the time now) and its result: two
-    // policies that count the same uses of a key (duel.cpp's real order and its shadow) share one, and
-    // the second of them takes the result without computing it again.
+    // The last use counted, by its key and inputs (the key's count before, the time now) and its
+    // result: two policies that count the same uses of a key (duel.cpp's real order and its shadow)
+    // share one, and the second of them takes the result without computing it again. The inputs
+    // decide the result; the key is there so that it does only that: another key of the same
+    // history computes its own (in select_overhead.c's all-hit loop every expert of a layer has the
+    // same history, and the six uses of a select would otherwise be computed once).
     struct UseMemo {
+        uint32_t key = 0;
         Count before{-1.0, 0.0};  // no count matches: counts are >= 0
         double t = 0.0;
         Count after;
@@ -42,6 +46,7 @@ public:
     static constexpr double kWeight = 1.6;         // one class is worth a factor 1.6 of age
     static constexpr double kOffset = 1.0;         // added to the age
     static constexpr int32_t kNever = -(1 << 30);  // last-use token of a cold (prefill) insert
+    static constexpr int kDecayTokens = 512;       // decay()'s table: 16 half-lives
 
     explicit OppClassPolicy(UseMemo* memo = nullptr);
 
@@ -80,7 +85,7 @@ public:
     // by comparisons: below_[j] and above_[j] bound, a relative 1e-9 below and above, the count
     // where that expression reaches j. A count between the two takes the logarithm; anywhere else
     // the expression, whose rounding errors are below 1e-13, lands on the same side of j as the
-    // exact one, whose distance from j is at least 3.8e-9 there (tests/c/policy_class_test.cpp
+    // exact one, whose distance from j is at least 3.8e-9 there (tests/c/oppclass_count_test.cpp
     // compares the two around every boundary).
     int class_of(double d) const {
         static_assert((kClasses & (kClasses - 1)) == 0, "the bisection halves a power of two of classes");
@@ -92,6 +97,17 @@ public:
         }
         return j;
     }
+    // 2^(-dt / kHalfLife), the decay of a count over dt tokens, as std::pow gives it. Whole numbers
+    // of tokens below kDecayTokens come from a table of those very values: a key's uses are all in
+    // its layer, at times token + pos / positions that differ by whole tokens while the token count
+    // stays within one power of two (tests/c/oppclass_count_test.cpp checks the table).
+    double decay(double dt) const {
+        if (dt >= 0.0 && dt < kDecayTokens) {
+            const int k = static_cast<int>(dt);
+            if (k == dt) return decay_[k];
+        }
+        return std::pow(2.0, -dt / kHalfLife);
+    }
 
 private:
     // One more use of `key` now; returns its class.
@@ -100,10 +116,11 @@ private:
         Count& c = count_[key];
         const double t = double(clock_.token) + double(clock_.pos) / double(clock_.positions);
         if (!memo_) return count(c, t);
-        if (c.d == memo_->before.d && c.t == memo_->before.t && t == memo_->t) {
+        if (key == memo_->key && c.d == memo_->before.d && c.t == memo_->before.t && t == memo_->t) {
             c = memo_->after;  // the same inputs: the same double operations gave this
             return memo_->k;
         }
+        memo_->key = key;
         memo_->before = c;
         memo_->t = t;
         memo_->k = count(c, t);
@@ -112,7 +129,7 @@ private:
     }
     // Count a use of c at time t; returns the class.
     int count(Count& c, double t) const {
-        c.d = c.d == 0.0 ? 1.0 : c.d * std::pow(2.0, -(t - c.t) / kHalfLife) + 1.0;
+        c.d = c.d == 0.0 ? 1.0 : c.d * decay(t - c.t) + 1.0;
         c.t = t;
         return class_of(c.d);
     }
@@ -130,6 +147,7 @@ private:
     double log_base_;
     double scale_[kClasses];
     double below_[kClasses], above_[kClasses];  // class_of's bounds; [0] unused
+    const double* decay_;                       // decay()'s table, kDecayTokens values
     PolicyClock clock_;
     std::vector<Count> count_;        // per key
     std::vector<uint32_t> key_;       // per slot
