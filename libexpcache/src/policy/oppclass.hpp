@@ -51,7 +51,10 @@ public:
     explicit OppClassPolicy(UseMemo* memo = nullptr);
 
     void resize(int32_t n) override;
-    void set_clock(const PolicyClock& clock) override { clock_ = clock; }
+    void set_clock(const PolicyClock& clock) override {
+        clock_ = clock;
+        now_ = double(clock.token) + double(clock.pos) / double(clock.positions);
+    }
 
     void on_insert(int32_t slot, bool cold, uint32_t key) override {
         key_[slot] = key;
@@ -114,7 +117,7 @@ private:
     int use(uint32_t key) {
         if (key >= count_.size()) count_.resize(key + 1);
         Count& c = count_[key];
-        const double t = double(clock_.token) + double(clock_.pos) / double(clock_.positions);
+        const double t = now_;
         if (!memo_) return count(c, t);
         if (key == memo_->key && c.d == memo_->before.d && c.t == memo_->before.t && t == memo_->t) {
             c = memo_->after;  // the same inputs: the same double operations gave this
@@ -149,6 +152,7 @@ private:
     double below_[kClasses], above_[kClasses];  // class_of's bounds; [0] unused
     const double* decay_;                       // decay()'s table, kDecayTokens values
     PolicyClock clock_;
+    double now_ = 0.0;                // the clock's time: token + pos / positions
     std::vector<Count> count_;        // per key
     std::vector<uint32_t> key_;       // per slot
     std::vector<int32_t> tok_, pos_;  // per slot: token and layer position of last use
