@@ -88,8 +88,9 @@ $(SELECT_BIN): benchmarks/c/select_overhead.c $(LIBS)
 select-overhead: $(SELECT_BIN)
 	$(SELECT_BIN) host 1000000 lru
 	$(SELECT_BIN) host 1000000 oppclass
+	$(SELECT_BIN) host 1000000 duel
 	@if [ -n "$(NVCC)" ] && $(SELECT_BIN) cuda 1 >/dev/null 2>&1; then \
-		$(SELECT_BIN) cuda 1000000 lru; $(SELECT_BIN) cuda 1000000 oppclass; fi
+		$(SELECT_BIN) cuda 1000000 lru; $(SELECT_BIN) cuda 1000000 oppclass; $(SELECT_BIN) cuda 1000000 duel; fi
 
 COPY_BIN = $(BUILD)/copy_methods
 $(COPY_BIN): benchmarks/c/copy_methods.cu libexpcache/src/backend/copy_nt.hpp

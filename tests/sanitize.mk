@@ -18,6 +18,8 @@
 #                        and UBSan; make ring-tsan-test: the same with ThreadSanitizer
 #   make prefetch-test   tests/c/prefetch_test.cpp, the prefetch thread over the same fake link,
 #                        with ASan and UBSan; make prefetch-tsan-test: with ThreadSanitizer
+#   make oppclass-test   tests/c/oppclass_count_test.cpp, OppClassLRU's class and decay of a count
+#                        against the simulator's logarithm and power, with ASan and UBSan
 #   make memory-test     tests/c/memory_test.c, memory kept past release_all and destroy by
 #                        expcache_memory_retain, and a cache inherited by fork(), with ASan and UBSan
 #
@@ -62,7 +64,7 @@ TSAN_BIN = $(TSAN_DIR)/stress
 TSAN_FLAGS = -fsanitize=thread -fno-omit-frame-pointer
 TSAN_ENV   = TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 
-.PHONY: asan-test valgrind-test tsan-test sanitize ring-test ring-tsan-test prefetch-test prefetch-tsan-test memory-test
+.PHONY: asan-test valgrind-test tsan-test sanitize ring-test ring-tsan-test prefetch-test prefetch-tsan-test memory-test oppclass-test
 
 sanitize: asan-test valgrind-test tsan-test
 
@@ -105,6 +107,14 @@ $(1)/prefetch_test: tests/c/prefetch_test.cpp tests/c/fake_link.hpp $$(patsubst 
 endef
 $(eval $(call prefetch_build,$(ASAN_DIR),$(SAN_FLAGS)))
 $(eval $(call prefetch_build,$(TSAN_DIR),$(TSAN_FLAGS)))
+
+# OppClassLRU's arithmetic of a count against the simulator's expressions: the policy's header
+# and its one source file.
+$(ASAN_DIR)/oppclass_count_test: tests/c/oppclass_count_test.cpp $(ASAN_DIR)/obj/policy/oppclass.o $(HEADERS)
+	$(CXX) $(SAN_CXXFLAGS) $(SAN_OPT) $(SAN_FLAGS) -o $@ tests/c/oppclass_count_test.cpp $(ASAN_DIR)/obj/policy/oppclass.o
+
+oppclass-test: $(ASAN_DIR)/oppclass_count_test
+	$(SAN_ENV) $(ASAN_DIR)/oppclass_count_test
 
 # The memory references' test: a C program over the public API, linked like the stress driver.
 $(ASAN_DIR)/memory_test: tests/c/memory_test.c $(patsubst libexpcache/src/%.cpp,$(ASAN_DIR)/obj/%.o,$(SAN_CXX_SRC)) \

@@ -7,7 +7,8 @@ printed, and are part of the assertion message when a run fails. Also the unit t
 staging ring (tests/c/ring_test.cpp) and of the prefetch thread (tests/c/prefetch_test.cpp) over a
 fake link, each under ASan + UBSan and under TSan, and the memory references' test
 (tests/c/memory_test.c: memory kept past release_all and destroy, a cache inherited by fork())
-under ASan + UBSan."""
+under ASan + UBSan, and OppClassLRU's arithmetic of a count (its class, its decay) against the
+simulator's expressions (tests/c/oppclass_count_test.cpp) under ASan + UBSan."""
 
 from __future__ import annotations
 
@@ -167,3 +168,11 @@ def test_memory_kept_past_the_cache_under_asan_and_ubsan():
     # freed by its last reference (a leak report if not), and a cache inherited by fork().
     require_sanitizer("address,undefined")
     assert_unit_test_clean("memory-test", "memory_test")
+
+
+@ASAN_BUILD
+def test_oppclass_count_arithmetic_unit_under_asan_and_ubsan():
+    # The library's class of a count (found by comparisons) and decay (whole tokens from a table)
+    # equal the simulator's logarithm and power, double for double: else the two part ways.
+    require_sanitizer("address,undefined")
+    assert_unit_test_clean("oppclass-test", "oppclass_count_test")

@@ -1,7 +1,7 @@
 /*
  * Host CPU time of an all-hit expcache_select_async of 6 experts, measured
  * from C (no Python in the loop). Usage: select_overhead [host|cuda] [calls] [policy]
- * (a name expcache_policy_name gives: lru, the default, oppclass, ...)
+ * (a name expcache_policy_name gives: lru, the default here, oppclass, duel, ...)
  * Prints one line: backend, calls, ns per call (best of 5 runs).
  */
 #include <stdio.h>

@@ -2,7 +2,7 @@
 
 * :func:`missed_opportunities`: how many times a key's layer ran since its last use.
 * :class:`OppClassLRU`: the winner (``"oppclass"``; docs/policy.md), mirrored by
-  ``libexpcache/src/policy/oppclass.cpp``.
+  ``libexpcache/src/policy/oppclass.hpp`` and ``oppclass.cpp``.
 * :class:`HazardClassLRU`: candidate 2 (``"hazard"``), the same lists ranked by a
   reuse hazard learned online.
 """

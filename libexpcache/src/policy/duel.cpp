@@ -4,15 +4,16 @@
 // wins on the DeepSeek traces; LRU where popularity shifts (a new prompt, a new topic), where a
 // decayed count keeps yesterday's experts. Measured in docs/policy.md. The decisions mirror
 // expcache_bench/sim/duel.py, so the simulator and the library agree count for count.
+// The four orders are held by value (final classes): a hit calls them without virtual dispatch.
 #include <memory>
+#include <utility>
 #include <vector>
 
+#include "lru.hpp"
+#include "oppclass.hpp"
 #include "policy.hpp"
 
 namespace expcache {
-
-std::unique_ptr<Policy> make_lru_policy();       // lru.cpp
-std::unique_ptr<Policy> make_oppclass_policy();  // oppclass.cpp
 
 namespace {
 
@@ -22,57 +23,55 @@ bool any_slot(const void*, int32_t) {
     return true;
 }
 
-// A cache of keys only, ordered by `policy` over slots of its own; it evicts when it holds `room`.
+// A cache of keys only, ordered by a policy P over slots of its own; it evicts when it holds `room`.
+template <class P>
 class Shadow {
 public:
-    explicit Shadow(std::unique_ptr<Policy> policy) : policy_(std::move(policy)) {}
+    template <class... Args>
+    explicit Shadow(Args&&... args) : policy_(std::forward<Args>(args)...) {}
 
-    void set_clock(const PolicyClock& clock) { policy_->set_clock(clock); }
+    void set_clock(const PolicyClock& clock) { policy_.set_clock(clock); }
     // One request of `key`: true for a hit.
     bool request(uint32_t key, int32_t room) {
         if (key >= slot_of_.size()) slot_of_.resize(key + 1, -1);
         int32_t s = slot_of_[key];
         if (s >= 0) {
-            policy_->on_hit(s);
+            policy_.on_hit(s);
             return true;
         }
         if (static_cast<int32_t>(key_of_.size()) < room) {
             s = static_cast<int32_t>(key_of_.size());
             key_of_.push_back(key);
-            policy_->resize(s + 1);
+            policy_.resize(s + 1);
         } else {
-            s = policy_->victim(any_slot, nullptr);
-            policy_->on_remove(s);
+            s = policy_.victim(any_slot, nullptr);
+            policy_.on_remove(s);
             slot_of_[key_of_[s]] = -1;
             key_of_[s] = key;
         }
         slot_of_[key] = s;
-        policy_->on_insert(s, false, key);
+        policy_.on_insert(s, false, key);
         return false;
     }
 
 private:
-    std::unique_ptr<Policy> policy_;
+    P policy_;
     std::vector<int32_t> slot_of_;  // per key: its shadow slot, or -1
     std::vector<uint32_t> key_of_;  // per shadow slot
 };
 
 class DuelPolicy final : public Policy {
 public:
-    DuelPolicy()
-        : lru_(make_lru_policy()),
-          opp_(make_oppclass_policy()),
-          shadow_lru_(make_lru_policy()),
-          shadow_opp_(make_oppclass_policy()) {}
+    DuelPolicy() : opp_(&memo_), shadow_opp_(&memo_) {}
 
     void resize(int32_t n) override {
-        lru_->resize(n);
-        opp_->resize(n);
+        lru_.resize(n);
+        opp_.resize(n);
         key_.resize(n, 0);
     }
     void set_clock(const PolicyClock& clock) override {
-        lru_->set_clock(clock);
-        opp_->set_clock(clock);
+        lru_.set_clock(clock);
+        opp_.set_clock(clock);
         shadow_lru_.set_clock(clock);
         shadow_opp_.set_clock(clock);
     }
@@ -80,36 +79,36 @@ public:
         grew();
         key_[slot] = key;
         if (!cold) request(key);
-        lru_->on_insert(slot, cold, key);
-        opp_->on_insert(slot, cold, key);
+        lru_.on_insert(slot, cold, key);
+        opp_.on_insert(slot, cold, key);
     }
     void on_hit(int32_t slot) override {
         request(key_[slot]);
-        lru_->on_hit(slot);
-        opp_->on_hit(slot);
+        lru_.on_hit(slot);
+        opp_.on_hit(slot);
     }
     void on_hint(int32_t slot) override {
-        lru_->on_hint(slot);
-        opp_->on_hint(slot);
+        lru_.on_hint(slot);
+        opp_.on_hint(slot);
     }
     void on_prefetch(int32_t slot, uint32_t key) override {
         grew();
         key_[slot] = key;
-        lru_->on_prefetch(slot, key);
-        opp_->on_prefetch(slot, key);
+        lru_.on_prefetch(slot, key);
+        opp_.on_prefetch(slot, key);
     }
     void on_remove(int32_t slot) override {
         --resident_;
-        lru_->on_remove(slot);
-        opp_->on_remove(slot);
+        lru_.on_remove(slot);
+        opp_.on_remove(slot);
     }
     int32_t victim(Evictable evictable, const void* ctx) const override {
-        return (psel_ >= 0 ? opp_ : lru_)->victim(evictable, ctx);
+        return psel_ >= 0 ? opp_.victim(evictable, ctx) : lru_.victim(evictable, ctx);
     }
     // The slots are forgotten; the shadows and the counter keep what they learned.
     void clear() override {
-        lru_->clear();
-        opp_->clear();
+        lru_.clear();
+        opp_.clear();
         key_.clear();
         resident_ = 0;
     }
@@ -126,8 +125,13 @@ private:
         if (lru_hit && !opp_hit && psel_ > -kLimit) --psel_;
     }
 
-    std::unique_ptr<Policy> lru_, opp_;  // both order the real slots
-    Shadow shadow_lru_, shadow_opp_;
+    // OppClassLRU's counts: the shadow counts a request first, the real order takes the result when
+    // its count of the key is the shadow's (a prefill append counts in the real order alone).
+    OppClassPolicy::UseMemo memo_;
+    LruPolicy lru_;  // both order the real slots
+    OppClassPolicy opp_;
+    Shadow<LruPolicy> shadow_lru_;
+    Shadow<OppClassPolicy> shadow_opp_;
     std::vector<uint32_t> key_;        // per slot
     int32_t resident_ = 0, room_ = 0;  // slots held now, most held at once (the shadows' size)
     int32_t psel_ = 0;                 // >= 0: OppClassLRU's victims go

@@ -1,41 +1,19 @@
-// Least recently used: one intrusive list over slot indices, O(1) per hit,
-// insert and remove; the victim is the first evictable slot from the cold end.
-#include "intrusive_lists.hpp"
-#include "policy.hpp"
+// LRU's victim and order (lru.hpp declares the policy) and its factory for the registry.
+#include "lru.hpp"
+
+#include <memory>
 
 namespace expcache {
 
-namespace {
+int32_t LruPolicy::victim(Evictable evictable, const void* ctx) const {
+    for (int32_t s = list_.first(0); s >= 0; s = list_.next(s))
+        if (evictable(ctx, s)) return s;
+    return -1;
+}
 
-class LruPolicy final : public Policy {
-public:
-    void resize(int32_t n) override { list_.resize(n); }
-    void on_insert(int32_t slot, bool cold, uint32_t) override {
-        if (cold)
-            list_.push_front(0, slot);  // prefill appends go first
-        else
-            list_.push_back(0, slot);
-    }
-    void on_hit(int32_t slot) override {
-        list_.unlink(slot);
-        list_.push_back(0, slot);
-    }
-    void on_remove(int32_t slot) override { list_.unlink(slot); }
-    int32_t victim(Evictable evictable, const void* ctx) const override {
-        for (int32_t s = list_.first(0); s >= 0; s = list_.next(s))
-            if (evictable(ctx, s)) return s;
-        return -1;
-    }
-    void clear() override { list_.clear(); }
-    void order(std::vector<int32_t>* out) const override {
-        for (int32_t s = list_.first(0); s >= 0; s = list_.next(s)) out->push_back(s);
-    }
-
-private:
-    IntrusiveLists list_{1};
-};
-
-}  // namespace
+void LruPolicy::order(std::vector<int32_t>* out) const {
+    for (int32_t s = list_.first(0); s >= 0; s = list_.next(s)) out->push_back(s);
+}
 
 std::unique_ptr<Policy> make_lru_policy() {
     return std::unique_ptr<Policy>(new LruPolicy());

@@ -1,133 +1,76 @@
-// OppClassLRU: ClassLRU (a decayed use count per expert, one LRU list per
-// class of that count) with the age of an entry counted in the missed
-// opportunities of its layer: how many times its layer ran without picking
-// it. Layers run in a fixed order once per token, so a count of calls mixes
-// up experts of layers ahead of and behind the current one. Tuned on two of
-// the bundled traces and evaluated on the other five: docs/policy.md. The
-// arithmetic mirrors expcache_bench/sim/oppclass.py (same double operations), so the
-// offline simulator and the library agree count for count.
-#include <cmath>
-#include <vector>
+// OppClassLRU's set-up, victim and clear (oppclass.hpp declares the policy) and its factory for
+// the registry.
+#include "oppclass.hpp"
 
-#include "intrusive_lists.hpp"
-#include "policy.hpp"
+#include <array>
+#include <memory>
 
 namespace expcache {
 
 namespace {
 
-constexpr int kClasses = 16;            // counts >= 1.3^15 share the last class
-constexpr double kHalfLife = 64.0;      // tokens
-constexpr double kBase = 1.3;           // class k holds counts in [1.3^k, 1.3^(k+1))
-constexpr double kWeight = 1.6;         // one class is worth a factor 1.6 of age
-constexpr double kOffset = 1.0;         // added to the age
-constexpr int32_t kNever = -(1 << 30);  // last-use token of a cold (prefill) insert
-
-class OppClassPolicy final : public Policy {
-public:
-    OppClassPolicy() : log_base_(std::log(kBase)) {
-        for (int k = 0; k < kClasses; ++k) scale_[k] = std::pow(kWeight, k);
-    }
-
-    void resize(int32_t n) override {
-        lists_.resize(n);
-        key_.resize(n, 0);
-        tok_.resize(n, 0);
-        pos_.resize(n, 0);
-        cls_.resize(n, 0);
-    }
-    void set_clock(const PolicyClock& clock) override { clock_ = clock; }
-
-    void on_insert(int32_t slot, bool cold, uint32_t key) override {
-        key_[slot] = key;
-        int k = use(key);
-        if (cold) {  // a prefill append: class 0, the cold end, as if never used
-            place(slot, 0, kNever, 0, /*hot=*/false);
-        } else {
-            place(slot, k, clock_.token, clock_.pos, true);
+// 2^(-k / kHalfLife) for k = 0 .. kDecayTokens - 1, by the expression decay() evaluates otherwise.
+const double* decay_table() {
+    static const std::array<double, OppClassPolicy::kDecayTokens> table = [] {
+        std::array<double, OppClassPolicy::kDecayTokens> t{};
+        for (int k = 0; k < OppClassPolicy::kDecayTokens; ++k) {
+            const double dt = k;
+            t[k] = std::pow(2.0, -dt / OppClassPolicy::kHalfLife);
         }
-    }
-    void on_hit(int32_t slot) override {
-        lists_.unlink(slot);
-        place(slot, use(key_[slot]), clock_.token, clock_.pos, true);
-    }
-    // A hint refreshes recency only: counting it as a use would raise the count of every predicted
-    // expert, right or wrong (measured: more demand misses, docs/engine.md).
-    void on_hint(int32_t slot) override {
-        lists_.unlink(slot);
-        place(slot, cls_[slot], clock_.token, clock_.pos, true);
-    }
-    // A prefetch is not a use either: class 0, the cold end, until a select uses it.
-    void on_prefetch(int32_t slot, uint32_t key) override {
-        key_[slot] = key;
-        place(slot, 0, kNever, 0, false);
-    }
-    void on_remove(int32_t slot) override { lists_.unlink(slot); }  // the key's count is kept
-
-    // The largest (missed opportunities + offset) / weight^class among the first
-    // evictable entry of each list: within a list, last-use order makes that entry
-    // the list's largest score, so this is the best evictable entry overall.
-    int32_t victim(Evictable evictable, const void* ctx) const override {
-        int32_t best = -1;
-        double best_score = -1.0;
-        for (int k = 0; k < kClasses; ++k) {
-            for (int32_t s = lists_.first(k); s >= 0; s = lists_.next(s)) {
-                if (!evictable(ctx, s)) continue;
-                int32_t missed = clock_.token - tok_[s] - 1 + (pos_[s] <= clock_.pos ? 1 : 0);
-                double score = (missed + kOffset) / scale_[k];
-                if (score > best_score) {
-                    best = s;
-                    best_score = score;
-                }
-                break;
-            }
-        }
-        return best;
-    }
-    void clear() override {
-        lists_.clear();
-        key_.clear();
-        tok_.clear();
-        pos_.clear();
-        cls_.clear();
-        // Counts survive: an expert's history outlives its eviction and a release.
-    }
-
-private:
-    // One more use of `key` now; returns its class.
-    int use(uint32_t key) {
-        if (key >= count_.size()) {
-            count_.resize(key + 1, 0.0);
-            time_.resize(key + 1, 0.0);
-        }
-        double t = double(clock_.token) + double(clock_.pos) / double(clock_.positions);
-        double d = count_[key] == 0.0 ? 1.0 : count_[key] * std::pow(2.0, -(t - time_[key]) / kHalfLife) + 1.0;
-        count_[key] = d;
-        time_[key] = t;
-        int k = static_cast<int>(std::log(d) / log_base_ + 1e-9);
-        return k < kClasses - 1 ? k : kClasses - 1;
-    }
-    void place(int32_t slot, int k, int32_t token, int32_t pos, bool hot) {
-        tok_[slot] = token;
-        pos_[slot] = pos;
-        cls_[slot] = k;
-        if (hot)
-            lists_.push_back(k, slot);
-        else
-            lists_.push_front(k, slot);
-    }
-
-    double log_base_;
-    double scale_[kClasses];
-    PolicyClock clock_;
-    std::vector<double> count_, time_;  // per key: decayed count, time of last use
-    std::vector<uint32_t> key_;         // per slot
-    std::vector<int32_t> tok_, pos_;    // per slot: token and layer position of last use
-    std::vector<int> cls_;              // per slot: its list
-    IntrusiveLists lists_{kClasses};    // one list per class, cold end first
-};
+        return t;
+    }();
+    return table.data();
+}
 
 }  // namespace
+
+OppClassPolicy::OppClassPolicy(UseMemo* memo) : memo_(memo), log_base_(std::log(kBase)), decay_(decay_table()) {
+    for (int k = 0; k < kClasses; ++k) scale_[k] = std::pow(kWeight, k);
+    below_[0] = above_[0] = 0.0;
+    for (int j = 1; j < kClasses; ++j) {
+        double at = std::exp((j - 1e-9) * log_base_);  // log(at) / log_base_ + 1e-9 == j
+        below_[j] = at * (1.0 - 1e-9);
+        above_[j] = at * (1.0 + 1e-9);
+    }
+}
+
+void OppClassPolicy::resize(int32_t n) {
+    lists_.resize(n);
+    key_.resize(n, 0);
+    tok_.resize(n, 0);
+    pos_.resize(n, 0);
+    cls_.resize(n, 0);
+}
+
+// The largest (missed opportunities + offset) / weight^class among the first
+// evictable entry of each list: within a list, last-use order makes that entry
+// the list's largest score, so this is the best evictable entry overall.
+int32_t OppClassPolicy::victim(Evictable evictable, const void* ctx) const {
+    int32_t best = -1;
+    double best_score = -1.0;
+    for (int k = 0; k < kClasses; ++k) {
+        for (int32_t s = lists_.first(k); s >= 0; s = lists_.next(s)) {
+            if (!evictable(ctx, s)) continue;
+            int32_t missed = clock_.token - tok_[s] - 1 + (pos_[s] <= clock_.pos ? 1 : 0);
+            double score = (missed + kOffset) / scale_[k];
+            if (score > best_score) {
+                best = s;
+                best_score = score;
+            }
+            break;
+        }
+    }
+    return best;
+}
+
+void OppClassPolicy::clear() {
+    lists_.clear();
+    key_.clear();
+    tok_.clear();
+    pos_.clear();
+    cls_.clear();
+    // Counts survive: an expert's history outlives its eviction and a release.
+}
 
 std::unique_ptr<Policy> make_oppclass_policy() {
     return std::unique_ptr<Policy>(new OppClassPolicy());
