@@ -59,7 +59,7 @@ struct StagingBuffers {
     OwnedBuffer overflow;  // select's misses that got no slot
 };
 
-class Cache : private SlotObserver {
+class Cache {
 public:
     static expcache_status_t create(const expcache_config_t& config, std::unique_ptr<Cache>* out);
     ~Cache();
@@ -209,10 +209,11 @@ private:
         expcache_stats_t* st = nullptr;  // the class's counters of this path
     };
 
-    // SlotObserver (the class table's questions): before a class's slots are freed, nothing
-    // more goes out into them and the device has finished reading them.
-    expcache_status_t before_release() override;
-    void dropped_unused(SlotState& slot) override { prefetch_.dropped_unused(slot); }
+    // cache.cpp: the class table's releases, each class vacated first (prefetches settled, the
+    // device done with its slots: PrefetchCoordinator::vacate), so that the table never calls out.
+    // bind_class: ClassTable::bind, vacating the class it reuses.
+    expcache_status_t bind_class(uint32_t layer, uint32_t path, int32_t* out_cls);
+    expcache_status_t release_unheld(uint32_t path);
 
     // serve.cpp
     expcache_status_t validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,

@@ -1,7 +1,8 @@
 // The size classes: per class its slots (device memory in slabs), which expert each holds, the
 // eviction policy's state, its budget and runtime cap, and its counters. A class is bound by
 // the layers whose experts have its byte sizes; at most max_classes exist at once. Every change
-// to a slot's residency goes through this table: bind, grow, acquire, install, evict, release.
+// to a slot's residency goes through this table: bind, grow, acquire, install, evict, release
+// (class_table.cpp: classes, caps and budgets; class_slots.cpp: a slot's acquisition and residency).
 #pragma once
 
 #include <memory>
@@ -72,14 +73,12 @@ struct ClassState {
     }
 };
 
-// What the table needs from the rest of the cache around its slots' life (the prefetches).
-class SlotObserver {
-public:
-    virtual ~SlotObserver() = default;
-    // Before a class's slots are freed: nothing may be sent into them, or read, afterwards.
-    virtual expcache_status_t before_release() = 0;
-    // A slot holding a prefetched expert nothing used leaves it (evicted or released).
-    virtual void dropped_unused(SlotState& slot) = 0;
+// What acquire() did to get its slot: the victim it evicted, if any, and whether that victim held
+// a prefetched expert nothing used (the caller counts it wasted: the table never calls out).
+struct Acquired {
+    int32_t slot = -1;                    // -1: none may be had
+    bool evicted = false;                 // the slot was taken from a resident expert
+    int32_t dropped_prefetch_layer = -1;  // >= 0: the victim was an unused prefetch of this layer
 };
 
 // Which slots a miss may evict: kDemand none the call uses (last_call >= protect_from), kPrefetch
@@ -92,7 +91,7 @@ enum class Insert { kDemand, kCold, kPrefetch };
 class ClassTable {
 public:
     ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers, Log& log,
-               Health& health, SlotObserver& observer);
+               Health& health);
 
     ClassState& operator[](int32_t c) { return classes_[static_cast<size_t>(c)]; }
     const ClassState& operator[](int32_t c) const { return classes_[static_cast<size_t>(c)]; }
@@ -105,11 +104,18 @@ public:
     // The class a layer is bound to, or -1 (never bound, or its class was reused since).
     int32_t bound(const LayerState& layer) const;
     // Binds the layer to the class of its sizes: its own, a free one, or the least recently used
-    // one not holding batch slots (released and reused).
+    // one not holding batch slots (released and reused: the caller vacates it first, see
+    // release()).
     expcache_status_t bind(uint32_t layer, uint32_t path, int32_t* out_cls);
-    // Frees a class's slots (every resident expert becomes non-resident).
+    // The class whose slots bind(layer) would free to reuse it, or -1 (nothing freed).
+    int32_t bind_releases(uint32_t layer) const;
+    // The classes whose slots release_unheld() frees.
+    std::vector<int32_t> unheld() const;
+    // Frees a class's slots (every resident expert becomes non-resident). The caller vacates
+    // them first: no prefetch sends into them any more, the device has finished reading them,
+    // and their unused prefetches are counted (PrefetchCoordinator::vacate). Never calls out.
     expcache_status_t release(int32_t c, uint32_t path);
-    // Every class not holding batch slots.
+    // Every class not holding batch slots (unheld(), each vacated first).
     expcache_status_t release_unheld(uint32_t path);
     // Budget shares depend on the whole layout: caps are recomputed before the next growth.
     void invalidate_caps();
@@ -120,15 +126,14 @@ public:
     // A slot for a miss of `layer`: a free one, else a new one within the cap, else (evict) the
     // policy's victim among the evictable slots (protect_from: see Evict). Under
     // EXPCACHE_PARTITION_LAYER a layer holding its share (layer_share) takes only the victim among
-    // its own slots. *out = -1 when none may be had.
+    // its own slots. out->slot = -1 when none may be had.
     expcache_status_t acquire(int32_t c, uint32_t layer, bool allow_grow, Evict evict, uint64_t protect_from,
-                              uint32_t path, int32_t* out);
+                              uint32_t path, Acquired* out);
     // The one way an expert enters a slot from acquire(): resident for `layer`, ranked by `how`,
     // used by call `call` (0 for a prefetch).
     void install(int32_t c, int32_t s, uint32_t layer, uint32_t expert, Insert how, uint64_t call);
     // A prefetch finished by a serving call enters the policy again as that call's miss.
     void reinstall(int32_t c, int32_t s, bool cold, uint64_t call);
-    void evict(int32_t c, int32_t s, uint32_t path);
     // A slot whose bytes are not its expert's (a failed upload, a cancelled prefetch): free again.
     void uninstall(int32_t c, int32_t s);
 
@@ -137,13 +142,17 @@ public:
     uint64_t target(const ClassState& cls) const;
 
 private:
+    void choose(const LayerState& layer, int32_t* found, int32_t* empty, int32_t* lru) const;
     void activate(int32_t c, const LayerState& layer);
     std::string zero_target_reason(const ClassState& cls) const;
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");
     void warn_empty_shares(int32_t c) const;
+    // EXPCACHE_PARTITION_LAYER: the layer's share of the class's cap.
+    uint64_t layer_share(const ClassState& cls, uint32_t layer) const;
     expcache_status_t grow(int32_t c, uint32_t path);
     expcache_status_t reserve_bank(int32_t c, uint32_t path);
+    void evict(int32_t c, int32_t s, uint32_t path, Acquired* out);
 
     const expcache_config_t& config_;
     Backend& backend_;
@@ -151,7 +160,6 @@ private:
     LayerTable& layers_;
     Log& log_;
     Health& health_;
-    SlotObserver& observer_;
     const bool banked_;
     uint64_t reuses_ = 0;              // classes released for another size: the first one warns
     std::vector<ClassState> classes_;  // sized once: references to a class stay valid

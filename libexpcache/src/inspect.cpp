@@ -194,7 +194,7 @@ expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer);
     int32_t c = -1;
-    if (s == EXPCACHE_OK) s = classes_.bind(layer, EXPCACHE_PATH_CONTROL, &c);
+    if (s == EXPCACHE_OK) s = bind_class(layer, EXPCACHE_PATH_CONTROL, &c);
     if (s != EXPCACHE_OK) return s;
     *out = static_cast<uint32_t>(c);
     return EXPCACHE_OK;

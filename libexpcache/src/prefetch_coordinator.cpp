@@ -103,10 +103,19 @@ void PrefetchCoordinator::note_use(int32_t c, int32_t s) {
     slot.prefetch = kPrefetchNone;
 }
 
-void PrefetchCoordinator::dropped_unused(SlotState& slot) {
+void PrefetchCoordinator::dropped_unused(uint32_t layer) {
     stats_.wasted++;
-    stats_.bytes_wasted += x_.layers[slot.layer].expert_bytes();
-    slot.prefetch = kPrefetchNone;
+    stats_.bytes_wasted += x_.layers[layer].expert_bytes();
+}
+
+expcache_status_t PrefetchCoordinator::vacate(int32_t c) {
+    expcache_status_t s = settle(true);
+    if (s == EXPCACHE_OK) s = x_.health.check(x_.backend.sync_device());
+    if (s != EXPCACHE_OK) return s;
+    x_.streams.forget_copy_pending();
+    for (const SlotState& slot : x_.classes[c].slots)
+        if (slot.layer >= 0 && slot.prefetch != kPrefetchNone) dropped_unused(static_cast<uint32_t>(slot.layer));
+    return EXPCACHE_OK;
 }
 
 expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
@@ -119,6 +128,8 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
     Prefetcher& thread = pump();
     if ((s = settle(false)) != EXPCACHE_OK) return s;
     int32_t c = -1;
+    const int32_t reused = x_.classes.bind_releases(layer_index);
+    if (reused >= 0 && (s = vacate(reused)) != EXPCACHE_OK) return s;
     if ((s = x_.classes.bind(layer_index, EXPCACHE_PATH_CONTROL, &c)) != EXPCACHE_OK) return s;
     LayerState& layer = x_.layers[layer_index];
     ClassState& cls = x_.classes[c];
@@ -137,10 +148,12 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
             stats_.dropped++;
             continue;
         }
-        int32_t slot = -1;
+        Acquired got;
         if ((s = x_.classes.acquire(c, layer_index, true, Evict::kPrefetch, x_.clock.prev, EXPCACHE_PATH_CONTROL,
-                                    &slot)) != EXPCACHE_OK)
+                                    &got)) != EXPCACHE_OK)
             return s;
+        if (got.dropped_prefetch_layer >= 0) dropped_unused(static_cast<uint32_t>(got.dropped_prefetch_layer));
+        const int32_t slot = got.slot;
         if (slot < 0) {
             stats_.dropped++;
             continue;

@@ -54,8 +54,12 @@ public:
     expcache_status_t finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint64_t* sent_now);
     // A hit on a prefetched slot: the prefetch paid.
     void note_use(int32_t c, int32_t s);
-    // A landed prefetch leaving its slot unused (SlotObserver).
-    void dropped_unused(SlotState& slot);
+    // A landed prefetch of `layer` leaving its slot unused (evicted: see Acquired).
+    void dropped_unused(uint32_t layer);
+    // Before class c's slots are freed (ClassTable::release): no prefetch sends into them any
+    // more (every queued one cancelled), the device has finished every kernel that may read
+    // them, and the unused prefetches they hold are counted wasted.
+    expcache_status_t vacate(int32_t c);
 
     expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
     expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);

@@ -55,7 +55,7 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     if (s == EXPCACHE_OK) s = validate_request(layer, ids, n, max_n, count_name);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
-    if (s == EXPCACHE_OK) s = classes_.bind(layer, call.path, &call.c);
+    if (s == EXPCACHE_OK) s = bind_class(layer, call.path, &call.c);
     if (s != EXPCACHE_OK) return s;
     ClassState& cls = classes_[call.c];
     clock_.open_serving(layer, layers_[layer].rank);
@@ -124,7 +124,7 @@ expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path,
     expcache_status_t s = health_.check(arena_.alloc(bytes, out));
     if (s != EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) return s;
     std::string first = last_error();
-    s = classes_.release_unheld(path);
+    s = release_unheld(path);
     if (s != EXPCACHE_OK) return s;
     classes_[c].stats[path].alloc_retries++;
     log_(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",

@@ -58,12 +58,14 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
     for (uint32_t j : scratch.pending) {
         uint32_t e = scratch.unique[j];
         st.misses++;
-        int32_t slot = -1;
-        uint64_t evictions_before = st.evictions;
+        Acquired got;
         // A demand call protects the slots it uses (last_call == the call's id, the newest).
         expcache_status_t s = classes_.acquire(call.c, call.layer_index, true, batch ? Evict::kNo : Evict::kDemand,
-                                               clock_.call, call.path, &slot);
+                                               clock_.call, call.path, &got);
         if (s != EXPCACHE_OK) return s;
+        if (got.dropped_prefetch_layer >= 0)
+            prefetch_.dropped_unused(static_cast<uint32_t>(got.dropped_prefetch_layer));
+        const int32_t slot = got.slot;
         if (slot < 0) {
             scratch.pending[direct++] = j;  // compacted in place: served from staging
             continue;
@@ -78,7 +80,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         }
         classes_.install(call.c, slot, call.layer_index, e, batch ? Insert::kCold : Insert::kDemand, clock_.call);
         scratch.inserted.emplace_back(call.c, slot);
-        if (st.evictions == evictions_before) st.appends++;
+        if (!got.evicted) st.appends++;
         st.bytes_h2d += layer.expert_bytes();
         serve(j, slot);
     }
