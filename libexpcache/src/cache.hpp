@@ -206,7 +206,6 @@ private:
         LayerState* layer = nullptr;
         int32_t c = -1;  // the layer's class
         ClassState* cls = nullptr;
-        expcache_stats_t* st = nullptr;  // the class's counters of this path
     };
 
     // cache.cpp: the class table's releases, each class vacated first (prefetches settled, the

@@ -75,6 +75,18 @@ ClassTable::ClassTable(const expcache_config_t& config, Backend& backend, Device
       banked_(config.lookup == EXPCACHE_LOOKUP_DEVICE),
       classes_(config.max_classes) {}
 
+void ClassTable::reset_stats() {
+    for (ClassState& cls : classes_)
+        for (expcache_stats_t& st : cls.stats) st = expcache_stats_t{};
+}
+
+void ClassTable::open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock) {
+    ClassState& cls = classes_[c];
+    cls.last_used = call;
+    cls.stats[path].calls++;
+    cls.policy->set_clock(clock);
+}
+
 void ClassTable::invalidate_caps() {
     for (ClassState& cls : classes_) cls.cap_valid = false;
 }

@@ -35,6 +35,13 @@ enum PrefetchState : uint8_t {
                            // otherwise the slot is freed (cancelled)
 };
 
+// Which slots a miss may evict: kDemand none the call uses (last_call >= protect_from), kPrefetch
+// none the current or previous serving call used; never one a batch holds or a prefetch loads.
+enum class Evict { kNo, kDemand, kPrefetch };
+// How an expert enters a slot: as the most recently used (a decode miss), among the first to go
+// (a batch's append), or as a prefetch (loading, until a use).
+enum class Insert { kDemand, kCold, kPrefetch };
+
 struct SlotState {
     unsigned char* dev = nullptr;
     int32_t layer = -1;  // -1: free
@@ -62,7 +69,6 @@ struct ClassState {
     bool cap_valid = false;      // recompute before the next growth
     bool cap_announced = false;  // a notice was given for `cap`
     uint64_t resident = 0, held = 0, layers = 0;
-    expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
 
     // Where each part of the slot (or staging entry laid out like one) at `base` goes.
     void parts_at(unsigned char* base, unsigned char* out[kParts]) const {
@@ -71,6 +77,22 @@ struct ClassState {
     expcache_expert_ptrs_t ptrs_at(unsigned char* base) const {
         return {base + part_off[kGate], base + part_off[kUp], base + part_off[kDown]};
     }
+
+private:
+    friend class ClassTable;
+    // Per path: recorded only by the table's verbs (ClassTable::stats reads them).
+    expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
+};
+
+// What a miss asks of acquire(): a slot of class `cls` for an expert of `layer`.
+struct SlotRequest {
+    int32_t cls = -1;
+    uint32_t layer = 0;
+    uint32_t path = 0;
+    bool miss = false;       // a serving call's miss: counted (misses) when asked, whatever comes of it
+    bool allow_grow = true;  // may allocate a new slot within the cap
+    Evict evict = Evict::kNo;
+    uint64_t protect_from = 0;  // see Evict
 };
 
 // What acquire() did to get its slot: the victim it evicted, if any, and whether that victim held
@@ -80,13 +102,6 @@ struct Acquired {
     bool evicted = false;                 // the slot was taken from a resident expert
     int32_t dropped_prefetch_layer = -1;  // >= 0: the victim was an unused prefetch of this layer
 };
-
-// Which slots a miss may evict: kDemand none the call uses (last_call >= protect_from), kPrefetch
-// none the current or previous serving call used; never one a batch holds or a prefetch loads.
-enum class Evict { kNo, kDemand, kPrefetch };
-// How an expert enters a slot: as the most recently used (a decode miss), among the first to go
-// (a batch's append), or as a prefetch (loading, until a use).
-enum class Insert { kDemand, kCold, kPrefetch };
 
 class ClassTable {
 public:
@@ -123,17 +138,42 @@ public:
     // the class is bound, kept (at one address) until the cache is destroyed.
     bool banked() const { return banked_; }
 
-    // A slot for a miss of `layer`: a free one, else a new one within the cap, else (evict) the
-    // policy's victim among the evictable slots (protect_from: see Evict). Under
-    // EXPCACHE_PARTITION_LAYER a layer holding its share (layer_share) takes only the victim among
-    // its own slots. out->slot = -1 when none may be had.
-    expcache_status_t acquire(int32_t c, uint32_t layer, bool allow_grow, Evict evict, uint64_t protect_from,
-                              uint32_t path, Acquired* out);
+    // The counters of class c on `path`, recorded by the verbs below (each says which it records).
+    const expcache_stats_t& stats(int32_t c, uint32_t path) const { return classes_[c].stats[path]; }
+    // The device mirror's counters (device_lookup.cpp copies them from and to the device).
+    expcache_stats_t& mirror_stats(int32_t c, uint32_t path) { return classes_[c].stats[path]; }
+    void reset_stats();
+
+    // A serving call of class c opens on `path` (calls): the class is the most recently used, and
+    // its policy sees the call's clock.
+    void open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock);
+    // Staging could only be had by releasing the caches (alloc_retries).
+    void note_alloc_retry(int32_t c, uint32_t path) { classes_[c].stats[path].alloc_retries++; }
+    // A serving call finds its expert in slot s (hits). refresh_call > 0: a decode hit, the
+    // policy refreshed and the slot used by that call; 0: a batch's hit, its recency left alone.
+    void hit(int32_t c, int32_t s, uint32_t path, uint64_t refresh_call);
+    // The slot is read by call `call` (protected from eviction during it).
+    void touch(int32_t c, int32_t s, uint64_t call) { classes_[c].slots[s].last_call = call; }
+    // A compact load copied slot s out (bytes_d2d); first: the call's first listing of the
+    // expert (a hit, the policy refreshed).
+    void lend(int32_t c, int32_t s, uint32_t path, bool first);
+    // An expert of `layer` served from outside the slots (bytes_h2d): staged (direct: a
+    // direct load) or repeated in a compact load; new_miss: a miss acquire() did not count.
+    void load_direct(int32_t c, uint32_t path, uint32_t layer, bool direct, bool new_miss);
+
+    // A slot for a miss of `req.layer` (misses when req.miss): a free one, else a new one within
+    // the cap, else (evict) the policy's victim among the evictable slots (evictions;
+    // protect_from: see Evict). Under EXPCACHE_PARTITION_LAYER a layer holding its share
+    // (layer_share) takes only the victim among its own slots. out->slot = -1 when none may be had.
+    expcache_status_t acquire(const SlotRequest& req, Acquired* out);
     // The one way an expert enters a slot from acquire(): resident for `layer`, ranked by `how`,
-    // used by call `call` (0 for a prefetch).
-    void install(int32_t c, int32_t s, uint32_t layer, uint32_t expert, Insert how, uint64_t call);
-    // A prefetch finished by a serving call enters the policy again as that call's miss.
-    void reinstall(int32_t c, int32_t s, bool cold, uint64_t call);
+    // used by call `call` (0 for a prefetch). A serving call's install (not a prefetch's) is
+    // recorded on `path`: its bytes (bytes_h2d) and, into a slot no eviction freed, appends.
+    void install(int32_t c, const Acquired& got, uint32_t layer, uint32_t expert, Insert how, uint64_t call,
+                 uint32_t path);
+    // A prefetch finished by a serving call enters the policy again as that call's miss, recorded
+    // on `path` as a miss appended with the `sent` bytes the call sent (misses, appends, bytes_h2d).
+    void reinstall(int32_t c, int32_t s, bool cold, uint64_t call, uint32_t path, uint64_t sent);
     // A slot whose bytes are not its expert's (a failed upload, a cancelled prefetch): free again.
     void uninstall(int32_t c, int32_t s);
 

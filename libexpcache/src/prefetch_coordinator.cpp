@@ -67,8 +67,7 @@ void PrefetchCoordinator::resolve_partial(int32_t c, uint32_t layer_index, bool 
     partial_.resize(kept);
 }
 
-expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool cold, void* stream,
-                                                      uint64_t* sent_now) {
+expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint32_t path) {
     size_t i = 0;
     while (i < partial_.size() && !(partial_[i].cls == c && partial_[i].slot == s)) ++i;
     if (i == partial_.size()) return fail(EXPCACHE_ERR_INTERNAL, "a partial prefetch of slot %d is not on record", s);
@@ -88,11 +87,10 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
         }
         sent += part.bytes - from;
     }
-    x_.classes.reinstall(c, s, cold, x_.clock.call);
+    x_.classes.reinstall(c, s, cold, x_.clock.call, path, sent);
     // A demand miss, never a prefetch used: the prefetch's share of the bytes is counted late.
     stats_.late++;
     stats_.bytes_late_sent += layer.expert_bytes() - sent;
-    *sent_now = sent;
     return EXPCACHE_OK;
 }
 
@@ -149,9 +147,13 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
             continue;
         }
         Acquired got;
-        if ((s = x_.classes.acquire(c, layer_index, true, Evict::kPrefetch, x_.clock.prev, EXPCACHE_PATH_CONTROL,
-                                    &got)) != EXPCACHE_OK)
-            return s;
+        SlotRequest req;
+        req.cls = c;
+        req.layer = layer_index;
+        req.path = EXPCACHE_PATH_CONTROL;
+        req.evict = Evict::kPrefetch;
+        req.protect_from = x_.clock.prev;
+        if ((s = x_.classes.acquire(req, &got)) != EXPCACHE_OK) return s;
         if (got.dropped_prefetch_layer >= 0) dropped_unused(static_cast<uint32_t>(got.dropped_prefetch_layer));
         const int32_t slot = got.slot;
         if (slot < 0) {
@@ -180,7 +182,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
                 job.parts[job.num_parts++] = {dst[p], src, layer.bytes[p]};
             }
         }
-        x_.classes.install(c, slot, layer_index, e, Insert::kPrefetch, 0);
+        x_.classes.install(c, got, layer_index, e, Insert::kPrefetch, 0, EXPCACHE_PATH_CONTROL);
         x_.streams.copy_pending(c, slot);
         layer.prefetched++;
         try {

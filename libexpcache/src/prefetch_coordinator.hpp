@@ -49,9 +49,9 @@ public:
     // the others are freed. inserts: the call's path inserts (decode, batch; not compact).
     void resolve_partial(int32_t c, uint32_t layer, bool inserts);
     // A miss whose prefetch was cut short: the rest of its bytes go now on `stream`, into the same
-    // slot, and it enters the policy as any miss of call `call` would. Counted late, never used.
-    // *sent_now: the bytes this call sent.
-    expcache_status_t finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint64_t* sent_now);
+    // slot, and it enters the policy as any miss of call `call` would, recorded on `path` with the
+    // bytes this call sent (ClassTable::reinstall). Counted late, never used.
+    expcache_status_t finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint32_t path);
     // A hit on a prefetched slot: the prefetch paid.
     void note_use(int32_t c, int32_t s);
     // A landed prefetch of `layer` leaving its slot unused (evicted: see Acquired).

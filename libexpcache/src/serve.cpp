@@ -57,15 +57,11 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
     if (s == EXPCACHE_OK) s = bind_class(layer, call.path, &call.c);
     if (s != EXPCACHE_OK) return s;
-    ClassState& cls = classes_[call.c];
     clock_.open_serving(layer, layers_[layer].rank);
-    cls.last_used = clock_.call;
-    cls.stats[call.path].calls++;
-    cls.policy->set_clock(clock_.policy);
+    classes_.open_call(call.c, call.path, clock_.call, clock_.policy);
     call.layer = &layers_[layer];
     call.layer->prefetched = 0;  // the layer's prefetches are answered: a new limit for the next ones
-    call.cls = &cls;
-    call.st = &cls.stats[call.path];
+    call.cls = &classes_[call.c];
     scratch_.dedupe(*call.layer, ids, n, clock_.call);
     prefetch_.resolve_partial(call.c, layer, call.path != EXPCACHE_PATH_COMPACT);
     return EXPCACHE_OK;
@@ -126,7 +122,7 @@ expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path,
     std::string first = last_error();
     s = release_unheld(path);
     if (s != EXPCACHE_OK) return s;
-    classes_[c].stats[path].alloc_retries++;
+    classes_.note_alloc_retry(c, path);
     log_(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",
          path_name(path), double(bytes) / double(1 << 20), first.c_str());
     s = health_.check(arena_.alloc(bytes, out));
