@@ -21,7 +21,7 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
       classes_(config_, *backend_, arena_, layers_, log_, health_),
       lookup_(config_, *backend_, arena_, layers_, classes_, log_, health_, std::move(lookup_kernels)),
       streams_(*backend_, health_, classes_),
-      prefetch_({config_, *backend_, layers_, classes_, streams_, clock_, scratch_, log_, health_}) {
+      prefetch_({config_, *backend_, layers_, classes_, streams_, clock_, log_, health_}) {
     batches_.open.reserve(EXPCACHE_MAX_BATCHES);
 }
 

@@ -133,11 +133,11 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
     ClassState& cls = x_.classes[c];
     cls.policy->set_clock(x_.clock.policy);  // where the engine is now, for the victims' ages
     ++x_.clock.call;                         // for dedupe only: a prefetch is not a serving call
-    x_.scratch.dedupe(layer, ids, n, x_.clock.call);
+    scratch_.dedupe(layer, ids, n, x_.clock.call);
     // The pieces must not overwrite a slot an older call's kernels may still read.
     bool ordered = false;
     uint32_t queued = 0;
-    for (uint32_t e : x_.scratch.unique) {
+    for (uint32_t e : scratch_.unique) {
         if (layer.slot_of[e] >= 0) {
             stats_.skipped++;
             continue;
@@ -204,13 +204,13 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
 expcache_status_t PrefetchCoordinator::hint(uint32_t layer_index, const uint32_t* ids, uint32_t n) {
     LayerState& layer = x_.layers[layer_index];
     ++x_.clock.call;  // for dedupe only
-    x_.scratch.dedupe(layer, ids, n, x_.clock.call);
-    stats_.hints += x_.scratch.unique.size();
+    scratch_.dedupe(layer, ids, n, x_.clock.call);
+    stats_.hints += scratch_.unique.size();
     int32_t c = x_.classes.bound(layer);
     if (c < 0) return EXPCACHE_OK;  // nothing of the layer is resident yet
     ClassState& cls = x_.classes[c];
     cls.policy->set_clock(x_.clock.policy);  // a refresh is dated now, not at the class's last serving call
-    for (uint32_t e : x_.scratch.unique) {
+    for (uint32_t e : scratch_.unique) {
         int32_t slot = layer.slot_of[e];
         if (slot < 0 || cls.slots[slot].prefetch == kPrefetchLoading || cls.slots[slot].prefetch == kPrefetchPartial)
             continue;

@@ -29,7 +29,6 @@ public:
         ClassTable& classes;
         StreamOrder& streams;
         CallClock& clock;
-        CallScratch& scratch;
         Log& log;
         Health& health;
     };
@@ -77,6 +76,7 @@ private:
     Services x_;
     std::unique_ptr<Prefetcher> prefetcher_;  // made by the first prefetch
     Prefetcher::Taken taken_;
+    CallScratch scratch_;               // a prefetch's or hint's distinct ids (unique only)
     std::vector<PrefetchJob> partial_;  // kPrefetchPartial slots of the serving call under way
     expcache_prefetch_stats_t stats_ = {};
     expcache_status_t error_ = EXPCACHE_OK;  // a piece's failure, reported by the next prefetch call

@@ -62,7 +62,7 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     call.layer = &layers_[layer];
     call.layer->prefetched = 0;  // the layer's prefetches are answered: a new limit for the next ones
     call.cls = &classes_[call.c];
-    scratch_.dedupe(*call.layer, ids, n, clock_.call);
+    call.scratch.dedupe(*call.layer, ids, n, clock_.call);
     prefetch_.resolve_partial(call.c, layer, call.path != EXPCACHE_PATH_COMPACT);
     return EXPCACHE_OK;
 }
@@ -95,18 +95,18 @@ void Cache::UploadScope::abandon() {
     if (settled_) return;
     settled_ = true;
     std::string why = last_error();
-    if (c_.settle_uploads() != EXPCACHE_OK) {
+    if (c_.settle_uploads(inserted_) != EXPCACHE_OK) {
         std::string also = last_error();
         // Only the message is set here: the call returns its own status.
         fail(EXPCACHE_ERR_IO, "%s (an upload issued earlier in the call failed too: %s)", why.c_str(), also.c_str());
     }
 }
 
-expcache_status_t Cache::settle_uploads() {
+expcache_status_t Cache::settle_uploads(std::vector<std::pair<int32_t, int32_t>>& inserted) {
     expcache_status_t s = health_.check(backend_->finish_uploads());
     if (s != EXPCACHE_OK)
-        for (const auto& cs : scratch_.inserted) classes_.uninstall(cs.first, cs.second);
-    scratch_.inserted.clear();
+        for (const auto& cs : inserted) classes_.uninstall(cs.first, cs.second);
+    inserted.clear();
     return s;
 }
 
