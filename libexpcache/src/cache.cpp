@@ -18,10 +18,10 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
       config_(config),
       log_(config.log_level),
       layers_(config.num_layers),
-      classes_(config_, *backend_, arena_, layers_, log_, health_, *this),
+      classes_(config_, *backend_, arena_, layers_, log_, health_),
       lookup_(config_, *backend_, arena_, layers_, classes_, log_, health_, std::move(lookup_kernels)),
       streams_(*backend_, health_, classes_),
-      prefetch_({config_, *backend_, layers_, classes_, streams_, clock_, scratch_, log_, health_}) {
+      prefetch_({config_, *backend_, layers_, classes_, streams_, clock_, log_, health_}) {
     batches_.open.reserve(EXPCACHE_MAX_BATCHES);
 }
 
@@ -89,13 +89,20 @@ expcache_status_t Cache::set_dropped_callback(expcache_memory_dropped_fn fn, voi
     return EXPCACHE_OK;
 }
 
-// Nothing goes out into the slabs after this (prefetches cancelled), and the device has finished
-// every kernel that may read them.
-expcache_status_t Cache::before_release() {
-    expcache_status_t s = prefetch_.settle(true);
-    if (s == EXPCACHE_OK) s = health_.check(backend_->sync_device());
-    if (s == EXPCACHE_OK) streams_.forget_copy_pending();
-    return s;
+// The class table never calls out: what it is about to free is vacated first (nothing goes out
+// into the slabs after this, the device has finished every kernel that may read them).
+expcache_status_t Cache::bind_class(uint32_t layer, uint32_t path, int32_t* out_cls) {
+    const int32_t reused = classes_.bind_releases(layer);
+    expcache_status_t s = reused >= 0 ? prefetch_.vacate(reused) : EXPCACHE_OK;
+    return s == EXPCACHE_OK ? classes_.bind(layer, path, out_cls) : s;
+}
+
+expcache_status_t Cache::release_unheld(uint32_t path) {
+    for (int32_t c : classes_.unheld()) {
+        expcache_status_t s = prefetch_.vacate(c);
+        if (s != EXPCACHE_OK) return s;
+    }
+    return classes_.release_unheld(path);
 }
 
 expcache_status_t Cache::set_log_level(uint32_t level) {
@@ -153,7 +160,7 @@ expcache_status_t Cache::release_all() {
     arena_.free_now(staging_.compact.ptr);
     arena_.free_now(staging_.overflow.ptr);
     staging_ = StagingBuffers{};
-    return classes_.release_unheld(EXPCACHE_PATH_CONTROL);
+    return release_unheld(EXPCACHE_PATH_CONTROL);
 }
 
 expcache_status_t Cache::synchronize(void* stream) {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/instrumented.hpp"
@@ -59,7 +60,7 @@ struct StagingBuffers {
     OwnedBuffer overflow;  // select's misses that got no slot
 };
 
-class Cache : private SlotObserver {
+class Cache {
 public:
     static expcache_status_t create(const expcache_config_t& config, std::unique_ptr<Cache>* out);
     ~Cache();
@@ -164,7 +165,9 @@ private:
     // made free again and the call fails, so a later hit never serves them.
     class UploadScope {
     public:
-        explicit UploadScope(Cache& c) : c_(c) { c_.scratch_.inserted.clear(); }
+        UploadScope(Cache& c, std::vector<std::pair<int32_t, int32_t>>& inserted) : c_(c), inserted_(inserted) {
+            inserted_.clear();
+        }
         ~UploadScope() { abandon(); }
         UploadScope(const UploadScope&) = delete;
         UploadScope& operator=(const UploadScope&) = delete;
@@ -172,7 +175,7 @@ private:
         // The end of a call that succeeded so far.
         expcache_status_t settle() {
             settled_ = true;
-            return c_.settle_uploads();
+            return c_.settle_uploads(inserted_);
         }
         // The end of a call that failed, and the point before freeing memory that its
         // uploads may still write to: wait for them; the call's own error stays the message.
@@ -180,25 +183,37 @@ private:
 
     private:
         Cache& c_;
+        std::vector<std::pair<int32_t, int32_t>>& inserted_;  // the call's filled slots (CallScratch)
         bool settled_ = false;
     };
 
+    // A serving call's own lists (call.hpp), for its length: made of the capacity the cache
+    // keeps between calls (spare_scratch_) and given back when the call ends, so the hot path
+    // allocates nothing and no list outlives the call that filled it.
+    struct CallLists : CallScratch {
+        explicit CallLists(Cache& c) : CallScratch(std::move(c.spare_scratch_)), cache(c) {}
+        ~CallLists() { cache.spare_scratch_ = std::move(static_cast<CallScratch&>(*this)); }
+        CallLists(const CallLists&) = delete;
+        CallLists& operator=(const CallLists&) = delete;
+        Cache& cache;
+    };
+
     // One serving call, from taking the lock to settling its uploads (members destroyed in
-    // reverse: the uploads settle while the lock is still held). open_call() fills in the rest;
-    // the call's lists are the cache's scratch, borrowed for the call.
+    // reverse: the uploads settle while the lock is still held and the call's lists still
+    // exist). open_call() fills in the rest; the call owns its lists.
     struct ServeCall {
         ServeCall(Cache& cache, uint32_t on_path, uint32_t layer, void* on_stream)
             : scope(cache),
+              scratch(cache),
               lookup(cache),
-              uploads(cache),
-              scratch(cache.scratch_),
+              uploads(cache, scratch.inserted),
               path(on_path),
               layer_index(layer),
               stream(on_stream) {}
         CallScope scope;
+        CallLists scratch;
         LookupSync lookup;  // written back after the uploads settle
         UploadScope uploads;
-        CallScratch& scratch;
         const uint32_t path;
         const uint32_t layer_index;
         void* const stream;
@@ -206,13 +221,13 @@ private:
         LayerState* layer = nullptr;
         int32_t c = -1;  // the layer's class
         ClassState* cls = nullptr;
-        expcache_stats_t* st = nullptr;  // the class's counters of this path
     };
 
-    // SlotObserver (the class table's questions): before a class's slots are freed, nothing
-    // more goes out into them and the device has finished reading them.
-    expcache_status_t before_release() override;
-    void dropped_unused(SlotState& slot) override { prefetch_.dropped_unused(slot); }
+    // cache.cpp: the class table's releases, each class vacated first (prefetches settled, the
+    // device done with its slots: PrefetchCoordinator::vacate), so that the table never calls out.
+    // bind_class: ClassTable::bind, vacating the class it reuses.
+    expcache_status_t bind_class(uint32_t layer, uint32_t path, int32_t* out_cls);
+    expcache_status_t release_unheld(uint32_t path);
 
     // serve.cpp
     expcache_status_t validate_request(uint32_t layer, const uint32_t* ids, uint64_t n, uint64_t max_n,
@@ -224,7 +239,8 @@ private:
                                 const char* count_name, expcache_status_t (Cache::*admit)() const = nullptr);
     expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
                                   void* stream);
-    expcache_status_t settle_uploads();
+    // Frees the slots `inserted` lists (the call's) if an upload failed.
+    expcache_status_t settle_uploads(std::vector<std::pair<int32_t, int32_t>>& inserted);
     expcache_status_t alloc_staging(uint64_t bytes, int32_t c, uint32_t path, void** out);
     expcache_status_t reserve_buffer(ServeCall& call, OwnedBuffer& buf, uint64_t bytes, bool may_release);
 
@@ -258,7 +274,7 @@ private:
     DeviceLookup lookup_;
     StreamOrder streams_;
     CallClock clock_;
-    CallScratch scratch_;
+    CallScratch spare_scratch_;  // a serving call's lists between calls: capacity only (CallLists)
     PrefetchCoordinator prefetch_;
     Batches batches_;
     StagingBuffers staging_;

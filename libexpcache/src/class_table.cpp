@@ -65,16 +65,27 @@ std::vector<uint64_t> layer_shares(const LayerTable& layers, const ClassState& c
 }  // namespace
 
 ClassTable::ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
-                       Log& log, Health& health, SlotObserver& observer)
+                       Log& log, Health& health)
     : config_(config),
       backend_(backend),
       arena_(arena),
       layers_(layers),
       log_(log),
       health_(health),
-      observer_(observer),
       banked_(config.lookup == EXPCACHE_LOOKUP_DEVICE),
       classes_(config.max_classes) {}
+
+void ClassTable::reset_stats() {
+    for (ClassState& cls : classes_)
+        for (expcache_stats_t& st : cls.stats) st = expcache_stats_t{};
+}
+
+void ClassTable::open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock) {
+    ClassState& cls = classes_[c];
+    cls.last_used = call;
+    cls.stats[path].calls++;
+    cls.policy->set_clock(clock);
+}
 
 void ClassTable::invalidate_caps() {
     for (ClassState& cls : classes_) cls.cap_valid = false;
@@ -84,6 +95,39 @@ std::string ClassTable::name(const ClassState& cls) const {
     return format("[gate %llu, up %llu, down %llu B; %.2f MiB/expert]", (unsigned long long)cls.key[kGate],
                   (unsigned long long)cls.key[kUp], (unsigned long long)cls.key[kDown],
                   double(cls.key[kGate] + cls.key[kUp] + cls.key[kDown]) / double(1 << 20));
+}
+
+// Where bind() puts a layer: the class of its sizes (found), else the first free one (empty), else
+// the least recently used one holding no batch slots (lru).
+void ClassTable::choose(const LayerState& layer, int32_t* found, int32_t* empty, int32_t* lru) const {
+    for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
+        const ClassState& cls = classes_[c];
+        if (!cls.in_use) {
+            if (*empty < 0) *empty = c;
+            continue;
+        }
+        if (std::equal(cls.key, cls.key + kParts, layer.bytes)) {
+            *found = c;
+            return;
+        }
+        if (cls.held == 0 && (*lru < 0 || cls.last_used < classes_[*lru].last_used)) *lru = c;
+    }
+}
+
+int32_t ClassTable::bind_releases(uint32_t layer_index) const {
+    const LayerState& layer = layers_[layer_index];
+    if (banked_ || bound(layer) >= 0) return -1;
+    int32_t found = -1, empty = -1, lru = -1;
+    choose(layer, &found, &empty, &lru);
+    if (found >= 0 || empty >= 0 || lru < 0 || classes_[lru].slabs.empty()) return -1;
+    return lru;
+}
+
+std::vector<int32_t> ClassTable::unheld() const {
+    std::vector<int32_t> out;
+    for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c)
+        if (classes_[c].in_use && !classes_[c].slabs.empty() && classes_[c].held == 0) out.push_back(c);
+    return out;
 }
 
 // A layer's binding outlives its class's reuse for another layout; the generation tells.
@@ -118,18 +162,7 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
         return EXPCACHE_OK;
     }
     int32_t found = -1, empty = -1, lru = -1;
-    for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
-        const ClassState& cls = classes_[c];
-        if (!cls.in_use) {
-            if (empty < 0) empty = c;
-            continue;
-        }
-        if (std::equal(cls.key, cls.key + kParts, layer.bytes)) {
-            found = c;
-            break;
-        }
-        if (cls.held == 0 && (lru < 0 || cls.last_used < classes_[lru].last_used)) lru = c;
-    }
+    choose(layer, &found, &empty, &lru);
     if (found < 0 && empty >= 0) {
         found = empty;
         activate(found, layer);
@@ -177,16 +210,14 @@ expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
     return s;
 }
 
-// Frees a class's slots. Every resident expert becomes non-resident; waits
-// for the device first since in-flight work may still read the slots.
+// Frees a class's slots. Every resident expert becomes non-resident; the caller has vacated them
+// (nothing in flight into them, the device done reading them, their unused prefetches counted).
 expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (cls.slabs.empty()) return EXPCACHE_OK;
-    expcache_status_t s = observer_.before_release();  // nothing goes out into the slabs, or reads them, after this
-    if (s != EXPCACHE_OK) return s;
     for (SlotState& slot : cls.slots) {
         if (slot.layer < 0) continue;
-        if (slot.prefetch != kPrefetchNone) observer_.dropped_unused(slot);
+        slot.prefetch = kPrefetchNone;
         layers_[slot.layer].slot_of[slot.expert] = -1;
     }
     if (banked_) {
@@ -221,8 +252,7 @@ expcache_status_t ClassTable::release_unheld(uint32_t path) {
             ++kept;
             continue;
         }
-        expcache_status_t s = release(c, path);
-        if (s != EXPCACHE_OK) return s;
+        release(c, path);
         ++released;
     }
     log_(EXPCACHE_LOG_NOTICE, "released %u expert cache(s)%s", released,
@@ -310,6 +340,10 @@ void ClassTable::warn_empty_shares(int32_t c) const {
          c, name(cls).c_str(), (unsigned long long)cls.cap, layers, empty, first, (unsigned long long)enough);
 }
 
+uint64_t ClassTable::layer_share(const ClassState& cls, uint32_t layer) const {
+    return layer_shares(layers_, cls, cls.cap)[layer];
+}
+
 // Runtime cap = target, limited by free device memory minus the reserve and
 // minus what the other classes may still grow into. Computed when a class
 // first grows and again after a release or a layout change, never on every
@@ -386,114 +420,6 @@ expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
     for (uint64_t i = 0; i < n; ++i) cls.slots[have + i].dev = static_cast<unsigned char*>(slab) + i * cls.slot_bytes;
     for (uint64_t i = n; i-- > 0;) cls.free_slots.push_back(static_cast<int32_t>(have + i));
     return EXPCACHE_OK;
-}
-
-// ---------------------------------------------------------------------------
-// Slots
-
-namespace {
-
-struct EvictableCtx {
-    const std::vector<SlotState>* slots;
-    uint64_t first_protected_call;  // slots with last_call >= this stay
-    int32_t layer;                  // >= 0: only that layer's slots (EXPCACHE_PARTITION_LAYER)
-};
-
-bool slot_evictable(const void* ctx, int32_t s) {
-    auto* c = static_cast<const EvictableCtx*>(ctx);
-    const SlotState& slot = (*c->slots)[static_cast<size_t>(s)];
-    return slot.holds == 0 && slot.prefetch != kPrefetchLoading && slot.prefetch != kPrefetchPartial &&
-           slot.last_call < c->first_protected_call && (c->layer < 0 || slot.layer == c->layer);
-}
-
-}  // namespace
-
-expcache_status_t ClassTable::acquire(int32_t c, uint32_t layer, bool allow_grow, Evict evict_mode,
-                                      uint64_t protect_from, uint32_t path, int32_t* out) {
-    ClassState& cls = classes_[c];
-    int32_t only = -1;  // the layer a victim must be of
-    if (config_.partition == EXPCACHE_PARTITION_LAYER) {
-        if (!cls.cap_valid) {
-            expcache_status_t s = refresh_cap(c, path);
-            if (s != EXPCACHE_OK) return s;
-        }
-        const std::vector<int32_t>& held = layers_[layer].slot_of;
-        const uint64_t holds = static_cast<uint64_t>(held.size() - std::count(held.begin(), held.end(), -1));
-        if (holds >= layer_shares(layers_, cls, cls.cap)[layer]) only = static_cast<int32_t>(layer);
-    }
-    if (only < 0 && cls.free_slots.empty() && allow_grow) {  // a full share: its own victim or nothing
-        if (!cls.cap_valid) {
-            expcache_status_t s = refresh_cap(c, path);
-            if (s != EXPCACHE_OK) return s;
-        }
-        if (cls.slots.size() < cls.cap) {
-            expcache_status_t s = grow(c, path);
-            if (s != EXPCACHE_OK) return s;
-        }
-    }
-    if (only < 0 && !cls.free_slots.empty()) {
-        *out = cls.free_slots.back();
-        cls.free_slots.pop_back();
-        return EXPCACHE_OK;
-    }
-    *out = -1;
-    if (evict_mode != Evict::kNo) {
-        EvictableCtx ctx{&cls.slots, protect_from, only};
-        int32_t v = cls.policy->victim(slot_evictable, &ctx);
-        if (v >= 0) {
-            evict(c, v, path);
-            *out = v;
-        }
-    }
-    return EXPCACHE_OK;
-}
-
-void ClassTable::install(int32_t c, int32_t s, uint32_t layer_index, uint32_t expert, Insert how, uint64_t call) {
-    ClassState& cls = classes_[c];
-    SlotState& slot = cls.slots[s];
-    LayerState& layer = layers_[layer_index];
-    slot.layer = static_cast<int32_t>(layer_index);
-    slot.expert = expert;
-    slot.last_call = call;
-    slot.prefetch = how == Insert::kPrefetch ? kPrefetchLoading : kPrefetchNone;
-    layer.slot_of[expert] = s;
-    cls.resident++;
-    if (how == Insert::kPrefetch)
-        cls.policy->on_prefetch(s, layer.key_base + expert);
-    else
-        cls.policy->on_insert(s, how == Insert::kCold, layer.key_base + expert);
-}
-
-void ClassTable::reinstall(int32_t c, int32_t s, bool cold, uint64_t call) {
-    ClassState& cls = classes_[c];
-    SlotState& slot = cls.slots[s];
-    slot.prefetch = kPrefetchNone;
-    slot.last_call = call;
-    cls.policy->on_remove(s);
-    cls.policy->on_insert(s, cold, layers_[slot.layer].key_base + slot.expert);
-}
-
-void ClassTable::evict(int32_t c, int32_t s, uint32_t path) {
-    ClassState& cls = classes_[c];
-    SlotState& slot = cls.slots[s];
-    if (slot.prefetch != kPrefetchNone) observer_.dropped_unused(slot);
-    layers_[slot.layer].slot_of[slot.expert] = -1;
-    cls.policy->on_remove(s);
-    slot.layer = -1;
-    cls.resident--;
-    cls.stats[path].evictions++;
-}
-
-void ClassTable::uninstall(int32_t c, int32_t s) {
-    ClassState& cls = classes_[c];
-    SlotState& slot = cls.slots[s];
-    if (slot.layer < 0) return;
-    layers_[slot.layer].slot_of[slot.expert] = -1;
-    cls.policy->on_remove(s);
-    slot.layer = -1;
-    slot.prefetch = kPrefetchNone;
-    cls.resident--;
-    cls.free_slots.push_back(s);
 }
 
 }  // namespace expcache

@@ -1,7 +1,8 @@
 // The size classes: per class its slots (device memory in slabs), which expert each holds, the
 // eviction policy's state, its budget and runtime cap, and its counters. A class is bound by
 // the layers whose experts have its byte sizes; at most max_classes exist at once. Every change
-// to a slot's residency goes through this table: bind, grow, acquire, install, evict, release.
+// to a slot's residency goes through this table: bind, grow, acquire, install, evict, release
+// (class_table.cpp: classes, caps and budgets; class_slots.cpp: a slot's acquisition and residency).
 #pragma once
 
 #include <memory>
@@ -34,6 +35,13 @@ enum PrefetchState : uint8_t {
                            // otherwise the slot is freed (cancelled)
 };
 
+// Which slots a miss may evict: kDemand none the call uses (last_call >= protect_from), kPrefetch
+// none the current or previous serving call used; never one a batch holds or a prefetch loads.
+enum class Evict { kNo, kDemand, kPrefetch };
+// How an expert enters a slot: as the most recently used (a decode miss), among the first to go
+// (a batch's append), or as a prefetch (loading, until a use).
+enum class Insert { kDemand, kCold, kPrefetch };
+
 struct SlotState {
     unsigned char* dev = nullptr;
     int32_t layer = -1;  // -1: free
@@ -61,7 +69,6 @@ struct ClassState {
     bool cap_valid = false;      // recompute before the next growth
     bool cap_announced = false;  // a notice was given for `cap`
     uint64_t resident = 0, held = 0, layers = 0;
-    expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
 
     // Where each part of the slot (or staging entry laid out like one) at `base` goes.
     void parts_at(unsigned char* base, unsigned char* out[kParts]) const {
@@ -70,29 +77,36 @@ struct ClassState {
     expcache_expert_ptrs_t ptrs_at(unsigned char* base) const {
         return {base + part_off[kGate], base + part_off[kUp], base + part_off[kDown]};
     }
+
+private:
+    friend class ClassTable;
+    // Per path: recorded only by the table's verbs (ClassTable::stats reads them).
+    expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
 };
 
-// What the table needs from the rest of the cache around its slots' life (the prefetches).
-class SlotObserver {
-public:
-    virtual ~SlotObserver() = default;
-    // Before a class's slots are freed: nothing may be sent into them, or read, afterwards.
-    virtual expcache_status_t before_release() = 0;
-    // A slot holding a prefetched expert nothing used leaves it (evicted or released).
-    virtual void dropped_unused(SlotState& slot) = 0;
+// What a miss asks of acquire(): a slot of class `cls` for an expert of `layer`.
+struct SlotRequest {
+    int32_t cls = -1;
+    uint32_t layer = 0;
+    uint32_t path = 0;
+    bool miss = false;       // a serving call's miss: counted (misses) when asked, whatever comes of it
+    bool allow_grow = true;  // may allocate a new slot within the cap
+    Evict evict = Evict::kNo;
+    uint64_t protect_from = 0;  // see Evict
 };
 
-// Which slots a miss may evict: kDemand none the call uses (last_call >= protect_from), kPrefetch
-// none the current or previous serving call used; never one a batch holds or a prefetch loads.
-enum class Evict { kNo, kDemand, kPrefetch };
-// How an expert enters a slot: as the most recently used (a decode miss), among the first to go
-// (a batch's append), or as a prefetch (loading, until a use).
-enum class Insert { kDemand, kCold, kPrefetch };
+// What acquire() did to get its slot: the victim it evicted, if any, and whether that victim held
+// a prefetched expert nothing used (the caller counts it wasted: the table never calls out).
+struct Acquired {
+    int32_t slot = -1;                    // -1: none may be had
+    bool evicted = false;                 // the slot was taken from a resident expert
+    int32_t dropped_prefetch_layer = -1;  // >= 0: the victim was an unused prefetch of this layer
+};
 
 class ClassTable {
 public:
     ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers, Log& log,
-               Health& health, SlotObserver& observer);
+               Health& health);
 
     ClassState& operator[](int32_t c) { return classes_[static_cast<size_t>(c)]; }
     const ClassState& operator[](int32_t c) const { return classes_[static_cast<size_t>(c)]; }
@@ -105,11 +119,18 @@ public:
     // The class a layer is bound to, or -1 (never bound, or its class was reused since).
     int32_t bound(const LayerState& layer) const;
     // Binds the layer to the class of its sizes: its own, a free one, or the least recently used
-    // one not holding batch slots (released and reused).
+    // one not holding batch slots (released and reused: the caller vacates it first, see
+    // release()).
     expcache_status_t bind(uint32_t layer, uint32_t path, int32_t* out_cls);
-    // Frees a class's slots (every resident expert becomes non-resident).
+    // The class whose slots bind(layer) would free to reuse it, or -1 (nothing freed).
+    int32_t bind_releases(uint32_t layer) const;
+    // The classes whose slots release_unheld() frees.
+    std::vector<int32_t> unheld() const;
+    // Frees a class's slots (every resident expert becomes non-resident). The caller vacates
+    // them first: no prefetch sends into them any more, the device has finished reading them,
+    // and their unused prefetches are counted (PrefetchCoordinator::vacate). Never calls out.
     expcache_status_t release(int32_t c, uint32_t path);
-    // Every class not holding batch slots.
+    // Every class not holding batch slots (unheld(), each vacated first).
     expcache_status_t release_unheld(uint32_t path);
     // Budget shares depend on the whole layout: caps are recomputed before the next growth.
     void invalidate_caps();
@@ -117,18 +138,42 @@ public:
     // the class is bound, kept (at one address) until the cache is destroyed.
     bool banked() const { return banked_; }
 
-    // A slot for a miss of `layer`: a free one, else a new one within the cap, else (evict) the
-    // policy's victim among the evictable slots (protect_from: see Evict). Under
-    // EXPCACHE_PARTITION_LAYER a layer holding its share (layer_share) takes only the victim among
-    // its own slots. *out = -1 when none may be had.
-    expcache_status_t acquire(int32_t c, uint32_t layer, bool allow_grow, Evict evict, uint64_t protect_from,
-                              uint32_t path, int32_t* out);
+    // The counters of class c on `path`, recorded by the verbs below (each says which it records).
+    const expcache_stats_t& stats(int32_t c, uint32_t path) const { return classes_[c].stats[path]; }
+    // The device mirror's counters (device_lookup.cpp copies them from and to the device).
+    expcache_stats_t& mirror_stats(int32_t c, uint32_t path) { return classes_[c].stats[path]; }
+    void reset_stats();
+
+    // A serving call of class c opens on `path` (calls): the class is the most recently used, and
+    // its policy sees the call's clock.
+    void open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock);
+    // Staging could only be had by releasing the caches (alloc_retries).
+    void note_alloc_retry(int32_t c, uint32_t path) { classes_[c].stats[path].alloc_retries++; }
+    // A serving call finds its expert in slot s (hits). refresh_call > 0: a decode hit, the
+    // policy refreshed and the slot used by that call; 0: a batch's hit, its recency left alone.
+    void hit(int32_t c, int32_t s, uint32_t path, uint64_t refresh_call);
+    // The slot is read by call `call` (protected from eviction during it).
+    void touch(int32_t c, int32_t s, uint64_t call) { classes_[c].slots[s].last_call = call; }
+    // A compact load copied slot s out (bytes_d2d); first: the call's first listing of the
+    // expert (a hit, the policy refreshed).
+    void lend(int32_t c, int32_t s, uint32_t path, bool first);
+    // An expert of `layer` served from outside the slots (bytes_h2d): staged (direct: a
+    // direct load) or repeated in a compact load; new_miss: a miss acquire() did not count.
+    void load_direct(int32_t c, uint32_t path, uint32_t layer, bool direct, bool new_miss);
+
+    // A slot for a miss of `req.layer` (misses when req.miss): a free one, else a new one within
+    // the cap, else (evict) the policy's victim among the evictable slots (evictions;
+    // protect_from: see Evict). Under EXPCACHE_PARTITION_LAYER a layer holding its share
+    // (layer_share) takes only the victim among its own slots. out->slot = -1 when none may be had.
+    expcache_status_t acquire(const SlotRequest& req, Acquired* out);
     // The one way an expert enters a slot from acquire(): resident for `layer`, ranked by `how`,
-    // used by call `call` (0 for a prefetch).
-    void install(int32_t c, int32_t s, uint32_t layer, uint32_t expert, Insert how, uint64_t call);
-    // A prefetch finished by a serving call enters the policy again as that call's miss.
-    void reinstall(int32_t c, int32_t s, bool cold, uint64_t call);
-    void evict(int32_t c, int32_t s, uint32_t path);
+    // used by call `call` (0 for a prefetch). A serving call's install (not a prefetch's) is
+    // recorded on `path`: its bytes (bytes_h2d) and, into a slot no eviction freed, appends.
+    void install(int32_t c, const Acquired& got, uint32_t layer, uint32_t expert, Insert how, uint64_t call,
+                 uint32_t path);
+    // A prefetch finished by a serving call enters the policy again as that call's miss, recorded
+    // on `path` as a miss appended with the `sent` bytes the call sent (misses, appends, bytes_h2d).
+    void reinstall(int32_t c, int32_t s, bool cold, uint64_t call, uint32_t path, uint64_t sent);
     // A slot whose bytes are not its expert's (a failed upload, a cancelled prefetch): free again.
     void uninstall(int32_t c, int32_t s);
 
@@ -137,13 +182,17 @@ public:
     uint64_t target(const ClassState& cls) const;
 
 private:
+    void choose(const LayerState& layer, int32_t* found, int32_t* empty, int32_t* lru) const;
     void activate(int32_t c, const LayerState& layer);
     std::string zero_target_reason(const ClassState& cls) const;
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");
     void warn_empty_shares(int32_t c) const;
+    // EXPCACHE_PARTITION_LAYER: the layer's share of the class's cap.
+    uint64_t layer_share(const ClassState& cls, uint32_t layer) const;
     expcache_status_t grow(int32_t c, uint32_t path);
     expcache_status_t reserve_bank(int32_t c, uint32_t path);
+    void evict(int32_t c, int32_t s, uint32_t path, Acquired* out);
 
     const expcache_config_t& config_;
     Backend& backend_;
@@ -151,7 +200,6 @@ private:
     LayerTable& layers_;
     Log& log_;
     Health& health_;
-    SlotObserver& observer_;
     const bool banked_;
     uint64_t reuses_ = 0;              // classes released for another size: the first one warns
     std::vector<ClassState> classes_;  // sized once: references to a class stay valid

@@ -143,7 +143,7 @@ expcache_status_t DeviceLookup::pull() {
             return s;
         if ((s = health_.check(backend_.copy_d2h_sync(&n, d.counters, sizeof(n)))) != EXPCACHE_OK) return s;
         adopt(c, keys, stamps);
-        expcache_stats_t& st = classes_[c].stats[EXPCACHE_PATH_DEVICE];
+        expcache_stats_t& st = classes_.mirror_stats(c, EXPCACHE_PATH_DEVICE);
         st.calls = n.calls;
         st.hits = n.hits;
         st.misses = n.misses;
@@ -204,7 +204,7 @@ expcache_status_t DeviceLookup::push() {
             keys[i] = static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
             slot_of_key[keys[i]] = static_cast<int32_t>(i);
         }
-        const expcache_stats_t& st = cls.stats[EXPCACHE_PATH_DEVICE];
+        const expcache_stats_t& st = classes_.stats(c, EXPCACHE_PATH_DEVICE);
         const DeviceCounters n = {st.calls, st.hits, st.misses, st.evictions, st.appends, st.bytes_h2d};
         if (d.cap && ((s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, keys.data(),
                                                                 d.cap * sizeof(int32_t)))) != EXPCACHE_OK ||

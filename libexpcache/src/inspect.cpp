@@ -194,7 +194,7 @@ expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer);
     int32_t c = -1;
-    if (s == EXPCACHE_OK) s = classes_.bind(layer, EXPCACHE_PATH_CONTROL, &c);
+    if (s == EXPCACHE_OK) s = bind_class(layer, EXPCACHE_PATH_CONTROL, &c);
     if (s != EXPCACHE_OK) return s;
     *out = static_cast<uint32_t>(c);
     return EXPCACHE_OK;
@@ -209,7 +209,7 @@ expcache_status_t Cache::get_stats(uint32_t index, uint32_t path, expcache_stats
                     classes_.size());
     if (path >= EXPCACHE_NUM_PATHS)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "path %u out of range (0..%d)", path, EXPCACHE_NUM_PATHS - 1);
-    *out = classes_[static_cast<int32_t>(index)].stats[path];
+    *out = classes_.stats(static_cast<int32_t>(index), path);
     out->struct_size = sizeof *out;
     return EXPCACHE_OK;
 }
@@ -226,8 +226,7 @@ expcache_status_t Cache::reset_stats() {
     CallScope scope(*this);
     LookupSync lookup(*this);
     if (lookup.status() != EXPCACHE_OK) return lookup.status();
-    for (ClassState& c : classes_)
-        for (expcache_stats_t& st : c.stats) st = expcache_stats_t{};
+    classes_.reset_stats();
     backend_->reset_staging_stats();
     prefetch_.reset_stats();
     return EXPCACHE_OK;

@@ -67,8 +67,7 @@ void PrefetchCoordinator::resolve_partial(int32_t c, uint32_t layer_index, bool 
     partial_.resize(kept);
 }
 
-expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool cold, void* stream,
-                                                      uint64_t* sent_now) {
+expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint32_t path) {
     size_t i = 0;
     while (i < partial_.size() && !(partial_[i].cls == c && partial_[i].slot == s)) ++i;
     if (i == partial_.size()) return fail(EXPCACHE_ERR_INTERNAL, "a partial prefetch of slot %d is not on record", s);
@@ -88,11 +87,10 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
         }
         sent += part.bytes - from;
     }
-    x_.classes.reinstall(c, s, cold, x_.clock.call);
+    x_.classes.reinstall(c, s, cold, x_.clock.call, path, sent);
     // A demand miss, never a prefetch used: the prefetch's share of the bytes is counted late.
     stats_.late++;
     stats_.bytes_late_sent += layer.expert_bytes() - sent;
-    *sent_now = sent;
     return EXPCACHE_OK;
 }
 
@@ -103,10 +101,19 @@ void PrefetchCoordinator::note_use(int32_t c, int32_t s) {
     slot.prefetch = kPrefetchNone;
 }
 
-void PrefetchCoordinator::dropped_unused(SlotState& slot) {
+void PrefetchCoordinator::dropped_unused(uint32_t layer) {
     stats_.wasted++;
-    stats_.bytes_wasted += x_.layers[slot.layer].expert_bytes();
-    slot.prefetch = kPrefetchNone;
+    stats_.bytes_wasted += x_.layers[layer].expert_bytes();
+}
+
+expcache_status_t PrefetchCoordinator::vacate(int32_t c) {
+    expcache_status_t s = settle(true);
+    if (s == EXPCACHE_OK) s = x_.health.check(x_.backend.sync_device());
+    if (s != EXPCACHE_OK) return s;
+    x_.streams.forget_copy_pending();
+    for (const SlotState& slot : x_.classes[c].slots)
+        if (slot.layer >= 0 && slot.prefetch != kPrefetchNone) dropped_unused(static_cast<uint32_t>(slot.layer));
+    return EXPCACHE_OK;
 }
 
 expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
@@ -119,16 +126,18 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
     Prefetcher& thread = pump();
     if ((s = settle(false)) != EXPCACHE_OK) return s;
     int32_t c = -1;
+    const int32_t reused = x_.classes.bind_releases(layer_index);
+    if (reused >= 0 && (s = vacate(reused)) != EXPCACHE_OK) return s;
     if ((s = x_.classes.bind(layer_index, EXPCACHE_PATH_CONTROL, &c)) != EXPCACHE_OK) return s;
     LayerState& layer = x_.layers[layer_index];
     ClassState& cls = x_.classes[c];
     cls.policy->set_clock(x_.clock.policy);  // where the engine is now, for the victims' ages
     ++x_.clock.call;                         // for dedupe only: a prefetch is not a serving call
-    x_.scratch.dedupe(layer, ids, n, x_.clock.call);
+    scratch_.dedupe(layer, ids, n, x_.clock.call);
     // The pieces must not overwrite a slot an older call's kernels may still read.
     bool ordered = false;
     uint32_t queued = 0;
-    for (uint32_t e : x_.scratch.unique) {
+    for (uint32_t e : scratch_.unique) {
         if (layer.slot_of[e] >= 0) {
             stats_.skipped++;
             continue;
@@ -137,10 +146,16 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
             stats_.dropped++;
             continue;
         }
-        int32_t slot = -1;
-        if ((s = x_.classes.acquire(c, layer_index, true, Evict::kPrefetch, x_.clock.prev, EXPCACHE_PATH_CONTROL,
-                                    &slot)) != EXPCACHE_OK)
-            return s;
+        Acquired got;
+        SlotRequest req;
+        req.cls = c;
+        req.layer = layer_index;
+        req.path = EXPCACHE_PATH_CONTROL;
+        req.evict = Evict::kPrefetch;
+        req.protect_from = x_.clock.prev;
+        if ((s = x_.classes.acquire(req, &got)) != EXPCACHE_OK) return s;
+        if (got.dropped_prefetch_layer >= 0) dropped_unused(static_cast<uint32_t>(got.dropped_prefetch_layer));
+        const int32_t slot = got.slot;
         if (slot < 0) {
             stats_.dropped++;
             continue;
@@ -167,7 +182,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
                 job.parts[job.num_parts++] = {dst[p], src, layer.bytes[p]};
             }
         }
-        x_.classes.install(c, slot, layer_index, e, Insert::kPrefetch, 0);
+        x_.classes.install(c, got, layer_index, e, Insert::kPrefetch, 0, EXPCACHE_PATH_CONTROL);
         x_.streams.copy_pending(c, slot);
         layer.prefetched++;
         try {
@@ -189,13 +204,13 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
 expcache_status_t PrefetchCoordinator::hint(uint32_t layer_index, const uint32_t* ids, uint32_t n) {
     LayerState& layer = x_.layers[layer_index];
     ++x_.clock.call;  // for dedupe only
-    x_.scratch.dedupe(layer, ids, n, x_.clock.call);
-    stats_.hints += x_.scratch.unique.size();
+    scratch_.dedupe(layer, ids, n, x_.clock.call);
+    stats_.hints += scratch_.unique.size();
     int32_t c = x_.classes.bound(layer);
     if (c < 0) return EXPCACHE_OK;  // nothing of the layer is resident yet
     ClassState& cls = x_.classes[c];
     cls.policy->set_clock(x_.clock.policy);  // a refresh is dated now, not at the class's last serving call
-    for (uint32_t e : x_.scratch.unique) {
+    for (uint32_t e : scratch_.unique) {
         int32_t slot = layer.slot_of[e];
         if (slot < 0 || cls.slots[slot].prefetch == kPrefetchLoading || cls.slots[slot].prefetch == kPrefetchPartial)
             continue;

@@ -29,7 +29,6 @@ public:
         ClassTable& classes;
         StreamOrder& streams;
         CallClock& clock;
-        CallScratch& scratch;
         Log& log;
         Health& health;
     };
@@ -49,13 +48,17 @@ public:
     // the others are freed. inserts: the call's path inserts (decode, batch; not compact).
     void resolve_partial(int32_t c, uint32_t layer, bool inserts);
     // A miss whose prefetch was cut short: the rest of its bytes go now on `stream`, into the same
-    // slot, and it enters the policy as any miss of call `call` would. Counted late, never used.
-    // *sent_now: the bytes this call sent.
-    expcache_status_t finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint64_t* sent_now);
+    // slot, and it enters the policy as any miss of call `call` would, recorded on `path` with the
+    // bytes this call sent (ClassTable::reinstall). Counted late, never used.
+    expcache_status_t finish_partial(int32_t c, int32_t s, bool cold, void* stream, uint32_t path);
     // A hit on a prefetched slot: the prefetch paid.
     void note_use(int32_t c, int32_t s);
-    // A landed prefetch leaving its slot unused (SlotObserver).
-    void dropped_unused(SlotState& slot);
+    // A landed prefetch of `layer` leaving its slot unused (evicted: see Acquired).
+    void dropped_unused(uint32_t layer);
+    // Before class c's slots are freed (ClassTable::release): no prefetch sends into them any
+    // more (every queued one cancelled), the device has finished every kernel that may read
+    // them, and the unused prefetches they hold are counted wasted.
+    expcache_status_t vacate(int32_t c);
 
     expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
     expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
@@ -73,6 +76,7 @@ private:
     Services x_;
     std::unique_ptr<Prefetcher> prefetcher_;  // made by the first prefetch
     Prefetcher::Taken taken_;
+    CallScratch scratch_;               // a prefetch's or hint's distinct ids (unique only)
     std::vector<PrefetchJob> partial_;  // kPrefetchPartial slots of the serving call under way
     expcache_prefetch_stats_t stats_ = {};
     expcache_status_t error_ = EXPCACHE_OK;  // a piece's failure, reported by the next prefetch call

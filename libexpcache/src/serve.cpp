@@ -55,18 +55,14 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     if (s == EXPCACHE_OK) s = validate_request(layer, ids, n, max_n, count_name);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
-    if (s == EXPCACHE_OK) s = classes_.bind(layer, call.path, &call.c);
+    if (s == EXPCACHE_OK) s = bind_class(layer, call.path, &call.c);
     if (s != EXPCACHE_OK) return s;
-    ClassState& cls = classes_[call.c];
     clock_.open_serving(layer, layers_[layer].rank);
-    cls.last_used = clock_.call;
-    cls.stats[call.path].calls++;
-    cls.policy->set_clock(clock_.policy);
+    classes_.open_call(call.c, call.path, clock_.call, clock_.policy);
     call.layer = &layers_[layer];
     call.layer->prefetched = 0;  // the layer's prefetches are answered: a new limit for the next ones
-    call.cls = &cls;
-    call.st = &cls.stats[call.path];
-    scratch_.dedupe(*call.layer, ids, n, clock_.call);
+    call.cls = &classes_[call.c];
+    call.scratch.dedupe(*call.layer, ids, n, clock_.call);
     prefetch_.resolve_partial(call.c, layer, call.path != EXPCACHE_PATH_COMPACT);
     return EXPCACHE_OK;
 }
@@ -99,18 +95,18 @@ void Cache::UploadScope::abandon() {
     if (settled_) return;
     settled_ = true;
     std::string why = last_error();
-    if (c_.settle_uploads() != EXPCACHE_OK) {
+    if (c_.settle_uploads(inserted_) != EXPCACHE_OK) {
         std::string also = last_error();
         // Only the message is set here: the call returns its own status.
         fail(EXPCACHE_ERR_IO, "%s (an upload issued earlier in the call failed too: %s)", why.c_str(), also.c_str());
     }
 }
 
-expcache_status_t Cache::settle_uploads() {
+expcache_status_t Cache::settle_uploads(std::vector<std::pair<int32_t, int32_t>>& inserted) {
     expcache_status_t s = health_.check(backend_->finish_uploads());
     if (s != EXPCACHE_OK)
-        for (const auto& cs : scratch_.inserted) classes_.uninstall(cs.first, cs.second);
-    scratch_.inserted.clear();
+        for (const auto& cs : inserted) classes_.uninstall(cs.first, cs.second);
+    inserted.clear();
     return s;
 }
 
@@ -124,9 +120,9 @@ expcache_status_t Cache::alloc_staging(uint64_t bytes, int32_t c, uint32_t path,
     expcache_status_t s = health_.check(arena_.alloc(bytes, out));
     if (s != EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) return s;
     std::string first = last_error();
-    s = classes_.release_unheld(path);
+    s = release_unheld(path);
     if (s != EXPCACHE_OK) return s;
-    classes_[c].stats[path].alloc_retries++;
+    classes_.note_alloc_retry(c, path);
     log_(EXPCACHE_LOG_NOTICE, "%s staging of %.1f MiB failed (%s); released the expert caches and retrying once",
          path_name(path), double(bytes) / double(1 << 20), first.c_str());
     s = health_.check(arena_.alloc(bytes, out));

@@ -21,8 +21,7 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
 
     // Allocate before resolving hits: the retry may release the caches.
     if ((s = reserve_buffer(call, staging_.compact, total, true)) != EXPCACHE_OK) return s;
-    ClassState& cls = *call.cls;
-    expcache_stats_t& st = *call.st;
+    const ClassState& cls = *call.cls;
     unsigned char* base = static_cast<unsigned char*>(staging_.compact.ptr);
     uint32_t next_unique = 0;  // the call's unique ids are in first-appearance order
     for (uint32_t i = 0; i < n; ++i) {
@@ -33,26 +32,19 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
                                       base + off[kDown] + b[kDown] * i};
         int32_t slot = layer.slot_of[e];
         if (slot >= 0) {
-            SlotState& ss = cls.slots[slot];
-            ss.last_call = clock_.call;  // read on `stream` now: no prefetch may overwrite it before the next call
+            const SlotState& ss = cls.slots[slot];
+            classes_.touch(call.c, slot, clock_.call);  // read on `stream` now: no prefetch may overwrite it
+                                                        // before the next call
             if ((s = streams_.order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
             if (ss.prefetch != kPrefetchNone) prefetch_.note_use(call.c, slot);
             for (int p = 0; p < kParts; ++p)
                 if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) !=
                     EXPCACHE_OK)
                     return s;
-            if (first) {
-                cls.policy->on_hit(slot);
-                st.hits++;
-            }
-            st.bytes_d2d += layer.expert_bytes();
+            classes_.lend(call.c, slot, call.path, first);
         } else {
             if ((s = copy_expert(layer, e, dst, stream)) != EXPCACHE_OK) return s;
-            if (first) {
-                st.misses++;
-                st.direct_loads++;
-            }
-            st.bytes_h2d += layer.expert_bytes();
+            classes_.load_direct(call.c, call.path, call.layer_index, first, first);
         }
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;

@@ -33,7 +33,7 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
                         layer_index);
         LookupSync lookup(*this);  // written back (the class's device state made) when the block ends
         if ((s = lookup.status()) != EXPCACHE_OK) return s;
-        if ((s = classes_.bind(layer_index, EXPCACHE_PATH_DEVICE, &c)) != EXPCACHE_OK) return s;
+        if ((s = bind_class(layer_index, EXPCACHE_PATH_DEVICE, &c)) != EXPCACHE_OK) return s;
     }
     if (!lookup_.ready(c))  // the write-back failed, or the class has no bank
         return health_.usable() != EXPCACHE_OK

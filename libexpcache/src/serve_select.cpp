@@ -24,9 +24,10 @@ expcache_status_t Cache::serve_decode(ServeCall& call, const uint32_t* ids, uint
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
-    for (uint32_t i = 0; i < k; ++i) out[i] = scratch_.ptrs[layer.seen_pos[ids[i]]];
+    for (uint32_t i = 0; i < k; ++i) out[i] = call.scratch.ptrs[layer.seen_pos[ids[i]]];
     log_(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
-         scratch_.unique.size(), scratch_.unique.size() - scratch_.pending.size(), scratch_.pending.size(), direct);
+         call.scratch.unique.size(), call.scratch.unique.size() - call.scratch.pending.size(),
+         call.scratch.pending.size(), direct);
     return EXPCACHE_OK;
 }
 
@@ -44,11 +45,11 @@ expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids,
     expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
     if (s != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
-    std::vector<uint8_t>& resident = scratch_.resident;
-    resident.resize(scratch_.unique.size());
+    std::vector<uint8_t>& resident = call.scratch.resident;
+    resident.resize(call.scratch.unique.size());
     bool any_miss = false;
-    for (size_t j = 0; j < scratch_.unique.size(); ++j) {
-        const int32_t slot = layer.slot_of[scratch_.unique[j]];
+    for (size_t j = 0; j < call.scratch.unique.size(); ++j) {
+        const int32_t slot = layer.slot_of[call.scratch.unique[j]];
         resident[j] = slot >= 0 && call.cls->slots[slot].prefetch != kPrefetchPartial;
         any_miss = any_miss || !resident[j];
     }

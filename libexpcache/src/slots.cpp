@@ -14,7 +14,6 @@ namespace expcache {
 expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t* out_direct) {
     LayerState& layer = *call.layer;
     ClassState& cls = *call.cls;
-    expcache_stats_t& st = *call.st;
     CallScratch& scratch = call.scratch;
     auto serve = [&](uint32_t j, int32_t slot) {
         SlotState& ss = cls.slots[slot];
@@ -33,37 +32,36 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         }
         if (cls.slots[slot].prefetch == kPrefetchPartial) {
             // Not resident when the call began: a miss that finishes its prefetch in place.
-            uint64_t sent = 0;
             expcache_status_t s = streams_.order_slot(call.c, slot, call.copy_stream);
-            if (s == EXPCACHE_OK) s = prefetch_.finish_partial(call.c, slot, batch != nullptr, call.copy_stream, &sent);
+            if (s == EXPCACHE_OK)
+                s = prefetch_.finish_partial(call.c, slot, batch != nullptr, call.copy_stream, call.path);
             if (s != EXPCACHE_OK) return s;
             scratch.inserted.emplace_back(call.c, slot);  // a later upload failure of the call frees it
-            st.misses++;
-            st.appends++;
-            st.bytes_h2d += sent;
             serve(j, slot);
             continue;
         }
         expcache_status_t s = streams_.order_slot(call.c, slot, call.stream);
         if (s != EXPCACHE_OK) return s;
         if (cls.slots[slot].prefetch != kPrefetchNone) prefetch_.note_use(call.c, slot);
-        if (!batch) {
-            cls.policy->on_hit(slot);
-            cls.slots[slot].last_call = clock_.call;
-        }
-        st.hits++;
+        classes_.hit(call.c, slot, call.path, batch ? 0 : clock_.call);
         serve(j, slot);
     }
     uint32_t direct = 0;
     for (uint32_t j : scratch.pending) {
         uint32_t e = scratch.unique[j];
-        st.misses++;
-        int32_t slot = -1;
-        uint64_t evictions_before = st.evictions;
-        // A demand call protects the slots it uses (last_call == the call's id, the newest).
-        expcache_status_t s = classes_.acquire(call.c, call.layer_index, true, batch ? Evict::kNo : Evict::kDemand,
-                                               clock_.call, call.path, &slot);
+        Acquired got;
+        SlotRequest req;
+        req.cls = call.c;
+        req.layer = call.layer_index;
+        req.path = call.path;
+        req.miss = true;
+        req.evict = batch ? Evict::kNo : Evict::kDemand;
+        req.protect_from = clock_.call;  // a demand call protects the slots it uses (the newest call id)
+        expcache_status_t s = classes_.acquire(req, &got);
         if (s != EXPCACHE_OK) return s;
+        if (got.dropped_prefetch_layer >= 0)
+            prefetch_.dropped_unused(static_cast<uint32_t>(got.dropped_prefetch_layer));
+        const int32_t slot = got.slot;
         if (slot < 0) {
             scratch.pending[direct++] = j;  // compacted in place: served from staging
             continue;
@@ -76,10 +74,9 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             cls.free_slots.push_back(slot);  // never marked resident
             return s;
         }
-        classes_.install(call.c, slot, call.layer_index, e, batch ? Insert::kCold : Insert::kDemand, clock_.call);
+        classes_.install(call.c, got, call.layer_index, e, batch ? Insert::kCold : Insert::kDemand, clock_.call,
+                         call.path);
         scratch.inserted.emplace_back(call.c, slot);
-        if (st.evictions == evictions_before) st.appends++;
-        st.bytes_h2d += layer.expert_bytes();
         serve(j, slot);
     }
     *out_direct = direct;
@@ -99,8 +96,7 @@ expcache_status_t Cache::stage_overflow(ServeCall& call, unsigned char* base, ui
         expcache_status_t s = copy_expert(layer, call.scratch.unique[j], dst, call.copy_stream);
         if (s != EXPCACHE_OK) return s;
         call.scratch.ptrs[j] = cls.ptrs_at(entry);
-        call.st->direct_loads++;
-        call.st->bytes_h2d += layer.expert_bytes();
+        classes_.load_direct(call.c, call.path, call.layer_index, true, false);
     }
     return EXPCACHE_OK;
 }
