@@ -210,7 +210,11 @@ void test_coalescing(unsigned threads) {
         }
         expcache_staging_stats_t st{};
         ring.stats(&st);
-        CHECK(t.polls_ > 0, "%u threads: the link was never asked whether it is busy", threads);
+        // The caller alone always finds the link busy behind its last send and asks. With workers,
+        // whether it asks is timing: where they fill a whole hold before the caller looks (slow
+        // sanitizer builds on a loaded machine), it sends without asking, and the coalescing shows
+        // as pieces > sends below instead.
+        if (threads == 1) CHECK(t.polls_ > 0, "the caller alone: the link was never asked whether it is busy");
         if (threads > 1)
             CHECK(st.pieces > st.sends, "%u threads: %llu pieces in %llu sends", threads, (unsigned long long)st.pieces,
                   (unsigned long long)st.sends);
