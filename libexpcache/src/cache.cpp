@@ -92,17 +92,12 @@ expcache_status_t Cache::set_dropped_callback(expcache_memory_dropped_fn fn, voi
 // The class table never calls out: what it is about to free is vacated first (nothing goes out
 // into the slabs after this, the device has finished every kernel that may read them).
 expcache_status_t Cache::bind_class(uint32_t layer, uint32_t path, int32_t* out_cls) {
-    const int32_t reused = classes_.bind_releases(layer);
-    expcache_status_t s = reused >= 0 ? prefetch_.vacate(reused) : EXPCACHE_OK;
-    return s == EXPCACHE_OK ? classes_.bind(layer, path, out_cls) : s;
+    return prefetch_.bind_class(layer, path, out_cls);
 }
 
 expcache_status_t Cache::release_unheld(uint32_t path) {
-    for (int32_t c : classes_.unheld()) {
-        expcache_status_t s = prefetch_.vacate(c);
-        if (s != EXPCACHE_OK) return s;
-    }
-    return classes_.release_unheld(path);
+    expcache_status_t s = prefetch_.vacate(classes_.unheld());
+    return s == EXPCACHE_OK ? classes_.release_unheld(path) : s;
 }
 
 expcache_status_t Cache::set_log_level(uint32_t level) {

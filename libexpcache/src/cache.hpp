@@ -223,9 +223,9 @@ private:
         ClassState* cls = nullptr;
     };
 
-    // cache.cpp: the class table's releases, each class vacated first (prefetches settled, the
+    // cache.cpp: the class table's releases, the classes vacated first (prefetches settled, the
     // device done with its slots: PrefetchCoordinator::vacate), so that the table never calls out.
-    // bind_class: ClassTable::bind, vacating the class it reuses.
+    // bind_class: PrefetchCoordinator::bind_class (ClassTable::bind, vacating the class it reuses).
     expcache_status_t bind_class(uint32_t layer, uint32_t path, int32_t* out_cls);
     expcache_status_t release_unheld(uint32_t path);
 

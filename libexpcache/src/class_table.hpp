@@ -130,7 +130,7 @@ public:
     // them first: no prefetch sends into them any more, the device has finished reading them,
     // and their unused prefetches are counted (PrefetchCoordinator::vacate). Never calls out.
     expcache_status_t release(int32_t c, uint32_t path);
-    // Every class not holding batch slots (unheld(), each vacated first).
+    // Every class not holding batch slots (unheld(), vacated first).
     expcache_status_t release_unheld(uint32_t path);
     // Budget shares depend on the whole layout: caps are recomputed before the next growth.
     void invalidate_caps();

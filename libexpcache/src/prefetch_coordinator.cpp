@@ -106,14 +106,22 @@ void PrefetchCoordinator::dropped_unused(uint32_t layer) {
     stats_.bytes_wasted += x_.layers[layer].expert_bytes();
 }
 
-expcache_status_t PrefetchCoordinator::vacate(int32_t c) {
+expcache_status_t PrefetchCoordinator::vacate(const std::vector<int32_t>& classes) {
+    if (classes.empty()) return EXPCACHE_OK;
     expcache_status_t s = settle(true);
     if (s == EXPCACHE_OK) s = x_.health.check(x_.backend.sync_device());
     if (s != EXPCACHE_OK) return s;
     x_.streams.forget_copy_pending();
-    for (const SlotState& slot : x_.classes[c].slots)
-        if (slot.layer >= 0 && slot.prefetch != kPrefetchNone) dropped_unused(static_cast<uint32_t>(slot.layer));
+    for (int32_t c : classes)
+        for (const SlotState& slot : x_.classes[c].slots)
+            if (slot.layer >= 0 && slot.prefetch != kPrefetchNone) dropped_unused(static_cast<uint32_t>(slot.layer));
     return EXPCACHE_OK;
+}
+
+expcache_status_t PrefetchCoordinator::bind_class(uint32_t layer, uint32_t path, int32_t* out_cls) {
+    const int32_t reused = x_.classes.bind_releases(layer);
+    expcache_status_t s = reused >= 0 ? vacate({reused}) : EXPCACHE_OK;
+    return s == EXPCACHE_OK ? x_.classes.bind(layer, path, out_cls) : s;
 }
 
 expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
@@ -126,9 +134,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
     Prefetcher& thread = pump();
     if ((s = settle(false)) != EXPCACHE_OK) return s;
     int32_t c = -1;
-    const int32_t reused = x_.classes.bind_releases(layer_index);
-    if (reused >= 0 && (s = vacate(reused)) != EXPCACHE_OK) return s;
-    if ((s = x_.classes.bind(layer_index, EXPCACHE_PATH_CONTROL, &c)) != EXPCACHE_OK) return s;
+    if ((s = bind_class(layer_index, EXPCACHE_PATH_CONTROL, &c)) != EXPCACHE_OK) return s;
     LayerState& layer = x_.layers[layer_index];
     ClassState& cls = x_.classes[c];
     cls.policy->set_clock(x_.clock.policy);  // where the engine is now, for the victims' ages

@@ -55,10 +55,14 @@ public:
     void note_use(int32_t c, int32_t s);
     // A landed prefetch of `layer` leaving its slot unused (evicted: see Acquired).
     void dropped_unused(uint32_t layer);
-    // Before class c's slots are freed (ClassTable::release): no prefetch sends into them any
+    // Before these classes' slots are freed (ClassTable::release): no prefetch sends into them any
     // more (every queued one cancelled), the device has finished every kernel that may read
-    // them, and the unused prefetches they hold are counted wasted.
-    expcache_status_t vacate(int32_t c);
+    // them (one synchronization for all), and the unused prefetches they hold are counted wasted.
+    // Nothing to do for none.
+    expcache_status_t vacate(const std::vector<int32_t>& classes);
+    // ClassTable::bind, the class it reuses for the layer (if any) vacated first: the one way a
+    // class is bound, for the serving calls and the prefetches alike.
+    expcache_status_t bind_class(uint32_t layer, uint32_t path, int32_t* out_cls);
 
     expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
     expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
