@@ -136,6 +136,42 @@ class Serving:
         k, s = self._decode(self._select_fn, layer, expert_ids, stream)
         return self._views.get(layer, self._scratch.out[:k].tolist(), s, dtype, shapes)
 
+    def select_slots(self, layer: int, expert_ids, stream=None, out=None) -> np.ndarray:
+        """Decode path by slot id: :meth:`select`, returning each id's row in its class's bank
+        (:meth:`bank`) as int32 (``out``: a writable int32 numpy array of the ids' length, filled
+        and returned), so a kernel reads every selected expert as ``bank(layer).gate[slots]``
+        (``torch.index_select``, a fused MoE kernel's ``base + slot * stride``), with no table of
+        addresses and no gather. ``expert_ids``: one token's ids on the host, 1-D (as
+        :meth:`select` takes them). The misses are copied into their slots on ``stream``; experts
+        that get no slot (the class cannot hold the whole request) are staged in the bank's last
+        rows. On a ``lookup="device"`` cache every distinct id needs a slot of the bank (more
+        raises InvalidArgumentError). The slots are valid as :meth:`select`'s addresses are."""
+        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
+            layer = self._layer(layer)
+        ids = self._as_ids(expert_ids, "expert_ids")
+        k = ids.size
+        if k > _lib.MAX_SELECT:
+            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        if out is None:
+            out = np.empty(k, dtype=np.int32)
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.int32
+            or out.shape != (k,)
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
+            raise ValueError(
+                f"out must be a writable contiguous int32 numpy array of shape ({k},), got "
+                f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}"
+            )
+        s = stream_handle(stream)
+        scratch = self._scratch
+        scratch.ids[:k] = ids
+        with self._gate:
+            self._slots_fn(self._handle, layer, scratch.ids_address, 32, k, out.ctypes.data, s)
+        return out
+
     def select_split(
         self, layer: int, expert_ids, stream=None, *, views: bool = False, dtype=None, shapes=None
     ) -> Selection:
@@ -154,11 +190,14 @@ class Serving:
         return Selection(self, layer, pointers, scratch.resident[:k].astype(bool), ready.value or 0, s, made)
 
     def bank(self, layer: int, dtype=None, shapes=None) -> ExpertBank:
-        """The slot bank of ``layer``'s class on a ``lookup="device"`` cache (binding the class now
-        if needed, which allocates its bank: do it before capturing a graph). ``dtype`` and
-        ``shapes`` (one shape per part, as :meth:`select_views` takes them) format each slot's
-        parts; the views are ``[cap, *shape]``. The bank's address never changes while the cache
-        lives, so views and graphs made from it stay valid."""
+        """The slot bank of ``layer``'s class, on any cache (binding the class now if needed, which
+        reserves its bank, and on a ``lookup="device"`` cache maps all of it: do it before
+        capturing a graph). ``dtype`` and ``shapes`` (one shape per part, as :meth:`select_views`
+        takes them) format each slot's parts; the views are ``[rows, *shape]``, indexed by the
+        slot ids of :meth:`select_slots` and :meth:`select_device`. The bank's address never
+        changes while its class lives, so views and graphs made from it stay valid; a host-lookup
+        cache reserves a new bank only when it reuses the class for other sizes (more size classes
+        than ``max_classes``)."""
         index = self.bind_class(layer)
         b = _lib.Bank()
         b.struct_size = ctypes.sizeof(b)
@@ -174,7 +213,7 @@ class Serving:
             _bank.slot_view(
                 b.base + offset,
                 nbytes,
-                b.cap,
+                b.rows,
                 b.slot_stride,
                 cuda=cuda,
                 device_id=self._device,
@@ -186,7 +225,7 @@ class Serving:
                 ((b.gate_offset, b.gate_bytes), (b.up_offset, b.up_bytes), (b.down_offset, b.down_bytes))
             )
         ]
-        return ExpertBank(index, b.cap, b.slot_stride, *parts)
+        return ExpertBank(index, b.rows, b.cap, b.slot_stride, *parts)
 
     def select_device(self, layer: int, ids, stream=None, out=None, counts=None):
         """Device-side select on a ``lookup="device"`` cache: ``ids`` (a [k] or [n, k] int32 or

@@ -197,23 +197,38 @@ class ExpertBank:
 
     Attributes:
         class_index: the class.
-        cap: slots in the bank; slot ids from :meth:`~pyexpcache.ExpertCache.select_device` are 0..cap-1.
+        rows: rows the slot ids of the class's layers address: every slot id
+            :meth:`~pyexpcache.ExpertCache.select_slots` or
+            :meth:`~pyexpcache.ExpertCache.select_device` gives is in 0..rows-1.
+        cap: slots mapped when the bank was taken (a device-lookup bank: all of them, ``rows``; a
+            host-lookup bank grows as its class does, up to the class's cap, and stages the
+            experts that get no slot in its last rows).
         slot_stride: bytes from one slot to the next.
-        gate, up, down: :class:`~pyexpcache.views.TensorView` of shape ``[cap, ...part shape]``
+        gate, up, down: :class:`~pyexpcache.views.TensorView` of shape ``[rows, ...part shape]``
             (strided by ``slot_stride``), zero-copy: DLPack always, the CUDA Array Interface on
-            the CUDA backend, the NumPy array interface on the host backend.
+            the CUDA backend, the NumPy array interface on the host backend. Read the rows a
+            select gave (``index_select``, a fused MoE kernel): a row no select gave may have
+            no memory behind it.
 
     A slot's bytes are its expert's for work ordered after the select that returned the slot
-    on its stream, until the next call that serves or releases on the cache. The memory stays
-    allocated while the bank, or an array made from it, lives.
+    on its stream, until the next call that serves or releases on the cache. The bank's address
+    never changes while its class lives, and the memory stays allocated while the bank, or an
+    array made from it, lives.
     """
 
-    __slots__ = ("class_index", "cap", "slot_stride", "gate", "up", "down")
+    __slots__ = ("class_index", "rows", "cap", "slot_stride", "gate", "up", "down")
 
     def __init__(
-        self, class_index: int, cap: int, slot_stride: int, gate: TensorView, up: TensorView, down: TensorView
+        self,
+        class_index: int,
+        rows: int,
+        cap: int,
+        slot_stride: int,
+        gate: TensorView,
+        up: TensorView,
+        down: TensorView,
     ):
-        self.class_index, self.cap, self.slot_stride = class_index, cap, slot_stride
+        self.class_index, self.rows, self.cap, self.slot_stride = class_index, rows, cap, slot_stride
         self.gate, self.up, self.down = gate, up, down
 
     @property
@@ -228,8 +243,8 @@ class ExpertBank:
         defaults to the parts'. Up must start where gate ends, which it does when the gate's byte
         size is a multiple of the slot alignment (256 B); ValueError otherwise."""
         gate, up = self.gate, self.up
-        gate_bytes = gate.nbytes // self.cap if self.cap else 0
-        up_bytes = up.nbytes // self.cap if self.cap else 0
+        gate_bytes = gate.nbytes // self.rows if self.rows else 0
+        up_bytes = up.nbytes // self.rows if self.rows else 0
         if up.ptr != gate.ptr + gate_bytes:
             raise ValueError(
                 f"gate ({gate_bytes} B) and up are {up.ptr - gate.ptr - gate_bytes} B apart in a slot: "
@@ -241,7 +256,7 @@ class ExpertBank:
         return slot_view(
             gate.ptr,
             gate_bytes + up_bytes,
-            self.cap,
+            self.rows,
             self.slot_stride,
             cuda=gate.cuda,
             device_id=gate.device_id,
@@ -252,6 +267,6 @@ class ExpertBank:
 
     def __repr__(self) -> str:
         return (
-            f"ExpertBank(class {self.class_index}, cap={self.cap}, slot_stride={self.slot_stride}, "
+            f"ExpertBank(class {self.class_index}, rows={self.rows}, cap={self.cap}, slot_stride={self.slot_stride}, "
             f"gate={self.gate.shape}, up={self.up.shape}, down={self.down.shape}, dtype={self.gate.dtype})"
         )

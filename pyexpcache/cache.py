@@ -244,6 +244,7 @@ class ExpertCache(Serving):
         self._scratch = Scratch()
         self._select_fn = lib.expcache_select_async
         self._split_fn = lib.expcache_select_split_async
+        self._slots_fn = lib.expcache_select_slots_async
         self._views = ViewCache(layout)
         self._dense_layers = layout.dense_layers
         self._warned: set[str] = set()

@@ -42,6 +42,7 @@ EXPORTS = {
     "expcache_file_open",
     "expcache_layer_register",
     "expcache_select_async",
+    "expcache_select_slots_async",
     "expcache_compact_load_async",
     "expcache_batch_prepare_async",
     "expcache_batch_finish",
@@ -283,6 +284,9 @@ def test_staging_defaults_follow_the_cores():
 
 
 IDS = (c_uint32 * 8)(1, 2, 3, 4, 5, 6, 7, 8)
+NEGATIVE_IDS = (ctypes.c_int64 * 1)(-1)
+WIDE_IDS = (ctypes.c_int64 * 1)(1 << 32)
+HUGE_ID = (c_uint32 * 1)(1_000_000)
 BAD_IDS = (c_uint32 * 2)(1, 999)
 PTRS = (_lib.ExpertPtrs * 1024)()
 OUT_U32 = c_uint32()
@@ -462,6 +466,69 @@ CASES = [
     ),
     ("file_open a folder", "expcache_file_open", lambda h: (h, b"/tmp", byref(OUT_U32)), IO, "not a regular file"),
     ("select NULL ids", "expcache_select_async", lambda h: (h, 0, None, 1, None, PTRS), INVALID, "ids is NULL"),
+    (
+        "select_slots NULL ids",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, None, 32, 1, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "ids is NULL",
+    ),
+    (
+        "select_slots NULL out",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, IDS, 32, 1, None, None),
+        INVALID,
+        "out_slots is NULL",
+    ),
+    (
+        "select_slots id_bits",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, IDS, 16, 1, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "id_bits must be 32 or 64",
+    ),
+    (
+        "select_slots k 0",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, IDS, 32, 0, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "k must be",
+    ),
+    (
+        "select_slots k too large",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, IDS, 32, 5000, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "k must be",
+    ),
+    (
+        "select_slots negative id",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, NEGATIVE_IDS, 64, 1, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "expert id -1 (index 0) out of range",
+    ),
+    (
+        "select_slots id over 32 bits",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, WIDE_IDS, 64, 1, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "expert id 4294967296 (index 0) out of range",
+    ),
+    (
+        "select_slots id out of range",
+        "expcache_select_slots_async",
+        lambda h: (h, 0, HUGE_ID, 32, 1, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "expert id 1000000 (index 0) out of range for layer 0",
+    ),
+    (
+        "select_slots bad layer",
+        "expcache_select_slots_async",
+        lambda h: (h, 99, IDS, 32, 1, HOST_BUF.ctypes.data, None),
+        INVALID,
+        "layer",
+    ),
     ("select NULL out", "expcache_select_async", lambda h: (h, 0, IDS, 1, None, None), INVALID, "out_ptrs is NULL"),
     ("select k 0", "expcache_select_async", lambda h: (h, 0, IDS, 0, None, PTRS), INVALID, "k must be"),
     ("select k too large", "expcache_select_async", lambda h: (h, 0, IDS, 5000, None, PTRS), INVALID, "k must be"),
@@ -713,11 +780,11 @@ CASES = [
         "class index 4",
     ),
     (
-        "class_bank_get on a host-lookup cache",
+        "class_bank_get on an unbound class",
         "expcache_class_bank_get",
         lambda h: (h, 0, byref(_bank())),
         STATE,
-        "banks belong to device-lookup caches",
+        "holds no class",
     ),
     (
         "testing_bank_checksum NULL slots",
@@ -734,11 +801,11 @@ CASES = [
         "n must be 1..1024",
     ),
     (
-        "testing_bank_checksum on a host-lookup cache",
+        "testing_bank_checksum before the class has a slot",
         "expcache_testing_bank_checksum_async",
         lambda h: (h, 0, HOST_BUF.ctypes.data, 1, None, 0),
         STATE,
-        "has no bank",
+        "has no slot yet",
     ),
     ("class_count_get NULL", "expcache_class_count_get", lambda h: (h, None), INVALID, "out_count is NULL"),
     (
@@ -904,6 +971,7 @@ HANDLE_CALLS = [
     ("expcache_layer_register", lambda h: (h, 1, byref(_desc()))),
     ("expcache_file_open", lambda h: (h, os.fsencode(__file__), byref(OUT_U32))),
     ("expcache_select_async", lambda h: (h, 0, IDS, 1, None, PTRS)),
+    ("expcache_select_slots_async", lambda h: (h, 0, IDS, 32, 1, HOST_BUF.ctypes.data, None)),
     ("expcache_compact_load_async", lambda h: (h, 0, IDS, 1, None, byref(_compact()))),
     ("expcache_batch_prepare_async", lambda h: (h, 0, IDS, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),
     ("expcache_batch_finish", lambda h: (h, 1, None)),

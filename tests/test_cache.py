@@ -508,6 +508,7 @@ layout = ModelLayout((LayerSpec(16, 400_000, 400_000, 500_008),), name="threads-
 with HostSource(layout, pinned=False) as source, \\
         ExpertCache(layout, source, budget_experts=6, backend="host", copy_threads=8, staging_bytes=1 << 20,
                     staging_chunk_bytes=128 << 10, log_level=0, policy=POLICY) as cache:
+    cache.bind_class(0)  # reserves the class's bank: address space, counted by RLIMIT_AS
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))

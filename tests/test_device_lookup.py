@@ -439,8 +439,6 @@ def test_host_lookup_cache_refuses(make_cache):
     layer = cache.layout.moe_layers[0]
     with pytest.raises(InvalidStateError, match="needs a device-lookup cache"):
         cache.select_device(layer, device_ids(cache, [1]))
-    with pytest.raises(InvalidStateError, match="banks belong to device-lookup caches"):
-        cache.bank(layer)
 
 
 def test_lookup_argument_checked(backend):

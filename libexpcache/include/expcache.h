@@ -375,6 +375,25 @@ EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t
                                                      void* stream, expcache_expert_ptrs_t* out_ptrs);
 
 /**
+ * Decode path by slot id: expcache_select_async, except that ids (host memory) are
+ * integers of `id_bits` 32 or 64 bits (a router's int32 or int64 output as it is)
+ * and out_slots[i] (host memory) is ids[i]'s row in its class's bank
+ * (expcache_class_bank_get): its parts are at base + slot*slot_stride + the part's
+ * offset, so a kernel reads every selected expert by one base and stride, with no
+ * table of addresses and no gather. The misses are copied into their slots on
+ * `stream`. Experts that get no slot (the class cannot hold the whole request) are
+ * staged in the bank's last rows, addressed the same way. On a device-lookup cache
+ * (whose bank has no staging rows) every distinct id needs a slot: more than the
+ * bank's cap less the slots batches hold is INVALID_ARGUMENT. The slots are valid as
+ * expcache_select_async's addresses are. Status: INVALID_ARGUMENT (k 0 or over
+ * EXPCACHE_MAX_SELECT, an id out of range, negative or over 32 bits, id_bits not 32
+ * or 64, NULL pointers), then as expcache_select_async.
+ */
+EXPCACHE_API expcache_status_t expcache_select_slots_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                           uint32_t id_bits, uint32_t k, int32_t* out_slots,
+                                                           void* stream);
+
+/**
  * Hits before misses: expcache_select_async, except that the misses are copied on
  * the cache's own copy stream, so the hits can be used at once. out_resident[i] is 1
  * when ids[i] was resident when the call began: its addresses are valid for work
@@ -555,22 +574,36 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  *   - the policy is LRU (config.policy must be EXPCACHE_POLICY_LRU).
  */
 
-/** One class's bank: slot s's gate part is at base + s*slot_stride + gate_offset, gate_bytes long. */
+/**
+ * One class's bank: slot s's gate part is at base + s*slot_stride + gate_offset,
+ * gate_bytes long. Every slot id a select of this cache gives for the class's
+ * layers (expcache_select_slots_async, expcache_select_device_async) is in
+ * 0..rows-1, and base never changes while the class lives.
+ */
 typedef struct expcache_bank_t {
     uint32_t struct_size; /**< sizeof(expcache_bank_t); set by the caller */
     uint32_t reserved;
     void* base;                                   /**< device address of slot 0 (256-byte aligned) */
     uint64_t slot_stride;                         /**< bytes between slots */
-    uint64_t cap;                                 /**< slots in the bank */
+    uint64_t cap;                                 /**< slots mapped now (a device-lookup bank: all of its slots) */
     uint64_t gate_offset, up_offset, down_offset; /**< part starts within a slot (256-byte aligned) */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< part sizes: the class key */
+    uint64_t rows;                                /**< rows slot ids address: 0..rows-1 */
 } expcache_bank_t;
 
 /**
  * Fill *out (struct_size set by the caller) with the bank of class `class_index`
- * (from expcache_layer_bind_class). The bank's address never changes while the
- * cache lives. Status: INVALID_ARGUMENT (index out of range, struct_size
- * mismatch), INVALID_STATE (not a device-lookup cache, or no class at that index).
+ * (from expcache_layer_bind_class), on any cache. A class's slots are one range of
+ * addresses at a fixed stride, reserved when the class is bound and kept at the same
+ * address while the class lives (a host-lookup cache reserves a new one only when it
+ * reuses the class index for other sizes, when there are more than max_classes).
+ * A device-lookup bank maps all its slots when bound and keeps them until the cache
+ * is destroyed (rows == cap). A host-lookup bank maps its slots as the class grows
+ * (cap, up to the class's cap in expcache_class_info_get) and gives their memory
+ * back when the class is released, unless references (expcache_memory_retain: views
+ * of it) keep it, which keep it mapped; its last rows hold the experts a
+ * select_slots call stages when they get no slot. Status: INVALID_ARGUMENT (index
+ * out of range, struct_size mismatch), INVALID_STATE (no class at that index).
  */
 EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index, expcache_bank_t* out);
 

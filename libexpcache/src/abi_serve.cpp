@@ -31,6 +31,16 @@ expcache_status_t expcache_select_split_async(expcache_t* cache, uint32_t layer,
     });
 }
 
+expcache_status_t expcache_select_slots_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                              uint32_t k, int32_t* out_slots, void* stream) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_slots, "out_slots is NULL");
+        return cache->impl->select_slots(layer, ids, id_bits, k, out_slots, stream);
+    });
+}
+
 expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

@@ -90,7 +90,7 @@ expcache_status_t Cache::set_dropped_callback(expcache_memory_dropped_fn fn, voi
 }
 
 // The class table never calls out: what it is about to free is vacated first (nothing goes out
-// into the slabs after this, the device has finished every kernel that may read them).
+// into the banks after this, the device has finished every kernel that may read them).
 expcache_status_t Cache::bind_class(uint32_t layer, uint32_t path, int32_t* out_cls) {
     return prefetch_.bind_class(layer, path, out_cls);
 }

@@ -72,6 +72,9 @@ public:
                              expcache_expert_ptrs_t* out);
     expcache_status_t select_split(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                                    expcache_expert_ptrs_t* out, uint8_t* out_resident, void** out_ready);
+    // ids: id_bits 32 or 64, host memory; out: host memory.
+    expcache_status_t select_slots(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t k, int32_t* out,
+                                   void* stream);
     expcache_status_t wait_ready(void* ready, void* stream);
     expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
     expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
@@ -251,7 +254,11 @@ private:
     expcache_status_t stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct);
 
     // serve_select.cpp
-    expcache_status_t serve_decode(ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out);
+    // Where a decode call stages the experts that get no slot: the cache's overflow buffer
+    // (select: addresses), or the class bank's staging rows (select_slots: slot ids).
+    enum class Overflow { kBuffer, kBankRows };
+    expcache_status_t serve_decode(ServeCall& call, Overflow overflow);
+    void write_ptrs(const ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out) const;
 
     // serve_batch.cpp
     expcache_status_t batch_room() const;
@@ -274,7 +281,8 @@ private:
     DeviceLookup lookup_;
     StreamOrder streams_;
     CallClock clock_;
-    CallScratch spare_scratch_;  // a serving call's lists between calls: capacity only (CallLists)
+    CallScratch spare_scratch_;         // a serving call's lists between calls: capacity only (CallLists)
+    std::vector<uint32_t> narrow_ids_;  // select_slots: its ids as 32 bits
     PrefetchCoordinator prefetch_;
     Batches batches_;
     StagingBuffers staging_;

@@ -119,14 +119,14 @@ int32_t ClassTable::bind_releases(uint32_t layer_index) const {
     if (banked_ || bound(layer) >= 0) return -1;
     int32_t found = -1, empty = -1, lru = -1;
     choose(layer, &found, &empty, &lru);
-    if (found >= 0 || empty >= 0 || lru < 0 || classes_[lru].slabs.empty()) return -1;
+    if (found >= 0 || empty >= 0 || lru < 0 || classes_[lru].slots.empty()) return -1;
     return lru;
 }
 
 std::vector<int32_t> ClassTable::unheld() const {
     std::vector<int32_t> out;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c)
-        if (classes_[c].in_use && !classes_[c].slabs.empty() && classes_[c].held == 0) out.push_back(c);
+        if (classes_[c].in_use && !classes_[c].slots.empty() && classes_[c].held == 0) out.push_back(c);
     return out;
 }
 
@@ -136,10 +136,8 @@ int32_t ClassTable::bound(const LayerState& layer) const {
     return -1;
 }
 
-void ClassTable::activate(int32_t c, const LayerState& layer) {
+expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     ClassState& cls = classes_[c];
-    cls.in_use = true;
-    cls.gen++;
     uint64_t off = 0;
     for (int p = 0; p < kParts; ++p) {
         cls.key[p] = layer.bytes[p];
@@ -147,11 +145,63 @@ void ClassTable::activate(int32_t c, const LayerState& layer) {
         off += align_up(layer.bytes[p]);
     }
     cls.slot_bytes = off;
+    // A class reused for other sizes gets a bank of its own stride (the old one goes, or stays
+    // with the views that keep it).
+    if (cls.bank) arena_.free_now(cls.bank);
+    cls.bank = nullptr;
+    cls.rows = cls.mapped = 0;
+    // Every slot the class could ever have: each expert of its layers (those registered now: one
+    // registered later shares the class's slots). A fixed bank: reserve_bank() reserves its cap.
+    if (!banked_) {
+        expcache_status_t s = reserve_rows(c, std::max<uint64_t>(1, class_share(layers_, cls).experts));
+        if (s != EXPCACHE_OK) {
+            cls.in_use = false;  // free again: the next bind starts over
+            return s;
+        }
+    }
+    cls.in_use = true;
+    cls.gen++;
     cls.policy = make_policy(config_.policy);
     cls.cap_valid = false;
     cls.cap_announced = false;
     cls.cap = cls.target = 0;
     cls.layers = 0;
+    return EXPCACHE_OK;
+}
+
+// Slot ids are int32: the rows are at most INT32_MAX.
+expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
+    ClassState& cls = classes_[c];
+    const uint64_t g = arena_.granularity(), S = cls.slot_bytes;
+    slots = std::min<uint64_t>(slots, INT32_MAX - kStagingRows - 2 * (g / S + 1));
+    // The staging rows start past the granule the last slot ends in: their mappings never
+    // overlap the slots'. A fixed bank has none (a select there never stages: see select_slots).
+    const uint64_t staging_row = banked_ ? slots : ((slots * S + g - 1) / g * g + S - 1) / S;
+    const uint64_t rows = banked_ ? slots : staging_row + kStagingRows;
+    void* base = nullptr;
+    expcache_status_t s = health_.check(arena_.reserve(rows * S, &base));
+    if (s != EXPCACHE_OK) return s;
+    cls.bank = static_cast<unsigned char*>(base);
+    cls.rows = rows;
+    cls.slot_rows = slots;
+    cls.staging_row = staging_row;
+    cls.mapped = 0;
+    cls.staging_end = 0;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char** out) {
+    ClassState& cls = classes_[c];
+    const uint64_t g = arena_.granularity(), S = cls.slot_bytes;
+    const uint64_t start = cls.staging_row * S / g * g, end = ((cls.staging_row + n) * S + g - 1) / g * g;
+    const uint64_t from = std::max(start, cls.staging_end);
+    if (end > from) {
+        expcache_status_t s = health_.check(arena_.map(cls.bank + from, end - from));
+        if (s != EXPCACHE_OK) return s;
+        cls.staging_end = end;
+    }
+    *out = cls.bank + cls.staging_row * S;
+    return EXPCACHE_OK;
 }
 
 expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t* out_cls) {
@@ -165,7 +215,8 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
     choose(layer, &found, &empty, &lru);
     if (found < 0 && empty >= 0) {
         found = empty;
-        activate(found, layer);
+        expcache_status_t s = activate(found, layer);
+        if (s != EXPCACHE_OK) return s;
     } else if (found < 0) {
         if (banked_)
             return fail(EXPCACHE_ERR_INVALID_STATE,
@@ -184,7 +235,7 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
         if (s != EXPCACHE_OK) return s;
         victim.stats[path].class_reuses++;
         found = lru;
-        activate(found, layer);
+        if ((s = activate(found, layer)) != EXPCACHE_OK) return s;
         // The first reuse warns (a thrash loses every hit of both classes); later ones are notices.
         const bool first = reuses_++ == 0;
         log_(first ? EXPCACHE_LOG_WARNING : EXPCACHE_LOG_NOTICE,
@@ -206,48 +257,56 @@ expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (!cls.slots.empty() || cls.cap_valid) return EXPCACHE_OK;
     expcache_status_t s = refresh_cap(c, path);
-    if (s == EXPCACHE_OK && cls.cap > 0) s = grow(c, path);
-    return s;
+    if (s != EXPCACHE_OK || cls.cap == 0) return s;
+    if (!cls.bank && (s = reserve_rows(c, cls.cap)) != EXPCACHE_OK) return s;
+    cls.cap = std::min(cls.cap, cls.slot_rows);  // slot ids are int32
+    return grow(c, path);
 }
 
 // Frees a class's slots. Every resident expert becomes non-resident; the caller has vacated them
 // (nothing in flight into them, the device done reading them, their unused prefetches counted).
 expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
-    if (cls.slabs.empty()) return EXPCACHE_OK;
+    if (cls.slots.empty()) return EXPCACHE_OK;
     for (SlotState& slot : cls.slots) {
         if (slot.layer < 0) continue;
         slot.prefetch = kPrefetchNone;
         layers_[slot.layer].slot_of[slot.expert] = -1;
     }
-    if (banked_) {
-        // A bank keeps its memory (graphs captured with its address read it): only emptied.
-        cls.free_slots.clear();
-        for (size_t i = cls.slots.size(); i-- > 0;) {
-            cls.slots[i].layer = -1;
-            cls.slots[i].prefetch = kPrefetchNone;
-            cls.free_slots.push_back(static_cast<int32_t>(i));
-        }
-        cls.policy->clear();
-        cls.resident = 0;
-        cls.stats[path].releases++;
-        return EXPCACHE_OK;
-    }
-    for (void* slab : cls.slabs) arena_.free_now(slab);
-    cls.slabs.clear();
-    cls.slots.clear();
-    cls.free_slots.clear();
     cls.policy->clear();
     cls.resident = 0;
-    cls.cap_valid = false;
     cls.stats[path].releases++;
+    // A fixed bank keeps its memory (graphs captured with its address read it), and so does one
+    // that views keep (they read it): both are only emptied. Any other gives its memory back,
+    // its addresses kept for its next growth.
+    bool unmapped = false;
+    if (!banked_) {
+        if (arena_.kept(cls.bank)) arena_.ask_to_let_go();  // views cached for reuse let go
+        unmapped = arena_.unmap_from(cls.bank, 0);
+        if (!unmapped)
+            log_(EXPCACHE_LOG_NOTICE, "class %s: its bank stays mapped (%s): views of it are alive", name(cls).c_str(),
+                 human_bytes(cls.mapped).c_str());
+    }
+    if (unmapped) {
+        cls.slots.clear();
+        cls.free_slots.clear();
+        cls.mapped = cls.staging_end = 0;
+        cls.cap_valid = false;
+        return EXPCACHE_OK;
+    }
+    cls.free_slots.clear();
+    for (size_t i = cls.slots.size(); i-- > 0;) {
+        cls.slots[i].layer = -1;
+        cls.slots[i].prefetch = kPrefetchNone;
+        cls.free_slots.push_back(static_cast<int32_t>(i));
+    }
     return EXPCACHE_OK;
 }
 
 expcache_status_t ClassTable::release_unheld(uint32_t path) {
     uint32_t released = 0, kept = 0;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
-        if (!classes_[c].in_use || classes_[c].slabs.empty()) continue;
+        if (!classes_[c].in_use || classes_[c].slots.empty()) continue;
         if (classes_[c].held > 0) {
             ++kept;
             continue;
@@ -369,11 +428,16 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     uint64_t old_cap = cls.cap;
     cls.target = target(cls);
     cls.cap = std::min(cls.target, mem_cap);
-    if (banked_) cls.cap = std::min<uint64_t>(cls.cap, uint64_t(INT32_MAX));  // slot ids are int32
+    const bool bank_bound = cls.bank && cls.cap > cls.slot_rows;
+    if (bank_bound) cls.cap = cls.slot_rows;
     cls.cap_valid = true;
     if (!cls.cap_announced || cls.cap != old_cap) {
         std::string why, fix;
-        if (cls.cap < cls.target)
+        if (bank_bound)
+            why = format(", limited by its bank, reserved when the class was bound for the %llu experts of its layers "
+                         "registered then; register every layer before the first serving call",
+                         (unsigned long long)cls.slot_rows);
+        else if (cls.cap < cls.target)
             why = format(", limited by free device memory minus the reserve (%s free, reserve %s)",
                          human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());
         if (cls.cap == 0 && cls.target > 0) {
@@ -395,13 +459,17 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     return EXPCACHE_OK;
 }
 
+// The next piece of the bank: up to slab_bytes of slots (a fixed bank: all of its cap), mapped
+// in one piece after the slots mapped so far.
 expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     uint64_t have = cls.slots.size();
     uint64_t per_slab = banked_ ? cls.cap : std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes);
     uint64_t n = std::min(cls.cap - have, per_slab);
-    void* slab = nullptr;
-    expcache_status_t s = health_.check(arena_.alloc(n * cls.slot_bytes, &slab));
+    const uint64_t g = arena_.granularity();
+    const uint64_t end = ((have + n) * cls.slot_bytes + g - 1) / g * g;
+    expcache_status_t s = EXPCACHE_OK;
+    if (end > cls.mapped) s = health_.check(arena_.map(cls.bank + cls.mapped, end - cls.mapped));
     if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) {
         // Memory is shorter than the cap assumed: stop growing here.
         cls.cap = have;
@@ -414,10 +482,10 @@ expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
         return EXPCACHE_OK;
     }
     if (s != EXPCACHE_OK) return s;
-    cls.slabs.push_back(slab);
+    cls.mapped = std::max(cls.mapped, end);
     cls.slots.resize(have + n);
     cls.policy->resize(static_cast<int32_t>(have + n));
-    for (uint64_t i = 0; i < n; ++i) cls.slots[have + i].dev = static_cast<unsigned char*>(slab) + i * cls.slot_bytes;
+    for (uint64_t i = 0; i < n; ++i) cls.slots[have + i].dev = cls.bank + (have + i) * cls.slot_bytes;
     for (uint64_t i = n; i-- > 0;) cls.free_slots.push_back(static_cast<int32_t>(have + i));
     return EXPCACHE_OK;
 }

@@ -1,4 +1,5 @@
-// The size classes: per class its slots (device memory in slabs), which expert each holds, the
+// The size classes: per class its slots (a bank: one reserved address range at a fixed stride,
+// mapped as the class grows), which expert each holds, the
 // eviction policy's state, its budget and runtime cap, and its counters. A class is bound by
 // the layers whose experts have its byte sizes; at most max_classes exist at once. Every change
 // to a slot's residency goes through this table: bind, grow, acquire, install, evict, release
@@ -20,6 +21,8 @@ namespace expcache {
 
 constexpr uint64_t kAlign = 256;  // where each part of a slot, and of the compact buffer, starts
 constexpr uint64_t kGiB = uint64_t(1) << 30;
+// A bank's staging rows: what one select_slots call may stage (its distinct ids).
+constexpr uint64_t kStagingRows = EXPCACHE_MAX_SELECT;
 
 inline uint64_t align_up(uint64_t v) {
     return (v + kAlign - 1) & ~(kAlign - 1);
@@ -61,9 +64,15 @@ struct ClassState {
     uint64_t part_off[kParts] = {};
     uint64_t slot_bytes = 0;
     uint64_t last_used = 0;  // call id, for reusing the least recently used class
-    std::vector<SlotState> slots;
+    std::vector<SlotState> slots;  // the mapped slots, bank + s * slot_bytes
     std::vector<int32_t> free_slots;
-    std::vector<void*> slabs;
+    // The bank: a reserved range (kept across releases; replaced when the class is reused for
+    // other sizes) of `rows` rows of slot_bytes: slots 0..slot_rows-1, mapped from the start as
+    // the class grows (`mapped` bytes), then kStagingRows rows from `staging_row` on, mapped when
+    // a select_slots call stages experts that got no slot (`staging_end`: the offset mapped to).
+    unsigned char* bank = nullptr;
+    uint64_t rows = 0, slot_rows = 0, staging_row = 0;
+    uint64_t mapped = 0, staging_end = 0;
     std::unique_ptr<Policy> policy;
     uint64_t target = 0, cap = 0;
     bool cap_valid = false;      // recompute before the next growth
@@ -134,9 +143,11 @@ public:
     expcache_status_t release_unheld(uint32_t path);
     // Budget shares depend on the whole layout: caps are recomputed before the next growth.
     void invalidate_caps();
-    // A device-lookup cache's classes are banks: all `cap` slots in one allocation, made when
-    // the class is bound, kept (at one address) until the cache is destroyed.
-    bool banked() const { return banked_; }
+    // Every class's slots are a bank (a reserved range, reserved when the class is bound, at one
+    // address until the class is reused for other sizes). A device-lookup cache maps all `cap`
+    // slots when the class is bound and keeps them until the cache is destroyed (fixed); a
+    // host-lookup cache maps them as the class grows and unmaps them when it is released.
+    bool fixed_banks() const { return banked_; }
 
     // The counters of class c on `path`, recorded by the verbs below (each says which it records).
     const expcache_stats_t& stats(int32_t c, uint32_t path) const { return classes_[c].stats[path]; }
@@ -144,6 +155,9 @@ public:
     expcache_stats_t& mirror_stats(int32_t c, uint32_t path) { return classes_[c].stats[path]; }
     void reset_stats();
 
+    // The first n (<= kStagingRows) staging rows of class c's bank, mapped: where a select_slots
+    // call stages the experts that got no slot (valid until the next call, as slots are).
+    expcache_status_t staging_rows(int32_t c, uint32_t n, unsigned char** out);
     // A serving call of class c opens on `path` (calls): the class is the most recently used, and
     // its policy sees the call's clock.
     void open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock);
@@ -183,7 +197,8 @@ public:
 
 private:
     void choose(const LayerState& layer, int32_t* found, int32_t* empty, int32_t* lru) const;
-    void activate(int32_t c, const LayerState& layer);
+    expcache_status_t activate(int32_t c, const LayerState& layer);
+    expcache_status_t reserve_rows(int32_t c, uint64_t slots);
     std::string zero_target_reason(const ClassState& cls) const;
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");

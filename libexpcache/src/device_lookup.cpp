@@ -78,7 +78,7 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.misses = reinterpret_cast<DeviceMiss*>(p + at.misses);
     d.view.miss_count = reinterpret_cast<uint32_t*>(p + at.miss_count);
     d.view.cap = static_cast<uint32_t>(cap);
-    d.view.bank = cls.slabs.empty() ? nullptr : static_cast<unsigned char*>(cls.slabs[0]);
+    d.view.bank = cls.slots.empty() ? nullptr : cls.bank;
     d.view.slot_bytes = cls.slot_bytes;
     for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off[q];
     return EXPCACHE_OK;
@@ -177,7 +177,7 @@ void DeviceLookup::report_pending() {
 expcache_status_t DeviceLookup::push() {
     if (!enabled_) return EXPCACHE_OK;
     bool any = false;
-    for (const ClassState& cls : classes_) any = any || (cls.in_use && !cls.slabs.empty());
+    for (const ClassState& cls : classes_) any = any || (cls.in_use && !cls.slots.empty());
     if (!any && !table_) return EXPCACHE_OK;
     expcache_status_t s = health_.check(backend_.sync_device());
     if (s != EXPCACHE_OK) return s;
@@ -188,7 +188,7 @@ expcache_status_t DeviceLookup::push() {
     std::vector<uint8_t> pins;
     for (int32_t c = 0; c < classes_.size(); ++c) {
         ClassState& cls = classes_[c];
-        if (!cls.in_use || cls.slabs.empty()) continue;
+        if (!cls.in_use || cls.slots.empty()) continue;
         if (!ready(c) && (s = make_class(c)) != EXPCACHE_OK) return s;
         const DeviceClass& d = classes_state_[c].view;
         keys.assign(d.cap, -1);

@@ -122,20 +122,23 @@ expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%d and result slots [%u, +%u) within the %d slots",
                     EXPCACHE_MAX_SELECT, first, n, EXPCACHE_CHECKSUM_RESULTS);
     const int32_t c = classes_.bound(layers_[layer_index]);
-    if (!lookup_.enabled() || c < 0 || classes_[c].slabs.empty())
+    if (c < 0 || classes_[c].slots.empty())
         return fail(EXPCACHE_ERR_INVALID_STATE,
-                    "layer %u has no bank: a device-lookup cache's layer, bound (select "
-                    "it once), is needed",
+                    "layer %u's bank has no slot yet: its class is not bound, or has not grown (select it once)",
                     layer_index);
     const ClassState& cls = classes_[c];
     BankChecksum b = {};
-    b.base = static_cast<const unsigned char*>(cls.slabs[0]);
+    b.base = cls.bank;
     b.stride = cls.slot_bytes;
     for (int p = 0; p < kParts; ++p) {
         b.part_off[p] = cls.part_off[p];
         b.part_bytes[p] = cls.key[p];
     }
     b.cap = static_cast<uint32_t>(cls.slots.size());
+    if (cls.staging_end > 0) {  // the staging rows wholly mapped
+        b.staged_from = static_cast<uint32_t>(cls.staging_row);
+        b.staged_to = static_cast<uint32_t>(std::max(cls.staging_row, cls.staging_end / cls.slot_bytes));
+    }
     b.n = n;
     b.slots = slots;
     return health_.check(backend_->kernels().bank_checksum_async(b, first, stream));

@@ -50,18 +50,15 @@ expcache_status_t Cache::bank(uint32_t index, expcache_bank_t* out) {
     if (index >= static_cast<uint32_t>(classes_.size()))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
-    if (!lookup_.enabled())
-        return fail(EXPCACHE_ERR_INVALID_STATE,
-                    "banks belong to device-lookup caches: create the cache with config.lookup = "
-                    "EXPCACHE_LOOKUP_DEVICE (pyexpcache: lookup=\"device\")");
     const ClassState& cls = classes_[static_cast<int32_t>(index)];
     if (!cls.in_use)
         return fail(EXPCACHE_ERR_INVALID_STATE, "class index %u holds no class (bind a layer first)", index);
     expcache_bank_t b = {};
     b.struct_size = sizeof b;
-    b.base = cls.slabs.empty() ? nullptr : cls.slabs[0];
+    b.base = cls.bank;
     b.slot_stride = cls.slot_bytes;
     b.cap = cls.slots.size();
+    b.rows = cls.rows;
     b.gate_offset = cls.part_off[kGate];
     b.up_offset = cls.part_off[kUp];
     b.down_offset = cls.part_off[kDown];

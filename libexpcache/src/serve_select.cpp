@@ -5,38 +5,89 @@
 // they cross.
 #include "cache.hpp"
 
+#include <algorithm>
+
 #include "errors.hpp"
 
 namespace expcache {
 
-expcache_status_t Cache::serve_decode(ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out) {
+expcache_status_t Cache::serve_decode(ServeCall& call, Overflow overflow) {
     uint32_t direct = 0;
     expcache_status_t s = fill_slots(call, nullptr, &direct);
     if (s != EXPCACHE_OK) return s;
     if (direct > 0) {
-        // The class cannot hold the whole request: serve the overflow from staging. It never
-        // releases the caches: the hits resolved above point into them.
-        if ((s = reserve_buffer(call, staging_.overflow, uint64_t(direct) * call.cls->slot_bytes, false)) !=
-            EXPCACHE_OK)
-            return s;
-        if ((s = stage_overflow(call, static_cast<unsigned char*>(staging_.overflow.ptr), direct)) != EXPCACHE_OK)
-            return s;
+        // The class cannot hold the whole request: serve the overflow from staging (the cache's
+        // buffer, or the bank's staging rows for slot ids). It never releases the caches: the
+        // hits resolved above point into them.
+        unsigned char* base = nullptr;
+        if (overflow == Overflow::kBankRows) {
+            s = classes_.staging_rows(call.c, direct, &base);
+        } else if ((s = reserve_buffer(call, staging_.overflow, uint64_t(direct) * call.cls->slot_bytes, false)) ==
+                   EXPCACHE_OK) {
+            base = static_cast<unsigned char*>(staging_.overflow.ptr);
+        }
+        if (s != EXPCACHE_OK || (s = stage_overflow(call, base, direct)) != EXPCACHE_OK) return s;
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
-    const LayerState& layer = *call.layer;
-    for (uint32_t i = 0; i < k; ++i) out[i] = call.scratch.ptrs[layer.seen_pos[ids[i]]];
-    log_(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
+    log_(EXPCACHE_LOG_DEBUG, "select layer %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index,
          call.scratch.unique.size(), call.scratch.unique.size() - call.scratch.pending.size(),
          call.scratch.pending.size(), direct);
     return EXPCACHE_OK;
+}
+
+void Cache::write_ptrs(const ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out) const {
+    const LayerState& layer = *call.layer;
+    for (uint32_t i = 0; i < k; ++i) out[i] = call.scratch.ptrs[layer.seen_pos[ids[i]]];
 }
 
 expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
                                 expcache_expert_ptrs_t* out) {
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
     expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
+    if (s == EXPCACHE_OK) s = serve_decode(call, Overflow::kBuffer);
+    if (s == EXPCACHE_OK) write_ptrs(call, ids, k, out);
+    return s;
+}
+
+expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t k,
+                                      int32_t* out, void* stream) {
+    if (id_bits != 32 && id_bits != 64)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "id_bits must be 32 or 64, got %u", id_bits);
+    if (k == 0 || k > EXPCACHE_MAX_SELECT)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "k must be 1..%d, got %u", EXPCACHE_MAX_SELECT, k);
+    // The ids as 32 bits; one that is not (negative, or over 32 bits) is out of range for any layer.
+    std::vector<uint32_t>& narrow = narrow_ids_;
+    narrow.resize(k);
+    for (uint32_t i = 0; i < k; ++i) {
+        const int64_t id =
+            id_bits == 32 ? static_cast<const int32_t*>(ids)[i] : static_cast<const int64_t*>(ids)[i];
+        if (id < 0 || id > int64_t(UINT32_MAX))
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %lld (index %u) out of range for layer %u",
+                        (long long)id, i, layer_index);
+        narrow[i] = static_cast<uint32_t>(id);
+    }
+    ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
+    expcache_status_t s = open_call(call, narrow.data(), k, EXPCACHE_MAX_SELECT, "k");
     if (s != EXPCACHE_OK) return s;
-    return serve_decode(call, ids, k, out);
+    if (classes_.fixed_banks()) {
+        // A device-lookup bank has no staging rows: every distinct id needs a slot.
+        const ClassState& cls = *call.cls;
+        const uint64_t room = cls.slots.size() - std::min<uint64_t>(cls.held, cls.slots.size());
+        if (call.scratch.unique.size() > room)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                        "select_slots of %zu distinct ids needs as many slots: layer %u's bank has %zu%s; raise the "
+                        "budget or select fewer ids at once",
+                        call.scratch.unique.size(), layer_index, cls.slots.size(),
+                        cls.held ? format(", %llu of them held by batches", (unsigned long long)cls.held).c_str() : "");
+    }
+    if ((s = serve_decode(call, Overflow::kBankRows)) != EXPCACHE_OK) return s;
+    const ClassState& cls = *call.cls;
+    const LayerState& layer = *call.layer;
+    for (uint32_t i = 0; i < k; ++i) {
+        const auto* gate = static_cast<const unsigned char*>(call.scratch.ptrs[layer.seen_pos[narrow[i]]].gate);
+        out[i] = static_cast<int32_t>(static_cast<uint64_t>(gate - cls.part_off[kGate] - cls.bank) / cls.slot_bytes);
+    }
+    return EXPCACHE_OK;
 }
 
 expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
@@ -59,10 +110,11 @@ expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids,
         if ((s = health_.check(backend_->fence(stream, copy))) != EXPCACHE_OK) return s;
         call.copy_stream = copy;
     }
-    if ((s = serve_decode(call, ids, k, out)) != EXPCACHE_OK) {
+    if ((s = serve_decode(call, Overflow::kBuffer)) != EXPCACHE_OK) {
         if (call.copy_stream != stream) streams_.copy_dirty();  // some copies may have gone out
         return s;
     }
+    write_ptrs(call, ids, k, out);
     void* ready = nullptr;
     if (call.copy_stream != stream) {
         streams_.copy_dirty();

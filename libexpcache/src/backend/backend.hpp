@@ -34,6 +34,27 @@ public:
     using FreeFn = void (*)(void* ptr, int device);
     virtual FreeFn disown(void* ptr) = 0;
     virtual int device_ordinal() const { return 0; }
+
+    // Address ranges reserved without memory and backed piece by piece (a class's bank: its
+    // address never moves while its memory grows and shrinks, as PyTorch's expandable segments
+    // do with cuMemAddressReserve and cuMemMap). Offsets and sizes are multiples of
+    // map_granularity(). map() backs [at, at + bytes) of a reservation with device memory
+    // (OUT_OF_DEVICE_MEMORY when there is none; counted by mem_info); unmap() frees exactly one
+    // range map() backed, the device done with it; unreserve() frees a range with nothing mapped.
+    virtual uint64_t map_granularity() const = 0;
+    virtual expcache_status_t reserve(uint64_t bytes, void** out) = 0;
+    virtual expcache_status_t map(void* at, uint64_t bytes) = 0;
+    virtual void unmap(void* at, uint64_t bytes) = 0;
+    virtual void unreserve(void* base, uint64_t bytes) = 0;
+    // Forget a reservation and its mappings as disown() forgets an allocation: the function
+    // returned unmaps the given ranges and frees the reservation later, from any thread.
+    struct Mapping {
+        void* at;
+        uint64_t bytes;
+    };
+    using UnreserveFn = void (*)(void* base, uint64_t bytes, const Mapping* mappings, size_t n, int device);
+    virtual UnreserveFn disown_reserved(void* base, uint64_t bytes, const Mapping* mappings, size_t n) = 0;
+
     virtual expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) = 0;
 
     // Uploads: a pinned source is enqueued on `stream` by finish_uploads(), all of a

@@ -1,8 +1,11 @@
-// CUDA backend: cudaMalloc'd slabs, async copies on the caller's stream,
+// CUDA backend: cudaMalloc'd buffers, banks of cuMemMap'd pieces, async copies on the caller's stream,
 // events to fence slot reuse across streams and to defer frees.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <new>
+#include <string>
 #include <vector>
 
 #include "backend.hpp"
@@ -68,6 +71,64 @@ private:
     std::vector<void*> dst_;
     std::vector<const void*> src_;
     std::vector<size_t> bytes_;
+};
+
+// The driver's virtual memory functions (a bank: a reserved range backed piece by piece), taken
+// through the runtime's entry-point query so that the library does not link libcuda itself.
+struct Vmm {
+    decltype(&cuMemAddressReserve) reserve = nullptr;
+    decltype(&cuMemAddressFree) free = nullptr;
+    decltype(&cuMemCreate) create = nullptr;
+    decltype(&cuMemRelease) release = nullptr;
+    decltype(&cuMemMap) map = nullptr;
+    decltype(&cuMemUnmap) unmap = nullptr;
+    decltype(&cuMemSetAccess) set_access = nullptr;
+    decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
+    decltype(&cuGetErrorName) error_name = nullptr;
+    expcache_status_t status = EXPCACHE_OK;
+    std::string why;
+
+    static const Vmm& get() {
+        static Vmm vmm;
+        static std::once_flag once;
+        std::call_once(once, [] { vmm.load(); });
+        return vmm;
+    }
+    // A driver error as a status (an allocation failure is OUT_OF_DEVICE_MEMORY).
+    expcache_status_t fail_with(CUresult r, const char* what) const {
+        const char* name = "?";
+        if (error_name) error_name(r, &name);
+        return fail(r == CUDA_ERROR_OUT_OF_MEMORY ? EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY : EXPCACHE_ERR_CUDA, "%s: %s",
+                    what, name);
+    }
+
+private:
+    template <typename F>
+    void take(const char* symbol, F* out) {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        cudaError_t e = cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found);
+        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn) {
+            cudaGetLastError();
+            if (status == EXPCACHE_OK) {
+                status = EXPCACHE_ERR_UNSUPPORTED;
+                why = std::string("the driver has no ") + symbol;
+            }
+            return;
+        }
+        *out = reinterpret_cast<F>(fn);
+    }
+    void load() {
+        take("cuMemAddressReserve", &reserve);
+        take("cuMemAddressFree", &free);
+        take("cuMemCreate", &create);
+        take("cuMemRelease", &release);
+        take("cuMemMap", &map);
+        take("cuMemUnmap", &unmap);
+        take("cuMemSetAccess", &set_access);
+        take("cuMemGetAllocationGranularity", &granularity);
+        take("cuGetErrorName", &error_name);
+    }
 };
 
 // Pageable host memory cannot be DMA'd directly at full speed: the driver
@@ -166,7 +227,20 @@ public:
         // against the caller's streams with events.
         if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking);
         leave();
-        return e == cudaSuccess ? EXPCACHE_OK : cuda_fail(e, "creating the cache's events and copy stream");
+        if (e != cudaSuccess) return cuda_fail(e, "creating the cache's events and copy stream");
+        const Vmm& vmm = Vmm::get();
+        if (vmm.status != EXPCACHE_OK)
+            return fail(vmm.status, "the CUDA driver lacks virtual memory management (%s), which the slot banks need",
+                        vmm.why.c_str());
+        CUmemAllocationProp prop = {};
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = device_;
+        size_t granularity = 0;
+        CUresult r = vmm.granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+        if (r != CUDA_SUCCESS) return vmm.fail_with(r, "cuMemGetAllocationGranularity");
+        granularity_ = granularity;
+        return EXPCACHE_OK;
     }
     uint32_t kind() const override { return EXPCACHE_BACKEND_CUDA; }
 
@@ -201,6 +275,63 @@ public:
         };
     }
     int device_ordinal() const override { return device_; }
+
+    // Banks: cuMemAddressReserve'd ranges, backed by cuMemCreate'd pieces mapped into them. A
+    // piece's handle is released as soon as it is mapped: the mapping keeps its memory until
+    // cuMemUnmap.
+    uint64_t map_granularity() const override { return granularity_; }
+    expcache_status_t reserve(uint64_t bytes, void** out) override {
+        const Vmm& vmm = Vmm::get();
+        CUdeviceptr p = 0;
+        CUresult r = vmm.reserve(&p, bytes, 0, 0, 0);
+        if (r != CUDA_SUCCESS) return vmm.fail_with(r, "cuMemAddressReserve");
+        *out = reinterpret_cast<void*>(p);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t map(void* at, uint64_t bytes) override {
+        const Vmm& vmm = Vmm::get();
+        CUmemAllocationProp prop = {};
+        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = device_;
+        CUmemGenericAllocationHandle handle = 0;
+        CUresult r = vmm.create(&handle, bytes, &prop, 0);
+        if (r != CUDA_SUCCESS) return vmm.fail_with(r, "cuMemCreate");
+        const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(at);
+        r = vmm.map(p, bytes, 0, handle, 0);
+        vmm.release(handle);
+        if (r != CUDA_SUCCESS) return vmm.fail_with(r, "cuMemMap");
+        CUmemAccessDesc access = {};
+        access.location = prop.location;
+        access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        r = vmm.set_access(p, bytes, &access, 1);
+        if (r != CUDA_SUCCESS) {
+            vmm.unmap(p, bytes);
+            return vmm.fail_with(r, "cuMemSetAccess");
+        }
+        return EXPCACHE_OK;
+    }
+    void unmap(void* at, uint64_t bytes) override {
+        Vmm::get().unmap(reinterpret_cast<CUdeviceptr>(at), bytes);
+    }
+    void unreserve(void* base, uint64_t bytes) override {
+        Vmm::get().free(reinterpret_cast<CUdeviceptr>(base), bytes);
+    }
+    UnreserveFn disown_reserved(void*, uint64_t, const Mapping*, size_t) override {
+        // Work still reading the memory finishes first (cuMemUnmap does not wait for it).
+        return [](void* base, uint64_t bytes, const Mapping* mappings, size_t n, int device) {
+            int previous = -1;
+            if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+            if (previous != device) cudaSetDevice(device);
+            cudaDeviceSynchronize();
+            const Vmm& vmm = Vmm::get();
+            for (size_t i = 0; i < n; ++i) vmm.unmap(reinterpret_cast<CUdeviceptr>(mappings[i].at), mappings[i].bytes);
+            vmm.free(reinterpret_cast<CUdeviceptr>(base), bytes);
+            if (previous >= 0 && previous != device) cudaSetDevice(previous);
+            cudaGetLastError();  // nothing to report to: the cache may be gone
+        };
+    }
+
     expcache_status_t free_after(void* ptr, void* stream) override {
         cudaEvent_t ev;
         if (event_pool_.empty()) {
@@ -305,6 +436,7 @@ private:
         cudaEvent_t event;
     };
     int device_;
+    uint64_t granularity_ = uint64_t(2) << 20;
     MemcpyBatch batch_;
     int depth_ = 0;
     int saved_device_ = -1;

@@ -4,7 +4,11 @@
 // Copies complete before returning, so streams and fences are no-ops.
 // Pageable and file uploads go through the same StagingRing as on the CUDA
 // backend, with a memcpy for the link.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <unordered_map>
 #include <vector>
@@ -80,6 +84,43 @@ public:
         }
         return [](void* p, int) { std::free(p); };
     }
+    // Reservations are anonymous mappings without access; map() opens the pages it covers and
+    // counts its bytes against the emulated capacity, as alloc() does. The granularity is the
+    // slot alignment, finer than a page: unmap() closes only the pages wholly inside its range
+    // (a page it shares with a neighbouring mapping stays open).
+    uint64_t map_granularity() const override { return 256; }
+    expcache_status_t reserve(uint64_t bytes, void** out) override {
+        void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED)
+            return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "reserving %llu bytes of addresses: %s",
+                        (unsigned long long)bytes, std::strerror(errno));
+        *out = p;
+        return EXPCACHE_OK;
+    }
+    expcache_status_t map(void* at, uint64_t bytes) override {
+        if (bytes == 0 || bytes > capacity_ - used_)
+            return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
+                        "emulated device memory exhausted: %llu bytes asked, %llu of %llu free",
+                        (unsigned long long)bytes, (unsigned long long)(capacity_ - used_),
+                        (unsigned long long)capacity_);
+        const uintptr_t a = reinterpret_cast<uintptr_t>(at);
+        const uintptr_t from = a & ~(page() - 1), to = (a + bytes + page() - 1) & ~(page() - 1);
+        if (mprotect(reinterpret_cast<void*>(from), to - from, PROT_READ | PROT_WRITE) != 0)
+            return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "mapping %llu bytes: %s", (unsigned long long)bytes,
+                        std::strerror(errno));
+        used_ += bytes;
+        return EXPCACHE_OK;
+    }
+    void unmap(void* at, uint64_t bytes) override {
+        used_ -= bytes;
+        close_pages(at, bytes);
+    }
+    void unreserve(void* base, uint64_t bytes) override { munmap(base, bytes); }
+    UnreserveFn disown_reserved(void*, uint64_t, const Mapping* mappings, size_t n) override {
+        for (size_t i = 0; i < n; ++i) used_ -= mappings[i].bytes;
+        return [](void* base, uint64_t bytes, const Mapping*, size_t, int) { munmap(base, bytes); };
+    }
+
     expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) override {
         *free_bytes = capacity_ - used_;
         *total_bytes = capacity_;
@@ -106,6 +147,19 @@ public:
     expcache_status_t sync_device() override { return EXPCACHE_OK; }
 
 private:
+    static uintptr_t page() {
+        static const uintptr_t size = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+        return size;
+    }
+    // Gives back and closes the pages wholly inside [at, at + bytes).
+    static void close_pages(void* at, uint64_t bytes) {
+        const uintptr_t a = reinterpret_cast<uintptr_t>(at);
+        const uintptr_t from = (a + page() - 1) & ~(page() - 1), to = (a + bytes) & ~(page() - 1);
+        if (to <= from) return;
+        madvise(reinterpret_cast<void*>(from), to - from, MADV_DONTNEED);
+        mprotect(reinterpret_cast<void*>(from), to - from, PROT_NONE);
+    }
+
     uint64_t capacity_;
     uint64_t used_ = 0;
     std::unordered_map<void*, uint64_t> sizes_;

@@ -41,6 +41,20 @@ public:
     void reclaim() override { inner_->reclaim(); }
     FreeFn disown(void* ptr) override { return inner_->disown(ptr); }
     int device_ordinal() const override { return inner_->device_ordinal(); }
+    uint64_t map_granularity() const override { return inner_->map_granularity(); }
+    expcache_status_t reserve(uint64_t bytes, void** out) override { return inner_->reserve(bytes, out); }
+    // A bank's growth is a device allocation: the same injected failures.
+    expcache_status_t map(void* at, uint64_t bytes) override {
+        if (allocs_.fire())
+            return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY, "injected device allocation failure (%llu bytes)",
+                        (unsigned long long)bytes);
+        return inner_->map(at, bytes);
+    }
+    void unmap(void* at, uint64_t bytes) override { inner_->unmap(at, bytes); }
+    void unreserve(void* base, uint64_t bytes) override { inner_->unreserve(base, bytes); }
+    UnreserveFn disown_reserved(void* base, uint64_t bytes, const Mapping* mappings, size_t n) override {
+        return inner_->disown_reserved(base, bytes, mappings, n);
+    }
     expcache_status_t mem_info(uint64_t* free_bytes, uint64_t* total_bytes) override {
         return inner_->mem_info(free_bytes, total_bytes);
     }

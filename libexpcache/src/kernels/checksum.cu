@@ -134,7 +134,7 @@ __global__ void bank_checksum_kernel(const __grid_constant__ BankParams prm) {
     while (r >= prm.part_blocks[p]) r -= prm.part_blocks[p++];
     const int32_t slot = prm.bank.slots[i];
     uint64_t sum = 0;
-    if (slot >= 0 && static_cast<uint32_t>(slot) < prm.bank.cap) {
+    if (prm.bank.readable(slot)) {
         const uint64_t bytes = prm.bank.part_bytes[p];
         const uint64_t begin = r * kChunkBytes;
         const uint64_t end = begin + kChunkBytes < bytes ? begin + kChunkBytes : bytes;

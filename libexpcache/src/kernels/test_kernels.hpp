@@ -9,6 +9,12 @@
 
 #include "expcache.h"
 
+#ifdef __CUDACC__
+#define EXPCACHE_TEST_HD __host__ __device__
+#else
+#define EXPCACHE_TEST_HD
+#endif
+
 namespace expcache {
 
 // One contiguous range to checksum; results are summed into sums[out].
@@ -21,11 +27,16 @@ struct ChecksumJob {
 // The experts of a bank's slots, read by slot id from device memory (what a fused MoE kernel
 // given select_device's slots reads): slot slots[i]'s parts sum into one result each.
 struct BankChecksum {
+    EXPCACHE_TEST_HD bool readable(int32_t slot) const {
+        const uint32_t s = static_cast<uint32_t>(slot);
+        return slot >= 0 && (s < cap || (s >= staged_from && s < staged_to));
+    }
     const unsigned char* base;
     uint64_t stride;
     uint64_t part_off[3];
     uint64_t part_bytes[3];
-    uint32_t cap;  // a slot outside [0, cap) sums to 0
+    uint32_t cap;                           // a slot outside [0, cap) and [staged_from, staged_to) sums to 0
+    uint32_t staged_from, staged_to;        // the bank's mapped staging rows (select_slots)
     uint32_t n;
     const int32_t* slots;  // device memory (host memory on the host backend)
 };

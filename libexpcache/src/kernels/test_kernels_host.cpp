@@ -42,7 +42,7 @@ public:
         for (uint32_t i = 0; i < b.n; ++i) {
             const int32_t slot = b.slots[i];
             uint64_t sum = 0;
-            if (slot >= 0 && static_cast<uint32_t>(slot) < b.cap)
+            if (b.readable(slot))
                 for (int p = 0; p < 3; ++p)
                     sum += checksum_host(b.base + uint64_t(slot) * b.stride + b.part_off[p], b.part_bytes[p]);
             results_[first + i] = sum;
