@@ -53,7 +53,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pyexpcache import ExpcacheError, ExpertCache, HostSource, LayerSpec, ModelLayout, testing  # noqa: E402
 from pyexpcache._lib import PREFETCH_FIELDS, lib  # noqa: E402
 
-from support.cache import POLICIES, SCALE, assert_served  # noqa: E402
+from support.cache import POLICIES, SCALE, assert_served, bank_rows  # noqa: E402
 from support.reference_model import DENSE, INVALID_STATE, PATHS, STAT_FIELDS, ModelError, ReferenceCache, align_up  # noqa: E402
 
 # The hypothesis profile's counts (quick or long), unless the environment asks for a longer run.
@@ -312,15 +312,23 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 self.addr.pop(k, None)
 
-    @rule(data=st.data(), raw=st.booleans())
-    def select(self, data, raw):
+    @rule(data=st.data(), how=st.sampled_from(["python", "raw", "slots"]))
+    def select(self, data, how):
+        """select, through the wrapper or the raw ABI, or select_slots (the rows' addresses in the
+        class's bank are its pointers): the model's select either way."""
         layer = self.draw_layer(data)
         ids = self.draw_ids(data, layer, 7)
-        call = (
-            (lambda: raw_select(self.cache, layer, ids))
-            if raw
-            else (lambda: self.cache.select(layer, np.array(ids, dtype=np.int64)))
-        )
+        raw = how == "raw"
+
+        def by_slots():
+            slots = self.cache.select_slots(layer, np.array(ids, dtype=np.int64))
+            return np.array(bank_rows(self.cache.bank(layer), slots), dtype=np.uint64).reshape(len(ids), 3)
+
+        call = {
+            "raw": lambda: raw_select(self.cache, layer, ids),
+            "python": lambda: self.cache.select(layer, np.array(ids, dtype=np.int64)),
+            "slots": by_slots,
+        }[how]
 
         def model_call():
             try:

@@ -21,6 +21,11 @@ Modes, side by side in one run, each with a new cache of the same budget and pol
 ``plain``  ``cache.select_views(layer, ids, stream)``; every expert's kernel; synchronize.
 ``split``  hits before misses: ``cache.select_split(layer, ids, stream, views=True)``; the hits'
            kernels at once; ``sel.wait(stream)``; the misses' kernels; synchronize.
+``slots``  by slot id: ``cache.select_slots(layer, ids, stream)`` (the ids on the host, int32 slots
+           back), the slots to the device, then the layer's experts read from the class's bank
+           (:meth:`~pyexpcache.ExpertCache.bank`) by ``index_select`` and reduced per row: two
+           kernels per layer whatever its k, as an engine whose kernels read ``base + slot *
+           stride`` runs; synchronize.
 
 Every kernel's result is checked against the same reduction computed with numpy from the source's
 bytes (:func:`expected_sums`), after each layer's synchronize and outside the timed part (a stack
@@ -48,6 +53,7 @@ import numpy as np
 from tabulate import tabulate
 
 from pyexpcache import _lib
+from pyexpcache import bank as _bank
 from pyexpcache.views import TensorView
 
 from .. import options
@@ -55,16 +61,17 @@ from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT, Option
 from ..report import DecodeRate, HitRate, Report, timed
 from ..workload import DEFAULT_TRACES, build_workload, trace_label
 
-MODES = ("plain", "split")  # of the loop: how each layer is served
+MODES = ("plain", "split", "slots")  # of the loop: how each layer is served
 PROGRESS_EVERY = 256  # decode calls between two progress reports
 KERNEL_NOTE = "torch loop: one torch kernel per expert over its view, a synchronize per layer"
 
 NAME = "torch"
 TITLE = "torch loop"
-HELP = "a torch decode loop: one torch kernel per expert over its view, plain and split selects side by side"
+HELP = "a torch decode loop: one torch kernel per expert over its view (plain, split) or the bank by slot id"
 DESCRIPTION = (
     "The decode traces in a torch decode loop (one torch kernel per expert over its zero-copy view, a "
-    "synchronize per layer), the plain select against hits before misses, side by side (decode "
+    "synchronize per layer), the plain select against hits before misses and against select_slots with "
+    "the bank read by index_select, side by side (decode "
     "scenario, the library's default policy); needs torch (the [torch] extra)."
 )
 RUNS = "replays the decode scenario in torch, plain and split selects side by side"
@@ -233,6 +240,53 @@ class _Loop:
             torch.stack(parts).tolist()
             self.synchronize()
 
+    def bank_rows(self, cache, layer: int):
+        """The layer's bank as torch tensors of rows: one ``[rows, slot bytes]`` span over the three
+        parts when they lie back to back in the slot, else one per part; made once per cache."""
+        key = ("bank", id(cache), layer)
+        made = self.spans.get(key)
+        if made is None:
+            bank = cache.bank(layer)
+            g, u, d = bank.parts
+            width = [p.nbytes // bank.rows for p in (g, u, d)]
+            if u.ptr == g.ptr + width[0] and d.ptr == u.ptr + width[1]:
+                spans = [(g, sum(width))]
+            else:
+                spans = list(zip((g, u, d), width))
+            made = self.spans[key] = [
+                self.torch.from_dlpack(
+                    _bank.slot_view(
+                        p.ptr,
+                        w,
+                        bank.rows,
+                        bank.slot_stride,
+                        cuda=p.cuda,
+                        device_id=p.device_id,
+                        dtype=None,
+                        shape=None,
+                        owner=p.owner,
+                    )
+                )
+                for p, w in spans
+            ]
+        return made
+
+    def slot_kernels(self, cache, layer: int, slots: np.ndarray, out: list) -> int:
+        """The layer's experts read from its bank by slot id: per span, one ``index_select`` of the
+        rows and one reduction per row, appended to ``out`` as one tensor of k sums; returns the
+        spans (1, or 3 when the parts do not touch)."""
+        torch = self.torch
+        word = self.words[layer]
+        index = torch.from_numpy(slots).to(self.device, non_blocking=True)
+        spans = self.bank_rows(cache, layer)
+        for rows in spans:
+            picked = torch.index_select(rows, 0, index)
+            words = picked.view(word) if word is not None else picked
+            # A row reduction with dtype= has no vectorized CPU path (17 ms for 6 rows of 108 KiB on
+            # the 2-core machine, 40 µs with the cast first); on the GPU it is one kernel.
+            out.append(torch.sum(words, dim=1, dtype=torch.int64) if self.cuda else words.to(torch.int64).sum(dim=1))
+        return len(spans)
+
     def expert_kernels(self, layer: int, view, out: list) -> int:
         """Launch the reduction(s) of one expert's view on torch's current stream, appending the
         result tensors to ``out``; returns how many (1: the parts are back to back, one span over
@@ -287,6 +341,7 @@ def _run_mode(
             cid = ids[c]
             outs: list = []
             counts: list = []  # per expert, in launch order: (index into the ids, kernels)
+            launched = None  # the kernels of the call, when not one entry of counts each
             t0 = perf()
             if compute_ns:
                 with cache.raw_handle() as handle:
@@ -298,6 +353,14 @@ def _run_mode(
                 result.serve_seconds += perf() - ts
                 for i, view in enumerate(views):
                     counts.append((i, loop.expert_kernels(layer, view, outs)))
+            elif mode == "slots":
+                slots = cache.select_slots(layer, cid, stream)
+                result.serve_seconds += perf() - ts
+                spans = loop.slot_kernels(cache, layer, slots, outs)
+                # Per expert, as the other modes list their results: its sum, or its three parts'.
+                outs = [torch.stack(outs, dim=1).reshape(-1)]
+                counts = [(i, spans) for i in range(len(cid))]
+                launched = 2 * spans  # an index_select and a reduction per span
             else:
                 sel = cache.select_split(layer, cid, stream, views=True)
                 result.serve_seconds += perf() - ts
@@ -313,7 +376,7 @@ def _run_mode(
             result.decode_seconds += perf() - t0
             result.decode_calls += 1
             # Verification, untimed: the layer's results read back at once.
-            got = torch.stack(outs).tolist() if outs else []
+            got = (outs[0] if mode == "slots" else torch.stack(outs)).tolist() if outs else []
             want = expected[layer]
             pos = 0
             for i, n in counts:
@@ -328,7 +391,7 @@ def _run_mode(
                     if first_bad is None:
                         first_bad = (c, layer, int(cid[i]))
             result.experts_checked += len(counts)
-            result.kernels += pos
+            result.kernels += pos if launched is None else launched
             if (c + 1) % PROGRESS_EVERY == 0 or c + 1 == total:
                 progress(label, c + 1, total)
     decode = cache.stats().path("decode")

@@ -532,7 +532,10 @@ EXPCACHE_API expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t
  * Release every expert cache: waits for this cache's device work, frees all
  * slots of classes that hold no batch slot, the compact buffer and select's
  * overflow buffer (so every address select_async and compact_load_async
- * handed out). The layout and the statistics remain. Synchronous.
+ * handed out). A class's bank keeps its addresses (the next growth maps them
+ * again); its memory is given back unless references keep the bank
+ * (expcache_memory_retain), which keep it mapped and only emptied, as is a
+ * device-lookup cache's. The layout and the statistics remain. Synchronous.
  * Status: INVALID_ARGUMENT, CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_release_all(expcache_t* cache);
@@ -822,8 +825,9 @@ EXPCACHE_API expcache_status_t expcache_stats_reset(expcache_t* cache);
 /* ---------------------------------------------------------------------- */
 
 /**
- * A reference to one device allocation of a cache's (a slab of slots, a staging
- * buffer), keeping its memory allocated until released, after expcache_destroy too.
+ * A reference to one device allocation of a cache's (a class's bank, a staging
+ * buffer), keeping its memory allocated until released, after expcache_destroy too;
+ * a bank a reference keeps stays mapped through releases of its class.
  * Bindings hand one out with every zero-copy view, so a tensor made from a view can
  * never read freed memory. The *bytes* follow the usual validity rule: a slot may hold
  * another expert after the cache's next serving call; once the cache stops using the
@@ -850,11 +854,11 @@ EXPCACHE_API expcache_status_t expcache_memory_retain(expcache_t* cache, const v
 EXPCACHE_API void expcache_memory_release(expcache_memory_ref_t* ref);
 
 /**
- * Called when a call let go of allocations that references keep alive (so a binding
- * that keeps references for its own bookkeeping, e.g. reusable views, can drop them and
- * let the memory go). Called on the thread making the call, at its end, with the
- * cache's mutex held: it must not call into the same cache (expcache_memory_release
- * excepted).
+ * Called when a call let go of allocations that references keep alive, and before a
+ * release would give back a bank that references keep (so a binding that keeps
+ * references for its own bookkeeping, e.g. reusable views, can drop them and let the
+ * memory go). Called on the thread making the call, with the cache's mutex held: it
+ * must not call into the same cache (expcache_memory_release excepted).
  */
 typedef void (*expcache_memory_dropped_fn)(void* user);
 

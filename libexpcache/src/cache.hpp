@@ -257,7 +257,7 @@ private:
     // Where a decode call stages the experts that get no slot: the cache's overflow buffer
     // (select: addresses), or the class bank's staging rows (select_slots: slot ids).
     enum class Overflow { kBuffer, kBankRows };
-    expcache_status_t serve_decode(ServeCall& call, Overflow overflow);
+    expcache_status_t serve_decode(ServeCall& call, uint32_t k, Overflow overflow);
     void write_ptrs(const ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out) const;
 
     // serve_batch.cpp

@@ -150,6 +150,8 @@ expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     if (cls.bank) arena_.free_now(cls.bank);
     cls.bank = nullptr;
     cls.rows = cls.mapped = 0;
+    cls.slots.clear();  // a release left them mapped when views kept the old bank
+    cls.free_slots.clear();
     // Every slot the class could ever have: each expert of its layers (those registered now: one
     // registered later shares the class's slots). A fixed bank: reserve_bank() reserves its cap.
     if (!banked_) {
@@ -434,9 +436,10 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     if (!cls.cap_announced || cls.cap != old_cap) {
         std::string why, fix;
         if (bank_bound)
-            why = format(", limited by its bank, reserved when the class was bound for the %llu experts of its layers "
-                         "registered then; register every layer before the first serving call",
-                         (unsigned long long)cls.slot_rows);
+            why = format(
+                ", limited by its bank, reserved when the class was bound for the %llu experts of its layers "
+                "registered then; register every layer before the first serving call",
+                (unsigned long long)cls.slot_rows);
         else if (cls.cap < cls.target)
             why = format(", limited by free device memory minus the reserve (%s free, reserve %s)",
                          human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());

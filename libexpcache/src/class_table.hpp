@@ -63,7 +63,7 @@ struct ClassState {
     uint64_t key[kParts] = {};
     uint64_t part_off[kParts] = {};
     uint64_t slot_bytes = 0;
-    uint64_t last_used = 0;  // call id, for reusing the least recently used class
+    uint64_t last_used = 0;        // call id, for reusing the least recently used class
     std::vector<SlotState> slots;  // the mapped slots, bank + s * slot_bytes
     std::vector<int32_t> free_slots;
     // The bank: a reserved range (kept across releases; replaced when the class is reused for

@@ -33,7 +33,8 @@ expcache_status_t DeviceArena::reserve(uint64_t bytes, void** out) {
 expcache_status_t DeviceArena::map(void* at, uint64_t bytes) {
     auto found = containing(at, bytes);
     if (found == allocations_.end() || !found->second.reservation)
-        return fail(EXPCACHE_ERR_INTERNAL, "map: %llu bytes at %p lie in no reservation", (unsigned long long)bytes, at);
+        return fail(EXPCACHE_ERR_INTERNAL, "map: %llu bytes at %p lie in no reservation", (unsigned long long)bytes,
+                    at);
     expcache_status_t s = backend_.map(at, bytes);
     if (s != EXPCACHE_OK) return s;
     allocations_[found->first].mapped[reinterpret_cast<uintptr_t>(at) - found->first] = bytes;
@@ -96,9 +97,8 @@ bool DeviceArena::let_go(Map::iterator it) {
         for (const auto& m : a.mapped) mappings.push_back({static_cast<unsigned char*>(ptr) + m.first, m.second});
         Backend::UnreserveFn free = backend_.disown_reserved(ptr, a.bytes, mappings.data(), mappings.size());
         const uint64_t bytes = a.bytes;
-        a.kept->disown([free, ptr, bytes, mappings, device] {
-            free(ptr, bytes, mappings.data(), mappings.size(), device);
-        });
+        a.kept->disown(
+            [free, ptr, bytes, mappings, device] { free(ptr, bytes, mappings.data(), mappings.size(), device); });
     }
     ++disowned_;
     return true;
@@ -156,8 +156,7 @@ bool DeviceArena::mapped_covers(const Allocation& a, uint64_t offset, uint64_t b
 bool DeviceArena::owns(const void* ptr, uint64_t bytes) const {
     auto it = containing(ptr, bytes);
     if (it == allocations_.end()) return false;
-    return !it->second.reservation ||
-           mapped_covers(it->second, reinterpret_cast<uintptr_t>(ptr) - it->first, bytes);
+    return !it->second.reservation || mapped_covers(it->second, reinterpret_cast<uintptr_t>(ptr) - it->first, bytes);
 }
 
 bool DeviceArena::retain(const void* ptr, std::shared_ptr<KeptMemory>* out) {

@@ -11,7 +11,7 @@
 
 namespace expcache {
 
-expcache_status_t Cache::serve_decode(ServeCall& call, Overflow overflow) {
+expcache_status_t Cache::serve_decode(ServeCall& call, uint32_t k, Overflow overflow) {
     uint32_t direct = 0;
     expcache_status_t s = fill_slots(call, nullptr, &direct);
     if (s != EXPCACHE_OK) return s;
@@ -29,7 +29,7 @@ expcache_status_t Cache::serve_decode(ServeCall& call, Overflow overflow) {
         if (s != EXPCACHE_OK || (s = stage_overflow(call, base, direct)) != EXPCACHE_OK) return s;
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
-    log_(EXPCACHE_LOG_DEBUG, "select layer %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index,
+    log_(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
          call.scratch.unique.size(), call.scratch.unique.size() - call.scratch.pending.size(),
          call.scratch.pending.size(), direct);
     return EXPCACHE_OK;
@@ -44,13 +44,13 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
                                 expcache_expert_ptrs_t* out) {
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
     expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
-    if (s == EXPCACHE_OK) s = serve_decode(call, Overflow::kBuffer);
+    if (s == EXPCACHE_OK) s = serve_decode(call, k, Overflow::kBuffer);
     if (s == EXPCACHE_OK) write_ptrs(call, ids, k, out);
     return s;
 }
 
-expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t k,
-                                      int32_t* out, void* stream) {
+expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t k, int32_t* out,
+                                      void* stream) {
     if (id_bits != 32 && id_bits != 64)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "id_bits must be 32 or 64, got %u", id_bits);
     if (k == 0 || k > EXPCACHE_MAX_SELECT)
@@ -59,8 +59,7 @@ expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uin
     std::vector<uint32_t>& narrow = narrow_ids_;
     narrow.resize(k);
     for (uint32_t i = 0; i < k; ++i) {
-        const int64_t id =
-            id_bits == 32 ? static_cast<const int32_t*>(ids)[i] : static_cast<const int64_t*>(ids)[i];
+        const int64_t id = id_bits == 32 ? static_cast<const int32_t*>(ids)[i] : static_cast<const int64_t*>(ids)[i];
         if (id < 0 || id > int64_t(UINT32_MAX))
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %lld (index %u) out of range for layer %u",
                         (long long)id, i, layer_index);
@@ -80,7 +79,7 @@ expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uin
                         call.scratch.unique.size(), layer_index, cls.slots.size(),
                         cls.held ? format(", %llu of them held by batches", (unsigned long long)cls.held).c_str() : "");
     }
-    if ((s = serve_decode(call, Overflow::kBankRows)) != EXPCACHE_OK) return s;
+    if ((s = serve_decode(call, k, Overflow::kBankRows)) != EXPCACHE_OK) return s;
     const ClassState& cls = *call.cls;
     const LayerState& layer = *call.layer;
     for (uint32_t i = 0; i < k; ++i) {
@@ -110,7 +109,7 @@ expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids,
         if ((s = health_.check(backend_->fence(stream, copy))) != EXPCACHE_OK) return s;
         call.copy_stream = copy;
     }
-    if ((s = serve_decode(call, Overflow::kBuffer)) != EXPCACHE_OK) {
+    if ((s = serve_decode(call, k, Overflow::kBuffer)) != EXPCACHE_OK) {
         if (call.copy_stream != stream) streams_.copy_dirty();  // some copies may have gone out
         return s;
     }

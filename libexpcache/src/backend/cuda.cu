@@ -311,12 +311,8 @@ public:
         }
         return EXPCACHE_OK;
     }
-    void unmap(void* at, uint64_t bytes) override {
-        Vmm::get().unmap(reinterpret_cast<CUdeviceptr>(at), bytes);
-    }
-    void unreserve(void* base, uint64_t bytes) override {
-        Vmm::get().free(reinterpret_cast<CUdeviceptr>(base), bytes);
-    }
+    void unmap(void* at, uint64_t bytes) override { Vmm::get().unmap(reinterpret_cast<CUdeviceptr>(at), bytes); }
+    void unreserve(void* base, uint64_t bytes) override { Vmm::get().free(reinterpret_cast<CUdeviceptr>(base), bytes); }
     UnreserveFn disown_reserved(void*, uint64_t, const Mapping*, size_t) override {
         // Work still reading the memory finishes first (cuMemUnmap does not wait for it).
         return [](void* base, uint64_t bytes, const Mapping* mappings, size_t n, int device) {

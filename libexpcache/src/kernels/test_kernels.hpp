@@ -35,8 +35,8 @@ struct BankChecksum {
     uint64_t stride;
     uint64_t part_off[3];
     uint64_t part_bytes[3];
-    uint32_t cap;                           // a slot outside [0, cap) and [staged_from, staged_to) sums to 0
-    uint32_t staged_from, staged_to;        // the bank's mapped staging rows (select_slots)
+    uint32_t cap;                     // a slot outside [0, cap) and [staged_from, staged_to) sums to 0
+    uint32_t staged_from, staged_to;  // the bank's mapped staging rows (select_slots)
     uint32_t n;
     const int32_t* slots;  // device memory (host memory on the host backend)
 };
