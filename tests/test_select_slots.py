@@ -5,12 +5,11 @@ moves while its class lives (releases give its memory back unless a view keeps i
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 
 from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, LayerSpec, ModelLayout, _lib, testing
+
 from support.cache import SCALE, assert_served, bank_rows
 
 

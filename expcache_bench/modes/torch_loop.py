@@ -52,8 +52,7 @@ from typing import Callable, ClassVar, Optional
 import numpy as np
 from tabulate import tabulate
 
-from pyexpcache import _lib
-from pyexpcache import bank as _bank
+from pyexpcache import _lib, bank as _bank
 from pyexpcache.views import TensorView
 
 from .. import options
