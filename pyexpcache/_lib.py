@@ -397,6 +397,8 @@ _FUNCTIONS = [
     ("expcache_testing_spin_async", [CachePtr, c_void_p, c_uint64], c_int32),
     # expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, uint64_t* out_bytes);
     ("expcache_testing_device_bytes_in_use", [CachePtr, POINTER(c_uint64)], c_int32),
+    # expcache_status_t expcache_testing_table_reads(expcache_t* cache, uint32_t layer, uint64_t* out_count);
+    ("expcache_testing_table_reads", [CachePtr, c_uint32, POINTER(c_uint64)], c_int32),
     # uint32_t expcache_testing_struct_size(uint32_t which);
     ("expcache_testing_struct_size", [c_uint32], c_uint32),
 ]

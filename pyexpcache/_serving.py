@@ -233,19 +233,20 @@ class Serving:
         numpy array on the host backend) become resident in ``layer``'s bank, and the result (or
         ``out``: int32, same shape) holds each id's slot, for ``bank(layer).gate[slots]`` and the
         like. The n rows of a 2-D call are one step (a speculative verification): each distinct
-        expert is copied once and all are protected. Kernels on ``stream`` (default: torch's
-        current stream for a torch tensor, else the legacy default stream) do the lookup, the
+        expert is copied once and all are protected. One kernel on ``stream`` (default: torch's
+        current stream for a torch tensor, else the legacy default stream) does the lookup, the
         LRU update, the misses' copies (read from the pinned source by the GPU) and the counts,
-        with no host synchronization: the call may be captured in a CUDA graph (bind each layer
-        first: one call outside the capture, or :meth:`bank`), and each replay does the whole
-        select. An id out of range in device memory gets slot -1, and the next synchronizing call
-        (which does its own work as usual) warns with the first such id (:class:`ExpcacheWarning`),
+        with no host synchronization (a slot-map read and the refreshes alone when every id is
+        resident): the call may be captured in a CUDA graph (bind each layer first: one call
+        outside the capture, or :meth:`bank`), and each replay does the whole select. An id out
+        of range in device memory gets slot -1, and the next synchronizing call (which does its
+        own work as usual) warns with the first such id (:class:`ExpcacheWarning`),
         as :meth:`close` does for one no call read back; ids in host memory (the host backend) are
         checked here, and one out of range raises InvalidArgumentError with nothing selected.
         ``out`` must be writable (a read-only array is refused).
 
         ``counts`` (optional: 2 int32 or uint32 where ``out`` lives, writable) gets the step's
-        counts from the lookup kernel, on ``stream`` with no synchronization (capturable too):
+        counts from the select's kernel, on ``stream`` with no synchronization (capturable too):
         ``counts[0]`` the distinct experts among the ids (the union of the rows), ``counts[1]``
         how many of them missed (were copied by this call). An id out of range is not counted.
         An engine verifying speculative drafts reads them on the device to choose the next

@@ -13,7 +13,7 @@ A :class:`~pyexpcache.MultiDeviceCache` has no hooks of its own: pass one of its
 (``multi.caches[d]``).
 
 Reading back:
-    :func:`read_expert`, :func:`read_device`, :func:`device_bytes_in_use`
+    :func:`read_expert`, :func:`read_device`, :func:`device_bytes_in_use`, :func:`table_reads`
 The checksum kernel (what :meth:`~pyexpcache.HostSource.expected_checksum` predicts):
     :func:`checksum`, :func:`checksum_async`, :func:`checksum_results`
 Fault injection and prefetch control:
@@ -46,6 +46,7 @@ __all__ = [
     "pause_prefetch",
     "read_device",
     "read_expert",
+    "table_reads",
 ]
 
 #: Result slots of :func:`checksum_async` per cache (EXPCACHE_CHECKSUM_RESULTS).
@@ -90,6 +91,17 @@ def device_bytes_in_use(cache: ExpertCache) -> int:
     cache = _cache(cache, "device_bytes_in_use")
     out = ctypes.c_uint64()
     cache._call("expcache_testing_device_bytes_in_use", ctypes.byref(out))
+    return out.value
+
+
+def table_reads(cache: ExpertCache, layer: int) -> int:
+    """How many :meth:`~pyexpcache.ExpertCache.select_device` calls of ``layer``'s class were
+    served by their table read (every id in range resident: hits refreshed and counted, no
+    victim search, nothing copied) since the class was bound; 0 before. A ``lookup="device"``
+    cache only. Synchronizes."""
+    cache = _cache(cache, "table_reads")
+    out = ctypes.c_uint64()
+    cache._call("expcache_testing_table_reads", cache._layer(layer), ctypes.byref(out))
     return out.value
 
 

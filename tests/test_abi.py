@@ -84,6 +84,7 @@ TESTING_EXPORTS = {
     "expcache_testing_struct_size",
     "expcache_testing_prefetch_pause",
     "expcache_testing_spin_async",
+    "expcache_testing_table_reads",
 }
 
 
@@ -851,6 +852,14 @@ CASES = [
         INVALID,
         "out_bytes is NULL",
     ),
+    ("testing_table_reads NULL", "expcache_testing_table_reads", lambda h: (h, 0, None), INVALID, "out_count is NULL"),
+    (
+        "testing_table_reads on a host-lookup cache",
+        "expcache_testing_table_reads",
+        lambda h: (h, 0, byref(OUT_U64)),
+        STATE,
+        "table reads are a device select's",
+    ),
     (
         "select_split NULL ids",
         "expcache_select_split_async",
@@ -1011,6 +1020,7 @@ HANDLE_CALLS = [
     ),
     ("expcache_class_bank_get", lambda h: (h, 0, byref(_bank()))),
     ("expcache_testing_bank_checksum_async", lambda h: (h, 0, HOST_BUF.ctypes.data, 1, None, 0)),
+    ("expcache_testing_table_reads", lambda h: (h, 0, byref(OUT_U64))),
 ]
 
 # Exports that take no cache and cannot fail: checked by the tests above and below, not by a table.

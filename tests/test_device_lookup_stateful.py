@@ -8,7 +8,8 @@ the two caches evict by the same LRU rules (a device select's recency is the hos
 the same select: ``docs/device_lookup.md``), so after every step they must agree on which
 (layer, expert) are resident, on every hit and miss (the device path's and the host paths'
 counters together against the host cache's; each device select's counts, its distinct experts and
-their misses, against the host select's), and the bytes behind every slot a device select
+their misses, against the host select's; a device select served by its table read exactly when
+nothing missed), and the bytes behind every slot a device select
 gave, every batch's pointers and every compact buffer equal the source. Layouts have one or two
 size classes; budgets leave room for a step's ids (a device select of n*k ids needs n*k slots it
 may fill: the rule the library checks) and sometimes not (the call must fail and change nothing).
@@ -94,10 +95,13 @@ class DeviceLookupMachine(RuleBasedStateMachine):
             return
         counts = np.full(2, -1, dtype=np.int32)
         missed = self.host_misses()
+        reads = testing.table_reads(self.dev, layer)
         slots = self.dev.select_device(layer, ids, counts=counts)
         self.host.select(layer, ids.ravel())
         # The step's counts: its distinct experts, and those the host-lookup cache missed.
         assert list(counts) == [len(set(ids.ravel().tolist())), self.host_misses() - missed]
+        # Served by its table read exactly when nothing missed (docs/device_lookup.md).
+        assert testing.table_reads(self.dev, layer) - reads == (counts[1] == 0)
         self.device_slots = [(layer, ids.ravel().tolist(), slots.ravel().tolist())]
 
     @rule(data=st.data())

@@ -28,6 +28,7 @@ def test_the_hooks_are_the_modules_functions():
         "pause_prefetch",
         "read_device",
         "read_expert",
+        "table_reads",
     ]
     assert all(callable(getattr(testing, name)) for name in HOOKS)
     assert testing.CHECKSUM_RESULTS == 65536
@@ -86,6 +87,7 @@ def test_hooks_go_through_the_call_gate(make_cache):
         "pause_prefetch": lambda: testing.pause_prefetch(cache),
         "read_device": lambda: testing.read_device(cache, int(ptrs[0][0]), 8),
         "read_expert": lambda: testing.read_expert(cache, 3, 1),
+        "table_reads": lambda: testing.table_reads(cache, 3),
     }
     assert sorted(calls) == HOOKS
     for call in calls.values():

@@ -616,14 +616,16 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * become resident in the layer's bank, and out_slots[i] (device memory, n*k int32)
  * is ids[i]'s slot in it. The rows are one step (several tokens of a speculative
  * verification): each distinct expert is copied once and none of them is evicted by
- * another. Kernels on `stream` look the ids up, refresh their recency, evict the
- * least recently used slots not used by this call and not held by a batch, copy
- * the misses' bytes from the layer's source (read by the GPU from mapped pinned
- * memory), and count. No host synchronization and no host decision depends on the
- * ids: the call may be made while `stream` is being captured into a CUDA graph, and
- * each replay does the whole select. An id out of range gets slot -1; the next
- * synchronizing call does its own work as usual and logs the first such id as a
- * warning (layer, id, index), once; expcache_destroy logs one no call read back.
+ * another. One kernel on `stream` looks the ids up, refreshes their recency,
+ * evicts the least recently used slots not used by this call and not held by a
+ * batch, copies the misses' bytes from the layer's source (read by the GPU from
+ * mapped pinned memory), and counts; when every id is resident it only reads the
+ * slot map and refreshes (no search, no copy; docs/device_lookup.md). No host
+ * synchronization and no host decision depends on the ids: the call may be made
+ * while `stream` is being captured into a CUDA graph, and each replay does the
+ * whole select. An id out of range gets slot -1; the next synchronizing call does
+ * its own work as usual and logs the first such id as a warning (layer, id,
+ * index), once; expcache_destroy logs one no call read back.
  *
  * The slots stay valid for work ordered after this call on `stream` until the next
  * call that serves or releases on this cache. Work on other streams is ordered by the
@@ -646,7 +648,7 @@ EXPCACHE_API expcache_status_t expcache_select_device_async(expcache_t* cache, u
  * out_counts[1] how many of them missed (were copied by this call); the hits are
  * the difference. An id out of range (slot -1) is not an expert and is not
  * counted. out_counts (2 uint32; device memory, host memory on the host backend,
- * like out_slots) is written by the lookup kernel on `stream`, with no host
+ * like out_slots) is written by the select's kernel on `stream`, with no host
  * synchronization (capturable, like the select), and is valid for work ordered
  * after this call on `stream`: an engine verifying a speculative draft reads it
  * on the device to price the next draft's length. Everything else is

@@ -157,6 +157,18 @@ EXPCACHE_API expcache_status_t expcache_testing_prefetch_pause(expcache_t* cache
  */
 EXPCACHE_API expcache_status_t expcache_testing_spin_async(expcache_t* cache, void* stream, uint64_t ns);
 
+/**
+ * Device lookup, both backends: write to *out_count how many device selects
+ * of `layer`'s class (expcache_select_device_async) were served by their table
+ * read since the class was bound: every id in range was resident, so the
+ * select refreshed the hits and counted, with no victim search and nothing to
+ * copy (a class whose bank holds every expert of its layers is always served
+ * so). 0 when the class is not bound. Synchronizes the device. Status:
+ * INVALID_ARGUMENT (layer not registered), INVALID_STATE (not a device-lookup
+ * cache), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_testing_table_reads(expcache_t* cache, uint32_t layer, uint64_t* out_count);
+
 /* ---------------------------------------------------------------------- */
 /* Struct sizes, for bindings to check their mirrors                       */
 /* ---------------------------------------------------------------------- */

@@ -108,6 +108,14 @@ expcache_status_t expcache_testing_device_bytes_in_use(const expcache_t* cache, 
     });
 }
 
+expcache_status_t expcache_testing_table_reads(expcache_t* cache, uint32_t layer, uint64_t* out_count) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_count, "out_count is NULL");
+        return cache->impl->table_reads(layer, out_count);
+    });
+}
+
 uint32_t expcache_testing_struct_size(uint32_t which) {
     switch (which) {
         case EXPCACHE_STRUCT_CONFIG:

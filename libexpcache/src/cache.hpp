@@ -91,6 +91,7 @@ public:
     expcache_status_t select_device(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
                                     int32_t* out_slots, uint32_t* out_counts, void* stream);
     expcache_status_t bank(uint32_t index, expcache_bank_t* out);
+    expcache_status_t table_reads(uint32_t layer, uint64_t* out);
     expcache_status_t release_all();
     expcache_status_t synchronize(void* stream);
     expcache_status_t read_resident(uint32_t layer, uint32_t expert, void* dst, uint64_t dst_bytes,

@@ -12,7 +12,7 @@ namespace {
 
 // Offsets of DeviceClass's arrays in one allocation, each 256-byte aligned.
 struct ClassLayout {
-    uint64_t key_of_slot, stamp, pin, counters, misses, miss_count, bytes;
+    uint64_t key_of_slot, stamp, pin, counters, misses, miss_count, handoff, bytes;
     explicit ClassLayout(uint64_t cap) {
         uint64_t off = 0;
         auto take = [&](uint64_t n) {
@@ -26,6 +26,7 @@ struct ClassLayout {
         counters = take(sizeof(DeviceCounters));
         misses = take(EXPCACHE_MAX_SELECT * sizeof(DeviceMiss));
         miss_count = take(sizeof(uint32_t));
+        handoff = take(sizeof(DeviceHandoff));
         bytes = off;
     }
 };
@@ -77,11 +78,13 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.counters = reinterpret_cast<DeviceCounters*>(p + at.counters);
     d.view.misses = reinterpret_cast<DeviceMiss*>(p + at.misses);
     d.view.miss_count = reinterpret_cast<uint32_t*>(p + at.miss_count);
+    d.view.handoff = reinterpret_cast<DeviceHandoff*>(p + at.handoff);
     d.view.cap = static_cast<uint32_t>(cap);
     d.view.bank = cls.slots.empty() ? nullptr : cls.bank;
     d.view.slot_bytes = cls.slot_bytes;
     for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off[q];
-    return EXPCACHE_OK;
+    const DeviceHandoff zero = {};  // the tickets count from 0 for the class's whole life
+    return health_.check(backend_.copy_h2d_sync(d.view.handoff, &zero, sizeof(zero)));
 }
 
 // The device's residency becomes the mirror's: slots, the layers' slot maps, the free list and
@@ -219,6 +222,16 @@ expcache_status_t DeviceLookup::push() {
         (s = health_.check(backend_.copy_h2d_sync(error_dev_, &none, sizeof(none)))) != EXPCACHE_OK)
         return s;
     if (keys_) s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, slot_of_key.data(), keys_ * sizeof(int32_t)));
+    return s;
+}
+
+expcache_status_t DeviceLookup::table_reads(int32_t c, uint64_t* out) {
+    *out = 0;
+    if (!ready(c)) return EXPCACHE_OK;
+    DeviceHandoff h = {};
+    expcache_status_t s = health_.check(backend_.sync_device());
+    if (s == EXPCACHE_OK) s = health_.check(backend_.copy_d2h_sync(&h, classes_state_[c].view.handoff, sizeof(h)));
+    if (s == EXPCACHE_OK) *out = h.table_reads;
     return s;
 }
 

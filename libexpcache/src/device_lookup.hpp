@@ -46,6 +46,10 @@ public:
     // ready) on `stream`; out_counts (nullptr: not wanted) gets the distinct experts and misses.
     expcache_status_t select(uint32_t layer, int32_t c, const void* ids, uint32_t id_bits, uint32_t count,
                              int32_t* out_slots, uint32_t* out_counts, void* stream);
+    // The device selects of class c served by their table read (every id in range resident:
+    // no victim search, nothing copied) since its state was made, the device synchronized
+    // first; 0 when it has none.
+    expcache_status_t table_reads(int32_t c, uint64_t* out);
 
 private:
     struct ClassDevice {

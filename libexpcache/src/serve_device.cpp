@@ -45,6 +45,23 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
     return lookup_.select(layer_index, c, ids, id_bits, static_cast<uint32_t>(count), out_slots, out_counts, stream);
 }
 
+expcache_status_t Cache::table_reads(uint32_t layer_index, uint64_t* out) {
+    CallScope scope(*this);
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
+    if (s != EXPCACHE_OK) return s;
+    if (!lookup_.enabled())
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "table reads are a device select's: create the cache with config.lookup = "
+                    "EXPCACHE_LOOKUP_DEVICE (pyexpcache: lookup=\"device\")");
+    const int32_t c = classes_.bound(layers_[layer_index]);
+    if (c < 0) {
+        *out = 0;
+        return EXPCACHE_OK;
+    }
+    return lookup_.table_reads(c, out);
+}
+
 expcache_status_t Cache::bank(uint32_t index, expcache_bank_t* out) {
     CallScope scope(*this);
     if (index >= static_cast<uint32_t>(classes_.size()))

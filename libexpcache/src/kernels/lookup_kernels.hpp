@@ -1,13 +1,19 @@
-// The device-side select (expcache_select_device_async): what its kernels read and write, and
-// the kernels themselves, one implementation per backend (the host runs the same steps in
-// order, on host memory). The state they work on belongs to DeviceLookup (device_lookup.hpp),
-// which lays it out and keeps the host's mirror of it.
+// The device-side select (expcache_select_device_async): what its kernel reads and writes, and
+// the kernel itself, one implementation per backend (the host runs the same steps in order, on
+// host memory). The state it works on belongs to DeviceLookup (device_lookup.hpp), which lays
+// it out and keeps the host's mirror of it.
 //
-// One select is two steps on the stream: a lookup (one block: ids to keys, hits refreshed,
-// each distinct miss given the least recently used slot that is neither used by this call nor
-// pinned, the slot map updated, the counters added, the call's own counts written when asked
-// for) and a copy (many blocks reading the misses' bytes from mapped pinned memory into their
-// slots; nothing to do when all hit).
+// One select is one grid on the stream (one block per SM; lookup_kernels_cuda.cu says why):
+//   1. the table read: the ids to keys and the slots the slot map gives them;
+//   2. the first block to arrive (the leader) either serves the select from that read, when
+//      every id in range is resident (the hits' bookkeeping only: no victim search, nothing to
+//      copy; a class whose bank holds every expert of its layers is always served so), or runs
+//      the lookup (hits refreshed, each distinct miss given the least recently used slot that
+//      is neither used by this call nor pinned, the slot map updated, the misses listed);
+//      either way the counters are added and the call's own counts written when asked for;
+//   3. the leader publishes how many missed; the other blocks wait for it, and all of them
+//      copy the listed misses' bytes from mapped pinned memory into their slots, or end at once
+//      when nothing missed.
 //
 // Recency is a stamp per slot from one clock: a select takes the stamps [base, base + 2048)
 // (base = clock + 1), its hits base + i and its misses base + 1024 + i for i the position of
@@ -49,6 +55,14 @@ struct DeviceMiss {
     int32_t slot;
 };
 
+// How the blocks of one select's grid hand the lookup's result to each other (zero when the
+// class's state is made; never written by the host after that).
+struct DeviceHandoff {
+    uint64_t ticket;       // blocks arrived, over every select of the class: a select's first is its leader
+    uint64_t published;    // the latest select's (number + 1) << kPublishShift | its misses
+    uint64_t table_reads;  // selects served by the table read (expcache_testing_table_reads)
+};
+
 // A class's state on the device, laid out by DeviceLookup.
 struct DeviceClass {
     int32_t* key_of_slot;  // [cap] the key the slot holds, -1 free
@@ -57,6 +71,7 @@ struct DeviceClass {
     DeviceCounters* counters;
     DeviceMiss* misses;  // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
     uint32_t* miss_count;
+    DeviceHandoff* handoff;
     uint32_t cap;  // < 2^31
     unsigned char* bank;
     uint64_t slot_bytes;
@@ -86,7 +101,7 @@ struct DeviceSelectArgs {
 class LookupKernels {
 public:
     virtual ~LookupKernels() = default;
-    // Enqueue the lookup and the copy of one select on `stream`.
+    // Enqueue one select (the table read or the lookup, then the copy) on `stream`.
     virtual expcache_status_t select(const DeviceSelectArgs& args, void* stream) = 0;
     // The address at which the device reads pinned host memory `host`, or UNSUPPORTED with the
     // reason (pageable memory, a driver without mapped memory).
@@ -100,6 +115,10 @@ std::unique_ptr<LookupKernels> make_host_lookup_kernels();
 std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int device);
 
 constexpr uint64_t kStampsPerSelect = 2 * EXPCACHE_MAX_SELECT;
+
+// DeviceHandoff::published: a select's misses (at most EXPCACHE_MAX_SELECT) in the low bits.
+constexpr int kPublishShift = 11;
+static_assert(EXPCACHE_MAX_SELECT < (1 << kPublishShift), "a select's misses fit below kPublishShift");
 
 // DeviceSelectArgs::out_counts: the distinct experts among the call's ids in range (its union
 // of rows), and how many of them missed (were given a slot and copied).

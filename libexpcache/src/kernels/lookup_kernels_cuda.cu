@@ -1,6 +1,25 @@
-// The device-side select on the CUDA backend: the lookup kernel (one block) and the copy
-// kernel (a grid reading mapped pinned memory), enqueued on the caller's stream with the
-// cache's device current. Nothing here synchronizes or allocates, so a select can be captured.
+// The device-side select on the CUDA backend: one grid per select (the table read, the lookup
+// or the hits' bookkeeping in its first block, the miss copy in all of them), enqueued on the
+// caller's stream with the cache's device current. Nothing here synchronizes or allocates, so a
+// select can be captured.
+//
+// Why one grid. The lookup needs one block (a block-wide minimum per miss), the copy every SM
+// (mapped reads cross PCIe; one block per SM reaches the link's rate), and only the lookup
+// knows whether anything is to be copied. As two kernels, the copy grid's launch cost about
+// 1.2 us per select under graph replay even when nothing missed (an all-hit select of 6 ids:
+// 3.27 us, with the copy as a programmatic dependent launch). A conditional graph node (CUDA
+// 12.4: the lookup sets an IF node's handle, the copy in its body) skips the copy only inside
+// a captured graph, still adds a node the device scheduler must evaluate after the lookup,
+// needs the capture spliced by hand (cudaStreamGetCaptureInfo, cudaGraphAddNode,
+// cudaStreamUpdateCaptureDependencies) and a second code path outside capture. One grid has one
+// node under capture and one launch outside it, on every CUDA version the library builds for:
+// its first block to arrive (an atomic ticket per class, so the leader is a block that is
+// running, whatever the scheduler started first) does the lookup and publishes the miss count
+// with a release; the others poll for it and copy. No block waits for one that has not
+// started, so it cannot deadlock however few of its blocks are resident; an all-hit select's
+// other blocks end as soon as the leader has read the slot map.
+#include <cuda/atomic>
+
 #include "../backend/cuda_errors.cuh"
 #include "lookup_kernels.hpp"
 
@@ -8,9 +27,11 @@ namespace expcache {
 
 namespace {
 
+// Per block (the lookup's, and each copy block's: one per SM reaches the link's rate,
+// benchmarks/c/copy_methods.cu).
 constexpr int kLookupThreads = 256;
-constexpr int kCopyThreads = 256;  // one block of these per SM: the link's rate (benchmarks/c/copy_methods.cu)
-constexpr int kCopyUnroll = 4;     // 16-byte loads in flight per thread: mapped reads cross PCIe
+constexpr int kCopyUnroll = 4;    // 16-byte loads in flight per thread: mapped reads cross PCIe
+constexpr unsigned kPollNs = 32;  // between two reads of the leader's word
 
 // A candidate victim: the least stamp, then the least slot; slot -1 is none.
 struct Candidate {
@@ -34,7 +55,8 @@ __device__ Candidate warp_best(Candidate v) {
     return v;
 }
 
-__global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs a) {
+// The lookup, run by the select's leader block (select_kernel) when some id in range missed.
+__device__ void lookup_block(const DeviceSelectArgs& a) {
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
@@ -44,11 +66,6 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     __shared__ uint32_t distinct, hits, misses, evictions;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
-#if __CUDA_ARCH__ >= 900
-    // The copy grid may start launching now (programmatic dependent launch): it waits for this
-    // grid's completion before it reads anything, so its launch overlaps the lookup.
-    cudaTriggerProgrammaticLaunchCompletion();
-#endif
     if (tid == 0) {
         base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
         distinct = hits = misses = evictions = 0;
@@ -146,16 +163,71 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     }
 }
 
-__global__ void __launch_bounds__(kCopyThreads) copy_kernel(DeviceSelectArgs a) {
-#if __CUDA_ARCH__ >= 900
-    cudaGridDependencySynchronize();  // the lookup grid has finished and its writes are visible
-#endif
+// id i of the call as a key, UINT32_MAX when out of range.
+__device__ uint32_t key_of(const DeviceSelectArgs& a, uint32_t i, int64_t* id_out) {
+    const int64_t id = a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
+    *id_out = id;
+    return id < 0 || id >= static_cast<int64_t>(a.num_experts) ? UINT32_MAX : a.key_base + static_cast<uint32_t>(id);
+}
+
+// A select served by its table read (every id in range resident): what lookup_block leaves
+// when nothing misses, without its search and barriers: each id's slot, the hits refreshed by
+// their first occurrence, an id out of range reported, the counts and the counters.
+__device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys, const int32_t* slots,
+                                 uint32_t* distinct) {
+    __shared__ uint64_t base_s;
     const DeviceClass& c = a.cls;
-    const uint32_t n = *c.miss_count;
+    const uint32_t tid = threadIdx.x;
+    if (tid == 0) base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
+    static_assert(EXPCACHE_MAX_SELECT <= 32 * kLookupThreads, "a thread's ids fit in one mask");
+    uint32_t first = 0, mine = 0;  // bit n: the thread's n-th id is its key's first occurrence
+    for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n) {
+        a.out_slots[i] = slots[i];
+        if (keys[i] == UINT32_MAX) {
+            int64_t id = 0;
+            key_of(a, i, &id);
+            if (atomicCAS(&a.error->set, 0u, 1u) == 0u) {
+                a.error->layer = a.layer;
+                a.error->index = i;
+                a.error->id = id;
+            }
+            continue;
+        }
+        bool is_first = true;
+        for (uint32_t j = 0; j < i && is_first; ++j) is_first = keys[j] != keys[i];
+        if (is_first) {
+            first |= 1u << n;
+            ++mine;
+        }
+    }
+    if (mine) atomicAdd(distinct, mine);
+    __syncthreads();  // the clock's stamps and the distinct count
+    const uint64_t base = base_s;
+    for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n)
+        if (first >> n & 1u) c.stamp[slots[i]] = base + i;
+    if (tid == 0) {
+        const uint32_t hits = *distinct;
+        *c.miss_count = 0;
+        if (a.out_counts) {
+            a.out_counts[kCountDistinct] = hits;
+            a.out_counts[kCountMisses] = 0;
+        }
+        auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };
+        add(&c.counters->calls, 1);
+        if (hits) add(&c.counters->hits, hits);
+        add(&c.handoff->table_reads, 1);
+    }
+}
+
+// Every block's share of the copy of the latest select's `n` misses (DeviceClass::misses).
+__device__ void copy_misses(const DeviceSelectArgs& a, uint32_t n) {
+    const DeviceClass& c = a.cls;
     const uint64_t gtid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const uint64_t gstride = uint64_t(gridDim.x) * blockDim.x;
     for (uint32_t m = 0; m < n; ++m) {
-        const DeviceMiss miss = c.misses[m];
+        // Written by the leader block: read past this SM's L1.
+        const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(c.misses + m));
+        const DeviceMiss miss{raw.x, static_cast<int32_t>(raw.y)};
         unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
         for (int p = 0; p < 3; ++p) {
             const unsigned char* src = a.src[p] + a.src_stride[p] * miss.expert;
@@ -182,6 +254,60 @@ __global__ void __launch_bounds__(kCopyThreads) copy_kernel(DeviceSelectArgs a) 
     }
 }
 
+using DeviceWord = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>;
+
+// One select (see the top of this file and lookup_kernels.hpp): the table read in every block,
+// the lookup or the hits' bookkeeping in the leader, the copy in all.
+__global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs a) {
+    __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
+    __shared__ int32_t slots[EXPCACHE_MAX_SELECT];
+    __shared__ uint64_t ticket_s;
+    __shared__ uint32_t distinct_s, misses_s;
+    const DeviceClass& c = a.cls;
+    const uint32_t tid = threadIdx.x;
+    if (tid == 0) {
+        ticket_s = atomicAdd(reinterpret_cast<unsigned long long*>(&c.handoff->ticket), 1ull);
+        distinct_s = 0;
+    }
+    // The table read, in every block while its ticket is on the way: reads only, so a block
+    // that turns out not to lead has changed nothing.
+    int resident = 1;
+    for (uint32_t i = tid; i < a.count; i += blockDim.x) {
+        int64_t id = 0;
+        const uint32_t key = key_of(a, i, &id);
+        const int32_t slot = key == UINT32_MAX ? -1 : a.slot_of_key[key];
+        keys[i] = key;
+        slots[i] = slot;
+        resident &= key == UINT32_MAX || slot >= 0;
+    }
+    const bool all_resident = __syncthreads_and(resident);  // also: the ticket is in
+    const uint64_t grid = gridDim.x;
+    const uint64_t done = (ticket_s / grid + 1) << kPublishShift;  // this select's number + 1, shifted
+    DeviceWord published(c.handoff->published);
+    if (ticket_s % grid == 0) {
+        if (all_resident) {
+            if (tid == 0) published.fetch_max(done, cuda::memory_order_release);  // nothing to copy
+            serve_from_table(a, keys, slots, &distinct_s);
+            return;
+        }
+        lookup_block(a);
+        __syncthreads();  // the miss list is written
+        if (tid == 0) {
+            misses_s = *c.miss_count;
+            __threadfence();
+            published.fetch_max(done | misses_s, cuda::memory_order_release);
+        }
+    } else if (tid == 0) {
+        // fetch_max: the word only grows, so a waiter's select is published even if a later one
+        // (only by misuse: selects of one class on unordered streams) overlapped it.
+        uint64_t word;
+        while ((word = published.load(cuda::memory_order_acquire)) < done) __nanosleep(kPollNs);
+        misses_s = static_cast<uint32_t>(word & ((1u << kPublishShift) - 1));
+    }
+    __syncthreads();
+    if (misses_s) copy_misses(a, misses_s);
+}
+
 class CudaLookupKernels final : public LookupKernels {
 public:
     explicit CudaLookupKernels(int device) {
@@ -190,35 +316,13 @@ public:
             cudaGetLastError();
             sms = 32;
         }
-        copy_blocks_ = sms;
-        int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-            cudaGetLastError();
-            major = 0;
-        }
-        dependent_launch_ = major >= 9;
+        blocks_ = sms;
     }
     expcache_status_t select(const DeviceSelectArgs& args, void* stream) override {
-        cudaStream_t s = static_cast<cudaStream_t>(stream);
-        lookup_kernel<<<1, kLookupThreads, 0, s>>>(args);
+        // Every select of a class has the same grid: its leader is the block whose ticket is a
+        // multiple of blocks_.
+        select_kernel<<<blocks_, kLookupThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
         EXPCACHE_CUDA_TRY(cudaGetLastError());
-        if (!dependent_launch_) {
-            copy_kernel<<<copy_blocks_, kCopyThreads, 0, s>>>(args);
-            EXPCACHE_CUDA_TRY(cudaGetLastError());
-            return EXPCACHE_OK;
-        }
-        // Hopper and later: the copy grid launches while the lookup runs (an all-hit select's
-        // second kernel then costs little more than its exit).
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(static_cast<unsigned>(copy_blocks_));
-        config.blockDim = dim3(kCopyThreads);
-        config.stream = s;
-        config.attrs = &attr;
-        config.numAttrs = 1;
-        EXPCACHE_CUDA_TRY(cudaLaunchKernelEx(&config, copy_kernel, args));
         return EXPCACHE_OK;
     }
     expcache_status_t mapped(const void* host, const unsigned char** out) override {
@@ -246,8 +350,7 @@ public:
     }
 
 private:
-    int copy_blocks_ = 64;
-    bool dependent_launch_ = false;  // programmatic dependent launch of the copy (compute capability 9+)
+    int blocks_ = 64;  // per select: one per SM
 };
 
 }  // namespace

@@ -5,6 +5,7 @@ nothing: no test looks at them)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import expcache_bench as bench
@@ -31,8 +32,28 @@ def test_same_hits_as_the_c_loop_and_every_expert_checked(host_bench):
     assert graph.checksum_errors == 0 and graph.experts_checked == c_loop.experts_checked > 0
     assert graph.decode_tokens == c_loop.decode_tokens - 1  # the first token binds, eagerly
     assert report.settings["all_hit_select_us"] > 0 and report.settings["capture"] is False
+    assert report.settings["all_hit_select_wide_us"] > 0 and report.settings["all_hit_ids"] == 8
     assert "graph loop, select_device" in graph_loop.table(report)
     assert any("hits and misses equal" in line for line in graph_loop.describe(report))
+    assert any(f"({report.settings['k']} ids)" in line and "(8 ids)" in line for line in graph_loop.describe(report))
+
+
+def test_the_wide_all_hit_select_takes_the_ids_routed_last():
+    """8 distinct ids per layer, latest first, from the last token back over the tokens that have
+    the layer; the lowest unused ids when the traces route fewer; fewer only where a layer has."""
+    ids = np.array(
+        [
+            [[1, 2, 3], [9, 8, 7]],
+            [[4, 5, 1], [MISSING] * 3],
+            [[6, 2, 7], [7, 6, 5]],
+            [[9, 9, 9], [MISSING] * 3],  # after `last`: never read
+        ],
+        np.int32,
+    )
+    present = ids[:, :, 0] >= 0
+    got = graph_loop._recent_ids(ids, present, 2, [16, 16])
+    assert got.tolist() == [[6, 2, 7, 4, 5, 1, 3, 0], [7, 6, 5, 9, 8, 0, 1, 2]]
+    assert graph_loop._recent_ids(ids, present, 2, [16, 5]).tolist() == [[6, 2, 7, 4, 5], [7, 6, 5, 9, 8]]
 
 
 def holed(first_layer: int = 3, layers: int = 40, tokens: int = 24, seed: int = 4) -> Trace:
