@@ -169,7 +169,8 @@ class Step:
         if cuda:
             torch.cuda.synchronize()
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: calls other threads make meanwhile (the cache's own) do not void the capture
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 fn()
 
     def run(self) -> None:

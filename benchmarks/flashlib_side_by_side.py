@@ -201,7 +201,8 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
                     kernels.read_experts(f.table, source.row_bytes, source.parts, f_slots[layer], f_part[layer])
 
         def checker(slot_buf, part_buf, served):
-            """check(t) of one cache: its sums, and every served slot's bytes, against the source's."""
+            """check(t) of one cache: its sums, and every served slot's bytes (``served(layer, slots)``:
+            the three parts of those slots), against the source's."""
 
             def check(t: int) -> list[str]:
                 problems = []
@@ -219,19 +220,20 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
                     return problems
                 for layer in range(L):
                     want_rows = source.device_rows[layer].index_select(0, ids[layer].long())
-                    for p, (off, nbytes) in enumerate(source.parts):
-                        if not torch.equal(served(layer, p, s[layer]), want_rows[:, off : off + nbytes]):
+                    for p, got_part in enumerate(served(layer, s[layer])):
+                        off, nbytes = source.parts[p]
+                        if not torch.equal(got_part, want_rows[:, off : off + nbytes]):
                             problems.append(f"layer {layer} part {p}: served bytes differ from the source")
                 return problems
 
             return check
 
-        def x_served(layer, p, s):
-            return x_views[layer][p].index_select(0, s)
+        def x_served(layer, s):
+            return [view.index_select(0, s) for view in x_views[layer]]
 
-        def f_served(layer, p, s):
-            off, nbytes = source.parts[p]
-            return f.table.index_select(0, s)[:, off : off + nbytes]
+        def f_served(layer, s):
+            rows = f.table.index_select(0, s)
+            return [rows[:, off : off + nbytes] for off, nbytes in source.parts]
 
         x = ds.Contender(
             "expcache select_device", lambda t: x_ids.copy_(all_ids[t]), None, checker(x_slots, x_part, x_served)
