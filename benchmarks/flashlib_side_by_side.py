@@ -40,6 +40,7 @@ Run (from the repository root, after ``make lib``; flashlib needs torch and Trit
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -389,7 +390,19 @@ def main(argv=None) -> int:
         for fraction in a.budgets:
             results.append(run_budget(a, fl, kernels, layout, source, ids, fraction, cuda, device))
             if cuda:
+                gc.collect()  # the budget's bank and table, before the next budget's
                 torch.cuda.empty_cache()
+    except Exception as exc:
+        if cuda or type(exc).__name__ != "InterpreterError":
+            raise
+        # Triton 3.6's interpreter takes a 1-element array for a scalar, which NumPy 2.4 refuses
+        print(
+            f"error: Triton's interpreter failed ({exc}); with NumPy {np.__version__} that is expected of "
+            "Triton <= 3.6: run the CPU check with NumPy < 2.4 (for example pip install --target DIR "
+            "numpy==2.3.5, then DIR first on PYTHONPATH)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         source.close()
     report(results, cuda)
