@@ -26,7 +26,9 @@ step, outside the timing, the served experts are checked: every reading kernel's
 source's, and the bytes of every served slot against the source's (on the GPU, against a device
 copy). Printed: time per step (median over rounds), hits, the ratio of the times per step, and
 the time of an all-hit select per layer (a graph of one select per layer replayed
-``--replays`` times: expcache's, ``lru_ensure`` alone, ``lru_ensure`` plus the copy kernel).
+``--replays`` times: expcache's, ``lru_ensure`` alone, ``lru_ensure`` plus the copy kernel), and
+how fast the copy kernel given to flashlib moves a step's experts of one layer from the pinned
+source next to the copy engine (``cudaMemcpyAsync``), to show it is a fair one.
 
 Skips (exit 0, saying so) when flashlib cannot be imported; exits 1 without a GPU (``--device
 cpu`` checks the logic on expcache's host backend with Triton's interpreter, ``TRITON_INTERPRET=1``,
@@ -189,7 +191,7 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
         f_ids = torch.zeros(L, k, dtype=torch.int32, device=device)
         f_slots = torch.zeros(L, k, dtype=torch.int32, device=device)
         f_part = torch.zeros(L, k * 3 * chunks, dtype=torch.int64, device=device)
-        programs = a.copy_programs or (torch.cuda.get_device_properties(device).multi_processor_count if cuda else 2)
+        programs = a.copy_programs
 
         def f_step(copy=True, read=True):
             for layer in range(L):
@@ -293,6 +295,34 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
         cache.close()
 
 
+def copy_rates(a, kernels, source, device, programs: int, cuda: bool, repeats: int = 10) -> dict:
+    """Bytes/s of moving one step's worth of a layer's experts (``top_k`` rows) from the pinned
+    source to the GPU: flashlib's copy kernel (:func:`_expert_kernels.copy_plan`) and the copy
+    engine (``cudaMemcpyAsync`` through torch), each the best of ``repeats``. Tells whether the
+    copy kernel given to flashlib is a fair one."""
+    rows = source.rows[0][: a.top_k]
+    table = torch.empty(a.top_k, source.row_bytes, dtype=torch.uint8, device=device)
+    plan = torch.arange(a.top_k, dtype=torch.int32, device=device)
+    count = torch.full((), a.top_k, dtype=torch.int64, device=device)
+    sync, out = ds.sync_of(cuda), {}
+    for name, fn in (
+        ("copy kernel", lambda: kernels.copy_plan(source.rows[0], table, plan, plan, count, programs)),
+        ("cudaMemcpyAsync", lambda: table.copy_(rows, non_blocking=True)),
+    ):
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = rows.numel() / best
+    if not torch.equal(table.cpu(), rows):
+        raise RuntimeError("the copy kernel's rows differ from the source's")
+    return out
+
+
 def summary(c: ds.Contender, hits: int, misses: int) -> dict:
     """One cache's results at one budget (its timed pass)."""
     return dict(
@@ -346,7 +376,7 @@ def report(results, cuda: bool) -> None:
     print()
     names = list(results[0]["all_hit_select_us_per_layer"])
     rows = [[f"{r['budget']:g}", *(f"{r['all_hit_select_us_per_layer'][n]:.2f}" for n in names)] for r in results]
-    print("all-hit select per layer, µs (a graph of one select per layer, replayed):")
+    print(f"all-hit select per layer, µs ({'a graph of one select per layer, replayed' if cuda else 'eager'}):")
     print(tabulate(rows, headers=["budget", *names], disable_numparse=True))
 
 
@@ -385,8 +415,11 @@ def main(argv=None) -> int:
         print(f"note: the CPU check's geometry: {', '.join(shrunk)}")
     source = ds.Source(layout, device)
     ids = ds.routing(a.tokens, a, a.seed)
-    results = []
+    results, rates = [], {}
     try:
+        if not a.copy_programs:  # one per SM, as expcache's copy kernel has one block per SM
+            a.copy_programs = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 2
+        rates = copy_rates(a, kernels, source, device, a.copy_programs, cuda, repeats=10 if cuda else 1)
         for fraction in a.budgets:
             results.append(run_budget(a, fl, kernels, layout, source, ids, fraction, cuda, device))
             if cuda:
@@ -406,11 +439,22 @@ def main(argv=None) -> int:
     finally:
         source.close()
     report(results, cuda)
+    if rates:
+        print(
+            ("" if cuda else "(meaningless on the CPU) ")
+            + f"pinned source to GPU, {a.top_k} experts ({a.top_k * source.row_bytes / 2**20:.0f} MiB): "
+            + ", ".join(f"{name} {rate / 1e9:.1f} GB/s" for name, rate in rates.items())
+        )
     errors = [(r["budget"], who, e) for r in results for who in ("expcache", "flashlib") for e in r[who]["errors"]]
     for budget, who, e in errors:
         print(f"CHECK FAILED: budget {budget:g}, {who}: {e}", file=sys.stderr)
     if a.json:
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(a).items()}, "results": results, "copy_bytes_per_s": rates},
+                indent=1,
+            )
+        )
         print(f"wrote {a.json}")
     return 1 if errors else 0
 
