@@ -28,7 +28,8 @@ copy). Printed: time per step (median over rounds), hits, the ratio of the times
 the time of an all-hit select per layer (a graph of one select per layer replayed
 ``--replays`` times: expcache's, ``lru_ensure`` alone, ``lru_ensure`` plus the copy kernel), and
 how fast the copy kernel given to flashlib moves a step's experts of one layer from the pinned
-source next to the copy engine (``cudaMemcpyAsync``), to show it is a fair one.
+source next to the copy engine (``cudaMemcpyAsync``), to show it is a fair one. ``--no-read``
+leaves the reading kernel out of the steps: the selects and copies alone.
 
 Skips (exit 0, saying so) when flashlib cannot be imported; exits 1 without a GPU (``--device
 cpu`` checks the logic on expcache's host backend with Triton's interpreter, ``TRITON_INTERPRET=1``,
@@ -75,6 +76,12 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=int, help="replays of the all-hit select graphs (default 200; --quick 50; cpu 1)")
     p.add_argument("--copy-programs", type=int, help="programs of flashlib's copy kernel (default: the GPU's SMs)")
     p.add_argument("--policy", help="expcache's policy (default: the library's default for a device lookup)")
+    p.add_argument(
+        "--no-read",
+        dest="read",
+        action="store_false",
+        help="steps without the reading kernel: the selects and copies alone (served bytes still checked)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing (default 0)")
     p.add_argument("--quick", action="store_true", help="fewer tokens, rounds and replays")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -182,9 +189,10 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
         def x_step():
             for layer in range(L):
                 cache.select_device(layer, x_ids[layer], stream=stream(), out=x_slots[layer])
-                kernels.read_experts(
-                    x_tables[layer], banks[layer].slot_stride, x_parts[layer], x_slots[layer], x_part[layer]
-                )
+                if a.read:
+                    kernels.read_experts(
+                        x_tables[layer], banks[layer].slot_stride, x_parts[layer], x_slots[layer], x_part[layer]
+                    )
 
         # -- flashlib ---------------------------------------------------------------------------
         f = Flashlib(fl, a, slots, source.row_bytes, device)
@@ -193,7 +201,7 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
         f_part = torch.zeros(L, k * 3 * chunks, dtype=torch.int64, device=device)
         programs = a.copy_programs
 
-        def f_step(copy=True, read=True):
+        def f_step(copy=True, read=a.read):
             for layer in range(L):
                 f.ensure(layer, f_ids[layer], f_slots[layer], E)
                 if copy:
@@ -212,7 +220,7 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
                 ids = all_ids[t]
                 got = kernels.sums_of(part_buf, L * k).reshape(L, k)
                 want = source.expected[np.arange(L)[:, None], ids_host[t]]
-                if (got != want).any():
+                if a.read and (got != want).any():
                     layer, j = np.argwhere(got != want)[0]
                     problems.append(
                         f"{int((got != want).sum())} sums differ (first: layer {layer}, expert {ids_host[t, layer, j]})"
@@ -409,7 +417,7 @@ def main(argv=None) -> int:
             if cuda
             else "CPU (expcache host backend, Triton interpreter: times mean nothing)"
         )
-        + f"; flashlib {fl[3]}"
+        + f"; flashlib {fl[3]}; steps {'with' if a.read else 'WITHOUT'} the reading kernel"
     )
     if shrunk:
         print(f"note: the CPU check's geometry: {', '.join(shrunk)}")
