@@ -12,6 +12,9 @@
 #   device_lookup graph_loop torch_graph (serving from the GPU: its tests, the graph loop on the
 #   bundled traces, the torch step of a Qwen3-30B-A3B-like model at two budgets)
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
+#   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
+#   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
+#   verification step against a fixed slot map)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-gpu-report}
@@ -63,6 +66,11 @@ run_step() {
     # layer geometry, offloaded at two budgets beside the unmodified model, eager and captured.
     hf) step hf 420 python3 -m pytest -q -rs tests/test_hf.py -k "cuda or not cpu" ;;
     hf_decode) step hf_decode 420 python3 benchmarks/hf_decode.py --device cuda --json "$DIR/hf_decode.json" ;;
+    # The flashlib wheel (pip download --no-deps flashlib==0.4.0) travels in the git-ignored .whl/.
+    flashlib) step flashlib 300 bash -c 'w=.whl/flashlib-0.4.0-py3-none-any.whl
+        [ -f "$w" ] && pip install -q --no-deps --upgrade --target /tmp/site "$w"
+        PYTHONPATH=/tmp/site:$PYTHONPATH python3 benchmarks/flashlib_side_by_side.py --json "$1/flashlib.json"' _ "$DIR" ;;
+    verify_step) step verify_step 240 python3 benchmarks/verify_step.py --json "$DIR/verify_step.json" ;;
     *) echo "unknown step: $1" >&2; return 2 ;;
     esac
 }
