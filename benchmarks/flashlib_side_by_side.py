@@ -184,7 +184,7 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
             views = [torch.from_dlpack(v) for v in b.parts]
             x_views.append(views)
             x_tables.append(views[0])
-            x_parts.append(tuple((v.ptr - b.gate.ptr, v.nbytes // b.cap) for v in b.parts))
+            x_parts.append(tuple((v.ptr - b.gate.ptr, v.nbytes // b.rows) for v in b.parts))
 
         def x_step():
             for layer in range(L):

@@ -144,8 +144,7 @@ class Serving:
         addresses and no gather. ``expert_ids``: one token's ids on the host, 1-D (as
         :meth:`select` takes them). The misses are copied into their slots on ``stream``; experts
         that get no slot (the class cannot hold the whole request) are staged in the bank's last
-        rows. On a ``lookup="device"`` cache every distinct id needs a slot of the bank (more
-        raises InvalidArgumentError). The slots are valid as :meth:`select`'s addresses are."""
+        rows. The slots are valid as :meth:`select`'s addresses are."""
         if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
             layer = self._layer(layer)
         ids = self._as_ids(expert_ids, "expert_ids")

@@ -200,9 +200,9 @@ class ExpertBank:
         rows: rows the slot ids of the class's layers address: every slot id
             :meth:`~pyexpcache.ExpertCache.select_slots` or
             :meth:`~pyexpcache.ExpertCache.select_device` gives is in 0..rows-1.
-        cap: slots mapped when the bank was taken (a device-lookup bank: all of them, ``rows``; a
-            host-lookup bank grows as its class does, up to the class's cap, and stages the
-            experts that get no slot in its last rows).
+        cap: slots mapped when the bank was taken (a device-lookup bank: all of them; a
+            host-lookup bank grows as its class does, up to the class's cap). The last 1024 rows
+            hold the experts a decode select stages when they get no slot.
         slot_stride: bytes from one slot to the next.
         gate, up, down: :class:`~pyexpcache.views.TensorView` of shape ``[rows, ...part shape]``
             (strided by ``slot_stride``), zero-copy: DLPack always, the CUDA Array Interface on

@@ -56,7 +56,7 @@ def test_bank_is_the_class_whole_and_fixed(make_cache):
     layer = cache.layout.moe_layers[0]
     bank = cache.bank(layer)
     assert bank.cap == 6
-    assert bank.gate.shape[0] == bank.up.shape[0] == bank.down.shape[0] == 6
+    assert bank.gate.shape[0] == bank.up.shape[0] == bank.down.shape[0] == bank.rows > 6  # slots, then staging rows
     info = cache.classes()[0]
     assert info.allocated_experts == info.cap_experts == 6  # reserved whole when bound
     spec = cache.layout[layer]
@@ -507,9 +507,9 @@ def test_bank_shapes_and_dtype(make_cache):
     spec = cache.layout[layer]
     shapes = [(2, spec.gate_bytes // 4), (spec.up_bytes // 2,), (1, spec.down_bytes // 2)]
     bank = cache.bank(layer, dtype="uint16", shapes=shapes)
-    assert bank.gate.shape == (4, 2, spec.gate_bytes // 4)
+    assert bank.gate.shape == (bank.rows, 2, spec.gate_bytes // 4)
     assert bank.gate.strides == (bank.slot_stride, spec.gate_bytes // 2, 2)
-    assert bank.down.shape == (4, 1, spec.down_bytes // 2)
+    assert bank.down.shape == (bank.rows, 1, spec.down_bytes // 2)
 
 
 def test_torch_ids_are_read_directly_and_checked(make_cache):
@@ -539,13 +539,13 @@ def test_bank_gate_up_is_both_parts_as_one_view(make_cache):
     slots = _select(cache, 0, [6, 2])
     bank = cache.bank(0, dtype="uint16", shapes=[(4, 128), (4, 128), (256,)])
     joined = bank.gate_up()
-    assert joined.shape == (4, 8, 128) and joined.strides == (bank.slot_stride, 256, 2)
+    assert joined.shape == (bank.rows, 8, 128) and joined.strides == (bank.slot_stride, 256, 2)
     assert joined.ptr == bank.gate.ptr and joined.dtype == bank.gate.dtype
-    rows = _bank_bytes(cache, bank.gate_up(dtype=np.uint8))
+    rows = _bank_bytes(cache, bank.gate_up(dtype=np.uint8), bank.cap)
     for expert, slot in zip([6, 2], slots):
         want = np.concatenate([source.part(0, expert, 0), source.part(0, expert, 1)])
         assert (rows[slot] == want).all()
-    assert bank.gate_up(shape=(1024,), dtype="uint16").shape == (4, 1024)
+    assert bank.gate_up(shape=(1024,), dtype="uint16").shape == (bank.rows, 1024)
 
 
 def test_bank_gate_up_refuses_parts_apart(make_cache):
@@ -555,13 +555,14 @@ def test_bank_gate_up_refuses_parts_apart(make_cache):
         cache.bank(0).gate_up()
 
 
-def _bank_bytes(cache, view):
-    """The view's [cap, nbytes] bytes as a numpy array (copied from the device on CUDA)."""
+def _bank_bytes(cache, view, cap):
+    """The view's first ``cap`` rows (the slots: the staging rows past them may have no memory) as
+    a numpy array (copied from the device on CUDA)."""
     if cache.backend == "host":
-        return np.asarray(view)
+        return np.asarray(view)[:cap]
     import torch
 
-    return torch.from_dlpack(view).cpu().numpy()
+    return torch.from_dlpack(view)[:cap].cpu().numpy()
 
 
 def test_bank_checksum_reads_the_slots(make_cache):

@@ -360,8 +360,9 @@ typedef struct expcache_expert_ptrs_t {
  * addresses and count once). Hits refresh recency; a miss takes a free slot,
  * grows the class within its cap, or evicts the class's least recently used
  * expert that is neither selected by this call nor held by an unfinished
- * batch. When the class cannot hold the whole request, the overflow is
- * served from a staging buffer. Copies are enqueued on `stream`.
+ * batch. When the class cannot hold the whole request, the rest is staged
+ * in the last rows of the class's bank (expcache_class_bank_get), mapped as
+ * calls need them. Copies are enqueued on `stream`.
  *
  * The addresses are valid for device work enqueued on `stream` (or ordered
  * after it) before the next select_async, compact_load_async,
@@ -382,9 +383,7 @@ EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t
  * offset, so a kernel reads every selected expert by one base and stride, with no
  * table of addresses and no gather. The misses are copied into their slots on
  * `stream`. Experts that get no slot (the class cannot hold the whole request) are
- * staged in the bank's last rows, addressed the same way. On a device-lookup cache
- * (whose bank has no staging rows) every distinct id needs a slot: more than the
- * bank's cap less the slots batches hold is INVALID_ARGUMENT. The slots are valid as
+ * staged in the bank's last rows, addressed the same way. The slots are valid as
  * expcache_select_async's addresses are. Status: INVALID_ARGUMENT (k 0 or over
  * EXPCACHE_MAX_SELECT, an id out of range, negative or over 32 bits, id_bits not 32
  * or 64, NULL pointers), then as expcache_select_async.
@@ -530,13 +529,11 @@ EXPCACHE_API expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t
 
 /**
  * Release every expert cache: waits for this cache's device work, frees all
- * slots of classes that hold no batch slot, the compact buffer and select's
- * overflow buffer (so every address select_async and compact_load_async
- * handed out). A class's bank keeps its addresses (the next growth maps them
- * again); its memory is given back unless references keep the bank
- * (expcache_memory_retain), which keep it mapped and only emptied, as is a
- * device-lookup cache's. The layout and the statistics remain. Synchronous.
- * Status: INVALID_ARGUMENT, CUDA, POISONED.
+ * slots and staging rows of classes that hold no batch slot and the compact
+ * buffer (so every address select_async and compact_load_async handed out). A class's bank keeps its addresses (the
+ * next growth maps them again); its memory is given back unless references keep the bank (expcache_memory_retain),
+ * which keep it mapped and only emptied, as is a device-lookup cache's. The layout and the statistics remain.
+ * Synchronous. Status: INVALID_ARGUMENT, CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_release_all(expcache_t* cache);
 
@@ -601,11 +598,11 @@ typedef struct expcache_bank_t {
  * address while the class lives (a host-lookup cache reserves a new one only when it
  * reuses the class index for other sizes, when there are more than max_classes).
  * A device-lookup bank maps all its slots when bound and keeps them until the cache
- * is destroyed (rows == cap). A host-lookup bank maps its slots as the class grows
- * (cap, up to the class's cap in expcache_class_info_get) and gives their memory
- * back when the class is released, unless references (expcache_memory_retain: views
- * of it) keep it, which keep it mapped; its last rows hold the experts a
- * select_slots call stages when they get no slot. Status: INVALID_ARGUMENT (index
+ * is destroyed. A host-lookup bank maps its slots as the class grows (cap, up to
+ * the class's cap in expcache_class_info_get) and gives their memory back when the
+ * class is released, unless references (expcache_memory_retain: views of it) keep
+ * it, which keep it mapped. The last 1024 rows of every bank hold the experts a
+ * decode select stages when they get no slot (mapped when a call needs them). Status: INVALID_ARGUMENT (index
  * out of range, struct_size mismatch), INVALID_STATE (no class at that index).
  */
 EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index, expcache_bank_t* out);

@@ -153,7 +153,6 @@ expcache_status_t Cache::release_all() {
     if (s != EXPCACHE_OK) return s;
     backend_->reclaim();
     arena_.free_now(staging_.compact.ptr);
-    arena_.free_now(staging_.overflow.ptr);
     staging_ = StagingBuffers{};
     return release_unheld(EXPCACHE_PATH_CONTROL);
 }

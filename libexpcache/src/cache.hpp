@@ -49,15 +49,14 @@ struct Batches {
     uint64_t next_id = 1;
 };
 
-// Staging the cache keeps between calls (compact's buffer, decode's overflow): it only grows,
-// so calls of one size reuse it.
+// Staging the cache keeps between calls (compact's buffer): it only grows, so calls of one size
+// reuse it.
 struct OwnedBuffer {
     void* ptr = nullptr;
     uint64_t bytes = 0;
 };
 struct StagingBuffers {
-    OwnedBuffer compact;   // load_compact's output
-    OwnedBuffer overflow;  // select's misses that got no slot
+    OwnedBuffer compact;  // load_compact's output
 };
 
 class Cache {
@@ -255,10 +254,8 @@ private:
     expcache_status_t stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct);
 
     // serve_select.cpp
-    // Where a decode call stages the experts that get no slot: the cache's overflow buffer
-    // (select: addresses), or the class bank's staging rows (select_slots: slot ids).
-    enum class Overflow { kBuffer, kBankRows };
-    expcache_status_t serve_decode(ServeCall& call, uint32_t k, Overflow overflow);
+    // A decode call's slots; what gets none is staged in the class bank's staging rows.
+    expcache_status_t serve_decode(ServeCall& call, uint32_t k);
     void write_ptrs(const ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out) const;
 
     // serve_batch.cpp

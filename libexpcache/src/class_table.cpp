@@ -119,14 +119,14 @@ int32_t ClassTable::bind_releases(uint32_t layer_index) const {
     if (banked_ || bound(layer) >= 0) return -1;
     int32_t found = -1, empty = -1, lru = -1;
     choose(layer, &found, &empty, &lru);
-    if (found >= 0 || empty >= 0 || lru < 0 || classes_[lru].slots.empty()) return -1;
+    if (found >= 0 || empty >= 0 || lru < 0 || !has_memory(classes_[lru])) return -1;
     return lru;
 }
 
 std::vector<int32_t> ClassTable::unheld() const {
     std::vector<int32_t> out;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c)
-        if (classes_[c].in_use && !classes_[c].slots.empty() && classes_[c].held == 0) out.push_back(c);
+        if (classes_[c].in_use && has_memory(classes_[c]) && classes_[c].held == 0) out.push_back(c);
     return out;
 }
 
@@ -177,9 +177,9 @@ expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
     const uint64_t g = arena_.granularity(), S = cls.slot_bytes;
     slots = std::min<uint64_t>(slots, INT32_MAX - kStagingRows - 2 * (g / S + 1));
     // The staging rows start past the granule the last slot ends in: their mappings never
-    // overlap the slots'. A fixed bank has none (a select there never stages: see select_slots).
-    const uint64_t staging_row = banked_ ? slots : ((slots * S + g - 1) / g * g + S - 1) / S;
-    const uint64_t rows = banked_ ? slots : staging_row + kStagingRows;
+    // overlap the slots'.
+    const uint64_t staging_row = ((slots * S + g - 1) / g * g + S - 1) / S;
+    const uint64_t rows = staging_row + kStagingRows;
     void* base = nullptr;
     expcache_status_t s = health_.check(arena_.reserve(rows * S, &base));
     if (s != EXPCACHE_OK) return s;
@@ -269,7 +269,10 @@ expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
 // (nothing in flight into them, the device done reading them, their unused prefetches counted).
 expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
-    if (cls.slots.empty()) return EXPCACHE_OK;
+    if (cls.slots.empty()) {  // no slot (a cap of 0): only its staging rows, if any, go
+        if (cls.staging_end > 0 && arena_.unmap_from(cls.bank, 0)) cls.staging_end = 0;
+        return EXPCACHE_OK;
+    }
     for (SlotState& slot : cls.slots) {
         if (slot.layer < 0) continue;
         slot.prefetch = kPrefetchNone;
@@ -308,7 +311,7 @@ expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
 expcache_status_t ClassTable::release_unheld(uint32_t path) {
     uint32_t released = 0, kept = 0;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
-        if (!classes_[c].in_use || classes_[c].slots.empty()) continue;
+        if (!classes_[c].in_use || !has_memory(classes_[c])) continue;
         if (classes_[c].held > 0) {
             ++kept;
             continue;

@@ -21,7 +21,7 @@ namespace expcache {
 
 constexpr uint64_t kAlign = 256;  // where each part of a slot, and of the compact buffer, starts
 constexpr uint64_t kGiB = uint64_t(1) << 30;
-// A bank's staging rows: what one select_slots call may stage (its distinct ids).
+// A bank's staging rows: what one decode call may stage (its distinct ids).
 constexpr uint64_t kStagingRows = EXPCACHE_MAX_SELECT;
 
 inline uint64_t align_up(uint64_t v) {
@@ -69,7 +69,7 @@ struct ClassState {
     // The bank: a reserved range (kept across releases; replaced when the class is reused for
     // other sizes) of `rows` rows of slot_bytes: slots 0..slot_rows-1, mapped from the start as
     // the class grows (`mapped` bytes), then kStagingRows rows from `staging_row` on, mapped when
-    // a select_slots call stages experts that got no slot (`staging_end`: the offset mapped to).
+    // a decode call stages experts that got no slot (`staging_end`: the offset mapped to).
     unsigned char* bank = nullptr;
     uint64_t rows = 0, slot_rows = 0, staging_row = 0;
     uint64_t mapped = 0, staging_end = 0;
@@ -92,6 +92,11 @@ private:
     // Per path: recorded only by the table's verbs (ClassTable::stats reads them).
     expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
 };
+
+// Whether a class holds device memory a release gives back: slots, or staging rows.
+inline bool has_memory(const ClassState& cls) {
+    return !cls.slots.empty() || cls.staging_end > 0;
+}
 
 // What a miss asks of acquire(): a slot of class `cls` for an expert of `layer`.
 struct SlotRequest {
@@ -155,8 +160,9 @@ public:
     expcache_stats_t& mirror_stats(int32_t c, uint32_t path) { return classes_[c].stats[path]; }
     void reset_stats();
 
-    // The first n (<= kStagingRows) staging rows of class c's bank, mapped: where a select_slots
-    // call stages the experts that got no slot (valid until the next call, as slots are).
+    // The first n (<= kStagingRows) staging rows of class c's bank, mapped: where a decode call
+    // stages the experts that got no slot (valid until the next call, as slots are). Mapped as
+    // calls need more of them, unmapped with the slots when the class is released.
     expcache_status_t staging_rows(int32_t c, uint32_t n, unsigned char** out);
     // A serving call of class c opens on `path` (calls): the class is the most recently used, and
     // its policy sees the call's clock.

@@ -1,32 +1,26 @@
 // The decode path: a token's experts for one layer, each served from a slot of
 // the layer's class (hits refreshed, misses inserted, evicting as needed); what
-// the class cannot hold at once comes from the overflow staging. A split select
+// the class cannot hold at once is staged in its bank's staging rows. A split select
 // sends the misses on the cache's own copy stream, so the hits can be used while
 // they cross.
 #include "cache.hpp"
-
-#include <algorithm>
 
 #include "errors.hpp"
 
 namespace expcache {
 
-expcache_status_t Cache::serve_decode(ServeCall& call, uint32_t k, Overflow overflow) {
+expcache_status_t Cache::serve_decode(ServeCall& call, uint32_t k) {
     uint32_t direct = 0;
     expcache_status_t s = fill_slots(call, nullptr, &direct);
     if (s != EXPCACHE_OK) return s;
     if (direct > 0) {
-        // The class cannot hold the whole request: serve the overflow from staging (the cache's
-        // buffer, or the bank's staging rows for slot ids). It never releases the caches: the
-        // hits resolved above point into them.
+        // The class cannot hold the whole request: stage the rest in the bank's staging rows
+        // (addressed by slot id as the slots are). It never releases the caches: the hits
+        // resolved above point into them.
         unsigned char* base = nullptr;
-        if (overflow == Overflow::kBankRows) {
-            s = classes_.staging_rows(call.c, direct, &base);
-        } else if ((s = reserve_buffer(call, staging_.overflow, uint64_t(direct) * call.cls->slot_bytes, false)) ==
-                   EXPCACHE_OK) {
-            base = static_cast<unsigned char*>(staging_.overflow.ptr);
-        }
-        if (s != EXPCACHE_OK || (s = stage_overflow(call, base, direct)) != EXPCACHE_OK) return s;
+        if ((s = classes_.staging_rows(call.c, direct, &base)) != EXPCACHE_OK ||
+            (s = stage_overflow(call, base, direct)) != EXPCACHE_OK)
+            return s;
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
     log_(EXPCACHE_LOG_DEBUG, "select layer %u k %u: %zu unique, %zu hits, %zu misses, %u direct", call.layer_index, k,
@@ -44,7 +38,7 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
                                 expcache_expert_ptrs_t* out) {
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
     expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
-    if (s == EXPCACHE_OK) s = serve_decode(call, k, Overflow::kBuffer);
+    if (s == EXPCACHE_OK) s = serve_decode(call, k);
     if (s == EXPCACHE_OK) write_ptrs(call, ids, k, out);
     return s;
 }
@@ -68,18 +62,7 @@ expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uin
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
     expcache_status_t s = open_call(call, narrow.data(), k, EXPCACHE_MAX_SELECT, "k");
     if (s != EXPCACHE_OK) return s;
-    if (classes_.fixed_banks()) {
-        // A device-lookup bank has no staging rows: every distinct id needs a slot.
-        const ClassState& cls = *call.cls;
-        const uint64_t room = cls.slots.size() - std::min<uint64_t>(cls.held, cls.slots.size());
-        if (call.scratch.unique.size() > room)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                        "select_slots of %zu distinct ids needs as many slots: layer %u's bank has %zu%s; raise the "
-                        "budget or select fewer ids at once",
-                        call.scratch.unique.size(), layer_index, cls.slots.size(),
-                        cls.held ? format(", %llu of them held by batches", (unsigned long long)cls.held).c_str() : "");
-    }
-    if ((s = serve_decode(call, k, Overflow::kBankRows)) != EXPCACHE_OK) return s;
+    if ((s = serve_decode(call, k)) != EXPCACHE_OK) return s;
     const ClassState& cls = *call.cls;
     const LayerState& layer = *call.layer;
     for (uint32_t i = 0; i < k; ++i) {
@@ -109,7 +92,7 @@ expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids,
         if ((s = health_.check(backend_->fence(stream, copy))) != EXPCACHE_OK) return s;
         call.copy_stream = copy;
     }
-    if ((s = serve_decode(call, k, Overflow::kBuffer)) != EXPCACHE_OK) {
+    if ((s = serve_decode(call, k)) != EXPCACHE_OK) {
         if (call.copy_stream != stream) streams_.copy_dirty();  // some copies may have gone out
         return s;
     }

@@ -237,8 +237,10 @@ class LayerServer:
         self.inner = over_windows(inner, self.cap)
         self.decode_inner = None  # while generate() decodes: what transformers switches grouped_mm to
         first = module.gate_up_proj if module.has_gate else module.up_proj
-        self.first = torch.from_dlpack(bank.gate_up(shape=tuple(first.shape[1:])))
-        self.down = torch.from_dlpack(bank.down)
+        # The bank's slots (a device select gives slot ids below cap; the staging rows past them
+        # are a host select's).
+        self.first = torch.from_dlpack(bank.gate_up(shape=tuple(first.shape[1:])))[: self.cap]
+        self.down = torch.from_dlpack(bank.down)[: self.cap]
         for t in (self.first, self.down):  # torch.compile: fixed addresses, never copied into a graph's inputs
             torch._dynamo.mark_static_address(t)
         # Biases are small and stay on the compute device: each select records which expert each

@@ -41,9 +41,10 @@ Decode [expcache_select_async]
     once), then each miss takes a free slot, grows the class within its cap, or
     evicts the least recently used entry that is neither part of this call nor
     held by a batch; misses inserted without an eviction are ``appends``. The
-    misses that find no slot are served from the overflow staging buffer
-    (``direct_loads``), which is reused while large enough and otherwise
-    reallocated (no release/retry on this path).
+    misses that find no slot are staged in the class bank's staging rows
+    (``direct_loads``), mapped as a call needs more of them than any before
+    (a mapping of the rows it lacks; no release/retry on this path) and
+    unmapped when the class is released.
 
 Compact [expcache_compact_load_async]
     The staging buffer (reused while large enough) is allocated first; when
@@ -67,7 +68,7 @@ Batch [expcache_batch_prepare_async / _finish]
     last until finish; at most 64 batches are outstanding.
 
 Control [expcache_release_all, expcache_stats_reset, inject_alloc_failures]
-    release_all frees the compact and overflow buffers and every class's slots
+    release_all frees the compact buffer and every class's slots and staging rows
     that hold no batch slot (``releases`` on the control path).
     Fault injection lets ``skip`` allocation attempts through and fails the
     next ``count`` as out of device memory.
@@ -141,6 +142,9 @@ class RefClass:
     pol: object = None  # the policy's twin in expcache_bench.sim; None for LRU, whose order is `lru` itself
     allocated: int = 0
     slabs: list[int] = field(default_factory=list)  # allocation ids
+    # The bank's staging rows mapped so far (decode's misses that got no slot) and their mappings.
+    staging_rows: int = 0
+    staging: list[int] = field(default_factory=list)
     target: int = 0
     cap: int = 0
     cap_valid: bool = False
@@ -251,8 +255,6 @@ class ReferenceCache:
         self.inject_count = 0
         self.compact: Optional[int] = None
         self.compact_bytes = 0
-        self.overflow: Optional[int] = None
-        self.overflow_bytes = 0
         self.batches: list[RefBatch] = []
         self.next_batch = 1
 
@@ -360,6 +362,9 @@ class ReferenceCache:
 
     def _release_class(self, c: int, path: str) -> None:
         cls = self.classes[c]
+        for aid in cls.staging:
+            self._free(aid)
+        cls.staging, cls.staging_rows = [], 0
         if not cls.slabs:
             return
         assert cls.held == 0
@@ -381,7 +386,7 @@ class ReferenceCache:
 
     def _release_unheld(self, path: str) -> None:
         for cls in self.classes:
-            if cls.in_use and cls.slabs and cls.held == 0:
+            if cls.in_use and (cls.slabs or cls.staging) and cls.held == 0:
                 self._release_class(cls.index, path)
 
     def class_target(self, c: int) -> int:
@@ -566,13 +571,10 @@ class ReferenceCache:
                 st["appends"] += 1
             st["bytes_h2d"] += shape.expert_bytes
             where[e] = "slot"
+        if len(direct) > cls.staging_rows:  # the bank's staging rows: mapped as calls need more
+            cls.staging.append(self._alloc((len(direct) - cls.staging_rows) * cls.slot_bytes))
+            cls.staging_rows = len(direct)
         if direct:
-            need = len(direct) * cls.slot_bytes
-            if self.overflow_bytes < need:
-                self._free(self.overflow)
-                self.overflow, self.overflow_bytes = None, 0
-                self.overflow = self._alloc(need)
-                self.overflow_bytes = need
             for e in direct:
                 st["direct_loads"] += 1
                 st["bytes_h2d"] += shape.expert_bytes
@@ -814,9 +816,8 @@ class ReferenceCache:
     # ------------------------------------------------------------------ control
     def release_all(self) -> None:
         self._free(self.compact)
-        self._free(self.overflow)
-        self.compact = self.overflow = None
-        self.compact_bytes = self.overflow_bytes = 0
+        self.compact = None
+        self.compact_bytes = 0
         self._release_unheld("control")
 
     def reset_stats(self) -> None:
