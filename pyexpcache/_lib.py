@@ -144,6 +144,7 @@ class ClassInfo(ctypes.Structure):
         ("resident_experts", c_uint64),
         ("held_experts", c_uint64),
         ("num_layers", c_uint64),
+        ("staging_bytes", c_uint64),
     ]
 
 

@@ -48,6 +48,7 @@ class ClassInfo:
     resident_experts: int
     held_experts: int
     num_layers: int
+    staging_bytes: int = 0  # mapped for the bank's staging rows (misses that got no slot)
 
     @property
     def key(self) -> tuple[int, int, int]:

@@ -299,8 +299,10 @@ def test_compact_fails_cleanly_after_second_failure(make_cache):
 
 
 def test_slot_allocation_failure_caps_the_class(make_cache):
-    cache, source = make_cache(small(), budget_experts=8, slab_bytes=2 * 2304)
-    cache.select(0, [0, 1])  # first slab of 2 slots
+    # Slots of 3 MiB: a piece of 2 slots is a whole number of the CUDA backend's 2 MiB granules.
+    layout = ModelLayout((LayerSpec(8, 1 << 20, 1 << 20, 1 << 20),), name="three-mib")
+    cache, source = make_cache(layout, budget_experts=8, slab_bytes=2 * 3 << 20)
+    cache.select(0, [0, 1])  # the first piece of the bank: 2 slots
     testing.fail_device_alloc_after(cache, 0, count=1)
     ptrs = cache.select(0, [2, 3])  # growth fails: the class is capped at 2 and evicts
     assert_served(cache, source, 0, [2, 3], ptrs)

@@ -10,7 +10,7 @@ import pytest
 
 from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, LayerSpec, ModelLayout, _lib, testing
 
-from support.cache import SCALE, assert_served, bank_rows
+from support.cache import SCALE, assert_served, bank_rows, device_ids
 
 
 def _layout():
@@ -160,12 +160,13 @@ def test_select_slots_on_a_device_lookup_cache(make_cache):
 
 def test_bank_checksum_reads_staged_rows(make_cache):
     """The bank checksum (the reading kernel of the benchmarks) reads slots and staged rows
-    alike, and equals the source's sums."""
+    alike, and equals the source's sums (the slots where the kernel reads them: on the device on
+    CUDA)."""
     cache, source = make_cache(_layout(), budget_experts=2)
     layer = cache.layout.moe_layers[0]
     ids = [0, 1, 2, 3]
     slots = cache.select_slots(layer, ids)
-    testing.bank_checksum_async(cache, layer, slots, 0)
+    testing.bank_checksum_async(cache, layer, device_ids(cache, slots, dtype="int32"), 0)  # read by the kernel
     cache.synchronize()
     sums = testing.checksum_results(cache, 0, len(ids))
     assert sums.tolist() == [source.expected_checksum(layer, e) for e in ids]

@@ -205,6 +205,7 @@ def assert_cache_matches_model(cache, model, source, where: str = "") -> set:
             resident_experts=info.resident_experts,
             held_experts=info.held_experts,
             num_layers=info.num_layers,
+            staging_bytes=info.staging_bytes,
         )
         assert got == m_infos[i], f"{where}class {i}: library {got}, model {m_infos[i]}"
     m_stats = model.stats()

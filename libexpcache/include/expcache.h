@@ -682,6 +682,8 @@ typedef struct expcache_class_info_t {
     uint64_t resident_experts;                 /**< slots holding an expert */
     uint64_t held_experts;                     /**< slots held by unfinished batches */
     uint64_t num_layers;                       /**< registered layers bound to this class */
+    uint64_t staging_bytes; /**< device bytes mapped for the bank's staging rows (decode selects' misses
+                                 that got no slot; given back when the class is released) */
 } expcache_class_info_t;
 
 /**

@@ -149,7 +149,7 @@ expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     // with the views that keep it).
     if (cls.bank) arena_.free_now(cls.bank);
     cls.bank = nullptr;
-    cls.rows = cls.mapped = 0;
+    cls.rows = cls.mapped = cls.staging_end = cls.staging_bytes = 0;
     cls.slots.clear();  // a release left them mapped when views kept the old bank
     cls.free_slots.clear();
     // Every slot the class could ever have: each expert of its layers (those registered now: one
@@ -188,7 +188,7 @@ expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
     cls.slot_rows = slots;
     cls.staging_row = staging_row;
     cls.mapped = 0;
-    cls.staging_end = 0;
+    cls.staging_end = cls.staging_bytes = 0;
     return EXPCACHE_OK;
 }
 
@@ -201,6 +201,7 @@ expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char*
         expcache_status_t s = health_.check(arena_.map(cls.bank + from, end - from));
         if (s != EXPCACHE_OK) return s;
         cls.staging_end = end;
+        cls.staging_bytes += end - from;
     }
     *out = cls.bank + cls.staging_row * S;
     return EXPCACHE_OK;
@@ -270,7 +271,7 @@ expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
 expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (cls.slots.empty()) {  // no slot (a cap of 0): only its staging rows, if any, go
-        if (cls.staging_end > 0 && arena_.unmap_from(cls.bank, 0)) cls.staging_end = 0;
+        if (cls.staging_end > 0 && arena_.unmap_from(cls.bank, 0)) cls.staging_end = cls.staging_bytes = 0;
         return EXPCACHE_OK;
     }
     for (SlotState& slot : cls.slots) {
@@ -295,7 +296,7 @@ expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     if (unmapped) {
         cls.slots.clear();
         cls.free_slots.clear();
-        cls.mapped = cls.staging_end = 0;
+        cls.mapped = cls.staging_end = cls.staging_bytes = 0;
         cls.cap_valid = false;
         return EXPCACHE_OK;
     }
@@ -489,6 +490,8 @@ expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
     }
     if (s != EXPCACHE_OK) return s;
     cls.mapped = std::max(cls.mapped, end);
+    // Every slot the mapped piece holds whole is the class's (a granule may hold many).
+    n = std::min(cls.cap, cls.mapped / cls.slot_bytes) - have;
     cls.slots.resize(have + n);
     cls.policy->resize(static_cast<int32_t>(have + n));
     for (uint64_t i = 0; i < n; ++i) cls.slots[have + i].dev = cls.bank + (have + i) * cls.slot_bytes;

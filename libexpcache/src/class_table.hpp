@@ -73,6 +73,7 @@ struct ClassState {
     unsigned char* bank = nullptr;
     uint64_t rows = 0, slot_rows = 0, staging_row = 0;
     uint64_t mapped = 0, staging_end = 0;
+    uint64_t staging_bytes = 0;  // mapped for the staging rows
     std::unique_ptr<Policy> policy;
     uint64_t target = 0, cap = 0;
     bool cap_valid = false;      // recompute before the next growth

@@ -186,6 +186,7 @@ expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) 
     info.resident_experts = c.resident;
     info.held_experts = c.held;
     info.num_layers = c.layers;
+    info.staging_bytes = c.staging_bytes;
     *out = info;
     return EXPCACHE_OK;
 }

@@ -874,6 +874,7 @@ class ReferenceCache:
                 resident_experts=cl.resident,
                 held_experts=cl.held,
                 num_layers=cl.layers,
+                staging_bytes=cl.staging_rows * cl.slot_bytes,
             )
         return out
 

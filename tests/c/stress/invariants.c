@@ -16,7 +16,7 @@ void check_invariants(Model* m, int deep, int exact_stats) {
     s = expcache_class_count_get(m->h, &cc);
     check_status("expcache_class_count_get", s, ST(OK));
     uint32_t in_use = 0;
-    uint64_t slots_bytes = 0, resident_total = 0;
+    uint64_t slots_bytes = 0, rows_bytes = 0, resident_total = 0;
     for (uint32_t c = 0; c < m->max_classes; ++c) {
         expcache_class_info_t ci;
         memset(&ci, 0xA5, sizeof ci);
@@ -63,17 +63,22 @@ void check_invariants(Model* m, int deep, int exact_stats) {
             if (m->info[o].in_use && key_eq(key, m->info[o].gate_bytes, m->info[o].up_bytes, m->info[o].down_bytes))
                 diverge("class indices %u and %u have the same key", o, c);
         slots_bytes += ci.allocated_experts * ci.slot_bytes;
+        rows_bytes += ci.staging_bytes;
+        if (ci.staging_bytes % ci.slot_bytes || ci.staging_bytes / ci.slot_bytes > EXPCACHE_MAX_SELECT)
+            diverge("class %u maps %" PRIu64 " B of staging rows: not a whole number of its %" PRIu64
+                    " B slots up to %d",
+                    c, ci.staging_bytes, ci.slot_bytes, EXPCACHE_MAX_SELECT);
         resident_total += ci.resident_experts;
     }
     if (in_use != cc) diverge("class_count %u, but %u class infos are in use", cc, in_use);
 
     /* Device memory: the slots plus the staging the calls made; never over capacity; reserve untouched. */
-    uint64_t staging = m->compact_cap + m->overflow_cap;
+    uint64_t staging = m->compact_cap;
     for (int b = 0; b < m->nbatches; ++b) staging += m->batches[b].staging;
-    if (db != slots_bytes + staging)
-        diverge("device_bytes_in_use %" PRIu64 " != slots %" PRIu64 " + compact %" PRIu64 " + overflow %" PRIu64
+    if (db != slots_bytes + rows_bytes + staging)
+        diverge("device_bytes_in_use %" PRIu64 " != slots %" PRIu64 " + staging rows %" PRIu64 " + compact %" PRIu64
                 " + batch staging %" PRIu64 " (a leak or lost accounting)",
-                db, slots_bytes, m->compact_cap, m->overflow_cap, staging - m->compact_cap - m->overflow_cap);
+                db, slots_bytes, rows_bytes, m->compact_cap, staging - m->compact_cap);
     if (db > m->capacity) diverge("device_bytes_in_use %" PRIu64 " > capacity %" PRIu64, db, m->capacity);
     uint64_t growable = m->capacity > m->reserve ? m->capacity - m->reserve : 0;
     if (slots_bytes > growable)

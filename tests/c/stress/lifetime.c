@@ -246,7 +246,7 @@ void op_release_all(Model* m) {
     g_releases++;
     trace("release_all (%d batches outstanding): %s", m->nbatches, sname(s));
     if (s != OK) return;
-    m->compact_cap = m->overflow_cap = 0;
+    m->compact_cap = 0;
     check_invariants(m, pct(30), 0);
     for (uint32_t c = 0; c < m->max_classes; ++c)
         if (m->info[c].held_experts == 0 && (m->info[c].allocated_experts || m->info[c].resident_experts))

@@ -1,41 +1,9 @@
 /*
  * select.c — expcache_select_async: addresses hold the experts' bytes until the next call that
- * invalidates them, hits stay resident, the decode counters move by the call, and the overflow
- * staging buffer is accounted for (also after failures).
+ * invalidates them, hits stay resident, the decode counters move by the call, and what got no slot
+ * was staged in the class bank's staging rows (the memory they hold is checked with every invariant).
  */
 #include "stress.h"
-
-/* The device bytes the model does not attribute to the staging buffer `cap`. */
-static uint64_t bytes_besides(Model* m, const uint64_t* cap, uint64_t* db) {
-    uint64_t slots = 0, batch = 0;
-    expcache_testing_device_bytes_in_use(m->h, db);
-    for (uint32_t c = 0; c < m->max_classes; ++c) {
-        expcache_class_info_t ci;
-        ci.struct_size = sizeof ci;
-        if (expcache_class_info_get(m->h, c, &ci) == OK) slots += ci.allocated_experts * ci.slot_bytes;
-    }
-    for (int b = 0; b < m->nbatches; ++b) batch += m->batches[b].staging;
-    return slots + batch + m->compact_cap + m->overflow_cap - *cap;
-}
-
-/* Adopt `alt` as the staging buffer's size if the device bytes say so. */
-static void resolve_staging_if(Model* m, uint64_t* cap, uint64_t alt) {
-    uint64_t db = 0;
-    uint64_t other = bytes_besides(m, cap, &db);
-    if (other + alt == db) *cap = alt;
-}
-
-/* After a failed call, the device bytes the staging holds are one of two values: adopt the one that matches. */
-static void resolve_staging(Model* m, uint64_t* cap, uint64_t alt, const char* what) {
-    uint64_t db = 0;
-    uint64_t other = bytes_besides(m, cap, &db);
-    if (db == other + alt)
-        *cap = alt;
-    else if (db != other + *cap)
-        diverge("after a failed call device_bytes_in_use is %" PRIu64 "; with the %s buffer at %" PRIu64 " or %" PRIu64
-                " B it would be %" PRIu64 " or %" PRIu64,
-                db, what, *cap, alt, other + *cap, other + alt);
-}
 
 void op_select(Model* m) {
     g_cur_op = "select";
@@ -72,24 +40,6 @@ void op_select(Model* m) {
                     i = k;
                     break;
                 }
-        }
-        if (s == OOM) m->overflow_cap = 0; /* the overflow buffer was being replaced */
-        if (s == CUDA) {                   /* a copy failed: the overflow buffer may have been replaced first */
-            uint64_t slot = slot_bytes_of(L->bytes);
-            if (strstr(expcache_last_error(), "injected staging failure")) {
-                /* A staged piece failed: the call's new experts are all gone, so the overflow's size
-                   (the misses that found no slot) cannot be read from residency. Any count up to the
-                   call's misses may have been asked for. */
-                uint64_t before = m->overflow_cap;
-                for (uint32_t n = u - pre_res; n > 0 && m->overflow_cap == before; --n)
-                    if ((uint64_t)n * slot > before) resolve_staging_if(m, &m->overflow_cap, (uint64_t)n * slot);
-                resolve_staging(m, &m->overflow_cap, m->overflow_cap, "overflow");
-            } else {
-                uint32_t post = 0;
-                for (uint32_t j = 0; j < u; ++j) post += resident(m, layer, g_u[j]) == 1;
-                uint64_t need = (uint64_t)(u - post) * slot;
-                if (need > m->overflow_cap) resolve_staging(m, &m->overflow_cap, need, "overflow");
-            }
         }
         /* Hits of a failed call stay resident (a consistent cache): checked by the deep sweep. */
         for (uint32_t j = 0; j < u; ++j)
@@ -136,8 +86,13 @@ void op_select(Model* m) {
                         DELTA(direct_loads), DELTA(bytes_h2d), DELTA(bytes_d2d), pre_res, u - pre_res, direct,
                         (uint64_t)(u - pre_res) * eb);
         }
+        /* What got no slot was staged in the bank's staging rows, which only grow until a release. */
+        expcache_class_info_t ci;
+        ci.struct_size = sizeof ci;
         uint64_t need = (uint64_t)(u - post_res) * slot_bytes_of(L->bytes);
-        if (need > m->overflow_cap) m->overflow_cap = need;
+        if (expcache_class_info_get(m->h, c, &ci) == OK && ci.staging_bytes < need)
+            diverge("select staged %u experts of class %u, whose staging rows hold %" PRIu64 " B, less than %" PRIu64,
+                    u - post_res, c, ci.staging_bytes, need);
     }
     m->sel_valid = 1;
     m->sel_layer = layer;

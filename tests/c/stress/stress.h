@@ -123,7 +123,7 @@ typedef struct {
     int nfinished;
     expcache_stats_t snap[EXPCACHE_MAX_CLASSES_LIMIT][EXPCACHE_NUM_PATHS];
     expcache_class_info_t info[EXPCACHE_MAX_CLASSES_LIMIT];
-    uint64_t compact_cap, overflow_cap;
+    uint64_t compact_cap;
     uint64_t copy_faults_left;    /* injected copy failures that may still fire */
     uint64_t staging_faults_left; /* injected staging failures that may still fire (at least) */
     uint32_t nfiles;              /* files opened: ids 0..nfiles-1 */
