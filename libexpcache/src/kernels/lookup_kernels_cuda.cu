@@ -3,43 +3,24 @@
 // cache's device current. Nothing here synchronizes or allocates, so a select can be captured.
 #include "../backend/cuda_errors.cuh"
 #include "lookup_kernels.hpp"
+#include "lookup_policy_cuda.cuh"
 
 namespace expcache {
 
 namespace {
 
-constexpr int kLookupThreads = 256;
+constexpr int kLookupThreads = lookup_cuda::kThreads;
 constexpr int kCopyThreads = 256;  // one block of these per SM: the link's rate (benchmarks/c/copy_methods.cu)
 constexpr int kCopyUnroll = 4;     // 16-byte loads in flight per thread: mapped reads cross PCIe
-
-// A candidate victim: the least stamp, then the least slot; slot -1 is none.
-struct Candidate {
-    uint64_t stamp;
-    int32_t slot;
-};
-
-__device__ bool better(const Candidate& a, const Candidate& b) {
-    if (a.slot < 0) return false;
-    if (b.slot < 0) return true;
-    return a.stamp != b.stamp ? a.stamp < b.stamp : a.slot < b.slot;
-}
-
-__device__ Candidate warp_best(Candidate v) {
-    for (int off = 16; off > 0; off >>= 1) {
-        Candidate o;
-        o.stamp = __shfl_down_sync(0xffffffffu, v.stamp, off);
-        o.slot = __shfl_down_sync(0xffffffffu, v.slot, off);
-        if (better(o, v)) v = o;
-    }
-    return v;
-}
 
 __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs a) {
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
     __shared__ int32_t slot_at[EXPCACHE_MAX_SELECT];  // each first occurrence's slot (-1: none yet)
-    __shared__ Candidate warp_bests[kLookupThreads / 32];
+    __shared__ uint8_t list_of[EXPCACHE_MAX_SELECT];  // each first occurrence's class of count (lookup_rules.hpp)
+    __shared__ lookup_cuda::PolicyShared policy_s;
+    __shared__ PolicyNow now_s;
     __shared__ uint64_t base_s;
     __shared__ uint32_t distinct, hits, misses, evictions;
     const DeviceClass& c = a.cls;
@@ -51,6 +32,7 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
 #endif
     if (tid == 0) {
         base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
+        now_s = open_select(a);
         distinct = hits = misses = evictions = 0;
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
@@ -69,7 +51,9 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
     }
     __syncthreads();
     const uint64_t base = base_s;
-    // Each id's first occurrence; hits refreshed (and so protected from this call's misses).
+    const PolicyNow now = now_s;
+    // Each id's first occurrence; its use counted; hits refreshed (and so protected from this
+    // call's misses).
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
         uint32_t f = i;
         for (uint32_t j = 0; j < i; ++j)
@@ -82,10 +66,12 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
         slot_at[i] = -1;
         if (f == i && keys[i] != UINT32_MAX) {
             atomicAdd(&distinct, 1u);
+            const int k = count_use(a, keys[i], now);
+            list_of[i] = static_cast<uint8_t>(k);
             const int32_t slot = a.slot_of_key[keys[i]];
             slot_at[i] = slot;
             if (slot >= 0) {
-                c.stamp[slot] = base + i;
+                refresh_hit(a, slot, base + i, k, now);
                 atomicAdd(&hits, 1u);
             } else {
                 missed[i] = 1;
@@ -93,36 +79,26 @@ __global__ void __launch_bounds__(kLookupThreads) lookup_kernel(DeviceSelectArgs
         }
     }
     __syncthreads();
-    // Misses in order of first occurrence, each given the least recently used evictable slot
-    // (a block-wide minimum over the bank), so the choices are the host backend's.
+    // duel: the hits' requests to its shadows, in order of first occurrence.
+    const bool duel = a.policy.id == EXPCACHE_POLICY_DUEL;
+    if (duel)
+        for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
+            if (first[i] == i && slot_at[i] >= 0)
+                lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
+    // Misses in order of first occurrence, each given the policy's victim among the evictable
+    // slots (a block-wide reduction over the bank), so the choices are the host backend's.
     for (uint32_t i = 0; i < a.count; ++i) {
         if (!missed[i]) continue;  // uniform: every thread reads the same shared flag
-        Candidate best{0, -1};
-        for (uint32_t s = tid; s < c.cap; s += blockDim.x) {
-            const Candidate here{c.stamp[s], static_cast<int32_t>(s)};
-            if (evictable(here.stamp, c.pin[s], base) && better(here, best)) best = here;
-        }
-        best = warp_best(best);
-        if ((tid & 31) == 0) warp_bests[tid / 32] = best;
-        __syncthreads();
+        const uint64_t stamp = base + EXPCACHE_MAX_SELECT + i;
+        const int32_t v = lookup_cuda::bank_victim(a, base, now, policy_s);
+        if (v < 0) continue;  // every slot pinned or used (the host checked n*k fits)
         if (tid == 0) {
-            for (uint32_t w = 1; w < blockDim.x / 32; ++w)
-                if (better(warp_bests[w], best)) best = warp_bests[w];
-            if (best.slot >= 0) {
-                const int32_t v = best.slot;
-                const int32_t old = c.key_of_slot[v];
-                if (old >= 0) {
-                    a.slot_of_key[old] = -1;
-                    ++evictions;
-                }
-                c.key_of_slot[v] = static_cast<int32_t>(keys[i]);
-                c.stamp[v] = base + EXPCACHE_MAX_SELECT + i;
-                a.slot_of_key[keys[i]] = v;
-                slot_at[i] = v;
-                c.misses[misses++] = DeviceMiss{keys[i] - a.key_base, v};
-            }
+            if (install_miss(a, v, keys[i], stamp, list_of[i], now, misses)) ++evictions;
+            ++misses;
+            slot_at[i] = v;
         }
         __syncthreads();
+        if (duel) lookup_cuda::duel_request(a, keys[i], stamp, list_of[i], now, policy_s);
     }
     __syncthreads();  // the all-hit path never entered the loop's barriers
     for (uint32_t i = tid; i < a.count; i += blockDim.x) a.out_slots[i] = slot_at[first[i]];
