@@ -199,8 +199,9 @@ class Serving:
         policy's update and victims (the cache's policy, choosing as the host's would), the
         misses' copies (read from the pinned source by the GPU) and the counts, with no host
         synchronization: the call may be captured in a CUDA graph (bind each layer first: one
-        call outside the capture, or :meth:`bank`), and each replay does the whole select. An id out of range in device memory gets slot -1, and the next synchronizing call
-        (which does its own work as usual) warns with the first such id (:class:`ExpcacheWarning`),
+        call outside the capture, or :meth:`bank`), and each replay does the whole select. An id
+        out of range in device memory gets slot -1, and the next synchronizing call (which does
+        its own work as usual) warns with the first such id (:class:`ExpcacheWarning`),
         as :meth:`close` does for one no call read back; ids in host memory (the host backend) are
         checked here, and one out of range raises InvalidArgumentError with nothing selected.
         ``out`` must be writable (a read-only array is refused).
