@@ -82,6 +82,7 @@ def test_host_serving_calls_are_refused_with_the_fix(make_cache, policy):
     calls = {
         "decode": lambda: cache.select(layer, [1, 3]),
         "views": lambda: cache.select_views(layer, [1, 3]),
+        "slots": lambda: cache.select_slots(layer, np.array([1, 3], dtype=np.int32)),
         "split": lambda: cache.select_split(layer, [1, 3]),
         "compact": lambda: cache.load_compact(layer, [1, 3]),
         "batch": lambda: cache.prepare_batch(layer, np.array([[1, 3]])),

@@ -584,11 +584,12 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  *   - prefetch_async and hint are refused (UNSUPPORTED): a device select copies
  *     its misses itself;
  *   - under OPPCLASS and DUEL the policy's state lives on the device alone, and the
- *     host-side serving calls (select, select_split, compact_load, batch_prepare)
- *     are refused (UNSUPPORTED): serve with expcache_select_device_async, or make
- *     the cache with policy LRU (host and device calls share one LRU order) or with
- *     lookup HOST. release_all empties the banks and keeps what the policy learned
- *     (counts, duel's shadows and counter), as on a host-lookup cache;
+ *     host-side serving calls (select, select_slots, select_split, compact_load,
+ *     batch_prepare) are refused (UNSUPPORTED): serve with
+ *     expcache_select_device_async, or make the cache with policy LRU (host and
+ *     device calls share one LRU order) or with lookup HOST. release_all empties
+ *     the banks and keeps what the policy learned (counts, duel's shadows and
+ *     counter), as on a host-lookup cache;
  *   - the partition is GLOBAL.
  */
 
