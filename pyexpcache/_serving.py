@@ -234,8 +234,9 @@ class Serving:
         like. The n rows of a 2-D call are one step (a speculative verification): each distinct
         expert is copied once and all are protected. One kernel on ``stream`` (default: torch's
         current stream for a torch tensor, else the legacy default stream) does the lookup, the
-        LRU update, the misses' copies (read from the pinned source by the GPU) and the counts,
-        with no host synchronization (a slot-map read and the refreshes alone when every id is
+        policy's update and victims (the cache's policy, choosing as the host's would), the
+        misses' copies (read from the pinned source by the GPU) and the counts, with no host
+        synchronization (a slot-map read and the policy's hit bookkeeping alone when every id is
         resident): the call may be captured in a CUDA graph (bind each layer first: one call
         outside the capture, or :meth:`bank`), and each replay does the whole select. An id out
         of range in device memory gets slot -1, and the next synchronizing call (which does its
@@ -251,9 +252,10 @@ class Serving:
         An engine verifying speculative drafts reads them on the device to choose the next
         draft's length (docs/device_lookup.md).
 
-        The other calls (select, select_views, load_compact, prepare_batch, release_all, stats,
-        ...) synchronize the device and see the device selects' residency; they must not run
-        while device selects are in flight on other threads' streams."""
+        The other calls (release_all, stats, bank, read_expert, ...; under policy ``"lru"`` also
+        select, select_views, load_compact, prepare_batch, which the other policies refuse: their
+        state lives on the device) synchronize the device and see the device selects' residency;
+        they must not run while device selects are in flight on other threads' streams."""
         if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
             layer = self._layer(layer)
         src = _bank.id_array(ids, "ids")

@@ -139,8 +139,13 @@ class ExpertCache(Serving):
         lookup: ``"host"`` (default) or ``"device"``: each class's slots become one bank
             (:meth:`bank`) and :meth:`select_device` looks experts up on the GPU, capturable in a
             CUDA graph; the other calls keep working, each synchronizing the device (see
-            :meth:`select_device`). A device-lookup cache evicts by LRU (the default policy then),
-            refuses :meth:`prefetch` and :meth:`hint`, and needs a pinned source for device selects.
+            :meth:`select_device`). A device-lookup cache runs its policy on the device, every
+            policy (docs/device_lookup.md): under ``"duel"`` (the default) and ``"oppclass"`` the
+            policy's state lives on the device alone, so the host-side serving calls
+            (:meth:`select`, :meth:`select_split`, :meth:`select_views`, :meth:`load_compact`,
+            :meth:`prepare_batch`) raise :class:`~pyexpcache.UnsupportedError`; under ``"lru"``
+            they share one LRU order with the device selects. It refuses :meth:`prefetch` and
+            :meth:`hint`, and needs a pinned source for device selects.
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
 
@@ -180,14 +185,6 @@ class ExpertCache(Serving):
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if lookup not in _lib.LOOKUPS:
             raise ValueError(f"lookup must be one of {sorted(_lib.LOOKUPS)}, got {lookup!r}")
-        if lookup == "device":
-            if policy is None:
-                policy = "lru"
-            elif policy != "lru":
-                raise ValueError(
-                    f"lookup='device' evicts by LRU on the device (recency stamps): use policy='lru' "
-                    f"(or leave it unset), got {policy!r}"
-                )
         if policy is not None and policy not in _lib.POLICIES:
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if partition not in _lib.PARTITIONS:

@@ -1,6 +1,7 @@
 """The device-side lookup (``ExpertCache(lookup="device")``): slot banks, ``select_device``, and
-every other call on the same cache in any order, on each backend. Device selects are LRU, so
-these tests pin the policy. Ids live where the backend's device does: numpy arrays on the host
+every other call on the same cache in any order, on each backend. These tests pin the policy to
+LRU, under which host and device calls share one order (the other policies in the device lookup:
+tests/test_device_policy.py). Ids live where the backend's device does: numpy arrays on the host
 backend, CUDA tensors on the CUDA backend (support.cache.device_ids)."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
 
 @pytest.fixture
 def policy() -> str:
-    return "lru"  # a device-lookup cache evicts by LRU (make_cache passes it)
+    return "lru"  # host and device selects share LRU's order (make_cache passes it)
 
 
 def _layout():
@@ -446,23 +447,26 @@ def test_lookup_argument_checked(backend):
     with HostSource(layout) as source:
         with pytest.raises(ValueError, match="lookup must be one of"):
             ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="gpu")
-        with pytest.raises(ValueError, match="evicts by LRU"):
-            ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", policy="oppclass")
         with pytest.raises(InvalidArgumentError, match="set partition to global"):
             ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", partition="layer")
-        with ExpertCache(layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0) as cache:
-            assert cache.policy == "lru" and cache.lookup == "device"
+        for policy in [None, *_lib.POLICIES]:  # every policy runs in the device lookup
+            with ExpertCache(
+                layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0, policy=policy
+            ) as cache:
+                assert cache.policy == (policy or _lib.DEFAULT_POLICY) and cache.lookup == "device"
 
 
-def test_c_config_refuses_a_device_lookup_with_another_policy():
+def test_c_config_takes_every_policy_for_a_device_lookup():
     lib = _lib.lib
     cfg = _lib.Config()
     lib.expcache_config_init(ctypes.byref(cfg))
     cfg.num_layers, cfg.budget_experts, cfg.backend = 4, 4, _lib.BACKEND_HOST
     cfg.lookup = _lib.LOOKUP_DEVICE
     handle = _lib.CachePtr()
-    with pytest.raises(InvalidArgumentError, match="set policy to lru"):
+    for policy in _lib.POLICIES.values():
+        cfg.policy = policy
         lib.expcache_create(ctypes.byref(cfg), ctypes.byref(handle))
+        lib.expcache_destroy(handle)
     cfg.lookup = 2
     with pytest.raises(InvalidArgumentError, match="unknown lookup 2"):
         lib.expcache_create(ctypes.byref(cfg), ctypes.byref(handle))
@@ -592,12 +596,17 @@ def test_a_file_source_cannot_be_read_by_the_device(backend, tmp_path):
     model = write_model(tmp_path / "m.gguf", [None, {}, {}])
     with (
         GGUFSource(model, reads="file") as source,
-        ExpertCache(source.layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0) as cache,
+        ExpertCache(
+            source.layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0, policy="lru"
+        ) as cache,
+        ExpertCache(source.layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0) as duel,
     ):
         layer = source.layout.moe_layers[0]
         with pytest.raises(UnsupportedError, match="source is a file, which the GPU cannot read.*pinned source"):
             cache.select_device(layer, device_ids(cache, [0]))
         assert cache.select(layer, [0]).shape == (1, 3)  # the host-side select serves it
+        with pytest.raises(UnsupportedError, match="source is a file.*host-side select of a cache made with lookup"):
+            duel.select_device(layer, device_ids(duel, [0]))
 
 
 def test_a_pageable_source_cannot_be_read_by_the_gpu(make_cache):

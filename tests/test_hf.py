@@ -13,7 +13,7 @@ transformers = pytest.importorskip(
 
 import expcache_bench as bench  # noqa: E402
 from expcache_bench.traces import read_trace  # noqa: E402
-from pyexpcache import ModelLayout  # noqa: E402
+from pyexpcache import ModelLayout, _lib  # noqa: E402
 from pyexpcache.hf import (  # noqa: E402
     IMPLEMENTATION,
     GraphDecoder,
@@ -670,7 +670,7 @@ def test_offload_shows_its_progress_when_asked(capsys):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_recorded_routing_replays_to_the_live_hit_rate(tmp_path, device):
     """The live run on ``device`` (on CUDA, the device lookup's kernels), the replay by the bench
-    on the host backend: the same LRU, the same hits."""
+    on the host backend: the same policy (the library's default), the same hits."""
     model = tiny_model("qwen3_moe", device=device)
     trace_path = tmp_path / "routing.jsonl"
     # One prompt token: every forward is one token, so the live run selects token by token as the
@@ -683,8 +683,9 @@ def test_the_recorded_routing_replays_to_the_live_hit_rate(tmp_path, device):
     assert layout == handle.layout
     trace = read_trace(trace_path)
     assert recorder.records == 24 * 3 and trace.ids.shape[:2] == (24, 3)
-    report = bench.run(layout, traces=[trace_path], budget_fraction=0.25, backend="host", variants=["lru"])
-    (result,) = [r for r in report.results if r.variant == "lru"]
+    policy = _lib.DEFAULT_POLICY
+    report = bench.run(layout, traces=[trace_path], budget_fraction=0.25, backend="host", variants=[policy])
+    (result,) = [r for r in report.results if r.variant == policy]
     assert (result.hits, result.misses) == (live.hits, live.misses)
     assert 0 < result.hit_rate < 1
 

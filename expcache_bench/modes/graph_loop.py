@@ -4,8 +4,9 @@ served from the GPU, each token's step captured once in a CUDA graph and replaye
 The traces' ids are put on the device once, as a router would leave them; before each replay one
 device-to-device copy puts the token's ids ([layers, k] int32) where the graph reads them. The
 step, per layer: ``compute_us`` of non-expert work (the library's spin kernel), the device-side
-select (``ExpertCache.select_device``: lookup, LRU, the misses' copies from the pinned source by a
-kernel reading mapped memory, the counters) and one kernel reading every routed expert through the
+select (``ExpertCache.select_device``: lookup, the policy's update and victims, the misses' copies
+from the pinned source by a kernel reading mapped memory, the counters) and one kernel reading
+every routed expert through the
 bank by slot id (``expcache_testing_bank_checksum_async``, the memory-bound floor of the expert
 GEMVs, whose sums are checked against the source after each token, outside the timing). A token's
 time runs from its ids' copy to the end of a synchronize after the replay.
@@ -15,12 +16,13 @@ missing (token, layer) record is no select, as in the C loop. The step is then o
 layers the tokens have records of, captured after the first token with that set runs it eagerly
 (untimed, as the first token of a complete trace), and replayed for the later tokens with it.
 
-Side by side in one run, with the same budget, LRU and layers: the C loop serving each layer with
-the host select (``expcache_select_async``; the ids on the host), the same non-expert work and the
-same reading kernel (the checksum over the served addresses). Both caches evict by LRU with the
-same rules, so their hit counts are equal (the report says whether they are). Then the time of an
-all-hit ``select_device`` per layer, in a graph of one select per layer replayed many times: of
-one token's ids, and of ``ALL_HIT_IDS`` (8) distinct ids per layer, those routed last.
+Side by side in one run, with the same budget, policy and layers: the C loop serving each layer
+with the host select (``expcache_select_async``; the ids on the host), the same non-expert work and
+the same reading kernel (the checksum over the served addresses). The policy is the library's
+default (duel) unless one is given; the device lookup runs it with the host's rules, so the two
+loops' hit counts are equal (the report says whether they are). Then the time of an all-hit
+``select_device`` per layer, in a graph of one select per layer replayed many times: of one
+token's ids, and of ``ALL_HIT_IDS`` (8) distinct ids per layer, those routed last.
 
 On the host backend the same loop runs without capture (its "device" memory is host memory).
 """
@@ -53,7 +55,8 @@ HELP = "each token's step in one CUDA graph: select_device and a kernel reading 
 DESCRIPTION = (
     "The decode traces served from the GPU: the ids stay on the device, each token's step (per layer: "
     "non-expert work, select_device, a kernel reading every routed expert through the bank) captured "
-    "once in a CUDA graph and replayed per token, next to the C loop's host select (both LRU); then the "
+    "once in a CUDA graph and replayed per token, next to the C loop's host select (one policy, the "
+    "library's default); then the "
     "all-hit select_device time per layer under replay."
 )
 RUNS = "replays the decode scenario with the device-side select in a CUDA graph, next to the C loop"
@@ -231,13 +234,13 @@ def _sync(bench) -> None:
         _cuda.check(_cuda.runtime().cudaStreamSynchronize(bench.stream), "cudaStreamSynchronize")
 
 
-def _c_loop(bench, workload, compute_ns: int, link: float) -> GraphLoopResult:
-    """The C loop with the host select (LRU), the same non-expert work per layer."""
+def _c_loop(bench, workload, compute_ns: int, link: float, policy: str) -> GraphLoopResult:
+    """The C loop with the host select, the same policy and non-expert work per layer."""
 
     options_ = _replay.ReplayOptions()
     options_.struct_size = ctypes.sizeof(options_)
     options_.compute_ns = compute_ns
-    with bench.make_cache(budget_bytes=bench.budget_bytes, policy="lru", log_level=1, **bench.cache_options) as cache:
+    with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options) as cache:
         out = bench.replay(cache, workload, label="C loop, host select", options=options_)
         decode = cache.stats().path("decode")
     return GraphLoopResult(
@@ -262,13 +265,18 @@ def run_graph_loop(
     compute_us: float = 0.0,
     progress: Optional[Callable[[str, int, int], None]] = None,
     c_loop: bool = True,
+    policy: Optional[str] = None,
 ) -> Report:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
     :class:`~expcache_bench.bench.Bench`; its source must be pinned, emulated on the host backend), next to
-    the C loop's host select unless ``c_loop`` is false."""
+    the C loop's host select unless ``c_loop`` is false; both caches evict by ``policy`` (a name of
+    ``pyexpcache._lib.POLICIES``; None: the library's default)."""
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
+    policy = _lib.DEFAULT_POLICY if policy is None else policy
+    if policy not in _lib.POLICIES:
+        raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
     if not bench.pinned:
         raise ValueError("the graph loop's device select reads the experts from pinned memory: use --source pinned")
     progress = progress or bench.progress
@@ -286,10 +294,10 @@ def run_graph_loop(
         traces=[trace_label(t) for t in traces],
         link_bytes_per_s=link.bytes_per_s,
         link_label=link.label,
-        settings=dict(compute_us=compute_us, policy="lru", layers=options.ranges(layers), k=k, capture=bench.is_cuda),
+        settings=dict(compute_us=compute_us, policy=policy, layers=options.ranges(layers), k=k, capture=bench.is_cuda),
     )
     if c_loop:
-        report.results.append(_c_loop(bench, decode_workload(loaded, layers), compute_ns, link.bytes_per_s))
+        report.results.append(_c_loop(bench, decode_workload(loaded, layers), compute_ns, link.bytes_per_s, policy))
 
     arrays = _DeviceArrays(bench.is_cuda, bench.device)
     graphs: list[_Graph] = []
@@ -297,7 +305,7 @@ def run_graph_loop(
     present = ids[:, :, 0] >= 0  # [tokens, layers]: the records a token has
     try:
         with bench.make_cache(
-            budget_bytes=bench.budget_bytes, lookup="device", log_level=1, **bench.cache_options
+            budget_bytes=bench.budget_bytes, lookup="device", policy=policy, log_level=1, **bench.cache_options
         ) as cache:
             all_ids = arrays.empty(ids.size)
             arrays.upload(all_ids, ids)
@@ -483,8 +491,8 @@ def describe(report: Report) -> list[str]:
         )
     same = st.get("same_hits_as_c_loop")
     lines = [
-        f"policy lru; layers {st['layers']}, k {st['k']}; {st['compute_us']:g} µs of non-expert work per layer; "
-        f"each token's step {capture}",
+        f"policy {st['policy']}; layers {st['layers']}, k {st['k']}; {st['compute_us']:g} µs of non-expert work "
+        f"per layer; each token's step {capture}",
         f"all-hit select_device: {st['all_hit_select_us']:.2f} µs per layer"
         + (
             f" ({st['k']} ids), {st['all_hit_select_wide_us']:.2f} µs ({st['all_hit_ids']} ids)"
@@ -495,9 +503,9 @@ def describe(report: Report) -> list[str]:
     ]
     if same is not None:
         lines.append(
-            "hits and misses equal to the C loop's (both LRU)"
+            f"hits and misses equal to the C loop's (both {st['policy']})"
             if same
-            else "HITS DIFFER from the C loop's (both LRU): a bug"
+            else f"HITS DIFFER from the C loop's (both {st['policy']}): a bug"
         )
     return lines
 

@@ -243,8 +243,8 @@ typedef struct expcache_config_t {
                                       multiple of 4096 */
     uint32_t lookup;                 /**< EXPCACHE_LOOKUP_*; default HOST. DEVICE: each class's slots are one bank
                                           allocated whole when the class is bound, and expcache_select_device_async
-                                          looks experts up on the device (see "Serving from the device"); needs
-                                          policy LRU */
+                                          looks experts up on the device (see "Serving from the device"), with
+                                          any policy */
     uint32_t partition;              /**< EXPCACHE_PARTITION_GLOBAL (default) or _LAYER; a device lookup needs GLOBAL */
 } expcache_config_t;
 
@@ -370,7 +370,8 @@ typedef struct expcache_expert_ptrs_t {
  * A later call on another stream waits, on the device, for the work
  * enqueued on this stream before it overwrites a slot.
  * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, IO (file
- * sources), CUDA, POISONED.
+ * sources), UNSUPPORTED (a device-lookup cache whose policy is not LRU: see
+ * "Serving from the device"), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
                                                      void* stream, expcache_expert_ptrs_t* out_ptrs);
@@ -489,7 +490,8 @@ typedef struct expcache_compact_t {
  * allocation retried, once. The buffer is owned by the cache and valid for
  * work enqueued on `stream` before the next compact_load_async call or
  * release_all. Status: INVALID_ARGUMENT, INVALID_STATE,
- * OUT_OF_DEVICE_MEMORY (after the retry), IO (file sources), CUDA, POISONED.
+ * OUT_OF_DEVICE_MEMORY (after the retry), IO (file sources), UNSUPPORTED (a
+ * device-lookup cache whose policy is not LRU), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
                                                            uint32_t n, void* stream, expcache_compact_t* out);
@@ -512,7 +514,7 @@ EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, ui
  * cache slot the batch uses is held — never evicted — until
  * expcache_batch_finish(). Status: INVALID_ARGUMENT, INVALID_STATE
  * (EXPCACHE_MAX_BATCHES outstanding), OUT_OF_DEVICE_MEMORY, IO (file sources),
- * CUDA, POISONED.
+ * UNSUPPORTED (a device-lookup cache whose policy is not LRU), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
                                                             uint64_t n, void* stream, uint32_t* out_ids,
@@ -554,16 +556,23 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  * class is bound (expcache_layer_bind_class, or the first serving call of one of
  * its layers) and kept, at the same address, until the cache is destroyed. Beside
  * the banks the cache keeps its residency on the device: which slot holds which
- * expert, the slots' recency (LRU) and the counters of EXPCACHE_PATH_DEVICE.
+ * expert, the policy's state and the counters of EXPCACHE_PATH_DEVICE.
+ *
+ * Every policy runs in the device lookup: LRU, OppClassLRU and DUEL (the default),
+ * each choosing its victims as the host select does (the same rules, one source),
+ * so a device select's hits equal the host select's for the same calls. The
+ * policy's state: the slots' recency (LRU), and under OPPCLASS and DUEL each
+ * expert's use count, the slots' lists and duel's shadow caches and counter.
  *
  * expcache_select_device_async reads and updates that state with kernels on its
  * stream alone, so it may be captured in a CUDA graph and replayed. The other calls
- * (select, select_split, compact_load, batch_prepare/finish, release_all,
- * read_resident, the checksums, class_info, stats, reset_stats, layer_bind_class)
- * keep working in any order with it: each one synchronizes the device first, reads
- * the device state, does its work and writes the state back before it returns, its
- * copies finished. They must not run while device selects are in flight on other
- * threads' streams. On a device-lookup cache:
+ * (release_all, read_resident, the checksums, class_info, stats, reset_stats,
+ * layer_bind_class, class_bank_get, batch_finish; under LRU also select,
+ * select_split, compact_load and batch_prepare) keep working in any order with it:
+ * each one synchronizes the device first, reads the device state, does its work and
+ * writes the state back before it returns, its copies finished. They must not run
+ * while device selects are in flight on other threads' streams. On a device-lookup
+ * cache:
  *   - every layer is registered before the first class is bound (the banks and the
  *     device table are sized from the whole layout);
  *   - a class index is never reused for other sizes (max_classes must cover them);
@@ -571,7 +580,14 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  *     them), and a staging allocation that fails is retried after emptying them;
  *   - prefetch_async and hint are refused (UNSUPPORTED): a device select copies
  *     its misses itself;
- *   - the policy is LRU (config.policy must be EXPCACHE_POLICY_LRU).
+ *   - under OPPCLASS and DUEL the policy's state lives on the device alone, and the
+ *     host-side serving calls (select, select_slots, select_split, compact_load,
+ *     batch_prepare) are refused (UNSUPPORTED): serve with
+ *     expcache_select_device_async, or make the cache with policy LRU (host and
+ *     device calls share one LRU order) or with lookup HOST. release_all empties
+ *     the banks and keeps what the policy learned (counts, duel's shadows and
+ *     counter), as on a host-lookup cache;
+ *   - the partition is GLOBAL.
  */
 
 /**
@@ -613,13 +629,14 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * become resident in the layer's bank, and out_slots[i] (device memory, n*k int32)
  * is ids[i]'s slot in it. The rows are one step (several tokens of a speculative
  * verification): each distinct expert is copied once and none of them is evicted by
- * another. One kernel on `stream` looks the ids up, refreshes their recency,
- * evicts the least recently used slots not used by this call and not held by a
- * batch, copies the misses' bytes from the layer's source (read by the GPU from
- * mapped pinned memory), and counts; when every id is resident it only reads the
- * slot map and refreshes (no search, no copy; docs/device_lookup.md). No host
- * synchronization and no host decision depends on the ids: the call may be made
- * while `stream` is being captured into a CUDA graph, and each replay does the
+ * another. One kernel on `stream` looks the ids up, counts and refreshes them by
+ * the cache's policy, evicts the policy's victims among the slots not used by this
+ * call and not held by a batch (the host select's choices), copies the misses'
+ * bytes from the layer's source (read by the GPU from mapped pinned memory), and
+ * counts; when every id is resident it only reads the slot map and does the
+ * policy's hit bookkeeping (no victim search, no copy; docs/device_lookup.md). No
+ * host synchronization and no host decision depends on the ids: the call may be
+ * made while `stream` is being captured into a CUDA graph, and each replay does the
  * whole select. An id out of range gets slot -1; the next synchronizing call does
  * its own work as usual and logs the first such id as a warning (layer, id,
  * index), once; expcache_destroy logs one no call read back.

@@ -152,15 +152,11 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown policy %u (%s)", cfg.policy, policy_list().c_str());
     if (cfg.lookup > EXPCACHE_LOOKUP_DEVICE)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown lookup %u (0 host, 1 device)", cfg.lookup);
-    if (cfg.lookup == EXPCACHE_LOOKUP_DEVICE && cfg.policy != EXPCACHE_POLICY_LRU)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                    "lookup device keeps recency on the device and evicts by LRU: set policy to lru (%u), got %s",
-                    EXPCACHE_POLICY_LRU, policy_name(cfg.policy));
     if (cfg.partition > EXPCACHE_PARTITION_LAYER)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown partition %u (0 global, 1 layer)", cfg.partition);
     if (cfg.lookup == EXPCACHE_LOOKUP_DEVICE && cfg.partition != EXPCACHE_PARTITION_GLOBAL)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                    "lookup device keeps one LRU order per class on the device: set partition to global");
+                    "lookup device keeps one order per class on the device: set partition to global");
     if (cfg.staging_bytes < (uint64_t(1) << 20) || cfg.staging_bytes > (uint64_t(16) << 30))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "staging_bytes must be 1 MiB..16 GiB, got %llu",
                     (unsigned long long)cfg.staging_bytes);

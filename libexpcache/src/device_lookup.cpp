@@ -5,37 +5,67 @@
 #include <numeric>
 
 #include "errors.hpp"
+#include "paths.hpp"
+#include "policy/policy.hpp"
 
 namespace expcache {
 
 namespace {
 
-// Offsets of DeviceClass's arrays in one allocation, each 256-byte aligned.
+// Offsets in one allocation, each 256-byte aligned.
+class Offsets {
+public:
+    uint64_t take(uint64_t n) {
+        const uint64_t at = bytes;
+        bytes = align_up(bytes + n);
+        return at;
+    }
+    uint64_t bytes = 0;
+};
+
+// Where DeviceClass's arrays are: the slots' and, for the policies that keep them, OppClassLRU's
+// lists (oppclass, duel) and duel's counter and shadows.
 struct ClassLayout {
-    uint64_t key_of_slot, stamp, pin, counters, misses, miss_count, handoff, bytes;
-    explicit ClassLayout(uint64_t cap) {
-        uint64_t off = 0;
-        auto take = [&](uint64_t n) {
-            uint64_t at = off;
-            off = align_up(off + n);
-            return at;
+    uint64_t key_of_slot, stamp, pin, counters, misses, miss_count, handoff;
+    uint64_t opp[3] = {}, duel = 0, shadow_key[2] = {}, shadow_stamp[2] = {}, shadow_opp[2][3] = {};
+    uint64_t bytes;
+    ClassLayout(uint64_t cap, uint32_t policy) {
+        Offsets o;
+        key_of_slot = o.take(cap * sizeof(int32_t));
+        stamp = o.take(cap * sizeof(uint64_t));
+        pin = o.take(cap);
+        counters = o.take(sizeof(DeviceCounters));
+        misses = o.take(EXPCACHE_MAX_SELECT * sizeof(DeviceMiss));
+        miss_count = o.take(sizeof(uint32_t));
+        handoff = o.take(sizeof(DeviceHandoff));
+        auto take_opp = [&](uint64_t* at) {
+            at[0] = o.take(cap);                    // cls
+            at[1] = o.take(cap * sizeof(int32_t));  // tok
+            at[2] = o.take(cap * sizeof(int32_t));  // pos
         };
-        key_of_slot = take(cap * sizeof(int32_t));
-        stamp = take(cap * sizeof(uint64_t));
-        pin = take(cap);
-        counters = take(sizeof(DeviceCounters));
-        misses = take(EXPCACHE_MAX_SELECT * sizeof(DeviceMiss));
-        miss_count = take(sizeof(uint32_t));
-        handoff = take(sizeof(DeviceHandoff));
-        bytes = off;
+        if (policy != EXPCACHE_POLICY_LRU) take_opp(opp);
+        if (policy == EXPCACHE_POLICY_DUEL) {
+            duel = o.take(sizeof(DeviceDuel));
+            for (int j = 0; j < 2; ++j) {
+                shadow_key[j] = o.take(cap * sizeof(int32_t));
+                shadow_stamp[j] = o.take(cap * sizeof(uint64_t));
+                if (j == kShadowOpp) take_opp(shadow_opp[j]);
+            }
+        }
+        bytes = o.bytes;
     }
 };
+
+DeviceOppSlots opp_at(unsigned char* p, const uint64_t* at) {
+    return DeviceOppSlots{p + at[0], reinterpret_cast<int32_t*>(p + at[1]), reinterpret_cast<int32_t*>(p + at[2])};
+}
 
 }  // namespace
 
 DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers,
                            ClassTable& classes, const Log& log, Health& health, std::unique_ptr<LookupKernels> kernels)
     : enabled_(config.lookup == EXPCACHE_LOOKUP_DEVICE),
+      policy_id_(config.policy),
       backend_(backend),
       arena_(arena),
       layers_(layers),
@@ -46,6 +76,8 @@ DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, De
       classes_state_(static_cast<size_t>(classes.size())),
       maps_(layers.size()) {}
 
+// The table: the clocks, the error, each key's slot and, for the policies that keep them, each
+// key's count (oppclass, duel), its slot in each of duel's shadows, and OppClassLRU's tables.
 expcache_status_t DeviceLookup::make_table() {
     keys_ = 0;
     for (const LayerState& l : layers_)
@@ -54,20 +86,49 @@ expcache_status_t DeviceLookup::make_table() {
     for (size_t i = 0; i < layers_.size(); ++i)
         if (layers_[i].registered)
             std::fill_n(key_layer_.begin() + layers_[i].key_base, layers_[i].num_experts, static_cast<uint32_t>(i));
-    const uint64_t bytes = 256 + 256 + uint64_t(keys_) * sizeof(int32_t);
-    expcache_status_t s = health_.check(arena_.alloc(bytes, &table_));
+    const bool lists = policy_id_ != EXPCACHE_POLICY_LRU, duel = policy_id_ == EXPCACHE_POLICY_DUEL;
+    Offsets o;
+    const uint64_t at_clock = o.take(sizeof(uint64_t)), at_policy_clock = o.take(sizeof(DevicePolicyClock)),
+                   at_error = o.take(sizeof(DeviceError)), at_slots = o.take(uint64_t(keys_) * sizeof(int32_t));
+    const uint64_t at_counts = lists ? o.take(uint64_t(keys_) * sizeof(KeyCount)) : 0;
+    const uint64_t at_tables = lists ? o.take(sizeof(OppClassTables)) : 0;
+    uint64_t at_shadow[2] = {};
+    for (int j = 0; j < 2 && duel; ++j) at_shadow[j] = o.take(uint64_t(keys_) * sizeof(int32_t));
+    expcache_status_t s = health_.check(arena_.alloc(o.bytes, &table_));
     if (s != EXPCACHE_OK) return s;
     unsigned char* p = static_cast<unsigned char*>(table_);
-    clock_dev_ = reinterpret_cast<uint64_t*>(p);
-    error_dev_ = reinterpret_cast<DeviceError*>(p + 256);
-    slot_of_key_dev_ = reinterpret_cast<int32_t*>(p + 512);
+    clock_dev_ = reinterpret_cast<uint64_t*>(p + at_clock);
+    error_dev_ = reinterpret_cast<DeviceError*>(p + at_error);
+    slot_of_key_dev_ = reinterpret_cast<int32_t*>(p + at_slots);
+    policy_ = DevicePolicyArgs{};
+    policy_.id = policy_id_;
+    if (!lists) return EXPCACHE_OK;
+    // What the device's policy starts from (the host policy's state at create; push never writes it).
+    policy_.clock = reinterpret_cast<DevicePolicyClock*>(p + at_policy_clock);
+    policy_.counts = reinterpret_cast<KeyCount*>(p + at_counts);
+    policy_.tables = reinterpret_cast<const OppClassTables*>(p + at_tables);
+    const DevicePolicyClock clock = {-1, 0, 0};
+    const std::vector<KeyCount> counts(keys_, KeyCount{0.0, 0.0});
+    if ((s = health_.check(backend_.copy_h2d_sync(policy_.clock, &clock, sizeof clock))) != EXPCACHE_OK ||
+        (s = health_.check(backend_.copy_h2d_sync(p + at_tables, &oppclass_tables(), sizeof(OppClassTables)))) !=
+            EXPCACHE_OK ||
+        (keys_ && (s = health_.check(backend_.copy_h2d_sync(policy_.counts, counts.data(),
+                                                            keys_ * sizeof(KeyCount)))) != EXPCACHE_OK))
+        return s;
+    const std::vector<int32_t> none(keys_, -1);
+    for (int j = 0; j < 2 && duel; ++j) {
+        policy_.shadow_slot[j] = reinterpret_cast<int32_t*>(p + at_shadow[j]);
+        if (keys_ && (s = health_.check(backend_.copy_h2d_sync(policy_.shadow_slot[j], none.data(),
+                                                               keys_ * sizeof(int32_t)))) != EXPCACHE_OK)
+            return s;
+    }
     return EXPCACHE_OK;
 }
 
 expcache_status_t DeviceLookup::make_class(int32_t c) {
     const ClassState& cls = classes_[c];
     const uint64_t cap = cls.slots.size();
-    const ClassLayout at(cap);
+    const ClassLayout at(cap, policy_id_);
     ClassDevice& d = classes_state_[c];
     expcache_status_t s = health_.check(arena_.alloc(at.bytes, &d.base));
     if (s != EXPCACHE_OK) return s;
@@ -83,8 +144,27 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.bank = cls.slots.empty() ? nullptr : cls.bank;
     d.view.slot_bytes = cls.slot_bytes;
     for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off[q];
-    const DeviceHandoff zero = {};  // the tickets count from 0 for the class's whole life
-    return health_.check(backend_.copy_h2d_sync(d.view.handoff, &zero, sizeof(zero)));
+    d.view.policy = DevicePolicyClass{};
+    // Zeros everywhere: the handoff (the tickets count from 0 for the class's whole life) and the
+    // policies' state, which starts empty here and lives on the device alone (stamps, lists,
+    // duel's counter and sizes; LRU's stamps are then written by push from the host's order).
+    const std::vector<unsigned char> zeros(at.bytes, 0);
+    if ((s = health_.check(backend_.copy_h2d_sync(p, zeros.data(), at.bytes))) != EXPCACHE_OK) return s;
+    if (policy_id_ == EXPCACHE_POLICY_LRU) return EXPCACHE_OK;
+    d.view.policy.opp = opp_at(p, at.opp);
+    if (policy_id_ != EXPCACHE_POLICY_DUEL) return EXPCACHE_OK;
+    d.view.policy.duel = reinterpret_cast<DeviceDuel*>(p + at.duel);
+    const std::vector<int32_t> none(cap, -1);  // no key in the shadows
+    for (int j = 0; j < 2; ++j) {
+        DeviceShadow& sh = d.view.policy.shadow[j];
+        sh.key = reinterpret_cast<int32_t*>(p + at.shadow_key[j]);
+        sh.stamp = reinterpret_cast<uint64_t*>(p + at.shadow_stamp[j]);
+        if (j == kShadowOpp) sh.opp = opp_at(p, at.shadow_opp[j]);
+        if (cap &&
+            (s = health_.check(backend_.copy_h2d_sync(sh.key, none.data(), cap * sizeof(int32_t)))) != EXPCACHE_OK)
+            return s;
+    }
+    return EXPCACHE_OK;
 }
 
 // The device's residency becomes the mirror's: slots, the layers' slot maps, the free list and
@@ -117,10 +197,22 @@ void DeviceLookup::adopt(int32_t c, const std::vector<int32_t>& keys, const std:
         else
             order.push_back(static_cast<int32_t>(s));
     }
+    if (policy_id_ != EXPCACHE_POLICY_LRU) return;  // the policy's state is the device's alone
     std::stable_sort(order.begin(), order.end(),
                      [&](int32_t a, int32_t b) { return stamps[a] != stamps[b] ? stamps[a] < stamps[b] : a < b; });
     cls.policy->clear();
     for (int32_t s : order) cls.policy->on_insert(s, false, layers_[cls.slots[s].layer].key_base + cls.slots[s].expert);
+}
+
+expcache_status_t DeviceLookup::admit_host_serving(uint32_t path) const {
+    if (!enabled_ || policy_id_ == EXPCACHE_POLICY_LRU) return EXPCACHE_OK;
+    return fail(EXPCACHE_ERR_UNSUPPORTED,
+                "the %s path is not available on a device-lookup cache with policy %s: the policy's state (its "
+                "use counts%s) lives on the device, where select_device keeps it, and a host-side serving call "
+                "would need it on the host; serve with select_device, or make the cache with policy lru (host "
+                "and device calls then share one LRU order) or with lookup host",
+                path_name(path), policy_name(policy_id_),
+                policy_id_ == EXPCACHE_POLICY_DUEL ? ", its shadow caches and their counter" : " and lists");
 }
 
 expcache_status_t DeviceLookup::pull() {
@@ -139,10 +231,12 @@ expcache_status_t DeviceLookup::pull() {
         keys.resize(d.cap);
         stamps.resize(d.cap);
         DeviceCounters n = {};
-        if (d.cap && ((s = health_.check(backend_.copy_d2h_sync(keys.data(), d.key_of_slot,
-                                                                d.cap * sizeof(int32_t)))) != EXPCACHE_OK ||
-                      (s = health_.check(backend_.copy_d2h_sync(stamps.data(), d.stamp, d.cap * sizeof(uint64_t)))) !=
-                          EXPCACHE_OK))
+        const bool lru = policy_id_ == EXPCACHE_POLICY_LRU;  // the host rebuilds only LRU's order
+        if (d.cap &&
+            ((s = health_.check(backend_.copy_d2h_sync(keys.data(), d.key_of_slot, d.cap * sizeof(int32_t)))) !=
+                 EXPCACHE_OK ||
+             (lru && (s = health_.check(backend_.copy_d2h_sync(stamps.data(), d.stamp, d.cap * sizeof(uint64_t)))) !=
+                         EXPCACHE_OK)))
             return s;
         if ((s = health_.check(backend_.copy_d2h_sync(&n, d.counters, sizeof(n)))) != EXPCACHE_OK) return s;
         adopt(c, keys, stamps);
@@ -197,8 +291,9 @@ expcache_status_t DeviceLookup::push() {
         keys.assign(d.cap, -1);
         stamps.assign(d.cap, 0);
         pins.assign(d.cap, 0);
+        const bool lru = policy_id_ == EXPCACHE_POLICY_LRU;  // the other policies' order is the device's alone
         order.clear();
-        cls.policy->order(&order);
+        if (lru) cls.policy->order(&order);
         for (int32_t slot : order) stamps[slot] = ++clock_;
         for (uint32_t i = 0; i < d.cap; ++i) {
             const SlotState& slot = cls.slots[i];
@@ -209,13 +304,20 @@ expcache_status_t DeviceLookup::push() {
         }
         const expcache_stats_t& st = classes_.stats(c, EXPCACHE_PATH_DEVICE);
         const DeviceCounters n = {st.calls, st.hits, st.misses, st.evictions, st.appends, st.bytes_h2d};
-        if (d.cap && ((s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, keys.data(),
-                                                                d.cap * sizeof(int32_t)))) != EXPCACHE_OK ||
-                      (s = health_.check(backend_.copy_h2d_sync(d.stamp, stamps.data(), d.cap * sizeof(uint64_t)))) !=
-                          EXPCACHE_OK ||
-                      (s = health_.check(backend_.copy_h2d_sync(d.pin, pins.data(), d.cap))) != EXPCACHE_OK))
+        if (d.cap &&
+            ((s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, keys.data(), d.cap * sizeof(int32_t)))) !=
+                 EXPCACHE_OK ||
+             (lru && (s = health_.check(backend_.copy_h2d_sync(d.stamp, stamps.data(), d.cap * sizeof(uint64_t)))) !=
+                         EXPCACHE_OK) ||
+             (s = health_.check(backend_.copy_h2d_sync(d.pin, pins.data(), d.cap))) != EXPCACHE_OK))
             return s;
         if ((s = health_.check(backend_.copy_h2d_sync(d.counters, &n, sizeof(n)))) != EXPCACHE_OK) return s;
+        if (d.policy.duel) {  // the slots held now (a release empties them); duel's counter and shadows stay
+            const int32_t resident = static_cast<int32_t>(cls.resident);
+            if ((s = health_.check(backend_.copy_h2d_sync(&d.policy.duel->resident, &resident, sizeof resident))) !=
+                EXPCACHE_OK)
+                return s;
+        }
     }
     const DeviceError none = {};
     if ((s = health_.check(backend_.copy_h2d_sync(clock_dev_, &clock_, sizeof(clock_)))) != EXPCACHE_OK ||
@@ -240,9 +342,12 @@ expcache_status_t DeviceLookup::table_reads(int32_t c, uint64_t* out) {
 expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
     const LayerState& l = layers_[layer];
     m->resolved = true;
-    const char* fix =
-        "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
-        "HostSource(..., pinned=True)), or use the host-side select";
+    const char* fix = policy_id_ == EXPCACHE_POLICY_LRU
+                          ? "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
+                            "HostSource(..., pinned=True)), or use the host-side select"
+                          : "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
+                            "HostSource(..., pinned=True)), or serve it with the host-side select of a cache "
+                            "made with lookup host (or with policy lru)";
     // Refused by the layer's declared kind, not by whether this backend could map the memory: the
     // host backend (which could read any memory) keeps the CUDA backend's contract.
     if (!l.source.pinned()) {
@@ -311,6 +416,9 @@ expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* id
     a.clock = clock_dev_;
     a.slot_of_key = slot_of_key_dev_;
     a.error = error_dev_;
+    a.policy = policy_;
+    a.policy.pos = l.rank;
+    a.policy.positions = layers_.registered();
     selected_ = true;  // even when the launch fails: the host backend's steps may have run
     return health_.check(kernels_->select(a, stream));
 }

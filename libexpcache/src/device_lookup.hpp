@@ -1,10 +1,12 @@
 // The device-side lookup of a cache made with lookup = EXPCACHE_LOOKUP_DEVICE: the residency
 // state the select kernels read and write on the device (which slot of each class's bank holds
-// which expert, the slots' recency, the batches' pins, the counters), and the host's mirror of
-// it in the class table. Device selects change only the device's copy; every host-side call
-// reads it back first (pull: the class table, the layers' slot maps and the LRU order made
-// equal to it) and writes the result back at its end (push), so both kinds of call see one
-// cache in any order.
+// which expert, the slots' recency, the batches' pins, the counters, the policy's state:
+// kernels/lookup_policy.hpp), and the host's mirror of it in the class table. Device selects
+// change only the device's copy; every host-side call reads it back first (pull: the class
+// table, the layers' slot maps and, under LRU, the LRU order made equal to it) and writes the
+// result back at its end (push), so both kinds of call see one cache in any order. OppClassLRU's
+// and duel's state (counts, lists, shadows, counter) lives on the device alone: their caches
+// refuse the host-side serving calls, which would need it on the host (admit_host_serving).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,9 @@ public:
         return enabled_ && static_cast<size_t>(c) < classes_state_.size() && classes_state_[c].base != nullptr;
     }
     bool capturing(void* stream) { return kernels_->capturing(stream); }
+    // A host-side serving call on `path` (select, select_split, compact_load, batch_prepare):
+    // UNSUPPORTED, with the reason and the fix, when the policy's state lives on the device alone.
+    expcache_status_t admit_host_serving(uint32_t path) const;
 
     // Device to mirror; the device synchronized first. A select's id out of range since the
     // last pull is logged here (a warning), once; the calling call goes on.
@@ -70,6 +75,8 @@ private:
     void report(const DeviceError& error);
 
     const bool enabled_;
+    const uint32_t
+        policy_id_;  // EXPCACHE_POLICY_*: LRU's order is mirrored on the host, the others' live on the device
     Backend& backend_;
     DeviceArena& arena_;
     LayerTable& layers_;
@@ -85,6 +92,7 @@ private:
     uint32_t keys_ = 0;
     std::vector<uint32_t> key_layer_;  // per key, its layer
     uint64_t clock_ = 0;               // the stamp clock (kernels/lookup_kernels.hpp): the device's when pulled
+    DevicePolicyArgs policy_ = {};     // the policy's table state (kernels/lookup_policy.hpp); pos set per select
     bool selected_ = false;            // a device select was enqueued once: graphs may replay it, so pull always
     std::vector<ClassDevice> classes_state_;
     std::vector<LayerMap> maps_;

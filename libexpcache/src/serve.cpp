@@ -53,6 +53,7 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     const uint32_t layer = call.layer_index;
     expcache_status_t s = call.lookup.status();
     if (s == EXPCACHE_OK) s = validate_request(layer, ids, n, max_n, count_name);
+    if (s == EXPCACHE_OK) s = lookup_.admit_host_serving(call.path);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
     if (s == EXPCACHE_OK) s = bind_class(layer, call.path, &call.c);

@@ -262,7 +262,8 @@ def offload(
         budget_fraction: the budget as a fraction (0 < F <= 1) of every expert's bytes. One of the two.
         device: where the model computes (default: where its first non-expert parameter is): a
             CUDA device gives a CUDA cache, the CPU expcache's host backend.
-        policy: ``None`` or ``"lru"`` (the device lookup evicts by LRU).
+        policy: the caches' eviction policy, run by the device lookup: ``None`` (the library's
+            default, ``"duel"``) or a name of ``pyexpcache._lib.POLICIES``.
         progress: a bar on stderr while the experts are placed in host memory (for a real
             checkpoint, tens of GB page-locked or copied: seconds to minutes); ``None`` shows it
             when stderr is a terminal.

@@ -6,11 +6,14 @@
 // One select is one grid on the stream (one block per SM; lookup_kernels_cuda.cu says why):
 //   1. the table read: the ids to keys and the slots the slot map gives them;
 //   2. the first block to arrive (the leader) either serves the select from that read, when
-//      every id in range is resident (the hits' bookkeeping only: no victim search, nothing to
-//      copy; a class whose bank holds every expert of its layers is always served so), or runs
-//      the lookup (hits refreshed, each distinct miss given the least recently used slot that
-//      is neither used by this call nor pinned, the slot map updated, the misses listed);
-//      either way the counters are added and the call's own counts written when asked for;
+//      every id in range is resident (the hits' bookkeeping only, the policy's included: the
+//      policy clock, each hit's count and refresh, duel's shadow requests and vote; no victim
+//      search in the bank, nothing to copy; a class whose bank holds every expert of its
+//      layers is always served so), or runs the lookup (the same hits' bookkeeping, then each
+//      distinct miss given the policy's victim among the slots neither used by this call nor
+//      pinned: lookup_rules.hpp, LRU, OppClassLRU or duel as the host's policy would choose;
+//      the slot map updated, the misses listed); either way the counters are added and the
+//      call's own counts written when asked for;
 //   3. the leader publishes how many missed; the other blocks wait for it, and all of them
 //      copy the listed misses' bytes from mapped pinned memory into their slots, or end at once
 //      when nothing missed.
@@ -19,19 +22,16 @@
 // (base = clock + 1), its hits base + i and its misses base + 1024 + i for i the position of
 // the id's first occurrence, so the order it leaves is the host LRU list's after the same
 // select (hits refreshed in order, then misses inserted in order); a slot stamped >= base is
-// this call's and never its victim. The host writes stamps 1, 2, ... in its LRU order.
+// this call's and never its victim. The host writes stamps 1, 2, ... in its LRU order (policy
+// LRU; the other policies' state lives on the device alone: lookup_policy.hpp).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
 #include "expcache.h"
-
-#ifdef __CUDACC__
-#define EXPCACHE_HOST_DEVICE __host__ __device__
-#else
-#define EXPCACHE_HOST_DEVICE
-#endif
+#include "host_device.hpp"
+#include "lookup_policy.hpp"
 
 namespace expcache {
 
@@ -66,7 +66,7 @@ struct DeviceHandoff {
 // A class's state on the device, laid out by DeviceLookup.
 struct DeviceClass {
     int32_t* key_of_slot;  // [cap] the key the slot holds, -1 free
-    uint64_t* stamp;       // [cap] its stamp (0 free): the least evictable one is the LRU victim
+    uint64_t* stamp;       // [cap] its stamp: the order of its last use (LRU; OppClassLRU's within a list)
     uint8_t* pin;          // [cap] 1: a batch holds it, never evicted
     DeviceCounters* counters;
     DeviceMiss* misses;  // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
@@ -76,6 +76,7 @@ struct DeviceClass {
     unsigned char* bank;
     uint64_t slot_bytes;
     uint64_t part_off[3];
+    DevicePolicyClass policy;
 };
 
 // Every argument of one select. Pointers are device addresses (host addresses on the host backend).
@@ -96,6 +97,7 @@ struct DeviceSelectArgs {
     uint64_t* clock;       // the stamp clock: each select takes kStampsPerSelect stamps
     int32_t* slot_of_key;  // [keys] the slot holding each key, -1 none
     DeviceError* error;
+    DevicePolicyArgs policy;
 };
 
 class LookupKernels {
@@ -124,12 +126,5 @@ static_assert(EXPCACHE_MAX_SELECT < (1 << kPublishShift), "a select's misses fit
 // of rows), and how many of them missed (were given a slot and copied).
 constexpr int kCountDistinct = 0;
 constexpr int kCountMisses = 1;
-
-// The lookup step's choice of victim, shared by both implementations: the least stamp (then the
-// least slot) among the slots neither pinned nor used by this call (stamp >= base). Free slots
-// are stamped 0: the lowest free slot goes first.
-EXPCACHE_HOST_DEVICE inline bool evictable(uint64_t stamp, uint8_t pin, uint64_t base) {
-    return !pin && stamp < base;
-}
 
 }  // namespace expcache

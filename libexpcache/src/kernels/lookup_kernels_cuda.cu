@@ -22,6 +22,7 @@
 
 #include "../backend/cuda_errors.cuh"
 #include "lookup_kernels.hpp"
+#include "lookup_policy_cuda.cuh"
 
 namespace expcache {
 
@@ -29,31 +30,9 @@ namespace {
 
 // Per block (the lookup's, and each copy block's: one per SM reaches the link's rate,
 // benchmarks/c/copy_methods.cu).
-constexpr int kLookupThreads = 256;
+constexpr int kLookupThreads = lookup_cuda::kThreads;
 constexpr int kCopyUnroll = 4;    // 16-byte loads in flight per thread: mapped reads cross PCIe
 constexpr unsigned kPollNs = 32;  // between two reads of the leader's word
-
-// A candidate victim: the least stamp, then the least slot; slot -1 is none.
-struct Candidate {
-    uint64_t stamp;
-    int32_t slot;
-};
-
-__device__ bool better(const Candidate& a, const Candidate& b) {
-    if (a.slot < 0) return false;
-    if (b.slot < 0) return true;
-    return a.stamp != b.stamp ? a.stamp < b.stamp : a.slot < b.slot;
-}
-
-__device__ Candidate warp_best(Candidate v) {
-    for (int off = 16; off > 0; off >>= 1) {
-        Candidate o;
-        o.stamp = __shfl_down_sync(0xffffffffu, v.stamp, off);
-        o.slot = __shfl_down_sync(0xffffffffu, v.slot, off);
-        if (better(o, v)) v = o;
-    }
-    return v;
-}
 
 // The lookup, run by the select's leader block (select_kernel) when some id in range missed.
 __device__ void lookup_block(const DeviceSelectArgs& a) {
@@ -61,13 +40,16 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
     __shared__ int32_t slot_at[EXPCACHE_MAX_SELECT];  // each first occurrence's slot (-1: none yet)
-    __shared__ Candidate warp_bests[kLookupThreads / 32];
+    __shared__ uint8_t list_of[EXPCACHE_MAX_SELECT];  // each first occurrence's class of count (lookup_rules.hpp)
+    __shared__ lookup_cuda::PolicyShared policy_s;
+    __shared__ PolicyNow now_s;
     __shared__ uint64_t base_s;
     __shared__ uint32_t distinct, hits, misses, evictions;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
     if (tid == 0) {
         base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
+        now_s = open_select(a);
         distinct = hits = misses = evictions = 0;
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
@@ -86,7 +68,9 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
     }
     __syncthreads();
     const uint64_t base = base_s;
-    // Each id's first occurrence; hits refreshed (and so protected from this call's misses).
+    const PolicyNow now = now_s;
+    // Each id's first occurrence; its use counted; hits refreshed (and so protected from this
+    // call's misses).
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
         uint32_t f = i;
         for (uint32_t j = 0; j < i; ++j)
@@ -99,10 +83,12 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
         slot_at[i] = -1;
         if (f == i && keys[i] != UINT32_MAX) {
             atomicAdd(&distinct, 1u);
+            const int k = count_use(a, keys[i], now);
+            list_of[i] = static_cast<uint8_t>(k);
             const int32_t slot = a.slot_of_key[keys[i]];
             slot_at[i] = slot;
             if (slot >= 0) {
-                c.stamp[slot] = base + i;
+                refresh_hit(a, slot, base + i, k, now);
                 atomicAdd(&hits, 1u);
             } else {
                 missed[i] = 1;
@@ -110,36 +96,26 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
         }
     }
     __syncthreads();
-    // Misses in order of first occurrence, each given the least recently used evictable slot
-    // (a block-wide minimum over the bank), so the choices are the host backend's.
+    // duel: the hits' requests to its shadows, in order of first occurrence.
+    const bool duel = a.policy.id == EXPCACHE_POLICY_DUEL;
+    if (duel)
+        for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
+            if (first[i] == i && slot_at[i] >= 0)
+                lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
+    // Misses in order of first occurrence, each given the policy's victim among the evictable
+    // slots (a block-wide reduction over the bank), so the choices are the host backend's.
     for (uint32_t i = 0; i < a.count; ++i) {
         if (!missed[i]) continue;  // uniform: every thread reads the same shared flag
-        Candidate best{0, -1};
-        for (uint32_t s = tid; s < c.cap; s += blockDim.x) {
-            const Candidate here{c.stamp[s], static_cast<int32_t>(s)};
-            if (evictable(here.stamp, c.pin[s], base) && better(here, best)) best = here;
-        }
-        best = warp_best(best);
-        if ((tid & 31) == 0) warp_bests[tid / 32] = best;
-        __syncthreads();
+        const uint64_t stamp = base + EXPCACHE_MAX_SELECT + i;
+        const int32_t v = lookup_cuda::bank_victim(a, base, now, policy_s);
+        if (v < 0) continue;  // every slot pinned or used (the host checked n*k fits)
         if (tid == 0) {
-            for (uint32_t w = 1; w < blockDim.x / 32; ++w)
-                if (better(warp_bests[w], best)) best = warp_bests[w];
-            if (best.slot >= 0) {
-                const int32_t v = best.slot;
-                const int32_t old = c.key_of_slot[v];
-                if (old >= 0) {
-                    a.slot_of_key[old] = -1;
-                    ++evictions;
-                }
-                c.key_of_slot[v] = static_cast<int32_t>(keys[i]);
-                c.stamp[v] = base + EXPCACHE_MAX_SELECT + i;
-                a.slot_of_key[keys[i]] = v;
-                slot_at[i] = v;
-                c.misses[misses++] = DeviceMiss{keys[i] - a.key_base, v};
-            }
+            if (install_miss(a, v, keys[i], stamp, list_of[i], now, misses)) ++evictions;
+            ++misses;
+            slot_at[i] = v;
         }
         __syncthreads();
+        if (duel) lookup_cuda::duel_request(a, keys[i], stamp, list_of[i], now, policy_s);
     }
     __syncthreads();  // the all-hit path never entered the loop's barriers
     for (uint32_t i = tid; i < a.count; i += blockDim.x) a.out_slots[i] = slot_at[first[i]];
@@ -171,14 +147,26 @@ __device__ uint32_t key_of(const DeviceSelectArgs& a, uint32_t i, int64_t* id_ou
 }
 
 // A select served by its table read (every id in range resident): what lookup_block leaves
-// when nothing misses, without its search and barriers: each id's slot, the hits refreshed by
-// their first occurrence, an id out of range reported, the counts and the counters.
+// when nothing misses, without its bank search: each id's slot, an id out of range reported,
+// the policy clock opened, each hit (a first occurrence) counted and refreshed, in parallel
+// (each touches its own key and slot), then duel's shadow requests and vote in order of first
+// occurrence (serial, as in lookup_block: the shadows' victims depend on the order), the counts
+// and the counters. Every policy's state ends as the lookup would leave it (lookup_rules.hpp).
 __device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys, const int32_t* slots,
                                  uint32_t* distinct) {
+    constexpr uint8_t kNoRequest = 0xff;  // list_of: not a first occurrence in range
+    static_assert(OppClassTables::kClasses < kNoRequest, "a class of count fits below kNoRequest");
     __shared__ uint64_t base_s;
+    __shared__ PolicyNow now_s;
+    __shared__ uint8_t list_of[EXPCACHE_MAX_SELECT];  // duel: each first occurrence's class of count
+    __shared__ lookup_cuda::PolicyShared policy_s;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
-    if (tid == 0) base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
+    const bool duel = a.policy.id == EXPCACHE_POLICY_DUEL;
+    if (tid == 0) {
+        base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
+        now_s = open_select(a);
+    }
     static_assert(EXPCACHE_MAX_SELECT <= 32 * kLookupThreads, "a thread's ids fit in one mask");
     uint32_t first = 0, mine = 0;  // bit n: the thread's n-th id is its key's first occurrence
     for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n) {
@@ -201,10 +189,23 @@ __device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys
         }
     }
     if (mine) atomicAdd(distinct, mine);
-    __syncthreads();  // the clock's stamps and the distinct count
+    __syncthreads();  // the clock's stamps, the policy clock and the distinct count
     const uint64_t base = base_s;
-    for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n)
-        if (first >> n & 1u) c.stamp[slots[i]] = base + i;
+    const PolicyNow now = now_s;
+    for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n) {
+        uint8_t list = kNoRequest;
+        if (first >> n & 1u) {
+            const int k = count_use(a, keys[i], now);
+            refresh_hit(a, slots[i], base + i, k, now);
+            list = static_cast<uint8_t>(k);
+        }
+        if (duel) list_of[i] = list;
+    }
+    if (duel) {
+        __syncthreads();                        // list_of is written
+        for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
+            if (list_of[i] != kNoRequest) lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
+    }
     if (tid == 0) {
         const uint32_t hits = *distinct;
         *c.miss_count = 0;

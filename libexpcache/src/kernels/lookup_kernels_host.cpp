@@ -1,11 +1,13 @@
 // The device-side select on the host backend: the steps of lookup_kernels.hpp (the table read,
 // then the hits' bookkeeping alone when every id in range is resident, else the lookup and the
 // copy), run in order on host memory before the call returns, with the same choices as the CUDA
-// kernel. One "block" does them all: no ticket, nothing published.
+// kernel (the rules of lookup_rules.hpp, in the same order; a victim by a loop where the GPU
+// reduces). One "block" does them all: no ticket, nothing published.
 #include <cstring>
 #include <vector>
 
 #include "lookup_kernels.hpp"
+#include "lookup_rules.hpp"
 
 namespace expcache {
 
@@ -52,14 +54,20 @@ private:
         return resident;
     }
 
-    // The select served by its table read: what lookup() leaves when nothing misses.
+    // The select served by its table read: what lookup() leaves when nothing misses, the
+    // policy's hit bookkeeping included (the clock opened, each hit counted and refreshed in
+    // order of first occurrence, then duel's shadow requests and vote in that order).
     void serve_from_table(const DeviceSelectArgs& a) {
         const DeviceClass& c = a.cls;
         const uint64_t base = *a.clock + 1;
         *a.clock += kStampsPerSelect;
+        const PolicyNow now = open_select(a);
+        first_.resize(a.count);
+        list_of_.resize(a.count);
         uint32_t distinct = 0;
         for (uint32_t i = 0; i < a.count; ++i) {
             a.out_slots[i] = slots_[i];
+            first_[i] = 0;
             if (keys_[i] == UINT32_MAX) {
                 int64_t id = 0;
                 key_of(a, i, &id);
@@ -69,9 +77,15 @@ private:
             bool first = true;
             for (uint32_t j = 0; j < i && first; ++j) first = keys_[j] != keys_[i];
             if (!first) continue;
-            c.stamp[slots_[i]] = base + i;
+            first_[i] = 1;
+            const int k = count_use(a, keys_[i], now);
+            list_of_[i] = static_cast<uint8_t>(k);
+            refresh_hit(a, slots_[i], base + i, k, now);
             ++distinct;
         }
+        if (a.policy.id == EXPCACHE_POLICY_DUEL)
+            for (uint32_t i = 0; i < a.count; ++i)
+                if (first_[i]) duel_request(a, keys_[i], base + i, list_of_[i], now);
         *c.miss_count = 0;
         if (a.out_counts) {
             a.out_counts[kCountDistinct] = distinct;
@@ -86,8 +100,10 @@ private:
         const DeviceClass& c = a.cls;
         const uint64_t base = *a.clock + 1;
         *a.clock += kStampsPerSelect;
+        const PolicyNow now = open_select(a);
         keys_.resize(a.count);
         first_.resize(a.count);
+        list_of_.resize(a.count);
         // Ids to keys; each id's first occurrence in the call.
         for (uint32_t i = 0; i < a.count; ++i) {
             const int64_t id =
@@ -105,36 +121,41 @@ private:
                     break;
                 }
         }
-        // Hits: refreshed, and so protected from this call's misses.
+        // Each use counted; hits refreshed, and so protected from this call's misses.
         uint64_t distinct = 0, hits = 0, misses = 0, evictions = 0;
         for (uint32_t i = 0; i < a.count; ++i) {
             if (first_[i] != i || keys_[i] == UINT32_MAX) continue;
             ++distinct;
+            const int k = count_use(a, keys_[i], now);
+            list_of_[i] = static_cast<uint8_t>(k);
             const int32_t slot = a.slot_of_key[keys_[i]];
             if (slot >= 0) {
-                c.stamp[slot] = base + i;
+                refresh_hit(a, slot, base + i, k, now);
                 ++hits;
             }
         }
-        // Misses, in order of first occurrence: each takes the least recently used evictable slot.
+        // duel: the hits' requests to its shadows, in order (the misses have no slot yet).
+        const bool duel = a.policy.id == EXPCACHE_POLICY_DUEL;
+        if (duel)
+            for (uint32_t i = 0; i < a.count; ++i)
+                if (first_[i] == i && keys_[i] != UINT32_MAX && a.slot_of_key[keys_[i]] >= 0)
+                    duel_request(a, keys_[i], base + i, list_of_[i], now);
+        // Misses, in order of first occurrence: each takes the policy's victim among the evictable slots.
         *c.miss_count = 0;
         for (uint32_t i = 0; i < a.count; ++i) {
             const uint32_t key = keys_[i];
             if (first_[i] != i || key == UINT32_MAX || a.slot_of_key[key] >= 0) continue;
-            int32_t v = -1;
-            for (uint32_t s = 0; s < c.cap; ++s)
-                if (evictable(c.stamp[s], c.pin[s], base) && (v < 0 || c.stamp[s] < c.stamp[v]))
-                    v = static_cast<int32_t>(s);
-            if (v < 0) continue;  // every slot pinned or used (the host checked n*k fits)
-            if (c.key_of_slot[v] >= 0) {
-                a.slot_of_key[c.key_of_slot[v]] = -1;
-                ++evictions;
+            const bool lists = victims_by_lists(a);
+            Candidate best = no_candidate();
+            for (uint32_t s = 0; s < c.cap; ++s) {
+                const Candidate here = slot_candidate(a, s, base, lists, now);
+                if (goes_first(here, best)) best = here;
             }
-            c.key_of_slot[v] = static_cast<int32_t>(key);
-            c.stamp[v] = base + EXPCACHE_MAX_SELECT + i;
-            a.slot_of_key[key] = v;
-            c.misses[(*c.miss_count)++] = DeviceMiss{key - a.key_base, v};
+            if (best.slot < 0) continue;  // every slot pinned or used (the host checked n*k fits)
+            const uint64_t stamp = base + EXPCACHE_MAX_SELECT + i;
+            if (install_miss(a, best.slot, key, stamp, list_of_[i], now, (*c.miss_count)++)) ++evictions;
             ++misses;
+            if (duel) duel_request(a, key, stamp, list_of_[i], now);
         }
         for (uint32_t i = 0; i < a.count; ++i)
             a.out_slots[i] = keys_[i] == UINT32_MAX ? -1 : a.slot_of_key[keys_[first_[i]]];
@@ -151,6 +172,26 @@ private:
         n.bytes_h2d += misses * (a.part_bytes[0] + a.part_bytes[1] + a.part_bytes[2]);
     }
 
+    // duel: a request both shadows see (each a hit, or a fill of a new slot or of its victim), then the vote.
+    static void duel_request(const DeviceSelectArgs& a, uint32_t key, uint64_t stamp, int k, const PolicyNow& now) {
+        bool hit[2];
+        for (int j : {kShadowLru, kShadowOpp}) {
+            int32_t fill = -1;
+            hit[j] = shadow_lookup(a, j, key, stamp, k, now, &fill);
+            if (hit[j]) continue;
+            if (fill < 0) {
+                Candidate best = no_candidate();
+                for (int32_t s = 0; s < a.cls.policy.duel->held[j]; ++s) {
+                    const Candidate here = shadow_candidate(a, j, s, now);
+                    if (goes_first(here, best)) best = here;
+                }
+                fill = best.slot;
+            }
+            shadow_fill(a, j, fill, key, stamp, k, now);
+        }
+        vote(a, hit[kShadowLru], hit[kShadowOpp]);
+    }
+
     void copy(const DeviceSelectArgs& a) {
         const DeviceClass& c = a.cls;
         for (uint32_t m = 0; m < *c.miss_count; ++m) {
@@ -163,6 +204,7 @@ private:
 
     std::vector<uint32_t> keys_, first_;  // per id (the cache's lock serializes selects)
     std::vector<int32_t> slots_;
+    std::vector<uint8_t> list_of_;  // per first occurrence: its key's class of count
 };
 
 }  // namespace

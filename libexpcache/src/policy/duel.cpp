@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "duel_vote.hpp"
 #include "lru.hpp"
 #include "oppclass.hpp"
 #include "policy.hpp"
@@ -16,8 +17,6 @@
 namespace expcache {
 
 namespace {
-
-constexpr int32_t kLimit = 64;  // the counter runs in [-kLimit, kLimit - 1]: its hysteresis
 
 bool any_slot(const void*, int32_t) {
     return true;
@@ -103,13 +102,12 @@ public:
         opp_.on_remove(slot);
     }
     int32_t victim(Evictable evictable, const void* ctx) const override {
-        return psel_ >= 0 ? opp_.victim(evictable, ctx) : lru_.victim(evictable, ctx);
+        return duel_follows_oppclass(psel_) ? opp_.victim(evictable, ctx) : lru_.victim(evictable, ctx);
     }
     // The slots are forgotten; the shadows and the counter keep what they learned.
     void clear() override {
         lru_.clear();
         opp_.clear();
-        key_.clear();
         resident_ = 0;
     }
 
@@ -121,8 +119,7 @@ private:
     void request(uint32_t key) {
         const bool lru_hit = shadow_lru_.request(key, room_);
         const bool opp_hit = shadow_opp_.request(key, room_);
-        if (opp_hit && !lru_hit && psel_ < kLimit - 1) ++psel_;
-        if (lru_hit && !opp_hit && psel_ > -kLimit) --psel_;
+        duel_vote(psel_, lru_hit, opp_hit);
     }
 
     // OppClassLRU's counts: the shadow counts a request first, the real order takes the result when
@@ -134,7 +131,7 @@ private:
     Shadow<OppClassPolicy> shadow_opp_;
     std::vector<uint32_t> key_;        // per slot
     int32_t resident_ = 0, room_ = 0;  // slots held now, most held at once (the shadows' size)
-    int32_t psel_ = 0;                 // >= 0: OppClassLRU's victims go
+    int32_t psel_ = 0;                 // duel_vote.hpp
 };
 
 }  // namespace

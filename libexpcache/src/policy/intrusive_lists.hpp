@@ -4,6 +4,7 @@
 // no allocation once sized.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -12,12 +13,12 @@ namespace expcache {
 
 class IntrusiveLists {
 public:
-    explicit IntrusiveLists(int32_t lists) : lists_(lists) { clear(); }
+    explicit IntrusiveLists(int32_t lists) : lists_(lists), prev_(lists), next_(lists) { clear(); }
 
-    // Empty every list and forget the slots.
+    // Empty every list and forget the slots; the room for them stays (push takes any slot resized for).
     void clear() {
-        prev_.assign(lists_, 0);
-        next_.assign(lists_, 0);
+        std::fill(prev_.begin(), prev_.end(), -1);
+        std::fill(next_.begin(), next_.end(), -1);
         for (int32_t l = 0; l < lists_; ++l) prev_[l] = next_[l] = l;
     }
     // Room for slots 0..slots-1.

@@ -1,38 +1,35 @@
-// OppClassLRU's set-up, victim and clear (oppclass.hpp declares the policy) and its factory for
-// the registry.
+// OppClassLRU's set-up, victim and clear (oppclass.hpp declares the policy), the tables of its
+// arithmetic (oppclass_count.hpp) and its factory for the registry.
 #include "oppclass.hpp"
 
-#include <array>
+#include <cmath>
 #include <memory>
 
 namespace expcache {
 
-namespace {
-
-// 2^(-k / kHalfLife) for k = 0 .. kDecayTokens - 1, by the expression decay() evaluates otherwise.
-const double* decay_table() {
-    static const std::array<double, OppClassPolicy::kDecayTokens> table = [] {
-        std::array<double, OppClassPolicy::kDecayTokens> t{};
-        for (int k = 0; k < OppClassPolicy::kDecayTokens; ++k) {
+const OppClassTables& oppclass_tables() {
+    static const OppClassTables tables = [] {
+        using T = OppClassTables;
+        T t{};
+        t.log_base = std::log(T::kBase);
+        for (int k = 0; k < T::kClasses; ++k) t.scale[k] = std::pow(T::kWeight, k);
+        t.below[0] = t.above[0] = 0.0;
+        for (int j = 1; j < T::kClasses; ++j) {
+            double at = std::exp((j - 1e-9) * t.log_base);  // log(at) / log_base + 1e-9 == j
+            t.below[j] = at * (1.0 - 1e-9);
+            t.above[j] = at * (1.0 + 1e-9);
+        }
+        // 2^(-k / kHalfLife) by the expression decay() evaluates otherwise.
+        for (int k = 0; k < T::kDecayTokens; ++k) {
             const double dt = k;
-            t[k] = std::pow(2.0, -dt / OppClassPolicy::kHalfLife);
+            t.decay[k] = std::pow(2.0, -dt / T::kHalfLife);
         }
         return t;
     }();
-    return table.data();
+    return tables;
 }
 
-}  // namespace
-
-OppClassPolicy::OppClassPolicy(UseMemo* memo) : memo_(memo), log_base_(std::log(kBase)), decay_(decay_table()) {
-    for (int k = 0; k < kClasses; ++k) scale_[k] = std::pow(kWeight, k);
-    below_[0] = above_[0] = 0.0;
-    for (int j = 1; j < kClasses; ++j) {
-        double at = std::exp((j - 1e-9) * log_base_);  // log(at) / log_base_ + 1e-9 == j
-        below_[j] = at * (1.0 - 1e-9);
-        above_[j] = at * (1.0 + 1e-9);
-    }
-}
+OppClassPolicy::OppClassPolicy(UseMemo* memo) : memo_(memo), tables_(oppclass_tables()) {}
 
 void OppClassPolicy::resize(int32_t n) {
     lists_.resize(n);
@@ -51,8 +48,8 @@ int32_t OppClassPolicy::victim(Evictable evictable, const void* ctx) const {
     for (int k = 0; k < kClasses; ++k) {
         for (int32_t s = lists_.first(k); s >= 0; s = lists_.next(s)) {
             if (!evictable(ctx, s)) continue;
-            int32_t missed = clock_.token - tok_[s] - 1 + (pos_[s] <= clock_.pos ? 1 : 0);
-            double score = (missed + kOffset) / scale_[k];
+            const double score =
+                oppclass_score(tables_, oppclass_missed(clock_.token, clock_.pos, tok_[s], pos_[s]), k);
             if (score > best_score) {
                 best = s;
                 best_score = score;
@@ -63,13 +60,10 @@ int32_t OppClassPolicy::victim(Evictable evictable, const void* ctx) const {
     return best;
 }
 
+// The slots are forgotten (their room kept); counts survive: an expert's history outlives its
+// eviction and a release.
 void OppClassPolicy::clear() {
     lists_.clear();
-    key_.clear();
-    tok_.clear();
-    pos_.clear();
-    cls_.clear();
-    // Counts survive: an expert's history outlives its eviction and a release.
 }
 
 std::unique_ptr<Policy> make_oppclass_policy() {

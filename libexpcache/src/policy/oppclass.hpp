@@ -6,24 +6,22 @@
 // the bundled traces and evaluated on the other five: docs/policy.md. The
 // arithmetic mirrors expcache_bench/sim/oppclass.py (same double operations; the class found by
 // comparisons and the decay over whole tokens read from a table, both giving the simulator's values:
-// class_of, decay), so the offline simulator and the library agree count for count.
+// oppclass_count.hpp, which the device lookup shares), so the offline simulator and the library
+// agree count for count.
 // Declared here, with its per-request hooks inline, so that duel.cpp holds it
 // by value and calls it without virtual dispatch; oppclass.cpp has the rest.
 #pragma once
 
-#include <cmath>
 #include <vector>
 
 #include "intrusive_lists.hpp"
+#include "oppclass_count.hpp"
 #include "policy.hpp"
 
 namespace expcache {
 
 class OppClassPolicy final : public Policy {
-    struct Count {
-        double d = 0.0;  // decayed count (0: never used)
-        double t = 0.0;  // time of the last use
-    };
+    using Count = KeyCount;  // decayed count (0: never used), time of the last use
 
 public:
     // The last use counted, by its key and inputs (the key's count before, the time now) and its
@@ -36,24 +34,22 @@ public:
         uint32_t key = 0;
         Count before{-1.0, 0.0};  // no count matches: counts are >= 0
         double t = 0.0;
-        Count after;
+        Count after{0.0, 0.0};
         int k = 0;
     };
 
-    static constexpr int kClasses = 16;            // counts >= 1.3^15 share the last class
-    static constexpr double kHalfLife = 64.0;      // tokens
-    static constexpr double kBase = 1.3;           // class k holds counts in [1.3^k, 1.3^(k+1))
-    static constexpr double kWeight = 1.6;         // one class is worth a factor 1.6 of age
-    static constexpr double kOffset = 1.0;         // added to the age
-    static constexpr int32_t kNever = -(1 << 30);  // last-use token of a cold (prefill) insert
-    static constexpr int kDecayTokens = 512;       // decay()'s table: 16 half-lives
+    static constexpr int kClasses = OppClassTables::kClasses;
+    static constexpr double kHalfLife = OppClassTables::kHalfLife;
+    static constexpr double kBase = OppClassTables::kBase;
+    static constexpr int32_t kNever = OppClassTables::kNever;
+    static constexpr int kDecayTokens = OppClassTables::kDecayTokens;
 
     explicit OppClassPolicy(UseMemo* memo = nullptr);
 
     void resize(int32_t n) override;
     void set_clock(const PolicyClock& clock) override {
         clock_ = clock;
-        now_ = double(clock.token) + double(clock.pos) / double(clock.positions);
+        now_ = oppclass_time(clock.token, clock.pos, clock.positions);
     }
 
     void on_insert(int32_t slot, bool cold, uint32_t key) override {
@@ -84,38 +80,14 @@ public:
     int32_t victim(Evictable evictable, const void* ctx) const override;
     void clear() override;
 
-    // min(int(log(d) / log(kBase) + 1e-9), kClasses - 1), the simulator's class of a count d >= 1,
-    // by comparisons: below_[j] and above_[j] bound, a relative 1e-9 below and above, the count
-    // where that expression reaches j. A count between the two takes the logarithm; anywhere else
-    // the expression, whose rounding errors are below 1e-13, lands on the same side of j as the
-    // exact one, whose distance from j is at least 3.8e-9 there (tests/c/oppclass_count_test.cpp
-    // compares the two around every boundary).
-    int class_of(double d) const {
-        static_assert((kClasses & (kClasses - 1)) == 0, "the bisection halves a power of two of classes");
-        int j = 0;  // the last boundary at or below d, by bisection (below_ grows with j)
-        for (int step = kClasses / 2; step > 0; step /= 2) j += d >= below_[j + step] ? step : 0;
-        if (j > 0 && d < above_[j]) {
-            int k = static_cast<int>(std::log(d) / log_base_ + 1e-9);
-            return k < kClasses - 1 ? k : kClasses - 1;
-        }
-        return j;
-    }
-    // 2^(-dt / kHalfLife), the decay of a count over dt tokens, as std::pow gives it. Whole numbers
-    // of tokens below kDecayTokens come from a table of those very values: a key's uses are all in
-    // its layer, at times token + pos / positions that differ by whole tokens while the token count
-    // stays within one power of two (tests/c/oppclass_count_test.cpp checks the table).
-    double decay(double dt) const {
-        if (dt >= 0.0 && dt < kDecayTokens) {
-            const int k = static_cast<int>(dt);
-            if (k == dt) return decay_[k];
-        }
-        return std::pow(2.0, -dt / kHalfLife);
-    }
+    // The class of a count d >= 1 and the decay of a count over dt tokens (oppclass_count.hpp).
+    int class_of(double d) const { return oppclass_class_of(tables_, d); }
+    double decay(double dt) const { return oppclass_decay(tables_, dt); }
 
 private:
     // One more use of `key` now; returns its class.
     int use(uint32_t key) {
-        if (key >= count_.size()) count_.resize(key + 1);
+        if (key >= count_.size()) count_.resize(key + 1, Count{0.0, 0.0});
         Count& c = count_[key];
         const double t = now_;
         if (!memo_) return count(c, t);
@@ -131,11 +103,7 @@ private:
         return memo_->k;
     }
     // Count a use of c at time t; returns the class.
-    int count(Count& c, double t) const {
-        c.d = c.d == 0.0 ? 1.0 : c.d * decay(t - c.t) + 1.0;
-        c.t = t;
-        return class_of(c.d);
-    }
+    int count(Count& c, double t) const { return oppclass_use(tables_, c, t); }
     void place(int32_t slot, int k, int32_t token, int32_t pos, bool hot) {
         tok_[slot] = token;
         pos_[slot] = pos;
@@ -147,10 +115,7 @@ private:
     }
 
     UseMemo* memo_;  // or nullptr
-    double log_base_;
-    double scale_[kClasses];
-    double below_[kClasses], above_[kClasses];  // class_of's bounds; [0] unused
-    const double* decay_;                       // decay()'s table, kDecayTokens values
+    const OppClassTables& tables_;
     PolicyClock clock_;
     double now_ = 0.0;                // the clock's time: token + pos / positions
     std::vector<Count> count_;        // per key

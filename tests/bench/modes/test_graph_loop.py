@@ -11,7 +11,7 @@ import pytest
 import expcache_bench as bench
 from expcache_bench.modes import graph_loop
 from expcache_bench.traces import MISSING, Trace, synthetic_trace
-from pyexpcache import ModelLayout
+from pyexpcache import ModelLayout, _lib
 
 from support.cache import CUDA_OK, CUDA_REASON
 
@@ -28,7 +28,7 @@ def test_same_hits_as_the_c_loop_and_every_expert_checked(host_bench):
     report = graph_loop.run_graph_loop(host_bench, traces=["smoke_count64"], compute_us=1)
     c_loop, graph = report.results
     assert (graph.hits, graph.misses) == (c_loop.hits, c_loop.misses) and graph.misses > 0
-    assert report.settings["same_hits_as_c_loop"] is True
+    assert report.settings["same_hits_as_c_loop"] is True and report.settings["policy"] == _lib.DEFAULT_POLICY
     assert graph.checksum_errors == 0 and graph.experts_checked == c_loop.experts_checked > 0
     assert graph.decode_tokens == c_loop.decode_tokens - 1  # the first token binds, eagerly
     assert report.settings["all_hit_select_us"] > 0 and report.settings["capture"] is False
@@ -68,12 +68,15 @@ def holed(first_layer: int = 3, layers: int = 40, tokens: int = 24, seed: int = 
     return Trace(f"holed{seed}", ids, None, first_layer, t.positions, 256)
 
 
-def test_replays_a_trace_with_missing_records(host_bench):
+@pytest.mark.parametrize("policy", sorted(_lib.POLICIES))
+def test_replays_a_trace_with_missing_records(host_bench, policy):
     """A missing (token, layer) record is no select in that token's step, as in the C loop: the same
-    hits, every expert of the records there checked. A step per set of layers a token has, each run
-    once outside the timing (the first token of that set) before it is replayed."""
+    hits under each policy (the device's policy clock starts a token where the host's does), every
+    expert of the records there checked. A step per set of layers a token has, each run once outside
+    the timing (the first token of that set) before it is replayed."""
     trace = holed()
-    report = graph_loop.run_graph_loop(host_bench, traces=[trace])
+    report = graph_loop.run_graph_loop(host_bench, traces=[trace], policy=policy)
+    assert report.settings["policy"] == policy
     c_loop, graph = report.results
     assert report.settings["same_hits_as_c_loop"] is True and graph.misses > 0
     assert graph.checksum_errors == c_loop.checksum_errors == 0

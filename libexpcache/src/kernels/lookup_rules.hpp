@@ -1,0 +1,175 @@
+// The per-id rules of a device select, one source for both implementations (the CUDA kernel,
+// lookup_kernels_cuda.cu with lookup_policy_cuda.cuh, and the host backend's,
+// lookup_kernels_host.cpp): the policy clock, a key's count, a hit's refresh, the rank of a slot as
+// a victim, a miss's install and duel's shadows. Each implementation only orders these steps (the
+// host in a loop, the GPU with a block's threads and reductions), in the order the host's policy
+// sees the same select (slots.cpp): the hits in order of first occurrence, then each miss in that
+// order, its victim chosen when it comes; duel's shadows see each hit and each insert.
+#pragma once
+
+#include <cstdint>
+
+#include "lookup_kernels.hpp"
+#include "policy/duel_vote.hpp"
+#include "policy/oppclass_count.hpp"
+
+namespace expcache {
+
+static_assert(EXPCACHE_POLICY_COUNT == 3,
+              "a new policy runs in the device lookup too: give it its rules here (the kernels choose by "
+              "DevicePolicyArgs::id) or refuse it for lookup device in config.cpp");
+
+// Where the engine is, for the policy: the select's token, its layer's position, the time.
+struct PolicyNow {
+    int32_t token;
+    int32_t pos;
+    double time;
+};
+
+// Whether the policy keeps OppClassLRU's lists (and so counts its keys' uses).
+EXPCACHE_HOST_DEVICE inline bool keeps_lists(const DevicePolicyArgs& p) {
+    return p.id == EXPCACHE_POLICY_OPPCLASS || p.id == EXPCACHE_POLICY_DUEL;
+}
+
+// A select opens: the clock advances as the host's does for a serving call.
+EXPCACHE_HOST_DEVICE inline PolicyNow open_select(const DeviceSelectArgs& a) {
+    if (!keeps_lists(a.policy)) return PolicyNow{0, 0, 0.0};
+    DevicePolicyClock& c = *a.policy.clock;
+    if (c.last_layer < 0 || static_cast<int64_t>(a.layer) <= c.last_layer) ++c.token;
+    c.last_layer = a.layer;
+    return PolicyNow{c.token, a.policy.pos, oppclass_time(c.token, a.policy.pos, a.policy.positions)};
+}
+
+// A request of `key` (a hit or a demand insert): its use counted; returns its class (0 for LRU).
+EXPCACHE_HOST_DEVICE inline int count_use(const DeviceSelectArgs& a, uint32_t key, const PolicyNow& now) {
+    return keeps_lists(a.policy) ? oppclass_use(*a.policy.tables, a.policy.counts[key], now.time) : 0;
+}
+
+// Slot s of an order (the bank's, or a shadow's) takes its last use now: stamp, and with lists its
+// list k and the clock. The hot end of its list, as the host's on_hit and on_insert(hot).
+EXPCACHE_HOST_DEVICE inline void place(uint64_t* stamps, const DeviceOppSlots& opp, bool lists, int32_t s,
+                                       uint64_t stamp, int k, const PolicyNow& now) {
+    stamps[s] = stamp;
+    if (!lists) return;
+    opp.cls[s] = static_cast<uint8_t>(k);
+    opp.tok[s] = now.token;
+    opp.pos[s] = now.pos;
+}
+
+// A victim candidate; slot -1 is none. free (list -1) goes first, lowest slot first, as the
+// host's free list; then the order's: OppClassLRU's larger score, lower list, older stamp; LRU's
+// older stamp (score 0, list 0); then the lower slot.
+struct Candidate {
+    double score;
+    uint64_t stamp;
+    int32_t slot;
+    int32_t list;
+};
+
+EXPCACHE_HOST_DEVICE inline Candidate no_candidate() {
+    return Candidate{0.0, 0, -1, 0};
+}
+
+EXPCACHE_HOST_DEVICE inline bool goes_first(const Candidate& a, const Candidate& b) {
+    if (a.slot < 0 || b.slot < 0) return a.slot >= 0 && b.slot < 0;
+    const bool a_free = a.list < 0, b_free = b.list < 0;
+    if (a_free != b_free) return a_free;
+    if (!a_free) {
+        if (a.score != b.score) return a.score > b.score;
+        if (a.list != b.list) return a.list < b.list;
+        if (a.stamp != b.stamp) return a.stamp < b.stamp;
+    }
+    return a.slot < b.slot;
+}
+
+// Slot s of an order as a candidate: by OppClassLRU's lists (`lists`) or by LRU.
+EXPCACHE_HOST_DEVICE inline Candidate ranked(const DevicePolicyArgs& p, const uint64_t* stamps,
+                                             const DeviceOppSlots& opp, bool lists, int32_t s, const PolicyNow& now) {
+    Candidate c{0.0, stamps[s], s, 0};
+    if (lists) {
+        c.list = opp.cls[s];
+        c.score = oppclass_score(*p.tables, oppclass_missed(now.token, now.pos, opp.tok[s], opp.pos[s]), c.list);
+    }
+    return c;
+}
+
+// Whose order picks the bank's victims now: OppClassLRU's (oppclass; duel while its counter says so).
+EXPCACHE_HOST_DEVICE inline bool victims_by_lists(const DeviceSelectArgs& a) {
+    if (a.policy.id == EXPCACHE_POLICY_DUEL) return duel_follows_oppclass(a.cls.policy.duel->psel);
+    return a.policy.id == EXPCACHE_POLICY_OPPCLASS;
+}
+
+// Bank slot s as the victim of a miss of the select whose stamps start at `base`: none when a
+// batch pins it or this select uses it (stamp >= base); a free slot first.
+EXPCACHE_HOST_DEVICE inline Candidate slot_candidate(const DeviceSelectArgs& a, uint32_t s, uint64_t base, bool lists,
+                                                     const PolicyNow& now) {
+    const DeviceClass& c = a.cls;
+    if (c.pin[s]) return no_candidate();
+    if (c.key_of_slot[s] < 0) return Candidate{0.0, 0, static_cast<int32_t>(s), -1};
+    if (c.stamp[s] >= base) return no_candidate();
+    return ranked(a.policy, c.stamp, c.policy.opp, lists, static_cast<int32_t>(s), now);
+}
+
+// A hit in bank slot s, its key of class k: refreshed (the request's stamp).
+EXPCACHE_HOST_DEVICE inline void refresh_hit(const DeviceSelectArgs& a, int32_t s, uint64_t stamp, int k,
+                                             const PolicyNow& now) {
+    place(a.cls.stamp, a.cls.policy.opp, keeps_lists(a.policy), s, stamp, k, now);
+}
+
+// A miss of `key` (class k) into bank slot v, the policy's victim: the expert it held (if any)
+// leaves, the key enters at its list's hot end, the copy is listed. Returns whether it evicted.
+EXPCACHE_HOST_DEVICE inline bool install_miss(const DeviceSelectArgs& a, int32_t v, uint32_t key, uint64_t stamp, int k,
+                                              const PolicyNow& now, uint32_t miss_index) {
+    const DeviceClass& c = a.cls;
+    const int32_t old = c.key_of_slot[v];
+    if (old >= 0) a.slot_of_key[old] = -1;
+    c.key_of_slot[v] = static_cast<int32_t>(key);
+    a.slot_of_key[key] = v;
+    place(c.stamp, c.policy.opp, keeps_lists(a.policy), v, stamp, k, now);
+    c.misses[miss_index] = DeviceMiss{key - a.key_base, v};
+    if (a.policy.id == EXPCACHE_POLICY_DUEL && old < 0) {  // DuelPolicy::grew (an eviction is a remove and an insert)
+        DeviceDuel& d = *c.policy.duel;
+        if (++d.resident > d.room) d.room = d.resident;
+    }
+    return old >= 0;
+}
+
+// Shadow j's slot s as its victim (a shadow evicts any of its keys).
+EXPCACHE_HOST_DEVICE inline Candidate shadow_candidate(const DeviceSelectArgs& a, int j, int32_t s,
+                                                       const PolicyNow& now) {
+    const DeviceShadow& sh = a.cls.policy.shadow[j];
+    return ranked(a.policy, sh.stamp, sh.opp, j == kShadowOpp, s, now);
+}
+
+// A request of `key` (class k, stamp `stamp`) to shadow j (duel.cpp's Shadow::request): true for a
+// hit, refreshed. On a miss *fill is the slot the key takes: a new one while the shadow holds fewer
+// keys than the room, else -1: the caller finds the shadow's victim and calls shadow_fill with it.
+EXPCACHE_HOST_DEVICE inline bool shadow_lookup(const DeviceSelectArgs& a, int j, uint32_t key, uint64_t stamp, int k,
+                                               const PolicyNow& now, int32_t* fill) {
+    const DeviceShadow& sh = a.cls.policy.shadow[j];
+    DeviceDuel& d = *a.cls.policy.duel;
+    const int32_t s = a.policy.shadow_slot[j][key];
+    if (s >= 0) {
+        place(sh.stamp, sh.opp, j == kShadowOpp, s, stamp, k, now);
+        return true;
+    }
+    *fill = d.held[j] < d.room ? d.held[j]++ : -1;
+    return false;
+}
+
+// The missing key takes shadow slot s (new, or the victim, whose key the shadow forgets).
+EXPCACHE_HOST_DEVICE inline void shadow_fill(const DeviceSelectArgs& a, int j, int32_t s, uint32_t key, uint64_t stamp,
+                                             int k, const PolicyNow& now) {
+    const DeviceShadow& sh = a.cls.policy.shadow[j];
+    if (sh.key[s] >= 0) a.policy.shadow_slot[j][sh.key[s]] = -1;
+    sh.key[s] = static_cast<int32_t>(key);
+    a.policy.shadow_slot[j][key] = s;
+    place(sh.stamp, sh.opp, j == kShadowOpp, s, stamp, k, now);
+}
+
+// Both shadows saw the request: the counter moves toward the one that hit alone.
+EXPCACHE_HOST_DEVICE inline void vote(const DeviceSelectArgs& a, bool lru_hit, bool opp_hit) {
+    duel_vote(a.cls.policy.duel->psel, lru_hit, opp_hit);
+}
+
+}  // namespace expcache

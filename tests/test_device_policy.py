@@ -1,0 +1,144 @@
+"""Every policy in the device lookup (``ExpertCache(lookup="device")``; libexpcache/src/kernels/
+lookup_rules.hpp): the device selects' counters equal the offline simulator's twin of the cache's
+policy (expcache_bench/sim/) count for count on the bundled traces, as the host select's do
+(tests/test_policy.py); and the contract of a device-lookup cache whose policy keeps its state on the
+device alone (oppclass, duel): the host-side serving calls are refused with the reason and the fix,
+the control calls keep working. On the host backend the device lookup runs the rules the CUDA kernel
+runs (the same source); on a GPU these tests run the kernel itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import expcache_bench as bench
+from expcache_bench.sim import DECODE, simulate_policy
+from pyexpcache import ExpertCache, HostSource, ModelLayout, UnsupportedError, testing
+
+from support.cache import SCALE, device_ids
+
+DEVICE_STATE_POLICIES = ["duel", "oppclass"]  # whose state lives on the device alone
+
+
+def _registered(quant: str, first: int) -> ModelLayout:
+    full = ModelLayout.preset(quant, scale=SCALE)
+    return ModelLayout(tuple(s if i >= first else None for i, s in enumerate(full.layers)), name="registered")
+
+
+def _replay_device(cache, workload) -> None:
+    for call in workload.calls:
+        assert call.kind == DECODE
+        cache.select_device(call.layer, device_ids(cache, call.ids))
+
+
+def _twin(cache, layout, workload, policy):
+    layer_class = [cache.bind_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
+    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
+    return simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers)
+
+
+@pytest.mark.parametrize("policy", ["duel", "oppclass", "lru"])
+@pytest.mark.parametrize(
+    "quant,budget_fraction,first", [("mixed", 0.05, 0), ("mixed", 0.15, 3), ("q2", 0.10, 0), ("q2", 0.25, 3)]
+)
+def test_device_lookup_equals_the_simulator_twin(make_cache, policy, quant, budget_fraction, first):
+    """select_device's counters (path "device") equal the twin's per class, hit for hit, on two
+    bundled traces, with the layers the traces never route registered or not (they shift every
+    layer's position in the policy clock)."""
+    layout = _registered(quant, first)
+    cache, _ = make_cache(layout, budget_bytes=int(layout.total_bytes * budget_fraction), lookup="device", pinned=True)
+    assert cache.policy == policy
+    w = bench.build_workload("decode", ["podA_c_python_full", "podA_b_json_full"])
+    _replay_device(cache, w)
+    sim = _twin(cache, layout, w, policy)
+    checked = 0
+    for c in cache.stats().classes:
+        d = c.paths["device"]
+        i = c.info.index
+        assert (d.hits, d.misses, d.evictions) == (sim.hits[i], sim.misses[i], sim.evictions[i]), c.info
+        checked += d.calls
+    assert checked == len(w.calls) and sim.evictions.sum() > 0
+
+
+def test_the_default_policy_runs_in_the_device_lookup(backend):
+    """A device-lookup cache made without a policy runs the library's default (duel) on the device."""
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(layout, source, budget_bytes=layout.total_bytes // 10, backend=backend, lookup="device") as cache,
+    ):
+        assert cache.policy == "duel"
+        w = bench.build_workload("decode", ["podA_b_json_full"])
+        _replay_device(cache, w)
+        sim = _twin(cache, layout, w, "duel")
+        assert cache.stats().path("device").hits == sim.hits.sum()
+
+
+@pytest.mark.parametrize("policy", DEVICE_STATE_POLICIES)
+def test_host_serving_calls_are_refused_with_the_fix(make_cache, policy):
+    cache, _ = make_cache(ModelLayout.preset("q2", scale=SCALE), budget_experts=8, lookup="device", pinned=True)
+    layer = cache.layout.moe_layers[0]
+    cache.select_device(layer, device_ids(cache, [1, 2]))
+    calls = {
+        "decode": lambda: cache.select(layer, [1, 3]),
+        "views": lambda: cache.select_views(layer, [1, 3]),
+        "slots": lambda: cache.select_slots(layer, np.array([1, 3], dtype=np.int32)),
+        "split": lambda: cache.select_split(layer, [1, 3]),
+        "compact": lambda: cache.load_compact(layer, [1, 3]),
+        "batch": lambda: cache.prepare_batch(layer, np.array([[1, 3]])),
+    }
+    for name, call in calls.items():
+        with pytest.raises(UnsupportedError, match=f"policy {policy}: the policy's state") as e:
+            call()
+        assert "select_device" in str(e.value) and "policy lru" in str(e.value), name
+    st = cache.stats()
+    assert st.path("device").misses == 2 and st.path("decode").calls == 0 and st.path("batch").calls == 0
+    assert testing.read_expert(cache, layer, 3) is None  # nothing served, nothing loaded
+
+
+@pytest.mark.parametrize("policy", DEVICE_STATE_POLICIES)
+def test_control_calls_keep_working(make_cache, policy):
+    """stats, class_info, reset_stats, bind, read_expert and release_all on a cache whose policy
+    lives on the device: counters read back, a release empties the bank (the policy's counts and
+    duel's shadows stay, as on the host) and the next selects miss again."""
+    cache, source = make_cache(ModelLayout.preset("q2", scale=SCALE), budget_experts=4, lookup="device", pinned=True)
+    layer = cache.layout.moe_layers[0]
+    c = cache.bind_class(layer)
+    cache.select_device(layer, device_ids(cache, [1, 2, 3]))
+    cache.select_device(layer, device_ids(cache, [1, 4, 5]))  # 2 evictions
+    info = next(x for x in cache.classes() if x.index == c)
+    assert (info.resident_experts, info.cap_experts) == (4, 4)
+    d = cache.stats().path("device")
+    assert (d.calls, d.hits, d.misses, d.evictions) == (2, 1, 5, 1)
+    assert testing.read_expert(cache, layer, 1) is not None
+    cache.reset_stats()
+    assert cache.stats().path("device").calls == 0
+    cache.release_all()
+    assert next(x for x in cache.classes() if x.index == c).resident_experts == 0
+    cache.select_device(layer, device_ids(cache, [1, 4]))
+    d = cache.stats().path("device")
+    assert (d.calls, d.hits, d.misses, d.evictions) == (1, 0, 2, 0)
+
+
+@pytest.mark.parametrize("policy", DEVICE_STATE_POLICIES + ["lru"])
+def test_a_release_keeps_what_the_policy_learned_as_on_the_host(make_cache, policy):
+    """The same selects, with a release_all in the middle, on a host-lookup cache (the host's policy
+    object) and a device-lookup cache (the device's state): the same hits, misses and evictions. The
+    release forgets the slots and keeps the counts, duel's shadows and its counter on both."""
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    budget = layout.total_bytes // 12
+    host, _ = make_cache(layout, budget_bytes=budget)
+    dev, _ = make_cache(layout, budget_bytes=budget, lookup="device", pinned=True)
+    w = bench.build_workload("decode", ["podA_b_json_full"])
+    half = len(w.calls) // 2
+    for n, call in enumerate(w.calls):
+        if n == half:
+            host.release_all()
+            dev.release_all()
+        host.select(call.layer, call.ids)
+        dev.select_device(call.layer, device_ids(dev, call.ids))
+    got = [(c.info.index, c.paths["device"]) for c in dev.stats().classes]
+    want = {c.info.index: c.paths["decode"] for c in host.stats().classes}
+    for i, d in got:
+        h = want[i]
+        assert (d.hits, d.misses, d.evictions) == (h.hits, h.misses, h.evictions)
