@@ -6,9 +6,10 @@
  * An engine that cannot keep every routed expert in device memory registers
  * where each layer's experts live on the host, then asks the cache, layer by
  * layer, for the device addresses of the experts its router selected. The
- * cache keeps one set of slots per expert byte-size class (so a model that
- * mixes quantizations never thrashes), evicts by LRU on the single-token
- * decode path, lets prefill batches read it and append into free capacity
+ * cache keeps one bank of slots per expert byte-size class (so a model that
+ * mixes quantizations never thrashes), evicts by its policy (duel by default,
+ * LRU, OppClassLRU) on the single-token decode path, on the host or inside a
+ * device select, lets prefill batches read it and append into free capacity
  * without ever evicting, and builds compact staging buffers for batched
  * kernels, releasing the cache only when device memory is really short.
  *

@@ -36,12 +36,17 @@ def expected(bench):
     return expected_sums(bench, TRACES)
 
 
-def test_both_modes_serve_the_source_bytes(bench, expected):
+def test_every_mode_serves_the_source_bytes(bench, expected):
     calls = len(build_workload("decode", TRACES, bench.layout.moe_layers).calls)
     report = run_torch_loop(bench, traces=TRACES, compute_us=5, expected=expected)
     assert isinstance(report, Report) and report.backend == "host"
-    assert [r.mode for r in report.results] == ["plain", "split"]
-    plain, split = report.results
+    assert [r.mode for r in report.results] == ["plain", "split", "slots"]
+    plain, split, slots = report.results
+    # By slot id: one index_select and one reduction per span and layer, whatever the k.
+    spans = 1 if bench.scale == 256 else 3
+    assert slots.kernels == 2 * spans * calls
+    for r in (plain, split):
+        assert r.kernels_per_expert == spans
     for r in report.results:
         assert r.checksum_errors == 0
         assert r.decode_calls == calls and r.experts_checked == calls * K
@@ -49,9 +54,8 @@ def test_both_modes_serve_the_source_bytes(bench, expected):
         assert 0 < r.serve_seconds < r.decode_seconds
         assert r.hits > 0 and r.misses > 0  # the budget is small enough for misses
         assert r.hits + r.misses == calls * K
-        assert r.kernels_per_expert == (1 if bench.scale == 256 else 3)
     # Same policy, budget and calls: the same hits and misses, however the layer is served.
-    assert (plain.hits, plain.misses) == (split.hits, split.misses)
+    assert (plain.hits, plain.misses) == (split.hits, split.misses) == (slots.hits, slots.misses)
     assert plain.hit_rate == split.hit_rate
     text = format_report(report)
     assert "torch loop: one torch kernel per expert over its view, a synchronize per layer" in text
