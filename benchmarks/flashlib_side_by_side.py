@@ -23,8 +23,9 @@ ids into the graph's input to the end of a synchronize. One pass over the trace 
 caches (at the budget holding every expert the timed pass is then all hits), then the timed
 pass: ``--rounds`` blocks of consecutive tokens, the two caches taking turns in each. After every
 step, outside the timing, the served experts are checked: every reading kernel's sum against the
-source's, and the bytes of every served slot against the source's (on the GPU, against a device
-copy). Printed: time per step (median over rounds), hits, the ratio of the times per step, and
+source's, and the bytes of every served slot no later select of the step filled again against the
+source's (on the GPU, against a device copy; a policy other than LRU may evict, for a later layer's
+miss, a slot an earlier layer of the step used, as the validity rule allows). Printed: time per step (median over rounds), hits, the ratio of the times per step, and
 the time of an all-hit select per layer (a graph of one select per layer replayed
 ``--replays`` times: expcache's, ``lru_ensure`` alone, ``lru_ensure`` plus the copy kernel), and
 how fast the copy kernel given to flashlib moves a step's experts of one layer from the pinned
@@ -229,9 +230,20 @@ def run_budget(a, fl, kernels, layout, source, ids_host, fraction: float, cuda: 
                 if bool((s < 0).any()):
                     problems.append("a slot id below 0")
                     return problems
-                for layer in range(L):
-                    want_rows = source.device_rows[layer].index_select(0, ids[layer].long())
-                    for p, got_part in enumerate(served(layer, s[layer])):
+                # A slot holds what its select gave it until a later select of the step fills it
+                # again (every layer shares the class's bank; a policy other than LRU may evict a
+                # slot an earlier layer of the step used): each layer's slots that no later layer
+                # served are checked after the step, the rest by the sums read right after their
+                # select.
+                later = torch.zeros(s.max().item() + 1, dtype=torch.bool, device=s.device)
+                for layer in reversed(range(L)):
+                    keep = ~later[s[layer]]
+                    later[s[layer]] = True
+                    if not bool(keep.any()):
+                        continue
+                    rows = s[layer][keep]
+                    want_rows = source.device_rows[layer].index_select(0, ids[layer].long()[keep])
+                    for p, got_part in enumerate(served(layer, rows)):
                         off, nbytes = source.parts[p]
                         if not torch.equal(got_part, want_rows[:, off : off + nbytes]):
                             problems.append(f"layer {layer} part {p}: served bytes differ from the source")

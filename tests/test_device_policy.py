@@ -142,3 +142,28 @@ def test_a_release_keeps_what_the_policy_learned_as_on_the_host(make_cache, poli
     for i, d in got:
         h = want[i]
         assert (d.hits, d.misses, d.evictions) == (h.hits, h.misses, h.evictions)
+
+
+@pytest.mark.parametrize("policy", ["duel", "oppclass", "lru"])
+def test_device_selects_serve_the_source_bytes_under_every_policy(make_cache, policy):
+    """16 layers of one class sharing a bank of a quarter of their experts, top-8, skewed routing
+    with many evictions: after every select each slot it gave holds its expert's bytes (the bank
+    checksum kernel, reading the slots where select_device wrote them), under every policy."""
+    from pyexpcache import LayerSpec
+
+    layers, experts, k = 16, 128, 8
+    layout = ModelLayout(tuple(LayerSpec(experts, 256, 256, 512) for _ in range(layers)), name="one-class")
+    cache, source = make_cache(layout, budget_experts=layers * experts // 4, lookup="device", pinned=True)
+    rng = np.random.default_rng(0)
+    want = {(layer, e): source.expected_checksum(layer, e) for layer in range(layers) for e in range(experts)}
+    for step in range(48):
+        for layer in range(layers):
+            ids = np.unique((rng.zipf(1.1, size=4 * k) * 7 + rng.integers(0, 3, size=4 * k)) % experts)[:k]
+            while ids.size < k:
+                ids = np.unique(np.concatenate([ids, rng.integers(0, experts, k)]))[:k]
+            slots = cache.select_device(layer, device_ids(cache, ids, dtype="int32"))
+            testing.bank_checksum_async(cache, layer, slots, 0)
+            cache.synchronize()
+            got = testing.checksum_results(cache, 0, k).tolist()
+            assert got == [want[layer, int(e)] for e in ids], f"step {step} layer {layer}: served bytes differ"
+    assert cache.stats().path("device").evictions > 0
