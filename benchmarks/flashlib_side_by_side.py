@@ -25,12 +25,13 @@ pass: ``--rounds`` blocks of consecutive tokens, the two caches taking turns in 
 step, outside the timing, the served experts are checked: every reading kernel's sum against the
 source's, and the bytes of every served slot no later select of the step filled again against the
 source's (on the GPU, against a device copy; a policy other than LRU may evict, for a later layer's
-miss, a slot an earlier layer of the step used, as the validity rule allows). Printed: time per step (median over rounds), hits, the ratio of the times per step, and
-the time of an all-hit select per layer (a graph of one select per layer replayed
-``--replays`` times: expcache's, ``lru_ensure`` alone, ``lru_ensure`` plus the copy kernel), and
-how fast the copy kernel given to flashlib moves a step's experts of one layer from the pinned
-source next to the copy engine (``cudaMemcpyAsync``), to show it is a fair one. ``--no-read``
-leaves the reading kernel out of the steps: the selects and copies alone.
+miss, a slot an earlier layer of the step used, as the validity rule allows). Printed: time per step
+(median over rounds), hits, the ratio of the times per step, and the time of an all-hit select per
+layer (a graph of one select per layer replayed ``--replays`` times: expcache's, ``lru_ensure``
+alone, ``lru_ensure`` plus the copy kernel), and how fast the copy kernel given to flashlib moves a
+step's experts of one layer from the pinned source next to the copy engine (``cudaMemcpyAsync``), to
+show it is a fair one. ``--no-read`` leaves the reading kernel out of the steps: the selects and
+copies alone.
 
 Skips (exit 0, saying so) when flashlib cannot be imported; exits 1 without a GPU (``--device
 cpu`` checks the logic on expcache's host backend with Triton's interpreter, ``TRITON_INTERPRET=1``,
