@@ -16,7 +16,7 @@ CORE_SRC  = libexpcache/src/abi_handles.cpp libexpcache/src/abi_setup.cpp libexp
             libexpcache/src/abi_inspect.cpp libexpcache/src/abi_testing.cpp \
             libexpcache/src/errors.cpp libexpcache/src/log.cpp libexpcache/src/config.cpp \
             libexpcache/src/device_arena.cpp libexpcache/src/layers.cpp libexpcache/src/class_table.cpp \
-            libexpcache/src/class_slots.cpp \
+            libexpcache/src/class_slots.cpp libexpcache/src/class_bank.cpp \
             libexpcache/src/stream_order.cpp libexpcache/src/prefetch_coordinator.cpp libexpcache/src/cache.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
             libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_device.cpp \

@@ -3,7 +3,8 @@
 // eviction policy's state, its budget and runtime cap, and its counters. A class is bound by
 // the layers whose experts have its byte sizes; at most max_classes exist at once. Every change
 // to a slot's residency goes through this table: bind, grow, acquire, install, evict, release
-// (class_table.cpp: classes, caps and budgets; class_slots.cpp: a slot's acquisition and residency).
+// (class_table.cpp: classes, caps and budgets; class_bank.cpp: the banks' reservations and mappings;
+// class_slots.cpp: a slot's acquisition and residency).
 #pragma once
 
 #include <memory>
@@ -27,6 +28,9 @@ constexpr uint64_t kStagingRows = EXPCACHE_MAX_SELECT;
 inline uint64_t align_up(uint64_t v) {
     return (v + kAlign - 1) & ~(kAlign - 1);
 }
+
+// Bytes as GiB, MiB, KiB or B (the host backend's emulated devices and scaled layouts are small).
+std::string human_bytes(uint64_t n);
 
 enum PrefetchState : uint8_t {
     kPrefetchNone = 0,
