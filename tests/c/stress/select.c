@@ -1,9 +1,52 @@
 /*
- * select.c — expcache_select_async: addresses hold the experts' bytes until the next call that
- * invalidates them, hits stay resident, the decode counters move by the call, and what got no slot
- * was staged in the class bank's staging rows (the memory they hold is checked with every invariant).
+ * select.c — expcache_select_async (and expcache_select_slots_async): addresses hold the experts' bytes until the next
+ * call that invalidates them, hits stay resident, the decode counters move by the call, and what got no slot was staged
+ * in the class bank's staging rows (the memory they hold is checked with every invariant).
  */
 #include "stress.h"
+
+/* expcache_select_slots_async, its slots turned into the addresses select_async would give (the
+   class's bank: base + slot * stride + each part's offset); a failed call must leave out_slots
+   untouched, and out_ptrs then too. */
+static expcache_status_t select_by_slots(Model* m, uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
+                                         expcache_expert_ptrs_t* out) {
+    int32_t* slots = (int32_t*)xmalloc(sizeof(int32_t) * k);
+    memset(slots, 0xA5, sizeof(int32_t) * k);
+    const int wide = pct(50);
+    int64_t* ids64 = wide ? (int64_t*)xmalloc(sizeof(int64_t) * k) : NULL;
+    for (uint32_t i = 0; wide && i < k; ++i) ids64[i] = ids[i];
+    expcache_status_t s = expcache_select_slots_async(m->h, layer, wide ? (const void*)ids64 : (const void*)ids,
+                                                      wide ? 64 : 32, k, slots, stream);
+    if (s != OK) {
+        for (uint32_t i = 0; i < k; ++i)
+            if (slots[i] != (int32_t)0xA5A5A5A5) {
+                diverge("failed select_slots wrote out_slots[%u]", i);
+                break;
+            }
+    } else {
+        uint32_t c = 0;
+        expcache_bank_t b;
+        b.struct_size = sizeof b;
+        if (layer_class_of(m, layer, &c) && expcache_class_bank_get(m->h, c, &b) == OK) {
+            for (uint32_t i = 0; i < k; ++i) {
+                if (slots[i] < 0 || (uint64_t)slots[i] >= b.rows) {
+                    diverge("select_slots gave id %u slot %d, outside the bank's %" PRIu64 " rows", ids[i], slots[i],
+                            b.rows);
+                    break;
+                }
+                unsigned char* row = (unsigned char*)b.base + (uint64_t)slots[i] * b.slot_stride;
+                out[i].gate = row + b.gate_offset;
+                out[i].up = row + b.up_offset;
+                out[i].down = row + b.down_offset;
+            }
+        } else {
+            diverge("select_slots on layer %u succeeded but its class's bank cannot be read", layer);
+        }
+    }
+    free(slots);
+    free(ids64);
+    return s;
+}
 
 void op_select(Model* m) {
     g_cur_op = "select";
@@ -24,8 +67,11 @@ void op_select(Model* m) {
     m->sel_valid = 0;
     g_selects++;
     void* stream = rand_stream();
-    expcache_status_t s = expcache_select_async(m->h, layer, ids, k, stream, out);
-    check_status("expcache_select_async", s, serving_statuses(m));
+    /* Now and then by slot id (int32 or int64 ids): the slots' bank rows stand for the addresses. */
+    const int by_slots = pct(30);
+    expcache_status_t s = by_slots ? select_by_slots(m, layer, ids, k, stream, out)
+                                   : expcache_select_async(m->h, layer, ids, k, stream, out);
+    check_status(by_slots ? "expcache_select_slots_async" : "expcache_select_async", s, serving_statuses(m));
     consumed_copy_fault(m, s);
     trace("select layer %u k %u (%u unique, %u resident) stream %p: %s", layer, k, u, pre_res, stream, sname(s));
     if (want_is != (s == IS))
