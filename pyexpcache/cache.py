@@ -136,14 +136,15 @@ class ExpertCache(Serving):
             that layer (default 8; 0 turns :meth:`prefetch` off).
         prefetch_piece_bytes: most prefetch bytes in flight at once (two transfers of half), what
             a demand miss shares the link with (default 4 MiB; a multiple of 4096 in 4 KiB..64 MiB).
-        lookup: ``"host"`` (default) or ``"device"``: each class's slots become one bank
-            (:meth:`bank`) and :meth:`select_device` looks experts up on the GPU, capturable in a
-            CUDA graph; the other calls keep working, each synchronizing the device (see
-            :meth:`select_device`). A device-lookup cache runs its policy on the device, every
+        lookup: ``"host"`` (default) or ``"device"``: every cache keeps each class's slots in one
+            bank (:meth:`bank`; :meth:`select_slots` gives rows of it); a device-lookup bank is
+            mapped whole when its class is bound, and :meth:`select_device` looks experts up on the
+            GPU, capturable in a CUDA graph; the other calls keep working, each synchronizing the
+            device (see :meth:`select_device`). A device-lookup cache runs its policy on the device, every
             policy (docs/device_lookup.md): under ``"duel"`` (the default) and ``"oppclass"`` the
             policy's state lives on the device alone, so the host-side serving calls
-            (:meth:`select`, :meth:`select_split`, :meth:`select_views`, :meth:`load_compact`,
-            :meth:`prepare_batch`) raise :class:`~pyexpcache.UnsupportedError`; under ``"lru"``
+            (:meth:`select`, :meth:`select_slots`, :meth:`select_split`, :meth:`select_views`,
+            :meth:`load_compact`, :meth:`prepare_batch`) raise :class:`~pyexpcache.UnsupportedError`; under ``"lru"``
             they share one LRU order with the device selects. It refuses :meth:`prefetch` and
             :meth:`hint`, and needs a pinned source for device selects.
 
