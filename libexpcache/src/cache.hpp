@@ -223,7 +223,7 @@ private:
         void* copy_stream = stream;  // where the call's uploads go (a split select: the cache's own)
         LayerState* layer = nullptr;
         int32_t c = -1;  // the layer's class
-        ClassState* cls = nullptr;
+        const ClassState* cls = nullptr;
     };
 
     // cache.cpp: the class table's releases, the classes vacated first (prefetches settled, the

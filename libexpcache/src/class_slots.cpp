@@ -149,4 +149,64 @@ void ClassTable::uninstall(int32_t c, int32_t s) {
     cls.free_slots.push_back(s);
 }
 
+void ClassTable::hold(int32_t c, int32_t s) {
+    ClassState& cls = classes_[c];
+    if (cls.slots[s].holds++ == 0) cls.held++;
+}
+
+void ClassTable::unhold(int32_t c, int32_t s, uint64_t read_by) {
+    ClassState& cls = classes_[c];
+    SlotState& slot = cls.slots[s];
+    if (--slot.holds == 0) cls.held--;
+    slot.last_call = std::max(slot.last_call, read_by);
+}
+
+bool ClassTable::mark_copy_pending(int32_t c, int32_t s) {
+    SlotState& slot = classes_[c].slots[s];
+    if (slot.copy_pending) return false;
+    slot.copy_pending = true;
+    return true;
+}
+
+void ClassTable::clear_copy_pending(int32_t c, int32_t s) {
+    ClassState& cls = classes_[c];
+    if (s < static_cast<int32_t>(cls.slots.size())) cls.slots[s].copy_pending = false;
+}
+
+void ClassTable::adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps,
+                       const std::vector<uint32_t>& key_layer, bool lru) {
+    ClassState& cls = classes_[c];
+    for (size_t s = 0; s < cls.slots.size(); ++s) {
+        SlotState& slot = cls.slots[s];
+        const int32_t host_key = slot.layer < 0 ? -1 : static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
+        if (host_key == keys[s]) continue;
+        if (slot.layer >= 0) {
+            layers_[slot.layer].slot_of[slot.expert] = -1;
+            slot.layer = -1;
+            cls.resident--;
+        }
+        if (keys[s] >= 0) {
+            const uint32_t layer = key_layer[keys[s]];
+            slot.layer = static_cast<int32_t>(layer);
+            slot.expert = static_cast<uint32_t>(keys[s]) - layers_[layer].key_base;
+            slot.last_call = 0;
+            layers_[layer].slot_of[slot.expert] = static_cast<int32_t>(s);
+            cls.resident++;
+        }
+    }
+    std::vector<int32_t> order;
+    cls.free_slots.clear();
+    for (size_t s = cls.slots.size(); s-- > 0;) {
+        if (cls.slots[s].layer < 0)
+            cls.free_slots.push_back(static_cast<int32_t>(s));
+        else
+            order.push_back(static_cast<int32_t>(s));
+    }
+    if (!lru) return;  // the policy's state is the device's alone
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return stamps[a] != stamps[b] ? stamps[a] < stamps[b] : a < b; });
+    cls.policy->clear();
+    for (int32_t s : order) cls.policy->on_insert(s, false, layers_[cls.slots[s].layer].key_base + cls.slots[s].expert);
+}
+
 }  // namespace expcache

@@ -127,11 +127,10 @@ public:
     ClassTable(const expcache_config_t& config, Backend& backend, DeviceArena& arena, LayerTable& layers, Log& log,
                Health& health);
 
-    ClassState& operator[](int32_t c) { return classes_[static_cast<size_t>(c)]; }
+    // Read-only: every change goes through the verbs below.
     const ClassState& operator[](int32_t c) const { return classes_[static_cast<size_t>(c)]; }
+    const SlotState& slot(int32_t c, int32_t s) const { return classes_[c].slots[static_cast<size_t>(s)]; }
     int32_t size() const { return static_cast<int32_t>(classes_.size()); }
-    std::vector<ClassState>::iterator begin() { return classes_.begin(); }
-    std::vector<ClassState>::iterator end() { return classes_.end(); }
     std::vector<ClassState>::const_iterator begin() const { return classes_.begin(); }
     std::vector<ClassState>::const_iterator end() const { return classes_.end(); }
 
@@ -201,6 +200,30 @@ public:
     void reinstall(int32_t c, int32_t s, bool cold, uint64_t call, uint32_t path, uint64_t sent);
     // A slot whose bytes are not its expert's (a failed upload, a cancelled prefetch): free again.
     void uninstall(int32_t c, int32_t s);
+    // A slot acquire() gave that never got its expert (its upload could not start): free again.
+    void unacquire(int32_t c, int32_t s) { classes_[c].free_slots.push_back(s); }
+
+    // A batch holds slot s until it finishes (never evicted meanwhile; the class counts its held
+    // slots); unhold: the batch finished, its slot read up to call `read_by` (protected from a
+    // prefetch until the next call).
+    void hold(int32_t c, int32_t s);
+    void unhold(int32_t c, int32_t s, uint64_t read_by);
+    // What a prefetch left in slot s (PrefetchState): loading, unused, partial, or none (used).
+    void set_prefetch(int32_t c, int32_t s, PrefetchState state) { classes_[c].slots[s].prefetch = state; }
+    // A prefetch's bytes may cross on the copy stream into slot s: false if already marked.
+    bool mark_copy_pending(int32_t c, int32_t s);
+    // The copy stream was fenced: slot s (if the class still has it) is safe to read.
+    void clear_copy_pending(int32_t c, int32_t s);
+    // The policy of class c sees the engine's clock (a prefetch or a hint dates its work now).
+    void set_policy_clock(int32_t c, const PolicyClock& clock) { classes_[c].policy->set_clock(clock); }
+    // A hint refreshes slot s in the policy (Policy::on_hint); no counter.
+    void hint(int32_t c, int32_t s) { classes_[c].policy->on_hint(s); }
+    // The LRU order (first to go first) of class c's policy, where it keeps one (Policy::order).
+    void policy_order(int32_t c, std::vector<int32_t>* out) const { classes_[c].policy->order(out); }
+    // The device's residency of class c becomes the table's: keys[s] (-1: free) per slot, the key's
+    // layer key_layer[key]; the free list rebuilt; with `lru`, the policy's order rebuilt by stamp.
+    void adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps,
+               const std::vector<uint32_t>& key_layer, bool lru);
 
     std::string name(const ClassState& cls) const;
     // What the budgets ask for this class (see expcache_config_t).

@@ -167,43 +167,6 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     return EXPCACHE_OK;
 }
 
-// The device's residency becomes the mirror's: slots, the layers' slot maps, the free list and
-// the LRU order (by stamp); the counters of the device path.
-void DeviceLookup::adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps) {
-    ClassState& cls = classes_[c];
-    for (size_t s = 0; s < cls.slots.size(); ++s) {
-        SlotState& slot = cls.slots[s];
-        const int32_t host_key = slot.layer < 0 ? -1 : static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
-        if (host_key == keys[s]) continue;
-        if (slot.layer >= 0) {
-            layers_[slot.layer].slot_of[slot.expert] = -1;
-            slot.layer = -1;
-            cls.resident--;
-        }
-        if (keys[s] >= 0) {
-            const uint32_t layer = key_layer_[keys[s]];
-            slot.layer = static_cast<int32_t>(layer);
-            slot.expert = static_cast<uint32_t>(keys[s]) - layers_[layer].key_base;
-            slot.last_call = 0;
-            layers_[layer].slot_of[slot.expert] = static_cast<int32_t>(s);
-            cls.resident++;
-        }
-    }
-    std::vector<int32_t> order;
-    cls.free_slots.clear();
-    for (size_t s = cls.slots.size(); s-- > 0;) {
-        if (cls.slots[s].layer < 0)
-            cls.free_slots.push_back(static_cast<int32_t>(s));
-        else
-            order.push_back(static_cast<int32_t>(s));
-    }
-    if (policy_id_ != EXPCACHE_POLICY_LRU) return;  // the policy's state is the device's alone
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return stamps[a] != stamps[b] ? stamps[a] < stamps[b] : a < b; });
-    cls.policy->clear();
-    for (int32_t s : order) cls.policy->on_insert(s, false, layers_[cls.slots[s].layer].key_base + cls.slots[s].expert);
-}
-
 expcache_status_t DeviceLookup::admit_host_serving(uint32_t path) const {
     if (!enabled_ || policy_id_ == EXPCACHE_POLICY_LRU) return EXPCACHE_OK;
     return fail(EXPCACHE_ERR_UNSUPPORTED,
@@ -239,7 +202,7 @@ expcache_status_t DeviceLookup::pull() {
                          EXPCACHE_OK)))
             return s;
         if ((s = health_.check(backend_.copy_d2h_sync(&n, d.counters, sizeof(n)))) != EXPCACHE_OK) return s;
-        adopt(c, keys, stamps);
+        classes_.adopt(c, keys, stamps, key_layer_, lru);  // the mirror: slots, slot maps, free list, LRU order
         expcache_stats_t& st = classes_.mirror_stats(c, EXPCACHE_PATH_DEVICE);
         st.calls = n.calls;
         st.hits = n.hits;
@@ -284,7 +247,7 @@ expcache_status_t DeviceLookup::push() {
     std::vector<uint64_t> stamps;
     std::vector<uint8_t> pins;
     for (int32_t c = 0; c < classes_.size(); ++c) {
-        ClassState& cls = classes_[c];
+        const ClassState& cls = classes_[c];
         if (!cls.in_use || cls.slots.empty()) continue;
         if (!ready(c) && (s = make_class(c)) != EXPCACHE_OK) return s;
         const DeviceClass& d = classes_state_[c].view;
@@ -293,7 +256,7 @@ expcache_status_t DeviceLookup::push() {
         pins.assign(d.cap, 0);
         const bool lru = policy_id_ == EXPCACHE_POLICY_LRU;  // the other policies' order is the device's alone
         order.clear();
-        if (lru) cls.policy->order(&order);
+        if (lru) classes_.policy_order(c, &order);
         for (int32_t slot : order) stamps[slot] = ++clock_;
         for (uint32_t i = 0; i < d.cap; ++i) {
             const SlotState& slot = cls.slots[i];

@@ -71,7 +71,6 @@ private:
     expcache_status_t make_table();
     expcache_status_t make_class(int32_t c);
     expcache_status_t resolve(uint32_t layer, LayerMap* out);
-    void adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps);
     void report(const DeviceError& error);
 
     const bool enabled_;

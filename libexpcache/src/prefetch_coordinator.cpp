@@ -21,11 +21,11 @@ expcache_status_t PrefetchCoordinator::settle(bool cancel_queued, bool keep_part
     taken_.failed.clear();
     taken_.error = EXPCACHE_OK;
     prefetcher_->take(cancel_queued, &taken_);
-    for (const PrefetchJob& job : taken_.done) x_.classes[job.cls].slots[job.slot].prefetch = kPrefetchUnused;
+    for (const PrefetchJob& job : taken_.done) x_.classes.set_prefetch(job.cls, job.slot, kPrefetchUnused);
     for (const PrefetchJob& job : taken_.failed) cancel(job.cls, job.slot);
     for (const PrefetchJob& job : taken_.cancelled) {
         if (keep_partial) {
-            x_.classes[job.cls].slots[job.slot].prefetch = kPrefetchPartial;
+            x_.classes.set_prefetch(job.cls, job.slot, kPrefetchPartial);
             partial_.push_back(job);
         } else {
             cancel(job.cls, job.slot);
@@ -42,8 +42,7 @@ expcache_status_t PrefetchCoordinator::settle(bool cancel_queued, bool keep_part
 
 // A prefetch that will not be finished: its slot is freed, never served.
 void PrefetchCoordinator::cancel(int32_t c, int32_t s) {
-    SlotState& slot = x_.classes[c].slots[s];
-    LayerState& layer = x_.layers[slot.layer];
+    LayerState& layer = x_.layers[x_.classes.slot(c, s).layer];
     stats_.cancelled++;
     stats_.bytes_cancelled += layer.expert_bytes();
     if (layer.prefetched > 0) layer.prefetched--;
@@ -55,7 +54,7 @@ void PrefetchCoordinator::resolve_partial(int32_t c, uint32_t layer_index, bool 
     const LayerState& layer = x_.layers[layer_index];
     size_t kept = 0;
     for (const PrefetchJob& job : partial_) {
-        const SlotState& slot = x_.classes[job.cls].slots[job.slot];
+        const SlotState& slot = x_.classes.slot(job.cls, job.slot);
         const bool listed = inserts && job.cls == c && slot.layer == static_cast<int32_t>(layer_index) &&
                             layer.seen[slot.expert] == x_.clock.call;
         if (listed) {
@@ -73,8 +72,7 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
     if (i == partial_.size()) return fail(EXPCACHE_ERR_INTERNAL, "a partial prefetch of slot %d is not on record", s);
     const PrefetchJob job = partial_[i];
     partial_.erase(partial_.begin() + static_cast<long>(i));
-    SlotState& slot = x_.classes[c].slots[s];
-    const LayerState& layer = x_.layers[slot.layer];
+    const LayerState& layer = x_.layers[x_.classes.slot(c, s).layer];
     uint64_t sent = 0;
     for (int p = job.part; p < job.num_parts; ++p) {
         const PrefetchJob::Part& part = job.parts[p];
@@ -95,10 +93,9 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
 }
 
 void PrefetchCoordinator::note_use(int32_t c, int32_t s) {
-    SlotState& slot = x_.classes[c].slots[s];
     stats_.used++;
-    stats_.bytes_used += x_.layers[slot.layer].expert_bytes();
-    slot.prefetch = kPrefetchNone;
+    stats_.bytes_used += x_.layers[x_.classes.slot(c, s).layer].expert_bytes();
+    x_.classes.set_prefetch(c, s, kPrefetchNone);
 }
 
 void PrefetchCoordinator::dropped_unused(uint32_t layer) {
@@ -136,9 +133,9 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
     int32_t c = -1;
     if ((s = bind_class(layer_index, EXPCACHE_PATH_CONTROL, &c)) != EXPCACHE_OK) return s;
     LayerState& layer = x_.layers[layer_index];
-    ClassState& cls = x_.classes[c];
-    cls.policy->set_clock(x_.clock.policy);  // where the engine is now, for the victims' ages
-    ++x_.clock.call;                         // for dedupe only: a prefetch is not a serving call
+    const ClassState& cls = x_.classes[c];
+    x_.classes.set_policy_clock(c, x_.clock.policy);  // where the engine is now, for the victims' ages
+    ++x_.clock.call;                                  // for dedupe only: a prefetch is not a serving call
     scratch_.dedupe(layer, ids, n, x_.clock.call);
     // The pieces must not overwrite a slot an older call's kernels may still read.
     bool ordered = false;
@@ -168,7 +165,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
         }
         if (!ordered) {
             if ((s = x_.streams.order_prefetch(first, stream)) != EXPCACHE_OK) {
-                cls.free_slots.push_back(slot);
+                x_.classes.unacquire(c, slot);
                 return s;
             }
             ordered = true;
@@ -214,13 +211,13 @@ expcache_status_t PrefetchCoordinator::hint(uint32_t layer_index, const uint32_t
     stats_.hints += scratch_.unique.size();
     int32_t c = x_.classes.bound(layer);
     if (c < 0) return EXPCACHE_OK;  // nothing of the layer is resident yet
-    ClassState& cls = x_.classes[c];
-    cls.policy->set_clock(x_.clock.policy);  // a refresh is dated now, not at the class's last serving call
+    const ClassState& cls = x_.classes[c];
+    x_.classes.set_policy_clock(c, x_.clock.policy);  // a refresh is dated now, not at the class's last serving call
     for (uint32_t e : scratch_.unique) {
         int32_t slot = layer.slot_of[e];
         if (slot < 0 || cls.slots[slot].prefetch == kPrefetchLoading || cls.slots[slot].prefetch == kPrefetchPartial)
             continue;
-        cls.policy->on_hint(slot);
+        x_.classes.hint(c, slot);
         stats_.hint_refreshes++;
     }
     return EXPCACHE_OK;

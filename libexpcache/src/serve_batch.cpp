@@ -24,13 +24,8 @@ expcache_status_t Cache::batch_room() const {
 }
 
 void Cache::unhold(const BatchState& batch) {
-    ClassState& cls = classes_[batch.cls];
-    for (int32_t slot : batch.held) {
-        SlotState& ss = cls.slots[slot];
-        if (--ss.holds == 0) cls.held--;
-        // Read by the batch's work up to now: no prefetch may overwrite it before the next call.
-        ss.last_call = std::max(ss.last_call, clock_.cur);
-    }
+    // Read by the batch's work up to now: no prefetch may overwrite it before the next call.
+    for (int32_t slot : batch.held) classes_.unhold(batch.cls, slot, clock_.cur);
 }
 
 expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids, uint64_t n, void* stream,

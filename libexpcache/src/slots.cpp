@@ -13,15 +13,14 @@ namespace expcache {
 // so far stay in batch->held for the caller to undo.
 expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t* out_direct) {
     LayerState& layer = *call.layer;
-    ClassState& cls = *call.cls;
+    const ClassState& cls = *call.cls;
     CallScratch& scratch = call.scratch;
     auto serve = [&](uint32_t j, int32_t slot) {
-        SlotState& ss = cls.slots[slot];
         if (batch) {
-            if (ss.holds++ == 0) cls.held++;
+            classes_.hold(call.c, slot);
             batch->held.push_back(slot);
         }
-        scratch.ptrs[j] = cls.ptrs_at(ss.dev);
+        scratch.ptrs[j] = cls.ptrs_at(cls.slots[slot].dev);
     };
     scratch.pending.clear();
     for (uint32_t j = 0; j < scratch.unique.size(); ++j) {
@@ -66,12 +65,11 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             scratch.pending[direct++] = j;  // compacted in place: served from staging
             continue;
         }
-        SlotState& ss = cls.slots[slot];
         unsigned char* dst[kParts];
-        cls.parts_at(ss.dev, dst);
+        cls.parts_at(cls.slots[slot].dev, dst);
         if ((s = streams_.order_slot(call.c, slot, call.copy_stream)) != EXPCACHE_OK ||
             (s = copy_expert(layer, e, dst, call.copy_stream)) != EXPCACHE_OK) {
-            cls.free_slots.push_back(slot);  // never marked resident
+            classes_.unacquire(call.c, slot);  // never marked resident
             return s;
         }
         classes_.install(call.c, got, call.layer_index, e, batch ? Insert::kCold : Insert::kDemand, clock_.call,

@@ -34,16 +34,11 @@ expcache_status_t StreamOrder::order_slot(int32_t c, int32_t s, void* stream) {
 }
 
 void StreamOrder::copy_pending(int32_t c, int32_t s) {
-    SlotState& slot = classes_[c].slots[s];
-    if (slot.copy_pending) return;
-    slot.copy_pending = true;
-    copy_pending_.emplace_back(c, s);
+    if (classes_.mark_copy_pending(c, s)) copy_pending_.emplace_back(c, s);
 }
 
 void StreamOrder::forget_copy_pending() {
-    for (const auto& cs : copy_pending_)
-        if (cs.second < static_cast<int32_t>(classes_[cs.first].slots.size()))
-            classes_[cs.first].slots[cs.second].copy_pending = false;
+    for (const auto& cs : copy_pending_) classes_.clear_copy_pending(cs.first, cs.second);
     copy_pending_.clear();
 }
 
