@@ -10,7 +10,7 @@ namespace expcache {
 // Slot ids are int32: the rows are at most INT32_MAX.
 expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
     ClassState& cls = classes_[c];
-    const uint64_t g = arena_.granularity(), S = cls.slot_bytes;
+    const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
     slots = std::min<uint64_t>(slots, INT32_MAX - kStagingRows - 2 * (g / S + 1));
     // The staging rows start past the granule the last slot ends in: their mappings never
     // overlap the slots'.
@@ -19,27 +19,27 @@ expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
     void* base = nullptr;
     expcache_status_t s = health_.check(arena_.reserve(rows * S, &base));
     if (s != EXPCACHE_OK) return s;
-    cls.bank = static_cast<unsigned char*>(base);
-    cls.rows = rows;
-    cls.slot_rows = slots;
-    cls.staging_row = staging_row;
-    cls.mapped = 0;
-    cls.staging_end = cls.staging_bytes = 0;
+    cls.bank_ = static_cast<unsigned char*>(base);
+    cls.rows_ = rows;
+    cls.slot_rows_ = slots;
+    cls.staging_row_ = staging_row;
+    cls.mapped_ = 0;
+    cls.staging_end_ = cls.staging_bytes_ = 0;
     return EXPCACHE_OK;
 }
 
 expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char** out) {
     ClassState& cls = classes_[c];
-    const uint64_t g = arena_.granularity(), S = cls.slot_bytes;
-    const uint64_t start = cls.staging_row * S / g * g, end = ((cls.staging_row + n) * S + g - 1) / g * g;
-    const uint64_t from = std::max(start, cls.staging_end);
+    const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
+    const uint64_t start = cls.staging_row_ * S / g * g, end = ((cls.staging_row_ + n) * S + g - 1) / g * g;
+    const uint64_t from = std::max(start, cls.staging_end_);
     if (end > from) {
-        expcache_status_t s = health_.check(arena_.map(cls.bank + from, end - from));
+        expcache_status_t s = health_.check(arena_.map(cls.bank_ + from, end - from));
         if (s != EXPCACHE_OK) return s;
-        cls.staging_end = end;
-        cls.staging_bytes += end - from;
+        cls.staging_end_ = end;
+        cls.staging_bytes_ += end - from;
     }
-    *out = cls.bank + cls.staging_row * S;
+    *out = cls.bank_ + cls.staging_row_ * S;
     return EXPCACHE_OK;
 }
 
@@ -47,11 +47,11 @@ expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char*
 // class without a bank: its device selects are refused, its host calls load directly).
 expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
-    if (!cls.slots.empty() || cls.cap_valid) return EXPCACHE_OK;
+    if (!cls.slots_.empty() || cls.cap_valid_) return EXPCACHE_OK;
     expcache_status_t s = refresh_cap(c, path);
-    if (s != EXPCACHE_OK || cls.cap == 0) return s;
-    if (!cls.bank && (s = reserve_rows(c, cls.cap)) != EXPCACHE_OK) return s;
-    cls.cap = std::min(cls.cap, cls.slot_rows);  // slot ids are int32
+    if (s != EXPCACHE_OK || cls.cap_ == 0) return s;
+    if (!cls.bank_ && (s = reserve_rows(c, cls.cap_)) != EXPCACHE_OK) return s;
+    cls.cap_ = std::min(cls.cap_, cls.slot_rows_);  // slot ids are int32
     return grow(c, path);
 }
 
@@ -59,32 +59,32 @@ expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
 // in one piece after the slots mapped so far.
 expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
-    uint64_t have = cls.slots.size();
-    uint64_t per_slab = banked_ ? cls.cap : std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes);
-    uint64_t n = std::min(cls.cap - have, per_slab);
+    uint64_t have = cls.slots_.size();
+    uint64_t per_slab = banked_ ? cls.cap_ : std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes_);
+    uint64_t n = std::min(cls.cap_ - have, per_slab);
     const uint64_t g = arena_.granularity();
-    const uint64_t end = ((have + n) * cls.slot_bytes + g - 1) / g * g;
+    const uint64_t end = ((have + n) * cls.slot_bytes_ + g - 1) / g * g;
     expcache_status_t s = EXPCACHE_OK;
-    if (end > cls.mapped) s = health_.check(arena_.map(cls.bank + cls.mapped, end - cls.mapped));
+    if (end > cls.mapped_) s = health_.check(arena_.map(cls.bank_ + cls.mapped_, end - cls.mapped_));
     if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY) {
         // Memory is shorter than the cap assumed: stop growing here.
-        cls.cap = have;
+        cls.cap_ = have;
         announce_cap(c, path, format(", a slot allocation failed: %s", last_error()).c_str(),
                      format("free device memory or lower slab_bytes (the allocation asked %s; one expert of this "
                             "class needs %s)",
-                            human_bytes(n * cls.slot_bytes).c_str(), human_bytes(cls.slot_bytes).c_str())
+                            human_bytes(n * cls.slot_bytes_).c_str(), human_bytes(cls.slot_bytes_).c_str())
                          .c_str());
         clear_last_error();
         return EXPCACHE_OK;
     }
     if (s != EXPCACHE_OK) return s;
-    cls.mapped = std::max(cls.mapped, end);
+    cls.mapped_ = std::max(cls.mapped_, end);
     // Every slot the mapped piece holds whole is the class's (a granule may hold many).
-    n = std::min(cls.cap, cls.mapped / cls.slot_bytes) - have;
-    cls.slots.resize(have + n);
-    cls.policy->resize(static_cast<int32_t>(have + n));
-    for (uint64_t i = 0; i < n; ++i) cls.slots[have + i].dev = cls.bank + (have + i) * cls.slot_bytes;
-    for (uint64_t i = n; i-- > 0;) cls.free_slots.push_back(static_cast<int32_t>(have + i));
+    n = std::min(cls.cap_, cls.mapped_ / cls.slot_bytes_) - have;
+    cls.slots_.resize(have + n);
+    cls.policy_->resize(static_cast<int32_t>(have + n));
+    for (uint64_t i = 0; i < n; ++i) cls.slots_[have + i].dev_ = cls.bank_ + (have + i) * cls.slot_bytes_;
+    for (uint64_t i = n; i-- > 0;) cls.free_slots_.push_back(static_cast<int32_t>(have + i));
     return EXPCACHE_OK;
 }
 

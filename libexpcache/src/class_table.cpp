@@ -22,13 +22,20 @@ struct ClassShare {
     unsigned __int128 class_bytes = 0, total_bytes = 0;
 };
 
+// Whether a layer of these part sizes has the class's.
+bool same_sizes(const ClassState& cls, const uint64_t* bytes) {
+    for (int p = 0; p < kParts; ++p)
+        if (cls.key(p) != bytes[p]) return false;
+    return true;
+}
+
 ClassShare class_share(const LayerTable& layers, const ClassState& cls) {
     ClassShare out;
     for (const LayerState& l : layers) {
         if (!l.registered) continue;
         uint64_t slot = align_up(l.bytes[kGate]) + align_up(l.bytes[kUp]) + align_up(l.bytes[kDown]);
         out.total_bytes += (unsigned __int128)slot * l.num_experts;
-        if (std::equal(cls.key, cls.key + kParts, l.bytes)) {
+        if (same_sizes(cls, l.bytes)) {
             out.experts += l.num_experts;
             out.class_bytes += (unsigned __int128)slot * l.num_experts;
         }
@@ -46,11 +53,10 @@ std::vector<uint64_t> layer_shares(const LayerTable& layers, const ClassState& c
     unsigned __int128 total = 0;
     uint64_t given = 0;
     for (uint32_t l = 0; l < layers.size(); ++l)
-        if (layers[l].registered && std::equal(cls.key, cls.key + kParts, layers[l].bytes))
-            total += layers[l].num_experts;
+        if (layers[l].registered && same_sizes(cls, layers[l].bytes)) total += layers[l].num_experts;
     if (total == 0) return shares;
     for (uint32_t l = 0; l < layers.size(); ++l) {
-        if (!layers[l].registered || !std::equal(cls.key, cls.key + kParts, layers[l].bytes)) continue;
+        if (!layers[l].registered || !same_sizes(cls, layers[l].bytes)) continue;
         const unsigned __int128 scaled = (unsigned __int128)cap * layers[l].num_experts;
         shares[l] = static_cast<uint64_t>(scaled / total);
         given += shares[l];
@@ -76,24 +82,24 @@ ClassTable::ClassTable(const expcache_config_t& config, Backend& backend, Device
 
 void ClassTable::reset_stats() {
     for (ClassState& cls : classes_)
-        for (expcache_stats_t& st : cls.stats) st = expcache_stats_t{};
+        for (expcache_stats_t& st : cls.stats_) st = expcache_stats_t{};
 }
 
 void ClassTable::open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock) {
     ClassState& cls = classes_[c];
-    cls.last_used = call;
-    cls.stats[path].calls++;
-    cls.policy->set_clock(clock);
+    cls.last_used_ = call;
+    cls.stats_[path].calls++;
+    cls.policy_->set_clock(clock);
 }
 
 void ClassTable::invalidate_caps() {
-    for (ClassState& cls : classes_) cls.cap_valid = false;
+    for (ClassState& cls : classes_) cls.cap_valid_ = false;
 }
 
 std::string ClassTable::name(const ClassState& cls) const {
-    return format("[gate %llu, up %llu, down %llu B; %.2f MiB/expert]", (unsigned long long)cls.key[kGate],
-                  (unsigned long long)cls.key[kUp], (unsigned long long)cls.key[kDown],
-                  double(cls.key[kGate] + cls.key[kUp] + cls.key[kDown]) / double(1 << 20));
+    return format("[gate %llu, up %llu, down %llu B; %.2f MiB/expert]", (unsigned long long)cls.key_[kGate],
+                  (unsigned long long)cls.key_[kUp], (unsigned long long)cls.key_[kDown],
+                  double(cls.key_[kGate] + cls.key_[kUp] + cls.key_[kDown]) / double(1 << 20));
 }
 
 // Where bind() puts a layer: the class of its sizes (found), else the first free one (empty), else
@@ -101,15 +107,15 @@ std::string ClassTable::name(const ClassState& cls) const {
 void ClassTable::choose(const LayerState& layer, int32_t* found, int32_t* empty, int32_t* lru) const {
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
         const ClassState& cls = classes_[c];
-        if (!cls.in_use) {
+        if (!cls.in_use_) {
             if (*empty < 0) *empty = c;
             continue;
         }
-        if (std::equal(cls.key, cls.key + kParts, layer.bytes)) {
+        if (std::equal(cls.key_, cls.key_ + kParts, layer.bytes)) {
             *found = c;
             return;
         }
-        if (cls.held == 0 && (*lru < 0 || cls.last_used < classes_[*lru].last_used)) *lru = c;
+        if (cls.held_ == 0 && (*lru < 0 || cls.last_used_ < classes_[*lru].last_used_)) *lru = c;
     }
 }
 
@@ -125,13 +131,13 @@ int32_t ClassTable::bind_releases(uint32_t layer_index) const {
 std::vector<int32_t> ClassTable::unheld() const {
     std::vector<int32_t> out;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c)
-        if (classes_[c].in_use && has_memory(classes_[c]) && classes_[c].held == 0) out.push_back(c);
+        if (classes_[c].in_use_ && has_memory(classes_[c]) && classes_[c].held_ == 0) out.push_back(c);
     return out;
 }
 
 // A layer's binding outlives its class's reuse for another layout; the generation tells.
 int32_t ClassTable::bound(const LayerState& layer) const {
-    if (layer.cls >= 0 && classes_[layer.cls].in_use && classes_[layer.cls].gen == layer.cls_gen) return layer.cls;
+    if (layer.cls >= 0 && classes_[layer.cls].in_use_ && classes_[layer.cls].gen_ == layer.cls_gen) return layer.cls;
     return -1;
 }
 
@@ -139,34 +145,34 @@ expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     ClassState& cls = classes_[c];
     uint64_t off = 0;
     for (int p = 0; p < kParts; ++p) {
-        cls.key[p] = layer.bytes[p];
-        cls.part_off[p] = off;
+        cls.key_[p] = layer.bytes[p];
+        cls.part_off_[p] = off;
         off += align_up(layer.bytes[p]);
     }
-    cls.slot_bytes = off;
+    cls.slot_bytes_ = off;
     // A class reused for other sizes gets a bank of its own stride (the old one goes, or stays
     // with the views that keep it).
-    if (cls.bank) arena_.free_now(cls.bank);
-    cls.bank = nullptr;
-    cls.rows = cls.mapped = cls.staging_end = cls.staging_bytes = 0;
-    cls.slots.clear();  // a release left them mapped when views kept the old bank
-    cls.free_slots.clear();
+    if (cls.bank_) arena_.free_now(cls.bank_);
+    cls.bank_ = nullptr;
+    cls.rows_ = cls.mapped_ = cls.staging_end_ = cls.staging_bytes_ = 0;
+    cls.slots_.clear();  // a release left them mapped when views kept the old bank
+    cls.free_slots_.clear();
     // Every slot the class could ever have: each expert of its layers (those registered now: one
     // registered later shares the class's slots). A fixed bank: reserve_bank() reserves its cap.
     if (!banked_) {
         expcache_status_t s = reserve_rows(c, std::max<uint64_t>(1, class_share(layers_, cls).experts));
         if (s != EXPCACHE_OK) {
-            cls.in_use = false;  // free again: the next bind starts over
+            cls.in_use_ = false;  // free again: the next bind starts over
             return s;
         }
     }
-    cls.in_use = true;
-    cls.gen++;
-    cls.policy = make_policy(config_.policy);
-    cls.cap_valid = false;
-    cls.cap_announced = false;
-    cls.cap = cls.target = 0;
-    cls.layers = 0;
+    cls.in_use_ = true;
+    cls.gen_++;
+    cls.policy_ = make_policy(config_.policy);
+    cls.cap_valid_ = false;
+    cls.cap_announced_ = false;
+    cls.cap_ = cls.target_ = 0;
+    cls.layers_ = 0;
     return EXPCACHE_OK;
 }
 
@@ -199,7 +205,7 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
         std::string old_name = name(victim);
         expcache_status_t s = release(lru, path);
         if (s != EXPCACHE_OK) return s;
-        victim.stats[path].class_reuses++;
+        victim.stats_[path].class_reuses++;
         found = lru;
         if ((s = activate(found, layer)) != EXPCACHE_OK) return s;
         // The first reuse warns (a thrash loses every hit of both classes); later ones are notices.
@@ -210,9 +216,9 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
              first ? "; raise max_classes to the number of distinct expert sizes (later reuses are notices)" : "");
     }
     layer.cls = found;
-    layer.cls_gen = classes_[found].gen;
+    layer.cls_gen = classes_[found].gen_;
     layer.slot_of.assign(layer.num_experts, -1);
-    classes_[found].layers++;
+    classes_[found].layers_++;
     *out_cls = found;
     return banked_ ? reserve_bank(found, path) : EXPCACHE_OK;
 }
@@ -221,41 +227,41 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
 // (nothing in flight into them, the device done reading them, their unused prefetches counted).
 expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
-    if (cls.slots.empty()) {  // no slot (a cap of 0): only its staging rows, if any, go
-        if (cls.staging_end > 0 && arena_.unmap_from(cls.bank, 0)) cls.staging_end = cls.staging_bytes = 0;
+    if (cls.slots_.empty()) {  // no slot (a cap of 0): only its staging rows, if any, go
+        if (cls.staging_end_ > 0 && arena_.unmap_from(cls.bank_, 0)) cls.staging_end_ = cls.staging_bytes_ = 0;
         return EXPCACHE_OK;
     }
-    for (SlotState& slot : cls.slots) {
-        if (slot.layer < 0) continue;
-        slot.prefetch = kPrefetchNone;
-        layers_[slot.layer].slot_of[slot.expert] = -1;
+    for (SlotState& slot : cls.slots_) {
+        if (slot.layer_ < 0) continue;
+        slot.prefetch_ = kPrefetchNone;
+        layers_[slot.layer_].slot_of[slot.expert_] = -1;
     }
-    cls.policy->clear();
-    cls.resident = 0;
-    cls.stats[path].releases++;
+    cls.policy_->clear();
+    cls.resident_ = 0;
+    cls.stats_[path].releases++;
     // A fixed bank keeps its memory (graphs captured with its address read it), and so does one
     // that views keep (they read it): both are only emptied. Any other gives its memory back,
     // its addresses kept for its next growth.
     bool unmapped = false;
     if (!banked_) {
-        if (arena_.kept(cls.bank)) arena_.ask_to_let_go();  // views cached for reuse let go
-        unmapped = arena_.unmap_from(cls.bank, 0);
+        if (arena_.kept(cls.bank_)) arena_.ask_to_let_go();  // views cached for reuse let go
+        unmapped = arena_.unmap_from(cls.bank_, 0);
         if (!unmapped)
             log_(EXPCACHE_LOG_NOTICE, "class %s: its bank stays mapped (%s): views of it are alive", name(cls).c_str(),
-                 human_bytes(cls.mapped).c_str());
+                 human_bytes(cls.mapped_).c_str());
     }
     if (unmapped) {
-        cls.slots.clear();
-        cls.free_slots.clear();
-        cls.mapped = cls.staging_end = cls.staging_bytes = 0;
-        cls.cap_valid = false;
+        cls.slots_.clear();
+        cls.free_slots_.clear();
+        cls.mapped_ = cls.staging_end_ = cls.staging_bytes_ = 0;
+        cls.cap_valid_ = false;
         return EXPCACHE_OK;
     }
-    cls.free_slots.clear();
-    for (size_t i = cls.slots.size(); i-- > 0;) {
-        cls.slots[i].layer = -1;
-        cls.slots[i].prefetch = kPrefetchNone;
-        cls.free_slots.push_back(static_cast<int32_t>(i));
+    cls.free_slots_.clear();
+    for (size_t i = cls.slots_.size(); i-- > 0;) {
+        cls.slots_[i].layer_ = -1;
+        cls.slots_[i].prefetch_ = kPrefetchNone;
+        cls.free_slots_.push_back(static_cast<int32_t>(i));
     }
     return EXPCACHE_OK;
 }
@@ -263,8 +269,8 @@ expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
 expcache_status_t ClassTable::release_unheld(uint32_t path) {
     uint32_t released = 0, kept = 0;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
-        if (!classes_[c].in_use || !has_memory(classes_[c])) continue;
-        if (classes_[c].held > 0) {
+        if (!classes_[c].in_use_ || !has_memory(classes_[c])) continue;
+        if (classes_[c].held_ > 0) {
             ++kept;
             continue;
         }
@@ -283,7 +289,7 @@ uint64_t ClassTable::target(const ClassState& cls) const {
     if (config_.budget_experts) target = std::min(target, config_.budget_experts);
     if (config_.budget_bytes && share.total_bytes > 0) {
         unsigned __int128 bytes = (unsigned __int128)config_.budget_bytes * share.class_bytes / share.total_bytes;
-        target = std::min<uint64_t>(target, static_cast<uint64_t>(bytes / cls.slot_bytes));
+        target = std::min<uint64_t>(target, static_cast<uint64_t>(bytes / cls.slot_bytes_));
     }
     return target;
 }
@@ -294,35 +300,35 @@ std::string ClassTable::zero_target_reason(const ClassState& cls) const {
     const ClassShare share = class_share(layers_, cls);
     if (!config_.budget_bytes || share.class_bytes == 0) return " (the budget asks 0 experts); raise the budget";
     const unsigned __int128 need =
-        ((unsigned __int128)cls.slot_bytes * share.total_bytes + share.class_bytes - 1) / share.class_bytes;
+        ((unsigned __int128)cls.slot_bytes_ * share.total_bytes + share.class_bytes - 1) / share.class_bytes;
     const std::string fix = need > UINT64_MAX
                                 ? std::string("no budget_bytes can give it one (set budget_experts instead)")
                                 : format("a budget_bytes of at least %llu B (%s) holds one expert of this class",
                                          (unsigned long long)need, human_bytes(static_cast<uint64_t>(need)).c_str());
     return format(": its share of budget_bytes (%llu B over all classes) is less than one expert's slot (%s); %s",
-                  (unsigned long long)config_.budget_bytes, human_bytes(cls.slot_bytes).c_str(), fix.c_str());
+                  (unsigned long long)config_.budget_bytes, human_bytes(cls.slot_bytes_).c_str(), fix.c_str());
 }
 
 void ClassTable::announce_cap(int32_t c, uint32_t path, const char* why, const char* fix) {
     ClassState& cls = classes_[c];
-    cls.stats[path].cap_notices++;
-    cls.cap_announced = true;
-    if (cls.cap == 0) {
+    cls.stats_[path].cap_notices++;
+    cls.cap_announced_ = true;
+    if (cls.cap_ == 0) {
         // Nothing of this class can be cached: every miss becomes a direct load. Said as a warning,
         // once per change, with the reason and the fix, so that no way to cap 0 is silent.
-        if (cls.target == 0) {
+        if (cls.target_ == 0) {
             log_(EXPCACHE_LOG_WARNING, "class %d %s: cap 0 experts, nothing of this class will be cached%s", c,
                  name(cls).c_str(), zero_target_reason(cls).c_str());
             return;
         }
         log_(EXPCACHE_LOG_WARNING,
              "class %d %s: cap 0 experts, nothing of this class will be cached (budget asks %llu)%s; %s", c,
-             name(cls).c_str(), (unsigned long long)cls.target, why, fix);
+             name(cls).c_str(), (unsigned long long)cls.target_, why, fix);
         return;
     }
     log_(EXPCACHE_LOG_NOTICE, "class %d %s: cap %llu experts (%.2f GiB; budget asks %llu)%s", c, name(cls).c_str(),
-         (unsigned long long)cls.cap, double(cls.cap * cls.slot_bytes) / double(kGiB), (unsigned long long)cls.target,
-         why);
+         (unsigned long long)cls.cap_, double(cls.cap_ * cls.slot_bytes_) / double(kGiB),
+         (unsigned long long)cls.target_, why);
     if (config_.partition == EXPCACHE_PARTITION_LAYER) warn_empty_shares(c);
 }
 
@@ -333,9 +339,9 @@ void ClassTable::warn_empty_shares(int32_t c) const {
     const ClassState& cls = classes_[c];
     std::vector<bool> mine(layers_.size(), false);
     uint32_t layers = 0, empty = 0, first = 0;
-    const std::vector<uint64_t> shares = layer_shares(layers_, cls, cls.cap);
+    const std::vector<uint64_t> shares = layer_shares(layers_, cls, cls.cap_);
     for (uint32_t l = 0; l < layers_.size(); ++l) {
-        mine[l] = layers_[l].registered && std::equal(cls.key, cls.key + kParts, layers_[l].bytes);
+        mine[l] = layers_[l].registered && std::equal(cls.key_, cls.key_ + kParts, layers_[l].bytes);
         if (!mine[l]) continue;
         ++layers;
         if (shares[l] == 0 && empty++ == 0) first = l;
@@ -353,11 +359,11 @@ void ClassTable::warn_empty_shares(int32_t c) const {
          "class %d %s: partition layer splits its cap of %llu experts over %u layers and leaves %u of them (layer "
          "%u first) a share of 0: their misses are loaded directly and never cached; give the class a cap of at "
          "least %llu experts (a larger budget) or use partition global",
-         c, name(cls).c_str(), (unsigned long long)cls.cap, layers, empty, first, (unsigned long long)enough);
+         c, name(cls).c_str(), (unsigned long long)cls.cap_, layers, empty, first, (unsigned long long)enough);
 }
 
 uint64_t ClassTable::layer_share(const ClassState& cls, uint32_t layer) const {
-    return layer_shares(layers_, cls, cls.cap)[layer];
+    return layer_shares(layers_, cls, cls.cap_)[layer];
 }
 
 // Runtime cap = target, limited by free device memory minus the reserve and
@@ -366,8 +372,8 @@ uint64_t ClassTable::layer_share(const ClassState& cls, uint32_t layer) const {
 // call, so the cap (and its notice) changes only when something did.
 expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
-    if (banked_ && !cls.slots.empty()) {
-        cls.cap_valid = true;  // a bank never grows or shrinks
+    if (banked_ && !cls.slots_.empty()) {
+        cls.cap_valid_ = true;  // a bank never grows or shrinks
         return EXPCACHE_OK;
     }
     uint64_t free_bytes = 0, total = 0;
@@ -376,41 +382,41 @@ expcache_status_t ClassTable::refresh_cap(int32_t c, uint32_t path) {
     uint64_t others = 0;
     for (int32_t o = 0; o < static_cast<int32_t>(classes_.size()); ++o) {
         const ClassState& oc = classes_[o];
-        if (o == c || !oc.in_use || !oc.cap_valid) continue;
-        if (oc.cap > oc.slots.size()) others += (oc.cap - oc.slots.size()) * oc.slot_bytes;
+        if (o == c || !oc.in_use_ || !oc.cap_valid_) continue;
+        if (oc.cap_ > oc.slots_.size()) others += (oc.cap_ - oc.slots_.size()) * oc.slot_bytes_;
     }
     uint64_t needed = config_.reserve_bytes + others;
     uint64_t avail = free_bytes > needed ? free_bytes - needed : 0;
-    uint64_t mem_cap = cls.slots.size() + avail / cls.slot_bytes;
-    uint64_t old_cap = cls.cap;
-    cls.target = target(cls);
-    cls.cap = std::min(cls.target, mem_cap);
-    const bool bank_bound = cls.bank && cls.cap > cls.slot_rows;
-    if (bank_bound) cls.cap = cls.slot_rows;
-    cls.cap_valid = true;
-    if (!cls.cap_announced || cls.cap != old_cap) {
+    uint64_t mem_cap = cls.slots_.size() + avail / cls.slot_bytes_;
+    uint64_t old_cap = cls.cap_;
+    cls.target_ = target(cls);
+    cls.cap_ = std::min(cls.target_, mem_cap);
+    const bool bank_bound = cls.bank_ && cls.cap_ > cls.slot_rows_;
+    if (bank_bound) cls.cap_ = cls.slot_rows_;
+    cls.cap_valid_ = true;
+    if (!cls.cap_announced_ || cls.cap_ != old_cap) {
         std::string why, fix;
         if (bank_bound)
             why = format(
                 ", limited by its bank, reserved when the class was bound for the %llu experts of its layers "
                 "registered then; register every layer before the first serving call",
-                (unsigned long long)cls.slot_rows);
-        else if (cls.cap < cls.target)
+                (unsigned long long)cls.slot_rows_);
+        else if (cls.cap_ < cls.target_)
             why = format(", limited by free device memory minus the reserve (%s free, reserve %s)",
                          human_bytes(free_bytes).c_str(), human_bytes(config_.reserve_bytes).c_str());
-        if (cls.cap == 0 && cls.target > 0) {
+        if (cls.cap_ == 0 && cls.target_ > 0) {
             // The largest reserve that leaves one slot: free - reserve - others >= slot_bytes.
             const std::string others_note = others
                                                 ? format(" (or lower the budget: other classes may still grow into %s)",
                                                          human_bytes(others).c_str())
                                                 : std::string();
-            if (free_bytes >= others + cls.slot_bytes)
+            if (free_bytes >= others + cls.slot_bytes_)
                 fix = format("a reserve_bytes of at most %llu B (%s) leaves room for one expert of this class%s",
-                             (unsigned long long)(free_bytes - others - cls.slot_bytes),
-                             human_bytes(free_bytes - others - cls.slot_bytes).c_str(), others_note.c_str());
+                             (unsigned long long)(free_bytes - others - cls.slot_bytes_),
+                             human_bytes(free_bytes - others - cls.slot_bytes_).c_str(), others_note.c_str());
             else
                 fix = format("free device memory: one expert of this class needs %s%s",
-                             human_bytes(cls.slot_bytes).c_str(), others_note.c_str());
+                             human_bytes(cls.slot_bytes_).c_str(), others_note.c_str());
         }
         announce_cap(c, path, why.c_str(), fix.c_str());
     }

@@ -1,10 +1,13 @@
 // The size classes: per class its slots (a bank: one reserved address range at a fixed stride,
 // mapped as the class grows), which expert each holds, the
 // eviction policy's state, its budget and runtime cap, and its counters. A class is bound by
-// the layers whose experts have its byte sizes; at most max_classes exist at once. Every change
-// to a slot's residency goes through this table: bind, grow, acquire, install, evict, release
+// the layers whose experts have its byte sizes; at most max_classes exist at once. ClassState's
+// and SlotState's fields are private to ClassTable: every other file reads them through const
+// getters (operator[], slot()) and changes them only through the table's verbs: bind, grow,
+// acquire/unacquire, install/reinstall/uninstall, evict, hold/unhold, touch, hit, lend,
+// set_prefetch, mark/clear_copy_pending, hint, adopt, release, each recording its own counters
 // (class_table.cpp: classes, caps and budgets; class_bank.cpp: the banks' reservations and mappings;
-// class_slots.cpp: a slot's acquisition and residency).
+// class_slots.cpp: a slot's acquisition, residency, holds and prefetch state).
 #pragma once
 
 #include <memory>
@@ -49,58 +52,91 @@ enum class Evict { kNo, kDemand, kPrefetch };
 // (a batch's append), or as a prefetch (loading, until a use).
 enum class Insert { kDemand, kCold, kPrefetch };
 
-struct SlotState {
-    unsigned char* dev = nullptr;
-    int32_t layer = -1;  // -1: free
-    uint32_t expert = 0;
-    uint32_t holds = 0;         // unfinished batches using it
-    uint64_t last_call = 0;     // protects it from eviction during that call (and from a prefetch's
-                                // during the next one)
-    uint8_t prefetch = 0;       // kPrefetch*: what a prefetch put here and nothing used yet
-    bool copy_pending = false;  // a prefetch's bytes may still cross on the copy stream: a call that
-                                // reads or rewrites the slot waits for that stream first (StreamOrder)
+// A slot of a class: read by anyone (const getters), written only by ClassTable's verbs.
+class SlotState {
+public:
+    unsigned char* dev() const { return dev_; }
+    int32_t layer() const { return layer_; }  // -1: free
+    uint32_t expert() const { return expert_; }
+    uint32_t holds() const { return holds_; }  // unfinished batches using it
+    uint64_t last_call() const {
+        return last_call_;
+    }  // protects it from eviction during that call (and
+       // from a prefetch's during the next one)
+    uint8_t prefetch() const { return prefetch_; }  // kPrefetch*: what a prefetch put here and nothing used yet
+    bool copy_pending() const {
+        return copy_pending_;
+    }  // a prefetch's bytes may still cross on the copy
+       // stream: a call that reads or rewrites the slot waits
+       // for that stream first (StreamOrder)
+
+private:
+    friend class ClassTable;
+    unsigned char* dev_ = nullptr;
+    int32_t layer_ = -1;
+    uint32_t expert_ = 0;
+    uint32_t holds_ = 0;
+    uint64_t last_call_ = 0;
+    uint8_t prefetch_ = 0;
+    bool copy_pending_ = false;
 };
 
-struct ClassState {
-    bool in_use = false;
-    uint64_t gen = 0;
-    uint64_t key[kParts] = {};
-    uint64_t part_off[kParts] = {};
-    uint64_t slot_bytes = 0;
-    uint64_t last_used = 0;        // call id, for reusing the least recently used class
-    std::vector<SlotState> slots;  // the mapped slots, bank + s * slot_bytes
-    std::vector<int32_t> free_slots;
+// A size class: read by anyone (const getters), written only by ClassTable's verbs.
+class ClassState {
+public:
+    bool in_use() const { return in_use_; }
+    uint64_t key(int p) const { return key_[p]; }  // the bytes of part p (kGate, kUp, kDown)
+    uint64_t part_off(int p) const { return part_off_[p]; }
+    uint64_t slot_bytes() const { return slot_bytes_; }
+    const std::vector<SlotState>& slots() const { return slots_; }  // the mapped slots, bank + s * slot_bytes
     // The bank: a reserved range (kept across releases; replaced when the class is reused for
     // other sizes) of `rows` rows of slot_bytes: slots 0..slot_rows-1, mapped from the start as
     // the class grows (`mapped` bytes), then kStagingRows rows from `staging_row` on, mapped when
     // a decode call stages experts that got no slot (`staging_end`: the offset mapped to).
-    unsigned char* bank = nullptr;
-    uint64_t rows = 0, slot_rows = 0, staging_row = 0;
-    uint64_t mapped = 0, staging_end = 0;
-    uint64_t staging_bytes = 0;  // mapped for the staging rows
-    std::unique_ptr<Policy> policy;
-    uint64_t target = 0, cap = 0;
-    bool cap_valid = false;      // recompute before the next growth
-    bool cap_announced = false;  // a notice was given for `cap`
-    uint64_t resident = 0, held = 0, layers = 0;
+    unsigned char* bank() const { return bank_; }
+    uint64_t rows() const { return rows_; }
+    uint64_t staging_row() const { return staging_row_; }
+    uint64_t staging_end() const { return staging_end_; }
+    uint64_t staging_bytes() const { return staging_bytes_; }  // mapped for the staging rows
+    uint64_t cap() const { return cap_; }                      // the runtime cap, in slots
+    uint64_t resident() const { return resident_; }
+    uint64_t held() const { return held_; }      // slots batches hold
+    uint64_t layers() const { return layers_; }  // layers bound to it
 
     // Where each part of the slot (or staging entry laid out like one) at `base` goes.
     void parts_at(unsigned char* base, unsigned char* out[kParts]) const {
-        for (int p = 0; p < kParts; ++p) out[p] = base + part_off[p];
+        for (int p = 0; p < kParts; ++p) out[p] = base + part_off_[p];
     }
     expcache_expert_ptrs_t ptrs_at(unsigned char* base) const {
-        return {base + part_off[kGate], base + part_off[kUp], base + part_off[kDown]};
+        return {base + part_off_[kGate], base + part_off_[kUp], base + part_off_[kDown]};
     }
 
 private:
     friend class ClassTable;
+    bool in_use_ = false;
+    uint64_t gen_ = 0;
+    uint64_t key_[kParts] = {};
+    uint64_t part_off_[kParts] = {};
+    uint64_t slot_bytes_ = 0;
+    uint64_t last_used_ = 0;  // call id, for reusing the least recently used class
+    std::vector<SlotState> slots_;
+    std::vector<int32_t> free_slots_;
+    unsigned char* bank_ = nullptr;
+    uint64_t rows_ = 0, slot_rows_ = 0, staging_row_ = 0;
+    uint64_t mapped_ = 0, staging_end_ = 0;
+    uint64_t staging_bytes_ = 0;
+    std::unique_ptr<Policy> policy_;
+    uint64_t target_ = 0, cap_ = 0;
+    bool cap_valid_ = false;      // recompute before the next growth
+    bool cap_announced_ = false;  // a notice was given for `cap`
+    uint64_t resident_ = 0, held_ = 0, layers_ = 0;
     // Per path: recorded only by the table's verbs (ClassTable::stats reads them).
-    expcache_stats_t stats[EXPCACHE_NUM_PATHS] = {};
+    expcache_stats_t stats_[EXPCACHE_NUM_PATHS] = {};
 };
 
 // Whether a class holds device memory a release gives back: slots, or staging rows.
 inline bool has_memory(const ClassState& cls) {
-    return !cls.slots.empty() || cls.staging_end > 0;
+    return !cls.slots().empty() || cls.staging_end() > 0;
 }
 
 // What a miss asks of acquire(): a slot of class `cls` for an expert of `layer`.
@@ -129,7 +165,7 @@ public:
 
     // Read-only: every change goes through the verbs below.
     const ClassState& operator[](int32_t c) const { return classes_[static_cast<size_t>(c)]; }
-    const SlotState& slot(int32_t c, int32_t s) const { return classes_[c].slots[static_cast<size_t>(s)]; }
+    const SlotState& slot(int32_t c, int32_t s) const { return classes_[c].slots_[static_cast<size_t>(s)]; }
     int32_t size() const { return static_cast<int32_t>(classes_.size()); }
     std::vector<ClassState>::const_iterator begin() const { return classes_.begin(); }
     std::vector<ClassState>::const_iterator end() const { return classes_.end(); }
@@ -159,9 +195,9 @@ public:
     bool fixed_banks() const { return banked_; }
 
     // The counters of class c on `path`, recorded by the verbs below (each says which it records).
-    const expcache_stats_t& stats(int32_t c, uint32_t path) const { return classes_[c].stats[path]; }
+    const expcache_stats_t& stats(int32_t c, uint32_t path) const { return classes_[c].stats_[path]; }
     // The device mirror's counters (device_lookup.cpp copies them from and to the device).
-    expcache_stats_t& mirror_stats(int32_t c, uint32_t path) { return classes_[c].stats[path]; }
+    expcache_stats_t& mirror_stats(int32_t c, uint32_t path) { return classes_[c].stats_[path]; }
     void reset_stats();
 
     // The first n (<= kStagingRows) staging rows of class c's bank, mapped: where a decode call
@@ -172,12 +208,12 @@ public:
     // its policy sees the call's clock.
     void open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock);
     // Staging could only be had by releasing the caches (alloc_retries).
-    void note_alloc_retry(int32_t c, uint32_t path) { classes_[c].stats[path].alloc_retries++; }
+    void note_alloc_retry(int32_t c, uint32_t path) { classes_[c].stats_[path].alloc_retries++; }
     // A serving call finds its expert in slot s (hits). refresh_call > 0: a decode hit, the
     // policy refreshed and the slot used by that call; 0: a batch's hit, its recency left alone.
     void hit(int32_t c, int32_t s, uint32_t path, uint64_t refresh_call);
     // The slot is read by call `call` (protected from eviction during it).
-    void touch(int32_t c, int32_t s, uint64_t call) { classes_[c].slots[s].last_call = call; }
+    void touch(int32_t c, int32_t s, uint64_t call) { classes_[c].slots_[s].last_call_ = call; }
     // A compact load copied slot s out (bytes_d2d); first: the call's first listing of the
     // expert (a hit, the policy refreshed).
     void lend(int32_t c, int32_t s, uint32_t path, bool first);
@@ -201,7 +237,7 @@ public:
     // A slot whose bytes are not its expert's (a failed upload, a cancelled prefetch): free again.
     void uninstall(int32_t c, int32_t s);
     // A slot acquire() gave that never got its expert (its upload could not start): free again.
-    void unacquire(int32_t c, int32_t s) { classes_[c].free_slots.push_back(s); }
+    void unacquire(int32_t c, int32_t s) { classes_[c].free_slots_.push_back(s); }
 
     // A batch holds slot s until it finishes (never evicted meanwhile; the class counts its held
     // slots); unhold: the batch finished, its slot read up to call `read_by` (protected from a
@@ -209,17 +245,17 @@ public:
     void hold(int32_t c, int32_t s);
     void unhold(int32_t c, int32_t s, uint64_t read_by);
     // What a prefetch left in slot s (PrefetchState): loading, unused, partial, or none (used).
-    void set_prefetch(int32_t c, int32_t s, PrefetchState state) { classes_[c].slots[s].prefetch = state; }
+    void set_prefetch(int32_t c, int32_t s, PrefetchState state) { classes_[c].slots_[s].prefetch_ = state; }
     // A prefetch's bytes may cross on the copy stream into slot s: false if already marked.
     bool mark_copy_pending(int32_t c, int32_t s);
     // The copy stream was fenced: slot s (if the class still has it) is safe to read.
     void clear_copy_pending(int32_t c, int32_t s);
     // The policy of class c sees the engine's clock (a prefetch or a hint dates its work now).
-    void set_policy_clock(int32_t c, const PolicyClock& clock) { classes_[c].policy->set_clock(clock); }
+    void set_policy_clock(int32_t c, const PolicyClock& clock) { classes_[c].policy_->set_clock(clock); }
     // A hint refreshes slot s in the policy (Policy::on_hint); no counter.
-    void hint(int32_t c, int32_t s) { classes_[c].policy->on_hint(s); }
+    void hint(int32_t c, int32_t s) { classes_[c].policy_->on_hint(s); }
     // The LRU order (first to go first) of class c's policy, where it keeps one (Policy::order).
-    void policy_order(int32_t c, std::vector<int32_t>* out) const { classes_[c].policy->order(out); }
+    void policy_order(int32_t c, std::vector<int32_t>* out) const { classes_[c].policy_->order(out); }
     // The device's residency of class c becomes the table's: keys[s] (-1: free) per slot, the key's
     // layer key_layer[key]; the free list rebuilt; with `lru`, the policy's order rebuilt by stamp.
     void adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps,

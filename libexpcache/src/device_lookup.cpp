@@ -127,7 +127,7 @@ expcache_status_t DeviceLookup::make_table() {
 
 expcache_status_t DeviceLookup::make_class(int32_t c) {
     const ClassState& cls = classes_[c];
-    const uint64_t cap = cls.slots.size();
+    const uint64_t cap = cls.slots().size();
     const ClassLayout at(cap, policy_id_);
     ClassDevice& d = classes_state_[c];
     expcache_status_t s = health_.check(arena_.alloc(at.bytes, &d.base));
@@ -141,9 +141,9 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.miss_count = reinterpret_cast<uint32_t*>(p + at.miss_count);
     d.view.handoff = reinterpret_cast<DeviceHandoff*>(p + at.handoff);
     d.view.cap = static_cast<uint32_t>(cap);
-    d.view.bank = cls.slots.empty() ? nullptr : cls.bank;
-    d.view.slot_bytes = cls.slot_bytes;
-    for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off[q];
+    d.view.bank = cls.slots().empty() ? nullptr : cls.bank();
+    d.view.slot_bytes = cls.slot_bytes();
+    for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off(q);
     d.view.policy = DevicePolicyClass{};
     // Zeros everywhere: the handoff (the tickets count from 0 for the class's whole life) and the
     // policies' state, which starts empty here and lives on the device alone (stamps, lists,
@@ -237,7 +237,7 @@ void DeviceLookup::report_pending() {
 expcache_status_t DeviceLookup::push() {
     if (!enabled_) return EXPCACHE_OK;
     bool any = false;
-    for (const ClassState& cls : classes_) any = any || (cls.in_use && !cls.slots.empty());
+    for (const ClassState& cls : classes_) any = any || (cls.in_use() && !cls.slots().empty());
     if (!any && !table_) return EXPCACHE_OK;
     expcache_status_t s = health_.check(backend_.sync_device());
     if (s != EXPCACHE_OK) return s;
@@ -248,7 +248,7 @@ expcache_status_t DeviceLookup::push() {
     std::vector<uint8_t> pins;
     for (int32_t c = 0; c < classes_.size(); ++c) {
         const ClassState& cls = classes_[c];
-        if (!cls.in_use || cls.slots.empty()) continue;
+        if (!cls.in_use() || cls.slots().empty()) continue;
         if (!ready(c) && (s = make_class(c)) != EXPCACHE_OK) return s;
         const DeviceClass& d = classes_state_[c].view;
         keys.assign(d.cap, -1);
@@ -259,10 +259,10 @@ expcache_status_t DeviceLookup::push() {
         if (lru) classes_.policy_order(c, &order);
         for (int32_t slot : order) stamps[slot] = ++clock_;
         for (uint32_t i = 0; i < d.cap; ++i) {
-            const SlotState& slot = cls.slots[i];
-            pins[i] = slot.holds > 0;
-            if (slot.layer < 0) continue;
-            keys[i] = static_cast<int32_t>(layers_[slot.layer].key_base + slot.expert);
+            const SlotState& slot = cls.slots()[i];
+            pins[i] = slot.holds() > 0;
+            if (slot.layer() < 0) continue;
+            keys[i] = static_cast<int32_t>(layers_[slot.layer()].key_base + slot.expert());
             slot_of_key[keys[i]] = static_cast<int32_t>(i);
         }
         const expcache_stats_t& st = classes_.stats(c, EXPCACHE_PATH_DEVICE);
@@ -276,7 +276,7 @@ expcache_status_t DeviceLookup::push() {
             return s;
         if ((s = health_.check(backend_.copy_h2d_sync(d.counters, &n, sizeof(n)))) != EXPCACHE_OK) return s;
         if (d.policy.duel) {  // the slots held now (a release empties them); duel's counter and shadows stay
-            const int32_t resident = static_cast<int32_t>(cls.resident);
+            const int32_t resident = static_cast<int32_t>(cls.resident());
             if ((s = health_.check(backend_.copy_h2d_sync(&d.policy.duel->resident, &resident, sizeof resident))) !=
                 EXPCACHE_OK)
                 return s;
@@ -353,12 +353,12 @@ expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* id
     if (m.status != EXPCACHE_OK) return fail(m.status, "%s", m.why.c_str());
     const ClassState& cls = classes_[c];
     const DeviceClass& d = classes_state_[c].view;
-    if (count > d.cap - std::min<uint64_t>(cls.held, d.cap))
+    if (count > d.cap - std::min<uint64_t>(cls.held(), d.cap))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
                     "a device select of %u ids needs as many slots it may fill: layer %u's bank has %u%s; raise the "
                     "budget or select fewer ids at once",
                     count, layer, d.cap,
-                    cls.held ? format(", %llu of them held by batches", (unsigned long long)cls.held).c_str() : "");
+                    cls.held() ? format(", %llu of them held by batches", (unsigned long long)cls.held()).c_str() : "");
     const LayerState& l = layers_[layer];
     DeviceSelectArgs a = {};
     a.ids = ids;

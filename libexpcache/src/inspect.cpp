@@ -28,8 +28,8 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
     if ((s = prefetch_.settle(false)) != EXPCACHE_OK) return s;
     const int32_t c = classes_.bound(layer);
     int32_t slot = c >= 0 ? layer.slot_of[expert] : -1;
-    if (slot >= 0 && classes_[c].slots[slot].prefetch != kPrefetchNone &&
-        classes_[c].slots[slot].prefetch != kPrefetchUnused)
+    if (slot >= 0 && classes_[c].slots()[slot].prefetch() != kPrefetchNone &&
+        classes_[c].slots()[slot].prefetch() != kPrefetchUnused)
         slot = -1;  // bytes not all sent
     if (slot < 0) {
         *out_resident = 0;
@@ -38,8 +38,8 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
     const ClassState& cls = classes_[c];
     unsigned char* d = static_cast<unsigned char*>(dst);
     for (int p = 0; p < kParts; ++p) {
-        if ((s = health_.check(backend_->copy_d2h_sync(d, cls.slots[slot].dev + cls.part_off[p], layer.bytes[p]))) !=
-            EXPCACHE_OK)
+        if ((s = health_.check(
+                 backend_->copy_d2h_sync(d, cls.slots()[slot].dev() + cls.part_off(p), layer.bytes[p]))) != EXPCACHE_OK)
             return s;
         d += layer.bytes[p];
     }
@@ -122,22 +122,22 @@ expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%d and result slots [%u, +%u) within the %d slots",
                     EXPCACHE_MAX_SELECT, first, n, EXPCACHE_CHECKSUM_RESULTS);
     const int32_t c = classes_.bound(layers_[layer_index]);
-    if (c < 0 || classes_[c].slots.empty())
+    if (c < 0 || classes_[c].slots().empty())
         return fail(EXPCACHE_ERR_INVALID_STATE,
                     "layer %u's bank has no slot yet: its class is not bound, or has not grown (select it once)",
                     layer_index);
     const ClassState& cls = classes_[c];
     BankChecksum b = {};
-    b.base = cls.bank;
-    b.stride = cls.slot_bytes;
+    b.base = cls.bank();
+    b.stride = cls.slot_bytes();
     for (int p = 0; p < kParts; ++p) {
-        b.part_off[p] = cls.part_off[p];
-        b.part_bytes[p] = cls.key[p];
+        b.part_off[p] = cls.part_off(p);
+        b.part_bytes[p] = cls.key(p);
     }
-    b.cap = static_cast<uint32_t>(cls.slots.size());
-    if (cls.staging_end > 0) {  // the staging rows wholly mapped
-        b.staged_from = static_cast<uint32_t>(cls.staging_row);
-        b.staged_to = static_cast<uint32_t>(std::max(cls.staging_row, cls.staging_end / cls.slot_bytes));
+    b.cap = static_cast<uint32_t>(cls.slots().size());
+    if (cls.staging_end() > 0) {  // the staging rows wholly mapped
+        b.staged_from = static_cast<uint32_t>(cls.staging_row());
+        b.staged_to = static_cast<uint32_t>(std::max(cls.staging_row(), cls.staging_end() / cls.slot_bytes()));
     }
     b.n = n;
     b.slots = slots;
@@ -160,7 +160,7 @@ expcache_status_t Cache::checksum_results(uint32_t first, uint32_t n, uint64_t* 
 expcache_status_t Cache::class_count(uint32_t* out) const {
     CallScope scope(*this);
     uint32_t n = 0;
-    for (const ClassState& c : classes_) n += c.in_use ? 1 : 0;
+    for (const ClassState& c : classes_) n += c.in_use() ? 1 : 0;
     *out = n;
     return EXPCACHE_OK;
 }
@@ -175,18 +175,18 @@ expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) 
     const ClassState& c = classes_[static_cast<int32_t>(index)];
     expcache_class_info_t info = {};
     info.struct_size = sizeof info;
-    info.in_use = c.in_use;
-    info.gate_bytes = c.key[kGate];
-    info.up_bytes = c.key[kUp];
-    info.down_bytes = c.key[kDown];
-    info.slot_bytes = c.slot_bytes;
-    info.target_experts = c.in_use ? classes_.target(c) : 0;
-    info.cap_experts = c.cap;
-    info.allocated_experts = c.slots.size();
-    info.resident_experts = c.resident;
-    info.held_experts = c.held;
-    info.num_layers = c.layers;
-    info.staging_bytes = c.staging_bytes;
+    info.in_use = c.in_use();
+    info.gate_bytes = c.key(kGate);
+    info.up_bytes = c.key(kUp);
+    info.down_bytes = c.key(kDown);
+    info.slot_bytes = c.slot_bytes();
+    info.target_experts = c.in_use() ? classes_.target(c) : 0;
+    info.cap_experts = c.cap();
+    info.allocated_experts = c.slots().size();
+    info.resident_experts = c.resident();
+    info.held_experts = c.held();
+    info.num_layers = c.layers();
+    info.staging_bytes = c.staging_bytes();
     *out = info;
     return EXPCACHE_OK;
 }

@@ -42,7 +42,7 @@ expcache_status_t PrefetchCoordinator::settle(bool cancel_queued, bool keep_part
 
 // A prefetch that will not be finished: its slot is freed, never served.
 void PrefetchCoordinator::cancel(int32_t c, int32_t s) {
-    LayerState& layer = x_.layers[x_.classes.slot(c, s).layer];
+    LayerState& layer = x_.layers[x_.classes.slot(c, s).layer()];
     stats_.cancelled++;
     stats_.bytes_cancelled += layer.expert_bytes();
     if (layer.prefetched > 0) layer.prefetched--;
@@ -55,8 +55,8 @@ void PrefetchCoordinator::resolve_partial(int32_t c, uint32_t layer_index, bool 
     size_t kept = 0;
     for (const PrefetchJob& job : partial_) {
         const SlotState& slot = x_.classes.slot(job.cls, job.slot);
-        const bool listed = inserts && job.cls == c && slot.layer == static_cast<int32_t>(layer_index) &&
-                            layer.seen[slot.expert] == x_.clock.call;
+        const bool listed = inserts && job.cls == c && slot.layer() == static_cast<int32_t>(layer_index) &&
+                            layer.seen[slot.expert()] == x_.clock.call;
         if (listed) {
             partial_[kept++] = job;
         } else {
@@ -72,7 +72,7 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
     if (i == partial_.size()) return fail(EXPCACHE_ERR_INTERNAL, "a partial prefetch of slot %d is not on record", s);
     const PrefetchJob job = partial_[i];
     partial_.erase(partial_.begin() + static_cast<long>(i));
-    const LayerState& layer = x_.layers[x_.classes.slot(c, s).layer];
+    const LayerState& layer = x_.layers[x_.classes.slot(c, s).layer()];
     uint64_t sent = 0;
     for (int p = job.part; p < job.num_parts; ++p) {
         const PrefetchJob::Part& part = job.parts[p];
@@ -94,7 +94,7 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
 
 void PrefetchCoordinator::note_use(int32_t c, int32_t s) {
     stats_.used++;
-    stats_.bytes_used += x_.layers[x_.classes.slot(c, s).layer].expert_bytes();
+    stats_.bytes_used += x_.layers[x_.classes.slot(c, s).layer()].expert_bytes();
     x_.classes.set_prefetch(c, s, kPrefetchNone);
 }
 
@@ -110,8 +110,9 @@ expcache_status_t PrefetchCoordinator::vacate(const std::vector<int32_t>& classe
     if (s != EXPCACHE_OK) return s;
     x_.streams.forget_copy_pending();
     for (int32_t c : classes)
-        for (const SlotState& slot : x_.classes[c].slots)
-            if (slot.layer >= 0 && slot.prefetch != kPrefetchNone) dropped_unused(static_cast<uint32_t>(slot.layer));
+        for (const SlotState& slot : x_.classes[c].slots())
+            if (slot.layer() >= 0 && slot.prefetch() != kPrefetchNone)
+                dropped_unused(static_cast<uint32_t>(slot.layer()));
     return EXPCACHE_OK;
 }
 
@@ -175,7 +176,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
         job.slot = slot;
         job.source = layer.source;
         unsigned char* dst[kParts];
-        cls.parts_at(cls.slots[slot].dev, dst);
+        cls.parts_at(cls.slots()[slot].dev(), dst);
         for (int p = 0; p < kParts; ++p) {
             PrefetchJob::Part& last = job.parts[job.num_parts > 0 ? job.num_parts - 1 : 0];
             const unsigned char* src = layer.source_at(p, e);
@@ -215,7 +216,8 @@ expcache_status_t PrefetchCoordinator::hint(uint32_t layer_index, const uint32_t
     x_.classes.set_policy_clock(c, x_.clock.policy);  // a refresh is dated now, not at the class's last serving call
     for (uint32_t e : scratch_.unique) {
         int32_t slot = layer.slot_of[e];
-        if (slot < 0 || cls.slots[slot].prefetch == kPrefetchLoading || cls.slots[slot].prefetch == kPrefetchPartial)
+        if (slot < 0 || cls.slots()[slot].prefetch() == kPrefetchLoading ||
+            cls.slots()[slot].prefetch() == kPrefetchPartial)
             continue;
         x_.classes.hint(c, slot);
         stats_.hint_refreshes++;

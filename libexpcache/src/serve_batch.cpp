@@ -45,7 +45,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
     if (direct > 0) {
         // Batch staging comes out of what the caches leave free (the reserve); it never releases
         // them, so a prompt cannot flush the decode working set even when memory is short.
-        const uint64_t bytes = uint64_t(direct) * call.cls->slot_bytes;
+        const uint64_t bytes = uint64_t(direct) * call.cls->slot_bytes();
         if ((s = health_.check(arena_.alloc(bytes, &batch.staging))) != EXPCACHE_OK) {
             unhold(batch);
             if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)

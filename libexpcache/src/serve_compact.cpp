@@ -32,13 +32,13 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
                                       base + off[kDown] + b[kDown] * i};
         int32_t slot = layer.slot_of[e];
         if (slot >= 0) {
-            const SlotState& ss = cls.slots[slot];
+            const SlotState& ss = cls.slots()[slot];
             classes_.touch(call.c, slot, clock_.call);  // read on `stream` now: no prefetch may overwrite it
                                                         // before the next call
             if ((s = streams_.order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
-            if (ss.prefetch != kPrefetchNone) prefetch_.note_use(call.c, slot);
+            if (ss.prefetch() != kPrefetchNone) prefetch_.note_use(call.c, slot);
             for (int p = 0; p < kParts; ++p)
-                if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev + cls.part_off[p], b[p], stream))) !=
+                if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev() + cls.part_off(p), b[p], stream))) !=
                     EXPCACHE_OK)
                     return s;
             classes_.lend(call.c, slot, call.path, first);

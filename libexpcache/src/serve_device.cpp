@@ -68,20 +68,20 @@ expcache_status_t Cache::bank(uint32_t index, expcache_bank_t* out) {
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
     const ClassState& cls = classes_[static_cast<int32_t>(index)];
-    if (!cls.in_use)
+    if (!cls.in_use())
         return fail(EXPCACHE_ERR_INVALID_STATE, "class index %u holds no class (bind a layer first)", index);
     expcache_bank_t b = {};
     b.struct_size = sizeof b;
-    b.base = cls.bank;
-    b.slot_stride = cls.slot_bytes;
-    b.cap = cls.slots.size();
-    b.rows = cls.rows;
-    b.gate_offset = cls.part_off[kGate];
-    b.up_offset = cls.part_off[kUp];
-    b.down_offset = cls.part_off[kDown];
-    b.gate_bytes = cls.key[kGate];
-    b.up_bytes = cls.key[kUp];
-    b.down_bytes = cls.key[kDown];
+    b.base = cls.bank();
+    b.slot_stride = cls.slot_bytes();
+    b.cap = cls.slots().size();
+    b.rows = cls.rows();
+    b.gate_offset = cls.part_off(kGate);
+    b.up_offset = cls.part_off(kUp);
+    b.down_offset = cls.part_off(kDown);
+    b.gate_bytes = cls.key(kGate);
+    b.up_bytes = cls.key(kUp);
+    b.down_bytes = cls.key(kDown);
     *out = b;
     return EXPCACHE_OK;
 }

@@ -67,7 +67,8 @@ expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uin
     const LayerState& layer = *call.layer;
     for (uint32_t i = 0; i < k; ++i) {
         const auto* gate = static_cast<const unsigned char*>(call.scratch.ptrs[layer.seen_pos[narrow[i]]].gate);
-        out[i] = static_cast<int32_t>(static_cast<uint64_t>(gate - cls.part_off[kGate] - cls.bank) / cls.slot_bytes);
+        out[i] =
+            static_cast<int32_t>(static_cast<uint64_t>(gate - cls.part_off(kGate) - cls.bank()) / cls.slot_bytes());
     }
     return EXPCACHE_OK;
 }
@@ -83,7 +84,7 @@ expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids,
     bool any_miss = false;
     for (size_t j = 0; j < call.scratch.unique.size(); ++j) {
         const int32_t slot = layer.slot_of[call.scratch.unique[j]];
-        resident[j] = slot >= 0 && call.cls->slots[slot].prefetch != kPrefetchPartial;
+        resident[j] = slot >= 0 && call.cls->slots()[slot].prefetch() != kPrefetchPartial;
         any_miss = any_miss || !resident[j];
     }
     void* copy = backend_->copy_stream();

@@ -20,7 +20,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             classes_.hold(call.c, slot);
             batch->held.push_back(slot);
         }
-        scratch.ptrs[j] = cls.ptrs_at(cls.slots[slot].dev);
+        scratch.ptrs[j] = cls.ptrs_at(cls.slots()[slot].dev());
     };
     scratch.pending.clear();
     for (uint32_t j = 0; j < scratch.unique.size(); ++j) {
@@ -29,7 +29,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             scratch.pending.push_back(j);
             continue;
         }
-        if (cls.slots[slot].prefetch == kPrefetchPartial) {
+        if (cls.slots()[slot].prefetch() == kPrefetchPartial) {
             // Not resident when the call began: a miss that finishes its prefetch in place.
             expcache_status_t s = streams_.order_slot(call.c, slot, call.copy_stream);
             if (s == EXPCACHE_OK)
@@ -41,7 +41,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         }
         expcache_status_t s = streams_.order_slot(call.c, slot, call.stream);
         if (s != EXPCACHE_OK) return s;
-        if (cls.slots[slot].prefetch != kPrefetchNone) prefetch_.note_use(call.c, slot);
+        if (cls.slots()[slot].prefetch() != kPrefetchNone) prefetch_.note_use(call.c, slot);
         classes_.hit(call.c, slot, call.path, batch ? 0 : clock_.call);
         serve(j, slot);
     }
@@ -66,7 +66,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             continue;
         }
         unsigned char* dst[kParts];
-        cls.parts_at(cls.slots[slot].dev, dst);
+        cls.parts_at(cls.slots()[slot].dev(), dst);
         if ((s = streams_.order_slot(call.c, slot, call.copy_stream)) != EXPCACHE_OK ||
             (s = copy_expert(layer, e, dst, call.copy_stream)) != EXPCACHE_OK) {
             classes_.unacquire(call.c, slot);  // never marked resident
@@ -88,7 +88,7 @@ expcache_status_t Cache::stage_overflow(ServeCall& call, unsigned char* base, ui
     const ClassState& cls = *call.cls;
     for (uint32_t i = 0; i < direct; ++i) {
         uint32_t j = call.scratch.pending[i];
-        unsigned char* entry = base + uint64_t(i) * cls.slot_bytes;
+        unsigned char* entry = base + uint64_t(i) * cls.slot_bytes();
         unsigned char* dst[kParts];
         cls.parts_at(entry, dst);
         expcache_status_t s = copy_expert(layer, call.scratch.unique[j], dst, call.copy_stream);

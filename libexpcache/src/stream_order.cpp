@@ -29,7 +29,7 @@ expcache_status_t StreamOrder::fence_copy(void* stream) {
 }
 
 expcache_status_t StreamOrder::order_slot(int32_t c, int32_t s, void* stream) {
-    if (!classes_[c].slots[s].copy_pending || stream == backend_.copy_stream()) return EXPCACHE_OK;
+    if (!classes_[c].slots()[s].copy_pending() || stream == backend_.copy_stream()) return EXPCACHE_OK;
     return fence_copy(stream);
 }
 
