@@ -93,19 +93,25 @@ class Serving:
             raise ValueError(self.layout.no_experts_reason(layer))
         return layer
 
-    def _decode(self, fn, layer, expert_ids, stream, *out) -> tuple[int, int]:
-        """The decode call every select shares: checks, the ids into this thread's buffer, then
-        ``fn(handle, layer, ids, k, stream, out_ptrs, *out)`` through the gate, the addresses left
-        in the buffer. Returns (k, the stream's handle)."""
+    def _decode_ids(self, layer, expert_ids) -> tuple[int, int]:
+        """What every decode select checks first: the layer, and one token's ids copied into this
+        thread's buffer (``self._scratch.ids``). Returns (the layer as a uint32, k)."""
         if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
             layer = self._layer(layer)
         ids = self._as_ids(expert_ids, "expert_ids")
         k = ids.size
         if k > _lib.MAX_SELECT:
             raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        self._scratch.ids[:k] = ids
+        return layer, k
+
+    def _decode(self, fn, layer, expert_ids, stream, *out) -> tuple[int, int]:
+        """The decode call by address: :meth:`_decode_ids`, then ``fn(handle, layer, ids, k,
+        stream, out_ptrs, *out)`` through the gate, the addresses left in the buffer. Returns (k,
+        the stream's handle)."""
+        layer, k = self._decode_ids(layer, expert_ids)
         s = stream_handle(stream)
         scratch = self._scratch
-        scratch.ids[:k] = ids
         with self._gate:
             fn(self._handle, layer, scratch.ids_address, k, s, scratch.out_address, *out)
         return k, s
@@ -145,12 +151,7 @@ class Serving:
         :meth:`select` takes them). The misses are copied into their slots on ``stream``; experts
         that get no slot (the class cannot hold the whole request) are staged in the bank's last
         rows. The slots are valid as :meth:`select`'s addresses are."""
-        if type(layer) is not int or not 0 <= layer <= 0xFFFFFFFF or layer in self._dense_layers:
-            layer = self._layer(layer)
-        ids = self._as_ids(expert_ids, "expert_ids")
-        k = ids.size
-        if k > _lib.MAX_SELECT:
-            raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
+        layer, k = self._decode_ids(layer, expert_ids)
         if out is None:
             out = np.empty(k, dtype=np.int32)
         elif (
@@ -165,10 +166,8 @@ class Serving:
                 f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}"
             )
         s = stream_handle(stream)
-        scratch = self._scratch
-        scratch.ids[:k] = ids
         with self._gate:
-            self._slots_fn(self._handle, layer, scratch.ids_address, 32, k, out.ctypes.data, s)
+            self._slots_fn(self._handle, layer, self._scratch.ids_address, 32, k, out.ctypes.data, s)
         return out
 
     def select_split(
