@@ -262,6 +262,8 @@ private:
     expcache_status_t batch_room() const;
     // cache.cpp
     expcache_status_t refuse_on_device_lookup(const char* what) const;
+    // serve_device.cpp
+    expcache_status_t device_call(uint32_t layer, const char* what) const;
     void unhold(const BatchState& batch);
 
     // inspect.cpp

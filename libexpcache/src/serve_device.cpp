@@ -8,16 +8,25 @@
 
 namespace expcache {
 
-expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
-                                       int32_t* out_slots, uint32_t* out_counts, void* stream) {
-    CallScope scope(*this);
+// A device-path call's first checks: a usable cache, a registered layer, a device lookup (`what`
+// says what needs one).
+expcache_status_t Cache::device_call(uint32_t layer_index, const char* what) const {
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
     if (s != EXPCACHE_OK) return s;
     if (!lookup_.enabled())
         return fail(EXPCACHE_ERR_INVALID_STATE,
-                    "select_device needs a device-lookup cache: create it with config.lookup = "
-                    "EXPCACHE_LOOKUP_DEVICE (pyexpcache: ExpertCache(..., lookup=\"device\"))");
+                    "%s: create the cache with config.lookup = EXPCACHE_LOOKUP_DEVICE (pyexpcache: "
+                    "ExpertCache(..., lookup=\"device\"))",
+                    what);
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
+                                       int32_t* out_slots, uint32_t* out_counts, void* stream) {
+    CallScope scope(*this);
+    expcache_status_t s = device_call(layer_index, "select_device needs a device-lookup cache");
+    if (s != EXPCACHE_OK) return s;
     if (id_bits != 32 && id_bits != 64)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "id_bits must be 32 or 64, got %u", id_bits);
     const uint64_t count = uint64_t(n) * k;
@@ -47,13 +56,8 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
 
 expcache_status_t Cache::table_reads(uint32_t layer_index, uint64_t* out) {
     CallScope scope(*this);
-    expcache_status_t s = health_.usable();
-    if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
+    expcache_status_t s = device_call(layer_index, "table reads are a device select's");
     if (s != EXPCACHE_OK) return s;
-    if (!lookup_.enabled())
-        return fail(EXPCACHE_ERR_INVALID_STATE,
-                    "table reads are a device select's: create the cache with config.lookup = "
-                    "EXPCACHE_LOOKUP_DEVICE (pyexpcache: lookup=\"device\")");
     const int32_t c = classes_.bound(layers_[layer_index]);
     if (c < 0) {
         *out = 0;
