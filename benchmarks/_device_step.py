@@ -48,6 +48,28 @@ def size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+def add_device_option(p) -> None:
+    """--device: the GPU, or a check of the same steps on expcache's host backend."""
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu: a check on the host backend"
+    )
+
+
+def add_run_options(p) -> None:
+    """--seed, --quick and --json, as both scripts take them."""
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing (default 0)")
+    p.add_argument("--quick", action="store_true", help="fewer steps, rounds and replays")
+    p.add_argument("--json", type=Path, help="write the results here")
+
+
+def fill_counts(a, defaults) -> None:
+    """The count options left unset (None): ``defaults`` is ``(name, full, quick, cpu)`` rows, the
+    value on the GPU, with ``--quick``, and with ``--device cpu``."""
+    for name, full, fast, tiny in defaults:
+        if getattr(a, name) is None:
+            setattr(a, name, tiny if a.device == "cpu" else fast if a.quick else full)
+
+
 def add_geometry_options(p, default_layers=LAYERS, default_k=TOP_K) -> None:
     """--layers, --experts, --top-k, --expert-bytes (defaults: the issue's geometry on the GPU,
     :data:`CPU_GEOMETRY` with ``--device cpu``)."""

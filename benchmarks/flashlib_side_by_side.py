@@ -68,9 +68,7 @@ TARGETS = {1.0: 1.2, 0.25: 1.0}  # budget fraction -> the issue's ratio target
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu: a check on the host backend"
-    )
+    ds.add_device_option(p)
     ds.add_geometry_options(p)
     p.add_argument("--budgets", default="1.0,0.25", help="fractions of all experts the caches hold (default 1.0,0.25)")
     p.add_argument("--tokens", type=int, help="tokens of the trace (default 256; --quick 64; cpu 6)")
@@ -84,14 +82,9 @@ def parse_args(argv=None):
         action="store_false",
         help="steps without the reading kernel: the selects and copies alone (served bytes still checked)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing (default 0)")
-    p.add_argument("--quick", action="store_true", help="fewer tokens, rounds and replays")
-    p.add_argument("--json", type=Path, help="write the results here")
+    ds.add_run_options(p)
     a = p.parse_args(argv)
-    cpu, quick = a.device == "cpu", a.quick
-    for name, full, fast, tiny in (("tokens", 256, 64, 6), ("rounds", 8, 4, 2), ("replays", 200, 50, 1)):
-        if getattr(a, name) is None:
-            setattr(a, name, tiny if cpu else fast if quick else full)
+    ds.fill_counts(a, (("tokens", 256, 64, 6), ("rounds", 8, 4, 2), ("replays", 200, 50, 1)))
     try:
         a.budgets = [float(x) for x in a.budgets.split(",") if x.strip()]
     except ValueError:

@@ -54,22 +54,15 @@ TARGET = 0.95  # the issue's: the select_device step at least 0.95x the fixed ma
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda", help="cuda (default) or cpu: a check on the host backend"
-    )
+    ds.add_device_option(p)
     ds.add_geometry_options(p)
     p.add_argument("--rows", type=int, default=4, help="draft tokens verified per step (default 4)")
     p.add_argument("--steps", type=int, help="verification steps timed (default 128; --quick 32; cpu 6)")
     p.add_argument("--rounds", type=int, help="timed blocks, the ways taking turns (default 8; --quick 4; cpu 2)")
     p.add_argument("--replays", type=int, help="replays of the all-hit select graph (default 200; --quick 50; cpu 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic routing (default 0)")
-    p.add_argument("--quick", action="store_true", help="fewer steps, rounds and replays")
-    p.add_argument("--json", type=Path, help="write the results here")
+    ds.add_run_options(p)
     a = p.parse_args(argv)
-    cpu, quick = a.device == "cpu", a.quick
-    for name, full, fast, tiny in (("steps", 128, 32, 6), ("rounds", 8, 4, 2), ("replays", 200, 50, 1)):
-        if getattr(a, name) is None:
-            setattr(a, name, tiny if cpu else fast if quick else full)
+    ds.fill_counts(a, (("steps", 128, 32, 6), ("rounds", 8, 4, 2), ("replays", 200, 50, 1)))
     if a.steps < 1 or a.rounds < 1 or a.replays < 1 or a.rounds > a.steps or a.rows < 1:
         p.error("need --rows >= 1, --steps >= 1, 1 <= --rounds <= --steps, --replays >= 1")
     return a
