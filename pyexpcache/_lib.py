@@ -342,6 +342,9 @@ _FUNCTIONS = [
     # expcache_status_t expcache_class_info_get(const expcache_t* cache, uint32_t class_index,
     #                                           expcache_class_info_t* out);
     ("expcache_class_info_get", [CachePtr, c_uint32, POINTER(ClassInfo)], c_int32),
+    # expcache_status_t expcache_stats_read(const expcache_t* cache, uint32_t num_classes,
+    #                                       expcache_class_info_t* infos, expcache_stats_t* stats);
+    ("expcache_stats_read", [CachePtr, c_uint32, POINTER(ClassInfo), POINTER(Stats)], c_int32),
     # expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
     ("expcache_layer_bind_class", [CachePtr, c_uint32, POINTER(c_uint32)], c_int32),
     # const char* expcache_path_name(uint32_t path);
@@ -400,6 +403,9 @@ _FUNCTIONS = [
     ("expcache_testing_device_bytes_in_use", [CachePtr, POINTER(c_uint64)], c_int32),
     # expcache_status_t expcache_testing_table_reads(expcache_t* cache, uint32_t layer, uint64_t* out_count);
     ("expcache_testing_table_reads", [CachePtr, c_uint32, POINTER(c_uint64)], c_int32),
+    # expcache_status_t expcache_testing_device_reads(const expcache_t* cache, uint64_t* out_syncs,
+    #                                                 uint64_t* out_copies);
+    ("expcache_testing_device_reads", [CachePtr, POINTER(c_uint64), POINTER(c_uint64)], c_int32),
     # uint32_t expcache_testing_struct_size(uint32_t which);
     ("expcache_testing_struct_size", [c_uint32], c_uint32),
 ]

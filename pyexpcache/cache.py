@@ -478,29 +478,33 @@ class ExpertCache(Serving):
         )
         return self.bind_class(layer)
 
+    def _read_stats(self) -> list[tuple[ClassInfo, dict]]:
+        """Every class in use with its counters per path, read at once (expcache_stats_read: a
+        device-lookup cache reads the device with one copy)."""
+        n = self.max_classes
+        infos = (_lib.ClassInfo * n)()
+        stats = (_lib.Stats * (n * len(_lib.PATH_NAMES)))()
+        infos[0].struct_size = ctypes.sizeof(_lib.ClassInfo)
+        stats[0].struct_size = ctypes.sizeof(_lib.Stats)
+        self._call("expcache_stats_read", n, infos, stats)
+        out = []
+        for i, info in enumerate(infos):
+            if not info.in_use:
+                continue
+            paths = {}
+            for p, name in enumerate(_lib.PATH_NAMES):
+                st = stats[i * len(_lib.PATH_NAMES) + p]
+                paths[name] = PathStats(**{f: getattr(st, f) for f in _lib.STAT_FIELDS})
+            out.append((ClassInfo(i, *(getattr(info, f[0]) for f in _lib.ClassInfo._fields_[2:])), paths))
+        return out
+
     def classes(self) -> list[ClassInfo]:
         """Every class in use."""
-        out = []
-        info = _lib.ClassInfo()
-        info.struct_size = ctypes.sizeof(info)
-        for i in range(self.max_classes):
-            self._call("expcache_class_info_get", i, ctypes.byref(info))
-            if info.in_use:
-                out.append(ClassInfo(i, *(getattr(info, f[0]) for f in _lib.ClassInfo._fields_[2:])))
-        return out
+        return [info for info, _ in self._read_stats()]
 
     def stats(self) -> CacheStats:
         """Counters per class in use and per path, each with ``hit_rate``."""
-        out = []
-        st = _lib.Stats()
-        st.struct_size = ctypes.sizeof(st)
-        for info in self.classes():
-            paths = {}
-            for p, name in enumerate(_lib.PATH_NAMES):
-                self._call("expcache_stats_get", info.index, p, ctypes.byref(st))
-                paths[name] = PathStats(**{n: getattr(st, n) for n in _lib.STAT_FIELDS})
-            out.append(ClassStats(info, paths))
-        return CacheStats(out)
+        return CacheStats([ClassStats(info, paths) for info, paths in self._read_stats()])
 
     def staging_stats(self) -> StagingStats:
         """Counters of the staging ring that moves pageable and file misses (zeros when none was

@@ -13,7 +13,7 @@ A :class:`~pyexpcache.MultiDeviceCache` has no hooks of its own: pass one of its
 (``multi.caches[d]``).
 
 Reading back:
-    :func:`read_expert`, :func:`read_device`, :func:`device_bytes_in_use`, :func:`table_reads`
+    :func:`read_expert`, :func:`read_device`, :func:`device_bytes_in_use`, :func:`table_reads`, :func:`device_reads`
 The checksum kernel (what :meth:`~pyexpcache.HostSource.expected_checksum` predicts):
     :func:`checksum`, :func:`checksum_async`, :func:`checksum_results`
 Fault injection and prefetch control:
@@ -47,6 +47,7 @@ __all__ = [
     "read_device",
     "read_expert",
     "table_reads",
+    "device_reads",
 ]
 
 #: Result slots of :func:`checksum_async` per cache (EXPCACHE_CHECKSUM_RESULTS).
@@ -103,6 +104,15 @@ def table_reads(cache: ExpertCache, layer: int) -> int:
     out = ctypes.c_uint64()
     cache._call("expcache_testing_table_reads", cache._layer(layer), ctypes.byref(out))
     return out.value
+
+
+def device_reads(cache: ExpertCache) -> tuple[int, int]:
+    """``(syncs, copies)``: the device synchronizations and synchronous device-to-host copies
+    ``cache`` has made since it was created (both backends count them)."""
+    cache = _cache(cache, "device_reads")
+    syncs, copies = ctypes.c_uint64(), ctypes.c_uint64()
+    cache._call("expcache_testing_device_reads", ctypes.byref(syncs), ctypes.byref(copies))
+    return syncs.value, copies.value
 
 
 # -- checksums ---------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def test_a_class_holding_every_expert_is_served_by_its_table(make_cache):
     """Once both layers' 16 experts are in the 16-slot bank, every select is a table read: its
     slots are the ones the experts got when they were copied, its counts have no miss, the
     counters add its distinct experts as hits and nothing else, and a host-side call in between
-    (which reads the device state back and writes it again) changes none of that."""
+    (served by the same grid from the device's state, counted on its own path) changes none of
+    that."""
     cache, source = _cache(make_cache, 16)
     fill = {layer: _Step(cache, layer, (8,)) for layer in LAYOUT.moe_layers}
     home = {}
@@ -110,7 +111,7 @@ def test_a_class_holding_every_expert_is_served_by_its_table(make_cache):
         assert testing.table_reads(cache, layer) == served
         assert_served(cache, source, layer, ids.ravel(), bank_rows(cache.bank(layer), slots.ravel()))
         if i == 11:
-            cache.select(layer, [1, 2])  # a host select: two hits, the state read back and written again
+            cache.select(layer, [1, 2])  # a host select: two hits, on the device's state
             distinct += 2
     after = _device(cache)
     assert after.calls - before.calls == served

@@ -1,9 +1,8 @@
 """Every policy in the device lookup (``ExpertCache(lookup="device")``; libexpcache/src/kernels/
 lookup_rules.hpp): the device selects' counters equal the offline simulator's twin of the cache's
 policy (expcache_bench/sim/) count for count on the bundled traces, as the host select's do
-(tests/test_policy.py); and the contract of a device-lookup cache whose policy keeps its state on the
-device alone (oppclass, duel): the host-side serving calls are refused with the reason and the fix,
-the control calls keep working. On the host backend the device lookup runs the rules the CUDA kernel
+(tests/test_policy.py); the host-side serving calls run on the device's state as the host-lookup
+cache's policy runs them; the control calls keep working. On the host backend the device lookup runs the rules the CUDA kernel
 runs (the same source); on a GPU these tests run the kernel itself."""
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ import expcache_bench as bench
 from expcache_bench.sim import DECODE, simulate_policy
 from pyexpcache import ExpertCache, HostSource, ModelLayout, UnsupportedError, testing
 
-from support.cache import SCALE, device_ids
+from support.cache import SCALE, assert_served, bank_rows, device_ids
 
-DEVICE_STATE_POLICIES = ["duel", "oppclass"]  # whose state lives on the device alone
+DEVICE_STATE_POLICIES = ["duel", "oppclass"]  # whose state only the device lookup keeps
 
 
 def _registered(quant: str, first: int) -> ModelLayout:
@@ -74,26 +73,74 @@ def test_the_default_policy_runs_in_the_device_lookup(backend):
         assert cache.stats().path("device").hits == sim.hits.sum()
 
 
-@pytest.mark.parametrize("policy", DEVICE_STATE_POLICIES)
-def test_host_serving_calls_are_refused_with_the_fix(make_cache, policy):
+@pytest.mark.parametrize("policy", ["duel", "oppclass", "lru"])
+def test_host_serving_calls_run_on_the_device_state(make_cache, policy):
+    """The host-side serving calls of a device-lookup cache (select, select_views, select_slots,
+    compact loads, prefill batches) are the device select in their path's mode, on the one copy
+    of the residency: mixed with device selects, they give the hits, misses and evictions, and
+    leave the residents, that the same calls give on a host-lookup cache of the same policy
+    (whose policy object runs them), and serve the source's bytes."""
+    layout = ModelLayout.preset("q2", scale=SCALE)
+    budget = layout.total_bytes // 10
+    host, _ = make_cache(layout, budget_bytes=budget, pinned=True)
+    dev, source = make_cache(layout, budget_bytes=budget, lookup="device", pinned=True)
+    w = bench.build_workload("decode", ["podA_b_json_full"])
+    rng = np.random.default_rng(3)
+    open_batches = []
+    for n, call in enumerate(w.calls[:1500]):
+        layer, ids = call.layer, np.asarray(call.ids)
+        kind = n % 7
+        if kind == 0:
+            dev.select_device(layer, device_ids(dev, ids))
+            host.select(layer, ids)
+        elif kind == 1:
+            slots = dev.select_slots(layer, ids.astype(np.int32))
+            host.select_slots(layer, ids.astype(np.int32))
+            if n % 50 == 1:
+                assert_served(dev, source, layer, ids, bank_rows(dev.bank(layer), slots))
+        elif kind == 2 and n % 5 == 0:
+            more = rng.integers(0, layout[layer].num_experts, size=6)
+            buf = dev.load_compact(layer, np.concatenate([ids, more]))
+            host.load_compact(layer, np.concatenate([ids, more]))
+            assert_served(dev, source, layer, np.concatenate([ids, more]), buf.pointers())
+        elif kind == 3 and n % 3 == 0:
+            rows = np.stack([ids, rng.integers(0, layout[layer].num_experts, size=ids.size)])
+            pair = (dev.prepare_batch(layer, rows), host.prepare_batch(layer, rows))
+            assert list(pair[0].ids) == list(pair[1].ids)
+            assert_served(dev, source, layer, pair[0].ids, pair[0].pointers)
+            open_batches.append(pair)
+            if len(open_batches) > 2:
+                for b in open_batches.pop(0):
+                    b.finish()
+        else:
+            ptrs = dev.select(layer, ids)
+            host.select(layer, ids)
+            if n % 50 == 3:
+                assert_served(dev, source, layer, ids, ptrs)
+    for pair in open_batches:
+        for b in pair:
+            b.finish()
+    got = {c.info.index: c for c in dev.stats().classes}
+    for c in host.stats().classes:
+        d = got[c.info.index]
+        for path in ("compact", "batch"):
+            h, g = c.paths[path], d.paths[path]
+            assert (g.hits, g.misses, g.evictions) == (h.hits, h.misses, h.evictions), path
+        h, g = c.paths["decode"], d.paths["decode"]
+        gd = d.paths["device"]
+        assert (g.hits + gd.hits, g.misses + gd.misses, g.evictions + gd.evictions) == (h.hits, h.misses, h.evictions)
+        assert d.info.resident_experts == c.info.resident_experts
+    for layer in layout.moe_layers[:4]:
+        for e in range(layout[layer].num_experts):
+            assert (testing.read_expert(dev, layer, e) is None) == (testing.read_expert(host, layer, e) is None)
+
+
+def test_a_split_select_is_refused_on_a_device_lookup_cache(make_cache):
     cache, _ = make_cache(ModelLayout.preset("q2", scale=SCALE), budget_experts=8, lookup="device", pinned=True)
     layer = cache.layout.moe_layers[0]
-    cache.select_device(layer, device_ids(cache, [1, 2]))
-    calls = {
-        "decode": lambda: cache.select(layer, [1, 3]),
-        "views": lambda: cache.select_views(layer, [1, 3]),
-        "slots": lambda: cache.select_slots(layer, np.array([1, 3], dtype=np.int32)),
-        "split": lambda: cache.select_split(layer, [1, 3]),
-        "compact": lambda: cache.load_compact(layer, [1, 3]),
-        "batch": lambda: cache.prepare_batch(layer, np.array([[1, 3]])),
-    }
-    for name, call in calls.items():
-        with pytest.raises(UnsupportedError, match=f"policy {policy}: the policy's state") as e:
-            call()
-        assert "select_device" in str(e.value) and "policy lru" in str(e.value), name
-    st = cache.stats()
-    assert st.path("device").misses == 2 and st.path("decode").calls == 0 and st.path("batch").calls == 0
-    assert testing.read_expert(cache, layer, 3) is None  # nothing served, nothing loaded
+    with pytest.raises(UnsupportedError, match="select_split is not available on a device-lookup cache"):
+        cache.select_split(layer, [1, 3])
+    assert cache.stats().path("decode").calls == 0
 
 
 @pytest.mark.parametrize("policy", DEVICE_STATE_POLICIES)

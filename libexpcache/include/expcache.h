@@ -767,11 +767,26 @@ typedef struct expcache_stats_t {
 
 /**
  * Copy the counters of class `class_index` (< config.max_classes) on path
- * `path` (EXPCACHE_PATH_*) to *out (struct_size set by the caller).
- * Status: INVALID_ARGUMENT (index or path out of range, struct_size mismatch).
+ * `path` (EXPCACHE_PATH_*) to *out (struct_size set by the caller). On a
+ * device-lookup cache, EXPCACHE_PATH_DEVICE's are read from the device (it is
+ * synchronized: one copy); expcache_stats_read reads every class at once.
+ * Status: INVALID_ARGUMENT (index or path out of range, struct_size mismatch),
+ * CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index, uint32_t path,
                                                   expcache_stats_t* out);
+
+/**
+ * Every class's info and counters at once: infos[c] as expcache_class_info_get(c)
+ * and stats[c * EXPCACHE_NUM_PATHS + p] as expcache_stats_get(c, p), for c <
+ * `num_classes` (1..config.max_classes). infos[0].struct_size and
+ * stats[0].struct_size, set by the caller, give the arrays' element size. On a
+ * device-lookup cache the device is synchronized once and its counters and
+ * residents read with one copy. Status: INVALID_ARGUMENT (NULL arrays,
+ * num_classes out of range, struct_size mismatch), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_stats_read(const expcache_t* cache, uint32_t num_classes,
+                                                   expcache_class_info_t* infos, expcache_stats_t* stats);
 
 /**
  * Counters of the staging ring that moves misses of pageable and file sources

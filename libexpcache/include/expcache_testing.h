@@ -169,6 +169,15 @@ EXPCACHE_API expcache_status_t expcache_testing_spin_async(expcache_t* cache, vo
  */
 EXPCACHE_API expcache_status_t expcache_testing_table_reads(expcache_t* cache, uint32_t layer, uint64_t* out_count);
 
+/**
+ * Both backends: the device synchronizations (*out_syncs) and synchronous
+ * device-to-host copies (*out_copies) the cache has made since it was created,
+ * as its backend counts them (the checks that a call reads the device once).
+ * Status: INVALID_ARGUMENT (NULL outputs).
+ */
+EXPCACHE_API expcache_status_t expcache_testing_device_reads(const expcache_t* cache, uint64_t* out_syncs,
+                                                             uint64_t* out_copies);
+
 /* ---------------------------------------------------------------------- */
 /* Struct sizes, for bindings to check their mirrors                       */
 /* ---------------------------------------------------------------------- */

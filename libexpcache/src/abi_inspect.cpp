@@ -46,6 +46,16 @@ expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_ind
     });
 }
 
+expcache_status_t expcache_stats_read(const expcache_t* cache, uint32_t num_classes, expcache_class_info_t* infos,
+                                      expcache_stats_t* stats) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(infos, "infos"));
+        EXPCACHE_TRY(check_struct(stats, "stats"));
+        return cache->impl->read_stats(num_classes, infos, stats);
+    });
+}
+
 expcache_status_t expcache_staging_stats_get(const expcache_t* cache, expcache_staging_stats_t* out) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

@@ -116,6 +116,14 @@ expcache_status_t expcache_testing_table_reads(expcache_t* cache, uint32_t layer
     });
 }
 
+expcache_status_t expcache_testing_device_reads(const expcache_t* cache, uint64_t* out_syncs, uint64_t* out_copies) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_syncs && out_copies, "out_syncs and out_copies must not be NULL");
+        return cache->impl->device_reads(out_syncs, out_copies);
+    });
+}
+
 uint32_t expcache_testing_struct_size(uint32_t which) {
     switch (which) {
         case EXPCACHE_STRUCT_CONFIG:

@@ -91,13 +91,19 @@ expcache_status_t Cache::set_dropped_callback(expcache_memory_dropped_fn fn, voi
 
 // The class table never calls out: what it is about to free is vacated first (nothing goes out
 // into the banks after this, the device has finished every kernel that may read them).
+// On a device-lookup cache a class's device state is made when it is bound, and a release
+// clears it there (the one copy of its residency).
 expcache_status_t Cache::bind_class(uint32_t layer, uint32_t path, int32_t* out_cls) {
-    return prefetch_.bind_class(layer, path, out_cls);
+    expcache_status_t s = prefetch_.bind_class(layer, path, out_cls);
+    return s == EXPCACHE_OK ? lookup_.prepare(*out_cls) : s;
 }
 
 expcache_status_t Cache::release_unheld(uint32_t path) {
-    expcache_status_t s = prefetch_.vacate(classes_.unheld());
-    return s == EXPCACHE_OK ? classes_.release_unheld(path) : s;
+    const std::vector<int32_t> released = classes_.unheld();
+    expcache_status_t s = prefetch_.vacate(released);
+    if (s == EXPCACHE_OK) s = classes_.release_unheld(path);
+    for (size_t i = 0; i < released.size() && s == EXPCACHE_OK; ++i) s = lookup_.clear(released[i]);
+    return s;
 }
 
 expcache_status_t Cache::set_log_level(uint32_t level) {
@@ -146,8 +152,6 @@ expcache_status_t Cache::open_file(const char* path, uint32_t* out_file) {
 
 expcache_status_t Cache::release_all() {
     CallScope scope(*this);
-    LookupSync lookup(*this);
-    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = health_.check(backend_->sync_device());
     if (s != EXPCACHE_OK) return s;

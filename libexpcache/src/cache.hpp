@@ -107,6 +107,8 @@ public:
     expcache_status_t class_info(uint32_t index, expcache_class_info_t* out) const;
     expcache_status_t layer_class(uint32_t layer, uint32_t* out);
     expcache_status_t get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const;
+    // Every class's info and counters at once: infos[n], stats[n * EXPCACHE_NUM_PATHS] (n <= max_classes).
+    expcache_status_t read_stats(uint32_t n, expcache_class_info_t* infos, expcache_stats_t* stats) const;
     expcache_status_t get_staging_stats(expcache_staging_stats_t* out) const;
     expcache_status_t reset_stats();
     expcache_status_t set_log_callback(expcache_log_fn fn, void* user);
@@ -117,6 +119,7 @@ public:
     expcache_status_t inject_copy_failures(uint64_t skip, uint64_t count);
     expcache_status_t inject_staging_failures(uint64_t skip, uint64_t count);
     expcache_status_t device_bytes_in_use(uint64_t* out) const;
+    expcache_status_t device_reads(uint64_t* out_syncs, uint64_t* out_copies) const;
 
 private:
     Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBackend> backend,
@@ -138,28 +141,6 @@ private:
         std::lock_guard<std::mutex> lock_;
         const Cache& cache_;
         const uint64_t disowned_;
-    };
-
-    // On a device-lookup cache, a host-side call works on the host's mirror of the device's
-    // residency: read back when the call starts (the device synchronized), written back when it
-    // ends, its copies finished (device_lookup.hpp). Nothing on other caches. Const calls
-    // (stats, class info) read back too: the mirror is a copy, not state a caller sees change.
-    class LookupSync {
-    public:
-        explicit LookupSync(const Cache& c) : c_(const_cast<Cache&>(c)), status_(c_.lookup_.pull()) {}
-        ~LookupSync() {
-            // A failed write-back is a CUDA failure (the next call reports the poisoned cache); the
-            // call's own message stays the one its caller reads.
-            const std::string message = last_error();
-            if (c_.lookup_.push() != EXPCACHE_OK) restore_last_error(message);
-        }
-        LookupSync(const LookupSync&) = delete;
-        LookupSync& operator=(const LookupSync&) = delete;
-        expcache_status_t status() const { return status_; }
-
-    private:
-        Cache& c_;
-        const expcache_status_t status_;
     };
 
     // A call's uploads from pageable and file sources may still be running on the
@@ -208,14 +189,12 @@ private:
         ServeCall(Cache& cache, uint32_t on_path, uint32_t layer, void* on_stream)
             : scope(cache),
               scratch(cache),
-              lookup(cache),
               uploads(cache, scratch.inserted),
               path(on_path),
               layer_index(layer),
               stream(on_stream) {}
         CallScope scope;
         CallLists scratch;
-        LookupSync lookup;  // written back after the uploads settle
         UploadScope uploads;
         const uint32_t path;
         const uint32_t layer_index;
@@ -251,6 +230,8 @@ private:
     // Serves the call's unique experts from slots of its class; those left without one are
     // scratch.pending[0, *out_direct), for stage_overflow(). batch: nullptr for decode.
     expcache_status_t fill_slots(ServeCall& call, BatchState* batch, uint32_t* out_direct);
+    // fill_slots on a device-lookup cache: the slots the device's residency gives (DeviceLookup::serve).
+    expcache_status_t fill_on_device(ServeCall& call, BatchState* batch, uint32_t* out_direct);
     expcache_status_t stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct);
 
     // serve_select.cpp
@@ -258,15 +239,27 @@ private:
     expcache_status_t serve_decode(ServeCall& call, uint32_t k);
     void write_ptrs(const ServeCall& call, const uint32_t* ids, uint32_t k, expcache_expert_ptrs_t* out) const;
 
+    // serve_compact.cpp
+    expcache_status_t compact_from_table(ServeCall& call, const uint32_t* ids, uint32_t n, unsigned char* base,
+                                         const uint64_t* off);
+    expcache_status_t compact_on_device(ServeCall& call, const uint32_t* ids, uint32_t n, unsigned char* base,
+                                        const uint64_t* off);
     // serve_batch.cpp
     expcache_status_t batch_room() const;
+    // serve_select.cpp
+    expcache_status_t split_room() const;
     // cache.cpp
     expcache_status_t refuse_on_device_lookup(const char* what) const;
     // serve_device.cpp
     expcache_status_t device_call(uint32_t layer, const char* what) const;
-    void unhold(const BatchState& batch);
+    // A batch's slots let go (on a device-lookup cache, those no batch holds now unpinned on `stream`).
+    expcache_status_t unhold(const BatchState& batch, void* stream);
 
     // inspect.cpp
+    // A device-lookup cache's counters and residents (one copy), for const readers.
+    expcache_status_t device_snapshot(DeviceSnapshot* out) const;
+    void fill_info(int32_t c, const DeviceSnapshot& snap, expcache_class_info_t* out) const;
+    void fill_stats(int32_t c, uint32_t path, const DeviceSnapshot& snap, expcache_stats_t* out) const;
     expcache_status_t checksum_jobs(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n,
                                     std::vector<ChecksumJob>* jobs);
 

@@ -173,42 +173,14 @@ void ClassTable::clear_copy_pending(int32_t c, int32_t s) {
     if (s < static_cast<int32_t>(cls.slots_.size())) cls.slots_[s].copy_pending_ = false;
 }
 
-void ClassTable::adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps,
-                       const std::vector<uint32_t>& key_layer, bool lru) {
-    ClassState& cls = classes_[c];
-    for (size_t s = 0; s < cls.slots_.size(); ++s) {
-        SlotState& slot = cls.slots_[s];
-        const int32_t host_key =
-            slot.layer_ < 0 ? -1 : static_cast<int32_t>(layers_[slot.layer_].key_base + slot.expert_);
-        if (host_key == keys[s]) continue;
-        if (slot.layer_ >= 0) {
-            layers_[slot.layer_].slot_of[slot.expert_] = -1;
-            slot.layer_ = -1;
-            cls.resident_--;
-        }
-        if (keys[s] >= 0) {
-            const uint32_t layer = key_layer[keys[s]];
-            slot.layer_ = static_cast<int32_t>(layer);
-            slot.expert_ = static_cast<uint32_t>(keys[s]) - layers_[layer].key_base;
-            slot.last_call_ = 0;
-            layers_[layer].slot_of[slot.expert_] = static_cast<int32_t>(s);
-            cls.resident_++;
-        }
-    }
-    std::vector<int32_t> order;
-    cls.free_slots_.clear();
-    for (size_t s = cls.slots_.size(); s-- > 0;) {
-        if (cls.slots_[s].layer_ < 0)
-            cls.free_slots_.push_back(static_cast<int32_t>(s));
-        else
-            order.push_back(static_cast<int32_t>(s));
-    }
-    if (!lru) return;  // the policy's state is the device's alone
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return stamps[a] != stamps[b] ? stamps[a] < stamps[b] : a < b; });
-    cls.policy_->clear();
-    for (int32_t s : order)
-        cls.policy_->on_insert(s, false, layers_[cls.slots_[s].layer_].key_base + cls.slots_[s].expert_);
+void ClassTable::record(int32_t c, uint32_t path, const expcache_stats_t& add) {
+    expcache_stats_t& st = classes_[c].stats_[path];
+    st.hits += add.hits;
+    st.misses += add.misses;
+    st.evictions += add.evictions;
+    st.appends += add.appends;
+    st.bytes_h2d += add.bytes_h2d;
+    st.bytes_d2d += add.bytes_d2d;
 }
 
 }  // namespace expcache

@@ -5,7 +5,7 @@
 // and SlotState's fields are private to ClassTable: every other file reads them through const
 // getters (operator[], slot()) and changes them only through the table's verbs: bind, grow,
 // acquire/unacquire, install/reinstall/uninstall, evict, hold/unhold, touch, hit, lend,
-// set_prefetch, mark/clear_copy_pending, hint, adopt, release, each recording its own counters
+// set_prefetch, mark/clear_copy_pending, hint, record, release, each recording its own counters
 // (class_table.cpp: classes, caps and budgets; class_bank.cpp: the banks' reservations and mappings;
 // class_slots.cpp: a slot's acquisition, residency, holds and prefetch state).
 #pragma once
@@ -196,8 +196,9 @@ public:
 
     // The counters of class c on `path`, recorded by the verbs below (each says which it records).
     const expcache_stats_t& stats(int32_t c, uint32_t path) const { return classes_[c].stats_[path]; }
-    // The device mirror's counters (device_lookup.cpp copies them from and to the device).
-    expcache_stats_t& mirror_stats(int32_t c, uint32_t path) { return classes_[c].stats_[path]; }
+    // A call whose slots a device-lookup cache found on the device (Cache::fill_on_device) adds
+    // its hits, misses, evictions, appends and bytes (h2d, d2d) on `path`.
+    void record(int32_t c, uint32_t path, const expcache_stats_t& add);
     void reset_stats();
 
     // The first n (<= kStagingRows) staging rows of class c's bank, mapped: where a decode call
@@ -254,13 +255,6 @@ public:
     void set_policy_clock(int32_t c, const PolicyClock& clock) { classes_[c].policy_->set_clock(clock); }
     // A hint refreshes slot s in the policy (Policy::on_hint); no counter.
     void hint(int32_t c, int32_t s) { classes_[c].policy_->on_hint(s); }
-    // The LRU order (first to go first) of class c's policy, where it keeps one (Policy::order).
-    void policy_order(int32_t c, std::vector<int32_t>* out) const { classes_[c].policy_->order(out); }
-    // The device's residency of class c becomes the table's: keys[s] (-1: free) per slot, the key's
-    // layer key_layer[key]; the free list rebuilt; with `lru`, the policy's order rebuilt by stamp.
-    void adopt(int32_t c, const std::vector<int32_t>& keys, const std::vector<uint64_t>& stamps,
-               const std::vector<uint32_t>& key_layer, bool lru);
-
     std::string name(const ClassState& cls) const;
     // What the budgets ask for this class (see expcache_config_t).
     uint64_t target(const ClassState& cls) const;

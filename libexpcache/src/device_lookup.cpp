@@ -26,7 +26,7 @@ public:
 // Where DeviceClass's arrays are: the slots' and, for the policies that keep them, OppClassLRU's
 // lists (oppclass, duel) and duel's counter and shadows.
 struct ClassLayout {
-    uint64_t key_of_slot, stamp, pin, counters, misses, miss_count, handoff;
+    uint64_t key_of_slot, stamp, pin, misses, miss_count, handoff;
     uint64_t opp[3] = {}, duel = 0, shadow_key[2] = {}, shadow_stamp[2] = {}, shadow_opp[2][3] = {};
     uint64_t bytes;
     ClassLayout(uint64_t cap, uint32_t policy) {
@@ -34,7 +34,6 @@ struct ClassLayout {
         key_of_slot = o.take(cap * sizeof(int32_t));
         stamp = o.take(cap * sizeof(uint64_t));
         pin = o.take(cap);
-        counters = o.take(sizeof(DeviceCounters));
         misses = o.take(EXPCACHE_MAX_SELECT * sizeof(DeviceMiss));
         miss_count = o.take(sizeof(uint32_t));
         handoff = o.take(sizeof(DeviceHandoff));
@@ -76,20 +75,25 @@ DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, De
       classes_state_(static_cast<size_t>(classes.size())),
       maps_(layers.size()) {}
 
-// The table: the clocks, the error, each key's slot and, for the policies that keep them, each
-// key's count (oppclass, duel), its slot in each of duel's shadows, and OppClassLRU's tables.
+DeviceLookup::~DeviceLookup() {
+    kernels_->free_mapped(mapped_.host);
+}
+
+// The table: the clocks, what snapshot() reads (the error, every class's counters and residents,
+// adjacent), each key's slot and, for the policies that keep them, each key's count (oppclass,
+// duel), its slot in each of duel's shadows, and OppClassLRU's tables.
 expcache_status_t DeviceLookup::make_table() {
     keys_ = 0;
     for (const LayerState& l : layers_)
         if (l.registered) keys_ = std::max(keys_, l.key_base + l.num_experts);
-    key_layer_.assign(keys_, 0);
-    for (size_t i = 0; i < layers_.size(); ++i)
-        if (layers_[i].registered)
-            std::fill_n(key_layer_.begin() + layers_[i].key_base, layers_[i].num_experts, static_cast<uint32_t>(i));
+    const uint64_t classes = classes_state_.size();
     const bool lists = policy_id_ != EXPCACHE_POLICY_LRU, duel = policy_id_ == EXPCACHE_POLICY_DUEL;
     Offsets o;
-    const uint64_t at_clock = o.take(sizeof(uint64_t)), at_policy_clock = o.take(sizeof(DevicePolicyClock)),
-                   at_error = o.take(sizeof(DeviceError)), at_slots = o.take(uint64_t(keys_) * sizeof(int32_t));
+    const uint64_t at_clock = o.take(2 * sizeof(uint64_t)), at_policy_clock = o.take(sizeof(DevicePolicyClock));
+    const uint64_t at_error = o.take(sizeof(DeviceError)), at_counters = o.take(classes * sizeof(DeviceCounters)),
+                   at_resident = o.take(classes * sizeof(uint64_t));
+    read_bytes_ = at_resident + classes * sizeof(uint64_t) - at_error;
+    const uint64_t at_slots = o.take(uint64_t(keys_) * sizeof(int32_t));
     const uint64_t at_counts = lists ? o.take(uint64_t(keys_) * sizeof(KeyCount)) : 0;
     const uint64_t at_tables = lists ? o.take(sizeof(OppClassTables)) : 0;
     uint64_t at_shadow[2] = {};
@@ -98,12 +102,24 @@ expcache_status_t DeviceLookup::make_table() {
     if (s != EXPCACHE_OK) return s;
     unsigned char* p = static_cast<unsigned char*>(table_);
     clock_dev_ = reinterpret_cast<uint64_t*>(p + at_clock);
+    cold_clock_dev_ = clock_dev_ + 1;
     error_dev_ = reinterpret_cast<DeviceError*>(p + at_error);
+    counters_dev_ = reinterpret_cast<DeviceCounters*>(p + at_counters);
+    resident_dev_ = reinterpret_cast<uint64_t*>(p + at_resident);
     slot_of_key_dev_ = reinterpret_cast<int32_t*>(p + at_slots);
+    // Zeros (the error, the counters, the residents), the clocks at their start, no key resident.
+    std::vector<unsigned char> zeros(at_slots, 0);
+    const uint64_t clocks[2] = {kStampStart, kStampStart};
+    std::memcpy(zeros.data() + at_clock, clocks, sizeof clocks);
+    const std::vector<int32_t> none(keys_, -1);
+    if ((s = health_.check(backend_.copy_h2d_sync(p, zeros.data(), zeros.size()))) != EXPCACHE_OK ||
+        (keys_ && (s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, none.data(),
+                                                            keys_ * sizeof(int32_t)))) != EXPCACHE_OK))
+        return s;
     policy_ = DevicePolicyArgs{};
     policy_.id = policy_id_;
     if (!lists) return EXPCACHE_OK;
-    // What the device's policy starts from (the host policy's state at create; push never writes it).
+    // What the device's policy starts from: the host policy's state at create.
     policy_.clock = reinterpret_cast<DevicePolicyClock*>(p + at_policy_clock);
     policy_.counts = reinterpret_cast<KeyCount*>(p + at_counts);
     policy_.tables = reinterpret_cast<const OppClassTables*>(p + at_tables);
@@ -115,7 +131,6 @@ expcache_status_t DeviceLookup::make_table() {
         (keys_ && (s = health_.check(backend_.copy_h2d_sync(policy_.counts, counts.data(),
                                                             keys_ * sizeof(KeyCount)))) != EXPCACHE_OK))
         return s;
-    const std::vector<int32_t> none(keys_, -1);
     for (int j = 0; j < 2 && duel; ++j) {
         policy_.shadow_slot[j] = reinterpret_cast<int32_t*>(p + at_shadow[j]);
         if (keys_ && (s = health_.check(backend_.copy_h2d_sync(policy_.shadow_slot[j], none.data(),
@@ -136,7 +151,8 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.key_of_slot = reinterpret_cast<int32_t*>(p + at.key_of_slot);
     d.view.stamp = reinterpret_cast<uint64_t*>(p + at.stamp);
     d.view.pin = p + at.pin;
-    d.view.counters = reinterpret_cast<DeviceCounters*>(p + at.counters);
+    d.view.counters = counters_dev_ + c;
+    d.view.resident = resident_dev_ + c;
     d.view.misses = reinterpret_cast<DeviceMiss*>(p + at.misses);
     d.view.miss_count = reinterpret_cast<uint32_t*>(p + at.miss_count);
     d.view.handoff = reinterpret_cast<DeviceHandoff*>(p + at.handoff);
@@ -145,11 +161,15 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.slot_bytes = cls.slot_bytes();
     for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off(q);
     d.view.policy = DevicePolicyClass{};
-    // Zeros everywhere: the handoff (the tickets count from 0 for the class's whole life) and the
-    // policies' state, which starts empty here and lives on the device alone (stamps, lists,
-    // duel's counter and sizes; LRU's stamps are then written by push from the host's order).
+    // Zeros everywhere: no pin, the handoff (the tickets count from 0 for the class's whole life)
+    // and the policy's state, which starts empty (stamps, lists, duel's counter and sizes); no
+    // key in any slot.
     const std::vector<unsigned char> zeros(at.bytes, 0);
-    if ((s = health_.check(backend_.copy_h2d_sync(p, zeros.data(), at.bytes))) != EXPCACHE_OK) return s;
+    const std::vector<int32_t> free_slots(cap, -1);
+    if ((s = health_.check(backend_.copy_h2d_sync(p, zeros.data(), at.bytes))) != EXPCACHE_OK ||
+        (cap && (s = health_.check(backend_.copy_h2d_sync(d.view.key_of_slot, free_slots.data(),
+                                                          cap * sizeof(int32_t)))) != EXPCACHE_OK))
+        return s;
     if (policy_id_ == EXPCACHE_POLICY_LRU) return EXPCACHE_OK;
     d.view.policy.opp = opp_at(p, at.opp);
     if (policy_id_ != EXPCACHE_POLICY_DUEL) return EXPCACHE_OK;
@@ -167,52 +187,83 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     return EXPCACHE_OK;
 }
 
-expcache_status_t DeviceLookup::admit_host_serving(uint32_t path) const {
-    if (!enabled_ || policy_id_ == EXPCACHE_POLICY_LRU) return EXPCACHE_OK;
-    return fail(EXPCACHE_ERR_UNSUPPORTED,
-                "the %s path is not available on a device-lookup cache with policy %s: the policy's state (its "
-                "use counts%s) lives on the device, where select_device keeps it, and a host-side serving call "
-                "would need it on the host; serve with select_device, or make the cache with policy lru (host "
-                "and device calls then share one LRU order) or with lookup host",
-                path_name(path), policy_name(policy_id_),
-                policy_id_ == EXPCACHE_POLICY_DUEL ? ", its shadow caches and their counter" : " and lists");
+expcache_status_t DeviceLookup::prepare(int32_t c) {
+    if (!enabled_ || ready(c) || classes_[c].slots().empty()) return EXPCACHE_OK;
+    expcache_status_t s = EXPCACHE_OK;
+    if (!table_ && (s = make_table()) != EXPCACHE_OK) return s;
+    return make_class(c);
 }
 
-expcache_status_t DeviceLookup::pull() {
-    if (!enabled_ || !table_ || !selected_) return EXPCACHE_OK;
+expcache_status_t DeviceLookup::snapshot(DeviceSnapshot* out) {
+    const size_t classes = classes_state_.size();
+    out->counters.assign(classes, DeviceCounters{});
+    out->resident.assign(classes, 0);
+    if (!enabled_ || !table_) return EXPCACHE_OK;
+    expcache_status_t s = health_.check(backend_.sync_device());
+    read_buf_.resize(read_bytes_);
+    if (s == EXPCACHE_OK) s = health_.check(backend_.copy_d2h_sync(read_buf_.data(), error_dev_, read_bytes_));
+    if (s != EXPCACHE_OK) return s;
+    const unsigned char* at = read_buf_.data();
+    const auto offset = [&](const void* dev) {
+        return static_cast<size_t>(static_cast<const unsigned char*>(dev) -
+                                   static_cast<const unsigned char*>(static_cast<void*>(error_dev_)));
+    };
+    DeviceError error = {};
+    std::memcpy(&error, at, sizeof error);
+    std::memcpy(out->counters.data(), at + offset(counters_dev_), classes * sizeof(DeviceCounters));
+    std::memcpy(out->resident.data(), at + offset(resident_dev_), classes * sizeof(uint64_t));
+    if (error.set) {
+        report(error);
+        const DeviceError none = {};
+        if ((s = health_.check(backend_.copy_h2d_sync(error_dev_, &none, sizeof none))) != EXPCACHE_OK) return s;
+    }
+    return EXPCACHE_OK;
+}
+
+expcache_status_t DeviceLookup::reset_counters() {
+    if (!enabled_ || !table_) return EXPCACHE_OK;
+    const std::vector<DeviceCounters> zeros(classes_state_.size(), DeviceCounters{});
+    expcache_status_t s = health_.check(backend_.sync_device());
+    return s == EXPCACHE_OK ? health_.check(backend_.copy_h2d_sync(counters_dev_, zeros.data(),
+                                                                   zeros.size() * sizeof(DeviceCounters)))
+                            : s;
+}
+
+expcache_status_t DeviceLookup::clear(int32_t c) {
+    if (!ready(c)) return EXPCACHE_OK;
+    const DeviceClass& d = classes_state_[c].view;
     expcache_status_t s = health_.check(backend_.sync_device());
     if (s != EXPCACHE_OK) return s;
-    DeviceError error = {};
-    if ((s = health_.check(backend_.copy_d2h_sync(&clock_, clock_dev_, sizeof(clock_)))) != EXPCACHE_OK ||
-        (s = health_.check(backend_.copy_d2h_sync(&error, error_dev_, sizeof(error)))) != EXPCACHE_OK)
-        return s;
-    std::vector<int32_t> keys;
-    std::vector<uint64_t> stamps;
-    for (int32_t c = 0; c < classes_.size(); ++c) {
-        if (!ready(c)) continue;
-        const DeviceClass& d = classes_state_[c].view;
-        keys.resize(d.cap);
-        stamps.resize(d.cap);
-        DeviceCounters n = {};
-        const bool lru = policy_id_ == EXPCACHE_POLICY_LRU;  // the host rebuilds only LRU's order
-        if (d.cap &&
-            ((s = health_.check(backend_.copy_d2h_sync(keys.data(), d.key_of_slot, d.cap * sizeof(int32_t)))) !=
-                 EXPCACHE_OK ||
-             (lru && (s = health_.check(backend_.copy_d2h_sync(stamps.data(), d.stamp, d.cap * sizeof(uint64_t)))) !=
-                         EXPCACHE_OK)))
+    // Every key of the class's layers out of the slot map, every slot free (the class holds no
+    // batch slot: release() is only asked for classes that hold none).
+    for (const LayerState& l : layers_) {
+        if (!l.registered || classes_.bound(l) != c) continue;
+        const std::vector<int32_t> none(l.num_experts, -1);
+        if ((s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_ + l.key_base, none.data(),
+                                                      none.size() * sizeof(int32_t)))) != EXPCACHE_OK)
             return s;
-        if ((s = health_.check(backend_.copy_d2h_sync(&n, d.counters, sizeof(n)))) != EXPCACHE_OK) return s;
-        classes_.adopt(c, keys, stamps, key_layer_, lru);  // the mirror: slots, slot maps, free list, LRU order
-        expcache_stats_t& st = classes_.mirror_stats(c, EXPCACHE_PATH_DEVICE);
-        st.calls = n.calls;
-        st.hits = n.hits;
-        st.misses = n.misses;
-        st.evictions = n.evictions;
-        st.appends = n.appends;
-        st.bytes_h2d = n.bytes_h2d;
     }
-    report(error);
-    return EXPCACHE_OK;
+    const std::vector<int32_t> free_slots(d.cap, -1);
+    const uint64_t zero = 0;
+    if ((d.cap && (s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, free_slots.data(),
+                                                            d.cap * sizeof(int32_t)))) != EXPCACHE_OK) ||
+        (s = health_.check(backend_.copy_h2d_sync(d.resident, &zero, sizeof zero))) != EXPCACHE_OK)
+        return s;
+    if (d.policy.duel) {  // DuelPolicy::clear: nothing held; its room, counter and shadows stay
+        const int32_t none = 0;
+        s = health_.check(backend_.copy_h2d_sync(&d.policy.duel->resident, &none, sizeof none));
+    }
+    return s;
+}
+
+expcache_status_t DeviceLookup::slot_of(uint32_t layer, int32_t c, uint32_t expert, int32_t* out) {
+    *out = -1;
+    if (!ready(c)) return EXPCACHE_OK;
+    expcache_status_t s = health_.check(backend_.sync_device());
+    return s == EXPCACHE_OK ? health_.check(backend_.copy_d2h_sync(out, slot_of_key_dev_ + layers_[layer].key_base +
+                                                                             expert,
+                                                                   sizeof(int32_t)))
+                            : s;
 }
 
 // A select's id out of range is the caller's bug, found on the device after the call returned:
@@ -234,62 +285,6 @@ void DeviceLookup::report_pending() {
     report(error);
 }
 
-expcache_status_t DeviceLookup::push() {
-    if (!enabled_) return EXPCACHE_OK;
-    bool any = false;
-    for (const ClassState& cls : classes_) any = any || (cls.in_use() && !cls.slots().empty());
-    if (!any && !table_) return EXPCACHE_OK;
-    expcache_status_t s = health_.check(backend_.sync_device());
-    if (s != EXPCACHE_OK) return s;
-    if (!table_ && (s = make_table()) != EXPCACHE_OK) return s;
-    std::vector<int32_t> slot_of_key(keys_, -1);
-    std::vector<int32_t> keys, order;
-    std::vector<uint64_t> stamps;
-    std::vector<uint8_t> pins;
-    for (int32_t c = 0; c < classes_.size(); ++c) {
-        const ClassState& cls = classes_[c];
-        if (!cls.in_use() || cls.slots().empty()) continue;
-        if (!ready(c) && (s = make_class(c)) != EXPCACHE_OK) return s;
-        const DeviceClass& d = classes_state_[c].view;
-        keys.assign(d.cap, -1);
-        stamps.assign(d.cap, 0);
-        pins.assign(d.cap, 0);
-        const bool lru = policy_id_ == EXPCACHE_POLICY_LRU;  // the other policies' order is the device's alone
-        order.clear();
-        if (lru) classes_.policy_order(c, &order);
-        for (int32_t slot : order) stamps[slot] = ++clock_;
-        for (uint32_t i = 0; i < d.cap; ++i) {
-            const SlotState& slot = cls.slots()[i];
-            pins[i] = slot.holds() > 0;
-            if (slot.layer() < 0) continue;
-            keys[i] = static_cast<int32_t>(layers_[slot.layer()].key_base + slot.expert());
-            slot_of_key[keys[i]] = static_cast<int32_t>(i);
-        }
-        const expcache_stats_t& st = classes_.stats(c, EXPCACHE_PATH_DEVICE);
-        const DeviceCounters n = {st.calls, st.hits, st.misses, st.evictions, st.appends, st.bytes_h2d};
-        if (d.cap &&
-            ((s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, keys.data(), d.cap * sizeof(int32_t)))) !=
-                 EXPCACHE_OK ||
-             (lru && (s = health_.check(backend_.copy_h2d_sync(d.stamp, stamps.data(), d.cap * sizeof(uint64_t)))) !=
-                         EXPCACHE_OK) ||
-             (s = health_.check(backend_.copy_h2d_sync(d.pin, pins.data(), d.cap))) != EXPCACHE_OK))
-            return s;
-        if ((s = health_.check(backend_.copy_h2d_sync(d.counters, &n, sizeof(n)))) != EXPCACHE_OK) return s;
-        if (d.policy.duel) {  // the slots held now (a release empties them); duel's counter and shadows stay
-            const int32_t resident = static_cast<int32_t>(cls.resident());
-            if ((s = health_.check(backend_.copy_h2d_sync(&d.policy.duel->resident, &resident, sizeof resident))) !=
-                EXPCACHE_OK)
-                return s;
-        }
-    }
-    const DeviceError none = {};
-    if ((s = health_.check(backend_.copy_h2d_sync(clock_dev_, &clock_, sizeof(clock_)))) != EXPCACHE_OK ||
-        (s = health_.check(backend_.copy_h2d_sync(error_dev_, &none, sizeof(none)))) != EXPCACHE_OK)
-        return s;
-    if (keys_) s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, slot_of_key.data(), keys_ * sizeof(int32_t)));
-    return s;
-}
-
 expcache_status_t DeviceLookup::table_reads(int32_t c, uint64_t* out) {
     *out = 0;
     if (!ready(c)) return EXPCACHE_OK;
@@ -301,16 +296,14 @@ expcache_status_t DeviceLookup::table_reads(int32_t c, uint64_t* out) {
 }
 
 // Where the device reads the layer's parts: its pinned source, mapped (the host backend's
-// "device" reads any host memory; a file has no address at all).
+// "device" reads any host memory; a file has no address at all). A layer the device cannot read
+// is refused by select_device; a host-side call's select fills its slots and the host copies.
 expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
     const LayerState& l = layers_[layer];
     m->resolved = true;
-    const char* fix = policy_id_ == EXPCACHE_POLICY_LRU
-                          ? "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
-                            "HostSource(..., pinned=True)), or use the host-side select"
-                          : "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: "
-                            "HostSource(..., pinned=True)), or serve it with the host-side select of a cache "
-                            "made with lookup host (or with policy lru)";
+    const char* fix =
+        "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: HostSource(..., "
+        "pinned=True)), or use the host-side select";
     // Refused by the layer's declared kind, not by whether this backend could map the memory: the
     // host backend (which could read any memory) keeps the CUDA backend's contract.
     if (!l.source.pinned()) {
@@ -343,29 +336,18 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
     return EXPCACHE_OK;
 }
 
-expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* ids, uint32_t id_bits, uint32_t count,
-                                       int32_t* out_slots, uint32_t* out_counts, void* stream) {
+expcache_status_t DeviceLookup::args_for(uint32_t layer, int32_t c, uint32_t count, bool host_call,
+                                         DeviceSelectArgs* out) {
     LayerMap& m = maps_[layer];
     if (!m.resolved) {
         expcache_status_t s = resolve(layer, &m);
         if (s != EXPCACHE_OK) return s;
     }
-    if (m.status != EXPCACHE_OK) return fail(m.status, "%s", m.why.c_str());
-    const ClassState& cls = classes_[c];
-    const DeviceClass& d = classes_state_[c].view;
-    if (count > d.cap - std::min<uint64_t>(cls.held(), d.cap))
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                    "a device select of %u ids needs as many slots it may fill: layer %u's bank has %u%s; raise the "
-                    "budget or select fewer ids at once",
-                    count, layer, d.cap,
-                    cls.held() ? format(", %llu of them held by batches", (unsigned long long)cls.held()).c_str() : "");
+    if (m.status != EXPCACHE_OK && !host_call) return fail(m.status, "%s", m.why.c_str());
     const LayerState& l = layers_[layer];
-    DeviceSelectArgs a = {};
-    a.ids = ids;
-    a.id_bits = id_bits;
+    DeviceSelectArgs& a = *out;
+    a = DeviceSelectArgs{};
     a.count = count;
-    a.out_slots = out_slots;
-    a.out_counts = out_counts;
     a.layer = layer;
     a.key_base = l.key_base;
     a.num_experts = l.num_experts;
@@ -375,15 +357,122 @@ expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* id
         a.src_stride[p] = l.stride[p];
         a.part_bytes[p] = l.bytes[p];
     }
-    a.cls = d;
+    a.cls = classes_state_[c].view;
     a.clock = clock_dev_;
+    a.cold_clock = cold_clock_dev_;
     a.slot_of_key = slot_of_key_dev_;
     a.error = error_dev_;
     a.policy = policy_;
     a.policy.pos = l.rank;
     a.policy.positions = layers_.registered();
+    a.mode = kModeDecode;
+    a.open_clock = 1;
+    a.host_call = host_call;
+    a.copy = m.status == EXPCACHE_OK;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t DeviceLookup::select(uint32_t layer, int32_t c, const void* ids, uint32_t id_bits, uint32_t count,
+                                       int32_t* out_slots, uint32_t* out_counts, void* stream) {
+    const ClassState& cls = classes_[c];
+    const uint32_t cap = classes_state_[c].view.cap;
+    if (count > cap - std::min<uint64_t>(cls.held(), cap))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "a device select of %u ids needs as many slots it may fill: layer %u's bank has %u%s; raise the "
+                    "budget or select fewer ids at once",
+                    count, layer, cap,
+                    cls.held() ? format(", %llu of them held by batches", (unsigned long long)cls.held()).c_str() : "");
+    DeviceSelectArgs a;
+    expcache_status_t s = args_for(layer, c, count, false, &a);
+    if (s != EXPCACHE_OK) return s;
+    a.ids = ids;
+    a.id_bits = id_bits;
+    a.out_slots = out_slots;
+    a.out_counts = out_counts;
     selected_ = true;  // even when the launch fails: the host backend's steps may have run
     return health_.check(kernels_->select(a, stream));
+}
+
+// The mapped buffer: a piece's ids, its slots, its tally, its filled flags.
+namespace {
+constexpr uint64_t kMappedIds = 0;
+constexpr uint64_t kMappedSlots = EXPCACHE_MAX_SELECT * sizeof(int32_t);
+constexpr uint64_t kMappedTally = 2 * EXPCACHE_MAX_SELECT * sizeof(int32_t);
+constexpr uint64_t kMappedFilled = kMappedTally + kTallyWords * sizeof(uint32_t);
+constexpr uint64_t kMappedBytes = kMappedFilled + EXPCACHE_MAX_SELECT;
+}  // namespace
+
+expcache_status_t DeviceLookup::serve(uint32_t layer, int32_t c, const uint32_t* ids, uint32_t n, uint32_t mode,
+                                      void* stream, int32_t* out_slots, uint8_t* out_filled, ServeTally* tally) {
+    *tally = ServeTally{};
+    expcache_status_t s = EXPCACHE_OK;
+    if (!mapped_.host && (s = kernels_->alloc_mapped(kMappedBytes, &mapped_.host, &mapped_.device)) != EXPCACHE_OK)
+        return s;
+    unsigned char* host = static_cast<unsigned char*>(mapped_.host);
+    unsigned char* dev = static_cast<unsigned char*>(mapped_.device);
+    // In pieces of at most EXPCACHE_MAX_SELECT ids (a decode call has no more); the first opens
+    // the policy clock, as the host's call opens it once.
+    for (uint32_t at = 0; at < n; at += EXPCACHE_MAX_SELECT) {
+        const uint32_t count = std::min<uint32_t>(n - at, EXPCACHE_MAX_SELECT);
+        DeviceSelectArgs a;
+        if ((s = args_for(layer, c, count, true, &a)) != EXPCACHE_OK) return s;
+        std::memcpy(host + kMappedIds, ids + at, count * sizeof(uint32_t));
+        a.ids = dev + kMappedIds;
+        a.id_bits = 32;
+        a.out_slots = reinterpret_cast<int32_t*>(dev + kMappedSlots);
+        a.out_counts = reinterpret_cast<uint32_t*>(dev + kMappedTally);
+        a.out_filled = dev + kMappedFilled;
+        a.mode = mode;
+        a.open_clock = at == 0;
+        tally->host_copies = !a.copy;
+        if ((s = health_.check(kernels_->select(a, stream))) != EXPCACHE_OK ||
+            (s = health_.check(backend_.sync_stream(stream))) != EXPCACHE_OK)
+            return s;
+        std::memcpy(out_slots + at, host + kMappedSlots, count * sizeof(int32_t));
+        std::memcpy(out_filled + at, host + kMappedFilled, count);
+        uint32_t t[kTallyWords];
+        std::memcpy(t, host + kMappedTally, sizeof t);
+        tally->hits += t[kTallyHits];
+        tally->fills += t[kCountMisses];
+        tally->evictions += t[kTallyEvictions];
+    }
+    return EXPCACHE_OK;
+}
+
+expcache_status_t DeviceLookup::forget(int32_t c, const std::vector<int32_t>& slots) {
+    if (!ready(c) || slots.empty()) return EXPCACHE_OK;
+    const DeviceClass& d = classes_state_[c].view;
+    expcache_status_t s = health_.check(backend_.sync_device());
+    uint64_t resident = 0;
+    if (s == EXPCACHE_OK) s = health_.check(backend_.copy_d2h_sync(&resident, d.resident, sizeof resident));
+    const int32_t none = -1;
+    for (size_t i = 0; i < slots.size() && s == EXPCACHE_OK; ++i) {
+        int32_t key = -1;
+        if ((s = health_.check(backend_.copy_d2h_sync(&key, d.key_of_slot + slots[i], sizeof key))) != EXPCACHE_OK ||
+            key < 0)
+            continue;
+        if ((s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_ + key, &none, sizeof none))) == EXPCACHE_OK)
+            s = health_.check(backend_.copy_h2d_sync(d.key_of_slot + slots[i], &none, sizeof none));
+        --resident;
+    }
+    if (s == EXPCACHE_OK) s = health_.check(backend_.copy_h2d_sync(d.resident, &resident, sizeof resident));
+    return s;
+}
+
+expcache_status_t DeviceLookup::unpin(int32_t c, const std::vector<int32_t>& slots, void* stream) {
+    if (!ready(c) || slots.empty()) return EXPCACHE_OK;
+    expcache_status_t s = EXPCACHE_OK;
+    if (!mapped_.host && (s = kernels_->alloc_mapped(kMappedBytes, &mapped_.host, &mapped_.device)) != EXPCACHE_OK)
+        return s;
+    for (size_t at = 0; at < slots.size(); at += 2 * EXPCACHE_MAX_SELECT) {
+        const uint32_t count = static_cast<uint32_t>(std::min<size_t>(slots.size() - at, 2 * EXPCACHE_MAX_SELECT));
+        std::memcpy(mapped_.host, slots.data() + at, count * sizeof(int32_t));
+        if ((s = health_.check(kernels_->unpin(classes_state_[c].view.pin, static_cast<int32_t*>(mapped_.device),
+                                               count, stream))) != EXPCACHE_OK ||
+            (s = health_.check(backend_.sync_stream(stream))) != EXPCACHE_OK)  // the list is read
+            return s;
+    }
+    return EXPCACHE_OK;
 }
 
 }  // namespace expcache

@@ -13,8 +13,6 @@ namespace expcache {
 expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, void* dst, uint64_t dst_bytes,
                                        uint32_t* out_resident) {
     CallScope scope(*this);
-    LookupSync lookup(*this);
-    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
     if (s != EXPCACHE_OK) return s;
@@ -27,19 +25,24 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
                     (unsigned long long)layer.expert_bytes());
     if ((s = prefetch_.settle(false)) != EXPCACHE_OK) return s;
     const int32_t c = classes_.bound(layer);
-    int32_t slot = c >= 0 ? layer.slot_of[expert] : -1;
-    if (slot >= 0 && classes_[c].slots()[slot].prefetch() != kPrefetchNone &&
-        classes_[c].slots()[slot].prefetch() != kPrefetchUnused)
-        slot = -1;  // bytes not all sent
+    int32_t slot = -1;
+    if (lookup_.enabled()) {
+        if (c >= 0 && (s = lookup_.slot_of(layer_index, c, expert, &slot)) != EXPCACHE_OK) return s;
+    } else {
+        slot = c >= 0 ? layer.slot_of[expert] : -1;
+        if (slot >= 0 && classes_[c].slots()[slot].prefetch() != kPrefetchNone &&
+            classes_[c].slots()[slot].prefetch() != kPrefetchUnused)
+            slot = -1;  // bytes not all sent
+    }
     if (slot < 0) {
         *out_resident = 0;
         return EXPCACHE_OK;
     }
     const ClassState& cls = classes_[c];
+    const unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
     unsigned char* d = static_cast<unsigned char*>(dst);
     for (int p = 0; p < kParts; ++p) {
-        if ((s = health_.check(
-                 backend_->copy_d2h_sync(d, cls.slots()[slot].dev() + cls.part_off(p), layer.bytes[p]))) != EXPCACHE_OK)
+        if ((s = health_.check(backend_->copy_d2h_sync(d, row + cls.part_off(p), layer.bytes[p]))) != EXPCACHE_OK)
             return s;
         d += layer.bytes[p];
     }
@@ -165,36 +168,57 @@ expcache_status_t Cache::class_count(uint32_t* out) const {
     return EXPCACHE_OK;
 }
 
+// A device-lookup cache's counters and residents are the device's: one copy for every class.
+expcache_status_t Cache::device_snapshot(DeviceSnapshot* out) const {
+    return const_cast<DeviceLookup&>(lookup_).snapshot(out);
+}
+
+void Cache::fill_info(int32_t c, const DeviceSnapshot& snap, expcache_class_info_t* out) const {
+    const ClassState& cls = classes_[c];
+    expcache_class_info_t info = {};
+    info.struct_size = sizeof info;
+    info.in_use = cls.in_use();
+    info.gate_bytes = cls.key(kGate);
+    info.up_bytes = cls.key(kUp);
+    info.down_bytes = cls.key(kDown);
+    info.slot_bytes = cls.slot_bytes();
+    info.target_experts = cls.in_use() ? classes_.target(cls) : 0;
+    info.cap_experts = cls.cap();
+    info.allocated_experts = cls.slots().size();
+    info.resident_experts = lookup_.enabled() ? snap.resident[c] : cls.resident();
+    info.held_experts = cls.held();
+    info.num_layers = cls.layers();
+    info.staging_bytes = cls.staging_bytes();
+    *out = info;
+}
+
+void Cache::fill_stats(int32_t c, uint32_t path, const DeviceSnapshot& snap, expcache_stats_t* out) const {
+    *out = classes_.stats(c, path);
+    if (lookup_.enabled() && path == EXPCACHE_PATH_DEVICE) {
+        const DeviceCounters& n = snap.counters[c];
+        out->calls = n.calls;
+        out->hits = n.hits;
+        out->misses = n.misses;
+        out->evictions = n.evictions;
+        out->appends = n.appends;
+        out->bytes_h2d = n.bytes_h2d;
+    }
+    out->struct_size = sizeof *out;
+}
+
 expcache_status_t Cache::class_info(uint32_t index, expcache_class_info_t* out) const {
     CallScope scope(*this);
-    LookupSync lookup(*this);
-    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     if (index >= static_cast<uint32_t>(classes_.size()))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
-    const ClassState& c = classes_[static_cast<int32_t>(index)];
-    expcache_class_info_t info = {};
-    info.struct_size = sizeof info;
-    info.in_use = c.in_use();
-    info.gate_bytes = c.key(kGate);
-    info.up_bytes = c.key(kUp);
-    info.down_bytes = c.key(kDown);
-    info.slot_bytes = c.slot_bytes();
-    info.target_experts = c.in_use() ? classes_.target(c) : 0;
-    info.cap_experts = c.cap();
-    info.allocated_experts = c.slots().size();
-    info.resident_experts = c.resident();
-    info.held_experts = c.held();
-    info.num_layers = c.layers();
-    info.staging_bytes = c.staging_bytes();
-    *out = info;
-    return EXPCACHE_OK;
+    DeviceSnapshot snap;
+    expcache_status_t s = device_snapshot(&snap);
+    if (s == EXPCACHE_OK) fill_info(static_cast<int32_t>(index), snap, out);
+    return s;
 }
 
 expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
     CallScope scope(*this);
-    LookupSync lookup(*this);
-    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer);
     int32_t c = -1;
@@ -206,15 +230,29 @@ expcache_status_t Cache::layer_class(uint32_t layer, uint32_t* out) {
 
 expcache_status_t Cache::get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const {
     CallScope scope(*this);
-    LookupSync lookup(*this);
-    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     if (index >= static_cast<uint32_t>(classes_.size()))
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "class index %u out of range (max_classes %d)", index,
                     classes_.size());
     if (path >= EXPCACHE_NUM_PATHS)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "path %u out of range (0..%d)", path, EXPCACHE_NUM_PATHS - 1);
-    *out = classes_.stats(static_cast<int32_t>(index), path);
-    out->struct_size = sizeof *out;
+    DeviceSnapshot snap;
+    expcache_status_t s = path == EXPCACHE_PATH_DEVICE ? device_snapshot(&snap) : EXPCACHE_OK;
+    if (s == EXPCACHE_OK) fill_stats(static_cast<int32_t>(index), path, snap, out);
+    return s;
+}
+
+expcache_status_t Cache::read_stats(uint32_t n, expcache_class_info_t* infos, expcache_stats_t* stats) const {
+    CallScope scope(*this);
+    if (n == 0 || n > static_cast<uint32_t>(classes_.size()))
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..max_classes (%d), got %u", classes_.size(), n);
+    DeviceSnapshot snap;
+    expcache_status_t s = device_snapshot(&snap);
+    if (s != EXPCACHE_OK) return s;
+    for (uint32_t c = 0; c < n; ++c) {
+        fill_info(static_cast<int32_t>(c), snap, &infos[c]);
+        for (uint32_t p = 0; p < EXPCACHE_NUM_PATHS; ++p)
+            fill_stats(static_cast<int32_t>(c), p, snap, &stats[uint64_t(c) * EXPCACHE_NUM_PATHS + p]);
+    }
     return EXPCACHE_OK;
 }
 
@@ -228,8 +266,8 @@ expcache_status_t Cache::get_staging_stats(expcache_staging_stats_t* out) const 
 
 expcache_status_t Cache::reset_stats() {
     CallScope scope(*this);
-    LookupSync lookup(*this);
-    if (lookup.status() != EXPCACHE_OK) return lookup.status();
+    expcache_status_t s = lookup_.reset_counters();
+    if (s != EXPCACHE_OK) return s;
     classes_.reset_stats();
     backend_->reset_staging_stats();
     prefetch_.reset_stats();
@@ -260,6 +298,14 @@ expcache_status_t Cache::inject_staging_failures(uint64_t skip, uint64_t count) 
 expcache_status_t Cache::device_bytes_in_use(uint64_t* out) const {
     CallScope scope(*this);
     *out = arena_.bytes_in_use();
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::device_reads(uint64_t* out_syncs, uint64_t* out_copies) const {
+    CallScope scope(*this);
+    const InstrumentedBackend::Reads r = backend_->reads();
+    *out_syncs = r.syncs;
+    *out_copies = r.copies;
     return EXPCACHE_OK;
 }
 

@@ -51,9 +51,7 @@ expcache_status_t Cache::begin_call(void* stream, bool per_slot) {
 expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_t n, uint64_t max_n,
                                    const char* count_name, expcache_status_t (Cache::*admit)() const) {
     const uint32_t layer = call.layer_index;
-    expcache_status_t s = call.lookup.status();
-    if (s == EXPCACHE_OK) s = validate_request(layer, ids, n, max_n, count_name);
-    if (s == EXPCACHE_OK) s = lookup_.admit_host_serving(call.path);
+    expcache_status_t s = validate_request(layer, ids, n, max_n, count_name);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
     if (s == EXPCACHE_OK) s = bind_class(layer, call.path, &call.c);
@@ -105,8 +103,15 @@ void Cache::UploadScope::abandon() {
 
 expcache_status_t Cache::settle_uploads(std::vector<std::pair<int32_t, int32_t>>& inserted) {
     expcache_status_t s = health_.check(backend_->finish_uploads());
-    if (s != EXPCACHE_OK)
+    if (s != EXPCACHE_OK && lookup_.enabled()) {
+        // The device's residency: each class's failed slots forgotten there (the call's own error stays).
+        const std::string why = last_error();
+        for (const auto& cs : inserted)
+            if (lookup_.forget(cs.first, {cs.second}) != EXPCACHE_OK) break;
+        restore_last_error(why);
+    } else if (s != EXPCACHE_OK) {
         for (const auto& cs : inserted) classes_.uninstall(cs.first, cs.second);
+    }
     inserted.clear();
     return s;
 }

@@ -23,9 +23,15 @@ expcache_status_t Cache::batch_room() const {
     return EXPCACHE_OK;
 }
 
-void Cache::unhold(const BatchState& batch) {
+expcache_status_t Cache::unhold(const BatchState& batch, void* stream) {
     // Read by the batch's work up to now: no prefetch may overwrite it before the next call.
     for (int32_t slot : batch.held) classes_.unhold(batch.cls, slot, clock_.cur);
+    if (!lookup_.enabled() || batch.held.empty()) return EXPCACHE_OK;
+    // The device's pins of the slots no other batch holds go, after the batch's work on `stream`.
+    std::vector<int32_t> free;
+    for (int32_t slot : batch.held)
+        if (classes_[batch.cls].slots()[slot].holds() == 0) free.push_back(slot);
+    return lookup_.unpin(batch.cls, free, stream);
 }
 
 expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids, uint64_t n, void* stream,
@@ -39,7 +45,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
     batch.cls = call.c;
     uint32_t direct = 0;
     if ((s = fill_slots(call, &batch, &direct)) != EXPCACHE_OK) {
-        unhold(batch);
+        unhold(batch, stream);
         return s;
     }
     if (direct > 0) {
@@ -47,7 +53,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         // them, so a prompt cannot flush the decode working set even when memory is short.
         const uint64_t bytes = uint64_t(direct) * call.cls->slot_bytes();
         if ((s = health_.check(arena_.alloc(bytes, &batch.staging))) != EXPCACHE_OK) {
-            unhold(batch);
+            unhold(batch, stream);
             if (s == EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY)
                 return fail(s,
                             "batch staging of %u experts (%llu bytes) does not fit next to the caches (%s); "
@@ -56,14 +62,14 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
             return s;
         }
         if ((s = stage_overflow(call, static_cast<unsigned char*>(batch.staging), direct)) != EXPCACHE_OK) {
-            unhold(batch);
+            unhold(batch, stream);
             call.uploads.abandon();  // earlier uploads may still write into the staging
             health_.check(arena_.free_after(batch.staging, stream));
             return s;
         }
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) {
-        unhold(batch);
+        unhold(batch, stream);
         if (batch.staging) health_.check(arena_.free_after(batch.staging, stream));
         return s;
     }
@@ -84,17 +90,15 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
 
 expcache_status_t Cache::batch_finish(uint64_t id, void* stream) {
     CallScope scope(*this);
-    LookupSync lookup(*this);
-    if (lookup.status() != EXPCACHE_OK) return lookup.status();
     auto it = std::find_if(batches_.open.begin(), batches_.open.end(), [&](const BatchState& b) { return b.id == id; });
     if (it == batches_.open.end())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "batch %llu is unknown or already finished", (unsigned long long)id);
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK && it->staging) s = health_.check(arena_.free_after(it->staging, stream));
     if (s != EXPCACHE_OK) return s;
-    unhold(*it);
+    s = unhold(*it, stream);
     batches_.open.erase(it);
-    return EXPCACHE_OK;
+    return s;
 }
 
 }  // namespace expcache

@@ -6,23 +6,50 @@
 
 namespace expcache {
 
-expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
-                                      expcache_compact_t* out) {
-    ServeCall call(*this, EXPCACHE_PATH_COMPACT, layer_index, stream);
-    expcache_status_t s = open_call(call, ids, n, kMaxCompact, "n");
+// On a device-lookup cache: the device select, lending (kModeLend: hits refreshed as the policy
+// sees a compact load's, nothing inserted), says which ids are resident; each is copied from its
+// slot or from the source.
+expcache_status_t Cache::compact_on_device(ServeCall& call, const uint32_t* ids, uint32_t n, unsigned char* base,
+                                           const uint64_t* off) {
+    uint32_t missing = 0;
+    expcache_status_t s = fill_on_device(call, nullptr, &missing);
     if (s != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
-    const uint64_t* b = layer.bytes;
-    uint64_t off[kParts];
-    off[kGate] = 0;
-    off[kUp] = align_up(off[kGate] + b[kGate] * n);
-    off[kDown] = align_up(off[kUp] + b[kUp] * n);
-    uint64_t total = off[kDown] + b[kDown] * n;
-
-    // Allocate before resolving hits: the retry may release the caches.
-    if ((s = reserve_buffer(call, staging_.compact, total, true)) != EXPCACHE_OK) return s;
     const ClassState& cls = *call.cls;
-    unsigned char* base = static_cast<unsigned char*>(staging_.compact.ptr);
+    const uint64_t* b = layer.bytes;
+    expcache_stats_t lent = {};
+    std::vector<uint8_t>& seen = call.scratch.resident;  // per unique id: listed once already
+    seen.assign(call.scratch.unique.size(), 0);
+    for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t j = layer.seen_pos[ids[i]];
+        unsigned char* dst[kParts] = {base + off[kGate] + b[kGate] * i, base + off[kUp] + b[kUp] * i,
+                                      base + off[kDown] + b[kDown] * i};
+        const int32_t slot = call.scratch.slots[j];
+        if (slot >= 0) {
+            const unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
+            for (int p = 0; p < kParts; ++p)
+                if ((s = health_.check(backend_->copy_d2d(dst[p], row + cls.part_off(p), b[p], call.stream))) !=
+                    EXPCACHE_OK)
+                    return s;
+            lent.bytes_d2d += layer.expert_bytes();
+        } else {
+            if ((s = copy_expert(layer, ids[i], dst, call.stream)) != EXPCACHE_OK) return s;
+            classes_.load_direct(call.c, call.path, call.layer_index, !seen[j], false);
+        }
+        seen[j] = 1;
+    }
+    classes_.record(call.c, call.path, lent);
+    return EXPCACHE_OK;
+}
+
+// From the class table: each id copied from its slot (a hit, lent) or from the source.
+expcache_status_t Cache::compact_from_table(ServeCall& call, const uint32_t* ids, uint32_t n, unsigned char* base,
+                                            const uint64_t* off) {
+    const LayerState& layer = *call.layer;
+    const ClassState& cls = *call.cls;
+    const uint64_t* b = layer.bytes;
+    void* stream = call.stream;
+    expcache_status_t s = EXPCACHE_OK;
     uint32_t next_unique = 0;  // the call's unique ids are in first-appearance order
     for (uint32_t i = 0; i < n; ++i) {
         uint32_t e = ids[i];
@@ -47,6 +74,30 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
             classes_.load_direct(call.c, call.path, call.layer_index, first, first);
         }
     }
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids, uint32_t n, void* stream,
+                                      expcache_compact_t* out) {
+    ServeCall call(*this, EXPCACHE_PATH_COMPACT, layer_index, stream);
+    expcache_status_t s = open_call(call, ids, n, kMaxCompact, "n");
+    if (s != EXPCACHE_OK) return s;
+    const LayerState& layer = *call.layer;
+    const uint64_t* b = layer.bytes;
+    uint64_t off[kParts];
+    off[kGate] = 0;
+    off[kUp] = align_up(off[kGate] + b[kGate] * n);
+    off[kDown] = align_up(off[kUp] + b[kUp] * n);
+    uint64_t total = off[kDown] + b[kDown] * n;
+
+    // Allocate before resolving hits: the retry may release the caches.
+    if ((s = reserve_buffer(call, staging_.compact, total, true)) != EXPCACHE_OK) return s;
+    unsigned char* base = static_cast<unsigned char*>(staging_.compact.ptr);
+    if (lookup_.enabled())
+        s = compact_on_device(call, ids, n, base, off);
+    else
+        s = compact_from_table(call, ids, n, base, off);
+    if (s != EXPCACHE_OK) return s;
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;
     out->num_experts = n;
     out->base = staging_.compact.ptr;

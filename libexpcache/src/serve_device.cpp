@@ -40,11 +40,9 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
                         "does not allow: bind it before capturing (expcache_layer_bind_class; pyexpcache: "
                         "cache.bank(layer), or one select_device outside the capture)",
                         layer_index);
-        LookupSync lookup(*this);  // written back (the class's device state made) when the block ends
-        if ((s = lookup.status()) != EXPCACHE_OK) return s;
         if ((s = bind_class(layer_index, EXPCACHE_PATH_DEVICE, &c)) != EXPCACHE_OK) return s;
     }
-    if (!lookup_.ready(c))  // the write-back failed, or the class has no bank
+    if (!lookup_.ready(c))  // the class has no bank
         return health_.usable() != EXPCACHE_OK
                    ? EXPCACHE_ERR_POISONED
                    : fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,

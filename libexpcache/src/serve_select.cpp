@@ -73,10 +73,20 @@ expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uin
     return EXPCACHE_OK;
 }
 
+// A split select sends its misses on the cache's copy stream while the hits are used; a
+// device-lookup cache's select copies its misses inside its own grid, on the caller's stream.
+expcache_status_t Cache::split_room() const {
+    if (!lookup_.enabled()) return EXPCACHE_OK;
+    return fail(EXPCACHE_ERR_UNSUPPORTED,
+                "select_split is not available on a device-lookup cache: its select copies the misses inside its "
+                "own grid on the caller's stream, so there is no copy to overlap; use select (or select_device, "
+                "which never leaves the device)");
+}
+
 expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
                                       expcache_expert_ptrs_t* out, uint8_t* out_resident, void** out_ready) {
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
-    expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
+    expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k", &Cache::split_room);
     if (s != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
     std::vector<uint8_t>& resident = call.scratch.resident;

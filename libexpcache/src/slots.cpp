@@ -3,6 +3,8 @@
 // may evict, how it ranks what it inserts, and whether it holds what it serves.
 #include "cache.hpp"
 
+#include "kernels/lookup_kernels.hpp"
+
 namespace expcache {
 
 // Hits first, so that no miss of this call can evict them; then each miss into a slot of
@@ -12,6 +14,7 @@ namespace expcache {
 // set; it holds every slot it serves until batch_finish. On failure a batch's holds
 // so far stay in batch->held for the caller to undo.
 expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t* out_direct) {
+    if (lookup_.enabled()) return fill_on_device(call, batch, out_direct);
     LayerState& layer = *call.layer;
     const ClassState& cls = *call.cls;
     CallScratch& scratch = call.scratch;
@@ -78,6 +81,63 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
         serve(j, slot);
     }
     *out_direct = direct;
+    return EXPCACHE_OK;
+}
+
+// On a device-lookup cache the residency is the device's: the select kernel finds the call's
+// slots in the path's mode (a decode's misses get the policy's victims, a batch's free slots
+// only, pinned there and held here until batch_finish; a compact load's none) and copies what it
+// filled, or, from a source the GPU cannot read, leaves the copies to the call (ordered on its
+// stream; a failed one frees its slot). What got none is left as fill_slots leaves it.
+expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint32_t* out_direct) {
+    CallScratch& scratch = call.scratch;
+    const ClassState& cls = *call.cls;
+    const uint32_t n = static_cast<uint32_t>(scratch.unique.size());
+    const uint32_t mode = call.path == EXPCACHE_PATH_BATCH     ? kModeAppend
+                          : call.path == EXPCACHE_PATH_COMPACT ? kModeLend
+                                                               : kModeDecode;
+    scratch.slots.resize(n);
+    scratch.resident.resize(n);  // filled by this call's select
+    ServeTally t;
+    expcache_status_t s = lookup_.serve(call.layer_index, call.c, scratch.unique.data(), n, mode, call.stream,
+                                        scratch.slots.data(), scratch.resident.data(), &t);
+    if (s != EXPCACHE_OK) return s;
+    scratch.pending.clear();
+    for (uint32_t j = 0; j < n; ++j) {
+        const int32_t slot = scratch.slots[j];
+        if (slot < 0) {
+            scratch.pending.push_back(j);
+            continue;
+        }
+        if (batch) {
+            classes_.hold(call.c, slot);
+            batch->held.push_back(slot);
+        }
+        unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
+        scratch.ptrs[j] = cls.ptrs_at(row);
+        if (!t.host_copies || !scratch.resident[j]) continue;
+        unsigned char* dst[kParts];
+        cls.parts_at(row, dst);
+        scratch.inserted.emplace_back(call.c, slot);  // a later upload failure of the call frees it
+        if ((s = copy_expert(*call.layer, scratch.unique[j], dst, call.copy_stream)) != EXPCACHE_OK) {
+            // This fill and those not copied yet never get their bytes.
+            std::vector<int32_t> lost;
+            for (uint32_t r = j; r < n; ++r)
+                if (scratch.slots[r] >= 0 && scratch.resident[r]) lost.push_back(scratch.slots[r]);
+            scratch.inserted.pop_back();
+            const std::string why = last_error();
+            if (lookup_.forget(call.c, lost) != EXPCACHE_OK) restore_last_error(why);
+            return s;
+        }
+    }
+    expcache_stats_t add = {};
+    add.hits = t.hits;
+    add.misses = n - t.hits;
+    add.evictions = t.evictions;
+    add.appends = t.fills - t.evictions;
+    add.bytes_h2d = t.fills * call.layer->expert_bytes();
+    classes_.record(call.c, call.path, add);
+    *out_direct = static_cast<uint32_t>(scratch.pending.size());
     return EXPCACHE_OK;
 }
 

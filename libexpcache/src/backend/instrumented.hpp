@@ -1,8 +1,9 @@
 // What tests and benchmarks need of a backend, as a decorator (as rmm's resource adaptors wrap a
 // memory resource): every cache's backend is wrapped in one, which forwards every call and, when
 // a test arms it (expcache_testing_inject_*), fails the next device allocations, copies or staged
-// pieces; it also holds the backend's test kernels (kernels/test_kernels.hpp). The core's serving
-// path and the backends know nothing of it.
+// pieces; it counts the synchronizing reads (device synchronizations and device-to-host copies:
+// expcache_testing_device_reads); it also holds the backend's test kernels
+// (kernels/test_kernels.hpp). The core's serving path and the backends know nothing of it.
 #pragma once
 
 #include <memory>
@@ -72,6 +73,7 @@ public:
         return copies_.fire() ? copy_failure() : inner_->copy_d2d(dst, src, bytes, stream);
     }
     expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) override {
+        ++reads_.copies;
         return inner_->copy_d2h_sync(dst, src, bytes);
     }
     expcache_status_t copy_h2d_sync(void* dst, const void* src, uint64_t bytes) override {
@@ -79,7 +81,10 @@ public:
     }
     expcache_status_t fence(void* from, void* to) override { return inner_->fence(from, to); }
     expcache_status_t sync_stream(void* stream) override { return inner_->sync_stream(stream); }
-    expcache_status_t sync_device() override { return inner_->sync_device(); }
+    expcache_status_t sync_device() override {
+        ++reads_.syncs;
+        return inner_->sync_device();
+    }
     void* copy_stream() override { return inner_->copy_stream(); }
     expcache_status_t record_ready(void* stream, void** out_event) override {
         return inner_->record_ready(stream, out_event);
@@ -93,6 +98,11 @@ public:
     void leave() override { inner_->leave(); }
 
     TestKernels& kernels() { return *kernels_; }
+    // Device synchronizations and device-to-host copies so far.
+    struct Reads {
+        uint64_t syncs = 0, copies = 0;
+    };
+    Reads reads() const { return reads_; }
 
 private:
     struct Trigger {
@@ -116,6 +126,7 @@ private:
     std::unique_ptr<StagingBackend> inner_;
     std::unique_ptr<TestKernels> kernels_;  // destroyed before inner_
     Trigger allocs_, copies_;
+    Reads reads_;
 };
 
 }  // namespace expcache

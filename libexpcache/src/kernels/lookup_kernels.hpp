@@ -22,8 +22,12 @@
 // (base = clock + 1), its hits base + i and its misses base + 1024 + i for i the position of
 // the id's first occurrence, so the order it leaves is the host LRU list's after the same
 // select (hits refreshed in order, then misses inserted in order); a slot stamped >= base is
-// this call's and never its victim. The host writes stamps 1, 2, ... in its LRU order (policy
-// LRU; the other policies' state lives on the device alone: lookup_policy.hpp).
+// this call's and never its victim. A batch's append goes to the cold end: its stamps count
+// down from kStampStart (the cold clock), below every select's.
+//
+// The host-side serving calls of a device-lookup cache run this same grid (DeviceLookup::serve):
+// their ids are the call's distinct experts in order of first occurrence, in mapped pinned
+// memory, and a mode says what the call may do (SelectMode). The residency has one copy, here.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +43,24 @@ namespace expcache {
 struct DeviceCounters {
     uint64_t calls, hits, misses, evictions, appends, bytes_h2d;
 };
+
+// What a select may do (DeviceSelectArgs::mode).
+enum SelectMode : uint32_t {
+    // A decode select (select_device, and the host's select and select_slots): hits refreshed,
+    // each miss given the policy's victim, evicting.
+    kModeDecode = 0,
+    // A compact load: hits refreshed as a decode's are (the policy sees them), misses left alone
+    // (slot -1: the host copies them from the source); nothing inserted.
+    kModeLend = 1,
+    // A prefill batch: hits pinned, their recency left alone; misses take free slots only, at the
+    // cold end, pinned (slot -1 where none is free: the host stages them); nothing evicted.
+    kModeAppend = 2,
+};
+
+// What a host-side call's select writes for it beside the slots (DeviceSelectArgs::out_counts).
+constexpr int kTallyHits = 2;
+constexpr int kTallyEvictions = 3;
+constexpr int kTallyWords = 4;
 
 // The first id out of range since the host last looked (set != 0).
 struct DeviceError {
@@ -60,7 +82,7 @@ struct DeviceMiss {
 struct DeviceHandoff {
     uint64_t ticket;       // blocks arrived, over every select of the class: a select's first is its leader
     uint64_t published;    // the latest select's (number + 1) << kPublishShift | its misses
-    uint64_t table_reads;  // selects served by the table read (expcache_testing_table_reads)
+    uint64_t table_reads;  // device selects served by the table read (expcache_testing_table_reads)
 };
 
 // A class's state on the device, laid out by DeviceLookup.
@@ -68,7 +90,8 @@ struct DeviceClass {
     int32_t* key_of_slot;  // [cap] the key the slot holds, -1 free
     uint64_t* stamp;       // [cap] its stamp: the order of its last use (LRU; OppClassLRU's within a list)
     uint8_t* pin;          // [cap] 1: a batch holds it, never evicted
-    DeviceCounters* counters;
+    DeviceCounters* counters;  // EXPCACHE_PATH_DEVICE's (a host-side call counts on the host)
+    uint64_t* resident;        // slots holding an expert
     DeviceMiss* misses;  // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
     uint32_t* miss_count;
     DeviceHandoff* handoff;
@@ -85,7 +108,14 @@ struct DeviceSelectArgs {
     uint32_t id_bits;  // 32 or 64
     uint32_t count;    // n * k, 1..EXPCACHE_MAX_SELECT
     int32_t* out_slots;
-    uint32_t* out_counts;  // nullptr, or [kCountDistinct] and [kCountMisses] of this call
+    // nullptr, or [kCountDistinct] and [kCountMisses] of this call; a host-side call's (host_call)
+    // also [kTallyHits] and [kTallyEvictions], and the call's counters are not added on the device.
+    uint32_t* out_counts;
+    uint32_t mode;        // SelectMode
+    uint32_t host_call;   // 1: a host-side serving call (DeviceLookup::serve)
+    uint8_t* out_filled;  // a host-side call's, or nullptr: per id, 1 when this select filled its slot
+    uint32_t copy;        // 0: the select fills slots without copying (the host copies: a source the GPU cannot read)
+    uint32_t open_clock;  // 0: a later piece of one host-side call, whose first opened the policy clock
     uint32_t layer;
     uint32_t key_base;
     uint32_t num_experts;
@@ -95,6 +125,7 @@ struct DeviceSelectArgs {
     uint64_t part_bytes[3];
     DeviceClass cls;
     uint64_t* clock;       // the stamp clock: each select takes kStampsPerSelect stamps
+    uint64_t* cold_clock;  // the cold end's, counting down: each append takes one
     int32_t* slot_of_key;  // [keys] the slot holding each key, -1 none
     DeviceError* error;
     DevicePolicyArgs policy;
@@ -110,6 +141,12 @@ public:
     virtual expcache_status_t mapped(const void* host, const unsigned char** out) = 0;
     // Whether `stream` is being captured into a graph (nothing may allocate or synchronize).
     virtual bool capturing(void* stream) = 0;
+    // Pinned host memory the device reads and writes at *out_device (host: the same address):
+    // the host-side calls' ids and results. free_mapped(nullptr) does nothing.
+    virtual expcache_status_t alloc_mapped(uint64_t bytes, void** out_host, void** out_device) = 0;
+    virtual void free_mapped(void* host) = 0;
+    // pin[slots[i]] = 0 for i < n (slots in mapped memory), enqueued on `stream`: a batch ends.
+    virtual expcache_status_t unpin(uint8_t* pin, const int32_t* slots, uint32_t n, void* stream) = 0;
 };
 
 std::unique_ptr<LookupKernels> make_host_lookup_kernels();
@@ -117,6 +154,9 @@ std::unique_ptr<LookupKernels> make_host_lookup_kernels();
 std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int device);
 
 constexpr uint64_t kStampsPerSelect = 2 * EXPCACHE_MAX_SELECT;
+// Where both clocks start: selects' stamps above, appends' below (2^40 appends before they meet
+// stamp 0, a free slot's).
+constexpr uint64_t kStampStart = uint64_t(1) << 40;
 
 // DeviceHandoff::published: a select's misses (at most EXPCACHE_MAX_SELECT) in the low bits.
 constexpr int kPublishShift = 11;

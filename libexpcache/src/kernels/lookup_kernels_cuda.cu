@@ -18,6 +18,7 @@
 // with a release; the others poll for it and copy. No block waits for one that has not
 // started, so it cannot deadlock however few of its blocks are resident; an all-hit select's
 // other blocks end as soon as the leader has read the slot map.
+#include <algorithm>
 #include <cuda/atomic>
 
 #include "../backend/cuda_errors.cuh"
@@ -83,21 +84,18 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
         slot_at[i] = -1;
         if (f == i && keys[i] != UINT32_MAX) {
             atomicAdd(&distinct, 1u);
-            const int k = count_use(a, keys[i], now);
-            list_of[i] = static_cast<uint8_t>(k);
             const int32_t slot = a.slot_of_key[keys[i]];
+            list_of[i] = static_cast<uint8_t>(first_use(a, keys[i], slot, base + i, now));
             slot_at[i] = slot;
-            if (slot >= 0) {
-                refresh_hit(a, slot, base + i, k, now);
+            if (slot >= 0)
                 atomicAdd(&hits, 1u);
-            } else {
-                missed[i] = 1;
-            }
+            else
+                missed[i] = fills_misses(a);
         }
     }
     __syncthreads();
     // duel: the hits' requests to its shadows, in order of first occurrence.
-    const bool duel = a.policy.id == EXPCACHE_POLICY_DUEL;
+    const bool duel = requests_shadows(a);
     if (duel)
         for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
             if (first[i] == i && slot_at[i] >= 0)
@@ -108,9 +106,11 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
         if (!missed[i]) continue;  // uniform: every thread reads the same shared flag
         const uint64_t stamp = base + EXPCACHE_MAX_SELECT + i;
         const int32_t v = lookup_cuda::bank_victim(a, base, now, policy_s);
-        if (v < 0) continue;  // every slot pinned or used (the host checked n*k fits)
+        if (v < 0) continue;  // every slot pinned or used (or, for a batch, not free): the host stages it
         if (tid == 0) {
-            if (install_miss(a, v, keys[i], stamp, list_of[i], now, misses)) ++evictions;
+            int k = list_of[i];
+            if (fill_miss(a, v, keys[i], stamp, &k, now, misses)) ++evictions;
+            list_of[i] = static_cast<uint8_t>(k);
             ++misses;
             slot_at[i] = v;
         }
@@ -118,13 +118,21 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
         if (duel) lookup_cuda::duel_request(a, keys[i], stamp, list_of[i], now, policy_s);
     }
     __syncthreads();  // the all-hit path never entered the loop's barriers
-    for (uint32_t i = tid; i < a.count; i += blockDim.x) a.out_slots[i] = slot_at[first[i]];
+    for (uint32_t i = tid; i < a.count; i += blockDim.x) {
+        a.out_slots[i] = slot_at[first[i]];
+        if (a.out_filled) a.out_filled[i] = missed[first[i]] && slot_at[first[i]] >= 0;
+    }
     if (tid == 0) {
         *c.miss_count = misses;
         if (a.out_counts) {
             a.out_counts[kCountDistinct] = distinct;
             a.out_counts[kCountMisses] = misses;
+            if (a.host_call) {
+                a.out_counts[kTallyHits] = hits;
+                a.out_counts[kTallyEvictions] = evictions;
+            }
         }
+        if (a.host_call) return;  // counted by the call, on its path
         // Reductions without a result: nothing waits for them (the next select is stream-ordered).
         DeviceCounters& n = *c.counters;
         auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };
@@ -171,6 +179,7 @@ __device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys
     uint32_t first = 0, mine = 0;  // bit n: the thread's n-th id is its key's first occurrence
     for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n) {
         a.out_slots[i] = slots[i];
+        if (a.out_filled) a.out_filled[i] = 0;
         if (keys[i] == UINT32_MAX) {
             int64_t id = 0;
             key_of(a, i, &id);
@@ -212,11 +221,17 @@ __device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys
         if (a.out_counts) {
             a.out_counts[kCountDistinct] = hits;
             a.out_counts[kCountMisses] = 0;
+            if (a.host_call) {
+                a.out_counts[kTallyHits] = hits;
+                a.out_counts[kTallyEvictions] = 0;
+            }
         }
         auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };
-        add(&c.counters->calls, 1);
-        if (hits) add(&c.counters->hits, hits);
-        add(&c.handoff->table_reads, 1);
+        if (!a.host_call) {
+            add(&c.counters->calls, 1);
+            if (hits) add(&c.counters->hits, hits);
+            add(&c.handoff->table_reads, 1);
+        }
     }
 }
 
@@ -286,7 +301,7 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
     const uint64_t done = (ticket_s / grid + 1) << kPublishShift;  // this select's number + 1, shifted
     DeviceWord published(c.handoff->published);
     if (ticket_s % grid == 0) {
-        if (all_resident) {
+        if (all_resident && a.mode == kModeDecode) {
             if (tid == 0) published.fetch_max(done, cuda::memory_order_release);  // nothing to copy
             serve_from_table(a, keys, slots, &distinct_s);
             return;
@@ -294,7 +309,7 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
         lookup_block(a);
         __syncthreads();  // the miss list is written
         if (tid == 0) {
-            misses_s = *c.miss_count;
+            misses_s = a.copy ? *c.miss_count : 0;  // copy 0: the host copies them
             __threadfence();
             published.fetch_max(done | misses_s, cuda::memory_order_release);
         }
@@ -307,6 +322,10 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
     }
     __syncthreads();
     if (misses_s) copy_misses(a, misses_s);
+}
+
+__global__ void unpin_kernel(uint8_t* pin, const int32_t* slots, uint32_t n) {
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) pin[slots[i]] = 0;
 }
 
 class CudaLookupKernels final : public LookupKernels {
@@ -339,6 +358,33 @@ public:
                         "cudaHostRegister make it so)",
                         host);
         *out = static_cast<const unsigned char*>(attr.devicePointer);
+        return EXPCACHE_OK;
+    }
+    expcache_status_t alloc_mapped(uint64_t bytes, void** out_host, void** out_device) override {
+        void* host = nullptr;
+        cudaError_t e = cudaHostAlloc(&host, bytes, cudaHostAllocMapped);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "cudaHostAlloc(%llu bytes, mapped): %s",
+                        (unsigned long long)bytes, cudaGetErrorString(e));
+        }
+        void* device = nullptr;
+        if ((e = cudaHostGetDevicePointer(&device, host, 0)) != cudaSuccess) {
+            cudaGetLastError();
+            cudaFreeHost(host);
+            return fail(EXPCACHE_ERR_UNSUPPORTED, "cudaHostGetDevicePointer: %s", cudaGetErrorString(e));
+        }
+        *out_host = host;
+        *out_device = device;
+        return EXPCACHE_OK;
+    }
+    void free_mapped(void* host) override {
+        if (host) cudaFreeHost(host);
+    }
+    expcache_status_t unpin(uint8_t* pin, const int32_t* slots, uint32_t n, void* stream) override {
+        const uint32_t blocks = std::min<uint32_t>((n + kLookupThreads - 1) / kLookupThreads, 64);
+        unpin_kernel<<<blocks, kLookupThreads, 0, static_cast<cudaStream_t>(stream)>>>(pin, slots, n);
+        EXPCACHE_CUDA_TRY(cudaGetLastError());
         return EXPCACHE_OK;
     }
     bool capturing(void* stream) override {

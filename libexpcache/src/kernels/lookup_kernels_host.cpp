@@ -3,9 +3,11 @@
 // copy), run in order on host memory before the call returns, with the same choices as the CUDA
 // kernel (the rules of lookup_rules.hpp, in the same order; a victim by a loop where the GPU
 // reduces). One "block" does them all: no ticket, nothing published.
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "../errors.hpp"
 #include "lookup_kernels.hpp"
 #include "lookup_rules.hpp"
 
@@ -16,12 +18,12 @@ namespace {
 class HostLookupKernels final : public LookupKernels {
 public:
     expcache_status_t select(const DeviceSelectArgs& a, void*) override {
-        if (table_read(a)) {
+        if (table_read(a) && a.mode == kModeDecode) {
             serve_from_table(a);
             return EXPCACHE_OK;
         }
         lookup(a);
-        copy(a);
+        if (a.copy) copy(a);
         return EXPCACHE_OK;
     }
     expcache_status_t mapped(const void* host, const unsigned char** out) override {
@@ -29,6 +31,17 @@ public:
         return EXPCACHE_OK;
     }
     bool capturing(void*) override { return false; }
+    expcache_status_t alloc_mapped(uint64_t bytes, void** out_host, void** out_device) override {
+        void* p = std::calloc(1, bytes);
+        if (!p) return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "%llu bytes of host memory", (unsigned long long)bytes);
+        *out_host = *out_device = p;
+        return EXPCACHE_OK;
+    }
+    void free_mapped(void* host) override { std::free(host); }
+    expcache_status_t unpin(uint8_t* pin, const int32_t* slots, uint32_t n, void*) override {
+        for (uint32_t i = 0; i < n; ++i) pin[slots[i]] = 0;
+        return EXPCACHE_OK;
+    }
 
 private:
     static uint32_t key_of(const DeviceSelectArgs& a, uint32_t i, int64_t* id_out) {
@@ -67,6 +80,7 @@ private:
         uint32_t distinct = 0;
         for (uint32_t i = 0; i < a.count; ++i) {
             a.out_slots[i] = slots_[i];
+            if (a.out_filled) a.out_filled[i] = 0;
             first_[i] = 0;
             if (keys_[i] == UINT32_MAX) {
                 int64_t id = 0;
@@ -90,10 +104,16 @@ private:
         if (a.out_counts) {
             a.out_counts[kCountDistinct] = distinct;
             a.out_counts[kCountMisses] = 0;
+            if (a.host_call) {
+                a.out_counts[kTallyHits] = distinct;
+                a.out_counts[kTallyEvictions] = 0;
+            }
         }
-        c.counters->calls++;
-        c.counters->hits += distinct;
-        c.handoff->table_reads++;
+        if (!a.host_call) {
+            c.counters->calls++;
+            c.counters->hits += distinct;
+        }
+        if (!a.host_call) c.handoff->table_reads++;
     }
 
     void lookup(const DeviceSelectArgs& a) {
@@ -121,28 +141,25 @@ private:
                     break;
                 }
         }
-        // Each use counted; hits refreshed, and so protected from this call's misses.
+        // Each first occurrence's use counted, a hit refreshed (first_use: as the call's mode says).
         uint64_t distinct = 0, hits = 0, misses = 0, evictions = 0;
         for (uint32_t i = 0; i < a.count; ++i) {
             if (first_[i] != i || keys_[i] == UINT32_MAX) continue;
             ++distinct;
-            const int k = count_use(a, keys_[i], now);
-            list_of_[i] = static_cast<uint8_t>(k);
             const int32_t slot = a.slot_of_key[keys_[i]];
-            if (slot >= 0) {
-                refresh_hit(a, slot, base + i, k, now);
-                ++hits;
-            }
+            list_of_[i] = static_cast<uint8_t>(first_use(a, keys_[i], slot, base + i, now));
+            if (slot >= 0) ++hits;
         }
         // duel: the hits' requests to its shadows, in order (the misses have no slot yet).
-        const bool duel = a.policy.id == EXPCACHE_POLICY_DUEL;
+        const bool duel = requests_shadows(a);
         if (duel)
             for (uint32_t i = 0; i < a.count; ++i)
                 if (first_[i] == i && keys_[i] != UINT32_MAX && a.slot_of_key[keys_[i]] >= 0)
                     duel_request(a, keys_[i], base + i, list_of_[i], now);
         // Misses, in order of first occurrence: each takes the policy's victim among the evictable slots.
         *c.miss_count = 0;
-        for (uint32_t i = 0; i < a.count; ++i) {
+        filled_.assign(a.count, 0);
+        for (uint32_t i = 0; i < a.count && fills_misses(a); ++i) {
             const uint32_t key = keys_[i];
             if (first_[i] != i || key == UINT32_MAX || a.slot_of_key[key] >= 0) continue;
             const bool lists = victims_by_lists(a);
@@ -151,18 +168,27 @@ private:
                 const Candidate here = slot_candidate(a, s, base, lists, now);
                 if (goes_first(here, best)) best = here;
             }
-            if (best.slot < 0) continue;  // every slot pinned or used (the host checked n*k fits)
+            if (best.slot < 0) continue;  // every slot pinned or used (or, for a batch, not free): staged
             const uint64_t stamp = base + EXPCACHE_MAX_SELECT + i;
-            if (install_miss(a, best.slot, key, stamp, list_of_[i], now, (*c.miss_count)++)) ++evictions;
+            int k = list_of_[i];
+            if (fill_miss(a, best.slot, key, stamp, &k, now, (*c.miss_count)++)) ++evictions;
+            filled_[i] = 1;
             ++misses;
-            if (duel) duel_request(a, key, stamp, list_of_[i], now);
+            if (duel) duel_request(a, key, stamp, k, now);
         }
         for (uint32_t i = 0; i < a.count; ++i)
             a.out_slots[i] = keys_[i] == UINT32_MAX ? -1 : a.slot_of_key[keys_[first_[i]]];
+        if (a.out_filled)
+            for (uint32_t i = 0; i < a.count; ++i) a.out_filled[i] = a.out_slots[i] >= 0 && filled_[first_[i]];
         if (a.out_counts) {
             a.out_counts[kCountDistinct] = static_cast<uint32_t>(distinct);
             a.out_counts[kCountMisses] = static_cast<uint32_t>(misses);
+            if (a.host_call) {
+                a.out_counts[kTallyHits] = static_cast<uint32_t>(hits);
+                a.out_counts[kTallyEvictions] = static_cast<uint32_t>(evictions);
+            }
         }
+        if (a.host_call) return;  // counted by the call, on its path
         DeviceCounters& n = *c.counters;
         n.calls++;
         n.hits += hits;
@@ -205,6 +231,7 @@ private:
     std::vector<uint32_t> keys_, first_;  // per id (the cache's lock serializes selects)
     std::vector<int32_t> slots_;
     std::vector<uint8_t> list_of_;  // per first occurrence: its key's class of count
+    std::vector<uint8_t> filled_;   // per first occurrence: a miss this select gave a slot
 };
 
 }  // namespace

@@ -31,11 +31,12 @@ EXPCACHE_HOST_DEVICE inline bool keeps_lists(const DevicePolicyArgs& p) {
     return p.id == EXPCACHE_POLICY_OPPCLASS || p.id == EXPCACHE_POLICY_DUEL;
 }
 
-// A select opens: the clock advances as the host's does for a serving call.
+// A select opens: the clock advances as the host's does for a serving call (not for a later piece
+// of one host-side call).
 EXPCACHE_HOST_DEVICE inline PolicyNow open_select(const DeviceSelectArgs& a) {
     if (!keeps_lists(a.policy)) return PolicyNow{0, 0, 0.0};
     DevicePolicyClock& c = *a.policy.clock;
-    if (c.last_layer < 0 || static_cast<int64_t>(a.layer) <= c.last_layer) ++c.token;
+    if (a.open_clock && (c.last_layer < 0 || static_cast<int64_t>(a.layer) <= c.last_layer)) ++c.token;
     c.last_layer = a.layer;
     return PolicyNow{c.token, a.policy.pos, oppclass_time(c.token, a.policy.pos, a.policy.positions)};
 }
@@ -106,7 +107,7 @@ EXPCACHE_HOST_DEVICE inline Candidate slot_candidate(const DeviceSelectArgs& a, 
     const DeviceClass& c = a.cls;
     if (c.pin[s]) return no_candidate();
     if (c.key_of_slot[s] < 0) return Candidate{0.0, 0, static_cast<int32_t>(s), -1};
-    if (c.stamp[s] >= base) return no_candidate();
+    if (c.stamp[s] >= base || a.mode == kModeAppend) return no_candidate();  // a batch never evicts
     return ranked(a.policy, c.stamp, c.policy.opp, lists, static_cast<int32_t>(s), now);
 }
 
@@ -127,11 +128,51 @@ EXPCACHE_HOST_DEVICE inline bool install_miss(const DeviceSelectArgs& a, int32_t
     a.slot_of_key[key] = v;
     place(c.stamp, c.policy.opp, keeps_lists(a.policy), v, stamp, k, now);
     c.misses[miss_index] = DeviceMiss{key - a.key_base, v};
+    if (old < 0) ++*c.resident;
     if (a.policy.id == EXPCACHE_POLICY_DUEL && old < 0) {  // DuelPolicy::grew (an eviction is a remove and an insert)
         DeviceDuel& d = *c.policy.duel;
         if (++d.resident > d.room) d.room = d.resident;
     }
     return old >= 0;
+}
+
+// The first occurrence of `key` in a select, found in bank slot `slot` (-1: not resident), as the
+// host's call sees it: a decode counts every use and refreshes a hit; a compact load (kModeLend)
+// only its hits; a batch (kModeAppend) pins a hit and leaves its recency alone, and counts a miss
+// only when it takes a slot (fill_miss). Returns the key's class of count.
+EXPCACHE_HOST_DEVICE inline int first_use(const DeviceSelectArgs& a, uint32_t key, int32_t slot, uint64_t stamp,
+                                          const PolicyNow& now) {
+    if (a.mode == kModeAppend) {
+        if (slot >= 0) a.cls.pin[slot] = 1;
+        return 0;
+    }
+    if (slot < 0 && a.mode == kModeLend) return 0;
+    const int k = count_use(a, key, now);
+    if (slot >= 0) refresh_hit(a, slot, stamp, k, now);
+    return k;
+}
+
+// Whether the select's misses take slots (a compact load's never do).
+EXPCACHE_HOST_DEVICE inline bool fills_misses(const DeviceSelectArgs& a) {
+    return a.mode != kModeLend;
+}
+
+// Whether duel's shadows see the select's requests (a batch's appends are not requests).
+EXPCACHE_HOST_DEVICE inline bool requests_shadows(const DeviceSelectArgs& a) {
+    return a.policy.id == EXPCACHE_POLICY_DUEL && a.mode != kModeAppend;
+}
+
+// A miss of `key` (class *k) given bank slot v: a decode's enters at its list's hot end with
+// `stamp`; a batch's is counted, enters list 0's cold end as if never used, and is pinned.
+// Returns whether it evicted.
+EXPCACHE_HOST_DEVICE inline bool fill_miss(const DeviceSelectArgs& a, int32_t v, uint32_t key, uint64_t stamp, int* k,
+                                           const PolicyNow& now, uint32_t miss_index) {
+    if (a.mode != kModeAppend) return install_miss(a, v, key, stamp, *k, now, miss_index);
+    count_use(a, key, now);
+    *k = 0;
+    a.cls.pin[v] = 1;
+    const PolicyNow cold = {OppClassTables::kNever, 0, now.time};
+    return install_miss(a, v, key, --*a.cold_clock, 0, cold, miss_index);
 }
 
 // Shadow j's slot s as its victim (a shadow evicts any of its keys).

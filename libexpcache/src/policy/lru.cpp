@@ -1,4 +1,4 @@
-// LRU's victim and order (lru.hpp declares the policy) and its factory for the registry.
+// LRU's victim (lru.hpp declares the policy) and its factory for the registry.
 #include "lru.hpp"
 
 #include <memory>
@@ -9,10 +9,6 @@ int32_t LruPolicy::victim(Evictable evictable, const void* ctx) const {
     for (int32_t s = list_.first(0); s >= 0; s = list_.next(s))
         if (evictable(ctx, s)) return s;
     return -1;
-}
-
-void LruPolicy::order(std::vector<int32_t>* out) const {
-    for (int32_t s = list_.first(0); s >= 0; s = list_.next(s)) out->push_back(s);
 }
 
 std::unique_ptr<Policy> make_lru_policy() {

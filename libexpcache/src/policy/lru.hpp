@@ -25,7 +25,6 @@ public:
     void on_remove(int32_t slot) override { list_.unlink(slot); }
     int32_t victim(Evictable evictable, const void* ctx) const override;
     void clear() override { list_.clear(); }
-    void order(std::vector<int32_t>* out) const override;
 
 private:
     IntrusiveLists list_{1};

@@ -40,11 +40,8 @@ public:
     virtual void on_remove(int32_t slot) = 0;
     // The slot to evict next among those `evictable` accepts, or -1.
     virtual int32_t victim(Evictable evictable, const void* ctx) const = 0;
-    // Forget every slot.
+    // Forget every slot (a host-lookup class's release).
     virtual void clear() = 0;
-    // The resident slots from the first to go to the last, where the policy is a recency order
-    // (LRU: a device-lookup cache's stamps are made from it); nothing otherwise.
-    virtual void order(std::vector<int32_t>* out) const { (void)out; }
 };
 
 // The policy table (registry.cpp), by EXPCACHE_POLICY_* id.
