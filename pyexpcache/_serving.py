@@ -238,9 +238,9 @@ class Serving:
         synchronization (a slot-map read and the policy's hit bookkeeping alone when every id is
         resident): the call may be captured in a CUDA graph (bind each layer first: one call
         outside the capture, or :meth:`bank`), and each replay does the whole select. An id out
-        of range in device memory gets slot -1, and the next synchronizing call (which does its
-        own work as usual) warns with the first such id (:class:`ExpcacheWarning`),
-        as :meth:`close` does for one no call read back; ids in host memory (the host backend) are
+        of range in device memory gets slot -1, and the next read of the device's counters
+        (:meth:`stats`, :meth:`classes`) warns with the first such id (:class:`ExpcacheWarning`),
+        as :meth:`close` does for one no call read; ids in host memory (the host backend) are
         checked here, and one out of range raises InvalidArgumentError with nothing selected.
         ``out`` must be writable (a read-only array is refused).
 

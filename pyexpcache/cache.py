@@ -139,14 +139,13 @@ class ExpertCache(Serving):
         lookup: ``"host"`` (default) or ``"device"``: every cache keeps each class's slots in one
             bank (:meth:`bank`; :meth:`select_slots` gives rows of it); a device-lookup bank is
             mapped whole when its class is bound, and :meth:`select_device` looks experts up on the
-            GPU, capturable in a CUDA graph; the other calls keep working, each synchronizing the
-            device (see :meth:`select_device`). A device-lookup cache runs its policy on the device, every
-            policy (docs/device_lookup.md): under ``"duel"`` (the default) and ``"oppclass"`` the
-            policy's state lives on the device alone, so the host-side serving calls
-            (:meth:`select`, :meth:`select_slots`, :meth:`select_split`, :meth:`select_views`,
-            :meth:`load_compact`, :meth:`prepare_batch`) raise :class:`~pyexpcache.UnsupportedError`; under ``"lru"``
-            they share one LRU order with the device selects. It refuses :meth:`prefetch` and
-            :meth:`hint`, and needs a pinned source for device selects.
+            GPU, capturable in a CUDA graph. A device-lookup cache keeps its residency and every
+            policy's state on the device, once (docs/device_lookup.md): the host-side serving calls
+            (:meth:`select`, :meth:`select_slots`, :meth:`select_views`, :meth:`load_compact`,
+            :meth:`prepare_batch`) run the same kernel on it and synchronize their stream;
+            :meth:`stats` reads it with one copy. It refuses :meth:`select_split`, :meth:`prefetch`
+            and :meth:`hint`, and needs a pinned source for device selects (the host-side calls
+            serve any source).
 
     At least one budget must be given. Use as a context manager, or call :meth:`close`.
 

@@ -56,6 +56,7 @@ EXPORTS = {
     "expcache_layer_bind_class",
     "expcache_path_name",
     "expcache_stats_get",
+    "expcache_stats_read",
     "expcache_staging_stats_get",
     "expcache_stats_reset",
     "expcache_log_set_callback",
@@ -85,6 +86,7 @@ TESTING_EXPORTS = {
     "expcache_testing_prefetch_pause",
     "expcache_testing_spin_async",
     "expcache_testing_table_reads",
+    "expcache_testing_device_reads",
 }
 
 
@@ -830,6 +832,23 @@ CASES = [
     ("stats_get bad path", "expcache_stats_get", lambda h: (h, 0, 9, byref(_stats())), INVALID, "path 9"),
     ("stats_get bad class", "expcache_stats_get", lambda h: (h, 9, 0, byref(_stats())), INVALID, "class index 9"),
     ("stats_get struct_size", "expcache_stats_get", lambda h: (h, 0, 0, byref(_stats(8))), INVALID, "struct_size"),
+    ("stats_read NULL infos", "expcache_stats_read", lambda h: (h, 1, None, byref(_stats())), INVALID, "infos is NULL"),
+    ("stats_read NULL stats", "expcache_stats_read", lambda h: (h, 1, byref(_info()), None), INVALID, "stats is NULL"),
+    ("stats_read no class", "expcache_stats_read", lambda h: (h, 0, byref(_info()), byref(_stats())), INVALID, "got 0"),
+    (
+        "stats_read too many classes",
+        "expcache_stats_read",
+        lambda h: (h, 99, byref(_info()), byref(_stats())),
+        INVALID,
+        "got 99",
+    ),
+    (
+        "stats_read struct_size",
+        "expcache_stats_read",
+        lambda h: (h, 1, byref(_info()), byref(_stats(8))),
+        INVALID,
+        "stats->struct_size",
+    ),
     ("log_set_level bad", "expcache_log_set_level", lambda h: (h, 5), INVALID, "log level"),
     (
         "memory_retain NULL out",
@@ -853,6 +872,13 @@ CASES = [
         "out_bytes is NULL",
     ),
     ("testing_table_reads NULL", "expcache_testing_table_reads", lambda h: (h, 0, None), INVALID, "out_count is NULL"),
+    (
+        "testing_device_reads NULL",
+        "expcache_testing_device_reads",
+        lambda h: (h, None, byref(OUT_U64)),
+        INVALID,
+        "must not be NULL",
+    ),
     (
         "testing_table_reads on a host-lookup cache",
         "expcache_testing_table_reads",
@@ -1021,6 +1047,8 @@ HANDLE_CALLS = [
     ("expcache_class_bank_get", lambda h: (h, 0, byref(_bank()))),
     ("expcache_testing_bank_checksum_async", lambda h: (h, 0, HOST_BUF.ctypes.data, 1, None, 0)),
     ("expcache_testing_table_reads", lambda h: (h, 0, byref(OUT_U64))),
+    ("expcache_stats_read", lambda h: (h, 1, byref(_info()), byref(_stats()))),
+    ("expcache_testing_device_reads", lambda h: (h, byref(OUT_U64), byref(OUT_U64))),
 ]
 
 # Exports that take no cache and cannot fail: checked by the tests above and below, not by a table.

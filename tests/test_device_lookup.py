@@ -1,7 +1,7 @@
 """The device-side lookup (``ExpertCache(lookup="device")``): slot banks, ``select_device``, and
-every other call on the same cache in any order, on each backend. These tests pin the policy to
-LRU, under which host and device calls share one order (the other policies in the device lookup:
-tests/test_device_policy.py). Ids live where the backend's device does: numpy arrays on the host
+every other call on the same cache in any order, on each backend: the residency has one copy, on
+the device, and the host-side calls run on it. These tests pin the policy to LRU (every policy in
+the device lookup: tests/test_device_policy.py). Ids live where the backend's device does: numpy arrays on the host
 backend, CUDA tensors on the CUDA backend (support.cache.device_ids)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
 
 @pytest.fixture
 def policy() -> str:
-    return "lru"  # host and device selects share LRU's order (make_cache passes it)
+    return "lru"  # make_cache passes it
 
 
 def _layout():
@@ -169,6 +169,25 @@ def test_release_all_then_misses_again(make_cache):
     slots = _select(cache, layer, [1, 2])
     assert _device(cache).misses == 4
     assert_served(cache, source, layer, [1, 2], bank_rows(cache.bank(layer), slots))
+
+
+def test_stats_read_the_device_once(make_cache):
+    """The residency and the counters have one copy, on the device: stats() (every class, every
+    path) synchronizes the device once and copies once, and a host-side serving call neither
+    (it synchronizes its own stream); the counts it reads are the selects' own."""
+    cache, _ = make_cache(ModelLayout.preset("mixed", scale=SCALE), budget_experts=6, lookup="device", pinned=True)
+    layers = cache.layout.moe_layers
+    for layer in layers:
+        _select(cache, layer, [1, 2])
+    before = testing.device_reads(cache)
+    st = cache.stats()
+    after = testing.device_reads(cache)
+    assert len(st.classes) >= 2
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+    assert sum(c.paths["device"].misses for c in st.classes) == 2 * len(layers)
+    cache.select(layers[-1], [1, 3])  # 1 is the class's most recent
+    assert testing.device_reads(cache) == after
+    assert cache.stats().path("decode").hits == 1
 
 
 def test_reset_stats_zeroes_the_device_counters(make_cache):

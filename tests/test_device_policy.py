@@ -2,8 +2,9 @@
 lookup_rules.hpp): the device selects' counters equal the offline simulator's twin of the cache's
 policy (expcache_bench/sim/) count for count on the bundled traces, as the host select's do
 (tests/test_policy.py); the host-side serving calls run on the device's state as the host-lookup
-cache's policy runs them; the control calls keep working. On the host backend the device lookup runs the rules the CUDA kernel
-runs (the same source); on a GPU these tests run the kernel itself."""
+cache's policy runs them; the control calls keep working. On the host backend the device lookup
+runs the rules the CUDA kernel runs (the same source); on a GPU these tests run the kernel
+itself."""
 
 from __future__ import annotations
 

@@ -370,9 +370,10 @@ typedef struct expcache_expert_ptrs_t {
  * batch_prepare_async, release_all or layer_bind_class call on this cache.
  * A later call on another stream waits, on the device, for the work
  * enqueued on this stream before it overwrites a slot.
+ * On a device-lookup cache the call runs the device select on `stream` and
+ * synchronizes it (see "Serving from the device").
  * Status: INVALID_ARGUMENT, INVALID_STATE, OUT_OF_DEVICE_MEMORY, IO (file
- * sources), UNSUPPORTED (a device-lookup cache whose policy is not LRU: see
- * "Serving from the device"), CUDA, POISONED.
+ * sources), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
                                                      void* stream, expcache_expert_ptrs_t* out_ptrs);
@@ -408,7 +409,9 @@ EXPCACHE_API expcache_status_t expcache_select_slots_async(expcache_t* cache, ui
  * The copy stream waits for the work enqueued on `stream` before this call, so no
  * slot a kernel may still read is overwritten; later calls on any stream wait for
  * the copy stream, so a caller that never waits for *out_ready still never reads
- * a torn slot after its next call. Status: as expcache_select_async.
+ * a torn slot after its next call. Status: as expcache_select_async, and
+ * UNSUPPORTED on a device-lookup cache (its select copies the misses in its own
+ * grid: use expcache_select_async).
  */
 EXPCACHE_API expcache_status_t expcache_select_split_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
                                                            uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs,
@@ -491,8 +494,7 @@ typedef struct expcache_compact_t {
  * allocation retried, once. The buffer is owned by the cache and valid for
  * work enqueued on `stream` before the next compact_load_async call or
  * release_all. Status: INVALID_ARGUMENT, INVALID_STATE,
- * OUT_OF_DEVICE_MEMORY (after the retry), IO (file sources), UNSUPPORTED (a
- * device-lookup cache whose policy is not LRU), CUDA, POISONED.
+ * OUT_OF_DEVICE_MEMORY (after the retry), IO (file sources), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
                                                            uint32_t n, void* stream, expcache_compact_t* out);
@@ -515,7 +517,7 @@ EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, ui
  * cache slot the batch uses is held — never evicted — until
  * expcache_batch_finish(). Status: INVALID_ARGUMENT, INVALID_STATE
  * (EXPCACHE_MAX_BATCHES outstanding), OUT_OF_DEVICE_MEMORY, IO (file sources),
- * UNSUPPORTED (a device-lookup cache whose policy is not LRU), CUDA, POISONED.
+ * CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
                                                             uint64_t n, void* stream, uint32_t* out_ids,
@@ -556,8 +558,9 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  * device allocation of `cap` slots at a fixed stride, allocated whole when the
  * class is bound (expcache_layer_bind_class, or the first serving call of one of
  * its layers) and kept, at the same address, until the cache is destroyed. Beside
- * the banks the cache keeps its residency on the device: which slot holds which
- * expert, the policy's state and the counters of EXPCACHE_PATH_DEVICE.
+ * the banks the cache keeps its residency on the device, in one copy: which slot
+ * holds which expert, the slots batches pin, the policy's state, the counters of
+ * EXPCACHE_PATH_DEVICE and each class's resident count.
  *
  * Every policy runs in the device lookup: LRU, OppClassLRU and DUEL (the default),
  * each choosing its victims as the host select does (the same rules, one source),
@@ -566,28 +569,29 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  * expert's use count, the slots' lists and duel's shadow caches and counter.
  *
  * expcache_select_device_async reads and updates that state with kernels on its
- * stream alone, so it may be captured in a CUDA graph and replayed. The other calls
- * (release_all, read_resident, the checksums, class_info, stats, reset_stats,
- * layer_bind_class, class_bank_get, batch_finish; under LRU also select,
- * select_split, compact_load and batch_prepare) keep working in any order with it:
- * each one synchronizes the device first, reads the device state, does its work and
- * writes the state back before it returns, its copies finished. They must not run
- * while device selects are in flight on other threads' streams. On a device-lookup
- * cache:
+ * stream alone, so it may be captured in a CUDA graph and replayed. The host-side
+ * serving calls run the same kernel on that state, each in its path's mode, on the
+ * call's stream, which they synchronize to read the slots back: select and
+ * select_slots as a decode select (an expert that gets no slot is staged in the
+ * bank's staging rows), compact_load lending the hits (refreshed, nothing
+ * inserted), batch_prepare appending into free slots only (pinned until
+ * batch_finish, which unpins them on its stream). From a source the GPU cannot
+ * read (pageable, file) the kernel chooses the slots and the call copies into
+ * them. class_info, stats and expcache_stats_read synchronize the device and read
+ * every class's counters and residents with one copy; release_all and
+ * read_resident synchronize it and write or read the state directly. They must
+ * not run while device selects are in flight on other threads' streams. On a
+ * device-lookup cache:
  *   - every layer is registered before the first class is bound (the banks and the
  *     device table are sized from the whole layout);
  *   - a class index is never reused for other sizes (max_classes must cover them);
  *   - release_all empties the banks but keeps their memory (captured graphs read
  *     them), and a staging allocation that fails is retried after emptying them;
  *   - prefetch_async and hint are refused (UNSUPPORTED): a device select copies
- *     its misses itself;
- *   - under OPPCLASS and DUEL the policy's state lives on the device alone, and the
- *     host-side serving calls (select, select_slots, select_split, compact_load,
- *     batch_prepare) are refused (UNSUPPORTED): serve with
- *     expcache_select_device_async, or make the cache with policy LRU (host and
- *     device calls share one LRU order) or with lookup HOST. release_all empties
- *     the banks and keeps what the policy learned (counts, duel's shadows and
- *     counter), as on a host-lookup cache;
+ *     its misses itself; select_split is refused (UNSUPPORTED): the select copies
+ *     its misses inside its own grid, so there is nothing to overlap;
+ *   - release_all empties the banks and keeps what the policy learned (counts,
+ *     duel's shadows and counter), as on a host-lookup cache;
  *   - the partition is GLOBAL.
  */
 
@@ -638,9 +642,9 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * policy's hit bookkeeping (no victim search, no copy; docs/device_lookup.md). No
  * host synchronization and no host decision depends on the ids: the call may be
  * made while `stream` is being captured into a CUDA graph, and each replay does the
- * whole select. An id out of range gets slot -1; the next synchronizing call does
- * its own work as usual and logs the first such id as a warning (layer, id,
- * index), once; expcache_destroy logs one no call read back.
+ * whole select. An id out of range gets slot -1; the next call that reads the
+ * device's counters (class_info, stats) logs the first such id as a warning
+ * (layer, id, index), once; expcache_destroy logs one no call read.
  *
  * The slots stay valid for work ordered after this call on `stream` until the next
  * call that serves or releases on this cache. Work on other streams is ordered by the

@@ -113,8 +113,8 @@ expcache_status_t DeviceLookup::make_table() {
     std::memcpy(zeros.data() + at_clock, clocks, sizeof clocks);
     const std::vector<int32_t> none(keys_, -1);
     if ((s = health_.check(backend_.copy_h2d_sync(p, zeros.data(), zeros.size()))) != EXPCACHE_OK ||
-        (keys_ && (s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, none.data(),
-                                                            keys_ * sizeof(int32_t)))) != EXPCACHE_OK))
+        (keys_ && (s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, none.data(), keys_ * sizeof(int32_t)))) !=
+                      EXPCACHE_OK))
         return s;
     policy_ = DevicePolicyArgs{};
     policy_.id = policy_id_;
@@ -260,9 +260,8 @@ expcache_status_t DeviceLookup::slot_of(uint32_t layer, int32_t c, uint32_t expe
     *out = -1;
     if (!ready(c)) return EXPCACHE_OK;
     expcache_status_t s = health_.check(backend_.sync_device());
-    return s == EXPCACHE_OK ? health_.check(backend_.copy_d2h_sync(out, slot_of_key_dev_ + layers_[layer].key_base +
-                                                                             expert,
-                                                                   sizeof(int32_t)))
+    return s == EXPCACHE_OK ? health_.check(backend_.copy_d2h_sync(
+                                  out, slot_of_key_dev_ + layers_[layer].key_base + expert, sizeof(int32_t)))
                             : s;
 }
 
@@ -467,8 +466,8 @@ expcache_status_t DeviceLookup::unpin(int32_t c, const std::vector<int32_t>& slo
     for (size_t at = 0; at < slots.size(); at += 2 * EXPCACHE_MAX_SELECT) {
         const uint32_t count = static_cast<uint32_t>(std::min<size_t>(slots.size() - at, 2 * EXPCACHE_MAX_SELECT));
         std::memcpy(mapped_.host, slots.data() + at, count * sizeof(int32_t));
-        if ((s = health_.check(kernels_->unpin(classes_state_[c].view.pin, static_cast<int32_t*>(mapped_.device),
-                                               count, stream))) != EXPCACHE_OK ||
+        if ((s = health_.check(kernels_->unpin(classes_state_[c].view.pin, static_cast<int32_t*>(mapped_.device), count,
+                                               stream))) != EXPCACHE_OK ||
             (s = health_.check(backend_.sync_stream(stream))) != EXPCACHE_OK)  // the list is read
             return s;
     }

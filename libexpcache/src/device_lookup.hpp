@@ -25,7 +25,7 @@ namespace expcache {
 // What a host-side call's selects did (DeviceLookup::serve).
 struct ServeTally {
     uint64_t hits = 0, fills = 0, evictions = 0;  // fills: misses given a slot
-    bool host_copies = false;                     // the layer's source is not the GPU's to read: the host copies the fills
+    bool host_copies = false;  // the layer's source is not the GPU's to read: the host copies the fills
 };
 
 // Every class's device counters and residents, read with one copy (DeviceLookup::snapshot).

@@ -1,7 +1,7 @@
 // The device-side select (expcache_select_device_async): what its kernel reads and writes, and
 // the kernel itself, one implementation per backend (the host runs the same steps in order, on
 // host memory). The state it works on belongs to DeviceLookup (device_lookup.hpp), which lays
-// it out and keeps the host's mirror of it.
+// it out; its one copy of the residency is there.
 //
 // One select is one grid on the stream (one block per SM; lookup_kernels_cuda.cu says why):
 //   1. the table read: the ids to keys and the slots the slot map gives them;
@@ -87,12 +87,12 @@ struct DeviceHandoff {
 
 // A class's state on the device, laid out by DeviceLookup.
 struct DeviceClass {
-    int32_t* key_of_slot;  // [cap] the key the slot holds, -1 free
-    uint64_t* stamp;       // [cap] its stamp: the order of its last use (LRU; OppClassLRU's within a list)
-    uint8_t* pin;          // [cap] 1: a batch holds it, never evicted
+    int32_t* key_of_slot;      // [cap] the key the slot holds, -1 free
+    uint64_t* stamp;           // [cap] its stamp: the order of its last use (LRU; OppClassLRU's within a list)
+    uint8_t* pin;              // [cap] 1: a batch holds it, never evicted
     DeviceCounters* counters;  // EXPCACHE_PATH_DEVICE's (a host-side call counts on the host)
     uint64_t* resident;        // slots holding an expert
-    DeviceMiss* misses;  // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
+    DeviceMiss* misses;        // [EXPCACHE_MAX_SELECT] the latest select's misses, for the copy
     uint32_t* miss_count;
     DeviceHandoff* handoff;
     uint32_t cap;  // < 2^31
