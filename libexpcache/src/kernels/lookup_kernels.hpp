@@ -14,9 +14,10 @@
 //      pinned: lookup_rules.hpp, LRU, OppClassLRU or duel as the host's policy would choose;
 //      the slot map updated, the misses listed); either way the counters are added and the
 //      call's own counts written when asked for;
-//   3. the leader publishes how many missed; the other blocks wait for it, and all of them
-//      copy the listed misses' bytes from mapped pinned memory into their slots, or end at once
-//      when nothing missed.
+//   3. the leader publishes each miss as soon as it has its slot, then that it has listed all;
+//      every block copies the listed misses' bytes from mapped pinned memory into their slots
+//      as they come (the other blocks while the leader looks up the next), or ends at once when
+//      nothing missed.
 //
 // Recency is a stamp per slot from one clock: a select takes the stamps [base, base + 2048)
 // (base = clock + 1), its hits base + i and its misses base + 1024 + i for i the position of
@@ -81,7 +82,7 @@ struct DeviceMiss {
 // class's state is made; never written by the host after that).
 struct DeviceHandoff {
     uint64_t ticket;       // blocks arrived, over every select of the class: a select's first is its leader
-    uint64_t published;    // the latest select's (number + 1) << kPublishShift | its misses
+    uint64_t published;    // the latest select's (number + 1) << kPublishShift | kPublishFinal | misses listed
     uint64_t table_reads;  // device selects served by the table read (expcache_testing_table_reads)
 };
 
@@ -158,9 +159,12 @@ constexpr uint64_t kStampsPerSelect = 2 * EXPCACHE_MAX_SELECT;
 // stamp 0, a free slot's).
 constexpr uint64_t kStampStart = uint64_t(1) << 40;
 
-// DeviceHandoff::published: a select's misses (at most EXPCACHE_MAX_SELECT) in the low bits.
-constexpr int kPublishShift = 11;
-static_assert(EXPCACHE_MAX_SELECT < (1 << kPublishShift), "a select's misses fit below kPublishShift");
+// DeviceHandoff::published: the misses a select's lookup has listed so far (at most
+// EXPCACHE_MAX_SELECT) in the low bits, and kPublishFinal once it has listed them all.
+constexpr int kPublishShift = 12;
+constexpr uint64_t kPublishFinal = uint64_t(1) << 11;
+constexpr uint64_t kPublishCount = kPublishFinal - 1;
+static_assert(EXPCACHE_MAX_SELECT <= kPublishCount, "a select's misses fit below kPublishFinal");
 
 // DeviceSelectArgs::out_counts: the distinct experts among the call's ids in range (its union
 // of rows), and how many of them missed (were given a slot and copied).

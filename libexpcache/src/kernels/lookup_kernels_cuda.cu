@@ -14,8 +14,9 @@
 // cudaStreamUpdateCaptureDependencies) and a second code path outside capture. One grid has one
 // node under capture and one launch outside it, on every CUDA version the library builds for:
 // its first block to arrive (an atomic ticket per class, so the leader is a block that is
-// running, whatever the scheduler started first) does the lookup and publishes the miss count
-// with a release; the others poll for it and copy. No block waits for one that has not
+// running, whatever the scheduler started first) does the lookup and publishes each miss with a
+// release as soon as it has its slot; the others poll for them and copy each while the leader
+// chooses the next one's victim, until the leader says it has listed all. No block waits for one that has not
 // started, so it cannot deadlock however few of its blocks are resident; an all-hit select's
 // other blocks end as soon as the leader has read the slot map.
 #include <algorithm>
@@ -35,8 +36,12 @@ constexpr int kLookupThreads = lookup_cuda::kThreads;
 constexpr int kCopyUnroll = 4;    // 16-byte loads in flight per thread: mapped reads cross PCIe
 constexpr unsigned kPollNs = 32;  // between two reads of the leader's word
 
-// The lookup, run by the select's leader block (select_kernel) when some id in range missed.
-__device__ void lookup_block(const DeviceSelectArgs& a) {
+using DeviceWord = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>;
+
+// The lookup, run by the select's leader block (select_kernel) when some id in range missed. Each
+// miss is published (`done`: the select's number, shifted) as soon as it has its slot, so the
+// other blocks copy it while the lookup chooses the next one's victim.
+__device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
@@ -94,9 +99,10 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
         }
     }
     __syncthreads();
-    // duel: the hits' requests to its shadows, in order of first occurrence.
+    // duel: the hits' requests to its shadows, in order of first occurrence; all at once when each
+    // hits in both shadows (shadows_all_hit), as they come before the misses' requests.
     const bool duel = requests_shadows(a);
-    if (duel)
+    if (duel && !lookup_cuda::shadows_all_hit(a, keys, first, slot_at, base, list_of, now))
         for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
             if (first[i] == i && slot_at[i] >= 0)
                 lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
@@ -113,6 +119,10 @@ __device__ void lookup_block(const DeviceSelectArgs& a) {
             list_of[i] = static_cast<uint8_t>(k);
             ++misses;
             slot_at[i] = v;
+            if (a.copy) {  // the miss list's entry is written: the copy may start
+                __threadfence();
+                DeviceWord(c.handoff->published).fetch_max(done | misses, cuda::memory_order_release);
+            }
         }
         __syncthreads();
         if (duel) lookup_cuda::duel_request(a, keys[i], stamp, list_of[i], now, policy_s);
@@ -211,9 +221,19 @@ __device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys
         if (duel) list_of[i] = list;
     }
     if (duel) {
-        __syncthreads();                        // list_of is written
-        for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
-            if (list_of[i] != kNoRequest) lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
+        __syncthreads();  // list_of is written
+        // Every request a hit in both shadows (the usual all-hit select): refreshes, all at once.
+        int both = 1;
+        for (uint32_t i = tid; i < a.count; i += blockDim.x)
+            if (list_of[i] != kNoRequest) both &= in_both_shadows(a, keys[i]);
+        if (__syncthreads_and(both)) {
+            for (uint32_t i = tid; i < a.count; i += blockDim.x)
+                if (list_of[i] != kNoRequest) shadows_hit(a, keys[i], base + i, list_of[i], now);
+        } else {
+            for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
+                if (list_of[i] != kNoRequest)
+                    lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
+        }
     }
     if (tid == 0) {
         const uint32_t hits = *distinct;
@@ -235,12 +255,12 @@ __device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys
     }
 }
 
-// Every block's share of the copy of the latest select's `n` misses (DeviceClass::misses).
-__device__ void copy_misses(const DeviceSelectArgs& a, uint32_t n) {
+// Every block's share of the copy of the latest select's misses [from, to) (DeviceClass::misses).
+__device__ void copy_misses(const DeviceSelectArgs& a, uint32_t from, uint32_t to) {
     const DeviceClass& c = a.cls;
     const uint64_t gtid = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const uint64_t gstride = uint64_t(gridDim.x) * blockDim.x;
-    for (uint32_t m = 0; m < n; ++m) {
+    for (uint32_t m = from; m < to; ++m) {
         // Written by the leader block: read past this SM's L1.
         const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(c.misses + m));
         const DeviceMiss miss{raw.x, static_cast<int32_t>(raw.y)};
@@ -270,15 +290,14 @@ __device__ void copy_misses(const DeviceSelectArgs& a, uint32_t n) {
     }
 }
 
-using DeviceWord = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>;
-
 // One select (see the top of this file and lookup_kernels.hpp): the table read in every block,
-// the lookup or the hits' bookkeeping in the leader, the copy in all.
+// the lookup or the hits' bookkeeping in the leader, the copy in all, each miss as it is listed.
 __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs a) {
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ int32_t slots[EXPCACHE_MAX_SELECT];
     __shared__ uint64_t ticket_s;
-    __shared__ uint32_t distinct_s, misses_s;
+    __shared__ uint32_t distinct_s;
+    __shared__ uint64_t word_s;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
     if (tid == 0) {
@@ -302,26 +321,39 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
     DeviceWord published(c.handoff->published);
     if (ticket_s % grid == 0) {
         if (all_resident && a.mode == kModeDecode) {
-            if (tid == 0) published.fetch_max(done, cuda::memory_order_release);  // nothing to copy
+            if (tid == 0) published.fetch_max(done | kPublishFinal, cuda::memory_order_release);  // nothing to copy
             serve_from_table(a, keys, slots, &distinct_s);
             return;
         }
-        lookup_block(a);
+        lookup_block(a, done);
         __syncthreads();  // the miss list is written
         if (tid == 0) {
-            misses_s = a.copy ? *c.miss_count : 0;  // copy 0: the host copies them
+            const uint64_t listed = a.copy ? *c.miss_count : 0;  // copy 0: the host copies them
             __threadfence();
-            published.fetch_max(done | misses_s, cuda::memory_order_release);
+            published.fetch_max(done | kPublishFinal | listed, cuda::memory_order_release);
         }
-    } else if (tid == 0) {
-        // fetch_max: the word only grows, so a waiter's select is published even if a later one
-        // (only by misuse: selects of one class on unordered streams) overlapped it.
-        uint64_t word;
-        while ((word = published.load(cuda::memory_order_acquire)) < done) __nanosleep(kPollNs);
-        misses_s = static_cast<uint32_t>(word & ((1u << kPublishShift) - 1));
     }
-    __syncthreads();
-    if (misses_s) copy_misses(a, misses_s);
+    // Copy the misses as they are listed, until the lookup says it has listed them all. fetch_max:
+    // the word only grows, so a word of a later select (only by misuse: selects of one class on
+    // unordered streams overlapping) ends the wait.
+    uint32_t copied = 0;
+    for (;;) {
+        if (tid == 0) {
+            uint64_t word;
+            while ((word = published.load(cuda::memory_order_acquire)) < done ||
+                   (word < (done | kPublishFinal) && (word & kPublishCount) <= copied))
+                __nanosleep(kPollNs);
+            word_s = word;
+        }
+        __syncthreads();
+        const uint64_t word = word_s;
+        __syncthreads();  // word_s is written again by the next round
+        const bool mine = word < done + (uint64_t(1) << kPublishShift);
+        const uint32_t listed = mine ? static_cast<uint32_t>(word & kPublishCount) : copied;
+        if (listed > copied) copy_misses(a, copied, listed);
+        copied = listed;
+        if (!mine || (word & kPublishFinal)) return;
+    }
 }
 
 __global__ void unpin_kernel(uint8_t* pin, const int32_t* slots, uint32_t n) {

@@ -83,6 +83,22 @@ __device__ inline bool shadow_request(const DeviceSelectArgs& a, int j, uint32_t
     return false;
 }
 
+// duel: the requests of a select's hits (first[i] == i, slot_at[i] >= 0), when every one of them
+// hits in both shadows: they refresh distinct shadow slots and leave the counter alone, so they are
+// made at once, each thread its own; returns false (nothing done) otherwise. All threads call it.
+__device__ inline bool shadows_all_hit(const DeviceSelectArgs& a, const uint32_t* keys, const uint32_t* first,
+                                       const int32_t* slot_at, uint64_t base, const uint8_t* list_of,
+                                       const PolicyNow& now) {
+    int both = 1;
+    for (uint32_t i = threadIdx.x; i < a.count; i += blockDim.x)
+        if (first[i] == i && slot_at[i] >= 0) both &= in_both_shadows(a, keys[i]);
+    if (!__syncthreads_and(both)) return false;
+    for (uint32_t i = threadIdx.x; i < a.count; i += blockDim.x)
+        if (first[i] == i && slot_at[i] >= 0) shadows_hit(a, keys[i], base + i, list_of[i], now);
+    __syncthreads();
+    return true;
+}
+
 // duel: a request both shadows see, then the vote.
 __device__ inline void duel_request(const DeviceSelectArgs& a, uint32_t key, uint64_t stamp, int k,
                                     const PolicyNow& now, PolicyShared& sh) {

@@ -182,6 +182,21 @@ EXPCACHE_HOST_DEVICE inline Candidate shadow_candidate(const DeviceSelectArgs& a
     return ranked(a.policy, sh.stamp, sh.opp, j == kShadowOpp, s, now);
 }
 
+// Whether `key` is in both of duel's shadows: its request would hit in both, a refresh of its two
+// shadow slots that moves neither the counter nor any other key.
+EXPCACHE_HOST_DEVICE inline bool in_both_shadows(const DeviceSelectArgs& a, uint32_t key) {
+    return a.policy.shadow_slot[kShadowLru][key] >= 0 && a.policy.shadow_slot[kShadowOpp][key] >= 0;
+}
+
+// A request of `key` that hits in both shadows (in_both_shadows): both refreshed.
+EXPCACHE_HOST_DEVICE inline void shadows_hit(const DeviceSelectArgs& a, uint32_t key, uint64_t stamp, int k,
+                                             const PolicyNow& now) {
+    for (int j = 0; j < 2; ++j) {
+        const DeviceShadow& sh = a.cls.policy.shadow[j];
+        place(sh.stamp, sh.opp, j == kShadowOpp, a.policy.shadow_slot[j][key], stamp, k, now);
+    }
+}
+
 // A request of `key` (class k, stamp `stamp`) to shadow j (duel.cpp's Shadow::request): true for a
 // hit, refreshed. On a miss *fill is the slot the key takes: a new one while the shadow holds fewer
 // keys than the room, else -1: the caller finds the shadow's victim and calls shadow_fill with it.
