@@ -1,11 +1,12 @@
 """Stateful fuzzing of the device lookup (host backend): random sequences of device selects
 interleaved with every other call, on a ``lookup="device"`` cache and, side by side, on a
-host-lookup LRU cache given the same calls, a device select becoming a host ``select`` of the
-same ids there.
+host-lookup cache of the same policy (LRU, OppClassLRU or duel, drawn per sequence) given the
+same calls, a device select becoming a host ``select`` of the same ids there.
 
 The host-lookup cache is the one ``tests/test_stateful.py`` holds against the reference model;
-the two caches evict by the same LRU rules (a device select's recency is the host list's after
-the same select: ``docs/device_lookup.md``), so after every step they must agree on which
+the device lookup runs the policy's rules as the host's policy object does, every host-side call
+of the device-lookup cache in its path's mode on the device's one copy of the residency
+(``docs/device_lookup.md``), so after every step they must agree on which
 (layer, expert) are resident, on every hit and miss (the device path's and the host paths'
 counters together against the host cache's; each device select's counts, its distinct experts and
 their misses, against the host select's; a device select served by its table read exactly when
@@ -41,20 +42,23 @@ LAYOUTS = {
 }
 _SOURCES = {name: HostSource(layout, pinned=True) for name, layout in LAYOUTS.items()}  # read by device selects
 COUNTED = ("hits", "misses", "evictions")
+POLICIES = ("lru", "oppclass", "duel")
 
 
 class DeviceLookupMachine(RuleBasedStateMachine):
-    """A device-lookup cache and a host-lookup LRU cache driven by the same calls."""
+    """A device-lookup cache and a host-lookup cache of the same policy driven by the same calls."""
 
     def __init__(self):
         super().__init__()
         self.dev = self.host = None
 
-    @initialize(name=st.sampled_from(sorted(LAYOUTS)), experts=st.integers(3, 9))
-    def setup(self, name, experts):
+    @initialize(
+        name=st.sampled_from(sorted(LAYOUTS)), experts=st.integers(3, 9), policy=st.sampled_from(POLICIES)
+    )
+    def setup(self, name, experts, policy):
         self.layout = LAYOUTS[name]
         self.source = _SOURCES[name]
-        kw = dict(budget_experts=experts, backend="host", log_level=0, policy="lru")
+        kw = dict(budget_experts=experts, backend="host", log_level=0, policy=policy)
         self.dev = ExpertCache(self.layout, self.source, lookup="device", **kw)
         self.host = ExpertCache(self.layout, self.source, **kw)
         self.cap = experts
