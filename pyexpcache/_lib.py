@@ -48,6 +48,7 @@ PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL, PATH_DEVICE = 0, 1, 2, 3, 4
 PARTITIONS = {"global": 0, "layer": 1}
 MAX_SELECT = 1024
 MAX_BATCHES = 64
+MAX_BATCH_ROWS = 4096  # a class's batch rows (batches by slot id)
 MAX_CLASSES_LIMIT = 64
 MAX_LAYERS_LIMIT = 4096  # layers of one cache (a layout is checked against these when it is made)
 MAX_EXPERTS_LIMIT = 65536  # experts of one layer
@@ -311,6 +312,25 @@ _FUNCTIONS = [
     (
         "expcache_batch_prepare_async",
         [CachePtr, c_uint32, c_void_p, c_uint64, c_void_p, c_void_p, c_void_p, POINTER(c_uint32), POINTER(c_uint64)],
+        c_int32,
+    ),
+    # expcache_status_t expcache_batch_prepare_slots_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #     uint32_t id_bits, uint64_t n, void* stream, uint32_t* out_ids, int32_t* out_slots, uint32_t* out_count,
+    #     uint64_t* out_batch);
+    (
+        "expcache_batch_prepare_slots_async",
+        [
+            CachePtr,
+            c_uint32,
+            c_void_p,
+            c_uint32,
+            c_uint64,
+            c_void_p,
+            c_void_p,
+            c_void_p,
+            POINTER(c_uint32),
+            POINTER(c_uint64),
+        ],
         c_int32,
     ),
     # expcache_status_t expcache_batch_finish(expcache_t* cache, uint64_t batch, void* stream);

@@ -187,6 +187,14 @@ class Serving:
         made = self._views.get(layer, pointers.tolist(), s, dtype, shapes) if views else None
         return Selection(self, layer, pointers, scratch.resident[:k].astype(bool), ready.value or 0, s, made)
 
+    def _bank_struct(self, layer: int) -> _lib.Bank:
+        """expcache_bank_t of ``layer``'s class (bound now if it is not yet)."""
+        index = self.bind_class(layer)
+        b = _lib.Bank()
+        b.struct_size = ctypes.sizeof(b)
+        self._call("expcache_class_bank_get", index, ctypes.byref(b))
+        return b
+
     def bank(self, layer: int, dtype=None, shapes=None) -> ExpertBank:
         """The slot bank of ``layer``'s class, on any cache (binding the class now if needed, which
         reserves its bank, and on a ``lookup="device"`` cache maps all of it: do it before
@@ -197,9 +205,7 @@ class Serving:
         cache reserves a new bank only when it reuses the class for other sizes (more size classes
         than ``max_classes``)."""
         index = self.bind_class(layer)
-        b = _lib.Bank()
-        b.struct_size = ctypes.sizeof(b)
-        self._call("expcache_class_bank_get", index, ctypes.byref(b))
+        b = self._bank_struct(layer)
         if not b.base:
             raise RuntimeError(
                 f"layer {layer}'s class has no bank: its cap is 0 experts (see the cap warning); raise "
@@ -381,31 +387,57 @@ class Serving:
             out.num_experts,
         )
 
-    def prepare_batch(self, layer: int, expert_ids_2d, stream=None) -> Batch:
+    def prepare_batch(self, layer: int, expert_ids_2d, stream=None, *, slots: bool = False) -> Batch:
         """Prefill path: serve the union of ``expert_ids_2d`` (tokens x k ids of ``layer``) without
         evicting anything. Returns a :class:`Batch` (a context manager) whose ``ids`` are the
-        unique experts and ``pointers`` their [n, 3] device addresses, held until finished."""
+        unique experts and ``pointers`` their [n, 3] device addresses, held until finished.
+
+        With ``slots=True`` the batch is given by slot id (expcache_batch_prepare_slots_async):
+        ``Batch.slots`` (int32) holds each unique expert's row in the class's bank (:meth:`bank`),
+        the experts staged for want of free capacity included (in the bank's batch rows), so a
+        kernel reads the whole batch as ``bank(layer).gate[batch.slots]``; ``pointers`` are those
+        rows' addresses."""
         layer = self._layer(layer)
         ids = self._as_ids(expert_ids_2d, "expert_ids_2d", tokens=True)
         n = ids.size
         out_ids = np.empty(max(n, 1), dtype=np.uint32)
-        out_ptrs = np.empty((max(n, 1), 3), dtype=np.uint64)
         count = ctypes.c_uint32()
         handle = ctypes.c_uint64()
         s = stream_handle(stream)
+        if not slots:
+            out_ptrs = np.empty((max(n, 1), 3), dtype=np.uint64)
+            self._call(
+                "expcache_batch_prepare_async",
+                layer,
+                ids.ctypes.data,
+                n,
+                s,
+                out_ids.ctypes.data,
+                out_ptrs.ctypes.data,
+                ctypes.byref(count),
+                ctypes.byref(handle),
+            )
+            c = count.value
+            return Batch(self, layer, handle.value, out_ids[:c].copy(), out_ptrs[:c].copy(), s)
+        out_slots = np.empty(max(n, 1), dtype=np.int32)
         self._call(
-            "expcache_batch_prepare_async",
+            "expcache_batch_prepare_slots_async",
             layer,
             ids.ctypes.data,
+            32,  # _as_ids checked each id against the layer: all below 2**31
             n,
             s,
             out_ids.ctypes.data,
-            out_ptrs.ctypes.data,
+            out_slots.ctypes.data,
             ctypes.byref(count),
             ctypes.byref(handle),
         )
         c = count.value
-        return Batch(self, layer, handle.value, out_ids[:c].copy(), out_ptrs[:c].copy(), s)
+        rows = out_slots[:c].copy()
+        b = self._bank_struct(layer)
+        offsets = np.array([b.gate_offset, b.up_offset, b.down_offset], dtype=np.uint64)
+        pointers = np.uint64(b.base) + rows.astype(np.uint64)[:, None] * np.uint64(b.slot_stride) + offsets
+        return Batch(self, layer, handle.value, out_ids[:c].copy(), pointers, s, slots=rows)
 
     def release_all(self) -> None:
         """Free every expert cache not holding batch slots, and the staging buffers. Synchronizes."""

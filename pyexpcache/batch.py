@@ -46,12 +46,13 @@ class Batch:
     """A prepared prefill batch: the union of its experts, held in the cache until
     :meth:`finish` (or the end of a ``with`` block)."""
 
-    def __init__(self, cache, layer: int, handle: int, ids: np.ndarray, pointers: np.ndarray, stream):
+    def __init__(self, cache, layer: int, handle: int, ids: np.ndarray, pointers: np.ndarray, stream, slots=None):
         self._cache = cache
         self.layer = layer
         self.handle = handle
         self.ids = ids
         self.pointers = pointers
+        self.slots = slots  # a batch by slot id: each expert's row in its class's bank (int32), else None
         self._stream = stream
         self.finished = False
 

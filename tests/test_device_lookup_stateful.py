@@ -52,9 +52,7 @@ class DeviceLookupMachine(RuleBasedStateMachine):
         super().__init__()
         self.dev = self.host = None
 
-    @initialize(
-        name=st.sampled_from(sorted(LAYOUTS)), experts=st.integers(3, 9), policy=st.sampled_from(POLICIES)
-    )
+    @initialize(name=st.sampled_from(sorted(LAYOUTS)), experts=st.integers(3, 9), policy=st.sampled_from(POLICIES))
     def setup(self, name, experts, policy):
         self.layout = LAYOUTS[name]
         self.source = _SOURCES[name]

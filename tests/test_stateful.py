@@ -372,18 +372,25 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def prepare_batch(self, data):
+        """A batch by address, or by slot id (its staged experts in the class's batch rows, every
+        row below the bank's rows and each staged one at or past its cap)."""
         layer = self.draw_layer(data)
         tokens = data.draw(st.integers(1, 4))
         rows = [self.draw_ids(data, layer, 3) for _ in range(tokens)]
         flat = [e for r in rows for e in r]
+        slots = data.draw(st.booleans())
         ok, m_out, batch = self.both(
-            lambda: self.model.prepare_batch(layer, flat),
-            lambda: self.cache.prepare_batch(layer, np.array(flat, dtype=np.int64)),
+            lambda: self.model.prepare_batch(layer, flat, slots=slots),
+            lambda: self.cache.prepare_batch(layer, np.array(flat, dtype=np.int64), slots=slots),
         )
         if ok:
             handle, unique, where = m_out
             assert batch.ids.tolist() == unique
             assert batch.handle == handle
+            if slots:
+                bank = self.cache.bank(layer)
+                for e, row in zip(unique, batch.slots.tolist()):
+                    assert 0 <= row < bank.rows and (where[e] == "direct") == (row >= bank.cap), (e, row)
             assert_served(self.cache, self.source, layer, batch.ids, batch.pointers)
             assert len({tuple(r) for r in batch.pointers.tolist()}) == len(unique)
             self.check_addresses(layer, where, dict(zip(unique, batch.pointers.tolist())))

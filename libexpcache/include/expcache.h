@@ -501,6 +501,8 @@ EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, ui
 
 /** Most batches outstanding at once on one cache. */
 #define EXPCACHE_MAX_BATCHES 64
+/** A class's batch rows: what its open batches by slot id may stage at once. */
+#define EXPCACHE_MAX_BATCH_ROWS 4096
 
 /**
  * Prefill path. Serve the union of ids[0..n) (many tokens' selections of
@@ -523,6 +525,27 @@ EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, u
                                                             uint64_t n, void* stream, uint32_t* out_ids,
                                                             expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
                                                             uint64_t* out_batch);
+
+/**
+ * Prefill path by slot id: expcache_batch_prepare_async's batch (the same union,
+ * holds, appends and counters), its ids[0..n) host integers of `id_bits` 32 or 64
+ * bits, and, instead of addresses, out_slots[j] the row of out_ids[j] in its
+ * class's bank (expcache_class_bank_get): a hit's or an appended miss's slot
+ * (below cap), or, for an expert staged for want of free capacity, one of the
+ * bank's batch rows (at or past cap, below rows), so a kernel reads every expert
+ * of the batch by base + slot * slot_stride with no gather. The batch rows
+ * (EXPCACHE_MAX_BATCH_ROWS per class) are mapped as batches need them, out of the reserve as batch staging
+ * is, and stay mapped until the class is released (class_info's staging_bytes
+ * counts them); a batch's rows stay its own until it finishes, and the rows are
+ * taken again from the first once no batch of the class holds any. Status: as
+ * expcache_batch_prepare_async, and INVALID_ARGUMENT (id_bits, an id negative or
+ * over 32 bits), INVALID_STATE (the open batches have taken the class's batch rows:
+ * finish some first).
+ */
+EXPCACHE_API expcache_status_t expcache_batch_prepare_slots_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                                  uint32_t id_bits, uint64_t n, void* stream,
+                                                                  uint32_t* out_ids, int32_t* out_slots,
+                                                                  uint32_t* out_count, uint64_t* out_batch);
 
 /**
  * End a batch: its held slots become evictable and its staging buffer is
@@ -597,9 +620,10 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
 
 /**
  * One class's bank: slot s's gate part is at base + s*slot_stride + gate_offset,
- * gate_bytes long. Every slot id a select of this cache gives for the class's
- * layers (expcache_select_slots_async, expcache_select_device_async) is in
- * 0..rows-1, and base never changes while the class lives.
+ * gate_bytes long. Every slot id a call of this cache gives for the class's
+ * layers (expcache_select_slots_async, expcache_select_device_async,
+ * expcache_batch_prepare_slots_async) is in 0..rows-1, and base never changes
+ * while the class lives.
  */
 typedef struct expcache_bank_t {
     uint32_t struct_size; /**< sizeof(expcache_bank_t); set by the caller */

@@ -90,7 +90,20 @@ expcache_status_t expcache_batch_prepare_async(expcache_t* cache, uint32_t layer
         EXPCACHE_REQUIRE(ids, "ids is NULL");
         EXPCACHE_REQUIRE(out_ids && out_ptrs && out_count && out_batch,
                          "out_ids, out_ptrs, out_count and out_batch must not be NULL");
-        return cache->impl->batch_prepare(layer, ids, n, stream, out_ids, out_ptrs, out_count, out_batch);
+        return cache->impl->batch_prepare(layer, ids, n, stream, out_ids, out_ptrs, nullptr, out_count, out_batch);
+    });
+}
+
+expcache_status_t expcache_batch_prepare_slots_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                     uint32_t id_bits, uint64_t n, void* stream, uint32_t* out_ids,
+                                                     int32_t* out_slots, uint32_t* out_count, uint64_t* out_batch) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_ids && out_slots && out_count && out_batch,
+                         "out_ids, out_slots, out_count and out_batch must not be NULL");
+        return cache->impl->batch_prepare_slots(layer, ids, id_bits, n, stream, out_ids, out_slots, out_count,
+                                                out_batch);
     });
 }
 

@@ -40,7 +40,8 @@ struct BatchState {
     uint64_t id = 0;
     int32_t cls = -1;
     std::vector<int32_t> held;
-    void* staging = nullptr;
+    void* staging = nullptr;  // a batch by address: its staged experts
+    bool rows = false;        // a batch by slot id that staged experts in its class's batch rows
 };
 
 // The unfinished prefill batches.
@@ -83,8 +84,14 @@ public:
     expcache_status_t spin(void* stream, uint64_t ns);
     expcache_status_t load_compact(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream,
                                    expcache_compact_t* out);
+    // Exactly one of out_ptrs (a batch by address) and out_slots (by slot id) is given.
     expcache_status_t batch_prepare(uint32_t layer, const uint32_t* ids, uint64_t n, void* stream, uint32_t* out_ids,
-                                    expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count, uint64_t* out_batch);
+                                    expcache_expert_ptrs_t* out_ptrs, int32_t* out_slots, uint32_t* out_count,
+                                    uint64_t* out_batch);
+    // ids: id_bits 32 or 64, host memory.
+    expcache_status_t batch_prepare_slots(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n, void* stream,
+                                          uint32_t* out_ids, int32_t* out_slots, uint32_t* out_count,
+                                          uint64_t* out_batch);
     expcache_status_t batch_finish(uint64_t batch, void* stream);
     // out_counts: 2 uint32 on the device (distinct experts, misses), or nullptr when not wanted.
     expcache_status_t select_device(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
@@ -234,6 +241,12 @@ private:
     expcache_status_t fill_on_device(ServeCall& call, BatchState* batch, uint32_t* out_direct);
     expcache_status_t stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct);
 
+    // serve.cpp: host ids of id_bits 32 or 64 as 32 bits, in narrow_ids_ (one that is not,
+    // negative or over 32 bits, is out of range for any layer).
+    expcache_status_t narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n);
+    // The row of the slot (or staging or batch row) at `ptrs` in class c's bank.
+    int32_t row_of(int32_t c, const expcache_expert_ptrs_t& ptrs) const;
+
     // serve_select.cpp
     // A decode call's slots; what gets none is staged in the class bank's staging rows.
     expcache_status_t serve_decode(ServeCall& call, uint32_t k);
@@ -275,7 +288,7 @@ private:
     StreamOrder streams_;
     CallClock clock_;
     CallScratch spare_scratch_;         // a serving call's lists between calls: capacity only (CallLists)
-    std::vector<uint32_t> narrow_ids_;  // select_slots: its ids as 32 bits
+    std::vector<uint32_t> narrow_ids_;  // a call's ids of id_bits as 32 bits (narrow())
     PrefetchCoordinator prefetch_;
     Batches batches_;
     StagingBuffers staging_;

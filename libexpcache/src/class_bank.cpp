@@ -11,11 +11,11 @@ namespace expcache {
 expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
     ClassState& cls = classes_[c];
     const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
-    slots = std::min<uint64_t>(slots, INT32_MAX - kStagingRows - 2 * (g / S + 1));
-    // The staging rows start past the granule the last slot ends in: their mappings never
-    // overlap the slots'.
-    const uint64_t staging_row = ((slots * S + g - 1) / g * g + S - 1) / S;
-    const uint64_t rows = staging_row + kStagingRows;
+    slots = std::min<uint64_t>(slots, INT32_MAX - kStagingRows - kBatchRows - 3 * (g / S + 1));
+    // Each range starts past the granule the one before ends in: their mappings never overlap.
+    const auto past = [&](uint64_t row) { return ((row * S + g - 1) / g * g + S - 1) / S; };
+    const uint64_t staging_row = past(slots), batch_row = past(staging_row + kStagingRows);
+    const uint64_t rows = batch_row + kBatchRows;
     void* base = nullptr;
     expcache_status_t s = health_.check(arena_.reserve(rows * S, &base));
     if (s != EXPCACHE_OK) return s;
@@ -23,9 +23,45 @@ expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
     cls.rows_ = rows;
     cls.slot_rows_ = slots;
     cls.staging_row_ = staging_row;
+    cls.batch_row_ = batch_row;
     cls.mapped_ = 0;
-    cls.staging_end_ = cls.staging_bytes_ = 0;
+    cls.staging_end_ = cls.batch_end_ = cls.staging_bytes_ = 0;
+    cls.batch_used_ = cls.batch_users_ = 0;
     return EXPCACHE_OK;
+}
+
+expcache_status_t ClassTable::take_batch_rows(int32_t c, uint64_t n, uint64_t* out_row) {
+    ClassState& cls = classes_[c];
+    if (!cls.bank_)
+        return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
+                    "class %s has no bank (a cap of 0 experts): nowhere to stage a batch by slot id; raise the "
+                    "budget",
+                    name(cls).c_str());
+    if (cls.batch_used_ + n > kBatchRows)
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "class %s: a batch by slot id stages %llu experts and the open batches have taken %llu of the "
+                    "bank's %llu batch rows; finish batches first (the rows are reused once none is open)",
+                    name(cls).c_str(), (unsigned long long)n, (unsigned long long)cls.batch_used_,
+                    (unsigned long long)kBatchRows);
+    const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
+    const uint64_t first = cls.batch_row_ + cls.batch_used_;
+    const uint64_t start = cls.batch_row_ * S / g * g, end = ((first + n) * S + g - 1) / g * g;
+    const uint64_t from = std::max(start, cls.batch_end_);
+    if (end > from) {
+        expcache_status_t s = health_.check(arena_.map(cls.bank_ + from, end - from));
+        if (s != EXPCACHE_OK) return s;
+        cls.batch_end_ = end;
+        cls.staging_bytes_ += end - from;
+    }
+    cls.batch_used_ += n;
+    cls.batch_users_++;
+    *out_row = first;
+    return EXPCACHE_OK;
+}
+
+void ClassTable::give_batch_rows(int32_t c) {
+    ClassState& cls = classes_[c];
+    if (--cls.batch_users_ == 0) cls.batch_used_ = 0;
 }
 
 expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char** out) {

@@ -103,7 +103,7 @@ std::string ClassTable::name(const ClassState& cls) const {
 }
 
 // Where bind() puts a layer: the class of its sizes (found), else the first free one (empty), else
-// the least recently used one holding no batch slots (lru).
+// the least recently used one holding no batch slots or batch rows (lru).
 void ClassTable::choose(const LayerState& layer, int32_t* found, int32_t* empty, int32_t* lru) const {
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
         const ClassState& cls = classes_[c];
@@ -115,7 +115,7 @@ void ClassTable::choose(const LayerState& layer, int32_t* found, int32_t* empty,
             *found = c;
             return;
         }
-        if (cls.held_ == 0 && (*lru < 0 || cls.last_used_ < classes_[*lru].last_used_)) *lru = c;
+        if (!cls.busy() && (*lru < 0 || cls.last_used_ < classes_[*lru].last_used_)) *lru = c;
     }
 }
 
@@ -131,7 +131,7 @@ int32_t ClassTable::bind_releases(uint32_t layer_index) const {
 std::vector<int32_t> ClassTable::unheld() const {
     std::vector<int32_t> out;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c)
-        if (classes_[c].in_use_ && has_memory(classes_[c]) && classes_[c].held_ == 0) out.push_back(c);
+        if (classes_[c].in_use_ && has_memory(classes_[c]) && !classes_[c].busy()) out.push_back(c);
     return out;
 }
 
@@ -154,7 +154,7 @@ expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     // with the views that keep it).
     if (cls.bank_) arena_.free_now(cls.bank_);
     cls.bank_ = nullptr;
-    cls.rows_ = cls.mapped_ = cls.staging_end_ = cls.staging_bytes_ = 0;
+    cls.rows_ = cls.mapped_ = cls.staging_end_ = cls.batch_end_ = cls.staging_bytes_ = 0;
     cls.slots_.clear();  // a release left them mapped when views kept the old bank
     cls.free_slots_.clear();
     // Every slot the class could ever have: each expert of its layers (those registered now: one
@@ -228,7 +228,8 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
 expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (cls.slots_.empty()) {  // no slot (a cap of 0): only its staging rows, if any, go
-        if (cls.staging_end_ > 0 && arena_.unmap_from(cls.bank_, 0)) cls.staging_end_ = cls.staging_bytes_ = 0;
+        if ((cls.staging_end_ > 0 || cls.batch_end_ > 0) && arena_.unmap_from(cls.bank_, 0))
+            cls.staging_end_ = cls.batch_end_ = cls.staging_bytes_ = 0;
         return EXPCACHE_OK;
     }
     for (SlotState& slot : cls.slots_) {
@@ -253,7 +254,7 @@ expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     if (unmapped) {
         cls.slots_.clear();
         cls.free_slots_.clear();
-        cls.mapped_ = cls.staging_end_ = cls.staging_bytes_ = 0;
+        cls.mapped_ = cls.staging_end_ = cls.batch_end_ = cls.staging_bytes_ = 0;
         cls.cap_valid_ = false;
         return EXPCACHE_OK;
     }
@@ -270,7 +271,7 @@ expcache_status_t ClassTable::release_unheld(uint32_t path) {
     uint32_t released = 0, kept = 0;
     for (int32_t c = 0; c < static_cast<int32_t>(classes_.size()); ++c) {
         if (!classes_[c].in_use_ || !has_memory(classes_[c])) continue;
-        if (classes_[c].held_ > 0) {
+        if (classes_[c].busy()) {
             ++kept;
             continue;
         }

@@ -27,6 +27,9 @@ constexpr uint64_t kAlign = 256;  // where each part of a slot, and of the compa
 constexpr uint64_t kGiB = uint64_t(1) << 30;
 // A bank's staging rows: what one decode call may stage (its distinct ids).
 constexpr uint64_t kStagingRows = EXPCACHE_MAX_SELECT;
+// A bank's batch rows: what the open prefill batches given by slot id stage (their experts that
+// found no free slot), each batch a run of rows, until no such batch of the class is open.
+constexpr uint64_t kBatchRows = EXPCACHE_MAX_BATCH_ROWS;
 
 inline uint64_t align_up(uint64_t v) {
     return (v + kAlign - 1) & ~(kAlign - 1);
@@ -92,13 +95,19 @@ public:
     // The bank: a reserved range (kept across releases; replaced when the class is reused for
     // other sizes) of `rows` rows of slot_bytes: slots 0..slot_rows-1, mapped from the start as
     // the class grows (`mapped` bytes), then kStagingRows rows from `staging_row` on, mapped when
-    // a decode call stages experts that got no slot (`staging_end`: the offset mapped to).
+    // a decode call stages experts that got no slot (`staging_end`: the offset mapped to), then
+    // kBatchRows rows from `batch_row` on, mapped when batches given by slot id stage experts
+    // (`batch_end`). Each range starts past the granule the one before ends in.
     unsigned char* bank() const { return bank_; }
     uint64_t rows() const { return rows_; }
     uint64_t staging_row() const { return staging_row_; }
     uint64_t staging_end() const { return staging_end_; }
-    uint64_t staging_bytes() const { return staging_bytes_; }  // mapped for the staging rows
-    uint64_t cap() const { return cap_; }                      // the runtime cap, in slots
+    uint64_t staging_bytes() const { return staging_bytes_; }  // mapped for the staging and batch rows
+    uint64_t batch_row() const { return batch_row_; }
+    uint64_t batch_end() const { return batch_end_; }
+    // Whether a release must keep the class: batches hold its slots or stage in its batch rows.
+    bool busy() const { return held_ > 0 || batch_users_ > 0; }
+    uint64_t cap() const { return cap_; }  // the runtime cap, in slots
     uint64_t resident() const { return resident_; }
     uint64_t held() const { return held_; }      // slots batches hold
     uint64_t layers() const { return layers_; }  // layers bound to it
@@ -122,8 +131,9 @@ private:
     std::vector<SlotState> slots_;
     std::vector<int32_t> free_slots_;
     unsigned char* bank_ = nullptr;
-    uint64_t rows_ = 0, slot_rows_ = 0, staging_row_ = 0;
-    uint64_t mapped_ = 0, staging_end_ = 0;
+    uint64_t rows_ = 0, slot_rows_ = 0, staging_row_ = 0, batch_row_ = 0;
+    uint64_t mapped_ = 0, staging_end_ = 0, batch_end_ = 0;
+    uint64_t batch_used_ = 0, batch_users_ = 0;  // batch rows taken by open batches, and those batches
     uint64_t staging_bytes_ = 0;
     std::unique_ptr<Policy> policy_;
     uint64_t target_ = 0, cap_ = 0;
@@ -134,9 +144,9 @@ private:
     expcache_stats_t stats_[EXPCACHE_NUM_PATHS] = {};
 };
 
-// Whether a class holds device memory a release gives back: slots, or staging rows.
+// Whether a class holds device memory a release gives back: slots, or staging or batch rows.
 inline bool has_memory(const ClassState& cls) {
-    return !cls.slots().empty() || cls.staging_end() > 0;
+    return !cls.slots().empty() || cls.staging_end() > 0 || cls.batch_end() > 0;
 }
 
 // What a miss asks of acquire(): a slot of class `cls` for an expert of `layer`.
@@ -205,6 +215,11 @@ public:
     // stages the experts that got no slot (valid until the next call, as slots are). Mapped as
     // calls need more of them, unmapped with the slots when the class is released.
     expcache_status_t staging_rows(int32_t c, uint32_t n, unsigned char** out);
+    // n batch rows of class c's bank, mapped, for one batch (*out_row: the first one's row):
+    // after the rows the open batches took (INVALID_STATE when kBatchRows would not hold them).
+    // The class keeps them until give_batch_rows(); they are reused once no batch holds rows.
+    expcache_status_t take_batch_rows(int32_t c, uint64_t n, uint64_t* out_row);
+    void give_batch_rows(int32_t c);
     // A serving call of class c opens on `path` (calls): the class is the most recently used, and
     // its policy sees the call's clock.
     void open_call(int32_t c, uint32_t path, uint64_t call, const PolicyClock& clock);

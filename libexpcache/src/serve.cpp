@@ -31,6 +31,26 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n) {
+    if (id_bits != 32 && id_bits != 64)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "id_bits must be 32 or 64, got %u", id_bits);
+    narrow_ids_.resize(n);
+    for (uint64_t i = 0; i < n; ++i) {
+        const int64_t id = id_bits == 32 ? static_cast<const int32_t*>(ids)[i] : static_cast<const int64_t*>(ids)[i];
+        if (id < 0 || id > int64_t(UINT32_MAX))
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %lld (index %llu) out of range for layer %u",
+                        (long long)id, (unsigned long long)i, layer);
+        narrow_ids_[i] = static_cast<uint32_t>(id);
+    }
+    return EXPCACHE_OK;
+}
+
+int32_t Cache::row_of(int32_t c, const expcache_expert_ptrs_t& ptrs) const {
+    const ClassState& cls = classes_[c];
+    const auto* gate = static_cast<const unsigned char*>(ptrs.gate);
+    return static_cast<int32_t>(static_cast<uint64_t>(gate - cls.part_off(kGate) - cls.bank()) / cls.slot_bytes());
+}
+
 // Every call that enqueues work starts here: finish deferred frees, cancel the
 // prefetches still queued (a demand miss never waits behind them), and when the
 // stream changes, make the new stream wait for the old one's work so that no

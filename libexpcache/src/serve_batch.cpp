@@ -26,6 +26,7 @@ expcache_status_t Cache::batch_room() const {
 expcache_status_t Cache::unhold(const BatchState& batch, void* stream) {
     // Read by the batch's work up to now: no prefetch may overwrite it before the next call.
     for (int32_t slot : batch.held) classes_.unhold(batch.cls, slot, clock_.cur);
+    if (batch.rows) classes_.give_batch_rows(batch.cls);
     if (!lookup_.enabled() || batch.held.empty()) return EXPCACHE_OK;
     // The device's pins of the slots no other batch holds go, after the batch's work on `stream`.
     std::vector<int32_t> free;
@@ -34,9 +35,21 @@ expcache_status_t Cache::unhold(const BatchState& batch, void* stream) {
     return lookup_.unpin(batch.cls, free, stream);
 }
 
+expcache_status_t Cache::batch_prepare_slots(uint32_t layer_index, const void* ids, uint32_t id_bits, uint64_t n,
+                                             void* stream, uint32_t* out_ids, int32_t* out_slots, uint32_t* out_count,
+                                             uint64_t* out_batch) {
+    if (n == 0 || n > kMaxBatchIds)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%llu, got %llu", (unsigned long long)kMaxBatchIds,
+                    (unsigned long long)n);
+    expcache_status_t s = narrow(layer_index, ids, id_bits, n);
+    return s == EXPCACHE_OK ? batch_prepare(layer_index, narrow_ids_.data(), n, stream, out_ids, nullptr, out_slots,
+                                            out_count, out_batch)
+                            : s;
+}
+
 expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids, uint64_t n, void* stream,
-                                       uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
-                                       uint64_t* out_batch) {
+                                       uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, int32_t* out_slots,
+                                       uint32_t* out_count, uint64_t* out_batch) {
     ServeCall call(*this, EXPCACHE_PATH_BATCH, layer_index, stream);
     expcache_status_t s = open_call(call, ids, n, kMaxBatchIds, "n", &Cache::batch_room);
     if (s != EXPCACHE_OK) return s;
@@ -48,7 +61,22 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
         unhold(batch, stream);
         return s;
     }
-    if (direct > 0) {
+    if (direct > 0 && out_slots) {
+        // By slot id: staged in the class's batch rows, addressed as its slots are (mapped out of
+        // the reserve, as batch staging is; never releasing the caches).
+        uint64_t row = 0;
+        if ((s = classes_.take_batch_rows(call.c, direct, &row)) != EXPCACHE_OK) {
+            unhold(batch, stream);
+            return s;
+        }
+        batch.rows = true;
+        unsigned char* base = call.cls->bank() + row * call.cls->slot_bytes();
+        if ((s = stage_overflow(call, base, direct)) != EXPCACHE_OK) {
+            call.uploads.abandon();  // earlier uploads may still write into the rows
+            unhold(batch, stream);
+            return s;
+        }
+    } else if (direct > 0) {
         // Batch staging comes out of what the caches leave free (the reserve); it never releases
         // them, so a prompt cannot flush the decode working set even when memory is short.
         const uint64_t bytes = uint64_t(direct) * call.cls->slot_bytes();
@@ -76,7 +104,10 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
     const CallScratch& scratch = call.scratch;
     for (uint32_t j = 0; j < scratch.unique.size(); ++j) {
         out_ids[j] = scratch.unique[j];
-        out_ptrs[j] = scratch.ptrs[j];
+        if (out_ptrs)
+            out_ptrs[j] = scratch.ptrs[j];
+        else
+            out_slots[j] = row_of(call.c, scratch.ptrs[j]);
     }
     *out_count = static_cast<uint32_t>(scratch.unique.size());
     *out_batch = batch.id;

@@ -45,31 +45,16 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
 
 expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t k, int32_t* out,
                                       void* stream) {
-    if (id_bits != 32 && id_bits != 64)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "id_bits must be 32 or 64, got %u", id_bits);
     if (k == 0 || k > EXPCACHE_MAX_SELECT)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "k must be 1..%d, got %u", EXPCACHE_MAX_SELECT, k);
-    // The ids as 32 bits; one that is not (negative, or over 32 bits) is out of range for any layer.
-    std::vector<uint32_t>& narrow = narrow_ids_;
-    narrow.resize(k);
-    for (uint32_t i = 0; i < k; ++i) {
-        const int64_t id = id_bits == 32 ? static_cast<const int32_t*>(ids)[i] : static_cast<const int64_t*>(ids)[i];
-        if (id < 0 || id > int64_t(UINT32_MAX))
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %lld (index %u) out of range for layer %u",
-                        (long long)id, i, layer_index);
-        narrow[i] = static_cast<uint32_t>(id);
-    }
-    ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
-    expcache_status_t s = open_call(call, narrow.data(), k, EXPCACHE_MAX_SELECT, "k");
+    expcache_status_t s = narrow(layer_index, ids, id_bits, k);
     if (s != EXPCACHE_OK) return s;
+    const std::vector<uint32_t>& narrow = narrow_ids_;
+    ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
+    if ((s = open_call(call, narrow.data(), k, EXPCACHE_MAX_SELECT, "k")) != EXPCACHE_OK) return s;
     if ((s = serve_decode(call, k)) != EXPCACHE_OK) return s;
-    const ClassState& cls = *call.cls;
     const LayerState& layer = *call.layer;
-    for (uint32_t i = 0; i < k; ++i) {
-        const auto* gate = static_cast<const unsigned char*>(call.scratch.ptrs[layer.seen_pos[narrow[i]]].gate);
-        out[i] =
-            static_cast<int32_t>(static_cast<uint64_t>(gate - cls.part_off(kGate) - cls.bank()) / cls.slot_bytes());
-    }
+    for (uint32_t i = 0; i < k; ++i) out[i] = row_of(call.c, call.scratch.ptrs[layer.seen_pos[narrow[i]]]);
     return EXPCACHE_OK;
 }
 

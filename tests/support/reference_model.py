@@ -84,6 +84,7 @@ from typing import Optional
 
 from expcache_bench.sim import Ctx, make_policy
 from pyexpcache._lib import (  # the ABI's
+    MAX_BATCH_ROWS as BATCH_ROWS,
     MAX_BATCHES,
     MAX_SELECT,
     PATH_NAMES as PATHS,
@@ -142,9 +143,13 @@ class RefClass:
     pol: object = None  # the policy's twin in expcache_bench.sim; None for LRU, whose order is `lru` itself
     allocated: int = 0
     slabs: list[int] = field(default_factory=list)  # allocation ids
-    # The bank's staging rows mapped so far (decode's misses that got no slot) and their mappings.
+    # The bank's staging rows mapped so far (decode's misses that got no slot), its batch rows mapped
+    # so far (batches by slot id: their misses that got no slot), and both ranges' mappings.
     staging_rows: int = 0
+    batch_rows: int = 0
     staging: list[int] = field(default_factory=list)
+    batch_used: int = 0  # batch rows the open batches by slot id took
+    batch_users: int = 0  # those batches
     target: int = 0
     cap: int = 0
     cap_valid: bool = False
@@ -175,6 +180,7 @@ class RefBatch:
     cls: int
     held: list[Key]
     staging: Optional[int]  # allocation id
+    rows: bool = False  # a batch by slot id that took batch rows
 
 
 @dataclass
@@ -348,7 +354,7 @@ class ReferenceCache:
             if empty:
                 c = empty[0]
             else:
-                candidates = [cl for cl in self.classes if cl.held == 0]
+                candidates = [cl for cl in self.classes if cl.held == 0 and cl.batch_users == 0]
                 if not candidates:
                     raise ModelError(INVALID_STATE, "every class holds batch slots")
                 victim = min(candidates, key=lambda cl: (cl.last_used, cl.index))
@@ -364,7 +370,8 @@ class ReferenceCache:
         cls = self.classes[c]
         for aid in cls.staging:
             self._free(aid)
-        cls.staging, cls.staging_rows = [], 0
+        assert cls.batch_users == 0
+        cls.staging, cls.staging_rows, cls.batch_rows = [], 0, 0
         if not cls.slabs:
             return
         assert cls.held == 0
@@ -386,7 +393,7 @@ class ReferenceCache:
 
     def _release_unheld(self, path: str) -> None:
         for cls in self.classes:
-            if cls.in_use and (cls.slabs or cls.staging) and cls.held == 0:
+            if cls.in_use and (cls.slabs or cls.staging) and cls.held == 0 and cls.batch_users == 0:
                 self._release_class(cls.index, path)
 
     def class_target(self, c: int) -> int:
@@ -619,8 +626,11 @@ class ReferenceCache:
                 st["bytes_h2d"] += shape.expert_bytes
         return where
 
-    def prepare_batch(self, layer: int, ids: Sequence[int]) -> tuple[int, list[int], dict[int, str]]:
-        """Batch path. Returns (handle, unique ids, per unique id "hit"/"slot"/"direct")."""
+    def prepare_batch(
+        self, layer: int, ids: Sequence[int], slots: bool = False
+    ) -> tuple[int, list[int], dict[int, str]]:
+        """Batch path (``slots``: by slot id, staging in the class's batch rows). Returns (handle,
+        unique ids, per unique id "hit"/"slot"/"direct")."""
         ids = [int(e) for e in ids]
         shape = self._validate_layer(layer)
         if not 1 <= len(ids) <= MAX_BATCH_IDS:
@@ -670,7 +680,25 @@ class ReferenceCache:
             hold(k)
             where[e] = "slot"
         staging = None
-        if direct:
+        rows = False
+        if direct and slots:
+            need = cls.batch_used + len(direct)
+            if need > BATCH_ROWS:
+                undo()
+                raise ModelError(INVALID_STATE, "the open batches have taken the batch rows")
+            if need > cls.batch_rows:  # mapped as batches need more, kept until the class is released
+                try:
+                    cls.staging.append(self._alloc((need - cls.batch_rows) * cls.slot_bytes))
+                except ModelError:
+                    undo()
+                    raise
+                cls.batch_rows = need
+            cls.batch_used, cls.batch_users, rows = need, cls.batch_users + 1, True
+            for e in direct:
+                st["direct_loads"] += 1
+                st["bytes_h2d"] += shape.expert_bytes
+                where[e] = "direct"
+        elif direct:
             try:
                 nbytes = len(direct) * cls.slot_bytes
                 staging = (
@@ -685,7 +713,7 @@ class ReferenceCache:
                 where[e] = "direct"
         handle = self.next_batch
         self.next_batch += 1
-        self.batches.append(RefBatch(handle, c, held, staging))
+        self.batches.append(RefBatch(handle, c, held, staging, rows))
         return handle, unique, where
 
     def finish_batch(self, handle: int) -> None:
@@ -697,6 +725,10 @@ class ReferenceCache:
         cls = self.classes[b.cls]
         for k in b.held:
             self._unhold(cls, k)
+        if b.rows:
+            cls.batch_users -= 1
+            if cls.batch_users == 0:
+                cls.batch_used = 0
         del self.batches[i]
 
     def _unhold(self, cls: RefClass, k: Key) -> None:
@@ -874,7 +906,7 @@ class ReferenceCache:
                 resident_experts=cl.resident,
                 held_experts=cl.held,
                 num_layers=cl.layers,
-                staging_bytes=cl.staging_rows * cl.slot_bytes,
+                staging_bytes=(cl.staging_rows + cl.batch_rows) * cl.slot_bytes,
             )
         return out
 
