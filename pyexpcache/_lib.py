@@ -285,6 +285,10 @@ _FUNCTIONS = [
     # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
     #                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
     ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),
+    # expcache_status_t expcache_select_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #                                             uint32_t id_bits, uint32_t k, void* stream,
+    #                                             expcache_expert_ptrs_t* out_ptrs);
+    ("expcache_select_ids_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, c_void_p], c_int32),
     # expcache_status_t expcache_select_slots_async(expcache_t* cache, uint32_t layer, const void* ids,
     #                                               uint32_t id_bits, uint32_t k, int32_t* out_slots, void* stream);
     ("expcache_select_slots_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, c_void_p], c_int32),

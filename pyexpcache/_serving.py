@@ -149,8 +149,8 @@ class Serving:
         (``torch.index_select``, a fused MoE kernel's ``base + slot * stride``), with no table of
         addresses and no gather. ``expert_ids``: one token's ids on the host, 1-D (as
         :meth:`select` takes them). The misses are copied into their slots on ``stream``; experts
-        that get no slot (the class cannot hold the whole request) are staged in the bank's last
-        rows. The slots are valid as :meth:`select`'s addresses are."""
+        that get no slot (the class cannot hold the whole request) are staged in the bank's staging
+        rows (past its slots). The slots are valid as :meth:`select`'s addresses are."""
         layer, k = self._decode_ids(layer, expert_ids)
         if out is None:
             out = np.empty(k, dtype=np.int32)

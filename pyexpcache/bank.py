@@ -198,11 +198,14 @@ class ExpertBank:
     Attributes:
         class_index: the class.
         rows: rows the slot ids of the class's layers address: every slot id
-            :meth:`~pyexpcache.ExpertCache.select_slots` or
-            :meth:`~pyexpcache.ExpertCache.select_device` gives is in 0..rows-1.
+            :meth:`~pyexpcache.ExpertCache.select_slots`,
+            :meth:`~pyexpcache.ExpertCache.select_device` or a batch by slot id gives is in
+            0..rows-1.
         cap: slots mapped when the bank was taken (a device-lookup bank: all of them; a
-            host-lookup bank grows as its class does, up to the class's cap). The last 1024 rows
-            hold the experts a decode select stages when they get no slot.
+            host-lookup bank grows as its class does, up to the class's cap). Past the slots,
+            1024 staging rows hold the experts a decode select stages when they get no slot, then
+            ``MAX_BATCH_ROWS`` batch rows those batches by slot id stage (:meth:`prepare_batch`
+            with ``slots=True``); the last of them is row ``rows - 1``.
         slot_stride: bytes from one slot to the next.
         gate, up, down: :class:`~pyexpcache.views.TensorView` of shape ``[rows, ...part shape]``
             (strided by ``slot_stride``), zero-copy: DLPack always, the CUDA Array Interface on

@@ -1,6 +1,6 @@
 """Slot ids from host selects (``expcache_select_slots_async``, ``ExpertCache.select_slots``) and
 the banks every cache has: the rows a select gives hold the experts' bytes, the counters are the
-plain select's, what gets no slot is staged in the bank's last rows, and the bank's address never
+plain select's, what gets no slot is staged in the bank's staging rows, and the bank's address never
 moves while its class lives (releases give its memory back unless a view keeps it)."""
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def test_what_gets_no_slot_is_staged_in_the_banks_last_rows(make_cache):
     cached = [s for s in slots if s < 2]
     staged = [s for s in slots if s >= 2]
     assert len(cached) == 2 and len(staged) == 3 and len(set(staged)) == 3
-    assert all(bank.rows - _lib.MAX_SELECT <= s < bank.rows for s in staged)
+    # The staging rows: past the slots, before the batch rows (the bank's last MAX_BATCH_ROWS).
+    assert all(bank.cap <= s < bank.rows - _lib.MAX_BATCH_ROWS for s in staged)
     _served(cache, source, layer, ids, slots)
     assert cache.stats().total.direct_loads == 3
 
@@ -77,6 +78,24 @@ def test_int64_ids_through_the_c_abi(make_cache):
         _lib.lib.expcache_select_slots_async(cache._handle, layer, ids.ctypes.data, 64, 3, out.ctypes.data, None)
     assert out[0] == out[2] and out[0] != out[1] and (out >= 0).all()
     _served(cache, source, layer, ids.tolist(), out.tolist())
+
+
+@pytest.mark.parametrize("dtype,bits", [(np.int32, 32), (np.int64, 64)])
+def test_the_address_select_takes_a_routers_ids_as_they_are(make_cache, dtype, bits):
+    """expcache_select_ids_async: expcache_select_async with int32 or int64 ids, the same addresses
+    and counters as the uint32 call's."""
+    cache, source = make_cache(_layout(), budget_experts=4)
+    layer = cache.layout.moe_layers[0]
+    ids = np.array([5, 2, 5, 7], dtype=dtype)
+    ptrs = np.zeros((4, 3), dtype=np.uint64)
+    with cache._gate:
+        _lib.lib.expcache_select_ids_async(cache._handle, layer, ids.ctypes.data, bits, 4, None, ptrs.ctypes.data)
+    assert (ptrs[0] == ptrs[2]).all() and not (ptrs[0] == ptrs[1]).all()
+    assert_served(cache, source, layer, ids.tolist(), ptrs)
+    again = cache.select(layer, ids.astype(np.uint32))
+    assert (again == ptrs).all()
+    st = cache.stats().path("decode")
+    assert (st.calls, st.hits, st.misses) == (2, 3, 3)
 
 
 def test_out_is_filled_and_checked(make_cache):
@@ -145,11 +164,11 @@ def test_a_class_reused_for_other_sizes_gets_a_bank_of_its_stride(backend):
 
 def test_select_slots_on_a_device_lookup_cache(make_cache):
     """A device-lookup bank is all mapped when bound; what its 4 slots cannot hold is staged in its
-    last rows, as on a host-lookup cache."""
+    staging rows, as on a host-lookup cache."""
     cache, source = make_cache(_layout(), budget_experts=4, lookup="device", policy="lru")
     layer = cache.layout.moe_layers[0]
     bank = cache.bank(layer)
-    assert bank.cap == 4 and bank.rows > bank.cap + _lib.MAX_SELECT - 1
+    assert bank.cap == 4 and bank.rows > bank.cap + _lib.MAX_SELECT + _lib.MAX_BATCH_ROWS - 1
     slots = cache.select_slots(layer, [1, 2, 1])
     _served(cache, source, layer, [1, 2, 1], slots)
     ids = [0, 1, 2, 3, 4, 5]

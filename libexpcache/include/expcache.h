@@ -362,7 +362,7 @@ typedef struct expcache_expert_ptrs_t {
  * grows the class within its cap, or evicts the class's least recently used
  * expert that is neither selected by this call nor held by an unfinished
  * batch. When the class cannot hold the whole request, the rest is staged
- * in the last rows of the class's bank (expcache_class_bank_get), mapped as
+ * in the staging rows of the class's bank (expcache_class_bank_get), mapped as
  * calls need them. Copies are enqueued on `stream`.
  *
  * The addresses are valid for device work enqueued on `stream` (or ordered
@@ -379,6 +379,15 @@ EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t
                                                      void* stream, expcache_expert_ptrs_t* out_ptrs);
 
 /**
+ * expcache_select_async with ids[0..k) host integers of `id_bits` 32 or 64 bits (a
+ * router's int32 or int64 output as it is). Status: INVALID_ARGUMENT (id_bits, an
+ * id negative or over 32 bits), then as expcache_select_async.
+ */
+EXPCACHE_API expcache_status_t expcache_select_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                         uint32_t id_bits, uint32_t k, void* stream,
+                                                         expcache_expert_ptrs_t* out_ptrs);
+
+/**
  * Decode path by slot id: expcache_select_async, except that ids (host memory) are
  * integers of `id_bits` 32 or 64 bits (a router's int32 or int64 output as it is)
  * and out_slots[i] (host memory) is ids[i]'s row in its class's bank
@@ -386,7 +395,7 @@ EXPCACHE_API expcache_status_t expcache_select_async(expcache_t* cache, uint32_t
  * offset, so a kernel reads every selected expert by one base and stride, with no
  * table of addresses and no gather. The misses are copied into their slots on
  * `stream`. Experts that get no slot (the class cannot hold the whole request) are
- * staged in the bank's last rows, addressed the same way. The slots are valid as
+ * staged in the bank's staging rows, addressed the same way. The slots are valid as
  * expcache_select_async's addresses are. Status: INVALID_ARGUMENT (k 0 or over
  * EXPCACHE_MAX_SELECT, an id out of range, negative or over 32 bits, id_bits not 32
  * or 64, NULL pointers), then as expcache_select_async.
@@ -646,8 +655,11 @@ typedef struct expcache_bank_t {
  * is destroyed. A host-lookup bank maps its slots as the class grows (cap, up to
  * the class's cap in expcache_class_info_get) and gives their memory back when the
  * class is released, unless references (expcache_memory_retain: views of it) keep
- * it, which keep it mapped. The last 1024 rows of every bank hold the experts a
- * decode select stages when they get no slot (mapped when a call needs them). Status: INVALID_ARGUMENT (index
+ * it, which keep it mapped. Past the slots, every bank has 1024 staging rows, the
+ * experts a decode select stages when they get no slot, then
+ * EXPCACHE_MAX_BATCH_ROWS batch rows, those batches by slot id stage (both mapped
+ * when calls need them, and kept until the class is released; each range starts
+ * past the memory granule the one before ends in). Status: INVALID_ARGUMENT (index
  * out of range, struct_size mismatch), INVALID_STATE (no class at that index).
  */
 EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32_t class_index, expcache_bank_t* out);

@@ -18,6 +18,16 @@ expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const
     });
 }
 
+expcache_status_t expcache_select_ids_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                            uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_ptrs, "out_ptrs is NULL");
+        return cache->impl->select_ids(layer, ids, id_bits, k, stream, out_ptrs);
+    });
+}
+
 expcache_status_t expcache_select_split_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
                                               void* stream, expcache_expert_ptrs_t* out_ptrs, uint8_t* out_resident,
                                               void** out_ready) {

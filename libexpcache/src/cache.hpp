@@ -70,6 +70,9 @@ public:
     expcache_status_t register_layer(uint32_t layer, const expcache_layer_desc_t& desc);
     expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                              expcache_expert_ptrs_t* out);
+    // ids: id_bits 32 or 64, host memory.
+    expcache_status_t select_ids(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t k, void* stream,
+                                 expcache_expert_ptrs_t* out);
     expcache_status_t select_split(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                                    expcache_expert_ptrs_t* out, uint8_t* out_resident, void** out_ready);
     // ids: id_bits 32 or 64, host memory; out: host memory.
@@ -241,9 +244,13 @@ private:
     expcache_status_t fill_on_device(ServeCall& call, BatchState* batch, uint32_t* out_direct);
     expcache_status_t stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct);
 
-    // serve.cpp: host ids of id_bits 32 or 64 as 32 bits, in narrow_ids_ (one that is not,
-    // negative or over 32 bits, is out of range for any layer).
-    expcache_status_t narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n);
+    // serve.cpp: host ids of id_bits 32 or 64 as 32 bits into *out (one that is not, negative or
+    // over 32 bits, is out of range for any layer). Made before the call takes the cache's lock:
+    // *out is the caller's own (a decode call's: its thread's buffer).
+    static expcache_status_t narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n,
+                                    std::vector<uint32_t>* out);
+    // A decode call's narrowed ids: the calling thread's buffer (k <= EXPCACHE_MAX_SELECT).
+    static std::vector<uint32_t>& decode_ids();
     // The row of the slot (or staging or batch row) at `ptrs` in class c's bank.
     int32_t row_of(int32_t c, const expcache_expert_ptrs_t& ptrs) const;
 
@@ -287,8 +294,7 @@ private:
     DeviceLookup lookup_;
     StreamOrder streams_;
     CallClock clock_;
-    CallScratch spare_scratch_;         // a serving call's lists between calls: capacity only (CallLists)
-    std::vector<uint32_t> narrow_ids_;  // a call's ids of id_bits as 32 bits (narrow())
+    CallScratch spare_scratch_;  // a serving call's lists between calls: capacity only (CallLists)
     PrefetchCoordinator prefetch_;
     Batches batches_;
     StagingBuffers staging_;

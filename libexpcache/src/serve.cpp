@@ -31,16 +31,23 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
     return EXPCACHE_OK;
 }
 
-expcache_status_t Cache::narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n) {
+std::vector<uint32_t>& Cache::decode_ids() {
+    thread_local std::vector<uint32_t> ids;  // at most EXPCACHE_MAX_SELECT: the hot path allocates nothing
+    return ids;
+}
+
+expcache_status_t Cache::narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n,
+                                std::vector<uint32_t>* out) {
     if (id_bits != 32 && id_bits != 64)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "id_bits must be 32 or 64, got %u", id_bits);
-    narrow_ids_.resize(n);
+    std::vector<uint32_t>& narrowed = *out;
+    narrowed.resize(n);
     for (uint64_t i = 0; i < n; ++i) {
         const int64_t id = id_bits == 32 ? static_cast<const int32_t*>(ids)[i] : static_cast<const int64_t*>(ids)[i];
         if (id < 0 || id > int64_t(UINT32_MAX))
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "expert id %lld (index %llu) out of range for layer %u",
                         (long long)id, (unsigned long long)i, layer);
-        narrow_ids_[i] = static_cast<uint32_t>(id);
+        narrowed[i] = static_cast<uint32_t>(id);
     }
     return EXPCACHE_OK;
 }

@@ -41,8 +41,9 @@ expcache_status_t Cache::batch_prepare_slots(uint32_t layer_index, const void* i
     if (n == 0 || n > kMaxBatchIds)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%llu, got %llu", (unsigned long long)kMaxBatchIds,
                     (unsigned long long)n);
-    expcache_status_t s = narrow(layer_index, ids, id_bits, n);
-    return s == EXPCACHE_OK ? batch_prepare(layer_index, narrow_ids_.data(), n, stream, out_ids, nullptr, out_slots,
+    std::vector<uint32_t> narrowed;  // a prompt's: freed with the call
+    expcache_status_t s = narrow(layer_index, ids, id_bits, n, &narrowed);
+    return s == EXPCACHE_OK ? batch_prepare(layer_index, narrowed.data(), n, stream, out_ids, nullptr, out_slots,
                                             out_count, out_batch)
                             : s;
 }
