@@ -610,8 +610,9 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  * batch_finish, which unpins them on its stream). From a source the GPU cannot
  * read (pageable, file) the kernel chooses the slots and the call copies into
  * them. class_info, stats and expcache_stats_read synchronize the device and read
- * every class's counters and residents with one copy; release_all and
- * read_resident synchronize it and write or read the state directly. They must
+ * every class's counters and residents with one copy; release_all synchronizes
+ * it and clears each released class with a kernel; read_resident reads one slot of
+ * the slot map. They must
  * not run while device selects are in flight on other threads' streams. On a
  * device-lookup cache:
  *   - every layer is registered before the first class is bound (the banks and the

@@ -231,28 +231,11 @@ expcache_status_t DeviceLookup::reset_counters() {
 
 expcache_status_t DeviceLookup::clear(int32_t c) {
     if (!ready(c)) return EXPCACHE_OK;
-    const DeviceClass& d = classes_state_[c].view;
+    // The class holds no batch slot (release() is only asked for classes that hold none): every
+    // slot is cleared by one kernel, ordered after everything (the device synchronized first and after).
     expcache_status_t s = health_.check(backend_.sync_device());
-    if (s != EXPCACHE_OK) return s;
-    // Every key of the class's layers out of the slot map, every slot free (the class holds no
-    // batch slot: release() is only asked for classes that hold none).
-    for (const LayerState& l : layers_) {
-        if (!l.registered || classes_.bound(l) != c) continue;
-        const std::vector<int32_t> none(l.num_experts, -1);
-        if ((s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_ + l.key_base, none.data(),
-                                                      none.size() * sizeof(int32_t)))) != EXPCACHE_OK)
-            return s;
-    }
-    const std::vector<int32_t> free_slots(d.cap, -1);
-    const uint64_t zero = 0;
-    if ((d.cap && (s = health_.check(backend_.copy_h2d_sync(d.key_of_slot, free_slots.data(),
-                                                            d.cap * sizeof(int32_t)))) != EXPCACHE_OK) ||
-        (s = health_.check(backend_.copy_h2d_sync(d.resident, &zero, sizeof zero))) != EXPCACHE_OK)
-        return s;
-    if (d.policy.duel) {  // DuelPolicy::clear: nothing held; its room, counter and shadows stay
-        const int32_t none = 0;
-        s = health_.check(backend_.copy_h2d_sync(&d.policy.duel->resident, &none, sizeof none));
-    }
+    if (s == EXPCACHE_OK) s = health_.check(kernels_->clear(classes_state_[c].view, slot_of_key_dev_, nullptr));
+    if (s == EXPCACHE_OK) s = health_.check(backend_.sync_device());
     return s;
 }
 

@@ -3,9 +3,9 @@
 // recency and pins, the counters, the policy's state: kernels/lookup_policy.hpp), and the host
 // operations over it. The select kernel serves select_device and, in a mode of its own, each
 // host-side serving call (serve: select, select_slots, compact loads, prefill batches); the
-// other host operations are one copy to or from the device (snapshot: every class's counters
-// and residents; clear: a release; slot_of: a read). The host's class table keeps the banks'
-// geometry and the batches' holds only.
+// other host operations are one copy to or from the device, or one kernel (snapshot: every
+// class's counters and residents; clear: a release, by a kernel; slot_of: a read). The host's class table keeps the
+// banks' geometry and the batches' holds only.
 #pragma once
 
 #include <cstdint>
@@ -59,8 +59,8 @@ public:
     expcache_status_t snapshot(DeviceSnapshot* out);
     // The device-path counters zeroed (one copy).
     expcache_status_t reset_counters();
-    // Class c forgets every expert it holds (a release: its bank stays mapped); its policy's
-    // counts and duel's shadows stay. The device synchronized first.
+    // Class c forgets every expert it holds (a release: its bank stays mapped), by one kernel; its
+    // policy's counts and duel's shadows stay. The device synchronized before and after.
     expcache_status_t clear(int32_t c);
     // The slot holding `expert` of `layer` (bound to class c), -1 none; the device synchronized first.
     expcache_status_t slot_of(uint32_t layer, int32_t c, uint32_t expert, int32_t* out);

@@ -148,6 +148,8 @@ public:
     virtual void free_mapped(void* host) = 0;
     // pin[slots[i]] = 0 for i < n (slots in mapped memory), enqueued on `stream`: a batch ends.
     virtual expcache_status_t unpin(uint8_t* pin, const int32_t* slots, uint32_t n, void* stream) = 0;
+    // Class `c` forgets every expert it holds (clear_class), enqueued on `stream`: a release.
+    virtual expcache_status_t clear(const DeviceClass& c, int32_t* slot_of_key, void* stream) = 0;
 };
 
 std::unique_ptr<LookupKernels> make_host_lookup_kernels();

@@ -360,6 +360,13 @@ __global__ void unpin_kernel(uint8_t* pin, const int32_t* slots, uint32_t n) {
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) pin[slots[i]] = 0;
 }
 
+// One block: every slot of the class cleared, then the resident counts.
+__global__ void __launch_bounds__(kLookupThreads) clear_kernel(DeviceClass c, int32_t* slot_of_key) {
+    for (uint32_t s = threadIdx.x; s < c.cap; s += blockDim.x) clear_slot(c, slot_of_key, s);
+    __syncthreads();
+    if (threadIdx.x == 0) cleared(c);
+}
+
 class CudaLookupKernels final : public LookupKernels {
 public:
     explicit CudaLookupKernels(int device) {
@@ -416,6 +423,11 @@ public:
     expcache_status_t unpin(uint8_t* pin, const int32_t* slots, uint32_t n, void* stream) override {
         const uint32_t blocks = std::min<uint32_t>((n + kLookupThreads - 1) / kLookupThreads, 64);
         unpin_kernel<<<blocks, kLookupThreads, 0, static_cast<cudaStream_t>(stream)>>>(pin, slots, n);
+        EXPCACHE_CUDA_TRY(cudaGetLastError());
+        return EXPCACHE_OK;
+    }
+    expcache_status_t clear(const DeviceClass& c, int32_t* slot_of_key, void* stream) override {
+        clear_kernel<<<1, kLookupThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, slot_of_key);
         EXPCACHE_CUDA_TRY(cudaGetLastError());
         return EXPCACHE_OK;
     }

@@ -42,6 +42,11 @@ public:
         for (uint32_t i = 0; i < n; ++i) pin[slots[i]] = 0;
         return EXPCACHE_OK;
     }
+    expcache_status_t clear(const DeviceClass& c, int32_t* slot_of_key, void*) override {
+        for (uint32_t s = 0; s < c.cap; ++s) clear_slot(c, slot_of_key, s);
+        cleared(c);
+        return EXPCACHE_OK;
+    }
 
 private:
     static uint32_t key_of(const DeviceSelectArgs& a, uint32_t i, int64_t* id_out) {

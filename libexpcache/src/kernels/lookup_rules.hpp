@@ -136,6 +136,21 @@ EXPCACHE_HOST_DEVICE inline bool install_miss(const DeviceSelectArgs& a, int32_t
     return old >= 0;
 }
 
+// Slot s of class c forgets its expert (a release): out of the slot map, the slot free. The policy's
+// counts and duel's shadows stay, as the host's policy keeps them.
+EXPCACHE_HOST_DEVICE inline void clear_slot(const DeviceClass& c, int32_t* slot_of_key, uint32_t s) {
+    const int32_t key = c.key_of_slot[s];
+    if (key < 0) return;
+    slot_of_key[key] = -1;
+    c.key_of_slot[s] = -1;
+}
+
+// After every slot of class c is cleared: nothing resident (duel's room and counter stay).
+EXPCACHE_HOST_DEVICE inline void cleared(const DeviceClass& c) {
+    *c.resident = 0;
+    if (c.policy.duel) c.policy.duel->resident = 0;
+}
+
 // The first occurrence of `key` in a select, found in bank slot `slot` (-1: not resident), as the
 // host's call sees it: a decode counts every use and refreshes a hit; a compact load (kModeLend)
 // only its hits; a batch (kModeAppend) pins a hit and leaves its recency alone, and counts a miss
