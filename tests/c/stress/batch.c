@@ -1,9 +1,46 @@
 /*
- * batch.c — batches: expcache_batch_prepare_async (unique ids in first-appearance order, held
- * experts stay resident, nothing evicted, the batch counters), expcache_batch_finish (known and
- * unknown ids), and filling every batch slot.
+ * batch.c — batches: expcache_batch_prepare_async and, a third of the time, its slot-id twin
+ * expcache_batch_prepare_slots_async (unique ids in first-appearance order, held experts stay
+ * resident, nothing evicted, the batch counters; by slot id every row inside the bank, the staged
+ * experts in its batch rows, whose memory the class's staging_bytes counts),
+ * expcache_batch_finish (known and unknown ids), and filling every batch slot.
  */
 #include "stress.h"
+
+/* expcache_batch_prepare_slots_async with int32 or int64 ids, its rows turned into the addresses
+   the pointer form gives (base + row * stride + each part's offset). A failed call must leave
+   out_ptrs untouched (they are filled here only on success). */
+static expcache_status_t prepare_by_slots(Model* m, uint32_t layer, const uint32_t* ids, uint64_t n, void* stream,
+                                          uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, uint32_t* count,
+                                          uint64_t* id) {
+    int32_t* slots = (int32_t*)xmalloc(sizeof(int32_t) * n);
+    const int wide = pct(50);
+    int64_t* ids64 = wide ? (int64_t*)xmalloc(sizeof(int64_t) * n) : NULL;
+    for (uint64_t i = 0; wide && i < n; ++i) ids64[i] = ids[i];
+    expcache_status_t s = expcache_batch_prepare_slots_async(m->h, layer, wide ? (const void*)ids64 : (const void*)ids,
+                                                             wide ? 64 : 32, n, stream, out_ids, slots, count, id);
+    uint32_t c = 0;
+    expcache_bank_t b;
+    b.struct_size = sizeof b;
+    if (s == OK && layer_class_of(m, layer, &c) && expcache_class_bank_get(m->h, c, &b) == OK) {
+        for (uint32_t j = 0; j < *count && j < n; ++j) {
+            if (slots[j] < 0 || (uint64_t)slots[j] >= b.rows) {
+                diverge("batch_prepare_slots gave id %u row %d, outside the bank's %" PRIu64 " rows", out_ids[j],
+                        slots[j], b.rows);
+                break;
+            }
+            unsigned char* row = (unsigned char*)b.base + (uint64_t)slots[j] * b.slot_stride;
+            out_ptrs[j].gate = row + b.gate_offset;
+            out_ptrs[j].up = row + b.up_offset;
+            out_ptrs[j].down = row + b.down_offset;
+        }
+    } else if (s == OK) {
+        diverge("batch_prepare_slots on layer %u succeeded but its class's bank cannot be read", layer);
+    }
+    free(slots);
+    free(ids64);
+    return s;
+}
 
 void op_batch_prepare(Model* m, int quiet, uint64_t max_n) {
     g_cur_op = "batch_prepare";
@@ -27,14 +64,19 @@ void op_batch_prepare(Model* m, int quiet, uint64_t max_n) {
     uint64_t id = 0xA5A5A5A5A5A5A5A5ull;
     m->sel_valid = 0;
     g_batches++;
+    const int by_slots = pct(33);
     expcache_status_t s =
-        expcache_batch_prepare_async(m->h, layer, ids, n, rand_stream(), out_ids, out_ptrs, &count, &id);
-    check_status("expcache_batch_prepare_async", s, serving_statuses(m));
+        by_slots ? prepare_by_slots(m, layer, ids, n, rand_stream(), out_ids, out_ptrs, &count, &id)
+                 : expcache_batch_prepare_async(m->h, layer, ids, n, rand_stream(), out_ids, out_ptrs, &count, &id);
+    check_status(by_slots ? "expcache_batch_prepare_slots_async" : "expcache_batch_prepare_async", s,
+                 serving_statuses(m));
     consumed_copy_fault(m, s);
     if (!quiet || s != OK)
         trace("batch_prepare layer %u n %" PRIu64 " (%u unique, %u resident; %d outstanding): %s id %" PRIu64, layer, n,
               u, pre_res, m->nbatches, sname(s), s == OK ? id : 0);
-    if (want_is != (s == IS))
+    /* By slot id, an INVALID_STATE may also say the open batches took the class's batch rows. */
+    const int rows_full = by_slots && s == IS && strstr(expcache_last_error(), "batch rows") != NULL;
+    if (want_is != (s == IS) && !rows_full)
         diverge("batch_prepare on layer %u returned %s with %d batches outstanding; the class infos say binding %s",
                 layer, sname(s), m->nbatches, bind_fails(m, layer) ? "must fail" : "is possible");
     if (s != OK) {
@@ -100,7 +142,9 @@ void op_batch_prepare(Model* m, int quiet, uint64_t max_n) {
         memcpy(B->ids, out_ids, sizeof(uint32_t) * count);
         memcpy(B->ptrs, out_ptrs, sizeof(expcache_expert_ptrs_t) * count);
         B->held = heldv;
-        B->staging = (uint64_t)(count - held) * slot_bytes_of(L->bytes);
+        /* A batch by slot id stages in its class's batch rows: class_info's staging_bytes counts them. */
+        B->staging = by_slots ? 0 : (uint64_t)(count - held) * slot_bytes_of(L->bytes);
+        B->rows = by_slots ? count - held : 0;
     } else {
         diverge("batch_prepare succeeded with %d batches outstanding", m->nbatches);
         free(heldv);

@@ -48,7 +48,7 @@ void op_compact(Model* m) {
             /* It failed after the retry: every class holding no batch slot was released. */
             check_invariants(m, 1, 0);
             for (uint32_t c = 0; c < m->max_classes; ++c)
-                if (m->info[c].in_use && m->info[c].held_experts == 0 && m->info[c].allocated_experts)
+                if (m->info[c].in_use && !class_busy(m, c) && m->info[c].allocated_experts)
                     diverge("load_compact failed for memory without releasing class %u (%" PRIu64 " slots)", c,
                             m->info[c].allocated_experts);
             free(ids);

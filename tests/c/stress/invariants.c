@@ -64,10 +64,11 @@ void check_invariants(Model* m, int deep, int exact_stats) {
                 diverge("class indices %u and %u have the same key", o, c);
         slots_bytes += ci.allocated_experts * ci.slot_bytes;
         rows_bytes += ci.staging_bytes;
-        if (ci.staging_bytes % ci.slot_bytes || ci.staging_bytes / ci.slot_bytes > EXPCACHE_MAX_SELECT)
-            diverge("class %u maps %" PRIu64 " B of staging rows: not a whole number of its %" PRIu64
+        if (ci.staging_bytes % ci.slot_bytes ||
+            ci.staging_bytes / ci.slot_bytes > EXPCACHE_MAX_SELECT + EXPCACHE_MAX_BATCH_ROWS)
+            diverge("class %u maps %" PRIu64 " B of staging and batch rows: not a whole number of its %" PRIu64
                     " B slots up to %d",
-                    c, ci.staging_bytes, ci.slot_bytes, EXPCACHE_MAX_SELECT);
+                    c, ci.staging_bytes, ci.slot_bytes, EXPCACHE_MAX_SELECT + EXPCACHE_MAX_BATCH_ROWS);
         resident_total += ci.resident_experts;
     }
     if (in_use != cc) diverge("class_count %u, but %u class infos are in use", cc, in_use);
@@ -157,14 +158,23 @@ void check_batches(Model* m, int all) {
     }
 }
 
-/* Would binding `layer` to a class fail (every index in use by another key, all holding batch slots)? */
+/* Does a batch keep class c from a release or a reuse: it holds slots of it, or a batch by slot id
+   staged in its batch rows? */
+int class_busy(const Model* m, uint32_t c) {
+    if (m->info[c].held_experts) return 1;
+    for (int b = 0; b < m->nbatches; ++b)
+        if (m->batches[b].cls == c && m->batches[b].rows > 0) return 1;
+    return 0;
+}
+
+/* Would binding `layer` to a class fail (every index in use by another key, all kept by batches)? */
 int bind_fails(Model* m, uint32_t layer) {
     const Layer* L = &m->layers[layer];
     for (uint32_t c = 0; c < m->max_classes; ++c) {
         const expcache_class_info_t* ci = &m->info[c];
         if (!ci->in_use) return 0;
         if (key_eq(L->bytes, ci->gate_bytes, ci->up_bytes, ci->down_bytes)) return 0;
-        if (ci->held_experts == 0) return 0;
+        if (!class_busy(m, c)) return 0;
     }
     return 1;
 }

@@ -249,8 +249,8 @@ void op_release_all(Model* m) {
     m->compact_cap = 0;
     check_invariants(m, pct(30), 0);
     for (uint32_t c = 0; c < m->max_classes; ++c)
-        if (m->info[c].held_experts == 0 && (m->info[c].allocated_experts || m->info[c].resident_experts))
-            diverge("release_all left class %u with %" PRIu64 " slots and no batch holding them", c,
+        if (!class_busy(m, c) && (m->info[c].allocated_experts || m->info[c].resident_experts))
+            diverge("release_all left class %u with %" PRIu64 " slots and no batch keeping it", c,
                     m->info[c].allocated_experts);
     if (m->nbatches == 0) {
         uint64_t db = 1;

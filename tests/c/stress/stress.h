@@ -98,7 +98,8 @@ typedef struct {
     uint32_t* ids;
     expcache_expert_ptrs_t* ptrs;
     unsigned char* held;
-    uint64_t staging;
+    uint64_t staging; /* a batch by address: bytes of its own staging */
+    uint32_t rows;    /* a batch by slot id: experts it staged in its class's batch rows */
 } Batch;
 
 typedef struct {
@@ -170,6 +171,7 @@ void free_scratch(void);
 /* invariants.c: what holds after every operation. */
 void check_invariants(Model* m, int deep, int exact_stats);
 void check_batches(Model* m, int all);
+int class_busy(const Model* m, uint32_t c);
 int bind_fails(Model* m, uint32_t layer);
 
 /* stats.c: counters against the model's snapshot. DELTA(f): how far counter f moved since the
