@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pyexpcache import (
+    CudaError,
     ExpcacheWarning,
     ExpertCache,
     HostSource,
@@ -664,3 +665,44 @@ def test_pinned_memory_is_emulated_where_no_cuda_device_is(monkeypatch, backend)
             layer = layout.moe_layers[0]
             slots = _select(cache, layer, [3, 1])
             assert_served(cache, source, layer, [3, 1], bank_rows(cache.bank(layer), slots))
+
+
+@pytest.mark.parametrize("policy", ["lru", "duel"])
+def test_host_side_calls_serve_a_pageable_source(make_cache, policy):
+    """From a source the GPU cannot read the device select chooses the slots and the call copies
+    into them: every host-side serving call works, and only select_device refuses the layer."""
+    cache, source = _cache(make_cache, pinned=False, experts=4, policy=policy)
+    layer = cache.layout.moe_layers[0]
+    ptrs = cache.select(layer, [1, 2, 1])
+    assert_served(cache, source, layer, [1, 2, 1], ptrs)
+    slots = cache.select_slots(layer, np.array([3, 1], dtype=np.int64))
+    assert_served(cache, source, layer, [3, 1], bank_rows(cache.bank(layer), slots))
+    buf = cache.load_compact(layer, [1, 9, 3])
+    assert_served(cache, source, layer, [1, 9, 3], buf.pointers())
+    for by_slots in (False, True):
+        with cache.prepare_batch(layer, np.array([[1, 4, 10, 11]]), slots=by_slots) as batch:
+            assert_served(cache, source, layer, batch.ids, batch.pointers)
+    for e in (1, 2, 3, 4):
+        got = testing.read_expert(cache, layer, e)
+        assert got is None or (got == source.expert_bytes(layer, e)).all()
+    with pytest.raises(UnsupportedError, match="pageable memory, which the GPU cannot read"):
+        cache.select_device(layer, device_ids(cache, [1]))
+
+
+def test_a_failed_copy_from_the_host_frees_its_slot_on_the_device(make_cache):
+    """A host-side call whose copy into a slot the device gave fails forgets that slot on the device
+    (and the fills it had not copied yet): none of them is resident afterwards, the resident count
+    agrees, and the next select copies them again."""
+    cache, source = _cache(make_cache, pinned=False, experts=6)
+    layer = cache.layout.moe_layers[0]
+    cache.select(layer, [1])
+    testing.fail_copy_after(cache, 1)  # the first fill's copy goes out, the second fails
+    with pytest.raises(CudaError, match="injected copy failure"):
+        cache.select(layer, [2, 3, 4])
+    testing.fail_copy_after(cache, 0, 0)
+    assert testing.read_expert(cache, layer, 1) is not None
+    assert [testing.read_expert(cache, layer, e) is None for e in (3, 4)] == [True, True]
+    resident = sum(testing.read_expert(cache, layer, e) is not None for e in range(cache.layout[layer].num_experts))
+    assert cache.classes()[0].resident_experts == resident
+    ptrs = cache.select(layer, [2, 3, 4])
+    assert_served(cache, source, layer, [2, 3, 4], ptrs)
