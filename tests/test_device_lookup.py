@@ -706,3 +706,20 @@ def test_a_failed_copy_from_the_host_frees_its_slot_on_the_device(make_cache):
     assert cache.classes()[0].resident_experts == resident
     ptrs = cache.select(layer, [2, 3, 4])
     assert_served(cache, source, layer, [2, 3, 4], ptrs)
+
+
+@pytest.mark.parametrize("by_slots", [False, True])
+def test_a_failed_batch_leaves_no_slot_pinned(make_cache, by_slots):
+    """A batch whose copy fails after the device pinned its hits and fills unpins every one of them:
+    the next select may take every slot of the bank."""
+    cache, source = _cache(make_cache, pinned=False, experts=4)
+    layer = cache.layout.moe_layers[0]
+    cache.select(layer, [1])
+    testing.fail_copy_after(cache, 1)
+    with pytest.raises(CudaError, match="injected copy failure"):
+        cache.prepare_batch(layer, np.array([[1, 2, 3, 4]]), slots=by_slots)
+    testing.fail_copy_after(cache, 0, 0)
+    assert cache.classes()[0].held_experts == 0
+    slots = cache.select_slots(layer, np.array([20, 21, 22, 23]))
+    assert (slots < cache.bank(layer).cap).all()  # none stayed pinned: all four got a slot
+    assert_served(cache, source, layer, [20, 21, 22, 23], bank_rows(cache.bank(layer), slots))

@@ -426,7 +426,10 @@ expcache_status_t DeviceLookup::forget(int32_t c, const std::vector<int32_t>& sl
     const DeviceClass& d = classes_state_[c].view;
     expcache_status_t s = health_.check(backend_.sync_device());
     uint64_t resident = 0;
+    int32_t duel_resident = 0;  // DuelPolicy's count of slots held, where the policy keeps one
     if (s == EXPCACHE_OK) s = health_.check(backend_.copy_d2h_sync(&resident, d.resident, sizeof resident));
+    if (s == EXPCACHE_OK && d.policy.duel)
+        s = health_.check(backend_.copy_d2h_sync(&duel_resident, &d.policy.duel->resident, sizeof duel_resident));
     const int32_t none = -1;
     for (size_t i = 0; i < slots.size() && s == EXPCACHE_OK; ++i) {
         int32_t key = -1;
@@ -436,8 +439,11 @@ expcache_status_t DeviceLookup::forget(int32_t c, const std::vector<int32_t>& sl
         if ((s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_ + key, &none, sizeof none))) == EXPCACHE_OK)
             s = health_.check(backend_.copy_h2d_sync(d.key_of_slot + slots[i], &none, sizeof none));
         --resident;
+        --duel_resident;
     }
     if (s == EXPCACHE_OK) s = health_.check(backend_.copy_h2d_sync(d.resident, &resident, sizeof resident));
+    if (s == EXPCACHE_OK && d.policy.duel)
+        s = health_.check(backend_.copy_h2d_sync(&d.policy.duel->resident, &duel_resident, sizeof duel_resident));
     return s;
 }
 

@@ -109,15 +109,17 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
             scratch.pending.push_back(j);
             continue;
         }
-        if (batch) {
+        if (batch) {  // every slot the select pinned: the batch's unhold unpins them, on failure too
             classes_.hold(call.c, slot);
             batch->held.push_back(slot);
         }
-        unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
-        scratch.ptrs[j] = cls.ptrs_at(row);
-        if (!t.host_copies || !scratch.resident[j]) continue;
+        scratch.ptrs[j] = cls.ptrs_at(cls.bank() + uint64_t(slot) * cls.slot_bytes());
+    }
+    for (uint32_t j = 0; j < n && t.host_copies; ++j) {
+        const int32_t slot = scratch.slots[j];
+        if (slot < 0 || !scratch.resident[j]) continue;
         unsigned char* dst[kParts];
-        cls.parts_at(row, dst);
+        cls.parts_at(cls.bank() + uint64_t(slot) * cls.slot_bytes(), dst);
         scratch.inserted.emplace_back(call.c, slot);  // a later upload failure of the call frees it
         if ((s = copy_expert(*call.layer, scratch.unique[j], dst, call.copy_stream)) != EXPCACHE_OK) {
             // This fill and those not copied yet never get their bytes.
