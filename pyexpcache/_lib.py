@@ -41,6 +41,8 @@ LOG_SILENT, LOG_WARNING, LOG_NOTICE, LOG_DEBUG = 0, 1, 2, 3
 FILE_READS = {"buffered": 0, "direct": 1}
 LOOKUP_HOST, LOOKUP_DEVICE = 0, 1
 LOOKUPS = {"host": LOOKUP_HOST, "device": LOOKUP_DEVICE}
+# EXPCACHE_ENVIRONMENT_*: whether expcache_create reads the EXPCACHE_* variables.
+ENVIRONMENTS = {"read": 0, "ignore": 1}
 PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL, PATH_DEVICE = 0, 1, 2, 3, 4
 # PATH_NAMES, the EXPCACHE_PATH_* names in id order, is the library's own table (path_table), read
 # when it loads: a path is named once, in libexpcache/src/paths.cpp.
@@ -91,6 +93,7 @@ class Config(ctypes.Structure):
         ("prefetch_piece_bytes", c_uint64),
         ("lookup", c_uint32),
         ("partition", c_uint32),
+        ("environment", c_uint32),
     ]
 
 

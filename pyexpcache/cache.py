@@ -132,6 +132,11 @@ class ExpertCache(Serving):
             may evict any slot of its class) or ``"layer"`` (each layer its own share of its
             class's cap, in proportion to its experts; a miss of a layer holding its share
             evicts among that layer's slots: mixtral-offloading's and many engines' layout).
+        environment: ``"read"`` (default) or ``"ignore"``: whether the cache reads the
+            ``EXPCACHE_*`` environment variables (``EXPCACHE_RESERVE_GB``, ``EXPCACHE_VERBOSE``,
+            the staging knobs) when it is made. A malformed one never fails: it is ignored with a
+            warning; one that replaces a value given here (``reserve_bytes``, ``log_level``) says
+            so in a notice; each line once per process. ``"ignore"``: none is read.
         prefetch_max_per_layer: most experts of one layer prefetched between two serving calls of
             that layer (default 8; 0 turns :meth:`prefetch` off).
         prefetch_piece_bytes: most prefetch bytes in flight at once (two transfers of half), what
@@ -180,6 +185,7 @@ class ExpertCache(Serving):
         prefetch_piece_bytes: Optional[int] = None,
         lookup: str = "host",
         partition: str = "global",
+        environment: str = "read",
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
@@ -189,6 +195,8 @@ class ExpertCache(Serving):
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if partition not in _lib.PARTITIONS:
             raise ValueError(f"partition must be one of {sorted(_lib.PARTITIONS)}, got {partition!r}")
+        if environment not in _lib.ENVIRONMENTS:
+            raise ValueError(f"environment must be one of {sorted(_lib.ENVIRONMENTS)}, got {environment!r}")
         if file_reads not in _lib.FILE_READS:
             raise ValueError(f"file_reads must be one of {sorted(_lib.FILE_READS)}, got {file_reads!r}")
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
@@ -230,6 +238,7 @@ class ExpertCache(Serving):
             file_reads=_lib.FILE_READS[file_reads],
             lookup=_lib.LOOKUPS[lookup],
             partition=_lib.PARTITIONS[partition],
+            environment=_lib.ENVIRONMENTS[environment],
             **given,
         )
         self.lookup = lookup

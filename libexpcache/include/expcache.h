@@ -170,6 +170,16 @@ EXPCACHE_API uint32_t expcache_version(void);
                                          Batches append only below the layer's share */
 
 /** Where a cache looks experts up (expcache_config_t.lookup). */
+/* expcache_config_t.environment. READ: expcache_create reads EXPCACHE_RESERVE_GB,
+ * EXPCACHE_VERBOSE and the staging ring's EXPCACHE_STAGING_* knobs (an operator's
+ * overrides). A malformed value never fails create: it is ignored, with a warning. A
+ * value that replaces one the caller set explicitly (a reserve_bytes or log_level other
+ * than the default) is logged as a notice. Each such line is logged once per process.
+ * IGNORE: no variable is read; the config is what the cache runs with (an engine that
+ * computes its own reserve). */
+#define EXPCACHE_ENVIRONMENT_READ 0
+#define EXPCACHE_ENVIRONMENT_IGNORE 1
+
 #define EXPCACHE_LOOKUP_HOST 0   /**< the host: expcache_select_async and the other serving calls */
 #define EXPCACHE_LOOKUP_DEVICE 1 /**< the device too: slot banks and expcache_select_device_async */
 /* clang-format on */
@@ -213,13 +223,14 @@ typedef struct expcache_config_t {
     uint32_t num_layers;             /**< layers are 0..num_layers-1; required, 1..EXPCACHE_MAX_LAYERS_LIMIT */
     uint32_t max_classes;            /**< default 4; 1..EXPCACHE_MAX_CLASSES_LIMIT */
     uint32_t log_level;              /**< EXPCACHE_LOG_*; default NOTICE. The environment variable EXPCACHE_VERBOSE
-                                          (read by expcache_create) raises it to DEBUG when 1, true, yes or on, leaves
-                                          it when 0, false, no or off (any case); any other value fails the create
-                                          with INVALID_ARGUMENT */
+                                          (read by expcache_create unless environment is IGNORE) raises it to DEBUG
+                                          when 1, true, yes or on, leaves it when 0, false, no or off (any case);
+                                          any other value is ignored with a warning */
     uint64_t budget_experts;         /**< per-class budget in experts; default 0 (unset) */
     uint64_t budget_bytes;           /**< total budget in bytes; default 0 (unset) */
     uint64_t reserve_bytes;          /**< device memory the expert caches never grow into (left for staging
-                                          buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides */
+                                          buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides (see
+                                          EXPCACHE_ENVIRONMENT_READ) */
     uint64_t device_capacity_bytes;  /**< host backend only: emulated device size; default 64 GiB */
     uint64_t slab_bytes;             /**< largest single slot allocation; default 512 MiB (at least one slot) */
     uint32_t copy_threads;           /**< pageable and file sources: threads filling the pinned staging ring, whole
@@ -247,6 +258,8 @@ typedef struct expcache_config_t {
                                           looks experts up on the device (see "Serving from the device"), with
                                           any policy */
     uint32_t partition;              /**< EXPCACHE_PARTITION_GLOBAL (default) or _LAYER; a device lookup needs GLOBAL */
+    uint32_t environment;            /**< EXPCACHE_ENVIRONMENT_READ (default) or _IGNORE: whether expcache_create
+                                          reads the EXPCACHE_* environment variables (see EXPCACHE_ENVIRONMENT_READ) */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -261,8 +274,11 @@ typedef struct expcache_t expcache_t;
 /**
  * Create a cache. Allocates no device memory yet. With backend AUTO the
  * CUDA backend is chosen when the library was built with CUDA and the
- * device is usable, else the host backend. Status: INVALID_ARGUMENT,
- * UNSUPPORTED (CUDA asked for and unavailable), OUT_OF_HOST_MEMORY, CUDA.
+ * device is usable, else the host backend. Unless config.environment is
+ * EXPCACHE_ENVIRONMENT_IGNORE it reads the EXPCACHE_* variables (see
+ * EXPCACHE_ENVIRONMENT_READ), none of which can fail it. Status: INVALID_ARGUMENT
+ * (a config field), UNSUPPORTED (CUDA asked for and unavailable),
+ * OUT_OF_HOST_MEMORY, CUDA.
  */
 EXPCACHE_API expcache_status_t expcache_create(const expcache_config_t* config, expcache_t** out_cache);
 

@@ -28,7 +28,8 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
 expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr<Cache>* out) {
     expcache_config_t cfg;
     StagingTuning tuning;
-    expcache_status_t s = resolve_config(config, &cfg, &tuning);
+    EnvironmentLines lines;
+    expcache_status_t s = resolve_config(config, &cfg, &tuning, &lines);
     if (s != EXPCACHE_OK) return s;
     const StagingConfig staging{cfg.copy_threads, cfg.staging_bytes, cfg.staging_chunk_bytes, tuning};
     std::unique_ptr<StagingBackend> backend;
@@ -52,6 +53,7 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     }
     std::unique_ptr<InstrumentedBackend> instrumented(new InstrumentedBackend(std::move(backend), std::move(kernels)));
     out->reset(new Cache(cfg, std::move(instrumented), std::move(lookup)));
+    log_environment_once((*out)->log_, lines);
     return EXPCACHE_OK;
 }
 

@@ -4,11 +4,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
+#include <set>
 #include <strings.h>
 
 #include "backend/staging_tuning.hpp"
 #include "cores.hpp"
 #include "errors.hpp"
+#include "log.hpp"
 #include "policy/policy.hpp"
 
 namespace expcache {
@@ -88,47 +91,51 @@ expcache_status_t read_switch(const char* name, const char* meaning_on, const ch
     return EXPCACHE_OK;
 }
 
+// A variable that did not parse (status s, its message the reason): ignored, with a warning; the
+// value it would have set keeps the one before.
+void ignore_if_bad(expcache_status_t s, EnvironmentLines* lines) {
+    if (s == EXPCACHE_OK) return;
+    lines->emplace_back(EXPCACHE_LOG_WARNING, std::string(last_error()) + "; ignored");
+    clear_last_error();
+}
+
 // The staging ring's EXPCACHE_STAGING_* variables over StagingTuning's defaults (what each one
-// sets, and why these ranges: backend/staging_tuning.hpp). *out only when all are good.
-expcache_status_t read_staging_environment(StagingTuning* out) {
+// sets, and why these ranges: backend/staging_tuning.hpp); each malformed one ignored.
+void read_staging_environment(StagingTuning* out, EnvironmentLines* lines) {
     static const char* const kCopies[] = {"wide", "sse2"};
     static const char* const kHints[] = {"t0", "t2", "nta"};
     static const int kLocality[] = {3, 1, 0};  // kHints' as __builtin_prefetch has them
     StagingTuning t;
     uint64_t ahead = t.prefetch.ahead;
     size_t copy = t.wide_stores ? 0 : 1, hint = SIZE_MAX;
-    expcache_status_t s = read_count("EXPCACHE_STAGING_NT_MAX", UINT64_MAX, "a number of bytes", &t.nt_max_bytes);
-    if (s == EXPCACHE_OK)
-        s = read_switch("EXPCACHE_STAGING_FILE_BOUNCE", "through a bounce buffer", "into the chunk", &t.file_bounce);
-    if (s == EXPCACHE_OK)
-        s = read_count("EXPCACHE_STAGING_COALESCE", UINT64_MAX, "a number of bytes", &t.coalesce_bytes);
-    if (s == EXPCACHE_OK)
-        s = read_count("EXPCACHE_STAGING_MIN_PIECES", t.kMaxMinPieces, "a whole number", &t.min_pieces);
-    if (s == EXPCACHE_OK)
-        s = read_count("EXPCACHE_STAGING_SHORT", t.kMaxShortPieces, "a whole number", &t.short_pieces);
-    if (s == EXPCACHE_OK)
-        s = read_word("EXPCACHE_STAGING_COPY", kCopies,
-                      "wide (64-byte stores where the CPU has AVX-512) or sse2 (16-byte stores)", &copy);
-    if (s == EXPCACHE_OK) s = read_count("EXPCACHE_STAGING_PREFETCH", t.kMaxPrefetchBytes, "a number of bytes", &ahead);
-    if (s == EXPCACHE_OK)
-        s = read_word("EXPCACHE_STAGING_PREFETCH_HINT", kHints, "t0 (into L1), t2 (into L2) or nta (non-temporal)",
-                      &hint);
-    if (s == EXPCACHE_OK) {
-        const char* env = std::getenv("EXPCACHE_STAGING_TRACE");
-        if (env && *env == '\0')
-            s = fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                     "EXPCACHE_STAGING_TRACE=\"\" is not a file path (unset it for no trace)");
-        else if (env)
+    ignore_if_bad(read_count("EXPCACHE_STAGING_NT_MAX", UINT64_MAX, "a number of bytes", &t.nt_max_bytes), lines);
+    ignore_if_bad(
+        read_switch("EXPCACHE_STAGING_FILE_BOUNCE", "through a bounce buffer", "into the chunk", &t.file_bounce),
+        lines);
+    ignore_if_bad(read_count("EXPCACHE_STAGING_COALESCE", UINT64_MAX, "a number of bytes", &t.coalesce_bytes), lines);
+    ignore_if_bad(read_count("EXPCACHE_STAGING_MIN_PIECES", t.kMaxMinPieces, "a whole number", &t.min_pieces), lines);
+    ignore_if_bad(read_count("EXPCACHE_STAGING_SHORT", t.kMaxShortPieces, "a whole number", &t.short_pieces), lines);
+    ignore_if_bad(read_word("EXPCACHE_STAGING_COPY", kCopies,
+                            "wide (64-byte stores where the CPU has AVX-512) or sse2 (16-byte stores)", &copy),
+                  lines);
+    ignore_if_bad(read_count("EXPCACHE_STAGING_PREFETCH", t.kMaxPrefetchBytes, "a number of bytes", &ahead), lines);
+    ignore_if_bad(
+        read_word("EXPCACHE_STAGING_PREFETCH_HINT", kHints, "t0 (into L1), t2 (into L2) or nta (non-temporal)", &hint),
+        lines);
+    if (const char* env = std::getenv("EXPCACHE_STAGING_TRACE")) {
+        if (*env == '\0')
+            ignore_if_bad(fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                               "EXPCACHE_STAGING_TRACE=\"\" is not a file path (unset it for no trace)"),
+                          lines);
+        else
             t.trace_path = env;
     }
-    if (s == EXPCACHE_OK)
-        s = read_count("EXPCACHE_STAGING_TRACE_PIECES", t.kMaxTracePieces, "a whole number", &t.trace_pieces);
-    if (s != EXPCACHE_OK) return s;
+    ignore_if_bad(read_count("EXPCACHE_STAGING_TRACE_PIECES", t.kMaxTracePieces, "a whole number", &t.trace_pieces),
+                  lines);
     t.wide_stores = copy == 0;
     t.prefetch.ahead = static_cast<size_t>(ahead);
     if (hint != SIZE_MAX) t.prefetch.locality = kLocality[hint];
     *out = t;
-    return EXPCACHE_OK;
 }
 
 expcache_status_t check_fields(const expcache_config_t& cfg) {
@@ -175,28 +182,52 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
                     (unsigned long long)cfg.prefetch_piece_bytes);
     if (cfg.file_reads > EXPCACHE_FILE_READS_DIRECT)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown file_reads %u (0 buffered, 1 direct)", cfg.file_reads);
+    if (cfg.environment > EXPCACHE_ENVIRONMENT_IGNORE)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown environment %u (0 read, 1 ignore)", cfg.environment);
     return EXPCACHE_OK;
 }
 
-// The variables override the fields (an operator's knob over what the engine passed), so they are
-// read after the fields passed their checks and are themselves refused when malformed.
-expcache_status_t apply_environment(expcache_config_t* cfg) {
+// The variables override the fields (an operator's knob over what the engine passed), read after
+// the fields passed their checks: a malformed one is ignored with a warning, and one that replaces
+// a value the caller set (other than the default) says so.
+void apply_environment(expcache_config_t* cfg, EnvironmentLines* lines) {
+    expcache_config_t defaults;
+    config_defaults(&defaults);
     if (const char* env = std::getenv("EXPCACHE_RESERVE_GB")) {
         char* end = nullptr;
         double gb = std::strtod(env, &end);
-        if (end == env || *end != '\0' || !std::isfinite(gb) || gb < 0 || gb > 1e6)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                        "EXPCACHE_RESERVE_GB=\"%s\" is not a number of GiB between 0 and 1e6", env);
-        cfg->reserve_bytes = static_cast<uint64_t>(gb * kGiB);
+        if (end == env || *end != '\0' || !std::isfinite(gb) || gb < 0 || gb > 1e6) {
+            ignore_if_bad(fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                               "EXPCACHE_RESERVE_GB=\"%s\" is not a number of GiB between 0 and 1e6", env),
+                          lines);
+        } else {
+            const uint64_t bytes = static_cast<uint64_t>(gb * kGiB);
+            if (cfg->reserve_bytes != defaults.reserve_bytes && cfg->reserve_bytes != bytes)
+                lines->emplace_back(EXPCACHE_LOG_NOTICE,
+                                    format("EXPCACHE_RESERVE_GB=%s overrides the reserve_bytes the caller set (%llu "
+                                           "B): the cache keeps %llu B free (set config.environment to "
+                                           "EXPCACHE_ENVIRONMENT_IGNORE to read no variable)",
+                                           env, (unsigned long long)cfg->reserve_bytes, (unsigned long long)bytes));
+            cfg->reserve_bytes = bytes;
+        }
     }
     if (const char* env = std::getenv("EXPCACHE_VERBOSE")) {
         int on = parse_switch(env);
-        if (on < 0)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                        "EXPCACHE_VERBOSE=\"%s\" is not one of 1, true, yes, on (verbose) or 0, false, no, off", env);
-        if (on) cfg->log_level = EXPCACHE_LOG_DEBUG;
+        if (on < 0) {
+            ignore_if_bad(
+                fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                     "EXPCACHE_VERBOSE=\"%s\" is not one of 1, true, yes, on (verbose) or 0, false, no, off", env),
+                lines);
+        } else if (on) {
+            if (cfg->log_level != defaults.log_level && cfg->log_level != EXPCACHE_LOG_DEBUG)
+                lines->emplace_back(EXPCACHE_LOG_NOTICE,
+                                    format("EXPCACHE_VERBOSE=%s overrides the log_level the caller set (%u): every "
+                                           "line is logged (set config.environment to EXPCACHE_ENVIRONMENT_IGNORE to "
+                                           "read no variable)",
+                                           env, cfg->log_level));
+            cfg->log_level = EXPCACHE_LOG_DEBUG;
+        }
     }
-    return EXPCACHE_OK;
 }
 
 }  // namespace
@@ -225,16 +256,31 @@ void config_defaults(expcache_config_t* config) {
     config->partition = EXPCACHE_PARTITION_GLOBAL;
 }
 
-expcache_status_t resolve_config(const expcache_config_t& config, expcache_config_t* out, StagingTuning* staging) {
+expcache_status_t resolve_config(const expcache_config_t& config, expcache_config_t* out, StagingTuning* staging,
+                                 EnvironmentLines* lines) {
     expcache_config_t cfg = config;
     StagingTuning tuning;
     expcache_status_t s = check_fields(cfg);
-    if (s == EXPCACHE_OK) s = apply_environment(&cfg);
-    if (s == EXPCACHE_OK) s = read_staging_environment(&tuning);
     if (s != EXPCACHE_OK) return s;
+    if (cfg.environment == EXPCACHE_ENVIRONMENT_READ) {
+        apply_environment(&cfg, lines);
+        read_staging_environment(&tuning, lines);
+    }
     *out = cfg;
     *staging = tuning;
     return EXPCACHE_OK;
+}
+
+void log_environment_once(const Log& log, const EnvironmentLines& lines) {
+    static std::mutex mu;
+    static std::set<std::string> logged;  // this process's, for its whole life
+    for (const auto& line : lines) {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            if (!logged.insert(line.second).second) continue;
+        }
+        log(line.first, "%s", line.second.c_str());
+    }
 }
 
 }  // namespace expcache
