@@ -283,6 +283,8 @@ _FUNCTIONS = [
     ("expcache_layer_desc_init", [POINTER(LayerDesc)], c_int32),
     # expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file);
     ("expcache_file_open", [CachePtr, c_char_p, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_file_open_fd(expcache_t* cache, int fd, uint32_t* out_file);
+    ("expcache_file_open_fd", [CachePtr, c_int32, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
     ("expcache_layer_register", [CachePtr, c_uint32, POINTER(LayerDesc)], c_int32),
     # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,

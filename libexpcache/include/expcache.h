@@ -350,6 +350,16 @@ EXPCACHE_API expcache_status_t expcache_layer_desc_init(expcache_layer_desc_t* d
 EXPCACHE_API expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file);
 
 /**
+ * expcache_file_open for a file the caller holds open as descriptor `fd` (an engine
+ * that keeps its model's descriptor, not a path). The library reads through a
+ * duplicate of its own, made now, so the caller may close `fd` at once; O_DIRECT
+ * reads (config.file_reads) reopen it through /proc/self/fd where the system has it,
+ * else they are buffered. Status: INVALID_ARGUMENT (fd negative, not open, or not
+ * open for reading), INVALID_STATE (1024 files open already), IO (not a regular file).
+ */
+EXPCACHE_API expcache_status_t expcache_file_open_fd(expcache_t* cache, int fd, uint32_t* out_file);
+
+/**
  * Register layer `layer` (< config.num_layers). Each layer is registered
  * once. Validates sizes, strides, pointers and address overflow.
  * Status: INVALID_ARGUMENT, INVALID_STATE (already registered).

@@ -57,7 +57,16 @@ expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(path && path[0], "path is NULL or empty");
         EXPCACHE_REQUIRE(out_file, "out_file is NULL");
-        return cache->impl->open_file(path, out_file);
+        return cache->impl->open_file(path, -1, out_file);
+    });
+}
+
+expcache_status_t expcache_file_open_fd(expcache_t* cache, int fd, uint32_t* out_file) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(fd >= 0, "fd %d is not a file descriptor", fd);
+        EXPCACHE_REQUIRE(out_file, "out_file is NULL");
+        return cache->impl->open_file(nullptr, fd, out_file);
     });
 }
 

@@ -141,10 +141,11 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
     return EXPCACHE_OK;
 }
 
-expcache_status_t Cache::open_file(const char* path, uint32_t* out_file) {
+expcache_status_t Cache::open_file(const char* path, int fd, uint32_t* out_file) {
     CallScope scope(*this);
     std::string note;
-    expcache_status_t s = layers_.open_file(path, config_.file_reads == EXPCACHE_FILE_READS_DIRECT, out_file, &note);
+    expcache_status_t s =
+        layers_.open_file(path, fd, config_.file_reads == EXPCACHE_FILE_READS_DIRECT, out_file, &note);
     if (s == EXPCACHE_OK) log_(EXPCACHE_LOG_NOTICE, "%s", note.c_str());
     return s;
 }

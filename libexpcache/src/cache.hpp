@@ -66,7 +66,8 @@ public:
     ~Cache();
 
     uint32_t backend_kind() const { return backend_->kind(); }
-    expcache_status_t open_file(const char* path, uint32_t* out_file);
+    // By path, or (path nullptr) by the caller's descriptor fd.
+    expcache_status_t open_file(const char* path, int fd, uint32_t* out_file);
     expcache_status_t register_layer(uint32_t layer, const expcache_layer_desc_t& desc);
     expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                              expcache_expert_ptrs_t* out);

@@ -102,12 +102,12 @@ expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d
     return EXPCACHE_OK;
 }
 
-expcache_status_t LayerTable::open_file(const char* path, bool direct, uint32_t* out_file, std::string* note) {
+expcache_status_t LayerTable::open_file(const char* path, int fd, bool direct, uint32_t* out_file, std::string* note) {
     if (files_.size() >= 1024) return fail(EXPCACHE_ERR_INVALID_STATE, "1024 files are open already");
     std::unique_ptr<SourceFile> f(new SourceFile());
-    expcache_status_t s = f->open(path, direct);
+    expcache_status_t s = path ? f->open(path, direct) : f->open_fd(fd, direct);
     if (s != EXPCACHE_OK) return s;
-    *note = format("source file %s: %llu bytes, %s reads", path, (unsigned long long)f->size(),
+    *note = format("source file %s: %llu bytes, %s reads", f->path().c_str(), (unsigned long long)f->size(),
                    f->direct() ? "O_DIRECT"
                    : direct    ? "buffered (O_DIRECT refused)"
                                : "buffered");

@@ -56,8 +56,9 @@ public:
 
     // Checks a descriptor against the limits and the open files, then records the layer.
     expcache_status_t add(uint32_t layer, const expcache_layer_desc_t& desc);
-    // Opens a file source; *note says how it will be read (for the log).
-    expcache_status_t open_file(const char* path, bool direct, uint32_t* out_file, std::string* note);
+    // Opens a file source, by path or (path nullptr) by the caller's descriptor `fd`; *note says
+    // how it will be read (for the log).
+    expcache_status_t open_file(const char* path, int fd, bool direct, uint32_t* out_file, std::string* note);
     // INVALID_ARGUMENT out of range, INVALID_STATE not registered.
     expcache_status_t validate(uint32_t layer) const;
 

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "../errors.hpp"
 
@@ -26,6 +27,29 @@ expcache_status_t SourceFile::open(const std::string& path, bool direct) {
     size_ = static_cast<uint64_t>(st.st_size);
 #ifdef O_DIRECT
     if (direct) direct_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // tmpfs and others refuse: fine
+#endif
+    return EXPCACHE_OK;
+}
+
+expcache_status_t SourceFile::open_fd(int fd, bool direct) {
+    path_ = "descriptor " + std::to_string(fd);
+    fd_ = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (fd_ < 0)
+        return fail(errno == EBADF ? EXPCACHE_ERR_INVALID_ARGUMENT : EXPCACHE_ERR_IO, "cannot duplicate %s: %s",
+                    path_.c_str(), std::strerror(errno));
+    const std::string self = "/proc/self/fd/" + std::to_string(fd_);
+    char target[4096];
+    const ssize_t n = readlink(self.c_str(), target, sizeof target - 1);
+    if (n > 0) path_ += " (" + std::string(target, static_cast<size_t>(n)) + ")";
+    struct stat st;
+    if (fstat(fd_, &st) != 0) return fail(EXPCACHE_ERR_IO, "cannot stat %s: %s", path_.c_str(), std::strerror(errno));
+    if (!S_ISREG(st.st_mode)) return fail(EXPCACHE_ERR_IO, "%s is not a regular file", path_.c_str());
+    const int mode = fcntl(fd_, F_GETFL);
+    if (mode < 0 || (mode & O_ACCMODE) == O_WRONLY)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s is not open for reading", path_.c_str());
+    size_ = static_cast<uint64_t>(st.st_size);
+#ifdef O_DIRECT
+    if (direct) direct_fd_ = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);  // no /proc, or refused: buffered
 #endif
     return EXPCACHE_OK;
 }

@@ -19,6 +19,10 @@ public:
     ~SourceFile();
     // Status: OK, IO.
     expcache_status_t open(const std::string& path, bool direct);
+    // The file behind the caller's descriptor `fd`, through a duplicate of its own (the caller may
+    // close fd at once); O_DIRECT reads through /proc/self/fd where the system has it. Status:
+    // OK, INVALID_ARGUMENT (fd is no open descriptor), IO.
+    expcache_status_t open_fd(int fd, bool direct);
     uint64_t size() const { return size_; }
     const std::string& path() const { return path_; }
     bool direct() const { return direct_fd_ >= 0; }
