@@ -21,6 +21,7 @@ from pyexpcache import (
     InvalidStateError,
     LayerSpec,
     ModelLayout,
+    OutOfDeviceMemoryError,
     UnsupportedError,
     _lib,
     bank as _bank,
@@ -40,7 +41,8 @@ def _layout():
 
 
 def _cache(make_cache, experts=6, **kw):
-    kw.setdefault("budget_experts", experts)
+    if experts is not None:
+        kw.setdefault("budget_experts", experts)
     kw.setdefault("pinned", True)  # what a device select reads (emulated on the host backend)
     return make_cache(_layout(), lookup="device", **kw)
 
@@ -723,3 +725,25 @@ def test_a_failed_batch_leaves_no_slot_pinned(make_cache, by_slots):
     slots = cache.select_slots(layer, np.array([20, 21, 22, 23]))
     assert (slots < cache.bank(layer).cap).all()  # none stayed pinned: all four got a slot
     assert_served(cache, source, layer, [20, 21, 22, 23], bank_rows(cache.bank(layer), slots))
+
+
+def test_a_class_of_cap_0_serves_the_host_side_calls_from_staging(make_cache):
+    """A budget under one expert leaves the class no slot: select_device is refused with the reason,
+    and every host-side call serves its experts from the bank's staging or batch rows, loaded
+    directly, byte-exact."""
+    cache, source = _cache(make_cache, experts=None, budget_bytes=1000)
+    layer = cache.layout.moe_layers[0]
+    with pytest.warns(ExpcacheWarning, match="cap 0 experts"):
+        ptrs = cache.select(layer, [1, 2, 1])
+    assert_served(cache, source, layer, [1, 2, 1], ptrs)
+    slots = cache.select_slots(layer, np.array([3, 1], dtype=np.int32))
+    assert_served(cache, source, layer, [3, 1], bank_rows(cache.bank(layer), slots))
+    buf = cache.load_compact(layer, [4, 2])
+    assert_served(cache, source, layer, [4, 2], buf.pointers())
+    for by_slots in (False, True):
+        with cache.prepare_batch(layer, np.array([[5, 6]]), slots=by_slots) as batch:
+            assert_served(cache, source, layer, batch.ids, batch.pointers)
+    d = cache.stats().path("decode")
+    assert (d.hits, d.misses, d.direct_loads) == (0, 4, 4)
+    with pytest.raises(OutOfDeviceMemoryError, match="cap is 0 experts"):
+        cache.select_device(layer, device_ids(cache, [1]))

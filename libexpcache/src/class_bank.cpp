@@ -34,8 +34,8 @@ expcache_status_t ClassTable::take_batch_rows(int32_t c, uint64_t n, uint64_t* o
     ClassState& cls = classes_[c];
     if (!cls.bank_)
         return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
-                    "class %s has no bank (a cap of 0 experts): nowhere to stage a batch by slot id; raise the "
-                    "budget",
+                    "class %s has no bank reserved: nowhere to stage a batch by slot id; raise the budget or "
+                    "free device memory",
                     name(cls).c_str());
     if (cls.batch_used_ + n > kBatchRows)
         return fail(EXPCACHE_ERR_INVALID_STATE,
@@ -80,13 +80,15 @@ expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char*
 }
 
 // The whole cap in one allocation, once (a cap of 0, or an allocation that fails, leaves the
-// class without a bank: its device selects are refused, its host calls load directly).
+// class without slots: its device selects are refused, its host calls stage every expert in the
+// bank's staging or batch rows, which a cap of 0 reserves too).
 expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (!cls.slots_.empty() || cls.cap_valid_) return EXPCACHE_OK;
     expcache_status_t s = refresh_cap(c, path);
-    if (s != EXPCACHE_OK || cls.cap_ == 0) return s;
+    if (s != EXPCACHE_OK) return s;
     if (!cls.bank_ && (s = reserve_rows(c, cls.cap_)) != EXPCACHE_OK) return s;
+    if (cls.cap_ == 0) return EXPCACHE_OK;
     cls.cap_ = std::min(cls.cap_, cls.slot_rows_);  // slot ids are int32
     return grow(c, path);
 }

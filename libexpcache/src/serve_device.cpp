@@ -42,11 +42,11 @@ expcache_status_t Cache::select_device(uint32_t layer_index, const void* ids, ui
                         layer_index);
         if ((s = bind_class(layer_index, EXPCACHE_PATH_DEVICE, &c)) != EXPCACHE_OK) return s;
     }
-    if (!lookup_.ready(c))  // the class has no bank
+    if (!lookup_.ready(c))  // the class has no slot
         return health_.usable() != EXPCACHE_OK
                    ? EXPCACHE_ERR_POISONED
                    : fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
-                          "layer %u's class %s has no bank: its cap is 0 experts (see the cap notice in the log); "
+                          "layer %u's class %s has no slot: its cap is 0 experts (see the cap notice in the log); "
                           "raise the budget or free device memory",
                           layer_index, classes_.name(classes_[c]).c_str());
     return lookup_.select(layer_index, c, ids, id_bits, static_cast<uint32_t>(count), out_slots, out_counts, stream);

@@ -96,11 +96,13 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
     const uint32_t mode = call.path == EXPCACHE_PATH_BATCH     ? kModeAppend
                           : call.path == EXPCACHE_PATH_COMPACT ? kModeLend
                                                                : kModeDecode;
-    scratch.slots.resize(n);
-    scratch.resident.resize(n);  // filled by this call's select
+    scratch.slots.assign(n, -1);
+    scratch.resident.assign(n, 0);  // filled by this call's select
     ServeTally t;
-    expcache_status_t s = lookup_.serve(call.layer_index, call.c, scratch.unique.data(), n, mode, call.stream,
-                                        scratch.slots.data(), scratch.resident.data(), &t);
+    expcache_status_t s = EXPCACHE_OK;
+    if (lookup_.ready(call.c))  // else a class of cap 0: no slot, everything served from staging
+        s = lookup_.serve(call.layer_index, call.c, scratch.unique.data(), n, mode, call.stream, scratch.slots.data(),
+                          scratch.resident.data(), &t);
     if (s != EXPCACHE_OK) return s;
     scratch.pending.clear();
     for (uint32_t j = 0; j < n; ++j) {
