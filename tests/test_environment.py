@@ -6,8 +6,6 @@ create reach stderr (no callback exists yet), so each case runs in a child proce
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from pyexpcache import ExpertCache, HostSource, ModelLayout
@@ -27,45 +25,39 @@ CHILD = """
 """
 
 
-def _child(env: dict, kwargs: str = ""):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return run_child(CHILD.format(kwargs=kwargs))
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _child(monkeypatch, env: dict, code: str = CHILD, kwargs: str = ""):
+    """``code`` in a child process that inherits ``env`` (set here for this test only)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return run_child(code.format(kwargs=kwargs))
 
 
 @pytest.mark.parametrize(
     "name, value",
     [("EXPCACHE_RESERVE_GB", "lots"), ("EXPCACHE_VERBOSE", "maybe"), ("EXPCACHE_STAGING_COPY", "avx2")],
 )
-def test_a_malformed_variable_is_ignored_with_one_warning(name, value):
-    out = _child({name: value})
+def test_a_malformed_variable_is_ignored_with_one_warning(monkeypatch, name, value):
+    out = _child(monkeypatch, {name: value})
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("reserve") == 2 and "done" in out.stdout
     lines = [line for line in out.stderr.splitlines() if f'{name}="{value}" is not' in line]
     assert len(lines) == 1 and lines[0].endswith("; ignored"), out.stderr
 
 
-def test_an_override_of_an_explicit_value_is_logged_once():
-    out = _child({"EXPCACHE_RESERVE_GB": "0"}, "reserve_bytes=12345")
+def test_an_override_of_an_explicit_value_is_logged_once(monkeypatch):
+    out = _child(monkeypatch, {"EXPCACHE_RESERVE_GB": "0"}, kwargs="reserve_bytes=12345")
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if "overrides the reserve_bytes the caller set" in line]
     assert len(lines) == 1 and "(12345 B)" in lines[0] and "keeps 0 B free" in lines[0], out.stderr
 
 
-def test_an_override_of_the_default_is_quiet():
-    out = _child({"EXPCACHE_RESERVE_GB": "0"})
+def test_an_override_of_the_default_is_quiet(monkeypatch):
+    out = _child(monkeypatch, {"EXPCACHE_RESERVE_GB": "0"})
     assert out.returncode == 0, out.stderr
     assert "overrides" not in out.stderr
 
 
-def test_ignore_reads_no_variable():
+def test_ignore_reads_no_variable(monkeypatch):
     """environment="ignore": a malformed variable says nothing, a good one changes nothing (the
     1 MiB device keeps the 512 KiB reserve the caller gave: no slot fits beside it)."""
     code = """
@@ -78,16 +70,7 @@ def test_ignore_reads_no_variable():
                     cache.select(5, list(range(8)))
                     print(env, cache.classes()[0].cap_experts)
     """
-    old = {k: os.environ.get(k) for k in ("EXPCACHE_RESERVE_GB", "EXPCACHE_VERBOSE")}
-    os.environ.update({"EXPCACHE_RESERVE_GB": "0", "EXPCACHE_VERBOSE": "maybe"})
-    try:
-        out = run_child(code)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    out = _child(monkeypatch, {"EXPCACHE_RESERVE_GB": "0", "EXPCACHE_VERBOSE": "maybe"}, code)
     assert out.returncode == 0, out.stderr
     caps = dict(line.split() for line in out.stdout.splitlines())
     assert int(caps["ignore"]) == 3 and int(caps["read"]) > 3, out.stdout

@@ -250,8 +250,10 @@ private:
     // *out is the caller's own (a decode call's: its thread's buffer).
     static expcache_status_t narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n,
                                     std::vector<uint32_t>* out);
-    // A decode call's narrowed ids: the calling thread's buffer (k <= EXPCACHE_MAX_SELECT).
-    static std::vector<uint32_t>& decode_ids();
+    // A decode call's k (1..EXPCACHE_MAX_SELECT) checked and its ids narrowed into the calling
+    // thread's buffer (*out).
+    static expcache_status_t narrow_decode(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t k,
+                                           const uint32_t** out);
     // The row of the slot (or staging or batch row) at `ptrs` in class c's bank.
     int32_t row_of(int32_t c, const expcache_expert_ptrs_t& ptrs) const;
 

@@ -38,6 +38,7 @@ struct CallScratch {
     std::vector<uint32_t> pending;                      // indices into unique: misses (then those left to staging)
     std::vector<uint8_t> resident;                      // select_split: per unique id, resident when the call began
     std::vector<int32_t> slots;                         // a device-lookup cache: per unique id, its slot (-1 none)
+    std::vector<uint8_t> filled;                        // ... and 1 where the call's select filled that slot
     std::vector<std::pair<int32_t, int32_t>> inserted;  // (class, slot) filled by the call
 
     // Lists ids[0..n)'s distinct experts; layer.seen marks them with call id `call`.

@@ -43,16 +43,9 @@ expcache_status_t ClassTable::take_batch_rows(int32_t c, uint64_t n, uint64_t* o
                     "bank's %llu batch rows; finish batches first (the rows are reused once none is open)",
                     name(cls).c_str(), (unsigned long long)n, (unsigned long long)cls.batch_used_,
                     (unsigned long long)kBatchRows);
-    const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
     const uint64_t first = cls.batch_row_ + cls.batch_used_;
-    const uint64_t start = cls.batch_row_ * S / g * g, end = ((first + n) * S + g - 1) / g * g;
-    const uint64_t from = std::max(start, cls.batch_end_);
-    if (end > from) {
-        expcache_status_t s = health_.check(arena_.map(cls.bank_ + from, end - from));
-        if (s != EXPCACHE_OK) return s;
-        cls.batch_end_ = end;
-        cls.staging_bytes_ += end - from;
-    }
+    expcache_status_t s = map_rows(cls, cls.batch_row_, first + n, &cls.batch_end_);
+    if (s != EXPCACHE_OK) return s;
     cls.batch_used_ += n;
     cls.batch_users_++;
     *out_row = first;
@@ -64,19 +57,25 @@ void ClassTable::give_batch_rows(int32_t c) {
     if (--cls.batch_users_ == 0) cls.batch_used_ = 0;
 }
 
+// Rows [range_row, to_row) of the range that starts at range_row mapped: what the range has not
+// mapped yet (*end: the offset its mapping reaches) is, granule by granule, counted in staging_bytes.
+expcache_status_t ClassTable::map_rows(ClassState& cls, uint64_t range_row, uint64_t to_row, uint64_t* end) {
+    const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
+    const uint64_t start = range_row * S / g * g, need = (to_row * S + g - 1) / g * g;
+    const uint64_t from = std::max(start, *end);
+    if (need <= from) return EXPCACHE_OK;
+    expcache_status_t s = health_.check(arena_.map(cls.bank_ + from, need - from));
+    if (s != EXPCACHE_OK) return s;
+    *end = need;
+    cls.staging_bytes_ += need - from;
+    return EXPCACHE_OK;
+}
+
 expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char** out) {
     ClassState& cls = classes_[c];
-    const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
-    const uint64_t start = cls.staging_row_ * S / g * g, end = ((cls.staging_row_ + n) * S + g - 1) / g * g;
-    const uint64_t from = std::max(start, cls.staging_end_);
-    if (end > from) {
-        expcache_status_t s = health_.check(arena_.map(cls.bank_ + from, end - from));
-        if (s != EXPCACHE_OK) return s;
-        cls.staging_end_ = end;
-        cls.staging_bytes_ += end - from;
-    }
-    *out = cls.bank_ + cls.staging_row_ * S;
-    return EXPCACHE_OK;
+    expcache_status_t s = map_rows(cls, cls.staging_row_, cls.staging_row_ + n, &cls.staging_end_);
+    if (s == EXPCACHE_OK) *out = cls.bank_ + cls.staging_row_ * cls.slot_bytes_;
+    return s;
 }
 
 // The whole cap in one allocation, once (a cap of 0, or an allocation that fails, leaves the

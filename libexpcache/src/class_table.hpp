@@ -278,6 +278,7 @@ private:
     void choose(const LayerState& layer, int32_t* found, int32_t* empty, int32_t* lru) const;
     expcache_status_t activate(int32_t c, const LayerState& layer);
     expcache_status_t reserve_rows(int32_t c, uint64_t slots);
+    expcache_status_t map_rows(ClassState& cls, uint64_t range_row, uint64_t to_row, uint64_t* end);
     std::string zero_target_reason(const ClassState& cls) const;
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");

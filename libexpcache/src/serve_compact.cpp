@@ -18,10 +18,11 @@ expcache_status_t Cache::compact_on_device(ServeCall& call, const uint32_t* ids,
     const ClassState& cls = *call.cls;
     const uint64_t* b = layer.bytes;
     expcache_stats_t lent = {};
-    std::vector<uint8_t>& seen = call.scratch.resident;  // per unique id: listed once already
-    seen.assign(call.scratch.unique.size(), 0);
+    uint32_t next_unique = 0;  // the call's unique ids are in first-appearance order
     for (uint32_t i = 0; i < n; ++i) {
         const uint32_t j = layer.seen_pos[ids[i]];
+        const bool first = j == next_unique;
+        if (first) ++next_unique;
         unsigned char* dst[kParts] = {base + off[kGate] + b[kGate] * i, base + off[kUp] + b[kUp] * i,
                                       base + off[kDown] + b[kDown] * i};
         const int32_t slot = call.scratch.slots[j];
@@ -34,9 +35,8 @@ expcache_status_t Cache::compact_on_device(ServeCall& call, const uint32_t* ids,
             lent.bytes_d2d += layer.expert_bytes();
         } else {
             if ((s = copy_expert(layer, ids[i], dst, call.stream)) != EXPCACHE_OK) return s;
-            classes_.load_direct(call.c, call.path, call.layer_index, !seen[j], false);
+            classes_.load_direct(call.c, call.path, call.layer_index, first, false);
         }
-        seen[j] = 1;
     }
     classes_.record(call.c, call.path, lent);
     return EXPCACHE_OK;

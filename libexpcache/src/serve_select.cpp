@@ -45,22 +45,18 @@ expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint3
 
 expcache_status_t Cache::select_ids(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t k, void* stream,
                                     expcache_expert_ptrs_t* out) {
-    if (k == 0 || k > EXPCACHE_MAX_SELECT)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "k must be 1..%d, got %u", EXPCACHE_MAX_SELECT, k);
-    std::vector<uint32_t>& narrowed = decode_ids();
-    expcache_status_t s = narrow(layer_index, ids, id_bits, k, &narrowed);
-    return s == EXPCACHE_OK ? select(layer_index, narrowed.data(), k, stream, out) : s;
+    const uint32_t* narrowed = nullptr;
+    expcache_status_t s = narrow_decode(layer_index, ids, id_bits, k, &narrowed);
+    return s == EXPCACHE_OK ? select(layer_index, narrowed, k, stream, out) : s;
 }
 
 expcache_status_t Cache::select_slots(uint32_t layer_index, const void* ids, uint32_t id_bits, uint32_t k, int32_t* out,
                                       void* stream) {
-    if (k == 0 || k > EXPCACHE_MAX_SELECT)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "k must be 1..%d, got %u", EXPCACHE_MAX_SELECT, k);
-    std::vector<uint32_t>& narrowed = decode_ids();
-    expcache_status_t s = narrow(layer_index, ids, id_bits, k, &narrowed);
+    const uint32_t* narrowed = nullptr;
+    expcache_status_t s = narrow_decode(layer_index, ids, id_bits, k, &narrowed);
     if (s != EXPCACHE_OK) return s;
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
-    if ((s = open_call(call, narrowed.data(), k, EXPCACHE_MAX_SELECT, "k")) != EXPCACHE_OK) return s;
+    if ((s = open_call(call, narrowed, k, EXPCACHE_MAX_SELECT, "k")) != EXPCACHE_OK) return s;
     if ((s = serve_decode(call, k)) != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
     for (uint32_t i = 0; i < k; ++i) out[i] = row_of(call.c, call.scratch.ptrs[layer.seen_pos[narrowed[i]]]);

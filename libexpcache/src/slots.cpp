@@ -97,12 +97,12 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
                           : call.path == EXPCACHE_PATH_COMPACT ? kModeLend
                                                                : kModeDecode;
     scratch.slots.assign(n, -1);
-    scratch.resident.assign(n, 0);  // filled by this call's select
+    scratch.filled.assign(n, 0);
     ServeTally t;
     expcache_status_t s = EXPCACHE_OK;
     if (lookup_.ready(call.c))  // else a class of cap 0: no slot, everything served from staging
         s = lookup_.serve(call.layer_index, call.c, scratch.unique.data(), n, mode, call.stream, scratch.slots.data(),
-                          scratch.resident.data(), &t);
+                          scratch.filled.data(), &t);
     if (s != EXPCACHE_OK) return s;
     scratch.pending.clear();
     for (uint32_t j = 0; j < n; ++j) {
@@ -119,7 +119,7 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
     }
     for (uint32_t j = 0; j < n && t.host_copies; ++j) {
         const int32_t slot = scratch.slots[j];
-        if (slot < 0 || !scratch.resident[j]) continue;
+        if (slot < 0 || !scratch.filled[j]) continue;
         unsigned char* dst[kParts];
         cls.parts_at(cls.bank() + uint64_t(slot) * cls.slot_bytes(), dst);
         scratch.inserted.emplace_back(call.c, slot);  // a later upload failure of the call frees it
@@ -127,7 +127,7 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
             // This fill and those not copied yet never get their bytes.
             std::vector<int32_t> lost;
             for (uint32_t r = j; r < n; ++r)
-                if (scratch.slots[r] >= 0 && scratch.resident[r]) lost.push_back(scratch.slots[r]);
+                if (scratch.slots[r] >= 0 && scratch.filled[r]) lost.push_back(scratch.slots[r]);
             scratch.inserted.pop_back();
             const std::string why = last_error();
             if (lookup_.forget(call.c, lost) != EXPCACHE_OK) restore_last_error(why);
