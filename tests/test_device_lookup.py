@@ -29,6 +29,7 @@ from pyexpcache import (
 )
 
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
+from support.child import run_child
 
 
 @pytest.fixture
@@ -747,3 +748,25 @@ def test_a_class_of_cap_0_serves_the_host_side_calls_from_staging(make_cache):
     assert (d.hits, d.misses, d.direct_loads) == (0, 4, 4)
     with pytest.raises(OutOfDeviceMemoryError, match="cap is 0 experts"):
         cache.select_device(layer, device_ids(cache, [1]))
+
+
+CAP_0_CHILD = """
+    import numpy as np
+    from pyexpcache import ExpertCache, HostSource, ModelLayout
+    lay = ModelLayout.preset("q2", scale=4096)
+    with HostSource(lay, pinned=True) as src:
+        with ExpertCache(lay, src, budget_bytes=1000, backend="host", lookup="device", log_level=0) as cache:
+            layer = lay.moe_layers[0]
+            cache.select(layer, [1, 2])
+            cache.select_slots(layer, np.array([3, 1], dtype=np.int32))
+            cache.load_compact(layer, [4, 2])
+            cache.prepare_batch(layer, np.array([[5, 6]]), slots=True).finish()
+    print("done")
+"""
+
+
+def test_a_class_of_cap_0_never_crashes_a_host_side_call():
+    """The calls that once crashed (a host select on a device-lookup class with no slot), in a
+    child process with a timeout: it ends, and normally."""
+    out = run_child(CAP_0_CHILD, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr
