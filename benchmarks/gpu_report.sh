@@ -9,8 +9,9 @@
 # 8 files, and every step writes one or two):
 #   build tests select_overhead memcheck racecheck copy_methods transfer staging_sweep
 #   decode_pinned decode_no_layer_sync decode_pageable prefill_turns
-#   device_lookup graph_loop torch_graph (serving from the GPU: its tests, the graph loop on the
-#   bundled traces, the torch step of a Qwen3-30B-A3B-like model at two budgets)
+#   device_lookup device_feed graph_loop graph_loop_pageable torch_graph (serving from the GPU: its
+#   tests and the feed's, the graph loop on the bundled traces from pinned and from pageable
+#   memory, the torch step of a Qwen3-30B-A3B-like model at two budgets)
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
 #   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
 #   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
@@ -56,6 +57,11 @@ run_step() {
         --variants oppclass,slab --json "$DIR/prefill_turns.json" ;;
     device_lookup) step device_lookup 300 python3 -m pytest -q -rs tests/test_device_lookup.py \
         tests/test_examples.py -k "cuda" ;;
+    # The device select from sources the GPU cannot read (the feed): its tests, then the graph loop
+    # from pageable memory beside the C loop from the same source.
+    device_feed) step device_feed 240 python3 -m pytest -q -rs tests/test_device_feed.py -k "cuda" ;;
+    graph_loop_pageable) step graph_loop_pageable 420 python3 -m expcache_bench bench graph --quiet --source pageable \
+        --json "$DIR/graph_loop_pageable.json" ;;
     graph_loop) step graph_loop 420 python3 -m expcache_bench bench graph --quiet --json "$DIR/graph_loop.json" ;;
     # 16 layers x 128 experts, top-8, hidden 2048, expert FFN 768, bf16: a budget that holds every expert
     # (the working set), then a quarter of them.

@@ -612,45 +612,6 @@ def test_bank_checksum_reads_the_slots(make_cache):
         testing.bank_checksum_async(cache, layer, device_ids(cache, ids), first=0)
 
 
-def test_a_file_source_cannot_be_read_by_the_device(backend, tmp_path):
-    """A file has no address the GPU could read: the device select says so and what to use."""
-    pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
-    from pyexpcache import GGUFSource
-
-    from support.gguf_files import write_model
-
-    model = write_model(tmp_path / "m.gguf", [None, {}, {}])
-    with (
-        GGUFSource(model, reads="file") as source,
-        ExpertCache(
-            source.layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0, policy="lru"
-        ) as cache,
-        ExpertCache(source.layout, source, budget_experts=4, backend=backend, lookup="device", log_level=0) as duel,
-    ):
-        layer = source.layout.moe_layers[0]
-        for c in (cache, duel):
-            with pytest.raises(UnsupportedError, match="source is a file, which the GPU cannot read.*pinned source"):
-                c.select_device(layer, device_ids(c, [0]))
-            # The host-side select serves it: the device finds the slot, the host reads the file into it.
-            ptrs = c.select(layer, [0, 1])
-            assert_served(c, source, layer, [0, 1], ptrs)
-            assert c.stats().path("decode").misses == 2
-
-
-def test_a_pageable_source_cannot_be_read_by_the_gpu(make_cache):
-    """Only pinned memory is mapped for the device: the host backend, whose "device" could read
-    any host memory, refuses a pageable source as the CUDA backend does, with the same error."""
-    cache, source = _cache(make_cache, pinned=False)
-    layer = cache.layout.moe_layers[0]
-    with pytest.raises(
-        UnsupportedError,
-        match="layer 0's source is pageable memory, which the GPU cannot read: "
-        "a device select copies misses by reading pinned host memory",
-    ):
-        cache.select_device(layer, device_ids(cache, [1]))
-    assert cache.select(layer, [1]).shape == (1, 3)  # the host-side select serves it
-
-
 def test_pinned_memory_is_emulated_where_no_cuda_device_is(monkeypatch, backend):
     """HostSource(pinned=True) without a usable CUDA device: ordinary memory a host-backend cache
     treats as pinned (so device selects read it, as on a GPU), which a CUDA cache refuses."""
@@ -673,7 +634,7 @@ def test_pinned_memory_is_emulated_where_no_cuda_device_is(monkeypatch, backend)
 @pytest.mark.parametrize("policy", ["lru", "duel"])
 def test_host_side_calls_serve_a_pageable_source(make_cache, policy):
     """From a source the GPU cannot read the device select chooses the slots and the call copies
-    into them: every host-side serving call works, and only select_device refuses the layer."""
+    into them: every host-side serving call works (select_device has it fed: test_device_feed.py)."""
     cache, source = _cache(make_cache, pinned=False, experts=4, policy=policy)
     layer = cache.layout.moe_layers[0]
     ptrs = cache.select(layer, [1, 2, 1])
@@ -688,8 +649,6 @@ def test_host_side_calls_serve_a_pageable_source(make_cache, policy):
     for e in (1, 2, 3, 4):
         got = testing.read_expert(cache, layer, e)
         assert got is None or (got == source.expert_bytes(layer, e)).all()
-    with pytest.raises(UnsupportedError, match="pageable memory, which the GPU cannot read"):
-        cache.select_device(layer, device_ids(cache, [1]))
 
 
 def test_a_failed_copy_from_the_host_frees_its_slot_on_the_device(make_cache):

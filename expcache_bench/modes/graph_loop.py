@@ -5,7 +5,8 @@ The traces' ids are put on the device once, as a router would leave them; before
 device-to-device copy puts the token's ids ([layers, k] int32) where the graph reads them. The
 step, per layer: ``compute_us`` of non-expert work (the library's spin kernel), the device-side
 select (``ExpertCache.select_device``: lookup, the policy's update and victims, the misses' copies
-from the pinned source by a kernel reading mapped memory, the counters) and one kernel reading
+by the select's kernel, from the pinned source it maps or, with ``--source pageable``, from the
+rows the library's feed threads read the misses into, the counters) and one kernel reading
 every routed expert through the
 bank by slot id (``expcache_testing_bank_checksum_async``, the memory-bound floor of the expert
 GEMVs, whose sums are checked against the source after each token, outside the timing). A token's
@@ -268,7 +269,7 @@ def run_graph_loop(
     policy: Optional[str] = None,
 ) -> Report:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
-    :class:`~expcache_bench.bench.Bench`; its source must be pinned, emulated on the host backend), next to
+    :class:`~expcache_bench.bench.Bench`; pinned, emulated on the host backend, or pageable: fed), next to
     the C loop's host select unless ``c_loop`` is false; both caches evict by ``policy`` (a name of
     ``pyexpcache._lib.POLICIES``; None: the library's default)."""
 
@@ -277,8 +278,6 @@ def run_graph_loop(
     policy = _lib.DEFAULT_POLICY if policy is None else policy
     if policy not in _lib.POLICIES:
         raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
-    if not bench.pinned:
-        raise ValueError("the graph loop's device select reads the experts from pinned memory: use --source pinned")
     progress = progress or bench.progress
     loaded = [decode_trace(t, bench.layout) for t in traces]  # parsed once: the graph's ids, the C loop's calls
     ids, layers = _steps(bench, loaded)
@@ -463,16 +462,12 @@ def run_graph_loop(
 
 # -- the mode ---------------------------------------------------------------------------------
 
-#: The source this mode's Bench gets by default: a device select reads pinned memory (on the host
-#: backend, emulated).
+#: The source this mode's Bench gets by default: a device select maps pinned memory (on the host
+#: backend, emulated); --source pageable has its misses fed.
 PINNED_SOURCE = True
 
 
 def check(args) -> None:
-    if getattr(args, "source", None) not in (None, "pinned"):
-        raise options.UsageError(
-            "the graph loop's device select reads the experts from pinned memory: use --source pinned (the default)"
-        )
     options.synthetic_traces(args)
 
 

@@ -700,8 +700,8 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * another. One kernel on `stream` looks the ids up, counts and refreshes them by
  * the cache's policy, evicts the policy's victims among the slots not used by this
  * call and not held by a batch (the host select's choices), copies the misses'
- * bytes from the layer's source (read by the GPU from mapped pinned memory), and
- * counts; when every id is resident it only reads the slot map and does the
+ * bytes from the layer's source, and counts; when every id is resident it only
+ * reads the slot map and does the
  * policy's hit bookkeeping (no victim search, no copy; docs/device_lookup.md). No
  * host synchronization and no host decision depends on the ids: the call may be
  * made while `stream` is being captured into a CUDA graph, and each replay does the
@@ -713,12 +713,25 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * call that serves or releases on this cache. Work on other streams is ordered by the
  * caller (events), as for any device buffer. The first call for a layer binds its
  * class (allocating its bank), which a capture does not allow: bind before capturing
- * (expcache_layer_bind_class, or one call outside the capture). Only a pinned source
- * can be read by the GPU; pageable and file sources fail with UNSUPPORTED.
+ * (expcache_layer_bind_class, or one call outside the capture).
+ *
+ * Sources. The GPU reads a pinned source itself (mapped). A pageable or file source
+ * is fed: the kernel lists each miss in mapped pinned memory as it picks its slot,
+ * the cache's feed threads (started with the first class that needs them: one that
+ * polls, spinning while selects come and sleeping 50 us between polls after 2 ms
+ * without one, and 8 that read) read it into one of 8 pinned rows of the class (8
+ * reads in flight; O_DIRECT where the file was opened so), and the kernel copies each
+ * row into its slot as it is ready. No host call sits between them, so a fed select
+ * is captured and replayed as one node like any other. A read that fails is logged
+ * (a warning, with the reason) by the thread that read it; the select still ends,
+ * and the failed expert's slot is freed at its end (the step that selected it read
+ * other bytes there; the next select reads it again). A kernel waits at most 60 s
+ * for a row, then treats its read as failed. docs/device_lookup.md has the protocol.
  * Status: INVALID_ARGUMENT (n*k 0 or over EXPCACHE_MAX_SELECT, or over the bank's
  * cap less the slots batches hold; id_bits; NULL pointers), INVALID_STATE (not a
  * device-lookup cache, layer not registered, a capture under way when the class must
- * be bound), UNSUPPORTED (source not pinned), CUDA, POISONED.
+ * be bound), UNSUPPORTED (a pinned source the GPU cannot map), OUT_OF_HOST_MEMORY
+ * (the class's feed could not be made when it was bound), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_select_device_async(expcache_t* cache, uint32_t layer, const void* ids,
                                                             uint32_t id_bits, uint32_t n, uint32_t k,
@@ -738,7 +751,7 @@ EXPCACHE_API expcache_status_t expcache_select_device_async(expcache_t* cache, u
  * EXPCACHE_MAX_SELECT, or over the bank's cap less the slots batches hold;
  * id_bits; NULL ids, out_slots or out_counts), INVALID_STATE (not a
  * device-lookup cache, layer not registered, a capture under way when the class
- * must be bound), UNSUPPORTED (source not pinned), CUDA, POISONED.
+ * must be bound), UNSUPPORTED (a pinned source the GPU cannot map), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_select_device_counted_async(expcache_t* cache, uint32_t layer, const void* ids,
                                                                     uint32_t id_bits, uint32_t n, uint32_t k,

@@ -76,6 +76,8 @@ DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, De
       maps_(layers.size()) {}
 
 DeviceLookup::~DeviceLookup() {
+    feed_.reset();  // the threads stop before their rows go
+    for (const ClassDevice& d : classes_state_) kernels_->free_mapped(d.feed_host);
     kernels_->free_mapped(mapped_.host);
 }
 
@@ -191,7 +193,8 @@ expcache_status_t DeviceLookup::prepare(int32_t c) {
     if (!enabled_ || ready(c) || classes_[c].slots().empty()) return EXPCACHE_OK;
     expcache_status_t s = EXPCACHE_OK;
     if (!table_ && (s = make_table()) != EXPCACHE_OK) return s;
-    return make_class(c);
+    if ((s = make_class(c)) != EXPCACHE_OK) return s;
+    return needs_feed(c) ? make_feed(c) : EXPCACHE_OK;
 }
 
 expcache_status_t DeviceLookup::snapshot(DeviceSnapshot* out) {
@@ -278,22 +281,19 @@ expcache_status_t DeviceLookup::table_reads(int32_t c, uint64_t* out) {
 }
 
 // Where the device reads the layer's parts: its pinned source, mapped (the host backend's
-// "device" reads any host memory; a file has no address at all). A layer the device cannot read
-// is refused by select_device; a host-side call's select fills its slots and the host copies.
+// "device" reads any host memory; a file has no address at all). A layer of pageable memory or a
+// file is fed: a device select's misses come through the class's feed (feed_protocol.hpp); a
+// host-side call's select fills its slots and the host copies.
 expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
     const LayerState& l = layers_[layer];
     m->resolved = true;
     const char* fix =
-        "register the layer with a pinned source (EXPCACHE_SOURCE_PINNED; pyexpcache: HostSource(..., "
-        "pinned=True)), or use the host-side select";
-    // Refused by the layer's declared kind, not by whether this backend could map the memory: the
-    // host backend (which could read any memory) keeps the CUDA backend's contract.
+        "pin the memory so the GPU can map it (cudaHostRegister), or register the layer as pageable memory "
+        "(EXPCACHE_SOURCE_PAGEABLE; pyexpcache: HostSource(..., pinned=False)), whose misses the feed threads read";
+    // Decided by the layer's declared kind, not by whether this backend could map the memory: the
+    // host backend (which could read any memory) feeds what the CUDA backend would.
     if (!l.source.pinned()) {
-        m->status = EXPCACHE_ERR_UNSUPPORTED;
-        m->why = format(
-            "layer %u's source is %s, which the GPU cannot read: a device select copies misses by "
-            "reading pinned host memory; %s",
-            layer, l.source.kind == EXPCACHE_SOURCE_FILE ? "a file" : "pageable memory", fix);
+        m->fed = true;
         return EXPCACHE_OK;
     }
     bool aligned = true;
@@ -350,7 +350,14 @@ expcache_status_t DeviceLookup::args_for(uint32_t layer, int32_t c, uint32_t cou
     a.mode = kModeDecode;
     a.open_clock = 1;
     a.host_call = host_call;
-    a.copy = m.status == EXPCACHE_OK;
+    // A host-side call copies what the GPU cannot read itself; a device select has it fed.
+    a.copy = m.status == EXPCACHE_OK && !(m.fed && host_call);
+    a.fed = m.fed && !host_call;
+    if (a.fed && !a.cls.feed.box)
+        return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY,
+                    "layer %u's source is one the GPU cannot read, and its class's feed could not be made when the "
+                    "class was bound (that call's error said why)",
+                    layer);
     return EXPCACHE_OK;
 }
 

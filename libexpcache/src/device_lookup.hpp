@@ -16,6 +16,7 @@
 #include "backend/backend.hpp"
 #include "class_table.hpp"
 #include "device_arena.hpp"
+#include "feed.hpp"
 #include "kernels/lookup_kernels.hpp"
 #include "layers.hpp"
 #include "log.hpp"
@@ -91,6 +92,7 @@ private:
     struct ClassDevice {
         void* base = nullptr;  // one allocation: the arrays of DeviceClass
         DeviceClass view = {};
+        void* feed_host = nullptr;  // the feed's mailbox and rows (mapped pinned memory), or nullptr
     };
     struct LayerMap {
         bool resolved = false;
@@ -98,9 +100,15 @@ private:
         std::string why;
         const unsigned char* src[kParts] = {};
         bool aligned = false;
+        bool fed = false;  // the GPU cannot read the source: a device select's misses come through the feed
     };
     expcache_status_t make_table();
     expcache_status_t make_class(int32_t c);
+    // device_feed.cpp: class c's feed (its rows, mailbox and device words; the feed threads
+    // watching it), made when the class is prepared if a layer of its size reads a source the
+    // GPU cannot read.
+    bool needs_feed(int32_t c) const;
+    expcache_status_t make_feed(int32_t c);
     expcache_status_t resolve(uint32_t layer, LayerMap* out);
     // The arguments of a select of `count` ids of `layer` (class c) every call sets the same way.
     expcache_status_t args_for(uint32_t layer, int32_t c, uint32_t count, bool host_call, DeviceSelectArgs* out);
@@ -137,6 +145,7 @@ private:
         void* device = nullptr;
     } mapped_;
     std::vector<unsigned char> read_buf_;  // snapshot's copy
+    std::unique_ptr<FeedThreads> feed_;    // made with the first class that needs a feed
 };
 
 }  // namespace expcache

@@ -35,6 +35,7 @@
 #include <memory>
 
 #include "expcache.h"
+#include "feed_protocol.hpp"
 #include "host_device.hpp"
 #include "lookup_policy.hpp"
 
@@ -101,6 +102,7 @@ struct DeviceClass {
     uint64_t slot_bytes;
     uint64_t part_off[3];
     DevicePolicyClass policy;
+    DeviceFeed feed;  // the rows misses of a source the GPU cannot read come through (box nullptr: none)
 };
 
 // Every argument of one select. Pointers are device addresses (host addresses on the host backend).
@@ -115,13 +117,15 @@ struct DeviceSelectArgs {
     uint32_t mode;        // SelectMode
     uint32_t host_call;   // 1: a host-side serving call (DeviceLookup::serve)
     uint8_t* out_filled;  // a host-side call's, or nullptr: per id, 1 when this select filled its slot
-    uint32_t copy;        // 0: the select fills slots without copying (the host copies: a source the GPU cannot read)
+    uint32_t
+        copy;  // 0: the select fills slots without copying (a host-side call's copy of a source the GPU cannot read)
+    uint32_t fed;         // 1 (with copy): the misses come through the class's feed (feed_protocol.hpp), not src
     uint32_t open_clock;  // 0: a later piece of one host-side call, whose first opened the policy clock
     uint32_t layer;
     uint32_t key_base;
     uint32_t num_experts;
     uint32_t aligned;             // 1: every source part address and size is a multiple of 16
-    const unsigned char* src[3];  // the layer's parts, as the GPU reads them (mapped pinned memory)
+    const unsigned char* src[3];  // the layer's parts, as the GPU reads them (mapped pinned memory; fed: none)
     uint64_t src_stride[3];
     uint64_t part_bytes[3];
     DeviceClass cls;

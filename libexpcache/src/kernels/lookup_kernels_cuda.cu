@@ -23,6 +23,7 @@
 #include <cuda/atomic>
 
 #include "../backend/cuda_errors.cuh"
+#include "feed_cuda.cuh"
 #include "lookup_kernels.hpp"
 #include "lookup_policy_cuda.cuh"
 
@@ -57,6 +58,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
         base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
         now_s = open_select(a);
         distinct = hits = misses = evictions = 0;
+        if (a.fed) feed_cuda::open(c.feed);
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
         const int64_t id =
@@ -120,6 +122,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
             ++misses;
             slot_at[i] = v;
             if (a.copy) {  // the miss list's entry is written: the copy may start
+                if (a.fed) feed_cuda::list(c.feed, a.layer, keys[i] - a.key_base, misses - 1, done);
                 __threadfence();
                 DeviceWord(c.handoff->published).fetch_max(done | misses, cuda::memory_order_release);
             }
@@ -337,6 +340,7 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
     // the word only grows, so a word of a later select (only by misuse: selects of one class on
     // unordered streams overlapping) ends the wait.
     uint32_t copied = 0;
+    bool mine = true;
     for (;;) {
         if (tid == 0) {
             uint64_t word;
@@ -348,12 +352,19 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
         __syncthreads();
         const uint64_t word = word_s;
         __syncthreads();  // word_s is written again by the next round
-        const bool mine = word < done + (uint64_t(1) << kPublishShift);
+        mine = word < done + (uint64_t(1) << kPublishShift);
         const uint32_t listed = mine ? static_cast<uint32_t>(word & kPublishCount) : copied;
-        if (listed > copied) copy_misses(a, copied, listed);
+        if (listed > copied) {
+            if (a.fed)
+                feed_cuda::copy_misses(a, copied, listed, done);
+            else
+                copy_misses(a, copied, listed);
+        }
         copied = listed;
-        if (!mine || (word & kPublishFinal)) return;
+        if (!mine || (word & kPublishFinal)) break;
     }
+    // The leader frees the slots of fed misses whose read failed, once every one is done.
+    if (a.fed && mine && copied && ticket_s % grid == 0 && tid == 0) feed_cuda::settle(a, copied);
 }
 
 __global__ void unpin_kernel(uint8_t* pin, const int32_t* slots, uint32_t n) {

@@ -3,8 +3,10 @@
 // copy), run in order on host memory before the call returns, with the same choices as the CUDA
 // kernel (the rules of lookup_rules.hpp, in the same order; a victim by a loop where the GPU
 // reduces). One "block" does them all: no ticket, nothing published.
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "../errors.hpp"
@@ -23,7 +25,10 @@ public:
             return EXPCACHE_OK;
         }
         lookup(a);
-        if (a.copy) copy(a);
+        if (a.copy && a.fed)
+            feed(a);
+        else if (a.copy)
+            copy(a);
         return EXPCACHE_OK;
     }
     expcache_status_t mapped(const void* host, const unsigned char** out) override {
@@ -32,8 +37,11 @@ public:
     }
     bool capturing(void*) override { return false; }
     expcache_status_t alloc_mapped(uint64_t bytes, void** out_host, void** out_device) override {
-        void* p = std::calloc(1, bytes);
+        // Page-aligned, as cudaHostAlloc's: a feed row is read into with O_DIRECT.
+        const uint64_t rounded = (bytes + kFeedAlign - 1) / kFeedAlign * kFeedAlign;
+        void* p = std::aligned_alloc(kFeedAlign, rounded ? rounded : kFeedAlign);
         if (!p) return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "%llu bytes of host memory", (unsigned long long)bytes);
+        std::memset(p, 0, rounded);
         *out_host = *out_device = p;
         return EXPCACHE_OK;
     }
@@ -230,6 +238,47 @@ private:
             unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
             for (int p = 0; p < 3; ++p)
                 std::memcpy(slot + c.part_off[p], a.src[p] + a.src_stride[p] * miss.expert, a.part_bytes[p]);
+        }
+    }
+
+    // The select's misses through the class's feed (feed_protocol.hpp), as the CUDA grid takes
+    // them: all listed at once (the feed threads read up to kFeedRows together), each copied out of
+    // its row when ready; the failed ones' slots freed at the end.
+    static void feed(const DeviceSelectArgs& a) {
+        const DeviceClass& c = a.cls;
+        const DeviceFeed& f = c.feed;
+        const uint32_t n = *c.miss_count;
+        if (n == 0) return;
+        const uint64_t done = ++c.handoff->ticket << kPublishShift;  // the host backend's select number
+        for (uint32_t m = 0; m < n; ++m) f.box->entry[m] = FeedEntry{a.layer, c.misses[m].expert};
+        __atomic_store_n(&f.box->listed, done | n, __ATOMIC_RELEASE);
+        std::vector<int32_t> failed;
+        for (uint32_t m = 0; m < n; ++m) {
+            const uint32_t r = m % kFeedRows;
+            const uint64_t tag = done | m;
+            const auto start = std::chrono::steady_clock::now();
+            uint64_t w;
+            while (((w = __atomic_load_n(&f.box->ready[r], __ATOMIC_ACQUIRE)) & ~kFeedFailed) != tag) {
+                if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kFeedTimeoutNs)) {
+                    w = tag | kFeedFailed;
+                    break;
+                }
+                std::this_thread::yield();
+            }
+            const DeviceMiss miss = c.misses[m];
+            if (w & kFeedFailed) {
+                failed.push_back(miss.slot);
+            } else {
+                const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
+                unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
+                for (int p = 0; p < 3; ++p)
+                    std::memcpy(slot + c.part_off[p], row + f.part_at[p] + f.box->delta[r][p], a.part_bytes[p]);
+            }
+            __atomic_store_n(&f.box->consumed[r], tag, __ATOMIC_RELEASE);
+        }
+        for (int32_t s : failed) {
+            forget_slot(c, a.slot_of_key, static_cast<uint32_t>(s));
+            ++*f.failures;
         }
     }
 

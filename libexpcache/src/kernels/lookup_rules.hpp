@@ -151,6 +151,15 @@ EXPCACHE_HOST_DEVICE inline void cleared(const DeviceClass& c) {
     if (c.policy.duel) c.policy.duel->resident = 0;
 }
 
+// Slot s of class c forgets its expert, whose bytes never came (a fed miss whose read failed:
+// feed_protocol.hpp): free again, the resident counts with it, so the next select reads it again.
+EXPCACHE_HOST_DEVICE inline void forget_slot(const DeviceClass& c, int32_t* slot_of_key, uint32_t s) {
+    if (c.key_of_slot[s] < 0) return;
+    clear_slot(c, slot_of_key, s);
+    *c.resident -= 1;
+    if (c.policy.duel) c.policy.duel->resident -= 1;
+}
+
 // The first occurrence of `key` in a select, found in bank slot `slot` (-1: not resident), as the
 // host's call sees it: a decode counts every use and refreshes a hit; a compact load (kModeLend)
 // only its hits; a batch (kModeAppend) pins a hit and leaves its recency alone, and counts a miss

@@ -1,0 +1,152 @@
+#include "feed.hpp"
+
+#include <cstring>
+#include <system_error>
+
+#include "errors.hpp"
+#include "kernels/lookup_kernels.hpp"
+
+namespace expcache {
+
+namespace {
+
+// The words the device shares with the host, read and written as the protocol says.
+uint64_t load_acquire(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+void store_release(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
+
+uint64_t align_feed(uint64_t n) { return (n + kFeedAlign - 1) / kFeedAlign * kFeedAlign; }
+
+}  // namespace
+
+uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t part_at[3]) {
+    uint64_t at = 0;
+    for (int p = 0; p < 3; ++p) {
+        part_at[p] = at;
+        at += part_bytes[p] ? align_feed(part_bytes[p]) + 2 * kFeedAlign : 0;
+    }
+    return at;
+}
+
+FeedThreads::~FeedThreads() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+    }
+    jobs_cv_.notify_all();
+    stop_cv_.notify_all();
+    if (poller_.joinable()) poller_.join();
+    for (std::thread& t : readers_) t.join();
+}
+
+expcache_status_t FeedThreads::watch(const FeedRing& ring) {
+    std::unique_ptr<Watched> w(new Watched);
+    w->ring = ring;
+    std::lock_guard<std::mutex> lock(mu_);
+    rings_.push_back(std::move(w));
+    if (poller_.joinable()) return EXPCACHE_OK;
+    try {
+        for (uint32_t i = 0; i < kFeedRows; ++i) readers_.emplace_back(&FeedThreads::read_loop, this);
+        poller_ = std::thread(&FeedThreads::poll, this);
+    } catch (const std::system_error& e) {
+        // The threads that started stop again (the destructor joins them); no select may be fed.
+        rings_.clear();
+        return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "cannot start the feed threads: %s", e.what());
+    }
+    return EXPCACHE_OK;
+}
+
+void FeedThreads::poll() {
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point active = Clock::now();
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+        bool busy = false;
+        for (const std::unique_ptr<Watched>& w : rings_) busy = issue(*w) || busy;
+        if (!jobs_.empty()) jobs_cv_.notify_all();
+        const Clock::time_point now = Clock::now();
+        if (busy) active = now;
+        if (now - active < kIdleSpin) {
+            lock.unlock();  // the readers take their jobs
+            std::this_thread::yield();
+            lock.lock();
+        } else {
+            stop_cv_.wait_for(lock, kIdleSleep);
+        }
+    }
+}
+
+bool FeedThreads::issue(Watched& w) {
+    FeedBox* box = w.ring.box;
+    const uint64_t listed = load_acquire(&box->listed);
+    const uint64_t seq = listed >> kPublishShift;
+    const uint32_t n = static_cast<uint32_t>(listed & kPublishCount);
+    if (seq == 0) return false;  // nothing listed yet
+    if (seq != w.seq) {
+        w.seq = seq;
+        w.issued = 0;
+    }
+    bool issued = false;
+    while (w.issued < n) {
+        const uint32_t m = w.issued, r = m % kFeedRows;
+        // The row's last miss copied out by the device (its tag consumed): it may be filled again.
+        if (w.row_used[r] && load_acquire(&box->consumed[r]) != w.row_tag[r]) break;
+        const uint64_t tag = seq << kPublishShift | m;
+        FeedEntry entry;
+        std::memcpy(&entry, &box->entry[m], sizeof entry);  // written before `listed`, which was acquired
+        w.row_tag[r] = tag;
+        w.row_used[r] = true;
+        jobs_.push_back(Job{&w, r, tag, entry});
+        ++w.issued;
+        issued = true;
+    }
+    return issued || w.issued < n;  // a miss waits for its row: poll again at once
+}
+
+void FeedThreads::read_loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+        jobs_cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+        if (stop_) return;
+        const Job job = jobs_.front();
+        jobs_.pop_front();
+        lock.unlock();
+        run(job);
+        lock.lock();
+    }
+}
+
+// One miss read into its row: each part into its region (at delta past its start, for O_DIRECT),
+// then the row's ready word, the failure flagged (and logged) when a read failed.
+void FeedThreads::run(const Job& job) {
+    const FeedRing& ring = job.w->ring;
+    unsigned char* row = ring.rows + uint64_t(job.row) * ring.row_bytes;
+    uint64_t delta[3] = {};
+    expcache_status_t s = EXPCACHE_OK;
+    const FeedEntry e = job.entry;
+    if (e.layer >= layers_.size() || !layers_[e.layer].registered || e.expert >= layers_[e.layer].num_experts) {
+        s = fail(EXPCACHE_ERR_INTERNAL, "a device select listed expert %u of layer %u, which no layer has", e.expert,
+                 e.layer);
+    } else {
+        const LayerState& l = layers_[e.layer];
+        for (int p = 0; p < kParts && s == EXPCACHE_OK; ++p) {
+            if (!l.bytes[p]) continue;
+            unsigned char* dst = row + ring.part_at[p];
+            const SourceFile* file = l.source.file;
+            if (file && file->direct())
+                s = file->read_direct(dst, reinterpret_cast<uintptr_t>(l.source_at(p, e.expert)), l.bytes[p], &delta[p]);
+            else
+                s = l.source.fill(dst, l.source_at(p, e.expert), 0, l.bytes[p]);
+        }
+    }
+    if (s != EXPCACHE_OK) {
+        log_(EXPCACHE_LOG_WARNING,
+             "a device select's miss (expert %u of layer %u) could not be read: %s; its slot is freed and the "
+             "step that selected it read other bytes there",
+             e.expert, e.layer, last_error());
+        clear_last_error();
+    }
+    for (int p = 0; p < kParts; ++p) ring.box->delta[job.row][p] = delta[p];
+    store_release(&ring.box->ready[job.row], job.tag | (s == EXPCACHE_OK ? 0 : kFeedFailed));
+}
+
+}  // namespace expcache

@@ -1,0 +1,84 @@
+// The feed threads of a device-lookup cache: they read the misses a device select lists for a
+// source the GPU cannot read (pageable memory, a memory-mapped file, a file read with pread or
+// O_DIRECT) into the class's pinned rows, many reads in flight, and tell the select's kernel
+// each row is ready, through mapped memory only (kernels/feed_protocol.hpp has the protocol).
+//
+// One thread polls every class's mailbox; kFeedRows threads read. The poller spins while selects
+// come (a miss is seen within a microsecond or so) and sleeps between polls after kIdleSpin
+// without one: a select after a pause waits up to kIdleSleep for its first read to start.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "kernels/feed_protocol.hpp"
+#include "layers.hpp"
+#include "log.hpp"
+
+namespace expcache {
+
+// Where one class's feed lives, as the host writes it (host addresses of mapped memory).
+struct FeedRing {
+    FeedBox* box = nullptr;
+    unsigned char* rows = nullptr;
+    uint64_t row_bytes = 0;
+    uint64_t part_at[3] = {};
+};
+
+// A row of `part_bytes` experts: each part's region aligned for O_DIRECT, with room for the
+// aligned blocks around it (SourceFile::read_direct).
+uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t part_at[3]);
+
+class FeedThreads {
+public:
+    static constexpr std::chrono::microseconds kIdleSpin{2000};
+    static constexpr std::chrono::microseconds kIdleSleep{50};
+
+    FeedThreads(const LayerTable& layers, const Log& log) : layers_(layers), log_(log) {}
+    // Stops the threads; the device is done with the rows (the cache synchronized first).
+    ~FeedThreads();
+    FeedThreads(const FeedThreads&) = delete;
+    FeedThreads& operator=(const FeedThreads&) = delete;
+
+    // Feed one more class's ring (the threads start with the first). Status: OK, OUT_OF_HOST_MEMORY
+    // (no thread could start).
+    expcache_status_t watch(const FeedRing& ring);
+
+private:
+    struct Watched {
+        FeedRing ring;
+        uint64_t seq = 0;     // the select being fed (its number), and its misses given to readers
+        uint32_t issued = 0;
+        uint64_t row_tag[kFeedRows] = {};  // the tag of the miss each row last carried
+        bool row_used[kFeedRows] = {};
+    };
+    struct Job {
+        const Watched* w;
+        uint32_t row;
+        uint64_t tag;
+        FeedEntry entry;
+    };
+
+    void poll();
+    bool issue(Watched& w);  // new misses of w given to the readers; whether w has work left
+    void read_loop();
+    void run(const Job& job);
+
+    const LayerTable& layers_;
+    const Log& log_;
+    std::mutex mu_;  // rings_, jobs_, stop_
+    std::condition_variable jobs_cv_, stop_cv_;
+    std::vector<std::unique_ptr<Watched>> rings_;
+    std::deque<Job> jobs_;
+    bool stop_ = false;
+    std::thread poller_;
+    std::vector<std::thread> readers_;
+};
+
+}  // namespace expcache

@@ -1,0 +1,151 @@
+// The select kernel's side of the feed (feed_protocol.hpp) on the CUDA backend: the leader lists
+// each miss for the feed threads; every block copies claimed chunks of each miss out of its row
+// once the row is ready; the leader frees the slots whose read failed. Included by
+// lookup_kernels_cuda.cu only.
+#pragma once
+
+#include <cuda/atomic>
+
+#include "feed_protocol.hpp"
+#include "lookup_kernels.hpp"
+#include "lookup_rules.hpp"
+
+namespace expcache {
+namespace feed_cuda {
+
+using SysWord = cuda::atomic_ref<uint64_t, cuda::thread_scope_system>;
+using DevWord = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>;
+
+constexpr uint32_t kWaiting = 0, kReady = 1, kFailed = 2;  // DeviceFeed::state
+
+__device__ inline uint64_t now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// The leader's thread 0, when a select starts: no miss done yet.
+__device__ inline void open(const DeviceFeed& f) {
+    *f.done = 0;
+    *f.failed_n = 0;
+}
+
+// The leader's thread 0: miss m (expert `expert` of `layer`) listed for the feed threads, its
+// per-miss words reset first (no block looks at them before the miss is published).
+__device__ inline void list(const DeviceFeed& f, uint32_t layer, uint32_t expert, uint32_t m, uint64_t done) {
+    f.claim[m] = 0;
+    f.completed[m] = 0;
+    f.watch[m] = 0;
+    f.state[m] = kWaiting;
+    volatile uint32_t* e = &f.box->entry[m].layer;
+    e[0] = layer;
+    e[1] = expert;
+    SysWord(f.box->listed).store(done | (m + 1), cuda::memory_order_release);
+}
+
+// Thread 0 of a block at miss m (row r, tag): whether its row is ready or failed. The first block
+// there polls the row's ready word across the link, the others its mirror in device memory.
+__device__ inline uint32_t wait_row(const DeviceFeed& f, uint32_t m, uint32_t r, uint64_t tag) {
+    if (atomicCAS(&f.watch[m], 0u, 1u) == 0u) {
+        const uint64_t start = now_ns();
+        uint32_t state = kFailed;  // after kFeedTimeoutNs
+        while (now_ns() - start < kFeedTimeoutNs) {
+            const uint64_t w = SysWord(f.box->ready[r]).load(cuda::memory_order_acquire);
+            if ((w & ~kFeedFailed) == tag) {
+                state = w & kFeedFailed ? kFailed : kReady;
+                break;
+            }
+            __nanosleep(256);
+        }
+        DevWord(f.state[m]).store(state, cuda::memory_order_release);
+        return state;
+    }
+    uint32_t state;
+    while ((state = DevWord(f.state[m]).load(cuda::memory_order_acquire)) == kWaiting) __nanosleep(64);
+    return state;
+}
+
+// Bytes [at, at + n) of one part, row to slot, by the block: 16-byte loads past every cache
+// (__ldcv: the row is rewritten by the host between misses) where both ends allow them.
+__device__ inline void copy_chunk(unsigned char* dst, const unsigned char* src, uint64_t n) {
+    constexpr int kUnroll = 4;
+    const uint32_t tid = threadIdx.x;
+    if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | n) % 16 == 0) {
+        const uint4* s4 = reinterpret_cast<const uint4*>(src);
+        uint4* d4 = reinterpret_cast<uint4*>(dst);
+        const uint32_t words = static_cast<uint32_t>(n / 16);
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (tid + u * blockDim.x < words) v[u] = __ldcv(s4 + tid + u * blockDim.x);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (tid + u * blockDim.x < words) d4[tid + u * blockDim.x] = v[u];
+        return;
+    }
+    for (uint32_t b = tid; b < n; b += blockDim.x) dst[b] = __ldcv(src + b);
+}
+
+// Every block's share of the fed misses [from, to) of the select whose number is `done`: chunks
+// of kFeedChunk bytes claimed one at a time, so the copy never waits for a block not running.
+__device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uint32_t to, uint64_t done) {
+    static_assert(kFeedChunk == 16 * 4 * 256, "a chunk is one pass of a block of 256 threads");
+    __shared__ uint32_t state_s, chunk_s;
+    __shared__ uint64_t delta_s[3];
+    const DeviceClass& c = a.cls;
+    const DeviceFeed& f = c.feed;
+    const uint32_t tid = threadIdx.x;
+    uint32_t chunks[3], total = 0;
+    for (int p = 0; p < 3; ++p) total += chunks[p] = static_cast<uint32_t>((a.part_bytes[p] + kFeedChunk - 1) / kFeedChunk);
+    if (total == 0) total = 1;  // parts of no bytes: one empty chunk marks the miss done
+    for (uint32_t m = from; m < to; ++m) {
+        const uint32_t r = m % kFeedRows;
+        const uint64_t tag = done | m;
+        if (tid == 0) {
+            state_s = wait_row(f, m, r, tag);
+            for (int p = 0; p < 3; ++p) delta_s[p] = *static_cast<volatile const uint64_t*>(&f.box->delta[r][p]);
+        }
+        __syncthreads();
+        const bool ready = state_s == kReady;
+        const int32_t slot = static_cast<int32_t>(__ldcg(reinterpret_cast<const uint2*>(c.misses + m)).y);
+        const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
+        unsigned char* dst = c.bank + uint64_t(slot) * c.slot_bytes;
+        for (;;) {
+            if (tid == 0) chunk_s = atomicAdd(&f.claim[m], 1u);
+            __syncthreads();
+            uint32_t ch = chunk_s;
+            if (ch >= total) break;  // uniform: every thread read the same chunk
+            if (ready) {
+                int p = 0;
+                while (p < 2 && ch >= chunks[p]) ch -= chunks[p++];
+                const uint64_t at = uint64_t(ch) * kFeedChunk;
+                const uint64_t n = a.part_bytes[p] - at < kFeedChunk ? a.part_bytes[p] - at : kFeedChunk;
+                copy_chunk(dst + c.part_off[p] + at, row + f.part_at[p] + delta_s[p] + at, n);
+            }
+            __syncthreads();  // the chunk is written, and chunk_s read
+            if (tid == 0) {
+                __threadfence();
+                if (atomicAdd(&f.completed[m], 1u) + 1 == total) {  // the miss's last chunk: the row is free
+                    if (!ready) f.failed[atomicAdd(f.failed_n, 1u)] = slot;
+                    __threadfence_system();
+                    SysWord(f.box->consumed[r]).store(tag, cuda::memory_order_release);
+                    DevWord(*f.done).fetch_add(1u, cuda::memory_order_release);
+                }
+            }
+        }
+        __syncthreads();  // state_s and delta_s are written again at the next miss
+    }
+}
+
+// The leader's thread 0, after its own copy: every one of the select's `misses` done, the failed
+// ones' slots freed.
+__device__ inline void settle(const DeviceSelectArgs& a, uint32_t misses) {
+    const DeviceFeed& f = a.cls.feed;
+    while (DevWord(*f.done).load(cuda::memory_order_acquire) < misses) __nanosleep(128);
+    const uint32_t failed = *f.failed_n;
+    for (uint32_t i = 0; i < failed; ++i) forget_slot(a.cls, a.slot_of_key, static_cast<uint32_t>(f.failed[i]));
+    if (failed) atomicAdd(reinterpret_cast<unsigned long long*>(f.failures), failed);
+}
+
+}  // namespace feed_cuda
+}  // namespace expcache
