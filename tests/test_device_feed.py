@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from pyexpcache import ExpcacheWarning, ExpertCache, GGUFSource, HostSource, ModelLayout, testing
+from pyexpcache import ExpcacheWarning, ExpertCache, GGUFSource, HostSource, LayerSpec, ModelLayout, testing
 
 from support.cache import SCALE, bank_rows, device_ids, to_numpy
 
@@ -60,6 +60,23 @@ def test_a_pageable_source_is_fed_byte_exact_with_the_pinned_choices(backend, po
         a, b = fed.stats().path("device"), mapped.stats().path("device")
         assert (a.hits, a.misses, a.evictions) == (b.hits, b.misses, b.evictions)
         assert a.evictions > 0
+
+
+def test_large_experts_are_fed_in_pieces(backend):
+    """Parts larger than a piece (256 KiB) are read by several threads at once and copied piece
+    by piece, a part that ends mid-chunk and one not a multiple of 16 bytes included."""
+    layout = ModelLayout([LayerSpec(12, 700_000, 300_016, 1_100_001), LayerSpec(12, 700_000, 300_016, 1_100_001)])
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(layout, source, budget_experts=10, backend=backend, lookup="device", policy="lru") as cache,
+    ):
+        rng = np.random.default_rng(2)
+        for step in range(10):
+            layer = step % 2
+            ids = rng.choice(12, 9 if step == 3 else 4, replace=False)
+            slots = to_numpy(cache.select_device(layer, device_ids(cache, ids)))
+            _served(cache, source, layer, ids, slots)
+        assert cache.stats().path("device").evictions > 0
 
 
 @pytest.mark.parametrize("reads,file_reads", [("mmap", "buffered"), ("file", "buffered"), ("file", "direct")])

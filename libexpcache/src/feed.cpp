@@ -1,5 +1,6 @@
 #include "feed.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <system_error>
 
@@ -11,18 +12,31 @@ namespace expcache {
 namespace {
 
 // The words the device shares with the host, read and written as the protocol says.
-uint64_t load_acquire(const uint64_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
-void store_release(uint64_t* word, uint64_t v) { __atomic_store_n(word, v, __ATOMIC_RELEASE); }
+uint64_t load_acquire(const uint64_t* word) {
+    return __atomic_load_n(word, __ATOMIC_ACQUIRE);
+}
+void store_release(uint64_t* word, uint64_t v) {
+    __atomic_store_n(word, v, __ATOMIC_RELEASE);
+}
 
-uint64_t align_feed(uint64_t n) { return (n + kFeedAlign - 1) / kFeedAlign * kFeedAlign; }
+uint64_t align_to(uint64_t n, uint64_t to) {
+    return (n + to - 1) / to * to;
+}
 
 }  // namespace
 
-uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t part_at[3]) {
+uint64_t feed_piece(const uint64_t part_bytes[3]) {
+    uint64_t largest = 0;
+    for (int p = 0; p < 3; ++p) largest = std::max(largest, part_bytes[p]);
+    static_assert(kFeedChunk % kFeedAlign == 0, "a chunk is whole O_DIRECT blocks");
+    return std::max(kFeedMinPiece, align_to((largest + kFeedPieces - 1) / kFeedPieces, kFeedChunk));
+}
+
+uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t piece, uint64_t part_at[3]) {
     uint64_t at = 0;
     for (int p = 0; p < 3; ++p) {
         part_at[p] = at;
-        at += part_bytes[p] ? align_feed(part_bytes[p]) + 2 * kFeedAlign : 0;
+        at += feed_region_bytes(part_bytes[p], piece);
     }
     return at;
 }
@@ -45,7 +59,7 @@ expcache_status_t FeedThreads::watch(const FeedRing& ring) {
     rings_.push_back(std::move(w));
     if (poller_.joinable()) return EXPCACHE_OK;
     try {
-        for (uint32_t i = 0; i < kFeedRows; ++i) readers_.emplace_back(&FeedThreads::read_loop, this);
+        for (uint32_t i = 0; i < kReaders; ++i) readers_.emplace_back(&FeedThreads::read_loop, this);
         poller_ = std::thread(&FeedThreads::poll, this);
     } catch (const std::system_error& e) {
         // The threads that started stop again (the destructor joins them); no select may be fed.
@@ -95,7 +109,12 @@ bool FeedThreads::issue(Watched& w) {
         std::memcpy(&entry, &box->entry[m], sizeof entry);  // written before `listed`, which was acquired
         w.row_tag[r] = tag;
         w.row_used[r] = true;
-        jobs_.push_back(Job{&w, r, tag, entry});
+        // Every piece of every part, in the order the grid copies them.
+        const bool known = entry.layer < layers_.size() && layers_[entry.layer].registered;
+        for (int p = 0; p < kParts; ++p) {
+            const uint64_t bytes = known ? layers_[entry.layer].bytes[p] : (p == 0);  // unknown: one failing job
+            for (uint32_t q = 0; uint64_t(q) * w.ring.piece < bytes; ++q) jobs_.push_back(Job{&w, r, p, q, tag, entry});
+        }
         ++w.issued;
         issued = true;
     }
@@ -115,38 +134,39 @@ void FeedThreads::read_loop() {
     }
 }
 
-// One miss read into its row: each part into its region (at delta past its start, for O_DIRECT),
-// then the row's ready word, the failure flagged (and logged) when a read failed.
+// One piece of a miss read into its region of the row (at delta past its start, for O_DIRECT),
+// then its ready word, the failure flagged (and logged, once per miss) when the read failed.
 void FeedThreads::run(const Job& job) {
     const FeedRing& ring = job.w->ring;
-    unsigned char* row = ring.rows + uint64_t(job.row) * ring.row_bytes;
-    uint64_t delta[3] = {};
-    expcache_status_t s = EXPCACHE_OK;
     const FeedEntry e = job.entry;
+    const int p = job.part;
+    uint64_t delta = 0;
+    expcache_status_t s = EXPCACHE_OK;
     if (e.layer >= layers_.size() || !layers_[e.layer].registered || e.expert >= layers_[e.layer].num_experts) {
         s = fail(EXPCACHE_ERR_INTERNAL, "a device select listed expert %u of layer %u, which no layer has", e.expert,
                  e.layer);
     } else {
         const LayerState& l = layers_[e.layer];
-        for (int p = 0; p < kParts && s == EXPCACHE_OK; ++p) {
-            if (!l.bytes[p]) continue;
-            unsigned char* dst = row + ring.part_at[p];
-            const SourceFile* file = l.source.file;
-            if (file && file->direct())
-                s = file->read_direct(dst, reinterpret_cast<uintptr_t>(l.source_at(p, e.expert)), l.bytes[p], &delta[p]);
-            else
-                s = l.source.fill(dst, l.source_at(p, e.expert), 0, l.bytes[p]);
-        }
+        const uint64_t at = uint64_t(job.piece) * ring.piece;
+        const uint64_t n = std::min(ring.piece, l.bytes[p] - at);
+        unsigned char* dst = ring.rows + uint64_t(job.row) * ring.row_bytes + ring.part_at[p] +
+                             uint64_t(job.piece) * (ring.piece + 2 * kFeedAlign);
+        const SourceFile* file = l.source.file;
+        if (file && file->direct())
+            s = file->read_direct(dst, reinterpret_cast<uintptr_t>(l.source_at(p, e.expert)) + at, n, &delta);
+        else
+            s = l.source.fill(dst, l.source_at(p, e.expert), at, n);
     }
     if (s != EXPCACHE_OK) {
-        log_(EXPCACHE_LOG_WARNING,
-             "a device select's miss (expert %u of layer %u) could not be read: %s; its slot is freed and the "
-             "step that selected it read other bytes there",
-             e.expert, e.layer, last_error());
+        if (job.w->logged[job.row].exchange(job.tag) != job.tag)
+            log_(EXPCACHE_LOG_WARNING,
+                 "a device select's miss (expert %u of layer %u) could not be read: %s; its slot is freed and the "
+                 "step that selected it read other bytes there",
+                 e.expert, e.layer, last_error());
         clear_last_error();
     }
-    for (int p = 0; p < kParts; ++p) ring.box->delta[job.row][p] = delta[p];
-    store_release(&ring.box->ready[job.row], job.tag | (s == EXPCACHE_OK ? 0 : kFeedFailed));
+    ring.box->delta[job.row][p][job.piece] = delta;
+    store_release(&ring.box->ready[job.row][p][job.piece], job.tag | (s == EXPCACHE_OK ? 0 : kFeedFailed));
 }
 
 }  // namespace expcache

@@ -3,11 +3,13 @@
 // O_DIRECT) into the class's pinned rows, many reads in flight, and tell the select's kernel
 // each row is ready, through mapped memory only (kernels/feed_protocol.hpp has the protocol).
 //
-// One thread polls every class's mailbox; kFeedRows threads read. The poller spins while selects
+// One thread polls every class's mailbox; kReaders threads read, each a piece of a miss at a
+// time, so one expert is read by all of them at once. The poller spins while selects
 // come (a miss is seen within a microsecond or so) and sleeps between polls after kIdleSpin
 // without one: a select after a pause waits up to kIdleSleep for its first read to start.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -29,16 +31,20 @@ struct FeedRing {
     unsigned char* rows = nullptr;
     uint64_t row_bytes = 0;
     uint64_t part_at[3] = {};
+    uint64_t piece = 0;
 };
 
-// A row of `part_bytes` experts: each part's region aligned for O_DIRECT, with room for the
-// aligned blocks around it (SourceFile::read_direct).
-uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t part_at[3]);
+// The piece size of experts of `part_bytes`: kFeedMinPiece, or larger so that no part has more
+// than kFeedPieces pieces; a multiple of kFeedChunk and kFeedAlign.
+uint64_t feed_piece(const uint64_t part_bytes[3]);
+// A row of such experts: each part's region (feed_region_bytes) aligned for O_DIRECT; the row's bytes.
+uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t piece, uint64_t part_at[3]);
 
 class FeedThreads {
 public:
     static constexpr std::chrono::microseconds kIdleSpin{2000};
     static constexpr std::chrono::microseconds kIdleSleep{50};
+    static constexpr uint32_t kReaders = 8;
 
     FeedThreads(const LayerTable& layers, const Log& log) : layers_(layers), log_(log) {}
     // Stops the threads; the device is done with the rows (the cache synchronized first).
@@ -53,14 +59,17 @@ public:
 private:
     struct Watched {
         FeedRing ring;
-        uint64_t seq = 0;     // the select being fed (its number), and its misses given to readers
+        uint64_t seq = 0;  // the select being fed (its number), and its misses given to readers
         uint32_t issued = 0;
         uint64_t row_tag[kFeedRows] = {};  // the tag of the miss each row last carried
         bool row_used[kFeedRows] = {};
+        std::atomic<uint64_t> logged[kFeedRows] = {};  // the last tag whose failure was logged
     };
     struct Job {
-        const Watched* w;
+        Watched* w;
         uint32_t row;
+        int part;
+        uint32_t piece;
         uint64_t tag;
         FeedEntry entry;
     };

@@ -1,6 +1,6 @@
 // The select kernel's side of the feed (feed_protocol.hpp) on the CUDA backend: the leader lists
 // each miss for the feed threads; every block copies claimed chunks of each miss out of its row
-// once the row is ready; the leader frees the slots whose read failed. Included by
+// as their pieces are ready; the leader frees the slots whose read failed. Included by
 // lookup_kernels_cuda.cu only.
 #pragma once
 
@@ -15,8 +15,7 @@ namespace feed_cuda {
 
 using SysWord = cuda::atomic_ref<uint64_t, cuda::thread_scope_system>;
 using DevWord = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>;
-
-constexpr uint32_t kWaiting = 0, kReady = 1, kFailed = 2;  // DeviceFeed::state
+using DevWide = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>;
 
 __device__ inline uint64_t now_ns() {
     uint64_t t;
@@ -31,38 +30,39 @@ __device__ inline void open(const DeviceFeed& f) {
 }
 
 // The leader's thread 0: miss m (expert `expert` of `layer`) listed for the feed threads, its
-// per-miss words reset first (no block looks at them before the miss is published).
+// chunk counters reset first (no block looks at them before the miss is published).
 __device__ inline void list(const DeviceFeed& f, uint32_t layer, uint32_t expert, uint32_t m, uint64_t done) {
     f.claim[m] = 0;
     f.completed[m] = 0;
-    f.watch[m] = 0;
-    f.state[m] = kWaiting;
     volatile uint32_t* e = &f.box->entry[m].layer;
     e[0] = layer;
     e[1] = expert;
     SysWord(f.box->listed).store(done | (m + 1), cuda::memory_order_release);
 }
 
-// Thread 0 of a block at miss m (row r, tag): whether its row is ready or failed. The first block
-// there polls the row's ready word across the link, the others its mirror in device memory.
-__device__ inline uint32_t wait_row(const DeviceFeed& f, uint32_t m, uint32_t r, uint64_t tag) {
-    if (atomicCAS(&f.watch[m], 0u, 1u) == 0u) {
+// Thread 0 of a block needing piece q of part p in row r for the miss `tag`: its ready word (the
+// tag, kFeedFailed set when the read failed). The first block there polls it across the link
+// and mirrors it in device memory, where the others poll.
+__device__ inline uint64_t wait_piece(const DeviceFeed& f, uint32_t r, int p, uint32_t q, uint64_t tag) {
+    const uint32_t at = (r * 3 + p) * kFeedPieces + q;
+    DevWide mirror(f.mirror[at]);
+    if (atomicMax(reinterpret_cast<unsigned long long*>(f.watch + at), tag) < tag) {
         const uint64_t start = now_ns();
-        uint32_t state = kFailed;  // after kFeedTimeoutNs
+        uint64_t found = tag | kFeedFailed;  // after kFeedTimeoutNs
         while (now_ns() - start < kFeedTimeoutNs) {
-            const uint64_t w = SysWord(f.box->ready[r]).load(cuda::memory_order_acquire);
+            const uint64_t w = SysWord(f.box->ready[r][p][q]).load(cuda::memory_order_acquire);
             if ((w & ~kFeedFailed) == tag) {
-                state = w & kFeedFailed ? kFailed : kReady;
+                found = w;
                 break;
             }
             __nanosleep(256);
         }
-        DevWord(f.state[m]).store(state, cuda::memory_order_release);
-        return state;
+        mirror.store(found, cuda::memory_order_release);
+        return found;
     }
-    uint32_t state;
-    while ((state = DevWord(f.state[m]).load(cuda::memory_order_acquire)) == kWaiting) __nanosleep(64);
-    return state;
+    uint64_t w;
+    while (((w = mirror.load(cuda::memory_order_acquire)) & ~kFeedFailed) != tag) __nanosleep(64);
+    return w;
 }
 
 // Bytes [at, at + n) of one part, row to slot, by the block: 16-byte loads past every cache
@@ -87,26 +87,22 @@ __device__ inline void copy_chunk(unsigned char* dst, const unsigned char* src, 
 }
 
 // Every block's share of the fed misses [from, to) of the select whose number is `done`: chunks
-// of kFeedChunk bytes claimed one at a time, so the copy never waits for a block not running.
+// of kFeedChunk bytes claimed one at a time (so the copy never waits for a block not running),
+// each copied once its piece is ready.
 __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uint32_t to, uint64_t done) {
     static_assert(kFeedChunk == 16 * 4 * 256, "a chunk is one pass of a block of 256 threads");
-    __shared__ uint32_t state_s, chunk_s;
-    __shared__ uint64_t delta_s[3];
+    __shared__ uint32_t chunk_s;
+    __shared__ uint64_t ready_s, delta_s;
     const DeviceClass& c = a.cls;
     const DeviceFeed& f = c.feed;
     const uint32_t tid = threadIdx.x;
     uint32_t chunks[3], total = 0;
-    for (int p = 0; p < 3; ++p) total += chunks[p] = static_cast<uint32_t>((a.part_bytes[p] + kFeedChunk - 1) / kFeedChunk);
+    for (int p = 0; p < 3; ++p)
+        total += chunks[p] = static_cast<uint32_t>((a.part_bytes[p] + kFeedChunk - 1) / kFeedChunk);
     if (total == 0) total = 1;  // parts of no bytes: one empty chunk marks the miss done
     for (uint32_t m = from; m < to; ++m) {
         const uint32_t r = m % kFeedRows;
         const uint64_t tag = done | m;
-        if (tid == 0) {
-            state_s = wait_row(f, m, r, tag);
-            for (int p = 0; p < 3; ++p) delta_s[p] = *static_cast<volatile const uint64_t*>(&f.box->delta[r][p]);
-        }
-        __syncthreads();
-        const bool ready = state_s == kReady;
         const int32_t slot = static_cast<int32_t>(__ldcg(reinterpret_cast<const uint2*>(c.misses + m)).y);
         const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
         unsigned char* dst = c.bank + uint64_t(slot) * c.slot_bytes;
@@ -115,25 +111,35 @@ __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uin
             __syncthreads();
             uint32_t ch = chunk_s;
             if (ch >= total) break;  // uniform: every thread read the same chunk
-            if (ready) {
-                int p = 0;
-                while (p < 2 && ch >= chunks[p]) ch -= chunks[p++];
-                const uint64_t at = uint64_t(ch) * kFeedChunk;
-                const uint64_t n = a.part_bytes[p] - at < kFeedChunk ? a.part_bytes[p] - at : kFeedChunk;
-                copy_chunk(dst + c.part_off[p] + at, row + f.part_at[p] + delta_s[p] + at, n);
+            int p = 0;
+            while (p < 2 && ch >= chunks[p]) ch -= chunks[p++];
+            const uint64_t at = uint64_t(ch) * kFeedChunk;  // within the part
+            const uint32_t q = static_cast<uint32_t>(at / f.piece);
+            if (tid == 0 && a.part_bytes[p]) {
+                ready_s = wait_piece(f, r, p, q, tag);
+                delta_s = *static_cast<volatile const uint64_t*>(&f.box->delta[r][p][q]);
             }
-            __syncthreads();  // the chunk is written, and chunk_s read
+            __syncthreads();
+            if (a.part_bytes[p] && !(ready_s & kFeedFailed)) {
+                const uint64_t n = a.part_bytes[p] - at < kFeedChunk ? a.part_bytes[p] - at : kFeedChunk;
+                const unsigned char* piece = row + f.part_at[p] + q * (f.piece + 2 * kFeedAlign) + delta_s;
+                copy_chunk(dst + c.part_off[p] + at, piece + (at - uint64_t(q) * f.piece), n);
+            }
+            __syncthreads();  // the chunk is written, and chunk_s, ready_s and delta_s read
             if (tid == 0) {
+                if (a.part_bytes[p] && (ready_s & kFeedFailed))
+                    atomicMax(reinterpret_cast<unsigned long long*>(f.fail_tag + r), tag);
                 __threadfence();
                 if (atomicAdd(&f.completed[m], 1u) + 1 == total) {  // the miss's last chunk: the row is free
-                    if (!ready) f.failed[atomicAdd(f.failed_n, 1u)] = slot;
+                    if (DevWide(f.fail_tag[r]).load(cuda::memory_order_relaxed) == tag)
+                        f.failed[atomicAdd(f.failed_n, 1u)] = slot;
                     __threadfence_system();
                     SysWord(f.box->consumed[r]).store(tag, cuda::memory_order_release);
                     DevWord(*f.done).fetch_add(1u, cuda::memory_order_release);
                 }
             }
         }
-        __syncthreads();  // state_s and delta_s are written again at the next miss
+        __syncthreads();  // chunk_s is written again at the next miss
     }
 }
 

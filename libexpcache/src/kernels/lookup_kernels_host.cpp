@@ -3,6 +3,7 @@
 // copy), run in order on host memory before the call returns, with the same choices as the CUDA
 // kernel (the rules of lookup_rules.hpp, in the same order; a victim by a loop where the GPU
 // reduces). One "block" does them all: no ticket, nothing published.
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -242,8 +243,8 @@ private:
     }
 
     // The select's misses through the class's feed (feed_protocol.hpp), as the CUDA grid takes
-    // them: all listed at once (the feed threads read up to kFeedRows together), each copied out of
-    // its row when ready; the failed ones' slots freed at the end.
+    // them: all listed at once (the feed threads read up to kFeedRows together), each piece copied
+    // out of its row when ready; the failed misses' slots freed at the end.
     static void feed(const DeviceSelectArgs& a) {
         const DeviceClass& c = a.cls;
         const DeviceFeed& f = c.feed;
@@ -256,30 +257,39 @@ private:
         for (uint32_t m = 0; m < n; ++m) {
             const uint32_t r = m % kFeedRows;
             const uint64_t tag = done | m;
-            const auto start = std::chrono::steady_clock::now();
-            uint64_t w;
-            while (((w = __atomic_load_n(&f.box->ready[r], __ATOMIC_ACQUIRE)) & ~kFeedFailed) != tag) {
-                if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kFeedTimeoutNs)) {
-                    w = tag | kFeedFailed;
-                    break;
-                }
-                std::this_thread::yield();
-            }
             const DeviceMiss miss = c.misses[m];
-            if (w & kFeedFailed) {
-                failed.push_back(miss.slot);
-            } else {
-                const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
-                unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
-                for (int p = 0; p < 3; ++p)
-                    std::memcpy(slot + c.part_off[p], row + f.part_at[p] + f.box->delta[r][p], a.part_bytes[p]);
-            }
+            const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
+            unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
+            bool ok = true;
+            for (int p = 0; p < 3; ++p)
+                for (uint32_t q = 0; uint64_t(q) * f.piece < a.part_bytes[p]; ++q) {
+                    const uint64_t w = wait_piece(&f.box->ready[r][p][q], tag);
+                    ok = ok && !(w & kFeedFailed);
+                    if (!ok) continue;
+                    const uint64_t at = uint64_t(q) * f.piece;
+                    std::memcpy(slot + c.part_off[p] + at,
+                                row + f.part_at[p] + q * (f.piece + 2 * kFeedAlign) + f.box->delta[r][p][q],
+                                std::min(f.piece, a.part_bytes[p] - at));
+                }
+            if (!ok) failed.push_back(miss.slot);
             __atomic_store_n(&f.box->consumed[r], tag, __ATOMIC_RELEASE);
         }
         for (int32_t s : failed) {
             forget_slot(c, a.slot_of_key, static_cast<uint32_t>(s));
             ++*f.failures;
         }
+    }
+
+    // A piece's ready word once it holds `tag` (kFeedFailed set after kFeedTimeoutNs).
+    static uint64_t wait_piece(const uint64_t* ready, uint64_t tag) {
+        const auto start = std::chrono::steady_clock::now();
+        uint64_t w;
+        while (((w = __atomic_load_n(ready, __ATOMIC_ACQUIRE)) & ~kFeedFailed) != tag) {
+            if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kFeedTimeoutNs))
+                return tag | kFeedFailed;
+            std::this_thread::yield();
+        }
+        return w;
     }
 
     std::vector<uint32_t> keys_, first_;  // per id (the cache's lock serializes selects)
