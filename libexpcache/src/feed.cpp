@@ -55,7 +55,7 @@ FeedThreads::~FeedThreads() {
 expcache_status_t FeedThreads::watch(const FeedRing& ring) {
     std::unique_ptr<Watched> w(new Watched);
     w->ring = ring;
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(rings_mu_);
     rings_.push_back(std::move(w));
     if (poller_.joinable()) return EXPCACHE_OK;
     try {
@@ -69,27 +69,38 @@ expcache_status_t FeedThreads::watch(const FeedRing& ring) {
     return EXPCACHE_OK;
 }
 
+// The poller holds the queue's lock only to hand over what it found, so the readers take their
+// jobs while it spins.
 void FeedThreads::poll() {
     using Clock = std::chrono::steady_clock;
     Clock::time_point active = Clock::now();
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
+    std::vector<Job> found;
+    for (;;) {
         bool busy = false;
-        for (const std::unique_ptr<Watched>& w : rings_) busy = issue(*w) || busy;
-        if (!jobs_.empty()) jobs_cv_.notify_all();
-        const Clock::time_point now = Clock::now();
-        if (busy) active = now;
-        if (now - active < kIdleSpin) {
-            lock.unlock();  // the readers take their jobs
-            std::this_thread::yield();
-            lock.lock();
-        } else {
-            stop_cv_.wait_for(lock, kIdleSleep);
+        {
+            std::lock_guard<std::mutex> lock(rings_mu_);
+            for (const std::unique_ptr<Watched>& w : rings_) busy = issue(*w, &found) || busy;
         }
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            if (stop_) return;
+            if (!found.empty()) {
+                jobs_.insert(jobs_.end(), found.begin(), found.end());
+                found.clear();
+                jobs_cv_.notify_all();
+            }
+            const Clock::time_point now = Clock::now();
+            if (busy) active = now;
+            if (now - active >= kIdleSpin) {
+                stop_cv_.wait_for(lock, kIdleSleep);
+                continue;
+            }
+        }
+        std::this_thread::yield();
     }
 }
 
-bool FeedThreads::issue(Watched& w) {
+bool FeedThreads::issue(Watched& w, std::vector<Job>* out) {
     FeedBox* box = w.ring.box;
     const uint64_t listed = load_acquire(&box->listed);
     const uint64_t seq = listed >> kPublishShift;
@@ -113,7 +124,7 @@ bool FeedThreads::issue(Watched& w) {
         const bool known = entry.layer < layers_.size() && layers_[entry.layer].registered;
         for (int p = 0; p < kParts; ++p) {
             const uint64_t bytes = known ? layers_[entry.layer].bytes[p] : (p == 0);  // unknown: one failing job
-            for (uint32_t q = 0; uint64_t(q) * w.ring.piece < bytes; ++q) jobs_.push_back(Job{&w, r, p, q, tag, entry});
+            for (uint32_t q = 0; uint64_t(q) * w.ring.piece < bytes; ++q) out->push_back(Job{&w, r, p, q, tag, entry});
         }
         ++w.issued;
         issued = true;

@@ -75,15 +75,17 @@ private:
     };
 
     void poll();
-    bool issue(Watched& w);  // new misses of w given to the readers; whether w has work left
+    // New misses of w, a job per piece, appended to *out; whether w has work left.
+    bool issue(Watched& w, std::vector<Job>* out);
     void read_loop();
     void run(const Job& job);
 
     const LayerTable& layers_;
     const Log& log_;
-    std::mutex mu_;  // rings_, jobs_, stop_
-    std::condition_variable jobs_cv_, stop_cv_;
+    std::mutex rings_mu_;  // rings_
     std::vector<std::unique_ptr<Watched>> rings_;
+    std::mutex mu_;  // jobs_, stop_
+    std::condition_variable jobs_cv_, stop_cv_;
     std::deque<Job> jobs_;
     bool stop_ = false;
     std::thread poller_;
