@@ -62,13 +62,17 @@ def test_a_pageable_source_is_fed_byte_exact_with_the_pinned_choices(backend, po
         assert a.evictions > 0
 
 
-def test_large_experts_are_fed_in_pieces(backend):
-    """Parts larger than a piece (256 KiB) are read by several threads at once and copied piece
-    by piece, a part that ends mid-chunk and one not a multiple of 16 bytes included."""
+@pytest.mark.parametrize("copy_threads", [0, 3])
+def test_large_experts_are_fed_in_pieces(backend, copy_threads):
+    """Parts larger than a piece (256 KiB) are read by the copy threads at once (one when the
+    config has none) and copied piece by piece, a part that ends mid-chunk and one not a multiple
+    of 16 bytes included."""
     layout = ModelLayout([LayerSpec(12, 700_000, 300_016, 1_100_001), LayerSpec(12, 700_000, 300_016, 1_100_001)])
     with (
         HostSource(layout, pinned=False) as source,
-        ExpertCache(layout, source, budget_experts=10, backend=backend, lookup="device", policy="lru") as cache,
+        ExpertCache(
+            layout, source, budget_experts=10, backend=backend, lookup="device", policy="lru", copy_threads=copy_threads
+        ) as cache,
     ):
         rng = np.random.default_rng(2)
         for step in range(10):

@@ -57,7 +57,7 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     f.row_bytes = row_bytes;
     f.piece = piece;
     for (int p = 0; p < 3; ++p) f.part_at[p] = part_at[p];
-    if (!feed_) feed_.reset(new FeedThreads(layers_, log_));
+    if (!feed_) feed_.reset(new FeedThreads(layers_, log_, copy_threads_));
     FeedRing ring;
     ring.box = static_cast<FeedBox*>(host);
     ring.rows = static_cast<unsigned char*>(host) + box_bytes;
@@ -71,7 +71,7 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     log_(EXPCACHE_LOG_NOTICE,
          "class %s: a device select reads its misses from a source the GPU cannot read through %u rows of %.1f "
          "MiB of pinned memory (%u reads of %llu KiB pieces in flight)",
-         classes_.name(cls).c_str(), kFeedRows, row_bytes / 1048576.0, FeedThreads::kReaders,
+         classes_.name(cls).c_str(), kFeedRows, row_bytes / 1048576.0, feed_->readers(),
          (unsigned long long)(piece >> 10));
     return EXPCACHE_OK;
 }

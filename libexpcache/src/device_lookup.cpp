@@ -65,6 +65,7 @@ DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, De
                            ClassTable& classes, const Log& log, Health& health, std::unique_ptr<LookupKernels> kernels)
     : enabled_(config.lookup == EXPCACHE_LOOKUP_DEVICE),
       policy_id_(config.policy),
+      copy_threads_(config.copy_threads),
       backend_(backend),
       arena_(arena),
       layers_(layers),

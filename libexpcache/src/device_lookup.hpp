@@ -115,7 +115,8 @@ private:
     void report(const DeviceError& error);
 
     const bool enabled_;
-    const uint32_t policy_id_;  // EXPCACHE_POLICY_*
+    const uint32_t policy_id_;     // EXPCACHE_POLICY_*
+    const uint32_t copy_threads_;  // the feed's readers
     Backend& backend_;
     DeviceArena& arena_;
     LayerTable& layers_;

@@ -59,7 +59,7 @@ expcache_status_t FeedThreads::watch(const FeedRing& ring) {
     rings_.push_back(std::move(w));
     if (poller_.joinable()) return EXPCACHE_OK;
     try {
-        for (uint32_t i = 0; i < kReaders; ++i) readers_.emplace_back(&FeedThreads::read_loop, this);
+        for (uint32_t i = 0; i < readers_wanted_; ++i) readers_.emplace_back(&FeedThreads::read_loop, this);
         poller_ = std::thread(&FeedThreads::poll, this);
     } catch (const std::system_error& e) {
         // The threads that started stop again (the destructor joins them); no select may be fed.

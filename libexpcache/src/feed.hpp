@@ -3,8 +3,8 @@
 // O_DIRECT) into the class's pinned rows, many reads in flight, and tell the select's kernel
 // each row is ready, through mapped memory only (kernels/feed_protocol.hpp has the protocol).
 //
-// One thread polls every class's mailbox; kReaders threads read, each a piece of a miss at a
-// time, so one expert is read by all of them at once. The poller spins while selects
+// One thread polls every class's mailbox; config.copy_threads threads (the staging ring's count)
+// read, each a piece of a miss at a time, so one expert is read by all of them at once. The poller spins while selects
 // come (a miss is seen within a microsecond or so) and sleeps between polls after kIdleSpin
 // without one: a select after a pause waits up to kIdleSleep for its first read to start.
 #pragma once
@@ -44,9 +44,11 @@ class FeedThreads {
 public:
     static constexpr std::chrono::microseconds kIdleSpin{2000};
     static constexpr std::chrono::microseconds kIdleSleep{50};
-    static constexpr uint32_t kReaders = 8;
 
-    FeedThreads(const LayerTable& layers, const Log& log) : layers_(layers), log_(log) {}
+    // readers: the threads that read (config.copy_threads, at least 1).
+    FeedThreads(const LayerTable& layers, const Log& log, uint32_t readers)
+        : layers_(layers), log_(log), readers_wanted_(readers ? readers : 1) {}
+    uint32_t readers() const { return readers_wanted_; }
     // Stops the threads; the device is done with the rows (the cache synchronized first).
     ~FeedThreads();
     FeedThreads(const FeedThreads&) = delete;
@@ -82,6 +84,7 @@ private:
 
     const LayerTable& layers_;
     const Log& log_;
+    const uint32_t readers_wanted_;
     std::mutex rings_mu_;  // rings_
     std::vector<std::unique_ptr<Watched>> rings_;
     std::mutex mu_;  // jobs_, stop_
