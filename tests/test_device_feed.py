@@ -104,9 +104,9 @@ def test_a_gguf_file_is_fed(tmp_path, backend, policy, reads, file_reads):
 
 
 def test_a_failed_read_frees_its_slot_and_says_why(tmp_path, backend, policy):
-    """A read that fails (the file shrank) is logged with the reason; the select still ends, its
-    failed experts are not resident (the count agrees) and the experts read fine are; once the
-    file is whole again the next select reads them."""
+    """A read that fails (the file shrank) is logged with the reason; the select still ends, gives
+    the failed expert's ids slot -1, the expert is not resident (the count agrees) and the experts
+    read fine are; once the file is whole again the next select reads it."""
     pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
     from support.gguf_files import Q4, write_model
 
@@ -119,9 +119,10 @@ def test_a_failed_read_frees_its_slot_and_says_why(tmp_path, backend, policy):
             cache.bank(last)
             rec = src.records[last]
             os.truncate(path, rec.offsets[2] + 4 * layout[last].down_bytes)  # experts 4-7 of `last` end early
-            with pytest.warns(ExpcacheWarning, match=f"expert 6 of layer {last}.*ended early"):
-                cache.select_device(last, device_ids(cache, [2, 6]))
+            with pytest.warns(ExpcacheWarning, match=f"expert 6 of layer {last}.*ended early.*slot -1"):
+                got = to_numpy(cache.select_device(last, device_ids(cache, [6, 2, 6])))
                 cache.synchronize()
+            assert got[0] == got[2] == -1 and got[1] >= 0  # nobody is pointed at bytes that never came
             assert testing.read_expert(cache, last, 6) is None
             assert (testing.read_expert(cache, last, 2) == src.expert_bytes(last, 2)).all()
             assert cache.classes()[0].resident_experts == 1

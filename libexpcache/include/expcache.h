@@ -719,14 +719,15 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * is fed: the kernel lists each miss in mapped pinned memory as it picks its slot,
  * the cache's feed threads (started with the first class that needs them: one that
  * polls, spinning while selects come and sleeping 50 us between polls after 2 ms
- * without one, and 8 that read) read it into one of 8 pinned rows of the class (8
- * reads in flight; O_DIRECT where the file was opened so), and the kernel copies each
- * row into its slot as it is ready. No host call sits between them, so a fed select
+ * without one, and config.copy_threads that read) read it in pieces of 256 KiB or
+ * more, all at once, into one of 8 pinned rows of the class (O_DIRECT where the file
+ * was opened so), and the kernel copies each piece into the slot as it is ready. No host call sits between them, so a fed select
  * is captured and replayed as one node like any other. A read that fails is logged
  * (a warning, with the reason) by the thread that read it; the select still ends,
- * and the failed expert's slot is freed at its end (the step that selected it read
- * other bytes there; the next select reads it again). A kernel waits at most 60 s
- * for a row, then treats its read as failed. docs/device_lookup.md has the protocol.
+ * gives that expert's ids slot -1 (as an id out of range: no bytes that never came
+ * are served) and frees its slot, so the next select reads it again. A kernel waits
+ * at most 60 s for a piece, then treats its read as failed. docs/device_lookup.md
+ * has the protocol.
  * Status: INVALID_ARGUMENT (n*k 0 or over EXPCACHE_MAX_SELECT, or over the bank's
  * cap less the slots batches hold; id_bits; NULL pointers), INVALID_STATE (not a
  * device-lookup cache, layer not registered, a capture under way when the class must

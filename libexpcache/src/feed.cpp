@@ -171,8 +171,8 @@ void FeedThreads::run(const Job& job) {
     if (s != EXPCACHE_OK) {
         if (job.w->logged[job.row].exchange(job.tag) != job.tag)
             log_(EXPCACHE_LOG_WARNING,
-                 "a device select's miss (expert %u of layer %u) could not be read: %s; its slot is freed and the "
-                 "step that selected it read other bytes there",
+                 "a device select's miss (expert %u of layer %u) could not be read: %s; the select gave it slot -1 "
+                 "and the next select of it reads it again",
                  e.expert, e.layer, last_error());
         clear_last_error();
     }

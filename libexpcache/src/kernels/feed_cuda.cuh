@@ -144,13 +144,17 @@ __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uin
 }
 
 // The leader's thread 0, after its own copy: every one of the select's `misses` done, the failed
-// ones' slots freed.
+// ones' slots freed and their ids given slot -1 (nobody reads bytes that never came).
 __device__ inline void settle(const DeviceSelectArgs& a, uint32_t misses) {
     const DeviceFeed& f = a.cls.feed;
     while (DevWord(*f.done).load(cuda::memory_order_acquire) < misses) __nanosleep(128);
     const uint32_t failed = *f.failed_n;
     for (uint32_t i = 0; i < failed; ++i) forget_slot(a.cls, a.slot_of_key, static_cast<uint32_t>(f.failed[i]));
-    if (failed) atomicAdd(reinterpret_cast<unsigned long long*>(f.failures), failed);
+    if (!failed) return;
+    atomicAdd(reinterpret_cast<unsigned long long*>(f.failures), failed);
+    for (uint32_t i = 0; i < a.count; ++i)  // the ids whose expert never came: no slot, as an id out of range
+        for (uint32_t j = 0; j < failed; ++j)
+            if (a.out_slots[i] == f.failed[j]) a.out_slots[i] = -1;
 }
 
 }  // namespace feed_cuda

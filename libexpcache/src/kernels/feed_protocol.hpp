@@ -20,7 +20,7 @@
 //      chunk of the miss stores `consumed[r]` = the tag: the row may be filled again.
 //   4. A miss with a failed piece (or one that waited kFeedTimeoutNs) is not all copied: the
 //      leader, once every miss of the select is done, frees its slot (the next select reads it
-//      again) and counts it (DeviceFeed::failures).
+//      again), gives its ids slot -1 and counts it (DeviceFeed::failures).
 //
 // A miss's tag is the select's number << kPublishShift | m: unique and growing over each row's
 // life, so a row's words never confuse two of its uses and need no reset. The threads and the

@@ -277,6 +277,8 @@ private:
         for (int32_t s : failed) {
             forget_slot(c, a.slot_of_key, static_cast<uint32_t>(s));
             ++*f.failures;
+            for (uint32_t i = 0; i < a.count; ++i)  // no slot, as an id out of range
+                if (a.out_slots[i] == s) a.out_slots[i] = -1;
         }
     }
 
