@@ -701,13 +701,13 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * the cache's policy, evicts the policy's victims among the slots not used by this
  * call and not held by a batch (the host select's choices), copies the misses'
  * bytes from the layer's source, and counts; when every id is resident it only
- * reads the slot map and does the
- * policy's hit bookkeeping (no victim search, no copy; docs/device_lookup.md). No
- * host synchronization and no host decision depends on the ids: the call may be
- * made while `stream` is being captured into a CUDA graph, and each replay does the
- * whole select. An id out of range gets slot -1; the next call that reads the
- * device's counters (class_info, stats) logs the first such id as a warning
- * (layer, id, index), once; expcache_destroy logs one no call read.
+ * reads the slot map and does the policy's hit bookkeeping (no victim search, no
+ * copy; docs/device_lookup.md). No host synchronization and no host decision
+ * depends on the ids: the call may be made while `stream` is being captured into a
+ * CUDA graph, and each replay does the whole select. An id out of range gets slot
+ * -1; the next call that reads the device's counters (class_info, stats) logs the
+ * first such id as a warning (layer, id, index), once; expcache_destroy logs one
+ * no call read.
  *
  * The slots stay valid for work ordered after this call on `stream` until the next
  * call that serves or releases on this cache. Work on other streams is ordered by the
@@ -720,14 +720,16 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * the cache's feed threads (started with the first class that needs them: one that
  * polls, spinning while selects come and sleeping 50 us between polls after 2 ms
  * without one, and config.copy_threads that read) read it in pieces of 256 KiB or
- * more, all at once, into one of 8 pinned rows of the class (O_DIRECT where the file
- * was opened so), and the kernel copies each piece into the slot as it is ready. No host call sits between them, so a fed select
- * is captured and replayed as one node like any other. A read that fails is logged
- * (a warning, with the reason) by the thread that read it; the select still ends,
- * gives that expert's ids slot -1 (as an id out of range: no bytes that never came
- * are served) and frees its slot, so the next select reads it again. A kernel waits
- * at most 60 s for a piece, then treats its read as failed. docs/device_lookup.md
- * has the protocol.
+ * more, all at once, into one of 8 pinned rows of the class (O_DIRECT where the
+ * file was opened so), and the kernel copies each piece into the slot as it is
+ * ready. No host call sits between them, so a fed select is captured and replayed
+ * as one node like any other. A read that fails is logged (a warning, with the
+ * reason) by the thread that read it; the select still ends, gives that expert's
+ * ids slot -1 (as an id out of range: no bytes that never came are served) and
+ * frees its slot, so the next select reads it again. A kernel waits at most 60 s
+ * for a piece, then treats its read as failed. docs/device_lookup.md has the
+ * protocol.
+ *
  * Status: INVALID_ARGUMENT (n*k 0 or over EXPCACHE_MAX_SELECT, or over the bank's
  * cap less the slots batches hold; id_bits; NULL pointers), INVALID_STATE (not a
  * device-lookup cache, layer not registered, a capture under way when the class must

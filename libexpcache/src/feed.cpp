@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <system_error>
 
+#include "backend/copy_nt.hpp"
 #include "errors.hpp"
 #include "kernels/lookup_kernels.hpp"
 
@@ -145,6 +147,36 @@ void FeedThreads::read_loop() {
     }
 }
 
+// Bytes [at, at + n) of part p of `expert` into dst. What the CPU copies goes with non-temporal
+// stores (copy_nt.hpp), as the staging ring's chunks do: the row's lines reach memory without
+// being read first or left dirty in a core's caches, where the GPU's reads across the link would
+// have to fetch them. A buffered file read lands in the thread's bounce buffer first for that.
+expcache_status_t FeedThreads::fill(unsigned char* dst, const LayerState& l, int p, uint32_t expert, uint64_t at,
+                                    uint64_t n, uint64_t* delta) {
+    const SourceFile* file = l.source.file;
+    const unsigned char* src = l.source_at(p, expert);
+    if (file && file->direct()) return file->read_direct(dst, reinterpret_cast<uintptr_t>(src) + at, n, delta);
+    const char* from = reinterpret_cast<const char*>(src + at);
+    if (file) {
+        thread_local std::unique_ptr<char[]> bounce;
+        thread_local uint64_t bounce_bytes = 0;
+        if (bounce_bytes < n) {
+            bounce.reset(new (std::nothrow) char[n]);
+            bounce_bytes = bounce ? n : 0;
+        }
+        if (!bounce) return file->read(dst, reinterpret_cast<uintptr_t>(src) + at, n);
+        expcache_status_t s = file->read(bounce.get(), reinterpret_cast<uintptr_t>(src) + at, n);
+        if (s != EXPCACHE_OK) return s;
+        from = bounce.get();
+    }
+    char* to = reinterpret_cast<char*>(dst);
+    if (wide_ && reinterpret_cast<uintptr_t>(to) % 64 == 0)
+        copy_nt_wide(to, from, n, kStagingPrefetch);
+    else
+        copy_nt(to, from, n);
+    return EXPCACHE_OK;
+}
+
 // One piece of a miss read into its region of the row (at delta past its start, for O_DIRECT),
 // then its ready word, the failure flagged (and logged, once per miss) when the read failed.
 void FeedThreads::run(const Job& job) {
@@ -162,11 +194,7 @@ void FeedThreads::run(const Job& job) {
         const uint64_t n = std::min(ring.piece, l.bytes[p] - at);
         unsigned char* dst = ring.rows + uint64_t(job.row) * ring.row_bytes + ring.part_at[p] +
                              uint64_t(job.piece) * (ring.piece + 2 * kFeedAlign);
-        const SourceFile* file = l.source.file;
-        if (file && file->direct())
-            s = file->read_direct(dst, reinterpret_cast<uintptr_t>(l.source_at(p, e.expert)) + at, n, &delta);
-        else
-            s = l.source.fill(dst, l.source_at(p, e.expert), at, n);
+        s = fill(dst, l, p, e.expert, at, n, &delta);
     }
     if (s != EXPCACHE_OK) {
         if (job.w->logged[job.row].exchange(job.tag) != job.tag)

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend/copy_nt.hpp"
 #include "kernels/feed_protocol.hpp"
 #include "layers.hpp"
 #include "log.hpp"
@@ -81,10 +82,13 @@ private:
     bool issue(Watched& w, std::vector<Job>* out);
     void read_loop();
     void run(const Job& job);
+    expcache_status_t fill(unsigned char* dst, const LayerState& l, int p, uint32_t expert, uint64_t at, uint64_t n,
+                           uint64_t* delta);
 
     const LayerTable& layers_;
     const Log& log_;
     const uint32_t readers_wanted_;
+    const bool wide_ = copy_nt_wide_supported();  // 64-byte non-temporal stores (AVX-512)
     std::mutex rings_mu_;  // rings_
     std::vector<std::unique_ptr<Watched>> rings_;
     std::mutex mu_;  // jobs_, stop_
