@@ -89,7 +89,7 @@ private:
     const Log& log_;
     const uint32_t readers_wanted_;
     const bool wide_ = copy_nt_wide_supported();  // 64-byte non-temporal stores (AVX-512)
-    std::mutex rings_mu_;  // rings_
+    std::mutex rings_mu_;                         // rings_
     std::vector<std::unique_ptr<Watched>> rings_;
     std::mutex mu_;  // jobs_, stop_
     std::condition_variable jobs_cv_, stop_cv_;
