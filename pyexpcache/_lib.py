@@ -304,6 +304,50 @@ _FUNCTIONS = [
         [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p, c_void_p, POINTER(c_void_p)],
         c_int32,
     ),
+    # expcache_status_t expcache_select_split_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #     uint32_t id_bits, uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs, uint8_t* out_resident,
+    #     void** out_ready);
+    (
+        "expcache_select_split_ids_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, c_void_p, c_void_p, POINTER(c_void_p)],
+        c_int32,
+    ),
+    # expcache_status_t expcache_prefetch_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #                                               uint32_t id_bits, uint32_t n, void* stream, uint32_t* out_queued);
+    (
+        "expcache_prefetch_ids_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, POINTER(c_uint32)],
+        c_int32,
+    ),
+    # expcache_status_t expcache_hint_ids(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+    #                                     uint32_t n);
+    ("expcache_hint_ids", [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32], c_int32),
+    # expcache_status_t expcache_compact_load_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #                                                   uint32_t id_bits, uint32_t n, void* stream, expcache_compact_t* out);
+    (
+        "expcache_compact_load_ids_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, POINTER(Compact)],
+        c_int32,
+    ),
+    # expcache_status_t expcache_batch_prepare_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+    #     uint32_t id_bits, uint64_t n, void* stream, uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs,
+    #     uint32_t* out_count, uint64_t* out_batch);
+    (
+        "expcache_batch_prepare_ids_async",
+        [
+            CachePtr,
+            c_uint32,
+            c_void_p,
+            c_uint32,
+            c_uint64,
+            c_void_p,
+            c_void_p,
+            c_void_p,
+            POINTER(c_uint32),
+            POINTER(c_uint64),
+        ],
+        c_int32,
+    ),
     # expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream);
     ("expcache_ready_wait_async", [CachePtr, c_void_p, c_void_p], c_int32),
     # expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,

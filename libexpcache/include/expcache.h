@@ -453,6 +453,17 @@ EXPCACHE_API expcache_status_t expcache_select_split_async(expcache_t* cache, ui
                                                            uint8_t* out_resident, void** out_ready);
 
 /**
+ * expcache_select_split_async with
+ * ids of `id_bits` 32 or 64 bits (a router's int32 or int64 output as it is; ds4's
+ * are int32). Status: INVALID_ARGUMENT (id_bits; the count first, as the call checks it; an id
+ * negative or over 32 bits), then as expcache_select_split_async.
+ */
+EXPCACHE_API expcache_status_t expcache_select_split_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                               uint32_t id_bits, uint32_t k, void* stream,
+                                                               expcache_expert_ptrs_t* out_ptrs, uint8_t* out_resident,
+                                                               void** out_ready);
+
+/**
  * Make `stream` wait (on the device) for `ready`, an event from
  * expcache_select_split_async; NULL returns at once (the host backend always
  * gives NULL). Status: INVALID_ARGUMENT (ready is not this cache's event), CUDA.
@@ -488,6 +499,16 @@ EXPCACHE_API expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32
                                                        uint32_t n, void* stream, uint32_t* out_queued);
 
 /**
+ * expcache_prefetch_async with
+ * ids of `id_bits` 32 or 64 bits (a router's int32 or int64 output as it is; ds4's
+ * are int32). Status: INVALID_ARGUMENT (id_bits; the count first, as the call checks it; an id
+ * negative or over 32 bits), then as expcache_prefetch_async.
+ */
+EXPCACHE_API expcache_status_t expcache_prefetch_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                           uint32_t id_bits, uint32_t n, void* stream,
+                                                           uint32_t* out_queued);
+
+/**
  * Wait, on the host, until every prefetch queued by expcache_prefetch_async has
  * been sent and has landed (the cache's copy stream synchronized). Each expert
  * queued is then resident: a serving call that lists it before it is evicted is a
@@ -508,6 +529,15 @@ EXPCACHE_API expcache_status_t expcache_prefetch_wait(expcache_t* cache);
  * expcache_prefetch_stats_get. Status: INVALID_ARGUMENT, INVALID_STATE.
  */
 EXPCACHE_API expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t n);
+
+/**
+ * expcache_hint with
+ * ids of `id_bits` 32 or 64 bits (a router's int32 or int64 output as it is; ds4's
+ * are int32). Status: INVALID_ARGUMENT (id_bits; the count first, as the call checks it; an id
+ * negative or over 32 bits), then as expcache_hint.
+ */
+EXPCACHE_API expcache_status_t expcache_hint_ids(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                                 uint32_t n);
 
 /** A compact buffer: all gate parts, then all up parts, then all down parts. */
 typedef struct expcache_compact_t {
@@ -533,6 +563,16 @@ typedef struct expcache_compact_t {
  */
 EXPCACHE_API expcache_status_t expcache_compact_load_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,
                                                            uint32_t n, void* stream, expcache_compact_t* out);
+
+/**
+ * expcache_compact_load_async with
+ * ids of `id_bits` 32 or 64 bits (a router's int32 or int64 output as it is; ds4's
+ * are int32). Status: INVALID_ARGUMENT (id_bits; the count first, as the call checks it; an id
+ * negative or over 32 bits), then as expcache_compact_load_async.
+ */
+EXPCACHE_API expcache_status_t expcache_compact_load_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                               uint32_t id_bits, uint32_t n, void* stream,
+                                                               expcache_compact_t* out);
 
 /** Most batches outstanding at once on one cache. */
 #define EXPCACHE_MAX_BATCHES 64
@@ -560,6 +600,17 @@ EXPCACHE_API expcache_status_t expcache_batch_prepare_async(expcache_t* cache, u
                                                             uint64_t n, void* stream, uint32_t* out_ids,
                                                             expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
                                                             uint64_t* out_batch);
+
+/**
+ * expcache_batch_prepare_async with
+ * ids of `id_bits` 32 or 64 bits (a router's int32 or int64 output as it is; ds4's
+ * are int32). Status: INVALID_ARGUMENT (id_bits; the count first, as the call checks it; an id
+ * negative or over 32 bits), then as expcache_batch_prepare_async.
+ */
+EXPCACHE_API expcache_status_t expcache_batch_prepare_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                                uint32_t id_bits, uint64_t n, void* stream,
+                                                                uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs,
+                                                                uint32_t* out_count, uint64_t* out_batch);
 
 /**
  * Prefill path by slot id: expcache_batch_prepare_async's batch (the same union,

@@ -2,6 +2,9 @@
 // loads, prefill batches, the device banks, release_all and synchronize.
 #include "abi_checks.hpp"
 
+using expcache::Cache;
+using expcache::kMaxBatchIds;
+using expcache::kMaxCompact;
 using expcache::abi::check_handle;
 using expcache::abi::check_struct;
 using expcache::abi::guarded;
@@ -114,6 +117,71 @@ expcache_status_t expcache_batch_prepare_slots_async(expcache_t* cache, uint32_t
                          "out_ids, out_slots, out_count and out_batch must not be NULL");
         return cache->impl->batch_prepare_slots(layer, ids, id_bits, n, stream, out_ids, out_slots, out_count,
                                                 out_batch);
+    });
+}
+
+// The twins that take a router's ids as they are (id_bits 32 or 64): narrowed, then the call.
+expcache_status_t expcache_select_split_ids_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                                  uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs,
+                                                  uint8_t* out_resident, void** out_ready) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_ptrs, "out_ptrs is NULL");
+        EXPCACHE_REQUIRE(out_resident, "out_resident is NULL");
+        EXPCACHE_REQUIRE(out_ready, "out_ready is NULL");
+        std::vector<uint32_t> narrowed;
+        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, k, EXPCACHE_MAX_SELECT, "k", &narrowed));
+        return cache->impl->select_split(layer, narrowed.data(), k, stream, out_ptrs, out_resident, out_ready);
+    });
+}
+
+expcache_status_t expcache_prefetch_ids_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                              uint32_t n, void* stream, uint32_t* out_queued) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        std::vector<uint32_t> narrowed;
+        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, n, EXPCACHE_MAX_SELECT, "n", &narrowed));
+        return cache->impl->prefetch(layer, narrowed.data(), n, stream, out_queued);
+    });
+}
+
+expcache_status_t expcache_hint_ids(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        std::vector<uint32_t> narrowed;
+        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, n, EXPCACHE_MAX_SELECT, "n", &narrowed));
+        return cache->impl->hint(layer, narrowed.data(), n);
+    });
+}
+
+expcache_status_t expcache_compact_load_ids_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                                  uint32_t n, void* stream, expcache_compact_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_TRY(check_struct(out, "out"));
+        std::vector<uint32_t> narrowed;
+        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, n, kMaxCompact, "n", &narrowed));
+        return cache->impl->load_compact(layer, narrowed.data(), n, stream, out);
+    });
+}
+
+expcache_status_t expcache_batch_prepare_ids_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                                   uint64_t n, void* stream, uint32_t* out_ids,
+                                                   expcache_expert_ptrs_t* out_ptrs, uint32_t* out_count,
+                                                   uint64_t* out_batch) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        EXPCACHE_REQUIRE(out_ids && out_ptrs && out_count && out_batch,
+                         "out_ids, out_ptrs, out_count and out_batch must not be NULL");
+        std::vector<uint32_t> narrowed;
+        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, n, kMaxBatchIds, "n", &narrowed));
+        return cache->impl->batch_prepare(layer, narrowed.data(), n, stream, out_ids, out_ptrs, nullptr, out_count,
+                                          out_batch);
     });
 }
 

@@ -34,7 +34,8 @@
 
 namespace expcache {
 
-constexpr uint32_t kMaxCompact = 1u << 20;  // ids of one load_compact, experts of one checksum
+constexpr uint32_t kMaxCompact = 1u << 20;            // ids of one load_compact, experts of one checksum
+constexpr uint64_t kMaxBatchIds = uint64_t(1) << 26;  // ids of one batch_prepare
 
 struct BatchState {
     uint64_t id = 0;
@@ -97,6 +98,11 @@ public:
                                           uint32_t* out_ids, int32_t* out_slots, uint32_t* out_count,
                                           uint64_t* out_batch);
     expcache_status_t batch_finish(uint64_t batch, void* stream);
+    // A host call's ids of id_bits 32 or 64 (the *_ids twins of the C ABI) as 32 bits into *out;
+    // n checked first (1..max_n, `count_name` in the message), so nothing is allocated for a
+    // count the call refuses.
+    static expcache_status_t narrow_ids(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n, uint64_t max_n,
+                                        const char* count_name, std::vector<uint32_t>* out);
     // out_counts: 2 uint32 on the device (distinct experts, misses), or nullptr when not wanted.
     expcache_status_t select_device(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
                                     int32_t* out_slots, uint32_t* out_counts, void* stream);

@@ -57,6 +57,14 @@ expcache_status_t Cache::narrow(uint32_t layer, const void* ids, uint32_t id_bit
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::narrow_ids(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n, uint64_t max_n,
+                                    const char* count_name, std::vector<uint32_t>* out) {
+    if (n == 0 || n > max_n)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 1..%llu, got %llu", count_name,
+                    (unsigned long long)max_n, (unsigned long long)n);
+    return narrow(layer, ids, id_bits, n, out);
+}
+
 int32_t Cache::row_of(int32_t c, const expcache_expert_ptrs_t& ptrs) const {
     const ClassState& cls = classes_[c];
     const auto* gate = static_cast<const unsigned char*>(ptrs.gate);

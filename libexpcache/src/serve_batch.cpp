@@ -10,12 +10,6 @@
 
 namespace expcache {
 
-namespace {
-
-constexpr uint64_t kMaxBatchIds = uint64_t(1) << 26;
-
-}  // namespace
-
 expcache_status_t Cache::batch_room() const {
     if (batches_.open.size() >= EXPCACHE_MAX_BATCHES)
         return fail(EXPCACHE_ERR_INVALID_STATE, "%d batches are unfinished; call expcache_batch_finish first",
@@ -38,11 +32,8 @@ expcache_status_t Cache::unhold(const BatchState& batch, void* stream) {
 expcache_status_t Cache::batch_prepare_slots(uint32_t layer_index, const void* ids, uint32_t id_bits, uint64_t n,
                                              void* stream, uint32_t* out_ids, int32_t* out_slots, uint32_t* out_count,
                                              uint64_t* out_batch) {
-    if (n == 0 || n > kMaxBatchIds)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%llu, got %llu", (unsigned long long)kMaxBatchIds,
-                    (unsigned long long)n);
     std::vector<uint32_t> narrowed;  // a prompt's: freed with the call
-    expcache_status_t s = narrow(layer_index, ids, id_bits, n, &narrowed);
+    expcache_status_t s = narrow_ids(layer_index, ids, id_bits, n, kMaxBatchIds, "n", &narrowed);
     return s == EXPCACHE_OK ? batch_prepare(layer_index, narrowed.data(), n, stream, out_ids, nullptr, out_slots,
                                             out_count, out_batch)
                             : s;
