@@ -323,7 +323,7 @@ _FUNCTIONS = [
     #                                     uint32_t n);
     ("expcache_hint_ids", [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32], c_int32),
     # expcache_status_t expcache_compact_load_ids_async(expcache_t* cache, uint32_t layer, const void* ids,
-    #                                                   uint32_t id_bits, uint32_t n, void* stream, expcache_compact_t* out);
+    #     uint32_t id_bits, uint32_t n, void* stream, expcache_compact_t* out);
     (
         "expcache_compact_load_ids_async",
         [CachePtr, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, POINTER(Compact)],
