@@ -348,6 +348,9 @@ _FUNCTIONS = [
         ],
         c_int32,
     ),
+    # expcache_status_t expcache_class_find(const expcache_t* cache, uint64_t gate_bytes, uint64_t up_bytes,
+    #                                       uint64_t down_bytes, uint32_t* out_class);
+    ("expcache_class_find", [CachePtr, c_uint64, c_uint64, c_uint64, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream);
     ("expcache_ready_wait_async", [CachePtr, c_void_p, c_void_p], c_int32),
     # expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,

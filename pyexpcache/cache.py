@@ -13,7 +13,7 @@ import warnings
 import weakref
 from typing import Optional
 
-from . import _errors, _lib, _lifetime
+from . import _errors, _ints, _lib, _lifetime
 from ._errors import CacheClosedError, ExpcacheWarning, InvalidStateError, stacklevel_outside
 from ._gate import Gate
 from ._memory import MemoryPin
@@ -473,6 +473,19 @@ class ExpertCache(Serving):
         allocates the class's bank: do it before capturing a graph) and return the class index."""
         out = ctypes.c_uint32()
         self._call("expcache_layer_bind_class", self._layer(layer), ctypes.byref(out))
+        return out.value
+
+    def find_class(self, gate_bytes: int, up_bytes: int, down_bytes: int) -> int:
+        """The index of the class holding experts of these part sizes now (C:
+        ``expcache_class_find``): an engine that knows its quantization's sizes reads that class's
+        cap in :meth:`classes` by it. Raises InvalidArgumentError when no layer has those sizes,
+        InvalidStateError when one has but no class holds them yet (bind it first)."""
+        sizes = [
+            _ints.u64(v, name)
+            for v, name in ((gate_bytes, "gate_bytes"), (up_bytes, "up_bytes"), (down_bytes, "down_bytes"))
+        ]
+        out = ctypes.c_uint32()
+        self._call("expcache_class_find", *sizes, ctypes.byref(out))
         return out.value
 
     def layer_class(self, layer: int) -> int:

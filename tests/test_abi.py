@@ -62,6 +62,7 @@ EXPORTS = {
     "expcache_class_count_get",
     "expcache_class_info_get",
     "expcache_layer_bind_class",
+    "expcache_class_find",
     "expcache_path_name",
     "expcache_stats_get",
     "expcache_stats_read",
@@ -1028,6 +1029,14 @@ CASES = [
     ("hint NULL ids", "expcache_hint", lambda h: (h, 0, None, 1), INVALID, "ids is NULL"),
     ("hint n 0", "expcache_hint", lambda h: (h, 0, IDS, 0), INVALID, "n must be"),
     ("hint expert out of range", "expcache_hint", lambda h: (h, 0, BAD_IDS, 2), INVALID, "expert id 999"),
+    ("class_find NULL out", "expcache_class_find", lambda h: (h, 528, 528, 264, None), INVALID, "out_class is NULL"),
+    (
+        "class_find no such sizes",
+        "expcache_class_find",
+        lambda h: (h, 1, 2, 3, byref(OUT_U32)),
+        INVALID,
+        "no registered layer has experts of gate 1, up 2, down 3 bytes",
+    ),
     # The *_ids twins: a router's int32 or int64 ids as they are.
     (
         "split_ids id_bits",
@@ -1255,6 +1264,7 @@ HANDLE_CALLS = [
     ("expcache_select_split_ids_async", lambda h: (h, 0, IDS, 32, 1, None, PTRS, RESIDENT, byref(READY))),
     ("expcache_prefetch_ids_async", lambda h: (h, 0, IDS, 32, 1, None, None)),
     ("expcache_hint_ids", lambda h: (h, 0, IDS, 32, 1)),
+    ("expcache_class_find", lambda h: (h, 1, 2, 3, byref(OUT_U32))),
     ("expcache_compact_load_ids_async", lambda h: (h, 0, IDS, 32, 1, None, byref(_compact()))),
     ("expcache_batch_prepare_ids_async", lambda h: (h, 0, IDS, 32, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),
     ("expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats()))),

@@ -685,3 +685,21 @@ def test_layer_class_is_the_deprecated_spelling_of_bind_class(make_cache):
     assert cache.classes()[0].index == index
     with pytest.warns(DeprecationWarning, match="use bind_class"):
         assert cache.layer_class(layer) == index
+
+
+def test_find_class_by_part_sizes(make_cache):
+    """An engine that knows its experts' sizes finds their class (and its cap) once a layer of them
+    is bound; before that, or for sizes no layer has, the error says which case it is."""
+    cache, _ = make_cache(ModelLayout.preset("mixed", scale=SCALE), budget_experts=8)
+    by_sizes = cache.layout.classes()  # (gate, up, down) -> layers
+    (small, small_layers), (large, large_layers) = sorted(by_sizes.items())[:2]
+    with pytest.raises(InvalidStateError, match=f"bind one of their layers first \\(layer {small_layers[0]} has them"):
+        cache.find_class(*small)
+    index = cache.bind_class(large_layers[0])
+    assert cache.find_class(*large) == index
+    info = next(c for c in cache.classes() if c.index == index)
+    assert (info.gate_bytes, info.up_bytes, info.down_bytes) == large
+    with pytest.raises(InvalidArgumentError, match="no registered layer has experts of gate 1, up 2, down 3"):
+        cache.find_class(1, 2, 3)
+    with pytest.raises(ValueError, match="gate_bytes"):
+        cache.find_class(-1, 2, 3)

@@ -858,6 +858,17 @@ EXPCACHE_API expcache_status_t expcache_class_info_get(const expcache_t* cache, 
  */
 EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, uint32_t* out_class);
 
+/**
+ * The class that holds experts of these part sizes now, in *out_class: what an
+ * engine that knows its experts' sizes (its quantization) asks to read that class's
+ * cap and counters with expcache_class_info_get and expcache_stats_get, or its bank.
+ * Status: INVALID_ARGUMENT (no registered layer has those sizes; NULL out_class),
+ * INVALID_STATE (a layer has them, but no class holds them now: bind it first; the
+ * message names the layer).
+ */
+EXPCACHE_API expcache_status_t expcache_class_find(const expcache_t* cache, uint64_t gate_bytes, uint64_t up_bytes,
+                                                   uint64_t down_bytes, uint32_t* out_class);
+
 /* ---------------------------------------------------------------------- */
 /* Statistics                                                              */
 /* ---------------------------------------------------------------------- */

@@ -37,6 +37,16 @@ expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint32_t layer, u
     });
 }
 
+expcache_status_t expcache_class_find(const expcache_t* cache, uint64_t gate_bytes, uint64_t up_bytes,
+                                      uint64_t down_bytes, uint32_t* out_class) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_class, "out_class is NULL");
+        const uint64_t bytes[3] = {gate_bytes, up_bytes, down_bytes};
+        return cache->impl->find_class(bytes, out_class);
+    });
+}
+
 expcache_status_t expcache_stats_get(const expcache_t* cache, uint32_t class_index, uint32_t path,
                                      expcache_stats_t* out) {
     return guarded(__func__, [&] {

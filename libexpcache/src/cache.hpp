@@ -123,6 +123,8 @@ public:
     expcache_status_t class_count(uint32_t* out) const;
     expcache_status_t class_info(uint32_t index, expcache_class_info_t* out) const;
     expcache_status_t layer_class(uint32_t layer, uint32_t* out);
+    // The class holding experts of these part sizes now (bound by one of their layers).
+    expcache_status_t find_class(const uint64_t part_bytes[kParts], uint32_t* out) const;
     expcache_status_t get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const;
     // Every class's info and counters at once: infos[n], stats[n * EXPCACHE_NUM_PATHS] (n <= max_classes).
     expcache_status_t read_stats(uint32_t n, expcache_class_info_t* infos, expcache_stats_t* stats) const;

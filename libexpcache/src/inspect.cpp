@@ -168,6 +168,31 @@ expcache_status_t Cache::class_count(uint32_t* out) const {
     return EXPCACHE_OK;
 }
 
+expcache_status_t Cache::find_class(const uint64_t part_bytes[kParts], uint32_t* out) const {
+    CallScope scope(*this);
+    const auto same = [&](const uint64_t* bytes) {
+        return bytes[kGate] == part_bytes[kGate] && bytes[kUp] == part_bytes[kUp] && bytes[kDown] == part_bytes[kDown];
+    };
+    for (int32_t c = 0; c < classes_.size(); ++c) {
+        const ClassState& cls = classes_[c];
+        const uint64_t key[kParts] = {cls.key(kGate), cls.key(kUp), cls.key(kDown)};
+        if (cls.in_use() && same(key)) {
+            *out = static_cast<uint32_t>(c);
+            return EXPCACHE_OK;
+        }
+    }
+    for (uint32_t l = 0; l < layers_.size(); ++l)
+        if (layers_[l].registered && same(layers_[l].bytes))
+            return fail(EXPCACHE_ERR_INVALID_STATE,
+                        "no class holds experts of gate %llu, up %llu, down %llu bytes now: bind one of their layers "
+                        "first (layer %u has them; expcache_layer_bind_class)",
+                        (unsigned long long)part_bytes[kGate], (unsigned long long)part_bytes[kUp],
+                        (unsigned long long)part_bytes[kDown], l);
+    return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "no registered layer has experts of gate %llu, up %llu, down %llu bytes",
+                (unsigned long long)part_bytes[kGate], (unsigned long long)part_bytes[kUp],
+                (unsigned long long)part_bytes[kDown]);
+}
+
 // A device-lookup cache's counters and residents are the device's: one copy for every class.
 expcache_status_t Cache::device_snapshot(DeviceSnapshot* out) const {
     return const_cast<DeviceLookup&>(lookup_).snapshot(out);
