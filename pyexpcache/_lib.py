@@ -287,6 +287,9 @@ _FUNCTIONS = [
     ("expcache_file_open_fd", [CachePtr, c_int32, POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer, const expcache_layer_desc_t* desc);
     ("expcache_layer_register", [CachePtr, c_uint32, POINTER(LayerDesc)], c_int32),
+    # expcache_status_t expcache_layers_register(expcache_t* cache, uint32_t n, const uint32_t* layers,
+    #                                            const expcache_layer_desc_t* descs);
+    ("expcache_layers_register", [CachePtr, c_uint32, c_void_p, c_void_p], c_int32),
     # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
     #                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
     ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),

@@ -297,11 +297,12 @@ class ExpertCache(Serving):
                 out = ctypes.c_uint32()
                 lib.expcache_file_open(self._handle, os.fsencode(source.file_path), ctypes.byref(out))
                 file_id = out.value
-            for i, spec in enumerate(layout.layers):
-                if spec is None:
-                    continue
+            moe = [i for i, spec in enumerate(layout.layers) if spec is not None]
+            indices = (ctypes.c_uint32 * len(moe))(*moe)
+            descs = (_lib.LayerDesc * len(moe))()
+            for d, i in zip(descs, moe):
+                spec = layout.layers[i]
                 place = source.placement(i)
-                d = _lib.LayerDesc()
                 lib.expcache_layer_desc_init(ctypes.byref(d))
                 d.num_experts = spec.num_experts
                 if file_id is not None:
@@ -314,7 +315,8 @@ class ExpertCache(Serving):
                     **dict(zip(("gate_stride", "up_stride", "down_stride"), place.strides)),
                     **dict(zip(("gate_base", "up_base", "down_base"), place.bases)),
                 )
-                lib.expcache_layer_register(self._handle, i, ctypes.byref(d))
+            if moe:  # every layer at once, all or nothing
+                lib.expcache_layers_register(self._handle, len(moe), indices, descs)
 
     def _on_log(self, level: int, message: bytes) -> None:
         # A ctypes callback at the end of a library call: it must not raise. Inside a call on

@@ -42,6 +42,7 @@ EXPORTS = {
     "expcache_file_open",
     "expcache_file_open_fd",
     "expcache_layer_register",
+    "expcache_layers_register",
     "expcache_select_async",
     "expcache_select_slots_async",
     "expcache_select_ids_async",
@@ -327,6 +328,21 @@ def _prefetch_stats(size=None):
     s = _lib.PrefetchStats()
     s.struct_size = ctypes.sizeof(s) if size is None else size
     return s
+
+
+def _descs(n, bad_size_at=None):
+    """n layer descriptors of 8 pageable experts (the one at bad_size_at with struct_size 0)."""
+    out = (_lib.LayerDesc * n)()
+    for i, d in enumerate(out):
+        lib.expcache_layer_desc_init(byref(d))
+        d.num_experts, d.source_kind = 8, _lib.SOURCE_PAGEABLE
+        for part in ("gate", "up", "down"):
+            setattr(d, f"{part}_bytes", 64)
+            setattr(d, f"{part}_stride", 64)
+            setattr(d, f"{part}_base", HOST_BUF.ctypes.data)
+        if i == bad_size_at:
+            d.struct_size = 0
+    return out
 
 
 RESIDENT = (ctypes.c_uint8 * 1024)()
@@ -1037,6 +1053,29 @@ CASES = [
         INVALID,
         "no registered layer has experts of gate 1, up 2, down 3 bytes",
     ),
+    ("layers_register NULL", "expcache_layers_register", lambda h: (h, 1, None, None), INVALID, "must not be NULL"),
+    ("layers_register n 0", "expcache_layers_register", lambda h: (h, 0, IDS, _descs(1)), INVALID, "n must be 1.."),
+    (
+        "layers_register struct_size",
+        "expcache_layers_register",
+        lambda h: (h, 2, (c_uint32 * 2)(1, 2), _descs(2, bad_size_at=1)),
+        INVALID,
+        "descs[1].struct_size is 0",
+    ),
+    (
+        "layers_register twice",
+        "expcache_layers_register",
+        lambda h: (h, 2, (c_uint32 * 2)(50, 50), _descs(2)),
+        INVALID,
+        "layer 50 is listed twice",
+    ),
+    (
+        "layers_register registered",
+        "expcache_layers_register",
+        lambda h: (h, 2, (c_uint32 * 2)(3, 4), _descs(2)),
+        STATE,
+        "descs[0]: layer 3 is already registered",
+    ),
     # The *_ids twins: a router's int32 or int64 ids as they are.
     (
         "split_ids id_bits",
@@ -1264,6 +1303,7 @@ HANDLE_CALLS = [
     ("expcache_select_split_ids_async", lambda h: (h, 0, IDS, 32, 1, None, PTRS, RESIDENT, byref(READY))),
     ("expcache_prefetch_ids_async", lambda h: (h, 0, IDS, 32, 1, None, None)),
     ("expcache_hint_ids", lambda h: (h, 0, IDS, 32, 1)),
+    ("expcache_layers_register", lambda h: (h, 1, (c_uint32 * 1)(1), _descs(1))),
     ("expcache_class_find", lambda h: (h, 1, 2, 3, byref(OUT_U32))),
     ("expcache_compact_load_ids_async", lambda h: (h, 0, IDS, 32, 1, None, byref(_compact()))),
     ("expcache_batch_prepare_ids_async", lambda h: (h, 0, IDS, 32, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),
@@ -1432,3 +1472,19 @@ def test_limits_match_the_header():
     limits = dict(re.findall(r"^#define EXPCACHE_(MAX_\w+) (\d+)(?:ULL)?\b", header.read_text(), re.M))
     assert {"MAX_EXPERTS_LIMIT", "MAX_LAYERS_LIMIT", "MAX_PART_BYTES_LIMIT", "MAX_SELECT"} <= set(limits)
     assert {n: int(v) for n, v in limits.items()} == {n: getattr(_lib, n) for n in limits}
+
+
+def test_layers_register_is_all_or_nothing():
+    """A bulk registration with one bad descriptor registers none of them; a good one registers all."""
+    handle = _lib.CachePtr()
+    lib.expcache_create(byref(_cfg(num_layers=3)), byref(handle))
+    h = handle.value
+    try:
+        _expect("expcache_layers_register", (h, 2, (c_uint32 * 2)(0, 7), _descs(2)), INVALID, "descs[1]: layer 7 out")
+        _expect("expcache_hint", (h, 0, IDS, 1), STATE, "layer 0 is not registered")
+        lib.expcache_layers_register(h, 2, (c_uint32 * 2)(0, 2), _descs(2))
+        lib.expcache_hint(h, 0, IDS, 1)
+        lib.expcache_hint(h, 2, IDS, 1)
+        _expect("expcache_hint", (h, 1, IDS, 1), STATE, "layer 1 is not registered")
+    finally:
+        lib.expcache_destroy(h)

@@ -367,6 +367,19 @@ EXPCACHE_API expcache_status_t expcache_file_open_fd(expcache_t* cache, int fd, 
 EXPCACHE_API expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer,
                                                        const expcache_layer_desc_t* desc);
 
+/**
+ * Register n layers at once: layers[i] (< config.num_layers) described by
+ * descs[i] (struct_size set in each), as n calls of expcache_layer_register, but
+ * all or nothing: every descriptor is checked first and nothing is registered
+ * when one fails (the message says which, "descs[i]: ..."). An engine that holds
+ * its model's table of layers registers it with one call. Status: INVALID_ARGUMENT
+ * (NULL arrays, n 0 or over 2^20, a struct_size, a layer listed twice, a
+ * descriptor expcache_layer_register refuses), INVALID_STATE (a layer registered
+ * already; a class bound on a device-lookup cache).
+ */
+EXPCACHE_API expcache_status_t expcache_layers_register(expcache_t* cache, uint32_t n, const uint32_t* layers,
+                                                        const expcache_layer_desc_t* descs);
+
 /* ---------------------------------------------------------------------- */
 /* Serving experts                                                         */
 /* ---------------------------------------------------------------------- */

@@ -52,6 +52,20 @@ expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer, con
     });
 }
 
+expcache_status_t expcache_layers_register(expcache_t* cache, uint32_t n, const uint32_t* layers,
+                                           const expcache_layer_desc_t* descs) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(layers && descs, "layers and descs must not be NULL");
+        EXPCACHE_REQUIRE(n >= 1 && n <= (1u << 20), "n must be 1..%u, got %u", 1u << 20, n);
+        for (uint32_t i = 0; i < n; ++i)
+            EXPCACHE_REQUIRE(descs[i].struct_size == sizeof(expcache_layer_desc_t),
+                             "descs[%u].struct_size is %u, expected %zu (header/library mismatch?)", i,
+                             descs[i].struct_size, sizeof(expcache_layer_desc_t));
+        return cache->impl->register_layers(n, layers, descs);
+    });
+}
+
 expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

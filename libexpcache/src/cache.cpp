@@ -119,14 +119,26 @@ expcache_status_t Cache::set_log_level(uint32_t level) {
 // Layout
 
 expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_desc_t& d) {
+    return register_layers(1, &layer, &d);
+}
+
+expcache_status_t Cache::register_layers(uint32_t n, const uint32_t* layers, const expcache_layer_desc_t* descs) {
     CallScope scope(*this);
     if (lookup_.frozen())
         return fail(EXPCACHE_ERR_INVALID_STATE,
                     "layer %u registered after a class was bound on a device-lookup cache: its banks and device "
                     "table are sized from the whole layout, so register every layer first",
-                    layer);
-    expcache_status_t s = layers_.add(layer, d);
-    if (s != EXPCACHE_OK) return s;
+                    layers[0]);
+    // Every descriptor checked before any is recorded: all or nothing.
+    for (uint32_t i = 0; i < n; ++i)
+        for (uint32_t j = 0; j < i; ++j)
+            if (layers[j] == layers[i])
+                return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u is listed twice (at %u and %u)", layers[i], j, i);
+    for (uint32_t i = 0; i < n; ++i) {
+        expcache_status_t s = layers_.check(layers[i], descs[i]);
+        if (s != EXPCACHE_OK) return n > 1 ? fail(s, "descs[%u]: %s", i, std::string(last_error()).c_str()) : s;
+    }
+    for (uint32_t i = 0; i < n; ++i) layers_.record(layers[i], descs[i]);
     clock_.policy.positions = layers_.registered();
     classes_.invalidate_caps();  // budget shares depend on the whole layout
     const size_t needed = layers_.size_classes();

@@ -70,6 +70,8 @@ public:
     // By path, or (path nullptr) by the caller's descriptor fd.
     expcache_status_t open_file(const char* path, int fd, uint32_t* out_file);
     expcache_status_t register_layer(uint32_t layer, const expcache_layer_desc_t& desc);
+    // n layers at once (layers[i] described by descs[i]), all or nothing.
+    expcache_status_t register_layers(uint32_t n, const uint32_t* layers, const expcache_layer_desc_t* descs);
     expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                              expcache_expert_ptrs_t* out);
     // ids: id_bits 32 or 64, host memory.

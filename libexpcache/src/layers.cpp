@@ -40,6 +40,12 @@ expcache_status_t LayerTable::validate(uint32_t layer) const {
 }
 
 expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d) {
+    expcache_status_t s = check(layer, d);
+    if (s == EXPCACHE_OK) record(layer, d);
+    return s;
+}
+
+expcache_status_t LayerTable::check(uint32_t layer, const expcache_layer_desc_t& d) const {
     if (layer >= layers_.size())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u out of range (num_layers %zu)", layer, layers_.size());
     if (layers_[layer].registered) return fail(EXPCACHE_ERR_INVALID_STATE, "layer %u is already registered", layer);
@@ -79,6 +85,14 @@ expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert would end past the address space",
                         names[p]);
     }
+    return EXPCACHE_OK;
+}
+
+void LayerTable::record(uint32_t layer, const expcache_layer_desc_t& d) {
+    const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
+    const uint64_t bytes[kParts] = {d.gate_bytes, d.up_bytes, d.down_bytes};
+    const uint64_t stride[kParts] = {d.gate_stride, d.up_stride, d.down_stride};
+    const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
     LayerState& l = layers_[layer];
     l.registered = true;
     l.source.kind = d.source_kind;
@@ -99,7 +113,6 @@ expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d
     l.seen.assign(d.num_experts, 0);
     l.seen_pos.assign(d.num_experts, 0);
     l.slot_of.assign(d.num_experts, -1);
-    return EXPCACHE_OK;
 }
 
 expcache_status_t LayerTable::open_file(const char* path, int fd, bool direct, uint32_t* out_file, std::string* note) {

@@ -56,6 +56,9 @@ public:
 
     // Checks a descriptor against the limits and the open files, then records the layer.
     expcache_status_t add(uint32_t layer, const expcache_layer_desc_t& desc);
+    // add's checks alone, and its recording alone (of a descriptor check() passed).
+    expcache_status_t check(uint32_t layer, const expcache_layer_desc_t& desc) const;
+    void record(uint32_t layer, const expcache_layer_desc_t& desc);
     // Opens a file source, by path or (path nullptr) by the caller's descriptor `fd`; *note says
     // how it will be read (for the log).
     expcache_status_t open_file(const char* path, int fd, bool direct, uint32_t* out_file, std::string* note);
