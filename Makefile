@@ -20,6 +20,7 @@ CORE_SRC  = libexpcache/src/abi_handles.cpp libexpcache/src/abi_setup.cpp libexp
             libexpcache/src/stream_order.cpp libexpcache/src/prefetch_coordinator.cpp libexpcache/src/cache.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
             libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_device.cpp \
+            libexpcache/src/serve_insert.cpp \
             libexpcache/src/device_lookup.cpp libexpcache/src/device_feed.cpp libexpcache/src/feed.cpp \
             libexpcache/src/kernels/lookup_kernels_host.cpp \
             libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/paths.cpp \

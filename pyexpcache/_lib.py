@@ -351,6 +351,9 @@ _FUNCTIONS = [
         ],
         c_int32,
     ),
+    # expcache_status_t expcache_insert_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+    #                                         const float* priorities, uint32_t n, void* stream);
+    ("expcache_insert_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32, c_void_p], c_int32),
     # expcache_status_t expcache_class_find(const expcache_t* cache, uint64_t gate_bytes, uint64_t up_bytes,
     #                                       uint64_t down_bytes, uint32_t* out_class);
     ("expcache_class_find", [CachePtr, c_uint64, c_uint64, c_uint64, POINTER(c_uint32)], c_int32),

@@ -360,6 +360,29 @@ class Serving:
         ids = self._as_ids(expert_ids, "expert_ids")
         self._call("expcache_hint", layer, ids.ctypes.data, u32(ids.size, "len(expert_ids)"))
 
+    def insert(self, layer: int, expert_ids, priorities=None, stream=None) -> None:
+        """Seed the cache with ``expert_ids`` of ``layer`` (an engine's hot list), copied now on
+        ``stream``: each id once at its highest priority (``priorities``, one float per id;
+        None: the given order, the last highest), lowest first, each taking the policy's victim
+        when the class is full, so the highest priorities it can hold stay. Counted on the
+        control path, not as decode traffic."""
+        layer = self._layer(layer)
+        ids = self._as_ids(expert_ids, "expert_ids")
+        prio = None
+        if priorities is not None:
+            prio = np.ascontiguousarray(priorities, dtype=np.float32)
+            if prio.shape != ids.shape:
+                raise ValueError(f"priorities must have one value per id: {prio.shape} for {ids.shape} ids")
+        self._call(
+            "expcache_insert_async",
+            layer,
+            ids.ctypes.data,
+            32,
+            None if prio is None else prio.ctypes.data,
+            u32(ids.size, "len(expert_ids)"),
+            stream_handle(stream),
+        )
+
     def load_compact(self, layer: int, expert_ids, stream=None) -> CompactBuffer:
         """Copy ``expert_ids`` of ``layer`` into one contiguous device buffer (hits device to
         device, misses host to device). Asynchronous on ``stream``."""

@@ -49,6 +49,7 @@ EXPORTS = {
     "expcache_select_split_ids_async",
     "expcache_prefetch_ids_async",
     "expcache_hint_ids",
+    "expcache_insert_async",
     "expcache_compact_load_ids_async",
     "expcache_batch_prepare_ids_async",
     "expcache_compact_load_async",
@@ -1076,6 +1077,11 @@ CASES = [
         STATE,
         "descs[0]: layer 3 is already registered",
     ),
+    ("insert NULL ids", "expcache_insert_async", lambda h: (h, 0, None, 32, None, 1, None), INVALID, "ids is NULL"),
+    ("insert n 0", "expcache_insert_async", lambda h: (h, 0, IDS, 32, None, 0, None), INVALID, "n must be 1.."),
+    ("insert id_bits", "expcache_insert_async", lambda h: (h, 0, IDS, 3, None, 1, None), INVALID, "id_bits must be"),
+    ("insert bad layer", "expcache_insert_async", lambda h: (h, 77, IDS, 32, None, 1, None), INVALID, "layer 77"),
+    ("insert expert", "expcache_insert_async", lambda h: (h, 0, BAD_IDS, 32, None, 2, None), INVALID, "expert id 999"),
     # The *_ids twins: a router's int32 or int64 ids as they are.
     (
         "split_ids id_bits",
@@ -1303,6 +1309,7 @@ HANDLE_CALLS = [
     ("expcache_select_split_ids_async", lambda h: (h, 0, IDS, 32, 1, None, PTRS, RESIDENT, byref(READY))),
     ("expcache_prefetch_ids_async", lambda h: (h, 0, IDS, 32, 1, None, None)),
     ("expcache_hint_ids", lambda h: (h, 0, IDS, 32, 1)),
+    ("expcache_insert_async", lambda h: (h, 0, IDS, 32, None, 1, None)),
     ("expcache_layers_register", lambda h: (h, 1, (c_uint32 * 1)(1), _descs(1))),
     ("expcache_class_find", lambda h: (h, 1, 2, 3, byref(OUT_U32))),
     ("expcache_compact_load_ids_async", lambda h: (h, 0, IDS, 32, 1, None, byref(_compact()))),

@@ -552,6 +552,24 @@ EXPCACHE_API expcache_status_t expcache_hint(expcache_t* cache, uint32_t layer, 
 EXPCACHE_API expcache_status_t expcache_hint_ids(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
                                                  uint32_t n);
 
+/**
+ * Seed the cache: experts ids[0..n) of `layer` (host integers of `id_bits` 32 or
+ * 64 bits) are made resident now, copied on `stream`, as an engine loads a hot
+ * list before serving. Each id is taken once, at its highest priority
+ * (priorities[i]; NULL: the given order, the last highest), and they go in lowest
+ * priority first, each taking the policy's victim when its class is full, so what
+ * stays is the highest priorities the class can hold, the highest the most
+ * recently used (the policy counts their uses as a select's). Counted on
+ * EXPCACHE_PATH_CONTROL, so the decode counters stay the decode's. Works on every
+ * cache (a device-lookup cache runs its device select for each). Status: INVALID_ARGUMENT
+ * (NULL ids, id_bits, n 0 or over 2^20, an id out of range, a NaN priority:
+ * nothing is inserted), INVALID_STATE (layer not registered), then as
+ * expcache_select_async.
+ */
+EXPCACHE_API expcache_status_t expcache_insert_async(expcache_t* cache, uint32_t layer, const void* ids,
+                                                     uint32_t id_bits, const float* priorities, uint32_t n,
+                                                     void* stream);
+
 /** A compact buffer: all gate parts, then all up parts, then all down parts. */
 typedef struct expcache_compact_t {
     uint32_t struct_size;                         /**< sizeof(expcache_compact_t); set by the caller */

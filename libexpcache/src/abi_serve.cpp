@@ -120,6 +120,17 @@ expcache_status_t expcache_batch_prepare_slots_async(expcache_t* cache, uint32_t
     });
 }
 
+expcache_status_t expcache_insert_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
+                                        const float* priorities, uint32_t n, void* stream) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(ids, "ids is NULL");
+        std::vector<uint32_t> narrowed;
+        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, n, expcache::kMaxInsert, "n", &narrowed));
+        return cache->impl->insert(layer, narrowed.data(), priorities, n, stream);
+    });
+}
+
 // The twins that take a router's ids as they are (id_bits 32 or 64): narrowed, then the call.
 expcache_status_t expcache_select_split_ids_async(expcache_t* cache, uint32_t layer, const void* ids, uint32_t id_bits,
                                                   uint32_t k, void* stream, expcache_expert_ptrs_t* out_ptrs,

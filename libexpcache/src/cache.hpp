@@ -36,6 +36,7 @@ namespace expcache {
 
 constexpr uint32_t kMaxCompact = 1u << 20;            // ids of one load_compact, experts of one checksum
 constexpr uint64_t kMaxBatchIds = uint64_t(1) << 26;  // ids of one batch_prepare
+constexpr uint32_t kMaxInsert = 1u << 20;             // ids of one insert
 
 struct BatchState {
     uint64_t id = 0;
@@ -85,6 +86,9 @@ public:
     expcache_status_t wait_ready(void* ready, void* stream);
     expcache_status_t prefetch(uint32_t layer, const uint32_t* ids, uint32_t n, void* stream, uint32_t* out_queued);
     expcache_status_t hint(uint32_t layer, const uint32_t* ids, uint32_t n);
+    // serve_insert.cpp: ids put in by ascending priority (nullptr: the given order), each expert
+    // once at its highest, counted on the control path.
+    expcache_status_t insert(uint32_t layer, const uint32_t* ids, const float* priorities, uint32_t n, void* stream);
     expcache_status_t get_prefetch_stats(expcache_prefetch_stats_t* out) const;
     expcache_status_t prefetch_wait();
     expcache_status_t prefetch_pause(bool paused);
