@@ -37,10 +37,25 @@
  *    and return before it completes. `stream` is a cudaStream_t passed as
  *    void*; NULL is the legacy default stream. Streams are borrowed, never
  *    destroyed. The host backend ignores streams and completes copies
- *    before returning. A call's uploads from pinned memory go to the link
- *    together in one cudaMemcpyBatchAsync, except on the legacy default
- *    stream, which that function refuses: there they go one by one, which
- *    costs a few microseconds of link time per contiguous part.
+ *    before returning. Which streams, and what each costs:
+ *      - the legacy default stream (NULL, cudaStreamLegacy): every call works.
+ *        A call's uploads from pinned memory go one by one there, because
+ *        cudaMemcpyBatchAsync refuses that stream (a few microseconds of link
+ *        time per contiguous part); elsewhere they go together in one batch.
+ *        It cannot be captured into a graph (CUDA's rule), and while another
+ *        stream is being captured a call on it is treated as captured (no
+ *        class binding then). An engine that runs everything on it (ds4) gets
+ *        the batched uploads back by creating one blocking stream of its own
+ *        and passing that.
+ *      - cudaStreamPerThread and streams the caller created, blocking or
+ *        non-blocking: every call works, with batched uploads. A blocking
+ *        stream also waits for the legacy stream, as CUDA orders it; the
+ *        library orders its own work only by the streams it is given.
+ *      - the library's own copy stream (split selects' misses, prefetch
+ *        pieces) is non-blocking: the caller's stream waits for it only
+ *        through expcache_ready_wait_async and the cache's own events.
+ *    Calls on one cache from unordered streams must not touch the same
+ *    experts at once (each function says what stays valid until when).
  *  - Ownership: the library never frees caller memory, and it reads the
  *    caller's memory until expcache_destroy returns: the host expert bytes
  *    registered with a layer (pinned or pageable) must stay mapped, valid
