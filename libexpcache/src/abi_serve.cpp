@@ -141,9 +141,9 @@ expcache_status_t expcache_select_split_ids_async(expcache_t* cache, uint32_t la
         EXPCACHE_REQUIRE(out_ptrs, "out_ptrs is NULL");
         EXPCACHE_REQUIRE(out_resident, "out_resident is NULL");
         EXPCACHE_REQUIRE(out_ready, "out_ready is NULL");
-        std::vector<uint32_t> narrowed;
-        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, k, EXPCACHE_MAX_SELECT, "k", &narrowed));
-        return cache->impl->select_split(layer, narrowed.data(), k, stream, out_ptrs, out_resident, out_ready);
+        const uint32_t* narrowed = nullptr;
+        EXPCACHE_TRY(Cache::narrow_decode(layer, ids, id_bits, k, &narrowed, "k"));
+        return cache->impl->select_split(layer, narrowed, k, stream, out_ptrs, out_resident, out_ready);
     });
 }
 
@@ -152,9 +152,9 @@ expcache_status_t expcache_prefetch_ids_async(expcache_t* cache, uint32_t layer,
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(ids, "ids is NULL");
-        std::vector<uint32_t> narrowed;
-        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, n, EXPCACHE_MAX_SELECT, "n", &narrowed));
-        return cache->impl->prefetch(layer, narrowed.data(), n, stream, out_queued);
+        const uint32_t* narrowed = nullptr;
+        EXPCACHE_TRY(Cache::narrow_decode(layer, ids, id_bits, n, &narrowed, "n"));
+        return cache->impl->prefetch(layer, narrowed, n, stream, out_queued);
     });
 }
 
@@ -162,9 +162,9 @@ expcache_status_t expcache_hint_ids(expcache_t* cache, uint32_t layer, const voi
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(ids, "ids is NULL");
-        std::vector<uint32_t> narrowed;
-        EXPCACHE_TRY(Cache::narrow_ids(layer, ids, id_bits, n, EXPCACHE_MAX_SELECT, "n", &narrowed));
-        return cache->impl->hint(layer, narrowed.data(), n);
+        const uint32_t* narrowed = nullptr;
+        EXPCACHE_TRY(Cache::narrow_decode(layer, ids, id_bits, n, &narrowed, "n"));
+        return cache->impl->hint(layer, narrowed, n);
     });
 }
 

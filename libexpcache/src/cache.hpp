@@ -109,6 +109,10 @@ public:
     // count the call refuses.
     static expcache_status_t narrow_ids(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n, uint64_t max_n,
                                         const char* count_name, std::vector<uint32_t>* out);
+    // narrow_ids for a call of at most EXPCACHE_MAX_SELECT ids (a decode call's k, a prefetch's or
+    // hint's n), into the calling thread's buffer (*out): the hot path allocates nothing.
+    static expcache_status_t narrow_decode(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t k,
+                                           const uint32_t** out, const char* count_name = "k");
     // out_counts: 2 uint32 on the device (distinct experts, misses), or nullptr when not wanted.
     expcache_status_t select_device(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t n, uint32_t k,
                                     int32_t* out_slots, uint32_t* out_counts, void* stream);
@@ -264,10 +268,6 @@ private:
     // *out is the caller's own (a decode call's: its thread's buffer).
     static expcache_status_t narrow(uint32_t layer, const void* ids, uint32_t id_bits, uint64_t n,
                                     std::vector<uint32_t>* out);
-    // A decode call's k (1..EXPCACHE_MAX_SELECT) checked and its ids narrowed into the calling
-    // thread's buffer (*out).
-    static expcache_status_t narrow_decode(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t k,
-                                           const uint32_t** out);
     // The row of the slot (or staging or batch row) at `ptrs` in class c's bank.
     int32_t row_of(int32_t c, const expcache_expert_ptrs_t& ptrs) const;
 

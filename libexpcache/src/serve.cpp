@@ -32,11 +32,9 @@ expcache_status_t Cache::validate_request(uint32_t layer, const uint32_t* ids, u
 }
 
 expcache_status_t Cache::narrow_decode(uint32_t layer, const void* ids, uint32_t id_bits, uint32_t k,
-                                       const uint32_t** out) {
-    if (k == 0 || k > EXPCACHE_MAX_SELECT)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "k must be 1..%d, got %u", EXPCACHE_MAX_SELECT, k);
+                                       const uint32_t** out, const char* count_name) {
     thread_local std::vector<uint32_t> narrowed;  // at most EXPCACHE_MAX_SELECT: the hot path allocates nothing
-    expcache_status_t s = narrow(layer, ids, id_bits, k, &narrowed);
+    expcache_status_t s = narrow_ids(layer, ids, id_bits, k, EXPCACHE_MAX_SELECT, count_name, &narrowed);
     *out = narrowed.data();
     return s;
 }
