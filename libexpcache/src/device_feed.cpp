@@ -32,10 +32,10 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     if (s != EXPCACHE_OK) return s;
     d.feed_host = host;  // freed with the lookup, made or not
     std::memset(host, 0, box_bytes);
-    // The device's words, all zero: per piece of a row (watch, mirror), per row (fail_tag), the
+    // The device's words, all zero: per piece of a row (watch, mirror, mirror_delta), per row (fail_tag), the
     // failure count; per miss of a select (claim, completed, failed); done and failed_n.
     constexpr uint64_t pieces = uint64_t(kFeedRows) * 3 * kFeedPieces;
-    constexpr uint64_t wide = (2 * pieces + kFeedRows + 1) * sizeof(uint64_t);
+    constexpr uint64_t wide = (3 * pieces + kFeedRows + 1) * sizeof(uint64_t);
     constexpr uint64_t per_miss = EXPCACHE_MAX_SELECT * sizeof(uint32_t);
     constexpr uint64_t words = wide + 3 * per_miss + 2 * sizeof(uint32_t);
     void* state = nullptr;
@@ -46,7 +46,8 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     uint64_t* w64 = static_cast<uint64_t*>(state);
     f.watch = w64;
     f.mirror = w64 + pieces;
-    f.fail_tag = w64 + 2 * pieces;
+    f.mirror_delta = w64 + 2 * pieces;
+    f.fail_tag = w64 + 3 * pieces;
     f.failures = f.fail_tag + kFeedRows;
     unsigned char* w = static_cast<unsigned char*>(state) + wide;
     f.claim = reinterpret_cast<uint32_t*>(w);

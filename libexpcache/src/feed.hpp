@@ -4,9 +4,11 @@
 // each row is ready, through mapped memory only (kernels/feed_protocol.hpp has the protocol).
 //
 // One thread polls every class's mailbox; config.copy_threads threads (the staging ring's count)
-// read, each a piece of a miss at a time, so one expert is read by all of them at once. The poller spins while selects
-// come (a miss is seen within a microsecond or so) and sleeps between polls after kIdleSpin
-// without one: a select after a pause waits up to kIdleSleep for its first read to start.
+// read, each a piece of a miss at a time, so one expert is read by all of them at once. The
+// poller spins while selects come (a miss is seen within a microsecond or so) and sleeps between
+// polls after kIdleSpin without one: a select after a pause waits up to kIdleSleep for its first
+// read to start. The readers spin (yielding) for kIdleSpin after their last piece, then sleep
+// until the poller hands them more.
 #pragma once
 
 #include <atomic>
@@ -94,6 +96,7 @@ private:
     std::mutex mu_;  // jobs_, stop_
     std::condition_variable jobs_cv_, stop_cv_;
     std::deque<Job> jobs_;
+    std::atomic<size_t> queued_{0};  // jobs_.size(), for readers spinning without the lock
     bool stop_ = false;
     std::thread poller_;
     std::vector<std::thread> readers_;

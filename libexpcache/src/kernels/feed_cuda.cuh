@@ -41,9 +41,11 @@ __device__ inline void list(const DeviceFeed& f, uint32_t layer, uint32_t expert
 }
 
 // Thread 0 of a block needing piece q of part p in row r for the miss `tag`: its ready word (the
-// tag, kFeedFailed set when the read failed). The first block there polls it across the link
-// and mirrors it in device memory, where the others poll.
-__device__ inline uint64_t wait_piece(const DeviceFeed& f, uint32_t r, int p, uint32_t q, uint64_t tag) {
+// tag, kFeedFailed set when the read failed) and, in *delta, where its bytes start in its region.
+// The first block there polls the word across the link and mirrors both in device memory, where
+// the others poll, so each piece crosses the link for its words once.
+__device__ inline uint64_t wait_piece(const DeviceFeed& f, uint32_t r, int p, uint32_t q, uint64_t tag,
+                                      uint64_t* delta) {
     const uint32_t at = (r * 3 + p) * kFeedPieces + q;
     DevWide mirror(f.mirror[at]);
     if (atomicMax(reinterpret_cast<unsigned long long*>(f.watch + at), tag) < tag) {
@@ -57,11 +59,17 @@ __device__ inline uint64_t wait_piece(const DeviceFeed& f, uint32_t r, int p, ui
             }
             __nanosleep(256);
         }
+        // Written by the thread before the ready word it released, which was acquired.
+        *delta = found & kFeedFailed ? 0 : *static_cast<volatile const uint64_t*>(&f.box->delta[r][p][q]);
+        f.mirror_delta[at] = *delta;
         mirror.store(found, cuda::memory_order_release);
         return found;
     }
     uint64_t w;
     while (((w = mirror.load(cuda::memory_order_acquire)) & ~kFeedFailed) != tag) __nanosleep(64);
+    // Stored before the mirror, which was acquired; rewritten only for the row's next miss, after
+    // this one is consumed.
+    *delta = f.mirror_delta[at];
     return w;
 }
 
@@ -115,10 +123,7 @@ __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uin
             while (p < 2 && ch >= chunks[p]) ch -= chunks[p++];
             const uint64_t at = uint64_t(ch) * kFeedChunk;  // within the part
             const uint32_t q = static_cast<uint32_t>(at / f.piece);
-            if (tid == 0 && a.part_bytes[p]) {
-                ready_s = wait_piece(f, r, p, q, tag);
-                delta_s = *static_cast<volatile const uint64_t*>(&f.box->delta[r][p][q]);
-            }
+            if (tid == 0 && a.part_bytes[p]) ready_s = wait_piece(f, r, p, q, tag, &delta_s);
             __syncthreads();
             if (a.part_bytes[p] && !(ready_s & kFeedFailed)) {
                 const uint64_t n = a.part_bytes[p] - at < kFeedChunk ? a.part_bytes[p] - at : kFeedChunk;

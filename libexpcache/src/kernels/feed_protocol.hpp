@@ -16,8 +16,10 @@
 //      each chunk claimed by one block (DeviceFeed::claim), so no block waits for one that has
 //      not started; a chunk is copied as soon as its piece is ready, so the copy across the link
 //      runs while later pieces are read. The first block at a piece polls its `ready` word over
-//      the link; the others poll its mirror in device memory. The block that completes the last
-//      chunk of the miss stores `consumed[r]` = the tag: the row may be filled again.
+//      the link and mirrors it, with the piece's `delta`, in device memory, where the others poll
+//      (a read across the link per chunk made the copy of a ready row three times slower). The
+//      block that completes the last chunk of the miss stores `consumed[r]` = the tag: the row
+//      may be filled again.
 //   4. A miss with a failed piece (or one that waited kFeedTimeoutNs) is not all copied: the
 //      leader, once every miss of the select is done, frees its slot (the next select reads it
 //      again), gives its ids slot -1 and counts it (DeviceFeed::failures).
@@ -85,9 +87,10 @@ struct DeviceFeed {
     uint32_t* claim;
     uint32_t* completed;
     // Per row, part and piece (tags, never reset): the latest tag a block polls the box for, and
-    // the ready word it found (the mirror the other blocks poll).
+    // the ready word it found (the mirror the other blocks poll), with the piece's delta.
     uint64_t* watch;
     uint64_t* mirror;
+    uint64_t* mirror_delta;
     uint64_t* fail_tag;  // per row: the latest tag of a miss with a failed piece
     uint32_t* done;      // misses of the current select done (copied or failed)
     uint32_t* failed_n;  // of them failed, their slots in failed[]
