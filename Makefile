@@ -40,6 +40,17 @@ STUB_OBJ  = $(BUILD)/obj/backend/cuda_stub.o
 GENCODE   = $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
             -gencode arch=compute_$(lastword $(CUDA_ARCHS)),code=compute_$(lastword $(CUDA_ARCHS))
 
+# The CUDA runtime the CUDA library links: shared (the default, as ggml links it), so an engine
+# and the library share one runtime (one set of errors and streams, and the driver floor the
+# engine's), or static (no libcudart.so.13 needed at run time). The shared one is found through the
+# library's runpath: its own folder, the CUDA runtime wheels' folders next to an installed package
+# (nvidia/cu13/lib, nvidia/cuda_runtime/lib: the ones torch installs), then the toolkit it was
+# built with (nvcc's library folder, CUDA_LIBDIR).
+CUDART    ?= shared
+CUDA_LIBDIR ?= $(if $(NVCC),$(realpath $(shell $(NVCC) --dryrun -x cu /dev/null 2>&1 | sed -n 's/.*"-L\([^"]*\)".*/\1/p' | head -n 1)))
+CUDA_RUNPATH = '$$ORIGIN:$$ORIGIN/../nvidia/cu13/lib:$$ORIGIN/../nvidia/cuda_runtime/lib$(if $(CUDA_LIBDIR),:$(CUDA_LIBDIR))'
+CUDART_LINK_shared = -Xlinker -rpath,$(CUDA_RUNPATH)
+
 HOST_LIB  = $(BUILD)/libexpcache_host.so
 CUDA_LIB  = $(BUILD)/libexpcache.so
 REPLAY_LIB = $(BUILD)/libexpcache_replay.so
@@ -60,7 +71,7 @@ help:
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / asv-import-h200 / bench-quick: see benchmarks/README.md"
 	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
 	@echo "make clean   remove $(BUILD)/"
-	@echo "variables: PYTHON=$(PYTHON) JOBS=$(JOBS) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' BENCH_ARGS='...'"
+	@echo "variables: PYTHON=$(PYTHON) JOBS=$(JOBS) NVCC=$(NVCC) CUDA_ARCHS='$(CUDA_ARCHS)' CUDART=$(CUDART) BENCH_ARGS='...'"
 
 lib: $(LIBS) $(REPLAY_LIB)
 
@@ -82,7 +93,7 @@ $(HOST_LIB): $(CORE_OBJ) $(STUB_OBJ)
 	$(CXX) -shared -o $@ $^ -lpthread
 
 $(CUDA_LIB): $(CORE_OBJ) $(CUDA_OBJ)
-	$(NVCC) -shared -cudart static -o $@ $^ -lpthread
+	$(NVCC) -shared -cudart $(CUDART) $(CUDART_LINK_$(CUDART)) -o $@ $^ -lpthread
 
 SELECT_BIN = $(BUILD)/select_overhead
 $(SELECT_BIN): benchmarks/c/select_overhead.c $(LIBS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 from ctypes import POINTER, c_char_p, c_int32, c_uint32, c_uint64, c_void_p
 
 from . import _loader
@@ -563,6 +564,15 @@ def _load() -> None:
         if "lib" in globals():
             return
         dll, path = _loader.load()
+        if _loader.skipped and path.name == "libexpcache_host.so":
+            warnings.warn(
+                f"libexpcache: loaded {path}; the CUDA backend is unavailable because "
+                + "; ".join(_loader.skipped)
+                + " (the CUDA build links the shared CUDA runtime: install the toolkit, or torch's "
+                "nvidia-cuda-runtime wheel, or build with `make lib CUDART=static`)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         _declare(dll)
         check_struct_sizes(dll, path)
         POLICIES = policy_table(dll)

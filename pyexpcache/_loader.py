@@ -25,6 +25,11 @@ def candidate_paths() -> list[Path]:
     return [folder / name for folder in folders for name in _NAMES]
 
 
+#: The libraries that were found but did not load before the one that did, with the reason
+#: (the CUDA build without the CUDA runtime it links, libcudart.so.13, for one).
+skipped: list[str] = []
+
+
 def load() -> tuple[ctypes.CDLL, Path]:
     """Load the first library that exists and loads; raise OSError naming every attempt."""
     tried = []
@@ -33,9 +38,12 @@ def load() -> tuple[ctypes.CDLL, Path]:
             tried.append(f"{path}: not found")
             continue
         try:
-            return ctypes.CDLL(str(path)), path  # RTLD_LOCAL: nothing else resolves against it
+            dll = ctypes.CDLL(str(path))  # RTLD_LOCAL: nothing else resolves against it
         except OSError as exc:
             tried.append(f"{path}: {exc}")
+            skipped.append(f"{path}: {exc}")
+            continue
+        return dll, path
     raise OSError(
         "libexpcache not found; build it with `make lib` in the source tree or set "
         "EXPCACHE_LIBRARY. Tried:\n  " + "\n  ".join(tried)

@@ -1468,6 +1468,34 @@ def test_host_only_library_serves(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_cuda_build_that_cannot_load_falls_back_with_the_reason(tmp_path):
+    """A CUDA build that does not load (here: not a library at all, as one whose libcudart.so.13
+    is missing) leaves the host-only library in use, and the warning says why."""
+    from pyexpcache._loader import candidate_paths
+
+    host = [p for p in candidate_paths() if p.name == "libexpcache_host.so" and p.exists()]
+    if not host:
+        pytest.skip("libexpcache_host.so not built")
+    broken = tmp_path / "libexpcache.so"
+    broken.write_bytes(b"not an ELF file")
+    code = (
+        "import warnings\n"
+        "from pathlib import Path\n"
+        "import pyexpcache._loader as loader\n"
+        f"loader.candidate_paths = lambda: [Path({str(broken)!r}), Path({str(host[0])!r})]\n"
+        "from pyexpcache import _lib\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    path = _lib.library_path\n"
+        "assert path.name == 'libexpcache_host.so', path\n"
+        "msg = ' '.join(str(x.message) for x in w)\n"
+        f"assert 'CUDA backend is unavailable' in msg and {str(broken)!r} in msg, msg\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def test_limits_match_the_header():
     """pyexpcache._lib's copies of expcache.h's limits (layouts are checked against them)."""
     import re
