@@ -9,9 +9,10 @@
 # 8 files, and every step writes one or two):
 #   build tests select_overhead memcheck racecheck copy_methods transfer staging_sweep
 #   decode_pinned decode_no_layer_sync decode_pageable prefill_turns
-#   device_lookup device_feed graph_loop graph_loop_pageable torch_graph (serving from the GPU: its
-#   tests and the feed's, the graph loop on the bundled traces from pinned and from pageable
-#   memory, the torch step of a Qwen3-30B-A3B-like model at two budgets)
+#   device_lookup device_feed graph_loop graph_loop_pageable graph_loop_file graph_loop_mmap
+#   torch_graph (serving from the GPU: its tests and the feed's, the graph loop on the bundled
+#   traces from pinned and from pageable memory and from a file read with O_DIRECT and mapped, the
+#   torch step of a Qwen3-30B-A3B-like model at two budgets)
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
 #   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
 #   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
@@ -63,6 +64,13 @@ run_step() {
     graph_loop_pageable) step graph_loop_pageable 420 python3 -m expcache_bench bench graph --quiet --source pageable \
         --json "$DIR/graph_loop_pageable.json" ;;
     graph_loop) step graph_loop 420 python3 -m expcache_bench bench graph --quiet --json "$DIR/graph_loop.json" ;;
+    # A model streamed from SSD: the generated experts of layers 33-42 (27 GiB, q2 and q4; the disk has
+    # 64 GiB) in a file, read with O_DIRECT, then mapped; both loops from the file at the full model's
+    # 12 GiB share, the disk's rate measured in the run. One step per device call (each about 3-6 minutes).
+    graph_loop_file) step graph_loop_file 570 python3 -m expcache_bench bench graph --quiet --source file \
+        --layers 33-42 --budget-fraction 0.15 --json "$DIR/graph_loop_file.json" ;;
+    graph_loop_mmap) step graph_loop_mmap 570 python3 -m expcache_bench bench graph --quiet --source mmap \
+        --layers 33-42 --budget-fraction 0.15 --json "$DIR/graph_loop_mmap.json" ;;
     # 16 layers x 128 experts, top-8, hidden 2048, expert FFN 768, bf16: a budget that holds every expert
     # (the working set), then a quarter of them.
     torch_graph) step torch_graph 300 bash -c 'for f in 1.0 0.25; do python3 examples/torch_moe_decode.py \

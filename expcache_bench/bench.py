@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import sys
 import threading
@@ -15,17 +16,22 @@ import numpy as np
 
 from pyexpcache import _cuda, _lib
 from pyexpcache.budget import class_info, unscaled
-from pyexpcache.cache import ExpertCache
+from pyexpcache.cache import ExpertCache, staging_defaults
 from pyexpcache.layout import GiB, ModelLayout
 from pyexpcache.progress import Progress
-from pyexpcache.source import HostSource
+from pyexpcache.source import HostSource, LayerPlacement
 
 from . import (
+    disk,
+    file_source,
     link,
     replay as _replay,  # the C loop's declarations (Bench.replay is a method)
 )
 from .budget import scaled_budget
+from .disk import Disk
+from .file_source import SOURCES, FileSource
 from .link import Link
+from .options import host_memory_available
 from .report import made_by
 from .workload import Workload
 
@@ -78,7 +84,14 @@ def resolve_backend(backend: str = "auto", device: int = 0) -> str:
 
 
 class Bench:
-    """Holds what every mode shares: layout, source, stream, expected checksums."""
+    """Holds what every mode shares: layout, source, stream, expected checksums.
+
+    The source: ``source`` (an open source, e.g. a :class:`~pyexpcache.gguf.GGUFSource`), else the
+    generated experts of ``layout`` in the memory or file ``kind`` names (one of
+    :data:`~expcache_bench.file_source.SOURCES`; default: pinned memory where ``pinned`` is true,
+    by default on CUDA, else pageable), in the ``placement`` arrangement; a file source's file is
+    written in ``file_dir`` (default: a temporary folder) and read as the cache option
+    ``file_reads`` says."""
 
     def __init__(
         self,
@@ -91,6 +104,8 @@ class Bench:
         progress: Optional[Progress] = None,
         device: int = 0,
         source=None,
+        kind: Optional[str] = None,
+        file_dir: Optional[str] = None,
         placement: str = "expert",
         layer_sync: bool = True,
         cache_options: Optional[dict] = None,
@@ -116,21 +131,37 @@ class Bench:
         if not self.is_cuda:
             # A host "upload" is one memcpy: no link for staging threads to overlap with.
             self.cache_options.setdefault("copy_threads", 0)
+        if kind is not None and kind not in SOURCES:
+            raise ValueError(f"kind must be one of {', '.join(SOURCES)}, got {kind!r}")
         if source is not None:
             self.pinned = source.pinned
+        elif kind is not None:
+            self.pinned = kind == "pinned"
         else:
             # Pinned on the host backend: emulated where no CUDA device is (HostSource), as a device
             # select's source must be on either backend.
             self.pinned = self.is_cuda if pinned is None else pinned
         self.stream = self._make_stream()
-        if source is None:
+        if source is None and kind in file_source.READS:
+
+            def write(done, total):
+                self.progress("writing the file source, MiB", done >> 20, total >> 20)
+
+            source = FileSource(layout, reads=kind, arrangement=placement, directory=file_dir, progress=write)
+        elif source is None:
 
             def fill(done, total):
                 self.progress(f"filling {'pinned' if self.pinned else 'pageable'} source", done, total)
 
             source = HostSource(layout, pinned=self.pinned, arrangement=placement, progress=fill)
         self.source = source
+        if getattr(source, "path", None):  # a file: mapped, or read with pread
+            self.kind = "file" if source.file_path else "mmap"
+        else:
+            self.kind = "pinned" if self.pinned else "pageable"
         self.placement = getattr(source, "arrangement", "tensor (GGUF file)")
+        # What the page cache could hold of a file source when the run began (it changes as it runs).
+        self.memory_available = host_memory_available() if self.kind in file_source.READS else None
         self.expected = np.zeros((layout.num_layers, max(s.num_experts for s in layout.layers if s)), np.uint64)
         for layer in layout.moe_layers:
             for e in range(layout[layer].num_experts):
@@ -171,7 +202,8 @@ class Bench:
             backend="cuda" if self.is_cuda else "host",
             device=self.device_name(),
             layout=self.layout.name,
-            source="pinned" if self.pinned else "pageable",
+            source=self.kind,
+            source_file=self.file_header(),
             placement=self.placement,
             budget_bytes=self.budget_bytes,
             budget_fraction=self.full_budget_bytes / self.full_layout.total_bytes,
@@ -202,12 +234,77 @@ class Bench:
             stream=self.stream if device == self.device else None,
         )
 
+    # -- a source in a file ------------------------------------------------------
+    def _file_layers(self) -> list[tuple[LayerPlacement, int]]:
+        """Per MoE layer of a file source: where its parts are in the file (offsets) and its
+        expert count."""
+        layers = self.layout.moe_layers
+        if isinstance(self.source, FileSource):
+            places = [self.source.file_placements[i] for i in layers]
+        else:  # a GGUF file
+            places = [LayerPlacement(r.offsets, r.strides, r.sizes) for r in (self.source.records[i] for i in layers)]
+        return [(p, self.layout[i].num_experts) for p, i in zip(places, layers)]
+
+    @property
+    def file_reads(self) -> str:
+        """How a file source's misses read it: ``"mmap"``, ``"buffered"``, ``"direct"`` or
+        ``"direct refused"`` (O_DIRECT asked for, refused by the file system: buffered reads)."""
+        if self.kind == "mmap":
+            return "mmap"
+        if self.cache_options.get("file_reads", "buffered") != "direct":
+            return "buffered"
+        return "direct" if disk.direct_allowed(self.source.path) else "direct refused"
+
+    def file_header(self) -> Optional[dict]:
+        """A file source's :attr:`~expcache_bench.report.Report.source_file`: its path and bytes,
+        how misses read it, the memory the page cache could take when the run began, and whether
+        the bench drops its pages before each cache (a file it wrote); None for a source in memory."""
+        if self.kind not in file_source.READS:
+            return None
+        return dict(
+            path=self.source.path,
+            bytes=os.path.getsize(self.source.path),
+            reads=self.file_reads,
+            memory_available=self.memory_available,
+            dropped=isinstance(self.source, FileSource),
+        )
+
+    def measure_disk(self) -> Optional[Disk]:
+        """A file source's read rate, measured now (:func:`~expcache_bench.disk.measure`: O_DIRECT
+        reads of random experts of its file, one reader per copy thread of the caches); None for a
+        source in memory."""
+        if self.kind not in file_source.READS:
+            return None
+        threads = self.cache_options.get("copy_threads") or staging_defaults()[0]
+        return disk.measure(self.source.path, self._file_layers(), threads=threads)
+
+    def measure_bounds(self) -> dict:
+        """The link (:meth:`measure_link`) and a file source's disk (:meth:`measure_disk`), measured
+        now, as the :class:`~expcache_bench.report.Report` fields that hold them (a bound is taken
+        at the lower: :func:`~expcache_bench.report.bound`)."""
+        measured = self.measure_link()
+        found = self.measure_disk()
+        return dict(
+            link_bytes_per_s=measured.bytes_per_s,
+            link_label=measured.label,
+            disk_bytes_per_s=found.bytes_per_s if found else None,
+            disk_label=found.label if found else None,
+        )
+
+    def page_cache_fraction(self) -> Optional[float]:
+        """The share of a file source's file in the page cache now; None for a source in memory,
+        or where it cannot be read (a file the bench did not write)."""
+        return self.source.page_cache_fraction() if isinstance(self.source, FileSource) else None
+
     # -- variants --------------------------------------------------------------
     def make_cache(self, **kwargs) -> ExpertCache:
         """A new :class:`~pyexpcache.ExpertCache` over the bench's layout and source, on its backend
         and device, with the bench's reserve unless ``reserve_bytes`` is given; ``kwargs`` go to
         ExpertCache (the log level defaults to notices; ``max_classes`` to ExpertCache's, every size
-        class of the layout)."""
+        class of the layout). A file the bench wrote is dropped from the page cache first, so each
+        cache starts from the disk."""
+        if isinstance(self.source, FileSource):
+            self.source.drop_page_cache()
         kwargs.setdefault("log_level", _lib.LOG_NOTICE)
         if self.reserve_bytes is not None:
             kwargs.setdefault("reserve_bytes", self.reserve_bytes)

@@ -28,7 +28,7 @@ from pyexpcache.gguf import GGUFSource, inspect_table
 from pyexpcache.layout import FIRST_ROUTED_LAYER, GiB
 from pyexpcache.progress import Progress
 
-from . import bench, modes, options
+from . import bench, file_source, modes, options
 from .modes import format_report
 from .options import NotAvailable, UsageError
 from .traces import check_layout
@@ -173,6 +173,8 @@ def _check_shared(args) -> None:
             f"{'--backend cuda' if args.backend == 'cuda' else '--source pinned'} needs cuda-python",
             "cuda",
         )
+    if options.SOURCE in taken:
+        _check_file_options(args)
     if options.GGUF in taken and args.gguf:
         options.need(options.has_module("gguf"), "--gguf needs the gguf package", "gguf")
         if not os.path.isfile(args.gguf):
@@ -196,6 +198,25 @@ def _check_shared(args) -> None:
     for option, keyword in options.CACHE_SETTINGS:
         if option in taken and getattr(args, option.dest) is not None:
             options.check_cache_setting(option.flags[0], keyword, getattr(args, option.dest))
+
+
+def _check_file_options(args) -> None:
+    """--source mmap|file, --file-dir and --file-reads: each where it applies."""
+    from_file = args.source in file_source.READS
+    if from_file and args.gguf:
+        raise UsageError(
+            f"--source {args.source} serves the generated experts from a file; --gguf serves its own file "
+            "(--gguf-reads mmap or file): drop one"
+        )
+    if options.FILE_DIR.given(args):
+        if not from_file:
+            raise UsageError("--file-dir is where a file source is written: give --source mmap or file")
+        if not os.path.isdir(args.file_dir):
+            raise UsageError(f"--file-dir {args.file_dir}: no such folder")
+    if options.FILE_READS.given(args) and args.source != "file" and not (args.gguf and args.gguf_reads == "file"):
+        raise UsageError(
+            f"--file-reads {args.file_reads} applies to reads of a file: --source file, or --gguf-reads file"
+        )
 
 
 def _check_traces(args) -> None:
@@ -223,13 +244,16 @@ def _check_traces(args) -> None:
 
 
 def _bench_host_bytes(args, mode, layout, backend: str, budget: int) -> int:
-    """Host memory a bench run with the generated source holds at its peak: the source and, on
-    the host backend, the emulated device memory (what the mode's caches hold at once; never
-    more than one more copy of the source)."""
+    """Host memory a bench run with the generated source holds at its peak: the source (a file
+    source: one layer's experts, written one layer at a time) and, on the host backend, the
+    emulated device memory (what the mode's caches hold at once; never more than one more copy of
+    the source)."""
     source = layout.total_bytes
+    one_layer = max(spec.num_experts * spec.expert_bytes for spec in layout.layers if spec)
+    held = one_layer if args.source in file_source.READS else source
     if backend == "cuda":
-        return source
-    return source + min(mode.device_bytes(args, budget, source), source)
+        return held
+    return held + min(mode.device_bytes(args, budget, source), source)
 
 
 def _check_bench_memory(args, mode, backend: str, scale: int) -> None:
@@ -291,6 +315,14 @@ def _open_bench(args, mode):
     else:
         _check_bench_memory(args, mode, backend, scale)
         layout = options.generated_layout(args, scale)
+        if args.source in file_source.READS:
+            try:  # before anything is written
+                file_source.check_space(args.file_dir, file_source.file_bytes(layout, args.placement))
+            except file_source.NotEnoughSpace as exc:
+                raise UsageError(
+                    f"--source {args.source}: {exc}: give --file-dir on a disk with room, fewer --layers or a "
+                    "larger --scale"
+                ) from None
     pinned = getattr(mode, "PINNED_SOURCE", None) if args.source is None else args.source == "pinned"
     reserve = None if args.reserve_gib is None else int(args.reserve_gib * GiB)
     if backend == "host":
@@ -308,6 +340,8 @@ def _open_bench(args, mode):
         progress=Progress(False if args.quiet else None),
         device=args.device,
         source=source,
+        kind=args.source,
+        file_dir=args.file_dir,
         placement=args.placement,
         layer_sync=not getattr(args, "no_layer_sync", False),
         cache_options=options.cache_options(args),

@@ -68,10 +68,12 @@ def measure(
     size) from pinned memory, the source's own when it is pinned, else a pinned buffer made for
     the measurement, whatever the source kind: a link bound is what the link allows. ``stream``:
     a stream of ``device`` to copy on (default: one made for the measurement); the current device
-    is the same afterwards. Without ``cuda``, :func:`host_copy_rate` of the source's first bytes."""
+    is the same afterwards. Without ``cuda``, :func:`host_copy_rate` of the source's first bytes
+    (of memory made for the measurement where the source is a file: the link is from memory)."""
     chunk = min(chunk_bytes, source.nbytes)
     if not cuda:
-        return Link(host_copy_rate(source.buffer[:chunk], repeats), "host memcpy (emulated link)")
+        memory = source.buffer[:chunk] if getattr(source, "path", None) is None else np.ones(chunk, np.uint8)
+        return Link(host_copy_rate(memory, repeats), "host memcpy (emulated link)")
     rt = _cuda.runtime()
     current = _cuda.check(rt.cudaGetDevice(), "cudaGetDevice")
     _cuda.check(rt.cudaSetDevice(device), "cudaSetDevice")

@@ -32,6 +32,7 @@ from pyexpcache.layout import (
 )
 from pyexpcache.source import HostSource
 
+from .file_source import SOURCES
 from .traces.synthetic import is_deepseek_v4_flash_shaped
 from .workload import DEFAULT_TRACES, decode_trace
 
@@ -477,9 +478,19 @@ BACKEND = Option(
 DEVICE = Option("--device", type=whole(0), default=0, help="CUDA device ordinal (default 0)")
 SOURCE = Option(
     "--source",
-    choices=("pinned", "pageable"),
+    choices=SOURCES,
     default=None,
-    help="host memory of the experts (default: pinned on the GPU, pageable on the host)",
+    help="where the generated experts are served from: pinned or pageable host memory, or a file written "
+    "with them in --file-dir (as a model streamed from SSD), mapped (mmap) or read with pread (file: "
+    "--file-reads); the run then also measures the disk's read rate (default: pinned on the GPU, "
+    "pageable on the host)",
+)
+FILE_DIR = Option(
+    "--file-dir",
+    default=None,
+    metavar="DIR",
+    help="folder for the file a file source's experts are written to, removed after the run; it needs "
+    "room for them (default: the system's temporary folder)",
 )
 PLACEMENT = Option(
     "--placement",
@@ -524,9 +535,10 @@ PREFETCH_PIECE = Option(
 )
 FILE_READS = Option(
     "--file-reads",
-    choices=("buffered", "direct"),
-    default="buffered",
-    help="with --gguf-reads file: through the page cache (default) or O_DIRECT",
+    choices=("direct", "buffered"),
+    default="direct",
+    help="how misses read a file (--source file, --gguf-reads file): with O_DIRECT, from the disk "
+    "(default), or buffered, through the page cache",
 )
 LAYER_COMPUTE_US = Option(
     "--layer-compute-us",
@@ -563,6 +575,7 @@ BENCH = (
     BACKEND,
     DEVICE,
     SOURCE,
+    FILE_DIR,
     PLACEMENT,
     LAYERS,
     SCALE,

@@ -40,7 +40,7 @@ class Report:
     backend: Optional[str] = None  # "host" or "cuda"; None where nothing ran on a backend (a simulator)
     device: Optional[str] = None  # the device's name
     layout: Optional[str] = None
-    source: Optional[str] = None  # "pinned" or "pageable" host memory
+    source: Optional[str] = None  # "pinned" or "pageable" host memory, or a file: "mmap" or "file" (bench.SOURCES)
     placement: Optional[str] = None  # where an expert's parts lie in the source
     budget_bytes: Optional[int] = None  # the cache budget (per device where there are several)
     budget_fraction: Optional[float] = None  # the full-size budget over the bytes of every expert of the model
@@ -51,6 +51,11 @@ class Report:
     traces: list[str] = field(default_factory=list)
     link_bytes_per_s: Optional[float] = None  # the link measured in the run (expcache_bench.link)
     link_label: Optional[str] = None
+    # A source in a file: its read rate measured in the run (expcache_bench.disk), and what the run
+    # read it with and what the page cache could hold of it (Bench.file_header).
+    disk_bytes_per_s: Optional[float] = None
+    disk_label: Optional[str] = None
+    source_file: Optional[dict] = None
     settings: dict = field(default_factory=dict)  # the mode's own; in the JSON beside the header's fields
     results: list = field(default_factory=list)  # the mode's rows (dataclasses)
     skipped: list[str] = field(default_factory=list)  # what the mode could not run here, and why
@@ -65,6 +70,12 @@ class Report:
         """Experts served with bytes that differ from the source, over every row."""
         return sum(getattr(r, "checksum_errors", 0) for r in self.results)
 
+    @property
+    def bound_by(self) -> str:
+        """What the bounds of the report's rows are taken at: ``"link"``, or ``"disk"`` where a file
+        source's measured read rate is below the link's (:func:`bound`)."""
+        return bound(self.link_bytes_per_s, self.disk_bytes_per_s)[1]
+
     def to_json(self) -> dict:
         """The report as a JSON-ready dict: the header's fields, the settings beside them, and each
         row's fields with the figures its class derives from them (its ``DERIVED`` properties)."""
@@ -78,6 +89,15 @@ class Report:
         ordered.update(settings)
         ordered.update((k, out[k]) for k in keys[at:])
         return ordered
+
+
+def bound(link_bytes_per_s: Optional[float], disk_bytes_per_s: Optional[float] = None) -> tuple[float, str]:
+    """The rate a bound is taken at, and what sets it: the link, or the disk where a file source's
+    read rate (measured) is lower; misses reach the device at most as fast as the slower of the
+    two gives them. ``(0.0, "link")`` when neither was measured."""
+    if disk_bytes_per_s and (not link_bytes_per_s or disk_bytes_per_s < link_bytes_per_s):
+        return disk_bytes_per_s, "disk"
+    return link_bytes_per_s or 0.0, "link"
 
 
 def made_by() -> dict:
@@ -155,11 +175,43 @@ def header_lines(report: Report) -> list[str]:
         how.append(f"times {'host-emulated' if report.backend == 'host' else 'measured on the GPU'}")
     if report.link_bytes_per_s:
         how.append(f"link {report.link_bytes_per_s / 1e9:.1f} GB/s ({report.link_label})")
+    if report.disk_bytes_per_s:
+        how.append(
+            f"disk {report.disk_bytes_per_s / 1e9:.1f} GB/s ({report.disk_label}): the bounds are the "
+            f"{report.bound_by}'s, the lower"
+        )
     if how:
         lines.append("; ".join(how))
+    if report.source_file:
+        lines.append(file_line(report.source_file))
     if report.traces:
         lines.append(f"traces {', '.join(report.traces)}")
     return lines
+
+
+def file_line(f: dict) -> str:
+    """A file source's line in the header: the file, how misses read it, and what the page cache
+    could hold of it (the fields :meth:`~expcache_bench.bench.Bench.file_header` gives)."""
+    reads = {
+        "mmap": "misses copied from a mapping of it (through the page cache)",
+        "buffered": "misses read with pread through the page cache (--file-reads buffered)",
+        "direct": "misses read with O_DIRECT (the page cache bypassed: every miss reads the disk)",
+        "direct refused": "misses read with pread through the page cache (the file system refuses O_DIRECT)",
+    }[f["reads"]]
+    line = f"file {f['path']} ({_bytes(f['bytes'])}): {reads}"
+    if f["reads"] == "direct":
+        return line
+    available = f.get("memory_available")
+    if available is None:
+        return line + "; whether the page cache can hold it is not known here"
+    if f["bytes"] <= available:
+        return (
+            line
+            + f"; it fits in the page cache ({_bytes(available)} of memory available): "
+            + ("the bench drops it before each loop, but " if f.get("dropped") else "")
+            + "an expert read once may stay there, so a loop can pass the disk bound"
+        )
+    return line + f"; it does not fit in the page cache ({_bytes(available)} of memory available)"
 
 
 #: Marks, in a table, a share of a link bound above 100 %; :func:`table_notes` says why under it.
@@ -194,8 +246,12 @@ def table_notes(report: Report, table: str) -> list[str]:
             + (
                 "the emulated link (a memcpy rate measured once, on one expert's bytes, before the run) is no bound on "
                 "the host backend's copies"
+                + (", nor the disk rate measured on its small file" if report.bound_by == "disk" else "")
                 if host
                 else "the run moved its misses faster than the link measured before it"
+                if report.bound_by == "link"
+                else "the run read its misses faster than the disk measured before it"
+                + ("" if (report.source_file or {}).get("reads") == "direct" else " (the page cache served some)")
             )
         )
     return notes

@@ -185,6 +185,30 @@ class LayerPlacement:
     sizes: tuple[int, int, int]
 
 
+def plan(layout: ModelLayout, arrangement: str) -> tuple[list, int]:
+    """Where :class:`HostSource` puts each layer's parts in its buffer: per layer, the offsets of
+    expert 0's parts and their strides (zeros for a dense layer), and the buffer's bytes. A layer's
+    parts lie in one range that starts 256-byte aligned, after the previous layer's."""
+    offsets, pos = [], 0
+    for spec in layout.layers:
+        if spec is None:
+            offsets.append(((0, 0, 0), (0, 0, 0)))
+            continue
+        sizes = spec.class_key
+        if arrangement == "tensor":
+            offs = []
+            for b in sizes:
+                offs.append(pos)
+                pos = _align(pos + b * spec.num_experts)
+            offsets.append((tuple(offs), sizes))
+        else:
+            part_off = (0, _align(sizes[0]), _align(sizes[0]) + _align(sizes[1]))
+            stride = part_off[2] + _align(sizes[2])
+            offsets.append((tuple(pos + o for o in part_off), (stride,) * 3))
+            pos += stride * spec.num_experts
+    return offsets, max(pos, 1)
+
+
 class HostSource(BufferSource):
     """Host memory with every expert of ``layout``.
 
@@ -218,7 +242,7 @@ class HostSource(BufferSource):
         self.pinned = pinned
         self.arrangement = arrangement
         self._pinned_ptr = None
-        offsets, total = self._plan()
+        offsets, total = plan(layout, arrangement)
         #: True where ``pinned=True`` could not use CUDA: page-locking emulated for the host backend.
         self.pinned_emulated = bool(pinned) and _cuda.device_count() == 0
         if pinned and not self.pinned_emulated:
@@ -243,26 +267,6 @@ class HostSource(BufferSource):
         ]
         self._fill(progress)
         self._track()
-
-    def _plan(self):
-        offsets, pos = [], 0
-        for spec in self.layout.layers:
-            if spec is None:
-                offsets.append(((0, 0, 0), (0, 0, 0)))
-                continue
-            sizes = spec.class_key
-            if self.arrangement == "tensor":
-                offs = []
-                for b in sizes:
-                    offs.append(pos)
-                    pos = _align(pos + b * spec.num_experts)
-                offsets.append((tuple(offs), sizes))
-            else:
-                part_off = (0, _align(sizes[0]), _align(sizes[0]) + _align(sizes[1]))
-                stride = part_off[2] + _align(sizes[2])
-                offsets.append((tuple(pos + o for o in part_off), (stride,) * 3))
-                pos += stride * spec.num_experts
-        return offsets, max(pos, 1)
 
     def _fill(self, progress):
         total = self.layout.total_bytes

@@ -5,12 +5,12 @@ The traces' ids are put on the device once, as a router would leave them; before
 device-to-device copy puts the token's ids ([layers, k] int32) where the graph reads them. The
 step, per layer: ``compute_us`` of non-expert work (the library's spin kernel), the device-side
 select (``ExpertCache.select_device``: lookup, the policy's update and victims, the misses' copies
-by the select's kernel, from the pinned source it maps or, with ``--source pageable``, from the
-rows the library's feed threads read the misses into, the counters) and one kernel reading
-every routed expert through the
-bank by slot id (``expcache_testing_bank_checksum_async``, the memory-bound floor of the expert
-GEMVs, whose sums are checked against the source after each token, outside the timing). A token's
-time runs from its ids' copy to the end of a synchronize after the replay.
+by the select's kernel, from the pinned source it maps or, with ``--source pageable``, ``mmap``
+or ``file`` (or ``--gguf``), from the rows the library's feed threads read the misses into, the
+counters) and one kernel reading every routed expert through the bank by slot id
+(``expcache_testing_bank_checksum_async``, the memory-bound floor of the expert GEMVs, whose sums
+are checked against the source after each token, outside the timing). A token's time runs from
+its ids' copy to the end of a synchronize after the replay.
 
 A trace may lack records (a token not logged at some layer, traces of different layers): a
 missing (token, layer) record is no select, as in the C loop. The step is then one per set of
@@ -24,6 +24,11 @@ default (duel) unless one is given; the device lookup runs it with the host's ru
 loops' hit counts are equal (the report says whether they are). Then the time of an all-hit
 ``select_device`` per layer, in a graph of one select per layer replayed many times: of one
 token's ids, and of ``ALL_HIT_IDS`` (8) distinct ids per layer, those routed last.
+
+Each loop's bound is its timed tokens' miss bytes at the link's rate, plus their non-expert work;
+from a file the disk's read rate is measured too (:mod:`~expcache_bench.disk`) and the bound is
+taken at the lower of the two (the table says which). The bench drops a file it wrote from the
+page cache before each loop, and the report gives the share of it the page cache held after.
 
 On the host backend the same loop runs without capture (its "device" memory is host memory).
 """
@@ -46,7 +51,7 @@ from pyexpcache.views import TensorView
 
 from .. import options, replay as _replay
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT
-from ..report import DecodeRate, HitRate, Report, share, timed
+from ..report import DecodeRate, HitRate, Report, bound, share, timed
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 from .torch_loop import LOOP
 
@@ -80,9 +85,11 @@ class GraphLoopResult(DecodeRate, HitRate):
     misses: int = 0
     bytes_h2d: int = 0  # of the timed tokens
     link_bytes_per_s: float = 0.0
+    disk_bytes_per_s: float = 0.0  # a file source's read rate (0: a source in memory)
     compute_seconds: float = 0.0  # the non-expert work the timed tokens contain
     checksum_errors: int = 0
     experts_checked: int = 0
+    page_cache_after: Optional[float] = None  # a file source: the share of its file in the page cache after the loop
 
     DERIVED: ClassVar[tuple[str, ...]] = (
         "tokens_per_s",
@@ -90,6 +97,9 @@ class GraphLoopResult(DecodeRate, HitRate):
         "misses_per_token",
         "link_bound_tokens_per_s",
         "of_link_bound",
+        "bound_by",
+        "bound_tokens_per_s",
+        "of_bound",
     )
     # Hits and misses count every token served; times, bytes and the bound the timed ones.
 
@@ -97,19 +107,39 @@ class GraphLoopResult(DecodeRate, HitRate):
     def misses_per_token(self) -> float:
         return self.misses / self.served_tokens if self.served_tokens else 0.0
 
+    def _bound_at(self, bytes_per_s: float) -> float:
+        """Tokens/s if each token took only its misses' bytes at ``bytes_per_s``, plus its
+        non-expert work."""
+        if not self.decode_tokens or not bytes_per_s:
+            return 0.0
+        seconds = self.bytes_h2d / bytes_per_s + self.compute_seconds
+        return self.decode_tokens / seconds if seconds else 0.0
+
     @property
     def link_bound_tokens_per_s(self) -> float:
-        """Tokens/s if each token took only its misses' bytes at the measured link rate, plus its
-        non-expert work."""
-        if not self.decode_tokens or not self.link_bytes_per_s:
-            return 0.0
-        seconds = self.bytes_h2d / self.link_bytes_per_s + self.compute_seconds
-        return self.decode_tokens / seconds if seconds else 0.0
+        """The bound at the measured link rate."""
+        return self._bound_at(self.link_bytes_per_s)
 
     @property
     def of_link_bound(self) -> float:
         bound = self.link_bound_tokens_per_s
         return self.tokens_per_s / bound if bound else 0.0
+
+    @property
+    def bound_by(self) -> str:
+        """What binds: ``"link"``, or ``"disk"`` where a file source reads slower than the link."""
+        return bound(self.link_bytes_per_s, self.disk_bytes_per_s)[1]
+
+    @property
+    def bound_tokens_per_s(self) -> float:
+        """The bound at the lower of the link's and the disk's rates (the link's for a source in
+        memory)."""
+        return self._bound_at(bound(self.link_bytes_per_s, self.disk_bytes_per_s)[0])
+
+    @property
+    def of_bound(self) -> float:
+        limit = self.bound_tokens_per_s
+        return self.tokens_per_s / limit if limit else 0.0
 
 
 def _steps(bench, loaded) -> tuple[np.ndarray, list[int]]:
@@ -235,7 +265,7 @@ def _sync(bench) -> None:
         _cuda.check(_cuda.runtime().cudaStreamSynchronize(bench.stream), "cudaStreamSynchronize")
 
 
-def _c_loop(bench, workload, compute_ns: int, link: float, policy: str) -> GraphLoopResult:
+def _c_loop(bench, workload, compute_ns: int, link: float, disk: float, policy: str) -> GraphLoopResult:
     """The C loop with the host select, the same policy and non-expert work per layer."""
 
     options_ = _replay.ReplayOptions()
@@ -253,9 +283,11 @@ def _c_loop(bench, workload, compute_ns: int, link: float, policy: str) -> Graph
         misses=decode.misses,
         bytes_h2d=out.decode_bytes_h2d,
         link_bytes_per_s=link,
+        disk_bytes_per_s=disk,
         compute_seconds=len(workload.calls) * compute_ns * 1e-9,
         checksum_errors=out.checksum_errors,
         experts_checked=out.experts_checked,
+        page_cache_after=bench.page_cache_fraction(),
     )
 
 
@@ -269,7 +301,8 @@ def run_graph_loop(
     policy: Optional[str] = None,
 ) -> Report:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
-    :class:`~expcache_bench.bench.Bench`; pinned, emulated on the host backend, or pageable: fed), next to
+    :class:`~expcache_bench.bench.Bench`; pinned, emulated on the host backend, or pageable or a file:
+    fed), next to
     the C loop's host select unless ``c_loop`` is false; both caches evict by ``policy`` (a name of
     ``pyexpcache._lib.POLICIES``; None: the library's default)."""
 
@@ -285,18 +318,17 @@ def run_graph_loop(
     if tokens < 2:
         raise ValueError("the graph loop needs at least 2 tokens (the first binds and warms up)")
     compute_ns = int(round(compute_us * 1e3))
-    link = bench.measure_link()
     report = Report(
         "graph",
         "graph loop",
         **bench.report_header(),
+        **bench.measure_bounds(),
         traces=[trace_label(t) for t in traces],
-        link_bytes_per_s=link.bytes_per_s,
-        link_label=link.label,
         settings=dict(compute_us=compute_us, policy=policy, layers=options.ranges(layers), k=k, capture=bench.is_cuda),
     )
+    link, disk = report.link_bytes_per_s, report.disk_bytes_per_s or 0.0
     if c_loop:
-        report.results.append(_c_loop(bench, decode_workload(loaded, layers), compute_ns, link.bytes_per_s, policy))
+        report.results.append(_c_loop(bench, decode_workload(loaded, layers), compute_ns, link, disk, policy))
 
     arrays = _DeviceArrays(bench.is_cuda, bench.device)
     graphs: list[_Graph] = []
@@ -345,7 +377,7 @@ def run_graph_loop(
                 [bench.expected[layer][np.maximum(ids[:, i, :], 0)] for i, layer in enumerate(layers)], axis=1
             )
             result = GraphLoopResult(
-                "graph loop, select_device", served_tokens=tokens, link_bytes_per_s=link.bytes_per_s
+                "graph loop, select_device", served_tokens=tokens, link_bytes_per_s=link, disk_bytes_per_s=disk
             )
             first_bad = None
 
@@ -395,6 +427,7 @@ def run_graph_loop(
             after = cache.stats().path("device")
             result.hits, result.misses = after.hits, after.misses
             result.bytes_h2d = after.bytes_h2d - untimed_bytes
+            result.page_cache_after = bench.page_cache_fraction()
             totals = (after.hits, after.misses)
             report.results.append(result)
             report.settings["steps"] = len(steps)
@@ -463,7 +496,7 @@ def run_graph_loop(
 # -- the mode ---------------------------------------------------------------------------------
 
 #: The source this mode's Bench gets by default: a device select maps pinned memory (on the host
-#: backend, emulated); --source pageable has its misses fed.
+#: backend, emulated); --source pageable, mmap and file have their misses fed.
 PINNED_SOURCE = True
 
 
@@ -511,6 +544,12 @@ def describe(report: Report) -> list[str]:
             if same
             else f"HITS DIFFER from the C loop's (both {st['policy']}): a bug"
         )
+    cached = [r for r in report.results if r.page_cache_after is not None]
+    if cached:
+        lines.append(
+            "the file in the page cache after each loop (dropped before it): "
+            + "; ".join(f"{r.loop}: {100 * r.page_cache_after:.1f} %" for r in cached)
+        )
     return lines
 
 
@@ -526,7 +565,7 @@ def table(report: Report) -> str:
                 f"{r.tokens_per_s / ref.tokens_per_s:.3f}×" if ref and ref.tokens_per_s else "—",
                 f"{100 * r.hit_rate:.2f} %",
                 f"{r.misses_per_token:.2f}",
-                share(r.of_link_bound, 1) if r.of_link_bound else "—",
+                share(r.of_bound, 1) if r.of_bound else "—",
                 f"{r.checksum_errors} bad / {r.experts_checked} checked",
             ]
         )
@@ -539,7 +578,7 @@ def table(report: Report) -> str:
             versus,
             "hit rate",
             "misses/token",
-            timed(report, "of link bound"),
+            timed(report, f"of {report.bound_by} bound"),
             "checksums",
         ],
         disable_numparse=True,

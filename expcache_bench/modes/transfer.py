@@ -31,7 +31,7 @@ from pyexpcache.source import HostSource, LayerPlacement
 
 from .. import link, options
 from ..bench import device_name, resolve_backend
-from ..options import DEVICE, OUTPUT, NotAvailable, Option, UsageError, csv, gib, sizes, thread_counts
+from ..options import DEVICE, FILE_DIR, OUTPUT, NotAvailable, Option, UsageError, csv, gib, sizes, thread_counts
 from ..report import Report, made_by
 
 MiB = 1 << 20
@@ -85,7 +85,6 @@ SIZES_OPTION = Option(
     default=["0.5", "6.75", "13.5"],
     help="comma list of expert sizes in MiB, of 0.5, 6.75, 13.5 (default: all)",
 )
-FILE_DIR = Option("--file-dir", default=None, help="folder for the file source's temporary file")
 DETAIL = Option(
     "--detail", action="store_true", help="also show where staged calls spend their time (the staging ring's counters)"
 )

@@ -25,8 +25,11 @@ each policy   this library: one cache per size class, batches that never evict, 
 
 The link bound of a variant is its host-to-device bytes divided by the link measured in the same
 run (:mod:`~expcache_bench.link`): how fast decode could be if moving misses were the only
-cost. Each policy variant's hit rate is checked against the offline simulator of the same
-policy (its twin of the same name) at the same per-class capacities.
+cost. From a file (``--source mmap|file``, ``--gguf``) the disk's read rate is measured too
+(:mod:`~expcache_bench.disk`) and the table's bound is the lower of the two, named in its
+columns; the bench drops a file it wrote from the page cache before each variant. Each policy
+variant's hit rate is checked against the offline simulator of the same policy (its twin of the
+same name) at the same per-class capacities.
 
 The policies are the library's (``pyexpcache._lib.POLICIES``), so :func:`variants` loads it; nothing
 here does at import, and ``--variants`` is checked against them only when it is parsed, so every
@@ -143,9 +146,11 @@ class VariantResult(DecodeRate, HitRate):
     checksum_errors: int = 0
     experts_checked: int = 0
     link_bound_tokens_per_s: Optional[float] = None
+    disk_bound_tokens_per_s: Optional[float] = None  # a file source: the same at the disk's measured read rate
     belady_hit_rate: Optional[float] = None
     skipped: Optional[str] = None
     staging: Optional[StagingStats] = None  # pageable or file sources: the staging ring's counters
+    page_cache_after: Optional[float] = None  # a file source: the share of its file in the page cache after the run
 
     DERIVED: ClassVar[tuple[str, ...]] = (
         "tokens_per_s",
@@ -153,7 +158,14 @@ class VariantResult(DecodeRate, HitRate):
         "gib_per_token",
         "serve_us_per_call",
         "after_serve_us_per_call",
+        "bound_tokens_per_s",
     )  # in the JSON beside the fields
+
+    @property
+    def bound_tokens_per_s(self) -> Optional[float]:
+        """The lower of the link and disk bounds (the link's for a source in memory)."""
+        bounds = [b for b in (self.link_bound_tokens_per_s, self.disk_bound_tokens_per_s) if b]
+        return min(bounds) if bounds else None
 
     @property
     def serve_us_per_call(self) -> float:
@@ -203,6 +215,8 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
         variant_label(variant, partition), decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens
     )
     capacities = None
+    # A file source is read the same way by every variant (the baselines' other settings are the old design's).
+    reads = {k: v for k, v in bench.cache_options.items() if k == "file_reads"}
     if variant in _lib.POLICIES:
         # Cap notices once, from the default policy's run; the same caps follow for the others.
         notices = variant == _lib.DEFAULT_POLICY and partition == "global"
@@ -225,9 +239,10 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
             policy="lru",
             log_level=_lib.LOG_SILENT,
             copy_threads=0,
+            **reads,
         )
     elif variant == "nocache":
-        cache = bench.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0)
+        cache = bench.make_cache(budget_experts=1, policy="lru", log_level=_lib.LOG_WARNING, copy_threads=0, **reads)
     elif variant == "resident":
         need = sum(
             sum(layout[i].num_experts for i in layers) * c.slot_bytes
@@ -236,7 +251,7 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
         cache = None
         try:
             cache = bench.make_cache(
-                budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru", log_level=_lib.LOG_WARNING
+                budget_bytes=need + (1 << 20), reserve_bytes=0, policy="lru", log_level=_lib.LOG_WARNING, **reads
             )
             _preload(bench, cache)
         except MemoryError as exc:
@@ -267,6 +282,7 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
         result.bytes_h2d, result.bytes_d2d, result.releases = total.bytes_h2d, total.bytes_d2d, total.releases
         staging = cache.staging_stats()
         result.staging = staging if staging.calls else None
+    result.page_cache_after = bench.page_cache_fraction()
     return result, capacities
 
 
@@ -364,7 +380,7 @@ def run_scenario(
             scale=host_scale or 1,
         )
     try:
-        measured = bench.measure_link()
+        bounds = bench.measure_bounds()
         header = bench.report_header()
         if host_scale is not None and host_scale != bench.scale:
             # The bench's layout and budget were divided by host_scale outside it: whether that kept
@@ -379,8 +395,7 @@ def run_scenario(
             scenario,
             **header,
             traces=[trace_label(t) for t in traces],
-            link_bytes_per_s=measured.bytes_per_s,
-            link_label=measured.label,
+            **bounds,
             settings=dict(
                 scenario=scenario,
                 decode_tokens=workload.decode_tokens,
@@ -394,7 +409,9 @@ def run_scenario(
             r, capacities = _run_variant(bench, variant, workload, partition)
             if r.skipped is None and r.decode_bytes_h2d:
                 # Decode tokens/s is timed over decode calls only, so its bound counts their bytes only.
-                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / measured.bytes_per_s)
+                r.link_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / report.link_bytes_per_s)
+                if report.disk_bytes_per_s:
+                    r.disk_bound_tokens_per_s = workload.decode_tokens / (r.decode_bytes_h2d / report.disk_bytes_per_s)
             if capacities is not None:
                 caps, layer_class = capacities
                 r.belady_hit_rate = belady_hit_rate(workload, caps, layer_class, partition, experts)
@@ -456,10 +473,17 @@ def run(bench: Bench, args) -> Iterator[Report]:
 def describe(report: Report) -> list[str]:
     """The variants table's lines under the header: the tokens, and how often the loop waits."""
     st = report.settings
-    return [
+    lines = [
         f"{st['decode_tokens']} decode tokens, {st['prefill_tokens']} prefill tokens; "
         + ("a wait after every layer" if st["layer_sync"] else "one wait per token (--no-layer-sync)")
     ]
+    cached = [r for r in report.results if r.page_cache_after is not None]
+    if cached:
+        lines.append(
+            "the file in the page cache after each variant (dropped before it): "
+            + "; ".join(f"{r.variant}: {100 * r.page_cache_after:.1f} %" for r in cached)
+        )
+    return lines
 
 
 def table(report: Report) -> str:
@@ -471,7 +495,7 @@ def table(report: Report) -> str:
         if r.skipped:
             rows.append([r.variant] + ["—"] * 7 + [f"skipped: {r.skipped}"])
             continue
-        link_ratio = r.tokens_per_s / r.link_bound_tokens_per_s if r.link_bound_tokens_per_s else None
+        ratio = r.tokens_per_s / r.bound_tokens_per_s if r.bound_tokens_per_s else None
         rows.append(
             [
                 r.variant,
@@ -479,8 +503,8 @@ def table(report: Report) -> str:
                 f"{100 * r.hit_rate:.1f} %",
                 f"{100 * r.belady_hit_rate:.1f} %" if r.belady_hit_rate is not None else "—",
                 f"{r.gib_per_token:.3f}",
-                f"{r.link_bound_tokens_per_s:.2f}" if r.link_bound_tokens_per_s else "∞",
-                share(link_ratio) if link_ratio else "—",
+                f"{r.bound_tokens_per_s:.2f}" if r.bound_tokens_per_s else "∞",
+                share(ratio) if ratio else "—",
                 f"{r.tokens_per_s / ref.tokens_per_s:.2f}×" if ref and ref.tokens_per_s else "—",
                 f"{r.checksum_errors} bad / {r.experts_checked}",
             ]
@@ -493,8 +517,8 @@ def table(report: Report) -> str:
             "hit rate",
             "Belady",
             "GiB/decode token",
-            timed(report, "link-bound tok/s"),
-            timed(report, "of link bound"),
+            timed(report, f"{report.bound_by}-bound tok/s"),
+            timed(report, f"of {report.bound_by} bound"),
             timed(report, "vs slab"),
             "checksums",
         ],

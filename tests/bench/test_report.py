@@ -1,6 +1,7 @@
 """The report's text (expcache_bench/report.py): a host run's times and link shares labelled as
 emulation, a share above 100 % of a link bound marked and explained under the table, whatever the
-backend; the budget line of a host run at divided sizes."""
+backend; the budget line of a host run at divided sizes; a file source's bound, the lower of link
+and disk, named, and its line on the page cache."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from expcache_bench import format_report
 from expcache_bench.modes.graph_loop import GraphLoopResult
 from expcache_bench.modes.variants import VariantResult
-from expcache_bench.report import Report
+from expcache_bench.report import Report, bound, file_line
 
 
 def variants_report(backend: str) -> Report:
@@ -87,3 +88,33 @@ def test_a_share_within_the_bound_is_not_marked():
     report.results[1].link_bound_tokens_per_s = 200.0
     text = format_report(report)
     assert "50 %" in text and "†" not in text
+
+
+@pytest.mark.parametrize("disk, by", [(None, "link"), (2e9, "disk"), (9e9, "link")])
+def test_the_bound_is_the_lower_of_link_and_disk_and_named(disk, by):
+    assert bound(5e9, disk) == (min(5e9, disk or 5e9), by)
+    report = variants_report("cuda")
+    report.link_bytes_per_s, report.link_label = 5e9, "pinned"
+    report.disk_bytes_per_s, report.disk_label = disk, "O_DIRECT reads" if disk else None
+    report.results[1].link_bound_tokens_per_s = 200.0
+    report.results[1].disk_bound_tokens_per_s = 200.0 * disk / 5e9 if disk else None
+    assert report.bound_by == by
+    text = format_report(report)
+    assert f"{by}-bound tok/s" in text and f"of {by} bound" in text
+    assert ("the bounds are the disk's, the lower" in text) == (by == "disk")
+    assert ("the bounds are the link's, the lower" in text) == (disk is not None and by == "link")
+    assert report.results[1].bound_tokens_per_s == min(200.0, 200.0 * (disk or 5e9) / 5e9)
+
+
+@pytest.mark.parametrize(
+    "reads, available, says",
+    [
+        ("direct", 1 << 40, "misses read with O_DIRECT (the page cache bypassed: every miss reads the disk)"),
+        ("mmap", 1 << 40, "it fits in the page cache (1024.00 GiB of memory available): the bench drops it"),
+        ("buffered", 1 << 20, "it does not fit in the page cache (1 MiB of memory available)"),
+        ("direct refused", None, "(the file system refuses O_DIRECT); whether the page cache can hold it is not known"),
+    ],
+)
+def test_a_file_sources_line_says_what_the_page_cache_may_hold(reads, available, says):
+    line = file_line(dict(path="/d/f", bytes=1 << 30, reads=reads, memory_available=available, dropped=True))
+    assert line.startswith("file /d/f (1.00 GiB): ") and says in line

@@ -1,9 +1,12 @@
 """The graph loop (expcache_bench/modes/graph_loop.py) on the host backend, where it runs
 eagerly: the same hits as the C loop's host select (both LRU), every expert read through the bank
-checked against the source, the all-hit select timed, and what it refuses (times on the host mean
+checked against the source, the all-hit select timed, the same from the experts in a file (mapped
+or read) with the disk's rate and the lower bound, and what it refuses (times on the host mean
 nothing: no test looks at them)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -118,3 +121,48 @@ def test_replays_missing_records_in_captured_graphs_on_cuda():
         assert report.settings["steps"] == len({tuple(row) for row in trace.present})
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("kind,file_reads", [("mmap", "buffered"), ("file", "buffered"), ("file", "direct")])
+def test_a_file_source_in_both_loops(tmp_path, kind, file_reads):
+    """The generated experts written to a file and served from it, mapped or read, in both loops:
+    every expert checked, the same hits; the disk's rate measured in the run, the bound the lower
+    of link and disk, named in the table; the file's page-cache share after each loop."""
+    layout = ModelLayout.preset("q2", scale=4096)
+    b = bench.Bench(
+        layout,
+        backend="host",
+        kind=kind,
+        file_dir=str(tmp_path),
+        budget_bytes=(12 << 30) // 4096,
+        cache_options=dict(file_reads=file_reads),
+    )
+    try:
+        assert b.kind == kind and not b.pinned
+        report = graph_loop.run_graph_loop(b, traces=["smoke_count64"])
+        c_loop, graph = report.results
+        assert report.settings["same_hits_as_c_loop"] is True and graph.misses > 0
+        assert graph.checksum_errors == c_loop.checksum_errors == 0
+        assert graph.experts_checked == c_loop.experts_checked > 0
+        assert report.source == kind and report.disk_bytes_per_s > 0 and "reads of the run's file" in report.disk_label
+        by = "disk" if report.disk_bytes_per_s < report.link_bytes_per_s else "link"
+        assert report.bound_by == graph.bound_by == by
+        rate = min(report.link_bytes_per_s, report.disk_bytes_per_s)
+        assert graph.bound_tokens_per_s == pytest.approx(graph.decode_tokens / (graph.bytes_h2d / rate))
+        assert all(0.0 <= r.page_cache_after <= 1.0 for r in report.results)
+        assert report.source_file["path"] == b.source.path and report.source_file["bytes"] == b.source.nbytes
+        text = bench.format_report(report)
+        assert f"of {by} bound (emulated)" in text and f"the bounds are the {by}'s, the lower" in text
+        assert "the file in the page cache after each loop (dropped before it): C loop, host select: " in text
+        reads = report.source_file["reads"]  # O_DIRECT asked for may be refused (tmpfs)
+        assert (
+            reads
+            in {"mmap": ("mmap",), "buffered": ("buffered",), "direct": ("direct", "direct refused")}[
+                "mmap" if kind == "mmap" else file_reads
+            ]
+        )
+        if reads != "direct":  # the page cache may hold it: the line says whether it fits
+            assert "fits in the page cache" in text or "does not fit in the page cache" in text
+    finally:
+        b.close()
+    assert os.listdir(tmp_path) == []

@@ -1,6 +1,7 @@
 """The variants table (expcache_bench/modes/variants.py) on the host backend: every variant side by
 side on one workload, checksums that catch wrong bytes, decode bytes and times apart from
-prefill's, and one wait per token serving what one wait per layer serves."""
+prefill's, one wait per token serving what one wait per layer serves, and every variant from the
+experts in a file."""
 
 from __future__ import annotations
 
@@ -135,3 +136,30 @@ def test_a_layout_the_traces_never_route_to_is_an_error_not_a_bug():
     layout = ModelLayout(tuple(s if i < 3 else None for i, s in enumerate(full.layers)), name="layers 0-2")
     with pytest.raises(ValueError, match="the traces route none of layout layers 0-2's layers"):
         bench.run(layout, "decode", traces=["podA_b_json_full"], backend="host", budget_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("kind", ["mmap", "file"])
+def test_every_variant_from_a_file_source(tmp_path, kind):
+    """Every variant served from the generated experts in a file (read with O_DIRECT where the file
+    system allows it), byte-exact; each row's bound the lower of its link and disk bounds."""
+    layout = ModelLayout.preset("mixed", scale=4096)
+    b = bench.Bench(
+        layout,
+        backend="host",
+        kind=kind,
+        file_dir=str(tmp_path),
+        budget_bytes=(12 << 30) // 4096,
+        cache_options=dict(file_reads="direct"),
+        scale=4096,
+    )
+    try:
+        report = bench.run(layout, "decode", traces=["podA_b_json_full"], bench=b)
+        assert report.checksum_errors == 0 and report.source == kind and report.disk_bytes_per_s > 0
+        for r in report.results:
+            assert r.experts_checked == 37 * 40 * 6 and 0.0 <= r.page_cache_after <= 1.0
+            if r.decode_bytes_h2d:
+                assert r.bound_tokens_per_s == min(r.link_bound_tokens_per_s, r.disk_bound_tokens_per_s)
+        assert f"of {report.bound_by} bound" in bench.format_report(report)
+        assert json.loads(json.dumps(report.to_json()))["source_file"]["path"] == b.source.path
+    finally:
+        b.close()
