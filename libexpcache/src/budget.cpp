@@ -33,11 +33,12 @@ expcache_status_t Cache::apply_budgets(const expcache_config_t& next) {
     std::vector<uint64_t> caps;
     s = classes_.plan_caps(&caps);
     // A batch's slots are neither evicted nor moved: a class they hold keeps its slots.
+    std::vector<bool> shrinking(caps.size(), false);
     bool shrinks = false;
     for (int32_t c = 0; c < classes_.size() && s == EXPCACHE_OK; ++c) {
         const ClassState& cls = classes_[c];
         if (!cls.in_use() || caps[c] >= cls.slots().size()) continue;
-        shrinks = true;
+        shrinking[c] = shrinks = true;
         if (cls.busy())
             s = fail(EXPCACHE_ERR_INVALID_STATE,
                      "class %d %s would shrink from %zu to %llu slots, and unfinished prefill batches hold %llu of "
@@ -54,9 +55,8 @@ expcache_status_t Cache::apply_budgets(const expcache_config_t& next) {
     std::vector<int32_t> dropped;  // layers whose unused prefetches were among the victims
     for (int pass = 0; pass < 2; ++pass) {
         for (int32_t c = 0; c < classes_.size(); ++c) {
-            const ClassState& cls = classes_[c];
-            const bool shrink = caps[c] < cls.slots().size();
-            if (!cls.in_use() || shrink != (pass == 0)) continue;
+            const bool shrink = shrinking[c];
+            if (!classes_[c].in_use() || shrink != (pass == 0)) continue;
             uint64_t evicted = 0;
             if (shrink && (s = lookup_.shrink(c, caps[c], &evicted)) == EXPCACHE_OK && evicted > 0) {
                 expcache_stats_t add = {};

@@ -96,8 +96,10 @@ expcache_status_t Cache::set_dropped_callback(expcache_memory_dropped_fn fn, voi
 // On a device-lookup cache a class's device state is made when it is bound, and a release
 // clears it there (the one copy of its residency).
 expcache_status_t Cache::bind_class(uint32_t layer, uint32_t path, int32_t* out_cls) {
+    const int32_t had = classes_.bound(layers_[layer]);
     expcache_status_t s = prefetch_.bind_class(layer, path, out_cls);
-    return s == EXPCACHE_OK ? lookup_.prepare(*out_cls) : s;
+    if (s != EXPCACHE_OK || (had >= 0 && lookup_.ready(had))) return s;  // every call's: nothing new
+    return lookup_.prepare(*out_cls);
 }
 
 expcache_status_t Cache::release_unheld(uint32_t path) {
