@@ -16,12 +16,13 @@ CORE_SRC  = libexpcache/src/abi_handles.cpp libexpcache/src/abi_setup.cpp libexp
             libexpcache/src/abi_inspect.cpp libexpcache/src/abi_testing.cpp \
             libexpcache/src/errors.cpp libexpcache/src/log.cpp libexpcache/src/config.cpp \
             libexpcache/src/device_arena.cpp libexpcache/src/layers.cpp libexpcache/src/class_table.cpp \
-            libexpcache/src/class_slots.cpp libexpcache/src/class_bank.cpp \
+            libexpcache/src/class_slots.cpp libexpcache/src/class_bank.cpp libexpcache/src/class_resize.cpp \
             libexpcache/src/stream_order.cpp libexpcache/src/prefetch_coordinator.cpp libexpcache/src/cache.cpp \
             libexpcache/src/slots.cpp libexpcache/src/serve.cpp libexpcache/src/serve_select.cpp \
             libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_device.cpp \
-            libexpcache/src/serve_insert.cpp \
-            libexpcache/src/device_lookup.cpp libexpcache/src/device_feed.cpp libexpcache/src/feed.cpp \
+            libexpcache/src/serve_insert.cpp libexpcache/src/budget.cpp \
+            libexpcache/src/device_lookup.cpp libexpcache/src/device_resize.cpp libexpcache/src/device_feed.cpp \
+            libexpcache/src/feed.cpp \
             libexpcache/src/kernels/lookup_kernels_host.cpp \
             libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/paths.cpp \
             libexpcache/src/backend/host.cpp libexpcache/src/backend/staging_ring.cpp \

@@ -291,6 +291,12 @@ _FUNCTIONS = [
     # expcache_status_t expcache_layers_register(expcache_t* cache, uint32_t n, const uint32_t* layers,
     #                                            const expcache_layer_desc_t* descs);
     ("expcache_layers_register", [CachePtr, c_uint32, c_void_p, c_void_p], c_int32),
+    # expcache_status_t expcache_layer_unregister(expcache_t* cache, uint32_t layer);
+    ("expcache_layer_unregister", [CachePtr, c_uint32], c_int32),
+    # expcache_status_t expcache_budget_set(expcache_t* cache, uint64_t budget_experts, uint64_t budget_bytes);
+    ("expcache_budget_set", [CachePtr, c_uint64, c_uint64], c_int32),
+    # expcache_status_t expcache_reserve_set(expcache_t* cache, uint64_t reserve_bytes);
+    ("expcache_reserve_set", [CachePtr, c_uint64], c_int32),
     # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
     #                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
     ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),

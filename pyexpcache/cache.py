@@ -469,6 +469,43 @@ class ExpertCache(Serving):
         self._call("expcache_backend_get", ctypes.byref(out))
         return _BACKEND_NAMES[out.value]
 
+    # -- the layout and the budgets of a live cache --------------------------------
+    def unregister_layer(self, layer: int) -> None:
+        """Take ``layer`` out of the cache, keeping the rest of it warm (C:
+        ``expcache_layer_unregister``): its resident experts leave (their slots are free for the
+        other layers of its class; every other layer's residents stay, byte for byte) and the
+        library no longer reads its part of the source. Its queued prefetches are cancelled and
+        the device is synchronized first. Later calls on the layer raise
+        :class:`~pyexpcache.InvalidStateError` (it is not registered); so does this call while a
+        prefill batch of the layer is open (finish it first: nothing changes). The cache keeps its
+        source for the other layers."""
+        self._call("expcache_layer_unregister", self._layer(layer))
+
+    def set_budget(self, budget_bytes: Optional[int] = None, budget_experts: Optional[int] = None) -> None:
+        """Replace the budgets, keeping the warm cache (C: ``expcache_budget_set``).
+        ``budget_bytes`` and ``budget_experts`` mean what they mean to the constructor (None: no
+        limit from that one); at least one must be given. Every class's cap is recomputed as at
+        construction: a class above its new cap evicts the policy's victims (counted as
+        ``control`` evictions), moves the residents past the cap into free slots below it and
+        gives the bank's memory past it back, in the pieces it was mapped in (the bank's base
+        address does not change; residents may change slot); a class below it grows as misses
+        come. Synchronous. Raises :class:`~pyexpcache.InvalidArgumentError` when neither budget is
+        given, :class:`~pyexpcache.InvalidStateError` (nothing changed) while an open prefill batch
+        holds slots of a class that must shrink. Arrays and banks (:meth:`bank`) still held keep
+        their memory mapped."""
+        experts = 0 if budget_experts is None else _ints.u64(budget_experts, "budget_experts")
+        nbytes = 0 if budget_bytes is None else _ints.u64(budget_bytes, "budget_bytes")
+        self._call("expcache_budget_set", experts, nbytes)
+
+    def set_reserve(self, reserve_bytes: int) -> None:
+        """Replace ``reserve_bytes`` (device memory the expert caches never grow into), keeping
+        the warm cache (C: ``expcache_reserve_set``): every class's cap is recomputed and each class
+        shrinks or grows as :meth:`set_budget` says, so a larger reserve gives memory back (the
+        classes are served in index order: the last ones shrink first). ``EXPCACHE_RESERVE_GB`` is
+        read at construction only. Synchronous; :class:`~pyexpcache.InvalidStateError` as
+        :meth:`set_budget`."""
+        self._call("expcache_reserve_set", _ints.u64(reserve_bytes, "reserve_bytes"))
+
     # -- inspection ------------------------------------------------------------
     def bind_class(self, layer: int) -> int:
         """Bind ``layer`` to its size class now if it is not bound yet (on a device-lookup cache this

@@ -376,8 +376,10 @@ EXPCACHE_API expcache_status_t expcache_file_open_fd(expcache_t* cache, int fd, 
 
 /**
  * Register layer `layer` (< config.num_layers). Each layer is registered
- * once. Validates sizes, strides, pointers and address overflow.
- * Status: INVALID_ARGUMENT, INVALID_STATE (already registered).
+ * once (until expcache_layer_unregister). Validates sizes, strides, pointers
+ * and address overflow. Status: INVALID_ARGUMENT, INVALID_STATE (already
+ * registered; on a device-lookup cache after its first class was bound, a layer
+ * not registered before, or registered again with more experts than it had).
  */
 EXPCACHE_API expcache_status_t expcache_layer_register(expcache_t* cache, uint32_t layer,
                                                        const expcache_layer_desc_t* desc);
@@ -394,6 +396,74 @@ EXPCACHE_API expcache_status_t expcache_layer_register(expcache_t* cache, uint32
  */
 EXPCACHE_API expcache_status_t expcache_layers_register(expcache_t* cache, uint32_t n, const uint32_t* layers,
                                                         const expcache_layer_desc_t* descs);
+
+/**
+ * Unregister layer `layer`, keeping the rest of the warm cache: its resident
+ * experts leave (their slots become free for the other layers of its class;
+ * every other layer's residents stay, byte for byte), and the library forgets
+ * its source: once this returns nothing of the library reads the host memory
+ * or file range the layer described, so the caller may free or unmap that
+ * memory (a file opened with expcache_file_open stays open, the cache's, for
+ * other layers). The layer may then be registered again, with other sizes or
+ * another source. First its queued prefetches are cancelled and the device is
+ * synchronized (the call waits for the work enqueued on every stream: kernels
+ * reading its slots, copies from its source). Budget shares follow the layout
+ * without it (a class's cap changes at its next growth or budget change).
+ * Addresses and slots handed out for the layer are invalid afterwards, and a
+ * CUDA graph that captured a select of it must not be replayed. On a
+ * device-lookup cache its experts leave the device's slot map; registered
+ * again after the first class was bound it may have at most the experts it
+ * had (the device table is sized then), and a new size needs a class index no
+ * class holds yet (a class is never reused there). Synchronous. Status:
+ * INVALID_ARGUMENT (layer out of range), INVALID_STATE (layer not registered;
+ * an unfinished batch of the layer, from expcache_batch_prepare_*: finish it
+ * first; nothing changed), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_layer_unregister(expcache_t* cache, uint32_t layer);
+
+/* ---------------------------------------------------------------------- */
+/* Budgets of a live cache                                                 */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * Replace the cache's budgets (expcache_config_t's budget_experts and
+ * budget_bytes, meant as there: 0 = no limit from that field, at least one
+ * set) without losing the warm cache. Every class's cap is recomputed as
+ * expcache_create computes caps: its target, limited by free device memory
+ * (the memory of the cache's own slots counted as free) minus reserve_bytes,
+ * the classes served in index order (so the last ones shrink first when
+ * memory is short). A class whose new cap is below its slots: the policy's
+ * victims are evicted (counted as evictions on EXPCACHE_PATH_CONTROL) until
+ * the cap holds every resident left, the residents in slots past the cap move
+ * into free slots below it (a device-to-device copy: their slot ids change),
+ * and the bank's memory past the cap is given back in the pieces it was mapped
+ * in (at most slab_bytes each: the piece the cap ends in stays mapped), its
+ * base address unchanged; every other resident keeps its bytes. A class whose
+ * cap grows keeps every resident and grows as misses come (a device-lookup
+ * bank maps its new slots now). When a class shrinks, queued prefetches are
+ * cancelled and the device is synchronized first. A cap notice is logged for
+ * each class whose cap changes. Addresses and slot ids handed out before are
+ * invalid afterwards. On a device-lookup cache the device's residency changes
+ * the same way, the victims ranked as a device select ranks them; a CUDA
+ * graph captured before keeps the cap it was captured with and never takes a
+ * slot a shrink took away (those rows are pinned), so replaying it is safe,
+ * but capture it again to use new slots, or when it selects more ids than the
+ * new cap holds. Synchronous. Status: INVALID_ARGUMENT (both budgets 0),
+ * INVALID_STATE (a class that must shrink holds slots of an unfinished batch:
+ * finish it first; nothing changed), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_budget_set(expcache_t* cache, uint64_t budget_experts, uint64_t budget_bytes);
+
+/**
+ * Replace the cache's reserve_bytes (expcache_config_t's: device memory the
+ * expert caches never grow into) without losing the warm cache: every class's
+ * cap is recomputed, and each class shrinks or grows, as expcache_budget_set
+ * says. An engine that needs memory for a longer context raises it; the
+ * classes give back what the reserve now claims. EXPCACHE_RESERVE_GB is read
+ * by expcache_create only: this value is the one in force. Synchronous.
+ * Status: INVALID_STATE (as expcache_budget_set), CUDA, POISONED.
+ */
+EXPCACHE_API expcache_status_t expcache_reserve_set(expcache_t* cache, uint64_t reserve_bytes);
 
 /* ---------------------------------------------------------------------- */
 /* Serving experts                                                         */
@@ -710,9 +780,10 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
 
 /*
  * On a device-lookup cache each size class keeps its slots in one bank: one
- * device allocation of `cap` slots at a fixed stride, allocated whole when the
- * class is bound (expcache_layer_bind_class, or the first serving call of one of
- * its layers) and kept, at the same address, until the cache is destroyed. Beside
+ * range of device addresses at a fixed stride, `cap` slots of it mapped whole when
+ * the class is bound (expcache_layer_bind_class, or the first serving call of one of
+ * its layers) and kept, at the same address, until the cache is destroyed
+ * (expcache_budget_set and expcache_reserve_set may change how many). Beside
  * the banks the cache keeps its residency on the device, in one copy: which slot
  * holds which expert, the slots batches pin, the policy's state, the counters of
  * EXPCACHE_PATH_DEVICE and each class's resident count.
@@ -739,7 +810,8 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  * not run while device selects are in flight on other threads' streams. On a
  * device-lookup cache:
  *   - every layer is registered before the first class is bound (the banks and the
- *     device table are sized from the whole layout);
+ *     device table are sized from the whole layout); a layer unregistered may be
+ *     registered again with at most the experts it had;
  *   - a class index is never reused for other sizes (max_classes must cover them);
  *   - release_all empties the banks but keeps their memory (captured graphs read
  *     them), and a staging allocation that fails is retried after emptying them;
@@ -776,7 +848,7 @@ typedef struct expcache_bank_t {
  * address while the class lives (a host-lookup cache reserves a new one only when it
  * reuses the class index for other sizes, when there are more than max_classes).
  * A device-lookup bank maps all its slots when bound and keeps them until the cache
- * is destroyed. A host-lookup bank maps its slots as the class grows (cap, up to
+ * is destroyed or a budget change resizes it. A host-lookup bank maps its slots as the class grows (cap, up to
  * the class's cap in expcache_class_info_get) and gives their memory back when the
  * class is released, unless references (expcache_memory_retain: views of it) keep
  * it, which keep it mapped. Past the slots, every bank has 1024 staging rows, the

@@ -1,5 +1,6 @@
 // The C ABI's setup calls: the version, the policy table's names, a config's and a layer
-// description's defaults, the backend in use, registering layers and files, and where log lines go.
+// description's defaults, the backend in use, registering and unregistering layers, files, the
+// budgets and reserve of a live cache, and where log lines go.
 #include "abi_checks.hpp"
 #include "config.hpp"
 #include "policy/policy.hpp"
@@ -63,6 +64,27 @@ expcache_status_t expcache_layers_register(expcache_t* cache, uint32_t n, const 
                              "descs[%u].struct_size is %u, expected %zu (header/library mismatch?)", i,
                              descs[i].struct_size, sizeof(expcache_layer_desc_t));
         return cache->impl->register_layers(n, layers, descs);
+    });
+}
+
+expcache_status_t expcache_layer_unregister(expcache_t* cache, uint32_t layer) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->unregister_layer(layer);
+    });
+}
+
+expcache_status_t expcache_budget_set(expcache_t* cache, uint64_t budget_experts, uint64_t budget_bytes) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->set_budget(budget_experts, budget_bytes);
+    });
+}
+
+expcache_status_t expcache_reserve_set(expcache_t* cache, uint64_t reserve_bytes) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        return cache->impl->set_reserve(reserve_bytes);
     });
 }
 

@@ -17,7 +17,7 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
       arena_(*backend_),
       config_(config),
       log_(config.log_level),
-      layers_(config.num_layers),
+      layers_(config.num_layers, config.lookup == EXPCACHE_LOOKUP_DEVICE),
       classes_(config_, *backend_, arena_, layers_, log_, health_),
       lookup_(config_, *backend_, arena_, layers_, classes_, log_, health_, std::move(lookup_kernels)),
       streams_(*backend_, health_, classes_),
@@ -96,8 +96,10 @@ expcache_status_t Cache::set_dropped_callback(expcache_memory_dropped_fn fn, voi
 // On a device-lookup cache a class's device state is made when it is bound, and a release
 // clears it there (the one copy of its residency).
 expcache_status_t Cache::bind_class(uint32_t layer, uint32_t path, int32_t* out_cls) {
+    const int32_t had = classes_.bound(layers_[layer]);
     expcache_status_t s = prefetch_.bind_class(layer, path, out_cls);
-    return s == EXPCACHE_OK ? lookup_.prepare(*out_cls) : s;
+    if (s != EXPCACHE_OK || (had >= 0 && lookup_.ready(had))) return s;  // every call's: nothing new
+    return lookup_.prepare(*out_cls);
 }
 
 expcache_status_t Cache::release_unheld(uint32_t path) {
@@ -124,11 +126,6 @@ expcache_status_t Cache::register_layer(uint32_t layer, const expcache_layer_des
 
 expcache_status_t Cache::register_layers(uint32_t n, const uint32_t* layers, const expcache_layer_desc_t* descs) {
     CallScope scope(*this);
-    if (lookup_.frozen())
-        return fail(EXPCACHE_ERR_INVALID_STATE,
-                    "layer %u registered after a class was bound on a device-lookup cache: its banks and device "
-                    "table are sized from the whole layout, so register every layer first",
-                    layers[0]);
     // Every descriptor checked before any is recorded: all or nothing.
     for (uint32_t i = 0; i < n; ++i)
         for (uint32_t j = 0; j < i; ++j)
@@ -136,6 +133,7 @@ expcache_status_t Cache::register_layers(uint32_t n, const uint32_t* layers, con
                 return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u is listed twice (at %u and %u)", layers[i], j, i);
     for (uint32_t i = 0; i < n; ++i) {
         expcache_status_t s = layers_.check(layers[i], descs[i]);
+        if (s == EXPCACHE_OK) s = device_table_fits(layers[i], descs[i].num_experts);
         if (s != EXPCACHE_OK) return n > 1 ? fail(s, "descs[%u]: %s", i, std::string(last_error()).c_str()) : s;
     }
     for (uint32_t i = 0; i < n; ++i) layers_.record(layers[i], descs[i]);
@@ -150,6 +148,61 @@ expcache_status_t Cache::register_layers(uint32_t n, const uint32_t* layers, con
              "max_classes to %zu (at most %d)",
              needed, config_.max_classes, config_.max_classes, needed, EXPCACHE_MAX_CLASSES_LIMIT);
     }
+    return EXPCACHE_OK;
+}
+
+// A device-lookup cache's table is sized from the layout when its first class is bound: after
+// that, only a layer registered before, unregistered and registered again within its earlier
+// experts, has keys in it.
+expcache_status_t Cache::device_table_fits(uint32_t layer, uint32_t num_experts) const {
+    if (!lookup_.frozen() || layers_.keeps_keys(layer, num_experts)) return EXPCACHE_OK;
+    const uint32_t had = layers_[layer].key_span;
+    if (had > 0)
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "layer %u is registered again with %u experts on a device-lookup cache whose device table was "
+                    "sized, when its first class was bound, for the %u it had then: register it with at most %u",
+                    layer, num_experts, had, had);
+    return fail(EXPCACHE_ERR_INVALID_STATE,
+                "layer %u registered after a class was bound on a device-lookup cache: its banks and device "
+                "table are sized from the whole layout, so register every layer first",
+                layer);
+}
+
+expcache_status_t Cache::unregister_layer(uint32_t layer) {
+    CallScope scope(*this);
+    expcache_status_t s = health_.usable();
+    if (s == EXPCACHE_OK) s = layers_.validate(layer);
+    if (s != EXPCACHE_OK) return s;
+    for (const BatchState& batch : batches_.open)
+        if (batch.layer == layer)
+            return fail(EXPCACHE_ERR_INVALID_STATE,
+                        "layer %u has an unfinished prefill batch (%llu) holding its experts: finish it "
+                        "(expcache_batch_finish) first",
+                        layer, (unsigned long long)batch.id);
+    // Nothing may still read the layer's slots or source: its queued prefetches are cancelled (as a
+    // serving call cancels them) and the device finishes every kernel and copy enqueued so far.
+    if ((s = prefetch_.quiesce()) != EXPCACHE_OK) return s;
+    LayerState& l = layers_[layer];
+    const int32_t c = classes_.bound(l);
+    uint64_t left = 0;
+    if (c >= 0 && !lookup_.enabled()) {
+        for (const int32_t slot : l.slot_of) {
+            if (slot < 0) continue;
+            ++left;
+            if (classes_[c].slots()[slot].prefetch() != kPrefetchNone) prefetch_.dropped_unused(layer);
+        }
+    }
+    if ((s = lookup_.forget_layer(layer, c)) != EXPCACHE_OK) return s;
+    classes_.forget_layer(layer);
+    layers_.unregister(layer);
+    clock_.policy.positions = layers_.registered();
+    classes_.invalidate_caps();  // budget shares depend on the whole layout
+    if (c >= 0)
+        log_(EXPCACHE_LOG_NOTICE, "layer %u unregistered: its experts left class %d %s%s", layer, c,
+             classes_.name(classes_[c]).c_str(),
+             lookup_.enabled() ? "" : format(" (%llu were resident)", (unsigned long long)left).c_str());
+    else
+        log_(EXPCACHE_LOG_NOTICE, "layer %u unregistered (it was never bound to a class)", layer);
     return EXPCACHE_OK;
 }
 

@@ -40,6 +40,7 @@ constexpr uint32_t kMaxInsert = 1u << 20;             // ids of one insert
 
 struct BatchState {
     uint64_t id = 0;
+    uint32_t layer = 0;
     int32_t cls = -1;
     std::vector<int32_t> held;
     void* staging = nullptr;  // a batch by address: its staged experts
@@ -73,6 +74,13 @@ public:
     expcache_status_t register_layer(uint32_t layer, const expcache_layer_desc_t& desc);
     // n layers at once (layers[i] described by descs[i]), all or nothing.
     expcache_status_t register_layers(uint32_t n, const uint32_t* layers, const expcache_layer_desc_t* descs);
+    // The layer's residents leave (their slots free for its class's other layers), its source is
+    // forgotten, and it may be registered again; refused while a batch of it is open.
+    expcache_status_t unregister_layer(uint32_t layer);
+    // budget.cpp: the budgets (as expcache_config_t's), or the reserve, replaced while the cache
+    // keeps its residents; every class's cap recomputed as create computes them (apply_budgets).
+    expcache_status_t set_budget(uint64_t budget_experts, uint64_t budget_bytes);
+    expcache_status_t set_reserve(uint64_t reserve_bytes);
     expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                              expcache_expert_ptrs_t* out);
     // ids: id_bits 32 or 64, host memory.
@@ -287,6 +295,10 @@ private:
     expcache_status_t split_room() const;
     // cache.cpp
     expcache_status_t refuse_on_device_lookup(const char* what) const;
+    expcache_status_t device_table_fits(uint32_t layer, uint32_t num_experts) const;
+    // budget.cpp: the config's budgets and reserve replaced by next's and every class resized to
+    // the cap they give; refused, nothing changed, when a class that must shrink is held by a batch.
+    expcache_status_t apply_budgets(const expcache_config_t& next);
     // serve_device.cpp
     expcache_status_t device_call(uint32_t layer, const char* what) const;
     // A batch's slots let go (on a device-lookup cache, those no batch holds now unpinned on `stream`).

@@ -78,7 +78,7 @@ expcache_status_t ClassTable::staging_rows(int32_t c, uint32_t n, unsigned char*
     return s;
 }
 
-// The whole cap in one allocation, once (a cap of 0, or an allocation that fails, leaves the
+// The whole cap at once, piece by piece (a cap of 0, or an allocation that fails, leaves the
 // class without slots: its device selects are refused, its host calls stage every expert in the
 // bank's staging or batch rows, which a cap of 0 reserves too).
 expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
@@ -87,17 +87,21 @@ expcache_status_t ClassTable::reserve_bank(int32_t c, uint32_t path) {
     expcache_status_t s = refresh_cap(c, path);
     if (s != EXPCACHE_OK) return s;
     if (!cls.bank_ && (s = reserve_rows(c, cls.cap_)) != EXPCACHE_OK) return s;
-    if (cls.cap_ == 0) return EXPCACHE_OK;
     cls.cap_ = std::min(cls.cap_, cls.slot_rows_);  // slot ids are int32
-    return grow(c, path);
+    while (cls.slots_.size() < cls.cap_) {
+        const size_t had = cls.slots_.size();
+        if ((s = grow(c, path)) != EXPCACHE_OK) return s;
+        if (cls.slots_.size() == had) break;  // an allocation failed: grow() capped the class there
+    }
+    return EXPCACHE_OK;
 }
 
-// The next piece of the bank: up to slab_bytes of slots (a fixed bank: all of its cap), mapped
-// in one piece after the slots mapped so far.
+// The next piece of the bank: up to slab_bytes of slots, mapped in one piece after the slots
+// mapped so far (a smaller cap gives back whole pieces: ClassTable::resize).
 expcache_status_t ClassTable::grow(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     uint64_t have = cls.slots_.size();
-    uint64_t per_slab = banked_ ? cls.cap_ : std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes_);
+    uint64_t per_slab = std::max<uint64_t>(1, config_.slab_bytes / cls.slot_bytes_);
     uint64_t n = std::min(cls.cap_ - have, per_slab);
     const uint64_t g = arena_.granularity();
     const uint64_t end = ((have + n) * cls.slot_bytes_ + g - 1) / g * g;

@@ -137,6 +137,45 @@ void ClassTable::evict(int32_t c, int32_t s, uint32_t path, Acquired* out) {
     cls.stats_[path].evictions++;
 }
 
+uint64_t ClassTable::evict_victims(int32_t c, uint64_t n, uint32_t path, std::vector<int32_t>* dropped) {
+    ClassState& cls = classes_[c];
+    EvictableCtx ctx{&cls.slots_, UINT64_MAX, -1};
+    uint64_t done = 0;
+    for (; done < n; ++done) {
+        const int32_t v = cls.policy_->victim(slot_evictable, &ctx);
+        if (v < 0) break;
+        Acquired got;
+        evict(c, v, path, &got);
+        if (got.dropped_prefetch_layer >= 0) dropped->push_back(got.dropped_prefetch_layer);
+        cls.free_slots_.push_back(v);
+    }
+    return done;
+}
+
+void ClassTable::move_slot(int32_t c, int32_t from, int32_t to) {
+    ClassState& cls = classes_[c];
+    SlotState& src = cls.slots_[from];
+    SlotState& dst = cls.slots_[to];
+    dst.layer_ = src.layer_;
+    dst.expert_ = src.expert_;
+    dst.last_call_ = src.last_call_;
+    dst.prefetch_ = src.prefetch_;
+    layers_[src.layer_].slot_of[src.expert_] = to;
+    cls.policy_->move(from, to);
+    src.layer_ = -1;
+    src.prefetch_ = kPrefetchNone;
+}
+
+void ClassTable::forget_layer(uint32_t layer_index) {
+    LayerState& layer = layers_[layer_index];
+    const int32_t c = bound(layer);
+    if (c < 0) return;
+    if (!banked_)  // a device-lookup cache's residency is the device's (DeviceLookup::forget_layer)
+        for (const int32_t s : layer.slot_of)
+            if (s >= 0) uninstall(c, s);
+    if (classes_[c].layers_ > 0) classes_[c].layers_--;
+}
+
 void ClassTable::uninstall(int32_t c, int32_t s) {
     ClassState& cls = classes_[c];
     SlotState& slot = cls.slots_[s];

@@ -158,13 +158,11 @@ expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     cls.slots_.clear();  // a release left them mapped when views kept the old bank
     cls.free_slots_.clear();
     // Every slot the class could ever have: each expert of its layers (those registered now: one
-    // registered later shares the class's slots). A fixed bank: reserve_bank() reserves its cap.
-    if (!banked_) {
-        expcache_status_t s = reserve_rows(c, std::max<uint64_t>(1, class_share(layers_, cls).experts));
-        if (s != EXPCACHE_OK) {
-            cls.in_use_ = false;  // free again: the next bind starts over
-            return s;
-        }
+    // registered later shares the class's slots), so its cap can grow to them at one address.
+    expcache_status_t s = reserve_rows(c, std::max<uint64_t>(1, class_share(layers_, cls).experts));
+    if (s != EXPCACHE_OK) {
+        cls.in_use_ = false;  // free again: the next bind starts over
+        return s;
     }
     cls.in_use_ = true;
     cls.gen_++;

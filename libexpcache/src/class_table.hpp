@@ -107,7 +107,8 @@ public:
     uint64_t batch_end() const { return batch_end_; }
     // Whether a release must keep the class: batches hold its slots or stage in its batch rows.
     bool busy() const { return held_ > 0 || batch_users_ > 0; }
-    uint64_t cap() const { return cap_; }  // the runtime cap, in slots
+    uint64_t slot_rows() const { return slot_rows_; }  // the rows reserved for slots: the most cap can grow to
+    uint64_t cap() const { return cap_; }              // the runtime cap, in slots
     uint64_t resident() const { return resident_; }
     uint64_t held() const { return held_; }      // slots batches hold
     uint64_t layers() const { return layers_; }  // layers bound to it
@@ -196,12 +197,31 @@ public:
     expcache_status_t release(int32_t c, uint32_t path);
     // Every class not holding batch slots (unheld(), vacated first).
     expcache_status_t release_unheld(uint32_t path);
+    // A layer leaves (Cache::unregister_layer): on a host-lookup cache its residents leave their
+    // slots, free for the class's other layers; its class counts one layer less. The caller
+    // vacated the slots first (nothing in flight into them, the device done reading them).
+    void forget_layer(uint32_t layer);
+
+    // A budget or reserve changed (class_resize.cpp). plan_caps: the cap of each class in use
+    // (0 for the others) under the config's budgets and reserve now, computed as create computes
+    // them, in class order: the target, limited by the bank's rows and by what device memory
+    // leaves after the reserve and the classes before it, every class's slots counted free.
+    expcache_status_t plan_caps(std::vector<uint64_t>* caps) const;
+    // Class c takes `cap` now. Below its slots: on a host-lookup cache the policy's victims go
+    // (evictions on `path`; an unused prefetch among them listed in *dropped by layer, for the
+    // caller to count wasted) until `cap` hold every resident, and those past it move into free
+    // slots below it, their bytes copied on the device; on a device-lookup cache the device's
+    // residency moved them first (DeviceLookup::shrink). The bank's pieces past the cap are then
+    // unmapped, its base kept. Above: a fixed bank maps the slots now, any other as it grows. The
+    // caller vacated the class (nothing in flight, the device idle) and no batch holds it.
+    expcache_status_t resize(int32_t c, uint64_t cap, uint32_t path, std::vector<int32_t>* dropped);
     // Budget shares depend on the whole layout: caps are recomputed before the next growth.
     void invalidate_caps();
     // Every class's slots are a bank (a reserved range, reserved when the class is bound, at one
     // address until the class is reused for other sizes). A device-lookup cache maps all `cap`
-    // slots when the class is bound and keeps them until the cache is destroyed (fixed); a
-    // host-lookup cache maps them as the class grows and unmaps them when it is released.
+    // slots when the class is bound and keeps them until the cache is destroyed or a budget change
+    // resizes them (fixed); a host-lookup cache maps them as the class grows and unmaps them when
+    // it is released.
     bool fixed_banks() const { return banked_; }
 
     // The counters of class c on `path`, recorded by the verbs below (each says which it records).
@@ -288,6 +308,15 @@ private:
     expcache_status_t grow(int32_t c, uint32_t path);
     expcache_status_t reserve_bank(int32_t c, uint32_t path);
     void evict(int32_t c, int32_t s, uint32_t path, Acquired* out);
+    // class_slots.cpp: the policy's next n victims (no call protects a slot now; held and loading
+    // ones never) evicted and freed, unused prefetches among them listed in *dropped; how many went.
+    uint64_t evict_victims(int32_t c, uint64_t n, uint32_t path, std::vector<int32_t>* dropped);
+    // The expert of slot `from` moves to free slot `to` (its place in the policy kept; its bytes are
+    // the caller's to copy).
+    void move_slot(int32_t c, int32_t from, int32_t to);
+    // class_resize.cpp
+    expcache_status_t pack(int32_t c, uint64_t cap);
+    void unmap_past(int32_t c, uint64_t cap);
 
     const expcache_config_t& config_;
     Backend& backend_;

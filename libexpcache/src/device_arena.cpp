@@ -42,12 +42,15 @@ expcache_status_t DeviceArena::map(void* at, uint64_t bytes) {
     return EXPCACHE_OK;
 }
 
-bool DeviceArena::unmap_from(void* base, uint64_t from) {
+bool DeviceArena::unmap_range(void* base, uint64_t from, uint64_t to, uint64_t* out_first) {
+    if (out_first) *out_first = to;
     auto it = allocations_.find(reinterpret_cast<uintptr_t>(base));
     if (it == allocations_.end() || !it->second.reservation) return true;
     if (kept_elsewhere(it->second)) return false;
     auto& mapped = it->second.mapped;
-    for (auto m = mapped.lower_bound(from); m != mapped.end(); m = mapped.erase(m)) {
+    auto m = mapped.lower_bound(from);
+    if (out_first && m != mapped.end() && m->first < to) *out_first = m->first;
+    for (; m != mapped.end() && m->first < to; m = mapped.erase(m)) {
         backend_.unmap(static_cast<unsigned char*>(base) + m->first, m->second);
         bytes_ -= m->second;
     }

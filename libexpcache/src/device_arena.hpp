@@ -64,7 +64,10 @@ public:
     // Give back the memory of the reservation at `base` mapped at offsets >= `from` (each mapping
     // starting there); the caller has waited for the device. False, and nothing given back, when
     // references keep the reservation.
-    bool unmap_from(void* base, uint64_t from);
+    bool unmap_from(void* base, uint64_t from) { return unmap_range(base, from, UINT64_MAX, nullptr); }
+    // unmap_from for the mappings starting in [from, to) only; *out_first (may be nullptr): the
+    // offset of the first one given back, `to` when none was.
+    bool unmap_range(void* base, uint64_t from, uint64_t to, uint64_t* out_first);
     // Whether references besides the arena's keep the allocation or reservation at `base`.
     bool kept(const void* base) const;
     // A pointer alloc() or reserve() did not return (or one already freed) is ignored, as is

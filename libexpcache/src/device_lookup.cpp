@@ -86,9 +86,9 @@ DeviceLookup::~DeviceLookup() {
 // adjacent), each key's slot and, for the policies that keep them, each key's count (oppclass,
 // duel), its slot in each of duel's shadows, and OppClassLRU's tables.
 expcache_status_t DeviceLookup::make_table() {
+    // Every key a layer was given, an unregistered layer's too: registered again, it takes them.
     keys_ = 0;
-    for (const LayerState& l : layers_)
-        if (l.registered) keys_ = std::max(keys_, l.key_base + l.num_experts);
+    for (const LayerState& l : layers_) keys_ = std::max(keys_, l.key_base + l.key_span);
     const uint64_t classes = classes_state_.size();
     const bool lists = policy_id_ != EXPCACHE_POLICY_LRU, duel = policy_id_ == EXPCACHE_POLICY_DUEL;
     Offsets o;
@@ -143,10 +143,13 @@ expcache_status_t DeviceLookup::make_table() {
     return EXPCACHE_OK;
 }
 
+// The arrays cover every row the bank reserved for slots, so a budget change moves the cap within
+// them (device_resize.cpp); the rows past the cap are pinned, so no select takes one, a graph
+// captured under a larger cap included.
 expcache_status_t DeviceLookup::make_class(int32_t c) {
     const ClassState& cls = classes_[c];
-    const uint64_t cap = cls.slots().size();
-    const ClassLayout at(cap, policy_id_);
+    const uint64_t cap = cls.slots().size(), rows = std::max(cap, cls.slot_rows());
+    const ClassLayout at(rows, policy_id_);
     ClassDevice& d = classes_state_[c];
     expcache_status_t s = health_.check(arena_.alloc(at.bytes, &d.base));
     if (s != EXPCACHE_OK) return s;
@@ -160,6 +163,7 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.miss_count = reinterpret_cast<uint32_t*>(p + at.miss_count);
     d.view.handoff = reinterpret_cast<DeviceHandoff*>(p + at.handoff);
     d.view.cap = static_cast<uint32_t>(cap);
+    d.rows = rows;
     d.view.bank = cls.slots().empty() ? nullptr : cls.bank();
     d.view.slot_bytes = cls.slot_bytes();
     for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off(q);
@@ -168,30 +172,33 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     // and the policy's state, which starts empty (stamps, lists, duel's counter and sizes); no
     // key in any slot.
     const std::vector<unsigned char> zeros(at.bytes, 0);
-    const std::vector<int32_t> free_slots(cap, -1);
+    const std::vector<int32_t> free_slots(rows, -1);
+    const std::vector<uint8_t> pinned(rows - cap, 1);
     if ((s = health_.check(backend_.copy_h2d_sync(p, zeros.data(), at.bytes))) != EXPCACHE_OK ||
-        (cap && (s = health_.check(backend_.copy_h2d_sync(d.view.key_of_slot, free_slots.data(),
-                                                          cap * sizeof(int32_t)))) != EXPCACHE_OK))
+        (s = health_.check(backend_.copy_h2d_sync(d.view.key_of_slot, free_slots.data(), rows * sizeof(int32_t)))) !=
+            EXPCACHE_OK ||
+        (rows > cap &&
+         (s = health_.check(backend_.copy_h2d_sync(d.view.pin + cap, pinned.data(), rows - cap))) != EXPCACHE_OK))
         return s;
     if (policy_id_ == EXPCACHE_POLICY_LRU) return EXPCACHE_OK;
     d.view.policy.opp = opp_at(p, at.opp);
     if (policy_id_ != EXPCACHE_POLICY_DUEL) return EXPCACHE_OK;
     d.view.policy.duel = reinterpret_cast<DeviceDuel*>(p + at.duel);
-    const std::vector<int32_t> none(cap, -1);  // no key in the shadows
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < 2; ++j) {  // no key in the shadows
         DeviceShadow& sh = d.view.policy.shadow[j];
         sh.key = reinterpret_cast<int32_t*>(p + at.shadow_key[j]);
         sh.stamp = reinterpret_cast<uint64_t*>(p + at.shadow_stamp[j]);
         if (j == kShadowOpp) sh.opp = opp_at(p, at.shadow_opp[j]);
-        if (cap &&
-            (s = health_.check(backend_.copy_h2d_sync(sh.key, none.data(), cap * sizeof(int32_t)))) != EXPCACHE_OK)
+        if ((s = health_.check(backend_.copy_h2d_sync(sh.key, free_slots.data(), rows * sizeof(int32_t)))) !=
+            EXPCACHE_OK)
             return s;
     }
     return EXPCACHE_OK;
 }
 
 expcache_status_t DeviceLookup::prepare(int32_t c) {
-    if (!enabled_ || ready(c) || classes_[c].slots().empty()) return EXPCACHE_OK;
+    if (ready(c)) return refresh(c);
+    if (!enabled_ || classes_[c].slots().empty()) return EXPCACHE_OK;
     expcache_status_t s = EXPCACHE_OK;
     if (!table_ && (s = make_table()) != EXPCACHE_OK) return s;
     if ((s = make_class(c)) != EXPCACHE_OK) return s;

@@ -53,8 +53,20 @@ public:
     bool capturing(void* stream) { return kernels_->capturing(stream); }
 
     // Class c was bound (its bank mapped): its device state made, empty (the table too, at the
-    // first class). Nothing when it exists, or the class has no slot.
+    // first class); nothing when the class has no slot. When it exists: the cap raised to the
+    // class's slots (they grew), and the class's feed made if a layer of it now needs one.
     expcache_status_t prepare(int32_t c);
+    // device_resize.cpp. Before class c's slots past `cap` are unmapped (ClassTable::resize): the
+    // policy's victims, in the order a select ranks them, leave until `cap` slots hold every
+    // resident, the residents past it move below it (their bytes copied on the device), and the
+    // rows past it are pinned, so a graph captured under the larger cap never takes one; *evicted:
+    // how many left. No batch holds the class; the device is synchronized before and after.
+    expcache_status_t shrink(int32_t c, uint64_t cap, uint64_t* evicted);
+    // Layer `layer` leaves (bound to class c, or -1): its experts leave the slot map and their
+    // slots, its keys' use counts and duel's shadow entries go (a layer registered again at this
+    // index reuses its keys: the table is sized once), and its source is forgotten. The device is
+    // synchronized first.
+    expcache_status_t forget_layer(uint32_t layer, int32_t c);
     // Every class's device-path counters and residents, the device synchronized first, with one
     // copy. A select's id out of range since the last read is logged here (a warning), once.
     expcache_status_t snapshot(DeviceSnapshot* out);
@@ -92,6 +104,7 @@ private:
     struct ClassDevice {
         void* base = nullptr;  // one allocation: the arrays of DeviceClass
         DeviceClass view = {};
+        uint64_t rows = 0;          // the rows its arrays cover: the bank's slot rows (view.cap: those in use)
         void* feed_host = nullptr;  // the feed's mailbox and rows (mapped pinned memory), or nullptr
     };
     struct LayerMap {
@@ -104,6 +117,8 @@ private:
     };
     expcache_status_t make_table();
     expcache_status_t make_class(int32_t c);
+    // device_resize.cpp: prepare() of a class whose state exists.
+    expcache_status_t refresh(int32_t c);
     // device_feed.cpp: class c's feed (its rows, mailbox and device words; the feed threads
     // watching it), made when the class is prepared if a layer of its size reads a source the
     // GPU cannot read.

@@ -103,16 +103,32 @@ void LayerTable::record(uint32_t layer, const expcache_layer_desc_t& d) {
         l.stride[p] = stride[p];
         l.base[p] = static_cast<const unsigned char*>(base[p]);
     }
-    l.key_base = next_key_;
-    next_key_ += d.num_experts;
-    // Layer positions for the policy clock: rank among the registered layers.
+    if (!keeps_keys(layer, d.num_experts)) {
+        l.key_base = next_key_;
+        l.key_span = d.num_experts;
+        next_key_ += d.num_experts;
+    }
+    rank_layers();
+    l.seen.assign(d.num_experts, 0);
+    l.seen_pos.assign(d.num_experts, 0);
+    l.slot_of.assign(d.num_experts, -1);
+}
+
+void LayerTable::unregister(uint32_t layer) {
+    LayerState& l = layers_[layer];
+    LayerState left;
+    left.key_base = l.key_base;
+    left.key_span = l.key_span;
+    l = std::move(left);
+    rank_layers();
+}
+
+// Layer positions for the policy clock: rank among the registered layers.
+void LayerTable::rank_layers() {
     int32_t rank = 0;
     for (LayerState& other : layers_)
         if (other.registered) other.rank = rank++;
     registered_ = rank;
-    l.seen.assign(d.num_experts, 0);
-    l.seen_pos.assign(d.num_experts, 0);
-    l.slot_of.assign(d.num_experts, -1);
 }
 
 expcache_status_t LayerTable::open_file(const char* path, int fd, bool direct, uint32_t* out_file, std::string* note) {

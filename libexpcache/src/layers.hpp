@@ -39,6 +39,7 @@ struct LayerState {
     const unsigned char* base[kParts] = {};
     int32_t rank = 0;       // position among the registered layers (the policy clock's pos)
     uint32_t key_base = 0;  // expert e's policy key is key_base + e
+    uint32_t key_span = 0;  // the keys from key_base the layer was given (kept when it is unregistered)
     int32_t cls = -1;       // bound class index, valid while the class's gen == cls_gen
     uint64_t cls_gen = 0;
     uint32_t prefetched = 0;         // experts prefetched since the layer's last serving call (the limit)
@@ -52,13 +53,22 @@ struct LayerState {
 
 class LayerTable {
 public:
-    explicit LayerTable(uint32_t num_layers) : layers_(num_layers) {}
+    // reuse_keys: a layer registered again takes the keys it had when they are enough (a device
+    // lookup's table is sized once); otherwise every registration takes new keys.
+    LayerTable(uint32_t num_layers, bool reuse_keys) : layers_(num_layers), reuse_keys_(reuse_keys) {}
 
     // Checks a descriptor against the limits and the open files, then records the layer.
     expcache_status_t add(uint32_t layer, const expcache_layer_desc_t& desc);
     // add's checks alone, and its recording alone (of a descriptor check() passed).
     expcache_status_t check(uint32_t layer, const expcache_layer_desc_t& desc) const;
     void record(uint32_t layer, const expcache_layer_desc_t& desc);
+    // Whether registering `layer` with num_experts experts takes the keys it had (reuse_keys).
+    bool keeps_keys(uint32_t layer, uint32_t num_experts) const {
+        return reuse_keys_ && layers_[layer].key_span >= num_experts;
+    }
+    // A registered layer leaves: its source, sizes and slots are forgotten (its keys are kept for
+    // keeps_keys); the others' ranks follow.
+    void unregister(uint32_t layer);
     // Opens a file source, by path or (path nullptr) by the caller's descriptor `fd`; *note says
     // how it will be read (for the log).
     expcache_status_t open_file(const char* path, int fd, bool direct, uint32_t* out_file, std::string* note);
@@ -77,8 +87,11 @@ public:
     size_t size_classes() const;
 
 private:
+    void rank_layers();
+
     std::vector<LayerState> layers_;
     std::vector<std::unique_ptr<SourceFile>> files_;
+    const bool reuse_keys_;
     uint32_t next_key_ = 0;
     int32_t registered_ = 0;
 };

@@ -103,12 +103,17 @@ void PrefetchCoordinator::dropped_unused(uint32_t layer) {
     stats_.bytes_wasted += x_.layers[layer].expert_bytes();
 }
 
-expcache_status_t PrefetchCoordinator::vacate(const std::vector<int32_t>& classes) {
-    if (classes.empty()) return EXPCACHE_OK;
+expcache_status_t PrefetchCoordinator::quiesce() {
     expcache_status_t s = settle(true);
     if (s == EXPCACHE_OK) s = x_.health.check(x_.backend.sync_device());
+    if (s == EXPCACHE_OK) x_.streams.forget_copy_pending();
+    return s;
+}
+
+expcache_status_t PrefetchCoordinator::vacate(const std::vector<int32_t>& classes) {
+    if (classes.empty()) return EXPCACHE_OK;
+    expcache_status_t s = quiesce();
     if (s != EXPCACHE_OK) return s;
-    x_.streams.forget_copy_pending();
     for (int32_t c : classes)
         for (const SlotState& slot : x_.classes[c].slots())
             if (slot.layer() >= 0 && slot.prefetch() != kPrefetchNone)

@@ -60,6 +60,10 @@ public:
     // them (one synchronization for all), and the unused prefetches they hold are counted wasted.
     // Nothing to do for none.
     expcache_status_t vacate(const std::vector<int32_t>& classes);
+    // vacate() without counting: nothing in flight into any slot or out of any source (every
+    // queued prefetch cancelled, as a serving call cancels them) and the device idle (one
+    // synchronization). Before a layer leaves or a class shrinks.
+    expcache_status_t quiesce();
     // ClassTable::bind, the class it reuses for the layer (if any) vacated first: the one way a
     // class is bound, for the serving calls and the prefetches alike.
     expcache_status_t bind_class(uint32_t layer, uint32_t path, int32_t* out_cls);

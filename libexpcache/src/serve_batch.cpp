@@ -47,6 +47,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
     if (s != EXPCACHE_OK) return s;
     BatchState batch;
     batch.id = batches_.next_id;
+    batch.layer = layer_index;
     batch.cls = call.c;
     uint32_t direct = 0;
     if ((s = fill_slots(call, &batch, &direct)) != EXPCACHE_OK) {

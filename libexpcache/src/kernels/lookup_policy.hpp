@@ -45,8 +45,9 @@ struct DeviceDuel {
     int32_t held[2];   // keys each shadow holds (its slots [0, held) are used)
 };
 
-// One of duel's shadows: keys only, [cap] slots (room never exceeds the bank's cap), ordered by
-// LRU (kShadowLru: stamps) or OppClassLRU (kShadowOpp: stamps and opp).
+// One of duel's shadows: keys only, a slot per row of the bank's slots (room never exceeds the
+// largest cap the bank had, nor its rows), ordered by LRU (kShadowLru: stamps) or OppClassLRU
+// (kShadowOpp: stamps and opp).
 struct DeviceShadow {
     int32_t* key;  // -1: never used
     uint64_t* stamp;

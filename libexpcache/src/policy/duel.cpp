@@ -101,6 +101,12 @@ public:
         lru_.on_remove(slot);
         opp_.on_remove(slot);
     }
+    // The shadows hold keys, not slots: a move leaves them and the counter as they are.
+    void move(int32_t from, int32_t to) override {
+        lru_.move(from, to);
+        opp_.move(from, to);
+        key_[to] = key_[from];
+    }
     int32_t victim(Evictable evictable, const void* ctx) const override {
         return duel_follows_oppclass(psel_) ? opp_.victim(evictable, ctx) : lru_.victim(evictable, ctx);
     }

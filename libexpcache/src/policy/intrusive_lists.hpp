@@ -33,6 +33,14 @@ public:
         next_[prev_[n]] = next_[n];
         prev_[next_[n]] = prev_[n];
     }
+    // Slot `to` (unlinked) takes linked slot `from`'s place in its list; `from` leaves it.
+    void replace(int32_t from, int32_t to) {
+        const int32_t f = lists_ + from, t = lists_ + to;
+        prev_[t] = prev_[f];
+        next_[t] = next_[f];
+        next_[prev_[f]] = t;
+        prev_[next_[f]] = t;
+    }
     // Cold to hot: for (int32_t s = first(l); s >= 0; s = next(s)).
     int32_t first(int32_t list) const { return slot_at(next_[list]); }
     int32_t next(int32_t slot) const { return slot_at(next_[lists_ + slot]); }

@@ -23,6 +23,7 @@ public:
         list_.push_back(0, slot);
     }
     void on_remove(int32_t slot) override { list_.unlink(slot); }
+    void move(int32_t from, int32_t to) override { list_.replace(from, to); }
     int32_t victim(Evictable evictable, const void* ctx) const override;
     void clear() override { list_.clear(); }
 

@@ -77,6 +77,13 @@ public:
         place(slot, 0, kNever, 0, false);
     }
     void on_remove(int32_t slot) override { lists_.unlink(slot); }  // the key's count is kept
+    void move(int32_t from, int32_t to) override {
+        lists_.replace(from, to);
+        key_[to] = key_[from];
+        tok_[to] = tok_[from];
+        pos_[to] = pos_[from];
+        cls_[to] = cls_[from];
+    }
     int32_t victim(Evictable evictable, const void* ctx) const override;
     void clear() override;
 

@@ -38,6 +38,10 @@ public:
     // A prefetch put expert `key` here: among the first to go until a use. By default a cold insert.
     virtual void on_prefetch(int32_t slot, uint32_t key) { on_insert(slot, true, key); }
     virtual void on_remove(int32_t slot) = 0;
+    // The expert of slot `from` now lives in free slot `to` (a class shrinking packs its residents
+    // below its new cap): `to` takes `from`'s place in every order the policy keeps, nothing else
+    // moves, and `from` is free.
+    virtual void move(int32_t from, int32_t to) = 0;
     // The slot to evict next among those `evictable` accepts, or -1.
     virtual int32_t victim(Evictable evictable, const void* ctx) const = 0;
     // Forget every slot (a host-lookup class's release).
