@@ -9,6 +9,7 @@ must fail the run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -59,14 +60,22 @@ def model(tmp_path_factory) -> Path:
     return out
 
 
+def _load_prepare():
+    """examples/c_engine/prepare.py as a module: its readers of the files it writes."""
+    spec = importlib.util.spec_from_file_location("c_engine_prepare", PREPARE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+prepare = _load_prepare()
+
+
 def read_routing(folder: Path) -> tuple[np.ndarray, np.ndarray]:
     """(prompt [P, L, k], decode [T, L, k]) from routing.bin."""
-    raw = np.fromfile(folder / "routing.bin", "<i4")
-    assert raw[:1].tobytes() == b"ECRT"
-    _, layers, k, p, t, _ = raw[1:7]
-    assert raw[7 : 7 + layers].tolist() == LAYERS
-    body = raw[7 + layers :]
-    return body[: p * layers * k].reshape(p, layers, k), body[p * layers * k :].reshape(t, layers, k)
+    layers, prompt, decode = prepare.read_routing(folder / "routing.bin")
+    assert layers == LAYERS
+    return prompt, decode
 
 
 def run(engine: Path, folder: Path, *args: str, check: bool = True) -> tuple[subprocess.CompletedProcess, dict]:
@@ -100,11 +109,8 @@ def test_prepare_records_the_sums_of_the_bytes_it_wrote(model):
     from expcache_bench.traces import load_decode_trace
     from pyexpcache.gguf import describe_gguf
 
-    raw = np.fromfile(model / "model.gguf.sums", np.uint8)
-    assert raw[:4].tobytes() == b"ECSM"
-    header = raw[4:16].view("<i4")
-    assert header.tolist() == [1, len(LAYERS), 256]
-    sums = raw[16 + 4 * len(LAYERS) :].view("<u8").reshape(len(LAYERS), 256, 3)
+    layers, sums = prepare.read_sums(model / "model.gguf.sums")
+    assert layers == LAYERS and sums.shape == (len(LAYERS), 256, 3)
     data = np.fromfile(model / "model.gguf", np.uint8)
     found = describe_gguf(model / "model.gguf")
     for li, layer in enumerate(LAYERS):

@@ -266,6 +266,32 @@ def write_sums(path: Path, layers: list[int], sums: np.ndarray) -> None:
         f.write(SUMS_MAGIC + header.tobytes() + sums.astype("<u8").tobytes())
 
 
+def read_routing(path: Path) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(layers, prompt [P, L, k], decode [T, L, k]) from a routing.bin."""
+    raw = np.fromfile(path, "<i4")
+    if raw[:1].tobytes() != ROUTING_MAGIC or raw[1] != VERSION:
+        raise ValueError(f"{path}: not a routing file of version {VERSION}")
+    _, layers, k, prompt, tokens, _ = raw[1:7].tolist()
+    body = raw[7 + layers :]
+    split = prompt * layers * k
+    return (
+        raw[7 : 7 + layers].tolist(),
+        body[:split].reshape(prompt, layers, k),
+        body[split:].reshape(tokens, layers, k),
+    )
+
+
+def read_sums(path: Path) -> tuple[list[int], np.ndarray]:
+    """(layers, sums [L, E, 3] uint64) from a model.gguf.sums."""
+    raw = np.fromfile(path, np.uint8)
+    header = raw[4:16].view("<i4").tolist()
+    if raw[:4].tobytes() != SUMS_MAGIC or header[0] != VERSION:
+        raise ValueError(f"{path}: not a sums file of version {VERSION}")
+    layers, experts = header[1:]
+    start = 16 + 4 * layers
+    return raw[16:start].view("<i4").tolist(), raw[start:].view("<u8").reshape(layers, experts, 3)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("out", type=Path, help="the folder to write model.gguf, model.gguf.sums and routing.bin into")
