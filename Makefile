@@ -57,7 +57,7 @@ CUDA_LIB  = $(BUILD)/libexpcache.so
 REPLAY_LIB = $(BUILD)/libexpcache_replay.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
-.PHONY: all lib deps deps-bench deps-lint test test-long bench lint format select-overhead copy-methods help clean
+.PHONY: all lib deps deps-bench deps-lint test test-long bench lint format select-overhead copy-methods c-engine help clean
 all: lib
 
 help:
@@ -68,6 +68,7 @@ help:
 	@echo "make bench   build, then run the main benchmark (expcache bench) on the bundled trace"
 	@echo "make lint    ruff (lint, format check) and clang-format (check) over the tracked sources; make format applies both"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
+	@echo "make c-engine          $(BUILD)/c_engine, the example engine on the C ABI (examples/c_engine/README.md; needs nvcc, runs without a GPU)"
 	@echo "make copy-methods      ways to move a call's misses to the GPU, side by side (CUDA; COPY_TABLES=pinned,pageable,enqueue,host,link)"
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / asv-import-h200 / bench-quick: see benchmarks/README.md"
 	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
@@ -106,6 +107,22 @@ select-overhead: $(SELECT_BIN)
 	$(SELECT_BIN) host 1000000 duel
 	@if [ -n "$(NVCC)" ] && $(SELECT_BIN) cuda 1 >/dev/null 2>&1; then \
 		$(SELECT_BIN) cuda 1000000 lru; $(SELECT_BIN) cuda 1000000 oppclass; $(SELECT_BIN) cuda 1000000 duel; fi
+
+# The example engine (examples/c_engine/): CUDA C++ by nvcc and its GGUF loader in C, linked against
+# $(CUDA_LIB) and the shared cudart, both found through the runpath the library has ($$ORIGIN first).
+# Without a CUDA device it runs on the library's host backend.
+C_ENGINE_BIN = $(BUILD)/c_engine
+C_ENGINE_DIR = examples/c_engine
+$(BUILD)/obj/c_engine/gguf.o: $(C_ENGINE_DIR)/gguf.c $(C_ENGINE_DIR)/gguf.h
+	@mkdir -p $(dir $@)
+	$(CC) -O2 -std=c11 -Wall -Wextra -c $< -o $@
+
+$(C_ENGINE_BIN): $(C_ENGINE_DIR)/engine.cu $(C_ENGINE_DIR)/gguf.h $(BUILD)/obj/c_engine/gguf.o $(CUDA_LIB) libexpcache/include/expcache.h
+	@test -n "$(NVCC)" || { echo "c-engine: needs nvcc (the engine is CUDA C++; it runs without a GPU on the host backend)"; exit 1; }
+	$(NVCC) -std=c++17 -O2 $(GENCODE) -Xcompiler -Wall -Ilibexpcache/include -o $@ $< $(BUILD)/obj/c_engine/gguf.o \
+		-L$(BUILD) -l:$(notdir $(CUDA_LIB)) -cudart shared $(CUDART_LINK_shared) -lpthread
+
+c-engine: $(C_ENGINE_BIN)
 
 COPY_BIN = $(BUILD)/copy_methods
 $(COPY_BIN): benchmarks/c/copy_methods.cu libexpcache/src/backend/copy_nt.hpp
