@@ -215,3 +215,38 @@ def test_device_selects_serve_the_source_bytes_under_every_policy(make_cache, po
             got = testing.checksum_results(cache, 0, k).tolist()
             assert got == [want[layer, int(e)] for e in ids], f"step {step} layer {layer}: served bytes differ"
     assert cache.stats().path("device").evictions > 0
+
+
+@pytest.mark.parametrize("policy", ["duel", "oppclass", "lru"])
+def test_device_lookup_after_a_prefill_equals_the_host_lookup_and_the_twin(policy):
+    """A prefill batch (appends counted in the real order alone: duel's OppClassLRU shadow counts
+    requests only) then decode selects: the device lookup's counters equal the host lookup's and
+    the simulator twin's, call for call."""
+    from expcache_bench.sim import BATCH, Call
+    from pyexpcache import LayerSpec
+
+    rng = np.random.default_rng(1)
+    layout = ModelLayout([LayerSpec(24, 256, 256, 256)])
+    prompt = rng.integers(0, 24, size=(2, 4))
+    decode = [rng.choice(24, size=4, replace=False) for _ in range(300)]
+    per_call = {}
+    for lookup in ("host", "device"):
+        with (
+            HostSource(layout) as src,
+            ExpertCache(layout, src, budget_experts=8, backend="host", lookup=lookup, policy=policy, log_level=0) as c,
+        ):
+            c.prepare_batch(0, prompt, slots=True).finish()
+            path, hits = ("device" if lookup == "device" else "decode"), []
+            for ids in decode:
+                if lookup == "device":
+                    c.select_device(0, ids.astype(np.int64))
+                else:
+                    c.select(0, ids.astype(np.uint32))
+                hits.append(c.stats().classes[0].paths[path].hits)
+            per_call[lookup] = hits
+    assert per_call["device"] == per_call["host"]
+    stream = [Call(BATCH, 0, tuple(int(x) for x in prompt.ravel()))] + [
+        Call(DECODE, 0, tuple(int(x) for x in ids)) for ids in decode
+    ]
+    sim = simulate_policy(stream, [8], [0], policy=policy, tokens=list(range(len(stream))))
+    assert per_call["host"][-1] == sim.hits[0] and sim.evictions[0] > 0

@@ -101,6 +101,7 @@ expcache_status_t DeviceLookup::make_table() {
     const uint64_t at_tables = lists ? o.take(sizeof(OppClassTables)) : 0;
     uint64_t at_shadow[2] = {};
     for (int j = 0; j < 2 && duel; ++j) at_shadow[j] = o.take(uint64_t(keys_) * sizeof(int32_t));
+    const uint64_t at_shadow_counts = duel ? o.take(uint64_t(keys_) * sizeof(KeyCount)) : 0;
     expcache_status_t s = health_.check(arena_.alloc(o.bytes, &table_));
     if (s != EXPCACHE_OK) return s;
     unsigned char* p = static_cast<unsigned char*>(table_);
@@ -134,6 +135,12 @@ expcache_status_t DeviceLookup::make_table() {
         (keys_ && (s = health_.check(backend_.copy_h2d_sync(policy_.counts, counts.data(),
                                                             keys_ * sizeof(KeyCount)))) != EXPCACHE_OK))
         return s;
+    if (duel) {
+        policy_.shadow_counts = reinterpret_cast<KeyCount*>(p + at_shadow_counts);
+        if (keys_ && (s = health_.check(backend_.copy_h2d_sync(policy_.shadow_counts, counts.data(),
+                                                               keys_ * sizeof(KeyCount)))) != EXPCACHE_OK)
+            return s;
+    }
     for (int j = 0; j < 2 && duel; ++j) {
         policy_.shadow_slot[j] = reinterpret_cast<int32_t*>(p + at_shadow[j]);
         if (keys_ && (s = health_.check(backend_.copy_h2d_sync(policy_.shadow_slot[j], none.data(),

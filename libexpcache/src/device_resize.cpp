@@ -217,7 +217,8 @@ expcache_status_t DeviceLookup::forget_layer(uint32_t layer, int32_t c) {
     io.out(slot_of_key_dev_ + l.key_base, slot_of);
     // The keys start over, as a new layer's would: no use counted, in no shadow. A shadow row that
     // held one stays taken until the shadow evicts it, as the host's shadows keep a departed key.
-    if (policy_.counts) io.out(policy_.counts + l.key_base, std::vector<KeyCount>(l.num_experts, KeyCount{0.0, 0.0}));
+    for (KeyCount* counts : {policy_.counts, policy_.shadow_counts})
+        if (counts) io.out(counts + l.key_base, std::vector<KeyCount>(l.num_experts, KeyCount{0.0, 0.0}));
     for (int j = 0; j < 2 && d.policy.duel; ++j) {
         std::vector<int32_t> shadow_of, shadow_key;
         io.in(&shadow_of, policy_.shadow_slot[j] + l.key_base, l.num_experts);

@@ -46,8 +46,9 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
-    __shared__ int32_t slot_at[EXPCACHE_MAX_SELECT];  // each first occurrence's slot (-1: none yet)
-    __shared__ uint8_t list_of[EXPCACHE_MAX_SELECT];  // each first occurrence's class of count (lookup_rules.hpp)
+    __shared__ int32_t slot_at[EXPCACHE_MAX_SELECT];    // each first occurrence's slot (-1: none yet)
+    __shared__ uint8_t list_of[EXPCACHE_MAX_SELECT];    // each first occurrence's class of count (lookup_rules.hpp)
+    __shared__ uint8_t shadow_of[EXPCACHE_MAX_SELECT];  // duel: its class in the shadow's own count
     __shared__ lookup_cuda::PolicyShared policy_s;
     __shared__ PolicyNow now_s;
     __shared__ uint64_t base_s;
@@ -94,20 +95,22 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
             const int32_t slot = a.slot_of_key[keys[i]];
             list_of[i] = static_cast<uint8_t>(first_use(a, keys[i], slot, base + i, now));
             slot_at[i] = slot;
-            if (slot >= 0)
+            if (slot >= 0) {
                 atomicAdd(&hits, 1u);
-            else
+                if (requests_shadows(a)) shadow_of[i] = static_cast<uint8_t>(shadow_count_use(a, keys[i], now));
+            } else {
                 missed[i] = fills_misses(a);
+            }
         }
     }
     __syncthreads();
     // duel: the hits' requests to its shadows, in order of first occurrence; all at once when each
     // hits in both shadows (shadows_all_hit), as they come before the misses' requests.
     const bool duel = requests_shadows(a);
-    if (duel && !lookup_cuda::shadows_all_hit(a, keys, first, slot_at, base, list_of, now))
+    if (duel && !lookup_cuda::shadows_all_hit(a, keys, first, slot_at, base, shadow_of, now))
         for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
             if (first[i] == i && slot_at[i] >= 0)
-                lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
+                lookup_cuda::duel_request(a, keys[i], base + i, shadow_of[i], now, policy_s);
     // Misses in order of first occurrence, each given the policy's victim among the evictable
     // slots (a block-wide reduction over the bank), so the choices are the host backend's.
     for (uint32_t i = 0; i < a.count; ++i) {
@@ -119,6 +122,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
             int k = list_of[i];
             if (fill_miss(a, v, keys[i], stamp, &k, now, misses)) ++evictions;
             list_of[i] = static_cast<uint8_t>(k);
+            if (duel) shadow_of[i] = static_cast<uint8_t>(shadow_count_use(a, keys[i], now));
             ++misses;
             slot_at[i] = v;
             if (a.copy) {  // the miss list's entry is written: the copy may start
@@ -128,7 +132,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
             }
         }
         __syncthreads();
-        if (duel) lookup_cuda::duel_request(a, keys[i], stamp, list_of[i], now, policy_s);
+        if (duel) lookup_cuda::duel_request(a, keys[i], stamp, shadow_of[i], now, policy_s);
     }
     __syncthreads();  // the all-hit path never entered the loop's barriers
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
@@ -217,9 +221,8 @@ __device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys
     for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n) {
         uint8_t list = kNoRequest;
         if (first >> n & 1u) {
-            const int k = count_use(a, keys[i], now);
-            refresh_hit(a, slots[i], base + i, k, now);
-            list = static_cast<uint8_t>(k);
+            refresh_hit(a, slots[i], base + i, count_use(a, keys[i], now), now);
+            if (duel) list = static_cast<uint8_t>(shadow_count_use(a, keys[i], now));
         }
         if (duel) list_of[i] = list;
     }

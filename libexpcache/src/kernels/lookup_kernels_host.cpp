@@ -107,8 +107,9 @@ private:
             if (!first) continue;
             first_[i] = 1;
             const int k = count_use(a, keys_[i], now);
-            list_of_[i] = static_cast<uint8_t>(k);
             refresh_hit(a, slots_[i], base + i, k, now);
+            if (a.policy.id == EXPCACHE_POLICY_DUEL)
+                list_of_[i] = static_cast<uint8_t>(shadow_count_use(a, keys_[i], now));
             ++distinct;
         }
         if (a.policy.id == EXPCACHE_POLICY_DUEL)
@@ -169,7 +170,7 @@ private:
         if (duel)
             for (uint32_t i = 0; i < a.count; ++i)
                 if (first_[i] == i && keys_[i] != UINT32_MAX && a.slot_of_key[keys_[i]] >= 0)
-                    duel_request(a, keys_[i], base + i, list_of_[i], now);
+                    duel_request(a, keys_[i], base + i, shadow_count_use(a, keys_[i], now), now);
         // Misses, in order of first occurrence: each takes the policy's victim among the evictable slots.
         *c.miss_count = 0;
         filled_.assign(a.count, 0);
@@ -188,7 +189,7 @@ private:
             if (fill_miss(a, best.slot, key, stamp, &k, now, (*c.miss_count)++)) ++evictions;
             filled_[i] = 1;
             ++misses;
-            if (duel) duel_request(a, key, stamp, k, now);
+            if (duel) duel_request(a, key, stamp, shadow_count_use(a, key, now), now);
         }
         for (uint32_t i = 0; i < a.count; ++i)
             a.out_slots[i] = keys_[i] == UINT32_MAX ? -1 : a.slot_of_key[keys_[first_[i]]];

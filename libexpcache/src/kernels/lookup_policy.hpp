@@ -68,6 +68,7 @@ struct DevicePolicyArgs {
     int32_t positions;  // their number
     DevicePolicyClock* clock;
     KeyCount* counts;         // [keys] OppClassLRU's count of each key (oppclass, duel)
+    KeyCount* shadow_counts;  // [keys] duel: its OppClassLRU shadow's own count (requests only)
     int32_t* shadow_slot[2];  // [keys] duel: each key's slot in each shadow, -1 none
     const OppClassTables* tables;
 };

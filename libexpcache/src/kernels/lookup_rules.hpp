@@ -46,6 +46,13 @@ EXPCACHE_HOST_DEVICE inline int count_use(const DeviceSelectArgs& a, uint32_t ke
     return keeps_lists(a.policy) ? oppclass_use(*a.policy.tables, a.policy.counts[key], now.time) : 0;
 }
 
+// duel's OppClassLRU shadow counts a request of `key` in a count of its own, as the host's shadow
+// does (duel.cpp: a batch's append counts in the real order alone, so the two part after a
+// prefill); returns the class of count the shadow places the key in.
+EXPCACHE_HOST_DEVICE inline int shadow_count_use(const DeviceSelectArgs& a, uint32_t key, const PolicyNow& now) {
+    return oppclass_use(*a.policy.tables, a.policy.shadow_counts[key], now.time);
+}
+
 // Slot s of an order (the bank's, or a shadow's) takes its last use now: stamp, and with lists its
 // list k and the clock. The hot end of its list, as the host's on_hit and on_insert(hot).
 EXPCACHE_HOST_DEVICE inline void place(uint64_t* stamps, const DeviceOppSlots& opp, bool lists, int32_t s,
