@@ -331,6 +331,27 @@ class MultiDeviceCache:
         for cache in self.caches:
             cache.release_all()
 
+    # -- a changing memory plan --------------------------------------------
+    # In device order, as the serving calls: a failure stops there, the devices before it keep the
+    # change (each device's call changes nothing of its own when it refuses).
+    def set_budget(self, budget_bytes: Optional[int] = None, budget_experts: Optional[int] = None) -> None:
+        """Replace each device's budgets (not the total: as the constructor's), keeping every
+        device's warm cache (:meth:`ExpertCache.set_budget`)."""
+        for cache in self.caches:
+            cache.set_budget(budget_bytes=budget_bytes, budget_experts=budget_experts)
+
+    def set_reserve(self, reserve_bytes: int) -> None:
+        """Replace each device's ``reserve_bytes``, keeping its warm cache (:meth:`ExpertCache.set_reserve`)."""
+        for cache in self.caches:
+            cache.set_reserve(reserve_bytes)
+
+    def unregister_layer(self, layer: int) -> None:
+        """Take ``layer`` out of every device's cache, keeping the rest warm
+        (:meth:`ExpertCache.unregister_layer`)."""
+        layer = self._layer(layer)
+        for cache in self.caches:
+            cache.unregister_layer(layer)
+
     # -- counters ----------------------------------------------------------
     def stats(self) -> list[CacheStats]:
         """Each device's counters (:meth:`ExpertCache.stats`), in ``devices`` order."""

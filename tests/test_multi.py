@@ -14,6 +14,7 @@ from pyexpcache import (
     CacheClosedError,
     ExpcacheError,
     HostSource,
+    InvalidStateError,
     LayerSpec,
     ModelLayout,
     MultiDeviceCache,
@@ -134,6 +135,31 @@ def test_the_budget_is_each_devices(make_multi, num_devices):
     held = [c.classes()[0].resident_experts for c in multi.caches]
     assert held == [2] * num_devices
     assert sum(len(_resident_on(multi, 1, e)) for e in range(12)) == 2 * num_devices
+
+
+def test_budgets_and_layers_change_on_every_device(make_multi, num_devices):
+    """set_budget shrinks each device's class to the new per-device budget and keeps what stays
+    byte for byte; unregister_layer takes the layer out of every device, the others kept."""
+    layout = _layout(n_layers=2, experts=12)
+    multi, source = make_multi(layout, budget_experts=4, policy="lru")
+    for e in range(12):
+        multi.select(1, [e])
+    multi.select(2, [0, 1])
+    multi.set_budget(budget_experts=3)
+    assert [c.classes()[0].cap_experts for c in multi.caches] == [3] * num_devices
+    assert [c.classes()[0].resident_experts for c in multi.caches] == [3] * num_devices
+    multi.unregister_layer(1)
+    # Layer 2's two experts, the latest used, outlived the shrink; layer 1's left with it.
+    owned = np.bincount(multi.placement.owners[2][:2], minlength=num_devices).tolist()
+    assert [c.classes()[0].resident_experts for c in multi.caches] == owned
+    sel = multi.select(2, [0, 1])
+    for d in range(num_devices):
+        assert_served(multi.caches[d], source, 2, np.array([0, 1])[sel.owners == d], sel.pointers[sel.owners == d])
+    with pytest.raises(InvalidStateError):
+        multi.select(1, [0])
+    multi.set_reserve(0)
+    with pytest.raises(ValueError):
+        multi.set_budget(budget_experts=-1)
 
 
 def test_prefetch_and_hints_go_to_the_owners(make_multi, num_devices):
