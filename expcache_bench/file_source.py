@@ -211,14 +211,7 @@ class FileSource(BufferSource):
     def _release(self) -> None:
         """Unmap and remove the file (and the folder made for it); called once, when closed and
         no cache uses it."""
-        mm, self._mm = self._mm, None
-        self.buffer = np.empty(0, np.uint8)
-        self._placements = []
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # views are still exported; the mapping goes when the last one does
+        self._unmap()
         self._remove()
 
     def _close_at_exit(self) -> None:

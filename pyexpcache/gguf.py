@@ -471,14 +471,7 @@ class GGUFSource(BufferSource):
     def _release(self) -> None:
         """Unmap the file; called once, when closed and no cache uses it. Views handed out
         by :meth:`part` keep the mapping alive until they are dropped."""
-        mm, self._mm = self._mm, None
-        self.buffer = np.empty(0, np.uint8)
-        self._placements = []
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # views are still exported; the mapping goes when the last one does
+        self._unmap()
 
     def __repr__(self) -> str:
         state = "closed" if self._mm is None or self.closed else f"{self.nbytes} bytes"

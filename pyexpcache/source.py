@@ -164,6 +164,18 @@ class BufferSource:
     def _release(self) -> None:  # pragma: no cover - every subclass defines it
         raise NotImplementedError
 
+    def _unmap(self) -> None:
+        """For a source whose buffer views a file mapping (``self._mm``): drop the buffer and the
+        placements, and close the mapping. Views handed out keep it alive until they are dropped."""
+        mm, self._mm = self._mm, None
+        self.buffer = np.empty(0, np.uint8)
+        self._placements = []
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views are still exported; the mapping goes when the last one does
+
     def __enter__(self):
         return self
 
