@@ -873,8 +873,8 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  * while the class lives.
  */
 typedef struct expcache_bank_t {
-    uint32_t struct_size; /**< sizeof(expcache_bank_t); set by the caller */
-    uint32_t num_parts;   /**< parts per expert (1..EXPCACHE_MAX_PARTS) */
+    uint32_t struct_size;                         /**< sizeof(expcache_bank_t); set by the caller */
+    uint32_t num_parts;                           /**< parts per expert (1..EXPCACHE_MAX_PARTS) */
     void* base;                                   /**< device address of slot 0 (256-byte aligned) */
     uint64_t slot_stride;                         /**< bytes between slots */
     uint64_t cap;                                 /**< slots mapped now (a device-lookup bank: all of its slots) */

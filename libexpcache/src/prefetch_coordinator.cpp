@@ -180,9 +180,9 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
         job.cls = c;
         job.slot = slot;
         job.source = layer.source;
-        unsigned char* dst[kParts];
+        unsigned char* dst[kMaxParts];
         cls.parts_at(cls.slots()[slot].dev(), dst);
-        for (int p = 0; p < kParts; ++p) {
+        for (int p = 0; p < layer.nparts; ++p) {
             PrefetchJob::Part& last = job.parts[job.num_parts > 0 ? job.num_parts - 1 : 0];
             const unsigned char* src = layer.source_at(p, e);
             if (job.num_parts > 0 && last.src + last.bytes == src && last.dst + last.bytes == dst[p]) {

@@ -33,7 +33,7 @@ struct PrefetchJob {
     };
     int32_t cls = -1, slot = -1;  // the cache's tag: where the expert goes
     ExpertSource source;          // pinned: src may go to the link as it is
-    Part parts[3] = {};
+    Part parts[kMaxParts] = {};
     int num_parts = 0;
     // Progress, the thread's: the part and the offset in it of the next piece.
     int part = 0;
