@@ -41,11 +41,13 @@ import numpy as np
 KDLCPU = 1  # DLDeviceType
 KDLCUDA = 2
 _KDLINT, _KDLUINT, _KDLFLOAT, _KDLBFLOAT = 0, 1, 2, 4  # DLDataTypeCode
+_KDLFLOAT8_E4M3FN, _KDLFLOAT8_E5M2, _KDLFLOAT8_E8M0FNU = 10, 12, 14  # DLPack 1.1's 8-bit floats
 _CODES = {"i": _KDLINT, "u": _KDLUINT, "f": _KDLFLOAT}  # numpy dtype.kind -> code
 
 
 class ExtraDType:
-    """A dtype numpy lacks but DLPack carries (bfloat16): what a view needs of a dtype."""
+    """A dtype numpy lacks but DLPack carries (bfloat16, the 8-bit floats of quantized weights
+    and scales): what a view needs of a dtype."""
 
     __slots__ = ("name", "itemsize", "code")
 
@@ -57,6 +59,16 @@ class ExtraDType:
 
 
 BFLOAT16 = ExtraDType("bfloat16", 2, _KDLBFLOAT)
+#: Every ExtraDType by name (torch's names: ``torch.float8_e4m3fn`` is ``"float8_e4m3fn"``).
+EXTRA_DTYPES = {
+    d.name: d
+    for d in (
+        BFLOAT16,
+        ExtraDType("float8_e4m3fn", 1, _KDLFLOAT8_E4M3FN),
+        ExtraDType("float8_e5m2", 1, _KDLFLOAT8_E5M2),
+        ExtraDType("float8_e8m0fnu", 1, _KDLFLOAT8_E8M0FNU),
+    )
+}
 
 
 def data_type(dtype) -> tuple[int, int]:

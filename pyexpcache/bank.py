@@ -3,8 +3,8 @@ device-side select reads and writes (:meth:`pyexpcache.ExpertCache.select_device
 
 A cache made with ``lookup="device"`` keeps each size class's slots in one bank, one device
 allocation of ``cap`` slots at a fixed stride that never moves while the cache lives. An
-:class:`ExpertBank` shows it as three strided views, ``gate``, ``up`` and ``down``, of shape
-``[cap, ...]``: ``bank.gate[slots]`` in torch (or a fused MoE kernel given slot ids) reads the
+:class:`ExpertBank` shows it as one strided view per part (``bank.part(name)``; ``gate``, ``up``
+and ``down`` for three parts), of shape ``[cap, ...]``: ``bank.gate[slots]`` in torch (or a fused MoE kernel given slot ids) reads the
 experts in place, and a CUDA graph captured with them stays valid for the cache's life.
 
 Id arrays are taken from whatever holds them, without a copy: the CUDA Array Interface
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _dlpack
-from .views import TensorView
+from .views import PARTS, TensorView
 
 _INT_BITS = {"<i4": 32, "<i8": 64, "|i4": 32, "|i8": 64}
 _UINT_BITS = {"<u4": 32, "|u4": 32}  # also taken where ``unsigned`` (select_device's counts)
@@ -207,11 +207,14 @@ class ExpertBank:
             ``MAX_BATCH_ROWS`` batch rows those batches by slot id stage (:meth:`prepare_batch`
             with ``slots=True``); the last of them is row ``rows - 1``.
         slot_stride: bytes from one slot to the next.
-        gate, up, down: :class:`~pyexpcache.views.TensorView` of shape ``[rows, ...part shape]``
-            (strided by ``slot_stride``), zero-copy: DLPack always, the CUDA Array Interface on
-            the CUDA backend, the NumPy array interface on the host backend. Read the rows a
-            select gave (``index_select``, a fused MoE kernel): a row no select gave may have
-            no memory behind it.
+        names: the parts' names, in the order they lie in a slot.
+        parts: one :class:`~pyexpcache.views.TensorView` per part, of shape ``[rows, ...part
+            shape]`` (strided by ``slot_stride``), zero-copy: DLPack always, the CUDA Array
+            Interface on the CUDA backend, the NumPy array interface on the host backend (not for
+            the dtypes numpy lacks: bfloat16, the 8-bit floats). :meth:`part` gives one by name,
+            in any format; ``gate``, ``up`` and ``down`` are the parts of a three-part expert.
+            Read the rows a select gave (``index_select``, a fused MoE kernel): a row no select
+            gave may have no memory behind it.
 
     A slot's bytes are its expert's for work ordered after the select that returned the slot
     on its stream, until the next call that serves or releases on the cache. The bank's address
@@ -219,24 +222,63 @@ class ExpertBank:
     array made from it, lives.
     """
 
-    __slots__ = ("class_index", "rows", "cap", "slot_stride", "gate", "up", "down")
+    __slots__ = ("class_index", "rows", "cap", "slot_stride", "names", "parts", "_specs")
 
-    def __init__(
-        self,
-        class_index: int,
-        rows: int,
-        cap: int,
-        slot_stride: int,
-        gate: TensorView,
-        up: TensorView,
-        down: TensorView,
-    ):
+    def __init__(self, class_index: int, rows: int, cap: int, slot_stride: int, parts, names=None, specs=None):
         self.class_index, self.rows, self.cap, self.slot_stride = class_index, rows, cap, slot_stride
-        self.gate, self.up, self.down = gate, up, down
+        self.parts = tuple(parts)
+        self.names = PARTS if names is None else tuple(names)
+        self._specs = specs  # the layer's PartSpec per part: each part's own dtype and shape
+
+    def part(self, name, dtype=None, shape=None) -> TensorView:
+        """Part ``name`` (or the part at an index) across the slots, zero-copy: ``[rows, *shape]``
+        of ``dtype``. Without ``dtype`` and ``shape`` the view :meth:`ExpertCache.bank
+        <pyexpcache.ExpertCache.bank>` made (each part in its own dtype and shape when the layout
+        gives them, else raw bytes); with them, those bytes in that format (``shape`` one slot's:
+        it must cover the part's bytes exactly, 1-D when left out). KeyError naming the parts."""
+        if isinstance(name, str):
+            if name not in self.names:
+                raise KeyError(f"no part {name!r}: this bank's parts are {', '.join(self.names)}")
+            index = self.names.index(name)
+        else:
+            index = name
+        view = self.parts[index]
+        if dtype is None and shape is None:
+            return view
+        if dtype is None:
+            own = self._specs[index].dtype if self._specs is not None else None
+            dtype = own if own is not None else view.dtype
+        return slot_view(
+            view.ptr,
+            view.nbytes // self.rows if self.rows else 0,
+            self.rows,
+            self.slot_stride,
+            cuda=view.cuda,
+            device_id=view.device_id,
+            dtype=dtype,
+            shape=shape,
+            owner=view.owner,
+        )
+
+    def _named(self, i: int) -> TensorView:
+        if self.names != PARTS:
+            raise AttributeError(
+                f"{PARTS[i]}: this bank's parts are {', '.join(self.names)}, not gate, up and down; "
+                f"use bank.part({self.names[0]!r})"
+            )
+        return self.parts[i]
 
     @property
-    def parts(self) -> tuple[TensorView, TensorView, TensorView]:
-        return (self.gate, self.up, self.down)
+    def gate(self) -> TensorView:
+        return self._named(0)
+
+    @property
+    def up(self) -> TensorView:
+        return self._named(1)
+
+    @property
+    def down(self) -> TensorView:
+        return self._named(2)
 
     def gate_up(self, shape=None, dtype=None) -> TensorView:
         """The gate and up parts as one view ``[cap, *shape]``: each slot's two parts side by side,
@@ -269,7 +311,8 @@ class ExpertBank:
         )
 
     def __repr__(self) -> str:
+        parts = ", ".join(f"{n}={v.shape} {v.dtype}" for n, v in zip(self.names, self.parts))
         return (
             f"ExpertBank(class {self.class_index}, rows={self.rows}, cap={self.cap}, slot_stride={self.slot_stride}, "
-            f"gate={self.gate.shape}, up={self.up.shape}, down={self.down.shape}, dtype={self.gate.dtype})"
+            f"{parts})"
         )

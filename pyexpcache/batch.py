@@ -12,11 +12,23 @@ from . import _lib
 from ._cuda import stream_handle
 
 
+@dataclass(frozen=True)
+class CompactRegion:
+    """One part's region of a :class:`CompactBuffer`: ``nbytes`` per expert, expert i's at
+    ``address + i * nbytes``."""
+
+    name: str
+    address: int
+    nbytes: int
+
+
 @dataclass
 class CompactBuffer:
-    """A contiguous device buffer from :meth:`ExpertCache.load_compact`: all gate parts,
-    then all up parts, then all down parts. Owned by the cache; valid until the next
-    load_compact or release_all."""
+    """A contiguous device buffer from :meth:`ExpertCache.load_compact`: one region per part, in
+    part order (all gate parts, then all up parts, then all down parts, for three), each holding
+    that part of every expert in the ids' order. The gate/up/down fields are parts 0, 1 and 2 of a
+    three-part layer (0 otherwise); ``names``, ``part_offsets`` and ``part_bytes`` describe every
+    part (:meth:`region`). Owned by the cache; valid until the next load_compact or release_all."""
 
     base: int
     nbytes: int
@@ -27,18 +39,34 @@ class CompactBuffer:
     up_bytes: int
     down_bytes: int
     num_experts: int
+    names: tuple[str, ...] = ("gate", "up", "down")
+    part_offsets: tuple[int, ...] = ()
+    part_bytes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.part_offsets:  # made with the three parts' fields alone
+            self.part_offsets = (self.gate_offset, self.up_offset, self.down_offset)
+            self.part_bytes = (self.gate_bytes, self.up_bytes, self.down_bytes)
+
+    @property
+    def regions(self) -> tuple[CompactRegion, ...]:
+        """Every part's region, in part order."""
+        return tuple(
+            CompactRegion(n, self.base + off, b) for n, off, b in zip(self.names, self.part_offsets, self.part_bytes)
+        )
+
+    def region(self, name) -> CompactRegion:
+        """The region of part ``name`` (or of the part at an index); KeyError naming the parts."""
+        if isinstance(name, str):
+            if name not in self.names:
+                raise KeyError(f"no part {name!r}: this buffer's parts are {', '.join(self.names)}")
+            name = self.names.index(name)
+        return self.regions[name]
 
     def pointers(self) -> np.ndarray:
-        """[n, 3] uint64 device addresses of each expert's gate, up and down."""
+        """[n, parts] uint64 device addresses of each expert's parts (gate, up, down for three)."""
         i = np.arange(self.num_experts, dtype=np.uint64)
-        cols = [
-            self.base + off + i * np.uint64(b)
-            for off, b in (
-                (self.gate_offset, self.gate_bytes),
-                (self.up_offset, self.up_bytes),
-                (self.down_offset, self.down_bytes),
-            )
-        ]
+        cols = [np.uint64(self.base + off) + i * np.uint64(b) for off, b in zip(self.part_offsets, self.part_bytes)]
         return np.stack(cols, axis=1).astype(np.uint64)
 
 

@@ -11,7 +11,6 @@ without bytes, so nothing is allocated for the experts.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Optional
 
 from . import _lib
@@ -40,7 +39,7 @@ class _Placements:
         spec = self.layout[layer]
         if spec is None:
             return None
-        return LayerPlacement((_NOWHERE,) * 3, spec.class_key, spec.class_key)
+        return LayerPlacement((_NOWHERE,) * spec.num_parts, spec.class_key, spec.class_key)
 
 
 def class_info(layout: ModelLayout, budget_bytes: int) -> list:
@@ -97,11 +96,7 @@ def unscaled(layout: ModelLayout, scale: int) -> ModelLayout:
         return layout
     return ModelLayout(
         tuple(
-            s
-            and replace(
-                s, gate_bytes=s.gate_bytes * scale, up_bytes=s.up_bytes * scale, down_bytes=s.down_bytes * scale
-            )
-            for s in layout.layers
+s and s.with_sizes(b * scale for b in s.class_key) for s in layout.layers
         ),
         name=layout.name.removesuffix(f"/{scale}"),
     )

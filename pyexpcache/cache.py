@@ -13,9 +13,12 @@ import warnings
 import weakref
 from typing import Optional
 
+import numpy as np
+
 from . import _errors, _ints, _lib, _lifetime
 from ._errors import CacheClosedError, ExpcacheWarning, InvalidStateError, stacklevel_outside
 from ._gate import Gate
+from ._layer_desc import layer_descs
 from ._memory import MemoryPin
 from ._serving import Scratch, Serving
 from .batch import Batch, CompactBuffer
@@ -253,6 +256,7 @@ class ExpertCache(Serving):
         self._slots_fn = lib.expcache_select_slots_async
         self._views = ViewCache(layout)
         self._dense_layers = layout.dense_layers
+        self._parted_layers = frozenset(i for i in layout.moe_layers if layout[i].num_parts != 3)
         self._warned: set[str] = set()
         # Library log lines -> the pyexpcache logger. Kept on self: ctypes must not collect them.
         self._log_fn = _lib.LOG_FN(_log_to(this))
@@ -297,24 +301,8 @@ class ExpertCache(Serving):
                 out = ctypes.c_uint32()
                 lib.expcache_file_open(self._handle, os.fsencode(source.file_path), ctypes.byref(out))
                 file_id = out.value
-            moe = [i for i, spec in enumerate(layout.layers) if spec is not None]
+            moe, descs = layer_descs(layout, source, file_id)
             indices = (ctypes.c_uint32 * len(moe))(*moe)
-            descs = (_lib.LayerDesc * len(moe))()
-            for d, i in zip(descs, moe):
-                spec = layout.layers[i]
-                place = source.placement(i)
-                lib.expcache_layer_desc_init(ctypes.byref(d))
-                d.num_experts = spec.num_experts
-                if file_id is not None:
-                    d.source_kind, d.file = _lib.SOURCE_FILE, file_id
-                else:
-                    d.source_kind = _lib.SOURCE_PINNED if source.pinned else _lib.SOURCE_PAGEABLE
-                _lib.set_fields(
-                    d,
-                    **dict(zip(("gate_bytes", "up_bytes", "down_bytes"), spec.class_key)),
-                    **dict(zip(("gate_stride", "up_stride", "down_stride"), place.strides)),
-                    **dict(zip(("gate_base", "up_base", "down_base"), place.bases)),
-                )
             if moe:  # every layer at once, all or nothing
                 lib.expcache_layers_register(self._handle, len(moe), indices, descs)
 
@@ -514,17 +502,23 @@ class ExpertCache(Serving):
         self._call("expcache_layer_bind_class", self._layer(layer), ctypes.byref(out))
         return out.value
 
-    def find_class(self, gate_bytes: int, up_bytes: int, down_bytes: int) -> int:
+    def find_class(self, *part_bytes) -> int:
         """The index of the class holding experts of these part sizes now (C:
-        ``expcache_class_find``): an engine that knows its quantization's sizes reads that class's
-        cap in :meth:`classes` by it. Raises InvalidArgumentError when no layer has those sizes,
-        InvalidStateError when one has but no class holds them yet (bind it first)."""
-        sizes = [
-            _ints.u64(v, name)
-            for v, name in ((gate_bytes, "gate_bytes"), (up_bytes, "up_bytes"), (down_bytes, "down_bytes"))
-        ]
+        ``expcache_class_find_parts``): ``find_class(gate_bytes, up_bytes, down_bytes)``, any
+        1..8 sizes in part order, or one sequence of them (a layer's ``class_key``). An engine that
+        knows its quantization's sizes reads that class's cap in :meth:`classes` by it. Raises
+        InvalidArgumentError when no layer has those sizes, InvalidStateError when one has but no
+        class holds them yet (bind it first); ValueError (naming the size) for a count or a size
+        out of range, TypeError for a non-integer."""
+        if len(part_bytes) == 1 and not isinstance(part_bytes[0], (int, np.integer)):
+            part_bytes = tuple(part_bytes[0])
+        if not 1 <= len(part_bytes) <= _lib.MAX_PARTS:
+            raise _errors.ArgumentRangeError(
+                f"find_class takes 1..{_lib.MAX_PARTS} part sizes (the library's limit), got {len(part_bytes)}"
+            )
+        sizes = (ctypes.c_uint64 * len(part_bytes))(*(_ints.u64(v, f"part_bytes[{i}]") for i, v in enumerate(part_bytes)))
         out = ctypes.c_uint32()
-        self._call("expcache_class_find", *sizes, ctypes.byref(out))
+        self._call("expcache_class_find_parts", len(part_bytes), sizes, ctypes.byref(out))
         return out.value
 
     def layer_class(self, layer: int) -> int:

@@ -1,5 +1,5 @@
-"""Model layouts: how many MoE layers, how many experts each, and the byte
-sizes of each expert's gate, up and down parts (:class:`ModelLayout`, a :class:`LayerSpec` per layer).
+"""Model layouts: how many MoE layers, how many experts each, and each expert's parts (gate, up
+and down, or any 1..8 named parts with their byte sizes) (:class:`ModelLayout`, a :class:`LayerSpec` per layer).
 
 A layout is described by a layout file (:meth:`ModelLayout.from_json`, written by
 :meth:`ModelLayout.write_json`; :mod:`pyexpcache.layout_file`), read from a model's Hugging Face
@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Union
 
 from ._lib import MAX_LAYERS_LIMIT
 from .hf_config import layout_from_hf
-from .layer_spec import LayerSpec, layer_spans
+from .layer_spec import LayerSpec, PartSpec, layer_spans
 from .layout_file import LayoutFileError, layout_from_object, layout_to_object, read_json
 from .presets import (
     FIRST_ROUTED_LAYER,
@@ -51,6 +51,7 @@ __all__ = [
     "LayerSpec",
     "LayoutFileError",
     "ModelLayout",
+    "PartSpec",
     "PathLike",
     "matrix_bytes",
     "quant_type",
@@ -209,7 +210,8 @@ class ModelLayout:
 
     # -- derived layouts -------------------------------------------------
     def scaled(self, divisor: int) -> ModelLayout:
-        """Every part size divided by ``divisor`` (which must divide each size)."""
+        """Every part size divided by ``divisor`` (which must divide each size); part names kept,
+        dtypes and shapes dropped."""
         if divisor < 1:
             raise ValueError(f"scale divisor must be >= 1, got {divisor}")
         out = []
@@ -219,21 +221,14 @@ class ModelLayout:
                 continue
             if any(b % divisor for b in s.class_key):
                 raise ValueError(f"layer {i}: part sizes {s.class_key} are not divisible by {divisor}")
-            out.append(
-                replace(
-                    s,
-                    gate_bytes=s.gate_bytes // divisor,
-                    up_bytes=s.up_bytes // divisor,
-                    down_bytes=s.down_bytes // divisor,
-                )
-            )
+            out.append(s.with_sizes(b // divisor for b in s.class_key))
         suffix = f"/{divisor}" if divisor != 1 else ""
         return ModelLayout(tuple(out), name=self.name + suffix)
 
     def with_experts(self, num_experts: int) -> ModelLayout:
         """The same layout with ``num_experts`` experts per layer."""
         return ModelLayout(
-            tuple(s and replace(s, num_experts=num_experts) for s in self.layers), name=f"{self.name}x{num_experts}"
+            tuple(s and s.with_experts(num_experts) for s in self.layers), name=f"{self.name}x{num_experts}"
         )
 
     # -- queries ---------------------------------------------------------
@@ -274,9 +269,9 @@ class ModelLayout:
         """Bytes of every expert of every layer."""
         return sum(s.num_experts * s.expert_bytes for s in self.layers if s is not None)
 
-    def classes(self) -> dict[tuple[int, int, int], list[int]]:
-        """Size class key -> the layers in it, in first-appearance order."""
-        out: dict[tuple[int, int, int], list[int]] = {}
+    def classes(self) -> dict[tuple[int, ...], list[int]]:
+        """Size class key (every part's size) -> the layers in it, in first-appearance order."""
+        out: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(self.layers):
             if s is not None:
                 out.setdefault(s.class_key, []).append(i)

@@ -34,7 +34,7 @@ from .views import ExpertView
 
 @dataclass
 class DeviceSelection:
-    """A select over several devices: ``pointers`` ([k, 3] uint64 addresses, each on its owner),
+    """A select over several devices: ``pointers`` ([k, parts] uint64 addresses, each on its owner),
     ``owners`` (k device indices into the cache's ``devices``) and ``devices`` (k CUDA ordinals,
     or emulated device numbers on the host backend). Validity: each address under its owner's
     :meth:`ExpertCache.select` rule, on that owner's stream."""
@@ -255,9 +255,10 @@ class MultiDeviceCache:
         k = sum(len(p) for p, _ in parts)
         if k > _lib.MAX_SELECT:
             raise ValueError(f"at most {_lib.MAX_SELECT} ids per select, got {k}")
-        pointers = np.empty((k, 3), dtype=np.uint64)
-        owners = np.empty(k, dtype=np.uint8)
         got = self._each(parts, lambda d, ids: self.caches[d].select(layer, ids, streams[d]))
+        width = next((g.shape[1] for g in got if g is not None), 3)  # the layer's parts
+        pointers = np.empty((k, width), dtype=np.uint64)
+        owners = np.empty(k, dtype=np.uint8)
         for d, (pos, _) in enumerate(parts):
             if pos.size:
                 pointers[pos] = got[d]

@@ -22,7 +22,6 @@ from .layout import ModelLayout
 
 _ALIGN = 256
 _MASK64 = (1 << 64) - 1
-PARTS = ("gate", "up", "down")
 
 
 def _align(n: int) -> int:
@@ -30,8 +29,9 @@ def _align(n: int) -> int:
 
 
 def pattern_seed(layer: int, expert: int, part: int) -> int:
-    """The first word of a part; each later word adds one (splitmix64 of the coordinates)."""
-    z = ((layer << 32) | (expert << 2) | part) + 0x9E3779B97F4A7C15 & _MASK64
+    """The first word of a part; each later word adds one (splitmix64 of the coordinates: parts
+    0..3 in bits 0-1, parts 4..7 also in bit 20, so three-part experts keep their bytes)."""
+    z = ((layer << 32) | ((part >> 2) << 20) | (expert << 2) | (part & 3)) + 0x9E3779B97F4A7C15 & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
@@ -190,11 +190,12 @@ class BufferSource:
 
 @dataclass(frozen=True)
 class LayerPlacement:
-    """Where one layer's parts are: absolute addresses of expert 0 and strides (bytes)."""
+    """Where one layer's parts are: absolute addresses of expert 0's parts (or file offsets),
+    their strides and sizes (bytes), one entry per part in the layer's part order."""
 
-    bases: tuple[int, int, int]
-    strides: tuple[int, int, int]
-    sizes: tuple[int, int, int]
+    bases: tuple[int, ...]
+    strides: tuple[int, ...]
+    sizes: tuple[int, ...]
 
 
 def plan(layout: ModelLayout, arrangement: str) -> tuple[list, int]:
@@ -204,7 +205,7 @@ def plan(layout: ModelLayout, arrangement: str) -> tuple[list, int]:
     offsets, pos = [], 0
     for spec in layout.layers:
         if spec is None:
-            offsets.append(((0, 0, 0), (0, 0, 0)))
+            offsets.append(((), ()))
             continue
         sizes = spec.class_key
         if arrangement == "tensor":
@@ -214,9 +215,11 @@ def plan(layout: ModelLayout, arrangement: str) -> tuple[list, int]:
                 pos = _align(pos + b * spec.num_experts)
             offsets.append((tuple(offs), sizes))
         else:
-            part_off = (0, _align(sizes[0]), _align(sizes[0]) + _align(sizes[1]))
-            stride = part_off[2] + _align(sizes[2])
-            offsets.append((tuple(pos + o for o in part_off), (stride,) * 3))
+            part_off = [0]
+            for b in sizes[:-1]:
+                part_off.append(part_off[-1] + _align(b))
+            stride = part_off[-1] + _align(sizes[-1])
+            offsets.append((tuple(pos + o for o in part_off), (stride,) * len(sizes)))
             pos += stride * spec.num_experts
     return offsets, max(pos, 1)
 
@@ -233,7 +236,7 @@ class HostSource(BufferSource):
             that a host-backend cache treats as pinned (:attr:`pinned_emulated`), which a CUDA
             cache refuses.
         arrangement: ``"tensor"`` places each part as a GGUF file does, one contiguous
-            [experts][bytes] tensor per part; ``"expert"`` places each expert's three parts
+            [experts][bytes] tensor per part; ``"expert"`` places each expert's parts
             together (256-byte aligned), so one copy moves a whole expert.
         progress: called as ``progress(done_bytes, total_bytes)`` while filling.
     """
@@ -287,7 +290,7 @@ class HostSource(BufferSource):
         for layer, (spec, place) in enumerate(zip(self.layout.layers, self._placements)):
             if spec is None:
                 continue
-            for part in range(3):
+            for part in range(spec.num_parts):
                 nbytes = place.sizes[part]
                 words = -(-nbytes // 8)
                 ramp = ramps.get(words)
@@ -312,16 +315,17 @@ class HostSource(BufferSource):
         return self._placements[layer]
 
     # -- verification ------------------------------------------------------
-    def part(self, layer: int, expert: int, part: int) -> np.ndarray:
-        """A uint8 view of one part's source bytes."""
+    def part(self, layer: int, expert: int, part) -> np.ndarray:
+        """A uint8 view of one part's source bytes (``part``: its index or name)."""
         self._check_usable()
         place = self._placements[layer]
+        part = self.layout[layer].part_index(part)
         off = place.bases[part] - self._base + expert * place.strides[part]
         return self.buffer[off : off + place.sizes[part]]
 
     def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
-        """An expert's source bytes: gate, then up, then down (a copy)."""
-        return np.concatenate([self.part(layer, expert, p) for p in range(3)])
+        """An expert's source bytes: every part, in order (a copy)."""
+        return np.concatenate([self.part(layer, expert, p) for p in range(self.layout[layer].num_parts)])
 
     def expected_checksum(self, layer: int, expert: int) -> int:
         """What expcache_testing_checksum must give for this expert when its bytes are intact."""

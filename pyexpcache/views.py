@@ -1,10 +1,10 @@
 """Zero-copy tensor views of cached experts: what an engine gets instead of raw addresses.
 
-A :class:`TensorView` is one part (gate, up or down) of one cached expert, exported to any
+A :class:`TensorView` is one part (gate, up, down, or a named part such as FP8 block scales) of one cached expert, exported to any
 array library without a copy: DLPack (``torch.from_dlpack(view)``, ``cupy.from_dlpack``,
 ``numpy.from_dlpack``), the CUDA Array Interface v3 on the CUDA backend
 (``torch.as_tensor(view)``, ``cupy.asarray``, Numba) and the NumPy array interface on the host
-backend (``numpy.asarray(view)``). An :class:`ExpertView` groups an expert's three parts.
+backend (``numpy.asarray(view)``). An :class:`ExpertView` groups an expert's parts by name.
 
 **Validity.** A view's bytes are the expert's under the same rule as the addresses
 ``ExpertCache.select`` returns: for work ordered after the select on its stream, until the next
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from ._cuda import check, runtime, stream_handle
 from ._ints import I32_MAX, checked_int, u64
 
 _I64_MAX = (1 << 63) - 1
+PARTS = ("gate", "up", "down")  # the three-part shorthand's names (layer_spec.PARTS, which imports this module)
 _LEGACY = 1  # cudaStreamLegacy: what 0 and None mean for a stream here (see _legacy)
 
 
@@ -44,18 +46,24 @@ def _legacy(handle: int) -> int:
 
 
 def _dtype(value):
-    """A numpy dtype, or :data:`_dlpack.BFLOAT16` for "bfloat16" (numpy has none); TypeError
-    for one DLPack cannot carry."""
+    """A numpy dtype, or an :class:`~pyexpcache._dlpack.ExtraDType` for a type numpy lacks
+    ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", or torch's dtype of that
+    name); TypeError for one DLPack cannot carry."""
     if value is None:
         return np.dtype(np.uint8)
-    if value is _dlpack.BFLOAT16 or (isinstance(value, str) and value == "bfloat16"):
-        return _dlpack.BFLOAT16
+    if isinstance(value, _dlpack.ExtraDType):
+        return value
+    name = value if isinstance(value, str) else str(value) if type(value).__module__ == "torch" else None
+    if name is not None and name.removeprefix("torch.") in _dlpack.EXTRA_DTYPES:
+        return _dlpack.EXTRA_DTYPES[name.removeprefix("torch.")]
     try:
-        dtype = np.dtype(value)
+        dtype = np.dtype(value if name is None else name.removeprefix("torch."))
     except TypeError:
-        raise TypeError(f"dtype must be a numpy dtype, a dtype name or 'bfloat16', got {value!r}") from None
-    if dtype.name == "bfloat16":  # ml_dtypes' numpy bfloat16: DLPack's, not a void type
-        return _dlpack.BFLOAT16
+        raise TypeError(
+            f"dtype must be a numpy dtype, a dtype name or one of {', '.join(_dlpack.EXTRA_DTYPES)}, got {value!r}"
+        ) from None
+    if dtype.name in _dlpack.EXTRA_DTYPES:  # ml_dtypes' numpy bfloat16 and float8: DLPack's, not void types
+        return _dlpack.EXTRA_DTYPES[dtype.name]
     _dlpack.data_type(dtype)  # refuses what DLPack cannot express, here rather than at export
     return dtype
 
@@ -142,7 +150,7 @@ def _make_wait(producer: int, consumer: int, device_id: int) -> None:
 
 
 class TensorView:
-    """One part (gate, up or down) of one cached expert: ``nbytes`` bytes at device address
+    """One part (gate, up, down or any named part) of one cached expert: ``nbytes`` bytes at device address
     ``ptr``, seen as ``shape`` of ``dtype`` (default: raw bytes, uint8 of shape ``(nbytes,)``).
     Zero-copy: DLPack and the CUDA Array Interface (CUDA backend) or the NumPy array interface
     (host backend) give consumers the address itself, C-contiguous and writable (NumPy imports
@@ -261,24 +269,90 @@ class TensorView:
         )
 
 
+def part_formats(parts, dtype=None, shapes=None) -> list[tuple]:
+    """``(dtype, shape)`` of each of ``parts`` (:class:`~pyexpcache.layer_spec.PartSpec`) as views
+    show them: ``dtype`` for every part when given, else each part's own (raw bytes, uint8, for a
+    part without one); ``shapes`` one per part (a sequence in part order, or a mapping by name),
+    else each part's own shape where it is shown in its own dtype, else 1-D."""
+    if shapes is None:
+        given = [None] * len(parts)
+    elif isinstance(shapes, Mapping):
+        unknown = sorted(set(shapes) - {p.name for p in parts})
+        if unknown:
+            raise KeyError(f"shapes names {', '.join(map(repr, unknown))}: the parts are {', '.join(p.name for p in parts)}")
+        given = [shapes.get(p.name) for p in parts]
+    else:
+        given = list(shapes)
+        if len(given) != len(parts):
+            raise ValueError(
+                f"shapes: one shape per part ({', '.join(p.name for p in parts)}), got {len(given)}"
+            )
+    out = []
+    for part, shape in zip(parts, given):
+        own = dtype is None and shapes is None
+        out.append((part.dtype if dtype is None else dtype, part.shape if own else shape))
+    return out
+
+
 class ExpertView:
-    """The gate, up and down :class:`TensorView` of one cached expert (valid under the same
-    rule as each of them). Iterates over the three parts in that order."""
+    """The parts of one cached expert, each a :class:`TensorView` (valid under the same rule as
+    each of them), by name: ``view.part("gate_up_proj")`` or ``view["gate_up_proj"]`` (an index
+    works too), and ``view.gate``, ``view.up``, ``view.down`` for an expert of those three parts.
+    Iterates over the parts' views in order; :attr:`names` are their names."""
 
-    __slots__ = ("gate", "up", "down")
+    __slots__ = ("parts", "names")
 
-    def __init__(self, gate: TensorView, up: TensorView, down: TensorView):
-        self.gate, self.up, self.down = gate, up, down
+    def __init__(self, *parts: TensorView, names=None):
+        self.parts = tuple(parts)
+        self.names = PARTS if names is None else tuple(names)
+        if len(self.names) != len(self.parts):
+            raise ValueError(f"{len(self.parts)} parts and {len(self.names)} names ({', '.join(self.names)})")
+
+    def part(self, name) -> TensorView:
+        """The view of part ``name`` (or of the part at an index); KeyError naming the parts."""
+        if isinstance(name, str):
+            try:
+                return self.parts[self.names.index(name)]
+            except ValueError:
+                raise KeyError(f"no part {name!r}: this expert's parts are {', '.join(self.names)}") from None
+        return self.parts[name]
+
+    __getitem__ = part
+
+    def keys(self) -> tuple[str, ...]:
+        return self.names
+
+    def items(self):
+        return zip(self.names, self.parts)
+
+    def _named(self, i: int) -> TensorView:
+        if self.names != PARTS:
+            raise AttributeError(
+                f"{PARTS[i]}: this expert's parts are {', '.join(self.names)}, not gate, up and down; "
+                f"use view.part({self.names[0]!r})"
+            )
+        return self.parts[i]
 
     @property
-    def parts(self) -> tuple[TensorView, TensorView, TensorView]:
-        return (self.gate, self.up, self.down)
+    def gate(self) -> TensorView:
+        return self._named(0)
+
+    @property
+    def up(self) -> TensorView:
+        return self._named(1)
+
+    @property
+    def down(self) -> TensorView:
+        return self._named(2)
 
     def __iter__(self):
         return iter(self.parts)
 
+    def __len__(self) -> int:
+        return len(self.parts)
+
     def __repr__(self) -> str:
-        return f"ExpertView(gate={self.gate!r}, up={self.up!r}, down={self.down!r})"
+        return f"ExpertView({', '.join(f'{n}={v!r}' for n, v in zip(self.names, self.parts))})"
 
 
 class ViewCache:
@@ -294,50 +368,61 @@ class ViewCache:
         self._cuda = False
         self._device = 0
         self._pin = None
-        self._by_gate: dict[int, tuple] = {}
+        self._by_first: dict[int, tuple] = {}
 
     def configure(self, cuda: bool, device_id: int, pin) -> None:
         """``pin(address)``: the owner every view of a slot at ``address`` keeps (a MemoryPin)."""
         self._cuda, self._device, self._pin = bool(cuda), int(device_id), pin
-        self._by_gate.clear()
+        self._by_first.clear()
 
     def clear(self) -> None:
         """Forget every view (those still referenced elsewhere keep their memory)."""
-        self._by_gate = {}
+        self._by_first = {}
 
     def get(self, layer: int, rows: list, stream: int, dtype=None, shapes=None) -> list[ExpertView]:
-        """Views of ``rows`` ([gate, up, down] addresses of ``layer``'s class) ready on ``stream``."""
-        sizes = self._layout[layer].class_key
-        fmt = (sizes, dtype, None if shapes is None else tuple(tuple(s) for s in shapes))
-        table = self._by_gate
+        """Views of ``rows`` (each a list of ``layer``'s part addresses) ready on ``stream``."""
+        parts = self._layout[layer].parts
+        fmt = (parts, dtype, None if shapes is None else _frozen(shapes))
+        table = self._by_first
         out = []
-        for g, u, d in rows:
-            entry = table.get(g)
-            if entry is None or entry[1] != u or entry[2] != d or entry[3] != fmt:
-                entry = (self._make(g, u, d, sizes, stream, dtype, fmt[2]), u, d, fmt)
+        for row in rows:
+            entry = table.get(row[0])
+            if entry is None or entry[1] != row or entry[2] != fmt:
+                entry = (self._make(row, parts, stream, dtype, shapes), row, fmt)
                 if len(table) >= self._LIMIT:
                     table.clear()
-                table[g] = entry
+                table[row[0]] = entry
             view = entry[0]
-            if view.gate.stream != stream:
-                view.gate.stream = view.up.stream = view.down.stream = stream
+            if view.parts[0].stream != stream:
+                for v in view.parts:
+                    v.stream = stream
             out.append(view)
         return out
 
-    def _make(self, g, u, d, sizes, stream, dtype, shapes) -> ExpertView:
-        owner = self._pin(g) if self._pin is not None else None  # a slot's parts lie in one allocation
-        parts = []
-        for i, (ptr, nbytes) in enumerate(zip((g, u, d), sizes)):
-            parts.append(
-                TensorView(
-                    ptr,
-                    nbytes,
-                    cuda=self._cuda,
-                    device_id=self._device,
-                    stream=stream,
-                    dtype=dtype,
-                    shape=None if shapes is None else shapes[i],
-                    owner=owner,
-                )
+    def _make(self, row, parts, stream, dtype, shapes) -> ExpertView:
+        owner = self._pin(row[0]) if self._pin is not None else None  # a slot's parts lie in one allocation
+        views = [
+            TensorView(
+                ptr,
+                part.nbytes,
+                cuda=self._cuda,
+                device_id=self._device,
+                stream=stream,
+                dtype=part_dtype,
+                shape=shape,
+                owner=owner,
             )
-        return ExpertView(*parts)
+            for ptr, part, (part_dtype, shape) in zip(row, parts, part_formats(parts, dtype, shapes))
+        ]
+        return ExpertView(*views, names=tuple(p.name for p in parts))
+
+
+def _frozen(shapes):
+    """``shapes`` (a sequence or mapping of shapes) as a hashable key."""
+    if isinstance(shapes, Mapping):
+        return tuple(sorted((k, _frozen_shape(v)) for k, v in shapes.items()))
+    return tuple(_frozen_shape(v) for v in shapes)
+
+
+def _frozen_shape(shape):
+    return shape if shape is None or isinstance(shape, int) else tuple(shape)
