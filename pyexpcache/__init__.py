@@ -31,10 +31,10 @@ from ._errors import (
     UnsupportedError,
 )
 from .bank import ExpertBank
-from .batch import Batch, CompactBuffer
+from .batch import Batch, CompactBuffer, CompactRegion
 from .cache import ExpertCache, staging_defaults
 from .gguf import GGUFSource
-from .layer_spec import LayerSpec
+from .layer_spec import LayerSpec, PartSpec
 from .layout import ModelLayout
 from .layout_file import LayoutFileError
 from .multi import DeviceBatch, DeviceSelection, MultiDeviceCache
@@ -56,6 +56,7 @@ __all__ = [
     "ClassInfo",
     "ClassStats",
     "CompactBuffer",
+    "CompactRegion",
     "CudaError",
     "DeviceBatch",
     "DeviceSelection",
@@ -77,6 +78,7 @@ __all__ = [
     "MultiDeviceCache",
     "OutOfDeviceMemoryError",
     "OutOfHostMemoryError",
+    "PartSpec",
     "PathStats",
     "Placement",
     "PoisonedError",

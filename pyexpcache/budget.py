@@ -95,9 +95,7 @@ def unscaled(layout: ModelLayout, scale: int) -> ModelLayout:
     if scale == 1:
         return layout
     return ModelLayout(
-        tuple(
-s and s.with_sizes(b * scale for b in s.class_key) for s in layout.layers
-        ),
+        tuple(s and s.with_sizes(b * scale for b in s.class_key) for s in layout.layers),
         name=layout.name.removesuffix(f"/{scale}"),
     )
 

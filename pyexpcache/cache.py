@@ -516,9 +516,15 @@ class ExpertCache(Serving):
             raise _errors.ArgumentRangeError(
                 f"find_class takes 1..{_lib.MAX_PARTS} part sizes (the library's limit), got {len(part_bytes)}"
             )
-        sizes = (ctypes.c_uint64 * len(part_bytes))(*(_ints.u64(v, f"part_bytes[{i}]") for i, v in enumerate(part_bytes)))
         out = ctypes.c_uint32()
-        self._call("expcache_class_find_parts", len(part_bytes), sizes, ctypes.byref(out))
+        if len(part_bytes) == 3:  # the shorthand's call, whose messages name gate, up and down
+            sizes = [_ints.u64(v, f"{name}_bytes") for v, name in zip(part_bytes, ("gate", "up", "down"))]
+            self._call("expcache_class_find", *sizes, ctypes.byref(out))
+            return out.value
+        checked = [_ints.u64(v, f"part_bytes[{i}]") for i, v in enumerate(part_bytes)]
+        self._call(
+            "expcache_class_find_parts", len(checked), (ctypes.c_uint64 * len(checked))(*checked), ctypes.byref(out)
+        )
         return out.value
 
     def layer_class(self, layer: int) -> int:

@@ -20,6 +20,7 @@ from ._lib import MAX_EXPERTS_LIMIT, MAX_PART_BYTES_LIMIT, MAX_PARTS
 
 #: The parts of the three-part shorthand, in order.
 PARTS = ("gate", "up", "down")
+_NOT_GIVEN = object()  # a size left out (None given is a size of the wrong type)
 
 
 def _within_limit(value, name: str, limit: int) -> int:
@@ -43,7 +44,7 @@ def layer_spans(indices: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def dtype_name(value, what: str = "dtype") -> str:
+def dtype_name(value, what: Optional[str] = None) -> str:
     """A dtype's canonical name: a numpy dtype or name, ``"bfloat16"``, ``"float8_e4m3fn"``,
     ``"float8_e5m2"``, ``"float8_e8m0fnu"`` (or torch's dtype of that name). TypeError naming
     ``what`` for one the views cannot carry."""
@@ -52,6 +53,8 @@ def dtype_name(value, what: str = "dtype") -> str:
     try:
         dtype = _dtype(value)
     except TypeError as exc:
+        if what is None:
+            raise
         raise TypeError(f"{what}: {exc}") from None
     return dtype.name
 
@@ -136,10 +139,10 @@ class LayerSpec:
     num_experts: int
     parts: tuple[PartSpec, ...]
 
-    def __init__(self, num_experts, gate_bytes=None, up_bytes=None, down_bytes=None, *, parts=None):
+    def __init__(self, num_experts, gate_bytes=_NOT_GIVEN, up_bytes=_NOT_GIVEN, down_bytes=_NOT_GIVEN, *, parts=None):
         sizes = (gate_bytes, up_bytes, down_bytes)
         if parts is None:
-            missing = [f"{p}_bytes" for p, b in zip(PARTS, sizes) if b is None]
+            missing = [f"{p}_bytes" for p, b in zip(PARTS, sizes) if b is _NOT_GIVEN]
             if missing:
                 raise TypeError(
                     f"LayerSpec needs gate_bytes, up_bytes and down_bytes (missing {', '.join(missing)}), "
@@ -147,7 +150,7 @@ class LayerSpec:
                 )
             checked = [_within_limit(b, f"LayerSpec.{p}_bytes", MAX_PART_BYTES_LIMIT) for p, b in zip(PARTS, sizes)]
             parts = tuple(PartSpec(p, b) for p, b in zip(PARTS, checked))
-        elif any(b is not None for b in sizes):
+        elif any(b is not _NOT_GIVEN for b in sizes):
             raise TypeError("LayerSpec takes gate/up/down sizes or parts, not both")
         else:
             parts = _check_parts(parts)

@@ -5,13 +5,14 @@ one (:meth:`~pyexpcache.ModelLayout.to_json`), with errors that name the file an
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Optional
 
 from ._errors import ArgumentRangeError
 from ._ints import checked_int
-from ._lib import MAX_EXPERTS_LIMIT, MAX_LAYERS_LIMIT, MAX_PART_BYTES_LIMIT
-from .layer_spec import PARTS, LayerSpec
+from ._lib import MAX_EXPERTS_LIMIT, MAX_LAYERS_LIMIT, MAX_PART_BYTES_LIMIT, MAX_PARTS
+from .layer_spec import PARTS, LayerSpec, PartSpec, dtype_itemsize, dtype_name
 from .quant import matrix_bytes, quant_type
 
 
@@ -84,6 +85,11 @@ class LayoutFile:
         here = f"{at}.{part}"
         spec = layer[part]
         self.keys(spec, here, ("type", "dtype", "shape"))
+        return self.matrix(spec, here, quant)
+
+    def matrix(self, spec, here: str, quant: Optional[str]) -> int:
+        """The bytes of a ``{"type": ..., "shape": [rows, cols]}`` matrix (``quant``: the type
+        when it gives none)."""
         quant = self.type_at(spec, here, quant)
         if quant is None:
             raise self.fail(here, 'no type: give "type" here, in the layer or at the top of the file')
@@ -99,14 +105,77 @@ class LayoutFile:
     def layer(self, entry, at: str, quant: Optional[str]) -> Optional[LayerSpec]:
         if entry is None:
             return None
-        self.keys(entry, at, ("experts", "type", "dtype") + PARTS + tuple(f"{p}_bytes" for p in PARTS))
+        parted = isinstance(entry, Mapping) and "parts" in entry
+        shorthand = PARTS + tuple(f"{p}_bytes" for p in PARTS)
+        self.keys(entry, at, ("experts", "type", "dtype") + (("parts",) if parted else shorthand + ("parts",)))
         quant = self.type_at(entry, at, quant)
         if "experts" not in entry:
             raise self.fail(at, 'no "experts" (the number of routed experts; null is a dense layer)')
         experts = self.whole(entry["experts"], f"{at}.experts", MAX_EXPERTS_LIMIT)
-        sizes = [self.part_bytes(entry, at, p, quant) for p in PARTS]
         try:
-            return LayerSpec(experts, *sizes)
+            if parted:
+                return LayerSpec.of_parts(experts, self.parts(entry["parts"], f"{at}.parts", quant))
+            return LayerSpec(experts, *(self.part_bytes(entry, at, p, quant) for p in PARTS))
+        except LayoutFileError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise self.fail(at, str(exc)) from None
+
+    def parts(self, entries, at: str, quant: Optional[str]) -> list[PartSpec]:
+        """A layer's ``"parts"``: 1..8 objects, each ``{"name": ..., "bytes": n}``, or sized by
+        ``"dtype"`` and ``"shape"`` (the part's items: ``"float8_e4m3fn"``, ``"float32"``, ...), or
+        by a GGUF ``"type"`` and a ``[rows, cols]`` ``"shape"`` (the layer's or file's type by
+        default)."""
+        if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_PARTS:
+            raise self.fail(at, f"expected a list of 1..{MAX_PARTS} parts (the library's limit), got {shown(entries)}")
+        out = []
+        for i, part in enumerate(entries):
+            here = f"{at}[{i}]"
+            self.keys(part, here, ("name", "bytes", "dtype", "type", "shape"))
+            name = part.get("name")
+            if not isinstance(name, str) or not name:
+                raise self.fail(here, f'no "name" (a non-empty string), got {shown(name)}')
+            if "dtype" in part and "type" in part:
+                raise self.fail(
+                    here,
+                    'give "dtype" (the items\' type, with any "shape") or "type" (a GGUF type, [rows, cols]), not both',
+                )
+            shape = part.get("shape")
+            if shape is not None and (not isinstance(shape, list) or not shape):
+                raise self.fail(f"{here}.shape", f"expected a list of whole numbers, got {shown(shape)}")
+            if "dtype" in part:
+                try:
+                    dtype = dtype_name(part["dtype"])
+                except TypeError as exc:
+                    raise self.fail(f"{here}.dtype", str(exc)) from None
+                dims = [self.whole(v, f"{here}.shape[{k}]", MAX_PART_BYTES_LIMIT) for k, v in enumerate(shape or [])]
+                nbytes = part.get("bytes", math.prod(dims) * dtype_itemsize(dtype) if dims else None)
+                if nbytes is None:
+                    raise self.fail(here, 'no "bytes" (or a "shape" to size the part by its dtype)')
+                out.append(
+                    self._part(
+                        name, self.whole(nbytes, f"{here}.bytes", MAX_PART_BYTES_LIMIT), dtype, dims or None, here
+                    )
+                )
+            elif "bytes" in part and "type" not in part:
+                if shape is not None:
+                    raise self.fail(here, 'a "shape" needs a "dtype" (or a GGUF "type")')
+                out.append(
+                    self._part(name, self.whole(part["bytes"], f"{here}.bytes", MAX_PART_BYTES_LIMIT), None, None, here)
+                )
+            elif "type" in part or shape is not None:
+                if "bytes" in part:
+                    raise self.fail(here, 'give "bytes" or a GGUF "type" and its [rows, cols], not both')
+                out.append(self._part(name, self.matrix(part, here, quant), None, None, here))
+            else:
+                raise self.fail(
+                    here, 'no size: give "bytes", a "dtype" and "shape", or a GGUF "type" and a [rows, cols] "shape"'
+                )
+        return out
+
+    def _part(self, name, nbytes, dtype, shape, at: str) -> PartSpec:
+        try:
+            return PartSpec(name, nbytes, dtype, shape)
         except (TypeError, ValueError) as exc:
             raise self.fail(at, str(exc)) from None
 
@@ -179,16 +248,23 @@ def layout_to_object(layout) -> dict:
         spec, run = layout.layers[i], 1
         while i + run < len(layout.layers) and layout.layers[i + run] == spec:
             run += 1
-        item = (
-            None
-            if spec is None
-            else {
-                "experts": spec.num_experts,
-                "gate_bytes": spec.gate_bytes,
-                "up_bytes": spec.up_bytes,
-                "down_bytes": spec.down_bytes,
-            }
-        )
+        item = None if spec is None else layer_object(spec)
         entries.append(item if run == 1 else {"repeat": run, "layer": item})
         i += run
     return {"name": layout.name, "layers": entries}
+
+
+def layer_object(spec: LayerSpec) -> dict:
+    """One layer as a layout file writes it: gate/up/down byte sizes for the three-part shorthand,
+    else its ``"parts"``, each with its name, bytes, and dtype and shape where it has them."""
+    if spec.part_names == PARTS and all(p.dtype is None for p in spec.parts):
+        return {"experts": spec.num_experts, **{f"{p}_bytes": b for p, b in zip(PARTS, spec.class_key)}}
+    parts = []
+    for p in spec.parts:
+        part = {"name": p.name, "bytes": p.nbytes}
+        if p.dtype is not None:
+            part["dtype"] = p.dtype
+        if p.shape is not None:
+            part["shape"] = list(p.shape)
+        parts.append(part)
+    return {"experts": spec.num_experts, "parts": parts}

@@ -279,14 +279,14 @@ def part_formats(parts, dtype=None, shapes=None) -> list[tuple]:
     elif isinstance(shapes, Mapping):
         unknown = sorted(set(shapes) - {p.name for p in parts})
         if unknown:
-            raise KeyError(f"shapes names {', '.join(map(repr, unknown))}: the parts are {', '.join(p.name for p in parts)}")
+            raise KeyError(
+                f"shapes names {', '.join(map(repr, unknown))}: the parts are {', '.join(p.name for p in parts)}"
+            )
         given = [shapes.get(p.name) for p in parts]
     else:
         given = list(shapes)
         if len(given) != len(parts):
-            raise ValueError(
-                f"shapes: one shape per part ({', '.join(p.name for p in parts)}), got {len(given)}"
-            )
+            raise ValueError(f"shapes: one shape per part ({', '.join(p.name for p in parts)}), got {len(given)}")
     out = []
     for part, shape in zip(parts, given):
         own = dtype is None and shapes is None
