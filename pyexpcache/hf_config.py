@@ -11,6 +11,7 @@ from typing import Optional
 from ._errors import ArgumentRangeError
 from ._ints import checked_int
 from ._lib import MAX_PART_BYTES_LIMIT
+from .hf_quant import QUANT_METHODS, quantized_parts
 from .layer_spec import PARTS, LayerSpec, layer_spans
 from .layout_file import LayoutFile, LayoutFileError, shown
 from .quant import matrix_bytes, quant_type
@@ -58,20 +59,26 @@ def layout_from_hf(cls, config, where: str, quant, name: Optional[str], default_
     if experts == 0:
         raise file.fail(key, "0 routed experts: not a mixture-of-experts model")
     _, hidden = number(("hidden_size",), "the model width")
-    _, ffn = number(_FFN_KEYS, "an expert's FFN width")
+    ffn_key, ffn = number(_FFN_KEYS, "an expert's FFN width")
     routed = _routed_layers(config, model, num_layers, file)
-    types = _hf_types(config, quant, file)
-    try:
-        gate = matrix_bytes(types[0], ffn, hidden)
-        up = matrix_bytes(types[1], ffn, hidden)
-        down = matrix_bytes(types[2], hidden, ffn)
-        spec = LayerSpec(experts, gate, up, down)
-    except (TypeError, ValueError) as exc:
-        raise LayoutFileError(
-            f"{where}: experts of [{ffn}, {hidden}] gate/up and [{hidden}, {ffn}] down in {'/'.join(types)}: {exc}"
-        ) from None
+    qconfig = config.get("quantization_config")
+    method = qconfig.get("quant_method") if isinstance(qconfig, Mapping) else None
+    if quant is None and method in QUANT_METHODS:
+        parts, label = quantized_parts(config, qconfig, hidden, ffn, ffn_key, file)
+        spec = LayerSpec.of_parts(experts, parts)
+    else:
+        types = _hf_types(config, quant, file)
+        try:
+            gate = matrix_bytes(types[0], ffn, hidden)
+            up = matrix_bytes(types[1], ffn, hidden)
+            down = matrix_bytes(types[2], hidden, ffn)
+            spec = LayerSpec(experts, gate, up, down)
+        except (TypeError, ValueError) as exc:
+            raise LayoutFileError(
+                f"{where}: experts of [{ffn}, {hidden}] gate/up and [{hidden}, {ffn}] down in {'/'.join(types)}: {exc}"
+            ) from None
+        label = types[0].lower() if len(set(types)) == 1 else "-".join(t.lower() for t in types)
 
-    label = types[0].lower() if len(set(types)) == 1 else "-".join(t.lower() for t in types)
     name = name or f"{default_name or model}-{label}"
     try:
         return cls(tuple(spec if i in routed else None for i in range(num_layers)), name=name)
@@ -271,8 +278,6 @@ def _hf_types(config, quant, file: LayoutFile) -> tuple[str, str, str]:
         return (quant_type(quant),) * 3
     qconfig = config.get("quantization_config")
     method = qconfig.get("quant_method") if isinstance(qconfig, Mapping) else None
-    if method == "mxfp4":
-        return ("MXFP4",) * 3
     key = next((k for k in ("torch_dtype", "dtype") if config.get(k) is not None), None)
     if key is None:
         raise LayoutFileError(

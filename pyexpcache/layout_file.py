@@ -141,21 +141,21 @@ class LayoutFile:
                     'give "dtype" (the items\' type, with any "shape") or "type" (a GGUF type, [rows, cols]), not both',
                 )
             shape = part.get("shape")
-            if shape is not None and (not isinstance(shape, list) or not shape):
+            if shape is not None and not isinstance(shape, list):
                 raise self.fail(f"{here}.shape", f"expected a list of whole numbers, got {shown(shape)}")
             if "dtype" in part:
                 try:
                     dtype = dtype_name(part["dtype"])
                 except TypeError as exc:
                     raise self.fail(f"{here}.dtype", str(exc)) from None
-                dims = [self.whole(v, f"{here}.shape[{k}]", MAX_PART_BYTES_LIMIT) for k, v in enumerate(shape or [])]
-                nbytes = part.get("bytes", math.prod(dims) * dtype_itemsize(dtype) if dims else None)
+                dims = None
+                if shape is not None:  # [] for one item (a scale per expert)
+                    dims = [self.whole(v, f"{here}.shape[{k}]", MAX_PART_BYTES_LIMIT) for k, v in enumerate(shape)]
+                nbytes = part.get("bytes", None if dims is None else math.prod(dims) * dtype_itemsize(dtype))
                 if nbytes is None:
                     raise self.fail(here, 'no "bytes" (or a "shape" to size the part by its dtype)')
                 out.append(
-                    self._part(
-                        name, self.whole(nbytes, f"{here}.bytes", MAX_PART_BYTES_LIMIT), dtype, dims or None, here
-                    )
+                    self._part(name, self.whole(nbytes, f"{here}.bytes", MAX_PART_BYTES_LIMIT), dtype, dims, here)
                 )
             elif "bytes" in part and "type" not in part:
                 if shape is not None:
