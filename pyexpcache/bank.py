@@ -4,8 +4,9 @@ device-side select reads and writes (:meth:`pyexpcache.ExpertCache.select_device
 A cache made with ``lookup="device"`` keeps each size class's slots in one bank, one device
 allocation of ``cap`` slots at a fixed stride that never moves while the cache lives. An
 :class:`ExpertBank` shows it as one strided view per part (``bank.part(name)``; ``gate``, ``up``
-and ``down`` for three parts), of shape ``[cap, ...]``: ``bank.gate[slots]`` in torch (or a fused MoE kernel given slot ids) reads the
-experts in place, and a CUDA graph captured with them stays valid for the cache's life.
+and ``down`` for three parts), of shape ``[cap, ...]``: ``bank.gate[slots]`` in torch (or a fused
+MoE kernel given slot ids) reads the experts in place, and a CUDA graph captured with them stays
+valid for the cache's life.
 
 Id arrays are taken from whatever holds them, without a copy: the CUDA Array Interface
 (torch, cupy, numba), DLPack, or the NumPy array interface on the host backend.

@@ -11,6 +11,9 @@ or, fused, ``blk.{i}.ffn_gate_up_exps.weight`` ``[n_embd, 2 * n_ff, n_expert]`` 
 first half of each expert's rows is the gate and second half the up matrix. Expert e
 of a tensor is the e-th contiguous run of ``tensor bytes / n_expert`` bytes, so each
 part of a layer is a (base, stride) pair into the file: exactly what the cache needs.
+Per-expert biases (GPT-OSS: ``blk.{i}.ffn_{gate,up,down}_exps.bias`` ``[n, n_expert]``) are
+parts of their own after gate, up and down (``gate_bias``, ``up_bias``, ``down_bias``), as the
+file keeps them apart; a layer without them has the three parts.
 
 * :func:`describe_gguf` lists each layer's expert tensors (types, sizes, offsets).
 * :func:`layout_from_gguf` turns that into a :class:`~pyexpcache.ModelLayout`.
@@ -25,7 +28,7 @@ file and what is wrong.
 
 from __future__ import annotations
 
-import functools
+import math
 import mmap
 import os
 import re
@@ -34,17 +37,26 @@ from typing import Optional, Union
 
 import numpy as np
 
-from .layer_spec import LayerSpec
+from ._gguf_reader import _bounded_reader_class, _import_gguf, _Truncated
+from .layer_spec import LayerSpec, PartSpec
 from .layout import ModelLayout
 from .source import BufferSource, LayerPlacement, checksum_bytes
 
-__all__ = ["GGUFLayoutError", "GGUFExpertLayer", "GGUFSource", "describe_gguf", "inspect_table", "layout_from_gguf"]
+__all__ = [
+    "GGUFLayoutError",
+    "GGUFExpertLayer",
+    "GGUFExpertPart",
+    "GGUFSource",
+    "describe_gguf",
+    "inspect_table",
+    "layout_from_gguf",
+]
 
 _MASK64 = (1 << 64) - 1
 _HEADER_BYTES = 24  # magic, version, tensor count, metadata count
 _MAGIC = b"GGUF"
 _MAX_LAYERS = 1 << 16  # a sanity bound on block indices (no model comes near)
-_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
+_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
 _PARTS = ("gate", "up", "down")
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -54,98 +66,6 @@ class GGUFLayoutError(ValueError):
     """A GGUF file is malformed or its expert tensors cannot be served as a layout."""
 
 
-def _import_gguf():
-    try:
-        import gguf  # lazy on purpose: the package is optional
-    except ImportError as exc:
-        raise ImportError(
-            "reading GGUF files needs the 'gguf' package: pip install gguf (or pip install 'expcache[gguf]')"
-        ) from exc
-    return gguf
-
-
-@functools.lru_cache(maxsize=1)
-def _bounded_reader_class():
-    """GGUFReader whose every read is bounds-checked against the file size.
-
-    The stock reader slices its memmap without checking, so a truncated or corrupted
-    file can make it read empty arrays (IndexError at best; a corrupted array length
-    makes it loop for ~2^64 iterations without reading a byte). This raises instead,
-    and rejects a metadata array whose length cannot fit in the rest of the file
-    before the reader walks it item by item (through a multi-GB file, that walk
-    would take hours).
-    """
-    gguf = _import_gguf()
-    vt = gguf.GGUFValueType
-
-    class _BoundedReader(gguf.GGUFReader):
-        def _get(self, offset, dtype, count=1, *args, **kwargs):
-            n = int(count)
-            end = int(offset) + np.dtype(dtype).itemsize * n
-            size = int(self.data.shape[0])
-            if int(offset) < 0 or n < 0 or end > size:
-                raise _Truncated(
-                    f"a field at byte {int(offset)} needs {end - int(offset)} bytes but the file ends at byte {size}",
-                    int(offset),
-                    end,
-                    size,
-                )
-            return super()._get(offset, dtype, count, *args, **kwargs)
-
-        def _build_tensors(self, start_offs, fields, *args, **kwargs):
-            try:
-                return super()._build_tensors(start_offs, fields, *args, **kwargs)
-            except _Truncated as exc:
-                # Name the tensor whose data runs past the end (an incomplete download).
-                try:
-                    names = {
-                        int(start_offs) + int(f.parts[-1][0]): bytes(f.parts[1]).decode("utf-8", "replace")
-                        for f in fields
-                    }
-                except Exception:
-                    raise exc from None
-                name = names.get(exc.offset)
-                if name is None:
-                    raise
-                raise _Truncated(
-                    f"the data of tensor {name} (bytes {exc.offset}..{exc.end}) runs past the "
-                    f"end of the file ({exc.size} bytes)",
-                    exc.offset,
-                    exc.end,
-                    exc.size,
-                ) from None
-
-        def _get_field_parts(self, orig_offs, raw_type, *args, **kwargs):
-            if int(raw_type) == int(vt.ARRAY):
-                item_type = int(self._get(orig_offs, np.uint32)[0])
-                length = int(self._get(orig_offs + 4, np.uint64)[0])
-                scalar = {int(k): v for k, v in self.gguf_scalar_to_np.items()}.get(item_type)
-                min_item = (
-                    np.dtype(scalar).itemsize
-                    if scalar is not None
-                    else 8
-                    if item_type == int(vt.STRING)
-                    else 12
-                    if item_type == int(vt.ARRAY)
-                    else 1
-                )
-                left = int(self.data.shape[0]) - (int(orig_offs) + 12)
-                if length * min_item > left:
-                    raise _Truncated(
-                        f"a metadata array at byte {int(orig_offs)} claims {length} items of at "
-                        f"least {min_item} bytes but {left} bytes are left in the file"
-                    )
-            return super()._get_field_parts(orig_offs, raw_type, *args, **kwargs)
-
-    return _BoundedReader
-
-
-class _Truncated(ValueError):
-    def __init__(self, message: str, offset: int = -1, end: int = -1, size: int = -1):
-        super().__init__(message)
-        self.offset, self.end, self.size = offset, end, size
-
-
 @dataclass(frozen=True)
 class GGUFExpertLayer:
     """One MoE layer's routed-expert tensors in a GGUF file.
@@ -153,6 +73,8 @@ class GGUFExpertLayer:
     Offsets are absolute file offsets of expert 0's part; expert e's part starts
     ``e * stride`` bytes later and is ``*_bytes`` long. For a fused gate_up tensor the
     gate and up parts share the tensor (same stride, up offset = gate offset + half).
+    ``extra``: the layer's other per-expert tensors, each a part of its own after gate, up and
+    down (GPT-OSS's expert biases: ``gate_bias``, ``up_bias``, ``down_bias``).
     """
 
     layer: int
@@ -170,26 +92,51 @@ class GGUFExpertLayer:
     gate_stride: int
     up_stride: int
     down_stride: int
+    extra: tuple[GGUFExpertPart, ...] = ()
 
     @property
     def spec(self) -> LayerSpec:
-        return LayerSpec(self.num_experts, self.gate_bytes, self.up_bytes, self.down_bytes)
+        if not self.extra:
+            return LayerSpec(self.num_experts, self.gate_bytes, self.up_bytes, self.down_bytes)
+        parts = [(p, b) for p, b in zip(("gate", "up", "down"), self.sizes)]
+        return LayerSpec.of_parts(self.num_experts, parts + [p.part for p in self.extra])
 
     @property
-    def types(self) -> tuple[str, str, str]:
-        return (self.gate_type, self.up_type, self.down_type)
+    def types(self) -> tuple[str, ...]:
+        return (self.gate_type, self.up_type, self.down_type) + tuple(p.type_name for p in self.extra)
 
     @property
-    def offsets(self) -> tuple[int, int, int]:
-        return (self.gate_offset, self.up_offset, self.down_offset)
+    def offsets(self) -> tuple[int, ...]:
+        return (self.gate_offset, self.up_offset, self.down_offset) + tuple(p.offset for p in self.extra)
 
     @property
-    def strides(self) -> tuple[int, int, int]:
-        return (self.gate_stride, self.up_stride, self.down_stride)
+    def strides(self) -> tuple[int, ...]:
+        return (self.gate_stride, self.up_stride, self.down_stride) + tuple(p.nbytes for p in self.extra)
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        return (self.gate_bytes, self.up_bytes, self.down_bytes)
+    def sizes(self) -> tuple[int, ...]:
+        return (self.gate_bytes, self.up_bytes, self.down_bytes) + tuple(p.nbytes for p in self.extra)
+
+
+# GGUF types whose items a view can show, for the extra parts' dtypes.
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class GGUFExpertPart:
+    """One more per-expert tensor of a layer (a bias): expert e's ``nbytes`` at ``offset + e *
+    nbytes`` in the file; ``rows`` items of its type per expert."""
+
+    name: str
+    type_name: str
+    nbytes: int
+    offset: int
+    rows: int
+
+    @property
+    def part(self) -> PartSpec:
+        dtype = _DTYPES.get(self.type_name)
+        return PartSpec(self.name, self.nbytes, dtype, None if dtype is None else (self.rows,))
 
 
 @dataclass(frozen=True)
@@ -238,10 +185,10 @@ def _scan(path: PathLike) -> tuple[list[Optional[GGUFExpertLayer]], int]:
             m = _EXPS_RE.match(t.name)
             if not m:
                 continue
-            layer, part = int(m.group(1)), m.group(2)
+            layer, part = int(m.group(1)), m.group(2) + ("_bias" if m.group(3) == "bias" else "")
             if layer >= _MAX_LAYERS:
                 raise fail(f"tensor {t.name}: block index {layer} is implausible (>= {_MAX_LAYERS})")
-            tensor = _tensor_info(gguf, t, size, fail)
+            tensor = _tensor_info(gguf, t, size, fail, 2 if m.group(3) == "bias" else 3)
             parts = found.setdefault(layer, {})
             if part in parts:
                 raise fail(f"layer {layer}: two {part} expert tensors")
@@ -279,17 +226,20 @@ def _field_value(reader, key: str):
     return value
 
 
-def _tensor_info(gguf, t, file_size: int, fail) -> _Tensor:
+def _tensor_info(gguf, t, file_size: int, fail, ndim: int = 3) -> _Tensor:
+    """A tensor of ``ndim`` dimensions, experts the last (3: a weight [row, rows, experts]; 2: a
+    bias [row, experts])."""
     qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     dims = tuple(int(d) for d in t.shape)
-    if len(dims) != 3:
-        raise fail(f"tensor {t.name}: expected 3 dimensions [row, rows, experts], got shape {list(dims)}")
+    if len(dims) != ndim:
+        what = "[row, rows, experts]" if ndim == 3 else "[row, experts]"
+        raise fail(f"tensor {t.name}: expected {ndim} dimensions {what}, got shape {list(dims)}")
     if min(dims) <= 0:
         raise fail(f"tensor {t.name}: empty shape {list(dims)}")
     if dims[0] % block:
         raise fail(f"tensor {t.name}: row length {dims[0]} is not a multiple of the {qtype.name} block size {block}")
-    nbytes = dims[0] // block * type_size * dims[1] * dims[2]
+    nbytes = dims[0] // block * type_size * math.prod(dims[1:])
     if nbytes != int(t.n_bytes):
         raise fail(f"tensor {t.name}: {nbytes} bytes by its shape, the reader says {int(t.n_bytes)}")
     offset = int(t.data_offset)
@@ -302,12 +252,13 @@ def _layer_record(layer: int, parts: dict[str, _Tensor], fail) -> GGUFExpertLaye
     if "gate_up" in parts and ("gate" in parts or "up" in parts):
         raise fail(f"layer {layer}: both a fused ffn_gate_up_exps and separate gate/up expert tensors")
     have = set(parts) - {"gate_up"} | ({"gate", "up"} if "gate_up" in parts else set())
+    biases = [p for p in ("gate_up_bias", "gate_bias", "up_bias", "down_bias") if p in parts]
     missing = [p for p in _PARTS if p not in have]
     if missing:
         names = ", ".join(sorted(t.name for t in parts.values()))
         raise fail(f"layer {layer}: incomplete experts: has {names} but no {'/'.join(missing)} expert tensor")
 
-    counts = {t.name: t.dims[2] for t in parts.values()}
+    counts = {t.name: t.dims[-1] for t in parts.values()}
     if len(set(counts.values())) != 1:
         raise fail(
             f"layer {layer}: expert counts disagree: " + ", ".join(f"{n} has {c}" for n, c in sorted(counts.items()))
@@ -319,6 +270,9 @@ def _layer_record(layer: int, parts: dict[str, _Tensor], fail) -> GGUFExpertLaye
             raise fail(f"tensor {t.name}: {t.nbytes} bytes do not divide into {n} experts")
         return t.nbytes // n
 
+    extra = tuple(
+        GGUFExpertPart(b, parts[b].type_name, per_expert(parts[b]), parts[b].offset, parts[b].dims[0]) for b in biases
+    )
     down = parts["down"]
     down_bytes = per_expert(down)
     if "gate_up" in parts:
@@ -343,6 +297,7 @@ def _layer_record(layer: int, parts: dict[str, _Tensor], fail) -> GGUFExpertLaye
             stride,
             stride,
             down_bytes,
+            extra,
         )
     gate, up = parts["gate"], parts["up"]
     gate_bytes, up_bytes = per_expert(gate), per_expert(up)
@@ -362,6 +317,7 @@ def _layer_record(layer: int, parts: dict[str, _Tensor], fail) -> GGUFExpertLaye
         gate_bytes,
         up_bytes,
         down_bytes,
+        extra,
     )
 
 
@@ -446,26 +402,33 @@ class GGUFSource(BufferSource):
         return self._placements[layer]
 
     # -- verification ------------------------------------------------------
-    def part(self, layer: int, expert: int, part: int) -> np.ndarray:
-        """A read-only uint8 view of one part's bytes in the file."""
+    def part(self, layer: int, expert: int, part) -> np.ndarray:
+        """A read-only uint8 view of one part's bytes in the file (``part``: its index or name)."""
         self._check_open()
         rec = self.records[layer]
         if rec is None:
             raise ValueError(f"layer {layer} has no routed experts")
         if not 0 <= expert < rec.num_experts:
             raise ValueError(f"layer {layer}: expert {expert} out of range (0..{rec.num_experts - 1})")
-        if part not in (0, 1, 2):
-            raise ValueError(f"part must be 0 (gate), 1 (up) or 2 (down), got {part}")
+        spec = rec.spec
+        try:
+            part = spec.part_index(part)
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"part must be one of {', '.join(spec.part_names)} or its index, got {part!r}") from None
         off = rec.offsets[part] + expert * rec.strides[part]
         return self.buffer[off : off + rec.sizes[part]]
 
     def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
-        """An expert's bytes: gate, then up, then down (a copy)."""
-        return np.concatenate([self.part(layer, expert, p) for p in range(3)])
+        """An expert's bytes: every part in order, gate, up and down first (a copy)."""
+        return np.concatenate([self.part(layer, expert, p) for p in range(self._num_parts(layer))])
 
     def expected_checksum(self, layer: int, expert: int) -> int:
         """What expcache_testing_checksum gives for this expert when its bytes are intact."""
-        return sum(checksum_bytes(self.part(layer, expert, p)) for p in range(3)) & _MASK64
+        return sum(checksum_bytes(self.part(layer, expert, p)) for p in range(self._num_parts(layer))) & _MASK64
+
+    def _num_parts(self, layer: int) -> int:
+        rec = self.records[layer]
+        return 3 if rec is None else 3 + len(rec.extra)  # a dense layer: part() says so
 
     # -- lifetime ----------------------------------------------------------
     def _release(self) -> None:
@@ -478,123 +441,5 @@ class GGUFSource(BufferSource):
         return f"GGUFSource({self.path!r}, {len(self.layout.moe_layers)} MoE layers, {state})"
 
 
-# ---------------------------------------------------------------------------
-# Inspection
-
-
-def _ranges(items: list[int]) -> str:
-    """[3, 4, 5, 7] -> "3-5, 7"."""
-    out, start, prev = [], None, None
-    for i in items:
-        if start is None:
-            start = prev = i
-        elif i == prev + 1:
-            prev = i
-        else:
-            out.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = prev = i
-    if start is not None:
-        out.append(f"{start}-{prev}" if prev != start else f"{start}")
-    return ", ".join(out)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.4f}"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.4f}"
-
-
-def inspect_table(path_or_layout) -> str:
-    """A text report of a GGUF file (path), a :class:`GGUFSource` or a
-    :class:`~pyexpcache.ModelLayout`: one row per MoE layer (class, quant types, per-expert
-    MiB, bytes per layer), one row per size class (its layers, experts, GiB), and the total
-    bytes of all experts. Quant types are known only from a file."""
-    try:
-        from tabulate import tabulate
-    except ImportError as exc:
-        raise ImportError("inspect_table needs the 'tabulate' package: pip install tabulate") from exc
-
-    if isinstance(path_or_layout, ModelLayout):
-        layout, records, title = path_or_layout, None, path_or_layout.name
-    elif isinstance(path_or_layout, GGUFSource):
-        layout, records, title = path_or_layout.layout, path_or_layout.records, path_or_layout.path
-    else:
-        records = describe_gguf(path_or_layout)
-        layout, title = _layout(records, path_or_layout), os.fspath(path_or_layout)
-
-    classes = layout.classes()
-    keys = list(classes)
-    rows = []
-    for i in layout.moe_layers:
-        s = layout[i]
-        r = records[i] if records is not None else None
-        types = "/".join(r.types) + (" (fused gate_up)" if r.fused else "") if r else "-"
-        rows.append(
-            [
-                i,
-                keys.index(s.class_key),
-                s.num_experts,
-                types,
-                f"{s.gate_bytes:,}",
-                f"{s.up_bytes:,}",
-                f"{s.down_bytes:,}",
-                _mib(s.expert_bytes),
-                f"{s.num_experts * s.expert_bytes:,}",
-            ]
-        )
-    layer_table = tabulate(
-        rows,
-        headers=[
-            "layer",
-            "class",
-            "experts",
-            "types (gate/up/down)",
-            "gate B",
-            "up B",
-            "down B",
-            "expert MiB",
-            "layer bytes",
-        ],
-        disable_numparse=True,
-        colalign=("right",) * 3 + ("left",) + ("right",) * 5,
-    )
-
-    crows = []
-    for c, (key, layers) in enumerate(classes.items()):
-        experts = sum(layout[i].num_experts for i in layers)
-        total = sum(layout[i].num_experts * layout[i].expert_bytes for i in layers)
-        crows.append(
-            [
-                c,
-                f"{key[0]:,} / {key[1]:,} / {key[2]:,}",
-                _mib(sum(key)),
-                _ranges(layers),
-                len(layers),
-                f"{experts:,}",
-                f"{total:,}",
-                _gib(total),
-            ]
-        )
-    class_table = tabulate(
-        crows,
-        headers=["class", "gate / up / down B", "expert MiB", "layers", "n layers", "experts", "bytes", "GiB"],
-        disable_numparse=True,
-        colalign=("right", "left", "right", "left") + ("right",) * 4,
-    )
-
-    dense = [i for i, s in enumerate(layout.layers) if s is None]
-    total = layout.total_bytes
-    lines = [
-        f"{title}: {layout.num_layers} layers, {len(layout.moe_layers)} with routed experts"
-        + (f", dense: {_ranges(dense)}" if dense else ""),
-        "",
-        layer_table,
-        "",
-        class_table,
-        "",
-        f"total: {total:,} bytes ({_gib(total)} GiB) of routed experts in {len(classes)} size class"
-        + ("es" if len(classes) != 1 else ""),
-    ]
-    return "\n".join(lines)
+# The text report of a file's layers and classes: pyexpcache.gguf_inspect (importable from here too).
+from .gguf_inspect import inspect_table  # noqa: E402 (it imports this module's names)

@@ -121,14 +121,36 @@ def test_fused_gate_up_split_into_halves(tmp_path):
             ).all()
 
 
-def test_expert_bias_and_shared_expert_tensors_are_ignored(tmp_path):
+def test_expert_biases_are_parts_of_their_own_and_shared_expert_tensors_are_ignored(tmp_path):
+    """GPT-OSS's GGUF keeps each expert bias apart from its weight: a part after gate, up and down,
+    served byte for byte; the shared expert's tensors are not routed experts."""
     rng = np.random.default_rng(3)
+    gate_bias, down_bias = rng.random((8, 4), dtype=np.float32), rng.random((8, 6), dtype=np.float32)
     tensors = moe_tensors(rng, 0) + [
-        ("blk.0.ffn_gate_exps.bias", rng.random((8, 4), dtype=np.float32), None),
+        ("blk.0.ffn_down_exps.bias", down_bias, None),
+        ("blk.0.ffn_gate_exps.bias", gate_bias, None),
         ("blk.0.ffn_down_shexp.weight", rng.random((4, ROW), dtype=np.float32), None),
     ]
     path = write_tensors(tmp_path / "b.gguf", tensors)
-    assert layout_from_gguf(path).layers == (LayerSpec(8, 576, 576, 288),)
+    spec = LayerSpec.of_parts(
+        8,
+        [
+            ("gate", 576),
+            ("up", 576),
+            ("down", 288),
+            ("gate_bias", 16, "float32", (4,)),
+            ("down_bias", 24, "float32", (6,)),
+        ],
+    )
+    assert layout_from_gguf(path).layers == (spec,)
+    with GGUFSource(path) as src, ExpertCache(src.layout, src, budget_experts=3, backend="host", log_level=0) as cache:
+        for ids in ([1, 5], [2, 7], [5, 0]):
+            for e, view in zip(ids, cache.select_views(0, ids)):
+                assert np.asarray(view["gate_bias"]).tobytes() == gate_bias[e].tobytes()
+                assert np.asarray(view["down_bias"]).view(np.float32).tolist() == down_bias[e].tolist()
+                assert (np.asarray(view["up"]) == src.part(0, e, "up")).all()
+    plain = write_tensors(tmp_path / "p.gguf", moe_tensors(np.random.default_rng(3), 0))
+    assert layout_from_gguf(plain).layers == (LayerSpec(8, 576, 576, 288),)
 
 
 # ---------------------------------------------------------------------------

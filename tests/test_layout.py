@@ -429,6 +429,30 @@ def _spec(experts, ffn, hidden, block, size):
     return LayerSpec(experts, part, part, part)
 
 
+# The stored parts of the quantized checkpoints (their quantization_config; test_hf_quant.py has
+# the rules): DeepSeek V3's FP8 with 128 x 128 blocks, GPT-OSS's MXFP4 with bf16 biases.
+FP8_DEEPSEEK_V3 = LayerSpec.of_parts(
+    256,
+    [
+        ("gate_up_proj", 4096 * 7168, "float8_e4m3fn", (4096, 7168)),
+        ("gate_up_proj_scale_inv", 32 * 56 * 4, "float32", (32, 56)),
+        ("down_proj", 7168 * 2048, "float8_e4m3fn", (7168, 2048)),
+        ("down_proj_scale_inv", 56 * 16 * 4, "float32", (56, 16)),
+    ],
+)
+MXFP4_GPT_OSS_20B = LayerSpec.of_parts(
+    32,
+    [
+        ("gate_up_proj_blocks", 5760 * 90 * 16, "uint8", (5760, 90, 16)),
+        ("gate_up_proj_scales", 5760 * 90, "uint8", (5760, 90)),
+        ("gate_up_proj_bias", 5760 * 2, "bfloat16", (5760,)),
+        ("down_proj_blocks", 2880 * 90 * 16, "uint8", (2880, 90, 16)),
+        ("down_proj_scales", 2880 * 90, "uint8", (2880, 90)),
+        ("down_proj_bias", 2880 * 2, "bfloat16", (2880,)),
+    ],
+)
+
+
 @pytest.mark.parametrize(
     "model, layers, moe, spec",
     [
@@ -436,8 +460,8 @@ def _spec(experts, ffn, hidden, block, size):
         ("Qwen1.5-MoE-A2.7B", 24, range(24), _spec(60, 1408, 2048, 1, 2)),
         ("Qwen3-30B-A3B", 48, range(48), _spec(128, 768, 2048, 1, 2)),
         ("OLMoE-1B-7B-0924", 16, range(16), _spec(64, 1024, 2048, 1, 4)),
-        ("DeepSeek-V3", 61, range(3, 61), _spec(256, 2048, 7168, 1, 2)),
-        ("gpt-oss-20b", 24, range(24), _spec(32, 2880, 2880, 32, 17)),
+        ("DeepSeek-V3", 61, range(3, 61), FP8_DEEPSEEK_V3),
+        ("gpt-oss-20b", 24, range(24), MXFP4_GPT_OSS_20B),
     ],
 )
 def test_a_hugging_face_config_gives_the_experts(tmp_path, model, layers, moe, spec):
@@ -447,16 +471,9 @@ def test_a_hugging_face_config_gives_the_experts(tmp_path, model, layers, moe, s
         layout = ModelLayout.from_hf_config(path)
     assert layout.num_layers == layers and layout.moe_layers == list(moe)
     assert {layout[i] for i in moe} == {spec}
-    # DeepSeek V3's weights are fp8: said, and the sizes are its torch_dtype's.
-    assert [str(w.message) for w in caught] == (
-        [
-            f"{path}: the weights are stored as fp8 (quantization_config) but the layout has BF16 sizes (torch_dtype); "
-            "give the stored type (quant=..., or --layout CONFIG.json:TYPE)"
-        ]
-        if model == "DeepSeek-V3"
-        else []
-    )
-    label = "mxfp4" if model == "gpt-oss-20b" else "f32" if model.startswith("OLMoE") else "bf16"
+    # DeepSeek V3's fp8 and GPT-OSS's mxfp4 are read from quantization_config: nothing to say.
+    assert [str(w.message) for w in caught] == []
+    label = {"gpt-oss-20b": "mxfp4", "DeepSeek-V3": "fp8"}.get(model, "f32" if model.startswith("OLMoE") else "bf16")
     assert layout.name == f"{model}-{label}"
 
 
