@@ -221,7 +221,7 @@ class ModelLayout:
                 continue
             if any(b % divisor for b in s.class_key):
                 raise ValueError(f"layer {i}: part sizes {s.class_key} are not divisible by {divisor}")
-            out.append(s.with_sizes(b // divisor for b in s.class_key))
+            out.append(s if divisor == 1 else s.with_sizes(b // divisor for b in s.class_key))
         suffix = f"/{divisor}" if divisor != 1 else ""
         return ModelLayout(tuple(out), name=self.name + suffix)
 
