@@ -165,8 +165,8 @@ class FileSource(BufferSource):
         return self.buffer[off : off + place.sizes[part]]
 
     def expert_bytes(self, layer: int, expert: int) -> np.ndarray:
-        """An expert's bytes: gate, then up, then down (a copy)."""
-        return np.concatenate([self.part(layer, expert, p) for p in range(3)])
+        """An expert's bytes: every part in order (a copy)."""
+        return np.concatenate([self.part(layer, expert, p) for p in range(self.layout[layer].num_parts)])
 
     def expected_checksum(self, layer: int, expert: int) -> int:
         """What expcache_testing_checksum gives for this expert when its bytes are intact

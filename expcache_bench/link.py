@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 
 from pyexpcache import _cuda
-from pyexpcache.layout import LayerSpec, ModelLayout
+from pyexpcache.layout import ModelLayout
 from pyexpcache.source import HostSource
 
 REPEATS = 20  # timed copies of a link measurement, after one untimed
@@ -85,7 +85,7 @@ def measure(
         if source.pinned:
             return Link(copy_rate(source.buffer.ctypes.data, chunk, repeats, stream), label)
         spec = next(s for s in source.layout.layers if s)
-        probe = ModelLayout((LayerSpec(max(1, -(-chunk // spec.expert_bytes)), *spec.class_key),))
+        probe = ModelLayout((spec.with_experts(max(1, -(-chunk // spec.expert_bytes))),))
         with HostSource(probe, pinned=True) as pinned:
             return Link(copy_rate(pinned.buffer.ctypes.data, chunk, repeats, stream), label)
     finally:

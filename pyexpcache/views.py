@@ -2,9 +2,10 @@
 
 A :class:`TensorView` is one part (gate, up, down, or a named part such as FP8 block scales) of
 one cached expert, exported to any array library without a copy: DLPack
-(``torch.from_dlpack(view)``, ``cupy.from_dlpack``, ``numpy.from_dlpack``), the CUDA Array Interface v3 on the CUDA backend
-(``torch.as_tensor(view)``, ``cupy.asarray``, Numba) and the NumPy array interface on the host
-backend (``numpy.asarray(view)``). An :class:`ExpertView` groups an expert's parts by name.
+(``torch.from_dlpack(view)``, ``cupy.from_dlpack``, ``numpy.from_dlpack``), the CUDA Array
+Interface v3 on the CUDA backend (``torch.as_tensor(view)``, ``cupy.asarray``, Numba) and the
+NumPy array interface on the host backend (``numpy.asarray(view)``). An :class:`ExpertView`
+groups an expert's parts by name.
 
 **Validity.** A view's bytes are the expert's under the same rule as the addresses
 ``ExpertCache.select`` returns: for work ordered after the select on its stream, until the next
