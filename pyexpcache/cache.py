@@ -23,6 +23,7 @@ from ._serving import Scratch, Serving
 from .batch import Batch, CompactBuffer
 from .layout import ModelLayout
 from .source import Source
+from .stats import StagingStats  # noqa: F401 (importable from here, as before)
 from .views import ViewCache
 
 # Batch and CompactBuffer are at home in pyexpcache.batch, and importable from here too.

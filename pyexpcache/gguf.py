@@ -28,17 +28,13 @@ file and what is wrong.
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
-import re
-from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import numpy as np
 
-from ._gguf_reader import _bounded_reader_class, _import_gguf, _Truncated
-from .layer_spec import LayerSpec, PartSpec
+from ._gguf_scan import GGUFExpertLayer, GGUFExpertPart, GGUFLayoutError, PathLike, _scan
 from .layout import ModelLayout
 from .source import BufferSource, LayerPlacement, checksum_bytes
 
@@ -53,274 +49,6 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
-_HEADER_BYTES = 24  # magic, version, tensor count, metadata count
-_MAGIC = b"GGUF"
-_MAX_LAYERS = 1 << 16  # a sanity bound on block indices (no model comes near)
-_EXPS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
-_PARTS = ("gate", "up", "down")
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-
-class GGUFLayoutError(ValueError):
-    """A GGUF file is malformed or its expert tensors cannot be served as a layout."""
-
-
-@dataclass(frozen=True)
-class GGUFExpertLayer:
-    """One MoE layer's routed-expert tensors in a GGUF file.
-
-    Offsets are absolute file offsets of expert 0's part; expert e's part starts
-    ``e * stride`` bytes later and is ``*_bytes`` long. For a fused gate_up tensor the
-    gate and up parts share the tensor (same stride, up offset = gate offset + half).
-    ``extra``: the layer's other per-expert tensors, each a part of its own after gate, up and
-    down (GPT-OSS's expert biases: ``gate_bias``, ``up_bias``, ``down_bias``).
-    """
-
-    layer: int
-    num_experts: int
-    fused: bool
-    gate_type: str
-    up_type: str
-    down_type: str
-    gate_bytes: int
-    up_bytes: int
-    down_bytes: int
-    gate_offset: int
-    up_offset: int
-    down_offset: int
-    gate_stride: int
-    up_stride: int
-    down_stride: int
-    extra: tuple[GGUFExpertPart, ...] = ()
-
-    @property
-    def spec(self) -> LayerSpec:
-        if not self.extra:
-            return LayerSpec(self.num_experts, self.gate_bytes, self.up_bytes, self.down_bytes)
-        parts = [(p, b) for p, b in zip(("gate", "up", "down"), self.sizes)]
-        return LayerSpec.of_parts(self.num_experts, parts + [p.part for p in self.extra])
-
-    @property
-    def types(self) -> tuple[str, ...]:
-        return (self.gate_type, self.up_type, self.down_type) + tuple(p.type_name for p in self.extra)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        return (self.gate_offset, self.up_offset, self.down_offset) + tuple(p.offset for p in self.extra)
-
-    @property
-    def strides(self) -> tuple[int, ...]:
-        return (self.gate_stride, self.up_stride, self.down_stride) + tuple(p.nbytes for p in self.extra)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return (self.gate_bytes, self.up_bytes, self.down_bytes) + tuple(p.nbytes for p in self.extra)
-
-
-# GGUF types whose items a view can show, for the extra parts' dtypes.
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-
-
-@dataclass(frozen=True)
-class GGUFExpertPart:
-    """One more per-expert tensor of a layer (a bias): expert e's ``nbytes`` at ``offset + e *
-    nbytes`` in the file; ``rows`` items of its type per expert."""
-
-    name: str
-    type_name: str
-    nbytes: int
-    offset: int
-    rows: int
-
-    @property
-    def part(self) -> PartSpec:
-        dtype = _DTYPES.get(self.type_name)
-        return PartSpec(self.name, self.nbytes, dtype, None if dtype is None else (self.rows,))
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    type_name: str
-    dims: tuple[int, ...]  # GGUF order: fastest first
-    offset: int  # absolute file offset
-    nbytes: int
-
-
-def _scan(path: PathLike) -> tuple[list[Optional[GGUFExpertLayer]], int]:
-    """(per-layer records, file size). Raises GGUFLayoutError for a malformed file."""
-    path = os.fspath(path)
-    size = os.stat(path).st_size  # OSError (missing file, ...) propagates as is
-
-    def fail(msg: str) -> GGUFLayoutError:
-        return GGUFLayoutError(f"{path}: {msg}")
-
-    if size < 4:
-        raise fail(f"not a GGUF file: {size} bytes, too short for the magic")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != _MAGIC:
-        raise fail(f"not a GGUF file: bad magic {magic!r} (expected {_MAGIC!r})")
-    if size < _HEADER_BYTES:
-        raise fail(f"truncated: {size} bytes, smaller than the {_HEADER_BYTES}-byte GGUF header")
-
-    gguf = _import_gguf()
-    reader_cls = _bounded_reader_class()
-    try:
-        reader = reader_cls(path, "r")
-    except _Truncated as exc:
-        raise fail(f"truncated or corrupted: {exc}") from exc
-    except Exception as exc:  # the reader's failures on malformed input are of many types
-        raise fail(f"unreadable GGUF ({type(exc).__name__}: {exc})") from exc
-
-    try:
-        if getattr(reader, "byte_order", "I") != "I":
-            raise fail("a GGUF file of the other byte order (big-endian) is not supported")
-        arch = _field_value(reader, "general.architecture")
-        block_count = _field_value(reader, f"{arch}.block_count") if isinstance(arch, str) else None
-
-        found: dict[int, dict[str, _Tensor]] = {}
-        for t in reader.tensors:
-            m = _EXPS_RE.match(t.name)
-            if not m:
-                continue
-            layer, part = int(m.group(1)), m.group(2) + ("_bias" if m.group(3) == "bias" else "")
-            if layer >= _MAX_LAYERS:
-                raise fail(f"tensor {t.name}: block index {layer} is implausible (>= {_MAX_LAYERS})")
-            tensor = _tensor_info(gguf, t, size, fail, 2 if m.group(3) == "bias" else 3)
-            parts = found.setdefault(layer, {})
-            if part in parts:
-                raise fail(f"layer {layer}: two {part} expert tensors")
-            parts[part] = tensor
-    finally:
-        del reader
-
-    if not found:
-        raise fail("no MoE expert tensors (ffn_*_exps) found")
-
-    max_layer = max(found)
-    if block_count is not None:
-        if isinstance(block_count, bool) or not isinstance(block_count, int) or not 0 < block_count <= _MAX_LAYERS:
-            raise fail(f"{arch}.block_count is {block_count!r}, not a layer count")
-        if max_layer >= block_count:
-            raise fail(f"expert tensors of block {max_layer} but {arch}.block_count is {block_count}")
-        num_layers = block_count
-    else:
-        num_layers = max_layer + 1
-
-    records: list[Optional[GGUFExpertLayer]] = [None] * num_layers
-    for layer in sorted(found):
-        records[layer] = _layer_record(layer, found[layer], fail)
-    return records, size
-
-
-def _field_value(reader, key: str):
-    field = reader.get_field(key)
-    if field is None:
-        return None
-    try:
-        value = field.contents()
-    except Exception:  # a corrupted field: treat as unusable
-        return None
-    return value
-
-
-def _tensor_info(gguf, t, file_size: int, fail, ndim: int = 3) -> _Tensor:
-    """A tensor of ``ndim`` dimensions, experts the last (3: a weight [row, rows, experts]; 2: a
-    bias [row, experts])."""
-    qtype = gguf.GGMLQuantizationType(int(t.tensor_type))
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    dims = tuple(int(d) for d in t.shape)
-    if len(dims) != ndim:
-        what = "[row, rows, experts]" if ndim == 3 else "[row, experts]"
-        raise fail(f"tensor {t.name}: expected {ndim} dimensions {what}, got shape {list(dims)}")
-    if min(dims) <= 0:
-        raise fail(f"tensor {t.name}: empty shape {list(dims)}")
-    if dims[0] % block:
-        raise fail(f"tensor {t.name}: row length {dims[0]} is not a multiple of the {qtype.name} block size {block}")
-    nbytes = dims[0] // block * type_size * math.prod(dims[1:])
-    if nbytes != int(t.n_bytes):
-        raise fail(f"tensor {t.name}: {nbytes} bytes by its shape, the reader says {int(t.n_bytes)}")
-    offset = int(t.data_offset)
-    if offset < 0 or offset + nbytes > file_size:
-        raise fail(f"truncated: tensor {t.name} spans bytes {offset}..{offset + nbytes} but the file has {file_size}")
-    return _Tensor(t.name, qtype.name, dims, offset, nbytes)
-
-
-def _layer_record(layer: int, parts: dict[str, _Tensor], fail) -> GGUFExpertLayer:
-    if "gate_up" in parts and ("gate" in parts or "up" in parts):
-        raise fail(f"layer {layer}: both a fused ffn_gate_up_exps and separate gate/up expert tensors")
-    have = set(parts) - {"gate_up"} | ({"gate", "up"} if "gate_up" in parts else set())
-    biases = [p for p in ("gate_up_bias", "gate_bias", "up_bias", "down_bias") if p in parts]
-    missing = [p for p in _PARTS if p not in have]
-    if missing:
-        names = ", ".join(sorted(t.name for t in parts.values()))
-        raise fail(f"layer {layer}: incomplete experts: has {names} but no {'/'.join(missing)} expert tensor")
-
-    counts = {t.name: t.dims[-1] for t in parts.values()}
-    if len(set(counts.values())) != 1:
-        raise fail(
-            f"layer {layer}: expert counts disagree: " + ", ".join(f"{n} has {c}" for n, c in sorted(counts.items()))
-        )
-    n = next(iter(counts.values()))
-
-    def per_expert(t: _Tensor) -> int:
-        if t.nbytes % n:
-            raise fail(f"tensor {t.name}: {t.nbytes} bytes do not divide into {n} experts")
-        return t.nbytes // n
-
-    extra = tuple(
-        GGUFExpertPart(b, parts[b].type_name, per_expert(parts[b]), parts[b].offset, parts[b].dims[0]) for b in biases
-    )
-    down = parts["down"]
-    down_bytes = per_expert(down)
-    if "gate_up" in parts:
-        gu = parts["gate_up"]
-        stride = per_expert(gu)
-        if gu.dims[1] % 2:
-            raise fail(f"tensor {gu.name}: {gu.dims[1]} rows per expert do not split into equal gate/up halves")
-        half = stride // 2
-        return GGUFExpertLayer(
-            layer,
-            n,
-            True,
-            gu.type_name,
-            gu.type_name,
-            down.type_name,
-            half,
-            half,
-            down_bytes,
-            gu.offset,
-            gu.offset + half,
-            down.offset,
-            stride,
-            stride,
-            down_bytes,
-            extra,
-        )
-    gate, up = parts["gate"], parts["up"]
-    gate_bytes, up_bytes = per_expert(gate), per_expert(up)
-    return GGUFExpertLayer(
-        layer,
-        n,
-        False,
-        gate.type_name,
-        up.type_name,
-        down.type_name,
-        gate_bytes,
-        up_bytes,
-        down_bytes,
-        gate.offset,
-        up.offset,
-        down.offset,
-        gate_bytes,
-        up_bytes,
-        down_bytes,
-        extra,
-    )
-
-
 # ---------------------------------------------------------------------------
 # Public functions
 
@@ -441,5 +169,120 @@ class GGUFSource(BufferSource):
         return f"GGUFSource({self.path!r}, {len(self.layout.moe_layers)} MoE layers, {state})"
 
 
-# The text report of a file's layers and classes: pyexpcache.gguf_inspect (importable from here too).
-from .gguf_inspect import inspect_table  # noqa: E402 (it imports this module's names)
+# ---------------------------------------------------------------------------
+# Inspection
+
+
+def _ranges(items: list[int]) -> str:
+    """[3, 4, 5, 7] -> "3-5, 7"."""
+    out, start, prev = [], None, None
+    for i in items:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ", ".join(out)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.4f}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.4f}"
+
+
+def inspect_table(path_or_layout) -> str:
+    """A text report of a GGUF file (path), a :class:`GGUFSource` or a
+    :class:`~pyexpcache.ModelLayout`: one row per MoE layer (class, quant types, per-expert
+    MiB, bytes per layer), one row per size class (its layers, experts, GiB), and the total
+    bytes of all experts. Quant types are known only from a file."""
+    try:
+        from tabulate import tabulate
+    except ImportError as exc:
+        raise ImportError("inspect_table needs the 'tabulate' package: pip install tabulate") from exc
+
+    if isinstance(path_or_layout, ModelLayout):
+        layout, records, title = path_or_layout, None, path_or_layout.name
+    elif isinstance(path_or_layout, GGUFSource):
+        layout, records, title = path_or_layout.layout, path_or_layout.records, path_or_layout.path
+    else:
+        records = describe_gguf(path_or_layout)
+        layout, title = _layout(records, path_or_layout), os.fspath(path_or_layout)
+
+    classes = layout.classes()
+    keys = list(classes)
+    rows = []
+    # Parts past the first three (a GGUF file's expert biases, a layout's quantized parts): a column.
+    extra = any(layout[i].num_parts > 3 for i in layout.moe_layers)
+    for i in layout.moe_layers:
+        s = layout[i]
+        r = records[i] if records is not None else None
+        types = "/".join(r.types) + (" (fused gate_up)" if r.fused else "") if r else "-"
+        sizes = [f"{b:,}" for b in s.class_key[:3]] + [""] * (3 - min(s.num_parts, 3))
+        more = ", ".join(f"{p.name} {p.nbytes:,}" for p in s.parts[3:])
+        rows.append(
+            [i, keys.index(s.class_key), s.num_experts, types, *sizes]
+            + ([more] if extra else [])
+            + [_mib(s.expert_bytes), f"{s.num_experts * s.expert_bytes:,}"]
+        )
+    layer_table = tabulate(
+        rows,
+        headers=["layer", "class", "experts", "types (gate/up/down)", "gate B", "up B", "down B"]
+        + (["more parts B"] if extra else [])
+        + ["expert MiB", "layer bytes"],
+        disable_numparse=True,
+        colalign=("right",) * 3 + ("left",) + ("right",) * 3 + (("left",) if extra else ()) + ("right",) * 2,
+    )
+
+    crows = []
+    for c, (key, layers) in enumerate(classes.items()):
+        experts = sum(layout[i].num_experts for i in layers)
+        total = sum(layout[i].num_experts * layout[i].expert_bytes for i in layers)
+        crows.append(
+            [
+                c,
+                " / ".join(f"{b:,}" for b in key),
+                _mib(sum(key)),
+                _ranges(layers),
+                len(layers),
+                f"{experts:,}",
+                f"{total:,}",
+                _gib(total),
+            ]
+        )
+    class_table = tabulate(
+        crows,
+        headers=[
+            "class",
+            "part B (gate / up / down ...)",
+            "expert MiB",
+            "layers",
+            "n layers",
+            "experts",
+            "bytes",
+            "GiB",
+        ],
+        disable_numparse=True,
+        colalign=("right", "left", "right", "left") + ("right",) * 4,
+    )
+
+    dense = [i for i, s in enumerate(layout.layers) if s is None]
+    total = layout.total_bytes
+    lines = [
+        f"{title}: {layout.num_layers} layers, {len(layout.moe_layers)} with routed experts"
+        + (f", dense: {_ranges(dense)}" if dense else ""),
+        "",
+        layer_table,
+        "",
+        class_table,
+        "",
+        f"total: {total:,} bytes ({_gib(total)} GiB) of routed experts in {len(classes)} size class"
+        + ("es" if len(classes) != 1 else ""),
+    ]
+    return "\n".join(lines)
