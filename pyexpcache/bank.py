@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _dlpack
-from .views import PARTS, TensorView
+from .views import PARTS, NamedParts, TensorView
 
 _INT_BITS = {"<i4": 32, "<i8": 64, "|i4": 32, "|i8": 64}
 _UINT_BITS = {"<u4": 32, "|u4": 32}  # also taken where ``unsigned`` (select_device's counts)
@@ -193,7 +193,7 @@ def slot_view(
     )
 
 
-class ExpertBank:
+class ExpertBank(NamedParts):
     """One size class's slot bank (:meth:`pyexpcache.ExpertCache.bank`).
 
     Attributes:
@@ -224,6 +224,7 @@ class ExpertBank:
     """
 
     __slots__ = ("class_index", "rows", "cap", "slot_stride", "names", "parts", "_specs")
+    _kind = _holder = "bank"
 
     def __init__(self, class_index: int, rows: int, cap: int, slot_stride: int, parts, names=None, specs=None):
         self.class_index, self.rows, self.cap, self.slot_stride = class_index, rows, cap, slot_stride
@@ -237,21 +238,24 @@ class ExpertBank:
         <pyexpcache.ExpertCache.bank>` made (each part in its own dtype and shape when the layout
         gives them, else raw bytes); with them, those bytes in that format (``shape`` one slot's:
         it must cover the part's bytes exactly, 1-D when left out). KeyError naming the parts."""
-        if isinstance(name, str):
-            if name not in self.names:
-                raise KeyError(f"no part {name!r}: this bank's parts are {', '.join(self.names)}")
-            index = self.names.index(name)
-        else:
-            index = name
+        index = self._index(name)
         view = self.parts[index]
         if dtype is None and shape is None:
             return view
         if dtype is None:
             own = self._specs[index].dtype if self._specs is not None else None
             dtype = own if own is not None else view.dtype
+        return self._over(view, self._slot_bytes(view), dtype, shape)
+
+    def _slot_bytes(self, view: TensorView) -> int:
+        """One slot's bytes of a part's view."""
+        return view.nbytes // self.rows if self.rows else 0
+
+    def _over(self, view: TensorView, nbytes: int, dtype, shape) -> TensorView:
+        """``nbytes`` of each slot from where ``view`` starts, as ``[rows, *shape]`` of ``dtype``."""
         return slot_view(
             view.ptr,
-            view.nbytes // self.rows if self.rows else 0,
+            nbytes,
             self.rows,
             self.slot_stride,
             cuda=view.cuda,
@@ -261,26 +265,6 @@ class ExpertBank:
             owner=view.owner,
         )
 
-    def _named(self, i: int) -> TensorView:
-        if self.names != PARTS:
-            raise AttributeError(
-                f"{PARTS[i]}: this bank's parts are {', '.join(self.names)}, not gate, up and down; "
-                f"use bank.part({self.names[0]!r})"
-            )
-        return self.parts[i]
-
-    @property
-    def gate(self) -> TensorView:
-        return self._named(0)
-
-    @property
-    def up(self) -> TensorView:
-        return self._named(1)
-
-    @property
-    def down(self) -> TensorView:
-        return self._named(2)
-
     def gate_up(self, shape=None, dtype=None) -> TensorView:
         """The gate and up parts as one view ``[cap, *shape]``: each slot's two parts side by side,
         the fused gate-and-up weight most engines keep per expert (transformers' ``gate_up_proj``,
@@ -289,8 +273,7 @@ class ExpertBank:
         defaults to the parts'. Up must start where gate ends, which it does when the gate's byte
         size is a multiple of the slot alignment (256 B); ValueError otherwise."""
         gate, up = self.gate, self.up
-        gate_bytes = gate.nbytes // self.rows if self.rows else 0
-        up_bytes = up.nbytes // self.rows if self.rows else 0
+        gate_bytes, up_bytes = self._slot_bytes(gate), self._slot_bytes(up)
         if up.ptr != gate.ptr + gate_bytes:
             raise ValueError(
                 f"gate ({gate_bytes} B) and up are {up.ptr - gate.ptr - gate_bytes} B apart in a slot: "
@@ -299,17 +282,7 @@ class ExpertBank:
         dtype = gate.dtype if dtype is None else dtype
         if shape is None and dtype == gate.dtype and gate.shape[1:] == up.shape[1:] and len(gate.shape) > 1:
             shape = (2 * gate.shape[1], *gate.shape[2:])
-        return slot_view(
-            gate.ptr,
-            gate_bytes + up_bytes,
-            self.rows,
-            self.slot_stride,
-            cuda=gate.cuda,
-            device_id=gate.device_id,
-            dtype=dtype,
-            shape=shape,
-            owner=gate.owner,
-        )
+        return self._over(gate, gate_bytes + up_bytes, dtype, shape)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={v.shape} {v.dtype}" for n, v in zip(self.names, self.parts))

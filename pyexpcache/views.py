@@ -295,7 +295,45 @@ def part_formats(parts, dtype=None, shapes=None) -> list[tuple]:
     return out
 
 
-class ExpertView:
+class NamedParts:
+    """What a thing made of an expert's parts (:class:`ExpertView`, an
+    :class:`~pyexpcache.ExpertBank`) shares: ``names`` and ``parts`` in step, a part looked up by
+    name or index, and ``gate``, ``up`` and ``down`` where those are the three parts."""
+
+    __slots__ = ()
+    _kind = "expert"  # in messages: "this expert's parts are ..."
+    _holder = "view"  # and "use view.part(...)"
+
+    def _index(self, name) -> int:
+        if not isinstance(name, str):
+            return name
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise KeyError(f"no part {name!r}: this {self._kind}'s parts are {', '.join(self.names)}") from None
+
+    def _named(self, i: int) -> TensorView:
+        if self.names != PARTS:
+            raise AttributeError(
+                f"{PARTS[i]}: this {self._kind}'s parts are {', '.join(self.names)}, not gate, up and down; "
+                f"use {self._holder}.part({self.names[0]!r})"
+            )
+        return self.parts[i]
+
+    @property
+    def gate(self) -> TensorView:
+        return self._named(0)
+
+    @property
+    def up(self) -> TensorView:
+        return self._named(1)
+
+    @property
+    def down(self) -> TensorView:
+        return self._named(2)
+
+
+class ExpertView(NamedParts):
     """The parts of one cached expert, each a :class:`TensorView` (valid under the same rule as
     each of them), by name: ``view.part("gate_up_proj")`` or ``view["gate_up_proj"]`` (an index
     works too), and ``view.gate``, ``view.up``, ``view.down`` for an expert of those three parts.
@@ -311,12 +349,7 @@ class ExpertView:
 
     def part(self, name) -> TensorView:
         """The view of part ``name`` (or of the part at an index); KeyError naming the parts."""
-        if isinstance(name, str):
-            try:
-                return self.parts[self.names.index(name)]
-            except ValueError:
-                raise KeyError(f"no part {name!r}: this expert's parts are {', '.join(self.names)}") from None
-        return self.parts[name]
+        return self.parts[self._index(name)]
 
     __getitem__ = part
 
@@ -325,26 +358,6 @@ class ExpertView:
 
     def items(self):
         return zip(self.names, self.parts)
-
-    def _named(self, i: int) -> TensorView:
-        if self.names != PARTS:
-            raise AttributeError(
-                f"{PARTS[i]}: this expert's parts are {', '.join(self.names)}, not gate, up and down; "
-                f"use view.part({self.names[0]!r})"
-            )
-        return self.parts[i]
-
-    @property
-    def gate(self) -> TensorView:
-        return self._named(0)
-
-    @property
-    def up(self) -> TensorView:
-        return self._named(1)
-
-    @property
-    def down(self) -> TensorView:
-        return self._named(2)
 
     def __iter__(self):
         return iter(self.parts)
