@@ -126,7 +126,10 @@ class ModelLayout:
         (``"gate": {"type": "Q4_K", "shape": [14336, 4096]}``, sized by :func:`matrix_bytes`),
         with a default ``"type"`` (or ``"dtype"``) at the top, in a layer or in a repeat; and
         ``{"repeat": n, "layer": {...}}`` (or ``null``) for n equal layers, or
-        ``{"repeat": n, "layers": [...]}`` for a group of layers n times over. ``"comment"`` is
+        ``{"repeat": n, "layers": [...]}`` for a group of layers n times over. A layer whose
+        experts have other parts lists them: ``{"experts": E, "parts": [{"name": ..., "bytes": n},
+        {"name": ..., "dtype": "float32", "shape": [...]}, {"name": ..., "type": "Q4_K", "shape":
+        [rows, cols]}]}`` (1..8, in slot order; :meth:`LayerSpec.of_parts`). ``"comment"`` is
         allowed in any object and ignored; any other unknown key is an error (a misspelt key
         would otherwise be lost). ``name`` defaults to the file's name without ``.json``.
 
@@ -190,10 +193,11 @@ class ModelLayout:
         are ``[ffn, hidden]``, down ``[hidden, ffn]``.
 
         The stored type: ``quant`` when given (a GGUF type or dtype for every part, or a dict
-        ``{"gate": ..., "up": ..., "down": ...}``); else MXFP4 for ``quantization_config``'s
-        ``quant_method`` ``"mxfp4"`` (GPT-OSS's experts: 4-bit values and a shared scale per 32
-        weights, 17 bytes, GGUF's MXFP4 block); else ``torch_dtype`` (or ``dtype``): bf16, fp16,
-        fp32. Another ``quant_method`` (fp8, ...) warns that the sizes are the dtype's.
+        ``{"gate": ..., "up": ..., "down": ...}``: three parts); else, for ``quantization_config``'s
+        ``quant_method`` ``"fp8"`` or ``"mxfp4"``, the checkpoint's stored tensors as parts, named,
+        typed and shaped as transformers holds them (:mod:`pyexpcache.hf_quant`: FP8 weights and
+        their block scales, MXFP4 blocks, scales and biases); else ``torch_dtype`` (or ``dtype``):
+        bf16, fp16, fp32. Another ``quant_method`` warns that the sizes are the dtype's.
 
         ``name`` defaults to the model folder's name (or ``model_type``) and the type. Raises
         :class:`LayoutFileError` naming the missing or unusable key.
