@@ -201,3 +201,75 @@ def test_a_source_fills_each_part_with_its_own_pattern():
         return z ^ (z >> 31)
 
     assert all(pattern_seed(7, e, p) == three_part_seed(7, e, p) for e in range(64) for p in range(3))
+
+
+def test_the_simulator_keys_classes_by_every_parts_size(make_cache, policy):
+    """DeepSeek V4 Flash's mixed layout with layers 3-12 made five-part experts of the q2 experts'
+    total bytes: those layers are a class of their own, in the layout (and so in the simulator,
+    which takes its classes from it) as in the library, and the library's decode counters equal
+    the simulator's, selects by slot id included."""
+    import expcache_bench as bench
+    from expcache_bench.sim import simulate_policy
+
+    mixed = ModelLayout.preset("mixed", scale=4096)
+    q2 = mixed[3]
+    five = LayerSpec.of_parts(q2.num_experts, [("a", 528), ("b", 528), ("c", 336), ("d", 200), ("e", 136)])
+    assert five.expert_bytes == q2.expert_bytes
+    layout = ModelLayout(tuple(five if 3 <= i <= 12 else s for i, s in enumerate(mixed.layers)), name="parts")
+    cache, _ = make_cache(layout, budget_bytes=layout.total_bytes // 10, policy=policy)
+    workload = bench.build_workload("decode", ["podA_b_json_full"])
+    for call in workload.calls:
+        cache.select(call.layer, call.ids)
+    layer_class = [cache.bind_class(i) if layout[i] else 0 for i in range(layout.num_layers)]
+    by_class: dict[int, list[int]] = {}
+    for i in layout.moe_layers:
+        by_class.setdefault(layer_class[i], []).append(i)
+    assert sorted(by_class.values()) == sorted(layout.classes().values()) and len(by_class) == 3
+    caps = [c.cap_experts for c in sorted(cache.classes(), key=lambda c: c.index)]
+    sim = simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=layout.moe_layers)
+    for c in cache.stats().classes:
+        d = c.paths["decode"]
+        i = c.info.index
+        assert (d.hits, d.misses, d.evictions) == (sim.hits[i], sim.misses[i], sim.evictions[i])
+
+
+class _Placed:
+    """A source of one layer whose placement is given (bases and strides unchecked here)."""
+
+    pinned = False
+    file_path = None
+
+    def __init__(self, layout, place):
+        self.layout, self._place = layout, place
+
+    def placement(self, layer):
+        return self._place
+
+
+@pytest.mark.parametrize(
+    "bases, strides, error, message",
+    [
+        (
+            (4096, 8192),
+            (300, 533),
+            ValueError,
+            r"the source places 2 parts \(2 strides\) of a layer whose experts have 5",
+        ),
+        (
+            (4096,) * 5,
+            (300, 533, -1, 999, 1232),
+            ArgumentRangeError,
+            r"part 'p2' stride must be in \[0, 18446744073709551615\], got -1",
+        ),
+        ((4096,) * 4 + (1 << 64,), (300, 533, 766, 999, 1232), ArgumentRangeError, r"part 'p4' base must be in"),
+        ((4096,) * 5, (300, 533, 766, 999.0, 1232), TypeError, r"part 'p3' stride must be an integer, got float"),
+    ],
+)
+def test_a_placement_is_range_checked_before_ctypes(backend, bases, strides, error, message):
+    from pyexpcache import ExpertCache
+    from pyexpcache.source import LayerPlacement
+
+    layout = ModelLayout((_spec(5),))
+    place = LayerPlacement(bases, strides, layout[0].class_key)
+    with pytest.raises(error, match=message):
+        ExpertCache(layout, _Placed(layout, place), budget_experts=2, backend=backend, log_level=0)
