@@ -102,7 +102,13 @@ MAX_PARTS = 8  # EXPCACHE_MAX_PARTS
 
 
 class Part(ctypes.Structure):
-    _fields_ = [("bytes", c_uint64), ("stride", c_uint64), ("base", c_void_p)]
+    _fields_ = [
+        ("bytes", c_uint64),
+        ("stride", c_uint64),
+        ("base", c_void_p),
+        ("offsets", POINTER(c_uint64)),
+        ("files", POINTER(c_uint32)),
+    ]
 
 
 class LayerDesc(ctypes.Structure):

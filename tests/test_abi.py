@@ -1327,6 +1327,11 @@ DESC_CASES = [
 ]
 
 
+_OFFSETS = (c_uint64 * 4)(0, 256, 512, 768)
+_FAR_OFFSETS = (c_uint64 * 4)(0, 256, (1 << 64) - 600, 768)
+_FILES = (c_uint32 * 4)(0, 0, 0, 0)
+
+
 def _parts_desc(n, **over):
     """A descriptor of n parts of 256, 512, ... bytes (parts[]), then `over`: {"parts[i].field": v}
     or a field of the descriptor."""
@@ -1356,7 +1361,15 @@ PARTS_DESC_CASES = [
     ("a part past the size limit", 5, {"parts[4].bytes": 1 << 41}, "parts[4].bytes must be 1..2^40"),
     ("a part's stride < its bytes", 5, {"parts[2].stride": 100}, "parts[2].stride 100 is smaller than parts[2].bytes"),
     ("a part's base NULL", 8, {"parts[7].base": None}, "parts[7].base is NULL"),
-    ("a part past the address space", 1, {"parts[0].base": (1 << 64) - 512}, "parts[0] part of the last expert"),
+    ("a part past the address space", 1, {"parts[0].base": (1 << 64) - 512}, "parts[0] part of expert 3"),
+    ("offsets with a stride", 2, {"parts[1].offsets": _OFFSETS}, "parts[1].stride must be 0 with offsets"),
+    (
+        "an offset past the address space",
+        2,
+        {"parts[1].offsets": _FAR_OFFSETS, "parts[1].stride": 0},
+        "parts[1] part of expert 2 would end past the address space",
+    ),
+    ("files without a file source", 2, {"parts[0].files": _FILES}, "parts[0].files is set but source_kind"),
 ]
 
 

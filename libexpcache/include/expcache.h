@@ -333,13 +333,20 @@ EXPCACHE_API expcache_status_t expcache_backend_get(const expcache_t* cache, uin
 /**
  * One part of a layer's experts: expert e's bytes of it are at base + e*stride
  * and are `bytes` long (a contiguous [experts][bytes] tensor has stride ==
- * bytes). With EXPCACHE_SOURCE_FILE, base is a byte offset into the layer's
- * file (cast to a pointer; 0 is a valid offset).
+ * bytes), or, with `offsets`, at base + offsets[e] (a checkpoint that keeps each
+ * expert's tensor apart, in whatever order its writer chose). With
+ * EXPCACHE_SOURCE_FILE, base and the offsets are byte offsets into the layer's
+ * file (base cast to a pointer; 0 is a valid offset), or, with `files`, into
+ * file files[e] (a checkpoint of several shards). The library copies both
+ * arrays when the layer is registered.
  */
 typedef struct expcache_part_t {
-    uint64_t bytes;   /**< 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
-    uint64_t stride;  /**< bytes between experts, at least `bytes` */
-    const void* base; /**< expert 0's part */
+    uint64_t bytes;          /**< 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
+    uint64_t stride;         /**< bytes between experts, at least `bytes`; must be 0 with offsets */
+    const void* base;        /**< expert 0's part, or where the offsets count from */
+    const uint64_t* offsets; /**< NULL, or num_experts offsets from base, one per expert */
+    const uint32_t* files;   /**< EXPCACHE_SOURCE_FILE only: NULL (every expert in the layer's `file`), or
+                                  num_experts ids from expcache_file_open, one per expert */
 } expcache_part_t;
 
 /**
