@@ -188,6 +188,8 @@ def test_on_cuda_free_memory_is_measured_and_the_model_decodes_as_unmodified():
         free, total = torch.cuda.mem_get_info()
         assert b.total_bytes == total and 0 < b.free_bytes <= total and b.activation_bytes > 0
         assert b.budget_bytes == min(b.experts_bytes, b.left_bytes) and b.capped
+        info = handle.cache.classes()[0]  # the dry step's cache gone: the library keeps to the budget
+        assert info.cap_experts == info.target_experts == sum(e.num_experts for e in find_experts(model))
         tokens, logits = greedy(model)
     assert torch.equal(tokens, expected[0])
     torch.testing.assert_close(logits, expected[1], rtol=0, atol=0)

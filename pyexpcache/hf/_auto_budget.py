@@ -315,7 +315,7 @@ def size_budget(
     except torch.OutOfMemoryError as e:
         raise ValueError(
             f"budget='auto': the dry step (a forward of {batch} x {max_len} tokens, no KV cache kept) ran out of "
-            f"device memory with a cache of {provisional} B: its activations alone do not fit. Lower max_len or "
+            f"device memory with a cache of {_size(provisional)}: its activations alone do not fit. Lower max_len or "
             f"batch. {before.terms()}"
         ) from e
     finally:

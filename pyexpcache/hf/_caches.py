@@ -4,6 +4,7 @@ memory once, a cache per group of layers built over them at a budget, closed and
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Optional
 
 import torch
@@ -149,6 +150,7 @@ class Caches:
             for config, value in previous:
                 config._experts_implementation_internal = value
             self.close()
+            gc.collect()  # the servers' bank views (a CPU server is in a cycle): the banks' memory goes now
 
 
 def layout_bytes(layout: ModelLayout) -> int:
