@@ -98,6 +98,19 @@ class Config(ctypes.Structure):
     ]
 
 
+MAX_PARTS = 8  # EXPCACHE_MAX_PARTS
+
+
+class Part(ctypes.Structure):
+    _fields_ = [
+        ("bytes", c_uint64),
+        ("stride", c_uint64),
+        ("base", c_void_p),
+        ("offsets", POINTER(c_uint64)),
+        ("files", POINTER(c_uint32)),
+    ]
+
+
 class LayerDesc(ctypes.Structure):
     _fields_ = [
         ("struct_size", c_uint32),
@@ -113,6 +126,9 @@ class LayerDesc(ctypes.Structure):
         ("gate_base", c_void_p),
         ("up_base", c_void_p),
         ("down_base", c_void_p),
+        ("num_parts", c_uint32),
+        ("reserved", c_uint32),
+        ("parts", Part * MAX_PARTS),
     ]
 
 
@@ -132,6 +148,10 @@ class Compact(ctypes.Structure):
         ("gate_bytes", c_uint64),
         ("up_bytes", c_uint64),
         ("down_bytes", c_uint64),
+        ("num_parts", c_uint32),
+        ("reserved", c_uint32),
+        ("part_offset", c_uint64 * MAX_PARTS),
+        ("part_bytes", c_uint64 * MAX_PARTS),
     ]
 
 
@@ -150,13 +170,16 @@ class ClassInfo(ctypes.Structure):
         ("held_experts", c_uint64),
         ("num_layers", c_uint64),
         ("staging_bytes", c_uint64),
+        ("num_parts", c_uint32),
+        ("reserved", c_uint32),
+        ("part_bytes", c_uint64 * MAX_PARTS),
     ]
 
 
 class Bank(ctypes.Structure):
     _fields_ = [
         ("struct_size", c_uint32),
-        ("reserved", c_uint32),
+        ("num_parts", c_uint32),
         ("base", c_void_p),
         ("slot_stride", c_uint64),
         ("cap", c_uint64),
@@ -167,6 +190,8 @@ class Bank(ctypes.Structure):
         ("up_bytes", c_uint64),
         ("down_bytes", c_uint64),
         ("rows", c_uint64),
+        ("part_offset", c_uint64 * MAX_PARTS),
+        ("part_bytes", c_uint64 * MAX_PARTS),
     ]
 
 
@@ -364,6 +389,9 @@ _FUNCTIONS = [
     # expcache_status_t expcache_class_find(const expcache_t* cache, uint64_t gate_bytes, uint64_t up_bytes,
     #                                       uint64_t down_bytes, uint32_t* out_class);
     ("expcache_class_find", [CachePtr, c_uint64, c_uint64, c_uint64, POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_class_find_parts(const expcache_t* cache, uint32_t num_parts,
+    #     const uint64_t* part_bytes, uint32_t* out_class);
+    ("expcache_class_find_parts", [CachePtr, c_uint32, POINTER(c_uint64), POINTER(c_uint32)], c_int32),
     # expcache_status_t expcache_ready_wait_async(expcache_t* cache, void* ready, void* stream);
     ("expcache_ready_wait_async", [CachePtr, c_void_p, c_void_p], c_int32),
     # expcache_status_t expcache_prefetch_async(expcache_t* cache, uint32_t layer, const uint32_t* ids,

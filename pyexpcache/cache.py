@@ -555,7 +555,8 @@ class ExpertCache(Serving):
             for p, name in enumerate(_lib.PATH_NAMES):
                 st = stats[i * len(_lib.PATH_NAMES) + p]
                 paths[name] = PathStats(**{f: getattr(st, f) for f in _lib.STAT_FIELDS})
-            out.append((ClassInfo(i, *(getattr(info, f[0]) for f in _lib.ClassInfo._fields_[2:])), paths))
+            counts = (getattr(info, f[0]) for f in _lib.ClassInfo._fields_[2:13])  # gate_bytes .. staging_bytes
+            out.append((ClassInfo(i, *counts, part_bytes=tuple(info.part_bytes[: info.num_parts])), paths))
         return out
 
     def classes(self) -> list[ClassInfo]:

@@ -49,10 +49,13 @@ class ClassInfo:
     held_experts: int
     num_layers: int
     staging_bytes: int = 0  # mapped for the bank's staging rows (misses that got no slot)
+    part_bytes: tuple[int, ...] = ()  # every part's size, in order (gate, up, down for three parts)
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.gate_bytes, self.up_bytes, self.down_bytes)
+    def key(self) -> tuple[int, ...]:
+        """The class key: every part's size (``part_bytes``; the gate, up and down sizes for a
+        ClassInfo made without them)."""
+        return self.part_bytes or (self.gate_bytes, self.up_bytes, self.down_bytes)
 
 
 @dataclass

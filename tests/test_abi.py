@@ -68,6 +68,7 @@ EXPORTS = {
     "expcache_class_info_get",
     "expcache_layer_bind_class",
     "expcache_class_find",
+    "expcache_class_find_parts",
     "expcache_path_name",
     "expcache_stats_get",
     "expcache_stats_read",
@@ -1065,6 +1066,55 @@ CASES = [
         INVALID,
         "no registered layer has experts of gate 1, up 2, down 3 bytes",
     ),
+    (
+        "class_find a size 0",
+        "expcache_class_find",
+        lambda h: (h, 528, 0, 264, byref(OUT_U32)),
+        INVALID,
+        "part 1's size must be 1..2^40, got 0",
+    ),
+    (
+        "class_find_parts NULL sizes",
+        "expcache_class_find_parts",
+        lambda h: (h, 2, None, byref(OUT_U32)),
+        INVALID,
+        "part_bytes is NULL",
+    ),
+    (
+        "class_find_parts NULL out",
+        "expcache_class_find_parts",
+        lambda h: (h, 1, (c_uint64 * 1)(528), None),
+        INVALID,
+        "out_class is NULL",
+    ),
+    (
+        "class_find_parts 0 parts",
+        "expcache_class_find_parts",
+        lambda h: (h, 0, (c_uint64 * 1)(528), byref(OUT_U32)),
+        INVALID,
+        "num_parts must be 1..8, got 0",
+    ),
+    (
+        "class_find_parts 9 parts",
+        "expcache_class_find_parts",
+        lambda h: (h, 9, (c_uint64 * 9)(*[16] * 9), byref(OUT_U32)),
+        INVALID,
+        "num_parts must be 1..8, got 9",
+    ),
+    (
+        "class_find_parts a size past the limit",
+        "expcache_class_find_parts",
+        lambda h: (h, 2, (c_uint64 * 2)(16, 1 << 41), byref(OUT_U32)),
+        INVALID,
+        "part 1's size must be 1..2^40",
+    ),
+    (
+        "class_find_parts no such sizes",
+        "expcache_class_find_parts",
+        lambda h: (h, 2, (c_uint64 * 2)(1, 2), byref(OUT_U32)),
+        INVALID,
+        "no registered layer has experts of parts 1, 2 bytes",
+    ),
     ("layers_register NULL", "expcache_layers_register", lambda h: (h, 1, None, None), INVALID, "must not be NULL"),
     ("layers_register n 0", "expcache_layers_register", lambda h: (h, 0, IDS, _descs(1)), INVALID, "n must be 1.."),
     (
@@ -1276,6 +1326,66 @@ DESC_CASES = [
     ("bad struct_size", dict(struct_size=12), "struct_size"),
 ]
 
+
+_OFFSETS = (c_uint64 * 4)(0, 256, 512, 768)
+_FAR_OFFSETS = (c_uint64 * 4)(0, 256, (1 << 64) - 600, 768)
+_FILES = (c_uint32 * 4)(0, 0, 0, 0)
+
+
+def _parts_desc(n, **over):
+    """A descriptor of n parts of 256, 512, ... bytes (parts[]), then `over`: {"parts[i].field": v}
+    or a field of the descriptor."""
+    d = _lib.LayerDesc()
+    lib.expcache_layer_desc_init(byref(d))
+    buf = _parts_desc.buf = np.zeros(1 << 16, np.uint8)
+    d.num_experts, d.num_parts = 4, n
+    for p in range(n):
+        d.parts[p].bytes = d.parts[p].stride = 256 * (p + 1)
+        d.parts[p].base = buf.ctypes.data
+    for k, v in over.items():
+        if k.startswith("parts["):
+            i, field = int(k[6 : k.index("]")]), k[k.index(".") + 1 :]
+            setattr(d.parts[i], field, v)
+        else:
+            setattr(d, k, v)
+    return d
+
+
+PARTS_DESC_CASES = [
+    ("9 parts", 8, dict(num_parts=9), "num_parts must be 0 (the gate, up and down fields) or 1..8"),
+    ("reserved set", 2, dict(reserved=1), "reserved must be 0, got 1"),
+    ("shorthand and parts both", 2, dict(gate_bytes=256), "give the three parts either way, not both"),
+    ("a part past num_parts", 2, {"parts[5].bytes": 16}, "parts[5] is set but num_parts is 2"),
+    ("parts with num_parts 0", 2, dict(num_parts=0, gate_bytes=256), "but parts[] is set"),
+    ("a part of 0 bytes", 5, {"parts[3].bytes": 0}, "parts[3].bytes must be 1..2^40, got 0"),
+    ("a part past the size limit", 5, {"parts[4].bytes": 1 << 41}, "parts[4].bytes must be 1..2^40"),
+    ("a part's stride < its bytes", 5, {"parts[2].stride": 100}, "parts[2].stride 100 is smaller than parts[2].bytes"),
+    ("a part's base NULL", 8, {"parts[7].base": None}, "parts[7].base is NULL"),
+    ("a part past the address space", 1, {"parts[0].base": (1 << 64) - 512}, "parts[0] part of expert 3"),
+    ("offsets with a stride", 2, {"parts[1].offsets": _OFFSETS}, "parts[1].stride must be 0 with offsets"),
+    (
+        "an offset past the address space",
+        2,
+        {"parts[1].offsets": _FAR_OFFSETS, "parts[1].stride": 0},
+        "parts[1] part of expert 2 would end past the address space",
+    ),
+    ("files without a file source", 2, {"parts[0].files": _FILES}, "parts[0].files is set but source_kind"),
+]
+
+
+@pytest.mark.parametrize("case", PARTS_DESC_CASES, ids=[c[0] for c in PARTS_DESC_CASES])
+def test_bad_parts_layer_desc(case):
+    _, n, over, fragment = case
+    handle = _lib.CachePtr()
+    lib.expcache_create(byref(_cfg()), byref(handle))
+    try:
+        _expect("expcache_layer_register", (handle.value, 1, byref(_parts_desc(n, **over))), INVALID, fragment)
+        # A valid descriptor of the same parts registers after the refusal.
+        lib.expcache_layer_register(handle.value, 1, byref(_parts_desc(n)))
+    finally:
+        lib.expcache_destroy(handle.value)
+
+
 # Functions taking a handle, with otherwise valid arguments.
 HANDLE_CALLS = [
     ("expcache_backend_get", lambda h: (h, byref(OUT_U32))),
@@ -1326,6 +1436,7 @@ HANDLE_CALLS = [
     ("expcache_budget_set", lambda h: (h, 4, 0)),
     ("expcache_reserve_set", lambda h: (h, 1 << 30)),
     ("expcache_class_find", lambda h: (h, 1, 2, 3, byref(OUT_U32))),
+    ("expcache_class_find_parts", lambda h: (h, 2, (c_uint64 * 2)(1, 2), byref(OUT_U32))),
     ("expcache_compact_load_ids_async", lambda h: (h, 0, IDS, 32, 1, None, byref(_compact()))),
     ("expcache_batch_prepare_ids_async", lambda h: (h, 0, IDS, 32, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),
     ("expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats()))),

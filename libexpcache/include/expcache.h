@@ -213,8 +213,10 @@ EXPCACHE_API const char* expcache_policy_name(uint32_t policy);
 #define EXPCACHE_MAX_LAYERS_LIMIT 4096
 /** Most experts one layer can have. */
 #define EXPCACHE_MAX_EXPERTS_LIMIT 65536
-/** Largest gate, up or down part of one expert, in bytes (2^40). */
+/** Largest part of one expert (gate, up, down, or any of expcache_layer_desc_t.parts), in bytes (2^40). */
 #define EXPCACHE_MAX_PART_BYTES_LIMIT 1099511627776ULL
+/** Most parts one expert has (expcache_layer_desc_t.num_parts). */
+#define EXPCACHE_MAX_PARTS 8
 
 /**
  * Cache configuration. Fill with expcache_config_init(), then change fields.
@@ -329,24 +331,53 @@ EXPCACHE_API expcache_status_t expcache_backend_get(const expcache_t* cache, uin
 #define EXPCACHE_SOURCE_FILE 2     /**< a file opened with expcache_file_open (models larger than RAM) */
 
 /**
- * One MoE layer: expert e's gate bytes are at gate_base + e*gate_stride and
- * are gate_bytes long; likewise up and down. Strides must be at least the
- * part's size (a contiguous [experts][bytes] tensor has stride == bytes).
- * The expert's size class is its exact (gate_bytes, up_bytes, down_bytes).
- * With EXPCACHE_SOURCE_FILE the *_base fields hold byte offsets into the
- * file `file` (cast to pointers; 0 is a valid offset) and every expert must
- * lie inside the file.
+ * One part of a layer's experts: expert e's bytes of it are at base + e*stride
+ * and are `bytes` long (a contiguous [experts][bytes] tensor has stride ==
+ * bytes), or, with `offsets`, at base + offsets[e] (a checkpoint that keeps each
+ * expert's tensor apart, in whatever order its writer chose). With
+ * EXPCACHE_SOURCE_FILE, base and the offsets are byte offsets into the layer's
+ * file (base cast to a pointer; 0 is a valid offset), or, with `files`, into
+ * file files[e] (a checkpoint of several shards). The library copies both
+ * arrays when the layer is registered.
+ */
+typedef struct expcache_part_t {
+    uint64_t bytes;          /**< 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
+    uint64_t stride;         /**< bytes between experts, at least `bytes`; must be 0 with offsets */
+    const void* base;        /**< expert 0's part, or where the offsets count from */
+    const uint64_t* offsets; /**< NULL, or num_experts offsets from base, one per expert */
+    const uint32_t* files;   /**< EXPCACHE_SOURCE_FILE only: NULL (every expert in the layer's `file`), or
+                                  num_experts ids from expcache_file_open, one per expert */
+} expcache_part_t;
+
+/**
+ * One MoE layer. Its experts have num_parts parts (1..EXPCACHE_MAX_PARTS), each
+ * described by parts[p]: an FP8 expert's weights and their block scales, MXFP4
+ * blocks and scales, biases, each its own part. num_parts 0 is the three-part
+ * shorthand: gate, up and down, described by the gate_*, up_* and down_* fields
+ * (expert e's gate bytes at gate_base + e*gate_stride, gate_bytes long; likewise
+ * up and down), and the same as num_parts 3 with parts {gate, up, down}. With
+ * num_parts >= 1 the gate_*, up_* and down_* fields must be 0, and so must every
+ * parts[p] from num_parts on. Strides must be at least the part's size.
+ * The expert's size class is its exact part sizes, in order: layers whose parts
+ * differ in number or in any size are classes apart (a model mixing FP8 and bf16
+ * layers, or q2 and q4 ones, never thrashes).
+ * With EXPCACHE_SOURCE_FILE the bases hold byte offsets into the file `file`
+ * (cast to pointers; 0 is a valid offset) and every expert must lie inside the
+ * file.
  */
 typedef struct expcache_layer_desc_t {
     uint32_t struct_size; /**< sizeof(expcache_layer_desc_t) */
     uint32_t num_experts; /**< 1..EXPCACHE_MAX_EXPERTS_LIMIT */
     uint32_t source_kind; /**< EXPCACHE_SOURCE_* */
     uint32_t file;        /**< EXPCACHE_SOURCE_FILE: the id from expcache_file_open; else must be 0 */
-    uint64_t gate_bytes, up_bytes, down_bytes;    /**< each 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
-    uint64_t gate_stride, up_stride, down_stride; /**< bytes between experts */
+    uint64_t gate_bytes, up_bytes, down_bytes;    /**< num_parts 0: each 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
+    uint64_t gate_stride, up_stride, down_stride; /**< num_parts 0: bytes between experts */
     const void* gate_base;
     const void* up_base;
     const void* down_base;
+    uint32_t num_parts;                        /**< 0: gate, up, down above; 1..EXPCACHE_MAX_PARTS: parts[] */
+    uint32_t reserved;                         /**< must be 0 */
+    expcache_part_t parts[EXPCACHE_MAX_PARTS]; /**< num_parts >= 1: parts[0..num_parts-1] */
 } expcache_layer_desc_t;
 
 /** Zero *desc and set struct_size. Fails only on NULL. */
@@ -469,7 +500,14 @@ EXPCACHE_API expcache_status_t expcache_reserve_set(expcache_t* cache, uint64_t 
 /* Serving experts                                                         */
 /* ---------------------------------------------------------------------- */
 
-/** Device addresses of one expert's three parts. */
+/**
+ * Device addresses of one expert's three parts. The calls that hand these out
+ * (expcache_select_async, expcache_select_split_async, expcache_batch_prepare_async
+ * and their *_ids twins) serve layers of three parts; a layer of another number of
+ * parts is refused there (INVALID_STATE, naming the calls that serve it): serve it by
+ * slot id (expcache_select_slots_async, expcache_select_device_async,
+ * expcache_batch_prepare_slots_async) and read each part at the bank's part_offset.
+ */
 typedef struct expcache_expert_ptrs_t {
     void* gate;
     void* up;
@@ -655,7 +693,11 @@ EXPCACHE_API expcache_status_t expcache_insert_async(expcache_t* cache, uint32_t
                                                      uint32_t id_bits, const float* priorities, uint32_t n,
                                                      void* stream);
 
-/** A compact buffer: all gate parts, then all up parts, then all down parts. */
+/**
+ * A compact buffer: one region per part, in part order (all gate parts, then all
+ * up parts, then all down parts, for three). The gate_*, up_* and down_* fields
+ * are parts 0, 1 and 2 when the layer has three parts, else 0.
+ */
 typedef struct expcache_compact_t {
     uint32_t struct_size;                         /**< sizeof(expcache_compact_t); set by the caller */
     uint32_t num_experts;                         /**< experts in the buffer (= n, duplicates included) */
@@ -663,12 +705,17 @@ typedef struct expcache_compact_t {
     uint64_t bytes;                               /**< bytes used from base */
     uint64_t gate_offset, up_offset, down_offset; /**< region starts, from base */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< per-expert part sizes (region strides) */
+    uint32_t num_parts;                           /**< the layer's parts */
+    uint32_t reserved;
+    uint64_t part_offset[EXPCACHE_MAX_PARTS]; /**< region p starts at base + part_offset[p] (256-byte aligned) */
+    uint64_t part_bytes[EXPCACHE_MAX_PARTS];  /**< per-expert size of part p (region p's stride) */
 } expcache_compact_t;
 
 /**
  * Copy experts ids[0..n) of `layer` into one contiguous device buffer:
- * expert i's gate at base + gate_offset + i*gate_bytes, and likewise up and
- * down (the [experts][bytes] layout batched kernels read). Hits are copied
+ * expert i's part p at base + part_offset[p] + i*part_bytes[p] (for three
+ * parts: gate at base + gate_offset + i*gate_bytes, likewise up and down; the
+ * [experts][bytes] layout batched kernels read). Hits are copied
  * device to device from the cache (and refresh recency), misses host to
  * device; residency does not change. The staging allocation is tried
  * first; only if it fails are the expert caches released and the
@@ -824,21 +871,25 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  */
 
 /**
- * One class's bank: slot s's gate part is at base + s*slot_stride + gate_offset,
- * gate_bytes long. Every slot id a call of this cache gives for the class's
+ * One class's bank: slot s's part p is at base + s*slot_stride + part_offset[p],
+ * part_bytes[p] long (for three parts also gate_offset and gate_bytes, likewise
+ * up and down; those fields are 0 when the class's experts have another number
+ * of parts). Every slot id a call of this cache gives for the class's
  * layers (expcache_select_slots_async, expcache_select_device_async,
  * expcache_batch_prepare_slots_async) is in 0..rows-1, and base never changes
  * while the class lives.
  */
 typedef struct expcache_bank_t {
-    uint32_t struct_size; /**< sizeof(expcache_bank_t); set by the caller */
-    uint32_t reserved;
+    uint32_t struct_size;                         /**< sizeof(expcache_bank_t); set by the caller */
+    uint32_t num_parts;                           /**< parts per expert (1..EXPCACHE_MAX_PARTS) */
     void* base;                                   /**< device address of slot 0 (256-byte aligned) */
     uint64_t slot_stride;                         /**< bytes between slots */
     uint64_t cap;                                 /**< slots mapped now (a device-lookup bank: all of its slots) */
-    uint64_t gate_offset, up_offset, down_offset; /**< part starts within a slot (256-byte aligned) */
-    uint64_t gate_bytes, up_bytes, down_bytes;    /**< part sizes: the class key */
+    uint64_t gate_offset, up_offset, down_offset; /**< three parts: part starts within a slot (256-byte aligned) */
+    uint64_t gate_bytes, up_bytes, down_bytes;    /**< three parts: part sizes */
     uint64_t rows;                                /**< rows slot ids address: 0..rows-1 */
+    uint64_t part_offset[EXPCACHE_MAX_PARTS];     /**< part starts within a slot (256-byte aligned) */
+    uint64_t part_bytes[EXPCACHE_MAX_PARTS];      /**< part sizes: the class key (0 past num_parts) */
 } expcache_bank_t;
 
 /**
@@ -944,7 +995,7 @@ EXPCACHE_API expcache_status_t expcache_class_count_get(const expcache_t* cache,
 typedef struct expcache_class_info_t {
     uint32_t struct_size;                      /**< sizeof(expcache_class_info_t); set by the caller */
     uint32_t in_use;                           /**< 1 when the index holds a class */
-    uint64_t gate_bytes, up_bytes, down_bytes; /**< the class key */
+    uint64_t gate_bytes, up_bytes, down_bytes; /**< three parts: the class key (else 0; see part_bytes) */
     uint64_t slot_bytes;                       /**< device bytes per slot (parts 256-byte aligned) */
     uint64_t target_experts;                   /**< capacity the budgets ask for */
     uint64_t cap_experts;                      /**< runtime cap (target limited by memory) */
@@ -954,6 +1005,9 @@ typedef struct expcache_class_info_t {
     uint64_t num_layers;                       /**< registered layers bound to this class */
     uint64_t staging_bytes; /**< device bytes mapped for the bank's staging rows (decode selects' misses
                                  that got no slot; given back when the class is released) */
+    uint32_t num_parts;     /**< parts per expert (0 for an empty index) */
+    uint32_t reserved;
+    uint64_t part_bytes[EXPCACHE_MAX_PARTS]; /**< the class key: each part's size (0 past num_parts) */
 } expcache_class_info_t;
 
 /**
@@ -986,6 +1040,15 @@ EXPCACHE_API expcache_status_t expcache_layer_bind_class(expcache_t* cache, uint
  */
 EXPCACHE_API expcache_status_t expcache_class_find(const expcache_t* cache, uint64_t gate_bytes, uint64_t up_bytes,
                                                    uint64_t down_bytes, uint32_t* out_class);
+
+/**
+ * expcache_class_find for experts of num_parts parts (1..EXPCACHE_MAX_PARTS) of
+ * sizes part_bytes[0..num_parts-1]. Status: INVALID_ARGUMENT (num_parts, NULL
+ * part_bytes or out_class, no registered layer has those sizes), INVALID_STATE
+ * (as expcache_class_find).
+ */
+EXPCACHE_API expcache_status_t expcache_class_find_parts(const expcache_t* cache, uint32_t num_parts,
+                                                         const uint64_t* part_bytes, uint32_t* out_class);
 
 /* ---------------------------------------------------------------------- */
 /* Statistics                                                              */

@@ -50,6 +50,15 @@ expcache_status_t check_struct(const T* p, const char* name) {
     return EXPCACHE_OK;
 }
 
+// Part sizes asked about (a class lookup): each of the first n 1..EXPCACHE_MAX_PART_BYTES_LIMIT.
+inline expcache_status_t check_part_sizes(const uint64_t* bytes, uint32_t n, const char* what) {
+    for (uint32_t p = 0; p < n; ++p)
+        if (bytes[p] == 0 || bytes[p] > EXPCACHE_MAX_PART_BYTES_LIMIT)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s: part %u's size must be 1..2^40, got %llu", what, p,
+                        (unsigned long long)bytes[p]);
+    return EXPCACHE_OK;
+}
+
 // Runs f, maps exceptions, and prefixes any failure with the function name.
 template <typename F>
 expcache_status_t guarded(const char* function, F&& f) {

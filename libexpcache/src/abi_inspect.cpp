@@ -4,6 +4,7 @@
 #include "paths.hpp"
 
 using expcache::abi::check_handle;
+using expcache::abi::check_part_sizes;
 using expcache::abi::check_struct;
 using expcache::abi::guarded;
 
@@ -42,7 +43,23 @@ expcache_status_t expcache_class_find(const expcache_t* cache, uint64_t gate_byt
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));
         EXPCACHE_REQUIRE(out_class, "out_class is NULL");
-        const uint64_t bytes[3] = {gate_bytes, up_bytes, down_bytes};
+        const uint64_t bytes[EXPCACHE_MAX_PARTS] = {gate_bytes, up_bytes, down_bytes};
+        EXPCACHE_TRY(check_part_sizes(bytes, 3, "gate, up and down sizes"));
+        return cache->impl->find_class(bytes, out_class);
+    });
+}
+
+expcache_status_t expcache_class_find_parts(const expcache_t* cache, uint32_t num_parts, const uint64_t* part_bytes,
+                                            uint32_t* out_class) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(part_bytes, "part_bytes is NULL");
+        EXPCACHE_REQUIRE(out_class, "out_class is NULL");
+        EXPCACHE_REQUIRE(num_parts >= 1 && num_parts <= EXPCACHE_MAX_PARTS, "num_parts must be 1..%d, got %u",
+                         EXPCACHE_MAX_PARTS, num_parts);
+        uint64_t bytes[EXPCACHE_MAX_PARTS] = {};
+        for (uint32_t p = 0; p < num_parts; ++p) bytes[p] = part_bytes[p];
+        EXPCACHE_TRY(check_part_sizes(bytes, num_parts, "part_bytes"));
         return cache->impl->find_class(bytes, out_class);
     });
 }

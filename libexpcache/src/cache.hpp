@@ -142,7 +142,7 @@ public:
     expcache_status_t class_info(uint32_t index, expcache_class_info_t* out) const;
     expcache_status_t layer_class(uint32_t layer, uint32_t* out);
     // The class holding experts of these part sizes now (bound by one of their layers).
-    expcache_status_t find_class(const uint64_t part_bytes[kParts], uint32_t* out) const;
+    expcache_status_t find_class(const uint64_t part_bytes[kMaxParts], uint32_t* out) const;  // 0 past the parts
     expcache_status_t get_stats(uint32_t index, uint32_t path, expcache_stats_t* out) const;
     // Every class's info and counters at once: infos[n], stats[n * EXPCACHE_NUM_PATHS] (n <= max_classes).
     expcache_status_t read_stats(uint32_t n, expcache_class_info_t* infos, expcache_stats_t* stats) const;
@@ -237,6 +237,8 @@ private:
         const uint32_t layer_index;
         void* const stream;
         void* copy_stream = stream;  // where the call's uploads go (a split select: the cache's own)
+        const char* ptrs = nullptr;  // a call handing out expcache_expert_ptrs_t: the calls that serve the
+                                     // layer by slot id instead (for a layer of other than three parts)
         LayerState* layer = nullptr;
         int32_t c = -1;  // the layer's class
         const ClassState* cls = nullptr;
@@ -256,7 +258,7 @@ private:
     // admit: a path's own check, made after the request's and before anything changes.
     expcache_status_t open_call(ServeCall& call, const uint32_t* ids, uint64_t n, uint64_t max_n,
                                 const char* count_name, expcache_status_t (Cache::*admit)() const = nullptr);
-    expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
+    expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kMaxParts],
                                   void* stream);
     // Frees the slots `inserted` lists (the call's) if an upload failed.
     expcache_status_t settle_uploads(std::vector<std::pair<int32_t, int32_t>>& inserted);

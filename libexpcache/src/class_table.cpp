@@ -13,6 +13,15 @@ std::string human_bytes(uint64_t n) {
     return format("%llu B", (unsigned long long)n);
 }
 
+std::string parts_name(const uint64_t* bytes, int nparts) {
+    if (nparts == kThreeParts)
+        return format("gate %llu, up %llu, down %llu", (unsigned long long)bytes[kGate], (unsigned long long)bytes[kUp],
+                      (unsigned long long)bytes[kDown]);
+    std::string out = nparts == 1 ? "part" : "parts";
+    for (int p = 0; p < nparts; ++p) out += format(p ? ", %llu" : " %llu", (unsigned long long)bytes[p]);
+    return out;
+}
+
 namespace {
 
 // What budget_bytes is shared out over (see expcache_config_t): the slot bytes of every registered
@@ -24,16 +33,15 @@ struct ClassShare {
 
 // Whether a layer of these part sizes has the class's.
 bool same_sizes(const ClassState& cls, const uint64_t* bytes) {
-    for (int p = 0; p < kParts; ++p)
-        if (cls.key(p) != bytes[p]) return false;
-    return true;
+    return std::equal(bytes, bytes + kMaxParts, cls.key_array());
 }
 
 ClassShare class_share(const LayerTable& layers, const ClassState& cls) {
     ClassShare out;
     for (const LayerState& l : layers) {
         if (!l.registered) continue;
-        uint64_t slot = align_up(l.bytes[kGate]) + align_up(l.bytes[kUp]) + align_up(l.bytes[kDown]);
+        uint64_t slot = 0;
+        for (int p = 0; p < l.nparts; ++p) slot += align_up(l.bytes[p]);
         out.total_bytes += (unsigned __int128)slot * l.num_experts;
         if (same_sizes(cls, l.bytes)) {
             out.experts += l.num_experts;
@@ -97,9 +105,8 @@ void ClassTable::invalidate_caps() {
 }
 
 std::string ClassTable::name(const ClassState& cls) const {
-    return format("[gate %llu, up %llu, down %llu B; %.2f MiB/expert]", (unsigned long long)cls.key_[kGate],
-                  (unsigned long long)cls.key_[kUp], (unsigned long long)cls.key_[kDown],
-                  double(cls.key_[kGate] + cls.key_[kUp] + cls.key_[kDown]) / double(1 << 20));
+    return "[" + parts_name(cls.key_, cls.nparts_) +
+           format(" B; %.2f MiB/expert]", double(cls.expert_bytes()) / double(1 << 20));
 }
 
 // Where bind() puts a layer: the class of its sizes (found), else the first free one (empty), else
@@ -111,7 +118,7 @@ void ClassTable::choose(const LayerState& layer, int32_t* found, int32_t* empty,
             if (*empty < 0) *empty = c;
             continue;
         }
-        if (std::equal(cls.key_, cls.key_ + kParts, layer.bytes)) {
+        if (std::equal(cls.key_, cls.key_ + kMaxParts, layer.bytes)) {
             *found = c;
             return;
         }
@@ -144,9 +151,10 @@ int32_t ClassTable::bound(const LayerState& layer) const {
 expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     ClassState& cls = classes_[c];
     uint64_t off = 0;
-    for (int p = 0; p < kParts; ++p) {
+    cls.nparts_ = layer.nparts;
+    for (int p = 0; p < kMaxParts; ++p) {
         cls.key_[p] = layer.bytes[p];
-        cls.part_off_[p] = off;
+        cls.part_off_[p] = p < layer.nparts ? off : 0;
         off += align_up(layer.bytes[p]);
     }
     cls.slot_bytes_ = off;
@@ -340,7 +348,7 @@ void ClassTable::warn_empty_shares(int32_t c) const {
     uint32_t layers = 0, empty = 0, first = 0;
     const std::vector<uint64_t> shares = layer_shares(layers_, cls, cls.cap_);
     for (uint32_t l = 0; l < layers_.size(); ++l) {
-        mine[l] = layers_[l].registered && std::equal(cls.key_, cls.key_ + kParts, layers_[l].bytes);
+        mine[l] = layers_[l].registered && std::equal(cls.key_, cls.key_ + kMaxParts, layers_[l].bytes);
         if (!mine[l]) continue;
         ++layers;
         if (shares[l] == 0 && empty++ == 0) first = l;

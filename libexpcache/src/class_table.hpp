@@ -37,6 +37,8 @@ inline uint64_t align_up(uint64_t v) {
 
 // Bytes as GiB, MiB, KiB or B (the host backend's emulated devices and scaled layouts are small).
 std::string human_bytes(uint64_t n);
+// Part sizes for messages: "gate 528, up 528, down 264" for three, "parts 1024, 32, 512, 16" else.
+std::string parts_name(const uint64_t* bytes, int nparts);
 
 enum PrefetchState : uint8_t {
     kPrefetchNone = 0,
@@ -88,8 +90,15 @@ private:
 class ClassState {
 public:
     bool in_use() const { return in_use_; }
-    uint64_t key(int p) const { return key_[p]; }  // the bytes of part p (kGate, kUp, kDown)
+    int nparts() const { return nparts_; }
+    uint64_t key(int p) const { return key_[p]; }  // the bytes of part p (0 past nparts)
+    const uint64_t* key_array() const { return key_; }
     uint64_t part_off(int p) const { return part_off_[p]; }
+    uint64_t expert_bytes() const {
+        uint64_t n = 0;
+        for (int p = 0; p < nparts_; ++p) n += key_[p];
+        return n;
+    }
     uint64_t slot_bytes() const { return slot_bytes_; }
     const std::vector<SlotState>& slots() const { return slots_; }  // the mapped slots, bank + s * slot_bytes
     // The bank: a reserved range (kept across releases; replaced when the class is reused for
@@ -114,8 +123,8 @@ public:
     uint64_t layers() const { return layers_; }  // layers bound to it
 
     // Where each part of the slot (or staging entry laid out like one) at `base` goes.
-    void parts_at(unsigned char* base, unsigned char* out[kParts]) const {
-        for (int p = 0; p < kParts; ++p) out[p] = base + part_off_[p];
+    void parts_at(unsigned char* base, unsigned char* out[kMaxParts]) const {
+        for (int p = 0; p < kMaxParts; ++p) out[p] = p < nparts_ ? base + part_off_[p] : nullptr;
     }
     expcache_expert_ptrs_t ptrs_at(unsigned char* base) const {
         return {base + part_off_[kGate], base + part_off_[kUp], base + part_off_[kDown]};
@@ -125,8 +134,9 @@ private:
     friend class ClassTable;
     bool in_use_ = false;
     uint64_t gen_ = 0;
-    uint64_t key_[kParts] = {};
-    uint64_t part_off_[kParts] = {};
+    int nparts_ = 0;
+    uint64_t key_[kMaxParts] = {};
+    uint64_t part_off_[kMaxParts] = {};
     uint64_t slot_bytes_ = 0;
     uint64_t last_used_ = 0;  // call id, for reusing the least recently used class
     std::vector<SlotState> slots_;

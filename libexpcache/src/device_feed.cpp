@@ -1,5 +1,6 @@
 // A class's feed (kernels/feed_protocol.hpp): the rows the feed threads read a device select's
 // misses into, when a layer of the class reads a source the GPU cannot read.
+#include <algorithm>
 #include <cstring>
 
 #include "device_lookup.hpp"
@@ -10,8 +11,8 @@ namespace expcache {
 bool DeviceLookup::needs_feed(int32_t c) const {
     const ClassState& cls = classes_[c];
     for (const LayerState& l : layers_)
-        if (l.registered && !l.source.pinned() && l.bytes[kGate] == cls.key(kGate) && l.bytes[kUp] == cls.key(kUp) &&
-            l.bytes[kDown] == cls.key(kDown))
+        if (l.registered && (!l.source.pinned() || l.tabled) &&
+            std::equal(l.bytes, l.bytes + kMaxParts, cls.key_array()))
             return true;
     return false;
 }
@@ -20,9 +21,9 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     ClassDevice& d = classes_state_[c];
     DeviceFeed& f = d.view.feed;
     const ClassState& cls = classes_[c];
-    const uint64_t part_bytes[3] = {cls.key(kGate), cls.key(kUp), cls.key(kDown)};
+    const uint64_t* part_bytes = cls.key_array();
     const uint64_t piece = feed_piece(part_bytes);
-    uint64_t part_at[3];
+    uint64_t part_at[kMaxParts];
     const uint64_t row_bytes = feed_row_layout(part_bytes, piece, part_at);
     const uint64_t box_bytes = (sizeof(FeedBox) + kFeedAlign - 1) / kFeedAlign * kFeedAlign;
     // The mailbox and the rows: mapped pinned memory, both sides read and write it.
@@ -34,7 +35,7 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     std::memset(host, 0, box_bytes);
     // The device's words, all zero: per piece of a row (watch, mirror, mirror_delta), per row (fail_tag), the
     // failure count; per miss of a select (claim, completed, failed); done and failed_n.
-    constexpr uint64_t pieces = uint64_t(kFeedRows) * 3 * kFeedPieces;
+    constexpr uint64_t pieces = uint64_t(kFeedRows) * kMaxParts * kFeedPieces;
     constexpr uint64_t wide = (3 * pieces + kFeedRows + 1) * sizeof(uint64_t);
     constexpr uint64_t per_miss = EXPCACHE_MAX_SELECT * sizeof(uint32_t);
     constexpr uint64_t words = wide + 3 * per_miss + 2 * sizeof(uint32_t);
@@ -57,13 +58,13 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     f.failed_n = f.done + 1;
     f.row_bytes = row_bytes;
     f.piece = piece;
-    for (int p = 0; p < 3; ++p) f.part_at[p] = part_at[p];
+    for (int p = 0; p < kMaxParts; ++p) f.part_at[p] = part_at[p];
     if (!feed_) feed_.reset(new FeedThreads(layers_, log_, copy_threads_));
     FeedRing ring;
     ring.box = static_cast<FeedBox*>(host);
     ring.rows = static_cast<unsigned char*>(host) + box_bytes;
     ring.row_bytes = row_bytes;
-    for (int p = 0; p < 3; ++p) ring.part_at[p] = part_at[p];
+    for (int p = 0; p < kMaxParts; ++p) ring.part_at[p] = part_at[p];
     ring.piece = piece;
     if ((s = feed_->watch(ring)) != EXPCACHE_OK) return s;
     // Set last: a class whose feed is half made has none (args_for refuses its fed layers).

@@ -173,7 +173,7 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.rows = rows;
     d.view.bank = cls.slots().empty() ? nullptr : cls.bank();
     d.view.slot_bytes = cls.slot_bytes();
-    for (int q = 0; q < kParts; ++q) d.view.part_off[q] = cls.part_off(q);
+    for (int q = 0; q < kMaxParts; ++q) d.view.part_off[q] = cls.part_off(q);
     d.view.policy = DevicePolicyClass{};
     // Zeros everywhere: no pin, the handoff (the tickets count from 0 for the class's whole life)
     // and the policy's state, which starts empty (stamps, lists, duel's counter and sizes); no
@@ -307,23 +307,21 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
         "(EXPCACHE_SOURCE_PAGEABLE; pyexpcache: HostSource(..., pinned=False)), whose misses the feed threads read";
     // Decided by the layer's declared kind, not by whether this backend could map the memory: the
     // host backend (which could read any memory) feeds what the CUDA backend would.
-    if (!l.source.pinned()) {
+    if (!l.source.pinned() || l.tabled) {  // a table of offsets or files: the kernel addresses parts by stride
         m->fed = true;
         return EXPCACHE_OK;
     }
     bool aligned = true;
-    for (int p = 0; p < kParts; ++p) {
+    static const char* names[kThreeParts] = {"gate", "up", "down"};
+    for (int p = 0; p < l.nparts; ++p) {
         expcache_status_t s = kernels_->mapped(l.base[p], &m->src[p]);
         if (s != EXPCACHE_OK) {
             m->status = s;
+            const std::string part = l.nparts == kThreeParts ? format("%s part", names[p]) : format("part %d", p);
             m->why = format(
-                "layer %u's source is pinned memory the GPU cannot map (%s part: %s): a device "
+                "layer %u's source is pinned memory the GPU cannot map (%s: %s): a device "
                 "select copies misses by reading pinned host memory; %s",
-                layer,
-                p == kGate ? "gate"
-                : p == kUp ? "up"
-                           : "down",
-                last_error(), fix);
+                layer, part.c_str(), last_error(), fix);
             clear_last_error();
             return EXPCACHE_OK;
         }
@@ -349,7 +347,7 @@ expcache_status_t DeviceLookup::args_for(uint32_t layer, int32_t c, uint32_t cou
     a.key_base = l.key_base;
     a.num_experts = l.num_experts;
     a.aligned = m.aligned;
-    for (int p = 0; p < kParts; ++p) {
+    for (int p = 0; p < kMaxParts; ++p) {
         a.src[p] = m.src[p];
         a.src_stride[p] = l.stride[p];
         a.part_bytes[p] = l.bytes[p];

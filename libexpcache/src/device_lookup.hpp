@@ -111,7 +111,7 @@ private:
         bool resolved = false;
         expcache_status_t status = EXPCACHE_OK;
         std::string why;
-        const unsigned char* src[kParts] = {};
+        const unsigned char* src[kMaxParts] = {};
         bool aligned = false;
         bool fed = false;  // the GPU cannot read the source: a device select's misses come through the feed
     };

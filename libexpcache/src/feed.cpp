@@ -27,16 +27,16 @@ uint64_t align_to(uint64_t n, uint64_t to) {
 
 }  // namespace
 
-uint64_t feed_piece(const uint64_t part_bytes[3]) {
+uint64_t feed_piece(const uint64_t part_bytes[kMaxParts]) {
     uint64_t largest = 0;
-    for (int p = 0; p < 3; ++p) largest = std::max(largest, part_bytes[p]);
+    for (int p = 0; p < kMaxParts; ++p) largest = std::max(largest, part_bytes[p]);
     static_assert(kFeedChunk % kFeedAlign == 0, "a chunk is whole O_DIRECT blocks");
     return std::max(kFeedMinPiece, align_to((largest + kFeedPieces - 1) / kFeedPieces, kFeedChunk));
 }
 
-uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t piece, uint64_t part_at[3]) {
+uint64_t feed_row_layout(const uint64_t part_bytes[kMaxParts], uint64_t piece, uint64_t part_at[kMaxParts]) {
     uint64_t at = 0;
-    for (int p = 0; p < 3; ++p) {
+    for (int p = 0; p < kMaxParts; ++p) {
         part_at[p] = at;
         at += feed_region_bytes(part_bytes[p], piece);
     }
@@ -125,7 +125,7 @@ bool FeedThreads::issue(Watched& w, std::vector<Job>* out) {
         w.row_used[r] = true;
         // Every piece of every part, in the order the grid copies them.
         const bool known = entry.layer < layers_.size() && layers_[entry.layer].registered;
-        for (int p = 0; p < kParts; ++p) {
+        for (int p = 0; p < kMaxParts; ++p) {
             const uint64_t bytes = known ? layers_[entry.layer].bytes[p] : (p == 0);  // unknown: one failing job
             for (uint32_t q = 0; uint64_t(q) * w.ring.piece < bytes; ++q) out->push_back(Job{&w, r, p, q, tag, entry});
         }
@@ -171,7 +171,7 @@ void FeedThreads::read_loop() {
 // have to fetch them. A buffered file read lands in the thread's bounce buffer first for that.
 expcache_status_t FeedThreads::fill(unsigned char* dst, const LayerState& l, int p, uint32_t expert, uint64_t at,
                                     uint64_t n, uint64_t* delta) {
-    const SourceFile* file = l.source.file;
+    const SourceFile* file = l.source_of(p, expert).file;
     const unsigned char* src = l.source_at(p, expert);
     if (file && file->direct()) return file->read_direct(dst, reinterpret_cast<uintptr_t>(src) + at, n, delta);
     const char* from = reinterpret_cast<const char*>(src + at);

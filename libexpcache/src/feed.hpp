@@ -33,15 +33,15 @@ struct FeedRing {
     FeedBox* box = nullptr;
     unsigned char* rows = nullptr;
     uint64_t row_bytes = 0;
-    uint64_t part_at[3] = {};
+    uint64_t part_at[kMaxParts] = {};
     uint64_t piece = 0;
 };
 
 // The piece size of experts of `part_bytes`: kFeedMinPiece, or larger so that no part has more
 // than kFeedPieces pieces; a multiple of kFeedChunk and kFeedAlign.
-uint64_t feed_piece(const uint64_t part_bytes[3]);
+uint64_t feed_piece(const uint64_t part_bytes[kMaxParts]);
 // A row of such experts: each part's region (feed_region_bytes) aligned for O_DIRECT; the row's bytes.
-uint64_t feed_row_layout(const uint64_t part_bytes[3], uint64_t piece, uint64_t part_at[3]);
+uint64_t feed_row_layout(const uint64_t part_bytes[kMaxParts], uint64_t piece, uint64_t part_at[kMaxParts]);
 
 class FeedThreads {
 public:

@@ -2,6 +2,8 @@
 // checksums, classes and counters, and the fault injection the tests drive.
 #include "cache.hpp"
 
+#include <algorithm>
+
 #include "errors.hpp"
 #include "expcache_testing.h"  // EXPCACHE_CHECKSUM_RESULTS
 
@@ -41,7 +43,7 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
     const ClassState& cls = classes_[c];
     const unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
     unsigned char* d = static_cast<unsigned char*>(dst);
-    for (int p = 0; p < kParts; ++p) {
+    for (int p = 0; p < layer.nparts; ++p) {
         if ((s = health_.check(backend_->copy_d2h_sync(d, row + cls.part_off(p), layer.bytes[p]))) != EXPCACHE_OK)
             return s;
         d += layer.bytes[p];
@@ -69,11 +71,16 @@ expcache_status_t Cache::checksum_jobs(uint32_t layer_index, const expcache_expe
     if (n == 0 || n > kMaxCompact)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "n must be 1..%u, got %u", kMaxCompact, n);
     const LayerState& layer = layers_[layer_index];
+    if (layer.nparts != kThreeParts)
+        return fail(EXPCACHE_ERR_INVALID_STATE,
+                    "layer %u's experts have %d parts, and expcache_expert_ptrs_t holds three: checksum its slots "
+                    "(expcache_testing_bank_checksum_async)",
+                    layer_index, layer.nparts);
     std::vector<ChecksumJob>& jobs = *out;
     jobs.clear();
     for (uint32_t i = 0; i < n; ++i) {
-        const void* parts[kParts] = {ptrs[i].gate, ptrs[i].up, ptrs[i].down};
-        for (int p = 0; p < kParts; ++p) {
+        const void* parts[kThreeParts] = {ptrs[i].gate, ptrs[i].up, ptrs[i].down};
+        for (int p = 0; p < kThreeParts; ++p) {
             if (!arena_.owns(parts[p], layer.bytes[p]))
                 return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
                             "expert %u part %d at %p (+%llu bytes) is not inside memory this cache allocated", i, p,
@@ -133,7 +140,7 @@ expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t
     BankChecksum b = {};
     b.base = cls.bank();
     b.stride = cls.slot_bytes();
-    for (int p = 0; p < kParts; ++p) {
+    for (int p = 0; p < kMaxParts; ++p) {
         b.part_off[p] = cls.part_off(p);
         b.part_bytes[p] = cls.key(p);
     }
@@ -168,29 +175,26 @@ expcache_status_t Cache::class_count(uint32_t* out) const {
     return EXPCACHE_OK;
 }
 
-expcache_status_t Cache::find_class(const uint64_t part_bytes[kParts], uint32_t* out) const {
+expcache_status_t Cache::find_class(const uint64_t part_bytes[kMaxParts], uint32_t* out) const {
     CallScope scope(*this);
-    const auto same = [&](const uint64_t* bytes) {
-        return bytes[kGate] == part_bytes[kGate] && bytes[kUp] == part_bytes[kUp] && bytes[kDown] == part_bytes[kDown];
-    };
+    const auto same = [&](const uint64_t* bytes) { return std::equal(bytes, bytes + kMaxParts, part_bytes); };
     for (int32_t c = 0; c < classes_.size(); ++c) {
         const ClassState& cls = classes_[c];
-        const uint64_t key[kParts] = {cls.key(kGate), cls.key(kUp), cls.key(kDown)};
-        if (cls.in_use() && same(key)) {
+        if (cls.in_use() && same(cls.key_array())) {
             *out = static_cast<uint32_t>(c);
             return EXPCACHE_OK;
         }
     }
+    int nparts = 0;
+    while (nparts < kMaxParts && part_bytes[nparts]) ++nparts;
+    const std::string sizes = parts_name(part_bytes, nparts);
     for (uint32_t l = 0; l < layers_.size(); ++l)
         if (layers_[l].registered && same(layers_[l].bytes))
             return fail(EXPCACHE_ERR_INVALID_STATE,
-                        "no class holds experts of gate %llu, up %llu, down %llu bytes now: bind one of their layers "
-                        "first (layer %u has them; expcache_layer_bind_class)",
-                        (unsigned long long)part_bytes[kGate], (unsigned long long)part_bytes[kUp],
-                        (unsigned long long)part_bytes[kDown], l);
-    return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "no registered layer has experts of gate %llu, up %llu, down %llu bytes",
-                (unsigned long long)part_bytes[kGate], (unsigned long long)part_bytes[kUp],
-                (unsigned long long)part_bytes[kDown]);
+                        "no class holds experts of %s bytes now: bind one of their layers first (layer %u has them; "
+                        "expcache_layer_bind_class)",
+                        sizes.c_str(), l);
+    return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "no registered layer has experts of %s bytes", sizes.c_str());
 }
 
 // A device-lookup cache's counters and residents are the device's: one copy for every class.
@@ -203,9 +207,12 @@ void Cache::fill_info(int32_t c, const DeviceSnapshot& snap, expcache_class_info
     expcache_class_info_t info = {};
     info.struct_size = sizeof info;
     info.in_use = cls.in_use();
-    info.gate_bytes = cls.key(kGate);
-    info.up_bytes = cls.key(kUp);
-    info.down_bytes = cls.key(kDown);
+    const bool three = cls.nparts() == kThreeParts;
+    info.gate_bytes = three ? cls.key(kGate) : 0;
+    info.up_bytes = three ? cls.key(kUp) : 0;
+    info.down_bytes = three ? cls.key(kDown) : 0;
+    info.num_parts = static_cast<uint32_t>(cls.nparts());
+    for (int p = 0; p < kMaxParts; ++p) info.part_bytes[p] = cls.key(p);
     info.slot_bytes = cls.slot_bytes();
     info.target_experts = cls.in_use() ? classes_.target(cls) : 0;
     info.cap_experts = cls.cap();

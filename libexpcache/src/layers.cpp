@@ -4,6 +4,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <string>
 
 #include "errors.hpp"
 
@@ -45,6 +46,115 @@ expcache_status_t LayerTable::add(uint32_t layer, const expcache_layer_desc_t& d
     return s;
 }
 
+namespace {
+
+// A descriptor's parts, from its parts array or from the three-part shorthand (num_parts 0).
+struct Parts {
+    int n = 0;
+    bool shorthand = false;
+    uint64_t bytes[kMaxParts] = {};
+    uint64_t stride[kMaxParts] = {};
+    const void* base[kMaxParts] = {};
+    const uint64_t* offsets[kMaxParts] = {};
+    const uint32_t* files[kMaxParts] = {};
+    // How a message names part p ("gate", "parts[4]"), and its field ("gate_bytes", "parts[4].bytes").
+    std::string name(int p) const {
+        static const char* names[kThreeParts] = {"gate", "up", "down"};
+        return shorthand ? std::string(names[p]) : format("parts[%d]", p);
+    }
+    std::string field(int p, const char* what) const { return name(p) + (shorthand ? "_" : ".") + what; }
+};
+
+bool part_is_zero(const expcache_part_t& p) {
+    return p.bytes == 0 && p.stride == 0 && p.base == nullptr && p.offsets == nullptr && p.files == nullptr;
+}
+
+expcache_status_t parts_of(const expcache_layer_desc_t& d, Parts* out) {
+    if (d.num_parts > EXPCACHE_MAX_PARTS)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "num_parts must be 0 (the gate, up and down fields) or 1..%d (parts[]), got %u", EXPCACHE_MAX_PARTS,
+                    d.num_parts);
+    if (d.reserved != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved must be 0, got %u", d.reserved);
+    if (d.num_parts == 0) {
+        for (const expcache_part_t& p : d.parts)
+            if (!part_is_zero(p))
+                return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                            "num_parts is 0 (the gate, up and down fields describe the expert) but parts[] is set: "
+                            "set num_parts to the number of parts given there");
+        *out = Parts{kThreeParts,
+                     true,
+                     {d.gate_bytes, d.up_bytes, d.down_bytes},
+                     {d.gate_stride, d.up_stride, d.down_stride},
+                     {d.gate_base, d.up_base, d.down_base}};
+        return EXPCACHE_OK;
+    }
+    if (d.gate_bytes || d.up_bytes || d.down_bytes || d.gate_stride || d.up_stride || d.down_stride || d.gate_base ||
+        d.up_base || d.down_base)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                    "num_parts is %u (parts[] describes the expert) but a gate, up or down field is set: give the "
+                    "three parts either way, not both",
+                    d.num_parts);
+    for (uint32_t p = d.num_parts; p < EXPCACHE_MAX_PARTS; ++p)
+        if (!part_is_zero(d.parts[p]))
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "parts[%u] is set but num_parts is %u", p, d.num_parts);
+    out->n = static_cast<int>(d.num_parts);
+    for (int p = 0; p < out->n; ++p) {
+        out->bytes[p] = d.parts[p].bytes;
+        out->stride[p] = d.parts[p].stride;
+        out->base[p] = d.parts[p].base;
+        out->offsets[p] = d.parts[p].offsets;
+        out->files[p] = d.parts[p].files;
+    }
+    return EXPCACHE_OK;
+}
+
+// Part p of a layer: its size, its stride or offsets, its files, and every expert's bytes inside
+// its file (file sources) or the address space.
+expcache_status_t check_part(const expcache_layer_desc_t& d, const Parts& parts, int p,
+                             const std::vector<std::unique_ptr<SourceFile>>& files_) {
+    const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
+    const std::string bytes = parts.field(p, "bytes"), stride = parts.field(p, "stride");
+    const uint64_t n = parts.bytes[p];
+    if (n == 0 || n > EXPCACHE_MAX_PART_BYTES_LIMIT)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 1..2^40, got %llu", bytes.c_str(),
+                    (unsigned long long)n);
+    const uint64_t* offsets = parts.offsets[p];
+    const uint32_t* files = parts.files[p];
+    if (offsets && parts.stride[p] != 0)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 0 with offsets (each expert has its own), got %llu",
+                    stride.c_str(), (unsigned long long)parts.stride[p]);
+    if (!offsets && parts.stride[p] < n)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s %llu is smaller than %s %llu", stride.c_str(),
+                    (unsigned long long)parts.stride[p], bytes.c_str(), (unsigned long long)n);
+    if (!parts.base[p] && !from_file)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s is NULL", parts.field(p, "base").c_str());
+    if (files && !from_file)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s is set but source_kind is not file",
+                    parts.field(p, "files").c_str());
+    const uintptr_t base = reinterpret_cast<uintptr_t>(parts.base[p]);
+    // Without a table the last expert ends furthest; with one, every expert is checked.
+    const uint32_t first = offsets || files ? 0 : d.num_experts - 1;
+    for (uint32_t e = first; e < d.num_experts; ++e) {
+        const uint32_t f = files ? files[e] : d.file;
+        if (files && f >= files_.size())
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s[%u] is %u, not a file expcache_file_open gave (%zu open)",
+                        parts.field(p, "files").c_str(), e, f, files_.size());
+        const unsigned __int128 end =
+            (unsigned __int128)base + (offsets ? offsets[e] : (unsigned __int128)parts.stride[p] * e) + n;
+        if (from_file && end > files_[f]->size())
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                        "%s part of expert %u ends at byte %llu, past the end of %s (%llu bytes)",
+                        parts.name(p).c_str(), e, (unsigned long long)end, files_[f]->path().c_str(),
+                        (unsigned long long)files_[f]->size());
+        if (end > (unsigned __int128)UINTPTR_MAX)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of expert %u would end past the address space",
+                        parts.name(p).c_str(), e);
+    }
+    return EXPCACHE_OK;
+}
+
+}  // namespace
+
 expcache_status_t LayerTable::check(uint32_t layer, const expcache_layer_desc_t& d) const {
     if (layer >= layers_.size())
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "layer %u out of range (num_layers %zu)", layer, layers_.size());
@@ -61,47 +171,35 @@ expcache_status_t LayerTable::check(uint32_t layer, const expcache_layer_desc_t&
                     files_.size());
     if (!from_file && d.file != 0)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "file must be 0 unless source_kind is file");
-    const uint64_t bytes[kParts] = {d.gate_bytes, d.up_bytes, d.down_bytes};
-    const uint64_t stride[kParts] = {d.gate_stride, d.up_stride, d.down_stride};
-    const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
-    static const char* names[kParts] = {"gate", "up", "down"};
-    for (int p = 0; p < kParts; ++p) {
-        if (bytes[p] == 0 || bytes[p] > EXPCACHE_MAX_PART_BYTES_LIMIT)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_bytes must be 1..2^40, got %llu", names[p],
-                        (unsigned long long)bytes[p]);
-        if (stride[p] < bytes[p])
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_stride %llu is smaller than %s_bytes %llu", names[p],
-                        (unsigned long long)stride[p], names[p], (unsigned long long)bytes[p]);
-        if (!base[p] && !from_file) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s_base is NULL", names[p]);
-        unsigned __int128 end = (unsigned __int128)reinterpret_cast<uintptr_t>(base[p]) +
-                                (unsigned __int128)stride[p] * (d.num_experts - 1) + bytes[p];
-        if (from_file && end > files_[d.file]->size())
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                        "%s part of the last expert ends at byte %llu, past the end of %s "
-                        "(%llu bytes)",
-                        names[p], (unsigned long long)end, files_[d.file]->path().c_str(),
-                        (unsigned long long)files_[d.file]->size());
-        if (end > (unsigned __int128)UINTPTR_MAX)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert would end past the address space",
-                        names[p]);
-    }
+    Parts parts;
+    expcache_status_t s = parts_of(d, &parts);
+    if (s != EXPCACHE_OK) return s;
+    for (int p = 0; p < parts.n; ++p)
+        if ((s = check_part(d, parts, p, files_)) != EXPCACHE_OK) return s;
     return EXPCACHE_OK;
 }
 
 void LayerTable::record(uint32_t layer, const expcache_layer_desc_t& d) {
     const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
-    const uint64_t bytes[kParts] = {d.gate_bytes, d.up_bytes, d.down_bytes};
-    const uint64_t stride[kParts] = {d.gate_stride, d.up_stride, d.down_stride};
-    const void* base[kParts] = {d.gate_base, d.up_base, d.down_base};
+    Parts parts;
+    parts_of(d, &parts);  // check() passed
     LayerState& l = layers_[layer];
     l.registered = true;
     l.source.kind = d.source_kind;
     l.source.file = from_file ? files_[d.file].get() : nullptr;
     l.num_experts = d.num_experts;
-    for (int p = 0; p < kParts; ++p) {
-        l.bytes[p] = bytes[p];
-        l.stride[p] = stride[p];
-        l.base[p] = static_cast<const unsigned char*>(base[p]);
+    l.nparts = parts.n;
+    l.tabled = false;
+    for (int p = 0; p < kMaxParts; ++p) {
+        l.bytes[p] = parts.bytes[p];
+        l.stride[p] = parts.stride[p];
+        l.base[p] = static_cast<const unsigned char*>(parts.base[p]);
+        l.offsets[p].clear();
+        l.files[p].clear();
+        if (parts.offsets[p]) l.offsets[p].assign(parts.offsets[p], parts.offsets[p] + d.num_experts);
+        if (parts.files[p])
+            for (uint32_t e = 0; e < d.num_experts; ++e) l.files[p].push_back(files_[parts.files[p][e]].get());
+        l.tabled = l.tabled || parts.offsets[p] || parts.files[p];
     }
     if (!keeps_keys(layer, d.num_experts)) {
         l.key_base = next_key_;
@@ -150,7 +248,7 @@ size_t LayerTable::size_classes() const {
     for (const LayerState& l : layers_) {
         if (!l.registered) continue;
         bool seen = false;
-        for (const uint64_t* k : keys) seen = seen || std::equal(k, k + kParts, l.bytes);
+        for (const uint64_t* k : keys) seen = seen || std::equal(k, k + kMaxParts, l.bytes);
         if (!seen) keys.push_back(l.bytes);
     }
     return keys.size();

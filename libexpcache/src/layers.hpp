@@ -13,7 +13,11 @@
 
 namespace expcache {
 
-enum Part { kGate = 0, kUp = 1, kDown = 2, kParts = 3 };
+// An expert's parts: gate, up and down in the three-part shorthand, or up to kMaxParts of any
+// meaning (FP8 weights and their scales, MXFP4 blocks and scales, biases). Arrays are sized
+// kMaxParts; a layer's and a class's first nparts entries are used, the rest are 0.
+enum Part { kGate = 0, kUp = 1, kDown = 2, kThreeParts = 3 };
+constexpr int kMaxParts = EXPCACHE_MAX_PARTS;
 
 // Where an expert's bytes come from and how they move: a source kind in one place.
 struct ExpertSource {
@@ -34,9 +38,13 @@ struct LayerState {
     bool registered = false;
     ExpertSource source;
     uint32_t num_experts = 0;
-    uint64_t bytes[kParts] = {};
-    uint64_t stride[kParts] = {};
-    const unsigned char* base[kParts] = {};
+    int nparts = 0;
+    uint64_t bytes[kMaxParts] = {};  // the class key: 0 past nparts
+    uint64_t stride[kMaxParts] = {};
+    const unsigned char* base[kMaxParts] = {};
+    std::vector<uint64_t> offsets[kMaxParts];         // per part, per expert (empty: base + stride * expert)
+    std::vector<const SourceFile*> files[kMaxParts];  // per part, per expert (empty: source.file)
+    bool tabled = false;    // a part with offsets or files: the GPU cannot address it by stride (fed)
     int32_t rank = 0;       // position among the registered layers (the policy clock's pos)
     uint32_t key_base = 0;  // expert e's policy key is key_base + e
     uint32_t key_span = 0;  // the keys from key_base the layer was given (kept when it is unregistered)
@@ -47,8 +55,21 @@ struct LayerState {
     std::vector<uint64_t> seen;      // per expert: last call that listed it (dedupe without clearing)
     std::vector<uint32_t> seen_pos;  // per expert: its index in that call's unique list
 
-    uint64_t expert_bytes() const { return bytes[kGate] + bytes[kUp] + bytes[kDown]; }
-    const unsigned char* source_at(int part, uint32_t expert) const { return base[part] + stride[part] * expert; }
+    uint64_t expert_bytes() const {
+        uint64_t n = 0;
+        for (int p = 0; p < nparts; ++p) n += bytes[p];
+        return n;
+    }
+    // Where part p of `expert` is (an address, or an offset into source_of(p, expert).file).
+    const unsigned char* source_at(int part, uint32_t expert) const {
+        return base[part] + (offsets[part].empty() ? stride[part] * expert : offsets[part][expert]);
+    }
+    // The source part p of `expert` is read from: the layer's, with that expert's file.
+    ExpertSource source_of(int part, uint32_t expert) const {
+        ExpertSource s = source;
+        if (!files[part].empty()) s.file = files[part][expert];
+        return s;
+    }
 };
 
 class LayerTable {
@@ -83,7 +104,7 @@ public:
     std::vector<LayerState>::const_iterator begin() const { return layers_.begin(); }
     std::vector<LayerState>::const_iterator end() const { return layers_.end(); }
     int32_t registered() const { return registered_; }
-    // Distinct (gate, up, down) sizes among the registered layers: the classes the layout needs.
+    // Distinct part sizes among the registered layers: the classes the layout needs.
     size_t size_classes() const;
 
 private:

@@ -90,6 +90,11 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
                                    const char* count_name, expcache_status_t (Cache::*admit)() const) {
     const uint32_t layer = call.layer_index;
     expcache_status_t s = validate_request(layer, ids, n, max_n, count_name);
+    if (s == EXPCACHE_OK && call.ptrs && layers_[layer].nparts != kThreeParts)
+        s = fail(EXPCACHE_ERR_INVALID_STATE,
+                 "layer %u's experts have %d parts, and expcache_expert_ptrs_t holds three: serve it by slot id "
+                 "(%s) and read each part at its bank's part_offset (expcache_class_bank_get)",
+                 layer, layers_[layer].nparts, call.ptrs);
     if (s == EXPCACHE_OK && admit) s = (this->*admit)();
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
     if (s == EXPCACHE_OK) s = bind_class(layer, call.path, &call.c);
@@ -107,21 +112,23 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
 // ---------------------------------------------------------------------------
 // Uploads
 
-// Copies the three parts, merging parts that are adjacent both in the
+// Copies the layer's parts, merging parts that are adjacent both in the
 // source and in the destination into one transfer.
-expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kParts],
+expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kMaxParts],
                                      void* stream) {
     int p = 0;
-    while (p < kParts) {
+    while (p < layer.nparts) {
         const unsigned char* src = layer.source_at(p, expert);
         unsigned char* d = dst[p];
         uint64_t bytes = layer.bytes[p];
         int q = p + 1;
-        while (q < kParts && layer.source_at(q, expert) == src + bytes && dst[q] == d + bytes) {
+        const ExpertSource source = layer.source_of(p, expert);
+        while (q < layer.nparts && layer.source_at(q, expert) == src + bytes && dst[q] == d + bytes &&
+               layer.source_of(q, expert).file == source.file) {
             bytes += layer.bytes[q];
             ++q;
         }
-        expcache_status_t s = health_.check(layer.source.upload(*backend_, d, src, bytes, stream));
+        expcache_status_t s = health_.check(source.upload(*backend_, d, src, bytes, stream));
         if (s != EXPCACHE_OK) return s;
         p = q;
     }

@@ -43,6 +43,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
                                        uint32_t* out_ids, expcache_expert_ptrs_t* out_ptrs, int32_t* out_slots,
                                        uint32_t* out_count, uint64_t* out_batch) {
     ServeCall call(*this, EXPCACHE_PATH_BATCH, layer_index, stream);
+    if (out_ptrs) call.ptrs = "expcache_batch_prepare_slots_async";
     expcache_status_t s = open_call(call, ids, n, kMaxBatchIds, "n", &Cache::batch_room);
     if (s != EXPCACHE_OK) return s;
     BatchState batch;

@@ -1,10 +1,20 @@
 // The compact path: one layer's listed experts copied, in the order listed and
-// duplicates included, into one buffer of three part arrays (gate, up, down),
+// duplicates included, into one buffer of part arrays (gate, up, down for three parts),
 // from their slots where resident and from the source otherwise. Nothing is
 // inserted: the cache only lends its hits.
 #include "cache.hpp"
 
 namespace expcache {
+
+namespace {
+
+// Where expert i of a compact buffer at `base` with regions at `off` goes, part by part.
+void compact_parts(const LayerState& layer, unsigned char* base, const uint64_t* off, uint32_t i,
+                   unsigned char* dst[kMaxParts]) {
+    for (int p = 0; p < kMaxParts; ++p) dst[p] = p < layer.nparts ? base + off[p] + layer.bytes[p] * i : nullptr;
+}
+
+}  // namespace
 
 // On a device-lookup cache: the device select, lending (kModeLend: hits refreshed as the policy
 // sees a compact load's, nothing inserted), says which ids are resident; each is copied from its
@@ -23,12 +33,12 @@ expcache_status_t Cache::compact_on_device(ServeCall& call, const uint32_t* ids,
         const uint32_t j = layer.seen_pos[ids[i]];
         const bool first = j == next_unique;
         if (first) ++next_unique;
-        unsigned char* dst[kParts] = {base + off[kGate] + b[kGate] * i, base + off[kUp] + b[kUp] * i,
-                                      base + off[kDown] + b[kDown] * i};
+        unsigned char* dst[kMaxParts];
+        compact_parts(layer, base, off, i, dst);
         const int32_t slot = call.scratch.slots[j];
         if (slot >= 0) {
             const unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
-            for (int p = 0; p < kParts; ++p)
+            for (int p = 0; p < layer.nparts; ++p)
                 if ((s = health_.check(backend_->copy_d2d(dst[p], row + cls.part_off(p), b[p], call.stream))) !=
                     EXPCACHE_OK)
                     return s;
@@ -55,8 +65,8 @@ expcache_status_t Cache::compact_from_table(ServeCall& call, const uint32_t* ids
         uint32_t e = ids[i];
         bool first = layer.seen_pos[e] == next_unique;
         if (first) ++next_unique;
-        unsigned char* dst[kParts] = {base + off[kGate] + b[kGate] * i, base + off[kUp] + b[kUp] * i,
-                                      base + off[kDown] + b[kDown] * i};
+        unsigned char* dst[kMaxParts];
+        compact_parts(layer, base, off, i, dst);
         int32_t slot = layer.slot_of[e];
         if (slot >= 0) {
             const SlotState& ss = cls.slots()[slot];
@@ -64,7 +74,7 @@ expcache_status_t Cache::compact_from_table(ServeCall& call, const uint32_t* ids
                                                         // before the next call
             if ((s = streams_.order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
             if (ss.prefetch() != kPrefetchNone) prefetch_.note_use(call.c, slot);
-            for (int p = 0; p < kParts; ++p)
+            for (int p = 0; p < layer.nparts; ++p)
                 if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev() + cls.part_off(p), b[p], stream))) !=
                     EXPCACHE_OK)
                     return s;
@@ -84,11 +94,12 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
     if (s != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;
     const uint64_t* b = layer.bytes;
-    uint64_t off[kParts];
-    off[kGate] = 0;
-    off[kUp] = align_up(off[kGate] + b[kGate] * n);
-    off[kDown] = align_up(off[kUp] + b[kUp] * n);
-    uint64_t total = off[kDown] + b[kDown] * n;
+    // One region per part, each starting aligned.
+    uint64_t off[kMaxParts] = {}, total = 0;
+    for (int p = 0; p < layer.nparts; ++p) {
+        off[p] = align_up(total);
+        total = off[p] + b[p] * n;
+    }
 
     // Allocate before resolving hits: the retry may release the caches.
     if ((s = reserve_buffer(call, staging_.compact, total, true)) != EXPCACHE_OK) return s;
@@ -102,12 +113,19 @@ expcache_status_t Cache::load_compact(uint32_t layer_index, const uint32_t* ids,
     out->num_experts = n;
     out->base = staging_.compact.ptr;
     out->bytes = total;
-    out->gate_offset = off[kGate];
-    out->up_offset = off[kUp];
-    out->down_offset = off[kDown];
-    out->gate_bytes = b[kGate];
-    out->up_bytes = b[kUp];
-    out->down_bytes = b[kDown];
+    out->num_parts = static_cast<uint32_t>(layer.nparts);
+    out->reserved = 0;
+    for (int p = 0; p < kMaxParts; ++p) {
+        out->part_offset[p] = off[p];
+        out->part_bytes[p] = b[p];
+    }
+    const bool three = layer.nparts == kThreeParts;
+    out->gate_offset = three ? off[kGate] : 0;
+    out->up_offset = three ? off[kUp] : 0;
+    out->down_offset = three ? off[kDown] : 0;
+    out->gate_bytes = three ? b[kGate] : 0;
+    out->up_bytes = three ? b[kUp] : 0;
+    out->down_bytes = three ? b[kDown] : 0;
     log_(EXPCACHE_LOG_DEBUG, "load_compact layer %u n %u: %.1f MiB buffer", layer_index, n,
          double(total) / double(1 << 20));
     return EXPCACHE_OK;

@@ -78,12 +78,19 @@ expcache_status_t Cache::bank(uint32_t index, expcache_bank_t* out) {
     b.slot_stride = cls.slot_bytes();
     b.cap = cls.slots().size();
     b.rows = cls.rows();
-    b.gate_offset = cls.part_off(kGate);
-    b.up_offset = cls.part_off(kUp);
-    b.down_offset = cls.part_off(kDown);
-    b.gate_bytes = cls.key(kGate);
-    b.up_bytes = cls.key(kUp);
-    b.down_bytes = cls.key(kDown);
+    b.num_parts = static_cast<uint32_t>(cls.nparts());
+    for (int p = 0; p < kMaxParts; ++p) {
+        b.part_offset[p] = cls.part_off(p);
+        b.part_bytes[p] = cls.key(p);
+    }
+    if (cls.nparts() == kThreeParts) {
+        b.gate_offset = cls.part_off(kGate);
+        b.up_offset = cls.part_off(kUp);
+        b.down_offset = cls.part_off(kDown);
+        b.gate_bytes = cls.key(kGate);
+        b.up_bytes = cls.key(kUp);
+        b.down_bytes = cls.key(kDown);
+    }
     *out = b;
     return EXPCACHE_OK;
 }

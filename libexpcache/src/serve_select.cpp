@@ -9,6 +9,10 @@
 
 namespace expcache {
 
+namespace {
+const char* const kSlotSelects = "expcache_select_slots_async or expcache_select_device_async";
+}  // namespace
+
 expcache_status_t Cache::serve_decode(ServeCall& call, uint32_t k) {
     uint32_t direct = 0;
     expcache_status_t s = fill_slots(call, nullptr, &direct);
@@ -37,6 +41,7 @@ void Cache::write_ptrs(const ServeCall& call, const uint32_t* ids, uint32_t k, e
 expcache_status_t Cache::select(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
                                 expcache_expert_ptrs_t* out) {
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
+    call.ptrs = kSlotSelects;
     expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k");
     if (s == EXPCACHE_OK) s = serve_decode(call, k);
     if (s == EXPCACHE_OK) write_ptrs(call, ids, k, out);
@@ -76,6 +81,7 @@ expcache_status_t Cache::split_room() const {
 expcache_status_t Cache::select_split(uint32_t layer_index, const uint32_t* ids, uint32_t k, void* stream,
                                       expcache_expert_ptrs_t* out, uint8_t* out_resident, void** out_ready) {
     ServeCall call(*this, EXPCACHE_PATH_DECODE, layer_index, stream);
+    call.ptrs = kSlotSelects;
     expcache_status_t s = open_call(call, ids, k, EXPCACHE_MAX_SELECT, "k", &Cache::split_room);
     if (s != EXPCACHE_OK) return s;
     const LayerState& layer = *call.layer;

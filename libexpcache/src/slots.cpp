@@ -68,7 +68,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             scratch.pending[direct++] = j;  // compacted in place: served from staging
             continue;
         }
-        unsigned char* dst[kParts];
+        unsigned char* dst[kMaxParts];
         cls.parts_at(cls.slots()[slot].dev(), dst);
         if ((s = streams_.order_slot(call.c, slot, call.copy_stream)) != EXPCACHE_OK ||
             (s = copy_expert(layer, e, dst, call.copy_stream)) != EXPCACHE_OK) {
@@ -120,7 +120,7 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
     for (uint32_t j = 0; j < n && t.host_copies; ++j) {
         const int32_t slot = scratch.slots[j];
         if (slot < 0 || !scratch.filled[j]) continue;
-        unsigned char* dst[kParts];
+        unsigned char* dst[kMaxParts];
         cls.parts_at(cls.bank() + uint64_t(slot) * cls.slot_bytes(), dst);
         scratch.inserted.emplace_back(call.c, slot);  // a later upload failure of the call frees it
         if ((s = copy_expert(*call.layer, scratch.unique[j], dst, call.copy_stream)) != EXPCACHE_OK) {
@@ -153,7 +153,7 @@ expcache_status_t Cache::stage_overflow(ServeCall& call, unsigned char* base, ui
     for (uint32_t i = 0; i < direct; ++i) {
         uint32_t j = call.scratch.pending[i];
         unsigned char* entry = base + uint64_t(i) * cls.slot_bytes();
-        unsigned char* dst[kParts];
+        unsigned char* dst[kMaxParts];
         cls.parts_at(entry, dst);
         expcache_status_t s = copy_expert(layer, call.scratch.unique[j], dst, call.copy_stream);
         if (s != EXPCACHE_OK) return s;

@@ -119,8 +119,8 @@ __global__ void checksum_kernel(const __grid_constant__ Params prm) {
 
 struct BankParams {
     BankChecksum bank;
-    uint64_t part_blocks[3];  // chunks of each part
-    uint64_t expert_blocks;   // their sum: the blocks of one slot
+    uint64_t part_blocks[EXPCACHE_MAX_PARTS];  // chunks of each part
+    uint64_t expert_blocks;                    // their sum: the blocks of one slot
     unsigned long long* sums;
     unsigned int* counter;
     unsigned long long* out;
@@ -256,7 +256,7 @@ cudaError_t ChecksumScratch::launch_bank(const BankChecksum& bank, uint32_t firs
     BankParams prm;
     std::memset(&prm, 0, sizeof prm);
     prm.bank = bank;
-    for (int p = 0; p < 3; ++p) {
+    for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p) {
         prm.part_blocks[p] = (bank.part_bytes[p] + kChunkBytes - 1) / kChunkBytes;
         prm.expert_blocks += prm.part_blocks[p];
     }

@@ -46,7 +46,7 @@ __device__ inline void list(const DeviceFeed& f, uint32_t layer, uint32_t expert
 // the others poll, so each piece crosses the link for its words once.
 __device__ inline uint64_t wait_piece(const DeviceFeed& f, uint32_t r, int p, uint32_t q, uint64_t tag,
                                       uint64_t* delta) {
-    const uint32_t at = (r * 3 + p) * kFeedPieces + q;
+    const uint32_t at = (r * EXPCACHE_MAX_PARTS + p) * kFeedPieces + q;
     DevWide mirror(f.mirror[at]);
     if (atomicMax(reinterpret_cast<unsigned long long*>(f.watch + at), tag) < tag) {
         const uint64_t start = now_ns();
@@ -104,8 +104,8 @@ __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uin
     const DeviceClass& c = a.cls;
     const DeviceFeed& f = c.feed;
     const uint32_t tid = threadIdx.x;
-    uint32_t chunks[3], total = 0;
-    for (int p = 0; p < 3; ++p)
+    uint32_t chunks[EXPCACHE_MAX_PARTS], total = 0;
+    for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p)
         total += chunks[p] = static_cast<uint32_t>((a.part_bytes[p] + kFeedChunk - 1) / kFeedChunk);
     if (total == 0) total = 1;  // parts of no bytes: one empty chunk marks the miss done
     for (uint32_t m = from; m < to; ++m) {
@@ -120,7 +120,7 @@ __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uin
             uint32_t ch = chunk_s;
             if (ch >= total) break;  // uniform: every thread read the same chunk
             int p = 0;
-            while (p < 2 && ch >= chunks[p]) ch -= chunks[p++];
+            while (p < EXPCACHE_MAX_PARTS - 1 && ch >= chunks[p]) ch -= chunks[p++];
             const uint64_t at = uint64_t(ch) * kFeedChunk;  // within the part
             const uint32_t q = static_cast<uint32_t>(at / f.piece);
             if (tid == 0 && a.part_bytes[p]) ready_s = wait_piece(f, r, p, q, tag, &delta_s);

@@ -65,8 +65,8 @@ struct FeedEntry {
 struct FeedBox {
     alignas(64) uint64_t listed;
     alignas(64) uint64_t consumed[kFeedRows];
-    alignas(64) uint64_t ready[kFeedRows][3][kFeedPieces];
-    alignas(64) uint64_t delta[kFeedRows][3][kFeedPieces];
+    alignas(64) uint64_t ready[kFeedRows][EXPCACHE_MAX_PARTS][kFeedPieces];
+    alignas(64) uint64_t delta[kFeedRows][EXPCACHE_MAX_PARTS][kFeedPieces];
     alignas(64) FeedEntry entry[EXPCACHE_MAX_SELECT];
 };
 
@@ -80,8 +80,8 @@ struct DeviceFeed {
     FeedBox* box;               // the device's address of the mailbox
     const unsigned char* rows;  // the device's address of row 0
     uint64_t row_bytes;
-    uint64_t part_at[3];  // each part's region within a row
-    uint64_t piece;       // a piece's bytes (its region: piece + 2 * kFeedAlign)
+    uint64_t part_at[EXPCACHE_MAX_PARTS];  // each part's region within a row
+    uint64_t piece;                        // a piece's bytes (its region: piece + 2 * kFeedAlign)
     // Device memory. Per miss of the current select (reset by the leader before it lists the
     // miss): the next chunk to claim, the chunks done.
     uint32_t* claim;

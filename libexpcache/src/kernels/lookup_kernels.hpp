@@ -100,7 +100,7 @@ struct DeviceClass {
     uint32_t cap;  // < 2^31
     unsigned char* bank;
     uint64_t slot_bytes;
-    uint64_t part_off[3];
+    uint64_t part_off[EXPCACHE_MAX_PARTS];
     DevicePolicyClass policy;
     DeviceFeed feed;  // the rows misses of a source the GPU cannot read come through (box nullptr: none)
 };
@@ -124,11 +124,17 @@ struct DeviceSelectArgs {
     uint32_t layer;
     uint32_t key_base;
     uint32_t num_experts;
-    uint32_t aligned;             // 1: every source part address and size is a multiple of 16
-    const unsigned char* src[3];  // the layer's parts, as the GPU reads them (mapped pinned memory; fed: none)
-    uint64_t src_stride[3];
-    uint64_t part_bytes[3];
+    uint32_t aligned;  // 1: every source part address and size is a multiple of 16
+    const unsigned char*
+        src[EXPCACHE_MAX_PARTS];  // the layer's parts, as the GPU reads them (mapped pinned memory; fed: none)
+    uint64_t src_stride[EXPCACHE_MAX_PARTS];
+    uint64_t part_bytes[EXPCACHE_MAX_PARTS];  // 0 past the layer's parts
     DeviceClass cls;
+    EXPCACHE_HOST_DEVICE uint64_t expert_bytes() const {
+        uint64_t n = 0;
+        for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p) n += part_bytes[p];
+        return n;
+    }
     uint64_t* clock;       // the stamp clock: each select takes kStampsPerSelect stamps
     uint64_t* cold_clock;  // the cold end's, counting down: each append takes one
     int32_t* slot_of_key;  // [keys] the slot holding each key, -1 none

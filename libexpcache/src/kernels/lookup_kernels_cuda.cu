@@ -159,7 +159,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
             add(&n.misses, misses);
             add(&n.evictions, evictions);
             add(&n.appends, misses - evictions);
-            add(&n.bytes_h2d, uint64_t(misses) * (a.part_bytes[0] + a.part_bytes[1] + a.part_bytes[2]));
+            add(&n.bytes_h2d, uint64_t(misses) * a.expert_bytes());
         }
     }
 }
@@ -271,7 +271,8 @@ __device__ void copy_misses(const DeviceSelectArgs& a, uint32_t from, uint32_t t
         const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(c.misses + m));
         const DeviceMiss miss{raw.x, static_cast<int32_t>(raw.y)};
         unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
-        for (int p = 0; p < 3; ++p) {
+        for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p) {
+            if (a.part_bytes[p] == 0) break;  // past the layer's parts
             const unsigned char* src = a.src[p] + a.src_stride[p] * miss.expert;
             unsigned char* dst = slot + c.part_off[p];
             const uint64_t bytes = a.part_bytes[p];

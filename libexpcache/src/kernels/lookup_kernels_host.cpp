@@ -210,7 +210,7 @@ private:
         n.misses += misses;
         n.evictions += evictions;
         n.appends += misses - evictions;
-        n.bytes_h2d += misses * (a.part_bytes[0] + a.part_bytes[1] + a.part_bytes[2]);
+        n.bytes_h2d += misses * a.expert_bytes();
     }
 
     // duel: a request both shadows see (each a hit, or a fill of a new slot or of its victim), then the vote.
@@ -238,7 +238,7 @@ private:
         for (uint32_t m = 0; m < *c.miss_count; ++m) {
             const DeviceMiss miss = c.misses[m];
             unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
-            for (int p = 0; p < 3; ++p)
+            for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p)
                 std::memcpy(slot + c.part_off[p], a.src[p] + a.src_stride[p] * miss.expert, a.part_bytes[p]);
         }
     }
@@ -262,7 +262,7 @@ private:
             const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
             unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
             bool ok = true;
-            for (int p = 0; p < 3; ++p)
+            for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p)
                 for (uint32_t q = 0; uint64_t(q) * f.piece < a.part_bytes[p]; ++q) {
                     const uint64_t w = wait_piece(&f.box->ready[r][p][q], tag);
                     ok = ok && !(w & kFeedFailed);

@@ -33,10 +33,10 @@ struct BankChecksum {
     }
     const unsigned char* base;
     uint64_t stride;
-    uint64_t part_off[3];
-    uint64_t part_bytes[3];
-    uint32_t cap;                     // a slot outside [0, cap) and [staged_from, staged_to) sums to 0
-    uint32_t staged_from, staged_to;  // the bank's mapped staging rows (select_slots)
+    uint64_t part_off[EXPCACHE_MAX_PARTS];
+    uint64_t part_bytes[EXPCACHE_MAX_PARTS];  // 0 past the class's parts
+    uint32_t cap;                             // a slot outside [0, cap) and [staged_from, staged_to) sums to 0
+    uint32_t staged_from, staged_to;          // the bank's mapped staging rows (select_slots)
     uint32_t n;
     const int32_t* slots;  // device memory (host memory on the host backend)
 };

@@ -43,7 +43,7 @@ public:
             const int32_t slot = b.slots[i];
             uint64_t sum = 0;
             if (b.readable(slot))
-                for (int p = 0; p < 3; ++p)
+                for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p)
                     sum += checksum_host(b.base + uint64_t(slot) * b.stride + b.part_off[p], b.part_bytes[p]);
             results_[first + i] = sum;
         }
