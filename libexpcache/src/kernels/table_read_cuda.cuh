@@ -132,15 +132,15 @@ __device__ inline void serve(const DeviceSelectArgs& a, const uint32_t* keys, co
         if (first >> n & 1u) {
             const uint32_t key = keys[i];
             const bool held = i == tid;  // its state is in pf
-            const int k = lists ? use_count(e.tables, held ? pf.count : a.policy.counts[key], &a.policy.counts[key],
-                                            now.time)
-                                : 0;
+            const int k =
+                lists ? use_count(e.tables, held ? pf.count : a.policy.counts[key], &a.policy.counts[key], now.time)
+                      : 0;
             refresh_hit(a, slots[i], base + i, k, now);
             if (duel) {
                 list = static_cast<uint8_t>(use_count(e.tables, held ? pf.shadow_count : a.policy.shadow_counts[key],
                                                       &a.policy.shadow_counts[key], now.time));
-                both &= held ? pf.shadow_slot[kShadowLru] >= 0 && pf.shadow_slot[kShadowOpp] >= 0
-                             : in_both_shadows(a, key);
+                both &=
+                    held ? pf.shadow_slot[kShadowLru] >= 0 && pf.shadow_slot[kShadowOpp] >= 0 : in_both_shadows(a, key);
             }
         }
         if (duel) list_of[i] = list;
