@@ -102,7 +102,13 @@ MAX_PARTS = 8  # EXPCACHE_MAX_PARTS
 
 
 class Part(ctypes.Structure):
-    _fields_ = [("bytes", c_uint64), ("stride", c_uint64), ("base", c_void_p)]
+    _fields_ = [
+        ("bytes", c_uint64),
+        ("stride", c_uint64),
+        ("base", c_void_p),
+        ("offsets", POINTER(c_uint64)),
+        ("files", POINTER(c_uint32)),
+    ]
 
 
 class LayerDesc(ctypes.Structure):
@@ -316,6 +322,11 @@ _FUNCTIONS = [
     ("expcache_budget_set", [CachePtr, c_uint64, c_uint64], c_int32),
     # expcache_status_t expcache_reserve_set(expcache_t* cache, uint64_t reserve_bytes);
     ("expcache_reserve_set", [CachePtr, c_uint64], c_int32),
+    # expcache_status_t expcache_budget_get(const expcache_t* cache, uint64_t* out_budget_experts,
+    #     uint64_t* out_budget_bytes, uint32_t* out_free_memory);
+    ("expcache_budget_get", [CachePtr, POINTER(c_uint64), POINTER(c_uint64), POINTER(c_uint32)], c_int32),
+    # expcache_status_t expcache_device_memory_get(expcache_t* cache, uint64_t* out_free, uint64_t* out_total);
+    ("expcache_device_memory_get", [CachePtr, POINTER(c_uint64), POINTER(c_uint64)], c_int32),
     # expcache_status_t expcache_select_async(expcache_t* cache, uint32_t layer, const uint32_t* ids, uint32_t k,
     #                                         void* stream, expcache_expert_ptrs_t* out_ptrs);
     ("expcache_select_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_void_p], c_int32),

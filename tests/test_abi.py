@@ -69,6 +69,8 @@ EXPORTS = {
     "expcache_layer_bind_class",
     "expcache_class_find",
     "expcache_class_find_parts",
+    "expcache_budget_get",
+    "expcache_device_memory_get",
     "expcache_path_name",
     "expcache_stats_get",
     "expcache_stats_read",
@@ -1074,6 +1076,20 @@ CASES = [
         "part 1's size must be 1..2^40, got 0",
     ),
     (
+        "budget_get NULL",
+        "expcache_budget_get",
+        lambda h: (h, None, byref(OUT_U64), None),
+        INVALID,
+        "must not be NULL",
+    ),
+    (
+        "device_memory_get NULL",
+        "expcache_device_memory_get",
+        lambda h: (h, byref(OUT_U64), None),
+        INVALID,
+        "must not be NULL",
+    ),
+    (
         "class_find_parts NULL sizes",
         "expcache_class_find_parts",
         lambda h: (h, 2, None, byref(OUT_U32)),
@@ -1327,6 +1343,11 @@ DESC_CASES = [
 ]
 
 
+_OFFSETS = (c_uint64 * 4)(0, 256, 512, 768)
+_FAR_OFFSETS = (c_uint64 * 4)(0, 256, (1 << 64) - 600, 768)
+_FILES = (c_uint32 * 4)(0, 0, 0, 0)
+
+
 def _parts_desc(n, **over):
     """A descriptor of n parts of 256, 512, ... bytes (parts[]), then `over`: {"parts[i].field": v}
     or a field of the descriptor."""
@@ -1356,7 +1377,15 @@ PARTS_DESC_CASES = [
     ("a part past the size limit", 5, {"parts[4].bytes": 1 << 41}, "parts[4].bytes must be 1..2^40"),
     ("a part's stride < its bytes", 5, {"parts[2].stride": 100}, "parts[2].stride 100 is smaller than parts[2].bytes"),
     ("a part's base NULL", 8, {"parts[7].base": None}, "parts[7].base is NULL"),
-    ("a part past the address space", 1, {"parts[0].base": (1 << 64) - 512}, "parts[0] part of the last expert"),
+    ("a part past the address space", 1, {"parts[0].base": (1 << 64) - 512}, "parts[0] part of expert 3"),
+    ("offsets with a stride", 2, {"parts[1].offsets": _OFFSETS}, "parts[1].stride must be 0 with offsets"),
+    (
+        "an offset past the address space",
+        2,
+        {"parts[1].offsets": _FAR_OFFSETS, "parts[1].stride": 0},
+        "parts[1] part of expert 2 would end past the address space",
+    ),
+    ("files without a file source", 2, {"parts[0].files": _FILES}, "parts[0].files is set but source_kind"),
 ]
 
 
@@ -1424,6 +1453,8 @@ HANDLE_CALLS = [
     ("expcache_reserve_set", lambda h: (h, 1 << 30)),
     ("expcache_class_find", lambda h: (h, 1, 2, 3, byref(OUT_U32))),
     ("expcache_class_find_parts", lambda h: (h, 2, (c_uint64 * 2)(1, 2), byref(OUT_U32))),
+    ("expcache_budget_get", lambda h: (h, byref(OUT_U64), byref(OUT_U64), None)),
+    ("expcache_device_memory_get", lambda h: (h, byref(OUT_U64), byref(OUT_U64))),
     ("expcache_compact_load_ids_async", lambda h: (h, 0, IDS, 32, 1, None, byref(_compact()))),
     ("expcache_batch_prepare_ids_async", lambda h: (h, 0, IDS, 32, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),
     ("expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats()))),

@@ -283,3 +283,119 @@ def test_a_device_select_copies_every_part(raw, nparts):
                 raw.assert_slot_holds(0, int(slot), e)
         finally:
             free()
+
+
+def _shuffled_parts(raw, sizes, rng):
+    """Each part's experts in one buffer, in a shuffled order with gaps: (buffer, offsets per part),
+    the expected bytes set in raw.parts."""
+    arrays, tables = [], []
+    for n in sizes:
+        order = rng.permutation(NUM_EXPERTS)
+        pitch = n + 24
+        buf = rng.integers(0, 256, NUM_EXPERTS * pitch + 8, dtype=np.uint8)
+        offsets = np.array([8 + int(order[e]) * pitch for e in range(NUM_EXPERTS)], np.uint64)
+        arrays.append(np.stack([buf[o : o + n] for o in offsets]))
+        tables.append((buf, offsets))
+    return arrays, tables
+
+
+@pytest.mark.parametrize("policy", ["lru"])
+@pytest.mark.parametrize("kind", [0, 1])  # pageable, pinned (declared: the tables make a device select feed it)
+def test_parts_at_offsets_of_their_own_are_served(raw, kind):
+    """A checkpoint that keeps each expert's tensor apart: expcache_part_t.offsets, one per expert."""
+    sizes = _sizes(3)
+    arrays, tables = _shuffled_parts(raw, sizes, np.random.default_rng(3))
+    raw.parts[0] = arrays
+    d = _lib.LayerDesc()
+    lib.expcache_layer_desc_init(byref(d))
+    d.num_experts, d.num_parts, d.source_kind = NUM_EXPERTS, 3, kind
+    for p, (n, (buf, offsets)) in enumerate(zip(sizes, tables)):
+        d.parts[p].bytes, d.parts[p].base = n, buf.ctypes.data
+        d.parts[p].offsets = offsets.ctypes.data_as(ctypes.POINTER(c_uint64))
+    lib.expcache_layer_register(raw.handle.value, 0, byref(d))
+    del offsets  # copied at registration
+    raw._arrays = tables
+    for ids in ([1, 6], [0, 7], [3, 1], [5, 2], [4, 6]):
+        for e, slot in zip(ids, raw.select_slots(0, ids)):
+            raw.assert_slot_holds(0, slot, e)
+
+
+@pytest.mark.parametrize("policy", ["lru"])
+@pytest.mark.parametrize("reads", [0, 1])  # buffered, O_DIRECT
+def test_a_layer_spread_over_files_is_served(raw, tmp_path, reads):
+    """A checkpoint of shards: expcache_part_t.files, each expert's part in a file of its own choice,
+    at its own offset."""
+    sizes = _sizes(2)
+    rng = np.random.default_rng(5)
+    arrays = [rng.integers(0, 256, (NUM_EXPERTS, n), dtype=np.uint8) for n in sizes]
+    raw.parts[0] = arrays
+    shards = [bytearray(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()) for _ in range(2)]
+    files = np.empty((2, NUM_EXPERTS), np.uint32)
+    offsets = np.empty((2, NUM_EXPERTS), np.uint64)
+    for e in range(NUM_EXPERTS):
+        for p in range(2):
+            f = (e + p) % 2
+            files[p, e], offsets[p, e] = f, len(shards[f])
+            shards[f] += arrays[p][e].tobytes() + b"\0" * 100
+    ids = []
+    for i, data in enumerate(shards):
+        path = tmp_path / f"shard{i}.bin"
+        path.write_bytes(bytes(data))
+        fid = c_uint32()
+        lib.expcache_file_open(raw.handle.value, str(path).encode(), byref(fid))
+        ids.append(fid.value)
+    files = np.vectorize(lambda f: ids[f])(files).astype(np.uint32)
+    d = _lib.LayerDesc()
+    lib.expcache_layer_desc_init(byref(d))
+    d.num_experts, d.num_parts, d.source_kind, d.file = NUM_EXPERTS, 2, 2, ids[0]
+    for p, n in enumerate(sizes):
+        d.parts[p].bytes = n
+        d.parts[p].offsets = offsets[p].ctypes.data_as(ctypes.POINTER(c_uint64))
+        d.parts[p].files = files[p].ctypes.data_as(ctypes.POINTER(c_uint32))
+    lib.expcache_layer_register(raw.handle.value, 0, byref(d))
+    for sel in ([1, 6], [0, 7], [3, 1], [5, 2], [4, 6]):
+        for e, slot in zip(sel, raw.select_slots(0, sel)):
+            raw.assert_slot_holds(0, slot, e)
+
+
+@pytest.mark.parametrize("policy", ["lru"])
+@pytest.mark.parametrize("lookup", ["host"])
+def test_bad_file_tables_are_refused_naming_the_expert(raw, tmp_path):
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"\1" * 4096)
+    fid = c_uint32()
+    lib.expcache_file_open(raw.handle.value, str(path).encode(), byref(fid))
+    offsets = (c_uint64 * NUM_EXPERTS)(*[512 * e for e in range(NUM_EXPERTS)])
+    for files, fragment in (
+        ([fid.value] * 5 + [7] + [fid.value] * 2, "parts[0].files[5] is 7, not a file expcache_file_open gave"),
+        ([fid.value] * NUM_EXPERTS, "parts[0] part of expert 7 ends at byte 4608, past the end of"),
+    ):
+        d = _lib.LayerDesc()
+        lib.expcache_layer_desc_init(byref(d))
+        d.num_experts, d.num_parts, d.source_kind, d.file = NUM_EXPERTS, 1, 2, fid.value
+        d.parts[0].bytes, d.parts[0].base, d.parts[0].offsets = 1024, 0, offsets
+        d.parts[0].files = (c_uint32 * NUM_EXPERTS)(*files)
+        with pytest.raises(ExpcacheError) as info:
+            lib.expcache_layer_register(raw.handle.value, 0, byref(d))
+        assert fragment in info.value.message, info.value.message
+
+
+@pytest.mark.parametrize("policy", ["lru"])
+@pytest.mark.parametrize("lookup", ["host"])
+def test_a_prefetch_sends_every_part_at_its_offset(raw):
+    sizes = _sizes(4)
+    arrays, tables = _shuffled_parts(raw, sizes, np.random.default_rng(9))
+    raw.parts[0], raw._arrays = arrays, tables
+    d = _lib.LayerDesc()
+    lib.expcache_layer_desc_init(byref(d))
+    d.num_experts, d.num_parts = NUM_EXPERTS, 4
+    for p, (n, (buf, offsets)) in enumerate(zip(sizes, tables)):
+        d.parts[p].bytes, d.parts[p].base = n, buf.ctypes.data
+        d.parts[p].offsets = offsets.ctypes.data_as(ctypes.POINTER(c_uint64))
+    lib.expcache_layer_register(raw.handle.value, 0, byref(d))
+    queued = c_uint32()
+    lib.expcache_prefetch_async(raw.handle.value, 0, (c_uint32 * 2)(2, 5), 2, None, byref(queued))
+    lib.expcache_prefetch_wait(raw.handle.value)
+    assert queued.value == 2
+    for e, slot in zip([2, 5], raw.select_slots(0, [2, 5])):
+        raw.assert_slot_holds(0, slot, e)

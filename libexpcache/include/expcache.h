@@ -219,6 +219,17 @@ EXPCACHE_API const char* expcache_policy_name(uint32_t policy);
 #define EXPCACHE_MAX_PARTS 8
 
 /**
+ * expcache_config_t.budget_bytes (and expcache_budget_set's): the budget sizes itself from the
+ * device. expcache_create takes the device's free memory less reserve_bytes as the total budget
+ * (the host backend: its emulated device), shared between classes as an explicit budget_bytes
+ * is, and logs a notice with the three figures; expcache_budget_set with it measures again (the
+ * cache's own slots counted as free), and so does expcache_reserve_set while it is in force. An
+ * engine puts what it needs beside the experts (its weights are loaded already; its KV cache,
+ * activations and a margin) into reserve_bytes. expcache_budget_get says what it came to.
+ */
+#define EXPCACHE_BUDGET_FREE_MEMORY UINT64_MAX
+
+/**
  * Cache configuration. Fill with expcache_config_init(), then change fields.
  *
  * Budgets: a class's target capacity is the smallest of
@@ -244,7 +255,8 @@ typedef struct expcache_config_t {
                                           when 1, true, yes or on, leaves it when 0, false, no or off (any case);
                                           any other value is ignored with a warning */
     uint64_t budget_experts;         /**< per-class budget in experts; default 0 (unset) */
-    uint64_t budget_bytes;           /**< total budget in bytes; default 0 (unset) */
+    uint64_t budget_bytes;           /**< total budget in bytes; default 0 (unset); EXPCACHE_BUDGET_FREE_MEMORY:
+                                          free device memory less reserve_bytes, measured by expcache_create */
     uint64_t reserve_bytes;          /**< device memory the expert caches never grow into (left for staging
                                           buffers and the engine); default 1 GiB; EXPCACHE_RESERVE_GB overrides (see
                                           EXPCACHE_ENVIRONMENT_READ) */
@@ -333,13 +345,20 @@ EXPCACHE_API expcache_status_t expcache_backend_get(const expcache_t* cache, uin
 /**
  * One part of a layer's experts: expert e's bytes of it are at base + e*stride
  * and are `bytes` long (a contiguous [experts][bytes] tensor has stride ==
- * bytes). With EXPCACHE_SOURCE_FILE, base is a byte offset into the layer's
- * file (cast to a pointer; 0 is a valid offset).
+ * bytes), or, with `offsets`, at base + offsets[e] (a checkpoint that keeps each
+ * expert's tensor apart, in whatever order its writer chose). With
+ * EXPCACHE_SOURCE_FILE, base and the offsets are byte offsets into the layer's
+ * file (base cast to a pointer; 0 is a valid offset), or, with `files`, into
+ * file files[e] (a checkpoint of several shards). The library copies both
+ * arrays when the layer is registered.
  */
 typedef struct expcache_part_t {
-    uint64_t bytes;   /**< 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
-    uint64_t stride;  /**< bytes between experts, at least `bytes` */
-    const void* base; /**< expert 0's part */
+    uint64_t bytes;          /**< 1..EXPCACHE_MAX_PART_BYTES_LIMIT */
+    uint64_t stride;         /**< bytes between experts, at least `bytes`; must be 0 with offsets */
+    const void* base;        /**< expert 0's part, or where the offsets count from */
+    const uint64_t* offsets; /**< NULL, or num_experts offsets from base, one per expert */
+    const uint32_t* files;   /**< EXPCACHE_SOURCE_FILE only: NULL (every expert in the layer's `file`), or
+                                  num_experts ids from expcache_file_open, one per expert */
 } expcache_part_t;
 
 /**
@@ -488,6 +507,20 @@ EXPCACHE_API expcache_status_t expcache_budget_set(expcache_t* cache, uint64_t b
  * Status: INVALID_STATE (as expcache_budget_set), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_reserve_set(expcache_t* cache, uint64_t reserve_bytes);
+
+/**
+ * The budgets in force: *out_budget_experts and *out_budget_bytes as expcache_config_t's (0 =
+ * no limit from that field), budget_bytes as measured when EXPCACHE_BUDGET_FREE_MEMORY asked for
+ * it; *out_free_memory (optional, may be NULL) 1 when it did. Status: INVALID_ARGUMENT (NULL).
+ */
+EXPCACHE_API expcache_status_t expcache_budget_get(const expcache_t* cache, uint64_t* out_budget_experts,
+                                                   uint64_t* out_budget_bytes, uint32_t* out_free_memory);
+
+/**
+ * The cache's device memory now: *out_free and *out_total bytes (cudaMemGetInfo on the cache's
+ * device; the host backend's emulated device). Status: INVALID_ARGUMENT (NULL), CUDA.
+ */
+EXPCACHE_API expcache_status_t expcache_device_memory_get(expcache_t* cache, uint64_t* out_free, uint64_t* out_total);
 
 /* ---------------------------------------------------------------------- */
 /* Serving experts                                                         */

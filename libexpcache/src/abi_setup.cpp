@@ -88,6 +88,24 @@ expcache_status_t expcache_reserve_set(expcache_t* cache, uint64_t reserve_bytes
     });
 }
 
+expcache_status_t expcache_budget_get(const expcache_t* cache, uint64_t* out_budget_experts, uint64_t* out_budget_bytes,
+                                      uint32_t* out_free_memory) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_budget_experts && out_budget_bytes,
+                         "out_budget_experts and out_budget_bytes must not be NULL");
+        return cache->impl->get_budget(out_budget_experts, out_budget_bytes, out_free_memory);
+    });
+}
+
+expcache_status_t expcache_device_memory_get(expcache_t* cache, uint64_t* out_free, uint64_t* out_total) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(out_free && out_total, "out_free and out_total must not be NULL");
+        return cache->impl->device_memory(out_free, out_total);
+    });
+}
+
 expcache_status_t expcache_file_open(expcache_t* cache, const char* path, uint32_t* out_file) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

@@ -15,14 +15,52 @@ expcache_status_t Cache::set_budget(uint64_t budget_experts, uint64_t budget_byt
     expcache_config_t next = config_;
     next.budget_experts = budget_experts;
     next.budget_bytes = budget_bytes;
-    return apply_budgets(next);
+    expcache_status_t s = measure_budget(&next);
+    if (s == EXPCACHE_OK) s = apply_budgets(next);
+    if (s == EXPCACHE_OK) free_memory_budget_ = budget_bytes == EXPCACHE_BUDGET_FREE_MEMORY;
+    return s;
 }
 
 expcache_status_t Cache::set_reserve(uint64_t reserve_bytes) {
     CallScope scope(*this);
     expcache_config_t next = config_;
     next.reserve_bytes = reserve_bytes;
-    return apply_budgets(next);
+    if (free_memory_budget_) next.budget_bytes = EXPCACHE_BUDGET_FREE_MEMORY;  // the budget follows the reserve
+    expcache_status_t s = measure_budget(&next);
+    return s == EXPCACHE_OK ? apply_budgets(next) : s;
+}
+
+expcache_status_t Cache::measure_budget(expcache_config_t* cfg) {
+    if (cfg->budget_bytes != EXPCACHE_BUDGET_FREE_MEMORY) return EXPCACHE_OK;
+    uint64_t free_bytes = 0, total = 0;
+    expcache_status_t s = health_.check(backend_->mem_info(&free_bytes, &total));
+    if (s != EXPCACHE_OK) return s;
+    uint64_t own = 0;  // the cache's own slots: kept or given to another class
+    for (int32_t c = 0; c < classes_.size(); ++c) own += classes_[c].in_use() ? classes_[c].mapped() : 0;
+    const uint64_t room = free_bytes + own;
+    if (room <= cfg->reserve_bytes)
+        return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,
+                    "budget_bytes is EXPCACHE_BUDGET_FREE_MEMORY, and the device's free memory (%s, %s of it this "
+                    "cache's slots) is not above reserve_bytes (%s): lower the reserve, or give a budget",
+                    human_bytes(room).c_str(), human_bytes(own).c_str(), human_bytes(cfg->reserve_bytes).c_str());
+    cfg->budget_bytes = room - cfg->reserve_bytes;
+    log_(EXPCACHE_LOG_NOTICE, "budget from free memory: %s free (%s of it this cache's slots) - reserve %s = %s",
+         human_bytes(room).c_str(), human_bytes(own).c_str(), human_bytes(cfg->reserve_bytes).c_str(),
+         human_bytes(cfg->budget_bytes).c_str());
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::get_budget(uint64_t* budget_experts, uint64_t* budget_bytes, uint32_t* free_memory) const {
+    CallScope scope(*this);
+    *budget_experts = config_.budget_experts;
+    *budget_bytes = config_.budget_bytes;
+    if (free_memory) *free_memory = free_memory_budget_ ? 1 : 0;
+    return EXPCACHE_OK;
+}
+
+expcache_status_t Cache::device_memory(uint64_t* free_bytes, uint64_t* total_bytes) {
+    CallScope scope(*this);
+    return health_.check(backend_->mem_info(free_bytes, total_bytes));
 }
 
 expcache_status_t Cache::apply_budgets(const expcache_config_t& next) {

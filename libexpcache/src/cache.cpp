@@ -52,8 +52,13 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
         lookup = make_host_lookup_kernels();
     }
     std::unique_ptr<InstrumentedBackend> instrumented(new InstrumentedBackend(std::move(backend), std::move(kernels)));
-    out->reset(new Cache(cfg, std::move(instrumented), std::move(lookup)));
-    log_environment_once((*out)->log_, lines);
+    std::unique_ptr<Cache> cache(new Cache(cfg, std::move(instrumented), std::move(lookup)));
+    log_environment_once(cache->log_, lines);
+    if (cfg.budget_bytes == EXPCACHE_BUDGET_FREE_MEMORY) {
+        cache->free_memory_budget_ = true;
+        if ((s = cache->measure_budget(&cache->config_)) != EXPCACHE_OK) return s;
+    }
+    *out = std::move(cache);
     return EXPCACHE_OK;
 }
 

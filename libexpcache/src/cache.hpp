@@ -81,6 +81,12 @@ public:
     // keeps its residents; every class's cap recomputed as create computes them (apply_budgets).
     expcache_status_t set_budget(uint64_t budget_experts, uint64_t budget_bytes);
     expcache_status_t set_reserve(uint64_t reserve_bytes);
+    // budget.cpp: the budgets in force, and the device's memory.
+    expcache_status_t get_budget(uint64_t* budget_experts, uint64_t* budget_bytes, uint32_t* free_memory) const;
+    expcache_status_t device_memory(uint64_t* free_bytes, uint64_t* total_bytes);
+    // EXPCACHE_BUDGET_FREE_MEMORY in cfg->budget_bytes: replaced by the free memory (with the cache's
+    // own slots) less the reserve, logged; OUT_OF_DEVICE_MEMORY when that is nothing.
+    expcache_status_t measure_budget(expcache_config_t* cfg);
     expcache_status_t select(uint32_t layer, const uint32_t* ids, uint32_t k, void* stream,
                              expcache_expert_ptrs_t* out);
     // ids: id_bits 32 or 64, host memory.
@@ -318,6 +324,7 @@ private:
     std::unique_ptr<InstrumentedBackend> backend_;  // the backend, with fault injection and test kernels
     DeviceArena arena_;                             // after backend_, which it uses
     expcache_config_t config_ = {};
+    bool free_memory_budget_ = false;  // budget_bytes measured from free memory (EXPCACHE_BUDGET_FREE_MEMORY)
     Log log_;
     Health health_;
     LayerTable layers_;

@@ -116,6 +116,7 @@ public:
     uint64_t batch_end() const { return batch_end_; }
     // Whether a release must keep the class: batches hold its slots or stage in its batch rows.
     bool busy() const { return held_ > 0 || batch_users_ > 0; }
+    uint64_t mapped() const { return mapped_; }        // bytes mapped for the slots
     uint64_t slot_rows() const { return slot_rows_; }  // the rows reserved for slots: the most cap can grow to
     uint64_t cap() const { return cap_; }              // the runtime cap, in slots
     uint64_t resident() const { return resident_; }

@@ -92,7 +92,7 @@ expcache_status_t DeviceLookup::make_table() {
     const uint64_t classes = classes_state_.size();
     const bool lists = policy_id_ != EXPCACHE_POLICY_LRU, duel = policy_id_ == EXPCACHE_POLICY_DUEL;
     Offsets o;
-    const uint64_t at_clock = o.take(2 * sizeof(uint64_t)), at_policy_clock = o.take(sizeof(DevicePolicyClock));
+    const uint64_t at_clock = o.take(sizeof(uint64_t)), at_policy_clock = o.take(sizeof(DevicePolicyClock));
     const uint64_t at_error = o.take(sizeof(DeviceError)), at_counters = o.take(classes * sizeof(DeviceCounters)),
                    at_resident = o.take(classes * sizeof(uint64_t));
     read_bytes_ = at_resident + classes * sizeof(uint64_t) - at_error;
@@ -105,16 +105,15 @@ expcache_status_t DeviceLookup::make_table() {
     expcache_status_t s = health_.check(arena_.alloc(o.bytes, &table_));
     if (s != EXPCACHE_OK) return s;
     unsigned char* p = static_cast<unsigned char*>(table_);
-    clock_dev_ = reinterpret_cast<uint64_t*>(p + at_clock);
-    cold_clock_dev_ = clock_dev_ + 1;
+    cold_clock_dev_ = reinterpret_cast<uint64_t*>(p + at_clock);
     error_dev_ = reinterpret_cast<DeviceError*>(p + at_error);
     counters_dev_ = reinterpret_cast<DeviceCounters*>(p + at_counters);
     resident_dev_ = reinterpret_cast<uint64_t*>(p + at_resident);
     slot_of_key_dev_ = reinterpret_cast<int32_t*>(p + at_slots);
-    // Zeros (the error, the counters, the residents), the clocks at their start, no key resident.
+    // Zeros (the error, the counters, the residents), the cold clock at its start, no key resident.
     std::vector<unsigned char> zeros(at_slots, 0);
-    const uint64_t clocks[2] = {kStampStart, kStampStart};
-    std::memcpy(zeros.data() + at_clock, clocks, sizeof clocks);
+    const uint64_t cold_start = kStampStart;
+    std::memcpy(zeros.data() + at_clock, &cold_start, sizeof cold_start);
     const std::vector<int32_t> none(keys_, -1);
     if ((s = health_.check(backend_.copy_h2d_sync(p, zeros.data(), zeros.size()))) != EXPCACHE_OK ||
         (keys_ && (s = health_.check(backend_.copy_h2d_sync(slot_of_key_dev_, none.data(), keys_ * sizeof(int32_t)))) !=
@@ -307,7 +306,7 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
         "(EXPCACHE_SOURCE_PAGEABLE; pyexpcache: HostSource(..., pinned=False)), whose misses the feed threads read";
     // Decided by the layer's declared kind, not by whether this backend could map the memory: the
     // host backend (which could read any memory) feeds what the CUDA backend would.
-    if (!l.source.pinned()) {
+    if (!l.source.pinned() || l.tabled) {  // a table of offsets or files: the kernel addresses parts by stride
         m->fed = true;
         return EXPCACHE_OK;
     }
@@ -353,7 +352,6 @@ expcache_status_t DeviceLookup::args_for(uint32_t layer, int32_t c, uint32_t cou
         a.part_bytes[p] = l.bytes[p];
     }
     a.cls = classes_state_[c].view;
-    a.clock = clock_dev_;
     a.cold_clock = cold_clock_dev_;
     a.slot_of_key = slot_of_key_dev_;
     a.error = error_dev_;

@@ -143,7 +143,6 @@ private:
     // One allocation: the clocks, then what snapshot() reads with one copy (the error, every
     // class's counters and residents), then slot_of_key[keys] and the policy's tables.
     void* table_ = nullptr;
-    uint64_t* clock_dev_ = nullptr;
     uint64_t* cold_clock_dev_ = nullptr;
     DeviceError* error_dev_ = nullptr;
     DeviceCounters* counters_dev_ = nullptr;  // [classes]

@@ -171,7 +171,7 @@ void FeedThreads::read_loop() {
 // have to fetch them. A buffered file read lands in the thread's bounce buffer first for that.
 expcache_status_t FeedThreads::fill(unsigned char* dst, const LayerState& l, int p, uint32_t expert, uint64_t at,
                                     uint64_t n, uint64_t* delta) {
-    const SourceFile* file = l.source.file;
+    const SourceFile* file = l.source_of(p, expert).file;
     const unsigned char* src = l.source_at(p, expert);
     if (file && file->direct()) return file->read_direct(dst, reinterpret_cast<uintptr_t>(src) + at, n, delta);
     const char* from = reinterpret_cast<const char*>(src + at);

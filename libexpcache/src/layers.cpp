@@ -55,6 +55,8 @@ struct Parts {
     uint64_t bytes[kMaxParts] = {};
     uint64_t stride[kMaxParts] = {};
     const void* base[kMaxParts] = {};
+    const uint64_t* offsets[kMaxParts] = {};
+    const uint32_t* files[kMaxParts] = {};
     // How a message names part p ("gate", "parts[4]"), and its field ("gate_bytes", "parts[4].bytes").
     std::string name(int p) const {
         static const char* names[kThreeParts] = {"gate", "up", "down"};
@@ -64,7 +66,7 @@ struct Parts {
 };
 
 bool part_is_zero(const expcache_part_t& p) {
-    return p.bytes == 0 && p.stride == 0 && p.base == nullptr;
+    return p.bytes == 0 && p.stride == 0 && p.base == nullptr && p.offsets == nullptr && p.files == nullptr;
 }
 
 expcache_status_t parts_of(const expcache_layer_desc_t& d, Parts* out) {
@@ -100,6 +102,53 @@ expcache_status_t parts_of(const expcache_layer_desc_t& d, Parts* out) {
         out->bytes[p] = d.parts[p].bytes;
         out->stride[p] = d.parts[p].stride;
         out->base[p] = d.parts[p].base;
+        out->offsets[p] = d.parts[p].offsets;
+        out->files[p] = d.parts[p].files;
+    }
+    return EXPCACHE_OK;
+}
+
+// Part p of a layer: its size, its stride or offsets, its files, and every expert's bytes inside
+// its file (file sources) or the address space.
+expcache_status_t check_part(const expcache_layer_desc_t& d, const Parts& parts, int p,
+                             const std::vector<std::unique_ptr<SourceFile>>& files_) {
+    const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
+    const std::string bytes = parts.field(p, "bytes"), stride = parts.field(p, "stride");
+    const uint64_t n = parts.bytes[p];
+    if (n == 0 || n > EXPCACHE_MAX_PART_BYTES_LIMIT)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 1..2^40, got %llu", bytes.c_str(),
+                    (unsigned long long)n);
+    const uint64_t* offsets = parts.offsets[p];
+    const uint32_t* files = parts.files[p];
+    if (offsets && parts.stride[p] != 0)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 0 with offsets (each expert has its own), got %llu",
+                    stride.c_str(), (unsigned long long)parts.stride[p]);
+    if (!offsets && parts.stride[p] < n)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s %llu is smaller than %s %llu", stride.c_str(),
+                    (unsigned long long)parts.stride[p], bytes.c_str(), (unsigned long long)n);
+    if (!parts.base[p] && !from_file)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s is NULL", parts.field(p, "base").c_str());
+    if (files && !from_file)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s is set but source_kind is not file",
+                    parts.field(p, "files").c_str());
+    const uintptr_t base = reinterpret_cast<uintptr_t>(parts.base[p]);
+    // Without a table the last expert ends furthest; with one, every expert is checked.
+    const uint32_t first = offsets || files ? 0 : d.num_experts - 1;
+    for (uint32_t e = first; e < d.num_experts; ++e) {
+        const uint32_t f = files ? files[e] : d.file;
+        if (files && f >= files_.size())
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s[%u] is %u, not a file expcache_file_open gave (%zu open)",
+                        parts.field(p, "files").c_str(), e, f, files_.size());
+        const unsigned __int128 end =
+            (unsigned __int128)base + (offsets ? offsets[e] : (unsigned __int128)parts.stride[p] * e) + n;
+        if (from_file && end > files_[f]->size())
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
+                        "%s part of expert %u ends at byte %llu, past the end of %s (%llu bytes)",
+                        parts.name(p).c_str(), e, (unsigned long long)end, files_[f]->path().c_str(),
+                        (unsigned long long)files_[f]->size());
+        if (end > (unsigned __int128)UINTPTR_MAX)
+            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of expert %u would end past the address space",
+                        parts.name(p).c_str(), e);
     }
     return EXPCACHE_OK;
 }
@@ -125,28 +174,8 @@ expcache_status_t LayerTable::check(uint32_t layer, const expcache_layer_desc_t&
     Parts parts;
     expcache_status_t s = parts_of(d, &parts);
     if (s != EXPCACHE_OK) return s;
-    for (int p = 0; p < parts.n; ++p) {
-        const std::string bytes = parts.field(p, "bytes"), stride = parts.field(p, "stride");
-        if (parts.bytes[p] == 0 || parts.bytes[p] > EXPCACHE_MAX_PART_BYTES_LIMIT)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s must be 1..2^40, got %llu", bytes.c_str(),
-                        (unsigned long long)parts.bytes[p]);
-        if (parts.stride[p] < parts.bytes[p])
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s %llu is smaller than %s %llu", stride.c_str(),
-                        (unsigned long long)parts.stride[p], bytes.c_str(), (unsigned long long)parts.bytes[p]);
-        if (!parts.base[p] && !from_file)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s is NULL", parts.field(p, "base").c_str());
-        unsigned __int128 end = (unsigned __int128)reinterpret_cast<uintptr_t>(parts.base[p]) +
-                                (unsigned __int128)parts.stride[p] * (d.num_experts - 1) + parts.bytes[p];
-        if (from_file && end > files_[d.file]->size())
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
-                        "%s part of the last expert ends at byte %llu, past the end of %s "
-                        "(%llu bytes)",
-                        parts.name(p).c_str(), (unsigned long long)end, files_[d.file]->path().c_str(),
-                        (unsigned long long)files_[d.file]->size());
-        if (end > (unsigned __int128)UINTPTR_MAX)
-            return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of the last expert would end past the address space",
-                        parts.name(p).c_str());
-    }
+    for (int p = 0; p < parts.n; ++p)
+        if ((s = check_part(d, parts, p, files_)) != EXPCACHE_OK) return s;
     return EXPCACHE_OK;
 }
 
@@ -160,10 +189,17 @@ void LayerTable::record(uint32_t layer, const expcache_layer_desc_t& d) {
     l.source.file = from_file ? files_[d.file].get() : nullptr;
     l.num_experts = d.num_experts;
     l.nparts = parts.n;
+    l.tabled = false;
     for (int p = 0; p < kMaxParts; ++p) {
         l.bytes[p] = parts.bytes[p];
         l.stride[p] = parts.stride[p];
         l.base[p] = static_cast<const unsigned char*>(parts.base[p]);
+        l.offsets[p].clear();
+        l.files[p].clear();
+        if (parts.offsets[p]) l.offsets[p].assign(parts.offsets[p], parts.offsets[p] + d.num_experts);
+        if (parts.files[p])
+            for (uint32_t e = 0; e < d.num_experts; ++e) l.files[p].push_back(files_[parts.files[p][e]].get());
+        l.tabled = l.tabled || parts.offsets[p] || parts.files[p];
     }
     if (!keeps_keys(layer, d.num_experts)) {
         l.key_base = next_key_;

@@ -42,6 +42,9 @@ struct LayerState {
     uint64_t bytes[kMaxParts] = {};  // the class key: 0 past nparts
     uint64_t stride[kMaxParts] = {};
     const unsigned char* base[kMaxParts] = {};
+    std::vector<uint64_t> offsets[kMaxParts];         // per part, per expert (empty: base + stride * expert)
+    std::vector<const SourceFile*> files[kMaxParts];  // per part, per expert (empty: source.file)
+    bool tabled = false;    // a part with offsets or files: the GPU cannot address it by stride (fed)
     int32_t rank = 0;       // position among the registered layers (the policy clock's pos)
     uint32_t key_base = 0;  // expert e's policy key is key_base + e
     uint32_t key_span = 0;  // the keys from key_base the layer was given (kept when it is unregistered)
@@ -57,7 +60,16 @@ struct LayerState {
         for (int p = 0; p < nparts; ++p) n += bytes[p];
         return n;
     }
-    const unsigned char* source_at(int part, uint32_t expert) const { return base[part] + stride[part] * expert; }
+    // Where part p of `expert` is (an address, or an offset into source_of(p, expert).file).
+    const unsigned char* source_at(int part, uint32_t expert) const {
+        return base[part] + (offsets[part].empty() ? stride[part] * expert : offsets[part][expert]);
+    }
+    // The source part p of `expert` is read from: the layer's, with that expert's file.
+    ExpertSource source_of(int part, uint32_t expert) const {
+        ExpertSource s = source;
+        if (!files[part].empty()) s.file = files[part][expert];
+        return s;
+    }
 };
 
 class LayerTable {

@@ -78,7 +78,7 @@ expcache_status_t PrefetchCoordinator::finish_partial(int32_t c, int32_t s, bool
         const PrefetchJob::Part& part = job.parts[p];
         const uint64_t from = p == job.part ? job.offset : 0;
         expcache_status_t st = x_.health.check(
-            layer.source.upload(x_.backend, part.dst + from, part.src + from, part.bytes - from, stream));
+            job.part_source(p).upload(x_.backend, part.dst + from, part.src + from, part.bytes - from, stream));
         if (st != EXPCACHE_OK) {
             cancel(c, s);  // its bytes are incomplete: freed, counted cancelled
             return st;
@@ -185,10 +185,12 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
         for (int p = 0; p < layer.nparts; ++p) {
             PrefetchJob::Part& last = job.parts[job.num_parts > 0 ? job.num_parts - 1 : 0];
             const unsigned char* src = layer.source_at(p, e);
-            if (job.num_parts > 0 && last.src + last.bytes == src && last.dst + last.bytes == dst[p]) {
+            const SourceFile* file = layer.source_of(p, e).file;
+            if (job.num_parts > 0 && last.src + last.bytes == src && last.dst + last.bytes == dst[p] &&
+                last.file == file) {
                 last.bytes += layer.bytes[p];  // adjacent in source and slot: one transfer
             } else {
-                job.parts[job.num_parts++] = {dst[p], src, layer.bytes[p]};
+                job.parts[job.num_parts++] = {dst[p], src, layer.bytes[p], file};
             }
         }
         x_.classes.install(c, got, layer_index, e, Insert::kPrefetch, 0, EXPCACHE_PATH_CONTROL);

@@ -78,7 +78,7 @@ bool Prefetcher::send_next() {
         if (job.source.pinned()) {
             s = link_.send(dst, p.src + job.offset, n, stream_, t.marker);
         } else {
-            s = job.source.fill(static_cast<unsigned char*>(t.bounce), p.src, job.offset, n);
+            s = job.part_source(job.part).fill(static_cast<unsigned char*>(t.bounce), p.src, job.offset, n);
             if (s == EXPCACHE_OK) s = link_.send(dst, t.bounce, n, stream_, t.marker);
         }
         if (s == EXPCACHE_OK) {

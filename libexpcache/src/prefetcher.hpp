@@ -30,11 +30,18 @@ struct PrefetchJob {
         unsigned char* dst;
         const unsigned char* src;  // a file offset for a file source
         uint64_t bytes;
+        const SourceFile* file;  // a file source's file for this part (a checkpoint's shard)
     };
     int32_t cls = -1, slot = -1;  // the cache's tag: where the expert goes
     ExpertSource source;          // pinned: src may go to the link as it is
     Part parts[kMaxParts] = {};
     int num_parts = 0;
+    // The source part p is read from: the job's, with that part's file.
+    ExpertSource part_source(int p) const {
+        ExpertSource s = source;
+        s.file = parts[p].file;
+        return s;
+    }
     // Progress, the thread's: the part and the offset in it of the next piece.
     int part = 0;
     uint64_t offset = 0;

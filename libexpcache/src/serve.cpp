@@ -122,11 +122,13 @@ expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, u
         unsigned char* d = dst[p];
         uint64_t bytes = layer.bytes[p];
         int q = p + 1;
-        while (q < layer.nparts && layer.source_at(q, expert) == src + bytes && dst[q] == d + bytes) {
+        const ExpertSource source = layer.source_of(p, expert);
+        while (q < layer.nparts && layer.source_at(q, expert) == src + bytes && dst[q] == d + bytes &&
+               layer.source_of(q, expert).file == source.file) {
             bytes += layer.bytes[q];
             ++q;
         }
-        expcache_status_t s = health_.check(layer.source.upload(*backend_, d, src, bytes, stream));
+        expcache_status_t s = health_.check(source.upload(*backend_, d, src, bytes, stream));
         if (s != EXPCACHE_OK) return s;
         p = q;
     }

@@ -1,7 +1,8 @@
 """Hugging Face transformers: a MoE model's experts served by expcache (``pip install expcache[hf]``).
 
 - :func:`offload`: every experts-interface MoE layer of a transformers >= 5 model served from an
-  expcache slot bank through a registered experts implementation (``"expcache"``).
+  expcache slot bank through a registered experts implementation (``"expcache"``); with
+  ``budget="auto"`` the bank is sized from the device's free memory (:class:`AutoBudget`).
 - :class:`GraphDecoder`: greedy decoding with a static KV cache, each decode step one CUDA graph
   replay (offloaded or not).
 - :func:`record_routing`: a context manager writing the model's routing as a generic trace and
@@ -20,6 +21,7 @@ if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover
         f"pyexpcache.hf needs transformers >= 5 (its experts interface), found {transformers.__version__}"
     )
 
+from ._auto_budget import AutoBudget
 from ._experts import ExpertsLayer, find_experts
 from ._graph import GraphDecoder
 from ._offload import Offloaded, offload
@@ -29,6 +31,7 @@ from ._source import ParameterSource
 
 __all__ = [
     "IMPLEMENTATION",
+    "AutoBudget",
     "ExpertsLayer",
     "GraphDecoder",
     "Offloaded",

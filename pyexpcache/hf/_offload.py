@@ -7,41 +7,14 @@ from typing import Optional
 
 import torch
 
-from .. import _cuda
 from ..budget import resolve_budget
 from ..cache import ExpertCache
 from ..layout import ModelLayout
-from ..progress import Progress
 from ..stats import PathStats
-from . import _serve
+from ._auto_budget import AutoBudget, size_budget
+from ._caches import Caches, HostRegistration, set_implementation
 from ._experts import ExpertsLayer, find_experts, layout_of
-from ._serve import IMPLEMENTATION, LayerServer, forget_cache, inner_implementation, register, serve_cache
-from ._source import ParameterSource
-
-
-class _HostRegistration:
-    """Host tensors page-locked in place (cudaHostRegister), unregistered by :meth:`close`. The
-    calls go through cuda-python's runtime, not torch's: a refused registration then leaves no
-    error behind for torch's next launch check to find."""
-
-    def __init__(self):
-        self._pointers: list[int] = []
-
-    def pin(self, tensor: torch.Tensor) -> bool:
-        """Page-locks ``tensor``'s memory in place; False where it cannot be (memory mapped from a
-        file, for one: the caller copies it into pinned memory then)."""
-        rt = _cuda.runtime()
-        # Portable (1) and mapped (2): pinned for every device, and the GPU's lookup reads misses through it.
-        result = rt.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 3)
-        if int(result[0]) != 0:
-            rt.cudaGetLastError()
-            return False
-        self._pointers.append(tensor.data_ptr())
-        return True
-
-    def close(self) -> None:
-        while self._pointers:
-            _cuda.runtime().cudaHostUnregister(self._pointers.pop())
+from ._serve import forget_cache, inner_implementation, register
 
 
 def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) -> torch.device:
@@ -52,27 +25,6 @@ def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) 
         if id(p) not in experts:
             return p.device
     return torch.device("cpu")
-
-
-def _to_host(param: torch.nn.Parameter, cuda: bool, registration: _HostRegistration) -> tuple[torch.Tensor, bool]:
-    """The parameter's data in host memory (pinned when ``cuda`` and possible), the parameter
-    made to hold it: a GPU tensor is copied once into pinned memory (its device memory freed),
-    a host tensor is used where it is (page-locked in place for CUDA; on the host backend, whose
-    device selects read pinned sources only as a GPU's do, the page-locking is emulated).
-    Returns (tensor, pinned)."""
-    data = param.data
-    if data.device.type == "cpu":
-        if not data.is_contiguous():
-            data = data.contiguous()
-        if not cuda or data.is_pinned() or registration.pin(data):
-            param.data = data
-            return data, True
-    elif data.device.type != "cuda":
-        raise ValueError(f"experts on {data.device} cannot be offloaded: they must be in host or CUDA memory")
-    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-    host.copy_(data)
-    param.data = host
-    return host, True
 
 
 def _move_the_rest(model: torch.nn.Module, layers: list[ExpertsLayer], compute: torch.device) -> None:
@@ -104,6 +56,8 @@ class Offloaded:
         layers: model layer number -> the experts module's name.
         computed_by: the experts implementation that computes each layer from the bank: the one
             the model had (``"grouped_mm"``, transformers' default, ``"batched_mm"`` or ``"eager"``).
+        auto_budget: with ``budget="auto"``, the :class:`AutoBudget` chosen, with every term (free
+            memory, resident weights, KV cache, activation peak, margin); else None.
 
     The experts' parameters hold the host tensors the caches read, and each slot a copy made at
     the expert's miss: after editing the experts' weights (a merged adapter, ``load_state_dict``,
@@ -124,8 +78,9 @@ class Offloaded:
         served: list,
         layers: list[ExpertsLayer],
         previous: list,
-        registration: _HostRegistration,
+        registration: HostRegistration,
         computed_by: str,
+        auto_budget: Optional[AutoBudget] = None,
     ):
         self.model, self.layout, self.computed_by = model, layout, computed_by
         self.caches = [cache for cache, _, _ in served]
@@ -136,6 +91,7 @@ class Offloaded:
         self._modules = [e.module for e in layers]
         self._previous = previous
         self._registration = registration
+        self.auto_budget = auto_budget
         self._closed = False
 
     @property
@@ -228,9 +184,14 @@ class Offloaded:
 def offload(
     model: torch.nn.Module,
     *,
+    budget: Optional[str] = None,
     budget_bytes: Optional[int] = None,
     budget_fraction: Optional[float] = None,
+    max_len: Optional[int] = None,
+    batch: int = 1,
+    margin_bytes: Optional[int] = None,
     device=None,
+    device_capacity_bytes: Optional[int] = None,
     policy: Optional[str] = None,
     progress: Optional[bool] = None,
 ) -> Offloaded:
@@ -258,10 +219,28 @@ def offload(
 
     Args:
         model: a transformers model (``PreTrainedModel``) with experts-interface MoE layers.
+        budget: ``"auto"``: the budget sized from the device's memory (the other two then not
+            given): the free memory with the model's resident weights in place, less the KV cache
+            of ``max_len`` x ``batch`` positions (from the config: layers, key-value heads, head
+            size, dtype), less the activation peak of one dry step (a forward of ``batch`` x
+            ``max_len`` tokens, measured: ``torch.cuda.max_memory_allocated`` on CUDA, the same
+            count kept by a dispatch mode on the CPU), less ``margin_bytes``; every expert where
+            that is more. The line with every term is logged (the ``pyexpcache`` logger at INFO,
+            else stderr) and kept as ``handle.auto_budget``. On the CPU the device is the host
+            backend's emulated one (``device_capacity_bytes``).
         budget_bytes: the cache's budget over all experts; or
-        budget_fraction: the budget as a fraction (0 < F <= 1) of every expert's bytes. One of the two.
+        budget_fraction: the budget as a fraction (0 < F <= 1) of every expert's bytes. One of the three.
+        max_len: ``budget="auto"``: the longest sequence (prompt and new tokens) the KV cache
+            holds and the dry step's length. Default: the generation config's ``max_length``
+            when the model sets one, else the config's ``max_position_embeddings``.
+        batch: ``budget="auto"``: the sequences decoded together (default 1).
+        margin_bytes: ``budget="auto"``: device memory left beyond the terms (default 1 GiB and
+            2 % of the device's memory: the allocator's fragmentation, a KV cache grown by
+            concatenation, workspaces made later, a CUDA graph's pool).
         device: where the model computes (default: where its first non-expert parameter is): a
             CUDA device gives a CUDA cache, the CPU expcache's host backend.
+        device_capacity_bytes: on the CPU only, the host backend's emulated device size (default
+            64 GiB), which ``budget="auto"`` sizes the cache to as to a GPU's memory.
         policy: the caches' eviction policy, run by the device lookup: ``None`` (the library's
             default, ``"duel"``) or a name of ``pyexpcache._lib.POLICIES``.
         progress: a bar on stderr while the experts are placed in host memory (for a real
@@ -270,107 +249,68 @@ def offload(
 
     Raises:
         ValueError: no experts-interface MoE layer (naming the model's class), a budget missing,
-            doubled or out of range, experts of a dtype other than float32/float16/bfloat16.
+            doubled or out of range, experts of a dtype other than float32/float16/bfloat16;
+            ``budget="auto"`` leaving less than one decode step's experts (batch x top-k of each
+            size class), naming every term and what to change, or a dry step out of memory.
         RuntimeError: a budget too small for one expert per layer (from the cache); later, from a
             forward, experts edited since (call refresh()), or from a backward, experts that ask
             for a gradient.
     """
     layers = find_experts(model)
     inner = [inner_implementation(e.module) for e in layers]  # before ours is set; refuses a second offload
-    if budget_bytes is None and budget_fraction is None:
-        raise ValueError("give budget_bytes or budget_fraction")
+    given = [
+        name
+        for name, value in (("budget", budget), ("budget_bytes", budget_bytes), ("budget_fraction", budget_fraction))
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise ValueError(
+            "give budget='auto', budget_bytes or budget_fraction" + (f", not {' and '.join(given)}" if given else "")
+        )
+    if budget is not None and budget != "auto":
+        raise ValueError(f"budget must be 'auto' (or give budget_bytes or budget_fraction), got {budget!r}")
+    if budget is None and (max_len is not None or batch != 1 or margin_bytes is not None):
+        raise ValueError("max_len, batch and margin_bytes size budget='auto': give them with it")
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
     compute = _compute_device(model, layers, device)
     if compute.type not in ("cpu", "cuda"):
         raise ValueError(f"the model computes on {compute}: expcache serves CUDA devices and the CPU (host backend)")
     cuda = compute.type == "cuda"
+    if cuda and device_capacity_bytes is not None:
+        raise ValueError(
+            f"device_capacity_bytes is the host backend's emulated device size; the model computes on {compute}"
+        )
     layout = layout_of(model, layers)
-    budget = resolve_budget(layout, budget_bytes, budget_fraction)
+    fixed = None if budget == "auto" else resolve_budget(layout, budget_bytes, budget_fraction)
     register()
-    registration = _HostRegistration()
-    served = []  # (cache, source, key) per group of layers
+    registration = HostRegistration()
     functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
+    caches = Caches(layers, layout, compute, [name for name, _ in inner], functions, policy, device_capacity_bytes)
     try:
         _move_the_rest(model, layers, compute)
-        tensors, pinned = {}, True
-        bar = Progress(progress)
-        for i, e in enumerate(layers):
-            first, first_pinned = _to_host(e.first, cuda, registration)
-            down, down_pinned = _to_host(e.down, cuda, registration)
-            tensors[e.layer] = (first, down)
-            pinned = pinned and first_pinned and down_pinned
-            for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):  # small: kept where the model computes
-                bias = getattr(e.module, name, None)
-                if isinstance(bias, torch.Tensor) and bias.device != compute:
-                    bias.data = bias.data.to(compute)
-            bar("experts in host memory", i + 1, len(layers))
-        total = layout_bytes(layout)
-        for group in _groups(layers, layout, budget, [name for name, _ in inner]):
-            group_layout = ModelLayout(
-                tuple(spec if any(e.layer == i for e in group) else None for i, spec in enumerate(layout.layers)),
-                name=layout.name,
+        caches.place(registration, progress)
+        sized = None
+        if fixed is None:
+            sized = size_budget(
+                model,
+                layout,
+                compute,
+                {id(e.first) for e in layers} | {id(e.down) for e in layers},
+                lambda size, reserve: caches.serving(model, size, reserve),
+                max_len=max_len,
+                batch=batch,
+                margin_bytes=margin_bytes,
+                capacity=device_capacity_bytes,
             )
-            share = sum(group_layout[e.layer].expert_bytes * e.num_experts for e in group)
-            source = ParameterSource(group_layout, group, {e.layer: tensors[e.layer] for e in group}, pinned)
-            cache = ExpertCache(
-                group_layout,
-                source,
-                budget_bytes=budget * share // total,
-                backend="cuda" if cuda else "host",
-                device=compute.index or 0,
-                lookup="device",
-                policy=policy,
-            )
-            served.append((cache, source, serve_cache(cache)))
-            for e in group:
-                spec, size = layout[e.layer], e.first.element_size()
-                bank = cache.bank(
-                    e.layer,
-                    dtype=e.dtype_name,
-                    shapes=((spec.gate_bytes // size,), (spec.up_bytes // size,), tuple(e.down.shape[1:])),
-                )
-                e.module._expcache_server = LayerServer(
-                    served[-1][2], e.layer, bank, e.module, *functions[e.layer], e.name, compute
-                )
-        previous = _set_implementation(model, layers)
+        caches.build(*((fixed, None) if sized is None else (sized.budget_bytes, sized.reserve_bytes)))
+        previous = set_implementation(model, layers)
         _decode_like_transformers(model, layers, compute)
     except BaseException:
-        for e in layers:
-            if hasattr(e.module, "_expcache_server"):
-                del e.module._expcache_server
-        for cache, _, key in served:
-            forget_cache(key)
-            cache.close()
+        caches.close()
         registration.close()
         raise
-    return Offloaded(model, layout, served, layers, previous, registration, inner[0][0])
-
-
-def layout_bytes(layout: ModelLayout) -> int:
-    return sum(s.expert_bytes * s.num_experts for s in layout.layers if s is not None)
-
-
-def _groups(layers: list[ExpertsLayer], layout: ModelLayout, budget: int, implementations: list[str]):
-    """The layers split into groups of consecutive layers, one cache each. One group, unless
-    transformers' grouped_mm computes the experts and the bank would hold more slots than one
-    grouped product takes (``GROUPED_MM_GROUPS``): then groups whose banks hold fewer, each
-    with its layers' share of the budget (a layer alone over the limit is served over windows)."""
-    fraction = budget / layout_bytes(layout)
-    if (
-        any(name != "grouped_mm" for name in implementations)
-        or fraction * sum(e.num_experts for e in layers) <= _serve.GROUPED_MM_GROUPS * 0.9
-    ):
-        return [layers]
-    groups, slots = [[]], 0.0
-    for e in layers:
-        wanted = fraction * e.num_experts
-        if groups[-1] and slots + wanted > _serve.GROUPED_MM_GROUPS * 0.9:  # a margin for the slots' rounding
-            groups.append([])
-            slots = 0.0
-        groups[-1].append(e)
-        slots += wanted
-    return groups
+    return Offloaded(model, layout, caches.served, layers, previous, registration, inner[0][0], sized)
 
 
 def _decode_like_transformers(model, layers: list[ExpertsLayer], compute: torch.device) -> None:
@@ -397,18 +337,3 @@ def _decode_like_transformers(model, layers: list[ExpertsLayer], compute: torch.
                     server.decode_inner = None
 
     model._optimize_model_for_decode = optimize_model_for_decode
-
-
-def _set_implementation(model, layers: list[ExpertsLayer]) -> list:
-    """Set every experts module's config to the implementation; returns (config, previous value) pairs."""
-    previous = []
-    for e in layers:
-        config = e.module.config
-        if all(config is not c for c, _ in previous):
-            previous.append((config, config._experts_implementation))
-    if hasattr(model, "set_experts_implementation"):
-        model.set_experts_implementation(IMPLEMENTATION)
-    for config, _ in previous:  # a module whose config the model's call did not reach
-        if config._experts_implementation != IMPLEMENTATION:
-            config._experts_implementation_internal = IMPLEMENTATION
-    return previous

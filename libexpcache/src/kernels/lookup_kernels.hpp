@@ -19,8 +19,9 @@
 //      as they come (the other blocks while the leader looks up the next), or ends at once when
 //      nothing missed.
 //
-// Recency is a stamp per slot from one clock: a select takes the stamps [base, base + 2048)
-// (base = clock + 1), its hits base + i and its misses base + 1024 + i for i the position of
+// Recency is a stamp per slot: a select takes the stamps [base, base + 2048) (select_base: from
+// the select's number among its class's, so no clock is read), its hits base + i and its misses
+// base + 1024 + i for i the position of
 // the id's first occurrence, so the order it leaves is the host LRU list's after the same
 // select (hits refreshed in order, then misses inserted in order); a slot stamped >= base is
 // this call's and never its victim. A batch's append goes to the cold end: its stamps count
@@ -85,6 +86,7 @@ struct DeviceHandoff {
     uint64_t ticket;       // blocks arrived, over every select of the class: a select's first is its leader
     uint64_t published;    // the latest select's (number + 1) << kPublishShift | kPublishFinal | misses listed
     uint64_t table_reads;  // device selects served by the table read (expcache_testing_table_reads)
+    uint64_t selects;      // the host backend's selects of the class (the CUDA grid numbers them by ticket)
 };
 
 // A class's state on the device, laid out by DeviceLookup.
@@ -135,7 +137,6 @@ struct DeviceSelectArgs {
         for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p) n += part_bytes[p];
         return n;
     }
-    uint64_t* clock;       // the stamp clock: each select takes kStampsPerSelect stamps
     uint64_t* cold_clock;  // the cold end's, counting down: each append takes one
     int32_t* slot_of_key;  // [keys] the slot holding each key, -1 none
     DeviceError* error;
@@ -167,9 +168,15 @@ std::unique_ptr<LookupKernels> make_host_lookup_kernels();
 std::unique_ptr<LookupKernels> make_cuda_lookup_kernels(int device);
 
 constexpr uint64_t kStampsPerSelect = 2 * EXPCACHE_MAX_SELECT;
-// Where both clocks start: selects' stamps above, appends' below (2^40 appends before they meet
-// stamp 0, a free slot's).
+// Where stamps start: selects' above, appends' below (the cold clock counts down from here: 2^40
+// appends before they meet stamp 0, a free slot's).
 constexpr uint64_t kStampStart = uint64_t(1) << 40;
+
+// The first stamp of select `index` (0, 1, ... over its class's life: stamps order the slots of one
+// class only, and a class's selects are ordered on their streams).
+EXPCACHE_HOST_DEVICE inline uint64_t select_base(uint64_t index) {
+    return kStampStart + index * kStampsPerSelect + 1;
+}
 
 // DeviceHandoff::published: the misses a select's lookup has listed so far (at most
 // EXPCACHE_MAX_SELECT) in the low bits, and kPublishFinal once it has listed them all.

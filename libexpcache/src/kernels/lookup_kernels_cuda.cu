@@ -26,6 +26,7 @@
 #include "feed_cuda.cuh"
 #include "lookup_kernels.hpp"
 #include "lookup_policy_cuda.cuh"
+#include "table_read_cuda.cuh"
 
 namespace expcache {
 
@@ -42,7 +43,7 @@ using DeviceWord = cuda::atomic_ref<uint64_t, cuda::thread_scope_device>;
 // The lookup, run by the select's leader block (select_kernel) when some id in range missed. Each
 // miss is published (`done`: the select's number, shifted) as soon as it has its slot, so the
 // other blocks copy it while the lookup chooses the next one's victim.
-__device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
+__device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t index) {
     __shared__ uint32_t keys[EXPCACHE_MAX_SELECT];
     __shared__ uint32_t first[EXPCACHE_MAX_SELECT];
     __shared__ uint8_t missed[EXPCACHE_MAX_SELECT];
@@ -56,7 +57,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done) {
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
     if (tid == 0) {
-        base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
+        base_s = select_base(index);
         now_s = open_select(a);
         distinct = hits = misses = evictions = 0;
         if (a.fed) feed_cuda::open(c.feed);
@@ -171,96 +172,6 @@ __device__ uint32_t key_of(const DeviceSelectArgs& a, uint32_t i, int64_t* id_ou
     return id < 0 || id >= static_cast<int64_t>(a.num_experts) ? UINT32_MAX : a.key_base + static_cast<uint32_t>(id);
 }
 
-// A select served by its table read (every id in range resident): what lookup_block leaves
-// when nothing misses, without its bank search: each id's slot, an id out of range reported,
-// the policy clock opened, each hit (a first occurrence) counted and refreshed, in parallel
-// (each touches its own key and slot), then duel's shadow requests and vote in order of first
-// occurrence (serial, as in lookup_block: the shadows' victims depend on the order), the counts
-// and the counters. Every policy's state ends as the lookup would leave it (lookup_rules.hpp).
-__device__ void serve_from_table(const DeviceSelectArgs& a, const uint32_t* keys, const int32_t* slots,
-                                 uint32_t* distinct) {
-    constexpr uint8_t kNoRequest = 0xff;  // list_of: not a first occurrence in range
-    static_assert(OppClassTables::kClasses < kNoRequest, "a class of count fits below kNoRequest");
-    __shared__ uint64_t base_s;
-    __shared__ PolicyNow now_s;
-    __shared__ uint8_t list_of[EXPCACHE_MAX_SELECT];  // duel: each first occurrence's class of count
-    __shared__ lookup_cuda::PolicyShared policy_s;
-    const DeviceClass& c = a.cls;
-    const uint32_t tid = threadIdx.x;
-    const bool duel = a.policy.id == EXPCACHE_POLICY_DUEL;
-    if (tid == 0) {
-        base_s = atomicAdd(reinterpret_cast<unsigned long long*>(a.clock), kStampsPerSelect) + 1;
-        now_s = open_select(a);
-    }
-    static_assert(EXPCACHE_MAX_SELECT <= 32 * kLookupThreads, "a thread's ids fit in one mask");
-    uint32_t first = 0, mine = 0;  // bit n: the thread's n-th id is its key's first occurrence
-    for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n) {
-        a.out_slots[i] = slots[i];
-        if (a.out_filled) a.out_filled[i] = 0;
-        if (keys[i] == UINT32_MAX) {
-            int64_t id = 0;
-            key_of(a, i, &id);
-            if (atomicCAS(&a.error->set, 0u, 1u) == 0u) {
-                a.error->layer = a.layer;
-                a.error->index = i;
-                a.error->id = id;
-            }
-            continue;
-        }
-        bool is_first = true;
-        for (uint32_t j = 0; j < i && is_first; ++j) is_first = keys[j] != keys[i];
-        if (is_first) {
-            first |= 1u << n;
-            ++mine;
-        }
-    }
-    if (mine) atomicAdd(distinct, mine);
-    __syncthreads();  // the clock's stamps, the policy clock and the distinct count
-    const uint64_t base = base_s;
-    const PolicyNow now = now_s;
-    for (uint32_t i = tid, n = 0; i < a.count; i += blockDim.x, ++n) {
-        uint8_t list = kNoRequest;
-        if (first >> n & 1u) {
-            refresh_hit(a, slots[i], base + i, count_use(a, keys[i], now), now);
-            if (duel) list = static_cast<uint8_t>(shadow_count_use(a, keys[i], now));
-        }
-        if (duel) list_of[i] = list;
-    }
-    if (duel) {
-        __syncthreads();  // list_of is written
-        // Every request a hit in both shadows (the usual all-hit select): refreshes, all at once.
-        int both = 1;
-        for (uint32_t i = tid; i < a.count; i += blockDim.x)
-            if (list_of[i] != kNoRequest) both &= in_both_shadows(a, keys[i]);
-        if (__syncthreads_and(both)) {
-            for (uint32_t i = tid; i < a.count; i += blockDim.x)
-                if (list_of[i] != kNoRequest) shadows_hit(a, keys[i], base + i, list_of[i], now);
-        } else {
-            for (uint32_t i = 0; i < a.count; ++i)  // uniform: every thread reads the same shared flags
-                if (list_of[i] != kNoRequest)
-                    lookup_cuda::duel_request(a, keys[i], base + i, list_of[i], now, policy_s);
-        }
-    }
-    if (tid == 0) {
-        const uint32_t hits = *distinct;
-        *c.miss_count = 0;
-        if (a.out_counts) {
-            a.out_counts[kCountDistinct] = hits;
-            a.out_counts[kCountMisses] = 0;
-            if (a.host_call) {
-                a.out_counts[kTallyHits] = hits;
-                a.out_counts[kTallyEvictions] = 0;
-            }
-        }
-        auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };
-        if (!a.host_call) {
-            add(&c.counters->calls, 1);
-            if (hits) add(&c.counters->hits, hits);
-            add(&c.handoff->table_reads, 1);
-        }
-    }
-}
-
 // Every block's share of the copy of the latest select's misses [from, to) (DeviceClass::misses).
 __device__ void copy_misses(const DeviceSelectArgs& a, uint32_t from, uint32_t to) {
     const DeviceClass& c = a.cls;
@@ -305,34 +216,42 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
     __shared__ uint64_t ticket_s;
     __shared__ uint32_t distinct_s;
     __shared__ uint64_t word_s;
+    __shared__ table_read::Early early_s;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
     if (tid == 0) {
         ticket_s = atomicAdd(reinterpret_cast<unsigned long long*>(&c.handoff->ticket), 1ull);
         distinct_s = 0;
     }
-    // The table read, in every block while its ticket is on the way: reads only, so a block
-    // that turns out not to lead has changed nothing.
+    // The table read, in every block while its ticket is on the way, with what the table read's
+    // bookkeeping reads (table_read_cuda.cuh): reads only, so a block that turns out not to lead
+    // has changed nothing.
+    table_read::load_early(a, early_s);
+    table_read::Prefetched pf = {};
     int resident = 1;
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
         int64_t id = 0;
         const uint32_t key = key_of(a, i, &id);
         const int32_t slot = key == UINT32_MAX ? -1 : a.slot_of_key[key];
+        if (i == tid && key != UINT32_MAX) pf = table_read::prefetch(a, key);
         keys[i] = key;
         slots[i] = slot;
         resident &= key == UINT32_MAX || slot >= 0;
     }
-    const bool all_resident = __syncthreads_and(resident);  // also: the ticket is in
+    const bool all_resident = __syncthreads_and(resident);  // also: the ticket and the early loads are in
     const uint64_t grid = gridDim.x;
-    const uint64_t done = (ticket_s / grid + 1) << kPublishShift;  // this select's number + 1, shifted
+    const uint64_t index = ticket_s / grid;              // this select's number among its class's
+    const uint64_t done = (index + 1) << kPublishShift;  // shifted, + 1: 0 is no select's
+    const bool leader = ticket_s % grid == 0;
     DeviceWord published(c.handoff->published);
-    if (ticket_s % grid == 0) {
+    if (leader) {
         if (all_resident && a.mode == kModeDecode) {
-            if (tid == 0) published.fetch_max(done | kPublishFinal, cuda::memory_order_release);  // nothing to copy
-            serve_from_table(a, keys, slots, &distinct_s);
+            // Nothing listed: the other blocks end as soon as they read it.
+            if (tid == 0) published.fetch_max(done | kPublishFinal, cuda::memory_order_relaxed);
+            table_read::serve(a, keys, slots, &distinct_s, pf, early_s, index);
             return;
         }
-        lookup_block(a, done);
+        lookup_block(a, done, index);
         __syncthreads();  // the miss list is written
         if (tid == 0) {
             const uint64_t listed = a.copy ? *c.miss_count : 0;  // copy 0: the host copies them
@@ -340,6 +259,9 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
             published.fetch_max(done | kPublishFinal | listed, cuda::memory_order_release);
         }
     }
+    // Every block copies its share of each miss (by its index in the grid), so every block waits
+    // for the leader's word, even one whose table read found every id resident (a block that read
+    // the table after the leader of a select with misses had changed it may).
     // Copy the misses as they are listed, until the lookup says it has listed them all. fetch_max:
     // the word only grows, so a word of a later select (only by misuse: selects of one class on
     // unordered streams overlapping) ends the wait.
@@ -368,7 +290,7 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
         if (!mine || (word & kPublishFinal)) break;
     }
     // The leader frees the slots of fed misses whose read failed, once every one is done.
-    if (a.fed && mine && copied && ticket_s % grid == 0 && tid == 0) feed_cuda::settle(a, copied);
+    if (a.fed && mine && copied && leader && tid == 0) feed_cuda::settle(a, copied);
 }
 
 __global__ void unpin_kernel(uint8_t* pin, const int32_t* slots, uint32_t n) {

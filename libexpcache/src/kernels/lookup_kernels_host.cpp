@@ -86,8 +86,7 @@ private:
     // order of first occurrence, then duel's shadow requests and vote in that order).
     void serve_from_table(const DeviceSelectArgs& a) {
         const DeviceClass& c = a.cls;
-        const uint64_t base = *a.clock + 1;
-        *a.clock += kStampsPerSelect;
+        const uint64_t base = select_base(c.handoff->selects++);
         const PolicyNow now = open_select(a);
         first_.resize(a.count);
         list_of_.resize(a.count);
@@ -133,8 +132,7 @@ private:
 
     void lookup(const DeviceSelectArgs& a) {
         const DeviceClass& c = a.cls;
-        const uint64_t base = *a.clock + 1;
-        *a.clock += kStampsPerSelect;
+        const uint64_t base = select_base(c.handoff->selects++);
         const PolicyNow now = open_select(a);
         keys_.resize(a.count);
         first_.resize(a.count);

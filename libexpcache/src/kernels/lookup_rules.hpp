@@ -31,14 +31,17 @@ EXPCACHE_HOST_DEVICE inline bool keeps_lists(const DevicePolicyArgs& p) {
     return p.id == EXPCACHE_POLICY_OPPCLASS || p.id == EXPCACHE_POLICY_DUEL;
 }
 
-// A select opens: the clock advances as the host's does for a serving call (not for a later piece
-// of one host-side call).
-EXPCACHE_HOST_DEVICE inline PolicyNow open_select(const DeviceSelectArgs& a) {
-    if (!keeps_lists(a.policy)) return PolicyNow{0, 0, 0.0};
-    DevicePolicyClock& c = *a.policy.clock;
+// A select opens the policy clock `c` (the policy's, or a copy the caller loaded early and stores
+// back): it advances as the host's does for a serving call (not for a later piece of one host-side
+// call).
+EXPCACHE_HOST_DEVICE inline PolicyNow open_clock(const DeviceSelectArgs& a, DevicePolicyClock& c) {
     if (a.open_clock && (c.last_layer < 0 || static_cast<int64_t>(a.layer) <= c.last_layer)) ++c.token;
     c.last_layer = a.layer;
     return PolicyNow{c.token, a.policy.pos, oppclass_time(c.token, a.policy.pos, a.policy.positions)};
+}
+
+EXPCACHE_HOST_DEVICE inline PolicyNow open_select(const DeviceSelectArgs& a) {
+    return keeps_lists(a.policy) ? open_clock(a, *a.policy.clock) : PolicyNow{0, 0, 0.0};
 }
 
 // A request of `key` (a hit or a demand insert): its use counted; returns its class (0 for LRU).
@@ -219,13 +222,20 @@ EXPCACHE_HOST_DEVICE inline bool in_both_shadows(const DeviceSelectArgs& a, uint
     return a.policy.shadow_slot[kShadowLru][key] >= 0 && a.policy.shadow_slot[kShadowOpp][key] >= 0;
 }
 
+// A request that hits in both shadows (in_both_shadows), in their slots `slot`: both refreshed.
+EXPCACHE_HOST_DEVICE inline void shadows_hit_at(const DeviceSelectArgs& a, const int32_t slot[2], uint64_t stamp, int k,
+                                                const PolicyNow& now) {
+    for (int j = 0; j < 2; ++j) {
+        const DeviceShadow& sh = a.cls.policy.shadow[j];
+        place(sh.stamp, sh.opp, j == kShadowOpp, slot[j], stamp, k, now);
+    }
+}
+
 // A request of `key` that hits in both shadows (in_both_shadows): both refreshed.
 EXPCACHE_HOST_DEVICE inline void shadows_hit(const DeviceSelectArgs& a, uint32_t key, uint64_t stamp, int k,
                                              const PolicyNow& now) {
-    for (int j = 0; j < 2; ++j) {
-        const DeviceShadow& sh = a.cls.policy.shadow[j];
-        place(sh.stamp, sh.opp, j == kShadowOpp, a.policy.shadow_slot[j][key], stamp, k, now);
-    }
+    const int32_t slot[2] = {a.policy.shadow_slot[kShadowLru][key], a.policy.shadow_slot[kShadowOpp][key]};
+    shadows_hit_at(a, slot, stamp, k, now);
 }
 
 // A request of `key` (class k, stamp `stamp`) to shadow j (duel.cpp's Shadow::request): true for a
