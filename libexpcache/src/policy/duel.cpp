@@ -29,11 +29,14 @@ template <class P>
 class Shadow {
 public:
     void set_clock(const PolicyClock& clock) { policy_.set_clock(clock); }
-    // One request of `key`: true for a hit. `use`: what P's hooks take besides (OppClassLRU's: where
-    // its use of the key goes).
+    // Room for keys 0..key.
+    void see(uint32_t key) {
+        if (key >= held_.size()) grow(key);
+    }
+    // One request of `key`, seen: true for a hit. `use`: what P's hooks take besides (OppClassLRU's:
+    // where its use of the key goes).
     template <class... Use>
     bool request(uint32_t key, int32_t room, Use... use) {
-        if (key >= held_.size()) grow(key);
         const int32_t s = static_cast<int32_t>(key);
         if (held_[key]) {
             policy_.on_hit(s, use...);
@@ -76,7 +79,7 @@ public:
         shadow_opp_.set_clock(clock);
     }
     void on_insert(int32_t slot, bool cold, uint32_t key) override {
-        grew();
+        grew(key);
         lru_.on_insert(slot, cold, key);
         if (cold)  // a prefill append: no request, OppClassLRU's count in the real order alone
             opp_.on_insert(slot, true, key);
@@ -93,7 +96,7 @@ public:
         opp_.on_hint(slot);
     }
     void on_prefetch(int32_t slot, uint32_t key) override {
-        grew();
+        grew(key);
         lru_.on_prefetch(slot, key);
         opp_.on_prefetch(slot, key);
     }
@@ -118,8 +121,12 @@ public:
     }
 
 private:
-    void grew() {
+    // A slot more holds `key`: the shadows make room for the key here, as every key a request
+    // names was inserted or prefetched first.
+    void grew(uint32_t key) {
         if (++resident_ > room_) room_ = resident_;
+        shadow_lru_.see(key);
+        shadow_opp_.see(key);
     }
     // A request both shadows see; the one that hits alone moves the counter toward its policy.
     // Returns the OppClassLRU shadow's use of the key, which the real order takes when its count of

@@ -65,6 +65,7 @@ public:
     }
     // A prefetch is not a use either: class 0, the cold end, until a select uses it.
     void on_prefetch(int32_t slot, uint32_t key) override {
+        if (key >= count_.size()) grow_counts(key);
         entries_[slot].key = key;
         place(slot, 0, kNever, 0, false);
     }
@@ -86,6 +87,7 @@ public:
 private:
     // Inline: a policy held by value has the branches on nullptr folded away.
     void insert(int32_t slot, bool cold, uint32_t key, const OppUse* counted, OppUse* use) {
+        if (key >= count_.size()) grow_counts(key);
         Entry& e = entries_[slot];
         e.key = key;
         const int k = count(key, e.cls, counted, use);
@@ -107,9 +109,9 @@ private:
         int32_t cls;       // its list
     };
 
-    // One more use of `key` now, whose class was `guess` at its last use; returns its class.
+    // One more use of `key` now, whose class was `guess` at its last use; returns its class. The
+    // count is there: a key is inserted or prefetched before its first hit.
     int count(uint32_t key, int guess, const OppUse* counted, OppUse* use) {
-        if (key >= count_.size()) grow_counts(key);
         Count& c = count_[key];
         if (counted && c.d == counted->before.d && c.t == counted->before.t) {
             c = counted->after;  // the same inputs at the same time: the same double operations gave this
