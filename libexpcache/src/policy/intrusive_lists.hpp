@@ -24,8 +24,23 @@ public:
     }
     // Room for slots 0..slots-1.
     void resize(int32_t slots) { links_.resize(static_cast<size_t>(Lists) + slots, Link{-1, -1}); }
-    void push_back(int32_t list, int32_t slot) { link_after(links_[list].prev, slot); }  // the hot end
-    void push_front(int32_t list, int32_t slot) { link_after(list, slot); }              // the cold end
+    // The hot end: after the list's last node, whose next is the sentinel (no load to learn it).
+    void push_back(int32_t list, int32_t slot) {
+        const int32_t n = Lists + slot;
+        const int32_t last = links_[list].prev;
+        links_[n].prev = last;
+        links_[n].next = list;
+        links_[last].next = n;
+        links_[list].prev = n;
+    }
+    void push_front(int32_t list, int32_t slot) {  // the cold end
+        const int32_t n = Lists + slot;
+        const int32_t first = links_[list].next;
+        links_[n].prev = list;
+        links_[n].next = first;
+        links_[first].prev = n;
+        links_[list].next = n;
+    }
     void unlink(int32_t slot) {
         const Link n = links_[Lists + slot];
         links_[n.prev].next = n.next;
@@ -49,13 +64,6 @@ private:
     };
 
     static int32_t slot_at(int32_t node) { return node < Lists ? -1 : node - Lists; }
-    void link_after(int32_t at, int32_t slot) {
-        const int32_t n = Lists + slot;
-        const int32_t after = links_[at].next;
-        links_[n] = Link{at, after};
-        links_[at].next = n;
-        links_[after].prev = n;
-    }
 
     std::vector<Link> links_;
 };
