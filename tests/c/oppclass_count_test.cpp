@@ -4,6 +4,8 @@
 // - class_of: the library finds the class by comparisons, the simulator computes
 //   min(int(log(d) / log(1.3) + 1e-9), 15); compared on every double within 2^16 steps of each class
 //   boundary and of the bounds class_of keeps around it, and on counts spread over [1, 10^6];
+//   class_near (class_of tried first at a guessed class) on the same counts, from guesses next to
+//   the class and from the first and the last;
 // - decay: the library takes whole numbers of tokens from a table, the simulator computes
 //   2.0 ** (-dt / 64); compared bit for bit on every whole number of the table and past it, and on
 //   times between.
@@ -34,6 +36,14 @@ void check(const OppClassPolicy& p, double d) {
     ++checks;
     int got = p.class_of(d), want = simulator_class(d);
     if (got != want && ++failed <= 10) std::printf("FAILED count %.17g: class_of %d, simulator %d\n", d, got, want);
+    // class_near from a guess next to the class (where its shortcut decides) and from the ends.
+    for (int g : {want - 1, want, want + 1, 0, OppClassPolicy::kClasses - 1}) {
+        if (g < 0 || g >= OppClassPolicy::kClasses) continue;
+        ++checks;
+        got = p.class_near(d, g);
+        if (got != want && ++failed <= 10)
+            std::printf("FAILED count %.17g: class_near from %d %d, simulator %d\n", d, g, got, want);
+    }
 }
 
 // The simulator's decay, 2.0 ** (-(t - prev) / half_life), against decay(), bit for bit.

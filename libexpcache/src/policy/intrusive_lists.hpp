@@ -1,7 +1,8 @@
-// Doubly linked lists over slot indices, kept in two arrays: nodes
-// 0..lists-1 are the lists' sentinels and slot s is node lists + s. Each list
+// Doubly linked lists over slot indices, kept in one array of links: nodes
+// 0..Lists-1 are the lists' sentinels and slot s is node Lists + s. Each list
 // runs from its cold end (first) to its hot end. O(1) push, unlink and step;
-// no allocation once sized.
+// no allocation once sized. The number of lists is a constant, so a node's
+// index is one addition the compiler need not reload after every store.
 #pragma once
 
 #include <algorithm>
@@ -11,53 +12,60 @@
 
 namespace expcache {
 
+template <int32_t Lists>
 class IntrusiveLists {
 public:
-    explicit IntrusiveLists(int32_t lists) : lists_(lists), prev_(lists), next_(lists) { clear(); }
+    IntrusiveLists() : links_(Lists) { clear(); }
 
     // Empty every list and forget the slots; the room for them stays (push takes any slot resized for).
     void clear() {
-        std::fill(prev_.begin(), prev_.end(), -1);
-        std::fill(next_.begin(), next_.end(), -1);
-        for (int32_t l = 0; l < lists_; ++l) prev_[l] = next_[l] = l;
+        std::fill(links_.begin(), links_.end(), Link{-1, -1});
+        for (int32_t l = 0; l < Lists; ++l) links_[l] = Link{l, l};
     }
     // Room for slots 0..slots-1.
-    void resize(int32_t slots) {
-        prev_.resize(static_cast<size_t>(lists_) + slots, -1);
-        next_.resize(static_cast<size_t>(lists_) + slots, -1);
+    void resize(int32_t slots) { links_.resize(static_cast<size_t>(Lists) + slots, Link{-1, -1}); }
+    // The hot end: after the list's last node, whose next is the sentinel (no load to learn it).
+    void push_back(int32_t list, int32_t slot) {
+        const int32_t n = Lists + slot;
+        const int32_t last = links_[list].prev;
+        links_[n].prev = last;
+        links_[n].next = list;
+        links_[last].next = n;
+        links_[list].prev = n;
     }
-    void push_back(int32_t list, int32_t slot) { link_after(prev_[list], slot); }  // the hot end
-    void push_front(int32_t list, int32_t slot) { link_after(list, slot); }        // the cold end
+    void push_front(int32_t list, int32_t slot) {  // the cold end
+        const int32_t n = Lists + slot;
+        const int32_t first = links_[list].next;
+        links_[n].prev = list;
+        links_[n].next = first;
+        links_[first].prev = n;
+        links_[list].next = n;
+    }
     void unlink(int32_t slot) {
-        int32_t n = lists_ + slot;
-        next_[prev_[n]] = next_[n];
-        prev_[next_[n]] = prev_[n];
+        const Link n = links_[Lists + slot];
+        links_[n.prev].next = n.next;
+        links_[n.next].prev = n.prev;
     }
     // Slot `to` (unlinked) takes linked slot `from`'s place in its list; `from` leaves it.
     void replace(int32_t from, int32_t to) {
-        const int32_t f = lists_ + from, t = lists_ + to;
-        prev_[t] = prev_[f];
-        next_[t] = next_[f];
-        next_[prev_[f]] = t;
-        prev_[next_[f]] = t;
+        const int32_t t = Lists + to;
+        const Link f = links_[Lists + from];
+        links_[t] = f;
+        links_[f.prev].next = t;
+        links_[f.next].prev = t;
     }
     // Cold to hot: for (int32_t s = first(l); s >= 0; s = next(s)).
-    int32_t first(int32_t list) const { return slot_at(next_[list]); }
-    int32_t next(int32_t slot) const { return slot_at(next_[lists_ + slot]); }
+    int32_t first(int32_t list) const { return slot_at(links_[list].next); }
+    int32_t next(int32_t slot) const { return slot_at(links_[Lists + slot].next); }
 
 private:
-    int32_t slot_at(int32_t node) const { return node < lists_ ? -1 : node - lists_; }
-    void link_after(int32_t at, int32_t slot) {
-        int32_t n = lists_ + slot;
-        int32_t after = next_[at];
-        prev_[n] = at;
-        next_[n] = after;
-        next_[at] = n;
-        prev_[after] = n;
-    }
+    struct Link {
+        int32_t prev, next;
+    };
 
-    int32_t lists_;
-    std::vector<int32_t> prev_, next_;
+    static int32_t slot_at(int32_t node) { return node < Lists ? -1 : node - Lists; }
+
+    std::vector<Link> links_;
 };
 
 }  // namespace expcache

@@ -28,7 +28,7 @@ public:
     void clear() override { list_.clear(); }
 
 private:
-    IntrusiveLists list_{1};
+    IntrusiveLists<1> list_;
 };
 
 }  // namespace expcache

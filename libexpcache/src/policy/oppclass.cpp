@@ -29,14 +29,15 @@ const OppClassTables& oppclass_tables() {
     return tables;
 }
 
-OppClassPolicy::OppClassPolicy(UseMemo* memo) : memo_(memo), tables_(oppclass_tables()) {}
+OppClassPolicy::OppClassPolicy() : tables_(oppclass_tables()) {}
 
 void OppClassPolicy::resize(int32_t n) {
     lists_.resize(n);
-    key_.resize(n, 0);
-    tok_.resize(n, 0);
-    pos_.resize(n, 0);
-    cls_.resize(n, 0);
+    entries_.resize(n, Entry{0, 0, 0, 0});
+}
+
+void OppClassPolicy::grow_counts(uint32_t key) {
+    count_.resize(static_cast<size_t>(key) + 1, Count{0.0, 0.0});
 }
 
 // The largest (missed opportunities + offset) / weight^class among the first
@@ -48,8 +49,8 @@ int32_t OppClassPolicy::victim(Evictable evictable, const void* ctx) const {
     for (int k = 0; k < kClasses; ++k) {
         for (int32_t s = lists_.first(k); s >= 0; s = lists_.next(s)) {
             if (!evictable(ctx, s)) continue;
-            const double score =
-                oppclass_score(tables_, oppclass_missed(clock_.token, clock_.pos, tok_[s], pos_[s]), k);
+            const Entry& e = entries_[s];
+            const double score = oppclass_score(tables_, oppclass_missed(clock_.token, clock_.pos, e.tok, e.pos), k);
             if (score > best_score) {
                 best = s;
                 best_score = score;

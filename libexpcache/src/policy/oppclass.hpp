@@ -20,31 +20,26 @@
 
 namespace expcache {
 
+// One use of a key, counted: its count before and after, and its class after. Two orders that count
+// the same uses of a key at the same time (duel.cpp's real order and its shadow) count it once: the
+// second takes the first's result when its count before is the same, as the same double operations
+// on the same inputs give the same result.
+struct OppUse {
+    KeyCount before, after;
+    int cls;
+};
+
 class OppClassPolicy final : public Policy {
     using Count = KeyCount;  // decayed count (0: never used), time of the last use
 
 public:
-    // The last use counted, by its key and inputs (the key's count before, the time now) and its
-    // result: two policies that count the same uses of a key (duel.cpp's real order and its shadow)
-    // share one, and the second of them takes the result without computing it again. The inputs
-    // decide the result; the key is there so that it does only that: another key of the same
-    // history computes its own (in select_overhead.c's all-hit loop every expert of a layer has the
-    // same history, and the six uses of a select would otherwise be computed once).
-    struct UseMemo {
-        uint32_t key = 0;
-        Count before{-1.0, 0.0};  // no count matches: counts are >= 0
-        double t = 0.0;
-        Count after{0.0, 0.0};
-        int k = 0;
-    };
-
     static constexpr int kClasses = OppClassTables::kClasses;
     static constexpr double kHalfLife = OppClassTables::kHalfLife;
     static constexpr double kBase = OppClassTables::kBase;
     static constexpr int32_t kNever = OppClassTables::kNever;
     static constexpr int kDecayTokens = OppClassTables::kDecayTokens;
 
-    explicit OppClassPolicy(UseMemo* memo = nullptr);
+    OppClassPolicy();
 
     void resize(int32_t n) override;
     void set_clock(const PolicyClock& clock) override {
@@ -52,84 +47,103 @@ public:
         now_ = oppclass_time(clock.token, clock.pos, clock.positions);
     }
 
-    void on_insert(int32_t slot, bool cold, uint32_t key) override {
-        key_[slot] = key;
-        int k = use(key);
+    void on_insert(int32_t slot, bool cold, uint32_t key) override { insert(slot, cold, key, nullptr, nullptr); }
+    void on_hit(int32_t slot) override { hit(slot, nullptr, nullptr); }
+    // The same two hooks where a twin counts the same uses (OppUse): `use` receives this one's use
+    // of the key, for the twin; `counted` is the twin's use of the key now, taken when it applies.
+    void on_insert(int32_t slot, bool cold, uint32_t key, OppUse* use) { insert(slot, cold, key, nullptr, use); }
+    void on_insert(int32_t slot, bool cold, uint32_t key, const OppUse& counted) {
+        insert(slot, cold, key, &counted, nullptr);
+    }
+    void on_hit(int32_t slot, OppUse* use) { hit(slot, nullptr, use); }
+    void on_hit(int32_t slot, const OppUse& counted) { hit(slot, &counted, nullptr); }
+    // A hint refreshes recency only: counting it as a use would raise the count of every predicted
+    // expert, right or wrong (measured: more demand misses, docs/engine.md).
+    void on_hint(int32_t slot) override {
+        lists_.unlink(slot);
+        place(slot, entries_[slot].cls, clock_.token, clock_.pos, true);
+    }
+    // A prefetch is not a use either: class 0, the cold end, until a select uses it.
+    void on_prefetch(int32_t slot, uint32_t key) override {
+        if (key >= count_.size()) grow_counts(key);
+        entries_[slot].key = key;
+        place(slot, 0, kNever, 0, false);
+    }
+    void on_remove(int32_t slot) override { lists_.unlink(slot); }  // the key's count is kept
+    void move(int32_t from, int32_t to) override {
+        lists_.replace(from, to);
+        entries_[to] = entries_[from];
+    }
+    int32_t victim(Evictable evictable, const void* ctx) const override;
+    void clear() override;
+    uint32_t key(int32_t slot) const { return entries_[slot].key; }
+
+    // The class of a count d >= 1 (tried first at a guess, or not) and the decay of a count over dt
+    // tokens (oppclass_count.hpp).
+    int class_of(double d) const { return oppclass_class_of(tables_, d); }
+    double decay(double dt) const { return oppclass_decay(tables_, dt); }
+    int class_near(double d, int guess) const { return oppclass_class_near(tables_, d, guess); }
+
+private:
+    // Inline: a policy held by value has the branches on nullptr folded away.
+    void insert(int32_t slot, bool cold, uint32_t key, const OppUse* counted, OppUse* use) {
+        if (key >= count_.size()) grow_counts(key);
+        Entry& e = entries_[slot];
+        e.key = key;
+        const int k = count(key, e.cls, counted, use);
         if (cold) {  // a prefill append: class 0, the cold end, as if never used
             place(slot, 0, kNever, 0, /*hot=*/false);
         } else {
             place(slot, k, clock_.token, clock_.pos, true);
         }
     }
-    void on_hit(int32_t slot) override {
+    void hit(int32_t slot, const OppUse* counted, OppUse* use) {
         lists_.unlink(slot);
-        place(slot, use(key_[slot]), clock_.token, clock_.pos, true);
+        const Entry& e = entries_[slot];
+        place(slot, count(e.key, e.cls, counted, use), clock_.token, clock_.pos, true);
     }
-    // A hint refreshes recency only: counting it as a use would raise the count of every predicted
-    // expert, right or wrong (measured: more demand misses, docs/engine.md).
-    void on_hint(int32_t slot) override {
-        lists_.unlink(slot);
-        place(slot, cls_[slot], clock_.token, clock_.pos, true);
-    }
-    // A prefetch is not a use either: class 0, the cold end, until a select uses it.
-    void on_prefetch(int32_t slot, uint32_t key) override {
-        key_[slot] = key;
-        place(slot, 0, kNever, 0, false);
-    }
-    void on_remove(int32_t slot) override { lists_.unlink(slot); }  // the key's count is kept
-    void move(int32_t from, int32_t to) override {
-        lists_.replace(from, to);
-        key_[to] = key_[from];
-        tok_[to] = tok_[from];
-        pos_[to] = pos_[from];
-        cls_[to] = cls_[from];
-    }
-    int32_t victim(Evictable evictable, const void* ctx) const override;
-    void clear() override;
 
-    // The class of a count d >= 1 and the decay of a count over dt tokens (oppclass_count.hpp).
-    int class_of(double d) const { return oppclass_class_of(tables_, d); }
-    double decay(double dt) const { return oppclass_decay(tables_, dt); }
+    struct Entry {         // per slot
+        uint32_t key;      // its expert
+        int32_t tok, pos;  // the token and layer position of its last use
+        int32_t cls;       // its list
+    };
 
-private:
-    // One more use of `key` now; returns its class.
-    int use(uint32_t key) {
-        if (key >= count_.size()) count_.resize(key + 1, Count{0.0, 0.0});
+    // One more use of `key` now, whose class was `guess` at its last use; returns its class. The
+    // count is there: a key is inserted or prefetched before its first hit.
+    int count(uint32_t key, int guess, const OppUse* counted, OppUse* use) {
         Count& c = count_[key];
-        const double t = now_;
-        if (!memo_) return count(c, t);
-        if (key == memo_->key && c.d == memo_->before.d && c.t == memo_->before.t && t == memo_->t) {
-            c = memo_->after;  // the same inputs: the same double operations gave this
-            return memo_->k;
+        if (counted && c.d == counted->before.d && c.t == counted->before.t) {
+            c = counted->after;  // the same inputs at the same time: the same double operations gave this
+            return counted->cls;
         }
-        memo_->key = key;
-        memo_->before = c;
-        memo_->t = t;
-        memo_->k = count(c, t);
-        memo_->after = c;
-        return memo_->k;
+        if (use) use->before = c;
+        oppclass_count_use(tables_, c, now_);
+        const int k = oppclass_class_near(tables_, c.d, guess);
+        if (use) {
+            use->after = c;
+            use->cls = k;
+        }
+        return k;
     }
-    // Count a use of c at time t; returns the class.
-    int count(Count& c, double t) const { return oppclass_use(tables_, c, t); }
+    void grow_counts(uint32_t key);  // room for keys 0..key (out of line: once per key at most)
     void place(int32_t slot, int k, int32_t token, int32_t pos, bool hot) {
-        tok_[slot] = token;
-        pos_[slot] = pos;
-        cls_[slot] = k;
+        Entry& e = entries_[slot];
+        e.tok = token;
+        e.pos = pos;
+        e.cls = k;
         if (hot)
             lists_.push_back(k, slot);
         else
             lists_.push_front(k, slot);
     }
 
-    UseMemo* memo_;  // or nullptr
     const OppClassTables& tables_;
     PolicyClock clock_;
     double now_ = 0.0;                // the clock's time: token + pos / positions
     std::vector<Count> count_;        // per key
-    std::vector<uint32_t> key_;       // per slot
-    std::vector<int32_t> tok_, pos_;  // per slot: token and layer position of last use
-    std::vector<int> cls_;            // per slot: its list
-    IntrusiveLists lists_{kClasses};  // one list per class, cold end first
+    std::vector<Entry> entries_;      // per slot
+    IntrusiveLists<kClasses> lists_;  // one list per class, cold end first
 };
 
 }  // namespace expcache

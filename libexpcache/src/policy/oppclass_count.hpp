@@ -95,6 +95,15 @@ EXPCACHE_HOST_DEVICE inline int oppclass_class_of(const OppClassTables& t, doubl
     return j;
 }
 
+// oppclass_class_of(t, d), tried first at a guess g in [0, kClasses) (a key's class at its last use,
+// most often its class now): from above[g] up to below[g + 1] the bisection would end at g and take
+// no logarithm, so the class is g; anywhere else the bisection decides.
+EXPCACHE_HOST_DEVICE inline int oppclass_class_near(const OppClassTables& t, double d, int g) {
+    constexpr int kLast = OppClassTables::kClasses - 1;
+    if (d >= t.above[g] && (g == kLast || d < t.below[g + 1])) return g;
+    return oppclass_class_of(t, d);
+}
+
 // 2^(-dt / kHalfLife), the decay of a count over dt tokens, as pow gives it. Whole numbers of
 // tokens below kDecayTokens come from the table of those very values: a key's uses are all in its
 // layer, at times token + pos / positions that differ by whole tokens while the token count stays
@@ -107,10 +116,15 @@ EXPCACHE_HOST_DEVICE inline double oppclass_decay(const OppClassTables& t, doubl
     return ::pow(2.0, rn::div(-dt, OppClassTables::kHalfLife));
 }
 
-// One more use of a key whose count is c, at time `now`; returns its class.
-EXPCACHE_HOST_DEVICE inline int oppclass_use(const OppClassTables& t, KeyCount& c, double now) {
+// One more use of a key whose count is c, at time `now`.
+EXPCACHE_HOST_DEVICE inline void oppclass_count_use(const OppClassTables& t, KeyCount& c, double now) {
     c.d = c.d == 0.0 ? 1.0 : rn::add(rn::mul(c.d, oppclass_decay(t, rn::sub(now, c.t))), 1.0);
     c.t = now;
+}
+
+// One more use of a key whose count is c, at time `now`; returns its class.
+EXPCACHE_HOST_DEVICE inline int oppclass_use(const OppClassTables& t, KeyCount& c, double now) {
+    oppclass_count_use(t, c, now);
     return oppclass_class_of(t, c.d);
 }
 
