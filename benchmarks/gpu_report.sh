@@ -16,7 +16,8 @@
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
 #   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
 #   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
-#   verification step against a fixed slot map)
+#   verification step against a fixed slot map); select_floor (the all-hit select per policy beside
+#   empty kernels of its grid)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-gpu-report}
@@ -85,6 +86,7 @@ run_step() {
         [ -f "$w" ] && pip install -q --no-deps --upgrade --target /tmp/site "$w"
         PYTHONPATH=/tmp/site:$PYTHONPATH python3 benchmarks/flashlib_side_by_side.py --json "$1/flashlib.json"' _ "$DIR" ;;
     verify_step) step verify_step 240 python3 benchmarks/verify_step.py --json "$DIR/verify_step.json" ;;
+    select_floor) step select_floor 150 python3 benchmarks/select_floor.py ;;
     *) echo "unknown step: $1" >&2; return 2 ;;
     esac
 }
