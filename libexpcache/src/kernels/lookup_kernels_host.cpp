@@ -236,7 +236,7 @@ private:
         for (uint32_t m = 0; m < *c.miss_count; ++m) {
             const DeviceMiss miss = c.misses[m];
             unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
-            for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p)
+            for (int p = 0; p < EXPCACHE_MAX_PARTS && a.part_bytes[p]; ++p)  // 0 bytes: past the layer's parts
                 std::memcpy(slot + c.part_off[p], a.src[p] + a.src_stride[p] * miss.expert, a.part_bytes[p]);
         }
     }
