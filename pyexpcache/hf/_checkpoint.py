@@ -103,9 +103,10 @@ class Unread(torch.Tensor):
     refused: Optional[str]
 
     @staticmethod
-    def make(base: torch.Tensor, ranges=None, experts=None, refused=None) -> Unread:
+    def make(base: torch.Tensor, ranges=None, experts=None, refused=None, origin=()) -> Unread:
         out = base.as_subclass(Unread)
         out.ranges, out.experts, out.refused = ranges, experts, refused
+        out.origin = frozenset(origin) | {r.name for r in ranges or []} | {r.name for e in experts or [] for r in e}
         return out
 
     @classmethod
@@ -127,8 +128,7 @@ class Unread(torch.Tensor):
 
     def names(self) -> list[str]:
         """The checkpoint tensors this one was made from."""
-        ranges = self.ranges or [r for e in self.experts or [] for r in e]
-        return sorted({r.name for r in ranges})
+        return sorted(self.origin)
 
 
 def _name(func) -> str:
@@ -141,9 +141,10 @@ def _traced(func, args, kwargs, out: torch.Tensor) -> Unread:
     inputs = [a for a in args if isinstance(a, Unread)] or [
         t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, Unread)
     ]
+    origin = frozenset().union(*(t.origin for t in inputs))
     refused = next((t.refused for t in inputs if t.refused), None)
     if refused:
-        return Unread.make(out, refused=refused)
+        return Unread.make(out, refused=refused, origin=origin)
     first = inputs[0] if inputs else None
     if (
         name in ("__getitem__",)
@@ -157,11 +158,14 @@ def _traced(func, args, kwargs, out: torch.Tensor) -> Unread:
             "__get__",
         )
     ):
-        return Unread.make(out, first.ranges, first.experts) if first is not None else Unread.make(out, refused=name)
+        if first is None:
+            return Unread.make(out, refused=name)
+        return Unread.make(out, first.ranges, first.experts)
     if name == "to":
         if first is not None and out.dtype != first.dtype:
             return Unread.make(
                 out,
+                origin=origin,
                 refused=f"{first.names()[0]} is {first.dtype} in the checkpoint, {out.dtype} in the model: the "
                 f"cache serves the checkpoint's bytes as they are, unconverted (load with dtype={first.dtype})",
             )
@@ -176,7 +180,9 @@ def _traced(func, args, kwargs, out: torch.Tensor) -> Unread:
         if dim == 1 and len({len(t.experts) for t in tensors}) == 1:
             return Unread.make(out, experts=[sum(parts, []) for parts in zip(*(t.experts for t in tensors))])
     what = ", ".join(t.names()[0] for t in inputs[:2]) if inputs else "a tensor"
-    return Unread.make(out, refused=f"transformers' loading applies {name} to {what}: not a byte range of the file")
+    return Unread.make(
+        out, refused=f"transformers' loading applies {name} to {what}: not a byte range of the file", origin=origin
+    )
 
 
 class Lazy:
