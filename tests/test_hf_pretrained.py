@@ -108,7 +108,8 @@ def test_a_tensor_transformers_would_transpose_is_refused_with_its_name():
     t = Tensor("model.layers.0.mlp.experts.gate_up_proj", 0, 64, 4 * 8 * 6 * 4, torch.float32, (4, 8, 6))
     loaded = Lazy(t)[...].to(device="cpu").transpose(1, 2)  # as qwen3_vl_moe's conversion does
     assert loaded.refused == (
-        "transformers' loading applies transpose to model.layers.0.mlp.experts.gate_up_proj: not a byte range of the file"
+        "transformers' loading applies transpose to model.layers.0.mlp.experts.gate_up_proj: "
+        "not a byte range of the file"
     )
     assert Lazy(t)[...].to(torch.float32).ranges[0].offset == 64  # moved, not converted: still the range
 
