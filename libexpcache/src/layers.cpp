@@ -111,7 +111,7 @@ expcache_status_t parts_of(const expcache_layer_desc_t& d, Parts* out) {
 // Part p of a layer: its size, its stride or offsets, its files, and every expert's bytes inside
 // its file (file sources) or the address space.
 expcache_status_t check_part(const expcache_layer_desc_t& d, const Parts& parts, int p,
-                             const std::vector<std::unique_ptr<SourceFile>>& files_) {
+                             const std::vector<std::unique_ptr<SourceFile>>& open_files) {
     const bool from_file = d.source_kind == EXPCACHE_SOURCE_FILE;
     const std::string bytes = parts.field(p, "bytes"), stride = parts.field(p, "stride");
     const uint64_t n = parts.bytes[p];
@@ -136,16 +136,16 @@ expcache_status_t check_part(const expcache_layer_desc_t& d, const Parts& parts,
     const uint32_t first = offsets || files ? 0 : d.num_experts - 1;
     for (uint32_t e = first; e < d.num_experts; ++e) {
         const uint32_t f = files ? files[e] : d.file;
-        if (files && f >= files_.size())
+        if (files && f >= open_files.size())
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s[%u] is %u, not a file expcache_file_open gave (%zu open)",
-                        parts.field(p, "files").c_str(), e, f, files_.size());
+                        parts.field(p, "files").c_str(), e, f, open_files.size());
         const unsigned __int128 end =
             (unsigned __int128)base + (offsets ? offsets[e] : (unsigned __int128)parts.stride[p] * e) + n;
-        if (from_file && end > files_[f]->size())
+        if (from_file && end > open_files[f]->size())
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT,
                         "%s part of expert %u ends at byte %llu, past the end of %s (%llu bytes)",
-                        parts.name(p).c_str(), e, (unsigned long long)end, files_[f]->path().c_str(),
-                        (unsigned long long)files_[f]->size());
+                        parts.name(p).c_str(), e, (unsigned long long)end, open_files[f]->path().c_str(),
+                        (unsigned long long)open_files[f]->size());
         if (end > (unsigned __int128)UINTPTR_MAX)
             return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "%s part of expert %u would end past the address space",
                         parts.name(p).c_str(), e);

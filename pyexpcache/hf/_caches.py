@@ -113,11 +113,19 @@ class Caches:
                 source = ParameterSource(
                     group_layout, group, {e.layer: self.tensors[e.layer] for e in group}, self.pinned
                 )
+            group_budget = budget * share // total
+            group_reserve = reserve
+            if reserve is not None and cuda and self.served:
+                # The caches made before took their shares and what comes with them (each bank's
+                # rounding, staging rows, lookup tables): this one may take its share of what is free
+                # now, whatever the reserve measured before the first.
+                free_now = torch.cuda.mem_get_info(self.compute)[0]
+                group_reserve = max(0, min(reserve, free_now - group_budget))
             cache = ExpertCache(
                 group_layout,
                 source,
-                budget_bytes=budget * share // total,
-                reserve_bytes=reserve,
+                budget_bytes=group_budget,
+                reserve_bytes=group_reserve,
                 backend="cuda" if cuda else "host",
                 device=self.compute.index or 0,
                 device_capacity_bytes=self.capacity,

@@ -88,6 +88,9 @@ class GraphDecoder:
         parameters = inspect.signature(model.forward).parameters
         self._kv_name = "cache" if "cache" in parameters else "past_key_values"
         self._takes_cache_position = "cache_position" in parameters
+        # The prompt's forward asks for its last position's logits only, as generate() does: the
+        # whole prompt's would be [B, P, vocab] (9 GiB for 4 x 8192 tokens of a 152k vocabulary).
+        self._keeps_logits = "logits_to_keep" in parameters
         self.token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.position = torch.zeros(1, dtype=torch.long, device=self.device)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
@@ -113,7 +116,7 @@ class GraphDecoder:
     def captured(self) -> bool:
         return self.graph is not None
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask=None):
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask=None, last_only=False):
         """The model's forward at ``positions`` [L], writing the KV cache. The cache tracks its own
         length on the device (it decides where keys are written); the positions given agree with it."""
         kwargs = {self._kv_name: self.kv, "position_ids": positions.view(1, -1).expand(input_ids.shape[0], -1)}
@@ -121,6 +124,8 @@ class GraphDecoder:
             kwargs["cache_position"] = positions
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        if last_only and self._keeps_logits:
+            kwargs["logits_to_keep"] = 1
         return self.model(input_ids=input_ids, use_cache=True, **kwargs)
 
     def _step_mask(self) -> Optional[torch.Tensor]:
@@ -143,7 +148,7 @@ class GraphDecoder:
         """The prompt's forward from an empty cache; ``token`` becomes its argmax, ``position`` its length."""
         self.kv.reset()
         prompt = input_ids.shape[1]
-        logits = self._forward(input_ids, torch.arange(prompt, device=self.device)).logits[:, -1, :]
+        logits = self._forward(input_ids, torch.arange(prompt, device=self.device), last_only=True).logits[:, -1, :]
         self.token.copy_(logits.argmax(-1, keepdim=True))
         self.position.fill_(prompt)
         return logits
