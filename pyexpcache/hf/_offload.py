@@ -250,7 +250,7 @@ def offload(
             default, ``"duel"``) or a name of ``pyexpcache._lib.POLICIES``.
         progress: a bar on stderr while the experts are placed in host memory (for a real
             checkpoint, tens of GB page-locked or copied: seconds to minutes); ``None`` shows it
-            when stderr is a terminal.
+            when stderr is a terminal; or a callable ``progress(label, done, total)``.
 
     Raises:
         ValueError: no experts-interface MoE layer (naming the model's class), a budget missing,

@@ -136,7 +136,9 @@ def offload_pretrained(
     :class:`Offloaded` (the model is ``handle.model``).
 
     Everything but the experts' weights is loaded by transformers' ``from_pretrained`` as it
-    loads it (its weight conversion, dtype, tied weights, generation config), on ``device``.
+    loads it (its weight conversion, dtype, tied weights, generation config), on the host, then
+    moved to ``device`` (as :func:`offload` moves it: no device_map, whose allocator warm-up
+    would count the experts' bytes).
     The experts' tensors are handed to it as placeholders that are never read: each experts
     parameter is left on the meta device, and each expert's gate, up and down parts are located
     in the shards (their safetensors headers): a checkpoint that keeps each expert's tensors apart
@@ -153,7 +155,7 @@ def offload_pretrained(
         host_budget_bytes: the host-RAM tier between the files and the GPU; not built yet: only
             None is accepted.
         device: where the model computes (default: the CPU, expcache's host backend); the
-            non-expert weights are loaded there.
+            non-expert weights are moved there.
         dtype: ``from_pretrained``'s (default: as it decides, the config's). The experts are
             served in the checkpoint's dtype, unconverted: a dtype that would convert them is refused.
         progress: True for a bar on stderr while the non-expert weights load and the experts are
@@ -207,8 +209,6 @@ def offload_pretrained(
     )
     unread = {n for e in find_experts(shape) for t in (e.first, e.down) if isinstance(t, Unread) for n in t.names()}
     del shape
-    if device is not None and torch.device(device).type == "cuda":
-        from_pretrained["device_map"] = {"": torch.device(device)}
     model = _load(cls, config, tensors, paths, unread, bar, **from_pretrained)
     layers = find_experts(model)
     placements = {}
