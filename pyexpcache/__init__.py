@@ -33,6 +33,7 @@ from ._errors import (
 from .bank import ExpertBank
 from .batch import Batch, CompactBuffer, CompactRegion
 from .cache import ExpertCache, staging_defaults
+from .file_source import FileSource
 from .gguf import GGUFSource
 from .layer_spec import LayerSpec, PartSpec
 from .layout import ModelLayout
@@ -65,6 +66,7 @@ __all__ = [
     "ExpertBank",
     "ExpertCache",
     "ExpertView",
+    "FileSource",
     "ForkedError",
     "GGUFSource",
     "HostSource",

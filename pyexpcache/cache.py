@@ -295,12 +295,15 @@ class ExpertCache(Serving, Inspection):
                     "pinned=False"
                 )
             self._views.configure(self._is_cuda, self._device, _pin_to(weakref.ref(self)))
-            file_id = None
-            if getattr(source, "file_path", None):
+            paths = getattr(source, "file_paths", None) or (
+                (source.file_path,) if getattr(source, "file_path", None) else ()
+            )
+            file_ids = []
+            for path in paths:  # a checkpoint's shards, or the one file
                 out = ctypes.c_uint32()
-                lib.expcache_file_open(self._handle, os.fsencode(source.file_path), ctypes.byref(out))
-                file_id = out.value
-            moe, descs = layer_descs(layout, source, file_id)
+                lib.expcache_file_open(self._handle, os.fsencode(path), ctypes.byref(out))
+                file_ids.append(out.value)
+            moe, descs = layer_descs(layout, source, file_ids)
             indices = (ctypes.c_uint32 * len(moe))(*moe)
             if moe:  # every layer at once, all or nothing
                 lib.expcache_layers_register(self._handle, len(moe), indices, descs)

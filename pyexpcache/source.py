@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
@@ -65,7 +66,9 @@ class Source(Protocol):
 
     layout: ModelLayout
     pinned: bool
-    #: When not None, misses are read from this file and placements hold file offsets.
+    #: When not None, misses are read from this file and placements hold file offsets. A source
+    #: over several files has ``file_paths`` (a tuple of paths) instead, and its placements'
+    #: ``files`` tables index it (:class:`~pyexpcache.FileSource`).
     file_path: Optional[str]
 
     def placement(self, layer: int) -> Optional[LayerPlacement]: ...
@@ -191,11 +194,20 @@ class BufferSource:
 @dataclass(frozen=True)
 class LayerPlacement:
     """Where one layer's parts are: absolute addresses of expert 0's parts (or file offsets),
-    their strides and sizes (bytes), one entry per part in the layer's part order."""
+    their strides and sizes (bytes), one entry per part in the layer's part order.
+
+    ``offsets`` and ``files`` (optional, one entry per part, each None or a sequence of one
+    integer per expert): a part whose experts lie apart, as a checkpoint that keeps each expert's
+    tensor on its own, in whatever order and shard its writer chose. With ``offsets[p]``, expert
+    e's bytes of part p are at ``bases[p] + offsets[p][e]`` (``strides[p]`` must then be 0); with
+    ``files[p]`` (a file source only), in file ``files[p][e]``: an index into the source's
+    ``file_paths``. Each table is range-checked when a cache registers the layer."""
 
     bases: tuple[int, ...]
     strides: tuple[int, ...]
     sizes: tuple[int, ...]
+    offsets: Optional[tuple[Optional[Sequence[int]], ...]] = None
+    files: Optional[tuple[Optional[Sequence[int]], ...]] = None
 
 
 def plan(layout: ModelLayout, arrangement: str) -> tuple[list, int]:

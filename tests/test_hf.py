@@ -663,7 +663,7 @@ def test_offload_shows_its_progress_when_asked(capsys):
     with offload(model, budget_fraction=0.25, progress=False):
         pass
     assert capsys.readouterr().err.count("experts in host memory") == 0
-    with pytest.raises(TypeError, match="progress must be None, True or False, got str"):
+    with pytest.raises(TypeError, match="progress must be None, True, False or a callable, got str"):
         offload(model, budget_fraction=0.25, progress="yes")
 
 

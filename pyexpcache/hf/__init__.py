@@ -3,6 +3,8 @@
 - :func:`offload`: every experts-interface MoE layer of a transformers >= 5 model served from an
   expcache slot bank through a registered experts implementation (``"expcache"``); with
   ``budget="auto"`` the bank is sized from the device's free memory (:class:`AutoBudget`).
+- :func:`offload_pretrained`: a safetensors checkpoint loaded with its experts never in host
+  memory, served from the checkpoint's own files (:class:`~pyexpcache.FileSource`).
 - :class:`GraphDecoder`: greedy decoding with a static KV cache, each decode step one CUDA graph
   replay (offloaded or not).
 - :func:`record_routing`: a context manager writing the model's routing as a generic trace and
@@ -25,6 +27,7 @@ from ._auto_budget import AutoBudget
 from ._experts import ExpertsLayer, find_experts
 from ._graph import GraphDecoder
 from ._offload import Offloaded, offload
+from ._pretrained import offload_pretrained
 from ._record import RoutingRecorder, record_routing
 from ._serve import IMPLEMENTATION
 from ._source import ParameterSource
@@ -39,5 +42,6 @@ __all__ = [
     "RoutingRecorder",
     "find_experts",
     "offload",
+    "offload_pretrained",
     "record_routing",
 ]

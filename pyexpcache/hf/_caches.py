@@ -70,27 +70,30 @@ class Caches:
     each layer's :class:`LayerServer`: built at a budget (:meth:`build`), closed (:meth:`close`)
     and built again, over the experts' host tensors placed once (:meth:`place`)."""
 
-    def __init__(self, layers, layout, compute, implementations, functions, policy, capacity):
+    def __init__(self, layers, layout, compute, implementations, functions, policy, capacity, files=None):
         self.layers, self.layout, self.compute = layers, layout, compute
         self.implementations, self.functions = implementations, functions
         self.policy, self.capacity = policy, capacity
+        self.files = files  # None, or (group layout, group's layers) -> its FileSource
         self.tensors, self.pinned = {}, True
         self.served = []  # (cache, source, key) per group of layers
 
-    def place(self, registration: HostRegistration, progress: Optional[bool]) -> None:
-        """The experts' weights in host memory (:func:`_to_host`), their biases where the model computes."""
-        bar = Progress(progress)
+    def place(self, registration: HostRegistration, progress) -> None:
+        """The experts' weights in host memory (:func:`_to_host`; not for experts read from files),
+        their biases where the model computes."""
+        bar = progress_bar(progress)
         cuda = self.compute.type == "cuda"
         for i, e in enumerate(self.layers):
-            first, first_pinned = _to_host(e.first, cuda, registration)
-            down, down_pinned = _to_host(e.down, cuda, registration)
-            self.tensors[e.layer] = (first, down)
-            self.pinned = self.pinned and first_pinned and down_pinned
+            if self.files is None:
+                first, first_pinned = _to_host(e.first, cuda, registration)
+                down, down_pinned = _to_host(e.down, cuda, registration)
+                self.tensors[e.layer] = (first, down)
+                self.pinned = self.pinned and first_pinned and down_pinned
             for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):  # small: kept where the model computes
                 bias = getattr(e.module, name, None)
                 if isinstance(bias, torch.Tensor) and bias.device != self.compute:
                     bias.data = bias.data.to(self.compute)
-            bar("experts in host memory", i + 1, len(self.layers))
+            bar("experts in host memory" if self.files is None else "experts in files", i + 1, len(self.layers))
 
     def build(self, budget: int, reserve: Optional[int] = None) -> None:
         """A cache per group with its share of ``budget``, and every layer's server; each cache
@@ -104,7 +107,12 @@ class Caches:
                 name=layout.name,
             )
             share = sum(group_layout[e.layer].expert_bytes * e.num_experts for e in group)
-            source = ParameterSource(group_layout, group, {e.layer: self.tensors[e.layer] for e in group}, self.pinned)
+            if self.files is not None:
+                source = self.files(group_layout, group)
+            else:
+                source = ParameterSource(
+                    group_layout, group, {e.layer: self.tensors[e.layer] for e in group}, self.pinned
+                )
             group_budget = budget * share // total
             group_reserve = reserve
             if reserve is not None and cuda and self.served:
@@ -159,6 +167,12 @@ class Caches:
                 config._experts_implementation_internal = value
             self.close()
             gc.collect()  # the servers' bank views (a CPU server is in a cycle): the banks' memory goes now
+
+
+def progress_bar(progress):
+    """A ``progress`` argument as a function of (label, done, total): a callable as it is, else
+    a :class:`~pyexpcache.progress.Progress` bar (None: shown when stderr is a terminal)."""
+    return progress if callable(progress) else Progress(progress)
 
 
 def layout_bytes(layout: ModelLayout) -> int:

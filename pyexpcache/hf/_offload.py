@@ -125,6 +125,11 @@ class Offloaded:
         """
         if self._closed:
             raise ValueError("this handle is closed: offload the model again to serve its experts")
+        if not all(hasattr(source, "tensors") for source in self.sources):
+            raise ValueError(
+                "these experts are served from the checkpoint's files (offload_pretrained): there are no "
+                "host weights to refresh; write the edited checkpoint and load it again"
+            )
         sources = {layer: source for source in self.sources for layer in source.layout.moe_layers}
         served = []  # (module's name, module, parameter name, the tensor served)
         for e in self._experts:
@@ -245,7 +250,7 @@ def offload(
             default, ``"duel"``) or a name of ``pyexpcache._lib.POLICIES``.
         progress: a bar on stderr while the experts are placed in host memory (for a real
             checkpoint, tens of GB page-locked or copied: seconds to minutes); ``None`` shows it
-            when stderr is a terminal.
+            when stderr is a terminal; or a callable ``progress(label, done, total)``.
 
     Raises:
         ValueError: no experts-interface MoE layer (naming the model's class), a budget missing,
@@ -256,8 +261,25 @@ def offload(
             forward, experts edited since (call refresh()), or from a backward, experts that ask
             for a gradient.
     """
-    layers = find_experts(model)
-    inner = [inner_implementation(e.module) for e in layers]  # before ours is set; refuses a second offload
+    check_arguments(budget, budget_bytes, budget_fraction, max_len, batch, margin_bytes, progress)
+    return serve(
+        model,
+        find_experts(model),
+        budget=budget,
+        budget_bytes=budget_bytes,
+        budget_fraction=budget_fraction,
+        max_len=max_len,
+        batch=batch,
+        margin_bytes=margin_bytes,
+        device=device,
+        device_capacity_bytes=device_capacity_bytes,
+        policy=policy,
+        progress=progress,
+    )
+
+
+def check_arguments(budget, budget_bytes, budget_fraction, max_len, batch, margin_bytes, progress) -> None:
+    """offload's budget and progress arguments checked: ValueError or TypeError with the reason."""
     given = [
         name
         for name, value in (("budget", budget), ("budget_bytes", budget_bytes), ("budget_fraction", budget_fraction))
@@ -271,8 +293,18 @@ def offload(
         raise ValueError(f"budget must be 'auto' (or give budget_bytes or budget_fraction), got {budget!r}")
     if budget is None and (max_len is not None or batch != 1 or margin_bytes is not None):
         raise ValueError("max_len, batch and margin_bytes size budget='auto': give them with it")
-    if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be None, True or False, got {type(progress).__name__}")
+    if progress is not None and not isinstance(progress, bool) and not callable(progress):
+        raise TypeError(f"progress must be None, True, False or a callable, got {type(progress).__name__}")
+
+
+def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloaded:
+    """``model``'s ``layers`` served as :func:`offload` serves them (its arguments checked):
+    from their host tensors, or, with ``files`` (a function of a group's layout and layers
+    giving its :class:`~pyexpcache.FileSource`), from a checkpoint's files."""
+    budget, budget_bytes, budget_fraction = options["budget"], options["budget_bytes"], options["budget_fraction"]
+    max_len, batch, margin_bytes = options["max_len"], options["batch"], options["margin_bytes"]
+    device, device_capacity_bytes, progress = options["device"], options["device_capacity_bytes"], options["progress"]
+    inner = [inner_implementation(e.module) for e in layers]  # before ours is set; refuses a second offload
     compute = _compute_device(model, layers, device)
     if compute.type not in ("cpu", "cuda"):
         raise ValueError(f"the model computes on {compute}: expcache serves CUDA devices and the CPU (host backend)")
@@ -286,7 +318,9 @@ def offload(
     register()
     registration = HostRegistration()
     functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
-    caches = Caches(layers, layout, compute, [name for name, _ in inner], functions, policy, device_capacity_bytes)
+    caches = Caches(
+        layers, layout, compute, [name for name, _ in inner], functions, options["policy"], device_capacity_bytes, files
+    )
     try:
         _move_the_rest(model, layers, compute)
         caches.place(registration, progress)
