@@ -195,6 +195,14 @@ def _power_of_two_dividing(layout) -> int:
 def generated_layout(args, scale: int):
     """The --layout at ``scale``, less the layers --layers leaves out."""
     layout = model_layout(args.layout)
+    other = sorted({len(s.class_key) for s in layout.layers if s and len(s.class_key) != 3})
+    if other:
+        raise UsageError(
+            f"--layout {args.layout}: its experts have {', '.join(map(str, other))} parts (a quantized "
+            "checkpoint's weights and scales, or biases); the bench's loops serve experts of three parts "
+            "(their C loop hands out three pointers per expert), so such a layout is not benchmarked yet: "
+            "give its checkpoint's quantization as one GGUF type instead (CONFIG.json:TYPE)"
+        )
     try:
         layout = layout.scaled(scale) if scale != 1 else layout
     except ValueError as exc:

@@ -133,3 +133,18 @@ def test_the_cli_asks_for_a_top_k_that_fits(tmp_path, capsys):
 def test_top_k_without_a_synthetic_trace_is_refused(tmp_path, capsys):
     rc, err, _ = cli_report(tmp_path, capsys, "--traces", "smoke_count64", "--top-k", "4")
     assert rc == 2 and "--top-k applies to synthetic:TOKENS traces" in err, err
+
+
+def test_a_layout_of_other_than_three_parts_is_refused_naming_the_way_around(tmp_path, capsys):
+    """A quantized checkpoint's config gives its stored parts (FP8: weights and scales, four per
+    expert); the bench's loops hand out three pointers per expert, so it says so at once, and its
+    quantization as one GGUF type is benchmarked instead."""
+    path = tmp_path / "Qwen3-FP8" / "config.json"
+    path.parent.mkdir()
+    fp8 = dict(QWEN3, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    path.write_text(json.dumps(fp8))
+    rc, err, _ = cli_report(tmp_path, capsys, "--layout", str(path), "--traces", "synthetic:4")
+    assert rc == 2 and "its experts have 4 parts" in err and "CONFIG.json:TYPE" in err, err
+    rc, err, report = cli_report(tmp_path, capsys, "--layout", f"{path}:Q8_0", "--traces", "synthetic:4")
+    assert rc == 0, err
+    assert report["results"][0]["experts_checked"] == 4 * 48 * 8
