@@ -35,8 +35,7 @@ expcache_status_t Cache::measure_budget(expcache_config_t* cfg) {
     uint64_t free_bytes = 0, total = 0;
     expcache_status_t s = health_.check(backend_->mem_info(&free_bytes, &total));
     if (s != EXPCACHE_OK) return s;
-    uint64_t own = 0;  // the cache's own slots: kept or given to another class
-    for (int32_t c = 0; c < classes_.size(); ++c) own += classes_[c].in_use() ? classes_[c].mapped() : 0;
+    const uint64_t own = classes_.slots_mapped();  // the cache's own slots: kept or given to another class
     const uint64_t room = free_bytes + own;
     if (room <= cfg->reserve_bytes)
         return fail(EXPCACHE_ERR_OUT_OF_DEVICE_MEMORY,

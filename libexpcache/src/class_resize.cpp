@@ -13,9 +13,7 @@ expcache_status_t ClassTable::plan_caps(std::vector<uint64_t>* caps) const {
     expcache_status_t s = health_.check(backend_.mem_info(&free_bytes, &total));
     if (s != EXPCACHE_OK) return s;
     // The slots' own memory counts as free: a class may keep what it holds, or give it to another.
-    unsigned __int128 room = free_bytes;
-    for (const ClassState& cls : classes_)
-        if (cls.in_use_) room += cls.mapped_;
+    unsigned __int128 room = (unsigned __int128)free_bytes + slots_mapped();
     room = room > config_.reserve_bytes ? room - config_.reserve_bytes : 0;
     caps->assign(classes_.size(), 0);
     for (size_t c = 0; c < classes_.size(); ++c) {

@@ -116,7 +116,6 @@ public:
     uint64_t batch_end() const { return batch_end_; }
     // Whether a release must keep the class: batches hold its slots or stage in its batch rows.
     bool busy() const { return held_ > 0 || batch_users_ > 0; }
-    uint64_t mapped() const { return mapped_; }        // bytes mapped for the slots
     uint64_t slot_rows() const { return slot_rows_; }  // the rows reserved for slots: the most cap can grow to
     uint64_t cap() const { return cap_; }              // the runtime cap, in slots
     uint64_t resident() const { return resident_; }
@@ -188,6 +187,13 @@ public:
     // Read-only: every change goes through the verbs below.
     const ClassState& operator[](int32_t c) const { return classes_[static_cast<size_t>(c)]; }
     const SlotState& slot(int32_t c, int32_t s) const { return classes_[c].slots_[static_cast<size_t>(s)]; }
+    // Device memory mapped for the slots of every class in use: what a budget or cap change may
+    // count as free (a class keeps what it holds, or gives it to another).
+    uint64_t slots_mapped() const {
+        uint64_t n = 0;
+        for (const ClassState& cls : classes_) n += cls.in_use_ ? cls.mapped_ : 0;
+        return n;
+    }
     int32_t size() const { return static_cast<int32_t>(classes_.size()); }
     std::vector<ClassState>::const_iterator begin() const { return classes_.begin(); }
     std::vector<ClassState>::const_iterator end() const { return classes_.end(); }

@@ -11,9 +11,7 @@ namespace expcache {
 bool DeviceLookup::needs_feed(int32_t c) const {
     const ClassState& cls = classes_[c];
     for (const LayerState& l : layers_)
-        if (l.registered && (!l.source.pinned() || l.tabled) &&
-            std::equal(l.bytes, l.bytes + kMaxParts, cls.key_array()))
-            return true;
+        if (l.registered && l.fed() && std::equal(l.bytes, l.bytes + kMaxParts, cls.key_array())) return true;
     return false;
 }
 

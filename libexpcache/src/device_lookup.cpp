@@ -306,7 +306,7 @@ expcache_status_t DeviceLookup::resolve(uint32_t layer, LayerMap* m) {
         "(EXPCACHE_SOURCE_PAGEABLE; pyexpcache: HostSource(..., pinned=False)), whose misses the feed threads read";
     // Decided by the layer's declared kind, not by whether this backend could map the memory: the
     // host backend (which could read any memory) feeds what the CUDA backend would.
-    if (!l.source.pinned() || l.tabled) {  // a table of offsets or files: the kernel addresses parts by stride
+    if (l.fed()) {
         m->fed = true;
         return EXPCACHE_OK;
     }

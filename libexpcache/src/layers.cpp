@@ -189,7 +189,6 @@ void LayerTable::record(uint32_t layer, const expcache_layer_desc_t& d) {
     l.source.file = from_file ? files_[d.file].get() : nullptr;
     l.num_experts = d.num_experts;
     l.nparts = parts.n;
-    l.tabled = false;
     for (int p = 0; p < kMaxParts; ++p) {
         l.bytes[p] = parts.bytes[p];
         l.stride[p] = parts.stride[p];
@@ -199,7 +198,6 @@ void LayerTable::record(uint32_t layer, const expcache_layer_desc_t& d) {
         if (parts.offsets[p]) l.offsets[p].assign(parts.offsets[p], parts.offsets[p] + d.num_experts);
         if (parts.files[p])
             for (uint32_t e = 0; e < d.num_experts; ++e) l.files[p].push_back(files_[parts.files[p][e]].get());
-        l.tabled = l.tabled || parts.offsets[p] || parts.files[p];
     }
     if (!keeps_keys(layer, d.num_experts)) {
         l.key_base = next_key_;

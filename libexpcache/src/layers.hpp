@@ -44,9 +44,8 @@ struct LayerState {
     const unsigned char* base[kMaxParts] = {};
     std::vector<uint64_t> offsets[kMaxParts];         // per part, per expert (empty: base + stride * expert)
     std::vector<const SourceFile*> files[kMaxParts];  // per part, per expert (empty: source.file)
-    bool tabled = false;    // a part with offsets or files: the GPU cannot address it by stride (fed)
-    int32_t rank = 0;       // position among the registered layers (the policy clock's pos)
-    uint32_t key_base = 0;  // expert e's policy key is key_base + e
+    int32_t rank = 0;                                 // position among the registered layers (the policy clock's pos)
+    uint32_t key_base = 0;                            // expert e's policy key is key_base + e
     uint32_t key_span = 0;  // the keys from key_base the layer was given (kept when it is unregistered)
     int32_t cls = -1;       // bound class index, valid while the class's gen == cls_gen
     uint64_t cls_gen = 0;
@@ -59,6 +58,15 @@ struct LayerState {
         uint64_t n = 0;
         for (int p = 0; p < nparts; ++p) n += bytes[p];
         return n;
+    }
+    // Whether a device select feeds this layer's misses (kernels/feed_protocol.hpp): its source is
+    // not pinned memory the GPU maps, or a part has per-expert offsets or files, which the kernel's
+    // copy (base + stride * expert) cannot address.
+    bool fed() const {
+        if (!source.pinned()) return true;
+        for (int p = 0; p < nparts; ++p)
+            if (!offsets[p].empty() || !files[p].empty()) return true;
+        return false;
     }
     // Where part p of `expert` is (an address, or an offset into source_of(p, expert).file).
     const unsigned char* source_at(int part, uint32_t expert) const {
