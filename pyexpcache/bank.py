@@ -178,9 +178,10 @@ def slot_view(
     """``nbytes`` at ``ptr`` in each of ``cap`` slots ``slot_stride`` bytes apart, as one view
     ``[cap, *shape]`` (each slot's bytes C-contiguous)."""
     one = TensorView(ptr, nbytes, cuda=cuda, device_id=device_id, dtype=dtype, shape=shape)
-    inner = [one.dtype.itemsize]
-    for dim in reversed(one.shape[1:]):
-        inner.insert(0, inner[0] * dim)
+    inner, step = [], one.dtype.itemsize  # each dimension's stride in a slot (none for one item)
+    for dim in reversed(one.shape):
+        inner.insert(0, step)
+        step *= dim
     return TensorView(
         ptr,
         cap * nbytes,

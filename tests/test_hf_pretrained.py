@@ -59,8 +59,8 @@ def test_a_budget_below_every_expert_reads_each_miss_from_the_files_byte_for_byt
             server = e.module._expcache_server
             for x in range(8):
                 (slot,) = handle.cache.select_device(e.layer, torch.tensor([[x]]))[0].tolist()
-                assert torch.equal(server.first[slot], ref.first[x])
-                assert torch.equal(server.down[slot], ref.down[x])
+                assert torch.equal(server.weights[ref.weight_names[0]][slot], ref.first[x])
+                assert torch.equal(server.weights["down_proj"][slot], ref.down[x])
         assert handle.total_stats().evictions > 0
         tokens, logits = greedy(handle.model, prompt=[[5]])
     expected_tokens, expected_logits = greedy(reference, prompt=[[5]])

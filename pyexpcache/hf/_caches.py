@@ -70,9 +70,9 @@ class Caches:
     each layer's :class:`LayerServer`: built at a budget (:meth:`build`), closed (:meth:`close`)
     and built again, over the experts' host tensors placed once (:meth:`place`)."""
 
-    def __init__(self, layers, layout, compute, implementations, functions, policy, capacity, files=None):
+    def __init__(self, layers, layout, compute, functions, policy, capacity, files=None):
         self.layers, self.layout, self.compute = layers, layout, compute
-        self.implementations, self.functions = implementations, functions
+        self.functions = functions  # layer -> (implementation's name, function)
         self.policy, self.capacity = policy, capacity
         self.files = files  # None, or (group layout, group's layers) -> its FileSource
         self.tensors, self.pinned = {}, True
@@ -85,10 +85,9 @@ class Caches:
         cuda = self.compute.type == "cuda"
         for i, e in enumerate(self.layers):
             if self.files is None:
-                first, first_pinned = _to_host(e.first, cuda, registration)
-                down, down_pinned = _to_host(e.down, cuda, registration)
-                self.tensors[e.layer] = (first, down)
-                self.pinned = self.pinned and first_pinned and down_pinned
+                placed = [_to_host(w, cuda, registration) for w in e.weights]
+                self.tensors[e.layer] = tuple(t for t, _ in placed)
+                self.pinned = self.pinned and all(pinned for _, pinned in placed)
             for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):  # small: kept where the model computes
                 bias = getattr(e.module, name, None)
                 if isinstance(bias, torch.Tensor) and bias.device != self.compute:
@@ -101,7 +100,7 @@ class Caches:
         layout, layers = self.layout, self.layers
         total = layout_bytes(layout)
         cuda = self.compute.type == "cuda"
-        for group in _groups(layers, layout, budget, self.implementations):
+        for group in _groups(layers, layout, budget, [function for _, function in self.functions.values()]):
             group_layout = ModelLayout(
                 tuple(spec if any(e.layer == i for e in group) else None for i, spec in enumerate(layout.layers)),
                 name=layout.name,
@@ -134,14 +133,8 @@ class Caches:
             )
             self.served.append((cache, source, serve_cache(cache)))
             for e in group:
-                spec, size = layout[e.layer], e.first.element_size()
-                bank = cache.bank(
-                    e.layer,
-                    dtype=e.dtype_name,
-                    shapes=((spec.gate_bytes // size,), (spec.up_bytes // size,), tuple(e.down.shape[1:])),
-                )
                 e.module._expcache_server = LayerServer(
-                    self.served[-1][2], e.layer, bank, e.module, *self.functions[e.layer], e.name, self.compute
+                    self.served[-1][2], e, cache.bank(e.layer), *self.functions[e.layer], self.compute
                 )
 
     def close(self) -> None:
@@ -179,14 +172,16 @@ def layout_bytes(layout: ModelLayout) -> int:
     return sum(s.expert_bytes * s.num_experts for s in layout.layers if s is not None)
 
 
-def _groups(layers: list[ExpertsLayer], layout: ModelLayout, budget: int, implementations: list[str]):
+def _groups(layers: list[ExpertsLayer], layout: ModelLayout, budget: int, functions: list):
     """The layers split into groups of consecutive layers, one cache each. One group, unless
     transformers' grouped_mm computes the experts and the bank would hold more slots than one
     grouped product takes (``GROUPED_MM_GROUPS``): then groups whose banks hold fewer, each
     with its layers' share of the budget (a layer alone over the limit is served over windows)."""
+    from transformers.integrations import moe
+
     fraction = budget / layout_bytes(layout)
     if (
-        any(name != "grouped_mm" for name in implementations)
+        any(function is not moe.grouped_mm_experts_forward for function in functions)
         or fraction * sum(e.num_experts for e in layers) <= _serve.GROUPED_MM_GROUPS * 0.9
     ):
         return [layers]

@@ -11,6 +11,11 @@ An expert's first weight (gate_up or up) is one slab; the cache's slot holds it 
 (for the common concatenated layout, exactly the gate and the up matrices) rounded down to the
 slot alignment (256 B), so that up starts where gate ends and the slot's first two parts are the
 slab itself (``ExpertBank.gate_up``): the bank is then ``gate_up_proj`` indexed by slot.
+
+A quantized experts module (transformers' ``FP8Experts``: FP8 or FP4 weights with their inverse
+scales ``*_scale_inv`` and, for static activations, ``*_activation_scale``) has more per-expert
+tensors: each is a part of its own, named after its parameter, in the dtype and shape it has
+(:attr:`ExpertsLayer.weight_names`). The module's own implementation reads them by slot.
 """
 
 from __future__ import annotations
@@ -20,13 +25,31 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layer_spec import LayerSpec
+from ..layer_spec import LayerSpec, PartSpec
 from ..layout import ModelLayout
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 #: torch dtypes the bank views can take, by the name ExpertCache.bank's ``dtype`` takes.
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: The stored dtypes of quantized experts' tensors (weights, scales), by the names parts take.
+_QUANTIZED_DTYPES = {
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    **({torch.float8_e8m0fnu: "float8_e8m0fnu"} if hasattr(torch, "float8_e8m0fnu") else {}),
+    **_DTYPES,
+}
 _ALIGN = 256  # where each part of a slot starts (the library's slot alignment)
+#: Quantized experts modules of transformers that cannot be served, by class name: why, and the way out.
+_UNSERVED = {
+    "Mxfp4GptOssExperts": (
+        "keeps its experts in triton_kernels' swizzled tensors (not per-expert parameters) and is "
+        "computed by matmul_ogs outside transformers' experts interface, so no bank can stand in for "
+        "them; load the checkpoint with transformers.Mxfp4Config(dequantize=True) (bfloat16 experts, "
+        "served as they are)"
+    ),
+}
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -65,12 +88,55 @@ class ExpertsLayer:
     def dtype_name(self) -> str:
         return _DTYPES[self.first.dtype]
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the module keeps its experts quantized: weights of a dtype other than
+        float32/float16/bfloat16, or per-expert tensors beside the weights (scales)."""
+        return self.first.dtype not in _DTYPES or len(self.weight_names) > 2
+
+    @property
+    def weight_names(self) -> tuple[str, ...]:
+        """The module's parameters the bank serves, in slot order: the first weight and
+        ``down_proj``; for a quantized module every per-expert parameter ([E, ...]) but the biases
+        (its weights, their scales, static activation scales), in the module's order."""
+        first = "gate_up_proj" if self.module.has_gate else "up_proj"
+        experts = self.first.shape[0]
+        names = tuple(
+            name
+            for name, p in self.module.named_parameters(recurse=False)
+            if p.dim() >= 1 and p.shape[0] == experts and not name.endswith("_bias")
+        )
+        if self.first.dtype in _DTYPES and not set(names) - {first, "down_proj"}:
+            return (first, "down_proj")
+        return names
+
+    @property
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self.module, name) for name in self.weight_names)
+
     def spec(self) -> LayerSpec:
-        """Its layer in the layout: the first slab split into gate and up (:func:`split`), down the second's."""
+        """Its layer in the layout: the first slab split into gate and up (:func:`split`), down the
+        second's; for a quantized module each weight a part of its name, dtype and shape."""
+        if self.quantized:
+            return LayerSpec.of_parts(
+                self.num_experts,
+                [
+                    PartSpec(name, t[0].numel() * t.element_size(), _QUANTIZED_DTYPES[t.dtype], tuple(t.shape[1:]))
+                    for name, t in zip(self.weight_names, self.weights)
+                ],
+            )
         first = self.first[0].numel() * self.first.element_size()
         down = self.down[0].numel() * self.down.element_size()
         gate = split(first)
         return LayerSpec(self.num_experts, gate, first - gate, down)
+
+    def part_rows(self, weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, int]]:
+        """Where each part of :meth:`spec` is in ``weights`` (tensors of :attr:`weights`' shapes,
+        in their order): (the tensor holding it, the part's byte offset in an expert's row)."""
+        if self.quantized:
+            return [(t, 0) for t in weights]
+        first, down = weights
+        return [(first, 0), (first, self.spec().gate_bytes), (down, 0)]
 
 
 def split(first_bytes: int) -> int:
@@ -93,8 +159,11 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
 
     Raises:
         ValueError: no such module, naming the model's class; or weights this package cannot
-            serve (another dtype than float32, float16, bfloat16; expert parallelism), naming them.
+            serve (a dtype it does not know, expert parallelism), naming them.
     """
+    for name, m in model.named_modules():
+        if type(m).__name__ in _UNSERVED:
+            raise ValueError(f"{name}: {type(m).__name__} {_UNSERVED[type(m).__name__]}")
     found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
     if not found:
         raise ValueError(
@@ -110,13 +179,14 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
         numbers = list(range(len(found)))
     layers = [ExpertsLayer(n, name, m) for n, (name, m) in zip(numbers, found)]
     for e in layers:
-        for what, t in (("the first weight", e.first), ("down_proj", e.down)):
-            if t.dtype not in _DTYPES:
+        for name, t in zip(e.weight_names, e.weights):
+            if t.dtype not in _QUANTIZED_DTYPES:
                 raise ValueError(
-                    f"{e.name}: {what} is {t.dtype}; pyexpcache.hf serves float32, float16 and bfloat16 "
-                    "experts (load a quantized checkpoint dequantized, e.g. dtype=torch.bfloat16)"
+                    f"{e.name}.{name} is {t.dtype}; pyexpcache.hf serves experts in "
+                    f"{', '.join(sorted(_QUANTIZED_DTYPES.values()))} (load the checkpoint dequantized, "
+                    "e.g. dtype=torch.bfloat16, to serve it)"
                 )
-        if e.first.dtype != e.down.dtype:
+        if not e.quantized and e.first.dtype != e.down.dtype:
             raise ValueError(f"{e.name}: gate_up and down weights differ in dtype ({e.first.dtype}, {e.down.dtype})")
         if getattr(e.module, "_is_expert_parallel", False):
             raise ValueError(f"{e.name}: expert-parallel experts (each rank holding some) are not supported")

@@ -14,7 +14,7 @@ from ..stats import PathStats
 from ._auto_budget import AutoBudget, size_budget
 from ._caches import Caches, HostRegistration, set_implementation
 from ._experts import ExpertsLayer, find_experts, layout_of
-from ._serve import forget_cache, inner_implementation, register
+from ._serve import experts_interface, forget_cache, inner_implementation, register
 
 
 def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) -> torch.device:
@@ -27,12 +27,17 @@ def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) 
     return torch.device("cpu")
 
 
+def served_ids(layers: list[ExpertsLayer]) -> set[int]:
+    """The ids of the experts' weights the caches serve (every other parameter is the model's own)."""
+    return {id(w) for e in layers for w in e.weights}
+
+
 def _move_the_rest(model: torch.nn.Module, layers: list[ExpertsLayer], compute: torch.device) -> None:
     """Every parameter and buffer in host memory but the experts' weights moved to ``compute``: a
     model loaded on the host runs on the GPU, its experts served by the cache."""
     if compute.type == "cpu":
         return
-    experts = {id(e.first) for e in layers} | {id(e.down) for e in layers}
+    experts = served_ids(layers)
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if id(p) not in experts and p.device.type == "cpu":
@@ -133,8 +138,7 @@ class Offloaded:
         sources = {layer: source for source in self.sources for layer in source.layout.moe_layers}
         served = []  # (module's name, module, parameter name, the tensor served)
         for e in self._experts:
-            names = ("gate_up_proj" if e.module.has_gate else "up_proj", "down_proj")
-            served += [(e.name, e.module, n, t) for n, t in zip(names, sources[e.layer].tensors(e.layer))]
+            served += [(e.name, e.module, n, t) for n, t in zip(e.weight_names, sources[e.layer].tensors(e.layer))]
             served += [(e.name, e.module, n, t) for n, t in e.module._expcache_server.bias_tensors.items()]
         for where, module, name, kept in served:
             p = getattr(module, name)
@@ -315,12 +319,10 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
         )
     layout = layout_of(model, layers)
     fixed = None if budget == "auto" else resolve_budget(layout, budget_bytes, budget_fraction)
-    register()
+    register([e.module for e in layers])
     registration = HostRegistration()
     functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
-    caches = Caches(
-        layers, layout, compute, [name for name, _ in inner], functions, options["policy"], device_capacity_bytes, files
-    )
+    caches = Caches(layers, layout, compute, functions, options["policy"], device_capacity_bytes, files)
     try:
         _move_the_rest(model, layers, compute)
         caches.place(registration, progress)
@@ -330,7 +332,7 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
                 model,
                 layout,
                 compute,
-                {id(e.first) for e in layers} | {id(e.down) for e in layers},
+                served_ids(layers),
                 lambda size, reserve: caches.serving(model, size, reserve),
                 max_len=max_len,
                 batch=batch,
@@ -356,14 +358,14 @@ def _decode_like_transformers(model, layers: list[ExpertsLayer], compute: torch.
     servers = [e.module._expcache_server for e in layers]
     if original is None or compute.type == "cpu" or not any(s.inner_name == "grouped_mm" for s in servers):
         return
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    interfaces = [experts_interface(e.module) for e in layers]
 
     @contextlib.contextmanager
     def optimize_model_for_decode():
         with original():
-            for server in servers:
+            for server, interface in zip(servers, interfaces):
                 if server.inner_name == "grouped_mm":
-                    server.decode_inner = ALL_EXPERTS_FUNCTIONS["batched_mm"]
+                    server.decode_inner = interface["batched_mm"]
             try:
                 yield
             finally:

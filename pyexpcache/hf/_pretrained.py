@@ -63,21 +63,20 @@ def _cut(ranges: list[Range], start: int, nbytes: int, what: str) -> tuple[int, 
 
 
 def _placement(e: ExpertsLayer, spec) -> LayerPlacement:
-    """Where ``e``'s gate, up and down parts are in the checkpoint, expert by expert."""
+    """Where each part of ``e`` (gate, up and down; or each quantized tensor) is in the
+    checkpoint, expert by expert."""
     n = e.num_experts
-    first = _expert_ranges(e.first, f"{e.name}.{'gate_up_proj' if e.module.has_gate else 'up_proj'}", n)
-    down = _expert_ranges(e.down, f"{e.name}.down_proj", n)
-    cuts = (
-        (first, 0, spec.gate_bytes, "gate"),
-        (first, spec.gate_bytes, spec.up_bytes, "up"),
-        (down, 0, spec.down_bytes, "down"),
-    )
+    ranges = {id(t): _expert_ranges(t, f"{e.name}.{name}", n) for name, t in zip(e.weight_names, e.weights)}
+    cuts = [
+        (ranges[id(t)], start, part.nbytes, part.name) for (t, start), part in zip(e.part_rows(e.weights), spec.parts)
+    ]
     offsets, files = [], []
-    for ranges, start, nbytes, part in cuts:
-        where = [_cut(ranges[x], start, nbytes, f"{e.name}: expert {x}'s {part} part") for x in range(n)]
+    for held, start, nbytes, part in cuts:
+        where = [_cut(held[x], start, nbytes, f"{e.name}: expert {x}'s {part} part") for x in range(n)]
         files.append([f for f, _ in where])
         offsets.append([o for _, o in where])
-    return LayerPlacement((0, 0, 0), (0, 0, 0), spec.class_key, tuple(offsets), tuple(files))
+    zeros = (0,) * len(cuts)
+    return LayerPlacement(zeros, zeros, spec.class_key, tuple(offsets), tuple(files))
 
 
 def _load(cls, config, tensors: dict[str, Tensor], paths: list[str], unread: set, bar, **kwargs):
@@ -207,18 +206,18 @@ def offload_pretrained(
     shape = _load(
         cls, config, tensors, paths, set(tensors), lambda *a: None, **{**from_pretrained, "use_kernels": False}
     )
-    unread = {n for e in find_experts(shape) for t in (e.first, e.down) if isinstance(t, Unread) for n in t.names()}
+    unread = {n for e in find_experts(shape) for t in e.weights if isinstance(t, Unread) for n in t.names()}
     del shape
     model = _load(cls, config, tensors, paths, unread, bar, **from_pretrained)
     layers = find_experts(model)
     placements = {}
     for e in layers:
-        for name, t in (("the first weight", e.first), ("down_proj", e.down)):
+        for name, t in zip(e.weight_names, e.weights):
             if not isinstance(t, Unread):
                 raise ValueError(f"{e.name}: {name} is not in the checkpoint (transformers initialized it)")
         spec = e.spec()
         placements[e.layer] = _placement(e, spec)
-        for name in ("gate_up_proj" if e.module.has_gate else "up_proj", "down_proj"):
+        for name in e.weight_names:
             p = getattr(e.module, name)  # on meta, as a plain parameter: no placeholder left in the model
             setattr(e.module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), False))
 

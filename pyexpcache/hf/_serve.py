@@ -14,6 +14,7 @@ is called with the expert ids, its grouped products taking each expert from its 
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import types
 from typing import Callable
@@ -104,18 +105,29 @@ def by_expert_id(inner: Callable, server: LayerServer) -> Callable | None:
     )
 
 
+def experts_interface(module: torch.nn.Module):
+    """The experts interface ``module``'s forward dispatches through: the one
+    ``use_experts_implementation`` wrapped its class with (``FP8Experts``: transformers' FP8
+    interface), else transformers' ``ALL_EXPERTS_FUNCTIONS``."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    forward = type(module).forward
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ()))
+    interface = cells["experts_interface"].cell_contents if "experts_interface" in cells else None
+    return interface if interface is not None else ALL_EXPERTS_FUNCTIONS
+
+
 def inner_implementation(module: torch.nn.Module) -> tuple[str, Callable]:
     """The implementation ``module`` runs now (by its config), as (name, function of (module,
     hidden_states, top_k_index, top_k_weights)): a registered one, or the module's own forward
-    for ``"eager"``."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
+    for ``"eager"`` (unwrapped: transformers wraps a quantized class's forward once per layer it
+    builds)."""
     name = module.config._experts_implementation
     if name == IMPLEMENTATION:
         raise ValueError(f"{type(module).__name__} is already served by expcache: close its handle first")
     if name in (None, "eager"):
-        return "eager", type(module).forward.__wrapped__  # the forward use_experts_implementation wrapped
-    return name, ALL_EXPERTS_FUNCTIONS[name]
+        return "eager", inspect.unwrap(type(module).forward)  # the forward use_experts_implementation wrapped
+    return name, experts_interface(module)[name]
 
 
 #: The caches the select op serves, by the key it is given (its arguments are tensors and ints).
@@ -161,29 +173,45 @@ class SlotIndexed:
 
 class BankExperts:
     """An experts module as an experts implementation sees it, served from a bank: every attribute
-    is the module's, except ``gate_up_proj`` (or ``up_proj``) and ``down_proj``, the bank's
-    ``[cap, ...]`` views with the parameters' shapes, ``num_experts`` (``cap``: ids are slots)
-    and the biases, indexed by slot."""
+    is the module's, except its served weights (``gate_up_proj`` or ``up_proj`` and ``down_proj``;
+    a quantized module's every per-expert tensor), the bank's ``[cap, ...]`` views with the
+    parameters' shapes, ``num_experts`` (``cap``: ids are slots) and the biases, indexed by slot."""
 
     def __init__(
         self,
         module: torch.nn.Module,
-        first: torch.Tensor,
-        down: torch.Tensor,
+        weights: dict[str, torch.Tensor],
         cap: int,
         slot_expert: torch.Tensor | None,
     ):
         self._module = module
-        first_name = "gate_up_proj" if module.has_gate else "up_proj"
-        setattr(self, first_name, first)
-        self.down_proj = down
+        for name, view in weights.items():
+            setattr(self, name, view)
         self.num_experts = cap
         if slot_expert is not None:
+            first_name = "gate_up_proj" if module.has_gate else "up_proj"
             setattr(self, first_name + "_bias", SlotIndexed(module, first_name + "_bias", slot_expert))
             self.down_proj_bias = SlotIndexed(module, "down_proj_bias", slot_expert)
 
     def __getattr__(self, name):  # everything not replaced is the module's
         return getattr(self._module, name)
+
+
+def bank_weights(e, bank) -> dict[str, torch.Tensor]:
+    """The bank's views of ``e``'s served weights, by parameter name: each ``[rows, ...]`` in the
+    parameter's dtype and per-expert shape (the first weight the slot's gate and up parts as one).
+    A part is taken as bytes and viewed as its dtype in torch, whatever dtypes DLPack carries."""
+    if not e.quantized:
+        first_name = "gate_up_proj" if e.module.has_gate else "up_proj"
+        return {
+            first_name: torch.from_dlpack(bank.gate_up(shape=tuple(e.first.shape[1:]), dtype=e.dtype_name)),
+            "down_proj": torch.from_dlpack(bank.part("down", dtype=e.dtype_name, shape=tuple(e.down.shape[1:]))),
+        }
+    views = {}
+    for name, t in zip(e.weight_names, e.weights):
+        raw = torch.from_dlpack(bank.part(name, dtype="uint8")).view(t.dtype)
+        views[name] = raw.unflatten(1, tuple(t.shape[1:])) if t.dim() > 1 else raw[:, 0]
+    return views
 
 
 class InferenceOnly(torch.autograd.Function):
@@ -207,11 +235,10 @@ class InferenceOnly(torch.autograd.Function):
         )
 
 
-def weights_state(module: torch.nn.Module) -> tuple:
-    """What shows an edit of an experts module's weights: each weight's tensor and its version
-    (an in-place operation on the parameter counts one; one on its ``.data`` does not)."""
-    first = module.gate_up_proj if module.has_gate else module.up_proj
-    return tuple((t.data_ptr(), t.device, t._version) for t in (first, module.down_proj))
+def weights_state(module: torch.nn.Module, names: tuple[str, ...]) -> tuple:
+    """What shows an edit of an experts module's served weights ``names``: each one's tensor and
+    its version (an in-place operation on the parameter counts one; one on its ``.data`` does not)."""
+    return tuple((t.data_ptr(), t.device, t._version) for t in (getattr(module, n) for n in names))
 
 
 class LayerServer:
@@ -221,37 +248,27 @@ class LayerServer:
     show (:func:`weights_state`) raises until the handle's ``refresh()`` (which calls
     :meth:`remember_weights`)."""
 
-    def __init__(
-        self,
-        cache_key: int,
-        layer: int,
-        bank,
-        module: torch.nn.Module,
-        inner_name: str,
-        inner: Callable,
-        name: str,
-        device,
-    ):
-        self.cache_key, self.layer, self.name, self.inner_name = cache_key, layer, name, inner_name
+    def __init__(self, cache_key: int, e, bank, inner_name: str, inner: Callable, device):
+        module = e.module
+        self.cache_key, self.layer, self.name, self.inner_name = cache_key, e.layer, e.name, inner_name
+        self.weight_names = e.weight_names
         self.cap = bank.cap
         self.inner = over_windows(inner, self.cap)
         self.decode_inner = None  # while generate() decodes: what transformers switches grouped_mm to
-        first = module.gate_up_proj if module.has_gate else module.up_proj
         # The bank's slots (a device select gives slot ids below cap; the staging rows past them
         # are a host select's).
-        self.first = torch.from_dlpack(bank.gate_up(shape=tuple(first.shape[1:])))[: self.cap]
-        self.down = torch.from_dlpack(bank.down)[: self.cap]
-        for t in (self.first, self.down):  # torch.compile: fixed addresses, never copied into a graph's inputs
+        self.weights = {name: view[: self.cap] for name, view in bank_weights(e, bank).items()}
+        for t in self.weights.values():  # torch.compile: fixed addresses, never copied into a graph's inputs
             torch._dynamo.mark_static_address(t)
         # Biases are small and stay on the compute device: each select records which expert each
         # slot was given, and the biases are read by that.
         slot_expert = torch.zeros(self.cap, dtype=torch.long, device=device) if module.has_bias else None
         self.slot_expert = slot_expert
-        self.experts = BankExperts(module, self.first, self.down, self.cap, slot_expert)
+        self.experts = BankExperts(module, self.weights, self.cap, slot_expert)
         # On the CPU, grouped_mm by expert id (by_expert_id): the module seen with its own expert
         # count and biases, the bank for its weights; expert_slots is set by each select.
         self.by_expert = by_expert_id(inner, self) if torch.device(device).type == "cpu" else None
-        self.experts_by_id = BankExperts(module, self.first, self.down, int(first.shape[0]), None)
+        self.experts_by_id = BankExperts(module, self.weights, e.num_experts, None)
         self.expert_slots: list[int] = []
         # The biases' tensors where the model computes: a graph captured with them reads these.
         self.bias_tensors = {
@@ -263,10 +280,10 @@ class LayerServer:
 
     def remember_weights(self, module: torch.nn.Module) -> None:
         """The module's weights as they are now are the ones served (see :func:`weights_state`)."""
-        self.weights_state = weights_state(module)
+        self.weights_state = weights_state(module, self.weight_names)
 
     def __call__(self, module, hidden_states, top_k_index, top_k_weights):
-        if not torch.compiler.is_compiling() and weights_state(module) != self.weights_state:
+        if not torch.compiler.is_compiling() and weights_state(module, self.weight_names) != self.weights_state:
             raise RuntimeError(
                 f"{self.name}: the experts' weights changed since offload (or the last refresh): the "
                 "experts resident in the cache still hold the old bytes and the others would be read "
@@ -288,11 +305,7 @@ class LayerServer:
                 ]
             )
         if torch.is_grad_enabled():
-            asking = [
-                w
-                for w in (module.gate_up_proj if module.has_gate else module.up_proj, module.down_proj)
-                if w.requires_grad
-            ]
+            asking = [w for w in (getattr(module, n) for n in self.weight_names) if w.requires_grad]
             if asking:
                 out = InferenceOnly.apply(out, self.name, *asking)
         return out
@@ -326,8 +339,11 @@ def experts_forward(module, hidden_states, top_k_index, top_k_weights):
     return server(module, hidden_states, top_k_index, top_k_weights)
 
 
-def register() -> None:
-    """Register :func:`experts_forward` with transformers (idempotent)."""
+def register(modules=()) -> None:
+    """Register :func:`experts_forward` with transformers' experts interface and with the one
+    each of ``modules`` dispatches through (idempotent)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    for module in modules:
+        type(experts_interface(module)).register(IMPLEMENTATION, experts_forward)
