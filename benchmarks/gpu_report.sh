@@ -14,6 +14,7 @@
 #   traces from pinned and from pageable memory and from a file read with O_DIRECT and mapped, the
 #   torch step of a Qwen3-30B-A3B-like model at two budgets)
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
+#   hf_quant hf_decode_fp8 hf_pretrained (FP8 experts: tests and benchmark; checkpoints read from files)
 #   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
 #   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
 #   verification step against a fixed slot map); select_floor (the all-hit select per policy beside
@@ -81,6 +82,17 @@ run_step() {
     # layer geometry, offloaded at two budgets beside the unmodified model, eager and captured.
     hf) step hf 420 python3 -m pytest -q -rs tests/test_hf.py -k "cuda or not cpu" ;;
     hf_decode) step hf_decode 420 python3 benchmarks/hf_decode.py --device cuda --json "$DIR/hf_decode.json" ;;
+    # FP8 experts (transformers' FP8Experts), computed by transformers' Triton kernel from the hub's
+    # kernels-community/finegrained-fp8, whose torch-ext package travels in the git-ignored
+    # .whl/kernels/ (the device has no hub): the tests on CUDA, then the same model's bf16 and FP8
+    # experts side by side.
+    hf_quant) step hf_quant 300 env EXPCACHE_FP8_KERNEL_DIR="$PWD/.whl/kernels" python3 -m pytest -q -rs \
+        tests/test_hf_quantized.py -k "cuda or not cpu" ;;
+    hf_decode_fp8) step hf_decode_fp8 540 python3 benchmarks/hf_decode.py --device cuda --quant bf16,fp8 --rounds 3 \
+        --fp8-kernel "$PWD/.whl/kernels" --json "$DIR/hf_decode_fp8.json" ;;
+    # Checkpoints read from their files (offload_pretrained): its tests on CUDA.
+    hf_pretrained) step hf_pretrained 240 python3 -m pytest -q -rs tests/test_hf_pretrained.py \
+        tests/test_file_source_parts.py -k "cuda or not cpu" ;;
     # The flashlib wheel (pip download --no-deps flashlib==0.4.0) travels in the git-ignored .whl/.
     flashlib) step flashlib 300 bash -c 'w=.whl/flashlib-0.4.0-py3-none-any.whl
         [ -f "$w" ] && pip install -q --no-deps --upgrade --target /tmp/site "$w"

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,9 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transformers
 from tabulate import tabulate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _fp8_experts import install_kernel, quantize_experts
+
 from expcache_bench.link import measure
 from pyexpcache import HostSource, LayerSpec, ModelLayout
 from pyexpcache.hf import GraphDecoder, find_experts, offload
+
+#: The experts' formats --quant takes.
+QUANTS = ("bf16", "fp8")
 
 
 def parse_args(argv=None):
@@ -74,11 +82,26 @@ def parse_args(argv=None):
         "a layer uses a fifth of its experts)",
     )
     p.add_argument("--budgets", default="1.0,0.25", help="fractions of the experts the cache holds")
+    p.add_argument(
+        "--quant",
+        default="bf16",
+        help="the experts' formats, run in turn, comma-separated: bf16 (the model's float dtype) and "
+        "fp8 (transformers' FP8Experts, blocks of 128, quantized from the same weights)",
+    )
+    p.add_argument(
+        "--fp8-kernel",
+        default=os.environ.get("EXPCACHE_FP8_KERNEL_DIR"),
+        help="a directory holding transformers' FP8 kernel package (finegrained_fp8), for a machine "
+        "without the Hugging Face hub (default: $EXPCACHE_FP8_KERNEL_DIR)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="timed runs of each copy per mode and budget, in alternation")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    a.quant = a.quant.split(",")
+    if any(q not in QUANTS for q in a.quant):
+        p.error(f"--quant: comma-separated of {', '.join(QUANTS)}, got {','.join(a.quant)}")
     return a
 
 
@@ -204,29 +227,25 @@ def link_rate(device) -> float:
         return measure(pinned, 64 << 20, cuda=True, device=device.index or 0).bytes_per_s
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device for torch: run with --device cpu", file=sys.stderr)
-        return 2
+def run_format(a, quant: str, device, rate: float, rows: list, results: list) -> int:
+    """Every budget and mode of the model with its experts in ``quant``: a row and a result each
+    (appended); returns the runs whose tokens differ from the unmodified model's."""
     budgets = [float(f) for f in a.budgets.split(",")]
     model = build_model(a, device)
+    if quant == "fp8":
+        quantize_experts(model, block=(128, 128))
     layers = find_experts(model)
-    expert_bytes = sum(
-        e.first[0].numel() * e.first.element_size() + e.down[0].numel() * e.down.element_size() for e in layers
-    ) / len(layers)
+    expert_bytes = sum(w[0].numel() * w.element_size() for e in layers for w in e.weights) / len(layers)
     prompt = torch.randint(0, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1)).to(device)
     print(
         f"{type(model).__name__}: {a.layers} layers x {a.experts} experts, top-{a.top_k}, hidden {a.hidden}, "
-        f"expert FFN {a.ffn}, {next(model.parameters()).dtype}, {expert_bytes / 2**20:.2f} MiB per expert, "
+        f"expert FFN {a.ffn}, experts in {quant}, {expert_bytes / 2**20:.2f} MiB per expert, "
         f"{len(layers) * a.experts * expert_bytes / 2**30:.2f} GiB of experts; prompt {a.prompt}, "
         f"{a.tokens} new tokens; {device}"
     )
     served = copy.deepcopy(model)  # the same weights, offloaded at each budget in turn
     unmodified = runs(model, prompt, device)
-    rate = link_rate(device)
-    rows, results, bad = [], [], 0
+    bad = 0
     for fraction in budgets:
         with offload(served, budget_fraction=fraction) as handle:
             sync(device)
@@ -244,6 +263,7 @@ def main(argv=None) -> int:
             bound = 1 / (step_s + miss_bytes / rate) if rate else float("nan")
             rows.append(
                 [
+                    quant,
                     f"{fraction:g}",
                     mode,
                     f"{p.unmodified_tok_s:.2f}",
@@ -256,6 +276,8 @@ def main(argv=None) -> int:
             )
             results.append(
                 {
+                    "quant": quant,
+                    "expert_bytes": expert_bytes,
                     "budget": fraction,
                     "mode": mode,
                     "rounds": p.runs,
@@ -272,11 +294,39 @@ def main(argv=None) -> int:
                 }
             )
             if not p.tokens_equal:
-                print(f"offload {fraction:g} {mode}: tokens differ from the unmodified model's", file=sys.stderr)
+                print(
+                    f"{quant} offload {fraction:g} {mode}: tokens differ from the unmodified model's", file=sys.stderr
+                )
+    return bad
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device for torch: run with --device cpu", file=sys.stderr)
+        return 2
+    if "fp8" in a.quant:
+        if device.type != "cuda" or not a.fp8_kernel:
+            print(
+                "--quant fp8 runs transformers' FP8 Triton kernel: on a CUDA device, with --fp8-kernel DIR "
+                "(or $EXPCACHE_FP8_KERNEL_DIR) naming a directory that holds its finegrained_fp8 package",
+                file=sys.stderr,
+            )
+            return 2
+        install_kernel(a.fp8_kernel)
+    rate = link_rate(device)
+    rows, results, bad = [], [], 0
+    for quant in a.quant:
+        bad += run_format(a, quant, device, rate, rows, results)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(
         tabulate(
             rows,
             headers=[
+                "experts",
                 "budget",
                 "mode",
                 "unmodified tok/s",
@@ -292,6 +342,10 @@ def main(argv=None) -> int:
     print(f"medians of {a.rounds} rounds; each round times the unmodified copy, then the offloaded one")
     if device.type == "cuda":
         print(f"link: {rate / 1e9:.1f} GB/s (cudaMemcpyAsync from pinned memory, 64 MiB)")
+    graph = {(r["quant"], r["budget"]): r["tok_s"] for r in results if r["mode"] == "graph"}
+    for fraction in sorted({b for q, b in graph if q == "fp8" and ("bf16", b) in graph}, reverse=True):
+        ratio = graph["fp8", fraction] / graph["bf16", fraction]
+        print(f"budget {fraction:g}, graph: fp8 experts {ratio:.2f}x bf16's tok/s in the same run")
     print("tokens equal to the unmodified model's in every run" if not bad else f"{bad} runs' tokens differ")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="pyexpcache.hf needs torch (pip install expcache[hf])")
 transformers = pytest.importorskip("transformers", minversion="5", reason="pyexpcache.hf needs transformers >= 5")
 
-from test_hf import greedy, tiny_model  # noqa: E402
+from test_hf import CUDA_OK, CUDA_REASON, greedy, tiny_model  # noqa: E402
 
 from pyexpcache import FileSource  # noqa: E402
 from pyexpcache.hf import find_experts, offload_pretrained  # noqa: E402
@@ -44,6 +44,24 @@ def test_the_checkpoints_tokens_and_logits_served_from_its_files(tmp_path, famil
         assert handle.total_stats().misses > 0 and handle.total_stats().evictions > 0
         with pytest.raises(ValueError, match="served from the checkpoint's files"):
             handle.refresh()
+    assert torch.equal(served_tokens, tokens)
+    assert torch.equal(served_logits, logits)
+
+
+@pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_cuda_the_checkpoint_served_from_its_files_on_the_gpu(tmp_path, family):
+    """On a GPU: the bf16 checkpoint loaded whole on the device against the same checkpoint served
+    from its files (misses read by the feed threads, the device select in the step)."""
+    tiny_model(family, **CHECKPOINTS[family]).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda")
+    tokens, logits = greedy(reference, prompt=[[5]])
+    del reference
+    with offload_pretrained(tmp_path, budget_fraction=0.25, device="cuda", dtype=torch.bfloat16) as handle:
+        assert handle.caches[0].backend == "cuda"
+        served_tokens, served_logits = greedy(handle.model, prompt=[[5]])
+        stats = handle.total_stats()
+    assert stats.misses > 0 and stats.evictions > 0
     assert torch.equal(served_tokens, tokens)
     assert torch.equal(served_logits, logits)
 

@@ -13,9 +13,9 @@ real kernel runs where its source is on ``EXPCACHE_FP8_KERNEL_DIR`` (a directory
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +24,9 @@ transformers = pytest.importorskip("transformers")
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
 from test_hf import CUDA_OK, CUDA_REASON, greedy, tiny_model  # noqa: E402
-from transformers.integrations.moe import use_experts_implementation  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _fp8_experts import install_kernel, quantize_experts, restore_kernel  # noqa: E402
 
 from pyexpcache import ModelLayout  # noqa: E402
 from pyexpcache.hf import find_experts, offload  # noqa: E402
@@ -74,31 +76,21 @@ class ReferenceFP8:
         return torch.cat([out, a.new_zeros(a.shape[0] - len(group), weight.shape[1], dtype=out.dtype)])
 
 
-def _real_kernel():
-    """The finegrained-fp8 package from ``EXPCACHE_FP8_KERNEL_DIR``, or None."""
-    where = os.environ.get("EXPCACHE_FP8_KERNEL_DIR")
-    if not where:
-        return None
-    sys.path.insert(0, where)
-    try:
-        return importlib.import_module("finegrained_fp8")
-    finally:
-        sys.path.remove(where)
-
-
 @pytest.fixture
 def kernel(request, monkeypatch):
     """transformers' FP8 kernel slot filled: the stand-in on the CPU, the real kernel on CUDA."""
     callspec = getattr(request.node, "callspec", None)
     if (callspec.params.get("device", "cpu") if callspec else "cpu") == "cpu":
         bundle = fp8.FineGrainedFP8(ReferenceFP8.matmul, ReferenceFP8.batched_matmul, ReferenceFP8.grouped_matmul)
-    else:
-        real = _real_kernel()
-        if real is None:
-            pytest.skip("the finegrained-fp8 Triton kernel: set EXPCACHE_FP8_KERNEL_DIR to its package's directory")
-        bundle = fp8.FineGrainedFP8(real.matmul_2d, real.matmul_batched, real.matmul_grouped)
-    monkeypatch.setattr(fp8, "_FINEGRAINED_FP8", bundle)
-    return bundle
+        monkeypatch.setattr(fp8, "_FINEGRAINED_FP8", bundle)
+        yield bundle
+        return
+    where = os.environ.get("EXPCACHE_FP8_KERNEL_DIR")
+    if not where:
+        pytest.skip("the finegrained-fp8 Triton kernel: set EXPCACHE_FP8_KERNEL_DIR to its package's directory")
+    before = install_kernel(where)
+    yield fp8._FINEGRAINED_FP8
+    restore_kernel(before)
 
 
 DEVICES = [
@@ -112,42 +104,15 @@ DEVICES = [
 ]
 
 
-class _Quantizer:  # what transformers' Fp8Quantize reads of its quantizer
-    def __init__(self, config):
-        self.quantization_config = config
-
-
-def fp8_model(device="cpu", block=(8, 8), scale_fmt="float", activation_scheme="dynamic", **config):
+def fp8_model(device="cpu", scale_fmt="float", activation_scheme="dynamic"):
     """A tiny Qwen3-MoE whose experts are transformers' FP8Experts, quantized from its random
-    float weights by transformers' own Fp8Quantize; everything else as it was."""
-    model = tiny_model("qwen3_moe", device=device, **config)
-    qconfig = transformers.FineGrainedFP8Config(
-        weight_block_size=list(block) if block else None, scale_fmt=scale_fmt, activation_scheme=activation_scheme
-    )
-    quantize = fp8.Fp8Quantize(_Quantizer(qconfig))
-    for e in find_experts(model):
-        parent_name, _, child = e.name.rpartition(".")
-        cls = use_experts_implementation(
-            experts_class=fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS, has_gate=True
-        )
-        with torch.device(device):
-            q = cls(
-                e.module.config,
-                block_size=qconfig.weight_block_size,
-                activation_scheme=activation_scheme,
-                scale_fmt=scale_fmt,
-            )
-        for name in ("gate_up_proj", "down_proj"):
-            out = quantize._quantize_one(name, getattr(e.module, name).data)
-            getattr(q, name).data.copy_(out[name])
-            getattr(q, name + "_scale_inv").data.copy_(out[name + "_scale_inv"])
-        if activation_scheme == "static":
-            with torch.no_grad():
-                q.gate_up_proj_activation_scale.uniform_(0.5, 1.5)
-                q.down_proj_activation_scale.uniform_(0.5, 1.5)
-        q.requires_grad_(False)
-        setattr(model.get_submodule(parent_name), child, q.eval())
-    return model
+    float weights by transformers' own Fp8Quantize; everything else as it was. On CUDA its
+    experts are wider, in blocks of 32 (the Triton kernel's products take 16 or more a side)."""
+    if device == "cuda":
+        model, block = tiny_model("qwen3_moe", device=device, moe_intermediate_size=64), (32, 32)
+    else:
+        model, block = tiny_model("qwen3_moe"), (8, 8)
+    return quantize_experts(model, block, scale_fmt, activation_scheme)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,7 +155,7 @@ def test_fp8_scale_formats_and_static_activation_scales(scale_fmt, activation_sc
 def test_fp8_layout_matches_the_config_layout(kernel):
     """The parts found on the modules are those ModelLayout.from_hf_config gives for the same
     config with its quantization_config: a layout written from a config benchmarks these bytes."""
-    model = fp8_model(block=(8, 8))
+    model = fp8_model()
     config = {**model.config.to_dict(), "quantization_config": {"quant_method": "fp8", "weight_block_size": [8, 8]}}
     from_config = ModelLayout.from_hf_config(config)
     e = find_experts(model)[0]
