@@ -313,6 +313,14 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
     if compute.type not in ("cpu", "cuda"):
         raise ValueError(f"the model computes on {compute}: expcache serves CUDA devices and the CPU (host backend)")
     cuda = compute.type == "cuda"
+    for e, (name, function) in zip(layers, inner):
+        if cuda and e.quantized and name != "eager" and function.__module__.endswith("finegrained_fp8"):
+            raise ValueError(
+                f"{e.name}: transformers' FP8 {name} runs Triton kernels that assert contiguous [E, N, K] "
+                "weights, and a bank slot holds all of an expert's tensors (weights and scales), so the "
+                "bank's view of one tensor strides over the others: serve these experts with the eager "
+                "implementation (model.set_experts_implementation('eager') before offloading)"
+            )
     if cuda and device_capacity_bytes is not None:
         raise ValueError(
             f"device_capacity_bytes is the host backend's emulated device size; the model computes on {compute}"
