@@ -421,33 +421,22 @@ static uint32_t L_of(const Engine& e) {
     return (uint32_t)e.layers.size();
 }
 
-/* Memory that follows the backend: the device's (or host memory on the host backend), pinned
-   host memory (plain on the host backend), and copies between them on the engine's stream. */
-static void* dev_alloc(Engine& e, size_t bytes) {
+/* Memory that follows the backend, and copies between it on the engine's stream. On CUDA the
+   caller names the allocator: cudaMalloc for device memory, cudaMallocHost for pinned host memory
+   (freed by cudaFree and cudaFreeHost); on the host backend both are plain host memory. */
+typedef cudaError_t (*CudaAlloc)(void** p, size_t bytes);
+typedef cudaError_t (*CudaFree)(void* p);
+static void* backend_alloc(Engine& e, CudaAlloc cuda_alloc, size_t bytes) {
     void* p = nullptr;
     if (e.cuda)
-        CU(cudaMalloc(&p, bytes));
+        CU(cuda_alloc(&p, bytes ? bytes : 1));
     else if (posix_memalign(&p, 4096, bytes ? bytes : 1) != 0)
         fatal("out of host memory (%zu bytes)", bytes);
     return p;
 }
-static void dev_free(Engine& e, void* p) {
+static void backend_free(Engine& e, CudaFree cuda_free, void* p) {
     if (e.cuda)
-        CU(cudaFree(p));
-    else
-        free(p);
-}
-static void* host_alloc(Engine& e, size_t bytes) {
-    void* p = nullptr;
-    if (e.cuda)
-        CU(cudaMallocHost(&p, bytes ? bytes : 1));
-    else if (posix_memalign(&p, 4096, bytes ? bytes : 1) != 0)
-        fatal("out of host memory (%zu bytes)", bytes);
-    return p;
-}
-static void host_free(Engine& e, void* p) {
-    if (e.cuda)
-        CU(cudaFreeHost(p));
+        CU(cuda_free(p));
     else
         free(p);
 }
@@ -530,7 +519,7 @@ static void load_pinned(Engine& e) {
     for (Layer& L : e.layers)
         for (int p = 0; p < 3; ++p) {
             const uint64_t bytes = L.file.stride[p] * L.file.num_experts;
-            uint8_t* buf = (uint8_t*)host_alloc(e, bytes);
+            uint8_t* buf = (uint8_t*)backend_alloc(e, cudaMallocHost, bytes);
             L.pinned[p] = buf;
             for (uint64_t at = 0; at < bytes; at += 64ull << 20)
                 pieces.push_back({buf + at, L.file.offset[p] + at, std::min<uint64_t>(64ull << 20, bytes - at)});
@@ -577,13 +566,13 @@ static void plan_steps(Engine& e) {
         e.max_entries = std::max(e.max_entries, n * k);
         t += n;
     }
-    e.step_ids = (int32_t*)host_alloc(e, ids * 4);
+    e.step_ids = (int32_t*)backend_alloc(e, cudaMallocHost, ids * 4);
     for (const Step& s : e.steps)
         for (uint32_t li = 0; li < L; ++li)
             for (uint32_t r = 0; r < s.n; ++r)
                 memcpy(e.step_ids + s.ids_at + ((size_t)li * s.n + r) * k, e.rt.decode_ids(s.first + r, li), k * 4);
     e.results_bytes = bytes;
-    e.results = (uint8_t*)host_alloc(e, bytes);
+    e.results = (uint8_t*)backend_alloc(e, cudaMallocHost, bytes);
 }
 
 /* A cache for one loop: the engine's config, its log, the file (by descriptor, as ds4 holds it) or
@@ -754,8 +743,8 @@ static void prefill(Engine& e, expcache_t* cache, LoopResult& r) {
     std::vector<int32_t> ids(n);
     std::vector<uint32_t> out_ids(n);
     std::vector<int32_t> out_slots(n);
-    int32_t* slots_dev = (int32_t*)dev_alloc(e, (size_t)n * 4);
-    uint64_t* sums_dev = (uint64_t*)dev_alloc(e, (size_t)n * 24);
+    int32_t* slots_dev = (int32_t*)backend_alloc(e, cudaMalloc, (size_t)n * 4);
+    uint64_t* sums_dev = (uint64_t*)backend_alloc(e, cudaMalloc, (size_t)n * 24);
     std::vector<uint64_t> sums((size_t)n * 3);
     const Counters before = totals(cache, e.num_classes);
     for (uint32_t li = 0; li < L; ++li) {
@@ -775,8 +764,8 @@ static void prefill(Engine& e, expcache_t* cache, LoopResult& r) {
         r.prefill_checked += count;
     }
     r.prefill = minus(totals(cache, e.num_classes), before);
-    dev_free(e, slots_dev);
-    dev_free(e, sums_dev);
+    backend_free(e, cudaFree, slots_dev);
+    backend_free(e, cudaFree, sums_dev);
 }
 
 /* ---------------------------------------------------------------------- */
@@ -813,8 +802,8 @@ static void graph_loop(Engine& e, LoopResult& r) {
     for (const Step& s : e.steps) {
         Width& w = widths[s.n];
         if (w.ids) continue;
-        w.ids = (int32_t*)dev_alloc(e, (size_t)L * s.n * k * 4);
-        w.result = (uint8_t*)dev_alloc(e, (size_t)L * s.n * k * 28);
+        w.ids = (int32_t*)backend_alloc(e, cudaMalloc, (size_t)L * s.n * k * 4);
+        w.result = (uint8_t*)backend_alloc(e, cudaMalloc, (size_t)L * s.n * k * 28);
         if (!e.cuda) continue;
         cudaGraph_t graph;
         CU(cudaStreamBeginCapture(e.stream, cudaStreamCaptureModeThreadLocal));
@@ -847,7 +836,7 @@ static void graph_loop(Engine& e, LoopResult& r) {
     print_stats(cache, e.num_classes, r.name);
     for (Width& w : widths) {
         if (w.exec) CU(cudaGraphExecDestroy(w.exec));
-        if (w.ids) dev_free(e, w.ids), dev_free(e, w.result);
+        if (w.ids) backend_free(e, cudaFree, w.ids), backend_free(e, cudaFree, w.result);
     }
     expcache_destroy(cache);
     check_decode(e, r);
@@ -866,12 +855,12 @@ static void gather_loop(Engine& e, LoopResult& r) {
        so one copy per expert when its parts are contiguous), and the rows the kernel reads: 0..n*k-1. */
     uint64_t row_bytes = 0;
     for (const Layer& Ly : e.layers) row_bytes = std::max(row_bytes, Ly.bank.stride);
-    uint8_t* table = (uint8_t*)dev_alloc(e, row_bytes * e.max_entries);
+    uint8_t* table = (uint8_t*)backend_alloc(e, cudaMalloc, row_bytes * e.max_entries);
     std::vector<int32_t> rows(e.max_entries);
     for (uint32_t i = 0; i < e.max_entries; ++i) rows[i] = (int32_t)i;
-    int32_t* rows_dev = (int32_t*)dev_alloc(e, e.max_entries * 4);
+    int32_t* rows_dev = (int32_t*)backend_alloc(e, cudaMalloc, e.max_entries * 4);
     copy_async(e, rows_dev, rows.data(), e.max_entries * 4);
-    uint8_t* result_dev = (uint8_t*)dev_alloc(e, (size_t)L * e.max_entries * 24);
+    uint8_t* result_dev = (uint8_t*)backend_alloc(e, cudaMalloc, (size_t)L * e.max_entries * 24);
     std::vector<expcache_expert_ptrs_t> ptrs(e.max_entries);
     sync(e);
 
@@ -916,9 +905,9 @@ static void gather_loop(Engine& e, LoopResult& r) {
     r.steps = (uint32_t)e.steps.size();
     r.ran = true;
     print_stats(cache, e.num_classes, r.name);
-    dev_free(e, table);
-    dev_free(e, rows_dev);
-    dev_free(e, result_dev);
+    backend_free(e, cudaFree, table);
+    backend_free(e, cudaFree, rows_dev);
+    backend_free(e, cudaFree, result_dev);
     expcache_destroy(cache);
     check_decode(e, r);
 }
@@ -1057,11 +1046,11 @@ int main(int argc, char** argv) {
     printf("%s\n", ok ? "sums: every expert of every token as recorded" : "SUMS DIFFER: the run failed");
     if (!e.opt.json.empty()) write_json(e, loops, 2, ok);
 
-    host_free(e, e.step_ids);
-    host_free(e, e.results);
+    backend_free(e, cudaFreeHost, e.step_ids);
+    backend_free(e, cudaFreeHost, e.results);
     if (e.opt.pinned_source)
         for (Layer& L : e.layers)
-            for (int p = 0; p < 3; ++p) host_free(e, (void*)L.pinned[p]);
+            for (int p = 0; p < 3; ++p) backend_free(e, cudaFreeHost, (void*)L.pinned[p]);
     gguf_free(&e.model);
     close(e.fd);
     if (e.cuda) CU(cudaStreamDestroy(e.stream));

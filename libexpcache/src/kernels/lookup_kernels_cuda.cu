@@ -63,18 +63,8 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
         if (a.fed) feed_cuda::open(c.feed);
     }
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
-        const int64_t id =
-            a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
-        if (id < 0 || id >= static_cast<int64_t>(a.num_experts)) {
-            if (atomicCAS(&a.error->set, 0u, 1u) == 0u) {
-                a.error->layer = a.layer;
-                a.error->index = i;
-                a.error->id = id;
-            }
-            keys[i] = UINT32_MAX;
-        } else {
-            keys[i] = a.key_base + static_cast<uint32_t>(id);
-        }
+        keys[i] = key_of(a, i);
+        if (keys[i] == UINT32_MAX) report_bad_id(a, i);
     }
     __syncthreads();
     const uint64_t base = base_s;
@@ -142,14 +132,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
     }
     if (tid == 0) {
         *c.miss_count = misses;
-        if (a.out_counts) {
-            a.out_counts[kCountDistinct] = distinct;
-            a.out_counts[kCountMisses] = misses;
-            if (a.host_call) {
-                a.out_counts[kTallyHits] = hits;
-                a.out_counts[kTallyEvictions] = evictions;
-            }
-        }
+        write_counts(a, distinct, misses, hits, evictions);
         if (a.host_call) return;  // counted by the call, on its path
         // Reductions without a result: nothing waits for them (the next select is stream-ordered).
         DeviceCounters& n = *c.counters;
@@ -163,13 +146,6 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
             add(&n.bytes_h2d, uint64_t(misses) * a.expert_bytes());
         }
     }
-}
-
-// id i of the call as a key, UINT32_MAX when out of range.
-__device__ uint32_t key_of(const DeviceSelectArgs& a, uint32_t i, int64_t* id_out) {
-    const int64_t id = a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
-    *id_out = id;
-    return id < 0 || id >= static_cast<int64_t>(a.num_experts) ? UINT32_MAX : a.key_base + static_cast<uint32_t>(id);
 }
 
 // Every block's share of the copy of the latest select's misses [from, to) (DeviceClass::misses).
@@ -230,8 +206,7 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
     table_read::Prefetched pf = {};
     int resident = 1;
     for (uint32_t i = tid; i < a.count; i += blockDim.x) {
-        int64_t id = 0;
-        const uint32_t key = key_of(a, i, &id);
+        const uint32_t key = key_of(a, i);
         const int32_t slot = key == UINT32_MAX ? -1 : a.slot_of_key[key];
         if (i == tid && key != UINT32_MAX) pf = table_read::prefetch(a, key);
         keys[i] = key;

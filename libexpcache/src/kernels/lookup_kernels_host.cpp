@@ -58,14 +58,6 @@ public:
     }
 
 private:
-    static uint32_t key_of(const DeviceSelectArgs& a, uint32_t i, int64_t* id_out) {
-        const int64_t id =
-            a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
-        *id_out = id;
-        return id < 0 || id >= static_cast<int64_t>(a.num_experts) ? UINT32_MAX
-                                                                   : a.key_base + static_cast<uint32_t>(id);
-    }
-
     // The ids' keys and the slots the slot map gives them (reads only); whether every id in
     // range is resident.
     bool table_read(const DeviceSelectArgs& a) {
@@ -73,8 +65,7 @@ private:
         slots_.resize(a.count);
         bool resident = true;
         for (uint32_t i = 0; i < a.count; ++i) {
-            int64_t id = 0;
-            keys_[i] = key_of(a, i, &id);
+            keys_[i] = key_of(a, i);
             slots_[i] = keys_[i] == UINT32_MAX ? -1 : a.slot_of_key[keys_[i]];
             resident = resident && (keys_[i] == UINT32_MAX || slots_[i] >= 0);
         }
@@ -96,9 +87,7 @@ private:
             if (a.out_filled) a.out_filled[i] = 0;
             first_[i] = 0;
             if (keys_[i] == UINT32_MAX) {
-                int64_t id = 0;
-                key_of(a, i, &id);
-                if (!a.error->set) *a.error = DeviceError{1, a.layer, i, 0, id};
+                report_bad_id(a, i);
                 continue;
             }
             bool first = true;
@@ -115,19 +104,12 @@ private:
             for (uint32_t i = 0; i < a.count; ++i)
                 if (first_[i]) duel_request(a, keys_[i], base + i, list_of_[i], now);
         *c.miss_count = 0;
-        if (a.out_counts) {
-            a.out_counts[kCountDistinct] = distinct;
-            a.out_counts[kCountMisses] = 0;
-            if (a.host_call) {
-                a.out_counts[kTallyHits] = distinct;
-                a.out_counts[kTallyEvictions] = 0;
-            }
-        }
+        write_counts(a, distinct, 0, distinct, 0);
         if (!a.host_call) {
             c.counters->calls++;
             c.counters->hits += distinct;
+            c.handoff->table_reads++;
         }
-        if (!a.host_call) c.handoff->table_reads++;
     }
 
     void lookup(const DeviceSelectArgs& a) {
@@ -139,14 +121,8 @@ private:
         list_of_.resize(a.count);
         // Ids to keys; each id's first occurrence in the call.
         for (uint32_t i = 0; i < a.count; ++i) {
-            const int64_t id =
-                a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
-            if (id < 0 || id >= static_cast<int64_t>(a.num_experts)) {
-                if (!a.error->set) *a.error = DeviceError{1, a.layer, i, 0, id};
-                keys_[i] = UINT32_MAX;
-            } else {
-                keys_[i] = a.key_base + static_cast<uint32_t>(id);
-            }
+            keys_[i] = key_of(a, i);
+            if (keys_[i] == UINT32_MAX) report_bad_id(a, i);
             first_[i] = i;
             for (uint32_t j = 0; j < i; ++j)
                 if (keys_[j] == keys_[i]) {
@@ -193,14 +169,8 @@ private:
             a.out_slots[i] = keys_[i] == UINT32_MAX ? -1 : a.slot_of_key[keys_[first_[i]]];
         if (a.out_filled)
             for (uint32_t i = 0; i < a.count; ++i) a.out_filled[i] = a.out_slots[i] >= 0 && filled_[first_[i]];
-        if (a.out_counts) {
-            a.out_counts[kCountDistinct] = static_cast<uint32_t>(distinct);
-            a.out_counts[kCountMisses] = static_cast<uint32_t>(misses);
-            if (a.host_call) {
-                a.out_counts[kTallyHits] = static_cast<uint32_t>(hits);
-                a.out_counts[kTallyEvictions] = static_cast<uint32_t>(evictions);
-            }
-        }
+        write_counts(a, static_cast<uint32_t>(distinct), static_cast<uint32_t>(misses), static_cast<uint32_t>(hits),
+                     static_cast<uint32_t>(evictions));
         if (a.host_call) return;  // counted by the call, on its path
         DeviceCounters& n = *c.counters;
         n.calls++;

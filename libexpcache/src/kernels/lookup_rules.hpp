@@ -1,10 +1,11 @@
 // The per-id rules of a device select, one source for both implementations (the CUDA kernel,
-// lookup_kernels_cuda.cu with lookup_policy_cuda.cuh, and the host backend's,
-// lookup_kernels_host.cpp): the policy clock, a key's count, a hit's refresh, the rank of a slot as
-// a victim, a miss's install and duel's shadows. Each implementation only orders these steps (the
-// host in a loop, the GPU with a block's threads and reductions), in the order the host's policy
-// sees the same select (slots.cpp): the hits in order of first occurrence, then each miss in that
-// order, its victim chosen when it comes; duel's shadows see each hit and each insert.
+// lookup_kernels_cuda.cu with lookup_policy_cuda.cuh and table_read_cuda.cuh, and the host
+// backend's, lookup_kernels_host.cpp): an id's key and the report of one out of range, the call's
+// own counts, the policy clock, a key's count, a hit's refresh, the rank of a slot as a victim, a
+// miss's install and duel's shadows. Each implementation only orders these steps (the host in a
+// loop, the GPU with a block's threads and reductions), in the order the host's policy sees the
+// same select (slots.cpp): the hits in order of first occurrence, then each miss in that order,
+// its victim chosen when it comes; duel's shadows see each hit and each insert.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,44 @@ struct PolicyNow {
     int32_t pos;
     double time;
 };
+
+// Id i of the select (int32 or int64, as id_bits says).
+EXPCACHE_HOST_DEVICE inline int64_t id_at(const DeviceSelectArgs& a, uint32_t i) {
+    return a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
+}
+
+// Id i of the select as a key (key_base + id), UINT32_MAX when the id is out of range: no slot,
+// and reported (report_bad_id).
+EXPCACHE_HOST_DEVICE inline uint32_t key_of(const DeviceSelectArgs& a, uint32_t i) {
+    const int64_t id = id_at(a, i);
+    return id < 0 || id >= static_cast<int64_t>(a.num_experts) ? UINT32_MAX : a.key_base + static_cast<uint32_t>(id);
+}
+
+// Id i is out of range: kept in a.error unless an earlier one is there, for the host to report. On
+// the GPU the first thread to set the flag writes it.
+EXPCACHE_HOST_DEVICE inline void report_bad_id(const DeviceSelectArgs& a, uint32_t i) {
+    const int64_t id = id_at(a, i);
+#ifdef __CUDA_ARCH__
+    if (atomicCAS(&a.error->set, 0u, 1u) != 0u) return;
+    a.error->layer = a.layer;
+    a.error->index = i;
+    a.error->id = id;
+#else
+    if (!a.error->set) *a.error = DeviceError{1, a.layer, i, 0, id};
+#endif
+}
+
+// What a select writes of its own counts (DeviceSelectArgs::out_counts, when asked for): its
+// distinct ids in range and its misses; a host-side call's also its hits and evictions.
+EXPCACHE_HOST_DEVICE inline void write_counts(const DeviceSelectArgs& a, uint32_t distinct, uint32_t misses,
+                                              uint32_t hits, uint32_t evictions) {
+    if (!a.out_counts) return;
+    a.out_counts[kCountDistinct] = distinct;
+    a.out_counts[kCountMisses] = misses;
+    if (!a.host_call) return;
+    a.out_counts[kTallyHits] = hits;
+    a.out_counts[kTallyEvictions] = evictions;
+}
 
 // Whether the policy keeps OppClassLRU's lists (and so counts its keys' uses).
 EXPCACHE_HOST_DEVICE inline bool keeps_lists(const DevicePolicyArgs& p) {

@@ -107,13 +107,7 @@ __device__ inline void serve(const DeviceSelectArgs& a, const uint32_t* keys, co
         a.out_slots[i] = slots[i];
         if (a.out_filled) a.out_filled[i] = 0;
         if (keys[i] == UINT32_MAX) {
-            const int64_t id =
-                a.id_bits == 64 ? static_cast<const int64_t*>(a.ids)[i] : static_cast<const int32_t*>(a.ids)[i];
-            if (atomicCAS(&a.error->set, 0u, 1u) == 0u) {
-                a.error->layer = a.layer;
-                a.error->index = i;
-                a.error->id = id;
-            }
+            report_bad_id(a, i);
             continue;
         }
         bool is_first = true;
@@ -164,14 +158,7 @@ __device__ inline void serve(const DeviceSelectArgs& a, const uint32_t* keys, co
     if (tid == 0) {
         const uint32_t hits = *distinct;
         *c.miss_count = 0;
-        if (a.out_counts) {
-            a.out_counts[kCountDistinct] = hits;
-            a.out_counts[kCountMisses] = 0;
-            if (a.host_call) {
-                a.out_counts[kTallyHits] = hits;
-                a.out_counts[kTallyEvictions] = 0;
-            }
-        }
+        write_counts(a, hits, 0, hits, 0);
         auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };
         if (!a.host_call) {
             add(&c.counters->calls, 1);
