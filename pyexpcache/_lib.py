@@ -56,6 +56,7 @@ MAX_CLASSES_LIMIT = 64
 MAX_LAYERS_LIMIT = 4096  # layers of one cache (a layout is checked against these when it is made)
 MAX_EXPERTS_LIMIT = 65536  # experts of one layer
 MAX_PART_BYTES_LIMIT = 1 << 40  # bytes of one gate, up or down part
+MAX_HOST_BUDGET_BYTES = 1 << 48  # expcache_config_t.host_budget_bytes
 # Constants of expcache_testing.h.
 CHECKSUM_RESULTS = 65536
 (
@@ -68,8 +69,9 @@ CHECKSUM_RESULTS = 65536
     STRUCT_STAGING_STATS,
     STRUCT_PREFETCH_STATS,
     STRUCT_BANK,
-) = range(9)
-STRUCT_COUNT = 9
+    STRUCT_POOL_STATS,
+) = range(10)
+STRUCT_COUNT = 10
 
 
 class Config(ctypes.Structure):
@@ -95,6 +97,8 @@ class Config(ctypes.Structure):
         ("lookup", c_uint32),
         ("partition", c_uint32),
         ("environment", c_uint32),
+        ("reserved", c_uint32),
+        ("host_budget_bytes", c_uint64),
     ]
 
 
@@ -258,6 +262,26 @@ PREFETCH_FIELDS = (
 
 class PrefetchStats(ctypes.Structure):
     _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in PREFETCH_FIELDS]
+
+
+POOL_FIELDS = (
+    "budget_bytes",
+    "slot_bytes",
+    "slots",
+    "resident",
+    "hits",
+    "bytes_hit",
+    "source_reads",
+    "bytes_source",
+    "inserts",
+    "evictions",
+    "failed",
+    "bypassed",
+)
+
+
+class PoolStats(ctypes.Structure):
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in POOL_FIELDS]
 
 
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
@@ -478,6 +502,8 @@ _FUNCTIONS = [
     ("expcache_staging_stats_get", [CachePtr, POINTER(StagingStats)], c_int32),
     # expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_prefetch_stats_t* out);
     ("expcache_prefetch_stats_get", [CachePtr, POINTER(PrefetchStats)], c_int32),
+    # expcache_status_t expcache_pool_stats_get(const expcache_t* cache, expcache_pool_stats_t* out);
+    ("expcache_pool_stats_get", [CachePtr, POINTER(PoolStats)], c_int32),
     # expcache_status_t expcache_stats_reset(expcache_t* cache);
     ("expcache_stats_reset", [CachePtr], c_int32),
     # expcache_status_t expcache_memory_retain(expcache_t* cache, const void* ptr, expcache_memory_ref_t** out_ref);
@@ -553,6 +579,7 @@ STRUCT_MIRRORS = {
     STRUCT_STAGING_STATS: StagingStats,
     STRUCT_PREFETCH_STATS: PrefetchStats,
     STRUCT_BANK: Bank,
+    STRUCT_POOL_STATS: PoolStats,
 }
 assert sorted(STRUCT_MIRRORS) == list(range(STRUCT_COUNT))
 
