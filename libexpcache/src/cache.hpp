@@ -339,6 +339,7 @@ private:
     Health health_;
     HostPool pool_;  // after backend_ (its link allocates the pool), before lookup_ (the feed reads it)
     std::vector<HostPool::Lease> pool_leases_;  // this call's pool slots its uploads read
+    bool pool_warned_ = false;                  // a layer's experts do not fit the pool: said once
     LayerTable layers_;
     ClassTable classes_;
     DeviceLookup lookup_;

@@ -39,12 +39,17 @@ bool HostPool::note_expert(const uint64_t part_bytes[kMaxParts]) {
     return slot_bytes_ == 0 ? bytes <= budget_ : bytes <= slot_bytes_;
 }
 
-uint64_t HostPool::slot_bytes() const {
+bool HostPool::cut() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return slot_bytes_ ? slot_bytes_ : largest_;
+    return slot_bytes_ != 0;
 }
 
-void HostPool::cut() {
+uint64_t HostPool::room() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return slot_bytes_ ? slot_bytes_ : budget_;
+}
+
+void HostPool::cut_slots() {
     slot_bytes_ = largest_;
     const uint64_t n = slot_bytes_ ? budget_ / slot_bytes_ : 0;
     slots_.assign(n, Slot());
@@ -106,7 +111,7 @@ HostPool::Lease HostPool::begin(uint32_t layer, uint32_t expert, const uint64_t 
     std::lock_guard<std::mutex> lock(mu_);
     if (mem_ && slot_bytes_ == 0) {
         largest_ = std::max(largest_, bytes);
-        cut();
+        cut_slots();
     }
     if (mem_ && bytes <= slot_bytes_) {
         const uint64_t key = key_of(layer, expert);

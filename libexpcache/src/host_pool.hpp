@@ -47,7 +47,9 @@ public:
     // A layer of experts of these part sizes reads through the pool: slots (cut at the first use)
     // hold them. Whether such an expert fits a slot (false: its reads go past the pool).
     bool note_expert(const uint64_t part_bytes[kMaxParts]);
-    uint64_t slot_bytes() const;
+    // Whether the slots are cut (the first use); the largest expert that fits: a slot, or the budget before.
+    bool cut() const;
+    uint64_t room() const;
 
     // A miss of `expert` of `layer` (experts of part_bytes) about to be read: a hit (the slot
     // pinned until end()), a slot to fill (pinned and invisible until end()), or none. Counts
@@ -76,7 +78,7 @@ private:
         int32_t prev = -1, next = -1;
     };
     static uint64_t key_of(uint32_t layer, uint32_t expert) { return uint64_t(layer) << 32 | expert; }
-    void cut();  // the slots, at the first use
+    void cut_slots();  // at the first use
     int32_t take();
     void unlink(int32_t s);
     void push_front(int32_t s);

@@ -38,13 +38,15 @@ void Cache::release_pool_leases() {
 void Cache::note_pool_layer(uint32_t layer) {
     pool_.forget_layer(layer);
     const LayerState& l = layers_[layer];
-    if (l.source.pinned() || !pool_.enabled() || pool_.note_expert(l.bytes)) return;
+    if (l.source.pinned() || !pool_.enabled() || pool_.note_expert(l.bytes) || pool_warned_) return;
+    pool_warned_ = true;
     uint64_t part_at[kMaxParts];
     log_(EXPCACHE_LOG_WARNING,
-         "layer %u's experts (%s in the pool) do not fit the host pool's slots (%s, host_budget_bytes %s): its "
-         "misses are read past the pool; register the layers of the largest experts first, or raise the budget",
-         layer, human_bytes(pool_layout(l.bytes, part_at)).c_str(), human_bytes(pool_.slot_bytes()).c_str(),
-         human_bytes(config_.host_budget_bytes).c_str());
+         "layer %u's experts take %s in the host pool, more than %s (%s): their misses are read past the pool (and "
+         "any other layer's that do not fit, said once); raise host_budget_bytes%s",
+         layer, human_bytes(pool_layout(l.bytes, part_at)).c_str(), human_bytes(pool_.room()).c_str(),
+         pool_.cut() ? "its slots, cut at its first use" : "host_budget_bytes",
+         pool_.cut() ? ", or register the layers of the largest experts before the first call" : "");
 }
 
 expcache_status_t Cache::get_pool_stats(expcache_pool_stats_t* out) const {
