@@ -319,7 +319,15 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
     registration = HostRegistration()
     functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
     caches = Caches(
-        layers, layout, compute, [name for name, _ in inner], functions, options["policy"], device_capacity_bytes, files
+        layers,
+        layout,
+        compute,
+        [name for name, _ in inner],
+        functions,
+        options["policy"],
+        device_capacity_bytes,
+        files,
+        options.get("host_budget_bytes", 0),
     )
     try:
         _move_the_rest(model, layers, compute)
