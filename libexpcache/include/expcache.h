@@ -981,8 +981,10 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * reason) by the thread that read it; the select still ends, gives that expert's
  * ids slot -1 (as an id out of range: no bytes that never came are served) and
  * frees its slot, so the next select reads it again. A kernel waits at most 60 s
- * for a piece, then treats its read as failed. docs/device_lookup.md has the
- * protocol.
+ * for a piece, then treats its read as failed. With a host pool
+ * (config.host_budget_bytes) each miss is read through it: a pool hit is copied
+ * from its RAM into the row, the source not read (expcache_pool_stats_t).
+ * docs/device_lookup.md has the protocol.
  *
  * Status: INVALID_ARGUMENT (n*k 0 or over EXPCACHE_MAX_SELECT, or over the bank's
  * cap less the slots batches hold; id_bits; NULL pointers), INVALID_STATE (not a
