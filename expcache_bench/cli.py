@@ -344,7 +344,7 @@ def _open_bench(args, mode):
         file_dir=args.file_dir,
         placement=args.placement,
         layer_sync=not getattr(args, "no_layer_sync", False),
-        cache_options=options.cache_options(args),
+        cache_options=options.cache_options(args, scale),
         scale=scale,
     )
 

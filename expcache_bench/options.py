@@ -548,6 +548,15 @@ FILE_READS = Option(
     help="how misses read a file (--source file, --gguf-reads file): with O_DIRECT, from the disk "
     "(default), or buffered, through the page cache",
 )
+HOST_BUDGET = Option(
+    "--host-budget-gib",
+    type=gib("--host-budget-gib", False),
+    default=None,
+    metavar="GIB",
+    help="a host pool of GIB GiB (divided by --scale, as the budget is) of pinned host RAM between a "
+    "pageable or file source and the device cache: the device's misses read the source only when the "
+    "pool misses too; the report adds the pool's hit rate beside the device's (default: no pool)",
+)
 LAYER_COMPUTE_US = Option(
     "--layer-compute-us",
     type=nonnegative_us,
@@ -591,6 +600,7 @@ BENCH = (
     STAGING_CHUNK,
     PREFETCH_PIECE,
     FILE_READS,
+    HOST_BUDGET,
 )
 #: What every mode writes: --json, and --quiet for the progress bar.
 OUTPUT = (JSON, QUIET)
@@ -695,10 +705,14 @@ def budget_bytes(args, layout, scale: int) -> int:
         raise UsageError(str(exc)) from None
 
 
-def cache_options(args) -> dict:
-    """The ExpertCache settings the options give (the Bench's ``cache_options``)."""
+def cache_options(args, scale: int = 1) -> dict:
+    """The ExpertCache settings the options give (the Bench's ``cache_options``); --host-budget-gib
+    divided by ``scale`` (the layout's sizes were)."""
     options = {"file_reads": args.file_reads}
     for option, keyword in CACHE_SETTINGS:
         if getattr(args, option.dest) is not None:
             options[keyword] = getattr(args, option.dest)
+    host = getattr(args, HOST_BUDGET.dest, None)
+    if host:
+        options["host_budget_bytes"] = int(host * (1 << 30)) // scale
     return options

@@ -43,7 +43,7 @@ from .placement import Placement, loads_from_calls
 from .quant import matrix_bytes
 from .selection import Selection
 from .source import BufferSource, HostSource, LayerPlacement, Source, checksum_bytes
-from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats
+from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PoolStats, PrefetchStats, StagingStats
 from .views import ExpertView, TensorView
 
 # Every public name: the caches, their options' types and what their methods return (so an engine
@@ -84,6 +84,7 @@ __all__ = [
     "PathStats",
     "Placement",
     "PoisonedError",
+    "PoolStats",
     "PrefetchStats",
     "Selection",
     "Source",

@@ -28,6 +28,7 @@ MAX_CLASSES_LIMIT = 64
 MAX_LAYERS_LIMIT = 4096  # layers of one cache (a layout is checked against these when it is made)
 MAX_EXPERTS_LIMIT = 65536  # experts of one layer
 MAX_PART_BYTES_LIMIT = 1 << 40  # bytes of one gate, up or down part
+MAX_HOST_BUDGET_BYTES = 1 << 48  # expcache_config_t.host_budget_bytes
 MAX_PARTS = 8  # EXPCACHE_MAX_PARTS
 # Constants of expcache_testing.h.
 CHECKSUM_RESULTS = 65536
@@ -41,5 +42,6 @@ CHECKSUM_RESULTS = 65536
     STRUCT_STAGING_STATS,
     STRUCT_PREFETCH_STATS,
     STRUCT_BANK,
-) = range(9)
-STRUCT_COUNT = 9
+    STRUCT_POOL_STATS,
+) = range(10)
+STRUCT_COUNT = 10

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 
 from . import _errors, _ints, _lib
-from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PrefetchStats, StagingStats
+from .stats import CacheStats, ClassInfo, ClassStats, PathStats, PoolStats, PrefetchStats, StagingStats
 
 
 class Inspection:
@@ -86,8 +86,20 @@ class Inspection:
         return [info for info, _ in self._read_stats()]
 
     def stats(self) -> CacheStats:
-        """Counters per class in use and per path, each with ``hit_rate``."""
-        return CacheStats([ClassStats(info, paths) for info, paths in self._read_stats()])
+        """Counters per class in use and per path, each with ``hit_rate`` (the device tier), and
+        the host pool's (``.pool``, :meth:`pool_stats`)."""
+        classes = [ClassStats(info, paths) for info, paths in self._read_stats()]
+        return CacheStats(classes, self.pool_stats())
+
+    def pool_stats(self) -> PoolStats:
+        """Counters of the host pool (``host_budget_bytes``): its hits, the source's reads and
+        their bytes, inserts, evictions, failed and bypassed reads, and its slots now. On a
+        device-lookup cache a device select's are counted by the feed's threads: read them after
+        synchronizing its stream."""
+        st = _lib.PoolStats()
+        st.struct_size = ctypes.sizeof(st)
+        self._call("expcache_pool_stats_get", ctypes.byref(st))
+        return PoolStats(**{n: getattr(st, n) for n in _lib.POOL_FIELDS})
 
     def staging_stats(self) -> StagingStats:
         """Counters of the staging ring that moves pageable and file misses (zeros when none was
@@ -106,5 +118,5 @@ class Inspection:
         return PrefetchStats(**{n: getattr(st, n) for n in _lib.PREFETCH_FIELDS})
 
     def reset_stats(self) -> None:
-        """Zero every counter, the staging ring's and prefetch's too."""
+        """Zero every counter, the staging ring's, prefetch's and the host pool's too."""
         self._call("expcache_stats_reset")

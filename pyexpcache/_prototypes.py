@@ -17,6 +17,7 @@ from ._structs import (
     Config,
     LayerDesc,
     MemoryRefPtr,
+    PoolStats,
     PrefetchStats,
     StagingStats,
     Stats,
@@ -214,6 +215,8 @@ FUNCTIONS = [
     ("expcache_staging_stats_get", [CachePtr, POINTER(StagingStats)], c_int32),
     # expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_prefetch_stats_t* out);
     ("expcache_prefetch_stats_get", [CachePtr, POINTER(PrefetchStats)], c_int32),
+    # expcache_status_t expcache_pool_stats_get(const expcache_t* cache, expcache_pool_stats_t* out);
+    ("expcache_pool_stats_get", [CachePtr, POINTER(PoolStats)], c_int32),
     # expcache_status_t expcache_stats_reset(expcache_t* cache);
     ("expcache_stats_reset", [CachePtr], c_int32),
     # expcache_status_t expcache_memory_retain(expcache_t* cache, const void* ptr, expcache_memory_ref_t** out_ref);

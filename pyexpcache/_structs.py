@@ -17,6 +17,7 @@ from ._constants import (
     STRUCT_COUNT,
     STRUCT_EXPERT_PTRS,
     STRUCT_LAYER_DESC,
+    STRUCT_POOL_STATS,
     STRUCT_PREFETCH_STATS,
     STRUCT_STAGING_STATS,
     STRUCT_STATS,
@@ -47,6 +48,8 @@ class Config(ctypes.Structure):
         ("lookup", c_uint32),
         ("partition", c_uint32),
         ("environment", c_uint32),
+        ("reserved", c_uint32),
+        ("host_budget_bytes", c_uint64),
     ]
 
 
@@ -209,6 +212,26 @@ class PrefetchStats(ctypes.Structure):
     _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in PREFETCH_FIELDS]
 
 
+POOL_FIELDS = (
+    "budget_bytes",
+    "slot_bytes",
+    "slots",
+    "resident",
+    "hits",
+    "bytes_hit",
+    "source_reads",
+    "bytes_source",
+    "inserts",
+    "evictions",
+    "failed",
+    "bypassed",
+)
+
+
+class PoolStats(ctypes.Structure):
+    _fields_ = [("struct_size", c_uint32), ("reserved", c_uint32)] + [(n, c_uint64) for n in POOL_FIELDS]
+
+
 LOG_FN = ctypes.CFUNCTYPE(None, c_void_p, c_uint32, c_char_p)
 DROPPED_FN = ctypes.CFUNCTYPE(None, c_void_p)
 CachePtr = c_void_p
@@ -238,5 +261,6 @@ STRUCT_MIRRORS = {
     STRUCT_STAGING_STATS: StagingStats,
     STRUCT_PREFETCH_STATS: PrefetchStats,
     STRUCT_BANK: Bank,
+    STRUCT_POOL_STATS: PoolStats,
 }
 assert sorted(STRUCT_MIRRORS) == list(range(STRUCT_COUNT))

@@ -124,6 +124,13 @@ class ExpertCache(Serving, Inspection):
             a multiple of 4096 in 64 KiB..64 MiB).
         file_reads: file sources: ``"buffered"`` (default: pread through the page cache) or
             ``"direct"`` (O_DIRECT where the file system allows it: models larger than RAM).
+        host_budget_bytes: pageable and file sources: bytes of the host pool, a tier of pinned host
+            RAM between the source and the device cache, shared by every class and allocated when
+            the cache is made (default 0: none). A miss of the device cache looks there first: a
+            hit is copied from RAM, the source not read; a pool miss reads the source into the
+            pool (evicting its least recently used expert) and is copied on. A read that failed is
+            never entered. Counted in :meth:`pool_stats` (``stats().pool``); prefetches and
+            pinned sources do not use it. At most 2^48.
         policy: eviction policy of every class, a name of the library's policy table: ``"duel"``
             (LRU and OppClassLRU, the one followed chosen online from two shadow caches: within
             0.5 points of LRU on every trace measured, most of OppClassLRU's gain where it has
@@ -188,6 +195,7 @@ class ExpertCache(Serving, Inspection):
         lookup: str = "host",
         partition: str = "global",
         environment: str = "read",
+        host_budget_bytes: int = 0,
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
@@ -201,6 +209,7 @@ class ExpertCache(Serving, Inspection):
             raise ValueError(f"environment must be one of {sorted(_lib.ENVIRONMENTS)}, got {environment!r}")
         if file_reads not in _lib.FILE_READS:
             raise ValueError(f"file_reads must be one of {sorted(_lib.FILE_READS)}, got {file_reads!r}")
+        host_budget_bytes = _lib.checked_int(host_budget_bytes, "host_budget_bytes", 0, _lib.MAX_HOST_BUDGET_BYTES)
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
             raise ValueError("source was built for a different layout")
         self._handle = None
@@ -229,6 +238,7 @@ class ExpertCache(Serving, Inspection):
                 ("staging_chunk_bytes", staging_chunk_bytes),
                 ("prefetch_max_per_layer", prefetch_max_per_layer),
                 ("prefetch_piece_bytes", prefetch_piece_bytes),
+                ("host_budget_bytes", host_budget_bytes),
             )
             if value is not None
         )

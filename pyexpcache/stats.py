@@ -1,5 +1,5 @@
-"""The cache's counters as Python objects: per (class, path), the staging ring's, and
-prefetch's (see the expcache_*_stats_t structs of expcache.h)."""
+"""The cache's counters as Python objects: per (class, path), the host pool's, the staging
+ring's and prefetch's (see the expcache_*_stats_t structs of expcache.h)."""
 
 from __future__ import annotations
 
@@ -79,10 +79,45 @@ class ClassStats:
 
 
 @dataclass
+class PoolStats:
+    """Counters of the host pool (``host_budget_bytes``; see expcache_pool_stats_t): the tiers a
+    miss of the device cache of a pageable or file source goes through. Each such miss is a
+    pool hit (``hits``: copied from RAM) or a source read (``source_reads``: a disk read, for a
+    file; every such miss when there is no pool); each source read through a pool is entered
+    (``inserts``), failed (``failed``: not entered) or read past it (``bypassed``). ``budget_bytes``,
+    ``slot_bytes``, ``slots`` and ``resident`` are the pool as it is now."""
+
+    budget_bytes: int = 0
+    slot_bytes: int = 0
+    slots: int = 0
+    resident: int = 0
+    hits: int = 0
+    bytes_hit: int = 0
+    source_reads: int = 0
+    bytes_source: int = 0
+    inserts: int = 0
+    evictions: int = 0
+    failed: int = 0
+    bypassed: int = 0
+
+    @property
+    def lookups(self) -> int:
+        """The device's misses of such sources: ``hits + source_reads``."""
+        return self.hits + self.source_reads
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / lookups: the share of the device's misses the pool served; 0.0 with none."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass
 class CacheStats:
-    """Counters of every class in use."""
+    """Counters of every class in use (the device tier: each path's hits and misses), and the
+    host pool's (``pool``: the tiers below it, :class:`PoolStats`)."""
 
     classes: list[ClassStats]
+    pool: PoolStats = field(default_factory=PoolStats)
 
     def path(self, name: str) -> PathStats:
         """One path summed over classes."""

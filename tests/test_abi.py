@@ -83,6 +83,7 @@ EXPORTS = {
     "expcache_prefetch_async",
     "expcache_hint",
     "expcache_prefetch_stats_get",
+    "expcache_pool_stats_get",
     "expcache_prefetch_wait",
     "expcache_memory_retain",
     "expcache_memory_release",
@@ -118,6 +119,7 @@ def test_struct_sizes_match_library():
         _lib.STRUCT_STAGING_STATS: _lib.StagingStats,
         _lib.STRUCT_PREFETCH_STATS: _lib.PrefetchStats,
         _lib.STRUCT_BANK: _lib.Bank,
+        _lib.STRUCT_POOL_STATS: _lib.PoolStats,
     }
     assert sorted(mirrors) == list(range(_lib.STRUCT_COUNT))
     for which, mirror in mirrors.items():
@@ -337,6 +339,12 @@ def _prefetch_stats(size=None):
     return s
 
 
+def _pool_stats(size=None):
+    s = _lib.PoolStats()
+    s.struct_size = ctypes.sizeof(s) if size is None else size
+    return s
+
+
 def _descs(n, bad_size_at=None):
     """n layer descriptors of 8 pageable experts (the one at bad_size_at with struct_size 0)."""
     out = (_lib.LayerDesc * n)()
@@ -466,6 +474,20 @@ CASES = [
         lambda h: (byref(_cfg(file_reads=7)), byref(_lib.CachePtr())),
         INVALID,
         "unknown file_reads 7",
+    ),
+    (
+        "create config reserved set",
+        "expcache_create",
+        lambda h: (byref(_cfg(reserved=3)), byref(_lib.CachePtr())),
+        INVALID,
+        "reserved must be 0, got 3",
+    ),
+    (
+        "create host pool over the limit",
+        "expcache_create",
+        lambda h: (byref(_cfg(host_budget_bytes=(1 << 48) + 1)), byref(_lib.CachePtr())),
+        INVALID,
+        "host_budget_bytes must be 0 (no pool)..281474976710656 (2^48), got 281474976710657",
     ),
     (
         "create unknown policy",
@@ -1290,6 +1312,14 @@ CASES = [
         "layer 77",
     ),
     ("prefetch_stats_get NULL", "expcache_prefetch_stats_get", lambda h: (h, None), INVALID, "out is NULL"),
+    ("pool_stats_get NULL", "expcache_pool_stats_get", lambda h: (h, None), INVALID, "out is NULL"),
+    (
+        "pool_stats_get wrong size",
+        "expcache_pool_stats_get",
+        lambda h: (h, byref(_pool_stats(8))),
+        INVALID,
+        "struct_size is 8",
+    ),
     (
         "prefetch_stats_get wrong size",
         "expcache_prefetch_stats_get",
@@ -1458,6 +1488,7 @@ HANDLE_CALLS = [
     ("expcache_compact_load_ids_async", lambda h: (h, 0, IDS, 32, 1, None, byref(_compact()))),
     ("expcache_batch_prepare_ids_async", lambda h: (h, 0, IDS, 32, 1, None, IDS, PTRS, byref(OUT_U32), byref(OUT_U64))),
     ("expcache_prefetch_stats_get", lambda h: (h, byref(_prefetch_stats()))),
+    ("expcache_pool_stats_get", lambda h: (h, byref(_pool_stats()))),
     ("expcache_testing_prefetch_pause", lambda h: (h, 0)),
     ("expcache_prefetch_wait", lambda h: (h,)),
     ("expcache_testing_spin_async", lambda h: (h, None, 1000)),

@@ -104,10 +104,26 @@ def test_budget_auto_and_a_progress_callable(tmp_path):
     assert seen[-1][1:] == (3, 3)
 
 
+def test_a_host_pool_between_the_files_and_the_device(tmp_path):
+    """host_budget_bytes reaches the caches (shared between them as the budget is): the device's
+    misses of the checkpoint's files go through the pool, and the generation is the same."""
+    path = _checkpoint(tmp_path, "qwen3_moe")
+    with offload_pretrained(path, budget_fraction=0.25) as plain:
+        tokens, logits = greedy(plain.model, prompt=[[5]])
+    with offload_pretrained(path, budget_fraction=0.25, host_budget_bytes=1 << 20) as handle:
+        served_tokens, served_logits = greedy(handle.model, prompt=[[5]])
+        pools = [c.pool_stats() for c in handle.caches]
+        misses = sum(c.stats().path("device").misses for c in handle.caches)
+    assert torch.equal(served_tokens, tokens) and torch.equal(served_logits, logits)
+    assert 0 < sum(p.budget_bytes for p in pools) <= 1 << 20
+    assert sum(p.hits + p.source_reads for p in pools) == misses > 0
+    assert sum(p.inserts for p in pools) > 0
+
+
 def test_refusals_name_the_reason(tmp_path):
     path = _checkpoint(tmp_path, "qwen3_moe")
-    with pytest.raises(NotImplementedError, match=r"host_budget_bytes: the host-RAM tier .* is not built yet"):
-        offload_pretrained(path, budget_fraction=0.5, host_budget_bytes=1 << 30)
+    with pytest.raises(ValueError, match=r"host_budget_bytes must be in \[0, 281474976710656\], got -1"):
+        offload_pretrained(path, budget_fraction=0.5, host_budget_bytes=-1)
     with pytest.raises(
         ValueError,
         match=r"model\.layers\.0\.mlp\.experts\.0\.(gate|up)_proj\.weight is torch\.float32 in the checkpoint, "

@@ -59,6 +59,7 @@ def test_every_returned_type_is_exported():
         "DeviceSelection",
         "ExpertView",
         "PathStats",
+        "PoolStats",
         "PrefetchStats",
         "Selection",
         "StagingStats",

@@ -50,6 +50,7 @@ from pyexpcache.budget import class_info, resolve_budget
 from pyexpcache.cache import ExpertCache, StagingStats
 from pyexpcache.layout import GiB, ModelLayout
 from pyexpcache.progress import Progress
+from pyexpcache.stats import PoolStats
 
 from ..bench import Bench
 from ..budget import keeps_slot_counts
@@ -150,6 +151,7 @@ class VariantResult(DecodeRate, HitRate):
     belady_hit_rate: Optional[float] = None
     skipped: Optional[str] = None
     staging: Optional[StagingStats] = None  # pageable or file sources: the staging ring's counters
+    pool: Optional[PoolStats] = None  # --host-budget-gib: the host pool's counters
     page_cache_after: Optional[float] = None  # a file source: the share of its file in the page cache after the run
 
     DERIVED: ClassVar[tuple[str, ...]] = (
@@ -159,7 +161,13 @@ class VariantResult(DecodeRate, HitRate):
         "serve_us_per_call",
         "after_serve_us_per_call",
         "bound_tokens_per_s",
+        "pool_hit_rate",
     )  # in the JSON beside the fields
+
+    @property
+    def pool_hit_rate(self) -> Optional[float]:
+        """The share of the device's misses the host pool served (None without a pool)."""
+        return self.pool.hit_rate if self.pool else None
 
     @property
     def bound_tokens_per_s(self) -> Optional[float]:
@@ -282,6 +290,8 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
         result.bytes_h2d, result.bytes_d2d, result.releases = total.bytes_h2d, total.bytes_d2d, total.releases
         staging = cache.staging_stats()
         result.staging = staging if staging.calls else None
+        pool = cache.pool_stats()
+        result.pool = pool if pool.budget_bytes else None
     result.page_cache_after = bench.page_cache_fraction()
     return result, capacities
 
@@ -491,9 +501,10 @@ def table(report: Report) -> str:
     base = {r.variant: r for r in report.results if r.skipped is None}
     ref = base.get("slab")
     rows = []
+    pooled = any(r.pool for r in report.results)  # --host-budget-gib: the pool's hit rate beside the device's
     for r in report.results:
         if r.skipped:
-            rows.append([r.variant] + ["—"] * 7 + [f"skipped: {r.skipped}"])
+            rows.append([r.variant] + ["—"] * (8 if pooled else 7) + [f"skipped: {r.skipped}"])
             continue
         ratio = r.tokens_per_s / r.bound_tokens_per_s if r.bound_tokens_per_s else None
         rows.append(
@@ -501,6 +512,7 @@ def table(report: Report) -> str:
                 r.variant,
                 f"{r.tokens_per_s:.2f}",
                 f"{100 * r.hit_rate:.1f} %",
+                *([f"{100 * r.pool_hit_rate:.1f} %" if r.pool else "—"] if pooled else []),
                 f"{100 * r.belady_hit_rate:.1f} %" if r.belady_hit_rate is not None else "—",
                 f"{r.gib_per_token:.3f}",
                 f"{r.bound_tokens_per_s:.2f}" if r.bound_tokens_per_s else "∞",
@@ -515,6 +527,7 @@ def table(report: Report) -> str:
             "variant",
             timed(report, "decode tok/s"),
             "hit rate",
+            *(["host pool hit rate"] if pooled else []),
             "Belady",
             "GiB/decode token",
             timed(report, f"{report.bound_by}-bound tok/s"),

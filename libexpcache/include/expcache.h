@@ -229,6 +229,9 @@ EXPCACHE_API const char* expcache_policy_name(uint32_t policy);
  */
 #define EXPCACHE_BUDGET_FREE_MEMORY UINT64_MAX
 
+/** Largest expcache_config_t.host_budget_bytes (2^48, 256 TiB). */
+#define EXPCACHE_MAX_HOST_BUDGET_BYTES 281474976710656ULL
+
 /**
  * Cache configuration. Fill with expcache_config_init(), then change fields.
  *
@@ -289,6 +292,11 @@ typedef struct expcache_config_t {
     uint32_t partition;              /**< EXPCACHE_PARTITION_GLOBAL (default) or _LAYER; a device lookup needs GLOBAL */
     uint32_t environment;            /**< EXPCACHE_ENVIRONMENT_READ (default) or _IGNORE: whether expcache_create
                                           reads the EXPCACHE_* environment variables (see EXPCACHE_ENVIRONMENT_READ) */
+    uint32_t reserved;               /**< must be 0 */
+    uint64_t host_budget_bytes;      /**< pageable and file sources: bytes of the host pool, a tier of pinned
+                                          host RAM between the source and the device cache (see "The host
+                                          pool" at expcache_pool_stats_t); default 0 = no pool; at most
+                                          EXPCACHE_MAX_HOST_BUDGET_BYTES. Allocated by expcache_create */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -973,8 +981,10 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * reason) by the thread that read it; the select still ends, gives that expert's
  * ids slot -1 (as an id out of range: no bytes that never came are served) and
  * frees its slot, so the next select reads it again. A kernel waits at most 60 s
- * for a piece, then treats its read as failed. docs/device_lookup.md has the
- * protocol.
+ * for a piece, then treats its read as failed. With a host pool
+ * (config.host_budget_bytes) each miss is read through it: a pool hit is copied
+ * from its RAM into the row, the source not read (expcache_pool_stats_t).
+ * docs/device_lookup.md has the protocol.
  *
  * Status: INVALID_ARGUMENT (n*k 0 or over EXPCACHE_MAX_SELECT, or over the bank's
  * cap less the slots batches hold; id_bits; NULL pointers), INVALID_STATE (not a
@@ -1203,7 +1213,52 @@ typedef struct expcache_prefetch_stats_t {
 /** Copy the prefetch and hint counters to *out (struct_size set by the caller). Status: INVALID_ARGUMENT. */
 EXPCACHE_API expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_prefetch_stats_t* out);
 
-/** Zero every counter (every class and path, the staging ring's and prefetch's too). Status: INVALID_ARGUMENT. */
+/**
+ * The host pool (expcache_config_t.host_budget_bytes > 0): one tier of pinned host RAM between a
+ * source the GPU cannot read (pageable memory, a file) and the device cache, shared by every
+ * class, holding whole experts. Read-through: a miss of the device cache that reads such a source
+ * (a decode select, a compact load or a batch on the host; a device select's feed) looks in the
+ * pool first; a hit is copied from RAM, the disk not touched; a pool miss reads the source into
+ * the pool (evicting the pool's least recently used expert that no read is copying from), then
+ * copies it on. An expert whose read failed or came short is never entered. The pool is cut into
+ * slots of one size when it is first used: the largest expert (its parts each 64-byte aligned)
+ * among the layers of such sources registered then; an expert larger than that (a layer
+ * registered later) is read past the pool. Prefetches and pinned sources never use it. A layer
+ * unregistered or registered again leaves it.
+ *
+ * Counters per tier: the device's hits are expcache_stats_t's; these count what the device's
+ * misses of such sources did next. Each such miss is one of hits (from the pool) or source_reads
+ * (from the source: every such miss when there is no pool); with a pool, each source read is one
+ * of inserts (entered), failed (the read failed: not entered), bypassed (read past the pool: no
+ * slot free of readers, or an expert larger than a slot) or still under way.
+ */
+typedef struct expcache_pool_stats_t {
+    uint32_t struct_size; /**< sizeof(expcache_pool_stats_t); set by the caller */
+    uint32_t reserved;
+    uint64_t budget_bytes; /**< config.host_budget_bytes (0: no pool) */
+    uint64_t slot_bytes;   /**< bytes of one slot (0 until the pool's first use) */
+    uint64_t slots;        /**< slots the budget holds (0 until the pool's first use) */
+    uint64_t resident;     /**< experts in the pool now */
+    uint64_t hits;         /**< device misses served from the pool */
+    uint64_t bytes_hit;    /**< their bytes */
+    uint64_t source_reads; /**< device misses read from the source (a disk read, for a file) */
+    uint64_t bytes_source; /**< their bytes */
+    uint64_t inserts;      /**< experts entered into the pool */
+    uint64_t evictions;    /**< experts the pool evicted to make room */
+    uint64_t failed;       /**< reads that failed or came short: not entered */
+    uint64_t bypassed;     /**< source reads past the pool (no slot free of readers, or too large) */
+} expcache_pool_stats_t;
+
+/**
+ * Copy the host pool's counters since the cache was made or its stats were reset (the
+ * budget, slots and residents as they are now) to *out (struct_size set by the caller). On a
+ * device-lookup cache a device select's pool counts are made by the feed's threads: read them
+ * after synchronizing the select's stream. Status: INVALID_ARGUMENT.
+ */
+EXPCACHE_API expcache_status_t expcache_pool_stats_get(const expcache_t* cache, expcache_pool_stats_t* out);
+
+/** Zero every counter (every class and path, the staging ring's, prefetch's and the pool's too). Status:
+ * INVALID_ARGUMENT. */
 EXPCACHE_API expcache_status_t expcache_stats_reset(expcache_t* cache);
 
 /* ---------------------------------------------------------------------- */

@@ -191,7 +191,8 @@ EXPCACHE_API expcache_status_t expcache_testing_device_reads(const expcache_t* c
 #define EXPCACHE_STRUCT_STAGING_STATS 6  /**< expcache_staging_stats_t */
 #define EXPCACHE_STRUCT_PREFETCH_STATS 7 /**< expcache_prefetch_stats_t */
 #define EXPCACHE_STRUCT_BANK 8           /**< expcache_bank_t */
-#define EXPCACHE_STRUCT_COUNT 9          /**< the number of EXPCACHE_STRUCT_* values */
+#define EXPCACHE_STRUCT_POOL_STATS 9     /**< expcache_pool_stats_t */
+#define EXPCACHE_STRUCT_COUNT 10         /**< the number of EXPCACHE_STRUCT_* values */
 
 /**
  * sizeof, in bytes, of the public struct `which` (EXPCACHE_STRUCT_*) as the

@@ -99,6 +99,14 @@ expcache_status_t expcache_prefetch_stats_get(const expcache_t* cache, expcache_
     });
 }
 
+expcache_status_t expcache_pool_stats_get(const expcache_t* cache, expcache_pool_stats_t* out) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_TRY(check_struct(out, "out"));
+        return cache->impl->get_pool_stats(out);
+    });
+}
+
 expcache_status_t expcache_stats_reset(expcache_t* cache) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

@@ -144,10 +144,12 @@ uint32_t expcache_testing_struct_size(uint32_t which) {
             return sizeof(expcache_prefetch_stats_t);
         case EXPCACHE_STRUCT_BANK:
             return sizeof(expcache_bank_t);
+        case EXPCACHE_STRUCT_POOL_STATS:
+            return sizeof(expcache_pool_stats_t);
         default:
             return 0;
     }
 }
-static_assert(EXPCACHE_STRUCT_COUNT == 9, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");
+static_assert(EXPCACHE_STRUCT_COUNT == 10, "expcache_testing_struct_size covers every EXPCACHE_STRUCT_*");
 
 }  // extern "C"

@@ -17,12 +17,14 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
       arena_(*backend_),
       config_(config),
       log_(config.log_level),
+      pool_(backend_->link(), config.host_budget_bytes),
       layers_(config.num_layers, config.lookup == EXPCACHE_LOOKUP_DEVICE),
       classes_(config_, *backend_, arena_, layers_, log_, health_),
       lookup_(config_, *backend_, arena_, layers_, classes_, log_, health_, std::move(lookup_kernels)),
       streams_(*backend_, health_, classes_),
       prefetch_({config_, *backend_, layers_, classes_, streams_, clock_, log_, health_}) {
     batches_.open.reserve(EXPCACHE_MAX_BATCHES);
+    lookup_.use_pool(&pool_);
 }
 
 expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr<Cache>* out) {
@@ -54,6 +56,15 @@ expcache_status_t Cache::create(const expcache_config_t& config, std::unique_ptr
     std::unique_ptr<InstrumentedBackend> instrumented(new InstrumentedBackend(std::move(backend), std::move(kernels)));
     std::unique_ptr<Cache> cache(new Cache(cfg, std::move(instrumented), std::move(lookup)));
     log_environment_once(cache->log_, lines);
+    cache->backend_->enter();
+    s = cache->pool_.allocate();
+    cache->backend_->leave();
+    if (s != EXPCACHE_OK) return s;
+    if (cache->pool_.enabled())
+        cache->log_(EXPCACHE_LOG_NOTICE,
+                    "host pool: %s of pinned host memory between pageable or file sources and "
+                    "the device cache",
+                    human_bytes(cfg.host_budget_bytes).c_str());
     if (cfg.budget_bytes == EXPCACHE_BUDGET_FREE_MEMORY) {
         cache->free_memory_budget_ = true;
         if ((s = cache->measure_budget(&cache->config_)) != EXPCACHE_OK) return s;
@@ -141,7 +152,10 @@ expcache_status_t Cache::register_layers(uint32_t n, const uint32_t* layers, con
         if (s == EXPCACHE_OK) s = device_table_fits(layers[i], descs[i].num_experts);
         if (s != EXPCACHE_OK) return n > 1 ? fail(s, "descs[%u]: %s", i, std::string(last_error()).c_str()) : s;
     }
-    for (uint32_t i = 0; i < n; ++i) layers_.record(layers[i], descs[i]);
+    for (uint32_t i = 0; i < n; ++i) {
+        layers_.record(layers[i], descs[i]);
+        note_pool_layer(layers[i]);
+    }
     clock_.policy.positions = layers_.registered();
     classes_.invalidate_caps();  // budget shares depend on the whole layout
     const size_t needed = layers_.size_classes();
@@ -200,6 +214,7 @@ expcache_status_t Cache::unregister_layer(uint32_t layer) {
     if ((s = lookup_.forget_layer(layer, c)) != EXPCACHE_OK) return s;
     classes_.forget_layer(layer);
     layers_.unregister(layer);
+    pool_.forget_layer(layer);
     clock_.policy.positions = layers_.registered();
     classes_.invalidate_caps();  // budget shares depend on the whole layout
     if (c >= 0)

@@ -27,6 +27,7 @@
 #include "device_lookup.hpp"
 #include "errors.hpp"
 #include "expcache.h"
+#include "host_pool.hpp"
 #include "layers.hpp"
 #include "log.hpp"
 #include "prefetch_coordinator.hpp"
@@ -153,6 +154,7 @@ public:
     // Every class's info and counters at once: infos[n], stats[n * EXPCACHE_NUM_PATHS] (n <= max_classes).
     expcache_status_t read_stats(uint32_t n, expcache_class_info_t* infos, expcache_stats_t* stats) const;
     expcache_status_t get_staging_stats(expcache_staging_stats_t* out) const;
+    expcache_status_t get_pool_stats(expcache_pool_stats_t* out) const;
     expcache_status_t reset_stats();
     expcache_status_t set_log_callback(expcache_log_fn fn, void* user);
     expcache_status_t set_log_level(uint32_t level);
@@ -266,6 +268,14 @@ private:
                                 const char* count_name, expcache_status_t (Cache::*admit)() const = nullptr);
     expcache_status_t copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kMaxParts],
                                   void* stream);
+    // serve_pool.cpp: copy_expert of a pageable or file source through the host pool; *done false:
+    // the pool did not take it (none, full of readers, too large), read the source as before.
+    expcache_status_t copy_through_pool(const LayerState& layer, uint32_t expert, unsigned char* const dst[kMaxParts],
+                                        void* stream, bool* done);
+    // The pool slots this call's uploads read, let go once they have read them (settle_uploads).
+    void release_pool_leases();
+    // A layer just registered: the pool forgets what it held of it, and notes its experts' size.
+    void note_pool_layer(uint32_t layer);
     // Frees the slots `inserted` lists (the call's) if an upload failed.
     expcache_status_t settle_uploads(std::vector<std::pair<int32_t, int32_t>>& inserted);
     expcache_status_t alloc_staging(uint64_t bytes, int32_t c, uint32_t path, void** out);
@@ -327,6 +337,9 @@ private:
     bool free_memory_budget_ = false;  // budget_bytes measured from free memory (EXPCACHE_BUDGET_FREE_MEMORY)
     Log log_;
     Health health_;
+    HostPool pool_;  // after backend_ (its link allocates the pool), before lookup_ (the feed reads it)
+    std::vector<HostPool::Lease> pool_leases_;  // this call's pool slots its uploads read
+    bool pool_warned_ = false;                  // a layer's experts do not fit the pool: said once
     LayerTable layers_;
     ClassTable classes_;
     DeviceLookup lookup_;

@@ -153,6 +153,10 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "set budget_experts or budget_bytes (both are 0)");
     if (cfg.device_capacity_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
     if (cfg.slab_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "slab_bytes must be > 0");
+    if (cfg.reserved != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved must be 0, got %u", cfg.reserved);
+    if (cfg.host_budget_bytes > EXPCACHE_MAX_HOST_BUDGET_BYTES)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "host_budget_bytes must be 0 (no pool)..%llu (2^48), got %llu",
+                    (unsigned long long)EXPCACHE_MAX_HOST_BUDGET_BYTES, (unsigned long long)cfg.host_budget_bytes);
     if (cfg.copy_threads > 64)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "copy_threads must be 0..64, got %u", cfg.copy_threads);
     if (!policy_name(cfg.policy))

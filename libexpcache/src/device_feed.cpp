@@ -57,7 +57,7 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     f.row_bytes = row_bytes;
     f.piece = piece;
     for (int p = 0; p < kMaxParts; ++p) f.part_at[p] = part_at[p];
-    if (!feed_) feed_.reset(new FeedThreads(layers_, log_, copy_threads_));
+    if (!feed_) feed_.reset(new FeedThreads(layers_, log_, copy_threads_, pool_));
     FeedRing ring;
     ring.box = static_cast<FeedBox*>(host);
     ring.rows = static_cast<unsigned char*>(host) + box_bytes;

@@ -44,6 +44,8 @@ public:
     DeviceLookup& operator=(const DeviceLookup&) = delete;
 
     bool enabled() const { return enabled_; }
+    // The host pool the feed reads through (the cache's; it outlives this lookup).
+    void use_pool(HostPool* pool) { pool_ = pool; }
     // Whether the device state exists: the layout is then fixed (its size depends on it).
     bool frozen() const { return table_ != nullptr; }
     // Whether class c's device state exists (made by prepare() once the class is bound).
@@ -160,7 +162,8 @@ private:
         void* device = nullptr;
     } mapped_;
     std::vector<unsigned char> read_buf_;  // snapshot's copy
-    std::unique_ptr<FeedThreads> feed_;    // made with the first class that needs a feed
+    HostPool* pool_ = nullptr;
+    std::unique_ptr<FeedThreads> feed_;  // made with the first class that needs a feed
 };
 
 }  // namespace expcache

@@ -125,10 +125,19 @@ bool FeedThreads::issue(Watched& w, std::vector<Job>* out) {
         w.row_used[r] = true;
         // Every piece of every part, in the order the grid copies them.
         const bool known = entry.layer < layers_.size() && layers_[entry.layer].registered;
+        const size_t first = out->size();
         for (int p = 0; p < kMaxParts; ++p) {
             const uint64_t bytes = known ? layers_[entry.layer].bytes[p] : (p == 0);  // unknown: one failing job
             for (uint32_t q = 0; uint64_t(q) * w.ring.piece < bytes; ++q) out->push_back(Job{&w, r, p, q, tag, entry});
         }
+        // The row's readers are done with its last miss (consumed): its pool state is the poller's.
+        RowPool& rp = w.pool[r];
+        rp.lease = HostPool::Lease();
+        rp.counted =
+            pool_ && known && entry.expert < layers_[entry.layer].num_experts && !layers_[entry.layer].source.pinned();
+        if (rp.counted) rp.lease = pool_->begin(entry.layer, entry.expert, layers_[entry.layer].bytes);
+        rp.failed.store(false, std::memory_order_relaxed);
+        rp.left.store(static_cast<uint32_t>(out->size() - first), std::memory_order_relaxed);
         ++w.issued;
         issued = true;
     }
@@ -187,18 +196,24 @@ expcache_status_t FeedThreads::fill(unsigned char* dst, const LayerState& l, int
         if (s != EXPCACHE_OK) return s;
         from = bounce.get();
     }
+    stream_to(dst, from, n);
+    return EXPCACHE_OK;
+}
+
+void FeedThreads::stream_to(unsigned char* dst, const char* from, uint64_t n) const {
     char* to = reinterpret_cast<char*>(dst);
     if (wide_ && reinterpret_cast<uintptr_t>(to) % 64 == 0)
         copy_nt_wide(to, from, n, kStagingPrefetch);
     else
         copy_nt(to, from, n);
-    return EXPCACHE_OK;
 }
 
 // One piece of a miss read into its region of the row (at delta past its start, for O_DIRECT),
-// then its ready word, the failure flagged (and logged, once per miss) when the read failed.
+// or copied there from its host pool slot (a pool hit), copied on into the slot it fills (a pool
+// miss), then its ready word, the failure flagged (and logged, once per miss) when the read failed.
 void FeedThreads::run(const Job& job) {
     const FeedRing& ring = job.w->ring;
+    RowPool& rp = job.w->pool[job.row];
     const FeedEntry e = job.entry;
     const int p = job.part;
     uint64_t delta = 0;
@@ -212,8 +227,18 @@ void FeedThreads::run(const Job& job) {
         const uint64_t n = std::min(ring.piece, l.bytes[p] - at);
         unsigned char* dst = ring.rows + uint64_t(job.row) * ring.row_bytes + ring.part_at[p] +
                              uint64_t(job.piece) * (ring.piece + 2 * kFeedAlign);
-        s = fill(dst, l, p, e.expert, at, n, &delta);
+        if (rp.lease.hit) {
+            stream_to(dst, reinterpret_cast<const char*>(rp.lease.at + rp.lease.part_at[p] + at), n);
+        } else {
+            s = fill(dst, l, p, e.expert, at, n, &delta);
+            if (s == EXPCACHE_OK && rp.lease.slot >= 0)
+                std::memcpy(rp.lease.at + rp.lease.part_at[p] + at, dst + delta, n);
+        }
     }
+    if (s != EXPCACHE_OK) rp.failed.store(true, std::memory_order_relaxed);
+    // The miss's last piece ends its lease before its ready word: the row (and rp) may be reused after.
+    if (rp.left.fetch_sub(1, std::memory_order_acq_rel) == 1 && pool_)
+        pool_->end(rp.lease, !rp.failed.load(std::memory_order_relaxed));
     if (s != EXPCACHE_OK) {
         if (job.w->logged[job.row].exchange(job.tag) != job.tag)
             log_(EXPCACHE_LOG_WARNING,

@@ -9,6 +9,11 @@
 // polls after kIdleSpin without one: a select after a pause waits up to kIdleSleep for its first
 // read to start. The readers spin (yielding) for kIdleSpin after their last piece, then sleep
 // until the poller hands them more.
+//
+// With a host pool (host_pool.hpp), each miss of a pageable or file source asks the pool when it
+// is issued: a pool hit's pieces are copied out of the pool's RAM into the row (no read of the
+// source); a pool miss's pieces are read from the source into the row as before and copied on
+// into the pool slot, which the miss's last piece enters only if every piece was read.
 #pragma once
 
 #include <atomic>
@@ -22,6 +27,7 @@
 #include <vector>
 
 #include "backend/copy_nt.hpp"
+#include "host_pool.hpp"
 #include "kernels/feed_protocol.hpp"
 #include "layers.hpp"
 #include "log.hpp"
@@ -48,9 +54,10 @@ public:
     static constexpr std::chrono::microseconds kIdleSpin{2000};
     static constexpr std::chrono::microseconds kIdleSleep{50};
 
-    // readers: the threads that read (config.copy_threads, at least 1).
-    FeedThreads(const LayerTable& layers, const Log& log, uint32_t readers)
-        : layers_(layers), log_(log), readers_wanted_(readers ? readers : 1) {}
+    // readers: the threads that read (config.copy_threads, at least 1); pool: the host pool the
+    // misses of pageable and file sources are read through (nullptr: none).
+    FeedThreads(const LayerTable& layers, const Log& log, uint32_t readers, HostPool* pool)
+        : layers_(layers), log_(log), readers_wanted_(readers ? readers : 1), pool_(pool) {}
     uint32_t readers() const { return readers_wanted_; }
     // Stops the threads; the device is done with the rows (the cache synchronized first).
     ~FeedThreads();
@@ -62,6 +69,14 @@ public:
     expcache_status_t watch(const FeedRing& ring);
 
 private:
+    // What the host pool gave a row's miss: its lease, the pieces still to read, whether one failed.
+    // Written by the poller before the miss's jobs are queued; the last piece ends the lease.
+    struct RowPool {
+        HostPool::Lease lease;
+        bool counted = false;  // a pageable or file source: the pool was asked
+        std::atomic<uint32_t> left{0};
+        std::atomic<bool> failed{false};
+    };
     struct Watched {
         FeedRing ring;
         uint64_t seq = 0;  // the select being fed (its number), and its misses given to readers
@@ -69,6 +84,7 @@ private:
         uint64_t row_tag[kFeedRows] = {};  // the tag of the miss each row last carried
         bool row_used[kFeedRows] = {};
         std::atomic<uint64_t> logged[kFeedRows] = {};  // the last tag whose failure was logged
+        RowPool pool[kFeedRows];
     };
     struct Job {
         Watched* w;
@@ -84,12 +100,15 @@ private:
     bool issue(Watched& w, std::vector<Job>* out);
     void read_loop();
     void run(const Job& job);
+    // n bytes from `from` into the row at dst, with non-temporal stores.
+    void stream_to(unsigned char* dst, const char* from, uint64_t n) const;
     expcache_status_t fill(unsigned char* dst, const LayerState& l, int p, uint32_t expert, uint64_t at, uint64_t n,
                            uint64_t* delta);
 
     const LayerTable& layers_;
     const Log& log_;
     const uint32_t readers_wanted_;
+    HostPool* const pool_;
     const bool wide_ = copy_nt_wide_supported();  // 64-byte non-temporal stores (AVX-512)
     std::mutex rings_mu_;                         // rings_
     std::vector<std::unique_ptr<Watched>> rings_;

@@ -303,6 +303,7 @@ expcache_status_t Cache::reset_stats() {
     classes_.reset_stats();
     backend_->reset_staging_stats();
     prefetch_.reset_stats();
+    pool_.reset_stats();
     return EXPCACHE_OK;
 }
 

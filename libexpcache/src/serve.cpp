@@ -116,6 +116,11 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
 // source and in the destination into one transfer.
 expcache_status_t Cache::copy_expert(const LayerState& layer, uint32_t expert, unsigned char* const dst[kMaxParts],
                                      void* stream) {
+    if (!layer.source.pinned()) {
+        bool done = false;
+        expcache_status_t s = copy_through_pool(layer, expert, dst, stream, &done);
+        if (s != EXPCACHE_OK || done) return s;
+    }
     int p = 0;
     while (p < layer.nparts) {
         const unsigned char* src = layer.source_at(p, expert);
@@ -148,6 +153,7 @@ void Cache::UploadScope::abandon() {
 
 expcache_status_t Cache::settle_uploads(std::vector<std::pair<int32_t, int32_t>>& inserted) {
     expcache_status_t s = health_.check(backend_->finish_uploads());
+    release_pool_leases();  // the uploads have read them
     if (s != EXPCACHE_OK && lookup_.enabled()) {
         // The device's residency: each class's failed slots forgotten there (the call's own error stays).
         const std::string why = last_error();

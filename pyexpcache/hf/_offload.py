@@ -330,7 +330,16 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
     register([e.module for e in layers])
     registration = HostRegistration()
     functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
-    caches = Caches(layers, layout, compute, functions, options["policy"], device_capacity_bytes, files)
+    caches = Caches(
+        layers,
+        layout,
+        compute,
+        functions,
+        options["policy"],
+        device_capacity_bytes,
+        files,
+        options.get("host_budget_bytes", 0),
+    )
     try:
         _move_the_rest(model, layers, compute)
         caches.place(registration, progress)

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from .._ints import checked_int
+from .._lib import MAX_HOST_BUDGET_BYTES
 from ..file_source import FileSource
 from ..layout import ModelLayout
 from ..source import LayerPlacement
@@ -151,8 +153,12 @@ def offload_pretrained(
         path: a local directory with ``model.safetensors`` or ``model.safetensors.index.json``.
         budget, budget_bytes, budget_fraction, max_len, batch, margin_bytes, device_capacity_bytes,
             policy: as :func:`offload` takes them (one budget; ``budget="auto"`` sizes it).
-        host_budget_bytes: the host-RAM tier between the files and the GPU; not built yet: only
-            None is accepted.
+        host_budget_bytes: bytes of the host pool, a tier of pinned host RAM between the files and
+            the GPU (``ExpertCache(host_budget_bytes=...)``): the device's misses read the files
+            only when the pool misses too. Shared between the caches as the budget is (in
+            proportion to their experts' bytes); None or 0: no pool (misses read the files,
+            through the page cache). Its counters: ``cache.pool_stats()`` of each of
+            ``handle.caches``.
         device: where the model computes (default: the CPU, expcache's host backend); the
             non-expert weights are moved there.
         dtype: ``from_pretrained``'s (default: as it decides, the config's). The experts are
@@ -168,7 +174,6 @@ def offload_pretrained(
             ``quantization_config`` are offload_pretrained's own.
 
     Raises:
-        NotImplementedError: ``host_budget_bytes`` given (the host-RAM tier is not built yet).
         ValueError: a budget missing, doubled or out of range (as :func:`offload`); no safetensors
             checkpoint in ``path``; an experts tensor whose bytes are not a byte range of a shard,
             naming the tensor and the reason: stored transposed or otherwise rearranged relative to
@@ -178,11 +183,8 @@ def offload_pretrained(
     """
     import transformers
 
-    if host_budget_bytes is not None:
-        raise NotImplementedError(
-            "host_budget_bytes: the host-RAM tier between the files and the GPU (issue #39 item 2) is not "
-            "built yet; give host_budget_bytes=None (misses are then read from the files, through the page cache)"
-        )
+    host_budget_bytes = 0 if host_budget_bytes is None else host_budget_bytes
+    host_budget_bytes = checked_int(host_budget_bytes, "host_budget_bytes", 0, MAX_HOST_BUDGET_BYTES)
     check_arguments(budget, budget_bytes, budget_fraction, max_len, batch, margin_bytes, progress)
     own = sorted(set(from_pretrained) & set(_OWN))
     if own:
@@ -238,4 +240,5 @@ def offload_pretrained(
         device_capacity_bytes=device_capacity_bytes,
         policy=policy,
         progress=bar,
+        host_budget_bytes=host_budget_bytes,
     )

@@ -1,0 +1,104 @@
+// The host pool (expcache_config_t.host_budget_bytes): a tier of pinned host RAM between a source
+// the GPU cannot read (pageable memory, a file) and the device cache, holding whole experts, so
+// the source serves only the pool's misses. One pool per cache, shared by its classes: one
+// allocation (the staging link's pinned chunk: cudaMallocHost, plain aligned memory on the host
+// backend) made by expcache_create, cut into slots of one size at its first use (the largest
+// expert noted by then). Its own LRU order; a slot a reader copies from is pinned (never evicted
+// or refilled until the reader lets it go), and a slot being filled is invisible to readers until
+// its read succeeded: no stale or partial bytes are ever served from it.
+//
+// Thread-safe (one mutex): the serving calls' thread and the feed's threads use it at once.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/staging_ring.hpp"
+#include "expcache.h"
+#include "layers.hpp"
+
+namespace expcache {
+
+// Where each part of an expert of these part sizes lies in a pool slot (64-byte aligned, for
+// copy_nt_wide): part_at[p]; the bytes the expert takes.
+uint64_t pool_layout(const uint64_t part_bytes[kMaxParts], uint64_t part_at[kMaxParts]);
+
+class HostPool {
+public:
+    // What a miss of the device cache got from the pool.
+    struct Lease {
+        int32_t slot = -1;            // -1: none, read past the pool
+        bool hit = false;             // the expert is in the slot: read it from there
+        unsigned char* at = nullptr;  // the slot's memory (a fill reads the source into it)
+        uint64_t part_at[kMaxParts] = {};
+    };
+
+    // budget_bytes 0: no pool (every lease is none; the source reads are still counted).
+    HostPool(StagingRing::Transport& link, uint64_t budget_bytes) : link_(link), budget_(budget_bytes) {}
+    ~HostPool();
+    HostPool(const HostPool&) = delete;
+    HostPool& operator=(const HostPool&) = delete;
+
+    // The budget's memory, once. Status: OK, OUT_OF_HOST_MEMORY.
+    expcache_status_t allocate();
+    bool enabled() const { return mem_ != nullptr; }
+    // A layer of experts of these part sizes reads through the pool: slots (cut at the first use)
+    // hold them. Whether such an expert fits a slot (false: its reads go past the pool).
+    bool note_expert(const uint64_t part_bytes[kMaxParts]);
+    // Whether the slots are cut (the first use); the largest expert that fits: a slot, or the budget before.
+    bool cut() const;
+    uint64_t room() const;
+
+    // A miss of `expert` of `layer` (experts of part_bytes) about to be read: a hit (the slot
+    // pinned until end()), a slot to fill (pinned and invisible until end()), or none. Counts
+    // the miss as a hit or a source read.
+    Lease begin(uint32_t layer, uint32_t expert, const uint64_t part_bytes[kMaxParts]);
+    // The lease's reader is done with it: a hit's slot let go; a fill's slot entered when `ok`
+    // (every byte read), else freed and counted failed. Nothing for a lease of none.
+    void end(const Lease& lease, bool ok);
+    // A fill whose source read is done, on the thread that read it: entered when `ok` and kept
+    // pinned as a hit lease (true), else freed (false; counted failed when !ok).
+    bool filled(Lease* lease, bool ok);
+    // Every expert of `layer` leaves (its source may change): fills under way are not entered.
+    void forget_layer(uint32_t layer);
+
+    void stats(expcache_pool_stats_t* out) const;
+    void reset_stats();
+
+private:
+    enum State : uint8_t { kFree, kFilling, kValid };
+    struct Slot {
+        uint64_t key = 0;
+        uint64_t gen = 0;  // the layer's generation when it was filled (forget_layer)
+        uint32_t pins = 0;
+        State state = kFree;
+        bool mapped = false;  // key -> this slot in map_
+        int32_t prev = -1, next = -1;
+    };
+    static uint64_t key_of(uint32_t layer, uint32_t expert) { return uint64_t(layer) << 32 | expert; }
+    void cut_slots();  // at the first use
+    int32_t take();
+    void unlink(int32_t s);
+    void push_front(int32_t s);
+    void release(int32_t s);  // back to free, out of the map and the order
+    uint64_t gen_of(uint32_t layer) const { return layer < gens_.size() ? gens_[layer] : 0; }
+
+    StagingRing::Transport& link_;
+    const uint64_t budget_;
+    void* mem_ = nullptr;
+    void* marker_ = nullptr;
+    mutable std::mutex mu_;
+    uint64_t largest_ = 0;     // the largest expert noted (pool_layout's bytes)
+    uint64_t slot_bytes_ = 0;  // 0 until cut
+    std::vector<Slot> slots_;
+    std::vector<int32_t> free_;
+    int32_t head_ = -1, tail_ = -1;  // the valid slots, most recently used first
+    std::unordered_map<uint64_t, int32_t> map_;
+    std::vector<uint64_t> gens_;  // per layer (grown as needed)
+    uint64_t resident_ = 0;
+    expcache_pool_stats_t counts_ = {};
+};
+
+}  // namespace expcache

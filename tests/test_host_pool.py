@@ -1,0 +1,308 @@
+"""The host pool (``host_budget_bytes``): a tier of pinned host RAM between a pageable or file
+source and the device cache, read-through, for the host-side calls' misses and a device select's
+feed. Every served expert is checked byte for byte against the source; the tiers' counters
+against their sum rules: each device miss of such a source is a pool hit or a source read, and
+each source read through a pool is entered, failed or read past it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+
+from pyexpcache import ArgumentRangeError, ExpcacheWarning, ExpertCache, GGUFSource, HostSource, ModelLayout, testing
+
+from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
+
+LOOKUPS = ["host", "device"]
+_nothing = contextlib.nullcontext
+
+
+def _layout():
+    return ModelLayout.preset("q2", scale=SCALE)
+
+
+def _slot_bytes(spec):
+    """Bytes an expert takes in the pool: each part 64-byte aligned."""
+    return sum(-(-b // 64) * 64 for b in spec.class_key)
+
+
+def _select(cache, source, layer, ids):
+    """One select of ``ids`` on either lookup, its experts checked against the source; the slots
+    (device) or addresses (host) it gave."""
+    if cache.lookup == "device":
+        slots = to_numpy(cache.select_device(layer, device_ids(cache, ids)))
+        cache.synchronize()
+        served = [e for e, s in zip(ids, slots) if s >= 0]
+        rows = bank_rows(cache.bank(layer), [s for s in slots if s >= 0])
+        assert_served(cache, source, layer, served, rows)
+        return slots
+    ptrs = cache.select(layer, ids)
+    assert_served(cache, source, layer, ids, ptrs)
+    return ptrs
+
+
+def _misses(cache):
+    return cache.stats().path("device" if cache.lookup == "device" else "decode").misses
+
+
+def _check_sums(cache):
+    st = cache.stats()
+    pool = st.pool
+    assert _misses(cache) == pool.hits + pool.source_reads == pool.lookups
+    if pool.budget_bytes:
+        assert pool.source_reads == pool.inserts + pool.failed + pool.bypassed
+        assert pool.resident <= pool.slots
+        assert pool.resident == pool.inserts - pool.evictions
+    return pool
+
+
+def _trace(layout, steps, seed=3):
+    rng = np.random.default_rng(seed)
+    for step in range(steps):
+        layer = layout.moe_layers[step % 3]
+        yield layer, rng.choice(layout[layer].num_experts, [3, 6, 10, 1][step % 4], replace=False)
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+@pytest.mark.parametrize("copy_threads", [0, 3])
+def test_every_expert_served_through_the_pool_is_the_sources(backend, policy, lookup, copy_threads):
+    """A trace over three layers, a device cache of 12 experts and a pool of 40 (so both evict):
+    every select's experts are the source's bytes, the pool serves some of the device's misses,
+    and the counters add up."""
+    layout = _layout()
+    spec = layout[layout.moe_layers[0]]
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(
+            layout,
+            source,
+            budget_experts=12,
+            backend=backend,
+            lookup=lookup,
+            policy=policy,
+            copy_threads=copy_threads,
+            host_budget_bytes=40 * _slot_bytes(spec),
+        ) as cache,
+    ):
+        for layer, ids in _trace(layout, 40):
+            _select(cache, source, layer, ids)
+        pool = _check_sums(cache)
+        assert pool.slots == 40 and pool.slot_bytes == _slot_bytes(spec)
+        assert pool.hits > 0 and pool.evictions > 0 and pool.failed == pool.bypassed == 0
+        assert pool.bytes_hit == pool.hits * spec.expert_bytes
+        assert pool.bytes_source == pool.source_reads * spec.expert_bytes
+        assert cache.stats().path("device" if lookup == "device" else "decode").evictions > 0
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+@pytest.mark.parametrize("file_reads", ["buffered", "direct"])
+def test_a_gguf_file_read_through_the_pool(tmp_path, backend, lookup, file_reads):
+    """A GGUF file read with pread (through the page cache or O_DIRECT) of two size classes: the
+    pool's slots hold the larger experts, every expert served is the file's."""
+    pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
+    from support.gguf_files import Q2_LIKE, Q4, write_model
+
+    path = write_model(tmp_path / "m.gguf", [None, Q2_LIKE, Q4, Q2_LIKE])
+    with GGUFSource(path, reads="file") as src:
+        layout = src.layout
+        biggest = max(_slot_bytes(layout[i]) for i in layout.moe_layers)
+        with ExpertCache(
+            layout,
+            src,
+            budget_experts=3,
+            backend=backend,
+            lookup=lookup,
+            file_reads=file_reads,
+            host_budget_bytes=64 * biggest,
+        ) as cache:
+            rng = np.random.default_rng(5)
+            for step in range(24):
+                layer = layout.moe_layers[step % 3]
+                _select(cache, src, layer, rng.choice(layout[layer].num_experts, 3, replace=False))
+            pool = _check_sums(cache)
+            assert pool.slot_bytes == biggest and pool.hits > 0
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_an_expert_evicted_from_the_device_is_a_pool_hit(backend, lookup):
+    """Selected again after the device evicted it, an expert comes from the pool, the source not
+    read."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    spec = layout[layer]
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(
+            layout, source, budget_experts=2, backend=backend, lookup=lookup, policy="lru", host_budget_bytes=1 << 20
+        ) as cache,
+    ):
+        for ids in ([0, 1], [2, 3], [0, 1]):
+            _select(cache, source, layer, ids)
+        pool = _check_sums(cache)
+        assert (pool.hits, pool.source_reads, pool.inserts, pool.resident) == (2, 4, 4, 4)
+        assert (pool.bytes_hit, pool.bytes_source) == (2 * spec.expert_bytes, 4 * spec.expert_bytes)
+        assert _misses(cache) == 6
+        cache.reset_stats()
+        st = cache.pool_stats()
+        assert (st.hits, st.source_reads, st.inserts) == (0, 0, 0) and st.resident == 4
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_a_full_pool_evicts_its_least_recently_used(backend, lookup):
+    """A pool of two experts under a device cache of one: a pool hit refreshes its expert, a
+    pool miss evicts the least recently used one, which is read from the source again."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(
+            layout,
+            source,
+            budget_experts=1,
+            backend=backend,
+            lookup=lookup,
+            host_budget_bytes=2 * _slot_bytes(layout[layer]) + 63,
+        ) as cache,
+    ):
+        seen = []
+        for e in (0, 1, 0, 2, 1, 0):
+            before = cache.pool_stats()
+            _select(cache, source, layer, [e])
+            after = cache.pool_stats()
+            seen.append("hit" if after.hits > before.hits else "read")
+        # 0, 1 read; 0 a hit (now the most recent); 2 evicts 1; 1 read again, evicting 0; 0 read.
+        assert seen == ["read", "read", "hit", "read", "read", "read"]
+        pool = _check_sums(cache)
+        assert (pool.slots, pool.resident, pool.evictions) == (2, 2, 3)
+
+
+def test_a_failed_read_is_not_entered_into_the_pool_host(tmp_path, backend, policy):
+    """A host-side select whose file ends early fails; the expert that could not be read is
+    neither resident nor in the pool (counted failed), the one read before it is both (its bytes
+    are whole). Once the file is whole, the failed expert is read from the file again."""
+    from pyexpcache import SourceIOError
+
+    pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
+    from support.gguf_files import Q4, write_model
+
+    path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
+    whole = path.read_bytes()
+    with GGUFSource(path, reads="file") as src:
+        layout = src.layout
+        last = layout.moe_layers[-1]
+        with ExpertCache(
+            layout, src, budget_experts=8, backend=backend, log_level=0, policy=policy, host_budget_bytes=1 << 20
+        ) as cache:
+            rec = src.records[last]
+            os.truncate(path, rec.offsets[2] + 4 * layout[last].down_bytes)  # experts 4-7 of `last` end early
+            with pytest.raises(SourceIOError, match="ended early"):
+                cache.select(last, [2, 6, 3])
+            pool = cache.pool_stats()
+            assert (pool.failed, pool.inserts, pool.resident) == (1, 1, 1)  # 2 read and entered; 6 failed
+            assert testing.read_expert(cache, last, 6) is None
+            assert (testing.read_expert(cache, last, 2) == src.expert_bytes(last, 2)).all()
+            path.write_bytes(whole)
+            _select(cache, src, last, [2, 6, 3])  # 2 a device hit; 6 and 3 read from the file
+            pool = cache.pool_stats()
+            assert (pool.hits, pool.source_reads, pool.failed, pool.inserts, pool.resident) == (0, 4, 1, 3, 3)
+
+
+def test_a_failed_read_is_not_entered_into_the_pool_device(tmp_path, backend, policy):
+    """A fed select whose file ends early gives the failed expert slot -1 and leaves it out of the
+    pool; once the file is whole the next select reads it from the file, and it is byte-exact."""
+    pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
+    from support.gguf_files import Q4, write_model
+
+    path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
+    whole = path.read_bytes()
+    with GGUFSource(path, reads="file") as src:
+        layout = src.layout
+        last = layout.moe_layers[-1]
+        with ExpertCache(
+            layout, src, budget_experts=2, backend=backend, lookup="device", policy=policy, host_budget_bytes=1 << 20
+        ) as cache:
+            cache.bank(last)
+            rec = src.records[last]
+            os.truncate(path, rec.offsets[2] + 4 * layout[last].down_bytes)
+            with pytest.warns(ExpcacheWarning, match=f"expert 6 of layer {last}.*slot -1"):
+                got = to_numpy(cache.select_device(last, device_ids(cache, [6, 2])))
+                cache.synchronize()
+            assert got[0] == -1 and got[1] >= 0
+            pool = cache.pool_stats()
+            assert (pool.source_reads, pool.failed, pool.inserts, pool.resident) == (2, 1, 1, 1)
+            path.write_bytes(whole)
+            _select(cache, src, last, [6, 0])  # 6 read from the file; evicts 2 from the device
+            _select(cache, src, last, [2])  # from the pool
+            pool = cache.pool_stats()
+            assert (pool.hits, pool.source_reads, pool.failed, pool.inserts) == (1, 4, 1, 3)
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_a_pool_smaller_than_an_expert_reads_past_it(backend, lookup):
+    """A budget below one expert: no slot, every read goes past the pool (bypassed), served
+    exactly; with no pool the source reads are counted all the same."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    for budget in (64, 0):
+        warns = pytest.warns(ExpcacheWarning, match="in the host pool, more than 64 B") if budget else _nothing()
+        with (
+            HostSource(layout, pinned=False) as source,
+            warns,
+            ExpertCache(
+                layout, source, budget_experts=2, backend=backend, lookup=lookup, host_budget_bytes=budget
+            ) as cache,
+        ):
+            for ids in ([0, 1], [2, 3], [0, 1]):
+                _select(cache, source, layer, ids)
+            pool = _check_sums(cache)
+            assert (pool.budget_bytes, pool.slots, pool.hits, pool.source_reads) == (budget, 0, 0, 6)
+            assert pool.bypassed == (6 if budget else 0)
+
+
+def test_a_pinned_source_does_not_use_the_pool(backend):
+    """The GPU reads a pinned source itself: nothing goes through the pool."""
+    layout = _layout()
+    with (
+        HostSource(layout, pinned=True) as source,
+        ExpertCache(layout, source, budget_experts=2, backend=backend, host_budget_bytes=1 << 20) as cache,
+    ):
+        layer = layout.moe_layers[0]
+        for ids in ([0, 1], [2, 3], [0, 1]):
+            _select(cache, source, layer, ids)
+        pool = cache.pool_stats()
+        assert (pool.hits, pool.source_reads, pool.slots) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "value,error,match",
+    [
+        (-1, ArgumentRangeError, r"host_budget_bytes must be in \[0, 281474976710656\], got -1"),
+        ((1 << 48) + 1, ArgumentRangeError, "host_budget_bytes must be in"),
+        (1 << 64, ArgumentRangeError, "host_budget_bytes must be in"),
+        (1.5, TypeError, "host_budget_bytes must be an integer"),
+        (True, TypeError, "host_budget_bytes must be an integer, got a bool"),
+    ],
+)
+def test_a_bad_host_budget_is_refused(value, error, match):
+    layout = _layout()
+    with HostSource(layout, pinned=False) as source:
+        with pytest.raises(error, match=match):
+            ExpertCache(layout, source, budget_experts=2, backend="host", host_budget_bytes=value)
+
+
+def test_an_unregistered_layer_leaves_the_pool(backend):
+    """A layer unregistered and registered again (its source may have changed) is read from the
+    source again, not from the pool."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(layout, source, budget_experts=2, backend=backend, host_budget_bytes=1 << 20) as cache,
+    ):
+        _select(cache, source, layer, [0, 1])
+        assert cache.pool_stats().resident == 2
+        cache._call("expcache_layer_unregister", layer)
+        assert cache.pool_stats().resident == 0
