@@ -80,6 +80,7 @@ from ._prototypes import FUNCTIONS as _FUNCTIONS
 from ._structs import (  # noqa: F401 (re-exported)
     DROPPED_FN,
     LOG_FN,
+    POOL_FIELDS,
     PREFETCH_FIELDS,
     STAGING_FIELDS,
     STAT_FIELDS,
@@ -93,7 +94,6 @@ from ._structs import (  # noqa: F401 (re-exported)
     LayerDesc,
     MemoryRefPtr,
     Part,
-    POOL_FIELDS,
     PoolStats,
     PrefetchStats,
     StagingStats,

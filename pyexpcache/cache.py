@@ -209,7 +209,7 @@ class ExpertCache(Serving, Inspection):
             raise ValueError(f"environment must be one of {sorted(_lib.ENVIRONMENTS)}, got {environment!r}")
         if file_reads not in _lib.FILE_READS:
             raise ValueError(f"file_reads must be one of {sorted(_lib.FILE_READS)}, got {file_reads!r}")
-        host_budget_bytes = _lib.checked_int(host_budget_bytes, "host_budget_bytes", 0, _lib.MAX_HOST_BUDGET_BYTES)
+        host_budget_bytes = _ints.checked_int(host_budget_bytes, "host_budget_bytes", 0, _lib.MAX_HOST_BUDGET_BYTES)
         if source.layout.num_layers != layout.num_layers or source.layout.layers != layout.layers:
             raise ValueError("source was built for a different layout")
         self._handle = None
