@@ -14,7 +14,8 @@
 #   traces from pinned and from pageable memory and from a file read with O_DIRECT and mapped, the
 #   torch step of a Qwen3-30B-A3B-like model at two budgets)
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
-#   hf_quant hf_decode_fp8 hf_pretrained (FP8 experts: tests and benchmark; checkpoints read from files)
+#   hf_quant hf_decode_fp8 hf_pretrained hf_pretrained_bench (FP8 experts: tests and benchmark;
+#   checkpoints read from their files: tests and benchmark)
 #   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
 #   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
 #   verification step against a fixed slot map); select_floor (the all-hit select per policy beside
@@ -90,6 +91,10 @@ run_step() {
         tests/test_hf_quantized.py -k "cuda or not cpu" ;;
     hf_decode_fp8) step hf_decode_fp8 540 python3 benchmarks/hf_decode.py --device cuda --quant bf16,fp8 --rounds 2 --tokens 32 \
         --fp8-kernel "$PWD/.whl/kernels" --json "$DIR/hf_decode_fp8.json" ;;
+    # A checkpoint of Qwen3-30B-A3B's layer geometry (16 layers, 18 GiB of experts) written to the
+    # device's disk and served from its files, a host pool of a quarter of the experts, 25 % on the GPU.
+    hf_pretrained_bench) step hf_pretrained_bench 540 python3 benchmarks/hf_pretrained.py --dir "$DIR/ckpt" \
+        --json "$DIR/hf_pretrained.json" ;;
     # Checkpoints read from their files (offload_pretrained): its tests on CUDA.
     hf_pretrained) step hf_pretrained 240 python3 -m pytest -q -rs tests/test_hf_pretrained.py \
         tests/test_file_source_parts.py -k "cuda or not cpu" ;;
