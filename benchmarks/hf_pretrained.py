@@ -12,8 +12,9 @@ layers of 128 experts, top-8, hidden 2048, expert FFN 768, bf16: 18 GiB of exper
    page cache, ``offload_pretrained`` at ``--budget-fraction`` of the experts' bytes with a host
    pool of ``--host-fraction`` of them, the same decode (warm-up run, then timed), the counters of
    the timed run (device misses, pool hits, reads from the files) and the peak RSS;
-3. the disk's O_DIRECT read rate, experts' sizes read at random offsets of the largest shard
-   (:func:`expcache_bench.disk.measure`), and the link's (:func:`hf_decode.link_rate`).
+3. the disk's read rate, read as the served run reads (O_DIRECT by default; buffered after the
+   pages are dropped with ``--file-reads buffered``): experts' sizes at random offsets of the
+   largest shard (:func:`expcache_bench.disk.measure`); and the link's (:func:`hf_decode.link_rate`).
 
 The bound of a token: the unmodified step, plus the bytes read from the files at the lower of
 the disk's and the link's rates, plus the bytes the pool served at the link's. Exits 1 when the
@@ -51,6 +52,13 @@ def parse_args(argv=None):
     p.add_argument("--dir", help="where the checkpoint is written (default: a temporary folder here), removed after")
     p.add_argument("--budget-fraction", type=float, default=0.25, help="the device cache's share of the experts")
     p.add_argument("--host-fraction", type=float, default=0.25, help="the host pool's share of the experts")
+    p.add_argument(
+        "--file-reads",
+        choices=("buffered", "direct"),
+        default="direct",
+        help="how the misses read the shards (offload_pretrained's file_reads), and how the disk's rate "
+        "is measured: with O_DIRECT (default) or buffered, after the page cache is dropped",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)  # the served run, in its own process
     p.add_argument("--json", type=Path, help="write the results here")
     a, rest = p.parse_known_args(argv)
@@ -90,6 +98,7 @@ def served_run(a) -> dict:
         info["dir"],
         budget_fraction=a.budget_fraction,
         host_budget_bytes=int(a.host_fraction * info["experts_bytes"]),
+        file_reads=a.file_reads,
         device=device,
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
     )
@@ -150,8 +159,12 @@ def main(argv=None) -> int:
         served = json.loads(child.stdout.strip().splitlines()[-1])
         expert = experts_bytes // (m.layers * m.experts)
         biggest = max(shards, key=os.path.getsize)
+        drop_page_cache(shards)
         disk = measure(
-            biggest, [(LayerPlacement((0,), (expert,), (expert,)), os.path.getsize(biggest) // expert)], threads=8
+            biggest,
+            [(LayerPlacement((0,), (expert,), (expert,)), os.path.getsize(biggest) // expert)],
+            threads=8,
+            direct=a.file_reads == "direct",
         )
         link = hf_decode.link_rate(device)
     finally:
@@ -171,7 +184,7 @@ def main(argv=None) -> int:
         ("device hits", f"{100 * served['hits'] / max(served['hits'] + served['misses'], 1):.1f} %"),
         ("of the device's misses, from the pool", f"{100 * served['pool_hits'] / max(served['misses'], 1):.1f} %"),
         ("read from the files per token", f"{read_per_token / 2**20:.1f} MiB"),
-        ("disk (O_DIRECT, 8 threads)" if disk.direct else "disk (buffered)", f"{disk.bytes_per_s / 1e9:.2f} GB/s"),
+        (f"disk ({'O_DIRECT' if disk.direct else 'buffered'}, 8 threads)", f"{disk.bytes_per_s / 1e9:.2f} GB/s"),
         ("link", f"{link / 1e9:.1f} GB/s"),
         ("disk-and-link bound", f"{bound:.2f} tok/s; served at {100 * served['tok_s'] / bound:.1f} % of it"),
         (

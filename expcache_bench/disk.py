@@ -56,13 +56,15 @@ def measure(
     threads: int,
     total_bytes: int = READ_BYTES,
     seed: int = 0,
+    direct: bool = True,
 ) -> Disk:
     """The read rate of ``path``: ``threads`` threads reading, with O_DIRECT, the experts of
     ``placements`` (per MoE layer: where its parts are in the file, as offsets, and its expert
     count) in random order, up to ``total_bytes`` of them, each part in pieces of at most
     :data:`PIECE` (each read widened to whole aligned blocks); the rate counts the experts'
-    bytes. Where O_DIRECT is refused, buffered reads after the file's pages were dropped from the
-    page cache (:attr:`Disk.direct` False)."""
+    bytes. With ``direct`` false, or where O_DIRECT is refused, buffered reads after the file's
+    pages were dropped from the page cache (:attr:`Disk.direct` False): the rate buffered reads
+    of the file see, whatever caches the disk below the page cache (a virtual disk's host)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     experts = [(p, e) for p, n in placements for e in range(n)]
@@ -78,7 +80,7 @@ def measure(
             break
     if not reads:
         raise ValueError(f"{path}: no experts to read")
-    direct = direct_allowed(path)
+    asked, direct = direct, direct and direct_allowed(path)
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     try:
         if not direct:
@@ -116,7 +118,13 @@ def measure(
             raise errors[0]
     finally:
         os.close(fd)
-    how = "O_DIRECT" if direct else "buffered (O_DIRECT refused by the file system; the page cache dropped first)"
+    how = (
+        "O_DIRECT"
+        if direct
+        else "buffered (the page cache dropped first)"
+        if not asked
+        else "buffered (O_DIRECT refused by the file system; the page cache dropped first)"
+    )
     label = (
         f"{how} reads of the run's file, {threads} threads, pieces of up to {PIECE >> 20} MiB of random experts, "
         + _bytes(want)

@@ -181,3 +181,16 @@ def test_the_experts_are_never_in_host_memory(tmp_path):
     experts = 3 * 8 * 3 * 512 * 1024 * 4
     assert misses > 0
     assert growth < experts * 0.4, (growth, experts)
+
+
+def test_misses_read_with_o_direct(tmp_path):
+    """file_reads="direct": the misses read the shards with O_DIRECT (safetensors' offsets are not
+    block-aligned: the library widens each read), the same tokens and logits."""
+    path = _checkpoint(tmp_path, "qwen3_moe")
+    tokens, logits = greedy(transformers.AutoModelForCausalLM.from_pretrained(path), prompt=[[5]])
+    with offload_pretrained(path, budget_fraction=0.25, file_reads="direct") as handle:
+        served = greedy(handle.model, prompt=[[5]])
+        assert handle.total_stats().misses > 0
+    assert torch.equal(served[0], tokens) and torch.equal(served[1], logits)
+    with pytest.raises(ValueError, match="file_reads must be 'buffered' or 'direct'"):
+        offload_pretrained(path, budget_fraction=0.25, file_reads="mmap")

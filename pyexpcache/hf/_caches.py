@@ -70,12 +70,24 @@ class Caches:
     each layer's :class:`LayerServer`: built at a budget (:meth:`build`), closed (:meth:`close`)
     and built again, over the experts' host tensors placed once (:meth:`place`)."""
 
-    def __init__(self, layers, layout, compute, functions, policy, capacity, files=None, host_budget_bytes=0):
+    def __init__(
+        self,
+        layers,
+        layout,
+        compute,
+        functions,
+        policy,
+        capacity,
+        files=None,
+        host_budget_bytes=0,
+        file_reads="buffered",
+    ):
         self.layers, self.layout, self.compute = layers, layout, compute
         self.functions = functions  # layer -> (implementation's name, function)
         self.policy, self.capacity = policy, capacity
         self.files = files  # None, or (group layout, group's layers) -> its FileSource
         self.host_budget_bytes = host_budget_bytes  # the host pools', shared between groups as the budget is
+        self.file_reads = file_reads  # how misses read the files (files only)
         self.tensors, self.pinned = {}, True
         self.served = []  # (cache, source, key) per group of layers
 
@@ -132,6 +144,7 @@ class Caches:
                 lookup="device",
                 policy=self.policy,
                 host_budget_bytes=self.host_budget_bytes * share // total,
+                file_reads=self.file_reads,
             )
             self.served.append((cache, source, serve_cache(cache)))
             for e in group:

@@ -339,6 +339,7 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
         device_capacity_bytes,
         files,
         options.get("host_budget_bytes", 0),
+        options.get("file_reads", "buffered"),
     )
     try:
         _move_the_rest(model, layers, compute)

@@ -121,6 +121,7 @@ def offload_pretrained(
     budget_bytes: Optional[int] = None,
     budget_fraction: Optional[float] = None,
     host_budget_bytes: Optional[int] = None,
+    file_reads: str = "buffered",
     device=None,
     dtype=None,
     progress=None,
@@ -159,6 +160,9 @@ def offload_pretrained(
             proportion to their experts' bytes); None or 0: no pool (misses read the files,
             through the page cache). Its counters: ``cache.pool_stats()`` of each of
             ``handle.caches``.
+        file_reads: how the misses read the files: ``"buffered"`` (pread through the page cache)
+            or ``"direct"`` (O_DIRECT, from the disk, reads widened to whole blocks: an SSD's
+            parallel reads without the page cache's copy and memory).
         device: where the model computes (default: the CPU, expcache's host backend); the
             non-expert weights are moved there.
         dtype: ``from_pretrained``'s (default: as it decides, the config's). The experts are
@@ -185,6 +189,8 @@ def offload_pretrained(
 
     host_budget_bytes = 0 if host_budget_bytes is None else host_budget_bytes
     host_budget_bytes = checked_int(host_budget_bytes, "host_budget_bytes", 0, MAX_HOST_BUDGET_BYTES)
+    if file_reads not in ("buffered", "direct"):
+        raise ValueError(f"file_reads must be 'buffered' or 'direct', got {file_reads!r}")
     check_arguments(budget, budget_bytes, budget_fraction, max_len, batch, margin_bytes, progress)
     own = sorted(set(from_pretrained) & set(_OWN))
     if own:
@@ -241,4 +247,5 @@ def offload_pretrained(
         policy=policy,
         progress=bar,
         host_budget_bytes=host_budget_bytes,
+        file_reads=file_reads,
     )
