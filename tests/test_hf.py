@@ -599,7 +599,8 @@ def test_layout_and_source_describe_the_parameters_byte_for_byte():
         slots = handle.cache.select_device(e.layer, ids)
         server = e.module._expcache_server
         for expert, slot in zip(ids[0].tolist(), slots[0].tolist()):
-            assert torch.equal(server.weights[e.weight_names[0]][slot], e.first[expert])  # the bank is gate_up_proj by slot
+            # the bank is gate_up_proj by slot
+            assert torch.equal(server.weights[e.weight_names[0]][slot], e.first[expert])
             assert torch.equal(server.weights["down_proj"][slot], e.down[expert])
 
 
