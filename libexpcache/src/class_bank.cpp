@@ -19,7 +19,16 @@ void ClassTable::lay_out(ClassState& cls, const LayerState& layer) const {
         off += align_up(layer.bytes[p]);
     }
     cls.slot_bytes_ = off;
-    cls.arrangement_ = 0;  // EXPCACHE_BANK_SLOTS
+    cls.arrangement_ = config_.bank_arrangement;
+    if (cls.arrangement_ == EXPCACHE_BANK_PARTS) {
+        cls.regions_ = layer.nparts;
+        for (int p = 0; p < kMaxParts; ++p) {
+            cls.region_at_[p] = cls.part_at_[p] = 0;  // reserve_rows places the regions
+            cls.region_stride_[p] = cls.part_stride_[p] =
+                p < layer.nparts ? std::max(kAlign, align_up(layer.bytes[p])) : 0;
+        }
+        return;
+    }
     cls.regions_ = 1;
     cls.region_at_[0] = 0;
     cls.region_stride_[0] = off;
@@ -55,7 +64,7 @@ expcache_status_t ClassTable::reserve_rows(int32_t c, uint64_t slots) {
         cls.region_at_[k] = bytes;
         bytes += rows * cls.region_stride_[k];
     }
-    if (cls.regions_ > 1)
+    if (cls.arrangement_ == EXPCACHE_BANK_PARTS)
         for (int p = 0; p < cls.nparts_; ++p) cls.part_at_[p] = cls.region_at_[p];
     void* base = nullptr;
     expcache_status_t s = health_.check(arena_.reserve(bytes, &base));

@@ -168,7 +168,7 @@ private:
     uint64_t key_[kMaxParts] = {};
     uint64_t part_off_[kMaxParts] = {};
     uint64_t slot_bytes_ = 0;
-    uint32_t arrangement_ = 0;  // EXPCACHE_BANK_SLOTS
+    uint32_t arrangement_ = EXPCACHE_BANK_SLOTS;
     uint64_t part_at_[kMaxParts] = {}, part_stride_[kMaxParts] = {};
     int regions_ = 1;
     uint64_t region_at_[kMaxParts] = {}, region_stride_[kMaxParts] = {};
