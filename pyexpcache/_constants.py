@@ -21,6 +21,8 @@ PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL, PATH_DEVICE = 0, 1, 2, 3, 4
 # read when it loads: a path is named once, in libexpcache/src/paths.cpp.
 # EXPCACHE_PARTITION_*: how a class's slots are shared among its layers.
 PARTITIONS = {"global": 0, "layer": 1}
+# EXPCACHE_BANK_*: how a class's bank lays its rows out (slot-major, or a region per part).
+BANK_ARRANGEMENTS = {"slots": 0, "parts": 1}
 MAX_SELECT = 1024
 MAX_BATCHES = 64
 MAX_BATCH_ROWS = 4096  # a class's batch rows (batches by slot id)

@@ -23,6 +23,7 @@ from ._constants import (  # noqa: F401 (re-exported: the package reads them as 
     BACKEND_AUTO,
     BACKEND_CUDA,
     BACKEND_HOST,
+    BANK_ARRANGEMENTS,
     CHECKSUM_RESULTS,
     ENVIRONMENTS,
     FILE_READS,

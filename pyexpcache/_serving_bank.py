@@ -59,8 +59,8 @@ class BankServing:
 
     def _part_addresses(self, layer: int, slots) -> np.ndarray:
         """[n, num_parts] uint64 device addresses of each part of the experts in ``slots`` (rows
-        of ``layer``'s bank, as :meth:`select_slots` gives them): ``base + slot * slot_stride +
-        part_offset``. Valid as the slots are."""
+        of ``layer``'s bank, as :meth:`select_slots` gives them): ``base + part_offset +
+        slot * part_stride``. Valid as the slots are."""
         b = self._bank_struct(layer)
         return _addresses(b, np.asarray(slots))
 
@@ -86,23 +86,25 @@ class BankServing:
         spec = self.layout[layer]
         cuda = self._is_cuda
         owner = self._pin_memory(b.base)
+        strides = tuple(b.part_stride[: b.num_parts])
         parts = [
             _bank.slot_view(
                 b.base + offset,
                 nbytes,
                 b.rows,
-                b.slot_stride,
+                stride,
                 cuda=cuda,
                 device_id=self._device,
                 dtype=part_dtype,
                 shape=shape,
                 owner=owner,
             )
-            for offset, nbytes, (part_dtype, shape) in zip(
-                b.part_offset, b.part_bytes[: b.num_parts], part_formats(spec.parts, dtype, shapes)
+            for offset, nbytes, stride, (part_dtype, shape) in zip(
+                b.part_offset, b.part_bytes[: b.num_parts], strides, part_formats(spec.parts, dtype, shapes)
             )
         ]
-        return ExpertBank(index, b.rows, b.cap, b.slot_stride, parts, spec.part_names, spec.parts)
+        arrangement = next(k for k, v in _lib.BANK_ARRANGEMENTS.items() if v == b.arrangement)
+        return ExpertBank(index, b.rows, b.cap, b.slot_stride, parts, spec.part_names, spec.parts, strides, arrangement)
 
     def select_device(self, layer: int, ids, stream=None, out=None, counts=None):
         """Device-side select on a ``lookup="device"`` cache: ``ids`` (a [k] or [n, k] int32 or
@@ -193,6 +195,8 @@ class BankServing:
 
 
 def _addresses(b: _lib.Bank, rows: np.ndarray) -> np.ndarray:
-    """[n, parts] addresses of the parts of bank ``b``'s ``rows``."""
+    """[n, parts] addresses of the parts of bank ``b``'s ``rows``: part p of row r at
+    ``base + part_offset[p] + r * part_stride[p]``, whatever the bank's arrangement."""
     offsets = np.array(b.part_offset[: b.num_parts], dtype=np.uint64)
-    return np.uint64(b.base) + rows.astype(np.uint64).reshape(-1, 1) * np.uint64(b.slot_stride) + offsets
+    strides = np.array(b.part_stride[: b.num_parts], dtype=np.uint64)
+    return np.uint64(b.base) + offsets + rows.astype(np.uint64).reshape(-1, 1) * strides

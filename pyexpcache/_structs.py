@@ -50,6 +50,8 @@ class Config(ctypes.Structure):
         ("environment", c_uint32),
         ("reserved", c_uint32),
         ("host_budget_bytes", c_uint64),
+        ("bank_arrangement", c_uint32),
+        ("reserved2", c_uint32),
     ]
 
 
@@ -144,6 +146,9 @@ class Bank(ctypes.Structure):
         ("rows", c_uint64),
         ("part_offset", c_uint64 * MAX_PARTS),
         ("part_bytes", c_uint64 * MAX_PARTS),
+        ("arrangement", c_uint32),
+        ("reserved", c_uint32),
+        ("part_stride", c_uint64 * MAX_PARTS),
     ]
 
 

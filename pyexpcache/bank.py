@@ -175,8 +175,9 @@ def default_stream(like) -> int | None:
 def slot_view(
     ptr: int, nbytes: int, cap: int, slot_stride: int, *, cuda: bool, device_id: int, dtype, shape, owner
 ) -> TensorView:
-    """``nbytes`` at ``ptr`` in each of ``cap`` slots ``slot_stride`` bytes apart, as one view
-    ``[cap, *shape]`` (each slot's bytes C-contiguous)."""
+    """``nbytes`` at ``ptr`` in each of ``cap`` slots ``slot_stride`` bytes apart (a part's stride in
+    its bank), as one view ``[cap, *shape]`` (each slot's bytes C-contiguous; the whole view too
+    when ``slot_stride == nbytes``, as a parts bank's part of 256-multiple bytes is)."""
     one = TensorView(ptr, nbytes, cuda=cuda, device_id=device_id, dtype=dtype, shape=shape)
     inner, step = [], one.dtype.itemsize  # each dimension's stride in a slot (none for one item)
     for dim in reversed(one.shape):
@@ -208,10 +209,19 @@ class ExpertBank(NamedParts):
             1024 staging rows hold the experts a decode select stages when they get no slot, then
             ``MAX_BATCH_ROWS`` batch rows those batches by slot id stage (:meth:`prepare_batch`
             with ``slots=True``); the last of them is row ``rows - 1``.
-        slot_stride: bytes from one slot to the next.
+        slot_stride: bytes from one slot to the next in a ``"slots"`` bank; 0 in a ``"parts"``
+            bank (no slot is one range: see ``part_strides``).
+        part_strides: bytes from one row of each part to the next (part p of slot s at the part's
+            view's address + ``s * part_strides[p]``): every entry is ``slot_stride`` in a
+            ``"slots"`` bank; the part's bytes rounded up to 256 in a ``"parts"`` bank.
+        arrangement: ``"slots"`` or ``"parts"`` (the cache's ``bank_arrangement``). In a
+            ``"parts"`` bank each part is its own region: a part whose bytes are a multiple of 256
+            is one C-contiguous ``[rows, ...]`` array (what kernels asserting a contiguous
+            ``[E, N, K]`` weight take); gate and up are never adjacent (:meth:`gate_up` needs
+            ``"slots"``).
         names: the parts' names, in the order they lie in a slot.
         parts: one :class:`~pyexpcache.views.TensorView` per part, of shape ``[rows, ...part
-            shape]`` (strided by ``slot_stride``), zero-copy: DLPack always, the CUDA Array
+            shape]`` (strided by its ``part_strides`` entry), zero-copy: DLPack always, the CUDA Array
             Interface on the CUDA backend, the NumPy array interface on the host backend (not for
             the dtypes numpy lacks: bfloat16, the 8-bit floats). :meth:`part` gives one by name,
             in any format; ``gate``, ``up`` and ``down`` are the parts of a three-part expert.
@@ -224,12 +234,25 @@ class ExpertBank(NamedParts):
     array made from it, lives.
     """
 
-    __slots__ = ("class_index", "rows", "cap", "slot_stride", "names", "parts", "_specs")
+    __slots__ = ("class_index", "rows", "cap", "slot_stride", "part_strides", "arrangement", "names", "parts", "_specs")
     _kind = _holder = "bank"
 
-    def __init__(self, class_index: int, rows: int, cap: int, slot_stride: int, parts, names=None, specs=None):
+    def __init__(
+        self,
+        class_index: int,
+        rows: int,
+        cap: int,
+        slot_stride: int,
+        parts,
+        names=None,
+        specs=None,
+        part_strides=None,
+        arrangement: str = "slots",
+    ):
         self.class_index, self.rows, self.cap, self.slot_stride = class_index, rows, cap, slot_stride
         self.parts = tuple(parts)
+        self.part_strides = tuple(part_strides) if part_strides is not None else (slot_stride,) * len(self.parts)
+        self.arrangement = arrangement
         self.names = PARTS if names is None else tuple(names)
         self._specs = specs  # the layer's PartSpec per part: each part's own dtype and shape
 
@@ -246,19 +269,20 @@ class ExpertBank(NamedParts):
         if dtype is None:
             own = self._specs[index].dtype if self._specs is not None else None
             dtype = own if own is not None else view.dtype
-        return self._over(view, self._slot_bytes(view), dtype, shape)
+        return self._over(view, self._slot_bytes(view), dtype, shape, self.part_strides[index])
 
     def _slot_bytes(self, view: TensorView) -> int:
         """One slot's bytes of a part's view."""
         return view.nbytes // self.rows if self.rows else 0
 
-    def _over(self, view: TensorView, nbytes: int, dtype, shape) -> TensorView:
-        """``nbytes`` of each slot from where ``view`` starts, as ``[rows, *shape]`` of ``dtype``."""
+    def _over(self, view: TensorView, nbytes: int, dtype, shape, stride: int) -> TensorView:
+        """``nbytes`` of each row from where ``view`` starts, rows ``stride`` bytes apart, as
+        ``[rows, *shape]`` of ``dtype``."""
         return slot_view(
             view.ptr,
             nbytes,
             self.rows,
-            self.slot_stride,
+            stride,
             cuda=view.cuda,
             device_id=view.device_id,
             dtype=dtype,
@@ -272,7 +296,14 @@ class ExpertBank(NamedParts):
         vLLM's ``w13``). ``shape`` covers both parts' bytes (default: the gate's shape with its
         first dimension doubled when the two parts have one shape, else the bytes 1-D); ``dtype``
         defaults to the parts'. Up must start where gate ends, which it does when the gate's byte
-        size is a multiple of the slot alignment (256 B); ValueError otherwise."""
+        size is a multiple of the slot alignment (256 B); ValueError otherwise, and always in a
+        ``"parts"`` bank, where gate and up are separate regions (a fused gate-and-up view needs
+        ``bank_arrangement="slots"``; in a ``"parts"`` bank use :attr:`gate` and :attr:`up`)."""
+        if self.arrangement != "slots":
+            raise ValueError(
+                f"gate and up are separate regions in a {self.arrangement!r} bank: a fused gate_up view needs a "
+                "cache made with bank_arrangement='slots' (or use bank.gate and bank.up apart)"
+            )
         gate, up = self.gate, self.up
         gate_bytes, up_bytes = self._slot_bytes(gate), self._slot_bytes(up)
         if up.ptr != gate.ptr + gate_bytes:
@@ -283,11 +314,11 @@ class ExpertBank(NamedParts):
         dtype = gate.dtype if dtype is None else dtype
         if shape is None and dtype == gate.dtype and gate.shape[1:] == up.shape[1:] and len(gate.shape) > 1:
             shape = (2 * gate.shape[1], *gate.shape[2:])
-        return self._over(gate, gate_bytes + up_bytes, dtype, shape)
+        return self._over(gate, gate_bytes + up_bytes, dtype, shape, self.slot_stride)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={v.shape} {v.dtype}" for n, v in zip(self.names, self.parts))
         return (
-            f"ExpertBank(class {self.class_index}, rows={self.rows}, cap={self.cap}, slot_stride={self.slot_stride}, "
-            f"{parts})"
+            f"ExpertBank(class {self.class_index}, {self.arrangement}, rows={self.rows}, cap={self.cap}, "
+            f"slot_stride={self.slot_stride}, part_strides={self.part_strides}, {parts})"
         )

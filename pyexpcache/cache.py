@@ -141,6 +141,14 @@ class ExpertCache(Serving, Inspection):
             may evict any slot of its class) or ``"layer"`` (each layer its own share of its
             class's cap, in proportion to its experts; a miss of a layer holding its share
             evicts among that layer's slots: mixtral-offloading's and many engines' layout).
+        bank_arrangement: how each size class's bank (:meth:`bank`, :meth:`select_slots`,
+            :meth:`select_device`) lays out its rows: ``"slots"`` (default: each slot holds every
+            part of its expert side by side, so gate and up form one fused view,
+            :meth:`ExpertBank.gate_up <pyexpcache.ExpertBank.gate_up>`) or ``"parts"`` (a region
+            per part: a part whose bytes are a multiple of 256 is one C-contiguous ``[rows, ...]``
+            array, what kernels that take one tensor per projection and assert contiguity want,
+            e.g. FP8 batched and grouped matmuls, ggml's ``mul_mat_id``). Served addresses are
+            the same experts' bytes either way.
         environment: ``"read"`` (default) or ``"ignore"``: whether the cache reads the
             ``EXPCACHE_*`` environment variables (``EXPCACHE_RESERVE_GB``, ``EXPCACHE_VERBOSE``,
             the staging knobs) when it is made. A malformed one never fails: it is ignored with a
@@ -196,6 +204,7 @@ class ExpertCache(Serving, Inspection):
         partition: str = "global",
         environment: str = "read",
         host_budget_bytes: int = 0,
+        bank_arrangement: str = "slots",
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
@@ -205,6 +214,10 @@ class ExpertCache(Serving, Inspection):
             raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
         if partition not in _lib.PARTITIONS:
             raise ValueError(f"partition must be one of {sorted(_lib.PARTITIONS)}, got {partition!r}")
+        if not isinstance(bank_arrangement, str) or bank_arrangement not in _lib.BANK_ARRANGEMENTS:
+            raise ValueError(
+                f"bank_arrangement must be one of {sorted(_lib.BANK_ARRANGEMENTS)}, got {bank_arrangement!r}"
+            )
         if environment not in _lib.ENVIRONMENTS:
             raise ValueError(f"environment must be one of {sorted(_lib.ENVIRONMENTS)}, got {environment!r}")
         if file_reads not in _lib.FILE_READS:
@@ -250,6 +263,7 @@ class ExpertCache(Serving, Inspection):
             file_reads=_lib.FILE_READS[file_reads],
             lookup=_lib.LOOKUPS[lookup],
             partition=_lib.PARTITIONS[partition],
+            bank_arrangement=_lib.BANK_ARRANGEMENTS[bank_arrangement],
             environment=_lib.ENVIRONMENTS[environment],
             **given,
         )
@@ -259,6 +273,7 @@ class ExpertCache(Serving, Inspection):
         self.max_classes = max_classes
         self.policy = _lib.DEFAULT_POLICY if policy is None else policy
         self.partition = partition
+        self.bank_arrangement = bank_arrangement
         self._scratch = Scratch()
         self._select_fn = lib.expcache_select_async
         self._split_fn = lib.expcache_select_split_async

@@ -16,7 +16,7 @@ if _TESTS not in sys.path:
 
 from pyexpcache import ExpertCache, HostSource, ModelLayout  # noqa: E402
 
-from support.cache import BACKENDS, POLICIES, SCALE  # noqa: E402
+from support.cache import ARRANGEMENTS, BACKENDS, POLICIES, SCALE  # noqa: E402
 
 try:
     from hypothesis import settings as hypothesis_settings
@@ -45,10 +45,24 @@ def policy(request) -> str:
 
 
 @pytest.fixture
-def make_cache(backend, policy):
+def bank_arrangement() -> str:
+    """The bank arrangement of the caches make_cache makes (and of those a test passes it to):
+    ``"slots"``, unless the test (or its module, through ``pytestmark``) is marked
+    ``@pytest.mark.arrangements``, which runs it against each of support.cache.ARRANGEMENTS."""
+    return "slots"
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("arrangements") and "bank_arrangement" in metafunc.fixturenames:
+        metafunc.parametrize("bank_arrangement", ARRANGEMENTS)
+
+
+@pytest.fixture
+def make_cache(backend, policy, bank_arrangement):
     """make_cache(layout=None, *, pinned=None, arrangement="tensor", **cache_kwargs) -> (cache, source).
-    Every cache gets the test's backend and ``policy=`` explicitly (never the library's default).
-    Everything made is closed at teardown, caches before sources."""
+    Every cache gets the test's backend, ``policy=`` explicitly (never the library's default) and
+    the test's ``bank_arrangement`` (a keyword argument replaces it). Everything made is closed at
+    teardown, caches before sources."""
     made = []
 
     def make(layout=None, *, pinned=None, arrangement="tensor", **kwargs):
@@ -58,6 +72,7 @@ def make_cache(backend, policy):
         source = HostSource(layout, pinned=pinned, arrangement=arrangement)
         kwargs.setdefault("log_level", 2)
         kwargs.setdefault("policy", policy)
+        kwargs.setdefault("bank_arrangement", bank_arrangement)
         cache = ExpertCache(layout, source, backend=backend, **kwargs)
         made.append((cache, source))
         return cache, source

@@ -243,6 +243,27 @@ def test_unknown_partition_is_refused_with_the_accepted_values():
         )
 
 
+def test_unknown_bank_arrangement_is_refused_with_the_accepted_values():
+    for bad in (2, 9, (1 << 32) - 1):
+        _expect(
+            "expcache_create",
+            (byref(_cfg(bank_arrangement=bad)), byref(_lib.CachePtr())),
+            INVALID,
+            f"unknown bank_arrangement {bad} (0 slots, 1 parts)",
+        )
+
+
+def test_bank_arrangement_constants_match_the_header():
+    import re
+    from pathlib import Path
+
+    header = Path(__file__).resolve().parent.parent / "libexpcache" / "include" / "expcache.h"
+    if not header.exists():
+        pytest.skip(f"{header} not in this tree")
+    defines = {n: int(v) for n, v in re.findall(r"^#define EXPCACHE_BANK_(\w+) (\d+)", header.read_text(), re.M)}
+    assert {n.lower(): v for n, v in defines.items()} == _lib.BANK_ARRANGEMENTS
+
+
 def test_partition_defaults_to_global():
     cfg = _lib.Config()
     lib.expcache_config_init(byref(cfg))
@@ -481,6 +502,20 @@ CASES = [
         lambda h: (byref(_cfg(reserved=3)), byref(_lib.CachePtr())),
         INVALID,
         "reserved must be 0, got 3",
+    ),
+    (
+        "create config reserved2 set",
+        "expcache_create",
+        lambda h: (byref(_cfg(reserved2=5)), byref(_lib.CachePtr())),
+        INVALID,
+        "reserved2 must be 0, got 5",
+    ),
+    (
+        "create unknown bank arrangement",
+        "expcache_create",
+        lambda h: (byref(_cfg(bank_arrangement=2)), byref(_lib.CachePtr())),
+        INVALID,
+        "unknown bank_arrangement 2 (0 slots, 1 parts)",
     ),
     (
         "create host pool over the limit",

@@ -15,6 +15,9 @@ from pyexpcache import InvalidArgumentError, InvalidStateError, ModelLayout, _li
 
 from support.cache import SCALE, assert_served, bank_rows, device_ids
 
+#: Every test here that makes its caches through make_cache runs against both bank arrangements.
+pytestmark = pytest.mark.arrangements
+
 LOOKUPS = ["host", "device"]
 
 

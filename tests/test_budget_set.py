@@ -28,6 +28,9 @@ from pyexpcache import (
 
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
 
+#: Every test here that makes its caches through make_cache runs against both bank arrangements.
+pytestmark = pytest.mark.arrangements
+
 LOOKUPS = ["host", "device"]
 EXPERTS = 20  # the experts of each layer the calls below use
 

@@ -41,16 +41,33 @@ def _trace(layout, steps, seed=3):
     return out
 
 
+@pytest.mark.arrangements
 @pytest.mark.parametrize("policy", ["lru", "duel"])
-def test_a_pageable_source_is_fed_byte_exact_with_the_pinned_choices(backend, policy):
+def test_a_pageable_source_is_fed_byte_exact_with_the_pinned_choices(backend, policy, bank_arrangement):
     """Select for select, the fed cache gives the slots the pinned one gives and its slots hold
     the source's bytes, misses of one select beyond the feed's rows and evictions included."""
     layout = _layout()
     with (
         HostSource(layout, pinned=False) as pageable,
         HostSource(layout, pinned=True) as pinned,
-        ExpertCache(layout, pageable, budget_experts=24, backend=backend, lookup="device", policy=policy) as fed,
-        ExpertCache(layout, pinned, budget_experts=24, backend=backend, lookup="device", policy=policy) as mapped,
+        ExpertCache(
+            layout,
+            pageable,
+            budget_experts=24,
+            backend=backend,
+            lookup="device",
+            policy=policy,
+            bank_arrangement=bank_arrangement,
+        ) as fed,
+        ExpertCache(
+            layout,
+            pinned,
+            budget_experts=24,
+            backend=backend,
+            lookup="device",
+            policy=policy,
+            bank_arrangement=bank_arrangement,
+        ) as mapped,
     ):
         for layer, ids in _trace(layout, 24):
             got = to_numpy(fed.select_device(layer, device_ids(fed, ids)))

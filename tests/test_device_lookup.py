@@ -31,6 +31,9 @@ from pyexpcache import (
 from support.cache import SCALE, assert_served, bank_rows, device_ids, to_numpy
 from support.child import run_child
 
+#: Every test here that makes its caches through make_cache runs against both bank arrangements.
+pytestmark = pytest.mark.arrangements
+
 
 @pytest.fixture
 def policy() -> str:
@@ -66,7 +69,7 @@ def test_bank_is_the_class_whole_and_fixed(make_cache):
     assert info.allocated_experts == info.cap_experts == 6  # reserved whole when bound
     spec = cache.layout[layer]
     assert bank.gate.shape[1:] == (spec.gate_bytes,)
-    assert bank.slot_stride == info.slot_bytes
+    assert bank.slot_stride == (info.slot_bytes if bank.arrangement == "slots" else 0)
     base = bank.gate.ptr
     _select(cache, layer, [1, 2, 3])
     cache.release_all()
@@ -517,14 +520,14 @@ def test_bank_views_outlive_the_cache(make_cache):
     want = source.part(layer, 5, 0)
     if cache.backend == "host":
         gate = np.asarray(bank.gate)
-        assert gate.strides == (bank.slot_stride, 1)
+        assert gate.strides == (bank.part_strides[0], 1)
         cache.close()
         assert (gate[slot] == want).all()  # the bank's memory lives while the array does
     else:
         import torch
 
         gate = torch.from_dlpack(bank.gate)
-        assert gate.stride() == (bank.slot_stride, 1)
+        assert gate.stride() == (bank.part_strides[0], 1)
         assert (gate[slot].cpu().numpy() == want).all()
         cache.close()
         torch.cuda.synchronize()
@@ -538,7 +541,7 @@ def test_bank_shapes_and_dtype(make_cache):
     shapes = [(2, spec.gate_bytes // 4), (spec.up_bytes // 2,), (1, spec.down_bytes // 2)]
     bank = cache.bank(layer, dtype="uint16", shapes=shapes)
     assert bank.gate.shape == (bank.rows, 2, spec.gate_bytes // 4)
-    assert bank.gate.strides == (bank.slot_stride, spec.gate_bytes // 2, 2)
+    assert bank.gate.strides == (bank.part_strides[0], spec.gate_bytes // 2, 2)
     assert bank.down.shape == (bank.rows, 1, spec.down_bytes // 2)
 
 
@@ -565,7 +568,8 @@ def test_bank_gate_up_is_both_parts_as_one_view(make_cache):
     """gate_up(): each slot's gate and up side by side (gate bytes a multiple of 256), as the fused
     weight engines keep; two equal-shaped parts double the first dimension."""
     layout = ModelLayout([LayerSpec(8, 1024, 1024, 512)])
-    cache, source = make_cache(layout, lookup="device", budget_experts=4, pinned=True)
+    # A fused view needs a slots bank (tests/test_bank_arrangement.py: a parts bank refuses it).
+    cache, source = make_cache(layout, lookup="device", budget_experts=4, pinned=True, bank_arrangement="slots")
     slots = _select(cache, 0, [6, 2])
     bank = cache.bank(0, dtype="uint16", shapes=[(4, 128), (4, 128), (256,)])
     joined = bank.gate_up()
@@ -580,7 +584,7 @@ def test_bank_gate_up_is_both_parts_as_one_view(make_cache):
 
 def test_bank_gate_up_refuses_parts_apart(make_cache):
     layout = ModelLayout([LayerSpec(8, 1000, 1000, 512)])  # up starts at 1024, not 1000
-    cache, _ = make_cache(layout, lookup="device", budget_experts=4, pinned=True)
+    cache, _ = make_cache(layout, lookup="device", budget_experts=4, pinned=True, bank_arrangement="slots")
     with pytest.raises(ValueError, match="24 B apart in a slot.*multiple of 256"):
         cache.bank(0).gate_up()
 

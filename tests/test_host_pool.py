@@ -66,9 +66,10 @@ def _trace(layout, steps, seed=3):
         yield layer, rng.choice(layout[layer].num_experts, [3, 6, 10, 1][step % 4], replace=False)
 
 
+@pytest.mark.arrangements
 @pytest.mark.parametrize("lookup", LOOKUPS)
 @pytest.mark.parametrize("copy_threads", [0, 3])
-def test_every_expert_served_through_the_pool_is_the_sources(backend, policy, lookup, copy_threads):
+def test_every_expert_served_through_the_pool_is_the_sources(backend, policy, lookup, copy_threads, bank_arrangement):
     """A trace over three layers, a device cache of 12 experts and a pool of 40 (so both evict):
     every select's experts are the source's bytes, the pool serves some of the device's misses,
     and the counters add up."""
@@ -85,6 +86,7 @@ def test_every_expert_served_through_the_pool_is_the_sources(backend, policy, lo
             policy=policy,
             copy_threads=copy_threads,
             host_budget_bytes=40 * _slot_bytes(spec),
+            bank_arrangement=bank_arrangement,
         ) as cache,
     ):
         for layer, ids in _trace(layout, 40):

@@ -22,6 +22,9 @@ from pyexpcache.source import pattern_seed
 
 from support.cache import assert_served, bank_rows
 
+#: Every test here that makes its caches through make_cache runs against both bank arrangements.
+pytestmark = pytest.mark.arrangements
+
 NUM_EXPERTS = 8
 
 
@@ -37,7 +40,8 @@ def _assert_bank_holds(cache, source, layer, ids, slots):
     assert bank.names == spec.part_names
     for e, slot in zip(ids, slots):
         for p, name in enumerate(spec.part_names):
-            got = testing.read_device(cache, bank.part(name).ptr + int(slot) * bank.slot_stride, spec.parts[p].nbytes)
+            at = bank.part(name).ptr + int(slot) * bank.part_strides[p]
+            got = testing.read_device(cache, at, spec.parts[p].nbytes)
             assert (got == source.part(layer, e, name)).all(), f"expert {e} part {name} differs from the source"
 
 
@@ -169,7 +173,7 @@ def test_parts_are_shown_in_their_own_dtype_and_shape(make_cache):
         ("uint8", (bank.rows, 100)),
     ]
     w = bank.part("w", shape=(32, 32))  # its own dtype, another shape
-    assert w.dtype.name == "float16" and w.shape == (bank.rows, 32, 32) and w.strides[0] == bank.slot_stride
+    assert w.dtype.name == "float16" and w.shape == (bank.rows, 32, 32) and w.strides[0] == bank.part_strides[0]
     raw = bank.part("scale", dtype="uint8", shape=(8,))
     assert raw.shape == (bank.rows, 8)
     with pytest.raises(ValueError, match=r"shape \(3,\) of float32 is 12 bytes, but the view has 8 bytes"):

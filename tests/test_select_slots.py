@@ -12,6 +12,9 @@ from pyexpcache import ExpertCache, HostSource, InvalidArgumentError, LayerSpec,
 
 from support.cache import SCALE, assert_served, bank_rows, device_ids
 
+#: Every test here that makes its caches through make_cache runs against both bank arrangements.
+pytestmark = pytest.mark.arrangements
+
 
 def _layout():
     return ModelLayout.preset("q2", scale=SCALE)

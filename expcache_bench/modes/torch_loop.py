@@ -249,16 +249,16 @@ class _Loop:
             g, u, d = bank.parts
             width = [p.nbytes // bank.rows for p in (g, u, d)]
             if u.ptr == g.ptr + width[0] and d.ptr == u.ptr + width[1]:
-                spans = [(g, sum(width))]
-            else:
-                spans = list(zip((g, u, d), width))
+                spans = [(g, sum(width), bank.slot_stride)]
+            else:  # apart in a slot, or each its own region (a bank_arrangement="parts" bank)
+                spans = list(zip((g, u, d), width, bank.part_strides))
             made = self.spans[key] = [
                 self.torch.from_dlpack(
                     _bank.slot_view(
                         p.ptr,
                         w,
                         bank.rows,
-                        bank.slot_stride,
+                        stride,
                         cuda=p.cuda,
                         device_id=p.device_id,
                         dtype=None,
@@ -266,7 +266,7 @@ class _Loop:
                         owner=p.owner,
                     )
                 )
-                for p, w in spans
+                for p, w, stride in spans
             ]
         return made
 

@@ -197,6 +197,15 @@ EXPCACHE_API uint32_t expcache_version(void);
 
 #define EXPCACHE_LOOKUP_HOST 0   /**< the host: expcache_select_async and the other serving calls */
 #define EXPCACHE_LOOKUP_DEVICE 1 /**< the device too: slot banks and expcache_select_device_async */
+
+/**
+ * How a class's bank lays its rows out (expcache_config_t.bank_arrangement; see expcache_bank_t).
+ * Either way part p of slot s is at base + part_offset[p] + s * part_stride[p].
+ */
+#define EXPCACHE_BANK_SLOTS 0 /**< slot-major (default): each slot holds every part of its expert side by side */
+#define EXPCACHE_BANK_PARTS 1 /**< part-major: a region per part, [rows, part] contiguous when the part's bytes
+                                   are a multiple of 256; what a kernel taking one [experts, ...] tensor per
+                                   projection wants (ggml's mul_mat_id, FP8 kernels asserting contiguity) */
 /* clang-format on */
 
 /**
@@ -297,6 +306,9 @@ typedef struct expcache_config_t {
                                           host RAM between the source and the device cache (see "The host
                                           pool" at expcache_pool_stats_t); default 0 = no pool; at most
                                           EXPCACHE_MAX_HOST_BUDGET_BYTES. Allocated by expcache_create */
+    uint32_t bank_arrangement;       /**< EXPCACHE_BANK_SLOTS (default) or _PARTS: how each class's bank lays out
+                                          its rows (see expcache_bank_t) */
+    uint32_t reserved2;              /**< must be 0 */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */
@@ -905,39 +917,55 @@ EXPCACHE_API expcache_status_t expcache_synchronize(expcache_t* cache, void* str
  */
 
 /**
- * One class's bank: slot s's part p is at base + s*slot_stride + part_offset[p],
- * part_bytes[p] long (for three parts also gate_offset and gate_bytes, likewise
- * up and down; those fields are 0 when the class's experts have another number
- * of parts). Every slot id a call of this cache gives for the class's
- * layers (expcache_select_slots_async, expcache_select_device_async,
+ * One class's bank: slot s's part p is at
+ *
+ *     base + part_offset[p] + s * part_stride[p]
+ *
+ * part_bytes[p] long, for both arrangements (for three parts also gate_offset and
+ * gate_bytes, likewise up and down; those fields are 0 when the class's experts
+ * have another number of parts). Every slot id a call of this cache gives for the
+ * class's layers (expcache_select_slots_async, expcache_select_device_async,
  * expcache_batch_prepare_slots_async) is in 0..rows-1, and base never changes
  * while the class lives.
+ *
+ * EXPCACHE_BANK_SLOTS (the default): every part of an expert lies in its slot, a
+ * row of slot_stride bytes; part_offset[p] is the part's start within the slot and
+ * every part_stride[p] is slot_stride. EXPCACHE_BANK_PARTS: a region per part, each
+ * of rows * part_stride[p] bytes starting at part_offset[p] (on the memory
+ * granularity), part_stride[p] the part's bytes rounded up to 256: a part whose
+ * bytes are a multiple of 256 is one contiguous [rows, part] array, and gate and
+ * up are never adjacent (a fused gate-and-up view needs SLOTS); slot_stride is 0
+ * (no slot is one range). Mapping rows (as the class grows, staging) maps them in
+ * every region.
  */
 typedef struct expcache_bank_t {
     uint32_t struct_size;                         /**< sizeof(expcache_bank_t); set by the caller */
     uint32_t num_parts;                           /**< parts per expert (1..EXPCACHE_MAX_PARTS) */
     void* base;                                   /**< device address of slot 0 (256-byte aligned) */
-    uint64_t slot_stride;                         /**< bytes between slots */
+    uint64_t slot_stride;                         /**< SLOTS: bytes between slots; PARTS: 0 (use part_stride) */
     uint64_t cap;                                 /**< slots mapped now (a device-lookup bank: all of its slots) */
-    uint64_t gate_offset, up_offset, down_offset; /**< three parts: part starts within a slot (256-byte aligned) */
+    uint64_t gate_offset, up_offset, down_offset; /**< three parts: part_offset[0..2] */
     uint64_t gate_bytes, up_bytes, down_bytes;    /**< three parts: part sizes */
     uint64_t rows;                                /**< rows slot ids address: 0..rows-1 */
-    uint64_t part_offset[EXPCACHE_MAX_PARTS];     /**< part starts within a slot (256-byte aligned) */
+    uint64_t part_offset[EXPCACHE_MAX_PARTS];     /**< SLOTS: part starts within a slot (256-byte aligned); PARTS:
+                                                       the part's region's start */
     uint64_t part_bytes[EXPCACHE_MAX_PARTS];      /**< part sizes: the class key (0 past num_parts) */
+    uint32_t arrangement;                         /**< EXPCACHE_BANK_SLOTS or _PARTS (the cache's config) */
+    uint32_t reserved;                            /**< 0 */
+    uint64_t part_stride[EXPCACHE_MAX_PARTS];     /**< bytes from slot s's part p to slot s+1's (SLOTS: slot_stride;
+                                                       PARTS: the part's bytes rounded up to 256, 0 past num_parts) */
 } expcache_bank_t;
 
 /**
  * Fill *out (struct_size set by the caller) with the bank of class `class_index`
- * (from expcache_layer_bind_class), on any cache. A class's slots are one range of
- * addresses at a fixed stride, reserved when the class is bound and kept at the same
- * address while the class lives (a host-lookup cache reserves a new one only when it
- * reuses the class index for other sizes, when there are more than max_classes).
- * A device-lookup bank maps all its slots when bound and keeps them until the cache
- * is destroyed or a budget change resizes it. A host-lookup bank maps its slots as the class grows (cap, up to
- * the class's cap in expcache_class_info_get) and gives their memory back when the
- * class is released, unless references (expcache_memory_retain: views of it) keep
- * it, which keep it mapped. Past the slots, every bank has 1024 staging rows, the
- * experts a decode select stages when they get no slot, then
+ * (from expcache_layer_bind_class), on any cache. A class's bank is one range of
+ * addresses (its slots at fixed strides, in the cache's bank_arrangement), reserved when
+ * the class is bound and kept at the same address while the class lives (a host-lookup cache reserves a new one only
+ * when it reuses the class index for other sizes, when there are more than max_classes). A device-lookup bank maps all
+ * its slots when bound and keeps them until the cache is destroyed or a budget change resizes it. A host-lookup bank
+ * maps its slots as the class grows (cap, up to the class's cap in expcache_class_info_get) and gives their memory back
+ * when the class is released, unless references (expcache_memory_retain: views of it) keep it, which keep it mapped.
+ * Past the slots, every bank has 1024 staging rows, the experts a decode select stages when they get no slot, then
  * EXPCACHE_MAX_BATCH_ROWS batch rows, those batches by slot id stage (both mapped
  * when calls need them, and kept until the class is released; each range starts
  * past the memory granule the one before ends in). Status: INVALID_ARGUMENT (index

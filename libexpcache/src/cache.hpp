@@ -287,7 +287,7 @@ private:
     expcache_status_t fill_slots(ServeCall& call, BatchState* batch, uint32_t* out_direct);
     // fill_slots on a device-lookup cache: the slots the device's residency gives (DeviceLookup::serve).
     expcache_status_t fill_on_device(ServeCall& call, BatchState* batch, uint32_t* out_direct);
-    expcache_status_t stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct);
+    expcache_status_t stage_overflow(ServeCall& call, unsigned char* buffer, uint64_t row, uint32_t direct);
 
     // serve.cpp: host ids of id_bits 32 or 64 as 32 bits into *out (one that is not, negative or
     // over 32 bits, is out of range for any layer). Made before the call takes the cache's lock:

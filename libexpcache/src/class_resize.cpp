@@ -79,8 +79,7 @@ expcache_status_t ClassTable::pack(int32_t c, uint64_t cap) {
             return fail(EXPCACHE_ERR_INTERNAL, "class %s: its residents do not fit a cap of %llu slots",
                         name(cls).c_str(), (unsigned long long)cap);
         const int32_t to = below[next++];
-        expcache_status_t s =
-            health_.check(backend_.copy_d2d(cls.slots_[to].dev_, cls.slots_[i].dev_, cls.slot_bytes_, nullptr));
+        expcache_status_t s = copy_row(cls, static_cast<uint64_t>(to), i);
         if (s != EXPCACHE_OK) return s;
         move_slot(c, static_cast<int32_t>(i), to);
         copied = true;
@@ -88,22 +87,28 @@ expcache_status_t ClassTable::pack(int32_t c, uint64_t cap) {
     return copied ? health_.check(backend_.sync_device()) : EXPCACHE_OK;
 }
 
-// The bank's slot pieces that start past the first `cap` slots are unmapped. Each piece is what
-// one growth mapped (at most slab_bytes): the one the cap ends in stays mapped, and the next growth
-// fills it first. Views of the bank keep all of it.
+// The bank's slot pieces that start past the first `cap` slots are unmapped, in every region. Each
+// piece is what one growth mapped (at most slab_bytes): the one the cap ends in stays mapped, and
+// the next growth fills it first. Views of the bank keep all of it.
 void ClassTable::unmap_past(int32_t c, uint64_t cap) {
     ClassState& cls = classes_[c];
-    const uint64_t g = arena_.granularity(), S = cls.slot_bytes_;
-    const uint64_t need = (cap * S + g - 1) / g * g, staging = cls.staging_row_ * S / g * g;
-    if (need >= cls.mapped_) return;
+    const uint64_t g = arena_.granularity();
+    const auto need = [&](int k) { return (cap * cls.region_stride_[k] + g - 1) / g * g; };
+    bool past = false;
+    for (int k = 0; k < cls.regions_; ++k) past = past || need(k) < cls.mapped_[k];
+    if (!past) return;
     if (arena_.kept(cls.bank_)) arena_.ask_to_let_go();  // views cached for reuse let go
-    uint64_t first = staging;
-    if (arena_.unmap_range(cls.bank_, need, staging, &first)) {
-        cls.mapped_ = std::min(cls.mapped_, first);
-        return;
+    for (int k = 0; k < cls.regions_; ++k) {
+        if (need(k) >= cls.mapped_[k]) continue;
+        const uint64_t at = cls.region_at_[k], staging = cls.staging_row_ * cls.region_stride_[k] / g * g;
+        uint64_t first = at + staging;
+        if (!arena_.unmap_range(cls.bank_, at + need(k), at + staging, &first)) {
+            log_(EXPCACHE_LOG_NOTICE, "class %s: its bank stays mapped (%s): views of it are alive", name(cls).c_str(),
+                 human_bytes(cls.mapped_bytes()).c_str());
+            return;
+        }
+        cls.mapped_[k] = std::min(cls.mapped_[k], first - at);
     }
-    log_(EXPCACHE_LOG_NOTICE, "class %s: its bank stays mapped (%s): views of it are alive", name(cls).c_str(),
-         human_bytes(cls.mapped_).c_str());
 }
 
 }  // namespace expcache

@@ -150,19 +150,13 @@ int32_t ClassTable::bound(const LayerState& layer) const {
 
 expcache_status_t ClassTable::activate(int32_t c, const LayerState& layer) {
     ClassState& cls = classes_[c];
-    uint64_t off = 0;
-    cls.nparts_ = layer.nparts;
-    for (int p = 0; p < kMaxParts; ++p) {
-        cls.key_[p] = layer.bytes[p];
-        cls.part_off_[p] = p < layer.nparts ? off : 0;
-        off += align_up(layer.bytes[p]);
-    }
-    cls.slot_bytes_ = off;
+    lay_out(cls, layer);
     // A class reused for other sizes gets a bank of its own stride (the old one goes, or stays
     // with the views that keep it).
     if (cls.bank_) arena_.free_now(cls.bank_);
     cls.bank_ = nullptr;
-    cls.rows_ = cls.mapped_ = cls.staging_end_ = cls.batch_end_ = cls.staging_bytes_ = 0;
+    cls.rows_ = 0;
+    cls.forget_mappings();
     cls.slots_.clear();  // a release left them mapped when views kept the old bank
     cls.free_slots_.clear();
     // Every slot the class could ever have: each expert of its layers (those registered now: one
@@ -234,8 +228,7 @@ expcache_status_t ClassTable::bind(uint32_t layer_index, uint32_t path, int32_t*
 expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
     ClassState& cls = classes_[c];
     if (cls.slots_.empty()) {  // no slot (a cap of 0): only its staging rows, if any, go
-        if ((cls.staging_end_ > 0 || cls.batch_end_ > 0) && arena_.unmap_from(cls.bank_, 0))
-            cls.staging_end_ = cls.batch_end_ = cls.staging_bytes_ = 0;
+        if ((cls.staging_mapped() || cls.batch_mapped()) && arena_.unmap_from(cls.bank_, 0)) cls.forget_mappings();
         return EXPCACHE_OK;
     }
     for (SlotState& slot : cls.slots_) {
@@ -255,12 +248,12 @@ expcache_status_t ClassTable::release(int32_t c, uint32_t path) {
         unmapped = arena_.unmap_from(cls.bank_, 0);
         if (!unmapped)
             log_(EXPCACHE_LOG_NOTICE, "class %s: its bank stays mapped (%s): views of it are alive", name(cls).c_str(),
-                 human_bytes(cls.mapped_).c_str());
+                 human_bytes(cls.mapped_bytes()).c_str());
     }
     if (unmapped) {
         cls.slots_.clear();
         cls.free_slots_.clear();
-        cls.mapped_ = cls.staging_end_ = cls.batch_end_ = cls.staging_bytes_ = 0;
+        cls.forget_mappings();
         cls.cap_valid_ = false;
         return EXPCACHE_OK;
     }

@@ -10,6 +10,8 @@
 // class_slots.cpp: a slot's acquisition, residency, holds and prefetch state).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,7 +62,6 @@ enum class Insert { kDemand, kCold, kPrefetch };
 // A slot of a class: read by anyone (const getters), written only by ClassTable's verbs.
 class SlotState {
 public:
-    unsigned char* dev() const { return dev_; }
     int32_t layer() const { return layer_; }  // -1: free
     uint32_t expert() const { return expert_; }
     uint32_t holds() const { return holds_; }  // unfinished batches using it
@@ -77,7 +78,6 @@ public:
 
 private:
     friend class ClassTable;
-    unsigned char* dev_ = nullptr;
     int32_t layer_ = -1;
     uint32_t expert_ = 0;
     uint32_t holds_ = 0;
@@ -93,27 +93,56 @@ public:
     int nparts() const { return nparts_; }
     uint64_t key(int p) const { return key_[p]; }  // the bytes of part p (0 past nparts)
     const uint64_t* key_array() const { return key_; }
+    // Where part p starts within a slot laid out whole (a batch's own staging buffer).
     uint64_t part_off(int p) const { return part_off_[p]; }
     uint64_t expert_bytes() const {
         uint64_t n = 0;
         for (int p = 0; p < nparts_; ++p) n += key_[p];
         return n;
     }
-    uint64_t slot_bytes() const { return slot_bytes_; }
-    const std::vector<SlotState>& slots() const { return slots_; }  // the mapped slots, bank + s * slot_bytes
+    uint64_t slot_bytes() const { return slot_bytes_; }             // device bytes a row takes, every part aligned
+    const std::vector<SlotState>& slots() const { return slots_; }  // the mapped slots: rows 0..size-1
     // The bank: a reserved range (kept across releases; replaced when the class is reused for
-    // other sizes) of `rows` rows of slot_bytes: slots 0..slot_rows-1, mapped from the start as
-    // the class grows (`mapped` bytes), then kStagingRows rows from `staging_row` on, mapped when
-    // a decode call stages experts that got no slot (`staging_end`: the offset mapped to), then
-    // kBatchRows rows from `batch_row` on, mapped when batches given by slot id stage experts
-    // (`batch_end`). Each range starts past the granule the one before ends in.
+    // other sizes) of `rows` rows: slots 0..slot_rows-1, mapped from the start as the class grows,
+    // then kStagingRows rows from `staging_row` on, mapped when a decode call stages experts that
+    // got no slot, then kBatchRows rows from `batch_row` on, mapped when batches given by slot id
+    // stage experts. Each range starts past the granule the one before ends in, in every region.
+    // Its arrangement (EXPCACHE_BANK_*): SLOTS, one region of rows of slot_bytes, each holding
+    // every part of its expert; PARTS, a region per part, each its part's rows side by side. Either
+    // way part p of row r is at bank + part_at(p) + r * part_stride(p): every address of a row's
+    // part is computed by part() (or parts_of, ptrs_of), here or, from the same two arrays, in
+    // the kernels' arguments.
     unsigned char* bank() const { return bank_; }
+    uint32_t arrangement() const { return arrangement_; }
+    uint64_t part_at(int p) const { return part_at_[p]; }
+    uint64_t part_stride(int p) const { return part_stride_[p]; }
+    unsigned char* part(uint64_t row, int p) const { return bank_ + part_at_[p] + row * part_stride_[p]; }
+    void parts_of(uint64_t row, unsigned char* out[kMaxParts]) const {
+        for (int p = 0; p < kMaxParts; ++p) out[p] = p < nparts_ ? part(row, p) : nullptr;
+    }
+    expcache_expert_ptrs_t ptrs_of(uint64_t row) const { return {part(row, kGate), part(row, kUp), part(row, kDown)}; }
+    // The row whose gate (part 0) is at `gate`.
+    uint64_t row_of(const unsigned char* gate) const {
+        return static_cast<uint64_t>(gate - bank_ - part_at_[kGate]) / part_stride_[kGate];
+    }
+    // The regions a mapping of rows covers (one for SLOTS, a part's each for PARTS): region k's row
+    // r at bank + region_at(k) + r * region_stride(k).
+    int regions() const { return regions_; }
+    uint64_t region_at(int k) const { return region_at_[k]; }
+    uint64_t region_stride(int k) const { return region_stride_[k]; }
     uint64_t rows() const { return rows_; }
     uint64_t staging_row() const { return staging_row_; }
-    uint64_t staging_end() const { return staging_end_; }
+    // The staging rows mapped whole so far (from staging_row on).
+    uint64_t staging_mapped_to() const { return whole_rows(staging_end_); }
     uint64_t staging_bytes() const { return staging_bytes_; }  // mapped for the staging and batch rows
     uint64_t batch_row() const { return batch_row_; }
-    uint64_t batch_end() const { return batch_end_; }
+    bool staging_mapped() const { return staging_end_[0] > 0; }
+    bool batch_mapped() const { return batch_end_[0] > 0; }
+    uint64_t mapped_bytes() const {  // mapped for the slots, every region
+        uint64_t n = 0;
+        for (int k = 0; k < regions_; ++k) n += mapped_[k];
+        return n;
+    }
     // Whether a release must keep the class: batches hold its slots or stage in its batch rows.
     bool busy() const { return held_ > 0 || batch_users_ > 0; }
     uint64_t slot_rows() const { return slot_rows_; }  // the rows reserved for slots: the most cap can grow to
@@ -122,7 +151,8 @@ public:
     uint64_t held() const { return held_; }      // slots batches hold
     uint64_t layers() const { return layers_; }  // layers bound to it
 
-    // Where each part of the slot (or staging entry laid out like one) at `base` goes.
+    // Where each part of the entry laid out as a whole slot at `base` goes (a batch's own staging
+    // buffer; never the bank: parts_of).
     void parts_at(unsigned char* base, unsigned char* out[kMaxParts]) const {
         for (int p = 0; p < kMaxParts; ++p) out[p] = p < nparts_ ? base + part_off_[p] : nullptr;
     }
@@ -138,12 +168,30 @@ private:
     uint64_t key_[kMaxParts] = {};
     uint64_t part_off_[kMaxParts] = {};
     uint64_t slot_bytes_ = 0;
+    uint32_t arrangement_ = EXPCACHE_BANK_SLOTS;
+    uint64_t part_at_[kMaxParts] = {}, part_stride_[kMaxParts] = {};
+    int regions_ = 1;
+    uint64_t region_at_[kMaxParts] = {}, region_stride_[kMaxParts] = {};
+    void forget_mappings() {
+        std::fill(mapped_, mapped_ + kMaxParts, 0);
+        std::fill(staging_end_, staging_end_ + kMaxParts, 0);
+        std::fill(batch_end_, batch_end_ + kMaxParts, 0);
+        staging_bytes_ = 0;
+    }
+    // The rows whole in every region given each region's mapped end (bytes from its start).
+    uint64_t whole_rows(const uint64_t* end) const {
+        uint64_t n = UINT64_MAX;
+        for (int k = 0; k < regions_; ++k) n = std::min(n, end[k] / region_stride_[k]);
+        return n;
+    }
     uint64_t last_used_ = 0;  // call id, for reusing the least recently used class
     std::vector<SlotState> slots_;
     std::vector<int32_t> free_slots_;
     unsigned char* bank_ = nullptr;
     uint64_t rows_ = 0, slot_rows_ = 0, staging_row_ = 0, batch_row_ = 0;
-    uint64_t mapped_ = 0, staging_end_ = 0, batch_end_ = 0;
+    // Per region, the offset from its start its mapping reaches: the slots', the staging rows', the
+    // batch rows'.
+    uint64_t mapped_[kMaxParts] = {}, staging_end_[kMaxParts] = {}, batch_end_[kMaxParts] = {};
     uint64_t batch_used_ = 0, batch_users_ = 0;  // batch rows taken by open batches, and those batches
     uint64_t staging_bytes_ = 0;
     std::unique_ptr<Policy> policy_;
@@ -157,7 +205,7 @@ private:
 
 // Whether a class holds device memory a release gives back: slots, or staging or batch rows.
 inline bool has_memory(const ClassState& cls) {
-    return !cls.slots().empty() || cls.staging_end() > 0 || cls.batch_end() > 0;
+    return !cls.slots().empty() || cls.staging_mapped() || cls.batch_mapped();
 }
 
 // What a miss asks of acquire(): a slot of class `cls` for an expert of `layer`.
@@ -191,7 +239,7 @@ public:
     // count as free (a class keeps what it holds, or gives it to another).
     uint64_t slots_mapped() const {
         uint64_t n = 0;
-        for (const ClassState& cls : classes_) n += cls.in_use_ ? cls.mapped_ : 0;
+        for (const ClassState& cls : classes_) n += cls.in_use_ ? cls.mapped_bytes() : 0;
         return n;
     }
     int32_t size() const { return static_cast<int32_t>(classes_.size()); }
@@ -232,6 +280,9 @@ public:
     // unmapped, its base kept. Above: a fixed bank maps the slots now, any other as it grows. The
     // caller vacated the class (nothing in flight, the device idle) and no batch holds it.
     expcache_status_t resize(int32_t c, uint64_t cap, uint32_t path, std::vector<int32_t>* dropped);
+    // The device copy of row `from` into row `to`, every region (class_bank.cpp), unordered with
+    // any stream: the caller synchronizes the device after its copies.
+    expcache_status_t copy_row(const ClassState& cls, uint64_t to, uint64_t from);
     // Budget shares depend on the whole layout: caps are recomputed before the next growth.
     void invalidate_caps();
     // Every class's slots are a bank (a reserved range, reserved when the class is bound, at one
@@ -248,10 +299,11 @@ public:
     void record(int32_t c, uint32_t path, const expcache_stats_t& add);
     void reset_stats();
 
-    // The first n (<= kStagingRows) staging rows of class c's bank, mapped: where a decode call
-    // stages the experts that got no slot (valid until the next call, as slots are). Mapped as
-    // calls need more of them, unmapped with the slots when the class is released.
-    expcache_status_t staging_rows(int32_t c, uint32_t n, unsigned char** out);
+    // The first n (<= kStagingRows) staging rows of class c's bank, mapped (*out_row: the first
+    // one's row): where a decode call stages the experts that got no slot (valid until the next
+    // call, as slots are). Mapped as calls need more of them, unmapped with the slots when the
+    // class is released.
+    expcache_status_t staging_rows(int32_t c, uint32_t n, uint64_t* out_row);
     // n batch rows of class c's bank, mapped, for one batch (*out_row: the first one's row):
     // after the rows the open batches took (INVALID_STATE when kBatchRows would not hold them).
     // The class keeps them until give_batch_rows(); they are reused once no batch holds rows.
@@ -316,6 +368,9 @@ private:
     expcache_status_t activate(int32_t c, const LayerState& layer);
     expcache_status_t reserve_rows(int32_t c, uint64_t slots);
     expcache_status_t map_rows(ClassState& cls, uint64_t range_row, uint64_t to_row, uint64_t* end);
+    // The class's rows laid out for its sizes and the config's arrangement (class_bank.cpp).
+    void lay_out(ClassState& cls, const LayerState& layer) const;
+
     std::string zero_target_reason(const ClassState& cls) const;
     expcache_status_t refresh_cap(int32_t c, uint32_t path);
     void announce_cap(int32_t c, uint32_t path, const char* why, const char* fix = "");

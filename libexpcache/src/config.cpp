@@ -154,6 +154,10 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
     if (cfg.device_capacity_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
     if (cfg.slab_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "slab_bytes must be > 0");
     if (cfg.reserved != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved must be 0, got %u", cfg.reserved);
+    if (cfg.reserved2 != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved2 must be 0, got %u", cfg.reserved2);
+    if (cfg.bank_arrangement > EXPCACHE_BANK_PARTS)
+        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown bank_arrangement %u (0 slots, 1 parts)",
+                    cfg.bank_arrangement);
     if (cfg.host_budget_bytes > EXPCACHE_MAX_HOST_BUDGET_BYTES)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "host_budget_bytes must be 0 (no pool)..%llu (2^48), got %llu",
                     (unsigned long long)EXPCACHE_MAX_HOST_BUDGET_BYTES, (unsigned long long)cfg.host_budget_bytes);
@@ -258,6 +262,7 @@ void config_defaults(expcache_config_t* config) {
     // it has one (docs/policy.md).
     config->policy = EXPCACHE_POLICY_DUEL;
     config->partition = EXPCACHE_PARTITION_GLOBAL;
+    config->bank_arrangement = EXPCACHE_BANK_SLOTS;
 }
 
 expcache_status_t resolve_config(const expcache_config_t& config, expcache_config_t* out, StagingTuning* staging,

@@ -171,8 +171,10 @@ expcache_status_t DeviceLookup::make_class(int32_t c) {
     d.view.cap = static_cast<uint32_t>(cap);
     d.rows = rows;
     d.view.bank = cls.slots().empty() ? nullptr : cls.bank();
-    d.view.slot_bytes = cls.slot_bytes();
-    for (int q = 0; q < kMaxParts; ++q) d.view.part_off[q] = cls.part_off(q);
+    for (int q = 0; q < kMaxParts; ++q) {
+        d.view.part_at[q] = cls.part_at(q);
+        d.view.part_stride[q] = cls.part_stride(q);
+    }
     d.view.policy = DevicePolicyClass{};
     // Zeros everywhere: no pin, the handoff (the tickets count from 0 for the class's whole life)
     // and the policy's state, which starts empty (stamps, lists, duel's counter and sizes); no

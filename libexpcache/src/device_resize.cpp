@@ -165,14 +165,12 @@ expcache_status_t DeviceLookup::shrink(int32_t c, uint64_t cap, uint64_t* evicte
     if (d.view.policy.duel) h.duel.resident -= static_cast<int32_t>(n);  // DuelPolicy::on_remove
     // The residents past the cap move into the free rows below it, lowest first; the rows past it
     // are pinned.
-    const unsigned char* bank = d.view.bank;
-    const uint64_t S = d.view.slot_bytes;
     uint32_t to = 0;
     for (uint32_t r = static_cast<uint32_t>(cap); r < old_cap && s == EXPCACHE_OK; ++r) {
         h.pin[r] = 1;
         if (h.key[r] < 0) continue;
         while (h.key[to] >= 0) ++to;  // below cap: the evictions left a free row for each
-        s = health_.check(backend_.copy_d2d(d.view.bank + uint64_t(to) * S, bank + uint64_t(r) * S, S, nullptr));
+        s = classes_.copy_row(classes_[c], to, r);
         slot_of[h.key[r]] = static_cast<int32_t>(to);
         h.move(r, to);
     }

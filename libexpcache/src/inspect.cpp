@@ -41,10 +41,9 @@ expcache_status_t Cache::read_resident(uint32_t layer_index, uint32_t expert, vo
         return EXPCACHE_OK;
     }
     const ClassState& cls = classes_[c];
-    const unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
     unsigned char* d = static_cast<unsigned char*>(dst);
     for (int p = 0; p < layer.nparts; ++p) {
-        if ((s = health_.check(backend_->copy_d2h_sync(d, row + cls.part_off(p), layer.bytes[p]))) != EXPCACHE_OK)
+        if ((s = health_.check(backend_->copy_d2h_sync(d, cls.part(uint64_t(slot), p), layer.bytes[p]))) != EXPCACHE_OK)
             return s;
         d += layer.bytes[p];
     }
@@ -139,15 +138,15 @@ expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t
     const ClassState& cls = classes_[c];
     BankChecksum b = {};
     b.base = cls.bank();
-    b.stride = cls.slot_bytes();
     for (int p = 0; p < kMaxParts; ++p) {
-        b.part_off[p] = cls.part_off(p);
+        b.part_at[p] = cls.part_at(p);
+        b.part_stride[p] = cls.part_stride(p);
         b.part_bytes[p] = cls.key(p);
     }
     b.cap = static_cast<uint32_t>(cls.slots().size());
-    if (cls.staging_end() > 0) {  // the staging rows wholly mapped
+    if (cls.staging_mapped()) {  // the staging rows wholly mapped
         b.staged_from = static_cast<uint32_t>(cls.staging_row());
-        b.staged_to = static_cast<uint32_t>(std::max(cls.staging_row(), cls.staging_end() / cls.slot_bytes()));
+        b.staged_to = static_cast<uint32_t>(std::max(cls.staging_row(), cls.staging_mapped_to()));
     }
     b.n = n;
     b.slots = slots;

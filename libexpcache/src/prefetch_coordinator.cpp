@@ -181,7 +181,7 @@ expcache_status_t PrefetchCoordinator::prefetch(uint32_t layer_index, const uint
         job.slot = slot;
         job.source = layer.source;
         unsigned char* dst[kMaxParts];
-        cls.parts_at(cls.slots()[slot].dev(), dst);
+        cls.parts_of(uint64_t(slot), dst);
         for (int p = 0; p < layer.nparts; ++p) {
             PrefetchJob::Part& last = job.parts[job.num_parts > 0 ? job.num_parts - 1 : 0];
             const unsigned char* src = layer.source_at(p, e);

@@ -65,8 +65,7 @@ expcache_status_t Cache::narrow_ids(uint32_t layer, const void* ids, uint32_t id
 
 int32_t Cache::row_of(int32_t c, const expcache_expert_ptrs_t& ptrs) const {
     const ClassState& cls = classes_[c];
-    const auto* gate = static_cast<const unsigned char*>(ptrs.gate);
-    return static_cast<int32_t>(static_cast<uint64_t>(gate - cls.part_off(kGate) - cls.bank()) / cls.slot_bytes());
+    return static_cast<int32_t>(cls.row_of(static_cast<const unsigned char*>(ptrs.gate)));
 }
 
 // Every call that enqueues work starts here: finish deferred frees, cancel the

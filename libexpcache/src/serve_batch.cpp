@@ -64,8 +64,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
             return s;
         }
         batch.rows = true;
-        unsigned char* base = call.cls->bank() + row * call.cls->slot_bytes();
-        if ((s = stage_overflow(call, base, direct)) != EXPCACHE_OK) {
+        if ((s = stage_overflow(call, nullptr, row, direct)) != EXPCACHE_OK) {
             call.uploads.abandon();  // earlier uploads may still write into the rows
             unhold(batch, stream);
             return s;
@@ -83,7 +82,7 @@ expcache_status_t Cache::batch_prepare(uint32_t layer_index, const uint32_t* ids
                             direct, (unsigned long long)bytes, last_error());
             return s;
         }
-        if ((s = stage_overflow(call, static_cast<unsigned char*>(batch.staging), direct)) != EXPCACHE_OK) {
+        if ((s = stage_overflow(call, static_cast<unsigned char*>(batch.staging), 0, direct)) != EXPCACHE_OK) {
             unhold(batch, stream);
             call.uploads.abandon();  // earlier uploads may still write into the staging
             health_.check(arena_.free_after(batch.staging, stream));

@@ -37,9 +37,8 @@ expcache_status_t Cache::compact_on_device(ServeCall& call, const uint32_t* ids,
         compact_parts(layer, base, off, i, dst);
         const int32_t slot = call.scratch.slots[j];
         if (slot >= 0) {
-            const unsigned char* row = cls.bank() + uint64_t(slot) * cls.slot_bytes();
             for (int p = 0; p < layer.nparts; ++p)
-                if ((s = health_.check(backend_->copy_d2d(dst[p], row + cls.part_off(p), b[p], call.stream))) !=
+                if ((s = health_.check(backend_->copy_d2d(dst[p], cls.part(uint64_t(slot), p), b[p], call.stream))) !=
                     EXPCACHE_OK)
                     return s;
             lent.bytes_d2d += layer.expert_bytes();
@@ -75,7 +74,7 @@ expcache_status_t Cache::compact_from_table(ServeCall& call, const uint32_t* ids
             if ((s = streams_.order_slot(call.c, slot, stream)) != EXPCACHE_OK) return s;
             if (ss.prefetch() != kPrefetchNone) prefetch_.note_use(call.c, slot);
             for (int p = 0; p < layer.nparts; ++p)
-                if ((s = health_.check(backend_->copy_d2d(dst[p], ss.dev() + cls.part_off(p), b[p], stream))) !=
+                if ((s = health_.check(backend_->copy_d2d(dst[p], cls.part(uint64_t(slot), p), b[p], stream))) !=
                     EXPCACHE_OK)
                     return s;
             classes_.lend(call.c, slot, call.path, first);

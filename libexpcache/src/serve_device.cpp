@@ -75,18 +75,20 @@ expcache_status_t Cache::bank(uint32_t index, expcache_bank_t* out) {
     expcache_bank_t b = {};
     b.struct_size = sizeof b;
     b.base = cls.bank();
-    b.slot_stride = cls.slot_bytes();
+    b.arrangement = cls.arrangement();
+    b.slot_stride = cls.arrangement() == EXPCACHE_BANK_SLOTS ? cls.slot_bytes() : 0;
     b.cap = cls.slots().size();
     b.rows = cls.rows();
     b.num_parts = static_cast<uint32_t>(cls.nparts());
     for (int p = 0; p < kMaxParts; ++p) {
-        b.part_offset[p] = cls.part_off(p);
+        b.part_offset[p] = cls.part_at(p);
+        b.part_stride[p] = cls.part_stride(p);
         b.part_bytes[p] = cls.key(p);
     }
     if (cls.nparts() == kThreeParts) {
-        b.gate_offset = cls.part_off(kGate);
-        b.up_offset = cls.part_off(kUp);
-        b.down_offset = cls.part_off(kDown);
+        b.gate_offset = cls.part_at(kGate);
+        b.up_offset = cls.part_at(kUp);
+        b.down_offset = cls.part_at(kDown);
         b.gate_bytes = cls.key(kGate);
         b.up_bytes = cls.key(kUp);
         b.down_bytes = cls.key(kDown);

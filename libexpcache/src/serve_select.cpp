@@ -21,9 +21,9 @@ expcache_status_t Cache::serve_decode(ServeCall& call, uint32_t k) {
         // The class cannot hold the whole request: stage the rest in the bank's staging rows
         // (addressed by slot id as the slots are). It never releases the caches: the hits
         // resolved above point into them.
-        unsigned char* base = nullptr;
-        if ((s = classes_.staging_rows(call.c, direct, &base)) != EXPCACHE_OK ||
-            (s = stage_overflow(call, base, direct)) != EXPCACHE_OK)
+        uint64_t row = 0;
+        if ((s = classes_.staging_rows(call.c, direct, &row)) != EXPCACHE_OK ||
+            (s = stage_overflow(call, nullptr, row, direct)) != EXPCACHE_OK)
             return s;
     }
     if ((s = call.uploads.settle()) != EXPCACHE_OK) return s;

@@ -23,7 +23,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             classes_.hold(call.c, slot);
             batch->held.push_back(slot);
         }
-        scratch.ptrs[j] = cls.ptrs_at(cls.slots()[slot].dev());
+        scratch.ptrs[j] = cls.ptrs_of(uint64_t(slot));
     };
     scratch.pending.clear();
     for (uint32_t j = 0; j < scratch.unique.size(); ++j) {
@@ -69,7 +69,7 @@ expcache_status_t Cache::fill_slots(ServeCall& call, BatchState* batch, uint32_t
             continue;
         }
         unsigned char* dst[kMaxParts];
-        cls.parts_at(cls.slots()[slot].dev(), dst);
+        cls.parts_of(uint64_t(slot), dst);
         if ((s = streams_.order_slot(call.c, slot, call.copy_stream)) != EXPCACHE_OK ||
             (s = copy_expert(layer, e, dst, call.copy_stream)) != EXPCACHE_OK) {
             classes_.unacquire(call.c, slot);  // never marked resident
@@ -115,13 +115,13 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
             classes_.hold(call.c, slot);
             batch->held.push_back(slot);
         }
-        scratch.ptrs[j] = cls.ptrs_at(cls.bank() + uint64_t(slot) * cls.slot_bytes());
+        scratch.ptrs[j] = cls.ptrs_of(uint64_t(slot));
     }
     for (uint32_t j = 0; j < n && t.host_copies; ++j) {
         const int32_t slot = scratch.slots[j];
         if (slot < 0 || !scratch.filled[j]) continue;
         unsigned char* dst[kMaxParts];
-        cls.parts_at(cls.bank() + uint64_t(slot) * cls.slot_bytes(), dst);
+        cls.parts_of(uint64_t(slot), dst);
         scratch.inserted.emplace_back(call.c, slot);  // a later upload failure of the call frees it
         if ((s = copy_expert(*call.layer, scratch.unique[j], dst, call.copy_stream)) != EXPCACHE_OK) {
             // This fill and those not copied yet never get their bytes.
@@ -145,19 +145,22 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
     return EXPCACHE_OK;
 }
 
-// The misses fill_slots() left without a slot, loaded into `base` laid out as
-// consecutive slots of the class, for this call only.
-expcache_status_t Cache::stage_overflow(ServeCall& call, unsigned char* base, uint32_t direct) {
+// The misses fill_slots() left without a slot, loaded for this call only into the bank's rows from
+// `row` on (buffer nullptr), or into `buffer` laid out as consecutive whole slots of the class.
+expcache_status_t Cache::stage_overflow(ServeCall& call, unsigned char* buffer, uint64_t row, uint32_t direct) {
     const LayerState& layer = *call.layer;
     const ClassState& cls = *call.cls;
     for (uint32_t i = 0; i < direct; ++i) {
         uint32_t j = call.scratch.pending[i];
-        unsigned char* entry = base + uint64_t(i) * cls.slot_bytes();
         unsigned char* dst[kMaxParts];
-        cls.parts_at(entry, dst);
+        unsigned char* entry = buffer ? buffer + uint64_t(i) * cls.slot_bytes() : nullptr;
+        if (entry)
+            cls.parts_at(entry, dst);
+        else
+            cls.parts_of(row + i, dst);
         expcache_status_t s = copy_expert(layer, call.scratch.unique[j], dst, call.copy_stream);
         if (s != EXPCACHE_OK) return s;
-        call.scratch.ptrs[j] = cls.ptrs_at(entry);
+        call.scratch.ptrs[j] = entry ? cls.ptrs_at(entry) : cls.ptrs_of(row + i);
         classes_.load_direct(call.c, call.path, call.layer_index, true, false);
     }
     return EXPCACHE_OK;

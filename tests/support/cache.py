@@ -9,6 +9,10 @@ import pytest
 from pyexpcache import _cuda, testing
 from pyexpcache._lib import POLICIES as _LIBRARY_POLICIES, library_path
 
+#: The bank arrangements (ExpertCache's bank_arrangement): the suites marked ``arrangements`` run
+#: against each (tests/conftest.py's bank_arrangement fixture).
+ARRANGEMENTS = ["slots", "parts"]
+
 SCALE = 4096  # DeepSeek V4 Flash sizes / 4096: q2 experts 1,728 B, q4 3,456 B
 
 #: The library's eviction policies, by name in id order (its table: pyexpcache._lib.POLICIES). Every
@@ -71,5 +75,6 @@ def to_numpy(array):
 
 
 def bank_rows(bank, slots):
-    """[n, 3] addresses (gate, up, down) of ``slots`` in ``bank``, as select returns for experts."""
-    return [[part.ptr + int(s) * bank.slot_stride for part in bank.parts] for s in slots]
+    """[n, 3] addresses (gate, up, down) of ``slots`` in ``bank``, as select returns for experts
+    (part p of slot s at the part's view + s * its stride, in either arrangement)."""
+    return [[part.ptr + int(s) * stride for part, stride in zip(bank.parts, bank.part_strides)] for s in slots]

@@ -138,7 +138,8 @@ __global__ void bank_checksum_kernel(const __grid_constant__ BankParams prm) {
         const uint64_t bytes = prm.bank.part_bytes[p];
         const uint64_t begin = r * kChunkBytes;
         const uint64_t end = begin + kChunkBytes < bytes ? begin + kChunkBytes : bytes;
-        sum = chunk_sum(prm.bank.base + uint64_t(slot) * prm.bank.stride + prm.bank.part_off[p], bytes, begin, end);
+        sum = chunk_sum(prm.bank.base + prm.bank.part_at[p] + uint64_t(slot) * prm.bank.part_stride[p], bytes, begin,
+                        end);
     }
     finish_block(sum, i, prm.bank.n, prm.sums, prm.counter, prm.out);
 }

@@ -113,7 +113,6 @@ __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uin
         const uint64_t tag = done | m;
         const int32_t slot = static_cast<int32_t>(__ldcg(reinterpret_cast<const uint2*>(c.misses + m)).y);
         const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
-        unsigned char* dst = c.bank + uint64_t(slot) * c.slot_bytes;
         for (;;) {
             if (tid == 0) chunk_s = atomicAdd(&f.claim[m], 1u);
             __syncthreads();
@@ -128,7 +127,8 @@ __device__ inline void copy_misses(const DeviceSelectArgs& a, uint32_t from, uin
             if (a.part_bytes[p] && !(ready_s & kFeedFailed)) {
                 const uint64_t n = a.part_bytes[p] - at < kFeedChunk ? a.part_bytes[p] - at : kFeedChunk;
                 const unsigned char* piece = row + f.part_at[p] + q * (f.piece + 2 * kFeedAlign) + delta_s;
-                copy_chunk(dst + c.part_off[p] + at, piece + (at - uint64_t(q) * f.piece), n);
+                copy_chunk(c.bank + c.part_at[p] + uint64_t(slot) * c.part_stride[p] + at,
+                           piece + (at - uint64_t(q) * f.piece), n);
             }
             __syncthreads();  // the chunk is written, and chunk_s, ready_s and delta_s read
             if (tid == 0) {

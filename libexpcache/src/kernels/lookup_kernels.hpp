@@ -101,8 +101,8 @@ struct DeviceClass {
     DeviceHandoff* handoff;
     uint32_t cap;  // < 2^31
     unsigned char* bank;
-    uint64_t slot_bytes;
-    uint64_t part_off[EXPCACHE_MAX_PARTS];
+    uint64_t part_at[EXPCACHE_MAX_PARTS];  // part p of slot s at bank + part_at[p] + s * part_stride[p]
+    uint64_t part_stride[EXPCACHE_MAX_PARTS];
     DevicePolicyClass policy;
     DeviceFeed feed;  // the rows misses of a source the GPU cannot read come through (box nullptr: none)
 };

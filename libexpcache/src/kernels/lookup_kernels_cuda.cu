@@ -157,11 +157,10 @@ __device__ void copy_misses(const DeviceSelectArgs& a, uint32_t from, uint32_t t
         // Written by the leader block: read past this SM's L1.
         const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(c.misses + m));
         const DeviceMiss miss{raw.x, static_cast<int32_t>(raw.y)};
-        unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
         for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p) {
             if (a.part_bytes[p] == 0) break;  // past the layer's parts
             const unsigned char* src = a.src[p] + a.src_stride[p] * miss.expert;
-            unsigned char* dst = slot + c.part_off[p];
+            unsigned char* dst = c.bank + c.part_at[p] + uint64_t(miss.slot) * c.part_stride[p];
             const uint64_t bytes = a.part_bytes[p];
             if (!a.aligned) {
                 for (uint64_t b = gtid; b < bytes; b += gstride) dst[b] = src[b];

@@ -205,9 +205,9 @@ private:
         const DeviceClass& c = a.cls;
         for (uint32_t m = 0; m < *c.miss_count; ++m) {
             const DeviceMiss miss = c.misses[m];
-            unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
             for (int p = 0; p < EXPCACHE_MAX_PARTS && a.part_bytes[p]; ++p)  // 0 bytes: past the layer's parts
-                std::memcpy(slot + c.part_off[p], a.src[p] + a.src_stride[p] * miss.expert, a.part_bytes[p]);
+                std::memcpy(c.bank + c.part_at[p] + uint64_t(miss.slot) * c.part_stride[p],
+                            a.src[p] + a.src_stride[p] * miss.expert, a.part_bytes[p]);
         }
     }
 
@@ -228,7 +228,6 @@ private:
             const uint64_t tag = done | m;
             const DeviceMiss miss = c.misses[m];
             const unsigned char* row = f.rows + uint64_t(r) * f.row_bytes;
-            unsigned char* slot = c.bank + uint64_t(miss.slot) * c.slot_bytes;
             bool ok = true;
             for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p)
                 for (uint32_t q = 0; uint64_t(q) * f.piece < a.part_bytes[p]; ++q) {
@@ -236,7 +235,7 @@ private:
                     ok = ok && !(w & kFeedFailed);
                     if (!ok) continue;
                     const uint64_t at = uint64_t(q) * f.piece;
-                    std::memcpy(slot + c.part_off[p] + at,
+                    std::memcpy(c.bank + c.part_at[p] + uint64_t(miss.slot) * c.part_stride[p] + at,
                                 row + f.part_at[p] + q * (f.piece + 2 * kFeedAlign) + f.box->delta[r][p][q],
                                 std::min(f.piece, a.part_bytes[p] - at));
                 }

@@ -32,8 +32,8 @@ struct BankChecksum {
         return slot >= 0 && (s < cap || (s >= staged_from && s < staged_to));
     }
     const unsigned char* base;
-    uint64_t stride;
-    uint64_t part_off[EXPCACHE_MAX_PARTS];
+    uint64_t part_at[EXPCACHE_MAX_PARTS];  // part p of slot s at base + part_at[p] + s * part_stride[p]
+    uint64_t part_stride[EXPCACHE_MAX_PARTS];
     uint64_t part_bytes[EXPCACHE_MAX_PARTS];  // 0 past the class's parts
     uint32_t cap;                             // a slot outside [0, cap) and [staged_from, staged_to) sums to 0
     uint32_t staged_from, staged_to;          // the bank's mapped staging rows (select_slots)

@@ -44,7 +44,7 @@ public:
             uint64_t sum = 0;
             if (b.readable(slot))
                 for (int p = 0; p < EXPCACHE_MAX_PARTS; ++p)
-                    sum += checksum_host(b.base + uint64_t(slot) * b.stride + b.part_off[p], b.part_bytes[p]);
+                    sum += checksum_host(b.base + b.part_at[p] + uint64_t(slot) * b.part_stride[p], b.part_bytes[p]);
             results_[first + i] = sum;
         }
         return EXPCACHE_OK;
