@@ -145,6 +145,9 @@ class Caches:
                 policy=self.policy,
                 host_budget_bytes=self.host_budget_bytes * share // total,
                 file_reads=self.file_reads,
+                # Quantized experts part-major: each tensor its own contiguous [cap, ...] view, as
+                # kernels over [E, N, K] weights want; float experts slot-major (the fused gate_up view).
+                bank_arrangement="parts" if all(e.quantized for e in group) else "slots",
             )
             self.served.append((cache, source, serve_cache(cache)))
             for e in group:

@@ -27,6 +27,28 @@ def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) 
     return torch.device("cpu")
 
 
+def _check_contiguous_views(e: ExpertsLayer, name: str, layers: list[ExpertsLayer]) -> None:
+    """transformers' FP8 ``batched_mm`` and ``grouped_mm`` run Triton kernels that assert contiguous
+    ``[E, N, K]`` weights: a quantized model's caches keep part-major banks (each part its own
+    ``[cap, ...]`` region, rows 256-byte aligned), whose view of a weight is contiguous when an
+    expert's weight is a whole number of 256-byte rows. ValueError with the way out otherwise."""
+    eager = "serve these experts with the eager implementation (model.set_experts_implementation('eager'))"
+    if not all(other.quantized for other in layers):
+        raise ValueError(
+            f"{e.name}: transformers' FP8 {name} needs each weight's bank view contiguous, which part-major "
+            f"banks give; this model mixes float and quantized experts, whose caches keep slot-major banks "
+            f"(float experts' fused gate_up view): {eager}"
+        )
+    for weight, t in zip(e.weight_names, e.weights):
+        nbytes = t[0].numel() * t.element_size()
+        if not weight.endswith(("_scale_inv", "_activation_scale")) and nbytes % 256:
+            raise ValueError(
+                f"{e.name}.{weight}: an expert's {nbytes} B are not a whole number of 256-byte rows, so "
+                f"its bank view strides past them and transformers' FP8 {name} kernels (which assert "
+                f"contiguous weights) cannot read it: {eager}"
+            )
+
+
 def served_ids(layers: list[ExpertsLayer]) -> set[int]:
     """The ids of the experts' weights the caches serve (every other parameter is the model's own)."""
     return {id(w) for e in layers for w in e.weights}
@@ -315,12 +337,7 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
     cuda = compute.type == "cuda"
     for e, (name, function) in zip(layers, inner):
         if cuda and e.quantized and name != "eager" and function.__module__.endswith("finegrained_fp8"):
-            raise ValueError(
-                f"{e.name}: transformers' FP8 {name} runs Triton kernels that assert contiguous [E, N, K] "
-                "weights, and a bank slot holds all of an expert's tensors (weights and scales), so the "
-                "bank's view of one tensor strides over the others: serve these experts with the eager "
-                "implementation (model.set_experts_implementation('eager') before offloading)"
-            )
+            _check_contiguous_views(e, name, layers)
     if cuda and device_capacity_bytes is not None:
         raise ValueError(
             f"device_capacity_bytes is the host backend's emulated device size; the model computes on {compute}"
