@@ -276,6 +276,7 @@ void op_misc(Model* m) {
         [EXPCACHE_STRUCT_STAGING_STATS] = sizeof(expcache_staging_stats_t),
         [EXPCACHE_STRUCT_PREFETCH_STATS] = sizeof(expcache_prefetch_stats_t),
         [EXPCACHE_STRUCT_BANK] = sizeof(expcache_bank_t),
+        [EXPCACHE_STRUCT_POOL_STATS] = sizeof(expcache_pool_stats_t),
     };
     for (uint32_t w = 0; w < EXPCACHE_STRUCT_COUNT; ++w) {
         g_calls++;
