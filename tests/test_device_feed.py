@@ -6,8 +6,6 @@ source, its choices against the same select from a pinned source."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -47,27 +45,14 @@ def test_a_pageable_source_is_fed_byte_exact_with_the_pinned_choices(backend, po
     """Select for select, the fed cache gives the slots the pinned one gives and its slots hold
     the source's bytes, misses of one select beyond the feed's rows and evictions included."""
     layout = _layout()
+    options = dict(
+        budget_experts=24, backend=backend, lookup="device", policy=policy, bank_arrangement=bank_arrangement
+    )
     with (
         HostSource(layout, pinned=False) as pageable,
         HostSource(layout, pinned=True) as pinned,
-        ExpertCache(
-            layout,
-            pageable,
-            budget_experts=24,
-            backend=backend,
-            lookup="device",
-            policy=policy,
-            bank_arrangement=bank_arrangement,
-        ) as fed,
-        ExpertCache(
-            layout,
-            pinned,
-            budget_experts=24,
-            backend=backend,
-            lookup="device",
-            policy=policy,
-            bank_arrangement=bank_arrangement,
-        ) as mapped,
+        ExpertCache(layout, pageable, **options) as fed,
+        ExpertCache(layout, pinned, **options) as mapped,
     ):
         for layer, ids in _trace(layout, 24):
             got = to_numpy(fed.select_device(layer, device_ids(fed, ids)))
@@ -125,17 +110,15 @@ def test_a_failed_read_frees_its_slot_and_says_why(tmp_path, backend, policy):
     the failed expert's ids slot -1, the expert is not resident (the count agrees) and the experts
     read fine are; once the file is whole again the next select reads it."""
     pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
-    from support.gguf_files import Q4, write_model
+    from support.gguf_files import end_early, shrinking_model
 
-    path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
-    whole = path.read_bytes()
+    path, whole = shrinking_model(tmp_path)
     with GGUFSource(path, reads="file") as src:
         layout = src.layout
         last = layout.moe_layers[-1]
         with ExpertCache(layout, src, budget_experts=8, backend=backend, lookup="device", policy=policy) as cache:
             cache.bank(last)
-            rec = src.records[last]
-            os.truncate(path, rec.offsets[2] + 4 * layout[last].down_bytes)  # experts 4-7 of `last` end early
+            end_early(path, src, last, 4)  # experts 4-7 of `last` end early
             with pytest.warns(ExpcacheWarning, match=f"expert 6 of layer {last}.*ended early.*slot -1"):
                 got = to_numpy(cache.select_device(last, device_ids(cache, [6, 2, 6])))
                 cache.synchronize()

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
 
-from test_hf import CUDA_OK, CUDA_REASON, greedy, tiny_model  # noqa: E402
+from test_hf import DEVICES, greedy, tiny_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _fp8_experts import install_kernel, quantize_experts, restore_kernel  # noqa: E402
@@ -92,17 +92,6 @@ def kernel(request, monkeypatch):
     before = install_kernel(where)
     yield fp8._FINEGRAINED_FP8
     restore_kernel(before)
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not (CUDA_OK and torch.cuda.is_available()), reason=CUDA_REASON or "torch has no CUDA device"
-        ),
-    ),
-]
 
 
 def fp8_model(device="cpu", scale_fmt="float", activation_scheme="dynamic"):

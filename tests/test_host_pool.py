@@ -7,7 +7,6 @@ each source read through a pool is entered, failed or read past it."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import pytest
@@ -188,18 +187,16 @@ def test_a_failed_read_is_not_entered_into_the_pool_host(tmp_path, backend, poli
     from pyexpcache import SourceIOError
 
     pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
-    from support.gguf_files import Q4, write_model
+    from support.gguf_files import end_early, shrinking_model
 
-    path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
-    whole = path.read_bytes()
+    path, whole = shrinking_model(tmp_path)
     with GGUFSource(path, reads="file") as src:
         layout = src.layout
         last = layout.moe_layers[-1]
         with ExpertCache(
             layout, src, budget_experts=8, backend=backend, log_level=0, policy=policy, host_budget_bytes=1 << 20
         ) as cache:
-            rec = src.records[last]
-            os.truncate(path, rec.offsets[2] + 4 * layout[last].down_bytes)  # experts 4-7 of `last` end early
+            end_early(path, src, last, 4)  # experts 4-7 of `last` end early
             with pytest.raises(SourceIOError, match="ended early"):
                 cache.select(last, [2, 6, 3])
             pool = cache.pool_stats()
@@ -216,10 +213,9 @@ def test_a_failed_read_is_not_entered_into_the_pool_device(tmp_path, backend, po
     """A fed select whose file ends early gives the failed expert slot -1 and leaves it out of the
     pool; once the file is whole the next select reads it from the file, and it is byte-exact."""
     pytest.importorskip("gguf", reason="a GGUF file source needs the gguf package")
-    from support.gguf_files import Q4, write_model
+    from support.gguf_files import end_early, shrinking_model
 
-    path = write_model(tmp_path / "shrinks.gguf", [Q4] * 3)
-    whole = path.read_bytes()
+    path, whole = shrinking_model(tmp_path)
     with GGUFSource(path, reads="file") as src:
         layout = src.layout
         last = layout.moe_layers[-1]
@@ -227,8 +223,7 @@ def test_a_failed_read_is_not_entered_into_the_pool_device(tmp_path, backend, po
             layout, src, budget_experts=2, backend=backend, lookup="device", policy=policy, host_budget_bytes=1 << 20
         ) as cache:
             cache.bank(last)
-            rec = src.records[last]
-            os.truncate(path, rec.offsets[2] + 4 * layout[last].down_bytes)
+            end_early(path, src, last, 4)
             with pytest.warns(ExpcacheWarning, match=f"expert 6 of layer {last}.*slot -1"):
                 got = to_numpy(cache.select_device(last, device_ids(cache, [6, 2])))
                 cache.synchronize()

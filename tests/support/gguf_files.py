@@ -5,6 +5,7 @@ test_gguf.py and test_lifetimes.py (needs the gguf package: import it after
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -102,3 +103,16 @@ def file_parts(path, layer, expert) -> list[np.ndarray]:
 Q2_LIKE = dict(types=(Q.IQ2_XXS, Q.IQ2_XXS, Q.Q2_K))
 Q4 = dict(types=(Q.Q4_K, Q.Q4_K, Q.Q4_K))
 MIXED = [None, None, Q2_LIKE, Q2_LIKE, Q2_LIKE, Q4, Q4]  # dense 0-1, "q2" 2-4, q4 5-6
+
+
+def shrinking_model(tmp_path: Path) -> tuple[Path, bytes]:
+    """A three-layer Q4 model file for the tests of reads that come short, and its bytes (to write
+    it whole again)."""
+    path = write_model(Path(tmp_path) / "shrinks.gguf", [Q4] * 3)
+    return path, path.read_bytes()
+
+
+def end_early(path: Path, source, layer: int, first: int) -> None:
+    """Truncate ``path``, the file ``source`` (a GGUFSource) reads, so that the down part (the
+    layer's last tensor) of experts ``first``.. of ``layer`` ends early."""
+    os.truncate(path, source.records[layer].offsets[2] + first * source.layout[layer].down_bytes)
