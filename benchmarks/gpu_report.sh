@@ -14,7 +14,8 @@
 #   traces from pinned and from pageable memory and from a file read with O_DIRECT and mapped, the
 #   torch step of a Qwen3-30B-A3B-like model at two budgets)
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
-#   hf_quant hf_decode_fp8 hf_pretrained hf_pretrained_bench (FP8 experts: tests and benchmark;
+#   hf_quant hf_decode_fp8 hf_kernel_times hf_pretrained hf_pretrained_bench (FP8 experts: tests, benchmark
+#   and the decode step's kernel times;
 #   checkpoints read from their files: tests and benchmark)
 #   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
 #   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
@@ -91,6 +92,9 @@ run_step() {
         tests/test_hf_quantized.py -k "cuda or not cpu" ;;
     hf_decode_fp8) step hf_decode_fp8 540 python3 benchmarks/hf_decode.py --device cuda --quant bf16,fp8 --rounds 2 --tokens 32 \
         --fp8-kernel "$PWD/.whl/kernels" --json "$DIR/hf_decode_fp8.json" ;;
+    # Where the served FP8 model's decode step spends its GPU time, beside the unmodified one's.
+    hf_kernel_times) step hf_kernel_times 300 python3 benchmarks/hf_kernel_times.py --quant fp8 \
+        --fp8-kernel "$PWD/.whl/kernels" --budget 1.0 --tokens 16 ;;
     # A checkpoint of Qwen3-30B-A3B's layer geometry (16 layers, 18 GiB of experts) written to the
     # device's disk and served from its files, a host pool of a quarter of the experts, 25 % on the GPU.
     hf_pretrained_bench) step hf_pretrained_bench 540 python3 benchmarks/hf_pretrained.py --dir "$DIR/ckpt" \

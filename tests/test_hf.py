@@ -2,6 +2,7 @@
 classes (no download), served with 25 % of their experts cached, on the CPU (host backend) and,
 with a GPU, on CUDA."""
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -405,6 +406,43 @@ def test_graph_decoder_refuses_a_step_it_cannot_capture_with_the_reason():
             r"static KV cache keeps the last 16 positions",
         ):
             GraphDecoder(tiny_model("gpt_oss", device="cuda"), max_len=32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_decoder_decodes_in_generates_decode_phase(device):
+    """Every decode step (captured or eager) runs inside the model's _optimize_model_for_decode,
+    where generate() runs its own (transformers switches grouped_mm to batched_mm there, on a
+    GPU); the prompt's forward runs outside it."""
+    model = tiny_model("qwen3_moe", device=device)
+    seen = []  # the experts implementation of each forward, and whether it ran in the phase
+    inside = [False]
+    original = model._optimize_model_for_decode
+
+    @contextlib.contextmanager
+    def recording():
+        with original():
+            inside[0] = True
+            try:
+                yield
+            finally:
+                inside[0] = False
+
+    def record(module, args):  # args[0]: the hidden states, [tokens, hidden]
+        seen.append((args[0].shape[0], inside[0], module.config._experts_implementation))
+
+    model._optimize_model_for_decode = recording
+    hook = find_experts(model)[0].module.register_forward_pre_hook(record)
+    try:
+        GraphDecoder(model, max_len=16).generate(torch.tensor([[5, 17]]), 4)
+    finally:
+        hook.remove()
+        del model._optimize_model_for_decode
+    prefills = [(phase, impl) for tokens, phase, impl in seen if tokens == 2]
+    steps = [(phase, impl) for tokens, phase, impl in seen if tokens == 1]
+    assert prefills and not any(phase for phase, _ in prefills)
+    assert steps and all(phase for phase, _ in steps)
+    if device == "cuda":  # the implementation generate() decodes with on a GPU
+        assert {impl for _, impl in steps} == {"batched_mm"}, steps
 
 
 def test_graph_decoder_refuses_bad_arguments():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional
 
@@ -60,6 +61,12 @@ class GraphDecoder:
     The capture is made once per decoder, by the first ``generate``; later calls (with the same
     batch size) replay it. The capture costs one more step and one more forward of the prompt
     (see :meth:`generate`), whose expert selects count in the cache's stats.
+
+    Decode steps run the experts implementation ``generate`` decodes with: inside the model's
+    ``_optimize_model_for_decode`` (transformers switches ``grouped_mm`` to ``batched_mm`` there,
+    on a GPU), where the model has it. For an offloaded model this also keeps the step's cost
+    apart from the bank's size: a grouped kernel's grid grows with the experts it is given (the
+    bank's slots), a batched one's with the rows only.
 
     The step's attention mask is made by the decoder, on the device from the step's position
     (for sdpa and eager attention over full, sliding and chunked attention layers: causal over
@@ -153,24 +160,32 @@ class GraphDecoder:
         self.position.fill_(prompt)
         return logits
 
+    def _decoding(self):
+        """The context ``generate`` decodes in (see the class): the model's
+        ``_optimize_model_for_decode``, or none where the model has no such method."""
+        phase = getattr(self.model, "_optimize_model_for_decode", None)
+        return phase() if phase is not None else contextlib.nullcontext()
+
     def _capture(self) -> None:
         """Captures the step. It runs once first on a side stream (cuBLAS and the allocator warm
         up, as ``torch.cuda.graph`` asks), which advances the KV cache: the caller starts again."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = self._step()
+        with self._decoding():
+            with torch.cuda.stream(side):
+                self._step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._logits = self._step()
         self.graph = graph
 
     def _next(self) -> torch.Tensor:
         """One decode step: the logits [B, vocab] of ``token`` at ``position`` (on CUDA a buffer the
         next step overwrites); ``token`` becomes their argmax and the position advances."""
         if self.graph is None:
-            return self._step()
+            with self._decoding():
+                return self._step()
         self.graph.replay()
         return self._logits
 
