@@ -254,7 +254,7 @@ class LayerServer:
         self.weight_names = e.weight_names
         self.cap = bank.cap
         self.inner = over_windows(inner, self.cap)
-        self.decode_inner = None  # while generate() decodes: what transformers switches grouped_mm to
+        self.decode_inner = None  # while generate() decodes: what transformers switches grouped_mm to (batched_mm)
         # The bank's slots (a device select gives slot ids below cap; the staging rows past them
         # are a host select's).
         self.weights = {name: view[: self.cap] for name, view in bank_weights(e, bank).items()}
@@ -322,7 +322,9 @@ class LayerServer:
                 expert_slots[expert] = slot
             self.expert_slots = expert_slots
             return self.by_expert(self.experts_by_id, hidden_states, top_k_index, top_k_weights)
-        slots = slots.to(top_k_index.dtype)
+        batched = self.decode_inner is not None or self.inner_name == "batched_mm"
+        if not batched:  # batched_mm indexes by the ids as given; the others may need the router's dtype
+            slots = slots.to(top_k_index.dtype)
         if self.slot_expert is not None:
             self.slot_expert[slots.reshape(-1)] = top_k_index.reshape(-1)
         return (self.decode_inner or self.inner)(self.experts, hidden_states, slots, top_k_weights)
