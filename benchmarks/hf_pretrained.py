@@ -14,7 +14,9 @@ layers of 128 experts, top-8, hidden 2048, expert FFN 768, bf16: 18 GiB of exper
    the timed run (device misses, pool hits, reads from the files) and the peak RSS;
 3. the disk's read rate, read as the served run reads (O_DIRECT by default; buffered after the
    pages are dropped with ``--file-reads buffered``): experts' sizes at random offsets of the
-   largest shard (:func:`expcache_bench.disk.measure`); and the link's (:func:`hf_decode.link_rate`).
+   largest shard, the best of the library's shape (its default copy threads in the feed's
+   pieces) and of more threads and larger pieces up to whole experts
+   (:func:`expcache_bench.disk.measure`); and the link's (:func:`hf_decode.link_rate`).
 
 The bound of a token: the unmodified step, plus the bytes read from the files at the lower of
 the disk's and the link's rates, plus the bytes the pool served at the link's. Exits 1 when the
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_decode
 
 from expcache_bench.disk import measure
-from pyexpcache import LayerPlacement
+from pyexpcache import LayerPlacement, staging_defaults
 from pyexpcache.hf import GraphDecoder, find_experts
 
 
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
         disk = measure(
             biggest,
             [(LayerPlacement((0,), (expert,), (expert,)), os.path.getsize(biggest) // expert)],
-            threads=8,
+            threads=staging_defaults()[0],  # offload_pretrained's caches: the library's default
             direct=a.file_reads == "direct",
         )
         link = hf_decode.link_rate(device)
@@ -184,7 +186,10 @@ def main(argv=None) -> int:
         ("device hits", f"{100 * served['hits'] / max(served['hits'] + served['misses'], 1):.1f} %"),
         ("of the device's misses, from the pool", f"{100 * served['pool_hits'] / max(served['misses'], 1):.1f} %"),
         ("read from the files per token", f"{read_per_token / 2**20:.1f} MiB"),
-        (f"disk ({'O_DIRECT' if disk.direct else 'buffered'}, 8 threads)", f"{disk.bytes_per_s / 1e9:.2f} GB/s"),
+        (
+            f"disk ({'O_DIRECT' if disk.direct else 'buffered'}, best of {len(disk.tried)} shapes)",
+            f"{disk.bytes_per_s / 1e9:.2f} GB/s ({disk.shape})",
+        ),
         ("link", f"{link / 1e9:.1f} GB/s"),
         ("disk-and-link bound", f"{bound:.2f} tok/s; served at {100 * served['tok_s'] / bound:.1f} % of it"),
         (
@@ -210,6 +215,8 @@ def main(argv=None) -> int:
                     "served": served,
                     "disk_bytes_per_s": disk.bytes_per_s,
                     "disk_direct": disk.direct,
+                    "disk_threads": disk.shape.threads,
+                    "disk_piece_bytes": disk.shape.piece,
                     "link_bytes_per_s": link,
                     "bound_tok_s": bound,
                     "tokens_equal": equal,

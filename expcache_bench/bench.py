@@ -271,8 +271,9 @@ class Bench:
 
     def measure_disk(self) -> Optional[Disk]:
         """A file source's read rate, measured now (:func:`~expcache_bench.disk.measure`: O_DIRECT
-        reads of random experts of its file, one reader per copy thread of the caches); None for a
-        source in memory."""
+        reads of random experts of its file, the best of the caches' shape, one reader per copy
+        thread in the feed's pieces, and of more readers and larger pieces up to whole experts);
+        None for a source in memory."""
         if self.kind not in file_source.READS:
             return None
         threads = self.cache_options.get("copy_threads") or staging_defaults()[0]

@@ -1,9 +1,15 @@
 """The disk: how fast the experts of a file source (``--source file|mmap``, or ``--gguf``) read
 from it, measured in the same run as the link (:mod:`~expcache_bench.link`): O_DIRECT reads of
 the run's own file, which bypass the page cache, several at once as the library's file reads
-are (one reader thread per copy thread, each read a piece of an expert). Where the file system
-refuses O_DIRECT (tmpfs) the file's pages are dropped from the page cache first and the reads
-are buffered, and the figure says so.
+are. Where the file system refuses O_DIRECT (tmpfs) the file's pages are dropped from the page
+cache first and the reads are buffered, and the figure says so.
+
+The figure is an upper bound of what the library can read, not one shape's rate: reads of the
+shape the library's feed uses (one reader per copy thread, each part cut into the feed's pieces,
+:func:`feed_piece`) and of other shapes, more reads in flight (:data:`DEPTHS` threads) and larger
+pieces up to a whole expert in one read; the best of them, and the shape that gave it. The search
+is two steps over one budget of bytes: the depths at the feed's piece, then the pieces at the best
+depth (:func:`measure`).
 
 A file source's bound is the lower of the link's and the disk's: misses cross the link at most
 as fast as the disk gives them (:func:`~expcache_bench.report.bound`)."""
@@ -16,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -24,17 +31,47 @@ from pyexpcache.source import LayerPlacement
 from .report import _bytes
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page)
-PIECE = 1 << 20  # the most one read asks for
-READ_BYTES = 4 << 30  # expert bytes read by one measurement (at most the file's experts, each once)
+READ_BYTES = 4 << 30  # expert bytes read by one measurement, over all its shapes
+DEPTHS = (8, 16, 32, 64)  # reader threads tried beside the library's own count
+ROUNDS = 2  # a shape is tried where its share of the bytes gives each thread this many reads at least
+# The library's feed (libexpcache/src/kernels/feed_protocol.hpp, feed.cpp feed_piece): a part is
+# cut into FEED_PIECES pieces at most, of FEED_MIN_PIECE bytes at least, a multiple of FEED_CHUNK.
+FEED_PIECES = 16
+FEED_MIN_PIECE = 256 << 10
+FEED_CHUNK = 16 << 10
+
+
+def feed_piece(part_bytes: Sequence[int]) -> int:
+    """The piece the library's feed reads experts of ``part_bytes`` in (feed.cpp's feed_piece):
+    256 KiB, or larger so that no part has more than 16 pieces; a multiple of 16 KiB."""
+    largest = max(part_bytes, default=0)
+    per = -(-largest // FEED_PIECES)
+    return max(FEED_MIN_PIECE, -(-per // FEED_CHUNK) * FEED_CHUNK)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How a measurement reads: ``threads`` readers, each read a piece of at most ``piece``
+    bytes of one part (None: a whole expert, its parts in one read where they lie together)."""
+
+    threads: int
+    piece: Optional[int]
+
+    def __str__(self) -> str:
+        reads = "whole experts" if self.piece is None else f"pieces of {_bytes(self.piece)}"
+        return f"{self.threads} threads, {reads}"
 
 
 @dataclass(frozen=True)
 class Disk:
-    """A measured read rate: expert bytes per second, and what was measured."""
+    """A measured read rate: expert bytes per second, and what was measured: the best ``shape``
+    of those ``tried`` (each with its rate, in the order tried)."""
 
     bytes_per_s: float
     label: str
     direct: bool  # O_DIRECT reads (False: the file system refused them; buffered reads after a drop)
+    shape: Shape
+    tried: tuple[tuple[Shape, float], ...]
 
 
 def direct_allowed(path: str) -> bool:
@@ -49,75 +86,145 @@ def direct_allowed(path: str) -> bool:
     return True
 
 
+def expert_ranges(p: LayerPlacement, e: int) -> list[tuple[int, int]]:
+    """Expert ``e``'s bytes in the file as ``(offset, size)`` ranges: its parts, those that lie
+    together (apart by less than a block) merged into one."""
+    parts = sorted((base + e * stride, size) for base, stride, size in zip(p.bases, p.strides, p.sizes) if size)
+    ranges: list[tuple[int, int]] = []
+    for start, size in parts:
+        if ranges and 0 <= start - sum(ranges[-1]) < ALIGN:
+            ranges[-1] = (ranges[-1][0], start + size - ranges[-1][0])
+        else:
+            ranges.append((start, size))
+    return ranges
+
+
+def reads_of(p: LayerPlacement, e: int, piece: Optional[int]) -> list[tuple[int, int]]:
+    """The reads of expert ``e`` in pieces of at most ``piece`` bytes of one part, as the feed
+    reads it, or (``piece`` None) its :func:`expert_ranges` whole: ``(offset, size)`` each."""
+    if piece is None:
+        return expert_ranges(p, e)
+    return [
+        (base + e * stride + at, min(piece, size - at))
+        for base, stride, size in zip(p.bases, p.strides, p.sizes)
+        for at in range(0, size, piece)
+    ]
+
+
+def pieces(placements: Sequence[tuple[LayerPlacement, int]]) -> list[Optional[int]]:
+    """The pieces tried: the feed's piece of the largest expert, doubled while under its largest
+    part, then whole experts (None)."""
+    largest = max(s for p, _ in placements for s in p.sizes)
+    ladder = [feed_piece([largest])]
+    while ladder[-1] * 2 < largest:
+        ladder.append(ladder[-1] * 2)
+    return [*ladder, None]
+
+
+def _read(fd: int, path: str, reads: Sequence[tuple[int, int]], threads: int) -> float:
+    """Seconds that ``threads`` threads take to read ``reads`` (``(offset, size)`` each, widened
+    to whole aligned blocks) from ``fd``, a read at a time each, taking the next as they finish."""
+    lock, errors = threading.Lock(), []
+    queue = iter(reads)
+    most = max(size + offset % ALIGN for offset, size in reads)
+
+    def reader() -> None:
+        buf = mmap.mmap(-1, -(-most // ALIGN) * ALIGN + 2 * ALIGN)  # page-aligned, as O_DIRECT needs
+        try:
+            while True:
+                with lock:
+                    item = next(queue, None)
+                if item is None or errors:
+                    return
+                offset, size = item
+                at = offset - offset % ALIGN
+                span = -(-(offset + size - at) // ALIGN) * ALIGN
+                got = os.preadv(fd, [memoryview(buf)[:span]], at)
+                if got < offset + size - at:
+                    raise OSError(f"{path}: a read at {at} of {span} bytes returned {got}")
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            buf.close()
+
+    workers = [threading.Thread(target=reader, daemon=True) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds
+
+
 def measure(
     path: str,
     placements: Sequence[tuple[LayerPlacement, int]],
     *,
     threads: int,
+    depths: Sequence[int] = DEPTHS,
     total_bytes: int = READ_BYTES,
     seed: int = 0,
     direct: bool = True,
 ) -> Disk:
-    """The read rate of ``path``: ``threads`` threads reading, with O_DIRECT, the experts of
+    """The read rate of ``path``, the best of several shapes (:class:`Shape`): ``threads`` (the
+    library's reader count) and ``depths`` threads reading, with O_DIRECT, the experts of
     ``placements`` (per MoE layer: where its parts are in the file, as offsets, and its expert
-    count) in random order, up to ``total_bytes`` of them, each part in pieces of at most
-    :data:`PIECE` (each read widened to whole aligned blocks); the rate counts the experts'
-    bytes. With ``direct`` false, or where O_DIRECT is refused, buffered reads after the file's
-    pages were dropped from the page cache (:attr:`Disk.direct` False): the rate buffered reads
-    of the file see, whatever caches the disk below the page cache (a virtual disk's host)."""
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+    count) in random order, in pieces of the feed's size (:func:`feed_piece`); then, at the
+    fastest of those counts, in larger pieces up to whole experts (:func:`pieces`). Each shape
+    reads an equal share of ``total_bytes`` (the next experts in the random order, at most each
+    of the file's once; whole experts) where that share gives each of its threads :data:`ROUNDS`
+    reads at least: a count it does not is skipped (the library's own is read all the same), a
+    larger piece is read by as many threads as it does. The rate counts the experts' bytes (each
+    read widened to whole aligned blocks); :attr:`Disk.tried` holds each shape's. With ``direct`` false, or
+    where O_DIRECT is refused, buffered reads, the file's pages dropped from the page cache
+    before each shape (:attr:`Disk.direct` False): the rate buffered reads of the file see,
+    whatever caches the disk below the page cache (a virtual disk's host)."""
+    if threads < 1 or any(d < 1 for d in depths):
+        raise ValueError(f"threads must be >= 1, got {threads} and depths {tuple(depths)}")
     experts = [(p, e) for p, n in placements for e in range(n)]
-    order = np.random.default_rng(seed).permutation(len(experts))
-    reads, want = [], 0
-    for i in order:
-        p, e = experts[i]
-        for base, stride, size in zip(p.bases, p.strides, p.sizes):
-            start = base + e * stride
-            reads += [(start + at, min(PIECE, size - at)) for at in range(0, size, PIECE)]
-            want += size
-        if want >= total_bytes:
-            break
-    if not reads:
+    if not any(s for p, _ in experts for s in p.sizes):
         raise ValueError(f"{path}: no experts to read")
+    order = np.random.default_rng(seed).permutation(len(experts))
+    ladder = pieces(placements)
+    counts = sorted({threads, *depths})
+    share = max(1, total_bytes // (len(counts) + len(ladder) - 1))
     asked, direct = direct, direct and direct_allowed(path)
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-    try:
+    tried: list[tuple[Shape, float]] = []
+    cursor, read_bytes = 0, 0
+
+    def attempt(count: int, piece: Optional[int], short: str) -> None:
+        """Read the next share of experts with ``count`` threads in ``piece`` pieces; where the
+        share has fewer than :data:`ROUNDS` reads a thread, ``short`` says what then: ``"read"``
+        all the same, ``"fit"`` with as many threads as it has reads for, ``"skip"``."""
+        nonlocal cursor, read_bytes
+        reads, want, taken = [], 0, 0
+        while taken < len(order) and want < share:
+            p, e = experts[order[(cursor + taken) % len(order)]]
+            reads += reads_of(p, e, piece)
+            want += sum(p.sizes)
+            taken += 1
+        if len(reads) < ROUNDS * count and short != "read":
+            if short == "skip" or len(reads) < ROUNDS:
+                return
+            count = len(reads) // ROUNDS
         if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        lock, errors = threading.Lock(), []
-        queue = iter(reads)
+        tried.append((Shape(count, piece), want / _read(fd, path, reads, count)))
+        cursor, read_bytes = cursor + taken, read_bytes + want
 
-        def reader() -> None:
-            buf = mmap.mmap(-1, PIECE + 2 * ALIGN)  # page-aligned, as O_DIRECT needs
-            try:
-                while True:
-                    with lock:
-                        item = next(queue, None)
-                    if item is None or errors:
-                        return
-                    offset, size = item
-                    at = offset - offset % ALIGN
-                    span = -(-(offset + size - at) // ALIGN) * ALIGN
-                    got = os.preadv(fd, [memoryview(buf)[:span]], at)
-                    if got < offset + size - at:
-                        raise OSError(f"{path}: a read at {at} of {span} bytes returned {got}")
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                buf.close()
-
-        workers = [threading.Thread(target=reader, daemon=True) for _ in range(threads)]
-        t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        seconds = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
+    try:
+        for n in counts:  # the library's own shape whatever the share
+            attempt(n, ladder[0], "read" if n == threads else "skip")
+        deepest = max(tried, key=lambda t: t[1])[0].threads
+        for piece in ladder[1:]:
+            attempt(deepest, piece, "fit")
     finally:
         os.close(fd)
+    best, rate = max(tried, key=lambda t: t[1])
     how = (
         "O_DIRECT"
         if direct
@@ -125,8 +232,10 @@ def measure(
         if not asked
         else "buffered (O_DIRECT refused by the file system; the page cache dropped first)"
     )
+    others = ", ".join(str(n) for n in counts if n != threads)
     label = (
-        f"{how} reads of the run's file, {threads} threads, pieces of up to {PIECE >> 20} MiB of random experts, "
-        + _bytes(want)
+        f"{how} reads of the run's file, random experts, {_bytes(read_bytes)}: the best of {len(tried)} shapes "
+        f"(the library's {threads} threads" + (f" and {others}" if others else "") + f" in the feed's pieces of "
+        f"{_bytes(ladder[0])}, then pieces up to whole experts at the fastest count): {best}"
     )
-    return Disk(want / seconds, label, direct)
+    return Disk(rate, label, direct, best, tuple(tried))

@@ -1,8 +1,7 @@
-"""The bench's experts in a file (expcache_bench/file_source.py) and the disk's read rate
-(expcache_bench/disk.py): the file holds a HostSource's bytes where it puts them, its checksums
-are the HostSource's, a cache serves it byte for byte read and mapped, the folder's room is
-checked before anything is written, a failed write leaves nothing, the file goes when the source
-is released; and the disk measurement reads it."""
+"""The bench's experts in a file (expcache_bench/file_source.py): the file holds a HostSource's
+bytes where it puts them, its checksums are the HostSource's, a cache serves it byte for byte read
+and mapped, the folder's room is checked before anything is written, a failed write leaves
+nothing, the file goes when the source is released (the disk's read rate on it: test_disk.py)."""
 
 from __future__ import annotations
 
@@ -115,19 +114,6 @@ def test_the_page_cache_share_of_the_file(tmp_path):
         assert 0.0 <= after <= 1.0
         if disk.direct_allowed(src.path):  # a file system on a disk (not tmpfs, whose pages are the file)
             assert after < 1.0
-
-
-def test_the_disk_rate_is_measured_on_the_file(tmp_path):
-    layout = small_layout()
-    with FileSource(layout, directory=str(tmp_path)) as src:
-        layers = [(src.file_placements[i], layout[i].num_experts) for i in layout.moe_layers]
-        measured = disk.measure(src.path, layers, threads=3)
-        assert measured.bytes_per_s > 0 and measured.direct == disk.direct_allowed(src.path)
-        assert "3 threads" in measured.label and ("O_DIRECT reads" in measured.label) == measured.direct
-        # Up to total_bytes of random experts, whole experts: one expert of the largest is enough here.
-        assert disk.measure(src.path, layers, threads=1, total_bytes=1).bytes_per_s > 0
-        with pytest.raises(ValueError, match="threads must be >= 1"):
-            disk.measure(src.path, layers, threads=0)
 
 
 # -- the command line ------------------------------------------------------------------------
