@@ -90,7 +90,7 @@ run_step() {
     # experts side by side.
     hf_quant) step hf_quant 300 env EXPCACHE_FP8_KERNEL_DIR="$PWD/.whl/kernels" python3 -m pytest -q -rs \
         tests/test_hf_quantized.py -k "cuda or not cpu" ;;
-    hf_decode_fp8) step hf_decode_fp8 540 python3 benchmarks/hf_decode.py --device cuda --quant bf16,fp8 --rounds 2 --tokens 32 \
+    hf_decode_fp8) step hf_decode_fp8 540 python3 benchmarks/hf_decode.py --device cuda --quant bf16,fp8 --rounds 4 --tokens 32 \
         --fp8-kernel "$PWD/.whl/kernels" --json "$DIR/hf_decode_fp8.json" ;;
     # Where the served FP8 model's decode step spends its GPU time, beside the unmodified one's.
     hf_kernel_times) step hf_kernel_times 300 python3 benchmarks/hf_kernel_times.py --quant fp8 \
