@@ -128,9 +128,10 @@ class ExpertCache(Serving, Inspection):
             RAM between the source and the device cache, shared by every class and allocated when
             the cache is made (default 0: none). A miss of the device cache looks there first: a
             hit is copied from RAM, the source not read; a pool miss reads the source into the
-            pool (evicting its least recently used expert) and is copied on. A read that failed is
-            never entered. Counted in :meth:`pool_stats` (``stats().pool``); prefetches and
-            pinned sources do not use it. At most 2^48.
+            pool (evicting the victim of ``policy``, which orders the pool's experts as it does
+            each class's) and is copied on. A read that failed is never entered. Counted in
+            :meth:`pool_stats` (``stats().pool``); prefetches and pinned sources do not use it.
+            At most 2^48.
         policy: eviction policy of every class, a name of the library's policy table: ``"duel"``
             (LRU and OppClassLRU, the one followed chosen online from two shadow caches: within
             0.5 points of LRU on every trace measured, most of OppClassLRU's gain where it has

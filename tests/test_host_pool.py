@@ -1,12 +1,14 @@
 """The host pool (``host_budget_bytes``): a tier of pinned host RAM between a pageable or file
 source and the device cache, read-through, for the host-side calls' misses and a device select's
-feed. Every served expert is checked byte for byte against the source; the tiers' counters
-against their sum rules: each device miss of such a source is a pool hit or a source read, and
-each source read through a pool is entered, failed or read past it."""
+feed, ordered by the cache's eviction policy. Every served expert is checked byte for byte against
+the source; the tiers' counters against their sum rules: each device miss of such a source is a
+pool hit or a source read, and each source read through a pool is entered, failed or read past
+it."""
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -151,10 +153,25 @@ def test_an_expert_evicted_from_the_device_is_a_pool_hit(backend, lookup):
         assert (st.hits, st.source_reads, st.inserts) == (0, 0, 0) and st.resident == 4
 
 
+def _pool_trace(cache, source, layer, experts):
+    """One select per expert of ``experts``: whether the pool served it ("hit"), it was read
+    from the source ("read") or the device cache held it ("device")."""
+    seen = []
+    for e in experts:
+        before = cache.pool_stats()
+        _select(cache, source, layer, [e])
+        after = cache.pool_stats()
+        seen.append(
+            "hit" if after.hits > before.hits else "read" if after.source_reads > before.source_reads else "device"
+        )
+    return seen
+
+
 @pytest.mark.parametrize("lookup", LOOKUPS)
-def test_a_full_pool_evicts_its_least_recently_used(backend, lookup):
-    """A pool of two experts under a device cache of one: a pool hit refreshes its expert, a
-    pool miss evicts the least recently used one, which is read from the source again."""
+@pytest.mark.parametrize("policy", ["lru"])
+def test_a_full_pool_evicts_its_least_recently_used(backend, lookup, policy):
+    """A pool of two experts under a device cache of one, under LRU: a pool hit refreshes its
+    expert, a pool miss evicts the least recently used one, which is read from the source again."""
     layout = _layout()
     layer = layout.moe_layers[0]
     with (
@@ -165,19 +182,154 @@ def test_a_full_pool_evicts_its_least_recently_used(backend, lookup):
             budget_experts=1,
             backend=backend,
             lookup=lookup,
+            policy=policy,
             host_budget_bytes=2 * _slot_bytes(layout[layer]) + 63,
         ) as cache,
     ):
-        seen = []
-        for e in (0, 1, 0, 2, 1, 0):
-            before = cache.pool_stats()
-            _select(cache, source, layer, [e])
-            after = cache.pool_stats()
-            seen.append("hit" if after.hits > before.hits else "read")
+        seen = _pool_trace(cache, source, layer, (0, 1, 0, 2, 1, 0))
         # 0, 1 read; 0 a hit (now the most recent); 2 evicts 1; 1 read again, evicting 0; 0 read.
         assert seen == ["read", "read", "hit", "read", "read", "read"]
         pool = _check_sums(cache)
         assert (pool.slots, pool.resident, pool.evictions) == (2, 2, 3)
+
+
+def _lru_tiers(experts, device_slots, pool_slots, pool_recency=True):
+    """Two LRU tiers of single-expert requests, modelled: per request "device" (a device hit),
+    "hit" (a pool hit) or "read" (from the source, entered into the pool); the pool's evictions.
+    ``pool_recency`` False: a pool hit leaves its expert where it was (the pool is FIFO)."""
+    device, pool, seen, evictions = OrderedDict(), OrderedDict(), [], 0
+    for e in experts:
+        if e in device:
+            device.move_to_end(e)
+            seen.append("device")
+            continue
+        if len(device) == device_slots:
+            device.popitem(last=False)
+        device[e] = True
+        if e in pool:
+            if pool_recency:
+                pool.move_to_end(e)
+            seen.append("hit")
+            continue
+        if len(pool) == pool_slots:
+            pool.popitem(last=False)
+            evictions += 1
+        pool[e] = True
+        seen.append("read")
+    return seen, evictions
+
+
+def _requests(num_experts, steps, seed, repeats=True):
+    """``steps`` random experts of ``num_experts``; with ``repeats`` False none follows itself."""
+    rng = np.random.default_rng(seed)
+    experts = [int(e) for e in rng.integers(0, num_experts, steps)]
+    return experts if repeats else [e for i, e in enumerate(experts) if i == 0 or e != experts[i - 1]]
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+@pytest.mark.parametrize("policy", ["lru"])
+def test_under_lru_the_pool_is_an_lru_of_its_slots(backend, lookup, policy):
+    """Under LRU, a device cache of two experts over a pool of three: every select's outcome
+    (device hit, pool hit, source read) and the pool's counters are those of two LRU tiers of
+    that many slots, modelled in Python."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    experts = _requests(7, 80, seed=7)
+    want, evictions = _lru_tiers(experts, device_slots=2, pool_slots=3)
+    # The trace exercises all three outcomes, and a pool hit's refresh changes them.
+    assert 0 < want.count("hit") and 0 < want.count("device") and evictions > 0
+    assert want != _lru_tiers(experts, device_slots=2, pool_slots=3, pool_recency=False)[0]
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(
+            layout,
+            source,
+            budget_experts=2,
+            backend=backend,
+            lookup=lookup,
+            policy=policy,
+            host_budget_bytes=3 * _slot_bytes(layout[layer]) + 63,
+        ) as cache,
+    ):
+        assert _pool_trace(cache, source, layer, experts) == want
+        pool = _check_sums(cache)
+        assert (pool.slots, pool.hits, pool.source_reads) == (3, want.count("hit"), want.count("read"))
+        assert (pool.inserts, pool.evictions, pool.resident) == (want.count("read"), evictions, 3)
+
+
+def test_the_pool_orders_as_the_caches_policy_orders_a_device_cache(backend, policy):
+    """The pool's order is the cache's policy: a pool of three slots under a device cache of one,
+    whose every select misses the device, sees what a device cache of three sees, with the same
+    clock (a host-side call each), so its hits are that cache's, under every policy."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    experts = _requests(8, 120, seed=7, repeats=False)
+    with HostSource(layout, pinned=False) as source:
+        with ExpertCache(layout, source, budget_experts=3, backend=backend, policy=policy) as device:
+            want = []
+            for e in experts:
+                before = device.stats().path("decode").hits
+                _select(device, source, layer, [e])
+                want.append("hit" if device.stats().path("decode").hits > before else "read")
+        with ExpertCache(
+            layout,
+            source,
+            budget_experts=1,
+            backend=backend,
+            policy=policy,
+            host_budget_bytes=3 * _slot_bytes(layout[layer]) + 63,
+        ) as cache:
+            assert _pool_trace(cache, source, layer, experts) == want
+            pool = _check_sums(cache)
+            assert pool.hits == want.count("hit") > 0 and pool.evictions > 0
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+@pytest.mark.parametrize("policy,last", [("lru", "read"), ("oppclass", "hit")])
+def test_the_pools_victim_is_the_policys(backend, lookup, policy, last):
+    """The sequence of the LRU test above under OppClassLRU: expert 0, used twice, is in a higher
+    class than 1 and 2, used once, so 2 evicts 1 and 1 evicts 2, and 0 is a pool hit at the end
+    (LRU evicted it)."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(
+            layout,
+            source,
+            budget_experts=1,
+            backend=backend,
+            lookup=lookup,
+            policy=policy,
+            host_budget_bytes=2 * _slot_bytes(layout[layer]) + 63,
+        ) as cache,
+    ):
+        assert _pool_trace(cache, source, layer, (0, 1, 0, 2, 1, 0)) == ["read", "read", "hit", "read", "read", last]
+
+
+def test_a_slot_being_read_is_never_evicted(backend, policy):
+    """A pool of two slots, one select of four misses: the first two are filled and stay pinned
+    until the call's uploads have read them, so the other two find no slot free of readers and
+    are read past the pool (nothing evicted), under every policy. The next call evicts."""
+    layout = _layout()
+    layer = layout.moe_layers[0]
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(
+            layout,
+            source,
+            budget_experts=4,
+            backend=backend,
+            policy=policy,
+            host_budget_bytes=2 * _slot_bytes(layout[layer]) + 63,
+        ) as cache,
+    ):
+        _select(cache, source, layer, [0, 1, 2, 3])
+        pool = _check_sums(cache)
+        assert (pool.slots, pool.inserts, pool.bypassed, pool.evictions, pool.resident) == (2, 2, 2, 0, 2)
+        _select(cache, source, layer, [4])
+        pool = _check_sums(cache)
+        assert (pool.inserts, pool.bypassed, pool.evictions, pool.resident) == (3, 2, 1, 2)
 
 
 def test_a_failed_read_is_not_entered_into_the_pool_host(tmp_path, backend, policy):
@@ -290,14 +442,16 @@ def test_a_bad_host_budget_is_refused(value, error, match):
             ExpertCache(layout, source, budget_experts=2, backend="host", host_budget_bytes=value)
 
 
-def test_an_unregistered_layer_leaves_the_pool(backend):
+def test_an_unregistered_layer_leaves_the_pool(backend, policy):
     """A layer unregistered and registered again (its source may have changed) is read from the
     source again, not from the pool."""
     layout = _layout()
     layer = layout.moe_layers[0]
     with (
         HostSource(layout, pinned=False) as source,
-        ExpertCache(layout, source, budget_experts=2, backend=backend, host_budget_bytes=1 << 20) as cache,
+        ExpertCache(
+            layout, source, budget_experts=2, backend=backend, policy=policy, host_budget_bytes=1 << 20
+        ) as cache,
     ):
         _select(cache, source, layer, [0, 1])
         assert cache.pool_stats().resident == 2

@@ -303,8 +303,9 @@ typedef struct expcache_config_t {
                                           reads the EXPCACHE_* environment variables (see EXPCACHE_ENVIRONMENT_READ) */
     uint32_t reserved;               /**< must be 0 */
     uint64_t host_budget_bytes;      /**< pageable and file sources: bytes of the host pool, a tier of pinned
-                                          host RAM between the source and the device cache (see "The host
-                                          pool" at expcache_pool_stats_t); default 0 = no pool; at most
+                                          host RAM between the source and the device cache, its evictions
+                                          ordered by `policy` as the classes' are (see "The host pool" at
+                                          expcache_pool_stats_t); default 0 = no pool; at most
                                           EXPCACHE_MAX_HOST_BUDGET_BYTES. Allocated by expcache_create */
     uint32_t bank_arrangement;       /**< EXPCACHE_BANK_SLOTS (default) or _PARTS: how each class's bank lays out
                                           its rows (see expcache_bank_t) */
@@ -1243,16 +1244,19 @@ EXPCACHE_API expcache_status_t expcache_prefetch_stats_get(const expcache_t* cac
 
 /**
  * The host pool (expcache_config_t.host_budget_bytes > 0): one tier of pinned host RAM between a
- * source the GPU cannot read (pageable memory, a file) and the device cache, shared by every
- * class, holding whole experts. Read-through: a miss of the device cache that reads such a source
- * (a decode select, a compact load or a batch on the host; a device select's feed) looks in the
- * pool first; a hit is copied from RAM, the disk not touched; a pool miss reads the source into
- * the pool (evicting the pool's least recently used expert that no read is copying from), then
- * copies it on. An expert whose read failed or came short is never entered. The pool is cut into
- * slots of one size when it is first used: the largest expert (its parts each 64-byte aligned)
- * among the layers of such sources registered then; an expert larger than that (a layer
- * registered later) is read past the pool. Prefetches and pinned sources never use it. A layer
- * unregistered or registered again leaves it.
+ * source the GPU cannot read (pageable memory, a file) and the device cache, shared by every class,
+ * holding whole experts. Read-through: a miss of the device cache that reads such a source (a
+ * decode select, a compact load or a batch on the host; a device select's feed) looks in the pool
+ * first; a hit is copied from RAM, the disk not touched; a pool miss reads the source into the pool
+ * (evicting, among the experts no read is copying from, the victim of the cache's policy,
+ * config.policy: an instance of its own over the pool's slots, which sees the pool's hits and
+ * entries), then copies it on. The pool's policy runs on the clock of the host-side serving calls;
+ * a device select's clock lives on the device, so its feed's uses of the pool are timed at the last
+ * host-side call's (docs/device_lookup.md, "The host pool"). An expert whose read failed or came
+ * short is never entered. The pool is cut into slots of one size when it is first used: the largest
+ * expert (its parts each 64-byte aligned) among the layers of such sources registered then; an
+ * expert larger than that (a layer registered later) is read past the pool. Prefetches and pinned
+ * sources never use it. A layer unregistered or registered again leaves it.
  *
  * Counters per tier: the device's hits are expcache_stats_t's; these count what the device's
  * misses of such sources did next. Each such miss is one of hits (from the pool) or source_reads

@@ -17,7 +17,7 @@ Cache::Cache(const expcache_config_t& config, std::unique_ptr<InstrumentedBacken
       arena_(*backend_),
       config_(config),
       log_(config.log_level),
-      pool_(backend_->link(), config.host_budget_bytes),
+      pool_(backend_->link(), config.host_budget_bytes, config.policy),
       layers_(config.num_layers, config.lookup == EXPCACHE_LOOKUP_DEVICE),
       classes_(config_, *backend_, arena_, layers_, log_, health_),
       lookup_(config_, *backend_, arena_, layers_, classes_, log_, health_, std::move(lookup_kernels)),

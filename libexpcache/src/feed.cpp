@@ -135,7 +135,10 @@ bool FeedThreads::issue(Watched& w, std::vector<Job>* out) {
         rp.lease = HostPool::Lease();
         rp.counted =
             pool_ && known && entry.expert < layers_[entry.layer].num_experts && !layers_[entry.layer].source.pinned();
-        if (rp.counted) rp.lease = pool_->begin(entry.layer, entry.expert, layers_[entry.layer].bytes);
+        if (rp.counted) {
+            const LayerState& l = layers_[entry.layer];
+            rp.lease = pool_->begin(entry.layer, entry.expert, l.key_base + entry.expert, l.bytes);
+        }
         rp.failed.store(false, std::memory_order_relaxed);
         rp.left.store(static_cast<uint32_t>(out->size() - first), std::memory_order_relaxed);
         ++w.issued;

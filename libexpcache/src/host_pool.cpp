@@ -16,6 +16,9 @@ uint64_t pool_layout(const uint64_t part_bytes[kMaxParts], uint64_t part_at[kMax
     return at;
 }
 
+HostPool::HostPool(StagingRing::Transport& link, uint64_t budget_bytes, uint32_t policy)
+    : link_(link), budget_(budget_bytes), policy_(budget_bytes ? make_policy(policy) : nullptr) {}
+
 HostPool::~HostPool() {
     if (mem_) link_.free_chunk(mem_, marker_);
 }
@@ -53,32 +56,26 @@ void HostPool::cut_slots() {
     slot_bytes_ = largest_;
     const uint64_t n = slot_bytes_ ? budget_ / slot_bytes_ : 0;
     slots_.assign(n, Slot());
+    policy_->resize(static_cast<int32_t>(n));
     free_.clear();
     for (uint64_t i = n; i-- > 0;) free_.push_back(static_cast<int32_t>(i));
 }
 
-void HostPool::unlink(int32_t s) {
-    Slot& x = slots_[s];
-    (x.prev >= 0 ? slots_[x.prev].next : head_) = x.next;
-    (x.next >= 0 ? slots_[x.next].prev : tail_) = x.prev;
-    x.prev = x.next = -1;
+void HostPool::enter(int32_t s) {
+    slots_[s].state = kValid;
+    policy_->on_insert(s, false, slots_[s].policy_key);
+    ++resident_;
+    ++counts_.inserts;
 }
 
-void HostPool::push_front(int32_t s) {
-    Slot& x = slots_[s];
-    x.prev = -1;
-    x.next = head_;
-    if (head_ >= 0) slots_[head_].prev = s;
-    head_ = s;
-    if (tail_ < 0) tail_ = s;
+void HostPool::leave(int32_t s) {
+    policy_->on_remove(s);
+    --resident_;
 }
 
 void HostPool::release(int32_t s) {
     Slot& x = slots_[s];
-    if (x.state == kValid) {
-        unlink(s);
-        --resident_;
-    }
+    if (x.state == kValid) leave(s);
     if (x.mapped) map_.erase(x.key);
     x.mapped = false;
     x.state = kFree;
@@ -86,24 +83,31 @@ void HostPool::release(int32_t s) {
     free_.push_back(s);
 }
 
-// A free slot, else the least recently used valid one no reader holds (evicted).
-int32_t HostPool::take() {
-    if (!free_.empty()) {
-        const int32_t s = free_.back();
-        free_.pop_back();
-        return s;
-    }
-    for (int32_t s = tail_; s >= 0; s = slots_[s].prev) {
-        if (slots_[s].pins > 0) continue;
-        release(s);
-        ++counts_.evictions;
-        free_.pop_back();
-        return s;
-    }
-    return -1;
+bool HostPool::evictable(const void* pool, int32_t s) {
+    const Slot& x = static_cast<const HostPool*>(pool)->slots_[s];
+    return x.state == kValid && x.pins == 0;
 }
 
-HostPool::Lease HostPool::begin(uint32_t layer, uint32_t expert, const uint64_t part_bytes[kMaxParts]) {
+// A free slot, else the policy's victim among the valid ones no reader holds (evicted).
+int32_t HostPool::take() {
+    if (free_.empty()) {
+        const int32_t v = policy_->victim(evictable, this);
+        if (v < 0) return -1;
+        release(v);
+        ++counts_.evictions;
+    }
+    const int32_t s = free_.back();
+    free_.pop_back();
+    return s;
+}
+
+void HostPool::set_clock(const PolicyClock& clock) {
+    if (!policy_) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    policy_->set_clock(clock);
+}
+
+HostPool::Lease HostPool::begin(uint32_t layer, uint32_t expert, uint32_t key, const uint64_t part_bytes[kMaxParts]) {
     Lease lease;
     const uint64_t bytes = pool_layout(part_bytes, lease.part_at);
     uint64_t expert_bytes = 0;
@@ -114,13 +118,12 @@ HostPool::Lease HostPool::begin(uint32_t layer, uint32_t expert, const uint64_t 
         cut_slots();
     }
     if (mem_ && bytes <= slot_bytes_) {
-        const uint64_t key = key_of(layer, expert);
-        auto it = map_.find(key);
+        const uint64_t id = key_of(layer, expert);
+        auto it = map_.find(id);
         if (it != map_.end() && slots_[it->second].state == kValid) {
             const int32_t s = it->second;
             ++slots_[s].pins;
-            unlink(s);
-            push_front(s);
+            policy_->on_hit(s);
             lease.slot = s;
             lease.hit = true;
             lease.at = static_cast<unsigned char*>(mem_) + uint64_t(s) * slot_bytes_;
@@ -131,12 +134,13 @@ HostPool::Lease HostPool::begin(uint32_t layer, uint32_t expert, const uint64_t 
         const int32_t s = it == map_.end() ? take() : -1;  // a fill of it under way: read past the pool
         if (s >= 0) {
             Slot& x = slots_[s];
-            x.key = key;
+            x.key = id;
             x.gen = gen_of(layer);
+            x.policy_key = key;
             x.pins = 1;
             x.state = kFilling;
             x.mapped = true;
-            map_[key] = s;
+            map_[id] = s;
             lease.slot = s;
             lease.at = static_cast<unsigned char*>(mem_) + uint64_t(s) * slot_bytes_;
         }
@@ -162,10 +166,7 @@ void HostPool::end(const Lease& lease, bool ok) {
         return;
     }
     x.pins = 0;
-    x.state = kValid;
-    push_front(lease.slot);
-    ++resident_;
-    ++counts_.inserts;
+    enter(lease.slot);
 }
 
 bool HostPool::filled(Lease* lease, bool ok) {
@@ -177,10 +178,7 @@ bool HostPool::filled(Lease* lease, bool ok) {
         lease->slot = -1;
         return false;
     }
-    x.state = kValid;  // pins stays 1: the filler reads it now
-    push_front(lease->slot);
-    ++resident_;
-    ++counts_.inserts;
+    enter(lease->slot);  // pins stays 1: the filler reads it now
     lease->hit = true;
     return true;
 }
@@ -200,8 +198,7 @@ void HostPool::forget_layer(uint32_t layer) {
         map_.erase(x.key);
         x.mapped = false;
         if (x.state == kValid) {
-            unlink(s);
-            --resident_;
+            leave(s);
             x.state = kFilling;  // never found again; end() of the hit frees it
         }
     }

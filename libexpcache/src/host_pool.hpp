@@ -3,14 +3,27 @@
 // the source serves only the pool's misses. One pool per cache, shared by its classes: one
 // allocation (the staging link's pinned chunk: cudaMallocHost, plain aligned memory on the host
 // backend) made by expcache_create, cut into slots of one size at its first use (the largest
-// expert noted by then). Its own LRU order; a slot a reader copies from is pinned (never evicted
-// or refilled until the reader lets it go), and a slot being filled is invisible to readers until
-// its read succeeded: no stale or partial bytes are ever served from it.
+// expert noted by then). A slot a reader copies from is pinned (never evicted or refilled until the
+// reader lets it go), and a slot being filled is invisible to readers until its read succeeded: no
+// stale or partial bytes are ever served from it.
 //
-// Thread-safe (one mutex): the serving calls' thread and the feed's threads use it at once.
+// Its order is an eviction policy of the registry (policy/registry.cpp), the cache's own
+// (config.policy): an instance of its own over the pool's slots, keyed by the dense (layer, expert)
+// keys the classes' policies take (LayerState::key_base + expert). A fill entered is a hot insert,
+// a pool hit is a hit, a valid slot freed (evicted, or forgotten with its layer) a remove; a slot
+// being filled is never in the order. The victim is the policy's among the valid slots no reader
+// pins. Its clock is the serving calls' (set_clock at each host-side serving call's open, token 0
+// before the first); a device select's clock lives on the device, so its feed's uses are timed at
+// the last host-side call's: where device selects alone serve, OppClassLRU's counts in the pool
+// never decay and its entries are all of one age, so it (and Duel's side of it) orders them by
+// their count's class, then by recency.
+//
+// Thread-safe (one mutex, the policy's calls under it too): the serving calls' thread and the
+// feed's threads use it at once.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -18,6 +31,7 @@
 #include "backend/staging_ring.hpp"
 #include "expcache.h"
 #include "layers.hpp"
+#include "policy/policy.hpp"
 
 namespace expcache {
 
@@ -35,8 +49,9 @@ public:
         uint64_t part_at[kMaxParts] = {};
     };
 
-    // budget_bytes 0: no pool (every lease is none; the source reads are still counted).
-    HostPool(StagingRing::Transport& link, uint64_t budget_bytes) : link_(link), budget_(budget_bytes) {}
+    // budget_bytes 0: no pool (every lease is none; the source reads are still counted). policy: the
+    // EXPCACHE_POLICY_* id that orders the slots (the cache's, checked by config.cpp).
+    HostPool(StagingRing::Transport& link, uint64_t budget_bytes, uint32_t policy);
     ~HostPool();
     HostPool(const HostPool&) = delete;
     HostPool& operator=(const HostPool&) = delete;
@@ -51,10 +66,12 @@ public:
     bool cut() const;
     uint64_t room() const;
 
-    // A miss of `expert` of `layer` (experts of part_bytes) about to be read: a hit (the slot
-    // pinned until end()), a slot to fill (pinned and invisible until end()), or none. Counts
-    // the miss as a hit or a source read.
-    Lease begin(uint32_t layer, uint32_t expert, const uint64_t part_bytes[kMaxParts]);
+    // The policy's clock from now on (a host-side serving call opened).
+    void set_clock(const PolicyClock& clock);
+    // A miss of `expert` of `layer` (experts of part_bytes; `key` its policy key, the layer's
+    // key_base + expert) about to be read: a hit (the slot pinned until end()), a slot to fill
+    // (pinned and invisible until end()), or none. Counts the miss as a hit or a source read.
+    Lease begin(uint32_t layer, uint32_t expert, uint32_t key, const uint64_t part_bytes[kMaxParts]);
     // The lease's reader is done with it: a hit's slot let go; a fill's slot entered when `ok`
     // (every byte read), else freed and counted failed. Nothing for a lease of none.
     void end(const Lease& lease, bool ok);
@@ -70,19 +87,20 @@ public:
 private:
     enum State : uint8_t { kFree, kFilling, kValid };
     struct Slot {
-        uint64_t key = 0;
+        uint64_t key = 0;  // key_of(layer, expert): its expert in map_
         uint64_t gen = 0;  // the layer's generation when it was filled (forget_layer)
         uint32_t pins = 0;
         State state = kFree;
-        bool mapped = false;  // key -> this slot in map_
-        int32_t prev = -1, next = -1;
+        uint32_t policy_key = 0;  // its expert's key in the policy's order (LayerState::key_base + expert)
+        bool mapped = false;      // key -> this slot in map_
     };
     static uint64_t key_of(uint32_t layer, uint32_t expert) { return uint64_t(layer) << 32 | expert; }
     void cut_slots();  // at the first use
     int32_t take();
-    void unlink(int32_t s);
-    void push_front(int32_t s);
-    void release(int32_t s);  // back to free, out of the map and the order
+    void enter(int32_t s);                               // a filled slot becomes valid: into the order
+    void leave(int32_t s);                               // a valid slot stops being one: out of the order
+    void release(int32_t s);                             // back to free, out of the map and the order
+    static bool evictable(const void* pool, int32_t s);  // the policy's victims: valid, no reader
     uint64_t gen_of(uint32_t layer) const { return layer < gens_.size() ? gens_[layer] : 0; }
 
     StagingRing::Transport& link_;
@@ -94,7 +112,7 @@ private:
     uint64_t slot_bytes_ = 0;  // 0 until cut
     std::vector<Slot> slots_;
     std::vector<int32_t> free_;
-    int32_t head_ = -1, tail_ = -1;  // the valid slots, most recently used first
+    std::unique_ptr<Policy> policy_;  // orders the valid slots (none without a budget)
     std::unordered_map<uint64_t, int32_t> map_;
     std::vector<uint64_t> gens_;  // per layer (grown as needed)
     uint64_t resident_ = 0;

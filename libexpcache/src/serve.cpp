@@ -100,6 +100,7 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     if (s != EXPCACHE_OK) return s;
     clock_.open_serving(layer, layers_[layer].rank);
     classes_.open_call(call.c, call.path, clock_.call, clock_.policy);
+    pool_.set_clock(clock_.policy);  // the pool's policy runs on the serving calls' clock too
     call.layer = &layers_[layer];
     call.layer->prefetched = 0;  // the layer's prefetches are answered: a new limit for the next ones
     call.cls = &classes_[call.c];

@@ -13,7 +13,7 @@ expcache_status_t Cache::copy_through_pool(const LayerState& layer, uint32_t exp
                                            unsigned char* const dst[kMaxParts], void* stream, bool* done) {
     *done = false;
     const uint32_t layer_index = static_cast<uint32_t>(&layer - &layers_[0]);
-    HostPool::Lease lease = pool_.begin(layer_index, expert, layer.bytes);
+    HostPool::Lease lease = pool_.begin(layer_index, expert, layer.key_base + expert, layer.bytes);
     if (lease.slot < 0) return EXPCACHE_OK;
     expcache_status_t s = EXPCACHE_OK;
     if (!lease.hit) {

@@ -1,6 +1,7 @@
 // Eviction policy interface: one file per policy, listed in the table of
-// registry.cpp, chosen per cache at create time. A policy orders a class's resident slots; the core decides
-// which slots may be evicted (not used by the current call, not held).
+// registry.cpp, chosen per cache at create time. A policy orders a class's resident slots, or the host
+// pool's (host_pool.hpp: an instance of the cache's policy); the core decides which slots may be
+// evicted (not used by the current call, not held; in the pool, not being read).
 #pragma once
 
 #include <cstdint>
