@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -278,6 +279,14 @@ class Bench:
             return None
         threads = self.cache_options.get("copy_threads") or staging_defaults()[0]
         return disk.measure(self.source.path, self._file_layers(), threads=threads)
+
+    def replay_disk(self, misses: Sequence[tuple[int, int]]) -> Disk:
+        """A file source's read rate on a run's own misses (``(layer, expert)`` each, in its
+        order): :func:`~expcache_bench.disk.replay` with the caches' reader count, O_DIRECT as
+        :meth:`measure_disk`. Called after the loop whose misses they are."""
+        threads = self.cache_options.get("copy_threads") or staging_defaults()[0]
+        places = {layer: p for layer, (p, _) in zip(self.layout.moe_layers, self._file_layers())}
+        return disk.replay(self.source.path, places, misses, threads=threads)
 
     def measure_bounds(self) -> dict:
         """The link (:meth:`measure_link`) and a file source's disk (:meth:`measure_disk`), measured

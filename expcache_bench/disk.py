@@ -11,6 +11,11 @@ pieces up to a whole expert in one read; the best of them, and the shape that ga
 is two steps over one budget of bytes: the depths at the feed's piece, then the pieces at the best
 depth (:func:`measure`).
 
+A disk whose host caches it (a virtual disk) reads experts read before faster than cold ones, so
+a run that reads hot experts again and again can beat any cold shape. :func:`replay` reads a
+run's own misses, in its order, in the library's shape: the bench takes the faster of the two
+rates as the disk's (a bound is the fastest the disk was seen to read).
+
 A file source's bound is the lower of the link's and the disk's: misses cross the link at most
 as fast as the disk gives them (:func:`~expcache_bench.report.bound`)."""
 
@@ -20,7 +25,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -239,3 +244,53 @@ def measure(
         f"{_bytes(ladder[0])}, then pieces up to whole experts at the fastest count): {best}"
     )
     return Disk(rate, label, direct, best, tuple(tried))
+
+
+#: At most this many bytes of a run's misses are replayed (:func:`replay`), its first ones.
+REPLAY_BYTES = 32 << 30
+
+
+def replay(
+    path: str,
+    places: Mapping[int, LayerPlacement],
+    misses: Sequence[tuple[int, int]],
+    *,
+    threads: int,
+    limit_bytes: int = REPLAY_BYTES,
+    direct: bool = True,
+) -> Disk:
+    """The read rate of a run's own misses: ``misses`` (``(layer, expert)`` each, in the order
+    the run read them) read from ``path`` (``places``: each layer's placement in the file) in
+    that order by ``threads`` readers (the library's count), each expert's parts in the feed's
+    pieces (:func:`feed_piece`), with O_DIRECT where the file system allows it (else buffered,
+    the file's pages dropped first). At most ``limit_bytes`` of expert bytes, the first misses
+    (the label says so). :attr:`Disk.tried` holds the one shape read."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    if not misses:
+        raise ValueError(f"{path}: no misses to replay")
+    reads, want, taken = [], 0, 0
+    for layer, expert in misses:
+        p = places[layer]
+        if want + sum(p.sizes) > limit_bytes and taken:
+            break
+        reads += reads_of(p, expert, feed_piece(p.sizes))
+        want += sum(p.sizes)
+        taken += 1
+    direct = direct and direct_allowed(path)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        rate = want / _read(fd, path, reads, threads)
+    finally:
+        os.close(fd)
+    cut = sorted({feed_piece(places[layer].sizes) for layer, _ in misses[:taken]})
+    shape = Shape(threads, cut[-1])
+    how = "O_DIRECT" if direct else "buffered (the page cache dropped first)"
+    first = f"its first {taken:,} of {len(misses):,} misses" if taken < len(misses) else f"its {taken:,} misses"
+    label = (
+        f"{how} reads replaying the run's own misses, {first} ({_bytes(want)}) in its order: "
+        f"{threads} threads, the feed's pieces of {', '.join(_bytes(x) for x in cut)}"
+    )
+    return Disk(rate, label, direct, shape, ((shape, rate),))

@@ -250,7 +250,7 @@ def table_notes(report: Report, table: str) -> list[str]:
                 if host
                 else "the run moved its misses faster than the link measured before it"
                 if report.bound_by == "link"
-                else "the run read its misses faster than the disk measured before it"
+                else "the run read its misses faster than the disk was measured to read"
                 + ("" if (report.source_file or {}).get("reads") == "direct" else " (the page cache served some)")
             )
         )

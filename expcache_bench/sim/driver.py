@@ -352,11 +352,12 @@ def _make_room(space, c, key, pol, evictable, want, ctx, counters, check) -> boo
     return True
 
 
-def replay(prepared: PreparedStream, space, *, check: bool = False) -> list[list[int]]:
+def replay(prepared: PreparedStream, space, *, check: bool = False, misses: list | None = None) -> list[list[int]]:
     """Serve every call of ``prepared`` in ``space`` (:class:`ClassSlots` or
     :class:`SharedBudget`); returns a counter row per class (columns
     :data:`~expcache_bench.sim.calls.COUNTERS`).  ``check``: assert the invariants after
-    every call (slow; for tests)."""
+    every call (slow; for tests). ``misses``: a list each miss's key is appended to, in the
+    order the library reads them (calls in order, each call's in first-appearance order)."""
     toks, pos_of, wts = prepared.tokens, prepared.pos_of, prepared.weights
     cls, pols, resident, sizes = space.layer_class, space.policies, space.resident, space.sizes
     cnt = [[0] * len(COUNTERS) for _ in pols]
@@ -376,6 +377,8 @@ def replay(prepared: PreparedStream, space, *, check: bool = False) -> list[list
                 evictable = space.evictable(want, call.layer)
                 for key in missing:
                     ct[MISS] += 1
+                    if misses is not None:
+                        misses.append(key)
                     pol.on_miss(key, ctx)
                     if not space.fits(c, call.layer) and not _make_room(
                         space, c, key, pol, evictable, want, ctx, cnt, check
@@ -391,6 +394,8 @@ def replay(prepared: PreparedStream, space, *, check: bool = False) -> list[list
                     ct[HIT] += 1
                 else:
                     ct[MISS] += 1
+                    if misses is not None:
+                        misses.append(key)
                     pol.on_miss(key, ctx)
                     if space.fits(c, call.layer):
                         space.add(key, c)

@@ -95,6 +95,7 @@ def simulate_policy(
     partition: str = "global",
     layer_experts: Sequence[int] | None = None,
     check: bool = False,
+    misses: list | None = None,
 ) -> SimResult:
     """Replay ``requests`` through one ``policy`` object per size class.
 
@@ -116,6 +117,8 @@ def simulate_policy(
             in proportion to. Default: a Trace's ``num_experts`` for each of its layers
             (:func:`layer_experts_of`); required for a stream of calls.
         check: assert the invariants after every call (slow; for tests).
+        misses: a list that gets every miss's key (``layer << KEY_SHIFT | expert``), in the
+            order the library reads them.
 
     Returns:
         :class:`SimResult` whose ``policy`` is the policy's name.
@@ -128,7 +131,7 @@ def simulate_policy(
         space = LayerSlots(cap, cls, policies, layer_experts_of(requests, cls, layer_experts))
     else:
         space = ClassSlots(cap, cls, policies)
-    counters = replay(prepared, space, check=check)
+    counters = replay(prepared, space, check=check, misses=misses)
     return SimResult.from_counters(_policy_name(factory), cap, counters, len(prepared.stream))
 
 

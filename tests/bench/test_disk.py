@@ -166,3 +166,24 @@ def test_the_disk_rate_is_measured_on_the_file(tmp_path):
         # Up to total_bytes of random experts, whole experts: one expert is the library's shape's.
         one = disk.measure(src.path, layers, threads=1, total_bytes=1)
         assert [s for s, _ in one.tried] == [Shape(1, 256 * KiB)] and one.bytes_per_s > 0
+
+
+def test_a_replay_reads_the_runs_misses_in_its_order(tmp_path, reads):
+    """disk.replay: each miss's parts in the feed's pieces, misses in the run's order (repeats
+    read again), by the threads given; the first misses only past limit_bytes."""
+    path, layers = three_parts(tmp_path, 8)
+    places = {3: layers[0][0]}
+    misses = [(3, 5), (3, 1), (3, 5), (3, 0)]
+    found = disk.replay(path, places, misses, threads=12)
+    ((threads, asked),) = reads
+    assert threads == 12 and found.shape == Shape(12, 256 * KiB)
+    want = [r for _, e in misses for r in disk.reads_of(places[3], e, 256 * KiB)]
+    assert asked == want and len(asked) == 4 * 3 * 8  # 3 parts of 2 MiB in 256 KiB pieces each
+    assert found.bytes_per_s == 2.0 and found.tried == ((found.shape, 2.0),)
+    assert "replaying the run's own misses, its 4 misses (24 MiB) in its order" in found.label
+    cut = disk.replay(path, places, misses, threads=8, limit_bytes=13 * MiB)
+    assert reads[-1][1] == want[:48] and "its first 2 of 4 misses (12 MiB)" in cut.label
+    with pytest.raises(ValueError, match="no misses to replay"):
+        disk.replay(path, places, [], threads=8)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        disk.replay(path, places, misses, threads=0)

@@ -8,7 +8,15 @@ import time
 import numpy as np
 import pytest
 
-from expcache_bench.sim import POLICIES, simulate, simulate_belady, simulate_global, simulate_lru, simulate_policy
+from expcache_bench.sim import (
+    KEY_SHIFT,
+    POLICIES,
+    simulate,
+    simulate_belady,
+    simulate_global,
+    simulate_lru,
+    simulate_policy,
+)
 
 from support.sim_streams import D, counters, random_stream
 
@@ -31,6 +39,23 @@ def test_policy_invariants_on_random_streams(name):
         assert (r.evictions <= r.inserts).all()
         lru = simulate_lru(calls, cap, cls)
         assert (r.appends == lru.appends).all()  # batches fill free slots the same way
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_misses_are_listed_in_the_order_they_are_read(name):
+    """misses=: every miss's key (layer << KEY_SHIFT | expert), calls in order and each call's in
+    first-appearance order, direct ones too: as many as the counters' misses."""
+    rng = random.Random(hash(name) & 0xFFF)
+    for _ in range(10):
+        calls, layers = random_stream(rng)
+        cls = [rng.randrange(2) for _ in range(layers)]
+        keys = []
+        r = simulate_policy(calls, [rng.randint(0, 5), rng.randint(0, 5)], cls, policy=name, misses=keys)
+        assert len(keys) == r.misses.sum()
+    # capacity 2, LRU: 1 2 | 3 (evicts 1) | 1 (evicts 2) 3 (hit) | layer 1's 1
+    keys = []
+    simulate_policy([D(0, 1, 2, 1), D(0, 3), D(0, 1, 3), D(1, 1)], 2, policy="lru", misses=keys)
+    assert keys == [1, 2, 3, 1, 1 << KEY_SHIFT | 1]
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
