@@ -9,7 +9,7 @@
 # 8 files, and every step writes one or two):
 #   build tests select_overhead memcheck racecheck copy_methods transfer staging_sweep
 #   decode_pinned decode_no_layer_sync decode_pageable prefill_turns
-#   device_lookup device_feed graph_loop graph_loop_pageable graph_loop_file graph_loop_mmap
+#   device_lookup device_feed graph_loop graph_loop_pageable graph_loop_file decode_file_pool graph_loop_mmap
 #   torch_graph (serving from the GPU: its tests and the feed's, the graph loop on the bundled
 #   traces from pinned and from pageable memory and from a file read with O_DIRECT and mapped, the
 #   torch step of a Qwen3-30B-A3B-like model at two budgets)
@@ -73,6 +73,9 @@ run_step() {
     # 12 GiB share, the disk's rate measured in the run. One step per device call (each about 3-6 minutes).
     graph_loop_file) step graph_loop_file 570 python3 -m expcache_bench bench graph --quiet --source file \
         --layers 33-42 --budget-fraction 0.15 --json "$DIR/graph_loop_file.json" ;;
+    # The C loop from the same file with a host pool of 6 GiB (22 % of the file) between it and the GPU.
+    decode_file_pool) step decode_file_pool 300 python3 -m expcache_bench bench --quiet --source file \
+        --layers 33-42 --budget-fraction 0.15 --host-budget-gib 6 --variants duel,lru --json "$DIR/decode_file_pool.json" ;;
     graph_loop_mmap) step graph_loop_mmap 570 python3 -m expcache_bench bench graph --quiet --source mmap \
         --layers 33-42 --budget-fraction 0.15 --json "$DIR/graph_loop_mmap.json" ;;
     # 16 layers x 128 experts, top-8, hidden 2048, expert FFN 768, bf16: a budget that holds every expert
