@@ -457,3 +457,40 @@ def test_an_unregistered_layer_leaves_the_pool(backend, policy):
         assert cache.pool_stats().resident == 2
         cache._call("expcache_layer_unregister", layer)
         assert cache.pool_stats().resident == 0
+
+
+@pytest.mark.parametrize("lookup", LOOKUPS)
+def test_a_file_read_with_o_direct_stays_out_of_the_page_cache_through_the_pool(tmp_path, backend, lookup):
+    """file_reads="direct": the pool's fills are O_DIRECT reads too (the host path's through a
+    bounce buffer, the feed's in place), so serving from a dropped file leaves none of it in the
+    page cache, and every expert served is the file's."""
+    from expcache_bench.disk import direct_allowed
+    from expcache_bench.file_source import FileSource
+
+    layout = _layout()
+    with FileSource(layout, directory=str(tmp_path)) as src:
+        if not direct_allowed(src.path):
+            pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+        src.drop_page_cache()
+        assert src.page_cache_fraction() == 0.0
+        with ExpertCache(
+            layout,
+            src,
+            budget_experts=12,
+            backend=backend,
+            lookup=lookup,
+            file_reads="direct",
+            host_budget_bytes=64 * max(_slot_bytes(layout[i]) for i in layout.moe_layers),
+        ) as cache:
+            for layer, ids in _trace(layout, 24):  # unchecked: a check reads the file (its mapping)
+                if lookup == "device":
+                    cache.select_device(layer, device_ids(cache, ids))
+                else:
+                    cache.select(layer, ids)
+            cache.synchronize()
+            pool = _check_sums(cache)
+            assert pool.inserts > 0 and pool.hits > 0
+            assert src.page_cache_fraction() == 0.0
+            for layer, ids in _trace(layout, 6, seed=4):  # now the bytes, through the pool
+                _select(cache, src, layer, ids)
+            assert _check_sums(cache).hits > pool.hits

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdlib>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 
@@ -24,10 +26,42 @@ expcache_status_t ExpertSource::upload(Backend& backend, unsigned char* dst, con
     }
 }
 
+namespace {
+
+// The calling thread's 4096-aligned buffer of at least `n` bytes for O_DIRECT reads (grown as
+// needed, kept for the thread's life), or nullptr when it cannot be had.
+unsigned char* direct_bounce(uint64_t n) {
+    struct Freed {
+        void operator()(void* p) const { std::free(p); }
+    };
+    thread_local std::unique_ptr<void, Freed> buf;
+    thread_local uint64_t bytes = 0;
+    if (bytes < n) {
+        void* p = nullptr;
+        const uint64_t want = (n + SourceFile::kDirectAlign - 1) / SourceFile::kDirectAlign * SourceFile::kDirectAlign;
+        if (posix_memalign(&p, SourceFile::kDirectAlign, want) != 0) return nullptr;
+        buf.reset(p);
+        bytes = want;
+    }
+    return static_cast<unsigned char*>(buf.get());
+}
+
+}  // namespace
+
 expcache_status_t ExpertSource::fill(unsigned char* dst, const unsigned char* src, uint64_t offset, uint64_t n) const {
-    if (file) return file->read(dst, reinterpret_cast<uintptr_t>(src) + offset, n);
-    std::memcpy(dst, src + offset, n);  // the link reads pageable memory slowly
-    return EXPCACHE_OK;
+    if (!file) {
+        std::memcpy(dst, src + offset, n);  // the link reads pageable memory slowly
+        return EXPCACHE_OK;
+    }
+    const uint64_t at = reinterpret_cast<uintptr_t>(src) + offset;
+    // A file opened for O_DIRECT is read so here too (the page cache stays out of it): the
+    // aligned range around the bytes into a bounce buffer, the bytes copied on from it.
+    unsigned char* bounce = file->direct() ? direct_bounce(n + 2 * SourceFile::kDirectAlign) : nullptr;
+    if (!bounce) return file->read(dst, at, n);
+    uint64_t delta = 0;
+    expcache_status_t s = file->read_direct(bounce, at, n, &delta);
+    if (s == EXPCACHE_OK) std::memcpy(dst, bounce + delta, n);
+    return s;
 }
 
 expcache_status_t LayerTable::validate(uint32_t layer) const {

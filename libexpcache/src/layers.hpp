@@ -30,7 +30,8 @@ struct ExpertSource {
     // dst, enqueued on `stream` by the backend (staged ones finish by finish_uploads()).
     expcache_status_t upload(Backend& backend, unsigned char* dst, const unsigned char* src, uint64_t bytes,
                              void* stream) const;
-    // One staged piece for the prefetch thread: `n` bytes at src + offset into host memory at dst.
+    // `n` bytes at src + offset into host memory at dst (a prefetch's staged piece, a host pool fill);
+    // a file opened for O_DIRECT is read with it (through a bounce buffer of the thread's).
     expcache_status_t fill(unsigned char* dst, const unsigned char* src, uint64_t offset, uint64_t n) const;
 };
 
