@@ -146,7 +146,14 @@ def test_a_file_source_in_both_loops(tmp_path, kind, file_reads):
         assert graph.experts_checked == c_loop.experts_checked > 0
         assert report.source == kind and report.disk_bytes_per_s > 0 and "reads of the run's file" in report.disk_label
         # the C loop's own misses read again (as many as it had), the faster rate the disk's
-        assert f"replaying the run's own misses, its {c_loop.misses:,} misses" in report.disk_label
+        replay = report.disk_replay
+        assert replay["misses"] == replay["of_misses"] == c_loop.misses == graph.misses
+        assert f"replaying the run's own misses, its {c_loop.misses:,} misses" in replay["label"]
+        assert f"as many as the C loop's {c_loop.misses:,}: checked" in replay["label"]
+        assert replay["reads"] >= replay["misses"] and replay["bytes"] > 0
+        assert report.disk_bytes_per_s == max(report.disk_cold_bytes_per_s, replay["bytes_per_s"])
+        assert replay["bound"] == ("replay" if replay["bytes_per_s"] > report.disk_cold_bytes_per_s else "cold")
+        assert c_loop.disk_bytes_per_s == graph.disk_bytes_per_s == report.disk_bytes_per_s
         by = "disk" if report.disk_bytes_per_s < report.link_bytes_per_s else "link"
         assert report.bound_by == graph.bound_by == by
         rate = min(report.link_bytes_per_s, report.disk_bytes_per_s)
@@ -154,7 +161,9 @@ def test_a_file_source_in_both_loops(tmp_path, kind, file_reads):
         assert all(0.0 <= r.page_cache_after <= 1.0 for r in report.results)
         assert report.source_file["path"] == b.source.path and report.source_file["bytes"] == b.source.nbytes
         text = bench.format_report(report)
-        assert f"of {by} bound (emulated)" in text and f"the bounds are the {by}'s, the lower" in text
+        named = f"disk ({replay['bound']})" if by == "disk" else "link"
+        assert f"of {named} bound (emulated)" in text and f"the bounds are the {by}'s, the lower" in text
+        assert f"GB/s cold ({report.disk_label}), " in text and "the disk bound uses" in text
         assert "the file in the page cache after each loop (dropped before it): C loop, host select: " in text
         reads = report.source_file["reads"]  # O_DIRECT asked for may be refused (tmpfs)
         assert (
