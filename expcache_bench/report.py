@@ -209,11 +209,11 @@ def disk_line(report: Report) -> str:
     line = f"disk {cold / 1e9:.1f} GB/s cold ({report.disk_label})"
     if "skipped" in replay:
         return line + f"; {replay['skipped']}"
+    which = "replay" if replay["bound"] == "replay" else "cold shapes"
     return (
         line
         + f", {replay['bytes_per_s'] / 1e9:.1f} GB/s {replay['label']}: the disk bound uses "
-        + f"{report.disk_bytes_per_s / 1e9:.1f} GB/s (the {'replay' if replay['bound'] == 'replay' else 'cold shapes'}, "
-        + "the faster)"
+        + f"{report.disk_bytes_per_s / 1e9:.1f} GB/s (the {which}, the faster)"
     )
 
 

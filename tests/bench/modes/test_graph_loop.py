@@ -229,21 +229,16 @@ def test_the_replay_reads_the_c_loops_misses_after_both_loops(tmp_path, monkeypa
 
 def test_the_bound_takes_the_larger_rate(tmp_path, monkeypatch):
     """A replay faster than the cold shapes bounds; a slower one does not (the cold one does)."""
+    cold = 1e6  # far below the host link: the disk binds
+    real, measure = disk.replay, disk.measure
+
+    def measured(*a, **kw):
+        return dataclasses.replace(measure(*a, **kw), bytes_per_s=cold)
+
     for factor, which in ((3.0, "replay"), (0.25, "cold")):
-        real = disk.replay
 
-        def fake(path, places, misses, *, threads, _real=real, _factor=factor, **kw):
-            found = _real(path, places, misses, threads=threads, **kw)
-            return dataclasses.replace(found, bytes_per_s=_factor * cold_rate[0])
-
-        cold_rate = []
-        measure = disk.measure
-
-        def measured(*a, _measure=measure, **kw):
-            got = _measure(*a, **kw)
-            got = dataclasses.replace(got, bytes_per_s=1e6)  # far below the host link: the disk binds
-            cold_rate.append(got.bytes_per_s)
-            return got
+        def fake(path, places, misses, *, threads, _factor=factor, **kw):
+            return dataclasses.replace(real(path, places, misses, threads=threads, **kw), bytes_per_s=_factor * cold)
 
         with monkeypatch.context() as m:
             m.setattr(disk, "replay", fake)
@@ -260,7 +255,8 @@ def test_the_bound_takes_the_larger_rate(tmp_path, monkeypatch):
         assert report.bound_by == "disk" and report.bound_name == f"disk ({which})"
         text = bench.format_report(report)
         assert f"of disk ({which}) bound (emulated)" in text
-        assert f"the disk bound uses {max(1e6, factor * 1e6) / 1e9:.1f} GB/s (the {'replay' if which == 'replay' else 'cold shapes'}" in text
+        named = "replay" if which == "replay" else "cold shapes"
+        assert f"the disk bound uses {max(1e6, factor * 1e6) / 1e9:.1f} GB/s (the {named}" in text
         j = report.to_json()
         assert j["disk_replay"]["bound"] == which and j["disk_bytes_per_s"] == max(1e6, factor * 1e6)
 
