@@ -33,7 +33,8 @@ order (:func:`~expcache_bench.disk.replay`; the misses are the simulator's of th
 the C loop's caps, checked equal in number to the C loop's: the command fails where they are not),
 since a disk whose host caches it reads the experts a run keeps missing faster than cold ones;
 the header gives both rates and which one the disk bound uses, the table's column names it. The
-bench drops a file it wrote from the page cache before each loop, and the report gives the share of it the page cache held after.
+bench drops a file it wrote from the page cache before each loop, and the report gives the share
+of it the page cache held after.
 
 On the host backend the same loop runs without capture (its "device" memory is host memory).
 """
