@@ -352,7 +352,7 @@ def _open_bench(args, mode):
 def _run(args, mode) -> int:
     """The mode's reports, each printed and the JSON list rewritten as it comes (an interrupted
     run keeps the reports it finished); status 1 when a served expert's bytes differed from the
-    source."""
+    source, or a run's misses replayed on the disk were not as many as its own (disk.replay)."""
     shared = _open_bench(args, mode) if mode.USES_BENCH else None
     reports, failed = [], False
     try:
@@ -367,6 +367,9 @@ def _run(args, mode) -> int:
                     f"FAILED: {report.checksum_errors} experts served with bytes that differ from the source",
                     file=sys.stderr,
                 )
+                failed = True
+            if (report.disk_replay or {}).get("mismatch"):
+                print(f"FAILED: {report.disk_replay['skipped']}", file=sys.stderr)
                 failed = True
     finally:
         if shared is not None:

@@ -77,6 +77,12 @@ class Disk:
     direct: bool  # O_DIRECT reads (False: the file system refused them; buffered reads after a drop)
     shape: Shape
     tried: tuple[tuple[Shape, float], ...]
+    # A replay (:func:`replay`): the expert bytes it read, its reads (pieces), the misses it
+    # replayed and the run's misses it was given (more where the run's bytes passed the cap).
+    read_bytes: int = 0
+    reads: int = 0
+    misses: int = 0
+    of_misses: int = 0
 
 
 def direct_allowed(path: str) -> bool:
@@ -293,4 +299,13 @@ def replay(
         f"{how} reads replaying the run's own misses, {first} ({_bytes(want)}) in its order: "
         f"{threads} threads, the feed's pieces of {', '.join(_bytes(x) for x in cut)}"
     )
-    return Disk(rate, label, direct, shape, ((shape, rate),))
+    return Disk(rate, label, direct, shape, ((shape, rate),), want, len(reads), taken, len(misses))
+
+
+def faster(cold: float, replayed: Optional[float]) -> tuple[float, str]:
+    """The disk's rate a bound is taken at, and which: the larger of the ``cold`` best shape's
+    (:func:`measure`) and a run's ``replayed`` misses' (:func:`replay`; None where none was),
+    ``"cold"`` or ``"replay"``: a bound is the fastest the disk was seen to read."""
+    if replayed is not None and replayed > cold:
+        return replayed, "replay"
+    return cold, "cold"

@@ -55,6 +55,12 @@ class Report:
     # read it with and what the page cache could hold of it (Bench.file_header).
     disk_bytes_per_s: Optional[float] = None
     disk_label: Optional[str] = None
+    # Where a run's own misses were read again (disk.replay, bench graph): the cold best shape's
+    # rate (disk_label's), and the replay's fields (bytes_per_s, bytes, reads, misses, of_misses,
+    # direct, label, bound: "replay" or "cold", the larger, which disk_bytes_per_s is), or
+    # {"skipped": why}. None where no replay was tried.
+    disk_cold_bytes_per_s: Optional[float] = None
+    disk_replay: Optional[dict] = None
     source_file: Optional[dict] = None
     settings: dict = field(default_factory=dict)  # the mode's own; in the JSON beside the header's fields
     results: list = field(default_factory=list)  # the mode's rows (dataclasses)
@@ -75,6 +81,13 @@ class Report:
         """What the bounds of the report's rows are taken at: ``"link"``, or ``"disk"`` where a file
         source's measured read rate is below the link's (:func:`bound`)."""
         return bound(self.link_bytes_per_s, self.disk_bytes_per_s)[1]
+
+    @property
+    def bound_name(self) -> str:
+        """:attr:`bound_by`, and where it is the disk and a replay was measured, which of the
+        disk's two rates: ``"disk (replay)"`` or ``"disk (cold)"``."""
+        which = (self.disk_replay or {}).get("bound")
+        return f"disk ({which})" if self.bound_by == "disk" and which else self.bound_by
 
     def to_json(self) -> dict:
         """The report as a JSON-ready dict: the header's fields, the settings beside them, and each
@@ -176,10 +189,7 @@ def header_lines(report: Report) -> list[str]:
     if report.link_bytes_per_s:
         how.append(f"link {report.link_bytes_per_s / 1e9:.1f} GB/s ({report.link_label})")
     if report.disk_bytes_per_s:
-        how.append(
-            f"disk {report.disk_bytes_per_s / 1e9:.1f} GB/s ({report.disk_label}): the bounds are the "
-            f"{report.bound_by}'s, the lower"
-        )
+        how.append(disk_line(report) + f": the bounds are the {report.bound_by}'s, the lower")
     if how:
         lines.append("; ".join(how))
     if report.source_file:
@@ -187,6 +197,24 @@ def header_lines(report: Report) -> list[str]:
     if report.traces:
         lines.append(f"traces {', '.join(report.traces)}")
     return lines
+
+
+def disk_line(report: Report) -> str:
+    """The header's disk: its rate and how it was measured; where a run's misses were read again
+    (:attr:`Report.disk_replay`), the cold rate, the replay's, and which the disk bound uses."""
+    replay = report.disk_replay
+    if not replay:
+        return f"disk {report.disk_bytes_per_s / 1e9:.1f} GB/s ({report.disk_label})"
+    cold = report.disk_cold_bytes_per_s or report.disk_bytes_per_s
+    line = f"disk {cold / 1e9:.1f} GB/s cold ({report.disk_label})"
+    if "skipped" in replay:
+        return line + f"; {replay['skipped']}"
+    which = "replay" if replay["bound"] == "replay" else "cold shapes"
+    return (
+        line
+        + f", {replay['bytes_per_s'] / 1e9:.1f} GB/s {replay['label']}: the disk bound uses "
+        + f"{report.disk_bytes_per_s / 1e9:.1f} GB/s (the {which}, the faster)"
+    )
 
 
 def file_line(f: dict) -> str:
@@ -251,6 +279,11 @@ def table_notes(report: Report, table: str) -> list[str]:
                 else "the run moved its misses faster than the link measured before it"
                 if report.bound_by == "link"
                 else "the run read its misses faster than the disk was measured to read"
+                + (
+                    " (both cold and replaying the run's own misses)"
+                    if "bytes_per_s" in (report.disk_replay or {})
+                    else ""
+                )
                 + ("" if (report.source_file or {}).get("reads") == "direct" else " (the page cache served some)")
             )
         )

@@ -28,11 +28,13 @@ token's ids, and of ``ALL_HIT_IDS`` (8) distinct ids per layer, those routed las
 Each loop's bound is its timed tokens' miss bytes at the link's rate, plus their non-expert work;
 from a file the disk's read rate is measured too (:mod:`~expcache_bench.disk`) and the bound is
 taken at the lower of the two (the table says which). The disk's rate is the faster of two: the
-best cold shape before the loops, and the C loop's own misses read again after it, in its order
-(:func:`~expcache_bench.disk.replay`; the misses are the simulator's of the same policy at the C
-loop's caps, checked equal in number to the C loop's), since a disk whose host caches it reads
-the experts a run keeps missing faster than cold ones. The bench drops a file it wrote from the
-page cache before each loop, and the report gives the share of it the page cache held after.
+best cold shape before the loops, and the C loop's own misses read again after both loops, in its
+order (:func:`~expcache_bench.disk.replay`; the misses are the simulator's of the same policy at
+the C loop's caps, checked equal in number to the C loop's: the command fails where they are not),
+since a disk whose host caches it reads the experts a run keeps missing faster than cold ones;
+the header gives both rates and which one the disk bound uses, the table's column names it. The
+bench drops a file it wrote from the page cache before each loop, and the report gives the share
+of it the page cache held after.
 
 On the host backend the same loop runs without capture (its "device" memory is host memory).
 """
@@ -300,23 +302,48 @@ def _c_loop(bench, workload, compute_ns: int, link: float, disk: float, policy: 
     return result, capacities
 
 
-def _replayed_disk(
-    bench, workload, c_loop: GraphLoopResult, capacities: tuple, policy: str
-) -> tuple[Optional[_disk.Disk], str]:
+def _replayed_disk(bench, workload, misses: int, capacities: tuple, policy: str) -> dict:
     """The disk's rate on the C loop's own misses (:meth:`~expcache_bench.bench.Bench.replay_disk`),
-    and what the header says of it: the simulator's misses of ``policy`` at the C loop's
-    ``capacities``, read in order. None (and why) where their number is not the C loop's."""
+    as the report's :attr:`~expcache_bench.report.Report.disk_replay` fields (less ``bound``): the
+    simulator's misses of ``policy`` at the C loop's ``capacities``, read in order. Where their
+    number is not the C loop's ``misses``, nothing is read: ``{"skipped": why, "mismatch": True}``
+    (the command then fails)."""
     caps, layer_class = capacities
     keys: list[int] = []
     simulate_policy(workload.calls, caps, layer_class, policy=policy, layers=bench.layout.moe_layers, misses=keys)
-    if len(keys) != c_loop.misses:
-        return None, (
-            f"the replay of the run's misses was skipped: the simulator gives {len(keys):,} misses, the C loop "
-            f"had {c_loop.misses:,}"
+    if len(keys) != misses:
+        return dict(
+            skipped=(
+                f"the replay of the run's misses was skipped: the simulator of the same policy and caps gives "
+                f"{len(keys):,} misses, the C loop had {misses:,}"
+            ),
+            mismatch=True,
         )
     mask = (1 << KEY_SHIFT) - 1
     found = bench.replay_disk([(k >> KEY_SHIFT, k & mask) for k in keys])
-    return found, f"{found.bytes_per_s / 1e9:.1f} GB/s ({found.label})"
+    return dict(
+        bytes_per_s=found.bytes_per_s,
+        bytes=found.read_bytes,
+        reads=found.reads,
+        misses=found.misses,
+        of_misses=found.of_misses,
+        direct=found.direct,
+        label=f"{found.label} (the simulator's misses, as many as the C loop's {misses:,}: checked)",
+    )
+
+
+def _bound_disk(report: Report, replay: dict) -> None:
+    """Record ``replay`` (:func:`_replayed_disk`'s, or a skip) in ``report``: the disk's rate
+    becomes the faster of the cold shapes' and the replay's, in the header and in every row."""
+    cold = report.disk_bytes_per_s
+    report.disk_cold_bytes_per_s = cold
+    if "skipped" not in replay:
+        rate, which = _disk.faster(cold, replay["bytes_per_s"])
+        replay["bound"] = which
+        report.disk_bytes_per_s = rate
+        for r in report.results:
+            r.disk_bytes_per_s = rate
+    report.disk_replay = replay
 
 
 def run_graph_loop(
@@ -355,17 +382,11 @@ def run_graph_loop(
         settings=dict(compute_us=compute_us, policy=policy, layers=options.ranges(layers), k=k, capture=bench.is_cuda),
     )
     link, disk = report.link_bytes_per_s, report.disk_bytes_per_s or 0.0
+    workload, capacities = None, ((), ())
     if c_loop:
         workload = decode_workload(loaded, layers)
         result, capacities = _c_loop(bench, workload, compute_ns, link, disk, policy)
         report.results.append(result)
-        if disk and result.misses:
-            replayed, said = _replayed_disk(bench, workload, result, capacities, policy)
-            if replayed is not None and replayed.bytes_per_s > disk:
-                report.disk_label = f"the faster of {disk / 1e9:.1f} GB/s ({report.disk_label}) and {said}"
-                disk = report.disk_bytes_per_s = result.disk_bytes_per_s = replayed.bytes_per_s
-            else:
-                report.disk_label += f"; not the slower {said}" if replayed is not None else f"; {said}"
 
     arrays = _DeviceArrays(bench.is_cuda, bench.device)
     graphs: list[_Graph] = []
@@ -527,6 +548,16 @@ def run_graph_loop(
         for g in graphs:
             g.close()
         arrays.close()
+    # The disk's rate on the run's own misses, read again after both loops (the conditions the
+    # later one saw): the faster of that and the cold shapes' bounds both rows.
+    if not disk:
+        report.skipped.append("the replay of the run's misses: the source is not a file (no disk bound)")
+    elif not c_loop:
+        report.skipped.append("the replay of the run's misses: no C loop to check the simulator's misses against")
+    elif not report.results[0].misses:
+        report.skipped.append("the replay of the run's misses: the C loop missed nothing")
+    else:
+        _bound_disk(report, _replayed_disk(bench, workload, report.results[0].misses, capacities, policy))
     return report
 
 
@@ -615,7 +646,7 @@ def table(report: Report) -> str:
             versus,
             "hit rate",
             "misses/token",
-            timed(report, f"of {report.bound_by} bound"),
+            timed(report, f"of {report.bound_name} bound"),
             "checksums",
         ],
         disable_numparse=True,

@@ -181,9 +181,19 @@ def test_a_replay_reads_the_runs_misses_in_its_order(tmp_path, reads):
     assert asked == want and len(asked) == 4 * 3 * 8  # 3 parts of 2 MiB in 256 KiB pieces each
     assert found.bytes_per_s == 2.0 and found.tried == ((found.shape, 2.0),)
     assert "replaying the run's own misses, its 4 misses (24 MiB) in its order" in found.label
+    assert (found.read_bytes, found.reads, found.misses, found.of_misses) == (24 * MiB, 96, 4, 4)
     cut = disk.replay(path, places, misses, threads=8, limit_bytes=13 * MiB)
     assert reads[-1][1] == want[:48] and "its first 2 of 4 misses (12 MiB)" in cut.label
+    assert (cut.read_bytes, cut.reads, cut.misses, cut.of_misses) == (12 * MiB, 48, 2, 4)
     with pytest.raises(ValueError, match="no misses to replay"):
         disk.replay(path, places, [], threads=8)
     with pytest.raises(ValueError, match="threads must be >= 1"):
         disk.replay(path, places, misses, threads=0)
+
+
+def test_the_disk_bound_is_the_faster_rate():
+    """disk.faster: the replay's rate where it is the larger, else the cold one (and without one)."""
+    assert disk.faster(1.4e9, 2.1e9) == (2.1e9, "replay")
+    assert disk.faster(1.4e9, 0.9e9) == (1.4e9, "cold")
+    assert disk.faster(1.4e9, 1.4e9) == (1.4e9, "cold")
+    assert disk.faster(1.4e9, None) == (1.4e9, "cold")

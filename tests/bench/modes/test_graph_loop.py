@@ -6,12 +6,14 @@ nothing: no test looks at them)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 import pytest
 
 import expcache_bench as bench
+from expcache_bench import disk
 from expcache_bench.modes import graph_loop
 from expcache_bench.traces import MISSING, Trace, synthetic_trace
 from pyexpcache import ModelLayout, _lib
@@ -39,6 +41,8 @@ def test_same_hits_as_the_c_loop_and_every_expert_checked(host_bench):
     assert "graph loop, select_device" in graph_loop.table(report)
     assert any("hits and misses equal" in line for line in graph_loop.describe(report))
     assert any(f"({report.settings['k']} ids)" in line and "(8 ids)" in line for line in graph_loop.describe(report))
+    # a source in memory: no disk, no replay of the misses, and the report says so
+    assert report.disk_replay is None and any("the source is not a file" in s for s in report.skipped)
 
 
 def test_the_wide_all_hit_select_takes_the_ids_routed_last():
@@ -146,7 +150,14 @@ def test_a_file_source_in_both_loops(tmp_path, kind, file_reads):
         assert graph.experts_checked == c_loop.experts_checked > 0
         assert report.source == kind and report.disk_bytes_per_s > 0 and "reads of the run's file" in report.disk_label
         # the C loop's own misses read again (as many as it had), the faster rate the disk's
-        assert f"replaying the run's own misses, its {c_loop.misses:,} misses" in report.disk_label
+        replay = report.disk_replay
+        assert replay["misses"] == replay["of_misses"] == c_loop.misses == graph.misses
+        assert f"replaying the run's own misses, its {c_loop.misses:,} misses" in replay["label"]
+        assert f"as many as the C loop's {c_loop.misses:,}: checked" in replay["label"]
+        assert replay["reads"] >= replay["misses"] and replay["bytes"] > 0
+        assert report.disk_bytes_per_s == max(report.disk_cold_bytes_per_s, replay["bytes_per_s"])
+        assert replay["bound"] == ("replay" if replay["bytes_per_s"] > report.disk_cold_bytes_per_s else "cold")
+        assert c_loop.disk_bytes_per_s == graph.disk_bytes_per_s == report.disk_bytes_per_s
         by = "disk" if report.disk_bytes_per_s < report.link_bytes_per_s else "link"
         assert report.bound_by == graph.bound_by == by
         rate = min(report.link_bytes_per_s, report.disk_bytes_per_s)
@@ -154,7 +165,9 @@ def test_a_file_source_in_both_loops(tmp_path, kind, file_reads):
         assert all(0.0 <= r.page_cache_after <= 1.0 for r in report.results)
         assert report.source_file["path"] == b.source.path and report.source_file["bytes"] == b.source.nbytes
         text = bench.format_report(report)
-        assert f"of {by} bound (emulated)" in text and f"the bounds are the {by}'s, the lower" in text
+        named = f"disk ({replay['bound']})" if by == "disk" else "link"
+        assert f"of {named} bound (emulated)" in text and f"the bounds are the {by}'s, the lower" in text
+        assert f"GB/s cold ({report.disk_label}), " in text and "the disk bound uses" in text
         assert "the file in the page cache after each loop (dropped before it): C loop, host select: " in text
         reads = report.source_file["reads"]  # O_DIRECT asked for may be refused (tmpfs)
         assert (
@@ -168,3 +181,105 @@ def test_a_file_source_in_both_loops(tmp_path, kind, file_reads):
     finally:
         b.close()
     assert os.listdir(tmp_path) == []
+
+
+def file_bench(tmp_path):
+    layout = ModelLayout.preset("q2", scale=4096)
+    return bench.Bench(
+        layout,
+        backend="host",
+        kind="file",
+        file_dir=str(tmp_path),
+        budget_bytes=(12 << 30) // 4096,
+        cache_options=dict(file_reads="direct"),
+    )
+
+
+def test_the_replay_reads_the_c_loops_misses_after_both_loops(tmp_path, monkeypatch):
+    """The replay is given the simulator's misses, as many as the C loop's (and the graph
+    loop's), after the graph loop ran; the JSON's counts are what it read."""
+    seen, events = [], []
+    real, recent = disk.replay, graph_loop._recent_ids
+
+    def fake(path, places, misses, *, threads, **kw):
+        events.append("replay")
+        found = real(path, places, misses, threads=threads, **kw)  # read for real: the counts
+        seen.append((list(misses), found))
+        return found
+
+    def graph_ran(*a, **kw):
+        events.append("graph loop")
+        return recent(*a, **kw)
+
+    monkeypatch.setattr(disk, "replay", fake)
+    monkeypatch.setattr(graph_loop, "_recent_ids", graph_ran)
+    b = file_bench(tmp_path)
+    try:
+        report = graph_loop.run_graph_loop(b, traces=["smoke_count64"])
+    finally:
+        b.close()
+    c_loop, graph = report.results
+    ((misses, found),) = seen
+    assert len(misses) == c_loop.misses == graph.misses > 0
+    assert all(layer in b.layout.moe_layers for layer, _ in misses)
+    replay = report.disk_replay
+    assert replay["misses"] == found.misses == len(misses) and replay["bytes"] == found.read_bytes
+    assert replay["reads"] == found.reads and events == ["graph loop", "replay"]
+
+
+def test_the_bound_takes_the_larger_rate(tmp_path, monkeypatch):
+    """A replay faster than the cold shapes bounds; a slower one does not (the cold one does)."""
+    cold = 1e6  # far below the host link: the disk binds
+    real, measure = disk.replay, disk.measure
+
+    def measured(*a, **kw):
+        return dataclasses.replace(measure(*a, **kw), bytes_per_s=cold)
+
+    for factor, which in ((3.0, "replay"), (0.25, "cold")):
+
+        def fake(path, places, misses, *, threads, _factor=factor, **kw):
+            return dataclasses.replace(real(path, places, misses, threads=threads, **kw), bytes_per_s=_factor * cold)
+
+        with monkeypatch.context() as m:
+            m.setattr(disk, "replay", fake)
+            m.setattr(disk, "measure", measured)
+            b = file_bench(tmp_path)
+            try:
+                report = graph_loop.run_graph_loop(b, traces=["smoke_count64"])
+            finally:
+                b.close()
+        replay = report.disk_replay
+        assert report.disk_cold_bytes_per_s == 1e6 and replay["bytes_per_s"] == factor * 1e6
+        assert replay["bound"] == which and report.disk_bytes_per_s == max(1e6, factor * 1e6)
+        assert all(r.disk_bytes_per_s == report.disk_bytes_per_s for r in report.results)
+        assert report.bound_by == "disk" and report.bound_name == f"disk ({which})"
+        text = bench.format_report(report)
+        assert f"of disk ({which}) bound (emulated)" in text
+        named = "replay" if which == "replay" else "cold shapes"
+        assert f"the disk bound uses {max(1e6, factor * 1e6) / 1e9:.1f} GB/s (the {named}" in text
+        j = report.to_json()
+        assert j["disk_replay"]["bound"] == which and j["disk_bytes_per_s"] == max(1e6, factor * 1e6)
+
+
+def test_a_replay_of_other_misses_than_the_c_loops_is_refused(tmp_path, monkeypatch):
+    """Where the simulator's misses are not as many as the C loop's nothing is replayed: the
+    header says why, the JSON marks the mismatch (the command then fails), the cold rate bounds."""
+    real = graph_loop.simulate_policy
+
+    def one_more(*a, misses, **kw):
+        got = real(*a, misses=misses, **kw)
+        misses.append(misses[-1])
+        return got
+
+    monkeypatch.setattr(graph_loop, "simulate_policy", one_more)
+    monkeypatch.setattr(disk, "replay", lambda *a, **kw: pytest.fail("replayed other misses"))
+    b = file_bench(tmp_path)
+    try:
+        report = graph_loop.run_graph_loop(b, traces=["smoke_count64"])
+    finally:
+        b.close()
+    c_loop = report.results[0]
+    assert report.disk_replay["mismatch"] is True
+    assert f"gives {c_loop.misses + 1:,} misses, the C loop had {c_loop.misses:,}" in report.disk_replay["skipped"]
+    assert report.disk_bytes_per_s == report.disk_cold_bytes_per_s
+    assert "the replay of the run's misses was skipped" in bench.format_report(report)
