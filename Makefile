@@ -78,10 +78,12 @@ help:
 lib: $(LIBS) $(REPLAY_LIB)
 
 # The benchmark suite's C replay loop (expcache_bench/replay.c): it links nothing of
-# libexpcache and is handed the loaded library's functions in a table.
-$(REPLAY_LIB): expcache_bench/replay.c libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
+# libexpcache and is handed the loaded library's functions in a table; and the disk
+# measurement's reader threads (expcache_bench/disk_reads.c).
+REPLAY_SRCS = expcache_bench/replay.c expcache_bench/disk_reads.c
+$(REPLAY_LIB): $(REPLAY_SRCS) libexpcache/include/expcache.h libexpcache/include/expcache_testing.h
 	@mkdir -p $(BUILD)
-	$(CC) -O2 -std=c11 -fPIC -shared -Wall -Ilibexpcache/include -Wl,--no-undefined -o $@ $<
+	$(CC) -O2 -std=c11 -fPIC -shared -Wall -Ilibexpcache/include -Wl,--no-undefined -o $@ $(REPLAY_SRCS) -lpthread
 
 $(BUILD)/obj/%.o: libexpcache/src/%.cpp $(HEADERS)
 	@mkdir -p $(dir $@)

@@ -21,10 +21,10 @@ as fast as the disk gives them (:func:`~expcache_bench.report.bound`)."""
 
 from __future__ import annotations
 
-import mmap
+import ctypes
+import errno
+import functools
 import os
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -134,40 +134,37 @@ def pieces(placements: Sequence[tuple[LayerPlacement, int]]) -> list[Optional[in
 
 def _read(fd: int, path: str, reads: Sequence[tuple[int, int]], threads: int) -> float:
     """Seconds that ``threads`` threads take to read ``reads`` (``(offset, size)`` each, widened
-    to whole aligned blocks) from ``fd``, a read at a time each, taking the next as they finish."""
-    lock, errors = threading.Lock(), []
-    queue = iter(reads)
-    most = max(size + offset % ALIGN for offset, size in reads)
+    to whole aligned blocks) from ``fd``, a read at a time each, taking the next as they finish:
+    C threads (``disk_reads.c`` in the replay library), whose reads the interpreter's lock does
+    not hold back."""
+    offsets = np.fromiter((o for o, _ in reads), np.uint64, len(reads))
+    sizes = np.fromiter((n for _, n in reads), np.uint64, len(reads))
+    seconds, failed_at = ctypes.c_double(), ctypes.c_uint64()
+    code = _reader()(fd, offsets.ctypes.data, sizes.ctypes.data, len(reads), threads, seconds, failed_at)
+    if code == errno.EIO:
+        raise OSError(f"{path}: a read at {failed_at.value} came back short (the file ends early)")
+    if code:
+        raise OSError(code, f"{path}: reading at {failed_at.value}: {os.strerror(code)}")
+    return seconds.value
 
-    def reader() -> None:
-        buf = mmap.mmap(-1, -(-most // ALIGN) * ALIGN + 2 * ALIGN)  # page-aligned, as O_DIRECT needs
-        try:
-            while True:
-                with lock:
-                    item = next(queue, None)
-                if item is None or errors:
-                    return
-                offset, size = item
-                at = offset - offset % ALIGN
-                span = -(-(offset + size - at) // ALIGN) * ALIGN
-                got = os.preadv(fd, [memoryview(buf)[:span]], at)
-                if got < offset + size - at:
-                    raise OSError(f"{path}: a read at {at} of {span} bytes returned {got}")
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            buf.close()
 
-    workers = [threading.Thread(target=reader, daemon=True) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    seconds = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return seconds
+@functools.cache
+def _reader():
+    """``expcache_disk_reads`` of the replay library (:func:`~expcache_bench.replay.load`)."""
+    from .replay import load
+
+    fn = load()[0].expcache_disk_reads
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+        ctypes.c_uint32,
+        ctypes.POINTER(ctypes.c_double),
+        ctypes.POINTER(ctypes.c_uint64),
+    ]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def measure(

@@ -197,3 +197,19 @@ def test_the_disk_bound_is_the_faster_rate():
     assert disk.faster(1.4e9, 0.9e9) == (1.4e9, "cold")
     assert disk.faster(1.4e9, 1.4e9) == (1.4e9, "cold")
     assert disk.faster(1.4e9, None) == (1.4e9, "cold")
+
+
+def test_the_reader_threads_report_a_short_read_and_bad_arguments(tmp_path):
+    """disk._read (C threads): a read past the file's end fails naming its place; bad arguments
+    are refused by the C side (EINVAL), never read."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * (3 * 4096))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert disk._read(fd, str(path), [(0, 4096), (5000, 100), (8192, 4096)], 2) >= 0
+        with pytest.raises(OSError, match=r"a read at 12288 came back short"):
+            disk._read(fd, str(path), [(0, 4096), (12288, 10)], 2)
+        with pytest.raises(OSError, match="Invalid argument"):
+            disk._read(fd, str(path), [(0, 4096)], 0)
+    finally:
+        os.close(fd)
