@@ -57,7 +57,7 @@ from pyexpcache.views import TensorView
 
 from .. import disk as _disk, options, replay as _replay
 from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT
-from ..report import DecodeRate, HitRate, Report, bound, share, timed
+from ..report import DecodeRate, HitRate, Report, share, timed
 from ..sim import KEY_SHIFT, simulate_policy
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
 from .torch_loop import LOOP
@@ -97,6 +97,8 @@ class GraphLoopResult(DecodeRate, HitRate):
     checksum_errors: int = 0
     experts_checked: int = 0
     page_cache_after: Optional[float] = None  # a file source: the share of its file in the page cache after the loop
+    pool_hits: int = 0  # --host-budget-gib: the misses the host pool served, of pool_lookups (the loop's misses)
+    pool_lookups: int = 0
 
     DERIVED: ClassVar[tuple[str, ...]] = (
         "tokens_per_s",
@@ -114,13 +116,25 @@ class GraphLoopResult(DecodeRate, HitRate):
     def misses_per_token(self) -> float:
         return self.misses / self.served_tokens if self.served_tokens else 0.0
 
-    def _bound_at(self, bytes_per_s: float) -> float:
-        """Tokens/s if each token took only its misses' bytes at ``bytes_per_s``, plus its
-        non-expert work."""
+    @property
+    def disk_bytes(self) -> float:
+        """Of the timed tokens' miss bytes, those read from the source: all of them, or with a
+        host pool its misses' share (the pool's hits come from RAM)."""
+        if not self.pool_lookups:
+            return float(self.bytes_h2d)
+        return self.bytes_h2d * (1 - self.pool_hits / self.pool_lookups)
+
+    def _bound_at(self, bytes_per_s: float, nbytes: Optional[float] = None) -> float:
+        """Tokens/s if each token took only its misses' bytes (or ``nbytes``) at ``bytes_per_s``,
+        plus its non-expert work."""
         if not self.decode_tokens or not bytes_per_s:
             return 0.0
-        seconds = self.bytes_h2d / bytes_per_s + self.compute_seconds
+        seconds = (self.bytes_h2d if nbytes is None else nbytes) / bytes_per_s + self.compute_seconds
         return self.decode_tokens / seconds if seconds else 0.0
+
+    def _disk_bound(self) -> float:
+        """The bound at the disk's rate over the bytes read from it (0: a source in memory)."""
+        return self._bound_at(self.disk_bytes_per_s, self.disk_bytes) if self.disk_bytes_per_s else 0.0
 
     @property
     def link_bound_tokens_per_s(self) -> float:
@@ -134,14 +148,16 @@ class GraphLoopResult(DecodeRate, HitRate):
 
     @property
     def bound_by(self) -> str:
-        """What binds: ``"link"``, or ``"disk"`` where a file source reads slower than the link."""
-        return bound(self.link_bytes_per_s, self.disk_bytes_per_s)[1]
+        """What binds: ``"link"``, or ``"disk"`` where a file source's reads (with a host pool,
+        of its misses only) take longer than the link's copies."""
+        disk = self._disk_bound()
+        return "disk" if disk and disk < self.link_bound_tokens_per_s else "link"
 
     @property
     def bound_tokens_per_s(self) -> float:
-        """The bound at the lower of the link's and the disk's rates (the link's for a source in
-        memory)."""
-        return self._bound_at(bound(self.link_bytes_per_s, self.disk_bytes_per_s)[0])
+        """The lower of the link's bound and the disk's (the link's for a source in memory)."""
+        disk = self._disk_bound()
+        return min(disk, self.link_bound_tokens_per_s) if disk else self.link_bound_tokens_per_s
 
     @property
     def of_bound(self) -> float:
@@ -283,6 +299,7 @@ def _c_loop(bench, workload, compute_ns: int, link: float, disk: float, policy: 
     with bench.make_cache(budget_bytes=bench.budget_bytes, policy=policy, log_level=1, **bench.cache_options) as cache:
         out = bench.replay(cache, workload, label="C loop, host select", options=options_)
         decode = cache.stats().path("decode")
+        pool = cache.pool_stats()
         capacities = class_capacities(bench.layout, cache)
     result = GraphLoopResult(
         "C loop, host select",
@@ -298,6 +315,8 @@ def _c_loop(bench, workload, compute_ns: int, link: float, disk: float, policy: 
         checksum_errors=out.checksum_errors,
         experts_checked=out.experts_checked,
         page_cache_after=bench.page_cache_fraction(),
+        pool_hits=pool.hits if pool.budget_bytes else 0,
+        pool_lookups=pool.lookups if pool.budget_bytes else 0,
     )
     return result, capacities
 
@@ -486,6 +505,9 @@ def run_graph_loop(
             result.hits, result.misses = after.hits, after.misses
             result.bytes_h2d = after.bytes_h2d - untimed_bytes
             result.page_cache_after = bench.page_cache_fraction()
+            pool = cache.pool_stats()
+            if pool.budget_bytes:
+                result.pool_hits, result.pool_lookups = pool.hits, pool.lookups
             totals = (after.hits, after.misses)
             report.results.append(result)
             report.settings["steps"] = len(steps)
@@ -611,6 +633,13 @@ def describe(report: Report) -> list[str]:
             f"hits and misses equal to the C loop's (both {st['policy']})"
             if same
             else f"HITS DIFFER from the C loop's (both {st['policy']}): a bug"
+        )
+    pooled = [r for r in report.results if r.pool_lookups]
+    if pooled:
+        lines.append(
+            "host pool (--host-budget-gib): the share of each loop's misses it served, the rest read from the "
+            "file (the disk bound counts those): "
+            + "; ".join(f"{r.loop}: {100 * r.pool_hits / r.pool_lookups:.1f} %" for r in pooled)
         )
     cached = [r for r in report.results if r.page_cache_after is not None]
     if cached:

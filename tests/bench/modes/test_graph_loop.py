@@ -283,3 +283,27 @@ def test_a_replay_of_other_misses_than_the_c_loops_is_refused(tmp_path, monkeypa
     assert f"gives {c_loop.misses + 1:,} misses, the C loop had {c_loop.misses:,}" in report.disk_replay["skipped"]
     assert report.disk_bytes_per_s == report.disk_cold_bytes_per_s
     assert "the replay of the run's misses was skipped" in bench.format_report(report)
+
+
+def test_a_host_pool_between_the_file_and_the_gpu(tmp_path):
+    """--host-budget-gib in both loops: each loop's pool counters, the disk bound over the bytes
+    read from the file (the pool's misses) only, the link bound over every miss, the header's line."""
+    layout = ModelLayout.preset("q2", scale=4096)
+    b = bench.Bench(
+        layout,
+        backend="host",
+        kind="file",
+        file_dir=str(tmp_path),
+        budget_bytes=(12 << 30) // 4096,
+        cache_options=dict(file_reads="direct", host_budget_bytes=(6 << 30) // 4096),
+    )
+    try:
+        report = graph_loop.run_graph_loop(b, traces=["smoke_count64"])
+        for r in report.results:
+            assert 0 < r.pool_hits < r.pool_lookups == r.misses
+            assert r.disk_bytes == pytest.approx(r.bytes_h2d * (1 - r.pool_hits / r.pool_lookups))
+            disk = r.decode_tokens / (r.disk_bytes / r.disk_bytes_per_s + r.compute_seconds)
+            assert r.bound_tokens_per_s == pytest.approx(min(disk, r.link_bound_tokens_per_s))
+        assert "host pool (--host-budget-gib): the share of each loop's misses it served" in bench.format_report(report)
+    finally:
+        b.close()
