@@ -285,6 +285,26 @@ def test_a_replay_of_other_misses_than_the_c_loops_is_refused(tmp_path, monkeypa
     assert "the replay of the run's misses was skipped" in bench.format_report(report)
 
 
+def test_the_command_fails_on_a_replay_of_other_misses(tmp_path, monkeypatch, capsys):
+    """expcache bench graph exits 1 where the simulator's misses are not the C loop's (the report
+    still printed), saying why on stderr."""
+    from expcache_bench import cli
+
+    real = graph_loop.simulate_policy
+
+    def one_more(*a, misses, **kw):
+        got = real(*a, misses=misses, **kw)
+        misses.append(misses[-1])
+        return got
+
+    monkeypatch.setattr(graph_loop, "simulate_policy", one_more)
+    argv = ["bench", "graph", "--backend", "host", "--source", "file", "--file-dir", str(tmp_path)]
+    assert cli.main(argv + ["--layers", "3-6", "--traces", "smoke_count64", "--quiet"]) == 1
+    out, err = capsys.readouterr()
+    assert "graph loop, select_device" in out
+    assert "FAILED: the replay of the run's misses was skipped: the simulator of the same policy" in err
+
+
 def test_a_host_pool_between_the_file_and_the_gpu(tmp_path):
     """--host-budget-gib in both loops: each loop's pool counters, the disk bound over the bytes
     read from the file (the pool's misses) only, the link bound over every miss, the header's line."""
