@@ -192,16 +192,22 @@ def _power_of_two_dividing(layout) -> int:
     return min([1 << 16] + [b & -b for b in sizes])
 
 
+#: The modes that take experts of any number of parts: the graph loop (the device select and the
+#: bank's checksum by slot read every part; its C loop runs for three-part layouts only) and the
+#: simulator's curve.
+PARTS_MODES = ("graph", "curve")
+
+
 def generated_layout(args, scale: int):
     """The --layout at ``scale``, less the layers --layers leaves out."""
     layout = model_layout(args.layout)
     other = sorted({len(s.class_key) for s in layout.layers if s and len(s.class_key) != 3})
-    if other:
+    if other and getattr(args, "mode", None) not in PARTS_MODES:
         raise UsageError(
             f"--layout {args.layout}: its experts have {', '.join(map(str, other))} parts (a quantized "
-            "checkpoint's weights and scales, or biases); the bench's loops serve experts of three parts "
-            "(their C loop hands out three pointers per expert), so such a layout is not benchmarked yet: "
-            "give its checkpoint's quantization as one GGUF type instead (CONFIG.json:TYPE)"
+            "checkpoint's weights and scales, or biases); this mode's loops serve experts of three parts "
+            "(the C loop hands out three pointers per expert): `expcache bench graph` runs the graph loop "
+            "on it, or give its checkpoint's quantization as one GGUF type (CONFIG.json:TYPE)"
         )
     try:
         layout = layout.scaled(scale) if scale != 1 else layout

@@ -145,6 +145,36 @@ def test_a_layout_of_other_than_three_parts_is_refused_naming_the_way_around(tmp
     path.write_text(json.dumps(fp8))
     rc, err, _ = cli_report(tmp_path, capsys, "--layout", str(path), "--traces", "synthetic:4")
     assert rc == 2 and "its experts have 4 parts" in err and "CONFIG.json:TYPE" in err, err
+    assert "`expcache bench graph` runs the graph loop on it" in err
     rc, err, report = cli_report(tmp_path, capsys, "--layout", f"{path}:Q8_0", "--traces", "synthetic:4")
     assert rc == 0, err
     assert report["results"][0]["experts_checked"] == 4 * 48 * 8
+
+
+def fp8_config(tmp_path):
+    path = tmp_path / "Qwen3-FP8" / "config.json"
+    path.parent.mkdir()
+    fp8 = dict(QWEN3, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    path.write_text(json.dumps(fp8))
+    return path
+
+
+def test_the_graph_loop_serves_a_quantized_layout_of_four_parts(tmp_path, capsys):
+    """expcache bench graph on an FP8 checkpoint's config: the experts' four parts (weights and
+    scales) are the class, every part of every routed expert is read by slot from the bank and
+    checked against the source; the C loop (three pointers an expert) is skipped, saying why."""
+    from pyexpcache.layout import ModelLayout as Layout
+
+    path = fp8_config(tmp_path)
+    layout = Layout.from_hf_config(str(path))
+    assert {len(layout[i].class_key) for i in layout.moe_layers} == {4}
+    out = tmp_path / "g.json"
+    argv = ["bench", "graph", "--backend", "host", "--quiet", "--json", str(out), "--layout", str(path)]
+    rc = cli.main(argv + ["--traces", "synthetic:4", "--layers", "0-3", "--scale", "128"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads(out.read_text())[0]
+    (graph,) = report["results"]
+    assert graph["loop"] == "graph loop, select_device" and graph["misses"] > 0
+    assert graph["checksum_errors"] == 0 and graph["experts_checked"] == 4 * 4 * 8
+    assert any("the C loop: the experts have 4 parts" in s for s in report["skipped"])
