@@ -178,3 +178,5 @@ def test_the_graph_loop_serves_a_quantized_layout_of_four_parts(tmp_path, capsys
     assert graph["loop"] == "graph loop, select_device" and graph["misses"] > 0
     assert graph["checksum_errors"] == 0 and graph["experts_checked"] == 4 * 4 * 8
     assert any("the C loop: the experts have 4 parts" in s for s in report["skipped"])
+    # the simulator's curve takes it too (hit rates do not depend on the parts)
+    assert cli.main(["bench", "curve", "--quiet", "--layout", str(path), "--traces", "synthetic:4"]) == 0
