@@ -247,6 +247,14 @@ FUNCTIONS = [
     # expcache_status_t expcache_testing_bank_checksum_async(expcache_t* cache, uint32_t layer, const int32_t* slots,
     #                                                        uint32_t n, void* stream, uint32_t first);
     ("expcache_testing_bank_checksum_async", [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32], c_int32),
+    # expcache_status_t expcache_testing_bank_checksum_host_slots_async(expcache_t* cache, uint32_t layer,
+    #                                                                   const int32_t* slots, uint32_t n,
+    #                                                                   void* stream, uint32_t first);
+    (
+        "expcache_testing_bank_checksum_host_slots_async",
+        [CachePtr, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32],
+        c_int32,
+    ),
     # expcache_status_t expcache_testing_checksum_results(expcache_t* cache, uint32_t first, uint32_t n,
     #                                                     uint64_t* out);
     ("expcache_testing_checksum_results", [CachePtr, c_uint32, c_uint32, c_void_p], c_int32),

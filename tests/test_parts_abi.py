@@ -13,6 +13,7 @@ import pytest
 
 from pyexpcache import _lib
 from pyexpcache._errors import ExpcacheError
+from pyexpcache.source import checksum_bytes
 
 from support.cache import BACKENDS
 
@@ -399,3 +400,40 @@ def test_a_prefetch_sends_every_part_at_its_offset(raw):
     assert queued.value == 2
     for e, slot in zip([2, 5], raw.select_slots(0, [2, 5])):
         raw.assert_slot_holds(0, slot, e)
+
+
+def _sum_of_parts(raw, layer: int, expert: int) -> int:
+    """The checksum kernel's rule over every part of an expert's source bytes."""
+    return sum(checksum_bytes(part[expert]) for part in raw.parts[layer]) & ((1 << 64) - 1)
+
+
+def _host_slots_checksum(raw, layer: int, slots, first: int) -> list[int]:
+    arr = np.asarray(slots, np.int32)
+    lib.expcache_testing_bank_checksum_host_slots_async(raw.handle.value, layer, arr.ctypes.data, len(arr), None, first)
+    arr[:] = -1  # the call has taken the slots: the array may be reused at once
+    lib.expcache_synchronize(raw.handle.value, None)
+    out = np.empty(len(slots), np.uint64)
+    lib.expcache_testing_checksum_results(raw.handle.value, first, len(slots), out.ctypes.data)
+    return out.tolist()
+
+
+@pytest.mark.parametrize("nparts", [1, 4, 8])
+def test_the_bank_checksum_of_host_slots_sums_every_part(raw, nparts):
+    """expcache_testing_bank_checksum_host_slots_async over the slots a select by slot id writes
+    to host memory (staged rows among them: more ids than the budget) and a batch's: each sum is
+    every part's, as the checksum rule says; a slot outside the bank sums to 0."""
+    raw.register(0, _sizes(nparts))
+    ids = [0, 5, 2, 7]  # over BUDGET: one staged
+    slots = raw.select_slots(0, ids)
+    assert _host_slots_checksum(raw, 0, slots, 3) == [_sum_of_parts(raw, 0, e) for e in ids]
+    assert _host_slots_checksum(raw, 0, [raw.bank(0).rows + 5, -1], 0) == [0, 0]
+    out_ids, out_slots = (c_uint32 * 6)(), (c_int32 * 6)()
+    count, batch = c_uint32(), c_uint64()
+    batch_ids = [1, 3, 1, 6, 4, 0]
+    lib.expcache_batch_prepare_slots_async(
+        raw.handle.value, 0, (c_int32 * 6)(*batch_ids), 32, 6, None, out_ids, out_slots, byref(count), byref(batch)
+    )
+    n = count.value
+    got = _host_slots_checksum(raw, 0, list(out_slots[:n]), 100)
+    assert got == [_sum_of_parts(raw, 0, e) for e in out_ids[:n]]
+    lib.expcache_batch_finish(raw.handle.value, batch.value, None)

@@ -77,20 +77,42 @@ EXPCACHE_API expcache_status_t expcache_testing_checksum_async(expcache_t* cache
                                                                void* stream, uint32_t first);
 
 /**
- * The checksum kernel over a device-lookup cache's bank: the experts in slots
- * slots[0..n) (device memory, int32; host memory on the host backend) of
- * `layer`'s bank, each summed over its three parts into result slot first + i
- * (0 for a slot outside the bank), as expcache_testing_checksum_async's. The
- * slot ids are read by the kernel, so this can follow expcache_select_device_async
- * inside a captured graph (call it once outside the capture first: its scratch is
- * allocated then). The benchmark's graph loop reads every routed expert this way.
- * Status: INVALID_ARGUMENT (n 0 or over EXPCACHE_MAX_SELECT, slots past
- * EXPCACHE_CHECKSUM_RESULTS, NULL slots), INVALID_STATE (not a device-lookup cache,
- * layer not registered or its class not bound), CUDA, POISONED.
+ * The checksum kernel over a class's bank: the experts in slots slots[0..n)
+ * (device memory, int32; host memory on the host backend) of `layer`'s bank,
+ * each summed over every one of its parts (1..EXPCACHE_MAX_PARTS, as
+ * expcache_testing_checksum's rule) into result slot first + i (0 for a slot
+ * outside the bank's slots and its mapped staging and batch rows), as
+ * expcache_testing_checksum_async's. The slot ids are read by the kernel, so
+ * this can follow expcache_select_device_async inside a captured graph (call it
+ * once outside the capture first: its scratch is allocated then). The
+ * benchmark's graph loop reads every routed expert this way. Any cache whose
+ * layer's class has slots (a host-lookup cache's slots from
+ * expcache_select_slots_async are in host memory: see
+ * expcache_testing_bank_checksum_host_slots_async). Status: INVALID_ARGUMENT
+ * (n 0 or over EXPCACHE_MAX_SELECT, slots past EXPCACHE_CHECKSUM_RESULTS, NULL
+ * slots, layer out of range), INVALID_STATE (layer not registered, or its class
+ * not bound or without a slot yet), CUDA, POISONED.
  */
 EXPCACHE_API expcache_status_t expcache_testing_bank_checksum_async(expcache_t* cache, uint32_t layer,
                                                                     const int32_t* slots, uint32_t n, void* stream,
                                                                     uint32_t first);
+
+/**
+ * expcache_testing_bank_checksum_async with slots[0..n) in host memory, as
+ * expcache_select_slots_async and expcache_batch_prepare_slots_async write them
+ * (either lookup): the call copies them on `stream` into the cache's scratch of
+ * result slots [first, first + n) before the kernel (on the host backend the
+ * kernel reads them where they are, at once), so `slots` may be reused once the
+ * call returns. Ordered after the work of the serving call on another stream, as
+ * expcache_testing_checksum_async is; not for a captured graph. Calls into
+ * distinct result slots may be in flight together; reuse result slots on another
+ * stream only after synchronizing the first (as reading them needs). The
+ * benchmark's C loop reads the experts of layers of other than three parts this
+ * way. Status: as expcache_testing_bank_checksum_async.
+ */
+EXPCACHE_API expcache_status_t expcache_testing_bank_checksum_host_slots_async(expcache_t* cache, uint32_t layer,
+                                                                               const int32_t* slots, uint32_t n,
+                                                                               void* stream, uint32_t first);
 
 /**
  * Copy result slots [first, first + n) (non-empty, within

@@ -55,6 +55,16 @@ expcache_status_t expcache_testing_bank_checksum_async(expcache_t* cache, uint32
     });
 }
 
+expcache_status_t expcache_testing_bank_checksum_host_slots_async(expcache_t* cache, uint32_t layer,
+                                                                  const int32_t* slots, uint32_t n, void* stream,
+                                                                  uint32_t first) {
+    return guarded(__func__, [&] {
+        EXPCACHE_TRY(check_handle(cache));
+        EXPCACHE_REQUIRE(slots, "slots is NULL");
+        return cache->impl->bank_checksum_async(layer, slots, n, stream, first, true);
+    });
+}
+
 expcache_status_t expcache_testing_checksum_results(expcache_t* cache, uint32_t first, uint32_t n, uint64_t* out) {
     return guarded(__func__, [&] {
         EXPCACHE_TRY(check_handle(cache));

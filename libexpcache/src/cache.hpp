@@ -143,8 +143,10 @@ public:
     expcache_status_t checksum_async(uint32_t layer, const expcache_expert_ptrs_t* ptrs, uint32_t n, void* stream,
                                      uint32_t first);
     expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out);
+    // slots in device memory (read by the kernel), or with host_slots in host memory (staged on
+    // `stream` first: expcache_testing_bank_checksum_host_slots_async).
     expcache_status_t bank_checksum_async(uint32_t layer, const int32_t* slots, uint32_t n, void* stream,
-                                          uint32_t first);
+                                          uint32_t first, bool host_slots = false);
     expcache_status_t class_count(uint32_t* out) const;
     expcache_status_t class_info(uint32_t index, expcache_class_info_t* out) const;
     expcache_status_t layer_class(uint32_t layer, uint32_t* out);

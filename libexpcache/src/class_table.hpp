@@ -138,6 +138,8 @@ public:
     uint64_t batch_row() const { return batch_row_; }
     bool staging_mapped() const { return staging_end_[0] > 0; }
     bool batch_mapped() const { return batch_end_[0] > 0; }
+    // The batch rows mapped whole so far (from batch_row on).
+    uint64_t batch_mapped_to() const { return whole_rows(batch_end_); }
     uint64_t mapped_bytes() const {  // mapped for the slots, every region
         uint64_t n = 0;
         for (int k = 0; k < regions_; ++k) n += mapped_[k];

@@ -122,7 +122,7 @@ expcache_status_t Cache::checksum_async(uint32_t layer_index, const expcache_exp
 }
 
 expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t* slots, uint32_t n, void* stream,
-                                             uint32_t first) {
+                                             uint32_t first, bool host_slots) {
     CallScope scope(*this);
     expcache_status_t s = health_.usable();
     if (s == EXPCACHE_OK) s = layers_.validate(layer_index);
@@ -148,9 +148,16 @@ expcache_status_t Cache::bank_checksum_async(uint32_t layer_index, const int32_t
         b.staged_from = static_cast<uint32_t>(cls.staging_row());
         b.staged_to = static_cast<uint32_t>(std::max(cls.staging_row(), cls.staging_mapped_to()));
     }
+    if (cls.batch_mapped()) {  // the batch rows mapped whole (batch_prepare_slots)
+        b.batch_from = static_cast<uint32_t>(cls.batch_row());
+        b.batch_to = static_cast<uint32_t>(std::max(cls.batch_row(), cls.batch_mapped_to()));
+    }
     b.n = n;
     b.slots = slots;
-    return health_.check(backend_->kernels().bank_checksum_async(b, first, stream));
+    if (!host_slots) return health_.check(backend_->kernels().bank_checksum_async(b, first, stream));
+    // Not captured: ordered after the select that served the slots, as checksum_async is.
+    if ((s = begin_call(stream, true)) != EXPCACHE_OK) return s;
+    return health_.check(backend_->kernels().bank_checksum_host_slots_async(b, first, stream));
 }
 
 expcache_status_t Cache::checksum_results(uint32_t first, uint32_t n, uint64_t* out) {

@@ -1,6 +1,7 @@
 #include <cstring>
 
 #include "checksum.cuh"
+#include "expcache_testing.h"  // EXPCACHE_CHECKSUM_RESULTS
 
 namespace expcache {
 
@@ -157,6 +158,9 @@ void ChecksumScratch::release() {
     if (sums_) cudaFree(sums_);
     if (counter_) cudaFree(counter_);
     if (results_) cudaFreeHost(results_);
+    if (slots_dev_) cudaFree(slots_dev_);
+    if (slots_host_) cudaFreeHost(slots_host_);
+    slots_dev_ = slots_host_ = nullptr;
     jobs_dev_ = jobs_host_ = nullptr;
     table_copied_ = nullptr;
     table_pending_ = false;
@@ -270,6 +274,22 @@ cudaError_t ChecksumScratch::launch_bank(const BankChecksum& bank, uint32_t firs
     prm.out = results_dev + first;
     bank_checksum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(prm);
     return cudaGetLastError();
+}
+
+cudaError_t ChecksumScratch::launch_bank_host_slots(const BankChecksum& bank, uint32_t first, cudaStream_t stream) {
+    cudaError_t e = cudaSuccess;
+    if (uint64_t(first) + bank.n > EXPCACHE_CHECKSUM_RESULTS) return cudaErrorInvalidValue;
+    if (!slots_dev_ && (e = cudaMalloc(&slots_dev_, sizeof(int32_t) * EXPCACHE_CHECKSUM_RESULTS)) != cudaSuccess)
+        return e;
+    if (!slots_host_ && (e = cudaMallocHost(&slots_host_, sizeof(int32_t) * EXPCACHE_CHECKSUM_RESULTS)) != cudaSuccess)
+        return e;
+    std::memcpy(slots_host_ + first, bank.slots, sizeof(int32_t) * bank.n);
+    e = cudaMemcpyAsync(slots_dev_ + first, slots_host_ + first, sizeof(int32_t) * bank.n, cudaMemcpyHostToDevice,
+                        stream);
+    if (e != cudaSuccess) return e;
+    BankChecksum on_device = bank;
+    on_device.slots = slots_dev_ + first;
+    return launch_bank(on_device, first, stream);
 }
 
 void ChecksumScratch::results(uint32_t first, uint32_t n, uint64_t* out) const {

@@ -22,6 +22,11 @@ public:
     // The sums of a bank's slots (test_kernels.hpp) into result slots [first, first + n): one
     // launch whose grid depends on the class only, the slot ids read on the device.
     cudaError_t launch_bank(const BankChecksum& bank, uint32_t first, cudaStream_t stream);
+    // launch_bank with bank.slots in host memory: copied to pinned scratch, then on `stream` to
+    // device scratch, both at the result slots' own place [first, first + n) (so launches into
+    // distinct result slots never share scratch; a launch into the same ones on the same stream
+    // comes after the earlier one's copy and kernel), and the kernel reads them there.
+    cudaError_t launch_bank_host_slots(const BankChecksum& bank, uint32_t first, cudaStream_t stream);
     // Result slots [first, first + n) as the kernels left them.
     void results(uint32_t first, uint32_t n, uint64_t* out) const;
     // Frees everything; call with the owning device current.
@@ -36,6 +41,8 @@ private:
     unsigned long long* sums_ = nullptr;     // zeroed accumulators
     unsigned int* counter_ = nullptr;        // blocks finished
     unsigned long long* results_ = nullptr;  // mapped pinned result slots
+    int32_t* slots_dev_ = nullptr;           // launch_bank_host_slots: slot ids by result slot, on the device
+    int32_t* slots_host_ = nullptr;          // ... and their pinned staging
     uint32_t jobs_cap_ = 0, sums_cap_ = 0;
     uint64_t results_cap_ = 0;
 };

@@ -29,16 +29,17 @@ struct ChecksumJob {
 struct BankChecksum {
     EXPCACHE_TEST_HD bool readable(int32_t slot) const {
         const uint32_t s = static_cast<uint32_t>(slot);
-        return slot >= 0 && (s < cap || (s >= staged_from && s < staged_to));
+        return slot >= 0 && (s < cap || (s >= staged_from && s < staged_to) || (s >= batch_from && s < batch_to));
     }
     const unsigned char* base;
     uint64_t part_at[EXPCACHE_MAX_PARTS];  // part p of slot s at base + part_at[p] + s * part_stride[p]
     uint64_t part_stride[EXPCACHE_MAX_PARTS];
     uint64_t part_bytes[EXPCACHE_MAX_PARTS];  // 0 past the class's parts
-    uint32_t cap;                             // a slot outside [0, cap) and [staged_from, staged_to) sums to 0
+    uint32_t cap;                             // a slot outside [0, cap) and the rows below sums to 0
     uint32_t staged_from, staged_to;          // the bank's mapped staging rows (select_slots)
+    uint32_t batch_from, batch_to;            // its mapped batch rows (batch_prepare_slots)
     uint32_t n;
-    const int32_t* slots;  // device memory (host memory on the host backend)
+    const int32_t* slots;  // device memory (host memory on the host backend, and for bank_checksum_host_slots_async)
 };
 
 class TestKernels {
@@ -53,6 +54,11 @@ public:
     // The sums of a bank's slots into result slots [first, first + n), as checksum_async's; the
     // slot ids are read on the device, so the launch can be captured in a graph.
     virtual expcache_status_t bank_checksum_async(const BankChecksum& bank, uint32_t first, void* stream) = 0;
+    // bank_checksum_async with bank.slots in host memory (a host select's slots): the CUDA kernels
+    // copy them on `stream` into scratch of their result slots first (the host backend's read them
+    // where they are), so the caller may reuse its array once the call returns.
+    virtual expcache_status_t bank_checksum_host_slots_async(const BankChecksum& bank, uint32_t first,
+                                                             void* stream) = 0;
     // `ns` nanoseconds of work on `stream` that only takes time (the host spins now).
     virtual expcache_status_t spin_async(uint64_t ns, void* stream) = 0;
 };

@@ -28,6 +28,10 @@ public:
         EXPCACHE_CUDA_TRY(checksum_.launch_bank(bank, first, static_cast<cudaStream_t>(stream)));
         return EXPCACHE_OK;
     }
+    expcache_status_t bank_checksum_host_slots_async(const BankChecksum& bank, uint32_t first, void* stream) override {
+        EXPCACHE_CUDA_TRY(checksum_.launch_bank_host_slots(bank, first, static_cast<cudaStream_t>(stream)));
+        return EXPCACHE_OK;
+    }
     expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
         checksum_.results(first, n, out);
         return EXPCACHE_OK;

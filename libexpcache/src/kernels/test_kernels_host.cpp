@@ -49,6 +49,9 @@ public:
         }
         return EXPCACHE_OK;
     }
+    expcache_status_t bank_checksum_host_slots_async(const BankChecksum& b, uint32_t first, void* stream) override {
+        return bank_checksum_async(b, first, stream);  // the host backend's slots are in host memory already
+    }
     expcache_status_t checksum_results(uint32_t first, uint32_t n, uint64_t* out) override {
         for (uint32_t i = 0; i < n; ++i) out[i] = uint64_t(first) + i < results_.size() ? results_[first + i] : 0;
         return EXPCACHE_OK;
