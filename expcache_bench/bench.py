@@ -84,6 +84,23 @@ def resolve_backend(backend: str = "auto", device: int = 0) -> str:
         return probe.backend
 
 
+def serve_refused(parts: Sequence[int], serve: str, split: bool = False) -> Optional[str]:
+    """Why the C loop cannot replay experts of ``parts`` parts (the layout's part counts) served as
+    ``serve`` (:meth:`Bench.replay`'s), with the split select when ``split``; None when it can.
+    Experts of three parts only are served any way; others by slot id (select_slots,
+    batch_prepare_slots, the bank's checksum), which compact loads (``nocache``) and the split
+    select are not: both hand out three pointers per expert."""
+    if list(parts) == [3]:
+        return None
+    what = "compact loads" if serve == "nocache" else "the split select" if split else None
+    if what is None:
+        return None
+    return (
+        f"the experts have {', '.join(map(str, parts))} parts, and {what} serve experts of three parts only "
+        "(three pointers per expert; the C loop serves the others by slot id)"
+    )
+
+
 class Bench:
     """Holds what every mode shares: layout, source, stream, expected checksums.
 
@@ -163,6 +180,10 @@ class Bench:
         self.placement = getattr(source, "arrangement", "tensor (GGUF file)")
         # What the page cache could hold of a file source when the run began (it changes as it runs).
         self.memory_available = host_memory_available() if self.kind in file_source.READS else None
+        # Experts of other than three parts (a quantized checkpoint's weights and scales) anywhere:
+        # the C loop serves every layer by slot id (replay.MODE_SLOTS), the three-part path untouched.
+        self.parts = sorted({len(layout[i].class_key) for i in layout.moe_layers})
+        self.by_slot = self.parts != [3]
         self.expected = np.zeros((layout.num_layers, max(s.num_experts for s in layout.layers if s)), np.uint64)
         for layer in layout.moe_layers:
             for e in range(layout[layer].num_experts):
@@ -203,6 +224,7 @@ class Bench:
             backend="cuda" if self.is_cuda else "host",
             device=self.device_name(),
             layout=self.layout.name,
+            parts=self.parts_header(),
             source=self.kind,
             source_file=self.file_header(),
             placement=self.placement,
@@ -212,6 +234,20 @@ class Bench:
             full_budget_bytes=self.full_budget_bytes if self.scale != 1 else None,
             **made_by(),
         )
+
+    def parts_header(self) -> Optional[str]:
+        """The experts' parts for a report's header where any layer's are not three (None where
+        every layer's are): each distinct set's count and names, and that the C loop serves them
+        by slot id."""
+        if not self.by_slot:
+            return None
+        kinds = []
+        for layer in self.layout.moe_layers:
+            spec = self.layout[layer]
+            kind = f"{spec.num_parts} parts: {', '.join(spec.part_names)}"
+            if kind not in kinds:
+                kinds.append(kind)
+        return "; ".join(kinds) + "; served by slot id"
 
     def full_slot_bytes(self) -> list[int]:
         """The slot bytes of each size class of the full-size layout (the library's)."""
@@ -350,13 +386,19 @@ class Bench:
         against the source (a mismatch is also printed to stderr, with ``label``, which the
         progress bar shows too), each layer waited for unless the bench's ``layer_sync`` is off.
         ``serve``: ``"cache"`` (select, prefill batches), ``"nocache"`` (compact loads) or ``"slab"``
-        (select, the cache released before each batch). ``options`` (a
+        (select, the cache released before each batch). A layout whose experts are not all of three
+        parts (:attr:`by_slot`) is served by slot id (select_slots, batch_prepare_slots, the bank's
+        checksum of every part), not ``"nocache"`` nor with the split select (:func:`serve_refused`:
+        ValueError). ``options`` (a
         :class:`~expcache_bench.replay.ReplayOptions`, kept alive by the caller with its arrays)
         makes each decode call an engine's layer. Returns the loop's
         :class:`~expcache_bench.replay.ReplayResult`."""
         modes = {"cache": _replay.MODE_CACHE, "nocache": _replay.MODE_NOCACHE, "slab": _replay.MODE_SLAB}
         if serve not in modes:
             raise ValueError(f"serve must be one of {', '.join(modes)}, got {serve!r}")
+        refused = serve_refused(self.parts, serve, split=bool(options is not None and options.split))
+        if refused:
+            raise ValueError(f"{label}: {refused}")
         calls, ids = workload.arrays()
 
         def loop(dll, api, progress, out):
@@ -368,7 +410,7 @@ class Bench:
                     ctypes.addressof(calls),
                     len(calls),
                     ids.ctypes.data,
-                    modes[serve],
+                    modes[serve] | (_replay.BY_SLOT if self.by_slot else 0),
                     self.stream,
                     expected.ctypes.data,
                     expected.shape[1],

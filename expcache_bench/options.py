@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import warnings
 from typing import Optional
 
 from pyexpcache._errors import ExpcacheError
@@ -192,22 +193,42 @@ def _power_of_two_dividing(layout) -> int:
     return min([1 << 16] + [b & -b for b in sizes])
 
 
-#: The modes that take experts of any number of parts: the graph loop (the device select and the
-#: bank's checksum by slot read every part; its C loop runs for three-part layouts only) and the
+#: The modes that take experts of any number of parts: the variants table and the engine model
+#: (the C loop serves them by slot id: select_slots, batch_prepare_slots and the bank's checksum of
+#: every part; not the compact loads of ``nocache``, a variant skipped, nor ``--split``), the graph
+#: loop (the device select and the bank's checksum by slot, and the same C loop) and the
 #: simulator's curve.
-PARTS_MODES = ("graph", "curve")
+PARTS_MODES = ("variants", "engine", "graph", "curve")
+
+
+def _chosen_mode(args) -> str:
+    """The mode the flag spelling's options choose (``expcache bench [options]``), quietly: its
+    deprecation is warned where the run chooses it."""
+    from . import modes  # modes imports this module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return modes.choose(args).NAME
 
 
 def generated_layout(args, scale: int):
     """The --layout at ``scale``, less the layers --layers leaves out."""
     layout = model_layout(args.layout)
     other = sorted({len(s.class_key) for s in layout.layers if s and len(s.class_key) != 3})
-    if other and getattr(args, "mode", None) not in PARTS_MODES:
+    mode = getattr(args, "mode", None)
+    if other and mode is None and getattr(args, "command", None) == "bench":
+        mode = _chosen_mode(args)
+    if other and mode not in PARTS_MODES:
         raise UsageError(
             f"--layout {args.layout}: its experts have {', '.join(map(str, other))} parts (a quantized "
             "checkpoint's weights and scales, or biases); this mode's loops serve experts of three parts "
-            "(the C loop hands out three pointers per expert): `expcache bench graph` runs the graph loop "
-            "on it, or give its checkpoint's quantization as one GGUF type (CONFIG.json:TYPE)"
+            "(they hand out three pointers per expert): `expcache bench` (the variants table), `engine` and "
+            "`graph` serve it by slot id, or give its checkpoint's quantization as one GGUF type (CONFIG.json:TYPE)"
+        )
+    if other and mode == "engine" and getattr(args, "split", False):
+        raise UsageError(
+            f"--layout {args.layout}: its experts have {', '.join(map(str, other))} parts, and the split select "
+            "(--split) hands out three pointers per expert: drop --split (the engine model serves them by slot id)"
         )
     try:
         layout = layout.scaled(scale) if scale != 1 else layout

@@ -11,6 +11,13 @@
  * it (the router's result reaches the host), then the select (split: the hits'
  * checksum runs while the misses cross) and the experts' checksum.
  *
+ * Experts of other than three parts (a quantized checkpoint's weights and
+ * scales) are served by slot id (the mode's REPLAY_BY_SLOT flag): select_slots (decode) and
+ * batch_prepare_slots (prefill) write each expert's row in its class's bank to
+ * host memory, and the bank's checksum reads every part of the experts in those
+ * rows (expcache_testing_bank_checksum_host_slots_async), checked as the
+ * three-part path's sums are.
+ *
  * Built as libexpcache_replay.so without linking libexpcache, and loaded
  * with RTLD_LOCAL: the caller passes the library's functions in a
  * replay_api_t (expcache_bench/replay.py fills it from the libexpcache it
@@ -30,6 +37,9 @@
 #define REPLAY_MODE_CACHE 0   /* select / batch_prepare */
 #define REPLAY_MODE_NOCACHE 1 /* compact loads only: every expert uploaded every time */
 #define REPLAY_MODE_SLAB 2    /* select; release_all before every batch (the old ds4 design) */
+/* A flag of the mode (CACHE or SLAB): serve by slot id, select_slots and batch_prepare_slots, and checksum
+   the bank's rows (experts of any number of parts). */
+#define REPLAY_BY_SLOT 0x100
 
 /* The libexpcache functions the loop calls, from the library that made the cache. */
 typedef struct replay_api_t {
@@ -54,6 +64,11 @@ typedef struct replay_api_t {
     expcache_status_t (*prefetch_async)(expcache_t*, uint32_t, const uint32_t*, uint32_t, void*, uint32_t*);
     expcache_status_t (*hint)(expcache_t*, uint32_t, const uint32_t*, uint32_t);
     expcache_status_t (*spin_async)(expcache_t*, void*, uint64_t);
+    expcache_status_t (*select_slots_async)(expcache_t*, uint32_t, const void*, uint32_t, uint32_t, int32_t*, void*);
+    expcache_status_t (*batch_prepare_slots_async)(expcache_t*, uint32_t, const void*, uint32_t, uint64_t, void*,
+                                                   uint32_t*, int32_t*, uint32_t*, uint64_t*);
+    expcache_status_t (*bank_checksum_host_slots_async)(expcache_t*, uint32_t, const int32_t*, uint32_t, void*,
+                                                        uint32_t);
 } replay_api_t;
 
 #define REPLAY_ADVICE_NONE 0
@@ -65,7 +80,8 @@ typedef struct replay_options_t {
     uint32_t struct_size;
     uint32_t advice;     /* REPLAY_ADVICE_*: what is done with each call's advice ids */
     uint64_t compute_ns; /* non-expert work per layer, before its select */
-    uint32_t split;      /* 1: select_split_async, the hits checksummed before waiting for the misses */
+    uint32_t split;      /* 1: select_split_async, the hits checksummed before waiting for the misses
+                            (not with REPLAY_BY_SLOT) */
     uint32_t reserved;
     const uint64_t* advice_offset; /* per call: its advice ids in advice_ids (count 0: none) */
     const uint32_t* advice_count;
@@ -133,6 +149,28 @@ static expcache_status_t load_compact(const replay_api_t* api, expcache_t* cache
     return s;
 }
 
+/* The bank checksum of host slots[0..n) into result slots [first, first + n), in calls of at most
+   EXPCACHE_MAX_SELECT (a batch's experts may be more). */
+static expcache_status_t checksum_slots_async(const replay_api_t* api, expcache_t* cache, uint32_t layer,
+                                              const int32_t* slots, uint32_t n, void* stream, uint32_t first) {
+    expcache_status_t s = EXPCACHE_OK;
+    for (uint32_t at = 0; s == EXPCACHE_OK && at < n; at += EXPCACHE_MAX_SELECT) {
+        uint32_t m = n - at < EXPCACHE_MAX_SELECT ? n - at : EXPCACHE_MAX_SELECT;
+        s = api->bank_checksum_host_slots_async(cache, layer, slots + at, m, stream, first + at);
+    }
+    return s;
+}
+
+/* checksum_slots_async into result slots [0, n), waited for and read into sums (as api->checksum). */
+static expcache_status_t checksum_slots(const replay_api_t* api, expcache_t* cache, uint32_t layer,
+                                        const int32_t* slots, uint32_t n, void* stream, uint64_t* sums) {
+    if (n > EXPCACHE_CHECKSUM_RESULTS) return EXPCACHE_ERR_INVALID_ARGUMENT;
+    expcache_status_t s = checksum_slots_async(api, cache, layer, slots, n, stream, 0);
+    if (s == EXPCACHE_OK) s = api->synchronize(cache, stream);
+    if (s == EXPCACHE_OK) s = api->checksum_results(cache, 0, n, sums);
+    return s;
+}
+
 static uint32_t dedupe(const uint32_t* ids, uint32_t n, uint8_t* seen, uint32_t* out) {
     uint32_t m = 0;
     for (uint32_t i = 0; i < n; ++i)
@@ -169,7 +207,9 @@ static void verify(replay_result_t* out, uint64_t call, const uint64_t* want, co
  * layer_sync 1: wait for every layer's kernel before the next layer (as an engine
  * must when the next layer's ids come from this layer's output); 0: enqueue a
  * token's layers back to back and wait once per token (decode calls only).
- * Returns EXPCACHE_OK, or the first failing call's status (result filled up to it).
+ * mode: REPLAY_MODE_*, CACHE or SLAB with REPLAY_BY_SLOT for layers of any number of
+ * parts (options then without split). Returns EXPCACHE_OK, or the first failing call's status (result
+ * filled up to it).
  */
 __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     const replay_api_t* api, expcache_t* cache, const replay_call_t* calls, uint64_t num_calls, const uint32_t* ids,
@@ -177,7 +217,11 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
     uint32_t layer_sync, const replay_options_t* options, replay_progress_fn progress, replay_result_t* out) {
     if (!api || api->struct_size != sizeof *api || !cache || !calls || !ids || !expected || !out)
         return EXPCACHE_ERR_INVALID_ARGUMENT;
+    const int by_slot = (mode & REPLAY_BY_SLOT) != 0;
+    mode &= ~(uint32_t)REPLAY_BY_SLOT;
+    if (mode > REPLAY_MODE_SLAB || (by_slot && mode == REPLAY_MODE_NOCACHE)) return EXPCACHE_ERR_INVALID_ARGUMENT;
     if (options && (options->struct_size != sizeof *options || !layer_sync || mode != REPLAY_MODE_CACHE ||
+                    (by_slot && options->split) ||
                     (options->advice != REPLAY_ADVICE_NONE &&
                      (!options->advice_offset || !options->advice_count || !options->advice_ids))))
         return EXPCACHE_ERR_INVALID_ARGUMENT;
@@ -192,11 +236,12 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         malloc(sizeof(uint64_t) * (max_count > EXPCACHE_CHECKSUM_RESULTS ? max_count : EXPCACHE_CHECKSUM_RESULTS));
     uint8_t* seen = calloc(experts_per_layer, 1);
     pending_t* pending = malloc(sizeof(pending_t) * MAX_PENDING);
+    int32_t* rows = malloc(sizeof(int32_t) * max_count); /* REPLAY_BY_SLOT: the served experts' bank rows */
     uint32_t num_pending = 0, slots = 0;
     double token_t0 = 0;
     expcache_status_t s = EXPCACHE_OK;
     uint64_t moved = bytes_h2d(api, cache, max_classes);
-    if (!uniq || !ptrs || !sums || !seen || !pending) {
+    if (!uniq || !ptrs || !sums || !seen || !pending || !rows) {
         s = EXPCACHE_ERR_OUT_OF_HOST_MEMORY;
         goto done;
     }
@@ -211,11 +256,17 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
         if (call->kind == REPLAY_DECODE && !layer_sync) {
             /* Enqueue: serve, checksum into the next result slots; wait once at the token's end. */
             if (num_pending == 0) token_t0 = t0;
-            s = mode == REPLAY_MODE_NOCACHE ? load_compact(api, cache, call->layer, cid, n, stream, ptrs)
-                                            : api->select_async(cache, call->layer, cid, n, stream, ptrs);
+            if (by_slot)
+                s = api->select_slots_async(cache, call->layer, cid, 32, n, rows, stream);
+            else if (mode == REPLAY_MODE_NOCACHE)
+                s = load_compact(api, cache, call->layer, cid, n, stream, ptrs);
+            else
+                s = api->select_async(cache, call->layer, cid, n, stream, ptrs);
             out->decode_serve_seconds += now_s() - t0;
             out->decode_calls++;
-            if (s == EXPCACHE_OK) s = api->checksum_async(cache, call->layer, ptrs, n, stream, slots);
+            if (s == EXPCACHE_OK)
+                s = by_slot ? checksum_slots_async(api, cache, call->layer, rows, n, stream, slots)
+                            : api->checksum_async(cache, call->layer, ptrs, n, stream, slots);
             if (s != EXPCACHE_OK) goto done;
             pending[num_pending++] = (pending_t){c, call->layer, slots, n, cid};
             slots += n;
@@ -279,13 +330,25 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
                     s = api->checksum_async(cache, call->layer, ordered + hits, n - hits, stream, hits);
                 if (s == EXPCACHE_OK) s = api->synchronize(cache, stream);
                 if (s == EXPCACHE_OK) s = api->checksum_results(cache, 0, n, sums);
+            } else if (s == EXPCACHE_OK && by_slot) {
+                s = api->select_slots_async(cache, call->layer, cid, 32, n, rows, stream);
+                served_s = now_s() - ts;
+                if (s == EXPCACHE_OK) s = checksum_slots(api, cache, call->layer, rows, n, stream, sums);
             } else if (s == EXPCACHE_OK) {
                 s = api->select_async(cache, call->layer, cid, n, stream, ptrs);
                 served_s = now_s() - ts;
                 if (s == EXPCACHE_OK) s = api->checksum(cache, call->layer, ptrs, n, stream, sums);
             }
         } else {
-            if (call->kind == REPLAY_DECODE) {
+            if (call->kind == REPLAY_DECODE && by_slot) {
+                s = api->select_slots_async(cache, call->layer, cid, 32, n, rows, stream);
+            } else if (by_slot) {
+                if (mode == REPLAY_MODE_SLAB) s = api->release_all(cache);
+                if (s == EXPCACHE_OK)
+                    s = api->batch_prepare_slots_async(cache, call->layer, cid, 32, n, stream, uniq, rows, &n, &batch);
+                served = uniq;
+                have_batch = s == EXPCACHE_OK;
+            } else if (call->kind == REPLAY_DECODE) {
                 if (mode == REPLAY_MODE_NOCACHE) {
                     s = load_compact(api, cache, call->layer, cid, n, stream, ptrs);
                 } else {
@@ -304,7 +367,9 @@ __attribute__((visibility("default"))) expcache_status_t expcache_replay(
                 }
             }
             served_s = now_s() - t0;
-            if (s == EXPCACHE_OK) s = api->checksum(cache, call->layer, ptrs, n, stream, sums);
+            if (s == EXPCACHE_OK)
+                s = by_slot ? checksum_slots(api, cache, call->layer, rows, n, stream, sums)
+                            : api->checksum(cache, call->layer, ptrs, n, stream, sums);
             if (have_batch) {
                 expcache_status_t f = api->batch_finish(cache, batch, stream);
                 if (s == EXPCACHE_OK) s = f;
@@ -337,6 +402,7 @@ done:
     free(sums);
     free(seen);
     free(pending);
+    free(rows);
     return s;
 }
 

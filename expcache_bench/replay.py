@@ -15,6 +15,7 @@ from pyexpcache import _lib
 
 DECODE, BATCH = 0, 1
 MODE_CACHE, MODE_NOCACHE, MODE_SLAB = 0, 1, 2
+BY_SLOT = 0x100  # a flag of MODE_CACHE and MODE_SLAB: served by slot id, the bank's rows checksummed (any parts)
 ADVICE_NONE, ADVICE_PREFETCH, ADVICE_HINT = 0, 1, 2
 
 
@@ -82,6 +83,9 @@ API_FUNCTIONS = (
     ("prefetch_async", "expcache_prefetch_async"),
     ("hint", "expcache_hint"),
     ("spin_async", "expcache_testing_spin_async"),
+    ("select_slots_async", "expcache_select_slots_async"),
+    ("batch_prepare_slots_async", "expcache_batch_prepare_slots_async"),
+    ("bank_checksum_host_slots_async", "expcache_testing_bank_checksum_host_slots_async"),
 )
 
 

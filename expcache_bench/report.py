@@ -40,6 +40,9 @@ class Report:
     backend: Optional[str] = None  # "host" or "cuda"; None where nothing ran on a backend (a simulator)
     device: Optional[str] = None  # the device's name
     layout: Optional[str] = None
+    # The experts' parts where they are not gate, up and down, e.g. "4 parts: gate_up_proj, ...; served
+    # by slot id" (a quantized checkpoint's weights and scales; Bench.parts_header); None otherwise.
+    parts: Optional[str] = None
     source: Optional[str] = None  # "pinned" or "pageable" host memory, or a file: "mmap" or "file" (bench.SOURCES)
     placement: Optional[str] = None  # where an expert's parts lie in the source
     budget_bytes: Optional[int] = None  # the cache budget (per device where there are several)
@@ -160,7 +163,7 @@ def header_lines(report: Report) -> list[str]:
     lines = [f"expcache bench — {report.title}" + (f" on {report.device}" if report.device else "")]
     what = []
     if report.layout:
-        what.append(f"layout {report.layout}")
+        what.append(f"layout {report.layout}" + (f" (experts of {report.parts})" if report.parts else ""))
     if report.source:
         what.append(f"{report.source} source" + (f" ({report.placement} placement)" if report.placement else ""))
     if report.budget_bytes is not None:

@@ -402,13 +402,6 @@ def run_graph_loop(
     )
     link, disk = report.link_bytes_per_s, report.disk_bytes_per_s or 0.0
     workload, capacities = None, ((), ())
-    parts = sorted({len(bench.layout[layer].class_key) for layer in layers} - {3})
-    if c_loop and parts:
-        c_loop = False
-        report.skipped.append(
-            f"the C loop: the experts have {', '.join(map(str, parts))} parts, and it hands out three "
-            "pointers per expert (the graph loop alone)"
-        )
     if c_loop:
         workload = decode_workload(loaded, layers)
         result, capacities = _c_loop(bench, workload, compute_ns, link, disk, policy)

@@ -5,7 +5,9 @@ by side, with the clairvoyant optimum.
 Every layer of every token does what an engine does: select the router's experts, run a kernel
 that reads every byte of them (the memory-bound floor of the expert GEMVs) and checksums them
 against the source, and wait for it before the next layer (the next layer's ids depend on this
-layer's output).
+layer's output). Experts of other than three parts (a quantized checkpoint's weights and scales)
+are served by slot id: the select and prefill batches by slot, the kernel reading every part of
+each expert's row in the bank (the C loop's BY_SLOT mode).
 
 Variants, side by side in one process on the same source and stream (:func:`variants`):
 
@@ -19,7 +21,9 @@ each policy   this library: one cache per size class, batches that never evict, 
               with ``max_classes=1``, so every size change releases it), released again
               before every prefill batch; pageable memory copied with plain cudaMemcpyAsync.
 ``nocache``   every selected expert uploaded every time (compact loads, nothing kept; pageable
-              memory copied with plain cudaMemcpyAsync).
+              memory copied with plain cudaMemcpyAsync). Skipped, saying why, for experts of
+              other than three parts (a quantized checkpoint's weights and scales): compact
+              loads hand out three pointers per expert.
 ``resident``  the ceiling: every expert resident before the replay starts (skipped when
               device memory cannot hold the model).
 
@@ -52,7 +56,7 @@ from pyexpcache.layout import GiB, ModelLayout
 from pyexpcache.progress import Progress
 from pyexpcache.stats import PoolStats
 
-from ..bench import Bench
+from ..bench import Bench, serve_refused
 from ..budget import keeps_slot_counts
 from ..options import BENCH, OUTPUT, PLOT, Option, csv, synthetic_traces
 from ..policies import policy_variants
@@ -203,10 +207,11 @@ def class_capacities(layout: ModelLayout, cache: ExpertCache) -> tuple[list[int]
 
 def _preload(bench: Bench, cache: ExpertCache) -> None:
     layers = bench.layout.moe_layers
+    select = cache.select_slots if bench.by_slot else cache.select  # experts of other than three parts: by slot id
     for n, layer in enumerate(layers):
         experts = bench.layout[layer].num_experts
         for start in range(0, experts, 256):
-            cache.select(layer, np.arange(start, min(start + 256, experts)), bench.stream)
+            select(layer, np.arange(start, min(start + 256, experts)), bench.stream)
         bench.progress("preloading all experts", n + 1, len(layers))
     cache.synchronize(bench.stream)
 
@@ -223,6 +228,10 @@ def _run_variant(bench: Bench, variant: str, workload: Workload, partition: str 
         variant_label(variant, partition), decode_tokens=workload.decode_tokens, prefill_tokens=workload.prefill_tokens
     )
     capacities = None
+    refused = serve_refused(bench.parts, "nocache" if variant == "nocache" else "cache")
+    if refused:
+        result.skipped = refused
+        return result, capacities
     # A file source is read the same way by every variant (the baselines' other settings are the old design's).
     reads = {k: v for k, v in bench.cache_options.items() if k == "file_reads"}
     if variant in _lib.POLICIES:

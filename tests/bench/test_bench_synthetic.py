@@ -135,20 +135,44 @@ def test_top_k_without_a_synthetic_trace_is_refused(tmp_path, capsys):
     assert rc == 2 and "--top-k applies to synthetic:TOKENS traces" in err, err
 
 
-def test_a_layout_of_other_than_three_parts_is_refused_naming_the_way_around(tmp_path, capsys):
+def test_the_variants_table_serves_a_quantized_layout_of_four_parts_by_slot(tmp_path, capsys):
     """A quantized checkpoint's config gives its stored parts (FP8: weights and scales, four per
-    expert); the bench's loops hand out three pointers per expert, so it says so at once, and its
-    quantization as one GGUF type is benchmarked instead."""
-    path = tmp_path / "Qwen3-FP8" / "config.json"
-    path.parent.mkdir()
-    fp8 = dict(QWEN3, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
-    path.write_text(json.dumps(fp8))
-    rc, err, _ = cli_report(tmp_path, capsys, "--layout", str(path), "--traces", "synthetic:4")
-    assert rc == 2 and "its experts have 4 parts" in err and "CONFIG.json:TYPE" in err, err
-    assert "`expcache bench graph` runs the graph loop on it" in err
+    expert): the variants table's C loop serves them by slot id and its checksum reads every part
+    of every routed expert from the bank, each checked against the source; the hits are the
+    simulator's (the table fails where they are not); the header names the parts. Its
+    quantization as one GGUF type runs as before."""
+    path = fp8_config(tmp_path)
+    argv = ["--layout", str(path), "--traces", "synthetic:4", "--scale", "128", "--budget-fraction", "0.25"]
+    rc, err, report = cli_report(tmp_path, capsys, *argv, "--variants", "lru,nocache")
+    assert rc == 0, err
+    lru, nocache = report["results"]
+    assert lru["checksum_errors"] == 0 and lru["experts_checked"] == 4 * 48 * 8
+    assert lru["hits"] > 0 and lru["misses"] > 0 and lru["hits"] + lru["misses"] == 4 * 48 * 8
+    assert "compact loads serve experts of three parts only" in nocache["skipped"]
+    assert report["parts"] == (
+        "4 parts: gate_up_proj, gate_up_proj_scale_inv, down_proj, down_proj_scale_inv; served by slot id"
+    )
+    rc = cli.main(["bench", "--backend", "host", "--variants", "lru", *argv])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(experts of 4 parts: gate_up_proj, gate_up_proj_scale_inv, down_proj" in out
     rc, err, report = cli_report(tmp_path, capsys, "--layout", f"{path}:Q8_0", "--traces", "synthetic:4")
     assert rc == 0, err
-    assert report["results"][0]["experts_checked"] == 4 * 48 * 8
+    assert report["results"][0]["experts_checked"] == 4 * 48 * 8 and report["parts"] is None
+
+
+def test_modes_that_hand_out_three_pointers_refuse_a_quantized_layout(tmp_path, capsys):
+    """The devices mode (its C loop selects three pointers per expert), the torch loop and the
+    engine model's split select refuse four-part experts at once, naming the modes that serve them
+    and the way around."""
+    path = fp8_config(tmp_path)
+    layout = ["--backend", "host", "--layout", str(path), "--traces", "synthetic:4", "--scale", "128"]
+    assert cli.main(["bench", "devices", "--devices", "2", *layout]) == 2
+    err = capsys.readouterr().err
+    assert "its experts have 4 parts" in err and "CONFIG.json:TYPE" in err, err
+    assert "`engine` and `graph` serve it by slot id" in err
+    assert cli.main(["bench", "engine", "--split", *layout]) == 2
+    err = capsys.readouterr().err
+    assert "the split select (--split) hands out three pointers per expert: drop --split" in err, err
 
 
 def fp8_config(tmp_path):
@@ -162,7 +186,8 @@ def fp8_config(tmp_path):
 def test_the_graph_loop_serves_a_quantized_layout_of_four_parts(tmp_path, capsys):
     """expcache bench graph on an FP8 checkpoint's config: the experts' four parts (weights and
     scales) are the class, every part of every routed expert is read by slot from the bank and
-    checked against the source; the C loop (three pointers an expert) is skipped, saying why."""
+    checked against the source, by the graph loop (select_device) and by the C loop beside it
+    (select_slots, the bank checksum of host slots); both loops' hits and misses equal."""
     from pyexpcache.layout import ModelLayout as Layout
 
     path = fp8_config(tmp_path)
@@ -170,13 +195,25 @@ def test_the_graph_loop_serves_a_quantized_layout_of_four_parts(tmp_path, capsys
     assert {len(layout[i].class_key) for i in layout.moe_layers} == {4}
     out = tmp_path / "g.json"
     argv = ["bench", "graph", "--backend", "host", "--quiet", "--json", str(out), "--layout", str(path)]
-    rc = cli.main(argv + ["--traces", "synthetic:4", "--layers", "0-3", "--scale", "128"])
+    rc = cli.main(argv + ["--traces", "synthetic:4", "--layers", "0-3", "--scale", "128", "--budget-fraction", "0.25"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     report = json.loads(out.read_text())[0]
-    (graph,) = report["results"]
-    assert graph["loop"] == "graph loop, select_device" and graph["misses"] > 0
-    assert graph["checksum_errors"] == 0 and graph["experts_checked"] == 4 * 4 * 8
-    assert any("the C loop: the experts have 4 parts" in s for s in report["skipped"])
+    c_loop, graph = report["results"]
+    assert c_loop["loop"] == "C loop, host select" and graph["loop"] == "graph loop, select_device"
+    for r in (c_loop, graph):
+        assert r["checksum_errors"] == 0 and r["experts_checked"] == 4 * 4 * 8
+        assert r["hits"] > 0 and r["misses"] > 0
+    assert (c_loop["hits"], c_loop["misses"]) == (graph["hits"], graph["misses"])
+    assert report["same_hits_as_c_loop"] is True
+    assert not any("C loop" in s for s in report["skipped"])
+    # the engine model's C loop serves it by slot too, with prefetches of predicted experts
+    out = tmp_path / "e.json"
+    argv = ["bench", "engine", "--backend", "host", "--quiet", "--json", str(out), "--layout", str(path)]
+    rc = cli.main(argv + ["--traces", "synthetic:4", "--layers", "0-3", "--scale", "128", "--budget-fraction", "0.25"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    engine = json.loads(out.read_text())[0]
+    assert engine["results"] and all(r["checksum_errors"] == 0 for r in engine["results"])
     # the simulator's curve takes it too (hit rates do not depend on the parts)
     assert cli.main(["bench", "curve", "--quiet", "--layout", str(path), "--traces", "synthetic:4"]) == 0
