@@ -14,6 +14,9 @@ reference every ratio is taken against), then each ``prefetch`` spec of
 :mod:`~expcache_bench.predict` (``cooc``, ``oracle:R``: simulated, and labelled so), and with
 hints the same predictions given as :meth:`~pyexpcache.ExpertCache.hint` only. ``split``
 serves every setting with the split select (the hits' kernel runs while the misses cross).
+Experts of other than three parts (a quantized checkpoint's) are served by slot id, the bank's
+checksum reading every part; not with ``split``, whose select hands out three pointers per
+expert (refused).
 """
 
 from __future__ import annotations

@@ -19,7 +19,9 @@ layers the tokens have records of, captured after the first token with that set 
 
 Side by side in one run, with the same budget, policy and layers: the C loop serving each layer
 with the host select (``expcache_select_async``; the ids on the host), the same non-expert work and
-the same reading kernel (the checksum over the served addresses). The policy is the library's
+the same reading kernel (the checksum over the served addresses; for experts of other than three
+parts, a quantized checkpoint's, ``expcache_select_slots_async`` and the bank's checksum of the
+slots it wrote to the host). The policy is the library's
 default (duel) unless one is given; the device lookup runs it with the host's rules, so the two
 loops' hit counts are equal (the report says whether they are). Then the time of an all-hit
 ``select_device`` per layer, in a graph of one select per layer replayed many times: of one
