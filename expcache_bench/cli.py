@@ -279,9 +279,21 @@ def _check_bench_memory(args, mode, backend: str, scale: int) -> None:
 # -- bench -----------------------------------------------------------------------------------
 
 
+def _chosen_quietly(args) -> str | None:
+    """The mode the flag spelling's options choose, without its deprecation warning or usage error
+    (both come where the run chooses it, after the shared options' checks); None where none is."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            return modes.choose(args).NAME
+        except UsageError:
+            return None
+
+
 def _bench(args) -> int:
     """A bench mode (or `expcache transfer`): the checks, the output files opened before the run,
     the run."""
+    args.chosen_mode = args.mode or _chosen_quietly(args)  # what generated_layout refuses depends on it
     _check_shared(args)
     if args.command == "transfer":
         warnings.warn(

@@ -15,7 +15,6 @@ import importlib.util
 import json
 import math
 import os
-import warnings
 from typing import Optional
 
 from pyexpcache._errors import ExpcacheError
@@ -201,23 +200,12 @@ def _power_of_two_dividing(layout) -> int:
 PARTS_MODES = ("variants", "engine", "graph", "curve")
 
 
-def _chosen_mode(args) -> str:
-    """The mode the flag spelling's options choose (``expcache bench [options]``), quietly: its
-    deprecation is warned where the run chooses it."""
-    from . import modes  # modes imports this module
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return modes.choose(args).NAME
-
-
 def generated_layout(args, scale: int):
     """The --layout at ``scale``, less the layers --layers leaves out."""
     layout = model_layout(args.layout)
     other = sorted({len(s.class_key) for s in layout.layers if s and len(s.class_key) != 3})
-    mode = getattr(args, "mode", None)
-    if other and mode is None and getattr(args, "command", None) == "bench":
-        mode = _chosen_mode(args)
+    # The mode's name; the flag spelling's is the one its options choose (cli sets chosen_mode).
+    mode = getattr(args, "mode", None) or getattr(args, "chosen_mode", None)
     if other and mode not in PARTS_MODES:
         raise UsageError(
             f"--layout {args.layout}: its experts have {', '.join(map(str, other))} parts (a quantized "
