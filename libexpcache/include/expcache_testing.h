@@ -105,8 +105,9 @@ EXPCACHE_API expcache_status_t expcache_testing_bank_checksum_async(expcache_t* 
  * kernel reads them where they are, at once), so `slots` may be reused once the
  * call returns. Ordered after the work of the serving call on another stream, as
  * expcache_testing_checksum_async is; not for a captured graph. Calls into
- * distinct result slots may be in flight together; reuse result slots on another
- * stream only after synchronizing the first (as reading them needs). The
+ * distinct result slots may be in flight together; reuse result slots, on any
+ * stream, only once the earlier call's stream has finished (as reading their
+ * sums needs: the slots are staged at the result slots' place). The
  * benchmark's C loop reads the experts of layers of other than three parts this
  * way. Status: as expcache_testing_bank_checksum_async.
  */

@@ -23,9 +23,10 @@ public:
     // launch whose grid depends on the class only, the slot ids read on the device.
     cudaError_t launch_bank(const BankChecksum& bank, uint32_t first, cudaStream_t stream);
     // launch_bank with bank.slots in host memory: copied to pinned scratch, then on `stream` to
-    // device scratch, both at the result slots' own place [first, first + n) (so launches into
-    // distinct result slots never share scratch; a launch into the same ones on the same stream
-    // comes after the earlier one's copy and kernel), and the kernel reads them there.
+    // device scratch, both at the result slots' own place [first, first + n) (launches into
+    // distinct result slots never share scratch; one into the same ones must wait until the
+    // earlier one's stream has finished: the pinned staging is written at once), and the kernel
+    // reads them there.
     cudaError_t launch_bank_host_slots(const BankChecksum& bank, uint32_t first, cudaStream_t stream);
     // Result slots [first, first + n) as the kernels left them.
     void results(uint32_t first, uint32_t n, uint64_t* out) const;
