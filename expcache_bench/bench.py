@@ -306,6 +306,11 @@ class Bench:
             dropped=isinstance(self.source, FileSource),
         )
 
+    @property
+    def reader_threads(self) -> int:
+        """The caches' file readers: one per copy thread (--copy-threads, else the library's default)."""
+        return self.cache_options.get("copy_threads") or staging_defaults()[0]
+
     def measure_disk(self) -> Optional[Disk]:
         """A file source's read rate, measured now (:func:`~expcache_bench.disk.measure`: O_DIRECT
         reads of random experts of its file, the best of the caches' shape, one reader per copy
@@ -313,16 +318,14 @@ class Bench:
         None for a source in memory."""
         if self.kind not in file_source.READS:
             return None
-        threads = self.cache_options.get("copy_threads") or staging_defaults()[0]
-        return disk.measure(self.source.path, self._file_layers(), threads=threads)
+        return disk.measure(self.source.path, self._file_layers(), threads=self.reader_threads)
 
     def replay_disk(self, misses: Sequence[tuple[int, int]]) -> Disk:
         """A file source's read rate on a run's own misses (``(layer, expert)`` each, in its
         order): :func:`~expcache_bench.disk.replay` with the caches' reader count, O_DIRECT as
         :meth:`measure_disk`. Called after the loop whose misses they are."""
-        threads = self.cache_options.get("copy_threads") or staging_defaults()[0]
         places = {layer: p for layer, (p, _) in zip(self.layout.moe_layers, self._file_layers())}
-        return disk.replay(self.source.path, places, misses, threads=threads)
+        return disk.replay(self.source.path, places, misses, threads=self.reader_threads)
 
     def measure_bounds(self) -> dict:
         """The link (:meth:`measure_link`) and a file source's disk (:meth:`measure_disk`), measured

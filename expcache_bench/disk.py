@@ -97,6 +97,22 @@ def direct_allowed(path: str) -> bool:
     return True
 
 
+def _open(path: str, direct: bool) -> tuple[int, bool, str]:
+    """``path`` opened for a measurement: with O_DIRECT when ``direct`` and the file system allows
+    it; the descriptor, whether it is O_DIRECT, and how the label says it reads (buffered reads
+    drop the file's pages first, the caller's part)."""
+    asked, direct = direct, direct and direct_allowed(path)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    how = (
+        "O_DIRECT"
+        if direct
+        else "buffered (the page cache dropped first)"
+        if not asked
+        else "buffered (O_DIRECT refused by the file system; the page cache dropped first)"
+    )
+    return fd, direct, how
+
+
 def expert_ranges(p: LayerPlacement, e: int) -> list[tuple[int, int]]:
     """Expert ``e``'s bytes in the file as ``(offset, size)`` ranges: its parts, those that lie
     together (apart by less than a block) merged into one."""
@@ -199,8 +215,7 @@ def measure(
     ladder = pieces(placements)
     counts = sorted({threads, *depths})
     share = max(1, total_bytes // (len(counts) + len(ladder) - 1))
-    asked, direct = direct, direct and direct_allowed(path)
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    fd, direct, how = _open(path, direct)
     tried: list[tuple[Shape, float]] = []
     cursor, read_bytes = 0, 0
 
@@ -233,13 +248,6 @@ def measure(
     finally:
         os.close(fd)
     best, rate = max(tried, key=lambda t: t[1])
-    how = (
-        "O_DIRECT"
-        if direct
-        else "buffered (the page cache dropped first)"
-        if not asked
-        else "buffered (O_DIRECT refused by the file system; the page cache dropped first)"
-    )
     others = ", ".join(str(n) for n in counts if n != threads)
     label = (
         f"{how} reads of the run's file, random experts, {_bytes(read_bytes)}: the best of {len(tried)} shapes "
@@ -280,8 +288,7 @@ def replay(
         reads += reads_of(p, expert, feed_piece(p.sizes))
         want += sum(p.sizes)
         taken += 1
-    direct = direct and direct_allowed(path)
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    fd, direct, how = _open(path, direct)
     try:
         if not direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -290,7 +297,6 @@ def replay(
         os.close(fd)
     cut = sorted({feed_piece(places[layer].sizes) for layer, _ in misses[:taken]})
     shape = Shape(threads, cut[-1])
-    how = "O_DIRECT" if direct else "buffered (the page cache dropped first)"
     first = f"its first {taken:,} of {len(misses):,} misses" if taken < len(misses) else f"its {taken:,} misses"
     label = (
         f"{how} reads replaying the run's own misses, {first} ({_bytes(want)}) in its order: "

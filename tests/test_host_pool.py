@@ -30,6 +30,28 @@ def _slot_bytes(spec):
     return sum(-(-b // 64) * 64 for b in spec.class_key)
 
 
+def _pool_of(spec, slots: int) -> int:
+    """A host budget of exactly ``slots`` pool slots of ``spec``'s experts."""
+    return slots * _slot_bytes(spec) + 63
+
+
+@contextlib.contextmanager
+def _pooled(layout, layer, *, device_experts: int, pool_slots: int, **options):
+    """A pageable source of ``layout`` and a cache of ``device_experts`` slots over a pool of
+    ``pool_slots`` of ``layer``'s experts: (source, cache)."""
+    with (
+        HostSource(layout, pinned=False) as source,
+        ExpertCache(
+            layout,
+            source,
+            budget_experts=device_experts,
+            host_budget_bytes=_pool_of(layout[layer], pool_slots),
+            **options,
+        ) as cache,
+    ):
+        yield source, cache
+
+
 def _select(cache, source, layer, ids):
     """One select of ``ids`` on either lookup, its experts checked against the source; the slots
     (device) or addresses (host) it gave."""
@@ -174,18 +196,8 @@ def test_a_full_pool_evicts_its_least_recently_used(backend, lookup, policy):
     expert, a pool miss evicts the least recently used one, which is read from the source again."""
     layout = _layout()
     layer = layout.moe_layers[0]
-    with (
-        HostSource(layout, pinned=False) as source,
-        ExpertCache(
-            layout,
-            source,
-            budget_experts=1,
-            backend=backend,
-            lookup=lookup,
-            policy=policy,
-            host_budget_bytes=2 * _slot_bytes(layout[layer]) + 63,
-        ) as cache,
-    ):
+    pooled = _pooled(layout, layer, device_experts=1, pool_slots=2, backend=backend, lookup=lookup, policy=policy)
+    with pooled as (source, cache):
         seen = _pool_trace(cache, source, layer, (0, 1, 0, 2, 1, 0))
         # 0, 1 read; 0 a hit (now the most recent); 2 evicts 1; 1 read again, evicting 0; 0 read.
         assert seen == ["read", "read", "hit", "read", "read", "read"]
@@ -239,18 +251,8 @@ def test_under_lru_the_pool_is_an_lru_of_its_slots(backend, lookup, policy):
     # The trace exercises all three outcomes, and a pool hit's refresh changes them.
     assert 0 < want.count("hit") and 0 < want.count("device") and evictions > 0
     assert want != _lru_tiers(experts, device_slots=2, pool_slots=3, pool_recency=False)[0]
-    with (
-        HostSource(layout, pinned=False) as source,
-        ExpertCache(
-            layout,
-            source,
-            budget_experts=2,
-            backend=backend,
-            lookup=lookup,
-            policy=policy,
-            host_budget_bytes=3 * _slot_bytes(layout[layer]) + 63,
-        ) as cache,
-    ):
+    pooled = _pooled(layout, layer, device_experts=2, pool_slots=3, backend=backend, lookup=lookup, policy=policy)
+    with pooled as (source, cache):
         assert _pool_trace(cache, source, layer, experts) == want
         pool = _check_sums(cache)
         assert (pool.slots, pool.hits, pool.source_reads) == (3, want.count("hit"), want.count("read"))
@@ -277,7 +279,7 @@ def test_the_pool_orders_as_the_caches_policy_orders_a_device_cache(backend, pol
             budget_experts=1,
             backend=backend,
             policy=policy,
-            host_budget_bytes=3 * _slot_bytes(layout[layer]) + 63,
+            host_budget_bytes=_pool_of(layout[layer], 3),
         ) as cache:
             assert _pool_trace(cache, source, layer, experts) == want
             pool = _check_sums(cache)
@@ -292,18 +294,8 @@ def test_the_pools_victim_is_the_policys(backend, lookup, policy, last):
     (LRU evicted it)."""
     layout = _layout()
     layer = layout.moe_layers[0]
-    with (
-        HostSource(layout, pinned=False) as source,
-        ExpertCache(
-            layout,
-            source,
-            budget_experts=1,
-            backend=backend,
-            lookup=lookup,
-            policy=policy,
-            host_budget_bytes=2 * _slot_bytes(layout[layer]) + 63,
-        ) as cache,
-    ):
+    pooled = _pooled(layout, layer, device_experts=1, pool_slots=2, backend=backend, lookup=lookup, policy=policy)
+    with pooled as (source, cache):
         assert _pool_trace(cache, source, layer, (0, 1, 0, 2, 1, 0)) == ["read", "read", "hit", "read", "read", last]
 
 
@@ -313,17 +305,7 @@ def test_a_slot_being_read_is_never_evicted(backend, policy):
     are read past the pool (nothing evicted), under every policy. The next call evicts."""
     layout = _layout()
     layer = layout.moe_layers[0]
-    with (
-        HostSource(layout, pinned=False) as source,
-        ExpertCache(
-            layout,
-            source,
-            budget_experts=4,
-            backend=backend,
-            policy=policy,
-            host_budget_bytes=2 * _slot_bytes(layout[layer]) + 63,
-        ) as cache,
-    ):
+    with _pooled(layout, layer, device_experts=4, pool_slots=2, backend=backend, policy=policy) as (source, cache):
         _select(cache, source, layer, [0, 1, 2, 3])
         pool = _check_sums(cache)
         assert (pool.slots, pool.inserts, pool.bypassed, pool.evictions, pool.resident) == (2, 2, 2, 0, 2)

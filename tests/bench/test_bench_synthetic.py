@@ -183,6 +183,17 @@ def fp8_config(tmp_path):
     return path
 
 
+def mode_report(tmp_path, capsys, mode: str, layout) -> dict:
+    """The JSON report of `expcache bench MODE` on the host backend over ``layout``'s layers 0-3
+    (4 synthetic tokens, a quarter of the experts cached, sizes / 128), which must succeed."""
+    out = tmp_path / f"{mode}.json"
+    argv = ["bench", mode, "--backend", "host", "--quiet", "--json", str(out), "--layout", str(layout)]
+    rc = cli.main(argv + ["--traces", "synthetic:4", "--layers", "0-3", "--scale", "128", "--budget-fraction", "0.25"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return json.loads(out.read_text())[0]
+
+
 def test_the_graph_loop_serves_a_quantized_layout_of_four_parts(tmp_path, capsys):
     """expcache bench graph on an FP8 checkpoint's config: the experts' four parts (weights and
     scales) are the class, every part of every routed expert is read by slot from the bank and
@@ -193,12 +204,7 @@ def test_the_graph_loop_serves_a_quantized_layout_of_four_parts(tmp_path, capsys
     path = fp8_config(tmp_path)
     layout = Layout.from_hf_config(str(path))
     assert {len(layout[i].class_key) for i in layout.moe_layers} == {4}
-    out = tmp_path / "g.json"
-    argv = ["bench", "graph", "--backend", "host", "--quiet", "--json", str(out), "--layout", str(path)]
-    rc = cli.main(argv + ["--traces", "synthetic:4", "--layers", "0-3", "--scale", "128", "--budget-fraction", "0.25"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    report = json.loads(out.read_text())[0]
+    report = mode_report(tmp_path, capsys, "graph", path)
     c_loop, graph = report["results"]
     assert c_loop["loop"] == "C loop, host select" and graph["loop"] == "graph loop, select_device"
     for r in (c_loop, graph):
@@ -208,12 +214,7 @@ def test_the_graph_loop_serves_a_quantized_layout_of_four_parts(tmp_path, capsys
     assert report["same_hits_as_c_loop"] is True
     assert not any("C loop" in s for s in report["skipped"])
     # the engine model's C loop serves it by slot too, with prefetches of predicted experts
-    out = tmp_path / "e.json"
-    argv = ["bench", "engine", "--backend", "host", "--quiet", "--json", str(out), "--layout", str(path)]
-    rc = cli.main(argv + ["--traces", "synthetic:4", "--layers", "0-3", "--scale", "128", "--budget-fraction", "0.25"])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.err
-    engine = json.loads(out.read_text())[0]
+    engine = mode_report(tmp_path, capsys, "engine", path)
     assert engine["results"] and all(r["checksum_errors"] == 0 for r in engine["results"])
     # the simulator's curve takes it too (hit rates do not depend on the parts)
     assert cli.main(["bench", "curve", "--quiet", "--layout", str(path), "--traces", "synthetic:4"]) == 0

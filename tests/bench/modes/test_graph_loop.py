@@ -261,9 +261,8 @@ def test_the_bound_takes_the_larger_rate(tmp_path, monkeypatch):
         assert j["disk_replay"]["bound"] == which and j["disk_bytes_per_s"] == max(1e6, factor * 1e6)
 
 
-def test_a_replay_of_other_misses_than_the_c_loops_is_refused(tmp_path, monkeypatch):
-    """Where the simulator's misses are not as many as the C loop's nothing is replayed: the
-    header says why, the JSON marks the mismatch (the command then fails), the cold rate bounds."""
+def one_more_simulated_miss(monkeypatch):
+    """The graph loop's simulator lists one more miss than the run had (its last one again)."""
     real = graph_loop.simulate_policy
 
     def one_more(*a, misses, **kw):
@@ -272,6 +271,12 @@ def test_a_replay_of_other_misses_than_the_c_loops_is_refused(tmp_path, monkeypa
         return got
 
     monkeypatch.setattr(graph_loop, "simulate_policy", one_more)
+
+
+def test_a_replay_of_other_misses_than_the_c_loops_is_refused(tmp_path, monkeypatch):
+    """Where the simulator's misses are not as many as the C loop's nothing is replayed: the
+    header says why, the JSON marks the mismatch (the command then fails), the cold rate bounds."""
+    one_more_simulated_miss(monkeypatch)
     monkeypatch.setattr(disk, "replay", lambda *a, **kw: pytest.fail("replayed other misses"))
     b = file_bench(tmp_path)
     try:
@@ -290,14 +295,7 @@ def test_the_command_fails_on_a_replay_of_other_misses(tmp_path, monkeypatch, ca
     still printed), saying why on stderr."""
     from expcache_bench import cli
 
-    real = graph_loop.simulate_policy
-
-    def one_more(*a, misses, **kw):
-        got = real(*a, misses=misses, **kw)
-        misses.append(misses[-1])
-        return got
-
-    monkeypatch.setattr(graph_loop, "simulate_policy", one_more)
+    one_more_simulated_miss(monkeypatch)
     argv = ["bench", "graph", "--backend", "host", "--source", "file", "--file-dir", str(tmp_path)]
     assert cli.main(argv + ["--layers", "3-6", "--traces", "smoke_count64", "--quiet"]) == 1
     out, err = capsys.readouterr()
