@@ -3,12 +3,17 @@ side by side with the unmodified model, in one process.
 
 The model is a random ``Qwen3MoeForCausalLM`` of real layer geometry (default: 16 layers of 128
 experts, top-8, hidden 2048, expert FFN 768, 32 query and 4 key-value heads of 128, vocabulary
-151,936, bf16: Qwen3-30B-A3B's layers, 16 of its 48). Two copies of it are made: the unmodified
+151,936, bf16: Qwen3-30B-A3B's layers, 16 of its 48), or with ``--model gpt_oss`` a random
+``GptOssForCausalLM`` of GPT-OSS-20B's layer geometry (6 of its 24 layers: 32 experts, top-4,
+hidden and expert FFN 2880, vocabulary 201,088; its sliding window as long as the static KV
+cache, which GraphDecoder captures only then). Two copies of it are made: the unmodified
 one (every expert resident on the GPU) and one offloaded at each ``--budgets`` fraction of its
 experts in turn (1.0 holds the working set, every expert; 0.25 streams). ``--quant bf16,fp8``
 runs it twice: its experts as built, then quantized to transformers' ``FP8Experts`` (blocks of
 128, by transformers' own ``Fp8Quantize``; its Triton kernel from ``--fp8-kernel``), and prints
-the FP8 model's tok/s over the bf16 one's. Two modes:
+the FP8 model's tok/s over the bf16 one's; ``--model gpt_oss --quant bf16,mxfp4`` likewise with
+transformers' MXFP4 experts (``Mxfp4GptOssExperts``, quantized and swizzled by transformers' own
+functions; triton_kernels from ``--mxfp4-kernel``). Two modes:
 
 - eager: ``model.generate`` (greedy, dynamic KV cache);
 - graph: :class:`pyexpcache.hf.GraphDecoder`, a static KV cache and every decode step one CUDA
@@ -52,28 +57,45 @@ import transformers
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fp8_experts import install_kernel, quantize_experts
+import _fp8_experts
+import _mxfp4_experts
 
 from expcache_bench.link import measure
 from pyexpcache import HostSource, LayerSpec, ModelLayout
 from pyexpcache.hf import GraphDecoder, find_experts, offload
 
 #: The experts' formats --quant takes.
-QUANTS = ("bf16", "fp8")
+QUANTS = ("bf16", "fp8", "mxfp4")
+#: --model: each model's config class and the layer geometry its defaults take (the arguments
+#: given on the command line replace them).
+MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", {}),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(experts=32, top_k=4, hidden=2880, ffn=2880, heads=64, kv_heads=8, head_dim=64, vocab=201088, layers=6),
+    ),
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="qwen3_moe",
+        help="the model family; gpt_oss defaults to GPT-OSS-20B's layer geometry (6 of its 24 layers: 32 experts, "
+        "top-4, hidden and expert FFN 2880, 64 query and 8 key-value heads of 64, vocabulary 201,088)",
+    )
+    p.add_argument("--layers", type=int)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--ffn", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--vocab", type=int)
     p.add_argument("--prompt", type=int, default=8, help="prompt tokens (random ids)")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per timed run")
     p.add_argument(
@@ -88,14 +110,21 @@ def parse_args(argv=None):
     p.add_argument(
         "--quant",
         default="bf16",
-        help="the experts' formats, run in turn, comma-separated: bf16 (the model's float dtype) and "
-        "fp8 (transformers' FP8Experts, blocks of 128, quantized from the same weights)",
+        help="the experts' formats, run in turn, comma-separated: bf16 (the model's float dtype), "
+        "fp8 (transformers' FP8Experts, blocks of 128, quantized from the same weights) and, for gpt_oss, "
+        "mxfp4 (transformers' Mxfp4GptOssExperts, quantized and swizzled from the same weights)",
     )
     p.add_argument(
         "--fp8-kernel",
         default=os.environ.get("EXPCACHE_FP8_KERNEL_DIR"),
         help="a directory holding transformers' FP8 kernel package (finegrained_fp8), for a machine "
         "without the Hugging Face hub (default: $EXPCACHE_FP8_KERNEL_DIR)",
+    )
+    p.add_argument(
+        "--mxfp4-kernel",
+        default=os.environ.get("EXPCACHE_MXFP4_KERNEL_DIR"),
+        help="a directory holding triton_kernels (the gpt_oss_triton_kernels package), which transformers' MXFP4 "
+        "experts compute with, for a machine without the Hugging Face hub (default: $EXPCACHE_MXFP4_KERNEL_DIR)",
     )
     p.add_argument("--rounds", type=int, default=5, help="timed runs of each copy per mode and budget, in alternation")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -105,31 +134,48 @@ def parse_args(argv=None):
     a.quant = a.quant.split(",")
     if any(q not in QUANTS for q in a.quant):
         p.error(f"--quant: comma-separated of {', '.join(QUANTS)}, got {','.join(a.quant)}")
+    if "mxfp4" in a.quant and a.model != "gpt_oss":
+        p.error("--quant mxfp4: transformers has MXFP4 experts for GPT-OSS only: give --model gpt_oss")
+    geometry = dict(
+        layers=16, experts=128, top_k=8, hidden=2048, ffn=768, heads=32, kv_heads=4, head_dim=128, vocab=151936
+    )
+    for name, value in {**geometry, **MODELS[a.model][1]}.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     return a
 
 
 def build_model(a, device: torch.device):
-    config = transformers.Qwen3MoeConfig(
+    common = dict(
         vocab_size=a.vocab,
         hidden_size=a.hidden,
-        intermediate_size=4 * a.ffn,
-        moe_intermediate_size=a.ffn,
-        num_experts=a.experts,
         num_experts_per_tok=a.top_k,
         num_hidden_layers=a.layers,
         num_attention_heads=a.heads,
         num_key_value_heads=a.kv_heads,
         head_dim=a.head_dim,
         max_position_embeddings=max(4096, a.prompt + a.tokens),
-        norm_topk_prob=True,
     )
+    if a.model == "gpt_oss":  # GraphDecoder captures a sliding window only when it holds every position
+        config = transformers.GptOssConfig(
+            **common, intermediate_size=a.ffn, num_local_experts=a.experts, sliding_window=max_len(a)
+        )
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            intermediate_size=4 * a.ffn,
+            moe_intermediate_size=a.ffn,
+            num_experts=a.experts,
+            norm_topk_prob=True,
+        )
+    cls = transformers.GptOssForCausalLM if a.model == "gpt_oss" else transformers.Qwen3MoeForCausalLM
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         torch.manual_seed(0)
         with device:
-            model = transformers.Qwen3MoeForCausalLM(config)
+            model = cls(config)
     finally:
         torch.set_default_dtype(default)
     with torch.no_grad():  # every matrix N(0, scale / sqrt(fan-in)): see --weight-scale
@@ -209,9 +255,14 @@ class Paired:
         return self.hits / max(self.hits + self.misses, 1)
 
 
-def runs(model, prompt, device):
+def max_len(a) -> int:
+    """GraphDecoder's static KV cache's positions."""
+    return a.prompt + 512
+
+
+def runs(model, prompt, device, a):
     """The two modes as functions of the number of new tokens, returning the tokens."""
-    decoder = GraphDecoder(model, max_len=prompt.shape[1] + 512)
+    decoder = GraphDecoder(model, max_len=max_len(a))
 
     def eager(n):
         with torch.no_grad():
@@ -236,7 +287,9 @@ def run_format(a, quant: str, device, rate: float, rows: list, results: list) ->
     budgets = [float(f) for f in a.budgets.split(",")]
     model = build_model(a, device)
     if quant == "fp8":
-        quantize_experts(model, block=(128, 128))
+        _fp8_experts.quantize_experts(model, block=(128, 128))
+    elif quant == "mxfp4":
+        _mxfp4_experts.quantize_experts(model)
     layers = find_experts(model)
     expert_bytes = sum(w[0].numel() * w.element_size() for e in layers for w in e.weights) / len(layers)
     prompt = torch.randint(0, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1)).to(device)
@@ -247,7 +300,7 @@ def run_format(a, quant: str, device, rate: float, rows: list, results: list) ->
         f"{a.tokens} new tokens; {device}"
     )
     served = copy.deepcopy(model)  # the same weights, offloaded at each budget in turn
-    unmodified = runs(model, prompt, device)
+    unmodified = runs(model, prompt, device, a)
     bad = 0
     for fraction in budgets:
         with offload(served, budget_fraction=fraction) as handle:
@@ -256,7 +309,7 @@ def run_format(a, quant: str, device, rate: float, rows: list, results: list) ->
                 torch.cuda.empty_cache()  # the experts' device copies, freed by the first offload
             paired = {
                 mode: Paired(unmodified[mode], run, device, a.tokens, a.rounds, handle.total_stats)
-                for mode, run in runs(served, prompt, device).items()
+                for mode, run in runs(served, prompt, device, a).items()
             }
         step_s = 1 / paired["graph"].unmodified_tok_s
         for mode, p in paired.items():
@@ -317,7 +370,16 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
             return 2
-        install_kernel(a.fp8_kernel)
+        _fp8_experts.install_kernel(a.fp8_kernel)
+    if "mxfp4" in a.quant:
+        if device.type != "cuda" or not a.mxfp4_kernel:
+            print(
+                "--quant mxfp4 runs triton_kernels' matmul: on a CUDA device, with --mxfp4-kernel DIR (or "
+                "$EXPCACHE_MXFP4_KERNEL_DIR) naming a directory that holds its gpt_oss_triton_kernels package",
+                file=sys.stderr,
+            )
+            return 2
+        _mxfp4_experts.install_kernel(a.mxfp4_kernel)
     rate = link_rate(device)
     rows, results, bad = [], [], 0
     for quant in a.quant:
@@ -347,9 +409,9 @@ def main(argv=None) -> int:
         print(f"link: {rate / 1e9:.1f} GB/s (cudaMemcpyAsync from pinned memory, 64 MiB)")
     rates = {(r["quant"], r["budget"], r["mode"]): r["tok_s"] for r in results}
     for (quant, fraction, mode), rate in rates.items():
-        if quant == "fp8" and ("bf16", fraction, mode) in rates:
+        if quant != "bf16" and ("bf16", fraction, mode) in rates:
             ratio = rate / rates["bf16", fraction, mode]
-            print(f"budget {fraction:g}, {mode}: fp8 experts {ratio:.2f}x bf16's tok/s in the same run")
+            print(f"budget {fraction:g}, {mode}: {quant} experts {ratio:.2f}x bf16's tok/s in the same run")
     print("tokens equal to the unmodified model's in every run" if not bad else f"{bad} runs' tokens differ")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))

@@ -192,14 +192,3 @@ def test_fp8_banks_hold_every_tensor_byte_for_byte(activation_scheme, kernel):
                 assert view.is_contiguous(), name
             for expert, slot in zip(ids.reshape(-1).tolist(), slots.reshape(-1).tolist()):
                 assert torch.equal(_bytes(view[slot]), _bytes(param[expert])), (name, expert)
-
-
-def test_mxfp4_experts_refused_with_the_reason():
-    """transformers' Mxfp4GptOssExperts keeps its experts in triton_kernels' swizzled tensors and
-    is computed outside the experts interface: refused, naming the module and the way out."""
-    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
-    model = tiny_model("gpt_oss")
-    layer = model.model.layers[0].mlp
-    layer.experts = mxfp4.Mxfp4GptOssExperts(model.config)
-    with pytest.raises(ValueError, match=r"Mxfp4GptOssExperts.*dequantize=True"):
-        offload(model, budget_fraction=0.5)

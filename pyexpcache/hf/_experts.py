@@ -27,6 +27,7 @@ import torch
 
 from ..layer_spec import LayerSpec, PartSpec
 from ..layout import ModelLayout
+from ._mxfp4 import Mxfp4Layer, is_mxfp4_experts
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 #: torch dtypes the bank views can take, by the name ExpertCache.bank's ``dtype`` takes.
@@ -41,15 +42,6 @@ _QUANTIZED_DTYPES = {
     **_DTYPES,
 }
 _ALIGN = 256  # where each part of a slot starts (the library's slot alignment)
-#: Quantized experts modules of transformers that cannot be served, by class name: why, and the way out.
-_UNSERVED = {
-    "Mxfp4GptOssExperts": (
-        "keeps its experts in triton_kernels' swizzled tensors (not per-expert parameters) and is "
-        "computed by matmul_ogs outside transformers' experts interface, so no bank can stand in for "
-        "them; load the checkpoint with transformers.Mxfp4Config(dequantize=True) (bfloat16 experts, "
-        "served as they are)"
-    ),
-}
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -161,10 +153,7 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
         ValueError: no such module, naming the model's class; or weights this package cannot
             serve (a dtype it does not know, expert parallelism), naming them.
     """
-    for name, m in model.named_modules():
-        if type(m).__name__ in _UNSERVED:
-            raise ValueError(f"{name}: {type(m).__name__} {_UNSERVED[type(m).__name__]}")
-    found = [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    found = [(name, m) for name, m in model.named_modules() if is_experts_module(m) or is_mxfp4_experts(m)]
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no MoE layer served through transformers' experts interface "
@@ -177,8 +166,10 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
         numbers.append(int(match.group(1)) if match else None)
     if None in numbers or len(set(numbers)) != len(numbers):
         numbers = list(range(len(found)))
-    layers = [ExpertsLayer(n, name, m) for n, (name, m) in zip(numbers, found)]
+    layers = [(Mxfp4Layer if is_mxfp4_experts(m) else ExpertsLayer)(n, name, m) for n, (name, m) in zip(numbers, found)]
     for e in layers:
+        if isinstance(e, Mxfp4Layer):
+            continue
         for name, t in zip(e.weight_names, e.weights):
             if t.dtype not in _QUANTIZED_DTYPES:
                 raise ValueError(

@@ -14,7 +14,8 @@ from ..stats import PathStats
 from ._auto_budget import AutoBudget, size_budget
 from ._caches import Caches, HostRegistration, set_implementation
 from ._experts import ExpertsLayer, find_experts, layout_of
-from ._serve import experts_interface, forget_cache, inner_implementation, register
+from ._mxfp4 import Mxfp4Layer
+from ._serve import experts_interface, forget_cache, inner_implementation, register, unserve
 
 
 def _compute_device(model: torch.nn.Module, layers: list[ExpertsLayer], device) -> torch.device:
@@ -152,6 +153,11 @@ class Offloaded:
         """
         if self._closed:
             raise ValueError("this handle is closed: offload the model again to serve its experts")
+        if any(isinstance(e, Mxfp4Layer) for e in self._experts):
+            raise ValueError(
+                "MXFP4 experts are served from copies of their swizzled tensors, which refresh cannot make "
+                "from edited parameters: close the handle and offload the model again"
+            )
         if not all(hasattr(source, "tensors") for source in self.sources):
             raise ValueError(
                 "these experts are served from the checkpoint's files (offload_pretrained): there are no "
@@ -186,8 +192,7 @@ class Offloaded:
         for config, value in self._previous:
             config._experts_implementation_internal = value
         for module in self._modules:
-            if hasattr(module, "_expcache_server"):
-                del module._expcache_server
+            unserve(module)
         self.model.__dict__.pop("_optimize_model_for_decode", None)
         for key, cache in zip(self._keys, self.caches):
             forget_cache(key)
@@ -330,7 +335,10 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
     budget, budget_bytes, budget_fraction = options["budget"], options["budget_bytes"], options["budget_fraction"]
     max_len, batch, margin_bytes = options["max_len"], options["batch"], options["margin_bytes"]
     device, device_capacity_bytes, progress = options["device"], options["device_capacity_bytes"], options["progress"]
-    inner = [inner_implementation(e.module) for e in layers]  # before ours is set; refuses a second offload
+    # before ours is set; refuses a second offload
+    inner = [("mxfp4", None) if isinstance(e, Mxfp4Layer) else inner_implementation(e.module) for e in layers]
+    if any(hasattr(e.module, "_expcache_server") for e in layers):
+        raise ValueError(f"{layers[0].name} is already served by expcache: close its handle first")
     compute = _compute_device(model, layers, device)
     if compute.type not in ("cpu", "cuda"):
         raise ValueError(f"the model computes on {compute}: expcache serves CUDA devices and the CPU (host backend)")
@@ -344,7 +352,7 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
         )
     layout = layout_of(model, layers)
     fixed = None if budget == "auto" else resolve_budget(layout, budget_bytes, budget_fraction)
-    register([e.module for e in layers])
+    register([e.module for e in layers if not isinstance(e, Mxfp4Layer)])
     registration = HostRegistration()
     functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
     caches = Caches(

@@ -204,6 +204,14 @@ def offload_pretrained(
         {"trust_remote_code": from_pretrained["trust_remote_code"]} if "trust_remote_code" in from_pretrained else {}
     )
     config = from_pretrained.pop("config", None) or transformers.AutoConfig.from_pretrained(path, **trust)
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(getattr(method, "value", method)).lower() == "mxfp4":
+        raise ValueError(
+            f"{path}: an MXFP4 checkpoint's experts are stored unswizzled and served swizzled (as the GPU's "
+            "matmul reads them), so they cannot be read from its files: load it with from_pretrained on a GPU "
+            "and serve it with pyexpcache.hf.offload"
+        )
     if "generation_config" not in from_pretrained and os.path.isfile(os.path.join(path, "generation_config.json")):
         from_pretrained["generation_config"] = transformers.GenerationConfig.from_pretrained(path)
     if dtype is not None:

@@ -330,6 +330,14 @@ class LayerServer:
         return (self.decode_inner or self.inner)(self.experts, hidden_states, slots, top_k_weights)
 
 
+def unserve(module: torch.nn.Module) -> None:
+    """``module`` served no more: its server dropped, and a forward the server took the place of
+    (an MXFP4 module's) the class's again."""
+    server = module.__dict__.pop("_expcache_server", None)
+    if hasattr(server, "detach"):
+        server.detach(module)
+
+
 def experts_forward(module, hidden_states, top_k_index, top_k_weights):
     """The registered implementation: the module's :class:`LayerServer` serves it."""
     server = getattr(module, "_expcache_server", None)

@@ -1,0 +1,249 @@
+"""GPT-OSS's MXFP4 experts (transformers' ``Mxfp4GptOssExperts``) served from the cache's banks.
+
+transformers keeps an MXFP4 experts module's weights as triton_kernels tensors: ``gate_up_proj``
+and ``down_proj`` hold the packed FP4 values in the layout the GPU's matmul reads (swizzled for
+Hopper's MMA), their scales are in ``*_precision_config.weight_scale`` (swizzled too), and the
+float32 biases are plain parameters. The module is computed by triton_kernels' ``matmul_ogs``
+from routing metadata (``RoutingData``, ``GatherIndx``, ``ScatterIndx``) that the MLP builds
+from the router, outside transformers' experts interface.
+
+Every one of the six tensors keeps an expert's elements in one dense block at ``expert *
+stride(0)`` (the layouts swizzle within an expert), so each is a part of the slot, its bytes
+as the GPU holds them: :class:`Mxfp4Layer` describes them. :class:`Mxfp4Server` takes the place
+of the module's routed forward: it reads the router's expert per route from the routing
+metadata, has ``select_device`` make them resident and give their slots, builds the same
+metadata over the slots (each route keeps its place, so every token's outputs are summed in
+the same order; the matmul's tiling is chosen for the model's expert count, as the unmodified
+model's is), and runs the module's own forward on triton tensors over the bank: the same
+kernels on the same bytes, so the result is bit-identical to the unmodified model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..layer_spec import LayerSpec, PartSpec
+
+#: The experts module this file serves, by class name.
+MODULE = "Mxfp4GptOssExperts"
+#: The module's tensors each expert has, in slot order.
+TENSORS = ("gate_up_proj", "gate_up_proj_scale", "gate_up_proj_bias", "down_proj", "down_proj_scale", "down_proj_bias")
+
+
+def is_mxfp4_experts(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == MODULE
+
+
+def _hub(module: torch.nn.Module):
+    """The triton_kernels package the module's class computes with (transformers loads it from
+    the hub into its integration module's ``triton_kernels_hub``)."""
+    return getattr(sys.modules[type(module).__module__], "triton_kernels_hub", None)
+
+
+def _storage(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """The torch tensor holding tensor ``name`` of :data:`TENSORS`."""
+    if name.endswith("_bias"):
+        return getattr(module, name)
+    if name.endswith("_scale"):
+        return getattr(module, name.removesuffix("_scale") + "_precision_config").weight_scale.storage.data
+    return getattr(module, name).storage.data
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory with no gap or overlap, in any order."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _expert_bytes(data: torch.Tensor, experts: int, what: str) -> torch.Tensor:
+    """``data``'s memory as ``[experts, nbytes]`` bytes, expert e's row its elements' block.
+    ValueError where an expert's elements are not one dense block at ``e * stride(0)``."""
+    if data.dim() < 1 or data.shape[0] != experts:
+        raise ValueError(f"{what}: {list(data.shape)} does not lead with the {experts} experts")
+    per = data[0].numel() * data.element_size()
+    if data.stride(0) * data.element_size() != per or not _dense(data[0]):
+        raise ValueError(
+            f"{what}: an expert's elements (strides {list(data.stride())}, shape {list(data.shape)}) are not one "
+            "dense block at expert * stride(0), so no slot can hold them as the kernel reads them"
+        )
+    rows = torch.empty(0, dtype=torch.uint8, device=data.device)
+    rows.set_(data.untyped_storage(), data.storage_offset() * data.element_size(), (experts, per), (per, 1))
+    return rows
+
+
+def _like(data: torch.Tensor, rows: torch.Tensor, count: int) -> torch.Tensor:
+    """``data``'s format (dtype, per-expert shape and strides) over byte rows ``rows`` ``[>=count,
+    nbytes]`` (any row stride that is a multiple of the dtype's size): ``[count, ...]``."""
+    typed = rows.view(data.dtype)
+    return typed.as_strided((count, *data.shape[1:]), (typed.stride(0), *data.stride()[1:]))
+
+
+@dataclass(frozen=True)
+class Mxfp4Layer:
+    """One MoE layer's ``Mxfp4GptOssExperts``, as :class:`~pyexpcache.hf.ExpertsLayer` describes an
+    experts-interface module: its layer number, name, module, and the six tensors of
+    :data:`TENSORS` as the parts of a slot (bytes, as the GPU holds them)."""
+
+    layer: int
+    name: str
+    module: torch.nn.Module
+
+    quantized = True
+    weight_names = TENSORS
+
+    def __post_init__(self):
+        m = self.module
+        if getattr(m, "gate_up_proj_precision_config", None) is None or not hasattr(m.gate_up_proj, "storage"):
+            raise ValueError(
+                f"{self.name}: {MODULE} holds no MXFP4 weights yet (no triton tensors and scales): load the "
+                "checkpoint with its quantization (on a GPU) before offloading it"
+            )
+        if getattr(m, "_is_hooked", False):
+            raise ValueError(f"{self.name}: expert-parallel experts (each rank holding some) are not supported")
+        rows = tuple(_expert_bytes(_storage(m, n), self.num_experts, f"{self.name}.{n}") for n in TENSORS)
+        object.__setattr__(self, "_rows", rows)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.module.num_experts)
+
+    @property
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """Each tensor's bytes, ``[experts, nbytes]`` uint8 over its memory (host memory once placed)."""
+        return self._rows
+
+    def spec(self) -> LayerSpec:
+        return LayerSpec.of_parts(
+            self.num_experts, [PartSpec(n, r.shape[1], "uint8", (r.shape[1],)) for n, r in zip(TENSORS, self._rows)]
+        )
+
+    def part_rows(self, weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, int]]:
+        return [(t, 0) for t in weights]
+
+    def release_device(self, held: tuple[torch.Tensor, ...]) -> None:
+        """The module's weights and scales made to hold the host copies ``held`` (its rows, placed),
+        so that their device memory is freed; the biases stay where the model computes."""
+        m = self.module
+        for name, rows in zip(TENSORS, held):
+            if name.endswith("_bias"):
+                continue
+            data = _storage(m, name)
+            host = _like(data, rows, self.num_experts)
+            if name.endswith("_scale"):
+                getattr(m, name.removesuffix("_scale") + "_precision_config").weight_scale.storage.data = host
+            else:
+                getattr(m, name).storage.data = host
+
+
+def _slot_routing(hub):
+    """triton_kernels' ``RoutingData`` over slots: ``n_expts_tot`` the bank's slots, and the grid
+    bound (``n_blocks``) the model's expert count's, which holds every route as it did (a slot has
+    the routes its expert had), so the matmul chooses its tiling and grid as for the model."""
+    base = hub.routing.RoutingData
+    cached = getattr(hub, "_expcache_slot_routing", None)
+    if cached is not None and cached.__bases__[0] is base:
+        return cached
+
+    class SlotRouting(base):
+        model_experts = 0
+
+        def n_blocks(self, n_rows, block_m):
+            e = self.model_experts
+            return n_rows if n_rows <= e else -(-max(n_rows - e + 1, 0) // block_m) + e - 1
+
+    hub._expcache_slot_routing = SlotRouting
+    return SlotRouting
+
+
+class _BankExperts:
+    """The module as its forward reads it, its six tensors the bank's: every other attribute is
+    the module's."""
+
+    def __init__(self, module: torch.nn.Module, tensors: dict):
+        self._module = module
+        for name, value in tensors.items():
+            setattr(self, name, value)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class Mxfp4Server:
+    """One layer's MXFP4 experts served from the bank: installed as the module's routed forward
+    (``forward_routed`` where the class has one, else ``forward``) until :meth:`detach`."""
+
+    inner_name = "mxfp4"
+
+    def __init__(self, cache_key: int, e: Mxfp4Layer, bank, device):
+        from ._serve import _CACHES
+
+        m = e.module
+        self._caches = _CACHES
+        self.cache_key, self.layer, self.name = cache_key, e.layer, e.name
+        self.num_experts, self.cap = e.num_experts, bank.cap
+        self.hub = _hub(m)
+        if self.hub is None:
+            raise ValueError(f"{e.name}: transformers' MXFP4 integration has no triton_kernels loaded")
+        self.routing_class = _slot_routing(self.hub)
+        rows = {n: torch.from_dlpack(bank.part(n, dtype="uint8")) for n in TENSORS}
+        tensors = {}
+        for name in ("gate_up_proj", "down_proj"):
+            weight, config = getattr(m, name), getattr(m, name + "_precision_config")
+            tensors[name] = self._over(weight, rows[name])
+            scale = self._over(config.weight_scale, rows[name + "_scale"])
+            tensors[name + "_precision_config"] = dataclasses.replace(config, weight_scale=scale)
+            tensors[name + "_bias"] = _like(getattr(m, name + "_bias"), rows[name + "_bias"], self.cap)
+        self.experts = _BankExperts(m, tensors)
+        self.entry = "forward_routed" if hasattr(type(m), "forward_routed") else "forward"
+        self.routed = inspect.unwrap(getattr(type(m), self.entry))
+        setattr(m, self.entry, self.forward_routed)
+
+    def _over(self, tensor, rows: torch.Tensor):
+        """triton tensor ``tensor`` (its layout, dtype and shape) over the bank's ``rows``, ``cap`` experts."""
+        data = tensor.storage.data
+        storage = type(tensor.storage)(_like(data, rows, self.cap), tensor.storage.layout)
+        return dataclasses.replace(
+            tensor, storage=storage, shape=[self.cap, *tensor.shape[1:]], shape_max=[self.cap, *tensor.shape_max[1:]]
+        )
+
+    def detach(self, module: torch.nn.Module) -> None:
+        module.__dict__.pop(self.entry, None)
+
+    def forward_routed(self, hidden_states, routing_data, gather_idx, scatter_idx=None):
+        hub, k, experts = self.hub, routing_data.n_expts_act, self.num_experts
+        if routing_data.n_expts_tot != experts:
+            raise RuntimeError(f"{self.name}: routed over {routing_data.n_expts_tot} experts; the module has {experts}")
+        n = gather_idx.src_indx.shape[0]  # routes, token-major (token * k + j)
+        device = hidden_states.device
+        routes = torch.arange(n, device=device, dtype=torch.int32)
+        # The metadata sorts the routes by expert: route r's place is gate[r], and the places of
+        # expert e are token_offs_raw[e] .. token_offs_raw[e + 1].
+        gate = gather_idx.dst_indx
+        ends = routing_data.expt_data.token_offs_raw[1:]
+        ids = torch.searchsorted(ends, routes, right=True)[gate]
+        scale = routing_data.gate_scal[gate]
+        slots = self._caches[self.cache_key].select_device(self.layer, ids.view(-1, k)).reshape(-1)
+        # The same metadata over the slots: the routes sorted by slot (an expert's in the order
+        # they had), each route keeping its number.
+        order = torch.argsort(slots, stable=True).to(torch.int32)
+        place = torch.empty_like(order)
+        place[order.long()] = routes
+        hist = torch.zeros(self.cap, dtype=torch.int32, device=device)
+        hist.index_add_(0, slots, torch.ones_like(slots))
+        expected = routing_data.expected_tokens_per_expt or max(1, n // experts)
+        data = self.routing_class(
+            scale[order.long()], hist, self.cap, k, hub.routing.compute_expt_data(hist, self.cap, n), expected
+        )
+        data.model_experts = experts
+        gather = hub.routing.GatherIndx(src_indx=order, dst_indx=place)
+        scatter = None if scatter_idx is None else hub.routing.ScatterIndx(src_indx=place, dst_indx=order)
+        return self.routed(self.experts, hidden_states, data, gather, scatter)
