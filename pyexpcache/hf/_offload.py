@@ -344,7 +344,7 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
         raise ValueError(f"the model computes on {compute}: expcache serves CUDA devices and the CPU (host backend)")
     cuda = compute.type == "cuda"
     for e, (name, function) in zip(layers, inner):
-        if cuda and e.quantized and name != "eager" and function.__module__.endswith("finegrained_fp8"):
+        if cuda and e.quantized and name not in ("eager", "mxfp4") and function.__module__.endswith("finegrained_fp8"):
             _check_contiguous_views(e, name, layers)
     if cuda and device_capacity_bytes is not None:
         raise ValueError(
