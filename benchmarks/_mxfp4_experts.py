@@ -58,7 +58,8 @@ def quantize_experts(model: torch.nn.Module) -> torch.nn.Module:
         device = before.gate_up_proj.device
         with torch.no_grad(), torch.device(device):
             for proj in ("gate_up_proj", "down_proj"):
-                blocks, scales = mxfp4.quantize_to_mxfp4(getattr(before, proj).data.transpose(-1, -2), hub)
+                # GptOssExperts holds [E, in, out], what the loader's transpose of a checkpoint's [E, out, in] gives
+                blocks, scales = mxfp4.quantize_to_mxfp4(getattr(before, proj).data, hub)
                 weight, scale = mxfp4.swizzle_mxfp4(blocks, scales, hub)
                 after._parameters.pop(proj, None)
                 setattr(after, proj, weight)
