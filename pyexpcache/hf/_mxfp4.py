@@ -145,9 +145,11 @@ class Mxfp4Layer:
 
 
 def _slot_routing(hub):
-    """triton_kernels' ``RoutingData`` over slots: ``n_expts_tot`` the bank's slots, and the grid
-    bound (``n_blocks``) the model's expert count's, which holds every route as it did (a slot has
-    the routes its expert had), so the matmul chooses its tiling and grid as for the model."""
+    """triton_kernels' ``RoutingData`` over slots: ``n_expts_tot`` the bank's slots (or the model's
+    experts, if more), and the grid bound (``n_blocks``) the model's, for its expert count and all
+    its routes (``model_routes``; a forward served in parts gives each part the whole's grid):
+    it holds every route as it did (a slot has the routes its expert had), and the matmul chooses
+    its tiling and grid, so the order of its sums, as for the model."""
     base = hub.routing.RoutingData
     cached = getattr(hub, "_expcache_slot_routing", None)
     if cached is not None and cached.__bases__[0] is base:
@@ -155,10 +157,11 @@ def _slot_routing(hub):
 
     class SlotRouting(base):
         model_experts = 0
+        model_routes = 0
 
         def n_blocks(self, n_rows, block_m):
-            e = self.model_experts
-            return n_rows if n_rows <= e else -(-max(n_rows - e + 1, 0) // block_m) + e - 1
+            e, n = self.model_experts, max(n_rows, self.model_routes)
+            return n if n <= e else -(-max(n - e + 1, 0) // block_m) + e - 1
 
     hub._expcache_slot_routing = SlotRouting
     return SlotRouting
@@ -219,31 +222,48 @@ class Mxfp4Server:
         module.__dict__.pop(self.entry, None)
 
     def forward_routed(self, hidden_states, routing_data, gather_idx, scatter_idx=None):
-        hub, k, experts = self.hub, routing_data.n_expts_act, self.num_experts
+        k, experts = routing_data.n_expts_act, self.num_experts
         if routing_data.n_expts_tot != experts:
             raise RuntimeError(f"{self.name}: routed over {routing_data.n_expts_tot} experts; the module has {experts}")
+        if k > self.cap:
+            raise RuntimeError(
+                f"{self.name}: the router chose {k} experts per token but the cache holds {self.cap}; raise the budget"
+            )
         n = gather_idx.src_indx.shape[0]  # routes, token-major (token * k + j)
-        device = hidden_states.device
-        routes = torch.arange(n, device=device, dtype=torch.int32)
+        routes = torch.arange(n, device=hidden_states.device, dtype=torch.int32)
         # The metadata sorts the routes by expert: route r's place is gate[r], and the places of
         # expert e are token_offs_raw[e] .. token_offs_raw[e + 1].
         gate = gather_idx.dst_indx
         ends = routing_data.expt_data.token_offs_raw[1:]
-        ids = torch.searchsorted(ends, routes, right=True)[gate]
-        scale = routing_data.gate_scal[gate]
-        slots = self._caches[self.cache_key].select_device(self.layer, ids.view(-1, k)).reshape(-1)
+        ids = torch.searchsorted(ends, routes, right=True)[gate].view(-1, k)
+        scale = routing_data.gate_scal[gate].view(-1, k)
+        tokens, rows = ids.shape[0], self.cap // k  # a select of t tokens needs t * k slots it may fill
+        expected = routing_data.expected_tokens_per_expt or max(1, n // experts)
+        parts = [
+            self._routed(hidden_states[i : i + rows], ids[i : i + rows], scale[i : i + rows], n, expected, scatter_idx)
+            for i in range(0, tokens, rows)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _routed(self, hidden_states, ids, scale, n: int, expected: int, scatter_idx):
+        """The module's routed forward of some tokens (their routes' experts ``ids`` [t, k] and
+        weights ``scale``) over the bank, tiled as the model's forward of all ``n`` routes is."""
+        hub, k = self.hub, ids.shape[1]
+        slots = self._caches[self.cache_key].select_device(self.layer, ids).reshape(-1)
+        routes = torch.arange(slots.shape[0], device=slots.device, dtype=torch.int32)
         # The same metadata over the slots: the routes sorted by slot (an expert's in the order
-        # they had), each route keeping its number.
+        # they had), each route keeping its number. Over at least the model's expert count, so
+        # that the tile map holds the model's grid.
+        total = max(self.cap, self.num_experts)
         order = torch.argsort(slots, stable=True).to(torch.int32)
         place = torch.empty_like(order)
         place[order.long()] = routes
-        hist = torch.zeros(self.cap, dtype=torch.int32, device=device)
+        hist = torch.zeros(total, dtype=torch.int32, device=slots.device)
         hist.index_add_(0, slots, torch.ones_like(slots))
-        expected = routing_data.expected_tokens_per_expt or max(1, n // experts)
         data = self.routing_class(
-            scale[order.long()], hist, self.cap, k, hub.routing.compute_expt_data(hist, self.cap, n), expected
+            scale.reshape(-1)[order.long()], hist, total, k, hub.routing.compute_expt_data(hist, total, n), expected
         )
-        data.model_experts = experts
+        data.model_experts, data.model_routes = self.num_experts, n
         gather = hub.routing.GatherIndx(src_indx=order, dst_indx=place)
         scatter = None if scatter_idx is None else hub.routing.ScatterIndx(src_indx=place, dst_indx=order)
         return self.routed(self.experts, hidden_states, data, gather, scatter)
