@@ -11,11 +11,15 @@ Every one of the six tensors keeps an expert's elements in one dense block at ``
 stride(0)`` (the layouts swizzle within an expert), so each is a part of the slot, its bytes
 as the GPU holds them: :class:`Mxfp4Layer` describes them. :class:`Mxfp4Server` takes the place
 of the module's routed forward: it reads the router's expert per route from the routing
-metadata, has ``select_device`` make them resident and give their slots, builds the same
-metadata over the slots (each route keeps its place, so every token's outputs are summed in
-the same order; the matmul's tiling is chosen for the model's expert count, as the unmodified
-model's is), and runs the module's own forward on triton tensors over the bank: the same
-kernels on the same bytes, so the result is bit-identical to the unmodified model's.
+metadata, has ``select_device`` make them resident and give their slots, gives the matmul the
+same metadata over the slots, and runs the module's own forward on triton tensors over the
+bank: the same kernels on the same bytes, so the result is bit-identical to the unmodified
+model's. When the bank has a slot for every route (a decode step), the metadata's per-expert
+tables are moved to the slots by one kernel (``_mxfp4_routing``) and the routes, their order and
+the matmul's tiles stay as they are. A forward of more routes (a prefill at a small budget) is
+served in parts of ``cap // k`` tokens, each part's metadata built anew with its routes sorted by
+slot (an expert's in the order they had, every route keeping its number, so every token's
+outputs are summed in the same order) and the tiling and grid of the whole forward.
 """
 
 from __future__ import annotations
@@ -197,6 +201,11 @@ class Mxfp4Server:
         if self.hub is None:
             raise ValueError(f"{e.name}: transformers' MXFP4 integration has no triton_kernels loaded")
         self.routing_class = _slot_routing(self.hub)
+        from . import _mxfp4_routing  # Triton: there with triton_kernels
+
+        self.by_slot = _mxfp4_routing
+        if self.cap > 0xFFFF:
+            raise ValueError(f"{e.name}: triton_kernels' tile map holds slot ids below 65536; the bank has {self.cap}")
         rows = {n: torch.from_dlpack(bank.part(n, dtype="uint8")) for n in TENSORS}
         tensors = {}
         for name in ("gate_up_proj", "down_proj"):
@@ -230,15 +239,21 @@ class Mxfp4Server:
                 f"{self.name}: the router chose {k} experts per token but the cache holds {self.cap}; raise the budget"
             )
         n = gather_idx.src_indx.shape[0]  # routes, token-major (token * k + j)
-        routes = torch.arange(n, device=hidden_states.device, dtype=torch.int32)
         # The metadata sorts the routes by expert: route r's place is gate[r], and the places of
         # expert e are token_offs_raw[e] .. token_offs_raw[e + 1].
         gate = gather_idx.dst_indx
         ends = routing_data.expt_data.token_offs_raw[1:]
-        ids = torch.searchsorted(ends, routes, right=True)[gate].view(-1, k)
+        ids = torch.searchsorted(ends, gate, right=True, out_int32=True).view(-1, k)
+        expected = routing_data.expected_tokens_per_expt or max(1, n // experts)
+        if n <= self.cap and self.by_slot.movable(routing_data.expt_data):
+            # One select; the metadata moved to the slots, the routes as they are.
+            slots = self._caches[self.cache_key].select_device(self.layer, ids).reshape(-1)
+            moved = self.by_slot.to_slots(self.hub, routing_data.expt_data, gather_idx.src_indx, slots, self.cap)
+            data = self.routing_class(routing_data.gate_scal, moved.hist, self.cap, k, moved, expected)
+            data.model_experts, data.model_routes = experts, n
+            return self.routed(self.experts, hidden_states, data, gather_idx, scatter_idx)
         scale = routing_data.gate_scal[gate].view(-1, k)
         tokens, rows = ids.shape[0], self.cap // k  # a select of t tokens needs t * k slots it may fill
-        expected = routing_data.expected_tokens_per_expt or max(1, n // experts)
         parts = [
             self._routed(hidden_states[i : i + rows], ids[i : i + rows], scale[i : i + rows], n, expected, scatter_idx)
             for i in range(0, tokens, rows)
