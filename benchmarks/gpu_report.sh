@@ -15,7 +15,7 @@
 #   torch step of a Qwen3-30B-A3B-like model at two budgets)
 #   hf hf_decode (transformers models served by pyexpcache.hf: its tests, and the decode benchmark)
 #   hf_quant hf_decode_fp8 hf_kernel_times hf_pretrained hf_pretrained_bench (FP8 experts: tests, benchmark
-#   and the decode step's kernel times;
+#   and the decode step's kernel times; hf_mxfp4 hf_decode_mxfp4: GPT-OSS's MXFP4 experts, tests and benchmark;
 #   checkpoints read from their files: tests and benchmark)
 #   flashlib verify_step (issue #37's side by side with flashlib 0.4.0's lru_ensure, the wheel
 #   installed from .whl/ into /tmp/site when it is there, else it says it skipped; the 4-row
@@ -95,6 +95,12 @@ run_step() {
         tests/test_hf_quantized.py -k "cuda or not cpu" ;;
     hf_decode_fp8) step hf_decode_fp8 540 python3 benchmarks/hf_decode.py --device cuda --quant bf16,fp8 --rounds 4 --tokens 32 \
         --fp8-kernel "$PWD/.whl/kernels" --json "$DIR/hf_decode_fp8.json" ;;
+    # GPT-OSS's MXFP4 experts, triton_kernels from .whl/kernels/ (kernels-community/gpt-oss-triton-kernels'
+    # torch-ext folder): the tests on CUDA, then GPT-OSS-20B's layer geometry (6 layers) in bf16 and MXFP4.
+    hf_mxfp4) step hf_mxfp4 300 env EXPCACHE_MXFP4_KERNEL_DIR="$PWD/.whl/kernels" python3 -m pytest -q -rs \
+        tests/test_hf_mxfp4.py ;;
+    hf_decode_mxfp4) step hf_decode_mxfp4 420 python3 benchmarks/hf_decode.py --device cuda --model gpt_oss \
+        --quant bf16,mxfp4 --rounds 3 --tokens 32 --mxfp4-kernel "$PWD/.whl/kernels" --json "$DIR/hf_decode_mxfp4.json" ;;
     # Where the served FP8 model's decode step spends its GPU time, beside the unmodified one's.
     hf_kernel_times) step hf_kernel_times 300 python3 benchmarks/hf_kernel_times.py --quant fp8 \
         --fp8-kernel "$PWD/.whl/kernels" --budget 1.0 --tokens 16 ;;
