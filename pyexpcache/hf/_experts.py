@@ -16,6 +16,9 @@ A quantized experts module (transformers' ``FP8Experts``: FP8 or FP4 weights wit
 scales ``*_scale_inv`` and, for static activations, ``*_activation_scale``) has more per-expert
 tensors: each is a part of its own, named after its parameter, in the dtype and shape it has
 (:attr:`ExpertsLayer.weight_names`). The module's own implementation reads them by slot.
+
+GPT-OSS's MXFP4 experts (transformers' ``Mxfp4GptOssExperts``) are not of the experts
+interface: :func:`find_experts` describes them as :class:`~pyexpcache.hf._mxfp4.Mxfp4Layer`.
 """
 
 from __future__ import annotations
@@ -143,7 +146,8 @@ def split(first_bytes: int) -> int:
 
 
 def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
-    """Every experts module of ``model``, in model order, each with its layer number.
+    """Every experts module of ``model`` (of the experts interface, or MXFP4 experts), in model
+    order, each with its layer number.
 
     The number is the one after ``layers.`` in the module's name (``model.layers.3.mlp.experts``
     is layer 3), so dense layers keep their numbers; a model whose names do not give distinct

@@ -83,7 +83,8 @@ class Offloaded:
         sources: the :class:`ParameterSource` of each cache, over the experts' host tensors.
         layers: model layer number -> the experts module's name.
         computed_by: the experts implementation that computes each layer from the bank: the one
-            the model had (``"grouped_mm"``, transformers' default, ``"batched_mm"`` or ``"eager"``).
+            the model had (``"grouped_mm"``, transformers' default, ``"batched_mm"`` or ``"eager"``),
+            or ``"mxfp4"`` for GPT-OSS's MXFP4 experts (the module's own forward, triton_kernels).
         auto_budget: with ``budget="auto"``, the :class:`AutoBudget` chosen, with every term (free
             memory, resident weights, KV cache, activation peak, margin); else None.
 
@@ -234,7 +235,9 @@ def offload(
     """Serve ``model``'s routed experts from an expcache slot bank; returns an :class:`Offloaded`.
 
     Every experts module of transformers' experts interface (transformers >= 5: Mixtral,
-    Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS and the other families that have one) gets
+    Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-OSS and the other families that have one;
+    quantized ones such as ``FP8Experts``) and every ``Mxfp4GptOssExperts`` (GPT-OSS's MXFP4
+    experts, computed by triton_kernels on CUDA; see ``docs/hf.md``) gets
     its weights in host memory: those already there are used in place (page-locked in place when
     the model runs on a GPU, or copied into pinned memory where they cannot be), those on a GPU
     are copied once into pinned memory and their device memory freed. Every other parameter and
