@@ -117,7 +117,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
             ++misses;
             slot_at[i] = v;
             if (a.copy) {  // the miss list's entry is written: the copy may start
-                if (a.fed) feed_cuda::list(c.feed, a.layer, keys[i] - a.key_base, misses - 1, done);
+                if (a.fed) feed_cuda::list(c.feed, a.layer, keys[i] - a.key_base, now.token, misses - 1, done);
                 __threadfence();
                 DeviceWord(c.handoff->published).fetch_max(done | misses, cuda::memory_order_release);
             }
