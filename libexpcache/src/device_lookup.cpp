@@ -438,6 +438,7 @@ expcache_status_t DeviceLookup::serve(uint32_t layer, int32_t c, const uint32_t*
         tally->hits += t[kTallyHits];
         tally->fills += t[kCountMisses];
         tally->evictions += t[kTallyEvictions];
+        tally->token = static_cast<int32_t>(t[kTallyToken]);
     }
     return EXPCACHE_OK;
 }

@@ -66,7 +66,9 @@ public:
     bool cut() const;
     uint64_t room() const;
 
-    // The policy's clock from now on (a host-side serving call opened).
+    // The policy's clock from now on (a host-side serving call opened, or a device select's miss
+    // came), unless it is earlier than the clock set last (by token, then pos): the pool's time
+    // never runs back.
     void set_clock(const PolicyClock& clock);
     // A miss of `expert` of `layer` (experts of part_bytes; `key` its policy key, the layer's
     // key_base + expert) about to be read: a hit (the slot pinned until end()), a slot to fill
@@ -113,6 +115,7 @@ private:
     std::vector<Slot> slots_;
     std::vector<int32_t> free_;
     std::unique_ptr<Policy> policy_;  // orders the valid slots (none without a budget)
+    PolicyClock clock_;               // the policy's
     std::unordered_map<uint64_t, int32_t> map_;
     std::vector<uint64_t> gens_;  // per layer (grown as needed)
     uint64_t resident_ = 0;

@@ -132,7 +132,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
     }
     if (tid == 0) {
         *c.miss_count = misses;
-        write_counts(a, distinct, misses, hits, evictions);
+        write_counts(a, distinct, misses, hits, evictions, now.token);
         if (a.host_call) return;  // counted by the call, on its path
         // Reductions without a result: nothing waits for them (the next select is stream-ordered).
         DeviceCounters& n = *c.counters;

@@ -104,7 +104,7 @@ private:
             for (uint32_t i = 0; i < a.count; ++i)
                 if (first_[i]) duel_request(a, keys_[i], base + i, list_of_[i], now);
         *c.miss_count = 0;
-        write_counts(a, distinct, 0, distinct, 0);
+        write_counts(a, distinct, 0, distinct, 0, now.token);
         if (!a.host_call) {
             c.counters->calls++;
             c.counters->hits += distinct;
@@ -171,7 +171,7 @@ private:
         if (a.out_filled)
             for (uint32_t i = 0; i < a.count; ++i) a.out_filled[i] = a.out_slots[i] >= 0 && filled_[first_[i]];
         write_counts(a, static_cast<uint32_t>(distinct), static_cast<uint32_t>(misses), static_cast<uint32_t>(hits),
-                     static_cast<uint32_t>(evictions));
+                     static_cast<uint32_t>(evictions), now.token);
         if (a.host_call) return now;  // counted by the call, on its path
         DeviceCounters& n = *c.counters;
         n.calls++;
