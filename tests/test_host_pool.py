@@ -476,3 +476,63 @@ def test_a_file_read_with_o_direct_stays_out_of_the_page_cache_through_the_pool(
             for layer, ids in _trace(layout, 6, seed=4):  # now the bytes, through the pool
                 _select(cache, src, layer, ids)
             assert _check_sums(cache).hits > pool.hits
+
+
+def _phased_tokens(tokens, layers, seed):
+    """(token's steps) for ``tokens`` tokens: each visits some of ``layers`` in order (at least
+    one), one expert of each, of eight; the popular experts change at the middle, so a count's
+    decay and an entry's age decide what stays."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(tokens):
+        hot = (0, 1, 2) if t < tokens // 2 else (5, 6, 7)
+        visited = [layer for layer in layers if rng.random() < 0.7] or [layers[0]]
+        out.append([(layer, int(rng.choice(hot) if rng.random() < 0.8 else rng.integers(8))) for layer in visited])
+    return out
+
+
+def _pool_outcomes(cache, source, steps):
+    """Each step (layer, expert, how) served by a host-side select (how "host") or a device select
+    ("device"): whether the pool served it ("hit"), it was read from the source ("read") or the
+    device cache held it ("device")."""
+    seen = []
+    for layer, e, how in steps:
+        before = cache.pool_stats()
+        if how == "device":
+            slots = to_numpy(cache.select_device(layer, device_ids(cache, [e])))
+            cache.synchronize()
+            assert_served(cache, source, layer, [e], bank_rows(cache.bank(layer), slots))
+        else:
+            assert_served(cache, source, layer, [e], cache.select(layer, [e]))
+        after = cache.pool_stats()
+        seen.append(
+            "hit" if after.hits > before.hits else "read" if after.source_reads > before.source_reads else "device"
+        )
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["oppclass", "duel"])
+@pytest.mark.parametrize("mix", ["device", "mixed"])
+def test_device_selects_time_the_pool_as_host_side_calls_do(backend, policy, mix):
+    """The pool's policy clock under device selects is the select's: a device cache of one slot
+    over a pool of four, tokens over three layers whose popular experts change halfway, so
+    OppClassLRU's counts must decay and its entries age. Served by device selects alone, or
+    device selects and host-side ones mixed at random on the same cache, every step's outcome is
+    the one host-side calls of a host-lookup cache get, whose clock the calls set."""
+    layout = _layout()
+    layers = layout.moe_layers[:3]
+    rng = np.random.default_rng(11)
+    steps = [
+        (layer, e, "device" if mix == "device" or rng.random() < 0.5 else "host")
+        for token in _phased_tokens(160, layers, seed=5)
+        for layer, e in token
+    ]
+    options = dict(device_experts=1, pool_slots=4, backend=backend, policy=policy)
+    with _pooled(layout, layers[0], lookup="host", **options) as (source, cache):
+        want = _pool_outcomes(cache, source, [(layer, e, "host") for layer, e, _ in steps])
+    assert want.count("hit") > 50 and want.count("read") > 50
+    with _pooled(layout, layers[0], lookup="device", **options) as (source, cache):
+        assert _pool_outcomes(cache, source, steps) == want
+        pool = cache.pool_stats()
+        assert (pool.hits, pool.source_reads) == (want.count("hit"), want.count("read"))
+        assert (pool.resident, pool.evictions) == (4, pool.inserts - 4)

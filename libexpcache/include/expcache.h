@@ -1250,9 +1250,10 @@ EXPCACHE_API expcache_status_t expcache_prefetch_stats_get(const expcache_t* cac
  * first; a hit is copied from RAM, the disk not touched; a pool miss reads the source into the pool
  * (evicting, among the experts no read is copying from, the victim of the cache's policy,
  * config.policy: an instance of its own over the pool's slots, which sees the pool's hits and
- * entries), then copies it on. The pool's policy runs on the clock of the host-side serving calls;
- * a device select's clock lives on the device, so its feed's uses of the pool are timed at the last
- * host-side call's (docs/device_lookup.md, "The host pool"). An expert whose read failed or came
+ * entries), then copies it on. The pool's policy runs on the clock the cache's serving calls run
+ * on, each use timed as the serving call that made it: on a device-lookup cache the device's,
+ * which device selects and host-side calls advance alike, a device select's feed reading its token
+ * with each miss (docs/device_lookup.md, "The host pool"). An expert whose read failed or came
  * short is never entered. The pool is cut into slots of one size when it is first used: the largest
  * expert (its parts each 64-byte aligned) among the layers of such sources registered then; an
  * expert larger than that (a layer registered later) is read past the pool. Prefetches and pinned

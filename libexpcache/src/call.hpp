@@ -21,14 +21,14 @@ struct CallClock {
     PolicyClock policy;          // the token (a call whose layer is not after the last one's starts one)
     int64_t last_layer = -1;
 
-    // A serving call of `layer`, whose rank among the registered layers is `pos`.
-    void open_serving(uint32_t layer, int32_t pos) {
+    // A serving call of `layer` (registered in `layers`).
+    void open_serving(uint32_t layer, const LayerTable& layers) {
         ++call;
         prev = cur;
         cur = call;
         if (last_layer < 0 || static_cast<int64_t>(layer) <= last_layer) ++policy.token;
         last_layer = layer;
-        policy.pos = pos;
+        policy = layers.clock_at(layer, policy.token);
     }
 };
 

@@ -358,8 +358,9 @@ expcache_status_t DeviceLookup::args_for(uint32_t layer, int32_t c, uint32_t cou
     a.slot_of_key = slot_of_key_dev_;
     a.error = error_dev_;
     a.policy = policy_;
-    a.policy.pos = l.rank;
-    a.policy.positions = layers_.registered();
+    const PolicyClock at = layers_.clock_at(layer, 0);  // the token is the device's (DevicePolicyClock)
+    a.policy.pos = at.pos;
+    a.policy.positions = at.positions;
     a.mode = kModeDecode;
     a.open_clock = 1;
     a.host_call = host_call;
@@ -437,6 +438,7 @@ expcache_status_t DeviceLookup::serve(uint32_t layer, int32_t c, const uint32_t*
         tally->hits += t[kTallyHits];
         tally->fills += t[kCountMisses];
         tally->evictions += t[kTallyEvictions];
+        tally->token = static_cast<int32_t>(t[kTallyToken]);
     }
     return EXPCACHE_OK;
 }

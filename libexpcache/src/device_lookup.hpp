@@ -27,6 +27,7 @@ namespace expcache {
 struct ServeTally {
     uint64_t hits = 0, fills = 0, evictions = 0;  // fills: misses given a slot
     bool host_copies = false;  // the layer's source is not the GPU's to read: the host copies the fills
+    int32_t token = 0;         // the device's policy clock token the call ran at (0 under LRU, which keeps none)
 };
 
 // Every class's device counters and residents, read with one copy (DeviceLookup::snapshot).

@@ -137,6 +137,7 @@ bool FeedThreads::issue(Watched& w, std::vector<Job>* out) {
             pool_ && known && entry.expert < layers_[entry.layer].num_experts && !layers_[entry.layer].source.pinned();
         if (rp.counted) {
             const LayerState& l = layers_[entry.layer];
+            pool_->set_clock(layers_.clock_at(entry.layer, entry.token));  // the select's time, as a host-side call's
             rp.lease = pool_->begin(entry.layer, entry.expert, l.key_base + entry.expert, l.bytes);
         }
         rp.failed.store(false, std::memory_order_relaxed);

@@ -104,6 +104,8 @@ int32_t HostPool::take() {
 void HostPool::set_clock(const PolicyClock& clock) {
     if (!policy_) return;
     std::lock_guard<std::mutex> lock(mu_);
+    if (clock.token < clock_.token || (clock.token == clock_.token && clock.pos < clock_.pos)) return;
+    clock_ = clock;
     policy_->set_clock(clock);
 }
 

@@ -12,11 +12,14 @@
 // keys the classes' policies take (LayerState::key_base + expert). A fill entered is a hot insert,
 // a pool hit is a hit, a valid slot freed (evicted, or forgotten with its layer) a remove; a slot
 // being filled is never in the order. The victim is the policy's among the valid slots no reader
-// pins. Its clock is the serving calls' (set_clock at each host-side serving call's open, token 0
-// before the first); a device select's clock lives on the device, so its feed's uses are timed at
-// the last host-side call's: where device selects alone serve, OppClassLRU's counts in the pool
-// never decay and its entries are all of one age, so it (and Duel's side of it) orders them by
-// their count's class, then by recency.
+// pins. Its clock is the one the cache's serving calls run on (set_clock, token 0 before the
+// first): on a host-lookup cache the host-side calls' (each call's open sets it); on a
+// device-lookup cache the device's (kernels/lookup_policy.hpp), which host-side calls and device
+// selects advance alike: a host-side call sets it from the token its select ran at (the select's
+// tally), the feed from the token a device select lists with each miss (feed_protocol.hpp), each
+// before asking the pool, as a host-side call of that layer at that token would
+// (LayerTable::clock_at). Its time never runs back: a clock earlier than the last one set (by
+// token, then pos; selects on streams that overlap) is ignored.
 //
 // Thread-safe (one mutex, the policy's calls under it too): the serving calls' thread and the
 // feed's threads use it at once.
@@ -66,7 +69,9 @@ public:
     bool cut() const;
     uint64_t room() const;
 
-    // The policy's clock from now on (a host-side serving call opened).
+    // The policy's clock from now on (a host-side serving call opened, or a device select's miss
+    // came), unless it is earlier than the clock set last (by token, then pos): the pool's time
+    // never runs back.
     void set_clock(const PolicyClock& clock);
     // A miss of `expert` of `layer` (experts of part_bytes; `key` its policy key, the layer's
     // key_base + expert) about to be read: a hit (the slot pinned until end()), a slot to fill
@@ -113,6 +118,7 @@ private:
     std::vector<Slot> slots_;
     std::vector<int32_t> free_;
     std::unique_ptr<Policy> policy_;  // orders the valid slots (none without a budget)
+    PolicyClock clock_;               // the policy's
     std::unordered_map<uint64_t, int32_t> map_;
     std::vector<uint64_t> gens_;  // per layer (grown as needed)
     uint64_t resident_ = 0;

@@ -10,6 +10,7 @@
 #include "backend/backend.hpp"
 #include "backend/source_file.hpp"
 #include "expcache.h"
+#include "policy/policy.hpp"
 
 namespace expcache {
 
@@ -113,6 +114,13 @@ public:
     std::vector<LayerState>::const_iterator begin() const { return layers_.begin(); }
     std::vector<LayerState>::const_iterator end() const { return layers_.end(); }
     int32_t registered() const { return registered_; }
+    // The policy clock of a serving call of registered layer `layer` at `token`: pos the layer's
+    // rank among the registered layers, positions their number. A host-side call's
+    // (CallClock::open_serving), and a device select's where the host times its uses (the feed's
+    // of the host pool).
+    PolicyClock clock_at(uint32_t layer, int32_t token) const {
+        return PolicyClock{token, layers_[layer].rank, registered_};
+    }
     // Distinct part sizes among the registered layers: the classes the layout needs.
     size_t size_classes() const;
 

@@ -98,9 +98,11 @@ expcache_status_t Cache::open_call(ServeCall& call, const uint32_t* ids, uint64_
     if (s == EXPCACHE_OK) s = begin_call(call.stream, true);
     if (s == EXPCACHE_OK) s = bind_class(layer, call.path, &call.c);
     if (s != EXPCACHE_OK) return s;
-    clock_.open_serving(layer, layers_[layer].rank);
+    clock_.open_serving(layer, layers_);
     classes_.open_call(call.c, call.path, clock_.call, clock_.policy);
-    pool_.set_clock(clock_.policy);  // the pool's policy runs on the serving calls' clock too
+    // The pool's policy runs on the serving calls' clock too; on a device-lookup cache on the
+    // device's, which device selects advance as well (fill_on_device sets it).
+    if (!lookup_.enabled()) pool_.set_clock(clock_.policy);
     call.layer = &layers_[layer];
     call.layer->prefetched = 0;  // the layer's prefetches are answered: a new limit for the next ones
     call.cls = &classes_[call.c];

@@ -100,10 +100,13 @@ expcache_status_t Cache::fill_on_device(ServeCall& call, BatchState* batch, uint
     scratch.filled.assign(n, 0);
     ServeTally t;
     expcache_status_t s = EXPCACHE_OK;
-    if (lookup_.ready(call.c))  // else a class of cap 0: no slot, everything served from staging
+    if (lookup_.ready(call.c)) {  // else a class of cap 0: no slot, everything served from staging
         s = lookup_.serve(call.layer_index, call.c, scratch.unique.data(), n, mode, call.stream, scratch.slots.data(),
                           scratch.filled.data(), &t);
-    if (s != EXPCACHE_OK) return s;
+        if (s != EXPCACHE_OK) return s;
+        // The pool times the call's uses by the device's policy clock, which device selects advance too.
+        pool_.set_clock(layers_.clock_at(call.layer_index, t.token));
+    }
     scratch.pending.clear();
     for (uint32_t j = 0; j < n; ++j) {
         const int32_t slot = scratch.slots[j];

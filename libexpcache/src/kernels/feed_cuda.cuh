@@ -29,14 +29,17 @@ __device__ inline void open(const DeviceFeed& f) {
     *f.failed_n = 0;
 }
 
-// The leader's thread 0: miss m (expert `expert` of `layer`) listed for the feed threads, its
-// chunk counters reset first (no block looks at them before the miss is published).
-__device__ inline void list(const DeviceFeed& f, uint32_t layer, uint32_t expert, uint32_t m, uint64_t done) {
+// The leader's thread 0: miss m (expert `expert` of `layer`, the select's policy token `token`)
+// listed for the feed threads, its chunk counters reset first (no block looks at them before the
+// miss is published).
+__device__ inline void list(const DeviceFeed& f, uint32_t layer, uint32_t expert, int32_t token, uint32_t m,
+                            uint64_t done) {
     f.claim[m] = 0;
     f.completed[m] = 0;
-    volatile uint32_t* e = &f.box->entry[m].layer;
-    e[0] = layer;
-    e[1] = expert;
+    volatile FeedEntry* e = &f.box->entry[m];
+    e->layer = layer;
+    e->expert = expert;
+    e->token = token;
     SysWord(f.box->listed).store(done | (m + 1), cuda::memory_order_release);
 }
 

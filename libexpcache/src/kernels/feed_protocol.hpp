@@ -3,11 +3,13 @@
 // feed threads (feed.hpp) hand them over through mapped pinned memory, with no host call between
 // them, so the whole select, disk reads included, is one kernel node a graph replays.
 //
-//   1. The select's leader gives a miss its slot and writes (layer, expert) into the class's
-//      FeedBox entry m, then `listed` = the select's number << kPublishShift | m + 1 (a
-//      system-scope release: the host reads it).
+//   1. The select's leader gives a miss its slot and writes (layer, expert, the select's policy
+//      token) into the class's FeedBox entry m, then `listed` = the select's number <<
+//      kPublishShift | m + 1 (a system-scope release: the host reads it).
 //   2. The feed's poller sees `listed` grow and, once row r = m % kFeedRows is free (`consumed[r]`
-//      holds the tag of the miss it last carried), hands each piece of the expert (each part cut
+//      holds the tag of the miss it last carried), sets the host pool's clock to the entry's time
+//      (host_pool.hpp: that of a host-side call of the layer at the token) before it asks the pool
+//      about the miss, and hands each piece of the expert (each part cut
 //      into pieces of DeviceFeed::piece bytes) to the reader threads, which read the pieces in
 //      parallel into the row, each piece in its own region, at `delta` past the region's start
 //      (an O_DIRECT read lands whole aligned blocks), and store the piece's `ready` word = the
@@ -58,6 +60,7 @@ constexpr uint64_t kFeedChunk = 16 * 1024;
 struct FeedEntry {
     uint32_t layer;
     uint32_t expert;
+    int32_t token;  // the select's policy clock token (DevicePolicyClock; 0 under LRU, which keeps none)
 };
 
 // One class's mailbox, in mapped pinned memory: the device writes `listed`, `entry` and

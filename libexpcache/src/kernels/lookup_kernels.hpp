@@ -60,10 +60,12 @@ enum SelectMode : uint32_t {
     kModeAppend = 2,
 };
 
-// What a host-side call's select writes for it beside the slots (DeviceSelectArgs::out_counts).
+// What a host-side call's select writes for it beside the slots (DeviceSelectArgs::out_counts):
+// its hits, its evictions, and the token of the policy clock it ran at (0 under LRU).
 constexpr int kTallyHits = 2;
 constexpr int kTallyEvictions = 3;
-constexpr int kTallyWords = 4;
+constexpr int kTallyToken = 4;
+constexpr int kTallyWords = 5;
 
 // The first id out of range since the host last looked (set != 0).
 struct DeviceError {
@@ -114,7 +116,8 @@ struct DeviceSelectArgs {
     uint32_t count;    // n * k, 1..EXPCACHE_MAX_SELECT
     int32_t* out_slots;
     // nullptr, or [kCountDistinct] and [kCountMisses] of this call; a host-side call's (host_call)
-    // also [kTallyHits] and [kTallyEvictions], and the call's counters are not added on the device.
+    // also [kTallyHits], [kTallyEvictions] and [kTallyToken], and the call's counters are not added
+    // on the device.
     uint32_t* out_counts;
     uint32_t mode;        // SelectMode
     uint32_t host_call;   // 1: a host-side serving call (DeviceLookup::serve)

@@ -117,7 +117,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
             ++misses;
             slot_at[i] = v;
             if (a.copy) {  // the miss list's entry is written: the copy may start
-                if (a.fed) feed_cuda::list(c.feed, a.layer, keys[i] - a.key_base, misses - 1, done);
+                if (a.fed) feed_cuda::list(c.feed, a.layer, keys[i] - a.key_base, now.token, misses - 1, done);
                 __threadfence();
                 DeviceWord(c.handoff->published).fetch_max(done | misses, cuda::memory_order_release);
             }
@@ -132,7 +132,7 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
     }
     if (tid == 0) {
         *c.miss_count = misses;
-        write_counts(a, distinct, misses, hits, evictions);
+        write_counts(a, distinct, misses, hits, evictions, now.token);
         if (a.host_call) return;  // counted by the call, on its path
         // Reductions without a result: nothing waits for them (the next select is stream-ordered).
         DeviceCounters& n = *c.counters;

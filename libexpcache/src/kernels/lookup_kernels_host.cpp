@@ -25,9 +25,9 @@ public:
             serve_from_table(a);
             return EXPCACHE_OK;
         }
-        lookup(a);
+        const PolicyNow now = lookup(a);
         if (a.copy && a.fed)
-            feed(a);
+            feed(a, now.token);
         else if (a.copy)
             copy(a);
         return EXPCACHE_OK;
@@ -104,7 +104,7 @@ private:
             for (uint32_t i = 0; i < a.count; ++i)
                 if (first_[i]) duel_request(a, keys_[i], base + i, list_of_[i], now);
         *c.miss_count = 0;
-        write_counts(a, distinct, 0, distinct, 0);
+        write_counts(a, distinct, 0, distinct, 0, now.token);
         if (!a.host_call) {
             c.counters->calls++;
             c.counters->hits += distinct;
@@ -112,7 +112,8 @@ private:
         }
     }
 
-    void lookup(const DeviceSelectArgs& a) {
+    // The select's time (its policy clock, opened) for the feed.
+    PolicyNow lookup(const DeviceSelectArgs& a) {
         const DeviceClass& c = a.cls;
         const uint64_t base = select_base(c.handoff->selects++);
         const PolicyNow now = open_select(a);
@@ -170,8 +171,8 @@ private:
         if (a.out_filled)
             for (uint32_t i = 0; i < a.count; ++i) a.out_filled[i] = a.out_slots[i] >= 0 && filled_[first_[i]];
         write_counts(a, static_cast<uint32_t>(distinct), static_cast<uint32_t>(misses), static_cast<uint32_t>(hits),
-                     static_cast<uint32_t>(evictions));
-        if (a.host_call) return;  // counted by the call, on its path
+                     static_cast<uint32_t>(evictions), now.token);
+        if (a.host_call) return now;  // counted by the call, on its path
         DeviceCounters& n = *c.counters;
         n.calls++;
         n.hits += hits;
@@ -179,6 +180,7 @@ private:
         n.evictions += evictions;
         n.appends += misses - evictions;
         n.bytes_h2d += misses * a.expert_bytes();
+        return now;
     }
 
     // duel: a request both shadows see (each a hit, or a fill of a new slot or of its victim), then the vote.
@@ -212,15 +214,16 @@ private:
     }
 
     // The select's misses through the class's feed (feed_protocol.hpp), as the CUDA grid takes
-    // them: all listed at once (the feed threads read up to kFeedRows together), each piece copied
-    // out of its row when ready; the failed misses' slots freed at the end.
-    static void feed(const DeviceSelectArgs& a) {
+    // them: all listed at once with the select's policy token (the feed threads read up to
+    // kFeedRows together), each piece copied out of its row when ready; the failed misses' slots
+    // freed at the end.
+    static void feed(const DeviceSelectArgs& a, int32_t token) {
         const DeviceClass& c = a.cls;
         const DeviceFeed& f = c.feed;
         const uint32_t n = *c.miss_count;
         if (n == 0) return;
         const uint64_t done = ++c.handoff->ticket << kPublishShift;  // the host backend's select number
-        for (uint32_t m = 0; m < n; ++m) f.box->entry[m] = FeedEntry{a.layer, c.misses[m].expert};
+        for (uint32_t m = 0; m < n; ++m) f.box->entry[m] = FeedEntry{a.layer, c.misses[m].expert, token};
         __atomic_store_n(&f.box->listed, done | n, __ATOMIC_RELEASE);
         std::vector<int32_t> failed;
         for (uint32_t m = 0; m < n; ++m) {

@@ -54,15 +54,17 @@ EXPCACHE_HOST_DEVICE inline void report_bad_id(const DeviceSelectArgs& a, uint32
 }
 
 // What a select writes of its own counts (DeviceSelectArgs::out_counts, when asked for): its
-// distinct ids in range and its misses; a host-side call's also its hits and evictions.
+// distinct ids in range and its misses; a host-side call's also its hits, evictions and the
+// token of the policy clock it ran at (PolicyNow::token).
 EXPCACHE_HOST_DEVICE inline void write_counts(const DeviceSelectArgs& a, uint32_t distinct, uint32_t misses,
-                                              uint32_t hits, uint32_t evictions) {
+                                              uint32_t hits, uint32_t evictions, int32_t token) {
     if (!a.out_counts) return;
     a.out_counts[kCountDistinct] = distinct;
     a.out_counts[kCountMisses] = misses;
     if (!a.host_call) return;
     a.out_counts[kTallyHits] = hits;
     a.out_counts[kTallyEvictions] = evictions;
+    a.out_counts[kTallyToken] = static_cast<uint32_t>(token);
 }
 
 // Whether the policy keeps OppClassLRU's lists (and so counts its keys' uses).

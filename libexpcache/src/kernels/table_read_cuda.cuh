@@ -158,7 +158,7 @@ __device__ inline void serve(const DeviceSelectArgs& a, const uint32_t* keys, co
     if (tid == 0) {
         const uint32_t hits = *distinct;
         *c.miss_count = 0;
-        write_counts(a, hits, 0, hits, 0);
+        write_counts(a, hits, 0, hits, 0, now.token);
         auto add = [](uint64_t* to, uint64_t v) { atomicAdd(reinterpret_cast<unsigned long long*>(to), v); };
         if (!a.host_call) {
             add(&c.counters->calls, 1);
