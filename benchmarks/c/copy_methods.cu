@@ -5,7 +5,8 @@
 //    up and down tensors, as in a GGUF file): one cudaMemcpyAsync per part; one
 //    cudaMemcpyBatchAsync per call; one gather kernel per call that reads the parts through
 //    the mapped pinned memory (the SMs pull the bytes over the link instead of a copy engine);
-//    and, as the reference, one cudaMemcpyAsync per expert of contiguous bytes.
+//    the same gather by the TMA's bulk copies through shared memory; and, as the reference, one
+//    cudaMemcpyAsync per expert of contiguous bytes.
 // 2. A pageable source: the driver's own staging, one copy per expert or one batch per call.
 // 3. What the caller pays to hand staged pieces to the link: a batch of copies, and an event per
 //    piece or one per batch behind it (host time).
@@ -88,6 +89,77 @@ __global__ void gather(GatherJobs jobs) {
         }
         for (; i < n; i += stride) d[i] = load(s + i);
     }
+}
+
+// The same gather by the TMA's bulk copies (sm_90): each block's thread 0 moves its chunks of
+// kChunk bytes (chunk c of the call's bytes for c = block, block + grid, ...) from the source
+// into shared memory, kStages at once, each load completing on an mbarrier, and from there to
+// the destination: the copy engine of the SM asks the link for whole chunks instead of the
+// threads' 16-byte loads.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#endif
+
+template <int kChunk, int kStages>
+__global__ void gather_tma(GatherJobs jobs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __shared__ alignas(128) unsigned char buf[kStages][kChunk];
+    __shared__ alignas(8) unsigned long long bar[kStages];
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bar[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // This block's chunks, in order: (job, offset) advanced by gridDim.x chunks at a time.
+    int job = 0;
+    unsigned long long at = (unsigned long long)blockIdx.x * kChunk;
+    auto next = [&](const unsigned char*& src, unsigned char*& dst, unsigned& bytes) {
+        while (job < jobs.count && at >= jobs.n16[job] * 16) {
+            at -= jobs.n16[job] * 16;
+            ++job;
+        }
+        if (job >= jobs.count) return false;
+        const unsigned long long left = jobs.n16[job] * 16 - at;
+        bytes = static_cast<unsigned>(left < kChunk ? left : kChunk);
+        src = reinterpret_cast<const unsigned char*>(jobs.src[job]) + at;
+        dst = reinterpret_cast<unsigned char*>(jobs.dst[job]) + at;
+        at += (unsigned long long)gridDim.x * kChunk;
+        return true;
+    };
+    for (unsigned phase = 0;; phase ^= 1) {
+        unsigned char* dst[kStages];
+        unsigned bytes[kStages];
+        int issued = 0;
+        for (; issued < kStages; ++issued) {
+            const unsigned char* src;
+            if (!next(src, dst[issued], bytes[issued])) break;
+            const unsigned b = smem_addr(&bar[issued]);
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes[issued])
+                         : "memory");
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                    smem_addr(buf[issued])),
+                "l"(src), "r"(bytes[issued]), "r"(b)
+                : "memory");
+        }
+        for (int s = 0; s < issued; ++s) {
+            unsigned done = 0;
+            while (!done)
+                asm volatile(
+                    "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.b32 %0, 1, 0, p; }"
+                    : "=r"(done)
+                    : "r"(smem_addr(&bar[s])), "r"(phase)
+                    : "memory");
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst[s]),
+                         "r"(smem_addr(buf[s])), "r"(bytes[s])
+                         : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the buffers are free again
+        if (issued < kStages) break;
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
 }
 
 double seconds() {
@@ -192,6 +264,39 @@ void pinned_table(double gib) {
             std::snprintf(name, sizeof name, run.prefetch256 ? "gather L2::256B, %d blk" : "gather kernel, %d blocks",
                           run.blocks);
             std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, name, g, 100 * g / ref);
+        }
+        // The TMA's bulk copies: chunk bytes x stages in flight per block.
+        const struct {
+            int chunk, stages, blocks;
+        } tma[] = {{8192, 4, 132}, {8192, 4, 264}, {8192, 4, 528}, {16384, 2, 264}, {4096, 8, 264}, {16384, 2, 528}};
+        for (const auto& run : tma) {
+            CHECK(cudaMemsetAsync(dev, 0, expert * experts, stream));
+            const double g = time_calls(calls, call_bytes, stream, [&](int c) {
+                GatherJobs jobs{};
+                for (int e = c * k; e < c * k + k; ++e)
+                    for (int p = 0; p < 3; ++p, ++jobs.count) {
+                        jobs.src[jobs.count] = reinterpret_cast<const uint4*>(src_part(e, p));
+                        jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
+                        jobs.n16[jobs.count] = L.part[p] / 16;
+                    }
+                if (run.chunk == 8192)
+                    gather_tma<8192, 4><<<run.blocks, 32, 0, stream>>>(jobs);
+                else if (run.chunk == 16384)
+                    gather_tma<16384, 2><<<run.blocks, 32, 0, stream>>>(jobs);
+                else
+                    gather_tma<4096, 8><<<run.blocks, 32, 0, stream>>>(jobs);
+                CHECK(cudaGetLastError());
+            });
+            char name[64];
+            std::snprintf(name, sizeof name, "TMA %dK x%d, %d blk", run.chunk >> 10, run.stages, run.blocks);
+            std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, name, g, 100 * g / ref);
+            std::vector<char> got(expert * experts);
+            CHECK(cudaMemcpy(got.data(), dev, got.size(), cudaMemcpyDeviceToHost));
+            size_t bad = 0;
+            for (int e = 0; e < calls * k; ++e)  // the experts the calls moved
+                for (int p = 0; p < 3; ++p)
+                    bad += std::memcmp(got.data() + (dst_part(e, p) - dev), src_part(e, p), L.part[p]) != 0;
+            if (bad) std::printf("MISMATCH: %zu parts differ after %s\n", bad, name);
         }
         // The gather kernel's bytes must be the source's.
         std::vector<char> back(expert);
