@@ -71,8 +71,11 @@ def test_mxfp4_experts_served_bit_identical(kernel):
     assert torch.equal(served_tokens, tokens)
     assert torch.equal(served_logits, logits)
     assert stats.misses > 0 and stats.evictions > 0  # the budget made the cache work
-    # closed: the module computes by itself again (from the host copies: moved back, as offload says)
+    # closed: the module computes by itself again, its weights and scales moved back to the GPU
     assert "forward" not in vars(find_experts(model)[0].module)
+    assert find_experts(model)[0].weights[0].device.type == "cuda"
+    again_tokens, again_logits = greedy(model)
+    assert torch.equal(again_tokens, tokens) and torch.equal(again_logits, logits)
 
 
 @cuda_only

@@ -58,6 +58,14 @@ def _storage(module: torch.nn.Module, name: str) -> torch.Tensor:
     return getattr(module, name).storage.data
 
 
+def _set_storage(module: torch.nn.Module, name: str, data: torch.Tensor) -> None:
+    """Weight or scale ``name`` of :data:`TENSORS` made to hold ``data`` (its format)."""
+    if name.endswith("_scale"):
+        getattr(module, name.removesuffix("_scale") + "_precision_config").weight_scale.storage.data = data
+    else:
+        getattr(module, name).storage.data = data
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill one block of memory with no gap or overlap, in any order."""
     expected = 1
@@ -140,12 +148,20 @@ class Mxfp4Layer:
         for name, rows in zip(TENSORS, held):
             if name.endswith("_bias"):
                 continue
+            _set_storage(m, name, _like(_storage(m, name), rows, self.num_experts))
+
+    def restore(self) -> None:
+        """The weights and scales moved back where the biases are (where the model computes), in
+        their layouts: the module computes by itself again (``Offloaded.close``)."""
+        m = self.module
+        device = m.gate_up_proj_bias.device
+        for name in TENSORS:
             data = _storage(m, name)
-            host = _like(data, rows, self.num_experts)
-            if name.endswith("_scale"):
-                getattr(m, name.removesuffix("_scale") + "_precision_config").weight_scale.storage.data = host
-            else:
-                getattr(m, name).storage.data = host
+            if name.endswith("_bias") or data.device == device:
+                continue
+            moved = torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device=device)
+            moved.copy_(data)
+            _set_storage(m, name, moved)
 
 
 def _slot_routing(hub):

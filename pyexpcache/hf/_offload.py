@@ -97,7 +97,9 @@ class Offloaded:
 
     :meth:`close` (idempotent; also on leaving a ``with`` block) restores the model's previous
     experts implementation and closes the caches. The experts' weights stay in host memory: on a
-    GPU, move them back (``model.to("cuda")``) before running the model without expcache.
+    GPU, move them back (``model.to("cuda")``) before running the model without expcache. MXFP4
+    experts' weights and scales (triton_kernels tensors, which ``model.to`` does not move) are
+    moved back by :meth:`close`.
     """
 
     def __init__(
@@ -194,6 +196,9 @@ class Offloaded:
             config._experts_implementation_internal = value
         for module in self._modules:
             unserve(module)
+        for e in self._experts:
+            if isinstance(e, Mxfp4Layer):  # triton tensors, which model.to() does not move
+                e.restore()
         self.model.__dict__.pop("_optimize_model_for_decode", None)
         for key, cache in zip(self._keys, self.caches):
             forget_cache(key)
