@@ -2,6 +2,8 @@
 shards (the experts of one layer spread over files), loaded with their experts never in host
 memory and served from the files: tokens and logits bit-identical to the checkpoint loaded whole."""
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="pyexpcache.hf needs torch (pip install expcache[hf])")
@@ -136,6 +138,19 @@ def test_refusals_name_the_reason(tmp_path):
         offload_pretrained(path)
     with pytest.raises(ValueError, match="no safetensors checkpoint"):
         offload_pretrained(tmp_path / "nowhere", budget_fraction=0.5)
+
+
+def test_an_mxfp4_checkpoint_is_refused_with_the_reason(tmp_path):
+    """An MXFP4 checkpoint's files hold the experts unswizzled, and the GPU's matmul reads them
+    swizzled: refused before anything is loaded, naming the way that serves it."""
+    path = _checkpoint(tmp_path, "gpt_oss")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"MXFP4 checkpoint's experts are stored unswizzled .* pyexpcache\.hf\.offload"
+    ):
+        offload_pretrained(path, budget_fraction=0.5)
 
 
 def test_a_tensor_transformers_would_transpose_is_refused_with_its_name():
