@@ -95,6 +95,18 @@ def test_mxfp4_graph_decoder_captures_the_served_step(kernel):
 
 
 @cuda_only
+def test_mxfp4_budget_auto(kernel):
+    """budget="auto" sizes the cache around the model with its dry step through the MXFP4
+    experts; the tokens are the unmodified model's."""
+    model = mxfp4_model(seed=2)
+    tokens, _ = greedy(model)
+    with offload(model, budget="auto", max_len=32) as handle:
+        assert handle.auto_budget is not None and handle.auto_budget.budget_bytes > 0
+        served, _ = greedy(model)
+    assert torch.equal(served, tokens)
+
+
+@cuda_only
 def test_mxfp4_banks_hold_every_tensor_byte_for_byte(kernel):
     """Each of an expert's six tensors, at its slot in its part, holds the bytes the GPU held for
     it before offload (weights and scales as swizzled, biases as float32)."""
