@@ -126,7 +126,12 @@ def test_prepare_records_the_sums_of_the_bytes_it_wrote(model):
     assert (decode == np.stack([trace.layer_ids(layer) for layer in LAYERS], axis=1)).all()
 
 
-SOURCES = {"direct": ["--reads", "direct"], "buffered": ["--reads", "buffered"], "pinned": ["--source", "pinned"]}
+SOURCES = {
+    "direct": ["--reads", "direct"],
+    "buffered": ["--reads", "buffered"],
+    "pinned": ["--source", "pinned"],
+    "direct, bank of parts": ["--reads", "direct", "--bank", "parts"],  # a region per part, as ggml's tensors
+}
 
 
 @pytest.mark.parametrize("source", SOURCES.values(), ids=SOURCES.keys())
@@ -136,6 +141,7 @@ def test_every_expert_read_is_the_recorded_one(engine, model, source):
     device select and the host select miss the same experts."""
     proc, res = run(engine, model, *source, "--policy", "lru")
     assert res["ok"] and res["backend"] == "host" and res["tokens"] == 37
+    assert res["bank"] == ("parts" if "parts" in source else "slots")
     prompt, decode = read_routing(model)
     requests = sum(len({*decode[t : t + n, li].ravel()}) for t, n in steps(37) for li in range(len(LAYERS)))
     loops = res["loops"]
@@ -211,10 +217,15 @@ def test_a_truncated_model_is_refused_with_the_reason(engine, model, tmp_path):
 
 
 @pytest.mark.skipif(not CUDA_OK, reason=CUDA_REASON)
-@pytest.mark.parametrize("source", [["--reads", "direct"], ["--source", "pinned"]], ids=["file", "pinned"])
+@pytest.mark.parametrize(
+    "source",
+    [["--reads", "direct"], ["--source", "pinned"], ["--reads", "direct", "--bank", "parts"]],
+    ids=["file", "pinned", "file, bank of parts"],
+)
 def test_on_the_gpu_the_graph_loop_reads_every_expert_in_place(engine, model, source):
     _, res = run(engine, model, "--backend", "cuda", "--policy", "lru", *source)
     assert res["backend"] == "cuda" and res["ok"]
+    assert res["bank"] == ("parts" if "parts" in source else "slots")
     graph, gather = res["loops"]["graph"], res["loops"]["gather"]
     assert graph["bad"] == gather["bad"] == graph["no_slot"] == 0
     assert graph["d2d_bytes"] == graph["gather_bytes"] == 0

@@ -3,7 +3,8 @@
  * llama.cpp read experts (docs/engines.md): the routed experts of a GGUF file stay on disk (or in
  * pinned host memory the engine fills itself), the cache keeps the hot ones in a bank per size
  * class, and one kernel per layer reads each selected expert's quantized blocks as bytes at
- * bank.base + slot * bank.slot_stride + part offset, with no gather. The kernel is a memory-bound
+ * the bank's part base + slot * part stride (--bank slots: an expert's parts in one slot; --bank
+ * parts: a region per part, as ggml's expert tensors are), with no gather. The kernel is a memory-bound
  * stand-in for the GEMVs: it reduces every byte of every selected expert into a per-part sum,
  * which the engine checks against the sums prepare.py recorded when it made the bytes.
  *
@@ -106,6 +107,7 @@ struct Options {
     std::string dir, model, routing, sums, json;
     bool pinned_source = false; /* --source pinned: the engine reads the experts into pinned memory */
     bool direct_reads = true;   /* --reads direct (O_DIRECT) or buffered */
+    bool parts_bank = false;    /* --bank parts: a region per tensor, as ggml's expert tensors are */
     int backend = -1;           /* -1 auto, else EXPCACHE_BACKEND_HOST or _CUDA */
     double budget_gib = 0;      /* the cache's budget; 0: budget_frac of the model's experts */
     double budget_frac = 0.15;
@@ -124,6 +126,8 @@ static void usage(FILE* to) {
             "  --source file|pinned     experts read from the file by the cache (default), or read into pinned\n"
             "                           host memory by the engine first and registered as pinned sources\n"
             "  --reads direct|buffered  the cache's file reads: O_DIRECT (default) or through the page cache\n"
+            "  --bank slots|parts       each class's bank: an expert's parts in one slot (default), or a region\n"
+            "                           per part, each [rows, part] (a tensor per part, as ggml's are)\n"
             "  --backend auto|host|cuda the library's backend (auto: CUDA when a device is usable)\n"
             "  --budget-gib X           the cache's budget (default: --budget-frac of the experts' bytes)\n"
             "  --budget-frac F          default 0.15\n"
@@ -156,6 +160,10 @@ static Options parse_options(int argc, char** argv) {
             std::string v = value();
             if (v != "file" && v != "pinned") fatal("--source file|pinned, not %s", v.c_str());
             o.pinned_source = v == "pinned";
+        } else if (a == "--bank") {
+            std::string v = value();
+            if (v != "slots" && v != "parts") fatal("--bank slots|parts, not %s", v.c_str());
+            o.parts_bank = v == "parts";
         } else if (a == "--reads") {
             std::string v = value();
             if (v != "direct" && v != "buffered") fatal("--reads direct|buffered, not %s", v.c_str());
@@ -298,11 +306,11 @@ static Sums load_sums(const std::string& path) {
 /* The expert-reading kernel: the GEMVs' stand-in                          */
 /* ---------------------------------------------------------------------- */
 
-/* Where a layer's selected experts are: entry i's part p at base + slots[i] * stride + off[p]. */
+/* Where a layer's selected experts are: entry i's part p at base[p] + slots[i] * stride[p] (one
+   slot's parts side by side, or a region per part: the bank's arrangement). */
 struct Geometry {
-    const uint8_t* base;
-    uint64_t stride;
-    uint64_t off[3];
+    const uint8_t* base[3];
+    uint64_t stride[3];
     uint64_t bytes[3];
 };
 
@@ -322,7 +330,7 @@ __global__ void expert_sums_kernel(Geometry g, const int32_t* slots, uint32_t co
         if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(out, (unsigned long long)kNoSlot);
         return;
     }
-    const uint8_t* p = g.base + (uint64_t)slot * g.stride + g.off[part];
+    const uint8_t* p = g.base[part] + (uint64_t)slot * g.stride[part];
     const uint64_t end = start + kChunk < bytes ? start + kChunk : bytes;
     const uint64_t vend = start + ((end - start) & ~15ull);
     unsigned long long acc = 0;
@@ -351,7 +359,7 @@ static void expert_sums_host(const Geometry& g, const int32_t* slots, uint32_t c
                 sums[i * 3 + p] += kNoSlot;
                 continue;
             }
-            const uint8_t* src = g.base + (uint64_t)slots[i] * g.stride + g.off[p];
+            const uint8_t* src = g.base[p] + (uint64_t)slots[i] * g.stride[p];
             uint64_t acc = 0, j = 0;
             for (; j + 4 <= g.bytes[p]; j += 4) {
                 uint32_t w;
@@ -588,6 +596,7 @@ static expcache_t* make_cache(Engine& e, bool device_lookup) {
     cfg.lookup = device_lookup ? EXPCACHE_LOOKUP_DEVICE : EXPCACHE_LOOKUP_HOST;
     cfg.environment = EXPCACHE_ENVIRONMENT_IGNORE; /* the engine's settings are the cache's */
     cfg.file_reads = e.opt.direct_reads ? EXPCACHE_FILE_READS_DIRECT : EXPCACHE_FILE_READS_BUFFERED;
+    cfg.bank_arrangement = e.opt.parts_bank ? EXPCACHE_BANK_PARTS : EXPCACHE_BANK_SLOTS;
     cfg.log_level = e.opt.verbose ? EXPCACHE_LOG_DEBUG : EXPCACHE_LOG_NOTICE;
     if (e.opt.policy >= 0) cfg.policy = (uint32_t)e.opt.policy;
     expcache_t* cache = nullptr;
@@ -622,12 +631,13 @@ static expcache_t* make_cache(Engine& e, bool device_lookup) {
         expcache_bank_t b;
         b.struct_size = sizeof b;
         EC(expcache_class_bank_get(cache, L.cls, &b));
-        L.bank = {(const uint8_t*)b.base,
-                  b.slot_stride,
-                  {b.gate_offset, b.up_offset, b.down_offset},
-                  {b.gate_bytes, b.up_bytes, b.down_bytes}};
-        if (((uintptr_t)b.base | b.slot_stride | b.gate_offset | b.up_offset | b.down_offset) % 16)
-            fatal("class %u's bank is not 16-byte aligned (the kernel's loads)", L.cls);
+        for (int p = 0; p < 3; ++p) {
+            L.bank.base[p] = (const uint8_t*)b.base + b.part_offset[p];
+            L.bank.stride[p] = b.part_stride[p];
+            L.bank.bytes[p] = b.part_bytes[p];
+            if (((uintptr_t)L.bank.base[p] | L.bank.stride[p]) % 16)
+                fatal("class %u's bank is not 16-byte aligned (the kernel's loads)", L.cls);
+        }
     }
     return cache;
 }
@@ -846,15 +856,32 @@ static void graph_loop(Engine& e, LoopResult& r) {
 /* The gather loop: host select, a compact table per layer                 */
 /* ---------------------------------------------------------------------- */
 
+/* The compact table's rows for a layer (the table at `table`): laid out as its bank's slot where
+   the bank keeps a slot's parts side by side, else its parts side by side, each 256-byte aligned. */
+static Geometry table_rows(const Geometry& bank, const uint8_t* table) {
+    const bool slots = bank.stride[0] == bank.stride[1] && bank.stride[1] == bank.stride[2] &&
+                       bank.base[0] <= bank.base[1] && bank.base[1] <= bank.base[2] &&
+                       (uint64_t)(bank.base[2] - bank.base[0]) < bank.stride[0];
+    Geometry g = bank;
+    uint64_t at = 0;
+    for (int p = 0; p < 3; ++p) {
+        g.base[p] = table + (slots ? (uint64_t)(bank.base[p] - bank.base[0]) : at);
+        at += (bank.bytes[p] + 255) / 256 * 256;
+    }
+    for (int p = 0; p < 3; ++p) g.stride[p] = slots ? bank.stride[0] : at;
+    return g;
+}
+
 static void gather_loop(Engine& e, LoopResult& r) {
     const uint32_t L = L_of(e), k = e.rt.k;
     expcache_t* cache = make_cache(e, false);
     prefill(e, cache, r);
 
-    /* The compact table: max_entries rows laid out as a bank slot (the same stride and part offsets,
-       so one copy per expert when its parts are contiguous), and the rows the kernel reads: 0..n*k-1. */
+    /* The compact table: max_entries rows laid out as a bank slot (table_rows: with a bank of slots
+       the same stride and part offsets, so one copy per expert when its parts are contiguous), and
+       the rows the kernel reads: 0..n*k-1. */
     uint64_t row_bytes = 0;
-    for (const Layer& Ly : e.layers) row_bytes = std::max(row_bytes, Ly.bank.stride);
+    for (const Layer& Ly : e.layers) row_bytes = std::max(row_bytes, table_rows(Ly.bank, nullptr).stride[0]);
     uint8_t* table = (uint8_t*)backend_alloc(e, cudaMalloc, row_bytes * e.max_entries);
     std::vector<int32_t> rows(e.max_entries);
     for (uint32_t i = 0; i < e.max_entries; ++i) rows[i] = (int32_t)i;
@@ -875,19 +902,17 @@ static void gather_loop(Engine& e, LoopResult& r) {
             const size_t at = (size_t)li * count;
             EC(expcache_select_ids_async(cache, Ly.file.layer, e.step_ids + s.ids_at + at, 32, count, e.stream,
                                          ptrs.data()));
-            Geometry g = Ly.bank;
-            g.base = table;
-            const uint64_t span = g.off[2] + g.bytes[2] - g.off[0];
+            const Geometry g = table_rows(Ly.bank, table);
+            const uint64_t up_at = g.base[1] - g.base[0], down_at = g.base[2] - g.base[0];
             for (uint32_t i = 0; i < count; ++i) {
-                uint8_t* row = table + (uint64_t)i * g.stride;
+                uint8_t* row = table + (uint64_t)i * g.stride[0];
                 const uint8_t* gate = (const uint8_t*)ptrs[i].gate;
-                if ((const uint8_t*)ptrs[i].up == gate + (g.off[1] - g.off[0]) &&
-                    (const uint8_t*)ptrs[i].down == gate + (g.off[2] - g.off[0])) {
-                    copy_async(e, row + g.off[0], gate, span); /* one copy per expert */
-                    r.gather_bytes += span;
+                if ((const uint8_t*)ptrs[i].up == gate + up_at && (const uint8_t*)ptrs[i].down == gate + down_at) {
+                    copy_async(e, row, gate, down_at + g.bytes[2]); /* one copy per expert */
+                    r.gather_bytes += down_at + g.bytes[2];
                 } else {
                     const void* src[3] = {ptrs[i].gate, ptrs[i].up, ptrs[i].down};
-                    for (int p = 0; p < 3; ++p) copy_async(e, row + g.off[p], src[p], g.bytes[p]);
+                    for (int p = 0; p < 3; ++p) copy_async(e, row + (g.base[p] - table), src[p], g.bytes[p]);
                     r.gather_bytes += g.bytes[0] + g.bytes[1] + g.bytes[2];
                 }
             }
@@ -958,9 +983,11 @@ static void print_table(const Engine& e, const LoopResult* loops, int n) {
 static void write_json(const Engine& e, const LoopResult* loops, int n, bool ok) {
     FILE* f = fopen(e.opt.json.c_str(), "w");
     if (!f) fatal("%s: %s", e.opt.json.c_str(), strerror(errno));
-    fprintf(f, "{\"backend\": \"%s\", \"source\": \"%s\", \"reads\": \"%s\", \"layers\": %u, \"classes\": %u,\n",
+    fprintf(f,
+            "{\"backend\": \"%s\", \"source\": \"%s\", \"reads\": \"%s\", \"bank\": \"%s\", \"layers\": %u, "
+            "\"classes\": %u,\n",
             e.cuda ? "cuda" : "host", e.opt.pinned_source ? "pinned" : "file",
-            e.opt.direct_reads ? "direct" : "buffered", L_of(e), e.num_classes);
+            e.opt.direct_reads ? "direct" : "buffered", e.opt.parts_bank ? "parts" : "slots", L_of(e), e.num_classes);
     fprintf(f, " \"expert_bytes\": %" PRIu64 ", \"budget_bytes\": %" PRIu64 ", \"tokens\": %u, \"steps\": %zu,",
             e.expert_bytes, e.budget, e.tokens, e.steps.size());
     fprintf(f, " \"prompt_tokens\": %u, \"library_warnings\": %" PRIu64 ", \"ok\": %s,\n \"loops\": {", e.rt.P,
@@ -1013,11 +1040,11 @@ int main(int argc, char** argv) {
     printf("model    %s: %u MoE layers (%u-%u), %u size classes (%s), %.3f GiB of experts\n", e.opt.model.c_str(),
            L_of(e), e.layers.front().file.layer, e.layers.back().file.layer, e.num_classes, classes.c_str(),
            e.expert_bytes / 1073741824.0);
-    printf("source   %s; backend %s; budget %.3f GiB (%.1f %% of the experts)\n",
+    printf("source   %s; backend %s; budget %.3f GiB (%.1f %% of the experts); banks of %s\n",
            e.opt.pinned_source ? "pinned host memory, filled by the engine"
                                : (e.opt.direct_reads ? "the file, O_DIRECT reads" : "the file, buffered reads"),
            e.cuda ? "CUDA" : "host (no CUDA device: bank memory is host memory, no capture)", e.budget / 1073741824.0,
-           100.0 * e.budget / e.expert_bytes);
+           100.0 * e.budget / e.expert_bytes, e.opt.parts_bank ? "parts (a region per part)" : "slots");
     printf("routing  %s: %u prompt tokens, %u decode tokens in %zu steps (%u verifications of %u tokens), k %u\n",
            e.opt.routing.c_str(), e.rt.P, e.tokens, e.steps.size(), verifies, e.opt.mtp, e.rt.k);
     fflush(stdout);
