@@ -95,6 +95,20 @@ def test_mxfp4_graph_decoder_captures_the_served_step(kernel):
 
 
 @cuda_only
+def test_what_mxfp4_experts_refuse_names_the_way(kernel, tmp_path):
+    """refresh() (the copies are of swizzled tensors) and record_routing (the routes are in
+    triton_kernels' metadata) are refused with the reason and the way."""
+    from pyexpcache.hf import record_routing
+
+    model = mxfp4_model()
+    with offload(model, budget_fraction=0.5) as handle:
+        with pytest.raises(ValueError, match="swizzled tensors, which refresh cannot make .* offload the model again"):
+            handle.refresh()
+    with pytest.raises(ValueError, match=r"routed by triton_kernels' routing data.*dequantize=True"):
+        record_routing(model, tmp_path / "routing.jsonl")
+
+
+@cuda_only
 def test_mxfp4_budget_auto(kernel):
     """budget="auto" sizes the cache around the model with its dry step through the MXFP4
     experts; the tokens are the unmodified model's."""
