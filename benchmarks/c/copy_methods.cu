@@ -240,6 +240,17 @@ void pinned_table(double gib) {
         });
         std::printf("%-9s %-26s %9.1f %6.0f%%\n", L.name, "cudaMemcpyBatchAsync", batched, 100 * batched / ref);
 
+        // Call c's parts as gather jobs.
+        auto call_jobs = [&](int c) {
+            GatherJobs jobs{};
+            for (int e = c * k; e < c * k + k; ++e)
+                for (int p = 0; p < 3; ++p, ++jobs.count) {
+                    jobs.src[jobs.count] = reinterpret_cast<const uint4*>(src_part(e, p));
+                    jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
+                    jobs.n16[jobs.count] = L.part[p] / 16;
+                }
+            return jobs;
+        };
         // The gather kernel by block count; then with loads asking for 256-byte L2 sectors.
         const struct {
             bool prefetch256;
@@ -247,13 +258,7 @@ void pinned_table(double gib) {
         } runs[] = {{false, 16}, {false, 32}, {false, 64}, {false, 132}, {false, 264}, {true, 132}, {true, 264}};
         for (const auto& run : runs) {
             const double g = time_calls(calls, call_bytes, stream, [&](int c) {
-                GatherJobs jobs{};
-                for (int e = c * k; e < c * k + k; ++e)
-                    for (int p = 0; p < 3; ++p, ++jobs.count) {
-                        jobs.src[jobs.count] = reinterpret_cast<const uint4*>(src_part(e, p));
-                        jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
-                        jobs.n16[jobs.count] = L.part[p] / 16;
-                    }
+                const GatherJobs jobs = call_jobs(c);
                 if (run.prefetch256)
                     gather<true><<<run.blocks, 256, 0, stream>>>(jobs);
                 else
@@ -272,13 +277,7 @@ void pinned_table(double gib) {
         for (const auto& run : tma) {
             CHECK(cudaMemsetAsync(dev, 0, expert * experts, stream));
             const double g = time_calls(calls, call_bytes, stream, [&](int c) {
-                GatherJobs jobs{};
-                for (int e = c * k; e < c * k + k; ++e)
-                    for (int p = 0; p < 3; ++p, ++jobs.count) {
-                        jobs.src[jobs.count] = reinterpret_cast<const uint4*>(src_part(e, p));
-                        jobs.dst[jobs.count] = reinterpret_cast<uint4*>(dst_part(e, p));
-                        jobs.n16[jobs.count] = L.part[p] / 16;
-                    }
+                const GatherJobs jobs = call_jobs(c);
                 if (run.chunk == 8192)
                     gather_tma<8192, 4><<<run.blocks, 32, 0, stream>>>(jobs);
                 else if (run.chunk == 16384)
