@@ -362,24 +362,21 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device for torch: run with --device cpu", file=sys.stderr)
         return 2
-    if "fp8" in a.quant:
-        if device.type != "cuda" or not a.fp8_kernel:
+    kernels = {  # --quant: (its kernel's directory, what runs it, the package, where it goes)
+        "fp8": (a.fp8_kernel, "transformers' FP8 Triton kernel", "finegrained_fp8", _fp8_experts),
+        "mxfp4": (a.mxfp4_kernel, "triton_kernels' matmul", "gpt_oss_triton_kernels", _mxfp4_experts),
+    }
+    for quant, (where, what, package, module) in kernels.items():
+        if quant not in a.quant:
+            continue
+        if device.type != "cuda" or not where:
             print(
-                "--quant fp8 runs transformers' FP8 Triton kernel: on a CUDA device, with --fp8-kernel DIR "
-                "(or $EXPCACHE_FP8_KERNEL_DIR) naming a directory that holds its finegrained_fp8 package",
+                f"--quant {quant} runs {what}: on a CUDA device, with --{quant}-kernel DIR (or "
+                f"$EXPCACHE_{quant.upper()}_KERNEL_DIR) naming a directory that holds its {package} package",
                 file=sys.stderr,
             )
             return 2
-        _fp8_experts.install_kernel(a.fp8_kernel)
-    if "mxfp4" in a.quant:
-        if device.type != "cuda" or not a.mxfp4_kernel:
-            print(
-                "--quant mxfp4 runs triton_kernels' matmul: on a CUDA device, with --mxfp4-kernel DIR (or "
-                "$EXPCACHE_MXFP4_KERNEL_DIR) naming a directory that holds its gpt_oss_triton_kernels package",
-                file=sys.stderr,
-            )
-            return 2
-        _mxfp4_experts.install_kernel(a.mxfp4_kernel)
+        module.install_kernel(where)
     rate = link_rate(device)
     rows, results, bad = [], [], 0
     for quant in a.quant:
