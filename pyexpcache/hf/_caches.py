@@ -155,7 +155,7 @@ class Caches:
             self.served.append((cache, source, serve_cache(cache)))
             for e in group:
                 if isinstance(e, Mxfp4Layer):
-                    server = Mxfp4Server(self.served[-1][2], e, cache.bank(e.layer), self.compute)
+                    server = Mxfp4Server(self.served[-1][2], e, cache.bank(e.layer))
                 else:
                     server = LayerServer(
                         self.served[-1][2], e, cache.bank(e.layer), *self.functions[e.layer], self.compute

@@ -206,7 +206,7 @@ class Mxfp4Server:
 
     inner_name = "mxfp4"
 
-    def __init__(self, cache_key: int, e: Mxfp4Layer, bank, device):
+    def __init__(self, cache_key: int, e: Mxfp4Layer, bank):
         from ._serve import _CACHES
 
         m = e.module
