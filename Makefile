@@ -57,7 +57,7 @@ CUDA_LIB  = $(BUILD)/libexpcache.so
 REPLAY_LIB = $(BUILD)/libexpcache_replay.so
 LIBS      = $(HOST_LIB) $(if $(NVCC),$(CUDA_LIB))
 
-.PHONY: all lib deps deps-bench deps-lint test test-long bench lint format select-overhead copy-methods c-engine help clean
+.PHONY: all lib deps deps-bench deps-lint test test-long bench lint format select-overhead copy-methods copy-handoff c-engine help clean
 all: lib
 
 help:
@@ -69,6 +69,7 @@ help:
 	@echo "make lint    ruff (lint, format check) and clang-format (check) over the tracked sources; make format applies both"
 	@echo "make select-overhead   host CPU time of an all-hit select of 6 experts, from C"
 	@echo "make c-engine          $(BUILD)/c_engine, the example engine on the C ABI (examples/c_engine/README.md; needs nvcc, runs without a GPU)"
+	@echo "make copy-handoff      who moves a device select's misses inside a graph: SMs, or the copy engine from a host thread (CUDA)"
 	@echo "make copy-methods      ways to move a call's misses to the GPU, side by side (CUDA; COPY_TABLES=pinned,pageable,enqueue,host,link)"
 	@echo "make asv-history / asv-quick / asv-record / asv-publish / asv-import-h200 / bench-quick: see benchmarks/README.md"
 	@echo "make sanitize   the C stress driver under ASan+UBSan (asan-test), valgrind (valgrind-test) and TSan (tsan-test)"
@@ -135,6 +136,15 @@ $(COPY_BIN): benchmarks/c/copy_methods.cu libexpcache/src/backend/copy_nt.hpp
 COPY_TABLES ?= pinned,pageable,enqueue,host,link
 copy-methods: $(COPY_BIN)
 	$(COPY_BIN) 1 $(COPY_TABLES)
+
+HANDOFF_BIN = $(BUILD)/copy_handoff
+$(HANDOFF_BIN): benchmarks/c/copy_handoff.cu
+	@test -n "$(NVCC)" || { echo "copy-handoff: needs nvcc and a GPU"; exit 1; }
+	@mkdir -p $(BUILD)
+	$(NVCC) -std=c++17 -O2 $(GENCODE) -o $@ $< -lpthread
+
+copy-handoff: $(HANDOFF_BIN)
+	$(HANDOFF_BIN)
 
 # What `make bench` needs: numpy and tabulate, and on a GPU machine (nvcc found and
 # `nvidia-smi -L` lists a GPU) cuda-python (the `cuda` extra). `make deps` adds the test
