@@ -22,7 +22,6 @@ CORE_SRC  = libexpcache/src/abi_handles.cpp libexpcache/src/abi_setup.cpp libexp
             libexpcache/src/serve_compact.cpp libexpcache/src/serve_batch.cpp libexpcache/src/serve_device.cpp \
             libexpcache/src/serve_insert.cpp libexpcache/src/budget.cpp \
             libexpcache/src/device_lookup.cpp libexpcache/src/device_resize.cpp libexpcache/src/device_feed.cpp \
-            libexpcache/src/device_engine.cpp \
             libexpcache/src/feed.cpp libexpcache/src/host_pool.cpp libexpcache/src/serve_pool.cpp \
             libexpcache/src/kernels/lookup_kernels_host.cpp \
             libexpcache/src/prefetcher.cpp libexpcache/src/inspect.cpp libexpcache/src/paths.cpp \

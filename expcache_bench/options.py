@@ -580,16 +580,6 @@ LAYER_COMPUTE_US = Option(
     help="N µs of non-expert work per layer (a GPU kernel that only takes time) before the "
     "layer's select, as attention at batch 1 would be (default 0)",
 )
-MISS_COPY = Option(
-    "--miss-copy",
-    type=csv(("auto", "sm", "engine")),
-    default=["auto"],
-    metavar="WHO",
-    help="who moves a device select's misses from pinned memory (ExpertCache's miss_copy): auto "
-    "(default: a copy engine for experts of 6 MiB and more), sm (the select's grid) or engine (a copy "
-    "engine driven from the miss list by a library thread); a comma list runs one graph loop each, "
-    "side by side",
-)
 PLOT = Option(
     "--plot",
     metavar="FILE.png",

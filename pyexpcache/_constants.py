@@ -23,8 +23,6 @@ PATH_DECODE, PATH_COMPACT, PATH_BATCH, PATH_CONTROL, PATH_DEVICE = 0, 1, 2, 3, 4
 PARTITIONS = {"global": 0, "layer": 1}
 # EXPCACHE_BANK_*: how a class's bank lays its rows out (slot-major, or a region per part).
 BANK_ARRANGEMENTS = {"slots": 0, "parts": 1}
-# EXPCACHE_MISS_COPY_*: who moves a device select's misses from pinned memory.
-MISS_COPIES = {"auto": 0, "sm": 1, "engine": 2}
 MAX_SELECT = 1024
 MAX_BATCHES = 64
 MAX_BATCH_ROWS = 4096  # a class's batch rows (batches by slot id)

@@ -43,7 +43,6 @@ from ._constants import (  # noqa: F401 (re-exported: the package reads them as 
     MAX_PART_BYTES_LIMIT,
     MAX_PARTS,
     MAX_SELECT,
-    MISS_COPIES,
     PARTITIONS,
     PATH_BATCH,
     PATH_COMPACT,

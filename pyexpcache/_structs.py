@@ -51,7 +51,7 @@ class Config(ctypes.Structure):
         ("reserved", c_uint32),
         ("host_budget_bytes", c_uint64),
         ("bank_arrangement", c_uint32),
-        ("miss_copy", c_uint32),
+        ("reserved2", c_uint32),
     ]
 
 

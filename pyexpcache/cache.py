@@ -150,12 +150,6 @@ class ExpertCache(Serving, Inspection):
             array, what kernels that take one tensor per projection and assert contiguity want,
             e.g. FP8 batched and grouped matmuls, ggml's ``mul_mat_id``). Served addresses are
             the same experts' bytes either way.
-        miss_copy: who moves a device select's misses from pinned host memory into their slots
-            (``lookup="device"``): ``"auto"`` (default: a copy engine for classes whose experts are
-            at least 6 MiB, the select's grid below), ``"sm"`` (the grid reads them across the link
-            from mapped memory) or ``"engine"`` (a copy engine, driven by a library thread that
-            polls the miss list the select writes; the select stays one kernel a graph captures).
-            Sources the GPU cannot read always come through the feed threads.
         environment: ``"read"`` (default) or ``"ignore"``: whether the cache reads the
             ``EXPCACHE_*`` environment variables (``EXPCACHE_RESERVE_GB``, ``EXPCACHE_VERBOSE``,
             the staging knobs) when it is made. A malformed one never fails: it is ignored with a
@@ -212,7 +206,6 @@ class ExpertCache(Serving, Inspection):
         environment: str = "read",
         host_budget_bytes: int = 0,
         bank_arrangement: str = "slots",
-        miss_copy: str = "auto",
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
@@ -226,8 +219,6 @@ class ExpertCache(Serving, Inspection):
             raise ValueError(
                 f"bank_arrangement must be one of {sorted(_lib.BANK_ARRANGEMENTS)}, got {bank_arrangement!r}"
             )
-        if not isinstance(miss_copy, str) or miss_copy not in _lib.MISS_COPIES:
-            raise ValueError(f"miss_copy must be one of {sorted(_lib.MISS_COPIES)}, got {miss_copy!r}")
         if environment not in _lib.ENVIRONMENTS:
             raise ValueError(f"environment must be one of {sorted(_lib.ENVIRONMENTS)}, got {environment!r}")
         if file_reads not in _lib.FILE_READS:
@@ -274,7 +265,6 @@ class ExpertCache(Serving, Inspection):
             lookup=_lib.LOOKUPS[lookup],
             partition=_lib.PARTITIONS[partition],
             bank_arrangement=_lib.BANK_ARRANGEMENTS[bank_arrangement],
-            miss_copy=_lib.MISS_COPIES[miss_copy],
             environment=_lib.ENVIRONMENTS[environment],
             **given,
         )
@@ -285,7 +275,6 @@ class ExpertCache(Serving, Inspection):
         self.policy = _lib.DEFAULT_POLICY if policy is None else policy
         self.partition = partition
         self.bank_arrangement = bank_arrangement
-        self.miss_copy = miss_copy
         self._scratch = Scratch()
         self._select_fn = lib.expcache_select_async
         self._split_fn = lib.expcache_select_split_async

@@ -265,22 +265,6 @@ def test_bank_arrangement_constants_match_the_header():
     assert {n.lower(): v for n, v in defines.items()} == _lib.BANK_ARRANGEMENTS
 
 
-def test_miss_copy_defaults_to_auto_and_its_constants_match_the_header():
-    import re
-    from pathlib import Path
-
-    cfg = _lib.Config()
-    _lib.lib.expcache_config_init(byref(cfg))
-    assert cfg.miss_copy == _lib.MISS_COPIES["auto"] == 0
-    header = Path(__file__).resolve().parent.parent / "libexpcache" / "include" / "expcache.h"
-    if not header.exists():
-        pytest.skip(f"{header} not in this tree")
-    defines = {
-        n: int(v) for n, v in re.findall(r"^#define EXPCACHE_MISS_COPY_([A-Z]+) (\d+)\s", header.read_text(), re.M)
-    }
-    assert {n.lower(): v for n, v in defines.items()} == _lib.MISS_COPIES
-
-
 def test_partition_defaults_to_global():
     cfg = _lib.Config()
     lib.expcache_config_init(byref(cfg))
@@ -521,11 +505,11 @@ CASES = [
         "reserved must be 0, got 3",
     ),
     (
-        "create unknown miss copy",
+        "create config reserved2 set",
         "expcache_create",
-        lambda h: (byref(_cfg(miss_copy=3)), byref(_lib.CachePtr())),
+        lambda h: (byref(_cfg(reserved2=5)), byref(_lib.CachePtr())),
         INVALID,
-        "unknown miss_copy 3 (0 auto, 1 sm, 2 engine)",
+        "reserved2 must be 0, got 5",
     ),
     (
         "create unknown bank arrangement",

@@ -177,5 +177,5 @@ def test_a_bad_arrangement_is_refused_before_c(bad):
 def test_the_config_defaults_to_slots_and_the_bank_reports_it():
     cfg = _lib.Config()
     _lib.lib.expcache_config_init(ctypes.byref(cfg))
-    assert cfg.bank_arrangement == _lib.BANK_ARRANGEMENTS["slots"] == 0 and cfg.miss_copy == 0
+    assert cfg.bank_arrangement == _lib.BANK_ARRANGEMENTS["slots"] == 0 and cfg.reserved2 == 0
     assert _lib.BANK_ARRANGEMENTS == {"slots": 0, "parts": 1}

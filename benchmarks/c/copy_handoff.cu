@@ -151,8 +151,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < kK; ++j) {
         const uint4* s = reinterpret_cast<const uint4*>(g.bank + p.read_slot[j] * g.slot_bytes);
         unsigned long long acc = 0;
-        for (uint64_t w = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
-             w += uint64_t(gridDim.x) * blockDim.x) {
+        for (uint64_t w = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < words; w += uint64_t(gridDim.x) * blockDim.x) {
             const uint4 v = s[w];
             acc += uint64_t(v.x) + v.y + v.z + v.w;
         }
@@ -340,10 +339,10 @@ void run_size(double mib, int tokens, double link) {
     CHECK(cudaEventCreate(&t1));
 
     const double miss_bytes = misses_per_layer * kLayers * g.slot_bytes;  // per token
-    std::printf(
-        "\n%.2f MiB experts (3 parts of %.2f MiB), %d layers, top-%d, %.2f misses per layer (%.1f MiB per token), "
-        "%d tokens\n",
-        g.slot_bytes / 1048576.0, part / 1048576.0, kLayers, kK, misses_per_layer, miss_bytes / 1048576.0, tokens);
+    std::printf("\n%.2f MiB experts (3 parts of %.2f MiB), %d layers, top-%d, %.2f misses per layer (%.1f MiB per token), "
+                "%d tokens\n",
+                g.slot_bytes / 1048576.0, part / 1048576.0, kLayers, kK, misses_per_layer, miss_bytes / 1048576.0,
+                tokens);
     std::printf("%-14s %10s %10s %12s %10s %s\n", "way", "tok/s", "vs host", "of link", "GB/s", "sums");
 
     double host_rate = 0;

@@ -58,7 +58,7 @@ from pyexpcache.routing import MISSING
 from pyexpcache.views import TensorView
 
 from .. import disk as _disk, options, replay as _replay
-from ..options import BENCH, LAYER_COMPUTE_US, MISS_COPY, OUTPUT
+from ..options import BENCH, LAYER_COMPUTE_US, OUTPUT
 from ..report import DecodeRate, HitRate, Report, share, timed
 from ..sim import KEY_SHIFT, simulate_policy
 from ..workload import DEFAULT_TRACES, decode_trace, decode_workload, trace_label
@@ -76,7 +76,7 @@ DESCRIPTION = (
 )
 RUNS = "replays the decode scenario with the device-side select in a CUDA graph, next to the C loop"
 USES_BENCH = True
-OPTIONS = BENCH + (LAYER_COMPUTE_US, MISS_COPY) + OUTPUT
+OPTIONS = BENCH + (LAYER_COMPUTE_US,) + OUTPUT
 SELECTED_BY = (LOOP,)  # --loop graph, in the flag spelling
 
 ALL_HIT_REPLAYS = 200  # replays of the all-hit graph timed
@@ -375,22 +375,18 @@ def run_graph_loop(
     progress: Optional[Callable[[str, int, int], None]] = None,
     c_loop: bool = True,
     policy: Optional[str] = None,
-    miss_copies: Sequence[str] = ("auto",),
 ) -> Report:
     """Replay the decode traces in the graph loop (see the module docstring) on ``bench`` (a
     :class:`~expcache_bench.bench.Bench`; pinned, emulated on the host backend, or pageable or a file:
     fed), next to
     the C loop's host select unless ``c_loop`` is false; both caches evict by ``policy`` (a name of
-    ``pyexpcache._lib.POLICIES``; None: the library's default). One graph loop per entry of
-    ``miss_copies`` (``ExpertCache``'s ``miss_copy``: who moves the misses), side by side."""
+    ``pyexpcache._lib.POLICIES``; None: the library's default)."""
 
     if not 0 <= compute_us <= 1e6:
         raise ValueError(f"compute_us must be in [0, 1e6], got {compute_us}")
     policy = _lib.DEFAULT_POLICY if policy is None else policy
     if policy not in _lib.POLICIES:
         raise ValueError(f"policy must be one of {sorted(_lib.POLICIES)}, got {policy!r}")
-    if not miss_copies or any(m not in _lib.MISS_COPIES for m in miss_copies):
-        raise ValueError(f"miss_copies must name some of {sorted(_lib.MISS_COPIES)}, got {miss_copies!r}")
     progress = progress or bench.progress
     loaded = [decode_trace(t, bench.layout) for t in traces]  # parsed once: the graph's ids, the C loop's calls
     ids, layers = _steps(bench, loaded)
@@ -413,186 +409,169 @@ def run_graph_loop(
         result, capacities = _c_loop(bench, workload, compute_ns, link, disk, policy)
         report.results.append(result)
 
-    report.settings["same_hits_as_c_loop"] = None
+    arrays = _DeviceArrays(bench.is_cuda, bench.device)
+    graphs: list[_Graph] = []
+    stream = bench.stream
+    present = ids[:, :, 0] >= 0  # [tokens, layers]: the records a token has
+    try:
+        with bench.make_cache(
+            budget_bytes=bench.budget_bytes, lookup="device", policy=policy, log_level=1, **bench.cache_options
+        ) as cache:
+            all_ids = arrays.empty(ids.size)
+            arrays.upload(all_ids, ids)
+            cur = arrays.empty(num_layers * k)
+            slots = arrays.empty(num_layers * k)
+            cur_views = [arrays.view(cur, i * k, k, (k,)) for i in range(num_layers)]
+            slot_views = [arrays.view(slots, i * k, k, (k,)) for i in range(num_layers)]
+            step_bytes = 4 * num_layers * k
 
-    def graph_loop(miss_copy: str, label: str, first: bool) -> None:
-        """One graph loop, its cache's misses moved as ``miss_copy`` says; the first also times
-        the all-hit select."""
-        arrays = _DeviceArrays(bench.is_cuda, bench.device)
-        graphs: list[_Graph] = []
-        stream = bench.stream
-        present = ids[:, :, 0] >= 0  # [tokens, layers]: the records a token has
-        try:
-            with bench.make_cache(
-                budget_bytes=bench.budget_bytes,
-                lookup="device",
-                policy=policy,
-                log_level=1,
-                miss_copy=miss_copy,
-                **bench.cache_options,
-            ) as cache:
-                all_ids = arrays.empty(ids.size)
-                arrays.upload(all_ids, ids)
-                cur = arrays.empty(num_layers * k)
-                slots = arrays.empty(num_layers * k)
-                cur_views = [arrays.view(cur, i * k, k, (k,)) for i in range(num_layers)]
-                slot_views = [arrays.view(slots, i * k, k, (k,)) for i in range(num_layers)]
-                step_bytes = 4 * num_layers * k
-
-                def put_token(t: int) -> None:
-                    if not bench.is_cuda:
-                        cur[:] = ids[t].ravel()
-                        return
-
-                    rt = _cuda.runtime()
-                    _cuda.check(
-                        rt.cudaMemcpyAsync(
-                            cur,
-                            all_ids + t * step_bytes,
-                            step_bytes,
-                            rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
-                            stream,
-                        ),
-                        "cudaMemcpyAsync",
-                    )
-
-                def step_of(rows: tuple[int, ...]) -> Callable[[], None]:
-                    """A token's step over the layers (indices into ``layers``) it has records of: a
-                    missing record is no select, as in the C loop."""
-
-                    def step() -> None:
-                        for i in rows:
-                            if compute_ns:
-                                with cache.raw_handle() as handle:
-                                    _lib.lib.expcache_testing_spin_async(handle, stream or None, compute_ns)
-                            cache.select_device(layers[i], cur_views[i], stream=stream, out=slot_views[i])
-                            testing.bank_checksum_async(cache, layers[i], slot_views[i], first=i * k, stream=stream)
-
-                    return step
-
-                expected = np.stack(
-                    [bench.expected[layer][np.maximum(ids[:, i, :], 0)] for i, layer in enumerate(layers)], axis=1
-                )
-                result = GraphLoopResult(label, served_tokens=tokens, link_bytes_per_s=link, disk_bytes_per_s=disk)
-                first_bad = None
-
-                def verify(t: int, rows: tuple[int, ...]) -> None:
-                    nonlocal first_bad
-                    got = testing.checksum_results(cache, 0, num_layers * k).reshape(num_layers, k)[list(rows)]
-                    bad = got != expected[t, list(rows)]
-                    result.experts_checked += got.size
-                    if bad.any():
-                        result.checksum_errors += int(bad.sum())
-                        if first_bad is None:
-                            i, j = np.argwhere(bad)[0]
-                            first_bad = (t, layers[rows[i]], int(ids[t, rows[i], j]))
-
-                # One step per set of layers the tokens have records of (one set for a complete trace),
-                # made when a token first has it: that token runs it eagerly, untimed (binding the
-                # layers' classes, their banks and the kernels' scratch), then it is captured in a graph
-                # (on the host backend it runs eagerly every time) and replayed for the later tokens.
-                steps: dict[tuple[int, ...], Callable[[], None]] = {}
-                untimed_bytes = 0
-                perf = time.perf_counter
-                for t in range(tokens):
-                    rows = tuple(np.flatnonzero(present[t]).tolist())
-                    if rows not in steps:
-                        before = cache.stats().path("device").bytes_h2d
-                        step = step_of(rows)
-                        put_token(t)
-                        step()
-                        _sync(bench)
-                        verify(t, rows)
-                        untimed_bytes += cache.stats().path("device").bytes_h2d - before
-                        if bench.is_cuda and rows:
-                            graphs.append(_Graph(stream, step))
-                            step = graphs[-1].launch
-                        steps[rows] = step
-                        continue
-                    t0 = perf()
-                    put_token(t)
-                    steps[rows]()
-                    _sync(bench)
-                    result.decode_seconds += perf() - t0
-                    result.decode_tokens += 1
-                    result.compute_seconds += len(rows) * compute_ns * 1e-9
-                    verify(t, rows)
-                    if t % PROGRESS_EVERY == 0 or t + 1 == tokens:
-                        progress("graph loop", t, tokens - 1)
-                after = cache.stats().path("device")
-                result.hits, result.misses = after.hits, after.misses
-                result.bytes_h2d = after.bytes_h2d - untimed_bytes
-                result.page_cache_after = bench.page_cache_fraction()
-                pool = cache.pool_stats()
-                if pool.budget_bytes:
-                    result.pool_hits, result.pool_lookups = pool.hits, pool.lookups
-                report.results.append(result)
-                report.settings["steps"] = len(steps)
-                if c_loop:
-                    same = (after.hits, after.misses) == (report.results[0].hits, report.results[0].misses)
-                    report.settings["same_hits_as_c_loop"] = report.settings.get("same_hits_as_c_loop", True) and same
-                if first_bad is not None:
-                    t, layer, e = first_bad
-                    print(
-                        f"CHECKSUM MISMATCH: graph loop: {result.checksum_errors} experts differ from the source "
-                        f"(first at token {t}: layer {layer}, expert {e})",
-                        file=sys.stderr,
-                    )
-                if not first:
+            def put_token(t: int) -> None:
+                if not bench.is_cuda:
+                    cur[:] = ids[t].ravel()
                     return
 
-                # The all-hit select, one per layer the last token has: its ids, then ALL_HIT_IDS
-                # distinct ids per layer (the ones routed last). Each set is selected once outside
-                # the timing (the last token's are resident already; the others come in then), so the
-                # replays hit; a miss among them is an error.
-                last = int(np.flatnonzero(present.any(axis=1))[-1])
-                rows = tuple(np.flatnonzero(present[last]).tolist())
-                if last != tokens - 1:
-                    put_token(last)
-
-                def all_hit_us(id_views, out_views, what: str, required: bool = True) -> Optional[float]:
-                    def selects() -> None:
-                        for i in rows:
-                            cache.select_device(layers[i], id_views[i], stream=stream, out=out_views[i])
-
-                    selects()
-                    _sync(bench)
-                    if bench.is_cuda:
-                        graphs.append(_Graph(stream, selects))
-                    go = graphs[-1].launch if bench.is_cuda else selects
-                    go()
-                    _sync(bench)
-                    misses_before = cache.stats().path("device").misses
-                    t0 = perf()
-                    for _ in range(ALL_HIT_REPLAYS):
-                        go()
-                    _sync(bench)
-                    seconds = perf() - t0
-                    if cache.stats().path("device").misses != misses_before:
-                        if not required:  # a budget smaller than the wider sets: no figure, said so
-                            return None
-                        raise RuntimeError(f"the all-hit selects of {what} missed: the budget cannot hold them")
-                    return 1e6 * seconds / (ALL_HIT_REPLAYS * len(rows))
-
-                report.settings["all_hit_select_us"] = all_hit_us(cur_views, slot_views, "one token's ids")
-                wide = _recent_ids(ids, present, last, [bench.layout[layer].num_experts for layer in layers])
-                wide_ids, wide_slots = arrays.empty(wide.size), arrays.empty(wide.size)
-                arrays.upload(wide_ids, wide)
-                width = wide.shape[1]
-                views = [arrays.view(wide_ids, i * width, width, (width,)) for i in range(num_layers)]
-                outs = [arrays.view(wide_slots, i * width, width, (width,)) for i in range(num_layers)]
-                report.settings["all_hit_ids"] = width
-                report.settings["all_hit_select_wide_us"] = all_hit_us(
-                    views, outs, f"{width} ids per layer", required=False
+                rt = _cuda.runtime()
+                _cuda.check(
+                    rt.cudaMemcpyAsync(
+                        cur, all_ids + t * step_bytes, step_bytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream
+                    ),
+                    "cudaMemcpyAsync",
                 )
-        finally:
-            for g in graphs:
-                g.close()
-            arrays.close()
 
-    for j, miss_copy in enumerate(miss_copies):
-        label = "graph loop, select_device" + (f" (miss_copy {miss_copy})" if len(miss_copies) > 1 else "")
-        graph_loop(miss_copy, label, j == 0)
+            def step_of(rows: tuple[int, ...]) -> Callable[[], None]:
+                """A token's step over the layers (indices into ``layers``) it has records of: a
+                missing record is no select, as in the C loop."""
+
+                def step() -> None:
+                    for i in rows:
+                        if compute_ns:
+                            with cache.raw_handle() as handle:
+                                _lib.lib.expcache_testing_spin_async(handle, stream or None, compute_ns)
+                        cache.select_device(layers[i], cur_views[i], stream=stream, out=slot_views[i])
+                        testing.bank_checksum_async(cache, layers[i], slot_views[i], first=i * k, stream=stream)
+
+                return step
+
+            expected = np.stack(
+                [bench.expected[layer][np.maximum(ids[:, i, :], 0)] for i, layer in enumerate(layers)], axis=1
+            )
+            result = GraphLoopResult(
+                "graph loop, select_device", served_tokens=tokens, link_bytes_per_s=link, disk_bytes_per_s=disk
+            )
+            first_bad = None
+
+            def verify(t: int, rows: tuple[int, ...]) -> None:
+                nonlocal first_bad
+                got = testing.checksum_results(cache, 0, num_layers * k).reshape(num_layers, k)[list(rows)]
+                bad = got != expected[t, list(rows)]
+                result.experts_checked += got.size
+                if bad.any():
+                    result.checksum_errors += int(bad.sum())
+                    if first_bad is None:
+                        i, j = np.argwhere(bad)[0]
+                        first_bad = (t, layers[rows[i]], int(ids[t, rows[i], j]))
+
+            # One step per set of layers the tokens have records of (one set for a complete trace),
+            # made when a token first has it: that token runs it eagerly, untimed (binding the
+            # layers' classes, their banks and the kernels' scratch), then it is captured in a graph
+            # (on the host backend it runs eagerly every time) and replayed for the later tokens.
+            steps: dict[tuple[int, ...], Callable[[], None]] = {}
+            untimed_bytes = 0
+            perf = time.perf_counter
+            for t in range(tokens):
+                rows = tuple(np.flatnonzero(present[t]).tolist())
+                if rows not in steps:
+                    before = cache.stats().path("device").bytes_h2d
+                    step = step_of(rows)
+                    put_token(t)
+                    step()
+                    _sync(bench)
+                    verify(t, rows)
+                    untimed_bytes += cache.stats().path("device").bytes_h2d - before
+                    if bench.is_cuda and rows:
+                        graphs.append(_Graph(stream, step))
+                        step = graphs[-1].launch
+                    steps[rows] = step
+                    continue
+                t0 = perf()
+                put_token(t)
+                steps[rows]()
+                _sync(bench)
+                result.decode_seconds += perf() - t0
+                result.decode_tokens += 1
+                result.compute_seconds += len(rows) * compute_ns * 1e-9
+                verify(t, rows)
+                if t % PROGRESS_EVERY == 0 or t + 1 == tokens:
+                    progress("graph loop", t, tokens - 1)
+            after = cache.stats().path("device")
+            result.hits, result.misses = after.hits, after.misses
+            result.bytes_h2d = after.bytes_h2d - untimed_bytes
+            result.page_cache_after = bench.page_cache_fraction()
+            pool = cache.pool_stats()
+            if pool.budget_bytes:
+                result.pool_hits, result.pool_lookups = pool.hits, pool.lookups
+            totals = (after.hits, after.misses)
+            report.results.append(result)
+            report.settings["steps"] = len(steps)
+            if first_bad is not None:
+                t, layer, e = first_bad
+                print(
+                    f"CHECKSUM MISMATCH: graph loop: {result.checksum_errors} experts differ from the source "
+                    f"(first at token {t}: layer {layer}, expert {e})",
+                    file=sys.stderr,
+                )
+
+            # The all-hit select, one per layer the last token has: its ids, then ALL_HIT_IDS
+            # distinct ids per layer (the ones routed last). Each set is selected once outside
+            # the timing (the last token's are resident already; the others come in then), so the
+            # replays hit; a miss among them is an error.
+            last = int(np.flatnonzero(present.any(axis=1))[-1])
+            rows = tuple(np.flatnonzero(present[last]).tolist())
+            if last != tokens - 1:
+                put_token(last)
+
+            def all_hit_us(id_views, out_views, what: str, required: bool = True) -> Optional[float]:
+                def selects() -> None:
+                    for i in rows:
+                        cache.select_device(layers[i], id_views[i], stream=stream, out=out_views[i])
+
+                selects()
+                _sync(bench)
+                if bench.is_cuda:
+                    graphs.append(_Graph(stream, selects))
+                go = graphs[-1].launch if bench.is_cuda else selects
+                go()
+                _sync(bench)
+                misses_before = cache.stats().path("device").misses
+                t0 = perf()
+                for _ in range(ALL_HIT_REPLAYS):
+                    go()
+                _sync(bench)
+                seconds = perf() - t0
+                if cache.stats().path("device").misses != misses_before:
+                    if not required:  # a budget smaller than the wider sets: no figure, said so
+                        return None
+                    raise RuntimeError(f"the all-hit selects of {what} missed: the budget cannot hold them")
+                return 1e6 * seconds / (ALL_HIT_REPLAYS * len(rows))
+
+            report.settings["all_hit_select_us"] = all_hit_us(cur_views, slot_views, "one token's ids")
+            wide = _recent_ids(ids, present, last, [bench.layout[layer].num_experts for layer in layers])
+            wide_ids, wide_slots = arrays.empty(wide.size), arrays.empty(wide.size)
+            arrays.upload(wide_ids, wide)
+            width = wide.shape[1]
+            views = [arrays.view(wide_ids, i * width, width, (width,)) for i in range(num_layers)]
+            outs = [arrays.view(wide_slots, i * width, width, (width,)) for i in range(num_layers)]
+            report.settings["all_hit_ids"] = width
+            report.settings["all_hit_select_wide_us"] = all_hit_us(
+                views, outs, f"{width} ids per layer", required=False
+            )
+            report.settings["same_hits_as_c_loop"] = (
+                None if not c_loop else totals == (report.results[0].hits, report.results[0].misses)
+            )
+    finally:
+        for g in graphs:
+            g.close()
+        arrays.close()
     # The disk's rate on the run's own misses, read again after both loops (the conditions the
     # later one saw): the faster of that and the cold shapes' bounds both rows.
     if not disk:
@@ -622,13 +601,7 @@ def device_bytes(args, budget: int, model_bytes: int) -> int:
 
 
 def run(bench, args) -> Iterator[Report]:
-    yield run_graph_loop(
-        bench,
-        traces=args.traces,
-        compute_us=args.layer_compute_us or 0.0,
-        progress=bench.progress,
-        miss_copies=args.miss_copy,
-    )
+    yield run_graph_loop(bench, traces=args.traces, compute_us=args.layer_compute_us or 0.0, progress=bench.progress)
 
 
 def describe(report: Report) -> list[str]:

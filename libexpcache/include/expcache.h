@@ -206,22 +206,6 @@ EXPCACHE_API uint32_t expcache_version(void);
 #define EXPCACHE_BANK_PARTS 1 /**< part-major: a region per part, [rows, part] contiguous when the part's bytes
                                    are a multiple of 256; what a kernel taking one [experts, ...] tensor per
                                    projection wants (ggml's mul_mat_id, FP8 kernels asserting contiguity) */
-
-/**
- * Who moves a device select's misses from pinned host memory into their slots
- * (expcache_config_t.miss_copy; sources the GPU cannot read always come through the feed threads).
- * Either way the select is one kernel a graph captures, and its misses are in their slots when
- * it ends on its stream.
- */
-#define EXPCACHE_MISS_COPY_AUTO 0   /**< default: ENGINE for classes whose experts are at least
-                                         EXPCACHE_MISS_COPY_ENGINE_MIN_BYTES, SM below */
-#define EXPCACHE_MISS_COPY_SM 1     /**< the select's grid reads them across the link from mapped memory */
-#define EXPCACHE_MISS_COPY_ENGINE 2 /**< a copy engine, driven by a library thread that polls a miss list the
-                                         select writes in mapped memory (about 10 us a select to hand over; the
-                                         thread spins while selects come, as the feed's poller does) */
-#define EXPCACHE_MISS_COPY_ENGINE_MIN_BYTES (6ull << 20) /**< AUTO's threshold: on an H200 the copy engine moved
-                                         13.5 MiB experts 1.04x, 6.75 MiB 1.01x, 4.5 MiB 0.985x the grid's rate
-                                         inside a graph (benchmarks/c/copy_handoff.cu) */
 /* clang-format on */
 
 /**
@@ -325,8 +309,7 @@ typedef struct expcache_config_t {
                                           EXPCACHE_MAX_HOST_BUDGET_BYTES. Allocated by expcache_create */
     uint32_t bank_arrangement;       /**< EXPCACHE_BANK_SLOTS (default) or _PARTS: how each class's bank lays out
                                           its rows (see expcache_bank_t) */
-    uint32_t miss_copy;              /**< EXPCACHE_MISS_COPY_*; default AUTO: who moves a device select's misses from
-                                          pinned host memory (lookup DEVICE only) */
+    uint32_t reserved2;              /**< must be 0 */
 } expcache_config_t;
 
 /** Fill *config with defaults and set struct_size. Fails only on NULL. */

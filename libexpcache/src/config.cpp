@@ -154,8 +154,7 @@ expcache_status_t check_fields(const expcache_config_t& cfg) {
     if (cfg.device_capacity_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "device_capacity_bytes must be > 0");
     if (cfg.slab_bytes == 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "slab_bytes must be > 0");
     if (cfg.reserved != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved must be 0, got %u", cfg.reserved);
-    if (cfg.miss_copy > EXPCACHE_MISS_COPY_ENGINE)
-        return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown miss_copy %u (0 auto, 1 sm, 2 engine)", cfg.miss_copy);
+    if (cfg.reserved2 != 0) return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "reserved2 must be 0, got %u", cfg.reserved2);
     if (cfg.bank_arrangement > EXPCACHE_BANK_PARTS)
         return fail(EXPCACHE_ERR_INVALID_ARGUMENT, "unknown bank_arrangement %u (0 slots, 1 parts)",
                     cfg.bank_arrangement);
@@ -264,7 +263,6 @@ void config_defaults(expcache_config_t* config) {
     config->policy = EXPCACHE_POLICY_DUEL;
     config->partition = EXPCACHE_PARTITION_GLOBAL;
     config->bank_arrangement = EXPCACHE_BANK_SLOTS;
-    config->miss_copy = EXPCACHE_MISS_COPY_AUTO;
 }
 
 expcache_status_t resolve_config(const expcache_config_t& config, expcache_config_t* out, StagingTuning* staging,

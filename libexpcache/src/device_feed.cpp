@@ -15,11 +15,6 @@ bool DeviceLookup::needs_feed(int32_t c) const {
     return false;
 }
 
-FeedThreads& DeviceLookup::feed_threads() {
-    if (!feed_) feed_.reset(new FeedThreads(layers_, log_, copy_threads_, pool_));
-    return *feed_;
-}
-
 expcache_status_t DeviceLookup::make_feed(int32_t c) {
     ClassDevice& d = classes_state_[c];
     DeviceFeed& f = d.view.feed;
@@ -62,13 +57,14 @@ expcache_status_t DeviceLookup::make_feed(int32_t c) {
     f.row_bytes = row_bytes;
     f.piece = piece;
     for (int p = 0; p < kMaxParts; ++p) f.part_at[p] = part_at[p];
+    if (!feed_) feed_.reset(new FeedThreads(layers_, log_, copy_threads_, pool_));
     FeedRing ring;
     ring.box = static_cast<FeedBox*>(host);
     ring.rows = static_cast<unsigned char*>(host) + box_bytes;
     ring.row_bytes = row_bytes;
     for (int p = 0; p < kMaxParts; ++p) ring.part_at[p] = part_at[p];
     ring.piece = piece;
-    if ((s = feed_threads().watch(ring)) != EXPCACHE_OK) return s;
+    if ((s = feed_->watch(ring)) != EXPCACHE_OK) return s;
     // Set last: a class whose feed is half made has none (args_for refuses its fed layers).
     f.rows = static_cast<const unsigned char*>(dev) + box_bytes;
     f.box = static_cast<FeedBox*>(dev);

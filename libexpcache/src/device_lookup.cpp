@@ -66,7 +66,6 @@ DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, De
     : enabled_(config.lookup == EXPCACHE_LOOKUP_DEVICE),
       policy_id_(config.policy),
       copy_threads_(config.copy_threads),
-      miss_copy_(config.miss_copy),
       backend_(backend),
       arena_(arena),
       layers_(layers),
@@ -79,10 +78,7 @@ DeviceLookup::DeviceLookup(const expcache_config_t& config, Backend& backend, De
 
 DeviceLookup::~DeviceLookup() {
     feed_.reset();  // the threads stop before their rows go
-    for (const ClassDevice& d : classes_state_) {
-        kernels_->free_mapped(d.feed_host);
-        kernels_->free_mapped(d.engine_host);
-    }
+    for (const ClassDevice& d : classes_state_) kernels_->free_mapped(d.feed_host);
     kernels_->free_mapped(mapped_.host);
 }
 
@@ -214,8 +210,7 @@ expcache_status_t DeviceLookup::prepare(int32_t c) {
     expcache_status_t s = EXPCACHE_OK;
     if (!table_ && (s = make_table()) != EXPCACHE_OK) return s;
     if ((s = make_class(c)) != EXPCACHE_OK) return s;
-    if (needs_feed(c) && (s = make_feed(c)) != EXPCACHE_OK) return s;
-    return needs_engine(c) ? make_engine(c) : EXPCACHE_OK;
+    return needs_feed(c) ? make_feed(c) : EXPCACHE_OK;
 }
 
 expcache_status_t DeviceLookup::snapshot(DeviceSnapshot* out) {
@@ -372,7 +367,6 @@ expcache_status_t DeviceLookup::args_for(uint32_t layer, int32_t c, uint32_t cou
     // A host-side call copies what the GPU cannot read itself; a device select has it fed.
     a.copy = m.status == EXPCACHE_OK && !(m.fed && host_call);
     a.fed = m.fed && !host_call;
-    a.engine = a.copy && !m.fed && !host_call && a.cls.engine.box != nullptr;
     if (a.fed && !a.cls.feed.box)
         return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY,
                     "layer %u's source is one the GPU cannot read, and its class's feed could not be made when the "

@@ -107,10 +107,8 @@ private:
     struct ClassDevice {
         void* base = nullptr;  // one allocation: the arrays of DeviceClass
         DeviceClass view = {};
-        uint64_t rows = 0;            // the rows its arrays cover: the bank's slot rows (view.cap: those in use)
-        void* feed_host = nullptr;    // the feed's mailbox and rows (mapped pinned memory), or nullptr
-        void* engine_host = nullptr;  // the copy-engine path's mailbox (mapped pinned memory), or nullptr
-        bool engine_tried = false;    // make_engine ran (made or refused: not asked again)
+        uint64_t rows = 0;          // the rows its arrays cover: the bank's slot rows (view.cap: those in use)
+        void* feed_host = nullptr;  // the feed's mailbox and rows (mapped pinned memory), or nullptr
     };
     struct LayerMap {
         bool resolved = false;
@@ -129,13 +127,6 @@ private:
     // GPU cannot read.
     bool needs_feed(int32_t c) const;
     expcache_status_t make_feed(int32_t c);
-    // device_engine.cpp: class c's copy-engine path (its mailbox and device words; the poller
-    // driving it), made when the class is prepared if miss_copy asks for it and a layer of its
-    // size reads pinned memory; where the driver cannot, the grid copies (a notice says why).
-    bool needs_engine(int32_t c) const;
-    expcache_status_t make_engine(int32_t c);
-    // The feed's threads, made at the first class that needs them.
-    FeedThreads& feed_threads();
     expcache_status_t resolve(uint32_t layer, LayerMap* out);
     // The arguments of a select of `count` ids of `layer` (class c) every call sets the same way.
     expcache_status_t args_for(uint32_t layer, int32_t c, uint32_t count, bool host_call, DeviceSelectArgs* out);
@@ -144,7 +135,6 @@ private:
     const bool enabled_;
     const uint32_t policy_id_;     // EXPCACHE_POLICY_*
     const uint32_t copy_threads_;  // the feed's readers
-    const uint32_t miss_copy_;     // EXPCACHE_MISS_COPY_*
     Backend& backend_;
     DeviceArena& arena_;
     LayerTable& layers_;

@@ -114,10 +114,8 @@ expcache_status_t DeviceLookup::refresh(int32_t c) {
         if (s != EXPCACHE_OK) return s;
         d.view.cap = static_cast<uint32_t>(cap);
     }
-    // A layer registered again may read a source the GPU cannot read, into a class that had none,
-    // or pinned memory into a class that had only fed layers.
-    expcache_status_t s = needs_feed(c) && !d.view.feed.box ? make_feed(c) : EXPCACHE_OK;
-    return s == EXPCACHE_OK && needs_engine(c) && !d.engine_tried ? make_engine(c) : s;
+    // A layer registered again may read a source the GPU cannot read, into a class that had none.
+    return needs_feed(c) && !d.view.feed.box ? make_feed(c) : EXPCACHE_OK;
 }
 
 expcache_status_t DeviceLookup::shrink(int32_t c, uint64_t cap, uint64_t* evicted) {

@@ -59,29 +59,13 @@ expcache_status_t FeedThreads::watch(const FeedRing& ring) {
     w->ring = ring;
     std::lock_guard<std::mutex> lock(rings_mu_);
     rings_.push_back(std::move(w));
-    expcache_status_t s = start(true);
-    if (s != EXPCACHE_OK) rings_.pop_back();
-    return s;
-}
-
-expcache_status_t FeedThreads::watch_engine(const EngineRing& ring, std::unique_ptr<EngineCopier> copier) {
-    std::unique_ptr<Engine> e(new Engine);
-    e->ring = ring;
-    std::lock_guard<std::mutex> lock(rings_mu_);
-    if (!copier_) copier_ = std::move(copier);
-    engines_.push_back(std::move(e));
-    expcache_status_t s = start(false);
-    if (s != EXPCACHE_OK) engines_.pop_back();
-    return s;
-}
-
-expcache_status_t FeedThreads::start(bool readers) {
+    if (poller_.joinable()) return EXPCACHE_OK;
     try {
-        if (readers)
-            while (readers_.size() < readers_wanted_) readers_.emplace_back(&FeedThreads::read_loop, this);
-        if (!poller_.joinable()) poller_ = std::thread(&FeedThreads::poll, this);
+        for (uint32_t i = 0; i < readers_wanted_; ++i) readers_.emplace_back(&FeedThreads::read_loop, this);
+        poller_ = std::thread(&FeedThreads::poll, this);
     } catch (const std::system_error& e) {
-        // The threads that started stay (the destructor joins them); this ring is not watched.
+        // The threads that started stop again (the destructor joins them); no select may be fed.
+        rings_.clear();
         return fail(EXPCACHE_ERR_OUT_OF_HOST_MEMORY, "cannot start the feed threads: %s", e.what());
     }
     return EXPCACHE_OK;
@@ -98,7 +82,6 @@ void FeedThreads::poll() {
         {
             std::lock_guard<std::mutex> lock(rings_mu_);
             for (const std::unique_ptr<Watched>& w : rings_) busy = issue(*w, &found) || busy;
-            for (const std::unique_ptr<Engine>& e : engines_) busy = issue_engine(*e) || busy;
         }
         {
             std::unique_lock<std::mutex> lock(mu_);
@@ -163,56 +146,6 @@ bool FeedThreads::issue(Watched& w, std::vector<Job>* out) {
         issued = true;
     }
     return issued || w.issued < n;  // a miss waits for its row: poll again at once
-}
-
-bool FeedThreads::issue_engine(Engine& e) {
-    const EngineRing& ring = e.ring;
-    const uint64_t listed = load_acquire(&ring.box->listed);
-    const uint64_t seq = listed >> kPublishShift;
-    const uint32_t n = static_cast<uint32_t>(listed & kPublishCount);
-    if (seq == 0) return false;  // nothing listed yet
-    if (seq != e.seq) {
-        e.seq = seq;
-        e.issued = 0;
-    }
-    if (e.issued >= n) return false;
-    copy_dst_.clear();
-    copy_src_.clear();
-    copy_bytes_.clear();
-    expcache_status_t s = EXPCACHE_OK;
-    for (uint32_t m = e.issued; m < n; ++m) {
-        EngineEntry entry;
-        std::memcpy(&entry, &ring.box->entry[m], sizeof entry);  // written before `listed`, which was acquired
-        if (entry.layer >= layers_.size() || !layers_[entry.layer].registered ||
-            entry.expert >= layers_[entry.layer].num_experts || entry.slot < 0) {
-            s = fail(EXPCACHE_ERR_INTERNAL, "a device select listed expert %u of layer %u, which no layer has",
-                     entry.expert, entry.layer);
-            break;
-        }
-        const LayerState& l = layers_[entry.layer];
-        for (int p = 0; p < l.nparts; ++p) {
-            copy_dst_.push_back(ring.bank + ring.part_at[p] + uint64_t(entry.slot) * ring.part_stride[p]);
-            copy_src_.push_back(l.source_at(p, entry.expert));
-            copy_bytes_.push_back(l.bytes[p]);
-        }
-    }
-    if (s == EXPCACHE_OK) s = copier_->copy(copy_dst_.data(), copy_src_.data(), copy_bytes_.data(), copy_dst_.size());
-    // Logged before the word ends the select, so the line reaches the caller while its select runs.
-    if (s != EXPCACHE_OK && e.failed_seq != seq) {
-        e.failed_seq = seq;
-        log_(EXPCACHE_LOG_WARNING,
-             "a device select's misses could not be copied: %s; the select gave them slot -1 and the next select "
-             "of them copies them again",
-             last_error());
-    }
-    clear_last_error();
-    if (copier_->signal(ring.done, seq << kPublishShift | n | (s == EXPCACHE_OK ? 0 : kEngineFailed)) != EXPCACHE_OK) {
-        log_(EXPCACHE_LOG_WARNING, "a device select's copies cannot be reported done: %s; it waits %llu s, then fails",
-             last_error(), (unsigned long long)(kFeedTimeoutNs / 1000000000ull));
-        clear_last_error();
-    }
-    e.issued = n;
-    return true;
 }
 
 // A reader that ran a job spins (yielding its core) for kIdleSpin before it sleeps, as the

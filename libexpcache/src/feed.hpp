@@ -2,8 +2,6 @@
 // source the GPU cannot read (pageable memory, a memory-mapped file, a file read with pread or
 // O_DIRECT) into the class's pinned rows, many reads in flight, and tell the select's kernel
 // each row is ready, through mapped memory only (kernels/feed_protocol.hpp has the protocol).
-// The poller also drives the copy-engine path of classes whose misses come from pinned memory
-// (kernels/engine_protocol.hpp): it enqueues their copies and the word behind them itself.
 //
 // One thread polls every class's mailbox; config.copy_threads threads (the staging ring's count)
 // read, each a piece of a miss at a time, so one expert is read by all of them at once. The
@@ -31,7 +29,6 @@
 #include "backend/copy_nt.hpp"
 #include "host_pool.hpp"
 #include "kernels/feed_protocol.hpp"
-#include "kernels/lookup_kernels.hpp"
 #include "layers.hpp"
 #include "log.hpp"
 
@@ -44,15 +41,6 @@ struct FeedRing {
     uint64_t row_bytes = 0;
     uint64_t part_at[kMaxParts] = {};
     uint64_t piece = 0;
-};
-
-// Where one class's copy-engine mailbox lives, and its bank as the copies address it.
-struct EngineRing {
-    EngineBox* box = nullptr;  // host address (mapped memory)
-    uint64_t* done = nullptr;  // device address
-    unsigned char* bank = nullptr;
-    uint64_t part_at[kMaxParts] = {};
-    uint64_t part_stride[kMaxParts] = {};
 };
 
 // The piece size of experts of `part_bytes`: kFeedMinPiece, or larger so that no part has more
@@ -79,9 +67,6 @@ public:
     // Feed one more class's ring (the threads start with the first). Status: OK, OUT_OF_HOST_MEMORY
     // (no thread could start).
     expcache_status_t watch(const FeedRing& ring);
-    // Drive one more class's copy-engine path with `copier` (the first one given is kept, for every
-    // class: the poller alone calls it). The poller starts with the first; no reader is started.
-    expcache_status_t watch_engine(const EngineRing& ring, std::unique_ptr<EngineCopier> copier);
 
 private:
     // What the host pool gave a row's miss: its lease, the pieces still to read, whether one failed.
@@ -110,20 +95,9 @@ private:
         FeedEntry entry;
     };
 
-    struct Engine {
-        EngineRing ring;
-        uint64_t seq = 0;  // the select being copied (its number), and its misses enqueued
-        uint32_t issued = 0;
-        uint64_t failed_seq = 0;  // the last select whose failure was logged
-    };
-
-    // The poller (and, with readers, the readers) running; rings_mu_ held.
-    expcache_status_t start(bool readers);
     void poll();
     // New misses of w, a job per piece, appended to *out; whether w has work left.
     bool issue(Watched& w, std::vector<Job>* out);
-    // New misses of e enqueued on the copier, then their word; whether any were.
-    bool issue_engine(Engine& e);
     void read_loop();
     void run(const Job& job);
     // n bytes from `from` into the row at dst, with non-temporal stores.
@@ -136,13 +110,8 @@ private:
     const uint32_t readers_wanted_;
     HostPool* const pool_;
     const bool wide_ = copy_nt_wide_supported();  // 64-byte non-temporal stores (AVX-512)
-    std::mutex rings_mu_;                         // rings_, engines_, copier_, readers_
+    std::mutex rings_mu_;                         // rings_
     std::vector<std::unique_ptr<Watched>> rings_;
-    std::vector<std::unique_ptr<Engine>> engines_;
-    std::unique_ptr<EngineCopier> copier_;
-    std::vector<void*> copy_dst_;  // the poller's, per issue_engine
-    std::vector<const void*> copy_src_;
-    std::vector<uint64_t> copy_bytes_;
     std::mutex mu_;  // jobs_, stop_
     std::condition_variable jobs_cv_, stop_cv_;
     std::deque<Job> jobs_;

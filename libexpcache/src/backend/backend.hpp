@@ -108,9 +108,6 @@ public:
         (void)stream;
         return EXPCACHE_OK;
     }
-    // Whether an injected failure takes the next batch the copy-engine path enqueues (the
-    // instrumented backend's copy faults); asked from the feed's poller thread.
-    virtual bool copy_fault() { return false; }
     // The link prefetch pieces cross, from the prefetch thread (the staging ring's transport).
     virtual StagingRing::Transport& link() = 0;
 

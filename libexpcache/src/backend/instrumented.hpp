@@ -7,7 +7,6 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 
 #include "../errors.hpp"
 #include "../kernels/test_kernels.hpp"
@@ -73,7 +72,6 @@ public:
     expcache_status_t copy_d2d(void* dst, const void* src, uint64_t bytes, void* stream) override {
         return copies_.fire() ? copy_failure() : inner_->copy_d2d(dst, src, bytes, stream);
     }
-    bool copy_fault() override { return copies_.fire(); }
     expcache_status_t copy_d2h_sync(void* dst, const void* src, uint64_t bytes) override {
         ++reads_.copies;
         return inner_->copy_d2h_sync(dst, src, bytes);
@@ -107,17 +105,13 @@ public:
     Reads reads() const { return reads_; }
 
 private:
-    // Armed by the calling thread; fired there and on the feed's poller thread (copy_fault).
     struct Trigger {
-        std::mutex mu;
         uint64_t skip = 0, count = 0;
         void arm(uint64_t s, uint64_t c) {
-            std::lock_guard<std::mutex> lock(mu);
             skip = c ? s : 0;
             count = c;
         }
         bool fire() {
-            std::lock_guard<std::mutex> lock(mu);
             if (count == 0) return false;
             if (skip > 0) {
                 --skip;

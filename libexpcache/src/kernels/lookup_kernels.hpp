@@ -35,7 +35,6 @@
 #include <cstdint>
 #include <memory>
 
-#include "engine_protocol.hpp"
 #include "expcache.h"
 #include "feed_protocol.hpp"
 #include "host_device.hpp"
@@ -107,8 +106,7 @@ struct DeviceClass {
     uint64_t part_at[EXPCACHE_MAX_PARTS];  // part p of slot s at bank + part_at[p] + s * part_stride[p]
     uint64_t part_stride[EXPCACHE_MAX_PARTS];
     DevicePolicyClass policy;
-    DeviceFeed feed;      // the rows misses of a source the GPU cannot read come through (box nullptr: none)
-    DeviceEngine engine;  // the mailbox a copy engine's poller reads misses of pinned sources from (box nullptr: none)
+    DeviceFeed feed;  // the rows misses of a source the GPU cannot read come through (box nullptr: none)
 };
 
 // Every argument of one select. Pointers are device addresses (host addresses on the host backend).
@@ -127,7 +125,6 @@ struct DeviceSelectArgs {
     uint32_t
         copy;  // 0: the select fills slots without copying (a host-side call's copy of a source the GPU cannot read)
     uint32_t fed;         // 1 (with copy): the misses come through the class's feed (feed_protocol.hpp), not src
-    uint32_t engine;      // 1 (with copy): a copy engine moves the misses from src (engine_protocol.hpp), not the grid
     uint32_t open_clock;  // 0: a later piece of one host-side call, whose first opened the policy clock
     uint32_t layer;
     uint32_t key_base;
@@ -149,17 +146,6 @@ struct DeviceSelectArgs {
     DevicePolicyArgs policy;
 };
 
-// The copy-engine path's copies (engine_protocol.hpp), made for the poller thread, which alone
-// calls it.
-class EngineCopier {
-public:
-    virtual ~EngineCopier() = default;
-    // Enqueue n copies, pinned host memory src[i] to device memory dst[i].
-    virtual expcache_status_t copy(void* const* dst, const void* const* src, const uint64_t* bytes, size_t n) = 0;
-    // Enqueue a write of `value` into the device word `word`, after the copies before it.
-    virtual expcache_status_t signal(uint64_t* word, uint64_t value) = 0;
-};
-
 class LookupKernels {
 public:
     virtual ~LookupKernels() = default;
@@ -176,9 +162,6 @@ public:
     virtual void free_mapped(void* host) = 0;
     // pin[slots[i]] = 0 for i < n (slots in mapped memory), enqueued on `stream`: a batch ends.
     virtual expcache_status_t unpin(uint8_t* pin, const int32_t* slots, uint32_t n, void* stream) = 0;
-    // A copier for the copy-engine path, or UNSUPPORTED with the reason (a driver without stream
-    // writes: the grid copies then).
-    virtual expcache_status_t make_copier(std::unique_ptr<EngineCopier>* out) = 0;
     // Class `c` forgets every expert it holds (clear_class), enqueued on `stream`: a release.
     virtual expcache_status_t clear(const DeviceClass& c, int32_t* slot_of_key, void* stream) = 0;
 };

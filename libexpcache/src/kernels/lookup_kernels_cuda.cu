@@ -19,14 +19,10 @@
 // chooses the next one's victim, until the leader says it has listed all. No block waits for one that has not
 // started, so it cannot deadlock however few of its blocks are resident; an all-hit select's
 // other blocks end as soon as the leader has read the slot map.
-#include <cuda.h>
-
 #include <algorithm>
 #include <cuda/atomic>
-#include <vector>
 
 #include "../backend/cuda_errors.cuh"
-#include "engine_cuda.cuh"
 #include "feed_cuda.cuh"
 #include "lookup_kernels.hpp"
 #include "lookup_policy_cuda.cuh"
@@ -122,7 +118,6 @@ __device__ void lookup_block(const DeviceSelectArgs& a, uint64_t done, uint64_t 
             slot_at[i] = v;
             if (a.copy) {  // the miss list's entry is written: the copy may start
                 if (a.fed) feed_cuda::list(c.feed, a.layer, keys[i] - a.key_base, now.token, misses - 1, done);
-                if (a.engine) engine_cuda::list(c.engine, a.layer, keys[i] - a.key_base, v, misses - 1, done);
                 __threadfence();
                 DeviceWord(c.handoff->published).fetch_max(done | misses, cuda::memory_order_release);
             }
@@ -235,12 +230,8 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
         if (tid == 0) {
             const uint64_t listed = a.copy ? *c.miss_count : 0;  // copy 0: the host copies them
             __threadfence();
-            published.fetch_max(done | kPublishFinal | (a.engine ? 0 : listed), cuda::memory_order_release);
-            if (a.engine && listed) engine_cuda::settle(a, done, static_cast<uint32_t>(listed));
+            published.fetch_max(done | kPublishFinal | listed, cuda::memory_order_release);
         }
-        if (a.engine) return;
-    } else if (a.engine) {
-        return;  // a copy engine moves the misses: nothing for this block to copy
     }
     // Every block copies its share of each miss (by its index in the grid), so every block waits
     // for the leader's word, even one whose table read found every id resident (a block that read
@@ -287,67 +278,9 @@ __global__ void __launch_bounds__(kLookupThreads) clear_kernel(DeviceClass c, in
     if (threadIdx.x == 0) cleared(c);
 }
 
-// The copy-engine path's copies (engine_protocol.hpp): one stream of its own on the cache's device,
-// one cudaMemcpyBatchAsync per call (one cudaMemcpyAsync each where the batch is refused: a
-// single copy, a driver without it), then the word by cuStreamWriteValue64.
-class CudaCopier final : public EngineCopier {
-public:
-    using WriteValue = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-    CudaCopier(int device, WriteValue write) : device_(device), write_(write) {}
-    ~CudaCopier() override {
-        if (!stream_) return;
-        cudaStreamSynchronize(stream_);
-        cudaStreamDestroy(stream_);
-        cudaGetLastError();
-    }
-    expcache_status_t copy(void* const* dst, const void* const* src, const uint64_t* bytes, size_t n) override {
-        expcache_status_t s = open();
-        if (s != EXPCACHE_OK || n == 0) return s;
-        if (n > 1 && batch_) {
-            sizes_.assign(bytes, bytes + n);
-            cudaMemcpyAttributes attr = {};
-            attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-            size_t first = 0;
-            const cudaError_t e = cudaMemcpyBatchAsync(const_cast<void**>(dst), const_cast<const void**>(src),
-                                                       sizes_.data(), n, &attr, &first, 1, stream_);
-            if (e == cudaSuccess) return EXPCACHE_OK;
-            cudaGetLastError();
-            if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue)
-                return fail(EXPCACHE_ERR_CUDA, "cudaMemcpyBatchAsync: %s", cudaGetErrorString(e));
-            batch_ = e != cudaErrorNotSupported;
-        }
-        for (size_t i = 0; i < n; ++i)
-            EXPCACHE_CUDA_TRY(cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyHostToDevice, stream_));
-        return EXPCACHE_OK;
-    }
-    expcache_status_t signal(uint64_t* word, uint64_t value) override {
-        expcache_status_t s = open();
-        if (s != EXPCACHE_OK) return s;
-        const CUresult r = write_(reinterpret_cast<CUstream>(stream_), reinterpret_cast<CUdeviceptr>(word), value,
-                                  CU_STREAM_WRITE_VALUE_DEFAULT);
-        return r == CUDA_SUCCESS ? EXPCACHE_OK
-                                 : fail(EXPCACHE_ERR_CUDA, "cuStreamWriteValue64: CUresult %d", static_cast<int>(r));
-    }
-
-private:
-    // The stream, made on the poller's thread at its first call.
-    expcache_status_t open() {
-        if (stream_) return EXPCACHE_OK;
-        EXPCACHE_CUDA_TRY(cudaSetDevice(device_));
-        EXPCACHE_CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-        return EXPCACHE_OK;
-    }
-
-    const int device_;
-    const WriteValue write_;
-    cudaStream_t stream_ = nullptr;
-    bool batch_ = true;
-    std::vector<size_t> sizes_;
-};
-
 class CudaLookupKernels final : public LookupKernels {
 public:
-    explicit CudaLookupKernels(int device) : device_(device) {
+    explicit CudaLookupKernels(int device) {
         int sms = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
             cudaGetLastError();
@@ -404,18 +337,6 @@ public:
         EXPCACHE_CUDA_TRY(cudaGetLastError());
         return EXPCACHE_OK;
     }
-    expcache_status_t make_copier(std::unique_ptr<EngineCopier>* out) override {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-        const cudaError_t e =
-            cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &fn, 12000, cudaEnableDefault, &found);
-        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !fn) {
-            cudaGetLastError();
-            return fail(EXPCACHE_ERR_UNSUPPORTED, "the driver has no cuStreamWriteValue64");
-        }
-        out->reset(new CudaCopier(device_, reinterpret_cast<CudaCopier::WriteValue>(fn)));
-        return EXPCACHE_OK;
-    }
     expcache_status_t clear(const DeviceClass& c, int32_t* slot_of_key, void* stream) override {
         clear_kernel<<<1, kLookupThreads, 0, static_cast<cudaStream_t>(stream)>>>(c, slot_of_key);
         EXPCACHE_CUDA_TRY(cudaGetLastError());
@@ -431,7 +352,6 @@ public:
     }
 
 private:
-    const int device_;
     int blocks_ = 64;  // per select: one per SM
 };
 

@@ -18,19 +18,6 @@ namespace expcache {
 
 namespace {
 
-// The copy-engine path's copies on the host backend: done before the word is stored.
-class HostCopier final : public EngineCopier {
-public:
-    expcache_status_t copy(void* const* dst, const void* const* src, const uint64_t* bytes, size_t n) override {
-        for (size_t i = 0; i < n; ++i) std::memcpy(dst[i], src[i], bytes[i]);
-        return EXPCACHE_OK;
-    }
-    expcache_status_t signal(uint64_t* word, uint64_t value) override {
-        __atomic_store_n(word, value, __ATOMIC_RELEASE);
-        return EXPCACHE_OK;
-    }
-};
-
 class HostLookupKernels final : public LookupKernels {
 public:
     expcache_status_t select(const DeviceSelectArgs& a, void*) override {
@@ -41,8 +28,6 @@ public:
         const PolicyNow now = lookup(a);
         if (a.copy && a.fed)
             feed(a, now.token);
-        else if (a.copy && a.engine)
-            engine(a);
         else if (a.copy)
             copy(a);
         return EXPCACHE_OK;
@@ -64,10 +49,6 @@ public:
     void free_mapped(void* host) override { std::free(host); }
     expcache_status_t unpin(uint8_t* pin, const int32_t* slots, uint32_t n, void*) override {
         for (uint32_t i = 0; i < n; ++i) pin[slots[i]] = 0;
-        return EXPCACHE_OK;
-    }
-    expcache_status_t make_copier(std::unique_ptr<EngineCopier>* out) override {
-        out->reset(new HostCopier());
         return EXPCACHE_OK;
     }
     expcache_status_t clear(const DeviceClass& c, int32_t* slot_of_key, void*) override {
@@ -270,36 +251,6 @@ private:
             for (uint32_t i = 0; i < a.count; ++i)  // no slot, as an id out of range
                 if (a.out_slots[i] == s) a.out_slots[i] = -1;
         }
-    }
-
-    // The select's misses through the copy-engine path (engine_protocol.hpp), as the CUDA leader
-    // lists them: all at once, then the poller's word awaited; a failed copy forgets them all.
-    static void engine(const DeviceSelectArgs& a) {
-        const DeviceClass& c = a.cls;
-        const DeviceEngine& e = c.engine;
-        const uint32_t n = *c.miss_count;
-        if (n == 0) return;
-        const uint64_t done = ++c.handoff->ticket << kPublishShift;  // the host backend's select number
-        for (uint32_t m = 0; m < n; ++m) e.box->entry[m] = EngineEntry{a.layer, c.misses[m].expert, c.misses[m].slot};
-        __atomic_store_n(&e.box->listed, done | n, __ATOMIC_RELEASE);
-        const auto start = std::chrono::steady_clock::now();
-        uint64_t w;
-        bool failed = false;
-        while ((w = __atomic_load_n(e.done, __ATOMIC_ACQUIRE)) < (done | n)) {
-            if (std::chrono::steady_clock::now() - start > std::chrono::nanoseconds(kFeedTimeoutNs)) {
-                failed = true;
-                break;
-            }
-            std::this_thread::yield();
-        }
-        if (!failed && !((w & kEngineFailed) && (w >> kPublishShift) == (done >> kPublishShift))) return;
-        for (uint32_t m = 0; m < n; ++m) {
-            const int32_t slot = c.misses[m].slot;
-            forget_slot(c, a.slot_of_key, static_cast<uint32_t>(slot));
-            for (uint32_t i = 0; i < a.count; ++i)  // no slot, as an id out of range
-                if (a.out_slots[i] == slot) a.out_slots[i] = -1;
-        }
-        *e.failures += n;
     }
 
     // A piece's ready word once it holds `tag` (kFeedFailed set after kFeedTimeoutNs).
