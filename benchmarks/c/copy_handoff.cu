@@ -15,13 +15,18 @@
 //                 it reads the last miss's tag. The copy engine moves the bytes, with no host
 //                 call in the graph.
 //   engine-batch  the same, one cudaMemcpyBatchAsync for the misses each poll finds.
+//
+// Then, for the first size, the hazard of the engine ways: one token of engine-batch launched on
+// the legacy default stream with the caller in a copy to pageable memory behind it there, as
+// torch's .cpu() on its default stream is, rather than waiting on an event; the selects whose
+// copier never answered are counted (each waits 0.2 s here).
 //   host          no graph: the host knows every miss ahead (the C loop's position: its ids come
 //                 from a trace, not from the GPU), a cudaMemcpyAsync per part and the same
 //                 kernels, stream-ordered. The reference.
 //   host-batch    the same, one cudaMemcpyBatchAsync per layer (what the library's host select
 //                 does).
 //
-//   build/copy_handoff [MiB per expert, comma-separated; default 6.75,13.5] [tokens; default 64]
+//   build/copy_handoff [MiB per expert, comma-separated; default 6.75,4.5,13.5] [tokens; default 64]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -53,14 +58,15 @@
 
 namespace {
 
-constexpr int kLayers = 40;    // DeepSeek V4 Flash's routed layers 3-42
-constexpr int kK = 6;          // routed experts per token
-constexpr int kParts = 3;      // gate, up, down, lying apart as in a GGUF file
-constexpr int kMaxMiss = kK;   // misses of one select, at most
-constexpr int kExperts = 96;   // in the source
-constexpr int kCap = 48;       // slots in the bank
-constexpr int kThreads = 256;  // per block
-constexpr uint64_t kTimeoutNs = 10ull * 1000 * 1000 * 1000;
+constexpr int kLayers = 40;                                   // DeepSeek V4 Flash's routed layers 3-42
+constexpr int kK = 6;                                         // routed experts per token
+constexpr int kParts = 3;                                     // gate, up, down, lying apart as in a GGUF file
+constexpr int kMaxMiss = kK;                                  // misses of one select, at most
+constexpr int kExperts = 96;                                  // in the source
+constexpr int kCap = 48;                                      // slots in the bank
+constexpr int kThreads = 256;                                 // per block
+constexpr uint64_t kTimeoutNs = 10ull * 1000 * 1000 * 1000;   // a select's wait for the copier, at most
+constexpr uint64_t kBlockedTimeoutNs = 200ull * 1000 * 1000;  // the same in the blocked-caller check
 
 // One layer of one token: its misses (expert into slot) and the slots its kernel reads.
 struct LayerPlan {
@@ -120,7 +126,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // engine: one thread lists the misses for the host and waits for the copy engine's last tag.
 __global__ void select_engine(const LayerPlan* plan, const uint32_t* token, int layer, Box* box, uint64_t* seq,
-                              uint64_t* done, uint32_t* timeouts) {
+                              uint64_t* done, uint32_t* timeouts, uint64_t timeout_ns) {
     if (threadIdx.x != 0) return;
     const LayerPlan& p = plan[uint64_t(*token) * kLayers + layer];
     const uint64_t number = ++*seq;
@@ -134,7 +140,7 @@ __global__ void select_engine(const LayerPlan* plan, const uint32_t* token, int 
     const uint64_t want = number << 8 | p.n_miss;
     const uint64_t start = now_ns();
     while (SysWord(*done).load(cuda::memory_order_acquire) < want) {
-        if (now_ns() - start > kTimeoutNs) {
+        if (now_ns() - start > timeout_ns) {
             atomicAdd(timeouts, 1u);
             return;
         }
@@ -151,7 +157,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < kK; ++j) {
         const uint4* s = reinterpret_cast<const uint4*>(g.bank + p.read_slot[j] * g.slot_bytes);
         unsigned long long acc = 0;
-        for (uint64_t w = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < words; w += uint64_t(gridDim.x) * blockDim.x) {
+        for (uint64_t w = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
+             w += uint64_t(gridDim.x) * blockDim.x) {
             const uint4 v = s[w];
             acc += uint64_t(v.x) + v.y + v.z + v.w;
         }
@@ -294,7 +301,8 @@ private:
     std::thread thread_;
 };
 
-void run_size(double mib, int tokens, double link) {
+// check_blocked: also the engine-batch way with the caller blocked in a synchronous copy.
+void run_size(double mib, int tokens, double link, bool check_blocked) {
     const uint64_t part = uint64_t(mib * 1048576.0 / kParts) / 4096 * 4096;
     Geometry g{};
     g.part_bytes = part;
@@ -339,16 +347,22 @@ void run_size(double mib, int tokens, double link) {
     CHECK(cudaEventCreate(&t1));
 
     const double miss_bytes = misses_per_layer * kLayers * g.slot_bytes;  // per token
-    std::printf("\n%.2f MiB experts (3 parts of %.2f MiB), %d layers, top-%d, %.2f misses per layer (%.1f MiB per token), "
-                "%d tokens\n",
-                g.slot_bytes / 1048576.0, part / 1048576.0, kLayers, kK, misses_per_layer, miss_bytes / 1048576.0,
-                tokens);
+    std::printf(
+        "\n%.2f MiB experts (3 parts of %.2f MiB), %d layers, top-%d, %.2f misses per layer (%.1f MiB per token), "
+        "%d tokens\n",
+        g.slot_bytes / 1048576.0, part / 1048576.0, kLayers, kK, misses_per_layer, miss_bytes / 1048576.0, tokens);
     std::printf("%-14s %10s %10s %12s %10s %s\n", "way", "tok/s", "vs host", "of link", "GB/s", "sums");
 
     double host_rate = 0;
-    const char* ways[] = {"host", "host-batch", "sm", "engine", "engine-batch"};
+    const char* ways[] = {"host", "host-batch", "sm", "engine", "engine-batch", "engine-blocked"};
     for (const char* way : ways) {
         const std::string w = way;
+        // engine-blocked: the engine-batch way for one token, the caller then in a copy of the
+        // sums to pageable memory behind it (what torch's .cpu() does) rather than an event wait.
+        const bool blocked = w == "engine-blocked";
+        if (blocked && !check_blocked) continue;
+        const uint64_t timeout_ns = blocked ? kBlockedTimeoutNs : kTimeoutNs;
+        const int run_tokens = blocked ? 1 : tokens;
         // The same start: slot s holds expert s; no token counted; no select numbered.
         for (int s = 0; s < kCap; ++s)
             for (int q = 0; q < kParts; ++q)
@@ -361,13 +375,13 @@ void run_size(double mib, int tokens, double link) {
         std::memset(box, 0, sizeof(Box));
         CHECK(cudaDeviceSynchronize());
         std::unique_ptr<Copier> copier;
-        if (w.rfind("engine", 0) == 0) copier.reset(new Copier(box, words + 1, host_part, g, w == "engine-batch"));
+        if (w.rfind("engine", 0) == 0) copier.reset(new Copier(box, words + 1, host_part, g, w != "engine"));
 
         auto layer_select = [&](int l, cudaStream_t s) {
             if (w == "sm")
                 select_sm<<<sms, kThreads, 0, s>>>(plan_d, token, l, g);
             else
-                select_engine<<<1, 32, 0, s>>>(plan_d, token, l, box_d, words, words + 1, timeouts);
+                select_engine<<<1, 32, 0, s>>>(plan_d, token, l, box_d, words, words + 1, timeouts, timeout_ns);
         };
         cudaGraphExec_t exec = nullptr;
         if (w.rfind("host", 0) != 0) {
@@ -382,10 +396,12 @@ void run_size(double mib, int tokens, double link) {
             CHECK(cudaGraphInstantiate(&exec, graph, 0));
             CHECK(cudaGraphDestroy(graph));
         }
-        CHECK(cudaEventRecord(t0, stream));
-        for (int t = 0; t < tokens; ++t) {
+        // The blocked caller works on the legacy default stream, as torch's default stream is.
+        const cudaStream_t on = blocked ? cudaStreamLegacy : stream;
+        CHECK(cudaEventRecord(t0, on));
+        for (int t = 0; t < run_tokens; ++t) {
             if (exec) {
-                CHECK(cudaGraphLaunch(exec, stream));
+                CHECK(cudaGraphLaunch(exec, on));
                 continue;
             }
             for (int l = 0; l < kLayers; ++l) {
@@ -404,7 +420,11 @@ void run_size(double mib, int tokens, double link) {
             }
             next_token<<<1, 1, 0, stream>>>(token);
         }
-        CHECK(cudaEventRecord(t1, stream));
+        CHECK(cudaEventRecord(t1, on));
+        if (blocked) {
+            std::vector<unsigned long long> pageable(kK);
+            CHECK(cudaMemcpyAsync(pageable.data(), sums, sizeof(unsigned long long) * kK, cudaMemcpyDeviceToHost, on));
+        }
         CHECK(cudaEventSynchronize(t1));
         CHECK(cudaGetLastError());
         copier.reset();
@@ -415,6 +435,17 @@ void run_size(double mib, int tokens, double link) {
         CHECK(cudaMemcpy(got.data(), sums, n_sums * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
         uint32_t lost = 0;
         CHECK(cudaMemcpy(&lost, timeouts, sizeof lost, cudaMemcpyDeviceToHost));
+        if (blocked) {
+            uint32_t with_misses = 0;
+            for (int l = 0; l < kLayers; ++l) with_misses += plan[l].n_miss > 0;
+            std::printf(
+                "engine-batch on the legacy stream, the caller in a copy to pageable memory behind the token "
+                "(torch's .cpu()): "
+                "%u of the token's %u selects with misses waited out their %.1f s (the poller's driver "
+                "calls wait for that copy, which waits for the selects)\n",
+                lost, with_misses, kBlockedTimeoutNs / 1e9);
+            continue;
+        }
         uint64_t bad = 0;
         for (uint64_t i = 0; i < plan.size(); ++i)
             for (int j = 0; j < kK; ++j) bad += got[i * kK + j] != want[plan[i].read_expert[j]];
@@ -472,7 +503,7 @@ double link_rate() {
 }  // namespace
 
 int main(int argc, char** argv) {
-    std::vector<double> sizes = {6.75, 13.5};
+    std::vector<double> sizes = {6.75, 4.5, 13.5};
     if (argc > 1) {
         sizes.clear();
         for (const char* p = argv[1]; *p;) {
@@ -504,6 +535,6 @@ int main(int argc, char** argv) {
     const double link = link_rate();
     std::printf("copy handoff on %s: link %.1f GB/s (cudaMemcpyAsync of 13.5 MiB chunks from pinned memory)\n",
                 prop.name, link / 1e9);
-    for (double mib : sizes) run_size(mib, tokens, link);
+    for (size_t i = 0; i < sizes.size(); ++i) run_size(sizes[i], tokens, link, i == 0);
     return 0;
 }
