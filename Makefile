@@ -94,11 +94,12 @@ $(BUILD)/obj/%.o: libexpcache/src/%.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(NVCC) -std=c++17 -O2 -Xcompiler -fPIC,-fvisibility=hidden -Ilibexpcache/include -Ilibexpcache/src $(GENCODE) -c $< -o $@
 
+# --no-undefined: a source left out of CORE_SRC fails the link here, not the library's load.
 $(HOST_LIB): $(CORE_OBJ) $(STUB_OBJ)
-	$(CXX) -shared -o $@ $^ -lpthread
+	$(CXX) -shared -Wl,--no-undefined -o $@ $^ -lpthread
 
 $(CUDA_LIB): $(CORE_OBJ) $(CUDA_OBJ)
-	$(NVCC) -shared -cudart $(CUDART) $(CUDART_LINK_$(CUDART)) -o $@ $^ -lpthread
+	$(NVCC) -shared -Xlinker --no-undefined -cudart $(CUDART) $(CUDART_LINK_$(CUDART)) -o $@ $^ -lpthread
 
 SELECT_BIN = $(BUILD)/select_overhead
 $(SELECT_BIN): benchmarks/c/select_overhead.c $(LIBS)
