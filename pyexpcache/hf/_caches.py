@@ -15,8 +15,7 @@ from ..layout import ModelLayout
 from ..progress import Progress
 from . import _serve
 from ._experts import ExpertsLayer
-from ._mxfp4 import Mxfp4Layer, Mxfp4Server
-from ._serve import IMPLEMENTATION, LayerServer, forget_cache, serve_cache, unserve
+from ._serve import IMPLEMENTATION, forget_cache, serve_cache, unserve
 from ._source import ParameterSource
 
 
@@ -101,8 +100,7 @@ class Caches:
             if self.files is None:
                 placed = [_to_host(w, cuda, registration) for w in e.weights]
                 self.tensors[e.layer] = tuple(t for t, _ in placed)
-                if isinstance(e, Mxfp4Layer):  # its triton tensors are not parameters: made to hold the copies
-                    e.release_device(self.tensors[e.layer])
+                e.placed(self.tensors[e.layer])
                 self.pinned = self.pinned and all(pinned for _, pinned in placed)
             for name in ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias"):  # small: kept where the model computes
                 bias = getattr(e.module, name, None)
@@ -154,13 +152,9 @@ class Caches:
             )
             self.served.append((cache, source, serve_cache(cache)))
             for e in group:
-                if isinstance(e, Mxfp4Layer):
-                    server = Mxfp4Server(self.served[-1][2], e, cache.bank(e.layer))
-                else:
-                    server = LayerServer(
-                        self.served[-1][2], e, cache.bank(e.layer), *self.functions[e.layer], self.compute
-                    )
-                e.module._expcache_server = server
+                e.module._expcache_server = e.server(
+                    self.served[-1][2], cache.bank(e.layer), self.functions[e.layer], self.compute
+                )
 
     def close(self) -> None:
         """Every layer's server and cache gone: the model's experts are served no more."""
@@ -222,7 +216,7 @@ def _groups(layers: list[ExpertsLayer], layout: ModelLayout, budget: int, functi
 
 def set_implementation(model, layers: list[ExpertsLayer]) -> list:
     """Set every experts module's config to the implementation; returns (config, previous value) pairs."""
-    layers = [e for e in layers if not isinstance(e, Mxfp4Layer)]  # computed outside the experts interface
+    layers = [e for e in layers if e.interface]
     if not layers:
         return []
     previous = []

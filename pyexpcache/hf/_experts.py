@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from ..layer_spec import LayerSpec, PartSpec
 from ..layout import ModelLayout
 from ._mxfp4 import Mxfp4Layer, is_mxfp4_experts
+from ._serve import LayerServer
 
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 #: torch dtypes the bank views can take, by the name ExpertCache.bank's ``dtype`` takes.
@@ -60,11 +62,52 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class ExpertsLayer:
-    """One MoE layer's experts module: its model layer number, its name in the model and the module."""
+    """One MoE layer's experts module: its model layer number, its name in the model and the module.
+
+    Every kind of layer :func:`find_experts` gives (this one, and
+    :class:`~pyexpcache.hf._mxfp4.Mxfp4Layer` for experts outside the interface) answers the same
+    questions, so the offloading code asks them and never which kind it holds: :attr:`interface`,
+    :meth:`check`, :meth:`placed`, :meth:`server`, :meth:`restore` and :meth:`refusal`."""
 
     layer: int
     name: str
     module: torch.nn.Module
+
+    #: Computed through transformers' experts interface (its implementation set by the config).
+    interface = True
+
+    def check(self) -> None:
+        """ValueError for weights this package cannot serve (a dtype it does not know, gate_up and
+        down of different dtypes, expert parallelism), naming them."""
+        for name, t in zip(self.weight_names, self.weights):
+            if t.dtype not in _QUANTIZED_DTYPES:
+                raise ValueError(
+                    f"{self.name}.{name} is {t.dtype}; pyexpcache.hf serves experts in "
+                    f"{', '.join(sorted(_QUANTIZED_DTYPES.values()))} (load the checkpoint dequantized, "
+                    "e.g. dtype=torch.bfloat16, to serve it)"
+                )
+        if not self.quantized and self.first.dtype != self.down.dtype:
+            raise ValueError(
+                f"{self.name}: gate_up and down weights differ in dtype ({self.first.dtype}, {self.down.dtype})"
+            )
+        if getattr(self.module, "_is_expert_parallel", False):
+            raise ValueError(f"{self.name}: expert-parallel experts (each rank holding some) are not supported")
+
+    def placed(self, held: tuple[torch.Tensor, ...]) -> None:
+        """Its weights were copied to host memory as ``held``: nothing more (the server reads them
+        through the bank; the parameters are set aside by the caller)."""
+
+    def server(self, cache_key: int, bank, inner: tuple, compute: torch.device):
+        """What computes it from ``bank``: the implementation ``inner`` ((name, function)) over the
+        bank seen as the module's weights."""
+        return LayerServer(cache_key, self, bank, *inner, compute)
+
+    def restore(self) -> None:
+        """The handle closes: nothing to move back (``model.to`` moves parameters)."""
+
+    def refusal(self, what: str) -> Optional[str]:
+        """Why ``what`` (``"refresh"``, ``"record"``) cannot serve this layer; None: it can."""
+        return None
 
     @property
     def first(self) -> torch.Tensor:
@@ -172,19 +215,7 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
         numbers = list(range(len(found)))
     layers = [(Mxfp4Layer if is_mxfp4_experts(m) else ExpertsLayer)(n, name, m) for n, (name, m) in zip(numbers, found)]
     for e in layers:
-        if isinstance(e, Mxfp4Layer):
-            continue
-        for name, t in zip(e.weight_names, e.weights):
-            if t.dtype not in _QUANTIZED_DTYPES:
-                raise ValueError(
-                    f"{e.name}.{name} is {t.dtype}; pyexpcache.hf serves experts in "
-                    f"{', '.join(sorted(_QUANTIZED_DTYPES.values()))} (load the checkpoint dequantized, "
-                    "e.g. dtype=torch.bfloat16, to serve it)"
-                )
-        if not e.quantized and e.first.dtype != e.down.dtype:
-            raise ValueError(f"{e.name}: gate_up and down weights differ in dtype ({e.first.dtype}, {e.down.dtype})")
-        if getattr(e.module, "_is_expert_parallel", False):
-            raise ValueError(f"{e.name}: expert-parallel experts (each rank holding some) are not supported")
+        e.check()
     return layers
 
 

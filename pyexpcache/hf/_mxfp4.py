@@ -111,6 +111,28 @@ class Mxfp4Layer:
 
     quantized = True
     weight_names = TENSORS
+    #: Computed by triton_kernels' matmul over routing metadata, outside the experts interface.
+    interface = False
+
+    def check(self) -> None:
+        """Checked when made (``__post_init__``)."""
+
+    def server(self, cache_key: int, bank, inner: tuple, compute: torch.device) -> Mxfp4Server:
+        return Mxfp4Server(cache_key, self, bank)
+
+    def refusal(self, what: str):
+        if what == "refresh":
+            return (
+                "MXFP4 experts are served from copies of their swizzled tensors, which refresh cannot make "
+                "from edited parameters: close the handle and offload the model again"
+            )
+        if what == "record":
+            return (
+                "MXFP4 experts are routed by triton_kernels' routing data, which record_routing does not read "
+                "yet: record the model loaded dequantized (transformers.Mxfp4Config(dequantize=True)), whose "
+                "routing is the same"
+            )
+        return None
 
     def __post_init__(self):
         m = self.module
@@ -141,9 +163,10 @@ class Mxfp4Layer:
     def part_rows(self, weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, int]]:
         return [(t, 0) for t in weights]
 
-    def release_device(self, held: tuple[torch.Tensor, ...]) -> None:
+    def placed(self, held: tuple[torch.Tensor, ...]) -> None:
         """The module's weights and scales made to hold the host copies ``held`` (its rows, placed),
-        so that their device memory is freed; the biases stay where the model computes."""
+        so that their device memory is freed (triton tensors are not parameters: nothing else
+        frees it); the biases stay where the model computes."""
         m = self.module
         for name, rows in zip(TENSORS, held):
             if name.endswith("_bias"):

@@ -14,7 +14,6 @@ from ..stats import PathStats
 from ._auto_budget import AutoBudget, size_budget
 from ._caches import Caches, HostRegistration, set_implementation
 from ._experts import ExpertsLayer, find_experts, layout_of
-from ._mxfp4 import Mxfp4Layer
 from ._serve import experts_interface, forget_cache, inner_implementation, register, unserve
 
 
@@ -156,11 +155,9 @@ class Offloaded:
         """
         if self._closed:
             raise ValueError("this handle is closed: offload the model again to serve its experts")
-        if any(isinstance(e, Mxfp4Layer) for e in self._experts):
-            raise ValueError(
-                "MXFP4 experts are served from copies of their swizzled tensors, which refresh cannot make "
-                "from edited parameters: close the handle and offload the model again"
-            )
+        refused = next((why for why in (e.refusal("refresh") for e in self._experts) if why), None)
+        if refused:
+            raise ValueError(refused)
         if not all(hasattr(source, "tensors") for source in self.sources):
             raise ValueError(
                 "these experts are served from the checkpoint's files (offload_pretrained): there are no "
@@ -197,8 +194,7 @@ class Offloaded:
         for module in self._modules:
             unserve(module)
         for e in self._experts:
-            if isinstance(e, Mxfp4Layer):  # triton tensors, which model.to() does not move
-                e.restore()
+            e.restore()
         self.model.__dict__.pop("_optimize_model_for_decode", None)
         for key, cache in zip(self._keys, self.caches):
             forget_cache(key)
@@ -344,7 +340,7 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
     max_len, batch, margin_bytes = options["max_len"], options["batch"], options["margin_bytes"]
     device, device_capacity_bytes, progress = options["device"], options["device_capacity_bytes"], options["progress"]
     # before ours is set; refuses a second offload
-    inner = [("mxfp4", None) if isinstance(e, Mxfp4Layer) else inner_implementation(e.module) for e in layers]
+    inner = [inner_implementation(e.module) if e.interface else ("mxfp4", None) for e in layers]
     if any(hasattr(e.module, "_expcache_server") for e in layers):
         raise ValueError(f"{layers[0].name} is already served by expcache: close its handle first")
     compute = _compute_device(model, layers, device)
@@ -360,7 +356,7 @@ def serve(model, layers: list[ExpertsLayer], *, files=None, **options) -> Offloa
         )
     layout = layout_of(model, layers)
     fixed = None if budget == "auto" else resolve_budget(layout, budget_bytes, budget_fraction)
-    register([e.module for e in layers if not isinstance(e, Mxfp4Layer)])
+    register([e.module for e in layers if e.interface])
     registration = HostRegistration()
     functions = {e.layer: (name, function) for e, (name, function) in zip(layers, inner)}
     caches = Caches(

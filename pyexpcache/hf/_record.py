@@ -10,7 +10,6 @@ import torch
 
 from ..routing import FORMATS, TraceWriter, trace_format
 from ._experts import find_experts, layout_of
-from ._mxfp4 import Mxfp4Layer
 
 
 def _layout_path(path: Path) -> Path:
@@ -42,12 +41,9 @@ class RoutingRecorder:
         self.trace_path = Path(path)
         self.layout_path = Path(layout_path) if layout_path is not None else _layout_path(self.trace_path)
         self._layers = find_experts(model)
-        if any(isinstance(e, Mxfp4Layer) for e in self._layers):
-            raise ValueError(
-                f"{type(model).__name__}: MXFP4 experts are routed by triton_kernels' routing data, which "
-                "record_routing does not read yet: record the model loaded dequantized "
-                "(transformers.Mxfp4Config(dequantize=True)), whose routing is the same"
-            )
+        refused = next((why for why in (e.refusal("record") for e in self._layers) if why), None)
+        if refused:
+            raise ValueError(f"{type(model).__name__}: {refused}")
         self.layout = layout_of(model, self._layers)
         self.records = 0
         self._writer: Optional[TraceWriter] = None
