@@ -417,9 +417,32 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
     assert len(calls) == 2 and calls[-1][0] < calls[-1][1]  # stopped early, at the second report
 
 
+# Runs `python ARGS` with SIGINT as a shell gives it (delivered: not blocked, not ignored), whatever
+# this process's thread would hand down: a child inherits the signal mask, and a library an earlier
+# test ran in the same pytest worker can leave SIGINT blocked in its main thread. The command then
+# never sees the Ctrl-C and runs to the end (seen in CI; reproduced by blocking SIGINT in the parent).
+AS_FROM_A_SHELL = (
+    "import os, signal, sys; "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 def test_ctrl_c_stops_the_command_with_130(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "expcache_bench", "bench", "--backend", "host", "--scenario", "all"],
+        [
+            sys.executable,
+            "-c",
+            AS_FROM_A_SHELL,
+            "-m",
+            "expcache_bench",
+            "bench",
+            "--backend",
+            "host",
+            "--scenario",
+            "all",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
