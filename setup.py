@@ -25,16 +25,9 @@ import sys
 from pathlib import Path
 
 from setuptools import Command, setup
+from setuptools.command.bdist_wheel import bdist_wheel  # setuptools >= 70.1 (pyproject asks 77)
 from setuptools.command.build import build
 from setuptools.dist import Distribution
-
-try:
-    from setuptools.command.bdist_wheel import bdist_wheel  # setuptools >= 70.1
-except ImportError:
-    try:
-        from wheel.bdist_wheel import bdist_wheel  # older setuptools, with wheel < 0.46
-    except ImportError:
-        bdist_wheel = None
 
 ROOT = Path(__file__).resolve().parent
 # Each library make builds -> the package folder it is installed into.
@@ -142,17 +135,15 @@ class BinaryDistribution(Distribution):
         return True
 
 
-cmdclass = {"build": build_with_make, "build_make": build_make}
-if bdist_wheel is not None:
+class bdist_wheel_py3(bdist_wheel):
+    """Tag py3-none-<platform>: the libraries are loaded through ctypes, so they
+    do not depend on the Python version or ABI, only on the platform."""
 
-    class bdist_wheel_py3(bdist_wheel):
-        """Tag py3-none-<platform>: the libraries are loaded through ctypes, so they
-        do not depend on the Python version or ABI, only on the platform."""
+    def get_tag(self):
+        return ("py3", "none", super().get_tag()[2])
 
-        def get_tag(self):
-            return ("py3", "none", super().get_tag()[2])
 
-    cmdclass["bdist_wheel"] = bdist_wheel_py3
+cmdclass = {"build": build_with_make, "build_make": build_make, "bdist_wheel": bdist_wheel_py3}
 
 setup(
     distclass=BinaryDistribution,

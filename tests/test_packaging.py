@@ -9,14 +9,13 @@ system's numpy etc., and run from a folder outside the repository.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
 import shutil
 import site
 import subprocess
 import sys
 import venv
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -45,19 +44,13 @@ def _run(cmd, *, timeout=600, **kwargs) -> subprocess.CompletedProcess:
 
 
 def _setuptools_builds_wheels() -> bool:
-    """Whether this Python's setuptools can build our wheel without downloading
-    anything (setuptools >= 70.1, or an older one with wheel < 0.46)."""
-    if importlib.util.find_spec("setuptools") is None:
+    """Whether this Python's setuptools can build our wheel without downloading anything: the
+    build-system's floor (setuptools >= 77: the SPDX license, its own bdist_wheel)."""
+    try:
+        major = int(importlib.metadata.version("setuptools").split(".")[0])
+    except Exception:  # not installed, or a version string of another form
         return False
-    for module in ("setuptools.command.bdist_wheel", "wheel.bdist_wheel"):
-        try:
-            with warnings.catch_warnings():  # wheel's own bdist_wheel warns it is deprecated
-                warnings.simplefilter("ignore")
-                __import__(module)
-            return True
-        except Exception:  # absent, or wheel >= 0.46 without a setuptools that has it
-            continue
-    return False
+    return major >= 77
 
 
 @pytest.fixture(scope="module")
