@@ -418,9 +418,10 @@ def test_ctrl_c_in_the_replay_stops_it_and_raises(monkeypatch):
 
 
 # Runs `python ARGS` with SIGINT as a shell gives it (delivered: not blocked, not ignored), whatever
-# this process's thread would hand down: a child inherits the signal mask, and a library an earlier
-# test ran in the same pytest worker can leave SIGINT blocked in its main thread. The command then
-# never sees the Ctrl-C and runs to the end (seen in CI; reproduced by blocking SIGINT in the parent).
+# this process hands down: a child inherits the signal mask and an ignored SIGINT. In CI, under
+# pytest-xdist, a worker once handed down one or the other (the command ran to the end and exited 0;
+# blocking SIGINT in the parent reproduces that exactly; which it was, a single-process run of the
+# suite watching the mask after every test did not find).
 AS_FROM_A_SHELL = (
     "import os, signal, sys; "
     "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
