@@ -688,6 +688,27 @@ def test_a_model_without_experts_interface_layers_is_refused_by_name():
         offload(model, budget_fraction=0.5)
 
 
+def test_llama4_is_refused_naming_its_experts_and_why():
+    """Llama4's experts run every expert on every token, outside the experts interface: the
+    refusal names the module and says so."""
+    config = transformers.Llama4TextConfig(
+        **COMMON,
+        intermediate_size=48,
+        intermediate_size_mlp=48,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+    )
+    model = transformers.Llama4ForCausalLM(config)
+    with pytest.raises(ValueError) as refused:
+        offload(model, budget_fraction=0.5)
+    message = str(refused.value)
+    assert message.startswith("Llama4ForCausalLM has no MoE layer")
+    assert "its Llama4TextExperts (model.layers.0.feed_forward.experts and 2 more)" in message
+    assert "runs every expert on every token" in message
+
+
 def test_a_budget_is_required():
     with pytest.raises(ValueError, match="budget"):
         offload(tiny_model("mixtral"), budget_bytes=None)

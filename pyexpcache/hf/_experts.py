@@ -188,6 +188,28 @@ def split(first_bytes: int) -> int:
     return max(_ALIGN, first_bytes // 2 // _ALIGN * _ALIGN)
 
 
+#: Experts modules transformers ships outside the experts interface, and why none is served.
+_EVERY_EXPERT_EVERY_TOKEN = (
+    "runs every expert on every token (the router only scales their inputs), so each step reads all of "
+    "them: there is no subset a cache could hold"
+)
+_UNSERVED = {"Llama4TextExperts": _EVERY_EXPERT_EVERY_TOKEN, "FbgemmFp8Llama4TextExperts": _EVERY_EXPERT_EVERY_TOKEN}
+
+
+def _why_not_served(model: torch.nn.Module) -> str:
+    """The experts modules ``model`` has outside the interface (classes named ``*Experts``), named
+    with the first one's place and why they are not served; empty when it has none."""
+    kinds: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if type(m).__name__.endswith("Experts"):
+            kinds.setdefault(type(m).__name__, []).append(name)
+    return "".join(
+        f"; its {kind} ({names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}) "
+        + _UNSERVED.get(kind, "computes outside that interface, where the library cannot take its place")
+        for kind, names in kinds.items()
+    )
+
+
 def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
     """Every experts module of ``model`` (of the experts interface, or MXFP4 experts), in model
     order, each with its layer number.
@@ -205,7 +227,7 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
         raise ValueError(
             f"{type(model).__name__} has no MoE layer served through transformers' experts interface "
             "(an *Experts module marked @use_experts_implementation, with gate_up_proj and down_proj); "
-            "pyexpcache.hf serves the MoE families of transformers >= 5 that have one"
+            "pyexpcache.hf serves the MoE families of transformers >= 5 that have one" + _why_not_served(model)
         )
     numbers = []
     for name, _ in found:
