@@ -129,7 +129,7 @@ $(C_ENGINE_BIN): $(C_ENGINE_DIR)/engine.cu $(C_ENGINE_DIR)/gguf.h $(BUILD)/obj/c
 c-engine: $(C_ENGINE_BIN)
 
 COPY_BIN = $(BUILD)/copy_methods
-$(COPY_BIN): benchmarks/c/copy_methods.cu libexpcache/src/backend/copy_nt.hpp
+$(COPY_BIN): benchmarks/c/copy_methods.cu benchmarks/c/cuda_check.hpp libexpcache/src/backend/copy_nt.hpp
 	@test -n "$(NVCC)" || { echo "copy-methods: needs nvcc and a GPU"; exit 1; }
 	@mkdir -p $(BUILD)
 	$(NVCC) -std=c++17 -O2 $(GENCODE) -Ilibexpcache/src -o $@ $< -lpthread
@@ -139,7 +139,7 @@ copy-methods: $(COPY_BIN)
 	$(COPY_BIN) 1 $(COPY_TABLES)
 
 HANDOFF_BIN = $(BUILD)/copy_handoff
-$(HANDOFF_BIN): benchmarks/c/copy_handoff.cu
+$(HANDOFF_BIN): benchmarks/c/copy_handoff.cu benchmarks/c/cuda_check.hpp
 	@test -n "$(NVCC)" || { echo "copy-handoff: needs nvcc and a GPU"; exit 1; }
 	@mkdir -p $(BUILD)
 	$(NVCC) -std=c++17 -O2 $(GENCODE) -o $@ $< -lpthread

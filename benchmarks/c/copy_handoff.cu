@@ -42,19 +42,11 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "cuda_check.hpp"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-
-#define CHECK(call)                                                                                    \
-    do {                                                                                               \
-        cudaError_t e_ = (call);                                                                       \
-        if (e_ != cudaSuccess) {                                                                       \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                              \
-        }                                                                                              \
-    } while (0)
 
 namespace {
 

@@ -35,20 +35,12 @@
 #include <vector>
 
 #include "backend/copy_nt.hpp"  // the staging ring's non-temporal copy
+#include "cuda_check.hpp"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
 #endif
-
-#define CHECK(call)                                                                                    \
-    do {                                                                                               \
-        cudaError_t e_ = (call);                                                                       \
-        if (e_ != cudaSuccess) {                                                                       \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                              \
-        }                                                                                              \
-    } while (0)
 
 namespace {
 
