@@ -10,11 +10,9 @@ package, from a directory holding it (a machine without the hub), where transfor
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import torch
 import transformers
+from _local_package import import_from
 from transformers.integrations import finegrained_fp8 as fp8
 from transformers.integrations.moe import use_experts_implementation
 
@@ -69,11 +67,7 @@ def install_kernel(where: str):
     """transformers' FP8 kernel taken from the ``finegrained_fp8`` package in directory ``where``
     (the hub repository's ``torch-ext`` folder with its ``_ops`` module); returns what it replaced,
     for :func:`restore_kernel`. ImportError if the package is not there."""
-    sys.path.insert(0, where)
-    try:
-        kernel = importlib.import_module("finegrained_fp8")
-    finally:
-        sys.path.remove(where)
+    kernel = import_from(where, "finegrained_fp8")
     before = fp8._FINEGRAINED_FP8
     fp8._FINEGRAINED_FP8 = fp8.FineGrainedFP8(kernel.matmul_2d, kernel.matmul_batched, kernel.matmul_grouped)
     return before

@@ -12,11 +12,9 @@ quantized and swizzled by transformers' ``quantize_to_mxfp4`` and ``swizzle_mxfp
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import torch
 import transformers
+from _local_package import import_from
 from transformers.integrations import hub_kernels, mxfp4
 
 #: The hub repository transformers loads triton_kernels from.
@@ -27,11 +25,7 @@ def install_kernel(where: str):
     """triton_kernels taken from the ``gpt_oss_triton_kernels`` package in directory ``where``
     (the hub repository's ``torch-ext`` folder): transformers' ``get_kernel`` returns it for
     :data:`REPOSITORY`. Returns the package. ImportError if it is not there."""
-    sys.path.insert(0, where)
-    try:
-        hub = importlib.import_module("gpt_oss_triton_kernels")
-    finally:
-        sys.path.remove(where)
+    hub = import_from(where, "gpt_oss_triton_kernels")
     get_kernel = hub_kernels.get_kernel
     if not getattr(get_kernel, "_expcache_local", False):
 
