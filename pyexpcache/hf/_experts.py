@@ -241,6 +241,12 @@ def find_experts(model: torch.nn.Module) -> list[ExpertsLayer]:
     return layers
 
 
+def refusal(layers, what: str) -> Optional[str]:
+    """The first of ``layers``' reasons why ``what`` (``"refresh"``, ``"record"``) cannot serve it
+    (:meth:`ExpertsLayer.refusal`); None when every layer can be."""
+    return next((why for why in (e.refusal(what) for e in layers) if why), None)
+
+
 def layout_of(model: torch.nn.Module, layers: list[ExpertsLayer]) -> ModelLayout:
     """The layout of ``layers``: one entry per model layer up to the last MoE one, None for the others."""
     specs = [None] * (max(e.layer for e in layers) + 1)

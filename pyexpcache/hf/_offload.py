@@ -13,7 +13,7 @@ from ..layout import ModelLayout
 from ..stats import PathStats
 from ._auto_budget import AutoBudget, size_budget
 from ._caches import Caches, HostRegistration, set_implementation
-from ._experts import ExpertsLayer, find_experts, layout_of
+from ._experts import ExpertsLayer, find_experts, layout_of, refusal
 from ._serve import experts_interface, forget_cache, inner_implementation, register, unserve
 
 
@@ -155,7 +155,7 @@ class Offloaded:
         """
         if self._closed:
             raise ValueError("this handle is closed: offload the model again to serve its experts")
-        refused = next((why for why in (e.refusal("refresh") for e in self._experts) if why), None)
+        refused = refusal(self._experts, "refresh")
         if refused:
             raise ValueError(refused)
         if not all(hasattr(source, "tensors") for source in self.sources):

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ..routing import FORMATS, TraceWriter, trace_format
-from ._experts import find_experts, layout_of
+from ._experts import find_experts, layout_of, refusal
 
 
 def _layout_path(path: Path) -> Path:
@@ -41,7 +41,7 @@ class RoutingRecorder:
         self.trace_path = Path(path)
         self.layout_path = Path(layout_path) if layout_path is not None else _layout_path(self.trace_path)
         self._layers = find_experts(model)
-        refused = next((why for why in (e.refusal("record") for e in self._layers) if why), None)
+        refused = refusal(self._layers, "record")
         if refused:
             raise ValueError(f"{type(model).__name__}: {refused}")
         self.layout = layout_of(model, self._layers)
