@@ -286,6 +286,52 @@ def test_a_device_select_copies_every_part(raw, nparts):
             free()
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [_sizes(5), [2**20 + 4, 70_012, 3 * 2**20 + 8]],  # parts within one round of the grid, and over many
+    ids=["small", "large"],
+)
+@pytest.mark.parametrize("pad", [16, 8], ids=["aligned", "unaligned"])  # each stride: a multiple of 16, or not
+def test_a_device_select_copies_every_part_from_pinned_memory(backend, sizes, pad):
+    """select_device over pinned memory the GPU maps, its misses copied by the select's grid (the
+    blocks polling for them apart): up to three misses a select, every part (none a multiple of
+    16 bytes) copied 16 bytes at a time where each part's address and stride allow it, then its
+    tail, and byte by byte where they do not."""
+    rng = np.random.default_rng(len(sizes) + pad)
+    arrays = [rng.integers(0, 256, (NUM_EXPERTS, (n + 15) // 16 * 16 + pad), dtype=np.uint8) for n in sizes]
+    registered = []
+    if backend == "cuda":
+        from pyexpcache import _cuda
+
+        rt = _cuda.runtime()
+        for a in arrays:
+            _cuda.check(rt.cudaHostRegister(a.ctypes.data, a.nbytes, rt.cudaHostRegisterMapped), "cudaHostRegister")
+            registered.append(a.ctypes.data)
+    cache = RawCache(backend, "device", "lru")
+    try:
+        cache.parts[0] = [a[:, :n] for a, n in zip(arrays, sizes)]
+        d = _lib.LayerDesc()
+        lib.expcache_layer_desc_init(byref(d))
+        d.num_experts, d.num_parts, d.source_kind = NUM_EXPERTS, len(sizes), _lib.SOURCE_PINNED
+        for p, (n, a) in enumerate(zip(sizes, arrays)):
+            d.parts[p].bytes, d.parts[p].stride, d.parts[p].base = n, a.strides[0], a.ctypes.data
+        lib.expcache_layer_register(cache.handle.value, 0, byref(d))
+        for _ in range(8):
+            ids = [int(i) for i in rng.choice(NUM_EXPERTS, BUDGET, replace=False)]
+            d_ids, d_slots, read, free = _device_ids(cache, ids)
+            try:
+                lib.expcache_select_device_async(cache.handle.value, 0, d_ids, 32, 1, len(ids), d_slots, None)
+                lib.expcache_synchronize(cache.handle.value, None)
+                for e, slot in zip(ids, read()):
+                    cache.assert_slot_holds(0, int(slot), e)
+            finally:
+                free()
+    finally:
+        cache.close()
+        for address in registered:
+            rt.cudaHostUnregister(address)
+
+
 def _shuffled_parts(raw, sizes, rng):
     """Each part's experts in one buffer, in a shuffled order with gaps: (buffer, offsets per part),
     the expected bytes set in raw.parts."""
