@@ -194,6 +194,12 @@ __global__ void __launch_bounds__(kLookupThreads) select_kernel(DeviceSelectArgs
     __shared__ table_read::Early early_s;
     const DeviceClass& c = a.cls;
     const uint32_t tid = threadIdx.x;
+#if __CUDA_ARCH__ >= 900
+    // Launched as a programmatic dependent (CudaLookupKernels::select): the grid may be resident
+    // before the kernel ahead of it on the stream has finished; nothing is read before it has,
+    // and its writes are visible after this wait.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     if (tid == 0) {
         ticket_s = atomicAdd(reinterpret_cast<unsigned long long*>(&c.handoff->ticket), 1ull);
         distinct_s = 0;
@@ -287,12 +293,27 @@ public:
             sms = 32;
         }
         blocks_ = sms;
+        int major = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) cudaGetLastError();
+        dependent_ = major >= 9;
     }
     expcache_status_t select(const DeviceSelectArgs& args, void* stream) override {
         // Every select of a class has the same grid: its leader is the block whose ticket is a
-        // multiple of blocks_.
-        select_kernel<<<blocks_, kLookupThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
-        EXPCACHE_CUDA_TRY(cudaGetLastError());
+        // multiple of blocks_. From compute capability 9.0 a programmatic dependent launch: the
+        // grid is scheduled while the kernel ahead of it drains (its launch, about 0.8 us under
+        // graph replay, hidden), and waits in the kernel (griddepcontrol.wait) until that one has
+        // finished and its writes are visible. After anything but a kernel it is an ordinary
+        // launch; under capture the graph keeps the programmatic edge.
+        cudaLaunchAttribute attr = {};
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(blocks_);
+        config.blockDim = dim3(kLookupThreads);
+        config.stream = static_cast<cudaStream_t>(stream);
+        config.attrs = &attr;
+        config.numAttrs = dependent_ ? 1 : 0;
+        EXPCACHE_CUDA_TRY(cudaLaunchKernelEx(&config, select_kernel, args));
         return EXPCACHE_OK;
     }
     expcache_status_t mapped(const void* host, const unsigned char** out) override {
@@ -352,7 +373,8 @@ public:
     }
 
 private:
-    int blocks_ = 64;  // per select: one per SM
+    int blocks_ = 64;         // per select: one per SM
+    bool dependent_ = false;  // launched as a programmatic dependent (compute capability 9.0 and later)
 };
 
 }  // namespace
