@@ -294,7 +294,8 @@ public:
         }
         blocks_ = sms;
         int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) cudaGetLastError();
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+            cudaGetLastError();
         dependent_ = major >= 9;
     }
     expcache_status_t select(const DeviceSelectArgs& args, void* stream) override {
