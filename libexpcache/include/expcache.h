@@ -987,7 +987,11 @@ EXPCACHE_API expcache_status_t expcache_class_bank_get(expcache_t* cache, uint32
  * reads the slot map and does the policy's hit bookkeeping (no victim search, no
  * copy; docs/device_lookup.md). No host synchronization and no host decision
  * depends on the ids: the call may be made while `stream` is being captured into a
- * CUDA graph, and each replay does the whole select. An id out of range gets slot
+ * CUDA graph, and each replay does the whole select. On compute capability 9.0 and
+ * later the kernel is a programmatic dependent launch: it is scheduled while the kernel
+ * ahead of it on `stream` (the router's) drains, and reads nothing before that one has
+ * finished and its writes are visible, so the ordering is a normal launch's; under
+ * capture the graph keeps it as a programmatic edge. An id out of range gets slot
  * -1; the next call that reads the device's counters (class_info, stats) logs the
  * first such id as a warning (layer, id, index), once; expcache_destroy logs one
  * no call read.
