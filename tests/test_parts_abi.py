@@ -299,16 +299,16 @@ def test_a_device_select_copies_every_part_from_pinned_memory(backend, sizes, pa
     tail, and byte by byte where they do not."""
     rng = np.random.default_rng(len(sizes) + pad)
     arrays = [rng.integers(0, 256, (NUM_EXPERTS, (n + 15) // 16 * 16 + pad), dtype=np.uint8) for n in sizes]
-    registered = []
-    if backend == "cuda":
-        from pyexpcache import _cuda
-
-        rt = _cuda.runtime()
-        for a in arrays:
-            _cuda.check(rt.cudaHostRegister(a.ctypes.data, a.nbytes, rt.cudaHostRegisterMapped), "cudaHostRegister")
-            registered.append(a.ctypes.data)
-    cache = RawCache(backend, "device", "lru")
+    registered, cache = [], None
     try:
+        if backend == "cuda":
+            from pyexpcache import _cuda
+
+            rt = _cuda.runtime()
+            for a in arrays:
+                _cuda.check(rt.cudaHostRegister(a.ctypes.data, a.nbytes, rt.cudaHostRegisterMapped), "cudaHostRegister")
+                registered.append(a.ctypes.data)
+        cache = RawCache(backend, "device", "lru")
         cache.parts[0] = [a[:, :n] for a, n in zip(arrays, sizes)]
         d = _lib.LayerDesc()
         lib.expcache_layer_desc_init(byref(d))
@@ -327,7 +327,8 @@ def test_a_device_select_copies_every_part_from_pinned_memory(backend, sizes, pa
             finally:
                 free()
     finally:
-        cache.close()
+        if cache is not None:
+            cache.close()
         for address in registered:
             rt.cudaHostUnregister(address)
 
