@@ -47,16 +47,40 @@ class RawCache:
         self.backend = backend
         self.parts: dict[int, list[np.ndarray]] = {}
         self.rng = np.random.default_rng(7)
+        self._registered: list[int] = []  # host addresses cudaHostRegister'ed by register(pinned=True)
 
     def close(self):
         lib.expcache_destroy(self.handle.value)
+        if self._registered:
+            from pyexpcache import _cuda
 
-    def register(self, layer: int, sizes: list[int], shorthand: bool = False) -> None:
-        arrays = [self.rng.integers(0, 256, (NUM_EXPERTS, n + 40), dtype=np.uint8) for n in sizes]
+            for address in self._registered:
+                _cuda.runtime().cudaHostUnregister(address)
+
+    def register(
+        self, layer: int, sizes: list[int], shorthand: bool = False, align: int = 1, pad: int = 40, pinned: bool = False
+    ) -> None:
+        """Layer ``layer``'s parts of ``sizes`` bytes, each expert's part at a stride of its size
+        rounded up to ``align``, plus ``pad``; ``pinned``: declared pinned (on CUDA registered with
+        cudaHostRegister, unregistered at close)."""
+        arrays = [
+            self.rng.integers(0, 256, (NUM_EXPERTS, (n + align - 1) // align * align + pad), dtype=np.uint8)
+            for n in sizes
+        ]
         self.parts[layer] = [a[:, :n] for a, n in zip(arrays, sizes)]
+        self._arrays = getattr(self, "_arrays", []) + arrays  # alive while the cache may read them
+        if pinned and self.backend == "cuda":
+            from pyexpcache import _cuda
+
+            rt = _cuda.runtime()
+            for a in arrays:
+                _cuda.check(rt.cudaHostRegister(a.ctypes.data, a.nbytes, rt.cudaHostRegisterMapped), "cudaHostRegister")
+                self._registered.append(a.ctypes.data)
         d = _lib.LayerDesc()
         lib.expcache_layer_desc_init(byref(d))
         d.num_experts = NUM_EXPERTS
+        if pinned:
+            d.source_kind = _lib.SOURCE_PINNED
         if shorthand:
             assert len(sizes) == 3
             for name, n, a in zip(("gate", "up", "down"), sizes, arrays):
@@ -67,7 +91,6 @@ class RawCache:
             d.num_parts = len(sizes)
             for p, (n, a) in enumerate(zip(sizes, arrays)):
                 d.parts[p].bytes, d.parts[p].stride, d.parts[p].base = n, a.strides[0], a.ctypes.data
-        self._arrays = getattr(self, "_arrays", []) + arrays
         lib.expcache_layer_register(self.handle.value, layer, byref(d))
 
     def select_slots(self, layer: int, ids: list[int]) -> list[int]:
@@ -76,6 +99,18 @@ class RawCache:
         lib.expcache_select_slots_async(self.handle.value, layer, ids_arr, 32, len(ids), out, None)
         lib.expcache_synchronize(self.handle.value, None)
         return list(out)
+
+    def select_device_and_check(self, layer: int, ids: list[int]) -> None:
+        """expcache_select_device_async of ``ids`` (one row), synchronized; every part of every
+        slot it gives checked against the source."""
+        d_ids, d_slots, read, free = _device_ids(self, ids)
+        try:
+            lib.expcache_select_device_async(self.handle.value, layer, d_ids, 32, 1, len(ids), d_slots, None)
+            lib.expcache_synchronize(self.handle.value, None)
+            for e, slot in zip(ids, read()):
+                self.assert_slot_holds(layer, int(slot), e)
+        finally:
+            free()
 
     def bank(self, layer: int) -> _lib.Bank:
         c = c_uint32()
@@ -275,15 +310,7 @@ def test_a_device_select_copies_every_part(raw, nparts):
     raw.register(0, _sizes(nparts))
     rng = np.random.default_rng(nparts)
     for _ in range(6):
-        ids = [int(i) for i in rng.choice(NUM_EXPERTS, 2, replace=False)]
-        d_ids, d_slots, read, free = _device_ids(raw, ids)
-        try:
-            lib.expcache_select_device_async(raw.handle.value, 0, d_ids, 32, 1, len(ids), d_slots, None)
-            lib.expcache_synchronize(raw.handle.value, None)
-            for e, slot in zip(ids, read()):
-                raw.assert_slot_holds(0, int(slot), e)
-        finally:
-            free()
+        raw.select_device_and_check(0, [int(i) for i in rng.choice(NUM_EXPERTS, 2, replace=False)])
 
 
 @pytest.mark.parametrize(
@@ -298,39 +325,13 @@ def test_a_device_select_copies_every_part_from_pinned_memory(backend, sizes, pa
     16 bytes) copied 16 bytes at a time where each part's address and stride allow it, then its
     tail, and byte by byte where they do not."""
     rng = np.random.default_rng(len(sizes) + pad)
-    arrays = [rng.integers(0, 256, (NUM_EXPERTS, (n + 15) // 16 * 16 + pad), dtype=np.uint8) for n in sizes]
-    registered, cache = [], None
+    cache = RawCache(backend, "device", "lru")
     try:
-        if backend == "cuda":
-            from pyexpcache import _cuda
-
-            rt = _cuda.runtime()
-            for a in arrays:
-                _cuda.check(rt.cudaHostRegister(a.ctypes.data, a.nbytes, rt.cudaHostRegisterMapped), "cudaHostRegister")
-                registered.append(a.ctypes.data)
-        cache = RawCache(backend, "device", "lru")
-        cache.parts[0] = [a[:, :n] for a, n in zip(arrays, sizes)]
-        d = _lib.LayerDesc()
-        lib.expcache_layer_desc_init(byref(d))
-        d.num_experts, d.num_parts, d.source_kind = NUM_EXPERTS, len(sizes), _lib.SOURCE_PINNED
-        for p, (n, a) in enumerate(zip(sizes, arrays)):
-            d.parts[p].bytes, d.parts[p].stride, d.parts[p].base = n, a.strides[0], a.ctypes.data
-        lib.expcache_layer_register(cache.handle.value, 0, byref(d))
+        cache.register(0, sizes, align=16, pad=pad, pinned=True)
         for _ in range(8):
-            ids = [int(i) for i in rng.choice(NUM_EXPERTS, BUDGET, replace=False)]
-            d_ids, d_slots, read, free = _device_ids(cache, ids)
-            try:
-                lib.expcache_select_device_async(cache.handle.value, 0, d_ids, 32, 1, len(ids), d_slots, None)
-                lib.expcache_synchronize(cache.handle.value, None)
-                for e, slot in zip(ids, read()):
-                    cache.assert_slot_holds(0, int(slot), e)
-            finally:
-                free()
+            cache.select_device_and_check(0, [int(i) for i in rng.choice(NUM_EXPERTS, BUDGET, replace=False)])
     finally:
-        if cache is not None:
-            cache.close()
-        for address in registered:
-            rt.cudaHostUnregister(address)
+        cache.close()
 
 
 def _shuffled_parts(raw, sizes, rng):
